@@ -1,0 +1,240 @@
+"""The one road from a Hydra composition to a typed, validated `TrainConfig`.
+
+Hydra merges the YAML files into a structured (TrainConfig-typed) node, which already rejects unknown keys and
+wrong types inside YAML files and `key=value` overrides. We then convert the resolved container ourselves, field by
+field, so that keys Hydra lets through (`+key=value` adds keys that `OmegaConf.to_object` would silently drop) and
+every type or enum problem is reported with its dotted path, all at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from enum import Enum
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from dsrecipes.config.schema import GROUP_SCHEMAS, TrainConfig
+from dsrecipes.errors import ConfigError
+
+_registered = False
+
+
+def register_schemas() -> None:
+    """Register the schemas with Hydra's ConfigStore (explicitly, never at import)."""
+    global _registered
+    if _registered:
+        return
+    from hydra.core.config_store import ConfigStore
+
+    from omegaconf import OmegaConf
+
+    from dsrecipes.paths import ASSETS_DIR, project_root
+
+    # ${dsr.asset:NAME} -> a bundled asset directory; ${dsr.root:} -> the checkout holding conf/ and recipes/.
+    OmegaConf.register_new_resolver("dsr.asset", lambda name: str(ASSETS_DIR / name), replace=True)
+    OmegaConf.register_new_resolver("dsr.root", lambda: str(project_root()), replace=True)
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    for group, schema in GROUP_SCHEMAS.items():
+        cs.store(group="schema", name=group, node=schema)
+    _registered = True
+
+
+def compose(overrides: Sequence[str] = ()) -> Any:
+    """Compose conf/train.yaml with overrides (Hydra's compose API); errors become ConfigError."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from dsrecipes.paths import conf_dir
+
+    register_schemas()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            return hydra_compose(config_name="train", overrides=list(overrides))
+    except Exception as exc:  # Hydra raises many types; all are user mistakes here
+        raise ConfigError(clean_hydra_message(exc)) from None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def clean_hydra_message(exc: BaseException) -> str:
+    """Hydra/OmegaConf messages, flattened to one readable line (with the file and full key when known)."""
+    parts = []
+    seen = set()
+    e: Optional[BaseException] = exc
+    while e is not None:
+        text = str(e).strip()
+        if text and text not in seen:
+            seen.add(text)
+            parts.append(text)
+        e = e.__cause__ or e.__context__
+    kept = []
+    for part in parts:
+        part = part.split("Config search path")[0].strip()
+        if "$VALUE" in part or not part:
+            continue
+        kept.append(re.sub(r"\s*\n\s*", "; ", part).rstrip(" ;"))
+    return " | ".join(kept[:2])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Container -> dataclass, collecting every problem with its dotted path.
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        return "one of " + ", ".join(m.value for m in tp)
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(tp: Any, value: Any, path: str, errors: List[str]) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(args[0], value, path, errors)
+    if value is None:
+        errors.append(f"{path}: must not be null (expected {_type_name(tp)})")
+        return None
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            errors.append(f"{path}: expected a mapping for {tp.__name__}, got {type(value).__name__}")
+            return None
+        return _to_dataclass(tp, value, path, errors)
+    if origin in (list, List):
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            errors.append(f"{path}: expected a list, got {value!r}")
+            return None
+        return [_convert(item_tp, v, f"{path}[{i}]", errors) for i, v in enumerate(value)]
+    if origin in (dict, Dict):
+        _, val_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            errors.append(f"{path}: expected a mapping, got {value!r}")
+            return None
+        return {str(k): _convert(val_tp, v, f"{path}.{k}", errors) for k, v in value.items()}
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        try:
+            return tp(value.value if isinstance(value, Enum) else value)
+        except ValueError:
+            errors.append(f"{path}: invalid value {value!r}; expected {_type_name(tp)}")
+            return None
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        errors.append(f"{path}: expected true or false, got {value!r}")
+        return None
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        errors.append(f"{path}: expected an integer, got {value!r}")
+        return None
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        errors.append(f"{path}: expected a number, got {value!r}")
+        return None
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        errors.append(f"{path}: expected a string, got {value!r}")
+        return None
+    if tp is Any:
+        return value
+    raise TypeError(f"schema type {tp!r} at {path} is not supported")
+
+
+def _to_dataclass(cls: Any, data: Dict[str, Any], path: str, errors: List[str]) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            where = f"{path}.{key}" if path else str(key)
+            errors.append(f"{where}: unknown key (valid keys of {cls.__name__}: {', '.join(sorted(names))})")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            where = f"{path}.{f.name}" if path else f.name
+            kwargs[f.name] = _convert(hints[f.name], data[f.name], where, errors)
+    if any(v is None for k, v in kwargs.items() if not _optional(hints[k])):
+        return None  # an error was recorded below this node
+    return cls(**kwargs)
+
+
+def _optional(tp: Any) -> bool:
+    return typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp)
+
+
+def from_dict(data: Dict[str, Any]) -> Tuple[Optional[TrainConfig], List[str]]:
+    errors: List[str] = []
+    cfg = _to_dataclass(TrainConfig, data, "", errors)
+    return cfg, errors
+
+
+def config_to_dict(cfg: Any) -> Any:
+    """TrainConfig (or any nested value) -> plain YAML/JSON-able data (enums as their values)."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: config_to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, Enum):
+        return cfg.value
+    if isinstance(cfg, (list, tuple)):
+        return [config_to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: config_to_dict(v) for k, v in cfg.items()}
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def load_config(composed: Any, *, check_files: bool = True, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Composition (DictConfig or plain dict) -> validated TrainConfig, or ConfigError listing every problem."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from dsrecipes.config.validate import validate
+
+    if isinstance(composed, DictConfig):
+        try:
+            data = OmegaConf.to_container(composed, resolve=True, enum_to_str=True)
+        except Exception as exc:
+            raise ConfigError(clean_hydra_message(exc)) from None
+        data.pop("hydra", None)
+    else:
+        data = composed
+    cfg, errors = from_dict(data)
+    errors = [_blame_override(e, overrides) for e in errors]
+    if cfg is not None and not errors:
+        errors = validate(cfg, check_files=check_files)
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+def _blame_override(error: str, overrides: Sequence[str]) -> str:
+    key = error.split(":", 1)[0]
+    for ov in overrides:
+        name = ov.split("=", 1)[0].lstrip("+~")
+        if name == key:
+            return f"{error} [from command-line override '{ov}']"
+    return error
+
+
+def compose_and_load(overrides: Sequence[str] = (), *, check_files: bool = True) -> TrainConfig:
+    return load_config(compose(overrides), check_files=check_files, overrides=overrides)
+
+
+def load_run_config(run_dir: str | Path) -> TrainConfig:
+    """What each rank does: read <run dir>/config.yaml (written by the launcher), never re-compose."""
+    import yaml
+
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"{path}: no resolved config here; start runs with `python -m dsrecipes`")
+    with open(path, encoding="utf-8") as fh:
+        data = yaml.safe_load(fh)
+    return load_config(data, check_files=True)

@@ -1,0 +1,317 @@
+"""Typed schema of every config group.
+
+One dataclass per group, one Enum per closed choice. Defaults live here and only here: code below the entry point
+receives a `TrainConfig` and never looks keys up with a fallback. Field names are the names users type
+(`trainer.micro_batch_size`, `data.cutoff_len`, ...); keep them in sync with README's table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, List, Optional
+
+
+class DataKind(str, Enum):
+    map = "map"
+    iterable = "iterable"
+    presharded = "presharded"
+
+
+class DatasetFormat(str, Enum):
+    sharegpt = "sharegpt"
+    openai = "openai"
+    alpaca = "alpaca"
+
+
+class BadRows(str, Enum):
+    error = "error"
+    skip = "skip"
+
+
+class TrainOn(str, Enum):
+    """Which turns carry labels. Everything else is -100."""
+
+    assistant = "assistant"  # every assistant and tool-call turn (+ its end-of-turn token)
+    last_assistant = "last_assistant"  # only the final assistant turn
+    all = "all"  # prompt too (system/user/observation turns)
+
+
+class TemplateKind(str, Enum):
+    tokenizer = "tokenizer"  # the tokenizer's own chat_template
+    chatml = "chatml"
+    llama3 = "llama3"
+    vicuna = "vicuna"
+    plain = "plain"
+    human_assistant = "human_assistant"
+
+
+class AttnImpl(str, Enum):
+    sdpa = "sdpa"
+    eager = "eager"
+    flash_attention_2 = "flash_attention_2"
+
+
+class OffloadDevice(str, Enum):
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+class Precision(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class OptimizerKind(str, Enum):
+    adamw = "adamw"
+    adam = "adam"
+    lion = "lion"
+    sgd = "sgd"
+
+
+class SchedulerKind(str, Enum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class LauncherKind(str, Enum):
+    local = "local"
+    deepspeed = "deepspeed"
+    deepspeed_multinode = "deepspeed_multinode"
+    torchrun = "torchrun"
+    mpirun = "mpirun"
+    slurm = "slurm"
+
+
+class ShardBalance(str, Enum):
+    samples = "samples"
+    tokens = "tokens"
+
+
+@dataclass
+class DataConfig:
+    """How prepared samples reach the model (`data=map|iterable|presharded`)."""
+
+    kind: DataKind = DataKind.map
+    num_workers: int = 0  # DataLoader workers per rank
+    shuffle: bool = True
+    shuffle_buffer: int = 1024  # iterable only: reservoir size (0 = stream order)
+    cutoff_len: int = 512  # max tokens per row (sample, or packed row)
+    packing: bool = False
+    train_on: TrainOn = TrainOn.assistant
+    preprocess_workers: int = 1  # processes for tokenization (map / presharded preparation)
+    cache_dir: Optional[str] = None  # tokenization cache; None = ~/.cache/dsrecipes
+    num_samples: Optional[int] = None  # iterable only: known stream length, lets trainer.epochs work
+    shard_dir: Optional[str] = None  # presharded only: directory written by `dsrecipes shard`
+    prefetch_factor: int = 2
+
+
+@dataclass
+class ColumnsConfig:
+    """Where a source keeps each field (LLaMA-Factory `columns`/`tags` in one place)."""
+
+    messages: str = "conversations"  # list of turns (sharegpt / openai)
+    role: str = "from"  # key of the role inside a turn
+    content: str = "value"  # key of the text inside a turn
+    system: str = "system"  # optional top-level system prompt
+    tools: str = "tools"  # optional top-level tools text
+    id: str = "id"  # optional stable sample id
+    instruction: str = "instruction"  # alpaca
+    input: str = "input"  # alpaca
+    output: str = "output"  # alpaca
+
+
+@dataclass
+class SourceConfig:
+    """One dataset in a mix (an entry of `dataset.sources` or of a registry file)."""
+
+    name: str = ""
+    paths: List[str] = field(default_factory=list)
+    format: DatasetFormat = DatasetFormat.sharegpt
+    columns: ColumnsConfig = field(default_factory=ColumnsConfig)
+    roles: Dict[str, str] = field(default_factory=dict)  # extra role aliases: raw name -> canonical role
+    max_samples: Optional[int] = None
+    weight: float = 1.0
+
+
+@dataclass
+class DatasetConfig:
+    """Which files, in which format (`dataset=sample|sharegpt_files|...`)."""
+
+    name: str = "sample"
+    paths: List[str] = field(default_factory=list)  # files or globs (.json/.jsonl, optionally .gz)
+    format: DatasetFormat = DatasetFormat.sharegpt
+    columns: ColumnsConfig = field(default_factory=ColumnsConfig)
+    roles: Dict[str, str] = field(default_factory=dict)
+    max_samples: Optional[int] = None
+    sources: List[SourceConfig] = field(default_factory=list)  # extra sources mixed with `paths`
+    registry: Optional[str] = None  # dataset_info.json (LLaMA-Factory) or YAML registry
+    use: List[str] = field(default_factory=list)  # registry entries to mix in
+    val_size: float = 0.0  # < 1: fraction, >= 1: number of samples
+    bad_rows: BadRows = BadRows.error
+    max_bad_fraction: float = 0.05
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.05
+    target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    only_optimize_lora: bool = True
+
+
+@dataclass
+class TinyModelConfig:
+    """The embedded default model: a seeded random Llama-style config built in memory."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 352
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 1024
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    path: Optional[str] = None  # local HF directory; None = embedded tiny model + bundled tokenizer
+    tokenizer_path: Optional[str] = None  # defaults to `path`
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    attn_implementation: AttnImpl = AttnImpl.sdpa
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    num_params: Optional[int] = None  # for `estimate` when the weights are not on this machine
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class TemplateConfig:
+    name: TemplateKind = TemplateKind.chatml
+    separator: str = "\n\n"  # plain template: between turns
+    default_system: Optional[str] = None  # used when a sample has no system prompt
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = 0
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    reduce_bucket_size: int = 50_000_000
+    allgather_bucket_size: int = 50_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_gather_16bit_weights_on_model_save: bool = True
+
+
+@dataclass
+class OffloadConfig:
+    name: str = "none"
+    optimizer: OffloadDevice = OffloadDevice.none
+    param: OffloadDevice = OffloadDevice.none
+    nvme_path: Optional[str] = None
+    pin_memory: bool = True
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: Precision = Precision.fp32
+    loss_scale: float = 0.0  # fp16: 0 = dynamic
+    initial_scale_power: int = 16  # fp16 dynamic scaler starts at 2**power
+    loss_scale_window: int = 1000
+
+
+@dataclass
+class OptimizerConfig:
+    name: OptimizerKind = OptimizerKind.adamw
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    momentum: float = 0.0  # sgd only
+    torch_adam: bool = True  # adam/adamw: torch's implementation (no JIT build)
+
+
+@dataclass
+class SchedulerConfig:
+    name: SchedulerKind = SchedulerKind.cosine
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # cosine: final lr = lr * min_lr_ratio
+
+
+@dataclass
+class TrainerConfig:
+    micro_batch_size: int = 4
+    grad_accum: int = 1
+    max_steps: Optional[int] = None  # optimizer steps; overrides epochs when set
+    epochs: int = 1
+    save_every: int = 0  # optimizer steps between checkpoints; 0 = only at the end
+    eval_every: int = 0  # 0 = only at the end (when there is a validation split)
+    eval_batches: Optional[int] = None  # cap on validation micro-batches per eval
+    log_every: int = 10
+    keep_checkpoints: int = 2
+    resume: str = "auto"  # auto | never | <checkpoint directory>
+    seed: int = 42
+    output_dir: Optional[str] = None  # run directory; None = Hydra's run directory
+    record_samples: bool = False
+    gradient_clipping: float = 1.0
+    export: bool = True  # write a Hugging Face model directory at the end
+    export_merged_lora: bool = True  # LoRA runs: merged model (true) or adapter only (false)
+    device: str = "auto"  # auto | cpu | cuda
+
+
+@dataclass
+class LauncherConfig:
+    kind: LauncherKind = LauncherKind.local
+    num_gpus: Optional[int] = None  # processes per node; None = all visible devices (1 on CPU)
+    num_nodes: int = 1
+    hostfile: Optional[str] = None
+    include: Optional[str] = None
+    exclude: Optional[str] = None
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    node_rank: int = 0
+    rdzv_endpoint: Optional[str] = None  # torchrun: host:port
+    env: Dict[str, str] = field(default_factory=dict)  # exported to every rank (.deepspeed_env for multi-node)
+    extra_args: List[str] = field(default_factory=list)  # passed verbatim to the launcher binary
+    slurm_partition: Optional[str] = None
+    slurm_time_min: int = 60
+    slurm_account: Optional[str] = None
+    dry_run: bool = False
+
+
+@dataclass
+class TrainConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    template: TemplateConfig = field(default_factory=TemplateConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+
+# Group name -> schema, used by the ConfigStore registration and by `dsrecipes ls`.
+GROUP_SCHEMAS: Dict[str, Any] = {
+    "data": DataConfig,
+    "dataset": DatasetConfig,
+    "model": ModelConfig,
+    "template": TemplateConfig,
+    "zero": ZeroConfig,
+    "offload": OffloadConfig,
+    "precision": PrecisionConfig,
+    "optimizer": OptimizerConfig,
+    "scheduler": SchedulerConfig,
+    "trainer": TrainerConfig,
+    "launcher": LauncherConfig,
+}

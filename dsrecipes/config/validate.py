@@ -1,0 +1,175 @@
+"""Cross-field rules, all in one place. Each returns problems as `dotted.path: message`; nothing is raised here."""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import List
+
+from dsrecipes.config.schema import DataKind, LauncherKind, OffloadDevice, Precision, TrainConfig
+
+
+def validate(cfg: TrainConfig, *, check_files: bool = True) -> List[str]:
+    """Every rule violation in `cfg`. `check_files=False` skips existence checks of user paths (`validate --all`)."""
+    errors: List[str] = []
+    errors += _zero_and_offload(cfg)
+    errors += _batch(cfg)
+    errors += _data(cfg)
+    errors += _misc(cfg)
+    if check_files:
+        errors += _files(cfg)
+    return errors
+
+
+def _zero_and_offload(cfg: TrainConfig) -> List[str]:
+    errors = []
+    stage = cfg.zero.stage
+    if stage not in (0, 1, 2, 3):
+        errors.append(f"zero.stage: must be 0, 1, 2 or 3, got {stage}")
+    if cfg.offload.param is not OffloadDevice.none and stage != 3:
+        errors.append(
+            f"offload.param: parameter offload ({cfg.offload.param.value}) needs ZeRO-3, but zero.stage={stage} "
+            "(use zero=stage3, or offload=cpu_optimizer)"
+        )
+    if cfg.offload.optimizer is not OffloadDevice.none and stage < 1:
+        errors.append(
+            f"offload.optimizer: optimizer offload ({cfg.offload.optimizer.value}) needs ZeRO >= 1, but zero.stage=0"
+        )
+    uses_nvme = OffloadDevice.nvme in (cfg.offload.param, cfg.offload.optimizer)
+    if uses_nvme and not cfg.offload.nvme_path:
+        errors.append("offload.nvme_path: NVMe offload needs a directory on a fast local disk")
+    if cfg.model.lora.enabled and cfg.offload.param is not OffloadDevice.none:
+        errors.append("model.lora.enabled: LoRA with parameter offload is not supported; use offload=cpu_optimizer")
+    return errors
+
+
+def _batch(cfg: TrainConfig) -> List[str]:
+    t = cfg.trainer
+    errors = []
+    for name in ("micro_batch_size", "grad_accum", "epochs", "log_every", "keep_checkpoints"):
+        if getattr(t, name) < 1:
+            errors.append(f"trainer.{name}: must be >= 1, got {getattr(t, name)}")
+    if t.max_steps is not None and t.max_steps < 1:
+        errors.append(f"trainer.max_steps: must be >= 1 (or null to train for trainer.epochs), got {t.max_steps}")
+    for name in ("save_every", "eval_every"):
+        if getattr(t, name) < 0:
+            errors.append(f"trainer.{name}: must be >= 0 (0 = only at the end), got {getattr(t, name)}")
+    if t.gradient_clipping < 0:
+        errors.append(f"trainer.gradient_clipping: must be >= 0 (0 disables), got {t.gradient_clipping}")
+    if t.resume not in ("auto", "never") and not t.resume.strip():
+        errors.append("trainer.resume: auto, never, or a checkpoint directory")
+    if t.device not in ("auto", "cpu", "cuda"):
+        errors.append(f"trainer.device: auto, cpu or cuda, got {t.device!r}")
+    if cfg.optimizer.lr <= 0:
+        errors.append(f"optimizer.lr: must be > 0, got {cfg.optimizer.lr}")
+    if len(cfg.optimizer.betas) != 2:
+        errors.append(f"optimizer.betas: needs two values, got {cfg.optimizer.betas}")
+    if cfg.scheduler.warmup_steps < 0:
+        errors.append(f"scheduler.warmup_steps: must be >= 0, got {cfg.scheduler.warmup_steps}")
+    if t.max_steps is not None and cfg.scheduler.warmup_steps > t.max_steps:
+        errors.append(
+            f"scheduler.warmup_steps: {cfg.scheduler.warmup_steps} warmup steps exceed trainer.max_steps={t.max_steps}"
+        )
+    if not 0.0 <= cfg.scheduler.min_lr_ratio <= 1.0:
+        errors.append(f"scheduler.min_lr_ratio: must be in [0, 1], got {cfg.scheduler.min_lr_ratio}")
+    return errors
+
+
+def _data(cfg: TrainConfig) -> List[str]:
+    d, ds = cfg.data, cfg.dataset
+    errors = []
+    if d.cutoff_len < 8:
+        errors.append(f"data.cutoff_len: must be >= 8, got {d.cutoff_len}")
+    if d.num_workers < 0:
+        errors.append(f"data.num_workers: must be >= 0, got {d.num_workers}")
+    if d.preprocess_workers < 1:
+        errors.append(f"data.preprocess_workers: must be >= 1, got {d.preprocess_workers}")
+    if d.shuffle_buffer < 0:
+        errors.append(f"data.shuffle_buffer: must be >= 0, got {d.shuffle_buffer}")
+    if d.kind is DataKind.iterable and cfg.trainer.max_steps is None and d.num_samples is None:
+        errors.append(
+            "trainer.max_steps: data=iterable streams without knowing its length; set trainer.max_steps, "
+            "or data.num_samples to the number of samples in the shards"
+        )
+    if d.kind is DataKind.presharded and not d.shard_dir:
+        errors.append("data.shard_dir: data=presharded needs the directory written by `dsrecipes shard`")
+    if d.kind is not DataKind.presharded and not (ds.paths or ds.sources or ds.use):
+        errors.append("dataset.paths: no data; give files or globs (or dataset.sources / dataset.use)")
+    if ds.use and not ds.registry:
+        errors.append("dataset.registry: dataset.use names registry entries, so a registry file is needed")
+    if ds.val_size < 0 or (ds.val_size >= 1 and ds.val_size != int(ds.val_size)):
+        errors.append(f"dataset.val_size: a fraction in [0, 1) or a whole number of samples, got {ds.val_size}")
+    if not 0.0 <= ds.max_bad_fraction <= 1.0:
+        errors.append(f"dataset.max_bad_fraction: must be in [0, 1], got {ds.max_bad_fraction}")
+    if ds.max_samples is not None and ds.max_samples < 1:
+        errors.append(f"dataset.max_samples: must be >= 1, got {ds.max_samples}")
+    for i, src in enumerate(ds.sources):
+        if not src.paths:
+            errors.append(f"dataset.sources[{i}].paths: empty")
+        if src.weight <= 0:
+            errors.append(f"dataset.sources[{i}].weight: must be > 0, got {src.weight}")
+    return errors
+
+
+def _misc(cfg: TrainConfig) -> List[str]:
+    errors = []
+    lora = cfg.model.lora
+    if lora.enabled and (lora.r < 1 or lora.alpha < 1):
+        errors.append("model.lora.r: rank and alpha must be >= 1")
+    if lora.enabled and not lora.target_modules:
+        errors.append("model.lora.target_modules: empty")
+    ln = cfg.launcher
+    if ln.num_gpus is not None and ln.num_gpus < 1:
+        errors.append(f"launcher.num_gpus: must be >= 1, got {ln.num_gpus}")
+    if ln.num_nodes < 1:
+        errors.append(f"launcher.num_nodes: must be >= 1, got {ln.num_nodes}")
+    if ln.kind is LauncherKind.deepspeed and (ln.include or ln.exclude) and ln.num_gpus is not None:
+        errors.append(
+            "launcher.include: deepspeed cannot combine --include/--exclude with --num_gpus; "
+            "set launcher.num_gpus=null when selecting devices"
+        )
+    if ln.include and ln.exclude:
+        errors.append("launcher.exclude: use launcher.include or launcher.exclude, not both")
+    if ln.kind is LauncherKind.local and ((ln.num_gpus or 1) > 1 or ln.num_nodes > 1):
+        errors.append("launcher.kind: the local launcher runs one process; use launcher=deepspeed for several")
+    if not 0 <= ln.node_rank < ln.num_nodes:
+        errors.append(f"launcher.node_rank: must be in [0, {ln.num_nodes}), got {ln.node_rank}")
+    return errors
+
+
+def _files(cfg: TrainConfig) -> List[str]:
+    errors = []
+    for i, pattern in enumerate(cfg.dataset.paths):
+        if not glob.glob(os.path.expanduser(pattern)):
+            errors.append(f"dataset.paths[{i}]: {pattern!r} matches no file")
+    for i, src in enumerate(cfg.dataset.sources):
+        for j, pattern in enumerate(src.paths):
+            if not glob.glob(os.path.expanduser(pattern)):
+                errors.append(f"dataset.sources[{i}].paths[{j}]: {pattern!r} matches no file")
+    checks = [
+        ("dataset.registry", cfg.dataset.registry),
+        ("model.path", cfg.model.path),
+        ("model.tokenizer_path", cfg.model.tokenizer_path),
+        ("launcher.hostfile", cfg.launcher.hostfile),
+    ]
+    if cfg.data.kind is DataKind.presharded:
+        checks.append(("data.shard_dir", cfg.data.shard_dir))
+    for key, path in checks:
+        if path and not os.path.exists(os.path.expanduser(path)):
+            errors.append(f"{key}: {path!r} does not exist")
+    return errors
+
+
+def check_runtime(cfg: TrainConfig, *, cuda_available: bool) -> List[str]:
+    """Rules that depend on the machine a run starts on (not part of `validate`, which must accept GPU recipes)."""
+    errors = []
+    if cfg.precision.dtype is Precision.fp16 and not cuda_available:
+        errors.append(
+            "precision.dtype: fp16 needs a CUDA GPU and none is available here "
+            "(DeepSpeed: 'Type fp16 is not supported on your device'); use precision=bf16 or precision=fp32"
+        )
+    if cfg.trainer.device == "cuda" and not cuda_available:
+        errors.append("trainer.device: cuda requested but no CUDA GPU is available")
+    if cfg.model.attn_implementation.value == "flash_attention_2" and not cuda_available:
+        errors.append("model.attn_implementation: flash_attention_2 needs a CUDA GPU; use sdpa")
+    return errors
