@@ -175,6 +175,8 @@ class TinyModelConfig:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     max_position_embeddings: int = 1024
+    tie_word_embeddings: bool = True  # share input and output embeddings (most of a tiny model is embeddings)
+    seed: int = 1234  # init seed, independent of trainer.seed: the same start model whatever the data order
 
 
 @dataclass

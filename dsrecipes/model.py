@@ -1,0 +1,172 @@
+"""Tokenizer and model: the embedded tiny Llama or a local Hugging Face directory; dtype, checkpointing, LoRA.
+
+Also the loss, because what a "token" is for the loss (shifted labels, packing boundaries, -100) belongs with the
+model's outputs, and both the trainer and the evaluation use the same function.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from dsrecipes.config.schema import Precision, TrainConfig
+from dsrecipes.paths import TINY_TOKENIZER_DIR
+
+IGNORE_INDEX = -100
+
+TORCH_DTYPES = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
+
+# transformers decides "is ZeRO-3 on?" through a weak reference to this object, so it must outlive the model load.
+_hf_zero3_config: Any = None
+
+
+def tokenizer_dir(cfg: TrainConfig) -> str:
+    return cfg.model.tokenizer_path or cfg.model.path or str(TINY_TOKENIZER_DIR)
+
+
+def load_tokenizer(cfg: TrainConfig):
+    """The run's tokenizer, with a pad token (eos, else unk) so that every collate pads the same way."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(cfg), trust_remote_code=cfg.model.trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
+    return tokenizer
+
+
+def build_model(cfg: TrainConfig, tokenizer, ds_config: Optional[Dict[str, Any]] = None) -> torch.nn.Module:
+    """The model to train: weights in `precision.dtype`, gradient checkpointing and LoRA as configured.
+
+    `ds_config` (the run's DeepSpeed dict) lets a ZeRO-3 run load a local model already partitioned across ranks
+    (transformers' zero.Init integration) instead of materialising it whole on every rank first.
+    """
+    dtype = TORCH_DTYPES[cfg.precision.dtype]
+    if cfg.model.path is None:
+        model = build_tiny_model(cfg, tokenizer).to(dtype)
+    else:
+        model = load_pretrained(cfg, dtype, ds_config)
+    model.config.use_cache = False
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.model.lora.enabled:
+        model = add_lora(cfg, model)
+    return model
+
+
+def build_tiny_model(cfg: TrainConfig, tokenizer) -> torch.nn.Module:
+    """A Llama-style causal LM sized by `model.tiny`, randomly initialised from `model.tiny.seed`.
+
+    The init is seeded on its own (a forked RNG) so the start model is the same whatever `trainer.seed` is, and
+    building it does not consume the training RNG.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tiny = cfg.model.tiny
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=tiny.hidden_size,
+        intermediate_size=tiny.intermediate_size,
+        num_hidden_layers=tiny.num_hidden_layers,
+        num_attention_heads=tiny.num_attention_heads,
+        num_key_value_heads=tiny.num_key_value_heads,
+        max_position_embeddings=tiny.max_position_embeddings,
+        tie_word_embeddings=tiny.tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        attn_implementation=cfg.model.attn_implementation.value,
+        use_cache=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(tiny.seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def load_pretrained(cfg: TrainConfig, dtype: torch.dtype, ds_config: Optional[Dict[str, Any]]) -> torch.nn.Module:
+    global _hf_zero3_config
+    from transformers import AutoModelForCausalLM
+
+    if ds_config is not None and cfg.zero.stage == 3:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        _hf_zero3_config = HfDeepSpeedConfig(ds_config)
+    return AutoModelForCausalLM.from_pretrained(
+        cfg.model.path,
+        dtype=dtype,
+        attn_implementation=cfg.model.attn_implementation.value,
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
+
+
+def add_lora(cfg: TrainConfig, model: torch.nn.Module) -> torch.nn.Module:
+    """Wrap in peft LoRA. `only_optimize_lora=false` trains the base weights too (DeepSpeed-Chat's meaning)."""
+    import peft
+
+    lora = cfg.model.lora
+    peft_config = peft.LoraConfig(
+        task_type="CAUSAL_LM",
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+    )
+    model = peft.get_peft_model(model, peft_config)
+    if not lora.only_optimize_lora:
+        for param in model.parameters():
+            param.requires_grad_(True)
+    return model
+
+
+def trainable_parameters(model: torch.nn.Module) -> List[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def count_parameters(model: torch.nn.Module) -> Tuple[int, int]:
+    """(trainable, total) parameter counts (ZeRO-3 partitioned parameters report their full size)."""
+
+    def numel(p: torch.nn.Parameter) -> int:
+        return getattr(p, "ds_numel", p.numel())
+
+    params = list(model.parameters())
+    return sum(numel(p) for p in params if p.requires_grad), sum(numel(p) for p in params)
+
+
+def token_loss_sum(
+    logits: torch.Tensor, labels: torch.Tensor, position_ids: Optional[torch.Tensor]
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token cross-entropy and the number of predicted tokens.
+
+    Token t predicts label t+1. Labels equal to -100 do not count, and neither does the first token of a packed
+    sample (where `position_ids` restarts at 0): it must not be predicted from the end of the previous sample.
+    """
+    shift_logits = logits[:, :-1, :].float()
+    shift_labels = labels[:, 1:]
+    if position_ids is not None:
+        shift_labels = shift_labels.masked_fill(position_ids[:, 1:] == 0, IGNORE_INDEX)
+    loss_sum = torch.nn.functional.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)),
+        shift_labels.reshape(-1).to(shift_logits.device),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    return loss_sum, (shift_labels != IGNORE_INDEX).sum()
+
+
+def micro_batch_loss(model: Any, batch: Dict[str, Any], device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(mean loss over the micro-batch's predicted tokens, token count) for one collated micro-batch.
+
+    `model` is the DeepSpeed engine (or any module). `attention_mask` is None for packed rows, so transformers builds
+    per-sample causal masks from the restarting `position_ids`.
+    """
+    attention_mask = batch["attention_mask"]
+    outputs = model(
+        input_ids=batch["input_ids"].to(device),
+        position_ids=batch["position_ids"].to(device),
+        attention_mask=None if attention_mask is None else attention_mask.to(device),
+        use_cache=False,
+    )
+    loss_sum, n_tokens = token_loss_sum(outputs.logits, batch["labels"].to(device), batch["position_ids"].to(device))
+    return loss_sum / n_tokens.clamp(min=1), n_tokens
