@@ -89,6 +89,7 @@ def load_pretrained(cfg: TrainConfig, dtype: torch.dtype, ds_config: Optional[Di
     global _hf_zero3_config
     from transformers import AutoModelForCausalLM
 
+    _hf_zero3_config = None  # a load without ds_config (export, prompt-eval) must not partition
     if ds_config is not None and cfg.zero.stage == 3:
         from transformers.integrations import HfDeepSpeedConfig
 

@@ -1,0 +1,48 @@
+"""Per-rank entry point: `python -m dsrecipes.worker --run-dir RUN` (under deepspeed, torchrun, mpirun or srun).
+
+Reads the run directory the launching process wrote (config.yaml + ds_config.json) and never re-composes Hydra,
+so every rank trains exactly the resolved config. The local launcher calls `run(run_dir)` in-process instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from dsrecipes.checkpoint import TrainState
+from dsrecipes.errors import UserError
+
+
+def run(run_dir: str | Path) -> TrainState:
+    """Train the run in `run_dir` as the rank described by the environment (RANK, WORLD_SIZE, ...)."""
+    from dsrecipes.config.load import load_run_config
+
+    cfg = load_run_config(run_dir)
+    if cfg.trainer.device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must precede the first `import deepspeed`
+    from dsrecipes.train import train
+
+    return train(cfg, run_dir)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dsrecipes.worker", description=__doc__)
+    parser.add_argument("--run-dir", required=True, help="run directory written by `python -m dsrecipes`")
+    # The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    try:
+        run(args.run_dir)
+    except UserError as exc:
+        print(exc.render(), file=sys.stderr)
+        return exc.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
