@@ -122,6 +122,7 @@ class ColumnsConfig:
     instruction: str = "instruction"  # alpaca
     input: str = "input"  # alpaca
     output: str = "output"  # alpaca
+    history: str = "history"  # alpaca: optional list of [prompt, response] pairs before the instruction
 
 
 @dataclass
@@ -285,6 +286,8 @@ class LauncherConfig:
     slurm_partition: Optional[str] = None
     slurm_time_min: int = 60
     slurm_account: Optional[str] = None
+    slurm_sbatch_args: List[str] = field(default_factory=list)  # extra `#SBATCH` lines, e.g. ["--qos=high"]
+    slurm_setup: List[str] = field(default_factory=list)  # shell lines run before srun (module load, venv)
     dry_run: bool = False
 
 

@@ -1,0 +1,257 @@
+"""Launchers: golden argv for every LauncherKind, checked by the launchers' own parsers; dry-run; env handling.
+
+Real multi-process runs (a probe module stands in for the worker) are in test_launch_real.py.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from dsrecipes import launch
+from dsrecipes.config.schema import LauncherKind
+from dsrecipes.errors import UserError
+
+PY = sys.executable
+RUN = Path("/tmp/dsr-run")
+PORT = 12345
+
+
+def plan_for(make_cfg, *overrides, environ=None, **kw):
+    cfg = make_cfg(*overrides, check_files=False)
+    return cfg, launch.build_plan(cfg, RUN, master_port=PORT, environ=environ or {}, **kw)
+
+
+def test_every_kind_has_a_builder():
+    assert set(launch.BUILDERS) == set(LauncherKind)
+    assert len(launch.BUILDERS) > 0
+
+
+def test_every_launcher_option_composes_and_builds(make_cfg):
+    from dsrecipes.paths import conf_dir
+
+    options = sorted(p.stem for p in (conf_dir() / "launcher").glob("*.yaml"))
+    assert options, "no conf/launcher/*.yaml found"
+    for option in options:
+        cfg, plan = plan_for(make_cfg, f"launcher={option}")
+        assert plan.commands, option
+        assert all(isinstance(a, str) for c in plan.commands for a in c.argv), option
+
+
+# --- golden argv ------------------------------------------------------------------------------------------------
+
+
+def test_local_golden(make_cfg):
+    cfg, plan = plan_for(make_cfg, "launcher=local")
+    (cmd,) = plan.commands
+    assert cmd.in_process
+    assert cmd.argv == [PY, "-m", "dsrecipes.worker", "--run-dir", str(RUN)]
+    assert cmd.env == {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(PORT),
+    }
+
+
+def test_deepspeed_golden(make_cfg):
+    cfg, plan = plan_for(make_cfg, "launcher=deepspeed")
+    (cmd,) = plan.commands
+    assert cmd.argv == [
+        PY, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(PORT),
+        "--no_local_rank", "--module", "dsrecipes.worker", "--run-dir", str(RUN),
+    ]  # fmt: skip
+    assert cmd.env == {} and cmd.node_rank is None and not plan.files
+
+
+def test_deepspeed_include_hostfile_golden(make_cfg, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("worker-0 slots=4\nworker-1 slots=4\n")
+    cfg, plan = plan_for(
+        make_cfg, "launcher=deepspeed", "launcher.num_gpus=null", f"launcher.hostfile={hostfile}",
+        "launcher.include='worker-0:0,1@worker-1:2'", "launcher.master_addr=10.0.0.1", "launcher.num_nodes=2",
+        "+launcher.env.NCCL_DEBUG=INFO", "launcher.extra_args=[--bind_cores_to_rank]",
+    )  # fmt: skip
+    (cmd,) = plan.commands
+    assert cmd.argv == [
+        PY, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--include", "worker-0:0,1@worker-1:2",
+        "--master_addr", "10.0.0.1", "--master_port", str(PORT), "--bind_cores_to_rank",
+        "--no_local_rank", "--module", "dsrecipes.worker", "--run-dir", str(RUN),
+    ]  # fmt: skip
+    # pdsh multi-node reads .deepspeed_env; DS_ENV_FILE points DeepSpeed at the run's own copy
+    assert plan.files[".deepspeed_env"] == "NCCL_DEBUG=INFO\n"
+    assert cmd.env == {"NCCL_DEBUG": "INFO", "DS_ENV_FILE": str(RUN / ".deepspeed_env")}
+    assert "pdsh" in [r.name for r in plan.requires]
+    assert launch.world_size(cfg) == 3  # DeepSpeed's own hostfile/include parsing
+
+
+def test_deepspeed_argv_parsed_by_deepspeed(make_cfg):
+    from deepspeed.launcher.runner import parse_args
+
+    cfg, plan = plan_for(make_cfg, "launcher=deepspeed", "launcher.num_gpus=3")
+    args = parse_args(plan.commands[0].argv[3:])
+    assert (args.num_gpus, args.master_port, args.module, args.no_local_rank) == (3, PORT, True, True)
+    assert args.user_script == "dsrecipes.worker"
+    assert args.user_args == ["--run-dir", str(RUN)]
+
+
+def test_deepspeed_multinode_golden(make_cfg):
+    cfg, plan = plan_for(
+        make_cfg, "launcher=deepspeed_multinode", "launcher.master_addr=10.1.2.3", "launcher.master_port=29600"
+    )
+    assert [c.node_rank for c in plan.commands] == [0, 1]
+    hostfile = str(RUN / "hostfile")
+    for node, cmd in enumerate(plan.commands):
+        assert cmd.argv == [
+            PY, "-m", "deepspeed.launcher.runner", "--hostfile", hostfile, "--num_nodes", "2", "--num_gpus", "8",
+            "--no_ssh", "--node_rank", str(node), "--master_addr", "10.1.2.3", "--master_port", str(PORT),
+            "--no_local_rank", "--module", "dsrecipes.worker", "--run-dir", str(RUN),
+        ]  # fmt: skip
+        assert cmd.env == {"NCCL_IB_DISABLE": "0"}  # launcher.env, exported directly (no-ssh ignores .deepspeed_env)
+    assert plan.files["hostfile"].splitlines()[1:] == ["node0 slots=8", "node1 slots=8"]
+    assert launch.world_size(cfg) == 16
+
+
+def test_deepspeed_multinode_argv_parsed_by_deepspeed(make_cfg):
+    from deepspeed.launcher.runner import parse_args
+
+    cfg, plan = plan_for(make_cfg, "launcher=deepspeed_multinode")
+    args = parse_args(plan.commands[1].argv[3:])
+    assert (args.no_ssh, args.node_rank, args.num_nodes, args.num_gpus) == (True, 1, 2, 8)
+
+
+def test_torchrun_golden(make_cfg):
+    cfg, plan = plan_for(make_cfg, "launcher=torchrun")
+    (cmd,) = plan.commands
+    assert cmd.argv == [
+        PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1", "--rdzv_backend", "c10d",
+        "--rdzv_endpoint", f"127.0.0.1:{PORT}", "--rdzv_id", "dsrecipes-dsr-run",
+        "-m", "dsrecipes.worker", "--run-dir", str(RUN),
+    ]  # fmt: skip
+    assert launch.world_size(cfg) == 2
+
+
+def test_torchrun_multinode_endpoint(make_cfg):
+    cfg, plan = plan_for(
+        make_cfg, "launcher=torchrun", "launcher.num_nodes=4", "launcher.num_gpus=8", "launcher.rdzv_endpoint=head:29400"
+    )
+    argv = plan.commands[0].argv
+    assert argv[argv.index("--rdzv_endpoint") + 1] == "head:29400"
+    assert argv[argv.index("--nnodes") + 1] == "4"
+    from torch.distributed.run import get_args_parser
+
+    args = get_args_parser().parse_args(argv[3:])
+    assert (args.nproc_per_node, args.module, args.training_script) == ("8", True, "dsrecipes.worker")
+    assert args.training_script_args == ["--run-dir", str(RUN)]
+    assert launch.world_size(cfg) == 32
+
+
+def test_mpirun_golden(make_cfg):
+    cfg, plan = plan_for(make_cfg, "launcher=mpirun", "+launcher.env.FOO=bar baz")
+    (cmd,) = plan.commands
+    assert cmd.argv == [
+        "mpirun", "-np", "2", PY, "-m", "dsrecipes.launch", "mpi-rank", "--master-port", str(PORT),
+        "--master-addr", "127.0.0.1", "--env", "FOO=bar baz", "--module", "dsrecipes.worker", "--", "--run-dir", str(RUN),
+    ]  # fmt: skip
+    assert {r.name for r in plan.requires} == {"mpirun", "mpi4py"}
+
+
+def test_slurm_golden(make_cfg):
+    cfg, plan = plan_for(
+        make_cfg, "launcher=slurm", "launcher.slurm_account=proj", "launcher.slurm_sbatch_args=['--qos=high']",
+        "launcher.slurm_setup=['source /venv/bin/activate']", "+launcher.env.NCCL_DEBUG=WARN",
+    )  # fmt: skip
+    (cmd,) = plan.commands
+    assert cmd.argv == ["sbatch", str(RUN / "launch.sbatch")]
+    script = plan.files["launch.sbatch"]
+    for line in (
+        "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8", "#SBATCH --time=240",
+        "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --qos=high", "source /venv/bin/activate",
+        "export NCCL_DEBUG=WARN", f"MASTER_PORT={PORT}",
+    ):  # fmt: skip
+        assert line in script.splitlines(), line
+    assert "--node_rank $SLURM_NODEID" in script and "--no_ssh" in script
+    assert launch.world_size(cfg) == 16
+
+
+# --- behaviour --------------------------------------------------------------------------------------------------
+
+
+def test_free_port_only_for_default_single_node(make_cfg):
+    cfg = make_cfg("launcher=deepspeed", check_files=False)
+    assert cfg.launcher.master_port == launch.DEFAULT_MASTER_PORT
+    ports = {launch.resolve_master_port(cfg) for _ in range(3)}
+    assert launch.DEFAULT_MASTER_PORT not in ports
+    assert launch.resolve_master_port(make_cfg("launcher=deepspeed", "launcher.master_port=29777", check_files=False)) == 29777
+    multi = make_cfg("launcher=deepspeed_multinode", check_files=False)
+    assert launch.resolve_master_port(multi) == launch.DEFAULT_MASTER_PORT  # every node must agree
+
+
+def test_cuda_visible_devices_warning(make_cfg):
+    _, plan = plan_for(make_cfg, "launcher=deepspeed", environ={"CUDA_VISIBLE_DEVICES": "2,3"})
+    assert any("CUDA_VISIBLE_DEVICES=2,3 is ignored" in w for w in plan.warnings)
+    _, plan = plan_for(make_cfg, "launcher=deepspeed", "launcher.num_gpus=null", environ={"CUDA_VISIBLE_DEVICES": "2"})
+    assert plan.warnings == []  # without --num_gpus the runner turns it into --include itself
+
+
+def test_dry_run_writes_launch_txt_and_runs_nothing(make_cfg, tmp_path, capsys):
+    cfg = make_cfg("launcher=mpirun", "launcher.dry_run=true", check_files=False)
+    assert launch.launch(cfg, tmp_path) == 0  # mpirun is absent here: a dry run must not care
+    text = (tmp_path / "launch.txt").read_text()
+    assert "mpirun -np 2" in text and text == capsys.readouterr().out
+
+
+def test_dry_run_slurm_writes_script(make_cfg, tmp_path):
+    cfg = make_cfg("launcher=slurm", "launcher.dry_run=true", check_files=False)
+    assert launch.launch(cfg, tmp_path) == 0
+    assert (tmp_path / "launch.sbatch").read_text().startswith("#!/bin/bash")
+    assert f"sbatch {tmp_path / 'launch.sbatch'}" in (tmp_path / "launch.txt").read_text()
+
+
+@pytest.mark.parametrize("kind,missing", [("mpirun", "mpirun"), ("slurm", "sbatch")])
+def test_missing_tool_is_a_user_error(make_cfg, tmp_path, monkeypatch, kind, missing):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    cfg = make_cfg(f"launcher={kind}", check_files=False)
+    with pytest.raises(UserError) as err:
+        launch.launch(cfg, tmp_path)
+    assert f"{missing} not found" in str(err.value) and err.value.exit_code == 2
+
+
+def test_local_runs_worker_in_process_and_restores_env(make_cfg, tmp_path, monkeypatch):
+    seen = {}
+
+    def run(run_dir):
+        import os
+
+        seen.update({k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")})
+        seen["run_dir"] = run_dir
+        return 0
+
+    monkeypatch.setitem(sys.modules, "dsrecipes.worker", types.SimpleNamespace(run=run))
+    monkeypatch.setenv("RANK", "7")
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    cfg = make_cfg("launcher=local", check_files=False)
+    assert launch.launch(cfg, tmp_path) == 0
+    assert seen["RANK"] == "0" and seen["WORLD_SIZE"] == "1" and seen["MASTER_ADDR"] == "127.0.0.1"
+    assert int(seen["MASTER_PORT"]) != launch.DEFAULT_MASTER_PORT
+    assert Path(seen["run_dir"]) == tmp_path.resolve()
+    import os
+
+    assert os.environ["RANK"] == "7" and "MASTER_PORT" not in os.environ
+    assert (tmp_path / "launch.txt").is_file()
+
+
+def test_child_env_drops_inherited_rank_variables(monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    env = launch._child_env({"FOO": "1"})
+    assert "RANK" not in env and "MASTER_PORT" not in env and env["FOO"] == "1"
+
+
+def test_shell_rendering_quotes():
+    cmd = launch.Command(["a b", "c"], {"X": "1 2"})
+    assert cmd.shell() == "X='1 2' 'a b' c"
