@@ -48,10 +48,19 @@ def build_model(cfg: TrainConfig, tokenizer, ds_config: Optional[Dict[str, Any]]
         model = load_pretrained(cfg, dtype, ds_config)
     model.config.use_cache = False
     if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     if cfg.model.lora.enabled:
         model = add_lora(cfg, model)
     return model
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    # Non-reentrant checkpointing needs no `enable_input_require_grads` hack for LoRA's frozen embeddings.
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5 name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def build_tiny_model(cfg: TrainConfig, tokenizer) -> torch.nn.Module:

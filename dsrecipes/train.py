@@ -73,7 +73,7 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
     last_saved = last_evaluated = state.step if resume_from is not None else -1
 
     engine.train()
-    batches = micro_batches(train_loader, state, resumed=resume_from is not None) if state.step < total_steps else ()
+    batches = micro_batches(train_loader, state) if state.step < total_steps else ()
     for batch in batches:
         closes_step = engine.is_gradient_accumulation_boundary()
         loss, _ = micro_batch_loss(engine, batch, engine.device)
@@ -81,7 +81,7 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
         engine.step()
         window.add(loss, batch)
         if ledger is not None:
-            ledger.record(state.epoch, state.step + 1, batch["ids"])
+            ledger.record(batch["epoch"], state.step + 1, batch["ids"])
         if not closes_step:
             continue
 
@@ -229,16 +229,14 @@ def describe_run(cfg: TrainConfig, model: Any, world_size: int, total_steps: int
 # Loop helpers
 
 
-def micro_batches(loader: Any, state: TrainState, resumed: bool) -> Iterator[Dict[str, Any]]:
-    """Micro-batches across epochs, keeping `state.epoch` current. A resumed loader already sits at its saved
-    position inside `state.epoch`, so that epoch continues instead of restarting. Endless for a step budget: the
-    caller stops at the last step (the same step on every rank)."""
-    continuing = resumed
+def micro_batches(loader: Any, state: TrainState) -> Iterator[Dict[str, Any]]:
+    """Micro-batches across epochs, keeping `state.epoch` current. `set_epoch` of the epoch a resumed loader stands
+    in keeps its position. Endless for a step budget: the caller stops at the last step (the same on every rank)."""
     while True:
-        if not continuing:
-            loader.set_epoch(state.epoch)
-        continuing = False
-        yield from loader
+        loader.set_epoch(state.epoch)
+        for batch in loader:
+            state.epoch = batch["epoch"]  # an endless stream moves to its next epoch by itself
+            yield batch
         state.epoch += 1
 
 
