@@ -1,0 +1,153 @@
+"""Sample ledger (`trainer.record_samples=true`): which sample ids each rank trained on, per optimizer step.
+
+Each rank appends `{"epoch": e, "step": s, "ids": [...]}` lines to `<run>/ledger/rank<R>.jsonl` (one line per
+`record` call; the runner calls it per micro-batch, several lines of one step are merged when reading). Every
+process that opens a ledger first writes a `{"session": ...}` line: after a resume, the steps it records again replace
+what the interrupted session had recorded from that step on, so the ledger shows what the model finally trained on.
+
+`verify_ledgers(run_dir)` checks the data guarantees on a finished run: no id twice within an epoch across ranks,
+the same steps on every rank, and (with `expected_ids`) every sample read except less than one global batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+LEDGER_DIR = "ledger"
+
+
+class LedgerWriter:
+    def __init__(self, run_dir: str | os.PathLike, rank: int):
+        self.path = Path(run_dir) / LEDGER_DIR / f"rank{rank}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = open(self.path, "a", encoding="utf-8", buffering=1)  # line-buffered: a crash loses no step
+        self._fh.write(json.dumps({"session": time.time(), "pid": os.getpid()}) + "\n")
+
+    def record(self, epoch: int, step: int, ids: Sequence[str]) -> None:
+        self._fh.write(json.dumps({"epoch": int(epoch), "step": int(step), "ids": list(ids)}, ensure_ascii=False) + "\n")
+
+    def close(self) -> None:
+        if not self._fh.closed:
+            self._fh.close()
+
+    def __enter__(self) -> "LedgerWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_ledger(path: str | os.PathLike) -> Dict[Tuple[int, int], List[str]]:
+    """(epoch, step) -> ids of one rank, in step order, with resumed sessions replacing replayed steps."""
+    steps: Dict[Tuple[int, int], List[str]] = {}
+    new_session = False
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            if "session" in rec:
+                new_session = True
+                continue
+            key = (rec["epoch"], rec["step"])
+            if new_session:  # the first step of a resumed session: forget what was recorded from there on
+                steps = {k: v for k, v in steps.items() if k[1] < rec["step"]}
+                new_session = False
+            steps.setdefault(key, []).extend(rec["ids"])
+    return steps
+
+
+@dataclass
+class LedgerReport:
+    ranks: int = 0
+    steps_per_rank: Dict[int, int] = field(default_factory=dict)
+    samples_per_rank: Dict[int, int] = field(default_factory=dict)
+    epochs: List[int] = field(default_factory=list)
+    duplicates: Dict[int, List[str]] = field(default_factory=dict)  # epoch -> ids read more than once
+    missing: Dict[int, int] = field(default_factory=dict)  # epoch -> expected ids never read
+    unexpected: Dict[int, List[str]] = field(default_factory=dict)  # epoch -> ids outside expected_ids
+    problems: List[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        lines = [f"ledger: {self.ranks} rank(s), epochs {self.epochs}"]
+        for r in sorted(self.steps_per_rank):
+            lines.append(f"  rank {r}: {self.steps_per_rank[r]} steps, {self.samples_per_rank[r]} samples")
+        for e in self.epochs:
+            if e in self.missing:
+                lines.append(f"  epoch {e}: {self.missing[e]} expected samples not read")
+        lines += [f"  VIOLATION {p}" for p in self.problems[:20]]
+        lines.append("OK" if self.ok else f"FAILED ({len(self.problems)} problems)")
+        return "\n".join(lines)
+
+
+def verify_ledgers(
+    run_dir: str | os.PathLike,
+    expected_ids: Optional[Iterable[str]] = None,
+    global_batch: Optional[int] = None,
+    complete_epochs: Optional[Iterable[int]] = None,
+) -> LedgerReport:
+    """Check `<run_dir>/ledger/rank*.jsonl`.
+
+    Always: equal step lists on every rank, no id twice within an epoch (across ranks and steps). With
+    `expected_ids`: no id outside them, and for each epoch in `complete_epochs` (default: every epoch but the last
+    one seen, which a step budget may cut short) fewer than `global_batch` of them unread (any number if None).
+    """
+    report = LedgerReport()
+    files = sorted(Path(run_dir, LEDGER_DIR).glob("rank*.jsonl"), key=lambda p: int(p.stem[4:]))
+    if not files:
+        report.problems.append(f"no ledger files in {Path(run_dir, LEDGER_DIR)} (trainer.record_samples=true?)")
+        return report
+    per_rank = {int(p.stem[4:]): read_ledger(p) for p in files}
+    report.ranks = len(per_rank)
+    if sorted(per_rank) != list(range(len(per_rank))):
+        report.problems.append(f"ledger ranks are {sorted(per_rank)}, expected 0..{len(per_rank) - 1}")
+    step_lists = {r: sorted(steps) for r, steps in per_rank.items()}
+    for r, keys in step_lists.items():
+        report.steps_per_rank[r] = len(keys)
+        report.samples_per_rank[r] = sum(len(v) for v in per_rank[r].values())
+    reference = step_lists[min(step_lists)]
+    for r, keys in step_lists.items():
+        if keys != reference:
+            only = sorted(set(keys) ^ set(reference))[:5]
+            report.problems.append(f"rank {r} ran {len(keys)} steps, rank {min(step_lists)} ran {len(reference)}; "
+                                   f"(epoch, step) differing: {only}")
+    by_epoch: Dict[int, Counter] = defaultdict(Counter)
+    for steps in per_rank.values():
+        for (epoch, _), ids in steps.items():
+            by_epoch[epoch].update(ids)
+    report.epochs = sorted(by_epoch)
+    expected: Optional[Set[str]] = None if expected_ids is None else set(expected_ids)
+    complete = set(report.epochs[:-1]) if complete_epochs is None else set(complete_epochs)
+    for epoch in report.epochs:
+        counts = by_epoch[epoch]
+        dups = sorted(i for i, n in counts.items() if n > 1)
+        if dups:
+            report.duplicates[epoch] = dups
+            report.problems.append(f"epoch {epoch}: {len(dups)} ids read more than once, e.g. {dups[:5]}")
+        if expected is None:
+            continue
+        extra = sorted(set(counts) - expected)
+        if extra:
+            report.unexpected[epoch] = extra
+            report.problems.append(f"epoch {epoch}: {len(extra)} ids not in the dataset, e.g. {extra[:5]}")
+        missing = len(expected - set(counts))
+        report.missing[epoch] = missing
+        if epoch in complete and global_batch is not None and missing >= global_batch:
+            report.problems.append(f"epoch {epoch}: {missing} samples never read (>= one global batch of {global_batch})")
+    return report
+
+
+def main_ledger(run_dir: str, expected_ids: Optional[List[str]] = None, global_batch: Optional[int] = None) -> int:
+    report = verify_ledgers(run_dir, expected_ids, global_batch)
+    print(report.summary())
+    return 0 if report.ok else 1

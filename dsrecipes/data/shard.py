@@ -1,0 +1,243 @@
+"""`dsrecipes shard [INPUT...] --parts N --out DIR [--balance samples|tokens] [overrides]`: one JSONL part per rank.
+
+Rows are read through the data layer (every format, column mapping, role alias and bad-row policy of `dataset`),
+checked, and written in one canonical ShareGPT form (`id`, `conversations: [{from: <role>, value}]`, `system`,
+`tools`), so a part needs no column settings and the sample ids survive (`<source file>:<line>` when the row had
+none). `manifest.json` records per-part counts (and token totals), sha256 checksums, the balance mode and the
+source files with their checksums.
+
+Balance: every part gets the same number of samples (+-1), so equal step counts lose less than one global batch.
+`samples` deals rows round-robin; `tokens` additionally evens out tokens (longest first, to the part with the
+fewest tokens that still has room), using the run's tokenizer and template.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import heapq
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+from dsrecipes.errors import DataError, UserError
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+ROW_FORMAT = "dsrecipes-sharegpt-v1"  # canonical rows: roles are dsrecipes.data.sharegpt.Role values
+
+
+@dataclass
+class Manifest:
+    parts: int
+    balance: str
+    files: List[str]
+    counts: List[int]
+    sha256: List[str]
+    tokens: Optional[List[int]] = None
+    sources: List[Dict[str, Any]] = field(default_factory=list)
+    bad_rows: Dict[str, int] = field(default_factory=dict)
+    row_format: str = ROW_FORMAT
+    version: int = MANIFEST_VERSION
+    directory: str = ""  # where it was read from (not stored)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+    def part_path(self, rank: int) -> str:
+        return os.path.join(self.directory, self.files[rank])
+
+    def to_json(self) -> Dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data.pop("directory")
+        data["total"] = self.total
+        return data
+
+
+def part_name(index: int, parts: int) -> str:
+    return f"part_{index:0{max(2, len(str(parts - 1)))}d}.jsonl"
+
+
+def read_manifest(shard_dir: Optional[str], world_size: Optional[int] = None) -> Manifest:
+    """The manifest of `shard_dir`; with `world_size`, refuses a part count that differs from it."""
+    if not shard_dir:
+        raise DataError("data.shard_dir: data=presharded needs the directory written by `dsrecipes shard`")
+    path = Path(shard_dir) / MANIFEST
+    if not path.is_file():
+        raise DataError(f"data.shard_dir: {path} not found; write the parts with `dsrecipes shard ... --out {shard_dir}`")
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data.pop("total", None)
+    if data.get("version") != MANIFEST_VERSION:
+        raise DataError(f"{path}: manifest version {data.get('version')!r}, expected {MANIFEST_VERSION}; re-shard")
+    manifest = Manifest(**data, directory=str(shard_dir))
+    if world_size is not None and manifest.parts != world_size:
+        sources = " ".join(s["path"] for s in manifest.sources) or "INPUT..."
+        raise DataError(
+            f"data.shard_dir: {shard_dir} holds {manifest.parts} parts but the run has {world_size} ranks; each rank "
+            f"reads exactly its own part. Re-shard for this world size: `dsrecipes shard {sources} --parts "
+            f"{world_size} --out NEW_DIR --balance {manifest.balance}` and set data.shard_dir=NEW_DIR"
+        )
+    return manifest
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_part(manifest: Manifest, rank: int) -> None:
+    path = manifest.part_path(rank)
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: missing (listed in {MANIFEST})")
+    if file_sha256(path) != manifest.sha256[rank]:
+        raise DataError(f"{path}: sha256 differs from {MANIFEST}; the part was modified, re-shard")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rows
+
+
+def conversation_row(conv: Any) -> Dict[str, Any]:
+    row: Dict[str, Any] = {"id": conv.id, "conversations": [{"from": t.role.value, "value": t.content} for t in conv.turns]}
+    if conv.system is not None:
+        row["system"] = conv.system
+    if conv.tools is not None:
+        row["tools"] = conv.tools
+    return row
+
+
+def assign_balanced(tokens: Sequence[int], parts: int) -> List[int]:
+    """Part of each sample: counts equal (+-1), token totals as even as a greedy longest-first pass makes them."""
+    total = len(tokens)
+    floor, extra = divmod(total, parts)
+    heap = [(0, p) for p in range(parts)]
+    counts = [0] * parts
+    out = [0] * total
+    for i in sorted(range(total), key=lambda k: -tokens[k]):
+        while True:
+            load, p = heapq.heappop(heap)
+            room = counts[p] < floor or (counts[p] == floor and extra > 0)
+            if room:
+                break
+        out[i] = p
+        counts[p] += 1
+        if counts[p] == floor + 1:
+            extra -= 1
+        if counts[p] < floor or (counts[p] == floor and extra > 0):
+            heapq.heappush(heap, (load + tokens[i], p))
+    return out
+
+
+def write_parts(convs: Iterator[Any], assignment: Optional[Sequence[int]], parts: int, out_dir: Path,
+                tokens: Optional[Sequence[int]] = None) -> Manifest:
+    """Write `convs` into parts (round-robin without `assignment`); returns the manifest (not yet written)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = [part_name(p, parts) for p in range(parts)]
+    handles = [open(out_dir / f, "wb") for f in files]
+    digests = [hashlib.sha256() for _ in range(parts)]
+    counts = [0] * parts
+    part_tokens = [0] * parts
+    try:
+        for k, conv in enumerate(convs):
+            p = k % parts if assignment is None else assignment[k]
+            line = (json.dumps(conversation_row(conv), ensure_ascii=False) + "\n").encode("utf-8")
+            handles[p].write(line)
+            digests[p].update(line)
+            counts[p] += 1
+            if tokens is not None:
+                part_tokens[p] += tokens[k]
+    finally:
+        for h in handles:
+            h.close()
+    return Manifest(parts, "samples", files, counts, [d.hexdigest() for d in digests],
+                    tokens=part_tokens if tokens is not None else None, directory=str(out_dir))
+
+
+def shard(cfg: Any, parts: int, out_dir: str, balance: str = "samples", force: bool = False) -> Manifest:
+    """Split the samples of `cfg.dataset` into `parts` canonical JSONL files plus manifest.json in `out_dir`."""
+    from dsrecipes.data.registry import resolve_sources
+    from dsrecipes.data.sharegpt import BadRowReport, expand_paths, iter_conversations
+
+    if parts < 1:
+        raise UserError(f"--parts must be >= 1, got {parts}")
+    out = Path(out_dir)
+    if (out / MANIFEST).exists() and not force:
+        raise UserError(f"{out / MANIFEST} exists; choose another --out or pass --force to overwrite")
+    sources = resolve_sources(cfg.dataset)
+    for src in sources:
+        if src.weight != 1.0:
+            raise UserError(f"source {src.name!r}: mixing weights are not applied by shard (weight {src.weight})")
+
+    def conversations(report: BadRowReport) -> Iterator[Any]:
+        yield from iter_conversations(cfg.dataset, report=report)
+        report.check()
+
+    tokens: Optional[List[int]] = None
+    assignment: Optional[List[int]] = None
+    if balance == "tokens":
+        tokens = count_tokens(cfg, conversations(BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction)))
+        assignment = assign_balanced(tokens, parts)
+    elif balance != "samples":
+        raise UserError(f"--balance must be samples or tokens, got {balance!r}")
+    report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, out / "quarantine.jsonl")
+    manifest = write_parts(conversations(report), assignment, parts, out, tokens)
+    manifest.balance = balance
+    manifest.bad_rows = dict(report.counts)
+    for src in sources:
+        files, _ = expand_paths(src.paths)
+        manifest.sources += [{"path": os.path.abspath(f), "sha256": file_sha256(f), "source": src.name} for f in files]
+    if min(manifest.counts) == 0:
+        raise DataError(f"{manifest.total} samples cannot fill {parts} parts (a part would be empty)")
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest.to_json(), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, out / MANIFEST)
+    return manifest
+
+
+def count_tokens(cfg: Any, convs: Iterator[Any]) -> List[int]:
+    """Tokens each sample becomes in a run of `cfg` (template + tokenizer + cutoff); 0 for a sample it drops."""
+    from dsrecipes.data.tokenize import Encoder
+    from dsrecipes.model import load_tokenizer
+
+    encoder = Encoder(load_tokenizer(cfg), cfg)
+    out: List[int] = []
+    batch: List[Any] = []
+    for conv in convs:
+        batch.append(conv)
+        if len(batch) == 256:
+            out += [0 if e is None else len(e.input_ids) for e in encoder.encode_batch(batch)]
+            batch = []
+    if batch:
+        out += [0 if e is None else len(e.input_ids) for e in encoder.encode_batch(batch)]
+    return out
+
+
+def main(argv: List[str]) -> int:
+    from dsrecipes import cli
+    from dsrecipes.config.load import compose_and_load
+
+    parser = cli.override_parser("shard", "split data into one JSONL part per rank (+ manifest.json)")
+    parser.add_argument("--parts", type=int, required=True, help="number of parts = the world size that will read them")
+    parser.add_argument("--out", required=True, help="output directory (becomes data.shard_dir)")
+    parser.add_argument("--balance", choices=["samples", "tokens"], default="samples")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing manifest in --out")
+    args = cli.parse(parser, argv)
+    inputs = [a for a in args.overrides if "=" not in a]
+    overrides = [a for a in args.overrides if "=" in a]
+    if inputs:  # INPUT files replace the dataset's own sources; format/columns still come from `dataset`
+        overrides += ["dataset.paths=[" + ",".join(json.dumps(os.path.abspath(p)) for p in inputs) + "]",
+                      "dataset.sources=[]", "dataset.use=[]"]
+    cfg = compose_and_load(overrides, check_files=True)
+    manifest = shard(cfg, args.parts, args.out, args.balance, args.force)
+    print(f"wrote {manifest.parts} parts of {min(manifest.counts)}-{max(manifest.counts)} samples "
+          f"({manifest.total} in all, balance={manifest.balance}) to {args.out}")
+    if manifest.bad_rows:
+        print(f"skipped bad rows: {manifest.bad_rows} (see {Path(args.out) / 'quarantine.jsonl'})")
+    print(f"train with: data=presharded data.shard_dir={os.path.abspath(args.out)} launcher.num_gpus={manifest.parts}")
+    return 0
