@@ -1,0 +1,89 @@
+"""checkpoint.py without a process group: which checkpoint resumes, retention, RNG round trip, initial export."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from dsrecipes.checkpoint import (
+    COMPLETE,
+    LATEST,
+    export_initial,
+    find_resume_checkpoint,
+    latest_complete,
+    prune_checkpoints,
+    restore_rng,
+    rng_state,
+)
+from dsrecipes.errors import UserError
+
+
+def _ckpt(root, step, complete=True):
+    d = root / f"step_{step}"
+    d.mkdir(parents=True)
+    if complete:
+        (d / COMPLETE).write_text(json.dumps({"step": step, "world_size": 2}))
+    return d
+
+
+def test_resume_auto_uses_latest_and_ignores_a_partial_save(tmp_path):
+    root = tmp_path / "checkpoints"
+    assert find_resume_checkpoint("auto", tmp_path) is None
+    _ckpt(root, 2)
+    good = _ckpt(root, 4)
+    (root / LATEST).write_text("step_4")
+    _ckpt(root, 6, complete=False)  # killed mid-save: no marker, latest not switched
+    assert find_resume_checkpoint("auto", tmp_path) == good
+    assert find_resume_checkpoint("never", tmp_path) is None
+    # a latest pointer naming an incomplete dir falls back to the newest complete one
+    (root / LATEST).write_text("step_6")
+    assert latest_complete(root) == good
+
+
+def test_resume_from_a_path(tmp_path):
+    root = tmp_path / "run" / "checkpoints"
+    two, four = _ckpt(root, 2), _ckpt(root, 4)
+    (root / LATEST).write_text("step_4")
+    assert find_resume_checkpoint(str(two), tmp_path) == two
+    assert find_resume_checkpoint(str(root), tmp_path) == four
+    assert find_resume_checkpoint(str(tmp_path / "run"), tmp_path) == four
+    with pytest.raises(UserError, match="not a complete checkpoint"):
+        find_resume_checkpoint(str(_ckpt(root, 6, complete=False)), tmp_path)
+
+
+def test_prune_keeps_the_newest_complete_and_removes_partial_leftovers(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        _ckpt(root, step)
+    _ckpt(root, 4, complete=False)  # an old partial save
+    _ckpt(root, 5)
+    prune_checkpoints(root, keep=2)
+    assert sorted(d.name for d in root.iterdir()) == ["step_3", "step_5"]
+
+
+def test_rng_round_trip():
+    state = rng_state()
+    a = (random.random(), np.random.rand(), torch.rand(1))
+    restore_rng(state)
+    b = (random.random(), np.random.rand(), torch.rand(1))
+    assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
+
+
+def test_initial_export_reloads_with_the_chat_template(make_cfg, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dsrecipes.model import build_model, load_tokenizer
+
+    cfg = make_cfg("debug=fast")
+    tokenizer = load_tokenizer(cfg)
+    out = export_initial(cfg, tokenizer, tmp_path / "export_init")
+    assert (out / "model.safetensors").is_file()
+    model = AutoModelForCausalLM.from_pretrained(out)
+    reference = build_model(cfg, tokenizer)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name
+    assert AutoTokenizer.from_pretrained(out).chat_template == tokenizer.chat_template
