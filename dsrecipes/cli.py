@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -32,6 +33,8 @@ SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    if hasattr(signal, "SIGPIPE"):
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `dsrecipes ls | head` ends quietly
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help") and len(args) == 1:
         print(usage())

@@ -8,12 +8,13 @@ every type or enum problem is reported with its dotted path, all at once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import typing
 from enum import Enum
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from dsrecipes.config.schema import GROUP_SCHEMAS, TrainConfig
 from dsrecipes.errors import ConfigError
@@ -42,23 +43,34 @@ def register_schemas() -> None:
     _registered = True
 
 
-def compose(overrides: Sequence[str] = ()) -> Any:
-    """Compose conf/train.yaml with overrides (Hydra's compose API); errors become ConfigError."""
-    from hydra import compose as hydra_compose
+@contextlib.contextmanager
+def hydra_context() -> Iterator[None]:
+    """Initialise Hydra on conf/ once; compose() calls inside reuse it (validate --all composes hundreds)."""
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     from dsrecipes.paths import conf_dir
 
     register_schemas()
-    GlobalHydra.instance().clear()
+    if GlobalHydra.instance().is_initialized():
+        yield
+        return
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            return hydra_compose(config_name="train", overrides=list(overrides))
-    except Exception as exc:  # Hydra raises many types; all are user mistakes here
-        raise ConfigError(clean_hydra_message(exc)) from None
+            yield
     finally:
         GlobalHydra.instance().clear()
+
+
+def compose(overrides: Sequence[str] = ()) -> Any:
+    """Compose conf/train.yaml with overrides (Hydra's compose API); errors become ConfigError."""
+    from hydra import compose as hydra_compose
+
+    with hydra_context():
+        try:
+            return hydra_compose(config_name="train", overrides=list(overrides))
+        except Exception as exc:  # Hydra raises many types; all are user mistakes here
+            raise ConfigError(clean_hydra_message(exc)) from None
 
 
 def clean_hydra_message(exc: BaseException) -> str:
@@ -192,8 +204,10 @@ def config_to_dict(cfg: Any) -> Any:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def load_config(composed: Any, *, check_files: bool = True, overrides: Sequence[str] = ()) -> TrainConfig:
-    """Composition (DictConfig or plain dict) -> validated TrainConfig, or ConfigError listing every problem."""
+def check_composition(
+    composed: Any, *, check_files: bool = True, overrides: Sequence[str] = ()
+) -> Tuple[Optional[TrainConfig], List[str], List[str]]:
+    """(config, schema problems, rule problems). Rules are only checked once the schema is clean."""
     from omegaconf import DictConfig, OmegaConf
 
     from dsrecipes.config.validate import validate
@@ -202,16 +216,22 @@ def load_config(composed: Any, *, check_files: bool = True, overrides: Sequence[
         try:
             data = OmegaConf.to_container(composed, resolve=True, enum_to_str=True)
         except Exception as exc:
-            raise ConfigError(clean_hydra_message(exc)) from None
+            return None, [clean_hydra_message(exc)], []
         data.pop("hydra", None)
     else:
         data = composed
-    cfg, errors = from_dict(data)
-    errors = [_blame_override(e, overrides) for e in errors]
-    if cfg is not None and not errors:
-        errors = validate(cfg, check_files=check_files)
-    if errors:
-        raise ConfigError(errors)
+    cfg, schema_errors = from_dict(data)
+    schema_errors = [_blame_override(e, overrides) for e in schema_errors]
+    if cfg is None or schema_errors:
+        return None, schema_errors, []
+    return cfg, [], validate(cfg, check_files=check_files)
+
+
+def load_config(composed: Any, *, check_files: bool = True, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Composition (DictConfig or plain dict) -> validated TrainConfig, or ConfigError listing every problem."""
+    cfg, schema_errors, rule_errors = check_composition(composed, check_files=check_files, overrides=overrides)
+    if schema_errors or rule_errors:
+        raise ConfigError(schema_errors + rule_errors)
     return cfg
 
 
