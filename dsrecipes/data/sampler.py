@@ -22,9 +22,13 @@ def map_micro_batches(plan: EpochPlan, rank: int, seed: int, epoch: int, shuffle
 
     DataLoader workers receive these lists round-robin and only fetch; they never choose samples.
     """
-    order = epoch_order(plan.num_samples, seed, epoch, shuffle)
-    positions = plan.rank_positions(rank)
-    return order[positions].tolist() if positions.size else []
+    return map_rank_rows(plan, rank, epoch_order(plan.num_samples, seed, epoch, shuffle)).tolist()
+
+
+def map_rank_rows(plan: EpochPlan, rank: int, order: np.ndarray, worker: Optional[int] = None) -> np.ndarray:
+    """[micro-batches, micro_batch_size] row indices of `rank` (or of one of its DataLoader workers)."""
+    positions = plan.rank_positions(rank, worker)
+    return order[positions] if positions.size else positions
 
 
 class StreamTooShort(Exception):
