@@ -14,7 +14,7 @@ Guarantees, for every strategy, world size and `data.num_workers` (checked by `d
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set
 
 from dsrecipes.config.schema import BadRows, DataKind, TrainConfig
 from dsrecipes.data.strategies.base import IGNORE_INDEX, Batch, Row, TrainLoader, collate_rows, placeholder_row
@@ -68,7 +68,8 @@ class RowEncoder:
     the micro-batch stays empty, so no other rank's sample moves) and counts it in `skipped`.
     """
 
-    def __init__(self, cfg: TrainConfig, tokenizer: Any, paths: Sequence[str], sources: Sequence[Any]):
+    def __init__(self, cfg: TrainConfig, tokenizer: Any, paths: Sequence[str], sources: Sequence[Any],
+                 holdout: Optional[Set[str]] = None):
         from dsrecipes.data.sharegpt import role_table
         from dsrecipes.data.tokenize import Encoder
 
@@ -79,7 +80,9 @@ class RowEncoder:
         self.policy = cfg.dataset.bad_rows
         self.packing = cfg.data.packing
         self.cutoff_len = cfg.data.cutoff_len
+        self.holdout = holdout or set()  # validation ids (prepared split) that the stream must not train on
         self.skipped = 0
+        self.held_out = 0
         self.dropped = 0  # samples whose trained tokens were all truncated away
 
     def conversation(self, item: Any) -> Any:
@@ -95,17 +98,27 @@ class RowEncoder:
             except json.JSONDecodeError as exc:
                 raise BadRow(BadReason.invalid_json, str(exc)) from None
             sid = sample_id(value, RawRow(path, line_no, value), source)
+            if sid in self.holdout:
+                self.held_out += 1
+                return None
             return normalize_row(value, sid, source, self.tables[file_index])
         except BadRow as bad:
-            if self.policy is BadRows.error:
-                raise DataError(f"{path}:{line_no}: {bad} (dataset.bad_rows=skip drops such rows)") from None
-            self.skipped += 1
+            self._bad(f"{path}:{line_no}", bad)
             return None
+
+    def _bad(self, where: str, bad: Any) -> None:
+        if self.policy is BadRows.error:
+            raise DataError(f"{where}: {bad}; set dataset.bad_rows=skip to drop such rows")
+        self.skipped += 1
 
     def __call__(self, items: Sequence[Any]) -> List[Row]:
         convs = [c for c in (self.conversation(item) for item in items) if c is not None]
-        examples = [e for e in self.encoder.encode_batch(convs) if e is not None] if convs else []
-        self.dropped += len(convs) - len(examples)
+        errors: List[Any] = []
+        encoded = self.encoder.encode_batch(convs, errors) if convs else []
+        for conv, bad in errors:
+            self._bad(f"sample {conv.id}", bad)
+        examples = [e for e in encoded if e is not None]
+        self.dropped += len(convs) - len(examples) - len(errors)
         if self.packing:
             from dsrecipes.data.tokenize import pack
 
@@ -117,8 +130,9 @@ def _row(ids: List[str], input_ids: List[int], labels: List[int], position_ids: 
     return {"ids": list(ids), "input_ids": list(input_ids), "labels": list(labels), "position_ids": list(position_ids)}
 
 
-def make_row_encoder(cfg: TrainConfig, tokenizer: Any, paths: Sequence[str], sources: Sequence[Any]) -> RowEncoder:
-    return RowEncoder(cfg, tokenizer, paths, sources)
+def make_row_encoder(cfg: TrainConfig, tokenizer: Any, paths: Sequence[str], sources: Sequence[Any],
+                     holdout: Optional[Set[str]] = None) -> RowEncoder:
+    return RowEncoder(cfg, tokenizer, paths, sources, holdout)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -152,12 +166,31 @@ class EvalLoader:
 
 
 def build_eval_loader(cfg: TrainConfig, tokenizer: Any, rank: int, world_size: int, run_dir: Any) -> Optional[EvalLoader]:
-    """The prepared validation split (`dataset.val_size`), or None when there is none (presharded data has none)."""
-    if cfg.data.kind is DataKind.presharded or cfg.dataset.val_size == 0:
-        return None
-    from dsrecipes.data.prepare import load_prepared
+    """The prepared validation split (`dataset.val_size`), or None when there is none.
 
-    val = load_prepared(cfg, str(run_dir)).val
+    presharded data has none; iterable data has one only when the launcher ran `prepare` (then the stream holds
+    those samples out, see `validation_ids`)."""
+    val = prepared_val(cfg, run_dir)
     if val is None or len(val) == 0:
         return None
     return EvalLoader(val, rank, world_size, cfg.trainer.micro_batch_size, make_collate(tokenizer))
+
+
+def prepared_val(cfg: TrainConfig, run_dir: Any) -> Any:
+    from pathlib import Path
+
+    from dsrecipes.data.prepare import STATS_FILE, load_prepared
+
+    if cfg.data.kind is DataKind.presharded or cfg.dataset.val_size == 0:
+        return None
+    if cfg.data.kind is DataKind.iterable and not (Path(run_dir) / STATS_FILE).is_file():
+        return None
+    return load_prepared(cfg, str(run_dir)).val
+
+
+def validation_ids(cfg: TrainConfig, run_dir: Any) -> Set[str]:
+    """Sample ids of the prepared validation split (a sample id is a row's id, or file:line)."""
+    val = prepared_val(cfg, run_dir)
+    if val is None:
+        return set()
+    return {i for ids in val["ids"] for i in ids}

@@ -200,7 +200,7 @@ def stream_spec(cfg: Any) -> Tuple[StreamSpec, List[Any]]:
 
 
 def build(cfg: Any, tokenizer: Any, rank: int, world_size: int, run_dir: str) -> StreamTrainLoader:
-    from dsrecipes.data.strategies import make_collate, make_row_encoder
+    from dsrecipes.data.strategies import make_collate, make_row_encoder, validation_ids
 
     stream, file_sources = stream_spec(cfg)
     num_samples = cfg.data.num_samples
@@ -218,7 +218,7 @@ def build(cfg: Any, tokenizer: Any, rank: int, world_size: int, run_dir: str) ->
         shuffle=cfg.data.shuffle,
         shuffle_buffer=cfg.data.shuffle_buffer,
         num_samples=num_samples,
-        make_rows=make_row_encoder(cfg, tokenizer, stream.paths, file_sources),
+        make_rows=make_row_encoder(cfg, tokenizer, stream.paths, file_sources, validation_ids(cfg, run_dir)),
         collate_fn=make_collate(tokenizer),
         num_workers=cfg.data.num_workers,
         prefetch_factor=cfg.data.prefetch_factor,
