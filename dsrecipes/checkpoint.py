@@ -179,11 +179,13 @@ def export_initial(cfg: TrainConfig, tokenizer: Any, out_dir: Path) -> Path:
     return _save_hf(model, tokenizer, out_dir, {"source": "initial weights (model.tiny.seed)", "step": 0})
 
 
-def export_checkpoint(run_dir: Path, tag_dir: Path, out_dir: Path, cfg: Optional[TrainConfig] = None) -> Path:
+def export_checkpoint(run_dir: Path, tag_dir: Path, out_dir: Path, cfg: Optional[TrainConfig] = None,
+                      merge_lora: Optional[bool] = None) -> Path:
     """Checkpoint -> HF model directory (safetensors + config + tokenizer with its chat template), any ZeRO stage.
 
     Weights: ZeRO-0/1/2 keep the full module in `mp_rank_00_model_states.pt`; ZeRO-3 shards are consolidated with
-    DeepSpeed's zero_to_fp32. LoRA runs write the merged model (`trainer.export_merged_lora`) or the adapter only.
+    DeepSpeed's zero_to_fp32. LoRA runs write the merged model or the adapter only (`merge_lora`, by default
+    `trainer.export_merged_lora`).
     """
     from dsrecipes.config.load import load_run_config
     from dsrecipes.model import TORCH_DTYPES, build_model, load_tokenizer
@@ -197,7 +199,8 @@ def export_checkpoint(run_dir: Path, tag_dir: Path, out_dir: Path, cfg: Optional
     if missing or unexpected:
         raise RuntimeError(f"checkpoint {tag_dir} does not match the model: missing {missing}, unexpected {unexpected}")
     info = {"source": str(tag_dir), "step": step_of(tag_dir)}
-    if cfg.model.lora.enabled and cfg.trainer.export_merged_lora:
+    merge_lora = cfg.trainer.export_merged_lora if merge_lora is None else merge_lora
+    if cfg.model.lora.enabled and merge_lora:
         model = model.merge_and_unload()
         info["lora"] = "merged"
     elif cfg.model.lora.enabled:
@@ -245,13 +248,16 @@ def main(argv: List[str]) -> int:
     parser.add_argument("run_dir", help="a run directory (holds config.yaml and checkpoints/)")
     parser.add_argument("--tag", default=None, help="checkpoint tag, e.g. step_100 (default: the newest complete)")
     parser.add_argument("--out", required=True, help="directory to write the Hugging Face model to")
+    parser.add_argument("--lora", choices=["merged", "adapter"], default=None,
+                        help="LoRA runs: merged model or adapter only (default: trainer.export_merged_lora)")
     args = parse(parser, argv)
     run_dir = Path(args.run_dir)
     root = run_dir / CHECKPOINTS
     tag_dir = root / args.tag if args.tag else latest_complete(root)
     if tag_dir is None or not (tag_dir / COMPLETE).is_file():
         raise UserError(f"{root}: no complete checkpoint{' ' + args.tag if args.tag else ''} to export")
-    out = export_checkpoint(run_dir, tag_dir, Path(args.out))
+    merge = None if args.lora is None else args.lora == "merged"
+    out = export_checkpoint(run_dir, tag_dir, Path(args.out), merge_lora=merge)
     print(f"exported {tag_dir} -> {out}")
     return 0
 

@@ -78,6 +78,8 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
         closes_step = engine.is_gradient_accumulation_boundary()
         loss, _ = micro_batch_loss(engine, batch, engine.device)
         engine.backward(loss)
+        if closes_step:
+            lr, grad_norm = engine.get_lr()[0], untracked_grad_norm(engine)  # the values this step applies
         engine.step()
         window.add(loss, batch)
         if ledger is not None:
@@ -91,7 +93,8 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
         save_now = final or (t.save_every > 0 and state.step % t.save_every == 0)
         if final or save_now or state.step % t.log_every == 0:
             state.elapsed = time.perf_counter() - clock_start
-            log_window(metrics, window, engine, state)
+            tracked = engine.get_global_grad_norm()
+            log_window(metrics, window, state, lr, grad_norm if tracked is None else tracked)
         if eval_loader is not None and (final or (t.eval_every > 0 and state.step % t.eval_every == 0)):
             metrics.log_eval(state.step, evaluate(engine, eval_loader, t.eval_batches))
             last_evaluated = state.step
@@ -240,15 +243,23 @@ def micro_batches(loader: Any, state: TrainState) -> Iterator[Dict[str, Any]]:
         state.epoch += 1
 
 
-def log_window(metrics: MetricsLogger, window: Window, engine: Any, state: TrainState) -> None:
+def untracked_grad_norm(engine: Any) -> Optional[float]:
+    """The global gradient norm where DeepSpeed does not record one (plain fp32 data parallelism: its optimizer is
+    the bare torch one). Gradients are already all-reduced after the boundary backward, so every rank agrees."""
+    if hasattr(engine.optimizer, "_global_grad_norm"):
+        return None
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    return float(torch.stack([g.detach().float().norm() for g in grads]).norm()) if grads else None
+
+
+def log_window(metrics: MetricsLogger, window: Window, state: TrainState, lr: float, grad_norm: Any) -> None:
     """Reduce the log window over ranks (collective) and write one metrics line on rank 0."""
     totals = window.reduce()
     state.samples_seen += int(totals["samples"])
-    grad_norm = engine.get_global_grad_norm()
     metrics.log_train(
         step=state.step,
         loss=totals["loss"],
-        lr=float(engine.get_lr()[0]),
+        lr=float(lr),
         grad_norm=None if grad_norm is None else float(grad_norm),
         tokens_per_s=totals["tokens"] / totals["seconds"],
         samples_seen=state.samples_seen,

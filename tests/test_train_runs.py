@@ -1,0 +1,210 @@
+"""Real training runs on CPU: 2 ranks under the deepspeed launcher (gloo), 1 rank as a plain process.
+
+One `python -m dsrecipes` run per ZeRO stage, each checking several things, to keep the whole file within a few CPU minutes:
+  stage 0 fp32 (2 ranks): loss falls, metrics/TensorBoard/plot/ledger, checkpoints + latest, export reloads
+  stage 0 killed mid-save, then resume=auto: resumes from the last good checkpoint, losses equal step for step
+  stage 1 bf16 (2 ranks): `dsrecipes export` CLI from a tag
+  stage 2 + CPU optimizer offload (2 ranks)
+  stage 3 from a local HF directory (2 ranks, partitioned load): export through zero_to_fp32
+  LoRA (1 process, no launcher): merged export == base + adapter; adapter-only export
+  prompt-eval: the trained model predicts the references better than its seeded start
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import pytest
+import torch
+
+from conftest import subprocess_env
+
+pytestmark = pytest.mark.slow
+
+SHORT = [
+    "debug=fast",  # 8 steps, micro batch 4, save/eval every 4, cutoff 128, 400 samples, 16 for validation
+    "trainer.log_every=1",
+    "optimizer.lr=3e-3",
+    "dataset.max_samples=240",
+    "data.cutoff_len=96",
+]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("runs")
+
+
+def train_run(workspace: Path, name: str, *overrides: str, world_size: int = 2, env: Optional[dict] = None,
+              expect_ok: bool = True) -> Tuple[Path, str]:
+    """`python -m dsrecipes` end to end (compose, prepare, run dir, launcher, ranks) in `workspace/name`."""
+    run_dir = workspace / name
+    launcher = ["launcher=local"] if world_size == 1 else ["launcher=deepspeed", f"launcher.num_gpus={world_size}"]
+    argv = [sys.executable, "-m", "dsrecipes", *SHORT, *launcher, f"data.cache_dir={workspace / 'cache'}",
+            f"trainer.output_dir={run_dir}", f"hydra.run.dir={run_dir}", *overrides]
+    proc = subprocess.run(argv, env=subprocess_env(env), capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert (proc.returncode == 0) == expect_ok, out[-6000:]
+    return run_dir, out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def metrics(run_dir: Path) -> List[dict]:
+    from dsrecipes.metrics import read_metrics
+
+    return read_metrics(run_dir)
+
+
+def train_losses(run_dir: Path) -> dict:
+    return {r["step"]: r["loss"] for r in metrics(run_dir) if "loss" in r}
+
+
+def assert_loss_falls(run_dir: Path, by: float = 0.3) -> None:
+    losses = train_losses(run_dir)
+    steps = sorted(losses)
+    assert losses[steps[-1]] < losses[steps[0]] - by, losses
+
+
+def assert_hf_model_loads(path: Path, vocab_size: Optional[int] = None) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert (path / "model.safetensors").is_file() and (path / "config.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert tokenizer.chat_template
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    logits = model(input_ids=ids).logits
+    assert torch.isfinite(logits).all()
+    return model
+
+
+def state_dicts_equal(a: torch.nn.Module, b: torch.nn.Module, atol: float = 0.0) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.allclose(sa[k].float(), sb[k].float(), atol=atol) for k in sa)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def zero0_run(workspace) -> Path:
+    run_dir, _ = train_run(workspace, "zero0", "zero=stage0", "trainer.record_samples=true")
+    return run_dir
+
+
+def test_zero0_two_ranks_trains_logs_checkpoints_and_exports(zero0_run):
+    from dsrecipes.data.ledger import verify_ledgers
+
+    run = zero0_run
+    assert_loss_falls(run)
+    lines = metrics(run)
+    train = [r for r in lines if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 9))
+    assert all(r["tokens_per_s"] > 0 and r["lr"] > 0 and r["grad_norm"] is not None for r in train)
+    assert train[-1]["samples_seen"] == 8 * 4 * 2  # steps x micro batch x ranks (no packing)
+    assert [r["step"] for r in lines if "eval_loss" in r] == [4, 8]
+    assert list((run / "tb").glob("events.out.tfevents.*")) and (run / "loss.png").is_file()
+    ckpts = run / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step_8"
+    for tag in ("step_4", "step_8"):
+        for rank in (0, 1):
+            assert (ckpts / tag / "data_state" / f"rank{rank}.json").is_file()
+            assert (ckpts / tag / "rng" / f"rank{rank}.pt").is_file()
+        assert (ckpts / tag / "complete.json").is_file()
+    verify_ledgers(run)
+    exported = assert_hf_model_loads(run / "export")
+    initial = assert_hf_model_loads(run / "export_init")
+    assert not state_dicts_equal(exported, initial)
+
+
+def test_killed_mid_save_resumes_from_last_good_checkpoint_with_identical_losses(zero0_run, workspace):
+    from dsrecipes.checkpoint import KILL_BEFORE_LATEST_ENV
+
+    overrides = ("zero=stage0", "trainer.record_samples=true")
+    run, _ = train_run(workspace, "killed", *overrides, env={KILL_BEFORE_LATEST_ENV: "8"}, expect_ok=False)
+    ckpts = run / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step_4"
+    assert (ckpts / "step_8").is_dir() and not (ckpts / "step_8" / "complete.json").exists()
+    assert max(train_losses(run)) == 8  # it trained to the end, then died while saving
+
+    _, out = train_run(workspace, "killed", *overrides)  # the same command again: trainer.resume=auto
+    assert "resumed from" in out and "step_4" in out
+    assert (ckpts / "latest").read_text() == "step_8"
+    assert train_losses(run) == train_losses(zero0_run)  # exact, step for step
+    evals = lambda r: [(x["step"], x["eval_loss"]) for x in metrics(r) if "eval_loss" in x]  # noqa: E731
+    assert evals(run) == evals(zero0_run)
+
+
+def test_zero1_bf16_and_export_cli(workspace):
+    from dsrecipes.cli import main as cli
+
+    run, _ = train_run(workspace, "zero1_bf16", "zero=stage1", "precision=bf16", "trainer.export=false")
+    assert_loss_falls(run)
+    assert not (run / "export").exists()
+    assert cli(["export", str(run), "--tag", "step_4", "--out", str(run / "exported_4")]) == 0
+    model = assert_hf_model_loads(run / "exported_4")
+    assert model.config.dtype == torch.bfloat16
+    assert json.loads((run / "exported_4" / "dsrecipes_export.json").read_text())["step"] == 4
+
+
+def test_zero2_with_cpu_optimizer_offload(workspace):
+    run, _ = train_run(workspace, "zero2_offload", "zero=stage2", "offload=cpu_optimizer")
+    assert_loss_falls(run)
+    assert_hf_model_loads(run / "export")
+
+
+def test_zero3_from_a_local_model_directory(workspace):
+    from dsrecipes.checkpoint import export_initial
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.model import load_tokenizer
+
+    cfg = compose_and_load(["debug=fast"])
+    base = export_initial(cfg, load_tokenizer(cfg), workspace / "tiny_hf")
+    run, _ = train_run(workspace, "zero3", "zero=stage3", f"model.path={base}")
+    assert_loss_falls(run)
+    exported = assert_hf_model_loads(run / "export")
+    from transformers import AutoModelForCausalLM
+
+    assert not state_dicts_equal(exported, AutoModelForCausalLM.from_pretrained(base))
+
+
+def test_lora_single_process_merged_and_adapter_exports(workspace):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from dsrecipes.cli import main as cli
+
+    run, _ = train_run(workspace, "lora", "model.lora.enabled=true", "optimizer.lr=1e-2", world_size=1)
+    assert_loss_falls(run, by=0.05)
+    merged = assert_hf_model_loads(run / "export")
+    assert not any("lora" in k for k in merged.state_dict())
+    assert cli(["export", str(run), "--lora", "adapter", "--out", str(run / "adapter")]) == 0
+    assert (run / "adapter" / "adapter_config.json").is_file()
+    base = AutoModelForCausalLM.from_pretrained(run / "export_init")
+    with_adapter = PeftModel.from_pretrained(base, run / "adapter").eval()
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    assert torch.allclose(with_adapter(input_ids=ids).logits, merged.eval()(input_ids=ids).logits, atol=1e-4)
+
+
+def test_prompt_eval_finetuned_beats_its_start(zero0_run, tmp_path, capsys):
+    from dsrecipes.cli import main as cli
+
+    out = tmp_path / "scores.json"
+    assert cli(["prompt-eval", "--baseline", str(zero0_run), "--finetuned", str(zero0_run),
+                "--max-new-tokens", "8", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "baseline: greedy" in printed and "finetuned: greedy" in printed and "==========score" in printed
+    scores = json.loads(out.read_text())
+    assert scores["finetuned"]["reference_loss"] < scores["baseline"]["reference_loss"] - 0.5
