@@ -60,14 +60,10 @@ WEATHER = {  # city -> (condition en, condition zh, temperature C): the "observa
 CITY_ZH = {"Paris": "巴黎", "Tokyo": "东京", "Rome": "罗马", "Berlin": "柏林", "Cairo": "开罗", "Oslo": "奥斯陆",
            "Lima": "利马", "Beijing": "北京"}
 
-TOOLS = [
-    {"name": "get_weather", "description": "Current weather of a city",
-     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
-    {"name": "add", "description": "Add two integers",
-     "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                    "required": ["a", "b"]}},
+TOOLS = [  # compact schemas: tool rows must fit the 128-token rows of `debug=fast`
+    {"name": "get_weather", "description": "weather of a city", "parameters": {"city": "string"}},
+    {"name": "add", "description": "add two integers", "parameters": {"a": "integer", "b": "integer"}},
 ]
-TOOLS_TEXT = json.dumps(TOOLS, ensure_ascii=False)
 
 SYSTEMS_EN = ["You are a helpful assistant.", "You are a concise assistant. Answer in one sentence."]
 SYSTEMS_ZH = ["你是一个有用的助手。", "你是一个简洁的助手，用一句话回答。"]
@@ -121,17 +117,20 @@ def _capital(rng: random.Random, zh: bool) -> tuple[str, str]:
 SIMPLE_TASKS = [_arith, _convert, _reverse, _capital]
 
 
-def _tool_turns(rng: random.Random, zh: bool) -> list[dict]:
+def _tool_turns(rng: random.Random, zh: bool) -> tuple[list[dict], dict]:
+    """The turns of one tool call, and the schema of the tool it uses (rows list only that tool, to stay short)."""
     if rng.random() < 0.5:
+        tool = TOOLS[0]
         city = rng.choice(sorted(WEATHER))
         cond, cond_zh, temp = WEATHER[city]
         call = {"name": "get_weather", "arguments": {"city": city}}
-        obs = {"city": city, "condition": cond, "temperature_c": temp}
+        obs = {"city": city, "condition": cond, "temp": temp}
         if zh:
             ask, answer = f"{CITY_ZH[city]}现在天气怎么样？", f"{CITY_ZH[city]}现在{cond_zh}，气温 {temp}°C。"
         else:
             ask, answer = f"What's the weather in {city}?", f"It is {cond} in {city}, {temp}°C."
     else:
+        tool = TOOLS[1]
         a, b = rng.randint(100, 999), rng.randint(100, 999)
         call = {"name": "add", "arguments": {"a": a, "b": b}}
         obs = {"result": a + b}
@@ -142,16 +141,18 @@ def _tool_turns(rng: random.Random, zh: bool) -> list[dict]:
         {"from": "function_call", "value": json.dumps(call, ensure_ascii=False)},
         {"from": "observation", "value": json.dumps(obs, ensure_ascii=False)},
         {"from": "gpt", "value": answer},
-    ]
+    ], tool
 
 
 def make_row(rng: random.Random, index: int) -> dict:
     zh = rng.random() < 0.35
     is_tool = rng.random() < 0.2
     turns: list[dict] = []
-    for k in range(rng.choice([1, 1, 1, 2, 2, 3])):
+    tool = None
+    for k in range(rng.choice([1, 1, 2] if is_tool else [1, 1, 1, 2, 2, 3])):
         if is_tool and k == 0:
-            turns += _tool_turns(rng, zh)
+            tool_turns, tool = _tool_turns(rng, zh)
+            turns += tool_turns
         else:
             q, a = rng.choice(SIMPLE_TASKS)(rng, zh)
             turns += [{"from": "human", "value": q}, {"from": "gpt", "value": a}]
@@ -165,8 +166,8 @@ def make_row(rng: random.Random, index: int) -> dict:
     elif style < 0.4:
         turns.insert(0, {"from": "system", "value": system})
     row["conversations"] = turns
-    if is_tool:
-        row["tools"] = TOOLS_TEXT
+    if tool is not None:
+        row["tools"] = json.dumps([tool], ensure_ascii=False)
     return row
 
 

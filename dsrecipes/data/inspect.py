@@ -1,0 +1,109 @@
+"""`dsrecipes inspect-data [overrides] --rows K`: prepared rows with trained tokens highlighted, plus statistics.
+
+Runs the real preparation (`prepare`, so the cache is shared with training) and decodes the first K rows of a split.
+Trained tokens are shown in green on a terminal, or between `[[` and `]]` otherwise (`--color` forces either);
+packed rows show each sample under its own header.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from typing import Any, Dict, List, Mapping, Sequence
+
+GREEN, RESET, DIM = "\033[42;30m", "\033[0m", "\033[2m"
+IGNORE_INDEX = -100
+
+
+def main(argv: List[str]) -> int:
+    from dsrecipes import cli
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.data.prepare import prepare
+
+    parser = cli.override_parser("inspect-data", "render prepared samples with trained tokens highlighted, plus statistics")
+    parser.add_argument("--rows", type=int, default=3, help="rows to render (default 3)")
+    parser.add_argument("--split", choices=["train", "val"], default="train")
+    parser.add_argument("--color", choices=["auto", "always", "never"], default="auto")
+    parser.add_argument("--run-dir", default=None, help="where prepare_stats.json/quarantine.jsonl go (default: temp dir)")
+    args = cli.parse(parser, argv)
+    cfg = compose_and_load(args.overrides)
+    tokenizer = _load_tokenizer(cfg)
+    run_dir = args.run_dir or tempfile.mkdtemp(prefix="dsrecipes-inspect-")
+    prepared = prepare(cfg, tokenizer, run_dir)
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+    split = prepared.train if args.split == "train" else prepared.val
+    if split is None:
+        print(f"(no {args.split} split: dataset.val_size=0)")
+    else:
+        for r in range(min(args.rows, len(split))):
+            print(render_row(split[r], tokenizer, color, title=f"{args.split} row {r}"))
+    print(format_stats(prepared.stats))
+    print(f"stats: {run_dir}/prepare_stats.json")
+    return 0
+
+
+def _load_tokenizer(cfg: Any) -> Any:
+    from dsrecipes.model import load_tokenizer
+
+    return load_tokenizer(cfg)
+
+
+def render_row(row: Mapping[str, Any], tokenizer: Any, color: bool, title: str = "row") -> str:
+    """Decode one prepared row: trained spans highlighted, one header per packed sample."""
+    ids, labels, positions = list(row["input_ids"]), list(row["labels"]), list(row["position_ids"])
+    starts = [i for i, p in enumerate(positions) if p == 0] or [0]
+    bounds = list(zip(starts, starts[1:] + [len(ids)]))
+    out = [f"=== {title}: {len(ids)} tokens, {len(row['ids'])} sample(s)"]
+    for k, (lo, hi) in enumerate(bounds):
+        sample = row["ids"][k] if k < len(row["ids"]) else "?"
+        trained = sum(1 for x in labels[lo:hi] if x != IGNORE_INDEX)
+        out.append(f"--- sample {sample}: {hi - lo} tokens, {trained} trained")
+        out.append(_spans(ids[lo:hi], labels[lo:hi], tokenizer, color))
+    return "\n".join(out)
+
+
+def _spans(ids: Sequence[int], labels: Sequence[int], tokenizer: Any, color: bool) -> str:
+    text = []
+    i = 0
+    while i < len(ids):
+        trained = labels[i] != IGNORE_INDEX
+        j = i
+        while j < len(ids) and (labels[j] != IGNORE_INDEX) == trained:
+            j += 1
+        piece = tokenizer.decode(list(ids[i:j]), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if trained:
+            piece = f"{GREEN}{piece}{RESET}" if color else f"[[{piece}]]"
+        text.append(piece)
+        i = j
+    return "".join(text)
+
+
+def format_stats(stats: Dict[str, Any]) -> str:
+    skipped = stats["skipped"]
+    lines = [
+        "=== statistics",
+        f"rows read {stats['rows_read']}, kept {stats['rows_kept']}, skipped {stats['skipped_total']}"
+        + (" (" + ", ".join(f"{k}: {v}" for k, v in skipped.items()) + ")" if skipped else ""),
+        f"samples: train {stats['samples']['train']}, val {stats['samples']['val']}; "
+        f"rows: train {stats['rows']['train']}, val {stats['rows']['val']}",
+        f"truncated {stats['truncated']} ({stats['truncated_share']:.1%} of kept), dropped with nothing trained "
+        f"left {stats['dropped_all_trained_cut']}, conversations with trailing non-assistant turns dropped "
+        f"{stats['trailing_turns_dropped']}",
+        f"tokens {stats['tokens']}, trained {stats['trained_tokens']} ({stats['trained_token_share']:.1%})",
+    ]
+    eff = stats["packing_efficiency"]
+    if stats["packing"]:
+        lines.append(f"packing efficiency: train {_pct(eff['train'])}, val {_pct(eff['val'])}")
+    else:
+        lines.append("packing: off")
+    length = stats["length"]
+    lines.append(f"sample length (tokens): mean {length['mean']:.1f}, p50 {length.get('p50', 0)}, "
+                 f"p95 {length.get('p95', 0)}, max {length['max']} (cutoff_len {stats['cutoff_len']})")
+    peak = max([n for _, _, n in length["histogram"]] + [1])
+    for lo, hi, n in length["histogram"]:
+        lines.append(f"  {lo:>6}-{hi:<6} {n:>8}  {'#' * round(40 * n / peak)}")
+    return "\n".join(lines)
+
+
+def _pct(value: Any) -> str:
+    return "-" if value is None else f"{value:.1%}"

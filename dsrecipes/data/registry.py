@@ -1,0 +1,144 @@
+"""Which sources a dataset config reads: `dataset.paths`, `dataset.sources`, and registry entries (`dataset.use`).
+
+Two registry formats, chosen by file extension:
+
+* `dataset_info.json` (LLaMA-Factory): `{"name": {"file_name": ..., "formatting": "sharegpt"|"alpaca",
+  "columns": {...}, "tags": {...}, "num_samples": N}}`. `file_name` is relative to the registry's folder and may be
+  a folder (every .json/.jsonl[.gz] in it). ShareGPT `tags` (role_tag, content_tag, user_tag, assistant_tag,
+  observation_tag, function_tag, system_tag) become our columns and role aliases; alpaca `columns` prompt/query/
+  response/system/history map to instruction/input/output/system/history. `num_samples` becomes `max_samples` (the
+  first N rows; LLaMA-Factory would also up-sample, use `weight` here for that). Hub, script, ranking and
+  multimodal entries are rejected: we would otherwise silently train on something else.
+* `*.yaml` / `*.yml`: `name: {paths: [...], format: ..., columns: {...}, roles: {...}, max_samples: N, weight: W}`,
+  typed by `SourceConfig` (unknown keys are errors); relative paths are relative to the registry file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List
+
+from dsrecipes.config.schema import ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
+from dsrecipes.errors import ConfigError
+
+_LF_UNSUPPORTED = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
+_LF_MEDIA_COLUMNS = ("images", "videos", "audios", "chosen", "rejected", "kto_tag")
+_LF_ROLE_TAGS = {  # tag -> (LLaMA-Factory default value, our role)
+    "user_tag": ("human", "user"),
+    "assistant_tag": ("gpt", "assistant"),
+    "observation_tag": ("observation", "observation"),
+    "function_tag": ("function_call", "tool_call"),
+    "system_tag": ("system", "system"),
+}
+_DATA_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
+
+
+def resolve_sources(dataset_cfg: DatasetConfig) -> List[SourceConfig]:
+    """Every source to read, in a fixed order: `paths` (as a source named `dataset.name`), `sources`, `use`."""
+    ds = dataset_cfg
+    sources: List[SourceConfig] = []
+    if ds.paths:
+        sources.append(SourceConfig(name=ds.name, paths=list(ds.paths), format=ds.format, columns=ds.columns,
+                                    roles=dict(ds.roles)))
+    for i, src in enumerate(ds.sources):
+        sources.append(src if src.name else SourceConfig(**{**vars(src), "name": f"source{i}"}))
+    if ds.use:
+        if not ds.registry:
+            raise ConfigError("dataset.registry: dataset.use names registry entries, so a registry file is needed")
+        entries = load_registry(ds.registry)
+        for name in ds.use:
+            if name not in entries:
+                raise ConfigError(f"dataset.use: {name!r} is not in {ds.registry} (entries: {', '.join(sorted(entries))})")
+            sources.append(entries[name])
+    seen: Dict[str, int] = {}
+    for src in sources:  # unique names: mixing weights are applied per source name
+        seen[src.name] = seen.get(src.name, 0) + 1
+        if seen[src.name] > 1:
+            src.name = f"{src.name}#{seen[src.name]}"
+    return sources
+
+
+def load_registry(path: str) -> Dict[str, SourceConfig]:
+    path = os.path.expanduser(path)
+    if not os.path.isfile(path):
+        raise ConfigError(f"dataset.registry: {path!r} does not exist")
+    base = os.path.dirname(os.path.abspath(path))
+    try:
+        with open(path, encoding="utf-8") as fh:
+            if path.endswith((".yaml", ".yml")):
+                import yaml
+
+                data = yaml.safe_load(fh)
+                kind = "yaml"
+            else:
+                data = json.load(fh)
+                kind = "llamafactory"
+    except Exception as exc:  # OSError, json.JSONDecodeError, yaml.YAMLError: all a broken registry file
+        raise ConfigError(f"dataset.registry: cannot read {path}: {' '.join(str(exc).split())}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"dataset.registry: {path} must map entry names to entries")
+    build = _yaml_entry if kind == "yaml" else _llamafactory_entry
+    return {str(name): build(str(name), entry, base) for name, entry in data.items()}
+
+
+def _yaml_entry(name: str, entry: Any, base: str) -> SourceConfig:
+    from dsrecipes.config.load import _convert  # the one typed conversion (errors carry dotted paths)
+
+    if not isinstance(entry, dict):
+        raise ConfigError(f"dataset.registry.{name}: expected a mapping")
+    errors: List[str] = []
+    src = _convert(SourceConfig, {"name": name, **entry}, f"dataset.registry.{name}", errors)
+    if errors:
+        raise ConfigError(errors)
+    src.paths = [p if os.path.isabs(os.path.expanduser(p)) else os.path.join(base, p) for p in src.paths]
+    return src
+
+
+def _llamafactory_entry(name: str, entry: Any, base: str) -> SourceConfig:
+    where = f"dataset.registry.{name}"
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where}: expected a mapping")
+    remote = [k for k in _LF_UNSUPPORTED if entry.get(k)]
+    if remote or not entry.get("file_name"):
+        raise ConfigError(f"{where}: only local `file_name` entries are supported" + (f" (has {remote[0]})" if remote else ""))
+    if entry.get("ranking"):
+        raise ConfigError(f"{where}: preference (ranking) data is not supervised fine-tuning data")
+    columns: Dict[str, str] = entry.get("columns") or {}
+    tags: Dict[str, str] = entry.get("tags") or {}
+    media = [c for c in _LF_MEDIA_COLUMNS if c in columns]
+    if media:
+        raise ConfigError(f"{where}: column {media[0]!r} is not supported (text-only SFT)")
+    formatting = entry.get("formatting", "alpaca")  # LLaMA-Factory's default
+    if formatting == "sharegpt":
+        cols = ColumnsConfig(
+            messages=columns.get("messages", "conversations"),
+            role=tags.get("role_tag", "from"),
+            content=tags.get("content_tag", "value"),
+            system=columns.get("system", "system"),
+            tools=columns.get("tools", "tools"),
+        )
+        roles = {tags.get(tag, default): ours for tag, (default, ours) in _LF_ROLE_TAGS.items()}
+        fmt = DatasetFormat.sharegpt
+    elif formatting == "alpaca":
+        cols = ColumnsConfig(
+            instruction=columns.get("prompt", "instruction"),
+            input=columns.get("query", "input"),
+            output=columns.get("response", "output"),
+            system=columns.get("system", "system"),
+            tools=columns.get("tools", "tools"),
+            history=columns.get("history", "history"),
+        )
+        roles, fmt = {}, DatasetFormat.alpaca
+    else:
+        raise ConfigError(f"{where}: formatting {formatting!r} is not supported (sharegpt or alpaca)")
+    target = os.path.join(base, os.path.expanduser(entry["file_name"]))
+    if os.path.isdir(target):
+        paths = sorted(os.path.join(target, f) for f in os.listdir(target) if f.endswith(_DATA_SUFFIXES))
+        if not paths:
+            raise ConfigError(f"{where}: folder {target} holds no .json/.jsonl files")
+    else:
+        paths = [target]
+    num = entry.get("num_samples")
+    return SourceConfig(name=name, paths=paths, format=fmt, columns=cols, roles=roles,
+                        max_samples=int(num) if num else None)

@@ -1,0 +1,449 @@
+"""Read conversation files, map columns and role aliases, check every row, apply the bad-row policy.
+
+Formats (`dataset.format` / `sources[i].format`): ShareGPT (`conversations: [{from, value}]`), OpenAI
+(`messages: [{role, content}]`, assistant `tool_calls` and `tool` turns included) and Alpaca
+(`instruction`/`input`/`output`, optional `history` pairs). Files are `.jsonl` or `.json` (an array; a `.json` file
+holding JSON lines is read as JSONL), optionally `.gz`.
+
+Sample ids: the row's id column when present, else `<file name>:<line>` (1-based line for JSONL, 0-based array
+index for JSON). Copies made by a mixing weight > 1 get `@<copy>` appended (see prepare.py).
+
+Nothing is dropped silently: a bad row raises `DataError("file:line: reason")` (`dataset.bad_rows=error`) or is
+counted by reason and written to `<run>/quarantine.jsonl` (`skip`); turns after the last assistant/tool-call turn
+are dropped on purpose and counted per conversation (`Conversation.dropped_turns`).
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from dsrecipes.config.schema import BadRows, DatasetConfig, DatasetFormat, SourceConfig
+from dsrecipes.errors import ConfigError, DataError
+
+
+class Role(str, Enum):
+    system = "system"
+    user = "user"
+    assistant = "assistant"
+    tool_call = "tool_call"
+    observation = "observation"
+
+
+TRAINED_ROLES = (Role.assistant, Role.tool_call)
+
+ROLE_ALIASES: Dict[str, Role] = {
+    "human": Role.user, "user": Role.user,
+    "gpt": Role.assistant, "assistant": Role.assistant, "bot": Role.assistant, "model": Role.assistant,
+    "system": Role.system,
+    "function_call": Role.tool_call, "tool_call": Role.tool_call,
+    "observation": Role.observation, "tool": Role.observation, "function": Role.observation,
+}
+
+
+class BadReason(str, Enum):
+    invalid_json = "invalid_json"
+    invalid_utf8 = "invalid_utf8"
+    not_an_object = "not_an_object"
+    missing_conversation = "missing_conversation"  # the messages column is absent
+    conversation_not_list = "conversation_not_list"
+    empty_conversation = "empty_conversation"
+    turn_not_object = "turn_not_object"
+    unknown_role = "unknown_role"
+    bad_value = "bad_value"  # missing or non-string turn text / system / tools / alpaca field
+    missing_field = "missing_field"  # alpaca: instruction or output absent
+    system_not_first = "system_not_first"
+    no_assistant_turn = "no_assistant_turn"
+    template_error = "template_error"  # template=tokenizer: the chat_template refused the conversation
+    empty_file = "empty_file"
+    no_matching_path = "no_matching_path"
+
+
+class BadRow(Exception):
+    """One row (or file) that cannot be used; `reason` is counted, `detail` explains."""
+
+    def __init__(self, reason: BadReason, detail: str = ""):
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"{reason.value}: {detail}" if detail else reason.value)
+
+
+@dataclass(frozen=True)
+class Turn:
+    role: Role
+    content: str
+
+
+@dataclass
+class Conversation:
+    id: str
+    turns: List[Turn]  # no system turns: the system prompt lives in `system`
+    system: Optional[str] = None
+    tools: Optional[str] = None
+    source: str = ""  # name of the SourceConfig it came from (mixing weights)
+    dropped_turns: int = 0  # trailing turns after the last assistant/tool-call turn, dropped on purpose
+    path: str = ""  # where it was read (for messages about problems found later, e.g. by a template)
+    loc: int = 0
+
+
+@dataclass
+class RawRow:
+    """One row as read from a file: `value` is the parsed JSON, or `error` says why it could not be parsed."""
+
+    path: str
+    loc: int  # 1-based line (JSONL) or 0-based array index (JSON)
+    value: Any = None
+    error: Optional[BadRow] = None
+    raw_text: Optional[str] = None  # the undecodable/unparsable text, for the quarantine
+
+    @property
+    def default_id(self) -> str:
+        return f"{os.path.basename(self.path)}:{self.loc}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bad-row policy
+
+
+class BadRowReport:
+    """Counts bad rows by reason; `error` policy raises at the first one, `skip` quarantines and goes on."""
+
+    def __init__(self, policy: BadRows, max_bad_fraction: float, quarantine_path: Optional[Path] = None):
+        self.policy = policy
+        self.max_bad_fraction = max_bad_fraction
+        self.quarantine_path = quarantine_path
+        self.counts: Counter = Counter()
+        self.rows_read = 0  # rows seen (good + bad), file-level problems included
+        self.trailing_turns_dropped = 0  # conversations that lost trailing non-assistant turns
+        self._fh = None
+
+    @property
+    def skipped(self) -> int:
+        return sum(self.counts.values())
+
+    def add(self, path: str, loc: int, bad: BadRow, raw: Any = None) -> None:
+        where = f"{path}:{loc}" if loc else path
+        if self.policy is BadRows.error:
+            detail = f" ({_short(bad.detail)})" if bad.detail else ""
+            raise DataError(f"{where}: {bad.reason.value}{detail}; set dataset.bad_rows=skip to quarantine bad rows")
+        self.counts[bad.reason.value] += 1
+        if self.quarantine_path is not None:
+            if self._fh is None:
+                self.quarantine_path.parent.mkdir(parents=True, exist_ok=True)
+                self._fh = open(self.quarantine_path, "w", encoding="utf-8")
+            entry = {"file": path, "line": loc, "reason": bad.reason.value, "detail": bad.detail, "raw": raw}
+            self._fh.write(json.dumps(entry, ensure_ascii=False, default=str) + "\n")
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def check(self, total: Optional[int] = None) -> None:
+        """DataError when more than `max_bad_fraction` of `total` rows (default: rows read) were bad."""
+        self.close()
+        total = self.rows_read if total is None else total
+        if total and self.skipped / total > self.max_bad_fraction:
+            raise DataError(
+                f"{self.skipped} of {total} rows are bad ({self.skipped / total:.1%} > dataset.max_bad_fraction="
+                f"{self.max_bad_fraction}): {self.summary()}"
+                + (f"; see {self.quarantine_path}" if self.quarantine_path else "")
+            )
+
+    def summary(self) -> str:
+        if not self.counts:
+            return "no bad rows"
+        return ", ".join(f"{reason}={n}" for reason, n in sorted(self.counts.items()))
+
+
+def _short(text: str, limit: int = 160) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Files
+
+
+def expand_paths(patterns: List[str]) -> Tuple[List[str], List[str]]:
+    """(files, patterns matching nothing): each glob sorted, duplicates removed, in pattern order."""
+    files: List[str] = []
+    missing: List[str] = []
+    for pattern in patterns:
+        matches = sorted(m for m in glob.glob(os.path.expanduser(pattern)) if os.path.isfile(m))
+        if not matches:
+            missing.append(pattern)
+        files += [m for m in matches if m not in files]
+    return files, missing
+
+
+def _open_bytes(path: str):
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+def _is_json_array_file(path: str) -> bool:
+    name = path[:-3] if path.endswith(".gz") else path
+    return name.endswith(".json")
+
+
+def read_rows(path: str) -> Iterator[RawRow]:
+    """Every row of one file, parsed, or with the reason it could not be (an empty file yields one bad RawRow)."""
+    with _open_bytes(path) as fh:
+        if _is_json_array_file(path):
+            data = fh.read()
+            yield from _json_array_rows(path, data)
+            return
+        any_row = False
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            any_row = True
+            yield _parse_line(path, lineno, line)
+        if not any_row:
+            yield RawRow(path, 0, error=BadRow(BadReason.empty_file, "no rows"))
+
+
+def read_jsonl_rows(path: str) -> Iterator[RawRow]:
+    """Rows of a JSONL file (also used by the iterable strategy and `shard`)."""
+    yield from read_rows(path)
+
+
+def _parse_line(path: str, loc: int, line: bytes) -> RawRow:
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return RawRow(path, loc, error=BadRow(BadReason.invalid_utf8, str(exc)),
+                      raw_text=line.decode("utf-8", errors="replace").rstrip("\r\n"))
+    try:
+        return RawRow(path, loc, value=json.loads(text))
+    except json.JSONDecodeError as exc:
+        return RawRow(path, loc, error=BadRow(BadReason.invalid_json, str(exc)), raw_text=text.rstrip("\r\n"))
+
+
+def _json_array_rows(path: str, data: bytes) -> Iterator[RawRow]:
+    if not data.strip():
+        yield RawRow(path, 0, error=BadRow(BadReason.empty_file, "no rows"))
+        return
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        yield RawRow(path, 0, error=BadRow(BadReason.invalid_utf8, f"whole file: {exc}"))
+        return
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        if text.lstrip().startswith("{"):  # JSON lines in a .json file
+            lines = data.splitlines()
+            yield from (_parse_line(path, i, ln) for i, ln in enumerate(lines, start=1) if ln.strip())
+            return
+        yield RawRow(path, 0, error=BadRow(BadReason.invalid_json, f"whole file: {exc}"), raw_text=text[:2000])
+        return
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, list):
+        yield RawRow(path, 0, error=BadRow(BadReason.not_an_object, "top level is not an array of rows"))
+        return
+    if not value:
+        yield RawRow(path, 0, error=BadRow(BadReason.empty_file, "empty array"))
+    for index, item in enumerate(value):
+        yield RawRow(path, index, value=item)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rows -> Conversation
+
+
+def role_table(source: SourceConfig) -> Dict[str, Role]:
+    """The alias table of a source: defaults plus `roles` (raw name -> canonical role name)."""
+    table = dict(ROLE_ALIASES)
+    for raw, canonical in source.roles.items():
+        try:
+            table[raw.strip().lower()] = Role(canonical)
+        except ValueError:
+            valid = ", ".join(r.value for r in Role)
+            raise ConfigError(f"roles.{raw}: {canonical!r} is not a role; valid: {valid}") from None
+    return table
+
+
+def sample_id(raw: Any, row: RawRow, source: SourceConfig) -> str:
+    if isinstance(raw, dict):
+        value = raw.get(source.columns.id)
+        if isinstance(value, (str, int)) and not isinstance(value, bool) and str(value).strip():
+            return str(value)
+    return row.default_id
+
+
+def normalize_row(raw: Any, sample_id: str, source: SourceConfig, roles: Optional[Dict[str, Role]] = None) -> Conversation:
+    """One parsed row -> Conversation, or BadRow(reason). `roles` defaults to `role_table(source)`."""
+    if not isinstance(raw, dict):
+        raise BadRow(BadReason.not_an_object, f"row is a {type(raw).__name__}")
+    cols = source.columns
+    table = role_table(source) if roles is None else roles
+    if source.format is DatasetFormat.alpaca:
+        turns = _alpaca_turns(raw, source)
+    else:
+        turns = _message_turns(raw, source, table)
+    system = _optional_text(raw, cols.system)
+    tools = _tools_text(raw.get(cols.tools))
+    # Leading system turns become the system prompt; a system turn later on is ambiguous, so it is a bad row.
+    while turns and turns[0].role is Role.system:
+        system = turns[0].content if system is None else f"{system}\n\n{turns[0].content}"
+        turns = turns[1:]
+    if any(t.role is Role.system for t in turns):
+        raise BadRow(BadReason.system_not_first, "a system turn after the first user/assistant turn")
+    last = max((i for i, t in enumerate(turns) if t.role in TRAINED_ROLES), default=-1)
+    if last < 0:
+        raise BadRow(BadReason.no_assistant_turn, f"roles: {[t.role.value for t in turns]}")
+    return Conversation(sample_id, turns[: last + 1], system, tools, source.name, len(turns) - last - 1)
+
+
+def _message_turns(raw: Dict[str, Any], source: SourceConfig, table: Dict[str, Role]) -> List[Turn]:
+    cols = source.columns
+    if cols.messages not in raw:
+        raise BadRow(BadReason.missing_conversation, f"no {cols.messages!r} field (keys: {sorted(raw)[:8]})")
+    messages = raw[cols.messages]
+    if not isinstance(messages, list):
+        raise BadRow(BadReason.conversation_not_list, f"{cols.messages!r} is a {type(messages).__name__}")
+    if not messages:
+        raise BadRow(BadReason.empty_conversation, f"{cols.messages!r} is empty")
+    turns: List[Turn] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise BadRow(BadReason.turn_not_object, f"turn {i} is a {type(msg).__name__}")
+        name = msg.get(cols.role)
+        role = table.get(name.strip().lower()) if isinstance(name, str) else None
+        if role is None:
+            raise BadRow(BadReason.unknown_role, f"turn {i}: {cols.role}={name!r}")
+        tool_calls = msg.get("tool_calls") if source.format is DatasetFormat.openai else None
+        content = _content_text(msg.get(cols.content), allow_none=bool(tool_calls))
+        if content is None and not tool_calls:
+            raise BadRow(BadReason.bad_value, f"turn {i}: {cols.content!r} is missing or not a string")
+        if content:
+            turns.append(Turn(role, content))
+        if tool_calls:
+            turns += [Turn(Role.tool_call, _tool_call_text(tc, i)) for tc in tool_calls]
+    return turns
+
+
+def _content_text(value: Any, allow_none: bool) -> Optional[str]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
+        texts = [p.get("text") for p in value]
+        if all(isinstance(t, str) for t in texts):
+            return "".join(texts)  # OpenAI content parts, text only
+    if value is None and allow_none:
+        return ""
+    return None
+
+
+def _tool_call_text(call: Any, turn: int) -> str:
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise BadRow(BadReason.bad_value, f"turn {turn}: tool_calls entry without a function name")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            pass
+    return json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
+
+
+def _alpaca_turns(raw: Dict[str, Any], source: SourceConfig) -> List[Turn]:
+    cols = source.columns
+    for key in (cols.instruction, cols.output):
+        if key not in raw:
+            raise BadRow(BadReason.missing_field, f"no {key!r} field")
+    instruction, output = raw[cols.instruction], raw[cols.output]
+    extra = raw.get(cols.input) or ""
+    if not all(isinstance(v, str) for v in (instruction, output, extra)):
+        raise BadRow(BadReason.bad_value, f"{cols.instruction}/{cols.input}/{cols.output} must be strings")
+    turns: List[Turn] = []
+    history = raw.get(cols.history) or []
+    if not isinstance(history, list) or not all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in history
+    ):
+        raise BadRow(BadReason.bad_value, f"{cols.history!r} must be a list of [prompt, response] pairs")
+    for prompt, response in history:
+        turns += [Turn(Role.user, prompt), Turn(Role.assistant, response)]
+    user = "\n".join(t for t in (instruction, extra) if t)
+    return turns + [Turn(Role.user, user), Turn(Role.assistant, output)]
+
+
+def _optional_text(raw: Dict[str, Any], key: str) -> Optional[str]:
+    value = raw.get(key)
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise BadRow(BadReason.bad_value, f"{key!r} is a {type(value).__name__}, not a string")
+    return value
+
+
+def _tools_text(value: Any) -> Optional[str]:
+    """Tools as text for templates; empty lists ("[]", the Glaive convention for 'no tools') mean none."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        if not isinstance(value, (list, dict)):
+            raise BadRow(BadReason.bad_value, f"tools is a {type(value).__name__}")
+        value = json.dumps(value, ensure_ascii=False)
+    return None if value.strip() in ("", "[]", "{}") else value
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sources
+
+
+def iter_source(source: SourceConfig, report: BadRowReport, limit: Optional[int] = None) -> Iterator[Conversation]:
+    """Conversations of one source in file order; bad rows go to `report`; stops after `source.max_samples`
+    (or `limit`, when smaller) good conversations without reading further."""
+    table = role_table(source)
+    caps = [c for c in (source.max_samples, limit) if c is not None]
+    cap = min(caps) if caps else None
+    files, missing = expand_paths(source.paths)
+    for pattern in missing:
+        report.rows_read += 1
+        report.add(pattern, 0, BadRow(BadReason.no_matching_path, f"source {source.name!r}: no file matches"))
+    kept = 0
+    for path in files:
+        for row in read_rows(path):
+            if cap is not None and kept >= cap:
+                return
+            report.rows_read += 1
+            if row.error is not None:
+                report.add(row.path, row.loc, row.error, row.raw_text)
+                continue
+            try:
+                conv = normalize_row(row.value, sample_id(row.value, row, source), source, table)
+            except BadRow as bad:
+                report.add(row.path, row.loc, bad, row.value)
+                continue
+            conv.path, conv.loc = row.path, row.loc
+            report.trailing_turns_dropped += conv.dropped_turns > 0
+            kept += 1
+            yield conv
+
+
+def iter_conversations(dataset_cfg: DatasetConfig, *, report: BadRowReport) -> Iterator[Conversation]:
+    """All sources (`paths`, then `sources`, then registry `use` entries), in that fixed order.
+
+    `dataset.max_samples` caps the total: reading stops after that many good conversations.
+    """
+    from dsrecipes.data.registry import resolve_sources
+
+    kept = 0
+    for source in resolve_sources(dataset_cfg):
+        limit = None if dataset_cfg.max_samples is None else dataset_cfg.max_samples - kept
+        if limit is not None and limit <= 0:
+            return
+        for conv in iter_source(source, report, limit):
+            kept += 1
+            yield conv

@@ -1,0 +1,191 @@
+"""Conversations -> token ids + labels (batched), truncation, and packing.
+
+Tokenization is batched: the segments of many conversations go to the fast tokenizer's Rust `encode_batch` in one
+call (identical texts, e.g. role headers, once), with `add_special_tokens=False` because templates spell out their
+own bos/eos text. Each segment is tokenized on its own, so a trained span never shares a token with the prompt.
+
+Truncation (`data.cutoff_len`) keeps the head and cuts whole turns from the end: a sample keeps the longest run of
+complete assistant/tool-call replies that fits. When not even the first reply fits (or that leaves nothing trained,
+e.g. `train_on=last_assistant`), the sequence is cut at `cutoff_len` tokens, mid-reply. A sample with no trained
+token left is dropped (`encode` returns None) and counted by the caller. Text after the final trained reply (a
+template's trailing newline) is never kept.
+
+Packing (`data.packing=true`): best-fit-decreasing over sample lengths (deterministic: ties keep input order) into
+rows of at most `cutoff_len` tokens; `position_ids` restart at 0 for each sample, and the first label of every
+sample is -100 so no token is trained to predict across a sample boundary.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+
+from dsrecipes.config.schema import SourceConfig, TrainConfig
+from dsrecipes.data.sharegpt import BadRow, Conversation, normalize_row
+from dsrecipes.data.template import Segment, check_template, render
+from dsrecipes.errors import ConfigError
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Example:
+    id: str
+    input_ids: List[int]
+    labels: List[int]
+    truncated: bool = False  # turns (or tokens) were cut to fit data.cutoff_len
+
+
+@dataclass
+class PackedRow:
+    ids: List[str]
+    input_ids: List[int]
+    labels: List[int]
+    position_ids: List[int]
+
+
+class Encoder:
+    """Renders with `cfg.template`, labels per `cfg.data.train_on`, truncates to `cfg.data.cutoff_len`."""
+
+    def __init__(self, tokenizer: Any, cfg: TrainConfig):
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise ConfigError("model.tokenizer_path: a fast (Rust `tokenizers`) tokenizer is needed for batched "
+                              "tokenization; this one is a slow Python tokenizer")
+        problems = check_template(cfg.template, tokenizer)
+        if problems:
+            raise ConfigError(problems)
+        self.tokenizer = tokenizer
+        self.template = cfg.template
+        self.train_on = cfg.data.train_on
+        self.cutoff_len = cfg.data.cutoff_len
+        self._encode_fast = getattr(backend, "encode_batch_fast", backend.encode_batch)
+
+    def render(self, conv: Conversation) -> List[Segment]:
+        return render(conv, self.template, self.tokenizer, self.train_on)
+
+    def encode(self, conv: Conversation) -> Optional[Example]:
+        return self.encode_batch([conv])[0]
+
+    def encode_batch(self, convs: Sequence[Conversation],
+                     errors: Optional[List[Tuple[Conversation, BadRow]]] = None) -> List[Optional[Example]]:
+        """One Example per conversation (None: nothing trained left after truncation, or a bad row when `errors`
+        collects `(conv, BadRow)` instead of raising)."""
+        rendered: List[Optional[List[Segment]]] = []
+        for conv in convs:
+            try:
+                rendered.append(self.render(conv))
+            except BadRow as bad:
+                if errors is None:
+                    raise
+                errors.append((conv, bad))
+                rendered.append(None)
+        index: Dict[str, int] = {}
+        for segments in rendered:
+            for seg in segments or ():
+                index.setdefault(seg.text, len(index))
+        encoded = self.encode_texts(list(index))
+        out: List[Optional[Example]] = []
+        for conv, segments in zip(convs, rendered):
+            if segments is None:
+                out.append(None)
+                continue
+            out.append(self._assemble(conv.id, [(encoded[index[s.text]], s) for s in segments]))
+        return out
+
+    def encode_texts(self, texts: List[str]) -> List[List[int]]:
+        if not texts:
+            return []
+        return [e.ids for e in self._encode_fast(texts, add_special_tokens=False)]
+
+    def encode_row(self, raw: Any, sample_id: str, source: SourceConfig) -> Optional[Example]:
+        """Streaming path (iterable strategy): one raw row -> Example, with the same normalisation, template and
+        truncation as `prepare`. Raises BadRow; None when truncation leaves nothing trained."""
+        return self.encode(normalize_row(raw, sample_id, source))
+
+    def _assemble(self, sample_id: str, parts: List[Tuple[List[int], Segment]]) -> Optional[Example]:
+        ids: List[int] = []
+        labels: List[int] = []
+        turn_ends: List[int] = []
+        first_trained = None
+        for tok_ids, seg in parts:
+            if seg.trained:
+                if first_trained is None and tok_ids:
+                    first_trained = len(ids)
+                labels.extend(tok_ids)
+            else:
+                labels.extend([IGNORE_INDEX] * len(tok_ids))
+            ids.extend(tok_ids)
+            if seg.closes_turn:
+                turn_ends.append(len(ids))
+        if not turn_ends or first_trained is None:
+            return None
+        full = turn_ends[-1]
+        keep = full
+        if full > self.cutoff_len:
+            keep = max((e for e in turn_ends if e <= self.cutoff_len), default=0)
+            if keep <= first_trained:  # whole turns leave nothing trained: cut mid-reply instead
+                keep = self.cutoff_len
+        if keep <= first_trained:
+            return None
+        return Example(sample_id, ids[:keep], labels[:keep], truncated=keep < full)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Packing
+
+
+def pack_plan(lengths: Sequence[int], cutoff_len: int) -> List[List[int]]:
+    """Best-fit-decreasing: indices of samples per row, rows in creation order, samples in placement order.
+
+    Longest first (ties in input order); each goes to the open row with the least room that still fits it, else
+    a new row. Open rows are bucketed by free room, so a placement costs O(log cutoff_len).
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: List[List[int]] = []
+    rooms: List[int] = []  # sorted distinct free-room values that have open rows
+    by_room: Dict[int, Deque[int]] = {}  # free room -> open rows with that room (oldest first)
+    for i in order:
+        length = lengths[i]
+        if length > cutoff_len:
+            raise ValueError(f"sample of {length} tokens exceeds cutoff_len={cutoff_len}")
+        j = bisect.bisect_left(rooms, length)
+        if j < len(rooms):
+            room = rooms[j]
+            bucket = by_room[room]
+            row = bucket.popleft()
+            if not bucket:
+                del by_room[room]
+                rooms.pop(j)
+        else:
+            room, row = cutoff_len, len(rows)
+            rows.append([])
+        rows[row].append(i)
+        room -= length
+        if room > 0:
+            if room not in by_room:
+                bisect.insort(rooms, room)
+                by_room[room] = deque()
+            by_room[room].append(row)
+    return rows
+
+
+def pack(examples: Sequence[Example], cutoff_len: int) -> List[PackedRow]:
+    out = []
+    for members in pack_plan([len(e.input_ids) for e in examples], cutoff_len):
+        row = PackedRow([], [], [], [])
+        for i in members:
+            ex = examples[i]
+            row.ids.append(ex.id)
+            row.input_ids.extend(ex.input_ids)
+            row.labels.extend([IGNORE_INDEX] + ex.labels[1:])
+            row.position_ids.extend(range(len(ex.input_ids)))
+        out.append(row)
+    return out
+
+
+def packing_efficiency(num_tokens: int, num_rows: int, cutoff_len: int) -> float:
+    """Real tokens / token slots of the packed rows."""
+    return num_tokens / (num_rows * cutoff_len) if num_rows else 0.0
