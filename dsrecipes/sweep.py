@@ -1,0 +1,182 @@
+"""Sweep summaries: `python -m dsrecipes -m zero=stage1,stage2 ...` ends with a table of every job.
+
+Each Hydra job is a full run (compose -> prepare -> launch) in its own directory. This Hydra callback, registered in
+conf/train.yaml under `hydra.callbacks`, makes sure every job leaves a `result.json` (a job that died before writing
+one is recorded as failed, with its exception), and writes `summary.md` + `summary.json` into the sweep directory
+after every job (so a sweep that is killed still has a table) and once more at the end. It reads only files, so
+it works the same with launchers that run jobs in other processes or on other machines.
+
+The result contract (written by dsrecipes.entry, one file per run, `<run>/result.json`):
+    {"status": "ok" | "failed" | "submitted", "error": str | null,
+     "final_loss": float | null, "final_eval_loss": float | null, "tokens_per_s": float | null,
+     "peak_mem_mb": float | null, ...}   (extra keys are kept)
+`<run>/metrics.jsonl` (train lines with `step, loss, lr, grad_norm, tokens_per_s, samples_seen, elapsed`; eval lines
+with `eval_loss`) fills any headline number result.json leaves null.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from hydra.experimental.callback import Callback
+
+RESULT_FILE = "result.json"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_MD = "summary.md"
+SUMMARY_JSON = "summary.json"
+RESULT_KEYS = ("status", "error", "final_loss", "final_eval_loss", "tokens_per_s", "peak_mem_mb")
+HEADLINE = ("final_loss", "final_eval_loss", "tokens_per_s", "peak_mem_mb")
+
+
+class SweepSummary(Callback):
+    """Hydra callback: `hydra.callbacks.sweep_summary._target_: dsrecipes.sweep.SweepSummary`."""
+
+    def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
+        from hydra.core.utils import JobStatus
+
+        run_dir = job_run_dir(config)
+        if not (run_dir / RESULT_FILE).is_file():
+            failed = job_return.status == JobStatus.FAILED
+            error = repr(job_return._return_value) if failed else "the job ended without writing result.json"
+            write_json(run_dir / RESULT_FILE, {**dict.fromkeys(RESULT_KEYS), "status": "failed", "error": error})
+        if _is_multirun(config):
+            write_summary(Path(str(config.hydra.sweep.dir)))
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        if sweep_dir.is_dir():
+            rows = write_summary(sweep_dir)
+            print(f"\nsweep summary ({sweep_dir / SUMMARY_MD}):\n")
+            print(render_markdown(rows))
+
+
+def _is_multirun(config: Any) -> bool:
+    from omegaconf import OmegaConf
+
+    return str(OmegaConf.select(config, "hydra.mode", default="")).endswith("MULTIRUN")
+
+
+def job_run_dir(config: Any) -> Path:
+    """Where a job's run lives: trainer.output_dir when set (resolved like the entry does), else Hydra's dir."""
+    from omegaconf import OmegaConf
+
+    explicit = OmegaConf.select(config, "trainer.output_dir", default=None)
+    if explicit:
+        return Path(str(explicit)).expanduser().resolve()
+    return Path(str(config.hydra.runtime.output_dir))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def collect(sweep_dir: Path) -> List[Dict[str, Any]]:
+    """One row per job directory (a directory holding .hydra/overrides.yaml) under `sweep_dir`, in job order."""
+    import yaml
+
+    rows = []
+    for overrides_file in sorted(Path(sweep_dir).glob("*/.hydra/overrides.yaml")):
+        job_dir = overrides_file.parent.parent
+        overrides = yaml.safe_load(overrides_file.read_text(encoding="utf-8")) or []
+        job_cfg_file = job_dir / ".hydra" / "config.yaml"
+        job_cfg = yaml.safe_load(job_cfg_file.read_text(encoding="utf-8")) if job_cfg_file.is_file() else {}
+        explicit = ((job_cfg or {}).get("trainer") or {}).get("output_dir")
+        run_dir = Path(explicit).expanduser().resolve() if explicit else job_dir
+        rows.append({"job": job_dir.name, "overrides": [str(o) for o in overrides], "run_dir": str(run_dir),
+                     **read_run(run_dir)})  # fmt: skip
+    rows.sort(key=lambda r: (not r["job"].isdigit(), int(r["job"]) if r["job"].isdigit() else 0, r["job"]))
+    return rows
+
+
+def read_run(run_dir: Path) -> Dict[str, Any]:
+    """The RESULT_KEYS of one run: result.json first, metrics.jsonl for numbers it lacks."""
+    result: Dict[str, Any] = dict.fromkeys(RESULT_KEYS)
+    result_file = run_dir / RESULT_FILE
+    if result_file.is_file():
+        try:
+            result.update(json.loads(result_file.read_text(encoding="utf-8")))
+        except json.JSONDecodeError as exc:
+            result.update(status="failed", error=f"unreadable {RESULT_FILE}: {exc}")
+    else:
+        result.update(status="unknown", error=f"no {RESULT_FILE} (still running, or killed)")
+    from_metrics = metrics_headline(run_dir / METRICS_FILE)
+    for key in HEADLINE:
+        if result.get(key) is None:
+            result[key] = from_metrics.get(key)
+    return result
+
+
+def metrics_headline(path: Path) -> Dict[str, Optional[float]]:
+    """Last train loss, last eval loss, mean tokens/s (without the first, warm-up line), from metrics.jsonl."""
+    train, evals = [], []
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a killed run
+            if "eval_loss" in row:
+                evals.append(row)
+            elif "loss" in row:
+                train.append(row)
+    speeds = [r["tokens_per_s"] for r in train[1:] or train if r.get("tokens_per_s") is not None]
+    return {
+        "final_loss": train[-1]["loss"] if train else None,
+        "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
+        "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
+        "steps": train[-1].get("step") if train else None,
+    }
+
+
+def varying_keys(rows: List[Dict[str, Any]]) -> List[str]:
+    """Override keys whose value differs between jobs (the swept ones), in first-seen order."""
+    values: Dict[str, set] = {}
+    for row in rows:
+        for ov in row["overrides"]:
+            key, _, value = ov.partition("=")
+            values.setdefault(key, set()).add(value)
+    per_job = [{ov.partition("=")[0] for ov in row["overrides"]} for row in rows]
+    return [k for k, v in values.items() if len(v) > 1 or any(k not in keys for keys in per_job)]
+
+
+def write_summary(sweep_dir: Path) -> List[Dict[str, Any]]:
+    rows = collect(sweep_dir)
+    summary = {"sweep_dir": str(sweep_dir), "swept": varying_keys(rows), "jobs": rows,
+               "ok": sum(r["status"] == "ok" for r in rows), "failed": sum(r["status"] == "failed" for r in rows)}  # fmt: skip
+    write_json(sweep_dir / SUMMARY_JSON, summary)
+    _write_atomic(sweep_dir / SUMMARY_MD, render_markdown(rows) + "\n")
+    return rows
+
+
+def render_markdown(rows: List[Dict[str, Any]]) -> str:
+    keys = varying_keys(rows)
+    head = ["job", *keys, "status", "final loss", "eval loss", "tokens/s", "peak MB", "error"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        ovs = dict(ov.partition("=")[::2] for ov in row["overrides"])
+        error = (row.get("error") or "").replace("|", "\\|").replace("\n", " ")
+        cells = [row["job"], *[ovs.get(k, "") for k in keys], str(row["status"]), _num(row["final_loss"], 4),
+                 _num(row["final_eval_loss"], 4), _num(row["tokens_per_s"], 1), _num(row["peak_mem_mb"], 0),
+                 error[:120]]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _num(value: Any, digits: int) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{float(value):.{digits}f}"
+
+
+def write_json(path: Path, data: Any) -> None:
+    _write_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
