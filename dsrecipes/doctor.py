@@ -1,0 +1,344 @@
+"""`dsrecipes doctor [overrides] [--json]`: is this machine able to train, and if not, what to change.
+
+Each check reads the machine through a `Probe` (so tests can fake a machine) and returns findings with a fix.
+Nothing here builds a DeepSpeed op or starts a process group: it reads versions, paths, PATH and file systems only,
+so it runs in a few seconds. Exit code 1 when something makes training impossible, else 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Callable, Dict, List, Mapping, Optional
+
+from dsrecipes.config.schema import OffloadDevice, TrainConfig
+
+GIB = 1024**3
+
+
+class Level(str, Enum):
+    ok = "ok"
+    warn = "warn"
+    error = "error"
+
+
+@dataclass
+class Finding:
+    check: str
+    level: Level
+    message: str
+    fix: Optional[str] = None
+
+
+class Probe:
+    """Everything doctor reads from the machine. Tests subclass it to describe a fake machine."""
+
+    def __init__(self, environ: Optional[Mapping[str, str]] = None):
+        self.environ = dict(os.environ if environ is None else environ)
+
+    def which(self, name: str) -> Optional[str]:
+        return shutil.which(name, path=self.environ.get("PATH"))
+
+    def run(self, argv: List[str]) -> Optional[str]:
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=10, env=self.environ)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout + done.stderr
+
+    def version(self, dist: str) -> Optional[str]:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return None
+
+    def torch(self) -> Dict[str, object]:
+        import torch
+
+        info: Dict[str, object] = {"version": torch.__version__, "cuda": torch.version.cuda, "devices": []}
+        info["cuda_available"] = torch.cuda.is_available()
+        if info["cuda_available"]:
+            info["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+            info["bf16"] = torch.cuda.is_bf16_supported()
+        return info
+
+    def accelerator(self) -> str:
+        from deepspeed.accelerator import get_accelerator  # picks the accelerator; builds nothing
+
+        return get_accelerator().device_name()
+
+    def shm_bytes(self) -> Optional[int]:
+        try:
+            st = os.statvfs("/dev/shm")
+        except OSError:
+            return None
+        return st.f_frsize * st.f_blocks
+
+    def find_library(self, name: str) -> Optional[str]:
+        from ctypes.util import find_library
+
+        return find_library(name)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def writable(self, path: str) -> bool:
+        p = Path(path)
+        while not p.exists() and p != p.parent:
+            p = p.parent
+        return os.access(p, os.W_OK)
+
+    def lock_files(self, root: str) -> List[tuple]:
+        """(path, age in seconds) of `lock` files left in a torch extensions cache."""
+        now = time.time()
+        return [(str(p), now - p.stat().st_mtime) for p in Path(root).glob("*/*/lock")] if os.path.isdir(root) else []
+
+    def built_ops(self, root: str) -> List[str]:
+        return sorted(p.parent.name for p in Path(root).glob("*/*/*.so")) if os.path.isdir(root) else []
+
+
+@dataclass
+class Context:
+    """What the configured run needs (from the composed config), so findings can say warn vs error."""
+
+    num_workers: int = 0
+    needs_jit: bool = False  # DeepSpeedCPUAdam / FusedAdam are JIT-built
+    needs_aio: bool = False  # offload to NVMe
+    notes: List[str] = field(default_factory=list)
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> "Context":
+        offloads = (cfg.offload.optimizer, cfg.offload.param)
+        return cls(
+            num_workers=cfg.data.num_workers,
+            needs_jit=cfg.offload.optimizer is not OffloadDevice.none or not cfg.optimizer.torch_adam,
+            needs_aio=OffloadDevice.nvme in offloads,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checks: (probe, context) -> findings
+
+
+def check_packages(probe: Probe, ctx: Context) -> List[Finding]:
+    required = {"torch": None, "deepspeed": None, "transformers": None, "hydra-core": "1.3.", "omegaconf": "2.3."}
+    out = [Finding("python", Level.ok, f"Python {sys.version.split()[0]} at {sys.executable}")]
+    for dist, prefix in required.items():
+        ver = probe.version(dist)
+        if ver is None:
+            out.append(Finding(dist, Level.error, f"{dist} is not installed", f"pip install -e . (installs {dist})"))
+        elif prefix and not ver.startswith(prefix):
+            out.append(Finding(dist, Level.error, f"{dist} {ver}; dsrecipes needs {prefix}x", f"pip install '{dist}=={prefix}*'"))
+        else:
+            out.append(Finding(dist, Level.ok, f"{dist} {ver}"))
+    for dist in ("datasets", "tokenizers", "peft", "ninja", "mpi4py"):
+        ver = probe.version(dist)
+        out.append(Finding(dist, Level.ok, f"{dist} {ver}" if ver else f"{dist} not installed (optional)"))
+    return out
+
+
+def check_torch(probe: Probe, ctx: Context) -> List[Finding]:
+    if probe.version("torch") is None:
+        return []
+    t = probe.torch()
+    if not t["cuda"]:
+        return [Finding("device", Level.ok, f"torch {t['version']} (CPU build): ranks train on CPU over gloo")]
+    if not t["cuda_available"]:
+        return [Finding("cuda", Level.warn, f"torch {t['version']} is built for CUDA {t['cuda']} but sees no GPU",
+                        "check `nvidia-smi`, the driver, and CUDA_VISIBLE_DEVICES; CPU training still works")]  # fmt: skip
+    names = ", ".join(sorted(set(map(str, t["devices"]))))
+    out = [Finding("cuda", Level.ok, f"torch {t['version']}, CUDA {t['cuda']}, NCCL {t.get('nccl')}, "
+                                     f"{len(t['devices'])} GPU(s): {names}")]  # fmt: skip
+    if not t.get("bf16"):
+        out.append(Finding("bf16", Level.warn, "these GPUs have no bf16", "use precision=fp16 or precision=fp32"))
+    return out
+
+
+def check_accelerator(probe: Probe, ctx: Context) -> List[Finding]:
+    if probe.version("deepspeed") is None or probe.version("torch") is None:
+        return []
+    try:
+        name = probe.accelerator()
+    except Exception as exc:  # noqa: BLE001 - any failure here is the finding
+        return [Finding("accelerator", Level.error, f"deepspeed cannot pick an accelerator: {exc}",
+                        "unset DS_ACCELERATOR, or set it to cuda/cpu")]  # fmt: skip
+    forced = probe.environ.get("DS_ACCELERATOR")
+    if probe.torch()["cuda_available"] and name != "cuda":
+        return [Finding("accelerator", Level.error, f"GPUs are visible but DeepSpeed uses '{name}'"
+                        + (f" (DS_ACCELERATOR={forced})" if forced else ""), "unset DS_ACCELERATOR")]  # fmt: skip
+    return [Finding("accelerator", Level.ok, f"DeepSpeed accelerator: {name}")]
+
+
+def check_cuda_home(probe: Probe, ctx: Context) -> List[Finding]:
+    home = probe.environ.get("CUDA_HOME") or probe.environ.get("CUDA_PATH")
+    if home is None:
+        nvcc = probe.which("nvcc")
+        where = f"nvcc on PATH: {nvcc}" if nvcc else "no nvcc on PATH"
+        return [Finding("cuda_home", Level.ok, f"CUDA_HOME unset ({where})")]
+    if ":" in home:
+        return [Finding("cuda_home", Level.error, f"CUDA_HOME={home!r} holds a path list; JIT builds treat it as one "
+                        "directory and fail", "export CUDA_HOME=/usr/local/cuda (one directory)")]  # fmt: skip
+    if not probe.exists(home):
+        return [Finding("cuda_home", Level.error, f"CUDA_HOME={home} does not exist; DeepSpeed/torch JIT builds "
+                        "will fail", "point CUDA_HOME at the toolkit (e.g. /usr/local/cuda) or unset it")]  # fmt: skip
+    if not probe.exists(os.path.join(home, "bin", "nvcc")):
+        return [Finding("cuda_home", Level.warn, f"CUDA_HOME={home} has no bin/nvcc", "point it at a full toolkit")]
+    return [Finding("cuda_home", Level.ok, f"CUDA_HOME={home}")]
+
+
+def _nvcc_path(probe: Probe) -> Optional[str]:
+    home = probe.environ.get("CUDA_HOME")
+    if home and ":" not in home and probe.exists(os.path.join(home, "bin", "nvcc")):
+        return os.path.join(home, "bin", "nvcc")
+    return probe.which("nvcc")
+
+
+def check_nvcc(probe: Probe, ctx: Context) -> List[Finding]:
+    nvcc = _nvcc_path(probe)
+    torch_cuda = probe.torch()["cuda"] if probe.version("torch") else None
+    if nvcc is None:
+        if torch_cuda:
+            return [Finding("nvcc", Level.warn, "no nvcc: CUDA ops that DeepSpeed JIT-builds (FusedAdam, ...) cannot "
+                            "build; torch's Adam (optimizer.torch_adam=true) needs none",
+                            "install the CUDA toolkit matching torch, or keep optimizer.torch_adam=true")]  # fmt: skip
+        return []
+    text = probe.run([nvcc, "--version"]) or ""
+    match = re.search(r"release (\d+)\.(\d+)", text)
+    if not match:
+        return [Finding("nvcc", Level.warn, f"cannot read the version of {nvcc}")]
+    nvcc_ver = f"{match.group(1)}.{match.group(2)}"
+    if not torch_cuda:
+        return [Finding("nvcc", Level.ok, f"nvcc {nvcc_ver} ({nvcc}); CPU torch does not use it")]
+    if match.group(1) != str(torch_cuda).split(".")[0]:
+        return [Finding("nvcc", Level.warn, f"nvcc {nvcc_ver} but torch is built for CUDA {torch_cuda}: DeepSpeed "
+                        "refuses to JIT-build CUDA ops across major versions",
+                        "install the toolkit matching torch (or a torch build matching nvcc), and set CUDA_HOME to it")]  # fmt: skip
+    return [Finding("nvcc", Level.ok, f"nvcc {nvcc_ver} matches torch's CUDA {torch_cuda}")]
+
+
+def check_compilers(probe: Probe, ctx: Context) -> List[Finding]:
+    cxx = probe.environ.get("CXX") or probe.which("c++") or probe.which("g++")
+    ninja = probe.which("ninja")
+    missing = [name for name, found in (("a C++ compiler", cxx), ("ninja", ninja)) if not found]
+    if not missing:
+        return [Finding("jit", Level.ok, f"JIT builds possible: C++ {cxx}, ninja {ninja}")]
+    level = Level.error if ctx.needs_jit else Level.warn
+    why = ("this config uses a JIT-built optimizer (CPU offload -> DeepSpeedCPUAdam, or optimizer.torch_adam=false)"
+           if ctx.needs_jit else "DeepSpeed cannot JIT-build ops (CPU offload Adam, the CPU shm comm op)")  # fmt: skip
+    return [Finding("jit", level, f"missing {' and '.join(missing)}: {why}",
+                    "apt install build-essential && pip install ninja")]  # fmt: skip
+
+
+def check_aio(probe: Probe, ctx: Context) -> List[Finding]:
+    lib = probe.find_library("aio")
+    header = probe.exists("/usr/include/libaio.h")
+    if lib and header:
+        return [Finding("libaio", Level.ok, f"libaio found ({lib}): NVMe offload can build its async I/O op")]
+    what = "libaio missing" if not lib else "libaio headers missing"
+    if not ctx.needs_aio:
+        return [Finding("libaio", Level.ok, f"{what} (only offload=nvme needs it)")]
+    return [Finding("libaio", Level.error, f"{what}: offload=nvme cannot build its async I/O op",
+                    "apt install libaio-dev")]  # fmt: skip
+
+
+def check_shm(probe: Probe, ctx: Context) -> List[Finding]:
+    size = probe.shm_bytes()
+    if size is None:
+        return [Finding("shm", Level.warn, "/dev/shm is missing", "DataLoader workers need it; use data.num_workers=0")]
+    msg = f"/dev/shm: {size / GIB:.1f} GiB"
+    if size < GIB and ctx.num_workers > 0:
+        return [Finding("shm", Level.error, f"{msg} with data.num_workers={ctx.num_workers}: workers pass batches "
+                        "through shared memory and die with 'bus error'",
+                        "docker run --shm-size=16g (or --ipc=host), or data.num_workers=0")]  # fmt: skip
+    if size < GIB:
+        return [Finding("shm", Level.warn, f"{msg}: small; DataLoader workers would fail",
+                        "docker run --shm-size=16g before raising data.num_workers")]  # fmt: skip
+    return [Finding("shm", Level.ok, msg)]
+
+
+def check_extensions_cache(probe: Probe, ctx: Context) -> List[Finding]:
+    root = probe.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        probe.environ.get("HOME", str(Path.home())), ".cache", "torch_extensions"
+    )
+    out = []
+    if not probe.writable(root):
+        out.append(Finding("torch_extensions", Level.error if ctx.needs_jit else Level.warn,
+                           f"{root} is not writable: JIT builds cannot cache", "export TORCH_EXTENSIONS_DIR=/writable/dir"))  # fmt: skip
+    stale = [(p, age) for p, age in probe.lock_files(root) if age > 600]
+    for path, age in stale:
+        out.append(Finding("torch_extensions", Level.warn, f"stale build lock {path} ({age / 60:.0f} min old): the "
+                           "next build of this op waits forever", f"rm {path}  (when no build is running)"))  # fmt: skip
+    if not out:
+        built = probe.built_ops(root)
+        out.append(Finding("torch_extensions", Level.ok, f"{root}: built ops: {', '.join(built) or 'none yet'}"))
+    return out
+
+
+CHECKS: List[Callable[[Probe, Context], List[Finding]]] = [
+    check_packages,
+    check_torch,
+    check_accelerator,
+    check_cuda_home,
+    check_nvcc,
+    check_compilers,
+    check_aio,
+    check_shm,
+    check_extensions_cache,
+]
+
+
+def diagnose(probe: Probe, ctx: Context) -> List[Finding]:
+    findings: List[Finding] = []
+    for check in CHECKS:
+        try:
+            findings += check(probe, ctx)
+        except Exception as exc:  # noqa: BLE001 - one broken check must not hide the others
+            findings.append(Finding(check.__name__.replace("check_", ""), Level.warn, f"check failed: {exc!r}"))
+    return findings
+
+
+def render(findings: List[Finding]) -> str:
+    mark = {Level.ok: "ok   ", Level.warn: "WARN ", Level.error: "ERROR"}
+    lines = []
+    for f in findings:
+        lines.append(f"[{mark[f.level]}] {f.check}: {f.message}")
+        if f.fix and f.level is not Level.ok:
+            lines.append(f"        fix: {f.fix}")
+    errors = sum(f.level is Level.error for f in findings)
+    warns = sum(f.level is Level.warn for f in findings)
+    lines.append(f"\n{errors} error(s), {warns} warning(s)" + (": training cannot work here" if errors else ""))
+    return "\n".join(lines)
+
+
+def main(argv: List[str]) -> int:
+    from dsrecipes.cli import override_parser, parse
+
+    parser = override_parser("doctor", "check the environment (torch, CUDA, compilers, shm, caches)")
+    parser.add_argument("--json", action="store_true", help="print findings as JSON")
+    args = parse(parser, argv)
+    ctx = Context()
+    try:
+        from dsrecipes.config.load import compose_and_load
+
+        ctx = Context.from_config(compose_and_load(args.overrides, check_files=False))
+    except Exception as exc:  # noqa: BLE001 - doctor must run even where the config (or hydra) is broken
+        print(f"note: could not compose the config ({exc}); checking without it", file=sys.stderr)
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout on import; keep --json clean
+        findings = diagnose(Probe(), ctx)
+    if args.json:
+        print(json.dumps([{**asdict(f), "level": f.level.value} for f in findings], indent=2))
+    else:
+        print(render(findings))
+    return 1 if any(f.level is Level.error for f in findings) else 0
