@@ -139,7 +139,7 @@ def test_iterable_loader_endless_cycles_epochs(tmp_path):
     assert loaders[0].steps_per_epoch is None
     per_epoch = 23 // (world * mbs)  # 5 steps
     out = run_epoch(loaders, 0, limit=3 * per_epoch + 2)
-    for r, lo in enumerate(loaders):
+    for lo in loaders:
         assert lo.epoch == 3
     for e in range(3):
         chunk = {r: v[e * per_epoch:(e + 1) * per_epoch] for r, v in out.items()}

@@ -15,7 +15,7 @@ the readers count); `presharded` reads the manifest. `--ledger RUN_DIR` checks a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -261,7 +261,7 @@ def audit_config(cfg: Any, world_size: int, epochs: int, num_rows: Optional[int]
 
         return audit_presharded(read_manifest(cfg.data.shard_dir).counts, layout, seed, shuffle, buffer, epochs)
     if cfg.data.kind is DataKind.iterable:
-        from dsrecipes.data.strategies.iterable import stream_spec
+        from dsrecipes.data.sampler import stream_spec
 
         stream, _ = stream_spec(cfg)
         return audit_stream(stream.counts(), layout, seed, shuffle, buffer, epochs, cfg.data.num_samples)

@@ -14,6 +14,7 @@ Guarantees, for every strategy, world size and `data.num_workers` (checked by `d
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set
 
 from dsrecipes.config.schema import BadRows, DataKind, TrainConfig
@@ -155,7 +156,7 @@ class EvalLoader:
         self.collate_fn = collate_fn
 
     def __len__(self) -> int:
-        return -(-(self.stop - self.start) // self.micro_batch_size)
+        return math.ceil((self.stop - self.start) / self.micro_batch_size)
 
     def __iter__(self) -> Iterator[Batch]:
         for lo in range(self.start, self.stop, self.micro_batch_size):

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 from torch.utils.data import IterableDataset
 
 from dsrecipes.data.plan import EpochPlan, Layout, StreamShuffle, presharded_steps
-from dsrecipes.data.sampler import Item, StreamSpec, StreamTooShort, count_rows, select_slots
+from dsrecipes.data.sampler import Item, StreamSpec, StreamTooShort, select_slots, stream_spec
 from dsrecipes.data.strategies.base import Batch, Row, TrainLoader
 from dsrecipes.errors import DataError
 
@@ -150,53 +150,6 @@ class _ReaderDataset(IterableDataset):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Wiring to the data layer (sources -> files, rows -> Conversation -> tokens).
-
-
-def stream_spec(cfg: Any) -> Tuple[StreamSpec, List[Any]]:
-    """(stream, source of each file): every source of `dataset` (`registry.resolve_sources` order), globs sorted.
-
-    `max_samples` (per source, then for the whole dataset) keeps the first rows in this natural order, counted as
-    lines (map data counts good conversations instead; they differ only when there are bad rows).
-    """
-    from dsrecipes.data.registry import resolve_sources
-    from dsrecipes.data.sharegpt import expand_paths
-
-    paths: List[str] = []
-    file_sources: List[Any] = []
-    limits: List[Optional[int]] = []
-    capped = False
-    for source in resolve_sources(cfg.dataset):
-        if source.weight != 1.0:
-            raise DataError(
-                f"dataset source {source.name!r}: data=iterable reads every source once, so mixing weight "
-                f"{source.weight} cannot be honoured; use data=map (or weight 1)"
-            )
-        files, missing = expand_paths(source.paths)
-        if missing:
-            raise DataError(f"dataset source {source.name!r}: {missing[0]!r} matches no file")
-        left = source.max_samples
-        for f in files:
-            paths.append(f)
-            file_sources.append(source)
-            if left is None:
-                limits.append(None)
-            else:
-                capped = True
-                limits.append(min(left, count_rows(f)))
-                left -= limits[-1]
-    if cfg.dataset.max_samples is not None:
-        capped = True
-        left = cfg.dataset.max_samples
-        for i, f in enumerate(paths):
-            limits[i] = min(left, count_rows(f) if limits[i] is None else limits[i])
-            left -= limits[i]
-    bad = [p for p in paths if not (p.endswith(".jsonl") or p.endswith(".jsonl.gz"))]
-    if bad:
-        raise DataError(
-            f"data=iterable streams JSONL files; {bad[0]} is not .jsonl(.gz). Convert it with "
-            "`dsrecipes shard` (writes JSONL parts) or use data=map"
-        )
-    return StreamSpec(tuple(paths), tuple(limits) if capped else None), file_sources
 
 
 def build(cfg: Any, tokenizer: Any, rank: int, world_size: int, run_dir: str) -> StreamTrainLoader:
