@@ -151,12 +151,13 @@ def init_distributed() -> tuple[int, int]:
 
 
 def finish_distributed() -> None:
-    """Leave the process group, so an in-process launcher (Hydra multirun) can start the next run."""
+    """Wait for every rank. The process group is left up on purpose: DeepSpeed caches its groups per process and
+    cannot rebuild them after destroy_process_group, so the next in-process run (local launcher, Hydra multirun)
+    reuses this one. Launched ranks exit right after."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
 
 
 def _free_port() -> int:
