@@ -61,11 +61,20 @@ def make_stream(paths, world, rank, workers=0, mbs=2, accum=1, num_samples=None,
                              collate_fn=collate_ids, num_workers=workers)
 
 
+class PartRows:
+    """make_rows of a part: ids `<rank>:<line>` (picklable, for spawned DataLoader workers)."""
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def __call__(self, items):
+        return [{"ids": [f"{self.rank}:{line}"]} for _, line, _ in items]
+
+
 def make_presharded(paths, world, rank, workers=0, mbs=2, accum=1, buffer=8):
     counts = [count_rows(p) for p in paths]
     return PreshardedTrainLoader(StreamSpec((paths[rank],)), Layout(1, mbs, accum, workers), 0, seed=0, shuffle=True,
-                                 shuffle_buffer=buffer, num_samples=counts[rank], make_rows=lambda items: [
-                                     {"ids": [f"{rank}:{line}"]} for _, line, _ in items],
+                                 shuffle_buffer=buffer, num_samples=counts[rank], make_rows=PartRows(rank),
                                  collate_fn=collate_ids, num_workers=workers, part_counts=counts, global_rank=rank)
 
 
