@@ -1,0 +1,141 @@
+"""Composition and load_config(): every option of every group, every recipe, and the negative cases."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dsrecipes.config.groups import RECIPE_GROUP, group_options, recipes
+from dsrecipes.config.load import check_composition, compose, compose_and_load, hydra_context
+from dsrecipes.config.schema import DataKind, OffloadDevice, Precision, TrainConfig
+from dsrecipes.config.validate import check_runtime
+from dsrecipes.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+OPTIONS = [(g, o) for g, opts in group_options().items() if g != RECIPE_GROUP for o in opts]
+RECIPES = recipes()
+
+
+def test_groups_and_recipes_are_discovered():
+    groups = group_options()
+    for g in ("data", "dataset", "model", "template", "zero", "offload", "precision", "optimizer", "scheduler",
+              "launcher", "trainer", "debug"):
+        assert groups.get(g), f"group {g} has no options"
+    assert set(groups["data"]) == {"map", "iterable", "presharded"}
+    assert set(groups["zero"]) == {"stage0", "stage1", "stage2", "stage3"}
+    assert {"none", "cpu_optimizer", "cpu_optimizer_params", "nvme"} <= set(groups["offload"])
+    assert {"fp32", "bf16", "fp16"} <= set(groups["precision"])
+    assert {"adamw", "adam", "lion", "sgd"} <= set(groups["optimizer"])
+    assert {"cosine", "linear", "constant"} <= set(groups["scheduler"])
+    assert {"local", "deepspeed", "deepspeed_multinode", "torchrun", "mpirun", "slurm"} <= set(groups["launcher"])
+    assert len(OPTIONS) > 30 and len(RECIPES) >= 4
+
+
+@pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_group_option_composes_against_the_schema(group, option):
+    with hydra_context():
+        composed = compose([f"{group}={option}"])
+    cfg, schema_errors, rule_errors = check_composition(composed, check_files=False)
+    assert not schema_errors
+    if not rule_errors:
+        assert isinstance(cfg, TrainConfig)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_validates(recipe):
+    cfg = compose_and_load([f"recipe={recipe}"], check_files=False)
+    assert isinstance(cfg, TrainConfig)
+    text = (REPO / "recipes" / f"{recipe}.yaml").read_text()
+    assert text.startswith("# @package _global_") and f"recipe={recipe}" in text, "recipes carry their command"
+
+
+def test_default_config_is_the_cpu_quickstart():
+    cfg = compose_and_load([])
+    assert cfg.model.path is None and cfg.launcher.kind.value == "local" and cfg.data.kind is DataKind.map
+    assert cfg.precision.dtype is Precision.fp32 and cfg.dataset.paths[0].endswith("sample_data/train.jsonl")
+
+
+def test_groups_are_orthogonal():
+    cfg = compose_and_load(["zero=stage3", "offload=cpu_optimizer_params", "precision=bf16"], check_files=False)
+    assert cfg.zero.stage == 3 and cfg.offload.param is OffloadDevice.cpu and cfg.precision.dtype is Precision.bf16
+
+
+def _problems(*overrides, check_files=False):
+    with pytest.raises(ConfigError) as info:
+        compose_and_load(list(overrides), check_files=check_files)
+    return info.value.problems
+
+
+def test_typo_on_the_command_line():
+    (msg,) = _problems("trainer.micro_batchsize=2")
+    assert "Key 'micro_batchsize' not in 'TrainerConfig'" in msg and "full_key: trainer.micro_batchsize" in msg
+
+
+def test_plus_typo_is_not_silently_dropped():
+    (msg,) = _problems("+trainer.typo=1")
+    assert msg.startswith("trainer.typo: unknown key") and "[from command-line override '+trainer.typo=1']" in msg
+    (msg,) = _problems("+foo=1")
+    assert msg.startswith("foo: unknown key")
+
+
+def test_bad_enum_and_wrong_type():
+    (msg,) = _problems("data.kind=foo")
+    assert "Invalid value 'foo', expected one of [map, iterable, presharded]" in msg and "data.kind" in msg
+    (msg,) = _problems("trainer.micro_batch_size=abc")
+    assert "could not be converted to Integer" in msg and "trainer.micro_batch_size" in msg
+
+
+def test_unknown_group_option():
+    (msg,) = _problems("zero=stage9")
+    assert "Could not find 'zero/stage9'" in msg and "stage3" in msg
+
+
+def test_typo_in_a_yaml_file_names_the_file(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    shutil.copytree(REPO / "conf", home / "conf", symlinks=True)
+    shutil.copytree(REPO / "recipes", home / "recipes")
+    (home / "conf" / "zero" / "typo.yaml").write_text("defaults:\n  - /schema/zero@_here_\n  - _self_\nstagee: 2\n")
+    monkeypatch.setenv("DSRECIPES_HOME", str(home))
+    (msg,) = _problems("zero=typo")
+    assert "zero/typo" in msg and "stagee" in msg
+
+
+def test_incompatible_stage_and_offload_and_all_problems_together():
+    problems = _problems("zero=stage2", "offload=cpu_optimizer_params", "trainer.micro_batch_size=0")
+    assert problems == [
+        "offload.param: parameter offload (cpu) needs ZeRO-3, but zero.stage=2 (use zero=stage3, or offload=cpu_optimizer)",
+        "trainer.micro_batch_size: must be >= 1, got 0",
+    ]
+    (msg,) = _problems("zero=stage0", "offload=cpu_optimizer")
+    assert msg == "offload.optimizer: optimizer offload (cpu) needs ZeRO >= 1, but zero.stage=0"
+
+
+def test_batch_size_is_derived_never_given():
+    (msg,) = _problems("+trainer.train_batch_size=64")
+    assert msg.startswith("trainer.train_batch_size: unknown key")
+    (msg,) = _problems("trainer.grad_accum=0")
+    assert msg == "trainer.grad_accum: must be >= 1, got 0"
+
+
+def test_iterable_needs_a_step_budget_or_a_length():
+    (msg,) = _problems("data=iterable", "trainer.max_steps=null")
+    assert msg.startswith("trainer.max_steps: data=iterable streams without knowing its length")
+    assert compose_and_load(["data=iterable", "trainer.max_steps=null", "data.num_samples=1000"], check_files=False)
+
+
+def test_files_must_exist():
+    problems = _problems("dataset.paths=[/nonexistent/*.jsonl]", "model.path=/no/such/model", check_files=True)
+    assert problems == [
+        "dataset.paths[0]: '/nonexistent/*.jsonl' matches no file",
+        "model.path: '/no/such/model' does not exist",
+    ]
+
+
+def test_fp16_is_valid_config_but_refused_without_cuda():
+    cfg = compose_and_load(["precision=fp16"])
+    assert cfg.precision.dtype is Precision.fp16
+    (msg,) = check_runtime(cfg, cuda_available=False)
+    assert msg.startswith("precision.dtype: fp16 needs a CUDA GPU")
+    assert check_runtime(cfg, cuda_available=True) == []
