@@ -98,7 +98,7 @@ class RawRow:
     """One row as read from a file: `value` is the parsed JSON, or `error` says why it could not be parsed."""
 
     path: str
-    loc: int  # 1-based line (JSONL) or 0-based array index (JSON)
+    loc: Optional[int]  # 1-based line (JSONL) or 0-based array index (JSON); None: the whole file
     value: Any = None
     error: Optional[BadRow] = None
     raw_text: Optional[str] = None  # the undecodable/unparsable text, for the quarantine
@@ -128,8 +128,9 @@ class BadRowReport:
     def skipped(self) -> int:
         return sum(self.counts.values())
 
-    def add(self, path: str, loc: int, bad: BadRow, raw: Any = None) -> None:
-        where = f"{path}:{loc}" if loc else path
+    def add(self, path: str, loc: Optional[int], bad: BadRow, raw: Any = None) -> None:
+        """`loc`: line (JSONL) or index (JSON array); None for a problem with the whole file or pattern."""
+        where = path if loc is None else f"{path}:{loc}"
         if self.policy is BadRows.error:
             detail = f" ({_short(bad.detail)})" if bad.detail else ""
             raise DataError(f"{where}: {bad.reason.value}{detail}; set dataset.bad_rows=skip to quarantine bad rows")
@@ -207,7 +208,7 @@ def read_rows(path: str) -> Iterator[RawRow]:
             any_row = True
             yield _parse_line(path, lineno, line)
         if not any_row:
-            yield RawRow(path, 0, error=BadRow(BadReason.empty_file, "no rows"))
+            yield RawRow(path, None, error=BadRow(BadReason.empty_file, "no rows"))
 
 
 def read_jsonl_rows(path: str) -> Iterator[RawRow]:
@@ -229,12 +230,12 @@ def _parse_line(path: str, loc: int, line: bytes) -> RawRow:
 
 def _json_array_rows(path: str, data: bytes) -> Iterator[RawRow]:
     if not data.strip():
-        yield RawRow(path, 0, error=BadRow(BadReason.empty_file, "no rows"))
+        yield RawRow(path, None, error=BadRow(BadReason.empty_file, "no rows"))
         return
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        yield RawRow(path, 0, error=BadRow(BadReason.invalid_utf8, f"whole file: {exc}"))
+        yield RawRow(path, None, error=BadRow(BadReason.invalid_utf8, f"whole file: {exc}"))
         return
     try:
         value = json.loads(text)
@@ -243,15 +244,15 @@ def _json_array_rows(path: str, data: bytes) -> Iterator[RawRow]:
             lines = data.splitlines()
             yield from (_parse_line(path, i, ln) for i, ln in enumerate(lines, start=1) if ln.strip())
             return
-        yield RawRow(path, 0, error=BadRow(BadReason.invalid_json, f"whole file: {exc}"), raw_text=text[:2000])
+        yield RawRow(path, None, error=BadRow(BadReason.invalid_json, f"whole file: {exc}"), raw_text=text[:2000])
         return
     if isinstance(value, dict):
         value = [value]
     if not isinstance(value, list):
-        yield RawRow(path, 0, error=BadRow(BadReason.not_an_object, "top level is not an array of rows"))
+        yield RawRow(path, None, error=BadRow(BadReason.not_an_object, "top level is not an array of rows"))
         return
     if not value:
-        yield RawRow(path, 0, error=BadRow(BadReason.empty_file, "empty array"))
+        yield RawRow(path, None, error=BadRow(BadReason.empty_file, "empty array"))
     for index, item in enumerate(value):
         yield RawRow(path, index, value=item)
 
@@ -411,7 +412,7 @@ def iter_source(source: SourceConfig, report: BadRowReport, limit: Optional[int]
     files, missing = expand_paths(source.paths)
     for pattern in missing:
         report.rows_read += 1
-        report.add(pattern, 0, BadRow(BadReason.no_matching_path, f"source {source.name!r}: no file matches"))
+        report.add(pattern, None, BadRow(BadReason.no_matching_path, f"source {source.name!r}: no file matches"))
     kept = 0
     for path in files:
         for row in read_rows(path):
