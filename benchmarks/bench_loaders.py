@@ -1,0 +1,188 @@
+"""Loader throughput of each data strategy, and peak memory of streaming as the data grows.
+
+    python benchmarks/bench_loaders.py                       # throughput on a generated 20k-conversation corpus
+    python benchmarks/bench_loaders.py --memory 10000 1000000  # peak RSS of data=iterable (corpus in /tmp)
+
+Throughput: one epoch of rank 0 of a world of 2 (so every strategy reads half the corpus), with 0 and 2 DataLoader
+workers, in samples/s and tokens/s (real tokens of the collated micro-batches), against a plain loop that reads,
+parses, tokenizes and collates the same JSONL in one process. `map` excludes its one-off `prepare` (reported
+separately, it is cached); `presharded` excludes `dsrecipes shard` (also reported).
+
+Memory: a child process per size runs a full epoch of data=iterable (rank 0 of a world of 32, no workers: it scans
+every line and tokenizes 1/32 of them) over one JSONL file of N conversations and reports its peak RSS (ru_maxrss)
+and the RSS before iterating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List
+
+SAMPLE = Path(__file__).resolve().parents[1] / "dsrecipes" / "assets" / "sample_data" / "train.jsonl"
+MBS = 8
+MEMORY_WORLD = 32
+
+
+def generate(out_dir: Path, conversations: int, files: int = 1) -> List[str]:
+    """`conversations` rows cycled from the bundled sample data with fresh ids, in `files` files of uneven size."""
+    bases = []
+    with open(SAMPLE, encoding="utf-8") as fh:
+        for line in fh:
+            row = json.loads(line)
+            row.pop("id", None)
+            bases.append(json.dumps(row, ensure_ascii=False)[1:])
+    weights = [2**i for i in range(files)]  # very uneven: each file twice the previous
+    sizes = [conversations * w // sum(weights) for w in weights]
+    sizes[-1] += conversations - sum(sizes)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths, k = [], 0
+    for f, size in enumerate(sizes):
+        path = out_dir / f"conv_{f:02d}.jsonl"
+        with open(path, "w", encoding="utf-8") as fh:
+            for _ in range(size):
+                fh.write(f'{{"id": "c{k}", ' + bases[k % len(bases)] + "\n")
+                k += 1
+        paths.append(str(path))
+    return paths
+
+
+def overrides_for(paths: List[str], cache: Path) -> List[str]:
+    return ["dataset=sharegpt_files", "dataset.paths=[" + ",".join(paths) + "]", "dataset.val_size=0",
+            "dataset.bad_rows=error", f"trainer.micro_batch_size={MBS}", "trainer.grad_accum=1", "trainer.max_steps=null",
+            "trainer.epochs=1", f"data.cache_dir={cache}", "data.cutoff_len=512", "scheduler.warmup_steps=0"]
+
+
+def measure(batches) -> Dict[str, float]:
+    start = time.perf_counter()
+    samples = tokens = 0
+    for batch in batches:
+        samples += len(batch["ids"])
+        tokens += int(batch["num_tokens"])
+    secs = time.perf_counter() - start
+    return {"samples": samples, "seconds": round(secs, 2), "samples_per_s": round(samples / secs),
+            "tokens_per_s": round(tokens / secs)}
+
+
+def plain_loop(cfg, tokenizer, paths: List[str]):
+    """The baseline: read + parse + normalise + tokenize + collate every line, one process, no planning."""
+    from dsrecipes.config.schema import SourceConfig
+    from dsrecipes.data.collate import collate
+    from dsrecipes.data.sharegpt import normalize_row
+    from dsrecipes.data.tokenize import Encoder
+
+    enc = Encoder(tokenizer, cfg)
+    source = SourceConfig(name="x")
+    pad = tokenizer.pad_token_id
+    convs = []
+    for path in paths:
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                raw = json.loads(line)
+                convs.append(normalize_row(raw, raw["id"], source))
+                if len(convs) == MBS:
+                    rows = [{"ids": [e.id], "input_ids": e.input_ids, "labels": e.labels} for e in enc.encode_batch(convs) if e]
+                    yield collate(rows, pad)
+                    convs = []
+
+
+def throughput(conversations: int, work: Path) -> List[Dict[str, object]]:
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.data.prepare import prepare
+    from dsrecipes.data.shard import shard
+    from dsrecipes.data.strategies import build_train_loader
+    from dsrecipes.model import load_tokenizer
+
+    paths = generate(work / "corpus", conversations, files=5)
+    base = overrides_for(paths, work / "cache")
+    cfg = compose_and_load(base)
+    tok = load_tokenizer(cfg)
+    results: List[Dict[str, object]] = []
+    results.append({"strategy": "plain loop (all samples, 1 process)", "workers": 0, **measure(plain_loop(cfg, tok, paths))})
+
+    run = work / "run"
+    t = time.perf_counter()
+    prepare(cfg, tok, run)
+    prep_s = time.perf_counter() - t
+    t = time.perf_counter()
+    shard(cfg, 2, str(work / "shards"), "samples", force=True)
+    shard_s = time.perf_counter() - t
+    kinds = {
+        "map": [],
+        "iterable": ["data=iterable", f"data.num_samples={conversations}"],
+        "presharded": ["data=presharded", f"data.shard_dir={work / 'shards'}"],
+    }
+    for name, extra in kinds.items():
+        for workers in (0, 2):
+            c = compose_and_load(base + extra + [f"data.num_workers={workers}"])
+            loader = build_train_loader(c, tok, 0, 2, run)
+            results.append({"strategy": f"{name} (rank 0 of 2)", "workers": workers, **measure(loader)})
+    results.append({"strategy": "one-off: prepare (map)", "seconds": round(prep_s, 2)})
+    results.append({"strategy": "one-off: shard --parts 2 (presharded)", "seconds": round(shard_s, 2)})
+    return results
+
+
+def memory_child(path: str, conversations: int) -> None:
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.data.strategies import build_train_loader
+    from dsrecipes.model import load_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = compose_and_load(overrides_for([path], Path(tmp)) + ["data=iterable", f"data.num_samples={conversations}"])
+        tok = load_tokenizer(cfg)
+        loader = build_train_loader(cfg, tok, 0, MEMORY_WORLD, tmp)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        stats = measure(loader)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"conversations": conversations, "rss_before_mib": round(before / 1024, 1),
+                      "peak_rss_mib": round(peak / 1024, 1), **stats}))
+
+
+def memory(sizes: List[int]) -> List[Dict[str, object]]:
+    out = []
+    for n in sizes:
+        path = Path("/tmp") / f"dsrecipes_bench_{n}.jsonl"
+        if not path.is_file() or sum(1 for _ in open(path, "rb")) != n:
+            generated = generate(Path("/tmp") / f"dsrecipes_bench_{n}", n, files=1)[0]
+            os.replace(generated, path)
+        proc = subprocess.run([sys.executable, __file__, "--memory-child", str(path), str(n)], capture_output=True,
+                              text=True, check=True)
+        out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--conversations", type=int, default=20000)
+    parser.add_argument("--memory", type=int, nargs="*", default=None, metavar="N")
+    parser.add_argument("--memory-child", nargs=2, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.memory_child:
+        memory_child(args.memory_child[0], int(args.memory_child[1]))
+        return
+    if args.memory is not None:
+        rows = memory(args.memory or [10000, 1000000])
+        for row in rows:
+            print(json.dumps(row))
+        if len(rows) > 1:
+            growth = rows[-1]["peak_rss_mib"] / rows[0]["peak_rss_mib"] - 1
+            print(f"peak RSS growth {rows[0]['conversations']} -> {rows[-1]['conversations']}: {growth:+.1%}")
+        return
+    with tempfile.TemporaryDirectory(prefix="dsrecipes-bench-") as tmp:
+        rows = throughput(args.conversations, Path(tmp))
+    print(f"{'strategy':<40} {'workers':>7} {'samples':>8} {'seconds':>8} {'samples/s':>10} {'tokens/s':>10}")
+    for r in rows:
+        print(f"{r['strategy']:<40} {r.get('workers', ''):>7} {r.get('samples', ''):>8} {r['seconds']:>8} "
+              f"{r.get('samples_per_s', ''):>10} {r.get('tokens_per_s', ''):>10}")
+
+
+if __name__ == "__main__":
+    main()
