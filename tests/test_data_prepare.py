@@ -117,8 +117,10 @@ def test_skip_policy_quarantine_and_accounting(cfg_for, tok, tmp_path):
     again = prepare(cfg, tok, tmp_path / "run2")  # a cache hit still leaves the quarantine in the run dir
     assert again.stats["cache_hit"] and (tmp_path / "run2" / "quarantine.jsonl").read_text(encoding="utf-8").splitlines() == lines
     strict = cfg_for(**files(FIX / "bad_rows.jsonl", **{**SKIP, "dataset.max_bad_fraction": 0.5}))
-    with pytest.raises(DataError, match="13 of 16 rows are bad"):
+    with pytest.raises(DataError, match="13 of 16 rows are bad") as err:
         prepare(strict, tok, tmp_path / "run3")
+    assert str(tmp_path / "run3" / "quarantine.jsonl") in str(err.value)  # kept for the user to look at
+    assert len((tmp_path / "run3" / "quarantine.jsonl").read_text(encoding="utf-8").splitlines()) == 13
     error = cfg_for(**files(FIX / "bad_rows.jsonl"))
     with pytest.raises(DataError, match=r"bad_rows.jsonl:2: invalid_json"):
         prepare(error, tok, tmp_path / "run4")

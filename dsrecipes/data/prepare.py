@@ -68,14 +68,18 @@ def prepare(cfg: TrainConfig, tokenizer: Any, run_dir: str | Path) -> Prepared:
     root = cache_root(cfg) / "prepared"
     final = root / key
     hit = (final / "done").is_file()
-    if not hit:
-        _build(cfg, tokenizer, key, root, final)
+    quarantine = run_dir / QUARANTINE_FILE
+    quarantine.unlink(missing_ok=True)  # never leave an older run's list beside this run's data
+    if hit:
+        if (final / QUARANTINE_FILE).is_file():
+            shutil.copyfile(final / QUARANTINE_FILE, quarantine)
+    else:
+        _build(cfg, tokenizer, key, root, final, quarantine)
     stats = json.loads((final / STATS_FILE).read_text(encoding="utf-8"))
     stats.update(cache_dir=str(final), cache_hit=hit)
+    if quarantine.is_file():
+        stats["quarantine"] = str(quarantine)
     _write_json(run_dir / STATS_FILE, stats)
-    if (final / QUARANTINE_FILE).is_file():
-        shutil.copyfile(final / QUARANTINE_FILE, run_dir / QUARANTINE_FILE)
-        stats["quarantine"] = str(run_dir / QUARANTINE_FILE)
     print(summary(stats), file=sys.stderr)
     return _open(final, stats)
 
@@ -179,12 +183,14 @@ def _write_json(path: Path, data: Any) -> None:
 # Building
 
 
-def _build(cfg: TrainConfig, tokenizer: Any, key: str, root: Path, final: Path) -> None:
+def _build(cfg: TrainConfig, tokenizer: Any, key: str, root: Path, final: Path, quarantine: Path) -> None:
+    """Prepare into a temporary directory and rename it to `final`; bad rows are listed in `quarantine` (the run
+    directory's copy, kept when preparation fails) and copied into the cache for later cache hits."""
     started = time.time()
     tmp = root / f".tmp-{key}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, tmp / QUARANTINE_FILE)
+    report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, quarantine)
     try:
         convs = list(iter_conversations(cfg.dataset, report=report))
         encoded = encode_all(convs, tokenizer, cfg)
@@ -208,6 +214,8 @@ def _build(cfg: TrainConfig, tokenizer: Any, key: str, root: Path, final: Path) 
         stats["seconds"] = round(time.time() - started, 2)
         stats["cache_key"] = key
         _write_json(tmp / STATS_FILE, stats)
+        if quarantine.is_file():
+            shutil.copyfile(quarantine, tmp / QUARANTINE_FILE)
         (tmp / "done").write_text(key, encoding="utf-8")
         try:
             os.rename(tmp, final)

@@ -181,7 +181,7 @@ def _tokenizer_template(conv: Conversation, cfg: TemplateConfig, tokenizer: Any)
         if t.role not in (Role.assistant, Role.tool_call):
             continue
         before = apply(messages[: offset + i], True)
-        after = apply(messages[: offset + i + 1], False)
+        after = full if offset + i + 1 == len(messages) else apply(messages[: offset + i + 1], False)
         if not (full.startswith(after) and after.startswith(before) and len(before) >= pos):
             raise BadRow(BadReason.template_error, f"chat_template is not prefix-stable at turn {i}; use a built-in template")
         body = after[len(before):].rstrip()
