@@ -119,8 +119,8 @@ def evaluate_model(model: Any, tokenizer: Any, prompts: List[Dict[str, Any]], ma
     ]
     losses = []
     for row in prompts:
-        prompt_ids = tokenizer.apply_chat_template(chat(row), add_generation_prompt=True, tokenize=True)
-        prompt_ids = list(prompt_ids["input_ids"] if isinstance(prompt_ids, dict) else prompt_ids)
+        rendered = tokenizer.apply_chat_template(chat(row), add_generation_prompt=True, tokenize=True, return_dict=True)
+        prompt_ids = list(rendered["input_ids"])
         input_ids = torch.tensor([prompt_ids], device=model.device)
         output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
                                 do_sample=False, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id)

@@ -25,7 +25,7 @@ from typing import List, Optional, Tuple
 import pytest
 import torch
 
-from conftest import subprocess_env
+from tests.conftest import subprocess_env
 
 pytestmark = pytest.mark.slow
 
