@@ -152,6 +152,7 @@ def memory(sizes: List[int]) -> List[Dict[str, object]]:
         if not path.is_file() or sum(1 for _ in open(path, "rb")) != n:
             generated = generate(Path("/tmp") / f"dsrecipes_bench_{n}", n, files=1)[0]
             os.replace(generated, path)
+            os.rmdir(Path(generated).parent)
         proc = subprocess.run([sys.executable, __file__, "--memory-child", str(path), str(n)], capture_output=True,
                               text=True, check=True)
         out.append(json.loads(proc.stdout.strip().splitlines()[-1]))

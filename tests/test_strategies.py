@@ -155,6 +155,25 @@ def test_iterable_loader_endless_cycles_epochs(tmp_path):
         check(chunk, all_ids(paths), world * mbs, per_epoch)
 
 
+def test_endless_resume_at_the_end_of_an_epoch(tmp_path):
+    """A state saved on the last step of an epoch resumes into the next epoch (no empty-epoch error)."""
+    paths = write_files(tmp_path, [10])
+    full = make_stream(paths, 1, 0, mbs=2)
+    it = iter(full)
+    batches = [next(it)["ids"] for _ in range(7)]  # 5 steps per epoch, then 2 of epoch 1
+    cut = make_stream(paths, 1, 0, mbs=2)
+    it = iter(cut)
+    for _ in range(5):
+        next(it)
+    state = cut.state_dict()
+    assert state["position"]["epoch"] == 0 and state["samples_consumed"] == 10
+    resumed = make_stream(paths, 1, 0, mbs=2)
+    resumed.load_state_dict(state)
+    it = iter(resumed)
+    assert [next(it)["ids"] for _ in range(2)] == batches[5:]
+    assert resumed.epoch == 1
+
+
 def test_presharded_loader_equal_steps(tmp_path):
     paths = write_files(tmp_path, [11, 10, 11])  # parts of +-1 samples
     world, mbs, accum = 3, 2, 2
@@ -178,11 +197,11 @@ def test_resume_mid_epoch_reproduces_the_rest(tmp_path, factory):
             return make_stream(paths, world, rank, workers, mbs, accum, num_samples=60)
         return make_presharded(paths, world, rank, workers, mbs, accum)
 
-    for rank in range(world):
+    for rank in (0, world - 1):
         full = make(rank, 0)
         full.set_epoch(1)
         expected = [b["ids"] for b in full]
-        for k in (1, 3, 4):
+        for k in (3, 4):  # inside an accumulation, at a step boundary
             first = make(rank, 2)
             first.set_epoch(1)
             it = iter(first)

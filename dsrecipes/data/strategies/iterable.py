@@ -119,7 +119,7 @@ class StreamTrainLoader(TrainLoader):
             yield batch
         if expected is not None and produced != expected:
             raise DataError(f"rank {self.global_rank}: the stream gave {produced} micro-batches instead of {expected}")
-        if expected is None and produced == 0 and start_micro == 0:
+        if expected is None and produced == 0 and offset == 0 and start_micro == 0:
             raise DataError(
                 f"epoch {self.epoch}: the stream does not fill one global batch of {self.layout.global_batch} "
                 "samples; use more data, fewer ranks or a smaller batch"
