@@ -140,7 +140,11 @@ def check_packages(probe: Probe, ctx: Context) -> List[Finding]:
         if ver is None:
             out.append(Finding(dist, Level.error, f"{dist} is not installed", f"pip install -e . (installs {dist})"))
         elif prefix and not ver.startswith(prefix):
-            out.append(Finding(dist, Level.error, f"{dist} {ver}; dsrecipes needs {prefix}x", f"pip install '{dist}=={prefix}*'"))
+            out.append(
+                Finding(
+                    dist, Level.error, f"{dist} {ver}; dsrecipes needs {prefix}x", f"pip install '{dist}=={prefix}*'"
+                )
+            )
         else:
             out.append(Finding(dist, Level.ok, f"{dist} {ver}"))
     for dist in ("datasets", "tokenizers", "peft", "ninja", "mpi4py"):
@@ -156,8 +160,14 @@ def check_torch(probe: Probe, ctx: Context) -> List[Finding]:
     if not t["cuda"]:
         return [Finding("device", Level.ok, f"torch {t['version']} (CPU build): ranks train on CPU over gloo")]
     if not t["cuda_available"]:
-        return [Finding("cuda", Level.warn, f"torch {t['version']} is built for CUDA {t['cuda']} but sees no GPU",
-                        "check `nvidia-smi`, the driver, and CUDA_VISIBLE_DEVICES; CPU training still works")]  # fmt: skip
+        return [
+            Finding(
+                "cuda",
+                Level.warn,
+                f"torch {t['version']} is built for CUDA {t['cuda']} but sees no GPU",
+                "check `nvidia-smi`, the driver, and CUDA_VISIBLE_DEVICES; CPU training still works",
+            )
+        ]
     names = ", ".join(sorted(set(map(str, t["devices"]))))
     out = [Finding("cuda", Level.ok, f"torch {t['version']}, CUDA {t['cuda']}, NCCL {t.get('nccl')}, "
                                      f"{len(t['devices'])} GPU(s): {names}")]  # fmt: skip
@@ -222,9 +232,15 @@ def check_nvcc(probe: Probe, ctx: Context) -> List[Finding]:
     if not torch_cuda:
         return [Finding("nvcc", Level.ok, f"nvcc {nvcc_ver} ({nvcc}); CPU torch does not use it")]
     if match.group(1) != str(torch_cuda).split(".")[0]:
-        return [Finding("nvcc", Level.warn, f"nvcc {nvcc_ver} but torch is built for CUDA {torch_cuda}: DeepSpeed "
-                        "refuses to JIT-build CUDA ops across major versions",
-                        "install the toolkit matching torch (or a torch build matching nvcc), and set CUDA_HOME to it")]  # fmt: skip
+        return [
+            Finding(
+                "nvcc",
+                Level.warn,
+                f"nvcc {nvcc_ver} but torch is built for CUDA {torch_cuda}: DeepSpeed "
+                "refuses to JIT-build CUDA ops across major versions",
+                "install the toolkit matching torch (or a torch build matching nvcc), and set CUDA_HOME to it",
+            )
+        ]
     return [Finding("nvcc", Level.ok, f"nvcc {nvcc_ver} matches torch's CUDA {torch_cuda}")]
 
 
@@ -274,12 +290,24 @@ def check_extensions_cache(probe: Probe, ctx: Context) -> List[Finding]:
     )
     out = []
     if not probe.writable(root):
-        out.append(Finding("torch_extensions", Level.error if ctx.needs_jit else Level.warn,
-                           f"{root} is not writable: JIT builds cannot cache", "export TORCH_EXTENSIONS_DIR=/writable/dir"))  # fmt: skip
+        out.append(
+            Finding(
+                "torch_extensions",
+                Level.error if ctx.needs_jit else Level.warn,
+                f"{root} is not writable: JIT builds cannot cache",
+                "export TORCH_EXTENSIONS_DIR=/writable/dir",
+            )
+        )
     stale = [(p, age) for p, age in probe.lock_files(root) if age > 600]
     for path, age in stale:
-        out.append(Finding("torch_extensions", Level.warn, f"stale build lock {path} ({age / 60:.0f} min old): the "
-                           "next build of this op waits forever", f"rm {path}  (when no build is running)"))  # fmt: skip
+        out.append(
+            Finding(
+                "torch_extensions",
+                Level.warn,
+                f"stale build lock {path} ({age / 60:.0f} min old): the next build of this op waits forever",
+                f"rm {path}  (when no build is running)",
+            )
+        )
     if not out:
         built = probe.built_ops(root)
         out.append(Finding("torch_extensions", Level.ok, f"{root}: built ops: {', '.join(built) or 'none yet'}"))

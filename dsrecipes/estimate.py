@@ -227,7 +227,11 @@ def _lora_guess(cfg: TrainConfig, params: int) -> int:
 
 
 def estimate(
-    cfg: TrainConfig, gpus_per_node: int, nodes: int, gpu_mem_gb: Optional[float] = None, hf_config: Optional[str] = None
+    cfg: TrainConfig,
+    gpus_per_node: int,
+    nodes: int,
+    gpu_mem_gb: Optional[float] = None,
+    hf_config: Optional[str] = None,
 ) -> Dict[str, Any]:
     shape = model_shape(cfg, hf_config)
     zero_init = cfg.model.path is not None  # dsrecipes.model loads local models partitioned (zero.Init) under ZeRO-3

@@ -88,7 +88,9 @@ def _build_local(cfg: TrainConfig, run_dir: Path, port: int, worker_module: str,
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     env.update(cfg.launcher.env)
     cmd = Command([sys.executable, *_worker_args(worker_module, run_dir)], env, in_process=True)
-    return LaunchPlan([cmd], notes=["launcher=local runs the worker inside this process; the line shows the equivalent"])
+    return LaunchPlan(
+        [cmd], notes=["launcher=local runs the worker inside this process; the line shows the equivalent"]
+    )
 
 
 def _deepspeed_resource_args(ln: LauncherConfig) -> List[str]:
@@ -132,7 +134,9 @@ def _build_deepspeed(cfg: TrainConfig, run_dir: Path, port: int, worker_module: 
         plan.files[DS_ENV_FILE] = "".join(f"{k}={v}\n" for k, v in sorted(ln.env.items()))
         env["DS_ENV_FILE"] = str(run_dir / DS_ENV_FILE)
         if ln.num_nodes > 1:
-            plan.requires.append(Requirement("pdsh", False, "deepspeed reaches the other hosts of a hostfile with pdsh"))
+            plan.requires.append(
+                Requirement("pdsh", False, "deepspeed reaches the other hosts of a hostfile with pdsh")
+            )
     return plan
 
 
@@ -202,7 +206,6 @@ def _build_mpirun(cfg: TrainConfig, run_dir: Path, port: int, worker_module: str
 
 
 def _build_slurm(cfg: TrainConfig, run_dir: Path, port: int, worker_module: str, environ: Mapping[str, str]):
-    ln = cfg.launcher
     script = run_dir / SBATCH_FILE
     plan = LaunchPlan(
         [Command(["sbatch", str(script)])],
@@ -248,7 +251,7 @@ def sbatch_script(cfg: TrainConfig, run_dir: Path, port: int, worker_module: str
         *[f"export {k}={q(v)}" for k, v in sorted(ln.env.items())],
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"MASTER_PORT={port}",
-        f'HOSTFILE={q(str(run_dir))}/hostfile.$SLURM_JOB_ID',
+        f"HOSTFILE={q(str(run_dir))}/hostfile.$SLURM_JOB_ID",
         f'scontrol show hostnames "$SLURM_JOB_NODELIST" | sed "s/$/ slots={per_node(ln)}/" > "$HOSTFILE"',
         "export MASTER_ADDR MASTER_PORT HOSTFILE",
         f"srun --nodes={ln.num_nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {q('exec ' + inner_sh)}",
@@ -305,7 +308,9 @@ def launch(cfg: TrainConfig, run_dir: Path, *, worker_module: str = WORKER_MODUL
     if cfg.launcher.dry_run:
         print(text, end="")
         return 0
-    missing = [f"launcher.kind={cfg.launcher.kind.value}: {r.name} not found ({r.why})" for r in plan.requires if r.missing()]
+    missing = [
+        f"launcher.kind={cfg.launcher.kind.value}: {r.name} not found ({r.why})" for r in plan.requires if r.missing()
+    ]
     if missing:
         raise UserError(missing)
     mine = [c for c in plan.commands if c.node_rank is None or c.node_rank == cfg.launcher.node_rank]

@@ -144,8 +144,13 @@ def varying_keys(rows: List[Dict[str, Any]]) -> List[str]:
 
 def write_summary(sweep_dir: Path) -> List[Dict[str, Any]]:
     rows = collect(sweep_dir)
-    summary = {"sweep_dir": str(sweep_dir), "swept": varying_keys(rows), "jobs": rows,
-               "ok": sum(r["status"] == "ok" for r in rows), "failed": sum(r["status"] == "failed" for r in rows)}  # fmt: skip
+    summary = {
+        "sweep_dir": str(sweep_dir),
+        "swept": varying_keys(rows),
+        "jobs": rows,
+        "ok": sum(r["status"] == "ok" for r in rows),
+        "failed": sum(r["status"] == "failed" for r in rows),
+    }
     write_json(sweep_dir / SUMMARY_JSON, summary)
     _write_atomic(sweep_dir / SUMMARY_MD, render_markdown(rows) + "\n")
     return rows

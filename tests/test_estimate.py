@@ -7,7 +7,10 @@ import io
 import json
 
 import pytest
-from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, estimate_zero3_model_states_mem_needs_all_cold
+from deepspeed.runtime.zero.stage3 import (
+    estimate_zero3_model_states_mem_needs,
+    estimate_zero3_model_states_mem_needs_all_cold,
+)
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
 from dsrecipes import estimate as est
@@ -48,7 +51,11 @@ def test_numbers_appear_in_deepspeeds_printed_table(mixed_adam):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         estimate_zero3_model_states_mem_needs_all_cold(P, L, 8, 2)
-    (line,) = [ln for ln in out.getvalue().splitlines() if "offload_param=none, offload_optimizer=OffloadDeviceEnum.cpu, zero_init=1" in ln]
+    (line,) = [
+        ln
+        for ln in out.getvalue().splitlines()
+        if "offload_param=none, offload_optimizer=OffloadDeviceEnum.cpu, zero_init=1" in ln
+    ]
     cpu_text, gpu_text = [cell.strip() for cell in line.split("|")[:2]]
     gpu, cpu = est.model_states(3, True, False, shape(), mixed_adam, 8, 2, zero_init=True)
     assert (f"{cpu / 2**30:.2f}GB", f"{gpu / 2**30:.2f}GB") == (cpu_text, gpu_text)
@@ -56,7 +63,7 @@ def test_numbers_appear_in_deepspeeds_printed_table(mixed_adam):
 
 def test_stage_ordering_and_lora_and_fp32(make_cfg, mixed_adam):
     gpus = [est.model_states(s, o, p, shape(), mixed_adam, 8, 1, False)[0] for s, _, o, p in est.OPTIONS]
-    by = dict(zip([(s, n) for s, n, _, _ in est.OPTIONS], gpus))
+    by = dict(zip([(s, n) for s, n, _, _ in est.OPTIONS], gpus, strict=True))
     assert by[(0, "none")] > by[(1, "none")] > by[(2, "none")] > by[(3, "none")] > by[(3, "cpu_optimizer_params")]
     assert by[(0, "none")] == 2 * P + 18 * P  # DeepSpeed's 2 + 18 bytes, nothing sharded
     # LoRA: frozen weights keep only their 2 bytes; states for the adapters only
@@ -92,8 +99,15 @@ def test_lora_shape_counts_adapters(make_cfg):
 def test_hf_config_dir_and_num_params(make_cfg, tmp_path):
     from transformers import Qwen2Config
 
-    Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True).save_pretrained(tmp_path)  # fmt: skip
+    Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ).save_pretrained(tmp_path)
     cfg = make_cfg(f"model.path={tmp_path}", check_files=False)
     s = est.model_shape(cfg)
     assert s.total_params == 494_032_768  # Qwen2.5-0.5B

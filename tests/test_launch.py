@@ -137,7 +137,11 @@ def test_torchrun_golden(make_cfg):
 
 def test_torchrun_multinode_endpoint(make_cfg):
     cfg, plan = plan_for(
-        make_cfg, "launcher=torchrun", "launcher.num_nodes=4", "launcher.num_gpus=8", "launcher.rdzv_endpoint=head:29400"
+        make_cfg,
+        "launcher=torchrun",
+        "launcher.num_nodes=4",
+        "launcher.num_gpus=8",
+        "launcher.rdzv_endpoint=head:29400",
     )
     argv = plan.commands[0].argv
     assert argv[argv.index("--rdzv_endpoint") + 1] == "head:29400"
@@ -155,7 +159,8 @@ def test_mpirun_golden(make_cfg):
     (cmd,) = plan.commands
     assert cmd.argv == [
         "mpirun", "-np", "2", PY, "-m", "dsrecipes.launch", "mpi-rank", "--master-port", str(PORT),
-        "--master-addr", "127.0.0.1", "--env", "FOO=bar baz", "--module", "dsrecipes.worker", "--", "--run-dir", str(RUN),
+        "--master-addr", "127.0.0.1", "--env", "FOO=bar baz", "--module", "dsrecipes.worker",
+        "--", "--run-dir", str(RUN),
     ]  # fmt: skip
     assert {r.name for r in plan.requires} == {"mpirun", "mpi4py"}
 
@@ -186,7 +191,10 @@ def test_free_port_only_for_default_single_node(make_cfg):
     assert cfg.launcher.master_port == launch.DEFAULT_MASTER_PORT
     ports = {launch.resolve_master_port(cfg) for _ in range(3)}
     assert launch.DEFAULT_MASTER_PORT not in ports
-    assert launch.resolve_master_port(make_cfg("launcher=deepspeed", "launcher.master_port=29777", check_files=False)) == 29777
+    assert (
+        launch.resolve_master_port(make_cfg("launcher=deepspeed", "launcher.master_port=29777", check_files=False))
+        == 29777
+    )
     multi = make_cfg("launcher=deepspeed_multinode", check_files=False)
     assert launch.resolve_master_port(multi) == launch.DEFAULT_MASTER_PORT  # every node must agree
 

@@ -10,7 +10,6 @@ import json
 import os
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def probe_env(monkeypatch):
-    from conftest import subprocess_env
+    from tests.conftest import subprocess_env
 
     env = subprocess_env({"PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])})
     for key in list(os.environ):
@@ -50,7 +49,9 @@ def probe_results(run_dir: Path, world: int):
 
 @pytest.mark.parametrize("kind", ["deepspeed", "torchrun"])
 def test_two_ranks_on_this_machine(make_cfg, tmp_path, probe_env, kind):
-    cfg = make_cfg(f"launcher={kind}", "launcher.num_gpus=2", "+launcher.env.PROBE_ENV=on-every-rank", check_files=False)
+    cfg = make_cfg(
+        f"launcher={kind}", "launcher.num_gpus=2", "+launcher.env.PROBE_ENV=on-every-rank", check_files=False
+    )
     assert launch.world_size(cfg) == 2
     assert launch.launch(cfg, tmp_path, worker_module=PROBE) == 0
     records = probe_results(tmp_path.resolve(), 2)

@@ -62,7 +62,7 @@ def test_result_contract_keys():
     assert sweep.RESULT_KEYS == ("status", "error", "final_loss", "final_eval_loss", "tokens_per_s", "peak_mem_mb")
 
 
-APP = '''
+APP = """
 import json, os
 from pathlib import Path
 import hydra
@@ -82,7 +82,7 @@ def job(cfg):
 
 if __name__ == "__main__":
     job()
-'''
+"""
 
 CONF = """
 x: 0
