@@ -19,9 +19,11 @@ import importlib.util
 import os
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
@@ -298,6 +300,7 @@ def launch(cfg: TrainConfig, run_dir: Path, *, worker_module: str = WORKER_MODUL
     UserError (exit 2) before anything starts.
     """
     run_dir = Path(run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
     plan = build_plan(cfg, run_dir, worker_module=worker_module)
     for name, content in plan.files.items():
         (run_dir / name).write_text(content, encoding="utf-8")
@@ -403,6 +406,9 @@ def _child_env(extra: Mapping[str, str]) -> Dict[str, str]:
 
 def _run_subprocess(cmd: Command) -> int:
     proc = subprocess.Popen(cmd.argv, env=_child_env(cmd.env))
+    # Pass a SIGTERM (scheduler, timeout) on to the launcher, which stops its ranks; no orphaned ranks.
+    forward = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: proc.terminate()) if forward else None
     try:
         return proc.wait()
     except KeyboardInterrupt:
@@ -412,6 +418,9 @@ def _run_subprocess(cmd: Command) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
         raise
+    finally:
+        if forward:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _run_in_process(cmd: Command, run_dir: Path) -> int:

@@ -38,11 +38,11 @@ class SweepSummary(Callback):
     def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
         from hydra.core.utils import JobStatus
 
-        run_dir = job_run_dir(config)
-        if not (run_dir / RESULT_FILE).is_file():
+        dirs = job_run_dirs(config)
+        if not any((d / RESULT_FILE).is_file() for d in dirs):
             failed = job_return.status == JobStatus.FAILED
             error = repr(job_return._return_value) if failed else "the job ended without writing result.json"
-            write_json(run_dir / RESULT_FILE, {**dict.fromkeys(RESULT_KEYS), "status": "failed", "error": error})
+            write_json(dirs[-1] / RESULT_FILE, {**dict.fromkeys(RESULT_KEYS), "status": "failed", "error": error})
         if _is_multirun(config):
             write_summary(Path(str(config.hydra.sweep.dir)))
 
@@ -60,14 +60,19 @@ def _is_multirun(config: Any) -> bool:
     return str(OmegaConf.select(config, "hydra.mode", default="")).endswith("MULTIRUN")
 
 
-def job_run_dir(config: Any) -> Path:
-    """Where a job's run lives: trainer.output_dir when set (resolved like the entry does), else Hydra's dir."""
+def job_run_dirs(config: Any) -> List[Path]:
+    """Where a job's files may be: trainer.output_dir when set (resolved like the entry does), then Hydra's dir."""
     from omegaconf import OmegaConf
 
-    explicit = OmegaConf.select(config, "trainer.output_dir", default=None)
-    if explicit:
-        return Path(str(explicit)).expanduser().resolve()
-    return Path(str(config.hydra.runtime.output_dir))
+    return _candidates(OmegaConf.select(config, "trainer.output_dir", default=None), config.hydra.runtime.output_dir)
+
+
+def _candidates(explicit: Any, job_dir: Any) -> List[Path]:
+    dirs = []
+    if explicit and "${" not in str(explicit):
+        dirs.append(Path(str(explicit)).expanduser().resolve())
+    dirs.append(Path(str(job_dir)))
+    return dirs
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -83,30 +88,34 @@ def collect(sweep_dir: Path) -> List[Dict[str, Any]]:
         overrides = yaml.safe_load(overrides_file.read_text(encoding="utf-8")) or []
         job_cfg_file = job_dir / ".hydra" / "config.yaml"
         job_cfg = yaml.safe_load(job_cfg_file.read_text(encoding="utf-8")) if job_cfg_file.is_file() else {}
-        explicit = ((job_cfg or {}).get("trainer") or {}).get("output_dir")
-        run_dir = Path(explicit).expanduser().resolve() if explicit else job_dir
-        rows.append({"job": job_dir.name, "overrides": [str(o) for o in overrides], "run_dir": str(run_dir),
-                     **read_run(run_dir)})  # fmt: skip
+        dirs = _candidates(((job_cfg or {}).get("trainer") or {}).get("output_dir"), job_dir)
+        rows.append({"job": job_dir.name, "overrides": [str(o) for o in overrides], "run_dir": str(dirs[0]),
+                     **read_run(*dirs)})  # fmt: skip
     rows.sort(key=lambda r: (not r["job"].isdigit(), int(r["job"]) if r["job"].isdigit() else 0, r["job"]))
     return rows
 
 
-def read_run(run_dir: Path) -> Dict[str, Any]:
-    """The RESULT_KEYS of one run: result.json first, metrics.jsonl for numbers it lacks."""
+def read_run(*dirs: Path) -> Dict[str, Any]:
+    """The RESULT_KEYS of one run: result.json first, metrics.jsonl for numbers it lacks (first dir holding each)."""
     result: Dict[str, Any] = dict.fromkeys(RESULT_KEYS)
-    result_file = run_dir / RESULT_FILE
-    if result_file.is_file():
+    result_file = _first(dirs, RESULT_FILE)
+    if result_file is not None:
         try:
             result.update(json.loads(result_file.read_text(encoding="utf-8")))
         except json.JSONDecodeError as exc:
             result.update(status="failed", error=f"unreadable {RESULT_FILE}: {exc}")
     else:
         result.update(status="unknown", error=f"no {RESULT_FILE} (still running, or killed)")
-    from_metrics = metrics_headline(run_dir / METRICS_FILE)
+    metrics_file = _first(dirs, METRICS_FILE)
+    from_metrics = metrics_headline(metrics_file) if metrics_file is not None else {}
     for key in HEADLINE:
         if result.get(key) is None:
             result[key] = from_metrics.get(key)
     return result
+
+
+def _first(dirs: Any, name: str) -> Optional[Path]:
+    return next((d / name for d in dirs if (d / name).is_file()), None)
 
 
 def metrics_headline(path: Path) -> Dict[str, Optional[float]]:

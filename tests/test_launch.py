@@ -263,3 +263,24 @@ def test_child_env_drops_inherited_rank_variables(monkeypatch):
 def test_shell_rendering_quotes():
     cmd = launch.Command(["a b", "c"], {"X": "1 2"})
     assert cmd.shell() == "X='1 2' 'a b' c"
+
+
+def test_sigterm_is_forwarded_to_the_launcher(tmp_path):
+    import os
+    import signal
+    import threading
+    import time
+
+    marker = tmp_path / "got-term"
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import pathlib, signal, sys, time\n"
+        f"signal.signal(signal.SIGTERM, lambda *a: (pathlib.Path({str(marker)!r}).write_text('x'), sys.exit(3)))\n"
+        "time.sleep(30)\n"
+    )
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Timer(3.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    start = time.time()
+    code = launch._run_subprocess(launch.Command([sys.executable, str(child)]))
+    assert code == 3 and marker.is_file() and time.time() - start < 20
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -138,3 +138,13 @@ def test_dsrecipes_sweep_dry_run_writes_summary(tmp_path):
     data = json.loads((sweep_dir / "summary.json").read_text())
     assert data["swept"] == ["zero"] and [j["status"] for j in data["jobs"]] == ["ok", "ok"]
     assert all((Path(j["run_dir"]) / "launch.txt").is_file() for j in data["jobs"])
+
+
+def test_explicit_output_dir_and_hydra_dir_are_both_searched(tmp_path):
+    out = tmp_path / "explicit"
+    out.mkdir()
+    job = fake_job(tmp_path / "sweep", 0, ["trainer.max_steps=3"], {"status": "ok", "error": None})  # result: Hydra dir
+    (job / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"trainer": {"output_dir": str(out)}}))
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 3, "loss": 1.5, "tokens_per_s": 9.0}) + "\n")
+    (row,) = sweep.collect(tmp_path / "sweep")
+    assert row["status"] == "ok" and row["final_loss"] == 1.5 and row["run_dir"] == str(out.resolve())
