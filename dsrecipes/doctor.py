@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional
@@ -116,7 +116,7 @@ class Context:
     num_workers: int = 0
     needs_jit: bool = False  # DeepSpeedCPUAdam / FusedAdam are JIT-built
     needs_aio: bool = False  # offload to NVMe
-    notes: List[str] = field(default_factory=list)
+    config: Optional[TrainConfig] = None  # the composed config, when composing worked
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> "Context":
@@ -125,6 +125,7 @@ class Context:
             num_workers=cfg.data.num_workers,
             needs_jit=cfg.offload.optimizer is not OffloadDevice.none or not cfg.optimizer.torch_adam,
             needs_aio=OffloadDevice.nvme in offloads,
+            config=cfg,
         )
 
 
@@ -314,6 +315,18 @@ def check_extensions_cache(probe: Probe, ctx: Context) -> List[Finding]:
     return out
 
 
+def check_config(probe: Probe, ctx: Context) -> List[Finding]:
+    """The config's machine-dependent rules (fp16 or flash attention without CUDA, ...), as the entry applies them."""
+    if ctx.config is None or probe.version("torch") is None:
+        return []
+    from dsrecipes.config.validate import check_runtime
+
+    problems = check_runtime(ctx.config, cuda_available=bool(probe.torch()["cuda_available"]))
+    if not problems:
+        return [Finding("config", Level.ok, "the composed config can run on this machine")]
+    return [Finding("config", Level.error, p) for p in problems]
+
+
 CHECKS: List[Callable[[Probe, Context], List[Finding]]] = [
     check_packages,
     check_torch,
@@ -324,6 +337,7 @@ CHECKS: List[Callable[[Probe, Context], List[Finding]]] = [
     check_aio,
     check_shm,
     check_extensions_cache,
+    check_config,
 ]
 
 

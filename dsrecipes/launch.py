@@ -82,6 +82,11 @@ class LaunchPlan:
 # Builders. Signature: (cfg, run_dir, port, worker_module, environ) -> LaunchPlan
 
 
+def _absolute(path: str) -> str:
+    """Commands may run elsewhere (other nodes, launch.txt re-run from another directory): no relative paths."""
+    return str(Path(path).expanduser().resolve())
+
+
 def _worker_args(worker_module: str, run_dir: Path) -> List[str]:
     return ["-m", worker_module, "--run-dir", str(run_dir)]
 
@@ -98,7 +103,7 @@ def _build_local(cfg: TrainConfig, run_dir: Path, port: int, worker_module: str,
 def _deepspeed_resource_args(ln: LauncherConfig) -> List[str]:
     args: List[str] = []
     if ln.hostfile:
-        args += ["--hostfile", ln.hostfile]
+        args += ["--hostfile", _absolute(ln.hostfile)]
     if ln.include:
         args += ["--include", ln.include]
     elif ln.exclude:
@@ -151,7 +156,7 @@ def _node_hostfile(ln: LauncherConfig) -> str:
 def _build_deepspeed_multinode(cfg, run_dir: Path, port: int, worker_module: str, environ: Mapping[str, str]):
     ln = cfg.launcher
     plan = LaunchPlan([], requires=[Requirement("deepspeed", True, "the deepspeed launcher")])
-    hostfile = ln.hostfile
+    hostfile = _absolute(ln.hostfile) if ln.hostfile else None
     if not hostfile:
         # --no_ssh still takes the node list (and rank offsets) from a hostfile; node names are only labels.
         plan.files[HOSTFILE] = _node_hostfile(ln)
@@ -187,7 +192,7 @@ def _build_mpirun(cfg: TrainConfig, run_dir: Path, port: int, worker_module: str
     nprocs = per_node(ln) * ln.num_nodes
     argv = ["mpirun", "-np", str(nprocs)]
     if ln.hostfile:
-        argv += ["--hostfile", ln.hostfile]
+        argv += ["--hostfile", _absolute(ln.hostfile)]
     # Each rank runs our shim: DeepSpeed's own mpi4py discovery (with our port), then the worker module.
     argv += [*ln.extra_args, sys.executable, "-m", "dsrecipes.launch", "mpi-rank", "--master-port", str(port)]
     if ln.num_nodes == 1 or ln.master_addr != LauncherConfig().master_addr:

@@ -173,3 +173,11 @@ def test_doctor_on_this_machine(capsys):
     checks = {f["check"] for f in findings}
     assert {"torch", "deepspeed", "accelerator", "shm", "jit", "torch_extensions"} <= checks
     assert code == (1 if any(f["level"] == "error" for f in findings) else 0)
+
+
+def test_config_rules_that_need_this_machine(make_cfg):
+    cpu_only = FakeProbe(torch_info={"version": "2.5.1+cpu", "cuda": None, "cuda_available": False, "devices": []})
+    ctx = Context.from_config(make_cfg("precision=fp16", check_files=False))
+    f = only(doctor.diagnose(cpu_only, ctx), "config")
+    assert f.level is Level.error and "fp16 needs a CUDA GPU" in f.message
+    assert only(doctor.diagnose(FakeProbe(), ctx), "config").level is Level.ok
