@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
@@ -29,6 +30,7 @@ class Window:
     tokens: int = 0  # real (non-pad) input tokens
     samples: int = 0
     started: float = 0.0
+    excluded: float = 0.0  # seconds spent inside `paused()` (eval, checkpoints)
 
     def add(self, loss: torch.Tensor, batch: Dict[str, Any]) -> None:
         self.loss_sum = self.loss_sum + loss.detach().float()
@@ -44,12 +46,21 @@ class Window:
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(sums)
         loss_sum, micro_batches, tokens, samples = sums.tolist()
-        seconds = max(time.perf_counter() - self.started, 1e-9)
+        seconds = max(time.perf_counter() - self.started - self.excluded, 1e-9)
         return {"loss": loss_sum / max(micro_batches, 1), "tokens": tokens, "samples": samples, "seconds": seconds}
 
     def reset(self) -> None:
         self.loss_sum, self.micro_batches, self.tokens, self.samples = 0.0, 0, 0, 0
-        self.started = time.perf_counter()
+        self.started, self.excluded = time.perf_counter(), 0.0
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent in this block does not count towards tokens/s."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.excluded += time.perf_counter() - start
 
 
 class MetricsLogger:

@@ -152,13 +152,14 @@ def token_loss_sum(
     Token t predicts label t+1. Labels equal to -100 do not count, and neither does the first token of a packed
     sample (where `position_ids` restarts at 0): it must not be predicted from the end of the previous sample.
     """
-    shift_logits = logits[:, :-1, :].float()
-    shift_labels = labels[:, 1:]
+    # Shift the labels left instead of slicing the logits: no copy of the (batch x length x vocab) tensor.
+    shift_labels = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     if position_ids is not None:
-        shift_labels = shift_labels.masked_fill(position_ids[:, 1:] == 0, IGNORE_INDEX)
+        starts = torch.nn.functional.pad(position_ids[:, 1:] == 0, (0, 1), value=False)
+        shift_labels = shift_labels.masked_fill(starts, IGNORE_INDEX)
     loss_sum = torch.nn.functional.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.size(-1)),
-        shift_labels.reshape(-1).to(shift_logits.device),
+        logits.float().reshape(-1, logits.size(-1)),
+        shift_labels.reshape(-1).to(logits.device),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
@@ -172,11 +173,12 @@ def micro_batch_loss(model: Any, batch: Dict[str, Any], device: torch.device) ->
     per-sample causal masks from the restarting `position_ids`.
     """
     attention_mask = batch["attention_mask"]
+    position_ids = batch["position_ids"].to(device)
     outputs = model(
         input_ids=batch["input_ids"].to(device),
-        position_ids=batch["position_ids"].to(device),
+        position_ids=position_ids,
         attention_mask=None if attention_mask is None else attention_mask.to(device),
         use_cache=False,
     )
-    loss_sum, n_tokens = token_loss_sum(outputs.logits, batch["labels"].to(device), batch["position_ids"].to(device))
+    loss_sum, n_tokens = token_loss_sum(outputs.logits, batch["labels"].to(device), position_ids)
     return loss_sum / n_tokens.clamp(min=1), n_tokens

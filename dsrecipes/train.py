@@ -70,7 +70,6 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
     window = Window()
     window.reset()
     clock_start = time.perf_counter() - state.elapsed
-    last_saved = last_evaluated = state.step if resume_from is not None else -1
 
     engine.train()
     batches = micro_batches(train_loader, state) if state.step < total_steps else ()
@@ -90,24 +89,18 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
         state.step += 1
         metrics.step()
         final = state.step >= total_steps
-        save_now = final or (t.save_every > 0 and state.step % t.save_every == 0)
-        if final or save_now or state.step % t.log_every == 0:
+        if final or due(state.step, t.log_every) or due(state.step, t.save_every):
             state.elapsed = time.perf_counter() - clock_start
             tracked = engine.get_global_grad_norm()
             log_window(metrics, window, state, lr, grad_norm if tracked is None else tracked)
-        if eval_loader is not None and (final or (t.eval_every > 0 and state.step % t.eval_every == 0)):
-            metrics.log_eval(state.step, evaluate(engine, eval_loader, t.eval_batches))
-            last_evaluated = state.step
-        if save_now:
-            save_checkpoint(engine, train_loader, state, run_dir, keep=t.keep_checkpoints)
-            last_saved = state.step
+        with window.paused():  # tokens/s counts training time only
+            if eval_loader is not None and (final or due(state.step, t.eval_every)):
+                metrics.log_eval(state.step, evaluate(engine, eval_loader, t.eval_batches))
+            if final or due(state.step, t.save_every):
+                save_checkpoint(engine, train_loader, state, run_dir, keep=t.keep_checkpoints)
         if final:
             break
 
-    if state.step > last_saved:  # resumed at (or past) the end: nothing left to train
-        save_checkpoint(engine, train_loader, state, run_dir, keep=t.keep_checkpoints)
-    if eval_loader is not None and state.step > last_evaluated:
-        metrics.log_eval(state.step, evaluate(engine, eval_loader, t.eval_batches))
     if ledger is not None:
         ledger.close()
     metrics.close()
@@ -242,6 +235,10 @@ def micro_batches(loader: Any, state: TrainState) -> Iterator[Dict[str, Any]]:
             state.epoch = batch["epoch"]  # an endless stream moves to its next epoch by itself
             yield batch
         state.epoch += 1
+
+
+def due(step: int, every: int) -> bool:
+    return every > 0 and step % every == 0
 
 
 def untracked_grad_norm(engine: Any) -> Optional[float]:
