@@ -51,10 +51,24 @@ def synth_row(rng: random.Random, i: int) -> dict:
     return row
 
 
+def _sample_row_maker():
+    """`make_row` of scripts/make_sample_data.py (not a package, so loaded from its file)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "make_sample_data.py"
+    spec = importlib.util.spec_from_file_location("make_sample_data", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.make_row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=100_000, help="conversations to generate")
     parser.add_argument("--cutoff", type=int, default=2048)
+    parser.add_argument("--kind", choices=["long", "sample"], default="long",
+                        help="long: synthetic chats of ~300 tokens (tokenizer-bound); sample: rows like the bundled "
+                             "sample data, ~50 tokens (template-bound)")
     parser.add_argument("--naive-n", type=int, default=None, help="samples for the (slow) naive loop; default min(n, 20000)")
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
@@ -72,9 +86,10 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-prepare-"))
     data = tmp / "bench.jsonl"
     rng = random.Random(0)
+    make_row = synth_row if args.kind == "long" else _sample_row_maker()
     with open(data, "w", encoding="utf-8") as fh:
         for i in range(args.n):
-            fh.write(json.dumps(synth_row(rng, i), ensure_ascii=False) + "\n")
+            fh.write(json.dumps(make_row(rng, i), ensure_ascii=False) + "\n")
     tok = AutoTokenizer.from_pretrained(str(TINY_TOKENIZER_DIR))
 
     def cfg_for(workers: int, cache: str):
@@ -133,7 +148,7 @@ def main() -> None:
 
     naive = next(r for r in results if r[0].startswith("naive"))
     naive_rate = naive[1] / naive[3]
-    print(f"\n{args.n} conversations, {tokens} tokens (tiny tokenizer, chatml, cutoff {args.cutoff}), "
+    print(f"\n{args.n} {args.kind} conversations, {tokens} tokens (tiny tokenizer, chatml, cutoff {args.cutoff}), "
           f"{os.cpu_count()} CPUs, python {sys.version.split()[0]}\n")
     print("| method | samples | samples/s | tokens/s | seconds | vs naive |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -201,3 +201,9 @@ def test_shared_glaive_files_read_cleanly(shared_data):
         roles = {t.role for c in convs for t in c.turns}
         assert roles == {Role.user, Role.assistant, Role.tool_call, Role.observation}
         assert sum(c.tools is not None for c in convs) > 100
+
+
+def test_empty_reply_is_kept_not_dropped():
+    raw = {"conversations": [{"from": "human", "value": "say nothing"}, {"from": "gpt", "value": ""}]}
+    conv = normalize_row(raw, "x", SourceConfig())
+    assert [(t.role, t.content) for t in conv.turns] == [(Role.user, "say nothing"), (Role.assistant, "")]

@@ -33,7 +33,7 @@ import shutil
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -43,7 +43,14 @@ import numpy as np
 from dsrecipes.config.load import config_to_dict
 from dsrecipes.config.schema import TrainConfig
 from dsrecipes.data.registry import resolve_sources
-from dsrecipes.data.sharegpt import BadRow, BadRowReport, Conversation, expand_paths, iter_conversations
+from dsrecipes.data.sharegpt import (
+    BadRow,
+    BadRowReport,
+    Conversation,
+    conversation_dict,
+    expand_paths,
+    iter_conversations,
+)
 from dsrecipes.data.tokenize import IGNORE_INDEX, Encoder, pack_plan, packing_efficiency
 from dsrecipes.errors import DataError
 
@@ -196,7 +203,7 @@ def _build(cfg: TrainConfig, tokenizer: Any, key: str, root: Path, final: Path, 
         encoded = encode_all(convs, tokenizer, cfg)
         for i, (reason, detail) in encoded.bad:
             conv = convs[i]
-            report.add(conv.path, conv.loc, BadRow(reason, detail), asdict(conv))
+            report.add(conv.path, conv.loc, BadRow(reason, detail), conversation_dict(conv))
         report.check()
         if not len(encoded.kept):
             raise DataError(f"dataset {cfg.dataset.name}: no usable samples ({report.summary()})")
@@ -361,7 +368,9 @@ def write_split(path: Path, items: List[Tuple[int, int]], convs: Sequence[Conver
     token_bounds = np.concatenate([[0], np.cumsum(lens)])[sample_bounds]
 
     def lists(values: Any, bounds: np.ndarray) -> pa.Array:
-        return pa.ListArray.from_arrays(pa.array(bounds.astype(np.int64)).cast(pa.int32()), values)
+        if bounds[-1] >= 2**31:  # more than 2^31 tokens in one split: 64-bit offsets
+            return pa.LargeListArray.from_arrays(pa.array(bounds, pa.int64()), values)
+        return pa.ListArray.from_arrays(pa.array(bounds, pa.int32()), values)
 
     ordered_ids = [sample_ids[i] for i in order]
     table = pa.table({

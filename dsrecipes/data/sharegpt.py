@@ -261,6 +261,12 @@ def _json_array_rows(path: str, data: bytes) -> Iterator[RawRow]:
 # Rows -> Conversation
 
 
+def conversation_dict(conv: Conversation) -> Dict[str, Any]:
+    """A Conversation as plain JSON data (quarantine entries for rows a template refused)."""
+    return {"id": conv.id, "system": conv.system, "tools": conv.tools,
+            "turns": [{"role": t.role.value, "content": t.content} for t in conv.turns]}
+
+
 def role_table(source: SourceConfig) -> Dict[str, Role]:
     """The alias table of a source: defaults plus `roles` (raw name -> canonical role name)."""
     table = dict(ROLE_ALIASES)
@@ -326,7 +332,7 @@ def _message_turns(raw: Dict[str, Any], source: SourceConfig, table: Dict[str, R
         content = _content_text(msg.get(cols.content), allow_none=bool(tool_calls))
         if content is None and not tool_calls:
             raise BadRow(BadReason.bad_value, f"turn {i}: {cols.content!r} is missing or not a string")
-        if content:
+        if content or not tool_calls:  # an assistant message holding only tool calls has no text turn
             turns.append(Turn(role, content))
         if tool_calls:
             turns += [Turn(Role.tool_call, _tool_call_text(tc, i)) for tc in tool_calls]
