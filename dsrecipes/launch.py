@@ -256,10 +256,12 @@ def sbatch_script(cfg: TrainConfig, run_dir: Path, port: int, worker_module: str
         f"cd {q(os.getcwd())}",
         *ln.slurm_setup,
         *[f"export {k}={q(v)}" for k, v in sorted(ln.env.items())],
-        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        # no `| head` under pipefail: scontrol would die of SIGPIPE on long node lists
+        'HOSTS=$(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        "MASTER_ADDR=$(printf '%s\\n' $HOSTS | sed -n 1p)",
         f"MASTER_PORT={port}",
         f"HOSTFILE={q(str(run_dir))}/hostfile.$SLURM_JOB_ID",
-        f'scontrol show hostnames "$SLURM_JOB_NODELIST" | sed "s/$/ slots={per_node(ln)}/" > "$HOSTFILE"',
+        f"printf '%s slots={per_node(ln)}\\n' $HOSTS > \"$HOSTFILE\"",
         "export MASTER_ADDR MASTER_PORT HOSTFILE",
         f"srun --nodes={ln.num_nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {q('exec ' + inner_sh)}",
     ]
