@@ -6,7 +6,7 @@ Every value is derived from the typed config and the real data-parallel world si
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from dsrecipes.config.schema import (
     OffloadDevice,
@@ -75,26 +75,35 @@ def _needs_total(cfg: TrainConfig, total: Optional[int]) -> int:
             f"scheduler={cfg.scheduler.name.value} decays over the run, so it needs the total number of optimizer "
             "steps: set trainer.max_steps, or let the launcher compute it from the data plan"
         )
-    return max(total, cfg.scheduler.warmup_steps + 1)
+    return max(total, _warmup(cfg)[0] + 1)
+
+
+def _warmup(cfg: TrainConfig) -> Tuple[int, float]:
+    """(warmup_num_steps, starting fraction of the peak lr). DeepSpeed's schedulers reject 0 warmup steps, so
+    "no warmup" is one step that already starts at the peak."""
+    steps = cfg.scheduler.warmup_steps
+    return (steps, 0.0) if steps > 0 else (1, 1.0)
 
 
 def _constant(cfg: TrainConfig, total: Optional[int]) -> Dict[str, Any]:
-    s = cfg.scheduler
-    return {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": cfg.optimizer.lr,
-                                          "warmup_num_steps": s.warmup_steps, "warmup_type": "linear"}}
+    steps, start = _warmup(cfg)
+    lr = cfg.optimizer.lr
+    return {"type": "WarmupLR", "params": {"warmup_min_lr": lr * start, "warmup_max_lr": lr,
+                                          "warmup_num_steps": steps, "warmup_type": "linear"}}
 
 
 def _linear(cfg: TrainConfig, total: Optional[int]) -> Dict[str, Any]:
-    s = cfg.scheduler
-    return {"type": "WarmupDecayLR", "params": {"total_num_steps": _needs_total(cfg, total), "warmup_min_lr": 0.0,
-                                               "warmup_max_lr": cfg.optimizer.lr, "warmup_num_steps": s.warmup_steps,
+    steps, start = _warmup(cfg)
+    lr = cfg.optimizer.lr
+    return {"type": "WarmupDecayLR", "params": {"total_num_steps": _needs_total(cfg, total), "warmup_min_lr": lr * start,
+                                               "warmup_max_lr": lr, "warmup_num_steps": steps,
                                                "warmup_type": "linear"}}
 
 
 def _cosine(cfg: TrainConfig, total: Optional[int]) -> Dict[str, Any]:
-    s = cfg.scheduler
-    return {"type": "WarmupCosineLR", "params": {"total_num_steps": _needs_total(cfg, total), "warmup_min_ratio": 0.0,
-                                                "warmup_num_steps": s.warmup_steps, "cos_min_ratio": s.min_lr_ratio,
+    steps, start = _warmup(cfg)
+    return {"type": "WarmupCosineLR", "params": {"total_num_steps": _needs_total(cfg, total), "warmup_min_ratio": start,
+                                                "warmup_num_steps": steps, "cos_min_ratio": cfg.scheduler.min_lr_ratio,
                                                 "warmup_type": "linear"}}
 
 

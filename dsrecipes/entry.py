@@ -56,10 +56,13 @@ def _job(composed: Any) -> None:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode.name == "MULTIRUN"
+    status = "ok"
     try:
-        cfg = load_config(composed, overrides=list(hc.overrides.task))
-        code = run(cfg, run_dir)
+        cfg = with_run_dir(load_config(composed, overrides=list(hc.overrides.task)), run_dir)
+        run_dir = Path(cfg.trainer.output_dir)
+        code = run(cfg)
         error = None if code == 0 else f"ranks exited with code {code}"
+        status = "dry_run" if cfg.launcher.dry_run and code == 0 else status
     except UserError as exc:
         print(exc.render(), file=sys.stderr)
         code, error = exc.exit_code, exc.render()
@@ -70,31 +73,39 @@ def _job(composed: Any) -> None:
 
         traceback.print_exc()
         code, error = 1, f"{type(exc).__name__}: {exc}"
-    write_result(run_dir, code, error)
+    write_result(run_dir, code, error, status)
     _Outcome.exit_code = _Outcome.exit_code or code
 
 
-def run(cfg: TrainConfig, hydra_run_dir: Path) -> int:
-    """Prepare, write the run directory, launch. Returns the ranks' exit code."""
+def run(cfg: TrainConfig) -> int:
+    """Prepare, write the run directory (`trainer.output_dir`), launch. Returns the ranks' exit code."""
     import torch
 
     from dsrecipes import launch
     from dsrecipes.config.validate import check_runtime
-    from dsrecipes.ds_config import build_ds_config
 
-    cfg = with_run_dir(cfg, hydra_run_dir)
     run_dir = Path(cfg.trainer.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     problems = check_runtime(cfg, cuda_available=torch.cuda.is_available())
     if problems:
         raise ConfigError(problems)
     world = launch.world_size(cfg)
-    total_steps = plan_run(cfg, run_dir, world)
-    write_yaml(run_dir / "config.yaml", config_to_dict(cfg))
-    ds = build_ds_config(cfg, world, total_steps)
-    (run_dir / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n", encoding="utf-8")
+    total_steps = write_run_dir(cfg, world)
     print(f"run directory: {run_dir}  (world size {world}, {total_steps} optimizer steps)", flush=True)
     return launch.launch(cfg, run_dir)
+
+
+def write_run_dir(cfg: TrainConfig, world_size: int) -> int:
+    """Prepare the data, then write config.yaml and ds_config.json into `trainer.output_dir`; returns total steps."""
+    from dsrecipes.ds_config import build_ds_config
+
+    run_dir = Path(cfg.trainer.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    total_steps = plan_run(cfg, run_dir, world_size)
+    write_atomic(run_dir / "config.yaml", yaml_text(config_to_dict(cfg)))
+    ds = build_ds_config(cfg, world_size, total_steps)
+    write_atomic(run_dir / "ds_config.json", json.dumps(ds, indent=2) + "\n")
+    return total_steps
 
 
 def with_run_dir(cfg: TrainConfig, hydra_run_dir: Path) -> TrainConfig:
@@ -105,7 +116,7 @@ def with_run_dir(cfg: TrainConfig, hydra_run_dir: Path) -> TrainConfig:
 
 
 def plan_run(cfg: TrainConfig, run_dir: Path, world_size: int) -> int:
-    """Prepare what the ranks will read and return the run's optimizer steps (equal on every rank)."""
+    """Prepare or check what the ranks will read; return the run's optimizer steps (equal on every rank)."""
     from dsrecipes.data.plan import plan_steps
 
     rows: Optional[int] = None
@@ -113,24 +124,34 @@ def plan_run(cfg: TrainConfig, run_dir: Path, world_size: int) -> int:
         from dsrecipes.data.prepare import prepare
         from dsrecipes.model import load_tokenizer
 
-        prepared = prepare(cfg, load_tokenizer(cfg), run_dir)
-        rows = len(prepared.train)
+        rows = len(prepare(cfg, load_tokenizer(cfg), run_dir).train)
+    elif cfg.data.kind is DataKind.iterable and cfg.data.prescan:
+        from dsrecipes.data.scan import scan_stream
+
+        scan_stream(cfg, run_dir)
     _, total = plan_steps(cfg, world_size, rows)
     return total
 
 
-def write_yaml(path: Path, data: Dict[str, Any]) -> None:
+def yaml_text(data: Dict[str, Any]) -> str:
     import yaml
 
-    path.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True), encoding="utf-8")
+    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
 
 
-def write_result(run_dir: Path, code: int, error: Optional[str]) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """Readers (ranks, other nodes) never see half a file: write beside, then rename into place."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def write_result(run_dir: Path, code: int, error: Optional[str], status: str = "ok") -> None:
     """<run>/result.json: status plus the headline numbers from metrics.jsonl (for sweep summaries)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    result: Dict[str, Any] = {"status": "ok" if code == 0 else "failed", "exit_code": code, "error": error}
+    result: Dict[str, Any] = {"status": status if code == 0 else "failed", "exit_code": code, "error": error}
     result.update(summarize_run(run_dir))
-    (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_atomic(run_dir / RESULT_FILE, json.dumps(result, indent=2) + "\n")
 
 
 def summarize_run(run_dir: Path) -> Dict[str, Any]:

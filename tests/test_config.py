@@ -139,3 +139,20 @@ def test_fp16_is_valid_config_but_refused_without_cuda():
     (msg,) = check_runtime(cfg, cuda_available=False)
     assert msg.startswith("precision.dtype: fp16 needs a CUDA GPU")
     assert check_runtime(cfg, cuda_available=True) == []
+
+
+def test_launcher_rules():
+    problems = _problems("launcher=torchrun", "launcher.num_nodes=2", "launcher.include=localhost:0",
+                         "launcher.master_port=70000")
+    assert problems == [
+        "launcher.include: --include/--exclude exist only for launcher=deepspeed, not torchrun",
+        "launcher.rdzv_endpoint: torchrun on several nodes needs a rendezvous host:port "
+        "(or launcher.master_addr set to node 0's address)",
+        "launcher.master_port: must be in 1..65535, got 70000",
+    ]
+    (msg,) = _problems("launcher=deepspeed", "launcher.num_nodes=2")
+    assert msg.startswith("launcher.hostfile: launcher=deepspeed on several nodes needs a hostfile")
+    (msg,) = _problems("launcher=deepspeed", "launcher.include=localhost:0")
+    assert msg.startswith("launcher.include: deepspeed cannot combine --include/--exclude with --num_gpus")
+    (msg,) = _problems("launcher=slurm", "launcher.num_gpus=null")
+    assert msg.startswith("launcher.num_gpus: launcher=slurm starts ranks on other machines")

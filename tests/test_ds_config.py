@@ -102,3 +102,12 @@ def test_every_combination_parses_in_deepspeed_at_world_1_2_8():
         assert r["scheduler"] == "WarmupCosineLR" and r["clip"] == 1.0
     for r in rejected:
         assert any("needs ZeRO" in p for p in r["rejected"])
+
+
+def test_no_warmup_starts_at_the_peak(make_cfg):
+    """DeepSpeed's schedulers reject warmup_num_steps=0; no warmup is one step that starts at the peak lr."""
+    for name, key, start in (("constant", "warmup_min_lr", 0.001), ("linear", "warmup_min_lr", 0.001),
+                             ("cosine", "warmup_min_ratio", 1.0)):
+        cfg = make_cfg(f"scheduler={name}", "scheduler.warmup_steps=0", check_files=False)
+        params = build_ds_config(cfg, 1)["scheduler"]["params"]
+        assert params["warmup_num_steps"] == 1 and params[key] == start

@@ -106,6 +106,7 @@ class DataConfig:
     cache_dir: Optional[str] = None  # tokenization cache; None = ~/.cache/dsrecipes
     num_samples: Optional[int] = None  # iterable only: known stream length, lets trainer.epochs work
     shard_dir: Optional[str] = None  # presharded only: directory written by `dsrecipes shard`
+    prescan: bool = True  # iterable only: read the stream once before launch to apply the bad-row policy
     prefetch_factor: int = 2
 
 

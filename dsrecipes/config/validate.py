@@ -134,6 +134,30 @@ def _misc(cfg: TrainConfig) -> List[str]:
         errors.append("launcher.kind: the local launcher runs one process; use launcher=deepspeed for several")
     if not 0 <= ln.node_rank < ln.num_nodes:
         errors.append(f"launcher.node_rank: must be in [0, {ln.num_nodes}), got {ln.node_rank}")
+    errors += _launcher(ln)
+    return errors
+
+
+def _launcher(ln) -> List[str]:
+    errors = []
+    multi = ln.num_nodes > 1
+    if (ln.include or ln.exclude) and ln.kind is not LauncherKind.deepspeed:
+        errors.append(f"launcher.include: --include/--exclude exist only for launcher=deepspeed, not {ln.kind.value}")
+    if ln.kind is LauncherKind.deepspeed and multi and not ln.hostfile:
+        errors.append("launcher.hostfile: launcher=deepspeed on several nodes needs a hostfile "
+                      "(or use launcher=deepspeed_multinode for the no-ssh mode)")
+    if ln.kind in (LauncherKind.deepspeed_multinode, LauncherKind.slurm) and ln.num_gpus is None:
+        errors.append(f"launcher.num_gpus: launcher={ln.kind.value} starts ranks on other machines, so say how many "
+                      "per node (this machine's device count is not theirs)")
+    if ln.kind is LauncherKind.torchrun and multi and not ln.rdzv_endpoint and ln.master_addr in ("127.0.0.1", "localhost"):
+        errors.append("launcher.rdzv_endpoint: torchrun on several nodes needs a rendezvous host:port "
+                      "(or launcher.master_addr set to node 0's address)")
+    if ln.kind is LauncherKind.mpirun and multi and not ln.hostfile:
+        errors.append("launcher.hostfile: mpirun on several nodes needs a hostfile")
+    if not 1 <= ln.master_port <= 65535:
+        errors.append(f"launcher.master_port: must be in 1..65535, got {ln.master_port}")
+    if ln.slurm_time_min < 1:
+        errors.append(f"launcher.slurm_time_min: must be >= 1, got {ln.slurm_time_min}")
     return errors
 
 
