@@ -2,8 +2,9 @@
 
 In the style of DeepSpeed-Chat's step-1 `prompt_eval.py`: both models get each prompt through the same chat
 template (the fine-tuned tokenizer's) and answer greedily. A score makes the comparison checkable: exact and
-contains match against each prompt's `reference`, and the mean per-token loss of the reference answer under each
-model (lower is better; it moves long before a tiny model gets whole answers right).
+contains match against each prompt's `reference`, character similarity to it (difflib ratio, 0..1), and the mean
+per-token loss of the reference answer under each model (lower is better). The last two move long before a tiny
+model gets whole answers right.
 
 A run directory works for either path: `--baseline RUN` means `RUN/export_init` (the seeded start of the embedded
 tiny model, written at step 0), `--finetuned RUN` means `RUN/export`.
@@ -12,6 +13,7 @@ tiny model, written at step 0), `--finetuned RUN` means `RUN/export`.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,6 +34,7 @@ class Score:
     exact: int = 0
     contains: int = 0
     total: int = 0
+    similarity: float = 0.0  # mean difflib ratio of answer and reference
     reference_loss: float = 0.0  # mean over prompts with a reference
     answers: List[str] = field(default_factory=list)
 
@@ -117,7 +120,7 @@ def evaluate_model(model: Any, tokenizer: Any, prompts: List[Dict[str, Any]], ma
     stop_ids = [tokenizer.eos_token_id] + [
         tokenizer.convert_tokens_to_ids(t) for t in END_OF_TURN_TOKENS if t in tokenizer.get_vocab()
     ]
-    losses = []
+    losses, similarities = [], []
     for row in prompts:
         rendered = tokenizer.apply_chat_template(chat(row), add_generation_prompt=True, tokenize=True, return_dict=True)
         prompt_ids = list(rendered["input_ids"])
@@ -132,8 +135,10 @@ def evaluate_model(model: Any, tokenizer: Any, prompts: List[Dict[str, Any]], ma
         score.total += 1
         score.exact += normalize(answer) == normalize(reference)
         score.contains += normalize(reference) in normalize(answer)
+        similarities.append(difflib.SequenceMatcher(None, normalize(answer), normalize(reference)).ratio())
         losses.append(reference_loss(model, tokenizer, prompt_ids, reference))
     score.reference_loss = sum(losses) / len(losses) if losses else float("nan")
+    score.similarity = sum(similarities) / len(similarities) if similarities else float("nan")
     return score
 
 
@@ -166,4 +171,4 @@ def print_side_by_side(prompts: List[Dict[str, Any]], scores: Dict[str, Score]) 
     print("==========score==========")
     for name, score in scores.items():
         print(f"{name:<10} exact {score.exact}/{score.total}  contains {score.contains}/{score.total}  "
-              f"reference loss {score.reference_loss:.3f}")
+              f"similarity {score.similarity:.3f}  reference loss {score.reference_loss:.3f}")

@@ -139,8 +139,24 @@ def init_distributed() -> tuple[int, int]:
         # Ranks sharing a CPU host split its cores instead of oversubscribing them.
         local_size = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
+    if os.environ.get("WORLD_SIZE") == "1":
+        _skip_shm_comm_op()
     deepspeed.init_distributed()
     return dist.get_rank(), dist.get_world_size()
+
+
+def _skip_shm_comm_op() -> None:
+    """A lone process talks to nobody, so it does not need DeepSpeed's shared-memory all-reduce op, which on a CPU
+    host is JIT-compiled (~45 s) the first time a process group starts. DeepSpeed treats a missing op as "use
+    torch.distributed", the same path it takes where the op cannot be built."""
+    import importlib
+
+    try:  # (`import deepspeed.comm.torch as m` would bind the torch package that deepspeed.comm re-exports)
+        ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
+    except ImportError:  # another DeepSpeed layout: keep its default
+        return
+    if hasattr(ds_comm_torch, "build_shm_op"):
+        ds_comm_torch.build_shm_op = lambda: None
 
 
 def finish_distributed() -> None:

@@ -243,3 +243,4 @@ def test_prompt_eval_finetuned_beats_its_start(zero2_run, tmp_path, capsys):
     assert "baseline: greedy" in printed and "finetuned: greedy" in printed and "==========score" in printed
     scores = json.loads(out.read_text())
     assert scores["finetuned"]["reference_loss"] < scores["baseline"]["reference_loss"] - 0.5
+    assert scores["finetuned"]["similarity"] >= scores["baseline"]["similarity"]

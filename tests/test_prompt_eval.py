@@ -1,0 +1,53 @@
+"""`dsrecipes prompt-eval` on two untrained tiny models (fast); the trained comparison is in test_train_runs.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsrecipes.cli import main as cli
+from dsrecipes.prompt_eval import DEFAULT_PROMPTS, read_prompts
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory):
+    from dsrecipes.checkpoint import export_initial
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.model import load_tokenizer
+
+    root = tmp_path_factory.mktemp("prompt_eval")
+    dirs = []
+    for seed in (1, 2):
+        cfg = compose_and_load(["debug=fast", f"model.tiny.seed={seed}"])
+        dirs.append(export_initial(cfg, load_tokenizer(cfg), root / f"seed{seed}"))
+    return dirs
+
+
+def test_bundled_prompts_have_references():
+    rows = read_prompts(DEFAULT_PROMPTS)
+    assert rows and all(isinstance(r["prompt"], str) and r.get("reference") for r in rows)
+
+
+def test_side_by_side_and_scores(two_models, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "What is 2 + 2?", "reference": "2 + 2 = 4."}, {"prompt": "Say hi.", "system": "Be brief."}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    out = tmp_path / "scores.json"
+    code = cli(["prompt-eval", "--baseline", str(two_models[0]), "--finetuned", str(two_models[1]),
+                "--prompts", str(prompts), "--max-new-tokens", "4", "--json", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert printed.count("----------baseline: greedy") == 2 and printed.count("----------finetuned: greedy") == 2
+    assert "----------reference----------\n2 + 2 = 4." in printed
+    scores = json.loads(out.read_text())
+    for name in ("baseline", "finetuned"):
+        assert scores[name]["total"] == 1 and len(scores[name]["answers"]) == 2  # only one prompt has a reference
+        assert scores[name]["reference_loss"] > 5  # untrained: about log(vocab)
+
+
+def test_bad_paths_are_user_errors(two_models, tmp_path, capsys):
+    assert cli(["prompt-eval", "--baseline", str(tmp_path), "--finetuned", str(two_models[1])]) == 2
+    assert "neither a Hugging Face model directory nor a run directory" in capsys.readouterr().err
+    assert cli(["prompt-eval", "--baseline", str(two_models[0]), "--finetuned", str(two_models[1]),
+                "--prompts", str(tmp_path / "missing.jsonl")]) == 2
