@@ -1,0 +1,67 @@
+"""train.py / worker.py pieces that need no process group (the real runs are in test_train_runs.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from dsrecipes.checkpoint import TrainState
+from dsrecipes.errors import UserError
+from dsrecipes.train import due, micro_batches, read_ds_config
+from dsrecipes.worker import main as worker_main
+
+
+class FakeLoader:
+    """Two epochs of three micro-batches; set_epoch keeps the position of the epoch it stands in."""
+
+    def __init__(self, epoch=0, consumed=0):
+        self.epoch, self.consumed, self.calls = epoch, consumed, []
+
+    def set_epoch(self, epoch):
+        self.calls.append(epoch)
+        if epoch != self.epoch:
+            self.epoch, self.consumed = epoch, 0
+
+    def __iter__(self):
+        while self.consumed < 3:
+            self.consumed += 1
+            yield {"epoch": self.epoch, "n": self.consumed}
+
+
+def test_micro_batches_cross_epochs_and_continue_a_resumed_epoch():
+    state = TrainState()
+    got = [(b["epoch"], b["n"]) for _, b in zip(range(5), micro_batches(FakeLoader(), state))]
+    assert got == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2)] and state.epoch == 1
+
+    resumed = TrainState(step=2, epoch=1)
+    loader = FakeLoader(epoch=1, consumed=2)  # as load_state_dict left it
+    got = [(b["epoch"], b["n"]) for _, b in zip(range(2), micro_batches(loader, resumed))]
+    assert got == [(1, 3), (2, 1)] and loader.calls == [1, 2]
+
+
+def test_due():
+    assert due(10, 5) and not due(11, 5) and not due(10, 0)
+
+
+def test_worker_tolerates_local_rank_and_reports_a_missing_run_dir(tmp_path, capsys):
+    assert worker_main(["--run-dir", str(tmp_path), "--local_rank=1"]) == 2
+    assert "config.yaml" in capsys.readouterr().err
+
+
+def test_missing_ds_config_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="ds_config.json"):
+        read_ds_config(tmp_path)
+
+
+def test_plan_total_steps_prefers_max_steps(monkeypatch):
+    from dsrecipes import train
+
+    monkeypatch.setattr(train, "_min_max_over_ranks", lambda v: (v, v))
+    cfg = SimpleNamespace(trainer=SimpleNamespace(max_steps=None, epochs=3))
+    assert train.plan_total_steps(cfg, SimpleNamespace(steps_per_epoch=7)) == 21
+    cfg.trainer.max_steps = 5
+    assert train.plan_total_steps(cfg, SimpleNamespace(steps_per_epoch=7)) == 5
+    monkeypatch.setattr(train, "_min_max_over_ranks", lambda v: (v, v + 1))
+    with pytest.raises(UserError, match="disagree"):
+        train.plan_total_steps(cfg, SimpleNamespace(steps_per_epoch=7))
