@@ -34,6 +34,7 @@ from dsrecipes.errors import UserError
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 COMPLETE = "complete.json"
+UNIVERSAL = "universal"
 EXPORT_DIR = "export"
 EXPORT_INIT_DIR = "export_init"
 # Fault injection for tests: kill every rank after the engine checkpoint of this step is written, before `latest`.
@@ -146,24 +147,71 @@ def latest_complete(root: Path) -> Optional[Path]:
     return complete[-1] if complete else None
 
 
-def load_checkpoint(engine: Any, loader: Any, tag_dir: Path) -> TrainState:
+@dataclass
+class ResumePoint:
+    tag_dir: Path  # the checkpoint (our per-rank files, complete.json)
+    load_dir: Path  # engine.load_checkpoint(load_dir, tag)
+    tag: str
+    saved_world_size: int
+    universal: bool = False  # needs `"checkpoint": {"load_universal": true}` in the DeepSpeed config
+
+
+def plan_resume(resume: str, run_dir: Path, world_size: int, zero_stage: int) -> Optional[ResumePoint]:
+    """Collective. What to load for `trainer.resume`, before the engine exists.
+
+    Same world size: the checkpoint as saved. Another world size (elastic resume): ZeRO-0 states are whole, so they
+    load as saved; ZeRO-1/2/3 shards are converted once by rank 0 into a DeepSpeed universal checkpoint
+    (`<tag>/universal`, ds_to_universal --inject_missing_state) that any world size can load.
+    """
+    import torch.distributed as dist
+
+    tag_dir = find_resume_checkpoint(resume, run_dir)
+    if tag_dir is None:
+        return None
+    saved = json.loads((tag_dir / COMPLETE).read_text(encoding="utf-8"))["world_size"]
+    if saved == world_size or zero_stage == 0:
+        return ResumePoint(tag_dir, tag_dir.parent, tag_dir.name, saved)
+    if dist.get_rank() == 0 and not (tag_dir / UNIVERSAL / COMPLETE).is_file():
+        convert_to_universal(tag_dir)
+    dist.barrier()
+    return ResumePoint(tag_dir, tag_dir, UNIVERSAL, saved, universal=True)
+
+
+def convert_to_universal(tag_dir: Path) -> Path:
+    from types import SimpleNamespace
+
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    out = tag_dir / UNIVERSAL
+    shutil.rmtree(out, ignore_errors=True)
+    ds_to_universal(SimpleNamespace(input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=1,
+                                    num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                    inject_missing_state=True))
+    # The engine still reads the module/scheduler/client state file from the universal tag.
+    for states in tag_dir.glob("mp_rank_*_model_states.pt"):
+        shutil.copy2(states, out / states.name)
+    _write_json(out / COMPLETE, {"source": tag_dir.name})
+    return out
+
+
+def load_checkpoint(engine: Any, loader: Any, point: ResumePoint) -> TrainState:
     """Collective: model/optimizer/scheduler via DeepSpeed, then this rank's data position and RNG (restored last,
-    so nothing between here and the first step draws from it)."""
+    so nothing between here and the first step draws from it).
+
+    At another world size every rank's saved position is the same global position (equal step counts), which the
+    data loader maps onto the new layout; RNG states are then left seeded, so such a resume is not step-exact.
+    """
     import torch.distributed as dist
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    saved_world = json.loads((tag_dir / COMPLETE).read_text(encoding="utf-8"))["world_size"]
-    if saved_world != world_size:
-        raise UserError(
-            f"trainer.resume: {tag_dir} was written by {saved_world} ranks, this run has {world_size}; per-rank data "
-            "positions cannot be mapped (convert with deepspeed.checkpoint.ds_to_universal and start a new run "
-            "from the exported model instead)"
-        )
-    load_path, client_state = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    load_path, client_state = engine.load_checkpoint(str(point.load_dir), tag=point.tag)
     if load_path is None:
-        raise UserError(f"trainer.resume: DeepSpeed could not load {tag_dir}")
-    loader.load_state_dict(json.loads((tag_dir / "data_state" / f"rank{rank}.json").read_text(encoding="utf-8")))
-    restore_rng(torch.load(tag_dir / "rng" / f"rank{rank}.pt", weights_only=False))
+        raise UserError(f"trainer.resume: DeepSpeed could not load {point.tag_dir}")
+    source_rank = min(rank, point.saved_world_size - 1)
+    data_state = point.tag_dir / "data_state" / f"rank{source_rank}.json"
+    loader.load_state_dict(json.loads(data_state.read_text(encoding="utf-8")))
+    if point.saved_world_size == world_size:
+        restore_rng(torch.load(point.tag_dir / "rng" / f"rank{rank}.pt", weights_only=False))
     return TrainState(**client_state["train_state"])
 
 

@@ -23,11 +23,12 @@ from dsrecipes.checkpoint import (
     CHECKPOINTS,
     EXPORT_DIR,
     EXPORT_INIT_DIR,
+    ResumePoint,
     TrainState,
     export_checkpoint,
     export_initial,
-    find_resume_checkpoint,
     load_checkpoint,
+    plan_resume,
     save_checkpoint,
     tag_for,
 )
@@ -57,15 +58,17 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
     eval_loader = build_eval_loader(cfg, tokenizer, rank, world_size, run_dir)
     total_steps = plan_total_steps(cfg, train_loader)
 
+    resume = plan_resume(t.resume, run_dir, world_size, cfg.zero.stage)
+    if resume is not None and resume.universal:
+        ds_config = {**ds_config, "checkpoint": {"load_universal": True}}  # another world size: elastic resume
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable_parameters(model), config=ds_config)
 
     state = TrainState()
-    resume_from = find_resume_checkpoint(t.resume, run_dir)
-    if resume_from is not None:
-        state = load_checkpoint(engine, train_loader, resume_from)
+    if resume is not None:
+        state = load_checkpoint(engine, train_loader, resume)
 
     metrics = MetricsLogger(run_dir, rank, total_steps, start_step=state.step)
-    metrics.info(describe_run(cfg, model, world_size, total_steps, resume_from, ds_config))
+    metrics.info(describe_run(cfg, model, world_size, total_steps, resume, ds_config))
     ledger = open_ledger(cfg, run_dir, rank)
     window = Window()
     window.reset()
@@ -221,7 +224,7 @@ def open_ledger(cfg: TrainConfig, run_dir: Path, rank: int) -> Optional[Any]:
     return LedgerWriter(run_dir, rank)
 
 
-def describe_run(cfg: TrainConfig, model: Any, world_size: int, total_steps: int, resume_from: Optional[Path],
+def describe_run(cfg: TrainConfig, model: Any, world_size: int, total_steps: int, resume: Optional[ResumePoint],
                  ds_config: Dict[str, Any]) -> str:
     trainable, total = count_parameters(model)
     lines = [
@@ -230,8 +233,9 @@ def describe_run(cfg: TrainConfig, model: Any, world_size: int, total_steps: int
         f"{total_steps} optimizer steps of {ds_config['train_batch_size']} rows "
         f"({cfg.trainer.micro_batch_size} x {cfg.trainer.grad_accum} accum x {world_size} ranks)",
     ]
-    if resume_from is not None:
-        lines.append(f"resumed from {resume_from}")
+    if resume is not None:
+        how = f", written by {resume.saved_world_size} ranks" if resume.saved_world_size != world_size else ""
+        lines.append(f"resumed from {resume.tag_dir}{how}" + (" (universal checkpoint)" if resume.universal else ""))
     planned = ds_config.get("scheduler", {}).get("params", {}).get("total_num_steps")
     if planned is not None and planned < total_steps:
         lines.append(f"warning: the LR schedule in ds_config.json ends at step {planned}, before step {total_steps}")
