@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from dsrecipes.checkpoint import (
-    CHECKPOINTS,
     EXPORT_DIR,
     EXPORT_INIT_DIR,
     ResumePoint,
@@ -30,11 +29,16 @@ from dsrecipes.checkpoint import (
     load_checkpoint,
     plan_resume,
     save_checkpoint,
-    tag_for,
 )
 from dsrecipes.config.schema import TrainConfig
 from dsrecipes.metrics import MetricsLogger, Window
-from dsrecipes.model import build_model, count_parameters, load_tokenizer, micro_batch_loss, trainable_parameters
+from dsrecipes.model import (
+    build_model,
+    count_parameters,
+    load_tokenizer,
+    micro_batch_loss,
+    trainable_parameters,
+)
 
 
 def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
@@ -63,9 +67,9 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
         ds_config = {**ds_config, "checkpoint": {"load_universal": True}}  # another world size: elastic resume
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable_parameters(model), config=ds_config)
 
-    state = TrainState()
+    state, last_checkpoint = TrainState(), None
     if resume is not None:
-        state = load_checkpoint(engine, train_loader, resume)
+        state, last_checkpoint = load_checkpoint(engine, train_loader, resume), resume.tag_dir
 
     metrics = MetricsLogger(run_dir, rank, total_steps, start_step=state.step)
     metrics.info(describe_run(cfg, model, world_size, total_steps, resume, ds_config))
@@ -100,7 +104,7 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
             if eval_loader is not None and (final or due(state.step, t.eval_every)):
                 metrics.log_eval(state.step, evaluate(engine, eval_loader, t.eval_batches))
             if final or due(state.step, t.save_every):
-                save_checkpoint(engine, train_loader, state, run_dir, keep=t.keep_checkpoints)
+                last_checkpoint = save_checkpoint(engine, train_loader, state, run_dir, keep=t.keep_checkpoints)
         if final:
             break
 
@@ -109,7 +113,7 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
     metrics.close()
     finish_distributed()
     if rank == 0 and t.export:  # from the final checkpoint, after the other ranks are released
-        out = export_checkpoint(run_dir, run_dir / CHECKPOINTS / tag_for(state.step), run_dir / EXPORT_DIR, cfg)
+        out = export_checkpoint(run_dir, last_checkpoint, run_dir / EXPORT_DIR, cfg)
         metrics.info(f"exported Hugging Face model: {out}")
     return state
 
@@ -228,10 +232,10 @@ def describe_run(cfg: TrainConfig, model: Any, world_size: int, total_steps: int
                  ds_config: Dict[str, Any]) -> str:
     trainable, total = count_parameters(model)
     lines = [
-        f"model {cfg.model.name}: {total:,} parameters ({trainable:,} trainable), {cfg.precision.dtype.value}, "
-        f"ZeRO-{cfg.zero.stage}, {world_size} rank(s)",
-        f"{total_steps} optimizer steps of {ds_config['train_batch_size']} rows "
-        f"({cfg.trainer.micro_batch_size} x {cfg.trainer.grad_accum} accum x {world_size} ranks)",
+        (f"model {cfg.model.name}: {total:,} parameters ({trainable:,} trainable), {cfg.precision.dtype.value}, "
+         f"ZeRO-{cfg.zero.stage}, {world_size} rank(s)"),
+        (f"{total_steps} optimizer steps of {ds_config['train_batch_size']} rows "
+         f"({cfg.trainer.micro_batch_size} x {cfg.trainer.grad_accum} accum x {world_size} ranks)"),
     ]
     if resume is not None:
         how = f", written by {resume.saved_world_size} ranks" if resume.saved_world_size != world_size else ""

@@ -175,7 +175,7 @@ def test_killed_mid_save_resumes_from_last_good_checkpoint_with_identical_losses
     assert "resumed from" in out and "step_4" in out
     assert (ckpts / "latest").read_text() == "step_8" and (ckpts / "step_8" / "complete.json").is_file()
     assert train_losses(run) == train_losses(zero2_run)  # exact, step for step
-    evals = lambda r: [(x["step"], x["eval_loss"]) for x in metrics(r) if "eval_loss" in x]  # noqa: E731
+    evals = lambda r: [(x["step"], x["eval_loss"]) for x in metrics(r) if "eval_loss" in x]
     assert evals(run) == evals(zero2_run)
     verify_ledgers(run)
 
