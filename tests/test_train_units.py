@@ -9,7 +9,6 @@ import pytest
 from dsrecipes.checkpoint import TrainState
 from dsrecipes.errors import UserError
 from dsrecipes.train import due, micro_batches, read_ds_config
-from dsrecipes.worker import main as worker_main
 
 
 class FakeLoader:
@@ -44,7 +43,11 @@ def test_due():
     assert due(10, 5) and not due(11, 5) and not due(10, 0)
 
 
-def test_worker_tolerates_local_rank_and_reports_a_missing_run_dir(tmp_path, capsys):
+def test_worker_tolerates_local_rank_and_reports_a_missing_run_dir(tmp_path, capsys, monkeypatch):
+    # imported here, not at collection: test_launch swaps sys.modules["dsrecipes.worker"] and needs it unimported
+    from dsrecipes.worker import main as worker_main
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert worker_main(["--run-dir", str(tmp_path), "--local_rank=1"]) == 2
     assert "config.yaml" in capsys.readouterr().err
 
