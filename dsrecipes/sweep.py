@@ -7,7 +7,7 @@ after every job (so a sweep that is killed still has a table) and once more at t
 it works the same with launchers that run jobs in other processes or on other machines.
 
 The result contract (written by dsrecipes.entry, one file per run, `<run>/result.json`):
-    {"status": "ok" | "failed" | "submitted", "error": str | null,
+    {"status": "ok" | "failed" | "dry_run", "error": str | null,
      "final_loss": float | null, "final_eval_loss": float | null, "tokens_per_s": float | null,
      "peak_mem_mb": float | null, ...}   (extra keys are kept)
 `<run>/metrics.jsonl` (train lines with `step, loss, lr, grad_norm, tokens_per_s, samples_seen, elapsed`; eval lines
