@@ -3,8 +3,8 @@
     python benchmarks/bench_runner.py                      # default config (tiny model, sample data), 1 process
     python benchmarks/bench_runner.py --steps 80 --warmup 20 zero=stage2 precision=bf16
 
-Both loops run in this process, alternately (bare, runner, bare, runner, ...), and the median of the repeats is
-reported. On a shared machine wall time mostly measures the neighbours, so by default both are timed with this
+Both loops run in this process, alternately (bare then runner, runner then bare, ...), and the median of the
+repeats is reported. On a shared machine wall time mostly measures the neighbours, so by default both are timed with this
 process's CPU time (`time.process_time` stands in for `time.perf_counter`, which the runner's metrics use) on one
 torch thread: that counts the work each loop does, whatever else runs. `--clock wall --threads N` for wall time. Timed: optimizer steps warmup+1 .. steps (the runner's from its own metrics.jsonl,
 eval and checkpoints switched off). The bare loop is what a user would write by hand: our data loader, the model's
@@ -15,7 +15,6 @@ progress bar, lr/grad-norm bookkeeping and the log all_reduce. Target: runner < 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -25,9 +24,8 @@ from typing import List, Tuple
 
 
 def make_run_dir(root: Path, name: str, overrides: List[str], steps: int, warmup: int) -> Tuple[object, Path]:
-    from dsrecipes.config.load import compose_and_load, config_to_dict
-    from dsrecipes.ds_config import build_ds_config
-    from dsrecipes.entry import plan_run, write_yaml
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.entry import write_run_dir
 
     run_dir = root / name
     run_dir.mkdir(parents=True)
@@ -36,9 +34,7 @@ def make_run_dir(root: Path, name: str, overrides: List[str], steps: int, warmup
         "trainer.eval_every=0", "dataset.val_size=0", "trainer.export=false", "trainer.resume=never",
         f"trainer.output_dir={run_dir}", f"data.cache_dir={root / 'cache'}",
     ])
-    total = plan_run(cfg, run_dir, 1)
-    write_yaml(run_dir / "config.yaml", config_to_dict(cfg))
-    (run_dir / "ds_config.json").write_text(json.dumps(build_ds_config(cfg, 1, total)))
+    write_run_dir(cfg, 1)  # what `python -m dsrecipes` writes before launching: config.yaml, ds_config.json
     return cfg, run_dir
 
 
@@ -84,11 +80,49 @@ def runner_loop(cfg, run_dir: Path, warmup: int) -> float:
     return elapsed[cfg.trainer.max_steps] - elapsed[warmup]
 
 
+def component_costs(cfg, run_dir: Path, iterations: int = 40) -> Tuple[float, float]:
+    """What the runner adds, measured directly (A/B per iteration, so load hits both alike): (our loss / the model's
+    own loss, fwd+bwd time ratio), and microseconds of per-micro-batch bookkeeping (metric window + progress bar)."""
+    import torch
+
+    from dsrecipes.data.strategies import build_train_loader
+    from dsrecipes.metrics import Window
+    from dsrecipes.model import build_model, load_tokenizer, micro_batch_loss
+
+    tokenizer = load_tokenizer(cfg)
+    model = build_model(cfg, tokenizer)
+    loader = build_train_loader(cfg, tokenizer, 0, 1, run_dir)
+    loader.set_epoch(0)
+    batch = next(iter(loader))
+    spent = {"model": 0.0, "ours": 0.0}
+    for i in range(iterations):
+        for which in ("model", "ours") if i % 2 else ("ours", "model"):
+            start = time.perf_counter()
+            if which == "model":
+                loss = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
+                             attention_mask=batch["attention_mask"], use_cache=False).loss
+            else:
+                loss, _ = micro_batch_loss(model, batch, torch.device("cpu"))
+            loss.backward()
+            model.zero_grad()
+            if i >= 3:
+                spent[which] += time.perf_counter() - start
+    from tqdm.auto import tqdm
+
+    window, bar, n = Window(), tqdm(total=10**6, disable=True), 5000
+    window.reset()
+    start = time.perf_counter()
+    for _ in range(n):
+        window.add(loss, batch)
+        bar.update(1)
+    return spent["ours"] / spent["model"], 1e6 * (time.perf_counter() - start) / n
+
+
 def main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=110)
     parser.add_argument("--warmup", type=int, default=10, help="untimed first steps (must divide --steps)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (cpu clock: keep 1)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. zero=stage2 precision=bf16")
@@ -110,19 +144,26 @@ def main(argv: List[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_runner_") as tmp:
         root = Path(tmp)
         for i in range(args.repeats):
-            cfg, run_dir = make_run_dir(root, f"bare{i}", args.overrides, args.steps, args.warmup)
-            seconds, tokens = bare_loop(cfg, run_dir, args.steps, args.warmup)
-            bare_s.append(seconds)
-            cfg, run_dir = make_run_dir(root, f"runner{i}", args.overrides, args.steps, args.warmup)
-            runner_s.append(runner_loop(cfg, run_dir, args.warmup))
-            print(f"repeat {i + 1}: bare {seconds:.2f} s, runner {runner_s[-1]:.2f} s "
-                  f"for {args.steps - args.warmup} steps ({tokens} real tokens)", flush=True)
+            for which in ("bare", "runner") if i % 2 == 0 else ("runner", "bare"):  # alternate: no order bias
+                cfg, run_dir = make_run_dir(root, f"{which}{i}", args.overrides, args.steps, args.warmup)
+                if which == "bare":
+                    seconds, tokens = bare_loop(cfg, run_dir, args.steps, args.warmup)
+                    bare_s.append(seconds)
+                else:
+                    runner_s.append(runner_loop(cfg, run_dir, args.warmup))
+            print(f"repeat {i + 1}: bare {bare_s[-1]:.2f} s, runner {runner_s[-1]:.2f} s "
+                  f"({100 * (runner_s[-1] / bare_s[-1] - 1):+.1f}%) for {args.steps - args.warmup} steps "
+                  f"({tokens} real tokens)", flush=True)
+        loss_ratio, bookkeeping_us = component_costs(cfg, run_dir)
     timed = args.steps - args.warmup
     bare, runner = statistics.median(bare_s), statistics.median(runner_s)
     unit = "CPU" if args.clock == "cpu" else "wall"
     print(f"bare DeepSpeed loop: {1000 * bare / timed:.1f} {unit} ms/step, {tokens / bare:,.0f} tokens per {unit} s")
     print(f"dsrecipes runner:    {1000 * runner / timed:.1f} {unit} ms/step, {tokens / runner:,.0f} tokens per {unit} s")
     print(f"runner overhead per step: {100 * (runner / bare - 1):+.1f}% (median of {args.repeats})")
+    print(f"components: runner loss / model loss fwd+bwd time x{loss_ratio:.3f}; "
+          f"bookkeeping {bookkeeping_us:.1f} us per micro-batch ({100 * bookkeeping_us / (1e6 * runner / timed):.3f}% "
+          "of a step); plus one metrics line (all_reduce, JSON, TensorBoard) per log window")
     return 0
 
 

@@ -84,7 +84,7 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
         closes_step = engine.is_gradient_accumulation_boundary()
         loss, _ = micro_batch_loss(engine, batch, engine.device)
         engine.backward(loss)
-        if closes_step:
+        if closes_step and logs_at(state.step + 1, total_steps, t):
             lr, grad_norm = engine.get_lr()[0], untracked_grad_norm(engine)  # the values this step applies
         engine.step()
         window.add(loss, batch)
@@ -96,7 +96,7 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
         state.step += 1
         metrics.step()
         final = state.step >= total_steps
-        if final or due(state.step, t.log_every) or due(state.step, t.save_every):
+        if logs_at(state.step, total_steps, t):
             state.elapsed = time.perf_counter() - clock_start
             tracked = engine.get_global_grad_norm()
             log_window(metrics, window, state, lr, grad_norm if tracked is None else tracked)
@@ -263,6 +263,11 @@ def micro_batches(loader: Any, state: TrainState) -> Iterator[Dict[str, Any]]:
 
 def due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
+
+
+def logs_at(step: int, total_steps: int, t: Any) -> bool:
+    """A metrics line closes every log window, at each checkpoint (so a resume starts a fresh window) and at the end."""
+    return step >= total_steps or due(step, t.log_every) or due(step, t.save_every)
 
 
 def untracked_grad_norm(engine: Any) -> Optional[float]:
