@@ -1,0 +1,337 @@
+"""The data guarantees of tracker issue 4, end to end: real `deepspeed --num_gpus 2` CPU runs through
+`python -m dsrecipes` with `trainer.record_samples=true`, checked on the sample ledgers they write.
+
+Every claim is checked twice: by `dsrecipes.data.ledger.verify_ledgers` (the tool users run) and by assertions on
+the raw `<run>/ledger/rank<R>.jsonl` lines parsed here, independently of `read_ledger`.
+
+Data: three JSONL files of very different sizes (120, 30 and 7 rows of the bundled sample data; ids from the row's
+`id` field or `<file>:<line>`), fewer files than readers (2 ranks x 2 DataLoader workers), shuffle buffer 32 (so the
+stream is shuffled window by window, several windows), micro batch 4 x grad_accum 2 x 2 ranks = 16 per step:
+157 samples -> 9 steps per epoch, remainder 13; 2 epochs = 18 steps.
+
+Runs (module fixtures, shared between tests):
+  iterable           data=iterable, data.num_samples=157, trainer.epochs=2, trainer.max_steps=null, save_every=4
+  iterable_killed    the same command, every rank killed while saving step 12 (before `latest`), so the last good
+                     checkpoint is step 8, in the middle of epoch 0; then the same command again (resume=auto),
+                     which replays steps 9-12 and crosses into epoch 1. (save_every = total/2 would put the
+                     checkpoint exactly on the epoch boundary with 2 epochs; mid-epoch is the harder case.)
+  presharded         `dsrecipes shard` (subprocess) of the three files into 2 parts, then data=presharded
+  + a 3-part shard dir under world size 2: exit 2 with the re-shard hint, before any rank starts
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import subprocess_env
+from tests.test_train_runs import SHORT, train_run
+
+pytestmark = pytest.mark.slow
+
+SAMPLE = Path(__file__).resolve().parents[1] / "dsrecipes" / "assets" / "sample_data" / "train.jsonl"
+FILES = {"big.jsonl": 120, "mid.jsonl": 30, "tiny.jsonl": 7}  # uneven, fewer files than the 4 readers
+NUM_SAMPLES = sum(FILES.values())  # 157
+RANKS, MICRO, ACCUM = 2, 4, 2
+GLOBAL_BATCH = RANKS * MICRO * ACCUM  # 16
+STEPS_PER_EPOCH = NUM_SAMPLES // GLOBAL_BATCH  # 9
+REMAINDER = NUM_SAMPLES - STEPS_PER_EPOCH * GLOBAL_BATCH  # 13
+EPOCHS = 2
+TOTAL_STEPS = EPOCHS * STEPS_PER_EPOCH  # 18
+SAVE_EVERY = 4  # checkpoints at 4, 8, 12, 16 and 18
+KILLED_AT = 12  # dies while saving step 12: resumes from step 8 (epoch 0, micro-batch 16 of 18 per rank)
+RESUMED_FROM = 8
+
+COMMON = (
+    "trainer.record_samples=true",
+    "trainer.export=false",
+    f"trainer.micro_batch_size={MICRO}",
+    f"trainer.grad_accum={ACCUM}",
+    "trainer.max_steps=null",
+    f"trainer.epochs={EPOCHS}",
+    f"trainer.save_every={SAVE_EVERY}",
+    "dataset.max_samples=null",
+    "dataset.val_size=0",  # no validation hold-out: every row of the files is a training sample
+    "data.num_workers=2",
+    "data.shuffle=true",
+    "data.shuffle_buffer=32",
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data and runs
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("guarantees")
+
+
+@pytest.fixture(scope="module")
+def shards(workspace) -> tuple[list[Path], set[str]]:
+    """The three uneven JSONL files and every sample id in them."""
+    lines = [ln for ln in SAMPLE.read_text(encoding="utf-8").splitlines(keepends=True) if ln.strip()]
+    out_dir = workspace / "data"
+    out_dir.mkdir()
+    paths, ids, start = [], set(), 0
+    for name, n in FILES.items():
+        chunk = lines[start:start + n]
+        start += n
+        assert len(chunk) == n
+        (out_dir / name).write_text("".join(chunk), encoding="utf-8")
+        paths.append(out_dir / name)
+        for line_no, line in enumerate(chunk, 1):
+            row = json.loads(line)
+            ids.add(str(row["id"]) if row.get("id") else f"{name}:{line_no}")  # the documented sample id
+    assert len(ids) == NUM_SAMPLES
+    assert any(":" in i for i in ids) and any(":" not in i for i in ids)  # both id kinds are exercised
+    return paths, ids
+
+
+def iterable_overrides(paths: list[Path]) -> tuple[str, ...]:
+    return (*COMMON, "data=iterable", f"data.num_samples={NUM_SAMPLES}",
+            "dataset.paths=[" + ",".join(json.dumps(str(p)) for p in paths) + "]")
+
+
+@pytest.fixture(scope="module")
+def iterable_run(workspace, shards) -> Path:
+    run, _ = train_run(workspace, "iterable", *iterable_overrides(shards[0]))
+    return run
+
+
+@pytest.fixture(scope="module")
+def shard_dir(workspace, shards) -> Path:
+    """`dsrecipes shard FILES --parts 2 --out DIR`, for real."""
+    out = workspace / "parts2"
+    argv = [sys.executable, "-m", "dsrecipes", "shard", *map(str, shards[0]), "--parts", "2", "--out", str(out)]
+    proc = subprocess.run(argv, env=subprocess_env(), capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def presharded_run(workspace, shard_dir) -> Path:
+    run, _ = train_run(workspace, "presharded", *COMMON, "data=presharded", f"data.shard_dir={shard_dir}")
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Raw ledger lines, parsed here (not with read_ledger)
+
+Line = tuple[int, int, list[str]]  # (epoch, step, ids) of one record() call = one micro-batch
+
+
+def raw_sessions(run: Path, rank: int) -> list[list[Line]]:
+    """The lines of one rank's ledger, split at each `{"session": ...}` header (one session per process)."""
+    sessions: list[list[Line]] = []
+    for text in (run / "ledger" / f"rank{rank}.jsonl").read_text(encoding="utf-8").splitlines():
+        if not text.strip():
+            continue
+        rec = json.loads(text)
+        if "session" in rec:
+            sessions.append([])
+            continue
+        assert sessions, f"rank {rank}: a ledger line before the first session header"
+        assert set(rec) == {"epoch", "step", "ids"}, rec
+        sessions[-1].append((rec["epoch"], rec["step"], rec["ids"]))
+    return sessions
+
+
+def by_step(lines: list[Line]) -> dict[int, tuple[int, list[list[str]]]]:
+    """step -> (epoch, micro-batches in recorded order); checks each step has grad_accum full micro-batches."""
+    out: dict[int, tuple[int, list[list[str]]]] = {}
+    for epoch, step, ids in lines:
+        prev_epoch, micros = out.setdefault(step, (epoch, []))
+        assert prev_epoch == epoch, f"step {step} recorded under epochs {prev_epoch} and {epoch}"
+        micros.append(ids)
+    for step, (_, micros) in out.items():
+        assert len(micros) == ACCUM and all(len(m) == MICRO for m in micros), (step, micros)
+    steps = [s for _, s, _ in lines]
+    assert steps == sorted(steps), "steps recorded out of order"
+    return out
+
+
+def single_session(run: Path, rank: int) -> dict[int, tuple[int, list[list[str]]]]:
+    sessions = raw_sessions(run, rank)
+    assert len(sessions) == 1, f"rank {rank}: {len(sessions)} sessions in an uninterrupted run"
+    return by_step(sessions[0])
+
+
+def ids_per_epoch(per_rank: dict[int, dict[int, tuple[int, list[list[str]]]]]) -> dict[int, dict[int, list[str]]]:
+    """epoch -> rank -> every id that rank read in the epoch (with repeats, if any)."""
+    out: dict[int, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for rank, steps in per_rank.items():
+        for epoch, micros in steps.values():
+            for m in micros:
+                out[epoch][rank].extend(m)
+    return out
+
+
+def assert_step_structure(per_rank: dict[int, dict[int, tuple[int, list[list[str]]]]]) -> None:
+    """Both ranks ran steps 1..TOTAL_STEPS, STEPS_PER_EPOCH in each epoch, in epoch order."""
+    for rank, steps in per_rank.items():
+        assert sorted(steps) == list(range(1, TOTAL_STEPS + 1)), f"rank {rank}: steps {sorted(steps)}"
+        assert {s: e for s, (e, _) in steps.items()} == {s: (s - 1) // STEPS_PER_EPOCH
+                                                          for s in range(1, TOTAL_STEPS + 1)}, rank
+
+
+def metrics_lines(run: Path) -> list[dict]:
+    return [json.loads(t) for t in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if t.strip()]
+
+
+def losses(run: Path) -> dict[int, float]:
+    train = [r for r in metrics_lines(run) if "loss" in r]
+    steps = [r["step"] for r in train]
+    assert steps == sorted(set(steps)), f"metrics steps repeated or out of order: {steps}"
+    return {r["step"]: r["loss"] for r in train}
+
+
+def part_ids(shard_dir: Path, part: int) -> list[str]:
+    name = json.loads((shard_dir / "manifest.json").read_text(encoding="utf-8"))["files"][part]
+    return [json.loads(t)["id"] for t in (shard_dir / name).read_text(encoding="utf-8").splitlines() if t.strip()]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. data=iterable over uneven shards, 2 ranks x 2 workers, shuffle buffer, data.num_samples, trainer.epochs=2
+
+
+def test_iterable_uneven_shards_exactly_once_per_epoch_equal_steps(iterable_run, shards):
+    from dsrecipes.data.ledger import verify_ledgers
+
+    _, expected = shards
+    report = verify_ledgers(iterable_run, expected, GLOBAL_BATCH, complete_epochs=range(EPOCHS))
+    assert report.ok, report.summary()
+    assert report.ranks == RANKS and report.epochs == list(range(EPOCHS))
+    assert report.steps_per_rank == {r: TOTAL_STEPS for r in range(RANKS)}
+    assert report.missing == {e: REMAINDER for e in range(EPOCHS)}
+
+    per_rank = {r: single_session(iterable_run, r) for r in range(RANKS)}
+    assert_step_structure(per_rank)
+    unread = {}
+    for epoch, ranks in ids_per_epoch(per_rank).items():
+        read = [i for r in range(RANKS) for i in ranks[r]]
+        dups = [i for i, n in Counter(read).items() if n > 1]
+        assert not dups, f"epoch {epoch}: read more than once: {dups}"
+        assert set(read) <= expected, f"epoch {epoch}: unknown ids {set(read) - expected}"
+        assert all(len(ranks[r]) == STEPS_PER_EPOCH * MICRO * ACCUM for r in range(RANKS))
+        unread[epoch] = expected - set(read)
+        assert len(unread[epoch]) == REMAINDER < GLOBAL_BATCH
+    assert sorted(unread) == list(range(EPOCHS))
+    assert unread[0] != unread[1], "the remainder is the same in both epochs: the stream is not reshuffled"
+
+    lines = metrics_lines(iterable_run)
+    assert [r["step"] for r in lines if "loss" in r] == list(range(1, TOTAL_STEPS + 1))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. data=presharded from `dsrecipes shard`
+
+
+def test_presharded_each_rank_reads_only_its_part_once_per_epoch(presharded_run, shard_dir, shards):
+    from dsrecipes.data.ledger import verify_ledgers
+
+    _, expected = shards
+    manifest = json.loads((shard_dir / "manifest.json").read_text(encoding="utf-8"))
+    parts = [part_ids(shard_dir, r) for r in range(RANKS)]
+    assert manifest["parts"] == RANKS and manifest["counts"] == [len(p) for p in parts]
+    assert sorted(manifest["counts"]) == [NUM_SAMPLES // 2, NUM_SAMPLES - NUM_SAMPLES // 2]  # balanced +-1
+    assert not set(parts[0]) & set(parts[1]) and set(parts[0]) | set(parts[1]) == expected  # ids survive shard
+    rank_batch = MICRO * ACCUM
+    steps_per_epoch = min(len(p) for p in parts) // rank_batch
+    assert steps_per_epoch == STEPS_PER_EPOCH
+
+    report = verify_ledgers(presharded_run, expected, GLOBAL_BATCH, complete_epochs=range(EPOCHS))
+    assert report.ok, report.summary()
+    assert report.steps_per_rank == {r: TOTAL_STEPS for r in range(RANKS)}
+
+    per_rank = {r: single_session(presharded_run, r) for r in range(RANKS)}
+    assert_step_structure(per_rank)
+    for epoch, ranks in ids_per_epoch(per_rank).items():
+        for r in range(RANKS):
+            read = ranks[r]
+            assert set(read) <= set(parts[r]), f"epoch {epoch} rank {r} read ids of another part: " \
+                                               f"{sorted(set(read) - set(parts[r]))[:5]}"
+            assert len(read) == len(set(read)) == steps_per_epoch * rank_batch, (epoch, r)
+    for r in range(RANKS):
+        left = [set(parts[r]) - set(ids_per_epoch(per_rank)[e][r]) for e in range(EPOCHS)]
+        assert all(len(x) == len(parts[r]) - steps_per_epoch * rank_batch for x in left)
+        assert left[0] != left[1], f"rank {r}: the same samples are left out in both epochs"
+
+
+def test_presharded_part_count_must_match_world_size(workspace, shards):
+    from dsrecipes.cli import main as cli
+
+    three = workspace / "parts3"
+    assert cli(["shard", *map(str, shards[0]), "--parts", "3", "--out", str(three)]) == 0
+    run = workspace / "presharded_3of2"
+    argv = [sys.executable, "-m", "dsrecipes", *SHORT, f"data.cache_dir={workspace / 'cache'}",
+            f"trainer.output_dir={run}", f"hydra.run.dir={run}", *COMMON, "data=presharded",
+            f"data.shard_dir={three}", "launcher=deepspeed", f"launcher.num_gpus={RANKS}"]
+    proc = subprocess.run(argv, env=subprocess_env(), capture_output=True, text=True, timeout=300, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-4000:]
+    assert f"holds 3 parts but the run has {RANKS} ranks" in out and f"--parts {RANKS}" in out, out[-4000:]
+    assert "Traceback" not in out
+    # before any rank: no launcher command, no run files, no ledger
+    assert "dsrecipes.worker" not in out and "spawned" not in out
+    assert not any((run / f).exists() for f in ("config.yaml", "ds_config.json", "launch.txt", "ledger"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. Exact resume of data=iterable: killed after the mid-epoch checkpoint, restarted with the same command
+
+
+@pytest.fixture(scope="module")
+def resumed_run(workspace, shards) -> tuple[Path, str]:
+    from dsrecipes.checkpoint import KILL_BEFORE_LATEST_ENV
+
+    overrides = iterable_overrides(shards[0])
+    run, _ = train_run(workspace, "iterable_killed", *overrides, env={KILL_BEFORE_LATEST_ENV: str(KILLED_AT)},
+                       expect_ok=False)
+    ckpts = run / "checkpoints"
+    assert (ckpts / "latest").read_text() == f"step_{RESUMED_FROM}"
+    assert not (ckpts / f"step_{KILLED_AT}" / "complete.json").exists()
+    assert max(losses(run)) == KILLED_AT  # it trained up to the failed save, then died
+    killed_sessions = {r: raw_sessions(run, r) for r in range(RANKS)}
+    assert all(len(s) == 1 for s in killed_sessions.values())
+
+    _, out = train_run(workspace, "iterable_killed", *overrides)  # the same command: trainer.resume=auto
+    assert "resumed from" in out and f"step_{RESUMED_FROM}" in out, out[-3000:]
+    return run, out
+
+
+def test_iterable_resume_replays_the_same_samples_and_losses(resumed_run, iterable_run, shards):
+    from dsrecipes.data.ledger import read_ledger, verify_ledgers
+
+    run, _ = resumed_run
+    _, expected = shards
+    assert (run / "checkpoints" / "latest").read_text() == f"step_{TOTAL_STEPS}"
+
+    reference = {r: single_session(iterable_run, r) for r in range(RANKS)}
+    for r in range(RANKS):
+        sessions = raw_sessions(run, r)
+        assert len(sessions) == 2, f"rank {r}: {len(sessions)} sessions"
+        first, second = by_step(sessions[0]), by_step(sessions[1])
+        assert sorted(first) == list(range(1, KILLED_AT + 1)), sorted(first)
+        assert sorted(second) == list(range(RESUMED_FROM + 1, TOTAL_STEPS + 1)), sorted(second)
+        # the killed session read what the uninterrupted run read, up to where it died ...
+        assert first == {s: reference[r][s] for s in first}, f"rank {r}: the killed session diverged"
+        # ... and the resumed session re-read the replayed steps 9..12 and went on exactly like it
+        union = {**{s: v for s, v in first.items() if s <= RESUMED_FROM}, **second}
+        for s in range(1, TOTAL_STEPS + 1):
+            assert union[s] == reference[r][s], f"rank {r} step {s}: {union[s]} != {reference[r][s]}"
+        assert read_ledger(run / "ledger" / f"rank{r}.jsonl") == read_ledger(iterable_run / "ledger" / f"rank{r}.jsonl")
+
+    report = verify_ledgers(run, expected, GLOBAL_BATCH, complete_epochs=range(EPOCHS))
+    assert report.ok, report.summary()
+    assert report.missing == {e: REMAINDER for e in range(EPOCHS)}
+
+    resumed, uninterrupted = losses(run), losses(iterable_run)
+    assert sorted(resumed) == sorted(uninterrupted) == list(range(1, TOTAL_STEPS + 1))
+    assert resumed == uninterrupted, {s: (resumed[s], uninterrupted[s]) for s in resumed
+                                      if resumed[s] != uninterrupted[s]}
