@@ -143,9 +143,10 @@ def init_distributed() -> tuple[int, int]:
     if accelerator.device_name() != "cpu":
         accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     elif "OMP_NUM_THREADS" not in os.environ:
-        # Ranks sharing a CPU host split its cores instead of oversubscribing them.
+        # Ranks sharing a CPU host split its cores, leaving one for the launcher, data and OS: oversubscribed
+        # intra-op threads spin-wait (the default tiny run took 117 s with 2 threads on a busy 2-core host, 29 s with 1).
         local_size = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
+        torch.set_num_threads(max(1, ((os.cpu_count() or 1) - 1) // local_size))
     if os.environ.get("WORLD_SIZE") == "1":
         _skip_shm_comm_op()
     deepspeed.init_distributed()
