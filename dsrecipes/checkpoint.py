@@ -156,6 +156,15 @@ class ResumePoint:
     universal: bool = False  # needs `"checkpoint": {"load_universal": true}` in the DeepSpeed config
 
 
+def resume_is_elastic(resume: str, run_dir: Path, world_size: int, zero_stage: int) -> bool:
+    """Whether resuming needs a universal checkpoint (ZeRO-1/2/3 saved at another world size). Reads files only,
+    so the launching process can put `"checkpoint": {"load_universal": true}` into ds_config.json up front."""
+    tag_dir = find_resume_checkpoint(resume, run_dir)
+    if tag_dir is None or zero_stage == 0:
+        return False
+    return json.loads((tag_dir / COMPLETE).read_text(encoding="utf-8"))["world_size"] != world_size
+
+
 def plan_resume(resume: str, run_dir: Path, world_size: int, zero_stage: int) -> Optional[ResumePoint]:
     """Collective. What to load for `trainer.resume`, before the engine exists.
 

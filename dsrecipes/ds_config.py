@@ -22,11 +22,14 @@ def train_batch_size(cfg: TrainConfig, world_size: int) -> int:
     return cfg.trainer.micro_batch_size * cfg.trainer.grad_accum * world_size
 
 
-def build_ds_config(cfg: TrainConfig, world_size: int, total_steps: Optional[int] = None) -> Dict[str, Any]:
+def build_ds_config(
+    cfg: TrainConfig, world_size: int, total_steps: Optional[int] = None, *, load_universal: bool = False
+) -> Dict[str, Any]:
     """DeepSpeed config dict for `cfg` at `world_size` data-parallel ranks.
 
     `total_steps` (optimizer steps of the whole run) feeds the decaying schedulers; it defaults to
-    `trainer.max_steps`. For epoch-based runs the launcher computes it from the data plan.
+    `trainer.max_steps`. For epoch-based runs the launcher computes it from the data plan. `load_universal`: the
+    run resumes a ZeRO-1/2/3 checkpoint saved at another world size (elastic resume via a universal checkpoint).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -45,6 +48,8 @@ def build_ds_config(cfg: TrainConfig, world_size: int, total_steps: Optional[int
         "zero_optimization": _zero(cfg),
     }
     ds.update(_precision(cfg))
+    if load_universal:
+        ds["checkpoint"] = {"load_universal": True}
     if cfg.optimizer.name in (OptimizerKind.sgd, OptimizerKind.lion) and cfg.zero.stage > 0:
         # DeepSpeed asks for an explicit opt-in for optimizers outside its ZeRO-tested list.
         ds["zero_allow_untested_optimizer"] = True

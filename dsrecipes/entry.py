@@ -97,13 +97,15 @@ def run(cfg: TrainConfig) -> int:
 
 def write_run_dir(cfg: TrainConfig, world_size: int) -> int:
     """Prepare the data, then write config.yaml and ds_config.json into `trainer.output_dir`; returns total steps."""
+    from dsrecipes.checkpoint import resume_is_elastic
     from dsrecipes.ds_config import build_ds_config
 
     run_dir = Path(cfg.trainer.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     total_steps = plan_run(cfg, run_dir, world_size)
     write_atomic(run_dir / "config.yaml", yaml_text(config_to_dict(cfg)))
-    ds = build_ds_config(cfg, world_size, total_steps)
+    elastic = resume_is_elastic(cfg.trainer.resume, run_dir, world_size, cfg.zero.stage)
+    ds = build_ds_config(cfg, world_size, total_steps, load_universal=elastic)
     write_atomic(run_dir / "ds_config.json", json.dumps(ds, indent=2) + "\n")
     return total_steps
 

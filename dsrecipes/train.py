@@ -31,6 +31,7 @@ from dsrecipes.checkpoint import (
     save_checkpoint,
 )
 from dsrecipes.config.schema import TrainConfig
+from dsrecipes.errors import UserError
 from dsrecipes.metrics import MetricsLogger, Window
 from dsrecipes.model import (
     build_model,
@@ -63,8 +64,9 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
     total_steps = plan_total_steps(cfg, train_loader)
 
     resume = plan_resume(t.resume, run_dir, world_size, cfg.zero.stage)
-    if resume is not None and resume.universal:
-        ds_config = {**ds_config, "checkpoint": {"load_universal": True}}  # another world size: elastic resume
+    if resume is not None and resume.universal != ds_config.get("checkpoint", {}).get("load_universal", False):
+        raise UserError(f"{run_dir / 'ds_config.json'}: written for another resume point; start the run again "
+                        "with `python -m dsrecipes` so the launcher plans the (elastic) resume")
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable_parameters(model), config=ds_config)
 
     state, last_checkpoint = TrainState(), None
@@ -187,8 +189,6 @@ def _free_port() -> int:
 
 def read_ds_config(run_dir: Path) -> Dict[str, Any]:
     """The DeepSpeed dict the launching process wrote for the real world size (ranks never rebuild it)."""
-    from dsrecipes.errors import UserError
-
     path = run_dir / "ds_config.json"
     if not path.is_file():
         raise UserError(f"{path}: missing; start runs with `python -m dsrecipes` (it writes the run directory)")

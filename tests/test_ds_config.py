@@ -25,6 +25,7 @@ def _no_auto(node):
 
 def test_golden_zero3_cpu_offload_bf16(make_cfg):
     cfg = make_cfg("zero=stage3", "offload=cpu_optimizer_params", "precision=bf16", "trainer.micro_batch_size=2",
+                   "optimizer.lr=1e-3",
                    "trainer.grad_accum=4", "trainer.max_steps=100", "scheduler=linear", check_files=False)
     assert build_ds_config(cfg, 8) == {
         "train_batch_size": 64,
@@ -50,8 +51,14 @@ def test_golden_zero3_cpu_offload_bf16(make_cfg):
     }
 
 
+def test_load_universal_for_elastic_resume(make_cfg):
+    cfg = make_cfg("zero=stage2", check_files=False)
+    assert "checkpoint" not in build_ds_config(cfg, 2)
+    assert build_ds_config(cfg, 2, load_universal=True)["checkpoint"] == {"load_universal": True}
+
+
 def test_golden_default_and_fp16(make_cfg):
-    cfg = make_cfg("precision=fp16", "zero=stage2", "scheduler=constant", check_files=False)
+    cfg = make_cfg("precision=fp16", "zero=stage2", "scheduler=constant", "optimizer.lr=1e-3", check_files=False)
     ds = build_ds_config(cfg, 2)
     assert ds["train_batch_size"] == cfg.trainer.micro_batch_size * cfg.trainer.grad_accum * 2
     assert ds["fp16"] == {"enabled": True, "loss_scale": 0.0, "initial_scale_power": 16, "loss_scale_window": 1000,
@@ -108,6 +115,6 @@ def test_no_warmup_starts_at_the_peak(make_cfg):
     """DeepSpeed's schedulers reject warmup_num_steps=0; no warmup is one step that starts at the peak lr."""
     for name, key, start in (("constant", "warmup_min_lr", 0.001), ("linear", "warmup_min_lr", 0.001),
                              ("cosine", "warmup_min_ratio", 1.0)):
-        cfg = make_cfg(f"scheduler={name}", "scheduler.warmup_steps=0", check_files=False)
+        cfg = make_cfg(f"scheduler={name}", "scheduler.warmup_steps=0", "optimizer.lr=1e-3", check_files=False)
         params = build_ds_config(cfg, 1)["scheduler"]["params"]
         assert params["warmup_num_steps"] == 1 and params[key] == start
