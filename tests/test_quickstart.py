@@ -23,7 +23,7 @@ def test_default_run_trains_exports_and_beats_its_start(tmp_path):
     train = [r["loss"] for r in rows if "loss" in r]
     evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
     assert train[-1] < 0.3 * train[0], train
-    assert evals[-1] < evals[0] - 1.0, evals
+    assert len(evals) >= 4 and evals == sorted(evals, reverse=True) and evals[-1] < 0.7 * evals[0], evals
     for name in ("config.yaml", "ds_config.json", "launch.txt", "result.json", "loss.png", "export/model.safetensors",
                  "export_init/config.json", "checkpoints/latest"):
         assert (run_dir / name).exists(), name
