@@ -6,7 +6,6 @@ Real multi-process runs (a probe module stands in for the worker) are in test_la
 from __future__ import annotations
 
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -239,7 +238,9 @@ def test_local_runs_worker_in_process_and_restores_env(make_cfg, tmp_path, monke
         seen["run_dir"] = run_dir
         return 0
 
-    monkeypatch.setitem(sys.modules, "dsrecipes.worker", types.SimpleNamespace(run=run))
+    import dsrecipes.worker
+
+    monkeypatch.setattr(dsrecipes.worker, "run", run)
     monkeypatch.setenv("RANK", "7")
     monkeypatch.delenv("MASTER_PORT", raising=False)
     cfg = make_cfg("launcher=local", check_files=False)

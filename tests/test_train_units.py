@@ -44,7 +44,6 @@ def test_due():
 
 
 def test_worker_tolerates_local_rank_and_reports_a_missing_run_dir(tmp_path, capsys, monkeypatch):
-    # imported here, not at collection: test_launch swaps sys.modules["dsrecipes.worker"] and needs it unimported
     from dsrecipes.worker import main as worker_main
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
