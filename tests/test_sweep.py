@@ -148,3 +148,34 @@ def test_explicit_output_dir_and_hydra_dir_are_both_searched(tmp_path):
     (out / "metrics.jsonl").write_text(json.dumps({"step": 3, "loss": 1.5, "tokens_per_s": 9.0}) + "\n")
     (row,) = sweep.collect(tmp_path / "sweep")
     assert row["status"] == "ok" and row["final_loss"] == 1.5 and row["run_dir"] == str(out.resolve())
+
+
+@pytest.mark.slow
+def test_dsrecipes_sweep_really_trains_each_job_and_reports_a_failing_one(tmp_path):
+    """Three real jobs: two train (ZeRO-0 and ZeRO-1), one is refused at run start (fp16 without CUDA)."""
+    sweep_dir = tmp_path / "sweep"
+    done = subprocess.run(
+        [sys.executable, "-m", "dsrecipes", "-m", "debug=fast", "trainer.export=false", "trainer.log_every=1",
+         "zero=stage0,stage1", f"data.cache_dir={tmp_path / 'cache'}", f"hydra.sweep.dir={sweep_dir}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    failing = subprocess.run(
+        [sys.executable, "-m", "dsrecipes", "-m", "debug=fast", "trainer.export=false", "precision=fp16,fp32",
+         "trainer.max_steps=2", "scheduler.warmup_steps=0", f"data.cache_dir={tmp_path / 'cache'}",
+         f"hydra.sweep.dir={tmp_path / 'sweep2'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert failing.returncode == 2, "a failed job makes the sweep exit non-zero after every job ran"
+
+    jobs = json.loads((sweep_dir / "summary.json").read_text())["jobs"]
+    assert [j["status"] for j in jobs] == ["ok", "ok"]
+    for job in jobs:
+        assert job["final_loss"] is not None and job["final_eval_loss"] is not None
+        assert job["tokens_per_s"] and job["peak_mem_mb"] > 0
+    table = (sweep_dir / "summary.md").read_text()
+    assert table.splitlines()[0].startswith("| job | zero | status | final loss | eval loss | tokens/s | peak MB")
+
+    second = json.loads((tmp_path / "sweep2" / "summary.json").read_text())["jobs"]
+    assert [j["status"] for j in second] == ["failed", "ok"]
+    assert "fp16 needs a CUDA GPU" in second[0]["error"] and second[1]["final_loss"] is not None
