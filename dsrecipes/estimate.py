@@ -194,6 +194,9 @@ def _hf_config(cfg: TrainConfig, hf_config: Optional[str]) -> Tuple[Any, str]:
         if path.is_file() or (path / "config.json").is_file():
             target = str(path.parent if path.is_file() else path)
             return AutoConfig.from_pretrained(target, trust_remote_code=cfg.model.trust_remote_code), target
+        if cfg.model.arch:  # the shape the model entry ships, for estimating before the weights are downloaded
+            arch = dict(cfg.model.arch)
+            return AutoConfig.for_model(arch.pop("model_type"), **arch), f"model.arch of model={cfg.model.name}"
         return None, ""
     from transformers import LlamaConfig
 

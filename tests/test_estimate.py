@@ -135,3 +135,14 @@ def test_cli_table_and_json(capsys):
     data = json.loads(capsys.readouterr().out)
     fits = {(r["stage"], r["offload"]): r["fits_no_gc"] for r in data["rows"]}
     assert fits[(0, "none")] is False and fits[(3, "none")] is True  # 8B: 160 GB of states unsharded, 20 GB at ZeRO-3
+
+
+@pytest.mark.parametrize("model", ["qwen2_5_0_5b", "llama3_8b", "opt_1_3b"])
+def test_shipped_model_shapes_match_their_published_parameter_counts(make_cfg, model):
+    """`model.arch` lets `estimate` work before the weights are downloaded; its shape must be the real one."""
+    from dsrecipes.estimate import model_shape
+
+    published = make_cfg(f"model={model}", check_files=False).model.num_params
+    shape = model_shape(make_cfg(f"model={model}", "model.num_params=null", check_files=False))
+    assert shape.total_params == published and shape.source == f"model.arch of model={model}"
+    assert shape.hidden and shape.layers and shape.vocab

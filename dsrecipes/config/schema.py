@@ -191,6 +191,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
     num_params: Optional[int] = None  # for `estimate` when the weights are not on this machine
+    arch: Dict[str, Any] = field(default_factory=dict)  # HF config fields (model_type, hidden_size, ...) for `estimate`
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
