@@ -60,7 +60,9 @@ def run_guarded(fn: Callable[[List[str]], int], argv: List[str]) -> int:
 
 
 def usage() -> str:
-    lines = ["usage: dsrecipes [SUBCOMMAND] [overrides...]", "", "Without a subcommand: train (Hydra app).", ""]
+    lines = ["usage: dsrecipes [SUBCOMMAND] [overrides...]", "",
+             "Without a subcommand: train (a Hydra app: `-m` sweeps, `--cfg job` prints the composition, "
+             "`--hydra-help` shows Hydra's flags). `dsrecipes ls` lists groups, options and recipes.", ""]
     lines += [f"  {name:<13} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
