@@ -112,7 +112,10 @@ def test_hf_config_dir_and_num_params(make_cfg, tmp_path):
     s = est.model_shape(cfg)
     assert s.total_params == 494_032_768  # Qwen2.5-0.5B
     assert s.largest_layer_params == 151936 * 896 and s.kv_dim == 2 * 64
+    from dataclasses import replace
+
     no_path = make_cfg("model=llama3_8b", check_files=False)
+    no_path = replace(no_path, model=replace(no_path.model, arch={}))  # no config.json and no shipped shape
     s = est.model_shape(no_path)
     assert s.total_params == no_path.model.num_params and s.hidden is None
 
