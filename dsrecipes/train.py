@@ -138,9 +138,11 @@ def init_distributed() -> tuple[int, int]:
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
+    from dsrecipes.launch import free_port
+
     if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ and "PMI_RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     accelerator = get_accelerator()
     if accelerator.device_name() != "cpu":
         accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -177,14 +179,6 @@ def finish_distributed() -> None:
 
     if dist.is_initialized():
         dist.barrier()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def read_ds_config(run_dir: Path) -> Dict[str, Any]:

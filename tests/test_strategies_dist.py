@@ -4,20 +4,15 @@ The parent then checks disjointness, equal steps and coverage from the ledgers (
 
 from __future__ import annotations
 
-import socket
 
 import pytest
+
+from dsrecipes.launch import free_port
 
 pytestmark = pytest.mark.slow
 
 WORLD = 2
 MBS, ACCUM = 2, 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, port: int, root: str, paths: list, n_map: int) -> None:
@@ -60,7 +55,7 @@ def test_two_process_loaders_disjoint_and_equal(tmp_path):
     from tests.test_strategies import all_ids, write_files
 
     paths = write_files(tmp_path, [21, 23])
-    mp.start_processes(_rank_main, args=(_free_port(), str(tmp_path), paths, 50), nprocs=WORLD, join=True, start_method="spawn")
+    mp.start_processes(_rank_main, args=(free_port(), str(tmp_path), paths, 50), nprocs=WORLD, join=True, start_method="spawn")
     gb = WORLD * MBS * ACCUM
     expected = {
         "map": [f"s{i}" for i in range(50)],

@@ -80,14 +80,6 @@ def _restored_environ():
         os.environ.update(saved)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def metrics(run_dir: Path) -> List[dict]:
     from dsrecipes.metrics import read_metrics
 
