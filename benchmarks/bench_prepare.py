@@ -77,8 +77,9 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from dsrecipes.config.load import compose_and_load
+    from dsrecipes.data.badrows import BadRowReport
     from dsrecipes.data.prepare import prepare
-    from dsrecipes.data.sharegpt import BadRowReport, iter_conversations
+    from dsrecipes.data.sharegpt import iter_conversations
     from dsrecipes.data.template import hf_messages
     from dsrecipes.data.tokenize import Encoder
     from dsrecipes.paths import TINY_TOKENIZER_DIR

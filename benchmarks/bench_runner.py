@@ -26,6 +26,7 @@ from typing import List, Tuple
 def make_run_dir(root: Path, name: str, overrides: List[str], steps: int, warmup: int) -> Tuple[object, Path]:
     from dsrecipes.config.load import compose_and_load
     from dsrecipes.entry import write_run_dir
+    from dsrecipes.topology import Topology
 
     run_dir = root / name
     run_dir.mkdir(parents=True)
@@ -34,7 +35,7 @@ def make_run_dir(root: Path, name: str, overrides: List[str], steps: int, warmup
         "trainer.eval_every=0", "dataset.val_size=0", "trainer.export=false", "trainer.resume=never",
         f"trainer.output_dir={run_dir}", f"data.cache_dir={root / 'cache'}",
     ])
-    write_run_dir(cfg, 1)  # what `python -m dsrecipes` writes before launching: config.yaml, ds_config.json
+    write_run_dir(cfg, Topology(1, 1, 1))  # what `python -m dsrecipes` writes before launching
     return cfg, run_dir
 
 
@@ -44,7 +45,8 @@ def bare_loop(cfg, run_dir: Path, steps: int, warmup: int) -> Tuple[float, int]:
 
     from dsrecipes.data.strategies import build_train_loader
     from dsrecipes.model import build_model, load_tokenizer
-    from dsrecipes.train import read_ds_config, seed_everything
+    from dsrecipes.rundir import read_ds_config
+    from dsrecipes.train import seed_everything
 
     seed_everything(cfg.trainer.seed)
     tokenizer = load_tokenizer(cfg)
@@ -72,7 +74,7 @@ def bare_loop(cfg, run_dir: Path, steps: int, warmup: int) -> Tuple[float, int]:
 
 def runner_loop(cfg, run_dir: Path, warmup: int) -> float:
     """Seconds the runner spent on steps warmup+1..max_steps (its own elapsed clock)."""
-    from dsrecipes.metrics import read_metrics
+    from dsrecipes.rundir import read_metrics
     from dsrecipes.train import train
 
     train(cfg, run_dir)
@@ -134,7 +136,7 @@ def main(argv: List[str]) -> int:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch: the runner keeps the thread count it finds
     import torch
 
-    from dsrecipes.train import init_distributed
+    from dsrecipes.distributed import init_distributed
 
     torch.set_num_threads(args.threads)
     init_distributed()

@@ -1,14 +1,12 @@
 """Command line: `dsrecipes SUBCOMMAND ...`, or Hydra training when no subcommand is given.
 
-`python -m dsrecipes [hydra overrides]` and `dsrecipes [hydra overrides]` train (Hydra owns the argv there, so
-`-m`, `--cfg job`, `--help` behave as in any Hydra app). A first word naming a subcommand dispatches to it instead.
-Each subcommand lives in its domain module as `main(argv) -> exit code`; this file only routes and turns
-UserError into one clean message with exit code 2.
+`python -m dsrecipes [hydra overrides]` and `dsrecipes [hydra overrides]` train (`-m` sweeps, `--cfg job` prints
+the composition). A first word naming a subcommand dispatches to `dsrecipes.commands.<module>.main(argv)`; this
+file only routes and turns a UserError into one clean message with exit code 2.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import signal
 import sys
@@ -16,19 +14,19 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from dsrecipes.errors import UserError
 
-# subcommand -> (module, one-line help). The module exposes `main(argv: list[str]) -> int`.
+# subcommand -> (module under dsrecipes.commands, one-line help). The module exposes `main(argv) -> int`.
 SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
-    "train": ("dsrecipes.entry", "train (same as no subcommand): compose, validate, prepare, launch"),
-    "validate": ("dsrecipes.commands.validate", "validate one composition, or --all recipes x group options"),
-    "show": ("dsrecipes.commands.show", "print the resolved config and the generated DeepSpeed JSON"),
-    "ls": ("dsrecipes.commands.ls", "list config groups, their options and the recipes"),
-    "audit": ("dsrecipes.data.audit", "prove exactly-once / equal-steps data plans for a world size"),
-    "shard": ("dsrecipes.data.shard", "split data into one part file per rank (+ manifest)"),
-    "inspect-data": ("dsrecipes.data.inspect", "render samples with trained tokens highlighted, plus statistics"),
-    "estimate": ("dsrecipes.estimate", "memory per GPU/CPU for every ZeRO stage and offload choice"),
-    "doctor": ("dsrecipes.doctor", "check the environment (torch, CUDA, compilers, shm, caches)"),
-    "prompt-eval": ("dsrecipes.prompt_eval", "answers of a baseline and a fine-tuned model side by side"),
-    "export": ("dsrecipes.checkpoint", "write a Hugging Face model directory from a run's checkpoint"),
+    "train": ("train", "train (same as no subcommand): compose, validate, prepare, launch"),
+    "validate": ("validate", "validate one composition, or --all recipes x group options"),
+    "show": ("show", "print the resolved config and the generated DeepSpeed JSON"),
+    "ls": ("ls", "list config groups, their options and the recipes"),
+    "audit": ("audit", "prove exactly-once / equal-steps data plans for a world size"),
+    "shard": ("shard", "split data into one part file per rank (+ manifest)"),
+    "inspect-data": ("inspect_data", "render samples with trained tokens highlighted, plus statistics"),
+    "estimate": ("estimate", "memory per GPU/CPU for every ZeRO stage and offload choice"),
+    "doctor": ("doctor", "check the environment (torch, CUDA, compilers, shm, caches)"),
+    "prompt-eval": ("prompt_eval", "answers of a baseline and a fine-tuned model side by side"),
+    "export": ("export", "write a Hugging Face model directory from a run's checkpoint"),
 }
 
 
@@ -43,7 +41,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         name, rest = args[0], args[1:]
     else:
         name, rest = "train", args
-    module = importlib.import_module(SUBCOMMANDS[name][0])
+    module = importlib.import_module(f"dsrecipes.commands.{SUBCOMMANDS[name][0]}")
     return run_guarded(module.main, rest)
 
 
@@ -65,20 +63,3 @@ def usage() -> str:
              "`--hydra-help` shows Hydra's flags). `dsrecipes ls` lists groups, options and recipes.", ""]
     lines += [f"  {name:<13} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     return "\n".join(lines)
-
-
-def override_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    """A parser for `dsrecipes SUB [key=value ...] [--flags]`: positional Hydra overrides plus the command's flags."""
-    parser = argparse.ArgumentParser(prog=f"dsrecipes {prog}", description=description)
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. data=iterable zero=stage2")
-    return parser
-
-
-def parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
-    """argparse, but a usage mistake is a UserError (exit 2, one message) instead of argparse's own exit."""
-    try:
-        return parser.parse_intermixed_args(list(argv))
-    except SystemExit as exc:
-        if exc.code == 0:
-            raise
-        raise UserError(f"bad arguments for `{parser.prog}` (see --help)") from None

@@ -7,15 +7,13 @@ so it runs in a few seconds. Exit code 1 when something makes training impossibl
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional
@@ -364,23 +362,3 @@ def render(findings: List[Finding]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: List[str]) -> int:
-    from dsrecipes.cli import override_parser, parse
-
-    parser = override_parser("doctor", "check the environment (torch, CUDA, compilers, shm, caches)")
-    parser.add_argument("--json", action="store_true", help="print findings as JSON")
-    args = parse(parser, argv)
-    ctx = Context()
-    try:
-        from dsrecipes.config.load import compose_and_load
-
-        ctx = Context.from_config(compose_and_load(args.overrides, check_files=False))
-    except Exception as exc:  # noqa: BLE001 - doctor must run even where the config (or hydra) is broken
-        print(f"note: could not compose the config ({exc}); checking without it", file=sys.stderr)
-    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout on import; keep --json clean
-        findings = diagnose(Probe(), ctx)
-    if args.json:
-        print(json.dumps([{**asdict(f), "level": f.level.value} for f in findings], indent=2))
-    else:
-        print(render(findings))
-    return 1 if any(f.level is Level.error for f in findings) else 0

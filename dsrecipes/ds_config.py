@@ -8,13 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from dsrecipes.config.schema import (
-    OffloadDevice,
-    OptimizerKind,
-    Precision,
-    SchedulerKind,
-    TrainConfig,
-)
+from dsrecipes.config.schema import OffloadDevice, OptimizerKind, Precision, SchedulerKind, TrainConfig
 
 
 def train_batch_size(cfg: TrainConfig, world_size: int) -> int:

@@ -10,28 +10,26 @@ with gradient checkpointing only each layer's input is kept, plus one layer bein
 
 from __future__ import annotations
 
-import json
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from dsrecipes.config.schema import OptimizerKind, Precision, TrainConfig
+from dsrecipes.config.schema import AttnImpl, OptimizerKind, Precision, TrainConfig
 
 GIB = 1024**3
 BUFFER_FACTOR = 1.5  # DeepSpeed's additional_buffer_factor default for CPU memory
 
-# (zero stage, offload option name, optimizer offloaded, parameters offloaded): every conf/offload choice that
+# (zero stage, offload label (OffloadConfig.label), optimizer offloaded, parameters offloaded): every conf/offload choice that
 # has a different memory profile (nvme behaves like cpu for GPU memory and needs little CPU memory).
 OPTIONS: List[Tuple[int, str, bool, bool]] = [
     (0, "none", False, False),
     (1, "none", False, False),
-    (1, "cpu_optimizer", True, False),
+    (1, "optimizer=cpu", True, False),
     (2, "none", False, False),
-    (2, "cpu_optimizer", True, False),
+    (2, "optimizer=cpu", True, False),
     (3, "none", False, False),
-    (3, "cpu_optimizer", True, False),
-    (3, "cpu_optimizer_params", True, True),
+    (3, "optimizer=cpu", True, False),
+    (3, "optimizer=cpu,param=cpu", True, True),
 ]
 
 
@@ -126,7 +124,7 @@ def activation_bytes(shape: ModelShape, cfg: TrainConfig, gradient_checkpointing
     h, i, kv = shape.hidden, shape.intermediate or 4 * shape.hidden, shape.kv_dim or shape.hidden
     # saved per token and layer: norm inputs, q/k/v, attention output, o_proj input (7h + 2kv) and the MLP (4i)
     per_layer = tokens * (7 * h + 2 * kv + 4 * i) * a
-    if cfg.model.attn_implementation.value == "eager":  # eager attention keeps the probabilities
+    if cfg.model.attn_implementation is AttnImpl.eager:  # eager attention keeps the probabilities
         per_layer += cfg.trainer.micro_batch_size * (shape.heads or 1) * cfg.data.cutoff_len**2 * a
     logits = tokens * shape.vocab * (a + 8)  # logits, their fp32 upcast for the loss, and its gradient
     if gradient_checkpointing:
@@ -251,7 +249,7 @@ def estimate(
         rows.append(row)
     return {"shape": asdict(shape), "gpus_per_node": gpus_per_node, "nodes": nodes, "gpu_mem_gb": gpu_mem_gb,
             "activations_no_gc": act[False], "activations_gc": act[True], "zero_init": zero_init,
-            "configured": [cfg.zero.stage, cfg.offload.name], "rows": [asdict(r) for r in rows]}  # fmt: skip
+            "configured": [cfg.zero.stage, cfg.offload.label], "rows": [asdict(r) for r in rows]}  # fmt: skip
 
 
 def _gib(value: Optional[float]) -> str:
@@ -286,21 +284,3 @@ def render(cfg: TrainConfig, result: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: List[str]) -> int:
-    from dsrecipes.cli import override_parser, parse
-    from dsrecipes.config.load import compose_and_load
-
-    parser = override_parser("estimate", "memory per GPU/CPU for every ZeRO stage and offload choice")
-    parser.add_argument("--gpus-per-node", type=int, default=None, help="default: launcher.num_gpus (or 1)")
-    parser.add_argument("--nodes", type=int, default=None, help="default: launcher.num_nodes")
-    parser.add_argument("--gpu-mem-gb", type=float, default=None, help="GPU memory (GiB) to check each option against")
-    parser.add_argument("--hf-config", default=None, help="a config.json (or its directory) when model.path is absent")
-    parser.add_argument("--json", action="store_true")
-    args = parse(parser, argv)
-    cfg = compose_and_load(args.overrides, check_files=False)
-    gpus = args.gpus_per_node or cfg.launcher.num_gpus or 1
-    nodes = args.nodes or cfg.launcher.num_nodes
-    result = estimate(cfg, gpus, nodes, args.gpu_mem_gb, args.hf_config)
-    print(json.dumps(result, indent=2) if args.json else render(cfg, result))
-    sys.stdout.flush()
-    return 0

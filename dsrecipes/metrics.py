@@ -16,7 +16,9 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
-METRICS_FILE = "metrics.jsonl"
+from dsrecipes.fileio import atomic_write_text, finite
+from dsrecipes.rundir import METRICS_FILE, read_metrics
+
 TB_DIR = "tb"
 LOSS_PLOT = "loss.png"
 
@@ -133,29 +135,14 @@ class MetricsLogger:
         if not self.enabled:
             return
         self.history.append(record)
-        self._fh.write(json.dumps(record) + "\n")
+        self._fh.write(json.dumps(finite(record)) + "\n")
         self._fh.flush()
-
-
-def read_metrics(path: str | Path) -> List[Dict[str, Any]]:
-    path = Path(path)
-    if path.is_dir():
-        path = path / METRICS_FILE
-    if not path.is_file():
-        return []
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
 
 
 def truncate_metrics(path: Path, last_step: int) -> List[Dict[str, Any]]:
     """Keep the lines up to `last_step` (atomically rewritten); returns them."""
-    import os
-
     kept = [r for r in read_metrics(path) if r["step"] <= last_step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.writelines(json.dumps(r) + "\n" for r in kept)
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(json.dumps(finite(r)) + "\n" for r in kept))
     return kept
 
 

@@ -11,9 +11,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from dsrecipes.config.schema import Precision, TrainConfig
+from dsrecipes.data.labels import IGNORE_INDEX
 from dsrecipes.paths import TINY_TOKENIZER_DIR
-
-IGNORE_INDEX = -100
 
 TORCH_DTYPES = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 

@@ -12,16 +12,14 @@ tiny model, written at step 0), `--finetuned RUN` means `RUN/export`.
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
 
-from dsrecipes.checkpoint import EXPORT_DIR, EXPORT_INIT_DIR
 from dsrecipes.errors import UserError
 from dsrecipes.paths import SAMPLE_DATA_DIR
 
@@ -37,30 +35,6 @@ class Score:
     similarity: float = 0.0  # mean difflib ratio of answer and reference
     reference_loss: float = 0.0  # mean over prompts with a reference
     answers: List[str] = field(default_factory=list)
-
-
-def main(argv: List[str]) -> int:
-    from dsrecipes.cli import parse
-
-    parser = argparse.ArgumentParser(prog="dsrecipes prompt-eval", description=__doc__.split("\n")[0])
-    parser.add_argument("--baseline", required=True, help="HF model dir, or a run dir (uses RUN/export_init)")
-    parser.add_argument("--finetuned", required=True, help="HF model dir, or a run dir (uses RUN/export)")
-    parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL with prompt (+ reference, system)")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--json", default=None, help="also write the answers and scores to this JSON file")
-    args = parse(parser, argv)
-    prompts = read_prompts(Path(args.prompts))
-    finetuned_dir = model_dir(args.finetuned, EXPORT_DIR)
-    baseline_dir = model_dir(args.baseline, EXPORT_INIT_DIR)
-    tokenizer = load_tokenizer(finetuned_dir)
-    scores = {}
-    for name, path in (("baseline", baseline_dir), ("finetuned", finetuned_dir)):
-        model_tokenizer = load_tokenizer(path, chat_template=tokenizer.chat_template)
-        scores[name] = evaluate_model(load_model(path), model_tokenizer, prompts, args.max_new_tokens)
-    print_side_by_side(prompts, scores)
-    if args.json:
-        Path(args.json).write_text(json.dumps({k: asdict(v) for k, v in scores.items()}, indent=1), encoding="utf-8")
-    return 0
 
 
 def model_dir(path: str, run_subdir: str) -> Path:

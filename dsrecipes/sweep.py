@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.experimental.callback import Callback
 
-RESULT_FILE = "result.json"
-METRICS_FILE = "metrics.jsonl"
+from dsrecipes.fileio import atomic_write_json, atomic_write_text
+from dsrecipes.rundir import METRICS_FILE, RESULT_FILE, run_summary
+
 SUMMARY_MD = "summary.md"
 SUMMARY_JSON = "summary.json"
 RESULT_KEYS = ("status", "error", "final_loss", "final_eval_loss", "tokens_per_s", "peak_mem_mb")
@@ -42,7 +42,7 @@ class SweepSummary(Callback):
         if not any((d / RESULT_FILE).is_file() for d in dirs):
             failed = job_return.status == JobStatus.FAILED
             error = repr(job_return._return_value) if failed else "the job ended without writing result.json"
-            write_json(dirs[-1] / RESULT_FILE, {**dict.fromkeys(RESULT_KEYS), "status": "failed", "error": error})
+            atomic_write_json(dirs[-1] / RESULT_FILE, {**dict.fromkeys(RESULT_KEYS), "status": "failed", "error": error})
         if _is_multirun(config):
             write_summary(Path(str(config.hydra.sweep.dir)))
 
@@ -107,7 +107,7 @@ def read_run(*dirs: Path) -> Dict[str, Any]:
     else:
         result.update(status="unknown", error=f"no {RESULT_FILE} (still running, or killed)")
     metrics_file = _first(dirs, METRICS_FILE)
-    from_metrics = metrics_headline(metrics_file) if metrics_file is not None else {}
+    from_metrics = run_summary(metrics_file.parent) if metrics_file is not None else {}
     for key in HEADLINE:
         if result.get(key) is None:
             result[key] = from_metrics.get(key)
@@ -116,28 +116,6 @@ def read_run(*dirs: Path) -> Dict[str, Any]:
 
 def _first(dirs: Any, name: str) -> Optional[Path]:
     return next((d / name for d in dirs if (d / name).is_file()), None)
-
-
-def metrics_headline(path: Path) -> Dict[str, Optional[float]]:
-    """Last train loss, last eval loss, mean tokens/s (without the first, warm-up line), from metrics.jsonl."""
-    train, evals = [], []
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by a killed run
-            if "eval_loss" in row:
-                evals.append(row)
-            elif "loss" in row:
-                train.append(row)
-    speeds = [r["tokens_per_s"] for r in train[1:] or train if r.get("tokens_per_s") is not None]
-    return {
-        "final_loss": train[-1]["loss"] if train else None,
-        "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
-        "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
-        "steps": train[-1].get("step") if train else None,
-    }
 
 
 def varying_keys(rows: List[Dict[str, Any]]) -> List[str]:
@@ -160,8 +138,8 @@ def write_summary(sweep_dir: Path) -> List[Dict[str, Any]]:
         "ok": sum(r["status"] == "ok" for r in rows),
         "failed": sum(r["status"] == "failed" for r in rows),
     }
-    write_json(sweep_dir / SUMMARY_JSON, summary)
-    _write_atomic(sweep_dir / SUMMARY_MD, render_markdown(rows) + "\n")
+    atomic_write_json(sweep_dir / SUMMARY_JSON, summary)
+    atomic_write_text(sweep_dir / SUMMARY_MD, render_markdown(rows) + "\n")
     return rows
 
 
@@ -183,14 +161,3 @@ def _num(value: Any, digits: int) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return f"{float(value):.{digits}f}"
-
-
-def write_json(path: Path, data: Any) -> None:
-    _write_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)

@@ -9,115 +9,131 @@ the step's global token count before the first backward.) Logged `loss` is that 
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
 
 import numpy as np
 import torch
 
-from dsrecipes.checkpoint import (
-    EXPORT_DIR,
-    EXPORT_INIT_DIR,
-    ResumePoint,
-    TrainState,
-    export_checkpoint,
-    export_initial,
-    load_checkpoint,
-    plan_resume,
-    save_checkpoint,
-)
+from dsrecipes.checkpoint import ResumePoint, TrainState, load_checkpoint, open_resume, save_checkpoint
 from dsrecipes.config.schema import TrainConfig
-from dsrecipes.errors import UserError
+from dsrecipes.distributed import all_ranks, finish_distributed, init_distributed
+from dsrecipes.errors import DataError
+from dsrecipes.export import EXPORT_DIR, EXPORT_INIT_DIR, export_checkpoint, export_initial
 from dsrecipes.metrics import MetricsLogger, Window
-from dsrecipes.model import (
-    build_model,
-    count_parameters,
-    load_tokenizer,
-    micro_batch_loss,
-    trainable_parameters,
-)
+from dsrecipes.model import build_model, count_parameters, load_tokenizer, micro_batch_loss, trainable_parameters
+from dsrecipes.rundir import read_ds_config
+from dsrecipes.runplan import RunPlan, read_plan
+
+
+@dataclass
+class Session:
+    """Everything one rank trains with, built by `start()`."""
+
+    cfg: TrainConfig
+    run_dir: Path
+    plan: RunPlan
+    rank: int
+    engine: Any
+    train_loader: Any
+    eval_loader: Any
+    state: TrainState
+    metrics: MetricsLogger
+    ledger: Any
+    last_checkpoint: Optional[Path]
 
 
 def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
-    """Train `cfg` in `run_dir` (which holds config.yaml and ds_config.json); returns the final progress."""
+    """Train `cfg` in `run_dir` (written by the launching process: config.yaml, plan.json, ds_config.json)."""
+    session = start(cfg, Path(run_dir))
+    loop(session)
+    finish(session)
+    return session.state
+
+
+def start(cfg: TrainConfig, run_dir: Path) -> Session:
+    """Join the process group, build model, loaders and engine, and load the planned checkpoint."""
     import deepspeed
 
     from dsrecipes.data.strategies import build_eval_loader, build_train_loader
 
-    run_dir = Path(run_dir)
-    t = cfg.trainer
-    seed_everything(t.seed)
+    plan = read_plan(run_dir)
+    seed_everything(cfg.trainer.seed)
     rank, world_size = init_distributed()
-
+    if world_size != plan.world_size:
+        raise DataError(f"{run_dir}/plan.json was made for {plan.world_size} ranks, but {world_size} started; "
+                        "start the run again with `python -m dsrecipes` so the launcher plans it")
     tokenizer = load_tokenizer(cfg)
     ds_config = read_ds_config(run_dir)
     model = build_model(cfg, tokenizer, ds_config)
-    if rank == 0 and t.export and cfg.model.path is None and not (run_dir / EXPORT_INIT_DIR).is_dir():
+    if rank == 0 and cfg.trainer.export and cfg.model.path is None and not (run_dir / EXPORT_INIT_DIR).is_dir():
         export_initial(cfg, tokenizer, run_dir / EXPORT_INIT_DIR)  # the prompt-eval baseline of the tiny model
-
     train_loader = build_train_loader(cfg, tokenizer, rank, world_size, run_dir)
     eval_loader = build_eval_loader(cfg, tokenizer, rank, world_size, run_dir)
-    total_steps = plan_total_steps(cfg, train_loader)
-
-    resume = plan_resume(t.resume, run_dir, world_size, cfg.zero.stage)
-    if resume is not None and resume.universal != ds_config.get("checkpoint", {}).get("load_universal", False):
-        raise UserError(f"{run_dir / 'ds_config.json'}: written for another resume point; start the run again "
-                        "with `python -m dsrecipes` so the launcher plans the (elastic) resume")
+    check_loader(train_loader, plan)
+    resume = open_resume(plan.resume)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable_parameters(model), config=ds_config)
+    state = TrainState() if resume is None else load_checkpoint(engine, train_loader, resume)
+    metrics = MetricsLogger(run_dir, rank, plan.total_steps, start_step=state.step)
+    metrics.info(describe_run(cfg, model, plan, resume))
+    return Session(cfg, run_dir, plan, rank, engine, train_loader, eval_loader, state, metrics,
+                   open_ledger(cfg, run_dir, rank), None if resume is None else resume.tag_dir)
 
-    state, last_checkpoint = TrainState(), None
-    if resume is not None:
-        state, last_checkpoint = load_checkpoint(engine, train_loader, resume), resume.tag_dir
 
-    metrics = MetricsLogger(run_dir, rank, total_steps, start_step=state.step)
-    metrics.info(describe_run(cfg, model, world_size, total_steps, resume, ds_config))
-    ledger = open_ledger(cfg, run_dir, rank)
+def loop(s: Session) -> None:
+    """Micro-batches until the planned last step: forward/backward/step, then per step log, evaluate, save."""
+    t, engine, state, total = s.cfg.trainer, s.engine, s.state, s.plan.total_steps
     window = Window()
     window.reset()
     clock_start = time.perf_counter() - state.elapsed
-
     engine.train()
-    batches = micro_batches(train_loader, state) if state.step < total_steps else ()
+    batches = micro_batches(s.train_loader, state) if state.step < total else ()
     for batch in batches:
         closes_step = engine.is_gradient_accumulation_boundary()
         loss, _ = micro_batch_loss(engine, batch, engine.device)
         engine.backward(loss)
-        if closes_step and logs_at(state.step + 1, total_steps, t):
+        if closes_step and logs_at(state.step + 1, total, t):
             lr, grad_norm = engine.get_lr()[0], untracked_grad_norm(engine)  # the values this step applies
         engine.step()
         window.add(loss, batch)
-        if ledger is not None:
-            ledger.record(batch["epoch"], state.step + 1, batch["ids"])
+        if s.ledger is not None:
+            s.ledger.record(batch["epoch"], state.step + 1, batch["ids"])
         if not closes_step:
             continue
-
         state.step += 1
-        metrics.step()
-        final = state.step >= total_steps
-        if logs_at(state.step, total_steps, t):
+        s.metrics.step()
+        if logs_at(state.step, total, t):
             state.elapsed = time.perf_counter() - clock_start
             tracked = engine.get_global_grad_norm()
-            log_window(metrics, window, state, lr, grad_norm if tracked is None else tracked)
+            log_window(s.metrics, window, state, lr, grad_norm if tracked is None else tracked)
         with window.paused():  # tokens/s counts training time only
-            if eval_loader is not None and (final or due(state.step, t.eval_every)):
-                metrics.log_eval(state.step, evaluate(engine, eval_loader, t.eval_batches))
-            if final or due(state.step, t.save_every):
-                last_checkpoint = save_checkpoint(engine, train_loader, state, run_dir, keep=t.keep_checkpoints)
-        if final:
+            after_step(s)
+        if state.step >= total:
             break
 
-    if ledger is not None:
-        ledger.close()
-    metrics.close()
+
+def after_step(s: Session) -> None:
+    """Evaluation and checkpoint at their intervals, and both at the last step."""
+    t, step = s.cfg.trainer, s.state.step
+    final = step >= s.plan.total_steps
+    if s.eval_loader is not None and (final or due(step, t.eval_every)):
+        s.metrics.log_eval(step, evaluate(s.engine, s.eval_loader, t.eval_batches))
+    if final or due(step, t.save_every):
+        s.last_checkpoint = save_checkpoint(s.engine, s.train_loader, s.state, s.run_dir, keep=t.keep_checkpoints)
+
+
+def finish(s: Session) -> None:
+    """Close the sinks, release the other ranks, then export from the final checkpoint on rank 0."""
+    if s.ledger is not None:
+        s.ledger.close()
+    s.metrics.close()
     finish_distributed()
-    if rank == 0 and t.export:  # from the final checkpoint, after the other ranks are released
-        out = export_checkpoint(run_dir, last_checkpoint, run_dir / EXPORT_DIR, cfg)
-        metrics.info(f"exported Hugging Face model: {out}")
-    return state
+    if s.rank == 0 and s.cfg.trainer.export:
+        out = export_checkpoint(s.run_dir, s.last_checkpoint, s.run_dir / EXPORT_DIR, s.cfg)
+        s.metrics.info(f"exported Hugging Face model: {out}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -132,87 +148,14 @@ def seed_everything(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def init_distributed() -> tuple[int, int]:
-    """Join the process group the launcher described in the environment (a lone process becomes rank 0 of 1)."""
-    import deepspeed
-    import torch.distributed as dist
-    from deepspeed.accelerator import get_accelerator
-
-    from dsrecipes.launch import free_port
-
-    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ and "PMI_RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-    accelerator = get_accelerator()
-    if accelerator.device_name() != "cpu":
-        accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    elif "OMP_NUM_THREADS" not in os.environ:
-        # Ranks sharing a CPU host split its cores, leaving one for the launcher, data and OS: oversubscribed
-        # intra-op threads spin-wait (the default tiny run took 117 s with 2 threads on a busy 2-core host, 29 s with 1).
-        local_size = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
-        torch.set_num_threads(max(1, ((os.cpu_count() or 1) - 1) // local_size))
-    if os.environ.get("WORLD_SIZE") == "1":
-        _skip_shm_comm_op()
-    deepspeed.init_distributed()
-    return dist.get_rank(), dist.get_world_size()
-
-
-def _skip_shm_comm_op() -> None:
-    """A lone process talks to nobody, so it does not need DeepSpeed's shared-memory all-reduce op, which on a CPU
-    host is JIT-compiled (~45 s) the first time a process group starts. DeepSpeed treats a missing op as "use
-    torch.distributed", the same path it takes where the op cannot be built."""
-    import importlib
-
-    try:  # (`import deepspeed.comm.torch as m` would bind the torch package that deepspeed.comm re-exports)
-        ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
-    except ImportError:  # another DeepSpeed layout: keep its default
+def check_loader(loader: Any, plan: RunPlan) -> None:
+    """Collective: every rank's loader must give the planned steps per epoch (ranks with different step counts hang
+    in their collectives until a timeout), so all ranks fail together when one disagrees."""
+    if all_ranks(loader.steps_per_epoch == plan.steps_per_epoch):
         return
-    if hasattr(ds_comm_torch, "build_shm_op"):
-        ds_comm_torch.build_shm_op = lambda: None
-
-
-def finish_distributed() -> None:
-    """Wait for every rank. The process group is left up on purpose: DeepSpeed caches its groups per process and
-    cannot rebuild them after destroy_process_group, so the next in-process run (local launcher, Hydra multirun)
-    reuses this one. Launched ranks exit right after."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def read_ds_config(run_dir: Path) -> Dict[str, Any]:
-    """The DeepSpeed dict the launching process wrote for the real world size (ranks never rebuild it)."""
-    path = run_dir / "ds_config.json"
-    if not path.is_file():
-        raise UserError(f"{path}: missing; start runs with `python -m dsrecipes` (it writes the run directory)")
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
-def plan_total_steps(cfg: TrainConfig, loader: Any) -> int:
-    """Optimizer steps of the run; checks every rank got the same number of steps per epoch (else ranks hang)."""
-    from dsrecipes.errors import DataError
-
-    spe = loader.steps_per_epoch
-    if spe is not None:
-        lo, hi = _min_max_over_ranks(spe)
-        if lo != hi:
-            raise DataError(f"ranks disagree on steps per epoch ({lo} vs {hi}); the data plan must equalise them")
-        if spe < 1:
-            raise DataError("the training split yields no full optimizer step per epoch; lower the batch size")
-    if cfg.trainer.max_steps is not None:
-        return cfg.trainer.max_steps
-    if spe is None:
-        raise DataError("trainer.max_steps: the training stream has no known length; set a step budget")
-    return cfg.trainer.epochs * spe
-
-
-def _min_max_over_ranks(value: int) -> tuple[int, int]:
-    import torch.distributed as dist
-
-    both = torch.tensor([-value, value], dtype=torch.int64)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    return -int(both[0]), int(both[1])
+    raise DataError(f"rank loaders disagree with plan.json ({plan.steps_per_epoch} steps per epoch; this rank: "
+                    f"{loader.steps_per_epoch}): the data changed since the launching process planned the run; "
+                    "start it again with `python -m dsrecipes`")
 
 
 def open_ledger(cfg: TrainConfig, run_dir: Path, rank: int) -> Optional[Any]:
@@ -223,21 +166,20 @@ def open_ledger(cfg: TrainConfig, run_dir: Path, rank: int) -> Optional[Any]:
     return LedgerWriter(run_dir, rank)
 
 
-def describe_run(cfg: TrainConfig, model: Any, world_size: int, total_steps: int, resume: Optional[ResumePoint],
-                 ds_config: Dict[str, Any]) -> str:
+def describe_run(cfg: TrainConfig, model: Any, plan: RunPlan, resume: Optional[ResumePoint]) -> str:
+    from dsrecipes.ds_config import train_batch_size
+
     trainable, total = count_parameters(model)
+    world = plan.world_size
     lines = [
         (f"model {cfg.model.name}: {total:,} parameters ({trainable:,} trainable), {cfg.precision.dtype.value}, "
-         f"ZeRO-{cfg.zero.stage}, {world_size} rank(s)"),
-        (f"{total_steps} optimizer steps of {ds_config['train_batch_size']} rows "
-         f"({cfg.trainer.micro_batch_size} x {cfg.trainer.grad_accum} accum x {world_size} ranks)"),
+         f"ZeRO-{cfg.zero.stage}, {world} rank(s)"),
+        (f"{plan.total_steps} optimizer steps of {train_batch_size(cfg, world)} rows "
+         f"({cfg.trainer.micro_batch_size} x {cfg.trainer.grad_accum} accum x {world} ranks)"),
     ]
     if resume is not None:
-        how = f", written by {resume.saved_world_size} ranks" if resume.saved_world_size != world_size else ""
+        how = f", written by {resume.saved_world_size} ranks" if resume.saved_world_size != world else ""
         lines.append(f"resumed from {resume.tag_dir}{how}" + (" (universal checkpoint)" if resume.universal else ""))
-    planned = ds_config.get("scheduler", {}).get("params", {}).get("total_num_steps")
-    if planned is not None and planned < total_steps:
-        lines.append(f"warning: the LR schedule in ds_config.json ends at step {planned}, before step {total_steps}")
     return "\n".join(lines)
 
 
@@ -302,7 +244,7 @@ def evaluate(engine: Any, loader: Any, max_batches: Optional[int]) -> float:
     done = 0
     while max_batches is None or done < max_batches:
         batch = next(batches, None)
-        if not _all_ranks(batch is not None):
+        if not all_ranks(batch is not None):
             break
         loss, n_tokens = micro_batch_loss(engine, batch, engine.device)
         sums += torch.tensor([float(loss) * int(n_tokens), int(n_tokens)], dtype=torch.float64)
@@ -312,9 +254,3 @@ def evaluate(engine: Any, loader: Any, max_batches: Optional[int]) -> float:
     return float(sums[0] / sums[1].clamp(min=1))
 
 
-def _all_ranks(flag: bool) -> bool:
-    import torch.distributed as dist
-
-    value = torch.tensor([1 if flag else 0], dtype=torch.int64)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN)
-    return bool(value.item())

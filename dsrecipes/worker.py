@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from dsrecipes.checkpoint import TrainState
+from dsrecipes.config.schema import Device
 from dsrecipes.errors import UserError
 
 
@@ -21,7 +22,7 @@ def run(run_dir: str | Path) -> TrainState:
     from dsrecipes.config.load import load_run_config
 
     cfg = load_run_config(run_dir)
-    if cfg.trainer.device == "cpu":
+    if cfg.trainer.device is Device.cpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must precede the first `import deepspeed`
     from dsrecipes.train import train
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import pytest
 

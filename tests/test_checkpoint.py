@@ -12,14 +12,22 @@ import torch
 from dsrecipes.checkpoint import (
     COMPLETE,
     LATEST,
-    export_initial,
     find_resume_checkpoint,
     latest_complete,
+    plan_resume,
     prune_checkpoints,
     restore_rng,
     rng_state,
 )
+from dsrecipes.config.schema import ResumeMode, TrainerConfig
 from dsrecipes.errors import UserError
+from dsrecipes.export import export_initial
+
+AUTO, NEVER = TrainerConfig(resume=ResumeMode.auto), TrainerConfig(resume=ResumeMode.never)
+
+
+def resume_from(path) -> TrainerConfig:
+    return TrainerConfig(resume_from=str(path))
 
 
 def _ckpt(root, step, complete=True):
@@ -32,13 +40,13 @@ def _ckpt(root, step, complete=True):
 
 def test_resume_auto_uses_latest_and_ignores_a_partial_save(tmp_path):
     root = tmp_path / "checkpoints"
-    assert find_resume_checkpoint("auto", tmp_path) is None
+    assert find_resume_checkpoint(AUTO, tmp_path) is None
     _ckpt(root, 2)
     good = _ckpt(root, 4)
     (root / LATEST).write_text("step_4")
     _ckpt(root, 6, complete=False)  # killed mid-save: no marker, latest not switched
-    assert find_resume_checkpoint("auto", tmp_path) == good
-    assert find_resume_checkpoint("never", tmp_path) is None
+    assert find_resume_checkpoint(AUTO, tmp_path) == good
+    assert find_resume_checkpoint(NEVER, tmp_path) is None
     # a latest pointer naming an incomplete dir falls back to the newest complete one
     (root / LATEST).write_text("step_6")
     assert latest_complete(root) == good
@@ -48,11 +56,22 @@ def test_resume_from_a_path(tmp_path):
     root = tmp_path / "run" / "checkpoints"
     two, four = _ckpt(root, 2), _ckpt(root, 4)
     (root / LATEST).write_text("step_4")
-    assert find_resume_checkpoint(str(two), tmp_path) == two
-    assert find_resume_checkpoint(str(root), tmp_path) == four
-    assert find_resume_checkpoint(str(tmp_path / "run"), tmp_path) == four
+    assert find_resume_checkpoint(resume_from(two), tmp_path) == two
+    assert find_resume_checkpoint(resume_from(root), tmp_path) == four
+    assert find_resume_checkpoint(resume_from(tmp_path / "run"), tmp_path) == four
     with pytest.raises(UserError, match="not a complete checkpoint"):
-        find_resume_checkpoint(str(_ckpt(root, 6, complete=False)), tmp_path)
+        find_resume_checkpoint(resume_from(_ckpt(root, 6, complete=False)), tmp_path)
+
+
+def test_the_plan_says_whether_a_resume_is_elastic(tmp_path):
+    root = tmp_path / "checkpoints"
+    assert plan_resume(AUTO, tmp_path, world_size=2, zero_stage=2) is None
+    _ckpt(root, 4)  # written by 2 ranks
+    same = plan_resume(AUTO, tmp_path, world_size=2, zero_stage=2)
+    assert (same.step, same.saved_world_size, same.elastic) == (4, 2, False)
+    assert plan_resume(AUTO, tmp_path, world_size=1, zero_stage=2).elastic  # ZeRO-2 shards: universal checkpoint
+    assert not plan_resume(AUTO, tmp_path, world_size=1, zero_stage=0).elastic  # ZeRO-0 states are whole
+    assert plan_resume(NEVER, tmp_path, world_size=2, zero_stage=2) is None
 
 
 def test_prune_keeps_the_newest_complete_and_removes_partial_leftovers(tmp_path):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dsrecipes.data.collate import collate
-from dsrecipes.data.tokenize import IGNORE_INDEX, Example, pack
+from dsrecipes.data.labels import IGNORE_INDEX
+from dsrecipes.data.tokenize import Example, pack
 
 PAD = 0
 

@@ -8,17 +8,10 @@ from pathlib import Path
 import pytest
 
 from dsrecipes.config.schema import BadRows, ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
+from dsrecipes.data.badrows import BadReason, BadRow, BadRowReport
+from dsrecipes.data.files import read_rows
 from dsrecipes.data.registry import load_registry, resolve_sources
-from dsrecipes.data.sharegpt import (
-    BadReason,
-    BadRow,
-    BadRowReport,
-    Role,
-    iter_conversations,
-    iter_source,
-    normalize_row,
-    read_rows,
-)
+from dsrecipes.data.sharegpt import Role, iter_conversations, iter_source, normalize_row
 from dsrecipes.errors import ConfigError, DataError
 
 FIX = Path(__file__).parent / "fixtures" / "data"

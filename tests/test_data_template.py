@@ -10,9 +10,11 @@ from typing import List
 import pytest
 
 from dsrecipes.config.schema import BadRows, SourceConfig, TemplateConfig, TemplateKind, TrainConfig, TrainOn
-from dsrecipes.data.sharegpt import BadRowReport, Conversation, Role, Turn, iter_source
+from dsrecipes.data.badrows import BadRowReport
+from dsrecipes.data.labels import IGNORE_INDEX
+from dsrecipes.data.sharegpt import Conversation, Role, Turn, iter_source
 from dsrecipes.data.template import generation_prompt, render
-from dsrecipes.data.tokenize import IGNORE_INDEX, Encoder
+from dsrecipes.data.tokenize import Encoder
 from dsrecipes.errors import ConfigError
 from dsrecipes.paths import SAMPLE_DATA_DIR, TINY_TOKENIZER_DIR
 

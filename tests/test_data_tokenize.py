@@ -7,8 +7,10 @@ import random
 import pytest
 
 from dsrecipes.config.schema import SourceConfig, TemplateConfig, TemplateKind, TrainConfig, TrainOn
-from dsrecipes.data.sharegpt import BadReason, BadRow, Conversation, Role, Turn
-from dsrecipes.data.tokenize import IGNORE_INDEX, Encoder, Example, pack, pack_plan, packing_efficiency
+from dsrecipes.data.badrows import BadReason, BadRow
+from dsrecipes.data.labels import IGNORE_INDEX
+from dsrecipes.data.sharegpt import Conversation, Role, Turn
+from dsrecipes.data.tokenize import Encoder, Example, pack, pack_plan, packing_efficiency
 from dsrecipes.paths import TINY_TOKENIZER_DIR
 
 

@@ -168,7 +168,9 @@ def test_context_from_config(make_cfg):
 
 
 def test_doctor_on_this_machine(capsys):
-    code = doctor.main(["--json"])
+    from dsrecipes.commands.doctor import main
+
+    code = main(["--json"])
     findings = json.loads(capsys.readouterr().out)
     checks = {f["check"] for f in findings}
     assert {"torch", "deepspeed", "accelerator", "shm", "jit", "torch_extensions"} <= checks

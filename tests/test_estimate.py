@@ -14,6 +14,7 @@ from deepspeed.runtime.zero.stage3 import (
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
 from dsrecipes import estimate as est
+from dsrecipes.commands.estimate import main as estimate_main
 
 P, L = 1_234_567_890, 123_456_789
 LAYOUTS = [(1, 1), (8, 1), (8, 4), (4, 2)]
@@ -64,7 +65,7 @@ def test_numbers_appear_in_deepspeeds_printed_table(mixed_adam):
 def test_stage_ordering_and_lora_and_fp32(make_cfg, mixed_adam):
     gpus = [est.model_states(s, o, p, shape(), mixed_adam, 8, 1, False)[0] for s, _, o, p in est.OPTIONS]
     by = dict(zip([(s, n) for s, n, _, _ in est.OPTIONS], gpus, strict=True))
-    assert by[(0, "none")] > by[(1, "none")] > by[(2, "none")] > by[(3, "none")] > by[(3, "cpu_optimizer_params")]
+    assert by[(0, "none")] > by[(1, "none")] > by[(2, "none")] > by[(3, "none")] > by[(3, "optimizer=cpu,param=cpu")]
     assert by[(0, "none")] == 2 * P + 18 * P  # DeepSpeed's 2 + 18 bytes, nothing sharded
     # LoRA: frozen weights keep only their 2 bytes; states for the adapters only
     lora_gpu, _ = est.model_states(0, False, False, shape(trainable=P // 100), mixed_adam, 1, 1, False)
@@ -131,10 +132,10 @@ def test_activations_shrink_with_checkpointing(make_cfg):
 
 
 def test_cli_table_and_json(capsys):
-    assert est.main(["zero=stage2", "precision=bf16", "--gpus-per-node", "8", "--gpu-mem-gb", "0.1"]) == 0
+    assert estimate_main(["zero=stage2", "precision=bf16", "--gpus-per-node", "8", "--gpu-mem-gb", "0.1"]) == 0
     out = capsys.readouterr().out
     assert "| stage2 * | none |" in out and "fits 0.1 GiB" in out
-    assert est.main(["model=llama3_8b", "precision=bf16", "--gpus-per-node", "8", "--gpu-mem-gb", "80", "--json"]) == 0
+    assert estimate_main(["model=llama3_8b", "precision=bf16", "--gpus-per-node", "8", "--gpu-mem-gb", "80", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     fits = {(r["stage"], r["offload"]): r["fits_no_gc"] for r in data["rows"]}
     assert fits[(0, "none")] is False and fits[(3, "none")] is True  # 8B: 160 GB of states unsharded, 20 GB at ZeRO-3

@@ -13,10 +13,17 @@ import pytest
 from dsrecipes import launch
 from dsrecipes.config.schema import LauncherKind
 from dsrecipes.errors import UserError
+from dsrecipes.launch.builders import MULTINODE_DEFAULT_PORT
+from dsrecipes.launch.process import child_env, run_subprocess
+from dsrecipes.topology import resolve_topology
 
 PY = sys.executable
 RUN = Path("/tmp/dsr-run")
 PORT = 12345
+
+
+def world_size(cfg) -> int:
+    return resolve_topology(cfg.launcher).world_size
 
 
 def plan_for(make_cfg, *overrides, environ=None, **kw):
@@ -85,7 +92,7 @@ def test_deepspeed_include_hostfile_golden(make_cfg, tmp_path):
     assert plan.files[".deepspeed_env"] == "NCCL_DEBUG=INFO\n"
     assert cmd.env == {"NCCL_DEBUG": "INFO", "DS_ENV_FILE": str(RUN / ".deepspeed_env")}
     assert "pdsh" in [r.name for r in plan.requires]
-    assert launch.world_size(cfg) == 3  # DeepSpeed's own hostfile/include parsing
+    assert world_size(cfg) == 3  # DeepSpeed's own hostfile/include parsing
 
 
 def test_deepspeed_argv_parsed_by_deepspeed(make_cfg):
@@ -112,7 +119,7 @@ def test_deepspeed_multinode_golden(make_cfg):
         ]  # fmt: skip
         assert cmd.env == {"NCCL_IB_DISABLE": "0"}  # launcher.env, exported directly (no-ssh ignores .deepspeed_env)
     assert plan.files["hostfile"].splitlines()[1:] == ["node0 slots=8", "node1 slots=8"]
-    assert launch.world_size(cfg) == 16
+    assert world_size(cfg) == 16
 
 
 def test_deepspeed_multinode_argv_parsed_by_deepspeed(make_cfg):
@@ -131,7 +138,7 @@ def test_torchrun_golden(make_cfg):
         "--rdzv_endpoint", f"127.0.0.1:{PORT}", "--rdzv_id", "dsrecipes-dsr-run",
         "-m", "dsrecipes.worker", "--run-dir", str(RUN),
     ]  # fmt: skip
-    assert launch.world_size(cfg) == 2
+    assert world_size(cfg) == 2
 
 
 def test_torchrun_multinode_endpoint(make_cfg):
@@ -150,14 +157,14 @@ def test_torchrun_multinode_endpoint(make_cfg):
     args = get_args_parser().parse_args(argv[3:])
     assert (args.nproc_per_node, args.module, args.training_script) == ("8", True, "dsrecipes.worker")
     assert args.training_script_args == ["--run-dir", str(RUN)]
-    assert launch.world_size(cfg) == 32
+    assert world_size(cfg) == 32
 
 
 def test_mpirun_golden(make_cfg):
     cfg, plan = plan_for(make_cfg, "launcher=mpirun", "+launcher.env.FOO=bar baz")
     (cmd,) = plan.commands
     assert cmd.argv == [
-        "mpirun", "-np", "2", PY, "-m", "dsrecipes.launch", "mpi-rank", "--master-port", str(PORT),
+        "mpirun", "-np", "2", PY, "-m", "dsrecipes.launch.mpi_rank", "--master-port", str(PORT),
         "--master-addr", "127.0.0.1", "--env", "FOO=bar baz", "--module", "dsrecipes.worker",
         "--", "--run-dir", str(RUN),
     ]  # fmt: skip
@@ -179,23 +186,23 @@ def test_slurm_golden(make_cfg):
     ):  # fmt: skip
         assert line in script.splitlines(), line
     assert "--node_rank $SLURM_NODEID" in script and "--no_ssh" in script
-    assert launch.world_size(cfg) == 16
+    assert world_size(cfg) == 16
 
 
 # --- behaviour --------------------------------------------------------------------------------------------------
 
 
-def test_free_port_only_for_default_single_node(make_cfg):
+def test_free_port_only_for_an_unset_single_node_port(make_cfg):
     cfg = make_cfg("launcher=deepspeed", check_files=False)
-    assert cfg.launcher.master_port == launch.DEFAULT_MASTER_PORT
+    assert cfg.launcher.master_port is None  # null: pick a free one
     ports = {launch.resolve_master_port(cfg) for _ in range(3)}
-    assert launch.DEFAULT_MASTER_PORT not in ports
+    assert MULTINODE_DEFAULT_PORT not in ports and len(ports) > 1
     assert (
         launch.resolve_master_port(make_cfg("launcher=deepspeed", "launcher.master_port=29777", check_files=False))
         == 29777
     )
     multi = make_cfg("launcher=deepspeed_multinode", check_files=False)
-    assert launch.resolve_master_port(multi) == launch.DEFAULT_MASTER_PORT  # every node must agree
+    assert launch.resolve_master_port(multi) == MULTINODE_DEFAULT_PORT  # every node must agree
 
 
 def test_cuda_visible_devices_warning(make_cfg):
@@ -246,7 +253,7 @@ def test_local_runs_worker_in_process_and_restores_env(make_cfg, tmp_path, monke
     cfg = make_cfg("launcher=local", check_files=False)
     assert launch.launch(cfg, tmp_path) == 0
     assert seen["RANK"] == "0" and seen["WORLD_SIZE"] == "1" and seen["MASTER_ADDR"] == "127.0.0.1"
-    assert int(seen["MASTER_PORT"]) != launch.DEFAULT_MASTER_PORT
+    assert int(seen["MASTER_PORT"]) != MULTINODE_DEFAULT_PORT
     assert Path(seen["run_dir"]) == tmp_path.resolve()
     import os
 
@@ -257,7 +264,7 @@ def test_local_runs_worker_in_process_and_restores_env(make_cfg, tmp_path, monke
 def test_child_env_drops_inherited_rank_variables(monkeypatch):
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("MASTER_PORT", "1")
-    env = launch._child_env({"FOO": "1"})
+    env = child_env({"FOO": "1"})
     assert "RANK" not in env and "MASTER_PORT" not in env and env["FOO"] == "1"
 
 
@@ -282,6 +289,6 @@ def test_sigterm_is_forwarded_to_the_launcher(tmp_path):
     before = signal.getsignal(signal.SIGTERM)
     threading.Timer(3.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
     start = time.time()
-    code = launch._run_subprocess(launch.Command([sys.executable, str(child)]))
+    code = run_subprocess(launch.Command([sys.executable, str(child)]))
     assert code == 3 and marker.is_file() and time.time() - start < 20
     assert signal.getsignal(signal.SIGTERM) is before

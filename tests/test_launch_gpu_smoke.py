@@ -27,9 +27,9 @@ def test_pipeline_overrides_compose(make_cfg, tmp_path, stage):
     args = smoke.parse_args(["--out", str(tmp_path)])
     cfg = make_cfg(*smoke.pipeline_overrides(args, stage, tmp_path / "run"), check_files=False)
     assert cfg.zero.stage == stage and cfg.model.tiny.hidden_size == 896 and cfg.data.packing
-    from dsrecipes import launch
+    from dsrecipes.topology import resolve_topology
 
-    assert launch.world_size(cfg) == 1
+    assert resolve_topology(cfg.launcher).world_size == 1
 
 
 def test_qwen_shape_is_half_a_billion():

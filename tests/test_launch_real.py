@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from dsrecipes import launch
+from dsrecipes.distributed import free_port
+from dsrecipes.topology import resolve_topology
 
 TESTS = Path(__file__).resolve().parent
 PROBE = "test_launch_probe"
@@ -52,11 +54,11 @@ def test_two_ranks_on_this_machine(make_cfg, tmp_path, probe_env, kind):
     cfg = make_cfg(
         f"launcher={kind}", "launcher.num_gpus=2", "+launcher.env.PROBE_ENV=on-every-rank", check_files=False
     )
-    assert launch.world_size(cfg) == 2
+    assert resolve_topology(cfg.launcher).world_size == 2
     assert launch.launch(cfg, tmp_path, worker_module=PROBE) == 0
     records = probe_results(tmp_path.resolve(), 2)
     assert {r["env"]["LOCAL_RANK"] for r in records} == {"0", "1"}
-    assert records[0]["env"]["MASTER_PORT"] != str(launch.DEFAULT_MASTER_PORT)  # a free port was picked
+    assert records[0]["env"]["MASTER_PORT"] != "29500"  # a free port was picked
 
 
 def test_failing_rank_exit_code_propagates(make_cfg, tmp_path, probe_env):
@@ -67,7 +69,7 @@ def test_failing_rank_exit_code_propagates(make_cfg, tmp_path, probe_env):
 def test_no_ssh_multinode_two_nodes_on_localhost(make_cfg, tmp_path, probe_env):
     cfg = make_cfg(
         "launcher=deepspeed_multinode", "launcher.num_gpus=1", "launcher.num_nodes=2",
-        f"launcher.master_port={launch.free_port()}", "+launcher.env.PROBE_ENV=on-every-rank",
+        f"launcher.master_port={free_port()}", "+launcher.env.PROBE_ENV=on-every-rank",
     )  # fmt: skip
     run_dir = tmp_path.resolve()
     plan = launch.build_plan(cfg, run_dir, worker_module=PROBE)
@@ -95,7 +97,7 @@ def test_slurm_script_with_fake_srun(make_cfg, tmp_path, probe_env):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(stat.S_IRWXU)
     cfg = make_cfg(
-        "launcher=slurm", "launcher.num_gpus=1", "launcher.num_nodes=2", f"launcher.master_port={launch.free_port()}",
+        "launcher=slurm", "launcher.num_gpus=1", "launcher.num_nodes=2", f"launcher.master_port={free_port()}",
         "+launcher.env.PROBE_ENV=on-every-rank",
     )  # fmt: skip
     run_dir = tmp_path / "run"

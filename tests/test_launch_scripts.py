@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dsrecipes import launch
+from dsrecipes.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((REPO / "launch").glob("*.sh")) + sorted((REPO / "launch").glob("*.sbatch"))
@@ -33,7 +33,7 @@ def test_multinode_nossh_script_trains_with_two_nodes_on_localhost(tmp_path):
     from tests.conftest import subprocess_env
 
     run_dir = tmp_path / "run"
-    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(launch.free_port()), "NNODES": "2", "GPUS_PER_NODE": "1",
+    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NNODES": "2", "GPUS_PER_NODE": "1",
               "RUN_DIR": str(run_dir), "WAIT_S": "300"}  # fmt: skip
     overrides = ["trainer.max_steps=2", "scheduler.warmup_steps=1", "trainer.export=false", "trainer.log_every=1",
                  "trainer.device=cpu"]  # fmt: skip

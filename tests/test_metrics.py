@@ -6,7 +6,8 @@ import json
 
 import torch
 
-from dsrecipes.metrics import MetricsLogger, Window, read_metrics
+from dsrecipes.metrics import MetricsLogger, Window
+from dsrecipes.rundir import read_metrics
 
 
 def test_rank0_writes_jsonl_tensorboard_and_plot(tmp_path):

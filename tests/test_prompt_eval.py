@@ -12,8 +12,8 @@ from dsrecipes.prompt_eval import DEFAULT_PROMPTS, read_prompts
 
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory):
-    from dsrecipes.checkpoint import export_initial
     from dsrecipes.config.load import compose_and_load
+    from dsrecipes.export import export_initial
     from dsrecipes.model import load_tokenizer
 
     root = tmp_path_factory.mktemp("prompt_eval")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dsrecipes.metrics import read_metrics
+from dsrecipes.rundir import read_metrics
 from tests.conftest import subprocess_env
 
 pytestmark = pytest.mark.slow

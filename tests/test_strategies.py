@@ -323,7 +323,7 @@ def test_real_iterable_loader_tokenizes_on_the_fly(prepared_run, tmp_path):
     assert len(flat) == len(set(flat))
     assert {len(v) for v in out.values()} == {loaders[0].steps_per_epoch * cfg.trainer.grad_accum}
     # the 16 validation samples of the prepared split are held out of the stream
-    from dsrecipes.data.strategies import validation_ids
+    from dsrecipes.data.strategies.eval import validation_ids
 
     held = validation_ids(cfg, run_dir)
     assert len(held) == 16 and not held & set(flat)

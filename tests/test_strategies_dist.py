@@ -4,10 +4,9 @@ The parent then checks disjointness, equal steps and coverage from the ledgers (
 
 from __future__ import annotations
 
-
 import pytest
 
-from dsrecipes.launch import free_port
+from dsrecipes.distributed import free_port
 
 pytestmark = pytest.mark.slow
 

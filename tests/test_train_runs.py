@@ -81,7 +81,7 @@ def _restored_environ():
 
 
 def metrics(run_dir: Path) -> List[dict]:
-    from dsrecipes.metrics import read_metrics
+    from dsrecipes.rundir import read_metrics
 
     return read_metrics(run_dir)
 
@@ -174,7 +174,7 @@ def test_killed_mid_save_resumes_from_last_good_checkpoint_with_identical_losses
 
 def test_elastic_resume_of_a_two_rank_zero2_checkpoint_on_one_rank(zero2_run, workspace):
     step_4 = zero2_run / "checkpoints" / "step_4"
-    run, _ = train_run(workspace, "elastic", *RECORDED, f"trainer.resume={step_4}", world_size=1)
+    run, _ = train_run(workspace, "elastic", *RECORDED, f"trainer.resume_from={step_4}", world_size=1)
     assert (step_4 / "universal" / "complete.json").is_file()  # converted once by ds_to_universal
     losses, reference = train_losses(run), train_losses(zero2_run)
     assert sorted(losses) == [5, 6, 7, 8]
@@ -185,7 +185,7 @@ def test_elastic_resume_of_a_two_rank_zero2_checkpoint_on_one_rank(zero2_run, wo
 def test_zero3_two_ranks_from_a_local_model_directory(workspace):
     from transformers import AutoModelForCausalLM
 
-    from dsrecipes.checkpoint import export_initial
+    from dsrecipes.export import export_initial
     from dsrecipes.config.load import compose_and_load
     from dsrecipes.model import load_tokenizer
 

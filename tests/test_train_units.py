@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from dsrecipes.checkpoint import TrainState
 from dsrecipes.errors import UserError
-from dsrecipes.train import due, micro_batches, read_ds_config
+from dsrecipes.rundir import read_ds_config
+from dsrecipes.runplan import read_plan
+from dsrecipes.train import due, micro_batches
 
 
 class FakeLoader:
@@ -51,19 +51,11 @@ def test_worker_tolerates_local_rank_and_reports_a_missing_run_dir(tmp_path, cap
     assert "config.yaml" in capsys.readouterr().err
 
 
-def test_missing_ds_config_is_a_user_error(tmp_path):
+def test_missing_ds_config_or_plan_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="ds_config.json"):
         read_ds_config(tmp_path)
-
-
-def test_plan_total_steps_prefers_max_steps(monkeypatch):
-    from dsrecipes import train
-
-    monkeypatch.setattr(train, "_min_max_over_ranks", lambda v: (v, v))
-    cfg = SimpleNamespace(trainer=SimpleNamespace(max_steps=None, epochs=3))
-    assert train.plan_total_steps(cfg, SimpleNamespace(steps_per_epoch=7)) == 21
-    cfg.trainer.max_steps = 5
-    assert train.plan_total_steps(cfg, SimpleNamespace(steps_per_epoch=7)) == 5
-    monkeypatch.setattr(train, "_min_max_over_ranks", lambda v: (v, v + 1))
-    with pytest.raises(UserError, match="disagree"):
-        train.plan_total_steps(cfg, SimpleNamespace(steps_per_epoch=7))
+    with pytest.raises(UserError, match="plan.json: missing"):
+        read_plan(tmp_path)
+    (tmp_path / "plan.json").write_text("{broken")
+    with pytest.raises(UserError, match="plan.json: unreadable run plan"):
+        read_plan(tmp_path)

@@ -7,9 +7,11 @@ from typing import List
 
 import yaml
 
-from dsrecipes.cli import override_parser, parse
+from dsrecipes.commands.args import override_parser, parse
 from dsrecipes.config.load import compose_and_load, config_to_dict
+from dsrecipes.config.schema import SchedulerKind
 from dsrecipes.ds_config import build_ds_config
+from dsrecipes.topology import resolve_topology
 
 
 def main(argv: List[str]) -> int:
@@ -20,13 +22,13 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--json-only", action="store_true", help="print only the DeepSpeed JSON")
     args = parse(parser, argv)
     cfg = compose_and_load(args.overrides, check_files=False)
-    world = args.world_size or (cfg.launcher.num_gpus or 1) * cfg.launcher.num_nodes
+    world = args.world_size or resolve_topology(cfg.launcher).world_size
     total = args.total_steps if args.total_steps is not None else cfg.trainer.max_steps
     if not args.json_only:
         print("# resolved config")
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True))
         print(f"# DeepSpeed JSON at world size {world}")
-    if total is None and cfg.scheduler.name.value != "constant":
+    if total is None and cfg.scheduler.name is not SchedulerKind.constant:
         # Epoch-based: the launcher computes the step count from the data plan before writing ds_config.json.
         print("# (trainer.max_steps is null: total_num_steps comes from the data plan at launch; "
               "pass --total-steps N to preview)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import List, Tuple
 
-from dsrecipes.cli import override_parser, parse
+from dsrecipes.commands.args import override_parser, parse
 from dsrecipes.config.groups import RECIPE_GROUP, group_options, recipes
 from dsrecipes.config.load import check_composition, compose, compose_and_load, hydra_context
 from dsrecipes.errors import ConfigError
@@ -21,7 +21,7 @@ def main(argv: List[str]) -> int:
     cfg = compose_and_load(args.overrides)
     print(
         f"OK: data={cfg.data.kind.value} dataset={cfg.dataset.name} model={cfg.model.name} "
-        f"zero={cfg.zero.stage} offload={cfg.offload.name} precision={cfg.precision.dtype.value} "
+        f"zero={cfg.zero.stage} offload={cfg.offload.label} precision={cfg.precision.dtype.value} "
         f"launcher={cfg.launcher.kind.value}"
     )
     return 0

@@ -28,7 +28,6 @@ def register_schemas() -> None:
     if _registered:
         return
     from hydra.core.config_store import ConfigStore
-
     from omegaconf import OmegaConf
 
     from dsrecipes.paths import ASSETS_DIR, project_root
@@ -208,16 +207,17 @@ def check_composition(
     composed: Any, *, check_files: bool = True, overrides: Sequence[str] = ()
 ) -> Tuple[Optional[TrainConfig], List[str], List[str]]:
     """(config, schema problems, rule problems). Rules are only checked once the schema is clean."""
-    from omegaconf import DictConfig, OmegaConf
+    from omegaconf import DictConfig, ListConfig, OmegaConf
 
     from dsrecipes.config.validate import validate
 
     if isinstance(composed, DictConfig):
-        try:
-            data = OmegaConf.to_container(composed, resolve=True, enum_to_str=True)
+        try:  # key by key: Hydra's own `hydra` node (present in a job's composition) is not ours to resolve
+            data = {k: OmegaConf.to_container(composed[k], resolve=True, enum_to_str=True) if
+                    isinstance(composed[k], (DictConfig, ListConfig)) else composed[k]
+                    for k in composed.keys() if k != "hydra"}
         except Exception as exc:
             return None, [clean_hydra_message(exc)], []
-        data.pop("hydra", None)
     else:
         data = composed
     cfg, schema_errors = from_dict(data)

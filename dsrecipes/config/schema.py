@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
+from dsrecipes.paths import SAMPLE_DATA_DIR
+
 
 class DataKind(str, Enum):
     map = "map"
@@ -91,6 +93,17 @@ class ShardBalance(str, Enum):
     tokens = "tokens"
 
 
+class Device(str, Enum):
+    auto = "auto"  # CUDA when available, else CPU
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class ResumeMode(str, Enum):
+    auto = "auto"  # continue from trainer.resume_from, else from the run directory's newest complete checkpoint
+    never = "never"  # start from step 0
+
+
 @dataclass
 class DataConfig:
     """How prepared samples reach the model (`data=map|iterable|presharded`)."""
@@ -144,7 +157,7 @@ class DatasetConfig:
     """Which files, in which format (`dataset=sample|sharegpt_files|...`)."""
 
     name: str = "sample"
-    paths: List[str] = field(default_factory=list)  # files or globs (.json/.jsonl, optionally .gz)
+    paths: List[str] = field(default_factory=lambda: [str(SAMPLE_DATA_DIR / "train.jsonl")])  # files or globs
     format: DatasetFormat = DatasetFormat.sharegpt
     columns: ColumnsConfig = field(default_factory=ColumnsConfig)
     roles: Dict[str, str] = field(default_factory=dict)
@@ -152,7 +165,7 @@ class DatasetConfig:
     sources: List[SourceConfig] = field(default_factory=list)  # extra sources mixed with `paths`
     registry: Optional[str] = None  # dataset_info.json (LLaMA-Factory) or YAML registry
     use: List[str] = field(default_factory=list)  # registry entries to mix in
-    val_size: float = 0.0  # < 1: fraction, >= 1: number of samples
+    val_size: float = 64  # < 1: fraction, >= 1: number of samples
     bad_rows: BadRows = BadRows.error
     max_bad_fraction: float = 0.05
 
@@ -217,11 +230,17 @@ class ZeroConfig:
 
 @dataclass
 class OffloadConfig:
-    name: str = "none"
     optimizer: OffloadDevice = OffloadDevice.none
     param: OffloadDevice = OffloadDevice.none
     nvme_path: Optional[str] = None
     pin_memory: bool = True
+
+    @property
+    def label(self) -> str:
+        """What is offloaded where, e.g. `none`, `optimizer=cpu`, `optimizer=cpu,param=cpu`."""
+        parts = [f"{k}={v.value}" for k, v in (("optimizer", self.optimizer), ("param", self.param))
+                 if v is not OffloadDevice.none]
+        return ",".join(parts) or "none"
 
 
 @dataclass
@@ -235,8 +254,8 @@ class PrecisionConfig:
 @dataclass
 class OptimizerConfig:
     name: OptimizerKind = OptimizerKind.adamw
-    lr: float = 1e-3
-    weight_decay: float = 0.0
+    lr: float = 3e-3  # suits the embedded tiny model; real-model groups and recipes set their own
+    weight_decay: float = 0.01
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     momentum: float = 0.0  # sgd only
@@ -246,29 +265,30 @@ class OptimizerConfig:
 @dataclass
 class SchedulerConfig:
     name: SchedulerKind = SchedulerKind.cosine
-    warmup_steps: int = 0
+    warmup_steps: int = 10
     min_lr_ratio: float = 0.0  # cosine: final lr = lr * min_lr_ratio
 
 
 @dataclass
 class TrainerConfig:
-    micro_batch_size: int = 4
+    micro_batch_size: int = 8
     grad_accum: int = 1
-    max_steps: Optional[int] = None  # optimizer steps; overrides epochs when set
+    max_steps: Optional[int] = 400  # optimizer steps; null: train `epochs` passes over the data
     epochs: int = 1
     save_every: int = 0  # optimizer steps between checkpoints; 0 = only at the end
-    eval_every: int = 0  # 0 = only at the end (when there is a validation split)
+    eval_every: int = 100  # 0 = only at the end (when there is a validation split)
     eval_batches: Optional[int] = None  # cap on validation micro-batches per eval
     log_every: int = 10
     keep_checkpoints: int = 2
-    resume: str = "auto"  # auto | never | <checkpoint directory>
+    resume: ResumeMode = ResumeMode.auto
+    resume_from: Optional[str] = None  # a checkpoint (checkpoints/step_<N>), or a run / checkpoints dir holding one
     seed: int = 42
     output_dir: Optional[str] = None  # run directory; None = Hydra's run directory
     record_samples: bool = False
     gradient_clipping: float = 1.0
     export: bool = True  # write a Hugging Face model directory at the end
     export_merged_lora: bool = True  # LoRA runs: merged model (true) or adapter only (false)
-    device: str = "auto"  # auto | cpu | cuda
+    device: Device = Device.auto
 
 
 @dataclass
@@ -280,7 +300,7 @@ class LauncherConfig:
     include: Optional[str] = None
     exclude: Optional[str] = None
     master_addr: str = "127.0.0.1"
-    master_port: int = 29500
+    master_port: Optional[int] = None  # None: a free port on one node, 29500 (DeepSpeed's default) on several
     node_rank: int = 0
     rdzv_endpoint: Optional[str] = None  # torchrun: host:port
     env: Dict[str, str] = field(default_factory=dict)  # exported to every rank (.deepspeed_env for multi-node)

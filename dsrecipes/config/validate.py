@@ -6,7 +6,16 @@ import glob
 import os
 from typing import List
 
-from dsrecipes.config.schema import DataKind, LauncherKind, OffloadDevice, Precision, TrainConfig
+from dsrecipes.config.schema import (
+    AttnImpl,
+    DataKind,
+    Device,
+    LauncherKind,
+    OffloadDevice,
+    Precision,
+    ResumeMode,
+    TrainConfig,
+)
 
 
 def validate(cfg: TrainConfig, *, check_files: bool = True) -> List[str]:
@@ -56,10 +65,8 @@ def _batch(cfg: TrainConfig) -> List[str]:
             errors.append(f"trainer.{name}: must be >= 0 (0 = only at the end), got {getattr(t, name)}")
     if t.gradient_clipping < 0:
         errors.append(f"trainer.gradient_clipping: must be >= 0 (0 disables), got {t.gradient_clipping}")
-    if t.resume not in ("auto", "never") and not t.resume.strip():
-        errors.append("trainer.resume: auto, never, or a checkpoint directory")
-    if t.device not in ("auto", "cpu", "cuda"):
-        errors.append(f"trainer.device: auto, cpu or cuda, got {t.device!r}")
+    if t.resume is ResumeMode.never and t.resume_from is not None:
+        errors.append("trainer.resume_from: set, but trainer.resume=never starts from step 0; drop one of them")
     if cfg.optimizer.lr <= 0:
         errors.append(f"optimizer.lr: must be > 0, got {cfg.optimizer.lr}")
     if len(cfg.optimizer.betas) != 2:
@@ -154,7 +161,7 @@ def _launcher(ln) -> List[str]:
                       "(or launcher.master_addr set to node 0's address)")
     if ln.kind is LauncherKind.mpirun and multi and not ln.hostfile:
         errors.append("launcher.hostfile: mpirun on several nodes needs a hostfile")
-    if not 1 <= ln.master_port <= 65535:
+    if ln.master_port is not None and not 1 <= ln.master_port <= 65535:
         errors.append(f"launcher.master_port: must be in 1..65535, got {ln.master_port}")
     if ln.slurm_time_min < 1:
         errors.append(f"launcher.slurm_time_min: must be >= 1, got {ln.slurm_time_min}")
@@ -175,6 +182,7 @@ def _files(cfg: TrainConfig) -> List[str]:
         ("model.path", cfg.model.path),
         ("model.tokenizer_path", cfg.model.tokenizer_path),
         ("launcher.hostfile", cfg.launcher.hostfile),
+        ("trainer.resume_from", cfg.trainer.resume_from),
     ]
     if cfg.data.kind is DataKind.presharded:
         checks.append(("data.shard_dir", cfg.data.shard_dir))
@@ -192,8 +200,8 @@ def check_runtime(cfg: TrainConfig, *, cuda_available: bool) -> List[str]:
             "precision.dtype: fp16 needs a CUDA GPU and none is available here "
             "(DeepSpeed: 'Type fp16 is not supported on your device'); use precision=bf16 or precision=fp32"
         )
-    if cfg.trainer.device == "cuda" and not cuda_available:
+    if cfg.trainer.device is Device.cuda and not cuda_available:
         errors.append("trainer.device: cuda requested but no CUDA GPU is available")
-    if cfg.model.attn_implementation.value == "flash_attention_2" and not cuda_available:
+    if cfg.model.attn_implementation is AttnImpl.flash_attention_2 and not cuda_available:
         errors.append("model.attn_implementation: flash_attention_2 needs a CUDA GPU; use sdpa")
     return errors

@@ -270,6 +270,8 @@ def audit_config(cfg: Any, world_size: int, epochs: int, num_rows: Optional[int]
     return audit_map(num_rows, layout, seed, shuffle, epochs)
 
 
+
+
 def prepared_rows(cfg: Any) -> int:
     """Rows of the prepared train split (the data layer's cache makes a second call cheap)."""
     import tempfile
@@ -280,30 +282,3 @@ def prepared_rows(cfg: Any) -> int:
     with tempfile.TemporaryDirectory(prefix="dsrecipes-audit-") as run_dir:
         return len(prepare(cfg, load_tokenizer(cfg), run_dir).train)
 
-
-def main(argv: List[str]) -> int:
-    from dsrecipes import cli
-    from dsrecipes.config.load import compose_and_load
-
-    parser = cli.override_parser("audit", "prove exactly-once / equal-steps data plans for a world size")
-    parser.add_argument("--world-size", type=int, default=None, help="data-parallel ranks (default: the launcher's)")
-    parser.add_argument("--num-workers", type=int, default=None, help="DataLoader workers per rank (default: data.num_workers)")
-    parser.add_argument("--epochs", type=int, default=2, help="epochs to check (default 2)")
-    parser.add_argument("--num-rows", type=int, default=None, help="map: audit this many rows instead of preparing")
-    parser.add_argument("--ledger", default=None, metavar="RUN_DIR", help="check a finished run's ledger instead")
-    parser.add_argument("--verbose", action="store_true", help="print every rank")
-    args = cli.parse(parser, argv)
-    overrides = list(args.overrides)
-    if args.num_workers is not None:
-        overrides.append(f"data.num_workers={args.num_workers}")
-    if args.ledger:
-        from dsrecipes.data.ledger import verify_ledgers
-
-        ledger = verify_ledgers(args.ledger)
-        print(ledger.summary())
-        return 0 if ledger.ok else 1
-    cfg = compose_and_load(overrides)
-    world = args.world_size or (cfg.launcher.num_gpus or 1) * cfg.launcher.num_nodes
-    report = audit_config(cfg, world, args.epochs, args.num_rows)
-    print(report.render(args.verbose))
-    return 0 if report.ok else 1

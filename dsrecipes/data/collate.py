@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-IGNORE_INDEX = -100
+from dsrecipes.data.labels import IGNORE_INDEX
 
 
 def is_packed(rows: Sequence[Mapping[str, Any]]) -> bool:

@@ -15,6 +15,7 @@ Two registry formats, chosen by file extension:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Dict, List
@@ -41,8 +42,8 @@ def resolve_sources(dataset_cfg: DatasetConfig) -> List[SourceConfig]:
     if ds.paths:
         sources.append(SourceConfig(name=ds.name, paths=list(ds.paths), format=ds.format, columns=ds.columns,
                                     roles=dict(ds.roles)))
-    for i, src in enumerate(ds.sources):
-        sources.append(src if src.name else SourceConfig(**{**vars(src), "name": f"source{i}"}))
+    for i, src in enumerate(ds.sources):  # copies: the typed config is never mutated
+        sources.append(dataclasses.replace(src, name=src.name or f"source{i}", paths=list(src.paths)))
     if ds.use:
         if not ds.registry:
             raise ConfigError("dataset.registry: dataset.use names registry entries, so a registry file is needed")
@@ -52,10 +53,10 @@ def resolve_sources(dataset_cfg: DatasetConfig) -> List[SourceConfig]:
                 raise ConfigError(f"dataset.use: {name!r} is not in {ds.registry} (entries: {', '.join(sorted(entries))})")
             sources.append(entries[name])
     seen: Dict[str, int] = {}
-    for src in sources:  # unique names: mixing weights are applied per source name
+    for k, src in enumerate(sources):  # unique names: mixing weights are applied per source name
         seen[src.name] = seen.get(src.name, 0) + 1
         if seen[src.name] > 1:
-            src.name = f"{src.name}#{seen[src.name]}"
+            sources[k] = dataclasses.replace(src, name=f"{src.name}#{seen[src.name]}")
     return sources
 
 

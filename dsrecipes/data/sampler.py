@@ -5,8 +5,6 @@ Both only call `plan.py`; nothing here knows about tokenizers or torch, so `dsre
 
 from __future__ import annotations
 
-import gzip
-import io
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
@@ -14,6 +12,7 @@ import numpy as np
 
 from dsrecipes.data.plan import EpochPlan, Layout, StreamShuffle, epoch_order, file_order
 from dsrecipes.errors import DataError
+from dsrecipes.fileio import open_maybe_gzip
 
 T = TypeVar("T")
 
@@ -135,13 +134,9 @@ def stream_steps(num_items: int, layout: Layout, offset: int = 0) -> int:
 Item = Tuple[int, int, bytes]  # (file index, 1-based line number, raw line)
 
 
-def open_lines(path: str) -> io.BufferedIOBase:
-    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
-
-
 def count_rows(path: str) -> int:
     """Non-blank lines of a JSONL file: its samples, counted without parsing."""
-    with open_lines(path) as fh:
+    with open_maybe_gzip(path) as fh:
         return sum(1 for line in fh if not line.isspace())
 
 
@@ -152,7 +147,7 @@ def iter_items(paths: Sequence[str], order: Sequence[int], limits: Optional[Sequ
         if limit == 0:
             continue
         taken = 0
-        with open_lines(paths[fi]) as fh:
+        with open_maybe_gzip(paths[fi]) as fh:
             for line_no, raw in enumerate(fh, 1):
                 if raw.isspace():
                     continue
@@ -187,8 +182,8 @@ def stream_spec(cfg: Any) -> Tuple[StreamSpec, List[Any]]:
     `max_samples` (per source, then for the whole dataset) keeps the first rows in this natural order, counted as
     lines (map data counts good conversations instead; they differ only when there are bad rows).
     """
+    from dsrecipes.data.files import expand_paths
     from dsrecipes.data.registry import resolve_sources
-    from dsrecipes.data.sharegpt import expand_paths
 
     paths: List[str] = []
     file_sources: List[Any] = []

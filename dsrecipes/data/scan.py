@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Dict
 
 from dsrecipes.config.schema import TrainConfig
+from dsrecipes.data.badrows import BadRowReport
 from dsrecipes.data.prepare import QUARANTINE_FILE
-from dsrecipes.data.sharegpt import BadRowReport, iter_conversations
+from dsrecipes.data.sharegpt import iter_conversations
 
 
 def scan_stream(cfg: TrainConfig, run_dir: Path) -> Dict[str, int]:

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
+from dsrecipes.config.schema import ShardBalance
 from dsrecipes.errors import DataError, UserError
+from dsrecipes.fileio import atomic_write_json
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -46,6 +48,11 @@ class Manifest:
     @property
     def total(self) -> int:
         return sum(self.counts)
+
+    @property
+    def fingerprint(self) -> str:
+        """The parts' identity: a digest of their checksums."""
+        return hashlib.blake2b(json.dumps(self.sha256).encode(), digest_size=12).hexdigest()
 
     def part_path(self, rank: int) -> str:
         return os.path.join(self.directory, self.files[rank])
@@ -159,10 +166,13 @@ def write_parts(convs: Iterator[Any], assignment: Optional[Sequence[int]], parts
                     tokens=part_tokens if tokens is not None else None, directory=str(out_dir))
 
 
-def shard(cfg: Any, parts: int, out_dir: str, balance: str = "samples", force: bool = False) -> Manifest:
+def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalance.samples,
+          force: bool = False) -> Manifest:
     """Split the samples of `cfg.dataset` into `parts` canonical JSONL files plus manifest.json in `out_dir`."""
+    from dsrecipes.data.badrows import BadRowReport
+    from dsrecipes.data.files import expand_paths
     from dsrecipes.data.registry import resolve_sources
-    from dsrecipes.data.sharegpt import BadRowReport, expand_paths, iter_conversations
+    from dsrecipes.data.sharegpt import iter_conversations
 
     if parts < 1:
         raise UserError(f"--parts must be >= 1, got {parts}")
@@ -180,23 +190,19 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: str = "samples", force: b
 
     tokens: Optional[List[int]] = None
     assignment: Optional[List[int]] = None
-    if balance == "tokens":
+    if balance is ShardBalance.tokens:
         tokens = count_tokens(cfg, conversations(BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction)))
         assignment = assign_balanced(tokens, parts)
-    elif balance != "samples":
-        raise UserError(f"--balance must be samples or tokens, got {balance!r}")
     report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, out / "quarantine.jsonl")
     manifest = write_parts(conversations(report), assignment, parts, out, tokens)
-    manifest.balance = balance
+    manifest.balance = balance.value
     manifest.bad_rows = dict(report.counts)
     for src in sources:
         files, _ = expand_paths(src.paths)
         manifest.sources += [{"path": os.path.abspath(f), "sha256": file_sha256(f), "source": src.name} for f in files]
     if min(manifest.counts) == 0:
         raise DataError(f"{manifest.total} samples cannot fill {parts} parts (a part would be empty)")
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest.to_json(), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, out / MANIFEST)
+    atomic_write_json(out / MANIFEST, manifest.to_json())
     return manifest
 
 
@@ -218,26 +224,3 @@ def count_tokens(cfg: Any, convs: Iterator[Any]) -> List[int]:
     return out
 
 
-def main(argv: List[str]) -> int:
-    from dsrecipes import cli
-    from dsrecipes.config.load import compose_and_load
-
-    parser = cli.override_parser("shard", "split data into one JSONL part per rank (+ manifest.json)")
-    parser.add_argument("--parts", type=int, required=True, help="number of parts = the world size that will read them")
-    parser.add_argument("--out", required=True, help="output directory (becomes data.shard_dir)")
-    parser.add_argument("--balance", choices=["samples", "tokens"], default="samples")
-    parser.add_argument("--force", action="store_true", help="overwrite an existing manifest in --out")
-    args = cli.parse(parser, argv)
-    inputs = [a for a in args.overrides if "=" not in a]
-    overrides = [a for a in args.overrides if "=" in a]
-    if inputs:  # INPUT files replace the dataset's own sources; format/columns still come from `dataset`
-        overrides += ["dataset.paths=[" + ",".join(json.dumps(os.path.abspath(p)) for p in inputs) + "]",
-                      "dataset.sources=[]", "dataset.use=[]"]
-    cfg = compose_and_load(overrides, check_files=True)
-    manifest = shard(cfg, args.parts, args.out, args.balance, args.force)
-    print(f"wrote {manifest.parts} parts of {min(manifest.counts)}-{max(manifest.counts)} samples "
-          f"({manifest.total} in all, balance={manifest.balance}) to {args.out}")
-    if manifest.bad_rows:
-        print(f"skipped bad rows: {manifest.bad_rows} (see {Path(args.out) / 'quarantine.jsonl'})")
-    print(f"train with: data=presharded data.shard_dir={os.path.abspath(args.out)} launcher.num_gpus={manifest.parts}")
-    return 0

@@ -1,9 +1,9 @@
-"""Read conversation files, map columns and role aliases, check every row, apply the bad-row policy.
+"""Rows -> Conversations: map columns and role aliases, check every row, apply the bad-row policy per source.
 
 Formats (`dataset.format` / `sources[i].format`): ShareGPT (`conversations: [{from, value}]`), OpenAI
 (`messages: [{role, content}]`, assistant `tool_calls` and `tool` turns included) and Alpaca
-(`instruction`/`input`/`output`, optional `history` pairs). Files are `.jsonl` or `.json` (an array; a `.json` file
-holding JSON lines is read as JSONL), optionally `.gz`.
+(`instruction`/`input`/`output`, optional `history` pairs). Reading files: files.py; the bad-row policy:
+badrows.py.
 
 Sample ids: the row's id column when present, else `<file name>:<line>` (1-based line for JSONL, 0-based array
 index for JSON). Copies made by a mixing weight > 1 get `@<copy>` appended (see prepare.py).
@@ -15,18 +15,15 @@ are dropped on purpose and counted per conversation (`Conversation.dropped_turns
 
 from __future__ import annotations
 
-import glob
-import gzip
 import json
-import os
-from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
-from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional
 
-from dsrecipes.config.schema import BadRows, DatasetConfig, DatasetFormat, SourceConfig
-from dsrecipes.errors import ConfigError, DataError
+from dsrecipes.config.schema import DatasetConfig, DatasetFormat, SourceConfig
+from dsrecipes.data.badrows import BadReason, BadRow, BadRowReport
+from dsrecipes.data.files import RawRow, expand_paths, read_rows
+from dsrecipes.errors import ConfigError
 
 
 class Role(str, Enum):
@@ -48,33 +45,6 @@ ROLE_ALIASES: Dict[str, Role] = {
 }
 
 
-class BadReason(str, Enum):
-    invalid_json = "invalid_json"
-    invalid_utf8 = "invalid_utf8"
-    not_an_object = "not_an_object"
-    missing_conversation = "missing_conversation"  # the messages column is absent
-    conversation_not_list = "conversation_not_list"
-    empty_conversation = "empty_conversation"
-    turn_not_object = "turn_not_object"
-    unknown_role = "unknown_role"
-    bad_value = "bad_value"  # missing or non-string turn text / system / tools / alpaca field
-    missing_field = "missing_field"  # alpaca: instruction or output absent
-    system_not_first = "system_not_first"
-    no_assistant_turn = "no_assistant_turn"
-    template_error = "template_error"  # template=tokenizer: the chat_template refused the conversation
-    empty_file = "empty_file"
-    no_matching_path = "no_matching_path"
-
-
-class BadRow(Exception):
-    """One row (or file) that cannot be used; `reason` is counted, `detail` explains."""
-
-    def __init__(self, reason: BadReason, detail: str = ""):
-        self.reason = reason
-        self.detail = detail
-        super().__init__(f"{reason.value}: {detail}" if detail else reason.value)
-
-
 @dataclass(frozen=True)
 class Turn:
     role: Role
@@ -91,170 +61,6 @@ class Conversation:
     dropped_turns: int = 0  # trailing turns after the last assistant/tool-call turn, dropped on purpose
     path: str = ""  # where it was read (for messages about problems found later, e.g. by a template)
     loc: int = 0
-
-
-@dataclass
-class RawRow:
-    """One row as read from a file: `value` is the parsed JSON, or `error` says why it could not be parsed."""
-
-    path: str
-    loc: Optional[int]  # 1-based line (JSONL) or 0-based array index (JSON); None: the whole file
-    value: Any = None
-    error: Optional[BadRow] = None
-    raw_text: Optional[str] = None  # the undecodable/unparsable text, for the quarantine
-
-    @property
-    def default_id(self) -> str:
-        return f"{os.path.basename(self.path)}:{self.loc}"
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Bad-row policy
-
-
-class BadRowReport:
-    """Counts bad rows by reason; `error` policy raises at the first one, `skip` quarantines and goes on."""
-
-    def __init__(self, policy: BadRows, max_bad_fraction: float, quarantine_path: Optional[Path] = None):
-        self.policy = policy
-        self.max_bad_fraction = max_bad_fraction
-        self.quarantine_path = quarantine_path
-        self.counts: Counter = Counter()
-        self.rows_read = 0  # rows seen (good + bad), file-level problems included
-        self.trailing_turns_dropped = 0  # conversations that lost trailing non-assistant turns
-        self._fh = None
-
-    @property
-    def skipped(self) -> int:
-        return sum(self.counts.values())
-
-    def add(self, path: str, loc: Optional[int], bad: BadRow, raw: Any = None) -> None:
-        """`loc`: line (JSONL) or index (JSON array); None for a problem with the whole file or pattern."""
-        where = path if loc is None else f"{path}:{loc}"
-        if self.policy is BadRows.error:
-            detail = f" ({_short(bad.detail)})" if bad.detail else ""
-            raise DataError(f"{where}: {bad.reason.value}{detail}; set dataset.bad_rows=skip to quarantine bad rows")
-        self.counts[bad.reason.value] += 1
-        if self.quarantine_path is not None:
-            if self._fh is None:
-                self.quarantine_path.parent.mkdir(parents=True, exist_ok=True)
-                self._fh = open(self.quarantine_path, "w", encoding="utf-8")
-            entry = {"file": path, "line": loc, "reason": bad.reason.value, "detail": bad.detail, "raw": raw}
-            self._fh.write(json.dumps(entry, ensure_ascii=False, default=str) + "\n")
-
-    def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
-
-    def check(self, total: Optional[int] = None) -> None:
-        """DataError when more than `max_bad_fraction` of `total` rows (default: rows read) were bad."""
-        self.close()
-        total = self.rows_read if total is None else total
-        if total and self.skipped / total > self.max_bad_fraction:
-            raise DataError(
-                f"{self.skipped} of {total} rows are bad ({self.skipped / total:.1%} > dataset.max_bad_fraction="
-                f"{self.max_bad_fraction}): {self.summary()}"
-                + (f"; see {self.quarantine_path}" if self.quarantine_path else "")
-            )
-
-    def summary(self) -> str:
-        if not self.counts:
-            return "no bad rows"
-        return ", ".join(f"{reason}={n}" for reason, n in sorted(self.counts.items()))
-
-
-def _short(text: str, limit: int = 160) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Files
-
-
-def expand_paths(patterns: List[str]) -> Tuple[List[str], List[str]]:
-    """(files, patterns matching nothing): each glob sorted, duplicates removed, in pattern order."""
-    files: List[str] = []
-    missing: List[str] = []
-    for pattern in patterns:
-        matches = sorted(m for m in glob.glob(os.path.expanduser(pattern)) if os.path.isfile(m))
-        if not matches:
-            missing.append(pattern)
-        files += [m for m in matches if m not in files]
-    return files, missing
-
-
-def _open_bytes(path: str):
-    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
-
-
-def _is_json_array_file(path: str) -> bool:
-    name = path[:-3] if path.endswith(".gz") else path
-    return name.endswith(".json")
-
-
-def read_rows(path: str) -> Iterator[RawRow]:
-    """Every row of one file, parsed, or with the reason it could not be (an empty file yields one bad RawRow)."""
-    with _open_bytes(path) as fh:
-        if _is_json_array_file(path):
-            data = fh.read()
-            yield from _json_array_rows(path, data)
-            return
-        any_row = False
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            any_row = True
-            yield _parse_line(path, lineno, line)
-        if not any_row:
-            yield RawRow(path, None, error=BadRow(BadReason.empty_file, "no rows"))
-
-
-def read_jsonl_rows(path: str) -> Iterator[RawRow]:
-    """Rows of a JSONL file (also used by the iterable strategy and `shard`)."""
-    yield from read_rows(path)
-
-
-def _parse_line(path: str, loc: int, line: bytes) -> RawRow:
-    try:
-        text = line.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return RawRow(path, loc, error=BadRow(BadReason.invalid_utf8, str(exc)),
-                      raw_text=line.decode("utf-8", errors="replace").rstrip("\r\n"))
-    try:
-        return RawRow(path, loc, value=json.loads(text))
-    except json.JSONDecodeError as exc:
-        return RawRow(path, loc, error=BadRow(BadReason.invalid_json, str(exc)), raw_text=text.rstrip("\r\n"))
-
-
-def _json_array_rows(path: str, data: bytes) -> Iterator[RawRow]:
-    if not data.strip():
-        yield RawRow(path, None, error=BadRow(BadReason.empty_file, "no rows"))
-        return
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        yield RawRow(path, None, error=BadRow(BadReason.invalid_utf8, f"whole file: {exc}"))
-        return
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        if text.lstrip().startswith("{"):  # JSON lines in a .json file
-            lines = data.splitlines()
-            yield from (_parse_line(path, i, ln) for i, ln in enumerate(lines, start=1) if ln.strip())
-            return
-        yield RawRow(path, None, error=BadRow(BadReason.invalid_json, f"whole file: {exc}"), raw_text=text[:2000])
-        return
-    if isinstance(value, dict):
-        value = [value]
-    if not isinstance(value, list):
-        yield RawRow(path, None, error=BadRow(BadReason.not_an_object, "top level is not an array of rows"))
-        return
-    if not value:
-        yield RawRow(path, None, error=BadRow(BadReason.empty_file, "empty array"))
-    for index, item in enumerate(value):
-        yield RawRow(path, index, value=item)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -439,15 +245,15 @@ def iter_source(source: SourceConfig, report: BadRowReport, limit: Optional[int]
             yield conv
 
 
-def iter_conversations(dataset_cfg: DatasetConfig, *, report: BadRowReport) -> Iterator[Conversation]:
-    """All sources (`paths`, then `sources`, then registry `use` entries), in that fixed order.
-
-    `dataset.max_samples` caps the total: reading stops after that many good conversations.
+def iter_conversations(dataset_cfg: DatasetConfig, *, report: BadRowReport,
+                       sources: Optional[List[SourceConfig]] = None) -> Iterator[Conversation]:
+    """All sources (`paths`, then `sources`, then registry `use` entries, unless resolved ones are given), in that
+    fixed order. `dataset.max_samples` caps the total: reading stops after that many good conversations.
     """
     from dsrecipes.data.registry import resolve_sources
 
     kept = 0
-    for source in resolve_sources(dataset_cfg):
+    for source in resolve_sources(dataset_cfg) if sources is None else sources:
         limit = None if dataset_cfg.max_samples is None else dataset_cfg.max_samples - kept
         if limit is not None and limit <= 0:
             return

@@ -27,7 +27,8 @@ import json
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from dsrecipes.config.schema import TemplateConfig, TemplateKind, TrainOn
-from dsrecipes.data.sharegpt import BadReason, BadRow, Conversation, Role, Turn
+from dsrecipes.data.badrows import BadReason, BadRow
+from dsrecipes.data.sharegpt import Conversation, Role, Turn
 
 
 class Segment(NamedTuple):

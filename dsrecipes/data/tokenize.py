@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from dsrecipes.config.schema import SourceConfig, TrainConfig
-from dsrecipes.data.sharegpt import BadRow, Conversation, normalize_row
+from dsrecipes.data.badrows import BadRow
+from dsrecipes.data.labels import IGNORE_INDEX
+from dsrecipes.data.sharegpt import Conversation, normalize_row
 from dsrecipes.data.template import Segment, check_template, render
 from dsrecipes.errors import ConfigError
-
-IGNORE_INDEX = -100
 
 
 @dataclass

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
+from dsrecipes.data.labels import IGNORE_INDEX
 from dsrecipes.data.plan import STATE_VERSION, Layout, Position, resume_point
 from dsrecipes.errors import DataError
 
 Batch = Dict[str, Any]
 Row = Dict[str, Any]
-IGNORE_INDEX = -100
 
 
 class TrainLoader:

@@ -153,7 +153,8 @@ class _ReaderDataset(IterableDataset):
 
 
 def build(cfg: Any, tokenizer: Any, rank: int, world_size: int, run_dir: str) -> StreamTrainLoader:
-    from dsrecipes.data.strategies import make_collate, make_row_encoder, validation_ids
+    from dsrecipes.data.strategies.eval import validation_ids
+    from dsrecipes.data.strategies.rows import RowEncoder, make_collate
 
     stream, file_sources = stream_spec(cfg)
     num_samples = cfg.data.num_samples
@@ -171,7 +172,7 @@ def build(cfg: Any, tokenizer: Any, rank: int, world_size: int, run_dir: str) ->
         shuffle=cfg.data.shuffle,
         shuffle_buffer=cfg.data.shuffle_buffer,
         num_samples=num_samples,
-        make_rows=make_row_encoder(cfg, tokenizer, stream.paths, file_sources, validation_ids(cfg, run_dir)),
+        make_rows=RowEncoder(cfg, tokenizer, stream.paths, file_sources, validation_ids(cfg, run_dir)),
         collate_fn=make_collate(tokenizer),
         num_workers=cfg.data.num_workers,
         prefetch_factor=cfg.data.prefetch_factor,

@@ -89,7 +89,7 @@ class _Rows:
 
 def build(cfg: Any, tokenizer: Any, rank: int, world_size: int, run_dir: str) -> MapTrainLoader:
     from dsrecipes.data.prepare import load_prepared
-    from dsrecipes.data.strategies import make_collate
+    from dsrecipes.data.strategies.rows import make_collate
 
     prepared = load_prepared(cfg, run_dir)
     return MapTrainLoader(

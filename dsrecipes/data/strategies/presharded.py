@@ -31,7 +31,7 @@ def part_layout(cfg: Any) -> Layout:
 
 def build(cfg: Any, tokenizer: Any, rank: int, world_size: int, run_dir: str) -> PreshardedTrainLoader:
     from dsrecipes.data.shard import read_manifest, verify_part
-    from dsrecipes.data.strategies import make_collate, make_row_encoder
+    from dsrecipes.data.strategies.rows import RowEncoder, make_collate
 
     manifest = read_manifest(cfg.data.shard_dir, world_size=world_size)
     verify_part(manifest, rank)
@@ -44,7 +44,7 @@ def build(cfg: Any, tokenizer: Any, rank: int, world_size: int, run_dir: str) ->
         shuffle=cfg.data.shuffle,
         shuffle_buffer=cfg.data.shuffle_buffer,
         num_samples=manifest.counts[rank],
-        make_rows=make_row_encoder(cfg, tokenizer, [path], [SourceConfig(name=f"part{rank}")]),
+        make_rows=RowEncoder(cfg, tokenizer, [path], [SourceConfig(name=f"part{rank}")]),
         collate_fn=make_collate(tokenizer),
         num_workers=cfg.data.num_workers,
         prefetch_factor=cfg.data.prefetch_factor,

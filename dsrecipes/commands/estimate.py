@@ -1,0 +1,31 @@
+"""`dsrecipes estimate [overrides] [--gpus-per-node N] [--nodes M] [--gpu-mem-gb G]`: memory per GPU/CPU."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import List
+
+from dsrecipes.commands.args import override_parser, parse
+from dsrecipes.config.load import compose_and_load
+
+
+def main(argv: List[str]) -> int:
+    from dsrecipes.estimate import estimate, render
+    from dsrecipes.topology import resolve_topology
+
+    parser = override_parser("estimate", "memory per GPU/CPU for every ZeRO stage and offload choice")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="default: the launcher's ranks per node")
+    parser.add_argument("--nodes", type=int, default=None, help="default: the launcher's nodes")
+    parser.add_argument("--gpu-mem-gb", type=float, default=None, help="GPU memory (GiB) to check each option against")
+    parser.add_argument("--hf-config", default=None, help="a config.json (or its directory) when model.path is absent")
+    parser.add_argument("--json", action="store_true")
+    args = parse(parser, argv)
+    cfg = compose_and_load(args.overrides, check_files=False)
+    topo = resolve_topology(cfg.launcher)
+    gpus = args.gpus_per_node or topo.per_node
+    nodes = args.nodes or topo.num_nodes
+    result = estimate(cfg, gpus, nodes, args.gpu_mem_gb, args.hf_config)
+    print(json.dumps(result, indent=2) if args.json else render(cfg, result))
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,34 @@
+"""`dsrecipes export RUN_DIR [--tag T] --out DIR [--lora merged|adapter]`: a Hugging Face model from a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import List
+
+from dsrecipes.commands.args import parse
+from dsrecipes.errors import UserError
+
+
+def main(argv: List[str]) -> int:
+    from dsrecipes.checkpoint import CHECKPOINTS, COMPLETE, latest_complete
+    from dsrecipes.export import export_checkpoint
+
+    parser = argparse.ArgumentParser(
+        prog="dsrecipes export",
+        description="Write a Hugging Face model directory (safetensors, config, tokenizer) from a run's checkpoint.")
+    parser.add_argument("run_dir", help="a run directory (holds config.yaml and checkpoints/)")
+    parser.add_argument("--tag", default=None, help="checkpoint tag, e.g. step_100 (default: the newest complete)")
+    parser.add_argument("--out", required=True, help="directory to write the Hugging Face model to")
+    parser.add_argument("--lora", choices=["merged", "adapter"], default=None,  # an argparse choice, not config
+                        help="LoRA runs: merged model or adapter only (default: trainer.export_merged_lora)")
+    args = parse(parser, argv)
+    run_dir = Path(args.run_dir)
+    root = run_dir / CHECKPOINTS
+    tag_dir = root / args.tag if args.tag else latest_complete(root)
+    if tag_dir is None or not (tag_dir / COMPLETE).is_file():
+        raise UserError(f"{root}: no complete checkpoint{' ' + args.tag if args.tag else ''} to export")
+    merge = None if args.lora is None else args.lora == "merged"
+    out = export_checkpoint(run_dir, tag_dir, Path(args.out), merge_lora=merge)
+    print(f"exported {tag_dir} -> {out}")
+    return 0

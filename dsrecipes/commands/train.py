@@ -1,0 +1,148 @@
+"""`python -m dsrecipes [overrides]` / `dsrecipes train`: the Hydra app that composes once, then runs.
+
+Hydra's own `@hydra.main` composes a single run twice (once to read `hydra.mode`, once to run) and reports a bad
+override with its traceback-style text and exit 1. This runner drives Hydra's classes directly (hydra-core is
+pinned to 1.3.x): a single run is composed exactly once, validated by `load_config()` (one message, exit 2, before
+any output directory exists), and then run as a Hydra job (`run_job`: run directory, `.hydra/`, callbacks) with the
+already typed config. `-m` sweeps go through Hydra's sweeper, each job validating its own composition. The
+informational flags (`--cfg`, `--help`, `--info`, ...) are handed to Hydra unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, List, Optional
+
+from dsrecipes.config.load import clean_hydra_message, load_config, register_schemas
+from dsrecipes.config.schema import TrainConfig
+from dsrecipes.errors import ConfigError, UserError
+
+CONFIG_NAME = "train"
+TASK_NAME = "dsrecipes"
+
+
+class _Outcome:
+    exit_code = 0
+
+
+def main(argv: List[str]) -> int:
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+    args = parser.parse_args(list(argv))
+    informational = args.help or args.hydra_help or args.cfg or args.info or args.shell_completion
+    register_schemas()
+    _Outcome.exit_code = 0
+    if informational:
+        _hydra_informational(parser, args)
+    elif args.multirun:
+        _with_hydra(lambda hydra: hydra.multirun(config_name=CONFIG_NAME, task_function=_job,
+                                                 overrides=list(args.overrides)))
+    else:
+        _with_hydra(lambda hydra: _run_once(hydra, list(args.overrides)))
+    return _Outcome.exit_code
+
+
+def _with_hydra(body: Any) -> Any:
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.global_hydra import GlobalHydra
+
+    from dsrecipes.paths import conf_dir
+
+    GlobalHydra.instance().clear()
+    hydra = Hydra.create_main_hydra2(task_name=TASK_NAME, config_search_path=create_config_search_path(str(conf_dir())))
+    try:
+        return body(hydra)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _compose(hydra: Any, overrides: List[str]) -> Any:
+    from hydra.types import RunMode
+
+    try:
+        return hydra.compose_config(config_name=CONFIG_NAME, overrides=overrides, run_mode=RunMode.RUN,
+                                    with_log_configuration=True)
+    except Exception as exc:  # Hydra raises many types; all are user mistakes in a composition
+        raise ConfigError(clean_hydra_message(exc)) from None
+
+
+def _run_once(hydra: Any, overrides: List[str]) -> None:
+    """One composition, one validation, one Hydra job (what `Hydra.run` does, minus its second compose)."""
+    from hydra._internal.callbacks import Callbacks
+    from hydra.core.utils import run_job
+    from hydra.types import HydraContext, RunMode
+
+    composed = _compose(hydra, overrides)
+    cfg = load_config(composed, overrides=overrides)  # exit 2 here: no run directory is created
+    composed.hydra.mode = RunMode.RUN
+    callbacks = Callbacks(composed)
+    callbacks.on_run_start(config=composed, config_name=CONFIG_NAME)
+    ret = run_job(hydra_context=HydraContext(config_loader=hydra.config_loader, callbacks=callbacks),
+                  task_function=lambda _: _run_job(cfg), config=composed, job_dir_key="hydra.run.dir",
+                  job_subdir_key=None, configure_logging=True)
+    callbacks.on_run_end(config=composed, config_name=CONFIG_NAME, job_return=ret)
+    _ = ret.return_value  # re-raises what the job raised (a bug, not a user error)
+
+
+def _hydra_informational(parser: Any, args: Any) -> None:
+    from hydra._internal.utils import _run_hydra
+
+    from dsrecipes.paths import conf_dir
+
+    _run_hydra(args=args, args_parser=parser, task_function=_job, config_path=str(conf_dir()),
+               config_name=CONFIG_NAME)
+
+
+def _job(composed: Any) -> None:
+    """A job of a sweep: validate its own composition, then run it like a single run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        cfg: Optional[TrainConfig] = load_config(composed, overrides=list(HydraConfig.get().overrides.task))
+    except UserError as exc:
+        _report(Path(HydraConfig.get().runtime.output_dir), exc)
+        return
+    _run_job(cfg)
+
+
+def _run_job(cfg: TrainConfig) -> None:
+    """Run one validated job in Hydra's job directory. A failure is reported (result.json), never raised to Hydra,
+    except a bug in a single run, which keeps its traceback."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from dsrecipes.entry import run, with_run_dir
+    from dsrecipes.rundir import write_result
+
+    hc = HydraConfig.get()
+    multirun = hc.mode is RunMode.MULTIRUN
+    cfg = with_run_dir(cfg, Path(hc.runtime.output_dir))
+    run_dir = Path(cfg.trainer.output_dir)
+    try:
+        code = run(cfg)
+    except UserError as exc:
+        _report(run_dir, exc)
+        return
+    except Exception as exc:  # noqa: BLE001 - a sweep must go on; a single run re-raises
+        if not multirun:
+            raise
+        import traceback
+
+        traceback.print_exc()
+        write_result(run_dir, 1, f"{type(exc).__name__}: {exc}")
+        _Outcome.exit_code = _Outcome.exit_code or 1
+        return
+    status = "dry_run" if cfg.launcher.dry_run and code == 0 else "ok"
+    write_result(run_dir, code, None if code == 0 else f"ranks exited with code {code}", status)
+    _Outcome.exit_code = _Outcome.exit_code or code
+
+
+def _report(run_dir: Path, exc: UserError) -> None:
+    from dsrecipes.rundir import write_result
+
+    print(exc.render(), file=sys.stderr)
+    write_result(run_dir, exc.exit_code, exc.render())
+    _Outcome.exit_code = _Outcome.exit_code or exc.exit_code

@@ -1,0 +1,100 @@
+"""Content keys: what makes prepared data (and a run's data fingerprint) change.
+
+A key hashes the input files' contents (memoised per file by path, size, inode and change time: a same-size edit
+with its modification time set back still changes the change time, which no user call can restore), the
+dataset/template config, the tokenization settings, the seed and the tokenizer itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+from dsrecipes.config.load import config_to_dict
+from dsrecipes.config.schema import SourceConfig, TrainConfig
+from dsrecipes.fileio import atomic_write_json
+
+PREP_VERSION = 1  # bump when the output of preparation changes for the same inputs
+MEMO_FILE = "file_hashes.json"
+
+
+def cache_root(cfg: TrainConfig) -> Path:
+    if cfg.data.cache_dir:
+        return Path(os.path.expanduser(cfg.data.cache_dir))
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsrecipes"
+
+
+def sources_material(cfg: TrainConfig, sources: Sequence[SourceConfig]) -> List[Dict[str, Any]]:
+    """Every source with the content hash of each of its files (the data part of every key)."""
+    from dsrecipes.data.files import expand_paths
+
+    memo_path = cache_root(cfg) / MEMO_FILE
+    memo = _read_memo(memo_path)
+    material = []
+    for src in sources:
+        files, missing = expand_paths(src.paths)
+        material.append({"name": src.name, "files": [[f, file_hash(f, memo)] for f in files], "missing": missing})
+    _write_memo(memo_path, memo)
+    return material
+
+
+def data_fingerprint(cfg: TrainConfig, sources: Sequence[SourceConfig]) -> str:
+    """The training data's identity for streams (no preparation): dataset config and file contents."""
+    material = {"dataset": config_to_dict(cfg.dataset), "sources": sources_material(cfg, sources)}
+    return _digest(material)
+
+
+def cache_key(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig]) -> str:
+    """The key of prepared data: a different key means a different preparation."""
+    material = {
+        "version": PREP_VERSION,
+        "dataset": config_to_dict(cfg.dataset),
+        "sources": sources_material(cfg, sources),
+        "template": config_to_dict(cfg.template),
+        "data": {k: config_to_dict(getattr(cfg.data, k)) for k in ("cutoff_len", "packing", "train_on")},
+        "seed": cfg.trainer.seed,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+    }
+    return _digest(material)
+
+
+def _digest(material: Any) -> str:
+    return hashlib.blake2b(json.dumps(material, sort_keys=True).encode(), digest_size=12).hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(tokenizer.backend_tokenizer.to_str().encode())
+    extra = [type(tokenizer).__name__, getattr(tokenizer, "chat_template", None), tokenizer.bos_token,
+             tokenizer.eos_token, tokenizer.pad_token]
+    h.update(json.dumps(extra, default=str).encode())
+    return h.hexdigest()
+
+
+def file_hash(path: str, memo: Dict[str, str]) -> str:
+    st = os.stat(path)
+    memo_key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_ino}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+    if memo_key not in memo:
+        h = hashlib.blake2b(digest_size=16)
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+        memo[memo_key] = h.hexdigest()
+    return memo[memo_key]
+
+
+def _read_memo(path: Path) -> Dict[str, str]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_memo(path: Path, memo: Dict[str, str]) -> None:
+    try:
+        atomic_write_json(path, memo)
+    except OSError:
+        pass  # a read-only cache root only costs re-hashing next time

@@ -1,0 +1,86 @@
+"""`prepare_stats.json`: what a preparation read, kept, dropped and produced, and its one-paragraph summary."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from dsrecipes.config.schema import SourceConfig, TrainConfig
+from dsrecipes.data.badrows import BadRowReport
+from dsrecipes.data.batch_encode import Encoded
+from dsrecipes.data.labels import IGNORE_INDEX
+from dsrecipes.data.sharegpt import Conversation
+
+
+def build_stats(cfg: TrainConfig, sources: Sequence[SourceConfig], convs: Sequence[Conversation],
+                report: BadRowReport, enc: Encoded, train_items: List[Tuple[int, int]], val_items: List[Tuple[int, int]]) -> Dict[str, Any]:
+    kept_lengths = enc.lengths[enc.kept]
+    trained = int((enc.labels != IGNORE_INDEX).sum())
+    tokens = int(enc.lengths.sum())
+    per_source: Dict[str, Dict[str, Any]] = {}
+    weights = {src.name: src.weight for src in sources}
+    for c in convs:
+        per_source.setdefault(c.source, {"conversations": 0, "weight": weights.get(c.source, 1.0), "train_samples": 0})
+        per_source[c.source]["conversations"] += 1
+    for i, _ in train_items:
+        per_source[convs[i].source]["train_samples"] += 1
+    id_counts = Counter(c.id for c in convs)
+    return {
+        "dataset": cfg.dataset.name,
+        "template": cfg.template.name.value,
+        "train_on": cfg.data.train_on.value,
+        "cutoff_len": cfg.data.cutoff_len,
+        "packing": cfg.data.packing,
+        "rows_read": report.rows_read,
+        "rows_kept": len(enc.kept),
+        "skipped": dict(sorted(report.counts.items())),
+        "skipped_total": report.skipped,
+        "trailing_turns_dropped": report.trailing_turns_dropped,
+        "truncated": int(enc.truncated.sum()),
+        "truncated_share": float(enc.truncated.sum() / max(1, len(enc.kept))),
+        "dropped_all_trained_cut": len(enc.dropped),
+        "duplicate_ids": sum(n - 1 for n in id_counts.values() if n > 1),
+        "samples": {"train": len(train_items), "val": len(val_items)},
+        "rows": {"train": 0, "val": 0},
+        "tokens": tokens,
+        "trained_tokens": trained,
+        "trained_token_share": trained / tokens if tokens else 0.0,
+        "length": _length_stats(kept_lengths, cfg.data.cutoff_len),
+        "packing_efficiency": {"train": None, "val": None},  # real tokens / row slots, when packing
+        "sources": per_source,
+    }
+
+
+def _length_stats(lengths: np.ndarray, cutoff: int, bins: int = 8) -> Dict[str, Any]:
+    if not len(lengths):
+        return {"mean": 0, "max": 0, "histogram": []}
+    edges = np.linspace(0, cutoff, bins + 1).astype(int)
+    counts, _ = np.histogram(lengths, bins=edges)
+    return {
+        "mean": float(lengths.mean()),
+        "p50": int(np.percentile(lengths, 50)),
+        "p95": int(np.percentile(lengths, 95)),
+        "max": int(lengths.max()),
+        "histogram": [[int(a) + (i > 0), int(b), int(n)] for i, (a, b, n) in enumerate(zip(edges[:-1], edges[1:], counts))],
+    }
+
+
+def summary(stats: Dict[str, Any]) -> str:
+    skipped = ", ".join(f"{k}={v}" for k, v in stats["skipped"].items()) or "none"
+    lines = [
+        f"data: {stats['rows_read']} rows read, {stats['rows_kept']} kept, skipped: {skipped}"
+        + (f" (quarantine: {stats['quarantine']})" if stats.get("quarantine") else ""),
+        f"data: {stats['samples']['train']} train / {stats['samples']['val']} val samples in "
+        f"{stats['rows']['train']} / {stats['rows']['val']} rows; {stats['truncated']} truncated, "
+        f"{stats['dropped_all_trained_cut']} dropped (nothing trained left), "
+        f"{stats['trailing_turns_dropped']} lost trailing non-assistant turns; trained tokens "
+        f"{stats['trained_token_share']:.1%}",
+    ]
+    eff = stats["packing_efficiency"]["train"]
+    if eff is not None:
+        lines.append(f"data: packing efficiency {eff:.1%} (train)")
+    lines.append(f"data: cache {'hit' if stats.get('cache_hit') else 'written'}: {stats.get('cache_dir')}")
+    return "\n".join(lines)
+

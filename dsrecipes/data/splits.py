@@ -1,0 +1,36 @@
+"""The validation split and the per-source mixing weights of a preparation (deterministic for a seed)."""
+
+from __future__ import annotations
+
+import random
+from typing import Dict, List, Sequence, Tuple
+
+from dsrecipes.errors import DataError
+
+
+def split_val(n: int, val_size: float, seed: int) -> List[int]:
+    """Positions (sorted) of the validation samples among n kept samples."""
+    if val_size <= 0:
+        return []
+    k = int(val_size) if val_size >= 1 else max(1, round(n * val_size))
+    if k >= n:
+        raise DataError(f"dataset.val_size: {k} validation samples leave nothing to train on ({n} usable samples)")
+    return sorted(random.Random(seed).sample(range(n), k))
+
+
+def mix(members: Sequence[int], source_of: Sequence[str], weights: Dict[str, float], seed: int) -> List[Tuple[int, int]]:
+    """Training items (conversation index, copy number) after per-source weights, sources in first-seen order."""
+    by_source: Dict[str, List[int]] = {}
+    for i in members:
+        by_source.setdefault(source_of[i], []).append(i)
+    items: List[Tuple[int, int]] = []
+    for name, idx in by_source.items():
+        target = round(weights.get(name, 1.0) * len(idx))
+        full, rest = divmod(target, len(idx))
+        for copy in range(full):
+            items += [(i, copy) for i in idx]
+        if rest:
+            chosen = sorted(random.Random(f"{seed}:{name}").sample(range(len(idx)), rest))
+            items += [(idx[j], full) for j in chosen]
+    return items
+

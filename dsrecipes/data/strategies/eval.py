@@ -1,0 +1,56 @@
+"""Validation: the prepared validation split dealt to ranks, and the ids a stream must hold out."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterator, List, Sequence, Set
+
+from dsrecipes.config.schema import DataKind, TrainConfig
+from dsrecipes.data.strategies.base import Batch, Row
+
+
+class EvalLoader:
+    """The validation rows of one rank: a contiguous share (sizes differ by at most one row), in order.
+
+    Ranks can end one micro-batch apart; the runner stops evaluating when any rank runs out (ZeRO-3 forwards are
+    collective), so nothing pads with duplicates.
+    """
+
+    def __init__(self, rows: Sequence[Row], rank: int, world_size: int, micro_batch_size: int,
+                 collate_fn: Callable[[List[Row]], Batch]):
+        n = len(rows)
+        self.start, self.stop = rank * n // world_size, (rank + 1) * n // world_size
+        self.rows = rows
+        self.micro_batch_size = micro_batch_size
+        self.collate_fn = collate_fn
+
+    def __len__(self) -> int:
+        return math.ceil((self.stop - self.start) / self.micro_batch_size)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for lo in range(self.start, self.stop, self.micro_batch_size):
+            hi = min(lo + self.micro_batch_size, self.stop)
+            getitems = getattr(self.rows, "__getitems__", None)
+            rows = list(getitems(list(range(lo, hi)))) if getitems else [self.rows[i] for i in range(lo, hi)]
+            yield self.collate_fn(rows)
+
+
+def prepared_val(cfg: TrainConfig, run_dir: Any) -> Any:
+    from pathlib import Path
+
+    from dsrecipes.data.prepare import STATS_FILE, load_prepared
+
+    if cfg.data.kind is DataKind.presharded or cfg.dataset.val_size == 0:
+        return None
+    if cfg.data.kind is DataKind.iterable and not (Path(run_dir) / STATS_FILE).is_file():
+        return None
+    return load_prepared(cfg, str(run_dir)).val
+
+
+def validation_ids(cfg: TrainConfig, run_dir: Any) -> Set[str]:
+    """Sample ids of the prepared validation split (a sample id is a row's id, or file:line)."""
+    val = prepared_val(cfg, run_dir)
+    if val is None:
+        return set()
+    return {i for ids in val["ids"] for i in ids}
+

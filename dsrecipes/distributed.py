@@ -1,0 +1,91 @@
+"""Process-group plumbing: joining and leaving the group, small collectives, and ports.
+
+Nothing here knows about training or configs; `train.py` (the ranks) and the launchers (ports) use it, and it
+imports neither of them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Tuple
+
+SINGLE_PROCESS_ENV = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+
+
+def free_port() -> int:
+    """A TCP port that is free on this machine right now (for a master/rendezvous port nobody configured)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> Tuple[int, int]:
+    """Join the process group the launcher described in the environment (a lone process becomes rank 0 of 1).
+
+    Returns (rank, world size).
+    """
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ and "PMI_RANK" not in os.environ:
+        os.environ.update(SINGLE_PROCESS_ENV)
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    elif "OMP_NUM_THREADS" not in os.environ:
+        # Ranks sharing a CPU host split its cores, leaving one for the launcher, data and OS: oversubscribed
+        # intra-op threads spin-wait (the default tiny run took 117 s with 2 threads on a busy 2-core host, 29 s with 1).
+        local_size = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+        torch.set_num_threads(max(1, ((os.cpu_count() or 1) - 1) // local_size))
+    if os.environ.get("WORLD_SIZE") == "1":
+        _skip_shm_comm_op()
+    deepspeed.init_distributed()
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _skip_shm_comm_op() -> None:
+    """A lone process talks to nobody, so it does not need DeepSpeed's shared-memory all-reduce op, which on a CPU
+    host is JIT-compiled (~45 s) the first time a process group starts. DeepSpeed treats a missing op as "use
+    torch.distributed", the same path it takes where the op cannot be built."""
+    import importlib
+
+    try:  # (`import deepspeed.comm.torch as m` would bind the torch package that deepspeed.comm re-exports)
+        ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
+    except ImportError:  # another DeepSpeed layout: keep its default
+        return
+    if hasattr(ds_comm_torch, "build_shm_op"):
+        ds_comm_torch.build_shm_op = lambda: None
+
+
+def finish_distributed() -> None:
+    """Wait for every rank. The process group is left up on purpose: DeepSpeed caches its groups per process and
+    cannot rebuild them after destroy_process_group, so the next in-process run (local launcher, Hydra multirun)
+    reuses this one. Launched ranks exit right after."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def min_max_over_ranks(value: int) -> Tuple[int, int]:
+    """(smallest, largest) `value` over all ranks (collective)."""
+    import torch
+    import torch.distributed as dist
+
+    both = torch.tensor([-value, value], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return -int(both[0]), int(both[1])
+
+
+def all_ranks(flag: bool) -> bool:
+    """True when `flag` holds on every rank (collective)."""
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())

@@ -1,0 +1,57 @@
+"""Writing and opening files: the one atomic-write helper every file the project writes goes through.
+
+A reader (another rank, another node, a resumed run, a user's editor) never sees half a file: text is written to a
+uniquely named temporary file beside the target, flushed and fsynced, then renamed into place. JSON is strict
+(no NaN/Infinity, which other tools cannot parse): non-finite floats are written as null.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+from pathlib import Path
+from typing import IO, Any
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write `text` to `path` atomically (write beside, fsync, rename); creates the parent directory."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def json_text(data: Any, indent: int | None = 2) -> str:
+    """Strict JSON (non-finite floats become null), UTF-8 kept readable, with a final newline."""
+    return json.dumps(finite(data), indent=indent, ensure_ascii=False, allow_nan=False, default=str) + "\n"
+
+
+def atomic_write_json(path: str | Path, data: Any, indent: int | None = 2) -> Path:
+    return atomic_write_text(path, json_text(data, indent))
+
+
+def finite(value: Any) -> Any:
+    """`value` with every NaN/Infinity float replaced by None (recursively through dicts, lists and tuples)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def open_maybe_gzip(path: str | Path) -> IO[bytes]:
+    """A binary reader of `path`, decompressing `.gz` files."""
+    return gzip.open(path, "rb") if str(path).endswith(".gz") else open(path, "rb")

@@ -1,0 +1,71 @@
+"""Launchers: turn the run directory the launching process wrote into running ranks.
+
+`build_plan` asks the builder table (`builders.BUILDERS`, one per `LauncherKind`) for the commands, support files
+and requirements; `launch` writes the files and `<run>/launch.txt`, checks the tools, and runs the commands meant
+for this machine (or only prints them with `launcher.dry_run=true`). Every rank runs
+`python -m dsrecipes.worker --run-dir RUN` and reads only that directory.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import List, Mapping, Optional
+
+from dsrecipes.config.schema import TrainConfig
+from dsrecipes.errors import UserError
+from dsrecipes.fileio import atomic_write_text
+from dsrecipes.launch.builders import BUILDERS, resolve_master_port
+from dsrecipes.launch.plan import LAUNCH_FILE, WORKER_MODULE, Command, LaunchPlan, render_plan
+from dsrecipes.launch.process import run_in_process, run_subprocess
+
+__all__ = ["build_plan", "build_commands", "launch", "render_plan", "resolve_master_port", "Command", "LaunchPlan"]
+
+
+def build_plan(
+    cfg: TrainConfig,
+    run_dir: Path,
+    *,
+    master_port: Optional[int] = None,
+    worker_module: str = WORKER_MODULE,
+    environ: Optional[Mapping[str, str]] = None,
+) -> LaunchPlan:
+    """The commands, support files and requirements for `cfg.launcher.kind` (pure but for the port choice)."""
+    port = resolve_master_port(cfg) if master_port is None else master_port
+    env = os.environ if environ is None else environ
+    return BUILDERS[cfg.launcher.kind](cfg, Path(run_dir).resolve(), port, worker_module, env)
+
+
+def build_commands(cfg: TrainConfig, run_dir: Path, **kwargs) -> List[Command]:
+    return build_plan(cfg, run_dir, **kwargs).commands
+
+
+def launch(cfg: TrainConfig, run_dir: Path, *, worker_module: str = WORKER_MODULE) -> int:
+    """Start the ranks for `cfg` (or print them with launcher.dry_run); returns the exit code of this node's ranks.
+
+    Writes the plan's support files and `<run>/launch.txt`. A missing tool (mpirun, mpi4py, sbatch, ...) raises
+    UserError (exit 2) before anything starts.
+    """
+    run_dir = Path(run_dir).resolve()
+    plan = build_plan(cfg, run_dir, worker_module=worker_module)
+    for name, content in plan.files.items():
+        atomic_write_text(run_dir / name, content)
+    text = render_plan(cfg.launcher.kind.value, plan)
+    atomic_write_text(run_dir / LAUNCH_FILE, text)
+    for warning in plan.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    if cfg.launcher.dry_run:
+        print(text, end="")
+        return 0
+    missing = [
+        f"launcher.kind={cfg.launcher.kind.value}: {r.name} not found ({r.why})" for r in plan.requires if r.missing()
+    ]
+    if missing:
+        raise UserError(missing)
+    mine = [c for c in plan.commands if c.node_rank is None or c.node_rank == cfg.launcher.node_rank]
+    for cmd in mine:
+        code = run_in_process(cmd, run_dir) if cmd.in_process else run_subprocess(cmd)
+        if code != 0:
+            return code
+    return 0

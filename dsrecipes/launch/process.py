@@ -1,0 +1,55 @@
+"""Running a launch plan's commands on this machine: subprocesses (with signal forwarding) or in-process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from pathlib import Path
+from typing import Dict, Mapping
+
+from dsrecipes.launch.plan import RANK_ENV, Command
+
+
+def child_env(extra: Mapping[str, str]) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in RANK_ENV}
+    env.update(extra)
+    return env
+
+
+def run_subprocess(cmd: Command) -> int:
+    proc = subprocess.Popen(cmd.argv, env=child_env(cmd.env))
+    # Pass a SIGTERM (scheduler, timeout) on to the launcher, which stops its ranks; no orphaned ranks.
+    forward = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: proc.terminate()) if forward else None
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
+    finally:
+        if forward:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def run_in_process(cmd: Command, run_dir: Path) -> int:
+    import dsrecipes.worker as worker
+
+    saved = {k: os.environ.get(k) for k in cmd.env}
+    os.environ.update(cmd.env)
+    try:
+        result = worker.run(run_dir)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return result if isinstance(result, int) else 0
+
+

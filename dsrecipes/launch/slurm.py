@@ -1,0 +1,69 @@
+"""`launcher=slurm`: an sbatch script with one srun task per node, each starting the no-ssh deepspeed launcher."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Mapping
+
+from dsrecipes.config.schema import TrainConfig
+from dsrecipes.launch.plan import SBATCH_FILE, WORKER_MODULE, Command, LaunchPlan, Requirement
+from dsrecipes.topology import per_node
+
+
+def build_slurm(cfg: TrainConfig, run_dir: Path, port: int, worker_module: str, environ: Mapping[str, str]):
+    script = run_dir / SBATCH_FILE
+    plan = LaunchPlan(
+        [Command(["sbatch", str(script)])],
+        files={SBATCH_FILE: sbatch_script(cfg, run_dir, port, worker_module)},
+        requires=[Requirement("sbatch", False, "launcher=slurm submits with sbatch (run on a SLURM login node)")],
+    )
+    plan.notes.append(f"the job runs asynchronously; its log is {run_dir}/slurm-<jobid>.out")
+    return plan
+
+
+def sbatch_script(cfg: TrainConfig, run_dir: Path, port: int, worker_module: str = WORKER_MODULE) -> str:
+    """One srun task per node; each starts the no-ssh deepspeed launcher with node rank SLURM_NODEID."""
+    ln = cfg.launcher
+    q = shlex.quote
+    head = [
+        "#!/bin/bash",
+        f"# Written by dsrecipes for {run_dir}. Submit with: sbatch {run_dir / SBATCH_FILE}",
+        f"#SBATCH --job-name=dsrecipes-{run_dir.name}",
+        f"#SBATCH --nodes={ln.num_nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --gpus-per-node={per_node(ln)}",
+        f"#SBATCH --time={ln.slurm_time_min}",
+        f"#SBATCH --output={run_dir}/slurm-%j.out",
+    ]
+    if ln.slurm_partition:
+        head.append(f"#SBATCH --partition={ln.slurm_partition}")
+    if ln.slurm_account:
+        head.append(f"#SBATCH --account={ln.slurm_account}")
+    head += [f"#SBATCH {arg}" for arg in ln.slurm_sbatch_args]
+    inner = [
+        sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", "$HOSTFILE",
+        "--num_nodes", str(ln.num_nodes), "--num_gpus", str(per_node(ln)),
+        "--no_ssh", "--node_rank", "$SLURM_NODEID", "--master_addr", "$MASTER_ADDR", "--master_port", "$MASTER_PORT",
+        *ln.extra_args,
+        "--no_local_rank", "--module", worker_module, "--run-dir", str(run_dir),
+    ]  # fmt: skip
+    # $VARS stay unquoted inside the per-task shell so that each task expands its own SLURM_NODEID.
+    inner_sh = " ".join(a if a.startswith("$") else q(a) for a in inner)
+    body = [
+        "set -euo pipefail",
+        f"cd {q(os.getcwd())}",
+        *ln.slurm_setup,
+        *[f"export {k}={q(v)}" for k, v in sorted(ln.env.items())],
+        # no `| head` under pipefail: scontrol would die of SIGPIPE on long node lists
+        'HOSTS=$(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        "MASTER_ADDR=$(printf '%s\\n' $HOSTS | sed -n 1p)",
+        f"MASTER_PORT={port}",
+        f"HOSTFILE={q(str(run_dir))}/hostfile.$SLURM_JOB_ID",
+        f"printf '%s slots={per_node(ln)}\\n' $HOSTS > \"$HOSTFILE\"",
+        "export MASTER_ADDR MASTER_PORT HOSTFILE",
+        f"srun --nodes={ln.num_nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {q('exec ' + inner_sh)}",
+    ]
+    return "\n".join(head + [""] + body) + "\n"
