@@ -71,16 +71,6 @@ def finish_distributed() -> None:
         dist.barrier()
 
 
-def min_max_over_ranks(value: int) -> Tuple[int, int]:
-    """(smallest, largest) `value` over all ranks (collective)."""
-    import torch
-    import torch.distributed as dist
-
-    both = torch.tensor([-value, value], dtype=torch.int64)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    return -int(both[0]), int(both[1])
-
-
 def all_ranks(flag: bool) -> bool:
     """True when `flag` holds on every rank (collective)."""
     import torch

@@ -9,7 +9,6 @@ from typing import Callable
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
 
 
 @pytest.fixture
@@ -24,10 +23,11 @@ def make_cfg() -> Callable[..., object]:
 
 
 @pytest.fixture
-def shared_data() -> Path:
-    if not SHARED_DATA.is_dir():
-        pytest.skip("../shared/data is not beside this checkout")
-    return SHARED_DATA
+def glaive() -> Path:
+    """The real Glaive tool-call demo files (English, Chinese) bundled with dsrecipes."""
+    from dsrecipes.paths import ASSETS_DIR
+
+    return ASSETS_DIR / "glaive_toolcall"
 
 
 def pytest_collection_modifyitems(config, items):

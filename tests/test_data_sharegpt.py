@@ -187,9 +187,9 @@ def test_yaml_registry_typos_are_errors(tmp_path):
         load_registry(str(tmp_path / "r.yaml"))
 
 
-def test_shared_glaive_files_read_cleanly(shared_data):
-    for name in ("glaive_toolcall_en_demo.json", "glaive_toolcall_zh_demo.json"):
-        convs, report = read_all(SourceConfig(name="g", paths=[str(shared_data / name)]), policy=BadRows.error)
+def test_glaive_files_read_cleanly(glaive):
+    for name in ("glaive_toolcall_en_demo.json.gz", "glaive_toolcall_zh_demo.json.gz"):
+        convs, report = read_all(SourceConfig(name="g", paths=[str(glaive / name)]), policy=BadRows.error)
         assert len(convs) == 300 and report.rows_read == 300
         roles = {t.role for c in convs for t in c.turns}
         assert roles == {Role.user, Role.assistant, Role.tool_call, Role.observation}

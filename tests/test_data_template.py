@@ -100,8 +100,8 @@ def test_masks_on_sample_data(tok, template, train_on):
 
 
 @pytest.mark.parametrize("template", list(TemplateKind))
-def test_masks_on_real_glaive_files(tok, shared_data, template):
-    convs = read(shared_data / "glaive_toolcall_en_demo.json", 40) + read(shared_data / "glaive_toolcall_zh_demo.json", 40)
+def test_masks_on_real_glaive_files(tok, glaive, template):
+    convs = read(glaive / "glaive_toolcall_en_demo.json.gz", 40) + read(glaive / "glaive_toolcall_zh_demo.json.gz", 40)
     assert any(t.role is Role.tool_call for c in convs for t in c.turns)
     check_masks(tok, template, TrainOn.assistant, convs)
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from dsrecipes.config.schema import SourceConfig, TemplateConfig, TemplateKind, TrainConfig, TrainOn
+from dsrecipes.config.schema import TemplateConfig, TemplateKind, TrainConfig, TrainOn
 from dsrecipes.data.badrows import BadReason, BadRow
 from dsrecipes.data.labels import IGNORE_INDEX
 from dsrecipes.data.sharegpt import Conversation, Role, Turn
@@ -91,15 +91,6 @@ def test_template_error_collected_in_batches(tok):
     with pytest.raises(BadRow):
         enc.encode(conv("q", "a"))
 
-
-def test_encode_row_streaming_path(tok):
-    raw = {"id": "r1", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
-    enc = encoder(tok, 512)
-    ex = enc.encode_row(raw, "r1", SourceConfig())
-    assert ex.id == "r1" and decode_trained(tok, ex) == "hello<|im_end|>"
-    assert ex.input_ids == enc.encode(conv("hi", "hello")).input_ids
-    with pytest.raises(BadRow):
-        enc.encode_row({"conversations": []}, "r2", SourceConfig())
 
 
 def test_pack_plan_is_deterministic_and_complete():

@@ -65,7 +65,7 @@ def test_local_golden(make_cfg):
 
 
 def test_deepspeed_golden(make_cfg):
-    cfg, plan = plan_for(make_cfg, "launcher=deepspeed")
+    cfg, plan = plan_for(make_cfg, "launcher=deepspeed", "launcher.num_gpus=2")
     (cmd,) = plan.commands
     assert cmd.argv == [
         PY, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(PORT),
@@ -206,9 +206,9 @@ def test_free_port_only_for_an_unset_single_node_port(make_cfg):
 
 
 def test_cuda_visible_devices_warning(make_cfg):
-    _, plan = plan_for(make_cfg, "launcher=deepspeed", environ={"CUDA_VISIBLE_DEVICES": "2,3"})
+    _, plan = plan_for(make_cfg, "launcher=deepspeed", "launcher.num_gpus=2", environ={"CUDA_VISIBLE_DEVICES": "2,3"})
     assert any("CUDA_VISIBLE_DEVICES=2,3 is ignored" in w for w in plan.warnings)
-    _, plan = plan_for(make_cfg, "launcher=deepspeed", "launcher.num_gpus=null", environ={"CUDA_VISIBLE_DEVICES": "2"})
+    _, plan = plan_for(make_cfg, "launcher=deepspeed", environ={"CUDA_VISIBLE_DEVICES": "2"})
     assert plan.warnings == []  # without --num_gpus the runner turns it into --include itself
 
 

@@ -1,4 +1,4 @@
-"""`dsrecipes shard` and data=presharded on the bundled sample data (and the shared glaive files when present)."""
+"""`dsrecipes shard` and data=presharded on the bundled sample data and the bundled glaive tool-call files."""
 
 from __future__ import annotations
 
@@ -125,12 +125,12 @@ def test_modified_part_is_refused(tmp_path):
     assert json.loads((out / MANIFEST).read_text())["total"] == 10
 
 
-def test_shard_json_array_input(shared_data, tmp_path):
+def test_shard_json_array_input(glaive, tmp_path):
     """A real JSON-array file with tool calls (glaive) becomes JSONL parts; ids are <file>:<index>."""
     out = tmp_path / "glaive"
-    src = str(shared_data / "glaive_toolcall_en_demo.json")
+    src = str(glaive / "glaive_toolcall_en_demo.json.gz")
     assert shard_cli(src, "--parts", "2", "--out", str(out)) == 0
     m = read_manifest(str(out), world_size=2)
     assert m.total == 300
     ids = part_ids(out, m)
-    assert ids[0][0] == "glaive_toolcall_en_demo.json:0"
+    assert ids[0][0] == "glaive_toolcall_en_demo.json.gz:0"

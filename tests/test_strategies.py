@@ -243,7 +243,7 @@ def test_elastic_resume_other_world_size(tmp_path, factory):
     flat = [i for v in rest.values() for b in v for i in b]
     assert len(flat) == len(set(flat)) and not set(flat) & set(consumed)
     assert n - len(consumed) - len(flat) < 3 * 1 * 3
-    assert new[0].steps_remaining() == 0
+    assert sum(1 for _ in new[0]) == 0  # the epoch is done on every rank
 
 
 def test_resume_refuses_changed_setup():

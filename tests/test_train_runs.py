@@ -185,8 +185,8 @@ def test_elastic_resume_of_a_two_rank_zero2_checkpoint_on_one_rank(zero2_run, wo
 def test_zero3_two_ranks_from_a_local_model_directory(workspace):
     from transformers import AutoModelForCausalLM
 
-    from dsrecipes.export import export_initial
     from dsrecipes.config.load import compose_and_load
+    from dsrecipes.export import export_initial
     from dsrecipes.model import load_tokenizer
 
     cfg = compose_and_load(["debug=fast"])

@@ -30,11 +30,10 @@ def register_schemas() -> None:
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    from dsrecipes.paths import ASSETS_DIR, project_root
+    from dsrecipes.paths import ASSETS_DIR
 
-    # ${dsr.asset:NAME} -> a bundled asset directory; ${dsr.root:} -> the checkout holding conf/ and recipes/.
+    # ${dsr.asset:NAME} -> a bundled asset directory (dsrecipes/assets/NAME).
     OmegaConf.register_new_resolver("dsr.asset", lambda name: str(ASSETS_DIR / name), replace=True)
-    OmegaConf.register_new_resolver("dsr.root", lambda: str(project_root()), replace=True)
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     for group, schema in GROUP_SCHEMAS.items():

@@ -66,11 +66,6 @@ def read_rows(path: str) -> Iterator[RawRow]:
             yield RawRow(path, None, error=BadRow(BadReason.empty_file, "no rows"))
 
 
-def read_jsonl_rows(path: str) -> Iterator[RawRow]:
-    """Rows of a JSONL file (also used by the iterable strategy and `shard`)."""
-    yield from read_rows(path)
-
-
 def _parse_line(path: str, loc: int, line: bytes) -> RawRow:
     try:
         text = line.decode("utf-8")

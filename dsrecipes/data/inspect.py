@@ -11,7 +11,7 @@ from typing import Any, Dict, Mapping, Sequence
 
 from dsrecipes.data.labels import IGNORE_INDEX
 
-GREEN, RESET, DIM = "\033[42;30m", "\033[0m", "\033[2m"
+GREEN, RESET = "\033[42;30m", "\033[0m"
 
 
 def render_row(row: Mapping[str, Any], tokenizer: Any, color: bool, title: str = "row") -> str:

@@ -147,7 +147,3 @@ def verify_ledgers(
     return report
 
 
-def main_ledger(run_dir: str, expected_ids: Optional[List[str]] = None, global_batch: Optional[int] = None) -> int:
-    report = verify_ledgers(run_dir, expected_ids, global_batch)
-    print(report.summary())
-    return 0 if report.ok else 1

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -91,13 +91,6 @@ def micro_of_slot(slot, layout: Layout):
 
 def worker_of_micro(micro, layout: Layout, start_micro: int = 0):
     return (micro - start_micro) % layout.readers_per_rank
-
-
-def slot_positions(rank: int, micro: int, layout: Layout, offset: int = 0) -> range:
-    """Positions of micro-batch `micro` of `rank`."""
-    slot = micro * layout.world_size + rank
-    start = offset + slot * layout.micro_batch_size
-    return range(start, start + layout.micro_batch_size)
 
 
 @dataclass(frozen=True)
@@ -320,8 +313,3 @@ def presharded_steps(counts: List[int], layout: Layout, offset: int = 0) -> int:
     return max(0, min((c - offset) // layout.rank_batch for c in counts))
 
 
-def iter_epochs(start: int) -> Iterator[int]:
-    e = start
-    while True:
-        yield e
-        e += 1

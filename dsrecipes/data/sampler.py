@@ -123,11 +123,6 @@ def select_slots(
         yield micro, release(micro)
 
 
-def stream_steps(num_items: int, layout: Layout, offset: int = 0) -> int:
-    """Whole steps a stream of `num_items` gives after `offset` (what `select_slots(steps=None)` ends up using)."""
-    return max(0, (num_items - offset) // layout.global_batch)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Line streams (iterable and presharded data, `shard`, `audit`): counted and read without parsing JSON.
 

@@ -22,10 +22,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
-from dsrecipes.config.schema import SourceConfig, TrainConfig
+from dsrecipes.config.schema import TrainConfig
 from dsrecipes.data.badrows import BadRow
 from dsrecipes.data.labels import IGNORE_INDEX
-from dsrecipes.data.sharegpt import Conversation, normalize_row
+from dsrecipes.data.sharegpt import Conversation
 from dsrecipes.data.template import Segment, check_template, render
 from dsrecipes.errors import ConfigError
 
@@ -100,10 +100,6 @@ class Encoder:
             return []
         return [e.ids for e in self._encode_fast(texts, add_special_tokens=False)]
 
-    def encode_row(self, raw: Any, sample_id: str, source: SourceConfig) -> Optional[Example]:
-        """Streaming path (iterable strategy): one raw row -> Example, with the same normalisation, template and
-        truncation as `prepare`. Raises BadRow; None when truncation leaves nothing trained."""
-        return self.encode(normalize_row(raw, sample_id, source))
 
     def _assemble(self, sample_id: str, parts: List[Tuple[List[int], Segment]]) -> Optional[Example]:
         ids: List[int] = []

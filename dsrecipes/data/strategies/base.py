@@ -24,7 +24,7 @@ class TrainLoader:
         loader.load_state_dict(state)                  # when resuming (else it starts at epoch 0)
         for epoch in itertools.count(loader.epoch):    # or range(loader.epoch, cfg.trainer.epochs)
             loader.set_epoch(epoch)                    # same epoch as the loaded state: keeps the position
-            for batch in loader: ...                   # steps_remaining() * grad_accum micro-batches, equal on all ranks
+            for batch in loader: ...                   # the epoch's remaining micro-batches, equal on all ranks
         json.dump(loader.state_dict(), ...)            # after an optimizer step, per rank
 
     `steps_per_epoch` is None for an endless stream (iterable data with a step budget and no data.num_samples);
@@ -60,9 +60,6 @@ class TrainLoader:
     def steps_per_epoch(self) -> Optional[int]:
         raise NotImplementedError
 
-    def steps_remaining(self) -> Optional[int]:
-        """Whole optimizer steps left in the current epoch (None: unknown, endless stream)."""
-        raise NotImplementedError
 
     def _batches(self, offset: int, start_micro: int) -> Iterator[Batch]:
         """The remaining micro-batches of epoch `self.epoch` for a plan at `offset`, from micro `start_micro`."""

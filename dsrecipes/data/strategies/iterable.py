@@ -79,9 +79,6 @@ class StreamTrainLoader(TrainLoader):
     def steps_per_epoch(self) -> Optional[int]:
         return self._steps(0)
 
-    def steps_remaining(self) -> Optional[int]:
-        steps = self._steps(self._offset)
-        return None if steps is None else steps - self._micro // self.layout.grad_accum
 
     def shuffler(self, epoch: int) -> StreamShuffle:
         return StreamShuffle(self.seed, epoch, self.shuffle_buffer)

@@ -41,9 +41,6 @@ class MapTrainLoader(TrainLoader):
     def steps_per_epoch(self) -> int:
         return EpochPlan(self.num_samples, self.layout).steps
 
-    def steps_remaining(self) -> int:
-        plan = EpochPlan(self.num_samples, self.layout, self._offset)
-        return plan.steps - self._micro // self.layout.grad_accum
 
     def plan(self, offset: int = 0, start_micro: int = 0) -> EpochPlan:
         return EpochPlan(self.num_samples, self.layout, offset, start_micro)

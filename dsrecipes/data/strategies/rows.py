@@ -42,7 +42,6 @@ class RowEncoder:
         self.cutoff_len = cfg.data.cutoff_len
         self.holdout = holdout or set()  # validation ids (prepared split) that the stream must not train on
         self.skipped = 0
-        self.held_out = 0
         self.dropped = 0  # samples whose trained tokens were all truncated away
 
     def conversation(self, item: Any) -> Any:
@@ -61,7 +60,6 @@ class RowEncoder:
                 raise BadRow(BadReason.invalid_json, str(exc)) from None
             sid = sample_id(value, RawRow(path, line_no, value), source)
             if sid in self.holdout:
-                self.held_out += 1
                 return None
             return normalize_row(value, sid, source, self.tables[file_index])
         except BadRow as bad:
