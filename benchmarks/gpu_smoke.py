@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 QWEN2_0_5B = dict(
@@ -67,7 +67,35 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
 
 
 def run_direct(args: argparse.Namespace) -> Dict[str, Any]:
+    """A random Qwen2-shaped model in a bare deepspeed.initialize loop: step time, tokens/s, MFU, peak memory."""
+    import deepspeed
+    import torch
+
     t_start = time.time()
+    engine, n_params, vocab = _direct_engine(args)
+    timed, elapsed, all_losses = _timed_steps(args, engine, vocab)
+    tokens_per_s = timed * args.micro_batch * args.seq / elapsed
+    cycle = min(POOL, len(all_losses) // 2) or 1
+    # the same batches come back every POOL steps: the last pass over them must beat the first
+    first, last = sum(all_losses[:cycle]) / cycle, sum(all_losses[-cycle:]) / cycle
+    return {
+        "mode": "direct", "stage": args.stage, "ok": last < first, "params": n_params,
+        "steps": args.steps, "timed_steps": timed, "micro_batch": args.micro_batch, "seq": args.seq,
+        "step_time_s": elapsed / timed, "tokens_per_s": tokens_per_s,
+        "mfu": 6 * n_params * tokens_per_s / (args.peak_tflops * 1e12), "peak_tflops": args.peak_tflops,
+        "peak_mem_mb": torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else None,
+        "loss_first": first, "loss_last": last, "losses": all_losses[:: max(len(all_losses) // 30, 1)],
+        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+        "torch": torch.__version__, "deepspeed": deepspeed.__version__, "wall_s": time.time() - t_start,
+        "note": None if last < first else "loss did not fall on a repeated batch pool",
+    }  # fmt: skip
+
+
+POOL = 8  # distinct random batches, cycled
+
+
+def _direct_engine(args: argparse.Namespace) -> Tuple[Any, int, int]:
+    """(engine, parameters, vocabulary size) with the DeepSpeed JSON dsrecipes generates for these settings."""
     import deepspeed
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -87,16 +115,22 @@ def run_direct(args: argparse.Namespace) -> Dict[str, Any]:
         **shape, max_position_embeddings=max(args.seq, 2048), attn_implementation="sdpa", use_cache=False
     )
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
-    device = torch.device(args.device)
     torch.manual_seed(0)
-    with device:
+    with torch.device(args.device):
         model = Qwen2ForCausalLM(config).to(dtype)
     n_params = sum(p.numel() for p in model.parameters())
     deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    return engine, n_params, config.vocab_size
+
+
+def _timed_steps(args: argparse.Namespace, engine: Any, vocab: int) -> Tuple[int, float, List[float]]:
+    """(timed steps, their seconds, every step's loss): steps after `args.warmup` are timed."""
+    import torch
+
     gen = torch.Generator().manual_seed(1)
-    pool = [torch.randint(0, config.vocab_size, (args.micro_batch, args.seq), generator=gen).to(engine.device)
-            for _ in range(8)]  # fmt: skip
+    pool = [torch.randint(0, vocab, (args.micro_batch, args.seq), generator=gen).to(engine.device)
+            for _ in range(POOL)]  # fmt: skip
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -112,24 +146,7 @@ def run_direct(args: argparse.Namespace) -> Dict[str, Any]:
         engine.step()
         loss_tensors.append(loss.detach())
     sync()
-    timed = max(args.steps - args.warmup, 1)
-    elapsed = time.time() - t0
-    tokens_per_s = timed * args.micro_batch * args.seq / elapsed
-    all_losses = [float(t.float().item()) for t in loss_tensors]
-    cycle = min(len(pool), len(all_losses) // 2) or 1
-    # the same batches come back every len(pool) steps: the last pass over them must beat the first
-    first, last = sum(all_losses[:cycle]) / cycle, sum(all_losses[-cycle:]) / cycle
-    return {
-        "mode": "direct", "stage": args.stage, "ok": last < first, "params": n_params,
-        "steps": args.steps, "timed_steps": timed, "micro_batch": args.micro_batch, "seq": args.seq,
-        "step_time_s": elapsed / timed, "tokens_per_s": tokens_per_s,
-        "mfu": 6 * n_params * tokens_per_s / (args.peak_tflops * 1e12), "peak_tflops": args.peak_tflops,
-        "peak_mem_mb": torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else None,
-        "loss_first": first, "loss_last": last, "losses": all_losses[:: max(len(all_losses) // 30, 1)],
-        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-        "torch": torch.__version__, "deepspeed": deepspeed.__version__, "wall_s": time.time() - t_start,
-        "note": None if last < first else "loss did not fall on a repeated batch pool",
-    }  # fmt: skip
+    return max(args.steps - args.warmup, 1), time.time() - t0, [float(t.float().item()) for t in loss_tensors]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,3 +1,5 @@
+"""`python -m dsrecipes`: the command line (cli.py)."""
+
 from dsrecipes.cli import main
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@ what differs from the groups they pick."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Dict, Iterator, Tuple
 
 import pytest
@@ -46,6 +45,10 @@ def test_recipes_repeat_no_value_their_groups_already_have(recipe):
         cfg, schema_errors, _ = check_composition(compose(groups), check_files=False)  # rules may need the recipe
     assert not schema_errors
     base = config_to_dict(cfg)
+    defaults = {k: v for d in yaml.safe_load((project_root() / "conf" / "train.yaml").read_text())["defaults"]
+                if isinstance(d, dict) for k, v in d.items()}
+    same = [g for g in groups if defaults.get(g.split("=")[0]) == g.split("=")[1]]
+    assert not same, f"recipes/{recipe}.yaml overrides a group with its default option: {same}"
     assert text, f"{recipe}: a recipe that only picks groups"
     repeated = [f"{key}={value!r}" for key, value in _leaves(text) if _get(base, key) == value]
     assert not repeated, f"recipes/{recipe}.yaml repeats what {' '.join(groups) or 'the defaults'} already say: {repeated}"

@@ -6,9 +6,10 @@ import json
 
 from dsrecipes import doctor
 from dsrecipes.doctor import Context, Level
+from dsrecipes.machine import Probe
 
 
-class FakeProbe(doctor.Probe):
+class FakeProbe(Probe):
     """A healthy CUDA machine unless a test changes an attribute."""
 
     def __init__(self, **changes):

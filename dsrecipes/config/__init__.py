@@ -1,2 +1,1 @@
-from dsrecipes.config.load import compose, config_to_dict, load_config, load_run_config  # noqa: F401
-from dsrecipes.config.schema import TrainConfig  # noqa: F401
+"""The typed configuration: schema (dataclasses + Enums), loading a Hydra composition, cross-field rules."""

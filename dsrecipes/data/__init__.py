@@ -1,0 +1,1 @@
+"""The data layer: reading, checking, rendering and tokenizing conversations; planning and loading them."""

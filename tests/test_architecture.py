@@ -1,0 +1,101 @@
+"""Layers point one way: the import graph of the package (module-level and lazy imports alike) has no cycle, domain
+modules never import the command line, and a package's children never import their parent package."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Dict, List, Set
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "dsrecipes"
+
+
+def _modules() -> Dict[str, Path]:
+    mods = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = path
+    return mods
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str:
+    while name and name not in MODULES:
+        name = name.rsplit(".", 1)[0] if "." in name else ""
+    return name
+
+
+def _imports(module: str) -> Set[str]:
+    out: Set[str] = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text(encoding="utf-8"))):
+        names: List[str] = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            if name.startswith("dsrecipes") and (name in MODULES or name == _resolve(name) or "." not in name):
+                target = _resolve(name)
+                if target and target != module:
+                    out.add(target)
+    return out
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def test_the_graph_is_not_empty():
+    assert len(GRAPH) > 40 and "dsrecipes.train" in GRAPH["dsrecipes.worker"]
+
+
+def test_no_import_cycle():
+    seen: Dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: List[str]) -> None:
+        seen[module] = 1
+        for target in sorted(GRAPH[module]):
+            if seen.get(target) == 1:
+                pytest.fail("import cycle: " + " -> ".join(path[path.index(target):] + [target]))
+            if target not in seen:
+                visit(target, path + [target])
+        seen[module] = 2
+
+    for module in sorted(GRAPH):
+        if module not in seen:
+            visit(module, [module])
+
+
+def test_only_the_command_line_imports_the_commands():
+    for module, targets in GRAPH.items():
+        if module in ("dsrecipes.cli", "dsrecipes.__main__") or module.startswith("dsrecipes.commands"):
+            continue
+        bad = sorted(t for t in targets if t == "dsrecipes.cli" or t.startswith("dsrecipes.commands"))
+        assert not bad, f"{module} (a domain module) imports {bad}"
+
+
+def test_every_subcommand_main_lives_in_commands():
+    for module, path in MODULES.items():
+        defines_main = any(isinstance(n, ast.FunctionDef) and n.name == "main"
+                           for n in ast.parse(path.read_text(encoding="utf-8")).body)
+        if defines_main:
+            assert module.startswith("dsrecipes.commands.") or module in ("dsrecipes.cli", "dsrecipes.worker",
+                                                                          "dsrecipes.launch.mpi_rank"), module
+
+
+@pytest.mark.parametrize("package", sorted(m for m, p in MODULES.items() if p.name == "__init__.py"))
+def test_children_never_import_their_parent_package(package):
+    children = [m for m in MODULES if m.startswith(package + ".") and m.count(".") == package.count(".") + 1]
+    for child in children:
+        assert package not in GRAPH[child], f"{child} imports its parent package {package}"
+
+
+def test_every_module_says_what_it_owns():
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        assert ast.get_docstring(tree), f"{module} has no opening comment"
