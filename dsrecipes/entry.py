@@ -70,8 +70,8 @@ def plan_run(cfg: TrainConfig, run_dir: Path, topology: Topology) -> RunPlan:
 
 
 def plan_data(cfg: TrainConfig, run_dir: Path) -> Tuple[Optional[int], str]:
-    """(training rows of an epoch or None for a stream of unknown length, data fingerprint), after preparing
-    (`map`), scanning (`iterable`) or reading the shard manifest (`presharded`)."""
+    """(training rows of an epoch, data fingerprint), after preparing (`map`), indexing and scanning (`iterable`:
+    the samples of one epoch, counted by the stream index) or reading the shard manifest (`presharded`)."""
     if cfg.data.kind is DataKind.map:
         from dsrecipes.data.prepare import prepare
         from dsrecipes.model import load_tokenizer
@@ -83,14 +83,9 @@ def plan_data(cfg: TrainConfig, run_dir: Path) -> Tuple[Optional[int], str]:
 
         manifest = read_manifest(cfg.data.shard_dir)
         return manifest.total, manifest.fingerprint
-    from dsrecipes.data.cache import data_fingerprint
-    from dsrecipes.data.registry import resolve_sources
+    from dsrecipes.data.scan import prepare_stream
 
-    if cfg.data.prescan:
-        from dsrecipes.data.scan import scan_stream
-
-        scan_stream(cfg, run_dir)
-    return cfg.data.num_samples, data_fingerprint(cfg, resolve_sources(cfg.dataset))
+    return prepare_stream(cfg, run_dir)
 
 
 def describe_plan(plan: RunPlan) -> str:

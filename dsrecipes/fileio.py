@@ -11,25 +11,34 @@ import gzip
 import json
 import math
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Iterator
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write `text` to `path` atomically (write beside, fsync, rename); creates the parent directory."""
+    with atomic_writer(path) as fh:
+        fh.write(text.encode("utf-8"))
+    return Path(path)
+
+
+@contextmanager
+def atomic_writer(path: str | Path) -> Iterator[IO[bytes]]:
+    """A binary file that appears at `path` only complete: written beside, fsynced and renamed when the block ends
+    without an exception (removed otherwise). For large streamed outputs (converted data, indexes) too."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with open(tmp, "wb") as fh:
+            yield fh
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return path
 
 
 def json_text(data: Any, indent: int | None = 2) -> str:

@@ -111,15 +111,16 @@ class DataConfig:
     kind: DataKind = DataKind.map
     num_workers: int = 0  # DataLoader workers per rank
     shuffle: bool = True
-    shuffle_buffer: int = 1024  # iterable only: reservoir size (0 = stream order)
+    shuffle_buffer: int = 1024  # iterable: window of each reader's local shuffle, in samples (0 = block order only)
     cutoff_len: int = 512  # max tokens per row (sample, or packed row)
     packing: bool = False
     train_on: TrainOn = TrainOn.assistant
     preprocess_workers: int = 1  # processes for tokenization (map / presharded preparation)
     cache_dir: Optional[str] = None  # tokenization cache; None = ~/.cache/dsrecipes
-    num_samples: Optional[int] = None  # iterable only: known stream length, lets trainer.epochs work
+    num_samples: Optional[int] = None  # iterable only: plan epochs of this many samples (default: the index's count)
     shard_dir: Optional[str] = None  # presharded only: directory written by `dsrecipes shard`
     prescan: bool = True  # iterable only: read the stream once before launch to apply the bad-row policy
+    block_bytes: Optional[int] = None  # iterable only: bytes per read block (null: stream bytes / 65536, 4 KiB-1 MiB)
     prefetch_factor: int = 2
 
 
@@ -166,6 +167,7 @@ class DatasetConfig:
     registry: Optional[str] = None  # dataset_info.json (LLaMA-Factory) or YAML registry
     use: List[str] = field(default_factory=list)  # registry entries to mix in
     val_size: float = 64  # < 1: fraction, >= 1: number of samples
+    val_paths: List[str] = field(default_factory=list)  # iterable only: validation files (then val_size is unused)
     bad_rows: BadRows = BadRows.error
     max_bad_fraction: float = 0.05
 

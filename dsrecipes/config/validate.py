@@ -93,11 +93,13 @@ def _data(cfg: TrainConfig) -> List[str]:
         errors.append(f"data.preprocess_workers: must be >= 1, got {d.preprocess_workers}")
     if d.shuffle_buffer < 0:
         errors.append(f"data.shuffle_buffer: must be >= 0, got {d.shuffle_buffer}")
-    if d.kind is DataKind.iterable and cfg.trainer.max_steps is None and d.num_samples is None:
-        errors.append(
-            "trainer.max_steps: data=iterable streams without knowing its length; set trainer.max_steps, "
-            "or data.num_samples to the number of samples in the shards"
-        )
+    if d.block_bytes is not None and d.block_bytes < 1:
+        errors.append(f"data.block_bytes: must be >= 1 (or null: automatic), got {d.block_bytes}")
+    if d.num_samples is not None and d.num_samples < 1:
+        errors.append(f"data.num_samples: must be >= 1 (or null: the stream's count), got {d.num_samples}")
+    if ds.val_paths and d.kind is not DataKind.iterable:
+        errors.append(f"dataset.val_paths: read by data=iterable only; data={d.kind.value} splits off "
+                      "dataset.val_size samples instead")
     if d.kind is DataKind.presharded and not d.shard_dir:
         errors.append("data.shard_dir: data=presharded needs the directory written by `dsrecipes shard`")
     if d.kind is not DataKind.presharded and not (ds.paths or ds.sources or ds.use):
@@ -173,6 +175,9 @@ def _files(cfg: TrainConfig) -> List[str]:
     for i, pattern in enumerate(cfg.dataset.paths):
         if not glob.glob(os.path.expanduser(pattern)):
             errors.append(f"dataset.paths[{i}]: {pattern!r} matches no file")
+    for i, pattern in enumerate(cfg.dataset.val_paths):
+        if not glob.glob(os.path.expanduser(pattern)):
+            errors.append(f"dataset.val_paths[{i}]: {pattern!r} matches no file")
     for i, src in enumerate(cfg.dataset.sources):
         for j, pattern in enumerate(src.paths):
             if not glob.glob(os.path.expanduser(pattern)):

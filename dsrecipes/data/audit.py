@@ -1,15 +1,16 @@
 """`dsrecipes audit [overrides] --world-size N --num-workers W --epochs E`: prove the data plan before a run.
 
 Without a model or a process group, computes which samples every rank x DataLoader worker reads in each epoch with
-the planner the loaders run (`plan.py`: `EpochPlan.owner`, `epoch_order`, `StreamShuffle`, `file_order`), then
-checks the guarantees: (1) no sample read twice within an epoch, every sample read except a remainder smaller than
-one global batch; (2) the same number of micro-batches and optimizer steps on every rank. Exit 0 when they hold,
-1 listing the first violations. For small inputs it also replays each stream reader's own filter
-(`sampler.select_slots`) and compares it with the vectorised plan.
+the planner the loaders run (`plan.py`: `EpochPlan.owner`, `epoch_order`, `StreamShuffle`; `stream_plan.py`: block
+visits, segments, stretches, local windows), then checks the guarantees: (1) no sample read twice within an epoch,
+every sample read except a remainder smaller than one global batch; (2) the same number of micro-batches and
+optimizer steps on every rank. Exit 0 when they hold, 1 listing the first violations. For small inputs it also
+replays each `data=iterable` reader's own code (`stream_reader.read_stretch`) and compares it with the plan.
 
 Sample counts: `map` uses the prepared train split (tokenized and cached by the data layer, exactly the rows a run
-trains on; `--num-rows N` audits a hypothetical size instead); `iterable` counts the JSONL lines of its files (what
-the readers count); `presharded` reads the manifest. `--ledger RUN_DIR` checks a finished run's ledger instead.
+trains on; `--num-rows N` audits a hypothetical size instead); `iterable` builds the stream index the launching
+process builds (blocks, caps, held-out validation rows, mixing weights); `presharded` reads the manifest.
+`--ledger RUN_DIR` checks a finished run's ledger instead.
 """
 
 from __future__ import annotations
@@ -19,10 +20,14 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dsrecipes.data.plan import EpochPlan, Layout, StreamShuffle, epoch_order, file_order, presharded_steps
-from dsrecipes.data.sampler import map_rank_rows, select_slots
+from dsrecipes.data.plan import EpochPlan, Layout, StreamShuffle, epoch_order, presharded_steps
+from dsrecipes.data.sampler import map_rank_rows
+from dsrecipes.data.stream_plan import (BlockTable, LocalShuffle, Segment, Visits, epoch_segment, epoch_visits,
+                                        items_at, stretch_positions)
+from dsrecipes.data.stream_reader import ItemFetcher, read_stretch
 
 REPLAY_LIMIT = 2_000_000  # items x readers up to which stream readers are replayed one by one
+AUDIT_BLOCK = 256  # lines per block when an audit is given line counts only (the CLI uses the real index)
 
 
 @dataclass
@@ -153,10 +158,13 @@ def audit_map(num_rows: int, layout: Layout, seed: int, shuffle: bool, epochs: i
 
 
 def audit_stream(counts: Sequence[int], layout: Layout, seed: int, shuffle: bool, buffer: int, epochs: int,
-                 num_samples: Optional[int] = None) -> AuditReport:
-    """`data=iterable`: files of `counts` rows read as one shared stream (num_samples: the planned length)."""
-    total = int(sum(counts))
-    what = f"{len(counts)} files, {total} lines" + ("" if num_samples is None else f", data.num_samples={num_samples}")
+                 num_samples: Optional[int] = None, table: Optional[BlockTable] = None) -> AuditReport:
+    """`data=iterable`: files of `counts` lines (blocks of `table`; default AUDIT_BLOCK lines each) read in the
+    block order of stream_plan.py (num_samples: the planned length)."""
+    table = BlockTable.uniform(counts, AUDIT_BLOCK) if table is None else table
+    total = table.epoch_length()
+    what = f"{len(counts)} files, {int(sum(counts))} lines" + ("" if total == sum(counts) else f", {total} per epoch")
+    what += "" if num_samples is None else f", data.num_samples={num_samples}"
     report = AuditReport(_header("iterable", what, layout, seed, shuffle, buffer if shuffle else 0))
     if num_samples is not None and total < num_samples:
         report.violations.append(f"data.num_samples={num_samples} but the files hold {total} lines")
@@ -164,19 +172,56 @@ def audit_stream(counts: Sequence[int], layout: Layout, seed: int, shuffle: bool
     if num_samples is not None and total - num_samples >= layout.global_batch:
         report.notes.append(f"data.num_samples={num_samples} is below the {total} lines of the files, so the plan "
                             f"never reaches the last {total - num_samples}; set data.num_samples={total}")
-    bases = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
     for epoch in range(epochs):
-        shuffler = StreamShuffle(seed, epoch, buffer if shuffle else 0)
-        order = file_order(len(counts), seed, epoch, shuffle)
-        sample_of_item = np.concatenate([bases[f] + np.arange(counts[f], dtype=np.int64) for f in order]) \
-            if total else np.zeros(0, dtype=np.int64)
-        plan = EpochPlan(total if num_samples is None else num_samples, layout)
-        reads = _stream_reads(plan, shuffler.full_order(total), sample_of_item, layout.world_size, layout)
+        sh = LocalShuffle(seed, epoch, buffer, shuffle)
+        visits = epoch_visits(table, seed, epoch, shuffle)
+        sample_at, uniq = _sample_numbers(table, visits, seed, epoch, shuffle)
+        seg = epoch_segment(total if num_samples is None else num_samples, (), layout, sh)
+        reads = block_reads(seg, sh, sample_at)
         report.epochs.append(_check_epoch(epoch, total, layout, reads, layout.global_batch, layout.world_size, report))
         if total * layout.num_readers <= REPLAY_LIMIT:
-            _replay(report, epoch, sample_of_item, shuffler, layout, plan, reads)
+            _replay(report, epoch, table, visits, seg, sh, uniq, reads)
     _remainder_note(report, shuffle)
     return report
+
+
+def _sample_numbers(table: BlockTable, visits: Visits, seed: int, epoch: int, shuffle: bool) -> Tuple[np.ndarray, ...]:
+    """(order position -> dense sample number of this epoch, sorted identities): a repeat made by a weight > 1 is a
+    sample of its own (identity = kept number + copy * kept samples)."""
+    block, local, copy = items_at(visits, np.arange(visits.total, dtype=np.int64), seed, epoch, shuffle)
+    ident = table.first[block] + local + copy * int(table.kept.sum())
+    uniq = np.unique(ident)
+    return np.searchsorted(uniq, ident), uniq
+
+
+def block_reads(seg: Segment, sh: LocalShuffle, sample_at: np.ndarray) -> List[Tuple[int, int, np.ndarray, np.ndarray]]:
+    """(rank, stretch, micro numbers, samples [k, mbs]) of every reader of a segment."""
+    lay = seg.layout
+    reads = []
+    for rank in range(lay.world_size):
+        for v in range(lay.readers_per_rank):
+            parts = list(stretch_positions(seg, rank, v, 0, sh))
+            pos = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+            micros = v + lay.readers_per_rank * np.arange(pos.size // lay.micro_batch_size, dtype=np.int64)
+            reads.append((rank, v, micros, sample_at[pos].reshape(-1, lay.micro_batch_size)))
+    return reads
+
+
+def _replay(report: AuditReport, epoch: int, table: BlockTable, visits: Visits, seg: Segment, sh: LocalShuffle,
+            uniq: np.ndarray, reads: List[Tuple[int, int, np.ndarray, np.ndarray]]) -> None:
+    """Run every reader's own code (stream_reader.read_stretch over a block source that returns sample numbers)
+    and compare with the vectorised plan."""
+    kept = int(table.kept.sum())
+
+    def read_block(g: int) -> List[Tuple[int, int, int]]:
+        return [(0, j, int(table.first[g]) + j) for j in range(int(table.kept[g]))]
+
+    fetch = ItemFetcher(visits, read_block, sh)
+    for rank, v, micros, samples in reads:
+        got = list(read_stretch(seg, rank, v, 0, sh, fetch))
+        ids = np.searchsorted(uniq, [raw + copy * kept for _, items in got for _, _, raw, copy in items])
+        if [m for m, _ in got] != micros.tolist() or ids.tolist() != samples.ravel().tolist():
+            report.violations.append(f"epoch {epoch} rank {rank} reader {v}: the reader's blocks differ from the plan")
 
 
 def audit_presharded(counts: Sequence[int], layout: Layout, seed: int, shuffle: bool, buffer: int,
@@ -226,22 +271,10 @@ def _stream_reads(plan: EpochPlan, position_of_item: np.ndarray, sample_of_item:
     return reads
 
 
-def _replay(report: AuditReport, epoch: int, sample_of_item: np.ndarray, shuffler: StreamShuffle, layout: Layout,
-            plan: EpochPlan, reads: List[Tuple[int, int, np.ndarray, np.ndarray]]) -> None:
-    """Run every reader's own stream filter and compare with the vectorised plan."""
-    steps = plan.steps
-    for rank, worker, micros, samples in reads:
-        got = list(select_slots(sample_of_item.tolist(), shuffler, layout, rank, worker, steps=steps))
-        got_micros = [m for m, _ in got]
-        got_samples = [s for _, items in got for s in items]
-        if got_micros != micros.tolist() or got_samples != samples.ravel().tolist():
-            report.violations.append(f"epoch {epoch} rank {rank} worker {worker}: the reader's filter differs from the plan")
-
-
 def _header(kind: str, what: str, layout: Layout, seed: int, shuffle: bool, buffer: Optional[int] = None) -> str:
     shuf = "on" if shuffle else "off"
     if buffer is not None and shuffle:
-        shuf += f" (window {buffer})" if buffer > 1 else " (files only)"
+        shuf += f" (window {buffer})" if buffer > 1 else " (block order only)"
     return (f"audit data={kind}: {what}; world {layout.world_size} x {layout.readers_per_rank} reader(s) per rank "
             f"(num_workers={layout.num_workers}); micro_batch_size {layout.micro_batch_size} x grad_accum "
             f"{layout.grad_accum} (global batch {layout.global_batch}); seed {seed}; shuffle {shuf}")
@@ -261,10 +294,11 @@ def audit_config(cfg: Any, world_size: int, epochs: int, num_rows: Optional[int]
 
         return audit_presharded(read_manifest(cfg.data.shard_dir).counts, layout, seed, shuffle, buffer, epochs)
     if cfg.data.kind is DataKind.iterable:
-        from dsrecipes.data.sampler import stream_spec
+        from dsrecipes.data.stream_index import build_stream_index
 
-        stream, _ = stream_spec(cfg)
-        return audit_stream(stream.counts(), layout, seed, shuffle, buffer, epochs, cfg.data.num_samples)
+        index = build_stream_index(cfg)  # what the launching process builds (cached by content), no scan
+        counts = [index.caps[f] for f in index.train_files]
+        return audit_stream(counts, layout, seed, shuffle, buffer, epochs, cfg.data.num_samples, index.table())
     if num_rows is None:
         num_rows = prepared_rows(cfg)
     return audit_map(num_rows, layout, seed, shuffle, epochs)

@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from dsrecipes.config.load import config_to_dict
 from dsrecipes.config.schema import SourceConfig, TrainConfig
@@ -74,7 +74,9 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return h.hexdigest()
 
 
-def file_hash(path: str, memo: Dict[str, str]) -> str:
+def file_hash(path: str, memo: Dict[str, str], on_block: Optional[Callable[[bytes], None]] = None) -> str:
+    """Content hash of `path`, memoised; `on_block` sees every block when the file is actually read (so a caller can
+    index a file in the same pass that hashes it)."""
     st = os.stat(path)
     memo_key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_ino}|{st.st_mtime_ns}|{st.st_ctime_ns}"
     if memo_key not in memo:
@@ -82,8 +84,21 @@ def file_hash(path: str, memo: Dict[str, str]) -> str:
         with open(path, "rb") as fh:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)
+                if on_block is not None:
+                    on_block(block)
         memo[memo_key] = h.hexdigest()
     return memo[memo_key]
+
+
+def content_hashes(cfg: TrainConfig, paths: Sequence[str],
+                   on_block: Optional[Callable[[str], Optional[Callable[[bytes], None]]]] = None) -> List[str]:
+    """Memoised content hashes of `paths` (the keys `sources_material` uses); `on_block(path)` may give a block
+    callback per file (see `file_hash`)."""
+    memo_path = cache_root(cfg) / MEMO_FILE
+    memo = _read_memo(memo_path)
+    out = [file_hash(p, memo, None if on_block is None else on_block(p)) for p in paths]
+    _write_memo(memo_path, memo)
+    return out
 
 
 def _read_memo(path: Path) -> Dict[str, str]:

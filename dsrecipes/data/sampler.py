@@ -1,4 +1,5 @@
-"""The two ways a reader turns the plan into sample indices: an index list for map data, a stream filter for streams.
+"""The plan as index lists (`data=map`) and as a stream filter (`data=presharded`: each rank's part, shared by its
+DataLoader workers); JSONL line streams. `data=iterable` reads blocks instead (stream_plan.py, stream_reader.py).
 
 Both only call `plan.py`; nothing here knows about tokenizers or torch, so `dsrecipes audit` runs the same code.
 """
@@ -11,7 +12,6 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 
 from dsrecipes.data.plan import EpochPlan, Layout, StreamShuffle, epoch_order, file_order
-from dsrecipes.errors import DataError
 from dsrecipes.fileio import open_maybe_gzip
 
 T = TypeVar("T")
@@ -40,6 +40,59 @@ class StreamTooShort(Exception):
         self.needed = needed
 
 
+class _Slots:
+    """The bookkeeping of one reader's stream filter: which positions are its own, and when a micro-batch is whole."""
+
+    def __init__(self, layout: Layout, rank: int, worker: int, offset: int, start_micro: int, steps: Optional[int]):
+        self.layout, self.rank, self.worker, self.offset, self.start_micro = layout, rank, worker, offset, start_micro
+        self.known_end = None if steps is None else offset + steps * layout.global_batch
+        mine = range(start_micro + worker, (steps or 0) * layout.grad_accum, layout.readers_per_rank)
+        self.nothing = steps is not None and not mine
+        self.last_micro = mine[-1] if steps is not None and mine else None
+        self.pending: Dict[int, List[Tuple[int, Any]]] = {}
+
+    def assign(self, positions: np.ndarray, items: Sequence[Any]) -> None:
+        lay = self.layout
+        valid = positions >= self.offset
+        if self.known_end is not None:
+            valid &= positions < self.known_end
+        slot = (positions - self.offset) // lay.micro_batch_size
+        micro = slot // lay.world_size
+        keep = valid & (slot % lay.world_size == self.rank) & (micro >= self.start_micro)
+        keep &= (micro - self.start_micro) % lay.readers_per_rank == self.worker
+        for i in np.flatnonzero(keep):
+            self.pending.setdefault(int(micro[i]), []).append((int(positions[i]), items[i]))
+
+    def ready(self, seen: int) -> Iterator[Tuple[int, List[Any]]]:
+        """Micro-batches complete once the stream has reached item `seen` (in order, stops at the first not)."""
+        lay = self.layout
+        for micro in sorted(self.pending):
+            if self.known_end is not None:
+                whole = self.offset + (micro * lay.world_size + self.rank + 1) * lay.micro_batch_size <= seen
+            else:  # unknown length: only once every rank agrees the optimizer step is complete
+                whole = self.offset + (micro // lay.grad_accum + 1) * lay.global_batch <= seen
+            if not whole:
+                return
+            yield micro, self.release(micro)
+
+    def release(self, micro: int) -> List[Any]:
+        return [item for _, item in sorted(self.pending.pop(micro), key=lambda pair: pair[0])]
+
+    def finish(self, seen: int) -> Iterator[Tuple[int, List[Any]]]:
+        """What is left once the stream ended after `seen` items."""
+        if self.known_end is not None:
+            if self.known_end > seen:
+                raise StreamTooShort(seen, self.known_end)
+            yield from ((m, self.release(m)) for m in sorted(self.pending))
+            return
+        lay = self.layout
+        whole = (seen - self.offset) // lay.global_batch if seen > self.offset else 0
+        for micro in sorted(self.pending):
+            if micro >= whole * lay.grad_accum:
+                return
+            yield micro, self.release(micro)
+
+
 def select_slots(
     items: Iterable[T],
     shuffle: StreamShuffle,
@@ -51,76 +104,35 @@ def select_slots(
     start_micro: int = 0,
     steps: Optional[int] = None,
 ) -> Iterator[Tuple[int, List[T]]]:
-    """Stream filter of one reader: yields (micro, items of that micro-batch) for the slots of (rank, worker).
+    """Stream filter of one reader (`data=presharded`): yields (micro, items of that micro-batch) for its slots.
 
     Every reader walks the same item stream, computes each item's position with `shuffle` (window by window) and
     keeps only positions whose slot it owns, so readers never coordinate and never overlap. `steps` is the planned
-    steps of the epoch when the length is known (`data.num_samples`, presharded counts); then reading stops after
-    the reader's last slot, and a stream that ends early raises StreamTooShort. With `steps=None` (a step budget
-    over a stream of unknown length) a slot is released only once the stream has reached the end of its optimizer
-    step, so every rank agrees on the number of whole steps; the partial last global batch is the remainder.
+    steps of the epoch when the length is known; then reading stops after the reader's last slot, and a stream that
+    ends early raises StreamTooShort. With `steps=None` (a stream of unknown length) a slot is released only once
+    the stream has reached the end of its optimizer step, so every rank agrees on the number of whole steps.
     """
-    world, mbs, accum, gbatch = layout.world_size, layout.micro_batch_size, layout.grad_accum, layout.global_batch
-    readers = layout.readers_per_rank
-    known_end = None if steps is None else offset + steps * gbatch
-    last_micro: Optional[int] = None
-    if steps is not None:
-        mine = range(start_micro + worker, steps * accum, readers)
-        if not mine:
-            return
-        last_micro = mine[-1]
-
-    pending: Dict[int, List[Tuple[int, T]]] = {}
+    slots = _Slots(layout, rank, worker, offset, start_micro, steps)
+    if slots.nothing:
+        return
     buf: List[T] = []
     start, index = 0, 0
     window_end = shuffle.window_end(0)
-
-    def assign(positions: np.ndarray) -> None:
-        valid = positions >= offset
-        if known_end is not None:
-            valid &= positions < known_end
-        slot = (positions - offset) // mbs
-        micro = slot // world
-        keep = valid & (slot % world == rank) & (micro >= start_micro) & ((micro - start_micro) % readers == worker)
-        for i in np.flatnonzero(keep):
-            pending.setdefault(int(micro[i]), []).append((int(positions[i]), buf[i]))
-
-    def ready(micro: int, seen: int) -> bool:
-        if known_end is not None:
-            return offset + (micro * world + rank + 1) * mbs <= seen
-        return offset + (micro // accum + 1) * gbatch <= seen
-
-    def release(micro: int) -> List[T]:
-        return [item for _, item in sorted(pending.pop(micro), key=lambda pair: pair[0])]
-
     for item in items:
         buf.append(item)
         if start + len(buf) < window_end:
             continue
-        assign(shuffle.positions(index, start, len(buf)))
+        slots.assign(shuffle.positions(index, start, len(buf)), buf)
         start, index, buf = start + len(buf), index + 1, []
         window_end = shuffle.window_end(index)
-        for micro in sorted(pending):
-            if not ready(micro, start):
-                break
-            yield micro, release(micro)
-            if micro == last_micro:
+        for micro, batch in slots.ready(start):
+            yield micro, batch
+            if micro == slots.last_micro:
                 return
-
     if buf:
-        assign(shuffle.positions(index, start, len(buf)))
+        slots.assign(shuffle.positions(index, start, len(buf)), buf)
         start += len(buf)
-    if known_end is not None:
-        if known_end > start:
-            raise StreamTooShort(start, known_end)
-        for micro in sorted(pending):  # unreachable in practice: every slot is complete once the stream ended
-            yield micro, release(micro)
-        return
-    whole = (start - offset) // gbatch if start > offset else 0
-    for micro in sorted(pending):
-        if micro >= whole * accum:
-            break
-        yield micro, release(micro)
+    yield from slots.finish(start)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -169,50 +181,3 @@ class StreamSpec:
 
     def items(self, epoch: int, seed: int, shuffle: bool) -> Iterator[Item]:
         return iter_items(self.paths, file_order(len(self.paths), seed, epoch, shuffle), self.limits)
-
-
-def stream_spec(cfg: Any) -> Tuple[StreamSpec, List[Any]]:
-    """(stream, source of each file): every source of `dataset` (`registry.resolve_sources` order), globs sorted.
-
-    `max_samples` (per source, then for the whole dataset) keeps the first rows in this natural order, counted as
-    lines (map data counts good conversations instead; they differ only when there are bad rows).
-    """
-    from dsrecipes.data.files import expand_paths
-    from dsrecipes.data.registry import resolve_sources
-
-    paths: List[str] = []
-    file_sources: List[Any] = []
-    limits: List[Optional[int]] = []
-    capped = False
-    for source in resolve_sources(cfg.dataset):
-        if source.weight != 1.0:
-            raise DataError(
-                f"dataset source {source.name!r}: data=iterable reads every source once, so mixing weight "
-                f"{source.weight} cannot be honoured; use data=map (or weight 1)"
-            )
-        files, missing = expand_paths(source.paths)
-        if missing:
-            raise DataError(f"dataset source {source.name!r}: {missing[0]!r} matches no file")
-        left = source.max_samples
-        for f in files:
-            paths.append(f)
-            file_sources.append(source)
-            if left is None:
-                limits.append(None)
-            else:
-                capped = True
-                limits.append(min(left, count_rows(f)))
-                left -= limits[-1]
-    if cfg.dataset.max_samples is not None:
-        capped = True
-        left = cfg.dataset.max_samples
-        for i, f in enumerate(paths):
-            limits[i] = min(left, count_rows(f) if limits[i] is None else limits[i])
-            left -= limits[i]
-    bad = [p for p in paths if not (p.endswith(".jsonl") or p.endswith(".jsonl.gz"))]
-    if bad:
-        raise DataError(
-            f"data=iterable streams JSONL files; {bad[0]} is not .jsonl(.gz). Convert it with "
-            "`dsrecipes shard` (writes JSONL parts) or use data=map"
-        )
-    return StreamSpec(tuple(paths), tuple(limits) if capped else None), file_sources

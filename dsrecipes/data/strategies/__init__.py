@@ -35,10 +35,14 @@ def build_train_loader(cfg: TrainConfig, tokenizer: Any, rank: int, world_size: 
 
 
 def build_eval_loader(cfg: TrainConfig, tokenizer: Any, rank: int, world_size: int, run_dir: Any) -> Optional[EvalLoader]:
-    """The prepared validation split (`dataset.val_size`), or None when there is none.
+    """The validation rows of this rank, or None when there are none.
 
-    presharded data has none; iterable data has one only when the launcher ran `prepare` (then the stream holds
-    those samples out, see `eval.validation_ids`)."""
+    map: the prepared validation split (`dataset.val_size`); iterable: the rows the stream index held out
+    (`dataset.val_size`) or `dataset.val_paths`, tokenized like training rows; presharded: none."""
+    if cfg.data.kind is DataKind.iterable:
+        from dsrecipes.data.strategies.iterable import build_eval
+
+        return build_eval(cfg, tokenizer, rank, world_size, str(run_dir))
     val = prepared_val(cfg, run_dir)
     if val is None or len(val) == 0:
         return None

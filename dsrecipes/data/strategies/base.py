@@ -103,6 +103,15 @@ class TrainLoader:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if state.get("version") != STATE_VERSION:
             raise DataError(f"data state version {state.get('version')!r} is not {STATE_VERSION}; cannot resume")
+        self.check_fingerprint(state)
+        saved = Position(**state["position"])
+        try:
+            self.epoch, self._offset, self._micro = resume_point(saved, self.layout)
+        except ValueError as exc:
+            raise DataError(str(exc)) from None
+        self._start_micro = self._micro
+
+    def check_fingerprint(self, state: Dict[str, Any]) -> None:
         changed = [
             f"{k}: {state['fingerprint'].get(k)!r} -> {v!r}"
             for k, v in self.fingerprint.items()
@@ -114,12 +123,6 @@ class TrainLoader:
                 + "; ".join(changed)
                 + "). Resume with the original settings, or start a fresh run (trainer.resume=never)"
             )
-        saved = Position(**state["position"])
-        try:
-            self.epoch, self._offset, self._micro = resume_point(saved, self.layout)
-        except ValueError as exc:
-            raise DataError(str(exc)) from None
-        self._start_micro = self._micro
 
 
 def placeholder_row(pad_id: int) -> Row:

@@ -1,9 +1,9 @@
-"""Validation: the prepared validation split dealt to ranks, and the ids a stream must hold out."""
+"""Validation: a validation split dealt to ranks (the prepared one of `data=map`; streams build theirs)."""
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterator, List, Sequence, Set
+from typing import Any, Callable, Iterator, List, Sequence
 
 from dsrecipes.config.schema import DataKind, TrainConfig
 from dsrecipes.data.strategies.base import Batch, Row
@@ -36,21 +36,8 @@ class EvalLoader:
 
 
 def prepared_val(cfg: TrainConfig, run_dir: Any) -> Any:
-    from pathlib import Path
+    from dsrecipes.data.prepare import load_prepared
 
-    from dsrecipes.data.prepare import STATS_FILE, load_prepared
-
-    if cfg.data.kind is DataKind.presharded or cfg.dataset.val_size == 0:
-        return None
-    if cfg.data.kind is DataKind.iterable and not (Path(run_dir) / STATS_FILE).is_file():
+    if cfg.data.kind is not DataKind.map or cfg.dataset.val_size == 0:
         return None
     return load_prepared(cfg, str(run_dir)).val
-
-
-def validation_ids(cfg: TrainConfig, run_dir: Any) -> Set[str]:
-    """Sample ids of the prepared validation split (a sample id is a row's id, or file:line)."""
-    val = prepared_val(cfg, run_dir)
-    if val is None:
-        return set()
-    return {i for ids in val["ids"] for i in ids}
-

@@ -1,0 +1,324 @@
+"""One stream file, indexed once: byte offset of every block of lines, and JSON arrays / gzip made seekable.
+
+A reader of `data=iterable` reads only the blocks that hold its samples, so it needs, per file, where each block
+starts. The launching process finds every line boundary of every file once (numpy over 1 MiB chunks, in the same
+pass that computes the file's content hash for `data/cache.py`), cuts the sample lines into blocks of at least
+`block_bytes` (a block starts at the first sample line at least `block_bytes` after the previous block's start, so
+a block is < block_bytes + one line), and caches the result under `<cache>/stream/` by content hash and block size.
+
+Files that cannot be read at an offset are converted once into a cached JSONL (`<cache>/stream/<hash>.jsonl`),
+streaming, in bounded memory: `.jsonl.gz` is decompressed; a `.json` array (or `.json.gz`) is parsed element by
+element (`json.JSONDecoder.raw_decode` over a sliding buffer) and written one element per line, so line L of the
+copy is element L-1 of the original (`loc_base = -1`: sample ids and messages keep the original `<file>:<element>`,
+exactly as `data=map` names them). A `.json` file of JSON lines is read as JSONL, as `files.py` does. A file that
+cannot be used as a whole (broken array, top level not an array, no rows) gets `problem` and no samples; the
+bad-row policy decides (like `data=map`, which counts such a file as one bad row).
+"""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+from dsrecipes.fileio import atomic_writer
+
+INDEX_VERSION = 1
+CHUNK = 1 << 20
+MAX_ELEMENT_CHARS = 1 << 28  # a JSON element that does not parse within 256 Mi characters is reported broken
+_NONWS = np.ones(256, dtype=bool)
+_NONWS[list(b" \t\n\r\x0b\x0c")] = False  # bytes.isspace(): a line of only these is blank, not a sample
+
+
+@dataclass
+class FileIndex:
+    """Where the samples of one file are. `offsets[b]`: byte where block b's first sample line starts in `path`;
+    `lines[b]`: its 1-based line number; `firsts[b]`: its sample number in the file."""
+
+    name: str  # the file as the user named it (messages, sample ids)
+    path: str  # the file read: `name`, or its converted copy
+    loc_base: int  # sample location = line + loc_base (0: JSONL lines; -1: JSON array elements)
+    size: int  # of `path`, checked by the ranks
+    mtime_ns: int
+    digest: str  # content hash of `name`
+    count: int  # sample lines
+    offsets: np.ndarray = field(repr=False)
+    lines: np.ndarray = field(repr=False)
+    firsts: np.ndarray = field(repr=False)
+    problem: Optional[Tuple[str, str]] = None  # (BadReason value, detail): the file as a whole is unusable
+
+    def block_of(self, sample: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.firsts, sample, side="right") - 1
+
+
+class LineScanner:
+    """Fed a file's bytes in order; finds sample lines (non-blank) and cuts them into blocks."""
+
+    def __init__(self, block_bytes: int):
+        self.block_bytes = max(1, int(block_bytes))
+        self.pos = 0  # bytes fed
+        self.line_no = 0  # lines completed
+        self.line_start = 0  # where the current (unfinished) line starts
+        self.partial_nonws = 0  # non-blank bytes of the unfinished line
+        self.samples = 0
+        self.last_block = -(1 << 62)
+        self.blocks: List[Tuple[int, int, int]] = []  # (offset, line, first sample)
+
+    def feed(self, chunk: bytes) -> None:
+        a = np.frombuffer(chunk, dtype=np.uint8)
+        nl = np.flatnonzero(a == 10)
+        nonws = _NONWS[a]
+        if nl.size:
+            seg = np.add.reduceat(nonws, np.concatenate(([0], nl[:-1] + 1)), dtype=np.int64)
+            seg[0] += self.partial_nonws
+            starts = self.pos + np.concatenate(([0], nl[:-1] + 1))
+            starts[0] = self.line_start
+            sample = seg > 0
+            self._add(starts[sample], self.line_no + 1 + np.flatnonzero(sample))
+            self.line_no += nl.size
+            self.line_start = self.pos + int(nl[-1]) + 1
+            self.partial_nonws = int(nonws[nl[-1] + 1:].sum())
+        else:
+            self.partial_nonws += int(nonws.sum())
+        self.pos += a.size
+
+    def _add(self, starts: np.ndarray, lines: np.ndarray) -> None:
+        i = 0
+        while i < starts.size:
+            i += int(np.searchsorted(starts[i:], self.last_block + self.block_bytes, side="left"))
+            if i >= starts.size:
+                break
+            self.last_block = int(starts[i])
+            self.blocks.append((self.last_block, int(lines[i]), self.samples + i))
+            i += 1
+        self.samples += starts.size
+
+    def finish(self) -> Tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+        """(sample count, offsets, lines, firsts) once the whole file was fed."""
+        if self.partial_nonws:  # a last line without a newline
+            self._add(np.array([self.line_start]), np.array([self.line_no + 1]))
+        arr = np.array(self.blocks, dtype=np.int64).reshape(-1, 3)
+        return self.samples, arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kinds of files, conversion
+
+
+def file_kind(path: str) -> str:
+    """`jsonl` (read in place), `jsonl.gz`, `json` or `json.gz` (candidates for conversion)."""
+    name = path[:-3] if path.endswith(".gz") else path
+    base = "json" if name.endswith(".json") else "jsonl"
+    return base + (".gz" if path.endswith(".gz") else "")
+
+
+def _text_chunks(path: str) -> Iterator[str]:
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as fh:
+        for block in iter(lambda: fh.read(CHUNK), b""):
+            yield decoder.decode(block)
+        yield decoder.decode(b"", final=True)
+
+
+class JsonElements:
+    """The top-level value of a JSON file, element by element, in bounded memory (one element + one chunk).
+
+    `shape` after the first call: 'array', 'value' (one JSON value: a single row) or 'lines' (more than one value:
+    JSON lines). Raises ValueError(detail) for a broken file."""
+
+    def __init__(self, path: str):
+        self.chunks = _text_chunks(path)
+        self.buf, self.i, self.eof, self.index, self.base = "", 0, False, 0, 0
+        self.shape = ""
+
+    def _more(self) -> bool:
+        if self.eof:
+            return False
+        if self.i > CHUNK:
+            self.buf, self.base, self.i = self.buf[self.i:], self.base + self.i, 0
+        nxt = next(self.chunks, None)
+        self.eof = nxt is None
+        self.buf += nxt or ""
+        return not self.eof
+
+    def _skip_ws(self) -> str:
+        while True:
+            while self.i < len(self.buf) and self.buf[self.i] in " \t\n\r":
+                self.i += 1
+            if self.i < len(self.buf) or not self._more():
+                return self.buf[self.i] if self.i < len(self.buf) else ""
+
+    def _value(self) -> str:
+        decoder = json.JSONDecoder()
+        while True:
+            try:
+                _, end = decoder.raw_decode(self.buf, self.i)
+                text, self.i = self.buf[self.i:end], end
+                return text.replace("\n", " ").replace("\r", " ")
+            except json.JSONDecodeError as exc:
+                if len(self.buf) - self.i > MAX_ELEMENT_CHARS or not self._more():
+                    raise ValueError(f"element {self.index}: {exc.msg} (character {self.base + exc.pos})") from None
+
+    def __iter__(self) -> Iterator[str]:
+        first = self._skip_ws()
+        if first != "[":
+            value = self._value() if first else ""
+            self.shape = "lines" if self._skip_ws() else "value"
+            if self.shape == "value" and value:
+                yield value
+            return
+        self.shape, self.i = "array", self.i + 1
+        if self._skip_ws() == "]":
+            self.i += 1
+        else:
+            while True:
+                yield self._value()
+                self.index += 1
+                sep = self._skip_ws()
+                self.i += 1
+                if sep == "]":
+                    break
+                if sep != ",":
+                    raise ValueError(f"element {self.index}: expected ',' or ']', got {sep or 'the end of the file'!r}")
+                self._skip_ws()
+        if self._skip_ws():
+            raise ValueError(f"data after the closing ']' (character {self.base + self.i})")
+
+
+def convert(path: str, out: Path, block_bytes: int) -> Tuple[str, int, Optional[LineScanner], Optional[Tuple[str, str]]]:
+    """Write the JSONL copy of `path` into `out` if it needs one. Returns (read path, loc_base, scanner of the copy
+    or None when `path` itself is read, problem)."""
+    kind = file_kind(path)
+    scanner = LineScanner(block_bytes)
+    if kind == "jsonl.gz":
+        with atomic_writer(out) as fh, gzip.open(path, "rb") as src:
+            for block in iter(lambda: src.read(CHUNK), b""):
+                fh.write(block)
+                scanner.feed(block)
+        return str(out), 0, scanner, None
+    elements = JsonElements(path)
+    try:
+        with atomic_writer(out) as fh:
+            for text in elements:
+                line = (text + "\n").encode("utf-8")
+                fh.write(line)
+                scanner.feed(line)
+    except (ValueError, UnicodeDecodeError) as exc:
+        reason = "invalid_utf8" if isinstance(exc, UnicodeDecodeError) else "invalid_json"
+        return path, 0, None, (reason, f"whole file: {exc}")
+    if elements.shape == "lines":  # JSON lines in a .json file: read as JSONL (decompressed when gzipped)
+        out.unlink(missing_ok=True)
+        if kind == "json.gz":
+            return convert_gzip_lines(path, out, block_bytes)
+        return path, 0, None, None
+    if elements.shape == "value" and scanner.samples == 1 and not _is_object_line(out):
+        return path, 0, None, ("not_an_object", "top level is not an array of rows")
+    return str(out), -1, scanner, None
+
+
+def convert_gzip_lines(path: str, out: Path, block_bytes: int):
+    scanner = LineScanner(block_bytes)
+    with atomic_writer(out) as fh, gzip.open(path, "rb") as src:
+        for block in iter(lambda: src.read(CHUNK), b""):
+            fh.write(block)
+            scanner.feed(block)
+    return str(out), 0, scanner, None
+
+
+def _is_object_line(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        return fh.read(1) == b"{"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Index files (cached by content hash)
+
+
+def index_files(cfg: Optional[Any], names: List[str], block_bytes: int) -> List[FileIndex]:
+    """The FileIndex of each file, from the cache or built (one pass for hash + index of a plain JSONL file)."""
+    from dsrecipes.data.cache import cache_root, content_hashes
+
+    if cfg is None:  # no cache (a StreamSpec indexed on the spot): nothing is kept beyond this process
+        import tempfile
+
+        tmp = Path(tempfile.mkdtemp(prefix="dsrecipes-stream-"))
+        return [_index_one(name, f"local{i}", block_bytes, tmp, None, keep=False) for i, name in enumerate(names)]
+    root = cache_root(cfg) / "stream"
+    scanners: Dict[str, LineScanner] = {}
+
+    def hook(name: str) -> Optional[Callable[[bytes], None]]:
+        if file_kind(name) != "jsonl":
+            return None
+        scanners[name] = LineScanner(block_bytes)
+        return scanners[name].feed
+
+    digests = content_hashes(cfg, names, hook)
+    return [_index_one(name, digest, block_bytes, root, scanners.get(name)) for name, digest in zip(names, digests)]
+
+
+def _index_one(name: str, digest: str, block_bytes: int, root: Path, scanner: Optional[LineScanner],
+               keep: bool = True) -> FileIndex:
+    cached = root / f"{digest}-b{block_bytes}-v{INDEX_VERSION}.npz"
+    fi = _load(cached, name, digest) if keep else None
+    if fi is not None:
+        return fi
+    problem: Optional[Tuple[str, str]] = None
+    if file_kind(name) == "jsonl":
+        read_path, loc_base = name, 0
+        if scanner is None or scanner.pos != os.path.getsize(name):
+            scanner = LineScanner(block_bytes)
+            with open(name, "rb") as fh:
+                for block in iter(lambda: fh.read(CHUNK), b""):
+                    scanner.feed(block)
+    else:
+        read_path, loc_base, scanner, problem = convert(name, root / f"{digest}.jsonl", block_bytes)
+        if scanner is None and problem is None:  # JSON lines in a plain .json: the file itself
+            scanner = LineScanner(block_bytes)
+            with open(name, "rb") as fh:
+                for block in iter(lambda: fh.read(CHUNK), b""):
+                    scanner.feed(block)
+    count, offsets, lines, firsts = scanner.finish() if scanner is not None else (0, *(np.zeros(0, np.int64),) * 3)
+    if problem is None and count == 0:
+        problem = ("empty_file", "no rows")
+    st = os.stat(read_path)
+    fi = FileIndex(name, read_path, loc_base, st.st_size, st.st_mtime_ns, digest, count, offsets, lines, firsts,
+                   problem)
+    if keep:
+        _save(cached, fi)
+    return fi
+
+
+def _save(path: Path, fi: FileIndex) -> None:
+    meta = {"path": fi.path, "loc_base": fi.loc_base, "size": fi.size, "mtime_ns": fi.mtime_ns, "count": fi.count,
+            "problem": fi.problem, "converted": fi.path != fi.name}
+    try:
+        with atomic_writer(path) as fh:
+            np.savez(fh, offsets=fi.offsets, lines=fi.lines, firsts=fi.firsts, meta=np.array(json.dumps(meta)))
+    except OSError:
+        pass  # a read-only cache only costs indexing again next time
+
+
+def _load(path: Path, name: str, digest: str) -> Optional[FileIndex]:
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+            arrays = z["offsets"], z["lines"], z["firsts"]
+    except (OSError, ValueError, KeyError):
+        return None
+    read_path = meta["path"] if meta["converted"] else name
+    try:
+        st = os.stat(read_path)
+    except OSError:
+        return None  # the converted copy was removed: convert again
+    if st.st_size != meta["size"]:
+        return None
+    problem = tuple(meta["problem"]) if meta["problem"] else None
+    return FileIndex(name, read_path, meta["loc_base"], st.st_size, st.st_mtime_ns, digest, meta["count"], *arrays,
+                     problem)

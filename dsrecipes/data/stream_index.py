@@ -1,0 +1,290 @@
+"""The files of a `data=iterable` run as blocks: built once by the launching process, read by every reader.
+
+`build_stream_index(cfg)` resolves the dataset's sources (`registry.resolve_sources` order, globs sorted), indexes
+every file (stream_files.py, cached by content hash), applies the caps (`sources[i].max_samples`, then
+`dataset.max_samples`: the first N lines in this natural order, blank lines are not samples) and picks the
+validation rows: every row of `dataset.val_paths`, else `dataset.val_size` rows of the training files chosen by
+`splits.split_val` (seeded by `trainer.seed`) over the natural sample numbers; held-out rows never enter the
+training order. `write`/`read_stream_index` keep it in the run directory (`stream_index.json` + `.npz`), so ranks
+never index anything; they check each file's size and modification time against it.
+
+`BlockSource` reads blocks: one `pread` of the block's byte range (at most `block_bytes` plus one line), its sample
+lines in file order, held-out rows dropped, counting the bytes it read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from dsrecipes.data.stream_files import FileIndex, index_files
+from dsrecipes.data.stream_plan import BlockTable
+from dsrecipes.errors import DataError
+from dsrecipes.fileio import atomic_write_json, atomic_writer
+
+INDEX_FILE = "stream_index.json"
+ARRAYS_FILE = "stream_index.npz"
+STREAM_VERSION = 1
+BLOCKS_PER_STREAM = 1 << 16  # automatic block size: the stream's bytes / this, within [4 KiB, 1 MiB]
+
+Item = Tuple[int, int, bytes, int]  # (file index, location: line or array element, raw line, copy)
+
+
+def auto_block_bytes(total_bytes: int) -> int:
+    return int(min(1 << 20, max(1 << 12, 1 << max(0, int(total_bytes // BLOCKS_PER_STREAM).bit_length()))))
+
+
+@dataclass
+class StreamIndex:
+    files: List[FileIndex]  # training files, then validation files (`dataset.val_paths`)
+    caps: List[int]  # samples of each file that belong to the stream (training files: after max_samples)
+    file_source: List[int]  # source of each training file; -1 for validation files
+    sources: List[Tuple[str, float]]  # (name, weight)
+    block_bytes: int
+    holdout: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # natural numbers held out
+
+    @property
+    def train_files(self) -> List[int]:
+        return [f for f, s in enumerate(self.file_source) if s >= 0]
+
+    @property
+    def val_files(self) -> List[int]:
+        return [f for f, s in enumerate(self.file_source) if s < 0]
+
+    @property
+    def num_lines(self) -> int:
+        """Training samples before the hold-out (lines of the training files after the caps)."""
+        return sum(self.caps[f] for f in self.train_files)
+
+    @cached_property
+    def blocks(self) -> Dict[str, np.ndarray]:
+        """Training blocks in natural order: file, block in file, natural number of the first sample, samples."""
+        cols: Dict[str, List[np.ndarray]] = {"file": [], "local": [], "first": [], "count": []}
+        base = 0
+        for f in self.train_files:
+            fi, cap = self.files[f], self.caps[f]
+            nb = int(np.searchsorted(fi.firsts, cap, "left"))
+            firsts = fi.firsts[:nb]
+            counts = np.minimum(np.append(fi.firsts[1:nb], cap), cap) - firsts
+            cols["file"].append(np.full(nb, f))
+            cols["local"].append(np.arange(nb))
+            cols["first"].append(base + firsts)
+            cols["count"].append(counts)
+            base += cap
+        return {k: np.concatenate(v).astype(np.int64) if v else np.zeros(0, np.int64) for k, v in cols.items()}
+
+    def table(self) -> BlockTable:
+        b = self.blocks
+        held = np.searchsorted(self.holdout, b["first"] + b["count"]) - np.searchsorted(self.holdout, b["first"])
+        source = np.asarray(self.file_source, dtype=np.int64)[b["file"]] if b["file"].size else b["file"]
+        return BlockTable(b["count"] - held, source, tuple(w for _, w in self.sources))
+
+    def val_refs(self) -> List[Tuple[int, int]]:
+        """(file, sample number in the file) of every validation row, in natural order."""
+        if self.val_files:
+            return [(f, i) for f in self.val_files for i in range(self.caps[f])]
+        bases = np.cumsum([0] + [self.caps[f] for f in self.train_files])
+        files = self.train_files
+        return [(files[k], int(n - bases[k])) for n in self.holdout.tolist()
+                for k in [int(np.searchsorted(bases, n, "right")) - 1]]
+
+    def verify(self) -> None:
+        """Every file still has the size and modification time it had when indexed (ranks, before reading)."""
+        for fi in self.files:
+            try:
+                st = os.stat(fi.path)
+            except OSError:
+                raise DataError(f"{fi.path}: missing on this node (indexed by the launching process for {fi.name}); "
+                                "data.cache_dir must be on storage every node sees") from None
+            if (st.st_size, st.st_mtime_ns) != (fi.size, fi.mtime_ns):
+                raise DataError(f"{fi.name}: changed since the launching process indexed it; start the run again")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Building (launching process, audit) and the run directory copy
+
+
+def build_stream_index(cfg: Any) -> StreamIndex:
+    from dsrecipes.data.files import expand_paths
+    from dsrecipes.data.registry import resolve_sources
+
+    names: List[str] = []
+    file_source: List[int] = []
+    sources = resolve_sources(cfg.dataset)
+    for s, source in enumerate(sources):
+        files, missing = expand_paths(source.paths)
+        if missing:
+            raise DataError(f"dataset source {source.name!r}: {missing[0]!r} matches no file")
+        names += files
+        file_source += [s] * len(files)
+    val_names, missing = expand_paths(list(cfg.dataset.val_paths))
+    if missing:
+        raise DataError(f"dataset.val_paths: {missing[0]!r} matches no file")
+    names += val_names
+    file_source += [-1] * len(val_names)
+    block_bytes = cfg.data.block_bytes or auto_block_bytes(sum(os.path.getsize(n) for n in names))
+    files = index_files(cfg, names, block_bytes)
+    _whole_file_problems(files, cfg.dataset.bad_rows.value)
+    caps = _caps(files, file_source, [src.max_samples for src in sources], cfg.dataset.max_samples)
+    index = StreamIndex(files, caps, file_source, [(s.name, s.weight) for s in sources], block_bytes)
+    if not val_names and cfg.dataset.val_size > 0:
+        from dsrecipes.data.splits import split_val
+
+        index.holdout = np.asarray(split_val(index.num_lines, cfg.dataset.val_size, cfg.trainer.seed), np.int64)
+    return index
+
+
+def file_sources(cfg: Any, index: StreamIndex) -> List[Any]:
+    """The SourceConfig of each file of `index` (validation files: the dataset's format, columns and roles)."""
+    from dsrecipes.config.schema import SourceConfig
+    from dsrecipes.data.registry import resolve_sources
+
+    sources, ds = resolve_sources(cfg.dataset), cfg.dataset
+    val = SourceConfig(name=f"{ds.name}-val", paths=list(ds.val_paths), format=ds.format, columns=ds.columns,
+                       roles=dict(ds.roles))
+    return [sources[s] if s >= 0 else val for s in index.file_source]
+
+
+def index_spec(spec: Any, block_bytes: Optional[int] = None) -> StreamIndex:
+    """A StreamIndex of a `sampler.StreamSpec` (files, optional limits), indexed now without a cache."""
+    paths = list(spec.paths)
+    block_bytes = block_bytes or auto_block_bytes(sum(os.path.getsize(p) for p in paths))
+    files = index_files(None, paths, block_bytes)
+    limits = spec.limits or (None,) * len(paths)
+    caps = [fi.count if lim is None else min(lim, fi.count) for fi, lim in zip(files, limits)]
+    return StreamIndex(files, caps, [0] * len(paths), [("stream", 1.0)], block_bytes)
+
+
+def _whole_file_problems(files: Sequence[FileIndex], policy: str) -> None:
+    """A file unusable as a whole stops the run under `bad_rows=error` (the scan quarantines it under `skip`)."""
+    for fi in files:
+        if fi.problem is not None and policy == "error":
+            reason, detail = fi.problem
+            raise DataError(f"{fi.name}: {reason} ({detail}); set dataset.bad_rows=skip to quarantine bad rows")
+
+
+def _caps(files: Sequence[FileIndex], file_source: Sequence[int], source_caps: Sequence[Optional[int]],
+          total_cap: Optional[int]) -> List[int]:
+    caps = [fi.count for fi in files]
+    left = {s: c for s, c in enumerate(source_caps) if c is not None}
+    for f, s in enumerate(file_source):
+        if s in left:
+            caps[f] = min(caps[f], left[s])
+            left[s] -= caps[f]
+    if total_cap is not None:
+        for f, s in enumerate(file_source):
+            if s >= 0:
+                caps[f] = min(caps[f], total_cap)
+                total_cap -= caps[f]
+    return caps
+
+
+def write_stream_index(run_dir: str | Path, index: StreamIndex) -> None:
+    files = [{"name": fi.name, "path": fi.path, "loc_base": fi.loc_base, "size": fi.size, "mtime_ns": fi.mtime_ns,
+              "digest": fi.digest, "count": fi.count, "problem": fi.problem, "blocks": int(fi.offsets.size)}
+             for fi in index.files]
+    meta = {"version": STREAM_VERSION, "block_bytes": index.block_bytes, "sources": index.sources,
+            "file_source": index.file_source, "caps": index.caps, "files": files}
+    cat = {k: np.concatenate([getattr(fi, k) for fi in index.files]) if index.files else np.zeros(0, np.int64)
+           for k in ("offsets", "lines", "firsts")}
+    with atomic_writer(Path(run_dir) / ARRAYS_FILE) as fh:
+        np.savez(fh, holdout=index.holdout, **cat)
+    atomic_write_json(Path(run_dir) / INDEX_FILE, meta)
+
+
+def read_stream_index(run_dir: str | Path) -> Optional[StreamIndex]:
+    """The run's index, or None when the launching process wrote none (a run directory of another strategy)."""
+    path = Path(run_dir) / INDEX_FILE
+    if not path.is_file():
+        return None
+    meta = json.loads(path.read_text(encoding="utf-8"))
+    if meta.get("version") != STREAM_VERSION:
+        raise DataError(f"{path}: stream index version {meta.get('version')!r}; start the run again")
+    with np.load(Path(run_dir) / ARRAYS_FILE, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in ("offsets", "lines", "firsts", "holdout")}
+    files, at = [], 0
+    for m in meta["files"]:
+        sl = slice(at, at + m["blocks"])
+        at += m["blocks"]
+        files.append(FileIndex(m["name"], m["path"], m["loc_base"], m["size"], m["mtime_ns"], m["digest"], m["count"],
+                               arrays["offsets"][sl], arrays["lines"][sl], arrays["firsts"][sl],
+                               tuple(m["problem"]) if m["problem"] else None))
+    return StreamIndex(files, meta["caps"], meta["file_source"], [tuple(s) for s in meta["sources"]],
+                       meta["block_bytes"], arrays["holdout"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading
+
+
+class BlockSource:
+    """Reads training blocks (by global block number) and single samples; counts bytes read. Open files are kept
+    per process (a DataLoader worker opens its own after the fork)."""
+
+    def __init__(self, index: StreamIndex):
+        self.index = index
+        self.bytes_read = 0
+        self._fds: Dict[int, int] = {}
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {"index": self.index, "bytes_read": 0, "_fds": {}}
+
+    def _pread(self, f: int, start: int, stop: int) -> bytes:
+        if f not in self._fds:
+            if len(self._fds) >= 64:
+                os.close(self._fds.pop(next(iter(self._fds))))
+            self._fds[f] = os.open(self.index.files[f].path, os.O_RDONLY)
+        data = os.pread(self._fds[f], stop - start, start)
+        self.bytes_read += len(data)
+        return data
+
+    def samples(self, f: int, local: int, count: int) -> List[Tuple[int, bytes]]:
+        """(location, raw line) of the first `count` sample lines of block `local` of file `f`."""
+        fi = self.index.files[f]
+        stop = int(fi.offsets[local + 1]) if local + 1 < fi.offsets.size else fi.size
+        data = self._pread(f, int(fi.offsets[local]), stop)
+        out: List[Tuple[int, bytes]] = []
+        line = int(fi.lines[local])
+        for raw in data.split(b"\n"):
+            if raw.strip():
+                out.append((line + fi.loc_base, raw))
+                if len(out) == count:
+                    break
+            line += 1
+        return out
+
+    def block(self, g: int) -> List[Tuple[int, int, bytes]]:
+        """(file, location, raw) of the kept samples of training block g, in file order."""
+        b = self.index.blocks
+        f, first, count = int(b["file"][g]), int(b["first"][g]), int(b["count"][g])
+        rows = self.samples(f, int(b["local"][g]), count)
+        held = self.index.holdout
+        lo, hi = np.searchsorted(held, first), np.searchsorted(held, first + count)
+        drop = set((held[lo:hi] - first).tolist())
+        return [(f, loc, raw) for j, (loc, raw) in enumerate(rows) if j not in drop]
+
+    def rows(self, refs: Sequence[Tuple[int, int]]) -> List[Tuple[int, int, bytes]]:
+        """(file, location, raw) of samples given as (file, sample number in the file), one read per block."""
+        out: List[Tuple[int, int, bytes]] = []
+        cache: Dict[Tuple[int, int], List[Tuple[int, bytes]]] = {}
+        for f, n in refs:
+            fi = self.index.files[f]
+            local = int(fi.block_of(np.asarray(n)))
+            if (f, local) not in cache:
+                cache.clear()
+                end = int(fi.firsts[local + 1]) if local + 1 < fi.firsts.size else fi.count
+                cache[(f, local)] = self.samples(f, local, end - int(fi.firsts[local]))
+            loc, raw = cache[(f, local)][n - int(fi.firsts[local])]
+            out.append((f, loc, raw))
+        return out
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
