@@ -119,10 +119,15 @@ def test_batch_size_is_derived_never_given():
     assert msg == "trainer.grad_accum: must be >= 1, got 0"
 
 
-def test_iterable_needs_a_step_budget_or_a_length():
-    (msg,) = _problems("data=iterable", "trainer.max_steps=null")
-    assert msg.startswith("trainer.max_steps: data=iterable streams without knowing its length")
-    assert compose_and_load(["data=iterable", "trainer.max_steps=null", "data.num_samples=1000"], check_files=False)
+def test_iterable_epochs_need_no_length_but_stream_keys_are_checked():
+    """data=iterable counts its stream when the launching process indexes it, so trainer.epochs works alone."""
+    assert compose_and_load(["data=iterable", "trainer.max_steps=null"], check_files=False)
+    assert _problems("data=iterable", "data.block_bytes=0", "data.num_samples=0") == [
+        "data.block_bytes: must be >= 1 (or null: automatic), got 0",
+        "data.num_samples: must be >= 1 (or null: the stream's count), got 0",
+    ]
+    (msg,) = _problems("dataset.val_paths=[/x.jsonl]")
+    assert msg.startswith("dataset.val_paths: read by data=iterable only")
 
 
 def test_files_must_exist():

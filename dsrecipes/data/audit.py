@@ -176,6 +176,8 @@ def audit_stream(counts: Sequence[int], layout: Layout, seed: int, shuffle: bool
         sh = LocalShuffle(seed, epoch, buffer, shuffle)
         visits = epoch_visits(table, seed, epoch, shuffle)
         sample_at, uniq = _sample_numbers(table, visits, seed, epoch, shuffle)
+        if uniq.size != visits.total:
+            report.violations.append(f"epoch {epoch}: the order holds {visits.total - uniq.size} repeated samples")
         seg = epoch_segment(total if num_samples is None else num_samples, (), layout, sh)
         reads = block_reads(seg, sh, sample_at)
         report.epochs.append(_check_epoch(epoch, total, layout, reads, layout.global_batch, layout.world_size, report))

@@ -23,7 +23,7 @@ from typing import Dict, Optional, Tuple
 from dsrecipes.config.schema import TrainConfig
 from dsrecipes.data.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.prepare import QUARANTINE_FILE
-from dsrecipes.data.stream_index import (BlockSource, StreamIndex, build_stream_index, file_sources,
+from dsrecipes.data.stream_index import (BlockSource, StreamIndex, file_sources, hold_out, index_stream,
                                          write_stream_index)
 from dsrecipes.errors import DataError
 
@@ -34,9 +34,10 @@ def prepare_stream(cfg: TrainConfig, run_dir: Path) -> Tuple[int, str]:
     from dsrecipes.data.registry import resolve_sources
 
     started = time.perf_counter()
-    index = build_stream_index(cfg)
+    index = index_stream(cfg)
     if cfg.data.prescan:
         scan_stream(cfg, run_dir, index)
+    hold_out(index, cfg)  # after the scan: a bad row is reported as such, not as too little data
     write_stream_index(run_dir, index)
     total = index.table().epoch_length()
     rows = total if cfg.data.num_samples is None else cfg.data.num_samples
@@ -55,7 +56,7 @@ def scan_stream(cfg: TrainConfig, run_dir: Path, index: Optional[StreamIndex] = 
     from dsrecipes.data.sharegpt import role_table
     from dsrecipes.data.strategies.rows import parse_item
 
-    index = build_stream_index(cfg) if index is None else index
+    index = index_stream(cfg) if index is None else index
     quarantine = Path(run_dir) / QUARANTINE_FILE
     quarantine.unlink(missing_ok=True)
     report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, quarantine_path=quarantine)

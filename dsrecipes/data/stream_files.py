@@ -75,7 +75,7 @@ class LineScanner:
         nl = np.flatnonzero(a == 10)
         nonws = _NONWS[a]
         if nl.size:
-            seg = np.add.reduceat(nonws, np.concatenate(([0], nl[:-1] + 1)), dtype=np.int64)
+            seg = np.add.reduceat(nonws[: nl[-1] + 1], np.concatenate(([0], nl[:-1] + 1)), dtype=np.int64)
             seg[0] += self.partial_nonws
             starts = self.pos + np.concatenate(([0], nl[:-1] + 1))
             starts[0] = self.line_start

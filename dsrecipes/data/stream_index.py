@@ -111,6 +111,21 @@ class StreamIndex:
 
 
 def build_stream_index(cfg: Any) -> StreamIndex:
+    """The index of `cfg.dataset` with its validation rows held out (`index_stream` + `hold_out`)."""
+    return hold_out(index_stream(cfg), cfg)
+
+
+def hold_out(index: StreamIndex, cfg: Any) -> StreamIndex:
+    """Hold out `dataset.val_size` rows of the training files (none when `dataset.val_paths` names files)."""
+    from dsrecipes.data.splits import split_val
+
+    if not index.val_files and cfg.dataset.val_size > 0:
+        index.holdout = np.asarray(split_val(index.num_lines, cfg.dataset.val_size, cfg.trainer.seed), np.int64)
+    return index
+
+
+def index_stream(cfg: Any) -> StreamIndex:
+    """Every file of `cfg.dataset` (and `dataset.val_paths`) indexed, caps applied, nothing held out yet."""
     from dsrecipes.data.files import expand_paths
     from dsrecipes.data.registry import resolve_sources
 
@@ -132,12 +147,7 @@ def build_stream_index(cfg: Any) -> StreamIndex:
     files = index_files(cfg, names, block_bytes)
     _whole_file_problems(files, cfg.dataset.bad_rows.value)
     caps = _caps(files, file_source, [src.max_samples for src in sources], cfg.dataset.max_samples)
-    index = StreamIndex(files, caps, file_source, [(s.name, s.weight) for s in sources], block_bytes)
-    if not val_names and cfg.dataset.val_size > 0:
-        from dsrecipes.data.splits import split_val
-
-        index.holdout = np.asarray(split_val(index.num_lines, cfg.dataset.val_size, cfg.trainer.seed), np.int64)
-    return index
+    return StreamIndex(files, caps, file_source, [(s.name, s.weight) for s in sources], block_bytes)
 
 
 def file_sources(cfg: Any, index: StreamIndex) -> List[Any]:

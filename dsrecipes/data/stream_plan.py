@@ -7,9 +7,10 @@ call these same functions (no files here: blocks are sample counts, see stream_i
    (a repeat is a new sample: copy k >= 1 gets the id `<id>@<k>`, as in `data=map`); w = 0.25 reads a quarter per
    epoch and every sample once in 4 epochs (unlike `data=map`, whose w < 1 keeps one fixed subset). A visit is
    (block, lo, hi, copy): samples [lo, hi) of one block, in one pass of the cycle.
-2. Order. All sources' visits in one seeded permutation per epoch (a deterministic weighted interleave: each source's
-   share of any stretch of the epoch is its share of T, at block granularity), the samples inside a visit permuted by
-   a hash of (seed, epoch, block, sample, copy). Order positions 0..N-1 do not depend on the world size.
+2. Order. Each source's visits in a seeded random order, the sources merged evenly (a deterministic weighted
+   interleave: any stretch of the epoch holds each source's share of the T's to within about one block), the samples
+   inside a visit permuted by a hash of (seed, epoch, block, sample, copy). Order positions 0..N-1 do not depend on
+   the world size.
 3. Segments and stretches. A segment plans the remaining positions ("runs", order-space intervals) for one layout:
    steps = remaining // global batch; reader (rank r, stretch v < W = readers per rank) gets one contiguous stretch
    of the remaining positions, of micros(v) * micro_batch_size samples, where stretch v yields the rank's micro-batches
@@ -127,14 +128,28 @@ class Visits:
 
 
 def epoch_visits(table: BlockTable, seed: int, epoch: int, shuffle: bool) -> Visits:
-    parts = [_source_visits(table, s, seed, epoch, shuffle) for s in range(len(table.weights))]
-    cols = [np.concatenate([p[i] for p in parts]).astype(np.int64) for i in range(4)] if parts else [np.zeros(0)] * 4
-    keep = cols[2] > cols[1]
-    cols = [c[keep] for c in cols]
-    if shuffle and cols[0].size:
-        perm = _rng(seed, epoch, 1).permutation(cols[0].size)
-        cols = [c[perm] for c in cols]
-    return Visits(*cols)
+    """The epoch's visits in order. Shuffled: each source's visits in a seeded random order, spread evenly over the
+    epoch (visit i of a source's V gets the key (i + u) / V, u uniform; all sources merged by key), so any stretch of
+    the epoch holds each source's share to within about one block. Not shuffled: sources one after the other."""
+    cols: List[List[np.ndarray]] = [[], [], [], []]
+    keys: List[np.ndarray] = []
+    for s in range(len(table.weights)):
+        part = _source_visits(table, s, seed, epoch, shuffle)
+        keep = part[2] > part[1]
+        part = tuple(c[keep] for c in part)
+        n = part[0].size
+        if shuffle and n:
+            rng = _rng(seed, epoch, 1, s)
+            perm = rng.permutation(n)
+            part = tuple(c[perm] for c in part)
+            keys.append((np.arange(n) + rng.random(n)) / n)
+        for i in range(4):
+            cols[i].append(part[i])
+    merged = [np.concatenate(c).astype(np.int64) if c else np.zeros(0, np.int64) for c in cols]
+    if keys:
+        order = np.argsort(np.concatenate(keys), kind="stable")
+        merged = [c[order] for c in merged]
+    return Visits(*merged)
 
 
 def _source_visits(table: BlockTable, s: int, seed: int, epoch: int, shuffle: bool) -> Tuple[np.ndarray, ...]:

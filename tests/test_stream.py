@@ -1,0 +1,349 @@
+"""`data=iterable` block reading (issue 13): the index, conversions, and many readers simulated in one process.
+
+Every reader of the world is run in this process through the loader's own `reader()` (what each DataLoader worker
+runs), over real files, with a byte counter on its block source: exactly-once per epoch, equal steps, exact and
+elastic resume (other world size, batch shape, worker count, twice), and each reader reading only the blocks of its
+own samples (at most two of them shared with a neighbour).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dsrecipes.data.plan import Layout
+from dsrecipes.data.stream_files import LineScanner
+from dsrecipes.data.stream_index import BlockSource, StreamIndex, index_spec
+from dsrecipes.data.sampler import StreamSpec
+from dsrecipes.data.strategies.iterable import StreamTrainLoader
+
+
+def item_ids(items):
+    return [{"ids": [f"{f}:{loc}" + (f"@{copy}" if copy else "")]} for f, loc, _, copy in items]
+
+
+def write_corpus(root: Path, sizes, seed=0, blank_every=11):
+    """JSONL files of varied line lengths, blank lines, one file without a final newline."""
+    rnd = random.Random(seed)
+    paths = []
+    for f, n in enumerate(sizes):
+        lines = []
+        for i in range(n):
+            lines.append(json.dumps({"k": f"{f}-{i}", "pad": "x" * rnd.randint(0, 300)}))
+            if i % blank_every == 5:
+                lines.append("   ")
+        path = root / f"part{f}.jsonl"
+        path.write_text("\n".join(lines) + ("" if f == 1 else "\n"), encoding="utf-8")
+        paths.append(str(path))
+    return paths
+
+
+def all_ids(paths):
+    out = []
+    for f, p in enumerate(paths):
+        with open(p, "rb") as fh:
+            out += [f"{f}:{i}" for i, line in enumerate(fh, 1) if line.strip()]
+    return out
+
+
+class CountingSource(BlockSource):
+    """A BlockSource that also records which blocks it read."""
+
+    def __init__(self, index):
+        super().__init__(index)
+        self.blocks_read = []
+
+    def block(self, g):
+        self.blocks_read.append(g)
+        return super().block(g)
+
+
+def make_loader(index, layout, rank, seed=0, buffer=16, shuffle=True):
+    return StreamTrainLoader(index, layout, rank, seed=seed, shuffle=shuffle, shuffle_buffer=buffer,
+                             num_samples=None, make_rows=item_ids, collate_fn=lambda rows: rows,
+                             num_workers=layout.num_workers)
+
+
+def rank_micro_batches(loader, epoch, sources=None, stop_after=None):
+    """A rank's micro-batches (lists of ids) as its DataLoader yields them: workers' readers round-robin."""
+    loader.set_epoch(epoch)
+    start = loader._micro
+    readers = []
+    for w in range(loader.layout.readers_per_rank):
+        src = CountingSource(loader.index) if sources is None else sources.setdefault((loader.rank, w),
+                                                                                      CountingSource(loader.index))
+        readers.append(loader.reader(w, epoch, start, src))
+    out, w = [], 0
+    total = loader.segment(epoch).micro_per_rank - start
+    for _ in range(total if stop_after is None else min(total, stop_after)):
+        _, items = next(readers[w])
+        out.append([r["ids"][0] for r in item_ids(items)])
+        w = (w + 1) % len(readers)
+    loader._micro += len(out)
+    return out
+
+
+def test_line_scanner_matches_a_plain_reading():
+    rnd = random.Random(3)
+    parts = []
+    for i in range(400):
+        parts.append(rnd.choice([b"", b"  ", b"\t\r", b"x" * rnd.randint(1, 90), b'{"a": %d}' % i]))
+    data = b"\n".join(parts) + b"\r\n  tail without newline"
+    for block_bytes in (1, 64, 1000):
+        for chunk in (1, 7, 4096):
+            sc = LineScanner(block_bytes)
+            for at in range(0, len(data), chunk):
+                sc.feed(data[at:at + chunk])
+            count, offsets, lines, firsts = sc.finish()
+            starts, numbers, pos = [], [], 0
+            for no, raw in enumerate(data.split(b"\n"), 1):
+                if raw.strip():
+                    starts.append(pos)
+                    numbers.append(no)
+                pos += len(raw) + 1
+            assert count == len(starts)
+            assert offsets.tolist() == [starts[i] for i in firsts.tolist()]
+            assert lines.tolist() == [numbers[i] for i in firsts.tolist()]
+            gaps = np.diff(offsets)
+            assert (gaps >= block_bytes).all() and firsts[0] == 0
+
+
+def test_many_readers_exactly_once_equal_steps_and_only_their_own_blocks(tmp_path):
+    """World 64 x 4 DataLoader workers = 256 readers over 9 files: each reads only the blocks of its samples."""
+    paths = write_corpus(tmp_path, [900, 35, 2000, 1, 0, 640, 1300, 77, 1500])
+    index = index_spec(StreamSpec(tuple(paths)), block_bytes=4096)
+    layout = Layout(64, 2, 2, 4)
+    universe = all_ids(paths)
+    block_size = _block_sizes(index)
+    kept = index.table().kept
+    for epoch in range(2):
+        sources = {}
+        per_rank = {r: rank_micro_batches(make_loader(index, layout, r), epoch, sources) for r in range(64)}
+        assert len({len(v) for v in per_rank.values()}) == 1
+        steps = len(per_rank[0]) // layout.grad_accum
+        assert steps == len(universe) // layout.global_batch
+        flat = [i for v in per_rank.values() for b in v for i in b]
+        assert len(flat) == len(set(flat)) and set(flat) <= set(universe)
+        assert len(universe) - len(flat) < layout.global_batch
+        read = 0
+        for (rank, w), src in sources.items():
+            assert len(src.blocks_read) == len(set(src.blocks_read)), "a reader read a block twice"
+            assert src.bytes_read == sum(block_size[g] for g in src.blocks_read)
+            own = Counter(_block_of(index, i) for b in per_rank[rank][w::4] for i in b)
+            shared = [g for g in src.blocks_read if own[g] < kept[g]]
+            assert set(src.blocks_read) == set(own) and len(shared) <= 2, (rank, w, shared)
+            read += src.bytes_read
+        corpus = sum(Path(p).stat().st_size for p in paths)
+        assert read <= corpus + 2 * len(sources) * max(block_size.values())
+
+
+def _block_sizes(index):
+    b = index.blocks
+    out = {}
+    for g in range(b["count"].size):
+        fi = index.files[int(b["file"][g])]
+        local = int(b["local"][g])
+        stop = int(fi.offsets[local + 1]) if local + 1 < fi.offsets.size else fi.size
+        out[g] = stop - int(fi.offsets[local])
+    return out
+
+
+def _block_of(index, sample_id):
+    f, loc = (int(x) for x in sample_id.split(":"))
+    fi = index.files[f]
+    b = int(np.searchsorted(fi.lines, loc, "right")) - 1
+    return int(np.flatnonzero((index.blocks["file"] == f) & (index.blocks["local"] == b))[0])
+
+
+@pytest.mark.parametrize("old,new,third", [
+    ((8, 2, 2, 2), (3, 3, 1, 3), (5, 1, 4, 0)),   # other world, batch shape and workers, then again
+    ((4, 2, 1, 0), (4, 2, 1, 3), (2, 4, 2, 1)),   # workers only, then world
+])
+def test_elastic_resume_reads_the_rest_exactly_once(tmp_path, old, new, third):
+    paths = write_corpus(tmp_path, [700, 20, 900, 333])
+    index = index_spec(StreamSpec(tuple(paths)), block_bytes=2048)
+    universe = all_ids(paths)
+    seen = []
+    state = None
+    for lay_args, steps in ((old, 5), (new, 3), (third, None)):
+        layout = Layout(*lay_args)
+        loaders = [make_loader(index, layout, r) for r in range(layout.world_size)]
+        for lo in loaders:
+            if state is not None:
+                lo.load_state_dict(json.loads(json.dumps(state)))
+        stop = None if steps is None else steps * layout.grad_accum
+        got = {r: rank_micro_batches(lo, 0, stop_after=stop) for r, lo in enumerate(loaders)}
+        assert len({len(v) for v in got.values()}) == 1
+        seen += [i for v in got.values() for b in v for i in b]
+        states = [lo.state_dict() for lo in loaders]
+        assert len({json.dumps({k: v for k, v in s.items() if k != "rank"}) for s in states}) == 1
+        state = states[-1]
+    assert len(seen) == len(set(seen)), "a sample read twice across the resumes"
+    assert len(universe) - len(seen) < Layout(*third).global_batch
+    assert state["samples_consumed"] == len(seen)
+
+
+def test_resume_with_other_workers_reads_the_rest_once(tmp_path):
+    """Inside an accumulation, with another worker count: the rest, once; with the same: exactly the same rest."""
+    paths = write_corpus(tmp_path, [300, 150])
+    index = index_spec(StreamSpec(tuple(paths)), block_bytes=1024)
+    lay2 = Layout(2, 2, 2, 2)
+    full = {r: rank_micro_batches(make_loader(index, lay2, r), 1) for r in range(2)}
+    first = [make_loader(index, lay2, r) for r in range(2)]
+    head = {r: rank_micro_batches(lo, 1, stop_after=3) for r, lo in enumerate(first)}
+    state = first[0].state_dict()
+    same = [make_loader(index, lay2, r) for r in range(2)]
+    for r, lo in enumerate(same):
+        lo.load_state_dict(state)
+        assert head[r] + rank_micro_batches(lo, 1) == full[r]
+    other = [make_loader(index, Layout(2, 2, 2, 3), r) for r in range(2)]
+    rest = []
+    for lo in other:
+        lo.load_state_dict(state)
+        rest.append(rank_micro_batches(lo, 1))
+    assert len(rest[0]) == len(rest[1])
+    done = [i for v in head.values() for b in v for i in b]
+    after = [i for v in rest for b in v for i in b]
+    assert not set(done) & set(after) and len(after) == len(set(after))
+    assert 450 - len(done) - len(after) < 8
+
+
+def test_weights_interleave_sources_and_walk_through_small_weights(tmp_path):
+    """weight 2: every row twice per epoch (the repeat is `id@1`); weight 0.5: half per epoch, all in two epochs."""
+    paths = write_corpus(tmp_path, [400, 300])
+    index = index_spec(StreamSpec(tuple(paths)), block_bytes=1024)
+    index.file_source, index.sources = [0, 1], [("a", 2.0), ("b", 0.5)]
+    layout = Layout(2, 2, 1, 1)
+    assert make_loader(index, layout, 0).planned == 800 + 150
+    halves = []
+    for epoch in range(2):
+        out = {r: rank_micro_batches(make_loader(index, layout, r), epoch) for r in range(2)}
+        flat = [i for v in out.values() for b in v for i in b]
+        assert len(flat) == len(set(flat)) and 950 - len(flat) < 4
+        a = [i for i in flat if i.startswith("0:")]
+        assert sum("@1" in i for i in a) >= 396 and not any("@2" in i for i in a)
+        halves.append({i for i in flat if i.startswith("1:")})
+        from_a = np.array([i.startswith("0:") for b in out[0] for i in b])  # rank 0: the first half of the order
+        chunks = np.array_split(from_a, 4)
+        assert all(0.76 < c.mean() < 0.92 for c in chunks), [c.mean() for c in chunks]  # ~800/950 everywhere
+    assert len(halves[0] & halves[1]) < 4 and len(halves[0] | halves[1]) >= 296
+
+
+def test_order_is_a_real_shuffle(tmp_path):
+    """Spearman correlation of epoch position vs place in the files: ~0 (the old window shuffle kept ~1)."""
+    from dsrecipes.data.plan import StreamShuffle
+
+    paths = write_corpus(tmp_path, [3000])
+    index = index_spec(StreamSpec(tuple(paths)), block_bytes=2048)
+    out = rank_micro_batches(make_loader(index, Layout(1, 4, 1, 0), 0, buffer=64), 0)
+    natural = [int(i.split(":")[1]) for b in out for i in b]
+    new = abs(_spearman(natural))
+    old = abs(_spearman(np.argsort(StreamShuffle(0, 0, 64).full_order(3000)).tolist()))
+    assert new < 0.1 and old > 0.99, (new, old)
+
+
+def _spearman(seq):
+    ranks = np.argsort(np.argsort(np.asarray(seq)))
+    return float(np.corrcoef(np.arange(len(seq)), ranks)[0, 1])
+
+
+def test_holdout_is_deterministic_and_never_trained(make_cfg, tmp_path):
+    from dsrecipes.data.stream_index import build_stream_index
+
+    paths = write_corpus(tmp_path, [120, 90])
+    cfg = make_cfg("data=iterable", f"dataset.paths=[{','.join(paths)}]", "dataset.val_size=20",
+                   f"data.cache_dir={tmp_path / 'cache'}", "data.block_bytes=512")
+    a, b = build_stream_index(cfg), build_stream_index(cfg)
+    assert a.holdout.tolist() == b.holdout.tolist() and len(a.holdout) == 20
+    val = {f"{f}:{loc}" for f, loc, _ in BlockSource(a).rows(a.val_refs())}
+    assert len(val) == 20
+    out = {r: rank_micro_batches(make_loader(a, Layout(2, 3, 1, 2), r), 0) for r in range(2)}
+    flat = {i for v in out.values() for bt in v for i in bt}
+    assert not flat & val and len(set(all_ids(paths)) - flat - val) < 6
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Conversions: JSON arrays and gzip, positions kept
+
+
+def test_json_array_and_gzip_stream_with_their_positions(make_cfg, tmp_path, monkeypatch):
+    from dsrecipes.data import stream_files
+    from dsrecipes.data.files import read_rows
+    from dsrecipes.data.stream_index import index_stream
+
+    monkeypatch.setattr(stream_files, "CHUNK", 97)  # the parser's buffer slides many times
+    rows = [{"id": None, "conversations": [{"from": "human", "value": f"q[{i}], \"x\"\n{{"},
+                                           {"from": "gpt", "value": "答" * i}]} for i in range(40)]
+    for r in rows[::3]:
+        r.pop("id")
+    arr = tmp_path / "chat.json"
+    arr.write_text(json.dumps(rows, indent=2, ensure_ascii=False), encoding="utf-8")
+    gz = tmp_path / "more.json.gz"
+    gz.write_bytes(gzip.compress(json.dumps(rows[:5]).encode()))
+    lines = tmp_path / "lines.jsonl.gz"
+    lines.write_bytes(gzip.compress(b"\n".join(json.dumps(r).encode() for r in rows[:7]) + b"\n"))
+    jl = tmp_path / "jl.json"
+    jl.write_text("\n".join(json.dumps(r) for r in rows[:4]), encoding="utf-8")
+    cfg = make_cfg("data=iterable", f"dataset.paths=[{arr},{gz},{lines},{jl}]", f"data.cache_dir={tmp_path / 'c'}")
+    index = index_stream(cfg)
+    assert [(fi.count, fi.loc_base) for fi in index.files] == [(40, -1), (5, -1), (7, 0), (4, 0)]
+    assert index.files[3].path == str(jl)  # JSON lines in a .json file are read in place
+    src = BlockSource(index)
+    for f, name in enumerate((arr, gz, lines, jl)):
+        got = src.rows([(f, i) for i in range(index.files[f].count)])
+        want = [(r.loc, r.value) for r in read_rows(str(name))]
+        assert [(loc, json.loads(raw)) for _, loc, raw in got] == want  # map's locations and values
+
+
+def test_broken_json_array_names_the_element(make_cfg, tmp_path):
+    from dsrecipes.data.stream_index import index_stream
+    from dsrecipes.errors import DataError
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('[{"conversations": []},\n {"conversations": [}]', encoding="utf-8")
+    cfg = make_cfg("data=iterable", f"dataset.paths=[{bad}]", f"data.cache_dir={tmp_path / 'c'}")
+    with pytest.raises(DataError, match=r"bad.json: invalid_json \(whole file: element 1: Expecting value"):
+        index_stream(cfg)
+    skip = make_cfg("data=iterable", f"dataset.paths=[{bad}]", f"data.cache_dir={tmp_path / 'c'}",
+                    "dataset.bad_rows=skip")
+    assert index_stream(skip).files[0].count == 0  # like data=map: the whole file is one bad row
+
+
+def test_index_is_cached_by_content(make_cfg, tmp_path, monkeypatch):
+    from dsrecipes.data import stream_files
+    from dsrecipes.data.stream_index import index_stream
+
+    paths = write_corpus(tmp_path, [50, 60])
+    cfg = make_cfg("data=iterable", f"dataset.paths=[{','.join(paths)}]", f"data.cache_dir={tmp_path / 'c'}")
+    first = index_stream(cfg)
+    fed = []
+    monkeypatch.setattr(stream_files.LineScanner, "feed", lambda self, chunk: fed.append(len(chunk)))
+    again = index_stream(cfg)
+    assert not fed and [f.offsets.tolist() for f in again.files] == [f.offsets.tolist() for f in first.files]
+    Path(paths[0]).write_text(Path(paths[0]).read_text() + '{"k": "new"}\n')
+    monkeypatch.undo()
+    assert index_stream(cfg).files[0].count == first.files[0].count + 1
+
+
+def test_index_survives_the_run_directory(make_cfg, tmp_path):
+    from dsrecipes.data.stream_index import build_stream_index, read_stream_index, write_stream_index
+    from dsrecipes.errors import DataError
+
+    paths = write_corpus(tmp_path, [30, 44])
+    cfg = make_cfg("data=iterable", f"dataset.paths=[{','.join(paths)}]", f"data.cache_dir={tmp_path / 'c'}",
+                   "dataset.val_size=5")
+    index = build_stream_index(cfg)
+    write_stream_index(tmp_path / "run", index)
+    back = read_stream_index(tmp_path / "run")
+    assert isinstance(back, StreamIndex) and back.holdout.tolist() == index.holdout.tolist()
+    assert back.table().kept.tolist() == index.table().kept.tolist()
+    back.verify()
+    Path(paths[1]).write_text("{}\n")
+    with pytest.raises(DataError, match="changed since the launching process indexed it"):
+        back.verify()
