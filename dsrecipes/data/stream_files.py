@@ -2,9 +2,9 @@
 
 A reader of `data=iterable` reads only the blocks that hold its samples, so it needs, per file, where each block
 starts. The launching process finds every line boundary of every file once (numpy over 1 MiB chunks, in the same
-pass that computes the file's content hash for `data/cache.py`), cuts the sample lines into blocks of at least
-`block_bytes` (a block starts at the first sample line at least `block_bytes` after the previous block's start, so
-a block is < block_bytes + one line), and caches the result under `<cache>/stream/` by content hash and block size.
+pass that computes the file's content hash for `data/cache.py`), cuts the sample lines into blocks (one per
+`block_bytes`-aligned stretch of the file that a sample line starts in, so a block is < block_bytes + one line), and
+caches the result under `<cache>/stream/` by content hash and block size.
 
 Files that cannot be read at an offset are converted once into a cached JSONL (`<cache>/stream/<hash>.jsonl`),
 streaming, in bounded memory: `.jsonl.gz` is decompressed; a `.json` array (or `.json.gz`) is parsed element by
@@ -32,8 +32,8 @@ from dsrecipes.fileio import atomic_writer
 INDEX_VERSION = 1
 CHUNK = 1 << 20
 MAX_ELEMENT_CHARS = 1 << 28  # a JSON element that does not parse within 256 Mi characters is reported broken
-_NONWS = np.ones(256, dtype=bool)
-_NONWS[list(b" \t\n\r\x0b\x0c")] = False  # bytes.isspace(): a line of only these is blank, not a sample
+_WS = np.zeros(256, dtype=bool)
+_WS[list(b" \t\n\r\x0b\x0c")] = True  # bytes.isspace(): a line of only these is blank, not a sample
 
 
 @dataclass
@@ -58,52 +58,53 @@ class FileIndex:
 
 
 class LineScanner:
-    """Fed a file's bytes in order; finds sample lines (non-blank) and cuts them into blocks."""
+    """Fed a file's bytes in order; finds the sample lines (not blank) and cuts them into blocks: a block starts at
+    the first sample line that starts in each `block_bytes`-aligned stretch of the file, so a block holds less than
+    `block_bytes` plus one line. Vectorised: only lines that begin with whitespace are looked at one by one."""
 
     def __init__(self, block_bytes: int):
         self.block_bytes = max(1, int(block_bytes))
         self.pos = 0  # bytes fed
         self.line_no = 0  # lines completed
         self.line_start = 0  # where the current (unfinished) line starts
-        self.partial_nonws = 0  # non-blank bytes of the unfinished line
+        self.partial_nonws = False  # the unfinished line has a non-blank byte
         self.samples = 0
-        self.last_block = -(1 << 62)
-        self.blocks: List[Tuple[int, int, int]] = []  # (offset, line, first sample)
+        self.last_cell = -1
+        self.blocks: List[np.ndarray] = []  # rows of (offset, line, first sample)
 
     def feed(self, chunk: bytes) -> None:
         a = np.frombuffer(chunk, dtype=np.uint8)
         nl = np.flatnonzero(a == 10)
-        nonws = _NONWS[a]
-        if nl.size:
-            seg = np.add.reduceat(nonws[: nl[-1] + 1], np.concatenate(([0], nl[:-1] + 1)), dtype=np.int64)
-            seg[0] += self.partial_nonws
-            starts = self.pos + np.concatenate(([0], nl[:-1] + 1))
-            starts[0] = self.line_start
-            sample = seg > 0
-            self._add(starts[sample], self.line_no + 1 + np.flatnonzero(sample))
-            self.line_no += nl.size
-            self.line_start = self.pos + int(nl[-1]) + 1
-            self.partial_nonws = int(nonws[nl[-1] + 1:].sum())
-        else:
-            self.partial_nonws += int(nonws.sum())
+        if nl.size == 0:
+            self.partial_nonws = self.partial_nonws or bool(chunk.strip())
+            self.pos += a.size
+            return
+        seg = np.concatenate(([0], nl[:-1] + 1))  # where each line ending in this chunk starts (in the chunk)
+        sample = ~_WS[a[seg]] & (nl > seg)
+        sample[0] = self.partial_nonws or bool(chunk[: nl[0]].strip())
+        for i in np.flatnonzero(~sample[1:]) + 1:  # begins with whitespace: blank only if all of it is
+            sample[i] = bool(chunk[seg[i]:nl[i]].strip())
+        starts = self.pos + seg
+        starts[0] = self.line_start
+        self._add(starts[sample], self.line_no + 1 + np.flatnonzero(sample))
+        self.line_no += nl.size
+        self.line_start = self.pos + int(nl[-1]) + 1
+        self.partial_nonws = bool(chunk[nl[-1] + 1:].strip())
         self.pos += a.size
 
     def _add(self, starts: np.ndarray, lines: np.ndarray) -> None:
-        i = 0
-        while i < starts.size:
-            i += int(np.searchsorted(starts[i:], self.last_block + self.block_bytes, side="left"))
-            if i >= starts.size:
-                break
-            self.last_block = int(starts[i])
-            self.blocks.append((self.last_block, int(lines[i]), self.samples + i))
-            i += 1
+        cells = starts // self.block_bytes
+        new = np.flatnonzero(np.diff(np.concatenate(([self.last_cell], cells))) > 0)
+        if new.size:
+            self.blocks.append(np.stack((starts[new], lines[new], self.samples + new), axis=1))
+            self.last_cell = int(cells[-1])
         self.samples += starts.size
 
     def finish(self) -> Tuple[int, np.ndarray, np.ndarray, np.ndarray]:
         """(sample count, offsets, lines, firsts) once the whole file was fed."""
         if self.partial_nonws:  # a last line without a newline
             self._add(np.array([self.line_start]), np.array([self.line_no + 1]))
-        arr = np.array(self.blocks, dtype=np.int64).reshape(-1, 3)
+        arr = np.concatenate(self.blocks) if self.blocks else np.zeros((0, 3), dtype=np.int64)
         return self.samples, arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy()
 
 

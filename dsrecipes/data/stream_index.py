@@ -257,10 +257,10 @@ class BlockSource:
     def samples(self, f: int, local: int, count: int) -> List[Tuple[int, bytes]]:
         """(location, raw line) of the first `count` sample lines of block `local` of file `f`."""
         fi = self.index.files[f]
-        stop = int(fi.offsets[local + 1]) if local + 1 < fi.offsets.size else fi.size
-        data = self._pread(f, int(fi.offsets[local]), stop)
+        stop = fi.offsets.item(local + 1) if local + 1 < fi.offsets.size else fi.size
+        data = self._pread(f, fi.offsets.item(local), stop)
         out: List[Tuple[int, bytes]] = []
-        line = int(fi.lines[local])
+        line = fi.lines.item(local)
         for raw in data.split(b"\n"):
             if raw.strip():
                 out.append((line + fi.loc_base, raw))
@@ -272,10 +272,12 @@ class BlockSource:
     def block(self, g: int) -> List[Tuple[int, int, bytes]]:
         """(file, location, raw) of the kept samples of training block g, in file order."""
         b = self.index.blocks
-        f, first, count = int(b["file"][g]), int(b["first"][g]), int(b["count"][g])
-        rows = self.samples(f, int(b["local"][g]), count)
+        f, first, count = b["file"].item(g), b["first"].item(g), b["count"].item(g)
+        rows = self.samples(f, b["local"].item(g), count)
         held = self.index.holdout
         lo, hi = np.searchsorted(held, first), np.searchsorted(held, first + count)
+        if lo == hi:
+            return [(f, loc, raw) for loc, raw in rows]
         drop = set((held[lo:hi] - first).tolist())
         return [(f, loc, raw) for j, (loc, raw) in enumerate(rows) if j not in drop]
 

@@ -40,9 +40,10 @@ class ItemFetcher:
     def __call__(self, positions: np.ndarray) -> List[Item]:
         block, local, copy = items_at(self.visits, positions, self.sh.seed, self.sh.epoch, self.sh.shuffle)
         out: List[Any] = [None] * positions.size
+        block, local, copy = block.tolist(), local.tolist(), copy.tolist()
         for i in np.argsort(positions, kind="stable").tolist():
-            f, loc, raw = self._block(int(block[i]))[int(local[i])]
-            out[i] = (f, loc, raw, int(copy[i]))
+            f, loc, raw = self._block(block[i])[local[i]]
+            out[i] = (f, loc, raw, copy[i])
         return out
 
 

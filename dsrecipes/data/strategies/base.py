@@ -27,8 +27,9 @@ class TrainLoader:
             for batch in loader: ...                   # the epoch's remaining micro-batches, equal on all ranks
         json.dump(loader.state_dict(), ...)            # after an optimizer step, per rank
 
-    `steps_per_epoch` is None for an endless stream (iterable data with a step budget and no data.num_samples);
-    then iterating never ends and moves to the next epoch by itself. Every batch carries `epoch` for the ledger.
+    A loader whose `steps_per_epoch` is None would be an endless stream (iterating moves to the next epoch by
+    itself); the built-in strategies all know their epoch length (iterable: counted by its index). Every batch
+    carries `epoch` for the ledger.
     """
 
     kind: str = ""
