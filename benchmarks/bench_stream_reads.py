@@ -141,7 +141,8 @@ def summarize(stats: list, readers: int) -> dict:
 def order_quality(index, counts: list, layout: Layout) -> dict:
     """Both orders from their plans (no reading): regions per global batch, file order kept (|Spearman|)."""
     from dsrecipes.data.audit import _sample_numbers, block_reads
-    from dsrecipes.data.stream_plan import LocalShuffle, epoch_segment, epoch_visits
+    from dsrecipes.data.stream_plan import epoch_visits
+    from dsrecipes.data.stream_segments import LocalShuffle, epoch_segment
 
     table, total = index.table(), sum(counts)
     sh = LocalShuffle(0, 0, 1024, True)

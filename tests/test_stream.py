@@ -273,11 +273,11 @@ def test_holdout_is_deterministic_and_never_trained(make_cfg, tmp_path):
 
 
 def test_json_array_and_gzip_stream_with_their_positions(make_cfg, tmp_path, monkeypatch):
-    from dsrecipes.data import stream_files
+    from dsrecipes.data import stream_convert
     from dsrecipes.data.files import read_rows
     from dsrecipes.data.stream_index import index_stream
 
-    monkeypatch.setattr(stream_files, "CHUNK", 97)  # the parser's buffer slides many times
+    monkeypatch.setattr(stream_convert, "CHUNK", 97)  # the parser's buffer slides many times
     rows = [{"id": None, "conversations": [{"from": "human", "value": f"q[{i}], \"x\"\n{{"},
                                            {"from": "gpt", "value": "答" * i}]} for i in range(40)]
     for r in rows[::3]:

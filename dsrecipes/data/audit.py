@@ -1,11 +1,12 @@
 """`dsrecipes audit [overrides] --world-size N --num-workers W --epochs E`: prove the data plan before a run.
 
 Without a model or a process group, computes which samples every rank x DataLoader worker reads in each epoch with
-the planner the loaders run (`plan.py`: `EpochPlan.owner`, `epoch_order`, `StreamShuffle`; `stream_plan.py`: block
-visits, segments, stretches, local windows), then checks the guarantees: (1) no sample read twice within an epoch,
-every sample read except a remainder smaller than one global batch; (2) the same number of micro-batches and
-optimizer steps on every rank. Exit 0 when they hold, 1 listing the first violations. For small inputs it also
-replays each `data=iterable` reader's own code (`stream_reader.read_stretch`) and compares it with the plan.
+the planner the loaders run (`plan.py`: `EpochPlan.owner`, `epoch_order`, `StreamShuffle`; `stream_plan.py` and
+`stream_segments.py`: block visits, segments, stretches, local windows), then checks the guarantees: (1) no sample
+read twice within an epoch, every sample read except a remainder smaller than one global batch; (2) the same number
+of micro-batches and optimizer steps on every rank. Exit 0 when they hold, 1 listing the first violations. For
+small inputs it also replays each `data=iterable` reader's own code (`stream_reader.read_stretch`) and compares it
+with the plan.
 
 Sample counts: `map` uses the prepared train split (tokenized and cached by the data layer, exactly the rows a run
 trains on; `--num-rows N` audits a hypothetical size instead); `iterable` builds the stream index the launching
@@ -22,8 +23,8 @@ import numpy as np
 
 from dsrecipes.data.plan import EpochPlan, Layout, StreamShuffle, epoch_order, presharded_steps
 from dsrecipes.data.sampler import map_rank_rows
-from dsrecipes.data.stream_plan import (BlockTable, LocalShuffle, Segment, Visits, epoch_segment, epoch_visits,
-                                        items_at, stretch_positions)
+from dsrecipes.data.stream_plan import BlockTable, Visits, epoch_visits, items_at
+from dsrecipes.data.stream_segments import LocalShuffle, Segment, epoch_segment, stretch_positions
 from dsrecipes.data.stream_reader import ItemFetcher, read_stretch
 
 REPLAY_LIMIT = 2_000_000  # items x readers up to which stream readers are replayed one by one

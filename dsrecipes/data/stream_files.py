@@ -1,4 +1,4 @@
-"""One stream file, indexed once: byte offset of every block of lines, and JSON arrays / gzip made seekable.
+"""One stream file, indexed once: the byte offset of every block of lines.
 
 A reader of `data=iterable` reads only the blocks that hold its samples, so it needs, per file, where each block
 starts. The launching process finds every line boundary of every file once (numpy over 1 MiB chunks, in the same
@@ -6,32 +6,29 @@ pass that computes the file's content hash for `data/cache.py`), cuts the sample
 `block_bytes`-aligned stretch of the file that a sample line starts in, so a block is < block_bytes + one line), and
 caches the result under `<cache>/stream/` by content hash and block size.
 
-Files that cannot be read at an offset are converted once into a cached JSONL (`<cache>/stream/<hash>.jsonl`),
-streaming, in bounded memory: `.jsonl.gz` is decompressed; a `.json` array (or `.json.gz`) is parsed element by
-element (`json.JSONDecoder.raw_decode` over a sliding buffer) and written one element per line, so line L of the
-copy is element L-1 of the original (`loc_base = -1`: sample ids and messages keep the original `<file>:<element>`,
-exactly as `data=map` names them). A `.json` file of JSON lines is read as JSONL, as `files.py` does. A file that
+Files that cannot be read at an offset (gzip, JSON arrays) are converted once into a cached JSONL
+(`<cache>/stream/<hash>.jsonl`, stream_convert.py); for a JSON array line L of the copy is element L-1 (`loc_base =
+-1`: sample ids and messages keep the original `<file>:<element>`, exactly as `data=map` names them). A file that
 cannot be used as a whole (broken array, top level not an array, no rows) gets `problem` and no samples; the
 bad-row policy decides (like `data=map`, which counts such a file as one bad row).
 """
 
 from __future__ import annotations
 
-import codecs
-import gzip
 import json
 import os
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
+from dsrecipes.data.stream_convert import CHUNK, convert, file_kind
+from dsrecipes.errors import DataError
 from dsrecipes.fileio import atomic_writer
 
 INDEX_VERSION = 1
-CHUNK = 1 << 20
-MAX_ELEMENT_CHARS = 1 << 28  # a JSON element that does not parse within 256 Mi characters is reported broken
 _WS = np.zeros(256, dtype=bool)
 _WS[list(b" \t\n\r\x0b\x0c")] = True  # bytes.isspace(): a line of only these is blank, not a sample
 
@@ -109,136 +106,6 @@ class LineScanner:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Kinds of files, conversion
-
-
-def file_kind(path: str) -> str:
-    """`jsonl` (read in place), `jsonl.gz`, `json` or `json.gz` (candidates for conversion)."""
-    name = path[:-3] if path.endswith(".gz") else path
-    base = "json" if name.endswith(".json") else "jsonl"
-    return base + (".gz" if path.endswith(".gz") else "")
-
-
-def _text_chunks(path: str) -> Iterator[str]:
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as fh:
-        for block in iter(lambda: fh.read(CHUNK), b""):
-            yield decoder.decode(block)
-        yield decoder.decode(b"", final=True)
-
-
-class JsonElements:
-    """The top-level value of a JSON file, element by element, in bounded memory (one element + one chunk).
-
-    `shape` after the first call: 'array', 'value' (one JSON value: a single row) or 'lines' (more than one value:
-    JSON lines). Raises ValueError(detail) for a broken file."""
-
-    def __init__(self, path: str):
-        self.chunks = _text_chunks(path)
-        self.buf, self.i, self.eof, self.index, self.base = "", 0, False, 0, 0
-        self.shape = ""
-
-    def _more(self) -> bool:
-        if self.eof:
-            return False
-        if self.i > CHUNK:
-            self.buf, self.base, self.i = self.buf[self.i:], self.base + self.i, 0
-        nxt = next(self.chunks, None)
-        self.eof = nxt is None
-        self.buf += nxt or ""
-        return not self.eof
-
-    def _skip_ws(self) -> str:
-        while True:
-            while self.i < len(self.buf) and self.buf[self.i] in " \t\n\r":
-                self.i += 1
-            if self.i < len(self.buf) or not self._more():
-                return self.buf[self.i] if self.i < len(self.buf) else ""
-
-    def _value(self) -> str:
-        decoder = json.JSONDecoder()
-        while True:
-            try:
-                _, end = decoder.raw_decode(self.buf, self.i)
-                text, self.i = self.buf[self.i:end], end
-                return text.replace("\n", " ").replace("\r", " ")
-            except json.JSONDecodeError as exc:
-                if len(self.buf) - self.i > MAX_ELEMENT_CHARS or not self._more():
-                    raise ValueError(f"element {self.index}: {exc.msg} (character {self.base + exc.pos})") from None
-
-    def __iter__(self) -> Iterator[str]:
-        first = self._skip_ws()
-        if first != "[":
-            value = self._value() if first else ""
-            self.shape = "lines" if self._skip_ws() else "value"
-            if self.shape == "value" and value:
-                yield value
-            return
-        self.shape, self.i = "array", self.i + 1
-        if self._skip_ws() == "]":
-            self.i += 1
-        else:
-            while True:
-                yield self._value()
-                self.index += 1
-                sep = self._skip_ws()
-                self.i += 1
-                if sep == "]":
-                    break
-                if sep != ",":
-                    raise ValueError(f"element {self.index}: expected ',' or ']', got {sep or 'the end of the file'!r}")
-                self._skip_ws()
-        if self._skip_ws():
-            raise ValueError(f"data after the closing ']' (character {self.base + self.i})")
-
-
-def convert(path: str, out: Path, block_bytes: int) -> Tuple[str, int, Optional[LineScanner], Optional[Tuple[str, str]]]:
-    """Write the JSONL copy of `path` into `out` if it needs one. Returns (read path, loc_base, scanner of the copy
-    or None when `path` itself is read, problem)."""
-    kind = file_kind(path)
-    scanner = LineScanner(block_bytes)
-    if kind == "jsonl.gz":
-        with atomic_writer(out) as fh, gzip.open(path, "rb") as src:
-            for block in iter(lambda: src.read(CHUNK), b""):
-                fh.write(block)
-                scanner.feed(block)
-        return str(out), 0, scanner, None
-    elements = JsonElements(path)
-    try:
-        with atomic_writer(out) as fh:
-            for text in elements:
-                line = (text + "\n").encode("utf-8")
-                fh.write(line)
-                scanner.feed(line)
-    except (ValueError, UnicodeDecodeError) as exc:
-        reason = "invalid_utf8" if isinstance(exc, UnicodeDecodeError) else "invalid_json"
-        return path, 0, None, (reason, f"whole file: {exc}")
-    if elements.shape == "lines":  # JSON lines in a .json file: read as JSONL (decompressed when gzipped)
-        out.unlink(missing_ok=True)
-        if kind == "json.gz":
-            return convert_gzip_lines(path, out, block_bytes)
-        return path, 0, None, None
-    if elements.shape == "value" and scanner.samples == 1 and not _is_object_line(out):
-        return path, 0, None, ("not_an_object", "top level is not an array of rows")
-    return str(out), -1, scanner, None
-
-
-def convert_gzip_lines(path: str, out: Path, block_bytes: int):
-    scanner = LineScanner(block_bytes)
-    with atomic_writer(out) as fh, gzip.open(path, "rb") as src:
-        for block in iter(lambda: src.read(CHUNK), b""):
-            fh.write(block)
-            scanner.feed(block)
-    return str(out), 0, scanner, None
-
-
-def _is_object_line(path: Path) -> bool:
-    with open(path, "rb") as fh:
-        return fh.read(1) == b"{"
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Index files (cached by content hash)
 
 
@@ -271,20 +138,15 @@ def _index_one(name: str, digest: str, block_bytes: int, root: Path, scanner: Op
     if fi is not None:
         return fi
     problem: Optional[Tuple[str, str]] = None
-    if file_kind(name) == "jsonl":
-        read_path, loc_base = name, 0
-        if scanner is None or scanner.pos != os.path.getsize(name):
-            scanner = LineScanner(block_bytes)
-            with open(name, "rb") as fh:
-                for block in iter(lambda: fh.read(CHUNK), b""):
-                    scanner.feed(block)
-    else:
-        read_path, loc_base, scanner, problem = convert(name, root / f"{digest}.jsonl", block_bytes)
-        if scanner is None and problem is None:  # JSON lines in a plain .json: the file itself
-            scanner = LineScanner(block_bytes)
-            with open(name, "rb") as fh:
-                for block in iter(lambda: fh.read(CHUNK), b""):
-                    scanner.feed(block)
+    read_path, loc_base = name, 0
+    if file_kind(name) != "jsonl":
+        try:
+            read_path, loc_base, scanner, problem = convert(name, root / f"{digest}.jsonl",
+                                                            lambda: LineScanner(block_bytes))
+        except (OSError, EOFError, zlib.error) as exc:  # a truncated or corrupt gzip stream
+            raise DataError(f"{name}: cannot be decompressed ({exc})") from None
+    if problem is None and (scanner is None or scanner.pos != os.path.getsize(read_path)):
+        scanner = _scan(read_path, block_bytes)  # not fed while hashing (memo hit), or JSON lines read in place
     count, offsets, lines, firsts = scanner.finish() if scanner is not None else (0, *(np.zeros(0, np.int64),) * 3)
     if problem is None and count == 0:
         problem = ("empty_file", "no rows")
@@ -294,6 +156,14 @@ def _index_one(name: str, digest: str, block_bytes: int, root: Path, scanner: Op
     if keep:
         _save(cached, fi)
     return fi
+
+
+def _scan(path: str, block_bytes: int) -> LineScanner:
+    scanner = LineScanner(block_bytes)
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(CHUNK), b""):
+            scanner.feed(block)
+    return scanner
 
 
 def _save(path: Path, fi: FileIndex) -> None:

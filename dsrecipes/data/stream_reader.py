@@ -12,7 +12,8 @@ from typing import Any, Callable, Iterator, List, Tuple
 
 import numpy as np
 
-from dsrecipes.data.stream_plan import LocalShuffle, Segment, Visits, items_at, stretch_positions
+from dsrecipes.data.stream_plan import Visits, items_at
+from dsrecipes.data.stream_segments import LocalShuffle, Segment, stretch_positions
 
 Item = Tuple[int, int, bytes, int]  # (file index, location, raw line, copy)
 ReadBlock = Callable[[int], List[Tuple[int, int, bytes]]]  # global block -> (file, location, raw) of kept samples

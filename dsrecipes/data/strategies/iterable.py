@@ -22,7 +22,8 @@ from torch.utils.data import IterableDataset
 from dsrecipes.data.plan import Layout
 from dsrecipes.data.sampler import StreamSpec, StreamTooShort
 from dsrecipes.data.stream_index import BlockSource, StreamIndex
-from dsrecipes.data.stream_plan import LocalShuffle, Segment, epoch_segment, epoch_visits
+from dsrecipes.data.stream_plan import epoch_visits
+from dsrecipes.data.stream_segments import LocalShuffle, Segment, epoch_segment
 from dsrecipes.data.stream_reader import ItemFetcher, read_stretch
 from dsrecipes.data.strategies.base import Batch, Row, TrainLoader
 from dsrecipes.errors import DataError
