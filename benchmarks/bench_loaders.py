@@ -8,9 +8,9 @@ workers, in samples/s and tokens/s (real tokens of the collated micro-batches), 
 parses, tokenizes and collates the same JSONL in one process. `map` excludes its one-off `prepare` (reported
 separately, it is cached); `presharded` excludes `dsrecipes shard` (also reported).
 
-Memory: a child process per size runs a full epoch of data=iterable (rank 0 of a world of 32, no workers: it scans
-every line and tokenizes 1/32 of them) over one JSONL file of N conversations and reports its peak RSS (ru_maxrss)
-and the RSS before iterating.
+Memory: a child process per size runs a full epoch of data=iterable (rank 0 of a world of 32, no workers: it reads
+and tokenizes its 1/32 of the blocks) over one JSONL file of N conversations and reports its peak RSS (ru_maxrss)
+and the RSS before iterating (the stream index, built by the loader here, is part of it).
 """
 
 from __future__ import annotations

@@ -290,8 +290,8 @@ def test_json_array_and_gzip_stream_with_their_positions(make_cfg, tmp_path, mon
     lines.write_bytes(gzip.compress(b"\n".join(json.dumps(r).encode() for r in rows[:7]) + b"\n"))
     jl = tmp_path / "jl.json"
     jl.write_text("\n".join(json.dumps(r) for r in rows[:4]), encoding="utf-8")
-    cfg = make_cfg("data=iterable", f"dataset.paths=[{arr},{gz},{lines},{jl}]", f"data.cache_dir={tmp_path / 'c'}")
-    index = index_stream(cfg)
+    cfg_args = ("data=iterable", f"dataset.paths=[{arr},{gz},{lines},{jl}]", f"data.cache_dir={tmp_path / 'c'}")
+    index = index_stream(make_cfg(*cfg_args))
     assert [(fi.count, fi.loc_base) for fi in index.files] == [(40, -1), (5, -1), (7, 0), (4, 0)]
     assert index.files[3].path == str(jl)  # JSON lines in a .json file are read in place
     src = BlockSource(index)
@@ -299,6 +299,11 @@ def test_json_array_and_gzip_stream_with_their_positions(make_cfg, tmp_path, mon
         got = src.rows([(f, i) for i in range(index.files[f].count)])
         want = [(r.loc, r.value) for r in read_rows(str(name))]
         assert [(loc, json.loads(raw)) for _, loc, raw in got] == want  # map's locations and values
+    copies = {f.path: Path(f.path).stat().st_mtime_ns for f in index.files if f.path != f.name}
+    assert len(copies) == 3
+    other = index_stream(make_cfg(*cfg_args, "data.block_bytes=300"))  # another block size: the copies are reused
+    assert [f.count for f in other.files] == [40, 5, 7, 4]
+    assert {p: Path(p).stat().st_mtime_ns for p in copies} == copies
 
 
 def test_broken_json_array_names_the_element(make_cfg, tmp_path):
@@ -347,3 +352,41 @@ def test_index_survives_the_run_directory(make_cfg, tmp_path):
     Path(paths[1]).write_text("{}\n")
     with pytest.raises(DataError, match="changed since the launching process indexed it"):
         back.verify()
+
+
+def test_val_paths_are_the_validation_set(make_cfg, tmp_path):
+    """dataset.val_paths: every row of those files is evaluated (tokenized like training rows), none is trained."""
+    from dsrecipes.data.strategies import build_eval_loader, build_train_loader
+    from dsrecipes.model import load_tokenizer
+    from dsrecipes.paths import SAMPLE_DATA_DIR
+
+    lines = (SAMPLE_DATA_DIR / "train.jsonl").read_text(encoding="utf-8").splitlines()
+    (tmp_path / "train.jsonl").write_text("\n".join(lines[:60]) + "\n", encoding="utf-8")
+    (tmp_path / "val.json").write_text(json.dumps([json.loads(x) for x in lines[60:71]]), encoding="utf-8")
+    cfg = make_cfg("data=iterable", f"dataset.paths=[{tmp_path / 'train.jsonl'}]", f"dataset.val_paths=[{tmp_path / 'val.json'}]",
+                   "dataset.val_size=5", f"data.cache_dir={tmp_path / 'c'}", "trainer.micro_batch_size=4")
+    tok = load_tokenizer(cfg)
+    val = [i for r in range(2) for b in build_eval_loader(cfg, tok, r, 2, tmp_path) for i in b["ids"]]
+    want = {json.loads(x).get("id") or f"val.json:{k}" for k, x in enumerate(lines[60:71])}
+    assert sorted(val) == sorted(want)  # all 11 rows, none held out of the training files (val_size unused)
+    train = build_train_loader(cfg, tok, 0, 1, tmp_path)
+    assert train.planned == 60
+    assert not {i for b in train for i in b["ids"]} & want
+
+
+def test_epochs_leave_no_open_files(tmp_path):
+    """A rank without DataLoader workers reads every epoch in its own process: file descriptors are given back."""
+    import os
+
+    paths = write_corpus(tmp_path, [40, 30, 20])
+    loader = make_loader(index_spec(StreamSpec(tuple(paths)), block_bytes=256), Layout(1, 2, 1, 0), 0)
+    loader.collate_fn = lambda rows: {"ids": [i for r in rows for i in r["ids"]]}
+    before = len(os.listdir("/proc/self/fd"))
+    for epoch in range(4):
+        loader.set_epoch(epoch)
+        it = iter(loader)
+        next(it)
+        if epoch % 2:
+            list(it)  # a whole epoch; the others are abandoned after one batch, as a step budget does
+        del it
+    assert len(os.listdir("/proc/self/fd")) <= before

@@ -140,11 +140,7 @@ def _index_one(name: str, digest: str, block_bytes: int, root: Path, scanner: Op
     problem: Optional[Tuple[str, str]] = None
     read_path, loc_base = name, 0
     if file_kind(name) != "jsonl":
-        try:
-            read_path, loc_base, scanner, problem = convert(name, root / f"{digest}.jsonl",
-                                                            lambda: LineScanner(block_bytes))
-        except (OSError, EOFError, zlib.error) as exc:  # a truncated or corrupt gzip stream
-            raise DataError(f"{name}: cannot be decompressed ({exc})") from None
+        read_path, loc_base, scanner, problem = _converted(name, root / f"{digest}.jsonl", block_bytes, keep)
     if problem is None and (scanner is None or scanner.pos != os.path.getsize(read_path)):
         scanner = _scan(read_path, block_bytes)  # not fed while hashing (memo hit), or JSON lines read in place
     count, offsets, lines, firsts = scanner.finish() if scanner is not None else (0, *(np.zeros(0, np.int64),) * 3)
@@ -156,6 +152,30 @@ def _index_one(name: str, digest: str, block_bytes: int, root: Path, scanner: Op
     if keep:
         _save(cached, fi)
     return fi
+
+
+def _converted(name: str, out: Path, block_bytes: int, keep: bool) -> Tuple[str, int, Any, Optional[Tuple[str, str]]]:
+    """(read path, loc_base, scanner or None, problem) of a file needing conversion. A copy already in the cache
+    (content-addressed, written atomically, described by `<hash>.convert.json`) is reused as it is: converting again
+    would change its modification time under runs that read it."""
+    meta_path = out.with_suffix(".convert.json")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8")) if keep else None
+    except (OSError, ValueError):
+        meta = None
+    if meta is not None and (meta["path"] == name or out.is_file()):
+        problem = tuple(meta["problem"]) if meta["problem"] else None
+        return name if meta["path"] == name else str(out), meta["loc_base"], None, problem
+    try:
+        read_path, loc_base, scanner, problem = convert(name, out, lambda: LineScanner(block_bytes))
+    except (OSError, EOFError, zlib.error) as exc:  # a truncated or corrupt gzip stream
+        raise DataError(f"{name}: cannot be decompressed ({exc})") from None
+    if keep:
+        from dsrecipes.fileio import atomic_write_json
+
+        path = name if read_path == name else "converted"
+        atomic_write_json(meta_path, {"path": path, "loc_base": loc_base, "problem": problem})
+    return read_path, loc_base, scanner, problem
 
 
 def _scan(path: str, block_bytes: int) -> LineScanner:

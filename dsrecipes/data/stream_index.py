@@ -33,9 +33,6 @@ ARRAYS_FILE = "stream_index.npz"
 STREAM_VERSION = 1
 BLOCKS_PER_STREAM = 1 << 16  # automatic block size: the stream's bytes / this, within [4 KiB, 1 MiB]
 
-Item = Tuple[int, int, bytes, int]  # (file index, location: line or array element, raw line, copy)
-
-
 def auto_block_bytes(total_bytes: int) -> int:
     return int(min(1 << 20, max(1 << 12, 1 << max(0, int(total_bytes // BLOCKS_PER_STREAM).bit_length()))))
 
@@ -102,7 +99,8 @@ class StreamIndex:
             except OSError:
                 raise DataError(f"{fi.path}: missing on this node (indexed by the launching process for {fi.name}); "
                                 "data.cache_dir must be on storage every node sees") from None
-            if (st.st_size, st.st_mtime_ns) != (fi.size, fi.mtime_ns):
+            same = st.st_size == fi.size and (st.st_mtime_ns == fi.mtime_ns or fi.path != fi.name)  # copies: by content
+            if not same:
                 raise DataError(f"{fi.name}: changed since the launching process indexed it; start the run again")
 
 

@@ -60,10 +60,11 @@ def runs_keep(runs: np.ndarray, keep: np.ndarray) -> np.ndarray:
 
 
 def merge_runs(rows: np.ndarray) -> np.ndarray:
+    """The union of [start, stop) rows as sorted, disjoint runs (touching rows merged)."""
     if rows.size == 0:
         return np.zeros((0, 2), dtype=np.int64)
     rows = rows[np.argsort(rows[:, 0], kind="stable")]
-    new = np.concatenate(([True], rows[1:, 0] > rows[:-1, 1]))
+    new = np.concatenate(([True], rows[1:, 0] > np.maximum.accumulate(rows[:, 1])[:-1]))
     starts = rows[new, 0]
     stops = np.maximum.reduceat(rows[:, 1], np.flatnonzero(new))
     return np.stack((starts, stops), axis=1).astype(np.int64)

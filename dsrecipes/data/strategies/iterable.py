@@ -74,9 +74,14 @@ class StreamTrainLoader(TrainLoader):
         """(micro, items) of DataLoader worker `worker`: it serves stretch (worker + start_micro) % W."""
         seg, sh = self.segment(epoch), self.local_shuffle(epoch)
         v = (worker + start_micro) % self.layout.readers_per_rank
-        source = BlockSource(self.index) if source is None else source
+        own = source is None
+        source = BlockSource(self.index) if own else source
         fetch = ItemFetcher(epoch_visits(self.table, self.seed, epoch, self.shuffle), source.block, sh)
-        return read_stretch(seg, self.rank, v, seg.micros(v, 0, start_micro), sh, fetch)
+        try:
+            yield from read_stretch(seg, self.rank, v, seg.micros(v, 0, start_micro), sh, fetch)
+        finally:
+            if own:
+                source.close()  # file descriptors: a rank without workers reads every epoch in its own process
 
     def _batches(self, offset: int, start_micro: int) -> Iterator[Batch]:
         if self.planned > self.total:
