@@ -46,7 +46,7 @@ def prepare_stream(cfg: TrainConfig, run_dir: Path) -> Tuple[int, str]:
                         f"set data.num_samples={total} or leave it unset")
     blocks = int(index.blocks["count"].size)
     print(f"data: stream indexed: {len(index.files)} files, {index.num_lines} lines in {blocks} blocks of "
-          f"~{index.block_bytes} bytes, {len(index.val_refs())} validation rows, {rows} training samples per epoch "
+          f"~{index.block_bytes} bytes, {index.num_val} validation rows, {rows} training samples per epoch "
           f"({time.perf_counter() - started:.1f} s)", file=sys.stderr)
     return rows, data_fingerprint(cfg, resolve_sources(cfg.dataset))
 

@@ -82,6 +82,10 @@ class StreamIndex:
         source = np.asarray(self.file_source, dtype=np.int64)[b["file"]] if b["file"].size else b["file"]
         return BlockTable(b["count"] - held, source, tuple(w for _, w in self.sources))
 
+    @property
+    def num_val(self) -> int:
+        return sum(self.caps[f] for f in self.val_files) if self.val_files else int(self.holdout.size)
+
     def val_refs(self) -> List[Tuple[int, int]]:
         """(file, sample number in the file) of every validation row, in natural order."""
         if self.val_files:
