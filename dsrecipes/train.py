@@ -5,6 +5,11 @@ boundaries excluded; `model.token_loss_sum`). DeepSpeed divides each micro-batch
 gradients over ranks, so one optimizer step minimises the plain mean of its `grad_accum x world_size` micro-batch
 means: every micro-batch weighs the same, whatever its number of trained tokens. (Token-exact weighting would need
 the step's global token count before the first backward.) Logged `loss` is that same mean over the log window.
+
+Stopping. Every rank holds the run directory's rank lock while it runs (rundir.rank_lock). At each step boundary the
+ranks agree (step_guard.py) whether a loss was non-finite (the step is never applied: `trainer.nan_policy`) and
+whether a SIGTERM/SIGINT arrived (stopping.py): then they save a checkpoint at that step and end with the signal's
+exit code. Rank 0 writes how the ranks ended into rank_outcome.json for the launching process.
 """
 
 from __future__ import annotations
@@ -18,15 +23,17 @@ from typing import Any, Dict, Iterator, Optional
 import numpy as np
 import torch
 
+import dsrecipes.stopping as stopping
 from dsrecipes.checkpoint import ResumePoint, TrainState, load_checkpoint, open_resume, save_checkpoint
-from dsrecipes.config.schema import TrainConfig
+from dsrecipes.config.schema import NanPolicy, TrainConfig
 from dsrecipes.distributed import all_ranks, finish_distributed, init_distributed
-from dsrecipes.errors import DataError
+from dsrecipes.errors import DataError, RunInterrupted, TrainingFailed, UserError
 from dsrecipes.export import EXPORT_DIR, EXPORT_INIT_DIR, export_checkpoint, export_initial
 from dsrecipes.metrics import MetricsLogger, Window
 from dsrecipes.model import build_model, count_parameters, load_tokenizer, micro_batch_loss, trainable_parameters
-from dsrecipes.rundir import read_ds_config
+from dsrecipes.rundir import CHECKPOINTS_DIR, rank_lock, read_ds_config, write_outcome
 from dsrecipes.runplan import RunPlan, read_plan
+from dsrecipes.step_guard import StepGuard, discard_step, nonfinite, pause_for_signal
 
 
 @dataclass
@@ -48,9 +55,19 @@ class Session:
 
 def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
     """Train `cfg` in `run_dir` (written by the launching process: config.yaml, plan.json, ds_config.json)."""
-    session = start(cfg, Path(run_dir))
-    loop(session)
-    finish(session)
+    run_dir = Path(run_dir)
+    lock = rank_lock(run_dir)
+    try:
+        with stopping.handling():
+            session = start(cfg, run_dir)
+            try:
+                loop(session)
+            except (RunInterrupted, TrainingFailed) as exc:
+                stopped(session, exc)
+                raise
+            finish(session)
+    finally:
+        lock.release()
     return session.state
 
 
@@ -61,6 +78,7 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
     from dsrecipes.data.strategies import build_eval_loader, build_train_loader
 
     plan = read_plan(run_dir)
+    check_plan_current(plan, run_dir)
     seed_everything(cfg.trainer.seed)
     rank, world_size = init_distributed()
     if world_size != plan.world_size:
@@ -86,6 +104,7 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
 def loop(s: Session) -> None:
     """Micro-batches until the planned last step: forward/backward/step, then per step log, evaluate, save."""
     t, engine, state, total = s.cfg.trainer, s.engine, s.state, s.plan.total_steps
+    guard = StepGuard(s.plan.world_size, engine.device, s.rank)
     window = Window()
     window.reset()
     clock_start = time.perf_counter() - state.elapsed
@@ -94,23 +113,37 @@ def loop(s: Session) -> None:
     for batch in batches:
         closes_step = engine.is_gradient_accumulation_boundary()
         loss, _ = micro_batch_loss(engine, batch, engine.device)
+        loss = guard.add(loss, batch, state.step + 1)
         engine.backward(loss)
-        if closes_step and logs_at(state.step + 1, total, t):
-            lr, grad_norm = engine.get_lr()[0], untracked_grad_norm(engine)  # the values this step applies
-        engine.step()
-        window.add(loss, batch)
         if s.ledger is not None:
             s.ledger.record(batch["epoch"], state.step + 1, batch["ids"])
         if not closes_step:
             continue
+        bad, stop = guard.agree(stopping.requested() is not None)  # collective: every rank decides alike
+        if bad:
+            nonfinite(t.nan_policy is NanPolicy.skip, guard, state.step + 1, t.nan_max_skips)
+            guard.take_pending()
+            discard_step(engine, state.step + 1)
+            state.skipped_steps += 1
+            s.metrics.info(f"step {state.step + 1}: non-finite loss, step skipped ({state.skipped_steps} so far)")
+        else:
+            guard.skipped_in_a_row = 0
+            if logs_at(state.step + 1, total, t) or stop:
+                lr, grad_norm = engine.get_lr()[0], untracked_grad_norm(engine)  # the values this step applies
+            engine.step()
+            for micro_loss, micro_batch in guard.take_pending():
+                window.add(micro_loss, micro_batch)
         state.step += 1
         s.metrics.step()
-        if logs_at(state.step, total, t):
+        if (logs_at(state.step, total, t) or stop) and not bad:
             state.elapsed = time.perf_counter() - clock_start
             tracked = engine.get_global_grad_norm()
             log_window(s.metrics, window, state, lr, grad_norm if tracked is None else tracked)
         with window.paused():  # tokens/s counts training time only
             after_step(s)
+        if stop and state.step < total:  # at the last step the run simply ends (and exports)
+            stop_here(s)
+        pause_for_signal(state.step, s.rank, stopping.requested)
         if state.step >= total:
             break
 
@@ -122,7 +155,36 @@ def after_step(s: Session) -> None:
     if s.eval_loader is not None and (final or due(step, t.eval_every)):
         s.metrics.log_eval(step, evaluate(s.engine, s.eval_loader, t.eval_batches))
     if final or due(step, t.save_every):
-        s.last_checkpoint = save_checkpoint(s.engine, s.train_loader, s.state, s.run_dir, keep=t.keep_checkpoints)
+        save(s)
+
+
+def save(s: Session) -> None:
+    lora = s.cfg.model.lora.enabled  # the frozen base is rebuilt from model.path, so it is not saved
+    record = {"data_fingerprint": s.plan.data_fingerprint, "data_files": s.plan.data_files}
+    s.last_checkpoint = save_checkpoint(s.engine, s.train_loader, s.state, s.run_dir,
+                                        keep=s.cfg.trainer.keep_checkpoints, frozen_excluded=lora, record=record)
+
+
+def stop_here(s: Session) -> None:
+    """Every rank, at the boundary where they agreed to stop: checkpoint this step (unless after_step just did)."""
+    if s.last_checkpoint is None or s.last_checkpoint.name != f"step_{s.state.step}":
+        save(s)
+    raise RunInterrupted(stopping.requested() or 15, s.state.step)
+
+
+def stopped(s: Session, exc: Exception) -> None:
+    """Rank 0 records how the run ended; the sinks are closed (metrics.jsonl, plot, ledger) on every rank."""
+    if s.ledger is not None:
+        s.ledger.close()
+    s.metrics.close()
+    if s.rank != 0:
+        return
+    if isinstance(exc, RunInterrupted):
+        write_outcome(s.run_dir, {"status": "interrupted", "signal": exc.exit_code - 128, "stopped_at_step": exc.step,
+                                  "skipped_steps": s.state.skipped_steps})
+    else:
+        write_outcome(s.run_dir, {"status": "failed", "error": str(exc), "failed_step": getattr(exc, "step", None),
+                                  "skipped_steps": s.state.skipped_steps})
 
 
 def finish(s: Session) -> None:
@@ -134,6 +196,8 @@ def finish(s: Session) -> None:
     if s.rank == 0 and s.cfg.trainer.export:
         out = export_checkpoint(s.run_dir, s.last_checkpoint, s.run_dir / EXPORT_DIR, s.cfg)
         s.metrics.info(f"exported Hugging Face model: {out}")
+    if s.rank == 0:
+        write_outcome(s.run_dir, {"status": "ok", "skipped_steps": s.state.skipped_steps})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -146,6 +210,19 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+
+
+def check_plan_current(plan: RunPlan, run_dir: Path) -> None:
+    """Ranks started from an old plan (a SLURM job requeued with its original plan.json, launch.txt re-run by hand)
+    must not train over checkpoints committed since: the launching process has to plan the resume."""
+    from dsrecipes.checkpoint_find import committed
+
+    newest = committed(run_dir / CHECKPOINTS_DIR)
+    name = newest[0].name if newest else None
+    if name != plan.newest_checkpoint:
+        raise UserError(f"{run_dir}: checkpoint {name} was committed after this run was planned (plan.json knows "
+                        f"{plan.newest_checkpoint}); start it through `python -m dsrecipes` with "
+                        f"trainer.output_dir={run_dir}, which plans the resume")
 
 
 def check_loader(loader: Any, plan: RunPlan) -> None:
@@ -219,6 +296,9 @@ def untracked_grad_norm(engine: Any) -> Optional[float]:
 def log_window(metrics: MetricsLogger, window: Window, state: TrainState, lr: float, grad_norm: Any) -> None:
     """Reduce the log window over ranks (collective) and write one metrics line on rank 0."""
     totals = window.reduce()
+    if totals["micro_batches"] == 0:  # every step of the window was skipped (non-finite): nothing to report
+        window.reset()
+        return
     state.samples_seen += int(totals["samples"])
     metrics.log_train(
         step=state.step,

@@ -6,15 +6,24 @@ pinned to 1.3.x): a single run is composed exactly once, validated by `load_conf
 any output directory exists), and then run as a Hydra job (`run_job`: run directory, `.hydra/`, callbacks) with the
 already typed config. `-m` sweeps go through Hydra's sweeper, each job validating its own composition. The
 informational flags (`--cfg`, `--help`, `--info`, ...) are handed to Hydra unchanged.
+
+Run directories: a single run's directory is `trainer.output_dir` when set (Hydra's job files go there too), else
+Hydra's `hydra.run.dir` pattern made unique by an atomic mkdir (two runs started in the same second get two
+directories; likewise a sweep's `hydra.sweep.dir`). It is claimed (rundir.claim: owned, locked) before Hydra or
+dsrecipes writes anything into it, and held until result.json is written. A run stopped by SIGTERM/SIGINT ends
+with status `interrupted` and prints the command that resumes it.
 """
 
 from __future__ import annotations
 
+import os
+import shlex
+import signal
 import sys
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
-from dsrecipes.config.load import clean_hydra_message, load_config, register_schemas
+from dsrecipes.config.load import clean_hydra_message, config_to_dict, load_config, register_schemas
 from dsrecipes.config.schema import TrainConfig
 from dsrecipes.errors import ConfigError, UserError
 
@@ -24,6 +33,9 @@ TASK_NAME = "dsrecipes"
 
 class _Outcome:
     exit_code = 0
+    interrupted = False
+    argv: List[str] = []
+    sweep_dirs: set = set()  # the overrides of this invocation (for the resume command)
 
 
 def main(argv: List[str]) -> int:
@@ -34,11 +46,14 @@ def main(argv: List[str]) -> int:
     informational = args.help or args.hydra_help or args.cfg or args.info or args.shell_completion
     register_schemas()
     _Outcome.exit_code = 0
+    _Outcome.interrupted = False
+    _Outcome.sweep_dirs = set()
+    _Outcome.argv = list(args.overrides)
     if informational:
         _hydra_informational(parser, args)
     elif args.multirun:
         _with_hydra(lambda hydra: hydra.multirun(config_name=CONFIG_NAME, task_function=_job,
-                                                 overrides=list(args.overrides)))
+                                                 overrides=_unique_sweep_dir(hydra, list(args.overrides))))
     else:
         _with_hydra(lambda hydra: _run_once(hydra, list(args.overrides)))
     return _Outcome.exit_code
@@ -59,32 +74,82 @@ def _with_hydra(body: Any) -> Any:
         GlobalHydra.instance().clear()
 
 
-def _compose(hydra: Any, overrides: List[str]) -> Any:
+def _compose(hydra: Any, overrides: List[str], multirun: bool = False) -> Any:
     from hydra.types import RunMode
 
     try:
-        return hydra.compose_config(config_name=CONFIG_NAME, overrides=overrides, run_mode=RunMode.RUN,
-                                    with_log_configuration=True)
+        return hydra.compose_config(config_name=CONFIG_NAME, overrides=overrides, with_log_configuration=not multirun,
+                                    run_mode=RunMode.MULTIRUN if multirun else RunMode.RUN)
     except Exception as exc:  # Hydra raises many types; all are user mistakes in a composition
         raise ConfigError(clean_hydra_message(exc)) from None
 
 
+def _overridden(overrides: Sequence[str], key: str) -> bool:
+    return any(ov.split("=", 1)[0].lstrip("+~") == key for ov in overrides)
+
+
+def _quoted(path: Path) -> str:
+    return "'" + str(path).replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _unique_sweep_dir(hydra: Any, overrides: List[str]) -> List[str]:
+    """Hydra's default sweep directory (a date and a time) made unique per invocation."""
+    from dsrecipes.rundir import unique_new_dir
+
+    if _overridden(overrides, "hydra.sweep.dir"):
+        return overrides
+    composed = _compose(hydra, overrides, multirun=True)
+    return overrides + [f"hydra.sweep.dir={_quoted(unique_new_dir(Path(str(composed.hydra.sweep.dir))))}"]
+
+
 def _run_once(hydra: Any, overrides: List[str]) -> None:
-    """One composition, one validation, one Hydra job (what `Hydra.run` does, minus its second compose)."""
+    """One composition, one validation, one claimed run directory, one Hydra job (what `Hydra.run` does, minus its
+    second compose)."""
     from hydra._internal.callbacks import Callbacks
     from hydra.core.utils import run_job
     from hydra.types import HydraContext, RunMode
 
+    from dsrecipes.entry import check_machine, decide, with_run_dir
+    from dsrecipes.resume_contract import identity_fingerprint
+    from dsrecipes.rundir import claim
+
     composed = _compose(hydra, overrides)
     cfg = load_config(composed, overrides=overrides)  # exit 2 here: no run directory is created
     composed.hydra.mode = RunMode.RUN
-    callbacks = Callbacks(composed)
-    callbacks.on_run_start(config=composed, config_name=CONFIG_NAME)
-    ret = run_job(hydra_context=HydraContext(config_loader=hydra.config_loader, callbacks=callbacks),
-                  task_function=lambda _: _run_job(cfg), config=composed, job_dir_key="hydra.run.dir",
-                  job_subdir_key=None, configure_logging=True)
-    callbacks.on_run_end(config=composed, config_name=CONFIG_NAME, job_return=ret)
+    check_machine(cfg)
+    run_dir, key = _single_run_dir(composed, cfg, overrides)
+    cfg = with_run_dir(cfg, run_dir)
+    with claim(run_dir, key, identity_fingerprint(config_to_dict(cfg))):  # exit 2 here: nothing touched
+        decision = decide(cfg)  # exit 2 here (a resume the checkpoint cannot take): nothing written, not .hydra/
+        callbacks = Callbacks(composed)
+        callbacks.on_run_start(config=composed, config_name=CONFIG_NAME)
+        ret = run_job(hydra_context=HydraContext(config_loader=hydra.config_loader, callbacks=callbacks),
+                      task_function=lambda _: _run_claimed(cfg, run_dir, False, decision), config=composed,
+                      job_dir_key="hydra.run.dir", job_subdir_key=None, configure_logging=True)
+        callbacks.on_run_end(config=composed, config_name=CONFIG_NAME, job_return=ret)
     _ = ret.return_value  # re-raises what the job raised (a bug, not a user error)
+
+
+def _single_run_dir(composed: Any, cfg: TrainConfig, overrides: List[str]) -> tuple:
+    """(run directory, the setting that names it). Hydra's job directory becomes the run directory (with
+    trainer.output_dir set, hydra.run.dir is ignored), so `.hydra/` lands inside the claimed directory only."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import read_write
+
+    from dsrecipes.rundir import unique_new_dir
+
+    if cfg.trainer.output_dir:
+        run_dir, key = Path(cfg.trainer.output_dir).expanduser().resolve(), "trainer.output_dir"
+    else:
+        HydraConfig.instance().set_config(composed)  # the pattern may use ${hydra:...}
+        pattern = Path(str(composed.hydra.run.dir)).expanduser()
+        if _overridden(overrides, "hydra.run.dir"):
+            run_dir, key = pattern.resolve(), "hydra.run.dir"
+        else:
+            run_dir, key = unique_new_dir(pattern).resolve(), "hydra.run.dir"
+    with read_write(composed.hydra.run):
+        composed.hydra.run.dir = str(run_dir)
+    return run_dir, key
 
 
 def _hydra_informational(parser: Any, args: Any) -> None:
@@ -100,6 +165,9 @@ def _job(composed: Any) -> None:
     """A job of a sweep: validate its own composition, then run it like a single run."""
     from hydra.core.hydra_config import HydraConfig
 
+    if _Outcome.interrupted:  # a stop signal ends the sweep, not only its current job
+        print(f"skipped (the sweep was interrupted): {HydraConfig.get().runtime.output_dir}", file=sys.stderr)
+        return
     try:
         cfg: Optional[TrainConfig] = load_config(composed, overrides=list(HydraConfig.get().overrides.task))
     except UserError as exc:
@@ -109,23 +177,50 @@ def _job(composed: Any) -> None:
 
 
 def _run_job(cfg: TrainConfig) -> None:
-    """Run one validated job in Hydra's job directory. A failure is reported (result.json), never raised to Hydra,
-    except a bug in a single run, which keeps its traceback."""
+    """Run one validated job of a sweep in its run directory, claimed here. A failure is reported (result.json),
+    never raised to Hydra."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from dsrecipes.entry import run, with_run_dir
-    from dsrecipes.rundir import write_result
+    from dsrecipes.entry import check_machine, with_run_dir
+    from dsrecipes.resume_contract import identity_fingerprint
+    from dsrecipes.rundir import claim
 
     hc = HydraConfig.get()
-    multirun = hc.mode is RunMode.MULTIRUN
-    cfg = with_run_dir(cfg, Path(hc.runtime.output_dir))
+    job_dir = Path(hc.runtime.output_dir)
+    cfg = with_run_dir(cfg, job_dir)
     run_dir = Path(cfg.trainer.output_dir)
     try:
-        code = run(cfg)
+        if run_dir in _Outcome.sweep_dirs:
+            raise UserError(f"trainer.output_dir: {run_dir} is already the directory of an earlier job of this sweep; "
+                            "each job needs its own (leave trainer.output_dir unset in sweeps)")
+        _Outcome.sweep_dirs.add(run_dir)
+        check_machine(cfg)
+        held = claim(run_dir, "trainer.output_dir", identity_fingerprint(config_to_dict(cfg)),
+                     hydra_job_dir=run_dir == job_dir.resolve())
+    except UserError as exc:
+        print(exc.render(), file=sys.stderr)  # nothing is written into a directory we do not hold
+        _Outcome.exit_code = _Outcome.exit_code or exc.exit_code
+        return
+    with held:
+        _run_claimed(cfg, run_dir, multirun=hc.mode is RunMode.MULTIRUN)
+
+
+def _run_claimed(cfg: TrainConfig, run_dir: Path, multirun: bool, decision: Any = None) -> None:
+    """Run in a claimed directory and write result.json (also for failures; not for a refused run)."""
+    import dsrecipes.stopping as stopping
+    from dsrecipes.entry import run
+    from dsrecipes.rundir import read_outcome, write_result
+
+    stopping.reset()
+    try:
+        code = run(cfg, decision)
     except UserError as exc:
         _report(run_dir, exc)
         return
+    except KeyboardInterrupt:  # Ctrl-C twice: stopped where it stood
+        _report_interrupted(run_dir, signal.SIGINT, {})
+        raise
     except Exception as exc:  # noqa: BLE001 - a sweep must go on; a single run re-raises
         if not multirun:
             raise
@@ -135,14 +230,54 @@ def _run_job(cfg: TrainConfig) -> None:
         write_result(run_dir, 1, f"{type(exc).__name__}: {exc}")
         _Outcome.exit_code = _Outcome.exit_code or 1
         return
-    status = "dry_run" if cfg.launcher.dry_run and code == 0 else "ok"
-    write_result(run_dir, code, None if code == 0 else f"ranks exited with code {code}", status)
+    outcome = read_outcome(run_dir) or {}
+    extra = {k: v for k, v in outcome.items() if k not in ("status", "error", "signal")}
+    signum = stopping.requested() or outcome.get("signal")
+    if outcome.get("status") == "ok":  # the ranks finished (a signal that came during the last step changes nothing)
+        code = 0
+    if signum is not None and code != 0:
+        code = _report_interrupted(run_dir, int(signum), extra)
+        _Outcome.interrupted = True  # a sweep stops too
+    elif code != 0:
+        write_result(run_dir, code, outcome.get("error") or f"ranks exited with code {code}", **extra)
+    else:
+        write_result(run_dir, 0, None, "dry_run" if cfg.launcher.dry_run else "ok", **extra)
     _Outcome.exit_code = _Outcome.exit_code or code
 
 
+def _report_interrupted(run_dir: Path, signum: int, extra: dict) -> int:
+    """result.json `interrupted`, the newest checkpoint and the exact command that continues the run."""
+    from dsrecipes.checkpoint_find import committed
+    from dsrecipes.rundir import write_result
+    from dsrecipes.stopping import exit_code
+
+    newest = committed(run_dir / "checkpoints")
+    checkpoint = str(newest[0]) if newest else None
+    command = resume_command(run_dir, keep_resume_from=not newest)
+    code = exit_code(signum)
+    name = signal.Signals(signum).name
+    where = f"last checkpoint: {checkpoint}" if checkpoint else "no checkpoint was written"
+    print(f"\ninterrupted by {name} ({where}). Resume with:\n  {command}", file=sys.stderr, flush=True)
+    extra = {**extra, "checkpoint": checkpoint, "resume_command": command}
+    write_result(run_dir, code, f"interrupted by {name}", "interrupted", **extra)
+    return code
+
+
+def resume_command(run_dir: Path, keep_resume_from: bool) -> str:
+    """This invocation again, into the same run directory with trainer.resume=auto (from the same directory)."""
+    drop = {"trainer.output_dir", "hydra.run.dir", "trainer.resume"}
+    if not keep_resume_from:
+        drop.add("trainer.resume_from")
+    kept = [ov for ov in _Outcome.argv if ov.split("=", 1)[0].lstrip("+~") not in drop]
+    args = [sys.executable, "-m", "dsrecipes", *kept, f"trainer.output_dir={run_dir}"]
+    return f"cd {shlex.quote(os.getcwd())} && {shlex.join(args)}"
+
+
 def _report(run_dir: Path, exc: UserError) -> None:
+    from dsrecipes.errors import Refused
     from dsrecipes.rundir import write_result
 
     print(exc.render(), file=sys.stderr)
-    write_result(run_dir, exc.exit_code, exc.render())
+    if not isinstance(exc, Refused):  # a refused run leaves the directory exactly as it was
+        write_result(run_dir, exc.exit_code, exc.render())
     _Outcome.exit_code = _Outcome.exit_code or exc.exit_code

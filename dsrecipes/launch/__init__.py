@@ -65,7 +65,8 @@ def launch(cfg: TrainConfig, run_dir: Path, *, worker_module: str = WORKER_MODUL
         raise UserError(missing)
     mine = [c for c in plan.commands if c.node_rank is None or c.node_rank == cfg.launcher.node_rank]
     for cmd in mine:
-        code = run_in_process(cmd, run_dir) if cmd.in_process else run_subprocess(cmd)
+        grace = cfg.trainer.stop_grace_s
+        code = run_in_process(cmd, run_dir, grace) if cmd.in_process else run_subprocess(cmd, grace)
         if code != 0:
             return code
     return 0

@@ -16,6 +16,15 @@ Batch = Dict[str, Any]
 Row = Dict[str, Any]
 
 
+def worker_ignores_stop_signals(_worker_id: int) -> None:
+    """DataLoader `worker_init_fn`: a SIGTERM/SIGINT sent to the whole process group must stop the rank at a step
+    boundary (stopping.py), not kill the worker that feeds it mid-step; workers end with their rank."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class TrainLoader:
     """Collated micro-batches of one rank. Iterating yields the rest of the current epoch from where it stands.
 
