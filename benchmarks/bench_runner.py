@@ -23,13 +23,17 @@ from pathlib import Path
 from typing import List, Tuple
 
 
+_CLAIMS: List[object] = []  # run directories held (locked) for the whole benchmark, as `python -m dsrecipes` does
+
+
 def make_run_dir(root: Path, name: str, overrides: List[str], steps: int, warmup: int) -> Tuple[object, Path]:
     from dsrecipes.config.load import compose_and_load
     from dsrecipes.entry import write_run_dir
+    from dsrecipes.rundir import claim
     from dsrecipes.topology import Topology
 
     run_dir = root / name
-    run_dir.mkdir(parents=True)
+    _CLAIMS.append(claim(run_dir, "benchmark run directory", "benchmark"))
     cfg = compose_and_load([
         *overrides, f"trainer.max_steps={steps}", f"trainer.log_every={warmup}", "trainer.save_every=0",
         "trainer.eval_every=0", "dataset.val_size=0", "trainer.export=false", "trainer.resume=never",

@@ -26,9 +26,10 @@ import os
 import random
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -85,8 +86,9 @@ def save_checkpoint(engine: Any, loader: Any, state: TrainState, run_dir: Path, 
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)  # left by a save of this step that was killed
     dist.barrier()
-    engine.save_checkpoint(str(root), tag=staging.name, client_state={"train_state": asdict(state)},
-                           save_latest=False, exclude_frozen_parameters=frozen_excluded)
+    with _frozen_aliases_left_out(engine.module, frozen_excluded):
+        engine.save_checkpoint(str(root), tag=staging.name, client_state={"train_state": asdict(state)},
+                               save_latest=False, exclude_frozen_parameters=frozen_excluded)
     atomic_write_json(staging / "data_state" / f"rank{rank}.json", loader.state_dict())
     (staging / "rng").mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), staging / "rng" / f"rank{rank}.pt")
@@ -100,6 +102,27 @@ def save_checkpoint(engine: Any, loader: Any, state: TrainState, run_dir: Path, 
         prune_checkpoints(root, keep)
     dist.barrier()
     return root / tag
+
+
+@contextmanager
+def _frozen_aliases_left_out(module: torch.nn.Module, active: bool) -> Iterator[None]:
+    """DeepSpeed's `exclude_frozen_parameters` drops each frozen parameter under its first name only, so a tied
+    alias (`lm_head.weight` of tied embeddings: a whole vocabulary matrix) would still be saved. While saving, every
+    name of a frozen parameter is left out of the state dict."""
+    if not active:
+        yield
+        return
+    frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+    def drop_frozen(_module: Any, state_dict: Dict[str, Any], prefix: str, _metadata: Any) -> None:
+        for key in [k for k in state_dict if k[len(prefix):] in frozen]:
+            del state_dict[key]
+
+    handle = module.register_state_dict_post_hook(drop_frozen)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def commit(run_dir: Path, staging: Path, final: Path, record: Dict[str, Any]) -> None:
@@ -157,10 +180,17 @@ def prune_checkpoints(root: Path, keep: int) -> List[Path]:
 
 
 def commit_order(tag_dir: Path) -> tuple:
+    """(commit time, step): the record's `saved_at`; for a record without one (older versions, or unreadable), when
+    complete.json was last written."""
     try:
         saved_at = float(read_record(tag_dir).get("saved_at") or 0.0)
     except (OSError, ValueError):
         saved_at = 0.0
+    if not saved_at:
+        try:
+            saved_at = (tag_dir / COMPLETE).stat().st_mtime
+        except OSError:
+            saved_at = 0.0
     return (saved_at, step_of(tag_dir))
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 from dsrecipes.config.load import config_to_dict
-from dsrecipes.config.schema import DataKind, TrainConfig
+from dsrecipes.config.schema import DataKind, LauncherKind, TrainConfig
 from dsrecipes.errors import ConfigError, Refused, UserError
 from dsrecipes.rundir import CHECKPOINTS_DIR
 from dsrecipes.runplan import ResumePlan, RunPlan, write_plan
@@ -112,7 +112,8 @@ def plan_run(cfg: TrainConfig, run_dir: Path, decision: Decision) -> RunPlan:
     return RunPlan(world_size=topology.world_size, num_nodes=topology.num_nodes, data_kind=cfg.data.kind.value,
                    rows=rows, steps_per_epoch=per_epoch, total_steps=total, data_fingerprint=decision.data_fingerprint,
                    resume=decision.resume, data_files=decision.data_files,
-                   newest_checkpoint=newest[0].name if newest else None)
+                   newest_checkpoint=newest[0].name if newest else None,
+                   supervised=cfg.launcher.kind is not LauncherKind.slurm)
 
 
 def check_fresh_start(cfg: TrainConfig, run_dir: Path) -> None:

@@ -28,13 +28,14 @@ def check_environment(cfg: TrainConfig) -> List[str]:
     if cfg.trainer.output_dir:
         problems += _writable_dir("trainer.output_dir", Path(cfg.trainer.output_dir).expanduser())
     problems += _writable_dir("data.cache_dir", cache_root(cfg))
+    model: List[str] = []
     if cfg.model.path:
-        problems += check_model_dir("model.path", Path(cfg.model.path).expanduser(), cfg.model.trust_remote_code)
-    tokenizer = cfg.model.tokenizer_path or cfg.model.path
-    if tokenizer:
-        key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
-        problems += check_tokenizer_dir(key, Path(tokenizer).expanduser())
-    return problems
+        model = check_model_dir("model.path", Path(cfg.model.path).expanduser(), cfg.model.trust_remote_code)
+    if cfg.model.tokenizer_path:
+        problems += check_tokenizer_dir("model.tokenizer_path", Path(cfg.model.tokenizer_path).expanduser())
+    elif cfg.model.path and not model:  # a broken model directory is one problem, not two
+        problems += check_tokenizer_dir("model.path", Path(cfg.model.path).expanduser())
+    return problems + model
 
 
 def _writable_dir(key: str, path: Path) -> List[str]:

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional
 
 from dsrecipes.errors import UserError
 from dsrecipes.fileio import atomic_write_json, atomic_write_text
-from dsrecipes.locks import ExclusiveLock, LockHeld, SharedLock, probe_free
+from dsrecipes.locks import ExclusiveLock, LockHeld, SharedLock, is_held, probe_free
 
 CONFIG_FILE = "config.yaml"
 DS_CONFIG_FILE = "ds_config.json"
@@ -41,6 +41,7 @@ LOCK_FILE = ".dsrecipes.lock"
 RANKS_LOCK_FILE = ".dsrecipes.ranks.lock"
 CHECKPOINTS_DIR = "checkpoints"  # (checkpoint.py owns what is inside)
 HYDRA_SUBDIR = ".hydra"  # Hydra writes it into a job directory before the job starts
+CLAIMING_PREFIXES = (".dsrecipes", f".{MARKER_FILE}.")  # lock files, write probes, the marker being written
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -71,10 +72,11 @@ def claim(run_dir: Path, key: str, fingerprint: str, *, hydra_job_dir: bool = Fa
     Anything else raises UserError naming `key` (the setting that chose the path) with nothing changed: a file, a
     path below a file, an unwritable place, a non-empty directory without our marker, a directory another run holds
     (its holder named), or one where ranks of an earlier run are still alive. `hydra_job_dir`: Hydra has already
-    written its `.hydra/` into it (a sweep's job directory), which does not make it foreign.
+    written its `.hydra/` into it (a sweep's job directory), which does not make it foreign. Two processes claiming
+    the same new directory at once: one gets it, the other is told who holds it.
     """
     run_dir = Path(run_dir)
-    fresh = not ensure_owned_dir(run_dir, key, hydra_job_dir=hydra_job_dir)
+    ensure_owned_dir(run_dir, key, hydra_job_dir=hydra_job_dir)
     lock = ExclusiveLock(run_dir / LOCK_FILE, {"run_dir": str(run_dir)})
     try:
         lock.acquire()
@@ -88,6 +90,7 @@ def claim(run_dir: Path, key: str, fingerprint: str, *, hydra_job_dir: bool = Fa
         lock.release()
         raise UserError(f"{key}: ranks of an earlier run in {run_dir} are still running ({ranks}); "
                         "stop them before starting another run there")
+    fresh = not (run_dir / MARKER_FILE).is_file()  # only the lock holder writes the marker
     if fresh:
         marker = {"dsrecipes_run": 1, "run_id": uuid.uuid4().hex, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
                   "config_fingerprint": fingerprint}
@@ -96,13 +99,15 @@ def claim(run_dir: Path, key: str, fingerprint: str, *, hydra_job_dir: bool = Fa
 
 
 def ensure_owned_dir(run_dir: Path, key: str, *, hydra_job_dir: bool = False) -> bool:
-    """Create `run_dir` or check that it is ours or empty. True when it already holds a dsrecipes run (marker)."""
+    """Create `run_dir` or check that it is ours or empty. True when it already holds a dsrecipes run (marker).
+    Names only dsrecipes itself writes while claiming (lock files, the marker being written) count as empty."""
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"{key}: {run_dir} is a file, not a directory; choose a directory for the run")
     if not run_dir.exists():
         _make_dir(run_dir, key)
         return False
-    entries = set(os.listdir(run_dir)) - ({HYDRA_SUBDIR} if hydra_job_dir else set())
+    entries = {e for e in os.listdir(run_dir) if not e.startswith(CLAIMING_PREFIXES)}
+    entries -= {HYDRA_SUBDIR} if hydra_job_dir else set()
     if MARKER_FILE in entries:
         read_marker(run_dir, key)
         _check_writable(run_dir, key)
@@ -168,6 +173,11 @@ def unique_new_dir(base: Path) -> Path:
 def rank_lock(run_dir: Path) -> SharedLock:
     """Held by every rank while it runs (see `claim`, which probes it)."""
     return SharedLock(Path(run_dir) / RANKS_LOCK_FILE).acquire()
+
+
+def launcher_alive(run_dir: Path) -> bool:
+    """The launching process still holds the run directory (false once it died, even by SIGKILL)."""
+    return is_held(Path(run_dir) / LOCK_FILE)
 
 
 def holds_run(run_dir: Path) -> Optional[str]:

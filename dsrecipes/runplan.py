@@ -42,6 +42,7 @@ class RunPlan:
     resume: Optional[ResumePlan] = None
     data_files: Dict[str, str] = field(default_factory=dict)  # content hash of each training file (resume checks)
     newest_checkpoint: Optional[str] = None  # the run dir's newest committed checkpoint when planned (ranks check)
+    supervised: bool = False  # a launching process holds the run directory's lock while the ranks run
     version: int = PLAN_VERSION
 
     @property

@@ -81,18 +81,30 @@ def discard_step(engine: Any, step: int) -> None:
             raise TrainingFailed(f"step {step} had a non-finite loss and this optimizer applied it anyway; the run "
                                  "stopped (use trainer.nan_policy=stop)", step)
         return
-    # A torch optimizer leaves parameters without a gradient untouched (no moments, no decay, no step count).
+    # A bare torch optimizer has no such check: its step is suppressed for this one call (no moments, no decay, no
+    # step count), while the engine still closes the step (micro-step counters, scheduler). Gradients are zeroed
+    # first so that gradient clipping computes a finite norm.
+    optimizer = engine.optimizer
     for param in engine.module.parameters():
-        param.grad = None
-    engine.step()
+        if param.grad is not None:
+            param.grad.zero_()
+    shadowed = vars(optimizer).get("step")
+    optimizer.step = lambda *args, **kwargs: None
+    try:
+        engine.step()
+    finally:
+        if shadowed is None:
+            del optimizer.step
+        else:
+            optimizer.step = shadowed
 
 
 def pause_for_signal(step: int, rank: int, stop_requested: Any) -> None:
-    """Fault injection (PAUSE_AFTER_STEP_ENV): rank 0 idles after `step` until a stop signal or 120 s."""
+    """Fault injection (PAUSE_AFTER_STEP_ENV): rank 0 idles after `step` until asked to stop, or for 120 s."""
     import time
 
     if rank != 0 or os.environ.get(PAUSE_AFTER_STEP_ENV) != str(step):
         return
     deadline = time.monotonic() + 120
-    while stop_requested() is None and time.monotonic() < deadline:
+    while not stop_requested() and time.monotonic() < deadline:
         time.sleep(0.05)

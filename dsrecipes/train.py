@@ -14,6 +14,7 @@ exit code. Rank 0 writes how the ranks ended into rank_outcome.json for the laun
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from dsrecipes.errors import DataError, RunInterrupted, TrainingFailed, UserErro
 from dsrecipes.export import EXPORT_DIR, EXPORT_INIT_DIR, export_checkpoint, export_initial
 from dsrecipes.metrics import MetricsLogger, Window
 from dsrecipes.model import build_model, count_parameters, load_tokenizer, micro_batch_loss, trainable_parameters
-from dsrecipes.rundir import CHECKPOINTS_DIR, rank_lock, read_ds_config, write_outcome
+from dsrecipes.rundir import CHECKPOINTS_DIR, launcher_alive, rank_lock, read_ds_config, write_outcome
 from dsrecipes.runplan import RunPlan, read_plan
 from dsrecipes.step_guard import StepGuard, discard_step, nonfinite, pause_for_signal
 
@@ -119,12 +120,13 @@ def loop(s: Session) -> None:
             s.ledger.record(batch["epoch"], state.step + 1, batch["ids"])
         if not closes_step:
             continue
-        bad, stop = guard.agree(stopping.requested() is not None)  # collective: every rank decides alike
+        bad, stop = guard.agree(stop_requested(s))  # collective: every rank decides alike
         if bad:
-            nonfinite(t.nan_policy is NanPolicy.skip, guard, state.step + 1, t.nan_max_skips)
+            skip = t.nan_policy is NanPolicy.skip
+            state.skipped_steps += int(skip)
+            nonfinite(skip, guard, state.step + 1, t.nan_max_skips)
             guard.take_pending()
             discard_step(engine, state.step + 1)
-            state.skipped_steps += 1
             s.metrics.info(f"step {state.step + 1}: non-finite loss, step skipped ({state.skipped_steps} so far)")
         else:
             guard.skipped_in_a_row = 0
@@ -143,7 +145,7 @@ def loop(s: Session) -> None:
             after_step(s)
         if stop and state.step < total:  # at the last step the run simply ends (and exports)
             stop_here(s)
-        pause_for_signal(state.step, s.rank, stopping.requested)
+        pause_for_signal(state.step, s.rank, lambda: stop_requested(s))
         if state.step >= total:
             break
 
@@ -153,16 +155,33 @@ def after_step(s: Session) -> None:
     t, step = s.cfg.trainer, s.state.step
     final = step >= s.plan.total_steps
     if s.eval_loader is not None and (final or due(step, t.eval_every)):
-        s.metrics.log_eval(step, evaluate(s.engine, s.eval_loader, t.eval_batches))
+        eval_loss = evaluate(s.engine, s.eval_loader, t.eval_batches)  # the same value on every rank
+        s.metrics.log_eval(step, eval_loss)
+        if not math.isfinite(eval_loss):
+            raise TrainingFailed(f"non-finite evaluation loss after step {step}: the weights no longer give finite "
+                                 "outputs, so the run stopped without saving them. Lower optimizer.lr or check the "
+                                 "data", step)
     if final or due(step, t.save_every):
         save(s)
 
 
 def save(s: Session) -> None:
+    """Collective checkpoint, after checking that every rank's weights are finite (never save non-finite ones)."""
+    if not all_ranks(weights_finite(s.engine)):
+        raise TrainingFailed(f"non-finite weights after step {s.state.step}; the run stopped without saving them",
+                             s.state.step)
     lora = s.cfg.model.lora.enabled  # the frozen base is rebuilt from model.path, so it is not saved
     record = {"data_fingerprint": s.plan.data_fingerprint, "data_files": s.plan.data_files}
     s.last_checkpoint = save_checkpoint(s.engine, s.train_loader, s.state, s.run_dir,
                                         keep=s.cfg.trainer.keep_checkpoints, frozen_excluded=lora, record=record)
+
+
+def stop_requested(s: Session) -> bool:
+    """A stop signal here, or (rank 0) the launching process is gone: a SIGKILLed launcher leaves no ranks training
+    on their own; they checkpoint and stop like on SIGTERM."""
+    if stopping.requested() is not None:
+        return True
+    return s.rank == 0 and s.plan.supervised and not launcher_alive(s.run_dir)
 
 
 def stop_here(s: Session) -> None:
@@ -210,6 +229,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+
+
+def weights_finite(engine: Any) -> bool:
+    """This rank's trainable weights (its ZeRO-3 partition where parameters are partitioned) are all finite."""
+    for param in trainable_parameters(engine.module):
+        tensor = getattr(param, "ds_tensor", param)
+        if not bool(torch.isfinite(tensor.detach()).all()):
+            return False
+    return True
 
 
 def check_plan_current(plan: RunPlan, run_dir: Path) -> None:

@@ -160,7 +160,7 @@ def test_killed_mid_save_resumes_from_last_good_checkpoint_with_identical_losses
     run, _ = train_run(workspace, "killed", *RECORDED, env={KILL_BEFORE_LATEST_ENV: "8"}, expect_ok=False)
     ckpts = run / "checkpoints"
     assert (ckpts / "latest").read_text() == "step_4"
-    assert (ckpts / "step_8").is_dir() and not (ckpts / "step_8" / "complete.json").exists()
+    assert (ckpts / "step_8.partial").is_dir() and not (ckpts / "step_8").exists()  # written beside, never renamed
     assert max(train_losses(run)) == 8  # it trained to the end, then died while saving
 
     _, out = train_run(workspace, "killed", *RECORDED)  # the same command again: trainer.resume=auto
