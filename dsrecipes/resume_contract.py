@@ -4,8 +4,9 @@ A checkpoint holds weights, optimizer state and a data position that only mean s
 wrote them. Resuming with another model, LoRA setting, optimizer type, template, cutoff, packing, seed or different
 training data would load state into the wrong shapes (a traceback deep in DeepSpeed) or, worse, train silently on
 a mixture. Those keys must equal the checkpoint's (`MUST_MATCH`); the data must have the same fingerprint (file
-contents and preparation, data/cache.py). Everything that only changes how long, how often, where or with how many
-processes a run continues may change (`MAY_CHANGE`), and is reported in one line.
+contents and preparation, data/cache.py). Everything that only changes how long, how often, where, with how many
+processes or in which batch shape a run continues may change (`MAY_CHANGE`; the data position is global, see
+README "Data strategies"), and is reported in one line.
 
 Every leaf key of TrainConfig is classified by its longest listed prefix; a key listed nowhere must match (a new
 setting is unsafe until someone decides otherwise; tests/test_resume_contract.py fails for unlisted keys).
@@ -20,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 MUST_MATCH = (
     "model", "template", "dataset", "data.kind", "data.cutoff_len", "data.packing", "data.train_on", "data.shuffle",
     "data.shuffle_buffer", "data.num_samples", "optimizer.name", "optimizer.torch_adam", "precision.dtype",
-    "zero.stage", "scheduler.name", "trainer.seed", "trainer.micro_batch_size", "trainer.grad_accum",
+    "zero.stage", "scheduler.name", "trainer.seed",
 )
 MAY_CHANGE = (
     "model.name", "model.attn_implementation", "model.gradient_checkpointing", "model.num_params", "model.arch",
@@ -30,7 +31,7 @@ MAY_CHANGE = (
     "zero.overlap_comm", "zero.contiguous_gradients", "zero.reduce_bucket_size", "zero.allgather_bucket_size",
     "zero.stage3_prefetch_bucket_size", "zero.stage3_param_persistence_threshold", "zero.stage3_max_live_parameters",
     "zero.stage3_gather_16bit_weights_on_model_save", "offload", "scheduler.warmup_steps", "scheduler.min_lr_ratio",
-    "trainer.max_steps", "trainer.epochs", "trainer.save_every", "trainer.eval_every", "trainer.eval_batches",
+    "trainer.max_steps", "trainer.epochs", "trainer.micro_batch_size", "trainer.grad_accum", "trainer.save_every", "trainer.eval_every", "trainer.eval_batches",
     "trainer.log_every", "trainer.keep_checkpoints", "trainer.resume", "trainer.resume_from", "trainer.output_dir",
     "trainer.record_samples", "trainer.gradient_clipping", "trainer.export", "trainer.export_merged_lora",
     "trainer.device", "trainer.nan_policy", "trainer.nan_max_skips", "trainer.stop_grace_s", "launcher",

@@ -138,6 +138,17 @@ def test_unwritable_output_and_cache_directories_are_user_errors(tmp_path, read_
     assert code == 2 and f"trainer.output_dir: {read_only_dir} is not writable" in error_line(out)
 
 
+def test_shard_refuses_a_foreign_output_directory(tmp_path):
+    from dsrecipes.paths import SAMPLE_DATA_DIR
+
+    target = foreign_dir(tmp_path / "theirs")
+    before = snapshot(target)
+    code, out = dsrecipes("shard", str(SAMPLE_DATA_DIR / "train.jsonl"), "--parts", "2", "--out", str(target),
+                          cwd=tmp_path)
+    assert code == 2 and f"--out: {target} is not empty" in error_line(out)
+    assert snapshot(target) == before
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Locking
 

@@ -5,6 +5,9 @@ One run per configuration, each checking several things, to keep the file within
   ZeRO-2, 2 ranks: loss falls, metrics/TensorBoard/plot/ledger, checkpoints + latest, export reloads
   ZeRO-2, 2 ranks, killed mid-save, then the same command: resumes from the last good checkpoint and the
       losses equal the uninterrupted run's step for step
+  ZeRO-2, 2 ranks, SIGTERM to the launching process: every rank checkpoints the same step, nothing is left
+      running; SIGKILL to the launching process of the resumed run: its ranks checkpoint and stop by themselves;
+      the printed command finishes the run with the uninterrupted run's losses (tests/test_signals.py: helpers)
   ZeRO-2 checkpoint of 2 ranks resumed on 1 rank (universal checkpoint conversion)
   ZeRO-3, 2 ranks, from a local HF directory (partitioned load): export through zero_to_fp32
   ZeRO-0 (1 rank) then ZeRO-1 bf16 and ZeRO-2 + CPU optimizer offload in the same process (re-entrant runs);
@@ -170,6 +173,39 @@ def test_killed_mid_save_resumes_from_last_good_checkpoint_with_identical_losses
     evals = lambda r: [(x["step"], x["eval_loss"]) for x in metrics(r) if "eval_loss" in x]
     assert evals(run) == evals(zero2_run)
     verify_ledgers(run)
+
+
+def test_sigterm_reaches_every_rank_and_a_killed_launcher_leaves_no_rank_behind(zero2_run, workspace):
+    import signal
+
+    from tests.test_signals import (
+        assert_interrupted_at_step_3,
+        finish,
+        losses,
+        no_process_left,
+        resume,
+        start,
+        wait_for_step,
+    )
+
+    run, two_ranks = workspace / "signalled", ("zero=stage2", "launcher=deepspeed", "launcher.num_gpus=2")
+    proc = start(workspace, run, *two_ranks, pause_after=2)
+    wait_for_step(run, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    command = assert_interrupted_at_step_3(workspace, run, finish(proc), signal.SIGTERM)
+    no_process_left(run, within=5)  # the launching process returns only once its whole process group is gone
+
+    # The resumed run's launching process is killed outright (no handler runs): its ranks must not train on alone.
+    proc = start(workspace, run, *two_ranks, pause_after=5)
+    wait_for_step(run, 5, proc)
+    proc.kill()
+    finish(proc)
+    no_process_left(run, within=120)
+    assert (run / "checkpoints" / "step_6" / "complete.json").is_file()  # checkpointed at the next boundary
+    assert json.loads((run / "rank_outcome.json").read_text())["stopped_at_step"] == 6
+
+    resume(workspace, run, command)
+    assert losses(run) == train_losses(zero2_run)
 
 
 def test_elastic_resume_of_a_two_rank_zero2_checkpoint_on_one_rank(zero2_run, workspace):

@@ -248,10 +248,10 @@ def _run_claimed(cfg: TrainConfig, run_dir: Path, multirun: bool, decision: Any 
 def _report_interrupted(run_dir: Path, signum: int, extra: dict) -> int:
     """result.json `interrupted`, the newest checkpoint and the exact command that continues the run."""
     from dsrecipes.checkpoint_find import committed
-    from dsrecipes.rundir import write_result
+    from dsrecipes.rundir import CHECKPOINTS_DIR, write_result
     from dsrecipes.stopping import exit_code
 
-    newest = committed(run_dir / "checkpoints")
+    newest = committed(run_dir / CHECKPOINTS_DIR)
     checkpoint = str(newest[0]) if newest else None
     command = resume_command(run_dir, keep_resume_from=not newest)
     code = exit_code(signum)

@@ -179,6 +179,9 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
     out = Path(out_dir)
     if (out / MANIFEST).exists() and not force:
         raise UserError(f"{out / MANIFEST} exists; choose another --out or pass --force to overwrite")
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).exists():  # a user's directory, not ours
+        raise UserError(f"--out: {out} is not empty and holds no {MANIFEST}; shard writes into a new or empty "
+                        "directory (or over an earlier shard directory with --force). Nothing was changed")
     sources = resolve_sources(cfg.dataset)
     for src in sources:
         if src.weight != 1.0:
