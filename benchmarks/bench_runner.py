@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 from typing import List, Tuple
 
-
 _CLAIMS: List[object] = []  # run directories held (locked) for the whole benchmark, as `python -m dsrecipes` does
 
 

@@ -12,13 +12,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 from dsrecipes.data.plan import EpochPlan, Layout
 from dsrecipes.data.sampler import map_micro_batches
-from dsrecipes.data.strategies.base import (
-    Batch,
-    Row,
-    TrainLoader,
-    loader_generator,
-    worker_ignores_stop_signals,
-)
+from dsrecipes.data.strategies.base import Batch, Row, TrainLoader, loader_generator, worker_ignores_stop_signals
 
 
 class MapTrainLoader(TrainLoader):
