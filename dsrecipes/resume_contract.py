@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 MUST_MATCH = (
     "model", "template", "dataset", "data.kind", "data.cutoff_len", "data.packing", "data.train_on", "data.shuffle",
-    "data.shuffle_buffer", "data.num_samples", "optimizer.name", "optimizer.torch_adam", "precision.dtype",
+    "data.shuffle_buffer", "data.num_samples", "data.block_bytes", "optimizer.name", "optimizer.torch_adam", "precision.dtype",
     "zero.stage", "scheduler.name", "trainer.seed",
 )
 MAY_CHANGE = (
