@@ -159,14 +159,17 @@ def read_marker(run_dir: Path, key: str = "run directory") -> Dict[str, Any]:
 def unique_new_dir(base: Path) -> Path:
     """Create and return `base`, or `base-1`, `base-2`, ... when it exists: a default run directory of its own
     even for runs started in the same second (mkdir is atomic, so two processes never get the same one)."""
-    base.parent.mkdir(parents=True, exist_ok=True)
     for n in range(10_000):
         path = base if n == 0 else base.with_name(f"{base.name}-{n}")
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.mkdir()
             return path
         except FileExistsError:
             continue
+        except OSError as exc:
+            raise UserError(f"hydra.run.dir: cannot create {path} ({exc.strerror or exc}); run from a writable "
+                            "directory or set trainer.output_dir") from None
     raise UserError(f"{base}: no free run directory name")
 
 

@@ -73,3 +73,29 @@ def handling(on_signal: Optional[Callable[[int], None]] = None, announce: bool =
             _callbacks.remove(on_signal)
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def watch(alive: Callable[[], bool], grace_s: float, what: str, poll_s: float = 2.0) -> threading.Thread:
+    """A daemon thread that ends this process when `alive()` has been false for `grace_s` (a rank whose launching
+    process died and that is stuck where no step boundary comes, e.g. in a collective with a dead peer: without
+    this it would outlive everything until the process-group timeout). Reaching a step boundary first is the
+    normal way out (train.py stops there on its own)."""
+    import os
+    import time
+
+    def run() -> None:
+        gone_since: Optional[float] = None
+        while True:
+            time.sleep(poll_s)
+            if alive():
+                gone_since = None
+                continue
+            gone_since = gone_since or time.monotonic()
+            if time.monotonic() - gone_since > grace_s:
+                print(f"error: {what} is gone and this rank did not stop within {grace_s:.0f} s; exiting",
+                      file=sys.stderr, flush=True)
+                os._exit(exit_code(signal.SIGTERM))
+
+    thread = threading.Thread(target=run, name="dsrecipes-launcher-watch", daemon=True)
+    thread.start()
+    return thread

@@ -26,7 +26,7 @@ import torch
 
 import dsrecipes.stopping as stopping
 from dsrecipes.checkpoint import ResumePoint, TrainState, load_checkpoint, open_resume, save_checkpoint
-from dsrecipes.config.schema import NanPolicy, TrainConfig
+from dsrecipes.config.schema import LauncherKind, NanPolicy, TrainConfig
 from dsrecipes.distributed import all_ranks, finish_distributed, init_distributed
 from dsrecipes.errors import DataError, RunInterrupted, TrainingFailed, UserError
 from dsrecipes.export import EXPORT_DIR, EXPORT_INIT_DIR, export_checkpoint, export_initial
@@ -82,6 +82,8 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
     check_plan_current(plan, run_dir)
     seed_everything(cfg.trainer.seed)
     rank, world_size = init_distributed()
+    if rank == 0 and plan.supervised and cfg.launcher.kind is not LauncherKind.local:  # (local: the same process)
+        stopping.watch(lambda: launcher_alive(run_dir), cfg.trainer.stop_grace_s, "the launching process")
     if world_size != plan.world_size:
         raise DataError(f"{run_dir}/plan.json was made for {plan.world_size} ranks, but {world_size} started; "
                         "start the run again with `python -m dsrecipes` so the launcher plans it")

@@ -136,6 +136,8 @@ def test_unwritable_output_and_cache_directories_are_user_errors(tmp_path, read_
     assert not (tmp_path / "run").exists()  # refused before the run directory was made
     code, out = dsrecipes("validate", f"trainer.output_dir={read_only_dir}", cwd=tmp_path)
     assert code == 2 and f"trainer.output_dir: {read_only_dir} is not writable" in error_line(out)
+    code, out = dsrecipes(*FAST, cwd=read_only_dir)  # a default run directory under a read-only working directory
+    assert code == 2 and "hydra.run.dir: cannot create" in error_line(out)
 
 
 def test_shard_refuses_a_foreign_output_directory(tmp_path):

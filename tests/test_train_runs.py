@@ -154,6 +154,8 @@ def test_zero2_two_ranks_trains_logs_checkpoints_and_exports(zero2_run):
     exported = assert_hf_model_loads(run / "export")
     initial = assert_hf_model_loads(run / "export_init")
     assert not state_dicts_equal(exported, initial)
+    port = (run / "launch.txt").read_text().split("--master_port ")[1].split()[0]
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))  # the ranks' shm segments
 
 
 def test_killed_mid_save_resumes_from_last_good_checkpoint_with_identical_losses(zero2_run, workspace):

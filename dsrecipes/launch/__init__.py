@@ -16,6 +16,7 @@ from typing import List, Mapping, Optional
 from dsrecipes.config.schema import TrainConfig
 from dsrecipes.errors import UserError
 from dsrecipes.fileio import atomic_write_text
+from dsrecipes.distributed import remove_shm_buffers
 from dsrecipes.launch.builders import BUILDERS, resolve_master_port
 from dsrecipes.launch.plan import LAUNCH_FILE, WORKER_MODULE, Command, LaunchPlan, render_plan
 from dsrecipes.launch.process import run_in_process, run_subprocess
@@ -48,7 +49,8 @@ def launch(cfg: TrainConfig, run_dir: Path, *, worker_module: str = WORKER_MODUL
     UserError (exit 2) before anything starts.
     """
     run_dir = Path(run_dir).resolve()
-    plan = build_plan(cfg, run_dir, worker_module=worker_module)
+    port = resolve_master_port(cfg)
+    plan = build_plan(cfg, run_dir, master_port=port, worker_module=worker_module)
     for name, content in plan.files.items():
         atomic_write_text(run_dir / name, content)
     text = render_plan(cfg.launcher.kind.value, plan)
@@ -64,9 +66,12 @@ def launch(cfg: TrainConfig, run_dir: Path, *, worker_module: str = WORKER_MODUL
     if missing:
         raise UserError(missing)
     mine = [c for c in plan.commands if c.node_rank is None or c.node_rank == cfg.launcher.node_rank]
-    for cmd in mine:
-        grace = cfg.trainer.stop_grace_s
-        code = run_in_process(cmd, run_dir, grace) if cmd.in_process else run_subprocess(cmd, grace)
-        if code != 0:
-            return code
-    return 0
+    try:
+        for cmd in mine:
+            grace = cfg.trainer.stop_grace_s
+            code = run_in_process(cmd, run_dir, grace) if cmd.in_process else run_subprocess(cmd, grace)
+            if code != 0:
+                return code
+        return 0
+    finally:
+        remove_shm_buffers(port)  # this machine's ranks have ended: their shared-memory segments go too
