@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import List, Mapping, Optional
 
 from dsrecipes.config.schema import TrainConfig
+from dsrecipes.distributed import remove_shm_buffers
 from dsrecipes.errors import UserError
 from dsrecipes.fileio import atomic_write_text
-from dsrecipes.distributed import remove_shm_buffers
 from dsrecipes.launch.builders import BUILDERS, resolve_master_port
 from dsrecipes.launch.plan import LAUNCH_FILE, WORKER_MODULE, Command, LaunchPlan, render_plan
 from dsrecipes.launch.process import run_in_process, run_subprocess
