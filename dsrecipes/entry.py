@@ -55,6 +55,10 @@ def decide(cfg: TrainConfig, topology: Optional[Topology] = None) -> Decision:
     run_dir = Path(cfg.trainer.output_dir)
     topology = topology or resolve_topology(cfg.launcher)
     check_fresh_start(cfg, run_dir)
+    if cfg.trainer.export:  # refused now, not after the training
+        from dsrecipes.export import EXPORT_DIR, check_out_dir
+
+        check_out_dir(run_dir / EXPORT_DIR, "trainer.export")
     tokenizer = None
     if cfg.data.kind is DataKind.map:
         from dsrecipes.model import load_tokenizer

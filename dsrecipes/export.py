@@ -26,6 +26,10 @@ from dsrecipes.fileio import atomic_write_json
 EXPORT_DIR = "export"
 EXPORT_INIT_DIR = "export_init"
 EXPORT_MARKER = "dsrecipes_export.json"
+# What exports of dsrecipes before the marker listed its files contained (such an export is still replaced).
+LEGACY_EXPORT_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+                       "tokenizer*", "special_tokens_map.json", "chat_template.jinja", "adapter_*", "vocab.json",
+                       "merges.txt", "added_tokens.json", "README.md")
 
 def export_initial(cfg: TrainConfig, tokenizer: Any, out_dir: Path) -> Path:
     """The embedded tiny model's seeded start, as a HF directory: the baseline for `dsrecipes prompt-eval`."""
@@ -108,8 +112,12 @@ def check_out_dir(out_dir: Path, key: str = "export") -> None:
                         "goes into a new or empty directory or replaces an earlier export. Nothing was changed")
     import json
 
+    from fnmatch import fnmatch
+
     try:
-        written = set(json.loads((out_dir / EXPORT_MARKER).read_text(encoding="utf-8"))["files"])
+        marker = json.loads((out_dir / EXPORT_MARKER).read_text(encoding="utf-8"))
+        legacy = {e for e in entries if any(fnmatch(e, pattern) for pattern in LEGACY_EXPORT_FILES)}
+        written = set(marker["files"]) if "files" in marker else legacy  # older exports did not list their files
     except (OSError, ValueError, KeyError, TypeError):
         written = None
     extra = None if written is None else sorted(entries - written - {EXPORT_MARKER})
