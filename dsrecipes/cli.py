@@ -37,12 +37,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args and args[0] in ("-h", "--help") and len(args) == 1:
         print(usage())
         return 0
+    if args and args[0] in ("-V", "--version"):
+        from dsrecipes.commands.help import version_text
+
+        print(version_text())
+        return 0
     if args and args[0] in SUBCOMMANDS:
         name, rest = args[0], args[1:]
     else:
         name, rest = "train", args
     module = importlib.import_module(f"dsrecipes.commands.{SUBCOMMANDS[name][0]}")
-    return run_guarded(module.main, rest)
+    return run_guarded(lambda argv: _check_command(args) or module.main(argv), rest)
 
 
 def run_guarded(fn: Callable[[List[str]], int], argv: List[str]) -> int:
@@ -57,8 +62,18 @@ def run_guarded(fn: Callable[[List[str]], int], argv: List[str]) -> int:
         return 130
 
 
+def _check_command(args: List[str]) -> None:
+    """A first word that is neither a subcommand, a flag nor an override is a mistyped subcommand."""
+    from dsrecipes.suggest import closest, phrase
+
+    word = args[0] if args else ""
+    if word and word not in SUBCOMMANDS and not word.startswith(("-", "~", "+")) and "=" not in word:
+        raise UserError(f"unknown command '{word}'{phrase(closest(word, SUBCOMMANDS))} "
+                        f"(commands: {', '.join(SUBCOMMANDS)}; training takes KEY=VALUE overrides)")
+
+
 def usage() -> str:
-    lines = ["usage: dsrecipes [SUBCOMMAND] [overrides...]", "",
+    lines = ["usage: dsrecipes [SUBCOMMAND] [overrides...]   (dsrecipes --version, dsrecipes train --help)", "",
              "Without a subcommand: train (a Hydra app: `-m` sweeps, `--cfg job` prints the composition, "
              "`--hydra-help` shows Hydra's flags). `dsrecipes ls` lists groups, options and recipes.", ""]
     lines += [f"  {name:<13} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
