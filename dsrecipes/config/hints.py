@@ -108,7 +108,7 @@ def _bad_override(chain: List[BaseException], overrides: List[str]) -> str:
         names = group_names() + schema_keys()
         near = [f"{n}=..." for n in ([word] if word in names else closest(word, names))]
         return f"'{word}' is not KEY=VALUE, GROUP=OPTION or a flag{phrase(near)}"
-    return f"cannot parse override '{word}': {exc.message.split(chr(10))[0]} (quote values holding commas, spaces or brackets)"
+    return f"cannot parse override '{word}': {exc.message.split(chr(10))[0]} (quote values holding special characters: key='value')"
 
 
 def _yaml_error(chain: List[BaseException], overrides: List[str]) -> str:
