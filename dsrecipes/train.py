@@ -77,7 +77,7 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
     resume = open_resume(plan.resume)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable_parameters(model), config=ds_config)
     state = TrainState() if resume is None else load_checkpoint(engine, train_loader, resume)
-    metrics = MetricsLogger(run_dir, rank, plan.total_steps, start_step=state.step)
+    metrics = MetricsLogger(run_dir, rank, plan.total_steps, start_step=state.step, cfg=cfg)
     metrics.info(describe_run(cfg, model, plan, resume))
     return Session(cfg, run_dir, plan, rank, engine, train_loader, eval_loader, state, metrics,
                    open_ledger(cfg, run_dir, rank), None if resume is None else resume.tag_dir)

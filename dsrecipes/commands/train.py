@@ -11,6 +11,7 @@ dsrecipes' own (commands/help.py); `--cfg`, `--info` and `--hydra-help` are Hydr
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -152,13 +153,16 @@ def _run_job(cfg: TrainConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from dsrecipes.console import log_path, quiet_third_party
     from dsrecipes.entry import run, with_run_dir
     from dsrecipes.rundir import write_result
 
+    started = time.perf_counter()
     hc = HydraConfig.get()
     multirun = hc.mode is RunMode.MULTIRUN
     cfg = with_run_dir(cfg, Path(hc.runtime.output_dir))
     run_dir = Path(cfg.trainer.output_dir)
+    quiet_third_party(log_path(run_dir, "main"))  # before deepspeed and transformers are imported
     try:
         code = run(cfg)
     except UserError as exc:
@@ -176,6 +180,11 @@ def _run_job(cfg: TrainConfig) -> None:
     status = "dry_run" if cfg.launcher.dry_run and code == 0 else "ok"
     write_result(run_dir, code, None if code == 0 else f"ranks exited with code {code}", status)
     _Outcome.exit_code = _Outcome.exit_code or code
+    if code == 0 and status == "ok":
+        from dsrecipes.report import closing_summary
+
+        print(closing_summary(run_dir, time.perf_counter() - started, list(hc.overrides.task), cfg.trainer.max_steps),
+              flush=True)
 
 
 def _report(run_dir: Path, exc: UserError) -> None:

@@ -182,6 +182,9 @@ def _bad_value(chain: List[BaseException], overrides: List[str]) -> str:
     if exc is None or str(exc.full_key).startswith("hydra."):
         return ""
     key, msg = str(exc.full_key), str(exc.msg).split("\n")[0]
+    if "is not a ListConfig" in msg:
+        given = next((ov.split("=", 1)[1] for ov in overrides if ov.split("=", 1)[0].lstrip("+~") == key), "VALUE")
+        return f"{key} is a list: write {key}=[{given}] (several values: [a,b]){_blame(key, overrides)}"
     found = re.match(r"Invalid value '([^']*)', expected one of \[([^\]]*)\]", msg)
     if found:
         value, options = found.group(1), [o.strip() for o in found.group(2).split(",")]

@@ -99,6 +99,14 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
+class ReportTo(str, Enum):
+    """Experiment trackers (`trainer.report_to=[tensorboard,mlflow]`); metrics.jsonl and loss.png are always written."""
+
+    tensorboard = "tensorboard"  # <run>/tb/
+    mlflow = "mlflow"  # pip install 'dsrecipes[mlflow]'; trainer.tracking_uri
+    wandb = "wandb"  # pip install 'dsrecipes[wandb]'; WANDB_MODE=offline needs no account
+
+
 class ResumeMode(str, Enum):
     auto = "auto"  # continue from trainer.resume_from, else from the run directory's newest complete checkpoint
     never = "never"  # start from step 0
@@ -291,6 +299,9 @@ class TrainerConfig:
     export: bool = True  # write a Hugging Face model directory at the end
     export_merged_lora: bool = True  # LoRA runs: merged model (true) or adapter only (false)
     device: Device = Device.auto
+    report_to: List[ReportTo] = field(default_factory=lambda: [ReportTo.tensorboard])  # []: metrics.jsonl only
+    experiment: str = "dsrecipes"  # MLflow experiment / W&B project
+    tracking_uri: Optional[str] = None  # MLflow (file:/path, sqlite:///db, http://host); None: MLFLOW_TRACKING_URI
 
 
 @dataclass

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import List, Mapping, Optional
 
 from dsrecipes.config.schema import TrainConfig
+from dsrecipes.console import log_path
 from dsrecipes.errors import UserError
 from dsrecipes.fileio import atomic_write_text
 from dsrecipes.launch.builders import BUILDERS, resolve_master_port
@@ -65,7 +66,7 @@ def launch(cfg: TrainConfig, run_dir: Path, *, worker_module: str = WORKER_MODUL
         raise UserError(missing)
     mine = [c for c in plan.commands if c.node_rank is None or c.node_rank == cfg.launcher.node_rank]
     for cmd in mine:
-        code = run_in_process(cmd, run_dir) if cmd.in_process else run_subprocess(cmd)
+        code = run_in_process(cmd, run_dir) if cmd.in_process else run_subprocess(cmd, log_path(run_dir, "launcher"))
         if code != 0:
             return code
     return 0

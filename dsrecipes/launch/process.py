@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 from pathlib import Path
-from typing import Dict, Mapping
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from dsrecipes.launch.plan import RANK_ENV, Command
 
@@ -18,8 +19,9 @@ def child_env(extra: Mapping[str, str]) -> Dict[str, str]:
     return env
 
 
-def run_subprocess(cmd: Command) -> int:
-    proc = subprocess.Popen(cmd.argv, env=child_env(cmd.env))
+def run_subprocess(cmd: Command, log: Optional[Path] = None) -> int:
+    """Run `cmd`; with `log`, its output passes through `console.relay` (third-party noise goes to `log`)."""
+    proc, relays = _start(cmd, log)
     # Pass a SIGTERM (scheduler, timeout) on to the launcher, which stops its ranks; no orphaned ranks.
     forward = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, lambda *_: proc.terminate()) if forward else None
@@ -35,6 +37,22 @@ def run_subprocess(cmd: Command) -> int:
     finally:
         if forward:
             signal.signal(signal.SIGTERM, previous)
+        for thread in relays:
+            thread.join(timeout=10)  # a rank that outlives its launcher must not hold us here
+
+
+def _start(cmd: Command, log: Optional[Path]) -> Tuple[subprocess.Popen, List[threading.Thread]]:
+    """Start `cmd`: ranks learn the progress mode (and the terminal width for a bar drawn through a pipe)."""
+    import shutil
+
+    from dsrecipes.console import PROGRESS_ENV, progress_mode, relay
+
+    columns = {"COLUMNS": str(shutil.get_terminal_size().columns)} if sys.stderr.isatty() else {}
+    env = child_env({PROGRESS_ENV: progress_mode(), **columns, **cmd.env})
+    pipe = subprocess.PIPE if log is not None else None
+    proc = subprocess.Popen(cmd.argv, env=env, stdout=pipe, stderr=pipe)
+    relays = [] if log is None else [relay(proc.stdout, sys.stdout, log), relay(proc.stderr, sys.stderr, log)]
+    return proc, relays
 
 
 def run_in_process(cmd: Command, run_dir: Path) -> int:
