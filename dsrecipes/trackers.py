@@ -153,10 +153,12 @@ class WandbTracker:
     def __init__(self, cfg: TrainConfig, run_dir: Path, start_step: int, ids: Dict[str, str]):
         import wandb
 
-        self.run_dir = run_dir
+        from dsrecipes.config.load import config_to_dict
+
+        # console="off": W&B would otherwise wrap this process's stdout/stderr to upload them.
         self.run = wandb.init(project=cfg.trainer.experiment, name=run_name(run_dir), dir=str(run_dir),
-                              config=flat_params(cfg), id=ids.get("wandb_run_id"), resume="allow",
-                              settings=wandb.Settings(console="off", silent=True))
+                              config=config_to_dict(cfg), id=ids.get("wandb_run_id"), resume="allow",
+                              settings=wandb.Settings(console="off"))
         ids["wandb_run_id"] = self.run.id
 
     def log_metrics(self, metrics: Dict[str, float], step: int) -> None:
@@ -165,11 +167,12 @@ class WandbTracker:
     def log_artifacts(self, paths: List[Path]) -> None:
         import wandb
 
+        files = wandb.Artifact(name=f"run-{self.run.id}-files", type="run-files")
         for path in paths:
+            files.add_file(str(path))
             if path.suffix == ".png":
-                self.run.log({path.stem: wandb.Image(str(path))})
-            else:
-                self.run.save(str(path), base_path=str(self.run_dir), policy="now")
+                self.run.log({path.stem: wandb.Image(str(path))})  # shown beside the curves
+        self.run.log_artifact(files)
 
     def close(self, ok: bool) -> None:
         self.run.finish(exit_code=0 if ok else 1)
