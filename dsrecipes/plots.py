@@ -48,6 +48,8 @@ def plot_sweep(jobs: Sequence[Tuple[str, Sequence[Dict[str, Any]]]], out: Path, 
     drawn = [d for d in drawn if d[1] or d[2]]
     if not drawn:
         return False
+    if len(drawn) < len(jobs):
+        title += f" ({len(jobs) - len(drawn)} without metrics: see summary.md)"
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 5))
     colours = plt.get_cmap("tab10" if len(drawn) <= 10 else "tab20")
@@ -74,14 +76,18 @@ def _pyplot() -> Any:
     return plt
 
 
+def use_log_scale(values: Sequence[float]) -> bool:
+    """Log scale when every value is positive and they span more than LOG_SCALE_RATIO."""
+    return bool(values) and min(values) > 0 and max(values) / min(values) > LOG_SCALE_RATIO
+
+
 def _finish(ax: Any, values: List[float], title: str) -> None:
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (mean per predicted token)")
-    positive = [v for v in values if v > 0]
-    if positive and len(positive) == len(values) and max(positive) / min(positive) > LOG_SCALE_RATIO:
-        decades = math.log10(max(positive) / min(positive))
+    if use_log_scale(values):
+        decades = math.log10(max(values) / min(values))
         subs = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0) if decades <= 1.2 else (1.0, 2.0, 3.0, 5.0, 7.0) \
             if decades <= 2 else (1.0, 2.0, 5.0)  # about 5-10 labelled ticks, whatever the span
         ax.set_yscale("log")

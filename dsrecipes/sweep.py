@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional
 from hydra.experimental.callback import Callback
 
 from dsrecipes.fileio import atomic_write_json, atomic_write_text
-from dsrecipes.rundir import METRICS_FILE, RESULT_FILE, run_summary
+from dsrecipes.rundir import METRICS_FILE, RESULT_FILE, read_metrics, run_summary
 
 SUMMARY_MD = "summary.md"
 SUMMARY_JSON = "summary.json"
@@ -152,15 +152,20 @@ def write_summary(sweep_dir: Path) -> List[Dict[str, Any]]:
 def plot_summary(sweep_dir: Path, rows: List[Dict[str, Any]]) -> bool:
     """summary.png: every job's loss curves on one set of axes, labelled by its swept values."""
     from dsrecipes.plots import plot_sweep
-    from dsrecipes.rundir import read_metrics
 
+    jobs = [(label, read_metrics(Path(row["run_dir"])) or read_metrics(sweep_dir / row["job"]))
+            for label, row in zip(curve_labels(rows), rows)]
+    return plot_sweep(jobs, sweep_dir / SUMMARY_PNG, title=f"sweep {sweep_dir.name}: {len(rows)} jobs")
+
+
+def curve_labels(rows: List[Dict[str, Any]]) -> List[str]:
+    """Each job's swept values (`optimizer.lr=1e-3 zero=stage2`), or `job N` when nothing varies."""
     keys = varying_keys(rows)
-    jobs = []
+    labels = []
     for row in rows:
         values = dict(ov.partition("=")[::2] for ov in row["overrides"])
-        label = " ".join(f"{k}={values[k]}" for k in keys if k in values) or f"job {row['job']}"
-        jobs.append((label, read_metrics(Path(row["run_dir"])) or read_metrics(sweep_dir / row["job"])))
-    return plot_sweep(jobs, sweep_dir / SUMMARY_PNG, title=f"sweep {sweep_dir.name}: {len(rows)} jobs")
+        labels.append(" ".join(f"{k}={values[k]}" for k in keys if k in values) or f"job {row['job']}")
+    return labels
 
 
 def render_markdown(rows: List[Dict[str, Any]]) -> str:
