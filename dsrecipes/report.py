@@ -39,7 +39,8 @@ def closing_summary(run_dir: Path, wall_s: float, overrides: Sequence[str], max_
         lines.append(f"  loss curves  {run_dir / LOSS_PLOT}")
     hidden = _hidden_lines(run_dir)
     if hidden:
-        lines.append(f"  hidden logs  {run_dir / LOGS_DIR}  ({hidden} third-party lines kept off the console)")
+        lines.append(f"  hidden logs  {run_dir / LOGS_DIR}  ({hidden} third-party line{'s' * (hidden != 1)} kept off "
+                     "the console)")
     lines += ["next:"] + [f"  {what:<15}{cmd}" for what, cmd in next_commands(run_dir, overrides, summary["steps"],
                                                                               max_steps)]
     return "\n".join(lines)
