@@ -6,10 +6,10 @@ ranks, whose output reaches the terminal through a pipe.
 
 Third-party lines that tell the user nothing (DeepSpeed's "Setting accelerator to CPU" and "Attempting to get
 learning rate from scheduler before it has started", the deepspeed launcher's INFO lines, deprecation warnings from
-inside torch or DeepSpeed, Hugging Face progress bars for a one-file save) are kept off the console and written to
-`<run>/logs/<process>.log`:
-  - in our own processes (the launching process, every rank): `quiet_third_party()` filters DeepSpeed's logger,
-    captures Python warnings and turns Hugging Face progress bars off;
+inside torch or DeepSpeed; Hugging Face progress bars when not on a terminal) are kept off the console and written
+to `<run>/logs/<process>.log`:
+  - in our own processes (the launching process, every rank): `quiet_third_party()` filters DeepSpeed's logger and
+    sends deprecation warnings (FutureWarning, DeprecationWarning) to the log; other warnings are shown;
   - from launcher binaries (deepspeed, torchrun, mpirun) and everything they start: `relay()` reads their output
     and passes on what is not noise.
 """
@@ -23,7 +23,7 @@ import sys
 import threading
 import warnings
 from pathlib import Path
-from typing import IO, List, Optional
+from typing import IO, Callable, List, Optional
 
 PROGRESS_ENV = "DSRECIPES_PROGRESS"
 LOGS_DIR = "logs"
@@ -76,30 +76,46 @@ _SINK = _Sink()
 
 
 class _DeepSpeedFilter(logging.Filter):
-    """On DeepSpeed's logger: every record goes to the log file; noise goes nowhere else."""
+    """On DeepSpeed's logger: noise goes to the log file instead of the console."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
+        if not is_noise(message):
+            return True
         _SINK.write(f"[{record.levelname}] [{record.filename}:{record.lineno}] {message}")
-        return not is_noise(message)
+        return False
 
 
 def quiet_third_party(path: Path) -> None:
     """Keep third-party noise of this process off the console and in `path` (idempotent; a later call moves the
     file). Call it before deepspeed, transformers and datasets are imported."""
     _SINK.path = Path(path)
-    for var in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
-        os.environ.setdefault(var, "1")  # read when transformers / datasets are imported
-    if "transformers" in sys.modules:
-        sys.modules["transformers"].utils.logging.disable_progress_bar()
+    if progress_mode() == "lines":  # off a terminal a bar is noise; on one, loading a sharded model deserves it
+        for var in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
+            os.environ.setdefault(var, "1")  # read when transformers / datasets are imported (ranks inherit it)
+        if "transformers" in sys.modules:
+            sys.modules["transformers"].utils.logging.disable_progress_bar()
     logger = logging.getLogger("DeepSpeed")  # created here if deepspeed is not imported yet; DeepSpeed adds its handler
     if not any(isinstance(f, _DeepSpeedFilter) for f in logger.filters):
         logger.addFilter(_DeepSpeedFilter())
-    warnings.showwarning = _warning_to_log
+    if not isinstance(warnings.showwarning, _WarningRouter):
+        warnings.showwarning = _WarningRouter(warnings.showwarning)
 
 
-def _warning_to_log(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
-    _SINK.write(warnings.formatwarning(message, category, filename, lineno, line).rstrip())
+class _WarningRouter:
+    """Deprecation notices from inside libraries go to the log file; other warnings (a DataLoader with more
+    workers than cores, ...) are shown as usual."""
+
+    HIDDEN = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
+
+    def __init__(self, show: Callable[..., None]):
+        self.show = show
+
+    def __call__(self, message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+        if issubclass(category, self.HIDDEN):
+            _SINK.write(warnings.formatwarning(message, category, filename, lineno, line).rstrip())
+        else:
+            self.show(message, category, filename, lineno, file, line)
 
 
 # ---------------------------------------------------------------------------------------------------------------

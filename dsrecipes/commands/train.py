@@ -17,7 +17,7 @@ from typing import Any, List, Optional
 
 from dsrecipes.config.load import compose_error, load_config, register_schemas
 from dsrecipes.config.schema import TrainConfig
-from dsrecipes.errors import ConfigError, UserError
+from dsrecipes.errors import UserError
 
 CONFIG_NAME = "train"
 TASK_NAME = "dsrecipes"
