@@ -7,11 +7,13 @@ with --no-deps --no-index, so nothing comes from the network.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -53,6 +55,24 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_from_anywhere(tmp_path):
     assert f"({venv}" in version.splitlines()[0], version  # the installed copy, not the checkout
     assert _run([exe, "validate"], cwd=elsewhere, env=env).startswith("OK: data=map")
     assert str(venv) in _run([exe, "ls", "recipe"], cwd=elsewhere, env=env)
-    out = _run([py, "-m", "dsrecipes", "trainer.max_steps=5"], cwd=elsewhere, env=env)
+    done = subprocess.run([py, "-m", "dsrecipes", "trainer.max_steps=5"], cwd=elsewhere, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
     (run_dir,) = [p for p in (elsewhere / "outputs").glob("*/*") if p.is_dir()]
-    assert "done: 5 steps in " in out and (run_dir / "export" / "model.safetensors").is_file()
+    assert (run_dir / "export" / "model.safetensors").is_file()
+    _check_console(done.stdout, done.stderr, run_dir)
+
+
+def _check_console(out: str, err: str, run: Path) -> None:
+    """What a new user sees, output not on a terminal: plain lines, no third-party noise, a closing summary."""
+    shown = out + err
+    assert "\r" not in shown and "Setting accelerator" not in shown and "Attempting to get" not in shown
+    assert "Writing model shards" not in shown
+    assert "step 5/5  loss " in out and "step 5/5  eval_loss " in out
+    summary = out[out.index("done: 5 steps in "):]
+    result = json.loads((run / "result.json").read_text())
+    assert f"-> {result['final_eval_loss']:.4f}" in summary.splitlines()[2]
+    assert f"  run dir      {run}\n" in summary and f"  model        {run / 'export'}" in summary
+    assert f"dsrecipes prompt-eval --baseline {run} --finetuned {run}" in summary
+    assert f"train further: dsrecipes trainer.output_dir={run} trainer.max_steps=10" in summary
+    assert "Setting accelerator to CPU" in (run / "logs" / "main.log").read_text()
