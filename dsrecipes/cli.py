@@ -63,12 +63,14 @@ def run_guarded(fn: Callable[[List[str]], int], argv: List[str]) -> int:
 
 
 def _check_command(args: List[str]) -> None:
-    """A first word that is neither a subcommand, a flag nor an override is a mistyped subcommand."""
+    """A first word close to a subcommand, and neither a flag nor an override, is a mistyped subcommand (other bare
+    words reach the training command, which names the closest keys and groups)."""
     from dsrecipes.suggest import closest, phrase
 
     word = args[0] if args else ""
-    if word and word not in SUBCOMMANDS and not word.startswith(("-", "~", "+")) and "=" not in word:
-        raise UserError(f"unknown command '{word}'{phrase(closest(word, SUBCOMMANDS))} "
+    near = closest(word, SUBCOMMANDS)
+    if near and word not in SUBCOMMANDS and not word.startswith(("-", "~", "+")) and "=" not in word:
+        raise UserError(f"unknown command '{word}'{phrase(near)} "
                         f"(commands: {', '.join(SUBCOMMANDS)}; training takes KEY=VALUE overrides)")
 
 

@@ -96,7 +96,9 @@ def test_console_script_matches_module(tmp_path):
     (["valdate"], "unknown command 'valdate'; did you mean validate?"),
     (["ls", "zer"], "no config group 'zer'; did you mean zero?"),
     (["--cfg", "job", "trainer.max_step=1"], "trainer.max_step: unknown key; did you mean trainer.max_steps?"),
-    (["zero=stage2", "recipe"], "'recipe' is not KEY=VALUE, GROUP=OPTION or a flag; did you mean recipe=...?"),
+    (["zero=stage2", "recipe"], "'recipe' is not a command, KEY=VALUE, GROUP=OPTION or a flag; "
+                                "did you mean recipe=...?"),
+    (["frobnicate"], "'frobnicate' is not a command, KEY=VALUE, GROUP=OPTION or a flag (see dsrecipes --help)"),
     (["launcher.env.FOO=1"], "launcher.env is a mapping: add a key to it with +launcher.env.FOO=VALUE"),
 ])
 def test_did_you_mean_in_one_exit_2_message(argv, message, capsys, tmp_path, monkeypatch):

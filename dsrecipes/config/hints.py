@@ -107,7 +107,7 @@ def _bad_override(chain: List[BaseException], overrides: List[str]) -> str:
     if "=" not in word:
         names = group_names() + schema_keys()
         near = [f"{n}=..." for n in ([word] if word in names else closest(word, names))]
-        return f"'{word}' is not KEY=VALUE, GROUP=OPTION or a flag{phrase(near)}"
+        return f"'{word}' is not a command, KEY=VALUE, GROUP=OPTION or a flag{phrase(near)} (see dsrecipes --help)"
     return f"cannot parse override '{word}': {exc.message.split(chr(10))[0]} (quote values holding special characters: key='value')"
 
 
