@@ -123,8 +123,8 @@ class MetricsLogger:
     def info(self, message: str) -> None:
         if not self.enabled:
             return
-        if self._bar is not None:
-            self._bar.write(message)
+        if self._bar is not None:  # the bar's own stream: through a launcher's pipes, one stream keeps the order
+            self._bar.write(message, file=self._bar.fp)
         else:
             print(message, flush=True)
 
