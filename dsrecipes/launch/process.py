@@ -48,8 +48,9 @@ def _start(cmd: Command, log: Optional[Path]) -> Tuple[subprocess.Popen, List[th
     from dsrecipes.console import PROGRESS_ENV, progress_mode, relay
 
     columns = {"COLUMNS": str(shutil.get_terminal_size().columns)} if sys.stderr.isatty() else {}
-    env = child_env({PROGRESS_ENV: progress_mode(), **columns, **cmd.env})
     pipe = subprocess.PIPE if log is not None else None
+    unbuffered = {"PYTHONUNBUFFERED": "1"} if pipe else {}  # ranks writing into a pipe would hold lines back
+    env = child_env({PROGRESS_ENV: progress_mode(), **columns, **unbuffered, **cmd.env})
     proc = subprocess.Popen(cmd.argv, env=env, stdout=pipe, stderr=pipe)
     relays = [] if log is None else [relay(proc.stdout, sys.stdout, log), relay(proc.stderr, sys.stderr, log)]
     return proc, relays
