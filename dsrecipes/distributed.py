@@ -44,7 +44,7 @@ def init_distributed() -> Tuple[int, int]:
     if os.environ.get("WORLD_SIZE") == "1":
         _skip_shm_comm_op()
     else:
-        from dsrecipes import shm_op
+        import dsrecipes.shm_op as shm_op
 
         shm_op.announce()  # its JIT build is minutes of silence the first time on a machine
     deepspeed.init_distributed()

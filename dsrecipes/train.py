@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterator, Optional
 import numpy as np
 import torch
 
-from dsrecipes import heartbeat
+import dsrecipes.heartbeat as heartbeat
 from dsrecipes.checkpoint import ResumePoint, TrainState, load_checkpoint, open_resume, save_checkpoint
 from dsrecipes.config.schema import TrainConfig
 from dsrecipes.distributed import all_ranks, finish_distributed, init_distributed

@@ -24,7 +24,7 @@ def run(run_dir: str | Path) -> TrainState:
     cfg = load_run_config(run_dir)
     if cfg.trainer.device is Device.cpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must precede the first `import deepspeed`
-    from dsrecipes import heartbeat
+    import dsrecipes.heartbeat as heartbeat
     from dsrecipes.train import train
 
     try:

@@ -21,7 +21,7 @@ def main(argv: List[str]) -> int:
                         help="JIT-build DeepSpeed's CPU shared-memory op now instead of in the first multi-rank run")
     args = parse(parser, argv)
     if args.build_ops:
-        from dsrecipes import shm_op
+        import dsrecipes.shm_op as shm_op
 
         print(f"building {shm_op.NAME} (1-3 minutes when not cached) ...", file=sys.stderr, flush=True)
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's build log

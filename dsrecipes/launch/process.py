@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Dict, Mapping, Optional
 
-from dsrecipes import heartbeat
+import dsrecipes.heartbeat as heartbeat
 from dsrecipes.launch.plan import RANK_ENV, Command
 
 FAILED_NODE_GRACE_S = 5  # after a rank reported a lost node: time for the launcher to stop the others itself
