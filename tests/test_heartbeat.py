@@ -26,7 +26,7 @@ TIMEOUT_S = 5
 
 
 def start_pair(run_dir: Path):
-    from dsrecipes.launch import free_port
+    from dsrecipes.distributed import free_port
 
     port = str(free_port())
     procs = []
