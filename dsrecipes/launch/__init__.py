@@ -15,8 +15,8 @@ from typing import List, Mapping, Optional
 
 from dsrecipes.config.schema import TrainConfig
 from dsrecipes.errors import UserError
-from dsrecipes.heartbeat import FAILURE_FILE
 from dsrecipes.fileio import atomic_write_text
+from dsrecipes.heartbeat import FAILURE_FILE
 from dsrecipes.launch.builders import BUILDERS, resolve_master_port
 from dsrecipes.launch.plan import LAUNCH_FILE, WORKER_MODULE, Command, LaunchPlan, render_plan
 from dsrecipes.launch.process import run_in_process, run_subprocess

@@ -7,7 +7,6 @@ which sleeps (the test kills or freezes one of them). A crash goes through `hear
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from datetime import timedelta
