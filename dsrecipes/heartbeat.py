@@ -43,8 +43,14 @@ def start(run_dir: Path, rank: int, world_size: int, timeout_s: int) -> Optional
     global _current
     if world_size < 2 or timeout_s <= 0 or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         return None
-    _current = Heartbeat(Path(run_dir), rank, world_size, float(timeout_s))
-    _current.start()
+    beat = Heartbeat(Path(run_dir), rank, world_size, float(timeout_s))
+    try:
+        beat.start()
+    except Exception as exc:  # noqa: BLE001 - a safety net must not be what stops a run
+        print(f"dsrecipes: warning: rank {rank} runs without a heartbeat ({type(exc).__name__}: {exc}); a dead node "
+              "would leave it waiting for the process-group timeout", file=sys.stderr, flush=True)  # fmt: skip
+        return None
+    _current = beat
     return _current
 
 

@@ -3,6 +3,7 @@
   a peer killed (its sockets close): the rank waiting in all_reduce crashes, asks the heartbeat, names the peer
   a peer frozen (SIGSTOP: nothing closes, as with a dead node): the heartbeat notices within peer_timeout_s
   the store's host frozen: the other rank's store calls hang; the guard thread ends it
+  a rank that finished (heartbeat stopped, process gone) is not reported while another still works
 Each case: exit PEER_LOST_EXIT within a bounded time and <run>/failure.json naming the lost rank. The report text
 and first-report-wins are unit-tested at the end.
 """
@@ -25,7 +26,7 @@ from tests.conftest import REPO, subprocess_env
 TIMEOUT_S = 5
 
 
-def start_pair(run_dir: Path):
+def start_pair(run_dir: Path, *mode: str):
     from dsrecipes.distributed import free_port
 
     port = str(free_port())
@@ -33,7 +34,7 @@ def start_pair(run_dir: Path):
     for rank in (0, 1):
         env = subprocess_env({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
                               "MASTER_PORT": port, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.helpers.heartbeat_probe", str(run_dir), str(TIMEOUT_S)],
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.helpers.heartbeat_probe", str(run_dir), str(TIMEOUT_S), *mode],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
     deadline = time.monotonic() + 120
     while not all((run_dir / f"ready{r}").exists() for r in (0, 1)):
@@ -41,6 +42,14 @@ def start_pair(run_dir: Path):
         time.sleep(0.1)
     time.sleep(1.5)  # rank 0 is in its all_reduce, both have beaten
     return procs
+
+
+@pytest.mark.slow
+def test_ranks_that_finish_at_different_times_are_not_taken_for_dead(tmp_path):
+    procs = start_pair(tmp_path, "finish")
+    outs = [p.communicate(timeout=2 * TIMEOUT_S + 60)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert not (tmp_path / heartbeat.FAILURE_FILE).exists()
 
 
 @pytest.mark.slow
