@@ -7,8 +7,9 @@ equal rank by rank, `dsrecipes audit --ledger` passes) and log exactly its losse
   launcher=deepspeed + hostfile pdsh over ssh to an sshd per node; .deepspeed_env reaches the remote ranks; node 1
                                 is cut off and killed mid-run: every rank exits well within a minute, the launching
                                 process names node 1, and the same command resumes to identical losses
-Gloo finds its peers through GLOO_SOCKET_IFNAME=dsr0 (the veth name on every node; without it gloo would advertise
-127.0.0.1). Needs root (namespaces) and, for the ssh path, openssh-server + pdsh (scripts/test.sh installs them);
+Every rank pins gloo to GLOO_SOCKET_IFNAME=dsr0 (the veth name on every node), as on nodes with several NICs; here
+each node's own hostname also resolves to its cluster address (so gloo would find it without, but not on a
+machine whose hostname resolves to 127.0.0.1 or another NIC). Needs root (namespaces) and, for the ssh path, openssh-server + pdsh (scripts/test.sh installs them);
 skipped with the reason otherwise.
 """
 
@@ -75,7 +76,7 @@ def test_without_root_the_cluster_tests_skip_and_say_why(monkeypatch):
 
 
 def env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-    return subprocess_env({"DATA_CACHE": "", **(extra or {})})
+    return subprocess_env(extra)
 
 
 def common(workspace: Path, run: Path) -> List[str]:
