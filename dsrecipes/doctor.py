@@ -299,3 +299,4 @@ def render(findings: List[Finding]) -> str:
     lines.append(f"\n{errors} error(s), {warns} warning(s)" + (": training cannot work here" if errors else ""))
     return "\n".join(lines)
 
+

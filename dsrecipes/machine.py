@@ -90,4 +90,3 @@ class Probe:
         from dsrecipes.shm_op import status
 
         return status()
-

@@ -223,3 +223,4 @@ def count_tokens(cfg: Any, convs: Iterator[Any]) -> List[int]:
         out += [0 if e is None else len(e.input_ids) for e in encoder.encode_batch(batch)]
     return out
 
+
