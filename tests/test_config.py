@@ -162,5 +162,7 @@ def test_launcher_rules():
     assert msg.startswith("launcher.hostfile: launcher=deepspeed on several nodes needs a hostfile")
     (msg,) = _problems("launcher=deepspeed", "launcher.num_gpus=2", "launcher.include=localhost:0")
     assert msg.startswith("launcher.include: deepspeed cannot combine --include/--exclude with --num_gpus")
+    (msg,) = _problems("launcher=deepspeed", "launcher.peer_timeout_s=2")
+    assert msg == "launcher.peer_timeout_s: 0 (off) or >= 5 seconds, got 2"
     (msg,) = _problems("launcher=slurm", "launcher.num_gpus=null")
     assert msg.startswith("launcher.num_gpus: launcher=slurm starts ranks on other machines")

@@ -318,6 +318,9 @@ class LauncherConfig:
     rdzv_endpoint: Optional[str] = None  # torchrun: host:port
     env: Dict[str, str] = field(default_factory=dict)  # exported to every rank (.deepspeed_env for multi-node)
     extra_args: List[str] = field(default_factory=list)  # passed verbatim to the launcher binary
+    # A rank silent this long (its node died or was cut off) ends the run on every node (dsrecipes.heartbeat);
+    # 0 disables the heartbeat (then a dead node leaves the others waiting for the process-group timeout).
+    peer_timeout_s: int = 30
     slurm_partition: Optional[str] = None
     slurm_time_min: int = 60
     slurm_account: Optional[str] = None
