@@ -30,8 +30,9 @@ def check_machine(cfg: TrainConfig) -> None:
 
     from dsrecipes.config.validate import check_runtime
     from dsrecipes.preflight import check_environment
+    from dsrecipes.trackers import preflight
 
-    problems = check_runtime(cfg, cuda_available=torch.cuda.is_available()) + check_environment(cfg)
+    problems = check_runtime(cfg, cuda_available=torch.cuda.is_available()) + check_environment(cfg) + preflight(cfg)
     if problems:
         raise ConfigError(problems)
 

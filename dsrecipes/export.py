@@ -111,7 +111,6 @@ def check_out_dir(out_dir: Path, key: str = "export") -> None:
         raise UserError(f"{key}: {out_dir} is not empty and is not a dsrecipes export (no {EXPORT_MARKER}); an export "
                         "goes into a new or empty directory or replaces an earlier export. Nothing was changed")
     import json
-
     from fnmatch import fnmatch
 
     try:

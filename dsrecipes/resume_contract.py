@@ -20,8 +20,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 MUST_MATCH = (
     "model", "template", "dataset", "data.kind", "data.cutoff_len", "data.packing", "data.train_on", "data.shuffle",
-    "data.shuffle_buffer", "data.num_samples", "data.block_bytes", "optimizer.name", "optimizer.torch_adam", "precision.dtype",
-    "zero.stage", "scheduler.name", "trainer.seed",
+    "data.shuffle_buffer", "data.num_samples", "data.block_bytes", "optimizer.name", "optimizer.torch_adam",
+    "precision.dtype", "zero.stage", "scheduler.name", "trainer.seed",
 )
 MAY_CHANGE = (
     "model.name", "model.attn_implementation", "model.gradient_checkpointing", "model.num_params", "model.arch",
@@ -31,10 +31,11 @@ MAY_CHANGE = (
     "zero.overlap_comm", "zero.contiguous_gradients", "zero.reduce_bucket_size", "zero.allgather_bucket_size",
     "zero.stage3_prefetch_bucket_size", "zero.stage3_param_persistence_threshold", "zero.stage3_max_live_parameters",
     "zero.stage3_gather_16bit_weights_on_model_save", "offload", "scheduler.warmup_steps", "scheduler.min_lr_ratio",
-    "trainer.max_steps", "trainer.epochs", "trainer.micro_batch_size", "trainer.grad_accum", "trainer.save_every", "trainer.eval_every", "trainer.eval_batches",
-    "trainer.log_every", "trainer.keep_checkpoints", "trainer.resume", "trainer.resume_from", "trainer.output_dir",
+    "trainer.max_steps", "trainer.epochs", "trainer.micro_batch_size", "trainer.grad_accum", "trainer.save_every",
+    "trainer.eval_every", "trainer.eval_batches", "trainer.log_every", "trainer.keep_checkpoints", "trainer.resume", "trainer.resume_from", "trainer.output_dir",
     "trainer.record_samples", "trainer.gradient_clipping", "trainer.export", "trainer.export_merged_lora",
-    "trainer.device", "trainer.nan_policy", "trainer.nan_max_skips", "trainer.stop_grace_s", "launcher",
+    "trainer.device", "trainer.nan_policy", "trainer.nan_max_skips", "trainer.stop_grace_s", "trainer.report_to",
+    "trainer.experiment", "trainer.tracking_uri", "launcher",
 )
 
 

@@ -15,6 +15,7 @@ exit code. Rank 0 writes how the ranks ended into rank_outcome.json for the laun
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from typing import Any, Dict, Iterator, Optional
 import numpy as np
 import torch
 
+import dsrecipes.heartbeat as heartbeat
 import dsrecipes.stopping as stopping
 from dsrecipes.checkpoint import ResumePoint, TrainState, load_checkpoint, open_resume, save_checkpoint
 from dsrecipes.config.schema import LauncherKind, NanPolicy, TrainConfig
@@ -54,6 +56,11 @@ class Session:
     last_checkpoint: Optional[Path]
 
 
+# Fault injection for tests (tests/test_multinode.py): rank 0 stalls after this step, so that a node can be killed
+# while the run is in flight at a known point.
+STALL_AFTER_STEP_ENV = "DSRECIPES_STALL_AFTER_STEP"
+
+
 def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
     """Train `cfg` in `run_dir` (written by the launching process: config.yaml, plan.json, ds_config.json)."""
     run_dir = Path(run_dir)
@@ -65,6 +72,10 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
                 loop(session)
             except (RunInterrupted, TrainingFailed) as exc:
                 stopped(session, exc)
+                raise
+            except BaseException:  # a crash (or Ctrl-C twice): trackers record a failed run, not a running one
+                heartbeat.stop()
+                session.metrics.close(ok=False)
                 raise
             finish(session)
     finally:
@@ -84,6 +95,7 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
     rank, world_size = init_distributed()
     if rank == 0 and plan.supervised and cfg.launcher.kind is not LauncherKind.local:  # (local: the same process)
         stopping.watch(lambda: launcher_alive(run_dir), cfg.trainer.stop_grace_s, "the launching process")
+    heartbeat.start(run_dir, rank, world_size, cfg.launcher.peer_timeout_s)  # a dead node ends the run, not a hang
     if world_size != plan.world_size:
         raise DataError(f"{run_dir}/plan.json was made for {plan.world_size} ranks, but {world_size} started; "
                         "start the run again with `python -m dsrecipes` so the launcher plans it")
@@ -98,7 +110,7 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
     resume = open_resume(plan.resume)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable_parameters(model), config=ds_config)
     state = TrainState() if resume is None else load_checkpoint(engine, train_loader, resume)
-    metrics = MetricsLogger(run_dir, rank, plan.total_steps, start_step=state.step)
+    metrics = MetricsLogger(run_dir, rank, plan.total_steps, start_step=state.step, cfg=cfg)
     metrics.info(describe_run(cfg, model, plan, resume))
     return Session(cfg, run_dir, plan, rank, engine, train_loader, eval_loader, state, metrics,
                    open_ledger(cfg, run_dir, rank), None if resume is None else resume.tag_dir)
@@ -150,6 +162,8 @@ def loop(s: Session) -> None:
         pause_for_signal(state.step, s.rank, lambda: stop_requested(s))
         if state.step >= total:
             break
+        if s.rank == 0 and os.environ.get(STALL_AFTER_STEP_ENV) == str(state.step):
+            time.sleep(3600)  # fault injection: a run in flight, the other ranks waiting in their next collective
 
 
 def after_step(s: Session) -> None:
@@ -194,10 +208,12 @@ def stop_here(s: Session) -> None:
 
 
 def stopped(s: Session, exc: Exception) -> None:
-    """Rank 0 records how the run ended; the sinks are closed (metrics.jsonl, plot, ledger) on every rank."""
+    """Rank 0 records how the run ended; the sinks are closed (metrics.jsonl, plot, ledger; trackers marked failed)
+    on every rank. The heartbeat stops first: ranks that end at slightly different times are not taken for dead."""
+    heartbeat.stop()
     if s.ledger is not None:
         s.ledger.close()
-    s.metrics.close()
+    s.metrics.close(ok=False)
     if s.rank != 0:
         return
     if isinstance(exc, RunInterrupted):
@@ -213,6 +229,7 @@ def finish(s: Session) -> None:
     if s.ledger is not None:
         s.ledger.close()
     s.metrics.close()
+    heartbeat.stop()  # before the last barrier: ranks that finish first are not taken for dead
     finish_distributed()
     if s.rank == 0 and s.cfg.trainer.export:
         out = export_checkpoint(s.run_dir, s.last_checkpoint, s.run_dir / EXPORT_DIR, s.cfg)

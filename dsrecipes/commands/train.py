@@ -4,8 +4,8 @@ Hydra's own `@hydra.main` composes a single run twice (once to read `hydra.mode`
 override with its traceback-style text and exit 1. This runner drives Hydra's classes directly (hydra-core is
 pinned to 1.3.x): a single run is composed exactly once, validated by `load_config()` (one message, exit 2, before
 any output directory exists), and then run as a Hydra job (`run_job`: run directory, `.hydra/`, callbacks) with the
-already typed config. `-m` sweeps go through Hydra's sweeper, each job validating its own composition. The
-informational flags (`--cfg`, `--help`, `--info`, ...) are handed to Hydra unchanged.
+already typed config. `-m` sweeps go through Hydra's sweeper, each job validating its own composition. `--help` is
+dsrecipes' own (commands/help.py); `--cfg`, `--info` and `--hydra-help` are Hydra's, on dsrecipes' search path.
 
 Run directories: a single run's directory is `trainer.output_dir` when set (Hydra's job files go there too), else
 Hydra's `hydra.run.dir` pattern made unique by an atomic mkdir (two runs started in the same second get two
@@ -16,16 +16,15 @@ with status `interrupted` and prints the command that resumes it.
 
 from __future__ import annotations
 
-import os
-import shlex
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
-from dsrecipes.config.load import clean_hydra_message, config_to_dict, load_config, register_schemas
+from dsrecipes.config.load import compose_error, config_to_dict, load_config, register_schemas
 from dsrecipes.config.schema import TrainConfig
-from dsrecipes.errors import ConfigError, UserError
+from dsrecipes.errors import UserError
 
 CONFIG_NAME = "train"
 TASK_NAME = "dsrecipes"
@@ -41,33 +40,60 @@ class _Outcome:
 def main(argv: List[str]) -> int:
     from hydra._internal.utils import get_args_parser
 
+    from dsrecipes.commands.args import parse
+    from dsrecipes.commands.help import train_help, version_text
+
+    if "--version" in argv:  # Hydra's parser would print Hydra's version
+        print(version_text())
+        return 0
     parser = get_args_parser()
-    args = parser.parse_args(list(argv))
-    informational = args.help or args.hydra_help or args.cfg or args.info or args.shell_completion
+    args = parse(parser, argv)
+    if args.help:
+        print(train_help())
+        return 0
+    _refuse_other_config_roots(args)
     register_schemas()
     _Outcome.exit_code = 0
     _Outcome.interrupted = False
     _Outcome.sweep_dirs = set()
     _Outcome.argv = list(args.overrides)
-    if informational:
-        _hydra_informational(parser, args)
+    if args.hydra_help or args.cfg or args.info or args.shell_completion:
+        _with_hydra(lambda hydra: _informational(hydra, parser, args))
     elif args.multirun:
-        _with_hydra(lambda hydra: hydra.multirun(config_name=CONFIG_NAME, task_function=_job,
-                                                 overrides=_unique_sweep_dir(hydra, list(args.overrides))))
+        _with_hydra(lambda hydra: _multirun(hydra, list(args.overrides)))
     else:
         _with_hydra(lambda hydra: _run_once(hydra, list(args.overrides)))
     return _Outcome.exit_code
 
 
+def _refuse_other_config_roots(args: Any) -> None:
+    """Hydra's --config-dir/--config-path/--config-name would compose from another tree than conf/ (without its
+    schema and rules); user recipes have their own road (config/sources.py)."""
+    from dsrecipes.config.sources import RECIPES_ENV
+
+    given = [flag for flag, value in (("--config-dir", args.config_dir), ("--config-path", args.config_path),
+                                      ("--config-name", args.config_name)) if value is not None]
+    if given:
+        raise UserError(f"{', '.join(given)}: not supported by dsrecipes; run a recipe file with "
+                        f"recipe=/path/to/file.yaml, or name folders of recipes in {RECIPES_ENV}=DIR[:DIR...]")
+
+
+def _multirun(hydra: Any, overrides: List[str]) -> None:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        hydra.multirun(config_name=CONFIG_NAME, task_function=_job, overrides=_unique_sweep_dir(hydra, overrides))
+    except (HydraException, OmegaConfBaseException) as exc:  # the sweeper composes every job before running any
+        raise compose_error(exc, overrides) from None
+
+
 def _with_hydra(body: Any) -> Any:
-    from hydra._internal.hydra import Hydra
-    from hydra._internal.utils import create_config_search_path
     from hydra.core.global_hydra import GlobalHydra
 
-    from dsrecipes.paths import conf_dir
+    from dsrecipes.config.sources import create_hydra
 
-    GlobalHydra.instance().clear()
-    hydra = Hydra.create_main_hydra2(task_name=TASK_NAME, config_search_path=create_config_search_path(str(conf_dir())))
+    hydra = create_hydra(TASK_NAME)
     try:
         return body(hydra)
     finally:
@@ -81,7 +107,7 @@ def _compose(hydra: Any, overrides: List[str], multirun: bool = False) -> Any:
         return hydra.compose_config(config_name=CONFIG_NAME, overrides=overrides, with_log_configuration=not multirun,
                                     run_mode=RunMode.MULTIRUN if multirun else RunMode.RUN)
     except Exception as exc:  # Hydra raises many types; all are user mistakes in a composition
-        raise ConfigError(clean_hydra_message(exc)) from None
+        raise compose_error(exc, overrides) from None
 
 
 def _overridden(overrides: Sequence[str], key: str) -> bool:
@@ -119,12 +145,14 @@ def _run_once(hydra: Any, overrides: List[str]) -> None:
     check_machine(cfg)
     run_dir, key = _single_run_dir(composed, cfg, overrides)
     cfg = with_run_dir(cfg, run_dir)
+    started = time.perf_counter()
     with claim(run_dir, key, identity_fingerprint(config_to_dict(cfg))):  # exit 2 here: nothing touched
+        _quiet(run_dir)  # before deepspeed and transformers are imported
         decision = decide(cfg)  # exit 2 here (a resume the checkpoint cannot take): nothing written, not .hydra/
         callbacks = Callbacks(composed)
         callbacks.on_run_start(config=composed, config_name=CONFIG_NAME)
         ret = run_job(hydra_context=HydraContext(config_loader=hydra.config_loader, callbacks=callbacks),
-                      task_function=lambda _: _run_claimed(cfg, run_dir, False, decision), config=composed,
+                      task_function=lambda _: _run_claimed(cfg, run_dir, False, started, decision), config=composed,
                       job_dir_key="hydra.run.dir", job_subdir_key=None, configure_logging=True)
         callbacks.on_run_end(config=composed, config_name=CONFIG_NAME, job_return=ret)
     _ = ret.return_value  # re-raises what the job raised (a bug, not a user error)
@@ -152,13 +180,24 @@ def _single_run_dir(composed: Any, cfg: TrainConfig, overrides: List[str]) -> tu
     return run_dir, key
 
 
-def _hydra_informational(parser: Any, args: Any) -> None:
-    from hydra._internal.utils import _run_hydra
+def _informational(hydra: Any, parser: Any, args: Any) -> None:
+    """--cfg, --info, --hydra-help, --shell-completion: what Hydra's own runner does, on our search path."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
-    from dsrecipes.paths import conf_dir
-
-    _run_hydra(args=args, args_parser=parser, task_function=_job, config_path=str(conf_dir()),
-               config_name=CONFIG_NAME)
+    overrides = list(args.overrides)
+    try:
+        if args.hydra_help:
+            hydra.hydra_help(config_name=CONFIG_NAME, args_parser=parser, args=args)
+        elif args.cfg:
+            hydra.show_cfg(config_name=CONFIG_NAME, overrides=overrides, cfg_type=args.cfg, package=args.package,
+                           resolve=args.resolve)
+        elif args.info:
+            hydra.show_info(args.info, config_name=CONFIG_NAME, overrides=overrides)
+        else:
+            hydra.shell_completion(config_name=CONFIG_NAME, overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise compose_error(exc, overrides) from None
 
 
 def _job(composed: Any) -> None:
@@ -186,6 +225,7 @@ def _run_job(cfg: TrainConfig) -> None:
     from dsrecipes.resume_contract import identity_fingerprint
     from dsrecipes.rundir import claim
 
+    started = time.perf_counter()
     hc = HydraConfig.get()
     job_dir = Path(hc.runtime.output_dir)
     cfg = with_run_dir(cfg, job_dir)
@@ -203,12 +243,24 @@ def _run_job(cfg: TrainConfig) -> None:
         _Outcome.exit_code = _Outcome.exit_code or exc.exit_code
         return
     with held:
-        _run_claimed(cfg, run_dir, multirun=hc.mode is RunMode.MULTIRUN)
+        _quiet(run_dir)
+        _run_claimed(cfg, run_dir, hc.mode is RunMode.MULTIRUN, started)
 
 
-def _run_claimed(cfg: TrainConfig, run_dir: Path, multirun: bool, decision: Any = None) -> None:
+def _quiet(run_dir: Path) -> None:
+    """Third-party noise of this process to <run>/logs/main.log: only once the directory is ours (the log file is
+    created lazily, at the first noisy line)."""
+    from dsrecipes.console import log_path, quiet_third_party
+
+    quiet_third_party(log_path(run_dir, "main"))
+
+
+def _run_claimed(cfg: TrainConfig, run_dir: Path, multirun: bool, started: float, decision: Any = None) -> None:
     """Run in a claimed directory and write result.json (also for failures; not for a refused run)."""
+    from hydra.core.hydra_config import HydraConfig
+
     import dsrecipes.stopping as stopping
+    from dsrecipes.commands.outcome import report_interrupted
     from dsrecipes.entry import run
     from dsrecipes.rundir import read_outcome, write_result
 
@@ -219,7 +271,7 @@ def _run_claimed(cfg: TrainConfig, run_dir: Path, multirun: bool, decision: Any 
         _report(run_dir, exc)
         return
     except KeyboardInterrupt:  # Ctrl-C twice: stopped where it stood
-        _report_interrupted(run_dir, signal.SIGINT, {})
+        report_interrupted(run_dir, signal.SIGINT, {}, _Outcome.argv)
         raise
     except Exception as exc:  # noqa: BLE001 - a sweep must go on; a single run re-raises
         if not multirun:
@@ -236,41 +288,18 @@ def _run_claimed(cfg: TrainConfig, run_dir: Path, multirun: bool, decision: Any 
     if outcome.get("status") == "ok":  # the ranks finished (a signal that came during the last step changes nothing)
         code = 0
     if signum is not None and code != 0:
-        code = _report_interrupted(run_dir, int(signum), extra)
+        code = report_interrupted(run_dir, int(signum), extra, _Outcome.argv)
         _Outcome.interrupted = True  # a sweep stops too
     elif code != 0:
         write_result(run_dir, code, outcome.get("error") or f"ranks exited with code {code}", **extra)
     else:
         write_result(run_dir, 0, None, "dry_run" if cfg.launcher.dry_run else "ok", **extra)
     _Outcome.exit_code = _Outcome.exit_code or code
+    if code == 0 and not cfg.launcher.dry_run:
+        from dsrecipes.report import closing_summary
 
-
-def _report_interrupted(run_dir: Path, signum: int, extra: dict) -> int:
-    """result.json `interrupted`, the newest checkpoint and the exact command that continues the run."""
-    from dsrecipes.checkpoint_find import committed
-    from dsrecipes.rundir import CHECKPOINTS_DIR, write_result
-    from dsrecipes.stopping import exit_code
-
-    newest = committed(run_dir / CHECKPOINTS_DIR)
-    checkpoint = str(newest[0]) if newest else None
-    command = resume_command(run_dir, keep_resume_from=not newest)
-    code = exit_code(signum)
-    name = signal.Signals(signum).name
-    where = f"last checkpoint: {checkpoint}" if checkpoint else "no checkpoint was written"
-    print(f"\ninterrupted by {name} ({where}). Resume with:\n  {command}", file=sys.stderr, flush=True)
-    extra = {**extra, "checkpoint": checkpoint, "resume_command": command}
-    write_result(run_dir, code, f"interrupted by {name}", "interrupted", **extra)
-    return code
-
-
-def resume_command(run_dir: Path, keep_resume_from: bool) -> str:
-    """This invocation again, into the same run directory with trainer.resume=auto (from the same directory)."""
-    drop = {"trainer.output_dir", "hydra.run.dir", "trainer.resume"}
-    if not keep_resume_from:
-        drop.add("trainer.resume_from")
-    kept = [ov for ov in _Outcome.argv if ov.split("=", 1)[0].lstrip("+~") not in drop]
-    args = [sys.executable, "-m", "dsrecipes", *kept, f"trainer.output_dir={run_dir}"]
-    return f"cd {shlex.quote(os.getcwd())} && {shlex.join(args)}"
+        overrides = list(HydraConfig.get().overrides.task)
+        print(closing_summary(run_dir, time.perf_counter() - started, overrides, cfg.trainer.max_steps), flush=True)
 
 
 def _report(run_dir: Path, exc: UserError) -> None:

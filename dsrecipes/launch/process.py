@@ -1,4 +1,5 @@
-"""Running a launch plan's commands on this machine: subprocesses (with signal forwarding) or in-process.
+"""Running a launch plan's commands on this machine: subprocesses (signal forwarding, a stop once a rank reported a
+failed node) or in-process.
 
 A launcher runs in a session of its own, so its whole tree (the deepspeed runner, its per-node `launch.py`, the
 ranks and their DataLoader workers) is one process group. SIGTERM or SIGINT to the launching process is forwarded
@@ -10,16 +11,21 @@ normal end, leftovers of the group are killed too: a run leaves no process behin
 from __future__ import annotations
 
 import _thread
+import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Tuple
 
+import dsrecipes.heartbeat as heartbeat
 import dsrecipes.stopping as stopping
 from dsrecipes.launch.plan import RANK_ENV, Command
+
+FAILED_NODE_GRACE_S = 5  # after a rank reported a lost node: time for the launcher to stop the others itself
 
 
 def child_env(extra: Mapping[str, str]) -> Dict[str, str]:
@@ -28,29 +34,122 @@ def child_env(extra: Mapping[str, str]) -> Dict[str, str]:
     return env
 
 
-def run_subprocess(cmd: Command, grace_s: float) -> int:
-    """Run `cmd` in its own process group until it and everything it started have ended."""
-    proc = subprocess.Popen(cmd.argv, env=child_env(cmd.env), start_new_session=True)
-    stopped_at: Optional[float] = None
+class _Stop:
+    """When a stop signal arrived (None: not yet); the deadline of the ranks' grace follows from it."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.at: Optional[float] = None
+
+    def overdue(self) -> bool:
+        return self.at is not None and time.monotonic() - self.at > self.grace_s
+
+
+def run_subprocess(cmd: Command, run_dir: Path, grace_s: float, log: Optional[Path] = None) -> int:
+    """Run `cmd` in its own process group and supervise it (`supervise`) until it and everything it started have
+    ended; with `log`, its output passes through `console.relay` (third-party noise goes to `log`)."""
+    proc, relays = _start(cmd, log)
+    stop = _Stop(grace_s)
 
     def forward(signum: int) -> None:
-        nonlocal stopped_at
-        stopped_at = stopped_at or time.monotonic()
+        stop.at = stop.at or time.monotonic()
         _signal_group(proc.pid, signum)
 
     try:
         with stopping.handling(on_signal=forward, announce=True):
-            while proc.poll() is None or (stopped_at is not None and _group_alive(proc.pid)):
-                if stopped_at is not None and time.monotonic() - stopped_at > grace_s:
-                    break  # out of time: the rest is killed below
-                time.sleep(0.2)
+            code = supervise(proc, run_dir, stop)
     except KeyboardInterrupt:  # Ctrl-C twice
-        _signal_group(proc.pid, signal.SIGKILL)
+        _end_group(proc.pid)
         raise
     finally:
-        _signal_group(proc.pid, signal.SIGKILL)  # whatever is still there (leftover workers, a stuck rank)
+        _end_group(proc.pid)  # whatever is still there (leftover workers, a stuck rank)
         code = proc.wait()
+        for thread in relays:
+            thread.join(timeout=10)  # a rank that outlives its launcher must not hold us here
     return code
+
+
+def _start(cmd: Command, log: Optional[Path]) -> Tuple[subprocess.Popen, List[threading.Thread]]:
+    """Start `cmd` in a new session: ranks learn the progress mode (and the terminal width for a bar drawn through
+    a pipe)."""
+    import shutil
+
+    from dsrecipes.console import PROGRESS_ENV, progress_mode, relay
+
+    columns = {"COLUMNS": str(shutil.get_terminal_size().columns)} if sys.stderr.isatty() else {}
+    pipe = subprocess.PIPE if log is not None else None
+    unbuffered = {"PYTHONUNBUFFERED": "1"} if pipe else {}  # ranks writing into a pipe would hold lines back
+    env = child_env({PROGRESS_ENV: progress_mode(), **columns, **unbuffered, **cmd.env})
+    proc = subprocess.Popen(cmd.argv, env=env, stdout=pipe, stderr=pipe, start_new_session=True)
+    relays = [] if log is None else [relay(proc.stdout, sys.stdout, log), relay(proc.stderr, sys.stderr, log)]
+    return proc, relays
+
+
+def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = None) -> int:
+    """Wait for the launcher (and, after a stop signal, for its whole group, up to the grace). When a rank reports
+    a lost node (<run>/failure.json, dsrecipes.heartbeat), say which node failed and give the launcher
+    FAILED_NODE_GRACE_S to stop its ranks; then end its process tree (pdsh keeps waiting for ssh to a dead host, and
+    deepspeed's own cleanup would ssh there too)."""
+    stop = stop or _Stop(0.0)
+    deadline: Optional[float] = None
+    code: Optional[int] = None
+    while code is None or (stop.at is not None and _group_alive(proc.pid)):
+        if stop.overdue():
+            break  # out of time: the caller kills the rest
+        if code is not None:
+            time.sleep(0.2)  # the launcher ended; its ranks are still saving
+            continue
+        try:
+            code = proc.wait(timeout=0.5)
+            continue
+        except subprocess.TimeoutExpired:
+            pass
+        if deadline is None and (run_dir / heartbeat.FAILURE_FILE).is_file():
+            deadline = time.monotonic() + FAILED_NODE_GRACE_S
+        elif deadline is not None and time.monotonic() > deadline:
+            kill_tree(proc.pid)
+            code = proc.wait()
+    code = proc.wait() if code is None else code
+    failure = heartbeat.read_failure(run_dir) if code != 0 else None
+    if failure is not None:
+        print(f"error: {heartbeat.describe_failure(failure)}. The ranks on the other nodes were stopped; run the "
+              "same command again to resume from the last checkpoint (trainer.resume=auto)", file=sys.stderr, flush=True)  # fmt: skip
+    return code
+
+
+def _end_group(pid: int) -> None:
+    """SIGKILL the launcher's tree and its process group (a grandchild whose parent died is in the group only)."""
+    kill_tree(pid)
+    _signal_group(pid, signal.SIGKILL)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants. The tree is frozen (SIGSTOP) first, so nothing it starts meanwhile
+    (deepspeed's cleanup spawns `pdsh ... pkill` on a SIGTERM, which would hang on a dead host) escapes."""
+    import psutil
+
+    frozen: Dict[int, "psutil.Process"] = {}
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    for _ in range(10):
+        try:
+            found = [root] + root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            found = []
+        new = [p for p in found if p.pid not in frozen]
+        if not new:
+            break
+        for p in new:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.suspend()
+            frozen[p.pid] = p
+    for p in frozen.values():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    # Not the root: waiting on it would reap it here, and its Popen would then report exit code 0.
+    psutil.wait_procs([p for p in frozen.values() if p.pid != pid], timeout=10)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -73,7 +172,7 @@ def run_in_process(cmd: Command, run_dir: Path, grace_s: float) -> int:
     stopped `grace_s` after the signal, it is interrupted where it stands."""
     import dsrecipes.worker as worker
 
-    timers = []
+    timers: List[threading.Timer] = []
 
     def deadline(signum: int) -> None:
         if not timers:
@@ -95,5 +194,3 @@ def run_in_process(cmd: Command, run_dir: Path, grace_s: float) -> int:
             else:
                 os.environ[key] = value
     return result
-
-
