@@ -57,9 +57,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
-    from dsrecipes.console import log_path, quiet_third_party
+    from dsrecipes.console import log_path, quiet_third_party, survive_lost_console
 
-    quiet_third_party(log_path(Path(args.run_dir), f"rank{os.environ.get('RANK', '0')}"))  # before deepspeed loads
+    log = log_path(Path(args.run_dir), f"rank{os.environ.get('RANK', '0')}")
+    quiet_third_party(log)  # before deepspeed loads
+    survive_lost_console(log)
     try:
         return run_rank(args.run_dir)
     except UserError as exc:
