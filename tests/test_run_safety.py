@@ -259,6 +259,21 @@ def test_a_nan_loss_fails_the_run_without_saving_or_exporting_its_weights(ws):
         json.loads(line, parse_constant=lambda t: pytest.fail(f"metrics.jsonl holds {t}"))
 
 
+def test_a_failed_run_is_failed_in_its_tracker(ws, monkeypatch):
+    """Trackers (issue 16) hear how the run ended: a non-finite loss closes the MLflow run as FAILED."""
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    uri = f"file:{ws / 'mlruns'}"
+    code, out = train(ws, ws / "nan_tracked", "optimizer.lr=1e5", "trainer.report_to=[mlflow]",
+                      f"trainer.tracking_uri={uri}", "trainer.experiment=nan")
+    assert code == 1, out[-3000:]
+    client = MlflowClient(uri)
+    (mlrun,) = client.search_runs([client.get_experiment_by_name("nan").experiment_id])
+    assert mlrun.info.status == "FAILED"
+
+
 def test_skip_drops_a_poisoned_step_and_counts_it(ws):
     from dsrecipes.step_guard import NAN_AT_STEP_ENV
 
@@ -317,3 +332,42 @@ def test_lora_checkpoints_hold_only_what_trains_and_resume_exactly(ws, base):
                       f"trainer.resume_from={run}/checkpoints/step_4")
     assert code == 0, out[-3000:]
     assert losses(resumed) == {s: v for s, v in losses(run).items() if s > 4}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A requeued SLURM job (launcher=slurm's batch script, minus SLURM)
+
+
+def test_a_requeued_batch_job_replans_and_resumes_by_itself(ws, base):
+    """The generated launch.sbatch of a requeued job runs `worker --replan`, then its ranks: here both run as the
+    batch script would, on a run stopped after step 4 whose plan.json still says "from the start"."""
+    import yaml
+
+    from dsrecipes.launch.slurm import sbatch_script
+    from dsrecipes.rundir import CHECKPOINTS_DIR
+    from tests.conftest import subprocess_env
+
+    run = copy_run(base, ws / "requeued")
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["launcher"].update(kind="slurm", num_nodes=1, num_gpus=1)  # the job's ranks run unsupervised
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    shutil.rmtree(run / CHECKPOINTS_DIR / "step_8")
+    (run / CHECKPOINTS_DIR / "latest").write_text("step_4")
+    assert json.loads((run / "plan.json").read_text())["resume"] is None  # planned when it started
+
+    env = subprocess_env({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"})
+    worker = [sys.executable, "-m", "dsrecipes.worker", "--run-dir", str(run)]
+    stale = subprocess.run(worker, env=env, capture_output=True, text=True, timeout=600)
+    assert stale.returncode == 2 and "plan.json" in stale.stderr and "Traceback" not in stale.stderr, stale.stderr
+    replanned = subprocess.run([*worker, "--replan"], env=env, capture_output=True, text=True, timeout=600)
+    assert replanned.returncode == 0 and "resuming from step 4" in replanned.stdout, replanned.stderr[-3000:]
+    done = subprocess.run(worker, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert losses(run) == losses(base)
+
+    from dsrecipes.config.load import load_run_config
+
+    script = sbatch_script(load_run_config(run), run, 29500)
+    assert "#SBATCH --requeue" in script and "#SBATCH --signal=B:USR1@180" in script
+    assert f"-m dsrecipes.worker --replan --run-dir {run}" in script and "scontrol requeue" in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0

@@ -6,7 +6,6 @@ each one to `<run>/quarantine.jsonl` and fails when more than `dataset.max_bad_f
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from enum import Enum
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any, Optional
 
 from dsrecipes.config.schema import BadRows
 from dsrecipes.errors import DataError
+from dsrecipes.fileio import json_text
 
 
 class BadReason(str, Enum):
@@ -71,7 +71,7 @@ class BadRowReport:
                 self.quarantine_path.parent.mkdir(parents=True, exist_ok=True)
                 self._fh = open(self.quarantine_path, "w", encoding="utf-8")
             entry = {"file": path, "line": loc, "reason": bad.reason.value, "detail": bad.detail, "raw": raw}
-            self._fh.write(json.dumps(entry, ensure_ascii=False, default=str) + "\n")
+            self._fh.write(json_text(entry, indent=None))  # strict JSON: a row's NaN becomes null
 
     def close(self) -> None:
         if self._fh is not None:
