@@ -98,28 +98,6 @@ def write_run_dir(cfg: TrainConfig, topology: Topology, decision: Optional[Decis
     return plan
 
 
-def replan(run_dir: Path) -> RunPlan:
-    """A requeued batch job (launcher=slurm, `python -m dsrecipes.worker --replan`): plan the continuation of the
-    run in `run_dir` from its newest verified checkpoint, with the config it was started with, so that the job's
-    ranks start from a current plan.json instead of refusing a stale one (train.check_plan_current)."""
-    from dsrecipes.checkpoint_find import committed
-    from dsrecipes.config.load import load_run_config
-    from dsrecipes.config.schema import ResumeMode
-    from dsrecipes.resume_contract import identity_fingerprint
-    from dsrecipes.rundir import claim
-
-    run_dir = Path(run_dir).resolve()
-    cfg = load_run_config(run_dir)
-    # Its own checkpoints first; a run that has committed none yet continues from where it started.
-    keep_from = cfg.trainer.resume_from if not committed(run_dir / CHECKPOINTS_DIR) else None
-    trainer = dataclasses.replace(cfg.trainer, resume=ResumeMode.auto, resume_from=keep_from, output_dir=str(run_dir))
-    cfg = dataclasses.replace(cfg, trainer=trainer)
-    with claim(run_dir, "--run-dir", identity_fingerprint(config_to_dict(cfg))):
-        plan = write_run_dir(cfg, resolve_topology(cfg.launcher))
-    print(f"run directory: {run_dir}  ({describe_plan(plan)})", flush=True)
-    return plan
-
-
 def with_run_dir(cfg: TrainConfig, hydra_run_dir: Path) -> TrainConfig:
     """`trainer.output_dir` wins (resume into an existing run); else Hydra's run directory. Returns a new config."""
     out = Path(cfg.trainer.output_dir).expanduser() if cfg.trainer.output_dir else hydra_run_dir

@@ -54,11 +54,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--run-dir", required=True, help="run directory written by `python -m dsrecipes`")
     # The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--replan", action="store_true",
-                        help="plan the run's continuation from its newest checkpoint and exit (a requeued SLURM job)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    if args.replan:
-        return _replan(Path(args.run_dir))
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     from dsrecipes.console import log_path, quiet_third_party, survive_lost_console
@@ -71,17 +67,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     except UserError as exc:
         print(exc.render(), file=sys.stderr)
         return exc.exit_code
-
-
-def _replan(run_dir: Path) -> int:
-    from dsrecipes.entry import replan
-
-    try:
-        replan(run_dir)
-    except UserError as exc:
-        print(exc.render(), file=sys.stderr)
-        return exc.exit_code
-    return 0
 
 
 if __name__ == "__main__":
