@@ -95,7 +95,8 @@ def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = Non
     code: Optional[int] = None
     while code is None or (stop.at is not None and _group_alive(proc.pid)):
         if stop.overdue():
-            break  # out of time: the caller kills the rest
+            _end_group(proc.pid)  # out of time: whatever has not stopped is killed
+            break
         if code is not None:
             time.sleep(0.2)  # the launcher ended; its ranks are still saving
             continue
