@@ -235,7 +235,6 @@ def _run_job(cfg: TrainConfig) -> None:
             raise UserError(f"trainer.output_dir: {run_dir} is already the directory of an earlier job of this sweep; "
                             "each job needs its own (leave trainer.output_dir unset in sweeps)")
         _Outcome.sweep_dirs.add(run_dir)
-        check_machine(cfg)
         held = claim(run_dir, "trainer.output_dir", identity_fingerprint(config_to_dict(cfg)),
                      hydra_job_dir=run_dir == job_dir.resolve())
     except UserError as exc:
@@ -244,6 +243,11 @@ def _run_job(cfg: TrainConfig) -> None:
         return
     with held:
         _quiet(run_dir)
+        try:
+            check_machine(cfg)  # in the claimed job directory: the sweep's summary shows why the job failed
+        except UserError as exc:
+            _report(run_dir, exc)
+            return
         _run_claimed(cfg, run_dir, hc.mode is RunMode.MULTIRUN, started)
 
 
