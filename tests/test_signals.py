@@ -1,7 +1,7 @@
 """Signals stop everything and keep work (tracker issue 10): real `python -m dsrecipes` processes, real signals.
 
-  local, SIGINT (Ctrl-C)      1 rank in the launching process: it stops at the next step boundary, checkpoints,
-                              writes result.json `interrupted` with the resume command, exits 130; the printed
+  local, SIGINT / SIGTERM     1 rank in the launching process: it stops at the next step boundary, checkpoints,
+                              writes result.json `interrupted` with the resume command, exits 130 / 143; the printed
                               command resumes it and the losses equal an uninterrupted run's step for step
   deepspeed, SIGTERM          (in tests/test_train_runs.py, whose 2-rank ZeRO-2 run is the reference) 2 ranks
                               under the deepspeed launcher: the signal reaches every rank, both checkpoint the same
@@ -118,15 +118,20 @@ def no_process_left(run: Path, within: float = 60) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_ctrl_c_on_a_local_run_checkpoints_and_the_printed_command_resumes_exactly(ws):
+@pytest.fixture(scope="module")
+def local_reference(ws) -> Path:
     reference = ws / "local_reference"
     assert finish(start(ws, reference)) == 0, log_of(ws, reference)[-3000:]
+    return reference
 
-    run = ws / "local"
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
+def test_a_signal_to_a_local_run_checkpoints_and_the_printed_command_resumes_exactly(ws, local_reference, signum):
+    run = ws / f"local_{signal.Signals(signum).name}"
     proc = start(ws, run, pause_after=2)
     wait_for_step(run, 2, proc)
-    proc.send_signal(signal.SIGINT)
-    command = assert_interrupted_at_step_3(ws, run, finish(proc), signal.SIGINT)
+    proc.send_signal(signum)
+    command = assert_interrupted_at_step_3(ws, run, finish(proc), signum)
     no_process_left(run)
     resume(ws, run, command)
-    assert losses(run) == losses(reference)
+    assert losses(run) == losses(local_reference)
