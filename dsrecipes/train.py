@@ -133,6 +133,7 @@ def loop(s: Session) -> None:
         if s.ledger is not None:
             s.ledger.record(batch["epoch"], state.step + 1, batch["ids"])
         if not closes_step:
+            engine.step()  # between boundaries DeepSpeed only counts the micro-step (the next boundary needs it)
             continue
         bad, stop = guard.agree(stop_requested(s))  # collective: every rank decides alike
         if bad:
