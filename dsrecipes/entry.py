@@ -9,6 +9,7 @@ the ranks, which only read that directory.
 from __future__ import annotations
 
 import dataclasses
+import glob
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -83,10 +84,26 @@ def plan_data(cfg: TrainConfig, run_dir: Path) -> Tuple[Optional[int], str]:
         from dsrecipes.data.shard import read_manifest
 
         manifest = read_manifest(cfg.data.shard_dir)
+        if cfg.data.prescan:
+            _check_parts(cfg, run_dir, manifest)
         return manifest.total, manifest.fingerprint
     from dsrecipes.data.scan import prepare_stream
 
     return prepare_stream(cfg, run_dir)
+
+
+def _check_parts(cfg: TrainConfig, run_dir: Path, manifest) -> None:
+    """Parts are checked by `dsrecipes shard` with its template and tokenizer; with another one, a row could fail to
+    render or tokenize mid-run, so the parts are scanned first."""
+    from dsrecipes.config.schema import SourceConfig
+    from dsrecipes.data.scan import scan_stream
+    from dsrecipes.data.shard import check_identity
+    from dsrecipes.model import load_tokenizer
+
+    if manifest.checked_with == check_identity(cfg, load_tokenizer(cfg)):
+        return
+    parts = [SourceConfig(name=f"part{r}", paths=[glob.escape(manifest.part_path(r))]) for r in range(manifest.parts)]
+    scan_stream(cfg, run_dir, parts)
 
 
 def describe_plan(plan: RunPlan) -> str:

@@ -110,6 +110,8 @@ def _data(cfg: TrainConfig) -> List[str]:
         errors.append(f"dataset.val_size: a fraction in [0, 1) or a whole number of samples, got {ds.val_size}")
     if not 0.0 <= ds.max_bad_fraction <= 1.0:
         errors.append(f"dataset.max_bad_fraction: must be in [0, 1], got {ds.max_bad_fraction}")
+    if ds.max_row_bytes < 64:
+        errors.append(f"dataset.max_row_bytes: must be >= 64 (bytes of one row), got {ds.max_row_bytes}")
     if ds.max_samples is not None and ds.max_samples < 1:
         errors.append(f"dataset.max_samples: must be >= 1, got {ds.max_samples}")
     for i, src in enumerate(ds.sources):

@@ -16,9 +16,10 @@ Two registry formats, chosen by file extension:
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from dsrecipes.config.schema import ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
 from dsrecipes.errors import ConfigError
@@ -35,8 +36,9 @@ _LF_ROLE_TAGS = {  # tag -> (LLaMA-Factory default value, our role)
 _DATA_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
 
 
-def resolve_sources(dataset_cfg: DatasetConfig) -> List[SourceConfig]:
-    """Every source to read, in a fixed order: `paths` (as a source named `dataset.name`), `sources`, `use`."""
+def resolve_sources(dataset_cfg: DatasetConfig, notes: Optional[List[str]] = None) -> List[SourceConfig]:
+    """Every source to read, in a fixed order: `paths` (as a source named `dataset.name`), `sources`, `use`; each
+    file once (see `read_once`, whose notes are appended to `notes`)."""
     ds = dataset_cfg
     sources: List[SourceConfig] = []
     if ds.paths:
@@ -57,7 +59,31 @@ def resolve_sources(dataset_cfg: DatasetConfig) -> List[SourceConfig]:
         seen[src.name] = seen.get(src.name, 0) + 1
         if seen[src.name] > 1:
             sources[k] = dataclasses.replace(src, name=f"{src.name}#{seen[src.name]}")
-    return sources
+    return read_once(sources, notes)
+
+
+def read_once(sources: List[SourceConfig], notes: Optional[List[str]] = None) -> List[SourceConfig]:
+    """Sources whose patterns are expanded to files, each file (by resolved real path) kept only where it is first
+    named: the same file under two spellings (absolute, relative, `./`, `../`, a link) would otherwise be read twice
+    and its rows could land in both the training and the validation split. Patterns matching nothing stay (the
+    reader reports them); file names are glob-escaped so that a re-expansion finds exactly that file."""
+    from dsrecipes.data.files import expand_paths
+
+    first: Dict[str, str] = {}  # real path -> the spelling that was kept (with its source)
+    out = []
+    for src in sources:
+        files, missing = expand_paths(src.paths)
+        kept = []
+        for f in files:
+            real = os.path.realpath(f)
+            if real in first:
+                if notes is not None:
+                    notes.append(f"data: {f} (source {src.name!r}) is the same file as {first[real]}; it is read once")
+                continue
+            first[real] = f"{f} (source {src.name!r})"
+            kept.append(glob.escape(f))
+        out.append(dataclasses.replace(src, paths=kept + missing))
+    return out
 
 
 def load_registry(path: str) -> Dict[str, SourceConfig]:
