@@ -28,9 +28,12 @@ def run(cfg: TrainConfig) -> int:
     from dsrecipes.launch import launch
     from dsrecipes.trackers import preflight
 
+    from dsrecipes.model import check_no_custom_code
+
     problems = check_runtime(cfg, cuda_available=torch.cuda.is_available()) + preflight(cfg)
     if problems:
         raise ConfigError(problems)
+    check_no_custom_code(cfg)
     run_dir = Path(cfg.trainer.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     plan = write_run_dir(cfg, resolve_topology(cfg.launcher))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
+import re
 from typing import List
 
 from dsrecipes.config.schema import (
@@ -16,6 +18,17 @@ from dsrecipes.config.schema import (
     ResumeMode,
     TrainConfig,
 )
+
+
+# launcher.env: variables a recipe may export to every rank. Configs are data, so nothing that makes a process load
+# code it would not load otherwise: no PYTHON*, LD_*, PATH, no plugin/library/injection paths, no compiled-kernel or
+# extension caches (their .so files are loaded), no DS_ENV_FILE. Everything else is tuning of the libraries below.
+ENV_ALLOWED = ("NCCL_*", "CUDA_*", "NVIDIA_TF32_OVERRIDE", "OMP_*", "MKL_*", "KMP_*", "OPENBLAS_NUM_THREADS",
+               "GLOO_*", "TORCH_*", "PYTORCH_*", "HF_*", "TRANSFORMERS_*", "TOKENIZERS_PARALLELISM",
+               "DS_ACCELERATOR", "FI_*", "UCX_*")
+ENV_REFUSED = ("*PLUGIN*", "*INJECTION*", "*PRELOAD*", "*LIBRARY*", "*_PATH", "*EXTENSIONS_DIR", "*CACHE_DIR",
+               "*MODULES*", "*_LIB", "*_LIBS", "*CONF_FILE", "*REMOTE_CODE*")
+_ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*\Z")
 
 
 def validate(cfg: TrainConfig, *, check_files: bool = True) -> List[str]:
@@ -148,6 +161,26 @@ def _misc(cfg: TrainConfig) -> List[str]:
     if not 0 <= ln.node_rank < ln.num_nodes:
         errors.append(f"launcher.node_rank: must be in [0, {ln.num_nodes}), got {ln.node_rank}")
     errors += _launcher(ln)
+    errors += launcher_env_problems(ln.env)
+    if cfg.model.trust_remote_code:
+        errors.append("model.trust_remote_code: must stay false; a model or tokenizer directory's own Python code "
+                      "is never run (configs and downloads are data); use a model transformers supports natively")
+    return errors
+
+
+def launcher_env_problems(env: dict) -> List[str]:
+    """launcher.env entries outside ENV_ALLOWED (or matching ENV_REFUSED), and values that break an env file."""
+    errors = []
+    for name, value in env.items():
+        allowed = any(fnmatch.fnmatchcase(name, p) for p in ENV_ALLOWED)
+        refused = any(fnmatch.fnmatchcase(name, p) for p in ENV_REFUSED)
+        if not _ENV_NAME.match(name) or not allowed or refused:
+            errors.append(f"launcher.env.{name}: not an allowed variable; launcher.env may set {', '.join(ENV_ALLOWED)}"
+                          f" (never {', '.join(ENV_REFUSED)}), because variables such as PYTHONPATH or LD_PRELOAD "
+                          "make every rank run code from outside the project; export such a variable yourself")
+        elif any(c in str(value) for c in "\n\r\0"):
+            errors.append(f"launcher.env.{name}: the value holds a line break or NUL (it would add lines to "
+                          ".deepspeed_env)")
     return errors
 
 
