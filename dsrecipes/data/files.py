@@ -122,7 +122,7 @@ def json_depth(data: bytes) -> int:
     import io
 
     try:
-        return max((v.depth for v in values(io.BytesIO(data), len(data))), default=0)
+        return max((v.depth for v in values(io.BytesIO(data), len(data), array=False)), default=0)
     except JsonStructureError:
         return 0  # not balanced: the parser reports it as invalid_json
 
@@ -207,4 +207,6 @@ def read_error(exc: BaseException) -> str:
         return "not gzip-compressed, although its name ends in .gz"
     if isinstance(exc, EOFError):
         return f"truncated: {text or 'ended early'}"
+    if isinstance(exc, (gzip.BadGzipFile, zlib.error)):
+        return f"corrupt compressed data: {text}"
     return f"{type(exc).__name__}: {text or 'unreadable'}"

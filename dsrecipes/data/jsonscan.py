@@ -128,10 +128,10 @@ class _Window:
                 return
 
 
-def values(fh: IO[bytes], limit: int) -> Iterator[Value]:
+def values(fh: IO[bytes], limit: int, array: Optional[bool] = None) -> Iterator[Value]:
     """Top-level values of `fh`: the elements of a JSON array when the first byte (after whitespace and a UTF-8 byte
-    order mark) is '[', else values separated by whitespace (JSON lines, or one pretty-printed object).
-    Raises JsonStructureError where the bytes cannot be split into values."""
+    order mark) is '[' (or `array` says so), else values separated by whitespace (JSON lines, or one pretty-printed
+    object). Raises JsonStructureError where the bytes cannot be split into values."""
     w = _Window(fh, limit)
     if not w.skip_ws():
         return
@@ -140,7 +140,8 @@ def values(fh: IO[bytes], limit: int) -> Iterator[Value]:
         if not w.skip_ws():
             return
     index = 0
-    array = w.buf[w.pos] == 0x5B
+    if array is None:
+        array = w.buf[w.pos] == 0x5B
     if array:
         w.pos += 1
         _expect_value_or_close(w, index, first=True)
