@@ -100,10 +100,10 @@ def _check_parts(cfg: TrainConfig, run_dir: Path, manifest) -> None:
     render or tokenize mid-run, so the parts are scanned first."""
     from dsrecipes.config.schema import SourceConfig
     from dsrecipes.data.scan import scan_stream
-    from dsrecipes.data.shard import check_identity
+    from dsrecipes.data.shard import checked_alike
     from dsrecipes.model import load_tokenizer
 
-    if manifest.checked_with == check_identity(cfg, load_tokenizer(cfg)):
+    if checked_alike(manifest.checked_with, cfg, load_tokenizer(cfg)):
         return
     parts = [SourceConfig(name=f"part{r}", paths=[glob.escape(manifest.part_path(r))]) for r in range(manifest.parts)]
     scan_stream(cfg, run_dir, parts)

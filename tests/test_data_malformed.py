@@ -188,3 +188,18 @@ def test_broken_files_are_refused_under_both_policies(make_cfg, tmp_path, strate
         stream, _ = stream_spec(cfg)
         with pytest.raises(DataError, match="unreadable"):
             list(stream.items(0, 0, False))
+
+
+def test_presharded_run_with_another_template_scans_its_parts(make_cfg, tmp_path, refusing_tokenizer):
+    """Parts checked by `shard` with chatml hold the REFUSE row; a run rendering with a template that refuses it
+    scans the parts before launch instead of failing mid-run."""
+    from dsrecipes.data.shard import shard
+    from dsrecipes.entry import plan_data
+
+    shard(make_cfg(*settings(tmp_path, "map", "skip", ROWS)), 1, str(tmp_path / "parts"))
+    part = read_manifest(str(tmp_path / "parts")).part_path(0)
+    run = ["data=presharded", f"data.shard_dir={tmp_path / 'parts'}", "trainer.max_steps=2", "scheduler.warmup_steps=0"]
+    assert plan_data(make_cfg(*run), tmp_path / "run")[0] == 9  # same template and tokenizer: no scan
+    refusing = [f"model.tokenizer_path={refusing_tokenizer}", "template=tokenizer"]
+    with pytest.raises(DataError, match=rf"{part}:3: template_error \(this template refuses the row\)"):
+        plan_data(make_cfg(*run, *refusing), tmp_path / "run")

@@ -234,9 +234,16 @@ def checked_rows(cfg: Any, report: Any, encoder: Any, sources: List[Any]) -> Ite
 
 
 def check_identity(cfg: Any, tokenizer: Any) -> Dict[str, Any]:
-    """What decides whether a row renders and tokenizes: the template config and the tokenizer itself."""
+    """What decides whether a row passes: the template config, the tokenizer itself and the row size limit."""
     from dsrecipes.config.load import config_to_dict
     from dsrecipes.data.cache import tokenizer_fingerprint
 
     return {"template": config_to_dict(cfg.template), "tokenizer": tokenizer_fingerprint(tokenizer),
             "max_row_bytes": cfg.dataset.max_row_bytes}
+
+
+def checked_alike(checked_with: Dict[str, Any], cfg: Any, tokenizer: Any) -> bool:
+    """Whether rows `dsrecipes shard` checked with `checked_with` pass this run's checks too."""
+    now = check_identity(cfg, tokenizer)
+    return (checked_with.get("template") == now["template"] and checked_with.get("tokenizer") == now["tokenizer"]
+            and now["max_row_bytes"] >= checked_with.get("max_row_bytes", float("inf")))
