@@ -42,7 +42,7 @@ def peak_rss_mib(data: Path, work: Path, tag: str) -> float:
     cmd = [sys.executable, "-m", "dsrecipes", f"dataset.paths=[{data}]", "dataset.val_size=0",
            "dataset.bad_rows=skip", "dataset.max_bad_fraction=0.5", "trainer.micro_batch_size=2",
            "launcher.dry_run=true", f"trainer.output_dir={work / tag}", f"data.cache_dir={work / ('cache-' + tag)}"]
-    out = subprocess.run([sys.executable, "-c", WRAP, *cmd], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", WRAP, *cmd], capture_output=True, text=True, check=True, cwd=work)
     rc, kib = map(int, out.stdout.split())
     if rc != 0:
         raise SystemExit(f"{' '.join(cmd)} exited {rc}")

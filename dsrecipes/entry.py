@@ -26,9 +26,8 @@ def run(cfg: TrainConfig) -> int:
 
     from dsrecipes.config.validate import check_runtime
     from dsrecipes.launch import launch
-    from dsrecipes.trackers import preflight
-
     from dsrecipes.model import check_no_custom_code
+    from dsrecipes.trackers import preflight
 
     problems = check_runtime(cfg, cuda_available=torch.cuda.is_available()) + preflight(cfg)
     if problems:

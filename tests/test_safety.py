@@ -179,10 +179,11 @@ def test_a_run_with_launcher_env_never_starts_a_rank(project, tmp_path):
     assert not (tmp_path / "run" / "launch.txt").exists()
 
 
-def test_models_that_need_their_own_code_are_refused(tmp_path, capsys):
+def test_models_that_need_their_own_code_are_refused(tmp_path, capsys, monkeypatch):
     """A model directory whose config names custom code: one message, exit 2, and its code never runs."""
     import json
 
+    monkeypatch.chdir(tmp_path)
     from dsrecipes.paths import TINY_TOKENIZER_DIR
 
     model = tmp_path / "custom"

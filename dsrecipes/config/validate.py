@@ -19,7 +19,6 @@ from dsrecipes.config.schema import (
     TrainConfig,
 )
 
-
 # launcher.env: variables a recipe may export to every rank. Configs are data, so nothing that makes a process load
 # code it would not load otherwise: no PYTHON*, LD_*, PATH, no plugin/library/injection paths, no compiled-kernel or
 # extension caches (their .so files are loaded), no DS_ENV_FILE. Everything else is tuning of the libraries below.
