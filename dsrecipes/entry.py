@@ -98,14 +98,14 @@ def _check_parts(cfg: TrainConfig, run_dir: Path, manifest) -> None:
     """Parts are checked by `dsrecipes shard` with its template and tokenizer; with another one, a row could fail to
     render or tokenize mid-run, so the parts are scanned first."""
     from dsrecipes.config.schema import SourceConfig
-    from dsrecipes.data.scan import scan_stream
+    from dsrecipes.data.scan import scan_sources
     from dsrecipes.data.shard import checked_alike
     from dsrecipes.model import load_tokenizer
 
     if checked_alike(manifest.checked_with, cfg, load_tokenizer(cfg)):
         return
     parts = [SourceConfig(name=f"part{r}", paths=[glob.escape(manifest.part_path(r))]) for r in range(manifest.parts)]
-    scan_stream(cfg, run_dir, parts)
+    scan_sources(cfg, run_dir, parts)
 
 
 def describe_plan(plan: RunPlan) -> str:

@@ -80,34 +80,40 @@ def read_through(strategy: str, cfg, tmp_path: Path) -> dict:
 
 
 def runtime_rows(cfg, tmp_path: Path, strategy: str):
-    """The loader workers' side (RowEncoder over the stream items) for iterable, and over the parts for presharded."""
+    """The loader workers' side: RowEncoder over every block the stream index gives (iterable), or over the part's
+    items (presharded)."""
     from dsrecipes.config.schema import SourceConfig
-    from dsrecipes.data.sampler import StreamSpec, stream_spec
+    from dsrecipes.data.sampler import StreamSpec
     from dsrecipes.data.strategies.rows import RowEncoder
     from dsrecipes.model import load_tokenizer
 
     if strategy == "iterable":
-        stream, sources = stream_spec(cfg)
-    else:
-        part = read_manifest(str(tmp_path / "parts")).part_path(0)
-        stream, sources = StreamSpec((part,), None, cfg.dataset.max_row_bytes), [SourceConfig(name="part0")]
-    encoder = RowEncoder(cfg, load_tokenizer(cfg), stream.paths, sources)
-    rows = encoder(list(stream.items(0, cfg.trainer.seed, False)))
-    return rows, encoder
+        from dsrecipes.data.stream_index import BlockSource, build_stream_index
+        from dsrecipes.data.strategies.iterable import row_encoder
+
+        index = build_stream_index(cfg)
+        source = BlockSource(index, cfg.dataset.max_row_bytes)
+        items = [(*row, 0) for g in range(index.blocks["count"].size) for row in source.block(g)]
+        source.close()
+        encoder = row_encoder(cfg, load_tokenizer(cfg), index)
+        return encoder(items), encoder
+    part = read_manifest(str(tmp_path / "parts")).part_path(0)
+    stream = StreamSpec((part,), None, cfg.dataset.max_row_bytes)
+    encoder = RowEncoder(cfg, load_tokenizer(cfg), stream.paths, [SourceConfig(name="part0")])
+    return encoder(list(stream.items(0, cfg.trainer.seed, False))), encoder
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_skip_counts_every_kind_exactly(make_cfg, tmp_path, strategy):
-    paths = [ROWS, str(OLD)] + ([] if strategy == "iterable" else [ARRAY])  # streams are JSON lines only
-    cfg = make_cfg(*settings(tmp_path, strategy, "skip", *paths))
+    cfg = make_cfg(*settings(tmp_path, strategy, "skip", ROWS, str(OLD), ARRAY))
     got = read_through(strategy, cfg, tmp_path)
     want = dict(OLD_BAD)
-    for extra in [ROWS_BAD] + ([] if strategy == "iterable" else [ARRAY_BAD]):
+    for extra in (ROWS_BAD, ARRAY_BAD):
         for k, v in extra.items():
             want[k] = want.get(k, 0) + v
     assert got["bad"] == dict(sorted(want.items()))
-    assert got["good"] == 9 + 3 + (0 if strategy == "iterable" else 2)
-    assert got["rows"] == 13 + 16 + (0 if strategy == "iterable" else 6)
+    assert got["good"] == 9 + 3 + 2
+    assert got["rows"] == 13 + 16 + 6
     if got["by_file"] is not None:  # prepare_stats.json and the shard manifest list the bad rows of each file
         assert got["by_file"][ROWS] == dict(sorted(ROWS_BAD.items()))
         assert sum(got["by_file"][str(OLD)].values()) == 13
@@ -130,14 +136,14 @@ def test_error_names_the_first_bad_row(make_cfg, tmp_path, strategy):
         assert runtime.value.problems == err.value.problems
 
 
-@pytest.mark.parametrize("strategy", ["map", "presharded"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_json_array_elements_are_located_by_element_and_line(make_cfg, tmp_path, strategy):
     cfg = make_cfg(*settings(tmp_path, strategy, "error", ARRAY))
     with pytest.raises(DataError, match=r"array\.json: element 1 \(line 3\): invalid_json \(Expecting property"):
         read_through(strategy, cfg, tmp_path)
     cfg = make_cfg(*settings(tmp_path, strategy, "skip", ARRAY))
     read_through(strategy, cfg, tmp_path)
-    quarantine = tmp_path / ("run" if strategy == "map" else "parts") / "quarantine.jsonl"
+    quarantine = tmp_path / ("parts" if strategy == "presharded" else "run") / "quarantine.jsonl"
     entries = [json.loads(x) for x in quarantine.read_text().splitlines()]
     assert [(e["element"], e["line"], e["reason"]) for e in entries] == [
         (1, 3, "invalid_json"), (2, 4, "not_an_object"), (3, 5, "invalid_text"), (4, 8, "too_large")]
@@ -160,34 +166,27 @@ def test_rows_a_template_refuses_are_bad_rows_everywhere(make_cfg, tmp_path, str
         read_through(strategy, cfg, tmp_path)
 
 
-BROKEN = [
-    ("truncated.jsonl.gz", "unreadable after line 263 (truncated: Compressed file ended before the end-of-stream"),
-    ("corrupt.jsonl.gz", "unreadable after line 50 (corrupt compressed data: Error -3 while decompressing data"),
-    ("not_gzip.jsonl.gz", "unreadable before its first line (not gzip-compressed, although its name ends in .gz)"),
-    ("broken_array.json", "unreadable at line 4, after 2 rows (broken JSON: expected ',' or ']' after element 1"),
-    ("unclosed_array.json", "unreadable at line 4, after 2 rows (broken JSON: the array is not closed"),
+BROKEN = [  # (file, where reading stopped, what broke); a stream decompresses in larger pieces: it stops earlier
+    ("truncated.jsonl.gz", "after line 263", "(truncated: Compressed file ended before the end-of-stream"),
+    ("corrupt.jsonl.gz", "after line 50", "(corrupt compressed data: Error -3 while decompressing data"),
+    ("not_gzip.jsonl.gz", "before its first line", "(not gzip-compressed, although its name ends in .gz)"),
+    ("broken_array.json", "at line 4, after 2 rows", "(broken JSON: expected ',' or ']' after element 1"),
+    ("unclosed_array.json", "at line 4, after 2 rows", "(broken JSON: the array is not closed"),
 ]
 
 
 @pytest.mark.parametrize("policy", ["error", "skip"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("name,message", BROKEN)
-def test_broken_files_are_refused_under_both_policies(make_cfg, tmp_path, strategy, policy, name, message):
-    if strategy == "iterable" and name.endswith(".json"):
-        pytest.skip("data=iterable streams JSON lines only")
+@pytest.mark.parametrize("name,where,what", BROKEN)
+def test_broken_files_are_refused_under_both_policies(make_cfg, tmp_path, strategy, policy, name, where, what):
     path = str(CAT / name)
-    cfg = make_cfg(*settings(tmp_path, strategy, policy, path))
-    with pytest.raises(DataError) as err:
+    cfg = make_cfg(*settings(tmp_path, strategy, policy, path, extra=["data.prescan=false"]))
+    with pytest.raises(DataError) as err:  # a stream is indexed (and converted) even without its pre-scan
         read_through(strategy, cfg, tmp_path)
     (problem,) = err.value.problems
-    assert problem.startswith(f"{path}: {message}"), problem
-    assert "refused under both dataset.bad_rows policies" in problem
-    if strategy == "iterable":  # with data.prescan=false the workers stop on the same break, as a DataError
-        from dsrecipes.data.sampler import stream_spec
-
-        stream, _ = stream_spec(cfg)
-        with pytest.raises(DataError, match="unreadable"):
-            list(stream.items(0, 0, False))
+    exact = strategy != "iterable" or name.endswith(".json")
+    assert problem.startswith(f"{path}: unreadable {where} {what}" if exact else f"{path}: unreadable "), problem
+    assert what in problem and "refused under both dataset.bad_rows policies" in problem
 
 
 def test_presharded_run_with_another_template_scans_its_parts(make_cfg, tmp_path, refusing_tokenizer):

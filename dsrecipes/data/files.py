@@ -21,7 +21,7 @@ import os
 import re
 import zlib
 from dataclasses import dataclass
-from typing import IO, Any, Iterator, List, Optional, Tuple
+from typing import IO, Any, Callable, Iterator, List, Optional, Tuple
 
 from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES
 from dsrecipes.data.badrows import BadReason, BadRow, location
@@ -75,6 +75,34 @@ def expand_paths(patterns: List[str]) -> Tuple[List[str], List[str]]:
             missing.append(pattern)
         files += [m for m in matches if m not in files]
     return files, missing
+
+
+def where(path: str, line: Optional[int], element: Optional[int]) -> str:
+    """`location()` of a row, the line of a JSON array's element looked up when only the element is known (a
+    stream reads arrays through a converted copy that keeps elements, not lines)."""
+    if element is not None and line is None:
+        line = element_line(path, element)
+    return location(path, line, element)
+
+
+def element_line(path: str, element: int) -> Optional[int]:
+    """The line where element `element` of the JSON array in `path` starts: one scan of the file the first time
+    (8 bytes per element are kept, for the file asked about last); for messages."""
+    from array import array
+
+    if _element_lines.get("path") != path:
+        lines = array("q")
+        try:
+            with open_maybe_gzip(path) as fh:
+                lines.extend(v.line for v in values(fh, 0) if v.element is not None)
+        except (JsonStructureError, *_READ_ERRORS):
+            pass
+        _element_lines.update(path=path, lines=lines)
+    lines = _element_lines["lines"]
+    return lines[element] if 0 <= element < len(lines) else None
+
+
+_element_lines: dict = {}
 
 
 def _is_json_file(path: str) -> bool:
@@ -185,6 +213,29 @@ def iter_lines(fh: IO[bytes], limit: int, path: str) -> Iterator[Tuple[int, Opti
     except _READ_ERRORS as exc:
         raise FileUnreadable(path, f"after line {line_no}" if line_no else "before its first line",
                              read_error(exc)) from None
+
+
+def lines_in_range(read: Callable[[int, int], bytes], start: int, stop: int, limit: int) -> Iterator[Optional[bytes]]:
+    """The lines of bytes [start, stop) of a file, read in pieces by `read(offset, end)`: b"" for a blank line, None
+    for a non-blank line longer than `limit` (never held whole). For a block that holds such a line."""
+    piece, pos = 1 << 20, start
+    line: List[bytes] = []
+    size, over, nonblank = 0, False, False
+    while pos < stop:
+        data = read(pos, min(stop, pos + piece))
+        if not data:
+            break
+        pos += len(data)
+        parts = data.split(b"\n")
+        for k, part in enumerate(parts):
+            size += len(part)
+            nonblank = nonblank or bool(part.strip())
+            over = over or size > limit
+            if not over:
+                line.append(part)
+            if k < len(parts) - 1 or pos >= stop:
+                yield (None if nonblank else b"") if over else (b"".join(line) if nonblank else b"")
+                line, size, over, nonblank = [], 0, False, False
 
 
 def _json_rows(path: str, fh: IO[bytes], limit: int) -> Iterator[RawRow]:

@@ -12,7 +12,7 @@ values (a missing comma, an unclosed bracket or string, mismatched brackets, tex
 from __future__ import annotations
 
 import re
-from typing import IO, Iterator, NamedTuple, Optional
+from typing import IO, Callable, Iterator, NamedTuple, Optional
 
 CHUNK = 1 << 20
 BOM = b"\xef\xbb\xbf"
@@ -43,8 +43,8 @@ class JsonStructureError(Exception):
 class _Window:
     """A forward-only window over a binary file: `buf[pos:]` is unread; bytes before `keep` are dropped on refill."""
 
-    def __init__(self, fh: IO[bytes], limit: int):
-        self.fh, self.limit = fh, limit
+    def __init__(self, fh: IO[bytes], limit: int, sink: Optional[Callable[[bytes], None]] = None):
+        self.fh, self.limit, self.sink = fh, limit, sink
         self.buf, self.pos, self.eof = b"", 0, False
         self.line, self.counted = 1, 0  # `line` is the line at position `counted`
         self.start: Optional[int] = None  # where the value being captured starts
@@ -54,6 +54,9 @@ class _Window:
         """Read the next chunk (keeping a captured value's bytes); False at the end of the file."""
         if self.eof:
             return False
+        if self.sink is not None and self.start is not None:  # hand the value's bytes on instead of keeping them
+            self.sink(self.buf[self.start:self.pos])
+            self.start = self.pos
         keep = self.pos if self.start is None else self.start
         self.line_at(keep)
         data = self.fh.read(CHUNK)
@@ -62,7 +65,7 @@ class _Window:
         self.counted -= keep
         if self.start is not None:
             self.start -= keep
-            if self.pos - self.start > self.limit:  # too long: stop keeping it, scan on to its end
+            if self.sink is None and self.pos - self.start > self.limit:  # too long: stop keeping it, scan on to its end
                 self.start, self.over = None, True
         self.eof = not data
         return bool(data)
@@ -128,11 +131,13 @@ class _Window:
                 return
 
 
-def values(fh: IO[bytes], limit: int, array: Optional[bool] = None) -> Iterator[Value]:
+def values(fh: IO[bytes], limit: int, array: Optional[bool] = None,
+           sink: Optional[Callable[[bytes], None]] = None) -> Iterator[Value]:
     """Top-level values of `fh`: the elements of a JSON array when the first byte (after whitespace and a UTF-8 byte
     order mark) is '[' (or `array` says so), else values separated by whitespace (JSON lines, or one pretty-printed
-    object). Raises JsonStructureError where the bytes cannot be split into values."""
-    w = _Window(fh, limit)
+    object). With `sink`, each value's bytes are handed to it piece by piece (any size, never kept; `data` is None).
+    Raises JsonStructureError where the bytes cannot be split into values."""
+    w = _Window(fh, limit, sink)
     if not w.skip_ws():
         return
     if w.pos == 0 and w.buf.startswith(BOM):
@@ -180,7 +185,9 @@ def _value(w: _Window, index: int, array: bool) -> Value:
     except ValueError as exc:
         raise JsonStructureError(w.line_at(w.pos), index, f"{exc} in value {index} (starting at line {line})") from None
     data = None
-    if w.start is not None and w.pos - w.start <= w.limit:
+    if w.sink is not None:
+        w.sink(w.buf[w.start: w.pos])
+    elif w.start is not None and w.pos - w.start <= w.limit:
         data = w.buf[w.start: w.pos]
     w.start = None
     return Value(index if array else None, line, data, depth)

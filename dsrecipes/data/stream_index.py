@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES
 from dsrecipes.data.stream_files import FileIndex, index_files
 from dsrecipes.data.stream_plan import BlockTable
 from dsrecipes.errors import DataError
@@ -237,15 +238,17 @@ def read_stream_index(run_dir: str | Path) -> Optional[StreamIndex]:
 
 class BlockSource:
     """Reads training blocks (by global block number) and single samples; counts bytes read. Open files are kept
-    per process (a DataLoader worker opens its own after the fork)."""
+    per process (a DataLoader worker opens its own after the fork). A line longer than `max_row_bytes` is never
+    read whole: its raw bytes are None (a too_large bad row)."""
 
-    def __init__(self, index: StreamIndex):
+    def __init__(self, index: StreamIndex, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES):
         self.index = index
+        self.max_row_bytes = max_row_bytes
         self.bytes_read = 0
         self._fds: Dict[int, int] = {}
 
     def __getstate__(self) -> Dict[str, Any]:
-        return {"index": self.index, "bytes_read": 0, "_fds": {}}
+        return {"index": self.index, "max_row_bytes": self.max_row_bytes, "bytes_read": 0, "_fds": {}}
 
     def _pread(self, f: int, start: int, stop: int) -> bytes:
         if f not in self._fds:
@@ -256,15 +259,22 @@ class BlockSource:
         self.bytes_read += len(data)
         return data
 
-    def samples(self, f: int, local: int, count: int) -> List[Tuple[int, bytes]]:
-        """(location, raw line) of the first `count` sample lines of block `local` of file `f`."""
+    def samples(self, f: int, local: int, count: int) -> List[Tuple[int, Optional[bytes]]]:
+        """(location, raw line or None when too long) of the first `count` sample lines of block `local` of file
+        `f`."""
+        from dsrecipes.data.files import lines_in_range
+
         fi = self.index.files[f]
+        start = fi.offsets.item(local)
         stop = fi.offsets.item(local + 1) if local + 1 < fi.offsets.size else fi.size
-        data = self._pread(f, fi.offsets.item(local), stop)
-        out: List[Tuple[int, bytes]] = []
+        if stop - start > self.index.block_bytes + self.max_row_bytes:  # holds a line over the limit
+            lines: Any = lines_in_range(lambda a, b: self._pread(f, a, b), start, stop, self.max_row_bytes)
+        else:
+            lines = self._pread(f, start, stop).split(b"\n")
+        out: List[Tuple[int, Optional[bytes]]] = []
         line = fi.lines.item(local)
-        for raw in data.split(b"\n"):
-            if raw.strip():
+        for raw in lines:
+            if raw is None or raw.strip():
                 out.append((line + fi.loc_base, raw))
                 if len(out) == count:
                     break
