@@ -6,7 +6,7 @@ writes the index into the run directory and returns the samples of one epoch, wh
 (`RunPlan.rows`) and every rank checks.
 
 The scan reads every row once (training and validation rows) with exactly the checks the loaders apply: parsing and
-normalising (`strategies.rows.parse_item`), then rendering and tokenizing (`tokenize.Encoder`, in batches). The
+normalising (`sharegpt.parse_item`), then rendering and tokenizing (`tokenize.Encoder`, in batches). The
 ranks stream the same rows later under the same bad-row policy, but a worker that meets a bad row deep in the stream
 can neither stop the others cleanly nor write the quarantine. So `bad_rows=error` stops at the first bad row with
 `file:line: reason` before any process group exists, `bad_rows=skip` writes `<run>/quarantine.jsonl` and enforces
@@ -71,8 +71,7 @@ def prepare_stream(cfg: TrainConfig, run_dir: Path) -> Tuple[int, str]:
 def scan_stream(cfg: TrainConfig, run_dir: Path, index: Optional[StreamIndex] = None) -> Dict[str, int]:
     """Read every row once under the bad-row policy; returns {'rows': read, 'good': kept, 'skipped': bad}."""
     from dsrecipes.data.files import element_line
-    from dsrecipes.data.sharegpt import role_table
-    from dsrecipes.data.strategies.rows import parse_item
+    from dsrecipes.data.sharegpt import parse_item, role_table
 
     index = index_stream(cfg) if index is None else index
     report, encoder = _start(cfg, run_dir)

@@ -132,6 +132,18 @@ def conversation_of(row: RawRow, source: SourceConfig, roles: Dict[str, Role]) -
     return conv
 
 
+def parse_item(raw: Optional[bytes], path: str, loc: int, source: SourceConfig, roles: Dict[str, Role], *,
+               limit: int = DEFAULT_MAX_ROW_BYTES, element: bool = False) -> Conversation:
+    """One raw line of a stream (None: longer than the row limit) -> Conversation, or BadRow: `files.parse_row`
+    and `conversation_of`, the checks of every reader. `element`: `loc` is a JSON array's element, not a line."""
+    from dsrecipes.data.files import parse_row
+
+    if raw is not None and len(raw) > limit:
+        raw = None
+    return conversation_of(parse_row(path, None if element else loc, raw, loc if element else None, limit=limit),
+                           source, roles)
+
+
 def _message_turns(raw: Dict[str, Any], source: SourceConfig, table: Dict[str, Role]) -> List[Turn]:
     cols = source.columns
     if cols.messages not in raw:

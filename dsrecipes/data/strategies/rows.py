@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence
 
-from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES, BadRows, TrainConfig
+from dsrecipes.config.schema import BadRows, TrainConfig
 from dsrecipes.data.strategies.base import Batch, Row, collate_rows
 from dsrecipes.errors import DataError
 
@@ -27,7 +27,7 @@ class RowEncoder:
     JSON array keeps its own name; the location is then the element: `element_files`). Bad rows follow
     `dataset.bad_rows`: `error` raises DataError naming `file:line` (or `file: element N (line L)`); `skip` drops
     the row (its slot in the micro-batch stays empty, so no other rank's sample moves) and counts it in `skipped`.
-    The checks are those of every other reader (`parse_item`: `files.parse_row` and `sharegpt.conversation_of`,
+    The checks are those of every other reader (`sharegpt.parse_item`: `files.parse_row`, `conversation_of`,
     then `Encoder.encode_batch`), so the pre-scan has met every row that could fail here.
     """
 
@@ -51,6 +51,7 @@ class RowEncoder:
     def conversation(self, item: Any) -> Any:
         from dsrecipes.data.badrows import BadRow
         from dsrecipes.data.files import where
+        from dsrecipes.data.sharegpt import parse_item
 
         file_index, loc, raw = item[:3]
         path, element = self.paths[file_index], self.element_files[file_index]
@@ -86,19 +87,6 @@ class RowEncoder:
 
             return [_row(p.ids, p.input_ids, p.labels, p.position_ids) for p in pack(examples, self.cutoff_len)]
         return [_row([e.id], e.input_ids, e.labels, list(range(len(e.input_ids)))) for e in examples]
-
-
-def parse_item(raw: Optional[bytes], path: str, loc: int, source: Any, table: Any, *,
-               limit: int = DEFAULT_MAX_ROW_BYTES, element: bool = False) -> Any:
-    """One raw line (None: longer than the row limit) -> Conversation (with its sample id), or BadRow: the checks
-    of every reader (`files.parse_row`, `sharegpt.conversation_of`). `element`: `loc` is a JSON array's element."""
-    from dsrecipes.data.files import parse_row
-    from dsrecipes.data.sharegpt import conversation_of
-
-    if raw is not None and len(raw) > limit:
-        raw = None
-    row = parse_row(path, None if element else loc, raw, loc if element else None, limit=limit)
-    return conversation_of(row, source, table)
 
 
 def _row(ids: List[str], input_ids: List[int], labels: List[int], position_ids: List[int]) -> Row:
