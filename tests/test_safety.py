@@ -80,9 +80,14 @@ hydra:
 touch: {{_target_: builtins.open, file: {m / 'package'}, mode: w}}
 """,
     }
+    for user in ("user/file_evil", "user_folder/folder_evil"):  # user recipes: a file by path, a folder's recipe
+        files[f"../{user}.yaml"] = files["recipes/callback.yaml"].replace("markers/callback", f"markers/{user[:4]}")
+    (tmp_path / "user").mkdir()
+    (tmp_path / "user_folder").mkdir()
     for rel, text in files.items():
         (root / rel).write_text(text)
     monkeypatch.setenv("DSRECIPES_HOME", str(root))
+    monkeypatch.setenv("DSRECIPES_RECIPES", str(tmp_path / "user_folder"))
     monkeypatch.chdir(tmp_path)
     return root, m, precious
 
@@ -94,6 +99,8 @@ def untouched(markers: Path, precious: Path) -> None:
 
 ROUTES = {  # route -> (arguments, what the message must name)
     "recipe callback": (["recipe=callback"], "proj/recipes/callback.yaml"),
+    "user recipe file": (["recipe=./user/file_evil.yaml"], "/user/file_evil.yaml"),
+    "user recipe folder": (["recipe=folder_evil"], "/user_folder/folder_evil.yaml"),
     "chain of two callbacks": (["recipe=chain"], "proj/recipes/chain.yaml"),
     "_target_ outside hydra": (["recipe=target"], "model.arch._target_: names code to run ('builtins.open'), set by "),
     "group file logging factory": (["dataset=logging"], "proj/conf/dataset/logging.yaml"),
@@ -132,7 +139,7 @@ def test_sweeps_check_every_job_before_the_first(project, capsys):
     assert not (Path.cwd() / "multirun").exists(), "nothing of the sweep is written before the refusal"
 
 
-@pytest.mark.parametrize("flags", [["--cfg", "job"], ["--help"], ["--hydra-help"], ["--info", "config"]])
+@pytest.mark.parametrize("flags", [["--cfg", "job"], ["--hydra-help"], ["--info", "config"]])
 def test_informational_flags_do_not_configure_logging_from_a_recipe(project, capsys, flags):
     _, markers, precious = project
     assert cli_main([*flags, "dataset=logging"]) == 2
@@ -150,8 +157,10 @@ def test_validate_all_names_every_hostile_file(project):
     root, markers, precious = project
     for name in ("chain", "target", "env_set", "clean"):  # the same checks as above; fewer compositions
         (root / "recipes" / f"{name}.yaml").unlink()
+    env = subprocess_env({"DSRECIPES_HOME": str(root)})
+    env.pop("DSRECIPES_RECIPES")  # (its recipe would add another round of compositions)
     out = subprocess.run([sys.executable, "-m", "dsrecipes", "validate", "--all"], capture_output=True, text=True,
-                         cwd=root.parent, env=subprocess_env({"DSRECIPES_HOME": str(root)}), timeout=600)
+                         cwd=root.parent, env=env, timeout=600)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     for name in ("recipes/callback.yaml", "conf/dataset/logging.yaml", "conf/trainer/into_callbacks.yaml",
                  "recipe=env: launcher.env.PYTHONPATH: not an allowed variable"):

@@ -166,11 +166,12 @@ def _source(loader: Any, config_name: str, overrides: Sequence[str], run_mode: A
 
 
 def _file_name(loaded: Any, default: Any, config_name: str) -> str:
+    """The file behind a loaded config: conf/ (`file://DIR`), a recipe folder or a recipe file named by path
+    (config/sources.py: `scheme://FILE`); Hydra's own packaged configs by their name."""
     where = str(loaded.path)
-    if where.startswith("file://"):
-        name = os.path.realpath(os.path.join(where[len("file://"):], f"{default.config_path}.yaml"))
-    else:
-        name = f"{default.config_path} in {where}"
+    rest = where.split("://", 1)[1] if "://" in where else where
+    candidate = rest if os.path.isfile(rest) else os.path.join(rest, f"{default.config_path}.yaml")
+    name = os.path.realpath(candidate) if os.path.isfile(candidate) else f"{default.config_path} in {where}"
     if default.parent not in (None, "<root>", config_name, default.config_path):
         name += f", pulled in by the defaults list of {default.parent}"
     return name
