@@ -88,8 +88,8 @@ def runtime_rows(cfg, tmp_path: Path, strategy: str):
     from dsrecipes.model import load_tokenizer
 
     if strategy == "iterable":
-        from dsrecipes.data.stream_index import BlockSource, build_stream_index
         from dsrecipes.data.strategies.iterable import row_encoder
+        from dsrecipes.data.stream_index import BlockSource, build_stream_index
 
         index = build_stream_index(cfg)
         source = BlockSource(index, cfg.dataset.max_row_bytes)

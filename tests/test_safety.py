@@ -215,11 +215,11 @@ def test_launcher_env_allow_list():
 
     allowed = ["NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "HF_HOME",
                "GLOO_SOCKET_IFNAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTORCH_CUDA_ALLOC_CONF",
-               "TOKENIZERS_PARALLELISM", "DS_ACCELERATOR"]
+               "TOKENIZERS_PARALLELISM", "DS_ACCELERATOR", "DSRECIPES_STALL_AFTER_STEP"]
     refused = ["PYTHONPATH", "PYTHONSTARTUP", "LD_PRELOAD", "LD_LIBRARY_PATH", "PATH", "DS_ENV_FILE",
                "NCCL_NET_PLUGIN", "NCCL_TUNER_PLUGIN", "CUDA_INJECTION64_PATH", "TORCH_EXTENSIONS_DIR",
                "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "HF_MODULES_CACHE", "FI_PROVIDER_PATH", "BASH_ENV",
-               "NCCL_CONF_FILE", "nccl_debug", "X;rm -rf ~"]
+               "NCCL_CONF_FILE", "DSRECIPES_HOME", "DSRECIPES_RECIPES", "nccl_debug", "X;rm -rf ~"]
     assert [n for n in allowed if launcher_env_problems({n: "1"})] == []
     assert [n for n in refused if not launcher_env_problems({n: "1"})] == []
     assert launcher_env_problems({"NCCL_DEBUG": "INFO\nLD_PRELOAD=/x.so"})  # a second line in .deepspeed_env

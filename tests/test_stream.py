@@ -323,10 +323,8 @@ def test_broken_json_array_names_the_element(make_cfg, tmp_path):
 
 
 def test_index_is_cached_by_content(make_cfg, tmp_path, monkeypatch):
-    from dsrecipes.data import stream_files
+    from dsrecipes.data import cache, stream_files
     from dsrecipes.data.stream_index import index_stream
-
-    from dsrecipes.data import cache
 
     paths = write_corpus(tmp_path, [50, 60])
     cfg = make_cfg("data=iterable", f"dataset.paths=[{','.join(paths)}]", f"data.cache_dir={tmp_path / 'c'}")

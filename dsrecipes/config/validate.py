@@ -21,12 +21,13 @@ from dsrecipes.config.schema import (
 
 # launcher.env: variables a recipe may export to every rank. Configs are data, so nothing that makes a process load
 # code it would not load otherwise: no PYTHON*, LD_*, PATH, no plugin/library/injection paths, no compiled-kernel or
-# extension caches (their .so files are loaded), no DS_ENV_FILE. Everything else is tuning of the libraries below.
+# extension caches (their .so files are loaded), no DS_ENV_FILE, no other config tree. The rest is tuning of the
+# libraries below, and dsrecipes' own hooks (DSRECIPES_*, e.g. the test hook DSRECIPES_STALL_AFTER_STEP).
 ENV_ALLOWED = ("NCCL_*", "CUDA_*", "NVIDIA_TF32_OVERRIDE", "OMP_*", "MKL_*", "KMP_*", "OPENBLAS_NUM_THREADS",
                "GLOO_*", "TORCH_*", "PYTORCH_*", "HF_*", "TRANSFORMERS_*", "TOKENIZERS_PARALLELISM",
-               "DS_ACCELERATOR", "FI_*", "UCX_*")
+               "DS_ACCELERATOR", "FI_*", "UCX_*", "DSRECIPES_*")
 ENV_REFUSED = ("*PLUGIN*", "*INJECTION*", "*PRELOAD*", "*LIBRARY*", "*_PATH", "*EXTENSIONS_DIR", "*CACHE_DIR",
-               "*MODULES*", "*_LIB", "*_LIBS", "*CONF_FILE", "*REMOTE_CODE*")
+               "*MODULES*", "*_LIB", "*_LIBS", "*CONF_FILE", "*REMOTE_CODE*", "DSRECIPES_HOME", "DSRECIPES_RECIPES")
 _ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*\Z")
 
 
