@@ -61,7 +61,7 @@ class Conversation:
     source: str = ""  # name of the SourceConfig it came from (mixing weights)
     dropped_turns: int = 0  # trailing turns after the last assistant/tool-call turn, dropped on purpose
     path: str = ""  # where it was read (for messages about problems found later, e.g. by a template)
-    loc: int = 0  # the line where the row starts
+    loc: Optional[int] = 0  # the line where the row starts (None: a stream element whose line is looked up later)
     element: Optional[int] = None  # its index in a JSON array
 
 
