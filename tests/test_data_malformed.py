@@ -150,6 +150,14 @@ def test_json_array_elements_are_located_by_element_and_line(make_cfg, tmp_path,
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+def test_max_bad_fraction_counts_every_array_element(make_cfg, tmp_path, strategy):
+    """The bad elements of a JSON array count one by one toward dataset.max_bad_fraction (not as one bad file)."""
+    cfg = make_cfg(*settings(tmp_path, strategy, "skip", ARRAY, extra=["dataset.max_bad_fraction=0.5"]))
+    with pytest.raises(DataError, match=r"4 of 6 rows are bad \(66.7% > dataset.max_bad_fraction=0.5\)"):
+        read_through(strategy, cfg, tmp_path)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_rows_a_template_refuses_are_bad_rows_everywhere(make_cfg, tmp_path, strategy, refusing_tokenizer):
     """Rendering is part of the check: the scan and shard see the template_error a worker would otherwise hit."""
     extra = [f"model.tokenizer_path={refusing_tokenizer}", "template=tokenizer"]

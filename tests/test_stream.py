@@ -377,6 +377,32 @@ def test_val_paths_are_the_validation_set(make_cfg, tmp_path):
     assert not {i for b in train for i in b["ids"]} & want
 
 
+def test_a_validation_file_that_is_also_trained_on_is_refused(make_cfg, tmp_path, monkeypatch, capsys):
+    """dataset.val_paths naming a training file under another spelling (relative, `./`, `../`, a link) is refused:
+    its rows would be evaluated after being trained on. The same validation file twice is read once."""
+    from dsrecipes.data.stream_index import index_stream
+    from dsrecipes.errors import DataError
+    from dsrecipes.paths import SAMPLE_DATA_DIR
+
+    lines = (SAMPLE_DATA_DIR / "train.jsonl").read_text(encoding="utf-8").splitlines()
+    (tmp_path / "d").mkdir()
+    for name, part in (("train.jsonl", lines[:20]), ("val.jsonl", lines[20:26])):
+        (tmp_path / "d" / name).write_text("\n".join(part) + "\n", encoding="utf-8")
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "d" / "train.jsonl")
+    (tmp_path / "e").mkdir()
+    monkeypatch.chdir(tmp_path / "e")
+    train = f"dataset.paths=[{tmp_path / 'd' / 'train.jsonl'}]"
+    for spelling in ("../d/train.jsonl", "./../d/*.jsonl", str(tmp_path / "link.jsonl")):
+        cfg = make_cfg("data=iterable", train, f"dataset.val_paths=['{spelling}']", f"data.cache_dir={tmp_path / 'c'}")
+        with pytest.raises(DataError, match="is the same file as the training file .*train.jsonl; a validation file"):
+            index_stream(cfg)
+    cfg = make_cfg("data=iterable", train, f"dataset.val_paths=[../d/val.jsonl,{tmp_path / 'd' / 'val.jsonl'}]",
+                   f"data.cache_dir={tmp_path / 'c'}")
+    index = index_stream(cfg)
+    assert [fi.count for fi in index.files] == [20, 6]
+    assert "val.jsonl (dataset.val_paths) is the same file as ../d/val.jsonl; it is read once" in capsys.readouterr().err
+
+
 def test_epochs_leave_no_open_files(tmp_path):
     """A rank without DataLoader workers reads every epoch in its own process: file descriptors are given back."""
     import os
