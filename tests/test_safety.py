@@ -219,7 +219,8 @@ def test_launcher_env_allow_list():
     refused = ["PYTHONPATH", "PYTHONSTARTUP", "LD_PRELOAD", "LD_LIBRARY_PATH", "PATH", "DS_ENV_FILE",
                "NCCL_NET_PLUGIN", "NCCL_TUNER_PLUGIN", "CUDA_INJECTION64_PATH", "TORCH_EXTENSIONS_DIR",
                "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "HF_MODULES_CACHE", "FI_PROVIDER_PATH", "BASH_ENV",
-               "NCCL_CONF_FILE", "DSRECIPES_HOME", "DSRECIPES_RECIPES", "nccl_debug", "X;rm -rf ~"]
+               "NCCL_CONF_FILE", "DSRECIPES_HOME", "DSRECIPES_RECIPES", "nccl_debug", "X;rm -rf ~", "CUDA_HOME",
+               "TORCH_NVCC_FLAGS", "OMP_TOOL_LIBRARIES", "UCX_MODULE_DIR"]
     assert [n for n in allowed if launcher_env_problems({n: "1"})] == []
     assert [n for n in refused if not launcher_env_problems({n: "1"})] == []
     assert launcher_env_problems({"NCCL_DEBUG": "INFO\nLD_PRELOAD=/x.so"})  # a second line in .deepspeed_env

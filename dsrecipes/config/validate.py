@@ -26,8 +26,11 @@ from dsrecipes.config.schema import (
 ENV_ALLOWED = ("NCCL_*", "CUDA_*", "NVIDIA_TF32_OVERRIDE", "OMP_*", "MKL_*", "KMP_*", "OPENBLAS_NUM_THREADS",
                "GLOO_*", "TORCH_*", "PYTORCH_*", "HF_*", "TRANSFORMERS_*", "TOKENIZERS_PARALLELISM",
                "DS_ACCELERATOR", "FI_*", "UCX_*", "DSRECIPES_*")
-ENV_REFUSED = ("*PLUGIN*", "*INJECTION*", "*PRELOAD*", "*LIBRARY*", "*_PATH", "*EXTENSIONS_DIR", "*CACHE_DIR",
-               "*MODULES*", "*_LIB", "*_LIBS", "*CONF_FILE", "*REMOTE_CODE*", "DSRECIPES_HOME", "DSRECIPES_RECIPES")
+# CUDA_HOME and *FLAGS*: JIT op builds run $CUDA_HOME/bin/nvcc and pass TORCH_NVCC_FLAGS (`-ccbin` names a compiler);
+# *LIBRARIES* (OMP_TOOL_LIBRARIES) and *MODULE* (UCX_MODULE_DIR) name shared objects to load.
+ENV_REFUSED = ("*PLUGIN*", "*INJECTION*", "*PRELOAD*", "*LIBRARY*", "*LIBRARIES*", "*_PATH", "*EXTENSIONS_DIR",
+               "*CACHE_DIR", "*MODULE*", "*_LIB", "*_LIBS", "*CONF_FILE", "*REMOTE_CODE*", "*FLAGS*", "CUDA_HOME",
+               "DSRECIPES_HOME", "DSRECIPES_RECIPES")
 _ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*\Z")
 
 
