@@ -79,6 +79,24 @@ def test_parse_row_kinds(monkeypatch):
     monkeypatch.setattr(files, "MAX_DEPTH", 10**9)  # the parser's own recursion limit is caught as well
     deep = parse_row("f", 7, b"[" * 100_000 + b"]" * 100_000, 3)
     assert deep.error.reason is BadReason.too_deep and deep.where == "f: element 3 (line 7)"
+    huge = parse_row("f", 2, b'{"n": 1' + b"0" * 5000 + b"}")  # valid JSON; Python refuses the int (ValueError)
+    assert huge.error.reason is BadReason.invalid_json and "5001 digits" in huge.error.detail
+
+
+def test_tool_call_arguments_that_python_cannot_parse_stay_text():
+    """A tool call's `arguments` string is parsed for the template; a 5000-digit number or deep nesting in it
+    (valid JSON, but ValueError/RecursionError in Python) keeps it as text instead of escaping the row checks."""
+    from dsrecipes.config.schema import ColumnsConfig, DatasetFormat, SourceConfig
+    from dsrecipes.data.sharegpt import conversation_of, role_table
+
+    src = SourceConfig(name="s", format=DatasetFormat.openai,
+                       columns=ColumnsConfig(messages="messages", role="role", content="content"))
+    for args in ('{"a": 1' + "0" * 5000 + "}", "[" * 100_000 + "]" * 100_000):
+        row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": args}}]}, {"role": "tool", "content": "3"},
+            {"role": "assistant", "content": "done"}]}
+        conv = conversation_of(parse_row("f", 1, json.dumps(row).encode()), src, role_table(src))
+        assert json.loads(conv.turns[1].content) == {"name": "f", "arguments": args}
 
 
 def test_one_file_is_read_once_under_every_spelling(make_cfg, tok, tmp_path, monkeypatch, capsys):

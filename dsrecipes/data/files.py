@@ -133,7 +133,7 @@ def parse_row(path: str, line: int, data: Optional[bytes], element: Optional[int
                       raw_text=data.decode("utf-8", errors="replace").rstrip("\r\n"), element=element)
     try:
         value = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, and an integer of more than sys.get_int_max_str_digits() digits
         return RawRow(path, line, error=BadRow(BadReason.invalid_json, str(exc)), raw_text=text.rstrip("\r\n"),
                       element=element)
     except RecursionError:

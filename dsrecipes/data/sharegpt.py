@@ -192,7 +192,7 @@ def _tool_call_text(call: Any, turn: int) -> str:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON (or a 5000-digit number, nested too deep): kept as text
             pass
     return json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
 
