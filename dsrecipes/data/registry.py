@@ -11,6 +11,9 @@ Two registry formats, chosen by file extension:
   multimodal entries are rejected: we would otherwise silently train on something else.
 * `*.yaml` / `*.yml`: `name: {paths: [...], format: ..., columns: {...}, roles: {...}, max_samples: N, weight: W}`,
   typed by `SourceConfig` (unknown keys are errors); relative paths are relative to the registry file.
+
+Each file is read once by real path (`read_once`), and a `dataset.val_paths` file that is also a training file is
+refused (`validation_files`), so no row is both trained and evaluated on.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import os
 from typing import Any, Dict, List, Optional
 
 from dsrecipes.config.schema import ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
-from dsrecipes.errors import ConfigError
+from dsrecipes.errors import ConfigError, DataError
 
 _LF_UNSUPPORTED = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
 _LF_MEDIA_COLUMNS = ("images", "videos", "audios", "chosen", "rejected", "kto_tag")
@@ -84,6 +87,24 @@ def read_once(sources: List[SourceConfig], notes: Optional[List[str]] = None) ->
             kept.append(glob.escape(f))
         out.append(dataclasses.replace(src, paths=kept + missing))
     return out
+
+
+def validation_files(train: List[str], val: List[str], notes: List[str]) -> List[str]:
+    """`dataset.val_paths`' files (`val`) each once by real path; one that is also a training file is refused
+    whatever it is called (absolute, relative, `./`, `../`, a link): its rows would be evaluated after being
+    trained on."""
+    trained = {os.path.realpath(n): n for n in train}
+    kept: Dict[str, str] = {}
+    for name in val:
+        real = os.path.realpath(name)
+        if real in trained:
+            raise DataError(f"dataset.val_paths: {name} is the same file as the training file {trained[real]}; "
+                            "a validation file must not also be trained on (remove it from one of the two)")
+        if real in kept:
+            notes.append(f"data: {name} (dataset.val_paths) is the same file as {kept[real]}; it is read once")
+            continue
+        kept[real] = name
+    return list(kept.values())
 
 
 def load_registry(path: str) -> Dict[str, SourceConfig]:

@@ -131,7 +131,7 @@ def hold_out(index: StreamIndex, cfg: Any) -> StreamIndex:
 def index_stream(cfg: Any) -> StreamIndex:
     """Every file of `cfg.dataset` (and `dataset.val_paths`) indexed, caps applied, nothing held out yet."""
     from dsrecipes.data.files import expand_paths
-    from dsrecipes.data.registry import resolve_sources
+    from dsrecipes.data.registry import resolve_sources, validation_files
 
     names: List[str] = []
     file_source: List[int] = []
@@ -145,31 +145,16 @@ def index_stream(cfg: Any) -> StreamIndex:
     val_names, missing = expand_paths(list(cfg.dataset.val_paths))
     if missing:
         raise DataError(f"dataset.val_paths: {missing[0]!r} matches no file")
-    names += _validation_only(names, val_names)
+    notes: List[str] = []
+    names += validation_files(names, val_names, notes)
+    for note in notes:
+        print(note, file=sys.stderr)
     file_source += [-1] * len(val_names)
     block_bytes = cfg.data.block_bytes or auto_block_bytes(sum(os.path.getsize(n) for n in names))
     files = index_files(cfg, names, block_bytes)
     _whole_file_problems(files, cfg.dataset.bad_rows.value)
     caps = _caps(files, file_source, [src.max_samples for src in sources], cfg.dataset.max_samples)
     return StreamIndex(files, caps, file_source, [(s.name, s.weight) for s in sources], block_bytes)
-
-
-def _validation_only(train: List[str], val: List[str]) -> List[str]:
-    """`val` with each file once (by real path); a file that is also trained on is refused: its rows would be
-    evaluated on after being trained on, whatever it is called (absolute, relative, `./`, `../`, a link)."""
-    trained = {os.path.realpath(n): n for n in train}
-    kept: Dict[str, str] = {}
-    for name in val:
-        real = os.path.realpath(name)
-        if real in trained:
-            raise DataError(f"dataset.val_paths: {name} is the same file as the training file {trained[real]}; "
-                            "a validation file must not also be trained on (remove it from one of the two)")
-        if real in kept:
-            print(f"data: {name} (dataset.val_paths) is the same file as {kept[real]}; it is read once",
-                  file=sys.stderr)
-            continue
-        kept[real] = name
-    return list(kept.values())
 
 
 def file_sources(cfg: Any, index: StreamIndex) -> List[Any]:
