@@ -79,6 +79,8 @@ def test_parse_row_kinds(monkeypatch):
     monkeypatch.setattr(files, "MAX_DEPTH", 10**9)  # the parser's own recursion limit is caught as well
     deep = parse_row("f", 7, b"[" * 100_000 + b"]" * 100_000, 3)
     assert deep.error.reason is BadReason.too_deep and deep.where == "f: element 3 (line 7)"
+    assert parse_row("f", 1, b'\xef\xbb\xbf{"a": 1}').value == {"a": 1}  # a file's BOM (the stream's first line)
+    assert parse_row("f", 2, b'\xef\xbb\xbf{"a": 1}').error.reason is BadReason.invalid_json
     huge = parse_row("f", 2, b'{"n": 1' + b"0" * 5000 + b"}")  # valid JSON; Python refuses the int (ValueError)
     assert huge.error.reason is BadReason.invalid_json and "5001 digits" in huge.error.detail
 

@@ -121,6 +121,8 @@ def parse_row(path: str, line: int, data: Optional[bytes], element: Optional[int
     if data is None:
         return RawRow(path, line, error=BadRow(BadReason.too_large, f"longer than dataset.max_row_bytes={limit}"),
                       element=element)
+    if line == 1 and element is None and data.startswith(BOM):  # a file's UTF-8 BOM, as every reader sees it
+        data = data[len(BOM):]
     if depth is None and data.count(b"[") + data.count(b"{") > MAX_DEPTH:
         depth = json_depth(data)
     if depth is not None and depth > MAX_DEPTH:
