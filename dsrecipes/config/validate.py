@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import fnmatch
-import glob
 import os
 import re
 from typing import List
@@ -211,17 +210,13 @@ def _launcher(ln) -> List[str]:
 
 
 def _files(cfg: TrainConfig) -> List[str]:
-    errors = []
-    for i, pattern in enumerate(cfg.dataset.paths):
-        if not glob.glob(os.path.expanduser(pattern)):
-            errors.append(f"dataset.paths[{i}]: {pattern!r} matches no file")
-    for i, pattern in enumerate(cfg.dataset.val_paths):
-        if not glob.glob(os.path.expanduser(pattern)):
-            errors.append(f"dataset.val_paths[{i}]: {pattern!r} matches no file")
+    from dsrecipes.data.files import expand_paths, no_file
+
+    named = [(f"dataset.paths[{i}]", p) for i, p in enumerate(cfg.dataset.paths)]
+    named += [(f"dataset.val_paths[{i}]", p) for i, p in enumerate(cfg.dataset.val_paths)]
     for i, src in enumerate(cfg.dataset.sources):
-        for j, pattern in enumerate(src.paths):
-            if not glob.glob(os.path.expanduser(pattern)):
-                errors.append(f"dataset.sources[{i}].paths[{j}]: {pattern!r} matches no file")
+        named += [(f"dataset.sources[{i}].paths[{j}]", p) for j, p in enumerate(src.paths)]
+    errors = [f"{key}: {no_file(pattern)}" for key, pattern in named if expand_paths([pattern])[1]]
     checks = [
         ("dataset.registry", cfg.dataset.registry),
         ("model.path", cfg.model.path),

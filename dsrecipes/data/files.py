@@ -77,6 +77,13 @@ def expand_paths(patterns: List[str]) -> Tuple[List[str], List[str]]:
     return files, missing
 
 
+def no_file(pattern: str) -> str:
+    """Why `pattern` yields no data file, for messages: a directory is named as such (its files must be named)."""
+    if os.path.isdir(os.path.expanduser(pattern)):
+        return f"{pattern!r} is a directory: name its files (e.g. '{pattern.rstrip('/')}/*.jsonl')"
+    return f"{pattern!r} matches no file"
+
+
 def where(path: str, line: Optional[int], element: Optional[int]) -> str:
     """`location()` of a row, the line of a JSON array's element looked up when only the element is known (a
     stream reads arrays through a converted copy that keeps elements, not lines)."""

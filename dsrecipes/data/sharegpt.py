@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES, DatasetConfig, DatasetFormat, SourceConfig
 from dsrecipes.data.badrows import BadReason, BadRow, BadRowReport
-from dsrecipes.data.files import RawRow, expand_paths, read_rows
+from dsrecipes.data.files import RawRow, expand_paths, no_file, read_rows
 from dsrecipes.errors import ConfigError
 
 
@@ -252,7 +252,7 @@ def iter_source(source: SourceConfig, report: BadRowReport, limit: Optional[int]
     files, missing = expand_paths(source.paths)
     for pattern in missing:
         report.rows_read += 1
-        report.add(pattern, None, BadRow(BadReason.no_matching_path, f"source {source.name!r}: no file matches"))
+        report.add(pattern, None, BadRow(BadReason.no_matching_path, f"source {source.name!r}: {no_file(pattern)}"))
     kept = 0
     for path in files:
         for row in read_rows(path, max_row_bytes):

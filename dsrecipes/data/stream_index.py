@@ -130,7 +130,7 @@ def hold_out(index: StreamIndex, cfg: Any) -> StreamIndex:
 
 def index_stream(cfg: Any) -> StreamIndex:
     """Every file of `cfg.dataset` (and `dataset.val_paths`) indexed, caps applied, nothing held out yet."""
-    from dsrecipes.data.files import expand_paths
+    from dsrecipes.data.files import expand_paths, no_file
     from dsrecipes.data.registry import resolve_sources, validation_files
 
     names: List[str] = []
@@ -139,12 +139,12 @@ def index_stream(cfg: Any) -> StreamIndex:
     for s, source in enumerate(sources):
         files, missing = expand_paths(source.paths)
         if missing:
-            raise DataError(f"dataset source {source.name!r}: {missing[0]!r} matches no file")
+            raise DataError(f"dataset source {source.name!r}: {no_file(missing[0])}")
         names += files
         file_source += [s] * len(files)
     val_names, missing = expand_paths(list(cfg.dataset.val_paths))
     if missing:
-        raise DataError(f"dataset.val_paths: {missing[0]!r} matches no file")
+        raise DataError(f"dataset.val_paths: {no_file(missing[0])}")
     notes: List[str] = []
     names += validation_files(names, val_names, notes)
     for note in notes:
