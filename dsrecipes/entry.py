@@ -11,6 +11,7 @@ read that directory.
 from __future__ import annotations
 
 import dataclasses
+import glob
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
@@ -29,12 +30,14 @@ def check_machine(cfg: TrainConfig) -> None:
     import torch
 
     from dsrecipes.config.validate import check_runtime
+    from dsrecipes.model import check_no_custom_code
     from dsrecipes.preflight import check_environment
     from dsrecipes.trackers import preflight
 
     problems = check_runtime(cfg, cuda_available=torch.cuda.is_available()) + check_environment(cfg) + preflight(cfg)
     if problems:
         raise ConfigError(problems)
+    check_no_custom_code(cfg)
 
 
 @dataclass
@@ -203,6 +206,8 @@ def plan_data(cfg: TrainConfig, run_dir: Path, tokenizer: Any, fingerprint: str)
         from dsrecipes.data.shard import read_manifest
 
         manifest = read_manifest(cfg.data.shard_dir)
+        if cfg.data.prescan:
+            _check_parts(cfg, run_dir, manifest)
         rows, now = manifest.total, manifest.fingerprint
     else:
         from dsrecipes.data.scan import prepare_stream
@@ -211,6 +216,20 @@ def plan_data(cfg: TrainConfig, run_dir: Path, tokenizer: Any, fingerprint: str)
     if now != fingerprint:
         raise UserError("the training data changed while the run was being planned; start it again")
     return rows
+
+
+def _check_parts(cfg: TrainConfig, run_dir: Path, manifest) -> None:
+    """Parts are checked by `dsrecipes shard` with its template and tokenizer; with another one, a row could fail to
+    render or tokenize mid-run, so the parts are scanned first."""
+    from dsrecipes.config.schema import SourceConfig
+    from dsrecipes.data.scan import scan_sources
+    from dsrecipes.data.shard import checked_alike
+    from dsrecipes.model import load_tokenizer
+
+    if checked_alike(manifest.checked_with, cfg, load_tokenizer(cfg)):
+        return
+    parts = [SourceConfig(name=f"part{r}", paths=[glob.escape(manifest.part_path(r))]) for r in range(manifest.parts)]
+    scan_sources(cfg, run_dir, parts)
 
 
 def describe_plan(plan: RunPlan) -> str:

@@ -69,8 +69,8 @@ def check_model_dir(key: str, path: Path, trust_remote_code: bool) -> List[str]:
         return [f"{key}: {config_path} is unreadable ({exc})"]
     problems = []
     if config.get("auto_map") and not trust_remote_code:
-        problems.append(f"{key}: {path} needs custom code from the model directory (config.json auto_map), which "
-                        "dsrecipes does not run unless model.trust_remote_code=true is set on purpose")
+        problems.append(f"{key}: {path} needs its own Python code to load (config.json auto_map); dsrecipes never "
+                        "runs code from a model directory: use a model that transformers supports natively")
     elif not config.get("auto_map"):
         problems += _known_model_type(key, path, config.get("model_type"))
     if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):

@@ -226,7 +226,7 @@ def model_dir(tmp_path: Path, kind: str) -> Tuple[Path, str, str]:
         (path / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModelForCausalLM": "m.Model"}}))
         (path / "model.safetensors").write_bytes(b"x")
         (path / "tokenizer.json").write_text("{}")
-        return path, f"model.path={path}", f"model.path: {path} needs custom code"
+        return path, f"model.path={path}", f"model.path: {path} needs its own Python code to load"
     tokenizer_file = path / "tokenizer.json"
     tokenizer_file.write_text("{}")
     return path, f"model.tokenizer_path={tokenizer_file}", f"model.tokenizer_path: {tokenizer_file} is a file"

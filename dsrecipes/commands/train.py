@@ -12,6 +12,11 @@ Hydra's `hydra.run.dir` pattern made unique by an atomic mkdir (two runs started
 directories; likewise a sweep's `hydra.sweep.dir`). It is claimed (rundir.claim: owned, locked) before Hydra or
 dsrecipes writes anything into it, and held until result.json is written. A run stopped by SIGTERM/SIGINT ends
 with status `interrupted` and prints the command that resumes it.
+
+No code from configuration (config/safety.py): every composition, the sweep's and each of its jobs' included, is
+checked before Hydra instantiates its callbacks or configures logging from it; a sweep checks all its jobs before
+the first one starts (and Hydra's loader stays guarded while it runs). Flags that bring in other config trees or
+pickles (`--config-dir`, `--config-path`, `--config-name`, `--experimental-rerun`) are refused.
 """
 
 from __future__ import annotations
@@ -72,16 +77,23 @@ def _refuse_other_config_roots(args: Any) -> None:
     from dsrecipes.config.sources import RECIPES_ENV
 
     given = [flag for flag, value in (("--config-dir", args.config_dir), ("--config-path", args.config_path),
-                                      ("--config-name", args.config_name)) if value is not None]
+                                      ("--config-name", args.config_name),
+                                      ("--experimental-rerun", args.experimental_rerun)) if value is not None]
     if given:
         raise UserError(f"{', '.join(given)}: not supported by dsrecipes; run a recipe file with "
                         f"recipe=/path/to/file.yaml, or name folders of recipes in {RECIPES_ENV}=DIR[:DIR...]")
 
 
 def _multirun(hydra: Any, overrides: List[str]) -> None:
+    """Hydra's multirun with every composition checked for code: the sweep's and each job's up front (nothing of the
+    sweep exists yet), and each again when Hydra composes it (the loader is guarded)."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from dsrecipes.config import safety
+
+    hydra.config_loader = safety.GuardedLoader(hydra.config_loader, CONFIG_NAME)
+    safety.check_sweep(hydra.config_loader, CONFIG_NAME, overrides)
     try:
         hydra.multirun(config_name=CONFIG_NAME, task_function=_job, overrides=_unique_sweep_dir(hydra, overrides))
     except (HydraException, OmegaConfBaseException) as exc:  # the sweeper composes every job before running any
@@ -100,14 +112,21 @@ def _with_hydra(body: Any) -> Any:
         GlobalHydra.instance().clear()
 
 
-def _compose(hydra: Any, overrides: List[str], multirun: bool = False) -> Any:
+def _compose(hydra: Any, overrides: List[str], configure_logging: bool = True) -> Any:
+    """One composition, checked for code (config/safety.py) before Hydra configures logging from it."""
+    from hydra.core.utils import configure_log
     from hydra.types import RunMode
 
+    from dsrecipes.config import safety
+
     try:
-        return hydra.compose_config(config_name=CONFIG_NAME, overrides=overrides, with_log_configuration=not multirun,
-                                    run_mode=RunMode.MULTIRUN if multirun else RunMode.RUN)
+        composed = hydra.compose_config(config_name=CONFIG_NAME, overrides=overrides, run_mode=RunMode.RUN)
     except Exception as exc:  # Hydra raises many types; all are user mistakes in a composition
         raise compose_error(exc, overrides) from None
+    safety.check(hydra.config_loader, CONFIG_NAME, overrides, composed, RunMode.RUN)
+    if configure_logging:
+        configure_log(composed.hydra.hydra_logging, composed.hydra.verbose)
+    return composed
 
 
 def _overridden(overrides: Sequence[str], key: str) -> bool:
@@ -119,12 +138,19 @@ def _quoted(path: Path) -> str:
 
 
 def _unique_sweep_dir(hydra: Any, overrides: List[str]) -> List[str]:
-    """Hydra's default sweep directory (a date and a time) made unique per invocation."""
+    """Hydra's default sweep directory (a date and a time) made unique per invocation (the sweep's composition
+    was checked by safety.check_sweep already)."""
+    from hydra.types import RunMode
+
     from dsrecipes.rundir import unique_new_dir
 
     if _overridden(overrides, "hydra.sweep.dir"):
         return overrides
-    composed = _compose(hydra, overrides, multirun=True)
+    try:
+        composed = hydra.compose_config(config_name=CONFIG_NAME, overrides=overrides, run_mode=RunMode.MULTIRUN,
+                                        with_log_configuration=False)
+    except Exception as exc:  # Hydra raises many types; all are user mistakes in a composition
+        raise compose_error(exc, overrides) from None
     return overrides + [f"hydra.sweep.dir={_quoted(unique_new_dir(Path(str(composed.hydra.sweep.dir))))}"]
 
 
@@ -186,6 +212,8 @@ def _informational(hydra: Any, parser: Any, args: Any) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     overrides = list(args.overrides)
+    if not args.shell_completion:  # Hydra composes (and may configure logging) from these: checked first
+        _compose(hydra, overrides, configure_logging=False)
     try:
         if args.hydra_help:
             hydra.hydra_help(config_name=CONFIG_NAME, args_parser=parser, args=args)

@@ -139,7 +139,7 @@ def hf_messages(conv: Conversation, cfg: TemplateConfig) -> Tuple[List[Dict[str,
     if conv.tools:
         try:
             parsed = json.loads(conv.tools)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON: kept as text
             parsed = None
         if isinstance(parsed, list) and all(isinstance(x, dict) for x in parsed):
             tools = parsed
@@ -155,7 +155,7 @@ def _hf_message(t: Turn) -> Dict[str, Any]:
     if t.role is Role.tool_call:
         try:
             call = json.loads(t.content)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             call = None
         if isinstance(call, dict) and isinstance(call.get("name"), str):
             fn = {"name": call["name"], "arguments": call.get("arguments", {})}

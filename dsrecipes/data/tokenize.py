@@ -10,6 +10,16 @@ e.g. `train_on=last_assistant`), the sequence is cut at `cutoff_len` tokens, mid
 token left is dropped (`encode` returns None) and counted by the caller. Text after the final trained reply (a
 template's trailing newline) is never kept.
 
+Bad rows: whatever rendering or tokenizing one conversation raises makes that conversation a bad row
+(`template_error`, `too_deep`, `tokenizer_error`), never a crash of the batch it came in: a batch the tokenizer
+refuses is retried text by text to find the culprit.
+
+Memory: only the first `cutoff_len` tokens of a sample are ever kept, so a text far longer than that (more than
+LONG_TEXT_FACTOR characters per token of `cutoff_len`) is not tokenized whole (the Rust tokenizer needs ~150 bytes
+per character of input): its first `cutoff_len + 1` tokens come from prefixes of it, accepted once two prefixes (one
+twice the other) agree on them with HEAD_MARGIN tokens to spare. `cutoff_len + 1` tokens of a segment make truncation
+decide exactly as the full length would (the segment overflows either way).
+
 Packing (`data.packing=true`): best-fit-decreasing over sample lengths (deterministic: ties keep input order) into
 rows of at most `cutoff_len` tokens; `position_ids` restart at 0 for each sample, and the first label of every
 sample is -100 so no token is trained to predict across a sample boundary.
@@ -23,11 +33,14 @@ from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from dsrecipes.config.schema import TrainConfig
-from dsrecipes.data.badrows import BadRow
+from dsrecipes.data.badrows import BadReason, BadRow
 from dsrecipes.data.labels import IGNORE_INDEX
 from dsrecipes.data.sharegpt import Conversation
 from dsrecipes.data.template import Segment, check_template, render
 from dsrecipes.errors import ConfigError
+
+LONG_TEXT_FACTOR = 8  # characters per token of cutoff_len above which a text is tokenized by its prefixes
+HEAD_MARGIN = 64  # tokens a prefix must yield beyond cutoff_len + 1 before its head is trusted
 
 
 @dataclass
@@ -62,9 +75,19 @@ class Encoder:
         self.train_on = cfg.data.train_on
         self.cutoff_len = cfg.data.cutoff_len
         self._encode_fast = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        self.long_text = LONG_TEXT_FACTOR * (self.cutoff_len + HEAD_MARGIN)
 
     def render(self, conv: Conversation) -> List[Segment]:
-        return render(conv, self.template, self.tokenizer, self.train_on)
+        """Segments of one conversation, or BadRow: a template is code working on untrusted rows, so anything it
+        raises belongs to this row."""
+        try:
+            return render(conv, self.template, self.tokenizer, self.train_on)
+        except BadRow:
+            raise
+        except RecursionError:
+            raise BadRow(BadReason.too_deep, "nested too deep to render") from None
+        except Exception as exc:  # noqa: BLE001 - jinja, tool-call JSON, ...: this row cannot be rendered
+            raise BadRow(BadReason.template_error, f"{type(exc).__name__}: {exc}") from None
 
     def encode(self, conv: Conversation) -> Optional[Example]:
         return self.encode_batch([conv])[0]
@@ -86,9 +109,15 @@ class Encoder:
         for segments in rendered:
             for seg in segments or ():
                 index.setdefault(seg.text, len(index))
-        encoded = self.encode_texts(list(index))
+        encoded, refused = self._encode_segments(list(index))
         out: List[Optional[Example]] = []
         for conv, segments in zip(convs, rendered):
+            failed = next((refused[index[s.text]] for s in segments or () if index[s.text] in refused), None)
+            if failed is not None:
+                if errors is None:
+                    raise BadRow(BadReason.tokenizer_error, failed)
+                errors.append((conv, BadRow(BadReason.tokenizer_error, failed)))
+                segments = None
             if segments is None:
                 out.append(None)
                 continue
@@ -99,6 +128,42 @@ class Encoder:
         if not texts:
             return []
         return [e.ids for e in self._encode_fast(texts, add_special_tokens=False)]
+
+    def _encode_segments(self, texts: List[str]) -> Tuple[List[List[int]], Dict[int, str]]:
+        """(ids of each text, {index: why} of texts the tokenizer refused). Long texts give their head only."""
+        try:
+            return self._segment_ids(texts), {}
+        except Exception:  # noqa: BLE001 - find the text(s) the tokenizer refuses, one by one
+            pass
+        ids: List[List[int]] = []
+        refused: Dict[int, str] = {}
+        for i, text in enumerate(texts):
+            try:
+                ids += self._segment_ids([text])
+            except Exception as exc:  # noqa: BLE001 - the Rust tokenizer raises TypeError, ValueError, Exception
+                ids.append([])
+                refused[i] = f"{type(exc).__name__}: {exc}"
+        return ids, refused
+
+    def _segment_ids(self, texts: List[str]) -> List[List[int]]:
+        long = {i for i, t in enumerate(texts) if len(t) > self.long_text}
+        short = [t for i, t in enumerate(texts) if i not in long]
+        done = iter(self.encode_texts(short))
+        return [self._head_ids(t) if i in long else next(done) for i, t in enumerate(texts)]
+
+    def _head_ids(self, text: str) -> List[int]:
+        """The first cutoff_len + 1 tokens of a long text, from prefixes of it (memory bounded by cutoff_len)."""
+        need = self.cutoff_len + 1
+        size, agreed = self.long_text, None
+        while size < len(text):
+            ids = self.encode_texts([text[:size]])[0]
+            if len(ids) >= need + HEAD_MARGIN:
+                if ids[:need] == agreed:
+                    return agreed
+                agreed, size = ids[:need], size * 2
+            else:
+                agreed, size = None, size * 4
+        return self.encode_texts([text])[0][:need]
 
 
     def _assemble(self, sample_id: str, parts: List[Tuple[List[int], Segment]]) -> Optional[Example]:
