@@ -1,20 +1,24 @@
-"""Runner overhead: tokens/s of `dsrecipes.train.train` vs a bare DeepSpeed loop, same model, data and batches.
+"""Runner overhead: CPU time per optimizer step of `dsrecipes.train.train` vs a bare DeepSpeed loop, A/B/A/B.
 
-    python benchmarks/bench_runner.py                      # default config (tiny model, sample data), 1 process
-    python benchmarks/bench_runner.py --steps 80 --warmup 20 zero=stage2 precision=bf16
+    python benchmarks/bench_runner.py                       # default config (tiny model, sample data), 1 process
+    python benchmarks/bench_runner.py --pairs 20 zero=stage2 precision=bf16
 
-Both loops run in this process, alternately (bare then runner, runner then bare, ...), and the median of the
-repeats is reported. On a shared machine wall time mostly measures the neighbours, so by default both are timed with this
-process's CPU time (`time.process_time` stands in for `time.perf_counter`, which the runner's metrics use) on one
-torch thread: that counts the work each loop does, whatever else runs. `--clock wall --threads N` for wall time. Timed: optimizer steps warmup+1 .. steps (the runner's from its own metrics.jsonl,
-eval and checkpoints switched off). The bare loop is what a user would write by hand: our data loader, the model's
-own loss (`labels=`), engine.backward, engine.step, nothing else. The runner adds its loss, metric windows, the
-progress bar, lr/grad-norm bookkeeping and the log all_reduce. Target: runner < 3% slower per step.
+Both loops run in this one process, in pairs (bare then runner, runner then bare, ...): each run gets a fresh engine
+(not timed), runs --warmup untimed steps, then --steps - --warmup timed ones. The reported overhead is the median
+over pairs of (runner time / bare time), with its interquartile range and extremes: pairing neighbours cancels slow
+drifts of the machine. On a shared machine wall time mostly measures the neighbours, so by default both are timed
+with this process's CPU time (`time.process_time` stands in for `time.perf_counter`, which the runner's metrics
+use) on one torch thread: that counts the work each loop does, whatever else runs. `--clock wall --threads N` for
+wall time. The runner's timed steps come from its own metrics.jsonl (a log line every --warmup steps, eval and
+checkpoints off; the log lines' all_reduce, JSON and TensorBoard writes are part of what it costs). The bare loop is
+what a user would write by hand: our data loader, the model's own loss (`labels=`), engine.backward, engine.step,
+nothing else. Target: runner <= 3% slower per step.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -120,11 +124,27 @@ def component_costs(cfg, run_dir: Path, iterations: int = 40) -> Tuple[float, fl
     return spent["ours"] / spent["model"], 1e6 * (time.perf_counter() - start) / n
 
 
+def run_pairs(args, root: Path) -> Tuple[List[float], List[float], object, Path, int]:
+    bare_s, runner_s, tokens = [], [], 0
+    for i in range(args.pairs):
+        for which in ("bare", "runner") if i % 2 == 0 else ("runner", "bare"):  # alternate: no order bias
+            cfg, run_dir = make_run_dir(root, f"{which}{i}", args.overrides, args.steps, args.warmup)
+            if which == "bare":
+                seconds, tokens = bare_loop(cfg, run_dir, args.steps, args.warmup)
+                bare_s.append(seconds)
+            else:
+                runner_s.append(runner_loop(cfg, run_dir, args.warmup))
+            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the runner's final save: disk, not time
+        print(f"pair {i + 1}: bare {bare_s[-1]:.3f} s, runner {runner_s[-1]:.3f} s "
+              f"({100 * (runner_s[-1] / bare_s[-1] - 1):+.1f}%)", flush=True)
+    return bare_s, runner_s, cfg, run_dir, tokens
+
+
 def main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=110)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=10, help="untimed first steps (must divide --steps)")
-    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--pairs", type=int, default=12, help="bare/runner pairs (order alternates)")
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (cpu clock: keep 1)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. zero=stage2 precision=bf16")
@@ -142,27 +162,19 @@ def main(argv: List[str]) -> int:
     init_distributed()
     if args.clock == "cpu":
         time.perf_counter = time.process_time  # both loops and the runner's metrics read this clock
-    bare_s, runner_s = [], []
     with tempfile.TemporaryDirectory(prefix="bench_runner_") as tmp:
-        root = Path(tmp)
-        for i in range(args.repeats):
-            for which in ("bare", "runner") if i % 2 == 0 else ("runner", "bare"):  # alternate: no order bias
-                cfg, run_dir = make_run_dir(root, f"{which}{i}", args.overrides, args.steps, args.warmup)
-                if which == "bare":
-                    seconds, tokens = bare_loop(cfg, run_dir, args.steps, args.warmup)
-                    bare_s.append(seconds)
-                else:
-                    runner_s.append(runner_loop(cfg, run_dir, args.warmup))
-            print(f"repeat {i + 1}: bare {bare_s[-1]:.2f} s, runner {runner_s[-1]:.2f} s "
-                  f"({100 * (runner_s[-1] / bare_s[-1] - 1):+.1f}%) for {args.steps - args.warmup} steps "
-                  f"({tokens} real tokens)", flush=True)
+        bare_s, runner_s, cfg, run_dir, tokens = run_pairs(args, Path(tmp))
         loss_ratio, bookkeeping_us = component_costs(cfg, run_dir)
     timed = args.steps - args.warmup
+    ratios = sorted(r / b for r, b in zip(runner_s, bare_s))
+    q1, med, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
     bare, runner = statistics.median(bare_s), statistics.median(runner_s)
     unit = "CPU" if args.clock == "cpu" else "wall"
-    print(f"bare DeepSpeed loop: {1000 * bare / timed:.1f} {unit} ms/step, {tokens / bare:,.0f} tokens per {unit} s")
-    print(f"dsrecipes runner:    {1000 * runner / timed:.1f} {unit} ms/step, {tokens / runner:,.0f} tokens per {unit} s")
-    print(f"runner overhead per step: {100 * (runner / bare - 1):+.1f}% (median of {args.repeats})")
+    print(f"bare DeepSpeed loop: {1000 * bare / timed:.2f} {unit} ms/step, {tokens / bare:,.0f} tokens per {unit} s")
+    print(f"dsrecipes runner:    {1000 * runner / timed:.2f} {unit} ms/step, {tokens / runner:,.0f} tokens per {unit} s")
+    print(f"runner overhead per step: {100 * (statistics.median(ratios) - 1):+.1f}% (median of {len(ratios)} pairs; "
+          f"interquartile {100 * (q1 - 1):+.1f}% .. {100 * (q3 - 1):+.1f}%, extremes {100 * (ratios[0] - 1):+.1f}% .. "
+          f"{100 * (ratios[-1] - 1):+.1f}%; {unit} time of {timed} steps per run)")
     print(f"components: runner loss / model loss fwd+bwd time x{loss_ratio:.3f}; "
           f"bookkeeping {bookkeeping_us:.1f} us per micro-batch ({100 * bookkeeping_us / (1e6 * runner / timed):.3f}% "
           "of a step); plus one metrics line (all_reduce, JSON, TensorBoard) per log window")

@@ -53,12 +53,15 @@ def build_ds_config(
 def _optimizer(cfg: TrainConfig) -> Dict[str, Any]:
     o = cfg.optimizer
     betas = list(o.betas)
+    # DeepSpeed honours torch_adam before it looks at offload: an offloaded Adam would be torch's, stepping on the
+    # CPU at a fraction of DeepSpeedCPUAdam's speed (the reason to offload at all). Offloaded: DeepSpeed's CPU Adam.
+    torch_adam = o.torch_adam and cfg.offload.optimizer is OffloadDevice.none
     if o.name is OptimizerKind.adamw:
-        params = {"lr": o.lr, "betas": betas, "eps": o.eps, "weight_decay": o.weight_decay, "torch_adam": o.torch_adam}
+        params = {"lr": o.lr, "betas": betas, "eps": o.eps, "weight_decay": o.weight_decay, "torch_adam": torch_adam}
         return {"type": "AdamW", "params": params}
     if o.name is OptimizerKind.adam:
         params = {"lr": o.lr, "betas": betas, "eps": o.eps, "weight_decay": o.weight_decay,
-                  "torch_adam": o.torch_adam, "adam_w_mode": False}
+                  "torch_adam": torch_adam, "adam_w_mode": False}
         return {"type": "Adam", "params": params}
     if o.name is OptimizerKind.lion:
         return {"type": "Lion", "params": {"lr": o.lr, "betas": betas, "weight_decay": o.weight_decay}}

