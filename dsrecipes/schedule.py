@@ -83,7 +83,8 @@ class StepScheduler:
         return {"done": self.done, "total_steps": self.total_steps}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.resume_at(int(state["done"]))
+        if "done" in state:  # (a checkpoint from before this scheduler holds DeepSpeed's; train.py re-applies anyway)
+            self.resume_at(int(state["done"]))
 
     def _apply(self) -> None:
         lr = self.lr_at(min(self.done + 1, self.total_steps))

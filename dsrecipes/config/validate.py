@@ -73,10 +73,6 @@ def _batch(cfg: TrainConfig) -> List[str]:
         errors.append(f"optimizer.betas: needs two values, got {cfg.optimizer.betas}")
     if cfg.scheduler.warmup_steps < 0:
         errors.append(f"scheduler.warmup_steps: must be >= 0, got {cfg.scheduler.warmup_steps}")
-    if t.max_steps is not None and cfg.scheduler.warmup_steps > t.max_steps:
-        errors.append(
-            f"scheduler.warmup_steps: {cfg.scheduler.warmup_steps} warmup steps exceed trainer.max_steps={t.max_steps}"
-        )
     if not 0.0 <= cfg.scheduler.min_lr_ratio <= 1.0:
         errors.append(f"scheduler.min_lr_ratio: must be in [0, 1], got {cfg.scheduler.min_lr_ratio}")
     return errors

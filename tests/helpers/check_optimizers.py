@@ -34,7 +34,7 @@ with hydra_context():
             continue
         out = {"overrides": overrides}
         try:
-            ds = build_ds_config(cfg, 1, total_steps=10)
+            ds = build_ds_config(cfg, 1)
             model = build_model(cfg, load_tokenizer(cfg), ds)
             engine, optim, _, _ = deepspeed.initialize(model=model, model_parameters=trainable_parameters(model),
                                                        config=ds)
