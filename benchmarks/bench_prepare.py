@@ -15,7 +15,9 @@ Each round runs, alternately (ceiling first in even rounds, prepare first in odd
 * prepare: the whole `dsrecipes.data.prepare.prepare()` from the file into a fresh cache directory: read, check,
   render, tokenize, labels, truncation, split, Arrow write, with `data.preprocess_workers=2`;
 * with --per-segment: the same prepare() with per-segment tokenization forced (what one-text tokenization buys).
-Prints samples/s per round, the prepare/ceiling ratio per round, and medians with their spread.
+Prints samples/s per round, the prepare/ceiling ratio per round, and medians with their spread: the wall-clock
+share (the target: prepare >= 0.75 of the ceiling's samples/s) and the CPU share (ceiling CPU seconds / prepare's,
+workers included), which neighbours on a shared machine disturb much less.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import os
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -95,16 +98,22 @@ def rendered_texts(cfg, tokenizer) -> List[str]:
     return ["".join(s.text for s in render(c, cfg.template, tokenizer, cfg.data.train_on)) for c in convs]
 
 
-def time_ceiling(tokenizer, texts: List[str]) -> float:
+def cpu_now() -> float:
+    """CPU seconds of this process and its finished children (prepare's workers)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def time_ceiling(tokenizer, texts: List[str]) -> tuple[float, float]:
     from tokenizers import Tokenizer
 
     fresh = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_now()
     fresh.encode_batch(texts, add_special_tokens=False)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, cpu_now() - cpu
 
 
-def time_prepare(cfg, tokenizer, run_dir: Path, per_segment: bool) -> tuple[float, dict]:
+def time_prepare(cfg, tokenizer, run_dir: Path, per_segment: bool) -> tuple[float, float, dict]:
     from dsrecipes.data import tokenize
     from dsrecipes.data.prepare import prepare
 
@@ -113,40 +122,64 @@ def time_prepare(cfg, tokenizer, run_dir: Path, per_segment: bool) -> tuple[floa
     if per_segment:  # the workers are forked from this process, so they inherit the switch
         tokenize.Encoder.__init__ = lambda self, tok, c, full_text=None: init(self, tok, c, full_text=False)
     try:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), cpu_now()
         prep = prepare(cfg, tokenizer, run_dir)
-        return time.perf_counter() - start, prep.stats
+        return time.perf_counter() - start, cpu_now() - cpu, prep.stats
     finally:
         tokenize.Encoder.__init__ = init
 
 
-def bench_shape(shape: str, args, tmp: Path, tokenizer) -> List[str]:
+def measure_one(kind: str, data: Path, tmp: Path, workers: int) -> Dict[str, float]:
+    """One measurement in this (fresh) process: ceiling, prepare or per-segment."""
+    import datasets  # noqa: F401  (imported up front: its ~2 s import is not preparation time)
+    from transformers import AutoTokenizer
+
+    from dsrecipes.paths import TINY_TOKENIZER_DIR
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TINY_TOKENIZER_DIR))
+    cfg = load_cfg(data, tmp / f"cache-{kind}", workers)
+    if kind == "ceiling":
+        wall, cpu = time_ceiling(tokenizer, rendered_texts(cfg, tokenizer))
+        return {"wall": wall, "cpu": cpu}
+    wall, cpu, stats = time_prepare(cfg, tokenizer, tmp / f"run-{kind}", kind == "per-segment")
+    shutil.rmtree(cfg.data.cache_dir, ignore_errors=True)
+    return {"wall": wall, "cpu": cpu, "tokens": stats["tokens"], "rows": stats["rows_kept"]}
+
+
+def run_one(kind: str, data: Path, tmp: Path, workers: int) -> Dict[str, float]:
+    """`measure_one` in a fresh interpreter, so no measurement inherits another's memory, caches or threads."""
+    out = subprocess.run([sys.executable, __file__, "--one", kind, "--data", str(data), "--tmp", str(tmp),
+                          "--workers", str(workers)], capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"{kind} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bench_shape(shape: str, args, tmp: Path) -> List[str]:
     data = tmp / f"{shape}.jsonl"
     write_corpus(data, shape, args.n)
-    cfg = load_cfg(data, tmp / "cache", args.workers)
-    texts = rendered_texts(cfg, tokenizer)
     kinds = ["ceiling", "prepare"] + (["per-segment"] if args.per_segment else [])
-    seconds: Dict[str, List[float]] = {k: [] for k in kinds}
+    wall: Dict[str, List[float]] = {k: [] for k in kinds}
+    cpu: Dict[str, List[float]] = {k: [] for k in kinds}
+    tokens = 0.0
     for r in range(args.rounds):
         for kind in kinds if r % 2 == 0 else kinds[::-1]:
-            if kind == "ceiling":
-                seconds[kind].append(time_ceiling(tokenizer, texts))
-            else:
-                dt, stats = time_prepare(cfg, tokenizer, tmp / "run", kind == "per-segment")
-                seconds[kind].append(dt)
-        line = ", ".join(f"{k} {args.n / seconds[k][-1]:,.0f}/s" for k in kinds)
-        print(f"{shape} round {r + 1}: {line}, prepare/ceiling {seconds['ceiling'][-1] / seconds['prepare'][-1]:.2f}",
-              file=sys.stderr, flush=True)
-    tokens = stats["tokens"] / stats["rows_kept"]
-    ratios = [c / p for c, p in zip(seconds["ceiling"], seconds["prepare"])]
+            got = run_one(kind, data, tmp, args.workers)
+            wall[kind].append(got["wall"])
+            cpu[kind].append(got["cpu"])
+            if "tokens" in got:
+                tokens = got["tokens"] / got["rows"]
+        line = ", ".join(f"{k} {args.n / wall[k][-1]:,.0f}/s ({cpu[k][-1]:.1f} CPU s)" for k in kinds)
+        print(f"{shape} round {r + 1}: {line}; prepare/ceiling {wall['ceiling'][-1] / wall['prepare'][-1]:.2f} "
+              f"(load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
     rows = []
     for kind in kinds:
-        rates = [args.n / s for s in seconds[kind]]
-        share = [c / s for c, s in zip(seconds["ceiling"], seconds[kind])]
+        rates = [args.n / s for s in wall[kind]]
+        share = [c / s for c, s in zip(wall["ceiling"], wall[kind])]
+        work = [c / s for c, s in zip(cpu["ceiling"], cpu[kind])]
         rows.append(f"| {shape} ({tokens:.0f} tokens/sample) | {kind} | {statistics.median(rates):,.0f} | "
-                    f"{min(rates):,.0f}-{max(rates):,.0f} | {statistics.median(share):.2f} | "
-                    f"{min(share):.2f}-{max(share):.2f} |")
-    print(f"{shape}: prepare/ceiling per round {', '.join(f'{x:.2f}' for x in ratios)}", file=sys.stderr)
+                    f"{min(rates):,.0f}-{max(rates):,.0f} | {statistics.median(share):.2f} ({min(share):.2f}-"
+                    f"{max(share):.2f}) | {statistics.median(work):.2f} ({min(work):.2f}-{max(work):.2f}) |")
     return rows
 
 
@@ -157,26 +190,26 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2, help="data.preprocess_workers")
     parser.add_argument("--per-segment", action="store_true", help="also time prepare() with per-segment tokenization")
+    parser.add_argument("--one", choices=["ceiling", "prepare", "per-segment"], help=argparse.SUPPRESS)
+    parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--tmp", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.pop("TOKENIZERS_PARALLELISM", None)  # the ceiling uses every core; prepare's workers set their own
-
-    import datasets  # noqa: F401  (imported up front: its ~2 s import is not preparation time)
-    from transformers import AutoTokenizer
-
-    from dsrecipes.paths import TINY_TOKENIZER_DIR
-
-    tokenizer = AutoTokenizer.from_pretrained(str(TINY_TOKENIZER_DIR))
+    if args.one:
+        print(json.dumps(measure_one(args.one, args.data, args.tmp, args.workers)))
+        return
     tmp = Path(tempfile.mkdtemp(prefix="bench-prepare-"))
     try:
         rows = []
         for shape in SHAPES if args.shape == "all" else [args.shape]:
-            rows += bench_shape(shape, args, tmp, tokenizer)
+            rows += bench_shape(shape, args, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"\n{args.n:,} conversations per shape, tiny byte-level BPE tokenizer, chatml, cutoff 1024, "
-          f"{args.workers} workers, {os.cpu_count()} CPUs, {args.rounds} rounds (load average at the end: "
-          f"{', '.join(f'{x:.1f}' for x in os.getloadavg())})\n")
-    print("| corpus | method | samples/s (median) | range | share of the ceiling (median) | range |")
+          f"{args.workers} workers, {os.cpu_count()} CPUs, {args.rounds} rounds, each measurement in a fresh process "
+          f"(load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())})\n")
+    print("| corpus | method | samples/s (median) | range | wall share of the ceiling, median (range) | "
+          "CPU share of the ceiling, median (range) |")
     print("|---|---|---:|---:|---:|---:|")
     print("\n".join(rows))
 

@@ -11,7 +11,7 @@ import glob
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple, Union
 
 from dsrecipes.data.badrows import BadReason, BadRow
 from dsrecipes.fileio import open_maybe_gzip
@@ -64,6 +64,27 @@ def read_rows(path: str) -> Iterator[RawRow]:
             yield _parse_line(path, lineno, line)
         if not any_row:
             yield RawRow(path, None, error=BadRow(BadReason.empty_file, "no rows"))
+
+
+def read_row_items(path: str) -> Iterator[Union[Tuple[int, bytes], RawRow]]:
+    """`read_rows` with the parsing left to the caller for JSONL lines: `(line number, bytes)` per non-blank line
+    (parse with `parse_line`, e.g. in a worker process), RawRow for everything else (JSON arrays, empty files)."""
+    if _is_json_array_file(path):
+        yield from read_rows(path)
+        return
+    with open_maybe_gzip(path) as fh:
+        any_row = False
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            any_row = True
+            yield lineno, line
+        if not any_row:
+            yield RawRow(path, None, error=BadRow(BadReason.empty_file, "no rows"))
+
+
+def parse_line(path: str, loc: int, line: bytes) -> RawRow:
+    return _parse_line(path, loc, line)
 
 
 def _parse_line(path: str, loc: int, line: bytes) -> RawRow:

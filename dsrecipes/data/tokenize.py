@@ -157,18 +157,9 @@ class Encoder:
         return [e.ids for e in self._encode_fast(texts, add_special_tokens=False)]
 
     def _spans(self, rendered: List[List[Segment]]) -> List[Optional[Spans]]:
-        texts, borders, replies = [], [], []
-        for segs in rendered:
-            pos, starts, turns = 0, [], []
-            for j, seg in enumerate(segs):
-                if seg.closes_turn:
-                    turns.append(j)
-                pos += len(seg.text)
-                starts.append(pos)
-            texts.append("".join([seg.text for seg in segs]))
-            borders.append(starts[:-1])
-            replies.append(turns)
-        return self._full.spans(texts, borders, replies)
+        texts = [[seg.text for seg in segs] for segs in rendered]
+        replies = [[j for j, seg in enumerate(segs) if seg.closes_turn] for segs in rendered]
+        return self._full.spans(texts, replies)
 
     def _segment_spans(self, rendered: List[List[Segment]]) -> List[Spans]:
         index: Dict[str, int] = {}
