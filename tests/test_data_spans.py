@@ -30,10 +30,11 @@ def tok():
     return AutoTokenizer.from_pretrained(str(TINY_TOKENIZER_DIR))
 
 
-@pytest.fixture(scope="module")
-def merging_tok():
-    """Byte-level BPE (GPT-2 pre-tokenizer) trained to merge "\\n\\n", " Hello" and friends."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+@pytest.fixture(scope="module", params=["bytes", "offsets"])
+def merging_tok(request):
+    """Byte-level BPE (GPT-2 pre-tokenizer) trained to merge "\\n\\n", " Hello" and friends. Two ways to find the
+    borders: by token byte lengths, or (with a normalizer, even one that changes nothing here) by character offsets."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
@@ -45,7 +46,13 @@ def merging_tok():
     raw.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     assert raw.token_to_id("ĊĊ") is not None and raw.token_to_id("ĠHello") is not None
-    return PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>")
+    if request.param == "offsets":
+        raw.normalizer = normalizers.NFC()
+    out = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>")
+    from dsrecipes.data.spans import FullText
+
+    assert (FullText(out.backend_tokenizer)._byte_len is None) == (request.param == "offsets")
+    return out
 
 
 def edge_convs() -> List[Conversation]:

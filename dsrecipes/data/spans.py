@@ -34,12 +34,12 @@ add up to its text's is handed back (None). Other tokenizers use the character o
 from __future__ import annotations
 
 import json
-from itertools import chain
+from itertools import accumulate, chain
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-Spans = Tuple[List[int], List[int]]  # (token ids, token index where each segment starts, plus the end)
+Spans = Tuple[np.ndarray, List[int]]  # (token ids, int32; token index where each segment starts, plus the end)
 
 _CACHE_LIMIT = 4096  # distinct prompt tails remembered (templates have a handful: one per role header)
 _SPLITTING = {"Split", "Digits", "Punctuation"}  # pre-tokenizers that only cut the text (and do not drop any of it)
@@ -74,14 +74,14 @@ class FullText:
         uncached = self._references(key for _, key, _, _ in checks)
         for i, key, first, end in checks:
             ref = self._refs[key] if key in self._refs else uncached[key]
-            if out[i] is not None and out[i][0][first:end] != ref:
+            if out[i] is not None and out[i][0][first:end].tolist() != ref:
                 out[i] = None
         return out
 
     def _by_offsets(self, texts: List[str], segments: Sequence[Sequence[str]]) -> List[Optional[Spans]]:
         out: List[Optional[Spans]] = []
         for enc, text, segs in zip(self._tok.encode_batch(texts, add_special_tokens=False), texts, segments):
-            ids = enc.ids
+            ids = np.array(enc.ids, dtype=np.int32)
             starts = [0]
             pos = 0
             for seg in segs[:-1]:
@@ -100,28 +100,34 @@ class FullText:
     def _by_bytes(self, texts: List[str], segments: Sequence[Sequence[str]]) -> List[Optional[Spans]]:
         id_lists = [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
         counts = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
-        flat = np.fromiter(chain.from_iterable(id_lists), dtype=np.int64, count=int(counts.sum()))
+        flat = np.fromiter(chain.from_iterable(id_lists), dtype=np.int32, count=int(counts.sum()))
         if not len(flat):
             return [None] * len(texts)
         ends = np.cumsum(self._byte_len[flat])  # byte end of every token, over the whole batch
         first_tok = np.cumsum(counts) - counts
         base = np.concatenate([[0], ends])[first_tok]  # byte start of each conversation
-        seg_bytes = [[len(s.encode("utf-8")) for s in segs] for segs in segments]
-        borders = np.fromiter(chain.from_iterable(np.cumsum(b)[:-1] for b in seg_bytes if b), dtype=np.int64)
-        n_borders = np.array([max(len(b) - 1, 0) for b in seg_bytes], dtype=np.int64)
-        at = np.searchsorted(ends, borders + np.repeat(base, n_borders))  # first token ending at/after the border
-        aligned = ends[np.minimum(at, len(ends) - 1)] == borders + np.repeat(base, n_borders)
-        local = (at + 1 - np.repeat(first_tok, n_borders)).tolist()
-        aligned = aligned.tolist()
+        border_list: List[int] = []  # byte position of every border, conversation by conversation
+        n_borders: List[int] = []
+        text_bytes: List[int] = []
+        for segs in segments:
+            sizes = list(accumulate(len(t) if t.isascii() else len(t.encode("utf-8")) for t in segs))
+            border_list += sizes[:-1]
+            n_borders.append(max(len(sizes) - 1, 0))
+            text_bytes.append(sizes[-1] if sizes else 0)
+        reps = np.array(n_borders, dtype=np.int64)
+        borders = np.array(border_list, dtype=np.int64) + np.repeat(base, reps)
+        at = np.searchsorted(ends, borders)  # the first token ending at or after the border
+        aligned = (ends[np.minimum(at, len(ends) - 1)] == borders).tolist()
+        local = (at + 1 - np.repeat(first_tok, reps)).tolist()
         totals = (np.concatenate([[0], ends])[first_tok + counts] - base).tolist()
         out: List[Optional[Spans]] = []
         j = 0
-        for i, ids in enumerate(id_lists):
-            n = int(n_borders[i])
-            if totals[i] != sum(seg_bytes[i]) or not all(aligned[j: j + n]):
+        for i, start in enumerate(first_tok.tolist()):
+            n, count = n_borders[i], len(id_lists[i])
+            if totals[i] != text_bytes[i] or not all(aligned[j: j + n]):
                 out.append(None)  # tokens are not the text's bytes (or a token straddles a border)
             else:
-                out.append((ids, [0] + local[j: j + n] + [len(ids)]))
+                out.append((flat[start: start + count], [0] + local[j: j + n] + [count]))
             j += n
         return out
 
@@ -134,7 +140,7 @@ class FullText:
                 continue
             end = starts[j]
             h = end - 1
-            while h >= 0 and ids[h] not in self._added:
+            while h >= 0 and int(ids[h]) not in self._added:
                 h -= 1
             if h == end - 1:
                 continue  # the prompt ends in an added token: a hard border
@@ -142,7 +148,7 @@ class FullText:
             if h < 0:  # no added token before: the whole prompt, from the start of the text
                 refs.append((text[:border], 0, end))
                 continue
-            content = self._added[ids[h]]
+            content = self._added[int(ids[h])]
             # The last added token before the border is the last occurrence of its text (every occurrence of an
             # added token's text is that token); if not (single_word tokens), the comparison fails: safe.
             cut = text.rfind(content, 0, border)

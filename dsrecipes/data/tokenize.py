@@ -25,7 +25,6 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -174,14 +173,14 @@ class Encoder:
             for seg in segs:
                 ids += encoded[index[seg.text]]
                 starts.append(len(ids))
-            out.append((ids, starts))
+            out.append((np.array(ids, dtype=np.int32), starts))
         return out
 
     def _assemble(self, rendered: List[Optional[List[Segment]]], spans: List[Optional[Spans]]) -> EncodedBatch:
         n = len(rendered)
         lengths = np.zeros(n, dtype=np.int64)
         truncated = np.zeros(n, dtype=bool)
-        kept_ids: List[List[int]] = []
+        kept_ids: List[np.ndarray] = []
         run_lengths: List[int] = []
         run_trained: List[bool] = []
         for i, (segs, span) in enumerate(zip(rendered, spans)):
@@ -198,8 +197,7 @@ class Encoder:
                     break
                 run_lengths.append(min(starts[j + 1], keep) - starts[j])
                 run_trained.append(seg.trained)
-        total = int(lengths.sum())
-        input_ids = np.fromiter(chain.from_iterable(kept_ids), dtype=np.int32, count=total)
+        input_ids = np.concatenate(kept_ids) if kept_ids else np.zeros(0, dtype=np.int32)
         trained = np.repeat(np.array(run_trained, dtype=bool), np.array(run_lengths, dtype=np.int64))
         labels = np.where(trained, input_ids, np.int32(IGNORE_INDEX)).astype(np.int32)
         return EncodedBatch(input_ids, labels, lengths, truncated, [])
