@@ -98,9 +98,10 @@ class FullText:
         return out
 
     def _by_bytes(self, texts: List[str], segments: Sequence[Sequence[str]]) -> List[Optional[Spans]]:
-        id_lists = [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
-        counts = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
-        flat = np.fromiter(chain.from_iterable(id_lists), dtype=np.int32, count=int(counts.sum()))
+        encodings = self._tok.encode_batch_fast(texts, add_special_tokens=False)
+        counts = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
+        flat = np.fromiter(chain.from_iterable(e.ids for e in encodings), dtype=np.int32, count=int(counts.sum()))
+        del encodings
         if not len(flat):
             return [None] * len(texts)
         ends = np.cumsum(self._byte_len[flat])  # byte end of every token, over the whole batch
@@ -122,8 +123,8 @@ class FullText:
         totals = (np.concatenate([[0], ends])[first_tok + counts] - base).tolist()
         out: List[Optional[Spans]] = []
         j = 0
-        for i, start in enumerate(first_tok.tolist()):
-            n, count = n_borders[i], len(id_lists[i])
+        for i, (start, count) in enumerate(zip(first_tok.tolist(), counts.tolist())):
+            n = n_borders[i]
             if totals[i] != text_bytes[i] or not all(aligned[j: j + n]):
                 out.append(None)  # tokens are not the text's bytes (or a token straddles a border)
             else:
@@ -144,15 +145,18 @@ class FullText:
                 h -= 1
             if h == end - 1:
                 continue  # the prompt ends in an added token: a hard border
-            border = sum(len(s) for s in segs[:j])
             if h < 0:  # no added token before: the whole prompt, from the start of the text
-                refs.append((text[:border], 0, end))
+                refs.append((text[: sum(len(s) for s in segs[:j])], 0, end))
                 continue
-            content = self._added[int(ids[h])]
             # The last added token before the border is the last occurrence of its text (every occurrence of an
-            # added token's text is that token); if not (single_word tokens), the comparison fails: safe.
-            cut = text.rfind(content, 0, border)
-            refs.append((text[cut: border], h, end))
+            # added token's text is that token; if not, e.g. single_word tokens, the comparison fails: safe).
+            content, prompt = self._added[int(ids[h])], segs[j - 1]
+            cut = prompt.rfind(content)
+            if cut < 0:  # the added token lies in an earlier segment
+                border = sum(len(s) for s in segs[:j])
+                refs.append((text[text.rfind(content, 0, border): border], h, end))
+            else:
+                refs.append((prompt[cut:], h, end))
         return refs
 
     def _references(self, keys: Any) -> Dict[str, List[int]]:
