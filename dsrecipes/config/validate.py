@@ -12,6 +12,7 @@ from dsrecipes.config.schema import (
     Device,
     LauncherKind,
     OffloadDevice,
+    OptimizerKind,
     Precision,
     ResumeMode,
     TrainConfig,
@@ -205,4 +206,8 @@ def check_runtime(cfg: TrainConfig, *, cuda_available: bool) -> List[str]:
         errors.append("trainer.device: cuda requested but no CUDA GPU is available")
     if cfg.model.attn_implementation is AttnImpl.flash_attention_2 and not cuda_available:
         errors.append("model.attn_implementation: flash_attention_2 needs a CUDA GPU; use sdpa")
+    if cfg.optimizer.name is OptimizerKind.lion and cfg.offload.optimizer is OffloadDevice.none and not cuda_available:
+        errors.append("optimizer.name: lion without optimizer offload is DeepSpeed's FusedLion, a CUDA kernel "
+                      "('This op had not been implemented on CPU backend'); on CPU use offload=cpu_optimizer "
+                      "(DeepSpeedCPULion, needs zero=stage1 or higher) or another optimizer")
     return errors

@@ -2,7 +2,8 @@
 
 A subprocess (see tests/test_optimizers.py): one process, one single-rank gloo group, many engines, so DeepSpeed's
 CPU ops (DeepSpeedCPUAdam, DeepSpeedCPULion) are JIT-built at most once (cached in ~/.cache/torch_extensions).
-Prints one JSON line per combination: {"overrides", "basic" (the optimizer DeepSpeed built), "wrapper", "error"}.
+Prints one JSON line per combination: {"overrides", "basic" (the optimizer DeepSpeed built), "wrapper", "error"}, or
+"rejected" (config rules) / "runtime" (this machine's rules, as `python -m dsrecipes` applies them before launching).
 """
 
 import itertools
@@ -17,6 +18,7 @@ import torch  # noqa: E402
 
 from dsrecipes.config.groups import group_options  # noqa: E402
 from dsrecipes.config.load import ConfigError, compose_and_load, hydra_context  # noqa: E402
+from dsrecipes.config.validate import check_runtime  # noqa: E402
 from dsrecipes.ds_config import build_ds_config  # noqa: E402
 from dsrecipes.model import build_model, load_tokenizer, trainable_parameters  # noqa: E402
 
@@ -31,6 +33,10 @@ with hydra_context():
             cfg = compose_and_load(overrides, check_files=False)
         except ConfigError as exc:
             print(json.dumps({"overrides": overrides, "rejected": exc.problems}), flush=True)
+            continue
+        problems = check_runtime(cfg, cuda_available=torch.cuda.is_available())
+        if problems:  # what `python -m dsrecipes` says before starting anything on this machine
+            print(json.dumps({"overrides": overrides, "runtime": problems}), flush=True)
             continue
         out = {"overrides": overrides}
         try:
