@@ -33,23 +33,26 @@ def validate_all(extra: List[str], *, verbose: bool = False) -> int:
 
     Combinations that the cross-field rules reject (e.g. offload=cpu_optimizer_params onto a ZeRO-2 recipe) are
     expected and counted, not failures. User files are not checked here: recipes point at data and model
-    directories that exist on the training cluster, not on CI. Hydra composes each recipe and each option once (in
-    parallel over the CPU cores); the recipe x option products are layered from those (config/matrix.py).
+    directories that exist on the training cluster, not on CI. Hydra composes the defaults, each recipe and every
+    option (in rows, in parallel over the CPU cores); the products are layered from those (config/matrix.py).
     """
+    from dsrecipes.config.load import register_schemas
     from dsrecipes.config.matrix import plan_all
 
     start = time.perf_counter()
+    register_schemas()  # the resolvers the option and recipe files may use
     plan = plan_all(extra)
-    progress = Progress(len(plan.jobs))
-    composed = _compose_parallel(plan.real(), progress)
+    progress = Progress(len(plan.composes) + len(plan.checks))
+    composed = _compose_parallel(plan.composes, progress)
+    _split_failed_rows(plan, composed)
+    _compose_products_of_failed_bases(plan, composed, progress)
     failures: List[str] = []
     rejected: List[Tuple[str, str]] = []
-    for job in plan.jobs:
-        schema_errors, rule_errors = composed[_key(job.overrides)][1:] if job.real else _layered(job, composed)
-        if not job.real:
-            progress.advance(1)
-        label = " ".join(job.overrides) or "defaults"
-        if schema_errors or (rule_errors and job.rules_fatal):
+    for check in plan.checks:
+        schema_errors, rule_errors = composed[tuple(check.overrides)][1:] if check.real else _layered(check, plan, composed)
+        progress.advance(1)
+        label = " ".join(check.overrides) or "defaults"
+        if schema_errors or (rule_errors and check.rules_fatal):
             failures += [f"{label}: {p}" for p in schema_errors + rule_errors]
         elif rule_errors:
             rejected.append((label, "; ".join(rule_errors)))
@@ -59,8 +62,8 @@ def validate_all(extra: List[str], *, verbose: bool = False) -> int:
     n_options = sum(len(v) for k, v in options.items() if k != RECIPE_GROUP)
     n_recipes = len(options.get(RECIPE_GROUP, []))
     print(
-        f"validated {len(plan.jobs)} compositions ({n_recipes} recipes and the defaults, each alone and with each "
-        f"of {n_options} group options; {len(plan.real())} composed by Hydra, the rest layered) in {elapsed:.1f}s: "
+        f"validated {len(plan.checks)} compositions ({n_recipes} recipes and the defaults, each alone and with each "
+        f"of {n_options} group options; {len(composed)} Hydra composes, the rest layered) in {elapsed:.1f}s: "
         f"{len(failures)} failures, {len(rejected)} combinations rejected by cross-field rules (expected)"
     )
     for combo, why in rejected if verbose else rejected[:3]:
@@ -76,7 +79,7 @@ Composed = Tuple[Optional[Dict[str, Any]], List[str], List[str]]  # (container, 
 
 
 class Progress:
-    """One line on a terminal's stderr, rewritten in place ("validate --all: 120/276"); silent when piped."""
+    """One line on a terminal's stderr, rewritten in place ("validate --all: 120/327 steps"); silent when piped."""
 
     def __init__(self, total: int):
         self.total, self.count = total, 0
@@ -85,46 +88,63 @@ class Progress:
     def advance(self, n: int) -> None:
         self.count += n
         if self.live and (self.count == self.total or self.count % 8 == 0):
-            print(f"\rvalidate --all: {self.count}/{self.total} compositions", end="", file=sys.stderr, flush=True)
+            print(f"\rvalidate --all: {self.count}/{self.total}", end="", file=sys.stderr, flush=True)
 
     def done(self) -> None:
         if self.live:
-            print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)
+            print("\r" + " " * 40 + "\r", end="", file=sys.stderr, flush=True)
 
 
-def _key(overrides: List[str]) -> Tuple[str, ...]:
-    return tuple(overrides)
-
-
-def _layered(job: Any, composed: Dict[Tuple[str, ...], Composed]) -> Tuple[List[str], List[str]]:
+def _layered(check: Any, plan: Any, composed: Dict[Tuple[str, ...], Composed]) -> Tuple[List[str], List[str]]:
     from dsrecipes.config.matrix import layer, recipe_body
 
-    group, option = job.option
-    base = composed[_key([f"{RECIPE_GROUP}={job.base}"])]
-    opt = composed[_key([f"{group}={option}"])]
+    group, option = check.option
+    base = composed[tuple([f"{RECIPE_GROUP}={check.base}"] if check.base else [])]
+    opt = composed[tuple(plan.sources[check.option])]
     if base[0] is None or opt[0] is None:  # the recipe or the option failed on its own: reported there
         return (base[1] or opt[1])[:1], []
-    data = layer(base[0], group, option, opt[0], recipe_body(job.base))
-    _, schema_errors, rule_errors = check_composition(data, check_files=False, overrides=job.overrides)
+    data = layer(base[0], group, option, opt[0], recipe_body(check.base))
+    _, schema_errors, rule_errors = check_composition(data, check_files=False, overrides=check.overrides)
     return schema_errors, rule_errors
 
 
-def _compose_parallel(jobs: List[Any], progress: Progress) -> Dict[Tuple[str, ...], Composed]:
+def _split_failed_rows(plan: Any, composed: Dict[Tuple[str, ...], Composed]) -> None:
+    """A row of options that fails is composed option by option, so each problem names its file."""
+    for opt, source in list(plan.sources.items()):
+        if len(source) > 1 and composed[tuple(source)][0] is None:
+            single = [f"{opt[0]}={opt[1]}"]
+            if tuple(single) not in composed:
+                composed.update(zip([tuple(single)], _compose_chunk([single])))
+            plan.sources[opt] = single
+
+
+def _compose_products_of_failed_bases(plan: Any, composed: Dict[Tuple[str, ...], Composed],
+                                      progress: Progress) -> None:
+    """A base that fails alone may still compose with another option (`recipe=R zero=stage1` never loads R's broken
+    zero file): its products are composed for real, as the user would."""
+    todo = [c for c in plan.checks if not c.real and composed[tuple(c.overrides[:1] if c.base else [])][0] is None]
+    for check in todo:
+        check.real = True
+    progress.total += len(todo)
+    composed.update(_compose_parallel([c.overrides for c in todo], progress))
+
+
+def _compose_parallel(jobs: List[List[str]], progress: Progress) -> Dict[Tuple[str, ...], Composed]:
     import multiprocessing as mp
     import os
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    chunks = [[j.overrides for j in jobs[i: i + 4]] for i in range(0, len(jobs), 4)]
+    size = max(1, min(4, len(jobs) // (2 * cores)))
+    chunks = [jobs[i: i + size] for i in range(0, len(jobs), size)]
     out: Dict[Tuple[str, ...], Composed] = {}
     if cores <= 1 or len(chunks) <= 1:
-        parts = map(_compose_chunk, chunks)
-        for chunk, part in zip(chunks, parts):
-            out.update(zip(map(_key, chunk), part))
+        for chunk in chunks:
+            out.update(zip(map(tuple, chunk), _compose_chunk(chunk)))
             progress.advance(len(chunk))
         return out
     with mp.get_context("fork").Pool(min(cores, len(chunks))) as pool:
         for chunk, part in zip(chunks, pool.imap(_compose_chunk, chunks)):
-            out.update(zip(map(_key, chunk), part))
+            out.update(zip(map(tuple, chunk), part))
             progress.advance(len(chunk))
     return out
 
