@@ -11,8 +11,8 @@ with this process's CPU time (`time.process_time` stands in for `time.perf_count
 use) on one torch thread: that counts the work each loop does, whatever else runs. `--clock wall --threads N` for
 wall time. The runner's timed steps come from its own metrics.jsonl (a log line every --warmup steps, eval and
 checkpoints off; the log lines' all_reduce, JSON and TensorBoard writes are part of what it costs). The bare loop is
-what a user would write by hand: our data loader, the model's own loss (`labels=`), engine.backward, engine.step,
-nothing else. Target: runner <= 3% slower per step.
+what a user would write by hand: our data loader, the model's own loss (`labels=`), engine.backward, engine.step
+(with the same LR scheduler object), nothing else. Target: runner <= 3% slower per step.
 """
 
 from __future__ import annotations
@@ -50,15 +50,17 @@ def bare_loop(cfg, run_dir: Path, steps: int, warmup: int) -> Tuple[float, int]:
     from dsrecipes.data.strategies import build_train_loader
     from dsrecipes.model import build_model, load_tokenizer
     from dsrecipes.rundir import read_ds_config
+    from dsrecipes.schedule import StepScheduler
     from dsrecipes.train import seed_everything
 
     seed_everything(cfg.trainer.seed)
     tokenizer = load_tokenizer(cfg)
     model = build_model(cfg, tokenizer)
     loader = build_train_loader(cfg, tokenizer, 0, 1, run_dir)
+    schedule = lambda opt: StepScheduler(opt, cfg.scheduler, cfg.optimizer.lr, steps)  # noqa: E731 (the same lr)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
                                                                           if p.requires_grad],
-                                           config=read_ds_config(run_dir))
+                                           config=read_ds_config(run_dir), lr_scheduler=schedule)
     loader.set_epoch(0)
     batches = iter(loader)
     tokens, start = 0, time.perf_counter()

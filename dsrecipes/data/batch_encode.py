@@ -48,6 +48,8 @@ class Encoded:
     dropped: List[int]  # nothing trained left after truncation
     ids: List[str]  # sample id of each conversation
     sources: List[str]  # source name of each conversation
+    one_text: bool = True  # the template takes the one-text path (data/spans.py)
+    per_segment: int = 0  # conversations tokenized per segment instead (a border check failed)
 
 
 @dataclass
@@ -62,6 +64,8 @@ class _Chunk:
     input_ids: np.ndarray  # the GOOD rows' tokens, in row order
     labels: np.ndarray
     bad: List[Tuple[int, Optional[int], BadReason, str, Any]]  # (row, loc, reason, detail, raw), in row order
+    one_text: bool = True
+    per_segment: int = 0
 
 
 @dataclass
@@ -133,7 +137,8 @@ def _encode_rows(task: _Task) -> _Chunk:
         status[rows[j]] = REFUSED
         bad.append((rows[j], convs[j].loc, exc.reason, exc.detail, conversation_dict(convs[j])))
     bad.sort(key=lambda b: b[0])
-    return _Chunk(status, ids, trailing, lengths, truncated, batch.input_ids, batch.labels, bad)
+    return _Chunk(status, ids, trailing, lengths, truncated, batch.input_ids, batch.labels, bad,
+                  _Worker.encoder.full_text, batch.per_segment)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -230,6 +235,7 @@ class _Collector:
         self.ids: List[str] = []
         self.sources: List[str] = []
         self.dropped: List[int] = []
+        self.one_text, self.per_segment = True, 0
 
     def add(self, task: _Task, chunk: Optional[_Chunk], sources: Sequence[SourceConfig], caps: _Caps,
             report: BadRowReport) -> None:
@@ -258,6 +264,7 @@ class _Collector:
         self.ids += [chunk.ids[k] for k in rows]
         self.sources += [source.name] * len(rows)
         self.dropped += [first + j for j, k in enumerate(rows) if chunk.status[k] == DROPPED]
+        self.one_text, self.per_segment = chunk.one_text, self.per_segment + chunk.per_segment
         n_tokens = int(chunk.lengths[:cut].sum())
         self.parts.append((chunk.input_ids[:n_tokens], chunk.labels[:n_tokens], chunk.lengths[rows],
                            chunk.truncated[rows]))
@@ -267,4 +274,5 @@ class _Collector:
         lengths = cat(2, np.int64)
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if len(lengths) else lengths
         return Encoded(cat(0, np.int32), cat(1, np.int32), starts, lengths, cat(3, bool),
-                       np.flatnonzero(lengths > 0), self.dropped, self.ids, self.sources)
+                       np.flatnonzero(lengths > 0), self.dropped, self.ids, self.sources, self.one_text,
+                       self.per_segment)

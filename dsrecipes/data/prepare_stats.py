@@ -39,6 +39,7 @@ def build_stats(cfg: TrainConfig, sources: Sequence[SourceConfig], report: BadRo
         "truncated": int(enc.truncated.sum()),
         "truncated_share": float(enc.truncated.sum() / max(1, len(enc.kept))),
         "dropped_all_trained_cut": len(enc.dropped),
+        "tokenization": {"one_text": enc.one_text, "per_segment_conversations": enc.per_segment},
         "duplicate_ids": sum(n - 1 for n in id_counts.values() if n > 1),
         "samples": {"train": len(train_items), "val": len(val_items)},
         "rows": {"train": 0, "val": 0},
