@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 
 def make_run_dir(root: Path, overrides: List[str], steps: int) -> Tuple[Any, Path]:
@@ -154,7 +154,7 @@ def run_pairs(args: argparse.Namespace, session: Any) -> Tuple[List[float], List
 
 
 def report(args: argparse.Namespace, bare_s: List[float], runner_s: List[float], tokens: int,
-           components: Tuple[float, float]) -> None:
+           components: Optional[Tuple[float, float]]) -> None:
     ratios = sorted(r / b for r, b in zip(runner_s, bare_s))
     q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
     bare, runner = statistics.median(bare_s), statistics.median(runner_s)
@@ -165,6 +165,8 @@ def report(args: argparse.Namespace, bare_s: List[float], runner_s: List[float],
     print(f"runner overhead per step: {100 * (statistics.median(ratios) - 1):+.1f}% (median of {len(ratios)} pairs; "
           f"interquartile {100 * (q1 - 1):+.1f}% .. {100 * (q3 - 1):+.1f}%, extremes {100 * (ratios[0] - 1):+.1f}% .. "
           f"{100 * (ratios[-1] - 1):+.1f}%; {unit} time of {args.block}-step blocks on one engine)")
+    if components is None:
+        return
     loss_ratio, bookkeeping_us = components
     print(f"components: runner loss / model loss fwd+bwd time x{loss_ratio:.3f}; bookkeeping {bookkeeping_us:.1f} us "
           f"per micro-batch ({100 * bookkeeping_us / (1e6 * runner / args.block):.3f}% of a step); plus one metrics "
@@ -195,7 +197,8 @@ def main(argv: List[str]) -> int:
         cfg, run_dir = make_run_dir(Path(tmp), args.overrides, total)
         session = train.start(cfg, run_dir)
         bare_s, runner_s, tokens = run_pairs(args, session)
-        components = component_costs(session)
+        # (the module alone, outside the engine: only where ZeRO puts no hooks on its parameters)
+        components = component_costs(session) if cfg.zero.stage == 0 else None
         session.metrics.close()
     report(args, bare_s, runner_s, tokens, components)
     return 0
