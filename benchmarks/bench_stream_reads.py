@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsrecipes.data.plan import EpochPlan, Layout, StreamShuffle, file_order  # noqa: E402
-from dsrecipes.data.sampler import StreamSpec, iter_items, select_slots  # noqa: E402
+from dsrecipes.data.sampler import iter_items, select_slots  # noqa: E402
 
 SAMPLE = Path(__file__).resolve().parents[1] / "dsrecipes" / "assets" / "sample_data" / "train.jsonl"
 MBS = 4
@@ -90,8 +90,8 @@ def index_times(paths: list) -> tuple:
 
 
 def run_new(index, layout: Layout) -> dict:
-    from dsrecipes.data.stream_index import BlockSource
     from dsrecipes.data.strategies.iterable import StreamTrainLoader
+    from dsrecipes.data.stream_index import BlockSource
 
     stats = []
     for rank in range(layout.world_size):

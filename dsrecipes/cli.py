@@ -37,12 +37,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args and args[0] in ("-h", "--help") and len(args) == 1:
         print(usage())
         return 0
+    if args and args[0] in ("-V", "--version"):
+        from dsrecipes.commands.help import version_text
+
+        print(version_text())
+        return 0
     if args and args[0] in SUBCOMMANDS:
         name, rest = args[0], args[1:]
     else:
         name, rest = "train", args
     module = importlib.import_module(f"dsrecipes.commands.{SUBCOMMANDS[name][0]}")
-    return run_guarded(module.main, rest)
+    return run_guarded(lambda argv: _check_command(args) or module.main(argv), rest)
 
 
 def run_guarded(fn: Callable[[List[str]], int], argv: List[str]) -> int:
@@ -57,8 +62,20 @@ def run_guarded(fn: Callable[[List[str]], int], argv: List[str]) -> int:
         return 130
 
 
+def _check_command(args: List[str]) -> None:
+    """A first word close to a subcommand, and neither a flag nor an override, is a mistyped subcommand (other bare
+    words reach the training command, which names the closest keys and groups)."""
+    from dsrecipes.suggest import closest, phrase
+
+    word = args[0] if args else ""
+    near = closest(word, SUBCOMMANDS)
+    if near and word not in SUBCOMMANDS and not word.startswith(("-", "~", "+")) and "=" not in word:
+        raise UserError(f"unknown command '{word}'{phrase(near)} "
+                        f"(commands: {', '.join(SUBCOMMANDS)}; training takes KEY=VALUE overrides)")
+
+
 def usage() -> str:
-    lines = ["usage: dsrecipes [SUBCOMMAND] [overrides...]", "",
+    lines = ["usage: dsrecipes [SUBCOMMAND] [overrides...]   (dsrecipes --version, dsrecipes train --help)", "",
              "Without a subcommand: train (a Hydra app: `-m` sweeps, `--cfg job` prints the composition, "
              "`--hydra-help` shows Hydra's flags). `dsrecipes ls` lists groups, options and recipes.", ""]
     lines += [f"  {name:<13} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]

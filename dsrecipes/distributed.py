@@ -43,6 +43,10 @@ def init_distributed() -> Tuple[int, int]:
         torch.set_num_threads(max(1, ((os.cpu_count() or 1) - 1) // local_size))
     if os.environ.get("WORLD_SIZE") == "1":
         _skip_shm_comm_op()
+    else:
+        import dsrecipes.shm_op as shm_op
+
+        shm_op.announce()  # its JIT build is minutes of silence the first time on a machine
     deepspeed.init_distributed()
     return dist.get_rank(), dist.get_world_size()
 

@@ -1,8 +1,9 @@
 """`dsrecipes doctor [overrides] [--json]`: is this machine able to train, and if not, what to change.
 
 Each check reads the machine through a `Probe` (so tests can fake a machine) and returns findings with a fix.
-Nothing here builds a DeepSpeed op or starts a process group: it reads versions, paths, PATH and file systems only,
-so it runs in a few seconds. Exit code 1 when something makes training impossible, else 0.
+Nothing here builds a DeepSpeed op or starts a process group (unless asked: `--build-ops` builds the CPU
+shared-memory op ahead of the first run): it reads versions, paths, PATH and file systems only, so it runs in a few
+seconds. Exit code 1 when something makes training impossible, else 0.
 """
 
 from __future__ import annotations
@@ -241,6 +242,14 @@ def check_extensions_cache(probe: Probe, ctx: Context) -> List[Finding]:
     return out
 
 
+def check_shm_op(probe: Probe, ctx: Context) -> List[Finding]:
+    """DeepSpeed JIT-builds its CPU shared-memory op in the first multi-rank run; say whether that is still ahead."""
+    current = probe.shm_op()
+    if current.needed and not current.built:
+        return [Finding("shm_op", Level.warn, current.describe(), "dsrecipes doctor --build-ops  (builds it now)")]
+    return [Finding("shm_op", Level.ok, current.describe())]
+
+
 def check_config(probe: Probe, ctx: Context) -> List[Finding]:
     """The config's machine-dependent rules (fp16 or flash attention without CUDA, ...), as the entry applies them."""
     if ctx.config is None or probe.version("torch") is None:
@@ -263,6 +272,7 @@ CHECKS: List[Callable[[Probe, Context], List[Finding]]] = [
     check_aio,
     check_shm,
     check_extensions_cache,
+    check_shm_op,
     check_config,
 ]
 

@@ -25,8 +25,9 @@ def run(cfg: TrainConfig) -> int:
 
     from dsrecipes.config.validate import check_runtime
     from dsrecipes.launch import launch
+    from dsrecipes.trackers import preflight
 
-    problems = check_runtime(cfg, cuda_available=torch.cuda.is_available())
+    problems = check_runtime(cfg, cuda_available=torch.cuda.is_available()) + preflight(cfg)
     if problems:
         raise ConfigError(problems)
     run_dir = Path(cfg.trainer.output_dir)

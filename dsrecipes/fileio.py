@@ -23,6 +23,13 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     return Path(path)
 
 
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """Write `data` to `path` atomically (see `atomic_writer`)."""
+    with atomic_writer(path) as fh:
+        fh.write(data)
+    return Path(path)
+
+
 @contextmanager
 def atomic_writer(path: str | Path) -> Iterator[IO[bytes]]:
     """A binary file that appears at `path` only complete: written beside, fsynced and renamed when the block ends

@@ -11,7 +11,10 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional
+from typing import TYPE_CHECKING, Dict, List, Mapping, Optional
+
+if TYPE_CHECKING:
+    from dsrecipes.shm_op import ShmOpStatus
 
 
 class Probe:
@@ -83,3 +86,7 @@ class Probe:
     def built_ops(self, root: str) -> List[str]:
         return sorted(p.parent.name for p in Path(root).glob("*/*/*.so")) if os.path.isdir(root) else []
 
+    def shm_op(self) -> "ShmOpStatus":
+        from dsrecipes.shm_op import status
+
+        return status()

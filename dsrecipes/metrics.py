@@ -1,4 +1,6 @@
-"""What a run reports: a rank-0 progress bar, `<run>/metrics.jsonl`, TensorBoard events in `<run>/tb/`, `loss.png`.
+"""What a run reports: rank 0's progress (a bar on a terminal, one line per log step otherwise: console.py),
+`<run>/metrics.jsonl`, the experiment trackers of `trainer.report_to` (trackers.py: TensorBoard in `<run>/tb/` by
+default, MLflow, W&B) and `loss.png` (plots.py).
 
 Only rank 0 writes. Numbers arrive already reduced over ranks (train.py does the all_reduce at log steps only, so
 the hot loop never waits on a collective just to print). On resume, lines and events past the resumed step are
@@ -16,11 +18,13 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
+from dsrecipes.console import progress_mode
 from dsrecipes.fileio import atomic_write_text, finite
-from dsrecipes.rundir import METRICS_FILE, read_metrics
+from dsrecipes.rundir import CONFIG_FILE, METRICS_FILE, read_metrics
+from dsrecipes.trackers import call_each, open_trackers
 
-TB_DIR = "tb"
 LOSS_PLOT = "loss.png"
+
 
 
 @dataclass
@@ -66,22 +70,27 @@ class Window:
 
 
 class MetricsLogger:
-    """Rank 0's sinks. Every method is a no-op on other ranks, so callers need no `if rank == 0`."""
+    """Rank 0's sinks. Every method is a no-op on other ranks, so callers need no `if rank == 0`.
 
-    def __init__(self, run_dir: str | Path, rank: int, total_steps: int, start_step: int = 0, bar: bool = True):
+    `bar`: a tqdm bar (True), one plain line per log step (False), or the console's choice (None: a bar on a
+    terminal). `cfg` names the trackers (`trainer.report_to`); without it, TensorBoard only."""
+
+    def __init__(self, run_dir: str | Path, rank: int, total_steps: int, start_step: int = 0,
+                 bar: Optional[bool] = None, cfg: Any = None):
         self.enabled = rank == 0
         self.run_dir = Path(run_dir)
         self.history: List[Dict[str, Any]] = []
+        self.total_steps, self.start_step, self.started = total_steps, start_step, time.perf_counter()
         self._bar = None
-        self._tb = None
         self._fh = None
+        self._trackers: List[Any] = []
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.history = truncate_metrics(self.run_dir / METRICS_FILE, start_step)
         self._fh = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")
-        self._tb = open_tensorboard(self.run_dir / TB_DIR, start_step)
-        if bar:
+        self._trackers = open_trackers(cfg, self.run_dir, start_step)
+        if bar if bar is not None else progress_mode() == "bar":
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
@@ -95,41 +104,59 @@ class MetricsLogger:
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                   "samples_seen": samples_seen, "elapsed": elapsed}
         self._write(record)
-        if self._tb is not None:
-            self._tb.add_scalar("train/loss", loss, step)
-            self._tb.add_scalar("train/lr", lr, step)
-            self._tb.add_scalar("train/tokens_per_s", tokens_per_s, step)
-            if grad_norm is not None:
-                self._tb.add_scalar("train/grad_norm", grad_norm, step)
+        scalars = {"train/loss": loss, "train/lr": lr, "train/tokens_per_s": tokens_per_s}
+        if grad_norm is not None:
+            scalars["train/grad_norm"] = grad_norm
+        self._track(scalars, step)
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+        elif self.enabled:
+            grad = "" if grad_norm is None else f"  grad_norm {grad_norm:.3f}"
+            print(f"{self._where(step)}  loss {loss:.4f}  lr {lr:.2e}{grad}  {tokens_per_s:,.0f} tok/s"
+                  f"  {self._eta(step)}", flush=True)
 
     def log_eval(self, step: int, eval_loss: float) -> None:
         self._write({"step": step, "eval_loss": eval_loss})
-        if self._tb is not None:
-            self._tb.add_scalar("eval/loss", eval_loss, step)
-        if self._bar is not None:
-            self._bar.write(f"step {step}: eval_loss {eval_loss:.4f}")
+        self._track({"eval/loss": eval_loss}, step)
+        self.info(f"{self._where(step)}  eval_loss {eval_loss:.4f}")
 
     def info(self, message: str) -> None:
         if not self.enabled:
             return
-        if self._bar is not None:
-            self._bar.write(message)
+        if self._bar is not None:  # the bar's own stream: through a launcher's pipes, one stream keeps the order
+            self._bar.write(message, file=self._bar.fp)
         else:
             print(message, flush=True)
 
-    def close(self) -> None:
-        """Flush everything and draw loss.png from the whole history (resumed runs included)."""
+    def close(self, ok: bool = True) -> None:
+        """Flush everything, draw loss.png from the whole history (resumed runs included), hand it and config.yaml
+        to the trackers and close them (`ok`: the run finished)."""
         if not self.enabled:
             return
         if self._bar is not None:
             self._bar.close()
-        if self._tb is not None:
-            self._tb.close()
         if self._fh is not None:
             self._fh.close()
-        plot_losses(self.history, self.run_dir / LOSS_PLOT)
+        from dsrecipes.plots import plot_run
+
+        artifacts = [self.run_dir / name for name in (LOSS_PLOT, CONFIG_FILE)]
+        plot_run(self.history, artifacts[0], title=f"{self.run_dir.parent.name}/{self.run_dir.name}")
+        self._trackers = call_each(self._trackers, "log_artifacts", [p for p in artifacts if p.is_file()])
+        self._trackers = call_each(self._trackers, "close", ok)
+
+    def _track(self, scalars: Dict[str, float], step: int) -> None:
+        if self._trackers:
+            self._trackers = call_each(self._trackers, "log_metrics", scalars, step)
+
+    def _where(self, step: int) -> str:
+        width = len(str(self.total_steps))
+        return f"step {step:>{width}}/{self.total_steps}"
+
+    def _eta(self, step: int) -> str:
+        done = step - self.start_step
+        spent = time.perf_counter() - self.started
+        left = spent / done * (self.total_steps - step) if done > 0 else 0.0
+        return f"elapsed {format_seconds(spent)}  eta {format_seconds(left)}"
 
     def _write(self, record: Dict[str, Any]) -> None:
         if not self.enabled:
@@ -139,39 +166,18 @@ class MetricsLogger:
         self._fh.flush()
 
 
+def format_seconds(seconds: float) -> str:
+    """`42s`, `3m07s`, `2h05m`."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 def truncate_metrics(path: Path, last_step: int) -> List[Dict[str, Any]]:
     """Keep the lines up to `last_step` (atomically rewritten); returns them."""
     kept = [r for r in read_metrics(path) if r["step"] <= last_step]
     atomic_write_text(path, "".join(json.dumps(finite(r)) + "\n" for r in kept))
     return kept
-
-
-def open_tensorboard(log_dir: Path, start_step: int):
-    from torch.utils.tensorboard import SummaryWriter
-
-    # purge_step hides events a killed run wrote past the checkpoint we resume from.
-    return SummaryWriter(log_dir=str(log_dir), purge_step=start_step + 1 if start_step else None)
-
-
-def plot_losses(history: List[Dict[str, Any]], out: Path) -> None:
-    train = [(r["step"], r["loss"]) for r in history if "loss" in r]
-    evals = [(r["step"], r["eval_loss"]) for r in history if "eval_loss" in r]
-    if not train and not evals:
-        return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if train:
-        ax.plot(*zip(*train), label="train loss")
-    if evals:
-        ax.plot(*zip(*evals), "o-", label="eval loss")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (mean per predicted token)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)

@@ -1,4 +1,10 @@
-"""Where the project's config tree and bundled assets live."""
+"""Where the project's config tree and bundled assets live.
+
+The config tree's source is the checkout's top-level `conf/` (its `conf/recipe` links to `recipes/`).
+`dsrecipes/conf` links to `../conf`, so the code finds it beside itself in a checkout or an editable install, and a
+wheel (`pip install .`) carries it as real files (package data, see pyproject.toml). `DSRECIPES_HOME=DIR` points at
+another tree (`DIR/conf/train.yaml`).
+"""
 
 from __future__ import annotations
 
@@ -9,21 +15,22 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 ASSETS_DIR = PACKAGE_DIR / "assets"
 TINY_TOKENIZER_DIR = ASSETS_DIR / "tiny_tokenizer"
 SAMPLE_DATA_DIR = ASSETS_DIR / "sample_data"
-
-
-def project_root() -> Path:
-    """The directory holding conf/ and recipes/: $DSRECIPES_HOME, else the checkout the package lives in."""
-    env = os.environ.get("DSRECIPES_HOME")
-    root = Path(env).resolve() if env else PACKAGE_DIR.parent
-    if not (root / "conf" / "train.yaml").is_file():
-        from dsrecipes.errors import ConfigError
-
-        raise ConfigError(
-            f"cannot find conf/train.yaml under {root}; install dsrecipes from a checkout "
-            "(pip install -e .) or set DSRECIPES_HOME to the checkout"
-        )
-    return root
+HOME_ENV = "DSRECIPES_HOME"
 
 
 def conf_dir() -> Path:
-    return project_root() / "conf"
+    """The config tree: $DSRECIPES_HOME/conf, else the one installed with the package."""
+    env = os.environ.get(HOME_ENV)
+    conf = Path(env).expanduser().resolve() / "conf" if env else PACKAGE_DIR / "conf"
+    if not (conf / "train.yaml").is_file():
+        from dsrecipes.errors import ConfigError
+
+        where = f"{HOME_ENV}={env}" if env else f"the installed package ({PACKAGE_DIR})"
+        raise ConfigError(f"cannot find conf/train.yaml in {where}; reinstall dsrecipes (pip install .) "
+                          f"or set {HOME_ENV} to a checkout")
+    return conf
+
+
+def shipped_recipes_dir() -> Path:
+    """The recipes that come with dsrecipes (conf/recipe, a link to the checkout's recipes/)."""
+    return conf_dir() / "recipe"

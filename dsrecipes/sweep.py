@@ -3,7 +3,8 @@
 Each Hydra job is a full run (compose -> prepare -> launch) in its own directory. This Hydra callback, registered in
 conf/train.yaml under `hydra.callbacks`, makes sure every job leaves a `result.json` (a job that died before writing
 one is recorded as failed, with its exception), and writes `summary.md` + `summary.json` into the sweep directory
-after every job (so a sweep that is killed still has a table) and once more at the end. It reads only files, so
+after every job (so a sweep that is killed still has a table) and once more at the end, with `summary.png`: every
+job's train and eval loss on one set of axes, labelled by its swept values. It reads only files, so
 it works the same with launchers that run jobs in other processes or on other machines.
 
 The result contract (written by dsrecipes.entry, one file per run, `<run>/result.json`):
@@ -24,10 +25,11 @@ from typing import Any, Dict, List, Optional
 from hydra.experimental.callback import Callback
 
 from dsrecipes.fileio import atomic_write_json, atomic_write_text
-from dsrecipes.rundir import METRICS_FILE, RESULT_FILE, run_summary
+from dsrecipes.rundir import METRICS_FILE, RESULT_FILE, read_metrics, run_summary
 
 SUMMARY_MD = "summary.md"
 SUMMARY_JSON = "summary.json"
+SUMMARY_PNG = "summary.png"
 RESULT_KEYS = ("status", "error", "final_loss", "final_eval_loss", "tokens_per_s", "peak_mem_mb")
 HEADLINE = ("final_loss", "final_eval_loss", "tokens_per_s", "peak_mem_mb")
 
@@ -52,6 +54,8 @@ class SweepSummary(Callback):
             rows = write_summary(sweep_dir)
             print(f"\nsweep summary ({sweep_dir / SUMMARY_MD}):\n")
             print(render_markdown(rows))
+            if (sweep_dir / SUMMARY_PNG).is_file():
+                print(f"\nloss curves of every job: {sweep_dir / SUMMARY_PNG}")
 
 
 def _is_multirun(config: Any) -> bool:
@@ -139,8 +143,29 @@ def write_summary(sweep_dir: Path) -> List[Dict[str, Any]]:
         "failed": sum(r["status"] == "failed" for r in rows),
     }
     atomic_write_json(sweep_dir / SUMMARY_JSON, summary)
-    atomic_write_text(sweep_dir / SUMMARY_MD, render_markdown(rows) + "\n")
+    picture = plot_summary(sweep_dir, rows)
+    atomic_write_text(sweep_dir / SUMMARY_MD, render_markdown(rows) + "\n" + (
+        f"\n![every job's train and eval loss]({SUMMARY_PNG})\n" if picture else ""))
     return rows
+
+
+def plot_summary(sweep_dir: Path, rows: List[Dict[str, Any]]) -> bool:
+    """summary.png: every job's loss curves on one set of axes, labelled by its swept values."""
+    from dsrecipes.plots import plot_sweep
+
+    jobs = [(label, read_metrics(Path(row["run_dir"])) or read_metrics(sweep_dir / row["job"]))
+            for label, row in zip(curve_labels(rows), rows)]
+    return plot_sweep(jobs, sweep_dir / SUMMARY_PNG, title=f"sweep {sweep_dir.name}: {len(rows)} jobs")
+
+
+def curve_labels(rows: List[Dict[str, Any]]) -> List[str]:
+    """Each job's swept values (`optimizer.lr=1e-3 zero=stage2`), or `job N` when nothing varies."""
+    keys = varying_keys(rows)
+    labels = []
+    for row in rows:
+        values = dict(ov.partition("=")[::2] for ov in row["overrides"])
+        labels.append(" ".join(f"{k}={values[k]}" for k in keys if k in values) or f"job {row['job']}")
+    return labels
 
 
 def render_markdown(rows: List[Dict[str, Any]]) -> str:

@@ -10,6 +10,7 @@ the step's global token count before the first backward.) Logged `loss` is that 
 from __future__ import annotations
 
 import functools
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from typing import Any, Dict, Iterator, Optional
 import numpy as np
 import torch
 
+import dsrecipes.heartbeat as heartbeat
 from dsrecipes.checkpoint import ResumePoint, TrainState, load_checkpoint, open_resume, save_checkpoint
 from dsrecipes.config.schema import TrainConfig
 from dsrecipes.distributed import all_ranks, finish_distributed, init_distributed
@@ -48,6 +50,11 @@ class Session:
     last_checkpoint: Optional[Path]
 
 
+# Fault injection for tests (tests/test_multinode.py): rank 0 stalls after this step, so that a node can be killed
+# while the run is in flight at a known point.
+STALL_AFTER_STEP_ENV = "DSRECIPES_STALL_AFTER_STEP"
+
+
 def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
     """Train `cfg` in `run_dir` (written by the launching process: config.yaml, plan.json, ds_config.json)."""
     session = start(cfg, Path(run_dir))
@@ -65,6 +72,7 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
     plan = read_plan(run_dir)
     seed_everything(cfg.trainer.seed)
     rank, world_size = init_distributed()
+    heartbeat.start(run_dir, rank, world_size, cfg.launcher.peer_timeout_s)  # a dead node ends the run, not a hang
     if world_size != plan.world_size:
         raise DataError(f"{run_dir}/plan.json was made for {plan.world_size} ranks, but {world_size} started; "
                         "start the run again with `python -m dsrecipes` so the launcher plans it")
@@ -83,7 +91,7 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
                                            lr_scheduler=schedule)
     state = TrainState() if resume is None else load_checkpoint(engine, train_loader, resume)
     engine.lr_scheduler.resume_at(state.step)  # this run's schedule (its step budget) from the first resumed step
-    metrics = MetricsLogger(run_dir, rank, plan.total_steps, start_step=state.step)
+    metrics = MetricsLogger(run_dir, rank, plan.total_steps, start_step=state.step, cfg=cfg)
     metrics.info(describe_run(cfg, model, plan, resume))
     return Session(cfg, run_dir, plan, rank, engine, train_loader, eval_loader, state, metrics,
                    open_ledger(cfg, run_dir, rank), None if resume is None else resume.tag_dir)
@@ -119,6 +127,8 @@ def loop(s: Session) -> None:
             after_step(s)
         if state.step >= total:
             break
+        if s.rank == 0 and os.environ.get(STALL_AFTER_STEP_ENV) == str(state.step):
+            time.sleep(3600)  # fault injection: a run in flight, the other ranks waiting in their next collective
 
 
 def after_step(s: Session) -> None:
@@ -136,6 +146,7 @@ def finish(s: Session) -> None:
     if s.ledger is not None:
         s.ledger.close()
     s.metrics.close()
+    heartbeat.stop()  # before the last barrier: ranks that finish first are not taken for dead
     finish_distributed()
     if s.rank == 0 and s.cfg.trainer.export:
         out = export_checkpoint(s.run_dir, s.last_checkpoint, s.run_dir / EXPORT_DIR, s.cfg)

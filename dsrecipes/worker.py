@@ -24,9 +24,16 @@ def run(run_dir: str | Path) -> TrainState:
     cfg = load_run_config(run_dir)
     if cfg.trainer.device is Device.cpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must precede the first `import deepspeed`
+    import dsrecipes.heartbeat as heartbeat
     from dsrecipes.train import train
 
-    return train(cfg, run_dir)
+    try:
+        return train(cfg, run_dir)
+    except UserError:
+        raise
+    except Exception:
+        heartbeat.explain_crash()  # a broken collective because a node died: name the node (exits) or re-raise
+        raise
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -37,6 +44,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    from dsrecipes.console import log_path, quiet_third_party
+
+    quiet_third_party(log_path(Path(args.run_dir), f"rank{os.environ.get('RANK', '0')}"))  # before deepspeed loads
     try:
         run(args.run_dir)
     except UserError as exc:

@@ -2,6 +2,30 @@
 # The README's test command: install (idempotent), validate every recipe x group option, run the whole suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -q "torch==2.13.0" -e ".[test,mpi]"
+
+# System tools of the multi-node tests (tests/test_multinode.py: network-namespace nodes, sshd per node, pdsh):
+# installed when missing, as root with apt-get (CI runs as root on a fresh machine); anywhere else those tests skip
+# and say why. Quiet and idempotent: nothing runs when the tools are already there.
+install_system_tools() {
+  local missing=()
+  command -v ip >/dev/null || missing+=(iproute2)
+  [ -x /usr/sbin/sshd ] || missing+=(openssh-server)
+  command -v ssh >/dev/null || missing+=(openssh-client)
+  command -v pdsh >/dev/null || missing+=(pdsh)
+  [ ${#missing[@]} -eq 0 ] && return 0
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+    echo "note: ${missing[*]} not installed (needs root and apt-get); the multi-node tests will skip" >&2
+    return 0
+  fi
+  local apt=(env DEBIAN_FRONTEND=noninteractive apt-get -qq -o Dpkg::Use-Pty=0)
+  if ! "${apt[@]}" install -y --no-install-recommends "${missing[@]}" >/dev/null 2>&1; then
+    "${apt[@]}" update >/dev/null 2>&1 || true  # a fresh machine may have no package lists yet
+    "${apt[@]}" install -y --no-install-recommends "${missing[@]}" >/dev/null 2>&1 ||
+      echo "note: apt-get could not install ${missing[*]}; the multi-node tests will skip" >&2
+  fi
+}
+install_system_tools
+
+python -m pip install -q "torch==2.13.0" -e ".[test,mpi,mlflow,wandb]"
 python -m dsrecipes validate --all
 python -m pytest -q "$@"

@@ -54,16 +54,20 @@ def test_show_prints_config_and_deepspeed_json(tmp_path):
 def test_ls_lists_groups_options_and_recipes(tmp_path):
     out = dsr("ls", cwd=tmp_path)
     assert out.returncode == 0
-    for word in ("zero:", "stage3", "offload:", "cpu_optimizer_params", "recipes", "sharegpt_lora_llama3_8b_zero3"):
+    for word in ("zero (zero=OPTION):", "stage3", "offload (", "cpu_optimizer_params", "recipes", "sharegpt_lora_llama3_8b_zero3"):
         assert word in out.stdout
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["trainer.micro_batchsize=2"], "Key 'micro_batchsize' not in 'TrainerConfig'"),
+    (["trainer.max_step=5"], "trainer.max_step: unknown key; did you mean trainer.max_steps?"),
     (["+trainer.typo=1"], "trainer.typo: unknown key"),
     (["zero=stage2", "offload=cpu_optimizer_params"], "offload.param: parameter offload (cpu) needs ZeRO-3"),
-    (["validate", "data.kind=foo"], "Invalid value 'foo'"),
-    (["show", "zero=stage9"], "Could not find 'zero/stage9'"),
+    (["validate", "data.kind=mapp"], "data.kind: invalid value 'mapp' (expected one of map, iterable, presharded); "
+                                     "did you mean map?"),
+    (["show", "zero=stage9"], "zero=stage9: no option 'stage9' in group 'zero'"),
+    (["doctr"], "unknown command 'doctr'; did you mean doctor?"),
+    (["-m", "zero=stag2,stage3", "launcher.dry_run=true"], "zero=stag2: no option 'stag2' in group 'zero'; "
+                                                          "did you mean stage2?"),
 ])
 def test_mistakes_exit_2_with_one_message_and_no_traceback(tmp_path, args, needle):
     out = dsr(*args, cwd=tmp_path)
@@ -79,3 +83,95 @@ def test_console_script_matches_module(tmp_path):
     a = subprocess.run([str(exe), "validate"], capture_output=True, text=True, cwd=tmp_path, env=subprocess_env())
     b = dsr("validate", cwd=tmp_path)
     assert a.returncode == b.returncode == 0 and a.stdout == b.stdout
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["validate", "trainer.lr=1"], "trainer.lr: unknown key; did you mean optimizer.lr?"),
+    (["validate", "trainr.max_steps=3"], "trainr.max_steps: unknown key; did you mean trainer.max_steps?"),
+    (["validate", "zeros=stage2"], "zeros: unknown key; did you mean zero?"),
+    (["validate", "recipe=cpu_zero2_tworanks"], "did you mean cpu_zero2_two_ranks?"),
+    (["validate", "debug=fastt"], "debug=fastt: no option 'fastt' in group 'debug'; did you mean fast?"),
+    (["validate", "--alll"], "dsrecipes validate: unrecognized arguments: --alll; did you mean --all?"),
+    (["show", "--world-sze", "2"], "unrecognized arguments: --world-sze; did you mean --world-size?"),
+    (["valdate"], "unknown command 'valdate'; did you mean validate?"),
+    (["ls", "zer"], "no config group 'zer'; did you mean zero?"),
+    (["--cfg", "job", "trainer.max_step=1"], "trainer.max_step: unknown key; did you mean trainer.max_steps?"),
+    (["zero=stage2", "recipe"], "'recipe' is not a command, KEY=VALUE, GROUP=OPTION or a flag; "
+                                "did you mean recipe=...?"),
+    (["frobnicate"], "'frobnicate' is not a command, KEY=VALUE, GROUP=OPTION or a flag (see dsrecipes --help)"),
+    (["launcher.env.FOO=1"], "launcher.env is a mapping: add a key to it with +launcher.env.FOO=VALUE"),
+])
+def test_did_you_mean_in_one_exit_2_message(argv, message, capsys, tmp_path, monkeypatch):
+    from dsrecipes.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("error: ") and err.count("error:") == 1, err
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize("body,message", [
+    ("# @package _global_\ntrainer:\n  max_step: 30\n", "{file}: trainer.max_step: unknown key; "
+                                                            "did you mean trainer.max_steps?"),
+    ("# @package _global_\ndefaults:\n  - override /zero: stag2\n", "zero=stag2: no option 'stag2' in group 'zero'; "
+                                                                        "did you mean stage2?"),
+    ("# @package _global_\ndefaults:\n  - override /zer: stage2\n", "{file}: no config group 'zer'; did you mean zero?"),
+    ("# @package _global_\ntrainer:\n  max_steps: [1\n", "{file}:4: not valid YAML"),
+    ("# @package _global_\ndata:\n  kind: mapp\n", "did you mean map?"),
+])
+def test_did_you_mean_inside_recipe_files(body, message, capsys, tmp_path):
+    from dsrecipes.cli import main
+
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(body)
+    assert main(["validate", f"recipe={recipe}"]) == 2
+    err = capsys.readouterr().err
+    assert message.format(file=recipe) in err and err.count("error:") == 1, err
+
+
+def test_version_names_dsrecipes_and_what_it_drives(capsys):
+    from dsrecipes.cli import main
+
+    for argv in (["--version"], ["train", "--version"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].startswith("dsrecipes 0.") and "Hydra" not in out[0]
+        assert [line.split()[0] for line in out[1:4]] == ["torch", "deepspeed", "transformers"]
+
+
+def test_train_help_is_dsrecipes_own(capsys):
+    from dsrecipes.cli import main
+
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: dsrecipes [train]") and "powered by Hydra" not in out
+    assert "schema" not in out.split("keys (")[0], "the internal schema group is listed"
+    assert "  zero          *stage0 stage1 stage2 stage3" in out
+    assert "  trainer.      micro_batch_size" in out and "report_to" in out and "recipe=/path/to/file.yaml" in out
+
+
+def test_every_option_file_has_a_description_and_ls_prints_it_whole(capsys):
+    from dsrecipes.cli import main
+    from dsrecipes.config.groups import describe, group_options
+
+    options = [(g, o) for g, opts in group_options().items() for o in opts]
+    assert len(options) > 40
+    missing = [f"{g}/{o}" for g, o in options if not describe(g, o)]
+    assert not missing, f"option files without an opening comment: {missing}"
+    assert main(["ls"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # unwrapped
+    for group, option in options:
+        for line in describe(group, option):
+            assert " ".join(line.split()) in out, (group, option, line)
+
+
+def test_ls_help_and_group_filter(capsys):
+    from dsrecipes.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["ls", "--help"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("usage: dsrecipes ls")
+    assert main(["ls", "zero"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("zero (zero=OPTION):") and "stage3" in out and "offload" not in out

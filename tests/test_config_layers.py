@@ -11,7 +11,7 @@ import yaml
 from dsrecipes.config.groups import recipes
 from dsrecipes.config.load import check_composition, compose, compose_and_load, config_to_dict, hydra_context
 from dsrecipes.config.schema import TrainConfig
-from dsrecipes.paths import project_root
+from dsrecipes.paths import conf_dir
 
 RECIPES = recipes()
 
@@ -38,14 +38,14 @@ def _get(data: Dict[str, Any], dotted: str) -> Any:
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipes_repeat_no_value_their_groups_already_have(recipe):
-    text = yaml.safe_load((project_root() / "recipes" / f"{recipe}.yaml").read_text(encoding="utf-8"))
+    text = yaml.safe_load((conf_dir() / "recipe" / f"{recipe}.yaml").read_text(encoding="utf-8"))
     groups = [f"{k.split('/', 1)[1].strip()}={v}" for d in text.pop("defaults", []) for k, v in d.items()
               if k.startswith("override /")]
     with hydra_context():
         cfg, schema_errors, _ = check_composition(compose(groups), check_files=False)  # rules may need the recipe
     assert not schema_errors
     base = config_to_dict(cfg)
-    defaults = {k: v for d in yaml.safe_load((project_root() / "conf" / "train.yaml").read_text())["defaults"]
+    defaults = {k: v for d in yaml.safe_load((conf_dir() / "train.yaml").read_text())["defaults"]
                 if isinstance(d, dict) for k, v in d.items()}
     same = [g for g in groups if defaults.get(g.split("=")[0]) == g.split("=")[1]]
     assert not same, f"recipes/{recipe}.yaml overrides a group with its default option: {same}"

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
-from dsrecipes import doctor
+import pytest
+
+from dsrecipes import doctor, shm_op
 from dsrecipes.doctor import Context, Level
 from dsrecipes.machine import Probe
 
@@ -26,6 +30,7 @@ class FakeProbe(Probe):
         self.shm = 16 * doctor.GIB
         self.locks = []
         self.can_write = True
+        self.shm_op_status = shm_op.ShmOpStatus(needed=False, built=False, where="")
         self.__dict__.update(changes)
 
     def which(self, name):
@@ -60,6 +65,9 @@ class FakeProbe(Probe):
 
     def built_ops(self, root):
         return ["cpu_adam"]
+
+    def shm_op(self):
+        return self.shm_op_status
 
 
 def levels(findings, check):
@@ -184,3 +192,47 @@ def test_config_rules_that_need_this_machine(make_cfg):
     f = only(doctor.diagnose(cpu_only, ctx), "config")
     assert f.level is Level.error and "fp16 needs a CUDA GPU" in f.message
     assert only(doctor.diagnose(FakeProbe(), ctx), "config").level is Level.ok
+
+
+def test_shm_op_not_built_yet_says_how_to_build_it_ahead():
+    where = "/home/u/.cache/torch_extensions/py311_cpu/deepspeed_shm_comm/deepspeed_shm_comm.so"
+    f = only(doctor.diagnose(FakeProbe(shm_op_status=shm_op.ShmOpStatus(True, False, where)), Context()), "shm_op")
+    assert f.level is Level.warn and "not built yet" in f.message and where in f.message
+    assert f.fix.startswith("dsrecipes doctor --build-ops")
+    f = only(doctor.diagnose(FakeProbe(shm_op_status=shm_op.ShmOpStatus(True, True, where)), Context()), "shm_op")
+    assert f.level is Level.ok and f.message == f"deepspeed_shm_comm: built ({where})"
+    assert "not used" in only(doctor.diagnose(FakeProbe(), Context()), "shm_op").message  # CUDA: no such op
+
+
+def test_shm_op_build_is_announced_only_while_it_is_ahead(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    current = shm_op.status()
+    if not current.needed:
+        pytest.skip("not a CPU accelerator: DeepSpeed does not use the shm op here")
+    assert current.where == str(tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so") and not current.built
+    assert list(tmp_path.iterdir()) == []  # reading the status creates nothing
+    shm_op.announce()
+    err = capsys.readouterr().err
+    assert "building DeepSpeed's shared-memory op deepspeed_shm_comm" in err and "doctor --build-ops" in err
+    monkeypatch.setenv("LOCAL_RANK", "1")  # one message per node
+    shm_op.announce()
+    assert capsys.readouterr().err == ""
+    (tmp_path / "deepspeed_shm_comm").mkdir()
+    (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert shm_op.status().built
+    shm_op.announce()
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.slow
+def test_doctor_build_ops_builds_the_shm_op():
+    """For real, in the machine's own cache (built once per machine anyway: the first multi-rank test would)."""
+    done = subprocess.run([sys.executable, "-m", "dsrecipes", "doctor", "--build-ops"], capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    current = shm_op.status()
+    if current.needed:
+        assert current.built and f"deepspeed_shm_comm: built ({current.where})" in done.stderr
+        assert "[ok   ] shm_op: deepspeed_shm_comm: built" in done.stdout

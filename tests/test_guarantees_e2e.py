@@ -105,19 +105,36 @@ def iterable_run(workspace, shards) -> Path:
 
 
 @pytest.fixture(scope="module")
-def shard_dir(workspace, shards) -> Path:
-    """`dsrecipes shard FILES --parts 2 --out DIR`, for real."""
+def sharding(workspace, shards) -> tuple[Path, str]:
+    """`dsrecipes shard FILES --parts 2 --out DIR <training overrides>`, for real: the parts and the training
+    command it printed."""
     out = workspace / "parts2"
-    argv = [sys.executable, "-m", "dsrecipes", "shard", *map(str, shards[0]), "--parts", "2", "--out", str(out)]
+    training = [*SHORT, *COMMON, f"data.cache_dir={workspace / 'cache'}", f"trainer.output_dir={workspace / 'presharded'}"]
+    argv = [sys.executable, "-m", "dsrecipes", "shard", *map(str, shards[0]), "--parts", "2", "--out", str(out), *training]
     proc = subprocess.run(argv, env=subprocess_env(), capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return out
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("train with: ")]
+    return out, line[len("train with: "):]
 
 
 @pytest.fixture(scope="module")
-def presharded_run(workspace, shard_dir) -> Path:
-    run, _ = train_run(workspace, "presharded", *COMMON, "data=presharded", f"data.shard_dir={shard_dir}")
-    return run
+def shard_dir(sharding) -> Path:
+    return sharding[0]
+
+
+@pytest.fixture(scope="module")
+def presharded_run(workspace, sharding) -> Path:
+    """The command `dsrecipes shard` printed, run exactly as printed (`python` = this interpreter)."""
+    import os
+
+    out, command = sharding
+    assert command.startswith(f"python -m dsrecipes data=presharded data.shard_dir={out} launcher=deepspeed "
+                              "launcher.num_gpus=2 ")  # fmt: skip
+    env = subprocess_env({"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]})
+    proc = subprocess.run(["bash", "-c", command], cwd=workspace, env=env, capture_output=True, text=True,
+                          timeout=600, check=False)  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return workspace / "presharded"
 
 
 # ---------------------------------------------------------------------------------------------------------------

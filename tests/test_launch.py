@@ -289,6 +289,6 @@ def test_sigterm_is_forwarded_to_the_launcher(tmp_path):
     before = signal.getsignal(signal.SIGTERM)
     threading.Timer(3.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
     start = time.time()
-    code = run_subprocess(launch.Command([sys.executable, str(child)]))
+    code = run_subprocess(launch.Command([sys.executable, str(child)]), tmp_path)
     assert code == 3 and marker.is_file() and time.time() - start < 20
     assert signal.getsignal(signal.SIGTERM) is before

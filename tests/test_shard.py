@@ -134,3 +134,14 @@ def test_shard_json_array_input(glaive, tmp_path):
     assert m.total == 300
     ids = part_ids(out, m)
     assert ids[0][0] == "glaive_toolcall_en_demo.json.gz:0"
+
+
+def test_printed_training_command_keeps_training_overrides_only(tmp_path):
+    """The full command works as printed (test_guarantees_e2e runs it); here: what it carries over."""
+    from dsrecipes.commands.shard import training_command
+
+    overrides = ["dataset.max_samples=10", "+dataset.extra=1", "data=iterable", "launcher=torchrun", "model=tiny",
+                 "data.cutoff_len=64", "trainer.max_steps=3", "trainer.output_dir=/runs/a b"]  # fmt: skip
+    assert training_command(str(tmp_path / "p"), 4, overrides) == (
+        f"python -m dsrecipes data=presharded data.shard_dir={tmp_path / 'p'} launcher=deepspeed launcher.num_gpus=4 "
+        "model=tiny data.cutoff_len=64 trainer.max_steps=3 'trainer.output_dir=/runs/a b'")

@@ -7,7 +7,6 @@ The real data layer (prepare, tokenizer, collate) is exercised at the end on the
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest

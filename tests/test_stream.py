@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from dsrecipes.data.plan import Layout
-from dsrecipes.data.stream_files import LineScanner
-from dsrecipes.data.stream_index import BlockSource, StreamIndex, index_spec
 from dsrecipes.data.sampler import StreamSpec
 from dsrecipes.data.strategies.iterable import StreamTrainLoader
+from dsrecipes.data.stream_files import LineScanner
+from dsrecipes.data.stream_index import BlockSource, StreamIndex, index_spec
 
 
 def item_ids(items):

@@ -114,7 +114,8 @@ def test_real_hydra_multirun_with_a_failing_job(tmp_path):
     assert "job two exploded" in two["error"]  # the callback wrote result.json for the job that raised
     four = next(j for j in data["jobs"] if j["overrides"] == ["x=4"])
     assert four["final_loss"] == pytest.approx(4.0 / 3) and four["tokens_per_s"] == 200.0
-    assert (sweep_dir / "summary.md").read_text().count("\n") == 6  # header, rule, 4 jobs
+    table = [line for line in (sweep_dir / "summary.md").read_text().splitlines() if line.startswith("|")]
+    assert len(table) == 6  # header, rule, 4 jobs
 
     done = subprocess.run(
         [sys.executable, "app.py", "-m", "x=1,3", f"hydra.sweep.dir={tmp_path / 'sweep2'}"],
@@ -179,3 +180,27 @@ def test_dsrecipes_sweep_really_trains_each_job_and_reports_a_failing_one(tmp_pa
     second = json.loads((tmp_path / "sweep2" / "summary.json").read_text())["jobs"]
     assert [j["status"] for j in second] == ["failed", "ok"]
     assert "fp16 needs a CUDA GPU" in second[0]["error"] and second[1]["final_loss"] is not None
+
+
+def test_summary_picture_has_every_job_labelled_by_its_swept_values(tmp_path):
+    """summary.png: each job's train and eval curves on one set of axes; a job without metrics is left out."""
+    import matplotlib.image
+
+    for num, lr in enumerate(("1e-3", "3e-3", "1e-2")):
+        scale = (num + 1) / 3
+        rows = [{"step": s, "loss": 7.0 / (1 + scale * s / 10), "tokens_per_s": 100.0} for s in range(10, 410, 10)]
+        rows += [{"step": s, "eval_loss": 6.0 / (1 + scale * s / 12)} for s in (100, 200, 300, 400)]
+        fake_job(tmp_path, num, [f"optimizer.lr={lr}", "trainer.max_steps=400"], {"status": "ok", "error": None}, rows)
+    fake_job(tmp_path, 3, ["optimizer.lr=1", "trainer.max_steps=400"], {"status": "failed", "error": "NaN loss"})
+    sweep.write_summary(tmp_path)
+    png = tmp_path / "summary.png"
+    assert png.is_file() and matplotlib.image.imread(png).shape[1] >= 900
+    assert "![every job's train and eval loss](summary.png)" in (tmp_path / "summary.md").read_text()
+    labels = sweep.curve_labels(sweep.collect(tmp_path))
+    assert labels == ["optimizer.lr=1e-3", "optimizer.lr=3e-3", "optimizer.lr=1e-2", "optimizer.lr=1"]
+
+
+def test_log_scale_when_losses_span_more_than_3x():
+    from dsrecipes.plots import use_log_scale
+
+    assert use_log_scale([7.4, 2.0, 0.75]) and not use_log_scale([1.2, 0.9, 0.7]) and not use_log_scale([1.0, 0.0])

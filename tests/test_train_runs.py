@@ -123,8 +123,20 @@ RECORDED = ("zero=stage2", "trainer.record_samples=true")
 
 @pytest.fixture(scope="module")
 def zero2_run(workspace) -> Path:
-    run_dir, _ = train_run(workspace, "zero2", *RECORDED)
+    run_dir, out = train_run(workspace, "zero2", *RECORDED)
+    (workspace / "zero2.console").write_text(out)  # what the user saw (stdout + stderr)
     return run_dir
+
+
+def test_two_rank_console_has_lines_a_summary_and_no_launcher_noise(zero2_run, workspace):
+    shown = (workspace / "zero2.console").read_text()
+    assert "\r" not in shown and "step 8/8  loss " in shown and f"  run dir      {zero2_run}\n" in shown
+    for noise in ("Setting accelerator to CPU", "[INFO] [launch.py", "[INFO] [runner.py", "Unable to find hostfile",
+                  "Attempting to get learning rate", "FutureWarning"):
+        assert noise not in shown, noise
+    logs = "".join(p.read_text() for p in (zero2_run / "logs").glob("*.log"))
+    assert "Setting accelerator to CPU" in logs and "[INFO] [launch.py" in logs
+    assert {p.name for p in (zero2_run / "logs").glob("*.log")} >= {"launcher.log", "rank0.log", "rank1.log"}
 
 
 def test_zero2_two_ranks_trains_logs_checkpoints_and_exports(zero2_run):

@@ -6,7 +6,8 @@ A usage mistake is a UserError (exit 2, one message), never argparse's own exit.
 from __future__ import annotations
 
 import argparse
-from typing import Sequence
+import re
+from typing import NoReturn, Sequence
 
 from dsrecipes.errors import UserError
 
@@ -19,10 +20,16 @@ def override_parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
-    """argparse, but a usage mistake is a UserError (exit 2, one message) instead of argparse's own exit."""
-    try:
-        return parser.parse_intermixed_args(list(argv))
-    except SystemExit as exc:
-        if exc.code == 0:
-            raise
-        raise UserError(f"bad arguments for `{parser.prog}` (see --help)") from None
+    """argparse, but a usage mistake is a UserError (exit 2, one message naming the closest flags) instead of
+    argparse's own usage dump and exit."""
+    parser.error = lambda message: usage_error(parser, message)  # type: ignore[method-assign]
+    return parser.parse_intermixed_args(list(argv))
+
+
+def usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    from dsrecipes.suggest import closest, phrase
+
+    flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    unknown = re.findall(r"(?<!\w)(--?[\w-]+)", message.partition("unrecognized arguments:")[2])
+    hint = "".join(phrase(closest(u, flags)) for u in unknown)
+    raise UserError(f"{parser.prog}: {message}{hint} (see {parser.prog} --help)")

@@ -1,4 +1,5 @@
-"""`dsrecipes doctor [overrides] [--json]`: is this machine able to train, and if not, what to change."""
+"""`dsrecipes doctor [overrides] [--json] [--build-ops]`: is this machine able to train, and if not, what to change
+(`--build-ops` first builds DeepSpeed's CPU shared-memory op, which the first multi-rank run would build)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,15 @@ def main(argv: List[str]) -> int:
 
     parser = override_parser("doctor", "check the environment (torch, CUDA, compilers, shm, caches)")
     parser.add_argument("--json", action="store_true", help="print findings as JSON")
+    parser.add_argument("--build-ops", action="store_true",
+                        help="JIT-build DeepSpeed's CPU shared-memory op now instead of in the first multi-rank run")
     args = parse(parser, argv)
+    if args.build_ops:
+        import dsrecipes.shm_op as shm_op
+
+        print(f"building {shm_op.NAME} (1-3 minutes when not cached) ...", file=sys.stderr, flush=True)
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's build log
+            print(shm_op.build().describe(), file=sys.stderr)
     ctx = Context()
     try:
         from dsrecipes.config.load import compose_and_load

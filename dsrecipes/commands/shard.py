@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
-from typing import List
+from typing import List, Sequence
 
 from dsrecipes.commands.args import override_parser, parse
 from dsrecipes.config.load import compose_and_load
@@ -33,5 +34,22 @@ def main(argv: List[str]) -> int:
           f"({manifest.total} in all, balance={manifest.balance}) to {args.out}")
     if manifest.bad_rows:
         print(f"skipped bad rows: {manifest.bad_rows} (see {Path(args.out) / 'quarantine.jsonl'})")
-    print(f"train with: data=presharded data.shard_dir={os.path.abspath(args.out)} launcher.num_gpus={manifest.parts}")
+    print(f"train with: {training_command(args.out, manifest.parts, overrides)}")
+    if manifest.parts > 1:
+        print(f"on M nodes x G ranks (M x G = {manifest.parts}): replace the launcher part with "
+              "launcher=deepspeed_multinode launcher.num_nodes=M launcher.num_gpus=G launcher.master_addr=NODE0 "
+              "(walkthrough: launch/README.md)")
     return 0
+
+
+# Overrides that only described the input or would clash with the printed launcher/data settings.
+_NOT_CARRIED = ("dataset", "data=", "data.kind", "data.shard_dir", "launcher")
+
+
+def training_command(out_dir: str, parts: int, overrides: Sequence[str]) -> str:
+    """The command that trains on the parts, as it must be typed: one rank per part on this machine, plus the
+    user's overrides that shape training (model, template, cutoff, trainer, ...), so token balance matches."""
+    carried = [o for o in overrides if not o.lstrip("+~").startswith(_NOT_CARRIED)]
+    argv = ["python", "-m", "dsrecipes", "data=presharded", f"data.shard_dir={os.path.abspath(out_dir)}",
+            "launcher=deepspeed", f"launcher.num_gpus={parts}", *carried]  # fmt: skip
+    return shlex.join(argv)

@@ -4,19 +4,20 @@ Hydra's own `@hydra.main` composes a single run twice (once to read `hydra.mode`
 override with its traceback-style text and exit 1. This runner drives Hydra's classes directly (hydra-core is
 pinned to 1.3.x): a single run is composed exactly once, validated by `load_config()` (one message, exit 2, before
 any output directory exists), and then run as a Hydra job (`run_job`: run directory, `.hydra/`, callbacks) with the
-already typed config. `-m` sweeps go through Hydra's sweeper, each job validating its own composition. The
-informational flags (`--cfg`, `--help`, `--info`, ...) are handed to Hydra unchanged.
+already typed config. `-m` sweeps go through Hydra's sweeper, each job validating its own composition. `--help` is
+dsrecipes' own (commands/help.py); `--cfg`, `--info` and `--hydra-help` are Hydra's, on dsrecipes' search path.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any, List, Optional
 
-from dsrecipes.config.load import clean_hydra_message, load_config, register_schemas
+from dsrecipes.config.load import compose_error, load_config, register_schemas
 from dsrecipes.config.schema import TrainConfig
-from dsrecipes.errors import ConfigError, UserError
+from dsrecipes.errors import UserError
 
 CONFIG_NAME = "train"
 TASK_NAME = "dsrecipes"
@@ -29,30 +30,57 @@ class _Outcome:
 def main(argv: List[str]) -> int:
     from hydra._internal.utils import get_args_parser
 
+    from dsrecipes.commands.args import parse
+    from dsrecipes.commands.help import train_help, version_text
+
+    if "--version" in argv:  # Hydra's parser would print Hydra's version
+        print(version_text())
+        return 0
     parser = get_args_parser()
-    args = parser.parse_args(list(argv))
-    informational = args.help or args.hydra_help or args.cfg or args.info or args.shell_completion
+    args = parse(parser, argv)
+    if args.help:
+        print(train_help())
+        return 0
+    _refuse_other_config_roots(args)
     register_schemas()
     _Outcome.exit_code = 0
-    if informational:
-        _hydra_informational(parser, args)
+    if args.hydra_help or args.cfg or args.info or args.shell_completion:
+        _with_hydra(lambda hydra: _informational(hydra, parser, args))
     elif args.multirun:
-        _with_hydra(lambda hydra: hydra.multirun(config_name=CONFIG_NAME, task_function=_job,
-                                                 overrides=list(args.overrides)))
+        _with_hydra(lambda hydra: _multirun(hydra, list(args.overrides)))
     else:
         _with_hydra(lambda hydra: _run_once(hydra, list(args.overrides)))
     return _Outcome.exit_code
 
 
+def _refuse_other_config_roots(args: Any) -> None:
+    """Hydra's --config-dir/--config-path/--config-name would compose from another tree than conf/ (without its
+    schema and rules); user recipes have their own road (config/sources.py)."""
+    from dsrecipes.config.sources import RECIPES_ENV
+
+    given = [flag for flag, value in (("--config-dir", args.config_dir), ("--config-path", args.config_path),
+                                      ("--config-name", args.config_name)) if value is not None]
+    if given:
+        raise UserError(f"{', '.join(given)}: not supported by dsrecipes; run a recipe file with "
+                        f"recipe=/path/to/file.yaml, or name folders of recipes in {RECIPES_ENV}=DIR[:DIR...]")
+
+
+def _multirun(hydra: Any, overrides: List[str]) -> None:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        hydra.multirun(config_name=CONFIG_NAME, task_function=_job, overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as exc:  # the sweeper composes every job before running any
+        raise compose_error(exc, overrides) from None
+
+
 def _with_hydra(body: Any) -> Any:
-    from hydra._internal.hydra import Hydra
-    from hydra._internal.utils import create_config_search_path
     from hydra.core.global_hydra import GlobalHydra
 
-    from dsrecipes.paths import conf_dir
+    from dsrecipes.config.sources import create_hydra
 
-    GlobalHydra.instance().clear()
-    hydra = Hydra.create_main_hydra2(task_name=TASK_NAME, config_search_path=create_config_search_path(str(conf_dir())))
+    hydra = create_hydra(TASK_NAME)
     try:
         return body(hydra)
     finally:
@@ -66,7 +94,7 @@ def _compose(hydra: Any, overrides: List[str]) -> Any:
         return hydra.compose_config(config_name=CONFIG_NAME, overrides=overrides, run_mode=RunMode.RUN,
                                     with_log_configuration=True)
     except Exception as exc:  # Hydra raises many types; all are user mistakes in a composition
-        raise ConfigError(clean_hydra_message(exc)) from None
+        raise compose_error(exc, overrides) from None
 
 
 def _run_once(hydra: Any, overrides: List[str]) -> None:
@@ -87,13 +115,24 @@ def _run_once(hydra: Any, overrides: List[str]) -> None:
     _ = ret.return_value  # re-raises what the job raised (a bug, not a user error)
 
 
-def _hydra_informational(parser: Any, args: Any) -> None:
-    from hydra._internal.utils import _run_hydra
+def _informational(hydra: Any, parser: Any, args: Any) -> None:
+    """--cfg, --info, --hydra-help, --shell-completion: what Hydra's own runner does, on our search path."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
-    from dsrecipes.paths import conf_dir
-
-    _run_hydra(args=args, args_parser=parser, task_function=_job, config_path=str(conf_dir()),
-               config_name=CONFIG_NAME)
+    overrides = list(args.overrides)
+    try:
+        if args.hydra_help:
+            hydra.hydra_help(config_name=CONFIG_NAME, args_parser=parser, args=args)
+        elif args.cfg:
+            hydra.show_cfg(config_name=CONFIG_NAME, overrides=overrides, cfg_type=args.cfg, package=args.package,
+                           resolve=args.resolve)
+        elif args.info:
+            hydra.show_info(args.info, config_name=CONFIG_NAME, overrides=overrides)
+        else:
+            hydra.shell_completion(config_name=CONFIG_NAME, overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise compose_error(exc, overrides) from None
 
 
 def _job(composed: Any) -> None:
@@ -114,13 +153,16 @@ def _run_job(cfg: TrainConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from dsrecipes.console import log_path, quiet_third_party
     from dsrecipes.entry import run, with_run_dir
     from dsrecipes.rundir import write_result
 
+    started = time.perf_counter()
     hc = HydraConfig.get()
     multirun = hc.mode is RunMode.MULTIRUN
     cfg = with_run_dir(cfg, Path(hc.runtime.output_dir))
     run_dir = Path(cfg.trainer.output_dir)
+    quiet_third_party(log_path(run_dir, "main"))  # before deepspeed and transformers are imported
     try:
         code = run(cfg)
     except UserError as exc:
@@ -138,6 +180,11 @@ def _run_job(cfg: TrainConfig) -> None:
     status = "dry_run" if cfg.launcher.dry_run and code == 0 else "ok"
     write_result(run_dir, code, None if code == 0 else f"ranks exited with code {code}", status)
     _Outcome.exit_code = _Outcome.exit_code or code
+    if code == 0 and status == "ok":
+        from dsrecipes.report import closing_summary
+
+        print(closing_summary(run_dir, time.perf_counter() - started, list(hc.overrides.task), cfg.trainer.max_steps),
+              flush=True)
 
 
 def _report(run_dir: Path, exc: UserError) -> None:

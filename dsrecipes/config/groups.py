@@ -1,4 +1,8 @@
-"""Discovery of config groups, options and recipes from the conf/ tree (never hand-listed)."""
+"""Discovery of config groups, options and recipes from the conf/ tree (never hand-listed), and their descriptions.
+
+An option's description is the comment block its file opens with (after `# @package`): prose lines, and lines
+indented by two spaces or more after `#`, which are commands to run.
+"""
 
 from __future__ import annotations
 
@@ -21,14 +25,31 @@ def group_options() -> Dict[str, List[str]]:
 
 
 def recipes() -> List[str]:
+    """The shipped recipes (user recipes: config/sources.py `user_recipes()`)."""
     return group_options().get(RECIPE_GROUP, [])
 
 
-def describe(group: str, option: str) -> str:
-    """The first comment line of an option file (what it is / the command that runs it)."""
-    path = Path(conf_dir(), group, f"{option}.yaml")
+def option_file(group: str, option: str) -> Path:
+    return Path(conf_dir(), group, f"{option}.yaml")
+
+
+def describe(group: str, option: str) -> List[str]:
+    """The description of an option: its file's opening comment block (see the module docstring)."""
+    return describe_file(option_file(group, option))
+
+
+def describe_file(path: Path) -> List[str]:
+    """Paragraph lines joined into one, command lines (indented after `#`) kept apart; [] when there is none."""
+    out: List[str] = []
     for line in path.read_text(encoding="utf-8").splitlines():
         text = line.strip()
-        if text.startswith("#") and not text.startswith("# @package"):
-            return text.lstrip("# ").strip()
-    return ""
+        if text.startswith("# @package") or (not out and not text):
+            continue
+        if not text.startswith("#"):
+            break
+        body = text[1:]
+        if body.startswith("   ") or not out or out[-1].startswith("  "):
+            out.append("  " + body.strip() if body.startswith("   ") else body.strip())
+        else:
+            out[-1] = f"{out[-1]} {body.strip()}".strip()
+    return [line for line in out if line.strip()]

@@ -18,6 +18,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from dsrecipes.config.schema import GROUP_SCHEMAS, TrainConfig
 from dsrecipes.errors import ConfigError
+from dsrecipes.suggest import closest, phrase
 
 _registered = False
 
@@ -43,19 +44,18 @@ def register_schemas() -> None:
 
 @contextlib.contextmanager
 def hydra_context() -> Iterator[None]:
-    """Initialise Hydra on conf/ once; compose() calls inside reuse it (validate --all composes hundreds)."""
-    from hydra import initialize_config_dir
+    """Initialise Hydra on conf/ (and user recipes) once; compose() calls inside reuse it (validate --all composes hundreds)."""
     from hydra.core.global_hydra import GlobalHydra
 
-    from dsrecipes.paths import conf_dir
+    from dsrecipes.config.sources import create_hydra
 
     register_schemas()
     if GlobalHydra.instance().is_initialized():
         yield
         return
     try:
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            yield
+        create_hydra()  # conf/ plus the user's recipe folders and files (config/sources.py)
+        yield
     finally:
         GlobalHydra.instance().clear()
 
@@ -68,7 +68,14 @@ def compose(overrides: Sequence[str] = ()) -> Any:
         try:
             return hydra_compose(config_name="train", overrides=list(overrides))
         except Exception as exc:  # Hydra raises many types; all are user mistakes here
-            raise ConfigError(clean_hydra_message(exc)) from None
+            raise compose_error(exc, overrides) from None
+
+
+def compose_error(exc: BaseException, overrides: Sequence[str]) -> ConfigError:
+    """A failed composition as one message, with the closest valid names (config/hints.py)."""
+    from dsrecipes.config.hints import explain
+
+    return ConfigError(explain(exc, overrides, fallback=clean_hydra_message(exc)))
 
 
 def clean_hydra_message(exc: BaseException) -> str:
@@ -132,7 +139,8 @@ def _convert(tp: Any, value: Any, path: str, errors: List[str]) -> Any:
         try:
             return tp(value.value if isinstance(value, Enum) else value)
         except ValueError:
-            errors.append(f"{path}: invalid value {value!r}; expected {_type_name(tp)}")
+            hint = phrase(closest(str(value), [m.value for m in tp]))
+            errors.append(f"{path}: invalid value {value!r}; expected {_type_name(tp)}{hint}")
             return None
     if tp is bool:
         if isinstance(value, bool):
@@ -165,7 +173,9 @@ def _to_dataclass(cls: Any, data: Dict[str, Any], path: str, errors: List[str]) 
     for key in data:
         if key not in names:
             where = f"{path}.{key}" if path else str(key)
-            errors.append(f"{where}: unknown key (valid keys of {cls.__name__}: {', '.join(sorted(names))})")
+            near = [f"{path}.{n}" if path else n for n in closest(str(key), names)]
+            hint = phrase(near) or f" (valid keys of {cls.__name__}: {', '.join(sorted(names))})"
+            errors.append(f"{where}: unknown key{hint}")
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name in data:

@@ -99,6 +99,14 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
+class ReportTo(str, Enum):
+    """Experiment trackers (`trainer.report_to=[tensorboard,mlflow]`); metrics.jsonl and loss.png are always written."""
+
+    tensorboard = "tensorboard"  # <run>/tb/
+    mlflow = "mlflow"  # pip install 'dsrecipes[mlflow]'; trainer.tracking_uri
+    wandb = "wandb"  # pip install 'dsrecipes[wandb]'; WANDB_MODE=offline needs no account
+
+
 class ResumeMode(str, Enum):
     auto = "auto"  # continue from trainer.resume_from, else from the run directory's newest complete checkpoint
     never = "never"  # start from step 0
@@ -293,6 +301,9 @@ class TrainerConfig:
     export: bool = True  # write a Hugging Face model directory at the end
     export_merged_lora: bool = True  # LoRA runs: merged model (true) or adapter only (false)
     device: Device = Device.auto
+    report_to: List[ReportTo] = field(default_factory=lambda: [ReportTo.tensorboard])  # []: metrics.jsonl only
+    experiment: str = "dsrecipes"  # MLflow experiment / W&B project
+    tracking_uri: Optional[str] = None  # MLflow (file:/path, sqlite:///db, http://host); None: MLFLOW_TRACKING_URI
 
 
 @dataclass
@@ -309,6 +320,9 @@ class LauncherConfig:
     rdzv_endpoint: Optional[str] = None  # torchrun: host:port
     env: Dict[str, str] = field(default_factory=dict)  # exported to every rank (.deepspeed_env for multi-node)
     extra_args: List[str] = field(default_factory=list)  # passed verbatim to the launcher binary
+    # A rank silent this long (its node died or was cut off) ends the run on every node (dsrecipes.heartbeat);
+    # 0 disables the heartbeat (then a dead node leaves the others waiting for the process-group timeout).
+    peer_timeout_s: int = 30
     slurm_partition: Optional[str] = None
     slurm_time_min: int = 60
     slurm_account: Optional[str] = None

@@ -127,6 +127,8 @@ def _misc(cfg: TrainConfig) -> List[str]:
     ln = cfg.launcher
     if ln.num_gpus is not None and ln.num_gpus < 1:
         errors.append(f"launcher.num_gpus: must be >= 1, got {ln.num_gpus}")
+    if ln.peer_timeout_s < 0 or 0 < ln.peer_timeout_s < 5:
+        errors.append(f"launcher.peer_timeout_s: 0 (off) or >= 5 seconds, got {ln.peer_timeout_s}")
     if ln.num_nodes < 1:
         errors.append(f"launcher.num_nodes: must be >= 1, got {ln.num_nodes}")
     if ln.kind is LauncherKind.deepspeed and (ln.include or ln.exclude) and ln.num_gpus is not None:

@@ -24,8 +24,8 @@ import numpy as np
 from dsrecipes.data.plan import EpochPlan, Layout, StreamShuffle, epoch_order, presharded_steps
 from dsrecipes.data.sampler import map_rank_rows
 from dsrecipes.data.stream_plan import BlockTable, Visits, epoch_visits, items_at
-from dsrecipes.data.stream_segments import LocalShuffle, Segment, epoch_segment, stretch_positions
 from dsrecipes.data.stream_reader import ItemFetcher, read_stretch
+from dsrecipes.data.stream_segments import LocalShuffle, Segment, epoch_segment, stretch_positions
 
 REPLAY_LIMIT = 2_000_000  # items x readers up to which stream readers are replayed one by one
 AUDIT_BLOCK = 256  # lines per block when an audit is given line counts only (the CLI uses the real index)

@@ -25,7 +25,7 @@ import numpy as np
 
 from dsrecipes.config.schema import DatasetConfig, SourceConfig, TrainConfig
 from dsrecipes.data.badrows import BadReason, BadRow, BadRowReport
-from dsrecipes.data.files import RawRow, expand_paths, parse_line, read_row_items
+from dsrecipes.data.files import expand_paths, parse_line, read_row_items
 from dsrecipes.data.sharegpt import conversation_dict, normalize_row, role_table, sample_id
 from dsrecipes.data.tokenize import Encoder
 

@@ -23,8 +23,14 @@ from typing import Dict, Optional, Tuple
 from dsrecipes.config.schema import TrainConfig
 from dsrecipes.data.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.prepare import QUARANTINE_FILE
-from dsrecipes.data.stream_index import (BlockSource, StreamIndex, file_sources, hold_out, index_stream,
-                                         write_stream_index)
+from dsrecipes.data.stream_index import (
+    BlockSource,
+    StreamIndex,
+    file_sources,
+    hold_out,
+    index_stream,
+    write_stream_index,
+)
 from dsrecipes.errors import DataError
 
 

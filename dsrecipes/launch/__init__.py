@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import List, Mapping, Optional
 
 from dsrecipes.config.schema import TrainConfig
+from dsrecipes.console import log_path
 from dsrecipes.errors import UserError
 from dsrecipes.fileio import atomic_write_text
+from dsrecipes.heartbeat import FAILURE_FILE
 from dsrecipes.launch.builders import BUILDERS, resolve_master_port
 from dsrecipes.launch.plan import LAUNCH_FILE, WORKER_MODULE, Command, LaunchPlan, render_plan
 from dsrecipes.launch.process import run_in_process, run_subprocess
@@ -64,8 +66,9 @@ def launch(cfg: TrainConfig, run_dir: Path, *, worker_module: str = WORKER_MODUL
     if missing:
         raise UserError(missing)
     mine = [c for c in plan.commands if c.node_rank is None or c.node_rank == cfg.launcher.node_rank]
+    (run_dir / FAILURE_FILE).unlink(missing_ok=True)  # a previous attempt's report (ranks write it)
     for cmd in mine:
-        code = run_in_process(cmd, run_dir) if cmd.in_process else run_subprocess(cmd)
+        code = run_in_process(cmd, run_dir) if cmd.in_process else run_subprocess(cmd, run_dir, log_path(run_dir, "launcher"))
         if code != 0:
             return code
     return 0

@@ -21,11 +21,11 @@ from torch.utils.data import IterableDataset
 
 from dsrecipes.data.plan import Layout
 from dsrecipes.data.sampler import StreamSpec, StreamTooShort
+from dsrecipes.data.strategies.base import Batch, Row, TrainLoader
 from dsrecipes.data.stream_index import BlockSource, StreamIndex
 from dsrecipes.data.stream_plan import epoch_visits
-from dsrecipes.data.stream_segments import LocalShuffle, Segment, epoch_segment
 from dsrecipes.data.stream_reader import ItemFetcher, read_stretch
-from dsrecipes.data.strategies.base import Batch, Row, TrainLoader
+from dsrecipes.data.stream_segments import LocalShuffle, Segment, epoch_segment
 from dsrecipes.errors import DataError
 
 STREAM_STATE_VERSION = 2  # 1: the shared-stream filter before block reading
@@ -191,8 +191,8 @@ def run_index(cfg: Any, run_dir: str) -> StreamIndex:
 
 
 def row_encoder(cfg: Any, tokenizer: Any, index: StreamIndex) -> Any:
-    from dsrecipes.data.stream_index import file_sources
     from dsrecipes.data.strategies.rows import RowEncoder
+    from dsrecipes.data.stream_index import file_sources
 
     return RowEncoder(cfg, tokenizer, [f.name for f in index.files], file_sources(cfg, index))
 

@@ -1,0 +1,158 @@
+"""Where compositions come from: the shipped conf/ tree, the user's recipe folders, and recipe files named by path.
+
+    recipe=NAME        NAME.yaml in a folder of $DSRECIPES_RECIPES (a path list like PATH; the first folder holding
+                       NAME wins, and user folders win over the shipped recipes), else the shipped recipes/NAME.yaml
+    recipe=FILE.yaml   any file: a value ending in .yaml/.yml, or starting with /, ./, ../ or ~, is a path (relative
+                       to the working directory)
+
+Both reach Hydra as options of the `recipe` group through two small config sources (Hydra's ConfigSource interface,
+hydra-core 1.3.x), so a user recipe is composed exactly like a shipped one: the same `# @package _global_` header,
+defaults list, typed schema checks and no-code rules, and Hydra records the override as the user typed it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from hydra.plugins.config_source import ConfigLoadError, ConfigResult, ConfigSource
+from omegaconf import OmegaConf
+
+from dsrecipes.errors import ConfigError
+
+RECIPES_ENV = "DSRECIPES_RECIPES"
+RECIPE_GROUP = "recipe"
+_FOLDER_SCHEME = "dsrecipes-recipes"
+_FILE_SCHEME = "dsrecipes-recipe-file"
+
+
+def is_path(value: str) -> bool:
+    """A `recipe=` value that names a file rather than a recipe name."""
+    return value.endswith((".yaml", ".yml")) or value.startswith(("/", "./", "../", "~"))
+
+
+def user_recipe_dirs() -> List[Path]:
+    """The folders of $DSRECIPES_RECIPES, in order; a folder that does not exist is a ConfigError."""
+    dirs = [Path(p).expanduser().resolve() for p in os.environ.get(RECIPES_ENV, "").split(os.pathsep) if p.strip()]
+    missing = [str(d) for d in dirs if not d.is_dir()]
+    if missing:
+        raise ConfigError(f"{RECIPES_ENV}: not a folder: {', '.join(missing)}")
+    return dirs
+
+
+def user_recipes() -> Dict[str, Path]:
+    """{name: file} for every recipe in the user's folders (the first folder holding a name wins)."""
+    found: Dict[str, Path] = {}
+    for folder in user_recipe_dirs():
+        for path in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
+            found.setdefault(path.stem, path)
+    return found
+
+
+def search_path() -> object:
+    """Hydra's config search path: Hydra's own configs, the user's recipe folders, conf/, recipe files, schemas."""
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
+
+    from dsrecipes.paths import conf_dir
+
+    register_sources()
+    csp = create_config_search_path(str(conf_dir()))
+    before_main = SearchPathQuery(provider="main")
+    for folder in user_recipe_dirs():
+        csp.prepend(provider="dsrecipes-user", path=f"{_FOLDER_SCHEME}://{folder}", anchor=before_main)
+    csp.prepend(provider="dsrecipes-file", path=f"{_FILE_SCHEME}://{Path.cwd()}", anchor=SearchPathQuery(provider="schema"))
+    return csp
+
+
+def register_sources() -> None:
+    """Teach Hydra the two schemes (explicitly, never at import; registering twice is a no-op)."""
+    from hydra._internal.sources_registry import SourcesRegistry
+
+    SourcesRegistry.instance().register(_RecipeFolderSource)
+    SourcesRegistry.instance().register(_RecipeFileSource)
+
+
+class _RecipeSourceBase(ConfigSource):
+    """A config source that serves only `recipe/<value>` (nothing else of the tree)."""
+
+    def _file(self, config_path: str) -> Optional[Path]:
+        raise NotImplementedError
+
+    def load_config(self, config_path: str) -> ConfigResult:
+        path = self._file(config_path)
+        if path is None or not path.is_file():
+            raise ConfigLoadError(f"Config not found: {config_path}")
+        text = path.read_text(encoding="utf-8")
+        with open(path, encoding="utf-8") as fh:  # OmegaConf's loader: the same YAML dialect as every conf/ file
+            config = OmegaConf.load(fh) if text.strip() else OmegaConf.create({})
+        return ConfigResult(config=config, path=f"{self.scheme()}://{path}", provider=self.provider,
+                            header=ConfigSource._get_header_dict(text[:512]))
+
+    def available(self) -> bool:
+        return True
+
+    def is_group(self, config_path: str) -> bool:
+        return config_path in ("", RECIPE_GROUP)
+
+    def is_config(self, config_path: str) -> bool:
+        path = self._file(config_path)
+        return path is not None and path.is_file()
+
+    def list(self, config_path: str, results_filter: object) -> List[str]:
+        return []
+
+
+class _RecipeFolderSource(_RecipeSourceBase):
+    """`recipe/NAME` -> FOLDER/NAME.yaml (or .yml)."""
+
+    @staticmethod
+    def scheme() -> str:
+        return _FOLDER_SCHEME
+
+    def _file(self, config_path: str) -> Optional[Path]:
+        group, _, name = config_path.partition("/")
+        if group != RECIPE_GROUP or not name or is_path(name.removesuffix(".yaml")):
+            return None
+        stem = name.removesuffix(".yaml")
+        for candidate in (Path(self.path, f"{stem}.yaml"), Path(self.path, f"{stem}.yml")):
+            if candidate.is_file():
+                return candidate
+        return None
+
+    def list(self, config_path: str, results_filter: object) -> List[str]:
+        if config_path != RECIPE_GROUP:
+            return []
+        return sorted({p.stem for p in Path(self.path).iterdir() if p.suffix in (".yaml", ".yml")})
+
+
+class _RecipeFileSource(_RecipeSourceBase):
+    """`recipe/<path>` -> the file itself, relative paths against the working directory the search path saw."""
+
+    @staticmethod
+    def scheme() -> str:
+        return _FILE_SCHEME
+
+    def _file(self, config_path: str) -> Optional[Path]:
+        group, _, value = config_path.partition("/")
+        if group != RECIPE_GROUP or not value:
+            return None
+        if value.endswith(".yml.yaml"):  # Hydra appends .yaml to what it loads
+            value = value.removesuffix(".yaml")
+        if not is_path(value):
+            return None
+        if not value.endswith((".yaml", ".yml")):
+            value += ".yaml"
+        return Path(self.path, os.path.expanduser(value))
+
+
+def create_hydra(task_name: str = "dsrecipes") -> object:
+    """A fresh global Hydra on `search_path()` (what `initialize_config_dir` does, with our sources), version base 1.3."""
+    from hydra import version
+    from hydra._internal.hydra import Hydra
+    from hydra.core.global_hydra import GlobalHydra
+
+    version.setbase("1.3")
+    GlobalHydra.instance().clear()
+    return Hydra.create_main_hydra2(task_name=task_name, config_search_path=search_path())

@@ -1,0 +1,228 @@
+"""Rank liveness across nodes: every rank beats in the job's store, and a silent peer ends the run in bounded time.
+
+A node that dies hard (power, kernel, a cut network) closes no TCP connection, so the other ranks would sit in their
+next collective until the process-group timeout (30 minutes by default). Instead each rank runs a daemon thread
+that bumps its counter in the job's TCPStore (MASTER_ADDR:MASTER_PORT: rank 0's store, or torchrun's agent store)
+every second; the first rank of each node also reads every counter. A counter that stops moving for
+`launcher.peer_timeout_s`, or a store that stops answering for that long, ends this rank (exit PEER_LOST_EXIT) after
+it wrote `<run>/failure.json`: which ranks went silent, on which node (node rank, host, address). The launcher of
+each surviving node then stops its other ranks, and the launching process names the failed node from that file
+(`describe_failure`). A rank that crashes on a broken connection (a killed peer does close its sockets) first asks
+the same counters who is gone (`explain_crash`), so both ways end in the same report.
+
+A rank stops its heartbeat (marking itself done) before the final barrier, so ranks that finish and exit at
+different times are never taken for dead. Threads keep beating while the main thread computes or waits in a
+collective (both release the GIL), so only a dead or unreachable process goes silent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+FAILURE_FILE = "failure.json"
+PEER_LOST_EXIT = 75  # EX_TEMPFAIL: the run can be resumed with the same command
+PREFIX = "dsrecipes/heartbeat"
+DONE = b"done"
+INTERVAL_S = 1.0
+CRASH_GRACE_S = 4.0  # after a broken collective: a peer silent this long is gone
+QUIET_S = 2.5 * INTERVAL_S  # not beating now: reported along with a peer past the timeout
+
+_current: Optional["Heartbeat"] = None
+
+
+def start(run_dir: Path, rank: int, world_size: int, timeout_s: int) -> Optional["Heartbeat"]:
+    """Start this rank's heartbeat (nothing for a lone process or with launcher.peer_timeout_s=0)."""
+    global _current
+    if world_size < 2 or timeout_s <= 0 or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None
+    beat = Heartbeat(Path(run_dir), rank, world_size, float(timeout_s))
+    try:
+        beat.start()
+    except Exception as exc:  # noqa: BLE001 - a safety net must not be what stops a run
+        print(f"dsrecipes: warning: rank {rank} runs without a heartbeat ({type(exc).__name__}: {exc}); a dead node "
+              "would leave it waiting for the process-group timeout", file=sys.stderr, flush=True)  # fmt: skip
+        return None
+    _current = beat
+    return _current
+
+
+def stop() -> None:
+    """Mark this rank done and stop beating (before the final barrier)."""
+    global _current
+    if _current is not None:
+        _current.stop()
+        _current = None
+
+
+def explain_crash() -> None:
+    """Called while an exception ends this rank: if peers are gone, report them (and exit) instead of a traceback."""
+    if _current is not None:
+        _current.explain_crash()
+
+
+class Heartbeat:
+    def __init__(self, run_dir: Path, rank: int, world_size: int, timeout_s: float):
+        self.run_dir, self.rank, self.world_size, self.timeout_s = run_dir, rank, world_size, timeout_s
+        self.master = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        self.monitor = os.environ.get("LOCAL_RANK", "0") == "0"
+        self.prefix = f"{PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self.threshold = timeout_s
+        self._stop = threading.Event()
+        self._who: Dict[int, Dict[str, Any]] = {}
+        self._failing = threading.Lock()
+        self._last_ok = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name="dsrecipes-heartbeat", daemon=True)
+        self._guard_thread = threading.Thread(target=self._guard, name="dsrecipes-heartbeat-guard", daemon=True)
+
+    def start(self) -> None:
+        import torch.distributed as dist
+
+        self.store = dist.TCPStore(self.master[0], self.master[1], is_master=False, wait_for_workers=False,
+                                   timeout=timedelta(seconds=self.timeout_s))  # fmt: skip
+        self.store.set(self._key("who", self.rank), json.dumps(whoami(self.rank, self.master[0])))
+        self.store.add(self._key("beat", self.rank), 1)
+        self._last_ok = time.monotonic()
+        self._thread.start()
+        self._guard_thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * INTERVAL_S + self.timeout_s)
+        try:
+            self.store.set(self._key("beat", self.rank), DONE.decode())
+        except Exception:  # noqa: BLE001 - the run is over; a vanished store does not matter now
+            pass
+
+    def explain_crash(self) -> None:
+        """Look at the peers for a short while with a short threshold; `_fail` exits if any is gone."""
+        self.monitor, self.threshold = True, min(self.threshold, CRASH_GRACE_S)
+        if not self._thread.is_alive():
+            return
+        self._thread.join(timeout=self.threshold + 3 * INTERVAL_S)
+
+    def _store_name(self) -> str:
+        return f"{self.master[0]}:{self.master[1]} (the first node: rank 0 or torchrun's agent)"
+
+    def _key(self, kind: str, rank: int) -> str:
+        return f"{self.prefix}/{kind}/{rank}"
+
+    def _loop(self) -> None:
+        last_value: Dict[int, bytes] = {}
+        last_change: Dict[int, float] = {}
+        while not self._stop.wait(INTERVAL_S):
+            try:
+                self.store.add(self._key("beat", self.rank), 1)
+                if self.monitor:
+                    now = time.monotonic()
+                    for r, value in self._read_beats().items():
+                        if last_value.get(r) != value:
+                            last_value[r], last_change[r] = value, now
+                    quiet = {r: now - last_change[r] for r, v in last_value.items() if v != DONE}
+                    if any(t > self.threshold for t in quiet.values()) and not self._stop.is_set():
+                        # with it, every rank that is not beating now (its node's other ranks died with it)
+                        lost = [r for r, t in quiet.items() if t > QUIET_S]
+                        self._fail(lost, f"no heartbeat for {self.threshold:.0f} s")
+                self._last_ok = time.monotonic()
+            except Exception as exc:  # noqa: BLE001 - the store's host died (connection reset) or timed out
+                if not self._stop.is_set():
+                    self._fail([], f"the job's store at {self._store_name()} stopped answering ({type(exc).__name__})")
+
+    def _guard(self) -> None:
+        """A store call stuck on a silent network never returns; this thread (no I/O) notices that."""
+        while not self._stop.wait(INTERVAL_S):
+            if time.monotonic() - self._last_ok > self.timeout_s + 2 * INTERVAL_S:
+                self._fail([], f"the job's store at {self._store_name()} did not answer for {self.timeout_s:.0f} s")
+
+    def _read_beats(self) -> Dict[int, bytes]:
+        keys = [self._key("beat", r) for r in range(self.world_size)]
+        if not self.store.check(keys):  # a rank that has not registered yet cannot be read without blocking
+            return {r: v for r, v in ((r, self._peek(k)) for r, k in enumerate(keys)) if v is not None}
+        if len(self._who) < self.world_size:  # everyone is registered: learn where each rank runs, once
+            who = self.store.multi_get([self._key("who", r) for r in range(self.world_size)])
+            self._who = {r: json.loads(raw) for r, raw in enumerate(who)}
+        return dict(enumerate(self.store.multi_get(keys)))
+
+    def _peek(self, key: str) -> Optional[bytes]:
+        return self.store.get(key) if self.store.check([key]) else None
+
+    def _describe(self, ranks: List[int]) -> List[Dict[str, Any]]:
+        out = []
+        for r in ranks:
+            if r not in self._who:
+                try:
+                    raw = self._peek(self._key("who", r))
+                    self._who[r] = json.loads(raw) if raw else {"rank": r}
+                except Exception:  # noqa: BLE001
+                    self._who[r] = {"rank": r}
+            out.append(self._who[r])
+        return out
+
+    def _fail(self, ranks: List[int], reason: str) -> None:
+        if not self._failing.acquire(blocking=False):
+            return  # the other thread is already reporting
+        lost = self._describe(sorted(ranks))
+        record = {"lost": lost, "reason": reason, "detected_by": whoami(self.rank, self.master[0]), "time": time.time()}
+        first = write_failure(self.run_dir, record)
+        print(f"dsrecipes: {describe_failure(first)}; stopping rank {self.rank}", file=sys.stderr, flush=True)
+        os._exit(PEER_LOST_EXIT)
+
+
+def whoami(rank: int, master_addr: str) -> Dict[str, Any]:
+    """This rank's place: node rank (deepspeed: CROSS_RANK, torchrun: GROUP_RANK), host name, cluster address."""
+    node = os.environ.get("CROSS_RANK") or os.environ.get("GROUP_RANK")
+    return {"rank": rank, "node": int(node) if node and node.isdigit() else None, "host": socket.gethostname(),
+            "addr": route_address(master_addr), "pid": os.getpid()}  # fmt: skip
+
+
+def route_address(master_addr: str) -> Optional[str]:
+    """The local address this node uses to reach the master (no packet is sent: UDP connect only routes)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master_addr, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def write_failure(run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
+    """Write <run>/failure.json unless a rank did first; returns the report that stands. The first one wins: later
+    ones come from ranks that saw the run coming down (their own node's ranks stopping included), not the cause."""
+    tmp = run_dir / f".{FAILURE_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    try:
+        os.link(tmp, run_dir / FAILURE_FILE)  # atomic, and fails if another rank reported first
+    except OSError:
+        return read_failure(run_dir) or record
+    finally:
+        tmp.unlink(missing_ok=True)
+    return record
+
+
+def read_failure(run_dir: Path) -> Optional[Dict[str, Any]]:
+    try:
+        return json.loads((Path(run_dir) / FAILURE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def describe_failure(record: Dict[str, Any]) -> str:
+    """'node 1 (node1, 10.213.0.2) failed: ranks 2, 3 stopped responding (no heartbeat for 10 s)'."""
+    by_node: Dict[str, List[int]] = {}
+    for who in record.get("lost", []):
+        where = [str(x) for x in (who.get("host"), who.get("addr")) if x]
+        node = f"node {who['node']}" if who.get("node") is not None else "node"
+        label = f"{node} ({', '.join(where)})" if where else node
+        by_node.setdefault(label, []).append(int(who["rank"]))
+    parts = [f"{label} failed: rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} stopped responding"
+             for label, r in by_node.items()]  # fmt: skip
+    if not parts:
+        return str(record.get("reason", "a peer failed"))
+    return "; ".join(parts) + f" ({record.get('reason', 'unknown')})"

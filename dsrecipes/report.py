@@ -1,0 +1,75 @@
+"""The closing summary a finished run prints: what it did (steps, losses, wall time, tokens/s), where its files are,
+and the next commands (compare with the start, chat, train further from the last checkpoint).
+
+Numbers come from `rundir.run_summary()` (metrics.jsonl), the one place that computes a run's headline numbers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shlex
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from dsrecipes.console import LOGS_DIR
+from dsrecipes.rundir import read_metrics, run_summary
+
+EXPORT_DIR = "export"  # export.py's name; repeated so printing a summary never imports torch
+LOSS_PLOT = "loss.png"
+
+
+def closing_summary(run_dir: Path, wall_s: float, overrides: Sequence[str], max_steps: Optional[int]) -> str:
+    from dsrecipes.metrics import format_seconds
+
+    summary = run_summary(run_dir)
+    rows = read_metrics(run_dir)
+    train = [r["loss"] for r in rows if r.get("loss") is not None]
+    evals = [r["eval_loss"] for r in rows if r.get("eval_loss") is not None]
+    speed = f" at {summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] else ""
+    lines = [f"done: {summary['steps']} steps in {format_seconds(wall_s)}{speed}"]
+    if train:
+        lines.append(f"  train loss   {train[0]:.4f} -> {train[-1]:.4f}")
+    if evals:
+        lines.append(f"  eval loss    {evals[0]:.4f} -> {evals[-1]:.4f}")
+    lines.append(f"  run dir      {run_dir}")
+    export = run_dir / EXPORT_DIR
+    if export.is_dir():
+        lines.append(f"  model        {export}  (Hugging Face format)")
+    if (run_dir / LOSS_PLOT).is_file():
+        lines.append(f"  loss curves  {run_dir / LOSS_PLOT}")
+    hidden = _hidden_lines(run_dir)
+    if hidden:
+        lines.append(f"  hidden logs  {run_dir / LOGS_DIR}  ({hidden} third-party line{'s' * (hidden != 1)} kept off "
+                     "the console)")
+    lines += ["next:"] + [f"  {what:<15}{cmd}" for what, cmd in next_commands(run_dir, overrides, summary["steps"],
+                                                                              max_steps)]
+    return "\n".join(lines)
+
+
+def next_commands(run_dir: Path, overrides: Sequence[str], steps: int, max_steps: Optional[int]) -> List[tuple]:
+    run = shlex.quote(str(run_dir))
+    out = []
+    if (run_dir / EXPORT_DIR).is_dir():
+        out.append(("compare:", f"dsrecipes prompt-eval --baseline {run} --finetuned {run}"))
+        if importlib.util.find_spec("dsrecipes.commands.chat") is not None:
+            out.append(("chat:", f"dsrecipes chat {run}"))
+    out.append(("train further:", resume_command(run_dir, overrides, steps, max_steps)))
+    return out
+
+
+def resume_command(run_dir: Path, overrides: Sequence[str], steps: int, max_steps: Optional[int]) -> str:
+    """The same command, pointed at this run directory: it resumes from the newest complete checkpoint. A run
+    that reached its step budget gets a doubled one (a finished epoch-based run: one more epoch to set by hand)."""
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in ("trainer.output_dir", "trainer.max_steps",
+                                                                             "hydra.run.dir")]
+    extra = [f"trainer.output_dir={run_dir}"]
+    if max_steps is not None:
+        extra.append(f"trainer.max_steps={max(max_steps, steps) * 2 if steps >= max_steps else max_steps}")
+    return shlex.join(["dsrecipes", *kept, *extra])
+
+
+def _hidden_lines(run_dir: Path) -> int:
+    logs = run_dir / LOGS_DIR
+    if not logs.is_dir():
+        return 0
+    return sum(len(p.read_text(encoding="utf-8", errors="replace").splitlines()) for p in logs.glob("*.log"))

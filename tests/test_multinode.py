@@ -1,0 +1,267 @@
+"""Multi-node for real on one machine: 2 network-namespace nodes x 2 CPU ranks = world 4 (tests/helpers/netns.py).
+
+Every path trains the tiny model for 4 steps and must read exactly what a single-node world-4 run reads (ledgers
+equal rank by rank, `dsrecipes audit --ledger` passes) and log exactly its losses:
+  launcher=deepspeed_multinode  launch/multinode_nossh.sh on both nodes (the launch/README.md walkthrough)
+  launcher=torchrun             the same script with LAUNCHER=torchrun (c10d rendezvous on node 0)
+  launcher=deepspeed + hostfile pdsh over ssh to an sshd per node; .deepspeed_env reaches the remote ranks; node 1
+                                is cut off and killed mid-run: every rank exits well within a minute, the launching
+                                process names node 1, and the same command resumes to identical losses
+Every rank pins gloo to GLOO_SOCKET_IFNAME=dsr0 (the veth name on every node), as on nodes with several NICs; here
+each node's own hostname also resolves to its cluster address (so gloo would find it without, but not on a
+machine whose hostname resolves to 127.0.0.1 or another NIC). Needs root (namespaces) and, for the ssh path, openssh-server + pdsh (scripts/test.sh installs them);
+skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import pytest
+
+from tests.conftest import REPO, subprocess_env
+from tests.helpers import netns
+
+pytestmark = pytest.mark.slow
+
+# launch/README.md's recipe (ZeRO-2, sample ledger), cut short: 4 steps, checkpoints at 2 and 4.
+TRAIN = [
+    "recipe=cpu_zero2_two_ranks", "debug=fast", "trainer.max_steps=4", "trainer.save_every=2", "trainer.log_every=1",
+    "trainer.export=false", "scheduler.warmup_steps=1", "optimizer.lr=3e-3", "dataset.max_samples=160",
+    "data.cutoff_len=64",
+]  # fmt: skip
+IFNAME_ENV = f"+launcher.env.GLOO_SOCKET_IFNAME={netns.IFNAME}"
+MARK = "DSRECIPES_TEST_MARK"  # reaches remote ranks only through .deepspeed_env
+RUN_TIMEOUT = 420
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("multinode")
+
+
+@pytest.fixture(scope="module")
+def cluster(workspace):
+    reason = netns.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with netns.Cluster(2, workspace / "cluster") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def ssh_cluster(cluster):
+    reason = netns.ssh_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    before = ssh_setup()
+    cluster.start_sshd()
+    yield cluster
+    assert ssh_setup() == before  # the machine's own ~/.ssh was never touched
+
+
+def ssh_setup() -> Optional[Dict[str, bytes]]:
+    home = Path.home() / ".ssh"
+    return {p.name: p.read_bytes() for p in home.iterdir() if p.is_file()} if home.is_dir() else None
+
+
+def test_without_root_the_cluster_tests_skip_and_say_why(monkeypatch):
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    assert netns.unavailable_reason().startswith("network namespaces need root")
+
+
+def env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    return subprocess_env(extra)
+
+
+def common(workspace: Path, run: Path) -> List[str]:
+    return [*TRAIN, f"data.cache_dir={workspace / 'cache'}", f"trainer.output_dir={run}", f"hydra.run.dir={run}"]
+
+
+def wait_all(procs: Sequence[subprocess.Popen], logs: Sequence[Path], timeout: float = RUN_TIMEOUT) -> List[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"timed out; log tails:\n{tails(logs)}")
+    return codes
+
+
+def tails(logs: Sequence[Path], n: int = 4000) -> str:
+    return "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-n:]}" for log in logs if log.exists())
+
+
+def losses(run: Path) -> Dict[int, float]:
+    from dsrecipes.metrics import read_metrics
+
+    return {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
+
+
+def ledgers(run: Path) -> Dict[int, dict]:
+    from dsrecipes.data.ledger import read_ledger
+
+    return {int(p.stem[4:]): read_ledger(p) for p in sorted((run / "ledger").glob("rank*.jsonl"))}
+
+
+def assert_same_training(run: Path, reference: Path) -> None:
+    """Exactly-once, equal steps on all 4 ranks (the audit CLI), the reference's samples per rank and its losses."""
+    audit = subprocess.run([sys.executable, "-m", "dsrecipes", "audit", "--ledger", str(run)], env=env(),
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    assert "4 rank(s)" in audit.stdout and audit.stdout.count(": 4 steps,") == 4, audit.stdout
+    assert ledgers(run) == ledgers(reference)
+    assert sorted(losses(run)) == [1, 2, 3, 4]
+    assert losses(run) == losses(reference)  # exact: same data, same all-reduce, world 4 either way
+
+
+@pytest.fixture(scope="module")
+def reference(workspace) -> Path:
+    """The single-node world-4 run every multi-node run must reproduce."""
+    run = workspace / "reference"
+    argv = [sys.executable, "-m", "dsrecipes", *common(workspace, run), "launcher=deepspeed", "launcher.num_gpus=4"]
+    log = workspace / "reference.log"
+    with open(log, "wb") as fh:
+        code = subprocess.run(argv, env=env(), cwd=workspace, stdout=fh, stderr=subprocess.STDOUT,
+                              timeout=RUN_TIMEOUT).returncode  # fmt: skip
+    assert code == 0, tails([log])
+    assert sorted(losses(run)) == [1, 2, 3, 4]
+    return run
+
+
+def walkthrough(cluster: netns.Cluster, workspace: Path, run: Path, launcher: str, name: str) -> List[int]:
+    """launch/multinode_nossh.sh on every node, as launch/README.md tells a user to (overrides on node 0 only)."""
+    script = str(REPO / "launch" / "multinode_nossh.sh")
+    node0 = cluster.nodes[0]
+    base = {"MASTER_ADDR": node0.addr, "MASTER_PORT": "29500", "NNODES": "2", "GPUS_PER_NODE": "2",
+            "RUN_DIR": str(run), "DATA_CACHE": str(workspace / "cache"), "LAUNCHER": launcher, "WAIT_S": "300"}  # fmt: skip
+    overrides = [*TRAIN, IFNAME_ENV]
+    procs, logs = [], []
+    for node in cluster.nodes:
+        log = workspace / f"{name}-{node.host}.log"
+        logs.append(log)
+        args = ["bash", script, *(overrides if node.index == 0 else [])]
+        with open(log, "wb") as fh:
+            procs.append(node.popen(args, env=env({**base, "NODE_RANK": str(node.index)}), cwd=workspace,
+                                    stdout=fh, stderr=subprocess.STDOUT))  # fmt: skip
+    codes = wait_all(procs, logs)
+    assert codes == [0, 0], tails(logs)
+    return codes
+
+
+def test_deepspeed_multinode_no_ssh(cluster, workspace, reference):
+    run = workspace / "nossh"
+    walkthrough(cluster, workspace, run, "deepspeed_multinode", "nossh")
+    text = (run / "launch.txt").read_text()
+    assert f"--master_addr {cluster.nodes[0].addr}" in text and "GLOO_SOCKET_IFNAME=dsr0" in text
+    assert_same_training(run, reference)
+
+
+def test_torchrun_multinode_c10d(cluster, workspace, reference):
+    run = workspace / "torchrun"
+    walkthrough(cluster, workspace, run, "torchrun", "torchrun")
+    assert f"--rdzv_endpoint {cluster.nodes[0].addr}:29500" in (run / "launch.txt").read_text()
+    assert_same_training(run, reference)
+
+
+def pdsh_argv(cluster: netns.Cluster, workspace: Path, run: Path, *extra: str) -> List[str]:
+    hostfile = workspace / "hostfile"
+    hostfile.write_text(cluster.hostfile(slots=2))
+    return cluster.launching_argv(cluster.nodes[0], [
+        sys.executable, "-m", "dsrecipes", *common(workspace, run), "launcher=deepspeed", f"launcher.hostfile={hostfile}",
+        "launcher.num_nodes=2", "launcher.num_gpus=2", f"launcher.master_addr={cluster.nodes[0].addr}", IFNAME_ENV,
+        f"+launcher.env.{MARK}=via-deepspeed-env", *extra,
+    ])  # fmt: skip
+
+
+def workers(node: netns.Node) -> List[int]:
+    """Rank processes (`python -u -m dsrecipes.worker ...`) running on `node`."""
+    found = []
+    for pid in node.pids():
+        cmd = netns.cmdline_of(pid)
+        if "dsrecipes.worker" in cmd and cmd[cmd.index("dsrecipes.worker") - 1] == "-m":
+            found.append(pid)
+    return found
+
+
+def remote_worker_env(node: netns.Node, proc: subprocess.Popen, timeout: float = RUN_TIMEOUT) -> Dict[str, str]:
+    """The environment of a rank running on `node` (read from /proc while the run is going)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        for pid in workers(node):
+            found = netns.environ_of(pid)
+            if found:
+                return found
+        time.sleep(0.2)
+    return {}
+
+
+def test_deepspeed_over_ssh_pdsh_through_a_dead_node_and_resume(ssh_cluster, workspace, reference):
+    """launcher=deepspeed with a hostfile: pdsh over ssh to both nodes, .deepspeed_env reaching the node-1 ranks.
+    Node 1 is cut off and killed while rank 0 stalls after the step-2 checkpoint (the others wait in a collective),
+    so no connection is closed and only the heartbeat can notice; then the same command resumes on both nodes. The
+    result (both sessions through pdsh) must be the reference run, sample for sample and loss for loss."""
+    from dsrecipes.heartbeat import FAILURE_FILE
+    from dsrecipes.train import STALL_AFTER_STEP_ENV
+
+    node0, node1 = ssh_cluster.nodes
+    run = workspace / "pdsh"
+    timeout = ["launcher.peer_timeout_s=10"]
+    log = workspace / "pdsh.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(pdsh_argv(ssh_cluster, workspace, run, *timeout, f"+launcher.env.{STALL_AFTER_STEP_ENV}=2"),
+                                env=env(), cwd=workspace, stdout=fh, stderr=subprocess.STDOUT)  # fmt: skip
+        remote = remote_worker_env(node1, proc)
+        latest = run / "checkpoints" / "latest"
+        deadline = time.monotonic() + RUN_TIMEOUT
+        while not (latest.is_file() and latest.read_text() == "step_2"):
+            assert proc.poll() is None and time.monotonic() < deadline, tails([log])
+            time.sleep(0.2)
+        time.sleep(2)  # ranks 1-3 are in step 3's collective, rank 0 asleep
+        assert len(workers(node0)) == 2 and len(workers(node1)) == 2
+        node1.link(False)  # cut first: the dying processes' FIN/RST never reach node 0
+        node1.kill()
+        killed = time.monotonic()
+        while workers(node0):
+            assert time.monotonic() - killed < 40, "node 0's ranks are still running 40 s after node 1 died"
+            time.sleep(0.2)
+        ranks_gone = time.monotonic() - killed
+        code = proc.wait(timeout=60)
+        launcher_gone = time.monotonic() - killed
+    out = log.read_text(errors="replace")
+    assert remote.get(MARK) == "via-deepspeed-env" and remote.get("GLOO_SOCKET_IFNAME") == netns.IFNAME, remote
+    assert remote.get("SSH_CONNECTION"), "the node-1 rank was not started over ssh"
+    assert sorted((run / ".deepspeed_env").read_text().splitlines()) == sorted([
+        f"{MARK}=via-deepspeed-env", f"{STALL_AFTER_STEP_ENV}=2", f"GLOO_SOCKET_IFNAME={netns.IFNAME}"])
+    assert code != 0, out[-3000:]
+    print(f"\nnode 1 killed: node 0's ranks gone after {ranks_gone:.1f} s, launching process after {launcher_gone:.1f} s",
+          file=sys.stderr)  # fmt: skip
+    assert ranks_gone < 30 and launcher_gone < 45  # peer_timeout_s=10, then the launchers stop the rest
+    orphans = lambda: [p for p in node0.pids() if not netns.cmdline_of(p)[0].startswith("sshd")]  # noqa: E731
+    deadline = time.monotonic() + 10
+    while orphans() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not orphans(), [netns.cmdline_of(p) for p in orphans()]  # pdsh, ssh, launchers: all gone
+    record = json.loads((run / FAILURE_FILE).read_text())
+    assert [(w["rank"], w["node"], w["host"], w["addr"]) for w in record["lost"]] == [
+        (2, 1, "node1", node1.addr), (3, 1, "node1", node1.addr)]
+    assert f"node 1 (node1, {node1.addr}) failed: ranks 2, 3 stopped responding" in out, out[-3000:]
+
+    ssh_cluster.revive(node1)
+    with open(log, "ab") as fh:  # the same command (without the fault injection): trainer.resume=auto
+        proc = subprocess.Popen(pdsh_argv(ssh_cluster, workspace, run, *timeout), env=env(), cwd=workspace,
+                                stdout=fh, stderr=subprocess.STDOUT)  # fmt: skip
+        code = wait_all([proc], [log])[0]
+    out = log.read_text(errors="replace")
+    assert code == 0, out[-4000:]
+    assert f"resumed from {run / 'checkpoints' / 'step_2'}" in out
+    assert not (run / FAILURE_FILE).exists()
+    assert_same_training(run, reference)
