@@ -142,18 +142,24 @@ def test_look_ahead_in_the_prompt_is_caught(merging_tok):
 
 
 def test_a_conversation_longer_than_the_long_text_threshold_is_never_one_text(tok):
-    """Issue 11's memory bound holds on the fast path: the one-text tokenizer never sees a conversation longer than
-    `long_text` characters (many short turns, or one huge turn); those go per segment (long texts by their head),
-    with the result per-segment tokenization gives."""
+    """Issue 11's memory bound holds on the fast path: the one-text tokenizer never sees a segment longer than
+    `long_text` characters nor a conversation longer than ONE_TEXT_SEGMENTS of them (thousands of short turns, or one
+    huge turn); those go per segment (long texts by their head), with the result per-segment tokenization gives. A
+    chat of many turns in between (past cutoff_len, as real chats often are) keeps the fast path."""
+    from dsrecipes.data.tokenize import ONE_TEXT_SEGMENTS
+
     cfg = make_cfg(TemplateKind.chatml, TrainOn.assistant, cutoff_len=16)
     fast, slow = Encoder(tok, cfg), Encoder(tok, cfg, full_text=False)
     assert fast.full_text and fast.long_text == 8 * (16 + 64)
     seen: List[int] = []
     spans = fast._full.spans
     fast._full.spans = lambda texts, replies: seen.extend(sum(map(len, t)) for t in texts) or spans(texts, replies)
-    many = Conversation("many", [Turn(Role.user if i % 2 == 0 else Role.assistant, f"turn {i} " * 5) for i in range(40)])
+    turns = lambda n: [Turn(Role.user if i % 2 == 0 else Role.assistant, f"turn {i} " * 5) for i in range(n)]  # noqa: E731
+    many = Conversation("many", turns(40))
+    endless = Conversation("endless", turns(600))
     huge = Conversation("huge", [Turn(Role.user, "q"), Turn(Role.assistant, "lorem ipsum " * 5000)])
     short = Conversation("short", [Turn(Role.user, "q"), Turn(Role.assistant, "a short reply")])
-    batch = fast.encode_arrays([many, short, huge])
-    assert seen and max(seen) <= fast.long_text and batch.per_segment == 2
-    assert fast.encode_batch([many, short, huge]) == slow.encode_batch([many, short, huge])
+    batch = fast.encode_arrays([many, short, huge, endless])
+    assert len(seen) == 2 and fast.long_text < max(seen) <= ONE_TEXT_SEGMENTS * fast.long_text
+    assert batch.per_segment == 2  # huge and endless
+    assert fast.encode_batch([many, short, huge, endless]) == slow.encode_batch([many, short, huge, endless])

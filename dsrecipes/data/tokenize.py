@@ -49,6 +49,7 @@ from dsrecipes.data.template import Segment, check_template, render
 from dsrecipes.errors import ConfigError
 
 LONG_TEXT_FACTOR = 8  # characters per token of cutoff_len above which a text is tokenized by its prefixes
+ONE_TEXT_SEGMENTS = 16  # a conversation of at most this many long_text lengths may be tokenized as one text
 HEAD_MARGIN = 64  # tokens a prefix must yield beyond cutoff_len + 1 before its head is trusted
 
 
@@ -175,8 +176,10 @@ class Encoder:
         todo = [i for i, segs in enumerate(rendered) if segs]
         spans: List[Optional[Spans]] = [None] * len(convs)
         if self._full is not None:
-            # A conversation longer than long_text is never tokenized whole: per segment, long texts by their head.
-            whole = [i for i in todo if sum(len(seg.text) for seg in rendered[i]) <= self.long_text]
+            # One text when no segment is long (a long one is tokenized by its head, per segment) and the whole stays
+            # within ONE_TEXT_SEGMENTS long texts (~20 MB of tokenizer memory at cutoff 1024): a real chat of many
+            # turns past cutoff_len still takes the fast path, and no row is ever tokenized whole beyond that.
+            whole = [i for i in todo if self._one_text_fits(rendered[i])]
             for i, s in zip(whole, self._one_text([rendered[i] for i in whole])):
                 spans[i] = s
         fallback = [i for i in todo if spans[i] is None]
@@ -189,6 +192,10 @@ class Encoder:
         batch.bad = sorted(bad, key=lambda b: b[0])
         batch.per_segment = len(fallback) if self._full is not None else 0
         return batch
+
+    def _one_text_fits(self, segs: List[Segment]) -> bool:
+        sizes = [len(seg.text) for seg in segs]
+        return max(sizes) <= self.long_text and sum(sizes) <= ONE_TEXT_SEGMENTS * self.long_text
 
     def encode_texts(self, texts: List[str]) -> List[List[int]]:
         if not texts:
