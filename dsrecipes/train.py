@@ -14,6 +14,7 @@ exit code. Rank 0 writes how the ranks ended into rank_outcome.json for the laun
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import random
@@ -36,6 +37,7 @@ from dsrecipes.metrics import MetricsLogger, Window
 from dsrecipes.model import build_model, count_parameters, load_tokenizer, micro_batch_loss, trainable_parameters
 from dsrecipes.rundir import CHECKPOINTS_DIR, launcher_alive, rank_lock, read_ds_config, write_outcome
 from dsrecipes.runplan import RunPlan, read_plan
+from dsrecipes.schedule import StepScheduler, warmup_steps
 from dsrecipes.step_guard import StepGuard, discard_step, nonfinite, pause_for_signal
 
 
@@ -108,8 +110,12 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
     eval_loader = build_eval_loader(cfg, tokenizer, rank, world_size, run_dir)
     check_loader(train_loader, plan)
     resume = open_resume(plan.resume)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable_parameters(model), config=ds_config)
+    schedule = functools.partial(StepScheduler, cfg=cfg.scheduler, peak_lr=cfg.optimizer.lr,
+                                 total_steps=plan.total_steps)  # DeepSpeed calls it with the optimizer it built
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable_parameters(model), config=ds_config,
+                                           lr_scheduler=schedule)
     state = TrainState() if resume is None else load_checkpoint(engine, train_loader, resume)
+    engine.lr_scheduler.resume_at(state.step)  # this run's schedule (its step budget) from the first resumed step
     metrics = MetricsLogger(run_dir, rank, plan.total_steps, start_step=state.step, cfg=cfg)
     metrics.info(describe_run(cfg, model, plan, resume))
     return Session(cfg, run_dir, plan, rank, engine, train_loader, eval_loader, state, metrics,
@@ -151,6 +157,8 @@ def loop(s: Session) -> None:
             for micro_loss, micro_batch in guard.take_pending():
                 window.add(micro_loss, micro_batch)
         state.step += 1
+        if bad:  # a skipped step counts in the schedule too (DeepSpeed's overflow path does not step it)
+            engine.lr_scheduler.resume_at(state.step)
         s.metrics.step()
         if (logs_at(state.step, total, t) or stop) and not bad:
             state.elapsed = time.perf_counter() - clock_start
@@ -305,6 +313,9 @@ def describe_run(cfg: TrainConfig, model: Any, plan: RunPlan, resume: Optional[R
     if resume is not None:
         how = f", written by {resume.saved_world_size} ranks" if resume.saved_world_size != world else ""
         lines.append(f"resumed from {resume.tag_dir}{how}" + (" (universal checkpoint)" if resume.universal else ""))
+    _, note = warmup_steps(cfg.scheduler, plan.total_steps)
+    if note is not None:
+        lines.append(note)
     return "\n".join(lines)
 
 
