@@ -31,14 +31,17 @@ import time
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
+_CLAIMS: List[object] = []  # run directories held (locked) for the whole benchmark, as `python -m dsrecipes` does
+
 
 def make_run_dir(root: Path, overrides: List[str], steps: int) -> Tuple[Any, Path]:
     from dsrecipes.config.load import compose_and_load
     from dsrecipes.entry import write_run_dir
+    from dsrecipes.rundir import claim
     from dsrecipes.topology import Topology
 
     run_dir = root / "run"
-    run_dir.mkdir(parents=True)
+    _CLAIMS.append(claim(run_dir, "benchmark run directory", "benchmark"))
     cfg = compose_and_load([
         *overrides, f"trainer.max_steps={steps}", "trainer.save_every=0", "trainer.eval_every=0",
         "dataset.val_size=0", "trainer.export=false", "trainer.resume=never", f"trainer.output_dir={run_dir}",

@@ -1,4 +1,5 @@
-"""Checkpoints that survive a kill, exact resume and retention (export to Hugging Face: export.py).
+"""Checkpoints that survive a kill, exact resume and retention (choosing one to resume from: checkpoint_find.py;
+export to Hugging Face: export.py).
 
 Layout of `<run>/checkpoints/`:
 
@@ -6,12 +7,16 @@ Layout of `<run>/checkpoints/`:
         data_state/rank<R>.json   each rank's data position (loader.state_dict()); DeepSpeed keeps only rank 0's
                                   client_state, so per-rank positions cannot go there
         rng/rank<R>.pt            each rank's python / numpy / torch RNG states (DeepSpeed saves none)
-        complete.json             written by rank 0 after every rank finished writing (barrier)
-    latest                        the tag of the newest complete checkpoint (same format as DeepSpeed's own file),
-                                  replaced atomically (tmp + os.replace) only after complete.json exists
+        config.yaml               the settings that wrote it (the resume contract compares against them)
+        complete.json             the commit record, written last: step, world size, data fingerprint and the size
+                                  and hash of every other file (manifest.py)
+    latest                        the tag of the newest checkpoint (same format as DeepSpeed's own file)
 
-A run killed mid-save leaves a step dir without complete.json and `latest` still naming the previous checkpoint,
-so `trainer.resume=auto` restarts from the last good one. The partial dir is removed by the next retention pass.
+A save writes into `step_<N>.partial/` and rank 0 renames it to `step_<N>` only after every rank finished and
+complete.json is written, so a tag is never half written and never half old, half new (re-saving an existing tag,
+after an explicit resume from an earlier step, swaps the whole directory). A run killed mid-save leaves a
+`.partial` directory, which the next save or retention pass removes. LoRA runs leave the frozen base out
+(`exclude_frozen_parameters`); it is rebuilt from `model.path` (or the tiny model's seed) on resume and export.
 """
 
 from __future__ import annotations
@@ -20,23 +25,28 @@ import json
 import os
 import random
 import shutil
+import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
 
-from dsrecipes.config.schema import ResumeMode, TrainerConfig
+import dsrecipes.manifest as manifest
 from dsrecipes.errors import UserError
 from dsrecipes.fileio import atomic_write_json, atomic_write_text
+from dsrecipes.rundir import CHECKPOINTS_DIR, CONFIG_FILE
 from dsrecipes.runplan import ResumePlan
 
-CHECKPOINTS = "checkpoints"
+CHECKPOINTS = CHECKPOINTS_DIR
 LATEST = "latest"
 COMPLETE = "complete.json"
 UNIVERSAL = "universal"
-# Fault injection for tests: kill every rank after the engine checkpoint of this step is written, before `latest`.
+PARTIAL = ".partial"  # suffix of a tag directory being written
+REPLACED = ".replaced"  # suffix of an old tag directory while a re-save swaps it out
+# Fault injection for tests: kill every rank after the engine checkpoint of this step is written, before the commit.
 KILL_BEFORE_LATEST_ENV = "DSRECIPES_KILL_BEFORE_LATEST"
 
 
@@ -48,6 +58,7 @@ class TrainState:
     epoch: int = 0  # epoch the data loader is in
     samples_seen: int = 0  # samples (packed rows count their samples) over all ranks
     elapsed: float = 0.0  # training seconds over all attempts
+    skipped_steps: int = 0  # steps dropped for a non-finite loss (trainer.nan_policy=skip)
 
 
 def tag_for(step: int) -> str:
@@ -62,27 +73,79 @@ def step_of(tag_dir: Path) -> int:
 # Save (every rank)
 
 
-def save_checkpoint(engine: Any, loader: Any, state: TrainState, run_dir: Path, keep: int) -> Path:
-    """Collective: every rank writes its shards, data position and RNG; rank 0 then commits `latest` and prunes."""
+def save_checkpoint(engine: Any, loader: Any, state: TrainState, run_dir: Path, keep: int, *,
+                    frozen_excluded: bool, record: Dict[str, Any]) -> Path:
+    """Collective: every rank writes its shards, data position and RNG into `step_<N>.partial`; rank 0 then
+    commits (complete.json, rename, `latest`) and prunes. `record` goes into complete.json (data fingerprint)."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
     root = Path(run_dir) / CHECKPOINTS
     tag = tag_for(state.step)
-    engine.save_checkpoint(str(root), tag=tag, client_state={"train_state": asdict(state)}, save_latest=False)
-    tag_dir = root / tag
-    atomic_write_json(tag_dir / "data_state" / f"rank{rank}.json", loader.state_dict())
-    (tag_dir / "rng").mkdir(parents=True, exist_ok=True)
-    torch.save(rng_state(), tag_dir / "rng" / f"rank{rank}.pt")
+    staging = root / (tag + PARTIAL)
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)  # left by a save of this step that was killed
+    dist.barrier()
+    with _frozen_aliases_left_out(engine.module, frozen_excluded):
+        engine.save_checkpoint(str(root), tag=staging.name, client_state={"train_state": asdict(state)},
+                               save_latest=False, exclude_frozen_parameters=frozen_excluded)
+    atomic_write_json(staging / "data_state" / f"rank{rank}.json", loader.state_dict())
+    (staging / "rng").mkdir(parents=True, exist_ok=True)
+    torch.save(rng_state(), staging / "rng" / f"rank{rank}.pt")
     dist.barrier()
     if os.environ.get(KILL_BEFORE_LATEST_ENV) == str(state.step):
         os._exit(17)  # simulate a crash between the shard writes and the commit
     if rank == 0:
-        atomic_write_json(tag_dir / COMPLETE, {"step": state.step, "world_size": dist.get_world_size()})
-        atomic_write_text(root / LATEST, tag)
+        record = {**record, "step": state.step, "world_size": dist.get_world_size(), "saved_at": time.time(),
+                  "frozen_excluded": frozen_excluded}
+        commit(run_dir, staging, root / tag, record)
         prune_checkpoints(root, keep)
     dist.barrier()
-    return tag_dir
+    return root / tag
+
+
+@contextmanager
+def _frozen_aliases_left_out(module: torch.nn.Module, active: bool) -> Iterator[None]:
+    """DeepSpeed's `exclude_frozen_parameters` drops each frozen parameter under its first name only, so a tied
+    alias (`lm_head.weight` of tied embeddings: a whole vocabulary matrix) would still be saved. While saving, every
+    name of a frozen parameter is left out of the state dict."""
+    if not active:
+        yield
+        return
+    frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+    def drop_frozen(_module: Any, state_dict: Dict[str, Any], prefix: str, _metadata: Any) -> None:
+        for key in [k for k in state_dict if k[len(prefix):] in frozen]:
+            del state_dict[key]
+
+    handle = module.register_state_dict_post_hook(drop_frozen)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def commit(run_dir: Path, staging: Path, final: Path, record: Dict[str, Any]) -> None:
+    """Rank 0: the config beside the weights, complete.json (every file's size and hash) last, then the rename."""
+    shutil.copyfile(Path(run_dir) / CONFIG_FILE, staging / CONFIG_FILE)
+    atomic_write_json(staging / COMPLETE, {**record, "files": manifest.describe(staging, skip=[COMPLETE])})
+    if final.exists():  # re-saving a tag (a resume from an earlier step): swap whole directories
+        old = final.with_name(final.name + REPLACED)
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(staging, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, final)
+    atomic_write_text(final.parent / LATEST, final.name)
+
+
+def read_record(tag_dir: Path) -> Dict[str, Any]:
+    """complete.json of a checkpoint; ValueError/OSError when it is missing or not a commit record."""
+    record = json.loads((Path(tag_dir) / COMPLETE).read_text(encoding="utf-8"))
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int) or "world_size" not in record:
+        raise ValueError("not a checkpoint commit record")
+    return record
 
 
 def rng_state() -> Dict[str, Any]:
@@ -101,63 +164,34 @@ def restore_rng(state: Dict[str, Any]) -> None:
 
 
 def prune_checkpoints(root: Path, keep: int) -> List[Path]:
-    """Delete all but the newest `keep` complete checkpoints, and partial ones older than the newest complete one."""
-    dirs = sorted((d for d in root.glob("step_*") if d.is_dir()), key=step_of)
-    complete = [d for d in dirs if (d / COMPLETE).is_file()]
-    kept = set(complete[-keep:])
-    newest = step_of(complete[-1]) if complete else -1
-    removed = [d for d in dirs if d not in kept and step_of(d) <= newest]
+    """Delete all but the `keep` most recently committed checkpoints, plus what killed saves left behind.
+
+    Commit order, not step order: after a resume from an earlier step, the checkpoints just written are the ones
+    to keep. Only our own names are touched (`step_<N>`, `step_<N>.partial`, `step_<N>.replaced`)."""
+    tags = [d for d in root.glob("step_*") if d.is_dir() and d.name.split("_", 1)[1].isdigit()]
+    committed = sorted((d for d in tags if (d / COMPLETE).is_file()), key=commit_order)
+    kept = set(committed[-keep:])
+    newest = step_of(committed[-1]) if committed else -1
+    removed = [d for d in tags if d not in kept and ((d / COMPLETE).is_file() or step_of(d) <= newest)]
+    removed += [d for d in root.glob("step_*") if d.is_dir() and d.name.endswith((PARTIAL, REPLACED))]
     for d in removed:
         shutil.rmtree(d, ignore_errors=True)
     return removed
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Find (the launching process decides; ranks follow the plan)
-
-
-def find_resume_checkpoint(trainer: TrainerConfig, run_dir: Path) -> Optional[Path]:
-    """The tag dir a run continues from, or None: `trainer.resume_from` when set, else with `trainer.resume=auto`
-    the newest complete checkpoint of this run directory."""
-    if trainer.resume is ResumeMode.never:
-        return None
-    if trainer.resume_from is None:
-        return latest_complete(Path(run_dir) / CHECKPOINTS)
-    path = Path(trainer.resume_from).expanduser()
-    for candidate in (path, path / CHECKPOINTS):
-        if (candidate / COMPLETE).is_file():
-            return candidate
-        found = latest_complete(candidate)
-        if found is not None:
-            return found
-    raise UserError(
-        f"trainer.resume_from: {trainer.resume_from!r} is not a complete checkpoint (a checkpoints/step_<N> dir with "
-        f"{COMPLETE}), nor a run or checkpoints directory holding one"
-    )
-
-
-def latest_complete(root: Path) -> Optional[Path]:
-    """The tag named by `latest` when it is complete, else the newest complete step dir (None when there is none)."""
-    pointer = root / LATEST
-    if pointer.is_file():
-        tag_dir = root / pointer.read_text(encoding="utf-8").strip()
-        if (tag_dir / COMPLETE).is_file():
-            return tag_dir
-    complete = sorted((d for d in root.glob("step_*") if (d / COMPLETE).is_file()), key=step_of)
-    return complete[-1] if complete else None
-
-
-def plan_resume(trainer: TrainerConfig, run_dir: Path, world_size: int, zero_stage: int) -> Optional[ResumePlan]:
-    """What the run continues from (reads files only: the launching process calls this once, before any rank).
-
-    Another world size (elastic resume): ZeRO-0 states are whole and load as saved; ZeRO-1/2/3 shards go through a
-    DeepSpeed universal checkpoint (`"checkpoint": {"load_universal": true}` in ds_config.json)."""
-    tag_dir = find_resume_checkpoint(trainer, run_dir)
-    if tag_dir is None:
-        return None
-    saved = json.loads((tag_dir / COMPLETE).read_text(encoding="utf-8"))["world_size"]
-    elastic = saved != world_size and zero_stage > 0
-    return ResumePlan(str(tag_dir.resolve()), step_of(tag_dir), saved, elastic)
+def commit_order(tag_dir: Path) -> tuple:
+    """(commit time, step): the record's `saved_at`; for a record without one (older versions, or unreadable), when
+    complete.json was last written."""
+    try:
+        saved_at = float(read_record(tag_dir).get("saved_at") or 0.0)
+    except (OSError, ValueError):
+        saved_at = 0.0
+    if not saved_at:
+        try:
+            saved_at = (tag_dir / COMPLETE).stat().st_mtime
+        except OSError:
+            saved_at = 0.0
+    return (saved_at, step_of(tag_dir))
 
 
 @dataclass
@@ -167,6 +201,7 @@ class ResumePoint:
     tag: str
     saved_world_size: int
     universal: bool = False  # needs `"checkpoint": {"load_universal": true}` in the DeepSpeed config
+    frozen_excluded: bool = False  # LoRA: the frozen base is not in it (the model built from model.path has it)
 
 
 def open_resume(plan: Optional[ResumePlan]) -> Optional[ResumePoint]:
@@ -178,12 +213,15 @@ def open_resume(plan: Optional[ResumePlan]) -> Optional[ResumePoint]:
     if plan is None:
         return None
     tag_dir = Path(plan.checkpoint)
+    frozen_excluded = bool(read_record(tag_dir).get("frozen_excluded"))
     if not plan.elastic:
-        return ResumePoint(tag_dir, tag_dir.parent, tag_dir.name, plan.saved_world_size)
+        return ResumePoint(tag_dir, tag_dir.parent, tag_dir.name, plan.saved_world_size,
+                           frozen_excluded=frozen_excluded)
     if dist.get_rank() == 0 and not (tag_dir / UNIVERSAL / COMPLETE).is_file():
         convert_to_universal(tag_dir)
     dist.barrier()
-    return ResumePoint(tag_dir, tag_dir, UNIVERSAL, plan.saved_world_size, universal=True)
+    return ResumePoint(tag_dir, tag_dir, UNIVERSAL, plan.saved_world_size, universal=True,
+                       frozen_excluded=frozen_excluded)
 
 
 def convert_to_universal(tag_dir: Path) -> Path:
@@ -213,7 +251,8 @@ def load_checkpoint(engine: Any, loader: Any, point: ResumePoint) -> TrainState:
     import torch.distributed as dist
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    load_path, client_state = engine.load_checkpoint(str(point.load_dir), tag=point.tag)
+    load_path, client_state = engine.load_checkpoint(str(point.load_dir), tag=point.tag,
+                                                     load_module_strict=not point.frozen_excluded)
     if load_path is None:
         raise UserError(f"trainer.resume: DeepSpeed could not load {point.tag_dir}")
     source_rank = min(rank, point.saved_world_size - 1)

@@ -119,6 +119,55 @@ class _WarningRouter:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# A rank outliving its console
+
+
+class _Survivor:
+    """A rank's stdout/stderr, which is a pipe to the launching process's `relay`. A SIGKILLed launching process
+    leaves that pipe without a reader, and the next print would raise BrokenPipeError in the middle of the step
+    boundary where the rank checkpoints and stops (stopping.watch). The first broken write moves both console file
+    descriptors onto `log` (dup2, so C-level writers follow too) and writes there."""
+
+    def __init__(self, stream: IO[str], log: Path) -> None:
+        self._stream = stream
+        self._log = Path(log)
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            _divert(self._log)
+            return self._stream.write(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            _divert(self._log)
+            self._stream.flush()
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - everything else is the stream's
+        return getattr(self._stream, name)
+
+
+def _divert(log: Path) -> None:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        for target in (1, 2):
+            os.dup2(fd, target)
+    finally:
+        os.close(fd)
+
+
+def survive_lost_console(log: Path) -> None:
+    """Ranks started behind a relay: keep writing (into `log`) when the launching process is gone."""
+    if not isinstance(sys.stdout, _Survivor):
+        sys.stdout = _Survivor(sys.stdout, log)  # type: ignore[assignment]
+        sys.stderr = _Survivor(sys.stderr, log)  # type: ignore[assignment]
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Relaying a launcher binary's output
 
 

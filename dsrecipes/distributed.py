@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Tuple
+from typing import List, Tuple
 
 SINGLE_PROCESS_ENV = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
 
@@ -18,6 +18,29 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+SHM_DIR = "/dev/shm"
+SHM_BUFFER_PREFIX = "deepspeed_allreduce_buffer"  # DeepSpeed's CPU shared-memory all-reduce (csrc/cpu/comm/shm.cpp)
+
+
+def remove_shm_buffers(port: int) -> List[str]:
+    """Delete the shared-memory all-reduce buffers the ranks of the run on `port` left in /dev/shm.
+
+    DeepSpeed's CPU shm op creates one ~70 MB segment per rank, named after the user, master address and port, and
+    never unlinks it: every multi-rank CPU run would leave them in RAM (tmpfs) until the machine runs out of memory.
+    Called by the launching process after its ranks ended; the names carry this run's port, so no other run's
+    segment matches while that run is alive."""
+    import glob
+
+    removed = []
+    for path in glob.glob(os.path.join(SHM_DIR, f"{SHM_BUFFER_PREFIX}_{os.getuid()}_*_{int(port)}_*")):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
 
 
 def init_distributed() -> Tuple[int, int]:

@@ -1,52 +1,100 @@
 """The launching process: from a validated TrainConfig to a written run directory and running ranks.
 
-Compose once, then launch (commands/train.py composes and validates): this process refuses what cannot run on this
-machine, prepares the data (bad rows fail here, before any process group), makes the run plan (world size, rows,
-steps, resume point, data fingerprint), writes the run directory (config.yaml, plan.json, ds_config.json) and starts
-the ranks, which only read that directory.
+Compose once, then launch (commands/train.py composes, validates and claims the run directory): this process
+refuses what cannot run on this machine (preflight.py), decides the resume point (a verified checkpoint) and checks
+that the config may continue it (resume_contract.py) before it writes anything, then prepares the data (bad rows
+fail here, before any process group), makes the run plan (world size, rows, steps, resume point, data
+fingerprint), writes the run directory (config.yaml, plan.json, ds_config.json) and starts the ranks, which only
+read that directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import glob
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from dsrecipes.config.load import config_to_dict
-from dsrecipes.config.schema import DataKind, TrainConfig
-from dsrecipes.errors import ConfigError
-from dsrecipes.runplan import RunPlan, write_plan
+from dsrecipes.config.schema import DataKind, LauncherKind, TrainConfig
+from dsrecipes.errors import ConfigError, Refused, UserError
+from dsrecipes.rundir import CHECKPOINTS_DIR
+from dsrecipes.runplan import ResumePlan, RunPlan, write_plan
 from dsrecipes.topology import Topology, resolve_topology
 
 
-def run(cfg: TrainConfig) -> int:
-    """Prepare, plan, write the run directory (`trainer.output_dir`), launch. Returns the ranks' exit code."""
+def check_machine(cfg: TrainConfig) -> None:
+    """What cannot run on this machine (fp16 without CUDA, unwritable directories, a broken model directory, ...):
+    one ConfigError listing everything, before the run directory is claimed or any rank starts."""
     import torch
 
     from dsrecipes.config.validate import check_runtime
-    from dsrecipes.launch import launch
     from dsrecipes.model import check_no_custom_code
+    from dsrecipes.preflight import check_environment
     from dsrecipes.trackers import preflight
 
-    problems = check_runtime(cfg, cuda_available=torch.cuda.is_available()) + preflight(cfg)
+    problems = check_runtime(cfg, cuda_available=torch.cuda.is_available()) + check_environment(cfg) + preflight(cfg)
     if problems:
         raise ConfigError(problems)
     check_no_custom_code(cfg)
+
+
+@dataclass
+class Decision:
+    """What the run continues from and on which data, decided before anything is written (see `decide`)."""
+
+    topology: Topology
+    tokenizer: Any  # map data: the tokenizer of the preparation key (None otherwise)
+    data_fingerprint: str
+    data_files: Dict[str, str]
+    resume: Optional[ResumePlan]
+
+
+def decide(cfg: TrainConfig, topology: Optional[Topology] = None) -> Decision:
+    """Read-only: the run's topology, data identity and resume point, with the resume contract checked. Refused
+    (exit 2) here, the run directory stays exactly as it was."""
+    from dsrecipes.checkpoint_find import plan_resume
+
     run_dir = Path(cfg.trainer.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    plan = write_run_dir(cfg, resolve_topology(cfg.launcher))
+    topology = topology or resolve_topology(cfg.launcher)
+    check_fresh_start(cfg, run_dir)
+    if cfg.trainer.export:  # refused now, not after the training
+        from dsrecipes.export import EXPORT_DIR, check_out_dir
+
+        check_out_dir(run_dir / EXPORT_DIR, "trainer.export")
+    tokenizer = None
+    if cfg.data.kind is DataKind.map:
+        from dsrecipes.model import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg)
+    fingerprint, files = data_identity(cfg, tokenizer)
+    resume = plan_resume(cfg.trainer, run_dir, topology.world_size, cfg.zero.stage)
+    if resume is not None:
+        check_resume(cfg, resume, fingerprint, files)
+    return Decision(topology, tokenizer, fingerprint, files, resume)
+
+
+def run(cfg: TrainConfig, decision: Optional[Decision] = None) -> int:
+    """Plan, write the run directory (`trainer.output_dir`, already claimed: rundir.claim), launch. Returns the
+    ranks' exit code."""
+    from dsrecipes.launch import launch
+    from dsrecipes.rundir import clear_outcome
+
+    run_dir = Path(cfg.trainer.output_dir)
+    plan = write_run_dir(cfg, resolve_topology(cfg.launcher), decision)
+    clear_outcome(run_dir)
     print(f"run directory: {run_dir}  ({describe_plan(plan)})", flush=True)
     return launch(cfg, run_dir)
 
 
-def write_run_dir(cfg: TrainConfig, topology: Topology) -> RunPlan:
+def write_run_dir(cfg: TrainConfig, topology: Topology, decision: Optional[Decision] = None) -> RunPlan:
     """Prepare the data and plan the run, then write config.yaml, plan.json and ds_config.json."""
     from dsrecipes.ds_config import build_ds_config
     from dsrecipes.rundir import write_config, write_ds_config
 
     run_dir = Path(cfg.trainer.output_dir)
-    plan = plan_run(cfg, run_dir, topology)
+    plan = plan_run(cfg, run_dir, decision or decide(cfg, topology))
     write_config(run_dir, config_to_dict(cfg))
     write_plan(run_dir, plan)
     write_ds_config(run_dir, build_ds_config(cfg, plan.world_size, load_universal=plan.elastic))
@@ -60,38 +108,114 @@ def with_run_dir(cfg: TrainConfig, hydra_run_dir: Path) -> TrainConfig:
     return dataclasses.replace(cfg, trainer=trainer)
 
 
-def plan_run(cfg: TrainConfig, run_dir: Path, topology: Topology) -> RunPlan:
+def plan_run(cfg: TrainConfig, run_dir: Path, decision: Decision) -> RunPlan:
     """Every decision the ranks follow: what they read, how many steps, where they resume from."""
-    from dsrecipes.checkpoint import plan_resume
+    from dsrecipes.checkpoint_find import committed
     from dsrecipes.data.plan import plan_steps
 
-    rows, fingerprint = plan_data(cfg, run_dir)
+    topology = decision.topology
+    rows = plan_data(cfg, run_dir, decision.tokenizer, decision.data_fingerprint)
     per_epoch, total = plan_steps(cfg, topology.world_size, rows)
-    resume = plan_resume(cfg.trainer, run_dir, topology.world_size, cfg.zero.stage)
+    newest = committed(run_dir / CHECKPOINTS_DIR)
     return RunPlan(world_size=topology.world_size, num_nodes=topology.num_nodes, data_kind=cfg.data.kind.value,
-                   rows=rows, steps_per_epoch=per_epoch, total_steps=total, data_fingerprint=fingerprint,
-                   resume=resume)
+                   rows=rows, steps_per_epoch=per_epoch, total_steps=total, data_fingerprint=decision.data_fingerprint,
+                   resume=decision.resume, data_files=decision.data_files,
+                   newest_checkpoint=newest[0].name if newest else None,
+                   supervised=cfg.launcher.kind is not LauncherKind.slurm)
 
 
-def plan_data(cfg: TrainConfig, run_dir: Path) -> Tuple[Optional[int], str]:
-    """(training rows of an epoch, data fingerprint), after preparing (`map`), indexing and scanning (`iterable`:
-    the samples of one epoch, counted by the stream index) or reading the shard manifest (`presharded`)."""
+def check_fresh_start(cfg: TrainConfig, run_dir: Path) -> None:
+    """A run directory that holds a run is continued, never restarted over (metrics, checkpoints and retention
+    would mix two runs): `trainer.resume=never` there, or a resume from another run's checkpoint, is refused."""
+    from dsrecipes.config.schema import ResumeMode
+    from dsrecipes.rundir import holds_run
+
+    held = holds_run(run_dir)
+    if held is None:
+        return
+    if cfg.trainer.resume is ResumeMode.never:
+        raise Refused(f"trainer.resume=never: {run_dir} already holds a run ({held}); starting over there would "
+                        "mix or delete it. Choose a new trainer.output_dir, or continue it with trainer.resume=auto "
+                        "(nothing was changed)")
+    source = None if cfg.trainer.resume_from is None else Path(cfg.trainer.resume_from).expanduser().resolve()
+    if source is not None and source != run_dir.resolve() and run_dir.resolve() not in source.parents:
+        raise Refused(f"trainer.resume_from: {source} belongs to another run, but {run_dir} already holds a "
+                            f"run ({held}); continue another run's checkpoint in a new trainer.output_dir "
+                            "(nothing was changed)")
+
+
+def data_identity(cfg: TrainConfig, tokenizer: Any) -> Tuple[str, Dict[str, str]]:
+    """(fingerprint, {file: content hash}) of the training data, without writing anything: the preparation cache
+    key (`map`: files, dataset and preparation settings, tokenizer), the shard manifest's (`presharded`), or the
+    stream's (`iterable`)."""
+    if cfg.data.kind is DataKind.presharded:
+        from dsrecipes.data.shard import read_manifest
+
+        return read_manifest(cfg.data.shard_dir).fingerprint, {}
+    from dsrecipes.data.cache import cache_key, data_files, data_fingerprint
+    from dsrecipes.data.registry import resolve_sources
+
+    sources = resolve_sources(cfg.dataset)
+    files = data_files(cfg, sources)
+    if cfg.data.kind is DataKind.map:
+        return cache_key(cfg, tokenizer, sources), files
+    return data_fingerprint(cfg, sources), files
+
+
+def check_resume(cfg: TrainConfig, resume: ResumePlan, fingerprint: str, files: Dict[str, str]) -> None:
+    """The resume contract against what wrote the checkpoint (its config.yaml and complete.json; for checkpoints
+    of older versions, its run directory's config.yaml and plan.json). Exit 2 listing every difference that
+    cannot resume; one line for the accepted ones."""
+    import json
+
+    import yaml
+
+    import dsrecipes.resume_contract as resume_contract
+    from dsrecipes.checkpoint import read_record
+
+    tag_dir = Path(resume.checkpoint)
+    record = read_record(tag_dir)
+    config_path = tag_dir / "config.yaml"
+    if not config_path.is_file():
+        config_path = tag_dir.parent.parent / "config.yaml"
+    if not config_path.is_file():
+        return  # a bare checkpoint without its settings: nothing to compare against
+    saved = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+    saved_data, saved_files = record.get("data_fingerprint"), record.get("data_files") or {}
+    plan_path = tag_dir.parent.parent / "plan.json"
+    if saved_data is None and plan_path.is_file():
+        saved_data = json.loads(plan_path.read_text(encoding="utf-8")).get("data_fingerprint")
+    changed = [f"{f} changed" for f in sorted(set(saved_files) & set(files)) if saved_files[f] != files[f]]
+    changed += [f"{f} is new" for f in sorted(set(files) - set(saved_files)) if saved_files]
+    changed += [f"{f} is gone" for f in sorted(set(saved_files) - set(files))]
+    line = resume_contract.check(saved, config_to_dict(cfg), saved_data, fingerprint, str(tag_dir), changed)
+    if line:
+        print(line, flush=True)
+
+
+def plan_data(cfg: TrainConfig, run_dir: Path, tokenizer: Any, fingerprint: str) -> Optional[int]:
+    """Training rows of an epoch, after preparing (`map`), indexing and scanning (`iterable`: the samples of one
+    epoch, counted by the stream index) or reading the shard manifest (`presharded`). The data must still be what
+    `decide` fingerprinted."""
     if cfg.data.kind is DataKind.map:
         from dsrecipes.data.prepare import prepare
-        from dsrecipes.model import load_tokenizer
 
-        prepared = prepare(cfg, load_tokenizer(cfg), run_dir)
-        return len(prepared.train), prepared.stats["cache_key"]
-    if cfg.data.kind is DataKind.presharded:
+        prepared = prepare(cfg, tokenizer, run_dir)
+        rows, now = len(prepared.train), prepared.stats["cache_key"]
+    elif cfg.data.kind is DataKind.presharded:
         from dsrecipes.data.shard import read_manifest
 
         manifest = read_manifest(cfg.data.shard_dir)
         if cfg.data.prescan:
             _check_parts(cfg, run_dir, manifest)
-        return manifest.total, manifest.fingerprint
-    from dsrecipes.data.scan import prepare_stream
+        rows, now = manifest.total, manifest.fingerprint
+    else:
+        from dsrecipes.data.scan import prepare_stream
 
-    return prepare_stream(cfg, run_dir)
+        rows, now = prepare_stream(cfg, run_dir)
+    if now != fingerprint:
+        raise UserError("the training data changed while the run was being planned; start it again")
+    return rows
 
 
 def _check_parts(cfg: TrainConfig, run_dir: Path, manifest) -> None:

@@ -31,6 +31,30 @@ class DataError(UserError):
     """Input data is malformed; messages name `file:line`."""
 
 
+class RunInterrupted(Exception):
+    """The ranks stopped on SIGTERM/SIGINT at a step boundary (after saving a checkpoint when there was time)."""
+
+    def __init__(self, signum: int, step: int):
+        super().__init__(f"interrupted by signal {signum} at step {step}")
+        self.exit_code = 128 + int(signum)
+        self.step = step
+
+
+class TrainingFailed(Exception):
+    """Training cannot succeed (a non-finite loss): exit 1, and nothing is checkpointed or exported after it."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
+class Refused(UserError):
+    """A run that would lose or mix work in its run directory (a resume the checkpoint cannot take, a restart over a
+    run, no trustworthy checkpoint): refused before anything is written there, not even result.json."""
+
+
 @contextlib.contextmanager
 def no_custom_code(key: str, path: str) -> Iterator[None]:
     """Around a transformers load with trust_remote_code off (config/validate.py refuses turning it on): a directory

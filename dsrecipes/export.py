@@ -1,35 +1,47 @@
 """Export to a Hugging Face model directory (safetensors, config, tokenizer): from a checkpoint of any ZeRO stage, or
 the embedded tiny model's seeded start (the prompt-eval baseline). One process; no process group needed.
 
-The directory is written beside its destination and renamed into place.
+The destination belongs to the user until proven ours: it must be absent, an empty directory, or an earlier
+dsrecipes export holding nothing but the files that export wrote (`dsrecipes_export.json` lists them); anything
+else is refused before any work (exit 2, nothing touched). The new directory is written beside the destination
+under a fresh name and renamed into place; an earlier export is swapped out and only then deleted.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch
 
-from dsrecipes.checkpoint import step_of
+from dsrecipes.checkpoint import read_record, step_of
 from dsrecipes.config.schema import TrainConfig
+from dsrecipes.errors import UserError
 from dsrecipes.fileio import atomic_write_json
 
 EXPORT_DIR = "export"
 EXPORT_INIT_DIR = "export_init"
+EXPORT_MARKER = "dsrecipes_export.json"
+# What exports of dsrecipes before the marker listed its files contained (such an export is still replaced).
+LEGACY_EXPORT_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+                       "tokenizer*", "special_tokens_map.json", "chat_template.jinja", "adapter_*", "vocab.json",
+                       "merges.txt", "added_tokens.json", "README.md")
 
 def export_initial(cfg: TrainConfig, tokenizer: Any, out_dir: Path) -> Path:
     """The embedded tiny model's seeded start, as a HF directory: the baseline for `dsrecipes prompt-eval`."""
     from dsrecipes.model import build_tiny_model
 
+    check_out_dir(out_dir)
     model = build_tiny_model(cfg, tokenizer)
     return _save_hf(model, tokenizer, out_dir, {"source": "initial weights (model.tiny.seed)", "step": 0})
 
 
 def export_checkpoint(run_dir: Path, tag_dir: Path, out_dir: Path, cfg: Optional[TrainConfig] = None,
-                      merge_lora: Optional[bool] = None) -> Path:
+                      merge_lora: Optional[bool] = None, key: str = "export") -> Path:
     """Checkpoint -> HF model directory (safetensors + config + tokenizer with its chat template), any ZeRO stage.
 
     Weights: ZeRO-0/1/2 keep the full module in `mp_rank_00_model_states.pt`; ZeRO-3 shards are consolidated with
@@ -39,12 +51,16 @@ def export_checkpoint(run_dir: Path, tag_dir: Path, out_dir: Path, cfg: Optional
     from dsrecipes.config.load import load_run_config
     from dsrecipes.model import TORCH_DTYPES, build_model, load_tokenizer
 
+    check_out_dir(out_dir, key)
     cfg = cfg or load_run_config(run_dir)
     tokenizer = load_tokenizer(cfg)
-    state_dict = consolidated_state_dict(tag_dir, cfg.zero.stage)
+    frozen_excluded = bool(read_record(tag_dir).get("frozen_excluded"))
+    state_dict = consolidated_state_dict(tag_dir, cfg.zero.stage, frozen_excluded)
     model = build_model(cfg, tokenizer)  # skeleton on CPU; real models re-read from model.path, then overwritten
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
-    missing = [k for k in missing if not _is_tied(model, k)]
+    # A LoRA checkpoint leaves the frozen base out: those weights stay as built from model.path (or the tiny seed).
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad} if frozen_excluded else set()
+    missing = [k for k in missing if not _is_tied(model, k) and k not in frozen]
     if missing or unexpected:
         raise RuntimeError(f"checkpoint {tag_dir} does not match the model: missing {missing}, unexpected {unexpected}")
     info = {"source": str(tag_dir), "step": step_of(tag_dir)}
@@ -55,14 +71,15 @@ def export_checkpoint(run_dir: Path, tag_dir: Path, out_dir: Path, cfg: Optional
     elif cfg.model.lora.enabled:
         info["lora"] = "adapter"
     model.to(TORCH_DTYPES[cfg.precision.dtype])
-    return _save_hf(model, tokenizer, out_dir, info)
+    return _save_hf(model, tokenizer, out_dir, info, key)
 
 
-def consolidated_state_dict(tag_dir: Path, zero_stage: int) -> Dict[str, torch.Tensor]:
+def consolidated_state_dict(tag_dir: Path, zero_stage: int, frozen_excluded: bool = False) -> Dict[str, torch.Tensor]:
     if zero_stage == 3:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name,
+                                                        exclude_frozen_parameters=frozen_excluded)
     states = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
     return states["module"]
 
@@ -74,13 +91,69 @@ def _is_tied(model: torch.nn.Module, key: str) -> bool:
     return tensor is not None and sum(p is tensor for p in params.values()) > 1
 
 
-def _save_hf(model: Any, tokenizer: Any, out_dir: Path, info: Dict[str, Any]) -> Path:
+def check_out_dir(out_dir: Path, key: str = "export") -> None:
+    """Refuse (UserError) a destination that is not absent, empty, or an earlier export made only of its files."""
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp), safe_serialization=True)
-    tokenizer.save_pretrained(str(tmp))
-    atomic_write_json(tmp / "dsrecipes_export.json", info)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    for parent in [out_dir, *out_dir.parents]:
+        if parent.exists():
+            if not parent.is_dir():
+                where = "is a file" if parent == out_dir else f"lies below {parent}, which is a file"
+                raise UserError(f"{key}: {out_dir} {where}; give a directory to write the model to")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise UserError(f"{key}: {parent} is not writable")
+            break
+    if not out_dir.is_dir():
+        return
+    entries = {p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*") if not p.is_dir()}
+    if not entries and not any(out_dir.iterdir()):
+        return
+    if EXPORT_MARKER not in entries:
+        raise UserError(f"{key}: {out_dir} is not empty and is not a dsrecipes export (no {EXPORT_MARKER}); an export "
+                        "goes into a new or empty directory or replaces an earlier export. Nothing was changed")
+    import json
+    from fnmatch import fnmatch
+
+    try:
+        marker = json.loads((out_dir / EXPORT_MARKER).read_text(encoding="utf-8"))
+        legacy = {e for e in entries if any(fnmatch(e, pattern) for pattern in LEGACY_EXPORT_FILES)}
+        written = set(marker["files"]) if "files" in marker else legacy  # older exports did not list their files
+    except (OSError, ValueError, KeyError, TypeError):
+        written = None
+    extra = None if written is None else sorted(entries - written - {EXPORT_MARKER})
+    if written is None or extra:
+        what = f"files the export did not write ({', '.join(extra[:5])})" if extra else f"an unreadable {EXPORT_MARKER}"
+        raise UserError(f"{key}: {out_dir} holds {what}; replacing it would delete them. Choose another directory "
+                        "or move them away. Nothing was changed")
+
+
+def _save_hf(model: Any, tokenizer: Any, out_dir: Path, info: Dict[str, Any], key: str = "export") -> Path:
+    out_dir = Path(out_dir)
+    check_out_dir(out_dir, key)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if not p.is_dir())
+        atomic_write_json(tmp / EXPORT_MARKER, {**info, "files": files})
+        _swap_in(tmp, out_dir, key)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out_dir
+
+
+def _swap_in(tmp: Path, out_dir: Path, key: str) -> None:
+    """Rename `tmp` to `out_dir`: directly when that is absent or empty (one atomic rename), else swap out the
+    earlier export first (checked again: it may have changed during the export) and delete it afterwards."""
+    try:
+        os.rename(tmp, out_dir)
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+    check_out_dir(out_dir, key)
+    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))
+    os.rename(out_dir, old)  # onto the empty directory just made
+    os.rename(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)

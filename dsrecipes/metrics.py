@@ -53,7 +53,8 @@ class Window:
             dist.all_reduce(sums)
         loss_sum, micro_batches, tokens, samples = sums.tolist()
         seconds = max(time.perf_counter() - self.started - self.excluded, 1e-9)
-        return {"loss": loss_sum / max(micro_batches, 1), "tokens": tokens, "samples": samples, "seconds": seconds}
+        return {"loss": loss_sum / max(micro_batches, 1), "tokens": tokens, "samples": samples, "seconds": seconds,
+                "micro_batches": micro_batches}
 
     def reset(self) -> None:
         self.loss_sum, self.micro_batches, self.tokens, self.samples = 0.0, 0, 0, 0

@@ -1,29 +1,200 @@
-"""The run directory's files: what the launching process writes for the ranks, and what a finished run leaves.
+"""The run directory: owning and locking it, what the launching process writes for the ranks, what a run leaves.
 
+    dsrecipes_run.json   the ownership marker: dsrecipes created this directory (run id, config fingerprint)
+    .dsrecipes.lock      held (flock) by the launching process for the whole run; names its holder
+    .dsrecipes.ranks.lock  held shared by every rank while it runs (ranks that outlive a killed launcher count)
     config.yaml     the resolved TrainConfig (ranks read it; never re-composed)
     plan.json       the run plan (runplan.py)
     ds_config.json  the DeepSpeed dict for the plan's world size (ds_config.py)
     launch.txt      the launch commands (launch/)
     metrics.jsonl   train/eval lines (metrics.py)
+    rank_outcome.json  how the ranks ended (ok, interrupted at a step, failed with why), for the launching process
     result.json     status and headline numbers, for people and sweep summaries (sweep.py)
 
-Every file goes through the one atomic-write helper (fileio.py). `run_summary()` is the one place that turns
-metrics.jsonl into headline numbers, for result.json and the sweep table alike.
+Ownership: a path the user names is theirs until proven ours. `claim()` writes only into a new directory, an empty
+one, or one holding our marker, and refuses anything else (exit 2, nothing touched); everything dsrecipes deletes
+later lives inside a directory it owns. Every file goes through the one atomic-write helper (fileio.py).
+`run_summary()` is the one place that turns metrics.jsonl into headline numbers, for result.json and sweep tables.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from dsrecipes.errors import UserError
 from dsrecipes.fileio import atomic_write_json, atomic_write_text
+from dsrecipes.locks import ExclusiveLock, LockHeld, SharedLock, is_held, probe_free
 
 CONFIG_FILE = "config.yaml"
 DS_CONFIG_FILE = "ds_config.json"
 METRICS_FILE = "metrics.jsonl"
 RESULT_FILE = "result.json"
+OUTCOME_FILE = "rank_outcome.json"
+MARKER_FILE = "dsrecipes_run.json"
+LOCK_FILE = ".dsrecipes.lock"
+RANKS_LOCK_FILE = ".dsrecipes.ranks.lock"
+CHECKPOINTS_DIR = "checkpoints"  # (checkpoint.py owns what is inside)
+HYDRA_SUBDIR = ".hydra"  # Hydra writes it into a job directory before the job starts
+CLAIMING_PREFIXES = (".dsrecipes", f".{MARKER_FILE}.")  # lock files, write probes, the marker being written
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Owning and locking
+
+
+@dataclass
+class Claim:
+    """A run directory this process owns and holds locked until `release()` (or the end of a `with`)."""
+
+    run_dir: Path
+    fresh: bool  # created (or found empty) by this claim
+    lock: ExclusiveLock
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def __enter__(self) -> "Claim":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def claim(run_dir: Path, key: str, fingerprint: str, *, hydra_job_dir: bool = False) -> Claim:
+    """Own and lock `run_dir` for one run: create it (or take it empty), or take an existing dsrecipes run.
+
+    Anything else raises UserError naming `key` (the setting that chose the path) with nothing changed: a file, a
+    path below a file, an unwritable place, a non-empty directory without our marker, a directory another run holds
+    (its holder named), or one where ranks of an earlier run are still alive. `hydra_job_dir`: Hydra has already
+    written its `.hydra/` into it (a sweep's job directory), which does not make it foreign. Two processes claiming
+    the same new directory at once: one gets it, the other is told who holds it.
+    """
+    run_dir = Path(run_dir)
+    ensure_owned_dir(run_dir, key, hydra_job_dir=hydra_job_dir)
+    lock = ExclusiveLock(run_dir / LOCK_FILE, {"run_dir": str(run_dir)})
+    try:
+        lock.acquire()
+    except LockHeld as exc:
+        raise UserError(f"{key}: {run_dir} is in use by another run: {exc.holder}. One run at a time per "
+                        "directory: wait for it, stop it, or choose another directory") from None
+    except OSError as exc:
+        raise UserError(f"{key}: cannot lock {run_dir} ({exc.strerror or exc})") from None
+    ranks = probe_free(run_dir / RANKS_LOCK_FILE)
+    if ranks is not None:
+        lock.release()
+        raise UserError(f"{key}: ranks of an earlier run in {run_dir} are still running ({ranks}); "
+                        "stop them before starting another run there")
+    fresh = not (run_dir / MARKER_FILE).is_file()  # only the lock holder writes the marker
+    if fresh:
+        marker = {"dsrecipes_run": 1, "run_id": uuid.uuid4().hex, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  "config_fingerprint": fingerprint}
+        atomic_write_json(run_dir / MARKER_FILE, marker)
+    return Claim(run_dir, fresh, lock)
+
+
+def ensure_owned_dir(run_dir: Path, key: str, *, hydra_job_dir: bool = False) -> bool:
+    """Create `run_dir` or check that it is ours or empty. True when it already holds a dsrecipes run (marker).
+    Names only dsrecipes itself writes while claiming (lock files, the marker being written) count as empty."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"{key}: {run_dir} is a file, not a directory; choose a directory for the run")
+    if not run_dir.exists():
+        _make_dir(run_dir, key)
+        return False
+    entries = {e for e in os.listdir(run_dir) if not e.startswith(CLAIMING_PREFIXES)}
+    entries -= {HYDRA_SUBDIR} if hydra_job_dir else set()
+    if MARKER_FILE in entries:
+        read_marker(run_dir, key)
+        _check_writable(run_dir, key)
+        return True
+    if entries:
+        shown = ", ".join(sorted(entries)[:5]) + (", ..." if len(entries) > 5 else "")
+        raise UserError(f"{key}: {run_dir} is not empty ({shown}) and is not a dsrecipes run directory (no "
+                        f"{MARKER_FILE}); dsrecipes writes only into a new or empty directory or one of its own runs. "
+                        "Choose another directory; nothing was changed")
+    _check_writable(run_dir, key)
+    return False
+
+
+def _make_dir(path: Path, key: str) -> None:
+    for parent in [path, *path.parents]:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"{key}: {path} lies below {parent}, which is a file")
+            break
+    try:
+        path.mkdir(parents=True)
+    except FileExistsError:  # another process made it meanwhile: treat it like any existing directory
+        ensure_owned_dir(path, key)
+    except OSError as exc:
+        raise UserError(f"{key}: cannot create {path} ({exc.strerror or exc})") from None
+
+
+def _check_writable(path: Path, key: str) -> None:
+    probe = path / f".dsrecipes-write-test-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"{key}: {path} is not writable ({exc.strerror or exc})") from None
+
+
+def read_marker(run_dir: Path, key: str = "run directory") -> Dict[str, Any]:
+    path = Path(run_dir) / MARKER_FILE
+    try:
+        marker = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(marker, dict) or marker.get("dsrecipes_run") != 1:
+            raise ValueError("not a dsrecipes run marker")
+        return marker
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{key}: {path} is unreadable ({exc}); this directory cannot be trusted as a dsrecipes run") \
+            from None
+
+
+def unique_new_dir(base: Path) -> Path:
+    """Create and return `base`, or `base-1`, `base-2`, ... when it exists: a default run directory of its own
+    even for runs started in the same second (mkdir is atomic, so two processes never get the same one)."""
+    for n in range(10_000):
+        path = base if n == 0 else base.with_name(f"{base.name}-{n}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise UserError(f"hydra.run.dir: cannot create {path} ({exc.strerror or exc}); run from a writable "
+                            "directory or set trainer.output_dir") from None
+    raise UserError(f"{base}: no free run directory name")
+
+
+def rank_lock(run_dir: Path) -> SharedLock:
+    """Held by every rank while it runs (see `claim`, which probes it)."""
+    return SharedLock(Path(run_dir) / RANKS_LOCK_FILE).acquire()
+
+
+def launcher_alive(run_dir: Path) -> bool:
+    """The launching process still holds the run directory (false once it died, even by SIGKILL)."""
+    return is_held(Path(run_dir) / LOCK_FILE)
+
+
+def holds_run(run_dir: Path) -> Optional[str]:
+    """What a run left in `run_dir` that a fresh start would mix with or destroy (None when nothing)."""
+    steps = sorted(int(d.name.split("_", 1)[1]) for d in (Path(run_dir) / CHECKPOINTS_DIR).glob("step_*")
+                   if d.is_dir() and d.name.split("_", 1)[1].isdigit())
+    if steps:
+        return f"checkpoints up to step {steps[-1]}"
+    logged = [r["step"] for r in read_metrics(run_dir) if "step" in r]
+    return f"metrics up to step {max(logged)}" if logged else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Files
 
 
 def write_config(run_dir: Path, data: Dict[str, Any]) -> Path:
@@ -75,12 +246,34 @@ def run_summary(run_dir: Path) -> Dict[str, Any]:
     }
 
 
-def write_result(run_dir: Path, code: int, error: Optional[str], status: str = "ok") -> Path:
-    """<run>/result.json: status, exit code, error, the headline numbers and peak resident memory."""
+def write_outcome(run_dir: Path, outcome: Dict[str, Any]) -> Path:
+    """Rank 0: how the ranks ended (`status`, `step`, `error`, ...); the launching process folds it into result.json."""
+    return atomic_write_json(Path(run_dir) / OUTCOME_FILE, outcome)
+
+
+def read_outcome(run_dir: Path) -> Optional[Dict[str, Any]]:
+    try:
+        outcome = json.loads((Path(run_dir) / OUTCOME_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return outcome if isinstance(outcome, dict) else None
+
+
+def clear_outcome(run_dir: Path) -> None:
+    (Path(run_dir) / OUTCOME_FILE).unlink(missing_ok=True)  # a previous attempt's, in a directory we own
+
+
+def write_result(run_dir: Path, code: int, error: Optional[str], status: str = "ok", **extra: Any) -> Path:
+    """<run>/result.json: status, exit code, error, the headline numbers and peak resident memory (strict JSON).
+
+    `status` is kept for a zero exit code and for "interrupted"; any other non-zero exit is "failed". `extra` keys
+    (the interrupted run's checkpoint and resume command, a non-finite step, ...) are added as given."""
     import resource
 
     peak_kb = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                   resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
-    result: Dict[str, Any] = {"status": status if code == 0 else "failed", "exit_code": code, "error": error}
+    kept = code == 0 or status == "interrupted"
+    result: Dict[str, Any] = {"status": status if kept else "failed", "exit_code": code, "error": error}
     result.update(run_summary(run_dir), peak_mem_mb=round(peak_kb / 1024, 1))
+    result.update(extra)
     return atomic_write_json(run_dir / RESULT_FILE, result)

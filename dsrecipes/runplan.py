@@ -9,7 +9,7 @@ resume decision. The plan is plain data, so it also documents a run after the fa
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -40,6 +40,9 @@ class RunPlan:
     total_steps: int  # optimizer steps of the whole run
     data_fingerprint: str  # content key of the training data (files, preparation), for resume checks
     resume: Optional[ResumePlan] = None
+    data_files: Dict[str, str] = field(default_factory=dict)  # content hash of each training file (resume checks)
+    newest_checkpoint: Optional[str] = None  # the run dir's newest committed checkpoint when planned (ranks check)
+    supervised: bool = False  # a launching process holds the run directory's lock while the ranks run
     version: int = PLAN_VERSION
 
     @property

@@ -5,11 +5,17 @@ boundaries excluded; `model.token_loss_sum`). DeepSpeed divides each micro-batch
 gradients over ranks, so one optimizer step minimises the plain mean of its `grad_accum x world_size` micro-batch
 means: every micro-batch weighs the same, whatever its number of trained tokens. (Token-exact weighting would need
 the step's global token count before the first backward.) Logged `loss` is that same mean over the log window.
+
+Stopping. Every rank holds the run directory's rank lock while it runs (rundir.rank_lock). At each step boundary the
+ranks agree (step_guard.py) whether a loss was non-finite (the step is never applied: `trainer.nan_policy`) and
+whether a SIGTERM/SIGINT arrived (stopping.py): then they save a checkpoint at that step and end with the signal's
+exit code. Rank 0 writes how the ranks ended into rank_outcome.json for the launching process.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import random
 import time
@@ -21,16 +27,18 @@ import numpy as np
 import torch
 
 import dsrecipes.heartbeat as heartbeat
+import dsrecipes.stopping as stopping
 from dsrecipes.checkpoint import ResumePoint, TrainState, load_checkpoint, open_resume, save_checkpoint
-from dsrecipes.config.schema import TrainConfig
+from dsrecipes.config.schema import LauncherKind, NanPolicy, TrainConfig
 from dsrecipes.distributed import all_ranks, finish_distributed, init_distributed
-from dsrecipes.errors import DataError
+from dsrecipes.errors import DataError, RunInterrupted, TrainingFailed, UserError
 from dsrecipes.export import EXPORT_DIR, EXPORT_INIT_DIR, export_checkpoint, export_initial
 from dsrecipes.metrics import MetricsLogger, Window
 from dsrecipes.model import build_model, count_parameters, load_tokenizer, micro_batch_loss, trainable_parameters
-from dsrecipes.rundir import read_ds_config
+from dsrecipes.rundir import CHECKPOINTS_DIR, launcher_alive, rank_lock, read_ds_config, write_outcome
 from dsrecipes.runplan import RunPlan, read_plan
 from dsrecipes.schedule import StepScheduler, warmup_steps
+from dsrecipes.step_guard import StepGuard, discard_step, nonfinite, pause_for_signal
 
 
 @dataclass
@@ -57,9 +65,23 @@ STALL_AFTER_STEP_ENV = "DSRECIPES_STALL_AFTER_STEP"
 
 def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
     """Train `cfg` in `run_dir` (written by the launching process: config.yaml, plan.json, ds_config.json)."""
-    session = start(cfg, Path(run_dir))
-    loop(session)
-    finish(session)
+    run_dir = Path(run_dir)
+    lock = rank_lock(run_dir)
+    try:
+        with stopping.handling():
+            session = start(cfg, run_dir)
+            try:
+                loop(session)
+            except (RunInterrupted, TrainingFailed) as exc:
+                stopped(session, exc)
+                raise
+            except BaseException:  # a crash (or Ctrl-C twice): trackers record a failed run, not a running one
+                heartbeat.stop()
+                session.metrics.close(ok=False)
+                raise
+            finish(session)
+    finally:
+        lock.release()
     return session.state
 
 
@@ -70,8 +92,11 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
     from dsrecipes.data.strategies import build_eval_loader, build_train_loader
 
     plan = read_plan(run_dir)
+    check_plan_current(plan, run_dir)
     seed_everything(cfg.trainer.seed)
     rank, world_size = init_distributed()
+    if rank == 0 and plan.supervised and cfg.launcher.kind is not LauncherKind.local:  # (local: the same process)
+        stopping.watch(lambda: launcher_alive(run_dir), cfg.trainer.stop_grace_s, "the launching process")
     heartbeat.start(run_dir, rank, world_size, cfg.launcher.peer_timeout_s)  # a dead node ends the run, not a hang
     if world_size != plan.world_size:
         raise DataError(f"{run_dir}/plan.json was made for {plan.world_size} ranks, but {world_size} started; "
@@ -100,6 +125,7 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
 def loop(s: Session) -> None:
     """Micro-batches until the planned last step: forward/backward/step, then per step log, evaluate, save."""
     t, engine, state, total = s.cfg.trainer, s.engine, s.state, s.plan.total_steps
+    guard = StepGuard(s.plan.world_size, engine.device, s.rank)
     window = Window()
     window.reset()
     clock_start = time.perf_counter() - state.elapsed
@@ -108,23 +134,41 @@ def loop(s: Session) -> None:
     for batch in batches:
         closes_step = engine.is_gradient_accumulation_boundary()
         loss, _ = micro_batch_loss(engine, batch, engine.device)
+        loss = guard.add(loss, batch, state.step + 1)
         engine.backward(loss)
-        if closes_step and logs_at(state.step + 1, total, t):
-            lr, grad_norm = engine.get_lr()[0], untracked_grad_norm(engine)  # the values this step applies
-        engine.step()
-        window.add(loss, batch)
         if s.ledger is not None:
             s.ledger.record(batch["epoch"], state.step + 1, batch["ids"])
         if not closes_step:
+            engine.step()  # between boundaries DeepSpeed only counts the micro-step (the next boundary needs it)
             continue
+        bad, stop = guard.agree(stop_requested(s))  # collective: every rank decides alike
+        if bad:
+            skip = t.nan_policy is NanPolicy.skip
+            state.skipped_steps += int(skip)
+            nonfinite(skip, guard, state.step + 1, t.nan_max_skips)
+            guard.take_pending()
+            discard_step(engine, state.step + 1)
+            s.metrics.info(f"step {state.step + 1}: non-finite loss, step skipped ({state.skipped_steps} so far)")
+        else:
+            guard.skipped_in_a_row = 0
+            if logs_at(state.step + 1, total, t) or stop:
+                lr, grad_norm = engine.get_lr()[0], untracked_grad_norm(engine)  # the values this step applies
+            engine.step()
+            for micro_loss, micro_batch in guard.take_pending():
+                window.add(micro_loss, micro_batch)
         state.step += 1
+        if bad:  # a skipped step counts in the schedule too (DeepSpeed's overflow path does not step it)
+            engine.lr_scheduler.resume_at(state.step)
         s.metrics.step()
-        if logs_at(state.step, total, t):
+        if (logs_at(state.step, total, t) or stop) and not bad:
             state.elapsed = time.perf_counter() - clock_start
             tracked = engine.get_global_grad_norm()
             log_window(s.metrics, window, state, lr, grad_norm if tracked is None else tracked)
         with window.paused():  # tokens/s counts training time only
             after_step(s)
+        if stop and state.step < total:  # at the last step the run simply ends (and exports)
+            stop_here(s)
+        pause_for_signal(state.step, s.rank, lambda: stop_requested(s))
         if state.step >= total:
             break
         if s.rank == 0 and os.environ.get(STALL_AFTER_STEP_ENV) == str(state.step):
@@ -136,9 +180,57 @@ def after_step(s: Session) -> None:
     t, step = s.cfg.trainer, s.state.step
     final = step >= s.plan.total_steps
     if s.eval_loader is not None and (final or due(step, t.eval_every)):
-        s.metrics.log_eval(step, evaluate(s.engine, s.eval_loader, t.eval_batches))
+        eval_loss = evaluate(s.engine, s.eval_loader, t.eval_batches)  # the same value on every rank
+        s.metrics.log_eval(step, eval_loss)
+        if not math.isfinite(eval_loss):
+            raise TrainingFailed(f"non-finite evaluation loss after step {step}: the weights no longer give finite "
+                                 "outputs, so the run stopped without saving them. Lower optimizer.lr or check the "
+                                 "data", step)
     if final or due(step, t.save_every):
-        s.last_checkpoint = save_checkpoint(s.engine, s.train_loader, s.state, s.run_dir, keep=t.keep_checkpoints)
+        save(s)
+
+
+def save(s: Session) -> None:
+    """Collective checkpoint, after checking that every rank's weights are finite (never save non-finite ones)."""
+    if not all_ranks(weights_finite(s.engine)):
+        raise TrainingFailed(f"non-finite weights after step {s.state.step}; the run stopped without saving them",
+                             s.state.step)
+    lora = s.cfg.model.lora.enabled  # the frozen base is rebuilt from model.path, so it is not saved
+    record = {"data_fingerprint": s.plan.data_fingerprint, "data_files": s.plan.data_files}
+    s.last_checkpoint = save_checkpoint(s.engine, s.train_loader, s.state, s.run_dir,
+                                        keep=s.cfg.trainer.keep_checkpoints, frozen_excluded=lora, record=record)
+
+
+def stop_requested(s: Session) -> bool:
+    """A stop signal here, or (rank 0) the launching process is gone: a SIGKILLed launcher leaves no ranks training
+    on their own; they checkpoint and stop like on SIGTERM."""
+    if stopping.requested() is not None:
+        return True
+    return s.rank == 0 and s.plan.supervised and not launcher_alive(s.run_dir)
+
+
+def stop_here(s: Session) -> None:
+    """Every rank, at the boundary where they agreed to stop: checkpoint this step (unless after_step just did)."""
+    if s.last_checkpoint is None or s.last_checkpoint.name != f"step_{s.state.step}":
+        save(s)
+    raise RunInterrupted(stopping.requested() or 15, s.state.step)
+
+
+def stopped(s: Session, exc: Exception) -> None:
+    """Rank 0 records how the run ended; the sinks are closed (metrics.jsonl, plot, ledger; trackers marked failed)
+    on every rank. The heartbeat stops first: ranks that end at slightly different times are not taken for dead."""
+    heartbeat.stop()
+    if s.ledger is not None:
+        s.ledger.close()
+    s.metrics.close(ok=False)
+    if s.rank != 0:
+        return
+    if isinstance(exc, RunInterrupted):
+        write_outcome(s.run_dir, {"status": "interrupted", "signal": exc.exit_code - 128, "stopped_at_step": exc.step,
+                                  "skipped_steps": s.state.skipped_steps})
+    else:
+        write_outcome(s.run_dir, {"status": "failed", "error": str(exc), "failed_step": getattr(exc, "step", None),
+                                  "skipped_steps": s.state.skipped_steps})
 
 
 def finish(s: Session) -> None:
@@ -151,6 +243,8 @@ def finish(s: Session) -> None:
     if s.rank == 0 and s.cfg.trainer.export:
         out = export_checkpoint(s.run_dir, s.last_checkpoint, s.run_dir / EXPORT_DIR, s.cfg)
         s.metrics.info(f"exported Hugging Face model: {out}")
+    if s.rank == 0:
+        write_outcome(s.run_dir, {"status": "ok", "skipped_steps": s.state.skipped_steps})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -163,6 +257,28 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+
+
+def weights_finite(engine: Any) -> bool:
+    """This rank's trainable weights (its ZeRO-3 partition where parameters are partitioned) are all finite."""
+    for param in trainable_parameters(engine.module):
+        tensor = getattr(param, "ds_tensor", param)
+        if not bool(torch.isfinite(tensor.detach()).all()):
+            return False
+    return True
+
+
+def check_plan_current(plan: RunPlan, run_dir: Path) -> None:
+    """Ranks started from an old plan (a SLURM job requeued with its original plan.json, launch.txt re-run by hand)
+    must not train over checkpoints committed since: the launching process has to plan the resume."""
+    from dsrecipes.checkpoint_find import committed
+
+    newest = committed(run_dir / CHECKPOINTS_DIR)
+    name = newest[0].name if newest else None
+    if name != plan.newest_checkpoint:
+        raise UserError(f"{run_dir}: checkpoint {name} was committed after this run was planned (plan.json knows "
+                        f"{plan.newest_checkpoint}); start it through `python -m dsrecipes` with "
+                        f"trainer.output_dir={run_dir}, which plans the resume")
 
 
 def check_loader(loader: Any, plan: RunPlan) -> None:
@@ -239,6 +355,9 @@ def untracked_grad_norm(engine: Any) -> Optional[float]:
 def log_window(metrics: MetricsLogger, window: Window, state: TrainState, lr: float, grad_norm: Any) -> None:
     """Reduce the log window over ranks (collective) and write one metrics line on rank 0."""
     totals = window.reduce()
+    if totals["micro_batches"] == 0:  # every step of the window was skipped (non-finite): nothing to report
+        window.reset()
+        return
     state.samples_seen += int(totals["samples"])
     metrics.log_train(
         step=state.step,

@@ -14,7 +14,7 @@ from typing import List, Optional
 
 from dsrecipes.checkpoint import TrainState
 from dsrecipes.config.schema import Device
-from dsrecipes.errors import UserError
+from dsrecipes.errors import RunInterrupted, TrainingFailed, UserError
 
 
 def run(run_dir: str | Path) -> TrainState:
@@ -36,6 +36,19 @@ def run(run_dir: str | Path) -> TrainState:
         raise
 
 
+def run_rank(run_dir: str | Path) -> int:
+    """`run()`, as an exit code: 0 when it trained to the end, the signal's code (130/143) when it stopped on
+    SIGINT/SIGTERM, 1 when training failed (non-finite loss; the ranks wrote why into rank_outcome.json)."""
+    try:
+        run(run_dir)
+    except RunInterrupted as exc:
+        return exc.exit_code
+    except TrainingFailed as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dsrecipes.worker", description=__doc__)
     parser.add_argument("--run-dir", required=True, help="run directory written by `python -m dsrecipes`")
@@ -44,15 +57,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
-    from dsrecipes.console import log_path, quiet_third_party
+    from dsrecipes.console import log_path, quiet_third_party, survive_lost_console
 
-    quiet_third_party(log_path(Path(args.run_dir), f"rank{os.environ.get('RANK', '0')}"))  # before deepspeed loads
+    log = log_path(Path(args.run_dir), f"rank{os.environ.get('RANK', '0')}")
+    quiet_third_party(log)  # before deepspeed loads
+    survive_lost_console(log)
     try:
-        run(args.run_dir)
+        return run_rank(args.run_dir)
     except UserError as exc:
         print(exc.render(), file=sys.stderr)
         return exc.exit_code
-    return 0
 
 
 if __name__ == "__main__":

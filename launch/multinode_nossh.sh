@@ -43,4 +43,12 @@ if [ -z "$CMD" ] && grep -q '^# launcher=torchrun' "$RUN_DIR/launch.txt"; then
 fi
 [ -n "$CMD" ] || { echo "node $NODE_RANK: no command for this node in $RUN_DIR/launch.txt" >&2; exit 1; }
 echo "node $NODE_RANK: $CMD"
-exec bash -c "$CMD"
+# The launcher, its ranks and their workers in a process group of their own: a SIGTERM/SIGINT here (a scheduler,
+# Ctrl-C) reaches all of them, as on node 0 (deepspeed's no-ssh runner would otherwise die alone, leaving its ranks).
+setsid bash -c "$CMD" &
+CHILD=$!
+trap 'kill -TERM -- "-$CHILD" 2>/dev/null || true' TERM INT
+STATUS=0
+wait "$CHILD" || STATUS=$?
+wait "$CHILD" 2>/dev/null || true  # after a forwarded signal: until the ranks have checkpointed and exited
+exit "$STATUS"

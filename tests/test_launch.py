@@ -289,6 +289,41 @@ def test_sigterm_is_forwarded_to_the_launcher(tmp_path):
     before = signal.getsignal(signal.SIGTERM)
     threading.Timer(3.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
     start = time.time()
-    code = run_subprocess(launch.Command([sys.executable, str(child)]), tmp_path)
+    code = run_subprocess(launch.Command([sys.executable, str(child)]), tmp_path, grace_s=10)
     assert code == 3 and marker.is_file() and time.time() - start < 20
     assert signal.getsignal(signal.SIGTERM) is before
+    from dsrecipes import stopping
+
+    assert stopping.requested() == signal.SIGTERM
+    stopping.reset()
+
+
+def test_a_launcher_that_ignores_sigterm_is_killed_with_its_tree_after_the_grace(tmp_path):
+    """No orphans: a launcher and its child that both ignore SIGTERM (a rank stuck where no step boundary comes)
+    are killed once `grace_s` has passed; the grandchild, reparented when its parent dies, goes too."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    pids = tmp_path / "pids"
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import os, signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "kid = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'])\n"
+        f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{kid.pid}}')\n"
+        "time.sleep(60)\n"
+    )
+    threading.Timer(3.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    start = time.time()
+    code = run_subprocess(launch.Command([sys.executable, str(child)]), tmp_path, grace_s=2)
+    assert code == -signal.SIGKILL and time.time() - start < 15
+    for pid in map(int, pids.read_text().split()):
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
+    from dsrecipes import stopping
+
+    stopping.reset()

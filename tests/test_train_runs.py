@@ -5,6 +5,9 @@ One run per configuration, each checking several things, to keep the file within
   ZeRO-2, 2 ranks: loss falls, metrics/TensorBoard/plot/ledger, checkpoints + latest, export reloads
   ZeRO-2, 2 ranks, killed mid-save, then the same command: resumes from the last good checkpoint and the
       losses equal the uninterrupted run's step for step
+  ZeRO-2, 2 ranks, SIGTERM to the launching process: every rank checkpoints the same step, nothing is left
+      running; SIGKILL to the launching process of the resumed run: its ranks checkpoint and stop by themselves;
+      the printed command finishes the run with the uninterrupted run's losses (tests/test_signals.py: helpers)
   ZeRO-2 checkpoint of 2 ranks resumed on 1 rank (universal checkpoint conversion)
   ZeRO-3, 2 ranks, from a local HF directory (partitioned load): export through zero_to_fp32
   ZeRO-0 (1 rank) then ZeRO-1 bf16 and ZeRO-2 + CPU optimizer offload in the same process (re-entrant runs);
@@ -163,6 +166,8 @@ def test_zero2_two_ranks_trains_logs_checkpoints_and_exports(zero2_run):
     exported = assert_hf_model_loads(run / "export")
     initial = assert_hf_model_loads(run / "export_init")
     assert not state_dicts_equal(exported, initial)
+    port = (run / "launch.txt").read_text().split("--master_port ")[1].split()[0]
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))  # the ranks' shm segments
 
 
 def test_killed_mid_save_resumes_from_last_good_checkpoint_with_identical_losses(zero2_run, workspace):
@@ -172,7 +177,7 @@ def test_killed_mid_save_resumes_from_last_good_checkpoint_with_identical_losses
     run, _ = train_run(workspace, "killed", *RECORDED, env={KILL_BEFORE_LATEST_ENV: "8"}, expect_ok=False)
     ckpts = run / "checkpoints"
     assert (ckpts / "latest").read_text() == "step_4"
-    assert (ckpts / "step_8").is_dir() and not (ckpts / "step_8" / "complete.json").exists()
+    assert (ckpts / "step_8.partial").is_dir() and not (ckpts / "step_8").exists()  # written beside, never renamed
     assert max(train_losses(run)) == 8  # it trained to the end, then died while saving
 
     _, out = train_run(workspace, "killed", *RECORDED)  # the same command again: trainer.resume=auto
@@ -182,6 +187,39 @@ def test_killed_mid_save_resumes_from_last_good_checkpoint_with_identical_losses
     evals = lambda r: [(x["step"], x["eval_loss"]) for x in metrics(r) if "eval_loss" in x]
     assert evals(run) == evals(zero2_run)
     verify_ledgers(run)
+
+
+def test_sigterm_reaches_every_rank_and_a_killed_launcher_leaves_no_rank_behind(zero2_run, workspace):
+    import signal
+
+    from tests.test_signals import (
+        assert_interrupted_at_step_3,
+        finish,
+        losses,
+        no_process_left,
+        resume,
+        start,
+        wait_for_step,
+    )
+
+    run, two_ranks = workspace / "signalled", ("zero=stage2", "launcher=deepspeed", "launcher.num_gpus=2")
+    proc = start(workspace, run, *two_ranks, pause_after=2)
+    wait_for_step(run, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    command = assert_interrupted_at_step_3(workspace, run, finish(proc), signal.SIGTERM)
+    no_process_left(run, within=5)  # the launching process returns only once its whole process group is gone
+
+    # The resumed run's launching process is killed outright (no handler runs): its ranks must not train on alone.
+    proc = start(workspace, run, *two_ranks, pause_after=5)
+    wait_for_step(run, 5, proc)
+    proc.kill()
+    finish(proc)
+    no_process_left(run, within=120)
+    assert (run / "checkpoints" / "step_6" / "complete.json").is_file()  # checkpointed at the next boundary
+    assert json.loads((run / "rank_outcome.json").read_text())["stopped_at_step"] == 6
+
+    resume(workspace, run, command)
+    assert losses(run) == train_losses(zero2_run)
 
 
 def test_elastic_resume_of_a_two_rank_zero2_checkpoint_on_one_rank(zero2_run, workspace):

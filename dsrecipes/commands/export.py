@@ -11,24 +11,31 @@ from dsrecipes.errors import UserError
 
 
 def main(argv: List[str]) -> int:
-    from dsrecipes.checkpoint import CHECKPOINTS, COMPLETE, latest_complete
-    from dsrecipes.export import export_checkpoint
+    from dsrecipes.checkpoint import CHECKPOINTS
+    from dsrecipes.checkpoint_find import damage, latest_complete
+    from dsrecipes.export import check_out_dir, export_checkpoint
 
     parser = argparse.ArgumentParser(
         prog="dsrecipes export",
         description="Write a Hugging Face model directory (safetensors, config, tokenizer) from a run's checkpoint.")
     parser.add_argument("run_dir", help="a run directory (holds config.yaml and checkpoints/)")
     parser.add_argument("--tag", default=None, help="checkpoint tag, e.g. step_100 (default: the newest complete)")
-    parser.add_argument("--out", required=True, help="directory to write the Hugging Face model to")
+    parser.add_argument("--out", required=True, help="directory to write the Hugging Face model to: new, empty, or an "
+                        "earlier export (replaced); anything else is refused")
     parser.add_argument("--lora", choices=["merged", "adapter"], default=None,  # an argparse choice, not config
                         help="LoRA runs: merged model or adapter only (default: trainer.export_merged_lora)")
     args = parse(parser, argv)
     run_dir = Path(args.run_dir)
+    out_dir = Path(args.out).expanduser().resolve()
+    check_out_dir(out_dir, "--out")  # before any work
     root = run_dir / CHECKPOINTS
     tag_dir = root / args.tag if args.tag else latest_complete(root)
-    if tag_dir is None or not (tag_dir / COMPLETE).is_file():
+    if tag_dir is None or not tag_dir.is_dir():
         raise UserError(f"{root}: no complete checkpoint{' ' + args.tag if args.tag else ''} to export")
+    problem = damage(tag_dir)
+    if problem is not None:
+        raise UserError(f"{tag_dir}: damaged checkpoint ({problem}); export another tag with --tag")
     merge = None if args.lora is None else args.lora == "merged"
-    out = export_checkpoint(run_dir, tag_dir, Path(args.out), merge_lora=merge)
+    out = export_checkpoint(run_dir, tag_dir, out_dir, merge_lora=merge, key="--out")
     print(f"exported {tag_dir} -> {out}")
     return 0

@@ -20,6 +20,11 @@ def main(argv: List[str]) -> int:
     if args.all:
         return validate_all(args.overrides, verbose=args.verbose)
     cfg = compose_and_load(args.overrides)
+    from dsrecipes.preflight import check_environment
+
+    problems = check_environment(cfg)  # paths on this machine, without loading a model
+    if problems:
+        raise ConfigError(problems)
     print(
         f"OK: data={cfg.data.kind.value} dataset={cfg.dataset.name} model={cfg.model.name} "
         f"zero={cfg.zero.stage} offload={cfg.offload.label} precision={cfg.precision.dtype.value} "

@@ -101,6 +101,13 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
+class NanPolicy(str, Enum):
+    """What a step with a non-finite loss (NaN/Inf on any rank) does."""
+
+    stop = "stop"  # the run fails at that step: no checkpoint, no export of the weights it would produce
+    skip = "skip"  # the step's update is dropped and counted; trainer.nan_max_skips in a row end the run
+
+
 class ReportTo(str, Enum):
     """Experiment trackers (`trainer.report_to=[tensorboard,mlflow]`); metrics.jsonl and loss.png are always written."""
 
@@ -304,6 +311,9 @@ class TrainerConfig:
     export: bool = True  # write a Hugging Face model directory at the end
     export_merged_lora: bool = True  # LoRA runs: merged model (true) or adapter only (false)
     device: Device = Device.auto
+    nan_policy: NanPolicy = NanPolicy.stop
+    nan_max_skips: int = 3  # nan_policy=skip: this many non-finite steps in a row fail the run
+    stop_grace_s: float = 60.0  # after SIGTERM/SIGINT: time for the ranks to reach a step boundary and checkpoint
     report_to: List[ReportTo] = field(default_factory=lambda: [ReportTo.tensorboard])  # []: metrics.jsonl only
     experiment: str = "dsrecipes"  # MLflow experiment / W&B project
     tracking_uri: Optional[str] = None  # MLflow (file:/path, sqlite:///db, http://host); None: MLFLOW_TRACKING_URI

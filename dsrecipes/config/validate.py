@@ -71,7 +71,7 @@ def _zero_and_offload(cfg: TrainConfig) -> List[str]:
 def _batch(cfg: TrainConfig) -> List[str]:
     t = cfg.trainer
     errors = []
-    for name in ("micro_batch_size", "grad_accum", "epochs", "log_every", "keep_checkpoints"):
+    for name in ("micro_batch_size", "grad_accum", "epochs", "log_every", "keep_checkpoints", "nan_max_skips"):
         if getattr(t, name) < 1:
             errors.append(f"trainer.{name}: must be >= 1, got {getattr(t, name)}")
     if t.max_steps is not None and t.max_steps < 1:
@@ -79,6 +79,8 @@ def _batch(cfg: TrainConfig) -> List[str]:
     for name in ("save_every", "eval_every"):
         if getattr(t, name) < 0:
             errors.append(f"trainer.{name}: must be >= 0 (0 = only at the end), got {getattr(t, name)}")
+    if t.stop_grace_s <= 0:
+        errors.append(f"trainer.stop_grace_s: must be > 0 seconds, got {t.stop_grace_s}")
     if t.gradient_clipping < 0:
         errors.append(f"trainer.gradient_clipping: must be >= 0 (0 disables), got {t.gradient_clipping}")
     if t.resume is ResumeMode.never and t.resume_from is not None:

@@ -10,7 +10,6 @@ Locations: `file:line` (JSON lines), `file: element N (line L)` (JSON arrays: 0-
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter
 from enum import Enum
@@ -19,6 +18,7 @@ from typing import Any, Dict, Optional
 
 from dsrecipes.config.schema import BadRows
 from dsrecipes.errors import DataError
+from dsrecipes.fileio import json_text
 
 
 class BadReason(str, Enum):
@@ -85,7 +85,7 @@ class BadRowReport:
                 self._fh = open(self.quarantine_path, "w", encoding="utf-8")
             entry = {"file": path, "line": loc, "element": element, "reason": bad.reason.value,
                      "detail": _short(bad.detail, 2000), "raw": _quarantined(raw)}
-            self._fh.write(json.dumps(entry, ensure_ascii=False, default=str) + "\n")
+            self._fh.write(json_text(entry, indent=None))  # strict JSON: a row's NaN becomes null
 
     def close(self) -> None:
         if self._fh is not None:

@@ -125,3 +125,8 @@ def _write_memo(path: Path, memo: Dict[str, str]) -> None:
         atomic_write_json(path, memo)
     except OSError:
         pass  # a read-only cache root only costs re-hashing next time
+
+
+def data_files(cfg: TrainConfig, sources: Sequence[SourceConfig]) -> Dict[str, str]:
+    """{file: content hash} of every training file (a resume names the files that changed)."""
+    return {path: digest for src in sources_material(cfg, sources) for path, digest in src["files"]}

@@ -20,6 +20,7 @@ import hashlib
 import heapq
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,6 +172,11 @@ def write_parts(lines: Iterator[bytes], assignment: Optional[Sequence[int]], par
                     tokens=part_tokens if tokens is not None else None, directory=str(out_dir))
 
 
+def _shard_file(name: str) -> bool:
+    """A name `shard` writes (or an earlier, interrupted shard left): a directory holding only these is ours."""
+    return name in (MANIFEST, "quarantine.jsonl") or bool(re.fullmatch(r"part_\d+\.jsonl", name))
+
+
 def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalance.samples,
           force: bool = False) -> Manifest:
     """Split the samples of `cfg.dataset` into `parts` canonical JSONL files plus manifest.json in `out_dir`."""
@@ -185,6 +191,9 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
     out = Path(out_dir)
     if (out / MANIFEST).exists() and not force:
         raise UserError(f"{out / MANIFEST} exists; choose another --out or pass --force to overwrite")
+    if out.is_dir() and any(not _shard_file(e.name) for e in out.iterdir()):  # a user's directory, not ours
+        raise UserError(f"--out: {out} is not empty and holds no {MANIFEST}; shard writes into a new or empty "
+                        "directory (or over an earlier shard directory with --force). Nothing was changed")
     notes: List[str] = []
     sources = resolve_sources(cfg.dataset, notes)
     for note in notes:

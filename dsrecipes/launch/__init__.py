@@ -15,6 +15,7 @@ from typing import List, Mapping, Optional
 
 from dsrecipes.config.schema import TrainConfig
 from dsrecipes.console import log_path
+from dsrecipes.distributed import remove_shm_buffers
 from dsrecipes.errors import UserError
 from dsrecipes.fileio import atomic_write_text
 from dsrecipes.heartbeat import FAILURE_FILE
@@ -50,7 +51,8 @@ def launch(cfg: TrainConfig, run_dir: Path, *, worker_module: str = WORKER_MODUL
     UserError (exit 2) before anything starts.
     """
     run_dir = Path(run_dir).resolve()
-    plan = build_plan(cfg, run_dir, worker_module=worker_module)
+    port = resolve_master_port(cfg)
+    plan = build_plan(cfg, run_dir, master_port=port, worker_module=worker_module)
     for name, content in plan.files.items():
         atomic_write_text(run_dir / name, content)
     text = render_plan(cfg.launcher.kind.value, plan)
@@ -67,8 +69,15 @@ def launch(cfg: TrainConfig, run_dir: Path, *, worker_module: str = WORKER_MODUL
         raise UserError(missing)
     mine = [c for c in plan.commands if c.node_rank is None or c.node_rank == cfg.launcher.node_rank]
     (run_dir / FAILURE_FILE).unlink(missing_ok=True)  # a previous attempt's report (ranks write it)
-    for cmd in mine:
-        code = run_in_process(cmd, run_dir) if cmd.in_process else run_subprocess(cmd, run_dir, log_path(run_dir, "launcher"))
-        if code != 0:
-            return code
-    return 0
+    grace = cfg.trainer.stop_grace_s
+    try:
+        for cmd in mine:
+            if cmd.in_process:
+                code = run_in_process(cmd, run_dir, grace)
+            else:
+                code = run_subprocess(cmd, run_dir, grace, log_path(run_dir, "launcher"))
+            if code != 0:
+                return code
+        return 0
+    finally:
+        remove_shm_buffers(port)  # this machine's ranks have ended: their shared-memory segments go too

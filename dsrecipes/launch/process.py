@@ -1,8 +1,16 @@
-"""Running a launch plan's commands on this machine: subprocesses (with signal forwarding, and a stop once a rank
-reported a failed node) or in-process."""
+"""Running a launch plan's commands on this machine: subprocesses (signal forwarding, a stop once a rank reported a
+failed node) or in-process.
+
+A launcher runs in a session of its own, so its whole tree (the deepspeed runner, its per-node `launch.py`, the
+ranks and their DataLoader workers) is one process group. SIGTERM or SIGINT to the launching process is forwarded
+to that group (deepspeed's single-node runner would otherwise die alone and leave the ranks training), the ranks get
+`grace_s` to reach a step boundary and save (stopping.py), then whatever is left of the group is killed. After a
+normal end, leftovers of the group are killed too: a run leaves no process behind.
+"""
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
 import signal
@@ -14,6 +22,7 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Tuple
 
 import dsrecipes.heartbeat as heartbeat
+import dsrecipes.stopping as stopping
 from dsrecipes.launch.plan import RANK_ENV, Command
 
 FAILED_NODE_GRACE_S = 5  # after a rank reported a lost node: time for the launcher to stop the others itself
@@ -25,31 +34,44 @@ def child_env(extra: Mapping[str, str]) -> Dict[str, str]:
     return env
 
 
-def run_subprocess(cmd: Command, run_dir: Path, log: Optional[Path] = None) -> int:
-    """Run `cmd` and supervise it (`supervise`); with `log`, its output passes through `console.relay`
-    (third-party noise goes to `log`)."""
+class _Stop:
+    """When a stop signal arrived (None: not yet); the deadline of the ranks' grace follows from it."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.at: Optional[float] = None
+
+    def overdue(self) -> bool:
+        return self.at is not None and time.monotonic() - self.at > self.grace_s
+
+
+def run_subprocess(cmd: Command, run_dir: Path, grace_s: float, log: Optional[Path] = None) -> int:
+    """Run `cmd` in its own process group and supervise it (`supervise`) until it and everything it started have
+    ended; with `log`, its output passes through `console.relay` (third-party noise goes to `log`)."""
     proc, relays = _start(cmd, log)
-    # Pass a SIGTERM (scheduler, timeout) on to the launcher, which stops its ranks; no orphaned ranks.
-    forward = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, lambda *_: proc.terminate()) if forward else None
+    stop = _Stop(grace_s)
+
+    def forward(signum: int) -> None:
+        stop.at = stop.at or time.monotonic()
+        _signal_group(proc.pid, signum)
+
     try:
-        return supervise(proc, run_dir)
-    except KeyboardInterrupt:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        with stopping.handling(on_signal=forward, announce=True):
+            code = supervise(proc, run_dir, stop)
+    except KeyboardInterrupt:  # Ctrl-C twice
+        _end_group(proc.pid)
         raise
     finally:
-        if forward:
-            signal.signal(signal.SIGTERM, previous)
+        _end_group(proc.pid)  # whatever is still there (leftover workers, a stuck rank)
+        code = proc.wait()
         for thread in relays:
             thread.join(timeout=10)  # a rank that outlives its launcher must not hold us here
+    return code
 
 
 def _start(cmd: Command, log: Optional[Path]) -> Tuple[subprocess.Popen, List[threading.Thread]]:
-    """Start `cmd`: ranks learn the progress mode (and the terminal width for a bar drawn through a pipe)."""
+    """Start `cmd` in a new session: ranks learn the progress mode (and the terminal width for a bar drawn through
+    a pipe)."""
     import shutil
 
     from dsrecipes.console import PROGRESS_ENV, progress_mode, relay
@@ -58,20 +80,29 @@ def _start(cmd: Command, log: Optional[Path]) -> Tuple[subprocess.Popen, List[th
     pipe = subprocess.PIPE if log is not None else None
     unbuffered = {"PYTHONUNBUFFERED": "1"} if pipe else {}  # ranks writing into a pipe would hold lines back
     env = child_env({PROGRESS_ENV: progress_mode(), **columns, **unbuffered, **cmd.env})
-    proc = subprocess.Popen(cmd.argv, env=env, stdout=pipe, stderr=pipe)
+    proc = subprocess.Popen(cmd.argv, env=env, stdout=pipe, stderr=pipe, start_new_session=True)
     relays = [] if log is None else [relay(proc.stdout, sys.stdout, log), relay(proc.stderr, sys.stderr, log)]
     return proc, relays
 
 
-def supervise(proc: subprocess.Popen, run_dir: Path) -> int:
-    """Wait for the launcher. When a rank reports a lost node (<run>/failure.json, dsrecipes.heartbeat), say which
-    node failed and give the launcher FAILED_NODE_GRACE_S to stop its ranks; then end its process tree (pdsh keeps
-    waiting for ssh to a dead host, and deepspeed's own cleanup would ssh there too)."""
+def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = None) -> int:
+    """Wait for the launcher (and, after a stop signal, for its whole group, up to the grace). When a rank reports
+    a lost node (<run>/failure.json, dsrecipes.heartbeat), say which node failed and give the launcher
+    FAILED_NODE_GRACE_S to stop its ranks; then end its process tree (pdsh keeps waiting for ssh to a dead host, and
+    deepspeed's own cleanup would ssh there too)."""
+    stop = stop or _Stop(0.0)
     deadline: Optional[float] = None
-    while True:
-        try:
-            code = proc.wait(timeout=1.0)
+    code: Optional[int] = None
+    while code is None or (stop.at is not None and _group_alive(proc.pid)):
+        if stop.overdue():
+            _end_group(proc.pid)  # out of time: whatever has not stopped is killed
             break
+        if code is not None:
+            time.sleep(0.2)  # the launcher ended; its ranks are still saving
+            continue
+        try:
+            code = proc.wait(timeout=0.5)
+            continue
         except subprocess.TimeoutExpired:
             pass
         if deadline is None and (run_dir / heartbeat.FAILURE_FILE).is_file():
@@ -79,12 +110,18 @@ def supervise(proc: subprocess.Popen, run_dir: Path) -> int:
         elif deadline is not None and time.monotonic() > deadline:
             kill_tree(proc.pid)
             code = proc.wait()
-            break
+    code = proc.wait() if code is None else code
     failure = heartbeat.read_failure(run_dir) if code != 0 else None
     if failure is not None:
         print(f"error: {heartbeat.describe_failure(failure)}. The ranks on the other nodes were stopped; run the "
               "same command again to resume from the last checkpoint (trainer.resume=auto)", file=sys.stderr, flush=True)  # fmt: skip
     return code
+
+
+def _end_group(pid: int) -> None:
+    """SIGKILL the launcher's tree and its process group (a grandchild whose parent died is in the group only)."""
+    kill_tree(pid)
+    _signal_group(pid, signal.SIGKILL)
 
 
 def kill_tree(pid: int) -> None:
@@ -116,19 +153,45 @@ def kill_tree(pid: int) -> None:
     psutil.wait_procs([p for p in frozen.values() if p.pid != pid], timeout=10)
 
 
-def run_in_process(cmd: Command, run_dir: Path) -> int:
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_in_process(cmd: Command, run_dir: Path, grace_s: float) -> int:
+    """launcher=local: the rank runs here. A stop signal is acted on by the rank itself (stopping.py); if it has not
+    stopped `grace_s` after the signal, it is interrupted where it stands."""
     import dsrecipes.worker as worker
+
+    timers: List[threading.Timer] = []
+
+    def deadline(signum: int) -> None:
+        if not timers:
+            timers.append(threading.Timer(grace_s, _thread.interrupt_main))
+            timers[0].daemon = True
+            timers[0].start()
 
     saved = {k: os.environ.get(k) for k in cmd.env}
     os.environ.update(cmd.env)
     try:
-        result = worker.run(run_dir)
+        with stopping.handling(on_signal=deadline, announce=True):
+            result = worker.run_rank(run_dir)
     finally:
+        for timer in timers:
+            timer.cancel()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    return result if isinstance(result, int) else 0
-
-
+    return result

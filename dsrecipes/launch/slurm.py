@@ -1,4 +1,11 @@
-"""`launcher=slurm`: an sbatch script with one srun task per node, each starting the no-ssh deepspeed launcher."""
+"""`launcher=slurm`: an sbatch script with one srun task per node, each starting the no-ssh deepspeed launcher.
+
+Preemption and time limits: the job is requeueable and gets USR1 `REQUEUE_SIGNAL_S` seconds before its time limit;
+the batch shell then stops the ranks (SIGTERM: they checkpoint at the next step boundary, stopping.py) and requeues
+the job. A preempted job gets SIGTERM from SLURM, which reaches the ranks the same way, and SLURM requeues it. A
+requeued job (SLURM_RESTART_COUNT > 0) first plans the continuation from the newest verified checkpoint
+(`python -m dsrecipes.launch.requeue`), so it resumes by itself.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +18,8 @@ from typing import Mapping
 from dsrecipes.config.schema import TrainConfig
 from dsrecipes.launch.plan import SBATCH_FILE, WORKER_MODULE, Command, LaunchPlan, Requirement
 from dsrecipes.topology import per_node
+
+REQUEUE_SIGNAL_S = 180  # USR1 this long before the time limit: time to checkpoint and requeue
 
 
 def build_slurm(cfg: TrainConfig, run_dir: Path, port: int, worker_module: str, environ: Mapping[str, str]):
@@ -37,6 +46,8 @@ def sbatch_script(cfg: TrainConfig, run_dir: Path, port: int, worker_module: str
         f"#SBATCH --gpus-per-node={per_node(ln)}",
         f"#SBATCH --time={ln.slurm_time_min}",
         f"#SBATCH --output={run_dir}/slurm-%j.out",
+        "#SBATCH --requeue",
+        f"#SBATCH --signal=B:USR1@{REQUEUE_SIGNAL_S}",
     ]
     if ln.slurm_partition:
         head.append(f"#SBATCH --partition={ln.slurm_partition}")
@@ -64,6 +75,31 @@ def sbatch_script(cfg: TrainConfig, run_dir: Path, port: int, worker_module: str
         f"HOSTFILE={q(str(run_dir))}/hostfile.$SLURM_JOB_ID",
         f"printf '%s slots={per_node(ln)}\\n' $HOSTS > \"$HOSTFILE\"",
         "export MASTER_ADDR MASTER_PORT HOSTFILE",
-        f"srun --nodes={ln.num_nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {q('exec ' + inner_sh)}",
+        'if [ "${SLURM_RESTART_COUNT:-0}" != 0 ]; then  # requeued: continue from the newest checkpoint',
+        f"  {q(sys.executable)} -m dsrecipes.launch.requeue --run-dir {q(str(run_dir))}",
+        "fi",
+        f"srun --nodes={ln.num_nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {q('exec ' + inner_sh)} &",
+        *_REQUEUE_TRAPS,
     ]
     return "\n".join(head + [""] + body) + "\n"
+
+
+# The batch shell waits for srun in the background, so that its traps run while the ranks train.
+_REQUEUE_TRAPS = [
+    "SRUN_PID=$!",
+    "near_time_limit() {",
+    '  echo "time limit near: the ranks checkpoint at the next step boundary, then job $SLURM_JOB_ID is requeued"',
+    '  scancel --signal=TERM "$SLURM_JOB_ID"  # every process of the job steps (not this shell)',
+    '  wait "$SRUN_PID" || true',
+    '  scontrol requeue "$SLURM_JOB_ID"',
+    "}",
+    "preempted() {",
+    '  echo "preempted: the ranks checkpoint at the next step boundary; SLURM requeues the job"',
+    '  wait "$SRUN_PID" || true',
+    "}",
+    "trap near_time_limit USR1",
+    "trap preempted TERM",
+    "STATUS=0",
+    'wait "$SRUN_PID" || STATUS=$?  # returns early when a trap ran; the trap waited for the ranks',
+    'exit "$STATUS"',
+]

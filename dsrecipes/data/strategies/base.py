@@ -16,6 +16,24 @@ Batch = Dict[str, Any]
 Row = Dict[str, Any]
 
 
+def loader_generator(seed: int, epoch: int) -> Any:
+    """The DataLoader's own generator: creating a DataLoader iterator draws a seed from the global torch RNG unless
+    it has one, which would shift dropout after a resume (the resumed run creates an iterator the original did not
+    create at that point). With its own generator the training RNG is left exactly as the checkpoint restored it."""
+    import torch
+
+    return torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+
+
+def worker_ignores_stop_signals(_worker_id: int) -> None:
+    """DataLoader `worker_init_fn`: a SIGTERM/SIGINT sent to the whole process group must stop the rank at a step
+    boundary (stopping.py), not kill the worker that feeds it mid-step; workers end with their rank."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class TrainLoader:
     """Collated micro-batches of one rank. Iterating yields the rest of the current epoch from where it stands.
 

@@ -22,7 +22,7 @@ from torch.utils.data import IterableDataset
 from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES
 from dsrecipes.data.plan import Layout
 from dsrecipes.data.sampler import StreamSpec, StreamTooShort
-from dsrecipes.data.strategies.base import Batch, Row, TrainLoader
+from dsrecipes.data.strategies.base import Batch, Row, TrainLoader, loader_generator, worker_ignores_stop_signals
 from dsrecipes.data.stream_index import BlockSource, StreamIndex
 from dsrecipes.data.stream_plan import epoch_visits
 from dsrecipes.data.stream_reader import ItemFetcher, read_stretch
@@ -170,7 +170,9 @@ def run_readers(dataset: ReaderDataset, expected: int, num_workers: int, prefetc
     from torch.utils.data import DataLoader
 
     loader = DataLoader(dataset, batch_size=None, num_workers=num_workers,
-                        prefetch_factor=prefetch_factor if num_workers else None)
+                        prefetch_factor=prefetch_factor if num_workers else None,
+                        worker_init_fn=worker_ignores_stop_signals,
+                        generator=loader_generator(dataset.loader.seed, dataset.loader.epoch))
     produced = 0
     for batch in loader:
         produced += 1

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 from dsrecipes.data.plan import EpochPlan, Layout
 from dsrecipes.data.sampler import map_micro_batches
-from dsrecipes.data.strategies.base import Batch, Row, TrainLoader
+from dsrecipes.data.strategies.base import Batch, Row, TrainLoader, loader_generator, worker_ignores_stop_signals
 
 
 class MapTrainLoader(TrainLoader):
@@ -61,6 +61,8 @@ class MapTrainLoader(TrainLoader):
             collate_fn=self.collate_fn,
             num_workers=self.num_workers,
             prefetch_factor=self.prefetch_factor if self.num_workers else None,
+            worker_init_fn=worker_ignores_stop_signals,
+            generator=loader_generator(self.seed, self.epoch),
         )
         yield from loader
 

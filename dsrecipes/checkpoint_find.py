@@ -1,0 +1,108 @@
+"""Which checkpoint a run continues from, decided once by the launching process (ranks follow plan.json).
+
+A checkpoint is trusted only when its commit record (complete.json) reads and every file it lists has its size
+and hash (manifest.py). `trainer.resume=auto` takes the most recently committed checkpoint that verifies, naming
+each damaged one it passes over; when checkpoints exist but none verifies, it stops (starting over would bury
+them). An explicit `trainer.resume_from` naming one checkpoint must verify, or the run stops (exit 2) naming the
+damaged file. Records of older dsrecipes versions (no file list) are trusted as they are.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import dsrecipes.manifest as manifest
+from dsrecipes.checkpoint import CHECKPOINTS, COMPLETE, commit_order, read_record, step_of
+from dsrecipes.config.schema import ResumeMode, TrainerConfig
+from dsrecipes.errors import Refused, UserError
+from dsrecipes.runplan import ResumePlan
+
+Report = Callable[[str], None]
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def damage(tag_dir: Path) -> Optional[str]:
+    """None when the checkpoint verifies, else what is wrong with it (naming the file)."""
+    try:
+        record = read_record(tag_dir)
+    except OSError:
+        return f"{COMPLETE}: missing (the save did not finish)"
+    except ValueError as exc:
+        return f"{COMPLETE}: unreadable ({exc})"
+    files = record.get("files")
+    if files is None:
+        return None  # written before complete.json listed files: nothing to check against
+    return manifest.verify(tag_dir, files)
+
+
+def committed(root: Path) -> List[Path]:
+    """Tag directories holding a commit record (readable or not), newest commit first."""
+    tags = [d for d in Path(root).glob("step_*") if d.is_dir() and d.name.split("_", 1)[1].isdigit()]
+    return sorted((d for d in tags if (d / COMPLETE).exists()), key=commit_order, reverse=True)
+
+
+def newest_verified(root: Path, report: Report = _stderr) -> Optional[Path]:
+    """The most recently committed checkpoint under `root` that verifies (None when there is none at all)."""
+    tags = committed(root)
+    damaged = []
+    for tag_dir in tags:
+        problem = damage(tag_dir)
+        if problem is None:
+            return tag_dir
+        damaged.append(f"{tag_dir.name}: {problem}")
+        report(f"warning: checkpoint {tag_dir} is damaged ({problem}); falling back to an older one")
+    if damaged:
+        raise Refused(f"{root}: no checkpoint verifies ({'; '.join(damaged)}). Nothing was changed; resume from "
+                        "a copy you trust with trainer.resume_from=PATH, or start a new run in another "
+                        "trainer.output_dir")
+    return None
+
+
+def find_resume_checkpoint(trainer: TrainerConfig, run_dir: Path, report: Report = _stderr) -> Optional[Path]:
+    """The tag dir a run continues from, or None: `trainer.resume_from` when set, else with `trainer.resume=auto`
+    the newest verified checkpoint of this run directory."""
+    if trainer.resume is ResumeMode.never:
+        return None
+    if trainer.resume_from is None:
+        return newest_verified(Path(run_dir) / CHECKPOINTS, report)
+    path = Path(trainer.resume_from).expanduser()
+    if (path / COMPLETE).exists() or (path.name.startswith("step_") and path.is_dir()):
+        problem = damage(path)
+        if problem is not None:
+            raise Refused(f"trainer.resume_from: {path} is not a complete checkpoint that verifies: {problem}. "
+                            "Nothing was changed; name an earlier checkpoint or the run directory (which falls "
+                            "back to its newest good checkpoint)")
+        return path
+    for candidate in (path / CHECKPOINTS, path):
+        if candidate.is_dir():
+            found = newest_verified(candidate, report)
+            if found is not None:
+                return found
+    raise UserError(
+        f"trainer.resume_from: {trainer.resume_from!r} is not a complete checkpoint (a checkpoints/step_<N> dir with "
+        f"{COMPLETE}), nor a run or checkpoints directory holding one"
+    )
+
+
+def latest_complete(root: Path, report: Report = _stderr) -> Optional[Path]:
+    """The newest verified checkpoint under a checkpoints directory (what `dsrecipes export` takes by default)."""
+    return newest_verified(root, report)
+
+
+def plan_resume(trainer: TrainerConfig, run_dir: Path, world_size: int, zero_stage: int,
+                report: Report = _stderr) -> Optional[ResumePlan]:
+    """What the run continues from (reads files only: the launching process calls this once, before any rank).
+
+    Another world size (elastic resume): ZeRO-0 states are whole and load as saved; ZeRO-1/2/3 shards go through a
+    DeepSpeed universal checkpoint (`"checkpoint": {"load_universal": true}` in ds_config.json)."""
+    tag_dir = find_resume_checkpoint(trainer, run_dir, report)
+    if tag_dir is None:
+        return None
+    saved = read_record(tag_dir)["world_size"]
+    elastic = saved != world_size and zero_stage > 0
+    return ResumePlan(str(tag_dir.resolve()), step_of(tag_dir), saved, elastic)

@@ -1,0 +1,40 @@
+"""How an interrupted run ends: result.json `interrupted` with its newest checkpoint, and the exact command that
+continues it (printed and recorded)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+from pathlib import Path
+from typing import Sequence
+
+
+def report_interrupted(run_dir: Path, signum: int, extra: dict, argv: Sequence[str]) -> int:
+    """Write result.json `interrupted`, print where it stopped and how to resume; returns the exit code."""
+    from dsrecipes.checkpoint_find import committed
+    from dsrecipes.rundir import CHECKPOINTS_DIR, write_result
+    from dsrecipes.stopping import exit_code
+
+    newest = committed(run_dir / CHECKPOINTS_DIR)
+    checkpoint = str(newest[0]) if newest else None
+    command = resume_command(run_dir, argv, keep_resume_from=not newest)
+    code = exit_code(signum)
+    name = signal.Signals(signum).name
+    where = f"last checkpoint: {checkpoint}" if checkpoint else "no checkpoint was written"
+    print(f"\ninterrupted by {name} ({where}). Resume with:\n  {command}", file=sys.stderr, flush=True)
+    extra = {**extra, "checkpoint": checkpoint, "resume_command": command}
+    write_result(run_dir, code, f"interrupted by {name}", "interrupted", **extra)
+    return code
+
+
+def resume_command(run_dir: Path, argv: Sequence[str], keep_resume_from: bool) -> str:
+    """This invocation again, into the same run directory with trainer.resume=auto (from the same directory; a
+    run that saved nothing yet keeps its trainer.resume_from)."""
+    drop = {"trainer.output_dir", "hydra.run.dir", "trainer.resume"}
+    if not keep_resume_from:
+        drop.add("trainer.resume_from")
+    kept = [ov for ov in argv if ov.split("=", 1)[0].lstrip("+~") not in drop]
+    args = [sys.executable, "-m", "dsrecipes", *kept, f"trainer.output_dir={run_dir}"]
+    return f"cd {shlex.quote(os.getcwd())} && {shlex.join(args)}"

@@ -1,0 +1,57 @@
+"""`python -m dsrecipes.launch.requeue --run-dir RUN`: the first step of a requeued `launcher=slurm` batch
+job (an entry point of its own, like mpi_rank.py: it imports entry.py, which imports launch/).
+
+The job's ranks only read the run directory, and refuse a plan.json older than the run's newest checkpoint
+(train.check_plan_current). A requeued job therefore plans its continuation first, on the batch host: the config
+the run was started with, `trainer.resume=auto`, the newest verified checkpoint (launch/slurm.py writes the call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from dsrecipes.errors import UserError
+from dsrecipes.runplan import RunPlan
+
+
+def replan(run_dir: Path) -> RunPlan:
+    """Plan the continuation of the run in `run_dir` from its newest verified checkpoint, with the config it was
+    started with (holding the run directory's lock meanwhile); returns the new plan."""
+    from dsrecipes.checkpoint_find import committed
+    from dsrecipes.config.load import config_to_dict, load_run_config
+    from dsrecipes.config.schema import ResumeMode
+    from dsrecipes.entry import describe_plan, write_run_dir
+    from dsrecipes.resume_contract import identity_fingerprint
+    from dsrecipes.rundir import CHECKPOINTS_DIR, claim
+    from dsrecipes.topology import resolve_topology
+
+    run_dir = Path(run_dir).resolve()
+    cfg = load_run_config(run_dir)
+    # Its own checkpoints first; a run that has committed none yet continues from where it started.
+    keep_from = cfg.trainer.resume_from if not committed(run_dir / CHECKPOINTS_DIR) else None
+    trainer = dataclasses.replace(cfg.trainer, resume=ResumeMode.auto, resume_from=keep_from, output_dir=str(run_dir))
+    cfg = dataclasses.replace(cfg, trainer=trainer)
+    with claim(run_dir, "--run-dir", identity_fingerprint(config_to_dict(cfg))):
+        plan = write_run_dir(cfg, resolve_topology(cfg.launcher))
+    print(f"run directory: {run_dir}  ({describe_plan(plan)})", flush=True)
+    return plan
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dsrecipes.launch.requeue", description=__doc__)
+    parser.add_argument("--run-dir", required=True, help="the run directory of the requeued job")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        replan(Path(args.run_dir))
+    except UserError as exc:
+        print(exc.render(), file=sys.stderr)
+        return exc.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,153 @@
+"""OS file locks (flock) that end with their holder: a killed process cannot leave a stale lock behind.
+
+`ExclusiveLock` is what the launching process holds on a run directory for the whole run; it writes who holds it
+into the lock file, so a second run can name the holder. `SharedLock` is what every rank holds while it runs, so a
+rank that outlives its launching process (SIGKILL, OOM killer) still keeps new runs out; `probe_free` is how the
+next launching process checks for such ranks. flock locks belong to an open file, not to a path or a process:
+two opens in one process conflict like two processes do, which is what lets one test process start two runs.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+
+class LockHeld(Exception):
+    """The lock is held by someone else; `holder` says who, as far as we can tell."""
+
+    def __init__(self, path: Path, holder: str):
+        super().__init__(f"{path} is locked by {holder}")
+        self.path = path
+        self.holder = holder
+
+
+def _open(path: Path) -> int:
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+
+def _try_flock(fd: int, mode: int) -> bool:
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+class ExclusiveLock:
+    """`with ExclusiveLock(path, info):` or `acquire()`/`release()`. Raises LockHeld at once when it is taken."""
+
+    def __init__(self, path: Path, info: Optional[Dict[str, Any]] = None):
+        self.path = Path(path)
+        self.info = info or {}
+        self.fd: Optional[int] = None
+
+    def acquire(self) -> "ExclusiveLock":
+        fd = _open(self.path)
+        if not _try_flock(fd, fcntl.LOCK_EX):
+            os.close(fd)
+            raise LockHeld(self.path, describe_holder(self.path))
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  "command": " ".join(sys.argv), **self.info}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)  # the holder's name goes with the lock
+            os.close(self.fd)  # closing the last descriptor of the open file releases the flock
+            self.fd = None
+
+    def __enter__(self) -> "ExclusiveLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+class SharedLock:
+    """A lock any number of holders share; an exclusive probe fails while one is held. Waits for a probe to pass."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.fd: Optional[int] = None
+
+    def acquire(self) -> "SharedLock":
+        fd = _open(self.path)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # only blocks for the instant a launching process probes
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def probe_free(path: Path) -> Optional[str]:
+    """None when nobody holds a lock on `path` (checked by taking and dropping an exclusive lock), else who does."""
+    fd = _open(path)
+    try:
+        if _try_flock(fd, fcntl.LOCK_EX):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        return describe_holder(path)
+    finally:
+        os.close(fd)
+
+
+def is_held(path: Path) -> bool:
+    """True while someone holds an exclusive lock on `path` (a shared probe would block). Costs three syscalls."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if _try_flock(fd, fcntl.LOCK_SH):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+        return True
+    finally:
+        os.close(fd)
+
+
+def describe_holder(path: Path) -> str:
+    """'pid 123 on host h since 2026-..., `command`' from the lock file, else the pids the kernel lists for it."""
+    try:
+        info = json.loads(Path(path).read_text(encoding="utf-8") or "{}")
+    except (OSError, ValueError):
+        info = {}
+    if info.get("pid"):
+        text = f"pid {info['pid']} on {info.get('host', '?')} since {info.get('since', '?')}"
+        return text + (f" (`{info['command']}`)" if info.get("command") else "")
+    pids = lock_holder_pids(path)
+    return f"process(es) {', '.join(map(str, pids))}" if pids else "another process"
+
+
+def lock_holder_pids(path: Path) -> List[int]:
+    """Pids holding a flock on `path`, from /proc/locks (Linux; empty elsewhere or when not visible)."""
+    try:
+        inode = os.stat(path).st_ino
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return []
+    pids = []
+    for line in lines:
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF" (blocked waiters have a "->" column first)
+        if "->" in parts:
+            continue
+        if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5].rsplit(":", 1)[-1] == str(inode):
+            pids.append(int(parts[4]))
+    return sorted(set(pids))

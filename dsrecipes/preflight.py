@@ -1,0 +1,99 @@
+"""What a run needs from this machine's files, checked before any rank starts and by `dsrecipes validate`.
+
+Nothing here loads a model or writes a file: it looks at paths. An output or cache directory that cannot be
+created or written, an output path below a file, a model directory without config.json or weights, a tokenizer
+path that is a file, a model that needs custom code: each is one `key: message` line (exit 2), instead of a
+traceback from deep inside transformers after the ranks started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import List, Optional
+
+from dsrecipes.config.schema import TrainConfig
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json",
+                   "*.gguf")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_environment(cfg: TrainConfig) -> List[str]:
+    """Every problem with the run's paths on this machine (empty when there is none)."""
+    from dsrecipes.data.cache import cache_root
+
+    problems: List[str] = []
+    if cfg.trainer.output_dir:
+        problems += _writable_dir("trainer.output_dir", Path(cfg.trainer.output_dir).expanduser())
+    problems += _writable_dir("data.cache_dir", cache_root(cfg))
+    model: List[str] = []
+    if cfg.model.path:
+        model = check_model_dir("model.path", Path(cfg.model.path).expanduser(), cfg.model.trust_remote_code)
+    if cfg.model.tokenizer_path:
+        problems += check_tokenizer_dir("model.tokenizer_path", Path(cfg.model.tokenizer_path).expanduser())
+    elif cfg.model.path and not model:  # a broken model directory is one problem, not two
+        problems += check_tokenizer_dir("model.path", Path(cfg.model.path).expanduser())
+    return problems + model
+
+
+def _writable_dir(key: str, path: Path) -> List[str]:
+    """`path` is (or can be made) a directory we may write into. Creates nothing."""
+    existing: Optional[Path] = next((p for p in [path, *path.parents] if p.exists()), None)
+    if existing is None:
+        return []
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"lies below {existing}, which is a file"
+        return [f"{key}: {path} {where}; it must be a directory"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == path else f"cannot be created ({existing} is not writable)"
+        return [f"{key}: {path} {what}"]
+    return []
+
+
+def check_model_dir(key: str, path: Path, trust_remote_code: bool) -> List[str]:
+    """A local Hugging Face model directory: config.json with a known (or allowed custom) architecture, weights."""
+    if not path.exists():
+        return []  # reported by the config rules (or resolved as a hub id where that is supported)
+    if not path.is_dir():
+        return [f"{key}: {path} is a file; give the model's directory (config.json and weights)"]
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        return [f"{key}: {path} has no config.json; it is not a Hugging Face model directory"]
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        return [f"{key}: {config_path} is unreadable ({exc})"]
+    problems = []
+    if config.get("auto_map") and not trust_remote_code:
+        problems.append(f"{key}: {path} needs its own Python code to load (config.json auto_map); dsrecipes never "
+                        "runs code from a model directory: use a model that transformers supports natively")
+    elif not config.get("auto_map"):
+        problems += _known_model_type(key, path, config.get("model_type"))
+    if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+        problems.append(f"{key}: {path} has no weights (*.safetensors, pytorch_model*.bin or *.gguf)")
+    return problems
+
+
+def _known_model_type(key: str, path: Path, model_type: object) -> List[str]:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if not model_type:
+        return [f"{key}: {path}/config.json has no model_type"]
+    if model_type not in CONFIG_MAPPING_NAMES:
+        return [f"{key}: {path}/config.json: model_type {model_type!r} is not known to this transformers version"]
+    return []
+
+
+def check_tokenizer_dir(key: str, path: Path) -> List[str]:
+    if not path.exists():
+        return []
+    if not path.is_dir():
+        return [f"{key}: {path} is a file; the tokenizer is loaded from a directory (tokenizer.json, "
+                "tokenizer_config.json, ...)"]
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return [f"{key}: {path} holds no tokenizer files ({', '.join(TOKENIZER_FILES)})"]
+    return []

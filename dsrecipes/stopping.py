@@ -1,0 +1,101 @@
+"""SIGTERM and SIGINT mean "stop at the next step boundary, keep the work": recorded here, acted on by the code that
+runs the work.
+
+The launching process forwards the signal to its launcher's whole process group and gives the ranks
+`trainer.stop_grace_s` to finish before it kills what is left (launch/process.py). Every rank records it; at the
+next optimizer-step boundary the ranks agree (one small all-reduce per step, so all of them stop at the same step),
+save a checkpoint and end with the exit code of the signal (train.py). A second Ctrl-C stops at once.
+
+`handling()` blocks nest (the local launcher runs the rank inside the launching process): the outermost installs
+the OS handlers, every active block's callback is told about the signal.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from typing import Callable, Iterator, List, Optional
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+_received: Optional[int] = None
+_callbacks: List[Callable[[int], None]] = []
+_announce: List[bool] = []
+
+
+def requested() -> Optional[int]:
+    """The first stop signal received since `reset()`, else None."""
+    return _received
+
+
+def reset() -> None:
+    global _received
+    _received = None
+
+
+def exit_code(signum: int) -> int:
+    """What a shell reports for a process ended by `signum` (130 for SIGINT, 143 for SIGTERM)."""
+    return 128 + int(signum)
+
+
+def _handler(signum: int, frame: object) -> None:
+    global _received
+    if _received is not None and signum == signal.SIGINT:
+        raise KeyboardInterrupt  # Ctrl-C twice: stop now
+    first = _received is None
+    _received = _received or signum
+    if first and any(_announce):
+        print(f"\n{signal.Signals(signum).name}: stopping at the next step boundary and saving a checkpoint "
+              "(Ctrl-C again stops at once)", file=sys.stderr, flush=True)
+    for callback in list(_callbacks):
+        callback(signum)
+
+
+@contextmanager
+def handling(on_signal: Optional[Callable[[int], None]] = None, announce: bool = False) -> Iterator[None]:
+    """Within the block, SIGTERM/SIGINT are recorded (and passed to `on_signal`) instead of ending the process.
+    Only the main thread can own signal handlers; elsewhere the block changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    outermost = not _announce
+    previous = {s: signal.signal(s, _handler) for s in STOP_SIGNALS} if outermost else {}
+    if on_signal is not None:
+        _callbacks.append(on_signal)
+    _announce.append(announce)
+    try:
+        yield
+    finally:
+        _announce.pop()
+        if on_signal is not None:
+            _callbacks.remove(on_signal)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def watch(alive: Callable[[], bool], grace_s: float, what: str, poll_s: float = 2.0) -> threading.Thread:
+    """A daemon thread that ends this process when `alive()` has been false for `grace_s` (a rank whose launching
+    process died and that is stuck where no step boundary comes, e.g. in a collective with a dead peer: without
+    this it would outlive everything until the process-group timeout). Reaching a step boundary first is the
+    normal way out (train.py stops there on its own)."""
+    import os
+    import time
+
+    def run() -> None:
+        gone_since: Optional[float] = None
+        while True:
+            time.sleep(poll_s)
+            if alive():
+                gone_since = None
+                continue
+            gone_since = gone_since or time.monotonic()
+            if time.monotonic() - gone_since > grace_s:
+                print(f"error: {what} is gone and this rank did not stop within {grace_s:.0f} s; exiting",
+                      file=sys.stderr, flush=True)
+                os._exit(exit_code(signal.SIGTERM))
+
+    thread = threading.Thread(target=run, name="dsrecipes-launcher-watch", daemon=True)
+    thread.start()
+    return thread

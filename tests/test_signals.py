@@ -1,0 +1,137 @@
+"""Signals stop everything and keep work (tracker issue 10): real `python -m dsrecipes` processes, real signals.
+
+  local, SIGINT / SIGTERM     1 rank in the launching process: it stops at the next step boundary, checkpoints,
+                              writes result.json `interrupted` with the resume command, exits 130 / 143; the printed
+                              command resumes it and the losses equal an uninterrupted run's step for step
+  deepspeed, SIGTERM          (in tests/test_train_runs.py, whose 2-rank ZeRO-2 run is the reference) 2 ranks
+                              under the deepspeed launcher: the signal reaches every rank, both checkpoint the same
+                              step, no process of the run is left; a SIGKILLed launching process leaves no rank
+                              training; the printed command finishes the run with the reference's losses
+
+A fault-injection variable (step_guard.PAUSE_AFTER_STEP_ENV) holds rank 0 after step 2 until the stop arrives, so
+the signal always lands while the run is in flight at a known step: the stop happens at the boundary of step 3.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+from tests.conftest import subprocess_env
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("signals")
+
+
+def argv(ws: Path, run: Path, *overrides: str) -> List[str]:
+    from tests.test_train_runs import SHORT
+
+    return [sys.executable, "-m", "dsrecipes", *SHORT, f"data.cache_dir={ws / 'cache'}", f"trainer.output_dir={run}",
+            *overrides]
+
+
+def start(ws: Path, run: Path, *overrides: str, pause_after: int | None = None) -> subprocess.Popen:
+    from dsrecipes.step_guard import PAUSE_AFTER_STEP_ENV
+
+    env = subprocess_env({PAUSE_AFTER_STEP_ENV: str(pause_after)} if pause_after else None)
+    log = open(ws / f"{run.name}.log", "a")
+    return subprocess.Popen(argv(ws, run, *overrides), cwd=ws, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def finish(proc: subprocess.Popen, timeout: int = 600) -> int:
+    return proc.wait(timeout=timeout)
+
+
+def log_of(ws: Path, run: Path) -> str:
+    return (ws / f"{run.name}.log").read_text()
+
+
+def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 600) -> None:
+    from dsrecipes.rundir import read_metrics
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(r.get("step") == step and "loss" in r for r in read_metrics(run)):
+            return
+        assert proc.poll() is None, f"the run ended (code {proc.returncode}) before step {step}"
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached")
+
+
+def processes_of(run: Path) -> List[str]:
+    """Every process on this machine whose command line names the run directory."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(p.info["cmdline"] or [])
+        if str(run) in cmdline:
+            found.append(f"{p.info['pid']}: {cmdline[:200]}")
+    return found
+
+
+def losses(run: Path) -> Dict[int, float]:
+    from dsrecipes.rundir import read_metrics
+
+    return {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
+
+
+def assert_interrupted_at_step_3(ws: Path, run: Path, code: int, signum: int) -> str:
+    from dsrecipes.checkpoint_find import damage
+
+    assert code == 128 + signum, log_of(ws, run)[-4000:]
+    result = json.loads((run / "result.json").read_text())
+    assert result["status"] == "interrupted" and result["stopped_at_step"] == 3
+    assert result["checkpoint"] == str(run / "checkpoints" / "step_3")
+    assert damage(run / "checkpoints" / "step_3") is None  # a complete, verified checkpoint
+    assert result["resume_command"] in log_of(ws, run)  # printed as well
+    assert sorted(losses(run)) == [1, 2, 3]
+    return result["resume_command"]
+
+
+def resume(ws: Path, run: Path, command: str) -> None:
+    """Run the printed resume command as a user would, in a shell."""
+    with open(ws / f"{run.name}.log", "a") as log:
+        code = subprocess.run(command, shell=True, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
+                              timeout=600).returncode
+    assert code == 0, log_of(ws, run)[-4000:]
+
+
+def no_process_left(run: Path, within: float = 60) -> None:
+    deadline = time.monotonic() + within
+    while processes_of(run) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not processes_of(run), processes_of(run)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def local_reference(ws) -> Path:
+    reference = ws / "local_reference"
+    assert finish(start(ws, reference)) == 0, log_of(ws, reference)[-3000:]
+    return reference
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
+def test_a_signal_to_a_local_run_checkpoints_and_the_printed_command_resumes_exactly(ws, local_reference, signum):
+    run = ws / f"local_{signal.Signals(signum).name}"
+    proc = start(ws, run, pause_after=2)
+    wait_for_step(run, 2, proc)
+    proc.send_signal(signum)
+    command = assert_interrupted_at_step_3(ws, run, finish(proc), signum)
+    no_process_left(run)
+    resume(ws, run, command)
+    assert losses(run) == losses(local_reference)
