@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from dsrecipes.config.defaults import learning_rate
 from dsrecipes.config.schema import OffloadDevice, OptimizerKind, Precision, SchedulerKind, TrainConfig
 
 
@@ -52,19 +53,20 @@ def build_ds_config(
 
 def _optimizer(cfg: TrainConfig) -> Dict[str, Any]:
     o = cfg.optimizer
+    lr = learning_rate(cfg)  # optimizer.lr, or the model's own when it is null
     betas = list(o.betas)
     if o.name is OptimizerKind.adamw:
-        params = {"lr": o.lr, "betas": betas, "eps": o.eps, "weight_decay": o.weight_decay, "torch_adam": o.torch_adam}
+        params = {"lr": lr, "betas": betas, "eps": o.eps, "weight_decay": o.weight_decay, "torch_adam": o.torch_adam}
         return {"type": "AdamW", "params": params}
     if o.name is OptimizerKind.adam:
-        params = {"lr": o.lr, "betas": betas, "eps": o.eps, "weight_decay": o.weight_decay,
+        params = {"lr": lr, "betas": betas, "eps": o.eps, "weight_decay": o.weight_decay,
                   "torch_adam": o.torch_adam, "adam_w_mode": False}
         return {"type": "Adam", "params": params}
     if o.name is OptimizerKind.lion:
-        return {"type": "Lion", "params": {"lr": o.lr, "betas": betas, "weight_decay": o.weight_decay}}
+        return {"type": "Lion", "params": {"lr": lr, "betas": betas, "weight_decay": o.weight_decay}}
     if o.name is OptimizerKind.sgd:
         # Not a DeepSpeed optimizer name: DeepSpeed falls back to torch.optim.SGD.
-        return {"type": "SGD", "params": {"lr": o.lr, "momentum": o.momentum, "weight_decay": o.weight_decay}}
+        return {"type": "SGD", "params": {"lr": lr, "momentum": o.momentum, "weight_decay": o.weight_decay}}
     raise AssertionError(o.name)
 
 
@@ -86,14 +88,14 @@ def _warmup(cfg: TrainConfig) -> Tuple[int, float]:
 
 def _constant(cfg: TrainConfig, total: Optional[int]) -> Dict[str, Any]:
     steps, start = _warmup(cfg)
-    lr = cfg.optimizer.lr
+    lr = learning_rate(cfg)
     return {"type": "WarmupLR", "params": {"warmup_min_lr": lr * start, "warmup_max_lr": lr,
                                           "warmup_num_steps": steps, "warmup_type": "linear"}}
 
 
 def _linear(cfg: TrainConfig, total: Optional[int]) -> Dict[str, Any]:
     steps, start = _warmup(cfg)
-    lr = cfg.optimizer.lr
+    lr = learning_rate(cfg)
     return {"type": "WarmupDecayLR", "params": {"total_num_steps": _needs_total(cfg, total), "warmup_min_lr": lr * start,
                                                "warmup_max_lr": lr, "warmup_num_steps": steps,
                                                "warmup_type": "linear"}}

@@ -26,10 +26,12 @@ def run(cfg: TrainConfig) -> int:
     from dsrecipes.config.validate import check_runtime
     from dsrecipes.launch import launch
     from dsrecipes.trackers import preflight
+    from dsrecipes.resolve import prepare_launch
 
     problems = check_runtime(cfg, cuda_available=torch.cuda.is_available()) + preflight(cfg)
     if problems:
         raise ConfigError(problems)
+    cfg = prepare_launch(cfg)  # hub ids -> local snapshots, template=auto -> concrete, warnings: decided once here
     run_dir = Path(cfg.trainer.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     plan = write_run_dir(cfg, resolve_topology(cfg.launcher))

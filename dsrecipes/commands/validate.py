@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import List, Tuple
 
 from dsrecipes.commands.args import override_parser, parse
+from dsrecipes.config.defaults import config_warnings, model_name
 from dsrecipes.config.groups import RECIPE_GROUP, group_options, recipes
 from dsrecipes.config.load import check_composition, compose, compose_and_load, hydra_context
 from dsrecipes.errors import ConfigError
@@ -19,8 +21,10 @@ def main(argv: List[str]) -> int:
     if args.all:
         return validate_all(args.overrides, verbose=args.verbose)
     cfg = compose_and_load(args.overrides)
+    for warning in config_warnings(cfg):
+        print(f"warning: {warning}", file=sys.stderr)
     print(
-        f"OK: data={cfg.data.kind.value} dataset={cfg.dataset.name} model={cfg.model.name} "
+        f"OK: data={cfg.data.kind.value} dataset={cfg.dataset.name} model={model_name(cfg)} "
         f"zero={cfg.zero.stage} offload={cfg.offload.label} precision={cfg.precision.dtype.value} "
         f"launcher={cfg.launcher.kind.value}"
     )

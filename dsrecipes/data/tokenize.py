@@ -2,7 +2,9 @@
 
 Tokenization is batched: the segments of many conversations go to the fast tokenizer's Rust `encode_batch` in one
 call (identical texts, e.g. role headers, once), with `add_special_tokens=False` because templates spell out their
-own bos/eos text. Each segment is tokenized on its own, so a trained span never shares a token with the prompt.
+own bos/eos text. Each segment is tokenized on its own, so a trained span never shares a token with the prompt;
+segments after the first of a sample are encoded without a SentencePiece start marker (data/spm.py), else a "▁"
+tokenizer (Llama-2 / Mistral-v1 style) would put a spurious space at the start of every reply.
 
 Truncation (`data.cutoff_len`) keeps the head and cuts whole turns from the end: a sample keeps the longest run of
 complete assistant/tool-call replies that fits. When not even the first reply fits (or that leaves nothing trained,
@@ -26,7 +28,9 @@ from dsrecipes.config.schema import TrainConfig
 from dsrecipes.data.badrows import BadRow
 from dsrecipes.data.labels import IGNORE_INDEX
 from dsrecipes.data.sharegpt import Conversation
+from dsrecipes.data.spm import continuation_encoder
 from dsrecipes.data.template import Segment, check_template, render
+from dsrecipes.data.template_choice import choose_template
 from dsrecipes.errors import ConfigError
 
 
@@ -54,14 +58,16 @@ class Encoder:
         if backend is None:
             raise ConfigError("model.tokenizer_path: a fast (Rust `tokenizers`) tokenizer is needed for batched "
                               "tokenization; this one is a slow Python tokenizer")
-        problems = check_template(cfg.template, tokenizer)
+        template = choose_template(cfg.template, tokenizer, cfg.model.path)  # template=auto outside a launch
+        problems = check_template(template, tokenizer)
         if problems:
             raise ConfigError(problems)
         self.tokenizer = tokenizer
-        self.template = cfg.template
+        self.template = template
         self.train_on = cfg.data.train_on
         self.cutoff_len = cfg.data.cutoff_len
         self._encode_fast = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        self._encode_cont = continuation_encoder(backend)  # None: segments need no different treatment
 
     def render(self, conv: Conversation) -> List[Segment]:
         return render(conv, self.template, self.tokenizer, self.train_on)
@@ -82,24 +88,36 @@ class Encoder:
                     raise
                 errors.append((conv, bad))
                 rendered.append(None)
-        index: Dict[str, int] = {}
-        for segments in rendered:
-            for seg in segments or ():
-                index.setdefault(seg.text, len(index))
-        encoded = self.encode_texts(list(index))
+        index: Dict[Tuple[bool, str], int] = {}  # (continues the sample, text) -> position, each text encoded once
+        keys = [[(k > 0 and self._encode_cont is not None, s.text) for k, s in enumerate(segments or ())]
+                for segments in rendered]
+        for conv_keys in keys:
+            for key in conv_keys:
+                index.setdefault(key, len(index))
+        encoded = self._encode_keys(list(index))
         out: List[Optional[Example]] = []
-        for conv, segments in zip(convs, rendered):
+        for conv, segments, conv_keys in zip(convs, rendered, keys):
             if segments is None:
                 out.append(None)
                 continue
-            out.append(self._assemble(conv.id, [(encoded[index[s.text]], s) for s in segments]))
+            out.append(self._assemble(conv.id, [(encoded[index[key]], s) for key, s in zip(conv_keys, segments)]))
         return out
 
-    def encode_texts(self, texts: List[str]) -> List[List[int]]:
+    def _encode_keys(self, keys: List[Tuple[bool, str]]) -> List[List[int]]:
+        first = [i for i, (cont, _) in enumerate(keys) if not cont]
+        rest = [i for i, (cont, _) in enumerate(keys) if cont]
+        out: List[List[int]] = [[] for _ in keys]
+        for idx, continuation in ((first, False), (rest, True)):
+            for i, ids in zip(idx, self.encode_texts([keys[i][1] for i in idx], continuation)):
+                out[i] = ids
+        return out
+
+    def encode_texts(self, texts: List[str], continuation: bool = False) -> List[List[int]]:
+        """Token ids of each text; `continuation`: the text goes on from earlier text (no start marker)."""
         if not texts:
             return []
-        return [e.ids for e in self._encode_fast(texts, add_special_tokens=False)]
-
+        encode = self._encode_cont if continuation and self._encode_cont is not None else self._encode_fast
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
 
     def _assemble(self, sample_id: str, parts: List[Tuple[List[int], Segment]]) -> Optional[Example]:
         ids: List[int] = []
