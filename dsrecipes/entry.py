@@ -25,8 +25,8 @@ def run(cfg: TrainConfig) -> int:
 
     from dsrecipes.config.validate import check_runtime
     from dsrecipes.launch import launch
-    from dsrecipes.trackers import preflight
     from dsrecipes.resolve import prepare_launch
+    from dsrecipes.trackers import preflight
 
     problems = check_runtime(cfg, cuda_available=torch.cuda.is_available()) + preflight(cfg)
     if problems:

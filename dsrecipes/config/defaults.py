@@ -3,9 +3,10 @@ the bare schema): the launching process applies `with_derived_defaults` before i
 so a run directory holds the concrete values; commands that read a composed config directly call what they need.
 
 - `optimizer.lr: null` (the optimizer groups' default) is the model's own learning rate (`learning_rate`):
-  `model.tiny.lr` (3e-3) for the embedded tiny model, else `model.lr` for a full fine-tune and `model.lora.lr` with
-  LoRA. Model groups set those for their model (schema defaults 2e-5 and 2e-4, which also apply to `model.path=...`
-  on the default group), so `model=NAME` alone trains at a sensible rate; an explicit `optimizer.lr=...` wins.
+  `model.tiny.finetune_lr` (3e-3) for the embedded tiny model, else `model.finetune_lr` for a full fine-tune and
+  `model.lora.finetune_lr` with LoRA. Model groups set those for their model (schema defaults 2e-5 and 2e-4, which
+  also apply to `model.path=...` on the default group), so `model=NAME` alone trains at a sensible rate; an explicit
+  `optimizer.lr=...` wins. (Named `finetune_lr`, not `lr`, so `trainer.lr` still suggests `optimizer.lr`.)
 - `model.name` still "tiny" (the default group) while `model.path` names another model: the path's last part
   (`/models/Qwen2.5-0.5B-Instruct` -> `Qwen2.5-0.5B-Instruct`, a hub id as it is), so logs and `estimate` name the
   model being trained. `~` in model paths is expanded (transformers does not).
@@ -33,8 +34,8 @@ def learning_rate(cfg: TrainConfig) -> float:
     if cfg.optimizer.lr is not None:
         return cfg.optimizer.lr
     if cfg.model.path is None:
-        return cfg.model.tiny.lr
-    return cfg.model.lora.lr if cfg.model.lora.enabled else cfg.model.lr
+        return cfg.model.tiny.finetune_lr
+    return cfg.model.lora.finetune_lr if cfg.model.lora.enabled else cfg.model.finetune_lr
 
 
 def model_name(cfg: TrainConfig) -> str:
@@ -71,5 +72,5 @@ def config_warnings(cfg: TrainConfig) -> List[str]:
     if cfg.model.path and lr > HIGH_LR and cfg.optimizer.name is not OptimizerKind.sgd:
         return [f"optimizer.lr: {lr:g} is a learning rate for the embedded tiny model; a pretrained model "
                 f"({model_name(cfg)}) usually fine-tunes at ~1e-5..5e-5 (full) or ~1e-4..3e-4 (LoRA). "
-                "Leave optimizer.lr unset to use the model group's model.lr / model.lora.lr"]
+                "Leave optimizer.lr unset to use the model group's model.finetune_lr / model.lora.finetune_lr"]
     return []

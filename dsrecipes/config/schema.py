@@ -189,7 +189,7 @@ class LoraConfig:
     dropout: float = 0.05
     target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     only_optimize_lora: bool = True
-    lr: float = 2e-4  # this model's LoRA learning rate: used when optimizer.lr is null
+    finetune_lr: float = 2e-4  # this model's LoRA learning rate: used when optimizer.lr is null
 
 
 @dataclass
@@ -204,7 +204,7 @@ class TinyModelConfig:
     max_position_embeddings: int = 1024
     tie_word_embeddings: bool = True  # share input and output embeddings (most of a tiny model is embeddings)
     seed: int = 1234  # init seed, independent of trainer.seed: the same start model whatever the data order
-    lr: float = 3e-3  # its learning rate (full or LoRA) when optimizer.lr is null: random init learns fast
+    finetune_lr: float = 3e-3  # its learning rate (full or LoRA) when optimizer.lr is null: random init learns fast
 
 
 @dataclass
@@ -217,7 +217,7 @@ class ModelConfig:
     attn_implementation: AttnImpl = AttnImpl.sdpa
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
-    lr: float = 2e-5  # full fine-tune learning rate of a model at `path` when optimizer.lr is null (config/defaults.py)
+    finetune_lr: float = 2e-5  # full fine-tune learning rate of a model at `path` when optimizer.lr is null
     num_params: Optional[int] = None  # for `estimate` when the weights are not on this machine
     arch: Dict[str, Any] = field(default_factory=dict)  # HF config fields (model_type, hidden_size, ...) for `estimate`
     lora: LoraConfig = field(default_factory=LoraConfig)

@@ -68,8 +68,9 @@ def _batch(cfg: TrainConfig) -> List[str]:
         errors.append(f"trainer.gradient_clipping: must be >= 0 (0 disables), got {t.gradient_clipping}")
     if t.resume is ResumeMode.never and t.resume_from is not None:
         errors.append("trainer.resume_from: set, but trainer.resume=never starts from step 0; drop one of them")
-    for key, lr in (("optimizer.lr", cfg.optimizer.lr), ("model.lr", cfg.model.lr), ("model.lora.lr", cfg.model.lora.lr),
-                    ("model.tiny.lr", cfg.model.tiny.lr)):
+    m = cfg.model
+    for key, lr in (("optimizer.lr", cfg.optimizer.lr), ("model.finetune_lr", m.finetune_lr),
+                    ("model.lora.finetune_lr", m.lora.finetune_lr), ("model.tiny.finetune_lr", m.tiny.finetune_lr)):
         if lr is not None and lr <= 0:
             errors.append(f"{key}: must be > 0, got {lr}")
     if len(cfg.optimizer.betas) != 2:
