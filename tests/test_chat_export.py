@@ -137,3 +137,39 @@ def test_real_sharegpt_rows_render_identically(tok, tmp_path, glaive):
             messages, tools = messages_for(c, served.chat_template)
             trained = "".join(seg.text for seg in render(c, cfg, tok, TrainOn.assistant))
             assert served.apply_chat_template(messages, tools=tools, tokenize=False) == trained, c.id
+
+
+EXPECTED_STOP = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "vicuna": "</s>", "plain": "<|endoftext|>",
+                 "human_assistant": "<|endoftext|>", "tokenizer": "<|im_end|>", "auto": "<|im_end|>"}
+
+
+@pytest.mark.parametrize("kind", [k.value for k in TemplateKind])
+def test_an_export_of_each_template_serves_it(tmp_path, kind):
+    """The whole road: a run's config -> export.py (make_servable) -> a saved directory -> stock transformers. The
+    exported tokenizer renders the training text byte for byte (default system prompt included), the generation
+    config stops at the template's end-of-turn token, use_cache is on, and the caller's tokenizer is untouched."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.export import export_initial
+    from dsrecipes.model import load_tokenizer
+    from dsrecipes.serving import run_template
+
+    cfg = compose_and_load(["debug=fast", f"template={kind}", "template.default_system='Be exact.'"])
+    training = load_tokenizer(cfg)
+    own = training.chat_template
+    out = export_initial(cfg, training, tmp_path / "export")
+    assert training.chat_template == own
+    served, model = AutoTokenizer.from_pretrained(out), AutoModelForCausalLM.from_pretrained(out)
+    template = run_template(cfg, training)
+    assert template.name is not TemplateKind.auto
+    for c in CONVERSATIONS:
+        messages, tools = messages_for(c, served.chat_template)
+        trained = "".join(seg.text for seg in render(c, template, training, TrainOn.assistant))
+        assert served.apply_chat_template(messages, tools=tools, tokenize=False) == trained, (kind, c.turns)
+    if template.name is not TemplateKind.tokenizer:  # the model's own template has no default system prompt here
+        assert "Be exact." in served.apply_chat_template([{"role": "user", "content": "q"}], tokenize=False)
+    stops = model.generation_config.eos_token_id
+    stops = stops if isinstance(stops, list) else [stops]
+    assert stops[0] == served.convert_tokens_to_ids(EXPECTED_STOP[kind]) and served.eos_token_id in stops
+    assert model.config.use_cache and model.generation_config.use_cache

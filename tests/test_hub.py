@@ -62,7 +62,7 @@ def test_hub_id_from_a_local_cache_offline_becomes_a_local_snapshot_in_the_run_d
     assert "template: auto -> tokenizer" in out.stderr  # the model's own chat template
 
 
-def test_missing_cache_offline_or_unreachable_hub_is_one_message(tmp_path, monkeypatch):
+def test_missing_cache_offline_or_unreachable_hub_is_one_message(tmp_path, monkeypatch, capsys):
     import huggingface_hub.constants as hub_constants
 
     from dsrecipes.cli import main
@@ -71,7 +71,11 @@ def test_missing_cache_offline_or_unreachable_hub_is_one_message(tmp_path, monke
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     args = [f"trainer.output_dir={tmp_path / 'run'}", "launcher.dry_run=true", "debug=fast"]
     assert main(["validate", "model.path=acme/not-cached"]) == 2
+    assert "HF_HUB_OFFLINE is set while the hub cache has no copy" in capsys.readouterr().err
     assert main(["model.path=acme/not-cached", *args]) == 2
+    err = capsys.readouterr().err
+    assert "model.path: 'acme/not-cached' is not a local directory, and HF_HUB_OFFLINE is set" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()  # nothing half written
     # Online but the Hub unreachable (a closed local port stands in for "no network").
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setattr(hub_constants, "ENDPOINT", "http://127.0.0.1:9")
@@ -79,7 +83,7 @@ def test_missing_cache_offline_or_unreachable_hub_is_one_message(tmp_path, monke
     from dsrecipes.errors import ConfigError
     from dsrecipes.hub import fetch
 
-    with pytest.raises(ConfigError, match="could not be reached"):
+    with pytest.raises(ConfigError, match="not in the hub cache and the Hub could not be reached"):
         fetch("acme/not-cached", None, "model.path")
 
 

@@ -88,3 +88,28 @@ def test_an_adapter_whose_base_is_gone_is_one_message(tmp_path, capsys):
     (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tmp_path / "gone")}))
     assert cli(["chat", str(tmp_path), "--message", "hi"]) == 2
     assert "is not a local model directory here" in capsys.readouterr().err
+
+
+def test_a_plain_base_model_directory_is_accepted_with_its_own_template(tmp_path, capsys):
+    """A Hugging Face directory nobody exported (no dsrecipes_export.json, its tokenizer's own chat template, its
+    own generation_config): prompt-eval and chat both load it; prompt-eval needs --prompts (no run behind it)."""
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.model import build_tiny_model, load_tokenizer
+
+    cfg = compose_and_load(["debug=fast"])
+    tokenizer = load_tokenizer(cfg)
+    base = tmp_path / "base"
+    build_tiny_model(cfg, tokenizer).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    assert not (base / "dsrecipes_export.json").exists() and tokenizer.chat_template
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is 2 + 2?", "reference": "4"}) + "\n", encoding="utf-8")
+    out = tmp_path / "s.json"
+    assert cli(["prompt-eval", "--finetuned", str(base), "--baseline", str(base), "--prompts", str(prompts),
+                "--max-new-tokens", "3", "--json", str(out)]) == 0
+    scores = json.loads(out.read_text())
+    assert scores["finetuned"]["total"] == scores["baseline"]["total"] == 1
+    assert scores["finetuned"]["reference_loss"] == pytest.approx(scores["baseline"]["reference_loss"])
+    assert cli(["chat", str(base), "--message", "Hi", "--max-new-tokens", "3"]) == 0
+    assert cli(["prompt-eval", "--finetuned", str(base)]) == 2  # no run: nothing to take held-out rows from
+    assert "pass --prompts FILE" in capsys.readouterr().err
