@@ -9,6 +9,7 @@ the ranks, which only read that directory.
 from __future__ import annotations
 
 import dataclasses
+import glob
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -25,6 +26,7 @@ def run(cfg: TrainConfig) -> int:
 
     from dsrecipes.config.validate import check_runtime
     from dsrecipes.launch import launch
+    from dsrecipes.model import check_no_custom_code
     from dsrecipes.resolve import prepare_launch
     from dsrecipes.trackers import preflight
 
@@ -32,6 +34,7 @@ def run(cfg: TrainConfig) -> int:
     if problems:
         raise ConfigError(problems)
     cfg = prepare_launch(cfg)  # hub ids -> local snapshots, template=auto -> concrete, warnings: decided once here
+    check_no_custom_code(cfg)  # on the local snapshot a hub id became
     run_dir = Path(cfg.trainer.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     plan = write_run_dir(cfg, resolve_topology(cfg.launcher))
@@ -85,10 +88,26 @@ def plan_data(cfg: TrainConfig, run_dir: Path) -> Tuple[Optional[int], str]:
         from dsrecipes.data.shard import read_manifest
 
         manifest = read_manifest(cfg.data.shard_dir)
+        if cfg.data.prescan:
+            _check_parts(cfg, run_dir, manifest)
         return manifest.total, manifest.fingerprint
     from dsrecipes.data.scan import prepare_stream
 
     return prepare_stream(cfg, run_dir)
+
+
+def _check_parts(cfg: TrainConfig, run_dir: Path, manifest) -> None:
+    """Parts are checked by `dsrecipes shard` with its template and tokenizer; with another one, a row could fail to
+    render or tokenize mid-run, so the parts are scanned first."""
+    from dsrecipes.config.schema import SourceConfig
+    from dsrecipes.data.scan import scan_sources
+    from dsrecipes.data.shard import checked_alike
+    from dsrecipes.model import load_tokenizer
+
+    if checked_alike(manifest.checked_with, cfg, load_tokenizer(cfg)):
+        return
+    parts = [SourceConfig(name=f"part{r}", paths=[glob.escape(manifest.part_path(r))]) for r in range(manifest.parts)]
+    scan_sources(cfg, run_dir, parts)
 
 
 def describe_plan(plan: RunPlan) -> str:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Iterable, List
+import contextlib
+from typing import Iterable, Iterator, List
 
 
 class UserError(Exception):
@@ -28,3 +29,17 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """Input data is malformed; messages name `file:line`."""
+
+
+@contextlib.contextmanager
+def no_custom_code(key: str, path: str) -> Iterator[None]:
+    """Around a transformers load with trust_remote_code off (config/validate.py refuses turning it on): a directory
+    that cannot load without running its own Python code becomes one ConfigError instead of a ValueError."""
+    try:
+        yield
+    except ValueError as exc:
+        if "trust_remote_code" not in str(exc):
+            raise
+        raise ConfigError(f"{key}: {path} needs its own Python code to load (a custom architecture, config or "
+                          "tokenizer class); dsrecipes never runs code from a model directory (trust_remote_code "
+                          "stays off): use a model that transformers supports natively") from None

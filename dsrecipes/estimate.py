@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from dsrecipes.config.schema import AttnImpl, OptimizerKind, Precision, TrainConfig
+from dsrecipes.errors import no_custom_code
 
 GIB = 1024**3
 BUFFER_FACTOR = 1.5  # DeepSpeed's additional_buffer_factor default for CPU memory
@@ -191,7 +192,8 @@ def _hf_config(cfg: TrainConfig, hf_config: Optional[str]) -> Tuple[Any, str]:
         path = Path(where).expanduser()
         if path.is_file() or (path / "config.json").is_file():
             target = str(path.parent if path.is_file() else path)
-            return AutoConfig.from_pretrained(target, trust_remote_code=cfg.model.trust_remote_code), target
+            with no_custom_code("model.path", target):
+                return AutoConfig.from_pretrained(target, trust_remote_code=False), target
         if cfg.model.arch:  # the shape the model entry ships, for estimating before the weights are downloaded
             arch = dict(cfg.model.arch)
             return AutoConfig.for_model(arch.pop("model_type"), **arch), f"model.arch of model={cfg.model.name}"

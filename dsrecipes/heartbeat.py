@@ -117,11 +117,15 @@ class Heartbeat:
     def _loop(self) -> None:
         last_value: Dict[int, bytes] = {}
         last_change: Dict[int, float] = {}
+        tick = time.monotonic()
         while not self._stop.wait(INTERVAL_S):
             try:
                 self.store.add(self._key("beat", self.rank), 1)
                 if self.monitor:
                     now = time.monotonic()
+                    starved, tick = now - tick - INTERVAL_S, now  # this process did not run: peers not judged on it
+                    if starved > INTERVAL_S:
+                        last_change = {r: t + starved for r, t in last_change.items()}
                     for r, value in self._read_beats().items():
                         if last_value.get(r) != value:
                             last_value[r], last_change[r] = value, now
@@ -136,9 +140,17 @@ class Heartbeat:
                     self._fail([], f"the job's store at {self._store_name()} stopped answering ({type(exc).__name__})")
 
     def _guard(self) -> None:
-        """A store call stuck on a silent network never returns; this thread (no I/O) notices that."""
+        """A store call stuck on a silent network never returns; this thread (no I/O) notices that. Time in which
+        this process itself did not run (a C call holding the GIL, a machine starved of CPU) is not the store's
+        silence: a gap between two of this thread's own ticks is added to the store's allowance."""
+        tick = time.monotonic()
         while not self._stop.wait(INTERVAL_S):
-            if time.monotonic() - self._last_ok > self.timeout_s + 2 * INTERVAL_S:
+            now = time.monotonic()
+            starved = now - tick - INTERVAL_S
+            tick = now
+            if starved > INTERVAL_S:
+                self._last_ok += starved
+            if now - self._last_ok > self.timeout_s + 2 * INTERVAL_S:
                 self._fail([], f"the job's store at {self._store_name()} did not answer for {self.timeout_s:.0f} s")
 
     def _read_beats(self) -> Dict[int, bytes]:

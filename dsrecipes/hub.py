@@ -43,11 +43,11 @@ def cached_snapshot(repo_id: str, revision: Optional[str]) -> Optional[str]:
         return None
 
 
-def fetch(repo_id: str, revision: Optional[str], key: str, trust_remote_code: bool = False) -> str:
+def fetch(repo_id: str, revision: Optional[str], key: str) -> str:
     """Local snapshot directory of a hub repository (downloaded unless cached or offline); ConfigError otherwise."""
     from huggingface_hub import snapshot_download
 
-    patterns = NEEDED + (["*.py"] if trust_remote_code else [])
+    patterns = NEEDED  # no *.py: a model's own code never runs (model.trust_remote_code must stay false)
     where = f"{repo_id}" + (f"@{revision}" if revision else "")
     try:
         path = snapshot_download(repo_id, revision=revision, allow_patterns=patterns, local_files_only=offline())
@@ -69,10 +69,10 @@ def resolve_hub_paths(cfg: TrainConfig) -> TrainConfig:
     model = cfg.model
     changes = {}
     if is_hub_id(model.path):
-        path = fetch(model.path, model.revision, "model.path", model.trust_remote_code)
+        path = fetch(model.path, model.revision, "model.path")
         changes.update(path=path, revision=Path(path).name)
     if is_hub_id(model.tokenizer_path):
-        changes["tokenizer_path"] = fetch(model.tokenizer_path, None, "model.tokenizer_path", model.trust_remote_code)
+        changes["tokenizer_path"] = fetch(model.tokenizer_path, None, "model.tokenizer_path")
     if not changes:
         return cfg
     return dataclasses.replace(cfg, model=dataclasses.replace(model, **changes))

@@ -12,6 +12,7 @@ import torch
 
 from dsrecipes.config.schema import Precision, TrainConfig
 from dsrecipes.data.labels import IGNORE_INDEX
+from dsrecipes.errors import no_custom_code
 from dsrecipes.paths import TINY_TOKENIZER_DIR
 
 TORCH_DTYPES = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
@@ -24,11 +25,24 @@ def tokenizer_dir(cfg: TrainConfig) -> str:
     return cfg.model.tokenizer_path or cfg.model.path or str(TINY_TOKENIZER_DIR)
 
 
+def check_no_custom_code(cfg: TrainConfig) -> None:
+    """Before anything launches: the model directory's config and the tokenizer load without running their code
+    (ConfigError otherwise); the weights are loaded by the ranks."""
+    from transformers import AutoConfig
+
+    if cfg.model.path:
+        with no_custom_code("model.path", cfg.model.path):
+            AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=False)
+    load_tokenizer(cfg)
+
+
 def load_tokenizer(cfg: TrainConfig):
     """The run's tokenizer, with a pad token (eos, else unk) so that every collate pads the same way."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(cfg), trust_remote_code=cfg.model.trust_remote_code)
+    path = tokenizer_dir(cfg)
+    with no_custom_code("model.tokenizer_path" if cfg.model.tokenizer_path else "model.path", path):
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
     return tokenizer
@@ -102,12 +116,13 @@ def load_pretrained(cfg: TrainConfig, dtype: torch.dtype, ds_config: Optional[Di
         from transformers.integrations import HfDeepSpeedConfig
 
         _hf_zero3_config = HfDeepSpeedConfig(ds_config)
-    return AutoModelForCausalLM.from_pretrained(
-        cfg.model.path,
-        dtype=dtype,
-        attn_implementation=cfg.model.attn_implementation.value,
-        trust_remote_code=cfg.model.trust_remote_code,
-    )
+    with no_custom_code("model.path", str(cfg.model.path)):
+        return AutoModelForCausalLM.from_pretrained(
+            cfg.model.path,
+            dtype=dtype,
+            attn_implementation=cfg.model.attn_implementation.value,
+            trust_remote_code=False,
+        )
 
 
 def add_lora(cfg: TrainConfig, model: torch.nn.Module) -> torch.nn.Module:

@@ -141,6 +141,16 @@ def test_files_must_exist():
     ]
 
 
+def test_a_directory_named_as_data_says_so(tmp_path):
+    """A directory is not a data file (it may hold anything): validate and the stream both say to name its files."""
+    from dsrecipes.data.files import no_file
+
+    (tmp_path / "a.jsonl").write_text("{}\n")
+    (msg,) = _problems(f"dataset.paths=[{tmp_path}]", check_files=True)
+    assert msg == f"dataset.paths[0]: '{tmp_path}' is a directory: name its files (e.g. '{tmp_path}/*.jsonl')"
+    assert no_file(str(tmp_path / "*.json")) == f"'{tmp_path}/*.json' matches no file"
+
+
 def test_fp16_is_valid_config_but_refused_without_cuda():
     cfg = compose_and_load(["precision=fp16"])
     assert cfg.precision.dtype is Precision.fp16

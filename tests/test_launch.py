@@ -161,11 +161,11 @@ def test_torchrun_multinode_endpoint(make_cfg):
 
 
 def test_mpirun_golden(make_cfg):
-    cfg, plan = plan_for(make_cfg, "launcher=mpirun", "+launcher.env.FOO=bar baz")
+    cfg, plan = plan_for(make_cfg, "launcher=mpirun", "+launcher.env.NCCL_DEBUG=bar baz")
     (cmd,) = plan.commands
     assert cmd.argv == [
         "mpirun", "-np", "2", PY, "-m", "dsrecipes.launch.mpi_rank", "--master-port", str(PORT),
-        "--master-addr", "127.0.0.1", "--env", "FOO=bar baz", "--module", "dsrecipes.worker",
+        "--master-addr", "127.0.0.1", "--env", "NCCL_DEBUG=bar baz", "--module", "dsrecipes.worker",
         "--", "--run-dir", str(RUN),
     ]  # fmt: skip
     assert {r.name for r in plan.requires} == {"mpirun", "mpi4py"}

@@ -297,7 +297,7 @@ def test_json_array_and_gzip_stream_with_their_positions(make_cfg, tmp_path, mon
     src = BlockSource(index)
     for f, name in enumerate((arr, gz, lines, jl)):
         got = src.rows([(f, i) for i in range(index.files[f].count)])
-        want = [(r.loc, r.value) for r in read_rows(str(name))]
+        want = [(r.loc if r.element is None else r.element, r.value) for r in read_rows(str(name))]
         assert [(loc, json.loads(raw)) for _, loc, raw in got] == want  # map's locations and values
     copies = {f.path: Path(f.path).stat().st_mtime_ns for f in index.files if f.path != f.name}
     assert len(copies) == 3
@@ -313,19 +313,22 @@ def test_broken_json_array_names_the_element(make_cfg, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('[{"conversations": []},\n {"conversations": [}]', encoding="utf-8")
     cfg = make_cfg("data=iterable", f"dataset.paths=[{bad}]", f"data.cache_dir={tmp_path / 'c'}")
-    with pytest.raises(DataError, match=r"bad.json: invalid_json \(whole file: element 1: Expecting value"):
+    broken = r"bad.json: unreadable at line 2, after 1 rows \(broken JSON: '}' closes '\['"
+    with pytest.raises(DataError, match=broken):
         index_stream(cfg)
     skip = make_cfg("data=iterable", f"dataset.paths=[{bad}]", f"data.cache_dir={tmp_path / 'c'}",
                     "dataset.bad_rows=skip")
-    assert index_stream(skip).files[0].count == 0  # like data=map: the whole file is one bad row
+    with pytest.raises(DataError, match=broken):  # like data=map: its rows cannot be counted, so it is refused
+        index_stream(skip)
 
 
 def test_index_is_cached_by_content(make_cfg, tmp_path, monkeypatch):
-    from dsrecipes.data import stream_files
+    from dsrecipes.data import cache, stream_files
     from dsrecipes.data.stream_index import index_stream
 
     paths = write_corpus(tmp_path, [50, 60])
     cfg = make_cfg("data=iterable", f"dataset.paths=[{','.join(paths)}]", f"data.cache_dir={tmp_path / 'c'}")
+    monkeypatch.setattr(cache, "RACY_SECONDS", float("-inf"))  # files just written are not memoised otherwise
     first = index_stream(cfg)
     fed = []
     monkeypatch.setattr(stream_files.LineScanner, "feed", lambda self, chunk: fed.append(len(chunk)))
@@ -372,6 +375,32 @@ def test_val_paths_are_the_validation_set(make_cfg, tmp_path):
     train = build_train_loader(cfg, tok, 0, 1, tmp_path)
     assert train.planned == 60
     assert not {i for b in train for i in b["ids"]} & want
+
+
+def test_a_validation_file_that_is_also_trained_on_is_refused(make_cfg, tmp_path, monkeypatch, capsys):
+    """dataset.val_paths naming a training file under another spelling (relative, `./`, `../`, a link) is refused:
+    its rows would be evaluated after being trained on. The same validation file twice is read once."""
+    from dsrecipes.data.stream_index import index_stream
+    from dsrecipes.errors import DataError
+    from dsrecipes.paths import SAMPLE_DATA_DIR
+
+    lines = (SAMPLE_DATA_DIR / "train.jsonl").read_text(encoding="utf-8").splitlines()
+    (tmp_path / "d").mkdir()
+    for name, part in (("train.jsonl", lines[:20]), ("val.jsonl", lines[20:26])):
+        (tmp_path / "d" / name).write_text("\n".join(part) + "\n", encoding="utf-8")
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "d" / "train.jsonl")
+    (tmp_path / "e").mkdir()
+    monkeypatch.chdir(tmp_path / "e")
+    train = f"dataset.paths=[{tmp_path / 'd' / 'train.jsonl'}]"
+    for spelling in ("../d/train.jsonl", "./../d/*.jsonl", str(tmp_path / "link.jsonl")):
+        cfg = make_cfg("data=iterable", train, f"dataset.val_paths=['{spelling}']", f"data.cache_dir={tmp_path / 'c'}")
+        with pytest.raises(DataError, match="is the same file as the training file .*train.jsonl; a validation file"):
+            index_stream(cfg)
+    cfg = make_cfg("data=iterable", train, f"dataset.val_paths=[../d/val.jsonl,{tmp_path / 'd' / 'val.jsonl'}]",
+                   f"data.cache_dir={tmp_path / 'c'}")
+    index = index_stream(cfg)
+    assert [fi.count for fi in index.files] == [20, 6]
+    assert "val.jsonl (dataset.val_paths) is the same file as ../d/val.jsonl; it is read once" in capsys.readouterr().err
 
 
 def test_epochs_leave_no_open_files(tmp_path):

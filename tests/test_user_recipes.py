@@ -76,12 +76,11 @@ def test_user_recipes_get_the_schema_and_the_rules(tmp_path, capsys):
     assert f"no such file: {tmp_path / 'missing.yaml'}" in capsys.readouterr().err
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 adds the no-code checks on the composed hydra node; user recipes "
-                                       "go through the same composition, so this passes once they land")
 def test_a_user_recipe_cannot_name_code(tmp_path, capsys):
     evil = _write(tmp_path / "evil.yaml", "# @package _global_\nhydra:\n  callbacks:\n    evil:\n"
                                           "      _target_: os.getcwd\n")
     assert main(["validate", f"recipe={evil}"]) == 2
+    assert f"set by {evil.resolve()}" in capsys.readouterr().err  # (every route: test_safety.py)
 
 
 @pytest.mark.slow

@@ -6,6 +6,11 @@ pinned to 1.3.x): a single run is composed exactly once, validated by `load_conf
 any output directory exists), and then run as a Hydra job (`run_job`: run directory, `.hydra/`, callbacks) with the
 already typed config. `-m` sweeps go through Hydra's sweeper, each job validating its own composition. `--help` is
 dsrecipes' own (commands/help.py); `--cfg`, `--info` and `--hydra-help` are Hydra's, on dsrecipes' search path.
+
+No code from configuration (config/safety.py): every composition, the sweep's and each of its jobs' included, is
+checked before Hydra instantiates its callbacks or configures logging from it; a sweep checks all its jobs before
+the first one starts (and Hydra's loader stays guarded while it runs). Flags that bring in other config trees or
+pickles (`--config-dir`, `--config-path`, `--config-name`, `--experimental-rerun`) are refused.
 """
 
 from __future__ import annotations
@@ -59,16 +64,23 @@ def _refuse_other_config_roots(args: Any) -> None:
     from dsrecipes.config.sources import RECIPES_ENV
 
     given = [flag for flag, value in (("--config-dir", args.config_dir), ("--config-path", args.config_path),
-                                      ("--config-name", args.config_name)) if value is not None]
+                                      ("--config-name", args.config_name),
+                                      ("--experimental-rerun", args.experimental_rerun)) if value is not None]
     if given:
         raise UserError(f"{', '.join(given)}: not supported by dsrecipes; run a recipe file with "
                         f"recipe=/path/to/file.yaml, or name folders of recipes in {RECIPES_ENV}=DIR[:DIR...]")
 
 
 def _multirun(hydra: Any, overrides: List[str]) -> None:
+    """Hydra's multirun with every composition checked for code: the sweep's and each job's up front (nothing of the
+    sweep exists yet), and each again when Hydra composes it (the loader is guarded)."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from dsrecipes.config import safety
+
+    hydra.config_loader = safety.GuardedLoader(hydra.config_loader, CONFIG_NAME)
+    safety.check_sweep(hydra.config_loader, CONFIG_NAME, overrides)
     try:
         hydra.multirun(config_name=CONFIG_NAME, task_function=_job, overrides=overrides)
     except (HydraException, OmegaConfBaseException) as exc:  # the sweeper composes every job before running any
@@ -87,14 +99,21 @@ def _with_hydra(body: Any) -> Any:
         GlobalHydra.instance().clear()
 
 
-def _compose(hydra: Any, overrides: List[str]) -> Any:
+def _compose(hydra: Any, overrides: List[str], configure_logging: bool = True) -> Any:
+    """One composition, checked for code (config/safety.py) before Hydra configures logging from it."""
+    from hydra.core.utils import configure_log
     from hydra.types import RunMode
 
+    from dsrecipes.config import safety
+
     try:
-        return hydra.compose_config(config_name=CONFIG_NAME, overrides=overrides, run_mode=RunMode.RUN,
-                                    with_log_configuration=True)
+        composed = hydra.compose_config(config_name=CONFIG_NAME, overrides=overrides, run_mode=RunMode.RUN)
     except Exception as exc:  # Hydra raises many types; all are user mistakes in a composition
         raise compose_error(exc, overrides) from None
+    safety.check(hydra.config_loader, CONFIG_NAME, overrides, composed, RunMode.RUN)
+    if configure_logging:
+        configure_log(composed.hydra.hydra_logging, composed.hydra.verbose)
+    return composed
 
 
 def _run_once(hydra: Any, overrides: List[str]) -> None:
@@ -121,6 +140,8 @@ def _informational(hydra: Any, parser: Any, args: Any) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     overrides = list(args.overrides)
+    if not args.shell_completion:  # Hydra composes (and may configure logging) from these: checked first
+        _compose(hydra, overrides, configure_logging=False)
     try:
         if args.hydra_help:
             hydra.hydra_help(config_name=CONFIG_NAME, args_parser=parser, args=args)

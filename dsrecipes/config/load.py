@@ -61,14 +61,24 @@ def hydra_context() -> Iterator[None]:
 
 
 def compose(overrides: Sequence[str] = ()) -> Any:
-    """Compose conf/train.yaml with overrides (Hydra's compose API); errors become ConfigError."""
+    """Compose conf/train.yaml with overrides (Hydra's compose API); errors become ConfigError. The composition is
+    checked for code (config/safety.py) with its `hydra` node, which is then dropped."""
     from hydra import compose as hydra_compose
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+    from omegaconf import open_dict, read_write
+
+    from dsrecipes.config.safety import check as check_safety
 
     with hydra_context():
         try:
-            return hydra_compose(config_name="train", overrides=list(overrides))
+            composed = hydra_compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
         except Exception as exc:  # Hydra raises many types; all are user mistakes here
             raise compose_error(exc, overrides) from None
+        check_safety(GlobalHydra.instance().config_loader(), "train", overrides, composed, RunMode.RUN)
+    with read_write(composed), open_dict(composed):
+        del composed["hydra"]
+    return composed
 
 
 def compose_error(exc: BaseException, overrides: Sequence[str]) -> ConfigError:

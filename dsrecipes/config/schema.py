@@ -13,6 +13,8 @@ from typing import Any, Dict, List, Optional
 
 from dsrecipes.paths import SAMPLE_DATA_DIR
 
+DEFAULT_MAX_ROW_BYTES = 16 * 1024 * 1024  # dataset.max_row_bytes (also the default of the row readers' `limit`)
+
 
 class DataKind(str, Enum):
     map = "map"
@@ -179,6 +181,7 @@ class DatasetConfig:
     val_paths: List[str] = field(default_factory=list)  # iterable only: validation files (then val_size is unused)
     bad_rows: BadRows = BadRows.error
     max_bad_fraction: float = 0.05
+    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES  # a longer row is a bad row (too_large), skipped without being held
 
 
 @dataclass

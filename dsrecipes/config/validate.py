@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import glob
+import fnmatch
 import os
+import re
 from typing import List
 
 from dsrecipes.config.schema import (
@@ -17,6 +18,20 @@ from dsrecipes.config.schema import (
     TrainConfig,
 )
 from dsrecipes.hub import check_hub_paths, is_hub_id
+
+# launcher.env: variables a recipe may export to every rank. Configs are data, so nothing that makes a process load
+# code it would not load otherwise: no PYTHON*, LD_*, PATH, no plugin/library/injection paths, no compiled-kernel or
+# extension caches (their .so files are loaded), no DS_ENV_FILE, no other config tree. The rest is tuning of the
+# libraries below, and dsrecipes' own hooks (DSRECIPES_*, e.g. the test hook DSRECIPES_STALL_AFTER_STEP).
+ENV_ALLOWED = ("NCCL_*", "CUDA_*", "NVIDIA_TF32_OVERRIDE", "OMP_*", "MKL_*", "KMP_*", "OPENBLAS_NUM_THREADS",
+               "GLOO_*", "TORCH_*", "PYTORCH_*", "HF_*", "TRANSFORMERS_*", "TOKENIZERS_PARALLELISM",
+               "DS_ACCELERATOR", "FI_*", "UCX_*", "DSRECIPES_*")
+# CUDA_HOME and *FLAGS*: JIT op builds run $CUDA_HOME/bin/nvcc and pass TORCH_NVCC_FLAGS (`-ccbin` names a compiler);
+# *LIBRARIES* (OMP_TOOL_LIBRARIES) and *MODULE* (UCX_MODULE_DIR) name shared objects to load.
+ENV_REFUSED = ("*PLUGIN*", "*INJECTION*", "*PRELOAD*", "*LIBRARY*", "*LIBRARIES*", "*_PATH", "*EXTENSIONS_DIR",
+               "*CACHE_DIR", "*MODULE*", "*_LIB", "*_LIBS", "*CONF_FILE", "*REMOTE_CODE*", "*FLAGS*", "CUDA_HOME",
+               "DSRECIPES_HOME", "DSRECIPES_RECIPES")
+_ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*\Z")
 
 
 def validate(cfg: TrainConfig, *, check_files: bool = True) -> List[str]:
@@ -114,6 +129,8 @@ def _data(cfg: TrainConfig) -> List[str]:
         errors.append(f"dataset.val_size: a fraction in [0, 1) or a whole number of samples, got {ds.val_size}")
     if not 0.0 <= ds.max_bad_fraction <= 1.0:
         errors.append(f"dataset.max_bad_fraction: must be in [0, 1], got {ds.max_bad_fraction}")
+    if ds.max_row_bytes < 64:
+        errors.append(f"dataset.max_row_bytes: must be >= 64 (bytes of one row), got {ds.max_row_bytes}")
     if ds.max_samples is not None and ds.max_samples < 1:
         errors.append(f"dataset.max_samples: must be >= 1, got {ds.max_samples}")
     for i, src in enumerate(ds.sources):
@@ -150,6 +167,26 @@ def _misc(cfg: TrainConfig) -> List[str]:
     if not 0 <= ln.node_rank < ln.num_nodes:
         errors.append(f"launcher.node_rank: must be in [0, {ln.num_nodes}), got {ln.node_rank}")
     errors += _launcher(ln)
+    errors += launcher_env_problems(ln.env)
+    if cfg.model.trust_remote_code:
+        errors.append("model.trust_remote_code: must stay false; a model or tokenizer directory's own Python code "
+                      "is never run (configs and downloads are data); use a model transformers supports natively")
+    return errors
+
+
+def launcher_env_problems(env: dict) -> List[str]:
+    """launcher.env entries outside ENV_ALLOWED (or matching ENV_REFUSED), and values that break an env file."""
+    errors = []
+    for name, value in env.items():
+        allowed = any(fnmatch.fnmatchcase(name, p) for p in ENV_ALLOWED)
+        refused = any(fnmatch.fnmatchcase(name, p) for p in ENV_REFUSED)
+        if not _ENV_NAME.match(name) or not allowed or refused:
+            errors.append(f"launcher.env.{name}: not an allowed variable; launcher.env may set {', '.join(ENV_ALLOWED)}"
+                          f" (never {', '.join(ENV_REFUSED)}), because variables such as PYTHONPATH or LD_PRELOAD "
+                          "make every rank run code from outside the project; export such a variable yourself")
+        elif any(c in str(value) for c in "\n\r\0"):
+            errors.append(f"launcher.env.{name}: the value holds a line break or NUL (it would add lines to "
+                          ".deepspeed_env)")
     return errors
 
 
@@ -177,17 +214,13 @@ def _launcher(ln) -> List[str]:
 
 
 def _files(cfg: TrainConfig) -> List[str]:
-    errors = []
-    for i, pattern in enumerate(cfg.dataset.paths):
-        if not glob.glob(os.path.expanduser(pattern)):
-            errors.append(f"dataset.paths[{i}]: {pattern!r} matches no file")
-    for i, pattern in enumerate(cfg.dataset.val_paths):
-        if not glob.glob(os.path.expanduser(pattern)):
-            errors.append(f"dataset.val_paths[{i}]: {pattern!r} matches no file")
+    from dsrecipes.data.files import expand_paths, no_file
+
+    named = [(f"dataset.paths[{i}]", p) for i, p in enumerate(cfg.dataset.paths)]
+    named += [(f"dataset.val_paths[{i}]", p) for i, p in enumerate(cfg.dataset.val_paths)]
     for i, src in enumerate(cfg.dataset.sources):
-        for j, pattern in enumerate(src.paths):
-            if not glob.glob(os.path.expanduser(pattern)):
-                errors.append(f"dataset.sources[{i}].paths[{j}]: {pattern!r} matches no file")
+        named += [(f"dataset.sources[{i}].paths[{j}]", p) for j, p in enumerate(src.paths)]
+    errors = [f"{key}: {no_file(pattern)}" for key, pattern in named if expand_paths([pattern])[1]]
     checks = [
         ("dataset.registry", cfg.dataset.registry),
         ("model.path", cfg.model.path),

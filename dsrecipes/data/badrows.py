@@ -1,16 +1,21 @@
 """Bad rows: the reasons a row (or a whole file) cannot be used, and the policy that applies to them.
 
-`dataset.bad_rows=error` stops at the first bad row with `file:line: reason`; `skip` counts rows by reason, writes
-each one to `<run>/quarantine.jsonl` and fails when more than `dataset.max_bad_fraction` of the rows are bad.
+`dataset.bad_rows=error` stops at the first bad row with `file:line: reason`; `skip` counts rows by reason and by
+file, writes each one to `<run>/quarantine.jsonl` and fails when more than `dataset.max_bad_fraction` of the rows
+are bad. A file that cannot be read to its end (corrupt or truncated gzip, a broken JSON array) is not a bad row: the
+rows after the break cannot be counted, so it is refused under both policies (`files.FileUnreadable`).
+
+Locations: `file:line` (JSON lines), `file: element N (line L)` (JSON arrays: 0-based element N starting on line L).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from dsrecipes.config.schema import BadRows
 from dsrecipes.errors import DataError
@@ -29,7 +34,11 @@ class BadReason(str, Enum):
     missing_field = "missing_field"  # alpaca: instruction or output absent
     system_not_first = "system_not_first"
     no_assistant_turn = "no_assistant_turn"
-    template_error = "template_error"  # template=tokenizer: the chat_template refused the conversation
+    invalid_text = "invalid_text"  # valid JSON whose strings are not text (a lone UTF-16 surrogate such as \ud800)
+    too_deep = "too_deep"  # nested deeper than files.MAX_DEPTH (or deep enough to exhaust Python's recursion)
+    too_large = "too_large"  # more than dataset.max_row_bytes bytes (never read whole)
+    template_error = "template_error"  # the template could not render the conversation (e.g. a chat_template refused it)
+    tokenizer_error = "tokenizer_error"  # the tokenizer raised on the rendered text
     empty_file = "empty_file"
     no_matching_path = "no_matching_path"
 
@@ -51,6 +60,7 @@ class BadRowReport:
         self.max_bad_fraction = max_bad_fraction
         self.quarantine_path = quarantine_path
         self.counts: Counter = Counter()
+        self.by_file: Dict[str, Counter] = {}  # file (or unmatched pattern) -> reason -> rows
         self.rows_read = 0  # rows seen (good + bad), file-level problems included
         self.trailing_turns_dropped = 0  # conversations that lost trailing non-assistant turns
         self._fh = None
@@ -59,18 +69,19 @@ class BadRowReport:
     def skipped(self) -> int:
         return sum(self.counts.values())
 
-    def add(self, path: str, loc: Optional[int], bad: BadRow, raw: Any = None) -> None:
-        """`loc`: line (JSONL) or index (JSON array); None for a problem with the whole file or pattern."""
-        where = path if loc is None else f"{path}:{loc}"
+    def add(self, path: str, loc: Optional[int], bad: BadRow, raw: Any = None, element: Optional[int] = None) -> None:
+        """`loc`: the 1-based line where the row starts; `element`: its 0-based index in a JSON array; loc None for
+        a problem with the whole file or pattern."""
         if self.policy is BadRows.error:
-            detail = f" ({_short(bad.detail)})" if bad.detail else ""
-            raise DataError(f"{where}: {bad.reason.value}{detail}; set dataset.bad_rows=skip to quarantine bad rows")
+            raise DataError(error_message(location(path, loc, element), bad))
         self.counts[bad.reason.value] += 1
+        self.by_file.setdefault(path, Counter())[bad.reason.value] += 1
         if self.quarantine_path is not None:
             if self._fh is None:
                 self.quarantine_path.parent.mkdir(parents=True, exist_ok=True)
                 self._fh = open(self.quarantine_path, "w", encoding="utf-8")
-            entry = {"file": path, "line": loc, "reason": bad.reason.value, "detail": bad.detail, "raw": raw}
+            entry = {"file": path, "line": loc, "element": element, "reason": bad.reason.value,
+                     "detail": _short(bad.detail, 2000), "raw": _quarantined(raw)}
             self._fh.write(json.dumps(entry, ensure_ascii=False, default=str) + "\n")
 
     def close(self) -> None:
@@ -92,7 +103,41 @@ class BadRowReport:
     def summary(self) -> str:
         if not self.counts:
             return "no bad rows"
-        return ", ".join(f"{reason}={n}" for reason, n in sorted(self.counts.items()))
+        return ", ".join(f"{reason}={n}" for reason, n in sorted(self.counts.items())) + "; " + by_file_summary(
+            self.files())
+
+    def files(self) -> Dict[str, Dict[str, int]]:
+        """{file: {reason: rows}}: the bad rows of each file (prepare_stats.json, the shard manifest)."""
+        return {path: dict(sorted(c.items())) for path, c in sorted(self.by_file.items())}
+
+
+def error_message(where: str, bad: BadRow) -> str:
+    """The one message of `bad_rows=error`: `file:line: reason (detail); ...`."""
+    detail = f" ({_short(bad.detail)})" if bad.detail else ""
+    return f"{where}: {bad.reason.value}{detail}; set dataset.bad_rows=skip to quarantine bad rows"
+
+
+def location(path: str, line: Optional[int], element: Optional[int] = None) -> str:
+    """`file:line`, `file: element N (line L)` for a JSON array's element, or `file` for the whole file."""
+    if element is not None:
+        return f"{path}: element {element}" + (f" (line {line})" if line is not None else "")
+    return path if line is None else f"{path}:{line}"
+
+
+def by_file_summary(files: Dict[str, Dict[str, int]], limit: int = 3) -> str:
+    """`by file: a.jsonl 2 (invalid_json=1, too_large=1), b.json 1 (...)`, the largest `limit` files first."""
+    ranked = sorted(files.items(), key=lambda kv: (-sum(kv[1].values()), kv[0]))
+    parts = [f"{os.path.basename(p) or p} {sum(c.values())} (" + ", ".join(f"{r}={n}" for r, n in c.items()) + ")"
+             for p, c in ranked[:limit]]
+    more = f", and {len(ranked) - limit} more files" if len(ranked) > limit else ""
+    return "by file: " + ", ".join(parts) + more
+
+
+def _quarantined(raw: Any, limit: int = 1 << 16) -> Any:
+    """The row as the quarantine keeps it: text longer than `limit` characters is cut (rows can be megabytes)."""
+    if isinstance(raw, str) and len(raw) > limit:
+        return raw[:limit] + f"... [{len(raw) - limit} more characters]"
+    return raw
 
 
 def _short(text: str, limit: int = 160) -> str:

@@ -1,8 +1,10 @@
 """Content keys: what makes prepared data (and a run's data fingerprint) change.
 
-A key hashes the input files' contents (memoised per file by path, size, inode and change time: a same-size edit
-with its modification time set back still changes the change time, which no user call can restore), the
-dataset/template config, the tokenization settings, the seed and the tokenizer itself.
+A key hashes the input files' contents, the dataset/template config, the tokenization settings, the seed and the
+tokenizer itself. File hashes are memoised by path, size, inode, modification and change time: a same-size edit with
+its modification time set back still changes the change time, which no user call can set back. A file changed
+within RACY_SECONDS of being hashed could share its change time with that edit (timestamps are coarse), so, as git
+does with "racily clean" entries, such a file's hash is not memoised.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -17,6 +20,7 @@ from dsrecipes.config.load import config_to_dict
 from dsrecipes.config.schema import SourceConfig, TrainConfig
 from dsrecipes.fileio import atomic_write_json
 
+RACY_SECONDS = 2.0  # a file changed this recently is hashed, not memoised
 PREP_VERSION = 1  # bump when the output of preparation changes for the same inputs
 MEMO_FILE = "file_hashes.json"
 
@@ -78,16 +82,24 @@ def file_hash(path: str, memo: Dict[str, str], on_block: Optional[Callable[[byte
     """Content hash of `path`, memoised; `on_block` sees every block when the file is actually read (so a caller can
     index a file in the same pass that hashes it)."""
     st = os.stat(path)
-    memo_key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_ino}|{st.st_mtime_ns}|{st.st_ctime_ns}"
-    if memo_key not in memo:
-        h = hashlib.blake2b(digest_size=16)
-        with open(path, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-                if on_block is not None:
-                    on_block(block)
-        memo[memo_key] = h.hexdigest()
-    return memo[memo_key]
+    memo_key = _stat_key(path, st)
+    if memo_key in memo:
+        return memo[memo_key]
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+            if on_block is not None:
+                on_block(block)
+    digest = h.hexdigest()
+    after = os.stat(path)
+    if _stat_key(path, after) == memo_key and time.time() - max(after.st_ctime, after.st_mtime) > RACY_SECONDS:
+        memo[memo_key] = digest
+    return digest
+
+
+def _stat_key(path: str, st: os.stat_result) -> str:
+    return f"{os.path.abspath(path)}|{st.st_size}|{st.st_ino}|{st.st_mtime_ns}|{st.st_ctime_ns}"
 
 
 def content_hashes(cfg: TrainConfig, paths: Sequence[str],

@@ -26,7 +26,7 @@ def tools_schema(tools: Optional[str]) -> Optional[List[Dict[str, Any]]]:
         return None
     try:
         parsed = json.loads(tools)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON (or nested too deep for Python)
         return None
     return parsed if isinstance(parsed, list) and parsed and all(isinstance(x, dict) for x in parsed) else None
 
@@ -40,7 +40,7 @@ def tool_call(content: str) -> Optional[Dict[str, Any]]:
     """A tool-call turn as `{"name", "arguments"}` when its text is exactly that JSON object, else None."""
     try:
         call = json.loads(content)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON (or nested too deep for Python)
         return None
     if not (isinstance(call, dict) and set(call) == {"name", "arguments"} and isinstance(call["name"], str)):
         return None
@@ -48,7 +48,7 @@ def tool_call(content: str) -> Optional[Dict[str, Any]]:
     if isinstance(args, str):  # OpenAI style: the arguments as JSON text
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON (or nested too deep for Python)
             return None
     return {"name": call["name"], "arguments": args}
 

@@ -60,7 +60,10 @@ class Prepared:
 def prepare(cfg: TrainConfig, tokenizer: Any, run_dir: str | Path) -> Prepared:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    sources = resolve_sources(cfg.dataset)  # once per preparation
+    notes: List[str] = []
+    sources = resolve_sources(cfg.dataset, notes)  # once per preparation
+    for note in notes:
+        print(note, file=sys.stderr)
     key = cache_key(cfg, tokenizer, sources)
     root = cache_root(cfg) / "prepared"
     final = root / key
@@ -118,7 +121,7 @@ def _build(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig], key: s
         encoded = encode_all(convs, tokenizer, cfg)
         for i, (reason, detail) in encoded.bad:
             conv = convs[i]
-            report.add(conv.path, conv.loc, BadRow(reason, detail), conversation_dict(conv))
+            report.add(conv.path, conv.loc, BadRow(reason, detail), conversation_dict(conv), conv.element)
         report.check()
         if not len(encoded.kept):
             raise DataError(f"dataset {cfg.dataset.name}: no usable samples ({report.summary()})")

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import numpy as np
 
 from dsrecipes.config.schema import SourceConfig, TrainConfig
-from dsrecipes.data.badrows import BadRowReport
+from dsrecipes.data.badrows import BadRowReport, by_file_summary
 from dsrecipes.data.batch_encode import Encoded
 from dsrecipes.data.labels import IGNORE_INDEX
 from dsrecipes.data.sharegpt import Conversation
@@ -37,6 +37,7 @@ def build_stats(cfg: TrainConfig, sources: Sequence[SourceConfig], convs: Sequen
         "rows_kept": len(enc.kept),
         "skipped": dict(sorted(report.counts.items())),
         "skipped_total": report.skipped,
+        "skipped_by_file": report.files(),  # {file: {reason: rows}}
         "trailing_turns_dropped": report.trailing_turns_dropped,
         "truncated": int(enc.truncated.sum()),
         "truncated_share": float(enc.truncated.sum() / max(1, len(enc.kept))),
@@ -69,6 +70,8 @@ def _length_stats(lengths: np.ndarray, cutoff: int, bins: int = 8) -> Dict[str, 
 
 def summary(stats: Dict[str, Any]) -> str:
     skipped = ", ".join(f"{k}={v}" for k, v in stats["skipped"].items()) or "none"
+    if stats.get("skipped_by_file"):
+        skipped += f" ({by_file_summary(stats['skipped_by_file'])})"
     lines = [
         f"data: {stats['rows_read']} rows read, {stats['rows_kept']} kept, skipped: {skipped}"
         + (f" (quarantine: {stats['quarantine']})" if stats.get("quarantine") else ""),

@@ -11,17 +11,21 @@ Two registry formats, chosen by file extension:
   multimodal entries are rejected: we would otherwise silently train on something else.
 * `*.yaml` / `*.yml`: `name: {paths: [...], format: ..., columns: {...}, roles: {...}, max_samples: N, weight: W}`,
   typed by `SourceConfig` (unknown keys are errors); relative paths are relative to the registry file.
+
+Each file is read once by real path (`read_once`), and a `dataset.val_paths` file that is also a training file is
+refused (`validation_files`), so no row is both trained and evaluated on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from dsrecipes.config.schema import ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
-from dsrecipes.errors import ConfigError
+from dsrecipes.errors import ConfigError, DataError
 
 _LF_UNSUPPORTED = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
 _LF_MEDIA_COLUMNS = ("images", "videos", "audios", "chosen", "rejected", "kto_tag")
@@ -35,8 +39,9 @@ _LF_ROLE_TAGS = {  # tag -> (LLaMA-Factory default value, our role)
 _DATA_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
 
 
-def resolve_sources(dataset_cfg: DatasetConfig) -> List[SourceConfig]:
-    """Every source to read, in a fixed order: `paths` (as a source named `dataset.name`), `sources`, `use`."""
+def resolve_sources(dataset_cfg: DatasetConfig, notes: Optional[List[str]] = None) -> List[SourceConfig]:
+    """Every source to read, in a fixed order: `paths` (as a source named `dataset.name`), `sources`, `use`; each
+    file once (see `read_once`, whose notes are appended to `notes`)."""
     ds = dataset_cfg
     sources: List[SourceConfig] = []
     if ds.paths:
@@ -57,7 +62,49 @@ def resolve_sources(dataset_cfg: DatasetConfig) -> List[SourceConfig]:
         seen[src.name] = seen.get(src.name, 0) + 1
         if seen[src.name] > 1:
             sources[k] = dataclasses.replace(src, name=f"{src.name}#{seen[src.name]}")
-    return sources
+    return read_once(sources, notes)
+
+
+def read_once(sources: List[SourceConfig], notes: Optional[List[str]] = None) -> List[SourceConfig]:
+    """Sources whose patterns are expanded to files, each file (by resolved real path) kept only where it is first
+    named: the same file under two spellings (absolute, relative, `./`, `../`, a link) would otherwise be read twice
+    and its rows could land in both the training and the validation split. Patterns matching nothing stay (the
+    reader reports them); file names are glob-escaped so that a re-expansion finds exactly that file."""
+    from dsrecipes.data.files import expand_paths
+
+    first: Dict[str, str] = {}  # real path -> the spelling that was kept (with its source)
+    out = []
+    for src in sources:
+        files, missing = expand_paths(src.paths)
+        kept = []
+        for f in files:
+            real = os.path.realpath(f)
+            if real in first:
+                if notes is not None:
+                    notes.append(f"data: {f} (source {src.name!r}) is the same file as {first[real]}; it is read once")
+                continue
+            first[real] = f"{f} (source {src.name!r})"
+            kept.append(glob.escape(f))
+        out.append(dataclasses.replace(src, paths=kept + missing))
+    return out
+
+
+def validation_files(train: List[str], val: List[str], notes: List[str]) -> List[str]:
+    """`dataset.val_paths`' files (`val`) each once by real path; one that is also a training file is refused
+    whatever it is called (absolute, relative, `./`, `../`, a link): its rows would be evaluated after being
+    trained on."""
+    trained = {os.path.realpath(n): n for n in train}
+    kept: Dict[str, str] = {}
+    for name in val:
+        real = os.path.realpath(name)
+        if real in trained:
+            raise DataError(f"dataset.val_paths: {name} is the same file as the training file {trained[real]}; "
+                            "a validation file must not also be trained on (remove it from one of the two)")
+        if real in kept:
+            notes.append(f"data: {name} (dataset.val_paths) is the same file as {kept[real]}; it is read once")
+            continue
+        kept[real] = name
+    return list(kept.values())
 
 
 def load_registry(path: str) -> Dict[str, SourceConfig]:

@@ -11,6 +11,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 
 import numpy as np
 
+from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES
 from dsrecipes.data.plan import EpochPlan, Layout, StreamShuffle, epoch_order, file_order
 from dsrecipes.fileio import open_maybe_gzip
 
@@ -138,26 +139,30 @@ def select_slots(
 # ---------------------------------------------------------------------------------------------------------------
 # Line streams (iterable and presharded data, `shard`, `audit`): counted and read without parsing JSON.
 
-Item = Tuple[int, int, bytes]  # (file index, 1-based line number, raw line)
+Item = Tuple[int, int, Optional[bytes]]  # (file index, 1-based line number, raw line; None: over max_row_bytes)
 
 
-def count_rows(path: str) -> int:
-    """Non-blank lines of a JSONL file: its samples, counted without parsing."""
+def count_rows(path: str, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> int:
+    """Non-blank lines of a JSONL file: its samples, counted without parsing (lines read in bounded pieces)."""
+    from dsrecipes.data.files import iter_lines
+
     with open_maybe_gzip(path) as fh:
-        return sum(1 for line in fh if not line.isspace())
+        return sum(1 for _ in iter_lines(fh, max_row_bytes, path))
 
 
-def iter_items(paths: Sequence[str], order: Sequence[int], limits: Optional[Sequence[Optional[int]]] = None) -> Iterator[Item]:
-    """(file index, line number, raw line) of every sample, visiting files in `order`; blank lines are not samples."""
+def iter_items(paths: Sequence[str], order: Sequence[int], limits: Optional[Sequence[Optional[int]]] = None,
+               max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> Iterator[Item]:
+    """(file index, line number, raw line) of every sample, visiting files in `order`; blank lines are not samples,
+    a line longer than `max_row_bytes` is one (a bad row: its bytes are None, never held)."""
+    from dsrecipes.data.files import iter_lines
+
     for fi in order:
         limit = None if limits is None else limits[fi]
         if limit == 0:
             continue
         taken = 0
         with open_maybe_gzip(paths[fi]) as fh:
-            for line_no, raw in enumerate(fh, 1):
-                if raw.isspace():
-                    continue
+            for line_no, raw in iter_lines(fh, max_row_bytes, paths[fi]):
                 yield fi, line_no, raw
                 taken += 1
                 if limit is not None and taken >= limit:
@@ -170,14 +175,15 @@ class StreamSpec:
 
     paths: Tuple[str, ...]
     limits: Optional[Tuple[Optional[int], ...]] = None
+    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES
 
     def counts(self) -> List[int]:
         """Rows each file contributes (a scan of the files that have no limit)."""
         limits = self.limits if self.limits is not None else (None,) * len(self.paths)
-        return [count_rows(p) if lim is None else lim for p, lim in zip(self.paths, limits)]
+        return [count_rows(p, self.max_row_bytes) if lim is None else lim for p, lim in zip(self.paths, limits)]
 
     def num_rows(self) -> int:
         return sum(self.counts())
 
     def items(self, epoch: int, seed: int, shuffle: bool) -> Iterator[Item]:
-        return iter_items(self.paths, file_order(len(self.paths), seed, epoch, shuffle), self.limits)
+        return iter_items(self.paths, file_order(len(self.paths), seed, epoch, shuffle), self.limits, self.max_row_bytes)

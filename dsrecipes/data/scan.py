@@ -1,16 +1,20 @@
-"""Index and check a stream before any rank starts (data=iterable).
+"""Index and check a stream before any rank starts (data=iterable), and the row checks of training for other readers.
 
 `prepare_stream` is the launching process's part of `data=iterable`: it indexes the files (stream_index.py: blocks,
 caps, held-out validation rows; JSON arrays and gzip converted once), scans them when `data.prescan` is on,
 writes the index into the run directory and returns the samples of one epoch, which the run plan records
 (`RunPlan.rows`) and every rank checks.
 
-The scan reads every row once (training and validation rows) with the same per-row checks as the loaders
-(`strategies.rows.parse_item`), no tokenization: the ranks stream the same rows later under the same bad-row policy,
-but a worker that meets a bad row deep in the stream can neither stop the others cleanly nor write the quarantine.
-So `bad_rows=error` stops at the first bad row with `file:line: reason` before any process group exists, and
-`bad_rows=skip` writes `<run>/quarantine.jsonl` and enforces `dataset.max_bad_fraction`. Opt out with
-`data.prescan=false` for streams too large to read twice (indexing still reads every byte once, cached by content).
+The scan reads every row once (training and validation rows) with exactly the checks the loaders apply: parsing and
+normalising (`sharegpt.parse_item`), then rendering and tokenizing (`tokenize.Encoder`, in batches). The
+ranks stream the same rows later under the same bad-row policy, but a worker that meets a bad row deep in the stream
+can neither stop the others cleanly nor write the quarantine. So `bad_rows=error` stops at the first bad row with
+`file:line: reason` before any process group exists, `bad_rows=skip` writes `<run>/quarantine.jsonl` and enforces
+`dataset.max_bad_fraction`, and a row the scan passed cannot fail mid-run. Opt out with `data.prescan=false` for
+streams too large to read twice (indexing still reads every byte once, cached by content).
+
+`checked_conversations` applies the same checks to sources read through `files.py` (`dsrecipes shard`, and
+`scan_sources` for presharded parts checked with another template or tokenizer).
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from dsrecipes.config.schema import TrainConfig
+from dsrecipes.config.schema import SourceConfig, TrainConfig
 from dsrecipes.data.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.prepare import QUARANTINE_FILE
+from dsrecipes.data.sharegpt import Conversation, conversation_dict, iter_conversations
 from dsrecipes.data.stream_index import (
     BlockSource,
     StreamIndex,
@@ -33,6 +38,8 @@ from dsrecipes.data.stream_index import (
 )
 from dsrecipes.errors import DataError
 
+BATCH = 256  # conversations per tokenization call
+
 
 def prepare_stream(cfg: TrainConfig, run_dir: Path) -> Tuple[int, str]:
     """(samples per epoch, data fingerprint) of a stream; writes `<run>/stream_index.*` (and the quarantine)."""
@@ -40,6 +47,10 @@ def prepare_stream(cfg: TrainConfig, run_dir: Path) -> Tuple[int, str]:
     from dsrecipes.data.registry import resolve_sources
 
     started = time.perf_counter()
+    notes: List[str] = []
+    sources = resolve_sources(cfg.dataset, notes)
+    for note in notes:
+        print(note, file=sys.stderr)
     index = index_stream(cfg)
     if cfg.data.prescan:
         scan_stream(cfg, run_dir, index)
@@ -54,22 +65,20 @@ def prepare_stream(cfg: TrainConfig, run_dir: Path) -> Tuple[int, str]:
     print(f"data: stream indexed: {len(index.files)} files, {index.num_lines} lines in {blocks} blocks of "
           f"~{index.block_bytes} bytes, {index.num_val} validation rows, {rows} training samples per epoch "
           f"({time.perf_counter() - started:.1f} s)", file=sys.stderr)
-    return rows, data_fingerprint(cfg, resolve_sources(cfg.dataset))
+    return rows, data_fingerprint(cfg, sources)
 
 
 def scan_stream(cfg: TrainConfig, run_dir: Path, index: Optional[StreamIndex] = None) -> Dict[str, int]:
     """Read every row once under the bad-row policy; returns {'rows': read, 'good': kept, 'skipped': bad}."""
-    from dsrecipes.data.sharegpt import role_table
-    from dsrecipes.data.strategies.rows import parse_item
+    from dsrecipes.data.files import element_line
+    from dsrecipes.data.sharegpt import parse_item, role_table
 
     index = index_stream(cfg) if index is None else index
-    quarantine = Path(run_dir) / QUARANTINE_FILE
-    quarantine.unlink(missing_ok=True)
-    report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, quarantine_path=quarantine)
-    source = BlockSource(index)
-    good = 0
+    report, encoder = _start(cfg, run_dir)
+    source = BlockSource(index, cfg.dataset.max_row_bytes)
+    good, batch = 0, []
     for f, (fi, src) in enumerate(zip(index.files, file_sources(cfg, index))):
-        table = role_table(src)
+        table, element = role_table(src), fi.loc_base < 0
         if fi.problem is not None:
             report.rows_read += 1
             report.add(fi.name, None, BadRow(BadReason(fi.problem[0]), fi.problem[1]))
@@ -81,19 +90,75 @@ def scan_stream(cfg: TrainConfig, run_dir: Path, index: Optional[StreamIndex] = 
             for loc, raw in source.samples(f, local, end - int(fi.firsts[local])):
                 report.rows_read += 1
                 try:
-                    conv = parse_item(raw, fi.name, loc, src, table)
+                    conv = parse_item(raw, fi.name, loc, src, table, limit=cfg.dataset.max_row_bytes,
+                                      element=element)
                 except BadRow as bad:
-                    report.add(fi.name, loc, bad, _raw_text(raw))
+                    line = element_line(fi.name, loc) if element else loc
+                    report.add(fi.name, line, bad, _raw_text(raw), loc if element else None)
                     continue
                 report.trailing_turns_dropped += conv.dropped_turns > 0
-                good += 1
+                batch.append(conv)
+                if len(batch) == BATCH:
+                    good += sum(1 for _ in _encoded(batch, report, encoder))
+                    batch = []
+    good += sum(1 for _ in _encoded(batch, report, encoder))
     source.close()
+    return _finish(report, good, run_dir)
+
+
+def scan_sources(cfg: TrainConfig, run_dir: Path, sources: Sequence[SourceConfig]) -> Dict[str, int]:
+    """The scan over files read through `files.py` (presharded parts); same checks, same counts and quarantine."""
+    report, encoder = _start(cfg, run_dir)
+    good = sum(1 for _ in checked_conversations(cfg, report, encoder, list(sources)))
+    return _finish(report, good, run_dir)
+
+
+def checked_conversations(cfg: TrainConfig, report: BadRowReport, encoder: Any,
+                          sources: Optional[List[SourceConfig]] = None) -> Iterator[Tuple[Conversation, Any]]:
+    """(conversation, Example or None when nothing trained is left) of every row that passes the checks of
+    training; bad rows (reading, normalising, rendering, tokenizing) go to `report`."""
+    batch: List[Conversation] = []
+    for conv in iter_conversations(cfg.dataset, report=report, sources=sources):
+        batch.append(conv)
+        if len(batch) == BATCH:
+            yield from _encoded(batch, report, encoder)
+            batch = []
+    yield from _encoded(batch, report, encoder)
+
+
+def _start(cfg: TrainConfig, run_dir: Path) -> Tuple[BadRowReport, Any]:
+    from dsrecipes.data.tokenize import Encoder
+    from dsrecipes.model import load_tokenizer
+
+    quarantine = Path(run_dir) / QUARANTINE_FILE
+    quarantine.unlink(missing_ok=True)
+    report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, quarantine_path=quarantine)
+    return report, Encoder(load_tokenizer(cfg), cfg)
+
+
+def _finish(report: BadRowReport, good: int, run_dir: Path) -> Dict[str, int]:
     report.check()
     counts = {"rows": report.rows_read, "good": good, "skipped": report.skipped}
     print(f"data: stream scanned: {report.rows_read} rows, {good} good, bad: {report.summary()}"
-          + (f" (quarantined in {quarantine})" if report.skipped else ""), file=sys.stderr)
+          + (f" (quarantined in {Path(run_dir) / QUARANTINE_FILE})" if report.skipped else ""), file=sys.stderr)
     return counts
 
 
-def _raw_text(raw: bytes) -> str:
-    return raw.decode("utf-8", errors="replace").rstrip("\r\n")
+def _encoded(convs: List[Conversation], report: BadRowReport, encoder: Any) -> Iterator[Tuple[Conversation, Any]]:
+    from dsrecipes.data.files import element_line
+
+    if not convs:
+        return
+    errors: List[Any] = []
+    examples = encoder.encode_batch(convs, errors)
+    bad = {id(conv): b for conv, b in errors}
+    for conv, example in zip(convs, examples):
+        if id(conv) in bad:
+            line = conv.loc if conv.element is None or conv.loc is not None else element_line(conv.path, conv.element)
+            report.add(conv.path, line, bad[id(conv)], conversation_dict(conv), conv.element)
+        else:
+            yield conv, example
+
+
+def _raw_text(raw: Optional[bytes]) -> Optional[str]:
+    return None if raw is None else raw.decode("utf-8", errors="replace").rstrip("\r\n")

@@ -1,10 +1,12 @@
 """`dsrecipes shard [INPUT...] --parts N --out DIR [--balance samples|tokens] [overrides]`: one JSONL part per rank.
 
 Rows are read through the data layer (every format, column mapping, role alias and bad-row policy of `dataset`),
-checked, and written in one canonical ShareGPT form (`id`, `conversations: [{from: <role>, value}]`, `system`,
+checked exactly as training checks them (read, normalised, rendered and tokenized with the run's template and
+tokenizer: `scan.checked_conversations`), and written in one canonical ShareGPT form (`id`, `conversations: [{from: <role>, value}]`, `system`,
 `tools`), so a part needs no column settings and the sample ids survive (`<source file>:<line>` when the row had
-none). `manifest.json` records per-part counts (and token totals), sha256 checksums, the balance mode and the
-source files with their checksums.
+none). `manifest.json` records per-part counts (and token totals), sha256 checksums, the balance mode, the source
+files with their checksums, the bad rows per reason and per file, and what the rows were checked with
+(`checked_with`: template and tokenizer; a presharded run with another one scans its parts before launch).
 
 Balance: every part gets the same number of samples (+-1), so equal step counts lose less than one global batch.
 `samples` deals rows round-robin; `tokens` additionally evens out tokens (longest first, to the part with the
@@ -18,9 +20,10 @@ import hashlib
 import heapq
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from dsrecipes.config.schema import ShardBalance
 from dsrecipes.errors import DataError, UserError
@@ -41,6 +44,8 @@ class Manifest:
     tokens: Optional[List[int]] = None
     sources: List[Dict[str, Any]] = field(default_factory=list)
     bad_rows: Dict[str, int] = field(default_factory=dict)
+    bad_rows_by_file: Dict[str, Dict[str, int]] = field(default_factory=dict)
+    checked_with: Dict[str, Any] = field(default_factory=dict)  # check_identity() of the shard run
     row_format: str = ROW_FORMAT
     version: int = MANIFEST_VERSION
     directory: str = ""  # where it was read from (not stored)
@@ -141,9 +146,10 @@ def assign_balanced(tokens: Sequence[int], parts: int) -> List[int]:
     return out
 
 
-def write_parts(convs: Iterator[Any], assignment: Optional[Sequence[int]], parts: int, out_dir: Path,
+def write_parts(lines: Iterator[bytes], assignment: Optional[Sequence[int]], parts: int, out_dir: Path,
                 tokens: Optional[Sequence[int]] = None) -> Manifest:
-    """Write `convs` into parts (round-robin without `assignment`); returns the manifest (not yet written)."""
+    """Write canonical row lines into parts (round-robin without `assignment`); returns the manifest (not yet
+    written)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     files = [part_name(p, parts) for p in range(parts)]
     handles = [open(out_dir / f, "wb") for f in files]
@@ -151,9 +157,8 @@ def write_parts(convs: Iterator[Any], assignment: Optional[Sequence[int]], parts
     counts = [0] * parts
     part_tokens = [0] * parts
     try:
-        for k, conv in enumerate(convs):
+        for k, line in enumerate(lines):
             p = k % parts if assignment is None else assignment[k]
-            line = (json.dumps(conversation_row(conv), ensure_ascii=False) + "\n").encode("utf-8")
             handles[p].write(line)
             digests[p].update(line)
             counts[p] += 1
@@ -172,31 +177,36 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
     from dsrecipes.data.badrows import BadRowReport
     from dsrecipes.data.files import expand_paths
     from dsrecipes.data.registry import resolve_sources
-    from dsrecipes.data.sharegpt import iter_conversations
+    from dsrecipes.data.tokenize import Encoder
+    from dsrecipes.model import load_tokenizer
 
     if parts < 1:
         raise UserError(f"--parts must be >= 1, got {parts}")
     out = Path(out_dir)
     if (out / MANIFEST).exists() and not force:
         raise UserError(f"{out / MANIFEST} exists; choose another --out or pass --force to overwrite")
-    sources = resolve_sources(cfg.dataset)
+    notes: List[str] = []
+    sources = resolve_sources(cfg.dataset, notes)
+    for note in notes:
+        print(note, file=sys.stderr)
     for src in sources:
         if src.weight != 1.0:
             raise UserError(f"source {src.name!r}: mixing weights are not applied by shard (weight {src.weight})")
-
-    def conversations(report: BadRowReport) -> Iterator[Any]:
-        yield from iter_conversations(cfg.dataset, report=report)
-        report.check()
-
+    tokenizer = load_tokenizer(cfg)
+    encoder = Encoder(tokenizer, cfg)
     tokens: Optional[List[int]] = None
     assignment: Optional[List[int]] = None
     if balance is ShardBalance.tokens:
-        tokens = count_tokens(cfg, conversations(BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction)))
+        first = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction)
+        tokens = [n for _, n in checked_rows(cfg, first, encoder, sources)]
         assignment = assign_balanced(tokens, parts)
     report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, out / "quarantine.jsonl")
-    manifest = write_parts(conversations(report), assignment, parts, out, tokens)
+    manifest = write_parts((line for line, _ in checked_rows(cfg, report, encoder, sources)), assignment, parts,
+                           out, tokens)
     manifest.balance = balance.value
     manifest.bad_rows = dict(report.counts)
+    manifest.bad_rows_by_file = report.files()
+    manifest.checked_with = check_identity(cfg, tokenizer)
     for src in sources:
         files, _ = expand_paths(src.paths)
         manifest.sources += [{"path": os.path.abspath(f), "sha256": file_sha256(f), "source": src.name} for f in files]
@@ -206,21 +216,36 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
     return manifest
 
 
-def count_tokens(cfg: Any, convs: Iterator[Any]) -> List[int]:
-    """Tokens each sample becomes in a run of `cfg` (template + tokenizer + cutoff); 0 for a sample it drops."""
-    from dsrecipes.data.tokenize import Encoder
-    from dsrecipes.model import load_tokenizer
+def checked_rows(cfg: Any, report: Any, encoder: Any, sources: List[Any]) -> Iterator[Tuple[bytes, int]]:
+    """(canonical line, tokens in a run) of every row that passes training's checks; the policy is enforced at the
+    end. A row whose canonical form outgrows `dataset.max_row_bytes` is a bad row here (the parts never hold one)."""
+    from dsrecipes.data.badrows import BadReason, BadRow
+    from dsrecipes.data.scan import checked_conversations
 
-    encoder = Encoder(load_tokenizer(cfg), cfg)
-    out: List[int] = []
-    batch: List[Any] = []
-    for conv in convs:
-        batch.append(conv)
-        if len(batch) == 256:
-            out += [0 if e is None else len(e.input_ids) for e in encoder.encode_batch(batch)]
-            batch = []
-    if batch:
-        out += [0 if e is None else len(e.input_ids) for e in encoder.encode_batch(batch)]
-    return out
+    for conv, example in checked_conversations(cfg, report, encoder, sources):
+        line = (json.dumps(conversation_row(conv), ensure_ascii=False) + "\n").encode("utf-8")
+        if len(line) - 1 > cfg.dataset.max_row_bytes:
+            report.add(conv.path, conv.loc, BadRow(BadReason.too_large, "its canonical form is longer than "
+                                                   f"dataset.max_row_bytes={cfg.dataset.max_row_bytes}"),
+                       None, conv.element)
+            continue
+        yield line, 0 if example is None else len(example.input_ids)
+    report.check()
 
 
+def check_identity(cfg: Any, tokenizer: Any) -> Dict[str, Any]:
+    """What decides whether a row passes: the template config, the tokenizer itself and the row size limit."""
+    from dsrecipes.config.load import config_to_dict
+    from dsrecipes.data.cache import tokenizer_fingerprint
+    from dsrecipes.data.template_choice import choose_template
+
+    template = choose_template(cfg.template, tokenizer, cfg.model.path)  # `auto` as the launch resolves it
+    return {"template": config_to_dict(template), "tokenizer": tokenizer_fingerprint(tokenizer),
+            "max_row_bytes": cfg.dataset.max_row_bytes}
+
+
+def checked_alike(checked_with: Dict[str, Any], cfg: Any, tokenizer: Any) -> bool:
+    """Whether rows `dsrecipes shard` checked with `checked_with` pass this run's checks too."""
+    now = check_identity(cfg, tokenizer)
+    return (checked_with.get("template") == now["template"] and checked_with.get("tokenizer") == now["tokenizer"]
+            and now["max_row_bytes"] >= checked_with.get("max_row_bytes", float("inf")))

@@ -6,7 +6,8 @@ Formats (`dataset.format` / `sources[i].format`): ShareGPT (`conversations: [{fr
 badrows.py.
 
 Sample ids: the row's id column when present, else `<file name>:<line>` (1-based line for JSONL, 0-based array
-index for JSON). Copies made by a mixing weight > 1 get `@<copy>` appended (see prepare.py).
+index for JSON). Copies made by a mixing weight > 1 get `@<copy>` appended (see prepare.py). Messages name rows by
+`file:line`, or `file: element N (line L)` for JSON arrays.
 
 Nothing is dropped silently: a bad row raises `DataError("file:line: reason")` (`dataset.bad_rows=error`) or is
 counted by reason and written to `<run>/quarantine.jsonl` (`skip`); turns after the last assistant/tool-call turn
@@ -20,9 +21,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Dict, Iterator, List, Optional
 
-from dsrecipes.config.schema import DatasetConfig, DatasetFormat, SourceConfig
+from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES, DatasetConfig, DatasetFormat, SourceConfig
 from dsrecipes.data.badrows import BadReason, BadRow, BadRowReport
-from dsrecipes.data.files import RawRow, expand_paths, read_rows
+from dsrecipes.data.files import RawRow, expand_paths, no_file, read_rows
 from dsrecipes.errors import ConfigError
 
 
@@ -60,7 +61,8 @@ class Conversation:
     source: str = ""  # name of the SourceConfig it came from (mixing weights)
     dropped_turns: int = 0  # trailing turns after the last assistant/tool-call turn, dropped on purpose
     path: str = ""  # where it was read (for messages about problems found later, e.g. by a template)
-    loc: int = 0
+    loc: Optional[int] = 0  # the line where the row starts (None: a stream element whose line is looked up later)
+    element: Optional[int] = None  # its index in a JSON array
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -117,6 +119,31 @@ def normalize_row(raw: Any, sample_id: str, source: SourceConfig, roles: Optiona
     return Conversation(sample_id, turns[: last + 1], system, tools, source.name, len(turns) - last - 1)
 
 
+def conversation_of(row: RawRow, source: SourceConfig, roles: Dict[str, Role]) -> Conversation:
+    """A row as read (files.RawRow) -> Conversation, or BadRow: the checks every reader of rows applies (map
+    preparation, the stream pre-scan, `dsrecipes shard` and the loader workers of streams)."""
+    if row.error is not None:
+        raise row.error
+    try:
+        conv = normalize_row(row.value, sample_id(row.value, row, source), source, roles)
+    except RecursionError:
+        raise BadRow(BadReason.too_deep, "nested too deep to read") from None
+    conv.path, conv.loc, conv.element = row.path, row.loc, row.element
+    return conv
+
+
+def parse_item(raw: Optional[bytes], path: str, loc: int, source: SourceConfig, roles: Dict[str, Role], *,
+               limit: int = DEFAULT_MAX_ROW_BYTES, element: bool = False) -> Conversation:
+    """One raw line of a stream (None: longer than the row limit) -> Conversation, or BadRow: `files.parse_row`
+    and `conversation_of`, the checks of every reader. `element`: `loc` is a JSON array's element, not a line."""
+    from dsrecipes.data.files import parse_row
+
+    if raw is not None and len(raw) > limit:
+        raw = None
+    return conversation_of(parse_row(path, None if element else loc, raw, loc if element else None, limit=limit),
+                           source, roles)
+
+
 def _message_turns(raw: Dict[str, Any], source: SourceConfig, table: Dict[str, Role]) -> List[Turn]:
     cols = source.columns
     if cols.messages not in raw:
@@ -165,7 +192,7 @@ def _tool_call_text(call: Any, turn: int) -> str:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON (or a 5000-digit number, nested too deep): kept as text
             pass
     return json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
 
@@ -215,7 +242,8 @@ def _tools_text(value: Any) -> Optional[str]:
 # Sources
 
 
-def iter_source(source: SourceConfig, report: BadRowReport, limit: Optional[int] = None) -> Iterator[Conversation]:
+def iter_source(source: SourceConfig, report: BadRowReport, limit: Optional[int] = None,
+                max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> Iterator[Conversation]:
     """Conversations of one source in file order; bad rows go to `report`; stops after `source.max_samples`
     (or `limit`, when smaller) good conversations without reading further."""
     table = role_table(source)
@@ -224,22 +252,18 @@ def iter_source(source: SourceConfig, report: BadRowReport, limit: Optional[int]
     files, missing = expand_paths(source.paths)
     for pattern in missing:
         report.rows_read += 1
-        report.add(pattern, None, BadRow(BadReason.no_matching_path, f"source {source.name!r}: no file matches"))
+        report.add(pattern, None, BadRow(BadReason.no_matching_path, f"source {source.name!r}: {no_file(pattern)}"))
     kept = 0
     for path in files:
-        for row in read_rows(path):
+        for row in read_rows(path, max_row_bytes):
             if cap is not None and kept >= cap:
                 return
             report.rows_read += 1
-            if row.error is not None:
-                report.add(row.path, row.loc, row.error, row.raw_text)
-                continue
             try:
-                conv = normalize_row(row.value, sample_id(row.value, row, source), source, table)
+                conv = conversation_of(row, source, table)
             except BadRow as bad:
-                report.add(row.path, row.loc, bad, row.value)
+                report.add(row.path, row.loc, bad, row.raw_text if row.error is not None else row.value, row.element)
                 continue
-            conv.path, conv.loc = row.path, row.loc
             report.trailing_turns_dropped += conv.dropped_turns > 0
             kept += 1
             yield conv
@@ -257,6 +281,6 @@ def iter_conversations(dataset_cfg: DatasetConfig, *, report: BadRowReport,
         limit = None if dataset_cfg.max_samples is None else dataset_cfg.max_samples - kept
         if limit is not None and limit <= 0:
             return
-        for conv in iter_source(source, report, limit):
+        for conv in iter_source(source, report, limit, dataset_cfg.max_row_bytes):
             kept += 1
             yield conv

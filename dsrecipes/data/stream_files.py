@@ -8,16 +8,16 @@ caches the result under `<cache>/stream/` by content hash and block size.
 
 Files that cannot be read at an offset (gzip, JSON arrays) are converted once into a cached JSONL
 (`<cache>/stream/<hash>.jsonl`, stream_convert.py); for a JSON array line L of the copy is element L-1 (`loc_base =
--1`: sample ids and messages keep the original `<file>:<element>`, exactly as `data=map` names them). A file that
-cannot be used as a whole (broken array, top level not an array, no rows) gets `problem` and no samples; the
-bad-row policy decides (like `data=map`, which counts such a file as one bad row).
+-1`: sample ids keep the original `<file>:<element>`, exactly as `data=map` names them; messages say
+`<file>: element N (line L)`). A file without rows gets `problem` and no samples, and the bad-row policy decides
+(like `data=map`, which counts it as one bad row); a file that breaks (corrupt gzip, broken JSON structure) is
+refused under both policies (`files.FileUnreadable`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -25,7 +25,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from dsrecipes.data.stream_convert import CHUNK, convert, file_kind
-from dsrecipes.errors import DataError
 from dsrecipes.fileio import atomic_writer
 
 INDEX_VERSION = 1
@@ -163,13 +162,10 @@ def _converted(name: str, out: Path, block_bytes: int, keep: bool) -> Tuple[str,
         meta = json.loads(meta_path.read_text(encoding="utf-8")) if keep else None
     except (OSError, ValueError):
         meta = None
-    if meta is not None and (meta["path"] == name or out.is_file()):
+    if meta is not None and meta["problem"] is None and (meta["path"] == name or out.is_file()):
         problem = tuple(meta["problem"]) if meta["problem"] else None
         return name if meta["path"] == name else str(out), meta["loc_base"], None, problem
-    try:
-        read_path, loc_base, scanner, problem = convert(name, out, lambda: LineScanner(block_bytes))
-    except (OSError, EOFError, zlib.error) as exc:  # a truncated or corrupt gzip stream
-        raise DataError(f"{name}: cannot be decompressed ({exc})") from None
+    read_path, loc_base, scanner, problem = convert(name, out, lambda: LineScanner(block_bytes))  # FileUnreadable
     if keep:
         from dsrecipes.fileio import atomic_write_json
 

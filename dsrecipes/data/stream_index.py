@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES
 from dsrecipes.data.stream_files import FileIndex, index_files
 from dsrecipes.data.stream_plan import BlockTable
 from dsrecipes.errors import DataError
@@ -128,8 +130,8 @@ def hold_out(index: StreamIndex, cfg: Any) -> StreamIndex:
 
 def index_stream(cfg: Any) -> StreamIndex:
     """Every file of `cfg.dataset` (and `dataset.val_paths`) indexed, caps applied, nothing held out yet."""
-    from dsrecipes.data.files import expand_paths
-    from dsrecipes.data.registry import resolve_sources
+    from dsrecipes.data.files import expand_paths, no_file
+    from dsrecipes.data.registry import resolve_sources, validation_files
 
     names: List[str] = []
     file_source: List[int] = []
@@ -137,13 +139,16 @@ def index_stream(cfg: Any) -> StreamIndex:
     for s, source in enumerate(sources):
         files, missing = expand_paths(source.paths)
         if missing:
-            raise DataError(f"dataset source {source.name!r}: {missing[0]!r} matches no file")
+            raise DataError(f"dataset source {source.name!r}: {no_file(missing[0])}")
         names += files
         file_source += [s] * len(files)
     val_names, missing = expand_paths(list(cfg.dataset.val_paths))
     if missing:
-        raise DataError(f"dataset.val_paths: {missing[0]!r} matches no file")
-    names += val_names
+        raise DataError(f"dataset.val_paths: {no_file(missing[0])}")
+    notes: List[str] = []
+    names += validation_files(names, val_names, notes)
+    for note in notes:
+        print(note, file=sys.stderr)
     file_source += [-1] * len(val_names)
     block_bytes = cfg.data.block_bytes or auto_block_bytes(sum(os.path.getsize(n) for n in names))
     files = index_files(cfg, names, block_bytes)
@@ -237,15 +242,17 @@ def read_stream_index(run_dir: str | Path) -> Optional[StreamIndex]:
 
 class BlockSource:
     """Reads training blocks (by global block number) and single samples; counts bytes read. Open files are kept
-    per process (a DataLoader worker opens its own after the fork)."""
+    per process (a DataLoader worker opens its own after the fork). A line longer than `max_row_bytes` is never
+    read whole: its raw bytes are None (a too_large bad row)."""
 
-    def __init__(self, index: StreamIndex):
+    def __init__(self, index: StreamIndex, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES):
         self.index = index
+        self.max_row_bytes = max_row_bytes
         self.bytes_read = 0
         self._fds: Dict[int, int] = {}
 
     def __getstate__(self) -> Dict[str, Any]:
-        return {"index": self.index, "bytes_read": 0, "_fds": {}}
+        return {"index": self.index, "max_row_bytes": self.max_row_bytes, "bytes_read": 0, "_fds": {}}
 
     def _pread(self, f: int, start: int, stop: int) -> bytes:
         if f not in self._fds:
@@ -256,15 +263,22 @@ class BlockSource:
         self.bytes_read += len(data)
         return data
 
-    def samples(self, f: int, local: int, count: int) -> List[Tuple[int, bytes]]:
-        """(location, raw line) of the first `count` sample lines of block `local` of file `f`."""
+    def samples(self, f: int, local: int, count: int) -> List[Tuple[int, Optional[bytes]]]:
+        """(location, raw line or None when too long) of the first `count` sample lines of block `local` of file
+        `f`."""
+        from dsrecipes.data.files import lines_in_range
+
         fi = self.index.files[f]
+        start = fi.offsets.item(local)
         stop = fi.offsets.item(local + 1) if local + 1 < fi.offsets.size else fi.size
-        data = self._pread(f, fi.offsets.item(local), stop)
-        out: List[Tuple[int, bytes]] = []
+        if stop - start > self.index.block_bytes + self.max_row_bytes:  # holds a line over the limit
+            lines: Any = lines_in_range(lambda a, b: self._pread(f, a, b), start, stop, self.max_row_bytes)
+        else:
+            lines = self._pread(f, start, stop).split(b"\n")
+        out: List[Tuple[int, Optional[bytes]]] = []
         line = fi.lines.item(local)
-        for raw in data.split(b"\n"):
-            if raw.strip():
+        for raw in lines:
+            if raw is None or raw.strip():
                 out.append((line + fi.loc_base, raw))
                 if len(out) == count:
                     break

@@ -12,6 +12,16 @@ e.g. `train_on=last_assistant`), the sequence is cut at `cutoff_len` tokens, mid
 token left is dropped (`encode` returns None) and counted by the caller. Text after the final trained reply (a
 template's trailing newline) is never kept.
 
+Bad rows: whatever rendering or tokenizing one conversation raises makes that conversation a bad row
+(`template_error`, `too_deep`, `tokenizer_error`), never a crash of the batch it came in: a batch the tokenizer
+refuses is retried text by text to find the culprit.
+
+Memory: only the first `cutoff_len` tokens of a sample are ever kept, so a text far longer than that (more than
+LONG_TEXT_FACTOR characters per token of `cutoff_len`) is not tokenized whole (the Rust tokenizer needs ~150 bytes
+per character of input): its first `cutoff_len + 1` tokens come from prefixes of it, accepted once two prefixes (one
+twice the other) agree on them with HEAD_MARGIN tokens to spare. `cutoff_len + 1` tokens of a segment make truncation
+decide exactly as the full length would (the segment overflows either way).
+
 Packing (`data.packing=true`): best-fit-decreasing over sample lengths (deterministic: ties keep input order) into
 rows of at most `cutoff_len` tokens; `position_ids` restart at 0 for each sample, and the first label of every
 sample is -100 so no token is trained to predict across a sample boundary.
@@ -25,13 +35,16 @@ from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from dsrecipes.config.schema import TrainConfig
-from dsrecipes.data.badrows import BadRow
+from dsrecipes.data.badrows import BadReason, BadRow
 from dsrecipes.data.labels import IGNORE_INDEX
 from dsrecipes.data.sharegpt import Conversation
 from dsrecipes.data.spm import continuation_encoder
 from dsrecipes.data.template import Segment, check_template, render
 from dsrecipes.data.template_choice import choose_template
 from dsrecipes.errors import ConfigError
+
+LONG_TEXT_FACTOR = 8  # characters per token of cutoff_len above which a text is tokenized by its prefixes
+HEAD_MARGIN = 64  # tokens a prefix must yield beyond cutoff_len + 1 before its head is trusted
 
 
 @dataclass
@@ -68,9 +81,19 @@ class Encoder:
         self.cutoff_len = cfg.data.cutoff_len
         self._encode_fast = getattr(backend, "encode_batch_fast", backend.encode_batch)
         self._encode_cont = continuation_encoder(backend)  # None: segments need no different treatment
+        self.long_text = LONG_TEXT_FACTOR * (self.cutoff_len + HEAD_MARGIN)
 
     def render(self, conv: Conversation) -> List[Segment]:
-        return render(conv, self.template, self.tokenizer, self.train_on)
+        """Segments of one conversation, or BadRow: a template is code working on untrusted rows, so anything it
+        raises belongs to this row."""
+        try:
+            return render(conv, self.template, self.tokenizer, self.train_on)
+        except BadRow:
+            raise
+        except RecursionError:
+            raise BadRow(BadReason.too_deep, "nested too deep to render") from None
+        except Exception as exc:  # noqa: BLE001 - jinja, tool-call JSON, ...: this row cannot be rendered
+            raise BadRow(BadReason.template_error, f"{type(exc).__name__}: {exc}") from None
 
     def encode(self, conv: Conversation) -> Optional[Example]:
         return self.encode_batch([conv])[0]
@@ -94,22 +117,19 @@ class Encoder:
         for conv_keys in keys:
             for key in conv_keys:
                 index.setdefault(key, len(index))
-        encoded = self._encode_keys(list(index))
+        encoded, refused = self._encode_segments(list(index))
         out: List[Optional[Example]] = []
         for conv, segments, conv_keys in zip(convs, rendered, keys):
+            failed = next((refused[index[k]] for k in conv_keys if index[k] in refused), None)
+            if failed is not None:
+                if errors is None:
+                    raise BadRow(BadReason.tokenizer_error, failed)
+                errors.append((conv, BadRow(BadReason.tokenizer_error, failed)))
+                segments = None
             if segments is None:
                 out.append(None)
                 continue
             out.append(self._assemble(conv.id, [(encoded[index[key]], s) for key, s in zip(conv_keys, segments)]))
-        return out
-
-    def _encode_keys(self, keys: List[Tuple[bool, str]]) -> List[List[int]]:
-        first = [i for i, (cont, _) in enumerate(keys) if not cont]
-        rest = [i for i, (cont, _) in enumerate(keys) if cont]
-        out: List[List[int]] = [[] for _ in keys]
-        for idx, continuation in ((first, False), (rest, True)):
-            for i, ids in zip(idx, self.encode_texts([keys[i][1] for i in idx], continuation)):
-                out[i] = ids
         return out
 
     def encode_texts(self, texts: List[str], continuation: bool = False) -> List[List[int]]:
@@ -118,6 +138,49 @@ class Encoder:
             return []
         encode = self._encode_cont if continuation and self._encode_cont is not None else self._encode_fast
         return [e.ids for e in encode(texts, add_special_tokens=False)]
+
+    def _encode_segments(self, keys: List[Tuple[bool, str]]) -> Tuple[List[List[int]], Dict[int, str]]:
+        """(ids of each (continuation, text), {index: why} of texts the tokenizer refused). Long texts give their
+        head only."""
+        try:
+            return self._segment_ids(keys), {}
+        except Exception:  # noqa: BLE001 - find the text(s) the tokenizer refuses, one by one
+            pass
+        ids: List[List[int]] = []
+        refused: Dict[int, str] = {}
+        for i, key in enumerate(keys):
+            try:
+                ids += self._segment_ids([key])
+            except Exception as exc:  # noqa: BLE001 - the Rust tokenizer raises TypeError, ValueError, Exception
+                ids.append([])
+                refused[i] = f"{type(exc).__name__}: {exc}"
+        return ids, refused
+
+    def _segment_ids(self, keys: List[Tuple[bool, str]]) -> List[List[int]]:
+        """Short texts batched per kind (first segment / continuation), long ones by their head."""
+        out: List[Optional[List[int]]] = [None] * len(keys)
+        for continuation in (False, True):
+            idx = [i for i, (cont, t) in enumerate(keys) if cont is continuation and len(t) <= self.long_text]
+            for i, ids in zip(idx, self.encode_texts([keys[i][1] for i in idx], continuation)):
+                out[i] = ids
+        for i, (cont, text) in enumerate(keys):
+            if out[i] is None:
+                out[i] = self._head_ids(text, cont)
+        return out
+
+    def _head_ids(self, text: str, continuation: bool = False) -> List[int]:
+        """The first cutoff_len + 1 tokens of a long text, from prefixes of it (memory bounded by cutoff_len)."""
+        need = self.cutoff_len + 1
+        size, agreed = self.long_text, None
+        while size < len(text):
+            ids = self.encode_texts([text[:size]], continuation)[0]
+            if len(ids) >= need + HEAD_MARGIN:
+                if ids[:need] == agreed:
+                    return agreed
+                agreed, size = ids[:need], size * 2
+            else:
+                agreed, size = None, size * 4
+        return self.encode_texts([text], continuation)[0][:need]
 
     def _assemble(self, sample_id: str, parts: List[Tuple[List[int], Segment]]) -> Optional[Example]:
         ids: List[int] = []

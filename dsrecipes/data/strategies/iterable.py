@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 from torch.utils.data import IterableDataset
 
+from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES
 from dsrecipes.data.plan import Layout
 from dsrecipes.data.sampler import StreamSpec, StreamTooShort
 from dsrecipes.data.strategies.base import Batch, Row, TrainLoader
@@ -40,7 +41,8 @@ class StreamTrainLoader(TrainLoader):
     def __init__(self, stream: StreamIndex | StreamSpec, layout: Layout, rank: int, *, seed: int, shuffle: bool,
                  shuffle_buffer: int, num_samples: Optional[int], make_rows: MakeRows,
                  collate_fn: Callable[[List[Row]], Batch], num_workers: int = 0, prefetch_factor: int = 2,
-                 global_rank: Optional[int] = None, fingerprint: Optional[dict] = None):
+                 global_rank: Optional[int] = None, fingerprint: Optional[dict] = None,
+                 max_row_bytes: int = DEFAULT_MAX_ROW_BYTES):
         from dsrecipes.data.stream_index import index_spec
 
         self.index = stream if isinstance(stream, StreamIndex) else index_spec(stream)
@@ -55,6 +57,7 @@ class StreamTrainLoader(TrainLoader):
         self.shuffle_buffer = shuffle_buffer if shuffle else 0
         self.make_rows, self.collate_fn = make_rows, collate_fn
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
+        self.max_row_bytes = max_row_bytes  # longer lines are never read whole (BlockSource)
         self.history: Tuple[Tuple[Layout, int], ...] = ()  # closed segments of the current epoch
 
     @property
@@ -75,7 +78,7 @@ class StreamTrainLoader(TrainLoader):
         seg, sh = self.segment(epoch), self.local_shuffle(epoch)
         v = (worker + start_micro) % self.layout.readers_per_rank
         own = source is None
-        source = BlockSource(self.index) if own else source
+        source = BlockSource(self.index, self.max_row_bytes) if own else source
         fetch = ItemFetcher(epoch_visits(self.table, self.seed, epoch, self.shuffle), source.block, sh)
         try:
             yield from read_stretch(seg, self.rank, v, seg.micros(v, 0, start_micro), sh, fetch)
@@ -194,7 +197,8 @@ def row_encoder(cfg: Any, tokenizer: Any, index: StreamIndex) -> Any:
     from dsrecipes.data.strategies.rows import RowEncoder
     from dsrecipes.data.stream_index import file_sources
 
-    return RowEncoder(cfg, tokenizer, [f.name for f in index.files], file_sources(cfg, index))
+    return RowEncoder(cfg, tokenizer, [f.name for f in index.files], file_sources(cfg, index),
+                      [f.loc_base < 0 for f in index.files])
 
 
 def build(cfg: Any, tokenizer: Any, rank: int, world_size: int, run_dir: str) -> StreamTrainLoader:
@@ -205,7 +209,7 @@ def build(cfg: Any, tokenizer: Any, rank: int, world_size: int, run_dir: str) ->
                                shuffle=cfg.data.shuffle, shuffle_buffer=cfg.data.shuffle_buffer,
                                num_samples=cfg.data.num_samples, make_rows=row_encoder(cfg, tokenizer, index),
                                collate_fn=make_collate(tokenizer), num_workers=cfg.data.num_workers,
-                               prefetch_factor=cfg.data.prefetch_factor)
+                               prefetch_factor=cfg.data.prefetch_factor, max_row_bytes=cfg.dataset.max_row_bytes)
     _check_rows(run_dir, loader.planned)
     return loader
 
@@ -232,7 +236,7 @@ def build_eval(cfg: Any, tokenizer: Any, rank: int, world_size: int, run_dir: st
     if not refs:
         return None
     share = refs[rank * len(refs) // world_size:(rank + 1) * len(refs) // world_size]
-    source = BlockSource(index)
+    source = BlockSource(index, cfg.dataset.max_row_bytes)
     rows = row_encoder(cfg, tokenizer, index)([(*row, 0) for row in source.rows(share)])
     source.close()
     return EvalLoader(rows, 0, 1, cfg.trainer.micro_batch_size, make_collate(tokenizer))

@@ -96,7 +96,7 @@ def build(cfg: Any, tokenizer: Any, rank: int, world_size: int, run_dir: str) ->
     verify_part(manifest, rank)
     path = manifest.part_path(rank)
     return PreshardedTrainLoader(
-        StreamSpec((path,)),
+        StreamSpec((path,), None, cfg.dataset.max_row_bytes),
         part_layout(cfg),
         0,
         seed=cfg.trainer.seed,

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import json
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 from dsrecipes.config.schema import BadRows, TrainConfig
 from dsrecipes.data.strategies.base import Batch, Row, collate_rows
@@ -25,12 +24,15 @@ class RowEncoder:
     """Raw JSONL lines of a stream -> tokenized rows (one per sample, or packed rows), inside a loader worker.
 
     Items are (file index, location, raw line[, copy]); `paths` name the files as the user gave them (a converted
-    JSON array keeps its own name; the location is then the element). Bad rows follow `dataset.bad_rows`: `error`
-    raises DataError naming file:location; `skip` drops the row (its slot in the micro-batch stays empty, so no
-    other rank's sample moves) and counts it in `skipped`.
+    JSON array keeps its own name; the location is then the element: `element_files`). Bad rows follow
+    `dataset.bad_rows`: `error` raises DataError naming `file:line` (or `file: element N (line L)`); `skip` drops
+    the row (its slot in the micro-batch stays empty, so no other rank's sample moves) and counts it in `skipped`.
+    The checks are those of every other reader (`sharegpt.parse_item`: `files.parse_row`, `conversation_of`,
+    then `Encoder.encode_batch`), so the pre-scan has met every row that could fail here.
     """
 
-    def __init__(self, cfg: TrainConfig, tokenizer: Any, paths: Sequence[str], sources: Sequence[Any]):
+    def __init__(self, cfg: TrainConfig, tokenizer: Any, paths: Sequence[str], sources: Sequence[Any],
+                 element_files: Optional[Sequence[bool]] = None):
         from dsrecipes.data.sharegpt import role_table
         from dsrecipes.data.tokenize import Encoder
 
@@ -39,6 +41,8 @@ class RowEncoder:
         self.sources = list(sources)
         self.tables = [role_table(s) for s in self.sources]
         self.policy = cfg.dataset.bad_rows
+        self.max_row_bytes = cfg.dataset.max_row_bytes
+        self.element_files = list(element_files) if element_files is not None else [False] * len(self.paths)
         self.packing = cfg.data.packing
         self.cutoff_len = cfg.data.cutoff_len
         self.skipped = 0
@@ -46,20 +50,26 @@ class RowEncoder:
 
     def conversation(self, item: Any) -> Any:
         from dsrecipes.data.badrows import BadRow
+        from dsrecipes.data.files import where
+        from dsrecipes.data.sharegpt import parse_item
 
         file_index, loc, raw = item[:3]
+        path, element = self.paths[file_index], self.element_files[file_index]
         try:
-            conv = parse_item(raw, self.paths[file_index], loc, self.sources[file_index], self.tables[file_index])
+            conv = parse_item(raw, path, loc, self.sources[file_index], self.tables[file_index],
+                              limit=self.max_row_bytes, element=element)
         except BadRow as bad:
-            self._bad(f"{self.paths[file_index]}:{loc}", bad)
+            self._bad(where(path, None if element else loc, loc if element else None), bad)
             return None
         if len(item) > 3 and item[3]:
             conv.id = f"{conv.id}@{item[3]}"  # a repeat made by a mixing weight > 1 is a sample of its own
         return conv
 
-    def _bad(self, where: str, bad: Any) -> None:
+    def _bad(self, location: str, bad: Any) -> None:
+        from dsrecipes.data.badrows import error_message
+
         if self.policy is BadRows.error:
-            raise DataError(f"{where}: {bad}; set dataset.bad_rows=skip to drop such rows")
+            raise DataError(error_message(location, bad))
         self.skipped += 1
 
     def __call__(self, items: Sequence[Any]) -> List[Row]:
@@ -67,7 +77,9 @@ class RowEncoder:
         errors: List[Any] = []
         encoded = self.encoder.encode_batch(convs, errors) if convs else []
         for conv, bad in errors:
-            self._bad(f"sample {conv.id}", bad)
+            from dsrecipes.data.files import where
+
+            self._bad(where(conv.path, conv.loc, conv.element), bad)
         examples = [e for e in encoded if e is not None]
         self.dropped += len(convs) - len(examples) - len(errors)
         if self.packing:
@@ -75,23 +87,6 @@ class RowEncoder:
 
             return [_row(p.ids, p.input_ids, p.labels, p.position_ids) for p in pack(examples, self.cutoff_len)]
         return [_row([e.id], e.input_ids, e.labels, list(range(len(e.input_ids)))) for e in examples]
-
-
-def parse_item(raw: bytes, path: str, loc: int, source: Any, table: Any) -> Any:
-    """One raw line -> Conversation (with its sample id), or BadRow: the checks every stream row goes through."""
-    from dsrecipes.data.badrows import BadReason, BadRow
-    from dsrecipes.data.files import RawRow
-    from dsrecipes.data.sharegpt import normalize_row, sample_id
-
-    try:
-        value = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise BadRow(BadReason.invalid_utf8, str(exc)) from None
-    except json.JSONDecodeError as exc:
-        raise BadRow(BadReason.invalid_json, str(exc)) from None
-    conv = normalize_row(value, sample_id(value, RawRow(path, loc, value), source), source, table)
-    conv.path, conv.loc = path, loc
-    return conv
 
 
 def _row(ids: List[str], input_ids: List[int], labels: List[int], position_ids: List[int]) -> Row:
