@@ -1,19 +1,23 @@
-"""Speed of data preparation: ours vs a naive per-sample apply_chat_template loop vs raw batched tokenization.
+"""Speed of data preparation against the batched fast-tokenizer ceiling, measured in the same run.
 
-    python benchmarks/bench_prepare.py --n 100000        # the full measurement (run it once: minutes on 2 cores)
-    python benchmarks/bench_prepare.py --n 5000          # a quick look
+    python benchmarks/bench_prepare.py                         # both shapes, 100,000 conversations each, 2 rounds
+    python benchmarks/bench_prepare.py --n 20000 --rounds 3    # a quicker look
+    python benchmarks/bench_prepare.py --shape chat --per-segment   # also prepare() with per-segment tokenization
 
-Synthetic ShareGPT conversations (1-4 exchanges, long-tailed lengths, some system prompts and tool calls) are written
-to a JSONL file and tokenized with the bundled tiny tokenizer and template=chatml (whose chat_template renders the
-same text, so all three do the same work):
+Corpus shapes (generated, seeded, written to a JSONL file; bundled tiny byte-level BPE tokenizer, template=chatml,
+`data.cutoff_len=1024`):
+* chat: 1-3 user/assistant exchanges, ~184 tokens after templating, ~10% CJK words;
+* long: 1-4 exchanges with long-tailed lengths, some system prompts and tool calls, ~320 tokens.
 
-* naive: `tokenizer.apply_chat_template(messages, tokenize=True)` per sample (no labels even);
-* raw batched: one fast-tokenizer call on the already rendered full texts (no rendering, no labels: a floor),
-  through `tokenizer(texts)` and straight through the Rust `encode_batch_fast`;
-* ours, encode: `Encoder.encode_batch` in chunks (render, batched per-segment tokenization, labels, truncation);
-* ours, prepare: the whole `prepare()` from the JSONL file (read, check, encode, split, Arrow write), cold cache,
-  with `data.preprocess_workers` 1 and 2; and the warm cache hit.
-Prints a markdown table (samples/s, tokens/s, time, speed relative to naive).
+Each round runs, alternately (ceiling first in even rounds, prepare first in odd ones):
+* ceiling: the fast tokenizer's Rust `encode_batch` on the already rendered full texts (all cores, no masks, no
+  reading, no writing), with a fresh tokenizer (its BPE word cache starts empty, as in a worker);
+* prepare: the whole `dsrecipes.data.prepare.prepare()` from the file into a fresh cache directory: read, check,
+  render, tokenize, labels, truncation, split, Arrow write, with `data.preprocess_workers=2`;
+* with --per-segment: the same prepare() with per-segment tokenization forced (what one-text tokenization buys).
+Prints samples/s per round, the prepare/ceiling ratio per round, and medians with their spread: the wall-clock
+share (the target: prepare >= 0.75 of the ceiling's samples/s) and the CPU share (ceiling CPU seconds / prepare's,
+workers included), which neighbours on a shared machine disturb much less.
 """
 
 from __future__ import annotations
@@ -22,21 +26,38 @@ import argparse
 import json
 import os
 import random
+import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, Dict, List
 
-WORDS = ("the a of to and in is it you that he was for on are with as his they be at one have this from or had by "
-         "word but what some we can out other were all there when up use your how said an each she which do their "
-         "time if will way about many then them write would like so these her long make thing see him two has look "
-         "法国 首都 巴黎 天气 今天 多少 等于 加 减 转换 千米 米 单词 倒过来").split()
+EN_WORDS = ("the a of to and in is it you that he was for on are with as his they be at one have this from or had "
+            "by word but what some we can out other were all there when up use your how said an each she which do "
+            "their time if will way about many then them write would like so these her long make thing see him two "
+            "has look").split()
+CJK_WORDS = "法国 首都 巴黎 天气 今天 多少 等于 加 减 转换 千米 米 单词 倒过来".split()
 
 
-def synth_row(rng: random.Random, i: int) -> dict:
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(CJK_WORDS) if rng.random() < 0.1 else rng.choice(EN_WORDS) for _ in range(n))
+
+
+def chat_row(rng: random.Random, i: int) -> dict:
+    """1-3 exchanges; questions ~9 words, answers ~20 (lognormal): ~184 tokens with the tiny tokenizer."""
+    turns = []
+    for _ in range(rng.randint(1, 3)):
+        turns.append({"from": "human", "value": _words(rng, max(1, int(rng.lognormvariate(0, 0.5) * 9)))})
+        turns.append({"from": "gpt", "value": _words(rng, max(1, int(rng.lognormvariate(0, 0.5) * 20)))})
+    return {"id": f"chat-{i}", "conversations": turns}
+
+
+def long_row(rng: random.Random, i: int) -> dict:
     def text(mean: float) -> str:
-        n = max(1, min(400, int(rng.lognormvariate(mean, 0.9))))
-        return " ".join(rng.choice(WORDS) for _ in range(n))
+        return _words(rng, max(1, min(400, int(rng.lognormvariate(mean, 0.9)))))
 
     turns = []
     for _ in range(rng.choice([1, 1, 2, 2, 3, 4])):
@@ -45,116 +66,152 @@ def synth_row(rng: random.Random, i: int) -> dict:
             turns.append({"from": "function_call", "value": json.dumps({"name": "lookup", "arguments": {"q": text(1.0)}})})
             turns.append({"from": "observation", "value": json.dumps({"result": text(1.5)})})
         turns.append({"from": "gpt", "value": text(3.0)})
-    row = {"id": f"bench-{i}", "conversations": turns}
+    row = {"id": f"long-{i}", "conversations": turns}
     if rng.random() < 0.3:
         row["system"] = text(1.5)
     return row
 
 
-def _sample_row_maker():
-    """`make_row` of scripts/make_sample_data.py (not a package, so loaded from its file)."""
-    import importlib.util
+SHAPES: Dict[str, Callable[[random.Random, int], dict]] = {"chat": chat_row, "long": long_row}
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "make_sample_data.py"
-    spec = importlib.util.spec_from_file_location("make_sample_data", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.make_row
+
+def write_corpus(path: Path, shape: str, n: int) -> None:
+    rng = random.Random(0)
+    with open(path, "w", encoding="utf-8") as fh:
+        for i in range(n):
+            fh.write(json.dumps(SHAPES[shape](rng, i), ensure_ascii=False) + "\n")
+
+
+def load_cfg(data: Path, cache: Path, workers: int):
+    from dsrecipes.config.load import compose_and_load
+
+    return compose_and_load([f"dataset.paths=[{data}]", "dataset.val_size=0", "data.cutoff_len=1024",
+                             f"data.preprocess_workers={workers}", f"data.cache_dir={cache}", "template=chatml"])
+
+
+def rendered_texts(cfg, tokenizer) -> List[str]:
+    from dsrecipes.data.badrows import BadRowReport
+    from dsrecipes.data.sharegpt import iter_conversations
+    from dsrecipes.data.template import render
+
+    convs = iter_conversations(cfg.dataset, report=BadRowReport(cfg.dataset.bad_rows, 1.0))
+    return ["".join(s.text for s in render(c, cfg.template, tokenizer, cfg.data.train_on)) for c in convs]
+
+
+def cpu_now() -> float:
+    """CPU seconds of this process and its finished children (prepare's workers)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def time_ceiling(tokenizer, texts: List[str]) -> tuple[float, float]:
+    from tokenizers import Tokenizer
+
+    fresh = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    start, cpu = time.perf_counter(), cpu_now()
+    fresh.encode_batch(texts, add_special_tokens=False)
+    return time.perf_counter() - start, cpu_now() - cpu
+
+
+def time_prepare(cfg, tokenizer, run_dir: Path, per_segment: bool) -> tuple[float, float, dict]:
+    from dsrecipes.data import tokenize
+    from dsrecipes.data.prepare import prepare
+
+    shutil.rmtree(cfg.data.cache_dir, ignore_errors=True)
+    init = tokenize.Encoder.__init__
+    if per_segment:  # the workers are forked from this process, so they inherit the switch
+        tokenize.Encoder.__init__ = lambda self, tok, c, full_text=None: init(self, tok, c, full_text=False)
+    try:
+        start, cpu = time.perf_counter(), cpu_now()
+        prep = prepare(cfg, tokenizer, run_dir)
+        return time.perf_counter() - start, cpu_now() - cpu, prep.stats
+    finally:
+        tokenize.Encoder.__init__ = init
+
+
+def measure_one(kind: str, data: Path, tmp: Path, workers: int) -> Dict[str, float]:
+    """One measurement in this (fresh) process: ceiling, prepare or per-segment."""
+    import datasets  # noqa: F401  (imported up front: its ~2 s import is not preparation time)
+    from transformers import AutoTokenizer
+
+    from dsrecipes.paths import TINY_TOKENIZER_DIR
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TINY_TOKENIZER_DIR))
+    cfg = load_cfg(data, tmp / f"cache-{kind}", workers)
+    if kind == "ceiling":
+        wall, cpu = time_ceiling(tokenizer, rendered_texts(cfg, tokenizer))
+        return {"wall": wall, "cpu": cpu}
+    wall, cpu, stats = time_prepare(cfg, tokenizer, tmp / f"run-{kind}", kind == "per-segment")
+    shutil.rmtree(cfg.data.cache_dir, ignore_errors=True)
+    return {"wall": wall, "cpu": cpu, "tokens": stats["tokens"], "rows": stats["rows_kept"]}
+
+
+def run_one(kind: str, data: Path, tmp: Path, workers: int) -> Dict[str, float]:
+    """`measure_one` in a fresh interpreter, so no measurement inherits another's memory, caches or threads."""
+    out = subprocess.run([sys.executable, __file__, "--one", kind, "--data", str(data), "--tmp", str(tmp),
+                          "--workers", str(workers)], capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"{kind} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bench_shape(shape: str, args, tmp: Path) -> List[str]:
+    data = tmp / f"{shape}.jsonl"
+    write_corpus(data, shape, args.n)
+    kinds = ["ceiling", "prepare"] + (["per-segment"] if args.per_segment else [])
+    wall: Dict[str, List[float]] = {k: [] for k in kinds}
+    cpu: Dict[str, List[float]] = {k: [] for k in kinds}
+    tokens = 0.0
+    for r in range(args.rounds):
+        for kind in kinds if r % 2 == 0 else kinds[::-1]:
+            got = run_one(kind, data, tmp, args.workers)
+            wall[kind].append(got["wall"])
+            cpu[kind].append(got["cpu"])
+            if "tokens" in got:
+                tokens = got["tokens"] / got["rows"]
+        line = ", ".join(f"{k} {args.n / wall[k][-1]:,.0f}/s ({cpu[k][-1]:.1f} CPU s)" for k in kinds)
+        print(f"{shape} round {r + 1}: {line}; prepare/ceiling {wall['ceiling'][-1] / wall['prepare'][-1]:.2f} "
+              f"(load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+    rows = []
+    for kind in kinds:
+        rates = [args.n / s for s in wall[kind]]
+        share = [c / s for c, s in zip(wall["ceiling"], wall[kind])]
+        work = [c / s for c, s in zip(cpu["ceiling"], cpu[kind])]
+        rows.append(f"| {shape} ({tokens:.0f} tokens/sample) | {kind} | {statistics.median(rates):,.0f} | "
+                    f"{min(rates):,.0f}-{max(rates):,.0f} | {statistics.median(share):.2f} ({min(share):.2f}-"
+                    f"{max(share):.2f}) | {statistics.median(work):.2f} ({min(work):.2f}-{max(work):.2f}) |")
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=100_000, help="conversations to generate")
-    parser.add_argument("--cutoff", type=int, default=2048)
-    parser.add_argument("--kind", choices=["long", "sample"], default="long",
-                        help="long: synthetic chats of ~300 tokens (tokenizer-bound); sample: rows like the bundled "
-                             "sample data, ~50 tokens (template-bound)")
-    parser.add_argument("--naive-n", type=int, default=None, help="samples for the (slow) naive loop; default min(n, 20000)")
+    parser.add_argument("--n", type=int, default=100_000, help="conversations per shape")
+    parser.add_argument("--shape", choices=[*SHAPES, "all"], default="all")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2, help="data.preprocess_workers")
+    parser.add_argument("--per-segment", action="store_true", help="also time prepare() with per-segment tokenization")
+    parser.add_argument("--one", choices=["ceiling", "prepare", "per-segment"], help=argparse.SUPPRESS)
+    parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--tmp", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
-
-    import datasets  # noqa: F401  (imported up front: its ~2 s import is not preparation time)
-    from transformers import AutoTokenizer
-
-    from dsrecipes.config.load import compose_and_load
-    from dsrecipes.data.badrows import BadRowReport
-    from dsrecipes.data.prepare import prepare
-    from dsrecipes.data.sharegpt import iter_conversations
-    from dsrecipes.data.template import hf_messages
-    from dsrecipes.data.tokenize import Encoder
-    from dsrecipes.paths import TINY_TOKENIZER_DIR
-
+    os.environ.pop("TOKENIZERS_PARALLELISM", None)  # the ceiling uses every core; prepare's workers set their own
+    if args.one:
+        print(json.dumps(measure_one(args.one, args.data, args.tmp, args.workers)))
+        return
     tmp = Path(tempfile.mkdtemp(prefix="bench-prepare-"))
-    data = tmp / "bench.jsonl"
-    rng = random.Random(0)
-    make_row = synth_row if args.kind == "long" else _sample_row_maker()
-    with open(data, "w", encoding="utf-8") as fh:
-        for i in range(args.n):
-            fh.write(json.dumps(make_row(rng, i), ensure_ascii=False) + "\n")
-    tok = AutoTokenizer.from_pretrained(str(TINY_TOKENIZER_DIR))
-
-    def cfg_for(workers: int, cache: str):
-        return compose_and_load([f"dataset.paths=[{data}]", "dataset.val_size=0", f"data.cutoff_len={args.cutoff}",
-                                 f"data.preprocess_workers={workers}", f"data.cache_dir={cache}", "template=chatml"])
-
-    cfg = cfg_for(1, str(tmp / "c0"))
-    report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction)
-    convs = list(iter_conversations(cfg.dataset, report=report))
-    results = []
-
-    # ours: encode only (render + tokenize + labels + truncation), in the chunk size prepare uses
-    encoder = Encoder(tok, cfg)
-    t = time.perf_counter()
-    examples = []
-    for s in range(0, len(convs), 512):
-        examples += encoder.encode_batch(convs[s: s + 512])
-    dt = time.perf_counter() - t
-    tokens = sum(len(e.input_ids) for e in examples if e is not None)
-    results.append(("ours: Encoder.encode_batch (render + tokenize + labels)", len(convs), tokens, dt))
-
-    # raw batched: one tokenizer call on the full rendered texts (what tokenization alone costs)
-    texts = [tok.apply_chat_template(hf_messages(c, cfg.template)[0], tools=hf_messages(c, cfg.template)[1], tokenize=False)
-             for c in convs[: min(len(convs), 20000)]]
-    texts = (texts * (len(convs) // len(texts) + 1))[: len(convs)]
-    t = time.perf_counter()
-    raw = tok(texts, add_special_tokens=False)["input_ids"]
-    dt = time.perf_counter() - t
-    results.append(("raw batched tokenizer(texts) on rendered text", len(texts), sum(map(len, raw)), dt))
-    t = time.perf_counter()
-    raw = tok.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)
-    dt = time.perf_counter() - t
-    results.append(("raw batched Rust encode_batch_fast(texts), ids only", len(texts), sum(len(e.ids) for e in raw), dt))
-
-    # naive: apply_chat_template(tokenize=True) per sample
-    naive_n = args.naive_n or min(len(convs), 20000)
-    t = time.perf_counter()
-    naive_tokens = 0
-    for c in convs[:naive_n]:
-        messages, tools = hf_messages(c, cfg.template)
-        out = tok.apply_chat_template(messages, tools=tools, tokenize=True)
-        naive_tokens += len(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
-    dt = time.perf_counter() - t
-    results.append((f"naive per-sample apply_chat_template (first {naive_n})", naive_n, naive_tokens, dt))
-
-    # ours: the whole prepare() from the file, cold cache, 1 and 2 workers; then a cache hit
-    for workers in (1, 2):
-        c = cfg_for(workers, str(tmp / f"cache{workers}"))
-        t = time.perf_counter()
-        prep = prepare(c, tok, tmp / f"run{workers}")
-        dt = time.perf_counter() - t
-        results.append((f"ours: prepare() end to end, cold, preprocess_workers={workers}", args.n, prep.stats["tokens"], dt))
-    t = time.perf_counter()
-    prep = prepare(cfg_for(2, str(tmp / "cache2")), tok, tmp / "run-hit")
-    results.append(("ours: prepare() cache hit", args.n, prep.stats["tokens"], time.perf_counter() - t))
-
-    naive = next(r for r in results if r[0].startswith("naive"))
-    naive_rate = naive[1] / naive[3]
-    print(f"\n{args.n} {args.kind} conversations, {tokens} tokens (tiny tokenizer, chatml, cutoff {args.cutoff}), "
-          f"{os.cpu_count()} CPUs, python {sys.version.split()[0]}\n")
-    print("| method | samples | samples/s | tokens/s | seconds | vs naive |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, n, toks, dt in results:
-        print(f"| {name} | {n} | {n / dt:,.0f} | {toks / dt:,.0f} | {dt:.2f} | {n / dt / naive_rate:.1f}x |")
+    try:
+        rows = []
+        for shape in SHAPES if args.shape == "all" else [args.shape]:
+            rows += bench_shape(shape, args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"\n{args.n:,} conversations per shape, tiny byte-level BPE tokenizer, chatml, cutoff 1024, "
+          f"{args.workers} workers, {os.cpu_count()} CPUs, {args.rounds} rounds, each measurement in a fresh process "
+          f"(load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())})\n")
+    print("| corpus | method | samples/s (median) | range | wall share of the ceiling, median (range) | "
+          "CPU share of the ceiling, median (range) |")
+    print("|---|---|---:|---:|---:|---:|")
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":

@@ -1,101 +1,117 @@
-"""Runner overhead: tokens/s of `dsrecipes.train.train` vs a bare DeepSpeed loop, same model, data and batches.
+"""Runner overhead: CPU time per optimizer step of dsrecipes' training loop vs a bare DeepSpeed loop, A/B/A/B.
 
-    python benchmarks/bench_runner.py                      # default config (tiny model, sample data), 1 process
-    python benchmarks/bench_runner.py --steps 80 --warmup 20 zero=stage2 precision=bf16
+    python benchmarks/bench_runner.py                        # default config (tiny model, sample data), 1 process
+    python benchmarks/bench_runner.py --pairs 30 zero=stage2 precision=bf16
 
-Both loops run in this process, alternately (bare then runner, runner then bare, ...), and the median of the
-repeats is reported. On a shared machine wall time mostly measures the neighbours, so by default both are timed with this
-process's CPU time (`time.process_time` stands in for `time.perf_counter`, which the runner's metrics use) on one
-torch thread: that counts the work each loop does, whatever else runs. `--clock wall --threads N` for wall time. Timed: optimizer steps warmup+1 .. steps (the runner's from its own metrics.jsonl,
-eval and checkpoints switched off). The bare loop is what a user would write by hand: our data loader, the model's
-own loss (`labels=`), engine.backward, engine.step, nothing else. The runner adds its loss, metric windows, the
-progress bar, lr/grad-norm bookkeeping and the log all_reduce. Target: runner < 3% slower per step.
+One process, one warm state: `dsrecipes.train.start()` builds the run's session (model, engine, loader, metrics)
+once; then blocks of --block optimizer steps alternate on that same engine, each on the same recorded micro-batches
+(the first block of the run's own loader, replayed): the runner's own
+`train.loop()` (its loss, metric windows, progress bar, lr/grad-norm bookkeeping, a metrics line with its all_reduce,
+JSON and TensorBoard writes every `trainer.log_every` steps) and a bare loop a user would write by hand (the model's
+own loss via `labels=`, engine.backward, engine.step, nothing else; the same LR scheduler object, which DeepSpeed
+steps inside engine.step). One untimed block of each first; then pairs alternate their order (runner first, then bare
+first). The overhead is the median over pairs of (runner block time / bare block time), with its interquartile range
+and extremes.
+
+On a shared machine wall time mostly measures the neighbours, so by default both are timed with this process's
+CPU time on one torch thread (`time.process_time` stands in for `time.perf_counter`, which the runner's clock
+uses): that counts the work each loop does, whatever else runs. `--clock wall --threads N` for wall time.
+Checkpoints (the runner saves at the end of each of its blocks) are switched off for the measurement: they are
+I/O, not loop overhead. Target: runner <= 3% slower per step.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Tuple
+from typing import Any, List, Optional, Tuple
 
 
-def make_run_dir(root: Path, name: str, overrides: List[str], steps: int, warmup: int) -> Tuple[object, Path]:
+def make_run_dir(root: Path, overrides: List[str], steps: int) -> Tuple[Any, Path]:
     from dsrecipes.config.load import compose_and_load
     from dsrecipes.entry import write_run_dir
     from dsrecipes.topology import Topology
 
-    run_dir = root / name
+    run_dir = root / "run"
     run_dir.mkdir(parents=True)
     cfg = compose_and_load([
-        *overrides, f"trainer.max_steps={steps}", f"trainer.log_every={warmup}", "trainer.save_every=0",
-        "trainer.eval_every=0", "dataset.val_size=0", "trainer.export=false", "trainer.resume=never",
-        f"trainer.output_dir={run_dir}", f"data.cache_dir={root / 'cache'}",
+        *overrides, f"trainer.max_steps={steps}", "trainer.save_every=0", "trainer.eval_every=0",
+        "dataset.val_size=0", "trainer.export=false", "trainer.resume=never", f"trainer.output_dir={run_dir}",
+        f"data.cache_dir={root / 'cache'}",
     ])
     write_run_dir(cfg, Topology(1, 1, 1))  # what `python -m dsrecipes` writes before launching
     return cfg, run_dir
 
 
-def bare_loop(cfg, run_dir: Path, steps: int, warmup: int) -> Tuple[float, int]:
-    """(seconds, real tokens) of steps warmup+1..steps of a hand-written DeepSpeed loop."""
-    import deepspeed
+class ReplayLoader:
+    """The same micro-batches, in the same order, for every block: both loops do exactly the same arithmetic (a
+    block of other batches costs more or less with their lengths, which would swamp a 3% difference)."""
 
-    from dsrecipes.data.strategies import build_train_loader
-    from dsrecipes.model import build_model, load_tokenizer
-    from dsrecipes.rundir import read_ds_config
-    from dsrecipes.train import seed_everything
+    def __init__(self, batches: List[Any]):
+        self.batches = batches
+        self.steps_per_epoch = None
 
-    seed_everything(cfg.trainer.seed)
-    tokenizer = load_tokenizer(cfg)
-    model = build_model(cfg, tokenizer)
-    loader = build_train_loader(cfg, tokenizer, 0, 1, run_dir)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
-                                                                          if p.requires_grad],
-                                           config=read_ds_config(run_dir))
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+def replay(session: Any, steps: int) -> None:
+    import itertools
+
+    loader = session.train_loader
     loader.set_epoch(0)
-    batches = iter(loader)
+    micro = steps * session.cfg.trainer.grad_accum
+    session.train_loader = ReplayLoader(list(itertools.islice(iter(loader), micro)))
+
+
+def runner_block(session: Any, steps: int) -> float:
+    """Seconds of the runner's loop for `steps` optimizer steps (its metrics lines included, the last one too)."""
+    from dsrecipes.train import loop
+
+    session.plan = dataclasses.replace(session.plan, total_steps=session.state.step + steps)
+    start = time.perf_counter()
+    loop(session)
+    return time.perf_counter() - start
+
+
+def bare_block(session: Any, steps: int) -> Tuple[float, int]:
+    """(seconds, real tokens) of `steps` hand-written optimizer steps on the same engine and data stream."""
+    from dsrecipes.train import micro_batches
+
+    engine, accum = session.engine, session.cfg.trainer.grad_accum
+    batches = micro_batches(session.train_loader, session.state)
     tokens, start = 0, time.perf_counter()
-    for step in range(steps):
-        if step == warmup:
-            tokens, start = 0, time.perf_counter()
-        for _ in range(cfg.trainer.grad_accum):
+    for _ in range(steps):
+        for _ in range(accum):
             batch = next(batches)
-            mask = batch["attention_mask"]
             out = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
-                         attention_mask=mask, use_cache=False)
+                         attention_mask=batch["attention_mask"], use_cache=False)
             engine.backward(out.loss)
             engine.step()
             tokens += int(batch["num_tokens"])
-    return time.perf_counter() - start, tokens
+    seconds = time.perf_counter() - start
+    session.state.step += steps  # what the runner's next block continues from
+    return seconds, tokens
 
 
-def runner_loop(cfg, run_dir: Path, warmup: int) -> float:
-    """Seconds the runner spent on steps warmup+1..max_steps (its own elapsed clock)."""
-    from dsrecipes.rundir import read_metrics
-    from dsrecipes.train import train
-
-    train(cfg, run_dir)
-    elapsed = {r["step"]: r["elapsed"] for r in read_metrics(run_dir) if "loss" in r}
-    return elapsed[cfg.trainer.max_steps] - elapsed[warmup]
-
-
-def component_costs(cfg, run_dir: Path, iterations: int = 40) -> Tuple[float, float]:
-    """What the runner adds, measured directly (A/B per iteration, so load hits both alike): (our loss / the model's
-    own loss, fwd+bwd time ratio), and microseconds of per-micro-batch bookkeeping (metric window + progress bar)."""
+def component_costs(session: Any, iterations: int = 40) -> Tuple[float, float]:
+    """What the runner adds, measured directly (A/B per iteration): (our loss / the model's own loss, fwd+bwd time
+    ratio), and microseconds of per-micro-batch bookkeeping (metric window + progress bar)."""
     import torch
 
-    from dsrecipes.data.strategies import build_train_loader
     from dsrecipes.metrics import Window
-    from dsrecipes.model import build_model, load_tokenizer, micro_batch_loss
+    from dsrecipes.model import micro_batch_loss
 
-    tokenizer = load_tokenizer(cfg)
-    model = build_model(cfg, tokenizer)
-    loader = build_train_loader(cfg, tokenizer, 0, 1, run_dir)
-    loader.set_epoch(0)
-    batch = next(iter(loader))
+    model = session.engine.module
+    batch = next(iter(session.train_loader))
     spent = {"model": 0.0, "ours": 0.0}
     for i in range(iterations):
         for which in ("model", "ours") if i % 2 else ("ours", "model"):
@@ -120,52 +136,71 @@ def component_costs(cfg, run_dir: Path, iterations: int = 40) -> Tuple[float, fl
     return spent["ours"] / spent["model"], 1e6 * (time.perf_counter() - start) / n
 
 
+def run_pairs(args: argparse.Namespace, session: Any) -> Tuple[List[float], List[float], int]:
+    replay(session, args.block)
+    runner_block(session, args.block)  # untimed: first steps allocate, and the bare loop gets its warm-up below
+    bare_block(session, args.block)
+    bare_s, runner_s, tokens = [], [], 0
+    for i in range(args.pairs):
+        for which in ("runner", "bare") if i % 2 == 0 else ("bare", "runner"):  # alternate: no order bias
+            if which == "bare":
+                seconds, tokens = bare_block(session, args.block)
+                bare_s.append(seconds)
+            else:
+                runner_s.append(runner_block(session, args.block))
+        print(f"pair {i + 1}: bare {bare_s[-1]:.3f} s, runner {runner_s[-1]:.3f} s "
+              f"({100 * (runner_s[-1] / bare_s[-1] - 1):+.1f}%)", flush=True)
+    return bare_s, runner_s, tokens
+
+
+def report(args: argparse.Namespace, bare_s: List[float], runner_s: List[float], tokens: int,
+           components: Optional[Tuple[float, float]]) -> None:
+    ratios = sorted(r / b for r, b in zip(runner_s, bare_s))
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    bare, runner = statistics.median(bare_s), statistics.median(runner_s)
+    unit = "CPU" if args.clock == "cpu" else "wall"
+    print(f"bare DeepSpeed loop: {1000 * bare / args.block:.2f} {unit} ms/step, {tokens / bare:,.0f} tokens per {unit} s")
+    print(f"dsrecipes runner:    {1000 * runner / args.block:.2f} {unit} ms/step, {tokens / runner:,.0f} tokens per "
+          f"{unit} s")
+    print(f"runner overhead per step: {100 * (statistics.median(ratios) - 1):+.1f}% (median of {len(ratios)} pairs; "
+          f"interquartile {100 * (q1 - 1):+.1f}% .. {100 * (q3 - 1):+.1f}%, extremes {100 * (ratios[0] - 1):+.1f}% .. "
+          f"{100 * (ratios[-1] - 1):+.1f}%; {unit} time of {args.block}-step blocks on one engine)")
+    if components is None:
+        return
+    loss_ratio, bookkeeping_us = components
+    print(f"components: runner loss / model loss fwd+bwd time x{loss_ratio:.3f}; bookkeeping {bookkeeping_us:.1f} us "
+          f"per micro-batch ({100 * bookkeeping_us / (1e6 * runner / args.block):.3f}% of a step); plus one metrics "
+          "line (all_reduce, JSON, TensorBoard) per log window")
+
+
 def main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=110)
-    parser.add_argument("--warmup", type=int, default=10, help="untimed first steps (must divide --steps)")
-    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--block", type=int, default=20, help="optimizer steps per timed block")
+    parser.add_argument("--pairs", type=int, default=20, help="runner/bare block pairs (order alternates)")
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (cpu clock: keep 1)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. zero=stage2 precision=bf16")
     args = parser.parse_args(argv)
-    if args.steps % args.warmup:
-        parser.error("--warmup must divide --steps (the runner logs every --warmup steps)")
     import os
 
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch: the runner keeps the thread count it finds
     import torch
 
-    from dsrecipes.distributed import init_distributed
+    from dsrecipes import train
 
     torch.set_num_threads(args.threads)
-    init_distributed()
     if args.clock == "cpu":
-        time.perf_counter = time.process_time  # both loops and the runner's metrics read this clock
-    bare_s, runner_s = [], []
+        time.perf_counter = time.process_time  # both loops and the runner's clock read this
+    train.save_checkpoint = lambda *a, **k: None  # each runner block ends in a save: I/O, not loop overhead
     with tempfile.TemporaryDirectory(prefix="bench_runner_") as tmp:
-        root = Path(tmp)
-        for i in range(args.repeats):
-            for which in ("bare", "runner") if i % 2 == 0 else ("runner", "bare"):  # alternate: no order bias
-                cfg, run_dir = make_run_dir(root, f"{which}{i}", args.overrides, args.steps, args.warmup)
-                if which == "bare":
-                    seconds, tokens = bare_loop(cfg, run_dir, args.steps, args.warmup)
-                    bare_s.append(seconds)
-                else:
-                    runner_s.append(runner_loop(cfg, run_dir, args.warmup))
-            print(f"repeat {i + 1}: bare {bare_s[-1]:.2f} s, runner {runner_s[-1]:.2f} s "
-                  f"({100 * (runner_s[-1] / bare_s[-1] - 1):+.1f}%) for {args.steps - args.warmup} steps "
-                  f"({tokens} real tokens)", flush=True)
-        loss_ratio, bookkeeping_us = component_costs(cfg, run_dir)
-    timed = args.steps - args.warmup
-    bare, runner = statistics.median(bare_s), statistics.median(runner_s)
-    unit = "CPU" if args.clock == "cpu" else "wall"
-    print(f"bare DeepSpeed loop: {1000 * bare / timed:.1f} {unit} ms/step, {tokens / bare:,.0f} tokens per {unit} s")
-    print(f"dsrecipes runner:    {1000 * runner / timed:.1f} {unit} ms/step, {tokens / runner:,.0f} tokens per {unit} s")
-    print(f"runner overhead per step: {100 * (runner / bare - 1):+.1f}% (median of {args.repeats})")
-    print(f"components: runner loss / model loss fwd+bwd time x{loss_ratio:.3f}; "
-          f"bookkeeping {bookkeeping_us:.1f} us per micro-batch ({100 * bookkeeping_us / (1e6 * runner / timed):.3f}% "
-          "of a step); plus one metrics line (all_reduce, JSON, TensorBoard) per log window")
+        total = 2 * (args.pairs + 1) * args.block
+        cfg, run_dir = make_run_dir(Path(tmp), args.overrides, total)
+        session = train.start(cfg, run_dir)
+        bare_s, runner_s, tokens = run_pairs(args, session)
+        # (the module alone, outside the engine: only where ZeRO puts no hooks on its parameters)
+        components = component_costs(session) if cfg.zero.stage == 0 else None
+        session.metrics.close()
+    report(args, bare_s, runner_s, tokens, components)
     return 0
 
 

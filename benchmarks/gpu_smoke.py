@@ -100,8 +100,10 @@ def _direct_engine(args: argparse.Namespace) -> Tuple[Any, int, int]:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from dsrecipes.config.defaults import learning_rate
     from dsrecipes.config.load import compose_and_load
     from dsrecipes.ds_config import build_ds_config
+    from dsrecipes.schedule import StepScheduler
 
     overrides = [
         f"zero=stage{args.stage}", f"precision={args.precision}", f"trainer.micro_batch_size={args.micro_batch}",
@@ -109,7 +111,7 @@ def _direct_engine(args: argparse.Namespace) -> Tuple[Any, int, int]:
         "optimizer.lr=3e-4", f"data.cutoff_len={args.seq}", f"trainer.device={args.device}",
     ]  # fmt: skip
     cfg = compose_and_load(overrides, check_files=False)
-    ds_config = build_ds_config(cfg, world_size=1, total_steps=args.steps)
+    ds_config = build_ds_config(cfg, world_size=1)
     shape = TINY if args.tiny else QWEN2_0_5B
     config = Qwen2Config(
         **shape, max_position_embeddings=max(args.seq, 2048), attn_implementation="sdpa", use_cache=False
@@ -120,7 +122,9 @@ def _direct_engine(args: argparse.Namespace) -> Tuple[Any, int, int]:
         model = Qwen2ForCausalLM(config).to(dtype)
     n_params = sum(p.numel() for p in model.parameters())
     deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    schedule = lambda opt: StepScheduler(opt, cfg.scheduler, learning_rate(cfg), args.steps)  # noqa: E731 (as train.py)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
+                                           lr_scheduler=schedule)
     return engine, n_params, config.vocab_size
 
 

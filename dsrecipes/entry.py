@@ -51,7 +51,7 @@ def write_run_dir(cfg: TrainConfig, topology: Topology) -> RunPlan:
     plan = plan_run(cfg, run_dir, topology)
     write_config(run_dir, config_to_dict(cfg))
     write_plan(run_dir, plan)
-    write_ds_config(run_dir, build_ds_config(cfg, plan.world_size, plan.total_steps, load_universal=plan.elastic))
+    write_ds_config(run_dir, build_ds_config(cfg, plan.world_size, load_universal=plan.elastic))
     return plan
 
 

@@ -9,6 +9,7 @@ the step's global token count before the first backward.) Logged `loss` is that 
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import time
@@ -21,6 +22,7 @@ import torch
 
 import dsrecipes.heartbeat as heartbeat
 from dsrecipes.checkpoint import ResumePoint, TrainState, load_checkpoint, open_resume, save_checkpoint
+from dsrecipes.config.defaults import learning_rate
 from dsrecipes.config.schema import TrainConfig
 from dsrecipes.distributed import all_ranks, finish_distributed, init_distributed
 from dsrecipes.errors import DataError
@@ -29,6 +31,7 @@ from dsrecipes.metrics import MetricsLogger, Window
 from dsrecipes.model import build_model, count_parameters, load_tokenizer, micro_batch_loss, trainable_parameters
 from dsrecipes.rundir import read_ds_config
 from dsrecipes.runplan import RunPlan, read_plan
+from dsrecipes.schedule import StepScheduler, warmup_steps
 
 
 @dataclass
@@ -83,8 +86,12 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
     eval_loader = build_eval_loader(cfg, tokenizer, rank, world_size, run_dir)
     check_loader(train_loader, plan)
     resume = open_resume(plan.resume)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable_parameters(model), config=ds_config)
+    schedule = functools.partial(StepScheduler, cfg=cfg.scheduler, peak_lr=learning_rate(cfg),
+                                 total_steps=plan.total_steps)  # DeepSpeed calls it with the optimizer it built
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable_parameters(model), config=ds_config,
+                                           lr_scheduler=schedule)
     state = TrainState() if resume is None else load_checkpoint(engine, train_loader, resume)
+    engine.lr_scheduler.resume_at(state.step)  # this run's schedule (its step budget) from the first resumed step
     metrics = MetricsLogger(run_dir, rank, plan.total_steps, start_step=state.step, cfg=cfg)
     metrics.info(describe_run(cfg, model, plan, resume))
     return Session(cfg, run_dir, plan, rank, engine, train_loader, eval_loader, state, metrics,
@@ -191,6 +198,9 @@ def describe_run(cfg: TrainConfig, model: Any, plan: RunPlan, resume: Optional[R
     if resume is not None:
         how = f", written by {resume.saved_world_size} ranks" if resume.saved_world_size != world else ""
         lines.append(f"resumed from {resume.tag_dir}{how}" + (" (universal checkpoint)" if resume.universal else ""))
+    _, note = warmup_steps(cfg.scheduler, plan.total_steps)
+    if note is not None:
+        lines.append(note)
     return "\n".join(lines)
 
 

@@ -176,3 +176,59 @@ def test_launcher_rules():
     assert msg == "launcher.peer_timeout_s: 0 (off) or >= 5 seconds, got 2"
     (msg,) = _problems("launcher=slurm", "launcher.num_gpus=null")
     assert msg.startswith("launcher.num_gpus: launcher=slurm starts ranks on other machines")
+
+
+def test_validate_all_layering_equals_real_composes():
+    """`validate --all` layers recipe x option products from real composes (config/matrix.py); for the recipe that
+    overrides the most groups, one other option of every group (and the global debug option) layered must equal
+    Hydra's own composition. (All 270 layered products were compared once: identical.)"""
+    from omegaconf import OmegaConf
+
+    from dsrecipes.config.matrix import layer, recipe_body
+
+    def container(overrides):
+        data = OmegaConf.to_container(compose(overrides), resolve=True, enum_to_str=True)
+        data.pop("hydra", None)
+        return data
+
+    import re
+
+    recipe = "sharegpt_lora_llama3_8b_zero3"
+    text = (REPO / "recipes" / f"{recipe}.yaml").read_text(encoding="utf-8")
+    chosen = dict(re.findall(r"override /(\w+): (\w+)", text))
+    assert len(chosen) >= 5
+    with hydra_context():
+        base = container([f"{RECIPE_GROUP}={recipe}"])
+        for group, opts in group_options().items():
+            if group == RECIPE_GROUP:
+                continue
+            option = [o for o in opts if o != chosen.get(group)][-1]
+            layered = layer(base, group, option, container([f"{group}={option}"]), recipe_body(recipe))
+            assert layered == container([f"{RECIPE_GROUP}={recipe}", f"{group}={option}"]), (group, option)
+
+
+@pytest.mark.parametrize("broken", ["optimizer/lion", pytest.param("zero/stage2", marks=pytest.mark.slow)])
+def test_validate_all_names_the_broken_option_file(tmp_path, broken):
+    """A typo in one option file fails its row compose; validate --all then composes that row's options one by one,
+    so the failure names the file and the key (and every other option still passes). zero/stage2 is also used by
+    recipes: those fail alone, yet compose with another zero option (stage2.yaml is then never loaded)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import subprocess_env
+
+    shutil.copytree(REPO / "conf", tmp_path / "conf", symlinks=True)
+    shutil.copytree(REPO / "recipes", tmp_path / "recipes")
+    group, option = broken.split("/")
+    path = tmp_path / "conf" / group / f"{option}.yaml"
+    path.write_text(path.read_text(encoding="utf-8") + "typo_key: true\n", encoding="utf-8")
+    out = subprocess.run([sys.executable, "-m", "dsrecipes", "validate", "--all"], capture_output=True, text=True,
+                         env=subprocess_env({"DSRECIPES_HOME": str(tmp_path)}), timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    failures = [line for line in out.stderr.splitlines() if line.lstrip().startswith("- ")]
+    assert failures and all(f"{group}.typo_key" in line for line in failures) and "Traceback" not in out.stderr
+    assert any(line.lstrip().startswith(f"- {group}={option}:") for line in failures)  # the option itself, by name
+    if group == "optimizer":
+        assert len(failures) == 6  # lion on the defaults and on each of the 5 recipes
+    else:
+        assert not any("recipe=cpu_zero2_two_ranks zero=stage1" in line for line in failures)

@@ -149,26 +149,41 @@ def test_cache_key_sees_a_same_size_edit_with_the_mtime_set_back(make_cfg, tok, 
     assert cache.file_hash(str(path), memo) != before
 
 
-def test_a_text_the_tokenizer_refuses_is_one_bad_row(tok):
+@pytest.mark.parametrize("full_text", [True, False])
+def test_a_text_the_tokenizer_refuses_is_one_bad_row(tok, full_text):
+    """Both tokenization paths: a refused one-text batch is retried conversation by conversation, the refused
+    conversation goes per segment, where the refused text is found; the rest of the batch is encoded."""
     from dsrecipes.config.schema import TrainConfig
     from dsrecipes.data.sharegpt import Conversation, Role, Turn
     from dsrecipes.data.tokenize import Encoder
 
-    enc = Encoder(tok, TrainConfig())
-    real = enc._encode_fast
+    def poison(real):
+        def encode(texts, **kw):
+            if any("POISON" in t for t in texts):
+                raise TypeError("TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]")
+            return real(texts, **kw)
+        return encode
 
-    def poisoned(texts, **kw):
-        if any("POISON" in t for t in texts):
-            raise TypeError("TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]")
-        return real(texts, **kw)
+    class PoisonedTokenizer:
+        def __init__(self, real):
+            self.real = real
 
-    enc._encode_fast = poisoned
+        def __getattr__(self, name):
+            attr = getattr(self.real, name)
+            return poison(attr) if name.startswith("encode_batch") else attr
+
+    enc = Encoder(tok, TrainConfig(), full_text=full_text)
+    enc._encode_fast = poison(enc._encode_fast)
+    if full_text:
+        enc._full._tok = PoisonedTokenizer(enc._full._tok)
     convs = [Conversation(str(i), [Turn(Role.user, q), Turn(Role.assistant, "a")]) for i, q in
              enumerate(["fine", "POISON", "also fine"])]
     errors: list = []
     out = enc.encode_batch(convs, errors)
     assert [e is not None for e in out] == [True, False, True]
     assert [(c.id, b.reason) for c, b in errors] == [("1", BadReason.tokenizer_error)]
+    batch = enc.encode_arrays(convs)
+    assert [i for i, _ in batch.bad] == [1] and batch.per_segment == (1 if full_text else 0)
 
 
 @pytest.mark.parametrize("cutoff", [16, 200])

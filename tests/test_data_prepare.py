@@ -157,6 +157,26 @@ def test_packing_rows_and_efficiency(cfg_for, tok, tmp_path):
         load_prepared(cfg_for(**{"data.cutoff_len": 256}), tmp_path / "b")
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_every_row_holds_its_samples_tokens(cfg_for, tok, tmp_path, packing):
+    """Rows (train and validation, packed or not) are exactly the Encoder's samples, by id, in row order."""
+    from dsrecipes.data.badrows import BadRowReport
+    from dsrecipes.data.sharegpt import iter_conversations
+    from dsrecipes.data.tokenize import Encoder
+
+    cfg = cfg_for(**{"data.packing": packing, "data.cutoff_len": 256})
+    prep = prepare(cfg, tok, tmp_path / "run")
+    convs = iter_conversations(cfg.dataset, report=BadRowReport(cfg.dataset.bad_rows, 1.0))
+    by_id = {e.id: e for e in Encoder(tok, cfg).encode_batch(list(convs)) if e is not None}
+    for split in (prep.train, prep.val):
+        for row in split:
+            samples = [by_id[i] for i in row["ids"]]
+            assert row["input_ids"] == [t for e in samples for t in e.input_ids]
+            want = [lab for e in samples for lab in ([-100] + e.labels[1:] if packing else e.labels)]
+            assert row["labels"] == want
+            assert row["position_ids"] == [p for e in samples for p in range(len(e.input_ids))]
+
+
 def test_parallel_workers_give_identical_output(cfg_for, tok, tmp_path):
     base = {"dataset.max_samples": 1200, "dataset.val_size": 0.0}
     one = prepare(cfg_for(**base, **{"data.cache_dir": str(tmp_path / "c1")}), tok, tmp_path / "r1")

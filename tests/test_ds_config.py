@@ -36,10 +36,7 @@ def test_golden_zero3_cpu_offload_bf16(make_cfg):
         "wall_clock_breakdown": False,
         "seed": 42,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-08,
-                                                  "weight_decay": 0.01, "torch_adam": True}},
-        "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 100, "warmup_min_lr": 0.0,
-                                                          "warmup_max_lr": 0.001, "warmup_num_steps": 10,
-                                                          "warmup_type": "linear"}},
+                                                  "weight_decay": 0.01, "torch_adam": False}},
         "zero_optimization": {
             "stage": 3, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 50000000,
             "stage3_prefetch_bucket_size": 50000000, "stage3_param_persistence_threshold": 100000,
@@ -64,8 +61,7 @@ def test_golden_default_and_fp16(make_cfg):
     assert ds["fp16"] == {"enabled": True, "loss_scale": 0.0, "initial_scale_power": 16, "loss_scale_window": 1000,
                           "hysteresis": 2, "min_loss_scale": 1}
     assert "bf16" not in ds
-    assert ds["scheduler"] == {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001,
-                                                             "warmup_num_steps": 10, "warmup_type": "linear"}}
+    assert "scheduler" not in ds  # the LR schedule is ours (dsrecipes.schedule), not DeepSpeed's
     assert ds["zero_optimization"] == {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
                                        "reduce_bucket_size": 50000000, "allgather_bucket_size": 50000000}
 
@@ -80,11 +76,13 @@ def test_optimizers(make_cfg):
     assert adam["optimizer"]["params"]["adam_w_mode"] is False
 
 
-def test_decaying_scheduler_needs_a_step_count(make_cfg):
-    cfg = make_cfg("trainer.max_steps=null", check_files=False)
-    with pytest.raises(ValueError, match="needs the total number of optimizer steps"):
-        build_ds_config(cfg, 1)
-    assert build_ds_config(cfg, 1, total_steps=500)["scheduler"]["params"]["total_num_steps"] == 500
+def test_offloaded_adam_is_deepspeeds_cpu_adam(make_cfg):
+    """With "torch_adam": true DeepSpeed builds torch's AdamW even for an offloaded optimizer."""
+    for offload, zero in (("cpu_optimizer", "stage1"), ("cpu_optimizer_params", "stage3"), ("nvme", "stage3")):
+        for opt in ("adamw", "adam"):
+            ds = build_ds_config(make_cfg(f"optimizer={opt}", f"offload={offload}", f"zero={zero}", check_files=False), 1)
+            assert ds["optimizer"]["params"]["torch_adam"] is False, (opt, offload)
+    assert build_ds_config(make_cfg("optimizer=adamw", check_files=False), 1)["optimizer"]["params"]["torch_adam"]
 
 
 @pytest.mark.slow
@@ -106,15 +104,6 @@ def test_every_combination_parses_in_deepspeed_at_world_1_2_8():
         want_opt = {"none": None, "cpu_optimizer": "cpu", "cpu_optimizer_params": "cpu", "nvme": "nvme"}[ov["offload"]]
         assert r["offload_optimizer"] == want_opt
         assert r["optimizer"] == {"adamw": "adamw", "sgd": "SGD"}[ov["optimizer"]]
-        assert r["scheduler"] == "WarmupCosineLR" and r["clip"] == 1.0
+        assert r["scheduler"] is None and r["clip"] == 1.0  # no JSON scheduler: ours is passed to initialize
     for r in rejected:
         assert any("needs ZeRO" in p for p in r["rejected"])
-
-
-def test_no_warmup_starts_at_the_peak(make_cfg):
-    """DeepSpeed's schedulers reject warmup_num_steps=0; no warmup is one step that starts at the peak lr."""
-    for name, key, start in (("constant", "warmup_min_lr", 0.001), ("linear", "warmup_min_lr", 0.001),
-                             ("cosine", "warmup_min_ratio", 1.0)):
-        cfg = make_cfg(f"scheduler={name}", "scheduler.warmup_steps=0", "optimizer.lr=1e-3", check_files=False)
-        params = build_ds_config(cfg, 1)["scheduler"]["params"]
-        assert params["warmup_num_steps"] == 1 and params[key] == start

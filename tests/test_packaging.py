@@ -55,9 +55,8 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_from_anywhere(tmp_path):
     assert f"({venv}" in version.splitlines()[0], version  # the installed copy, not the checkout
     assert _run([exe, "validate"], cwd=elsewhere, env=env).startswith("OK: data=map")
     assert str(venv) in _run([exe, "ls", "recipe"], cwd=elsewhere, env=env)
-    # scheduler.warmup_steps=2: on this main, 10 warmup steps (the default) > 5 steps is a config error; issue 15's
-    # schedule clamps the warmup to the run instead, and then `trainer.max_steps=5` alone is the command.
-    done = subprocess.run([py, "-m", "dsrecipes", "trainer.max_steps=5", "scheduler.warmup_steps=2"], cwd=elsewhere,
+    # (the default 10 warmup steps are clamped to the 5-step run with a note: `trainer.max_steps=5` alone is the command)
+    done = subprocess.run([py, "-m", "dsrecipes", "trainer.max_steps=5"], cwd=elsewhere,
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     (run_dir,) = [p for p in (elsewhere / "outputs").glob("*/*") if p.is_dir()]
@@ -76,5 +75,5 @@ def _check_console(out: str, err: str, run: Path) -> None:
     assert f"-> {result['final_eval_loss']:.4f}" in summary.splitlines()[2]
     assert f"  run dir      {run}\n" in summary and f"  model        {run / 'export'}" in summary
     assert f"dsrecipes prompt-eval --baseline {run} --finetuned {run}" in summary
-    assert f"train further: dsrecipes scheduler.warmup_steps=2 trainer.output_dir={run} trainer.max_steps=10" in summary
+    assert f"train further: dsrecipes trainer.output_dir={run} trainer.max_steps=10" in summary
     assert "Setting accelerator to CPU" in (run / "logs" / "main.log").read_text()

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from dsrecipes.commands.args import override_parser, parse
 from dsrecipes.config.defaults import config_warnings, model_name
-from dsrecipes.config.groups import RECIPE_GROUP, group_options, recipes
+from dsrecipes.config.groups import RECIPE_GROUP, group_options
 from dsrecipes.config.load import check_composition, compose, compose_and_load, hydra_context
 from dsrecipes.errors import ConfigError
 
@@ -36,32 +36,38 @@ def validate_all(extra: List[str], *, verbose: bool = False) -> int:
 
     Combinations that the cross-field rules reject (e.g. offload=cpu_optimizer_params onto a ZeRO-2 recipe) are
     expected and counted, not failures. User files are not checked here: recipes point at data and model
-    directories that exist on the training cluster, not on CI. Compositions are spread over the CPU cores.
+    directories that exist on the training cluster, not on CI. Hydra composes the defaults, each recipe and every
+    option (in rows, in parallel over the CPU cores); the products are layered from those (config/matrix.py).
     """
+    from dsrecipes.config.load import register_schemas
+    from dsrecipes.config.matrix import plan_all
+
     start = time.perf_counter()
-    options = group_options()
-    bases: List[List[str]] = [[]] + [[f"{RECIPE_GROUP}={r}"] for r in recipes()]
-    jobs: List[Tuple[List[str], bool]] = []
-    for base in bases:
-        jobs.append((base + extra, True))
-        for group, opts in options.items():
-            if group != RECIPE_GROUP:
-                jobs += [(base + extra + [f"{group}={opt}"], False) for opt in opts]
-    results = _run_parallel(jobs)
+    register_schemas()  # the resolvers the option and recipe files may use
+    plan = plan_all(extra)
+    progress = Progress(len(plan.composes) + len(plan.checks))
+    composed = _compose_parallel(plan.composes, progress)
+    _split_failed_rows(plan, composed)
+    _compose_products_of_failed_bases(plan, composed, progress)
     failures: List[str] = []
     rejected: List[Tuple[str, str]] = []
-    for (overrides, _), problems in zip(jobs, results):
-        label = " ".join(overrides) or "defaults"
-        if problems and problems[0].startswith("RULE "):
-            rejected.append((label, problems[0][5:]))
-        else:
-            failures += [f"{label}: {p}" for p in problems]
+    for check in plan.checks:
+        schema_errors, rule_errors = composed[tuple(check.overrides)][1:] if check.real else _layered(check, plan, composed)
+        progress.advance(1)
+        label = " ".join(check.overrides) or "defaults"
+        if schema_errors or (rule_errors and check.rules_fatal):
+            failures += [f"{label}: {p}" for p in schema_errors + rule_errors]
+        elif rule_errors:
+            rejected.append((label, "; ".join(rule_errors)))
+    progress.done()
     elapsed = time.perf_counter() - start
+    options = group_options()
     n_options = sum(len(v) for k, v in options.items() if k != RECIPE_GROUP)
+    n_recipes = len(options.get(RECIPE_GROUP, []))
     print(
-        f"validated {len(jobs)} compositions ({len(bases) - 1} recipes and the defaults, each alone and with each of "
-        f"{n_options} group options) in {elapsed:.1f}s: {len(failures)} failures, "
-        f"{len(rejected)} combinations rejected by cross-field rules (expected)"
+        f"validated {len(plan.checks)} compositions ({n_recipes} recipes and the defaults, each alone and with each "
+        f"of {n_options} group options; {len(composed)} Hydra composes, the rest layered) in {elapsed:.1f}s: "
+        f"{len(failures)} failures, {len(rejected)} combinations rejected by cross-field rules (expected)"
     )
     for combo, why in rejected if verbose else rejected[:3]:
         print(f"  rejected: {combo}: {why}")
@@ -72,35 +78,95 @@ def validate_all(extra: List[str], *, verbose: bool = False) -> int:
     return 0
 
 
-def _run_parallel(jobs: List[Tuple[List[str], bool]]) -> List[List[str]]:
+Composed = Tuple[Optional[Dict[str, Any]], List[str], List[str]]  # (container, schema problems, rule problems)
+
+
+class Progress:
+    """One line on a terminal's stderr, rewritten in place ("validate --all: 120/327 steps"); silent when piped."""
+
+    def __init__(self, total: int):
+        self.total, self.count = total, 0
+        self.live = sys.stderr.isatty()
+
+    def advance(self, n: int) -> None:
+        self.count += n
+        if self.live and (self.count == self.total or self.count % 8 == 0):
+            print(f"\rvalidate --all: {self.count}/{self.total}", end="", file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if self.live:
+            print("\r" + " " * 40 + "\r", end="", file=sys.stderr, flush=True)
+
+
+def _layered(check: Any, plan: Any, composed: Dict[Tuple[str, ...], Composed]) -> Tuple[List[str], List[str]]:
+    from dsrecipes.config.matrix import layer, recipe_body
+
+    group, option = check.option
+    base = composed[tuple([f"{RECIPE_GROUP}={check.base}"] if check.base else [])]
+    opt = composed[tuple(plan.sources[check.option])]
+    if base[0] is None or opt[0] is None:  # the recipe or the option failed on its own: reported there
+        return (base[1] or opt[1])[:1], []
+    data = layer(base[0], group, option, opt[0], recipe_body(check.base))
+    _, schema_errors, rule_errors = check_composition(data, check_files=False, overrides=check.overrides)
+    return schema_errors, rule_errors
+
+
+def _split_failed_rows(plan: Any, composed: Dict[Tuple[str, ...], Composed]) -> None:
+    """A row of options that fails is composed option by option, so each problem names its file."""
+    for opt, source in list(plan.sources.items()):
+        if len(source) > 1 and composed[tuple(source)][0] is None:
+            single = [f"{opt[0]}={opt[1]}"]
+            if tuple(single) not in composed:
+                composed.update(zip([tuple(single)], _compose_chunk([single])))
+            plan.sources[opt] = single
+
+
+def _compose_products_of_failed_bases(plan: Any, composed: Dict[Tuple[str, ...], Composed],
+                                      progress: Progress) -> None:
+    """A base that fails alone may still compose with another option (`recipe=R zero=stage1` never loads R's broken
+    zero file): its products are composed for real, as the user would."""
+    todo = [c for c in plan.checks if not c.real and composed[tuple(c.overrides[:1] if c.base else [])][0] is None]
+    for check in todo:
+        check.real = True
+    progress.total += len(todo)
+    composed.update(_compose_parallel([c.overrides for c in todo], progress))
+
+
+def _compose_parallel(jobs: List[List[str]], progress: Progress) -> Dict[Tuple[str, ...], Composed]:
     import multiprocessing as mp
     import os
 
-    workers = min(len(jobs), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    if workers <= 1:
-        return _check_chunk(jobs)
-    chunks = [jobs[i::workers] for i in range(workers)]
-    with mp.get_context("fork").Pool(workers) as pool:
-        parts = pool.map(_check_chunk, chunks)
-    out: List[List[str]] = [[] for _ in jobs]
-    for i, part in enumerate(parts):
-        out[i::workers] = part
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    size = max(1, min(4, len(jobs) // (2 * cores)))
+    chunks = [jobs[i: i + size] for i in range(0, len(jobs), size)]
+    out: Dict[Tuple[str, ...], Composed] = {}
+    if cores <= 1 or len(chunks) <= 1:
+        for chunk in chunks:
+            out.update(zip(map(tuple, chunk), _compose_chunk(chunk)))
+            progress.advance(len(chunk))
+        return out
+    with mp.get_context("fork").Pool(min(cores, len(chunks))) as pool:
+        for chunk, part in zip(chunks, pool.imap(_compose_chunk, chunks)):
+            out.update(zip(map(tuple, chunk), part))
+            progress.advance(len(chunk))
     return out
 
 
-def _check_chunk(jobs: List[Tuple[List[str], bool]]) -> List[List[str]]:
+def _compose_chunk(chunk: List[List[str]]) -> List[Composed]:
+    from omegaconf import OmegaConf
+
+    out: List[Composed] = []
     with hydra_context():
-        return [_check(overrides, rules_fatal=fatal) for overrides, fatal in jobs]
-
-
-def _check(overrides: List[str], *, rules_fatal: bool) -> List[str]:
-    try:
-        composed = compose(overrides)
-    except ConfigError as exc:
-        return exc.problems
-    _, schema_errors, rule_errors = check_composition(composed, check_files=False, overrides=overrides)
-    if schema_errors:
-        return schema_errors
-    if rule_errors:
-        return rule_errors if rules_fatal else ["RULE " + "; ".join(rule_errors)]
-    return []
+        for overrides in chunk:
+            try:
+                composed = compose(overrides)
+            except ConfigError as exc:
+                out.append((None, exc.problems, []))
+                continue
+            cfg, schema_errors, rule_errors = check_composition(composed, check_files=False, overrides=overrides)
+            data = None
+            if cfg is not None:
+                data = OmegaConf.to_container(composed, resolve=True, enum_to_str=True)
+                data.pop("hydra", None)
+            out.append((data, schema_errors, rule_errors))
+    return out

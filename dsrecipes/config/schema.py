@@ -277,14 +277,16 @@ class OptimizerConfig:
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     momentum: float = 0.0  # sgd only
-    torch_adam: bool = True  # adam/adamw: torch's implementation (no JIT build)
+    torch_adam: bool = True  # adam/adamw: torch's implementation (no JIT build); offloaded: DeepSpeedCPUAdam always
 
 
 @dataclass
 class SchedulerConfig:
+    """The LR schedule (closed form in dsrecipes/schedule.py): linear warmup from lr / warmup_steps, then the decay."""
+
     name: SchedulerKind = SchedulerKind.cosine
-    warmup_steps: int = 10
-    min_lr_ratio: float = 0.0  # cosine: final lr = lr * min_lr_ratio
+    warmup_steps: int = 10  # 0: the first step at the peak; longer than the run: clamped to it (with a note)
+    min_lr_ratio: float = 0.0  # linear/cosine: the floor the decay approaches, as a fraction of optimizer.lr
 
 
 @dataclass

@@ -13,6 +13,7 @@ from dsrecipes.config.schema import (
     Device,
     LauncherKind,
     OffloadDevice,
+    OptimizerKind,
     Precision,
     ResumeMode,
     TrainConfig,
@@ -92,10 +93,6 @@ def _batch(cfg: TrainConfig) -> List[str]:
         errors.append(f"optimizer.betas: needs two values, got {cfg.optimizer.betas}")
     if cfg.scheduler.warmup_steps < 0:
         errors.append(f"scheduler.warmup_steps: must be >= 0, got {cfg.scheduler.warmup_steps}")
-    if t.max_steps is not None and cfg.scheduler.warmup_steps > t.max_steps:
-        errors.append(
-            f"scheduler.warmup_steps: {cfg.scheduler.warmup_steps} warmup steps exceed trainer.max_steps={t.max_steps}"
-        )
     if not 0.0 <= cfg.scheduler.min_lr_ratio <= 1.0:
         errors.append(f"scheduler.min_lr_ratio: must be in [0, 1], got {cfg.scheduler.min_lr_ratio}")
     return errors
@@ -248,4 +245,8 @@ def check_runtime(cfg: TrainConfig, *, cuda_available: bool) -> List[str]:
         errors.append("trainer.device: cuda requested but no CUDA GPU is available")
     if cfg.model.attn_implementation is AttnImpl.flash_attention_2 and not cuda_available:
         errors.append("model.attn_implementation: flash_attention_2 needs a CUDA GPU; use sdpa")
+    if cfg.optimizer.name is OptimizerKind.lion and cfg.offload.optimizer is OffloadDevice.none and not cuda_available:
+        errors.append("optimizer.name: lion without optimizer offload is DeepSpeed's FusedLion, a CUDA kernel "
+                      "('This op had not been implemented on CPU backend'); on CPU use offload=cpu_optimizer "
+                      "(DeepSpeedCPULion, needs zero=stage1 or higher) or another optimizer")
     return errors

@@ -51,6 +51,9 @@ class BadRow(Exception):
         self.detail = detail
         super().__init__(f"{reason.value}: {detail}" if detail else reason.value)
 
+    def __reduce__(self):  # to and from worker processes (the default would call BadRow(message))
+        return BadRow, (self.reason, self.detail)
+
 
 class BadRowReport:
     """Counts bad rows by reason; `error` policy raises at the first one, `skip` quarantines and goes on."""

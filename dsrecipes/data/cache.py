@@ -21,7 +21,7 @@ from dsrecipes.config.schema import SourceConfig, TrainConfig
 from dsrecipes.fileio import atomic_write_json
 
 RACY_SECONDS = 2.0  # a file changed this recently is hashed, not memoised
-PREP_VERSION = 1  # bump when the output of preparation changes for the same inputs
+PREP_VERSION = 2  # bump when the output of preparation changes for the same inputs (2: one-text tokenization)
 MEMO_FILE = "file_hashes.json"
 
 

@@ -21,7 +21,7 @@ import os
 import re
 import zlib
 from dataclasses import dataclass
-from typing import IO, Any, Callable, Iterator, List, Optional, Tuple
+from typing import IO, Any, Callable, Iterator, List, Optional, Tuple, Union
 
 from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES
 from dsrecipes.data.badrows import BadReason, BadRow, location
@@ -183,20 +183,38 @@ def _has_lone_surrogate(value: Any) -> bool:
 # Rows of a file
 
 
+# (line where the row starts, its bytes or None: longer than the limit, JSON array element, bracket depth if known)
+RowItem = Tuple[Optional[int], Optional[bytes], Optional[int], Optional[int]]
+
+
 def read_rows(path: str, limit: int = DEFAULT_MAX_ROW_BYTES) -> Iterator[RawRow]:
     """Every row of one file, parsed or with the reason it cannot be used (an empty file yields one bad RawRow).
+    Raises FileUnreadable when the file breaks before its end."""
+    for item in read_row_items(path, limit):
+        yield item if isinstance(item, RawRow) else row_of(path, item, limit)
+
+
+def read_row_items(path: str, limit: int = DEFAULT_MAX_ROW_BYTES) -> Iterator[Union[RowItem, RawRow]]:
+    """`read_rows` with the parsing left to the caller (`row_of`, e.g. in a worker process): the bytes of every row
+    as the bounded readers cut them (a row over `limit` is None, never held whole), a RawRow for an empty file.
     Raises FileUnreadable when the file breaks before its end."""
     any_row = False
     with open_maybe_gzip(path) as fh:
         if _is_json_file(path):
-            rows = _json_rows(path, fh, limit)
+            items: Iterator[RowItem] = _json_items(path, fh, limit)
         else:
-            rows = (parse_row(path, n, data, limit=limit) for n, data in iter_lines(fh, limit, path))
-        for row in rows:
+            items = ((n, data, None, None) for n, data in iter_lines(fh, limit, path))
+        for item in items:
             any_row = True
-            yield row
+            yield item
     if not any_row:
         yield RawRow(path, None, error=BadRow(BadReason.empty_file, "no rows"))
+
+
+def row_of(path: str, item: RowItem, limit: int = DEFAULT_MAX_ROW_BYTES) -> RawRow:
+    """One item of `read_row_items` -> RawRow (`parse_row`: every check of a row)."""
+    line, data, element, depth = item
+    return parse_row(path, line, data, element, limit=limit, depth=depth)
 
 
 def iter_lines(fh: IO[bytes], limit: int, path: str) -> Iterator[Tuple[int, Optional[bytes]]]:
@@ -247,12 +265,12 @@ def lines_in_range(read: Callable[[int, int], bytes], start: int, stop: int, lim
                 line, size, over, nonblank = [], 0, False, False
 
 
-def _json_rows(path: str, fh: IO[bytes], limit: int) -> Iterator[RawRow]:
+def _json_items(path: str, fh: IO[bytes], limit: int) -> Iterator[RowItem]:
     read = 0
     try:
         for v in values(fh, limit):
             read += 1
-            yield parse_row(path, v.line, v.data, v.element, limit=limit, depth=v.depth)
+            yield v.line, v.data, v.element, v.depth
     except JsonStructureError as exc:
         raise FileUnreadable(path, f"at line {exc.line}, after {exc.values_read} rows",
                              f"broken JSON: {exc.message}") from None

@@ -4,11 +4,11 @@ Runs once, in the launching process, before any process group. Ranks call `load_
 re-opens the cache named in `<run>/prepare_stats.json` (memory-mapped Arrow) without reading sources.
 
 Order of operations (all deterministic for a config, data and `trainer.seed`):
-1. read every source (`dataset.paths`, `sources`, registry `use`) in order; caps: `sources[i].max_samples` /
-   registry `num_samples` (first N good rows of that source), `dataset.max_samples` (first N over all sources);
-   bad rows per `dataset.bad_rows` (quarantine in `<run>/quarantine.jsonl`).
-2. tokenize everything (batched, `data.preprocess_workers` processes); samples whose trained tokens are all cut
-   by `data.cutoff_len` are dropped and counted.
+1.+2. read every source (`dataset.paths`, `sources`, registry `use`) in order and tokenize it, in
+   `data.preprocess_workers` processes (batch_encode.py); caps: `sources[i].max_samples` / registry `num_samples`
+   (first N good rows of that source), `dataset.max_samples` (first N over all sources); bad rows per
+   `dataset.bad_rows` (quarantine in `<run>/quarantine.jsonl`); samples whose trained tokens are all cut by
+   `data.cutoff_len` are dropped and counted.
 3. validation split over the kept samples: `dataset.val_size` < 1 is a fraction (rounded, at least 1), >= 1 a count;
    a seeded random choice (`trainer.seed`) kept in data order. Validation samples are never weighted or copied.
 4. mixing weights on the training part, per source: `weight` w turns n samples into round(w * n): floor copies of
@@ -35,12 +35,11 @@ from typing import Any, Dict, List
 
 from dsrecipes.config.schema import SourceConfig, TrainConfig
 from dsrecipes.data.arrow_split import write_split
-from dsrecipes.data.badrows import BadRow, BadRowReport
-from dsrecipes.data.batch_encode import encode_all
+from dsrecipes.data.badrows import BadRowReport
+from dsrecipes.data.batch_encode import read_and_encode
 from dsrecipes.data.cache import cache_key, cache_root
 from dsrecipes.data.prepare_stats import build_stats, summary
 from dsrecipes.data.registry import resolve_sources
-from dsrecipes.data.sharegpt import conversation_dict, iter_conversations
 from dsrecipes.data.splits import mix, split_val
 from dsrecipes.errors import DataError
 from dsrecipes.fileio import atomic_write_json
@@ -117,11 +116,7 @@ def _build(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig], key: s
     tmp.mkdir(parents=True)
     report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, quarantine)
     try:
-        convs = list(iter_conversations(cfg.dataset, report=report, sources=sources))
-        encoded = encode_all(convs, tokenizer, cfg)
-        for i, (reason, detail) in encoded.bad:
-            conv = convs[i]
-            report.add(conv.path, conv.loc, BadRow(reason, detail), conversation_dict(conv), conv.element)
+        encoded = read_and_encode(cfg, tokenizer, sources, report)
         report.check()
         if not len(encoded.kept):
             raise DataError(f"dataset {cfg.dataset.name}: no usable samples ({report.summary()})")
@@ -130,11 +125,11 @@ def _build(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig], key: s
         in_val = set(val_pick)
         train_members = [int(encoded.kept[j]) for j in range(len(encoded.kept)) if j not in in_val]
         weights = {src.name: src.weight for src in sources}
-        train_items = mix(train_members, [c.source for c in convs], weights, cfg.trainer.seed)
-        stats = build_stats(cfg, sources, convs, report, encoded, train_items, val_items)
+        train_items = mix(train_members, encoded.sources, weights, cfg.trainer.seed)
+        stats = build_stats(cfg, sources, report, encoded, train_items, val_items)
         for split, items in (("train", train_items), ("val", val_items)):
             if items:
-                rows, eff = write_split(tmp / split, items, convs, encoded, cfg)
+                rows, eff = write_split(tmp / split, items, encoded, cfg, f"{key}-{split}")
                 stats["rows"][split], stats["packing_efficiency"][split] = rows, eff
         stats["seconds"] = round(time.time() - started, 2)
         stats["cache_key"] = key

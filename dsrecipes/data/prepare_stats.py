@@ -11,22 +11,20 @@ from dsrecipes.config.schema import SourceConfig, TrainConfig
 from dsrecipes.data.badrows import BadRowReport, by_file_summary
 from dsrecipes.data.batch_encode import Encoded
 from dsrecipes.data.labels import IGNORE_INDEX
-from dsrecipes.data.sharegpt import Conversation
 
 
-def build_stats(cfg: TrainConfig, sources: Sequence[SourceConfig], convs: Sequence[Conversation],
-                report: BadRowReport, enc: Encoded, train_items: List[Tuple[int, int]], val_items: List[Tuple[int, int]]) -> Dict[str, Any]:
+def build_stats(cfg: TrainConfig, sources: Sequence[SourceConfig], report: BadRowReport, enc: Encoded,
+                train_items: List[Tuple[int, int]], val_items: List[Tuple[int, int]]) -> Dict[str, Any]:
     kept_lengths = enc.lengths[enc.kept]
     trained = int((enc.labels != IGNORE_INDEX).sum())
     tokens = int(enc.lengths.sum())
     per_source: Dict[str, Dict[str, Any]] = {}
     weights = {src.name: src.weight for src in sources}
-    for c in convs:
-        per_source.setdefault(c.source, {"conversations": 0, "weight": weights.get(c.source, 1.0), "train_samples": 0})
-        per_source[c.source]["conversations"] += 1
+    for name, n in Counter(enc.sources).items():  # (in first-seen order)
+        per_source[name] = {"conversations": n, "weight": weights.get(name, 1.0), "train_samples": 0}
     for i, _ in train_items:
-        per_source[convs[i].source]["train_samples"] += 1
-    id_counts = Counter(c.id for c in convs)
+        per_source[enc.sources[i]]["train_samples"] += 1
+    id_counts = Counter(enc.ids)
     return {
         "dataset": cfg.dataset.name,
         "template": cfg.template.name.value,
@@ -42,6 +40,7 @@ def build_stats(cfg: TrainConfig, sources: Sequence[SourceConfig], convs: Sequen
         "truncated": int(enc.truncated.sum()),
         "truncated_share": float(enc.truncated.sum() / max(1, len(enc.kept))),
         "dropped_all_trained_cut": len(enc.dropped),
+        "tokenization": {"one_text": enc.one_text, "per_segment_conversations": enc.per_segment},
         "duplicate_ids": sum(n - 1 for n in id_counts.values() if n > 1),
         "samples": {"train": len(train_items), "val": len(val_items)},
         "rows": {"train": 0, "val": 0},

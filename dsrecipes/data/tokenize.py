@@ -1,26 +1,32 @@
 """Conversations -> token ids + labels (batched), truncation, and packing.
 
-Tokenization is batched: the segments of many conversations go to the fast tokenizer's Rust `encode_batch` in one
-call (identical texts, e.g. role headers, once), with `add_special_tokens=False` because templates spell out their
-own bos/eos text. Each segment is tokenized on its own, so a trained span never shares a token with the prompt;
-segments after the first of a sample are encoded without a SentencePiece start marker (data/spm.py), else a "▁"
-tokenizer (Llama-2 / Mistral-v1 style) would put a spurious space at the start of every reply.
+Tokenization is batched (one Rust `encode_batch` call per chunk of conversations) with `add_special_tokens=False`,
+because templates spell out their own bos/eos text. Two ways, same labels (spans.py says where the tokens can
+differ and why the fast one matches inference):
+- one text per conversation (the fast path): the whole rendered conversation is tokenized once and cut at the
+  segment borders by character offsets. Used when no token straddles a border and every prompt tokenizes as it does
+  alone, which a probe at construction checks for the template, and `FullText.spans` for every conversation;
+- per segment (the fallback, per conversation): every prompt and every reply tokenized on its own (identical texts,
+  e.g. role headers, once), so a trained span never shares a token with the prompt. Segments after the first of a
+  conversation are encoded without a SentencePiece start marker (data/spm.py), else a "▁" tokenizer (Llama-2 /
+  Mistral-v1 style) would put a spurious space at the start of every reply.
 
 Truncation (`data.cutoff_len`) keeps the head and cuts whole turns from the end: a sample keeps the longest run of
 complete assistant/tool-call replies that fits. When not even the first reply fits (or that leaves nothing trained,
 e.g. `train_on=last_assistant`), the sequence is cut at `cutoff_len` tokens, mid-reply. A sample with no trained
 token left is dropped (`encode` returns None) and counted by the caller. Text after the final trained reply (a
-template's trailing newline) is never kept.
+template's trailing newline) is never kept, nor tokenized.
 
 Bad rows: whatever rendering or tokenizing one conversation raises makes that conversation a bad row
 (`template_error`, `too_deep`, `tokenizer_error`), never a crash of the batch it came in: a batch the tokenizer
-refuses is retried text by text to find the culprit.
+refuses is retried conversation by conversation (one-text path) and text by text (per segment) to find the culprit.
 
 Memory: only the first `cutoff_len` tokens of a sample are ever kept, so a text far longer than that (more than
 LONG_TEXT_FACTOR characters per token of `cutoff_len`) is not tokenized whole (the Rust tokenizer needs ~150 bytes
 per character of input): its first `cutoff_len + 1` tokens come from prefixes of it, accepted once two prefixes (one
 twice the other) agree on them with HEAD_MARGIN tokens to spare. `cutoff_len + 1` tokens of a segment make truncation
-decide exactly as the full length would (the segment overflows either way).
+decide exactly as the full length would (the segment overflows either way). A conversation whose text is longer
+than that threshold never takes the one-text path (it would be tokenized whole): it is tokenized per segment.
 
 Packing (`data.packing=true`): best-fit-decreasing over sample lengths (deterministic: ties keep input order) into
 rows of at most `cutoff_len` tokens; `position_ids` restart at 0 for each sample, and the first label of every
@@ -32,18 +38,22 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
 
 from dsrecipes.config.schema import TrainConfig
 from dsrecipes.data.badrows import BadReason, BadRow
 from dsrecipes.data.labels import IGNORE_INDEX
-from dsrecipes.data.sharegpt import Conversation
+from dsrecipes.data.sharegpt import Conversation, Role, Turn
+from dsrecipes.data.spans import FullText, Spans
 from dsrecipes.data.spm import continuation_encoder
 from dsrecipes.data.template import Segment, check_template, render
 from dsrecipes.data.template_choice import choose_template
 from dsrecipes.errors import ConfigError
 
 LONG_TEXT_FACTOR = 8  # characters per token of cutoff_len above which a text is tokenized by its prefixes
+ONE_TEXT_SEGMENTS = 16  # a conversation of at most this many long_text lengths may be tokenized as one text
 HEAD_MARGIN = 64  # tokens a prefix must yield beyond cutoff_len + 1 before its head is trusted
 
 
@@ -63,10 +73,32 @@ class PackedRow:
     position_ids: List[int]
 
 
-class Encoder:
-    """Renders with `cfg.template`, labels per `cfg.data.train_on`, truncates to `cfg.data.cutoff_len`."""
+@dataclass
+class EncodedBatch:
+    """Many conversations encoded into flat arrays: sample i's tokens follow sample i-1's, `lengths[i]` of them."""
 
-    def __init__(self, tokenizer: Any, cfg: TrainConfig):
+    input_ids: np.ndarray  # int32
+    labels: np.ndarray  # int32, IGNORE_INDEX where not trained
+    lengths: np.ndarray  # int64; 0: no example (a bad row, or nothing trained left after truncation)
+    truncated: np.ndarray  # bool
+    bad: List[Tuple[int, BadRow]]  # (position in the batch, why) when the template refused the conversation
+    per_segment: int = 0  # conversations tokenized per segment (the fallback)
+
+
+# A conversation shaped like real data, to find out once whether the one-text path works for a template.
+_PROBE_TURNS = [Turn(Role.user, "What is 2 + 2? 法国的首都"), Turn(Role.assistant, "2 + 2 = 4. 巴黎"),
+                Turn(Role.user, "Thanks!"), Turn(Role.assistant, "You are welcome.")]
+_PROBE = [Conversation("probe", _PROBE_TURNS, system="Be brief."), Conversation("probe", _PROBE_TURNS)]
+
+
+class Encoder:
+    """Renders with `cfg.template`, labels per `cfg.data.train_on`, truncates to `cfg.data.cutoff_len`.
+
+    `full_text`: None probes whether one-text tokenization works for this template and tokenizer; False forces
+    per-segment tokenization (tests and benchmarks compare the two).
+    """
+
+    def __init__(self, tokenizer: Any, cfg: TrainConfig, full_text: Optional[bool] = None):
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise ConfigError("model.tokenizer_path: a fast (Rust `tokenizers`) tokenizer is needed for batched "
@@ -82,6 +114,23 @@ class Encoder:
         self._encode_fast = getattr(backend, "encode_batch_fast", backend.encode_batch)
         self._encode_cont = continuation_encoder(backend)  # None: segments need no different treatment
         self.long_text = LONG_TEXT_FACTOR * (self.cutoff_len + HEAD_MARGIN)
+        self._full = FullText(backend) if full_text is not False else None
+        if self._full is not None and full_text is None and not self._probe():
+            self._full = None  # e.g. "ASSISTANT: " + "word": every reply would straddle; don't try each time
+
+    @property
+    def full_text(self) -> bool:
+        return self._full is not None
+
+    def _probe(self) -> bool:
+        """Whether one-text tokenization works for this template: on a conversation shaped like real data, without
+        its system prompt if the template refuses one (a chat_template may); no when it refuses both."""
+        for conv in _PROBE:
+            try:
+                return all(s is not None for s in self._spans([self.render(conv)]))
+            except BadRow:
+                continue
+        return False
 
     def render(self, conv: Conversation) -> List[Segment]:
         """Segments of one conversation, or BadRow: a template is code working on untrusted rows, so anything it
@@ -102,35 +151,57 @@ class Encoder:
                      errors: Optional[List[Tuple[Conversation, BadRow]]] = None) -> List[Optional[Example]]:
         """One Example per conversation (None: nothing trained left after truncation, or a bad row when `errors`
         collects `(conv, BadRow)` instead of raising)."""
-        rendered: List[Optional[List[Segment]]] = []
-        for conv in convs:
-            try:
-                rendered.append(self.render(conv))
-            except BadRow as bad:
-                if errors is None:
-                    raise
-                errors.append((conv, bad))
-                rendered.append(None)
-        index: Dict[Tuple[bool, str], int] = {}  # (continues the sample, text) -> position, each text encoded once
-        keys = [[(k > 0 and self._encode_cont is not None, s.text) for k, s in enumerate(segments or ())]
-                for segments in rendered]
-        for conv_keys in keys:
-            for key in conv_keys:
-                index.setdefault(key, len(index))
-        encoded, refused = self._encode_segments(list(index))
+        batch = self.encode_arrays(convs)
+        if errors is None and batch.bad:
+            raise batch.bad[0][1]
+        if errors is not None:
+            errors += [(convs[i], bad) for i, bad in batch.bad]
+        ends = np.cumsum(batch.lengths)
         out: List[Optional[Example]] = []
-        for conv, segments, conv_keys in zip(convs, rendered, keys):
-            failed = next((refused[index[k]] for k in conv_keys if index[k] in refused), None)
-            if failed is not None:
-                if errors is None:
-                    raise BadRow(BadReason.tokenizer_error, failed)
-                errors.append((conv, BadRow(BadReason.tokenizer_error, failed)))
-                segments = None
-            if segments is None:
+        for i, conv in enumerate(convs):
+            n = int(batch.lengths[i])
+            if not n:
                 out.append(None)
                 continue
-            out.append(self._assemble(conv.id, [(encoded[index[key]], s) for key, s in zip(conv_keys, segments)]))
+            a, b = int(ends[i]) - n, int(ends[i])
+            out.append(Example(conv.id, batch.input_ids[a:b].tolist(), batch.labels[a:b].tolist(),
+                               bool(batch.truncated[i])))
         return out
+
+    def encode_arrays(self, convs: Sequence[Conversation]) -> EncodedBatch:
+        """The batch as flat arrays (what `prepare` stores); conversations the template or the tokenizer refuses are
+        collected in `bad` (in batch order), never raised."""
+        rendered: List[Optional[List[Segment]]] = []
+        bad: List[Tuple[int, BadRow]] = []
+        for i, conv in enumerate(convs):
+            try:
+                rendered.append(_through_last_turn(self.render(conv)))
+            except BadRow as exc:
+                bad.append((i, exc))
+                rendered.append(None)
+        todo = [i for i, segs in enumerate(rendered) if segs]
+        spans: List[Optional[Spans]] = [None] * len(convs)
+        if self._full is not None:
+            # One text when no segment is long (a long one is tokenized by its head, per segment) and the whole stays
+            # within ONE_TEXT_SEGMENTS long texts (~20 MB of tokenizer memory at cutoff 1024): a real chat of many
+            # turns past cutoff_len still takes the fast path, and no row is ever tokenized whole beyond that.
+            whole = [i for i in todo if self._one_text_fits(rendered[i])]
+            for i, s in zip(whole, self._one_text([rendered[i] for i in whole])):
+                spans[i] = s
+        fallback = [i for i in todo if spans[i] is None]
+        for i, s in zip(fallback, self._segment_spans([rendered[i] for i in fallback])):
+            if isinstance(s, BadRow):
+                bad.append((i, s))
+            else:
+                spans[i] = s
+        batch = self._assemble(rendered, spans)
+        batch.bad = sorted(bad, key=lambda b: b[0])
+        batch.per_segment = len(fallback) if self._full is not None else 0
+        return batch
+
+    def _one_text_fits(self, segs: List[Segment]) -> bool:
+        sizes = [len(seg.text) for seg in segs]
+        return max(sizes) <= self.long_text and sum(sizes) <= ONE_TEXT_SEGMENTS * self.long_text
 
     def encode_texts(self, texts: List[str], continuation: bool = False) -> List[List[int]]:
         """Token ids of each text; `continuation`: the text goes on from earlier text (no start marker)."""
@@ -163,10 +234,7 @@ class Encoder:
             idx = [i for i, (cont, t) in enumerate(keys) if cont is continuation and len(t) <= self.long_text]
             for i, ids in zip(idx, self.encode_texts([keys[i][1] for i in idx], continuation)):
                 out[i] = ids
-        for i, (cont, text) in enumerate(keys):
-            if out[i] is None:
-                out[i] = self._head_ids(text, cont)
-        return out
+        return [self._head_ids(text, cont) if ids is None else ids for ids, (cont, text) in zip(out, keys)]
 
     def _head_ids(self, text: str, continuation: bool = False) -> List[int]:
         """The first cutoff_len + 1 tokens of a long text, from prefixes of it (memory bounded by cutoff_len)."""
@@ -182,32 +250,101 @@ class Encoder:
                 agreed, size = None, size * 4
         return self.encode_texts([text], continuation)[0][:need]
 
-    def _assemble(self, sample_id: str, parts: List[Tuple[List[int], Segment]]) -> Optional[Example]:
-        ids: List[int] = []
-        labels: List[int] = []
+    def _spans(self, rendered: List[List[Segment]]) -> List[Optional[Spans]]:
+        texts = [[seg.text for seg in segs] for segs in rendered]
+        replies = [[j for j, seg in enumerate(segs) if seg.closes_turn] for segs in rendered]
+        return self._full.spans(texts, replies)
+
+    def _one_text(self, rendered: List[List[Segment]]) -> List[Optional[Spans]]:
+        """`_spans`; where the tokenizer refuses the batch, conversation by conversation, a refused one handed to
+        the per-segment path (None), which names the text it refuses."""
+        try:
+            return self._spans(rendered)
+        except Exception:  # noqa: BLE001 - the Rust tokenizer raises TypeError, ValueError, Exception
+            pass
+        out: List[Optional[Spans]] = []
+        for segs in rendered:
+            try:
+                out += self._spans([segs])
+            except Exception:  # noqa: BLE001 - as above: this conversation goes per segment
+                out.append(None)
+        return out
+
+    def _segment_spans(self, rendered: List[List[Segment]]) -> List[Union[Spans, BadRow]]:
+        """Spans from every segment tokenized alone (identical texts once; long ones by their head), or the BadRow
+        (tokenizer_error) of a conversation holding a text the tokenizer refuses."""
+        # (continues the conversation, text): a SentencePiece tokenizer encodes later segments without a start marker
+        keys = [[(j > 0 and self._encode_cont is not None, seg.text) for j, seg in enumerate(segs)] for segs in rendered]
+        index: Dict[Tuple[bool, str], int] = {}
+        for conv_keys in keys:
+            for key in conv_keys:
+                index.setdefault(key, len(index))
+        encoded, refused = self._encode_segments(list(index))
+        out: List[Union[Spans, BadRow]] = []
+        for conv_keys in keys:
+            failed = next((refused[index[k]] for k in conv_keys if index[k] in refused), None)
+            if failed is not None:
+                out.append(BadRow(BadReason.tokenizer_error, failed))
+                continue
+            ids: List[int] = []
+            starts = [0]
+            for key in conv_keys:
+                ids += encoded[index[key]]
+                starts.append(len(ids))
+            out.append((np.array(ids, dtype=np.int32), starts))
+        return out
+
+    def _assemble(self, rendered: List[Optional[List[Segment]]], spans: List[Optional[Spans]]) -> EncodedBatch:
+        n = len(rendered)
+        lengths = np.zeros(n, dtype=np.int64)
+        truncated = np.zeros(n, dtype=bool)
+        kept_ids: List[np.ndarray] = []
+        run_lengths: List[int] = []
+        run_trained: List[bool] = []
+        for i, (segs, span) in enumerate(zip(rendered, spans)):
+            if segs is None or span is None:
+                continue
+            ids, starts = span
+            keep, full = self._keep(segs, starts)
+            if not keep:
+                continue
+            lengths[i], truncated[i] = keep, keep < full
+            kept_ids.append(ids if keep == len(ids) else ids[:keep])
+            for j, seg in enumerate(segs):
+                if starts[j] >= keep:
+                    break
+                run_lengths.append(min(starts[j + 1], keep) - starts[j])
+                run_trained.append(seg.trained)
+        input_ids = np.concatenate(kept_ids) if kept_ids else np.zeros(0, dtype=np.int32)
+        trained = np.repeat(np.array(run_trained, dtype=bool), np.array(run_lengths, dtype=np.int64))
+        labels = np.where(trained, input_ids, np.int32(IGNORE_INDEX)).astype(np.int32)
+        return EncodedBatch(input_ids, labels, lengths, truncated, [])
+
+    def _keep(self, segs: List[Segment], starts: List[int]) -> Tuple[int, int]:
+        """(tokens kept, tokens of the whole sample); kept 0: nothing trained would be left."""
         turn_ends: List[int] = []
         first_trained = None
-        for tok_ids, seg in parts:
-            if seg.trained:
-                if first_trained is None and tok_ids:
-                    first_trained = len(ids)
-                labels.extend(tok_ids)
-            else:
-                labels.extend([IGNORE_INDEX] * len(tok_ids))
-            ids.extend(tok_ids)
+        for j, seg in enumerate(segs):
             if seg.closes_turn:
-                turn_ends.append(len(ids))
+                turn_ends.append(starts[j + 1])
+            if first_trained is None and seg.trained and starts[j + 1] > starts[j]:
+                first_trained = starts[j]
         if not turn_ends or first_trained is None:
-            return None
-        full = turn_ends[-1]
-        keep = full
+            return 0, 0
+        full = keep = turn_ends[-1]
         if full > self.cutoff_len:
             keep = max((e for e in turn_ends if e <= self.cutoff_len), default=0)
             if keep <= first_trained:  # whole turns leave nothing trained: cut mid-reply instead
                 keep = self.cutoff_len
-        if keep <= first_trained:
-            return None
-        return Example(sample_id, ids[:keep], labels[:keep], truncated=keep < full)
+        return (keep if keep > first_trained else 0), full
+
+
+def _through_last_turn(segs: List[Segment]) -> List[Segment]:
+    """Segments up to the last turn-closing one: what follows it is never kept, so it is not tokenized either."""
+    for j in range(len(segs) - 1, -1, -1):
+        if segs[j].closes_turn:
+            return segs if j == len(segs) - 1 else segs[: j + 1]
+    return []
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ with hydra_context():
             print(json.dumps({"overrides": overrides, "rejected": exc.problems}))
             continue
         for world in (1, 2, 8):
-            ds = build_ds_config(cfg, world, total_steps=100)
+            ds = build_ds_config(cfg, world)
             parsed = DeepSpeedConfig(json.loads(json.dumps(ds)), mpu=DataParallelOnly(world))
             zc = parsed.zero_config
             print(json.dumps({

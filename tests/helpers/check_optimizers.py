@@ -1,0 +1,53 @@
+"""Build a DeepSpeed engine for every optimizer x offload x ZeRO stage the rules accept; print the optimizer class.
+
+A subprocess (see tests/test_optimizers.py): one process, one single-rank gloo group, many engines, so DeepSpeed's
+CPU ops (DeepSpeedCPUAdam, DeepSpeedCPULion) are JIT-built at most once (cached in ~/.cache/torch_extensions).
+Prints one JSON line per combination: {"overrides", "basic" (the optimizer DeepSpeed built), "wrapper", "error"}, or
+"rejected" (config rules) / "runtime" (this machine's rules, as `python -m dsrecipes` applies them before launching).
+"""
+
+import itertools
+import json
+import os
+import sys
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+
+from dsrecipes.config.groups import group_options  # noqa: E402
+from dsrecipes.config.load import ConfigError, compose_and_load, hydra_context  # noqa: E402
+from dsrecipes.config.validate import check_runtime  # noqa: E402
+from dsrecipes.ds_config import build_ds_config  # noqa: E402
+from dsrecipes.model import build_model, load_tokenizer, trainable_parameters  # noqa: E402
+
+deepspeed.init_distributed(dist_backend="gloo")
+torch.set_num_threads(1)
+opts = group_options()
+wanted = sys.argv[2].split(",") if len(sys.argv) > 2 else opts["optimizer"]
+with hydra_context():
+    for optimizer, offload, zero in itertools.product(wanted, opts["offload"], opts["zero"]):
+        overrides = [f"optimizer={optimizer}", f"offload={offload}", f"zero={zero}", "model.tiny.num_hidden_layers=1"]
+        try:
+            cfg = compose_and_load(overrides, check_files=False)
+        except ConfigError as exc:
+            print(json.dumps({"overrides": overrides, "rejected": exc.problems}), flush=True)
+            continue
+        problems = check_runtime(cfg, cuda_available=torch.cuda.is_available())
+        if problems:  # what `python -m dsrecipes` says before starting anything on this machine
+            print(json.dumps({"overrides": overrides, "runtime": problems}), flush=True)
+            continue
+        out = {"overrides": overrides}
+        try:
+            ds = build_ds_config(cfg, 1)
+            model = build_model(cfg, load_tokenizer(cfg), ds)
+            engine, optim, _, _ = deepspeed.initialize(model=model, model_parameters=trainable_parameters(model),
+                                                       config=ds)
+            basic = engine.basic_optimizer
+            out.update(basic=f"{type(basic).__module__}.{type(basic).__name__}", wrapper=type(optim).__name__,
+                       adam_w_mode=getattr(basic, "adam_w_mode", None), torch_adam=ds["optimizer"]["params"].get("torch_adam"))
+            del engine, optim, model
+        except Exception as exc:  # reported, the test decides
+            out["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+        print(json.dumps(out), flush=True)

@@ -1,0 +1,60 @@
+"""The optimizer DeepSpeed really builds, for every optimizer x offload x ZeRO stage the rules accept (CPU engines).
+
+With `"torch_adam": true` DeepSpeed built torch's AdamW even for an offloaded optimizer, although DeepSpeed's CPU
+Adam is the reason to offload. One subprocess builds every engine (the CPU ops JIT-build once, ~45 s each the first
+time, cached in ~/.cache/torch_extensions).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import subprocess_env
+
+HELPER = Path(__file__).parent / "helpers" / "check_optimizers.py"
+CPU_ADAM = "deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam"
+CPU_LION = "deepspeed.ops.lion.cpu_lion.DeepSpeedCPULion"
+
+
+def expected(optimizer: str, offloaded: bool) -> str:
+    if optimizer == "sgd":
+        return "torch.optim.sgd.SGD"  # no DeepSpeed SGD: torch's, on the CPU partitions when offloaded
+    if offloaded:
+        return CPU_LION if optimizer == "lion" else CPU_ADAM
+    return {"adamw": "torch.optim.adamw.AdamW", "adam": "torch.optim.adam.Adam"}[optimizer]
+
+
+def async_io_available() -> bool:
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    return AsyncIOBuilder().is_compatible(verbose=False)
+
+
+@pytest.mark.slow
+def test_every_optimizer_offload_and_stage_builds_the_right_optimizer():
+    out = subprocess.run([sys.executable, str(HELPER), "29563"], capture_output=True, text=True, timeout=900,
+                         env=subprocess_env(), cwd=Path(__file__).parents[1])
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    built = {tuple(r["overrides"][:3]): r for r in rows if "rejected" not in r}
+    assert len(rows) == 4 * 4 * 4  # optimizers x offloads x stages, each reported
+    nvme = async_io_available()
+    for (opt, off, zero), r in sorted(built.items()):
+        name, offload = opt.split("=")[1], off.split("=")[1]
+        if offload == "nvme" and not nvme:
+            assert "async_io" in r["error"], r  # this machine has no libaio: DeepSpeed refuses NVMe offload
+            continue
+        if name == "lion" and offload == "none":
+            assert "FusedLion" in r["runtime"][0], r  # a CUDA kernel: refused before launch on a CPU host
+            continue
+        assert "error" not in r, r
+        assert r["basic"] == expected(name, offload != "none"), (opt, off, zero, r)
+        if r["basic"] == CPU_ADAM:
+            assert r["adam_w_mode"] is (name == "adamw") and r["torch_adam"] is False
+    stages = {k[2] for k, r in built.items() if r.get("basic") == CPU_ADAM}
+    assert stages == {"zero=stage1", "zero=stage2", "zero=stage3"}  # offloaded Adam at every stage that allows it
