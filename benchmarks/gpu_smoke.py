@@ -100,6 +100,7 @@ def _direct_engine(args: argparse.Namespace) -> Tuple[Any, int, int]:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from dsrecipes.config.defaults import learning_rate
     from dsrecipes.config.load import compose_and_load
     from dsrecipes.ds_config import build_ds_config
     from dsrecipes.schedule import StepScheduler
@@ -121,7 +122,7 @@ def _direct_engine(args: argparse.Namespace) -> Tuple[Any, int, int]:
         model = Qwen2ForCausalLM(config).to(dtype)
     n_params = sum(p.numel() for p in model.parameters())
     deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
-    schedule = lambda opt: StepScheduler(opt, cfg.scheduler, cfg.optimizer.lr, args.steps)  # noqa: E731 (as train.py)
+    schedule = lambda opt: StepScheduler(opt, cfg.scheduler, learning_rate(cfg), args.steps)  # noqa: E731 (as train.py)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
                                            lr_scheduler=schedule)
     return engine, n_params, config.vocab_size

@@ -26,6 +26,7 @@ SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
     "estimate": ("estimate", "memory per GPU/CPU for every ZeRO stage and offload choice"),
     "doctor": ("doctor", "check the environment (torch, CUDA, compilers, shm, caches)"),
     "prompt-eval": ("prompt_eval", "answers of a baseline and a fine-tuned model side by side"),
+    "chat": ("chat", "chat with a trained model in the terminal, on the template it was trained on"),
     "export": ("export", "write a Hugging Face model directory from a run's checkpoint"),
 }
 

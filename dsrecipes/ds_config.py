@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
+from dsrecipes.config.defaults import learning_rate
 from dsrecipes.config.schema import OffloadDevice, OptimizerKind, Precision, TrainConfig
 
 
@@ -49,22 +50,23 @@ def build_ds_config(cfg: TrainConfig, world_size: int, *, load_universal: bool =
 
 def _optimizer(cfg: TrainConfig) -> Dict[str, Any]:
     o = cfg.optimizer
+    lr = learning_rate(cfg)  # optimizer.lr, or the model's own when it is null
     betas = list(o.betas)
     # DeepSpeed honours torch_adam before it looks at offload: an offloaded Adam would be torch's, stepping on the
     # CPU at a fraction of DeepSpeedCPUAdam's speed (the reason to offload at all). Offloaded: DeepSpeed's CPU Adam.
     torch_adam = o.torch_adam and cfg.offload.optimizer is OffloadDevice.none
     if o.name is OptimizerKind.adamw:
-        params = {"lr": o.lr, "betas": betas, "eps": o.eps, "weight_decay": o.weight_decay, "torch_adam": torch_adam}
+        params = {"lr": lr, "betas": betas, "eps": o.eps, "weight_decay": o.weight_decay, "torch_adam": torch_adam}
         return {"type": "AdamW", "params": params}
     if o.name is OptimizerKind.adam:
-        params = {"lr": o.lr, "betas": betas, "eps": o.eps, "weight_decay": o.weight_decay,
+        params = {"lr": lr, "betas": betas, "eps": o.eps, "weight_decay": o.weight_decay,
                   "torch_adam": torch_adam, "adam_w_mode": False}
         return {"type": "Adam", "params": params}
     if o.name is OptimizerKind.lion:
-        return {"type": "Lion", "params": {"lr": o.lr, "betas": betas, "weight_decay": o.weight_decay}}
+        return {"type": "Lion", "params": {"lr": lr, "betas": betas, "weight_decay": o.weight_decay}}
     if o.name is OptimizerKind.sgd:
         # Not a DeepSpeed optimizer name: DeepSpeed falls back to torch.optim.SGD.
-        return {"type": "SGD", "params": {"lr": o.lr, "momentum": o.momentum, "weight_decay": o.weight_decay}}
+        return {"type": "SGD", "params": {"lr": lr, "momentum": o.momentum, "weight_decay": o.weight_decay}}
     raise AssertionError(o.name)
 
 

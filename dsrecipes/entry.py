@@ -24,20 +24,26 @@ from dsrecipes.runplan import ResumePlan, RunPlan, write_plan
 from dsrecipes.topology import Topology, resolve_topology
 
 
-def check_machine(cfg: TrainConfig) -> None:
+def check_machine(cfg: TrainConfig) -> TrainConfig:
     """What cannot run on this machine (fp16 without CUDA, unwritable directories, a broken model directory, ...):
-    one ConfigError listing everything, before the run directory is claimed or any rank starts."""
+    one ConfigError listing everything, before the run directory is claimed or any rank starts. Returns the config
+    the run uses: model choices made once (resolve.prepare_launch)."""
     import torch
 
     from dsrecipes.config.validate import check_runtime
+    from dsrecipes.hub import resolve_hub_paths
     from dsrecipes.model import check_no_custom_code
     from dsrecipes.preflight import check_environment
+    from dsrecipes.resolve import prepare_launch
     from dsrecipes.trackers import preflight
 
-    problems = check_runtime(cfg, cuda_available=torch.cuda.is_available()) + check_environment(cfg) + preflight(cfg)
+    problems = check_runtime(cfg, cuda_available=torch.cuda.is_available()) + preflight(cfg)
+    problems += check_environment(resolve_hub_paths(cfg))  # a hub id's local snapshot (downloaded now if need be)
     if problems:
         raise ConfigError(problems)
-    check_no_custom_code(cfg)
+    cfg = prepare_launch(cfg)  # hub ids -> local snapshots, template=auto -> concrete, warnings: decided once here
+    check_no_custom_code(cfg)  # on the local snapshot a hub id became
+    return cfg
 
 
 @dataclass

@@ -1,5 +1,7 @@
 """Export to a Hugging Face model directory (safetensors, config, tokenizer): from a checkpoint of any ZeRO stage, or
-the embedded tiny model's seeded start (the prompt-eval baseline). One process; no process group needed.
+the embedded tiny model's seeded start (the prompt-eval baseline). One process; no process group needed. Every
+export is made ready to serve first (serving.py: the training template as the tokenizer's chat template, end-of-turn
+stop tokens, use_cache); an adapter-only LoRA export names its base model in adapter_config.json.
 
 The destination belongs to the user until proven ours: it must be absent, an empty directory, or an earlier
 dsrecipes export holding nothing but the files that export wrote (`dsrecipes_export.json` lists them); anything
@@ -30,14 +32,22 @@ EXPORT_MARKER = "dsrecipes_export.json"
 LEGACY_EXPORT_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
                        "tokenizer*", "special_tokens_map.json", "chat_template.jinja", "adapter_*", "vocab.json",
                        "merges.txt", "added_tokens.json", "README.md")
+EXPORT_INFO = EXPORT_MARKER  # also where an export came from: run, step, template, an adapter's base model
+
 
 def export_initial(cfg: TrainConfig, tokenizer: Any, out_dir: Path) -> Path:
-    """The embedded tiny model's seeded start, as a HF directory: the baseline for `dsrecipes prompt-eval`."""
+    """The embedded tiny model's seeded start, as a HF directory: the baseline for `dsrecipes prompt-eval`, and the
+    base of the tiny model's adapter-only LoRA exports."""
+    import copy
+
     from dsrecipes.model import build_tiny_model
+    from dsrecipes.serving import make_servable
 
     check_out_dir(out_dir)
+    tokenizer = copy.deepcopy(tokenizer)  # the caller's (training) tokenizer keeps its chat template
     model = build_tiny_model(cfg, tokenizer)
-    return _save_hf(model, tokenizer, out_dir, {"source": "initial weights (model.tiny.seed)", "step": 0})
+    info = {"source": "initial weights (model.tiny.seed)", "step": 0, **make_servable(model, tokenizer, cfg)}
+    return _save_hf(model, tokenizer, out_dir, info)
 
 
 def export_checkpoint(run_dir: Path, tag_dir: Path, out_dir: Path, cfg: Optional[TrainConfig] = None,
@@ -50,6 +60,7 @@ def export_checkpoint(run_dir: Path, tag_dir: Path, out_dir: Path, cfg: Optional
     """
     from dsrecipes.config.load import load_run_config
     from dsrecipes.model import TORCH_DTYPES, build_model, load_tokenizer
+    from dsrecipes.serving import make_servable
 
     check_out_dir(out_dir, key)
     cfg = cfg or load_run_config(run_dir)
@@ -63,15 +74,30 @@ def export_checkpoint(run_dir: Path, tag_dir: Path, out_dir: Path, cfg: Optional
     missing = [k for k in missing if not _is_tied(model, k) and k not in frozen]
     if missing or unexpected:
         raise RuntimeError(f"checkpoint {tag_dir} does not match the model: missing {missing}, unexpected {unexpected}")
-    info = {"source": str(tag_dir), "step": step_of(tag_dir)}
+    info = {"source": str(tag_dir), "step": step_of(tag_dir), "run_dir": str(Path(run_dir).resolve())}
     merge_lora = cfg.trainer.export_merged_lora if merge_lora is None else merge_lora
     if cfg.model.lora.enabled and merge_lora:
         model = model.merge_and_unload()
         info["lora"] = "merged"
     elif cfg.model.lora.enabled:
-        info["lora"] = "adapter"
+        info.update(lora="adapter", base_model=_adapter_base(cfg, model, tokenizer, Path(run_dir)))
+    info.update(make_servable(model, tokenizer, cfg))  # training template, end-of-turn stops, use_cache
     model.to(TORCH_DTYPES[cfg.precision.dtype])
     return _save_hf(model, tokenizer, out_dir, info, key)
+
+
+def _adapter_base(cfg: TrainConfig, model: Any, tokenizer: Any, run_dir: Path) -> str:
+    """The base model an adapter-only export applies to, recorded in adapter_config.json so peft (and prompt-eval,
+    chat) can load it: model.path, or for the embedded tiny model its seeded start `RUN/export_init`."""
+    base = cfg.model.path
+    if base is None:
+        base_dir = run_dir.resolve() / EXPORT_INIT_DIR
+        if not (base_dir / "config.json").is_file():
+            export_initial(cfg, tokenizer, base_dir)
+        base = str(base_dir)
+    for peft_config in model.peft_config.values():
+        peft_config.base_model_name_or_path = base
+    return base
 
 
 def consolidated_state_dict(tag_dir: Path, zero_stage: int, frozen_excluded: bool = False) -> Dict[str, torch.Tensor]:
@@ -133,6 +159,8 @@ def _save_hf(model: Any, tokenizer: Any, out_dir: Path, info: Dict[str, Any], ke
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
         model.save_pretrained(str(tmp), safe_serialization=True)
+        if hasattr(model, "get_base_model"):  # an adapter-only export: peft writes no generation_config.json
+            model.get_base_model().generation_config.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if not p.is_dir())
         atomic_write_json(tmp / EXPORT_MARKER, {**info, "files": files})

@@ -28,13 +28,16 @@ def check_environment(cfg: TrainConfig) -> List[str]:
     if cfg.trainer.output_dir:
         problems += _writable_dir("trainer.output_dir", Path(cfg.trainer.output_dir).expanduser())
     problems += _writable_dir("data.cache_dir", cache_root(cfg))
+    from dsrecipes.hub import is_hub_id
+
     model: List[str] = []
-    if cfg.model.path:
-        model = check_model_dir("model.path", Path(cfg.model.path).expanduser(), cfg.model.trust_remote_code)
-    if cfg.model.tokenizer_path:
-        problems += check_tokenizer_dir("model.tokenizer_path", Path(cfg.model.tokenizer_path).expanduser())
-    elif cfg.model.path and not model:  # a broken model directory is one problem, not two
-        problems += check_tokenizer_dir("model.path", Path(cfg.model.path).expanduser())
+    path, tokenizer_path = ((p if not is_hub_id(p) else None) for p in (cfg.model.path, cfg.model.tokenizer_path))
+    if path:  # a hub id is checked as one (hub.check_hub_paths) and its snapshot once resolved (entry.check_machine)
+        model = check_model_dir("model.path", Path(path).expanduser(), cfg.model.trust_remote_code)
+    if tokenizer_path:
+        problems += check_tokenizer_dir("model.tokenizer_path", Path(tokenizer_path).expanduser())
+    elif path and not cfg.model.tokenizer_path and not model:  # a broken model directory is one problem, not two
+        problems += check_tokenizer_dir("model.path", Path(path).expanduser())
     return problems + model
 
 

@@ -1,13 +1,22 @@
-"""`dsrecipes prompt-eval`: a baseline and a fine-tuned model answer the same prompts, side by side.
+"""prompt-eval (commands/prompt_eval.py): a fine-tuned model (and optionally a baseline) answer the same prompts.
 
-In the style of DeepSpeed-Chat's step-1 `prompt_eval.py`: both models get each prompt through the same chat
-template (the fine-tuned tokenizer's) and answer greedily. A score makes the comparison checkable: exact and
-contains match against each prompt's `reference`, character similarity to it (difflib ratio, 0..1), and the mean
-per-token loss of the reference answer under each model (lower is better). The last two move long before a tiny
-model gets whole answers right.
+In the style of DeepSpeed-Chat's step-1 `prompt_eval.py`, with the run's own template: every model is prompted
+through the fine-tuned export's chat template, which is the template it was trained on (serving.py), and answers
+greedily until its end-of-turn token. Any export kind works for either side (inference.py): a run directory, a
+full or merged export, an adapter-only LoRA export, a base model directory. `--baseline RUN` means the run's
+starting model: `RUN/export_init` for the embedded tiny model, the base model directory (`model.path`) otherwise.
 
-A run directory works for either path: `--baseline RUN` means `RUN/export_init` (the seeded start of the embedded
-tiny model, written at step 0), `--finetuned RUN` means `RUN/export`.
+What is asked: without `--prompts`, the held-out validation conversations of the run (the prompt is every turn
+before the last assistant turn, the reference is that turn), so the score measures what was trained. With
+`--prompts FILE`, a JSONL file, one object per line:
+
+    {"prompt": "What is 5 + 16?", "reference": "5 + 16 = 21.", "system": "Answer briefly."}
+
+`prompt` is required; `reference` (scored when present) and `system` are optional
+(dsrecipes/assets/sample_data/prompts.jsonl is an example). Scores: exact and contains match against the reference,
+character similarity to it (difflib ratio, 0..1), and the mean per-token loss of the reference as the reply (the
+trained span: reply text plus end-of-turn token; lower is better). The last two move long before a small model gets
+whole answers right.
 """
 
 from __future__ import annotations
@@ -18,13 +27,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-import torch
-
 from dsrecipes.errors import UserError
 from dsrecipes.paths import SAMPLE_DATA_DIR
 
-DEFAULT_PROMPTS = SAMPLE_DATA_DIR / "prompts.jsonl"
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "</s>")
+DEFAULT_PROMPTS = SAMPLE_DATA_DIR / "prompts.jsonl"  # an example of the --prompts format
+
+
+@dataclass
+class PromptRow:
+    messages: List[Dict[str, Any]]  # the conversation so far (chat messages), answered by the model
+    tools: Optional[list]
+    reference: Optional[str]
+    title: str  # what to print as the prompt
 
 
 @dataclass
@@ -34,19 +48,34 @@ class Score:
     total: int = 0
     similarity: float = 0.0  # mean difflib ratio of answer and reference
     reference_loss: float = 0.0  # mean over prompts with a reference
+    stopped: int = 0  # answers that ended with an end-of-turn token (not cut by --max-new-tokens)
     answers: List[str] = field(default_factory=list)
 
 
-def model_dir(path: str, run_subdir: str) -> Path:
-    p = Path(path).expanduser()
-    if (p / "config.json").is_file():
-        return p
-    if (p / run_subdir / "config.json").is_file():
-        return p / run_subdir
-    raise UserError(f"{path}: neither a Hugging Face model directory nor a run directory with {run_subdir}/")
+def prompt_rows(finetuned: Any, prompts: Optional[str], limit: int) -> List[PromptRow]:
+    """What to ask: the --prompts file, else the validation conversations of the fine-tuned model's run."""
+    if prompts:
+        rows = read_prompts(Path(prompts))
+    elif finetuned.run_dir is not None:
+        rows = validation_rows(finetuned.run_dir)
+    else:
+        raise UserError(f"{finetuned.path}: no run to take validation conversations from; pass --prompts FILE")
+    return rows[: max(1, limit)]
 
 
-def read_prompts(path: Path) -> List[Dict[str, Any]]:
+def compare(finetuned: Any, baseline: Optional[Any], rows: List[PromptRow], max_new_tokens: int) -> Dict[str, Score]:
+    """Scores per model. The baseline is prompted through the fine-tuned template and stopped at its end-of-turn
+    tokens: the same prompts, the same stopping rule."""
+    from dsrecipes.inference import ChatModel
+
+    tuned = ChatModel(finetuned)
+    models = {"finetuned": tuned}
+    if baseline is not None:
+        models = {"baseline": ChatModel(baseline, tuned.tokenizer.chat_template, tuned.stop_ids), "finetuned": tuned}
+    return {name: evaluate(m, rows, max_new_tokens) for name, m in models.items()}
+
+
+def read_prompts(path: Path) -> List[PromptRow]:
     if not path.is_file():
         raise UserError(f"--prompts: {path} does not exist")
     rows = []
@@ -54,95 +83,92 @@ def read_prompts(path: Path) -> List[Dict[str, Any]]:
         for line_no, line in enumerate(fh, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
-            if not isinstance(row.get("prompt"), str):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{path}:{line_no}: not JSON ({exc.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
                 raise UserError(f"{path}:{line_no}: each line needs a string 'prompt'")
-            rows.append(row)
+            for key in ("reference", "system"):
+                if row.get(key) is not None and not isinstance(row[key], str):
+                    raise UserError(f"{path}:{line_no}: '{key}' must be a string")
+            messages = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+            messages.append({"role": "user", "content": row["prompt"]})
+            rows.append(PromptRow(messages, None, row.get("reference"), row["prompt"]))
     if not rows:
         raise UserError(f"{path}: no prompts")
     return rows
 
 
-def load_tokenizer(path: Path, chat_template: Optional[str] = None):
-    from transformers import AutoTokenizer
+def validation_rows(run_dir: Path) -> List[PromptRow]:
+    """The run's held-out conversations: everything before the last reply is the prompt, the reply the reference."""
+    from dsrecipes.config.load import load_run_config
+    from dsrecipes.config.schema import BadRows
+    from dsrecipes.data.badrows import BadRowReport
+    from dsrecipes.data.messages import chat_messages, tool_call_text
+    from dsrecipes.data.prepare import STATS_FILE, load_prepared
+    from dsrecipes.data.sharegpt import Conversation, Role, iter_conversations
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    if tokenizer.chat_template is None:
-        raise UserError(f"{path}: the tokenizer has no chat_template, so prompts cannot be rendered as a chat")
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    cfg = load_run_config(run_dir)
+    if not (run_dir / STATS_FILE).is_file():
+        raise UserError(f"{run_dir}: no prepared validation split here (data=map runs have one); pass --prompts FILE")
+    val = load_prepared(cfg, run_dir).val
+    if val is None:
+        raise UserError(f"{run_dir}: the run has no validation split (dataset.val_size=0); pass --prompts FILE")
+    wanted = {sample_id for ids in val["ids"] for sample_id in ids}
+    convs = {}
+    for conv in iter_conversations(cfg.dataset, report=BadRowReport(BadRows.skip, 1.0)):
+        if conv.id in wanted and conv.id not in convs:
+            convs[conv.id] = conv
+    rows = []
+    for sample_id, conv in convs.items():  # in data order
+        last = conv.turns[-1]  # normalisation ends every conversation with its last reply
+        prompt = Conversation(conv.id, conv.turns[:-1], conv.system, conv.tools)
+        messages, tools = chat_messages(prompt)
+        reference = tool_call_text(last.content) if last.role is Role.tool_call else last.content
+        title = next((m["content"] for m in reversed(messages) if m["role"] != "assistant"), "(no prompt)")
+        rows.append(PromptRow(messages, tools, reference, f"[{sample_id}] {title}"))
+    return rows
 
 
-def load_model(path: Path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    return model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
-
-
-def chat(row: Dict[str, Any]) -> List[Dict[str, str]]:
-    messages = [{"role": "system", "content": row["system"]}] if row.get("system") else []
-    return messages + [{"role": "user", "content": row["prompt"]}]
-
-
-@torch.no_grad()
-def evaluate_model(model: Any, tokenizer: Any, prompts: List[Dict[str, Any]], max_new_tokens: int) -> Score:
+def evaluate(model: Any, rows: List[PromptRow], max_new_tokens: int) -> Score:
     score = Score()
-    stop_ids = [tokenizer.eos_token_id] + [
-        tokenizer.convert_tokens_to_ids(t) for t in END_OF_TURN_TOKENS if t in tokenizer.get_vocab()
-    ]
     losses, similarities = [], []
-    for row in prompts:
-        rendered = tokenizer.apply_chat_template(chat(row), add_generation_prompt=True, tokenize=True, return_dict=True)
-        prompt_ids = list(rendered["input_ids"])
-        input_ids = torch.tensor([prompt_ids], device=model.device)
-        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                                do_sample=False, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id)
-        answer = tokenizer.decode(output[0, len(prompt_ids):], skip_special_tokens=True).strip()
+    for row in rows:
+        prompt_ids = model.encode(model.prompt_text(row.messages, row.tools))
+        new_ids = model.generate(prompt_ids, max_new_tokens)
+        score.stopped += bool(new_ids) and new_ids[-1] in model.stop_ids
+        answer = model.answer_text(new_ids)
         score.answers.append(answer)
-        reference = row.get("reference")
-        if reference is None:
+        if row.reference is None:
             continue
         score.total += 1
-        score.exact += normalize(answer) == normalize(reference)
-        score.contains += normalize(reference) in normalize(answer)
-        similarities.append(difflib.SequenceMatcher(None, normalize(answer), normalize(reference)).ratio())
-        losses.append(reference_loss(model, tokenizer, prompt_ids, reference))
+        score.exact += normalize(answer) == normalize(row.reference)
+        score.contains += normalize(row.reference) in normalize(answer)
+        similarities.append(difflib.SequenceMatcher(None, normalize(answer), normalize(row.reference)).ratio())
+        losses.append(model.reference_loss(row.messages, row.tools, row.reference))
     score.reference_loss = sum(losses) / len(losses) if losses else float("nan")
     score.similarity = sum(similarities) / len(similarities) if similarities else float("nan")
     return score
-
-
-def reference_loss(model: Any, tokenizer: Any, prompt_ids: List[int], reference: str) -> float:
-    """Mean next-token loss of the reference answer (+ end of turn) after the rendered prompt."""
-    answer_ids = tokenizer(reference, add_special_tokens=False)["input_ids"]
-    eot = [t for t in END_OF_TURN_TOKENS if t in tokenizer.get_vocab()][:1]
-    answer_ids += tokenizer.convert_tokens_to_ids(eot)
-    ids = torch.tensor([prompt_ids + answer_ids], device=model.device)
-    labels = torch.full_like(ids, -100)
-    labels[0, len(prompt_ids):] = ids[0, len(prompt_ids):]
-    return float(model(input_ids=ids, labels=labels, use_cache=False).loss)
 
 
 def normalize(text: str) -> str:
     return " ".join(text.strip().casefold().split())
 
 
-def print_side_by_side(prompts: List[Dict[str, Any]], scores: Dict[str, Score]) -> None:
-    for i, row in enumerate(prompts):
-        print(f"==========prompt {i + 1}/{len(prompts)}==========")
-        print(row["prompt"])
+def print_side_by_side(rows: List[PromptRow], scores: Dict[str, Score]) -> None:
+    for i, row in enumerate(rows):
+        print(f"==========prompt {i + 1}/{len(rows)}==========")
+        print(row.title)
         for name, score in scores.items():
             print(f"----------{name}: greedy----------")
             print(score.answers[i])
-        if row.get("reference") is not None:
+        if row.reference is not None:
             print("----------reference----------")
-            print(row["reference"])
+            print(row.reference)
         print()
     print("==========score==========")
     for name, score in scores.items():
         print(f"{name:<10} exact {score.exact}/{score.total}  contains {score.contains}/{score.total}  "
-              f"similarity {score.similarity:.3f}  reference loss {score.reference_loss:.3f}")
+              f"similarity {score.similarity:.3f}  reference loss {score.reference_loss:.3f}  "
+              f"stopped at end of turn {score.stopped}/{len(score.answers)}")

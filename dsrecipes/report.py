@@ -6,7 +6,6 @@ Numbers come from `rundir.run_summary()` (metrics.jsonl), the one place that com
 
 from __future__ import annotations
 
-import importlib.util
 import shlex
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -51,8 +50,7 @@ def next_commands(run_dir: Path, overrides: Sequence[str], steps: int, max_steps
     out = []
     if (run_dir / EXPORT_DIR).is_dir():
         out.append(("compare:", f"dsrecipes prompt-eval --baseline {run} --finetuned {run}"))
-        if importlib.util.find_spec("dsrecipes.commands.chat") is not None:
-            out.append(("chat:", f"dsrecipes chat {run}"))
+        out.append(("chat:", f"dsrecipes chat {run}"))
     out.append(("train further:", resume_command(run_dir, overrides, steps, max_steps)))
     return out
 

@@ -29,6 +29,7 @@ import torch
 import dsrecipes.heartbeat as heartbeat
 import dsrecipes.stopping as stopping
 from dsrecipes.checkpoint import ResumePoint, TrainState, load_checkpoint, open_resume, save_checkpoint
+from dsrecipes.config.defaults import learning_rate
 from dsrecipes.config.schema import LauncherKind, NanPolicy, TrainConfig
 from dsrecipes.distributed import all_ranks, finish_distributed, init_distributed
 from dsrecipes.errors import DataError, RunInterrupted, TrainingFailed, UserError
@@ -110,7 +111,7 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
     eval_loader = build_eval_loader(cfg, tokenizer, rank, world_size, run_dir)
     check_loader(train_loader, plan)
     resume = open_resume(plan.resume)
-    schedule = functools.partial(StepScheduler, cfg=cfg.scheduler, peak_lr=cfg.optimizer.lr,
+    schedule = functools.partial(StepScheduler, cfg=cfg.scheduler, peak_lr=learning_rate(cfg),
                                  total_steps=plan.total_steps)  # DeepSpeed calls it with the optimizer it built
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable_parameters(model), config=ds_config,
                                            lr_scheduler=schedule)

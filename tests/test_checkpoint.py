@@ -97,4 +97,10 @@ def test_initial_export_reloads_with_the_chat_template(make_cfg, tmp_path):
     reference = build_model(cfg, tokenizer)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p, q), name
-    assert AutoTokenizer.from_pretrained(out).chat_template == tokenizer.chat_template
+    # The run's template (chatml, as Jinja); it renders what the bundled tokenizer's own chatml template renders.
+    exported = AutoTokenizer.from_pretrained(out)
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert exported.chat_template != tokenizer.chat_template
+    assert exported.apply_chat_template(messages, tokenize=False) == tokenizer.apply_chat_template(messages, tokenize=False)
+    assert model.generation_config.eos_token_id == [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
+    assert model.config.use_cache and tokenizer.chat_template  # the caller's tokenizer keeps its own template

@@ -19,7 +19,7 @@ from dsrecipes.errors import ConfigError
 from dsrecipes.paths import SAMPLE_DATA_DIR, TINY_TOKENIZER_DIR
 
 FIX = Path(__file__).parent / "fixtures" / "data"
-END = {TemplateKind.chatml: "<|im_end|>", TemplateKind.tokenizer: "<|im_end|>", TemplateKind.llama3: "<|eot_id|>",
+END = {TemplateKind.auto: "<|im_end|>", TemplateKind.chatml: "<|im_end|>", TemplateKind.tokenizer: "<|im_end|>", TemplateKind.llama3: "<|eot_id|>",
        TemplateKind.vicuna: "</s>", TemplateKind.plain: "<|endoftext|>", TemplateKind.human_assistant: "<|endoftext|>"}
 
 
@@ -45,7 +45,7 @@ def read(path: Path, limit: int | None = None) -> List[Conversation]:
 
 def expected_reply(template: TemplateKind, turn: Turn) -> str:
     """What a trained span must decode to, written independently of the renderers."""
-    if turn.role is Role.tool_call and template in (TemplateKind.chatml, TemplateKind.tokenizer):
+    if turn.role is Role.tool_call and template in (TemplateKind.auto, TemplateKind.chatml, TemplateKind.tokenizer):
         body = turn.content
         if template is TemplateKind.tokenizer:  # the jinja template re-serialises the call
             call = json.loads(turn.content)
@@ -156,3 +156,30 @@ def test_template_needs_its_special_tokens():
     for kind, needle in ((TemplateKind.plain, "eos token"), (TemplateKind.tokenizer, "no chat_template")):
         with pytest.raises(ConfigError, match=needle):
             Encoder(bare, make_cfg(kind))
+
+
+@pytest.mark.parametrize("template", list(TemplateKind))
+def test_a_conversation_opening_with_the_assistant_is_trained_under_every_template(tok, template):
+    """Same treatment everywhere: the opening reply is trained like any other (template=tokenizer used to call it
+    'Cannot apply chat template to an empty conversation')."""
+    conv = Conversation("a", [Turn(Role.assistant, "Welcome! Ask me anything."), Turn(Role.user, "2 + 2?"),
+                              Turn(Role.assistant, "4")])
+    ex = Encoder(tok, make_cfg(template)).encode(conv)
+    runs = trained_runs(ex.labels)
+    assert [tok.decode([ex.input_ids[i] for i in r]) for r in runs] == [expected_reply(template, t)
+                                                                         for t in (conv.turns[0], conv.turns[2])]
+
+
+def test_a_template_that_refuses_an_opening_reply_names_its_reason(tok):
+    """Templates that insist on user/assistant alternation (Llama-2, Mistral) make such rows bad, in their words."""
+    from dsrecipes.data.badrows import BadReason, BadRow
+
+    strict = tok.__class__.from_pretrained(str(TINY_TOKENIZER_DIR))
+    strict.chat_template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                            "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+                            "{% endif %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+                            "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    conv = Conversation("a", [Turn(Role.assistant, "Hi"), Turn(Role.user, "q"), Turn(Role.assistant, "a")])
+    with pytest.raises(BadRow) as info:
+        Encoder(strict, make_cfg(TemplateKind.tokenizer)).encode(conv)
+    assert info.value.reason is BadReason.template_error and "must alternate" in info.value.detail

@@ -14,7 +14,7 @@ import pytest
 from dsrecipes.cli import main as cli_main
 from tests.conftest import REPO, subprocess_env
 
-KEPT_OPTIONS = {"data": {"map"}, "dataset": {"sample"}, "model": {"tiny"}, "template": {"chatml"},
+KEPT_OPTIONS = {"data": {"map"}, "dataset": {"sample"}, "model": {"tiny"}, "template": {"auto"},
                 "zero": {"stage0"}, "offload": {"none"}, "precision": {"fp32"}, "optimizer": {"adamw"},
                 "scheduler": {"cosine"}, "trainer": {"default"}, "launcher": {"local", "torchrun"}}
 

@@ -284,6 +284,17 @@ def test_lora_merged_and_adapter_exports(workspace):
     with_adapter = PeftModel.from_pretrained(base, run / "adapter").eval()
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     assert torch.allclose(with_adapter(input_ids=ids).logits, merged.eval()(input_ids=ids).logits, atol=1e-4)
+    # The adapter names its base (the tiny model's start), so stock peft, prompt-eval and chat all load it.
+    from peft import AutoPeftModelForCausalLM
+
+    assert json.loads((run / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+        (run / "export_init").resolve())
+    auto = AutoPeftModelForCausalLM.from_pretrained(run / "adapter").eval()
+    assert torch.allclose(auto(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-4)
+    for finetuned in (run / "adapter", run / "export", run):  # adapter-only, merged, the run directory
+        assert cli(["prompt-eval", "--finetuned", str(finetuned), "--baseline", str(run), "--limit", "2",
+                    "--max-new-tokens", "4"]) == 0
+    assert cli(["chat", str(run / "adapter"), "--message", "What is 2 + 3?", "--max-new-tokens", "8"]) == 0
 
 
 def test_prompt_eval_finetuned_beats_its_start(zero2_run, tmp_path, capsys):

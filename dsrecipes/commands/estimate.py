@@ -7,6 +7,7 @@ import sys
 from typing import List
 
 from dsrecipes.commands.args import override_parser, parse
+from dsrecipes.config.defaults import with_derived_defaults
 from dsrecipes.config.load import compose_and_load
 
 
@@ -21,7 +22,7 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--hf-config", default=None, help="a config.json (or its directory) when model.path is absent")
     parser.add_argument("--json", action="store_true")
     args = parse(parser, argv)
-    cfg = compose_and_load(args.overrides, check_files=False)
+    cfg = with_derived_defaults(compose_and_load(args.overrides, check_files=False))  # the model's own name
     topo = resolve_topology(cfg.launcher)
     gpus = args.gpus_per_node or topo.per_node
     nodes = args.nodes or topo.num_nodes

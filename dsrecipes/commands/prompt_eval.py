@@ -1,10 +1,10 @@
-"""`dsrecipes prompt-eval --baseline A --finetuned B [--prompts P]`: two models answer the same prompts, side by side."""
+"""`dsrecipes prompt-eval --finetuned M [--baseline B] [--prompts P]`: models answer the same prompts, side by side
+(prompt_eval.py has the format of P and the scores; without P, the run's validation conversations are asked)."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import asdict
-from pathlib import Path
 from typing import List
 
 from dsrecipes.commands.args import parse
@@ -13,24 +13,24 @@ from dsrecipes.fileio import atomic_write_json
 
 def main(argv: List[str]) -> int:
     from dsrecipes import prompt_eval as pe
-    from dsrecipes.export import EXPORT_DIR, EXPORT_INIT_DIR
+    from dsrecipes.inference import resolve_model_path
 
-    parser = argparse.ArgumentParser(prog="dsrecipes prompt-eval", description=pe.__doc__.split("\n")[0])
-    parser.add_argument("--baseline", required=True, help="HF model dir, or a run dir (uses RUN/export_init)")
-    parser.add_argument("--finetuned", required=True, help="HF model dir, or a run dir (uses RUN/export)")
-    parser.add_argument("--prompts", default=str(pe.DEFAULT_PROMPTS), help="JSONL with prompt (+ reference, system)")
+    parser = argparse.ArgumentParser(prog="dsrecipes prompt-eval", description=pe.__doc__.split("\n")[0],
+                                     epilog="--prompts format: one JSON object per line with 'prompt' and optional "
+                                            "'reference' and 'system' (example: dsrecipes/assets/sample_data/"
+                                            "prompts.jsonl); default: the run's validation conversations")
+    parser.add_argument("--finetuned", required=True, help="run dir, export, merged or adapter-only LoRA export")
+    parser.add_argument("--baseline", default=None, help="run dir (its starting model) or any model dir")
+    parser.add_argument("--prompts", default=None, help="JSONL: prompt, optional reference and system")
+    parser.add_argument("--limit", type=int, default=32, help="at most this many prompts (default 32)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--json", default=None, help="also write the answers and scores to this JSON file")
     args = parse(parser, argv)
-    prompts = pe.read_prompts(Path(args.prompts))
-    finetuned_dir = pe.model_dir(args.finetuned, EXPORT_DIR)
-    baseline_dir = pe.model_dir(args.baseline, EXPORT_INIT_DIR)
-    tokenizer = pe.load_tokenizer(finetuned_dir)
-    scores = {}
-    for name, path in (("baseline", baseline_dir), ("finetuned", finetuned_dir)):
-        model_tokenizer = pe.load_tokenizer(path, chat_template=tokenizer.chat_template)
-        scores[name] = pe.evaluate_model(pe.load_model(path), model_tokenizer, prompts, args.max_new_tokens)
-    pe.print_side_by_side(prompts, scores)
+    finetuned = resolve_model_path(args.finetuned)
+    baseline = resolve_model_path(args.baseline, baseline=True) if args.baseline else None
+    rows = pe.prompt_rows(finetuned, args.prompts, args.limit)
+    scores = pe.compare(finetuned, baseline, rows, args.max_new_tokens)
+    pe.print_side_by_side(rows, scores)
     if args.json:
         atomic_write_json(args.json, {k: asdict(v) for k, v in scores.items()}, indent=1)
     return 0

@@ -168,7 +168,7 @@ def _run_once(hydra: Any, overrides: List[str]) -> None:
     composed = _compose(hydra, overrides)
     cfg = load_config(composed, overrides=overrides)  # exit 2 here: no run directory is created
     composed.hydra.mode = RunMode.RUN
-    check_machine(cfg)
+    cfg = check_machine(cfg)
     run_dir, key = _single_run_dir(composed, cfg, overrides)
     cfg = with_run_dir(cfg, run_dir)
     started = time.perf_counter()
@@ -272,7 +272,7 @@ def _run_job(cfg: TrainConfig) -> None:
     with held:
         _quiet(run_dir)
         try:
-            check_machine(cfg)  # in the claimed job directory: the sweep's summary shows why the job failed
+            cfg = check_machine(cfg)  # in the claimed job directory: the sweep's summary shows why the job failed
         except UserError as exc:
             _report(run_dir, exc)
             return

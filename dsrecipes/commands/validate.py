@@ -7,6 +7,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from dsrecipes.commands.args import override_parser, parse
+from dsrecipes.config.defaults import config_warnings, model_name
 from dsrecipes.config.groups import RECIPE_GROUP, group_options
 from dsrecipes.config.load import check_composition, compose, compose_and_load, hydra_context
 from dsrecipes.errors import ConfigError
@@ -25,8 +26,10 @@ def main(argv: List[str]) -> int:
     problems = check_environment(cfg)  # paths on this machine, without loading a model
     if problems:
         raise ConfigError(problems)
+    for warning in config_warnings(cfg):
+        print(f"warning: {warning}", file=sys.stderr)
     print(
-        f"OK: data={cfg.data.kind.value} dataset={cfg.dataset.name} model={cfg.model.name} "
+        f"OK: data={cfg.data.kind.value} dataset={cfg.dataset.name} model={model_name(cfg)} "
         f"zero={cfg.zero.stage} offload={cfg.offload.label} precision={cfg.precision.dtype.value} "
         f"launcher={cfg.launcher.kind.value}"
     )

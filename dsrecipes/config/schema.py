@@ -42,6 +42,7 @@ class TrainOn(str, Enum):
 
 
 class TemplateKind(str, Enum):
+    auto = "auto"  # tokenizer's own when model.path's tokenizer has one, else chatml/plain (data/template_choice.py)
     tokenizer = "tokenizer"  # the tokenizer's own chat_template
     chatml = "chatml"
     llama3 = "llama3"
@@ -198,6 +199,7 @@ class LoraConfig:
     dropout: float = 0.05
     target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     only_optimize_lora: bool = True
+    finetune_lr: float = 2e-4  # this model's LoRA learning rate: used when optimizer.lr is null
 
 
 @dataclass
@@ -212,17 +214,20 @@ class TinyModelConfig:
     max_position_embeddings: int = 1024
     tie_word_embeddings: bool = True  # share input and output embeddings (most of a tiny model is embeddings)
     seed: int = 1234  # init seed, independent of trainer.seed: the same start model whatever the data order
+    finetune_lr: float = 3e-3  # its learning rate (full or LoRA) when optimizer.lr is null: random init learns fast
 
 
 @dataclass
 class ModelConfig:
     name: str = "tiny"
-    path: Optional[str] = None  # local HF directory; None = embedded tiny model + bundled tokenizer
+    path: Optional[str] = None  # local HF directory or hub id Org/Name; None = embedded tiny model + bundled tokenizer
     tokenizer_path: Optional[str] = None  # defaults to `path`
+    revision: Optional[str] = None  # hub id only: branch, tag or commit (the launch records the commit it got)
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     attn_implementation: AttnImpl = AttnImpl.sdpa
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
+    finetune_lr: float = 2e-5  # full fine-tune learning rate of a model at `path` when optimizer.lr is null
     num_params: Optional[int] = None  # for `estimate` when the weights are not on this machine
     arch: Dict[str, Any] = field(default_factory=dict)  # HF config fields (model_type, hidden_size, ...) for `estimate`
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -230,7 +235,7 @@ class ModelConfig:
 
 @dataclass
 class TemplateConfig:
-    name: TemplateKind = TemplateKind.chatml
+    name: TemplateKind = TemplateKind.auto
     separator: str = "\n\n"  # plain template: between turns
     default_system: Optional[str] = None  # used when a sample has no system prompt
 
@@ -274,7 +279,7 @@ class PrecisionConfig:
 @dataclass
 class OptimizerConfig:
     name: OptimizerKind = OptimizerKind.adamw
-    lr: float = 3e-3  # suits the embedded tiny model; real-model groups and recipes set their own
+    lr: Optional[float] = None  # null: the model's own (config/defaults.py: learning_rate)
     weight_decay: float = 0.01
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8

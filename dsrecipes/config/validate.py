@@ -18,6 +18,7 @@ from dsrecipes.config.schema import (
     ResumeMode,
     TrainConfig,
 )
+from dsrecipes.hub import check_hub_paths, is_hub_id
 
 # launcher.env: variables a recipe may export to every rank. Configs are data, so nothing that makes a process load
 # code it would not load otherwise: no PYTHON*, LD_*, PATH, no plugin/library/injection paths, no compiled-kernel or
@@ -85,8 +86,11 @@ def _batch(cfg: TrainConfig) -> List[str]:
         errors.append(f"trainer.gradient_clipping: must be >= 0 (0 disables), got {t.gradient_clipping}")
     if t.resume is ResumeMode.never and t.resume_from is not None:
         errors.append("trainer.resume_from: set, but trainer.resume=never starts from step 0; drop one of them")
-    if cfg.optimizer.lr <= 0:
-        errors.append(f"optimizer.lr: must be > 0, got {cfg.optimizer.lr}")
+    m = cfg.model
+    for key, lr in (("optimizer.lr", cfg.optimizer.lr), ("model.finetune_lr", m.finetune_lr),
+                    ("model.lora.finetune_lr", m.lora.finetune_lr), ("model.tiny.finetune_lr", m.tiny.finetune_lr)):
+        if lr is not None and lr <= 0:
+            errors.append(f"{key}: must be > 0, got {lr}")
     if len(cfg.optimizer.betas) != 2:
         errors.append(f"optimizer.betas: needs two values, got {cfg.optimizer.betas}")
     if cfg.scheduler.warmup_steps < 0:
@@ -226,9 +230,9 @@ def _files(cfg: TrainConfig) -> List[str]:
     if cfg.data.kind is DataKind.presharded:
         checks.append(("data.shard_dir", cfg.data.shard_dir))
     for key, path in checks:
-        if path and not os.path.exists(os.path.expanduser(path)):
+        if path and not os.path.exists(os.path.expanduser(path)) and not (key.startswith("model.") and is_hub_id(path)):
             errors.append(f"{key}: {path!r} does not exist")
-    return errors
+    return errors + check_hub_paths(cfg)
 
 
 def check_runtime(cfg: TrainConfig, *, cuda_available: bool) -> List[str]:

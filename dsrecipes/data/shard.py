@@ -246,8 +246,10 @@ def check_identity(cfg: Any, tokenizer: Any) -> Dict[str, Any]:
     """What decides whether a row passes: the template config, the tokenizer itself and the row size limit."""
     from dsrecipes.config.load import config_to_dict
     from dsrecipes.data.cache import tokenizer_fingerprint
+    from dsrecipes.data.template_choice import choose_template
 
-    return {"template": config_to_dict(cfg.template), "tokenizer": tokenizer_fingerprint(tokenizer),
+    template = choose_template(cfg.template, tokenizer, cfg.model.path)  # `auto` as the launch resolves it
+    return {"template": config_to_dict(template), "tokenizer": tokenizer_fingerprint(tokenizer),
             "max_row_bytes": cfg.dataset.max_row_bytes}
 
 

@@ -16,18 +16,31 @@ Templates (`template.name`):
   human_assistant  "\\n\\nHuman: q\\n\\nAssistant: a<eos>" (Anthropic HH style)
   tokenizer        the tokenizer's own chat_template; trained spans found by rendering prefixes (the text added by
                    the assistant message after the generation prompt, trailing whitespace excluded). A template
-                   that rewrites earlier turns (not prefix-stable) makes the row bad (`template_error`).
+                   that rewrites earlier turns (not prefix-stable) makes the row bad (`template_error`), and so
+                   does one that refuses the row (e.g. "roles must alternate"), with the template's own message.
 The system prompt is the sample's (`system` field or leading system turn), else `template.default_system`
-(vicuna: FastChat's own when both are missing); tools text is appended to it ("Tools: ...").
+(vicuna: FastChat's own when both are missing); tools text is appended to it ("Tools: ..."). Tools and tool calls
+are rendered in their canonical JSON (data/messages.py), so that data/jinja.py's export of each template renders
+exactly these strings from structured `tools` / `tool_calls`.
+
+A conversation may open with an assistant turn (a greeting before the first user message): every template trains
+it like any other reply, after whatever the template puts first (system prompt, header).
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from dsrecipes.config.schema import TemplateConfig, TemplateKind, TrainOn
 from dsrecipes.data.badrows import BadReason, BadRow
+from dsrecipes.data.messages import (
+    chat_messages,
+    messages_for,
+    system_with_tools,
+    tool_call,
+    tool_call_text,
+    tools_schema,
+)
 from dsrecipes.data.sharegpt import Conversation, Role, Turn
 
 
@@ -52,15 +65,16 @@ REQUIRED_TOKENS: Dict[TemplateKind, Tuple[str, ...]] = {
     TemplateKind.plain: (),
     TemplateKind.human_assistant: (),
     TemplateKind.tokenizer: (),
+    TemplateKind.auto: (),  # resolved to one of the above before rendering (data/template_choice.py)
 }
 
 
 def system_text(conv: Conversation, cfg: TemplateConfig, fallback: Optional[str] = None) -> Optional[str]:
-    system = conv.system if conv.system is not None else (cfg.default_system if cfg.default_system is not None else fallback)
-    if conv.tools:
-        block = f"Tools: {conv.tools}"
-        system = f"{system}\n\n{block}" if system else block
-    return system
+    if conv.system is not None or (conv.tools and tools_schema(conv.tools) is None):
+        system = conv.system  # tools as text make up the system prompt, no default in front (messages.py)
+    else:
+        system = cfg.default_system if cfg.default_system is not None else fallback
+    return system_with_tools(system, conv.tools)
 
 
 def _chatml(conv: Conversation, cfg: TemplateConfig, tokenizer: Any) -> List[Piece]:
@@ -72,11 +86,18 @@ def _chatml(conv: Conversation, cfg: TemplateConfig, tokenizer: Any) -> List[Pie
         if t.role is Role.assistant:
             out += [("<|im_start|>assistant\n", None), (f"{t.content}<|im_end|>", i), ("\n", None)]
         elif t.role is Role.tool_call:
-            out += [("<|im_start|>assistant\n", None), (f"<tool_call>\n{t.content}\n</tool_call><|im_end|>", i), ("\n", None)]
+            call = tool_call_text(t.content)
+            body = f"<tool_call>\n{call}\n</tool_call>" if tool_call(t.content) is not None else call  # see messages.py
+            out += [("<|im_start|>assistant\n", None), (f"{body}<|im_end|>", i), ("\n", None)]
         else:
             name = "tool" if t.role is Role.observation else "user"
             out.append((f"<|im_start|>{name}\n{t.content}<|im_end|>\n", None))
     return out
+
+
+def _reply(t: Turn) -> str:
+    """A reply's text: tool calls in their canonical JSON (messages.py), so the exported template renders the same."""
+    return tool_call_text(t.content) if t.role is Role.tool_call else t.content
 
 
 def _llama3(conv: Conversation, cfg: TemplateConfig, tokenizer: Any) -> List[Piece]:
@@ -89,7 +110,7 @@ def _llama3(conv: Conversation, cfg: TemplateConfig, tokenizer: Any) -> List[Pie
         out.append((f"{header('system')}{system}<|eot_id|>", None))
     for i, t in enumerate(conv.turns):
         if t.role in (Role.assistant, Role.tool_call):
-            out += [(header("assistant"), None), (f"{t.content}<|eot_id|>", i)]
+            out += [(header("assistant"), None), (f"{_reply(t)}<|eot_id|>", i)]
         else:
             out.append((f"{header('ipython' if t.role is Role.observation else 'user')}{t.content}<|eot_id|>", None))
     return out
@@ -99,7 +120,7 @@ def _vicuna(conv: Conversation, cfg: TemplateConfig, tokenizer: Any) -> List[Pie
     out: List[Piece] = [(f"{tokenizer.bos_token or ''}{system_text(conv, cfg, VICUNA_SYSTEM)} ", None)]
     for i, t in enumerate(conv.turns):
         if t.role in (Role.assistant, Role.tool_call):
-            out += [("ASSISTANT: ", None), (f"{t.content}</s>", i)]
+            out += [("ASSISTANT: ", None), (f"{_reply(t)}</s>", i)]
         else:
             out.append((f"{'OBSERVATION' if t.role is Role.observation else 'USER'}: {t.content} ", None))
     return out
@@ -114,7 +135,7 @@ def _plain(conv: Conversation, cfg: TemplateConfig, tokenizer: Any) -> List[Piec
     out: List[Piece] = [] if system is None else [(f"### System: {system}{sep}", None)]
     for i, t in enumerate(conv.turns):
         if t.role in (Role.assistant, Role.tool_call):
-            out += [("### Assistant: ", None), (f"{t.content}{eos}", i), (sep, None)]
+            out += [("### Assistant: ", None), (f"{_reply(t)}{eos}", i), (sep, None)]
         else:
             out.append((f"### {_PLAIN_NAMES[t.role]}: {t.content}{sep}", None))
     return out
@@ -126,7 +147,7 @@ def _human_assistant(conv: Conversation, cfg: TemplateConfig, tokenizer: Any) ->
     out: List[Piece] = [] if system is None else [(system, None)]
     for i, t in enumerate(conv.turns):
         if t.role in (Role.assistant, Role.tool_call):
-            out += [("\n\nAssistant: ", None), (f"{t.content}{eos}", i)]
+            out += [("\n\nAssistant: ", None), (f"{_reply(t)}{eos}", i)]
         else:
             out.append((f"\n\n{'Observation' if t.role is Role.observation else 'Human'}: {t.content}", None))
     return out
@@ -134,39 +155,20 @@ def _human_assistant(conv: Conversation, cfg: TemplateConfig, tokenizer: Any) ->
 
 def hf_messages(conv: Conversation, cfg: TemplateConfig) -> Tuple[List[Dict[str, Any]], Optional[list]]:
     """Conversation -> (messages, tools) for `tokenizer.apply_chat_template` (tool calls as `tool_calls`)."""
-    tools = None
-    system = conv.system if conv.system is not None else cfg.default_system
-    if conv.tools:
-        try:
-            parsed = json.loads(conv.tools)
-        except (ValueError, RecursionError):  # not JSON: kept as text
-            parsed = None
-        if isinstance(parsed, list) and all(isinstance(x, dict) for x in parsed):
-            tools = parsed
-        else:  # not a JSON list of schemas: keep the text in the system prompt
-            system = f"{system}\n\nTools: {conv.tools}" if system else f"Tools: {conv.tools}"
-    messages: List[Dict[str, Any]] = [] if system is None else [{"role": "system", "content": system}]
-    for t in conv.turns:
-        messages.append(_hf_message(t))
-    return messages, tools
+    return chat_messages(conv, cfg.default_system)
 
 
-def _hf_message(t: Turn) -> Dict[str, Any]:
-    if t.role is Role.tool_call:
-        try:
-            call = json.loads(t.content)
-        except (ValueError, RecursionError):
-            call = None
-        if isinstance(call, dict) and isinstance(call.get("name"), str):
-            fn = {"name": call["name"], "arguments": call.get("arguments", {})}
-            return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": fn}]}
-        return {"role": "assistant", "content": t.content}
-    role = {Role.user: "user", Role.assistant: "assistant", Role.observation: "tool"}[t.role]
-    return {"role": role, "content": t.content}
+def tokenizer_messages(conv: Conversation, cfg: TemplateConfig, tokenizer: Any) -> Tuple[List[Dict[str, Any]], Optional[list]]:
+    """(messages, tools) as template=tokenizer gives them to the model's own chat_template, in training and at
+    inference alike: JSON tools / tool calls as structured data only when the template reads them."""
+    return messages_for(conv, tokenizer.chat_template, cfg.default_system)
+
+
+_REPLY_MARK = "DSRECIPESREPLYMARK"
 
 
 def _tokenizer_template(conv: Conversation, cfg: TemplateConfig, tokenizer: Any) -> List[Piece]:
-    messages, tools = hf_messages(conv, cfg)
+    messages, tools = tokenizer_messages(conv, cfg, tokenizer)
     offset = len(messages) - len(conv.turns)  # the system message, if any
 
     def apply(msgs: List[Dict[str, Any]], generation: bool) -> str:
@@ -181,8 +183,9 @@ def _tokenizer_template(conv: Conversation, cfg: TemplateConfig, tokenizer: Any)
     for i, t in enumerate(conv.turns):
         if t.role not in (Role.assistant, Role.tool_call):
             continue
-        before = apply(messages[: offset + i], True)
-        after = full if offset + i + 1 == len(messages) else apply(messages[: offset + i + 1], False)
+        k = offset + i
+        before = apply(messages[:k], True) if k > 0 else _opening_prompt(apply, messages[0])
+        after = full if k + 1 == len(messages) else apply(messages[: k + 1], False)
         if not (full.startswith(after) and after.startswith(before) and len(before) >= pos):
             raise BadRow(BadReason.template_error, f"chat_template is not prefix-stable at turn {i}; use a built-in template")
         body = after[len(before):].rstrip()
@@ -190,6 +193,17 @@ def _tokenizer_template(conv: Conversation, cfg: TemplateConfig, tokenizer: Any)
         pos = len(before) + len(body)
     out.append((full[pos:], None))
     return out
+
+
+def _opening_prompt(apply: Callable[[List[Dict[str, Any]], bool], str], first: Dict[str, Any]) -> str:
+    """What a template renders before a reply that opens the conversation (no system, no user turn before it).
+    transformers refuses to render an empty conversation, so render the reply alone with a marker for its text and
+    keep what precedes the marker (a default system prompt, the assistant header), as for any other reply."""
+    text = apply([{"role": first["role"], "content": _REPLY_MARK}], False)
+    if _REPLY_MARK not in text:
+        raise BadRow(BadReason.template_error, "chat_template does not render a conversation that opens with an "
+                     "assistant turn; drop that turn or use a built-in template")
+    return text[: text.index(_REPLY_MARK)]
 
 
 RENDERERS: Dict[TemplateKind, Callable[[Conversation, TemplateConfig, Any], List[Piece]]] = {

@@ -7,7 +7,9 @@ differ and why the fast one matches inference):
   segment borders by character offsets. Used when no token straddles a border and every prompt tokenizes as it does
   alone, which a probe at construction checks for the template, and `FullText.spans` for every conversation;
 - per segment (the fallback, per conversation): every prompt and every reply tokenized on its own (identical texts,
-  e.g. role headers, once), so a trained span never shares a token with the prompt.
+  e.g. role headers, once), so a trained span never shares a token with the prompt. Segments after the first of a
+  conversation are encoded without a SentencePiece start marker (data/spm.py), else a "▁" tokenizer (Llama-2 /
+  Mistral-v1 style) would put a spurious space at the start of every reply.
 
 Truncation (`data.cutoff_len`) keeps the head and cuts whole turns from the end: a sample keeps the longest run of
 complete assistant/tool-call replies that fits. When not even the first reply fits (or that leaves nothing trained,
@@ -45,7 +47,9 @@ from dsrecipes.data.badrows import BadReason, BadRow
 from dsrecipes.data.labels import IGNORE_INDEX
 from dsrecipes.data.sharegpt import Conversation, Role, Turn
 from dsrecipes.data.spans import FullText, Spans
+from dsrecipes.data.spm import continuation_encoder
 from dsrecipes.data.template import Segment, check_template, render
+from dsrecipes.data.template_choice import choose_template
 from dsrecipes.errors import ConfigError
 
 LONG_TEXT_FACTOR = 8  # characters per token of cutoff_len above which a text is tokenized by its prefixes
@@ -99,14 +103,16 @@ class Encoder:
         if backend is None:
             raise ConfigError("model.tokenizer_path: a fast (Rust `tokenizers`) tokenizer is needed for batched "
                               "tokenization; this one is a slow Python tokenizer")
-        problems = check_template(cfg.template, tokenizer)
+        template = choose_template(cfg.template, tokenizer, cfg.model.path)  # template=auto outside a launch
+        problems = check_template(template, tokenizer)
         if problems:
             raise ConfigError(problems)
         self.tokenizer = tokenizer
-        self.template = cfg.template
+        self.template = template
         self.train_on = cfg.data.train_on
         self.cutoff_len = cfg.data.cutoff_len
         self._encode_fast = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        self._encode_cont = continuation_encoder(backend)  # None: segments need no different treatment
         self.long_text = LONG_TEXT_FACTOR * (self.cutoff_len + HEAD_MARGIN)
         self._full = FullText(backend) if full_text is not False else None
         if self._full is not None and full_text is None and not self._probe():
@@ -197,46 +203,52 @@ class Encoder:
         sizes = [len(seg.text) for seg in segs]
         return max(sizes) <= self.long_text and sum(sizes) <= ONE_TEXT_SEGMENTS * self.long_text
 
-    def encode_texts(self, texts: List[str]) -> List[List[int]]:
+    def encode_texts(self, texts: List[str], continuation: bool = False) -> List[List[int]]:
+        """Token ids of each text; `continuation`: the text goes on from earlier text (no start marker)."""
         if not texts:
             return []
-        return [e.ids for e in self._encode_fast(texts, add_special_tokens=False)]
+        encode = self._encode_cont if continuation and self._encode_cont is not None else self._encode_fast
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
 
-    def _encode_segments(self, texts: List[str]) -> Tuple[List[List[int]], Dict[int, str]]:
-        """(ids of each text, {index: why} of texts the tokenizer refused). Long texts give their head only."""
+    def _encode_segments(self, keys: List[Tuple[bool, str]]) -> Tuple[List[List[int]], Dict[int, str]]:
+        """(ids of each (continuation, text), {index: why} of texts the tokenizer refused). Long texts give their
+        head only."""
         try:
-            return self._segment_ids(texts), {}
+            return self._segment_ids(keys), {}
         except Exception:  # noqa: BLE001 - find the text(s) the tokenizer refuses, one by one
             pass
         ids: List[List[int]] = []
         refused: Dict[int, str] = {}
-        for i, text in enumerate(texts):
+        for i, key in enumerate(keys):
             try:
-                ids += self._segment_ids([text])
+                ids += self._segment_ids([key])
             except Exception as exc:  # noqa: BLE001 - the Rust tokenizer raises TypeError, ValueError, Exception
                 ids.append([])
                 refused[i] = f"{type(exc).__name__}: {exc}"
         return ids, refused
 
-    def _segment_ids(self, texts: List[str]) -> List[List[int]]:
-        long = {i for i, t in enumerate(texts) if len(t) > self.long_text}
-        short = [t for i, t in enumerate(texts) if i not in long]
-        done = iter(self.encode_texts(short))
-        return [self._head_ids(t) if i in long else next(done) for i, t in enumerate(texts)]
+    def _segment_ids(self, keys: List[Tuple[bool, str]]) -> List[List[int]]:
+        """Short texts batched per kind (first segment / continuation), long ones by their head."""
+        out: List[Optional[List[int]]] = [None] * len(keys)
+        for continuation in (False, True):
+            idx = [i for i, (cont, t) in enumerate(keys) if cont is continuation and len(t) <= self.long_text]
+            for i, ids in zip(idx, self.encode_texts([keys[i][1] for i in idx], continuation)):
+                out[i] = ids
+        return [self._head_ids(text, cont) if ids is None else ids for ids, (cont, text) in zip(out, keys)]
 
-    def _head_ids(self, text: str) -> List[int]:
+    def _head_ids(self, text: str, continuation: bool = False) -> List[int]:
         """The first cutoff_len + 1 tokens of a long text, from prefixes of it (memory bounded by cutoff_len)."""
         need = self.cutoff_len + 1
         size, agreed = self.long_text, None
         while size < len(text):
-            ids = self.encode_texts([text[:size]])[0]
+            ids = self.encode_texts([text[:size]], continuation)[0]
             if len(ids) >= need + HEAD_MARGIN:
                 if ids[:need] == agreed:
                     return agreed
                 agreed, size = ids[:need], size * 2
             else:
                 agreed, size = None, size * 4
-        return self.encode_texts([text])[0][:need]
+        return self.encode_texts([text], continuation)[0][:need]
 
     def _spans(self, rendered: List[List[Segment]]) -> List[Optional[Spans]]:
         texts = [[seg.text for seg in segs] for segs in rendered]
@@ -261,21 +273,23 @@ class Encoder:
     def _segment_spans(self, rendered: List[List[Segment]]) -> List[Union[Spans, BadRow]]:
         """Spans from every segment tokenized alone (identical texts once; long ones by their head), or the BadRow
         (tokenizer_error) of a conversation holding a text the tokenizer refuses."""
-        index: Dict[str, int] = {}
-        for segs in rendered:
-            for seg in segs:
-                index.setdefault(seg.text, len(index))
+        # (continues the conversation, text): a SentencePiece tokenizer encodes later segments without a start marker
+        keys = [[(j > 0 and self._encode_cont is not None, seg.text) for j, seg in enumerate(segs)] for segs in rendered]
+        index: Dict[Tuple[bool, str], int] = {}
+        for conv_keys in keys:
+            for key in conv_keys:
+                index.setdefault(key, len(index))
         encoded, refused = self._encode_segments(list(index))
         out: List[Union[Spans, BadRow]] = []
-        for segs in rendered:
-            failed = next((refused[index[seg.text]] for seg in segs if index[seg.text] in refused), None)
+        for conv_keys in keys:
+            failed = next((refused[index[k]] for k in conv_keys if index[k] in refused), None)
             if failed is not None:
                 out.append(BadRow(BadReason.tokenizer_error, failed))
                 continue
             ids: List[int] = []
             starts = [0]
-            for seg in segs:
-                ids += encoded[index[seg.text]]
+            for key in conv_keys:
+                ids += encoded[index[key]]
                 starts.append(len(ids))
             out.append((np.array(ids, dtype=np.int32), starts))
         return out

@@ -1,0 +1,76 @@
+"""Derived defaults: values that follow from other keys. Not part of `load_config` (the default composition stays
+the bare schema): the launching process applies `with_derived_defaults` before it writes config.yaml (resolve.py),
+so a run directory holds the concrete values; commands that read a composed config directly call what they need.
+
+- `optimizer.lr: null` (the optimizer groups' default) is the model's own learning rate (`learning_rate`):
+  `model.tiny.finetune_lr` (3e-3) for the embedded tiny model, else `model.finetune_lr` for a full fine-tune and
+  `model.lora.finetune_lr` with LoRA. Model groups set those for their model (schema defaults 2e-5 and 2e-4, which
+  also apply to `model.path=...` on the default group), so `model=NAME` alone trains at a sensible rate; an explicit
+  `optimizer.lr=...` wins. (Named `finetune_lr`, not `lr`, so `trainer.lr` still suggests `optimizer.lr`.)
+- `model.name` still "tiny" (the default group) while `model.path` names another model: the path's last part
+  (`/models/Qwen2.5-0.5B-Instruct` -> `Qwen2.5-0.5B-Instruct`, a hub id as it is), so logs and `estimate` name the
+  model being trained. `~` in model paths is expanded (transformers does not).
+- relative data paths (`dataset.paths`, `dataset.sources[i].paths`, `dataset.registry`) become absolute, so the run's
+  config.yaml means the same files from any working directory (ranks, `prompt-eval` reading the validation split).
+
+`config_warnings` names legal but probably unintended settings (a tiny-model learning rate on a pretrained model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import PurePath
+from typing import List
+
+from dsrecipes.config.schema import OptimizerKind, TrainConfig
+
+TINY_NAME = "tiny"
+HIGH_LR = 1e-3  # above this, adaptive optimizers tend to wreck a pretrained model
+
+
+def learning_rate(cfg: TrainConfig) -> float:
+    """The learning rate a run uses: `optimizer.lr`, or the model's own when that is null."""
+    if cfg.optimizer.lr is not None:
+        return cfg.optimizer.lr
+    if cfg.model.path is None:
+        return cfg.model.tiny.finetune_lr
+    return cfg.model.lora.finetune_lr if cfg.model.lora.enabled else cfg.model.finetune_lr
+
+
+def model_name(cfg: TrainConfig) -> str:
+    path = cfg.model.path
+    if not path or cfg.model.name != TINY_NAME:
+        return cfg.model.name
+    from dsrecipes.hub import is_hub_id
+
+    return path if is_hub_id(path) else PurePath(os.path.expanduser(path).rstrip("/")).name or path
+
+
+def with_derived_defaults(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with the values above filled in (a new config)."""
+    m, ds = cfg.model, cfg.dataset
+    model = dataclasses.replace(m, name=model_name(cfg), path=_expand(m.path), tokenizer_path=_expand(m.tokenizer_path))
+    sources = [dataclasses.replace(s, paths=_absolute(s.paths)) for s in ds.sources]
+    registry = _absolute([ds.registry])[0] if ds.registry else ds.registry
+    dataset = dataclasses.replace(ds, paths=_absolute(ds.paths), sources=sources, registry=registry)
+    optimizer = dataclasses.replace(cfg.optimizer, lr=learning_rate(cfg))
+    return dataclasses.replace(cfg, model=model, dataset=dataset, optimizer=optimizer)
+
+
+def _expand(path):
+    return os.path.expanduser(path) if path else path
+
+
+def _absolute(paths: List[str]) -> List[str]:
+    return [os.path.abspath(os.path.expanduser(p)) for p in paths]
+
+
+def config_warnings(cfg: TrainConfig) -> List[str]:
+    """Legal but probably unintended settings (printed by the launch, never fatal)."""
+    lr = learning_rate(cfg)
+    if cfg.model.path and lr > HIGH_LR and cfg.optimizer.name is not OptimizerKind.sgd:
+        return [f"optimizer.lr: {lr:g} is a learning rate for the embedded tiny model; a pretrained model "
+                f"({model_name(cfg)}) usually fine-tunes at ~1e-5..5e-5 (full) or ~1e-4..3e-4 (LoRA). "
+                "Leave optimizer.lr unset to use the model group's model.finetune_lr / model.lora.finetune_lr"]
+    return []

@@ -1,0 +1,154 @@
+"""Load any model a run produces (or starts from) and talk to it with the run's template: prompt-eval and chat.
+
+Accepted paths (`resolve_model_path`):
+  a run directory   RUN/export (or, for a baseline, RUN/export_init, else the run's base model at model.path)
+  a full export     a directory with config.json (also a LoRA export merged into the base)
+  an adapter export a directory with adapter_config.json (LoRA only): loaded onto the base it names
+  a base model      any Hugging Face model directory (config.json + tokenizer)
+The prompt is rendered by the chat template of the fine-tuned export, which is the training template
+(serving.py); tokens are produced the way training produced them (prompt as one text, a reply continuing it without
+a SentencePiece start marker, data/spm.py), and generation stops at the export's end-of-turn tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from dsrecipes.errors import UserError
+from dsrecipes.export import EXPORT_DIR, EXPORT_INFO, EXPORT_INIT_DIR
+
+Messages = List[Dict[str, Any]]
+
+
+@dataclass
+class ModelPath:
+    path: Path  # the directory to load (config.json or adapter_config.json inside)
+    adapter: bool  # LoRA adapter only: load `base` first
+    base: Optional[Path] = None
+    run_dir: Optional[Path] = None  # the run it came from, when known (its config.yaml and validation data)
+
+
+def resolve_model_path(arg: str, baseline: bool = False) -> ModelPath:
+    """`arg` (see module doc) -> what to load. `baseline`: a run directory means its starting model."""
+    p = Path(arg).expanduser().resolve()
+    if (p / "config.yaml").is_file() and not (p / "config.json").is_file():
+        return _from_run(p, baseline)
+    if (p / "adapter_config.json").is_file():
+        base = json.loads((p / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
+        if not base or not (Path(base) / "config.json").is_file():
+            raise UserError(f"{p}: a LoRA adapter whose base model {base!r} is not a local model directory here")
+        return ModelPath(p, True, Path(base), _run_of(p))
+    if (p / "config.json").is_file():
+        return ModelPath(p, False, None, _run_of(p))
+    raise UserError(f"{arg}: not a run directory, a Hugging Face model directory (config.json) or a LoRA adapter "
+                    "export (adapter_config.json)")
+
+
+def _from_run(run: Path, baseline: bool) -> ModelPath:
+    if baseline:
+        if (run / EXPORT_INIT_DIR / "config.json").is_file():
+            return ModelPath(run / EXPORT_INIT_DIR, False, None, run)
+        from dsrecipes.config.load import load_run_config
+
+        base = load_run_config(run).model.path  # a real model: the model the run started from
+        if base and (Path(base) / "config.json").is_file():
+            return ModelPath(Path(base), False, None, run)
+        raise UserError(f"{run}: no {EXPORT_INIT_DIR}/ and no local base model at model.path to compare against")
+    if not (run / EXPORT_DIR).is_dir():
+        raise UserError(f"{run}: the run has no {EXPORT_DIR}/ (trainer.export=false?); write one with "
+                        f"`dsrecipes export {run} --out {run / EXPORT_DIR}`")
+    found = resolve_model_path(str(run / EXPORT_DIR))
+    found.run_dir = run
+    return found
+
+
+def _run_of(model_dir: Path) -> Optional[Path]:
+    info = model_dir / EXPORT_INFO
+    if not info.is_file():
+        return None
+    run = json.loads(info.read_text(encoding="utf-8")).get("run_dir")
+    return Path(run) if run and (Path(run) / "config.yaml").is_file() else None
+
+
+class ChatModel:
+    """A loaded model plus the tokenizer whose chat template renders the run's format."""
+
+    def __init__(self, where: ModelPath, chat_template: Optional[str] = None, stop_ids: Optional[List[int]] = None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from dsrecipes.data.spm import continuation_encoder
+
+        self.where = where
+        self.tokenizer = AutoTokenizer.from_pretrained(str(where.path))
+        if chat_template is not None:
+            self.tokenizer.chat_template = chat_template
+        if not self.tokenizer.chat_template:
+            raise UserError(f"{where.path}: the tokenizer has no chat_template, so prompts cannot be rendered")
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        load = AutoModelForCausalLM.from_pretrained
+        model = load(str(where.base if where.adapter else where.path), dtype=torch.float32)
+        if where.adapter:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(where.path))
+            model.generation_config = _generation_config(where.path, model.generation_config)
+        self.model = model.to(device).eval()
+        self.stop_ids = stop_ids if stop_ids is not None else _as_list(self.model.generation_config.eos_token_id)
+        if not self.stop_ids and self.tokenizer.eos_token_id is not None:
+            self.stop_ids = [self.tokenizer.eos_token_id]
+        self._continue = continuation_encoder(self.tokenizer.backend_tokenizer)
+
+    def prompt_text(self, messages: Messages, tools: Optional[list] = None) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+
+    def encode(self, text: str, continuation: bool = False) -> List[int]:
+        if continuation and self._continue is not None:
+            return self._continue([text], add_special_tokens=False)[0].ids
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: List[int], max_new_tokens: int, streamer: Any = None) -> List[int]:
+        """Greedy continuation of `prompt_ids`, up to and including the first end-of-turn token."""
+        ids = torch.tensor([prompt_ids], device=self.model.device)
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                  do_sample=False, eos_token_id=self.stop_ids, pad_token_id=self.tokenizer.pad_token_id,
+                                  streamer=streamer)
+        return out[0, len(prompt_ids):].tolist()
+
+    def answer_text(self, new_ids: List[int]) -> str:
+        return self.tokenizer.decode(new_ids, skip_special_tokens=True).strip()
+
+    @torch.no_grad()
+    def reference_loss(self, messages: Messages, tools: Optional[list], reference: str) -> float:
+        """Mean next-token loss of `reference` as the reply to `messages`, with its end-of-turn text, tokenized the
+        way training tokenizes a reply (the trained span)."""
+        prompt = self.prompt_text(messages, tools)
+        full = self.tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": reference}],
+                                                  tools=tools, tokenize=False)
+        reply = full[len(prompt):].rstrip() if full.startswith(prompt) else reference + (self.tokenizer.eos_token or "")
+        prompt_ids, reply_ids = self.encode(prompt), self.encode(reply, continuation=True)
+        ids = torch.tensor([prompt_ids + reply_ids], device=self.model.device)
+        labels = torch.full_like(ids, -100)
+        labels[0, len(prompt_ids):] = ids[0, len(prompt_ids):]
+        return float(self.model(input_ids=ids, labels=labels, use_cache=False).loss)
+
+
+def _as_list(value: Any) -> List[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _generation_config(path: Path, fallback: Any) -> Any:
+    from transformers import GenerationConfig
+
+    if (path / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(str(path))
+    return fallback
