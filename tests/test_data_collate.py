@@ -6,7 +6,8 @@ import pytest
 
 from dsrecipes.data.collate import collate
 from dsrecipes.data.labels import IGNORE_INDEX
-from dsrecipes.data.tokenize import Example, pack
+from dsrecipes.data.packing import pack
+from dsrecipes.data.tokenize import Example
 
 PAD = 0
 

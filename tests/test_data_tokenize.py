@@ -9,8 +9,9 @@ import pytest
 from dsrecipes.config.schema import TemplateConfig, TemplateKind, TrainConfig, TrainOn
 from dsrecipes.data.badrows import BadReason, BadRow
 from dsrecipes.data.labels import IGNORE_INDEX
+from dsrecipes.data.packing import pack, pack_plan, packing_efficiency
 from dsrecipes.data.sharegpt import Conversation, Role, Turn
-from dsrecipes.data.tokenize import Encoder, Example, pack, pack_plan, packing_efficiency
+from dsrecipes.data.tokenize import Encoder, Example
 from dsrecipes.paths import TINY_TOKENIZER_DIR
 
 

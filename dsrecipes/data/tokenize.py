@@ -1,4 +1,4 @@
-"""Conversations -> token ids + labels (batched), truncation, and packing.
+"""Conversations -> token ids + labels (batched) and truncation.
 
 Tokenization is batched (one Rust `encode_batch` call per chunk of conversations) with `add_special_tokens=False`,
 because templates spell out their own bos/eos text. Two ways, same labels (spans.py says where the tokens can
@@ -28,17 +28,13 @@ twice the other) agree on them with HEAD_MARGIN tokens to spare. `cutoff_len + 1
 decide exactly as the full length would (the segment overflows either way). A conversation whose text is longer
 than that threshold never takes the one-text path (it would be tokenized whole): it is tokenized per segment.
 
-Packing (`data.packing=true`): best-fit-decreasing over sample lengths (deterministic: ties keep input order) into
-rows of at most `cutoff_len` tokens; `position_ids` restart at 0 for each sample, and the first label of every
-sample is -100 so no token is trained to predict across a sample boundary.
+Packing of the encoded samples: data/packing.py.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections import deque
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -63,14 +59,6 @@ class Example:
     input_ids: List[int]
     labels: List[int]
     truncated: bool = False  # turns (or tokens) were cut to fit data.cutoff_len
-
-
-@dataclass
-class PackedRow:
-    ids: List[str]
-    input_ids: List[int]
-    labels: List[int]
-    position_ids: List[int]
 
 
 @dataclass
@@ -345,61 +333,3 @@ def _through_last_turn(segs: List[Segment]) -> List[Segment]:
         if segs[j].closes_turn:
             return segs if j == len(segs) - 1 else segs[: j + 1]
     return []
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Packing
-
-
-def pack_plan(lengths: Sequence[int], cutoff_len: int) -> List[List[int]]:
-    """Best-fit-decreasing: indices of samples per row, rows in creation order, samples in placement order.
-
-    Longest first (ties in input order); each goes to the open row with the least room that still fits it, else
-    a new row. Open rows are bucketed by free room, so a placement costs O(log cutoff_len).
-    """
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    rows: List[List[int]] = []
-    rooms: List[int] = []  # sorted distinct free-room values that have open rows
-    by_room: Dict[int, Deque[int]] = {}  # free room -> open rows with that room (oldest first)
-    for i in order:
-        length = lengths[i]
-        if length > cutoff_len:
-            raise ValueError(f"sample of {length} tokens exceeds cutoff_len={cutoff_len}")
-        j = bisect.bisect_left(rooms, length)
-        if j < len(rooms):
-            room = rooms[j]
-            bucket = by_room[room]
-            row = bucket.popleft()
-            if not bucket:
-                del by_room[room]
-                rooms.pop(j)
-        else:
-            room, row = cutoff_len, len(rows)
-            rows.append([])
-        rows[row].append(i)
-        room -= length
-        if room > 0:
-            if room not in by_room:
-                bisect.insort(rooms, room)
-                by_room[room] = deque()
-            by_room[room].append(row)
-    return rows
-
-
-def pack(examples: Sequence[Example], cutoff_len: int) -> List[PackedRow]:
-    out = []
-    for members in pack_plan([len(e.input_ids) for e in examples], cutoff_len):
-        row = PackedRow([], [], [], [])
-        for i in members:
-            ex = examples[i]
-            row.ids.append(ex.id)
-            row.input_ids.extend(ex.input_ids)
-            row.labels.extend([IGNORE_INDEX] + ex.labels[1:])
-            row.position_ids.extend(range(len(ex.input_ids)))
-        out.append(row)
-    return out
-
-
-def packing_efficiency(num_tokens: int, num_rows: int, cutoff_len: int) -> float:
-    """Real tokens / token slots of the packed rows."""
-    return num_tokens / (num_rows * cutoff_len) if num_rows else 0.0

@@ -83,7 +83,7 @@ class RowEncoder:
         examples = [e for e in encoded if e is not None]
         self.dropped += len(convs) - len(examples) - len(errors)
         if self.packing:
-            from dsrecipes.data.tokenize import pack
+            from dsrecipes.data.packing import pack
 
             return [_row(p.ids, p.input_ids, p.labels, p.position_ids) for p in pack(examples, self.cutoff_len)]
         return [_row([e.id], e.input_ids, e.labels, list(range(len(e.input_ids)))) for e in examples]
