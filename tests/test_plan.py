@@ -12,15 +12,7 @@ import itertools
 import numpy as np
 import pytest
 
-from dsrecipes.data.plan import (
-    EpochPlan,
-    Layout,
-    Position,
-    StreamShuffle,
-    epoch_order,
-    file_order,
-    resume_point,
-)
+from dsrecipes.data.plan import EpochPlan, Layout, Position, StreamShuffle, epoch_order, file_order, resume_point
 from dsrecipes.data.sampler import StreamTooShort, map_micro_batches, select_slots
 from dsrecipes.data.strategies import Prepared, plan_steps
 

@@ -187,8 +187,8 @@ def run_and_read_evals(run_dir: Path, *overrides: str):
 def test_real_runs_evaluate_map_val_paths_and_a_presharded_validation_part(files, val_shard, tmp_path):
     import math
 
-    from dsrecipes.data.shard import shard
     from dsrecipes.config.load import compose_and_load
+    from dsrecipes.data.shard import shard
 
     root, _, _ = files
     write_rows(root / "val.jsonl", LINES[100:111], "val")

@@ -199,7 +199,6 @@ def write_parts(lines: Iterator[bytes], assignment: Optional[Sequence[int]], par
 def assign_parts(tokens: Sequence[int], parts: int, balance: ShardBalance, val_size: float, seed: int) -> List[int]:
     """Part of each sample (-1: the validation part): `val_size` samples held out by `splits.split_val` (seeded
     like a run's), the others dealt round-robin (`samples`) or balanced by tokens."""
-    from dsrecipes.data.splits import split_val
 
     held = set(split_val(len(tokens), val_size, seed))
     rest = [i for i in range(len(tokens)) if i not in held]
