@@ -26,7 +26,7 @@ from dsrecipes.data.strategies.base import Batch, Row, TrainLoader
 from dsrecipes.data.strategies.eval import EvalLoader
 from dsrecipes.data.strategies.protocol import Prepared, RankData, rows_of_plan
 from dsrecipes.data.strategies.rows import RowEncoder, make_collate
-from dsrecipes.data.stream_index import BlockSource, StreamIndex
+from dsrecipes.data.stream_index import INDEX_FILE, BlockSource, StreamIndex, read_stream_index
 from dsrecipes.data.stream_plan import epoch_visits
 from dsrecipes.data.stream_reader import ItemFetcher, read_stretch
 from dsrecipes.data.stream_segments import LocalShuffle, Segment, epoch_segment
@@ -180,8 +180,6 @@ class IterableStrategy:
 
     def open(self, cfg: TrainConfig, run_dir: str, rank: int, world_size: int, plan: RunPlan) -> StreamIndex:
         """The index the launching process wrote, checked against the files and the plan (once per rank)."""
-        from dsrecipes.data.stream_index import INDEX_FILE, read_stream_index
-
         index = read_stream_index(run_dir)
         if index is None:
             raise DataError(f"{run_dir}/{INDEX_FILE}: missing; the launching process indexes the stream before any "
