@@ -52,7 +52,7 @@ class Decision:
     """What the run continues from and on which data, decided before anything is written (see `decide`)."""
 
     topology: Topology
-    tokenizer: Any  # map data: the tokenizer of the preparation key (None otherwise)
+    tokenizer: Any  # the strategy's `needs_tokenizer` (map: the preparation key hashes it), else None
     data_fingerprint: str
     data_files: Dict[str, str]
     resume: Optional[ResumePlan]

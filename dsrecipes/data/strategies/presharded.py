@@ -203,6 +203,7 @@ def write_val_rows(cfg: TrainConfig, run_dir: Path) -> int:
     from dsrecipes.model import load_tokenizer
 
     run_dir = Path(run_dir)
+    (run_dir / VAL_QUARANTINE).unlink(missing_ok=True)  # an earlier launch's list, never beside this one's rows
     report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, run_dir / VAL_QUARANTINE)
     source = SourceConfig(name="validation", paths=list(cfg.dataset.val_paths))
     rows = 0
