@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from dsrecipes.config.load import config_to_dict
 from dsrecipes.config.schema import LauncherKind, TrainConfig
-from dsrecipes.data.strategies import Prepared, plan_steps, strategy_of
+from dsrecipes.data.strategies import PrepareResult, plan_steps, strategy_of
 from dsrecipes.errors import ConfigError, Refused, UserError
 from dsrecipes.rundir import CHECKPOINTS_DIR
 from dsrecipes.runplan import ResumePlan, RunPlan, write_plan
@@ -187,7 +187,7 @@ def check_resume(cfg: TrainConfig, resume: ResumePlan, fingerprint: str, files: 
         print(line, flush=True)
 
 
-def plan_data(cfg: TrainConfig, run_dir: Path, tokenizer: Any, fingerprint: str, world_size: int) -> Prepared:
+def plan_data(cfg: TrainConfig, run_dir: Path, tokenizer: Any, fingerprint: str, world_size: int) -> PrepareResult:
     """The strategy's preparation (map: prepare and cache; iterable: index and scan; presharded: check the parts)
     and what it found: the training rows of an epoch, the validation rows. The data must still be what `decide`
     fingerprinted. `trainer.eval_every` with no validation data is a note, here, once."""

@@ -39,12 +39,12 @@ from dsrecipes.data.strategies.eval import EvalLoader
 from dsrecipes.data.strategies.iterable import IterableStrategy
 from dsrecipes.data.strategies.map import MapStrategy
 from dsrecipes.data.strategies.presharded import PreshardedStrategy
-from dsrecipes.data.strategies.protocol import DataStrategy, Prepared, RankData
+from dsrecipes.data.strategies.protocol import DataStrategy, PrepareResult, RankData
 from dsrecipes.runplan import RunPlan
 
 STRATEGIES: Dict[DataKind, DataStrategy] = {s.kind: s for s in (MapStrategy(), IterableStrategy(), PreshardedStrategy())}
 
-__all__ = ["STRATEGIES", "DataStrategy", "Prepared", "RankData", "audit_config", "build_loaders", "plan_steps",
+__all__ = ["STRATEGIES", "DataStrategy", "PrepareResult", "RankData", "audit_config", "build_loaders", "plan_steps",
            "strategy_of"]
 
 
@@ -52,7 +52,7 @@ def strategy_of(cfg: TrainConfig) -> DataStrategy:
     return STRATEGIES[cfg.data.kind]
 
 
-def plan_steps(cfg: TrainConfig, world_size: int, prepared: Prepared) -> Tuple[Optional[int], int]:
+def plan_steps(cfg: TrainConfig, world_size: int, prepared: PrepareResult) -> Tuple[Optional[int], int]:
     """(steps_per_epoch, total_steps) for a run, as every rank will execute it (DataError: an epoch has no step)."""
     per_epoch = strategy_of(cfg).steps_per_epoch(cfg, Layout.from_cfg(cfg, world_size), prepared)
     return per_epoch, total_steps(cfg, per_epoch)

@@ -24,7 +24,7 @@ from dsrecipes.data.plan import Layout, require_steps, steps_per_epoch
 from dsrecipes.data.sampler import StreamSpec
 from dsrecipes.data.strategies.base import Batch, Row, TrainLoader
 from dsrecipes.data.strategies.eval import EvalLoader
-from dsrecipes.data.strategies.protocol import Prepared, RankData, rows_of_plan
+from dsrecipes.data.strategies.protocol import PrepareResult, RankData, rows_of_plan
 from dsrecipes.data.strategies.rows import RowEncoder, make_collate
 from dsrecipes.data.stream_index import INDEX_FILE, BlockSource, StreamIndex, read_stream_index
 from dsrecipes.data.stream_plan import epoch_visits
@@ -166,14 +166,14 @@ class IterableStrategy:
         sources = resolve_sources(cfg.dataset)
         return data_fingerprint(cfg, sources), data_files(cfg, sources)
 
-    def prepare(self, cfg: TrainConfig, run_dir: Path, tokenizer: Any, world_size: int) -> Prepared:
+    def prepare(self, cfg: TrainConfig, run_dir: Path, tokenizer: Any, world_size: int) -> PrepareResult:
         """Index (and scan) the stream, write `<run>/stream_index.*`: the samples of one epoch, counted."""
         from dsrecipes.data.scan import prepare_stream
 
         rows, fingerprint, val = prepare_stream(cfg, run_dir)
-        return Prepared(rows, fingerprint, val)
+        return PrepareResult(rows, fingerprint, val)
 
-    def steps_per_epoch(self, cfg: TrainConfig, layout: Layout, prepared: Prepared) -> Optional[int]:
+    def steps_per_epoch(self, cfg: TrainConfig, layout: Layout, prepared: PrepareResult) -> Optional[int]:
         rows = cfg.data.num_samples if prepared.rows is None else prepared.rows
         per_epoch = None if rows is None else steps_per_epoch(rows, layout)
         return require_steps(per_epoch, f"{rows} training rows", layout)

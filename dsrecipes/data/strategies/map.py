@@ -17,7 +17,7 @@ from dsrecipes.data.plan import EpochPlan, Layout, require_steps, steps_per_epoc
 from dsrecipes.data.sampler import map_micro_batches
 from dsrecipes.data.strategies.base import Batch, Row, TrainLoader, loader_generator, worker_ignores_stop_signals
 from dsrecipes.data.strategies.eval import EvalLoader
-from dsrecipes.data.strategies.protocol import Prepared, RankData, rows_of_plan
+from dsrecipes.data.strategies.protocol import PrepareResult, RankData, rows_of_plan
 from dsrecipes.data.strategies.rows import make_collate
 from dsrecipes.runplan import RunPlan
 
@@ -107,14 +107,14 @@ class MapStrategy:
         sources = resolve_sources(cfg.dataset)
         return preparation_key(cfg, tokenizer, sources), data_files(cfg, sources)
 
-    def prepare(self, cfg: TrainConfig, run_dir: Path, tokenizer: Any, world_size: int) -> Prepared:
+    def prepare(self, cfg: TrainConfig, run_dir: Path, tokenizer: Any, world_size: int) -> PrepareResult:
         from dsrecipes.data.prepare import prepare
 
         prepared = prepare(cfg, tokenizer, run_dir)
         val = 0 if prepared.val is None else len(prepared.val)
-        return Prepared(len(prepared.train), prepared.stats["cache_key"], val)
+        return PrepareResult(len(prepared.train), prepared.stats["cache_key"], val)
 
-    def steps_per_epoch(self, cfg: TrainConfig, layout: Layout, prepared: Prepared) -> Optional[int]:
+    def steps_per_epoch(self, cfg: TrainConfig, layout: Layout, prepared: PrepareResult) -> Optional[int]:
         return require_steps(steps_per_epoch(prepared.rows, layout), f"{prepared.rows} training rows", layout)
 
     def open(self, cfg: TrainConfig, run_dir: str, rank: int, world_size: int, plan: RunPlan) -> Any:

@@ -30,7 +30,7 @@ from dsrecipes.data.sampler import Item, StreamSpec, select_slots
 from dsrecipes.data.shard import Manifest, checked_alike, read_manifest, verify_part, verify_val_part
 from dsrecipes.data.strategies.base import Batch, Row, TrainLoader
 from dsrecipes.data.strategies.eval import EvalLoader
-from dsrecipes.data.strategies.protocol import Prepared, RankData, rows_of_plan
+from dsrecipes.data.strategies.protocol import PrepareResult, RankData, rows_of_plan
 from dsrecipes.data.strategies.rows import RowEncoder, make_collate
 from dsrecipes.errors import DataError
 from dsrecipes.fileio import atomic_writer
@@ -126,14 +126,14 @@ class PreshardedStrategy:
     def identity(self, cfg: TrainConfig, tokenizer: Any) -> Tuple[str, Dict[str, str]]:
         return read_manifest(cfg.data.shard_dir).fingerprint, {}
 
-    def prepare(self, cfg: TrainConfig, run_dir: Path, tokenizer: Any, world_size: int) -> Prepared:
+    def prepare(self, cfg: TrainConfig, run_dir: Path, tokenizer: Any, world_size: int) -> PrepareResult:
         manifest = read_manifest(cfg.data.shard_dir, world_size=world_size)
         if cfg.data.prescan:
             check_parts(cfg, run_dir, manifest)
         val = write_val_rows(cfg, run_dir) if cfg.dataset.val_paths else manifest.val_count
-        return Prepared(manifest.total, manifest.fingerprint, val, detail=tuple(manifest.counts))
+        return PrepareResult(manifest.total, manifest.fingerprint, val, detail=tuple(manifest.counts))
 
-    def steps_per_epoch(self, cfg: TrainConfig, layout: Layout, prepared: Prepared) -> Optional[int]:
+    def steps_per_epoch(self, cfg: TrainConfig, layout: Layout, prepared: PrepareResult) -> Optional[int]:
         counts = list(prepared.detail)
         what = f"the smallest part of {cfg.data.shard_dir} ({min(counts)} samples)"
         return require_steps(presharded_steps(counts, layout), what, layout)

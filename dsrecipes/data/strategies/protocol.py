@@ -3,7 +3,7 @@ strategy, implemented once per `DataKind` (map.py, iterable.py, presharded.py) a
 
 Launching process (entry.py), in this order:
     identity(cfg, tokenizer)            -> (fingerprint, {file: content hash}): read-only, for the resume contract
-    prepare(cfg, run_dir, tokenizer, world_size) -> Prepared: all of the strategy's I/O before any rank starts
+    prepare(cfg, run_dir, tokenizer, world_size) -> PrepareResult: all of the strategy's I/O before any rank starts
     steps_per_epoch(cfg, layout, prepared) -> optimizer steps per epoch: arithmetic on what `prepare` found
 Each rank (train.py), with the plan it read once:
     open(cfg, run_dir, rank, world_size, plan) -> what the rank reads (index, prepared data, manifest), read once
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class Prepared:
+class PrepareResult:
     """What the launching process found while preparing: recorded in plan.json and used for the step count."""
 
     rows: Optional[int]  # training samples (rows) of one epoch; None: a stream of unknown length
@@ -63,11 +63,11 @@ class DataStrategy(Protocol):
         """(fingerprint, {training file: content hash}) without writing anything."""
         ...
 
-    def prepare(self, cfg: TrainConfig, run_dir: Path, tokenizer: Any, world_size: int) -> Prepared:
+    def prepare(self, cfg: TrainConfig, run_dir: Path, tokenizer: Any, world_size: int) -> PrepareResult:
         """The launching process's part: prepare, index or check the data; bad rows fail here."""
         ...
 
-    def steps_per_epoch(self, cfg: TrainConfig, layout: "Layout", prepared: Prepared) -> Optional[int]:
+    def steps_per_epoch(self, cfg: TrainConfig, layout: "Layout", prepared: PrepareResult) -> Optional[int]:
         """Optimizer steps per epoch, equal on every rank (DataError when an epoch has none)."""
         ...
 
