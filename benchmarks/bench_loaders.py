@@ -97,8 +97,10 @@ def throughput(conversations: int, work: Path) -> List[Dict[str, object]]:
     from dsrecipes.config.load import compose_and_load
     from dsrecipes.data.prepare import prepare
     from dsrecipes.data.shard import shard
-    from dsrecipes.data.strategies import build_train_loader
+    from dsrecipes.data.strategies import build_loaders
+    from dsrecipes.entry import with_run_dir, write_run_dir
     from dsrecipes.model import load_tokenizer
+    from dsrecipes.topology import Topology
 
     paths = generate(work / "corpus", conversations, files=5)
     base = overrides_for(paths, work / "cache")
@@ -122,7 +124,9 @@ def throughput(conversations: int, work: Path) -> List[Dict[str, object]]:
     for name, extra in kinds.items():
         for workers in (0, 2):
             c = compose_and_load(base + extra + [f"data.num_workers={workers}"])
-            loader = build_train_loader(c, tok, 0, 2, run)
+            run_k = work / f"run-{name}-{workers}"  # the launching process's part (map: a cache hit), then rank 0
+            plan = write_run_dir(with_run_dir(c, run_k), Topology(2, 1, 2))
+            loader = build_loaders(c, tok, 0, 2, run_k, plan)[0]
             results.append({"strategy": f"{name} (rank 0 of 2)", "workers": workers, **measure(loader)})
     results.append({"strategy": "one-off: prepare (map)", "seconds": round(prep_s, 2)})
     results.append({"strategy": "one-off: shard --parts 2 (presharded)", "seconds": round(shard_s, 2)})
@@ -131,13 +135,18 @@ def throughput(conversations: int, work: Path) -> List[Dict[str, object]]:
 
 def memory_child(path: str, conversations: int) -> None:
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.data.strategies import build_train_loader
+    from dsrecipes.data.strategies import build_loaders
+    from dsrecipes.entry import with_run_dir, write_run_dir
     from dsrecipes.model import load_tokenizer
+    from dsrecipes.topology import Topology
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = compose_and_load(overrides_for([path], Path(tmp)) + ["data=iterable", f"data.num_samples={conversations}"])
+        cfg = compose_and_load(overrides_for([path], Path(tmp)) + ["data=iterable", f"data.num_samples={conversations}",
+                                                                   "data.prescan=false"])
         tok = load_tokenizer(cfg)
-        loader = build_train_loader(cfg, tok, 0, MEMORY_WORLD, tmp)
+        run = Path(tmp) / "run"  # the launching process indexes the stream (no pre-scan: the loader's memory only)
+        plan = write_run_dir(with_run_dir(cfg, run), Topology(MEMORY_WORLD, 1, MEMORY_WORLD))
+        loader = build_loaders(cfg, tok, 0, MEMORY_WORLD, run, plan)[0]
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         stats = measure(loader)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -44,9 +44,10 @@ def measure(root: Path, name: str, data_file: Path, packing: bool, cutoff: int, 
     import torch
 
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.data.prepare import prepare
-    from dsrecipes.data.strategies import build_train_loader
+    from dsrecipes.data.strategies import build_loaders
+    from dsrecipes.entry import write_run_dir
     from dsrecipes.model import build_model, load_tokenizer, micro_batch_loss
+    from dsrecipes.topology import Topology
 
     run_dir = root / name
     run_dir.mkdir(parents=True)
@@ -56,8 +57,8 @@ def measure(root: Path, name: str, data_file: Path, packing: bool, cutoff: int, 
         f"data.cache_dir={root / 'cache'}", f"trainer.output_dir={run_dir}",
     ])
     tokenizer = load_tokenizer(cfg)
-    prepare(cfg, tokenizer, run_dir)
-    loader = build_train_loader(cfg, tokenizer, 0, 1, run_dir)
+    plan = write_run_dir(cfg, Topology(1, 1, 1))  # prepare and plan, as the launching process does
+    loader = build_loaders(cfg, tokenizer, 0, 1, run_dir, plan)[0]
     loader.set_epoch(0)
     batches = list(loader)
     real = sum(int(b["num_tokens"]) for b in batches)

@@ -11,13 +11,14 @@ read that directory.
 from __future__ import annotations
 
 import dataclasses
-import glob
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 from dsrecipes.config.load import config_to_dict
-from dsrecipes.config.schema import DataKind, LauncherKind, TrainConfig
+from dsrecipes.config.schema import LauncherKind, TrainConfig
+from dsrecipes.data.strategies import PrepareResult, plan_steps, strategy_of
 from dsrecipes.errors import ConfigError, Refused, UserError
 from dsrecipes.rundir import CHECKPOINTS_DIR
 from dsrecipes.runplan import ResumePlan, RunPlan, write_plan
@@ -51,7 +52,7 @@ class Decision:
     """What the run continues from and on which data, decided before anything is written (see `decide`)."""
 
     topology: Topology
-    tokenizer: Any  # map data: the tokenizer of the preparation key (None otherwise)
+    tokenizer: Any  # the strategy's `needs_tokenizer` (map: the preparation key hashes it), else None
     data_fingerprint: str
     data_files: Dict[str, str]
     resume: Optional[ResumePlan]
@@ -70,7 +71,7 @@ def decide(cfg: TrainConfig, topology: Optional[Topology] = None) -> Decision:
 
         check_out_dir(run_dir / EXPORT_DIR, "trainer.export")
     tokenizer = None
-    if cfg.data.kind is DataKind.map:
+    if strategy_of(cfg).needs_tokenizer:  # map: the preparation cache key hashes the tokenizer
         from dsrecipes.model import load_tokenizer
 
         tokenizer = load_tokenizer(cfg)
@@ -117,15 +118,14 @@ def with_run_dir(cfg: TrainConfig, hydra_run_dir: Path) -> TrainConfig:
 def plan_run(cfg: TrainConfig, run_dir: Path, decision: Decision) -> RunPlan:
     """Every decision the ranks follow: what they read, how many steps, where they resume from."""
     from dsrecipes.checkpoint_find import committed
-    from dsrecipes.data.plan import plan_steps
 
     topology = decision.topology
-    rows = plan_data(cfg, run_dir, decision.tokenizer, decision.data_fingerprint)
-    per_epoch, total = plan_steps(cfg, topology.world_size, rows)
+    prepared = plan_data(cfg, run_dir, decision.tokenizer, decision.data_fingerprint, topology.world_size)
+    per_epoch, total = plan_steps(cfg, topology.world_size, prepared)
     newest = committed(run_dir / CHECKPOINTS_DIR)
     return RunPlan(world_size=topology.world_size, num_nodes=topology.num_nodes, data_kind=cfg.data.kind.value,
-                   rows=rows, steps_per_epoch=per_epoch, total_steps=total, data_fingerprint=decision.data_fingerprint,
-                   resume=decision.resume, data_files=decision.data_files,
+                   rows=prepared.rows, steps_per_epoch=per_epoch, total_steps=total,
+                   data_fingerprint=decision.data_fingerprint, resume=decision.resume, data_files=decision.data_files,
                    newest_checkpoint=newest[0].name if newest else None,
                    supervised=cfg.launcher.kind is not LauncherKind.slurm)
 
@@ -151,21 +151,9 @@ def check_fresh_start(cfg: TrainConfig, run_dir: Path) -> None:
 
 
 def data_identity(cfg: TrainConfig, tokenizer: Any) -> Tuple[str, Dict[str, str]]:
-    """(fingerprint, {file: content hash}) of the training data, without writing anything: the preparation cache
-    key (`map`: files, dataset and preparation settings, tokenizer), the shard manifest's (`presharded`), or the
-    stream's (`iterable`)."""
-    if cfg.data.kind is DataKind.presharded:
-        from dsrecipes.data.shard import read_manifest
-
-        return read_manifest(cfg.data.shard_dir).fingerprint, {}
-    from dsrecipes.data.cache import cache_key, data_files, data_fingerprint
-    from dsrecipes.data.registry import resolve_sources
-
-    sources = resolve_sources(cfg.dataset)
-    files = data_files(cfg, sources)
-    if cfg.data.kind is DataKind.map:
-        return cache_key(cfg, tokenizer, sources), files
-    return data_fingerprint(cfg, sources), files
+    """(fingerprint, {file: content hash}) of the training data, without writing anything (the strategy's
+    `identity`: map's preparation cache key, the shard manifest's, the stream's)."""
+    return strategy_of(cfg).identity(cfg, tokenizer)
 
 
 def check_resume(cfg: TrainConfig, resume: ResumePlan, fingerprint: str, files: Dict[str, str]) -> None:
@@ -199,43 +187,18 @@ def check_resume(cfg: TrainConfig, resume: ResumePlan, fingerprint: str, files: 
         print(line, flush=True)
 
 
-def plan_data(cfg: TrainConfig, run_dir: Path, tokenizer: Any, fingerprint: str) -> Optional[int]:
-    """Training rows of an epoch, after preparing (`map`), indexing and scanning (`iterable`: the samples of one
-    epoch, counted by the stream index) or reading the shard manifest (`presharded`). The data must still be what
-    `decide` fingerprinted."""
-    if cfg.data.kind is DataKind.map:
-        from dsrecipes.data.prepare import prepare
-
-        prepared = prepare(cfg, tokenizer, run_dir)
-        rows, now = len(prepared.train), prepared.stats["cache_key"]
-    elif cfg.data.kind is DataKind.presharded:
-        from dsrecipes.data.shard import read_manifest
-
-        manifest = read_manifest(cfg.data.shard_dir)
-        if cfg.data.prescan:
-            _check_parts(cfg, run_dir, manifest)
-        rows, now = manifest.total, manifest.fingerprint
-    else:
-        from dsrecipes.data.scan import prepare_stream
-
-        rows, now = prepare_stream(cfg, run_dir)
-    if now != fingerprint:
+def plan_data(cfg: TrainConfig, run_dir: Path, tokenizer: Any, fingerprint: str, world_size: int) -> PrepareResult:
+    """The strategy's preparation (map: prepare and cache; iterable: index and scan; presharded: check the parts)
+    and what it found: the training rows of an epoch, the validation rows. The data must still be what `decide`
+    fingerprinted. `trainer.eval_every` with no validation data is a note, here, once."""
+    prepared = strategy_of(cfg).prepare(cfg, Path(run_dir), tokenizer, world_size)
+    if prepared.fingerprint != fingerprint:
         raise UserError("the training data changed while the run was being planned; start it again")
-    return rows
-
-
-def _check_parts(cfg: TrainConfig, run_dir: Path, manifest) -> None:
-    """Parts are checked by `dsrecipes shard` with its template and tokenizer; with another one, a row could fail to
-    render or tokenize mid-run, so the parts are scanned first."""
-    from dsrecipes.config.schema import SourceConfig
-    from dsrecipes.data.scan import scan_sources
-    from dsrecipes.data.shard import checked_alike
-    from dsrecipes.model import load_tokenizer
-
-    if checked_alike(manifest.checked_with, cfg, load_tokenizer(cfg)):
-        return
-    parts = [SourceConfig(name=f"part{r}", paths=[glob.escape(manifest.part_path(r))]) for r in range(manifest.parts)]
-    scan_sources(cfg, run_dir, parts)
+    if prepared.val_rows == 0 and cfg.trainer.eval_every > 0:
+        print(f"note: trainer.eval_every={cfg.trainer.eval_every}, but this run has no validation data, so it will "
+              "not evaluate (give dataset.val_paths or dataset.val_size; for data=presharded, "
+              "`dsrecipes shard --val-size N` or dataset.val_paths)", file=sys.stderr, flush=True)
+    return prepared
 
 
 def describe_plan(plan: RunPlan) -> str:

@@ -90,7 +90,7 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
     """Join the process group, build model, loaders and engine, and load the planned checkpoint."""
     import deepspeed
 
-    from dsrecipes.data.strategies import build_eval_loader, build_train_loader
+    from dsrecipes.data.strategies import build_loaders
 
     plan = read_plan(run_dir)
     check_plan_current(plan, run_dir)
@@ -107,8 +107,7 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
     model = build_model(cfg, tokenizer, ds_config)
     if rank == 0 and cfg.trainer.export and cfg.model.path is None and not (run_dir / EXPORT_INIT_DIR).is_dir():
         export_initial(cfg, tokenizer, run_dir / EXPORT_INIT_DIR)  # the prompt-eval baseline of the tiny model
-    train_loader = build_train_loader(cfg, tokenizer, rank, world_size, run_dir)
-    eval_loader = build_eval_loader(cfg, tokenizer, rank, world_size, run_dir)
+    train_loader, eval_loader = build_loaders(cfg, tokenizer, rank, world_size, run_dir, plan)  # data read once
     check_loader(train_loader, plan)
     resume = open_resume(plan.resume)
     schedule = functools.partial(StepScheduler, cfg=cfg.scheduler, peak_lr=learning_rate(cfg),

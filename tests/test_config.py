@@ -129,8 +129,11 @@ def test_iterable_epochs_need_no_length_but_stream_keys_are_checked():
         "data.block_bytes: must be >= 1 (or null: automatic), got 0",
         "data.num_samples: must be >= 1 (or null: the stream's count), got 0",
     ]
-    (msg,) = _problems("dataset.val_paths=[/x.jsonl]")
-    assert msg.startswith("dataset.val_paths: read by data=iterable only")
+    for kind in ("map", "iterable", "presharded"):  # every strategy evaluates on validation files (issue 22)
+        extra = ["data.shard_dir=/shards"] if kind == "presharded" else []
+        assert compose_and_load([f"data={kind}", "dataset.val_paths=[/x.jsonl]", *extra], check_files=False)
+    assert _problems("data=presharded") == [
+        "data.shard_dir: data=presharded needs the directory written by `dsrecipes shard`"]
 
 
 def test_files_must_exist():

@@ -207,7 +207,7 @@ def test_presharded_run_with_another_template_scans_its_parts(make_cfg, tmp_path
     part = read_manifest(str(tmp_path / "parts")).part_path(0)
     run = ["data=presharded", f"data.shard_dir={tmp_path / 'parts'}", "trainer.max_steps=2", "scheduler.warmup_steps=0"]
     fingerprint = read_manifest(str(tmp_path / "parts")).fingerprint
-    assert plan_data(make_cfg(*run), tmp_path / "run", None, fingerprint) == 9  # same template and tokenizer: no scan
+    assert plan_data(make_cfg(*run), tmp_path / "run", None, fingerprint, 1).rows == 9  # same template, tokenizer: no scan
     refusing = [f"model.tokenizer_path={refusing_tokenizer}", "template=tokenizer"]
     with pytest.raises(DataError, match=rf"{part}:3: template_error \(this template refuses the row\)"):
-        plan_data(make_cfg(*run, *refusing), tmp_path / "run", None, fingerprint)
+        plan_data(make_cfg(*run, *refusing), tmp_path / "run", None, fingerprint, 1)

@@ -12,17 +12,9 @@ import itertools
 import numpy as np
 import pytest
 
-from dsrecipes.data.plan import (
-    EpochPlan,
-    Layout,
-    Position,
-    StreamShuffle,
-    epoch_order,
-    file_order,
-    plan_steps,
-    resume_point,
-)
+from dsrecipes.data.plan import EpochPlan, Layout, Position, StreamShuffle, epoch_order, file_order, resume_point
 from dsrecipes.data.sampler import StreamTooShort, map_micro_batches, select_slots
+from dsrecipes.data.strategies import PrepareResult, plan_steps
 
 WORLDS = range(1, 9)
 WORKERS = range(0, 5)
@@ -199,16 +191,21 @@ def test_stream_too_short_and_unknown_length():
 def test_plan_steps(make_cfg):
     cfg = make_cfg("trainer.micro_batch_size=4", "trainer.grad_accum=2", "trainer.max_steps=null", "trainer.epochs=3",
                    check_files=False)
-    assert plan_steps(cfg, 2, 100) == (6, 18)
+    assert plan_steps(cfg, 2, PrepareResult(100, "")) == (6, 18)
     cfg = make_cfg("data=iterable", "trainer.max_steps=70", check_files=False)
-    assert plan_steps(cfg, 4, None) == (None, 70)
+    assert plan_steps(cfg, 4, PrepareResult(None, "")) == (None, 70)
     cfg = make_cfg("data=iterable", "data.num_samples=1000", "trainer.max_steps=null", "trainer.epochs=2",
                    "trainer.micro_batch_size=8", check_files=False)
-    assert plan_steps(cfg, 4, None) == (31, 62)
+    assert plan_steps(cfg, 4, PrepareResult(None, "")) == (31, 62)
     from dsrecipes.errors import DataError
 
-    with pytest.raises(DataError, match="do not fill one global batch"):
-        plan_steps(cfg, 4, 20)
+    with pytest.raises(DataError, match="20 training rows do not fill one global batch"):
+        plan_steps(cfg, 4, PrepareResult(20, ""))
+    cfg = make_cfg("data=presharded", "data.shard_dir=/s", "trainer.micro_batch_size=4", "trainer.grad_accum=2",
+                   "trainer.max_steps=null", "trainer.epochs=2", check_files=False)
+    assert plan_steps(cfg, 3, PrepareResult(60, "", detail=(21, 20, 19))) == (2, 4)  # the smallest part: 19 // 8
+    with pytest.raises(DataError, match=r"the smallest part of /s \(7 samples\) do not fill"):
+        plan_steps(cfg, 2, PrepareResult(27, "", detail=(20, 7)))
 
 
 def test_layout_arithmetic():

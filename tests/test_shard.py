@@ -93,23 +93,28 @@ def test_assign_balanced_counts_and_tokens():
 
 def test_presharded_loaders_read_only_their_part(sharded, tmp_path):
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.data.strategies import build_train_loader
+    from dsrecipes.data.strategies import build_loaders
     from dsrecipes.model import load_tokenizer
+    from tests.helpers.launching import plan_like_launcher
 
     cfg = compose_and_load(["debug=fast", "data=presharded", f"data.shard_dir={sharded}", "data.num_workers=2",
                             "trainer.micro_batch_size=4"])
     tok = load_tokenizer(cfg)
     m = read_manifest(str(sharded))
     ids = part_ids(sharded, m)
+    plan = plan_like_launcher(cfg, tmp_path, 3)
+    assert plan.rows == m.total and plan.steps_per_epoch == min(m.counts) // 4
     seen = []
     for rank in range(3):
-        lo = build_train_loader(cfg, tok, rank, 3, tmp_path)
-        assert lo.steps_per_epoch == min(m.counts) // 4
+        lo, ev = build_loaders(cfg, tok, rank, 3, tmp_path, plan)
+        assert lo.steps_per_epoch == min(m.counts) // 4 and ev is None  # no validation part, no val_paths
         got = [i for b in lo for i in b["ids"]]
         assert len(got) == lo.steps_per_epoch * 4 and set(got) <= set(ids[rank])
         seen.append(got)
     with pytest.raises(DataError, match="holds 3 parts but the run has 2 ranks"):
-        build_train_loader(cfg, tok, 0, 2, tmp_path)
+        build_loaders(cfg, tok, 0, 2, tmp_path, plan)
+    with pytest.raises(DataError, match="holds 3 parts but the run has 2 ranks"):  # refused before any rank starts
+        plan_like_launcher(cfg, tmp_path / "two", 2)
 
 
 def test_modified_part_is_refused(tmp_path):

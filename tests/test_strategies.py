@@ -277,25 +277,25 @@ def test_loader_is_a_trainloader():
 @pytest.fixture(scope="module")
 def prepared_run(tmp_path_factory):
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.data.prepare import prepare
     from dsrecipes.model import load_tokenizer
+    from tests.helpers.launching import plan_like_launcher
 
     run_dir = tmp_path_factory.mktemp("run")
     cache = tmp_path_factory.mktemp("cache")
     overrides = ["debug=fast", f"data.cache_dir={cache}", "dataset.max_samples=200", "dataset.val_size=16"]
     cfg = compose_and_load(overrides)
     tok = load_tokenizer(cfg)
-    prepare(cfg, tok, run_dir)
-    return overrides, run_dir, tok
+    plan = plan_like_launcher(cfg, run_dir, 2)
+    return overrides, run_dir, tok, plan
 
 
 def test_real_map_loader(prepared_run):
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.data.strategies import build_eval_loader, build_train_loader
+    from dsrecipes.data.strategies import build_loaders
 
-    overrides, run_dir, tok = prepared_run
+    overrides, run_dir, tok, plan = prepared_run
     cfg = compose_and_load(overrides + ["data.num_workers=1"])
-    loaders = [build_train_loader(cfg, tok, r, 2, run_dir) for r in range(2)]
+    loaders, ev = zip(*[build_loaders(cfg, tok, r, 2, run_dir, plan) for r in range(2)])
     out = run_epoch(loaders, 0)
     loaders[0].set_epoch(1)
     batch = next(iter(loaders[0]))
@@ -303,25 +303,26 @@ def test_real_map_loader(prepared_run):
     assert {"labels", "position_ids", "attention_mask", "num_tokens", "ids", "epoch"} <= set(batch)
     flat = [i for v in out.values() for b in v for i in b]
     assert len(flat) == len(set(flat)) and len({len(v) for v in out.values()}) == 1
-    ev = [build_eval_loader(cfg, tok, r, 2, run_dir) for r in range(2)]
     val_ids = [i for lo in ev for b in lo for i in b["ids"]]
     assert len(val_ids) == len(set(val_ids)) == 16 and not set(val_ids) & set(flat)
 
 
 def test_real_iterable_loader_tokenizes_on_the_fly(prepared_run, tmp_path):
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.data.strategies import build_eval_loader, build_train_loader
+    from dsrecipes.data.strategies import build_loaders
+    from tests.helpers.launching import plan_like_launcher
 
-    overrides, _, tok = prepared_run
-    run_dir = tmp_path  # no stream index written by a launcher here: the loaders index the files themselves
+    overrides, _, tok, _ = prepared_run
     n = 200  # dataset.max_samples; dataset.val_size=16 of them are held out of the stream
     cfg = compose_and_load(overrides + ["data=iterable", "data.num_workers=2"])
-    loaders = [build_train_loader(cfg, tok, r, 2, run_dir) for r in range(2)]
+    plan = plan_like_launcher(cfg, tmp_path, 2)  # the launching process indexes the stream; ranks only read it
+    assert plan.rows == n - 16
+    loaders, evals = zip(*[build_loaders(cfg, tok, r, 2, tmp_path, plan) for r in range(2)])
     assert loaders[0].planned == n - 16
     out = run_epoch(loaders, 0)
     flat = [i for v in out.values() for b in v for i in b]
     assert len(flat) == len(set(flat))
     assert {len(v) for v in out.values()} == {loaders[0].steps_per_epoch * cfg.trainer.grad_accum}
-    held = [i for r in range(2) for b in build_eval_loader(cfg, tok, r, 2, run_dir) for i in b["ids"]]
+    held = [i for ev in evals for b in ev for i in b["ids"]]
     assert len(held) == len(set(held)) == 16 and not set(held) & set(flat)
     assert len(flat) >= n - 16 - 2 * cfg.trainer.micro_batch_size - 8  # only remainder, holdout and truncation

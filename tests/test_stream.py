@@ -359,9 +359,10 @@ def test_index_survives_the_run_directory(make_cfg, tmp_path):
 
 def test_val_paths_are_the_validation_set(make_cfg, tmp_path):
     """dataset.val_paths: every row of those files is evaluated (tokenized like training rows), none is trained."""
-    from dsrecipes.data.strategies import build_eval_loader, build_train_loader
+    from dsrecipes.data.strategies import build_loaders
     from dsrecipes.model import load_tokenizer
     from dsrecipes.paths import SAMPLE_DATA_DIR
+    from tests.helpers.launching import plan_like_launcher
 
     lines = (SAMPLE_DATA_DIR / "train.jsonl").read_text(encoding="utf-8").splitlines()
     (tmp_path / "train.jsonl").write_text("\n".join(lines[:60]) + "\n", encoding="utf-8")
@@ -369,10 +370,11 @@ def test_val_paths_are_the_validation_set(make_cfg, tmp_path):
     cfg = make_cfg("data=iterable", f"dataset.paths=[{tmp_path / 'train.jsonl'}]", f"dataset.val_paths=[{tmp_path / 'val.json'}]",
                    "dataset.val_size=5", f"data.cache_dir={tmp_path / 'c'}", "trainer.micro_batch_size=4")
     tok = load_tokenizer(cfg)
-    val = [i for r in range(2) for b in build_eval_loader(cfg, tok, r, 2, tmp_path) for i in b["ids"]]
+    plan = plan_like_launcher(cfg, tmp_path / "run", 2)
+    val = [i for r in range(2) for b in build_loaders(cfg, tok, r, 2, tmp_path / "run", plan)[1] for i in b["ids"]]
     want = {json.loads(x).get("id") or f"val.json:{k}" for k, x in enumerate(lines[60:71])}
     assert sorted(val) == sorted(want)  # all 11 rows, none held out of the training files (val_size unused)
-    train = build_train_loader(cfg, tok, 0, 1, tmp_path)
+    train = build_loaders(cfg, tok, 0, 1, tmp_path / "run", plan)[0]
     assert train.planned == 60
     assert not {i for b in train for i in b["ids"]} & want
 

@@ -9,7 +9,7 @@ from dsrecipes.config.load import compose_and_load
 
 
 def main(argv: List[str]) -> int:
-    from dsrecipes.data.audit import audit_config
+    from dsrecipes.data.strategies import audit_config
     from dsrecipes.topology import resolve_topology
 
     parser = override_parser("audit", "prove exactly-once / equal-steps data plans for a world size")

@@ -1,4 +1,4 @@
-"""`dsrecipes shard [INPUT...] --parts N --out DIR [--balance samples|tokens] [overrides]`: one JSONL part per rank."""
+"""`dsrecipes shard [INPUT...] --parts N --out DIR [--balance samples|tokens] [--val-size N] [overrides]`: one JSONL part per rank."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--balance", type=ShardBalance, choices=list(ShardBalance), default=ShardBalance.samples,
                         help="samples: equal counts; tokens: equal counts and even token totals")
     parser.add_argument("--force", action="store_true", help="overwrite an existing manifest in --out")
+    parser.add_argument("--val-size", type=float, default=0, metavar="N",
+                        help="hold N samples (a count, or a fraction < 1) out into the validation part val.jsonl")
     args = parse(parser, argv)
     inputs = [a for a in args.overrides if "=" not in a]
     overrides = [a for a in args.overrides if "=" in a]
@@ -29,9 +31,10 @@ def main(argv: List[str]) -> int:
         overrides += ["dataset.paths=[" + ",".join(json.dumps(os.path.abspath(p)) for p in inputs) + "]",
                       "dataset.sources=[]", "dataset.use=[]"]
     cfg = compose_and_load(overrides, check_files=True)
-    manifest = shard(cfg, args.parts, args.out, args.balance, args.force)
+    manifest = shard(cfg, args.parts, args.out, args.balance, args.force, args.val_size)
+    val = f", validation part of {manifest.val_count}" if manifest.val_file else ""
     print(f"wrote {manifest.parts} parts of {min(manifest.counts)}-{max(manifest.counts)} samples "
-          f"({manifest.total} in all, balance={manifest.balance}) to {args.out}")
+          f"({manifest.total} in all, balance={manifest.balance}{val}) to {args.out}")
     if manifest.bad_rows:
         print(f"skipped bad rows: {manifest.bad_rows} (see {Path(args.out) / 'quarantine.jsonl'})")
     print(f"train with: {training_command(args.out, manifest.parts, overrides)}")

@@ -185,7 +185,7 @@ class DatasetConfig:
     registry: Optional[str] = None  # dataset_info.json (LLaMA-Factory) or YAML registry
     use: List[str] = field(default_factory=list)  # registry entries to mix in
     val_size: float = 64  # < 1: fraction, >= 1: number of samples
-    val_paths: List[str] = field(default_factory=list)  # iterable only: validation files (then val_size is unused)
+    val_paths: List[str] = field(default_factory=list)  # validation files, every strategy (then val_size is unused)
     bad_rows: BadRows = BadRows.error
     max_bad_fraction: float = 0.05
     max_row_bytes: int = DEFAULT_MAX_ROW_BYTES  # a longer row is a bad row (too_large), skipped without being held

@@ -9,7 +9,6 @@ from typing import List
 
 from dsrecipes.config.schema import (
     AttnImpl,
-    DataKind,
     Device,
     LauncherKind,
     OffloadDevice,
@@ -18,6 +17,7 @@ from dsrecipes.config.schema import (
     ResumeMode,
     TrainConfig,
 )
+from dsrecipes.data.strategies.rules import config_problems, required_paths
 from dsrecipes.hub import check_hub_paths, is_hub_id
 
 # launcher.env: variables a recipe may export to every rank. Configs are data, so nothing that makes a process load
@@ -115,13 +115,7 @@ def _data(cfg: TrainConfig) -> List[str]:
         errors.append(f"data.block_bytes: must be >= 1 (or null: automatic), got {d.block_bytes}")
     if d.num_samples is not None and d.num_samples < 1:
         errors.append(f"data.num_samples: must be >= 1 (or null: the stream's count), got {d.num_samples}")
-    if ds.val_paths and d.kind is not DataKind.iterable:
-        errors.append(f"dataset.val_paths: read by data=iterable only; data={d.kind.value} splits off "
-                      "dataset.val_size samples instead")
-    if d.kind is DataKind.presharded and not d.shard_dir:
-        errors.append("data.shard_dir: data=presharded needs the directory written by `dsrecipes shard`")
-    if d.kind is not DataKind.presharded and not (ds.paths or ds.sources or ds.use):
-        errors.append("dataset.paths: no data; give files or globs (or dataset.sources / dataset.use)")
+    errors += config_problems(cfg)  # what the data strategy needs (data/strategies/rules.py)
     if ds.use and not ds.registry:
         errors.append("dataset.registry: dataset.use names registry entries, so a registry file is needed")
     if ds.val_size < 0 or (ds.val_size >= 1 and ds.val_size != int(ds.val_size)):
@@ -227,8 +221,7 @@ def _files(cfg: TrainConfig) -> List[str]:
         ("launcher.hostfile", cfg.launcher.hostfile),
         ("trainer.resume_from", cfg.trainer.resume_from),
     ]
-    if cfg.data.kind is DataKind.presharded:
-        checks.append(("data.shard_dir", cfg.data.shard_dir))
+    checks += required_paths(cfg)
     for key, path in checks:
         if path and not os.path.exists(os.path.expanduser(path)) and not (key.startswith("model.") and is_hub_id(path)):
             errors.append(f"{key}: {path!r} does not exist")

@@ -8,16 +8,17 @@ of micro-batches and optimizer steps on every rank. Exit 0 when they hold, 1 lis
 small inputs it also replays each `data=iterable` reader's own code (`stream_reader.read_stretch`) and compares it
 with the plan.
 
-Sample counts: `map` uses the prepared train split (tokenized and cached by the data layer, exactly the rows a run
-trains on; `--num-rows N` audits a hypothetical size instead); `iterable` builds the stream index the launching
-process builds (blocks, caps, held-out validation rows, mixing weights); `presharded` reads the manifest.
-`--ledger RUN_DIR` checks a finished run's ledger instead.
+Sample counts come from each strategy's `audit` (data/strategies/): `map` uses the prepared train split (tokenized
+and cached by the data layer, exactly the rows a run trains on; `--num-rows N` audits a hypothetical size instead);
+`iterable` builds the stream index the launching process builds (blocks, caps, held-out validation rows, mixing
+weights); `presharded` reads the manifest. This module is the arithmetic only (no files). `--ledger RUN_DIR` checks
+a finished run's ledger instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -281,41 +282,3 @@ def _header(kind: str, what: str, layout: Layout, seed: int, shuffle: bool, buff
     return (f"audit data={kind}: {what}; world {layout.world_size} x {layout.readers_per_rank} reader(s) per rank "
             f"(num_workers={layout.num_workers}); micro_batch_size {layout.micro_batch_size} x grad_accum "
             f"{layout.grad_accum} (global batch {layout.global_batch}); seed {seed}; shuffle {shuf}")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Command
-
-
-def audit_config(cfg: Any, world_size: int, epochs: int, num_rows: Optional[int] = None) -> AuditReport:
-    from dsrecipes.config.schema import DataKind
-
-    layout = Layout.from_cfg(cfg, world_size)
-    seed, shuffle, buffer = cfg.trainer.seed, cfg.data.shuffle, cfg.data.shuffle_buffer
-    if cfg.data.kind is DataKind.presharded:
-        from dsrecipes.data.shard import read_manifest
-
-        return audit_presharded(read_manifest(cfg.data.shard_dir).counts, layout, seed, shuffle, buffer, epochs)
-    if cfg.data.kind is DataKind.iterable:
-        from dsrecipes.data.stream_index import build_stream_index
-
-        index = build_stream_index(cfg)  # what the launching process builds (cached by content), no scan
-        counts = [index.caps[f] for f in index.train_files]
-        return audit_stream(counts, layout, seed, shuffle, buffer, epochs, cfg.data.num_samples, index.table())
-    if num_rows is None:
-        num_rows = prepared_rows(cfg)
-    return audit_map(num_rows, layout, seed, shuffle, epochs)
-
-
-
-
-def prepared_rows(cfg: Any) -> int:
-    """Rows of the prepared train split (the data layer's cache makes a second call cheap)."""
-    import tempfile
-
-    from dsrecipes.data.prepare import prepare
-    from dsrecipes.model import load_tokenizer
-
-    with tempfile.TemporaryDirectory(prefix="dsrecipes-audit-") as run_dir:
-        return len(prepare(cfg, load_tokenizer(cfg), run_dir).train)
-

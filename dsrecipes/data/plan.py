@@ -1,6 +1,7 @@
 """Who reads which sample: the one planner behind every data strategy and `dsrecipes audit`.
 
-Pure Python + numpy; no torch, no tokenizer, no files. Everything here is arithmetic on *positions*: position p of
+Pure Python + numpy; no torch, no tokenizer, no files: the strategies (data/strategies/) read what they need and
+hand the counts in. Everything here is arithmetic on *positions*: position p of
 epoch e is the p-th sample of that epoch's order (a seeded permutation for `map`, a windowed shuffle of the stream
 for `iterable`/`presharded`). Positions are independent of the world size and of DataLoader workers, so a rank's
 progress can be expressed as "global samples consumed in this epoch", which is what makes elastic resume possible.
@@ -25,6 +26,8 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import numpy as np
+
+from dsrecipes.errors import DataError
 
 if TYPE_CHECKING:
     from dsrecipes.config.schema import TrainConfig
@@ -274,38 +277,23 @@ def steps_per_epoch(num_samples: int, layout: Layout) -> int:
     return EpochPlan(num_samples, layout).steps
 
 
-def plan_steps(cfg: "TrainConfig", world_size: int, num_train_rows: Optional[int]) -> Tuple[Optional[int], int]:
-    """(steps_per_epoch, total_steps) for a run, as every rank will execute it.
-
-    `num_train_rows`: rows of the prepared train split (`map`), `data.num_samples` or None (`iterable`: None means
-    an endless stream, so steps_per_epoch is None and the step budget decides). `presharded` reads its manifest
-    (the argument is ignored). Raises DataError when an epoch would have no step at all.
-    """
-    from dsrecipes.config.schema import DataKind
-    from dsrecipes.errors import DataError
-
-    layout = Layout.from_cfg(cfg, world_size)
-    if cfg.data.kind is DataKind.presharded:
-        from dsrecipes.data.shard import read_manifest
-
-        manifest = read_manifest(cfg.data.shard_dir, world_size=world_size)
-        per_epoch: Optional[int] = presharded_steps(manifest.counts, layout)
-        what = f"the smallest part of {cfg.data.shard_dir} ({min(manifest.counts)} samples)"
-    else:
-        if cfg.data.kind is DataKind.iterable and num_train_rows is None:
-            num_train_rows = cfg.data.num_samples
-        per_epoch = None if num_train_rows is None else steps_per_epoch(num_train_rows, layout)
-        what = f"{num_train_rows} training rows"
+def require_steps(per_epoch: Optional[int], what: str, layout: Layout) -> Optional[int]:
+    """`per_epoch`, or DataError when `what` (the data of an epoch, in words) does not fill one global batch."""
     if per_epoch == 0:
         raise DataError(
             f"{what} do not fill one global batch of {layout.global_batch} "
-            f"(world {world_size} x micro_batch_size {layout.micro_batch_size} x grad_accum {layout.grad_accum}); "
-            "use more data, fewer ranks or a smaller batch"
+            f"(world {layout.world_size} x micro_batch_size {layout.micro_batch_size} x grad_accum "
+            f"{layout.grad_accum}); use more data, fewer ranks or a smaller batch"
         )
+    return per_epoch
+
+
+def total_steps(cfg: "TrainConfig", per_epoch: Optional[int]) -> int:
+    """Optimizer steps of the whole run: `trainer.max_steps`, else `trainer.epochs` epochs of `per_epoch`."""
     if cfg.trainer.max_steps is not None:
-        return per_epoch, cfg.trainer.max_steps
-    assert per_epoch is not None, "validated: iterable data without max_steps needs data.num_samples"
-    return per_epoch, per_epoch * cfg.trainer.epochs
+        return cfg.trainer.max_steps
+    assert per_epoch is not None, "validated: a stream of unknown length needs trainer.max_steps"
+    return per_epoch * cfg.trainer.epochs
 
 
 def presharded_steps(counts: List[int], layout: Layout, offset: int = 0) -> int:

@@ -9,8 +9,10 @@ Order of operations (all deterministic for a config, data and `trainer.seed`):
    (first N good rows of that source), `dataset.max_samples` (first N over all sources); bad rows per
    `dataset.bad_rows` (quarantine in `<run>/quarantine.jsonl`); samples whose trained tokens are all cut by
    `data.cutoff_len` are dropped and counted.
-3. validation split over the kept samples: `dataset.val_size` < 1 is a fraction (rounded, at least 1), >= 1 a count;
-   a seeded random choice (`trainer.seed`) kept in data order. Validation samples are never weighted or copied.
+3. validation split: every sample of `dataset.val_paths` (read after the training sources, not capped by
+   `dataset.max_samples`; a file that is also trained on is refused), else `dataset.val_size` of the kept samples:
+   < 1 a fraction (rounded, at least 1), >= 1 a count, a seeded random choice (`trainer.seed`) kept in data order.
+   Validation samples are never weighted or copied.
 4. mixing weights on the training part, per source: `weight` w turns n samples into round(w * n): floor copies of
    every sample, plus a seeded choice of the remainder (w < 1 is a seeded subsample). Copy k >= 1 of a sample gets
    the id `<id>@<k>`, so every training row is unique. The weight scales a source, it is not a probability.
@@ -24,6 +26,8 @@ into place, so concurrent runs never see half a cache.
 
 from __future__ import annotations
 
+import dataclasses
+import glob
 import json
 import os
 import shutil
@@ -31,27 +35,31 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
+
+import numpy as np
 
 from dsrecipes.config.schema import SourceConfig, TrainConfig
 from dsrecipes.data.arrow_split import write_split
 from dsrecipes.data.badrows import BadRowReport
-from dsrecipes.data.batch_encode import read_and_encode
+from dsrecipes.data.batch_encode import Encoded, read_and_encode
 from dsrecipes.data.cache import cache_key, cache_root
+from dsrecipes.data.files import expand_paths, no_file
 from dsrecipes.data.prepare_stats import build_stats, summary
-from dsrecipes.data.registry import resolve_sources
+from dsrecipes.data.registry import resolve_sources, validation_files
 from dsrecipes.data.splits import mix, split_val
 from dsrecipes.errors import DataError
 from dsrecipes.fileio import atomic_write_json
 
 STATS_FILE = "prepare_stats.json"
+VAL_SOURCE = "dataset.val_paths"  # the source name of the validation files' samples
 QUARANTINE_FILE = "quarantine.jsonl"
 
 
 @dataclass
 class Prepared:
     train: Any  # datasets.Dataset: ids (list[str]), input_ids, labels, position_ids (list[int32])
-    val: Any  # datasets.Dataset, or None when dataset.val_size is 0
+    val: Any  # datasets.Dataset, or None without validation samples (dataset.val_size 0, no dataset.val_paths)
     stats: Dict[str, Any]
     cache_dir: Path
 
@@ -63,7 +71,8 @@ def prepare(cfg: TrainConfig, tokenizer: Any, run_dir: str | Path) -> Prepared:
     sources = resolve_sources(cfg.dataset, notes)  # once per preparation
     for note in notes:
         print(note, file=sys.stderr)
-    key = cache_key(cfg, tokenizer, sources)
+    val = val_sources(cfg, sources)
+    key = cache_key(cfg, tokenizer, sources + val)
     root = cache_root(cfg) / "prepared"
     final = root / key
     hit = (final / "done").is_file()
@@ -73,7 +82,7 @@ def prepare(cfg: TrainConfig, tokenizer: Any, run_dir: str | Path) -> Prepared:
         if (final / QUARANTINE_FILE).is_file():
             shutil.copyfile(final / QUARANTINE_FILE, quarantine)
     else:
-        _build(cfg, tokenizer, sources, key, root, final, quarantine)
+        _build(cfg, tokenizer, sources, val, key, root, final, quarantine)
     stats = json.loads((final / STATS_FILE).read_text(encoding="utf-8"))
     stats.update(cache_dir=str(final), cache_hit=hit)
     if quarantine.is_file():
@@ -106,8 +115,8 @@ def _open(cache: Path, stats: Dict[str, Any]) -> Prepared:
     return Prepared(train, val, stats, cache)
 
 
-def _build(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig], key: str, root: Path, final: Path,
-           quarantine: Path) -> None:
+def _build(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig], val: List[SourceConfig], key: str,
+           root: Path, final: Path, quarantine: Path) -> None:
     """Prepare into a temporary directory and rename it to `final`; bad rows are listed in `quarantine` (the run
     directory's copy, kept when preparation fails) and copied into the cache for later cache hits."""
     started = time.time()
@@ -117,15 +126,14 @@ def _build(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig], key: s
     report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, quarantine)
     try:
         encoded = read_and_encode(cfg, tokenizer, sources, report)
+        trained = len(encoded.ids)  # conversations before this come from training sources
+        if val:  # every row of dataset.val_paths, not capped by dataset.max_samples
+            uncapped = dataclasses.replace(cfg, dataset=dataclasses.replace(cfg.dataset, max_samples=None))
+            encoded = join_encoded(encoded, read_and_encode(uncapped, tokenizer, val, report))
         report.check()
-        if not len(encoded.kept):
+        if not (encoded.kept < trained).any():
             raise DataError(f"dataset {cfg.dataset.name}: no usable samples ({report.summary()})")
-        val_pick = split_val(len(encoded.kept), cfg.dataset.val_size, cfg.trainer.seed)
-        val_items = [(int(encoded.kept[j]), 0) for j in val_pick]
-        in_val = set(val_pick)
-        train_members = [int(encoded.kept[j]) for j in range(len(encoded.kept)) if j not in in_val]
-        weights = {src.name: src.weight for src in sources}
-        train_items = mix(train_members, encoded.sources, weights, cfg.trainer.seed)
+        train_items, val_items = _split(cfg, encoded, trained, sources, bool(val))
         stats = build_stats(cfg, sources, report, encoded, train_items, val_items)
         for split, items in (("train", train_items), ("val", val_items)):
             if items:
@@ -147,3 +155,49 @@ def _build(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig], key: s
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _split(cfg: TrainConfig, encoded: Encoded, trained: int, sources: List[SourceConfig],
+           val_files: bool) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
+    """(train items, validation items): the validation files' samples, else `dataset.val_size` held out of the
+    training samples; the training part is then mixed by the sources' weights."""
+    pool = encoded.kept[encoded.kept < trained]
+    if val_files:
+        val_items = [(int(i), 0) for i in encoded.kept[encoded.kept >= trained]]
+        members = [int(i) for i in pool]
+    else:
+        val_pick = split_val(len(pool), cfg.dataset.val_size, cfg.trainer.seed)
+        val_items = [(int(pool[j]), 0) for j in val_pick]
+        in_val = set(val_pick)
+        members = [int(pool[j]) for j in range(len(pool)) if j not in in_val]
+    weights = {src.name: src.weight for src in sources}
+    return mix(members, encoded.sources, weights, cfg.trainer.seed), val_items
+
+
+def val_sources(cfg: TrainConfig, sources: List[SourceConfig]) -> List[SourceConfig]:
+    """`dataset.val_paths` as one source (every row a validation sample; `dataset.val_size` is then unused), or
+    none. A validation file that is also a training file is refused (registry.validation_files)."""
+    if not cfg.dataset.val_paths:
+        return []
+    train = [f for src in sources for f in expand_paths(src.paths)[0]]
+    files, missing = expand_paths(list(cfg.dataset.val_paths))
+    if missing:
+        raise DataError(f"dataset.val_paths: {no_file(missing[0])}")
+    notes: List[str] = []
+    files = validation_files(train, files, notes)
+    for note in notes:
+        print(note, file=sys.stderr)
+    return [SourceConfig(name=VAL_SOURCE, paths=[glob.escape(f) for f in files])]
+
+
+def preparation_key(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig]) -> str:
+    """The cache key of a preparation: the training sources and the validation files (their contents too)."""
+    return cache_key(cfg, tokenizer, [*sources, *val_sources(cfg, sources)])
+
+
+def join_encoded(a: Encoded, b: Encoded) -> Encoded:
+    """The conversations of `a`, then those of `b` (one preparation read in two parts)."""
+    n, tokens = len(a.ids), len(a.input_ids)
+    cat = np.concatenate
+    return Encoded(cat([a.input_ids, b.input_ids]), cat([a.labels, b.labels]), cat([a.starts, b.starts + tokens]),
+                   cat([a.lengths, b.lengths]), cat([a.truncated, b.truncated]), cat([a.kept, b.kept + n]),
+                   a.dropped + [d + n for d in b.dropped], a.ids + b.ids, a.sources + b.sources,
+                   a.one_text and b.one_text, a.per_segment + b.per_segment)

@@ -41,8 +41,9 @@ from dsrecipes.errors import DataError
 BATCH = 256  # conversations per tokenization call
 
 
-def prepare_stream(cfg: TrainConfig, run_dir: Path) -> Tuple[int, str]:
-    """(samples per epoch, data fingerprint) of a stream; writes `<run>/stream_index.*` (and the quarantine)."""
+def prepare_stream(cfg: TrainConfig, run_dir: Path) -> Tuple[int, str, int]:
+    """(samples per epoch, data fingerprint, validation rows) of a stream; writes `<run>/stream_index.*` (and the
+    quarantine)."""
     from dsrecipes.data.cache import data_fingerprint
     from dsrecipes.data.registry import resolve_sources
 
@@ -65,7 +66,7 @@ def prepare_stream(cfg: TrainConfig, run_dir: Path) -> Tuple[int, str]:
     print(f"data: stream indexed: {len(index.files)} files, {index.num_lines} lines in {blocks} blocks of "
           f"~{index.block_bytes} bytes, {index.num_val} validation rows, {rows} training samples per epoch "
           f"({time.perf_counter() - started:.1f} s)", file=sys.stderr)
-    return rows, data_fingerprint(cfg, sources)
+    return rows, data_fingerprint(cfg, sources), index.num_val
 
 
 def scan_stream(cfg: TrainConfig, run_dir: Path, index: Optional[StreamIndex] = None) -> Dict[str, int]:

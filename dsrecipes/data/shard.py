@@ -1,4 +1,4 @@
-"""`dsrecipes shard [INPUT...] --parts N --out DIR [--balance samples|tokens] [overrides]`: one JSONL part per rank.
+"""`dsrecipes shard [INPUT...] --parts N --out DIR [--balance samples|tokens] [--val-size N] [overrides]`: one JSONL part per rank.
 
 Rows are read through the data layer (every format, column mapping, role alias and bad-row policy of `dataset`),
 checked exactly as training checks them (read, normalised, rendered and tokenized with the run's template and
@@ -7,6 +7,10 @@ tokenizer: `scan.checked_conversations`), and written in one canonical ShareGPT 
 none). `manifest.json` records per-part counts (and token totals), sha256 checksums, the balance mode, the source
 files with their checksums, the bad rows per reason and per file, and what the rows were checked with
 (`checked_with`: template and tokenizer; a presharded run with another one scans its parts before launch).
+
+Validation: `--val-size N` (a count, or a fraction < 1) holds N samples out of the parts into `val.jsonl` (chosen
+like a run's validation split, seeded by `trainer.seed`), listed in the manifest with its count and checksum; a
+presharded run evaluates on it.
 
 Balance: every part gets the same number of samples (+-1), so equal step counts lose less than one global batch.
 `samples` deals rows round-robin; `tokens` additionally evens out tokens (longest first, to the part with the
@@ -27,10 +31,12 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from dsrecipes.config.schema import ShardBalance
+from dsrecipes.data.splits import split_val
 from dsrecipes.errors import DataError, UserError
 from dsrecipes.fileio import atomic_write_json
 
 MANIFEST = "manifest.json"
+VAL_PART = "val.jsonl"
 MANIFEST_VERSION = 1
 ROW_FORMAT = "dsrecipes-sharegpt-v1"  # canonical rows: roles are dsrecipes.data.sharegpt.Role values
 
@@ -47,6 +53,9 @@ class Manifest:
     bad_rows: Dict[str, int] = field(default_factory=dict)
     bad_rows_by_file: Dict[str, Dict[str, int]] = field(default_factory=dict)
     checked_with: Dict[str, Any] = field(default_factory=dict)  # check_identity() of the shard run
+    val_file: Optional[str] = None  # the validation part (`shard --val-size`), not read for training
+    val_count: int = 0
+    val_sha256: Optional[str] = None
     row_format: str = ROW_FORMAT
     version: int = MANIFEST_VERSION
     directory: str = ""  # where it was read from (not stored)
@@ -105,10 +114,20 @@ def file_sha256(path: str) -> str:
 
 
 def verify_part(manifest: Manifest, rank: int) -> None:
-    path = manifest.part_path(rank)
+    _verify(manifest.part_path(rank), manifest.sha256[rank])
+
+
+def verify_val_part(manifest: Manifest) -> str:
+    """The validation part's path, checked against the manifest."""
+    path = os.path.join(manifest.directory, str(manifest.val_file))
+    _verify(path, str(manifest.val_sha256))
+    return path
+
+
+def _verify(path: str, sha256: str) -> None:
     if not os.path.isfile(path):
         raise DataError(f"{path}: missing (listed in {MANIFEST})")
-    if file_sha256(path) != manifest.sha256[rank]:
+    if file_sha256(path) != sha256:
         raise DataError(f"{path}: sha256 differs from {MANIFEST}; the part was modified, re-shard")
 
 
@@ -149,37 +168,57 @@ def assign_balanced(tokens: Sequence[int], parts: int) -> List[int]:
 
 def write_parts(lines: Iterator[bytes], assignment: Optional[Sequence[int]], parts: int, out_dir: Path,
                 tokens: Optional[Sequence[int]] = None) -> Manifest:
-    """Write canonical row lines into parts (round-robin without `assignment`); returns the manifest (not yet
-    written)."""
+    """Write canonical row lines into parts (round-robin without `assignment`; assignment -1: the validation part);
+    returns the manifest (not yet written)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     files = [part_name(p, parts) for p in range(parts)]
-    handles = [open(out_dir / f, "wb") for f in files]
-    digests = [hashlib.sha256() for _ in range(parts)]
-    counts = [0] * parts
+    with_val = assignment is not None and -1 in assignment
+    handles = [open(out_dir / f, "wb") for f in files + ([VAL_PART] if with_val else [])]
+    digests = [hashlib.sha256() for _ in handles]
+    counts = [0] * len(handles)  # the validation part last
     part_tokens = [0] * parts
     try:
         for k, line in enumerate(lines):
             p = k % parts if assignment is None else assignment[k]
-            handles[p].write(line)
+            handles[p].write(line)  # p = -1: the last handle, the validation part
             digests[p].update(line)
             counts[p] += 1
-            if tokens is not None:
+            if tokens is not None and p >= 0:
                 part_tokens[p] += tokens[k]
     finally:
         for h in handles:
             h.close()
-    return Manifest(parts, "samples", files, counts, [d.hexdigest() for d in digests],
-                    tokens=part_tokens if tokens is not None else None, directory=str(out_dir))
+    sha = [d.hexdigest() for d in digests]
+    manifest = Manifest(parts, "samples", files, counts[:parts], sha[:parts],
+                        tokens=part_tokens if tokens is not None else None, directory=str(out_dir))
+    if with_val:
+        manifest.val_file, manifest.val_count, manifest.val_sha256 = VAL_PART, counts[-1], sha[-1]
+    return manifest
+
+
+def assign_parts(tokens: Sequence[int], parts: int, balance: ShardBalance, val_size: float, seed: int) -> List[int]:
+    """Part of each sample (-1: the validation part): `val_size` samples held out by `splits.split_val` (seeded
+    like a run's), the others dealt round-robin (`samples`) or balanced by tokens."""
+
+    held = set(split_val(len(tokens), val_size, seed))
+    rest = [i for i in range(len(tokens)) if i not in held]
+    dealt = (assign_balanced([tokens[i] for i in rest], parts) if balance is ShardBalance.tokens
+             else [k % parts for k in range(len(rest))])
+    out = [-1] * len(tokens)
+    for i, p in zip(rest, dealt):
+        out[i] = p
+    return out
 
 
 def _shard_file(name: str) -> bool:
     """A name `shard` writes (or an earlier, interrupted shard left): a directory holding only these is ours."""
-    return name in (MANIFEST, "quarantine.jsonl") or bool(re.fullmatch(r"part_\d+\.jsonl", name))
+    return name in (MANIFEST, VAL_PART, "quarantine.jsonl") or bool(re.fullmatch(r"part_\d+\.jsonl", name))
 
 
 def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalance.samples,
-          force: bool = False) -> Manifest:
-    """Split the samples of `cfg.dataset` into `parts` canonical JSONL files plus manifest.json in `out_dir`."""
+          force: bool = False, val_size: float = 0) -> Manifest:
+    """Split the samples of `cfg.dataset` into `parts` canonical JSONL files plus manifest.json in `out_dir`;
+    `val_size` (a fraction < 1 or a count) holds samples out into the validation part `val.jsonl`."""
     from dsrecipes.data.badrows import BadRowReport
     from dsrecipes.data.files import expand_paths
     from dsrecipes.data.registry import resolve_sources
@@ -188,6 +227,8 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
 
     if parts < 1:
         raise UserError(f"--parts must be >= 1, got {parts}")
+    if val_size < 0 or (val_size >= 1 and val_size != int(val_size)):
+        raise UserError(f"--val-size: a fraction in [0, 1) or a whole number of samples, got {val_size:g}")
     out = Path(out_dir)
     if (out / MANIFEST).exists() and not force:
         raise UserError(f"{out / MANIFEST} exists; choose another --out or pass --force to overwrite")
@@ -205,10 +246,11 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
     encoder = Encoder(tokenizer, cfg)
     tokens: Optional[List[int]] = None
     assignment: Optional[List[int]] = None
-    if balance is ShardBalance.tokens:
+    if balance is ShardBalance.tokens or val_size > 0:  # a first pass: token counts, and how many samples there are
         first = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction)
-        tokens = [n for _, n in checked_rows(cfg, first, encoder, sources)]
-        assignment = assign_balanced(tokens, parts)
+        counted = [n for _, n in checked_rows(cfg, first, encoder, sources)]
+        assignment = assign_parts(counted, parts, balance, val_size, cfg.trainer.seed)
+        tokens = counted if balance is ShardBalance.tokens else None
     report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, out / "quarantine.jsonl")
     manifest = write_parts((line for line, _ in checked_rows(cfg, report, encoder, sources)), assignment, parts,
                            out, tokens)

@@ -1,7 +1,11 @@
-"""Train/eval loaders: one builder per `DataKind`, all planned by `dsrecipes.data.plan`.
+"""Data strategies: one `DataStrategy` (protocol.py) per `DataKind`, looked up in `STRATEGIES`, and the dispatchers
+the launching process (entry.py), the ranks (train.py) and `dsrecipes audit` call. Nothing outside this package
+asks which data kind a run uses; the planner they share is `dsrecipes.data.plan`.
 
-    build_train_loader(cfg, tokenizer, rank, world_size, run_dir) -> TrainLoader   (see strategies/base.py)
-    build_eval_loader(cfg, tokenizer, rank, world_size, run_dir) -> EvalLoader | None   (strategies/eval.py)
+    strategy_of(cfg)                                                   -> DataStrategy
+    plan_steps(cfg, world_size, prepared)                              -> (steps per epoch, total steps)
+    build_loaders(cfg, tokenizer, rank, world_size, run_dir, plan)     -> (TrainLoader, EvalLoader | None)
+    audit_config(cfg, world_size, epochs, num_rows)                    -> AuditReport
 
 Guarantees, for every strategy, world size and `data.num_workers` (checked by `dsrecipes audit` and the tests):
 1. within an epoch no sample is read twice across ranks and workers, and every sample is read except a remainder
@@ -9,41 +13,61 @@ Guarantees, for every strategy, world size and `data.num_workers` (checked by `d
    which is the tail of the epoch's order and so changes between epochs when shuffling;
 2. every rank runs exactly the same number of micro-batches, hence optimizer steps;
 3. `state_dict()` resumes exactly, also under another world size or batch shape for map and iterable (elastic).
+
+Adding a strategy is one module, one option file and one Enum value: write `data/strategies/<name>.py` with a class
+implementing every method of `DataStrategy` (identity, prepare, steps_per_epoch, open, train_loader, eval_loader,
+audit; its config rules go in `rules.py`'s table, checked by the same completeness test), add `<name>` to
+`DataKind` in config/schema.py, add `conf/data/<name>.yaml`, and list the class in `STRATEGIES` below.
+tests/test_strategy_table.py fails until every `DataKind` has a complete strategy, and refuses a `DataKind`
+comparison in any module outside this package.
+
+Imports: the strategy modules import the preparation side of the data layer (prepare, scan, cache, registry, model)
+inside the methods that use it. This package is imported by the config validation (through rules.py) and those
+modules import the config loader (data/cache.py), so at module top they would make loading a config circular; they
+also cost `dsrecipes audit`/`validate` the tokenizer stack (model.py: torch, 5 s on a busy 2-core machine).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from dsrecipes.config.schema import DataKind, TrainConfig
+from dsrecipes.data.audit import AuditReport
+from dsrecipes.data.plan import Layout, total_steps
 from dsrecipes.data.strategies.base import TrainLoader
-from dsrecipes.data.strategies.eval import EvalLoader, prepared_val
-from dsrecipes.data.strategies.rows import make_collate
+from dsrecipes.data.strategies.eval import EvalLoader
+from dsrecipes.data.strategies.iterable import IterableStrategy
+from dsrecipes.data.strategies.map import MapStrategy
+from dsrecipes.data.strategies.presharded import PreshardedStrategy
+from dsrecipes.data.strategies.protocol import DataStrategy, PrepareResult, RankData
+from dsrecipes.runplan import RunPlan
 
-Builder = Callable[[TrainConfig, Any, int, int, str], TrainLoader]
+STRATEGIES: Dict[DataKind, DataStrategy] = {s.kind: s for s in (MapStrategy(), IterableStrategy(), PreshardedStrategy())}
 
-
-def builders() -> Dict[DataKind, Builder]:
-    """DataKind -> builder (imported here, not at module import, so `audit` does not pay for torch)."""
-    from dsrecipes.data.strategies import iterable, map, presharded
-
-    return {DataKind.map: map.build, DataKind.iterable: iterable.build, DataKind.presharded: presharded.build}
-
-
-def build_train_loader(cfg: TrainConfig, tokenizer: Any, rank: int, world_size: int, run_dir: Any) -> TrainLoader:
-    return builders()[cfg.data.kind](cfg, tokenizer, rank, world_size, str(run_dir))
+__all__ = ["STRATEGIES", "DataStrategy", "PrepareResult", "RankData", "audit_config", "build_loaders", "plan_steps",
+           "strategy_of"]
 
 
-def build_eval_loader(cfg: TrainConfig, tokenizer: Any, rank: int, world_size: int, run_dir: Any) -> Optional[EvalLoader]:
-    """The validation rows of this rank, or None when there are none.
+def strategy_of(cfg: TrainConfig) -> DataStrategy:
+    return STRATEGIES[cfg.data.kind]
 
-    map: the prepared validation split (`dataset.val_size`); iterable: the rows the stream index held out
-    (`dataset.val_size`) or `dataset.val_paths`, tokenized like training rows; presharded: none."""
-    if cfg.data.kind is DataKind.iterable:
-        from dsrecipes.data.strategies.iterable import build_eval
 
-        return build_eval(cfg, tokenizer, rank, world_size, str(run_dir))
-    val = prepared_val(cfg, run_dir)
-    if val is None or len(val) == 0:
-        return None
-    return EvalLoader(val, rank, world_size, cfg.trainer.micro_batch_size, make_collate(tokenizer))
+def plan_steps(cfg: TrainConfig, world_size: int, prepared: PrepareResult) -> Tuple[Optional[int], int]:
+    """(steps_per_epoch, total_steps) for a run, as every rank will execute it (DataError: an epoch has no step)."""
+    per_epoch = strategy_of(cfg).steps_per_epoch(cfg, Layout.from_cfg(cfg, world_size), prepared)
+    return per_epoch, total_steps(cfg, per_epoch)
+
+
+def build_loaders(cfg: TrainConfig, tokenizer: Any, rank: int, world_size: int, run_dir: Any,
+                  plan: RunPlan) -> Tuple[TrainLoader, Optional[EvalLoader]]:
+    """A rank's train loader and its share of the validation rows (None: no validation data). What they read of the
+    run directory (stream index, prepared data, manifest) is read and verified once, against `plan`."""
+    strategy = strategy_of(cfg)
+    source = strategy.open(cfg, str(run_dir), rank, world_size, plan)
+    data = RankData(cfg, tokenizer, rank, world_size, str(run_dir), plan, source)
+    return strategy.train_loader(data), strategy.eval_loader(data)
+
+
+def audit_config(cfg: Any, world_size: int, epochs: int, num_rows: Optional[int] = None) -> AuditReport:
+    """`dsrecipes audit`: the run's data plan for `world_size` ranks, checked over `epochs` epochs."""
+    return strategy_of(cfg).audit(cfg, Layout.from_cfg(cfg, world_size), epochs, num_rows)

@@ -1,11 +1,10 @@
-"""Validation: a validation split dealt to ranks (the prepared one of `data=map`; streams build theirs)."""
+"""Validation rows dealt to ranks: each strategy's `eval_loader` (data/strategies/) builds one from its rows."""
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterator, List, Sequence
+from typing import Callable, Iterator, List, Sequence
 
-from dsrecipes.config.schema import DataKind, TrainConfig
 from dsrecipes.data.strategies.base import Batch, Row
 
 
@@ -33,11 +32,3 @@ class EvalLoader:
             getitems = getattr(self.rows, "__getitems__", None)
             rows = list(getitems(list(range(lo, hi)))) if getitems else [self.rows[i] for i in range(lo, hi)]
             yield self.collate_fn(rows)
-
-
-def prepared_val(cfg: TrainConfig, run_dir: Any) -> Any:
-    from dsrecipes.data.prepare import load_prepared
-
-    if cfg.data.kind is not DataKind.map or cfg.dataset.val_size == 0:
-        return None
-    return load_prepared(cfg, str(run_dir)).val

@@ -15,19 +15,23 @@ from __future__ import annotations
 
 import os
 from functools import lru_cache
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from torch.utils.data import IterableDataset
-
-from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES
-from dsrecipes.data.plan import Layout
-from dsrecipes.data.sampler import StreamSpec, StreamTooShort
-from dsrecipes.data.strategies.base import Batch, Row, TrainLoader, loader_generator, worker_ignores_stop_signals
-from dsrecipes.data.stream_index import BlockSource, StreamIndex
+from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES, DataKind, TrainConfig
+from dsrecipes.data.audit import AuditReport, audit_stream
+from dsrecipes.data.plan import Layout, require_steps, steps_per_epoch
+from dsrecipes.data.sampler import StreamSpec
+from dsrecipes.data.strategies.base import Batch, Row, TrainLoader
+from dsrecipes.data.strategies.eval import EvalLoader
+from dsrecipes.data.strategies.protocol import PrepareResult, RankData, rows_of_plan
+from dsrecipes.data.strategies.rows import RowEncoder, make_collate
+from dsrecipes.data.stream_index import INDEX_FILE, BlockSource, StreamIndex, read_stream_index
 from dsrecipes.data.stream_plan import epoch_visits
 from dsrecipes.data.stream_reader import ItemFetcher, read_stretch
 from dsrecipes.data.stream_segments import LocalShuffle, Segment, epoch_segment
 from dsrecipes.errors import DataError
+from dsrecipes.runplan import RunPlan
 
 STREAM_STATE_VERSION = 2  # 1: the shared-stream filter before block reading
 MakeRows = Callable[[Sequence[Any]], List[Row]]
@@ -93,6 +97,8 @@ class StreamTrainLoader(TrainLoader):
         expected = self.segment().micro_per_rank - start_micro
         if expected <= 0:
             return
+        from dsrecipes.data.strategies.readers import ReaderDataset, run_readers  # torch: at first read (readers.py)
+
         dataset = ReaderDataset(self, self.epoch, start_micro)
         yield from run_readers(dataset, expected, self.num_workers, self.prefetch_factor, self.global_rank)
 
@@ -143,102 +149,78 @@ def _layout_of(d: dict) -> Layout:
     return Layout(d["world_size"], d["micro_batch_size"], d["grad_accum"], d["num_workers"])
 
 
-class ReaderDataset(IterableDataset):
-    """torch IterableDataset body: one reader per DataLoader worker; batches are made inside the worker."""
-
-    def __init__(self, loader: Any, *reader_args: Any):
-        self.loader, self.reader_args = loader, reader_args
-
-    def __iter__(self) -> Iterator[Batch]:
-        from torch.utils.data import get_worker_info
-
-        info = get_worker_info()
-        lo = self.loader
-        try:
-            for _micro, items in lo.reader(0 if info is None else info.id, *self.reader_args):
-                yield lo.collate_fn(lo.make_rows(items))
-        except StreamTooShort as exc:
-            raise DataError(
-                f"data.num_samples={lo.num_samples} but the stream has only {exc.num_items} samples; "
-                "set data.num_samples to the real count (`dsrecipes audit` prints it)"
-            ) from None
-
-
-def run_readers(dataset: ReaderDataset, expected: int, num_workers: int, prefetch_factor: int,
-                rank: int) -> Iterator[Batch]:
-    """The DataLoader over the readers of one rank; checks it gave the planned number of micro-batches."""
-    from torch.utils.data import DataLoader
-
-    loader = DataLoader(dataset, batch_size=None, num_workers=num_workers,
-                        prefetch_factor=prefetch_factor if num_workers else None,
-                        worker_init_fn=worker_ignores_stop_signals,
-                        generator=loader_generator(dataset.loader.seed, dataset.loader.epoch))
-    produced = 0
-    for batch in loader:
-        produced += 1
-        yield batch
-    if produced != expected:
-        raise DataError(f"rank {rank}: the stream gave {produced} micro-batches instead of {expected}")
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Wiring to the data layer (index in the run directory, rows -> Conversation -> tokens)
 
 
-def run_index(cfg: Any, run_dir: str) -> StreamIndex:
-    """The index the launching process wrote, checked against the files; built here only without one (tests)."""
-    from dsrecipes.data.stream_index import build_stream_index, read_stream_index
+class IterableStrategy:
+    """`data=iterable`: the launching process indexes (and scans) the files; each rank reads the index once."""
 
-    index = read_stream_index(run_dir)
-    index = build_stream_index(cfg) if index is None else index
-    index.verify()
-    return index
+    kind = DataKind.iterable
+    needs_tokenizer = False
+
+    def identity(self, cfg: TrainConfig, tokenizer: Any) -> Tuple[str, Dict[str, str]]:
+        from dsrecipes.data.cache import data_files, data_fingerprint
+        from dsrecipes.data.registry import resolve_sources
+
+        sources = resolve_sources(cfg.dataset)
+        return data_fingerprint(cfg, sources), data_files(cfg, sources)
+
+    def prepare(self, cfg: TrainConfig, run_dir: Path, tokenizer: Any, world_size: int) -> PrepareResult:
+        """Index (and scan) the stream, write `<run>/stream_index.*`: the samples of one epoch, counted."""
+        from dsrecipes.data.scan import prepare_stream
+
+        rows, fingerprint, val = prepare_stream(cfg, run_dir)
+        return PrepareResult(rows, fingerprint, val)
+
+    def steps_per_epoch(self, cfg: TrainConfig, layout: Layout, prepared: PrepareResult) -> Optional[int]:
+        rows = cfg.data.num_samples if prepared.rows is None else prepared.rows
+        per_epoch = None if rows is None else steps_per_epoch(rows, layout)
+        return require_steps(per_epoch, f"{rows} training rows", layout)
+
+    def open(self, cfg: TrainConfig, run_dir: str, rank: int, world_size: int, plan: RunPlan) -> StreamIndex:
+        """The index the launching process wrote, checked against the files and the plan (once per rank)."""
+        index = read_stream_index(run_dir)
+        if index is None:
+            raise DataError(f"{run_dir}/{INDEX_FILE}: missing; the launching process indexes the stream before any "
+                            "rank starts (start runs with `python -m dsrecipes`)")
+        index.verify()
+        total = index.table().epoch_length()
+        rows_of_plan(plan, total if cfg.data.num_samples is None else cfg.data.num_samples, run_dir)
+        return index
+
+    def train_loader(self, data: RankData) -> StreamTrainLoader:
+        cfg, index = data.cfg, data.source
+        return StreamTrainLoader(index, Layout.from_cfg(cfg, data.world_size), data.rank, seed=cfg.trainer.seed,
+                                 shuffle=cfg.data.shuffle, shuffle_buffer=cfg.data.shuffle_buffer,
+                                 num_samples=cfg.data.num_samples, make_rows=row_encoder(cfg, data.tokenizer, index),
+                                 collate_fn=make_collate(data.tokenizer), num_workers=cfg.data.num_workers,
+                                 prefetch_factor=cfg.data.prefetch_factor, max_row_bytes=cfg.dataset.max_row_bytes)
+
+    def eval_loader(self, data: RankData) -> Optional[EvalLoader]:
+        """This rank's share of the validation rows (held out by the index, or `dataset.val_paths`), tokenized."""
+        cfg, index = data.cfg, data.source
+        refs = index.val_refs()
+        if not refs:
+            return None
+        share = refs[data.rank * len(refs) // data.world_size:(data.rank + 1) * len(refs) // data.world_size]
+        source = BlockSource(index, cfg.dataset.max_row_bytes)
+        rows = row_encoder(cfg, data.tokenizer, index)([(*row, 0) for row in source.rows(share)])
+        source.close()
+        return EvalLoader(rows, 0, 1, cfg.trainer.micro_batch_size, make_collate(data.tokenizer))
+
+    def audit(self, cfg: TrainConfig, layout: Layout, epochs: int, num_rows: Optional[int]) -> AuditReport:
+        """The index the launching process builds (cached by content), without the scan."""
+        from dsrecipes.data.stream_index import build_stream_index
+
+        index = build_stream_index(cfg)
+        counts = [index.caps[f] for f in index.train_files]
+        return audit_stream(counts, layout, cfg.trainer.seed, cfg.data.shuffle, cfg.data.shuffle_buffer, epochs,
+                            cfg.data.num_samples, index.table())
 
 
 def row_encoder(cfg: Any, tokenizer: Any, index: StreamIndex) -> Any:
-    from dsrecipes.data.strategies.rows import RowEncoder
     from dsrecipes.data.stream_index import file_sources
 
     return RowEncoder(cfg, tokenizer, [f.name for f in index.files], file_sources(cfg, index),
                       [f.loc_base < 0 for f in index.files])
-
-
-def build(cfg: Any, tokenizer: Any, rank: int, world_size: int, run_dir: str) -> StreamTrainLoader:
-    from dsrecipes.data.strategies.rows import make_collate
-
-    index = run_index(cfg, run_dir)
-    loader = StreamTrainLoader(index, Layout.from_cfg(cfg, world_size), rank, seed=cfg.trainer.seed,
-                               shuffle=cfg.data.shuffle, shuffle_buffer=cfg.data.shuffle_buffer,
-                               num_samples=cfg.data.num_samples, make_rows=row_encoder(cfg, tokenizer, index),
-                               collate_fn=make_collate(tokenizer), num_workers=cfg.data.num_workers,
-                               prefetch_factor=cfg.data.prefetch_factor, max_row_bytes=cfg.dataset.max_row_bytes)
-    _check_rows(run_dir, loader.planned)
-    return loader
-
-
-def _check_rows(run_dir: str, planned: int) -> None:
-    from pathlib import Path
-
-    from dsrecipes.runplan import PLAN_FILE, read_plan
-
-    if (Path(run_dir) / PLAN_FILE).is_file():
-        rows = read_plan(run_dir).rows
-        if rows is not None and rows != planned:
-            raise DataError(f"{run_dir}/{PLAN_FILE} plans {rows} samples per epoch, this rank's stream has {planned}: "
-                            "the data changed since the launching process planned the run; start it again")
-
-
-def build_eval(cfg: Any, tokenizer: Any, rank: int, world_size: int, run_dir: str) -> Any:
-    """This rank's share of the validation rows (held out by the index, or `dataset.val_paths`), tokenized."""
-    from dsrecipes.data.strategies.eval import EvalLoader
-    from dsrecipes.data.strategies.rows import make_collate
-
-    index = run_index(cfg, run_dir)
-    refs = index.val_refs()
-    if not refs:
-        return None
-    share = refs[rank * len(refs) // world_size:(rank + 1) * len(refs) // world_size]
-    source = BlockSource(index, cfg.dataset.max_row_bytes)
-    rows = row_encoder(cfg, tokenizer, index)([(*row, 0) for row in source.rows(share)])
-    source.close()
-    return EvalLoader(rows, 0, 1, cfg.trainer.micro_batch_size, make_collate(tokenizer))

@@ -8,11 +8,18 @@ the index lists they are handed.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from dsrecipes.data.plan import EpochPlan, Layout
+from dsrecipes.config.schema import DataKind, TrainConfig
+from dsrecipes.data.audit import AuditReport, audit_map
+from dsrecipes.data.plan import EpochPlan, Layout, require_steps, steps_per_epoch
 from dsrecipes.data.sampler import map_micro_batches
 from dsrecipes.data.strategies.base import Batch, Row, TrainLoader, loader_generator, worker_ignores_stop_signals
+from dsrecipes.data.strategies.eval import EvalLoader
+from dsrecipes.data.strategies.protocol import PrepareResult, RankData, rows_of_plan
+from dsrecipes.data.strategies.rows import make_collate
+from dsrecipes.runplan import RunPlan
 
 
 class MapTrainLoader(TrainLoader):
@@ -86,24 +93,63 @@ class _Rows:
         return [self.rows[i] for i in indices]
 
 
-def build(cfg: Any, tokenizer: Any, rank: int, world_size: int, run_dir: str) -> MapTrainLoader:
-    from dsrecipes.data.prepare import load_prepared
-    from dsrecipes.data.strategies.rows import make_collate
+class MapStrategy:
+    """`data=map`: prepared once by the launching process (data/prepare.py), re-opened by each rank."""
 
-    prepared = load_prepared(cfg, run_dir)
-    return MapTrainLoader(
-        prepared.train,
-        Layout.from_cfg(cfg, world_size),
-        rank,
-        seed=cfg.trainer.seed,
-        shuffle=cfg.data.shuffle,
-        collate_fn=make_collate(tokenizer),
-        num_workers=cfg.data.num_workers,
-        prefetch_factor=cfg.data.prefetch_factor,
-    )
+    kind = DataKind.map
+    needs_tokenizer = True  # the preparation cache key hashes the tokenizer
+
+    def identity(self, cfg: TrainConfig, tokenizer: Any) -> Tuple[str, Dict[str, str]]:
+        from dsrecipes.data.cache import data_files
+        from dsrecipes.data.prepare import preparation_key
+        from dsrecipes.data.registry import resolve_sources
+
+        sources = resolve_sources(cfg.dataset)
+        return preparation_key(cfg, tokenizer, sources), data_files(cfg, sources)
+
+    def prepare(self, cfg: TrainConfig, run_dir: Path, tokenizer: Any, world_size: int) -> PrepareResult:
+        from dsrecipes.data.prepare import prepare
+
+        prepared = prepare(cfg, tokenizer, run_dir)
+        val = 0 if prepared.val is None else len(prepared.val)
+        return PrepareResult(len(prepared.train), prepared.stats["cache_key"], val)
+
+    def steps_per_epoch(self, cfg: TrainConfig, layout: Layout, prepared: PrepareResult) -> Optional[int]:
+        return require_steps(steps_per_epoch(prepared.rows, layout), f"{prepared.rows} training rows", layout)
+
+    def open(self, cfg: TrainConfig, run_dir: str, rank: int, world_size: int, plan: RunPlan) -> Any:
+        from dsrecipes.data.prepare import load_prepared
+
+        prepared = load_prepared(cfg, run_dir)
+        rows_of_plan(plan, len(prepared.train), run_dir)
+        return prepared
+
+    def train_loader(self, data: RankData) -> MapTrainLoader:
+        cfg = data.cfg
+        return MapTrainLoader(data.source.train, Layout.from_cfg(cfg, data.world_size), data.rank,
+                              seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, collate_fn=make_collate(data.tokenizer),
+                              num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor)
+
+    def eval_loader(self, data: RankData) -> Optional[EvalLoader]:
+        """The prepared validation split (`dataset.val_paths`, else `dataset.val_size` held out)."""
+        val = data.source.val
+        if val is None or len(val) == 0:
+            return None
+        return EvalLoader(val, data.rank, data.world_size, data.cfg.trainer.micro_batch_size,
+                          make_collate(data.tokenizer))
+
+    def audit(self, cfg: TrainConfig, layout: Layout, epochs: int, num_rows: Optional[int]) -> AuditReport:
+        """The prepared train split (tokenized and cached, exactly the rows a run trains on), or `num_rows`."""
+        rows = prepared_rows(cfg) if num_rows is None else num_rows
+        return audit_map(rows, layout, cfg.trainer.seed, cfg.data.shuffle, epochs)
 
 
-def num_rows(cfg: Any, run_dir: Optional[str]) -> int:
-    from dsrecipes.data.prepare import load_prepared
+def prepared_rows(cfg: TrainConfig) -> int:
+    """Rows of the prepared train split (the data layer's cache makes a second call cheap)."""
+    import tempfile
 
-    return len(load_prepared(cfg, run_dir).train)
+    from dsrecipes.data.prepare import prepare
+    from dsrecipes.model import load_tokenizer
+
+    with tempfile.TemporaryDirectory(prefix="dsrecipes-audit-") as run_dir:
+        return len(prepare(cfg, load_tokenizer(cfg), run_dir).train)

@@ -8,18 +8,36 @@ of that epoch's order, so different samples each epoch with shuffling). With the
 (both balance modes), the remainders add up to less than one global batch; hand-made uneven parts lose more, and
 `dsrecipes audit` says so. Elastic resume is not possible (parts are tied to ranks); another micro batch size or
 accumulation is. Each DataLoader worker of a rank walks the rank's part (reads = workers x part).
+
+Validation: the shard's validation part (`dsrecipes shard --val-size N` holds N samples out of the parts into
+`val.jsonl`, listed in the manifest with its checksum), or `dataset.val_paths` (which then wins): the launching
+process checks those rows and writes them in canonical form into the run directory. Every rank evaluates a
+contiguous share of them.
 """
 
 from __future__ import annotations
 
+import glob
 import os
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from dsrecipes.config.schema import SourceConfig
-from dsrecipes.data.plan import Layout, StreamShuffle, presharded_steps
+from dsrecipes.config.schema import DataKind, SourceConfig, TrainConfig
+from dsrecipes.data.audit import AuditReport, audit_presharded
+from dsrecipes.data.plan import Layout, StreamShuffle, presharded_steps, require_steps
 from dsrecipes.data.sampler import Item, StreamSpec, select_slots
+from dsrecipes.data.shard import Manifest, checked_alike, read_manifest, verify_part, verify_val_part
 from dsrecipes.data.strategies.base import Batch, Row, TrainLoader
-from dsrecipes.data.strategies.iterable import ReaderDataset, run_readers
+from dsrecipes.data.strategies.eval import EvalLoader
+from dsrecipes.data.strategies.protocol import PrepareResult, RankData, rows_of_plan
+from dsrecipes.data.strategies.rows import RowEncoder, make_collate
+from dsrecipes.errors import DataError
+from dsrecipes.fileio import atomic_writer
+from dsrecipes.runplan import RunPlan
+
+VAL_ROWS = "val_rows.jsonl"  # `dataset.val_paths` in canonical form, written by the launching process
+VAL_QUARANTINE = "val_quarantine.jsonl"
 
 
 class PreshardedTrainLoader(TrainLoader):
@@ -78,6 +96,8 @@ class PreshardedTrainLoader(TrainLoader):
         expected = self._steps(offset) * self.layout.grad_accum - start_micro
         if expected <= 0:
             return
+        from dsrecipes.data.strategies.readers import ReaderDataset, run_readers  # torch: at first read (readers.py)
+
         dataset = ReaderDataset(self, self.epoch, offset, start_micro)
         yield from run_readers(dataset, expected, self.num_workers, self.prefetch_factor, self.global_rank)
 
@@ -88,26 +108,110 @@ def part_layout(cfg: Any) -> Layout:
     return Layout(1, t.micro_batch_size, t.grad_accum, cfg.data.num_workers)
 
 
-def build(cfg: Any, tokenizer: Any, rank: int, world_size: int, run_dir: str) -> PreshardedTrainLoader:
-    from dsrecipes.data.shard import read_manifest, verify_part
-    from dsrecipes.data.strategies.rows import RowEncoder, make_collate
+@dataclass(frozen=True)
+class RankParts:
+    """What a presharded rank reads: the manifest (its own part verified) and the validation rows' file, if any."""
 
-    manifest = read_manifest(cfg.data.shard_dir, world_size=world_size)
-    verify_part(manifest, rank)
-    path = manifest.part_path(rank)
-    return PreshardedTrainLoader(
-        StreamSpec((path,), None, cfg.dataset.max_row_bytes),
-        part_layout(cfg),
-        0,
-        seed=cfg.trainer.seed,
-        shuffle=cfg.data.shuffle,
-        shuffle_buffer=cfg.data.shuffle_buffer,
-        num_samples=manifest.counts[rank],
-        make_rows=RowEncoder(cfg, tokenizer, [path], [SourceConfig(name=f"part{rank}")]),
-        collate_fn=make_collate(tokenizer),
-        num_workers=cfg.data.num_workers,
-        prefetch_factor=cfg.data.prefetch_factor,
-        part_counts=manifest.counts,
-        global_rank=rank,
-        fingerprint={"manifest_sha256": manifest.sha256},
-    )
+    manifest: Manifest
+    val_path: Optional[str]
+
+
+class PreshardedStrategy:
+    """`data=presharded`: the parts and manifest written by `dsrecipes shard`; validation rows from the shard's
+    validation part (`shard --val-size`) or `dataset.val_paths` (checked and written into the run directory)."""
+
+    kind = DataKind.presharded
+    needs_tokenizer = False
+
+    def identity(self, cfg: TrainConfig, tokenizer: Any) -> Tuple[str, Dict[str, str]]:
+        return read_manifest(cfg.data.shard_dir).fingerprint, {}
+
+    def prepare(self, cfg: TrainConfig, run_dir: Path, tokenizer: Any, world_size: int) -> PrepareResult:
+        manifest = read_manifest(cfg.data.shard_dir, world_size=world_size)
+        if cfg.data.prescan:
+            check_parts(cfg, run_dir, manifest)
+        val = write_val_rows(cfg, run_dir) if cfg.dataset.val_paths else manifest.val_count
+        return PrepareResult(manifest.total, manifest.fingerprint, val, detail=tuple(manifest.counts))
+
+    def steps_per_epoch(self, cfg: TrainConfig, layout: Layout, prepared: PrepareResult) -> Optional[int]:
+        counts = list(prepared.detail)
+        what = f"the smallest part of {cfg.data.shard_dir} ({min(counts)} samples)"
+        return require_steps(presharded_steps(counts, layout), what, layout)
+
+    def open(self, cfg: TrainConfig, run_dir: str, rank: int, world_size: int, plan: RunPlan) -> RankParts:
+        manifest = read_manifest(cfg.data.shard_dir, world_size=world_size)
+        verify_part(manifest, rank)
+        rows_of_plan(plan, manifest.total, run_dir)
+        val_path = None
+        if cfg.dataset.val_paths:
+            val_path = os.path.join(run_dir, VAL_ROWS)
+            if not os.path.isfile(val_path):
+                raise DataError(f"{val_path}: missing; the launching process writes the dataset.val_paths rows there")
+        elif manifest.val_file:
+            val_path = verify_val_part(manifest)
+        return RankParts(manifest, val_path)
+
+    def train_loader(self, data: RankData) -> PreshardedTrainLoader:
+        cfg, manifest, rank = data.cfg, data.source.manifest, data.rank
+        path = manifest.part_path(rank)
+        return PreshardedTrainLoader(
+            StreamSpec((path,), None, cfg.dataset.max_row_bytes), part_layout(cfg), 0, seed=cfg.trainer.seed,
+            shuffle=cfg.data.shuffle, shuffle_buffer=cfg.data.shuffle_buffer, num_samples=manifest.counts[rank],
+            make_rows=RowEncoder(cfg, data.tokenizer, [path], [SourceConfig(name=f"part{rank}")]),
+            collate_fn=make_collate(data.tokenizer), num_workers=cfg.data.num_workers,
+            prefetch_factor=cfg.data.prefetch_factor, part_counts=manifest.counts, global_rank=rank,
+            fingerprint={"manifest_sha256": manifest.sha256})
+
+    def eval_loader(self, data: RankData) -> Optional[EvalLoader]:
+        """This rank's contiguous share of the validation file's rows (canonical JSONL), tokenized."""
+        path = data.source.val_path
+        if path is None:
+            return None
+        cfg = data.cfg
+        items = list(StreamSpec((path,), None, cfg.dataset.max_row_bytes).items(0, cfg.trainer.seed, False))
+        n = len(items)
+        share = items[data.rank * n // data.world_size:(data.rank + 1) * n // data.world_size]
+        rows = RowEncoder(cfg, data.tokenizer, [path], [SourceConfig(name="validation")])(share)
+        return EvalLoader(rows, 0, 1, cfg.trainer.micro_batch_size, make_collate(data.tokenizer))
+
+    def audit(self, cfg: TrainConfig, layout: Layout, epochs: int, num_rows: Optional[int]) -> AuditReport:
+        counts = read_manifest(cfg.data.shard_dir).counts
+        return audit_presharded(counts, layout, cfg.trainer.seed, cfg.data.shuffle, cfg.data.shuffle_buffer, epochs)
+
+
+def check_parts(cfg: TrainConfig, run_dir: Path, manifest: Manifest) -> None:
+    """Parts are checked by `dsrecipes shard` with its template and tokenizer; with another one, a row could fail to
+    render or tokenize mid-run (or mid-evaluation), so the parts (and the validation part) are scanned first."""
+    from dsrecipes.data.scan import scan_sources
+    from dsrecipes.model import load_tokenizer
+
+    if checked_alike(manifest.checked_with, cfg, load_tokenizer(cfg)):
+        return
+    paths = [manifest.part_path(r) for r in range(manifest.parts)]
+    if manifest.val_file and not cfg.dataset.val_paths:
+        paths.append(os.path.join(manifest.directory, manifest.val_file))
+    scan_sources(cfg, run_dir, [SourceConfig(name=f"part{r}", paths=[glob.escape(p)]) for r, p in enumerate(paths)])
+
+
+def write_val_rows(cfg: TrainConfig, run_dir: Path) -> int:
+    """`dataset.val_paths` read and checked like `dsrecipes shard` checks rows (bad rows per `dataset.bad_rows`,
+    quarantined in `<run>/val_quarantine.jsonl`), written in the parts' canonical form to `<run>/val_rows.jsonl`;
+    returns the rows written."""
+    from dsrecipes.data.badrows import BadRowReport
+    from dsrecipes.data.shard import checked_rows
+    from dsrecipes.data.tokenize import Encoder
+    from dsrecipes.model import load_tokenizer
+
+    run_dir = Path(run_dir)
+    (run_dir / VAL_QUARANTINE).unlink(missing_ok=True)  # an earlier launch's list, never beside this one's rows
+    report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, run_dir / VAL_QUARANTINE)
+    source = SourceConfig(name="validation", paths=list(cfg.dataset.val_paths))
+    rows = 0
+    try:
+        with atomic_writer(run_dir / VAL_ROWS) as fh:
+            for line, _ in checked_rows(cfg, report, Encoder(load_tokenizer(cfg), cfg), [source]):
+                fh.write(line)
+                rows += 1
+    finally:
+        report.close()
+    return rows

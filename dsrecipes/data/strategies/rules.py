@@ -1,0 +1,47 @@
+"""What each data strategy requires of a config, for the collect-all validation (`config/validate.py`); no I/O.
+
+Kept apart from the strategy modules on purpose: they prepare data (data/prepare.py, data/cache.py), which imports
+the config loader, which validates; this module imports only the schema, so validation asks it without an import
+cycle. `RULES` has one entry per `DataKind` (tests/test_strategy_table.py checks it with `STRATEGIES`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+from dsrecipes.config.schema import DataKind, TrainConfig
+
+NamedPath = Tuple[str, Optional[str]]  # (config key, path) that must exist when files are checked
+
+
+@dataclass(frozen=True)
+class Rules:
+    problems: Callable[[TrainConfig], List[str]]  # one message per broken rule, each naming its key
+    paths: Callable[[TrainConfig], List[NamedPath]] = lambda cfg: []
+
+
+def _reads_dataset(cfg: TrainConfig) -> List[str]:
+    ds = cfg.dataset
+    return [] if ds.paths or ds.sources or ds.use else [
+        "dataset.paths: no data; give files or globs (or dataset.sources / dataset.use)"]
+
+
+def _reads_shards(cfg: TrainConfig) -> List[str]:
+    return [] if cfg.data.shard_dir else [
+        "data.shard_dir: data=presharded needs the directory written by `dsrecipes shard`"]
+
+
+RULES: Dict[DataKind, Rules] = {
+    DataKind.map: Rules(_reads_dataset),
+    DataKind.iterable: Rules(_reads_dataset),
+    DataKind.presharded: Rules(_reads_shards, lambda cfg: [("data.shard_dir", cfg.data.shard_dir)]),
+}
+
+
+def config_problems(cfg: TrainConfig) -> List[str]:
+    return RULES[cfg.data.kind].problems(cfg)
+
+
+def required_paths(cfg: TrainConfig) -> List[NamedPath]:
+    return RULES[cfg.data.kind].paths(cfg)
