@@ -44,7 +44,7 @@ def validate_all(extra: List[str], *, verbose: bool = False) -> int:
     directories that exist on the training cluster, not on CI. Hydra composes the defaults, each recipe and every
     option (in rows, in parallel over the CPU cores); the products are layered from those (config/matrix.py).
     """
-    from dsrecipes.config.load import register_schemas
+    from dsrecipes.config.hydra_app import register_schemas
     from dsrecipes.config.matrix import plan_all
 
     start = time.perf_counter()

@@ -14,6 +14,7 @@ import typing
 from pathlib import Path
 from typing import Any, Iterator, List, Optional, Sequence
 
+from dsrecipes.errors import ConfigError
 from dsrecipes.suggest import closest, closest_keys, phrase
 
 
@@ -26,6 +27,31 @@ def explain(exc: BaseException, overrides: Sequence[str], fallback: str) -> str:
         if text:
             return f"{context}: {text}" if context and not text.startswith(context) else text
     return fallback
+
+
+def compose_error(exc: BaseException, overrides: Sequence[str]) -> ConfigError:
+    """A failed composition as one message, with the closest valid names."""
+    return ConfigError(explain(exc, overrides, fallback=clean_hydra_message(exc)))
+
+
+def clean_hydra_message(exc: BaseException) -> str:
+    """Hydra/OmegaConf messages, flattened to one readable line (with the file and full key when known)."""
+    parts = []
+    seen = set()
+    e: Optional[BaseException] = exc
+    while e is not None:
+        text = str(e).strip()
+        if text and text not in seen:
+            seen.add(text)
+            parts.append(text)
+        e = e.__cause__ or e.__context__
+    kept = []
+    for part in parts:
+        part = part.split("Config search path")[0].strip()
+        if "$VALUE" in part or not part:
+            continue
+        kept.append(re.sub(r"\s*\n\s*", "; ", part).rstrip(" ;"))
+    return " | ".join(kept[:2])
 
 
 def schema_keys(cls: Any = None, prefix: str = "") -> List[str]:
