@@ -59,11 +59,20 @@ def main(argv: List[str]) -> int:
         print(train_help())
         return 0
     hydra_app.refuse_other_config_roots(args)
-    inv = Invocation(list(args.overrides), bool(args.multirun))
+    inv = Invocation(recipe_files_as_overrides(args.overrides), bool(args.multirun))
     if hydra_app.informational(args):
         return 0
     (hydra_app.multirun if inv.sweep else hydra_app.run)(inv.argv, lambda job: run_job(inv, job))
     return inv.exit_code
+
+
+def recipe_files_as_overrides(words: List[str]) -> List[str]:
+    """`dsrecipes train my.yaml` (LLaMA-Factory's habit) is `recipe=my.yaml`: a word without `=` naming a YAML file."""
+    files = [w for w in words if "=" not in w and w.endswith((".yaml", ".yml"))]
+    if len(files) > 1:
+        raise UserError(f"one recipe file per run, got {', '.join(files)}; put what they share into one file, or "
+                        "sweep over files with -m recipe=a.yaml,b.yaml")
+    return [f"recipe={w if w.startswith(('/', '.', '~')) else './' + w}" if w in files else w for w in words]
 
 
 def run_job(inv: Invocation, job: hydra_app.Job) -> None:

@@ -15,7 +15,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from dsrecipes.config.hints import clean_hydra_message
+from dsrecipes.config.hints import clean_hydra_message, full_key, schema_keys
 from dsrecipes.config.schema import TrainConfig
 from dsrecipes.errors import ConfigError
 from dsrecipes.suggest import closest, phrase
@@ -113,6 +113,7 @@ def _to_dataclass(cls: Any, data: Dict[str, Any], path: str, errors: List[str]) 
         if key not in names:
             where = f"{path}.{key}" if path else str(key)
             near = [f"{path}.{n}" if path else n for n in closest(str(key), names)]
+            near = near if path or near else full_key(str(key), schema_keys())  # `+learning_rate=` -> optimizer.lr
             hint = phrase(near) or f" (valid keys of {cls.__name__}: {', '.join(sorted(names))})"
             errors.append(f"{where}: unknown key{hint}")
     kwargs = {}

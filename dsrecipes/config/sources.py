@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from hydra.plugins.config_source import ConfigLoadError, ConfigResult, ConfigSource
-from omegaconf import OmegaConf
 
+import dsrecipes.config.recipe_file as recipe_file
 from dsrecipes.errors import ConfigError
 
 RECIPES_ENV = "DSRECIPES_RECIPES"
@@ -68,13 +68,10 @@ class _RecipeSourceBase(ConfigSource):
 
     def load_config(self, config_path: str) -> ConfigResult:
         path = self._file(config_path)
-        if path is None or not path.is_file():
+        if path is None or not os.path.lexists(path):
             raise ConfigLoadError(f"Config not found: {config_path}")
-        text = path.read_text(encoding="utf-8")
-        with open(path, encoding="utf-8") as fh:  # OmegaConf's loader: the same YAML dialect as every conf/ file
-            config = OmegaConf.load(fh) if text.strip() else OmegaConf.create({})
-        return ConfigResult(config=config, path=f"{self.scheme()}://{path}", provider=self.provider,
-                            header=ConfigSource._get_header_dict(text[:512]))
+        config, header = recipe_file.load(path)  # bounded; a flat file becomes the header form; ConfigError names it
+        return ConfigResult(config=config, path=f"{self.scheme()}://{path}", provider=self.provider, header=header)
 
     def available(self) -> bool:
         return True
@@ -83,8 +80,8 @@ class _RecipeSourceBase(ConfigSource):
         return config_path in ("", RECIPE_GROUP)
 
     def is_config(self, config_path: str) -> bool:
-        path = self._file(config_path)
-        return path is not None and path.is_file()
+        path = self._file(config_path)  # a name that exists, even one that cannot be read: load_config says why
+        return path is not None and os.path.lexists(path)
 
     def list(self, config_path: str, results_filter: object) -> List[str]:
         return []
@@ -103,7 +100,7 @@ class _RecipeFolderSource(_RecipeSourceBase):
             return None
         stem = name.removesuffix(".yaml")
         for candidate in (Path(self.path, f"{stem}.yaml"), Path(self.path, f"{stem}.yml")):
-            if candidate.is_file():
+            if os.path.lexists(candidate):
                 return candidate
         return None
 
