@@ -1,19 +1,17 @@
-"""The Hydra application: the one module that touches Hydra's internals (hydra-core 1.3.x: `hydra._internal`'s
-argument parser, search path, sources registry, runner, callbacks, the basic sweeper's job split and the config
-loader's defaults list and repository). Everything else composes through here:
+"""The Hydra application: the one module that touches Hydra's internals (hydra-core 1.3.x `hydra._internal`: the
+argument parser, search path, sources registry, runner, callbacks, the basic sweeper's job split, the config loader's
+defaults list and repository). Everything else composes through here:
 
-    args_parser()               Hydra's own command-line parser; flags that bring in other config trees refused
-    create_hydra, hydra_context Hydra on our search path: conf/, the user's recipe folders and files (sources.py)
-    compose(overrides)          the compose API (validate, show, tests): checked for code, `hydra` node dropped
-    run(overrides, job_fn)      a single run: the composition checked for code, then job_fn(Job)
-    multirun(overrides, job_fn) a sweep: every job's composition checked before the first starts and again when Hydra
-                                composes it (the loader is guarded); job_fn(Job) runs inside each Hydra job
-    informational(args)         --cfg, --info, --hydra-help, --shell-completion: Hydra's own, on our search path
+    compose(overrides), hydra_context()   the compose API (validate, show, tests): checked for code, `hydra` dropped
+    run(overrides, job_fn)                a single run: composed once, checked for code, handed over as a `Job`
+    multirun(overrides, job_fn)           a sweep: every job checked before the first starts and again when Hydra
+                                          composes it (guarded loader); each job handed over inside Hydra's job
+    informational(args)                   --cfg, --info, --hydra-help, --shell-completion, on our search path
 
-A `Job` carries what differs between a single run and a sweep's job (where the run directory defaults to, whether
-Hydra already made it, how to enter Hydra's job: `.hydra/`, callbacks, logging), so that both go through one
-function in one order (commands/train.py). What may be in a composition is config/safety.py's rule; here Hydra
-supplies the baseline and names the file a key came from.
+A `Job` carries what differs between a single run and a sweep's job (the run directory's default, whether Hydra made
+it, entering Hydra's job: `.hydra/`, callbacks, logging), so both take one road in one order (commands/train.py).
+config/safety.py is the rule for what a composition may hold; here Hydra supplies the baseline and the file a key
+came from.
 """
 
 from __future__ import annotations
@@ -109,9 +107,10 @@ def create_hydra() -> Any:
 
 
 @contextlib.contextmanager
-def hydra_context() -> Iterator[Any]:
-    """Hydra initialised once; compositions inside reuse it (validate --all composes hundreds)."""
-    if GlobalHydra.instance().is_initialized():
+def hydra_context(fresh: bool = False) -> Iterator[Any]:
+    """Hydra initialised once; compositions inside reuse it (validate --all composes hundreds). `fresh`: a Hydra of
+    its own (a run or sweep changes its loader), cleared at the end."""
+    if GlobalHydra.instance().is_initialized() and not fresh:
         yield GlobalHydra.instance().hydra
         return
     try:
@@ -240,8 +239,7 @@ class Job:
 
     @property
     def job_dir(self) -> Optional[Path]:
-        """A sweep's job directory (Hydra made it, `.hydra/` inside): where a job that fails before it claims its
-        run directory records why. None for a single run: nothing exists before the claim."""
+        """A sweep's job directory (made by Hydra); None for a single run (nothing exists before the claim)."""
         return Path(HydraConfig.get().runtime.output_dir) if self.sweep else None
 
     def run_dir(self, output_dir: Optional[str]) -> Tuple[Path, str]:
@@ -281,7 +279,7 @@ class Job:
 
 def run(overrides: Sequence[str], job_fn: Callable[[Job], None]) -> None:
     """A single run: compose once (checked for code before Hydra configures logging from it), hand it over."""
-    with _hydra() as hydra:
+    with hydra_context(fresh=True) as hydra:
         composed = _compose_checked(hydra, overrides)
         composed.hydra.mode = RunMode.RUN
         job_fn(Job(composed, list(composed.hydra.overrides.task), sweep=False, hydra=hydra))
@@ -290,7 +288,7 @@ def run(overrides: Sequence[str], job_fn: Callable[[Job], None]) -> None:
 def multirun(overrides: Sequence[str], job_fn: Callable[[Job], None]) -> None:
     """Hydra's multirun with every composition checked for code: the sweep's and each job's up front (nothing of the
     sweep exists yet), and each again when Hydra composes it (the loader is guarded)."""
-    with _hydra() as hydra:
+    with hydra_context(fresh=True) as hydra:
         hydra.config_loader = GuardedLoader(hydra.config_loader)
         check_sweep(hydra.config_loader, overrides)
         task = lambda composed: job_fn(Job(composed, list(HydraConfig.get().overrides.task), sweep=True))
@@ -306,7 +304,7 @@ def informational(args: Any) -> bool:
     if not (args.hydra_help or args.cfg or args.info or args.shell_completion):
         return False
     overrides = list(args.overrides)
-    with _hydra() as hydra:
+    with hydra_context(fresh=True) as hydra:
         if not args.shell_completion:  # Hydra composes (and may configure logging) from these: checked first
             _compose_checked(hydra, overrides, configure_logging=False)
         try:
@@ -322,14 +320,6 @@ def informational(args: Any) -> bool:
         except (HydraException, OmegaConfBaseException) as exc:
             raise compose_error(exc, overrides) from None
     return True
-
-
-@contextlib.contextmanager
-def _hydra() -> Iterator[Any]:
-    try:
-        yield create_hydra()
-    finally:
-        GlobalHydra.instance().clear()
 
 
 def _compose_checked(hydra: Any, overrides: Sequence[str], configure_logging: bool = True) -> Any:
