@@ -13,7 +13,8 @@ import os
 from pathlib import Path
 from typing import List, Optional
 
-from dsrecipes.config.schema import TrainConfig
+from dsrecipes.config.schema import DataKind, TrainConfig
+from dsrecipes.errors import UserError
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json",
                    "*.gguf")
@@ -38,7 +39,41 @@ def check_environment(cfg: TrainConfig) -> List[str]:
         problems += check_tokenizer_dir("model.tokenizer_path", Path(tokenizer_path).expanduser())
     elif path and not cfg.model.tokenizer_path and not model:  # a broken model directory is one problem, not two
         problems += check_tokenizer_dir("model.path", Path(path).expanduser())
-    return problems + model
+    return problems + model + check_data_names(cfg)
+
+
+def check_data_names(cfg: TrainConfig) -> List[str]:
+    """What a run would refuse about the data a config names, found without reading a row: `dataset.use` entries
+    missing from `dataset.registry` (or a registry entry it cannot read), a validation file that is also a
+    training file (its rows would be evaluated after being trained on)."""
+    from dsrecipes.data.files import expand_paths
+    from dsrecipes.data.registry import resolve_sources, validation_files
+
+    if cfg.data.kind is DataKind.presharded:  # reads the shards' manifest, not the dataset's sources
+        return []
+    try:
+        sources = resolve_sources(cfg.dataset, [])
+        train = [f for src in sources for f in expand_paths(src.paths)[0]]
+        validation_files(train, expand_paths(cfg.dataset.val_paths)[0], [])
+    except UserError as exc:
+        return list(exc.problems)
+    return []
+
+
+def check_template_tokens(cfg: TrainConfig) -> List[str]:
+    """The template rules a run applies to its loaded tokenizer (data/template.py `check_template`, after `auto` is
+    decided as the run decides it), applied to the tokenizer's files: no transformers, no torch (`validate`)."""
+    from dsrecipes.data.template import check_template
+    from dsrecipes.data.template_choice import choose_template
+    from dsrecipes.data.tokenizer_files import open_tokenizer
+    from dsrecipes.hub import is_hub_id
+    from dsrecipes.paths import TINY_TOKENIZER_DIR
+
+    where = cfg.model.tokenizer_path or cfg.model.path or str(TINY_TOKENIZER_DIR)
+    tokenizer = None if is_hub_id(where) else open_tokenizer(Path(where).expanduser())
+    if tokenizer is None:  # a hub id not fetched yet, a SentencePiece-only tokenizer: the run checks it
+        return []
+    return check_template(choose_template(cfg.template, tokenizer, cfg.model.path), tokenizer)
 
 
 def _writable_dir(key: str, path: Path) -> List[str]:

@@ -99,3 +99,24 @@ def test_every_module_says_what_it_owns():
     for module, path in MODULES.items():
         tree = ast.parse(path.read_text(encoding="utf-8"))
         assert ast.get_docstring(tree), f"{module} has no opening comment"
+
+
+def _imported_names(path: Path) -> List[str]:
+    names: List[str] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+    return names
+
+
+def test_only_the_hydra_app_touches_hydras_internals():
+    touching = sorted(m for m, p in MODULES.items() if any(n.startswith("hydra._internal") for n in _imported_names(p)))
+    assert touching == ["dsrecipes.config.hydra_app"]
+
+
+def test_the_architecture_doc_is_self_contained():
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    outside = [w for w in doc.split() if w.strip("`(),.;:").startswith(("../", "/work", "~/")) or "DESIGN.md" in w]
+    assert not outside and "How we write code here" in doc, outside

@@ -112,10 +112,11 @@ def test_did_you_mean_in_one_exit_2_message(argv, message, capsys, tmp_path, mon
 
 
 @pytest.mark.parametrize("body,message", [
-    ("# @package _global_\ntrainer:\n  max_step: 30\n", "{file}: trainer.max_step: unknown key; "
+    ("# @package _global_\ntrainer:\n  max_step: 30\n", "{file}:3: trainer.max_step: unknown key; "
                                                             "did you mean trainer.max_steps?"),
     ("# @package _global_\ndefaults:\n  - override /zero: stag2\n", "zero=stag2: no option 'stag2' in group 'zero'; "
-                                                                        "did you mean stage2?"),
+                                                                        "did you mean stage2? (options: stage0, "
+                                                                        "stage1, stage2, stage3) [in {file}:3]"),
     ("# @package _global_\ndefaults:\n  - override /zer: stage2\n", "{file}: no config group 'zer'; did you mean zero?"),
     ("# @package _global_\ntrainer:\n  max_steps: [1\n", "{file}:4: not valid YAML"),
     ("# @package _global_\ndata:\n  kind: mapp\n", "did you mean map?"),

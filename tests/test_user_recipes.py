@@ -74,7 +74,7 @@ def test_recipe_folders_from_the_environment(tmp_path, capsys, monkeypatch):
 def test_user_recipes_get_the_schema_and_the_rules(tmp_path, capsys):
     typo = _write(tmp_path / "typo.yaml", "# @package _global_\ntrainer:\n  max_step: 7\n")
     assert main(["validate", f"recipe={typo}"]) == 2
-    assert capsys.readouterr().err == f"error: {typo}: trainer.max_step: unknown key; did you mean trainer.max_steps?\n"
+    assert capsys.readouterr().err == f"error: {typo}:3: trainer.max_step: unknown key; did you mean trainer.max_steps?\n"
     rule = _write(tmp_path / "rule.yaml", "# @package _global_\ndefaults:\n  - override /offload: cpu_optimizer\n")
     assert main(["validate", f"recipe={rule}"]) == 2
     assert "offload.optimizer: optimizer offload (cpu) needs ZeRO >= 1" in capsys.readouterr().err

@@ -1,5 +1,5 @@
-"""How an interrupted run ends: result.json `interrupted` with its newest checkpoint, and the exact command that
-continues it (printed and recorded)."""
+"""How a run ends: result.json from the launcher's exit code and the ranks' outcome; an interrupted run's newest
+checkpoint and the exact command that continues it (printed and recorded)."""
 
 from __future__ import annotations
 
@@ -8,19 +8,36 @@ import shlex
 import signal
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, Tuple
+
+from dsrecipes import stopping
+from dsrecipes.rundir import CHECKPOINTS_DIR, read_outcome, write_result
+
+
+def conclude(run_dir: Path, code: int, dry_run: bool, argv: Sequence[str]) -> Tuple[int, bool]:
+    """Write result.json for a launch that returned `code`; returns (exit code, interrupted)."""
+    outcome = read_outcome(run_dir) or {}
+    extra = {k: v for k, v in outcome.items() if k not in ("status", "error", "signal")}
+    signum = stopping.requested() or outcome.get("signal")
+    if outcome.get("status") == "ok":  # the ranks finished (a signal that came during the last step changes nothing)
+        code = 0
+    if signum is not None and code != 0:
+        return report_interrupted(run_dir, int(signum), extra, argv), True
+    if code != 0:
+        write_result(run_dir, code, outcome.get("error") or f"ranks exited with code {code}", **extra)
+    else:
+        write_result(run_dir, 0, None, "dry_run" if dry_run else "ok", **extra)
+    return code, False
 
 
 def report_interrupted(run_dir: Path, signum: int, extra: dict, argv: Sequence[str]) -> int:
     """Write result.json `interrupted`, print where it stopped and how to resume; returns the exit code."""
-    from dsrecipes.checkpoint_find import committed
-    from dsrecipes.rundir import CHECKPOINTS_DIR, write_result
-    from dsrecipes.stopping import exit_code
+    from dsrecipes.checkpoint_find import committed  # imports torch (seconds): only a stopped run needs it
 
     newest = committed(run_dir / CHECKPOINTS_DIR)
     checkpoint = str(newest[0]) if newest else None
     command = resume_command(run_dir, argv, keep_resume_from=not newest)
-    code = exit_code(signum)
+    code = stopping.exit_code(signum)
     name = signal.Signals(signum).name
     where = f"last checkpoint: {checkpoint}" if checkpoint else "no checkpoint was written"
     print(f"\ninterrupted by {name} ({where}). Resume with:\n  {command}", file=sys.stderr, flush=True)

@@ -21,9 +21,9 @@ def main(argv: List[str]) -> int:
     if args.all:
         return validate_all(args.overrides, verbose=args.verbose)
     cfg = compose_and_load(args.overrides)
-    from dsrecipes.preflight import check_environment
+    from dsrecipes.preflight import check_environment, check_template_tokens
 
-    problems = check_environment(cfg)  # paths on this machine, without loading a model
+    problems = check_environment(cfg) + check_template_tokens(cfg)  # paths, names, tokens: no model loaded
     if problems:
         raise ConfigError(problems)
     for warning in config_warnings(cfg):
@@ -44,7 +44,7 @@ def validate_all(extra: List[str], *, verbose: bool = False) -> int:
     directories that exist on the training cluster, not on CI. Hydra composes the defaults, each recipe and every
     option (in rows, in parallel over the CPU cores); the products are layered from those (config/matrix.py).
     """
-    from dsrecipes.config.load import register_schemas
+    from dsrecipes.config.hydra_app import register_schemas
     from dsrecipes.config.matrix import plan_all
 
     start = time.perf_counter()

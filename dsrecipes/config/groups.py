@@ -41,7 +41,12 @@ def describe(group: str, option: str) -> List[str]:
 def describe_file(path: Path) -> List[str]:
     """Paragraph lines joined into one, command lines (indented after `#`) kept apart; [] when there is none."""
     out: List[str] = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    try:  # the opening comment is in the first lines (a user's recipe folder may hold anything: read a bounded head)
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            head = fh.read(65536)
+    except OSError as exc:
+        return [f"(cannot be read: {exc.strerror or exc})"]
+    for line in head.splitlines():
         text = line.strip()
         if text.startswith("# @package") or (not out and not text):
             continue

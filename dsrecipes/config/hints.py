@@ -9,11 +9,13 @@ exception chain (Hydra's and OmegaConf's exception attributes, not only their te
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import typing
 from pathlib import Path
 from typing import Any, Iterator, List, Optional, Sequence
 
+from dsrecipes.errors import ConfigError
 from dsrecipes.suggest import closest, closest_keys, phrase
 
 
@@ -23,9 +25,50 @@ def explain(exc: BaseException, overrides: Sequence[str], fallback: str) -> str:
     context = _context(chain)
     for rule in (_bad_override, _yaml_error, _missing_option, _unknown_group, _unknown_key, _bad_value):
         text = rule(chain, list(overrides))
+        if text and context and not text.startswith(context):
+            return f"{_at_line(context, text.split(':', 1)[0])}: {text}"
         if text:
-            return f"{context}: {text}" if context and not text.startswith(context) else text
+            return text
     return fallback
+
+
+def _at_line(file: str, key: str) -> str:
+    """`FILE:LINE` when the file sets `key` (user recipe files and conf/ option files alike), else `FILE`."""
+    from dsrecipes.config.recipe_file import line_of
+    from dsrecipes.paths import conf_dir
+
+    group = Path(file).parent.name if Path(file).parent.parent == conf_dir() else ""
+    line = line_of(Path(file), key, group) if re.fullmatch(r"[\w.]+", key) else None
+    return f"{file}:{line}" if line else file
+
+
+def compose_error(exc: BaseException, overrides: Sequence[str]) -> ConfigError:
+    """A failed composition as one message, with the closest valid names; our own ConfigError (a recipe file that
+    cannot be read, config/recipe_file.py) as it is."""
+    ours = next((e for e in _chain(exc) if isinstance(e, ConfigError)), None)
+    if ours is not None:
+        return ours
+    return ConfigError(explain(exc, overrides, fallback=clean_hydra_message(exc)))
+
+
+def clean_hydra_message(exc: BaseException) -> str:
+    """Hydra/OmegaConf messages, flattened to one readable line (with the file and full key when known)."""
+    parts = []
+    seen = set()
+    e: Optional[BaseException] = exc
+    while e is not None:
+        text = str(e).strip()
+        if text and text not in seen:
+            seen.add(text)
+            parts.append(text)
+        e = e.__cause__ or e.__context__
+    kept = []
+    for part in parts:
+        part = part.split("Config search path")[0].strip()
+        if "$VALUE" in part or not part:
+            continue
+        kept.append(re.sub(r"\s*\n\s*", "; ", part).rstrip(" ;"))
+    return " | ".join(kept[:2])
 
 
 def schema_keys(cls: Any = None, prefix: str = "") -> List[str]:
@@ -84,7 +127,7 @@ def config_file(config_path: str) -> str:
 
     group, _, name = config_path.partition("/")
     if group == RECIPE_GROUP and is_path(name):
-        return str(Path(name).expanduser())
+        return os.path.abspath(os.path.expanduser(name))
     if group == RECIPE_GROUP and name in user_recipes():
         return str(user_recipes()[name])
     return str(conf_dir() / f"{config_path}.yaml")
@@ -133,11 +176,32 @@ def _missing_option(chain: List[BaseException], overrides: List[str]) -> str:
     group, _, option = exc.missing_cfg_file.partition("/")
     typed = f"{group}={option}"
     if group == RECIPE_GROUP and is_path(option):
-        return f"{typed}: no such file: {Path(option).expanduser().resolve()}{_blame(group, overrides)}"
+        return f"{typed}: no such file: {os.path.abspath(os.path.expanduser(option))}{_blame(group, overrides)}"
     options = list(exc.options or [])
-    where = _blame(group, overrides) or " [in a defaults list: a recipe's or a group file's]"
+    where = _blame(group, overrides) or _chosen_in(group, overrides)
     return (f"{typed}: no option '{option}' in group '{group}'{phrase(closest(option, options))} "
             f"(options: {', '.join(options)}){where}")
+
+
+def _chosen_in(group: str, overrides: List[str]) -> str:
+    """` [in FILE:LINE]`: the recipe file of the command line that chooses an option of `group` (flat `zero: x` or
+    a defaults list's `override /zero: x`)."""
+    from dsrecipes.config.sources import RECIPE_GROUP
+
+    pattern = re.compile(rf"^\s*(-\s*)?(override\s+)?/?{re.escape(group)}\s*:")
+    for ov in overrides:
+        key, _, value = ov.partition("=")
+        if key.lstrip("+~") != RECIPE_GROUP or not value:
+            continue
+        file = config_file(f"{RECIPE_GROUP}/{value}")
+        try:
+            lines = Path(file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError):
+            continue
+        line = next((n for n, text in enumerate(lines, 1) if pattern.match(text)), None)
+        if line:
+            return f" [in {file}:{line}]"
+    return " [in a defaults list: a recipe's or a group file's]"
 
 
 def _unknown_group(chain: List[BaseException], overrides: List[str]) -> str:
@@ -167,12 +231,35 @@ def _unknown_key(chain: List[BaseException], overrides: List[str]) -> str:
         parent = typed.rpartition(".")[0]
         return f"{parent} is a mapping: add a key to it with +{typed}=VALUE{blame}"
     keys = schema_keys()
-    hint = phrase(closest_keys(typed, keys + ([] if "." in typed else group_names())))
+    hint = phrase(full_key(typed, keys))
     if not hint:  # nothing close: name what the parent holds
         parent = typed.rpartition(".")[0]
         siblings = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent]
         hint = f" (keys of {parent or 'the config'}: {', '.join(siblings)})" if siblings else ""
     return f"{typed}: unknown key{hint}{blame}"
+
+
+# Names people bring from Hugging Face TrainingArguments, LLaMA-Factory and axolotl recipes -> ours.
+FROM_OTHER_TOOLS = {
+    "learning_rate": "optimizer.lr", "num_train_epochs": "trainer.epochs", "num_epochs": "trainer.epochs",
+    "per_device_train_batch_size": "trainer.micro_batch_size", "gradient_accumulation_steps": "trainer.grad_accum",
+    "gradient_accumulation": "trainer.grad_accum", "logging_steps": "trainer.log_every",
+    "save_steps": "trainer.save_every", "eval_steps": "trainer.eval_every", "save_total_limit": "trainer.keep_checkpoints",
+    "max_grad_norm": "trainer.gradient_clipping", "resume_from_checkpoint": "trainer.resume_from",
+    "model_name_or_path": "model.path", "base_model": "model.path", "lr_scheduler_type": "scheduler=NAME",
+    "lora_rank": "model.lora.r", "lora_r": "model.lora.r", "lora_target": "model.lora.target_modules",
+    "bf16": "precision=bf16", "fp16": "precision=fp16", "deepspeed": "zero=stageN", "sequence_len": "data.cutoff_len",
+    "max_seq_length": "data.cutoff_len", "dataset_dir": "dataset.registry", "warmup_steps": "scheduler.warmup_steps",
+}
+
+
+def full_key(typed: str, keys: Sequence[str]) -> List[str]:
+    """The keys a mistyped or misplaced key most likely means: another tool's name for it (`learning_rate` ->
+    optimizer.lr), the same field name under its parent (`max_steps` -> trainer.max_steps), or a near spelling."""
+    leaf = typed.rpartition(".")[2]
+    if leaf in FROM_OTHER_TOOLS and FROM_OTHER_TOOLS[leaf] != typed:
+        return [FROM_OTHER_TOOLS[leaf]]
+    return closest_keys(typed, list(keys) + ([] if "." in typed else group_names()))
 
 
 def _bad_value(chain: List[BaseException], overrides: List[str]) -> str:

@@ -10,102 +10,31 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 import typing
 from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from dsrecipes.config.schema import GROUP_SCHEMAS, TrainConfig
+from dsrecipes.config.hints import clean_hydra_message, full_key, schema_keys
+from dsrecipes.config.schema import TrainConfig
 from dsrecipes.errors import ConfigError
 from dsrecipes.suggest import closest, phrase
 
-_registered = False
 
+def compose(overrides: Sequence[str] = ()) -> Any:
+    """conf/train.yaml with overrides, checked for code (config/hydra_app.py)."""
+    import dsrecipes.config.hydra_app as hydra_app  # Hydra's runner: 0.4 s to import, which ranks (load_run_config) skip
 
-def register_schemas() -> None:
-    """Register the schemas with Hydra's ConfigStore (explicitly, never at import)."""
-    global _registered
-    if _registered:
-        return
-    from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
-
-    from dsrecipes.paths import ASSETS_DIR
-
-    # ${dsr.asset:NAME} -> a bundled asset directory (dsrecipes/assets/NAME).
-    OmegaConf.register_new_resolver("dsr.asset", lambda name: str(ASSETS_DIR / name), replace=True)
-    cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainConfig)
-    for group, schema in GROUP_SCHEMAS.items():
-        cs.store(group="schema", name=group, node=schema)
-    _registered = True
+    return hydra_app.compose(overrides)
 
 
 @contextlib.contextmanager
 def hydra_context() -> Iterator[None]:
-    """Initialise Hydra on conf/ (and user recipes) once; compose() calls inside reuse it (validate --all composes hundreds)."""
-    from hydra.core.global_hydra import GlobalHydra
+    """Hydra initialised once; compose() calls inside reuse it (validate --all composes hundreds)."""
+    import dsrecipes.config.hydra_app as hydra_app  # see compose()
 
-    from dsrecipes.config.sources import create_hydra
-
-    register_schemas()
-    if GlobalHydra.instance().is_initialized():
+    with hydra_app.hydra_context():
         yield
-        return
-    try:
-        create_hydra()  # conf/ plus the user's recipe folders and files (config/sources.py)
-        yield
-    finally:
-        GlobalHydra.instance().clear()
-
-
-def compose(overrides: Sequence[str] = ()) -> Any:
-    """Compose conf/train.yaml with overrides (Hydra's compose API); errors become ConfigError. The composition is
-    checked for code (config/safety.py) with its `hydra` node, which is then dropped."""
-    from hydra import compose as hydra_compose
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.types import RunMode
-    from omegaconf import open_dict, read_write
-
-    from dsrecipes.config.safety import check as check_safety
-
-    with hydra_context():
-        try:
-            composed = hydra_compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
-        except Exception as exc:  # Hydra raises many types; all are user mistakes here
-            raise compose_error(exc, overrides) from None
-        check_safety(GlobalHydra.instance().config_loader(), "train", overrides, composed, RunMode.RUN)
-    with read_write(composed), open_dict(composed):
-        del composed["hydra"]
-    return composed
-
-
-def compose_error(exc: BaseException, overrides: Sequence[str]) -> ConfigError:
-    """A failed composition as one message, with the closest valid names (config/hints.py)."""
-    from dsrecipes.config.hints import explain
-
-    return ConfigError(explain(exc, overrides, fallback=clean_hydra_message(exc)))
-
-
-def clean_hydra_message(exc: BaseException) -> str:
-    """Hydra/OmegaConf messages, flattened to one readable line (with the file and full key when known)."""
-    parts = []
-    seen = set()
-    e: Optional[BaseException] = exc
-    while e is not None:
-        text = str(e).strip()
-        if text and text not in seen:
-            seen.add(text)
-            parts.append(text)
-        e = e.__cause__ or e.__context__
-    kept = []
-    for part in parts:
-        part = part.split("Config search path")[0].strip()
-        if "$VALUE" in part or not part:
-            continue
-        kept.append(re.sub(r"\s*\n\s*", "; ", part).rstrip(" ;"))
-    return " | ".join(kept[:2])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -184,6 +113,7 @@ def _to_dataclass(cls: Any, data: Dict[str, Any], path: str, errors: List[str]) 
         if key not in names:
             where = f"{path}.{key}" if path else str(key)
             near = [f"{path}.{n}" if path else n for n in closest(str(key), names)]
+            near = near if path or near else full_key(str(key), schema_keys())  # `+learning_rate=` -> optimizer.lr
             hint = phrase(near) or f" (valid keys of {cls.__name__}: {', '.join(sorted(names))})"
             errors.append(f"{where}: unknown key{hint}")
     kwargs = {}

@@ -5,8 +5,8 @@
     recipe=FILE.yaml   any file: a value ending in .yaml/.yml, or starting with /, ./, ../ or ~, is a path (relative
                        to the working directory)
 
-Both reach Hydra as options of the `recipe` group through two small config sources (Hydra's ConfigSource interface,
-hydra-core 1.3.x), so a user recipe is composed exactly like a shipped one: the same `# @package _global_` header,
+Both reach Hydra as options of the `recipe` group through two small config sources (Hydra's public ConfigSource
+interface, hydra-core 1.3.x; config/hydra_app.py puts them on the search path), so a user recipe is composed exactly like a shipped one: the same `# @package _global_` header,
 defaults list, typed schema checks and no-code rules, and Hydra records the override as the user typed it.
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from hydra.plugins.config_source import ConfigLoadError, ConfigResult, ConfigSource
-from omegaconf import OmegaConf
 
+import dsrecipes.config.recipe_file as recipe_file
 from dsrecipes.errors import ConfigError
 
 RECIPES_ENV = "DSRECIPES_RECIPES"
@@ -50,28 +50,14 @@ def user_recipes() -> Dict[str, Path]:
     return found
 
 
-def search_path() -> object:
-    """Hydra's config search path: Hydra's own configs, the user's recipe folders, conf/, recipe files, schemas."""
-    from hydra._internal.utils import create_config_search_path
-    from hydra.core.config_search_path import SearchPathQuery
-
-    from dsrecipes.paths import conf_dir
-
-    register_sources()
-    csp = create_config_search_path(str(conf_dir()))
-    before_main = SearchPathQuery(provider="main")
-    for folder in user_recipe_dirs():
-        csp.prepend(provider="dsrecipes-user", path=f"{_FOLDER_SCHEME}://{folder}", anchor=before_main)
-    csp.prepend(provider="dsrecipes-file", path=f"{_FILE_SCHEME}://{Path.cwd()}", anchor=SearchPathQuery(provider="schema"))
-    return csp
+def folder_source_path(folder: Path) -> str:
+    """The search-path entry that serves `recipe=NAME` from a user's folder (config/hydra_app.py adds it)."""
+    return f"{_FOLDER_SCHEME}://{folder}"
 
 
-def register_sources() -> None:
-    """Teach Hydra the two schemes (explicitly, never at import; registering twice is a no-op)."""
-    from hydra._internal.sources_registry import SourcesRegistry
-
-    SourcesRegistry.instance().register(_RecipeFolderSource)
-    SourcesRegistry.instance().register(_RecipeFileSource)
+def file_source_path(cwd: Path) -> str:
+    """The search-path entry that serves `recipe=PATH.yaml`, relative paths against `cwd`."""
+    return f"{_FILE_SCHEME}://{cwd}"
 
 
 class _RecipeSourceBase(ConfigSource):
@@ -82,13 +68,10 @@ class _RecipeSourceBase(ConfigSource):
 
     def load_config(self, config_path: str) -> ConfigResult:
         path = self._file(config_path)
-        if path is None or not path.is_file():
+        if path is None or not os.path.lexists(path):
             raise ConfigLoadError(f"Config not found: {config_path}")
-        text = path.read_text(encoding="utf-8")
-        with open(path, encoding="utf-8") as fh:  # OmegaConf's loader: the same YAML dialect as every conf/ file
-            config = OmegaConf.load(fh) if text.strip() else OmegaConf.create({})
-        return ConfigResult(config=config, path=f"{self.scheme()}://{path}", provider=self.provider,
-                            header=ConfigSource._get_header_dict(text[:512]))
+        config, header = recipe_file.load(path)  # bounded; a flat file becomes the header form; ConfigError names it
+        return ConfigResult(config=config, path=f"{self.scheme()}://{path}", provider=self.provider, header=header)
 
     def available(self) -> bool:
         return True
@@ -97,8 +80,8 @@ class _RecipeSourceBase(ConfigSource):
         return config_path in ("", RECIPE_GROUP)
 
     def is_config(self, config_path: str) -> bool:
-        path = self._file(config_path)
-        return path is not None and path.is_file()
+        path = self._file(config_path)  # a name that exists, even one that cannot be read: load_config says why
+        return path is not None and os.path.lexists(path)
 
     def list(self, config_path: str, results_filter: object) -> List[str]:
         return []
@@ -117,7 +100,7 @@ class _RecipeFolderSource(_RecipeSourceBase):
             return None
         stem = name.removesuffix(".yaml")
         for candidate in (Path(self.path, f"{stem}.yaml"), Path(self.path, f"{stem}.yml")):
-            if candidate.is_file():
+            if os.path.lexists(candidate):
                 return candidate
         return None
 
@@ -147,12 +130,4 @@ class _RecipeFileSource(_RecipeSourceBase):
         return Path(self.path, os.path.expanduser(value))
 
 
-def create_hydra(task_name: str = "dsrecipes") -> object:
-    """A fresh global Hydra on `search_path()` (what `initialize_config_dir` does, with our sources), version base 1.3."""
-    from hydra import version
-    from hydra._internal.hydra import Hydra
-    from hydra.core.global_hydra import GlobalHydra
-
-    version.setbase("1.3")
-    GlobalHydra.instance().clear()
-    return Hydra.create_main_hydra2(task_name=task_name, config_search_path=search_path())
+SOURCES = (_RecipeFolderSource, _RecipeFileSource)  # registered with Hydra by config/hydra_app.py

@@ -1,9 +1,9 @@
 """The chat template an exported tokenizer carries: a Jinja rendering of exactly the template the model trained on.
 
 A served model is prompted through `tokenizer.apply_chat_template` (transformers, vLLM, TGI, ...), so the export
-must carry the training template, not whatever the base tokenizer shipped. For each built-in template
-(data/template.py) `chat_template()` writes an equivalent Jinja source, with the run's settings baked in as
-literals: `template.default_system` (vicuna: FastChat's system prompt when none is set), `template.separator`,
+must carry the training template, not whatever the base tokenizer shipped. Each built-in template is defined once,
+as a `Spec` in data/template.py (the literal text around each kind of message); the training renderer and
+`chat_template()` here are both made from it: the Jinja source has the run's settings baked in as literals: `template.default_system` (vicuna: FastChat's system prompt when none is set), `template.separator`,
 and the tokenizer's bos/eos strings. It takes the standard inputs: `messages` (an optional leading `system`
 message, then `user`, `assistant` (text and/or `tool_calls`) and `tool` messages), `tools` (a list of function
 schemas) and `add_generation_prompt`. Tools and tool calls are serialised with `tojson`, the canonical form
@@ -18,49 +18,10 @@ observations, several turns, an opening assistant turn, and CJK text.
 
 from __future__ import annotations
 
-from typing import Any, Dict, NamedTuple, Optional
+from typing import Any, Optional
 
 from dsrecipes.config.schema import TemplateConfig, TemplateKind
-from dsrecipes.data.template import VICUNA_SYSTEM
-
-
-class Spec(NamedTuple):
-    """The literal text around each kind of message. A reply is `reply_open + text + reply_close`."""
-
-    begin: str  # once, at the start
-    system_open: str
-    system_close: str
-    user_open: str
-    user_close: str
-    tool_open: str  # an observation (role `tool`)
-    tool_close: str
-    reply_open: str  # also the generation prompt
-    reply_close: str
-    call_open: str = ""  # around a tool call's JSON
-    call_close: str = ""
-
-
-def _llama3_header(role: str) -> str:
-    return f"<|start_header_id|>{role}<|end_header_id|>\n\n"
-
-
-def template_spec(cfg: TemplateConfig, tokenizer: Any) -> Spec:
-    """The built-in template `cfg.name` as literal pieces (mirrors the renderers in data/template.py)."""
-    bos, eos, sep = tokenizer.bos_token or "", tokenizer.eos_token or "", cfg.separator
-    specs: Dict[TemplateKind, Spec] = {
-        TemplateKind.chatml: Spec("", "<|im_start|>system\n", "<|im_end|>\n", "<|im_start|>user\n", "<|im_end|>\n",
-                                  "<|im_start|>tool\n", "<|im_end|>\n", "<|im_start|>assistant\n", "<|im_end|>\n",
-                                  "<tool_call>\n", "\n</tool_call>"),
-        TemplateKind.llama3: Spec("<|begin_of_text|>", _llama3_header("system"), "<|eot_id|>", _llama3_header("user"),
-                                  "<|eot_id|>", _llama3_header("ipython"), "<|eot_id|>", _llama3_header("assistant"),
-                                  "<|eot_id|>"),
-        TemplateKind.vicuna: Spec(bos, "", " ", "USER: ", " ", "OBSERVATION: ", " ", "ASSISTANT: ", "</s>"),
-        TemplateKind.plain: Spec("", "### System: ", sep, "### User: ", sep, "### Observation: ", sep,
-                                 "### Assistant: ", eos + sep),
-        TemplateKind.human_assistant: Spec("", "", "", "\n\nHuman: ", "", "\n\nObservation: ", "",
-                                           "\n\nAssistant: ", eos),
-    }
-    return specs[cfg.name]
+from dsrecipes.data.template import Spec, default_system, template_spec
 
 
 def chat_template(cfg: TemplateConfig, tokenizer: Any) -> Optional[str]:
@@ -72,14 +33,12 @@ def chat_template(cfg: TemplateConfig, tokenizer: Any) -> Optional[str]:
         # Training gave the model's template a system message whenever a conversation had none.
         return ("{%- if not messages or messages[0]['role'] != 'system' -%}{%- set messages = "
                 f"[{{'role': 'system', 'content': {lit(cfg.default_system)}}}] + messages -%}}{{%- endif -%}}" + own)
-    default = cfg.default_system
-    if cfg.name is TemplateKind.vicuna and default is None:
-        default = VICUNA_SYSTEM
-    return builtin_source(template_spec(cfg, tokenizer), default)
+    return builtin_source(template_spec(cfg, tokenizer), default_system(cfg))
 
 
 def builtin_source(spec: Spec, default_system: Optional[str]) -> str:
     s = {name: lit(value) for name, value in spec._asdict().items()}
+    s["reply_close"] = lit(spec.reply_close + spec.reply_after)  # the prompt text after a reply: not trained, same text
     text = "(m['content'] or '')"
     call = ("(('{\"name\": ' + (f['name'] | tojson) + ', \"arguments\": ' + (f['arguments'] if f['arguments'] is string"
             " else (f['arguments'] | tojson)) + '}'))")

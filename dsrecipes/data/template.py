@@ -6,7 +6,9 @@ may be trained (the reply text plus its end-of-turn token), None for everything 
 `train_on`; only labels differ. Adjacent untrained pieces are merged, so a prompt is tokenized as one string, the
 way it is at inference.
 
-Templates (`template.name`):
+Templates (`template.name`); each built-in one is defined once, as a `Spec` (`template_spec`: the literal text around
+each kind of message), from which both `_builtin` here and the exported Jinja `chat_template` (data/jinja.py) are
+made:
   chatml           <|im_start|>role\\ntext<|im_end|>\\n; tool calls as assistant `<tool_call>\\n{json}\\n</tool_call>`,
                    observations as role `tool`; tools go into the system turn as "Tools: <json>"
   llama3           <|begin_of_text|><|start_header_id|>role<|end_header_id|>\\n\\ntext<|eot_id|>; observations
@@ -77,80 +79,78 @@ def system_text(conv: Conversation, cfg: TemplateConfig, fallback: Optional[str]
     return system_with_tools(system, conv.tools)
 
 
-def _chatml(conv: Conversation, cfg: TemplateConfig, tokenizer: Any) -> List[Piece]:
-    out: List[Piece] = []
-    system = system_text(conv, cfg)
+class Spec(NamedTuple):
+    """A built-in template, defined once: the literal text around each kind of message. The training renderer
+    (`_builtin`) and the exported Jinja `chat_template` (data/jinja.py `builtin_source`) are both made from it. A
+    reply is `reply_open` (prompt) + text + `reply_close` (trained: the end-of-turn token) + `reply_after` (prompt)."""
+
+    begin: str  # once, at the start
+    system_open: str
+    system_close: str
+    user_open: str
+    user_close: str
+    tool_open: str  # an observation (role `tool`)
+    tool_close: str
+    reply_open: str  # also the generation prompt
+    reply_close: str
+    call_open: str = ""  # around a tool call's canonical JSON
+    call_close: str = ""
+    reply_after: str = ""
+
+
+def _llama3_header(role: str) -> str:
+    return f"<|start_header_id|>{role}<|end_header_id|>\n\n"
+
+
+def template_spec(cfg: TemplateConfig, tokenizer: Any) -> Spec:
+    """The built-in template `cfg.name`, with the run's settings and the tokenizer's bos/eos filled in."""
+    bos, eos, sep = tokenizer.bos_token or "", tokenizer.eos_token or "", cfg.separator
+    specs: Dict[TemplateKind, Spec] = {
+        TemplateKind.chatml: Spec("", "<|im_start|>system\n", "<|im_end|>\n", "<|im_start|>user\n", "<|im_end|>\n",
+                                  "<|im_start|>tool\n", "<|im_end|>\n", "<|im_start|>assistant\n", "<|im_end|>",
+                                  "<tool_call>\n", "\n</tool_call>", "\n"),
+        TemplateKind.llama3: Spec("<|begin_of_text|>", _llama3_header("system"), "<|eot_id|>", _llama3_header("user"),
+                                  "<|eot_id|>", _llama3_header("ipython"), "<|eot_id|>", _llama3_header("assistant"),
+                                  "<|eot_id|>"),
+        TemplateKind.vicuna: Spec(bos, "", " ", "USER: ", " ", "OBSERVATION: ", " ", "ASSISTANT: ", "</s>"),
+        TemplateKind.plain: Spec("", "### System: ", sep, "### User: ", sep, "### Observation: ", sep,
+                                 "### Assistant: ", eos, reply_after=sep),
+        TemplateKind.human_assistant: Spec("", "", "", "\n\nHuman: ", "", "\n\nObservation: ", "",
+                                           "\n\nAssistant: ", eos),
+    }
+    return specs[cfg.name]
+
+
+def default_system(cfg: TemplateConfig) -> Optional[str]:
+    """The system prompt of a conversation without one (vicuna: FastChat's own when none is set)."""
+    if cfg.default_system is None and cfg.name is TemplateKind.vicuna:
+        return VICUNA_SYSTEM
+    return cfg.default_system
+
+
+def _builtin(conv: Conversation, cfg: TemplateConfig, tokenizer: Any) -> List[Piece]:
+    spec = template_spec(cfg, tokenizer)
+    out: List[Piece] = [(spec.begin, None)]
+    system = system_text(conv, cfg, default_system(cfg))
     if system is not None:
-        out.append((f"<|im_start|>system\n{system}<|im_end|>\n", None))
-    for i, t in enumerate(conv.turns):
-        if t.role is Role.assistant:
-            out += [("<|im_start|>assistant\n", None), (f"{t.content}<|im_end|>", i), ("\n", None)]
-        elif t.role is Role.tool_call:
-            call = tool_call_text(t.content)
-            body = f"<tool_call>\n{call}\n</tool_call>" if tool_call(t.content) is not None else call  # see messages.py
-            out += [("<|im_start|>assistant\n", None), (f"{body}<|im_end|>", i), ("\n", None)]
-        else:
-            name = "tool" if t.role is Role.observation else "user"
-            out.append((f"<|im_start|>{name}\n{t.content}<|im_end|>\n", None))
-    return out
-
-
-def _reply(t: Turn) -> str:
-    """A reply's text: tool calls in their canonical JSON (messages.py), so the exported template renders the same."""
-    return tool_call_text(t.content) if t.role is Role.tool_call else t.content
-
-
-def _llama3(conv: Conversation, cfg: TemplateConfig, tokenizer: Any) -> List[Piece]:
-    def header(role: str) -> str:
-        return f"<|start_header_id|>{role}<|end_header_id|>\n\n"
-
-    out: List[Piece] = [("<|begin_of_text|>", None)]
-    system = system_text(conv, cfg)
-    if system is not None:
-        out.append((f"{header('system')}{system}<|eot_id|>", None))
+        out.append((f"{spec.system_open}{system}{spec.system_close}", None))
     for i, t in enumerate(conv.turns):
         if t.role in (Role.assistant, Role.tool_call):
-            out += [(header("assistant"), None), (f"{_reply(t)}<|eot_id|>", i)]
+            out += [(spec.reply_open, None), (f"{_reply(t, spec)}{spec.reply_close}", i), (spec.reply_after, None)]
+        elif t.role is Role.observation:
+            out.append((f"{spec.tool_open}{t.content}{spec.tool_close}", None))
         else:
-            out.append((f"{header('ipython' if t.role is Role.observation else 'user')}{t.content}<|eot_id|>", None))
-    return out
+            out.append((f"{spec.user_open}{t.content}{spec.user_close}", None))
+    return [(text, turn) for text, turn in out if text or turn is not None]
 
 
-def _vicuna(conv: Conversation, cfg: TemplateConfig, tokenizer: Any) -> List[Piece]:
-    out: List[Piece] = [(f"{tokenizer.bos_token or ''}{system_text(conv, cfg, VICUNA_SYSTEM)} ", None)]
-    for i, t in enumerate(conv.turns):
-        if t.role in (Role.assistant, Role.tool_call):
-            out += [("ASSISTANT: ", None), (f"{_reply(t)}</s>", i)]
-        else:
-            out.append((f"{'OBSERVATION' if t.role is Role.observation else 'USER'}: {t.content} ", None))
-    return out
-
-
-_PLAIN_NAMES = {Role.user: "User", Role.observation: "Observation", Role.assistant: "Assistant", Role.tool_call: "Assistant"}
-
-
-def _plain(conv: Conversation, cfg: TemplateConfig, tokenizer: Any) -> List[Piece]:
-    sep, eos = cfg.separator, tokenizer.eos_token or ""
-    system = system_text(conv, cfg)
-    out: List[Piece] = [] if system is None else [(f"### System: {system}{sep}", None)]
-    for i, t in enumerate(conv.turns):
-        if t.role in (Role.assistant, Role.tool_call):
-            out += [("### Assistant: ", None), (f"{_reply(t)}{eos}", i), (sep, None)]
-        else:
-            out.append((f"### {_PLAIN_NAMES[t.role]}: {t.content}{sep}", None))
-    return out
-
-
-def _human_assistant(conv: Conversation, cfg: TemplateConfig, tokenizer: Any) -> List[Piece]:
-    eos = tokenizer.eos_token or ""
-    system = system_text(conv, cfg)
-    out: List[Piece] = [] if system is None else [(system, None)]
-    for i, t in enumerate(conv.turns):
-        if t.role in (Role.assistant, Role.tool_call):
-            out += [("\n\nAssistant: ", None), (f"{_reply(t)}{eos}", i)]
-        else:
-            out.append((f"\n\n{'Observation' if t.role is Role.observation else 'Human'}: {t.content}", None))
-    return out
+def _reply(t: Turn, spec: Spec) -> str:
+    """A reply's text; a tool call in its canonical JSON (messages.py) between the template's call markers, so the
+    exported template renders the same from structured `tool_calls` (a call that is not JSON stays as written)."""
+    if t.role is not Role.tool_call:
+        return t.content
+    call = tool_call_text(t.content)
+    return f"{spec.call_open}{call}{spec.call_close}" if tool_call(t.content) is not None else call
 
 
 def hf_messages(conv: Conversation, cfg: TemplateConfig) -> Tuple[List[Dict[str, Any]], Optional[list]]:
@@ -207,11 +207,11 @@ def _opening_prompt(apply: Callable[[List[Dict[str, Any]], bool], str], first: D
 
 
 RENDERERS: Dict[TemplateKind, Callable[[Conversation, TemplateConfig, Any], List[Piece]]] = {
-    TemplateKind.chatml: _chatml,
-    TemplateKind.llama3: _llama3,
-    TemplateKind.vicuna: _vicuna,
-    TemplateKind.plain: _plain,
-    TemplateKind.human_assistant: _human_assistant,
+    TemplateKind.chatml: _builtin,
+    TemplateKind.llama3: _builtin,
+    TemplateKind.vicuna: _builtin,
+    TemplateKind.plain: _builtin,
+    TemplateKind.human_assistant: _builtin,
     TemplateKind.tokenizer: _tokenizer_template,
 }
 
