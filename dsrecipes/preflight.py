@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import List, Optional
 
-from dsrecipes.config.schema import DataKind, TrainConfig
+from dsrecipes.config.schema import TrainConfig
 from dsrecipes.errors import UserError
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json",
@@ -47,9 +47,10 @@ def check_data_names(cfg: TrainConfig) -> List[str]:
     missing from `dataset.registry` (or a registry entry it cannot read), a validation file that is also a
     training file (its rows would be evaluated after being trained on)."""
     from dsrecipes.data.files import expand_paths
+    from dsrecipes.data.strategies.rules import reads_sources
     from dsrecipes.data.registry import resolve_sources, validation_files
 
-    if cfg.data.kind is DataKind.presharded:  # reads the shards' manifest, not the dataset's sources
+    if not reads_sources(cfg):  # presharded reads the shards' manifest, not the dataset's sources
         return []
     try:
         sources = resolve_sources(cfg.dataset, [])

@@ -19,6 +19,7 @@ NamedPath = Tuple[str, Optional[str]]  # (config key, path) that must exist when
 class Rules:
     problems: Callable[[TrainConfig], List[str]]  # one message per broken rule, each naming its key
     paths: Callable[[TrainConfig], List[NamedPath]] = lambda cfg: []
+    reads_sources: bool = True  # trains on dataset.paths/sources/use (presharded: on the shards' manifest)
 
 
 def _reads_dataset(cfg: TrainConfig) -> List[str]:
@@ -35,7 +36,7 @@ def _reads_shards(cfg: TrainConfig) -> List[str]:
 RULES: Dict[DataKind, Rules] = {
     DataKind.map: Rules(_reads_dataset),
     DataKind.iterable: Rules(_reads_dataset),
-    DataKind.presharded: Rules(_reads_shards, lambda cfg: [("data.shard_dir", cfg.data.shard_dir)]),
+    DataKind.presharded: Rules(_reads_shards, lambda cfg: [("data.shard_dir", cfg.data.shard_dir)], reads_sources=False),
 }
 
 
@@ -45,3 +46,7 @@ def config_problems(cfg: TrainConfig) -> List[str]:
 
 def required_paths(cfg: TrainConfig) -> List[NamedPath]:
     return RULES[cfg.data.kind].paths(cfg)
+
+
+def reads_sources(cfg: TrainConfig) -> bool:
+    return RULES[cfg.data.kind].reads_sources
