@@ -9,7 +9,7 @@ Layout of `<run>/checkpoints/`:
         rng/rank<R>.pt            each rank's python / numpy / torch RNG states (DeepSpeed saves none)
         config.yaml               the settings that wrote it (the resume contract compares against them)
         complete.json             the commit record, written last: step, world size, data fingerprint and the size
-                                  and hash of every other file (manifest.py)
+                                  and hash of every other file (manifest.py), signed with this user's key (trust.py)
     latest                        the tag of the newest checkpoint (same format as DeepSpeed's own file)
 
 A save writes into `step_<N>.partial/` and rank 0 renames it to `step_<N>` only after every rank finished and
@@ -35,10 +35,12 @@ import numpy as np
 import torch
 
 import dsrecipes.manifest as manifest
+import dsrecipes.safe_load as safe_load
 from dsrecipes.errors import UserError
 from dsrecipes.fileio import atomic_write_json, atomic_write_text
 from dsrecipes.rundir import CHECKPOINTS_DIR, CONFIG_FILE
 from dsrecipes.runplan import ResumePlan
+from dsrecipes.trust import sign
 
 CHECKPOINTS = CHECKPOINTS_DIR
 LATEST = "latest"
@@ -128,7 +130,7 @@ def _frozen_aliases_left_out(module: torch.nn.Module, active: bool) -> Iterator[
 def commit(run_dir: Path, staging: Path, final: Path, record: Dict[str, Any]) -> None:
     """Rank 0: the config beside the weights, complete.json (every file's size and hash) last, then the rename."""
     shutil.copyfile(Path(run_dir) / CONFIG_FILE, staging / CONFIG_FILE)
-    atomic_write_json(staging / COMPLETE, {**record, "files": manifest.describe(staging, skip=[COMPLETE])})
+    atomic_write_json(staging / COMPLETE, sign({**record, "files": manifest.describe(staging, skip=[COMPLETE])}))
     if final.exists():  # re-saving a tag (a resume from an earlier step): swap whole directories
         old = final.with_name(final.name + REPLACED)
         shutil.rmtree(old, ignore_errors=True)
@@ -217,7 +219,7 @@ def open_resume(plan: Optional[ResumePlan]) -> Optional[ResumePoint]:
     if not plan.elastic:
         return ResumePoint(tag_dir, tag_dir.parent, tag_dir.name, plan.saved_world_size,
                            frozen_excluded=frozen_excluded)
-    if dist.get_rank() == 0 and not (tag_dir / UNIVERSAL / COMPLETE).is_file():
+    if dist.get_rank() == 0 and not universal_verifies(tag_dir):
         convert_to_universal(tag_dir)
     dist.barrier()
     return ResumePoint(tag_dir, tag_dir, UNIVERSAL, plan.saved_world_size, universal=True,
@@ -237,8 +239,21 @@ def convert_to_universal(tag_dir: Path) -> Path:
     # The engine still reads the module/scheduler/client state file from the universal tag.
     for states in tag_dir.glob("mp_rank_*_model_states.pt"):
         shutil.copy2(states, out / states.name)
-    atomic_write_json(out / COMPLETE, {"source": tag_dir.name})
+    atomic_write_json(out / COMPLETE, sign({"source": tag_dir.name, "files": manifest.describe(out, skip=[COMPLETE])}))
     return out
+
+
+def universal_verifies(tag_dir: Path) -> bool:
+    """A universal conversion made earlier is reused only when this user signed it and its files are as written
+    (complete.json of the checkpoint does not cover it: it is made after the commit)."""
+    from dsrecipes.trust import signature_problem
+
+    try:
+        record = json.loads((tag_dir / UNIVERSAL / COMPLETE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (isinstance(record, dict) and isinstance(record.get("files"), dict) and signature_problem(record) is None
+            and manifest.verify(tag_dir / UNIVERSAL, record["files"]) is None)
 
 
 def load_checkpoint(engine: Any, loader: Any, point: ResumePoint) -> TrainState:
@@ -259,5 +274,5 @@ def load_checkpoint(engine: Any, loader: Any, point: ResumePoint) -> TrainState:
     data_state = point.tag_dir / "data_state" / f"rank{source_rank}.json"
     loader.load_state_dict(json.loads(data_state.read_text(encoding="utf-8")))
     if point.saved_world_size == world_size:
-        restore_rng(torch.load(point.tag_dir / "rng" / f"rank{rank}.pt", weights_only=False))
+        restore_rng(safe_load.load(point.tag_dir / "rng" / f"rank{rank}.pt"))
     return TrainState(**client_state["train_state"])

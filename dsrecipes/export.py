@@ -5,7 +5,8 @@ stop tokens, use_cache); an adapter-only LoRA export names its base model in ada
 
 The destination belongs to the user until proven ours: it must be absent, an empty directory, or an earlier
 dsrecipes export holding nothing but the files that export wrote (`dsrecipes_export.json` lists them); anything
-else is refused before any work (exit 2, nothing touched). The new directory is written beside the destination
+else is refused before any work (exit 2, nothing touched). The marker also holds each file's size and hash and is
+signed with this user's key (trust.py), so chat and prompt-eval on a run directory load only what this user wrote. The new directory is written beside the destination
 under a fresh name and renamed into place; an earlier export is swapped out and only then deleted.
 """
 
@@ -20,10 +21,12 @@ from typing import Any, Dict, Optional
 
 import torch
 
+import dsrecipes.manifest as manifest
 from dsrecipes.checkpoint import read_record, step_of
 from dsrecipes.config.schema import TrainConfig
 from dsrecipes.errors import UserError
 from dsrecipes.fileio import atomic_write_json
+from dsrecipes.trust import sign
 
 EXPORT_DIR = "export"
 EXPORT_INIT_DIR = "export_init"
@@ -51,19 +54,28 @@ def export_initial(cfg: TrainConfig, tokenizer: Any, out_dir: Path) -> Path:
 
 
 def export_checkpoint(run_dir: Path, tag_dir: Path, out_dir: Path, cfg: Optional[TrainConfig] = None,
-                      merge_lora: Optional[bool] = None, key: str = "export") -> Path:
+                      merge_lora: Optional[bool] = None, key: str = "export",
+                      retry: str = "dsrecipes export RUN --out DIR") -> Path:
     """Checkpoint -> HF model directory (safetensors + config + tokenizer with its chat template), any ZeRO stage.
 
     Weights: ZeRO-0/1/2 keep the full module in `mp_rank_00_model_states.pt`; ZeRO-3 shards are consolidated with
     DeepSpeed's zero_to_fp32. LoRA runs write the merged model or the adapter only (`merge_lora`, by default
-    `trainer.export_merged_lora`).
+    `trainer.export_merged_lora`). Nothing is read from the checkpoint before checkpoint_find.verified passed
+    (signed by this user or trusted on the command line, every file as written; `retry` is named if not).
     """
+    from dsrecipes.checkpoint_find import verified
     from dsrecipes.config.load import load_run_config
     from dsrecipes.model import TORCH_DTYPES, build_model, load_tokenizer
     from dsrecipes.serving import make_servable
 
     check_out_dir(out_dir, key)
+    verified(tag_dir, retry)
     cfg = cfg or load_run_config(run_dir)
+    if cfg.model.path:  # the base the weights go onto: never a directory that needs its own code
+        from dsrecipes.preflight import custom_code_problems
+
+        for problem in custom_code_problems("model.path", Path(cfg.model.path)):
+            raise UserError(problem)
     tokenizer = load_tokenizer(cfg)
     frozen_excluded = bool(read_record(tag_dir).get("frozen_excluded"))
     state_dict = consolidated_state_dict(tag_dir, cfg.zero.stage, frozen_excluded)
@@ -106,8 +118,9 @@ def consolidated_state_dict(tag_dir: Path, zero_stage: int, frozen_excluded: boo
 
         return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name,
                                                         exclude_frozen_parameters=frozen_excluded)
-    states = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-    return states["module"]
+    from dsrecipes.safe_load import load
+
+    return load(tag_dir / "mp_rank_00_model_states.pt")["module"]  # weights_only: tensors and plain data only
 
 
 def _is_tied(model: torch.nn.Module, key: str) -> bool:
@@ -162,8 +175,8 @@ def _save_hf(model: Any, tokenizer: Any, out_dir: Path, info: Dict[str, Any], ke
         if hasattr(model, "get_base_model"):  # an adapter-only export: peft writes no generation_config.json
             model.get_base_model().generation_config.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
-        files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if not p.is_dir())
-        atomic_write_json(tmp / EXPORT_MARKER, {**info, "files": files})
+        hashes = manifest.describe(tmp)
+        atomic_write_json(tmp / EXPORT_MARKER, sign({**info, "files": sorted(hashes), "hashes": hashes}))
         _swap_in(tmp, out_dir, key)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
