@@ -34,6 +34,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import numpy as np
 import torch
 
+import dsrecipes.disk_space as disk_space
 import dsrecipes.manifest as manifest
 import dsrecipes.safe_load as safe_load
 from dsrecipes.errors import UserError
@@ -78,7 +79,9 @@ def step_of(tag_dir: Path) -> int:
 def save_checkpoint(engine: Any, loader: Any, state: TrainState, run_dir: Path, keep: int, *,
                     frozen_excluded: bool, record: Dict[str, Any]) -> Path:
     """Collective: every rank writes its shards, data position and RNG into `step_<N>.partial`; rank 0 then
-    commits (complete.json, rename, `latest`) and prunes. `record` goes into complete.json (data fingerprint)."""
+    commits (complete.json, rename, `latest`) and prunes. `record` goes into complete.json (data fingerprint).
+    A disk that fills up on any rank: every rank agrees, the partial directory is removed, the checkpoints already
+    committed stay as they are, and OutOfSpace (exit 1, result.json failed) names the path and the bytes needed."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -88,24 +91,64 @@ def save_checkpoint(engine: Any, loader: Any, state: TrainState, run_dir: Path, 
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)  # left by a save of this step that was killed
     dist.barrier()
+    full = _writing_fits(staging, lambda: _write_rank_files(engine, loader, state, staging, rank, frozen_excluded))
+    _stop_if_full(root, staging, full)
+    if os.environ.get(KILL_BEFORE_LATEST_ENV) == str(state.step):
+        os._exit(17)  # simulate a crash between the shard writes and the commit
+    full = None
+    if rank == 0:
+        record = {**record, "step": state.step, "world_size": dist.get_world_size(), "saved_at": time.time(),
+                  "frozen_excluded": frozen_excluded}
+        full = _writing_fits(staging, lambda: commit(run_dir, staging, root / tag, record))
+        if full is None:
+            prune_checkpoints(root, keep)
+    _stop_if_full(root, staging, full)
+    return root / tag
+
+
+def _write_rank_files(engine: Any, loader: Any, state: TrainState, staging: Path, rank: int,
+                      frozen_excluded: bool) -> None:
     with _frozen_aliases_left_out(engine.module, frozen_excluded):
-        engine.save_checkpoint(str(root), tag=staging.name, client_state={"train_state": asdict(state)},
+        engine.save_checkpoint(str(staging.parent), tag=staging.name, client_state={"train_state": asdict(state)},
                                save_latest=False, exclude_frozen_parameters=frozen_excluded)
     atomic_write_json(staging / "data_state" / f"rank{rank}.json", loader.state_dict())
     (staging / "rng").mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), staging / "rng" / f"rank{rank}.pt")
-    dist.barrier()
-    if os.environ.get(KILL_BEFORE_LATEST_ENV) == str(state.step):
-        os._exit(17)  # simulate a crash between the shard writes and the commit
-    if rank == 0:
-        record = {**record, "step": state.step, "world_size": dist.get_world_size(), "saved_at": time.time(),
-                  "frozen_excluded": frozen_excluded}
-        commit(run_dir, staging, root / tag, record)
-        prune_checkpoints(root, keep)
-    dist.barrier()
-    return root / tag
 
 
+def _writing_fits(staging: Path, write: Any) -> Optional[BaseException]:
+    """Run `write`; the error when it ran out of disk space (None when it fitted; any other error is raised)."""
+    try:
+        write()
+    except Exception as exc:
+        if not disk_space.out_of_space(exc, staging):
+            raise
+        return exc
+    return None
+
+
+def _stop_if_full(root: Path, staging: Path, full: Optional[BaseException]) -> None:
+    """Collective: when any rank ran out of space, remove the partial checkpoint and raise OutOfSpace everywhere."""
+    import torch.distributed as dist
+
+    from dsrecipes.distributed import all_ranks
+
+    if all_ranks(full is None):
+        dist.barrier()
+        return
+    written = disk_space.tree_bytes(staging)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        disk_space.remove_partial(staging)
+    dist.barrier()
+    previous = next(iter(sorted((d for d in root.glob("step_*") if (d / COMPLETE).is_file()), key=commit_order,
+                                reverse=True)), None)
+    needed = disk_space.tree_bytes(previous) if previous is not None else written
+    head = disk_space.describe("checkpoint", root / staging.name[: -len(PARTIAL)], needed, previous is None,
+                               disk_space.free_bytes(root))
+    kept = f"{previous} is intact; free space, then resume from it" if previous else "no earlier checkpoint exists"
+    raise disk_space.OutOfSpace(f"{head}; the partial checkpoint was removed and {kept} (the same command "
+                                "continues the run)", int(staging.name.split("_")[1].split(".")[0]))
 @contextmanager
 def _frozen_aliases_left_out(module: torch.nn.Module, active: bool) -> Iterator[None]:
     """DeepSpeed's `exclude_frozen_parameters` drops each frozen parameter under its first name only, so a tied

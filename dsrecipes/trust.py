@@ -83,8 +83,12 @@ def _digest(record: Dict[str, Any], key: bytes) -> str:
 
 
 def sign(record: Dict[str, Any]) -> Dict[str, Any]:
-    """`record` with this user's signature (the key is created on first use)."""
-    return {**record, SIGNATURE: _digest(record, _load_key(create=True))}
+    """`record` as it will read back from its JSON file (fileio.json_text), with this user's signature (the key
+    is created on first use)."""
+    from dsrecipes.fileio import json_text
+
+    canonical = json.loads(json_text({k: v for k, v in record.items() if k != SIGNATURE}))
+    return {**canonical, SIGNATURE: _digest(canonical, _load_key(create=True))}
 
 
 def signature_problem(record: Dict[str, Any]) -> Optional[str]:
@@ -144,5 +148,5 @@ def check(record: Dict[str, Any], where: Path, what: str, retry: str) -> bool:
     raise Untrusted(
         f"{where}: refusing to load this {what}: {problem}. Its files are pickles, and loading them can run code, "
         f"so only files written by this user's runs load without asking. If you trust whoever wrote it, repeat "
-        f"with `{retry} {FLAG} {where}`: that loads it this once (its file hashes are still checked) and re-signs "
-        "or changes nothing")
+        f"with `{retry} {FLAG} {where}`: that loads it for that command only (its file hashes "
+        "are still checked; it is not re-signed and nothing is written)")
