@@ -21,6 +21,7 @@ after an explicit resume from an earlier step, swaps the whole directory). A run
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -116,18 +117,19 @@ def _write_rank_files(engine: Any, loader: Any, state: TrainState, staging: Path
     torch.save(rng_state(), staging / "rng" / f"rank{rank}.pt")
 
 
-def _writing_fits(staging: Path, write: Any) -> Optional[BaseException]:
-    """Run `write`; the error when it ran out of disk space (None when it fitted; any other error is raised)."""
+def _writing_fits(staging: Path, write: Any) -> Optional[str]:
+    """Run `write`; what went wrong when it ran out of disk space (None when it fitted; any other error is raised).
+    The error itself is not kept: its traceback holds the writer whose open file keeps the space allocated."""
     try:
         write()
     except Exception as exc:
         if not disk_space.out_of_space(exc, staging):
             raise
-        return exc
+        return f"{type(exc).__name__}: {exc}"
     return None
 
 
-def _stop_if_full(root: Path, staging: Path, full: Optional[BaseException]) -> None:
+def _stop_if_full(root: Path, staging: Path, full: Optional[str]) -> None:
     """Collective: when any rank ran out of space, remove the partial checkpoint and raise OutOfSpace everywhere."""
     import torch.distributed as dist
 
@@ -137,6 +139,7 @@ def _stop_if_full(root: Path, staging: Path, full: Optional[BaseException]) -> N
         dist.barrier()
         return
     written = disk_space.tree_bytes(staging)
+    gc.collect()  # writers left in reference cycles by the failed save close their files (and free the space)
     dist.barrier()
     if dist.get_rank() == 0:
         disk_space.remove_partial(staging)

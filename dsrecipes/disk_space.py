@@ -1,8 +1,9 @@
 """A full disk is a message: recognising that a checkpoint or export ran out of space, and saying how much it needs.
 
 torch.save reports a full disk as a RuntimeError from its zip writer ("unexpected pos", "file write failed") with no
-errno, so an error while writing counts as out of space when it carries ENOSPC/EDQUOT or when the filesystem it
-wrote to is (nearly) full right after it, while the partial file still holds the space. The caller then removes what
+errno, safetensors as a SafetensorError with the OS message as text, so an error while writing counts as out of
+space when it carries ENOSPC/EDQUOT, says so in words, or when the filesystem it wrote to is (nearly) full right
+after it, while the partial file still holds the space. The caller then removes what
 it wrote (the `.partial` checkpoint, the export's temporary directory) and raises `OutOfSpace`, whose message names
 the path, the bytes it needs and the bytes free.
 """
@@ -46,8 +47,8 @@ def out_of_space(exc: BaseException, path: Path) -> bool:
         if isinstance(seen, OSError) and seen.errno in _FULL:
             return True
         seen = seen.__cause__ or seen.__context__
-    if not isinstance(exc, (OSError, RuntimeError)):
-        return False
+    if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):
+        return True  # safetensors' writer: the OS error as text
     free = free_bytes(path)
     return free is not None and free < NEARLY_FULL_BYTES
 

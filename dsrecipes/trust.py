@@ -148,5 +148,5 @@ def check(record: Dict[str, Any], where: Path, what: str, retry: str) -> bool:
     raise Untrusted(
         f"{where}: refusing to load this {what}: {problem}. Its files are pickles, and loading them can run code, "
         f"so only files written by this user's runs load without asking. If you trust whoever wrote it, repeat "
-        f"with `{retry} {FLAG} {where}`: that loads it for that command only (its file hashes "
-        "are still checked; it is not re-signed and nothing is written)")
+        f"with `{retry} {FLAG} {where}`: that accepts it for that one command (its file "
+        "hashes are still checked and a pickle that imports code is still refused); it is not re-signed")
