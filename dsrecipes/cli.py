@@ -47,7 +47,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         name, rest = args[0], args[1:]
     else:
         name, rest = "train", args
-    from dsrecipes import trust
+    import dsrecipes.trust as trust
 
     trust.reset()  # trusting a checkpoint is a decision of one command line, never carried over
     if name == "train":  # Hydra's parser owns train's arguments: the flag is taken off before it sees them

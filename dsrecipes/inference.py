@@ -61,7 +61,7 @@ def check_loadable(model_dir: Path, retry: str, adapter: bool = False) -> None:
     """Before anything of `model_dir` is read by transformers: a dsrecipes export (it has dsrecipes_export.json)
     must be signed by this user or trusted on the command line (trust.py) and hold its files as written; any model
     directory is refused when it needs its own code (auto_map, preflight.check_model_dir)."""
-    from dsrecipes import trust
+    import dsrecipes.trust as trust
     from dsrecipes.manifest import verify
     from dsrecipes.preflight import check_model_dir, custom_code_problems
 
