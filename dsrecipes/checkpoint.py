@@ -21,7 +21,6 @@ after an explicit resume from an earlier step, swaps the whole directory). A run
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import random
@@ -92,7 +91,7 @@ def save_checkpoint(engine: Any, loader: Any, state: TrainState, run_dir: Path, 
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)  # left by a save of this step that was killed
     dist.barrier()
-    full = _writing_fits(staging, lambda: _write_rank_files(engine, loader, state, staging, rank, frozen_excluded))
+    full = disk_space.fits(staging, lambda: _write_rank_files(engine, loader, state, staging, rank, frozen_excluded))
     _stop_if_full(root, staging, full)
     if os.environ.get(KILL_BEFORE_LATEST_ENV) == str(state.step):
         os._exit(17)  # simulate a crash between the shard writes and the commit
@@ -100,7 +99,7 @@ def save_checkpoint(engine: Any, loader: Any, state: TrainState, run_dir: Path, 
     if rank == 0:
         record = {**record, "step": state.step, "world_size": dist.get_world_size(), "saved_at": time.time(),
                   "frozen_excluded": frozen_excluded}
-        full = _writing_fits(staging, lambda: commit(run_dir, staging, root / tag, record))
+        full = disk_space.fits(staging, lambda: commit(run_dir, staging, root / tag, record))
         if full is None:
             prune_checkpoints(root, keep)
     _stop_if_full(root, staging, full)
@@ -117,41 +116,6 @@ def _write_rank_files(engine: Any, loader: Any, state: TrainState, staging: Path
     torch.save(rng_state(), staging / "rng" / f"rank{rank}.pt")
 
 
-def _writing_fits(staging: Path, write: Any) -> Optional[str]:
-    """Run `write`; what went wrong when it ran out of disk space (None when it fitted; any other error is raised).
-    The error itself is not kept: its traceback holds the writer whose open file keeps the space allocated."""
-    try:
-        write()
-    except Exception as exc:
-        if not disk_space.out_of_space(exc, staging):
-            raise
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
-def _stop_if_full(root: Path, staging: Path, full: Optional[str]) -> None:
-    """Collective: when any rank ran out of space, remove the partial checkpoint and raise OutOfSpace everywhere."""
-    import torch.distributed as dist
-
-    from dsrecipes.distributed import all_ranks
-
-    if all_ranks(full is None):
-        dist.barrier()
-        return
-    written = disk_space.tree_bytes(staging)
-    gc.collect()  # writers left in reference cycles by the failed save close their files (and free the space)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        disk_space.remove_partial(staging)
-    dist.barrier()
-    previous = next(iter(sorted((d for d in root.glob("step_*") if (d / COMPLETE).is_file()), key=commit_order,
-                                reverse=True)), None)
-    needed = disk_space.tree_bytes(previous) if previous is not None else written
-    head = disk_space.describe("checkpoint", root / staging.name[: -len(PARTIAL)], needed, previous is None,
-                               disk_space.free_bytes(root))
-    kept = f"{previous} is intact; free space, then resume from it" if previous else "no earlier checkpoint exists"
-    raise disk_space.OutOfSpace(f"{head}; the partial checkpoint was removed and {kept} (the same command "
-                                "continues the run)", int(staging.name.split("_")[1].split(".")[0]))
 @contextmanager
 def _frozen_aliases_left_out(module: torch.nn.Module, active: bool) -> Iterator[None]:
     """DeepSpeed's `exclude_frozen_parameters` drops each frozen parameter under its first name only, so a tied
@@ -194,6 +158,19 @@ def read_record(tag_dir: Path) -> Dict[str, Any]:
     if not isinstance(record, dict) or not isinstance(record.get("step"), int) or "world_size" not in record:
         raise ValueError("not a checkpoint commit record")
     return record
+
+
+def _stop_if_full(root: Path, staging: Path, full: Optional[str]) -> None:
+    """Collective: when any rank ran out of space, remove the partial checkpoint and raise OutOfSpace everywhere."""
+    from dsrecipes.distributed import all_ranks
+
+    if all_ranks(full is None):
+        import torch.distributed as dist
+
+        dist.barrier()
+        return
+    newest = sorted((d for d in root.glob("step_*") if (d / COMPLETE).is_file()), key=commit_order)
+    disk_space.abandon_checkpoint(root / staging.name[: -len(PARTIAL)], staging, newest[-1] if newest else None)
 
 
 def rng_state() -> Dict[str, Any]:

@@ -14,7 +14,7 @@ import errno
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from dsrecipes.errors import TrainingFailed, UserError
 
@@ -80,5 +80,33 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
-def remove_partial(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+def fits(target: Path, write: Callable[[], None]) -> Optional[str]:
+    """Run `write`; what went wrong when it ran out of disk space (None when it fitted; any other error is raised).
+    The error itself is not kept: its traceback holds the writer whose open file keeps the space allocated."""
+    try:
+        write()
+    except Exception as exc:
+        if not out_of_space(exc, target):
+            raise
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def abandon_checkpoint(final: Path, staging: Path, previous: Optional[Path]) -> None:
+    """Collective, after some rank ran out of space saving `final` into `staging`: rank 0 removes the partial
+    directory (once every rank let go of its files), then every rank raises OutOfSpace saying what it needs."""
+    import gc
+
+    import torch.distributed as dist
+
+    written = tree_bytes(staging)
+    gc.collect()  # writers left in reference cycles by the failed save close their files (and free the space)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    dist.barrier()
+    needed = tree_bytes(previous) if previous is not None else written
+    head = describe("checkpoint", final, needed, previous is None, free_bytes(final.parent))
+    kept = f"{previous} is intact; free space, then resume from it" if previous else "no earlier checkpoint exists"
+    raise OutOfSpace(f"{head}; the partial checkpoint was removed and {kept} (the same command continues the run)",
+                     int(final.name.split("_", 1)[1]))

@@ -5,8 +5,9 @@ static screen of every pickle a checkpoint holds before DeepSpeed (which unpickl
 numbers and the allow-listed numpy types below can come out of it; anything else is one message naming the file.
 `screen` disassembles each `*.pt` of a checkpoint (torch.serialization.get_unsafe_globals_in_checkpoint: nothing is
 executed) and refuses a file that would import anything beyond the same allow-list plus what DeepSpeed's own files
-name. It runs after the signature check (trust.py), also for a checkpoint trusted with --trust-checkpoint, so a
-pickle payload is refused even then (a payload that only builds objects from allowed types cannot run code).
+name; a pickle using opcodes torch's static reader does not follow (STACK_GLOBAL and the like, which torch.save
+never writes) is refused as well. It runs for a checkpoint trusted with --trust-checkpoint (one signed by this user
+was written by this user's runs), so a pickle payload is refused even then.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ def screen(tag_dir: Path) -> None:
     for path in sorted(Path(tag_dir).rglob("*.pt")):
         try:
             names = unsafe_globals(path)
-        except (ValueError, RuntimeError, OSError, pickle.UnpicklingError) as exc:
-            raise UserError(f"{path}: not a torch.save file that can be checked ({exc}); refusing to load it")
+        except Exception as exc:  # noqa: BLE001 - a pickle the static reader cannot follow is not loaded
+            raise UserError(f"{path}: not a torch.save file that can be checked ({type(exc).__name__}: {exc}); "
+                            "refusing to load it")
         if names:
             raise UserError(f"{path}: refusing to load it: its pickle imports {', '.join(names[:5])}, which a "
                             "checkpoint written by dsrecipes never holds (a pickle that runs code when loaded)")

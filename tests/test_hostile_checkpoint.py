@@ -124,3 +124,20 @@ def test_chat_and_prompt_eval_refuse_a_poisoned_export_of_a_run(ws, base, tmp_pa
         code, out = dsrecipes(*argv, "--trust-checkpoint", str(run), cwd=tmp_path)  # weights_only still refuses
         assert code == 2 and "a pickle that holds more than tensors" in one_error(out)
     assert not marker.exists()
+
+
+def test_export_refuses_a_base_model_that_needs_its_own_code(ws, base, tmp_path):  # noqa: F811
+    """The run's model.path (the base its weights go onto) gained an auto_map: export refuses it, nothing runs."""
+    from dsrecipes.paths import TINY_TOKENIZER_DIR
+
+    run = copy_run(base, ws / "custom_base")
+    custom = tmp_path / "custom"
+    shutil.copytree(TINY_TOKENIZER_DIR, custom)
+    (custom / "config.json").write_text(json.dumps({"model_type": "llama", "auto_map": {
+        "AutoModelForCausalLM": "modeling_x.X"}}))
+    (custom / "modeling_x.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
+    config = (run / "config.yaml").read_text()
+    (run / "config.yaml").write_text(config.replace("  path: null\n", f"  path: {custom}\n", 1))
+    code, out = dsrecipes("export", str(run), "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert code == 2 and f"model.path: {custom} needs its own Python code to load" in one_error(out), out[-2000:]
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "out").exists()

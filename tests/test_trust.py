@@ -106,6 +106,10 @@ def test_the_pickle_screen_finds_a_payload_without_running_it(tmp_path):
         screen(tag)
     with pytest.raises(UserError, match="refusing to unpickle it"):
         load(tag / "mp_rank_00_model_states.pt")
+    # protocol 4 names the callable with STACK_GLOBAL from strings on the stack: not followed, so refused too
+    torch.save({"x": Payload(marker)}, tag / "mp_rank_00_model_states.pt", pickle_protocol=4)
+    with pytest.raises(UserError, match="not a torch.save file that can be checked"):
+        screen(tag)
     assert not marker.exists()
 
 
