@@ -19,7 +19,7 @@ from typing import Callable, List, Optional
 import dsrecipes.manifest as manifest
 import dsrecipes.safe_load as safe_load
 import dsrecipes.trust as trust
-from dsrecipes.checkpoint import CHECKPOINTS, COMPLETE, commit_order, read_record, step_of
+from dsrecipes.checkpoint import CHECKPOINTS, COMPLETE, UNIVERSAL, commit_order, read_record, step_of
 from dsrecipes.config.schema import ResumeMode, TrainerConfig
 from dsrecipes.errors import Refused, UserError
 from dsrecipes.runplan import ResumePlan
@@ -44,7 +44,8 @@ def damage(tag_dir: Path, retry: str = TRAIN_RETRY) -> Optional[str]:
         return f"{COMPLETE}: unreadable ({exc})"
     ours = trust.check(record, Path(tag_dir), "checkpoint", retry)
     files = record.get("files")
-    problem = manifest.verify(tag_dir, files) if files is not None else None
+    problem = None if files is None else (manifest.verify(tag_dir, files)
+                                          or manifest.unlisted(tag_dir, files, ignore=[COMPLETE, UNIVERSAL]))
     if problem is None and not ours:  # trusted on the command line: still no pickle that imports code
         safe_load.screen(tag_dir)
     return problem

@@ -141,3 +141,17 @@ def test_export_refuses_a_base_model_that_needs_its_own_code(ws, base, tmp_path)
     code, out = dsrecipes("export", str(run), "--out", str(tmp_path / "out"), cwd=tmp_path)
     assert code == 2 and f"model.path: {custom} needs its own Python code to load" in one_error(out), out[-2000:]
     assert not (tmp_path / "ran").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_pickle_added_beside_a_signed_checkpoint_is_not_loaded(ws, base, tmp_path):  # noqa: F811
+    """complete.json stays signed and untouched; a shard a loader would glob for is added next to the others."""
+    marker = tmp_path / "payload_ran"
+    run = copy_run(base, ws / "planted")
+    tag = run / "checkpoints" / "step_8"
+    torch.save({"x": Payload(marker)}, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    planted = "zero_pp_rank_0_mp_rank_00_optim_states.pt: not part of the checkpoint as it was written"
+    code, out = train(ws, run, f"trainer.resume_from={tag}")
+    assert code == 2 and planted in one_error(out)
+    code, out = dsrecipes("export", str(run), "--tag", "step_8", "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert code == 2 and planted in one_error(out) and not (tmp_path / "out").exists()
+    assert not marker.exists()
