@@ -13,8 +13,9 @@ others can read, or that another user owns, is refused: it would let them sign.
 `check` is the one gate (export, resume, trainer.resume_from, prompt-eval and chat on run directories): the record
 must read and carry this key's signature, else `Untrusted` (exit 2) saying how to trust it explicitly. Trusting is
 a command-line decision of this invocation only (`--trust-checkpoint PATH`, `trust()`), never a config key: it
-accepts the record as it is for this command, re-signs nothing and writes nothing. The file hashes are verified in
-every case (checkpoint_find.damage), and the pickles of a checkpoint trusted that way are screened for what they
+accepts the record as it is for this command and re-signs nothing (a run that continues from it signs only the
+checkpoints it writes itself). Training checks in the launching process, which names the checkpoint in plan.json
+for the ranks, so the decision never travels through the config. The file hashes are verified in every case (checkpoint_find.damage), and the pickles of a checkpoint trusted that way are screened for what they
 would import (safe_load.screen) before anything unpickles them.
 """
 
