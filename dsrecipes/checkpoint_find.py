@@ -119,7 +119,9 @@ def plan_resume(trainer: TrainerConfig, run_dir: Path, world_size: int, zero_sta
     """What the run continues from (reads files only: the launching process calls this once, before any rank).
 
     Another world size (elastic resume): ZeRO-0 states are whole and load as saved; ZeRO-1/2/3 shards go through a
-    DeepSpeed universal checkpoint (`"checkpoint": {"load_universal": true}` in ds_config.json)."""
+    DeepSpeed universal checkpoint (`"checkpoint": {"load_universal": true}` in ds_config.json). The user's
+    checkpoint signing key is made here if need be (trust.py; outside the run directory)."""
+    trust.ensure_key()
     tag_dir = find_resume_checkpoint(trainer, run_dir, report)
     if tag_dir is None:
         return None

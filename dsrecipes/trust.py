@@ -58,11 +58,17 @@ def _load_key(create: bool) -> Optional[bytes]:
     if not path.exists():
         if not create:
             return None
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         try:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:  # another process made it meanwhile: use theirs
+            if not path.is_file():
+                raise UserError(f"{path}: cannot create the checkpoint signing key (a path below a file); point "
+                                f"{KEY_ENV} at a file in a private directory you can write")
             return _load_key(False)
+        except OSError as exc:
+            raise UserError(f"{path}: cannot create the checkpoint signing key ({exc.strerror or exc}); point "
+                            f"{KEY_ENV} at a file in a private directory you can write")
         with os.fdopen(fd, "w", encoding="ascii") as fh:
             fh.write(secrets.token_hex(32) + "\n")
     info = path.stat()
@@ -81,6 +87,12 @@ def _digest(record: Dict[str, Any], key: bytes) -> str:
     body = {k: v for k, v in record.items() if k != SIGNATURE}
     payload = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     return f"{SCHEME}:" + hmac.new(key, payload.encode("utf-8"), hashlib.sha256).hexdigest()
+
+
+def ensure_key() -> None:
+    """The signing key exists (made now if not): the launching process checks this before any rank starts, so a
+    run does not fail at its first checkpoint for want of it."""
+    _load_key(create=True)
 
 
 def sign(record: Dict[str, Any]) -> Dict[str, Any]:

@@ -80,6 +80,13 @@ def test_a_key_others_can_read_is_refused(key_file):
         trust.sign({"step": 1})
 
 
+def test_a_key_that_cannot_be_made_is_one_message(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv(trust.KEY_ENV, str(tmp_path / "file" / "checkpoint.key"))  # below a file
+    with pytest.raises(UserError, match=f"cannot create the checkpoint signing key .*{trust.KEY_ENV}"):
+        trust.ensure_key()
+
+
 def test_the_train_flag_is_taken_off_the_command_line():
     try:
         rest = trust.take_flag(["debug=fast", "--trust-checkpoint", "/x/step_4", "--trust-checkpoint=/y", "-m"])
