@@ -9,7 +9,7 @@ Layout of `<run>/checkpoints/`:
         rng/rank<R>.pt            each rank's python / numpy / torch RNG states (DeepSpeed saves none)
         config.yaml               the settings that wrote it (the resume contract compares against them)
         complete.json             the commit record, written last: step, world size, data fingerprint and the size
-                                  and hash of every other file (manifest.py)
+                                  and hash of every other file (manifest.py), signed with this user's key (trust.py)
     latest                        the tag of the newest checkpoint (same format as DeepSpeed's own file)
 
 A save writes into `step_<N>.partial/` and rank 0 renames it to `step_<N>` only after every rank finished and
@@ -34,11 +34,14 @@ from typing import Any, Dict, Iterator, List, Optional
 import numpy as np
 import torch
 
+import dsrecipes.disk_space as disk_space
 import dsrecipes.manifest as manifest
+import dsrecipes.safe_load as safe_load
 from dsrecipes.errors import UserError
 from dsrecipes.fileio import atomic_write_json, atomic_write_text
 from dsrecipes.rundir import CHECKPOINTS_DIR, CONFIG_FILE
 from dsrecipes.runplan import ResumePlan
+from dsrecipes.trust import sign
 
 CHECKPOINTS = CHECKPOINTS_DIR
 LATEST = "latest"
@@ -76,7 +79,9 @@ def step_of(tag_dir: Path) -> int:
 def save_checkpoint(engine: Any, loader: Any, state: TrainState, run_dir: Path, keep: int, *,
                     frozen_excluded: bool, record: Dict[str, Any]) -> Path:
     """Collective: every rank writes its shards, data position and RNG into `step_<N>.partial`; rank 0 then
-    commits (complete.json, rename, `latest`) and prunes. `record` goes into complete.json (data fingerprint)."""
+    commits (complete.json, rename, `latest`) and prunes. `record` goes into complete.json (data fingerprint).
+    A disk that fills up on any rank: every rank agrees, the partial directory is removed, the checkpoints already
+    committed stay as they are, and OutOfSpace (exit 1, result.json failed) names the path and the bytes needed."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -86,22 +91,29 @@ def save_checkpoint(engine: Any, loader: Any, state: TrainState, run_dir: Path, 
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)  # left by a save of this step that was killed
     dist.barrier()
+    full = disk_space.fits(staging, lambda: _write_rank_files(engine, loader, state, staging, rank, frozen_excluded))
+    _stop_if_full(root, staging, full)
+    if os.environ.get(KILL_BEFORE_LATEST_ENV) == str(state.step):
+        os._exit(17)  # simulate a crash between the shard writes and the commit
+    full = None
+    if rank == 0:
+        record = {**record, "step": state.step, "world_size": dist.get_world_size(), "saved_at": time.time(),
+                  "frozen_excluded": frozen_excluded}
+        full = disk_space.fits(staging, lambda: commit(run_dir, staging, root / tag, record))
+        if full is None:
+            prune_checkpoints(root, keep)
+    _stop_if_full(root, staging, full)
+    return root / tag
+
+
+def _write_rank_files(engine: Any, loader: Any, state: TrainState, staging: Path, rank: int,
+                      frozen_excluded: bool) -> None:
     with _frozen_aliases_left_out(engine.module, frozen_excluded):
-        engine.save_checkpoint(str(root), tag=staging.name, client_state={"train_state": asdict(state)},
+        engine.save_checkpoint(str(staging.parent), tag=staging.name, client_state={"train_state": asdict(state)},
                                save_latest=False, exclude_frozen_parameters=frozen_excluded)
     atomic_write_json(staging / "data_state" / f"rank{rank}.json", loader.state_dict())
     (staging / "rng").mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), staging / "rng" / f"rank{rank}.pt")
-    dist.barrier()
-    if os.environ.get(KILL_BEFORE_LATEST_ENV) == str(state.step):
-        os._exit(17)  # simulate a crash between the shard writes and the commit
-    if rank == 0:
-        record = {**record, "step": state.step, "world_size": dist.get_world_size(), "saved_at": time.time(),
-                  "frozen_excluded": frozen_excluded}
-        commit(run_dir, staging, root / tag, record)
-        prune_checkpoints(root, keep)
-    dist.barrier()
-    return root / tag
 
 
 @contextmanager
@@ -128,7 +140,7 @@ def _frozen_aliases_left_out(module: torch.nn.Module, active: bool) -> Iterator[
 def commit(run_dir: Path, staging: Path, final: Path, record: Dict[str, Any]) -> None:
     """Rank 0: the config beside the weights, complete.json (every file's size and hash) last, then the rename."""
     shutil.copyfile(Path(run_dir) / CONFIG_FILE, staging / CONFIG_FILE)
-    atomic_write_json(staging / COMPLETE, {**record, "files": manifest.describe(staging, skip=[COMPLETE])})
+    atomic_write_json(staging / COMPLETE, sign({**record, "files": manifest.describe(staging, skip=[COMPLETE])}))
     if final.exists():  # re-saving a tag (a resume from an earlier step): swap whole directories
         old = final.with_name(final.name + REPLACED)
         shutil.rmtree(old, ignore_errors=True)
@@ -146,6 +158,19 @@ def read_record(tag_dir: Path) -> Dict[str, Any]:
     if not isinstance(record, dict) or not isinstance(record.get("step"), int) or "world_size" not in record:
         raise ValueError("not a checkpoint commit record")
     return record
+
+
+def _stop_if_full(root: Path, staging: Path, full: Optional[str]) -> None:
+    """Collective: when any rank ran out of space, remove the partial checkpoint and raise OutOfSpace everywhere."""
+    from dsrecipes.distributed import all_ranks
+
+    if all_ranks(full is None):
+        import torch.distributed as dist
+
+        dist.barrier()
+        return
+    newest = sorted((d for d in root.glob("step_*") if (d / COMPLETE).is_file()), key=commit_order)
+    disk_space.abandon_checkpoint(root / staging.name[: -len(PARTIAL)], staging, newest[-1] if newest else None)
 
 
 def rng_state() -> Dict[str, Any]:
@@ -217,7 +242,7 @@ def open_resume(plan: Optional[ResumePlan]) -> Optional[ResumePoint]:
     if not plan.elastic:
         return ResumePoint(tag_dir, tag_dir.parent, tag_dir.name, plan.saved_world_size,
                            frozen_excluded=frozen_excluded)
-    if dist.get_rank() == 0 and not (tag_dir / UNIVERSAL / COMPLETE).is_file():
+    if dist.get_rank() == 0 and not universal_verifies(tag_dir):
         convert_to_universal(tag_dir)
     dist.barrier()
     return ResumePoint(tag_dir, tag_dir, UNIVERSAL, plan.saved_world_size, universal=True,
@@ -237,8 +262,21 @@ def convert_to_universal(tag_dir: Path) -> Path:
     # The engine still reads the module/scheduler/client state file from the universal tag.
     for states in tag_dir.glob("mp_rank_*_model_states.pt"):
         shutil.copy2(states, out / states.name)
-    atomic_write_json(out / COMPLETE, {"source": tag_dir.name})
+    atomic_write_json(out / COMPLETE, sign({"source": tag_dir.name, "files": manifest.describe(out, skip=[COMPLETE])}))
     return out
+
+
+def universal_verifies(tag_dir: Path) -> bool:
+    """A universal conversion made earlier is reused only when this user signed it and its files are as written
+    (complete.json of the checkpoint does not cover it: it is made after the commit)."""
+    from dsrecipes.trust import signature_problem
+
+    try:
+        record = json.loads((tag_dir / UNIVERSAL / COMPLETE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (isinstance(record, dict) and isinstance(record.get("files"), dict) and signature_problem(record) is None
+            and manifest.verify(tag_dir / UNIVERSAL, record["files"]) is None)
 
 
 def load_checkpoint(engine: Any, loader: Any, point: ResumePoint) -> TrainState:
@@ -259,5 +297,5 @@ def load_checkpoint(engine: Any, loader: Any, point: ResumePoint) -> TrainState:
     data_state = point.tag_dir / "data_state" / f"rank{source_rank}.json"
     loader.load_state_dict(json.loads(data_state.read_text(encoding="utf-8")))
     if point.saved_world_size == world_size:
-        restore_rng(torch.load(point.tag_dir / "rng" / f"rank{rank}.pt", weights_only=False))
+        restore_rng(safe_load.load(point.tag_dir / "rng" / f"rank{rank}.pt"))
     return TrainState(**client_state["train_state"])

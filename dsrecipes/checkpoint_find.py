@@ -1,10 +1,13 @@
 """Which checkpoint a run continues from, decided once by the launching process (ranks follow plan.json).
 
-A checkpoint is trusted only when its commit record (complete.json) reads and every file it lists has its size
-and hash (manifest.py). `trainer.resume=auto` takes the most recently committed checkpoint that verifies, naming
+A checkpoint is used only when its commit record (complete.json) reads, carries this user's signature (trust.py:
+else the run is refused, exit 2, naming `dsrecipes train ... --trust-checkpoint PATH`), every file it lists has its
+size and hash (manifest.py); one trusted on the command line instead must also hold no pickle that imports beyond
+an allow-list (safe_load.screen). `verified` is
+that one check; export, prompt-eval and chat use it too. `trainer.resume=auto` takes the most recently committed checkpoint that verifies, naming
 each damaged one it passes over; when checkpoints exist but none verifies, it stops (starting over would bury
 them). An explicit `trainer.resume_from` naming one checkpoint must verify, or the run stops (exit 2) naming the
-damaged file. Records of older dsrecipes versions (no file list) are trusted as they are.
+damaged file. Records of older dsrecipes versions are unsigned: they load only with --trust-checkpoint.
 """
 
 from __future__ import annotations
@@ -14,30 +17,47 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 import dsrecipes.manifest as manifest
-from dsrecipes.checkpoint import CHECKPOINTS, COMPLETE, commit_order, read_record, step_of
+import dsrecipes.safe_load as safe_load
+import dsrecipes.trust as trust
+from dsrecipes.checkpoint import CHECKPOINTS, COMPLETE, UNIVERSAL, commit_order, read_record, step_of
 from dsrecipes.config.schema import ResumeMode, TrainerConfig
 from dsrecipes.errors import Refused, UserError
 from dsrecipes.runplan import ResumePlan
 
 Report = Callable[[str], None]
+TRAIN_RETRY = "dsrecipes train ..."
 
 
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def damage(tag_dir: Path) -> Optional[str]:
-    """None when the checkpoint verifies, else what is wrong with it (naming the file)."""
+def damage(tag_dir: Path, retry: str = TRAIN_RETRY) -> Optional[str]:
+    """None when the checkpoint verifies, else what is wrong with it (naming the file). A readable record that
+    is not signed by this user raises trust.Untrusted (`retry`: the command the message tells to repeat); a pickle
+    that would import more than data raises UserError."""
     try:
         record = read_record(tag_dir)
     except OSError:
         return f"{COMPLETE}: missing (the save did not finish)"
     except ValueError as exc:
         return f"{COMPLETE}: unreadable ({exc})"
+    ours = trust.check(record, Path(tag_dir), "checkpoint", retry)
     files = record.get("files")
-    if files is None:
-        return None  # written before complete.json listed files: nothing to check against
-    return manifest.verify(tag_dir, files)
+    problem = None if files is None else (manifest.verify(tag_dir, files)
+                                          or manifest.unlisted(tag_dir, files, ignore=[COMPLETE, UNIVERSAL]))
+    if problem is None and not ours:  # trusted on the command line: still no pickle that imports code
+        safe_load.screen(tag_dir)
+    return problem
+
+
+def verified(tag_dir: Path, retry: str) -> Path:
+    """The one check before anything loads a checkpoint outside training (export): signed (or trusted on the
+    command line), every file as written, no pickle that imports code. UserError otherwise."""
+    problem = damage(tag_dir, retry)
+    if problem is not None:
+        raise UserError(f"{tag_dir}: damaged checkpoint ({problem}); nothing was loaded")
+    return Path(tag_dir)
 
 
 def committed(root: Path) -> List[Path]:
@@ -46,12 +66,12 @@ def committed(root: Path) -> List[Path]:
     return sorted((d for d in tags if (d / COMPLETE).exists()), key=commit_order, reverse=True)
 
 
-def newest_verified(root: Path, report: Report = _stderr) -> Optional[Path]:
+def newest_verified(root: Path, report: Report = _stderr, retry: str = TRAIN_RETRY) -> Optional[Path]:
     """The most recently committed checkpoint under `root` that verifies (None when there is none at all)."""
     tags = committed(root)
     damaged = []
     for tag_dir in tags:
-        problem = damage(tag_dir)
+        problem = damage(tag_dir, retry)
         if problem is None:
             return tag_dir
         damaged.append(f"{tag_dir.name}: {problem}")
@@ -89,9 +109,9 @@ def find_resume_checkpoint(trainer: TrainerConfig, run_dir: Path, report: Report
     )
 
 
-def latest_complete(root: Path, report: Report = _stderr) -> Optional[Path]:
+def latest_complete(root: Path, report: Report = _stderr, retry: str = TRAIN_RETRY) -> Optional[Path]:
     """The newest verified checkpoint under a checkpoints directory (what `dsrecipes export` takes by default)."""
-    return newest_verified(root, report)
+    return newest_verified(root, report, retry)
 
 
 def plan_resume(trainer: TrainerConfig, run_dir: Path, world_size: int, zero_stage: int,
@@ -99,7 +119,9 @@ def plan_resume(trainer: TrainerConfig, run_dir: Path, world_size: int, zero_sta
     """What the run continues from (reads files only: the launching process calls this once, before any rank).
 
     Another world size (elastic resume): ZeRO-0 states are whole and load as saved; ZeRO-1/2/3 shards go through a
-    DeepSpeed universal checkpoint (`"checkpoint": {"load_universal": true}` in ds_config.json)."""
+    DeepSpeed universal checkpoint (`"checkpoint": {"load_universal": true}` in ds_config.json). The user's
+    checkpoint signing key is made here if need be (trust.py; outside the run directory)."""
+    trust.ensure_key()
     tag_dir = find_resume_checkpoint(trainer, run_dir, report)
     if tag_dir is None:
         return None

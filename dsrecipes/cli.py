@@ -47,6 +47,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         name, rest = args[0], args[1:]
     else:
         name, rest = "train", args
+    import dsrecipes.trust as trust
+
+    trust.reset()  # trusting a checkpoint is a decision of one command line, never carried over
+    if name == "train":  # Hydra's parser owns train's arguments: the flag is taken off before it sees them
+        rest = trust.take_flag(rest)
     module = importlib.import_module(f"dsrecipes.commands.{SUBCOMMANDS[name][0]}")
     return run_guarded(lambda argv: _check_command(args) or module.main(argv), rest)
 

@@ -5,7 +5,8 @@ stop tokens, use_cache); an adapter-only LoRA export names its base model in ada
 
 The destination belongs to the user until proven ours: it must be absent, an empty directory, or an earlier
 dsrecipes export holding nothing but the files that export wrote (`dsrecipes_export.json` lists them); anything
-else is refused before any work (exit 2, nothing touched). The new directory is written beside the destination
+else is refused before any work (exit 2, nothing touched). The marker also holds each file's size and hash and is
+signed with this user's key (trust.py), so chat and prompt-eval on a run directory load only what this user wrote. The new directory is written beside the destination
 under a fresh name and renamed into place; an earlier export is swapped out and only then deleted.
 """
 
@@ -16,14 +17,17 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
+import dsrecipes.disk_space as disk_space
+import dsrecipes.manifest as manifest
 from dsrecipes.checkpoint import read_record, step_of
 from dsrecipes.config.schema import TrainConfig
 from dsrecipes.errors import UserError
 from dsrecipes.fileio import atomic_write_json
+from dsrecipes.trust import sign
 
 EXPORT_DIR = "export"
 EXPORT_INIT_DIR = "export_init"
@@ -51,19 +55,28 @@ def export_initial(cfg: TrainConfig, tokenizer: Any, out_dir: Path) -> Path:
 
 
 def export_checkpoint(run_dir: Path, tag_dir: Path, out_dir: Path, cfg: Optional[TrainConfig] = None,
-                      merge_lora: Optional[bool] = None, key: str = "export") -> Path:
+                      merge_lora: Optional[bool] = None, key: str = "export",
+                      retry: str = "dsrecipes export RUN --out DIR") -> Path:
     """Checkpoint -> HF model directory (safetensors + config + tokenizer with its chat template), any ZeRO stage.
 
     Weights: ZeRO-0/1/2 keep the full module in `mp_rank_00_model_states.pt`; ZeRO-3 shards are consolidated with
     DeepSpeed's zero_to_fp32. LoRA runs write the merged model or the adapter only (`merge_lora`, by default
-    `trainer.export_merged_lora`).
+    `trainer.export_merged_lora`). Nothing is read from the checkpoint before checkpoint_find.verified passed
+    (signed by this user or trusted on the command line, every file as written; `retry` is named if not).
     """
+    from dsrecipes.checkpoint_find import verified
     from dsrecipes.config.load import load_run_config
     from dsrecipes.model import TORCH_DTYPES, build_model, load_tokenizer
     from dsrecipes.serving import make_servable
 
     check_out_dir(out_dir, key)
+    verified(tag_dir, retry)
     cfg = cfg or load_run_config(run_dir)
+    if cfg.model.path:  # the base the weights go onto: never a directory that needs its own code
+        from dsrecipes.preflight import custom_code_problems
+
+        for problem in custom_code_problems("model.path", Path(cfg.model.path)):
+            raise UserError(problem)
     tokenizer = load_tokenizer(cfg)
     frozen_excluded = bool(read_record(tag_dir).get("frozen_excluded"))
     state_dict = consolidated_state_dict(tag_dir, cfg.zero.stage, frozen_excluded)
@@ -106,8 +119,9 @@ def consolidated_state_dict(tag_dir: Path, zero_stage: int, frozen_excluded: boo
 
         return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name,
                                                         exclude_frozen_parameters=frozen_excluded)
-    states = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-    return states["module"]
+    from dsrecipes.safe_load import load
+
+    return load(tag_dir / "mp_rank_00_model_states.pt")["module"]  # weights_only: tensors and plain data only
 
 
 def _is_tied(model: torch.nn.Module, key: str) -> bool:
@@ -118,7 +132,9 @@ def _is_tied(model: torch.nn.Module, key: str) -> bool:
 
 
 def check_out_dir(out_dir: Path, key: str = "export") -> None:
-    """Refuse (UserError) a destination that is not absent, empty, or an earlier export made only of its files."""
+    """Refuse (UserError) a destination that is not absent, empty, or an earlier export made only of its files.
+    A filesystem root, or a directory without our marker that holds anything, is refused before its contents are
+    listed; an earlier export is listed only up to the first file it did not write."""
     out_dir = Path(out_dir)
     for parent in [out_dir, *out_dir.parents]:
         if parent.exists():
@@ -128,28 +144,56 @@ def check_out_dir(out_dir: Path, key: str = "export") -> None:
             if not os.access(parent, os.W_OK | os.X_OK):
                 raise UserError(f"{key}: {parent} is not writable")
             break
-    if not out_dir.is_dir():
+    if out_dir.is_dir() and (out_dir == Path(out_dir.anchor) or os.path.ismount(out_dir)):
+        raise UserError(f"{key}: {out_dir} is the root of a filesystem; an export goes into a new or empty directory "
+                        "(for example a subdirectory of it). Nothing was changed")
+    if not out_dir.is_dir() or not _has_entries(out_dir):
         return
-    entries = {p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*") if not p.is_dir()}
-    if not entries and not any(out_dir.iterdir()):
-        return
-    if EXPORT_MARKER not in entries:
+    if not (out_dir / EXPORT_MARKER).is_file():
         raise UserError(f"{key}: {out_dir} is not empty and is not a dsrecipes export (no {EXPORT_MARKER}); an export "
                         "goes into a new or empty directory or replaces an earlier export. Nothing was changed")
+    written = _written_by_export(out_dir)
+    extra = None if written is None else _first_foreign(out_dir, written | {EXPORT_MARKER})
+    if written is None or extra:
+        what = f"files the export did not write ({', '.join(extra)})" if extra else f"an unreadable {EXPORT_MARKER}"
+        raise UserError(f"{key}: {out_dir} holds {what}; replacing it would delete them. Choose another directory "
+                        "or move them away. Nothing was changed")
+
+
+def _has_entries(directory: Path) -> bool:
+    with os.scandir(directory) as it:
+        return next(it, None) is not None
+
+
+def _written_by_export(out_dir: Path) -> Optional[set]:
+    """The files an earlier export listed in its marker (older exports: what matches LEGACY_EXPORT_FILES)."""
     import json
-    from fnmatch import fnmatch
 
     try:
         marker = json.loads((out_dir / EXPORT_MARKER).read_text(encoding="utf-8"))
-        legacy = {e for e in entries if any(fnmatch(e, pattern) for pattern in LEGACY_EXPORT_FILES)}
-        written = set(marker["files"]) if "files" in marker else legacy  # older exports did not list their files
-    except (OSError, ValueError, KeyError, TypeError):
-        written = None
-    extra = None if written is None else sorted(entries - written - {EXPORT_MARKER})
-    if written is None or extra:
-        what = f"files the export did not write ({', '.join(extra[:5])})" if extra else f"an unreadable {EXPORT_MARKER}"
-        raise UserError(f"{key}: {out_dir} holds {what}; replacing it would delete them. Choose another directory "
-                        "or move them away. Nothing was changed")
+        if "files" in marker:
+            return {str(f) for f in marker["files"]}
+    except (OSError, ValueError, TypeError):
+        return None
+    return {"*legacy*"}
+
+
+def _first_foreign(out_dir: Path, written: set, limit: int = 5) -> List[str]:
+    """Up to `limit` files below `out_dir` that are not in `written`, walking no further than needed (the walk
+    stops at the first foreign file past `limit`, and never follows symlinks)."""
+    from fnmatch import fnmatch
+
+    legacy = "*legacy*" in written
+    foreign: List[str] = []
+    for dirpath, dirnames, filenames in os.walk(out_dir):
+        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            rel = Path(dirpath, name).relative_to(out_dir).as_posix()
+            ours = rel in written or (legacy and any(fnmatch(rel, p) for p in LEGACY_EXPORT_FILES))
+            if not ours:
+                foreign.append(rel)
+                if len(foreign) >= limit:
+                    return foreign
+    return foreign
 
 
 def _save_hf(model: Any, tokenizer: Any, out_dir: Path, info: Dict[str, Any], key: str = "export") -> Path:
@@ -162,13 +206,33 @@ def _save_hf(model: Any, tokenizer: Any, out_dir: Path, info: Dict[str, Any], ke
         if hasattr(model, "get_base_model"):  # an adapter-only export: peft writes no generation_config.json
             model.get_base_model().generation_config.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
-        files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if not p.is_dir())
-        atomic_write_json(tmp / EXPORT_MARKER, {**info, "files": files})
+        _user_modes(tmp)
+        hashes = manifest.describe(tmp)
+        atomic_write_json(tmp / EXPORT_MARKER, sign({**info, "files": sorted(hashes), "hashes": hashes}))
         _swap_in(tmp, out_dir, key)
-    except BaseException:
+    except BaseException as exc:
+        written = disk_space.tree_bytes(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, Exception) and disk_space.out_of_space(exc, out_dir.parent):
+            needed = max(written, sum(t.numel() * t.element_size() for t in model.state_dict().values()))
+            raise disk_space.ExportOutOfSpace(
+                disk_space.describe(key, out_dir, needed, True, disk_space.free_bytes(out_dir.parent))
+                + "; the partial export was removed and nothing else was changed") from None
         raise
     return out_dir
+
+
+def _user_modes(tmp: Path) -> None:
+    """mkdtemp makes 0700 and some writers 0600 files: an export is an ordinary directory of the user's, with the
+    modes their umask gives (the marker, written next by plain open(), gets them too)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    os.chmod(tmp, 0o777 & ~mask)
+    for dirpath, dirnames, filenames in os.walk(tmp):
+        for name in dirnames:
+            os.chmod(os.path.join(dirpath, name), 0o777 & ~mask)
+        for name in filenames:
+            os.chmod(os.path.join(dirpath, name), 0o666 & ~mask)
 
 
 def _swap_in(tmp: Path, out_dir: Path, key: str) -> None:

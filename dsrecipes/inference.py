@@ -5,21 +5,25 @@ Accepted paths (`resolve_model_path`):
   a full export     a directory with config.json (also a LoRA export merged into the base)
   an adapter export a directory with adapter_config.json (LoRA only): loaded onto the base it names
   a base model      any Hugging Face model directory (config.json + tokenizer)
-The prompt is rendered by the chat template of the fine-tuned export, which is the training template
-(serving.py); tokens are produced the way training produced them (prompt as one text, a reply continuing it without
+Before transformers reads a directory, `check_loadable` refuses an export this user did not sign (unless trusted
+with --trust-checkpoint), a damaged one, and any directory that needs its own code (auto_map); `*.bin` weights are
+read weights_only. The prompt is rendered, in a sandbox with a time and output budget (chat_sandbox.py), by the
+chat template of the fine-tuned export, which is the training template (serving.py); tokens are produced the way training produced them (prompt as one text, a reply continuing it without
 a SentencePiece start marker, data/spm.py), and generation stops at the export's end-of-turn tokens.
 """
 
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
-from dsrecipes.errors import UserError
+from dsrecipes.chat_sandbox import render
+from dsrecipes.errors import UserError, no_custom_code
 from dsrecipes.export import EXPORT_DIR, EXPORT_INFO, EXPORT_INIT_DIR
 
 Messages = List[Dict[str, Any]]
@@ -33,36 +37,67 @@ class ModelPath:
     run_dir: Optional[Path] = None  # the run it came from, when known (its config.yaml and validation data)
 
 
-def resolve_model_path(arg: str, baseline: bool = False) -> ModelPath:
-    """`arg` (see module doc) -> what to load. `baseline`: a run directory means its starting model."""
+def resolve_model_path(arg: str, baseline: bool = False, retry: str = "dsrecipes chat MODEL") -> ModelPath:
+    """`arg` (see module doc) -> what to load, after `check_loadable` passed for every directory that will be
+    loaded. `baseline`: a run directory means its starting model. `retry`: the command named by a trust refusal."""
     p = Path(arg).expanduser().resolve()
     if (p / "config.yaml").is_file() and not (p / "config.json").is_file():
-        return _from_run(p, baseline)
+        return _from_run(p, baseline, retry)
     if (p / "adapter_config.json").is_file():
+        check_loadable(p, retry, adapter=True)
         base = json.loads((p / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
         if not base or not (Path(base) / "config.json").is_file():
             raise UserError(f"{p}: a LoRA adapter whose base model {base!r} is not a local model directory here")
+        check_loadable(Path(base), retry)
         return ModelPath(p, True, Path(base), _run_of(p))
     if (p / "config.json").is_file():
+        check_loadable(p, retry)
         return ModelPath(p, False, None, _run_of(p))
     raise UserError(f"{arg}: not a run directory, a Hugging Face model directory (config.json) or a LoRA adapter "
                     "export (adapter_config.json)")
 
 
-def _from_run(run: Path, baseline: bool) -> ModelPath:
+def check_loadable(model_dir: Path, retry: str, adapter: bool = False) -> None:
+    """Before anything of `model_dir` is read by transformers: a dsrecipes export (it has dsrecipes_export.json)
+    must be signed by this user or trusted on the command line (trust.py) and hold its files as written; any model
+    directory is refused when it needs its own code (auto_map, preflight.check_model_dir)."""
+    import dsrecipes.trust as trust
+    from dsrecipes.manifest import verify
+    from dsrecipes.preflight import check_model_dir, custom_code_problems
+
+    marker = model_dir / EXPORT_INFO
+    if marker.exists():
+        try:
+            record = json.loads(marker.read_text(encoding="utf-8"))
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{marker}: unreadable ({exc}); nothing was loaded")
+        trust.check(record, model_dir, "export", retry)
+        problem = verify(model_dir, record["hashes"]) if isinstance(record.get("hashes"), dict) else None
+        if problem is not None:
+            raise UserError(f"{model_dir}: damaged export ({problem}); nothing was loaded")
+    problems = custom_code_problems("model", model_dir) if adapter else check_model_dir("model", model_dir, False)
+    if problems:
+        raise UserError(problems)
+
+
+def _from_run(run: Path, baseline: bool, retry: str) -> ModelPath:
     if baseline:
         if (run / EXPORT_INIT_DIR / "config.json").is_file():
+            check_loadable(run / EXPORT_INIT_DIR, retry)
             return ModelPath(run / EXPORT_INIT_DIR, False, None, run)
         from dsrecipes.config.load import load_run_config
 
         base = load_run_config(run).model.path  # a real model: the model the run started from
         if base and (Path(base) / "config.json").is_file():
+            check_loadable(Path(base), retry)
             return ModelPath(Path(base), False, None, run)
         raise UserError(f"{run}: no {EXPORT_INIT_DIR}/ and no local base model at model.path to compare against")
     if not (run / EXPORT_DIR).is_dir():
         raise UserError(f"{run}: the run has no {EXPORT_DIR}/ (trainer.export=false?); write one with "
                         f"`dsrecipes export {run} --out {run / EXPORT_DIR}`")
-    found = resolve_model_path(str(run / EXPORT_DIR))
+    found = resolve_model_path(str(run / EXPORT_DIR), retry=retry)
     found.run_dir = run
     return found
 
@@ -84,7 +119,8 @@ class ChatModel:
         from dsrecipes.data.spm import continuation_encoder
 
         self.where = where
-        self.tokenizer = AutoTokenizer.from_pretrained(str(where.path))
+        with no_custom_code("model", str(where.path)):
+            self.tokenizer = AutoTokenizer.from_pretrained(str(where.path), trust_remote_code=False)
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
         if not self.tokenizer.chat_template:
@@ -92,13 +128,14 @@ class ChatModel:
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        load = AutoModelForCausalLM.from_pretrained
-        model = load(str(where.base if where.adapter else where.path), dtype=torch.float32)
-        if where.adapter:
-            from peft import PeftModel
+        source = where.base if where.adapter else where.path
+        with weights_only_refusal(source):  # transformers reads *.bin with torch.load(weights_only=True)
+            model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32, trust_remote_code=False)
+            if where.adapter:
+                from peft import PeftModel
 
-            model = PeftModel.from_pretrained(model, str(where.path))
-            model.generation_config = _generation_config(where.path, model.generation_config)
+                model = PeftModel.from_pretrained(model, str(where.path))
+                model.generation_config = _generation_config(where.path, model.generation_config)
         self.model = model.to(device).eval()
         self.stop_ids = stop_ids if stop_ids is not None else _as_list(self.model.generation_config.eos_token_id)
         if not self.stop_ids and self.tokenizer.eos_token_id is not None:
@@ -106,7 +143,7 @@ class ChatModel:
         self._continue = continuation_encoder(self.tokenizer.backend_tokenizer)
 
     def prompt_text(self, messages: Messages, tools: Optional[list] = None) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        return render(self.tokenizer, messages, tools, add_generation_prompt=True, where=self.where.path)
 
     def encode(self, text: str, continuation: bool = False) -> List[int]:
         if continuation and self._continue is not None:
@@ -130,14 +167,27 @@ class ChatModel:
         """Mean next-token loss of `reference` as the reply to `messages`, with its end-of-turn text, tokenized the
         way training tokenizes a reply (the trained span)."""
         prompt = self.prompt_text(messages, tools)
-        full = self.tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": reference}],
-                                                  tools=tools, tokenize=False)
+        full = render(self.tokenizer, messages + [{"role": "assistant", "content": reference}], tools,
+                      where=self.where.path)
         reply = full[len(prompt):].rstrip() if full.startswith(prompt) else reference + (self.tokenizer.eos_token or "")
         prompt_ids, reply_ids = self.encode(prompt), self.encode(reply, continuation=True)
         ids = torch.tensor([prompt_ids + reply_ids], device=self.model.device)
         labels = torch.full_like(ids, -100)
         labels[0, len(prompt_ids):] = ids[0, len(prompt_ids):]
         return float(self.model(input_ids=ids, labels=labels, use_cache=False).loss)
+
+
+@contextmanager
+def weights_only_refusal(path: Path) -> Iterator[None]:
+    """A model file that is a pickle holding more than tensors (transformers loads `*.bin` weights_only): one
+    message instead of a traceback."""
+    import pickle
+
+    try:
+        yield
+    except pickle.UnpicklingError as exc:
+        raise UserError(f"{path}: refusing to load its weights: a pickle that holds more than tensors "
+                        f"({str(exc).splitlines()[0]}); nothing of it ran")
 
 
 def _as_list(value: Any) -> List[int]:

@@ -67,3 +67,20 @@ def verify(root: Path, files: Dict[str, Dict[str, object]]) -> Optional[str]:
         if digest != want.get("hash"):
             return f"{rel}: content differs from when it was written"
     return None
+
+
+def unlisted(root: Path, files: Dict[str, Dict[str, object]], ignore: Iterable[str] = ()) -> Optional[str]:
+    """The first file below `root` that `files` does not list (`ignore`: top-level names left out, e.g. the record
+    itself): a file added after the commit, which a loader globbing for shards would read unverified."""
+    root = Path(root)
+    ignored = set(ignore)
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = Path(dirpath).relative_to(root)
+        if rel_dir == Path("."):
+            dirnames[:] = [d for d in dirnames if d not in ignored]
+        dirnames.sort()
+        for name in sorted(filenames):
+            rel = (rel_dir / name).as_posix()
+            if rel not in files and rel not in ignored:
+                return f"{rel}: not part of the checkpoint as it was written (added later)"
+    return None

@@ -106,15 +106,26 @@ def check_model_dir(key: str, path: Path, trust_remote_code: bool) -> List[str]:
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as exc:
         return [f"{key}: {config_path} is unreadable ({exc})"]
-    problems = []
-    if config.get("auto_map") and not trust_remote_code:
-        problems.append(f"{key}: {path} needs its own Python code to load (config.json auto_map); dsrecipes never "
-                        "runs code from a model directory: use a model that transformers supports natively")
-    elif not config.get("auto_map"):
+    problems = [] if trust_remote_code else custom_code_problems(key, path)
+    if not config.get("auto_map"):
         problems += _known_model_type(key, path, config.get("model_type"))
     if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
         problems.append(f"{key}: {path} has no weights (*.safetensors, pytorch_model*.bin or *.gguf)")
     return problems
+
+
+def custom_code_problems(key: str, path: Path) -> List[str]:
+    """A model or tokenizer directory that names its own Python code (`auto_map` in config.json,
+    tokenizer_config.json or adapter_config.json): refused by every command (train, chat, prompt-eval, export)."""
+    for name in ("config.json", "tokenizer_config.json", "adapter_config.json"):
+        try:
+            found = json.loads((path / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(found, dict) and found.get("auto_map"):
+            return [f"{key}: {path} needs its own Python code to load ({name} auto_map); dsrecipes never runs code "
+                    "from a model directory: use a model that transformers supports natively"]
+    return []
 
 
 def _known_model_type(key: str, path: Path, model_type: object) -> List[str]:

@@ -241,7 +241,13 @@ def finish(s: Session) -> None:
     heartbeat.stop()  # before the last barrier: ranks that finish first are not taken for dead
     finish_distributed()
     if s.rank == 0 and s.cfg.trainer.export:
-        out = export_checkpoint(s.run_dir, s.last_checkpoint, s.run_dir / EXPORT_DIR, s.cfg)
+        from dsrecipes.disk_space import ExportOutOfSpace
+
+        try:
+            out = export_checkpoint(s.run_dir, s.last_checkpoint, s.run_dir / EXPORT_DIR, s.cfg)
+        except ExportOutOfSpace as exc:  # the checkpoints are intact: result.json says failed, with why
+            write_outcome(s.run_dir, {"status": "failed", "error": str(exc), "skipped_steps": s.state.skipped_steps})
+            raise TrainingFailed(str(exc), s.state.step) from None
         s.metrics.info(f"exported Hugging Face model: {out}")
     if s.rank == 0:
         write_outcome(s.run_dir, {"status": "ok", "skipped_steps": s.state.skipped_steps})

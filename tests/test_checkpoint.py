@@ -14,6 +14,7 @@ from dsrecipes.checkpoint_find import find_resume_checkpoint, latest_complete, p
 from dsrecipes.config.schema import ResumeMode, TrainerConfig
 from dsrecipes.errors import UserError
 from dsrecipes.export import export_initial
+from dsrecipes.trust import sign
 
 AUTO, NEVER = TrainerConfig(resume=ResumeMode.auto), TrainerConfig(resume=ResumeMode.never)
 
@@ -26,7 +27,7 @@ def _ckpt(root, step, complete=True):
     d = root / f"step_{step}"
     d.mkdir(parents=True)
     if complete:
-        (d / COMPLETE).write_text(json.dumps({"step": step, "world_size": 2}))
+        (d / COMPLETE).write_text(json.dumps(sign({"step": step, "world_size": 2})))  # as this user's runs sign it
     return d
 
 

@@ -17,14 +17,17 @@ from typing import Any, Dict, List
 def main(argv: List[str]) -> int:
     from dsrecipes.commands.args import parse
     from dsrecipes.inference import ChatModel, resolve_model_path
+    from dsrecipes.trust import FLAG, TRUST_HELP, trust
 
     parser = argparse.ArgumentParser(prog="dsrecipes chat", description=__doc__.split("\n")[0])
     parser.add_argument("model", help="run dir, export, merged or adapter-only LoRA export, or a model dir")
     parser.add_argument("--message", default=None, help="one user message: answer it and exit")
     parser.add_argument("--system", default=None, help="system prompt (default: the template's, if any)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument(FLAG, action="append", default=[], metavar="PATH", help=TRUST_HELP)
     args = parse(parser, argv)
-    model = ChatModel(resolve_model_path(args.model))
+    trust(args.trust_checkpoint)
+    model = ChatModel(resolve_model_path(args.model, retry=f"dsrecipes chat {args.model}"))
     history: List[Dict[str, Any]] = [{"role": "system", "content": args.system}] if args.system else []
     if args.message is not None:
         reply_turn(model, history, args.message, args.max_new_tokens)

@@ -12,8 +12,9 @@ from dsrecipes.errors import UserError
 
 def main(argv: List[str]) -> int:
     from dsrecipes.checkpoint import CHECKPOINTS
-    from dsrecipes.checkpoint_find import damage, latest_complete
+    from dsrecipes.checkpoint_find import latest_complete
     from dsrecipes.export import check_out_dir, export_checkpoint
+    from dsrecipes.trust import FLAG, TRUST_HELP, trust
 
     parser = argparse.ArgumentParser(
         prog="dsrecipes export",
@@ -24,18 +25,18 @@ def main(argv: List[str]) -> int:
                         "earlier export (replaced); anything else is refused")
     parser.add_argument("--lora", choices=["merged", "adapter"], default=None,  # an argparse choice, not config
                         help="LoRA runs: merged model or adapter only (default: trainer.export_merged_lora)")
+    parser.add_argument(FLAG, action="append", default=[], metavar="PATH", help=TRUST_HELP)
     args = parse(parser, argv)
+    trust(args.trust_checkpoint)
     run_dir = Path(args.run_dir)
     out_dir = Path(args.out).expanduser().resolve()
     check_out_dir(out_dir, "--out")  # before any work
     root = run_dir / CHECKPOINTS
-    tag_dir = root / args.tag if args.tag else latest_complete(root)
+    retry = f"dsrecipes export {run_dir} --out {args.out}"
+    tag_dir = root / args.tag if args.tag else latest_complete(root, retry=retry)
     if tag_dir is None or not tag_dir.is_dir():
         raise UserError(f"{root}: no complete checkpoint{' ' + args.tag if args.tag else ''} to export")
-    problem = damage(tag_dir)
-    if problem is not None:
-        raise UserError(f"{tag_dir}: damaged checkpoint ({problem}); export another tag with --tag")
     merge = None if args.lora is None else args.lora == "merged"
-    out = export_checkpoint(run_dir, tag_dir, out_dir, merge_lora=merge, key="--out")
+    out = export_checkpoint(run_dir, tag_dir, out_dir, merge_lora=merge, key="--out", retry=retry)
     print(f"exported {tag_dir} -> {out}")
     return 0

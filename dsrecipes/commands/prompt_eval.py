@@ -14,6 +14,7 @@ from dsrecipes.fileio import atomic_write_json
 def main(argv: List[str]) -> int:
     from dsrecipes import prompt_eval as pe
     from dsrecipes.inference import resolve_model_path
+    from dsrecipes.trust import FLAG, TRUST_HELP, trust
 
     parser = argparse.ArgumentParser(prog="dsrecipes prompt-eval", description=pe.__doc__.split("\n")[0],
                                      epilog="--prompts format: one JSON object per line with 'prompt' and optional "
@@ -25,9 +26,13 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--limit", type=int, default=32, help="at most this many prompts (default 32)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--json", default=None, help="also write the answers and scores to this JSON file")
+    parser.add_argument(FLAG, action="append", default=[], metavar="PATH", help=TRUST_HELP)
     args = parse(parser, argv)
-    finetuned = resolve_model_path(args.finetuned)
-    baseline = resolve_model_path(args.baseline, baseline=True) if args.baseline else None
+    trust(args.trust_checkpoint)
+    retry = f"dsrecipes prompt-eval --finetuned {args.finetuned}" + (f" --baseline {args.baseline}" if args.baseline
+                                                                    else "")
+    finetuned = resolve_model_path(args.finetuned, retry=retry)
+    baseline = resolve_model_path(args.baseline, baseline=True, retry=retry) if args.baseline else None
     rows = pe.prompt_rows(finetuned, args.prompts, args.limit)
     scores = pe.compare(finetuned, baseline, rows, args.max_new_tokens)
     pe.print_side_by_side(rows, scores)
