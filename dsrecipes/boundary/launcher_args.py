@@ -18,8 +18,20 @@ import contextlib
 import io
 from typing import Dict, List, Tuple
 
-from dsrecipes.boundary.values import CORE_LIST, FLAG, HOST, INT_LIST, NAME, PORT, Value, choice, integer, key_values
-from dsrecipes.boundary.values import number, shape
+from dsrecipes.boundary.values import (
+    CORE_LIST,
+    FLAG,
+    HOST,
+    INT_LIST,
+    NAME,
+    PORT,
+    Value,
+    choice,
+    integer,
+    key_values,
+    number,
+    shape,
+)
 from dsrecipes.config.schema import LauncherKind
 
 KEY = "launcher.extra_args"
@@ -44,7 +56,7 @@ for _dest, _value in (("max_restarts", integer(0, 1000)), ("monitor_interval", n
                       ("rdzv_conf", key_values(_RDZV_KEYS, integer(1, 86400))),
                       ("numa_binding", choice("node", "socket", "exclusive", "core-complex")),
                       ("shutdown_timeout", integer(0, 86400)), ("virtual_local_rank", FLAG)):
-    _TORCHRUN["--" + _dest] = _TORCHRUN["--" + _dest.replace("_", "-")] = (_dest, _value)
+    _TORCHRUN["--" + _dest.replace("_", "-")] = _TORCHRUN["--" + _dest] = (_dest, _value)
 _TORCHRUN["--role"] = ("role", NAME)
 _MPIRUN: Dict[str, Tuple[str, Value]] = {
     "--bind-to": ("bind-to", choice("none", "hwthread", "core", "l1cache", "l2cache", "l3cache", "socket", "numa",
@@ -114,7 +126,8 @@ def _scan(kind: LauncherKind, args: List[str]) -> Tuple[List[str], List[str]]:
         name, eq, inline = arg.partition("=")
         i += 1
         if name not in table:
-            problems.append(f"{where}: {_refusal(kind, arg, name, table)}")
+            first = not any("never accepted" in p or "takes no extra" in p for p in problems)
+            problems.append(f"{where}: {_refusal(kind, arg, name, table) if first else _short(arg)}")
             continue
         dest, value = table[name]
         dests.append(dest)
@@ -147,6 +160,11 @@ def _refusal(kind: LauncherKind, arg: str, name: str, table: Dict[str, Tuple[str
     return (f"{arg!r} is {what}; launcher={kind.value} accepts only {allowed} (each with a typed value). "
             "Options that choose the program (--no_python, --module, a script, --launcher_args, ...) are never "
             "accepted from a configuration")
+
+
+def _short(arg: str) -> str:
+    what = "a positional argument" if not arg.startswith("-") else "not an allowed option"
+    return f"{arg!r} is {what} (see the first refused argument for what is accepted)"
 
 
 def _parser_problems(kind: LauncherKind, args: List[str]) -> List[str]:
