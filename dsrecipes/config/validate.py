@@ -146,7 +146,7 @@ def _misc(cfg: TrainConfig) -> List[str]:
         errors.append(f"launcher.num_nodes: must be >= 1, got {ln.num_nodes}")
     if ln.kind is LauncherKind.deepspeed and (ln.include or ln.exclude) and ln.num_gpus is not None:
         errors.append(
-            "launcher.include: deepspeed cannot combine --include/--exclude with --num_gpus; "
+            f"launcher.{'include' if ln.include else 'exclude'}: deepspeed cannot combine --include/--exclude with --num_gpus; "
             "set launcher.num_gpus=null when selecting devices"
         )
     if ln.include and ln.exclude:
@@ -200,7 +200,8 @@ def _launcher(ln) -> List[str]:
     errors = []
     multi = ln.num_nodes > 1
     if (ln.include or ln.exclude) and ln.kind is not LauncherKind.deepspeed:
-        errors.append(f"launcher.include: --include/--exclude exist only for launcher=deepspeed, not {ln.kind.value}")
+        key = "launcher.include" if ln.include else "launcher.exclude"
+        errors.append(f"{key}: --include/--exclude exist only for launcher=deepspeed, not {ln.kind.value}")
     if ln.kind is LauncherKind.deepspeed and multi and not ln.hostfile:
         errors.append("launcher.hostfile: launcher=deepspeed on several nodes needs a hostfile "
                       "(or use launcher=deepspeed_multinode for the no-ssh mode)")
