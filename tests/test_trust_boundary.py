@@ -266,3 +266,43 @@ def test_ranks_that_report_fewer_steps_fail(tmp_path):
     assert "ranks 0, 1" in untrained(tmp_path, cmd)
     write_plan(tmp_path, dataclasses.replace(plan, resume=ResumePlan("ck", 5, 2, False)))
     assert untrained(tmp_path, cmd) is None  # nothing was left to train
+
+
+def _parser_actions(kind):
+    """option string -> dest of the launcher's own parser (DeepSpeed's is built inside parse_args: caught there)."""
+    import argparse
+
+    if kind == "torchrun":
+        from torch.distributed.run import get_args_parser
+
+        parser = get_args_parser()
+    else:
+        from deepspeed.launcher.runner import parse_args
+
+        seen = []
+        original = argparse.ArgumentParser.parse_args
+
+        def catch(self, *args, **kwargs):
+            seen.append(self)
+            return original(self, *args, **kwargs)
+
+        argparse.ArgumentParser.parse_args = catch
+        try:
+            parse_args(["x"])
+        finally:
+            argparse.ArgumentParser.parse_args = original
+        parser = seen[0]
+    return {s: a.dest for a in parser._actions for s in a.option_strings}
+
+
+def test_every_launcher_has_a_table_and_every_option_is_the_launchers_own():
+    from dsrecipes.boundary.launcher_args import ALLOWED
+    from dsrecipes.config.schema import LauncherKind
+
+    assert set(ALLOWED) == set(LauncherKind) and ALLOWED[LauncherKind.local] == {}
+    for kind in ("deepspeed", "torchrun"):
+        actions = _parser_actions(kind)
+        table = ALLOWED[LauncherKind(kind)]
+        assert table and {s: actions.get(s) for s in table} == {s: dest for s, (dest, _) in table.items()}, kind
+        for program in ("--module", "--no_python", "--no-python", "--launcher_args", "--run-path", "-m"):
+            assert program not in table
