@@ -306,3 +306,31 @@ def test_every_launcher_has_a_table_and_every_option_is_the_launchers_own():
         assert table and {s: actions.get(s) for s in table} == {s: dest for s, (dest, _) in table.items()}, kind
         for program in ("--module", "--no_python", "--no-python", "--launcher_args", "--run-path", "-m"):
             assert program not in table
+
+
+def test_a_hostfile_cannot_put_options_into_ssh(tmp_path, capsys):
+    """Host names reach pdsh/ssh (and mpirun): a line that is an option (`-oProxyCommand=...`) is refused by name."""
+    evil = tmp_path / "hosts"
+    evil.write_text(f"# two nodes\nnode1 slots=2\n-oProxyCommand=touch {tmp_path / 'ran'} slots=2\n")
+    assert cli_main(["validate", "launcher=deepspeed", f"launcher.hostfile={evil}", "launcher.num_nodes=2",
+                     "launcher.num_gpus=2"]) == 2
+    err = capsys.readouterr().err
+    assert f"launcher.hostfile: {evil}:3: needs 'HOST slots=N'" in err and "Traceback" not in err, err
+    from dsrecipes.boundary.launcher_args import hostfile_problems
+
+    assert hostfile_problems(str(REPO / "launch" / "hostfile.example")) == []
+    assert not (tmp_path / "ran").exists()
+
+
+def test_fault_hooks_travel_from_the_launching_environment_only(make_cfg, tmp_path):
+    """pdsh's remote ranks read .deepspeed_env: a hook set in the launching shell (tests) goes there with
+    launcher.env; a non-numeric value or a name that is not a hook does not."""
+    from dsrecipes import launch
+
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node0 slots=1\nnode1 slots=1\n")
+    cfg = make_cfg("launcher=deepspeed", f"launcher.hostfile={hosts}", "launcher.num_nodes=2", "launcher.num_gpus=1",
+                   "+launcher.env.GLOO_SOCKET_IFNAME=eth0")
+    environ = {"DSRECIPES_STALL_AFTER_STEP": "2", "DSRECIPES_NAN_AT_STEP": "1\nLD_PRELOAD=/x.so", "PYTHONPATH": "/x"}
+    plan = launch.build_plan(cfg, tmp_path / "run", master_port=29511, environ=environ)
+    assert plan.files[".deepspeed_env"].splitlines() == ["DSRECIPES_STALL_AFTER_STEP=2", "GLOO_SOCKET_IFNAME=eth0"]

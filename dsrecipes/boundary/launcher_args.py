@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 from typing import Dict, List, Tuple
 
 from dsrecipes.boundary.values import (
@@ -35,6 +36,7 @@ from dsrecipes.boundary.values import (
 from dsrecipes.config.schema import LauncherKind
 
 KEY = "launcher.extra_args"
+_HOSTFILE_WORD = re.compile(r"[A-Za-z_]{1,32}=\d{1,6}")  # slots=8, max_slots=8
 _LOG_LEVELS = choice("debug", "info", "warning", "error", "critical")
 _STD_STREAMS = shape(r"[0-3]|\d{1,4}:[0-3](?:,\d{1,4}:[0-3])*", "0-3, or LOCAL_RANK:0-3 pairs such as 0:3,1:0")
 _RDZV_KEYS = ("timeout", "join_timeout", "last_call_timeout", "close_timeout", "read_timeout")
@@ -211,3 +213,29 @@ def _torchrun_parse(argv: List[str]):
     from torch.distributed.run import get_args_parser
 
     return _quietly(lambda: get_args_parser().parse_args(argv))
+
+
+def hostfile_problems(path: str) -> List[str]:
+    """`launcher.hostfile`: its host names reach ssh/pdsh and mpirun's command lines, so each line must be a host
+    name (HOST: never an option such as `-oProxyCommand=...`) followed by `key=value` words (`slots=8`)."""
+    import os
+
+    from dsrecipes.boundary.values import HOST
+
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8") as fh:
+            lines = fh.read(1 << 20).splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        return [f"launcher.hostfile: cannot read {path} ({exc})"]
+    problems = []
+    for lineno, line in enumerate(lines, 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        host, rest = words[0].split(":", 1)[0], words[1:]
+        if HOST.check(host) or any(not _HOSTFILE_WORD.fullmatch(w) for w in rest):
+            problems.append(f"launcher.hostfile: {path}:{lineno}: needs 'HOST slots=N' ({HOST.expected}), got "
+                            f"{line.strip()!r}")
+    return problems
+
+

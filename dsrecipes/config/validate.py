@@ -240,6 +240,10 @@ def _files(cfg: TrainConfig) -> List[str]:
     for key, path in checks:
         if path and not os.path.exists(os.path.expanduser(path)) and not (key.startswith("model.") and is_hub_id(path)):
             errors.append(f"{key}: {path!r} does not exist")
+    if cfg.launcher.hostfile and os.path.isfile(os.path.expanduser(cfg.launcher.hostfile)):
+        from dsrecipes.boundary.launcher_args import hostfile_problems
+
+        errors += hostfile_problems(cfg.launcher.hostfile)
     return errors + check_hub_paths(cfg)
 
 

@@ -29,6 +29,17 @@ def _absolute(path: str) -> str:
     return str(Path(path).expanduser().resolve())
 
 
+def _hostfile(path: str) -> str:
+    """A user's hostfile, absolute; its host names reach pdsh/ssh and mpirun, so they are checked (when it exists
+    here: a dry run may name one that lives on the cluster only)."""
+    from dsrecipes.boundary.launcher_args import hostfile_problems
+    from dsrecipes.errors import ConfigError
+
+    if Path(path).expanduser().is_file() and hostfile_problems(path):
+        raise ConfigError(hostfile_problems(path))
+    return _absolute(path)
+
+
 def _worker_args(worker_module: str, run_dir: Path) -> List[str]:
     return ["-m", worker_module, "--run-dir", str(run_dir)]
 
@@ -46,7 +57,7 @@ def _build_local(cfg: TrainConfig, run_dir: Path, port: int, worker_module: str,
 def _deepspeed_resource_args(ln: LauncherConfig) -> List[str]:
     args: List[str] = []
     if ln.hostfile:
-        args += ["--hostfile", _absolute(ln.hostfile)]
+        args += ["--hostfile", _hostfile(ln.hostfile)]
     if ln.include:
         args += ["--include", ln.include]
     elif ln.exclude:
@@ -102,7 +113,7 @@ def _node_hostfile(ln: LauncherConfig) -> str:
 def _build_deepspeed_multinode(cfg, run_dir: Path, port: int, worker_module: str, environ: Mapping[str, str]):
     ln = cfg.launcher
     plan = LaunchPlan([], requires=[Requirement("deepspeed", True, "the deepspeed launcher")])
-    hostfile = _absolute(ln.hostfile) if ln.hostfile else None
+    hostfile = _hostfile(ln.hostfile) if ln.hostfile else None
     if not hostfile:
         # --no_ssh still takes the node list (and rank offsets) from a hostfile; node names are only labels.
         plan.files[HOSTFILE] = _node_hostfile(ln)
@@ -140,7 +151,7 @@ def _build_mpirun(cfg: TrainConfig, run_dir: Path, port: int, worker_module: str
     nprocs = per_node(ln) * ln.num_nodes
     argv = ["mpirun", "-np", str(nprocs)]
     if ln.hostfile:
-        argv += ["--hostfile", _absolute(ln.hostfile)]
+        argv += ["--hostfile", _hostfile(ln.hostfile)]
     # Each rank runs our shim: DeepSpeed's own mpi4py discovery (with our port), then the worker module.
     extra = checked_extra_args(ln.kind, ln.extra_args)
     argv += [*extra, sys.executable, "-m", "dsrecipes.launch.mpi_rank", "--master-port", str(port)]
