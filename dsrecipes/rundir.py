@@ -9,6 +9,7 @@
     launch.txt      the launch commands (launch/)
     metrics.jsonl   train/eval lines (metrics.py)
     rank_outcome.json  how the ranks ended (ok, interrupted at a step, failed with why), for the launching process
+    rank_steps/rank<R>.json  each rank's own count of the steps it ran, written as it finishes (launch/trained.py)
     result.json     status and headline numbers, for people and sweep summaries (sweep.py)
 
 Ownership: a path the user names is theirs until proven ours. `claim()` writes only into a new directory, an empty
@@ -36,6 +37,7 @@ DS_CONFIG_FILE = "ds_config.json"
 METRICS_FILE = "metrics.jsonl"
 RESULT_FILE = "result.json"
 OUTCOME_FILE = "rank_outcome.json"
+STEPS_DIR = "rank_steps"
 MARKER_FILE = "dsrecipes_run.json"
 LOCK_FILE = ".dsrecipes.lock"
 RANKS_LOCK_FILE = ".dsrecipes.ranks.lock"
@@ -260,7 +262,32 @@ def read_outcome(run_dir: Path) -> Optional[Dict[str, Any]]:
 
 
 def clear_outcome(run_dir: Path) -> None:
-    (Path(run_dir) / OUTCOME_FILE).unlink(missing_ok=True)  # a previous attempt's, in a directory we own
+    """A previous attempt's rank reports (in a directory we own; only the files the ranks write)."""
+    (Path(run_dir) / OUTCOME_FILE).unlink(missing_ok=True)
+    for path in (Path(run_dir) / STEPS_DIR).glob("rank*.json"):
+        if path.stem[4:].isdigit():
+            path.unlink(missing_ok=True)
+
+
+def write_rank_steps(run_dir: Path, rank: int, step: int, total: int, ended_early: Optional[str] = None) -> Path:
+    """Every rank, once it trained to its end: the optimizer steps it has done (`ended_early`: why a run that stops
+    before the planned total, e.g. early stopping, is still a success)."""
+    (Path(run_dir) / STEPS_DIR).mkdir(exist_ok=True)
+    report = {"rank": int(rank), "step": int(step), "planned": int(total), "ended_early": ended_early}
+    return atomic_write_json(Path(run_dir) / STEPS_DIR / f"rank{int(rank)}.json", report)
+
+
+def read_rank_steps(run_dir: Path) -> Dict[int, Dict[str, Any]]:
+    """rank -> its report (unreadable or foreign files are left out: such a rank did not report)."""
+    reports = {}
+    for path in sorted((Path(run_dir) / STEPS_DIR).glob("rank*.json")):
+        try:
+            report = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(report, dict) and path.stem == f"rank{report.get('rank')}" and isinstance(report.get("step"), int):
+            reports[int(report["rank"])] = report
+    return reports
 
 
 def write_result(run_dir: Path, code: int, error: Optional[str], status: str = "ok", **extra: Any) -> Path:

@@ -36,7 +36,7 @@ from dsrecipes.errors import DataError, RunInterrupted, TrainingFailed, UserErro
 from dsrecipes.export import EXPORT_DIR, EXPORT_INIT_DIR, export_checkpoint, export_initial
 from dsrecipes.metrics import MetricsLogger, Window
 from dsrecipes.model import build_model, count_parameters, load_tokenizer, micro_batch_loss, trainable_parameters
-from dsrecipes.rundir import CHECKPOINTS_DIR, launcher_alive, rank_lock, read_ds_config, write_outcome
+from dsrecipes.rundir import CHECKPOINTS_DIR, launcher_alive, rank_lock, read_ds_config, write_outcome, write_rank_steps
 from dsrecipes.runplan import RunPlan, read_plan
 from dsrecipes.schedule import StepScheduler, warmup_steps
 from dsrecipes.step_guard import StepGuard, discard_step, nonfinite, pause_for_signal
@@ -239,6 +239,7 @@ def finish(s: Session) -> None:
         s.ledger.close()
     s.metrics.close()
     heartbeat.stop()  # before the last barrier: ranks that finish first are not taken for dead
+    write_rank_steps(s.run_dir, s.rank, s.state.step, s.plan.total_steps)  # before it: all exist once one is past
     finish_distributed()
     if s.rank == 0 and s.cfg.trainer.export:
         from dsrecipes.disk_space import ExportOutOfSpace

@@ -161,11 +161,11 @@ def test_torchrun_multinode_endpoint(make_cfg):
 
 
 def test_mpirun_golden(make_cfg):
-    cfg, plan = plan_for(make_cfg, "launcher=mpirun", "+launcher.env.NCCL_DEBUG=bar baz")
+    cfg, plan = plan_for(make_cfg, "launcher=mpirun", "+launcher.env.NCCL_SOCKET_IFNAME='eth0,ib0'")
     (cmd,) = plan.commands
     assert cmd.argv == [
         "mpirun", "-np", "2", PY, "-m", "dsrecipes.launch.mpi_rank", "--master-port", str(PORT),
-        "--master-addr", "127.0.0.1", "--env", "NCCL_DEBUG=bar baz", "--module", "dsrecipes.worker",
+        "--master-addr", "127.0.0.1", "--env", "NCCL_SOCKET_IFNAME=eth0,ib0", "--module", "dsrecipes.worker",
         "--", "--run-dir", str(RUN),
     ]  # fmt: skip
     assert {r.name for r in plan.requires} == {"mpirun", "mpi4py"}
@@ -174,7 +174,7 @@ def test_mpirun_golden(make_cfg):
 def test_slurm_golden(make_cfg):
     cfg, plan = plan_for(
         make_cfg, "launcher=slurm", "launcher.slurm_account=proj", "launcher.slurm_sbatch_args=['--qos=high']",
-        "launcher.slurm_setup=['source /venv/bin/activate']", "+launcher.env.NCCL_DEBUG=WARN",
+        "launcher.slurm_venv=/venv", "launcher.slurm_modules=[cuda/12.1,gcc/11.2.0]", "+launcher.env.NCCL_DEBUG=WARN",
     )  # fmt: skip
     (cmd,) = plan.commands
     assert cmd.argv == ["sbatch", str(RUN / "launch.sbatch")]
@@ -182,6 +182,7 @@ def test_slurm_golden(make_cfg):
     for line in (
         "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8", "#SBATCH --time=240",
         "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --qos=high", "source /venv/bin/activate",
+        "module load cuda/12.1", "module load gcc/11.2.0",
         "export NCCL_DEBUG=WARN", f"MASTER_PORT={PORT}",
     ):  # fmt: skip
         assert line in script.splitlines(), line

@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
     env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["NCCL_DSR_PROBE"] = os.environ.get("NCCL_DSR_PROBE")
+    env["NCCL_IB_TIMEOUT"] = os.environ.get("NCCL_IB_TIMEOUT")  # set through launcher.env by the tests
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     t = torch.tensor([float(rank + 1)])

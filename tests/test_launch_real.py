@@ -45,14 +45,14 @@ def probe_results(run_dir: Path, world: int):
         assert r["world_size"] == world
         assert r["sum"] == world * (world + 1) / 2
         assert r["argv"] == ["--run-dir", str(run_dir)]  # no --local_rank appended
-        assert r["env"]["NCCL_DSR_PROBE"] == "on-every-rank"
+        assert r["env"]["NCCL_IB_TIMEOUT"] == "23"  # launcher.env (a documented name) on every rank
     return records
 
 
 @pytest.mark.parametrize("kind", ["deepspeed", "torchrun"])
 def test_two_ranks_on_this_machine(make_cfg, tmp_path, probe_env, kind):
     cfg = make_cfg(
-        f"launcher={kind}", "launcher.num_gpus=2", "+launcher.env.NCCL_DSR_PROBE=on-every-rank", check_files=False
+        f"launcher={kind}", "launcher.num_gpus=2", "+launcher.env.NCCL_IB_TIMEOUT=23", check_files=False
     )
     assert resolve_topology(cfg.launcher).world_size == 2
     assert launch.launch(cfg, tmp_path, worker_module=PROBE) == 0
@@ -69,7 +69,7 @@ def test_failing_rank_exit_code_propagates(make_cfg, tmp_path, probe_env):
 def test_no_ssh_multinode_two_nodes_on_localhost(make_cfg, tmp_path, probe_env):
     cfg = make_cfg(
         "launcher=deepspeed_multinode", "launcher.num_gpus=1", "launcher.num_nodes=2",
-        f"launcher.master_port={free_port()}", "+launcher.env.NCCL_DSR_PROBE=on-every-rank",
+        f"launcher.master_port={free_port()}", "+launcher.env.NCCL_IB_TIMEOUT=23",
     )  # fmt: skip
     run_dir = tmp_path.resolve()
     plan = launch.build_plan(cfg, run_dir, worker_module=PROBE)
@@ -98,7 +98,7 @@ def test_slurm_script_with_fake_srun(make_cfg, tmp_path, probe_env):
         (bin_dir / name).chmod(stat.S_IRWXU)
     cfg = make_cfg(
         "launcher=slurm", "launcher.num_gpus=1", "launcher.num_nodes=2", f"launcher.master_port={free_port()}",
-        "+launcher.env.NCCL_DSR_PROBE=on-every-rank",
+        "+launcher.env.NCCL_IB_TIMEOUT=23",
     )  # fmt: skip
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -119,6 +119,6 @@ def test_mpirun_two_ranks(make_cfg, tmp_path, probe_env):
 
     if shutil.which("mpirun") is None or find_spec("mpi4py") is None:
         pytest.skip("needs mpirun and mpi4py (pip install mpi4py mpich)")
-    cfg = make_cfg("launcher=mpirun", "launcher.num_gpus=2", "+launcher.env.NCCL_DSR_PROBE=on-every-rank")
+    cfg = make_cfg("launcher=mpirun", "launcher.num_gpus=2", "+launcher.env.NCCL_IB_TIMEOUT=23")
     assert launch.launch(cfg, tmp_path, worker_module=PROBE) == 0
     probe_results(tmp_path.resolve(), 2)

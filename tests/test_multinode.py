@@ -36,7 +36,7 @@ TRAIN = [
     "data.cutoff_len=64",
 ]  # fmt: skip
 IFNAME_ENV = f"+launcher.env.GLOO_SOCKET_IFNAME={netns.IFNAME}"
-MARK = "DSRECIPES_TEST_MARK"  # reaches remote ranks only through .deepspeed_env
+MARK = "NCCL_IB_TIMEOUT"  # a launcher.env name the launching environment lacks: remote ranks get it from .deepspeed_env
 RUN_TIMEOUT = 420
 
 
@@ -178,7 +178,7 @@ def pdsh_argv(cluster: netns.Cluster, workspace: Path, run: Path, *extra: str) -
     return cluster.launching_argv(cluster.nodes[0], [
         sys.executable, "-m", "dsrecipes", *common(workspace, run), "launcher=deepspeed", f"launcher.hostfile={hostfile}",
         "launcher.num_nodes=2", "launcher.num_gpus=2", f"launcher.master_addr={cluster.nodes[0].addr}", IFNAME_ENV,
-        f"+launcher.env.{MARK}=via-deepspeed-env", *extra,
+        f"+launcher.env.{MARK}=23", *extra,
     ])  # fmt: skip
 
 
@@ -217,8 +217,9 @@ def test_deepspeed_over_ssh_pdsh_through_a_dead_node_and_resume(ssh_cluster, wor
     timeout = ["launcher.peer_timeout_s=15"]
     log = workspace / "pdsh.log"
     with open(log, "wb") as fh:
-        proc = subprocess.Popen(pdsh_argv(ssh_cluster, workspace, run, *timeout, f"+launcher.env.{STALL_AFTER_STEP_ENV}=2"),
-                                env=env(), cwd=workspace, stdout=fh, stderr=subprocess.STDOUT)  # fmt: skip
+        # the fault hook comes from the launching environment (never from a config), and travels in .deepspeed_env
+        proc = subprocess.Popen(pdsh_argv(ssh_cluster, workspace, run, *timeout), env=env({STALL_AFTER_STEP_ENV: "2"}),
+                                cwd=workspace, stdout=fh, stderr=subprocess.STDOUT)  # fmt: skip
         remote = remote_worker_env(node1, proc)
         latest = run / "checkpoints" / "latest"
         deadline = time.monotonic() + RUN_TIMEOUT
@@ -237,10 +238,10 @@ def test_deepspeed_over_ssh_pdsh_through_a_dead_node_and_resume(ssh_cluster, wor
         code = proc.wait(timeout=60)
         launcher_gone = time.monotonic() - killed
     out = log.read_text(errors="replace")
-    assert remote.get(MARK) == "via-deepspeed-env" and remote.get("GLOO_SOCKET_IFNAME") == netns.IFNAME, remote
+    assert remote.get(MARK) == "23" and remote.get("GLOO_SOCKET_IFNAME") == netns.IFNAME, remote
     assert remote.get("SSH_CONNECTION"), "the node-1 rank was not started over ssh"
     assert sorted((run / ".deepspeed_env").read_text().splitlines()) == sorted([
-        f"{MARK}=via-deepspeed-env", f"{STALL_AFTER_STEP_ENV}=2", f"GLOO_SOCKET_IFNAME={netns.IFNAME}"])
+        f"{MARK}=23", f"{STALL_AFTER_STEP_ENV}=2", f"GLOO_SOCKET_IFNAME={netns.IFNAME}"])
     assert code != 0, out[-3000:]
     print(f"\nnode 1 killed: node 0's ranks gone after {ranks_gone:.1f} s, launching process after {launcher_gone:.1f} s",
           file=sys.stderr)  # fmt: skip

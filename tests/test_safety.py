@@ -211,16 +211,19 @@ def test_models_that_need_their_own_code_are_refused(tmp_path, capsys, monkeypat
 
 
 def test_launcher_env_allow_list():
+    """A positive table (boundary/rank_env.py): documented tuning names only, each value of its type."""
     from dsrecipes.config.validate import launcher_env_problems
 
-    allowed = ["NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "HF_HOME",
-               "GLOO_SOCKET_IFNAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTORCH_CUDA_ALLOC_CONF",
-               "TOKENIZERS_PARALLELISM", "DS_ACCELERATOR", "DSRECIPES_STALL_AFTER_STEP"]
+    allowed = {"NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "eth0", "CUDA_VISIBLE_DEVICES": "0,1",
+               "OMP_NUM_THREADS": "4", "GLOO_SOCKET_IFNAME": "eth0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+               "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "TOKENIZERS_PARALLELISM": "false",
+               "DS_ACCELERATOR": "cpu", "NCCL_IB_DISABLE": "1"}
     refused = ["PYTHONPATH", "PYTHONSTARTUP", "LD_PRELOAD", "LD_LIBRARY_PATH", "PATH", "DS_ENV_FILE",
                "NCCL_NET_PLUGIN", "NCCL_TUNER_PLUGIN", "CUDA_INJECTION64_PATH", "TORCH_EXTENSIONS_DIR",
                "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "HF_MODULES_CACHE", "FI_PROVIDER_PATH", "BASH_ENV",
                "NCCL_CONF_FILE", "DSRECIPES_HOME", "DSRECIPES_RECIPES", "nccl_debug", "X;rm -rf ~", "CUDA_HOME",
-               "TORCH_NVCC_FLAGS", "OMP_TOOL_LIBRARIES", "UCX_MODULE_DIR"]
-    assert [n for n in allowed if launcher_env_problems({n: "1"})] == []
+               "TORCH_NVCC_FLAGS", "OMP_TOOL_LIBRARIES", "UCX_MODULE_DIR", "HF_HOME", "TORCH_LOGS_OUT",
+               "NCCL_DEBUG_FILE", "TORCH_TRACE", "DSRECIPES_STALL_AFTER_STEP"]
+    assert [n for n, v in allowed.items() if launcher_env_problems({n: v})] == []
     assert [n for n in refused if not launcher_env_problems({n: "1"})] == []
     assert launcher_env_problems({"NCCL_DEBUG": "INFO\nLD_PRELOAD=/x.so"})  # a second line in .deepspeed_env

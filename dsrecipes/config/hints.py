@@ -227,6 +227,10 @@ def _unknown_key(chain: List[BaseException], overrides: List[str]) -> str:
     if typed.startswith("hydra."):
         return ""
     blame = _blame(typed, overrides)
+    from dsrecipes.config.schema import RETIRED_KEYS
+
+    if typed in RETIRED_KEYS:
+        return f"{typed}: {RETIRED_KEYS[typed]}{blame}"
     if "is not in struct" in str(key_error.msg) and key_error.object_type is dict:
         parent = typed.rpartition(".")[0]
         return f"{parent} is a mapping: add a key to it with +{typed}=VALUE{blame}"

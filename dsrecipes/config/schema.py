@@ -336,16 +336,18 @@ class LauncherConfig:
     master_port: Optional[int] = None  # None: a free port on one node, 29500 (DeepSpeed's default) on several
     node_rank: int = 0
     rdzv_endpoint: Optional[str] = None  # torchrun: host:port
-    env: Dict[str, str] = field(default_factory=dict)  # exported to every rank (.deepspeed_env for multi-node)
-    extra_args: List[str] = field(default_factory=list)  # passed verbatim to the launcher binary
+    env: Dict[str, str] = field(default_factory=dict)  # documented tuning variables only (boundary/rank_env.py)
+    extra_args: List[str] = field(default_factory=list)  # allowed launcher options only (boundary/launcher_args.py)
     # A rank silent this long (its node died or was cut off) ends the run on every node (dsrecipes.heartbeat);
     # 0 disables the heartbeat (then a dead node leaves the others waiting for the process-group timeout).
     peer_timeout_s: int = 30
     slurm_partition: Optional[str] = None
     slurm_time_min: int = 60
     slurm_account: Optional[str] = None
-    slurm_sbatch_args: List[str] = field(default_factory=list)  # extra `#SBATCH` lines, e.g. ["--qos=high"]
-    slurm_setup: List[str] = field(default_factory=list)  # shell lines run before srun (module load, venv)
+    slurm_sbatch_args: List[str] = field(default_factory=list)  # allowed `#SBATCH` directives, e.g. ["--qos=high"]
+    slurm_modules: List[str] = field(default_factory=list)  # `module load NAME` before srun, e.g. ["cuda/12.1"]
+    slurm_venv: Optional[str] = None  # absolute path of a virtual environment to activate before srun
+    slurm_conda_env: Optional[str] = None  # or the name of a conda environment to activate
     dry_run: bool = False
 
 
@@ -362,6 +364,14 @@ class TrainConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+
+# Keys that existed once and were removed on purpose: a config still setting one gets this message (config/hints.py).
+RETIRED_KEYS: Dict[str, str] = {
+    "launcher.slurm_setup": "free shell text in the batch script is no longer a config field; use "
+    "launcher.slurm_modules=[cuda/12.1,...] (module load), launcher.slurm_venv=/abs/venv or "
+    "launcher.slurm_conda_env=NAME (activation) and launcher.slurm_sbatch_args=['--qos=high'] (#SBATCH directives)",
+}
 
 
 # Group name -> schema, used by the ConfigStore registration and by `dsrecipes ls`.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import re
 from typing import List
@@ -20,19 +19,10 @@ from dsrecipes.config.schema import (
 from dsrecipes.data.strategies.rules import config_problems, required_paths
 from dsrecipes.hub import check_hub_paths, is_hub_id
 
-# launcher.env: variables a recipe may export to every rank. Configs are data, so nothing that makes a process load
-# code it would not load otherwise: no PYTHON*, LD_*, PATH, no plugin/library/injection paths, no compiled-kernel or
-# extension caches (their .so files are loaded), no DS_ENV_FILE, no other config tree. The rest is tuning of the
-# libraries below, and dsrecipes' own hooks (DSRECIPES_*, e.g. the test hook DSRECIPES_STALL_AFTER_STEP).
-ENV_ALLOWED = ("NCCL_*", "CUDA_*", "NVIDIA_TF32_OVERRIDE", "OMP_*", "MKL_*", "KMP_*", "OPENBLAS_NUM_THREADS",
-               "GLOO_*", "TORCH_*", "PYTORCH_*", "HF_*", "TRANSFORMERS_*", "TOKENIZERS_PARALLELISM",
-               "DS_ACCELERATOR", "FI_*", "UCX_*", "DSRECIPES_*")
-# CUDA_HOME and *FLAGS*: JIT op builds run $CUDA_HOME/bin/nvcc and pass TORCH_NVCC_FLAGS (`-ccbin` names a compiler);
-# *LIBRARIES* (OMP_TOOL_LIBRARIES) and *MODULE* (UCX_MODULE_DIR) name shared objects to load.
-ENV_REFUSED = ("*PLUGIN*", "*INJECTION*", "*PRELOAD*", "*LIBRARY*", "*LIBRARIES*", "*_PATH", "*EXTENSIONS_DIR",
-               "*CACHE_DIR", "*MODULE*", "*_LIB", "*_LIBS", "*CONF_FILE", "*REMOTE_CODE*", "*FLAGS*", "CUDA_HOME",
-               "DSRECIPES_HOME", "DSRECIPES_RECIPES")
-_ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*\Z")
+_SLOTS = r"[A-Za-z0-9_.-]{1,253}(?::\d{1,4}(?:,\d{1,4})*)?"  # deepspeed --include/--exclude: host[:slots]@...
+_HOST_SLOTS = re.compile(f"{_SLOTS}(?:@{_SLOTS})*")
+_ENDPOINT = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9.-]{0,252}|\[[0-9A-Fa-f:]{2,45}\])(?::\d{1,5})?")
+
 
 
 def validate(cfg: TrainConfig, *, check_files: bool = True) -> List[str]:
@@ -150,7 +140,7 @@ def _misc(cfg: TrainConfig) -> List[str]:
         errors.append(f"launcher.num_nodes: must be >= 1, got {ln.num_nodes}")
     if ln.kind is LauncherKind.deepspeed and (ln.include or ln.exclude) and ln.num_gpus is not None:
         errors.append(
-            "launcher.include: deepspeed cannot combine --include/--exclude with --num_gpus; "
+            f"launcher.{'include' if ln.include else 'exclude'}: deepspeed cannot combine --include/--exclude with --num_gpus; "
             "set launcher.num_gpus=null when selecting devices"
         )
     if ln.include and ln.exclude:
@@ -160,7 +150,11 @@ def _misc(cfg: TrainConfig) -> List[str]:
     if not 0 <= ln.node_rank < ln.num_nodes:
         errors.append(f"launcher.node_rank: must be in [0, {ln.num_nodes}), got {ln.node_rank}")
     errors += _launcher(ln)
-    errors += launcher_env_problems(ln.env)
+    errors += launcher_boundary_problems(ln)
+    if ln.kind is LauncherKind.slurm and cfg.trainer.output_dir:
+        from dsrecipes.boundary.batch_script import run_dir_problem
+
+        errors += [p for p in [run_dir_problem(os.path.abspath(os.path.expanduser(cfg.trainer.output_dir)))] if p]
     if cfg.model.trust_remote_code:
         errors.append("model.trust_remote_code: must stay false; a model or tokenizer directory's own Python code "
                       "is never run (configs and downloads are data); use a model transformers supports natively")
@@ -168,26 +162,40 @@ def _misc(cfg: TrainConfig) -> List[str]:
 
 
 def launcher_env_problems(env: dict) -> List[str]:
-    """launcher.env entries outside ENV_ALLOWED (or matching ENV_REFUSED), and values that break an env file."""
-    errors = []
-    for name, value in env.items():
-        allowed = any(fnmatch.fnmatchcase(name, p) for p in ENV_ALLOWED)
-        refused = any(fnmatch.fnmatchcase(name, p) for p in ENV_REFUSED)
-        if not _ENV_NAME.match(name) or not allowed or refused:
-            errors.append(f"launcher.env.{name}: not an allowed variable; launcher.env may set {', '.join(ENV_ALLOWED)}"
-                          f" (never {', '.join(ENV_REFUSED)}), because variables such as PYTHONPATH or LD_PRELOAD "
-                          "make every rank run code from outside the project; export such a variable yourself")
-        elif any(c in str(value) for c in "\n\r\0"):
-            errors.append(f"launcher.env.{name}: the value holds a line break or NUL (it would add lines to "
-                          ".deepspeed_env)")
-    return errors
+    """launcher.env entries outside the documented table (boundary/rank_env.py) or with a value not of its type."""
+    from dsrecipes.boundary.rank_env import env_problems
+
+    return env_problems(env)
+
+
+def launcher_boundary_problems(ln) -> List[str]:
+    """What a config would put on a command line, into the ranks' environment or into a batch script, checked
+    against the boundary's positive lists (every refused item named)."""
+    from dsrecipes.boundary.batch_script import batch_problems
+    from dsrecipes.boundary.launcher_args import extra_args_problems
+    from dsrecipes.boundary.values import HOST
+
+    problems = extra_args_problems(ln.kind, list(ln.extra_args)) + launcher_env_problems(ln.env) + batch_problems(ln)
+    if HOST.check(str(ln.master_addr)):
+        problems.append(f"launcher.master_addr: needs {HOST.expected}, got {ln.master_addr!r}")
+    for key in ("include", "exclude"):
+        value = getattr(ln, key)
+        if value is not None and not _HOST_SLOTS.fullmatch(str(value)):
+            problems.append(f"launcher.{key}: needs hosts and slots such as 'localhost:0,1' or 'node1@node2:0', "
+                            f"got {value!r}")
+    if ln.rdzv_endpoint is not None and not _ENDPOINT.fullmatch(str(ln.rdzv_endpoint)):
+        problems.append(f"launcher.rdzv_endpoint: needs HOST or HOST:PORT, got {ln.rdzv_endpoint!r}")
+    if ln.hostfile is not None and any(c in str(ln.hostfile) for c in "\n\r\0"):
+        problems.append("launcher.hostfile: the path holds a line break or NUL")
+    return problems
 
 
 def _launcher(ln) -> List[str]:
     errors = []
     multi = ln.num_nodes > 1
     if (ln.include or ln.exclude) and ln.kind is not LauncherKind.deepspeed:
-        errors.append(f"launcher.include: --include/--exclude exist only for launcher=deepspeed, not {ln.kind.value}")
+        key = "launcher.include" if ln.include else "launcher.exclude"
+        errors.append(f"{key}: --include/--exclude exist only for launcher=deepspeed, not {ln.kind.value}")
     if ln.kind is LauncherKind.deepspeed and multi and not ln.hostfile:
         errors.append("launcher.hostfile: launcher=deepspeed on several nodes needs a hostfile "
                       "(or use launcher=deepspeed_multinode for the no-ssh mode)")
@@ -225,6 +233,10 @@ def _files(cfg: TrainConfig) -> List[str]:
     for key, path in checks:
         if path and not os.path.exists(os.path.expanduser(path)) and not (key.startswith("model.") and is_hub_id(path)):
             errors.append(f"{key}: {path!r} does not exist")
+    if cfg.launcher.hostfile and os.path.isfile(os.path.expanduser(cfg.launcher.hostfile)):
+        from dsrecipes.boundary.launcher_args import hostfile_problems
+
+        errors += hostfile_problems(cfg.launcher.hostfile)
     return errors + check_hub_paths(cfg)
 
 

@@ -78,6 +78,24 @@ def launch(cfg: TrainConfig, run_dir: Path, *, worker_module: str = WORKER_MODUL
                 code = run_subprocess(cmd, run_dir, grace, log_path(run_dir, "launcher"))
             if code != 0:
                 return code
-        return 0
     finally:
         remove_shm_buffers(port)  # this machine's ranks have ended: their shared-memory segments go too
+    return _trained(cfg, run_dir, mine, worker_module)
+
+
+def _trained(cfg: TrainConfig, run_dir: Path, commands: List[Command], worker_module: str) -> int:
+    """0 when the ranks report the planned steps (launch/trained.py); else the reason goes to rank_outcome.json
+    (the run's result.json then says `failed`) and the exit code is 1. SLURM returns at submission: the job's ranks
+    have not run yet. Another worker module (tests' probes) reports nothing."""
+    from dsrecipes.config.schema import LauncherKind
+    from dsrecipes.launch.trained import EXIT_CODE, untrained
+    from dsrecipes.rundir import write_outcome
+
+    if cfg.launcher.kind is LauncherKind.slurm or worker_module != WORKER_MODULE:
+        return 0
+    why = untrained(run_dir, commands)
+    if why is None:
+        return 0
+    print(f"error: {why}", file=sys.stderr, flush=True)
+    write_outcome(run_dir, {"status": "failed", "error": why})
+    return EXIT_CODE

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping
 
+from dsrecipes.boundary.launcher_args import checked_extra_args
+from dsrecipes.boundary.rank_env import checked_env, hooks_from
 from dsrecipes.config.schema import LauncherConfig, LauncherKind, TrainConfig
 from dsrecipes.distributed import free_port
 from dsrecipes.launch.plan import DS_ENV_FILE, HOSTFILE, Command, LaunchPlan, Requirement
@@ -27,13 +29,25 @@ def _absolute(path: str) -> str:
     return str(Path(path).expanduser().resolve())
 
 
+def _hostfile(path: str) -> str:
+    """A user's hostfile, absolute; its host names reach pdsh/ssh and mpirun, so they are checked (when it exists
+    here: a dry run may name one that lives on the cluster only)."""
+    from dsrecipes.boundary.launcher_args import hostfile_problems
+    from dsrecipes.errors import ConfigError
+
+    if Path(path).expanduser().is_file() and hostfile_problems(path):
+        raise ConfigError(hostfile_problems(path))
+    return _absolute(path)
+
+
 def _worker_args(worker_module: str, run_dir: Path) -> List[str]:
     return ["-m", worker_module, "--run-dir", str(run_dir)]
 
 
 def _build_local(cfg: TrainConfig, run_dir: Path, port: int, worker_module: str, environ: Mapping[str, str]):
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    env.update(cfg.launcher.env)
+    env.update(checked_env(cfg.launcher.env))
+    checked_extra_args(LauncherKind.local, cfg.launcher.extra_args)
     cmd = Command([sys.executable, *_worker_args(worker_module, run_dir)], env, in_process=True)
     return LaunchPlan(
         [cmd], notes=["launcher=local runs the worker inside this process; the line shows the equivalent"]
@@ -43,7 +57,7 @@ def _build_local(cfg: TrainConfig, run_dir: Path, port: int, worker_module: str,
 def _deepspeed_resource_args(ln: LauncherConfig) -> List[str]:
     args: List[str] = []
     if ln.hostfile:
-        args += ["--hostfile", _absolute(ln.hostfile)]
+        args += ["--hostfile", _hostfile(ln.hostfile)]
     if ln.include:
         args += ["--include", ln.include]
     elif ln.exclude:
@@ -71,14 +85,17 @@ def _build_deepspeed(cfg: TrainConfig, run_dir: Path, port: int, worker_module: 
     argv = [sys.executable, "-m", "deepspeed.launcher.runner", *_deepspeed_resource_args(ln)]
     if ln.hostfile and ln.master_addr != LauncherConfig().master_addr:
         argv += ["--master_addr", ln.master_addr]
-    argv += ["--master_port", str(port), *ln.extra_args, "--no_local_rank", "--module", worker_module]
+    extra = checked_extra_args(ln.kind, ln.extra_args)
+    argv += ["--master_port", str(port), *extra, "--no_local_rank", "--module", worker_module]
     argv += ["--run-dir", str(run_dir)]
-    env = dict(ln.env)
+    env = checked_env(ln.env)
     plan = LaunchPlan([Command(argv, env)], warnings=_cuda_visible_warning(ln, environ))
     plan.requires.append(Requirement("deepspeed", True, "the deepspeed launcher"))
     if ln.hostfile:
         # Only the ssh (pdsh) multi-node path reads .deepspeed_env; DS_ENV_FILE points it at the run's own copy.
-        plan.files[DS_ENV_FILE] = "".join(f"{k}={v}\n" for k, v in sorted(ln.env.items()))
+        # Remote ranks do not inherit this environment: test hooks set in it travel there too (never from config).
+        remote = {**hooks_from(environ), **env}
+        plan.files[DS_ENV_FILE] = "".join(f"{k}={v}\n" for k, v in sorted(remote.items()))
         env["DS_ENV_FILE"] = str(run_dir / DS_ENV_FILE)
         if ln.num_nodes > 1:
             plan.requires.append(
@@ -96,17 +113,18 @@ def _node_hostfile(ln: LauncherConfig) -> str:
 def _build_deepspeed_multinode(cfg, run_dir: Path, port: int, worker_module: str, environ: Mapping[str, str]):
     ln = cfg.launcher
     plan = LaunchPlan([], requires=[Requirement("deepspeed", True, "the deepspeed launcher")])
-    hostfile = _absolute(ln.hostfile) if ln.hostfile else None
+    hostfile = _hostfile(ln.hostfile) if ln.hostfile else None
     if not hostfile:
         # --no_ssh still takes the node list (and rank offsets) from a hostfile; node names are only labels.
         plan.files[HOSTFILE] = _node_hostfile(ln)
         hostfile = str(run_dir / HOSTFILE)
+    extra, env = checked_extra_args(ln.kind, ln.extra_args), checked_env(ln.env)
     for node in range(ln.num_nodes):
         argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", hostfile]
         argv += ["--num_nodes", str(ln.num_nodes), "--num_gpus", str(per_node(ln))]
         argv += ["--no_ssh", "--node_rank", str(node), "--master_addr", ln.master_addr, "--master_port", str(port)]
-        argv += [*ln.extra_args, "--no_local_rank", "--module", worker_module, "--run-dir", str(run_dir)]
-        plan.commands.append(Command(argv, dict(ln.env), node_rank=node))
+        argv += [*extra, "--no_local_rank", "--module", worker_module, "--run-dir", str(run_dir)]
+        plan.commands.append(Command(argv, dict(env), node_rank=node))
     plan.warnings += _cuda_visible_warning(ln, environ)
     plan.notes.append(
         "run command N on node N (all at once); this machine runs the one for launcher.node_rank. "
@@ -120,8 +138,9 @@ def _build_torchrun(cfg: TrainConfig, run_dir: Path, port: int, worker_module: s
     endpoint = ln.rdzv_endpoint or f"{ln.master_addr}:{port}"
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(per_node(ln))]
     argv += ["--nnodes", str(ln.num_nodes), "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint]
-    argv += ["--rdzv_id", f"dsrecipes-{run_dir.name}", *ln.extra_args, *_worker_args(worker_module, run_dir)]
-    plan = LaunchPlan([Command(argv, dict(ln.env))])
+    extra = checked_extra_args(ln.kind, ln.extra_args)
+    argv += ["--rdzv_id", f"dsrecipes-{run_dir.name}", *extra, *_worker_args(worker_module, run_dir)]
+    plan = LaunchPlan([Command(argv, checked_env(ln.env))])
     if ln.num_nodes > 1:
         plan.notes.append("multi-node torchrun: run this same command on every node; c10d assigns node ranks")
     return plan
@@ -132,12 +151,14 @@ def _build_mpirun(cfg: TrainConfig, run_dir: Path, port: int, worker_module: str
     nprocs = per_node(ln) * ln.num_nodes
     argv = ["mpirun", "-np", str(nprocs)]
     if ln.hostfile:
-        argv += ["--hostfile", _absolute(ln.hostfile)]
+        argv += ["--hostfile", _hostfile(ln.hostfile)]
     # Each rank runs our shim: DeepSpeed's own mpi4py discovery (with our port), then the worker module.
-    argv += [*ln.extra_args, sys.executable, "-m", "dsrecipes.launch.mpi_rank", "--master-port", str(port)]
+    extra = checked_extra_args(ln.kind, ln.extra_args)
+    argv += [*extra, sys.executable, "-m", "dsrecipes.launch.mpi_rank", "--master-port", str(port)]
     if ln.num_nodes == 1 or ln.master_addr != LauncherConfig().master_addr:
         argv += ["--master-addr", ln.master_addr]
-    for key, value in sorted(ln.env.items()):  # forwarded as arguments: MPI implementations export env differently
+    # forwarded as arguments: MPI implementations export the environment differently
+    for key, value in sorted(checked_env(ln.env).items()):
         argv += ["--env", f"{key}={value}"]
     argv += ["--module", worker_module, "--", "--run-dir", str(run_dir)]
     env = {}

@@ -15,7 +15,11 @@ import sys
 from pathlib import Path
 from typing import Mapping
 
+from dsrecipes.boundary.batch_script import directive_lines, run_dir_problem, setup_lines
+from dsrecipes.boundary.launcher_args import checked_extra_args
+from dsrecipes.boundary.rank_env import checked_env
 from dsrecipes.config.schema import TrainConfig
+from dsrecipes.errors import ConfigError
 from dsrecipes.launch.plan import SBATCH_FILE, WORKER_MODULE, Command, LaunchPlan, Requirement
 from dsrecipes.topology import per_node
 
@@ -37,6 +41,9 @@ def sbatch_script(cfg: TrainConfig, run_dir: Path, port: int, worker_module: str
     """One srun task per node; each starts the no-ssh deepspeed launcher with node rank SLURM_NODEID."""
     ln = cfg.launcher
     q = shlex.quote
+    if run_dir_problem(str(run_dir)):
+        raise ConfigError(run_dir_problem(str(run_dir)))
+    env, extra = checked_env(ln.env), checked_extra_args(ln.kind, ln.extra_args)
     head = [
         "#!/bin/bash",
         f"# Written by dsrecipes for {run_dir}. Submit with: sbatch {run_dir / SBATCH_FILE}",
@@ -49,16 +56,12 @@ def sbatch_script(cfg: TrainConfig, run_dir: Path, port: int, worker_module: str
         "#SBATCH --requeue",
         f"#SBATCH --signal=B:USR1@{REQUEUE_SIGNAL_S}",
     ]
-    if ln.slurm_partition:
-        head.append(f"#SBATCH --partition={ln.slurm_partition}")
-    if ln.slurm_account:
-        head.append(f"#SBATCH --account={ln.slurm_account}")
-    head += [f"#SBATCH {arg}" for arg in ln.slurm_sbatch_args]
+    head += directive_lines(ln)
     inner = [
         sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", "$HOSTFILE",
         "--num_nodes", str(ln.num_nodes), "--num_gpus", str(per_node(ln)),
         "--no_ssh", "--node_rank", "$SLURM_NODEID", "--master_addr", "$MASTER_ADDR", "--master_port", "$MASTER_PORT",
-        *ln.extra_args,
+        *extra,
         "--no_local_rank", "--module", worker_module, "--run-dir", str(run_dir),
     ]  # fmt: skip
     # $VARS stay unquoted inside the per-task shell so that each task expands its own SLURM_NODEID.
@@ -66,8 +69,8 @@ def sbatch_script(cfg: TrainConfig, run_dir: Path, port: int, worker_module: str
     body = [
         "set -euo pipefail",
         f"cd {q(os.getcwd())}",
-        *ln.slurm_setup,
-        *[f"export {k}={q(v)}" for k, v in sorted(ln.env.items())],
+        *setup_lines(ln),
+        *[f"export {k}={q(v)}" for k, v in sorted(env.items())],
         # no `| head` under pipefail: scontrol would die of SIGPIPE on long node lists
         'HOSTS=$(scontrol show hostnames "$SLURM_JOB_NODELIST")',
         "MASTER_ADDR=$(printf '%s\\n' $HOSTS | sed -n 1p)",
