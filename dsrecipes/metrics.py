@@ -116,10 +116,13 @@ class MetricsLogger:
             print(f"{self._where(step)}  loss {loss:.4f}  lr {lr:.2e}{grad}  {tokens_per_s:,.0f} tok/s"
                   f"  {self._eta(step)}", flush=True)
 
-    def log_eval(self, step: int, eval_loss: float) -> None:
-        self._write({"step": step, "eval_loss": eval_loss})
-        self._track({"eval/loss": eval_loss}, step)
-        self.info(f"{self._where(step)}  eval_loss {eval_loss:.4f}")
+    def log_eval(self, step: int, values: float | Dict[str, float]) -> None:
+        """One evaluation: `eval_loss` (a bare float), or the numbers of evaluation.EvalResult.metrics() /
+        prompt-eval (`eval_*`, `prompt_*` keys; trackers get them as `eval/*`, `prompt/*`)."""
+        values = {"eval_loss": values} if not isinstance(values, dict) else values
+        self._write({"step": step, **values})
+        self._track({"/".join(key.split("_", 1)): v for key, v in values.items() if v is not None}, step)
+        self.info(f"{self._where(step)}  {describe_eval(values)}")
 
     def info(self, message: str) -> None:
         if not self.enabled:
@@ -165,6 +168,17 @@ class MetricsLogger:
         self.history.append(record)
         self._fh.write(json.dumps(finite(record)) + "\n")
         self._fh.flush()
+
+
+def describe_eval(values: Dict[str, Any]) -> str:
+    """`eval_loss 1.2345  ppl 3.44  accuracy 41.2%` (the keys present)."""
+    parts = [f"{key} {values[key]:.4f}" for key in ("eval_loss", "prompt_similarity") if key in values]
+    if values.get("eval_ppl") is not None:
+        parts.append(f"ppl {values['eval_ppl']:.4g}")
+    for key, name in (("eval_accuracy", "accuracy"), ("prompt_exact_match", "exact"), ("prompt_ended", "ended")):
+        if values.get(key) is not None:
+            parts.append(f"{name} {values[key]:.1%}")
+    return "  ".join(parts)
 
 
 def format_seconds(seconds: float) -> str:

@@ -19,6 +19,7 @@ from dsrecipes.config.schema import (
     TrainConfig,
 )
 from dsrecipes.hub import check_hub_paths, is_hub_id
+from dsrecipes.selection import config_problems as selection_problems
 
 # launcher.env: variables a recipe may export to every rank. Configs are data, so nothing that makes a process load
 # code it would not load otherwise: no PYTHON*, LD_*, PATH, no plugin/library/injection paths, no compiled-kernel or
@@ -42,6 +43,7 @@ def validate(cfg: TrainConfig, *, check_files: bool = True) -> List[str]:
     errors += _batch(cfg)
     errors += _data(cfg)
     errors += _misc(cfg)
+    errors += selection_problems(cfg)  # evaluation, save_best, early stopping (dsrecipes/selection.py)
     if check_files:
         errors += _files(cfg)
     return errors

@@ -43,7 +43,10 @@ def build_eval_loader(cfg: TrainConfig, tokenizer: Any, rank: int, world_size: i
         from dsrecipes.data.strategies.iterable import build_eval
 
         return build_eval(cfg, tokenizer, rank, world_size, str(run_dir))
+    from dsrecipes.evaluation import limit_rows
+
     val = prepared_val(cfg, run_dir)
     if val is None or len(val) == 0:
         return None
+    val = limit_rows(val, cfg.trainer.eval_samples)  # the first N samples, before they are dealt to ranks
     return EvalLoader(val, rank, world_size, cfg.trainer.micro_batch_size, make_collate(tokenizer))

@@ -12,8 +12,8 @@ from dsrecipes.data.strategies.base import Batch, Row
 class EvalLoader:
     """The validation rows of one rank: a contiguous share (sizes differ by at most one row), in order.
 
-    Ranks can end one micro-batch apart; the runner stops evaluating when any rank runs out (ZeRO-3 forwards are
-    collective), so nothing pads with duplicates.
+    Ranks can end one micro-batch apart; the evaluation (dsrecipes/evaluation.py) pads the shorter ranks with
+    zero-weight forward passes (ZeRO-3 forwards are collective), so every row is scored once and none twice.
     """
 
     def __init__(self, rows: Sequence[Row], rank: int, world_size: int, micro_batch_size: int,

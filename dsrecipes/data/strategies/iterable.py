@@ -234,7 +234,7 @@ def build_eval(cfg: Any, tokenizer: Any, rank: int, world_size: int, run_dir: st
     from dsrecipes.data.strategies.rows import make_collate
 
     index = run_index(cfg, run_dir)
-    refs = index.val_refs()
+    refs = index.val_refs()[:cfg.trainer.eval_samples]  # the first N samples (None: all), before ranks share them
     if not refs:
         return None
     share = refs[rank * len(refs) // world_size:(rank + 1) * len(refs) // world_size]
