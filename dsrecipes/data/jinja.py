@@ -54,7 +54,7 @@ def template_spec(cfg: TemplateConfig, tokenizer: Any) -> Spec:
         TemplateKind.llama3: Spec("<|begin_of_text|>", _llama3_header("system"), "<|eot_id|>", _llama3_header("user"),
                                   "<|eot_id|>", _llama3_header("ipython"), "<|eot_id|>", _llama3_header("assistant"),
                                   "<|eot_id|>"),
-        TemplateKind.vicuna: Spec(bos, "", " ", "USER: ", " ", "OBSERVATION: ", " ", "ASSISTANT: ", "</s>"),
+        TemplateKind.vicuna: Spec(bos, "", " ", "USER: ", " ", "OBSERVATION: ", " ", "ASSISTANT: ", eos),
         TemplateKind.plain: Spec("", "### System: ", sep, "### User: ", sep, "### Observation: ", sep,
                                  "### Assistant: ", eos + sep),
         TemplateKind.human_assistant: Spec("", "", "", "\n\nHuman: ", "", "\n\nObservation: ", "",

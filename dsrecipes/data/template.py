@@ -11,7 +11,9 @@ Templates (`template.name`):
                    observations as role `tool`; tools go into the system turn as "Tools: <json>"
   llama3           <|begin_of_text|><|start_header_id|>role<|end_header_id|>\\n\\ntext<|eot_id|>; observations
                    as role `ipython`
-  vicuna           FastChat v1.1: "{system} USER: {q} ASSISTANT: {a}</s>USER: ..."; observations "OBSERVATION: ..."
+  vicuna           FastChat v1.1: "{system} USER: {q} ASSISTANT: {a}</s>USER: ..."; observations "OBSERVATION: ...";
+                   `</s>` is the model's eos token, so replies end with the tokenizer's own eos (SmolLM2:
+                   <|im_end|>, Qwen: <|endoftext|>), as LLaMA-Factory renders it; on Llama/Vicuna tokenizers: `</s>`
   plain            "### Role: text" joined by `template.separator`; replies end with the tokenizer's eos token
   human_assistant  "\\n\\nHuman: q\\n\\nAssistant: a<eos>" (Anthropic HH style)
   tokenizer        the tokenizer's own chat_template; trained spans found by rendering prefixes (the text added by
@@ -61,12 +63,16 @@ VICUNA_SYSTEM = (
 REQUIRED_TOKENS: Dict[TemplateKind, Tuple[str, ...]] = {
     TemplateKind.chatml: ("<|im_start|>", "<|im_end|>"),
     TemplateKind.llama3: ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
-    TemplateKind.vicuna: ("</s>",),
+    TemplateKind.vicuna: (),  # its "</s>" is the tokenizer's eos token, whatever that is
     TemplateKind.plain: (),
     TemplateKind.human_assistant: (),
     TemplateKind.tokenizer: (),
     TemplateKind.auto: (),  # resolved to one of the above before rendering (data/template_choice.py)
 }
+
+
+# Templates whose replies end with "the model's eos token" (rendered as the tokenizer's own eos string).
+EOS_TERMINATED = (TemplateKind.vicuna, TemplateKind.plain, TemplateKind.human_assistant)
 
 
 def system_text(conv: Conversation, cfg: TemplateConfig, fallback: Optional[str] = None) -> Optional[str]:
@@ -120,7 +126,7 @@ def _vicuna(conv: Conversation, cfg: TemplateConfig, tokenizer: Any) -> List[Pie
     out: List[Piece] = [(f"{tokenizer.bos_token or ''}{system_text(conv, cfg, VICUNA_SYSTEM)} ", None)]
     for i, t in enumerate(conv.turns):
         if t.role in (Role.assistant, Role.tool_call):
-            out += [("ASSISTANT: ", None), (f"{_reply(t)}</s>", i)]
+            out += [("ASSISTANT: ", None), (f"{_reply(t)}{tokenizer.eos_token or ''}", i)]
         else:
             out.append((f"{'OBSERVATION' if t.role is Role.observation else 'USER'}: {t.content} ", None))
     return out
@@ -257,7 +263,7 @@ def check_template(template_cfg: TemplateConfig, tokenizer: Any) -> List[str]:
         if len(tokenizer(token, add_special_tokens=False)["input_ids"]) != 1:
             problems.append(f"template.name: {name.value} needs {token!r} as one token, this tokenizer splits it "
                             "(pick the template the model was trained with, e.g. template=tokenizer)")
-    if name in (TemplateKind.plain, TemplateKind.human_assistant) and not tokenizer.eos_token:
+    if name in EOS_TERMINATED and not tokenizer.eos_token:
         problems.append(f"template.name: {name.value} ends replies with the eos token, and this tokenizer has none")
     if name is TemplateKind.tokenizer and not getattr(tokenizer, "chat_template", None):
         problems.append("template.name: tokenizer, but this tokenizer has no chat_template; pick a built-in template")
