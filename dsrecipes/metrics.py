@@ -171,13 +171,17 @@ class MetricsLogger:
 
 
 def describe_eval(values: Dict[str, Any]) -> str:
-    """`eval_loss 1.2345  ppl 3.44  accuracy 41.2%` (the keys present)."""
-    parts = [f"{key} {values[key]:.4f}" for key in ("eval_loss", "prompt_similarity") if key in values]
+    """`eval_loss 1.2345  ppl 3.44  accuracy 41.2%  prompts: similarity 0.512  exact 25.0%  ended 100.0%`."""
+    parts = []
+    if values.get("eval_loss") is not None:
+        parts.append(f"eval_loss {values['eval_loss']:.4f}")
     if values.get("eval_ppl") is not None:
         parts.append(f"ppl {values['eval_ppl']:.4g}")
-    for key, name in (("eval_accuracy", "accuracy"), ("prompt_exact_match", "exact"), ("prompt_ended", "ended")):
-        if values.get(key) is not None:
-            parts.append(f"{name} {values[key]:.1%}")
+    if values.get("eval_accuracy") is not None:
+        parts.append(f"accuracy {values['eval_accuracy']:.1%}")
+    if values.get("prompt_similarity") is not None:
+        parts.append(f"prompts: similarity {values['prompt_similarity']:.3f}  exact "
+                     f"{values.get('prompt_exact_match', 0.0):.1%}  ended {values.get('prompt_ended', 0.0):.1%}")
     return "  ".join(parts)
 
 

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from dsrecipes.config.schema import SelectMetric, SelectMode, TrainConfig
+from dsrecipes.config.schema import DataKind, SelectMetric, SelectMode, TrainConfig, TrainOn
 
 # The direction of each metric (completeness: tests/test_selection.py).
 METRIC_MODES: Dict[SelectMetric, SelectMode] = {
@@ -127,11 +127,22 @@ def config_problems(cfg: TrainConfig) -> List[str]:
         errors.append(f"trainer.early_stopping.patience: evaluations >= 0 (0 = off), got {es.patience}")
     if es.min_delta < 0:
         errors.append(f"trainer.early_stopping.min_delta: must be >= 0, got {es.min_delta}")
-    if t.save_best.metric in PROMPT_METRICS and not _prompt_eval_on(t):
+    if t.save_best.metric in PROMPT_METRICS and t.prompt_eval_every <= 0:
         errors.append(f"trainer.save_best.metric: {t.save_best.metric.value} comes from prompt-evals during training; "
                       "set trainer.prompt_eval_every, or choose an eval_* metric")
+    return errors + _prompt_eval_problems(cfg)
+
+
+def _prompt_eval_problems(cfg: TrainConfig) -> List[str]:
+    t, errors = cfg.trainer, []
+    if t.prompt_eval_every < 0:
+        errors.append(f"trainer.prompt_eval_every: steps >= 0 (0 = off), got {t.prompt_eval_every}")
+    if t.prompt_eval_samples < 1 or t.prompt_eval_max_new_tokens < 1:
+        errors.append("trainer.prompt_eval_samples: prompt_eval_samples and prompt_eval_max_new_tokens must be >= 1")
+    if t.prompt_eval_every > 0 and (cfg.data.kind is not DataKind.map or cfg.dataset.val_size == 0):
+        errors.append("trainer.prompt_eval_every: prompts come from the prepared validation split, which needs "
+                      "data=map and dataset.val_size > 0")
+    if t.prompt_eval_every > 0 and cfg.data.train_on is TrainOn.all:
+        errors.append("trainer.prompt_eval_every: with data.train_on=all the whole conversation is trained, so there "
+                      "is no prompt to cut off; use train_on=assistant or last_assistant")
     return errors
-
-
-def _prompt_eval_on(t: Any) -> bool:
-    return getattr(t, "prompt_eval_every", 0) > 0

@@ -35,6 +35,7 @@ from dsrecipes.distributed import all_ranks, finish_distributed, init_distribute
 from dsrecipes.errors import DataError, RunInterrupted, TrainingFailed, UserError
 from dsrecipes.evaluation import EvalLedger, evaluate
 from dsrecipes.export import EXPORT_DIR, EXPORT_INIT_DIR, export_checkpoint, export_initial
+from dsrecipes.gen_eval import build_prompt_eval
 from dsrecipes.metrics import MetricsLogger, Window
 from dsrecipes.model import build_model, count_parameters, load_tokenizer, micro_batch_loss, trainable_parameters
 from dsrecipes.rundir import CHECKPOINTS_DIR, launcher_alive, rank_lock, read_ds_config, write_outcome
@@ -61,6 +62,7 @@ class Session:
     last_checkpoint: Optional[Path]
     selector: Any = None  # save_best / early stopping (selection.py), over state.selection
     eval_ledger: Any = None  # which samples each evaluation scored (trainer.record_samples)
+    prompt_eval: Any = None  # trainer.prompt_eval_every (gen_eval.py)
 
 
 # Fault injection for tests (tests/test_multinode.py): rank 0 stalls after this step, so that a node can be killed
@@ -124,17 +126,18 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
     metrics = MetricsLogger(run_dir, rank, plan.total_steps, start_step=state.step, cfg=cfg)
     metrics.info(describe_run(cfg, model, plan, resume))
     eval_ledger = EvalLedger(run_dir, rank) if cfg.trainer.record_samples and eval_loader is not None else None
+    prompt_eval = build_prompt_eval(cfg, tokenizer, rank, world_size, run_dir)
     return Session(cfg, run_dir, plan, rank, engine, train_loader, eval_loader, state, metrics,
                    open_ledger(cfg, run_dir, rank), None if resume is None else resume.tag_dir,
-                   Selector(cfg, state.selection), eval_ledger)
+                   Selector(cfg, state.selection), eval_ledger, prompt_eval)
 
 
 def loop(s: Session) -> None:
     """Micro-batches until the planned last step: forward/backward/step, then per step log, evaluate, save."""
     t, engine, state, total = s.cfg.trainer, s.engine, s.state, s.plan.total_steps
     guard = StepGuard(s.plan.world_size, engine.device, s.rank)
-    if state.step == 0 and s.last_checkpoint is None and t.eval_at_start and s.eval_loader is not None:
-        evaluate_and_log(s)  # the starting point (step 0), before the clock starts
+    if state.step == 0 and s.last_checkpoint is None and t.eval_at_start:
+        evaluate_and_log(s, True, True)  # the starting point (step 0), before the clock starts
     window = Window()
     window.reset()
     clock_start = time.perf_counter() - state.elapsed
@@ -189,22 +192,26 @@ def after_step(s: Session) -> None:
     """Evaluation and checkpoint at their intervals, and both at the last step."""
     t, step = s.cfg.trainer, s.state.step
     final = step >= s.plan.total_steps
-    verdict = Verdict(False, None)
-    if s.eval_loader is not None and (final or due(step, t.eval_every)):
-        verdict = evaluate_and_log(s)
+    verdict = evaluate_and_log(s, final or due(step, t.eval_every), final or due(step, t.prompt_eval_every))
     if final or due(step, t.save_every) or verdict.improved or verdict.stop:  # the best and the last are kept
         save(s)
     if verdict.stop:
         s.metrics.info(f"step {step}: {verdict.stop}")
 
 
-def evaluate_and_log(s: Session) -> Verdict:
-    """Collective: evaluate the current weights, log the numbers (rank 0) and judge them (save_best, early
-    stopping: the same verdict on every rank, from the same reduced numbers)."""
-    step = s.state.step
-    numbers = evaluate(s.engine, s.eval_loader, s.eval_ledger, step).metrics()  # the same on every rank
+def evaluate_and_log(s: Session, loss: bool, prompts: bool) -> Verdict:
+    """Collective: evaluate the current weights (validation loss, prompt-eval: those due and configured), log the
+    numbers (rank 0) and judge them (save_best, early stopping: the same verdict on every rank, from the same
+    reduced numbers)."""
+    step, numbers = s.state.step, {}
+    if loss and s.eval_loader is not None:
+        numbers.update(evaluate(s.engine, s.eval_loader, s.eval_ledger, step).metrics())  # the same on every rank
+    if prompts and s.prompt_eval is not None:
+        numbers.update(s.prompt_eval.run(s.engine))
+    if not numbers:
+        return Verdict(False, None)
     s.metrics.log_eval(step, numbers)
-    if not math.isfinite(numbers["eval_loss"]):
+    if not math.isfinite(numbers.get("eval_loss", 0.0)):
         raise TrainingFailed(f"non-finite evaluation loss after step {step}: the weights no longer give finite "
                              "outputs, so the run stopped without saving them. Lower optimizer.lr or check the "
                              "data", step)

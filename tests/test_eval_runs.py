@@ -3,7 +3,8 @@
 - World size: the step-0 evaluation of the same (seeded) weights gives the same loss, accuracy and token count on
   1 rank and on 2 ranks under ZeRO-3, where the ranks hold unequal shares (4 and 5 samples: one micro-batch vs two,
   so rank 0 runs a zero-weight forward); the evaluation ledgers prove each of the first `eval_samples` validation
-  samples was scored exactly once per evaluation.
+  samples was scored exactly once per evaluation. Prompt-eval during training (5 prompts: 3 and 2 per rank, answered
+  with synced ZeRO-3 generation) gives the same scores too.
 - Model selection: a run tuned to overfit (40 samples, lr 1e-2, constant schedule) keeps the checkpoint of its lowest
   eval loss out of retention (keep_checkpoints=1), exports it (recomputed with plain transformers: its eval loss is
   the recorded best), and early stopping ends it; the same run killed mid-save while counting patience and
@@ -50,13 +51,16 @@ def test_step0_eval_is_the_same_on_one_and_two_ranks(workspace):
     from dsrecipes.evaluation import verify_eval_ledgers
 
     common = ["dataset.val_size=16", "trainer.eval_samples=9", "trainer.max_steps=1", "trainer.eval_every=0",
-              "trainer.record_samples=true", "trainer.export=false", "trainer.report_to=[]"]
+              "trainer.record_samples=true", "trainer.export=false", "trainer.report_to=[]",
+              "trainer.prompt_eval_every=1", "trainer.prompt_eval_samples=5", "trainer.prompt_eval_max_new_tokens=6"]
     two, _ = train_run(workspace, "w2", *common, "zero=stage3", world_size=2)
     one, _ = train_run(workspace, "w1", *common, world_size=1)
     (a, _), (b, _) = eval_rows(one), eval_rows(two)  # step 0, and after the one step
     assert a["step"] == b["step"] == 0 and a["eval_tokens"] == b["eval_tokens"] > 0
     assert math.isclose(a["eval_loss"], b["eval_loss"], rel_tol=1e-6), (a, b)
     assert math.isclose(a["eval_accuracy"], b["eval_accuracy"], abs_tol=1e-9), (a, b)
+    prompts = ("prompt_exact_match", "prompt_similarity", "prompt_ended", "prompt_count")
+    assert a["prompt_count"] == 5 and all(math.isclose(a[k], b[k], abs_tol=1e-9) for k in prompts), (a, b)
     first9 = [i for ids in val_rows(one)["ids"][:9] for i in ids]
     for run, ranks in ((one, 1), (two, 2)):
         assert len(list((run / "ledger").glob("eval_rank*.jsonl"))) == ranks

@@ -147,3 +147,36 @@ def test_config_rules(make_cfg, override, message):
     with pytest.raises(ConfigError) as err:
         make_cfg(override, check_files=False)
     assert message in str(err.value)
+
+
+def test_held_out_prompts_cut_each_sample_at_its_last_trained_span():
+    from dsrecipes.gen_eval import held_out_prompts, samples_of
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=False):
+            return " ".join(f"t{i}" for i in ids if not (skip_special_tokens and i == 9))
+
+    # one plain row (two replies: the last one is the reference) and one packed row of two samples
+    plain = {"input_ids": [1, 2, 3, 4, 9, 5, 6, 7, 9], "labels": [-100, -100, 3, 4, 9, -100, -100, 7, 9]}
+    packed = {"input_ids": [1, 2, 9, 1, 3, 4, 9], "labels": [-100, 2, 9, -100, -100, 4, 9],
+              "position_ids": [0, 1, 2, 0, 1, 2, 3]}
+    assert [s["input_ids"] for s in samples_of(packed)] == [[1, 2, 9], [1, 3, 4, 9]]
+    prompts = held_out_prompts([plain, packed], 10, Tok(), stop_ids=[9])
+    assert [(p.ids, p.reference) for p in prompts] == [([1, 2, 3, 4, 9, 5, 6], "t7"), ([1], "t2"), ([1, 3], "t4")]
+    assert len(held_out_prompts([plain, packed], 2, Tok(), stop_ids=[9])) == 2
+    untrained = {"input_ids": [1, 2], "labels": [-100, -100]}
+    whole = {"input_ids": [1, 2], "labels": [1, 2]}
+    assert held_out_prompts([untrained, whole], 10, Tok(), stop_ids=[9]) == []
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.save_best.metric=prompt_similarity", "trainer.save_best.metric: prompt_similarity comes from"),
+    ("trainer.prompt_eval_every=5 data=iterable", "trainer.prompt_eval_every: prompts come from the prepared"),
+    ("trainer.prompt_eval_every=5 data.train_on=all", "trainer.prompt_eval_every: with data.train_on=all"),
+])
+def test_prompt_eval_config_rules(make_cfg, override, message):
+    from dsrecipes.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        make_cfg(*override.split(), check_files=False)
+    assert message in str(err.value)

@@ -343,6 +343,9 @@ class TrainerConfig:
     eval_at_start: bool = True  # evaluate the starting weights (step 0) before the first step
     save_best: SaveBestConfig = field(default_factory=SaveBestConfig)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    prompt_eval_every: int = 0  # steps between prompt-evals of held-out prompts during training (data=map); 0 = off
+    prompt_eval_samples: int = 8  # the first N validation samples, answered greedily and scored like prompt-eval
+    prompt_eval_max_new_tokens: int = 64
     log_every: int = 10
     keep_checkpoints: int = 2
     resume: ResumeMode = ResumeMode.auto
