@@ -22,6 +22,7 @@ MUST_MATCH = (
     "model", "template", "dataset", "data.kind", "data.cutoff_len", "data.packing", "data.train_on", "data.shuffle",
     "data.shuffle_buffer", "data.num_samples", "data.block_bytes", "optimizer.name", "optimizer.torch_adam",
     "precision.dtype", "zero.stage", "scheduler.name", "trainer.seed",
+    "trainer.save_best.metric", "trainer.save_best.mode",  # the best so far (in the checkpoint) is in these terms
 )
 MAY_CHANGE = (
     "model.name", "model.attn_implementation", "model.gradient_checkpointing", "model.num_params", "model.arch",
