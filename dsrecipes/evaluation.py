@@ -31,6 +31,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from dsrecipes.data.labels import IGNORE_INDEX
+from dsrecipes.data.ledger import LEDGER_DIR
 
 EVAL_LEDGER_PREFIX = "eval_rank"  # <run>/ledger/eval_rank<R>.jsonl (the training ledger's files are rank<R>.jsonl)
 
@@ -154,7 +155,7 @@ class EvalLedger:
     """This rank's `<run>/ledger/eval_rank<R>.jsonl`: the sample ids it scored in each evaluation."""
 
     def __init__(self, run_dir: str | os.PathLike, rank: int):
-        self.path = Path(run_dir) / "ledger" / f"{EVAL_LEDGER_PREFIX}{rank}.jsonl"
+        self.path = Path(run_dir) / LEDGER_DIR / f"{EVAL_LEDGER_PREFIX}{rank}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = open(self.path, "a", encoding="utf-8", buffering=1)
         self._fh.write(json.dumps({"session": time.time(), "pid": os.getpid()}) + "\n")
@@ -188,9 +189,9 @@ def read_eval_ledger(path: Path) -> Dict[int, List[str]]:
 def verify_eval_ledgers(run_dir: str | os.PathLike, expected_ids: Optional[Iterable[str]] = None) -> List[str]:
     """Problems with the evaluations a run recorded (empty: every evaluation scored the same samples, each exactly
     once across ranks, and with `expected_ids` exactly those)."""
-    files = sorted(Path(run_dir, "ledger").glob(f"{EVAL_LEDGER_PREFIX}*.jsonl"))
+    files = sorted(Path(run_dir, LEDGER_DIR).glob(f"{EVAL_LEDGER_PREFIX}*.jsonl"))
     if not files:
-        return [f"no evaluation ledgers in {Path(run_dir, 'ledger')} (trainer.record_samples=true?)"]
+        return [f"no evaluation ledgers in {Path(run_dir, LEDGER_DIR)} (trainer.record_samples=true?)"]
     by_step: Dict[int, Counter] = defaultdict(Counter)
     for path in files:
         for step, ids in read_eval_ledger(path).items():

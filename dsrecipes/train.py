@@ -274,11 +274,13 @@ def finish(s: Session) -> None:
     if s.rank == 0 and s.cfg.trainer.export:
         out = export_checkpoint(s.run_dir, s.last_checkpoint, s.run_dir / EXPORT_DIR, s.cfg)
         s.metrics.info(f"exported Hugging Face model: {out}")
-        best = s.selector.protected()
-        if best:
-            out = export_checkpoint(s.run_dir, s.run_dir / CHECKPOINTS_DIR / best[0], s.run_dir / EXPORT_BEST_DIR,
+        for best in s.selector.protected():
+            if not (s.run_dir / CHECKPOINTS_DIR / best).is_dir():  # pruned before a resume from an older checkpoint
+                s.metrics.info(f"the best checkpoint {best} is no longer in {CHECKPOINTS_DIR}/; not exported")
+                continue
+            out = export_checkpoint(s.run_dir, s.run_dir / CHECKPOINTS_DIR / best, s.run_dir / EXPORT_BEST_DIR,
                                     s.cfg, key=EXPORT_BEST_DIR)
-            s.metrics.info(f"exported the best checkpoint ({best[0]}): {out}")
+            s.metrics.info(f"exported the best checkpoint ({best}): {out}")
     if s.rank == 0:
         write_outcome(s.run_dir, {"status": "ok", "skipped_steps": s.state.skipped_steps, **s.selector.outcome()})
 
