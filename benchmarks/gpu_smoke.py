@@ -168,7 +168,7 @@ def pipeline_overrides(args: argparse.Namespace, stage: int, run_dir: Path) -> L
         f"model.tiny.max_position_embeddings={max(args.seq, 2048)}",
         "data.packing=true", f"data.cutoff_len={args.seq}", f"trainer.micro_batch_size={args.micro_batch}",
         f"trainer.max_steps={args.pipeline_steps}", f"trainer.log_every={max(args.pipeline_steps // 10, 1)}",
-        f"scheduler.warmup_steps={max(args.pipeline_steps // 10, 1)}", "trainer.eval_batches=2",
+        f"scheduler.warmup_steps={max(args.pipeline_steps // 10, 1)}", f"trainer.eval_samples={2 * args.micro_batch}",
         "trainer.export=false", "launcher=deepspeed", "launcher.num_gpus=1", f"trainer.output_dir={run_dir}",
     ]  # fmt: skip
 

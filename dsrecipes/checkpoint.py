@@ -27,9 +27,9 @@ import random
 import shutil
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -62,6 +62,7 @@ class TrainState:
     samples_seen: int = 0  # samples (packed rows count their samples) over all ranks
     elapsed: float = 0.0  # training seconds over all attempts
     skipped_steps: int = 0  # steps dropped for a non-finite loss (trainer.nan_policy=skip)
+    selection: Dict[str, Any] = field(default_factory=dict)  # best step/value, patience counter (selection.py)
 
 
 def tag_for(step: int) -> str:
@@ -77,9 +78,9 @@ def step_of(tag_dir: Path) -> int:
 
 
 def save_checkpoint(engine: Any, loader: Any, state: TrainState, run_dir: Path, keep: int, *,
-                    frozen_excluded: bool, record: Dict[str, Any]) -> Path:
+                    frozen_excluded: bool, record: Dict[str, Any], protect: Sequence[str] = ()) -> Path:
     """Collective: every rank writes its shards, data position and RNG into `step_<N>.partial`; rank 0 then
-    commits (complete.json, rename, `latest`) and prunes. `record` goes into complete.json (data fingerprint).
+    commits (complete.json, rename, `latest`) and prunes (never the tags in `protect`: the best checkpoint). `record` goes into complete.json (data fingerprint).
     A disk that fills up on any rank: every rank agrees, the partial directory is removed, the checkpoints already
     committed stay as they are, and OutOfSpace (exit 1, result.json failed) names the path and the bytes needed."""
     import torch.distributed as dist
@@ -101,7 +102,7 @@ def save_checkpoint(engine: Any, loader: Any, state: TrainState, run_dir: Path, 
                   "frozen_excluded": frozen_excluded}
         full = disk_space.fits(staging, lambda: commit(run_dir, staging, root / tag, record))
         if full is None:
-            prune_checkpoints(root, keep)
+            prune_checkpoints(root, keep, protect)
     _stop_if_full(root, staging, full)
     return root / tag
 
@@ -188,14 +189,15 @@ def restore_rng(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def prune_checkpoints(root: Path, keep: int) -> List[Path]:
-    """Delete all but the `keep` most recently committed checkpoints, plus what killed saves left behind.
+def prune_checkpoints(root: Path, keep: int, protect: Sequence[str] = ()) -> List[Path]:
+    """Delete all but the `keep` most recently committed checkpoints (and the tags in `protect`), plus what killed
+    saves left behind.
 
     Commit order, not step order: after a resume from an earlier step, the checkpoints just written are the ones
     to keep. Only our own names are touched (`step_<N>`, `step_<N>.partial`, `step_<N>.replaced`)."""
     tags = [d for d in root.glob("step_*") if d.is_dir() and d.name.split("_", 1)[1].isdigit()]
     committed = sorted((d for d in tags if (d / COMPLETE).is_file()), key=commit_order)
-    kept = set(committed[-keep:])
+    kept = set(committed[-keep:]) | {d for d in committed if d.name in protect}
     newest = step_of(committed[-1]) if committed else -1
     removed = [d for d in tags if d not in kept and ((d / COMPLETE).is_file() or step_of(d) <= newest)]
     removed += [d for d in root.glob("step_*") if d.is_dir() and d.name.endswith((PARTIAL, REPLACED))]

@@ -116,10 +116,13 @@ class MetricsLogger:
             print(f"{self._where(step)}  loss {loss:.4f}  lr {lr:.2e}{grad}  {tokens_per_s:,.0f} tok/s"
                   f"  {self._eta(step)}", flush=True)
 
-    def log_eval(self, step: int, eval_loss: float) -> None:
-        self._write({"step": step, "eval_loss": eval_loss})
-        self._track({"eval/loss": eval_loss}, step)
-        self.info(f"{self._where(step)}  eval_loss {eval_loss:.4f}")
+    def log_eval(self, step: int, values: float | Dict[str, float]) -> None:
+        """One evaluation: `eval_loss` (a bare float), or the numbers of evaluation.EvalResult.metrics() /
+        prompt-eval (`eval_*`, `prompt_*` keys; trackers get them as `eval/*`, `prompt/*`)."""
+        values = {"eval_loss": values} if not isinstance(values, dict) else values
+        self._write({"step": step, **values})
+        self._track({"/".join(key.split("_", 1)): v for key, v in values.items() if v is not None}, step)
+        self.info(f"{self._where(step)}  {describe_eval(values)}")
 
     def info(self, message: str) -> None:
         if not self.enabled:
@@ -165,6 +168,21 @@ class MetricsLogger:
         self.history.append(record)
         self._fh.write(json.dumps(finite(record)) + "\n")
         self._fh.flush()
+
+
+def describe_eval(values: Dict[str, Any]) -> str:
+    """`eval_loss 1.2345  ppl 3.44  accuracy 41.2%  prompts: similarity 0.512  exact 25.0%  ended 100.0%`."""
+    parts = []
+    if values.get("eval_loss") is not None:
+        parts.append(f"eval_loss {values['eval_loss']:.4f}")
+    if values.get("eval_ppl") is not None:
+        parts.append(f"ppl {values['eval_ppl']:.4g}")
+    if values.get("eval_accuracy") is not None:
+        parts.append(f"accuracy {values['eval_accuracy']:.1%}")
+    if values.get("prompt_similarity") is not None:
+        parts.append(f"prompts: similarity {values['prompt_similarity']:.3f}  exact "
+                     f"{values.get('prompt_exact_match', 0.0):.1%}  ended {values.get('prompt_ended', 0.0):.1%}")
+    return "  ".join(parts)
 
 
 def format_seconds(seconds: float) -> str:

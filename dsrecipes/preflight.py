@@ -47,8 +47,8 @@ def check_data_names(cfg: TrainConfig) -> List[str]:
     missing from `dataset.registry` (or a registry entry it cannot read), a validation file that is also a
     training file (its rows would be evaluated after being trained on)."""
     from dsrecipes.data.files import expand_paths
-    from dsrecipes.data.strategies.rules import reads_sources
     from dsrecipes.data.registry import resolve_sources, validation_files
+    from dsrecipes.data.strategies.rules import reads_sources
 
     if not reads_sources(cfg):  # presharded reads the shards' manifest, not the dataset's sources
         return []

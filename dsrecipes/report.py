@@ -23,13 +23,15 @@ def closing_summary(run_dir: Path, wall_s: float, overrides: Sequence[str], max_
     summary = run_summary(run_dir)
     rows = read_metrics(run_dir)
     train = [r["loss"] for r in rows if r.get("loss") is not None]
-    evals = [r["eval_loss"] for r in rows if r.get("eval_loss") is not None]
+    eval_rows = [r for r in rows if r.get("eval_loss") is not None]
+    evals = [r["eval_loss"] for r in eval_rows]
     speed = f" at {summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] else ""
     lines = [f"done: {summary['steps']} steps in {format_seconds(wall_s)}{speed}"]
     if train:
         lines.append(f"  train loss   {train[0]:.4f} -> {train[-1]:.4f}")
     if evals:
-        lines.append(f"  eval loss    {evals[0]:.4f} -> {evals[-1]:.4f}")
+        lines += eval_lines(eval_rows)
+    lines += selection_lines(run_dir)
     lines.append(f"  run dir      {run_dir}")
     export = run_dir / EXPORT_DIR
     if export.is_dir():
@@ -43,6 +45,32 @@ def closing_summary(run_dir: Path, wall_s: float, overrides: Sequence[str], max_
     lines += ["next:"] + [f"  {what:<15}{cmd}" for what, cmd in next_commands(run_dir, overrides, summary["steps"],
                                                                               max_steps)]
     return "\n".join(lines)
+
+
+def eval_lines(eval_rows: List[dict]) -> List[str]:
+    """First -> last evaluation (step 0 is the starting weights), how many ran, and accuracy/perplexity."""
+    first, last = eval_rows[0], eval_rows[-1]
+    count = f"{len(eval_rows)} evaluation{'s' * (len(eval_rows) != 1)}, steps {first['step']}..{last['step']}"
+    lines = [f"  eval loss    {first['eval_loss']:.4f} -> {last['eval_loss']:.4f}  ({count})"]
+    if first.get("eval_accuracy") is not None and last.get("eval_accuracy") is not None:
+        lines.append(f"  eval acc     {first['eval_accuracy']:.1%} -> {last['eval_accuracy']:.1%}  (perplexity "
+                     f"{first.get('eval_ppl', float('nan')):.4g} -> {last.get('eval_ppl', float('nan')):.4g})")
+    return lines
+
+
+def selection_lines(run_dir: Path) -> List[str]:
+    """The best checkpoint and early stopping, as result.json records them."""
+    import json
+
+    from dsrecipes.rundir import RESULT_FILE
+    from dsrecipes.selection import EXPORT_BEST_DIR, summary_lines
+
+    try:
+        result = json.loads((run_dir / RESULT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    best = run_dir / EXPORT_BEST_DIR
+    return summary_lines(result, str(best) if best.is_dir() else None)
 
 
 def next_commands(run_dir: Path, overrides: Sequence[str], steps: int, max_steps: Optional[int]) -> List[tuple]:

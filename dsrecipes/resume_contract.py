@@ -22,6 +22,7 @@ MUST_MATCH = (
     "model", "template", "dataset", "data.kind", "data.cutoff_len", "data.packing", "data.train_on", "data.shuffle",
     "data.shuffle_buffer", "data.num_samples", "data.block_bytes", "optimizer.name", "optimizer.torch_adam",
     "precision.dtype", "zero.stage", "scheduler.name", "trainer.seed",
+    "trainer.save_best.metric", "trainer.save_best.mode",  # the best so far (in the checkpoint) is in these terms
 )
 MAY_CHANGE = (
     "model.name", "model.attn_implementation", "model.gradient_checkpointing", "model.num_params", "model.arch",
@@ -32,7 +33,9 @@ MAY_CHANGE = (
     "zero.stage3_prefetch_bucket_size", "zero.stage3_param_persistence_threshold", "zero.stage3_max_live_parameters",
     "zero.stage3_gather_16bit_weights_on_model_save", "offload", "scheduler.warmup_steps", "scheduler.min_lr_ratio",
     "trainer.max_steps", "trainer.epochs", "trainer.micro_batch_size", "trainer.grad_accum", "trainer.save_every",
-    "trainer.eval_every", "trainer.eval_batches", "trainer.log_every", "trainer.keep_checkpoints", "trainer.resume", "trainer.resume_from", "trainer.output_dir",
+    "trainer.eval_every", "trainer.eval_batches", "trainer.eval_samples", "trainer.eval_at_start",
+    "trainer.save_best.enabled", "trainer.early_stopping", "trainer.prompt_eval_every", "trainer.prompt_eval_samples",
+    "trainer.prompt_eval_max_new_tokens", "trainer.log_every", "trainer.keep_checkpoints", "trainer.resume", "trainer.resume_from", "trainer.output_dir",
     "trainer.record_samples", "trainer.gradient_clipping", "trainer.export", "trainer.export_merged_lora",
     "trainer.device", "trainer.nan_policy", "trainer.nan_max_skips", "trainer.stop_grace_s", "trainer.report_to",
     "trainer.experiment", "trainer.tracking_uri", "launcher",

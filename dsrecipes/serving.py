@@ -7,7 +7,9 @@ Every export (full, merged LoRA, adapter-only LoRA, and the tiny model's `export
 - `generation_config.eos_token_id` lists the template's end-of-turn token (`<|im_end|>`, `<|eot_id|>`, `</s>`, the
   tokenizer's eos for plain/human_assistant, whatever the model's own template closes a reply with) and the eos
   token, so plain `model.generate` stops at the end of the answer;
-- `use_cache` is true again (training switches it off; generation without a KV cache is quadratic).
+- `use_cache` is true again (training switches it off; generation without a KV cache is quadratic);
+- `do_sample` is explicit: the base model's sampling settings when it has them, else greedy (decoding.py), so stock
+  `pipeline` and `generate` answer alike.
 `dsrecipes_export.json` (export.py) beside the weights records where the export came from (run, step, template, the base model of
 an adapter), which prompt-eval and chat use to find the run's validation data and an adapter's base.
 """
@@ -21,6 +23,7 @@ from dsrecipes.config.schema import TemplateConfig, TrainConfig, TrainOn
 from dsrecipes.data.sharegpt import Conversation, Role, Turn
 from dsrecipes.data.template import render
 from dsrecipes.data.template_choice import choose_template
+from dsrecipes.decoding import settle_decoding
 
 _REPLY = "DSRECIPESREPLY"
 
@@ -52,7 +55,9 @@ def make_servable(model: Any, tokenizer: Any, cfg: TrainConfig) -> Dict[str, Any
     tokenizer.chat_template = chat_template(template, tokenizer)
     stops = end_of_turn_ids(template, tokenizer)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoding = None
     for target in {id(model): model, id(base): base}.values():
+        decoding = settle_decoding(getattr(target, "generation_config", None)) or decoding  # (decoding.py)
         if getattr(target, "config", None) is not None:
             target.config.use_cache = True
         gen = getattr(target, "generation_config", None)
@@ -61,4 +66,4 @@ def make_servable(model: Any, tokenizer: Any, cfg: TrainConfig) -> Dict[str, Any
             gen.pad_token_id = tokenizer.pad_token_id
             gen.use_cache = True
             gen._from_model_config = False  # else generate() may rebuild it from config.json, dropping the stops
-    return {"template": config_to_dict(template), "end_of_turn_ids": stops}
+    return {"template": config_to_dict(template), "end_of_turn_ids": stops, "decoding": decoding}

@@ -33,12 +33,15 @@ from dsrecipes.config.defaults import learning_rate
 from dsrecipes.config.schema import LauncherKind, NanPolicy, TrainConfig
 from dsrecipes.distributed import all_ranks, finish_distributed, init_distributed
 from dsrecipes.errors import DataError, RunInterrupted, TrainingFailed, UserError
+from dsrecipes.evaluation import EvalLedger, evaluate
 from dsrecipes.export import EXPORT_DIR, EXPORT_INIT_DIR, export_checkpoint, export_initial
+from dsrecipes.gen_eval import build_prompt_eval
 from dsrecipes.metrics import MetricsLogger, Window
 from dsrecipes.model import build_model, count_parameters, load_tokenizer, micro_batch_loss, trainable_parameters
 from dsrecipes.rundir import CHECKPOINTS_DIR, launcher_alive, rank_lock, read_ds_config, write_outcome, write_rank_steps
 from dsrecipes.runplan import RunPlan, read_plan
 from dsrecipes.schedule import StepScheduler, warmup_steps
+from dsrecipes.selection import EXPORT_BEST_DIR, Selector, Verdict
 from dsrecipes.step_guard import StepGuard, discard_step, nonfinite, pause_for_signal
 
 
@@ -57,6 +60,9 @@ class Session:
     metrics: MetricsLogger
     ledger: Any
     last_checkpoint: Optional[Path]
+    selector: Any = None  # save_best / early stopping (selection.py), over state.selection
+    eval_ledger: Any = None  # which samples each evaluation scored (trainer.record_samples)
+    prompt_eval: Any = None  # trainer.prompt_eval_every (gen_eval.py)
 
 
 # Fault injection for tests (tests/test_multinode.py): rank 0 stalls after this step, so that a node can be killed
@@ -118,19 +124,25 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
     engine.lr_scheduler.resume_at(state.step)  # this run's schedule (its step budget) from the first resumed step
     metrics = MetricsLogger(run_dir, rank, plan.total_steps, start_step=state.step, cfg=cfg)
     metrics.info(describe_run(cfg, model, plan, resume))
+    eval_ledger = EvalLedger(run_dir, rank) if cfg.trainer.record_samples and eval_loader is not None else None
+    prompt_eval = build_prompt_eval(cfg, tokenizer, rank, world_size, run_dir)
     return Session(cfg, run_dir, plan, rank, engine, train_loader, eval_loader, state, metrics,
-                   open_ledger(cfg, run_dir, rank), None if resume is None else resume.tag_dir)
+                   open_ledger(cfg, run_dir, rank), None if resume is None else resume.tag_dir,
+                   Selector(cfg, state.selection), eval_ledger, prompt_eval)
 
 
 def loop(s: Session) -> None:
     """Micro-batches until the planned last step: forward/backward/step, then per step log, evaluate, save."""
     t, engine, state, total = s.cfg.trainer, s.engine, s.state, s.plan.total_steps
     guard = StepGuard(s.plan.world_size, engine.device, s.rank)
+    if state.step == 0 and s.last_checkpoint is None and t.eval_at_start:
+        evaluate_and_log(s, True, True)  # the starting point (step 0), before the clock starts
     window = Window()
     window.reset()
     clock_start = time.perf_counter() - state.elapsed
     engine.train()
-    batches = micro_batches(s.train_loader, state) if state.step < total else ()
+    ended = state.step >= total or state.selection.get("stopped")  # (a resumed run that stopped early: ends)
+    batches = micro_batches(s.train_loader, state) if not ended else ()
     for batch in batches:
         closes_step = engine.is_gradient_accumulation_boundary()
         loss, _ = micro_batch_loss(engine, batch, engine.device)
@@ -169,7 +181,7 @@ def loop(s: Session) -> None:
         if stop and state.step < total:  # at the last step the run simply ends (and exports)
             stop_here(s)
         pause_for_signal(state.step, s.rank, lambda: stop_requested(s))
-        if state.step >= total:
+        if state.step >= total or state.selection.get("stopped"):  # the budget, or early stopping
             break
         if s.rank == 0 and os.environ.get(STALL_AFTER_STEP_ENV) == str(state.step):
             time.sleep(3600)  # fault injection: a run in flight, the other ranks waiting in their next collective
@@ -179,15 +191,30 @@ def after_step(s: Session) -> None:
     """Evaluation and checkpoint at their intervals, and both at the last step."""
     t, step = s.cfg.trainer, s.state.step
     final = step >= s.plan.total_steps
-    if s.eval_loader is not None and (final or due(step, t.eval_every)):
-        eval_loss = evaluate(s.engine, s.eval_loader, t.eval_batches)  # the same value on every rank
-        s.metrics.log_eval(step, eval_loss)
-        if not math.isfinite(eval_loss):
-            raise TrainingFailed(f"non-finite evaluation loss after step {step}: the weights no longer give finite "
-                                 "outputs, so the run stopped without saving them. Lower optimizer.lr or check the "
-                                 "data", step)
-    if final or due(step, t.save_every):
+    verdict = evaluate_and_log(s, final or due(step, t.eval_every), final or due(step, t.prompt_eval_every))
+    if final or due(step, t.save_every) or verdict.improved or verdict.stop:  # the best and the last are kept
         save(s)
+    if verdict.stop:
+        s.metrics.info(f"step {step}: {verdict.stop}")
+
+
+def evaluate_and_log(s: Session, loss: bool, prompts: bool) -> Verdict:
+    """Collective: evaluate the current weights (validation loss, prompt-eval: those due and configured), log the
+    numbers (rank 0) and judge them (save_best, early stopping: the same verdict on every rank, from the same
+    reduced numbers)."""
+    step, numbers = s.state.step, {}
+    if loss and s.eval_loader is not None:
+        numbers.update(evaluate(s.engine, s.eval_loader, s.eval_ledger, step).metrics())  # the same on every rank
+    if prompts and s.prompt_eval is not None:
+        numbers.update(s.prompt_eval.run(s.engine))
+    if not numbers:
+        return Verdict(False, None)
+    s.metrics.log_eval(step, numbers)
+    if not math.isfinite(numbers.get("eval_loss", 0.0)):
+        raise TrainingFailed(f"non-finite evaluation loss after step {step}: the weights no longer give finite "
+                             "outputs, so the run stopped without saving them. Lower optimizer.lr or check the "
+                             "data", step)
+    return s.selector.observe(step, numbers)
 
 
 def save(s: Session) -> None:
@@ -198,7 +225,8 @@ def save(s: Session) -> None:
     lora = s.cfg.model.lora.enabled  # the frozen base is rebuilt from model.path, so it is not saved
     record = {"data_fingerprint": s.plan.data_fingerprint, "data_files": s.plan.data_files}
     s.last_checkpoint = save_checkpoint(s.engine, s.train_loader, s.state, s.run_dir,
-                                        keep=s.cfg.trainer.keep_checkpoints, frozen_excluded=lora, record=record)
+                                        keep=s.cfg.trainer.keep_checkpoints, frozen_excluded=lora, record=record,
+                                        protect=s.selector.protected())
 
 
 def stop_requested(s: Session) -> bool:
@@ -220,8 +248,9 @@ def stopped(s: Session, exc: Exception) -> None:
     """Rank 0 records how the run ended; the sinks are closed (metrics.jsonl, plot, ledger; trackers marked failed)
     on every rank. The heartbeat stops first: ranks that end at slightly different times are not taken for dead."""
     heartbeat.stop()
-    if s.ledger is not None:
-        s.ledger.close()
+    for ledger in (s.ledger, s.eval_ledger):
+        if ledger is not None:
+            ledger.close()
     s.metrics.close(ok=False)
     if s.rank != 0:
         return
@@ -234,9 +263,10 @@ def stopped(s: Session, exc: Exception) -> None:
 
 
 def finish(s: Session) -> None:
-    """Close the sinks, release the other ranks, then export from the final checkpoint on rank 0."""
-    if s.ledger is not None:
-        s.ledger.close()
+    """Close the sinks, release the other ranks, then export from the final checkpoint (and the best one) on rank 0."""
+    for ledger in (s.ledger, s.eval_ledger):
+        if ledger is not None:
+            ledger.close()
     s.metrics.close()
     heartbeat.stop()  # before the last barrier: ranks that finish first are not taken for dead
     write_rank_steps(s.run_dir, s.rank, s.state.step, s.plan.total_steps)  # before it: all exist once one is past
@@ -250,8 +280,15 @@ def finish(s: Session) -> None:
             write_outcome(s.run_dir, {"status": "failed", "error": str(exc), "skipped_steps": s.state.skipped_steps})
             raise TrainingFailed(str(exc), s.state.step) from None
         s.metrics.info(f"exported Hugging Face model: {out}")
+        for best in s.selector.protected():
+            if not (s.run_dir / CHECKPOINTS_DIR / best).is_dir():  # pruned before a resume from an older checkpoint
+                s.metrics.info(f"the best checkpoint {best} is no longer in {CHECKPOINTS_DIR}/; not exported")
+                continue
+            out = export_checkpoint(s.run_dir, s.run_dir / CHECKPOINTS_DIR / best, s.run_dir / EXPORT_BEST_DIR,
+                                    s.cfg, key=EXPORT_BEST_DIR)
+            s.metrics.info(f"exported the best checkpoint ({best}): {out}")
     if s.rank == 0:
-        write_outcome(s.run_dir, {"status": "ok", "skipped_steps": s.state.skipped_steps})
+        write_outcome(s.run_dir, {"status": "ok", "skipped_steps": s.state.skipped_steps, **s.selector.outcome()})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -376,27 +413,3 @@ def log_window(metrics: MetricsLogger, window: Window, state: TrainState, lr: fl
         elapsed=state.elapsed,
     )
     window.reset()
-
-
-@torch.no_grad()
-def evaluate(engine: Any, loader: Any, max_batches: Optional[int]) -> float:
-    """Token-weighted mean validation loss over all ranks. Ranks stop together at the shortest split (ZeRO-3
-    forwards are collective), after at most `max_batches` micro-batches each."""
-    import torch.distributed as dist
-
-    engine.eval()
-    sums = torch.zeros(2, dtype=torch.float64)
-    batches = iter(loader)
-    done = 0
-    while max_batches is None or done < max_batches:
-        batch = next(batches, None)
-        if not all_ranks(batch is not None):
-            break
-        loss, n_tokens = micro_batch_loss(engine, batch, engine.device)
-        sums += torch.tensor([float(loss) * int(n_tokens), int(n_tokens)], dtype=torch.float64)
-        done += 1
-    dist.all_reduce(sums)
-    engine.train()
-    return float(sums[0] / sums[1].clamp(min=1))
-
-

@@ -139,7 +139,7 @@ def test_real_sharegpt_rows_render_identically(tok, tmp_path, glaive):
             assert served.apply_chat_template(messages, tools=tools, tokenize=False) == trained, c.id
 
 
-EXPECTED_STOP = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "vicuna": "</s>", "plain": "<|endoftext|>",
+EXPECTED_STOP = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "vicuna": "<|endoftext|>", "plain": "<|endoftext|>",
                  "human_assistant": "<|endoftext|>", "tokenizer": "<|im_end|>", "auto": "<|im_end|>"}
 
 

@@ -20,7 +20,7 @@ from dsrecipes.paths import SAMPLE_DATA_DIR, TINY_TOKENIZER_DIR
 
 FIX = Path(__file__).parent / "fixtures" / "data"
 END = {TemplateKind.auto: "<|im_end|>", TemplateKind.chatml: "<|im_end|>", TemplateKind.tokenizer: "<|im_end|>", TemplateKind.llama3: "<|eot_id|>",
-       TemplateKind.vicuna: "</s>", TemplateKind.plain: "<|endoftext|>", TemplateKind.human_assistant: "<|endoftext|>"}
+       TemplateKind.vicuna: "<|endoftext|>", TemplateKind.plain: "<|endoftext|>", TemplateKind.human_assistant: "<|endoftext|>"}
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,10 @@ Fast (tokenizer only): masks equal `apply_chat_template` token for token; templa
 template; a built-in template that drops SmolLM2's default system prompt is named in a warning; the model's name and
 learning rate come from the model, not from the tiny default.
 Slow (CPU training, a few steps each): a full fine-tune starts at the pretrained loss and lowers the loss of held-out
-rows, and its export answers and stops at end of turn; LoRA adapter-only and merged exports agree; 2 ranks ZeRO-3 from
+rows, and its export answers and stops at end of turn; its step-0 evaluation equals the loss, accuracy and token count
+recomputed with plain transformers on the pretrained weights (the samples named by the evaluation ledger, rendered
+with `apply_chat_template`, assistant tokens found from the ids); vicuna (whose "</s>" is the model's eos) trains,
+exports and serves with the training rendering; LoRA adapter-only and merged exports agree; 2 ranks ZeRO-3 from
 a hub id (offline cache) export the original shapes.
 """
 
@@ -33,7 +36,7 @@ IM_END = 2  # SmolLM2's <|im_end|> (also its eos)
 # A short CPU run: complete conversations (rows that render to <= 256 tokens), a few steps.
 SYSTEM = "You are a helpful assistant, with no access to external functions."  # Glaive's own system prompt
 SHORT = ["recipe=smollm2_cpu_sft", "dataset.val_size=8", "data.cutoff_len=256", "trainer.log_every=1",
-         "trainer.eval_every=0", "trainer.eval_batches=2", "scheduler.warmup_steps=1"]
+         "trainer.eval_every=0", "trainer.eval_samples=4", "scheduler.warmup_steps=1"]
 
 
 def raw_rows(path: Path) -> List[dict]:
@@ -163,6 +166,39 @@ def train(workspace: Path, name: str, smollm2_dir: Path, *overrides: str, ranks:
     return run
 
 
+def recompute_step0(workspace: Path, run: Path, smollm2_dir: Path):
+    """(mean loss, tokens, correct) of the pretrained model on the samples the step-0 evaluation scored, with
+    plain transformers: each conversation rendered by the tokenizer's own chat template, trained tokens found from
+    the ids (expected_mask), one conversation at a time."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dsrecipes.config.schema import BadRows, SourceConfig
+    from dsrecipes.data.badrows import BadRowReport
+    from dsrecipes.data.messages import messages_for
+    from dsrecipes.data.sharegpt import iter_source
+    from dsrecipes.evaluation import read_eval_ledger
+
+    scored = read_eval_ledger(run / "ledger" / "eval_rank0.jsonl")[0]
+    assert len(scored) == 4
+    source = SourceConfig(name="short.json", paths=[str(workspace / "short.json")])
+    convs = {c.id: c for c in iter_source(source, BadRowReport(BadRows.error, 0.0))}
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    header = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    total, tokens, correct = 0.0, 0, 0
+    for sample in scored:
+        messages, tools = messages_for(convs[sample], tok.chat_template)
+        ids = tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True)["input_ids"]
+        targets = torch.tensor(ids[1:])
+        counted = torch.tensor(expected_mask(ids, header, IM_END)[1:])
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
+        total += float(torch.nn.functional.cross_entropy(logits[counted], targets[counted], reduction="sum"))
+        tokens += int(counted.sum())
+        correct += int((logits.argmax(-1)[counted] == targets[counted]).sum())
+    return total / tokens, tokens, correct
+
+
 def cli(*args: str) -> int:
     from dsrecipes.cli import main
 
@@ -175,9 +211,14 @@ def test_full_finetune_starts_at_the_pretrained_loss_and_lowers_held_out_loss(wo
 
     from dsrecipes.metrics import read_metrics
 
-    run = train(workspace, "full", smollm2_dir, "trainer.max_steps=6", "optimizer.lr=1e-4")
+    run = train(workspace, "full", smollm2_dir, "trainer.max_steps=6", "optimizer.lr=1e-4", "trainer.record_samples=true")
     losses = [r["loss"] for r in read_metrics(run) if "loss" in r]
     assert losses[0] < 2.5, losses  # pretrained (a random init would start at ln(49152) = 10.8)
+    start, end = [r for r in read_metrics(run) if "eval_loss" in r]
+    assert (start["step"], end["step"]) == (0, 6) and end["eval_loss"] < start["eval_loss"]
+    loss, tokens, correct = recompute_step0(workspace, run, smollm2_dir)
+    assert start["eval_tokens"] == tokens and abs(start["eval_loss"] - loss) < 1e-4 * loss, (start, loss)
+    assert start["eval_accuracy"] == pytest.approx(correct / tokens, abs=1.5 / tokens)  # (argmax ties: one token)
     scores = workspace / "scores.json"  # 4 of the run's held-out conversations, pretrained vs fine-tuned
     assert cli("prompt-eval", "--baseline", str(run), "--finetuned", str(run), "--max-new-tokens", "4",
                "--limit", "4", "--json", str(scores)) == 0  # (all 8: ~2 more minutes of CPU, the same verdict)
@@ -249,3 +290,59 @@ def test_two_rank_zero3_from_a_hub_id_exports_the_original_shapes(workspace, smo
     info = json.loads((run / "export" / "dsrecipes_export.json").read_text())
     assert info["template"]["name"] == "tokenizer" and info["end_of_turn_ids"] == [IM_END]
     assert os.path.isfile(run / "export" / "tokenizer.json")
+
+
+def test_eos_terminated_templates_use_the_tokenizers_eos_and_header_templates_still_refuse(tok):
+    """vicuna's "</s>" is the model's eos: on SmolLM2 (no literal "</s>" token) replies end with <|im_end|>; llama3,
+    whose special tokens are the format itself, keeps refusing with the clear message."""
+    from dsrecipes.config.schema import TemplateConfig, TemplateKind, TrainOn
+    from dsrecipes.data.sharegpt import Conversation, Role, Turn
+    from dsrecipes.data.template import check_template, render
+
+    assert check_template(TemplateConfig(name=TemplateKind.vicuna), tok) == []
+    conv = Conversation("c", [Turn(Role.user, "Hi"), Turn(Role.assistant, "Hello!")])
+    trained = [s.text for s in render(conv, TemplateConfig(name=TemplateKind.vicuna), tok, TrainOn.assistant)
+               if s.trained]
+    assert trained == ["Hello!<|im_end|>"]
+    (problem, *_) = check_template(TemplateConfig(name=TemplateKind.llama3), tok)
+    assert problem.startswith("template.name: llama3 needs '<|begin_of_text|>' as one token")
+
+
+@pytest.mark.slow
+def test_vicuna_trains_exports_and_serves_with_the_training_rendering(workspace, smollm2_dir):
+    """template=vicuna on SmolLM2 end to end: trained replies end with the tokenizer's eos (<|im_end|>), the export's
+    chat template renders the training text byte for byte, and stock generate stops at that eos, greedily."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dsrecipes.config.schema import BadRows, SourceConfig, TemplateConfig, TemplateKind, TrainOn
+    from dsrecipes.data.badrows import BadRowReport
+    from dsrecipes.data.messages import messages_for
+    from dsrecipes.data.prepare import _open
+    from dsrecipes.data.sharegpt import iter_source
+    from dsrecipes.data.template import render
+
+    run = train(workspace, "vicuna", smollm2_dir, "template=vicuna", "trainer.max_steps=2", "dataset.val_size=0")
+    stats = json.loads((run / "prepare_stats.json").read_text())
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    for row in _open(Path(stats["cache_dir"]), stats).train.select(range(8)):
+        text = tok.decode(row["input_ids"])
+        assert "</s>" not in text and text.startswith(f"{tok.bos_token}A chat between"), text
+        assert text.endswith("<|im_end|>"), text
+        assert row["labels"][-1] == IM_END
+    export = run / "export"
+    served = AutoTokenizer.from_pretrained(export)
+    source = SourceConfig(name="short.json", paths=[str(workspace / "short.json")])
+    cfg = TemplateConfig(name=TemplateKind.vicuna)
+    for conv in list(iter_source(source, BadRowReport(BadRows.error, 0.0)))[:20]:
+        messages, tools = messages_for(conv, served.chat_template)
+        trained = "".join(seg.text for seg in render(conv, cfg, tok, TrainOn.assistant))
+        assert served.apply_chat_template(messages, tools=tools, tokenize=False) == trained, conv.id
+    model = AutoModelForCausalLM.from_pretrained(export)
+    gen = model.generation_config
+    assert gen.do_sample is False and IM_END in ([gen.eos_token_id] if isinstance(gen.eos_token_id, int)
+                                                 else gen.eos_token_id)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = served.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    assert served.decode(ids["input_ids"][0]).endswith("ASSISTANT: ")
+    out = model.generate(**ids, max_new_tokens=64)[0, ids["input_ids"].shape[1]:].tolist()
+    assert IM_END in out and out.index(IM_END) == len(out) - 1, served.decode(out)

@@ -117,6 +117,22 @@ class ReportTo(str, Enum):
     wandb = "wandb"  # pip install 'dsrecipes[wandb]'; WANDB_MODE=offline needs no account
 
 
+class SelectMetric(str, Enum):
+    """What `trainer.save_best` and `trainer.early_stopping` judge an evaluation by (metrics.jsonl keys)."""
+
+    eval_loss = "eval_loss"  # token-weighted mean validation cross-entropy (lower is better)
+    eval_ppl = "eval_ppl"  # exp(eval_loss) (lower is better)
+    eval_accuracy = "eval_accuracy"  # share of validation tokens predicted exactly (higher is better)
+    prompt_exact_match = "prompt_exact_match"  # trainer.prompt_eval_every: greedy answer == reference (higher)
+    prompt_similarity = "prompt_similarity"  # mean character similarity to the reference (higher)
+    prompt_ended = "prompt_ended"  # share of answers that stopped at the end-of-turn token (higher)
+
+
+class SelectMode(str, Enum):
+    min = "min"  # lower is better
+    max = "max"  # higher is better
+
+
 class ResumeMode(str, Enum):
     auto = "auto"  # continue from trainer.resume_from, else from the run directory's newest complete checkpoint
     never = "never"  # start from step 0
@@ -297,6 +313,24 @@ class SchedulerConfig:
 
 
 @dataclass
+class SaveBestConfig:
+    """Keep (out of retention) and export the checkpoint of the best evaluation after step 0 (`<run>/export_best`)."""
+
+    enabled: bool = False
+    metric: SelectMetric = SelectMetric.eval_loss  # also what trainer.early_stopping watches
+    mode: Optional[SelectMode] = None  # null: min for eval_loss/eval_ppl, max for the others
+
+
+@dataclass
+class EarlyStoppingConfig:
+    """End the run (cleanly: checkpoint, export) after `patience` evaluations in a row without an improvement of
+    `trainer.save_best.metric` by more than `min_delta` over the best after step 0."""
+
+    patience: int = 0  # 0 = off
+    min_delta: float = 0.0
+
+
+@dataclass
 class TrainerConfig:
     micro_batch_size: int = 8
     grad_accum: int = 1
@@ -304,7 +338,14 @@ class TrainerConfig:
     epochs: int = 1
     save_every: int = 0  # optimizer steps between checkpoints; 0 = only at the end
     eval_every: int = 100  # 0 = only at the end (when there is a validation split)
-    eval_batches: Optional[int] = None  # cap on validation micro-batches per eval
+    eval_samples: Optional[int] = None  # validation samples per evaluation over all ranks (the first N); null = all
+    eval_batches: Optional[int] = None  # replaced by eval_samples (refused when set: it depended on the world size)
+    eval_at_start: bool = True  # evaluate the starting weights (step 0) before the first step
+    save_best: SaveBestConfig = field(default_factory=SaveBestConfig)
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    prompt_eval_every: int = 0  # steps between prompt-evals of held-out prompts during training (data=map); 0 = off
+    prompt_eval_samples: int = 8  # the first N validation samples, answered greedily and scored like prompt-eval
+    prompt_eval_max_new_tokens: int = 64
     log_every: int = 10
     keep_checkpoints: int = 2
     resume: ResumeMode = ResumeMode.auto

@@ -18,6 +18,7 @@ from dsrecipes.config.schema import (
 )
 from dsrecipes.data.strategies.rules import config_problems, required_paths
 from dsrecipes.hub import check_hub_paths, is_hub_id
+from dsrecipes.selection import config_problems as selection_problems
 
 _SLOTS = r"[A-Za-z0-9_.-]{1,253}(?::\d{1,4}(?:,\d{1,4})*)?"  # deepspeed --include/--exclude: host[:slots]@...
 _HOST_SLOTS = re.compile(f"{_SLOTS}(?:@{_SLOTS})*")
@@ -32,6 +33,7 @@ def validate(cfg: TrainConfig, *, check_files: bool = True) -> List[str]:
     errors += _batch(cfg)
     errors += _data(cfg)
     errors += _misc(cfg)
+    errors += selection_problems(cfg)  # evaluation, save_best, early stopping (dsrecipes/selection.py)
     if check_files:
         errors += _files(cfg)
     return errors

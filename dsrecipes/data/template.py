@@ -13,7 +13,9 @@ made:
                    observations as role `tool`; tools go into the system turn as "Tools: <json>"
   llama3           <|begin_of_text|><|start_header_id|>role<|end_header_id|>\\n\\ntext<|eot_id|>; observations
                    as role `ipython`
-  vicuna           FastChat v1.1: "{system} USER: {q} ASSISTANT: {a}</s>USER: ..."; observations "OBSERVATION: ..."
+  vicuna           FastChat v1.1: "{system} USER: {q} ASSISTANT: {a}</s>USER: ..."; observations "OBSERVATION: ...";
+                   `</s>` is the model's eos token, so replies end with the tokenizer's own eos (SmolLM2:
+                   <|im_end|>, Qwen: <|endoftext|>), as LLaMA-Factory renders it; on Llama/Vicuna tokenizers: `</s>`
   plain            "### Role: text" joined by `template.separator`; replies end with the tokenizer's eos token
   human_assistant  "\\n\\nHuman: q\\n\\nAssistant: a<eos>" (Anthropic HH style)
   tokenizer        the tokenizer's own chat_template; trained spans found by rendering prefixes (the text added by
@@ -63,12 +65,16 @@ VICUNA_SYSTEM = (
 REQUIRED_TOKENS: Dict[TemplateKind, Tuple[str, ...]] = {
     TemplateKind.chatml: ("<|im_start|>", "<|im_end|>"),
     TemplateKind.llama3: ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
-    TemplateKind.vicuna: ("</s>",),
+    TemplateKind.vicuna: (),  # its "</s>" is the tokenizer's eos token, whatever that is
     TemplateKind.plain: (),
     TemplateKind.human_assistant: (),
     TemplateKind.tokenizer: (),
     TemplateKind.auto: (),  # resolved to one of the above before rendering (data/template_choice.py)
 }
+
+
+# Templates whose replies end with "the model's eos token" (rendered as the tokenizer's own eos string).
+EOS_TERMINATED = (TemplateKind.vicuna, TemplateKind.plain, TemplateKind.human_assistant)
 
 
 def system_text(conv: Conversation, cfg: TemplateConfig, fallback: Optional[str] = None) -> Optional[str]:
@@ -112,7 +118,7 @@ def template_spec(cfg: TemplateConfig, tokenizer: Any) -> Spec:
         TemplateKind.llama3: Spec("<|begin_of_text|>", _llama3_header("system"), "<|eot_id|>", _llama3_header("user"),
                                   "<|eot_id|>", _llama3_header("ipython"), "<|eot_id|>", _llama3_header("assistant"),
                                   "<|eot_id|>"),
-        TemplateKind.vicuna: Spec(bos, "", " ", "USER: ", " ", "OBSERVATION: ", " ", "ASSISTANT: ", "</s>"),
+        TemplateKind.vicuna: Spec(bos, "", " ", "USER: ", " ", "OBSERVATION: ", " ", "ASSISTANT: ", eos),
         TemplateKind.plain: Spec("", "### System: ", sep, "### User: ", sep, "### Observation: ", sep,
                                  "### Assistant: ", eos, reply_after=sep),
         TemplateKind.human_assistant: Spec("", "", "", "\n\nHuman: ", "", "\n\nObservation: ", "",
@@ -257,7 +263,7 @@ def check_template(template_cfg: TemplateConfig, tokenizer: Any) -> List[str]:
         if len(tokenizer(token, add_special_tokens=False)["input_ids"]) != 1:
             problems.append(f"template.name: {name.value} needs {token!r} as one token, this tokenizer splits it "
                             "(pick the template the model was trained with, e.g. template=tokenizer)")
-    if name in (TemplateKind.plain, TemplateKind.human_assistant) and not tokenizer.eos_token:
+    if name in EOS_TERMINATED and not tokenizer.eos_token:
         problems.append(f"template.name: {name.value} ends replies with the eos token, and this tokenizer has none")
     if name is TemplateKind.tokenizer and not getattr(tokenizer, "chat_template", None):
         problems.append("template.name: tokenizer, but this tokenizer has no chat_template; pick a built-in template")

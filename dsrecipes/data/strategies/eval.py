@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator, List, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 from dsrecipes.data.strategies.base import Batch, Row
 
@@ -11,8 +11,8 @@ from dsrecipes.data.strategies.base import Batch, Row
 class EvalLoader:
     """The validation rows of one rank: a contiguous share (sizes differ by at most one row), in order.
 
-    Ranks can end one micro-batch apart; the runner stops evaluating when any rank runs out (ZeRO-3 forwards are
-    collective), so nothing pads with duplicates.
+    Ranks can end one micro-batch apart; the evaluation (dsrecipes/evaluation.py) pads the shorter ranks with
+    zero-weight forward passes (ZeRO-3 forwards are collective), so every row is scored once and none twice.
     """
 
     def __init__(self, rows: Sequence[Row], rank: int, world_size: int, micro_batch_size: int,
@@ -32,3 +32,18 @@ class EvalLoader:
             getitems = getattr(self.rows, "__getitems__", None)
             rows = list(getitems(list(range(lo, hi)))) if getitems else [self.rows[i] for i in range(lo, hi)]
             yield self.collate_fn(rows)
+
+
+def limit_rows(rows: Any, samples: Optional[int]) -> Any:
+    """The first rows of a validation split that hold `samples` samples (None: all). A packed row counts its samples
+    and is taken whole, so with packing the cut is the first rows holding at least `samples` samples."""
+    if samples is None:
+        return rows
+    taken = count = 0
+    ids = rows["ids"] if hasattr(rows, "column_names") else [row["ids"] for row in rows]
+    for row_ids in ids:
+        if count >= samples:
+            break
+        taken += 1
+        count += len(row_ids)
+    return rows.select(range(taken)) if hasattr(rows, "select") else rows[:taken]

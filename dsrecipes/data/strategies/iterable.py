@@ -200,7 +200,7 @@ class IterableStrategy:
     def eval_loader(self, data: RankData) -> Optional[EvalLoader]:
         """This rank's share of the validation rows (held out by the index, or `dataset.val_paths`), tokenized."""
         cfg, index = data.cfg, data.source
-        refs = index.val_refs()
+        refs = index.val_refs()[:cfg.trainer.eval_samples]  # the first N samples (None: all), before ranks share them
         if not refs:
             return None
         share = refs[data.rank * len(refs) // data.world_size:(data.rank + 1) * len(refs) // data.world_size]

@@ -16,7 +16,7 @@ from dsrecipes.data.audit import AuditReport, audit_map
 from dsrecipes.data.plan import EpochPlan, Layout, require_steps, steps_per_epoch
 from dsrecipes.data.sampler import map_micro_batches
 from dsrecipes.data.strategies.base import Batch, Row, TrainLoader, loader_generator, worker_ignores_stop_signals
-from dsrecipes.data.strategies.eval import EvalLoader
+from dsrecipes.data.strategies.eval import EvalLoader, limit_rows
 from dsrecipes.data.strategies.protocol import PrepareResult, RankData, rows_of_plan
 from dsrecipes.data.strategies.rows import make_collate
 from dsrecipes.runplan import RunPlan
@@ -135,6 +135,7 @@ class MapStrategy:
         val = data.source.val
         if val is None or len(val) == 0:
             return None
+        val = limit_rows(val, data.cfg.trainer.eval_samples)  # the first N samples, before they are dealt to ranks
         return EvalLoader(val, data.rank, data.world_size, data.cfg.trainer.micro_batch_size,
                           make_collate(data.tokenizer))
 

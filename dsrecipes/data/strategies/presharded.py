@@ -169,6 +169,7 @@ class PreshardedStrategy:
             return None
         cfg = data.cfg
         items = list(StreamSpec((path,), None, cfg.dataset.max_row_bytes).items(0, cfg.trainer.seed, False))
+        items = items[:cfg.trainer.eval_samples]  # the first N samples (None: all), before ranks share them
         n = len(items)
         share = items[data.rank * n // data.world_size:(data.rank + 1) * n // data.world_size]
         rows = RowEncoder(cfg, data.tokenizer, [path], [SourceConfig(name="validation")])(share)
