@@ -21,7 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from dsrecipes.config.schema import DataKind, SelectMetric, SelectMode, TrainConfig, TrainOn
+from dsrecipes.config.schema import SelectMetric, SelectMode, TrainConfig, TrainOn
+from dsrecipes.data.strategies.rules import has_prompt_rows
 
 # The direction of each metric (completeness: tests/test_selection.py).
 METRIC_MODES: Dict[SelectMetric, SelectMode] = {
@@ -139,7 +140,7 @@ def _prompt_eval_problems(cfg: TrainConfig) -> List[str]:
         errors.append(f"trainer.prompt_eval_every: steps >= 0 (0 = off), got {t.prompt_eval_every}")
     if t.prompt_eval_samples < 1 or t.prompt_eval_max_new_tokens < 1:
         errors.append("trainer.prompt_eval_samples: prompt_eval_samples and prompt_eval_max_new_tokens must be >= 1")
-    if t.prompt_eval_every > 0 and (cfg.data.kind is not DataKind.map or cfg.dataset.val_size == 0):
+    if t.prompt_eval_every > 0 and (not has_prompt_rows(cfg) or cfg.dataset.val_size == 0):
         errors.append("trainer.prompt_eval_every: prompts come from the prepared validation split, which needs "
                       "data=map and dataset.val_size > 0")
     if t.prompt_eval_every > 0 and cfg.data.train_on is TrainOn.all:

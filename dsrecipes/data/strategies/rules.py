@@ -20,6 +20,7 @@ class Rules:
     problems: Callable[[TrainConfig], List[str]]  # one message per broken rule, each naming its key
     paths: Callable[[TrainConfig], List[NamedPath]] = lambda cfg: []
     reads_sources: bool = True  # trains on dataset.paths/sources/use (presharded: on the shards' manifest)
+    prompt_rows: bool = False  # its prepared validation split can feed prompt-evals during training (gen_eval.py)
 
 
 def _reads_dataset(cfg: TrainConfig) -> List[str]:
@@ -34,7 +35,7 @@ def _reads_shards(cfg: TrainConfig) -> List[str]:
 
 
 RULES: Dict[DataKind, Rules] = {
-    DataKind.map: Rules(_reads_dataset),
+    DataKind.map: Rules(_reads_dataset, prompt_rows=True),
     DataKind.iterable: Rules(_reads_dataset),
     DataKind.presharded: Rules(_reads_shards, lambda cfg: [("data.shard_dir", cfg.data.shard_dir)], reads_sources=False),
 }
@@ -50,3 +51,7 @@ def required_paths(cfg: TrainConfig) -> List[NamedPath]:
 
 def reads_sources(cfg: TrainConfig) -> bool:
     return RULES[cfg.data.kind].reads_sources
+
+
+def has_prompt_rows(cfg: TrainConfig) -> bool:
+    return RULES[cfg.data.kind].prompt_rows
