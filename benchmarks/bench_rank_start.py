@@ -2,7 +2,7 @@
 interleaved (issue 22 item 1).
 
     python benchmarks/bench_rank_start.py                    # default config (tiny model, sample data)
-    python benchmarks/bench_rank_start.py offload=cpu        # a config with a JIT op to build (DeepSpeedCPUAdam)
+    python benchmarks/bench_rank_start.py zero=stage2 offload=cpu_optimizer   # a config with a JIT op to build (DeepSpeedCPUAdam)
     python benchmarks/bench_rank_start.py --pairs 5 --keep /tmp/bench
 
 Two environments: A is this interpreter, B a real `python -m venv --system-site-packages` beside it (the same
@@ -81,7 +81,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=3, help="warm rounds (each: A 2-rank, B 2-rank, A 1-rank)")
     parser.add_argument("--keep", type=Path, default=None, help="workspace to keep (default: a temporary one)")
-    parser.add_argument("overrides", nargs="*", help="config overrides for every run (e.g. offload=cpu)")
+    parser.add_argument("overrides", nargs="*", help="config overrides for every run (e.g. offload=cpu_optimizer)")
     args = parser.parse_args()
     ws = args.keep or Path(tempfile.mkdtemp(prefix="bench_rank_start_"))
     ws.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ Which ops a CPU training run builds: DeepSpeed's CPU accelerator loads `deepspee
 process group, but only `inference_all_reduce` (AutoTP inference layers) calls it; training's collectives (ZeRO
 all-reduce, reduce-scatter, all-gather) go to torch.distributed on gloo. dsrecipes ranks only train, so they skip
 that op (no build, no ~70 MB /dev/shm segment per rank) - see `distributed.skip_shm_comm_op`. What is left is built
-only when the config asks for it: DeepSpeedCPUAdam for `offload=cpu`, FusedAdam for `optimizer.torch_adam=false`.
+only when the config asks for it: DeepSpeedCPUAdam for `offload=cpu_optimizer`, FusedAdam for `optimizer.torch_adam=false`.
 """
 
 from __future__ import annotations
@@ -20,21 +20,68 @@ import hashlib
 import os
 import sys
 import time
+from enum import Enum
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import TYPE_CHECKING, List, Mapping, Optional
+
+if TYPE_CHECKING:
+    from dsrecipes.config.schema import TrainConfig
 
 ENV = "TORCH_EXTENSIONS_DIR"
 SUBDIR = "dsrecipes"  # under torch's default root: our keyed directories beside torch's own py311_cpu
 
-# What each op is, in words, for the announcement (DeepSpeed's op names; others are named as they are).
-WHAT = {
-    "cpu_adam": "DeepSpeedCPUAdam, the optimizer step of offload=cpu",
-    "cpu_adagrad": "DeepSpeedCPUAdagrad, the optimizer step of offload=cpu",
-    "cpu_lion": "DeepSpeedCPULion, the optimizer step of offload=cpu",
-    "fused_adam": "FusedAdam (optimizer.torch_adam=false)",
-    "deepspeed_shm_comm": "the CPU shared-memory all-reduce",
-    "async_io": "asynchronous I/O for offload=nvme",
+
+class JitOp(str, Enum):
+    """The JIT ops a dsrecipes config can make DeepSpeed build (DeepSpeed's op names)."""
+
+    cpu_adam = "cpu_adam"
+    cpu_lion = "cpu_lion"
+    fused_adam = "fused_adam"
+    fused_lion = "fused_lion"
+    async_io = "async_io"
+
+
+# op -> (DeepSpeed's builder class, what it is in words)
+BUILDERS = {
+    JitOp.cpu_adam: ("CPUAdamBuilder", "DeepSpeedCPUAdam, the optimizer step of an offloaded adam/adamw"),
+    JitOp.cpu_lion: ("CPULionBuilder", "DeepSpeedCPULion, the optimizer step of an offloaded lion"),
+    JitOp.fused_adam: ("FusedAdamBuilder", "FusedAdam, for optimizer.torch_adam=false"),
+    JitOp.fused_lion: ("FusedLionBuilder", "FusedLion, DeepSpeed's lion optimizer"),
+    JitOp.async_io: ("AsyncIOBuilder", "asynchronous file I/O for offload to NVMe"),
 }
+WHAT = {op.value: what for op, (_, what) in BUILDERS.items()}
+WHAT["deepspeed_shm_comm"] = "the CPU shared-memory all-reduce"
+
+
+def ops_for(cfg: "TrainConfig") -> List[JitOp]:
+    """The ops DeepSpeed builds for this config (its optimizer choice: ds_config.py; offload targets)."""
+    from dsrecipes.config.schema import OffloadDevice, OptimizerKind
+
+    name, offloaded = cfg.optimizer.name, cfg.offload.optimizer is not OffloadDevice.none
+    ops = []
+    if offloaded and name in (OptimizerKind.adam, OptimizerKind.adamw):
+        ops.append(JitOp.cpu_adam)
+    elif offloaded and name is OptimizerKind.lion:
+        ops.append(JitOp.cpu_lion)
+    elif name in (OptimizerKind.adam, OptimizerKind.adamw) and not cfg.optimizer.torch_adam:
+        ops.append(JitOp.fused_adam)
+    elif name is OptimizerKind.lion:
+        ops.append(JitOp.fused_lion)
+    if OffloadDevice.nvme in (cfg.offload.optimizer, cfg.offload.param):
+        ops.append(JitOp.async_io)
+    return ops
+
+
+def build(op: JitOp) -> Path:
+    """Build (or load, when cached) `op` now, into this environment's directory (`dsrecipes doctor --build-ops`)."""
+    from deepspeed.accelerator import get_accelerator
+
+    root = prepare_rank()
+    builder = get_accelerator().create_op_builder(BUILDERS[op][0])
+    if builder is None:
+        raise RuntimeError(f"DeepSpeed's {get_accelerator().device_name()} accelerator has no {op.value} op")
+    builder.load(verbose=False)
+    return root / builder.name
 
 
 def _version(dist: str) -> str:
@@ -69,11 +116,6 @@ def build_root(environ: Optional[Mapping[str, str]] = None, key: Optional[str] =
     if environ.get(ENV):
         return Path(environ[ENV])
     return default_root(environ) / SUBDIR / (key or environment_key())
-
-
-def user_chose(environ: Optional[Mapping[str, str]] = None) -> bool:
-    environ = os.environ if environ is None else environ
-    return bool(environ.get(ENV)) and not Path(environ[ENV]).is_relative_to(default_root(environ) / SUBDIR)
 
 
 def built(name: str, root: Optional[Path] = None) -> bool:
