@@ -22,14 +22,10 @@ def closing_summary(run_dir: Path, wall_s: float, overrides: Sequence[str], max_
 
     summary = run_summary(run_dir)
     rows = read_metrics(run_dir)
-    train = [r["loss"] for r in rows if r.get("loss") is not None]
-    evals = [r["eval_loss"] for r in rows if r.get("eval_loss") is not None]
     speed = f" at {summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] else ""
     lines = [f"done: {summary['steps']} steps in {format_seconds(wall_s)}{speed}"]
-    if train:
-        lines.append(f"  train loss   {train[0]:.4f} -> {train[-1]:.4f}")
-    if evals:
-        lines.append(f"  eval loss    {evals[0]:.4f} -> {evals[-1]:.4f}")
+    lines += [f"  {label:<13}{text}" for label, key in (("train loss", "loss"), ("eval loss", "eval_loss"))
+              if (text := trend(rows, key))]
     lines.append(f"  run dir      {run_dir}")
     export = run_dir / EXPORT_DIR
     if export.is_dir():
@@ -43,6 +39,18 @@ def closing_summary(run_dir: Path, wall_s: float, overrides: Sequence[str], max_
     lines += ["next:"] + [f"  {what:<15}{cmd}" for what, cmd in next_commands(run_dir, overrides, summary["steps"],
                                                                               max_steps)]
     return "\n".join(lines)
+
+
+def trend(rows: Sequence[dict], key: str) -> Optional[str]:
+    """First and last logged value of `key` and how many there were: a run shorter than trainer.log_every logged
+    once, and "7.16 -> 7.16" would claim a flat curve it never measured."""
+    logged = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    if not logged:
+        return None
+    (first_step, first), (last_step, last) = logged[0], logged[-1]
+    if len(logged) == 1:
+        return f"{first:.4f}  (1 logged value, step {first_step})"
+    return f"{first:.4f} -> {last:.4f}  (first and last of {len(logged)} logged values, steps {first_step}-{last_step})"
 
 
 def next_commands(run_dir: Path, overrides: Sequence[str], steps: int, max_steps: Optional[int]) -> List[tuple]:
