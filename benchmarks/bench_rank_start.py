@@ -15,13 +15,16 @@ empty torch extensions cache (XDG_CACHE_HOME points into the workspace; TORCH_EX
 The time is from starting `python -m dsrecipes` to the moment step 1's metrics line is written (polled every
 0.05 s). The data is prepared once, before any timed run, with a separate cache. After each run the built ops'
 libraries are listed with their modification times: "rebuilt" marks a run that rebuilt an op another run had built.
-Reported: each run, then median and range (min-max) per kind, and warm 2-rank minus 1-rank.
+Reported: each run, then median and range (min-max) per kind, and warm 2-rank minus 1-rank. On a shared machine
+wall time mostly measures the neighbours, so each run's CPU time (user + system, every process of the run, the
+whole 1-step run) is reported too: the work a start costs, whatever else runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -45,6 +48,12 @@ def environment(ws: Path, cache: Path) -> Dict[str, str]:
 
 def built_ops(cache: Path) -> Dict[str, float]:
     return {str(p.relative_to(cache)): p.stat().st_mtime for p in cache.rglob("*.so")} if cache.is_dir() else {}
+
+
+def cpu_seconds() -> float:
+    """user + system CPU time of every finished descendant (ranks and launchers are reaped down the chain)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def start_to_first_step(python: str, ws: Path, name: str, ranks: int, overrides: List[str],
@@ -72,8 +81,8 @@ def start_to_first_step(python: str, ws: Path, name: str, ranks: int, overrides:
 
 def summary(label: str, values: List[float]) -> str:
     if not values:
-        return f"{label:<22} -"
-    return (f"{label:<22} median {statistics.median(values):6.1f} s   range {min(values):6.1f} - {max(values):6.1f} s"
+        return f"{label:<26} -"
+    return (f"{label:<26} median {statistics.median(values):6.1f} s   range {min(values):6.1f} - {max(values):6.1f} s"
             f"   (n={len(values)})")
 
 
@@ -95,16 +104,19 @@ def main() -> int:
     start_to_first_step(pythons["A"], ws, "prepare", 1, args.overrides, environment(ws, ws / "prepare_cache"))
     env = environment(ws, cache)
     results: List[Tuple[str, str, float, str]] = []
+    cpu: Dict[str, List[float]] = {}
 
     def one(kind: str, who: str, ranks: int, name: str) -> None:
-        before = built_ops(cache)
+        before, cpu_before = built_ops(cache), cpu_seconds()
         seconds = start_to_first_step(pythons[who], ws, name, ranks, args.overrides, env)
+        cpu.setdefault(kind, []).append(cpu_seconds() - cpu_before)
         after = built_ops(cache)
         rebuilt = sorted(k for k in before if k in after and after[k] != before[k])
         note = ("rebuilt " + ", ".join(rebuilt)) if rebuilt else ("built " + ", ".join(sorted(set(after) - set(before)))
                                                                   if set(after) - set(before) else "")
         results.append((kind, who, seconds, note))
-        print(f"{name:<14} {kind:<6} env {who} {ranks} rank(s): {seconds:6.1f} s  {note}", flush=True)
+        print(f"{name:<14} {kind:<6} env {who} {ranks} rank(s): {seconds:6.1f} s to step 1, whole run "
+              f"{cpu[kind][-1]:6.1f} CPU s  {note}", flush=True)
 
     one("cold", "A", 2, "cold_A")
     one("cold", "B", 2, "cold_B")
@@ -121,6 +133,8 @@ def main() -> int:
     single = [s for k, _, s, _ in results if k == "1rank"]
     if warm and single:
         print(f"warm 2-rank minus 1-rank (medians): {statistics.median(warm) - statistics.median(single):+.1f} s")
+    for kind, values in cpu.items():
+        print(summary(f"CPU s, whole run, {kind}", values))
     rebuilds = [r for r in results if r[3].startswith("rebuilt") and r[0] != "cold"]
     print(f"warm runs that rebuilt an op: {len(rebuilds)}")
     print(f"op libraries: {sorted(built_ops(cache))}")
