@@ -100,8 +100,9 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
     pythons = {"A": sys.executable, "B": str(venv / "bin" / "python")}
     print(f"workspace {ws}\nA: {pythons['A']}\nB: {pythons['B']}\noverrides: {args.overrides}", flush=True)
-    # the data (tokenized once, content-keyed) with a cache of its own, so neither environment's ops get built here
-    start_to_first_step(pythons["A"], ws, "prepare", 1, args.overrides, environment(ws, ws / "prepare_cache"))
+    # the data (tokenized once, content-keyed; zero/offload are not part of its key), with a cache of its own and
+    # without the overrides, so no op gets built here
+    start_to_first_step(pythons["A"], ws, "prepare", 1, [], environment(ws, ws / "prepare_cache"))
     env = environment(ws, cache)
     results: List[Tuple[str, str, float, str]] = []
     cpu: Dict[str, List[float]] = {}
