@@ -125,10 +125,10 @@ def command_log(argv: List[str], command: str) -> Optional[Path]:
     """Where a model command (export, chat, prompt-eval) keeps third-party noise: `<run>/logs/<command>.log` of the
     first run directory (one holding config.yaml, or its export directory) named on its command line."""
     for arg in argv:
-        for candidate in (Path(arg.partition("=")[2] or arg),):
-            for run in (candidate, candidate.parent):
-                if (run / "config.yaml").is_file() and os.access(run, os.W_OK):
-                    return log_path(run, command)
+        named = Path(arg.partition("=")[2] if arg.startswith("--") else arg)  # a positional, or --flag=PATH
+        for run in (named, named.parent):
+            if (run / "config.yaml").is_file() and os.access(run, os.W_OK):
+                return log_path(run, command)
     return None
 
 
