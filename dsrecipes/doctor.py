@@ -2,8 +2,8 @@
 
 Each check reads the machine through a `Probe` (so tests can fake a machine) and returns findings with a fix.
 Nothing here builds a DeepSpeed op or starts a process group (unless asked: `--build-ops` builds the JIT ops the
-config needs ahead of the first run, into the directory the run uses: jit_ops.py): it reads versions, paths, PATH and file systems only, so it runs in a few
-seconds. Exit code 1 when something makes training impossible, else 0.
+config needs ahead of the first run, into the directory the run uses: jit_ops.py): it reads versions, paths, PATH
+and file systems only, so it runs in a few seconds. Exit code 1 when something makes training impossible, else 0.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import re
 import sys
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
 from typing import Callable, List, Optional
 
 from dsrecipes.config.schema import OffloadDevice, TrainConfig

@@ -15,9 +15,7 @@ def report_interrupted(run_dir: Path, signum: int, extra: dict, argv: Sequence[s
     """Write result.json `interrupted`, print where it stopped and how to resume; returns the exit code."""
     from dsrecipes.checkpoint_find import committed
     from dsrecipes.rundir import CHECKPOINTS_DIR, write_result
-    from dsrecipes.stopping import exit_code
-
-    from dsrecipes.stopping import forced
+    from dsrecipes.stopping import exit_code, forced
 
     newest = committed(run_dir / CHECKPOINTS_DIR)
     checkpoint = str(newest[0]) if newest else None
