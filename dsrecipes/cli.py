@@ -30,6 +30,8 @@ SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
     "export": ("export", "write a Hugging Face model directory from a run's checkpoint"),
 }
 
+QUIET_COMMANDS = ("export", "chat", "prompt-eval")  # load models: third-party bars and warnings go to the run's log
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     if hasattr(signal, "SIGPIPE"):
@@ -52,6 +54,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     trust.reset()  # trusting a checkpoint is a decision of one command line, never carried over
     if name == "train":  # Hydra's parser owns train's arguments: the flag is taken off before it sees them
         rest = trust.take_flag(rest)
+    if name in QUIET_COMMANDS:  # before deepspeed / transformers load (train quiets itself once its run dir is known)
+        from dsrecipes.console import command_log, quiet_third_party
+
+        quiet_third_party(command_log(rest, name))
     module = importlib.import_module(f"dsrecipes.commands.{SUBCOMMANDS[name][0]}")
     return run_guarded(lambda argv: _check_command(args) or module.main(argv), rest)
 

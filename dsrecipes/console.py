@@ -6,8 +6,8 @@ ranks, whose output reaches the terminal through a pipe.
 
 Third-party lines that tell the user nothing (DeepSpeed's "Setting accelerator to CPU" and "Attempting to get
 learning rate from scheduler before it has started", the deepspeed launcher's INFO lines, deprecation warnings from
-inside torch or DeepSpeed; Hugging Face progress bars when not on a terminal) are kept off the console and written
-to `<run>/logs/<process>.log`:
+inside torch or DeepSpeed; Hugging Face progress bars such as "Loading weights" and "Writing model shards", on a
+terminal too; tracker banners: trackers.py) are kept off the console and written to `<run>/logs/<process>.log`:
   - in our own processes (the launching process, every rank): `quiet_third_party()` filters DeepSpeed's logger and
     sends deprecation warnings (FutureWarning, DeprecationWarning) to the log; other warnings are shown;
   - from launcher binaries (deepspeed, torchrun, mpirun) and everything they start: `relay()` reads their output
@@ -86,15 +86,18 @@ class _DeepSpeedFilter(logging.Filter):
         return False
 
 
-def quiet_third_party(path: Path) -> None:
-    """Keep third-party noise of this process off the console and in `path` (idempotent; a later call moves the
-    file). Call it before deepspeed, transformers and datasets are imported."""
-    _SINK.path = Path(path)
-    if progress_mode() == "lines":  # off a terminal a bar is noise; on one, loading a sharded model deserves it
-        for var in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
-            os.environ.setdefault(var, "1")  # read when transformers / datasets are imported (ranks inherit it)
-        if "transformers" in sys.modules:
-            sys.modules["transformers"].utils.logging.disable_progress_bar()
+def quiet_third_party(path: Optional[Path]) -> None:
+    """Keep third-party noise of this process off the console and in `path` (None: nowhere yet; idempotent; a later
+    call moves the file). Call it before deepspeed, transformers and datasets are imported."""
+    _SINK.path = None if path is None else Path(path)
+    # Hugging Face's bars (loading weights, writing shards, map) say nothing our own lines do not; the run's own
+    # progress bar is ours (metrics.py) and stays.
+    for var in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
+        os.environ.setdefault(var, "1")  # read when transformers / datasets are imported (ranks inherit it)
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
     logger = logging.getLogger("DeepSpeed")  # created here if deepspeed is not imported yet; DeepSpeed adds its handler
     if not any(isinstance(f, _DeepSpeedFilter) for f in logger.filters):
         logger.addFilter(_DeepSpeedFilter())
@@ -116,6 +119,17 @@ class _WarningRouter:
             _SINK.write(warnings.formatwarning(message, category, filename, lineno, line).rstrip())
         else:
             self.show(message, category, filename, lineno, file, line)
+
+
+def command_log(argv: List[str], command: str) -> Optional[Path]:
+    """Where a model command (export, chat, prompt-eval) keeps third-party noise: `<run>/logs/<command>.log` of the
+    first run directory (one holding config.yaml, or its export directory) named on its command line."""
+    for arg in argv:
+        named = Path(arg.partition("=")[2] if arg.startswith("--") else arg)  # a positional, or --flag=PATH
+        for run in (named, named.parent):
+            if (run / "config.yaml").is_file() and os.access(run, os.W_OK):
+                return log_path(run, command)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------

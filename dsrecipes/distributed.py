@@ -64,20 +64,20 @@ def init_distributed() -> Tuple[int, int]:
         # intra-op threads spin-wait (the default tiny run took 117 s with 2 threads on a busy 2-core host, 29 s with 1).
         local_size = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
         torch.set_num_threads(max(1, ((os.cpu_count() or 1) - 1) // local_size))
-    if os.environ.get("WORLD_SIZE") == "1":
-        _skip_shm_comm_op()
-    else:
-        import dsrecipes.shm_op as shm_op
+    import dsrecipes.jit_ops as jit_ops
 
-        shm_op.announce()  # its JIT build is minutes of silence the first time on a machine
+    jit_ops.prepare_rank()  # this environment's own op builds, each announced before it starts
+    skip_shm_comm_op()
     deepspeed.init_distributed()
     return dist.get_rank(), dist.get_world_size()
 
 
-def _skip_shm_comm_op() -> None:
-    """A lone process talks to nobody, so it does not need DeepSpeed's shared-memory all-reduce op, which on a CPU
-    host is JIT-compiled (~45 s) the first time a process group starts. DeepSpeed treats a missing op as "use
-    torch.distributed", the same path it takes where the op cannot be built."""
+def skip_shm_comm_op() -> None:
+    """Training needs no DeepSpeed shared-memory all-reduce op: on a CPU accelerator DeepSpeed loads it with every
+    process group, but only `inference_all_reduce` (AutoTP inference) calls it; training's collectives go to
+    torch.distributed (gloo). Skipping it saves its JIT build (minutes, the first time in an environment) and its
+    /dev/shm segment per rank. DeepSpeed treats a missing op as "use torch.distributed", the path it takes where the
+    op cannot be built (the same loss step for step: tests/test_jit_ops.py)."""
     import importlib
 
     try:  # (`import deepspeed.comm.torch as m` would bind the torch package that deepspeed.comm re-exports)

@@ -1,9 +1,9 @@
 """`dsrecipes doctor [overrides] [--json]`: is this machine able to train, and if not, what to change.
 
 Each check reads the machine through a `Probe` (so tests can fake a machine) and returns findings with a fix.
-Nothing here builds a DeepSpeed op or starts a process group (unless asked: `--build-ops` builds the CPU
-shared-memory op ahead of the first run): it reads versions, paths, PATH and file systems only, so it runs in a few
-seconds. Exit code 1 when something makes training impossible, else 0.
+Nothing here builds a DeepSpeed op or starts a process group (unless asked: `--build-ops` builds the JIT ops the
+config needs ahead of the first run, into the directory the run uses: jit_ops.py): it reads versions, paths, PATH
+and file systems only, so it runs in a few seconds. Exit code 1 when something makes training impossible, else 0.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
 from typing import Callable, List, Optional
 
 from dsrecipes.config.schema import OffloadDevice, TrainConfig
+from dsrecipes.jit_ops import JitOp, build_root, describe_build, ops_for
 from dsrecipes.machine import Probe
 
 GIB = 1024**3
@@ -44,6 +44,7 @@ class Context:
     needs_jit: bool = False  # DeepSpeedCPUAdam / FusedAdam are JIT-built
     needs_aio: bool = False  # offload to NVMe
     config: Optional[TrainConfig] = None  # the composed config, when composing worked
+    jit_ops: List[JitOp] = field(default_factory=list)  # what DeepSpeed builds for this config
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> "Context":
@@ -53,6 +54,7 @@ class Context:
             needs_jit=cfg.offload.optimizer is not OffloadDevice.none or not cfg.optimizer.torch_adam,
             needs_aio=OffloadDevice.nvme in offloads,
             config=cfg,
+            jit_ops=ops_for(cfg),
         )
 
 
@@ -213,9 +215,7 @@ def check_shm(probe: Probe, ctx: Context) -> List[Finding]:
 
 
 def check_extensions_cache(probe: Probe, ctx: Context) -> List[Finding]:
-    root = probe.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
-        probe.environ.get("HOME", str(Path.home())), ".cache", "torch_extensions"
-    )
+    root = str(build_root(probe.environ))  # the directory the ranks build into (this environment's own)
     out = []
     if not probe.writable(root):
         out.append(
@@ -242,12 +242,23 @@ def check_extensions_cache(probe: Probe, ctx: Context) -> List[Finding]:
     return out
 
 
-def check_shm_op(probe: Probe, ctx: Context) -> List[Finding]:
-    """DeepSpeed JIT-builds its CPU shared-memory op in the first multi-rank run; say whether that is still ahead."""
-    current = probe.shm_op()
-    if current.needed and not current.built:
-        return [Finding("shm_op", Level.warn, current.describe(), "dsrecipes doctor --build-ops  (builds it now)")]
-    return [Finding("shm_op", Level.ok, current.describe())]
+def check_jit_ops(probe: Probe, ctx: Context) -> List[Finding]:
+    """The JIT ops this config makes DeepSpeed build, and whether this environment's directory has them yet.
+    (Training builds no shared-memory op: distributed.skip_shm_comm_op.)"""
+    root = build_root(probe.environ)
+    if not ctx.jit_ops:
+        return [Finding("jit_ops", Level.ok, "this config needs no JIT-built op (DeepSpeed's CPU shared-memory op is "
+                        "not used for training and not built)")]  # fmt: skip
+    built = set(probe.built_ops(str(root)))
+    out = []
+    for op in ctx.jit_ops:
+        if op.value in built:
+            out.append(Finding("jit_ops", Level.ok, f"{op.value}: built ({root / op.value})"))
+        else:
+            out.append(Finding("jit_ops", Level.warn, f"{op.value}: not built yet; the first run does it. "
+                               + describe_build(op.value, root).removeprefix("dsrecipes: "),
+                               "dsrecipes doctor --build-ops [the run's overrides]  (builds it now)"))  # fmt: skip
+    return out
 
 
 def check_config(probe: Probe, ctx: Context) -> List[Finding]:
@@ -272,7 +283,7 @@ CHECKS: List[Callable[[Probe, Context], List[Finding]]] = [
     check_aio,
     check_shm,
     check_extensions_cache,
-    check_shm_op,
+    check_jit_ops,
     check_config,
 ]
 

@@ -86,12 +86,13 @@ def run(cfg: TrainConfig, decision: Optional[Decision] = None) -> int:
     """Plan, write the run directory (`trainer.output_dir`, already claimed: rundir.claim), launch. Returns the
     ranks' exit code."""
     from dsrecipes.launch import launch
-    from dsrecipes.rundir import clear_outcome
+    from dsrecipes.rundir import RESULT_FILE, clear_outcome
 
     run_dir = Path(cfg.trainer.output_dir)
+    again = (run_dir / RESULT_FILE).is_file()  # an earlier attempt ended here (e.g. interrupted before its checkpoint)
     plan = write_run_dir(cfg, resolve_topology(cfg.launcher), decision)
     clear_outcome(run_dir)
-    print(f"run directory: {run_dir}  ({describe_plan(plan)})", flush=True)
+    print(f"run directory: {run_dir}  ({describe_plan(plan, again)})", flush=True)
     return launch(cfg, run_dir)
 
 
@@ -201,8 +202,10 @@ def plan_data(cfg: TrainConfig, run_dir: Path, tokenizer: Any, fingerprint: str,
     return prepared
 
 
-def describe_plan(plan: RunPlan) -> str:
+def describe_plan(plan: RunPlan, again: bool = False) -> str:
     text = f"world size {plan.world_size}, {plan.total_steps} optimizer steps"
     if plan.resume is not None:
         text += f", resuming from step {plan.resume.step}" + (" (elastic)" if plan.elastic else "")
+    elif again:
+        text += ", no checkpoint yet: starting from step 1"
     return text

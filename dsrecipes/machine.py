@@ -11,10 +11,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Mapping, Optional
-
-if TYPE_CHECKING:
-    from dsrecipes.shm_op import ShmOpStatus
+from typing import Dict, List, Mapping, Optional
 
 
 class Probe:
@@ -81,12 +78,8 @@ class Probe:
     def lock_files(self, root: str) -> List[tuple]:
         """(path, age in seconds) of `lock` files left in a torch extensions cache."""
         now = time.time()
-        return [(str(p), now - p.stat().st_mtime) for p in Path(root).glob("*/*/lock")] if os.path.isdir(root) else []
+        return [(str(p), now - p.stat().st_mtime) for p in Path(root).glob("*/lock")] if os.path.isdir(root) else []
 
     def built_ops(self, root: str) -> List[str]:
-        return sorted(p.parent.name for p in Path(root).glob("*/*/*.so")) if os.path.isdir(root) else []
-
-    def shm_op(self) -> "ShmOpStatus":
-        from dsrecipes.shm_op import status
-
-        return status()
+        """The ops built in a build root (jit_ops.build_root: <root>/<op>/<op>.so)."""
+        return sorted(p.parent.name for p in Path(root).glob("*/*.so")) if os.path.isdir(root) else []

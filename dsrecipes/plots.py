@@ -27,27 +27,40 @@ def curves(history: Sequence[Dict[str, Any]]) -> Tuple[Curve, Curve]:
 
 def plot_run(history: Sequence[Dict[str, Any]], out: Path, title: str = "") -> bool:
     """loss.png of one run; False when there is nothing to draw."""
+    fig = run_figure(history, title)
+    if fig is not None:
+        _save(fig, out)
+    return fig is not None
+
+
+def run_figure(history: Sequence[Dict[str, Any]], title: str = "") -> Any:
     train, evals = curves(history)
     if not train and not evals:
-        return False
+        return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     if train:
-        ax.plot(*zip(*train), color="tab:blue", lw=1.4, label=f"train loss (last {train[-1][1]:.4g})")
+        ax.plot(*zip(*train), color="tab:blue", lw=1.4, label=f"train loss (last {train[-1][1]:.4g})", **_lone(train))
     if evals:
         ax.plot(*zip(*evals), "o--", color="tab:orange", lw=1.2, ms=4, label=f"eval loss (last {evals[-1][1]:.4g})")
     _finish(ax, [v for _, v in train + evals], title)
     ax.legend()
-    _save(fig, out)
-    return True
+    return fig
 
 
 def plot_sweep(jobs: Sequence[Tuple[str, Sequence[Dict[str, Any]]]], out: Path, title: str = "") -> bool:
     """summary.png: (label, metrics rows) per job, one colour each; train solid, eval dashed with markers."""
+    fig = sweep_figure(jobs, title)
+    if fig is not None:
+        _save(fig, out)
+    return fig is not None
+
+
+def sweep_figure(jobs: Sequence[Tuple[str, Sequence[Dict[str, Any]]]], title: str = "") -> Any:
     drawn = [(label, *curves(rows)) for label, rows in jobs]
     drawn = [d for d in drawn if d[1] or d[2]]
     if not drawn:
-        return False
+        return None
     if len(drawn) < len(jobs):
         title += f" ({len(jobs) - len(drawn)} without metrics: see summary.md)"
     plt = _pyplot()
@@ -57,14 +70,18 @@ def plot_sweep(jobs: Sequence[Tuple[str, Sequence[Dict[str, Any]]]], out: Path, 
     for i, (label, train, evals) in enumerate(drawn):
         colour = colours(i % colours.N)
         if train:
-            ax.plot(*zip(*train), color=colour, lw=1.3, label=f"{label}: train")
+            ax.plot(*zip(*train), color=colour, lw=1.3, label=f"{label}: train", **_lone(train))
         if evals:
             ax.plot(*zip(*evals), "o--", color=colour, lw=1.0, ms=3.5, label=f"{label}: eval")
         values += [v for _, v in train + evals]
     _finish(ax, values, title)
     ax.legend(fontsize="small", ncol=2 if len(drawn) > 6 else 1)
-    _save(fig, out)
-    return True
+    return fig
+
+
+def _lone(curve: Curve) -> Dict[str, Any]:
+    """A curve of one point is a marker: a line through one point draws nothing (a run shorter than log_every)."""
+    return {"marker": "o", "ms": 5} if len(curve) == 1 else {}
 
 
 def _pyplot() -> Any:

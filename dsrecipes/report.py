@@ -22,14 +22,12 @@ def closing_summary(run_dir: Path, wall_s: float, overrides: Sequence[str], max_
 
     summary = run_summary(run_dir)
     rows = read_metrics(run_dir)
-    train = [r["loss"] for r in rows if r.get("loss") is not None]
     eval_rows = [r for r in rows if r.get("eval_loss") is not None]
-    evals = [r["eval_loss"] for r in eval_rows]
     speed = f" at {summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] else ""
     lines = [f"done: {summary['steps']} steps in {format_seconds(wall_s)}{speed}"]
-    if train:
-        lines.append(f"  train loss   {train[0]:.4f} -> {train[-1]:.4f}")
-    if evals:
+    if train := trend(rows, "loss"):
+        lines.append(f"  train loss   {train}")
+    if eval_rows:
         lines += eval_lines(eval_rows)
     lines += selection_lines(run_dir)
     lines.append(f"  run dir      {run_dir}")
@@ -50,8 +48,11 @@ def closing_summary(run_dir: Path, wall_s: float, overrides: Sequence[str], max_
 def eval_lines(eval_rows: List[dict]) -> List[str]:
     """First -> last evaluation (step 0 is the starting weights), how many ran, and accuracy/perplexity."""
     first, last = eval_rows[0], eval_rows[-1]
-    count = f"{len(eval_rows)} evaluation{'s' * (len(eval_rows) != 1)}, steps {first['step']}..{last['step']}"
-    lines = [f"  eval loss    {first['eval_loss']:.4f} -> {last['eval_loss']:.4f}  ({count})"]
+    if len(eval_rows) == 1:  # one evaluation is not a trend: "7.5 -> 7.5" would claim a curve it never measured
+        lines = [f"  eval loss    {first['eval_loss']:.4f}  (1 evaluation, step {first['step']})"]
+    else:
+        count = f"{len(eval_rows)} evaluations, steps {first['step']}..{last['step']}"
+        lines = [f"  eval loss    {first['eval_loss']:.4f} -> {last['eval_loss']:.4f}  ({count})"]
     if first.get("eval_accuracy") is not None and last.get("eval_accuracy") is not None:
         lines.append(f"  eval acc     {first['eval_accuracy']:.1%} -> {last['eval_accuracy']:.1%}  (perplexity "
                      f"{first.get('eval_ppl', float('nan')):.4g} -> {last.get('eval_ppl', float('nan')):.4g})")
@@ -71,6 +72,18 @@ def selection_lines(run_dir: Path) -> List[str]:
         return []
     best = run_dir / EXPORT_BEST_DIR
     return summary_lines(result, str(best) if best.is_dir() else None)
+
+
+def trend(rows: Sequence[dict], key: str) -> Optional[str]:
+    """First and last logged value of `key` and how many there were: a run shorter than trainer.log_every logged
+    once, and "7.16 -> 7.16" would claim a flat curve it never measured."""
+    logged = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    if not logged:
+        return None
+    (first_step, first), (last_step, last) = logged[0], logged[-1]
+    if len(logged) == 1:
+        return f"{first:.4f}  (1 logged value, step {first_step})"
+    return f"{first:.4f} -> {last:.4f}  (first and last of {len(logged)} logged values, steps {first_step}-{last_step})"
 
 
 def next_commands(run_dir: Path, overrides: Sequence[str], steps: int, max_steps: Optional[int]) -> List[tuple]:

@@ -4,7 +4,12 @@ runs the work.
 The launching process forwards the signal to its launcher's whole process group and gives the ranks
 `trainer.stop_grace_s` to finish before it kills what is left (launch/process.py). Every rank records it; at the
 next optimizer-step boundary the ranks agree (one small all-reduce per step, so all of them stop at the same step),
-save a checkpoint and end with the exit code of the signal (train.py). A second Ctrl-C stops at once.
+save a checkpoint and end with the exit code of the signal (train.py).
+
+Signals that arrive together are one interruption: a wrapper that forwards signals (`timeout`, CI runners, `srun`)
+delivers the terminal's Ctrl-C a second time within milliseconds, and that copy must not throw the checkpoint away.
+Only a SIGINT more than `SAME_INTERRUPTION_S` after the first one was acknowledged (the "stopping at the next step
+boundary" line) stops at once; `forced()` then says so, for the message naming the latest checkpoint.
 
 `handling()` blocks nest (the local launcher runs the rank inside the launching process): the outermost installs
 the OS handlers, every active block's callback is told about the signal.
@@ -15,12 +20,16 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, List, Optional
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SAME_INTERRUPTION_S = 1.0  # signals closer than this to the acknowledged first one are that same interruption
 
 _received: Optional[int] = None
+_acknowledged_at: float = 0.0  # time.monotonic() when the first signal was acknowledged
+_forced = False
 _callbacks: List[Callable[[int], None]] = []
 _announce: List[bool] = []
 
@@ -30,9 +39,15 @@ def requested() -> Optional[int]:
     return _received
 
 
+def forced() -> bool:
+    """True when a second interruption (after the first was acknowledged) stopped the work at once."""
+    return _forced
+
+
 def reset() -> None:
-    global _received
+    global _received, _forced
     _received = None
+    _forced = False
 
 
 def exit_code(signum: int) -> int:
@@ -41,14 +56,20 @@ def exit_code(signum: int) -> int:
 
 
 def _handler(signum: int, frame: object) -> None:
-    global _received
-    if _received is not None and signum == signal.SIGINT:
-        raise KeyboardInterrupt  # Ctrl-C twice: stop now
+    global _received, _acknowledged_at, _forced
+    if _received is not None:
+        if time.monotonic() - _acknowledged_at < SAME_INTERRUPTION_S:
+            return  # the same interruption, delivered again (a forwarding wrapper): already being acted on
+        if signum == signal.SIGINT:
+            _forced = True
+            raise KeyboardInterrupt  # Ctrl-C again, after the acknowledgement: stop now
     first = _received is None
     _received = _received or signum
     if first and any(_announce):
         print(f"\n{signal.Signals(signum).name}: stopping at the next step boundary and saving a checkpoint "
-              "(Ctrl-C again stops at once)", file=sys.stderr, flush=True)
+              "(Ctrl-C again, after this line, stops at once)", file=sys.stderr, flush=True)
+    if first:
+        _acknowledged_at = time.monotonic()
     for callback in list(_callbacks):
         callback(signum)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from hydra.experimental.callback import Callback
 
@@ -168,18 +168,45 @@ def curve_labels(rows: List[Dict[str, Any]]) -> List[str]:
     return labels
 
 
+METRICS = (("final_eval_loss", "eval loss"), ("final_loss", "final loss"))  # the sweep's metric: first one jobs have
+
+
+def best_row(rows: List[Dict[str, Any]]) -> Optional[Tuple[int, str, str]]:
+    """(index, key, name) of the job with the lowest eval loss (final train loss when no job evaluated) among the
+    jobs that finished; None unless at least two of them have that number (one job is not "best" of anything)."""
+    for key, name in METRICS:
+        scored = [(float(r[key]), i) for i, r in enumerate(rows) if r["status"] == "ok" and _finite(r.get(key))]
+        if len(scored) >= 2:
+            return min(scored)[1], key, name
+        if scored:
+            return None
+    return None
+
+
 def render_markdown(rows: List[Dict[str, Any]]) -> str:
     keys = varying_keys(rows)
+    best = best_row(rows)
     head = ["job", *keys, "status", "final loss", "eval loss", "tokens/s", "peak MB", "error"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in rows:
+    for i, row in enumerate(rows):
         ovs = dict(ov.partition("=")[::2] for ov in row["overrides"])
         error = (row.get("error") or "").replace("|", "\\|").replace("\n", " ")
-        cells = [row["job"], *[ovs.get(k, "") for k in keys], str(row["status"]), _num(row["final_loss"], 4),
-                 _num(row["final_eval_loss"], 4), _num(row["tokens_per_s"], 1), _num(row["peak_mem_mb"], 0),
+        numbers = {"final_loss": _num(row["final_loss"], 4), "final_eval_loss": _num(row["final_eval_loss"], 4)}
+        job = row["job"]
+        if best is not None and best[0] == i:
+            job, numbers[best[1]] = f"{job} (best)", f"**{numbers[best[1]]}**"
+        cells = [job, *[ovs.get(k, "") for k in keys], str(row["status"]), numbers["final_loss"],
+                 numbers["final_eval_loss"], _num(row["tokens_per_s"], 1), _num(row["peak_mem_mb"], 0),
                  error[:120]]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
+    if best is not None:
+        label = " ".join(o for o in rows[best[0]]["overrides"] if o.partition("=")[0] in keys)
+        lines.append(f"\nbest by {best[2]} (lowest): job {rows[best[0]]['job']}" + (f" ({label})" if label else ""))
     return "\n".join(lines)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _num(value: Any, digits: int) -> str:

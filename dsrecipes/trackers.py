@@ -155,10 +155,11 @@ class WandbTracker:
 
         from dsrecipes.config.load import config_to_dict
 
-        # console="off": W&B would otherwise wrap this process's stdout/stderr to upload them.
+        # console="off": W&B would otherwise wrap this process's stdout/stderr to upload them. silent: its banner
+        # (~20 lines at start and end) stays off the console; W&B keeps its own logs in <run>/wandb/.
         self.run = wandb.init(project=cfg.trainer.experiment, name=run_name(run_dir), dir=str(run_dir),
                               config=config_to_dict(cfg), id=ids.get("wandb_run_id"), resume="allow",
-                              settings=wandb.Settings(console="off"))
+                              settings=wandb.Settings(console="off", silent=True))
         ids["wandb_run_id"] = self.run.id
 
     def log_metrics(self, metrics: Dict[str, float], step: int) -> None:

@@ -130,3 +130,13 @@ def test_bar_mode_draws_a_bar(tmp_path, capsys, monkeypatch):
     log.close()
     captured = capsys.readouterr()
     assert "train: 100%" in captured.err and "\r" in captured.err and "step 4/4  loss" not in captured.out
+
+
+def test_model_commands_log_third_party_noise_into_the_runs_logs(tmp_path):
+    run = tmp_path / "run"
+    (run / "export").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}")
+    assert console.command_log(["chat", str(run), "--message", "hi"], "chat") == run / "logs" / "chat.log"
+    assert console.command_log([str(run / "export")], "chat") == run / "logs" / "chat.log"  # an export of a run
+    assert console.command_log([f"--finetuned={run}"], "prompt-eval") == run / "logs" / "prompt-eval.log"
+    assert console.command_log([str(tmp_path), "--limit", "2"], "export") is None  # not a run: nowhere

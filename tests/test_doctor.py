@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dsrecipes import doctor, shm_op
+from dsrecipes import doctor, jit_ops
 from dsrecipes.doctor import Context, Level
 from dsrecipes.machine import Probe
 
@@ -30,7 +30,6 @@ class FakeProbe(Probe):
         self.shm = 16 * doctor.GIB
         self.locks = []
         self.can_write = True
-        self.shm_op_status = shm_op.ShmOpStatus(needed=False, built=False, where="")
         self.__dict__.update(changes)
 
     def which(self, name):
@@ -65,9 +64,6 @@ class FakeProbe(Probe):
 
     def built_ops(self, root):
         return ["cpu_adam"]
-
-    def shm_op(self):
-        return self.shm_op_status
 
 
 def levels(findings, check):
@@ -194,45 +190,39 @@ def test_config_rules_that_need_this_machine(make_cfg):
     assert only(doctor.diagnose(FakeProbe(), ctx), "config").level is Level.ok
 
 
-def test_shm_op_not_built_yet_says_how_to_build_it_ahead():
-    where = "/home/u/.cache/torch_extensions/py311_cpu/deepspeed_shm_comm/deepspeed_shm_comm.so"
-    f = only(doctor.diagnose(FakeProbe(shm_op_status=shm_op.ShmOpStatus(True, False, where)), Context()), "shm_op")
-    assert f.level is Level.warn and "not built yet" in f.message and where in f.message
+def test_jit_ops_of_the_config_are_checked_in_the_directory_the_run_uses(make_cfg):
+    probe = FakeProbe()
+    root = jit_ops.build_root(probe.environ)
+    assert str(root).startswith("/home/u/.cache/torch_extensions/dsrecipes/py")  # this environment's own
+    f = only(doctor.diagnose(probe, Context.from_config(make_cfg("zero=stage2", "offload=cpu_optimizer", check_files=False))), "jit_ops")
+    assert f.level is Level.ok and f.message == f"cpu_adam: built ({root / 'cpu_adam'})"
+    assert str(root) in only(doctor.diagnose(probe, Context()), "torch_extensions").message
+    f = only(doctor.diagnose(probe, Context.from_config(make_cfg("optimizer.torch_adam=false", check_files=False))),
+             "jit_ops")
+    assert f.level is Level.warn and "fused_adam: not built yet" in f.message and str(root / "fused_adam") in f.message
     assert f.fix.startswith("dsrecipes doctor --build-ops")
-    f = only(doctor.diagnose(FakeProbe(shm_op_status=shm_op.ShmOpStatus(True, True, where)), Context()), "shm_op")
-    assert f.level is Level.ok and f.message == f"deepspeed_shm_comm: built ({where})"
-    assert "not used" in only(doctor.diagnose(FakeProbe(), Context()), "shm_op").message  # CUDA: no such op
+    f = only(doctor.diagnose(probe, Context.from_config(make_cfg(check_files=False))), "jit_ops")
+    assert f.level is Level.ok and "needs no JIT-built op" in f.message  # the default: torch's Adam, no shm op
 
 
-def test_shm_op_build_is_announced_only_while_it_is_ahead(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    current = shm_op.status()
-    if not current.needed:
-        pytest.skip("not a CPU accelerator: DeepSpeed does not use the shm op here")
-    assert current.where == str(tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so") and not current.built
-    assert list(tmp_path.iterdir()) == []  # reading the status creates nothing
-    shm_op.announce()
-    err = capsys.readouterr().err
-    assert "building DeepSpeed's shared-memory op deepspeed_shm_comm" in err and "doctor --build-ops" in err
-    monkeypatch.setenv("LOCAL_RANK", "1")  # one message per node
-    shm_op.announce()
-    assert capsys.readouterr().err == ""
-    (tmp_path / "deepspeed_shm_comm").mkdir()
-    (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    assert shm_op.status().built
-    shm_op.announce()
-    assert capsys.readouterr().err == ""
+def test_jit_op_table_is_complete():
+    assert set(jit_ops.BUILDERS) == set(jit_ops.JitOp)
 
 
 @pytest.mark.slow
-def test_doctor_build_ops_builds_the_shm_op():
-    """For real, in the machine's own cache (built once per machine anyway: the first multi-rank test would)."""
-    done = subprocess.run([sys.executable, "-m", "dsrecipes", "doctor", "--build-ops"], capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+@pytest.mark.timeout(1800)  # a cold DeepSpeedCPUAdam build: 1-2 min on a quiet machine, ~9 min on a loaded 2-core one
+def test_doctor_build_ops_builds_what_the_config_needs_where_the_run_looks(tmp_path):
+    """For real: `--build-ops offload=cpu_optimizer` builds DeepSpeedCPUAdam into this environment's directory under the
+    cache root, and doctor then reports it built there."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+    cmd = [sys.executable, "-m", "dsrecipes", "doctor", "--build-ops", "--json", "zero=stage2", "offload=cpu_optimizer"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1700, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    current = shm_op.status()
-    if current.needed:
-        assert current.built and f"deepspeed_shm_comm: built ({current.where})" in done.stderr
-        assert "[ok   ] shm_op: deepspeed_shm_comm: built" in done.stdout
+    root = jit_ops.build_root(env)
+    assert root.parent == tmp_path / "torch_extensions" / "dsrecipes" and (root / "cpu_adam" / "cpu_adam.so").is_file()
+    assert "building DeepSpeed's cpu_adam" in done.stderr and f"cpu_adam: built ({root / 'cpu_adam'})" in done.stderr
+    (f,) = [f for f in json.loads(done.stdout) if f["check"] == "jit_ops"]
+    assert f["level"] == "ok" and f["message"] == f"cpu_adam: built ({root / 'cpu_adam'})"

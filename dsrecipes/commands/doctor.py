@@ -1,5 +1,6 @@
 """`dsrecipes doctor [overrides] [--json] [--build-ops]`: is this machine able to train, and if not, what to change
-(`--build-ops` first builds DeepSpeed's CPU shared-memory op, which the first multi-rank run would build)."""
+(`--build-ops` first builds the JIT ops the composed config needs, which its first run would build, into the
+directory that run uses: jit_ops.build_root)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,8 @@ def main(argv: List[str]) -> int:
     parser = override_parser("doctor", "check the environment (torch, CUDA, compilers, shm, caches)")
     parser.add_argument("--json", action="store_true", help="print findings as JSON")
     parser.add_argument("--build-ops", action="store_true",
-                        help="JIT-build DeepSpeed's CPU shared-memory op now instead of in the first multi-rank run")
+                        help="JIT-build the DeepSpeed ops this config needs now instead of in its first run")
     args = parse(parser, argv)
-    if args.build_ops:
-        import dsrecipes.shm_op as shm_op
-
-        print(f"building {shm_op.NAME} (1-3 minutes when not cached) ...", file=sys.stderr, flush=True)
-        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's build log
-            print(shm_op.build().describe(), file=sys.stderr)
     ctx = Context()
     try:
         from dsrecipes.config.load import compose_and_load
@@ -33,6 +28,8 @@ def main(argv: List[str]) -> int:
         ctx = Context.from_config(compose_and_load(args.overrides, check_files=False))
     except Exception as exc:  # noqa: BLE001 - doctor must run even where the config (or hydra) is broken
         print(f"note: could not compose the config ({exc}); checking without it", file=sys.stderr)
+    if args.build_ops:
+        _build_ops(ctx)
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout on import; keep --json clean
         findings = diagnose(Probe(), ctx)
     if args.json:
@@ -40,3 +37,14 @@ def main(argv: List[str]) -> int:
     else:
         print(render(findings))
     return 1 if any(f.level is Level.error for f in findings) else 0
+
+
+def _build_ops(ctx) -> None:  # noqa: ANN001 - doctor.Context
+    import dsrecipes.jit_ops as jit_ops
+
+    if not ctx.jit_ops:
+        print("this config needs no JIT-built op; nothing to build", file=sys.stderr)
+    for op in ctx.jit_ops:
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's build log
+            where = jit_ops.build(op)
+        print(f"{op.value}: built ({where})", file=sys.stderr, flush=True)

@@ -39,11 +39,19 @@ def report_interrupted(run_dir: Path, signum: int, extra: dict, argv: Sequence[s
     command = resume_command(run_dir, argv, keep_resume_from=not newest)
     code = stopping.exit_code(signum)
     name = signal.Signals(signum).name
-    where = f"last checkpoint: {checkpoint}" if checkpoint else "no checkpoint was written"
-    print(f"\ninterrupted by {name} ({where}). Resume with:\n  {command}", file=sys.stderr, flush=True)
+    print(f"\n{interrupted_message(name, checkpoint, stopping.forced())}. Resume with:\n  {command}", file=sys.stderr,
+          flush=True)
     extra = {**extra, "checkpoint": checkpoint, "resume_command": command}
     write_result(run_dir, code, f"interrupted by {name}", "interrupted", **extra)
     return code
+
+
+def interrupted_message(signal_name: str, checkpoint: str | None, at_once: bool) -> str:
+    """How it stopped and what the resume command continues from: the latest checkpoint, or step 1."""
+    how = f"stopped at once by a second {signal_name}" if at_once else f"interrupted by {signal_name}"
+    if checkpoint is None:
+        return f"{how} (no checkpoint yet: the command below starts from step 1)"
+    return f"{how} (latest checkpoint: {checkpoint})"
 
 
 def resume_command(run_dir: Path, argv: Sequence[str], keep_resume_from: bool) -> str:

@@ -1,0 +1,146 @@
+"""Time from launch to the first optimizer step of a 2-rank CPU run, cold and warm, with a second Python environment
+interleaved (issue 22 item 1).
+
+    python benchmarks/bench_rank_start.py                    # default config (tiny model, sample data)
+    python benchmarks/bench_rank_start.py zero=stage2 offload=cpu_optimizer   # a config with a JIT op to build (DeepSpeedCPUAdam)
+    python benchmarks/bench_rank_start.py --pairs 5 --keep /tmp/bench
+
+Two environments: A is this interpreter, B a real `python -m venv --system-site-packages` beside it (the same
+packages, another sys.prefix), so each has its own JIT build directory (dsrecipes/jit_ops.py). Both start from an
+empty torch extensions cache (XDG_CACHE_HOME points into the workspace; TORCH_EXTENSIONS_DIR is unset).
+
+  cold     the first 2-rank run of A, then of B (whatever either builds, it builds here)
+  warm     `--pairs` rounds, each one 2-rank run of A, one of B and one 1-rank run (launcher=local) of A, the order
+           rotating every round (A/B alternating), so a build B triggers would show in A's next start
+The time is from starting `python -m dsrecipes` to the moment step 1's metrics line is written (polled every
+0.05 s). The data is prepared once, before any timed run, with a separate cache. After each run the built ops'
+libraries are listed with their modification times: "rebuilt" marks a run that rebuilt an op another run had built.
+Reported: each run, then median and range (min-max) per kind, and warm 2-rank minus 1-rank. On a shared machine
+wall time mostly measures the neighbours, so each run's CPU time (user + system, every process of the run, the
+whole 1-step run) is reported too: the work a start costs, whatever else runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+RUN = ["debug=fast", "trainer.max_steps=1", "trainer.log_every=1", "trainer.save_every=0", "trainer.eval_every=0",
+       "dataset.val_size=0", "trainer.export=false", "trainer.resume=never"]
+
+
+def environment(ws: Path, cache: Path) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT", "TORCH_EXTENSIONS_DIR")}
+    env.update({"XDG_CACHE_HOME": str(cache), "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]),
+                                                    env.get("PYTHONPATH")) if p)
+    return env
+
+
+def built_ops(cache: Path) -> Dict[str, float]:
+    return {str(p.relative_to(cache)): p.stat().st_mtime for p in cache.rglob("*.so")} if cache.is_dir() else {}
+
+
+def cpu_seconds() -> float:
+    """user + system CPU time of every finished descendant (ranks and launchers are reaped down the chain)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def start_to_first_step(python: str, ws: Path, name: str, ranks: int, overrides: List[str],
+                        env: Dict[str, str]) -> float:
+    from dsrecipes.rundir import read_metrics
+
+    run = ws / "runs" / name
+    launcher = ["launcher=local"] if ranks == 1 else ["launcher=deepspeed", f"launcher.num_gpus={ranks}"]
+    argv = [python, "-m", "dsrecipes", *RUN, *launcher, f"data.cache_dir={ws / 'data'}", f"trainer.output_dir={run}",
+            f"hydra.run.dir={run}", *overrides]
+    log = open(ws / f"{name}.log", "w")
+    started = time.perf_counter()
+    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ws)
+    first = None
+    while first is None:
+        if any(r.get("step") == 1 and "loss" in r for r in read_metrics(run)):
+            first = time.perf_counter() - started
+        elif proc.poll() is not None:
+            raise SystemExit(f"{name} ended (code {proc.returncode}) before step 1; see {ws / (name + '.log')}")
+        time.sleep(0.05)
+    if proc.wait(timeout=900) != 0:
+        raise SystemExit(f"{name} failed (code {proc.returncode}); see {ws / (name + '.log')}")
+    return first
+
+
+def summary(label: str, values: List[float]) -> str:
+    if not values:
+        return f"{label:<26} -"
+    return (f"{label:<26} median {statistics.median(values):6.1f} s   range {min(values):6.1f} - {max(values):6.1f} s"
+            f"   (n={len(values)})")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=3, help="warm rounds (each: A 2-rank, B 2-rank, A 1-rank)")
+    parser.add_argument("--keep", type=Path, default=None, help="workspace to keep (default: a temporary one)")
+    parser.add_argument("overrides", nargs="*", help="config overrides for every run (e.g. offload=cpu_optimizer)")
+    args = parser.parse_args()
+    ws = args.keep or Path(tempfile.mkdtemp(prefix="bench_rank_start_"))
+    ws.mkdir(parents=True, exist_ok=True)
+    cache = ws / "cache"
+    venv = ws / "venv_b"
+    if not venv.is_dir():
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    pythons = {"A": sys.executable, "B": str(venv / "bin" / "python")}
+    print(f"workspace {ws}\nA: {pythons['A']}\nB: {pythons['B']}\noverrides: {args.overrides}", flush=True)
+    # the data (tokenized once, content-keyed; zero/offload are not part of its key), with a cache of its own and
+    # without the overrides, so no op gets built here
+    start_to_first_step(pythons["A"], ws, "prepare", 1, [], environment(ws, ws / "prepare_cache"))
+    env = environment(ws, cache)
+    results: List[Tuple[str, str, float, str]] = []
+    cpu: Dict[str, List[float]] = {}
+
+    def one(kind: str, who: str, ranks: int, name: str) -> None:
+        before, cpu_before = built_ops(cache), cpu_seconds()
+        seconds = start_to_first_step(pythons[who], ws, name, ranks, args.overrides, env)
+        cpu.setdefault(kind, []).append(cpu_seconds() - cpu_before)
+        after = built_ops(cache)
+        rebuilt = sorted(k for k in before if k in after and after[k] != before[k])
+        note = ("rebuilt " + ", ".join(rebuilt)) if rebuilt else ("built " + ", ".join(sorted(set(after) - set(before)))
+                                                                  if set(after) - set(before) else "")
+        results.append((kind, who, seconds, note))
+        print(f"{name:<14} {kind:<6} env {who} {ranks} rank(s): {seconds:6.1f} s to step 1, whole run "
+              f"{cpu[kind][-1]:6.1f} CPU s  {note}", flush=True)
+
+    one("cold", "A", 2, "cold_A")
+    one("cold", "B", 2, "cold_B")
+    for i in range(args.pairs):
+        plan = [("A", 2), ("B", 2), ("A", 1)]
+        plan = plan[i % 3:] + plan[:i % 3]  # rotate: every run follows each other kind once
+        for who, ranks in plan:
+            one("warm" if ranks == 2 else "1rank", who, ranks, f"warm{i}_{who}{ranks}")
+    print()
+    for kind, who in (("cold", "A"), ("cold", "B"), ("warm", "A"), ("warm", "B"), ("1rank", "A")):
+        print(summary(f"{kind} {who}" if kind != "1rank" else "1-rank A (warm)",
+                      [s for k, w, s, _ in results if k == kind and w == who]))
+    warm = [s for k, _, s, _ in results if k == "warm"]
+    single = [s for k, _, s, _ in results if k == "1rank"]
+    if warm and single:
+        print(f"warm 2-rank minus 1-rank (medians): {statistics.median(warm) - statistics.median(single):+.1f} s")
+    for kind, values in cpu.items():
+        print(summary(f"CPU s, whole run, {kind}", values))
+    rebuilds = [r for r in results if r[3].startswith("rebuilt") and r[0] != "cold"]
+    print(f"warm runs that rebuilt an op: {len(rebuilds)}")
+    print(f"op libraries: {sorted(built_ops(cache))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

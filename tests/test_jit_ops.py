@@ -1,0 +1,140 @@
+"""Each Python environment keeps its own build of DeepSpeed's JIT ops, announced the first time, in the directory
+`dsrecipes doctor` checks; training builds no shared-memory op (issue 22 item 1).
+
+The slow tests are real: a second environment is a real `python -m venv --system-site-packages`, the op is a real
+C++ extension built by DeepSpeed's own OpBuilder.jit_load (a small one, so it builds in seconds), the doctor is the
+`dsrecipes doctor` command, and the 2-rank run is `python -m dsrecipes launcher=deepspeed`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dsrecipes.jit_ops as jit_ops
+from tests.conftest import subprocess_env
+
+
+def test_two_environments_never_share_a_build_directory():
+    env = {"HOME": "/home/u"}
+    a = jit_ops.build_root(env, jit_ops.environment_key("/venvs/a", "2.13.0+cpu", "0.19.8"))
+    b = jit_ops.build_root(env, jit_ops.environment_key("/venvs/b", "2.13.0+cpu", "0.19.8"))
+    newer_ds = jit_ops.build_root(env, jit_ops.environment_key("/venvs/a", "2.13.0+cpu", "0.20.0"))
+    newer_torch = jit_ops.build_root(env, jit_ops.environment_key("/venvs/a", "2.14.0+cpu", "0.19.8"))
+    assert len({a, b, newer_ds, newer_torch}) == 4
+    assert a.parent == Path("/home/u/.cache/torch_extensions/dsrecipes")
+    assert jit_ops.environment_key("/venvs/a") == jit_ops.environment_key("/venvs/a")  # stable
+    assert jit_ops.build_root({"HOME": "/h", "XDG_CACHE_HOME": "/c"}).parent == Path("/c/torch_extensions/dsrecipes")
+
+
+def test_the_users_torch_extensions_dir_wins(monkeypatch, tmp_path):
+    assert jit_ops.build_root({"HOME": "/home/u", "TORCH_EXTENSIONS_DIR": "/scratch/ext"}) == Path("/scratch/ext")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert jit_ops.prepare_rank() == tmp_path and os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path)
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert jit_ops.prepare_rank() == jit_ops.build_root() and os.environ["TORCH_EXTENSIONS_DIR"] == str(
+        tmp_path / "torch_extensions" / "dsrecipes" / jit_ops.environment_key())
+
+
+TINY_OP = r'''
+import sys
+from pathlib import Path
+
+from deepspeed.ops.op_builder.cpu.builder import CPUOpBuilder
+
+import dsrecipes.jit_ops as jit_ops
+
+SOURCE = Path(sys.argv[1])
+
+
+class TinyBuilder(CPUOpBuilder):
+    NAME = "dsrecipes_tiny_op"
+
+    def __init__(self):
+        super().__init__(name=self.NAME)
+
+    def absolute_name(self):
+        return self.NAME
+
+    def sources(self):
+        return [str(SOURCE)]
+
+    def include_paths(self):
+        return []
+
+    def cxx_args(self):
+        return ["-O0"]
+
+
+root = jit_ops.prepare_rank()  # what every rank does in distributed.init_distributed
+print("answer", TinyBuilder().load(verbose=False).answer(), "root", root, flush=True)
+'''
+
+TINY_SOURCE = r'''
+#include <pybind11/pybind11.h>
+int answer() { return 42; }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }
+'''
+
+
+@pytest.mark.slow
+def test_environments_build_apart_once_each_announced_where_doctor_looks(tmp_path):
+    (tmp_path / "tiny_op.py").write_text(TINY_OP)
+    (tmp_path / "tiny_op.cpp").write_text(TINY_SOURCE)
+    venv = tmp_path / "venv_b"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    env = subprocess_env({"XDG_CACHE_HOME": str(tmp_path / "cache"), "LOCAL_RANK": "0"})
+    env.pop("TORCH_EXTENSIONS_DIR", None)
+    pythons = {"A": sys.executable, "B": str(venv / "bin" / "python")}
+
+    def load(who: str) -> tuple[Path, str]:
+        done = subprocess.run([pythons[who], str(tmp_path / "tiny_op.py"), str(tmp_path / "tiny_op.cpp")], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "answer 42" in done.stdout
+        return Path(done.stdout.split(" root ")[1].strip()), done.stderr
+
+    def doctor(who: str) -> str:
+        done = subprocess.run([pythons[who], "-m", "dsrecipes", "doctor", "--json"], env=env, capture_output=True,
+                              text=True, timeout=600)
+        (f,) = [f for f in json.loads(done.stdout) if f["check"] == "torch_extensions"]
+        return f["message"]
+
+    root_a, said = load("A")
+    assert "building DeepSpeed's dsrecipes_tiny_op (a C++ op) for this Python environment, once" in said
+    assert f"later runs reuse it from {root_a / 'dsrecipes_tiny_op'}" in said and "dsrecipes_tiny_op built in" in said
+    library_a = root_a / "dsrecipes_tiny_op" / "dsrecipes_tiny_op.so"
+    built_at = library_a.stat().st_mtime_ns
+    root_b, said = load("B")  # the other environment builds its own ...
+    assert root_b != root_a and "building DeepSpeed's dsrecipes_tiny_op" in said
+    for who, root in (("A", root_a), ("B", root_b)):  # ... and they alternate without rebuilding each other's
+        assert load(who) == (root, "")  # silent: nothing to build
+    assert library_a.stat().st_mtime_ns == built_at
+    assert doctor("A") == f"{root_a}: built ops: dsrecipes_tiny_op"  # the doctor looks where the run builds
+    assert doctor("B") == f"{root_b}: built ops: dsrecipes_tiny_op"
+
+
+@pytest.mark.slow
+def test_a_two_rank_cpu_run_builds_no_shared_memory_op(tmp_path):
+    """Training over gloo does not use DeepSpeed's shm op: a 2-rank run from an empty extensions cache builds
+    nothing and trains."""
+    from dsrecipes.rundir import read_metrics
+    from tests.test_train_runs import SHORT
+
+    cache = tmp_path / "cache"
+    env = subprocess_env({"XDG_CACHE_HOME": str(cache)})
+    env.pop("TORCH_EXTENSIONS_DIR", None)
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "dsrecipes", *SHORT, "trainer.max_steps=2", f"data.cache_dir={tmp_path / 'data'}",
+            f"trainer.output_dir={run}", "launcher=deepspeed", "launcher.num_gpus=2"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2]
+    assert not list((cache / "torch_extensions").rglob("*shm_comm*")), "the shm op was built"
+    assert "building DeepSpeed" not in done.stdout + done.stderr
