@@ -1,6 +1,6 @@
 """Content keys: what makes prepared data (and a run's data fingerprint) change.
 
-A key hashes the input files' contents, the dataset/template config, the tokenization settings, the seed and the
+A key hashes the input files' contents (an object in a store: its ETag/version, `remote.identity`), the dataset/template config, the tokenization settings, the seed and the
 tokenizer itself. File hashes are memoised by path, size, inode, modification and change time: a same-size edit with
 its modification time set back still changes the change time, which no user call can set back. A file changed
 within RACY_SECONDS of being hashed could share its change time with that edit (timestamps are coarse), so, as git
@@ -18,6 +18,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from dsrecipes.config.load import config_to_dict
 from dsrecipes.config.schema import SourceConfig, TrainConfig
+from dsrecipes.data.remote import identity as remote_identity
+from dsrecipes.data.remote import is_url
 from dsrecipes.fileio import atomic_write_json
 
 RACY_SECONDS = 2.0  # a file changed this recently is hashed, not memoised
@@ -81,6 +83,8 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 def file_hash(path: str, memo: Dict[str, str], on_block: Optional[Callable[[bytes], None]] = None) -> str:
     """Content hash of `path`, memoised; `on_block` sees every block when the file is actually read (so a caller can
     index a file in the same pass that hashes it)."""
+    if is_url(path):  # an object's ETag/version is its identity: its content is not read for a key
+        return remote_identity(path)
     st = os.stat(path)
     memo_key = _stat_key(path, st)
     if memo_key in memo:

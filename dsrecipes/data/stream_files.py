@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from dsrecipes.data.remote import is_url, open_bytes, size_mtime
 from dsrecipes.data.stream_convert import CHUNK, convert, file_kind
 from dsrecipes.fileio import atomic_writer
 
@@ -140,14 +141,13 @@ def _index_one(name: str, digest: str, block_bytes: int, root: Path, scanner: Op
     read_path, loc_base = name, 0
     if file_kind(name) != "jsonl":
         read_path, loc_base, scanner, problem = _converted(name, root / f"{digest}.jsonl", block_bytes, keep)
-    if problem is None and (scanner is None or scanner.pos != os.path.getsize(read_path)):
-        scanner = _scan(read_path, block_bytes)  # not fed while hashing (memo hit), or JSON lines read in place
+    size, mtime_ns = size_mtime(read_path)
+    if problem is None and (scanner is None or scanner.pos != size):
+        scanner = _scan(read_path, block_bytes)  # not fed while hashing (memo hit, an object), or JSON lines
     count, offsets, lines, firsts = scanner.finish() if scanner is not None else (0, *(np.zeros(0, np.int64),) * 3)
     if problem is None and count == 0:
         problem = ("empty_file", "no rows")
-    st = os.stat(read_path)
-    fi = FileIndex(name, read_path, loc_base, st.st_size, st.st_mtime_ns, digest, count, offsets, lines, firsts,
-                   problem)
+    fi = FileIndex(name, read_path, loc_base, size, mtime_ns, digest, count, offsets, lines, firsts, problem)
     if keep:
         _save(cached, fi)
     return fi
@@ -176,7 +176,7 @@ def _converted(name: str, out: Path, block_bytes: int, keep: bool) -> Tuple[str,
 
 def _scan(path: str, block_bytes: int) -> LineScanner:
     scanner = LineScanner(block_bytes)
-    with open(path, "rb") as fh:
+    with open_bytes(path) as fh:
         for block in iter(lambda: fh.read(CHUNK), b""):
             scanner.feed(block)
     return scanner
@@ -201,11 +201,10 @@ def _load(path: Path, name: str, digest: str) -> Optional[FileIndex]:
         return None
     read_path = meta["path"] if meta["converted"] else name
     try:
-        st = os.stat(read_path)
+        size, mtime_ns = (meta["size"], meta["mtime_ns"]) if is_url(read_path) else size_mtime(read_path)
     except OSError:
         return None  # the converted copy was removed: convert again
-    if st.st_size != meta["size"]:
+    if size != meta["size"]:
         return None
     problem = tuple(meta["problem"]) if meta["problem"] else None
-    return FileIndex(name, read_path, meta["loc_base"], st.st_size, st.st_mtime_ns, digest, meta["count"], *arrays,
-                     problem)
+    return FileIndex(name, read_path, meta["loc_base"], size, mtime_ns, digest, meta["count"], *arrays, problem)

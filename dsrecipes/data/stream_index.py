@@ -25,6 +25,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES
+from dsrecipes.data.remote import ObjectChanged, RangeReader, is_url, size_mtime
+from dsrecipes.data.remote import identity as remote_identity
 from dsrecipes.data.stream_files import FileIndex, index_files
 from dsrecipes.data.stream_plan import BlockTable
 from dsrecipes.errors import DataError
@@ -100,6 +102,10 @@ class StreamIndex:
     def verify(self) -> None:
         """Every file still has the size and modification time it had when indexed (ranks, before reading)."""
         for fi in self.files:
+            if is_url(fi.path):
+                if remote_identity(fi.path) != fi.digest:
+                    raise ObjectChanged(fi.path)
+                continue
             try:
                 st = os.stat(fi.path)
             except OSError:
@@ -150,7 +156,7 @@ def index_stream(cfg: Any) -> StreamIndex:
     for note in notes:
         print(note, file=sys.stderr)
     file_source += [-1] * len(val_names)
-    block_bytes = cfg.data.block_bytes or auto_block_bytes(sum(os.path.getsize(n) for n in names))
+    block_bytes = cfg.data.block_bytes or auto_block_bytes(sum(size_mtime(n)[0] for n in names))
     files = index_files(cfg, names, block_bytes)
     _whole_file_problems(files, cfg.dataset.bad_rows.value)
     caps = _caps(files, file_source, [src.max_samples for src in sources], cfg.dataset.max_samples)
@@ -171,7 +177,7 @@ def file_sources(cfg: Any, index: StreamIndex) -> List[Any]:
 def index_spec(spec: Any, block_bytes: Optional[int] = None) -> StreamIndex:
     """A StreamIndex of a `sampler.StreamSpec` (files, optional limits), indexed now without a cache."""
     paths = list(spec.paths)
-    block_bytes = block_bytes or auto_block_bytes(sum(os.path.getsize(p) for p in paths))
+    block_bytes = block_bytes or auto_block_bytes(sum(size_mtime(p)[0] for p in paths))
     files = index_files(None, paths, block_bytes)
     limits = spec.limits or (None,) * len(paths)
     caps = [fi.count if lim is None else min(lim, fi.count) for fi, lim in zip(files, limits)]
@@ -250,11 +256,19 @@ class BlockSource:
         self.max_row_bytes = max_row_bytes
         self.bytes_read = 0
         self._fds: Dict[int, int] = {}
+        self._ranges: Dict[int, RangeReader] = {}
 
     def __getstate__(self) -> Dict[str, Any]:
-        return {"index": self.index, "max_row_bytes": self.max_row_bytes, "bytes_read": 0, "_fds": {}}
+        return {"index": self.index, "max_row_bytes": self.max_row_bytes, "bytes_read": 0, "_fds": {}, "_ranges": {}}
 
     def _pread(self, f: int, start: int, stop: int) -> bytes:
+        fi = self.index.files[f]
+        if is_url(fi.path):  # one ranged GET of exactly these bytes, pinned to the indexed ETag, retried
+            if f not in self._ranges:
+                self._ranges[f] = RangeReader(fi.path, fi.digest)
+            data = self._ranges[f].read(start, stop)
+            self.bytes_read += len(data)
+            return data
         if f not in self._fds:
             if len(self._fds) >= 64:
                 os.close(self._fds.pop(next(iter(self._fds))))
@@ -316,3 +330,6 @@ class BlockSource:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        for reader in self._ranges.values():
+            reader.close()
+        self._ranges.clear()

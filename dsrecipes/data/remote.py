@@ -1,0 +1,261 @@
+"""Data in object stores: which URLs name data files, and listing, identity and (ranged) reads of them.
+
+Two schemes, a positive list (`SCHEMES`):
+  s3://bucket/prefix/*.jsonl   any S3-API store through fsspec's s3fs; the endpoint, region and credentials come from
+                               the standard AWS settings only (`AWS_ENDPOINT_URL`, `AWS_PROFILE`, `AWS_ACCESS_KEY_ID`,
+                               ~/.aws/credentials, ...), never from a recipe: a URL carrying `user:secret@` is refused.
+  hf://datasets/org/name[@rev]/path   a Hugging Face Hub dataset, resolved through huggingface_hub's own cache
+                               (`snapshot_download` of the files the pattern names; with HF_HUB_OFFLINE=1 the local
+                               cache only) into local snapshot paths, which every other module reads as local files.
+                               The Hub API cannot glob offline (`HfFileSystem` needs the network), the cache can.
+
+An S3 object's identity is its ETag (and VersionId when the bucket keeps versions): `identity()` hashes those with the
+URL and size, so a content key never reads the content. Readers open an object once per process with
+`cache_type="none"` (each read is one ranged GET of exactly the bytes asked for) and `IfMatch` on the ETag the index
+recorded: an object replaced during a run is refused (`ObjectChanged`), never read mixed. Transient faults (throttling,
+5xx, a connection dropped mid-body, timeouts) are retried by botocore/s3fs and then by `RangeReader` (bounded, with
+backoff); a fault that outlasts them is one DataError naming the object.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import os
+import re
+import time
+from contextlib import contextmanager
+from typing import IO, Any, Dict, Iterator, List, Optional, Tuple
+
+from dsrecipes.errors import DataError
+
+SCHEMES = ("s3", "hf")
+READ_ATTEMPTS = 5  # RangeReader's own retries (each after s3fs's and botocore's): then the fault is reported
+BACKOFF_S = 0.2  # first wait; doubles per attempt
+OPEN_BLOCK = 8 << 20  # sequential reads (indexing, map preparation): one GET per 8 MiB
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,62}$")
+_GLOB = re.compile(r"[*?\[]")
+
+
+class ObjectChanged(DataError):
+    """An object's ETag/version differs from the one recorded when the run indexed it."""
+
+    def __init__(self, url: str):
+        super().__init__(f"{url}: the object changed in the store since the launching process indexed it "
+                         "(ETag/version differs); a run reads one version of its data: start the run again")
+
+
+def is_url(path: Any) -> bool:
+    """A path that names an object in a store (`s3://`, `hf://`), not a local file."""
+    return isinstance(path, str) and "://" in path and path.split("://", 1)[0] in SCHEMES
+
+
+def looks_like_url(path: Any) -> bool:
+    """Any `scheme://` path (for the message that lists the schemes we read)."""
+    return isinstance(path, str) and re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*://", path) is not None
+
+
+def check_url(url: str) -> Optional[str]:
+    """Why `url` cannot name data (None: it can): an unknown scheme, credentials in it, a malformed bucket."""
+    scheme, _, rest = url.partition("://")
+    if scheme not in SCHEMES:
+        return f"{url!r}: scheme {scheme}:// is not read; data URLs are s3://bucket/key or hf://datasets/org/name/path"
+    netloc = rest.split("/", 1)[0]
+    if "@" in netloc or ":" in netloc:
+        return (f"{scheme}://...: a data URL must not carry credentials or a port; credentials come from the "
+                "environment or the standard credential files, the endpoint from AWS_ENDPOINT_URL / the profile")
+    if scheme == "s3" and (not _BUCKET.match(netloc) or "/" not in rest):
+        return f"{url!r}: expected s3://bucket/key (a bucket name of 3-63 lowercase letters, digits, '.', '-')"
+    if scheme == "hf" and not re.match(r"^datasets/[^/]+/[^/@]+(@[^/]+)?/.+", rest):
+        return f"{url!r}: expected hf://datasets/org/name[@revision]/path"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# File systems and errors
+
+
+def s3() -> Any:
+    """The process's S3 file system (fsspec caches instances per process, so a forked reader gets its own)."""
+    import s3fs
+
+    return s3fs.S3FileSystem(config_kwargs={"connect_timeout": 10, "read_timeout": 60,
+                                            "retries": {"max_attempts": 5, "mode": "standard"}})
+
+
+@contextmanager
+def store_errors(url: str) -> Iterator[None]:
+    """Errors of the store as one DataError naming `url` and what to do (no traceback, no credentials)."""
+    try:
+        yield
+    except DataError:
+        raise
+    except Exception as exc:  # botocore, aiohttp and fsspec errors share no base class worth naming
+        raise DataError(f"{url}: {_explain(exc)}") from None
+
+
+def _explain(exc: BaseException) -> str:
+    name, text = type(exc).__name__, " ".join(str(exc).split())
+    if name == "NoCredentialsError":
+        return ("no credentials for the store: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE "
+                "(standard AWS settings; a recipe never holds credentials)")
+    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError") or "connect" in text.lower():
+        endpoint = os.environ.get("AWS_ENDPOINT_URL", "the default AWS endpoint")
+        return f"the store cannot be reached ({endpoint}): {text}"
+    if isinstance(exc, PermissionError):
+        return f"access denied by the store ({text}); check the credentials' permissions"
+    if isinstance(exc, FileNotFoundError):
+        return f"not found in the store ({text})"
+    return f"{name}: {text}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Listing, identity, opening
+
+
+def expand(pattern: str) -> List[str]:
+    """The files a URL names (a glob: sorted; none: []), as URLs (s3) or local snapshot paths (hf)."""
+    problem = check_url(pattern)
+    if problem:
+        raise DataError(problem)
+    if pattern.startswith("hf://"):
+        return _hf_expand(pattern)
+    fs = s3()
+    with store_errors(pattern):
+        if _GLOB.search(pattern):
+            found = [f"s3://{p}" for p in fs.glob(pattern) if not p.endswith("/")]
+            if not found:
+                fs.info(f"s3://{pattern[5:].split('/', 1)[0]}")  # an unknown bucket says so
+            return sorted(found)
+        try:
+            info = fs.info(pattern)
+        except FileNotFoundError:
+            fs.info(f"s3://{pattern[5:].split('/', 1)[0]}")
+            return []
+        return [pattern] if info.get("type") == "file" else []
+
+
+def stat(url: str) -> Dict[str, Any]:
+    """The object's metadata (size, ETag, VersionId, LastModified), fresh from the store."""
+    fs = s3()
+    with store_errors(url):
+        fs.invalidate_cache(url)
+        return fs.info(url)
+
+
+def identity(url: str, info: Optional[Dict[str, Any]] = None) -> str:
+    """The object's content key from its metadata (URL, size, ETag, VersionId): no byte of content is read."""
+    info = stat(url) if info is None else info
+    material = f"{url}|{info.get('size')}|{info.get('ETag')}|{info.get('VersionId')}"
+    return "s3-" + hashlib.blake2b(material.encode(), digest_size=16).hexdigest()
+
+
+def size_mtime(path: str) -> Tuple[int, int]:
+    """(size, modification time in ns) of a local file or an object."""
+    if not is_url(path):
+        st = os.stat(path)
+        return st.st_size, st.st_mtime_ns
+    info = stat(path)
+    modified = info.get("LastModified")
+    return int(info["size"]), int(modified.timestamp() * 1e9) if modified is not None else 0
+
+
+def open_bytes(path: str, block_size: int = OPEN_BLOCK) -> IO[bytes]:
+    """A binary reader of a local file or an object (sequential, `block_size` per GET)."""
+    if not is_url(path):
+        return open(path, "rb")
+    with store_errors(path):  # one GET per buffer refill; BufferedReader gives the readline(limit) files.py uses
+        return io.BufferedReader(s3().open(path, "rb", cache_type="none"), buffer_size=block_size)
+
+
+def open_maybe_gzip(path: str) -> IO[bytes]:
+    """`open_bytes`, decompressing `.gz`."""
+    if not path.endswith(".gz"):
+        return open_bytes(path)
+    if not is_url(path):
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    gz = gzip.GzipFile(fileobj=open_bytes(path), mode="rb")
+    gz.myfileobj = gz.fileobj  # type: ignore[attr-defined]  # closed with the GzipFile
+    return gz  # type: ignore[return-value]
+
+
+class RangeReader:
+    """Ranged reads of one object pinned to the identity the index recorded; bounded retries with backoff."""
+
+    def __init__(self, url: str, digest: str):
+        self.url, self.digest = url, digest
+        self.fh: Any = None
+        self.retries = 0  # faults survived (tests and benchmarks read it)
+
+    def _open(self) -> Any:
+        with store_errors(self.url):
+            fh = s3().open(self.url, "rb", cache_type="none")
+        if identity(self.url, fh.details) != self.digest:
+            fh.close()
+            raise ObjectChanged(self.url)
+        return fh
+
+    def read(self, start: int, stop: int) -> bytes:
+        for attempt in range(READ_ATTEMPTS):
+            try:
+                if self.fh is None:
+                    self.fh = self._open()
+                self.fh.seek(start)
+                data = self.fh.read(stop - start)
+                if len(data) == stop - start:
+                    return data
+                raise ConnectionError(f"short read: {len(data)} of {stop - start} bytes")
+            except DataError:
+                raise
+            except Exception as exc:
+                if type(exc).__name__ == "FileExpired":
+                    raise ObjectChanged(self.url) from None
+                self.close()
+                self.retries += 1
+                if attempt + 1 == READ_ATTEMPTS:
+                    raise DataError(f"{self.url}: bytes {start}-{stop} unreadable after {READ_ATTEMPTS} attempts: "
+                                    f"{_explain(exc)}") from None
+                time.sleep(BACKOFF_S * 2 ** attempt)
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self.fh is not None:
+            try:
+                self.fh.close()
+            except Exception:
+                pass
+            self.fh = None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# hf://datasets/...: through huggingface_hub's cache
+
+
+def _hf_expand(url: str) -> List[str]:
+    import fnmatch
+
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    rest = url[len("hf://datasets/"):]
+    org, name_rev, pattern = rest.split("/", 2)
+    name, _, revision = name_rev.partition("@")
+    repo_id = f"{org}/{name}"
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    try:
+        root = snapshot_download(repo_id, repo_type="dataset", revision=revision or None, allow_patterns=[pattern],
+                                 local_files_only=offline)
+    except LocalEntryNotFoundError:
+        why = "HF_HUB_OFFLINE is set while the hub cache has no copy" if offline else "not in the cache, hub unreachable"
+        raise DataError(f"{url}: dataset {repo_id} {why}; download it once (`hf download {repo_id} "
+                        "--repo-type dataset`) or unset HF_HUB_OFFLINE") from None
+    except Exception as exc:
+        raise DataError(f"{url}: {_explain(exc)}") from None
+    found = []
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            rel = os.path.relpath(os.path.join(dirpath, n), root)
+            if fnmatch.fnmatchcase(rel, pattern) and os.path.isfile(os.path.join(root, rel)):
+                found.append(os.path.join(root, rel))
+    return sorted(found)
