@@ -10,7 +10,6 @@ lines is read as JSONL, and one JSON value is one row, as `files.py` reads them 
 
 from __future__ import annotations
 
-import gzip
 import zlib
 from pathlib import Path
 from typing import Any, Callable, Optional, Tuple

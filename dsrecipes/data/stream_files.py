@@ -17,7 +17,6 @@ refused under both policies (`files.FileUnreadable`).
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -109,8 +108,11 @@ class LineScanner:
 # Index files (cached by content hash)
 
 
-def index_files(cfg: Optional[Any], names: List[str], block_bytes: int) -> List[FileIndex]:
-    """The FileIndex of each file, from the cache or built (one pass for hash + index of a plain JSONL file)."""
+def index_files(cfg: Optional[Any], names: List[str], block_bytes: int,
+                tap: Optional[Callable[[str], Optional[Callable[[bytes], None]]]] = None) -> List[FileIndex]:
+    """The FileIndex of each file, from the cache or built (one pass for hash + index of a plain JSONL file).
+    `tap(name)` may give a feed that sees the bytes of a JSONL file read in place, in the same pass (the row
+    pre-scan, scan_files.py)."""
     from dsrecipes.data.cache import cache_root, content_hashes
 
     if cfg is None:  # no cache (a StreamSpec indexed on the spot): nothing is kept beyond this process
@@ -125,14 +127,18 @@ def index_files(cfg: Optional[Any], names: List[str], block_bytes: int) -> List[
         if file_kind(name) != "jsonl":
             return None
         scanners[name] = LineScanner(block_bytes)
-        return scanners[name].feed
+        extra = tap(name) if tap is not None else None
+        if extra is None:
+            return scanners[name].feed
+        return lambda block: (scanners[name].feed(block), extra(block)) and None
 
     digests = content_hashes(cfg, names, hook)
-    return [_index_one(name, digest, block_bytes, root, scanners.get(name)) for name, digest in zip(names, digests)]
+    return [_index_one(name, digest, block_bytes, root, scanners.get(name), tap=tap)
+            for name, digest in zip(names, digests)]
 
 
 def _index_one(name: str, digest: str, block_bytes: int, root: Path, scanner: Optional[LineScanner],
-               keep: bool = True) -> FileIndex:
+               keep: bool = True, tap: Optional[Callable[[str], Optional[Callable[[bytes], None]]]] = None) -> FileIndex:
     cached = root / f"{digest}-b{block_bytes}-v{INDEX_VERSION}.npz"
     fi = _load(cached, name, digest) if keep else None
     if fi is not None:
@@ -143,7 +149,8 @@ def _index_one(name: str, digest: str, block_bytes: int, root: Path, scanner: Op
         read_path, loc_base, scanner, problem = _converted(name, root / f"{digest}.jsonl", block_bytes, keep)
     size, mtime_ns = size_mtime(read_path)
     if problem is None and (scanner is None or scanner.pos != size):
-        scanner = _scan(read_path, block_bytes)  # not fed while hashing (memo hit, an object), or JSON lines
+        feed = tap(name) if tap is not None and read_path == name else None
+        scanner = _scan(read_path, block_bytes, feed)  # not fed while hashing (memo hit, an object), JSON lines
     count, offsets, lines, firsts = scanner.finish() if scanner is not None else (0, *(np.zeros(0, np.int64),) * 3)
     if problem is None and count == 0:
         problem = ("empty_file", "no rows")
@@ -174,11 +181,13 @@ def _converted(name: str, out: Path, block_bytes: int, keep: bool) -> Tuple[str,
     return read_path, loc_base, scanner, problem
 
 
-def _scan(path: str, block_bytes: int) -> LineScanner:
+def _scan(path: str, block_bytes: int, tap: Optional[Callable[[bytes], None]] = None) -> LineScanner:
     scanner = LineScanner(block_bytes)
     with open_bytes(path) as fh:
         for block in iter(lambda: fh.read(CHUNK), b""):
             scanner.feed(block)
+            if tap is not None:
+                tap(block)
     return scanner
 
 

@@ -134,8 +134,9 @@ def hold_out(index: StreamIndex, cfg: Any) -> StreamIndex:
     return index
 
 
-def index_stream(cfg: Any) -> StreamIndex:
-    """Every file of `cfg.dataset` (and `dataset.val_paths`) indexed, caps applied, nothing held out yet."""
+def index_stream(cfg: Any, tap: Any = None) -> StreamIndex:
+    """Every file of `cfg.dataset` (and `dataset.val_paths`) indexed, caps applied, nothing held out yet. `tap`:
+    see `stream_files.index_files` (the row pre-scan in the indexing pass)."""
     from dsrecipes.data.files import expand_paths, no_file
     from dsrecipes.data.registry import resolve_sources, validation_files
 
@@ -157,7 +158,11 @@ def index_stream(cfg: Any) -> StreamIndex:
         print(note, file=sys.stderr)
     file_source += [-1] * len(val_names)
     block_bytes = cfg.data.block_bytes or auto_block_bytes(sum(size_mtime(n)[0] for n in names))
-    files = index_files(cfg, names, block_bytes)
+    one_tap = None
+    if tap is not None:
+        srcs = dict(zip(names, _file_configs(cfg, sources, file_source)))
+        one_tap = lambda name: tap(name, srcs[name])  # noqa: E731
+    files = index_files(cfg, names, block_bytes, one_tap)
     _whole_file_problems(files, cfg.dataset.bad_rows.value)
     caps = _caps(files, file_source, [src.max_samples for src in sources], cfg.dataset.max_samples)
     return StreamIndex(files, caps, file_source, [(s.name, s.weight) for s in sources], block_bytes)
@@ -165,13 +170,18 @@ def index_stream(cfg: Any) -> StreamIndex:
 
 def file_sources(cfg: Any, index: StreamIndex) -> List[Any]:
     """The SourceConfig of each file of `index` (validation files: the dataset's format, columns and roles)."""
-    from dsrecipes.config.schema import SourceConfig
     from dsrecipes.data.registry import resolve_sources
 
-    sources, ds = resolve_sources(cfg.dataset), cfg.dataset
+    return _file_configs(cfg, resolve_sources(cfg.dataset), index.file_source)
+
+
+def _file_configs(cfg: Any, sources: Sequence[Any], file_source: Sequence[int]) -> List[Any]:
+    from dsrecipes.config.schema import SourceConfig
+
+    ds = cfg.dataset
     val = SourceConfig(name=f"{ds.name}-val", paths=list(ds.val_paths), format=ds.format, columns=ds.columns,
                        roles=dict(ds.roles))
-    return [sources[s] if s >= 0 else val for s in index.file_source]
+    return [sources[s] if s >= 0 else val for s in file_source]
 
 
 def index_spec(spec: Any, block_bytes: Optional[int] = None) -> StreamIndex:
