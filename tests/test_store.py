@@ -79,3 +79,78 @@ def test_identity_is_the_etag_and_a_replaced_object_is_refused(bucket):
         reader.read(0, 8)
     with pytest.raises(ObjectChanged):
         RangeReader(url, digest).read(0, 8)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One pass: what the launching process reads to index, identify and pre-scan a stream, cold and warm
+
+
+def _rchar() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar")
+
+
+def _corpus(n: int) -> bytes:
+    """n ShareGPT rows (the bundled sample data repeated, each with its own id), ~1.2 KB each."""
+    rows = [json.loads(x) for x in lines(400)]
+    out = []
+    for i in range(n):
+        row = dict(rows[i % len(rows)])
+        row["id"] = f"r{i}"
+        out.append(json.dumps(row, ensure_ascii=False))
+    return ("\n".join(out) + "\n").encode()
+
+
+def _prepare(make_cfg, paths: str, cache: Path, run: Path, env=None):
+    from dsrecipes.data.scan import prepare_stream
+
+    cfg = make_cfg("data=iterable", f"dataset.paths={paths}", f"data.cache_dir={cache}", "dataset.max_samples=null",
+                   "dataset.val_size=0", "trainer.max_steps=2", check_files=False)
+    run.mkdir(parents=True, exist_ok=True)
+    return prepare_stream(cfg, run)
+
+
+@pytest.mark.slow
+def test_local_stream_is_read_once_cold_and_not_at_all_warm(make_cfg, tmp_path):
+    import time
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for k in range(2):
+        (data / f"part{k}.jsonl").write_bytes(_corpus(1500 if k == 0 else 900))
+    corpus = sum(p.stat().st_size for p in data.iterdir())
+    time.sleep(2.2)  # older than cache.RACY_SECONDS: their hashes may be memoised
+    _prepare(make_cfg, f"[{data}/part1.jsonl]", tmp_path / "cache0", tmp_path / "run0")  # imports: not measured
+    before = _rchar()
+    rows, _ = _prepare(make_cfg, f"[{data}/*.jsonl]", tmp_path / "cache", tmp_path / "run1")
+    cold = _rchar() - before
+    before = _rchar()
+    rows_warm, _ = _prepare(make_cfg, f"[{data}/*.jsonl]", tmp_path / "cache", tmp_path / "run2")
+    warm = _rchar() - before
+    assert rows == rows_warm == 2400
+    # cold: every byte once (index, content hash and row pre-scan in one pass) plus the tokenizer's files
+    assert corpus <= cold < 1.05 * corpus + (2 << 20), (cold, corpus)
+    assert warm < 0.02 * corpus + (2 << 20), (warm, corpus)  # warm: no content, only the tokenizer and metadata
+
+
+def test_s3_stream_is_read_once_cold_and_not_at_all_warm(make_cfg, bucket, s3_server, tmp_path, monkeypatch):
+    from tests.helpers.s3server import FaultProxy
+
+    data = _corpus(1200)
+    cut = data.index(b"\n", len(data) // 3) + 1
+    bucket.pipe("s3://dsr-data/once/a.jsonl", data[:cut])
+    bucket.pipe("s3://dsr-data/once/b.jsonl", data[cut:])
+    proxy = FaultProxy(s3_server.port).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        rows, _ = _prepare(make_cfg, "[s3://dsr-data/once/*.jsonl]", tmp_path / "cache", tmp_path / "run1")
+        cold = proxy.body_bytes
+        _prepare(make_cfg, "[s3://dsr-data/once/*.jsonl]", tmp_path / "cache", tmp_path / "run2")
+        warm = proxy.body_bytes - cold
+    finally:
+        proxy.stop()
+    assert rows == 1200
+    assert len(data) <= cold < 1.01 * len(data) + (64 << 10), (cold, len(data))  # + listings and HEADs
+    assert warm < 16 << 10, warm  # listings only: no object body is read again

@@ -77,11 +77,20 @@ def check_url(url: str) -> Optional[str]:
 
 
 def s3() -> Any:
-    """The process's S3 file system (fsspec caches instances per process, so a forked reader gets its own)."""
+    """The S3 file system of this process and these standard settings (a forked reader gets its own; a changed
+    endpoint, profile or key a new one). The endpoint and credentials are botocore's own resolution."""
     import s3fs
 
-    return s3fs.S3FileSystem(config_kwargs={"connect_timeout": 10, "read_timeout": 60,
-                                            "retries": {"max_attempts": 5, "mode": "standard"}})
+    settings = (os.getpid(), *(os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE",
+                                                           "AWS_ACCESS_KEY_ID", "AWS_SHARED_CREDENTIALS_FILE")))
+    if settings not in _S3:
+        _S3.clear()
+        _S3[settings] = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs={
+            "connect_timeout": 10, "read_timeout": 60, "retries": {"max_attempts": 5, "mode": "standard"}})
+    return _S3[settings]
+
+
+_S3: Dict[tuple, Any] = {}
 
 
 @contextmanager
