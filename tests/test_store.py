@@ -154,3 +154,55 @@ def test_s3_stream_is_read_once_cold_and_not_at_all_warm(make_cfg, bucket, s3_se
     assert rows == 1200
     assert len(data) <= cold < 1.01 * len(data) + (64 << 10), (cold, len(data))  # + listings and HEADs
     assert warm < 16 << 10, warm  # listings only: no object body is read again
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Faults: throttling (503 SlowDown) and connections dropped in the middle of a range, through a real proxy
+
+
+def test_readers_survive_throttling_and_dropped_connections_and_read_each_block_once(make_cfg, bucket, s3_server,
+                                                                                      tmp_path, monkeypatch):
+    from dsrecipes.data.stream_index import BlockSource, index_stream
+    from tests.helpers.s3server import FaultProxy
+
+    data = _corpus(600)
+    bucket.pipe("s3://dsr-data/faults/a.jsonl", data)
+    local = tmp_path / "a.jsonl"
+    local.write_bytes(data)
+    cfg = make_cfg("data=iterable", "dataset.paths=[s3://dsr-data/faults/a.jsonl]", f"data.cache_dir={tmp_path}",
+                   "dataset.max_samples=null", "dataset.val_size=0", "data.block_bytes=16384", "trainer.max_steps=2",
+                   check_files=False)
+    index = index_stream(cfg)  # straight from the server
+    proxy = FaultProxy(s3_server.port, slowdowns=3, drops=3).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        source = BlockSource(index)
+        got = [raw for g in range(index.blocks["count"].size) for _, _, raw in source.block(g)]
+        retries = sum(r.retries for r in source._ranges.values())
+        read = source.bytes_read
+        source.close()
+    finally:
+        proxy.stop()
+    assert got == [x for x in data.split(b"\n") if x]  # every row, in order, none twice, none torn
+    assert read == len(data)  # each block once: the retried ranges are not counted twice
+    assert proxy.slowdowns == 0 and proxy.drops == 0  # every fault was served (and survived by s3fs/botocore)
+    assert retries == 0
+
+
+def test_a_fault_that_outlasts_the_stores_retries_is_retried_then_reported(bucket, s3_server, monkeypatch):
+    from dsrecipes.data.remote import RangeReader, identity
+    from tests.helpers.s3server import FaultProxy
+
+    url = "s3://dsr-data/faults/b.jsonl"
+    bucket.pipe(url, b"0123456789" * 1000)
+    digest = identity(url)
+    proxy = FaultProxy(s3_server.port, drops=6).start()  # one more than s3fs retries a ranged read
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        reader = RangeReader(url, digest)
+        assert reader.read(5, 25) == b"56789012345678901234" and reader.retries == 1
+        proxy.drops = 1000  # a store that keeps dropping: bounded, then one message
+        with pytest.raises(DataError, match=r"s3://dsr-data/faults/b.jsonl: bytes 0-10 unreadable after 5 attempts"):
+            RangeReader(url, digest).read(0, 10)
+    finally:
+        proxy.stop()
