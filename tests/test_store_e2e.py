@@ -86,6 +86,45 @@ def test_map_from_s3_two_ranks_exactly_once_equal_steps(corpus):
     assert SECRET not in out
 
 
+def test_shard_into_the_store_then_presharded_ranks_read_only_their_part(corpus):
+    """`dsrecipes shard s3://... --out s3://.../parts2`, then the printed training command: each rank reads only
+    its own part, straight from the store, exactly once."""
+    from dsrecipes.data.ledger import read_ledger, verify_ledgers
+    from dsrecipes.data.remote import s3
+
+    root, ids = corpus
+    out_url = "s3://dsr-e2e/parts2"
+    training = [*SHORT, *COMMON[:-1], f"data.cache_dir={root / 'cache'}", f"trainer.output_dir={root / 'presharded'}"]
+    argv = [sys.executable, "-m", "dsrecipes", "shard", "s3://dsr-e2e/train/*.jsonl", "--parts", "2", "--out", out_url,
+            *training]
+    proc = subprocess.run(argv, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("train with: ")]
+    command = line[len("train with: "):]
+    assert f"data.shard_dir={out_url} " in command
+    fs = s3()
+    manifest = json.loads(fs.cat_file(f"{out_url}/manifest.json"))
+    parts = [[json.loads(t)["id"] for t in fs.cat_file(f"{out_url}/{name}").decode().splitlines() if t.strip()]
+             for name in manifest["files"]]
+    assert len(manifest["identities"]) == 2 and set(parts[0]) | set(parts[1]) == ids
+    assert not list((root / "cache").glob("shard-staging-*")), "the staging directory is removed"
+    env = subprocess_env({"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]})
+    proc = subprocess.run(["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    run = root / "presharded"
+    report = verify_ledgers(run, ids, GLOBAL_BATCH)
+    assert report.ok, report.summary()
+    for r in range(RANKS):
+        read = [i for batch in read_ledger(run / "ledger" / f"rank{r}.jsonl").values() for i in batch]
+        assert read and set(read) <= set(parts[r]) and len(read) == len(set(read))
+    # a prefix holding someone else's object is not written into
+    fs.pipe_file("s3://dsr-e2e/theirs/notes.txt", b"mine")
+    argv[argv.index(out_url)] = "s3://dsr-e2e/theirs"
+    proc = subprocess.run(argv, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "holds 'notes.txt', which shard does not write" in proc.stderr
+    assert fs.ls("s3://dsr-e2e/theirs") == ["dsr-e2e/theirs/notes.txt"]
+
+
 @pytest.mark.parametrize("case,env,message", [
     ("no credentials", {"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None}, "no credentials for the store"),
     ("no network", {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, "the store cannot be reached"),

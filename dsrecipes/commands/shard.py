@@ -50,6 +50,6 @@ def training_command(out_dir: str, parts: int, overrides: Sequence[str]) -> str:
     """The command that trains on the parts, as it must be typed: one rank per part on this machine, plus the
     user's overrides that shape training (model, template, cutoff, trainer, ...), so token balance matches."""
     carried = [o for o in overrides if not o.lstrip("+~").startswith(_NOT_CARRIED)]
-    argv = ["python", "-m", "dsrecipes", "data=presharded", f"data.shard_dir={os.path.abspath(out_dir)}",
+    argv = ["python", "-m", "dsrecipes", "data=presharded", f"data.shard_dir={out_dir if '://' in out_dir else os.path.abspath(out_dir)}",
             "launcher=deepspeed", f"launcher.num_gpus={parts}", *carried]  # fmt: skip
     return shlex.join(argv)

@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from dsrecipes.data.remote import identity as remote_identity
 from dsrecipes.data.remote import is_url, open_bytes, size_mtime
 from dsrecipes.data.stream_convert import CHUNK, convert, file_kind
 from dsrecipes.fileio import atomic_writer
@@ -119,7 +120,8 @@ def index_files(cfg: Optional[Any], names: List[str], block_bytes: int,
         import tempfile
 
         tmp = Path(tempfile.mkdtemp(prefix="dsrecipes-stream-"))
-        return [_index_one(name, f"local{i}", block_bytes, tmp, None, keep=False) for i, name in enumerate(names)]
+        return [_index_one(name, remote_identity(name) if is_url(name) else f"local{i}", block_bytes, tmp, None,
+                           keep=False) for i, name in enumerate(names)]
     root = cache_root(cfg) / "stream"
     scanners: Dict[str, LineScanner] = {}
 
