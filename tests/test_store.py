@@ -206,3 +206,43 @@ def test_a_fault_that_outlasts_the_stores_retries_is_retried_then_reported(bucke
             RangeReader(url, digest).read(0, 10)
     finally:
         proxy.stop()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# hf://datasets/...: offline, through the local Hub cache
+
+
+def _hub_dataset(hf_home: Path, repo: str, files: dict, commit: str = "c0ffee" * 6 + "abcd") -> Path:
+    """The layout huggingface_hub writes for a dataset repo: refs/main -> commit, snapshots/<commit>/<file> links
+    to blobs/."""
+    base = hf_home / "hub" / f"datasets--{repo.replace('/', '--')}"
+    (base / "refs").mkdir(parents=True)
+    (base / "refs" / "main").write_text(commit)
+    for rel, data in files.items():
+        blob = base / "blobs" / f"blob{abs(hash(rel))}"
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = base / "snapshots" / commit / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(blob)
+    return base / "snapshots" / commit
+
+
+def test_hf_dataset_urls_resolve_offline_through_the_hub_cache(make_cfg, tmp_path, monkeypatch):
+    from dsrecipes.data.files import expand_paths, read_rows
+    from dsrecipes.data.scan import prepare_stream
+
+    gz = gzip.compress(("\n".join(lines(6, 10)) + "\n").encode())
+    snapshot = _hub_dataset(tmp_path / "hf", "acme/chats", {"data/train-0.jsonl": ("\n".join(lines(10)) + "\n").encode(),
+                                                             "data/train-1.jsonl.gz": gz, "README.md": b"# chats"})
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    files, missing = expand_paths(["hf://datasets/acme/chats/data/train-*"])
+    assert files == [str(snapshot / "data" / "train-0.jsonl"), str(snapshot / "data" / "train-1.jsonl.gz")]
+    assert not missing and sum(1 for f in files for _ in read_rows(f)) == 16
+    cfg = make_cfg("data=iterable", "dataset.paths=[hf://datasets/acme/chats/data/*.jsonl*]",
+                   f"data.cache_dir={tmp_path / 'cache'}", "dataset.max_samples=null", "dataset.val_size=0",
+                   "trainer.max_steps=2")
+    assert prepare_stream(cfg, tmp_path / "run")[0] == 16
+    with pytest.raises(DataError, match="HF_HUB_OFFLINE is set while the hub cache has no copy"):
+        expand_paths(["hf://datasets/acme/not-cached/*.jsonl"])

@@ -241,6 +241,15 @@ class RangeReader:
 # hf://datasets/...: through huggingface_hub's cache
 
 
+def _hub_cache() -> str:
+    """huggingface_hub's cache folder from the environment now (its own constants are read once, at import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser(
+        "~/.cache"), "huggingface")
+    return os.path.join(home, "hub")
+
+
 def _hf_expand(url: str) -> List[str]:
     import fnmatch
 
@@ -254,7 +263,7 @@ def _hf_expand(url: str) -> List[str]:
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     try:
         root = snapshot_download(repo_id, repo_type="dataset", revision=revision or None, allow_patterns=[pattern],
-                                 local_files_only=offline)
+                                 local_files_only=offline, cache_dir=_hub_cache())
     except LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE is set while the hub cache has no copy" if offline else "not in the cache, hub unreachable"
         raise DataError(f"{url}: dataset {repo_id} {why}; download it once (`hf download {repo_id} "
