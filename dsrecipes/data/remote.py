@@ -34,6 +34,8 @@ SCHEMES = ("s3", "hf")
 READ_ATTEMPTS = 5  # RangeReader's own retries (each after s3fs's and botocore's): then the fault is reported
 BACKOFF_S = 0.2  # first wait; doubles per attempt
 OPEN_BLOCK = 8 << 20  # sequential reads (indexing, map preparation): one GET per 8 MiB
+PREFETCH_THREADS = 16  # ranged GETs in flight per reader process
+PREFETCH_BLOCKS = 64  # blocks fetched ahead of a reader at most (memory: this many blocks)
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,62}$")
 _GLOB = re.compile(r"[*?\[]")
 
@@ -235,6 +237,43 @@ class RangeReader:
             except Exception:
                 pass
             self.fh = None
+
+
+class RangePool:
+    """Ranged reads from several threads (bounded prefetch): one RangeReader per object and thread, a bounded pool
+    of `threads` that runs `submit(fn, *args)` ahead of the reader."""
+
+    def __init__(self, threads: int = PREFETCH_THREADS):
+        import threading
+
+        self.threads = threads
+        self._local = threading.local()
+        self._pool: Any = None
+
+    def read(self, url: str, digest: str, start: int, stop: int) -> bytes:
+        readers = self._local.__dict__.setdefault("readers", {})
+        if url not in readers:
+            readers[url] = RangeReader(url, digest)
+        return readers[url].read(start, stop)
+
+    @property
+    def retries(self) -> int:
+        return sum(r.retries for r in self._local.__dict__.get("readers", {}).values())
+
+    def submit(self, fn: Any, *args: Any) -> Any:
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dsrecipes-range")
+        return self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        for reader in self._local.__dict__.get("readers", {}).values():
+            reader.close()
+        self._local.__dict__.pop("readers", None)
 
 
 # ---------------------------------------------------------------------------------------------------------------

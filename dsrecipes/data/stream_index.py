@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES
-from dsrecipes.data.remote import ObjectChanged, RangeReader, is_url, size_mtime
+from dsrecipes.data.remote import PREFETCH_BLOCKS, ObjectChanged, RangePool, is_url, size_mtime
 from dsrecipes.data.remote import identity as remote_identity
 from dsrecipes.data.stream_files import FileIndex, index_files
 from dsrecipes.data.stream_plan import BlockTable
@@ -36,9 +36,12 @@ INDEX_FILE = "stream_index.json"
 ARRAYS_FILE = "stream_index.npz"
 STREAM_VERSION = 1
 BLOCKS_PER_STREAM = 1 << 16  # automatic block size: the stream's bytes / this, within [4 KiB, 1 MiB]
+BLOCKS_PER_REMOTE_STREAM = 1 << 12  # objects in a store: fewer, larger blocks (one GET each; latency-bound)
 
-def auto_block_bytes(total_bytes: int) -> int:
-    return int(min(1 << 20, max(1 << 12, 1 << max(0, int(total_bytes // BLOCKS_PER_STREAM).bit_length()))))
+
+def auto_block_bytes(total_bytes: int, remote: bool = False) -> int:
+    per = BLOCKS_PER_REMOTE_STREAM if remote else BLOCKS_PER_STREAM
+    return int(min(1 << 20, max(1 << 12, 1 << max(0, int(total_bytes // per).bit_length()))))
 
 
 @dataclass
@@ -157,7 +160,8 @@ def index_stream(cfg: Any, tap: Any = None) -> StreamIndex:
     for note in notes:
         print(note, file=sys.stderr)
     file_source += [-1] * len(val_names)
-    block_bytes = cfg.data.block_bytes or auto_block_bytes(sum(size_mtime(n)[0] for n in names))
+    block_bytes = cfg.data.block_bytes or auto_block_bytes(sum(size_mtime(n)[0] for n in names),
+                                                        remote=any(is_url(n) for n in names))
     one_tap = None
     if tap is not None:
         srcs = dict(zip(names, _file_configs(cfg, sources, file_source)))
@@ -266,18 +270,30 @@ class BlockSource:
         self.max_row_bytes = max_row_bytes
         self.bytes_read = 0
         self._fds: Dict[int, int] = {}
-        self._ranges: Dict[int, RangeReader] = {}
+        self._ranges = RangePool()  # objects in a store: ranged GETs, prefetched by `prefetch`
+        self._ahead: Dict[int, Any] = {}  # block -> future of its rows
 
     def __getstate__(self) -> Dict[str, Any]:
-        return {"index": self.index, "max_row_bytes": self.max_row_bytes, "bytes_read": 0, "_fds": {}, "_ranges": {}}
+        return {"index": self.index, "max_row_bytes": self.max_row_bytes}  # a worker opens its own files
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__init__(state["index"], state["max_row_bytes"])  # type: ignore[misc]
+
+    def prefetch(self, blocks: Sequence[int]) -> None:
+        """Start reading `blocks` of objects in a store (the next blocks of this reader's window), at most
+        PREFETCH_BLOCKS ahead; local files are read when asked (a pread is not worth a thread)."""
+        b = self.index.blocks
+        for g in blocks:
+            if len(self._ahead) >= PREFETCH_BLOCKS:
+                return
+            if g not in self._ahead and is_url(self.index.files[b["file"].item(g)].path):
+                self._ahead[g] = self._ranges.submit(self._block, g)
 
     def _pread(self, f: int, start: int, stop: int) -> bytes:
         fi = self.index.files[f]
         if is_url(fi.path):  # one ranged GET of exactly these bytes, pinned to the indexed ETag, retried
-            if f not in self._ranges:
-                self._ranges[f] = RangeReader(fi.path, fi.digest)
-            data = self._ranges[f].read(start, stop)
-            self.bytes_read += len(data)
+            data = self._ranges.read(fi.path, fi.digest, start, stop)
+            self.bytes_read += len(data)  # += from prefetch threads: under the GIL, one bytecode add per read
             return data
         if f not in self._fds:
             if len(self._fds) >= 64:
@@ -311,6 +327,10 @@ class BlockSource:
 
     def block(self, g: int) -> List[Tuple[int, int, bytes]]:
         """(file, location, raw) of the kept samples of training block g, in file order."""
+        ahead = self._ahead.pop(g, None)
+        return ahead.result() if ahead is not None else self._block(g)
+
+    def _block(self, g: int) -> List[Tuple[int, int, bytes]]:
         b = self.index.blocks
         f, first, count = b["file"].item(g), b["first"].item(g), b["count"].item(g)
         rows = self.samples(f, b["local"].item(g), count)
@@ -340,6 +360,5 @@ class BlockSource:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-        for reader in self._ranges.values():
-            reader.close()
-        self._ranges.clear()
+        self._ahead.clear()
+        self._ranges.close()
