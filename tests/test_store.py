@@ -81,6 +81,23 @@ def test_identity_is_the_etag_and_a_replaced_object_is_refused(bucket):
         RangeReader(url, digest).read(0, 8)
 
 
+def test_ranks_refuse_an_object_replaced_after_the_launch_indexed_it(make_cfg, bucket, tmp_path):
+    from dsrecipes.data.remote import ObjectChanged
+    from dsrecipes.data.stream_index import BlockSource, index_stream
+
+    url = "s3://dsr-data/swap/y.jsonl"
+    bucket.pipe(url, ("\n".join(lines(12)) + "\n").encode())
+    cfg = make_cfg("data=iterable", f"dataset.paths=[{url}]", f"data.cache_dir={tmp_path}", "dataset.val_size=0",
+                   "dataset.max_samples=null", "trainer.max_steps=2", check_files=False)
+    index = index_stream(cfg)
+    index.verify()  # what every rank does first
+    bucket.pipe(url, ("\n".join(lines(12, 1)) + "\n").encode())
+    with pytest.raises(ObjectChanged, match=r"s3://dsr-data/swap/y.jsonl: the object changed in the store"):
+        index.verify()
+    with pytest.raises(ObjectChanged):
+        BlockSource(index).block(0)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # One pass: what the launching process reads to index, identify and pre-scan a stream, cold and warm
 
