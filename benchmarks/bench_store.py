@@ -217,6 +217,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--shard-mb", type=float, default=2.0, help="MDS shard size_limit (streaming's default: 64)")
     args = ap.parse_args()
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the server and proxy on the way out
     import_streaming()
     server = S3Server().start()
     proxy = FaultProxy(server.port).start()

@@ -272,6 +272,7 @@ class BlockSource:
         self._fds: Dict[int, int] = {}
         self._ranges = RangePool()  # objects in a store: ranged GETs, prefetched by `prefetch`
         self._ahead: Dict[int, Any] = {}  # block -> future of its rows
+        self._wanted: List[int] = []  # blocks announced by `prefetch`, not yet started
 
     def __getstate__(self) -> Dict[str, Any]:
         return {"index": self.index, "max_row_bytes": self.max_row_bytes}  # a worker opens its own files
@@ -280,13 +281,17 @@ class BlockSource:
         self.__init__(state["index"], state["max_row_bytes"])  # type: ignore[misc]
 
     def prefetch(self, blocks: Sequence[int]) -> None:
-        """Start reading `blocks` of objects in a store (the next blocks of this reader's window), at most
-        PREFETCH_BLOCKS ahead; local files are read when asked (a pread is not worth a thread)."""
-        b = self.index.blocks
-        for g in blocks:
-            if len(self._ahead) >= PREFETCH_BLOCKS:
-                return
-            if g not in self._ahead and is_url(self.index.files[b["file"].item(g)].path):
+        """Announce the next blocks this reader needs (its window's), in order: those of objects in a store are
+        read ahead, at most PREFETCH_BLOCKS at a time, refilled as they are taken; local files are read when
+        asked (a pread is not worth a thread)."""
+        files, b = self.index.files, self.index.blocks
+        self._wanted = [g for g in blocks if is_url(files[b["file"].item(g)].path)][::-1]
+        self._fill()
+
+    def _fill(self) -> None:
+        while self._wanted and len(self._ahead) < PREFETCH_BLOCKS:
+            g = self._wanted.pop()
+            if g not in self._ahead:
                 self._ahead[g] = self._ranges.submit(self._block, g)
 
     def _pread(self, f: int, start: int, stop: int) -> bytes:
@@ -328,6 +333,7 @@ class BlockSource:
     def block(self, g: int) -> List[Tuple[int, int, bytes]]:
         """(file, location, raw) of the kept samples of training block g, in file order."""
         ahead = self._ahead.pop(g, None)
+        self._fill()
         return ahead.result() if ahead is not None else self._block(g)
 
     def _block(self, g: int) -> List[Tuple[int, int, bytes]]:
@@ -361,4 +367,5 @@ class BlockSource:
             os.close(fd)
         self._fds.clear()
         self._ahead.clear()
+        self._wanted = []
         self._ranges.close()
