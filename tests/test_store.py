@@ -206,6 +206,40 @@ def test_readers_survive_throttling_and_dropped_connections_and_read_each_block_
     assert retries == 0
 
 
+def test_a_reader_with_prefetch_reads_its_stretch_exactly_once_through_faults(make_cfg, bucket, s3_server, tmp_path,
+                                                                              monkeypatch):
+    """The loader's own reader (window blocks prefetched by 16 threads) over a store that throttles and drops
+    connections: 4 readers together read every sample once, and the corpus about once."""
+    from dsrecipes.data.plan import Layout
+    from dsrecipes.data.strategies.iterable import StreamTrainLoader
+    from dsrecipes.data.stream_index import BlockSource, index_stream
+    from tests.helpers.s3server import FaultProxy
+
+    data = _corpus(800)
+    bucket.pipe("s3://dsr-data/faults/c.jsonl", data)
+    cfg = make_cfg("data=iterable", "dataset.paths=[s3://dsr-data/faults/c.jsonl]", f"data.cache_dir={tmp_path}",
+                   "dataset.max_samples=null", "dataset.val_size=0", "data.block_bytes=8192", "trainer.max_steps=2",
+                   check_files=False)
+    index = index_stream(cfg)
+    layout = Layout(4, 4, 1, 0)
+    proxy = FaultProxy(s3_server.port, slowdowns=4, drops=4).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    ids, read = [], 0
+    try:
+        for rank in range(4):
+            loader = StreamTrainLoader(index, layout, rank, seed=1, shuffle=True, shuffle_buffer=64, num_samples=None,
+                                       make_rows=list, collate_fn=list, num_workers=0)
+            source = BlockSource(index)
+            ids += [json.loads(raw)["id"] for _, items in loader.reader(0, 0, 0, source) for _, _, raw, _ in items]
+            read += source.bytes_read
+            source.close()
+    finally:
+        proxy.stop()
+    assert len(ids) == len(set(ids)) and 800 - len(ids) < 4 * 4  # exactly once; the remainder < one global batch
+    assert len(data) <= read <= 1.05 * len(data) + 4 * 2 * 8192
+    assert proxy.drops == 0 and proxy.slowdowns == 0
+
+
 def test_a_fault_that_outlasts_the_stores_retries_is_retried_then_reported(bucket, s3_server, monkeypatch):
     from dsrecipes.data.remote import RangeReader, identity
     from tests.helpers.s3server import FaultProxy
