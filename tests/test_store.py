@@ -297,3 +297,20 @@ def test_hf_dataset_urls_resolve_offline_through_the_hub_cache(make_cfg, tmp_pat
     assert prepare_stream(cfg, tmp_path / "run")[0] == 16
     with pytest.raises(DataError, match="HF_HUB_OFFLINE is set while the hub cache has no copy"):
         expand_paths(["hf://datasets/acme/not-cached/*.jsonl"])
+
+
+def test_val_paths_and_registry_file_names_may_be_urls(make_cfg, bucket, tmp_path):
+    from dsrecipes.data.registry import resolve_sources
+    from dsrecipes.data.stream_index import BlockSource, build_stream_index
+
+    (tmp_path / "dataset_info.json").write_text(json.dumps(
+        {"chats": {"file_name": "s3://dsr-data/chat/a.jsonl", "formatting": "sharegpt"}}), encoding="utf-8")
+    cfg = make_cfg("data=iterable", "dataset.paths=[]", f"dataset.registry={tmp_path / 'dataset_info.json'}",
+                   "dataset.use=[chats]", "dataset.val_paths=[s3://dsr-data/chat/b.jsonl]",
+                   f"data.cache_dir={tmp_path / 'cache'}", "dataset.max_samples=null", "trainer.max_steps=2")
+    assert resolve_sources(cfg.dataset)[0].paths == ["s3://dsr-data/chat/a.jsonl"]
+    index = build_stream_index(cfg)
+    assert [index.files[f].path for f in index.val_files] == ["s3://dsr-data/chat/b.jsonl"]
+    assert index.num_lines == 30 and index.num_val == 20
+    rows = BlockSource(index).rows(index.val_refs())
+    assert [raw for _, _, raw in rows] == [x.encode() for x in lines(20, 30)]
