@@ -112,8 +112,8 @@ def _explain(exc: BaseException) -> str:
         return ("no credentials for the store: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE "
                 "(standard AWS settings; a recipe never holds credentials)")
     if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError") or "connect" in text.lower():
-        endpoint = os.environ.get("AWS_ENDPOINT_URL", "the default AWS endpoint")
-        return f"the store cannot be reached ({endpoint}): {text}"
+        endpoint = re.sub(r"//[^/@]*@", "//", os.environ.get("AWS_ENDPOINT_URL", "the default AWS endpoint"))
+        return f"the store cannot be reached ({endpoint}): {re.sub(r'//[^/@]*@', '//', text)}"  # no user:secret@
     if isinstance(exc, PermissionError):
         return f"access denied by the store ({text}); check the credentials' permissions"
     if isinstance(exc, FileNotFoundError):
@@ -135,7 +135,7 @@ def expand(pattern: str) -> List[str]:
     fs = s3()
     with store_errors(pattern):
         if _GLOB.search(pattern):
-            found = [f"s3://{p}" for p in fs.glob(pattern) if not p.endswith("/")]
+            found = [f"s3://{p}" for p, info in fs.glob(pattern, detail=True).items() if info.get("type") == "file"]
             if not found:
                 fs.info(f"s3://{pattern[5:].split('/', 1)[0]}")  # an unknown bucket says so
             return sorted(found)
