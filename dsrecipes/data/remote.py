@@ -162,6 +162,15 @@ def identity(url: str, info: Optional[Dict[str, Any]] = None) -> str:
     return "s3-" + hashlib.blake2b(material.encode(), digest_size=16).hexdigest()
 
 
+def pin(url: str, digest: str) -> str:
+    """The ETag (and VersionId) that ranged reads must match, checked against the content key `digest` the index
+    was built under (one HEAD, on the launching side): `ETag` + US + `VersionId`."""
+    info = stat(url)
+    if identity(url, info) != digest:
+        raise ObjectChanged(url)
+    return f"{info.get('ETag') or ''}\x1f{info.get('VersionId') or ''}"
+
+
 def size_mtime(path: str) -> Tuple[int, int]:
     """(size, modification time in ns) of a local file or an object."""
     if not is_url(path):
@@ -192,12 +201,28 @@ def open_maybe_gzip(path: str) -> IO[bytes]:
 
 
 class RangeReader:
-    """Ranged reads of one object pinned to the identity the index recorded; bounded retries with backoff."""
+    """Ranged reads of one object pinned to the version the index recorded; bounded retries with backoff. With
+    `etag` (`pin`): each read is one GET with `If-Match` (and the VersionId), no HEAD at all; without: the object is
+    opened (one HEAD) and its identity compared first."""
 
-    def __init__(self, url: str, digest: str):
-        self.url, self.digest = url, digest
+    def __init__(self, url: str, digest: str, etag: str = ""):
+        self.url, self.digest, self.etag = url, digest, etag
         self.fh: Any = None
         self.retries = 0  # faults survived (tests and benchmarks read it)
+
+    def _get(self, start: int, stop: int) -> bytes:
+        """One ranged GET with If-Match through s3fs's own ranged fetch (its retries included)."""
+        from s3fs.core import _fetch_range
+
+        fs = s3()
+        bucket, key, _ = fs.split_path(self.url)
+        etag, _, version = self.etag.partition("\x1f")
+        try:
+            return _fetch_range(fs, bucket, key, version or None, start, stop, req_kw={"IfMatch": etag})
+        except OSError as exc:
+            if len(exc.args) > 1 and "pre-condition" in str(exc.args[1]).lower() or "412" in str(exc):
+                raise ObjectChanged(self.url) from None
+            raise
 
     def _open(self) -> Any:
         with store_errors(self.url):
@@ -210,10 +235,13 @@ class RangeReader:
     def read(self, start: int, stop: int) -> bytes:
         for attempt in range(READ_ATTEMPTS):
             try:
-                if self.fh is None:
-                    self.fh = self._open()
-                self.fh.seek(start)
-                data = self.fh.read(stop - start)
+                if self.etag:
+                    data = self._get(start, stop)
+                else:
+                    if self.fh is None:
+                        self.fh = self._open()
+                    self.fh.seek(start)
+                    data = self.fh.read(stop - start)
                 if len(data) == stop - start:
                     return data
                 raise ConnectionError(f"short read: {len(data)} of {stop - start} bytes")
@@ -250,10 +278,10 @@ class RangePool:
         self._local = threading.local()
         self._pool: Any = None
 
-    def read(self, url: str, digest: str, start: int, stop: int) -> bytes:
+    def read(self, url: str, digest: str, etag: str, start: int, stop: int) -> bytes:
         readers = self._local.__dict__.setdefault("readers", {})
         if url not in readers:
-            readers[url] = RangeReader(url, digest)
+            readers[url] = RangeReader(url, digest, etag)
         return readers[url].read(start, stop)
 
     @property

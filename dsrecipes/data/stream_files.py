@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from dsrecipes.data.remote import identity as remote_identity
-from dsrecipes.data.remote import is_url, open_bytes, size_mtime
+from dsrecipes.data.remote import is_url, open_bytes, pin, size_mtime
 from dsrecipes.data.stream_convert import CHUNK, convert, file_kind
 from dsrecipes.fileio import atomic_writer
 
@@ -49,6 +49,7 @@ class FileIndex:
     lines: np.ndarray = field(repr=False)
     firsts: np.ndarray = field(repr=False)
     problem: Optional[Tuple[str, str]] = None  # (BadReason value, detail): the file as a whole is unusable
+    etag: str = ""  # an object in a store: the ETag/VersionId every ranged read must match (remote.pin)
 
     def block_of(self, sample: np.ndarray) -> np.ndarray:
         return np.searchsorted(self.firsts, sample, side="right") - 1
@@ -156,7 +157,8 @@ def _index_one(name: str, digest: str, block_bytes: int, root: Path, scanner: Op
     count, offsets, lines, firsts = scanner.finish() if scanner is not None else (0, *(np.zeros(0, np.int64),) * 3)
     if problem is None and count == 0:
         problem = ("empty_file", "no rows")
-    fi = FileIndex(name, read_path, loc_base, size, mtime_ns, digest, count, offsets, lines, firsts, problem)
+    etag = pin(read_path, digest) if is_url(read_path) else ""  # the version the reads are pinned to
+    fi = FileIndex(name, read_path, loc_base, size, mtime_ns, digest, count, offsets, lines, firsts, problem, etag)
     if keep:
         _save(cached, fi)
     return fi
@@ -195,7 +197,7 @@ def _scan(path: str, block_bytes: int, tap: Optional[Callable[[bytes], None]] = 
 
 def _save(path: Path, fi: FileIndex) -> None:
     meta = {"path": fi.path, "loc_base": fi.loc_base, "size": fi.size, "mtime_ns": fi.mtime_ns, "count": fi.count,
-            "problem": fi.problem, "converted": fi.path != fi.name}
+            "problem": fi.problem, "converted": fi.path != fi.name, "etag": fi.etag}
     try:
         with atomic_writer(path) as fh:
             np.savez(fh, offsets=fi.offsets, lines=fi.lines, firsts=fi.firsts, meta=np.array(json.dumps(meta)))
@@ -218,4 +220,5 @@ def _load(path: Path, name: str, digest: str) -> Optional[FileIndex]:
     if size != meta["size"]:
         return None
     problem = tuple(meta["problem"]) if meta["problem"] else None
-    return FileIndex(name, read_path, meta["loc_base"], size, mtime_ns, digest, meta["count"], *arrays, problem)
+    return FileIndex(name, read_path, meta["loc_base"], size, mtime_ns, digest, meta["count"], *arrays, problem,
+                     meta.get("etag", ""))

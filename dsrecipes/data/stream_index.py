@@ -105,8 +105,8 @@ class StreamIndex:
     def verify(self) -> None:
         """Every file still has the size and modification time it had when indexed (ranks, before reading)."""
         for fi in self.files:
-            if is_url(fi.path):
-                if remote_identity(fi.path) != fi.digest:
+            if is_url(fi.path):  # every ranged read is pinned by If-Match: no HEAD per rank and object
+                if not fi.etag and remote_identity(fi.path) != fi.digest:
                     raise ObjectChanged(fi.path)
                 continue
             try:
@@ -224,7 +224,8 @@ def _caps(files: Sequence[FileIndex], file_source: Sequence[int], source_caps: S
 
 def write_stream_index(run_dir: str | Path, index: StreamIndex) -> None:
     files = [{"name": fi.name, "path": fi.path, "loc_base": fi.loc_base, "size": fi.size, "mtime_ns": fi.mtime_ns,
-              "digest": fi.digest, "count": fi.count, "problem": fi.problem, "blocks": int(fi.offsets.size)}
+              "digest": fi.digest, "count": fi.count, "problem": fi.problem, "blocks": int(fi.offsets.size),
+              "etag": fi.etag}
              for fi in index.files]
     meta = {"version": STREAM_VERSION, "block_bytes": index.block_bytes, "sources": index.sources,
             "file_source": index.file_source, "caps": index.caps, "files": files}
@@ -251,7 +252,7 @@ def read_stream_index(run_dir: str | Path) -> Optional[StreamIndex]:
         at += m["blocks"]
         files.append(FileIndex(m["name"], m["path"], m["loc_base"], m["size"], m["mtime_ns"], m["digest"], m["count"],
                                arrays["offsets"][sl], arrays["lines"][sl], arrays["firsts"][sl],
-                               tuple(m["problem"]) if m["problem"] else None))
+                               tuple(m["problem"]) if m["problem"] else None, m.get("etag", "")))
     return StreamIndex(files, meta["caps"], meta["file_source"], [tuple(s) for s in meta["sources"]],
                        meta["block_bytes"], arrays["holdout"])
 
@@ -297,7 +298,7 @@ class BlockSource:
     def _pread(self, f: int, start: int, stop: int) -> bytes:
         fi = self.index.files[f]
         if is_url(fi.path):  # one ranged GET of exactly these bytes, pinned to the indexed ETag, retried
-            data = self._ranges.read(fi.path, fi.digest, start, stop)
+            data = self._ranges.read(fi.path, fi.digest, fi.etag, start, stop)
             self.bytes_read += len(data)  # += from prefetch threads: under the GIL, one bytecode add per read
             return data
         if f not in self._fds:
