@@ -103,10 +103,10 @@ def store_errors(url: str) -> Iterator[None]:
     except DataError:
         raise
     except Exception as exc:  # botocore, aiohttp and fsspec errors share no base class worth naming
-        raise DataError(f"{url}: {_explain(exc)}") from None
+        raise DataError(f"{url}: {explain(exc)}") from None
 
 
-def _explain(exc: BaseException) -> str:
+def explain(exc: BaseException) -> str:
     name, text = type(exc).__name__, " ".join(str(exc).split())
     if name == "NoCredentialsError":
         return ("no credentials for the store: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE "
@@ -131,7 +131,9 @@ def expand(pattern: str) -> List[str]:
     if problem:
         raise DataError(problem)
     if pattern.startswith("hf://"):
-        return _hf_expand(pattern)
+        from dsrecipes.data.remote_hub import hf_expand
+
+        return hf_expand(pattern)
     fs = s3()
     with store_errors(pattern):
         if _GLOB.search(pattern):
@@ -254,7 +256,7 @@ class RangeReader:
                 self.retries += 1
                 if attempt + 1 == READ_ATTEMPTS:
                     raise DataError(f"{self.url}: bytes {start}-{stop} unreadable after {READ_ATTEMPTS} attempts: "
-                                    f"{_explain(exc)}") from None
+                                    f"{explain(exc)}") from None
                 time.sleep(BACKOFF_S * 2 ** attempt)
         raise AssertionError("unreachable")
 
@@ -302,45 +304,3 @@ class RangePool:
         for reader in self._local.__dict__.get("readers", {}).values():
             reader.close()
         self._local.__dict__.pop("readers", None)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# hf://datasets/...: through huggingface_hub's cache
-
-
-def _hub_cache() -> str:
-    """huggingface_hub's cache folder from the environment now (its own constants are read once, at import)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return os.environ["HF_HUB_CACHE"]
-    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser(
-        "~/.cache"), "huggingface")
-    return os.path.join(home, "hub")
-
-
-def _hf_expand(url: str) -> List[str]:
-    import fnmatch
-
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    rest = url[len("hf://datasets/"):]
-    org, name_rev, pattern = rest.split("/", 2)
-    name, _, revision = name_rev.partition("@")
-    repo_id = f"{org}/{name}"
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-    try:
-        root = snapshot_download(repo_id, repo_type="dataset", revision=revision or None, allow_patterns=[pattern],
-                                 local_files_only=offline, cache_dir=_hub_cache())
-    except LocalEntryNotFoundError:
-        why = "HF_HUB_OFFLINE is set while the hub cache has no copy" if offline else "not in the cache, hub unreachable"
-        raise DataError(f"{url}: dataset {repo_id} {why}; download it once (`hf download {repo_id} "
-                        "--repo-type dataset`) or unset HF_HUB_OFFLINE") from None
-    except Exception as exc:
-        raise DataError(f"{url}: {_explain(exc)}") from None
-    found = []
-    for dirpath, _, names in os.walk(root):
-        for n in names:
-            rel = os.path.relpath(os.path.join(dirpath, n), root)
-            if fnmatch.fnmatchcase(rel, pattern) and os.path.isfile(os.path.join(root, rel)):
-                found.append(os.path.join(root, rel))
-    return sorted(found)
