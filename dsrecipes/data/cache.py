@@ -25,7 +25,6 @@ from dsrecipes.fileio import atomic_write_json
 RACY_SECONDS = 2.0  # a file changed this recently is hashed, not memoised
 PREP_VERSION = 2  # bump when the output of preparation changes for the same inputs (2: one-text tokenization)
 MEMO_FILE = "file_hashes.json"
-_THIS_PROCESS: Dict[str, str] = {}  # stat key -> hash, for the launch's second look (fingerprint after index)
 
 
 def cache_root(cfg: TrainConfig) -> Path:
@@ -90,8 +89,6 @@ def file_hash(path: str, memo: Dict[str, str], on_block: Optional[Callable[[byte
     memo_key = _stat_key(path, st)
     if memo_key in memo:
         return memo[memo_key]
-    if memo_key in _THIS_PROCESS:  # hashed earlier in this launch (racy files are not memoised on disk)
-        return _THIS_PROCESS[memo_key]
     h = hashlib.blake2b(digest_size=16)
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
@@ -100,8 +97,6 @@ def file_hash(path: str, memo: Dict[str, str], on_block: Optional[Callable[[byte
                 on_block(block)
     digest = h.hexdigest()
     after = os.stat(path)
-    if _stat_key(path, after) == memo_key:
-        _THIS_PROCESS[memo_key] = digest
     if _stat_key(path, after) == memo_key and time.time() - max(after.st_ctime, after.st_mtime) > RACY_SECONDS:
         memo[memo_key] = digest
     return digest
