@@ -33,8 +33,11 @@ def cache_root(cfg: TrainConfig) -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsrecipes"
 
 
-def sources_material(cfg: TrainConfig, sources: Sequence[SourceConfig]) -> List[Dict[str, Any]]:
-    """Every source with the content hash of each of its files (the data part of every key)."""
+def sources_material(cfg: TrainConfig, sources: Sequence[SourceConfig],
+                     known: Optional[Dict[str, str]] = None) -> List[Dict[str, Any]]:
+    """Every source with the content hash of each of its files (the data part of every key). `known`: hashes this
+    launch already computed while reading the files (the stream index), so they are not read again."""
+    known = known or {}
     from dsrecipes.data.files import expand_paths
 
     memo_path = cache_root(cfg) / MEMO_FILE
@@ -42,14 +45,16 @@ def sources_material(cfg: TrainConfig, sources: Sequence[SourceConfig]) -> List[
     material = []
     for src in sources:
         files, missing = expand_paths(src.paths)
-        material.append({"name": src.name, "files": [[f, file_hash(f, memo)] for f in files], "missing": missing})
+        material.append({"name": src.name, "files": [[f, known.get(f) or file_hash(f, memo)] for f in files],
+                         "missing": missing})
     _write_memo(memo_path, memo)
     return material
 
 
-def data_fingerprint(cfg: TrainConfig, sources: Sequence[SourceConfig]) -> str:
-    """The training data's identity for streams (no preparation): dataset config and file contents."""
-    material = {"dataset": config_to_dict(cfg.dataset), "sources": sources_material(cfg, sources)}
+def data_fingerprint(cfg: TrainConfig, sources: Sequence[SourceConfig], known: Optional[Dict[str, str]] = None) -> str:
+    """The training data's identity for streams (no preparation): dataset config and file contents (`known`: see
+    `sources_material`)."""
+    material = {"dataset": config_to_dict(cfg.dataset), "sources": sources_material(cfg, sources, known)}
     return _digest(material)
 
 

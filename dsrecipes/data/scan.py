@@ -68,7 +68,7 @@ def prepare_stream(cfg: TrainConfig, run_dir: Path) -> Tuple[int, str]:
     print(f"data: stream indexed: {len(index.files)} files, {index.num_lines} lines in {blocks} blocks of "
           f"~{index.block_bytes} bytes, {index.num_val} validation rows, {rows} training samples per epoch "
           f"({time.perf_counter() - started:.1f} s)", file=sys.stderr)
-    return rows, data_fingerprint(cfg, sources)
+    return rows, data_fingerprint(cfg, sources, {fi.name: fi.digest for fi in index.files})  # hashed once, above
 
 
 class _Scanning:
