@@ -69,3 +69,17 @@ def subprocess_env(extra: dict | None = None) -> dict:
     env.update({"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     env.update(extra or {})
     return env
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-API server (moto's standalone server on 127.0.0.1) for the whole session; this process's
+    environment points at it (AWS_ENDPOINT_URL, fake credentials) until the session ends."""
+    from tests.helpers.s3server import S3Server
+
+    server = S3Server().start()
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in server.env().items():
+            mp.setenv(key, value)
+        yield server
+    server.stop()

@@ -28,7 +28,7 @@ def main(argv: List[str]) -> int:
     inputs = [a for a in args.overrides if "=" not in a]
     overrides = [a for a in args.overrides if "=" in a]
     if inputs:  # INPUT files replace the dataset's own sources; format/columns still come from `dataset`
-        overrides += ["dataset.paths=[" + ",".join(json.dumps(os.path.abspath(p)) for p in inputs) + "]",
+        overrides += ["dataset.paths=[" + ",".join(json.dumps(p if "://" in p else os.path.abspath(p)) for p in inputs) + "]",
                       "dataset.sources=[]", "dataset.use=[]"]
     cfg = compose_and_load(overrides, check_files=True)
     manifest = shard(cfg, args.parts, args.out, args.balance, args.force, args.val_size)
@@ -53,6 +53,7 @@ def training_command(out_dir: str, parts: int, overrides: Sequence[str]) -> str:
     """The command that trains on the parts, as it must be typed: one rank per part on this machine, plus the
     user's overrides that shape training (model, template, cutoff, trainer, ...), so token balance matches."""
     carried = [o for o in overrides if not o.lstrip("+~").startswith(_NOT_CARRIED)]
-    argv = ["python", "-m", "dsrecipes", "data=presharded", f"data.shard_dir={os.path.abspath(out_dir)}",
+    shard_dir = out_dir if "://" in out_dir else os.path.abspath(out_dir)  # a store prefix is kept as written
+    argv = ["python", "-m", "dsrecipes", "data=presharded", f"data.shard_dir={shard_dir}",
             "launcher=deepspeed", f"launcher.num_gpus={parts}", *carried]  # fmt: skip
     return shlex.join(argv)

@@ -63,7 +63,8 @@ def _expand(path):
 
 
 def _absolute(paths: List[str]) -> List[str]:
-    return [os.path.abspath(os.path.expanduser(p)) for p in paths]
+    """Local paths made absolute; URLs (`s3://...`, `hf://...`, data/remote.py) kept as written."""
+    return [p if "://" in p else os.path.abspath(os.path.expanduser(p)) for p in paths]
 
 
 def config_warnings(cfg: TrainConfig) -> List[str]:

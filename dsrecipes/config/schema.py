@@ -154,7 +154,8 @@ class DataConfig:
     num_samples: Optional[int] = None  # iterable only: plan epochs of this many samples (default: the index's count)
     shard_dir: Optional[str] = None  # presharded only: directory written by `dsrecipes shard`
     prescan: bool = True  # iterable only: read the stream once before launch to apply the bad-row policy
-    block_bytes: Optional[int] = None  # iterable only: bytes per read block (null: stream bytes / 65536, 4 KiB-1 MiB)
+    block_bytes: Optional[int] = None  # iterable only: bytes per read block (null: stream bytes / 65536 (objects in a
+    # store: / 4096), within 4 KiB-1 MiB)
     prefetch_factor: int = 2
 
 

@@ -17,6 +17,7 @@ from dsrecipes.config.schema import (
     TrainConfig,
 )
 from dsrecipes.data.strategies.rules import config_problems, required_paths
+from dsrecipes.errors import DataError
 from dsrecipes.hub import check_hub_paths, is_hub_id
 from dsrecipes.selection import config_problems as selection_problems
 
@@ -218,12 +219,19 @@ def _launcher(ln) -> List[str]:
 
 def _files(cfg: TrainConfig) -> List[str]:
     from dsrecipes.data.files import expand_paths, no_file
+    from dsrecipes.data.remote import looks_like_url
 
     named = [(f"dataset.paths[{i}]", p) for i, p in enumerate(cfg.dataset.paths)]
     named += [(f"dataset.val_paths[{i}]", p) for i, p in enumerate(cfg.dataset.val_paths)]
     for i, src in enumerate(cfg.dataset.sources):
         named += [(f"dataset.sources[{i}].paths[{j}]", p) for j, p in enumerate(src.paths)]
-    errors = [f"{key}: {no_file(pattern)}" for key, pattern in named if expand_paths([pattern])[1]]
+    errors = []
+    for key, pattern in named:
+        try:
+            if expand_paths([pattern])[1]:
+                errors.append(f"{key}: {no_file(pattern)}")
+        except DataError as exc:  # a store that cannot be asked (credentials, network, bucket, scheme)
+            errors.append(f"{key}: {exc}")
     checks = [
         ("dataset.registry", cfg.dataset.registry),
         ("model.path", cfg.model.path),
@@ -233,6 +241,9 @@ def _files(cfg: TrainConfig) -> List[str]:
     ]
     checks += required_paths(cfg)
     for key, path in checks:
+        if key == "data.shard_dir" and path and looks_like_url(path):
+            errors += _shard_url(path)
+            continue
         if path and not os.path.exists(os.path.expanduser(path)) and not (key.startswith("model.") and is_hub_id(path)):
             errors.append(f"{key}: {path!r} does not exist")
     if cfg.launcher.hostfile and os.path.isfile(os.path.expanduser(cfg.launcher.hostfile)):
@@ -240,6 +251,19 @@ def _files(cfg: TrainConfig) -> List[str]:
 
         errors += hostfile_problems(cfg.launcher.hostfile)
     return errors + check_hub_paths(cfg)
+
+
+def _shard_url(url: str) -> List[str]:
+    from dsrecipes.data.remote import check_url, expand
+
+    problem = check_url(url.rstrip("/") + "/manifest.json")
+    if problem:
+        return [f"data.shard_dir: {problem}"]
+    try:
+        found = expand(url.rstrip("/") + "/manifest.json")
+    except DataError as exc:
+        return [f"data.shard_dir: {exc}"]
+    return [] if found else [f"data.shard_dir: {url!r} holds no manifest.json (written by `dsrecipes shard`)"]
 
 
 def check_runtime(cfg: TrainConfig, *, cuda_available: bool) -> List[str]:

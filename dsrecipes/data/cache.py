@@ -1,6 +1,6 @@
 """Content keys: what makes prepared data (and a run's data fingerprint) change.
 
-A key hashes the input files' contents, the dataset/template config, the tokenization settings, the seed and the
+A key hashes the input files' contents (an object in a store: its ETag/version, `remote.identity`), the dataset/template config, the tokenization settings, the seed and the
 tokenizer itself. File hashes are memoised by path, size, inode, modification and change time: a same-size edit with
 its modification time set back still changes the change time, which no user call can set back. A file changed
 within RACY_SECONDS of being hashed could share its change time with that edit (timestamps are coarse), so, as git
@@ -18,6 +18,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from dsrecipes.config.load import config_to_dict
 from dsrecipes.config.schema import SourceConfig, TrainConfig
+from dsrecipes.data.remote import identity as remote_identity
+from dsrecipes.data.remote import is_url
 from dsrecipes.fileio import atomic_write_json
 
 RACY_SECONDS = 2.0  # a file changed this recently is hashed, not memoised
@@ -31,8 +33,11 @@ def cache_root(cfg: TrainConfig) -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsrecipes"
 
 
-def sources_material(cfg: TrainConfig, sources: Sequence[SourceConfig]) -> List[Dict[str, Any]]:
-    """Every source with the content hash of each of its files (the data part of every key)."""
+def sources_material(cfg: TrainConfig, sources: Sequence[SourceConfig],
+                     known: Optional[Dict[str, str]] = None) -> List[Dict[str, Any]]:
+    """Every source with the content hash of each of its files (the data part of every key). `known`: hashes this
+    launch already computed while reading the files (the stream index), so they are not read again."""
+    known = known or {}
     from dsrecipes.data.files import expand_paths
 
     memo_path = cache_root(cfg) / MEMO_FILE
@@ -40,14 +45,16 @@ def sources_material(cfg: TrainConfig, sources: Sequence[SourceConfig]) -> List[
     material = []
     for src in sources:
         files, missing = expand_paths(src.paths)
-        material.append({"name": src.name, "files": [[f, file_hash(f, memo)] for f in files], "missing": missing})
+        material.append({"name": src.name, "files": [[f, known.get(f) or file_hash(f, memo)] for f in files],
+                         "missing": missing})
     _write_memo(memo_path, memo)
     return material
 
 
-def data_fingerprint(cfg: TrainConfig, sources: Sequence[SourceConfig]) -> str:
-    """The training data's identity for streams (no preparation): dataset config and file contents."""
-    material = {"dataset": config_to_dict(cfg.dataset), "sources": sources_material(cfg, sources)}
+def data_fingerprint(cfg: TrainConfig, sources: Sequence[SourceConfig], known: Optional[Dict[str, str]] = None) -> str:
+    """The training data's identity for streams (no preparation): dataset config and file contents (`known`: see
+    `sources_material`)."""
+    material = {"dataset": config_to_dict(cfg.dataset), "sources": sources_material(cfg, sources, known)}
     return _digest(material)
 
 
@@ -81,6 +88,8 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 def file_hash(path: str, memo: Dict[str, str], on_block: Optional[Callable[[bytes], None]] = None) -> str:
     """Content hash of `path`, memoised; `on_block` sees every block when the file is actually read (so a caller can
     index a file in the same pass that hashes it)."""
+    if is_url(path):  # an object's ETag/version is its identity: its content is not read for a key
+        return remote_identity(path)
     st = os.stat(path)
     memo_key = _stat_key(path, st)
     if memo_key in memo:

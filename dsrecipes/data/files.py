@@ -26,8 +26,9 @@ from typing import IO, Any, Callable, Iterator, List, Optional, Tuple, Union
 from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES
 from dsrecipes.data.badrows import BadReason, BadRow, location
 from dsrecipes.data.jsonscan import BOM, JsonStructureError, values
+from dsrecipes.data.remote import expand as remote_expand
+from dsrecipes.data.remote import looks_like_url, open_maybe_gzip
 from dsrecipes.errors import DataError
-from dsrecipes.fileio import open_maybe_gzip
 
 MAX_DEPTH = 100  # conversations need ~5 levels; far deeper rows only exhaust recursion in the code after the parse
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -66,11 +67,15 @@ class RawRow:
 
 
 def expand_paths(patterns: List[str]) -> Tuple[List[str], List[str]]:
-    """(files, patterns matching nothing): each glob sorted, duplicates removed, in pattern order."""
+    """(files, patterns matching nothing): each glob sorted, duplicates removed, in pattern order. A URL
+    (`remote.is_url`) is listed in its store; a store that cannot be asked raises DataError."""
     files: List[str] = []
     missing: List[str] = []
     for pattern in patterns:
-        matches = sorted(m for m in glob.glob(os.path.expanduser(pattern)) if os.path.isfile(m))
+        if looks_like_url(pattern):
+            matches = remote_expand(pattern)
+        else:
+            matches = sorted(m for m in glob.glob(os.path.expanduser(pattern)) if os.path.isfile(m))
         if not matches:
             missing.append(pattern)
         files += [m for m in matches if m not in files]
@@ -79,6 +84,8 @@ def expand_paths(patterns: List[str]) -> Tuple[List[str], List[str]]:
 
 def no_file(pattern: str) -> str:
     """Why `pattern` yields no data file, for messages: a directory is named as such (its files must be named)."""
+    if looks_like_url(pattern):
+        return f"{pattern!r} matches no object"
     if os.path.isdir(os.path.expanduser(pattern)):
         return f"{pattern!r} is a directory: name its files (e.g. '{pattern.rstrip('/')}/*.jsonl')"
     return f"{pattern!r} matches no file"

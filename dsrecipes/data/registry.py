@@ -25,6 +25,7 @@ import os
 from typing import Any, Dict, List, Optional
 
 from dsrecipes.config.schema import ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
+from dsrecipes.data.remote import looks_like_url
 from dsrecipes.errors import ConfigError, DataError
 
 _LF_UNSUPPORTED = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
@@ -139,7 +140,8 @@ def _yaml_entry(name: str, entry: Any, base: str) -> SourceConfig:
     src = _convert(SourceConfig, {"name": name, **entry}, f"dataset.registry.{name}", errors)
     if errors:
         raise ConfigError(errors)
-    src.paths = [p if os.path.isabs(os.path.expanduser(p)) else os.path.join(base, p) for p in src.paths]
+    src.paths = [p if looks_like_url(p) or os.path.isabs(os.path.expanduser(p)) else os.path.join(base, p)
+                 for p in src.paths]
     return src
 
 
@@ -180,7 +182,8 @@ def _llamafactory_entry(name: str, entry: Any, base: str) -> SourceConfig:
         roles, fmt = {}, DatasetFormat.alpaca
     else:
         raise ConfigError(f"{where}: formatting {formatting!r} is not supported (sharegpt or alpaca)")
-    target = os.path.join(base, os.path.expanduser(entry["file_name"]))
+    name = str(entry["file_name"])
+    target = name if looks_like_url(name) else os.path.join(base, os.path.expanduser(name))
     if os.path.isdir(target):
         paths = sorted(os.path.join(target, f) for f in os.listdir(target) if f.endswith(_DATA_SUFFIXES))
         if not paths:

@@ -13,7 +13,7 @@ import numpy as np
 
 from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES
 from dsrecipes.data.plan import EpochPlan, Layout, StreamShuffle, epoch_order, file_order
-from dsrecipes.fileio import open_maybe_gzip
+from dsrecipes.data.remote import open_maybe_gzip
 
 T = TypeVar("T")
 

@@ -43,7 +43,8 @@ BATCH = 256  # conversations per tokenization call
 
 def prepare_stream(cfg: TrainConfig, run_dir: Path) -> Tuple[int, str, int]:
     """(samples per epoch, data fingerprint, validation rows) of a stream; writes `<run>/stream_index.*` (and the
-    quarantine)."""
+    quarantine). The row pre-scan runs in the pass that indexes the files (scan_files.py): one read of the corpus,
+    cold; none, warm."""
     from dsrecipes.data.cache import data_fingerprint
     from dsrecipes.data.registry import resolve_sources
 
@@ -52,9 +53,10 @@ def prepare_stream(cfg: TrainConfig, run_dir: Path) -> Tuple[int, str, int]:
     sources = resolve_sources(cfg.dataset, notes)
     for note in notes:
         print(note, file=sys.stderr)
-    index = index_stream(cfg)
-    if cfg.data.prescan:
-        scan_stream(cfg, run_dir, index)
+    scanning = _Scanning(cfg, run_dir) if cfg.data.prescan else None
+    index = index_stream(cfg, scanning.taps.factory if scanning else None)
+    if scanning is not None:
+        scan_stream(cfg, run_dir, index, scanning)
     hold_out(index, cfg)  # after the scan: a bad row is reported as such, not as too little data
     write_stream_index(run_dir, index)
     total = index.table().epoch_length()
@@ -66,45 +68,92 @@ def prepare_stream(cfg: TrainConfig, run_dir: Path) -> Tuple[int, str, int]:
     print(f"data: stream indexed: {len(index.files)} files, {index.num_lines} lines in {blocks} blocks of "
           f"~{index.block_bytes} bytes, {index.num_val} validation rows, {rows} training samples per epoch "
           f"({time.perf_counter() - started:.1f} s)", file=sys.stderr)
-    return rows, data_fingerprint(cfg, sources), index.num_val
+    return rows, data_fingerprint(cfg, sources, {fi.name: fi.digest for fi in index.files}), index.num_val  # hashed once
 
 
-def scan_stream(cfg: TrainConfig, run_dir: Path, index: Optional[StreamIndex] = None) -> Dict[str, int]:
-    """Read every row once under the bad-row policy; returns {'rows': read, 'good': kept, 'skipped': bad}."""
-    from dsrecipes.data.files import element_line
-    from dsrecipes.data.sharegpt import parse_item, role_table
+class _Scanning:
+    """The pre-scan's state across the indexing pass: report, encoder, the taps and the scan cache key."""
 
+    def __init__(self, cfg: TrainConfig, run_dir: Path):
+        from dsrecipes.data.cache import cache_root
+        from dsrecipes.data.scan_files import Taps
+
+        self.cfg = cfg
+        self.report, self.encoder = _start(cfg, run_dir)
+        self.root = cache_root(cfg) / "stream"
+        self.key = _scan_key(cfg, self.encoder)
+        self.taps = Taps(self._tap)
+
+    def _tap(self, name: str, src: SourceConfig) -> Any:
+        from dsrecipes.data.scan_files import RowChecker, RowTap
+
+        checker = RowChecker(name, src, False, self.cfg.dataset.max_row_bytes, self.encoder)
+        return RowTap(checker, self.cfg.dataset.max_row_bytes)
+
+
+def _scan_key(cfg: TrainConfig, encoder: Any) -> str:
+    """What a file's scan result depends on besides its content: row reading and normalising, template,
+    tokenization (the bad-row policy and caps are applied afterwards)."""
+    import hashlib
+    import json
+
+    from dsrecipes.config.load import config_to_dict
+    from dsrecipes.data.cache import PREP_VERSION, tokenizer_fingerprint
+
+    dataset = {k: v for k, v in config_to_dict(cfg.dataset).items() if k not in ("bad_rows", "max_bad_fraction")}
+    material = {"version": PREP_VERSION, "dataset": dataset, "template": config_to_dict(cfg.template),
+                "data": {k: config_to_dict(getattr(cfg.data, k)) for k in ("cutoff_len", "packing", "train_on")},
+                "tokenizer": tokenizer_fingerprint(encoder.tokenizer)}
+    return hashlib.blake2b(json.dumps(material, sort_keys=True, default=str).encode(), digest_size=10).hexdigest()
+
+
+def scan_stream(cfg: TrainConfig, run_dir: Path, index: Optional[StreamIndex] = None,
+                scanning: Optional[_Scanning] = None) -> Dict[str, int]:
+    """Every row checked once under the bad-row policy (from the indexing pass, the scan cache, or read by
+    blocks); returns {'rows': read, 'good': kept, 'skipped': bad}."""
+    from dsrecipes.data.scan_files import load_scan, save_scan, scan_path
+
+    scanning = _Scanning(cfg, run_dir) if scanning is None else scanning
     index = index_stream(cfg) if index is None else index
-    report, encoder = _start(cfg, run_dir)
-    source = BlockSource(index, cfg.dataset.max_row_bytes)
-    good, batch = 0, []
+    report, good = scanning.report, 0
     for f, (fi, src) in enumerate(zip(index.files, file_sources(cfg, index))):
-        table, element = role_table(src), fi.loc_base < 0
         if fi.problem is not None:
             report.rows_read += 1
             report.add(fi.name, None, BadRow(BadReason(fi.problem[0]), fi.problem[1]))
             continue
-        for local in range(fi.offsets.size):
-            end = min(int(fi.firsts[local + 1]) if local + 1 < fi.offsets.size else fi.count, index.caps[f])
-            if end <= int(fi.firsts[local]):
-                break
-            for loc, raw in source.samples(f, local, end - int(fi.firsts[local])):
-                report.rows_read += 1
-                try:
-                    conv = parse_item(raw, fi.name, loc, src, table, limit=cfg.dataset.max_row_bytes,
-                                      element=element)
-                except BadRow as bad:
-                    line = element_line(fi.name, loc) if element else loc
-                    report.add(fi.name, line, bad, _raw_text(raw), loc if element else None)
-                    continue
-                report.trailing_turns_dropped += conv.dropped_turns > 0
-                batch.append(conv)
-                if len(batch) == BATCH:
-                    good += sum(1 for _ in _encoded(batch, report, encoder))
-                    batch = []
-    good += sum(1 for _ in _encoded(batch, report, encoder))
-    source.close()
+        path = scan_path(scanning.root, fi.digest, scanning.key)
+        result = load_scan(path)  # the digest is the original file's: a converted copy's scan is kept too
+        if result is None:
+            result = scanning.taps.result(fi.name, fi.size) if fi.path == fi.name else None
+            result = result if result is not None else _read_scan(cfg, index, f, src, scanning.encoder)
+            save_scan(path, result)
+        good += _apply(report, fi.name, result, index.caps[f])
     return _finish(report, good, run_dir)
+
+
+def _read_scan(cfg: TrainConfig, index: StreamIndex, f: int, src: SourceConfig, encoder: Any) -> Any:
+    """The scan of file f read by blocks (its index came from the cache, or it is a converted copy)."""
+    from dsrecipes.data.scan_files import RowChecker
+
+    fi = index.files[f]
+    checker = RowChecker(fi.name, src, fi.loc_base < 0, cfg.dataset.max_row_bytes, encoder)
+    source = BlockSource(index, cfg.dataset.max_row_bytes)
+    for local in range(fi.offsets.size):
+        end = int(fi.firsts[local + 1]) if local + 1 < fi.offsets.size else fi.count
+        for loc, raw in source.samples(f, local, end - int(fi.firsts[local])):
+            checker.row(loc, raw)
+    source.close()
+    return checker.finish()
+
+
+def _apply(report: BadRowReport, name: str, scan: Any, cap: int) -> int:
+    """The scan of one file under its cap and the bad-row policy: the good rows it adds."""
+    bad = [b for b in scan.bad_rows() if b[0] < cap]
+    report.rows_read += cap
+    report.trailing_turns_dropped += sum(1 for s in scan.dropped if s < cap)
+    for _, line, row, raw, element in bad:
+        report.add(name, line, row, raw, element)
+    return cap - len(bad)
 
 
 def scan_sources(cfg: TrainConfig, run_dir: Path, sources: Sequence[SourceConfig]) -> Dict[str, int]:

@@ -30,7 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+import dsrecipes.data.shard_store as store_upload
 from dsrecipes.config.schema import ShardBalance
+from dsrecipes.data.remote import identity as remote_identity
+from dsrecipes.data.remote import is_url
 from dsrecipes.data.splits import split_val
 from dsrecipes.errors import DataError, UserError
 from dsrecipes.fileio import atomic_write_json
@@ -56,6 +59,8 @@ class Manifest:
     val_file: Optional[str] = None  # the validation part (`shard --val-size`), not read for training
     val_count: int = 0
     val_sha256: Optional[str] = None
+    identities: List[str] = field(default_factory=list)  # parts in a store: remote.identity (ETag) of each
+    val_identity: Optional[str] = None  # the validation part in a store: its remote.identity
     row_format: str = ROW_FORMAT
     version: int = MANIFEST_VERSION
     directory: str = ""  # where it was read from (not stored)
@@ -70,7 +75,11 @@ class Manifest:
         return hashlib.blake2b(json.dumps(self.sha256).encode(), digest_size=12).hexdigest()
 
     def part_path(self, rank: int) -> str:
-        return os.path.join(self.directory, self.files[rank])
+        return self.path_of(self.files[rank])
+
+    def path_of(self, name: str) -> str:
+        """A file of the shard directory (or store prefix) the manifest was read from."""
+        return f"{self.directory.rstrip('/')}/{name}" if is_url(self.directory) else os.path.join(self.directory, name)
 
     def to_json(self) -> Dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -87,10 +96,10 @@ def read_manifest(shard_dir: Optional[str], world_size: Optional[int] = None) ->
     """The manifest of `shard_dir`; with `world_size`, refuses a part count that differs from it."""
     if not shard_dir:
         raise DataError("data.shard_dir: data=presharded needs the directory written by `dsrecipes shard`")
-    path = Path(shard_dir) / MANIFEST
-    if not path.is_file():
+    path: Any = f"{shard_dir.rstrip('/')}/{MANIFEST}" if is_url(shard_dir) else Path(shard_dir) / MANIFEST
+    if not (store_upload.exists(path) if is_url(shard_dir) else path.is_file()):
         raise DataError(f"data.shard_dir: {path} not found; write the parts with `dsrecipes shard ... --out {shard_dir}`")
-    data = json.loads(path.read_text(encoding="utf-8"))
+    data = json.loads(store_upload.read_text(path) if is_url(shard_dir) else path.read_text(encoding="utf-8"))
     data.pop("total", None)
     if data.get("version") != MANIFEST_VERSION:
         raise DataError(f"{path}: manifest version {data.get('version')!r}, expected {MANIFEST_VERSION}; re-shard")
@@ -114,12 +123,21 @@ def file_sha256(path: str) -> str:
 
 
 def verify_part(manifest: Manifest, rank: int) -> None:
-    _verify(manifest.part_path(rank), manifest.sha256[rank])
+    path = manifest.part_path(rank)
+    if is_url(path):  # by the ETag recorded at upload: the part is not read twice
+        if not manifest.identities or store_upload.identity_or_none(path) != manifest.identities[rank]:
+            raise DataError(f"{path}: missing or changed since `dsrecipes shard` wrote it ({MANIFEST}); re-shard")
+        return
+    _verify(path, manifest.sha256[rank])
 
 
 def verify_val_part(manifest: Manifest) -> str:
-    """The validation part's path, checked against the manifest."""
-    path = os.path.join(manifest.directory, str(manifest.val_file))
+    """The validation part's path, checked against the manifest (in a store: by the identity recorded at upload)."""
+    path = manifest.path_of(str(manifest.val_file))
+    if is_url(path):
+        if manifest.val_identity is None or store_upload.identity_or_none(path) != manifest.val_identity:
+            raise DataError(f"{path}: missing or changed since `dsrecipes shard` wrote it ({MANIFEST}); re-shard")
+        return path
     _verify(path, str(manifest.val_sha256))
     return path
 
@@ -229,6 +247,8 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
         raise UserError(f"--parts must be >= 1, got {parts}")
     if val_size < 0 or (val_size >= 1 and val_size != int(val_size)):
         raise UserError(f"--val-size: a fraction in [0, 1) or a whole number of samples, got {val_size:g}")
+    if is_url(out_dir):
+        return store_upload.shard_to_store(cfg, parts, out_dir, balance, force, shard, val_size)
     out = Path(out_dir)
     if (out / MANIFEST).exists() and not force:
         raise UserError(f"{out / MANIFEST} exists; choose another --out or pass --force to overwrite")
@@ -260,7 +280,8 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
     manifest.checked_with = check_identity(cfg, tokenizer)
     for src in sources:
         files, _ = expand_paths(src.paths)
-        manifest.sources += [{"path": os.path.abspath(f), "sha256": file_sha256(f), "source": src.name} for f in files]
+        manifest.sources += [{"path": f, "identity": remote_identity(f), "source": src.name} if is_url(f) else
+                             {"path": os.path.abspath(f), "sha256": file_sha256(f), "source": src.name} for f in files]
     if min(manifest.counts) == 0:
         raise DataError(f"{manifest.total} samples cannot fill {parts} parts (a part would be empty)")
     atomic_write_json(out / MANIFEST, manifest.to_json())

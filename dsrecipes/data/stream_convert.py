@@ -10,11 +10,11 @@ lines is read as JSONL, and one JSON value is one row, as `files.py` reads them 
 
 from __future__ import annotations
 
-import gzip
 import zlib
 from pathlib import Path
 from typing import Any, Callable, Optional, Tuple
 
+from dsrecipes.data.remote import open_maybe_gzip
 from dsrecipes.fileio import atomic_writer
 
 CHUNK = 1 << 20
@@ -55,7 +55,7 @@ def _decompress(path: str, out: Path, scanner: Any) -> None:
     from dsrecipes.data.files import FileUnreadable, read_error
 
     try:
-        with atomic_writer(out) as fh, gzip.open(path, "rb") as src:
+        with atomic_writer(out) as fh, open_maybe_gzip(path) as src:
             for block in iter(lambda: src.read(1 << 16), b""):  # small reads: a break is located closely
                 fh.write(block)
                 scanner.feed(block)
@@ -71,9 +71,8 @@ def _copy_values(path: str, out: Path, scanner: Any) -> Tuple[int, bool]:
     from dsrecipes.data.jsonscan import JsonStructureError, values
 
     count, array = 0, False
-    opener = gzip.open if path.endswith(".gz") else open
     try:
-        with atomic_writer(out) as fh, opener(path, "rb") as src:
+        with atomic_writer(out) as fh, open_maybe_gzip(path) as src:
             def sink(piece: bytes) -> None:
                 piece = piece.translate(_NEWLINES)  # JSON allows them between tokens only: the value stays the same
                 fh.write(piece)

@@ -17,13 +17,14 @@ refused under both policies (`files.FileUnreadable`).
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from dsrecipes.data.remote import identity as remote_identity
+from dsrecipes.data.remote import is_url, open_bytes, pin, size_mtime
 from dsrecipes.data.stream_convert import CHUNK, convert, file_kind
 from dsrecipes.fileio import atomic_writer
 
@@ -48,6 +49,7 @@ class FileIndex:
     lines: np.ndarray = field(repr=False)
     firsts: np.ndarray = field(repr=False)
     problem: Optional[Tuple[str, str]] = None  # (BadReason value, detail): the file as a whole is unusable
+    etag: str = ""  # an object in a store: the ETag/VersionId every ranged read must match (remote.pin)
 
     def block_of(self, sample: np.ndarray) -> np.ndarray:
         return np.searchsorted(self.firsts, sample, side="right") - 1
@@ -108,15 +110,19 @@ class LineScanner:
 # Index files (cached by content hash)
 
 
-def index_files(cfg: Optional[Any], names: List[str], block_bytes: int) -> List[FileIndex]:
-    """The FileIndex of each file, from the cache or built (one pass for hash + index of a plain JSONL file)."""
+def index_files(cfg: Optional[Any], names: List[str], block_bytes: int,
+                tap: Optional[Callable[[str], Optional[Callable[[bytes], None]]]] = None) -> List[FileIndex]:
+    """The FileIndex of each file, from the cache or built (one pass for hash + index of a plain JSONL file).
+    `tap(name)` may give a feed that sees the bytes of a JSONL file read in place, in the same pass (the row
+    pre-scan, scan_files.py)."""
     from dsrecipes.data.cache import cache_root, content_hashes
 
     if cfg is None:  # no cache (a StreamSpec indexed on the spot): nothing is kept beyond this process
         import tempfile
 
         tmp = Path(tempfile.mkdtemp(prefix="dsrecipes-stream-"))
-        return [_index_one(name, f"local{i}", block_bytes, tmp, None, keep=False) for i, name in enumerate(names)]
+        return [_index_one(name, remote_identity(name) if is_url(name) else f"local{i}", block_bytes, tmp, None,
+                           keep=False) for i, name in enumerate(names)]
     root = cache_root(cfg) / "stream"
     scanners: Dict[str, LineScanner] = {}
 
@@ -124,14 +130,18 @@ def index_files(cfg: Optional[Any], names: List[str], block_bytes: int) -> List[
         if file_kind(name) != "jsonl":
             return None
         scanners[name] = LineScanner(block_bytes)
-        return scanners[name].feed
+        extra = tap(name) if tap is not None else None
+        if extra is None:
+            return scanners[name].feed
+        return lambda block: (scanners[name].feed(block), extra(block)) and None
 
     digests = content_hashes(cfg, names, hook)
-    return [_index_one(name, digest, block_bytes, root, scanners.get(name)) for name, digest in zip(names, digests)]
+    return [_index_one(name, digest, block_bytes, root, scanners.get(name), tap=tap)
+            for name, digest in zip(names, digests)]
 
 
 def _index_one(name: str, digest: str, block_bytes: int, root: Path, scanner: Optional[LineScanner],
-               keep: bool = True) -> FileIndex:
+               keep: bool = True, tap: Optional[Callable[[str], Optional[Callable[[bytes], None]]]] = None) -> FileIndex:
     cached = root / f"{digest}-b{block_bytes}-v{INDEX_VERSION}.npz"
     fi = _load(cached, name, digest) if keep else None
     if fi is not None:
@@ -140,14 +150,15 @@ def _index_one(name: str, digest: str, block_bytes: int, root: Path, scanner: Op
     read_path, loc_base = name, 0
     if file_kind(name) != "jsonl":
         read_path, loc_base, scanner, problem = _converted(name, root / f"{digest}.jsonl", block_bytes, keep)
-    if problem is None and (scanner is None or scanner.pos != os.path.getsize(read_path)):
-        scanner = _scan(read_path, block_bytes)  # not fed while hashing (memo hit), or JSON lines read in place
+    size, mtime_ns = size_mtime(read_path)
+    if problem is None and (scanner is None or scanner.pos != size):
+        feed = tap(name) if tap is not None and read_path == name else None
+        scanner = _scan(read_path, block_bytes, feed)  # not fed while hashing (memo hit, an object), JSON lines
     count, offsets, lines, firsts = scanner.finish() if scanner is not None else (0, *(np.zeros(0, np.int64),) * 3)
     if problem is None and count == 0:
         problem = ("empty_file", "no rows")
-    st = os.stat(read_path)
-    fi = FileIndex(name, read_path, loc_base, st.st_size, st.st_mtime_ns, digest, count, offsets, lines, firsts,
-                   problem)
+    etag = pin(read_path, digest) if is_url(read_path) else ""  # the version the reads are pinned to
+    fi = FileIndex(name, read_path, loc_base, size, mtime_ns, digest, count, offsets, lines, firsts, problem, etag)
     if keep:
         _save(cached, fi)
     return fi
@@ -174,17 +185,19 @@ def _converted(name: str, out: Path, block_bytes: int, keep: bool) -> Tuple[str,
     return read_path, loc_base, scanner, problem
 
 
-def _scan(path: str, block_bytes: int) -> LineScanner:
+def _scan(path: str, block_bytes: int, tap: Optional[Callable[[bytes], None]] = None) -> LineScanner:
     scanner = LineScanner(block_bytes)
-    with open(path, "rb") as fh:
+    with open_bytes(path) as fh:
         for block in iter(lambda: fh.read(CHUNK), b""):
             scanner.feed(block)
+            if tap is not None:
+                tap(block)
     return scanner
 
 
 def _save(path: Path, fi: FileIndex) -> None:
     meta = {"path": fi.path, "loc_base": fi.loc_base, "size": fi.size, "mtime_ns": fi.mtime_ns, "count": fi.count,
-            "problem": fi.problem, "converted": fi.path != fi.name}
+            "problem": fi.problem, "converted": fi.path != fi.name, "etag": fi.etag}
     try:
         with atomic_writer(path) as fh:
             np.savez(fh, offsets=fi.offsets, lines=fi.lines, firsts=fi.firsts, meta=np.array(json.dumps(meta)))
@@ -201,11 +214,11 @@ def _load(path: Path, name: str, digest: str) -> Optional[FileIndex]:
         return None
     read_path = meta["path"] if meta["converted"] else name
     try:
-        st = os.stat(read_path)
+        size, mtime_ns = (meta["size"], meta["mtime_ns"]) if is_url(read_path) else size_mtime(read_path)
     except OSError:
         return None  # the converted copy was removed: convert again
-    if st.st_size != meta["size"]:
+    if size != meta["size"]:
         return None
     problem = tuple(meta["problem"]) if meta["problem"] else None
-    return FileIndex(name, read_path, meta["loc_base"], st.st_size, st.st_mtime_ns, digest, meta["count"], *arrays,
-                     problem)
+    return FileIndex(name, read_path, meta["loc_base"], size, mtime_ns, digest, meta["count"], *arrays, problem,
+                     meta.get("etag", ""))

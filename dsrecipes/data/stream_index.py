@@ -25,6 +25,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES
+from dsrecipes.data.remote import PREFETCH_BLOCKS, ObjectChanged, RangePool, is_url, size_mtime
+from dsrecipes.data.remote import identity as remote_identity
 from dsrecipes.data.stream_files import FileIndex, index_files
 from dsrecipes.data.stream_plan import BlockTable
 from dsrecipes.errors import DataError
@@ -34,9 +36,12 @@ INDEX_FILE = "stream_index.json"
 ARRAYS_FILE = "stream_index.npz"
 STREAM_VERSION = 1
 BLOCKS_PER_STREAM = 1 << 16  # automatic block size: the stream's bytes / this, within [4 KiB, 1 MiB]
+BLOCKS_PER_REMOTE_STREAM = 1 << 12  # objects in a store: fewer, larger blocks (one GET each; latency-bound)
 
-def auto_block_bytes(total_bytes: int) -> int:
-    return int(min(1 << 20, max(1 << 12, 1 << max(0, int(total_bytes // BLOCKS_PER_STREAM).bit_length()))))
+
+def auto_block_bytes(total_bytes: int, remote: bool = False) -> int:
+    per = BLOCKS_PER_REMOTE_STREAM if remote else BLOCKS_PER_STREAM
+    return int(min(1 << 20, max(1 << 12, 1 << max(0, int(total_bytes // per).bit_length()))))
 
 
 @dataclass
@@ -100,6 +105,10 @@ class StreamIndex:
     def verify(self) -> None:
         """Every file still has the size and modification time it had when indexed (ranks, before reading)."""
         for fi in self.files:
+            if is_url(fi.path):  # every ranged read is pinned by If-Match: no HEAD per rank and object
+                if not fi.etag and remote_identity(fi.path) != fi.digest:
+                    raise ObjectChanged(fi.path)
+                continue
             try:
                 st = os.stat(fi.path)
             except OSError:
@@ -128,8 +137,9 @@ def hold_out(index: StreamIndex, cfg: Any) -> StreamIndex:
     return index
 
 
-def index_stream(cfg: Any) -> StreamIndex:
-    """Every file of `cfg.dataset` (and `dataset.val_paths`) indexed, caps applied, nothing held out yet."""
+def index_stream(cfg: Any, tap: Any = None) -> StreamIndex:
+    """Every file of `cfg.dataset` (and `dataset.val_paths`) indexed, caps applied, nothing held out yet. `tap`:
+    see `stream_files.index_files` (the row pre-scan in the indexing pass)."""
     from dsrecipes.data.files import expand_paths, no_file
     from dsrecipes.data.registry import resolve_sources, validation_files
 
@@ -150,8 +160,13 @@ def index_stream(cfg: Any) -> StreamIndex:
     for note in notes:
         print(note, file=sys.stderr)
     file_source += [-1] * len(val_names)
-    block_bytes = cfg.data.block_bytes or auto_block_bytes(sum(os.path.getsize(n) for n in names))
-    files = index_files(cfg, names, block_bytes)
+    block_bytes = cfg.data.block_bytes or auto_block_bytes(sum(size_mtime(n)[0] for n in names),
+                                                        remote=any(is_url(n) for n in names))
+    one_tap = None
+    if tap is not None:
+        srcs = dict(zip(names, _file_configs(cfg, sources, file_source)))
+        one_tap = lambda name: tap(name, srcs[name])  # noqa: E731
+    files = index_files(cfg, names, block_bytes, one_tap)
     _whole_file_problems(files, cfg.dataset.bad_rows.value)
     caps = _caps(files, file_source, [src.max_samples for src in sources], cfg.dataset.max_samples)
     return StreamIndex(files, caps, file_source, [(s.name, s.weight) for s in sources], block_bytes)
@@ -159,19 +174,24 @@ def index_stream(cfg: Any) -> StreamIndex:
 
 def file_sources(cfg: Any, index: StreamIndex) -> List[Any]:
     """The SourceConfig of each file of `index` (validation files: the dataset's format, columns and roles)."""
-    from dsrecipes.config.schema import SourceConfig
     from dsrecipes.data.registry import resolve_sources
 
-    sources, ds = resolve_sources(cfg.dataset), cfg.dataset
+    return _file_configs(cfg, resolve_sources(cfg.dataset), index.file_source)
+
+
+def _file_configs(cfg: Any, sources: Sequence[Any], file_source: Sequence[int]) -> List[Any]:
+    from dsrecipes.config.schema import SourceConfig
+
+    ds = cfg.dataset
     val = SourceConfig(name=f"{ds.name}-val", paths=list(ds.val_paths), format=ds.format, columns=ds.columns,
                        roles=dict(ds.roles))
-    return [sources[s] if s >= 0 else val for s in index.file_source]
+    return [sources[s] if s >= 0 else val for s in file_source]
 
 
 def index_spec(spec: Any, block_bytes: Optional[int] = None) -> StreamIndex:
     """A StreamIndex of a `sampler.StreamSpec` (files, optional limits), indexed now without a cache."""
     paths = list(spec.paths)
-    block_bytes = block_bytes or auto_block_bytes(sum(os.path.getsize(p) for p in paths))
+    block_bytes = block_bytes or auto_block_bytes(sum(size_mtime(p)[0] for p in paths))
     files = index_files(None, paths, block_bytes)
     limits = spec.limits or (None,) * len(paths)
     caps = [fi.count if lim is None else min(lim, fi.count) for fi, lim in zip(files, limits)]
@@ -204,7 +224,8 @@ def _caps(files: Sequence[FileIndex], file_source: Sequence[int], source_caps: S
 
 def write_stream_index(run_dir: str | Path, index: StreamIndex) -> None:
     files = [{"name": fi.name, "path": fi.path, "loc_base": fi.loc_base, "size": fi.size, "mtime_ns": fi.mtime_ns,
-              "digest": fi.digest, "count": fi.count, "problem": fi.problem, "blocks": int(fi.offsets.size)}
+              "digest": fi.digest, "count": fi.count, "problem": fi.problem, "blocks": int(fi.offsets.size),
+              "etag": fi.etag}
              for fi in index.files]
     meta = {"version": STREAM_VERSION, "block_bytes": index.block_bytes, "sources": index.sources,
             "file_source": index.file_source, "caps": index.caps, "files": files}
@@ -231,7 +252,7 @@ def read_stream_index(run_dir: str | Path) -> Optional[StreamIndex]:
         at += m["blocks"]
         files.append(FileIndex(m["name"], m["path"], m["loc_base"], m["size"], m["mtime_ns"], m["digest"], m["count"],
                                arrays["offsets"][sl], arrays["lines"][sl], arrays["firsts"][sl],
-                               tuple(m["problem"]) if m["problem"] else None))
+                               tuple(m["problem"]) if m["problem"] else None, m.get("etag", "")))
     return StreamIndex(files, meta["caps"], meta["file_source"], [tuple(s) for s in meta["sources"]],
                        meta["block_bytes"], arrays["holdout"])
 
@@ -250,11 +271,36 @@ class BlockSource:
         self.max_row_bytes = max_row_bytes
         self.bytes_read = 0
         self._fds: Dict[int, int] = {}
+        self._ranges = RangePool()  # objects in a store: ranged GETs, prefetched by `prefetch`
+        self._ahead: Dict[int, Any] = {}  # block -> future of its rows
+        self._wanted: List[int] = []  # blocks announced by `prefetch`, not yet started
 
     def __getstate__(self) -> Dict[str, Any]:
-        return {"index": self.index, "max_row_bytes": self.max_row_bytes, "bytes_read": 0, "_fds": {}}
+        return {"index": self.index, "max_row_bytes": self.max_row_bytes}  # a worker opens its own files
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__init__(state["index"], state["max_row_bytes"])  # type: ignore[misc]
+
+    def prefetch(self, blocks: Sequence[int]) -> None:
+        """Announce the next blocks this reader needs (its window's), in order: those of objects in a store are
+        read ahead, at most PREFETCH_BLOCKS at a time, refilled as they are taken; local files are read when
+        asked (a pread is not worth a thread)."""
+        files, b = self.index.files, self.index.blocks
+        self._wanted = [g for g in blocks if is_url(files[b["file"].item(g)].path)][::-1]
+        self._fill()
+
+    def _fill(self) -> None:
+        while self._wanted and len(self._ahead) < PREFETCH_BLOCKS:
+            g = self._wanted.pop()
+            if g not in self._ahead:
+                self._ahead[g] = self._ranges.submit(self._block, g)
 
     def _pread(self, f: int, start: int, stop: int) -> bytes:
+        fi = self.index.files[f]
+        if is_url(fi.path):  # one ranged GET of exactly these bytes, pinned to the indexed ETag, retried
+            data = self._ranges.read(fi.path, fi.digest, fi.etag, start, stop)
+            self.bytes_read += len(data)  # += from prefetch threads: under the GIL, one bytecode add per read
+            return data
         if f not in self._fds:
             if len(self._fds) >= 64:
                 os.close(self._fds.pop(next(iter(self._fds))))
@@ -287,6 +333,11 @@ class BlockSource:
 
     def block(self, g: int) -> List[Tuple[int, int, bytes]]:
         """(file, location, raw) of the kept samples of training block g, in file order."""
+        ahead = self._ahead.pop(g, None)
+        self._fill()
+        return ahead.result() if ahead is not None else self._block(g)
+
+    def _block(self, g: int) -> List[Tuple[int, int, bytes]]:
         b = self.index.blocks
         f, first, count = b["file"].item(g), b["first"].item(g), b["count"].item(g)
         rows = self.samples(f, b["local"].item(g), count)
@@ -316,3 +367,6 @@ class BlockSource:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._ahead.clear()
+        self._wanted = []
+        self._ranges.close()

@@ -42,7 +42,11 @@ class ItemFetcher:
         block, local, copy = items_at(self.visits, positions, self.sh.seed, self.sh.epoch, self.sh.shuffle)
         out: List[Any] = [None] * positions.size
         block, local, copy = block.tolist(), local.tolist(), copy.tolist()
-        for i in np.argsort(positions, kind="stable").tolist():
+        order = np.argsort(positions, kind="stable").tolist()
+        prefetch = getattr(getattr(self.read_block, "__self__", None), "prefetch", None)
+        if prefetch is not None:  # a store's blocks: the window's next blocks requested together (remote.py)
+            prefetch([g for g in dict.fromkeys(block[i] for i in order) if g not in self._blocks])
+        for i in order:
             f, loc, raw = self._block(block[i])[local[i]]
             out[i] = (f, loc, raw, copy[i])
         return out

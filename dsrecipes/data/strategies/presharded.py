@@ -190,7 +190,7 @@ def check_parts(cfg: TrainConfig, run_dir: Path, manifest: Manifest) -> None:
         return
     paths = [manifest.part_path(r) for r in range(manifest.parts)]
     if manifest.val_file and not cfg.dataset.val_paths:
-        paths.append(os.path.join(manifest.directory, manifest.val_file))
+        paths.append(manifest.path_of(manifest.val_file))
     scan_sources(cfg, run_dir, [SourceConfig(name=f"part{r}", paths=[glob.escape(p)]) for r, p in enumerate(paths)])
 
 
