@@ -144,15 +144,15 @@ def test_local_stream_is_read_once_cold_and_not_at_all_warm(make_cfg, tmp_path):
         (data / f"part{k}.jsonl").write_bytes(_corpus(250 if k == 0 else 150, pad=20000))  # ~8 MB
     corpus = sum(p.stat().st_size for p in data.iterdir())
     before = _rchar()
-    rows, _ = _prepare(make_cfg, f"[{data}/*.jsonl]", tmp_path / "fresh", tmp_path / "run-fresh")
+    rows, *_ = _prepare(make_cfg, f"[{data}/*.jsonl]", tmp_path / "fresh", tmp_path / "run-fresh")
     fresh = _rchar() - before  # files just written: their hashes are not memoised, yet no second pass
     assert corpus <= fresh < 1.05 * corpus + (1 << 20), (fresh, corpus)
     time.sleep(2.2)  # older than cache.RACY_SECONDS: their hashes may be memoised
     before = _rchar()
-    rows, _ = _prepare(make_cfg, f"[{data}/*.jsonl]", tmp_path / "cache", tmp_path / "run1")
+    rows, *_ = _prepare(make_cfg, f"[{data}/*.jsonl]", tmp_path / "cache", tmp_path / "run1")
     cold = _rchar() - before
     before = _rchar()
-    rows_warm, _ = _prepare(make_cfg, f"[{data}/*.jsonl]", tmp_path / "cache", tmp_path / "run2")
+    rows_warm, *_ = _prepare(make_cfg, f"[{data}/*.jsonl]", tmp_path / "cache", tmp_path / "run2")
     warm = _rchar() - before
     print(f"local one pass: corpus {corpus} B, read fresh {fresh / corpus:.3f}x, cold {cold / corpus:.3f}x, "
           f"warm {warm / corpus:.4f}x")
@@ -172,7 +172,7 @@ def test_s3_stream_is_read_once_cold_and_not_at_all_warm(make_cfg, bucket, s3_se
     proxy = FaultProxy(s3_server.port).start()
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
     try:
-        rows, _ = _prepare(make_cfg, "[s3://dsr-data/once/*.jsonl]", tmp_path / "cache", tmp_path / "run1")
+        rows, *_ = _prepare(make_cfg, "[s3://dsr-data/once/*.jsonl]", tmp_path / "cache", tmp_path / "run1")
         cold = proxy.body_bytes
         _prepare(make_cfg, "[s3://dsr-data/once/*.jsonl]", tmp_path / "cache", tmp_path / "run2")
         warm = proxy.body_bytes - cold
