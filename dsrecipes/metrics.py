@@ -116,10 +116,13 @@ class MetricsLogger:
             print(f"{self._where(step)}  loss {loss:.4f}  lr {lr:.2e}{grad}  {tokens_per_s:,.0f} tok/s"
                   f"  {self._eta(step)}", flush=True)
 
-    def log_eval(self, step: int, eval_loss: float) -> None:
-        self._write({"step": step, "eval_loss": eval_loss})
-        self._track({"eval/loss": eval_loss}, step)
-        self.info(f"{self._where(step)}  eval_loss {eval_loss:.4f}")
+    def log_eval(self, step: int, eval_loss: float, extra: Optional[Dict[str, float]] = None) -> None:
+        """`extra`: the objective's other evaluation metrics (`eval_token_accuracy`, ...), written beside the loss."""
+        extra = extra or {}
+        self._write({"step": step, "eval_loss": eval_loss, **extra})
+        self._track({"eval/loss": eval_loss, **{f"eval/{k.removeprefix('eval_')}": v for k, v in extra.items()}}, step)
+        shown = "".join(f"  {k} {v:.4f}" for k, v in extra.items())
+        self.info(f"{self._where(step)}  eval_loss {eval_loss:.4f}{shown}")
 
     def info(self, message: str) -> None:
         if not self.enabled:

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 MUST_MATCH = (
     "model", "template", "dataset", "data.kind", "data.cutoff_len", "data.packing", "data.train_on", "data.shuffle",
     "data.shuffle_buffer", "data.num_samples", "data.block_bytes", "optimizer.name", "optimizer.torch_adam",
-    "precision.dtype", "zero.stage", "scheduler.name", "trainer.seed",
+    "precision.dtype", "zero.stage", "scheduler.name", "trainer.seed", "objective",
 )
 MAY_CHANGE = (
     "model.name", "model.attn_implementation", "model.gradient_checkpointing", "model.num_params", "model.arch",

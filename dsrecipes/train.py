@@ -1,7 +1,10 @@
 """The training recipe, on every rank: setup -> loop -> eval -> checkpoint -> export. Read `train()` top to bottom.
 
-Loss weighting. A micro-batch's loss is the mean cross-entropy over its predicted tokens (labels != -100, packing
-boundaries excluded; `model.token_loss_sum`). DeepSpeed divides each micro-batch loss by `grad_accum` and averages
+Objective. What a micro-batch is, its loss and the evaluation belong to the run's objective (`objective=sft`;
+dsrecipes/objectives/base.py says the contract); this loop only calls it.
+
+Loss weighting. A micro-batch's loss is the objective's mean over that micro-batch (SFT: the mean cross-entropy over
+its predicted tokens, objectives/sft.py). DeepSpeed divides each micro-batch loss by `grad_accum` and averages
 gradients over ranks, so one optimizer step minimises the plain mean of its `grad_accum x world_size` micro-batch
 means: every micro-batch weighs the same, whatever its number of trained tokens. (Token-exact weighting would need
 the step's global token count before the first backward.) Logged `loss` is that same mean over the log window.
@@ -35,7 +38,9 @@ from dsrecipes.distributed import all_ranks, finish_distributed, init_distribute
 from dsrecipes.errors import DataError, RunInterrupted, TrainingFailed, UserError
 from dsrecipes.export import EXPORT_DIR, EXPORT_INIT_DIR, export_checkpoint, export_initial
 from dsrecipes.metrics import MetricsLogger, Window
-from dsrecipes.model import build_model, count_parameters, load_tokenizer, micro_batch_loss, trainable_parameters
+from dsrecipes.model import build_model, count_parameters, load_tokenizer, trainable_parameters
+from dsrecipes.objectives import build_objective
+from dsrecipes.objectives.base import Objective
 from dsrecipes.rundir import CHECKPOINTS_DIR, launcher_alive, rank_lock, read_ds_config, write_outcome
 from dsrecipes.runplan import RunPlan, read_plan
 from dsrecipes.schedule import StepScheduler, warmup_steps
@@ -51,6 +56,7 @@ class Session:
     plan: RunPlan
     rank: int
     engine: Any
+    objective: Objective
     train_loader: Any
     eval_loader: Any
     state: TrainState
@@ -119,7 +125,8 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
     engine.lr_scheduler.resume_at(state.step)  # this run's schedule (its step budget) from the first resumed step
     metrics = MetricsLogger(run_dir, rank, plan.total_steps, start_step=state.step, cfg=cfg)
     metrics.info(describe_run(cfg, model, plan, resume))
-    return Session(cfg, run_dir, plan, rank, engine, train_loader, eval_loader, state, metrics,
+    return Session(cfg, run_dir, plan, rank, engine, build_objective(cfg, tokenizer), train_loader, eval_loader,
+                   state, metrics,
                    open_ledger(cfg, run_dir, rank), None if resume is None else resume.tag_dir)
 
 
@@ -134,7 +141,7 @@ def loop(s: Session) -> None:
     batches = micro_batches(s.train_loader, state) if state.step < total else ()
     for batch in batches:
         closes_step = engine.is_gradient_accumulation_boundary()
-        loss, _ = micro_batch_loss(engine, batch, engine.device)
+        loss, _ = s.objective.loss(engine, batch, engine.device)
         loss = guard.add(loss, batch, state.step + 1)
         engine.backward(loss)
         if s.ledger is not None:
@@ -181,8 +188,9 @@ def after_step(s: Session) -> None:
     t, step = s.cfg.trainer, s.state.step
     final = step >= s.plan.total_steps
     if s.eval_loader is not None and (final or due(step, t.eval_every)):
-        eval_loss = evaluate(s.engine, s.eval_loader, t.eval_batches)  # the same value on every rank
-        s.metrics.log_eval(step, eval_loss)
+        results = evaluate(s.objective, s.engine, s.eval_loader, t.eval_batches)  # the same on every rank
+        eval_loss = results.pop("eval_loss")
+        s.metrics.log_eval(step, eval_loss, results)
         if not math.isfinite(eval_loss):
             raise TrainingFailed(f"non-finite evaluation loss after step {step}: the weights no longer give finite "
                                  "outputs, so the run stopped without saving them. Lower optimizer.lr or check the "
@@ -373,24 +381,25 @@ def log_window(metrics: MetricsLogger, window: Window, state: TrainState, lr: fl
 
 
 @torch.no_grad()
-def evaluate(engine: Any, loader: Any, max_batches: Optional[int]) -> float:
-    """Token-weighted mean validation loss over all ranks. Ranks stop together at the shortest split (ZeRO-3
-    forwards are collective), after at most `max_batches` micro-batches each."""
+def evaluate(objective: Objective, engine: Any, loader: Any, max_batches: Optional[int]) -> Dict[str, float]:
+    """The objective's evaluation metrics over all ranks (`eval_loss` first): its per-batch sums, added over this
+    rank's micro-batches and all-reduced. Ranks stop together at the shortest split (ZeRO-3 forwards are
+    collective), after at most `max_batches` micro-batches each."""
     import torch.distributed as dist
 
     engine.eval()
-    sums = torch.zeros(2, dtype=torch.float64)
+    sums = torch.zeros(len(objective.eval_keys), dtype=torch.float64)
     batches = iter(loader)
     done = 0
     while max_batches is None or done < max_batches:
         batch = next(batches, None)
         if not all_ranks(batch is not None):
             break
-        loss, n_tokens = micro_batch_loss(engine, batch, engine.device)
-        sums += torch.tensor([float(loss) * int(n_tokens), int(n_tokens)], dtype=torch.float64)
+        got = objective.eval_sums(engine, batch, engine.device)
+        sums += torch.tensor([got[k] for k in objective.eval_keys], dtype=torch.float64)
         done += 1
     dist.all_reduce(sums)
     engine.train()
-    return float(sums[0] / sums[1].clamp(min=1))
+    return objective.metrics(dict(zip(objective.eval_keys, sums.tolist())), "eval_")
 
 

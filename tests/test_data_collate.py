@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsrecipes.data.collate import collate
+from dsrecipes.objectives.sft import collate
 from dsrecipes.data.labels import IGNORE_INDEX
 from dsrecipes.data.packing import pack
 from dsrecipes.data.tokenize import Example

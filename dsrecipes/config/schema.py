@@ -117,6 +117,10 @@ class ReportTo(str, Enum):
     wandb = "wandb"  # pip install 'dsrecipes[wandb]'; WANDB_MODE=offline needs no account
 
 
+class ObjectiveKind(str, Enum):
+    sft = "sft"  # next-token cross-entropy on the trained spans of conversations
+
+
 class ResumeMode(str, Enum):
     auto = "auto"  # continue from trainer.resume_from, else from the run directory's newest complete checkpoint
     never = "never"  # start from step 0
@@ -325,6 +329,14 @@ class TrainerConfig:
 
 
 @dataclass
+class ObjectiveConfig:
+    """What the training step optimises (`objective=sft`): collate, loss and metrics, evaluation
+    (dsrecipes/objectives/)."""
+
+    kind: ObjectiveKind = ObjectiveKind.sft
+
+
+@dataclass
 class LauncherConfig:
     kind: LauncherKind = LauncherKind.local
     num_gpus: Optional[int] = None  # processes per node; None = all visible devices (1 on CPU)
@@ -361,6 +373,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
 
@@ -376,5 +389,6 @@ GROUP_SCHEMAS: Dict[str, Any] = {
     "optimizer": OptimizerConfig,
     "scheduler": SchedulerConfig,
     "trainer": TrainerConfig,
+    "objective": ObjectiveConfig,
     "launcher": LauncherConfig,
 }

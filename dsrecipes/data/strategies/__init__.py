@@ -46,4 +46,4 @@ def build_eval_loader(cfg: TrainConfig, tokenizer: Any, rank: int, world_size: i
     val = prepared_val(cfg, run_dir)
     if val is None or len(val) == 0:
         return None
-    return EvalLoader(val, rank, world_size, cfg.trainer.micro_batch_size, make_collate(tokenizer))
+    return EvalLoader(val, rank, world_size, cfg.trainer.micro_batch_size, make_collate(cfg, tokenizer))

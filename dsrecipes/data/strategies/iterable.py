@@ -210,7 +210,7 @@ def build(cfg: Any, tokenizer: Any, rank: int, world_size: int, run_dir: str) ->
     loader = StreamTrainLoader(index, Layout.from_cfg(cfg, world_size), rank, seed=cfg.trainer.seed,
                                shuffle=cfg.data.shuffle, shuffle_buffer=cfg.data.shuffle_buffer,
                                num_samples=cfg.data.num_samples, make_rows=row_encoder(cfg, tokenizer, index),
-                               collate_fn=make_collate(tokenizer), num_workers=cfg.data.num_workers,
+                               collate_fn=make_collate(cfg, tokenizer), num_workers=cfg.data.num_workers,
                                prefetch_factor=cfg.data.prefetch_factor, max_row_bytes=cfg.dataset.max_row_bytes)
     _check_rows(run_dir, loader.planned)
     return loader
@@ -241,4 +241,4 @@ def build_eval(cfg: Any, tokenizer: Any, rank: int, world_size: int, run_dir: st
     source = BlockSource(index, cfg.dataset.max_row_bytes)
     rows = row_encoder(cfg, tokenizer, index)([(*row, 0) for row in source.rows(share)])
     source.close()
-    return EvalLoader(rows, 0, 1, cfg.trainer.micro_batch_size, make_collate(tokenizer))
+    return EvalLoader(rows, 0, 1, cfg.trainer.micro_batch_size, make_collate(cfg, tokenizer))

@@ -97,7 +97,7 @@ def build(cfg: Any, tokenizer: Any, rank: int, world_size: int, run_dir: str) ->
         rank,
         seed=cfg.trainer.seed,
         shuffle=cfg.data.shuffle,
-        collate_fn=make_collate(tokenizer),
+        collate_fn=make_collate(cfg, tokenizer),
         num_workers=cfg.data.num_workers,
         prefetch_factor=cfg.data.prefetch_factor,
     )

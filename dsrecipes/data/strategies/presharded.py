@@ -104,7 +104,7 @@ def build(cfg: Any, tokenizer: Any, rank: int, world_size: int, run_dir: str) ->
         shuffle_buffer=cfg.data.shuffle_buffer,
         num_samples=manifest.counts[rank],
         make_rows=RowEncoder(cfg, tokenizer, [path], [SourceConfig(name=f"part{rank}")]),
-        collate_fn=make_collate(tokenizer),
+        collate_fn=make_collate(cfg, tokenizer),
         num_workers=cfg.data.num_workers,
         prefetch_factor=cfg.data.prefetch_factor,
         part_counts=manifest.counts,
