@@ -121,12 +121,13 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
                                  total_steps=plan.total_steps)  # DeepSpeed calls it with the optimizer it built
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable_parameters(model), config=ds_config,
                                            lr_scheduler=schedule)
+    objective = build_objective(cfg, tokenizer)
+    objective.attach(cfg, tokenizer, engine)
     state = TrainState() if resume is None else load_checkpoint(engine, train_loader, resume)
     engine.lr_scheduler.resume_at(state.step)  # this run's schedule (its step budget) from the first resumed step
     metrics = MetricsLogger(run_dir, rank, plan.total_steps, start_step=state.step, cfg=cfg)
     metrics.info(describe_run(cfg, model, plan, resume))
-    return Session(cfg, run_dir, plan, rank, engine, build_objective(cfg, tokenizer), train_loader, eval_loader,
-                   state, metrics,
+    return Session(cfg, run_dir, plan, rank, engine, objective, train_loader, eval_loader, state, metrics,
                    open_ledger(cfg, run_dir, rank), None if resume is None else resume.tag_dir)
 
 
@@ -134,14 +135,14 @@ def loop(s: Session) -> None:
     """Micro-batches until the planned last step: forward/backward/step, then per step log, evaluate, save."""
     t, engine, state, total = s.cfg.trainer, s.engine, s.state, s.plan.total_steps
     guard = StepGuard(s.plan.world_size, engine.device, s.rank)
-    window = Window()
+    window = Window(keys=s.objective.train_keys)
     window.reset()
     clock_start = time.perf_counter() - state.elapsed
     engine.train()
     batches = micro_batches(s.train_loader, state) if state.step < total else ()
     for batch in batches:
         closes_step = engine.is_gradient_accumulation_boundary()
-        loss, _ = s.objective.loss(engine, batch, engine.device)
+        loss, batch["sums"] = s.objective.loss(engine, batch, engine.device)
         loss = guard.add(loss, batch, state.step + 1)
         engine.backward(loss)
         if s.ledger is not None:
@@ -171,7 +172,7 @@ def loop(s: Session) -> None:
         if (logs_at(state.step, total, t) or stop) and not bad:
             state.elapsed = time.perf_counter() - clock_start
             tracked = engine.get_global_grad_norm()
-            log_window(s.metrics, window, state, lr, grad_norm if tracked is None else tracked)
+            log_window(s, window, lr, grad_norm if tracked is None else tracked)
         with window.paused():  # tokens/s counts training time only
             after_step(s)
         if stop and state.step < total:  # at the last step the run simply ends (and exports)
@@ -361,8 +362,9 @@ def untracked_grad_norm(engine: Any) -> Optional[float]:
     return float(torch.stack([g.detach().float().norm() for g in grads]).norm()) if grads else None
 
 
-def log_window(metrics: MetricsLogger, window: Window, state: TrainState, lr: float, grad_norm: Any) -> None:
+def log_window(s: Session, window: Window, lr: float, grad_norm: Any) -> None:
     """Reduce the log window over ranks (collective) and write one metrics line on rank 0."""
+    metrics, state = s.metrics, s.state
     totals = window.reduce()
     if totals["micro_batches"] == 0:  # every step of the window was skipped (non-finite): nothing to report
         window.reset()
@@ -376,6 +378,7 @@ def log_window(metrics: MetricsLogger, window: Window, state: TrainState, lr: fl
         tokens_per_s=totals["tokens"] / totals["seconds"],
         samples_seen=state.samples_seen,
         elapsed=state.elapsed,
+        extra=s.objective.metrics(totals["sums"], "") if totals["sums"] else None,
     )
     window.reset()
 

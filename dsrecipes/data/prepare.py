@@ -33,11 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List
 
-from dsrecipes.config.schema import SourceConfig, TrainConfig
+from dsrecipes.config.schema import ObjectiveKind, ReferenceMode, SourceConfig, TrainConfig
 from dsrecipes.data.arrow_split import write_split
 from dsrecipes.data.badrows import BadRowReport
 from dsrecipes.data.batch_encode import read_and_encode
 from dsrecipes.data.cache import cache_key, cache_root
+from dsrecipes.data.preference import check_sources
 from dsrecipes.data.prepare_stats import build_stats, summary
 from dsrecipes.data.registry import resolve_sources
 from dsrecipes.data.splits import mix, split_val
@@ -61,6 +62,7 @@ def prepare(cfg: TrainConfig, tokenizer: Any, run_dir: str | Path) -> Prepared:
     run_dir.mkdir(parents=True, exist_ok=True)
     notes: List[str] = []
     sources = resolve_sources(cfg.dataset, notes)  # once per preparation
+    check_sources(cfg.objective.kind, sources)
     for note in notes:
         print(note, file=sys.stderr)
     key = cache_key(cfg, tokenizer, sources)
@@ -76,6 +78,10 @@ def prepare(cfg: TrainConfig, tokenizer: Any, run_dir: str | Path) -> Prepared:
         _build(cfg, tokenizer, sources, key, root, final, quarantine)
     stats = json.loads((final / STATS_FILE).read_text(encoding="utf-8"))
     stats.update(cache_dir=str(final), cache_hit=hit)
+    if precomputed_reference(cfg):
+        from dsrecipes.data.preference_prepare import attach_reference
+
+        stats["reference_dir"] = str(attach_reference(cfg, tokenizer, final))
     if quarantine.is_file():
         stats["quarantine"] = str(quarantine)
     atomic_write_json(run_dir / STATS_FILE, stats)
@@ -95,14 +101,27 @@ def load_prepared(cfg: TrainConfig, run_dir: str | Path) -> Prepared:
     for name, want in (("cutoff_len", cfg.data.cutoff_len), ("packing", cfg.data.packing)):
         if stats[name] != want:
             raise DataError(f"{path}: prepared with data.{name}={stats[name]}, but this config has {want}")
+    if precomputed_reference(cfg):
+        from dsrecipes.objectives.dpo_reference import reference_key
+
+        ref = Path(stats.get("reference_dir") or cache / "reference" / "none")
+        if ref.name != reference_key(cfg) or not (ref / "done").is_file():
+            raise DataError(f"{path}: no reference log-probs for this run's reference model (model.path changed "
+                            "since preparation?); start the run again with `python -m dsrecipes`")
     return _open(cache, stats)
 
 
+def precomputed_reference(cfg: TrainConfig) -> bool:
+    return cfg.objective.kind is ObjectiveKind.dpo and cfg.objective.reference is ReferenceMode.precomputed
+
+
 def _open(cache: Path, stats: Dict[str, Any]) -> Prepared:
+    """The prepared splits (with the reference log-probs of a precomputed DPO reference, when there are some)."""
     from datasets import load_from_disk
 
-    train = load_from_disk(str(cache / "train"))
-    val = load_from_disk(str(cache / "val")) if (cache / "val").is_dir() else None
+    data = Path(stats.get("reference_dir") or cache)
+    train = load_from_disk(str(data / "train"))
+    val = load_from_disk(str(data / "val")) if (data / "val").is_dir() else None
     return Prepared(train, val, stats, cache)
 
 
@@ -116,21 +135,12 @@ def _build(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig], key: s
     tmp.mkdir(parents=True)
     report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, quarantine)
     try:
-        encoded = read_and_encode(cfg, tokenizer, sources, report)
-        report.check()
-        if not len(encoded.kept):
-            raise DataError(f"dataset {cfg.dataset.name}: no usable samples ({report.summary()})")
-        val_pick = split_val(len(encoded.kept), cfg.dataset.val_size, cfg.trainer.seed)
-        val_items = [(int(encoded.kept[j]), 0) for j in val_pick]
-        in_val = set(val_pick)
-        train_members = [int(encoded.kept[j]) for j in range(len(encoded.kept)) if j not in in_val]
-        weights = {src.name: src.weight for src in sources}
-        train_items = mix(train_members, encoded.sources, weights, cfg.trainer.seed)
-        stats = build_stats(cfg, sources, report, encoded, train_items, val_items)
-        for split, items in (("train", train_items), ("val", val_items)):
-            if items:
-                rows, eff = write_split(tmp / split, items, encoded, cfg, f"{key}-{split}")
-                stats["rows"][split], stats["packing_efficiency"][split] = rows, eff
+        if cfg.objective.kind is ObjectiveKind.dpo:
+            from dsrecipes.data import preference_prepare
+
+            stats = preference_prepare.build(cfg, tokenizer, sources, report, tmp)
+        else:
+            stats = _build_sft(cfg, tokenizer, sources, report, key, tmp)
         stats["seconds"] = round(time.time() - started, 2)
         stats["cache_key"] = key
         atomic_write_json(tmp / STATS_FILE, stats)
@@ -147,3 +157,21 @@ def _build(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig], key: s
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _build_sft(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig], report: BadRowReport, key: str,
+               tmp: Path) -> Dict[str, Any]:
+    encoded = read_and_encode(cfg, tokenizer, sources, report)
+    report.check()
+    if not len(encoded.kept):
+        raise DataError(f"dataset {cfg.dataset.name}: no usable samples ({report.summary()})")
+    val_pick = split_val(len(encoded.kept), cfg.dataset.val_size, cfg.trainer.seed)
+    val_items = [(int(encoded.kept[j]), 0) for j in val_pick]
+    in_val = set(val_pick)
+    train_members = [int(encoded.kept[j]) for j in range(len(encoded.kept)) if j not in in_val]
+    weights = {src.name: src.weight for src in sources}
+    train_items = mix(train_members, encoded.sources, weights, cfg.trainer.seed)
+    stats = build_stats(cfg, sources, report, encoded, train_items, val_items)
+    for split, items in (("train", train_items), ("val", val_items)):
+        if items:
+            rows, eff = write_split(tmp / split, items, encoded, cfg, f"{key}-{split}")
+            stats["rows"][split], stats["packing_efficiency"][split] = rows, eff
+    return stats

@@ -18,9 +18,9 @@ Builder = Callable[[TrainConfig, Any], Objective]
 
 
 def builders() -> Dict[ObjectiveKind, Builder]:
-    from dsrecipes.objectives import sft
+    from dsrecipes.objectives import dpo, sft
 
-    return {ObjectiveKind.sft: sft.build}
+    return {ObjectiveKind.sft: sft.build, ObjectiveKind.dpo: dpo.build}
 
 
 def build_objective(cfg: TrainConfig, tokenizer: Any) -> Objective:

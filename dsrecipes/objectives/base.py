@@ -2,6 +2,8 @@
 
 The training loop (train.py) and the loaders (data/strategies/) know nothing else about an objective:
 
+    objective.attach(cfg, tokenizer, engine)
+        once per rank after the DeepSpeed engine exists, before the first step (DPO with a live reference builds it).
     objective.collate(rows) -> batch
         rows: prepared rows of one micro-batch (possibly empty: every rank still runs the micro-batch, which then
         trains nothing). The batch is a dict of tensors plus `ids` (the sample ids it holds, for the ledger and
@@ -40,6 +42,8 @@ class Objective(Protocol):
     eval_keys: Tuple[str, ...]
 
     def collate(self, rows: List[Row]) -> Batch: ...
+
+    def attach(self, cfg: Any, tokenizer: Any, engine: Any) -> None: ...
 
     def loss(self, model: Any, batch: Batch, device: Any) -> Tuple[Any, Dict[str, Any]]: ...
 

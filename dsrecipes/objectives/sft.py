@@ -43,6 +43,9 @@ class SFT:
                                                batch["position_ids"].to(device), count_correct=True)
         return {"loss_sum": float(loss_sum), "tokens": int(tokens), "correct": int(correct)}
 
+    def attach(self, cfg: TrainConfig, tokenizer: Any, engine: Any) -> None:
+        """Nothing to set up beside the engine."""
+
     def metrics(self, sums: Dict[str, float], prefix: str) -> Dict[str, float]:
         if prefix != "eval_":
             return {}
