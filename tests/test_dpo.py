@@ -200,3 +200,13 @@ def test_dpo_config_rules(make_cfg):
     text = str(err.value)
     for key in ("data.kind", "data.packing", "objective.beta", "objective.label_smoothing"):
         assert key in text
+
+
+def test_inspect_shows_the_prompt_once_and_both_trained_answers(trl_setup):
+    from dsrecipes.data.inspect import render_row
+
+    _, tokenizer, _, _, rows = trl_setup
+    text = render_row({**rows[0], "ref_chosen_logps": -1.5, "ref_rejected_logps": -2.5}, tokenizer, color=False)
+    assert text.count("What is 2 + 2?") == 1
+    assert "[[2 + 2 = 4.<|im_end|>]]" in text and "[[2 + 2 = 5.<|im_end|>]]" in text
+    assert "reference log-prob -1.500" in text and "--- rejected" in text

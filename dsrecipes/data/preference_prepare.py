@@ -80,7 +80,8 @@ def _stats(cfg: TrainConfig, report: BadRowReport, rows: List[Dict[str, Any]], n
         "tokens": tokens,
         "trained_tokens": trained,
         "trained_token_share": trained / tokens if tokens else 0.0,
-        "length": {"mean": sum(longest) / len(longest), "max": max(longest), "histogram": []},
+        "length": {"mean": sum(longest) / len(longest), "p50": sorted(longest)[len(longest) // 2],
+                   "p95": sorted(longest)[int(len(longest) * 0.95)], "max": max(longest), "histogram": []},
         "packing_efficiency": {"train": None, "val": None},
         "sources": {name: {"conversations": n} for name, n in Counter(names).items()},
     }
