@@ -39,6 +39,8 @@ from dsrecipes.data.badrows import BadRowReport
 from dsrecipes.data.batch_encode import read_and_encode
 from dsrecipes.data.cache import cache_key, cache_root
 from dsrecipes.data.preference import check_sources
+from dsrecipes.data.preference_prepare import attach_reference
+from dsrecipes.data.preference_prepare import build as build_pairs
 from dsrecipes.data.prepare_stats import build_stats, summary
 from dsrecipes.data.registry import resolve_sources
 from dsrecipes.data.splits import mix, split_val
@@ -79,8 +81,6 @@ def prepare(cfg: TrainConfig, tokenizer: Any, run_dir: str | Path) -> Prepared:
     stats = json.loads((final / STATS_FILE).read_text(encoding="utf-8"))
     stats.update(cache_dir=str(final), cache_hit=hit)
     if precomputed_reference(cfg):
-        from dsrecipes.data.preference_prepare import attach_reference
-
         stats["reference_dir"] = str(attach_reference(cfg, tokenizer, final))
     if quarantine.is_file():
         stats["quarantine"] = str(quarantine)
@@ -136,9 +136,7 @@ def _build(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig], key: s
     report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, quarantine)
     try:
         if cfg.objective.kind is ObjectiveKind.dpo:
-            from dsrecipes.data import preference_prepare
-
-            stats = preference_prepare.build(cfg, tokenizer, sources, report, tmp)
+            stats = build_pairs(cfg, tokenizer, sources, report, tmp)
         else:
             stats = _build_sft(cfg, tokenizer, sources, report, key, tmp)
         stats["seconds"] = round(time.time() - started, 2)
