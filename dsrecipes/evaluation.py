@@ -8,9 +8,10 @@ zero-weight forward passes (one ignored token) until every rank has run the same
 parameters collectively, so a rank that stopped early would hang the others (and one that stopped them early would
 drop samples).
 
-`batch_sums(logits, labels, position_ids)` is the per-micro-batch math (the objective's eval); `EvalResult` turns the
-reduced sums into the logged metrics: `eval_loss` (token-weighted mean cross-entropy), `eval_ppl` (exp of it) and
-`eval_accuracy` (share of predicted tokens whose argmax is the label).
+The per-micro-batch math is the objective's (`objective.eval_sums`: SFT's loss sum, predicted and correctly predicted
+tokens; DPO's per-pair sums), and so are the numbers made of the reduced sums (`objective.metrics`; SFT's through
+objectives/sft.py `EvalResult`: `eval_loss` (token-weighted mean cross-entropy), `eval_ppl` (exp of it), `eval_accuracy` (share of
+predicted tokens whose argmax is the label) and `eval_tokens`).
 
 With `trainer.record_samples`, each rank appends the sample ids it scored to `<run>/ledger/eval_rank<R>.jsonl`
 (`{"step": s, "ids": [...]}` per evaluation); `verify_eval_ledgers` proves every evaluation scored the same samples,
@@ -20,83 +21,17 @@ each once across ranks.
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-from dsrecipes.data.labels import IGNORE_INDEX
 from dsrecipes.data.ledger import LEDGER_DIR
 
 EVAL_LEDGER_PREFIX = "eval_rank"  # <run>/ledger/eval_rank<R>.jsonl (the training ledger's files are rank<R>.jsonl)
-
-
-@dataclass(frozen=True)
-class EvalResult:
-    """Sums over every rank and micro-batch of one evaluation."""
-
-    loss_sum: float
-    tokens: int
-    correct: int
-
-    @property
-    def loss(self) -> float:
-        return self.loss_sum / self.tokens if self.tokens else float("nan")
-
-    @property
-    def perplexity(self) -> float:
-        try:
-            return math.exp(self.loss)  # nan stays nan
-        except OverflowError:
-            return float("inf")
-
-    @property
-    def accuracy(self) -> float:
-        return self.correct / self.tokens if self.tokens else float("nan")
-
-    def metrics(self) -> Dict[str, float]:
-        """The logged numbers (metrics.jsonl keys)."""
-        return {"eval_loss": self.loss, "eval_ppl": self.perplexity, "eval_accuracy": self.accuracy,
-                "eval_tokens": self.tokens}
-
-
-def batch_sums(logits: torch.Tensor, labels: torch.Tensor,
-               position_ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(summed next-token cross-entropy, predicted tokens, correctly predicted tokens) of one micro-batch.
-
-    Token t predicts label t+1; labels -100 do not count, nor does the first token of a packed sample (where
-    `position_ids` restarts at 0), exactly as the training loss counts them."""
-    shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).to(logits.device)
-    if position_ids is not None:
-        starts = torch.nn.functional.pad(position_ids[:, 1:] == 0, (0, 1), value=False).to(logits.device)
-        shift = shift.masked_fill(starts, IGNORE_INDEX)
-    counted = shift != IGNORE_INDEX
-    flat = logits.float().reshape(-1, logits.size(-1))
-    loss_sum = torch.nn.functional.cross_entropy(flat, shift.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
-    correct = ((logits.argmax(dim=-1) == shift) & counted).sum()
-    return loss_sum, counted.sum(), correct
-
-
-def empty_batch() -> Dict[str, Any]:
-    """A zero-weight micro-batch (one token, no label): a forward pass that counts nothing."""
-    one = torch.zeros((1, 1), dtype=torch.long)
-    return {"input_ids": one, "labels": torch.full((1, 1), IGNORE_INDEX, dtype=torch.long), "position_ids": one,
-            "attention_mask": torch.ones((1, 1), dtype=torch.long), "ids": []}
-
-
-def forward_sums(model: Any, batch: Dict[str, Any], device: torch.device) -> torch.Tensor:
-    """[loss sum, tokens, correct] (float64, on CPU) of one collated micro-batch."""
-    mask = batch["attention_mask"]
-    position_ids = batch["position_ids"].to(device)
-    out = model(input_ids=batch["input_ids"].to(device), position_ids=position_ids,
-                attention_mask=None if mask is None else mask.to(device), use_cache=False)
-    loss_sum, tokens, correct = batch_sums(out.logits, batch["labels"].to(device), position_ids)
-    return torch.tensor([float(loss_sum), int(tokens), int(correct)], dtype=torch.float64)
 
 
 def _reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
@@ -108,19 +43,24 @@ def _reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(engine: Any, loader: Any, ledger: Optional["EvalLedger"] = None, step: int = 0) -> EvalResult:
-    """Collective: score this rank's share of the validation rows, pad with zero-weight forwards up to the largest
-    share's number of micro-batches, and add up the sums of every rank (the same result on every rank)."""
+def evaluate(objective: Any, engine: Any, loader: Any, ledger: Optional["EvalLedger"] = None,
+             step: int = 0) -> Dict[str, float]:
+    """Collective: score this rank's share of the validation rows with the objective's per-micro-batch sums
+    (`objective.eval_sums`), pad with zero-weight micro-batches (`objective.collate([])`: counts nothing) up to the
+    largest share's number of micro-batches, add up the sums of every rank, and turn them into the objective's
+    `eval_*` numbers (the same on every rank)."""
     engine.eval()
     passes = int(_reduce(torch.tensor([len(loader)], dtype=torch.int64), "MAX")[0])
-    sums = torch.zeros(3, dtype=torch.float64)
+    keys = objective.eval_keys
+    sums = torch.zeros(len(keys), dtype=torch.float64)
     scored: List[str] = []
     batches = iter(loader)
     for _ in range(passes):
         batch = next(batches, None)
         if batch is None:
-            batch = empty_batch()
-        sums += forward_sums(engine, batch, engine.device)
+            batch = objective.collate([])
+        got = objective.eval_sums(engine, batch, engine.device)
+        sums += torch.tensor([float(got[k]) for k in keys], dtype=torch.float64)
         scored.extend(batch["ids"])
     if next(batches, None) is not None:
         raise RuntimeError("evaluation loader yielded more micro-batches than its len()")
@@ -128,8 +68,7 @@ def evaluate(engine: Any, loader: Any, ledger: Optional["EvalLedger"] = None, st
         ledger.record(step, scored)
     _reduce(sums, "SUM")
     engine.train()
-    loss_sum, tokens, correct = sums.tolist()
-    return EvalResult(loss_sum, int(tokens), int(correct))
+    return objective.metrics(dict(zip(keys, sums.tolist())), "eval_")
 
 
 # ---------------------------------------------------------------------------------------------------------------

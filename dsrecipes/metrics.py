@@ -14,7 +14,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -37,28 +37,36 @@ class Window:
     samples: int = 0
     started: float = 0.0
     excluded: float = 0.0  # seconds spent inside `paused()` (eval, checkpoints)
+    keys: Tuple[str, ...] = ()  # the objective's train sums (objectives/base.py `train_keys`), in `batch["sums"]`
+    extra: Any = None  # their running sums (a tensor: no device sync per micro-batch)
 
     def add(self, loss: torch.Tensor, batch: Dict[str, Any]) -> None:
         self.loss_sum = self.loss_sum + loss.detach().float()
         self.micro_batches += 1
         self.tokens += int(batch["num_tokens"])
         self.samples += len(batch["ids"])
+        if self.keys:
+            got = torch.stack([batch["sums"][k].detach().double().cpu() for k in self.keys])
+            self.extra = got if self.extra is None else self.extra + got
 
     def reduce(self) -> Dict[str, float]:
-        """{loss: mean micro-batch loss over all ranks, tokens, samples: summed over ranks, seconds}."""
+        """{loss: mean micro-batch loss over all ranks, tokens, samples: summed over ranks, seconds, sums: the
+        objective's train sums over all ranks}."""
         import torch.distributed as dist
 
-        sums = torch.tensor([float(self.loss_sum), self.micro_batches, self.tokens, self.samples], dtype=torch.float64)
+        extra = self.extra if self.extra is not None else torch.zeros(len(self.keys), dtype=torch.float64)
+        sums = torch.cat([torch.tensor([float(self.loss_sum), self.micro_batches, self.tokens, self.samples],
+                                       dtype=torch.float64), extra])
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(sums)
-        loss_sum, micro_batches, tokens, samples = sums.tolist()
+        loss_sum, micro_batches, tokens, samples = sums[:4].tolist()
         seconds = max(time.perf_counter() - self.started - self.excluded, 1e-9)
         return {"loss": loss_sum / max(micro_batches, 1), "tokens": tokens, "samples": samples, "seconds": seconds,
-                "micro_batches": micro_batches}
+                "micro_batches": micro_batches, "sums": dict(zip(self.keys, sums[4:].tolist()))}
 
     def reset(self) -> None:
         self.loss_sum, self.micro_batches, self.tokens, self.samples = 0.0, 0, 0, 0
-        self.started, self.excluded = time.perf_counter(), 0.0
+        self.started, self.excluded, self.extra = time.perf_counter(), 0.0, None
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -101,11 +109,14 @@ class MetricsLogger:
             self._bar.update(n)
 
     def log_train(self, step: int, loss: float, lr: float, grad_norm: Optional[float], tokens_per_s: float,
-                  samples_seen: int, elapsed: float) -> None:
+                  samples_seen: int, elapsed: float, extra: Optional[Dict[str, float]] = None) -> None:
+        """`extra`: the objective's other train metrics (DPO: rewards, reward accuracy, margin)."""
+        extra = extra or {}
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-                  "samples_seen": samples_seen, "elapsed": elapsed}
+                  "samples_seen": samples_seen, "elapsed": elapsed, **extra}
         self._write(record)
-        scalars = {"train/loss": loss, "train/lr": lr, "train/tokens_per_s": tokens_per_s}
+        scalars = {"train/loss": loss, "train/lr": lr, "train/tokens_per_s": tokens_per_s,
+                   **{f"train/{k}": v for k, v in extra.items()}}
         if grad_norm is not None:
             scalars["train/grad_norm"] = grad_norm
         self._track(scalars, step)

@@ -1,7 +1,6 @@
 """Tokenizer and model: the embedded tiny Llama or a local Hugging Face directory; dtype, checkpointing, LoRA.
 
-Also the loss, because what a "token" is for the loss (shifted labels, packing boundaries, -100) belongs with the
-model's outputs, and both the trainer and the evaluation use the same function.
+The loss lives with the objective (dsrecipes/objectives/).
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from dsrecipes.config.schema import Precision, TrainConfig
-from dsrecipes.data.labels import IGNORE_INDEX
 from dsrecipes.errors import no_custom_code
 from dsrecipes.paths import TINY_TOKENIZER_DIR
 
@@ -157,42 +155,3 @@ def count_parameters(model: torch.nn.Module) -> Tuple[int, int]:
     params = list(model.parameters())
     return sum(numel(p) for p in params if p.requires_grad), sum(numel(p) for p in params)
 
-
-def token_loss_sum(
-    logits: torch.Tensor, labels: torch.Tensor, position_ids: Optional[torch.Tensor]
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Summed next-token cross-entropy and the number of predicted tokens.
-
-    Token t predicts label t+1. Labels equal to -100 do not count, and neither does the first token of a packed
-    sample (where `position_ids` restarts at 0): it must not be predicted from the end of the previous sample.
-    """
-    # Shift the labels left instead of slicing the logits: no copy of the (batch x length x vocab) tensor.
-    shift_labels = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    if position_ids is not None:
-        starts = torch.nn.functional.pad(position_ids[:, 1:] == 0, (0, 1), value=False)
-        shift_labels = shift_labels.masked_fill(starts, IGNORE_INDEX)
-    loss_sum = torch.nn.functional.cross_entropy(
-        logits.float().reshape(-1, logits.size(-1)),
-        shift_labels.reshape(-1).to(logits.device),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
-    return loss_sum, (shift_labels != IGNORE_INDEX).sum()
-
-
-def micro_batch_loss(model: Any, batch: Dict[str, Any], device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(mean loss over the micro-batch's predicted tokens, token count) for one collated micro-batch.
-
-    `model` is the DeepSpeed engine (or any module). `attention_mask` is None for packed rows, so transformers builds
-    per-sample causal masks from the restarting `position_ids`.
-    """
-    attention_mask = batch["attention_mask"]
-    position_ids = batch["position_ids"].to(device)
-    outputs = model(
-        input_ids=batch["input_ids"].to(device),
-        position_ids=position_ids,
-        attention_mask=None if attention_mask is None else attention_mask.to(device),
-        use_cache=False,
-    )
-    loss_sum, n_tokens = token_loss_sum(outputs.logits, batch["labels"].to(device), position_ids)
-    return loss_sum / n_tokens.clamp(min=1), n_tokens

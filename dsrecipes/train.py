@@ -1,7 +1,10 @@
 """The training recipe, on every rank: setup -> loop -> eval -> checkpoint -> export. Read `train()` top to bottom.
 
-Loss weighting. A micro-batch's loss is the mean cross-entropy over its predicted tokens (labels != -100, packing
-boundaries excluded; `model.token_loss_sum`). DeepSpeed divides each micro-batch loss by `grad_accum` and averages
+Objective. What a micro-batch is, its loss and the evaluation belong to the run's objective (`objective=sft`;
+dsrecipes/objectives/base.py says the contract); this loop only calls it.
+
+Loss weighting. A micro-batch's loss is the objective's mean over that micro-batch (SFT: the mean cross-entropy over
+its predicted tokens, objectives/sft.py). DeepSpeed divides each micro-batch loss by `grad_accum` and averages
 gradients over ranks, so one optimizer step minimises the plain mean of its `grad_accum x world_size` micro-batch
 means: every micro-batch weighs the same, whatever its number of trained tokens. (Token-exact weighting would need
 the step's global token count before the first backward.) Logged `loss` is that same mean over the log window.
@@ -37,7 +40,9 @@ from dsrecipes.evaluation import EvalLedger, evaluate
 from dsrecipes.export import EXPORT_DIR, EXPORT_INIT_DIR, export_checkpoint, export_initial
 from dsrecipes.gen_eval import build_prompt_eval
 from dsrecipes.metrics import MetricsLogger, Window
-from dsrecipes.model import build_model, count_parameters, load_tokenizer, micro_batch_loss, trainable_parameters
+from dsrecipes.model import build_model, count_parameters, load_tokenizer, trainable_parameters
+from dsrecipes.objectives import build_objective
+from dsrecipes.objectives.base import Objective
 from dsrecipes.rundir import CHECKPOINTS_DIR, launcher_alive, rank_lock, read_ds_config, write_outcome, write_rank_steps
 from dsrecipes.runplan import RunPlan, read_plan
 from dsrecipes.schedule import StepScheduler, warmup_steps
@@ -54,6 +59,7 @@ class Session:
     plan: RunPlan
     rank: int
     engine: Any
+    objective: Objective
     train_loader: Any
     eval_loader: Any
     state: TrainState
@@ -120,13 +126,15 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
                                  total_steps=plan.total_steps)  # DeepSpeed calls it with the optimizer it built
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable_parameters(model), config=ds_config,
                                            lr_scheduler=schedule)
+    objective = build_objective(cfg, tokenizer)
+    objective.attach(cfg, tokenizer, engine)
     state = TrainState() if resume is None else load_checkpoint(engine, train_loader, resume)
     engine.lr_scheduler.resume_at(state.step)  # this run's schedule (its step budget) from the first resumed step
     metrics = MetricsLogger(run_dir, rank, plan.total_steps, start_step=state.step, cfg=cfg)
     metrics.info(describe_run(cfg, model, plan, resume))
     eval_ledger = EvalLedger(run_dir, rank) if cfg.trainer.record_samples and eval_loader is not None else None
     prompt_eval = build_prompt_eval(cfg, tokenizer, rank, world_size, run_dir)
-    return Session(cfg, run_dir, plan, rank, engine, train_loader, eval_loader, state, metrics,
+    return Session(cfg, run_dir, plan, rank, engine, objective, train_loader, eval_loader, state, metrics,
                    open_ledger(cfg, run_dir, rank), None if resume is None else resume.tag_dir,
                    Selector(cfg, state.selection), eval_ledger, prompt_eval)
 
@@ -137,7 +145,7 @@ def loop(s: Session) -> None:
     guard = StepGuard(s.plan.world_size, engine.device, s.rank)
     if state.step == 0 and s.last_checkpoint is None and t.eval_at_start:
         evaluate_and_log(s, True, True)  # the starting point (step 0), before the clock starts
-    window = Window()
+    window = Window(keys=s.objective.train_keys)
     window.reset()
     clock_start = time.perf_counter() - state.elapsed
     engine.train()
@@ -145,7 +153,7 @@ def loop(s: Session) -> None:
     batches = micro_batches(s.train_loader, state) if not ended else ()
     for batch in batches:
         closes_step = engine.is_gradient_accumulation_boundary()
-        loss, _ = micro_batch_loss(engine, batch, engine.device)
+        loss, batch["sums"] = s.objective.loss(engine, batch, engine.device)
         loss = guard.add(loss, batch, state.step + 1)
         engine.backward(loss)
         if s.ledger is not None:
@@ -175,7 +183,7 @@ def loop(s: Session) -> None:
         if (logs_at(state.step, total, t) or stop) and not bad:
             state.elapsed = time.perf_counter() - clock_start
             tracked = engine.get_global_grad_norm()
-            log_window(s.metrics, window, state, lr, grad_norm if tracked is None else tracked)
+            log_window(s, window, lr, grad_norm if tracked is None else tracked)
         with window.paused():  # tokens/s counts training time only
             after_step(s)
         if stop and state.step < total:  # at the last step the run simply ends (and exports)
@@ -204,7 +212,7 @@ def evaluate_and_log(s: Session, loss: bool, prompts: bool) -> Verdict:
     reduced numbers)."""
     step, numbers = s.state.step, {}
     if loss and s.eval_loader is not None:
-        numbers.update(evaluate(s.engine, s.eval_loader, s.eval_ledger, step).metrics())  # the same on every rank
+        numbers.update(evaluate(s.objective, s.engine, s.eval_loader, s.eval_ledger, step))  # the same on every rank
     if prompts and s.prompt_eval is not None:
         numbers.update(s.prompt_eval.run(s.engine))
     if not numbers:
@@ -396,8 +404,9 @@ def untracked_grad_norm(engine: Any) -> Optional[float]:
     return float(torch.stack([g.detach().float().norm() for g in grads]).norm()) if grads else None
 
 
-def log_window(metrics: MetricsLogger, window: Window, state: TrainState, lr: float, grad_norm: Any) -> None:
+def log_window(s: Session, window: Window, lr: float, grad_norm: Any) -> None:
     """Reduce the log window over ranks (collective) and write one metrics line on rank 0."""
+    metrics, state = s.metrics, s.state
     totals = window.reduce()
     if totals["micro_batches"] == 0:  # every step of the window was skipped (non-finite): nothing to report
         window.reset()
@@ -411,5 +420,6 @@ def log_window(metrics: MetricsLogger, window: Window, state: TrainState, lr: fl
         tokens_per_s=totals["tokens"] / totals["seconds"],
         samples_seen=state.samples_seen,
         elapsed=state.elapsed,
+        extra=s.objective.metrics(totals["sums"], "") if totals["sums"] else None,
     )
     window.reset()

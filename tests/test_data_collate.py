@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from dsrecipes.data.collate import collate
 from dsrecipes.data.labels import IGNORE_INDEX
 from dsrecipes.data.packing import pack
 from dsrecipes.data.tokenize import Example
+from dsrecipes.objectives.sft import collate
 
 PAD = 0
 

@@ -5,15 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsrecipes.model import (
-    IGNORE_INDEX,
-    build_model,
-    count_parameters,
-    load_tokenizer,
-    micro_batch_loss,
-    token_loss_sum,
-    trainable_parameters,
-)
+from dsrecipes.model import build_model, count_parameters, load_tokenizer, trainable_parameters
+from dsrecipes.objectives.base import IGNORE_INDEX
+from dsrecipes.objectives.sft import micro_batch_loss, token_loss_sum
 
 
 @pytest.fixture

@@ -133,6 +133,22 @@ class SelectMode(str, Enum):
     max = "max"  # higher is better
 
 
+class ObjectiveKind(str, Enum):
+    sft = "sft"  # next-token cross-entropy on the trained spans of conversations
+    dpo = "dpo"  # Direct Preference Optimization on (prompt, chosen, rejected) pairs
+
+
+class DpoLoss(str, Enum):
+    sigmoid = "sigmoid"  # DPO (with objective.label_smoothing > 0: conservative DPO, cDPO)
+    ipo = "ipo"  # IPO, on log-ratios averaged per answer token (as TRL)
+    robust = "robust"  # robust DPO (rDPO) for noisy labels: needs objective.label_smoothing in [0, 0.5)
+
+
+class ReferenceMode(str, Enum):
+    precomputed = "precomputed"  # reference log-probs computed once before training, cached with the prepared data
+    live = "live"  # a frozen reference model next to the trained one (LoRA: the base with adapters disabled)
+
+
 class ResumeMode(str, Enum):
     auto = "auto"  # continue from trainer.resume_from, else from the run directory's newest complete checkpoint
     never = "never"  # start from step 0
@@ -173,6 +189,9 @@ class ColumnsConfig:
     input: str = "input"  # alpaca
     output: str = "output"  # alpaca
     history: str = "history"  # alpaca: optional list of [prompt, response] pairs before the instruction
+    prompt: str = "prompt"  # preference rows, openai format (TRL): the prompt's messages
+    chosen: str = "chosen"  # preference rows: the preferred answer (a message, or a list of one message)
+    rejected: str = "rejected"  # preference rows: the dispreferred answer
 
 
 @dataclass
@@ -186,6 +205,7 @@ class SourceConfig:
     roles: Dict[str, str] = field(default_factory=dict)  # extra role aliases: raw name -> canonical role
     max_samples: Optional[int] = None
     weight: float = 1.0
+    ranking: Optional[bool] = None  # preference rows (LLaMA-Factory `ranking`); None: what objective.kind reads
 
 
 @dataclass
@@ -367,6 +387,18 @@ class TrainerConfig:
 
 
 @dataclass
+class ObjectiveConfig:
+    """What the training step optimises (`objective=sft|dpo`): collate, loss and metrics, evaluation
+    (dsrecipes/objectives/)."""
+
+    kind: ObjectiveKind = ObjectiveKind.sft
+    beta: float = 0.1  # dpo: strength of the KL anchor to the reference model
+    loss: DpoLoss = DpoLoss.sigmoid  # dpo
+    label_smoothing: float = 0.0  # dpo: assumed fraction of flipped preference labels (sigmoid, robust)
+    reference: ReferenceMode = ReferenceMode.precomputed  # dpo
+
+
+@dataclass
 class LauncherConfig:
     kind: LauncherKind = LauncherKind.local
     num_gpus: Optional[int] = None  # processes per node; None = all visible devices (1 on CPU)
@@ -405,6 +437,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
 
@@ -428,5 +461,6 @@ GROUP_SCHEMAS: Dict[str, Any] = {
     "optimizer": OptimizerConfig,
     "scheduler": SchedulerConfig,
     "trainer": TrainerConfig,
+    "objective": ObjectiveConfig,
     "launcher": LauncherConfig,
 }

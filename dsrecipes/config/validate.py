@@ -9,14 +9,16 @@ from typing import List
 from dsrecipes.config.schema import (
     AttnImpl,
     Device,
+    DpoLoss,
     LauncherKind,
+    ObjectiveKind,
     OffloadDevice,
     OptimizerKind,
     Precision,
     ResumeMode,
     TrainConfig,
 )
-from dsrecipes.data.strategies.rules import config_problems, required_paths
+from dsrecipes.data.strategies.rules import carries_pairs, config_problems, required_paths
 from dsrecipes.errors import DataError
 from dsrecipes.hub import check_hub_paths, is_hub_id
 from dsrecipes.selection import config_problems as selection_problems
@@ -35,6 +37,7 @@ def validate(cfg: TrainConfig, *, check_files: bool = True) -> List[str]:
     errors += _data(cfg)
     errors += _misc(cfg)
     errors += selection_problems(cfg)  # evaluation, save_best, early stopping (dsrecipes/selection.py)
+    errors += _objective(cfg)
     if check_files:
         errors += _files(cfg)
     return errors
@@ -124,6 +127,28 @@ def _data(cfg: TrainConfig) -> List[str]:
             errors.append(f"dataset.sources[{i}].paths: empty")
         if src.weight <= 0:
             errors.append(f"dataset.sources[{i}].weight: must be > 0, got {src.weight}")
+    return errors
+
+
+def _objective(cfg: TrainConfig) -> List[str]:
+    """DPO: map data without packing (a pair is one sample of two sequences), a positive beta, a label smoothing
+    its loss defines."""
+    o, errors = cfg.objective, []
+    if o.kind is not ObjectiveKind.dpo:
+        return errors
+    if not carries_pairs(cfg):
+        errors.append(f"data.kind: objective=dpo reads preference pairs with data=map; data={cfg.data.kind.value} "
+                      "does not carry pairs yet")
+    if cfg.data.packing:
+        errors.append("data.packing: objective=dpo trains on whole pairs; set data.packing=false")
+    if not o.beta > 0:
+        errors.append(f"objective.beta: must be > 0, got {o.beta}")
+    top = 0.5 if o.loss is DpoLoss.robust else 1.0
+    if not 0 <= o.label_smoothing < top:
+        errors.append(f"objective.label_smoothing: must be in [0, {top}) for objective.loss={o.loss.value}, "
+                      f"got {o.label_smoothing}")
+    if o.loss is DpoLoss.ipo and o.label_smoothing:
+        errors.append("objective.label_smoothing: objective.loss=ipo has no label smoothing; use sigmoid or robust")
     return errors
 
 

@@ -39,6 +39,11 @@ class BadReason(str, Enum):
     too_large = "too_large"  # more than dataset.max_row_bytes bytes (never read whole)
     template_error = "template_error"  # the template could not render the conversation (e.g. a chat_template refused it)
     tokenizer_error = "tokenizer_error"  # the tokenizer raised on the rendered text
+    missing_side = "missing_side"  # preference row: no chosen or no rejected answer
+    identical_sides = "identical_sides"  # preference row: chosen and rejected are the same text
+    empty_answer = "empty_answer"  # preference row: an answer with no text
+    side_not_assistant = "side_not_assistant"  # preference row: an answer that is not one assistant turn
+    prompt_too_long = "prompt_too_long"  # preference row: the prompt alone fills data.cutoff_len
     empty_file = "empty_file"
     no_matching_path = "no_matching_path"
 

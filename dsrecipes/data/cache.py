@@ -68,6 +68,7 @@ def cache_key(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig])
         "data": {k: config_to_dict(getattr(cfg.data, k)) for k in ("cutoff_len", "packing", "train_on")},
         "seed": cfg.trainer.seed,
         "tokenizer": tokenizer_fingerprint(tokenizer),
+        "objective": cfg.objective.kind.value,  # sft rows or preference pairs
     }
     return _digest(material)
 

@@ -15,7 +15,10 @@ GREEN, RESET = "\033[42;30m", "\033[0m"
 
 
 def render_row(row: Mapping[str, Any], tokenizer: Any, color: bool, title: str = "row") -> str:
-    """Decode one prepared row: trained spans highlighted, one header per packed sample."""
+    """Decode one prepared row: trained spans highlighted, one header per packed sample (a preference pair: the
+    prompt once, then each side with its trained span)."""
+    if "chosen_ids" in row:
+        return render_pair(row, tokenizer, color, title)
     ids, labels, positions = list(row["input_ids"]), list(row["labels"]), list(row["position_ids"])
     starts = [i for i, p in enumerate(positions) if p == 0] or [0]
     bounds = list(zip(starts, starts[1:] + [len(ids)]))
@@ -25,6 +28,19 @@ def render_row(row: Mapping[str, Any], tokenizer: Any, color: bool, title: str =
         trained = sum(1 for x in labels[lo:hi] if x != IGNORE_INDEX)
         out.append(f"--- sample {sample}: {hi - lo} tokens, {trained} trained")
         out.append(_spans(ids[lo:hi], labels[lo:hi], tokenizer, color))
+    return "\n".join(out)
+
+
+def render_pair(row: Mapping[str, Any], tokenizer: Any, color: bool, title: str = "row") -> str:
+    prompt = list(row["prompt_ids"])
+    out = [f"=== {title}: pair {row['ids'][0]}, prompt {len(prompt)} tokens"]
+    out.append(_spans(prompt, [IGNORE_INDEX] * len(prompt), tokenizer, color))
+    for side in ("chosen", "rejected"):
+        ids, labels = list(row[f"{side}_ids"]), list(row[f"{side}_labels"])
+        trained = sum(1 for x in labels if x != IGNORE_INDEX)
+        ref = f", reference log-prob {row[f'ref_{side}_logps']:.3f}" if f"ref_{side}_logps" in row else ""
+        out.append(f"--- {side}: {len(ids)} tokens, {trained} trained{ref}")
+        out.append(_spans(ids, labels, tokenizer, color))
     return "\n".join(out)
 
 

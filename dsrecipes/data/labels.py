@@ -1,3 +1,5 @@
-"""The label of a token that is not trained: PyTorch cross-entropy's `ignore_index`."""
+"""The label of a token that is not trained (defined with the loss that ignores it: objectives/base.py)."""
 
-IGNORE_INDEX = -100
+from dsrecipes.objectives.base import IGNORE_INDEX
+
+__all__ = ["IGNORE_INDEX"]

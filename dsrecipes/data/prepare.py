@@ -39,12 +39,15 @@ from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
-from dsrecipes.config.schema import SourceConfig, TrainConfig
+from dsrecipes.config.schema import ObjectiveKind, ReferenceMode, SourceConfig, TrainConfig
 from dsrecipes.data.arrow_split import write_split
 from dsrecipes.data.badrows import BadRowReport
 from dsrecipes.data.batch_encode import Encoded, read_and_encode
 from dsrecipes.data.cache import cache_key, cache_root
 from dsrecipes.data.files import expand_paths, no_file
+from dsrecipes.data.preference import check_sources
+from dsrecipes.data.preference_prepare import attach_reference
+from dsrecipes.data.preference_prepare import build as build_pairs
 from dsrecipes.data.prepare_stats import build_stats, summary
 from dsrecipes.data.registry import resolve_sources, validation_files
 from dsrecipes.data.splits import mix, split_val
@@ -69,6 +72,7 @@ def prepare(cfg: TrainConfig, tokenizer: Any, run_dir: str | Path) -> Prepared:
     run_dir.mkdir(parents=True, exist_ok=True)
     notes: List[str] = []
     sources = resolve_sources(cfg.dataset, notes)  # once per preparation
+    check_sources(cfg.objective.kind, sources)
     for note in notes:
         print(note, file=sys.stderr)
     val = val_sources(cfg, sources)
@@ -85,6 +89,8 @@ def prepare(cfg: TrainConfig, tokenizer: Any, run_dir: str | Path) -> Prepared:
         _build(cfg, tokenizer, sources, val, key, root, final, quarantine)
     stats = json.loads((final / STATS_FILE).read_text(encoding="utf-8"))
     stats.update(cache_dir=str(final), cache_hit=hit)
+    if precomputed_reference(cfg):
+        stats["reference_dir"] = str(attach_reference(cfg, tokenizer, final))
     if quarantine.is_file():
         stats["quarantine"] = str(quarantine)
     atomic_write_json(run_dir / STATS_FILE, stats)
@@ -104,14 +110,27 @@ def load_prepared(cfg: TrainConfig, run_dir: str | Path) -> Prepared:
     for name, want in (("cutoff_len", cfg.data.cutoff_len), ("packing", cfg.data.packing)):
         if stats[name] != want:
             raise DataError(f"{path}: prepared with data.{name}={stats[name]}, but this config has {want}")
+    if precomputed_reference(cfg):
+        from dsrecipes.objectives.dpo_reference import reference_key
+
+        ref = Path(stats.get("reference_dir") or cache / "reference" / "none")
+        if ref.name != reference_key(cfg) or not (ref / "done").is_file():
+            raise DataError(f"{path}: no reference log-probs for this run's reference model (model.path changed "
+                            "since preparation?); start the run again with `python -m dsrecipes`")
     return _open(cache, stats)
 
 
+def precomputed_reference(cfg: TrainConfig) -> bool:
+    return cfg.objective.kind is ObjectiveKind.dpo and cfg.objective.reference is ReferenceMode.precomputed
+
+
 def _open(cache: Path, stats: Dict[str, Any]) -> Prepared:
+    """The prepared splits (with the reference log-probs of a precomputed DPO reference, when there are some)."""
     from datasets import load_from_disk
 
-    train = load_from_disk(str(cache / "train"))
-    val = load_from_disk(str(cache / "val")) if (cache / "val").is_dir() else None
+    data = Path(stats.get("reference_dir") or cache)
+    train = load_from_disk(str(data / "train"))
+    val = load_from_disk(str(data / "val")) if (data / "val").is_dir() else None
     return Prepared(train, val, stats, cache)
 
 
@@ -125,20 +144,10 @@ def _build(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig], val: L
     tmp.mkdir(parents=True)
     report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, quarantine)
     try:
-        encoded = read_and_encode(cfg, tokenizer, sources, report)
-        trained = len(encoded.ids)  # conversations before this come from training sources
-        if val:  # every row of dataset.val_paths, not capped by dataset.max_samples
-            uncapped = dataclasses.replace(cfg, dataset=dataclasses.replace(cfg.dataset, max_samples=None))
-            encoded = join_encoded(encoded, read_and_encode(uncapped, tokenizer, val, report))
-        report.check()
-        if not (encoded.kept < trained).any():
-            raise DataError(f"dataset {cfg.dataset.name}: no usable samples ({report.summary()})")
-        train_items, val_items = _split(cfg, encoded, trained, sources, bool(val))
-        stats = build_stats(cfg, sources, report, encoded, train_items, val_items)
-        for split, items in (("train", train_items), ("val", val_items)):
-            if items:
-                rows, eff = write_split(tmp / split, items, encoded, cfg, f"{key}-{split}")
-                stats["rows"][split], stats["packing_efficiency"][split] = rows, eff
+        if cfg.objective.kind is ObjectiveKind.dpo:
+            stats = build_pairs(cfg, tokenizer, sources, report, tmp)
+        else:
+            stats = _build_sft(cfg, tokenizer, sources, val, report, key, tmp)
         stats["seconds"] = round(time.time() - started, 2)
         stats["cache_key"] = key
         atomic_write_json(tmp / STATS_FILE, stats)
@@ -153,6 +162,25 @@ def _build(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig], val: L
     finally:
         report.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _build_sft(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig], val: List[SourceConfig],
+               report: BadRowReport, key: str, tmp: Path) -> Dict[str, Any]:
+    encoded = read_and_encode(cfg, tokenizer, sources, report)
+    trained = len(encoded.ids)  # conversations before this come from training sources
+    if val:  # every row of dataset.val_paths, not capped by dataset.max_samples
+        uncapped = dataclasses.replace(cfg, dataset=dataclasses.replace(cfg.dataset, max_samples=None))
+        encoded = join_encoded(encoded, read_and_encode(uncapped, tokenizer, val, report))
+    report.check()
+    if not (encoded.kept < trained).any():
+        raise DataError(f"dataset {cfg.dataset.name}: no usable samples ({report.summary()})")
+    train_items, val_items = _split(cfg, encoded, trained, sources, bool(val))
+    stats = build_stats(cfg, sources, report, encoded, train_items, val_items)
+    for split, items in (("train", train_items), ("val", val_items)):
+        if items:
+            rows, eff = write_split(tmp / split, items, encoded, cfg, f"{key}-{split}")
+            stats["rows"][split], stats["packing_efficiency"][split] = rows, eff
+    return stats
 
 
 def _split(cfg: TrainConfig, encoded: Encoded, trained: int, sources: List[SourceConfig],

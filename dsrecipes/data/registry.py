@@ -7,7 +7,8 @@ Two registry formats, chosen by file extension:
   a folder (every .json/.jsonl[.gz] in it). ShareGPT `tags` (role_tag, content_tag, user_tag, assistant_tag,
   observation_tag, function_tag, system_tag) become our columns and role aliases; alpaca `columns` prompt/query/
   response/system/history map to instruction/input/output/system/history. `num_samples` becomes `max_samples` (the
-  first N rows; LLaMA-Factory would also up-sample, use `weight` here for that). Hub, script, ranking and
+  first N rows; LLaMA-Factory would also up-sample, use `weight` here for that). `ranking: true` marks preference
+  rows (`chosen`/`rejected` columns; objective=dpo reads them, objective=sft refuses them). Hub, script and
   multimodal entries are rejected: we would otherwise silently train on something else.
 * `*.yaml` / `*.yml`: `name: {paths: [...], format: ..., columns: {...}, roles: {...}, max_samples: N, weight: W}`,
   typed by `SourceConfig` (unknown keys are errors); relative paths are relative to the registry file.
@@ -29,7 +30,7 @@ from dsrecipes.data.remote import looks_like_url
 from dsrecipes.errors import ConfigError, DataError
 
 _LF_UNSUPPORTED = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
-_LF_MEDIA_COLUMNS = ("images", "videos", "audios", "chosen", "rejected", "kto_tag")
+_LF_MEDIA_COLUMNS = ("images", "videos", "audios", "kto_tag")
 _LF_ROLE_TAGS = {  # tag -> (LLaMA-Factory default value, our role)
     "user_tag": ("human", "user"),
     "assistant_tag": ("gpt", "assistant"),
@@ -152,11 +153,10 @@ def _llamafactory_entry(name: str, entry: Any, base: str) -> SourceConfig:
     remote = [k for k in _LF_UNSUPPORTED if entry.get(k)]
     if remote or not entry.get("file_name"):
         raise ConfigError(f"{where}: only local `file_name` entries are supported" + (f" (has {remote[0]})" if remote else ""))
-    if entry.get("ranking"):
-        raise ConfigError(f"{where}: preference (ranking) data is not supervised fine-tuning data")
     columns: Dict[str, str] = entry.get("columns") or {}
     tags: Dict[str, str] = entry.get("tags") or {}
     media = [c for c in _LF_MEDIA_COLUMNS if c in columns]
+    media += [c for c in ("chosen", "rejected") if c in columns and not entry.get("ranking")]
     if media:
         raise ConfigError(f"{where}: column {media[0]!r} is not supported (text-only SFT)")
     formatting = entry.get("formatting", "alpaca")  # LLaMA-Factory's default
@@ -167,6 +167,8 @@ def _llamafactory_entry(name: str, entry: Any, base: str) -> SourceConfig:
             content=tags.get("content_tag", "value"),
             system=columns.get("system", "system"),
             tools=columns.get("tools", "tools"),
+            chosen=columns.get("chosen", "chosen"),
+            rejected=columns.get("rejected", "rejected"),
         )
         roles = {tags.get(tag, default): ours for tag, (default, ours) in _LF_ROLE_TAGS.items()}
         fmt = DatasetFormat.sharegpt
@@ -191,5 +193,7 @@ def _llamafactory_entry(name: str, entry: Any, base: str) -> SourceConfig:
     else:
         paths = [target]
     num = entry.get("num_samples")
+    if entry.get("ranking") and fmt is not DatasetFormat.sharegpt:
+        raise ConfigError(f"{where}: preference (ranking) entries are read in the sharegpt formatting only")
     return SourceConfig(name=name, paths=paths, format=fmt, columns=cols, roles=roles,
-                        max_samples=int(num) if num else None)
+                        max_samples=int(num) if num else None, ranking=bool(entry.get("ranking")))

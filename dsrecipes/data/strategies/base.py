@@ -6,9 +6,8 @@ A strategy only says how to produce the remaining micro-batches of an epoch from
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, Optional
 
-from dsrecipes.data.labels import IGNORE_INDEX
 from dsrecipes.data.plan import STATE_VERSION, Layout, Position, resume_point
 from dsrecipes.errors import DataError
 
@@ -143,19 +142,3 @@ class TrainLoader:
                 + "). Resume with the original settings, or start a fresh run (trainer.resume=never)"
             )
 
-
-def placeholder_row(pad_id: int) -> Row:
-    """A one-token row that trains nothing: a micro-batch whose samples were all dropped still runs, so every rank
-    keeps the same number of forward/backward calls (loss contribution 0, no sample id)."""
-    return {"ids": [], "input_ids": [pad_id], "labels": [IGNORE_INDEX], "position_ids": [0]}
-
-
-def collate_rows(collate: Callable[[List[Row], int], Batch], pad_id: int) -> Callable[[List[Row]], Batch]:
-    """collate_fn for a DataLoader: never collates an empty list."""
-    import functools
-
-    return functools.partial(_collate_nonempty, collate, pad_id)
-
-
-def _collate_nonempty(collate: Callable[[List[Row], int], Batch], pad_id: int, rows: List[Row]) -> Batch:
-    return collate(rows or [placeholder_row(pad_id)], pad_id)

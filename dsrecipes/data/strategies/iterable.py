@@ -194,7 +194,7 @@ class IterableStrategy:
         return StreamTrainLoader(index, Layout.from_cfg(cfg, data.world_size), data.rank, seed=cfg.trainer.seed,
                                  shuffle=cfg.data.shuffle, shuffle_buffer=cfg.data.shuffle_buffer,
                                  num_samples=cfg.data.num_samples, make_rows=row_encoder(cfg, data.tokenizer, index),
-                                 collate_fn=make_collate(data.tokenizer), num_workers=cfg.data.num_workers,
+                                 collate_fn=make_collate(data.cfg, data.tokenizer), num_workers=cfg.data.num_workers,
                                  prefetch_factor=cfg.data.prefetch_factor, max_row_bytes=cfg.dataset.max_row_bytes)
 
     def eval_loader(self, data: RankData) -> Optional[EvalLoader]:
@@ -207,7 +207,7 @@ class IterableStrategy:
         source = BlockSource(index, cfg.dataset.max_row_bytes)
         rows = row_encoder(cfg, data.tokenizer, index)([(*row, 0) for row in source.rows(share)])
         source.close()
-        return EvalLoader(rows, 0, 1, cfg.trainer.micro_batch_size, make_collate(data.tokenizer))
+        return EvalLoader(rows, 0, 1, cfg.trainer.micro_batch_size, make_collate(data.cfg, data.tokenizer))
 
     def audit(self, cfg: TrainConfig, layout: Layout, epochs: int, num_rows: Optional[int]) -> AuditReport:
         """The index the launching process builds (cached by content), without the scan."""

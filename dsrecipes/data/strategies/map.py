@@ -127,7 +127,7 @@ class MapStrategy:
     def train_loader(self, data: RankData) -> MapTrainLoader:
         cfg = data.cfg
         return MapTrainLoader(data.source.train, Layout.from_cfg(cfg, data.world_size), data.rank,
-                              seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, collate_fn=make_collate(data.tokenizer),
+                              seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, collate_fn=make_collate(data.cfg, data.tokenizer),
                               num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor)
 
     def eval_loader(self, data: RankData) -> Optional[EvalLoader]:
@@ -137,7 +137,7 @@ class MapStrategy:
             return None
         val = limit_rows(val, data.cfg.trainer.eval_samples)  # the first N samples, before they are dealt to ranks
         return EvalLoader(val, data.rank, data.world_size, data.cfg.trainer.micro_batch_size,
-                          make_collate(data.tokenizer))
+                          make_collate(data.cfg, data.tokenizer))
 
     def audit(self, cfg: TrainConfig, layout: Layout, epochs: int, num_rows: Optional[int]) -> AuditReport:
         """The prepared train split (tokenized and cached, exactly the rows a run trains on), or `num_rows`."""

@@ -158,7 +158,7 @@ class PreshardedStrategy:
             StreamSpec((path,), None, cfg.dataset.max_row_bytes), part_layout(cfg), 0, seed=cfg.trainer.seed,
             shuffle=cfg.data.shuffle, shuffle_buffer=cfg.data.shuffle_buffer, num_samples=manifest.counts[rank],
             make_rows=RowEncoder(cfg, data.tokenizer, [path], [SourceConfig(name=f"part{rank}")]),
-            collate_fn=make_collate(data.tokenizer), num_workers=cfg.data.num_workers,
+            collate_fn=make_collate(data.cfg, data.tokenizer), num_workers=cfg.data.num_workers,
             prefetch_factor=cfg.data.prefetch_factor, part_counts=manifest.counts, global_rank=rank,
             fingerprint={"manifest_sha256": manifest.sha256})
 
@@ -173,7 +173,7 @@ class PreshardedStrategy:
         n = len(items)
         share = items[data.rank * n // data.world_size:(data.rank + 1) * n // data.world_size]
         rows = RowEncoder(cfg, data.tokenizer, [path], [SourceConfig(name="validation")])(share)
-        return EvalLoader(rows, 0, 1, cfg.trainer.micro_batch_size, make_collate(data.tokenizer))
+        return EvalLoader(rows, 0, 1, cfg.trainer.micro_batch_size, make_collate(data.cfg, data.tokenizer))
 
     def audit(self, cfg: TrainConfig, layout: Layout, epochs: int, num_rows: Optional[int]) -> AuditReport:
         counts = read_manifest(cfg.data.shard_dir).counts

@@ -5,19 +5,14 @@ from __future__ import annotations
 from typing import Any, Callable, List, Optional, Sequence
 
 from dsrecipes.config.schema import BadRows, TrainConfig
-from dsrecipes.data.strategies.base import Batch, Row, collate_rows
+from dsrecipes.data.strategies.base import Batch, Row
 from dsrecipes.errors import DataError
+from dsrecipes.objectives import build_objective
 
 
-def pad_token_id(tokenizer: Any) -> int:
-    pad = tokenizer.pad_token_id
-    return tokenizer.eos_token_id if pad is None else pad
-
-
-def make_collate(tokenizer: Any) -> Callable[[List[Row]], Batch]:
-    from dsrecipes.data.collate import collate
-
-    return collate_rows(collate, pad_token_id(tokenizer))
+def make_collate(cfg: TrainConfig, tokenizer: Any) -> Callable[[List[Row]], Batch]:
+    """The objective's collate (objectives/base.py): it owns the batch layout, empty micro-batches included."""
+    return build_objective(cfg, tokenizer).collate
 
 
 class RowEncoder:

@@ -21,6 +21,7 @@ class Rules:
     paths: Callable[[TrainConfig], List[NamedPath]] = lambda cfg: []
     reads_sources: bool = True  # trains on dataset.paths/sources/use (presharded: on the shards' manifest)
     prompt_rows: bool = False  # its prepared validation split can feed prompt-evals during training (gen_eval.py)
+    pairs: bool = False  # it carries preference pairs (objective=dpo: data/preference_prepare.py)
 
 
 def _reads_dataset(cfg: TrainConfig) -> List[str]:
@@ -35,7 +36,7 @@ def _reads_shards(cfg: TrainConfig) -> List[str]:
 
 
 RULES: Dict[DataKind, Rules] = {
-    DataKind.map: Rules(_reads_dataset, prompt_rows=True),
+    DataKind.map: Rules(_reads_dataset, prompt_rows=True, pairs=True),
     DataKind.iterable: Rules(_reads_dataset),
     DataKind.presharded: Rules(_reads_shards, lambda cfg: [("data.shard_dir", cfg.data.shard_dir)], reads_sources=False),
 }
@@ -55,3 +56,7 @@ def reads_sources(cfg: TrainConfig) -> bool:
 
 def has_prompt_rows(cfg: TrainConfig) -> bool:
     return RULES[cfg.data.kind].prompt_rows
+
+
+def carries_pairs(cfg: TrainConfig) -> bool:
+    return RULES[cfg.data.kind].pairs

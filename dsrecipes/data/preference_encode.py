@@ -1,0 +1,179 @@
+"""Preference pairs -> token rows (`objective=dpo`): render, tokenize, truncate; read every source of a preparation.
+
+A pair is ONE sample (one row, one id) for every strategy and guarantee: the prompt is stored once and both answers
+beside it, so exactly-once, equal steps, resume and ledgers count pairs exactly as they count SFT samples.
+
+Row: `ids` ([sample id]), `prompt_ids`, `chosen_ids` / `chosen_labels`, `rejected_ids` / `rejected_labels` (labels:
+the answer's token or -100 where the template does not train it, e.g. a role header inside the answer span).
+
+Rendering: the prompt turns plus one answer are rendered by the run's template with `train_on=last_assistant`; the
+text before the answer's first trained segment is the prompt (it must be the same for both answers, else the
+template is a `template_error` for this row), the rest through the end of the turn is the answer. The prompt and
+each answer segment are tokenized on their own (answers as continuations, no SentencePiece start marker), as TRL
+tokenizes the prompt and the completion apart.
+
+Truncation (`data.cutoff_len` bounds prompt + answer, for each side), TRL's rule with max_prompt_length =
+cutoff_len / 2: a prompt of cutoff_len tokens or more leaves no room for an answer and is a bad row
+(`prompt_too_long`); otherwise, when prompt + the longer answer do not fit, the prompt keeps its TAIL of
+max(cutoff_len - longer answer, cutoff_len // 2) tokens and both answers keep their HEAD of cutoff_len - kept
+prompt tokens. Both sides always share the same prompt tokens (aligned), so their log-probabilities compare answers
+only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+from dsrecipes.config.schema import DatasetConfig, SourceConfig, TrainConfig, TrainOn
+from dsrecipes.data.badrows import BadReason, BadRow, BadRowReport
+from dsrecipes.data.files import expand_paths, no_file, read_rows
+from dsrecipes.data.labels import IGNORE_INDEX
+from dsrecipes.data.preference import Pair, pair_of
+from dsrecipes.data.sharegpt import Conversation, Role, Turn, role_table
+from dsrecipes.data.template import Segment
+from dsrecipes.data.tokenize import Encoder
+
+Row = Dict[str, Any]
+
+
+class PairEncoder:
+    """Pairs -> rows (or BadRow) for one template, tokenizer and cutoff_len."""
+
+    def __init__(self, tokenizer: Any, cfg: TrainConfig):
+        last = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train_on=TrainOn.last_assistant))
+        self.encoder = Encoder(tokenizer, last, full_text=False)
+        self.cutoff_len = cfg.data.cutoff_len
+
+    def split(self, pair: Pair, answer: str) -> Tuple[str, List[Segment]]:
+        """(prompt text, answer segments) of the prompt followed by one answer."""
+        p = pair.prompt
+        conv = Conversation(p.id, [*p.turns, Turn(Role.assistant, answer)], p.system, p.tools, p.source)
+        segs = self.encoder.render(conv)
+        first = next((i for i, s in enumerate(segs) if s.trained), None)
+        end = max((i for i, s in enumerate(segs) if s.closes_turn), default=None)
+        if first is None or end is None or end < first:
+            raise BadRow(BadReason.template_error, "the template trains no part of the answer")
+        return "".join(s.text for s in segs[:first]), segs[first:end + 1]
+
+    def encode_batch(self, pairs: Sequence[Pair]) -> List[Union[Row, BadRow]]:
+        parts: List[Optional[Tuple[str, List[Segment], List[Segment]]]] = []
+        out: List[Union[Row, BadRow, None]] = []
+        keys: Dict[Tuple[bool, str], int] = {}
+        for pair in pairs:
+            try:
+                (prompt, chosen), (prompt_r, rejected) = self.split(pair, pair.chosen), self.split(pair, pair.rejected)
+                if prompt != prompt_r:
+                    raise BadRow(BadReason.template_error, "the template renders the prompt differently per answer")
+            except BadRow as bad:
+                parts.append(None)
+                out.append(bad)
+                continue
+            parts.append((prompt, chosen, rejected))
+            out.append(None)
+            for key in [(False, prompt)] + [(True, s.text) for s in chosen + rejected]:
+                keys.setdefault(key, len(keys))
+        ids, refused = self.encoder._encode_segments(list(keys))
+        for n, (pair, part) in enumerate(zip(pairs, parts)):
+            if part is None:
+                continue
+            needed = [(False, part[0])] + [(True, s.text) for s in part[1] + part[2]]
+            failed = next((refused[keys[k]] for k in needed if keys[k] in refused), None)
+            if failed is not None:
+                out[n] = BadRow(BadReason.tokenizer_error, failed)
+                continue
+            out[n] = self._row(pair.prompt.id, ids[keys[(False, part[0])]],
+                               *(_answer_tokens(segs, ids, keys) for segs in part[1:]))
+        return out  # type: ignore[return-value]
+
+    def _row(self, sample_id: str, prompt: List[int], chosen: Tuple[List[int], List[int]],
+             rejected: Tuple[List[int], List[int]]) -> Union[Row, BadRow]:
+        limit = self.cutoff_len
+        if len(prompt) >= limit:
+            return BadRow(BadReason.prompt_too_long, f"the prompt has {len(prompt)} tokens; data.cutoff_len is {limit}")
+        longest = max(len(chosen[0]), len(rejected[0]))
+        truncated = len(prompt) + longest > limit
+        if truncated:
+            keep = min(len(prompt), max(limit - longest, limit // 2))
+            prompt = prompt[len(prompt) - keep:]
+            room = limit - keep
+            chosen, rejected = (chosen[0][:room], chosen[1][:room]), (rejected[0][:room], rejected[1][:room])
+        if all(lab == IGNORE_INDEX for lab in chosen[1]) or all(lab == IGNORE_INDEX for lab in rejected[1]):
+            return BadRow(BadReason.empty_answer, "an answer has no trained token")
+        return {"ids": [sample_id], "prompt_ids": list(prompt), "chosen_ids": list(chosen[0]),
+                "chosen_labels": list(chosen[1]), "rejected_ids": list(rejected[0]),
+                "rejected_labels": list(rejected[1]), "truncated": truncated}
+
+
+def _answer_tokens(segs: List[Segment], ids: List[List[int]], keys: Dict[Tuple[bool, str], int]
+                   ) -> Tuple[List[int], List[int]]:
+    tokens: List[int] = []
+    labels: List[int] = []
+    for seg in segs:
+        part = ids[keys[(True, seg.text)]]
+        tokens += part
+        labels += part if seg.trained else [IGNORE_INDEX] * len(part)
+    return tokens, labels
+
+
+def iter_pairs(source: SourceConfig, report: BadRowReport, limit: Optional[int],
+               max_row_bytes: int) -> Iterator[Pair]:
+    """Pairs of one source in file order; bad rows go to `report`; stops after `source.max_samples` (or `limit`)."""
+    table = role_table(source)
+    caps = [c for c in (source.max_samples, limit) if c is not None]
+    cap = min(caps) if caps else None
+    files, missing = expand_paths(source.paths)
+    for pattern in missing:
+        report.rows_read += 1
+        report.add(pattern, None, BadRow(BadReason.no_matching_path, f"source {source.name!r}: {no_file(pattern)}"))
+    kept = 0
+    for path in files:
+        for row in read_rows(path, max_row_bytes):
+            if cap is not None and kept >= cap:
+                return
+            report.rows_read += 1
+            try:
+                pair = pair_of(row, source, table)
+            except BadRow as bad:
+                report.add(row.path, row.loc, bad, row.raw_text if row.error is not None else row.value, row.element)
+                continue
+            kept += 1
+            yield pair
+
+
+def read_and_encode_pairs(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig],
+                          report: BadRowReport, chunk: int = 256) -> Tuple[List[Row], List[str]]:
+    """(rows, source name of each row) of every source in order, caps and bad-row policy applied like SFT reading
+    (in this process: preference sets are small next to SFT corpora)."""
+    encoder = PairEncoder(tokenizer, cfg)
+    rows: List[Row] = []
+    names: List[str] = []
+    pending: List[Pair] = []
+
+    def flush() -> None:
+        for pair, got in zip(pending, encoder.encode_batch(pending)):
+            if isinstance(got, BadRow):
+                p = pair.prompt
+                report.add(p.path, p.loc, got, None, p.element)
+                continue
+            rows.append(got)
+            names.append(pair.prompt.source)
+        pending.clear()
+
+    for pair in _all_pairs(cfg.dataset, sources, report):
+        pending.append(pair)
+        if len(pending) >= chunk:
+            flush()
+    flush()
+    return rows, names
+
+
+def _all_pairs(ds: DatasetConfig, sources: Sequence[SourceConfig], report: BadRowReport) -> Iterator[Pair]:
+    kept = 0
+    for source in sources:
+        limit = None if ds.max_samples is None else ds.max_samples - kept
+        if limit is not None and limit <= 0:
+            return
+        for pair in iter_pairs(source, report, limit, ds.max_row_bytes):
+            kept += 1
+            yield pair

@@ -1,0 +1,123 @@
+"""Preparation of preference pairs (`objective=dpo`, `data=map`): read and tokenize pairs, split, mix, write Arrow.
+
+The same order of operations as SFT preparation (prepare.py): sources in order with their caps and the bad-row
+policy, the seeded validation split, per-source mixing weights (a copy k >= 1 of a pair gets the id `<id>@<k>`),
+then one Arrow dataset per split. No packing: a pair's two sequences are its own micro-batch rows. The stats keep
+the keys of SFT preparation (`prepare_stats.summary`, `inspect-data`), counted in pairs; "trained tokens" are the
+answers' tokens on both sides.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+from dsrecipes.config.schema import SourceConfig, TrainConfig
+from dsrecipes.data.badrows import BadRowReport
+from dsrecipes.data.labels import IGNORE_INDEX
+from dsrecipes.data.preference_encode import read_and_encode_pairs
+from dsrecipes.data.splits import mix, split_val
+from dsrecipes.errors import DataError
+
+COLUMNS = ("ids", "prompt_ids", "chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels")
+
+
+def build(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig], report: BadRowReport,
+          out: Path) -> Dict[str, Any]:
+    """Write `out/train` (and `out/val`); returns the preparation's stats."""
+    from datasets import Dataset
+
+    rows, names = read_and_encode_pairs(cfg, tokenizer, sources, report)
+    report.check()
+    if not rows:
+        raise DataError(f"dataset {cfg.dataset.name}: no usable preference pairs ({report.summary()})")
+    val_pick = split_val(len(rows), cfg.dataset.val_size, cfg.trainer.seed)
+    in_val = set(val_pick)
+    members = [i for i in range(len(rows)) if i not in in_val]
+    train_items = mix(members, names, {src.name: src.weight for src in sources}, cfg.trainer.seed)
+    stats = _stats(cfg, report, rows, names, len(train_items), len(val_pick))
+    for split, items in (("train", train_items), ("val", [(i, 0) for i in val_pick])):
+        if not items:
+            continue
+        table = {c: [_copy(rows[i], c, k) for i, k in items] for c in COLUMNS}
+        Dataset.from_dict(table).save_to_disk(str(out / split))
+        stats["rows"][split] = len(items)
+    return stats
+
+
+def _copy(row: Dict[str, Any], column: str, copy: int) -> Any:
+    if column == "ids" and copy:
+        return [f"{row['ids'][0]}@{copy}"]
+    return row[column]
+
+
+def _stats(cfg: TrainConfig, report: BadRowReport, rows: List[Dict[str, Any]], names: List[str], n_train: int,
+           n_val: int) -> Dict[str, Any]:
+    tokens = sum(len(r["prompt_ids"]) * 2 + len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in rows)
+    trained = sum(sum(lab != IGNORE_INDEX for lab in r[f"{side}_labels"]) for r in rows for side in ("chosen", "rejected"))
+    truncated = sum(bool(r["truncated"]) for r in rows)
+    longest = [len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in rows]
+    return {
+        "objective": cfg.objective.kind.value,
+        "dataset": cfg.dataset.name,
+        "template": cfg.template.name.value,
+        "train_on": "last_assistant",
+        "cutoff_len": cfg.data.cutoff_len,
+        "packing": cfg.data.packing,
+        "rows_read": report.rows_read,
+        "rows_kept": len(rows),
+        "skipped": dict(sorted(report.counts.items())),
+        "skipped_total": report.skipped,
+        "skipped_by_file": report.files(),
+        "trailing_turns_dropped": 0,
+        "truncated": truncated,
+        "truncated_share": truncated / len(rows),
+        "dropped_all_trained_cut": 0,
+        "duplicate_ids": sum(n - 1 for n in Counter(r["ids"][0] for r in rows).values() if n > 1),
+        "samples": {"train": n_train, "val": n_val},
+        "rows": {"train": 0, "val": 0},
+        "tokens": tokens,
+        "trained_tokens": trained,
+        "trained_token_share": trained / tokens if tokens else 0.0,
+        "length": {"mean": sum(longest) / len(longest), "p50": sorted(longest)[len(longest) // 2],
+                   "p95": sorted(longest)[int(len(longest) * 0.95)], "max": max(longest), "histogram": []},
+        "packing_efficiency": {"train": None, "val": None},
+        "sources": {name: {"conversations": n} for name, n in Counter(names).items()},
+    }
+
+
+def attach_reference(cfg: TrainConfig, tokenizer: Any, cache: Path) -> Path:
+    """`<prepared cache>/reference/<reference key>/{train,val}`: the prepared pairs with the reference log-probs
+    (`ref_chosen_logps`, `ref_rejected_logps`), computed once per reference model (objectives/dpo_reference.py)
+    and written beside, then renamed into place, like the prepared data itself."""
+    import os
+    import shutil
+
+    from datasets import load_from_disk
+
+    from dsrecipes.objectives.dpo_reference import precompute, reference_key
+
+    final = cache / "reference" / reference_key(cfg)
+    if (final / "done").is_file():
+        return final
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        for split in ("train", "val"):
+            if not (cache / split).is_dir():
+                continue
+            ds = load_from_disk(str(cache / split))
+            chosen, rejected = precompute(cfg, tokenizer, iter(ds), len(ds))
+            ds = ds.add_column("ref_chosen_logps", chosen).add_column("ref_rejected_logps", rejected)
+            ds.save_to_disk(str(tmp / split))
+        tmp.mkdir(parents=True, exist_ok=True)
+        (tmp / "done").write_text(final.name, encoding="utf-8")
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another run computed the same reference first; theirs is identical
+            if not (final / "done").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

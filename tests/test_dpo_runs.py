@@ -1,0 +1,108 @@
+"""objective=dpo end to end through `python -m dsrecipes` (tiny model, bundled sample pairs, data=map, one rank in
+this process; module-scoped runs shared by the assertions):
+
+  A  precomputed reference, 20 steps over 64 training pairs (an epoch is 16 steps), ledger, export
+  B  live reference (a frozen copy of the start model), 6 steps: the same losses as A step for step
+  C  precomputed, 12 steps, then the same command with trainer.max_steps=20: resumes and ends with A's losses
+
+A pair is one sample: the ledger holds pair ids, each once per epoch, and the steps are planned in pairs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["objective=dpo", "dataset=sample_pairs", "dataset.max_samples=72", "dataset.val_size=8",
+          "data.cutoff_len=256", "trainer.micro_batch_size=4", "trainer.log_every=1", "scheduler=constant",
+          "scheduler.warmup_steps=2", "optimizer.lr=3e-3", "trainer.eval_every=10", "trainer.save_every=10"]
+
+
+def run(workspace: Path, name: str, *overrides: str) -> Path:
+    from dsrecipes.cli import main
+
+    run_dir = workspace / name
+    saved = dict(os.environ)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        code = main([*COMMON, f"data.cache_dir={workspace / 'cache'}", f"trainer.output_dir={run_dir}",
+                     f"hydra.run.dir={run_dir}", *overrides])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert code == 0
+    return run_dir
+
+
+def rows(run_dir: Path):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path):
+    return {r["step"]: r["loss"] for r in rows(run_dir) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    ws = tmp_path_factory.mktemp("dpo")
+    a = run(ws, "a", "trainer.max_steps=20", "trainer.record_samples=true")
+    b = run(ws, "b", "trainer.max_steps=6", "objective.reference=live", "trainer.export=false")
+    run(ws, "c", "trainer.max_steps=12", "trainer.export=false")
+    c = run(ws, "c", "trainer.max_steps=20", "trainer.export=false")
+    return a, b, c
+
+
+def test_first_step_is_log2_and_rewards_are_reported(runs):
+    a, _, _ = runs
+    first = rows(a)[0]
+    assert first["step"] == 1 and first["loss"] == pytest.approx(math.log(2), abs=1e-5)  # policy == reference
+    assert abs(first["rewards_chosen"]) < 1e-4 and abs(first["reward_margin"]) < 1e-4
+    evals = [r for r in rows(a) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [10, 20]
+    for key in ("eval_rewards_chosen", "eval_rewards_rejected", "eval_reward_accuracy", "eval_reward_margin"):
+        assert all(key in r for r in evals)
+    train = [r for r in rows(a) if "loss" in r]
+    assert sum(r["loss"] for r in train[-5:]) < sum(r["loss"] for r in train[:5])  # it learns to prefer `chosen`
+
+
+def test_a_pair_is_one_sample_exactly_once_per_epoch(runs):
+    from dsrecipes.config.load import load_run_config
+    from dsrecipes.data.ledger import verify_ledgers
+    from dsrecipes.data.prepare import load_prepared
+
+    a, _, _ = runs
+    stats = json.loads((a / "prepare_stats.json").read_text())
+    assert stats["samples"] == {"train": 64, "val": 8} and stats["objective"] == "dpo"
+    train_ids = [i for r in load_prepared(load_run_config(a), a).train["ids"] for i in r]
+    report = verify_ledgers(a, expected_ids=train_ids, global_batch=4, complete_epochs=[0])
+    assert report.ok, report.problems
+    assert report.samples_per_rank[0] == 20 * 4
+    assert Path(stats["reference_dir"]).parent.parent == Path(stats["cache_dir"])
+
+
+def test_live_reference_gives_the_precomputed_losses(runs):
+    a, b, _ = runs
+    la, lb = losses(a), losses(b)
+    assert sorted(lb) == [1, 2, 3, 4, 5, 6]
+    assert [lb[s] for s in range(1, 7)] == pytest.approx([la[s] for s in range(1, 7)], rel=1e-4, abs=1e-5)
+    assert not (b / "prepare_stats.json").read_text().count("reference_dir")
+
+
+def test_resumed_run_ends_with_the_uninterrupted_losses(runs):
+    a, _, c = runs
+    la, lc = losses(a), losses(c)
+    assert [lc[s] for s in range(13, 21)] == pytest.approx([la[s] for s in range(13, 21)], rel=1e-5)
+
+
+def test_export_loads_as_a_plain_causal_lm(runs):
+    from transformers import AutoModelForCausalLM
+
+    a, _, _ = runs
+    model = AutoModelForCausalLM.from_pretrained(a / "export")
+    assert model.config.vocab_size > 0
