@@ -12,7 +12,13 @@ import torch
 
 from dsrecipes.config.schema import SelectMetric
 from dsrecipes.data.strategies.eval import limit_rows
-from dsrecipes.evaluation import EvalLedger, EvalResult, batch_sums, evaluate, verify_eval_ledgers
+from dsrecipes.evaluation import EvalLedger, evaluate, verify_eval_ledgers
+from dsrecipes.objectives.sft import SFT, EvalResult, collate, token_sums
+
+
+def batch_sums(logits, labels, position_ids=None):
+    """SFT's per-micro-batch eval sums (objectives/sft.py), as the evaluation adds them."""
+    return token_sums(logits, labels, position_ids, count_correct=True)
 from dsrecipes.selection import METRIC_MODES, Selector
 
 
@@ -53,18 +59,16 @@ class _Module(torch.nn.Module):
 
 
 def test_evaluate_sums_every_batch_and_records_the_scored_ids(tmp_path):
-    from dsrecipes.data.collate import collate
-
     rows = [{"ids": [f"s{i}"], "input_ids": [1, 2, 3, i % 8], "labels": [-100, 2, 3, i % 8]} for i in range(5)]
     batches = [collate(rows[:2], 0), collate(rows[2:4], 0), collate(rows[4:], 0)]
     model = _Module()
     ledger = EvalLedger(tmp_path, 0)
-    result = evaluate(model, batches, ledger, step=7)
+    result = evaluate(SFT(0), model, batches, ledger, step=7)
     ledger.close()
-    assert model.calls == 3 and result.tokens == 15
+    assert model.calls == 3 and result["eval_tokens"] == 15
     with torch.no_grad():
         want = sum(float(batch_sums(model.emb(b["input_ids"]), b["labels"], b["position_ids"])[0]) for b in batches)
-    assert math.isclose(result.loss_sum, want, rel_tol=1e-9)
+    assert math.isclose(result["eval_loss"] * 15, want, rel_tol=1e-9)
     lines = [json.loads(x) for x in (tmp_path / "ledger" / "eval_rank0.jsonl").read_text().splitlines()]
     assert lines[-1] == {"step": 7, "ids": [f"s{i}" for i in range(5)]}
     assert verify_eval_ledgers(tmp_path, [f"s{i}" for i in range(5)]) == []

@@ -64,8 +64,10 @@ def test_sft_eval_sums_count_tokens_and_correct_predictions(make_cfg):
     sums = sft.eval_sums(Oracle(), batch, torch.device("cpu"))
     assert sums["tokens"] == 3 and sums["correct"] == 3
     doubled = {k: 2 * v for k, v in sums.items()}  # two ranks' sums add up to the same means
-    assert sft.metrics(doubled, "eval_") == pytest.approx(sft.metrics(sums, "eval_"))
-    assert sft.metrics(sums, "eval_")["eval_token_accuracy"] == 1.0
+    means = {k: v for k, v in sft.metrics(sums, "eval_").items() if k != "eval_tokens"}  # eval_tokens is a count
+    assert {k: v for k, v in sft.metrics(doubled, "eval_").items() if k != "eval_tokens"} == pytest.approx(means)
+    assert sft.metrics(doubled, "eval_")["eval_tokens"] == 2 * sft.metrics(sums, "eval_")["eval_tokens"]
+    assert sft.metrics(sums, "eval_")["eval_accuracy"] == 1.0
     empty = sft.collate([])  # an empty micro-batch trains nothing and counts nothing
     assert empty["ids"] == [] and int((empty["labels"] != -100).sum()) == 0
 
@@ -95,6 +97,7 @@ def test_sft_reproduces_the_default_runs_pinned_losses(default_run):
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in train] == pytest.approx(PINNED_LOSS, rel=1e-5)
     assert [r["grad_norm"] for r in train] == pytest.approx(PINNED_GRAD_NORM, rel=1e-4)
-    assert {s: r["eval_loss"] for s, r in evals.items()} == pytest.approx(PINNED_EVAL, rel=1e-5)
-    assert all(0.0 <= r["eval_token_accuracy"] <= 1.0 for r in evals.values())
-    assert evals[6]["eval_token_accuracy"] > evals[3]["eval_token_accuracy"]
+    assert 0 in evals  # issue 24: the starting point (trainer.eval_at_start), before the pinned evaluations
+    assert {s: evals[s]["eval_loss"] for s in PINNED_EVAL} == pytest.approx(PINNED_EVAL, rel=1e-5)
+    assert all(0.0 <= r["eval_accuracy"] <= 1.0 for r in evals.values())
+    assert evals[6]["eval_accuracy"] > evals[3]["eval_accuracy"]
