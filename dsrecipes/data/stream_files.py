@@ -108,15 +108,10 @@ class LineScanner:
 # Index files (cached by content hash)
 
 
-def index_files(cfg: Optional[Any], names: List[str], block_bytes: int) -> List[FileIndex]:
+def index_files(cfg: Any, names: List[str], block_bytes: int) -> List[FileIndex]:
     """The FileIndex of each file, from the cache or built (one pass for hash + index of a plain JSONL file)."""
     from dsrecipes.data.cache import cache_root, content_hashes
 
-    if cfg is None:  # no cache (a StreamSpec indexed on the spot): nothing is kept beyond this process
-        import tempfile
-
-        tmp = Path(tempfile.mkdtemp(prefix="dsrecipes-stream-"))
-        return [_index_one(name, f"local{i}", block_bytes, tmp, None, keep=False) for i, name in enumerate(names)]
     root = cache_root(cfg) / "stream"
     scanners: Dict[str, LineScanner] = {}
 
