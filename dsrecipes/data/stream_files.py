@@ -125,16 +125,15 @@ def index_files(cfg: Any, names: List[str], block_bytes: int) -> List[FileIndex]
     return [_index_one(name, digest, block_bytes, root, scanners.get(name)) for name, digest in zip(names, digests)]
 
 
-def _index_one(name: str, digest: str, block_bytes: int, root: Path, scanner: Optional[LineScanner],
-               keep: bool = True) -> FileIndex:
+def _index_one(name: str, digest: str, block_bytes: int, root: Path, scanner: Optional[LineScanner]) -> FileIndex:
     cached = root / f"{digest}-b{block_bytes}-v{INDEX_VERSION}.npz"
-    fi = _load(cached, name, digest) if keep else None
+    fi = _load(cached, name, digest)
     if fi is not None:
         return fi
     problem: Optional[Tuple[str, str]] = None
     read_path, loc_base = name, 0
     if file_kind(name) != "jsonl":
-        read_path, loc_base, scanner, problem = _converted(name, root / f"{digest}.jsonl", block_bytes, keep)
+        read_path, loc_base, scanner, problem = _converted(name, root / f"{digest}.jsonl", block_bytes)
     if problem is None and (scanner is None or scanner.pos != os.path.getsize(read_path)):
         scanner = _scan(read_path, block_bytes)  # not fed while hashing (memo hit), or JSON lines read in place
     count, offsets, lines, firsts = scanner.finish() if scanner is not None else (0, *(np.zeros(0, np.int64),) * 3)
@@ -143,29 +142,27 @@ def _index_one(name: str, digest: str, block_bytes: int, root: Path, scanner: Op
     st = os.stat(read_path)
     fi = FileIndex(name, read_path, loc_base, st.st_size, st.st_mtime_ns, digest, count, offsets, lines, firsts,
                    problem)
-    if keep:
-        _save(cached, fi)
+    _save(cached, fi)
     return fi
 
 
-def _converted(name: str, out: Path, block_bytes: int, keep: bool) -> Tuple[str, int, Any, Optional[Tuple[str, str]]]:
+def _converted(name: str, out: Path, block_bytes: int) -> Tuple[str, int, Any, Optional[Tuple[str, str]]]:
     """(read path, loc_base, scanner or None, problem) of a file needing conversion. A copy already in the cache
     (content-addressed, written atomically, described by `<hash>.convert.json`) is reused as it is: converting again
     would change its modification time under runs that read it."""
     meta_path = out.with_suffix(".convert.json")
     try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8")) if keep else None
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         meta = None
     if meta is not None and meta["problem"] is None and (meta["path"] == name or out.is_file()):
         problem = tuple(meta["problem"]) if meta["problem"] else None
         return name if meta["path"] == name else str(out), meta["loc_base"], None, problem
     read_path, loc_base, scanner, problem = convert(name, out, lambda: LineScanner(block_bytes))  # FileUnreadable
-    if keep:
-        from dsrecipes.fileio import atomic_write_json
+    from dsrecipes.fileio import atomic_write_json
 
-        path = name if read_path == name else "converted"
-        atomic_write_json(meta_path, {"path": path, "loc_base": loc_base, "problem": problem})
+    path = name if read_path == name else "converted"
+    atomic_write_json(meta_path, {"path": path, "loc_base": loc_base, "problem": problem})
     return read_path, loc_base, scanner, problem
 
 
