@@ -10,12 +10,17 @@ and one that loops or grows its output without end hangs the process or fills it
   `range(n)`, the `center`/`indent` filters) are refused past `MAX_OUTPUT`, and no operator, call or filter may
   return a string or list longer than that;
 - rendering streams (`Template.generate`) and stops past `MAX_OUTPUT` characters;
-- a wall-clock budget (`MAX_SECONDS`, SIGALRM, in the main thread) stops a template that loops without output.
-Every failure is `TemplateRefused` (a UserError) naming the model directory.
+- a wall-clock budget (`MAX_SECONDS`) stops a template that loops without output: SIGALRM in a main thread (the
+  launching process, a data-preparation worker process), an exception raised into the thread by a watchdog elsewhere.
+Every failure is `TemplateRefused` (a UserError) naming the model directory. `TemplateRaised`, its subclass, is the
+template declining this conversation (its `raise_exception`, an undefined key, a type error): training calls that a
+bad row. Past a budget or reaching for Python internals (SecurityError) is never a row's fault.
+This module is the only place a model-supplied template is rendered (chat, prompt-eval, training, validate).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import signal
 import threading
@@ -35,8 +40,26 @@ class TemplateRefused(UserError):
     pass
 
 
+class TemplateRaised(TemplateRefused):
+    """The template declined this conversation; `detail` is its own message."""
+
+    def __init__(self, message: str, detail: str = ""):
+        super().__init__(message)
+        self.detail = detail
+
+    def __reduce__(self) -> Any:  # crosses from a data-preparation worker process
+        return (type(self), (str(self), self.detail))
+
+
 class _OverBudget(Exception):
     pass
+
+
+class _Expired(_OverBudget):
+    """Raised into a non-main thread by the watchdog (an exception class: no arguments)."""
+
+    def __init__(self, *args: Any):
+        super().__init__(*(args or (f"it ran longer than {MAX_SECONDS:g} s",)))
 
 
 def _refuse_big_ints(*values: Any) -> None:
@@ -115,9 +138,10 @@ def _compile(source: str) -> Any:
 
 @contextmanager
 def _deadline(seconds: float) -> Iterator[None]:
-    """Raise _OverBudget in this (main) thread after `seconds`; elsewhere only the output budget applies."""
+    """Raise _OverBudget in this thread after `seconds`."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        yield
+        with _watchdog(seconds):
+            yield
         return
 
     def expire(_signum: int, _frame: Any) -> None:
@@ -132,6 +156,30 @@ def _deadline(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+@contextmanager
+def _watchdog(seconds: float) -> Iterator[None]:
+    """SIGALRM only reaches a main thread: elsewhere a timer thread raises _Expired into this one (the template is
+    Python bytecode, so the interpreter delivers it at the loop's next jump); a late shot is withdrawn."""
+    target = ctypes.c_ulong(threading.get_ident())
+    lock = threading.Lock()
+    done = [False]
+
+    def fire() -> None:
+        with lock:
+            if not done[0]:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(target, ctypes.py_object(_Expired))
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        with lock:
+            done[0] = True
+        timer.cancel()
+
+
 def template_source(tokenizer: Any) -> Optional[str]:
     own = getattr(tokenizer, "chat_template", None)
     if isinstance(own, dict):
@@ -140,8 +188,9 @@ def template_source(tokenizer: Any) -> Optional[str]:
 
 
 def render(tokenizer: Any, messages: List[Dict[str, Any]], tools: Optional[list] = None,
-           add_generation_prompt: bool = False, where: Any = "the model") -> str:
+           add_generation_prompt: bool = False, where: Any = None) -> str:
     """The tokenizer's chat template applied to `messages`, within the budgets; TemplateRefused otherwise."""
+    where = where or f"{getattr(tokenizer, 'name_or_path', None) or 'the model'}: chat_template"
     source = template_source(tokenizer)
     if source is None:
         raise TemplateRefused(f"{where}: the tokenizer has no chat_template, so prompts cannot be rendered")
@@ -162,6 +211,12 @@ def render(tokenizer: Any, messages: List[Dict[str, Any]], tools: Optional[list]
         raise TemplateRefused(f"{where}: chat template stopped: {exc} ({time.monotonic() - started:.1f} s); "
                               "dsrecipes renders a model's template with a time and output budget")
     except Exception as exc:  # a template is someone else's program: any failure is one message
-        raise TemplateRefused(f"{where}: the chat template cannot render this conversation "
-                              f"({type(exc).__name__}: {exc})")
+        import jinja2
+
+        if isinstance(exc, (jinja2.exceptions.SecurityError, jinja2.exceptions.TemplateSyntaxError, MemoryError)):
+            raise TemplateRefused(f"{where}: chat template refused: {type(exc).__name__}: {exc}; dsrecipes renders "
+                                  "a model's template in a sandbox") from None
+        detail = " ".join(str(exc).split())
+        raise TemplateRaised(f"{where}: the chat template cannot render this conversation "
+                             f"({type(exc).__name__}: {detail})", detail) from None
     return "".join(pieces)

@@ -14,12 +14,12 @@ from dsrecipes.config.schema import SelectMetric
 from dsrecipes.data.strategies.eval import limit_rows
 from dsrecipes.evaluation import EvalLedger, evaluate, verify_eval_ledgers
 from dsrecipes.objectives.sft import SFT, EvalResult, collate, token_sums
+from dsrecipes.selection import METRIC_MODES, Selector
 
 
 def batch_sums(logits, labels, position_ids=None):
     """SFT's per-micro-batch eval sums (objectives/sft.py), as the evaluation adds them."""
     return token_sums(logits, labels, position_ids, count_correct=True)
-from dsrecipes.selection import METRIC_MODES, Selector
 
 
 def test_batch_sums_count_the_shifted_labels_and_skip_packing_boundaries():

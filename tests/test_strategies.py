@@ -17,6 +17,7 @@ from dsrecipes.data.strategies.base import TrainLoader
 from dsrecipes.data.strategies.iterable import StreamTrainLoader
 from dsrecipes.data.strategies.map import MapTrainLoader
 from dsrecipes.data.strategies.presharded import PreshardedTrainLoader
+from tests.helpers.launching import stream_index_like_launcher
 
 
 def collate_ids(rows):
@@ -54,8 +55,18 @@ def make_map(n, world, rank, workers=0, mbs=2, accum=1, shuffle=True, seed=0):
                           collate_fn=collate_ids, num_workers=workers)
 
 
+_INDEXES: dict = {}  # one launch per file set: every rank (and every resumed loader) opens the same index
+
+
+def launched_index(paths):
+    key = tuple(map(str, paths))
+    if key not in _INDEXES:
+        _INDEXES[key] = stream_index_like_launcher(paths, Path(paths[0]).parent / "run")
+    return _INDEXES[key]
+
+
 def make_stream(paths, world, rank, workers=0, mbs=2, accum=1, num_samples=None, buffer=8, seed=0):
-    return StreamTrainLoader(StreamSpec(tuple(paths)), Layout(world, mbs, accum, workers), rank, seed=seed,
+    return StreamTrainLoader(launched_index(paths), Layout(world, mbs, accum, workers), rank, seed=seed,
                              shuffle=True, shuffle_buffer=buffer, num_samples=num_samples, make_rows=rows_of_items,
                              collate_fn=collate_ids, num_workers=workers)
 

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from dsrecipes.data.plan import Layout
-from dsrecipes.data.sampler import StreamSpec
 from dsrecipes.data.strategies.iterable import StreamTrainLoader
 from dsrecipes.data.stream_files import LineScanner
-from dsrecipes.data.stream_index import BlockSource, StreamIndex, index_spec
+from dsrecipes.data.stream_index import BlockSource, StreamIndex
+from tests.helpers.launching import stream_index_like_launcher
 
 
 def item_ids(items):
@@ -117,7 +117,7 @@ def test_line_scanner_matches_a_plain_reading():
 def test_many_readers_exactly_once_equal_steps_and_only_their_own_blocks(tmp_path):
     """World 64 x 4 DataLoader workers = 256 readers over 9 files: each reads only the blocks of its samples."""
     paths = write_corpus(tmp_path, [900, 35, 2000, 1, 0, 640, 1300, 77, 1500])
-    index = index_spec(StreamSpec(tuple(paths)), block_bytes=4096)
+    index = stream_index_like_launcher(paths, tmp_path / "run", 4096)
     layout = Layout(64, 2, 2, 4)
     universe = all_ids(paths)
     block_size = _block_sizes(index)
@@ -167,7 +167,7 @@ def _block_of(index, sample_id):
 ])
 def test_elastic_resume_reads_the_rest_exactly_once(tmp_path, old, new, third):
     paths = write_corpus(tmp_path, [700, 20, 900, 333])
-    index = index_spec(StreamSpec(tuple(paths)), block_bytes=2048)
+    index = stream_index_like_launcher(paths, tmp_path / "run", 2048)
     universe = all_ids(paths)
     seen = []
     state = None
@@ -192,7 +192,7 @@ def test_elastic_resume_reads_the_rest_exactly_once(tmp_path, old, new, third):
 def test_resume_with_other_workers_reads_the_rest_once(tmp_path):
     """Inside an accumulation, with another worker count: the rest, once; with the same: exactly the same rest."""
     paths = write_corpus(tmp_path, [300, 150])
-    index = index_spec(StreamSpec(tuple(paths)), block_bytes=1024)
+    index = stream_index_like_launcher(paths, tmp_path / "run", 1024)
     lay2 = Layout(2, 2, 2, 2)
     full = {r: rank_micro_batches(make_loader(index, lay2, r), 1) for r in range(2)}
     first = [make_loader(index, lay2, r) for r in range(2)]
@@ -217,8 +217,7 @@ def test_resume_with_other_workers_reads_the_rest_once(tmp_path):
 def test_weights_interleave_sources_and_walk_through_small_weights(tmp_path):
     """weight 2: every row twice per epoch (the repeat is `id@1`); weight 0.5: half per epoch, all in two epochs."""
     paths = write_corpus(tmp_path, [400, 300])
-    index = index_spec(StreamSpec(tuple(paths)), block_bytes=1024)
-    index.file_source, index.sources = [0, 1], [("a", 2.0), ("b", 0.5)]
+    index = stream_index_like_launcher(paths, tmp_path / "run", 1024, weights=[2.0, 0.5])
     layout = Layout(2, 2, 1, 1)
     assert make_loader(index, layout, 0).planned == 800 + 150
     halves = []
@@ -240,7 +239,7 @@ def test_order_is_a_real_shuffle(tmp_path):
     from dsrecipes.data.plan import StreamShuffle
 
     paths = write_corpus(tmp_path, [3000])
-    index = index_spec(StreamSpec(tuple(paths)), block_bytes=2048)
+    index = stream_index_like_launcher(paths, tmp_path / "run", 2048)
     out = rank_micro_batches(make_loader(index, Layout(1, 4, 1, 0), 0, buffer=64), 0)
     natural = [int(i.split(":")[1]) for b in out for i in b]
     new = abs(_spearman(natural))
@@ -410,7 +409,7 @@ def test_epochs_leave_no_open_files(tmp_path):
     import os
 
     paths = write_corpus(tmp_path, [40, 30, 20])
-    loader = make_loader(index_spec(StreamSpec(tuple(paths)), block_bytes=256), Layout(1, 2, 1, 0), 0)
+    loader = make_loader(stream_index_like_launcher(paths, tmp_path / "run", 256), Layout(1, 2, 1, 0), 0)
     loader.collate_fn = lambda rows: {"ids": [i for r in rows for i in r["ids"]]}
     before = len(os.listdir("/proc/self/fd"))
     for epoch in range(4):

@@ -98,12 +98,18 @@ class _Worker:
     limit: int = 0  # dataset.max_row_bytes
     sources: Sequence[SourceConfig] = ()
     tables: List[Any] = []
+    failed: Optional[BaseException] = None  # what building the encoder raised; the first chunk raises it
 
 
 def _init_worker(tokenizer: Any, cfg: TrainConfig, sources: Sequence[SourceConfig], parallel: bool) -> None:
     if parallel:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
-    _Worker.encoder = Encoder(tokenizer, cfg)
+    try:
+        _Worker.encoder = Encoder(tokenizer, cfg)  # renders probes: a hostile chat_template is refused here
+    except Exception as exc:  # noqa: BLE001 - a Pool whose initializer raises restarts its workers for ever
+        if not parallel:
+            raise
+        _Worker.failed = exc
     _Worker.limit = cfg.dataset.max_row_bytes
     _Worker.sources = sources
     _Worker.tables = [role_table(s) for s in sources]
@@ -121,6 +127,8 @@ def _encode_chunk(task: _Task) -> _Chunk:
 
 
 def _encode_rows(task: _Task) -> _Chunk:
+    if _Worker.failed is not None:  # back in the launching process through the task's result
+        raise _Worker.failed
     source, table = _Worker.sources[task.source], _Worker.tables[task.source]
     n = len(task.items)
     status = np.full(n, BAD, dtype=np.int8)

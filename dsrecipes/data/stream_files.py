@@ -23,7 +23,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from dsrecipes.data.remote import identity as remote_identity
 from dsrecipes.data.remote import is_url, open_bytes, pin, size_mtime
 from dsrecipes.data.stream_convert import CHUNK, convert, file_kind
 from dsrecipes.fileio import atomic_writer
@@ -110,19 +109,13 @@ class LineScanner:
 # Index files (cached by content hash)
 
 
-def index_files(cfg: Optional[Any], names: List[str], block_bytes: int,
+def index_files(cfg: Any, names: List[str], block_bytes: int,
                 tap: Optional[Callable[[str], Optional[Callable[[bytes], None]]]] = None) -> List[FileIndex]:
     """The FileIndex of each file, from the cache or built (one pass for hash + index of a plain JSONL file).
     `tap(name)` may give a feed that sees the bytes of a JSONL file read in place, in the same pass (the row
     pre-scan, scan_files.py)."""
     from dsrecipes.data.cache import cache_root, content_hashes
 
-    if cfg is None:  # no cache (a StreamSpec indexed on the spot): nothing is kept beyond this process
-        import tempfile
-
-        tmp = Path(tempfile.mkdtemp(prefix="dsrecipes-stream-"))
-        return [_index_one(name, remote_identity(name) if is_url(name) else f"local{i}", block_bytes, tmp, None,
-                           keep=False) for i, name in enumerate(names)]
     root = cache_root(cfg) / "stream"
     scanners: Dict[str, LineScanner] = {}
 
@@ -141,15 +134,15 @@ def index_files(cfg: Optional[Any], names: List[str], block_bytes: int,
 
 
 def _index_one(name: str, digest: str, block_bytes: int, root: Path, scanner: Optional[LineScanner],
-               keep: bool = True, tap: Optional[Callable[[str], Optional[Callable[[bytes], None]]]] = None) -> FileIndex:
+               tap: Optional[Callable[[str], Optional[Callable[[bytes], None]]]] = None) -> FileIndex:
     cached = root / f"{digest}-b{block_bytes}-v{INDEX_VERSION}.npz"
-    fi = _load(cached, name, digest) if keep else None
+    fi = _load(cached, name, digest)
     if fi is not None:
         return fi
     problem: Optional[Tuple[str, str]] = None
     read_path, loc_base = name, 0
     if file_kind(name) != "jsonl":
-        read_path, loc_base, scanner, problem = _converted(name, root / f"{digest}.jsonl", block_bytes, keep)
+        read_path, loc_base, scanner, problem = _converted(name, root / f"{digest}.jsonl", block_bytes)
     size, mtime_ns = size_mtime(read_path)
     if problem is None and (scanner is None or scanner.pos != size):
         feed = tap(name) if tap is not None and read_path == name else None
@@ -159,29 +152,27 @@ def _index_one(name: str, digest: str, block_bytes: int, root: Path, scanner: Op
         problem = ("empty_file", "no rows")
     etag = pin(read_path, digest) if is_url(read_path) else ""  # the version the reads are pinned to
     fi = FileIndex(name, read_path, loc_base, size, mtime_ns, digest, count, offsets, lines, firsts, problem, etag)
-    if keep:
-        _save(cached, fi)
+    _save(cached, fi)
     return fi
 
 
-def _converted(name: str, out: Path, block_bytes: int, keep: bool) -> Tuple[str, int, Any, Optional[Tuple[str, str]]]:
+def _converted(name: str, out: Path, block_bytes: int) -> Tuple[str, int, Any, Optional[Tuple[str, str]]]:
     """(read path, loc_base, scanner or None, problem) of a file needing conversion. A copy already in the cache
     (content-addressed, written atomically, described by `<hash>.convert.json`) is reused as it is: converting again
     would change its modification time under runs that read it."""
     meta_path = out.with_suffix(".convert.json")
     try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8")) if keep else None
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         meta = None
     if meta is not None and meta["problem"] is None and (meta["path"] == name or out.is_file()):
         problem = tuple(meta["problem"]) if meta["problem"] else None
         return name if meta["path"] == name else str(out), meta["loc_base"], None, problem
     read_path, loc_base, scanner, problem = convert(name, out, lambda: LineScanner(block_bytes))  # FileUnreadable
-    if keep:
-        from dsrecipes.fileio import atomic_write_json
+    from dsrecipes.fileio import atomic_write_json
 
-        path = name if read_path == name else "converted"
-        atomic_write_json(meta_path, {"path": path, "loc_base": loc_base, "problem": problem})
+    path = name if read_path == name else "converted"
+    atomic_write_json(meta_path, {"path": path, "loc_base": loc_base, "problem": problem})
     return read_path, loc_base, scanner, problem
 
 

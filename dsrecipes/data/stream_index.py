@@ -188,16 +188,6 @@ def _file_configs(cfg: Any, sources: Sequence[Any], file_source: Sequence[int]) 
     return [sources[s] if s >= 0 else val for s in file_source]
 
 
-def index_spec(spec: Any, block_bytes: Optional[int] = None) -> StreamIndex:
-    """A StreamIndex of a `sampler.StreamSpec` (files, optional limits), indexed now without a cache."""
-    paths = list(spec.paths)
-    block_bytes = block_bytes or auto_block_bytes(sum(size_mtime(p)[0] for p in paths))
-    files = index_files(None, paths, block_bytes)
-    limits = spec.limits or (None,) * len(paths)
-    caps = [fi.count if lim is None else min(lim, fi.count) for fi, lim in zip(files, limits)]
-    return StreamIndex(files, caps, [0] * len(paths), [("stream", 1.0)], block_bytes)
-
-
 def _whole_file_problems(files: Sequence[FileIndex], policy: str) -> None:
     """A file unusable as a whole stops the run under `bad_rows=error` (the scan quarantines it under `skip`)."""
     for fi in files:

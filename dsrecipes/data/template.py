@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
+from dsrecipes.chat_sandbox import TemplateRaised, TemplateRefused
+from dsrecipes.chat_sandbox import render as render_chat_template
 from dsrecipes.config.schema import TemplateConfig, TemplateKind, TrainOn
 from dsrecipes.data.badrows import BadReason, BadRow
 from dsrecipes.data.messages import (
@@ -178,10 +180,10 @@ def _tokenizer_template(conv: Conversation, cfg: TemplateConfig, tokenizer: Any)
     offset = len(messages) - len(conv.turns)  # the system message, if any
 
     def apply(msgs: List[Dict[str, Any]], generation: bool) -> str:
-        try:
-            return tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=generation)
-        except Exception as exc:  # jinja's TemplateError / raise_exception: this template refuses this row
-            raise BadRow(BadReason.template_error, " ".join(str(exc).split())) from None
+        try:  # in the sandbox: past a budget or reaching for internals is TemplateRefused, the whole run's message
+            return render_chat_template(tokenizer, msgs, tools=tools, add_generation_prompt=generation)
+        except TemplateRaised as exc:  # raise_exception, an undefined key: this template refuses this row
+            raise BadRow(BadReason.template_error, exc.detail) from None
 
     full = apply(messages, False)
     out: List[Piece] = []
@@ -267,4 +269,18 @@ def check_template(template_cfg: TemplateConfig, tokenizer: Any) -> List[str]:
         problems.append(f"template.name: {name.value} ends replies with the eos token, and this tokenizer has none")
     if name is TemplateKind.tokenizer and not getattr(tokenizer, "chat_template", None):
         problems.append("template.name: tokenizer, but this tokenizer has no chat_template; pick a built-in template")
+    elif name is TemplateKind.tokenizer:
+        problems += _probe_chat_template(tokenizer)
     return problems
+
+
+def _probe_chat_template(tokenizer: Any) -> List[str]:
+    """The model's template rendered once, in the sandbox, on a plain exchange: one that loops, grows without end or
+    reaches for Python internals is named here (also by `validate`), before any row is read."""
+    try:
+        render_chat_template(tokenizer, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])
+    except TemplateRaised:  # it declines this exchange: rows say what it accepts
+        return []
+    except TemplateRefused as exc:
+        return [f"template.name: tokenizer: {exc}"]
+    return []

@@ -17,7 +17,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, List, Optional
 
+from dsrecipes.chat_sandbox import TemplateRaised
+from dsrecipes.chat_sandbox import render as render_chat_template
 from dsrecipes.config.schema import TemplateConfig, TemplateKind, TrainOn
+from dsrecipes.data.badrows import BadRow
 from dsrecipes.data.messages import messages_for
 from dsrecipes.data.sharegpt import Conversation, Role, Turn
 from dsrecipes.data.template import REQUIRED_TOKENS, render
@@ -51,7 +54,7 @@ def template_warnings(cfg: TemplateConfig, tokenizer: Any) -> List[str]:
     try:
         ours = [_ours(p, cfg, tokenizer) for p in probes]
         theirs = [_theirs(p, tokenizer) for p in probes]
-    except Exception:  # a template that refuses the probe: nothing meaningful to compare
+    except (TemplateRaised, BadRow):  # a template that refuses the probe: nothing meaningful to compare
         return []
     if ours == theirs:
         return []
@@ -75,7 +78,7 @@ def _ours(conv: Conversation, cfg: TemplateConfig, tokenizer: Any) -> str:
 
 def _theirs(conv: Conversation, tokenizer: Any) -> str:
     messages, tools = messages_for(conv, tokenizer.chat_template)
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    return render_chat_template(tokenizer, messages, tools=tools)  # the sandbox: TemplateRefused past its budgets
 
 
 def _injected_default_system(probe: Conversation, cfg: TemplateConfig, tokenizer: Any, theirs: str) -> Optional[str]:

@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from dsrecipes.chat_sandbox import TemplateRefused
 from dsrecipes.config.schema import TrainConfig
 from dsrecipes.data.badrows import BadReason, BadRow
 from dsrecipes.data.labels import IGNORE_INDEX
@@ -125,7 +126,7 @@ class Encoder:
         raises belongs to this row."""
         try:
             return render(conv, self.template, self.tokenizer, self.train_on)
-        except BadRow:
+        except (BadRow, TemplateRefused):  # TemplateRefused: the model's template is hostile, not this row
             raise
         except RecursionError:
             raise BadRow(BadReason.too_deep, "nested too deep to render") from None

@@ -24,6 +24,7 @@ class FileTokenizer:
 
     def __init__(self, directory: Path):
         self._tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        self.name_or_path = str(directory)  # what a message about its chat template names
         config = {**_json(directory / "special_tokens_map.json"), **_json(directory / "tokenizer_config.json")}
         special = [_content(config.get(k)) for k in _SPECIAL_KEYS]
         special += [_content(t) for t in config.get("additional_special_tokens") or []]

@@ -21,7 +21,6 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES, DataKind, TrainConfig
 from dsrecipes.data.audit import AuditReport, audit_stream
 from dsrecipes.data.plan import Layout, require_steps, steps_per_epoch
-from dsrecipes.data.sampler import StreamSpec
 from dsrecipes.data.strategies.base import Batch, Row, TrainLoader
 from dsrecipes.data.strategies.eval import EvalLoader
 from dsrecipes.data.strategies.protocol import PrepareResult, RankData, rows_of_plan
@@ -38,18 +37,16 @@ MakeRows = Callable[[Sequence[Any]], List[Row]]
 
 
 class StreamTrainLoader(TrainLoader):
-    """A rank's loader over the block order of a stream (a StreamIndex, or a StreamSpec indexed on the spot)."""
+    """A rank's loader over the block order of a stream: the StreamIndex the launching process wrote (`open`)."""
 
     kind = "iterable"
 
-    def __init__(self, stream: StreamIndex | StreamSpec, layout: Layout, rank: int, *, seed: int, shuffle: bool,
+    def __init__(self, index: StreamIndex, layout: Layout, rank: int, *, seed: int, shuffle: bool,
                  shuffle_buffer: int, num_samples: Optional[int], make_rows: MakeRows,
                  collate_fn: Callable[[List[Row]], Batch], num_workers: int = 0, prefetch_factor: int = 2,
                  global_rank: Optional[int] = None, fingerprint: Optional[dict] = None,
                  max_row_bytes: int = DEFAULT_MAX_ROW_BYTES):
-        from dsrecipes.data.stream_index import index_spec
-
-        self.index = stream if isinstance(stream, StreamIndex) else index_spec(stream)
+        self.index = index
         self.table = self.index.table()
         self.total = self.table.epoch_length()
         self.num_samples = num_samples
