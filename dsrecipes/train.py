@@ -277,7 +277,8 @@ def finish(s: Session) -> None:
             ledger.close()
     s.metrics.close()
     heartbeat.stop()  # before the last barrier: ranks that finish first are not taken for dead
-    write_rank_steps(s.run_dir, s.rank, s.state.step, s.plan.total_steps)  # before it: all exist once one is past
+    write_rank_steps(s.run_dir, s.rank, s.state.step, s.plan.total_steps,  # before it: all exist once one is past
+                     ended_early=s.state.selection.get("stopped"))  # early stopping: fewer steps, still a success
     finish_distributed()
     if s.rank == 0 and s.cfg.trainer.export:
         from dsrecipes.disk_space import ExportOutOfSpace
