@@ -90,9 +90,9 @@ def load_cfg(data: Path, cache: Path, workers: int):
 
 
 def rendered_texts(cfg, tokenizer) -> List[str]:
-    from dsrecipes.data.badrows import BadRowReport
-    from dsrecipes.data.sharegpt import iter_conversations
-    from dsrecipes.data.template import render
+    from dsrecipes.data.render.template import render
+    from dsrecipes.data.sources.badrows import BadRowReport
+    from dsrecipes.data.sources.sharegpt import iter_conversations
 
     convs = iter_conversations(cfg.dataset, report=BadRowReport(cfg.dataset.bad_rows, 1.0))
     return ["".join(s.text for s in render(c, cfg.template, tokenizer, cfg.data.train_on)) for c in convs]
@@ -114,8 +114,8 @@ def time_ceiling(tokenizer, texts: List[str]) -> tuple[float, float]:
 
 
 def time_prepare(cfg, tokenizer, run_dir: Path, per_segment: bool) -> tuple[float, float, dict]:
-    from dsrecipes.data import tokenize
     from dsrecipes.data.prepare import prepare
+    from dsrecipes.data.render import tokenize
 
     shutil.rmtree(cfg.data.cache_dir, ignore_errors=True)
     init = tokenize.Encoder.__init__

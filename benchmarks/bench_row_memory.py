@@ -6,7 +6,7 @@
 Each measurement is a fresh `python -m dsrecipes ... launcher.dry_run=true` (map preparation: read, normalise,
 render, tokenize, write Arrow) on 16 small rows plus one row of SIZE MB of text, against the same command on the 16
 small rows alone, run alternately; the number reported is the median growth of the child's peak RSS. Rows up to
-`dataset.max_row_bytes` (default 16 MiB) are allowed and tokenized by their head (data/tokenize.py); a larger row is
+`dataset.max_row_bytes` (default 16 MiB) are allowed and tokenized by their head (data/render/tokenize.py); a larger row is
 a too_large bad row skipped without being held (run with `dataset.bad_rows=skip`). Target: growth within a small
 multiple (<= 8x) of the largest allowed row. Before issue 11 a 4 MB row grew the peak by ~0.5 GB and 16 MB by ~2.5 GB.
 """

@@ -103,7 +103,7 @@ def ds_cfg(cache: Path, prescan: bool):
 
 def ds_launch(proxy, tmp: Path, prescan: bool) -> dict:
     """(cold, warm) bytes and seconds of the launching process: prepare_stream (index, optional pre-scan)."""
-    from dsrecipes.data.scan import prepare_stream
+    from dsrecipes.data.stream.scan import prepare_stream
 
     cache, out = Path(tempfile.mkdtemp(dir=tmp)), {}
     for phase in ("cold", "warm"):
@@ -111,7 +111,7 @@ def ds_launch(proxy, tmp: Path, prescan: bool) -> dict:
         b0, t0 = proxy.body_bytes, time.perf_counter()
         prepare_stream(ds_cfg(cache, prescan), run)
         out[phase] = (proxy.body_bytes - b0, time.perf_counter() - t0)
-    from dsrecipes.data.stream_index import read_stream_index
+    from dsrecipes.data.stream.index import read_stream_index
 
     return {"launch": out, "index": read_stream_index(run)}
 
@@ -119,7 +119,7 @@ def ds_launch(proxy, tmp: Path, prescan: bool) -> dict:
 def ds_readers(index, readers: int, proxy) -> dict:
     from dsrecipes.data.plan import Layout
     from dsrecipes.data.strategies.iterable import StreamTrainLoader
-    from dsrecipes.data.stream_index import BlockSource
+    from dsrecipes.data.stream.index import BlockSource
 
     layout = Layout(readers, MBS, 1, 0)
     b0, first, rates = proxy.body_bytes, None, []
@@ -227,7 +227,7 @@ def main() -> None:
     os.environ.update(env, S3_ENDPOINT_URL=proxy.endpoint, TOKENIZERS_PARALLELISM="false")
     tmp = Path(tempfile.mkdtemp(prefix="dsrecipes-bench-store-"))
     try:
-        from dsrecipes.data.remote import s3
+        from dsrecipes.data.sources.remote import s3
 
         fs = s3()
         fs.mkdir("s3://bench")

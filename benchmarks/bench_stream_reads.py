@@ -7,7 +7,7 @@ Writes a multi-file JSONL corpus (uneven files, lines of 0.2-2.5 KB from the bun
 readers (R/W ranks x W DataLoader workers; R=1: one rank, no workers) over one epoch without training: every reader
 runs the loader's own reading code and counts the bytes it reads.
 
-  new: `StreamTrainLoader.reader` (block order, own stretch; stream_reader.py) over a `BlockSource` counting bytes;
+  new: `StreamTrainLoader.reader` (block order, own stretch; stream/reader.py) over a `BlockSource` counting bytes;
   old: `sampler.select_slots` over every line of every file (the pre-issue-13 iterable reader; still the presharded
        reader); every old reader reads the whole stream by construction, so for R > --old-full only --old-sample
        readers are run and the total is R x their mean (stated in the output).
@@ -76,7 +76,7 @@ def layout_for(readers: int, workers: int) -> Layout:
 
 def index_times(paths: list) -> tuple:
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.data.stream_index import build_stream_index
+    from dsrecipes.data.stream.index import build_stream_index
 
     cache = tempfile.mkdtemp(prefix="dsrecipes-bench-cache-")
     cfg = compose_and_load(["data=iterable", f"dataset.paths=[{','.join(paths)}]", f"data.cache_dir={cache}",
@@ -91,7 +91,7 @@ def index_times(paths: list) -> tuple:
 
 def run_new(index, layout: Layout) -> dict:
     from dsrecipes.data.strategies.iterable import StreamTrainLoader
-    from dsrecipes.data.stream_index import BlockSource
+    from dsrecipes.data.stream.index import BlockSource
 
     stats = []
     for rank in range(layout.world_size):
@@ -141,8 +141,8 @@ def summarize(stats: list, readers: int) -> dict:
 def order_quality(index, counts: list, layout: Layout) -> dict:
     """Both orders from their plans (no reading): regions per global batch, file order kept (|Spearman|)."""
     from dsrecipes.data.audit import _sample_numbers, block_reads
-    from dsrecipes.data.stream_plan import epoch_visits
-    from dsrecipes.data.stream_segments import LocalShuffle, epoch_segment
+    from dsrecipes.data.stream.order import epoch_visits
+    from dsrecipes.data.stream.segments import LocalShuffle, epoch_segment
 
     table, total = index.table(), sum(counts)
     sh = LocalShuffle(0, 0, 1024, True)

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from dsrecipes.data.labels import IGNORE_INDEX
+from dsrecipes.data.render.labels import IGNORE_INDEX
 from dsrecipes.prompt_eval import normalize
 
 

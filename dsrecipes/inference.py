@@ -9,7 +9,7 @@ Before transformers reads a directory, `check_loadable` refuses an export this u
 with --trust-checkpoint), a damaged one, and any directory that needs its own code (auto_map); `*.bin` weights are
 read weights_only. The prompt is rendered, in a sandbox with a time and output budget (chat_sandbox.py), by the
 chat template of the fine-tuned export, which is the training template (serving.py); tokens are produced the way training produced them (prompt as one text, a reply continuing it without
-a SentencePiece start marker, data/spm.py), and generation stops at the export's end-of-turn tokens.
+a SentencePiece start marker, data/render/spm.py), and generation stops at the export's end-of-turn tokens.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class ChatModel:
     def __init__(self, where: ModelPath, chat_template: Optional[str] = None, stop_ids: Optional[List[int]] = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from dsrecipes.data.spm import continuation_encoder
+        from dsrecipes.data.render.spm import continuation_encoder
 
         self.where = where
         with no_custom_code("model", str(where.path)):

@@ -46,8 +46,8 @@ def check_data_names(cfg: TrainConfig) -> List[str]:
     """What a run would refuse about the data a config names, found without reading a row: `dataset.use` entries
     missing from `dataset.registry` (or a registry entry it cannot read), a validation file that is also a
     training file (its rows would be evaluated after being trained on)."""
-    from dsrecipes.data.files import expand_paths
-    from dsrecipes.data.registry import resolve_sources, validation_files
+    from dsrecipes.data.sources.files import expand_paths
+    from dsrecipes.data.sources.registry import resolve_sources, validation_files
     from dsrecipes.data.strategies.rules import reads_sources
 
     if not reads_sources(cfg):  # presharded reads the shards' manifest, not the dataset's sources
@@ -62,11 +62,11 @@ def check_data_names(cfg: TrainConfig) -> List[str]:
 
 
 def check_template_tokens(cfg: TrainConfig) -> List[str]:
-    """The template rules a run applies to its loaded tokenizer (data/template.py `check_template`, after `auto` is
+    """The template rules a run applies to its loaded tokenizer (data/render/template.py `check_template`, after `auto` is
     decided as the run decides it), applied to the tokenizer's files: no transformers, no torch (`validate`)."""
-    from dsrecipes.data.template import check_template
-    from dsrecipes.data.template_choice import choose_template
-    from dsrecipes.data.tokenizer_files import open_tokenizer
+    from dsrecipes.data.render.template import check_template
+    from dsrecipes.data.render.template_choice import choose_template
+    from dsrecipes.data.render.tokenizer_files import open_tokenizer
     from dsrecipes.hub import is_hub_id
     from dsrecipes.paths import TINY_TOKENIZER_DIR
 

@@ -2,7 +2,7 @@
 
 - derived defaults: the model's learning rate and name, absolute data paths (config/defaults.py);
 - hub ids in `model.path` / `model.tokenizer_path` -> local snapshot directories (hub.py);
-- `template=auto` -> the concrete template for this tokenizer (data/template_choice.py);
+- `template=auto` -> the concrete template for this tokenizer (data/render/template_choice.py);
 - bf16 on a GPU without it (pre-Ampere) -> fp16, said on the console (large-model presets default to bf16;
   DeepSpeed's CPU accelerator supports bf16, so CPU runs keep it);
 - warnings about legal but probably unintended choices: a high learning rate on a pretrained model
@@ -25,7 +25,7 @@ from dsrecipes.hub import resolve_hub_paths
 
 def resolve_model_choices(cfg: TrainConfig) -> Tuple[TrainConfig, List[str]]:
     """(config with local model paths and a concrete template, warnings)."""
-    from dsrecipes.data.template_choice import choose_template, template_warnings
+    from dsrecipes.data.render.template_choice import choose_template, template_warnings
 
     cfg = resolve_hub_paths(with_derived_defaults(cfg))  # the name comes from a hub id before it becomes a path
     warnings = config_warnings(cfg)

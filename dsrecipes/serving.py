@@ -2,7 +2,7 @@
 
 Every export (full, merged LoRA, adapter-only LoRA, and the tiny model's `export_init/` baseline) goes through
 `make_servable` before it is saved:
-- the tokenizer's `chat_template` becomes the Jinja rendering of the run's template (data/jinja.py), so any server
+- the tokenizer's `chat_template` becomes the Jinja rendering of the run's template (data/render/jinja.py), so any server
   that calls `apply_chat_template` prompts the model exactly as it was trained;
 - `generation_config.eos_token_id` lists the template's end-of-turn token (`<|im_end|>`, `<|eot_id|>`, `</s>`, the
   tokenizer's eos for plain/human_assistant, whatever the model's own template closes a reply with) and the eos
@@ -20,9 +20,9 @@ from typing import Any, Dict, List
 
 from dsrecipes.config.load import config_to_dict
 from dsrecipes.config.schema import TemplateConfig, TrainConfig, TrainOn
-from dsrecipes.data.sharegpt import Conversation, Role, Turn
-from dsrecipes.data.template import render
-from dsrecipes.data.template_choice import choose_template
+from dsrecipes.data.render.template import render
+from dsrecipes.data.render.template_choice import choose_template
+from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
 from dsrecipes.decoding import settle_decoding
 
 _REPLY = "DSRECIPESREPLY"
@@ -49,7 +49,7 @@ def end_of_turn_ids(template: TemplateConfig, tokenizer: Any) -> List[int]:
 def make_servable(model: Any, tokenizer: Any, cfg: TrainConfig) -> Dict[str, Any]:
     """Set chat template, stop tokens and use_cache on `model` / `tokenizer` (a PeftModel's base too); returns the
     facts for dsrecipes_export.json."""
-    from dsrecipes.data.jinja import chat_template
+    from dsrecipes.data.render.jinja import chat_template
 
     template = run_template(cfg, tokenizer)
     tokenizer.chat_template = chat_template(template, tokenizer)

@@ -36,7 +36,7 @@ SPECIAL_TOKENS = [
     "</s>",
 ]
 
-# ChatML, matching dsrecipes.data.template's `chatml` renderer (tools go into the system turn as "Tools: <json>").
+# ChatML, matching dsrecipes.data.render.template's `chatml` renderer (tools go into the system turn as "Tools: <json>").
 CHAT_TEMPLATE = (
     "{%- set ns = namespace(system=none) -%}"
     "{%- if messages and messages[0]['role'] == 'system' -%}"

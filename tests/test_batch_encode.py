@@ -1,4 +1,4 @@
-"""The parallel read -> check -> tokenize pipeline (data/batch_encode.py) against a plain sequential read.
+"""The parallel read -> check -> tokenize pipeline (data/render/batch_encode.py) against a plain sequential read.
 
 Workers parse and check the rows and the launching process applies caps and the bad-row policy chunk by chunk; with
 tiny chunks, caps falling mid-chunk, bad rows on both sides of chunk borders and a missing pattern, the result must
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from dsrecipes.config.schema import BadRows, DatasetConfig, SourceConfig, TemplateConfig, TemplateKind, TrainConfig
-from dsrecipes.data import batch_encode
-from dsrecipes.data.badrows import BadRowReport
-from dsrecipes.data.sharegpt import iter_conversations
-from dsrecipes.data.tokenize import Encoder
+from dsrecipes.data.render import batch_encode
+from dsrecipes.data.render.tokenize import Encoder
+from dsrecipes.data.sources.badrows import BadRowReport
+from dsrecipes.data.sources.sharegpt import iter_conversations
 from dsrecipes.errors import DataError
 from dsrecipes.paths import SAMPLE_DATA_DIR, TINY_TOKENIZER_DIR
 
@@ -163,7 +163,7 @@ def test_malformed_catalogue_through_workers_equals_the_bounded_sequential_read(
 def test_a_broken_file_is_refused_in_its_place(tok, tmp_path, monkeypatch, policy, name):
     """FileUnreadable under both policies, after the rows before it (rows.jsonl's first bad row wins under error)."""
     monkeypatch.setattr(batch_encode, "CHUNK", 16)
-    from dsrecipes.data.files import FileUnreadable
+    from dsrecipes.data.sources.files import FileUnreadable
 
     for first in ([name], ["rows.jsonl", name]):
         cfg = catalogue_config(tmp_path, policy, 2, *first)

@@ -1,6 +1,6 @@
 """The exported chat template is the training template: for every template option, a tokenizer saved with
-data/jinja.py's source renders (through stock `apply_chat_template`, after a save/load round trip) byte for byte what
-data/template.py trains on, and the generation prompt the model was trained to answer after."""
+data/render/jinja.py's source renders (through stock `apply_chat_template`, after a save/load round trip) byte for byte what
+data/render/template.py trains on, and the generation prompt the model was trained to answer after."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import List
 import pytest
 
 from dsrecipes.config.schema import TemplateConfig, TemplateKind, TrainOn
-from dsrecipes.data.jinja import chat_template, lit
-from dsrecipes.data.messages import messages_for
-from dsrecipes.data.sharegpt import Conversation, Role, Turn
-from dsrecipes.data.template import generation_prompt, render
+from dsrecipes.data.render.jinja import chat_template, lit
+from dsrecipes.data.render.template import generation_prompt, render
+from dsrecipes.data.sources.messages import messages_for
+from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
 
 NASTY = "He said \"hi\" & 'bye' \\ {{ x }} {% y %} #}\n\r\t 中文 😀 \\n"
 TOOLS = json.dumps([{"name": "get_weather", "description": "天气 lookup",
@@ -124,7 +124,7 @@ def test_real_sharegpt_rows_render_identically(tok, tmp_path, glaive):
     import gzip
 
     from dsrecipes.config.schema import SourceConfig
-    from dsrecipes.data.sharegpt import normalize_row
+    from dsrecipes.data.sources.sharegpt import normalize_row
 
     rows = []
     for name in ("glaive_toolcall_en_demo.json.gz", "glaive_toolcall_zh_demo.json.gz"):

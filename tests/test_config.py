@@ -146,7 +146,7 @@ def test_files_must_exist():
 
 def test_a_directory_named_as_data_says_so(tmp_path):
     """A directory is not a data file (it may hold anything): validate and the stream both say to name its files."""
-    from dsrecipes.data.files import no_file
+    from dsrecipes.data.sources.files import no_file
 
     (tmp_path / "a.jsonl").write_text("{}\n")
     (msg,) = _problems(f"dataset.paths=[{tmp_path}]", check_files=True)

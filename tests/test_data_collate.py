@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from dsrecipes.data.labels import IGNORE_INDEX
-from dsrecipes.data.packing import pack
-from dsrecipes.data.tokenize import Example
+from dsrecipes.data.render.labels import IGNORE_INDEX
+from dsrecipes.data.render.packing import pack
+from dsrecipes.data.render.tokenize import Example
 from dsrecipes.objectives.sft import collate
 
 PAD = 0

@@ -1,5 +1,5 @@
-"""Reading rows with bounded memory (data/files.py, data/jsonscan.py), one read per real file, the cache key's file
-hashes, and the encoder's per-row failures and long-text heads (data/tokenize.py)."""
+"""Reading rows with bounded memory (data/sources/files.py, data/sources/jsonscan.py), one read per real file, the cache key's file
+hashes, and the encoder's per-row failures and long-text heads (data/render/tokenize.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from dsrecipes.data import files, jsonscan
-from dsrecipes.data.badrows import BadReason
-from dsrecipes.data.files import parse_row, read_rows
+from dsrecipes.data.sources import files, jsonscan
+from dsrecipes.data.sources.badrows import BadReason
+from dsrecipes.data.sources.files import parse_row, read_rows
 from tests.conftest import subprocess_env
 
 GOOD = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
@@ -89,7 +89,7 @@ def test_tool_call_arguments_that_python_cannot_parse_stay_text():
     """A tool call's `arguments` string is parsed for the template; a 5000-digit number or deep nesting in it
     (valid JSON, but ValueError/RecursionError in Python) keeps it as text instead of escaping the row checks."""
     from dsrecipes.config.schema import ColumnsConfig, DatasetFormat, SourceConfig
-    from dsrecipes.data.sharegpt import conversation_of, role_table
+    from dsrecipes.data.sources.sharegpt import conversation_of, role_table
 
     src = SourceConfig(name="s", format=DatasetFormat.openai,
                        columns=ColumnsConfig(messages="messages", role="role", content="content"))
@@ -154,8 +154,8 @@ def test_a_text_the_tokenizer_refuses_is_one_bad_row(tok, full_text):
     """Both tokenization paths: a refused one-text batch is retried conversation by conversation, the refused
     conversation goes per segment, where the refused text is found; the rest of the batch is encoded."""
     from dsrecipes.config.schema import TrainConfig
-    from dsrecipes.data.sharegpt import Conversation, Role, Turn
-    from dsrecipes.data.tokenize import Encoder
+    from dsrecipes.data.render.tokenize import Encoder
+    from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
 
     def poison(real):
         def encode(texts, **kw):
@@ -191,8 +191,8 @@ def test_long_texts_give_exactly_the_head_full_tokenization_gives(tok, cutoff):
     import random
 
     from dsrecipes.config.schema import TrainConfig
-    from dsrecipes.data.sharegpt import Conversation, Role, Turn
-    from dsrecipes.data.tokenize import Encoder
+    from dsrecipes.data.render.tokenize import Encoder
+    from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
 
     rng = random.Random(0)
     words = ["lorem", "ipsum", "法国", "的", "  ", "\n", "123", "!!", "ü", "😀", "a" * 30]
@@ -215,10 +215,10 @@ def test_a_16mb_row_costs_a_small_multiple_of_its_size():
 import resource, sys
 from transformers import AutoTokenizer
 from dsrecipes.config.schema import TrainConfig
-from dsrecipes.data.files import parse_row
-from dsrecipes.data.sharegpt import conversation_of, role_table
+from dsrecipes.data.sources.files import parse_row
+from dsrecipes.data.sources.sharegpt import conversation_of, role_table
 from dsrecipes.config.schema import SourceConfig
-from dsrecipes.data.tokenize import Encoder
+from dsrecipes.data.render.tokenize import Encoder
 from dsrecipes.paths import TINY_TOKENIZER_DIR
 enc = Encoder(AutoTokenizer.from_pretrained(str(TINY_TOKENIZER_DIR)), TrainConfig())
 enc.encode_texts(["warm up"])

@@ -64,7 +64,7 @@ def read_through(strategy: str, cfg, tmp_path: Path) -> dict:
         return {"rows": stats["rows_read"], "good": stats["rows_kept"], "bad": stats["skipped"],
                 "by_file": stats["skipped_by_file"]}
     if strategy == "iterable":
-        from dsrecipes.data.scan import scan_stream
+        from dsrecipes.data.stream.scan import scan_stream
 
         counts = scan_stream(cfg, run)
         entries = [json.loads(x) for x in (run / "quarantine.jsonl").read_text().splitlines()] if counts["skipped"] else []
@@ -89,7 +89,7 @@ def runtime_rows(cfg, tmp_path: Path, strategy: str):
 
     if strategy == "iterable":
         from dsrecipes.data.strategies.iterable import row_encoder
-        from dsrecipes.data.stream_index import BlockSource, build_stream_index
+        from dsrecipes.data.stream.index import BlockSource, build_stream_index
 
         index = build_stream_index(cfg)
         source = BlockSource(index, cfg.dataset.max_row_bytes)

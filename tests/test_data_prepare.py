@@ -160,9 +160,9 @@ def test_packing_rows_and_efficiency(cfg_for, tok, tmp_path):
 @pytest.mark.parametrize("packing", [False, True])
 def test_every_row_holds_its_samples_tokens(cfg_for, tok, tmp_path, packing):
     """Rows (train and validation, packed or not) are exactly the Encoder's samples, by id, in row order."""
-    from dsrecipes.data.badrows import BadRowReport
-    from dsrecipes.data.sharegpt import iter_conversations
-    from dsrecipes.data.tokenize import Encoder
+    from dsrecipes.data.render.tokenize import Encoder
+    from dsrecipes.data.sources.badrows import BadRowReport
+    from dsrecipes.data.sources.sharegpt import iter_conversations
 
     cfg = cfg_for(**{"data.packing": packing, "data.cutoff_len": 256})
     prep = prepare(cfg, tok, tmp_path / "run")

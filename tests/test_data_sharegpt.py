@@ -1,4 +1,4 @@
-"""Reading sources, normalisation, sample ids, the bad-row policy and registries (dsrecipes.data.sharegpt/registry)."""
+"""Reading sources, normalisation, sample ids, the bad-row policy and registries (dsrecipes.data.sources.sharegpt/registry)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from dsrecipes.config.schema import BadRows, ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
-from dsrecipes.data.badrows import BadReason, BadRow, BadRowReport
-from dsrecipes.data.files import read_rows
-from dsrecipes.data.registry import load_registry, resolve_sources
-from dsrecipes.data.sharegpt import Role, iter_conversations, iter_source, normalize_row
+from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
+from dsrecipes.data.sources.files import read_rows
+from dsrecipes.data.sources.registry import load_registry, resolve_sources
+from dsrecipes.data.sources.sharegpt import Role, iter_conversations, iter_source, normalize_row
 from dsrecipes.errors import ConfigError, DataError
 
 FIX = Path(__file__).parent / "fixtures" / "data"
@@ -148,7 +148,7 @@ def test_llamafactory_registry():
     with pytest.raises(ConfigError, match="remote: only local `file_name` entries are supported"):
         load_registry(str(FIX / "dataset_info.json"))
     info = json.loads((FIX / "dataset_info.json").read_text())
-    from dsrecipes.data import registry as reg
+    from dsrecipes.data.sources import registry as reg
 
     sharegpt = reg._llamafactory_entry("toy_sharegpt", info["toy_sharegpt"], str(FIX))
     convs, report = read_all(sharegpt)

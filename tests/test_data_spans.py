@@ -1,4 +1,4 @@
-"""One-text tokenization (data/spans.py) against per-segment tokenization, and its border rules.
+"""One-text tokenization (data/render/spans.py) against per-segment tokenization, and its border rules.
 
 The tiny tokenizer has no merge across the borders our templates produce, so there the two must agree token for
 token. A BPE tokenizer trained here (with "\\n\\n" and " word" merges) makes the borders bite: a token straddling a
@@ -12,9 +12,9 @@ from typing import List
 import pytest
 
 from dsrecipes.config.schema import TemplateKind, TrainOn
-from dsrecipes.data.sharegpt import Conversation, Role, Turn
-from dsrecipes.data.template import render
-from dsrecipes.data.tokenize import IGNORE_INDEX, Encoder, Example
+from dsrecipes.data.render.template import render
+from dsrecipes.data.render.tokenize import IGNORE_INDEX, Encoder, Example
+from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
 from tests.test_data_template import make_cfg, sample_convs
 
 EDGES = ["\nHello", "\n\nHello", " Hello", "  Hello", "Hello ", "Hello\n", "Hello\n\n", "'s fine", "法国", " 法国",
@@ -49,7 +49,7 @@ def merging_tok(request):
     if request.param == "offsets":
         raw.normalizer = normalizers.NFC()
     out = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>")
-    from dsrecipes.data.spans import FullText
+    from dsrecipes.data.render.spans import FullText
 
     assert (FullText(out.backend_tokenizer)._byte_len is None) == (request.param == "offsets")
     return out
@@ -147,7 +147,7 @@ def test_a_conversation_longer_than_the_long_text_threshold_is_never_one_text(to
     `long_text` characters nor a conversation longer than ONE_TEXT_SEGMENTS of them (thousands of short turns, or one
     huge turn); those go per segment (long texts by their head), with the result per-segment tokenization gives. A
     chat of many turns in between (past cutoff_len, as real chats often are) keeps the fast path."""
-    from dsrecipes.data.tokenize import ONE_TEXT_SEGMENTS
+    from dsrecipes.data.render.tokenize import ONE_TEXT_SEGMENTS
 
     cfg = make_cfg(TemplateKind.chatml, TrainOn.assistant, cutoff_len=16)
     fast, slow = Encoder(tok, cfg), Encoder(tok, cfg, full_text=False)

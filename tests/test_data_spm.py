@@ -1,14 +1,14 @@
 """SentencePiece-style ("▁") tokenizers, built here with the `tokenizers` library (no download): segment-wise
-encoding must not put a spurious space at the start of every reply or prompt (data/spm.py)."""
+encoding must not put a spurious space at the start of every reply or prompt (data/render/spm.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from dsrecipes.data.sharegpt import Conversation, Role, Turn
-from dsrecipes.data.spm import continuation_encoder
-from dsrecipes.data.template import VICUNA_SYSTEM
-from dsrecipes.data.tokenize import IGNORE_INDEX, Encoder
+from dsrecipes.data.render.spm import continuation_encoder
+from dsrecipes.data.render.template import VICUNA_SYSTEM
+from dsrecipes.data.render.tokenize import IGNORE_INDEX, Encoder
+from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
 
 CORPUS = ["Hello world, how are you? I am fine, thank you.", "USER: ASSISTANT: ### User:\n\nHuman: Assistant:",
           VICUNA_SYSTEM] * 20

@@ -10,11 +10,11 @@ from typing import List
 import pytest
 
 from dsrecipes.config.schema import BadRows, SourceConfig, TemplateConfig, TemplateKind, TrainConfig, TrainOn
-from dsrecipes.data.badrows import BadRowReport
-from dsrecipes.data.labels import IGNORE_INDEX
-from dsrecipes.data.sharegpt import Conversation, Role, Turn, iter_source
-from dsrecipes.data.template import generation_prompt, render
-from dsrecipes.data.tokenize import Encoder
+from dsrecipes.data.render.labels import IGNORE_INDEX
+from dsrecipes.data.render.template import generation_prompt, render
+from dsrecipes.data.render.tokenize import Encoder
+from dsrecipes.data.sources.badrows import BadRowReport
+from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn, iter_source
 from dsrecipes.errors import ConfigError
 from dsrecipes.paths import SAMPLE_DATA_DIR, TINY_TOKENIZER_DIR
 
@@ -172,7 +172,7 @@ def test_a_conversation_opening_with_the_assistant_is_trained_under_every_templa
 
 def test_a_template_that_refuses_an_opening_reply_names_its_reason(tok):
     """Templates that insist on user/assistant alternation (Llama-2, Mistral) make such rows bad, in their words."""
-    from dsrecipes.data.badrows import BadReason, BadRow
+    from dsrecipes.data.sources.badrows import BadReason, BadRow
 
     strict = tok.__class__.from_pretrained(str(TINY_TOKENIZER_DIR))
     strict.chat_template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"

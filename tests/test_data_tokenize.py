@@ -1,4 +1,4 @@
-"""Truncation policy, packing (best-fit-decreasing) and the streaming encode path (dsrecipes.data.tokenize)."""
+"""Truncation policy, packing (best-fit-decreasing) and the streaming encode path (dsrecipes.data.render.tokenize)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import random
 import pytest
 
 from dsrecipes.config.schema import TemplateConfig, TemplateKind, TrainConfig, TrainOn
-from dsrecipes.data.badrows import BadReason, BadRow
-from dsrecipes.data.labels import IGNORE_INDEX
-from dsrecipes.data.packing import pack, pack_plan, packing_efficiency
-from dsrecipes.data.sharegpt import Conversation, Role, Turn
-from dsrecipes.data.tokenize import Encoder, Example
+from dsrecipes.data.render.labels import IGNORE_INDEX
+from dsrecipes.data.render.packing import pack, pack_plan, packing_efficiency
+from dsrecipes.data.render.tokenize import Encoder, Example
+from dsrecipes.data.sources.badrows import BadReason, BadRow
+from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
 from dsrecipes.paths import TINY_TOKENIZER_DIR
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dsrecipes.data.scan import scan_stream
+from dsrecipes.data.stream.scan import scan_stream
 from dsrecipes.errors import DataError
 from tests.conftest import subprocess_env
 

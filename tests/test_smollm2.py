@@ -46,7 +46,7 @@ def raw_rows(path: Path) -> List[dict]:
 def conversations() -> List:
     """All 600 bundled Glaive rows (300 English, 300 Chinese)."""
     from dsrecipes.config.schema import SourceConfig
-    from dsrecipes.data.sharegpt import normalize_row
+    from dsrecipes.data.sources.sharegpt import normalize_row
 
     return [normalize_row(r, f"{f.name}:{i}", SourceConfig(name=f.name)) for f in GLAIVE
             for i, r in enumerate(raw_rows(f))]
@@ -77,8 +77,8 @@ def test_masks_equal_apply_chat_template_token_for_token(tok, smollm2_dir, make_
     """Every real row (the 600 bundled Glaive rows): our ids are the tokenizer's own rendering
     and tokenization, and exactly the assistant replies (+ <|im_end|>) are trained. Intended difference: the
     template's newline after the final <|im_end|> is not kept (nothing is trained after the last reply)."""
-    from dsrecipes.data.messages import messages_for
-    from dsrecipes.data.tokenize import IGNORE_INDEX, Encoder
+    from dsrecipes.data.render.tokenize import IGNORE_INDEX, Encoder
+    from dsrecipes.data.sources.messages import messages_for
 
     encoder = Encoder(tok, make_cfg(f"model.path={smollm2_dir}", "data.cutoff_len=100000"))
     assert encoder.template.name.value == "tokenizer"  # template=auto on a model with its own chat template
@@ -137,7 +137,7 @@ def test_estimate_names_the_real_model(smollm2_dir, capsys):
 def workspace(tmp_path_factory, tok) -> Path:
     """A work directory with `short.json`: the first 48 English and 16 Chinese Glaive rows (unchanged) whose
     SmolLM2 rendering is at most 256 tokens, so a short cutoff trains complete conversations."""
-    from dsrecipes.data.messages import messages_for
+    from dsrecipes.data.sources.messages import messages_for
 
     def length(conv) -> int:
         messages, tools = messages_for(conv, tok.chat_template)
@@ -173,9 +173,9 @@ def recompute_step0(workspace: Path, run: Path, smollm2_dir: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dsrecipes.config.schema import BadRows, SourceConfig
-    from dsrecipes.data.badrows import BadRowReport
-    from dsrecipes.data.messages import messages_for
-    from dsrecipes.data.sharegpt import iter_source
+    from dsrecipes.data.sources.badrows import BadRowReport
+    from dsrecipes.data.sources.messages import messages_for
+    from dsrecipes.data.sources.sharegpt import iter_source
     from dsrecipes.evaluation import read_eval_ledger
 
     scored = read_eval_ledger(run / "ledger" / "eval_rank0.jsonl")[0]
@@ -296,8 +296,8 @@ def test_eos_terminated_templates_use_the_tokenizers_eos_and_header_templates_st
     """vicuna's "</s>" is the model's eos: on SmolLM2 (no literal "</s>" token) replies end with <|im_end|>; llama3,
     whose special tokens are the format itself, keeps refusing with the clear message."""
     from dsrecipes.config.schema import TemplateConfig, TemplateKind, TrainOn
-    from dsrecipes.data.sharegpt import Conversation, Role, Turn
-    from dsrecipes.data.template import check_template, render
+    from dsrecipes.data.render.template import check_template, render
+    from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
 
     assert check_template(TemplateConfig(name=TemplateKind.vicuna), tok) == []
     conv = Conversation("c", [Turn(Role.user, "Hi"), Turn(Role.assistant, "Hello!")])
@@ -315,11 +315,11 @@ def test_vicuna_trains_exports_and_serves_with_the_training_rendering(workspace,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dsrecipes.config.schema import BadRows, SourceConfig, TemplateConfig, TemplateKind, TrainOn
-    from dsrecipes.data.badrows import BadRowReport
-    from dsrecipes.data.messages import messages_for
     from dsrecipes.data.prepare import _open
-    from dsrecipes.data.sharegpt import iter_source
-    from dsrecipes.data.template import render
+    from dsrecipes.data.render.template import render
+    from dsrecipes.data.sources.badrows import BadRowReport
+    from dsrecipes.data.sources.messages import messages_for
+    from dsrecipes.data.sources.sharegpt import iter_source
 
     run = train(workspace, "vicuna", smollm2_dir, "template=vicuna", "trainer.max_steps=2", "dataset.val_size=0")
     stats = json.loads((run / "prepare_stats.json").read_text())

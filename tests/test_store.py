@@ -24,7 +24,7 @@ def lines(n: int, start: int = 0) -> list[str]:
 @pytest.fixture(scope="module")
 def bucket(s3_server):
     """s3://dsr-data: two JSONL files, a gzipped JSONL, a JSON array."""
-    from dsrecipes.data.remote import s3
+    from dsrecipes.data.sources.remote import s3
 
     fs = s3()
     fs.mkdir("s3://dsr-data")
@@ -37,7 +37,7 @@ def bucket(s3_server):
 
 
 def test_globs_list_sorted_objects_and_unknown_buckets_say_so(bucket):
-    from dsrecipes.data.files import expand_paths
+    from dsrecipes.data.sources.files import expand_paths
 
     files, missing = expand_paths(["s3://dsr-data/chat/*.jsonl", "s3://dsr-data/more/*", "s3://dsr-data/none/*.jsonl"])
     assert files == ["s3://dsr-data/chat/a.jsonl", "s3://dsr-data/chat/b.jsonl", "s3://dsr-data/more/c.jsonl.gz",
@@ -52,7 +52,7 @@ def test_globs_list_sorted_objects_and_unknown_buckets_say_so(bucket):
 
 
 def test_rows_of_every_format_read_from_the_store_as_from_local_files(bucket, tmp_path):
-    from dsrecipes.data.files import read_rows
+    from dsrecipes.data.sources.files import read_rows
 
     fs = bucket
     for url in ("s3://dsr-data/chat/a.jsonl", "s3://dsr-data/more/c.jsonl.gz", "s3://dsr-data/more/d.json"):
@@ -64,7 +64,7 @@ def test_rows_of_every_format_read_from_the_store_as_from_local_files(bucket, tm
 
 
 def test_identity_is_the_etag_and_a_replaced_object_is_refused(bucket):
-    from dsrecipes.data.remote import ObjectChanged, RangeReader, identity
+    from dsrecipes.data.sources.remote import ObjectChanged, RangeReader, identity
 
     fs = bucket
     url = "s3://dsr-data/swap/x.jsonl"
@@ -82,8 +82,8 @@ def test_identity_is_the_etag_and_a_replaced_object_is_refused(bucket):
 
 
 def test_ranks_refuse_an_object_replaced_after_the_launch_indexed_it(make_cfg, bucket, tmp_path):
-    from dsrecipes.data.remote import ObjectChanged
-    from dsrecipes.data.stream_index import BlockSource, index_stream
+    from dsrecipes.data.sources.remote import ObjectChanged
+    from dsrecipes.data.stream.index import BlockSource, index_stream
 
     url = "s3://dsr-data/swap/y.jsonl"
     bucket.pipe(url, ("\n".join(lines(12)) + "\n").encode())
@@ -124,7 +124,7 @@ def _corpus(n: int, pad: int = 0) -> bytes:
 
 
 def _prepare(make_cfg, paths: str, cache: Path, run: Path, env=None):
-    from dsrecipes.data.scan import prepare_stream
+    from dsrecipes.data.stream.scan import prepare_stream
 
     cfg = make_cfg("data=iterable", f"dataset.paths={paths}", f"data.cache_dir={cache}", "dataset.max_samples=null",
                    "dataset.val_size=0", "trainer.max_steps=2", check_files=False)
@@ -190,7 +190,7 @@ def test_s3_stream_is_read_once_cold_and_not_at_all_warm(make_cfg, bucket, s3_se
 
 def test_readers_survive_throttling_and_dropped_connections_and_read_each_block_once(make_cfg, bucket, s3_server,
                                                                                       tmp_path, monkeypatch):
-    from dsrecipes.data.stream_index import BlockSource, index_stream
+    from dsrecipes.data.stream.index import BlockSource, index_stream
     from tests.helpers.s3server import FaultProxy
 
     data = _corpus(600)
@@ -223,7 +223,7 @@ def test_a_reader_with_prefetch_reads_its_stretch_exactly_once_through_faults(ma
     connections: 4 readers together read every sample once, and the corpus about once."""
     from dsrecipes.data.plan import Layout
     from dsrecipes.data.strategies.iterable import StreamTrainLoader
-    from dsrecipes.data.stream_index import BlockSource, index_stream
+    from dsrecipes.data.stream.index import BlockSource, index_stream
     from tests.helpers.s3server import FaultProxy
 
     data = _corpus(800)
@@ -252,7 +252,7 @@ def test_a_reader_with_prefetch_reads_its_stretch_exactly_once_through_faults(ma
 
 
 def test_a_fault_that_outlasts_the_stores_retries_is_retried_then_reported(bucket, s3_server, monkeypatch):
-    from dsrecipes.data.remote import RangeReader, identity
+    from dsrecipes.data.sources.remote import RangeReader, identity
     from tests.helpers.s3server import FaultProxy
 
     url = "s3://dsr-data/faults/b.jsonl"
@@ -291,8 +291,8 @@ def _hub_dataset(hf_home: Path, repo: str, files: dict, commit: str = "c0ffee" *
 
 
 def test_hf_dataset_urls_resolve_offline_through_the_hub_cache(make_cfg, tmp_path, monkeypatch):
-    from dsrecipes.data.files import expand_paths, read_rows
-    from dsrecipes.data.scan import prepare_stream
+    from dsrecipes.data.sources.files import expand_paths, read_rows
+    from dsrecipes.data.stream.scan import prepare_stream
 
     gz = gzip.compress(("\n".join(lines(6, 10)) + "\n").encode())
     snapshot = _hub_dataset(tmp_path / "hf", "acme/chats", {"data/train-0.jsonl": ("\n".join(lines(10)) + "\n").encode(),
@@ -311,8 +311,8 @@ def test_hf_dataset_urls_resolve_offline_through_the_hub_cache(make_cfg, tmp_pat
 
 
 def test_val_paths_and_registry_file_names_may_be_urls(make_cfg, bucket, tmp_path):
-    from dsrecipes.data.registry import resolve_sources
-    from dsrecipes.data.stream_index import BlockSource, build_stream_index
+    from dsrecipes.data.sources.registry import resolve_sources
+    from dsrecipes.data.stream.index import BlockSource, build_stream_index
 
     (tmp_path / "dataset_info.json").write_text(json.dumps(
         {"chats": {"file_name": "s3://dsr-data/chat/a.jsonl", "formatting": "sharegpt"}}), encoding="utf-8")

@@ -35,7 +35,7 @@ COMMON = ("trainer.record_samples=true", "trainer.export=false", f"trainer.micro
 
 @pytest.fixture(scope="module")
 def corpus(s3_server, tmp_path_factory):
-    from dsrecipes.data.remote import s3
+    from dsrecipes.data.sources.remote import s3
 
     fs = s3()
     fs.mkdir("s3://dsr-e2e")
@@ -67,7 +67,7 @@ def _check_run(run: Path, ids: set) -> None:
 
 
 def test_iterable_from_s3_two_ranks_exactly_once_equal_steps(corpus):
-    from dsrecipes.data.stream_index import read_stream_index
+    from dsrecipes.data.stream.index import read_stream_index
 
     root, ids = corpus
     run, out = train_run(root, "iterable", *COMMON, "data=iterable", "data.num_workers=2", "data.shuffle_buffer=16",
@@ -90,7 +90,7 @@ def test_shard_into_the_store_then_presharded_ranks_read_only_their_part(corpus)
     """`dsrecipes shard s3://... --out s3://.../parts2`, then the printed training command: each rank reads only
     its own part, straight from the store, exactly once."""
     from dsrecipes.data.ledger import read_ledger, verify_ledgers
-    from dsrecipes.data.remote import s3
+    from dsrecipes.data.sources.remote import s3
 
     root, ids = corpus
     out_url = "s3://dsr-e2e/parts2"

@@ -19,8 +19,8 @@ import pytest
 
 from dsrecipes.data.plan import Layout
 from dsrecipes.data.strategies.iterable import StreamTrainLoader
-from dsrecipes.data.stream_files import LineScanner
-from dsrecipes.data.stream_index import BlockSource, StreamIndex
+from dsrecipes.data.stream.files import LineScanner
+from dsrecipes.data.stream.index import BlockSource, StreamIndex
 from tests.helpers.launching import stream_index_like_launcher
 
 
@@ -253,7 +253,7 @@ def _spearman(seq):
 
 
 def test_holdout_is_deterministic_and_never_trained(make_cfg, tmp_path):
-    from dsrecipes.data.stream_index import build_stream_index
+    from dsrecipes.data.stream.index import build_stream_index
 
     paths = write_corpus(tmp_path, [120, 90])
     cfg = make_cfg("data=iterable", f"dataset.paths=[{','.join(paths)}]", "dataset.val_size=20",
@@ -272,9 +272,9 @@ def test_holdout_is_deterministic_and_never_trained(make_cfg, tmp_path):
 
 
 def test_json_array_and_gzip_stream_with_their_positions(make_cfg, tmp_path, monkeypatch):
-    from dsrecipes.data import stream_convert
-    from dsrecipes.data.files import read_rows
-    from dsrecipes.data.stream_index import index_stream
+    from dsrecipes.data.sources.files import read_rows
+    from dsrecipes.data.stream import convert as stream_convert
+    from dsrecipes.data.stream.index import index_stream
 
     monkeypatch.setattr(stream_convert, "CHUNK", 97)  # the parser's buffer slides many times
     rows = [{"id": None, "conversations": [{"from": "human", "value": f"q[{i}], \"x\"\n{{"},
@@ -306,7 +306,7 @@ def test_json_array_and_gzip_stream_with_their_positions(make_cfg, tmp_path, mon
 
 
 def test_broken_json_array_names_the_element(make_cfg, tmp_path):
-    from dsrecipes.data.stream_index import index_stream
+    from dsrecipes.data.stream.index import index_stream
     from dsrecipes.errors import DataError
 
     bad = tmp_path / "bad.json"
@@ -322,8 +322,9 @@ def test_broken_json_array_names_the_element(make_cfg, tmp_path):
 
 
 def test_index_is_cached_by_content(make_cfg, tmp_path, monkeypatch):
-    from dsrecipes.data import cache, stream_files
-    from dsrecipes.data.stream_index import index_stream
+    from dsrecipes.data import cache
+    from dsrecipes.data.stream import files as stream_files
+    from dsrecipes.data.stream.index import index_stream
 
     paths = write_corpus(tmp_path, [50, 60])
     cfg = make_cfg("data=iterable", f"dataset.paths=[{','.join(paths)}]", f"data.cache_dir={tmp_path / 'c'}")
@@ -339,7 +340,7 @@ def test_index_is_cached_by_content(make_cfg, tmp_path, monkeypatch):
 
 
 def test_index_survives_the_run_directory(make_cfg, tmp_path):
-    from dsrecipes.data.stream_index import build_stream_index, read_stream_index, write_stream_index
+    from dsrecipes.data.stream.index import build_stream_index, read_stream_index, write_stream_index
     from dsrecipes.errors import DataError
 
     paths = write_corpus(tmp_path, [30, 44])
@@ -381,7 +382,7 @@ def test_val_paths_are_the_validation_set(make_cfg, tmp_path):
 def test_a_validation_file_that_is_also_trained_on_is_refused(make_cfg, tmp_path, monkeypatch, capsys):
     """dataset.val_paths naming a training file under another spelling (relative, `./`, `../`, a link) is refused:
     its rows would be evaluated after being trained on. The same validation file twice is read once."""
-    from dsrecipes.data.stream_index import index_stream
+    from dsrecipes.data.stream.index import index_stream
     from dsrecipes.errors import DataError
     from dsrecipes.paths import SAMPLE_DATA_DIR
 

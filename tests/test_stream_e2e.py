@@ -46,7 +46,7 @@ def mixed_run(tmp_path_factory):
 
 def test_mixed_stream_epochs_eval_and_ledger(mixed_run):
     from dsrecipes.data.ledger import read_ledger, verify_ledgers
-    from dsrecipes.data.stream_index import read_stream_index
+    from dsrecipes.data.stream.index import read_stream_index
 
     root, run = mixed_run
     plan = json.loads((run / "plan.json").read_text())

@@ -129,7 +129,7 @@ def test_a_built_in_template_on_a_hostile_model_is_refused_by_the_renders_differ
 
     from dsrecipes.chat_sandbox import TemplateRefused
     from dsrecipes.config.schema import TemplateConfig, TemplateKind
-    from dsrecipes.data.template_choice import template_warnings
+    from dsrecipes.data.render.template_choice import template_warnings
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir(weights, tmp_path, HOSTILE["loops for ever"]))
     started = time.monotonic()
@@ -141,7 +141,7 @@ def test_a_built_in_template_on_a_hostile_model_is_refused_by_the_renders_differ
 def test_the_time_budget_holds_outside_the_main_thread(tmp_path, monkeypatch):
     """SIGALRM reaches only a main thread; a watchdog stops the template in any other, and never shoots later."""
     from dsrecipes import chat_sandbox
-    from dsrecipes.data.tokenizer_files import open_tokenizer
+    from dsrecipes.data.render.tokenizer_files import open_tokenizer
 
     monkeypatch.setattr(chat_sandbox, "MAX_SECONDS", 0.5)
     model = tmp_path / "tok"

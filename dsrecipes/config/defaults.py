@@ -63,7 +63,7 @@ def _expand(path):
 
 
 def _absolute(paths: List[str]) -> List[str]:
-    """Local paths made absolute; URLs (`s3://...`, `hf://...`, data/remote.py) kept as written."""
+    """Local paths made absolute; URLs (`s3://...`, `hf://...`, data/sources/remote.py) kept as written."""
     return [p if "://" in p else os.path.abspath(os.path.expanduser(p)) for p in paths]
 
 

@@ -42,7 +42,7 @@ class TrainOn(str, Enum):
 
 
 class TemplateKind(str, Enum):
-    auto = "auto"  # tokenizer's own when model.path's tokenizer has one, else chatml/plain (data/template_choice.py)
+    auto = "auto"  # tokenizer's own when model.path's tokenizer has one, else chatml/plain (data/render/template_choice.py)
     tokenizer = "tokenizer"  # the tokenizer's own chat_template
     chatml = "chatml"
     llama3 = "llama3"

@@ -243,8 +243,8 @@ def _launcher(ln) -> List[str]:
 
 
 def _files(cfg: TrainConfig) -> List[str]:
-    from dsrecipes.data.files import expand_paths, no_file
-    from dsrecipes.data.remote import looks_like_url
+    from dsrecipes.data.sources.files import expand_paths, no_file
+    from dsrecipes.data.sources.remote import looks_like_url
 
     named = [(f"dataset.paths[{i}]", p) for i, p in enumerate(cfg.dataset.paths)]
     named += [(f"dataset.val_paths[{i}]", p) for i, p in enumerate(cfg.dataset.val_paths)]
@@ -279,7 +279,7 @@ def _files(cfg: TrainConfig) -> List[str]:
 
 
 def _shard_url(url: str) -> List[str]:
-    from dsrecipes.data.remote import check_url, expand
+    from dsrecipes.data.sources.remote import check_url, expand
 
     problem = check_url(url.rstrip("/") + "/manifest.json")
     if problem:

@@ -8,9 +8,9 @@ from typing import Any, List, Optional, Tuple
 import numpy as np
 
 from dsrecipes.config.schema import TrainConfig
-from dsrecipes.data.batch_encode import Encoded
-from dsrecipes.data.labels import IGNORE_INDEX
-from dsrecipes.data.packing import pack_plan, packing_efficiency
+from dsrecipes.data.render.batch_encode import Encoded
+from dsrecipes.data.render.labels import IGNORE_INDEX
+from dsrecipes.data.render.packing import pack_plan, packing_efficiency
 
 
 def write_split(path: Path, items: List[Tuple[int, int]], enc: Encoded, cfg: TrainConfig,

@@ -1,8 +1,8 @@
 """`dsrecipes audit [overrides] --world-size N --num-workers W --epochs E`: prove the data plan before a run.
 
 Without a model or a process group, computes which samples every rank x DataLoader worker reads in each epoch with
-the planner the loaders run (`plan.py`: `EpochPlan.owner`, `epoch_order`, `StreamShuffle`; `stream_plan.py` and
-`stream_segments.py`: block visits, segments, stretches, local windows), then checks the guarantees: (1) no sample
+the planner the loaders run (`plan.py`: `EpochPlan.owner`, `epoch_order`, `StreamShuffle`; `stream/order.py` and
+`stream/segments.py`: block visits, segments, stretches, local windows), then checks the guarantees: (1) no sample
 read twice within an epoch, every sample read except a remainder smaller than one global batch; (2) the same number
 of micro-batches and optimizer steps on every rank. Exit 0 when they hold, 1 listing the first violations. For
 small inputs it also replays each `data=iterable` reader's own code (`stream_reader.read_stretch`) and compares it
@@ -24,9 +24,9 @@ import numpy as np
 
 from dsrecipes.data.plan import EpochPlan, Layout, StreamShuffle, epoch_order, presharded_steps
 from dsrecipes.data.sampler import map_rank_rows
-from dsrecipes.data.stream_plan import BlockTable, Visits, epoch_visits, items_at
-from dsrecipes.data.stream_reader import ItemFetcher, read_stretch
-from dsrecipes.data.stream_segments import LocalShuffle, Segment, epoch_segment, stretch_positions
+from dsrecipes.data.stream.order import BlockTable, Visits, epoch_visits, items_at
+from dsrecipes.data.stream.reader import ItemFetcher, read_stretch
+from dsrecipes.data.stream.segments import LocalShuffle, Segment, epoch_segment, stretch_positions
 
 REPLAY_LIMIT = 2_000_000  # items x readers up to which stream readers are replayed one by one
 AUDIT_BLOCK = 256  # lines per block when an audit is given line counts only (the CLI uses the real index)
@@ -162,7 +162,7 @@ def audit_map(num_rows: int, layout: Layout, seed: int, shuffle: bool, epochs: i
 def audit_stream(counts: Sequence[int], layout: Layout, seed: int, shuffle: bool, buffer: int, epochs: int,
                  num_samples: Optional[int] = None, table: Optional[BlockTable] = None) -> AuditReport:
     """`data=iterable`: files of `counts` lines (blocks of `table`; default AUDIT_BLOCK lines each) read in the
-    block order of stream_plan.py (num_samples: the planned length)."""
+    block order of stream/order.py (num_samples: the planned length)."""
     table = BlockTable.uniform(counts, AUDIT_BLOCK) if table is None else table
     total = table.epoch_length()
     what = f"{len(counts)} files, {int(sum(counts))} lines" + ("" if total == sum(counts) else f", {total} per epoch")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Sequence
 
-from dsrecipes.data.labels import IGNORE_INDEX
+from dsrecipes.data.render.labels import IGNORE_INDEX
 
 GREEN, RESET = "\033[42;30m", "\033[0m"
 

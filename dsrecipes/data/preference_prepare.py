@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
 from dsrecipes.config.schema import SourceConfig, TrainConfig
-from dsrecipes.data.badrows import BadRowReport
-from dsrecipes.data.labels import IGNORE_INDEX
-from dsrecipes.data.preference_encode import read_and_encode_pairs
-from dsrecipes.data.splits import mix, split_val
+from dsrecipes.data.render.labels import IGNORE_INDEX
+from dsrecipes.data.render.preference_encode import read_and_encode_pairs
+from dsrecipes.data.sources.badrows import BadRowReport
+from dsrecipes.data.sources.splits import mix, split_val
 from dsrecipes.errors import DataError
 
 COLUMNS = ("ids", "prompt_ids", "chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels")

@@ -41,16 +41,16 @@ import numpy as np
 
 from dsrecipes.config.schema import ObjectiveKind, ReferenceMode, SourceConfig, TrainConfig
 from dsrecipes.data.arrow_split import write_split
-from dsrecipes.data.badrows import BadRowReport
-from dsrecipes.data.batch_encode import Encoded, read_and_encode
 from dsrecipes.data.cache import cache_key, cache_root
-from dsrecipes.data.files import expand_paths, no_file
-from dsrecipes.data.preference import check_sources
 from dsrecipes.data.preference_prepare import attach_reference
 from dsrecipes.data.preference_prepare import build as build_pairs
 from dsrecipes.data.prepare_stats import build_stats, summary
-from dsrecipes.data.registry import resolve_sources, validation_files
-from dsrecipes.data.splits import mix, split_val
+from dsrecipes.data.render.batch_encode import Encoded, read_and_encode
+from dsrecipes.data.sources.badrows import BadRowReport
+from dsrecipes.data.sources.files import expand_paths, no_file
+from dsrecipes.data.sources.preference import check_sources
+from dsrecipes.data.sources.registry import resolve_sources, validation_files
+from dsrecipes.data.sources.splits import mix, split_val
 from dsrecipes.errors import DataError
 from dsrecipes.fileio import atomic_write_json
 

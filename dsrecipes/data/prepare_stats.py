@@ -8,9 +8,9 @@ from typing import Any, Dict, List, Sequence, Tuple
 import numpy as np
 
 from dsrecipes.config.schema import SourceConfig, TrainConfig
-from dsrecipes.data.badrows import BadRowReport, by_file_summary
-from dsrecipes.data.batch_encode import Encoded
-from dsrecipes.data.labels import IGNORE_INDEX
+from dsrecipes.data.render.batch_encode import Encoded
+from dsrecipes.data.render.labels import IGNORE_INDEX
+from dsrecipes.data.sources.badrows import BadRowReport, by_file_summary
 
 
 def build_stats(cfg: TrainConfig, sources: Sequence[SourceConfig], report: BadRowReport, enc: Encoded,

@@ -32,16 +32,16 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import dsrecipes.data.shard_store as store_upload
 from dsrecipes.config.schema import ShardBalance
-from dsrecipes.data.remote import identity as remote_identity
-from dsrecipes.data.remote import is_url
-from dsrecipes.data.splits import split_val
+from dsrecipes.data.sources.remote import identity as remote_identity
+from dsrecipes.data.sources.remote import is_url
+from dsrecipes.data.sources.splits import split_val
 from dsrecipes.errors import DataError, UserError
 from dsrecipes.fileio import atomic_write_json
 
 MANIFEST = "manifest.json"
 VAL_PART = "val.jsonl"
 MANIFEST_VERSION = 1
-ROW_FORMAT = "dsrecipes-sharegpt-v1"  # canonical rows: roles are dsrecipes.data.sharegpt.Role values
+ROW_FORMAT = "dsrecipes-sharegpt-v1"  # canonical rows: roles are dsrecipes.data.sources.sharegpt.Role values
 
 
 @dataclass
@@ -237,10 +237,10 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
           force: bool = False, val_size: float = 0) -> Manifest:
     """Split the samples of `cfg.dataset` into `parts` canonical JSONL files plus manifest.json in `out_dir`;
     `val_size` (a fraction < 1 or a count) holds samples out into the validation part `val.jsonl`."""
-    from dsrecipes.data.badrows import BadRowReport
-    from dsrecipes.data.files import expand_paths
-    from dsrecipes.data.registry import resolve_sources
-    from dsrecipes.data.tokenize import Encoder
+    from dsrecipes.data.render.tokenize import Encoder
+    from dsrecipes.data.sources.badrows import BadRowReport
+    from dsrecipes.data.sources.files import expand_paths
+    from dsrecipes.data.sources.registry import resolve_sources
     from dsrecipes.model import load_tokenizer
 
     if parts < 1:
@@ -291,8 +291,8 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
 def checked_rows(cfg: Any, report: Any, encoder: Any, sources: List[Any]) -> Iterator[Tuple[bytes, int]]:
     """(canonical line, tokens in a run) of every row that passes training's checks; the policy is enforced at the
     end. A row whose canonical form outgrows `dataset.max_row_bytes` is a bad row here (the parts never hold one)."""
-    from dsrecipes.data.badrows import BadReason, BadRow
-    from dsrecipes.data.scan import checked_conversations
+    from dsrecipes.data.sources.badrows import BadReason, BadRow
+    from dsrecipes.data.stream.scan import checked_conversations
 
     for conv, example in checked_conversations(cfg, report, encoder, sources):
         line = (json.dumps(conversation_row(conv), ensure_ascii=False) + "\n").encode("utf-8")
@@ -309,7 +309,7 @@ def check_identity(cfg: Any, tokenizer: Any) -> Dict[str, Any]:
     """What decides whether a row passes: the template config, the tokenizer itself and the row size limit."""
     from dsrecipes.config.load import config_to_dict
     from dsrecipes.data.cache import tokenizer_fingerprint
-    from dsrecipes.data.template_choice import choose_template
+    from dsrecipes.data.render.template_choice import choose_template
 
     template = choose_template(cfg.template, tokenizer, cfg.model.path)  # `auto` as the launch resolves it
     return {"template": config_to_dict(template), "tokenizer": tokenizer_fingerprint(tokenizer),

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from dsrecipes.data.remote import identity, s3, store_errors
+from dsrecipes.data.sources.remote import identity, s3, store_errors
 from dsrecipes.errors import UserError
 
 MANIFEST = "manifest.json"

@@ -3,7 +3,7 @@
     build_objective(cfg, tokenizer) -> Objective     (the contract: objectives/base.py)
 
 One module per `ObjectiveKind`; `builders()` is the table (tests/test_objectives.py checks it is complete). The
-table imports its modules when called, so importing this package (data/labels.py does, for IGNORE_INDEX) costs no
+table imports its modules when called, so importing this package (data/render/labels.py does, for IGNORE_INDEX) costs no
 torch import.
 """
 

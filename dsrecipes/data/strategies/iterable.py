@@ -1,8 +1,8 @@
 """`data=iterable`: stream JSONL (and converted JSON / gzip) files, tokenize on the fly, read only one's own share.
 
-The launching process indexes the files into blocks and writes `<run>/stream_index.*` (stream_index.py); every
+The launching process indexes the files into blocks and writes `<run>/stream_index.*` (stream/index.py); every
 reader (rank x DataLoader worker) computes the epoch's world-size-free order of blocks and its own contiguous
-stretch of it (stream_plan.py), and reads only the blocks of that stretch (stream_reader.py): about 1/R of the bytes
+stretch of it (stream/order.py), and reads only the blocks of that stretch (stream/reader.py): about 1/R of the bytes
 plus at most two partial blocks, with memory of one shuffle window. The epoch length is the index's count (after
 hold-out, mixing weights and `data.num_samples`), so `trainer.epochs` works and every rank knows its steps.
 
@@ -25,10 +25,10 @@ from dsrecipes.data.strategies.base import Batch, Row, TrainLoader
 from dsrecipes.data.strategies.eval import EvalLoader
 from dsrecipes.data.strategies.protocol import PrepareResult, RankData, rows_of_plan
 from dsrecipes.data.strategies.rows import RowEncoder, make_collate
-from dsrecipes.data.stream_index import INDEX_FILE, BlockSource, StreamIndex, read_stream_index
-from dsrecipes.data.stream_plan import epoch_visits
-from dsrecipes.data.stream_reader import ItemFetcher, read_stretch
-from dsrecipes.data.stream_segments import LocalShuffle, Segment, epoch_segment
+from dsrecipes.data.stream.index import INDEX_FILE, BlockSource, StreamIndex, read_stream_index
+from dsrecipes.data.stream.order import epoch_visits
+from dsrecipes.data.stream.reader import ItemFetcher, read_stretch
+from dsrecipes.data.stream.segments import LocalShuffle, Segment, epoch_segment
 from dsrecipes.errors import DataError
 from dsrecipes.runplan import RunPlan
 
@@ -158,14 +158,14 @@ class IterableStrategy:
 
     def identity(self, cfg: TrainConfig, tokenizer: Any) -> Tuple[str, Dict[str, str]]:
         from dsrecipes.data.cache import data_files, data_fingerprint
-        from dsrecipes.data.registry import resolve_sources
+        from dsrecipes.data.sources.registry import resolve_sources
 
         sources = resolve_sources(cfg.dataset)
         return data_fingerprint(cfg, sources), data_files(cfg, sources)
 
     def prepare(self, cfg: TrainConfig, run_dir: Path, tokenizer: Any, world_size: int) -> PrepareResult:
         """Index (and scan) the stream, write `<run>/stream_index.*`: the samples of one epoch, counted."""
-        from dsrecipes.data.scan import prepare_stream
+        from dsrecipes.data.stream.scan import prepare_stream
 
         rows, fingerprint, val = prepare_stream(cfg, run_dir)
         return PrepareResult(rows, fingerprint, val)
@@ -208,7 +208,7 @@ class IterableStrategy:
 
     def audit(self, cfg: TrainConfig, layout: Layout, epochs: int, num_rows: Optional[int]) -> AuditReport:
         """The index the launching process builds (cached by content), without the scan."""
-        from dsrecipes.data.stream_index import build_stream_index
+        from dsrecipes.data.stream.index import build_stream_index
 
         index = build_stream_index(cfg)
         counts = [index.caps[f] for f in index.train_files]
@@ -217,7 +217,7 @@ class IterableStrategy:
 
 
 def row_encoder(cfg: Any, tokenizer: Any, index: StreamIndex) -> Any:
-    from dsrecipes.data.stream_index import file_sources
+    from dsrecipes.data.stream.index import file_sources
 
     return RowEncoder(cfg, tokenizer, [f.name for f in index.files], file_sources(cfg, index),
                       [f.loc_base < 0 for f in index.files])

@@ -102,7 +102,7 @@ class MapStrategy:
     def identity(self, cfg: TrainConfig, tokenizer: Any) -> Tuple[str, Dict[str, str]]:
         from dsrecipes.data.cache import data_files
         from dsrecipes.data.prepare import preparation_key
-        from dsrecipes.data.registry import resolve_sources
+        from dsrecipes.data.sources.registry import resolve_sources
 
         sources = resolve_sources(cfg.dataset)
         return preparation_key(cfg, tokenizer, sources), data_files(cfg, sources)

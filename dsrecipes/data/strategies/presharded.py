@@ -183,7 +183,7 @@ class PreshardedStrategy:
 def check_parts(cfg: TrainConfig, run_dir: Path, manifest: Manifest) -> None:
     """Parts are checked by `dsrecipes shard` with its template and tokenizer; with another one, a row could fail to
     render or tokenize mid-run (or mid-evaluation), so the parts (and the validation part) are scanned first."""
-    from dsrecipes.data.scan import scan_sources
+    from dsrecipes.data.stream.scan import scan_sources
     from dsrecipes.model import load_tokenizer
 
     if checked_alike(manifest.checked_with, cfg, load_tokenizer(cfg)):
@@ -198,9 +198,9 @@ def write_val_rows(cfg: TrainConfig, run_dir: Path) -> int:
     """`dataset.val_paths` read and checked like `dsrecipes shard` checks rows (bad rows per `dataset.bad_rows`,
     quarantined in `<run>/val_quarantine.jsonl`), written in the parts' canonical form to `<run>/val_rows.jsonl`;
     returns the rows written."""
-    from dsrecipes.data.badrows import BadRowReport
+    from dsrecipes.data.render.tokenize import Encoder
     from dsrecipes.data.shard import checked_rows
-    from dsrecipes.data.tokenize import Encoder
+    from dsrecipes.data.sources.badrows import BadRowReport
     from dsrecipes.model import load_tokenizer
 
     run_dir = Path(run_dir)

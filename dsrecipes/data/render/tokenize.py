@@ -8,7 +8,7 @@ differ and why the fast one matches inference):
   alone, which a probe at construction checks for the template, and `FullText.spans` for every conversation;
 - per segment (the fallback, per conversation): every prompt and every reply tokenized on its own (identical texts,
   e.g. role headers, once), so a trained span never shares a token with the prompt. Segments after the first of a
-  conversation are encoded without a SentencePiece start marker (data/spm.py), else a "▁" tokenizer (Llama-2 /
+  conversation are encoded without a SentencePiece start marker (data/render/spm.py), else a "▁" tokenizer (Llama-2 /
   Mistral-v1 style) would put a spurious space at the start of every reply.
 
 Truncation (`data.cutoff_len`) keeps the head and cuts whole turns from the end: a sample keeps the longest run of
@@ -28,7 +28,7 @@ twice the other) agree on them with HEAD_MARGIN tokens to spare. `cutoff_len + 1
 decide exactly as the full length would (the segment overflows either way). A conversation whose text is longer
 than that threshold never takes the one-text path (it would be tokenized whole): it is tokenized per segment.
 
-Packing of the encoded samples: data/packing.py.
+Packing of the encoded samples: data/render/packing.py.
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ import numpy as np
 
 from dsrecipes.chat_sandbox import TemplateRefused
 from dsrecipes.config.schema import TrainConfig
-from dsrecipes.data.badrows import BadReason, BadRow
-from dsrecipes.data.labels import IGNORE_INDEX
-from dsrecipes.data.sharegpt import Conversation, Role, Turn
-from dsrecipes.data.spans import FullText, Spans
-from dsrecipes.data.spm import continuation_encoder
-from dsrecipes.data.template import Segment, check_template, render
-from dsrecipes.data.template_choice import choose_template
+from dsrecipes.data.render.labels import IGNORE_INDEX
+from dsrecipes.data.render.spans import FullText, Spans
+from dsrecipes.data.render.spm import continuation_encoder
+from dsrecipes.data.render.template import Segment, check_template, render
+from dsrecipes.data.render.template_choice import choose_template
+from dsrecipes.data.sources.badrows import BadReason, BadRow
+from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
 from dsrecipes.errors import ConfigError
 
 LONG_TEXT_FACTOR = 8  # characters per token of cutoff_len above which a text is tokenized by its prefixes

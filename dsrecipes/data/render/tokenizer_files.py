@@ -2,7 +2,7 @@
 library, with the special tokens and the chat template of `tokenizer_config.json` (and `special_tokens_map.json`,
 `chat_template.jinja` / `chat_template.json`) added the way transformers' fast tokenizer adds them.
 
-It answers what the template rules ask a tokenizer (data/template.py `check_template`, data/template_choice.py
+It answers what the template rules ask a tokenizer (data/render/template.py `check_template`, data/render/template_choice.py
 `choose_template`): is a text one token, the eos token, the chat template - so `dsrecipes validate` runs the same
 rules a run runs on the loaded tokenizer, in milliseconds. A directory without `tokenizer.json` (a SentencePiece-only
 tokenizer) is not read here: the run checks it.

@@ -5,7 +5,7 @@ that (after the pass that indexes it) doubles what the launching process reads, 
 makes a warm start cost a full pass. So the scan of a file is a `FileScan` - the file's sample count, its bad rows
 (sample number, line, reason, quarantine text) and the samples that lost trailing turns - independent of caps and
 of the bad-row policy, which `scan.py` applies afterwards:
-  - `RowTap` is fed the file's bytes in order by the indexing pass (stream_files.py: the content-hash pass of a
+  - `RowTap` is fed the file's bytes in order by the indexing pass (stream/files.py: the content-hash pass of a
     local JSONL file, the streaming pass of an object), cuts them into lines as `BlockSource.samples` does, and
     checks each sample row (`sharegpt.parse_item`, then `tokenize.Encoder` in batches);
   - a finished scan is saved under `<cache>/stream/<content key>-scan-<key>.json` (the key: the file's source
@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from dsrecipes.data.badrows import BadReason, BadRow
+from dsrecipes.data.sources.badrows import BadReason, BadRow
 from dsrecipes.fileio import atomic_write_json
 
 SCAN_VERSION = 1
@@ -46,7 +46,7 @@ class RowChecker:
     """The checks of training for the sample rows of one file, fed in file order: `row(loc, raw)`."""
 
     def __init__(self, name: str, source: Any, element: bool, limit: int, encoder: Any):
-        from dsrecipes.data.sharegpt import role_table
+        from dsrecipes.data.sources.sharegpt import role_table
 
         self.name, self.source, self.element, self.limit, self.encoder = name, source, element, limit, encoder
         self.table = role_table(source)
@@ -54,8 +54,8 @@ class RowChecker:
         self._batch: List[tuple] = []
 
     def row(self, loc: int, raw: Optional[bytes]) -> None:
-        from dsrecipes.data.files import element_line
-        from dsrecipes.data.sharegpt import parse_item
+        from dsrecipes.data.sources.files import element_line
+        from dsrecipes.data.sources.sharegpt import parse_item
 
         sample = self.scan.count
         self.scan.count += 1
@@ -73,8 +73,8 @@ class RowChecker:
             self._encode()
 
     def _encode(self) -> None:
-        from dsrecipes.data.files import element_line
-        from dsrecipes.data.sharegpt import conversation_dict
+        from dsrecipes.data.sources.files import element_line
+        from dsrecipes.data.sources.sharegpt import conversation_dict
 
         if not self._batch:
             return

@@ -1,4 +1,4 @@
-"""One reader of a `data=iterable` epoch: its stretch of the order (stream_plan.py) -> blocks read -> micro-batches.
+"""One reader of a `data=iterable` epoch: its stretch of the order (stream/order.py) -> blocks read -> micro-batches.
 
 The loaders run this in every DataLoader worker; `dsrecipes audit` replays it over a fake block source to check it
 against the vectorised plan. Positions of a window are fetched in order-position order (so blocks are read
@@ -12,8 +12,8 @@ from typing import Any, Callable, Iterator, List, Tuple
 
 import numpy as np
 
-from dsrecipes.data.stream_plan import Visits, items_at
-from dsrecipes.data.stream_segments import LocalShuffle, Segment, stretch_positions
+from dsrecipes.data.stream.order import Visits, items_at
+from dsrecipes.data.stream.segments import LocalShuffle, Segment, stretch_positions
 
 Item = Tuple[int, int, bytes, int]  # (file index, location, raw line, copy)
 ReadBlock = Callable[[int], List[Tuple[int, int, bytes]]]  # global block -> (file, location, raw) of kept samples

@@ -1,4 +1,4 @@
-"""`hf://datasets/org/name[@revision]/path` through huggingface_hub's own cache (data/remote.py names the schemes).
+"""`hf://datasets/org/name[@revision]/path` through huggingface_hub's own cache (data/sources/remote.py names the schemes).
 
 The files a pattern names are fetched with `snapshot_download(allow_patterns=[path])` into the Hub cache (with
 HF_HUB_OFFLINE=1: taken from the cache only) and returned as local snapshot paths, which every other module reads

@@ -1,6 +1,6 @@
 """The order of a `data=iterable` epoch: blocks -> visits -> order positions. Pure numpy; the loaders and
-`dsrecipes audit` call these same functions (no files here: blocks are sample counts, see stream_index.py for the
-bytes; who reads which part of the order: stream_segments.py).
+`dsrecipes audit` call these same functions (no files here: blocks are sample counts, see stream/index.py for the
+bytes; who reads which part of the order: stream/segments.py).
 
 1. Visits. A source of n kept samples with weight w gives T = round(w * n) samples per epoch, taken from an endless
    cycle over its blocks (blocks in a seeded order fixed for the run, a block's samples in file order): epoch e takes
@@ -14,7 +14,7 @@ bytes; who reads which part of the order: stream_segments.py).
    the world size.
 
 How random: consecutive samples of the epoch come from random blocks of the whole corpus (all files, all sources);
-inside a reader, samples move anywhere within their window of `shuffle_buffer` (stream_segments.py). The old scheme
+inside a reader, samples move anywhere within their window of `shuffle_buffer` (stream/segments.py). The old scheme
 kept each file's line order and only moved a sample within `shuffle_buffer` lines (`benchmarks/bench_stream_reads.py`
 measures both).
 """

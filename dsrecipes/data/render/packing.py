@@ -13,8 +13,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Deque, Dict, List, Sequence
 
-from dsrecipes.data.labels import IGNORE_INDEX
-from dsrecipes.data.tokenize import Example
+from dsrecipes.data.render.labels import IGNORE_INDEX
+from dsrecipes.data.render.tokenize import Example
 
 
 @dataclass

@@ -7,7 +7,7 @@ may be trained (the reply text plus its end-of-turn token), None for everything 
 way it is at inference.
 
 Templates (`template.name`); each built-in one is defined once, as a `Spec` (`template_spec`: the literal text around
-each kind of message), from which both `_builtin` here and the exported Jinja `chat_template` (data/jinja.py) are
+each kind of message), from which both `_builtin` here and the exported Jinja `chat_template` (data/render/jinja.py) are
 made:
   chatml           <|im_start|>role\\ntext<|im_end|>\\n; tool calls as assistant `<tool_call>\\n{json}\\n</tool_call>`,
                    observations as role `tool`; tools go into the system turn as "Tools: <json>"
@@ -24,7 +24,7 @@ made:
                    does one that refuses the row (e.g. "roles must alternate"), with the template's own message.
 The system prompt is the sample's (`system` field or leading system turn), else `template.default_system`
 (vicuna: FastChat's own when both are missing); tools text is appended to it ("Tools: ..."). Tools and tool calls
-are rendered in their canonical JSON (data/messages.py), so that data/jinja.py's export of each template renders
+are rendered in their canonical JSON (data/sources/messages.py), so that data/render/jinja.py's export of each template renders
 exactly these strings from structured `tools` / `tool_calls`.
 
 A conversation may open with an assistant turn (a greeting before the first user message): every template trains
@@ -38,8 +38,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 from dsrecipes.chat_sandbox import TemplateRaised, TemplateRefused
 from dsrecipes.chat_sandbox import render as render_chat_template
 from dsrecipes.config.schema import TemplateConfig, TemplateKind, TrainOn
-from dsrecipes.data.badrows import BadReason, BadRow
-from dsrecipes.data.messages import (
+from dsrecipes.data.sources.badrows import BadReason, BadRow
+from dsrecipes.data.sources.messages import (
     chat_messages,
     messages_for,
     system_with_tools,
@@ -47,7 +47,7 @@ from dsrecipes.data.messages import (
     tool_call_text,
     tools_schema,
 )
-from dsrecipes.data.sharegpt import Conversation, Role, Turn
+from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
 
 
 class Segment(NamedTuple):
@@ -71,7 +71,7 @@ REQUIRED_TOKENS: Dict[TemplateKind, Tuple[str, ...]] = {
     TemplateKind.plain: (),
     TemplateKind.human_assistant: (),
     TemplateKind.tokenizer: (),
-    TemplateKind.auto: (),  # resolved to one of the above before rendering (data/template_choice.py)
+    TemplateKind.auto: (),  # resolved to one of the above before rendering (data/render/template_choice.py)
 }
 
 
@@ -89,7 +89,7 @@ def system_text(conv: Conversation, cfg: TemplateConfig, fallback: Optional[str]
 
 class Spec(NamedTuple):
     """A built-in template, defined once: the literal text around each kind of message. The training renderer
-    (`_builtin`) and the exported Jinja `chat_template` (data/jinja.py `builtin_source`) are both made from it. A
+    (`_builtin`) and the exported Jinja `chat_template` (data/render/jinja.py `builtin_source`) are both made from it. A
     reply is `reply_open` (prompt) + text + `reply_close` (trained: the end-of-turn token) + `reply_after` (prompt)."""
 
     begin: str  # once, at the start

@@ -11,7 +11,7 @@ Every malformed pair is a bad row (counted by reason, `file:line`, quarantined o
 exactly like SFT rows): `missing_side` (no chosen / no rejected), `side_not_assistant` (an answer that is not one
 assistant turn), `empty_answer`, `identical_sides`, plus every check of the prompt's messages that SFT rows get
 (`missing_conversation`, `unknown_role`, ...); a prompt that does not end with a user (or tool output) turn is a
-`bad_value`. `prompt_too_long` is decided after tokenization (data/preference_encode.py).
+`bad_value`. `prompt_too_long` is decided after tokenization (data/render/preference_encode.py).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from dsrecipes.config.schema import DatasetFormat, ObjectiveKind, SourceConfig
-from dsrecipes.data.badrows import BadReason, BadRow
-from dsrecipes.data.files import RawRow
-from dsrecipes.data.sharegpt import (
+from dsrecipes.data.sources.badrows import BadReason, BadRow
+from dsrecipes.data.sources.files import RawRow
+from dsrecipes.data.sources.sharegpt import (
     TRAINED_ROLES,
     Conversation,
     Role,

@@ -26,7 +26,7 @@ import os
 from typing import Any, Dict, List, Optional
 
 from dsrecipes.config.schema import ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
-from dsrecipes.data.remote import looks_like_url
+from dsrecipes.data.sources.remote import looks_like_url
 from dsrecipes.errors import ConfigError, DataError
 
 _LF_UNSUPPORTED = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
@@ -72,7 +72,7 @@ def read_once(sources: List[SourceConfig], notes: Optional[List[str]] = None) ->
     named: the same file under two spellings (absolute, relative, `./`, `../`, a link) would otherwise be read twice
     and its rows could land in both the training and the validation split. Patterns matching nothing stay (the
     reader reports them); file names are glob-escaped so that a re-expansion finds exactly that file."""
-    from dsrecipes.data.files import expand_paths
+    from dsrecipes.data.sources.files import expand_paths
 
     first: Dict[str, str] = {}  # real path -> the spelling that was kept (with its source)
     out = []

@@ -20,10 +20,10 @@ from typing import Any, List, Optional
 from dsrecipes.chat_sandbox import TemplateRaised
 from dsrecipes.chat_sandbox import render as render_chat_template
 from dsrecipes.config.schema import TemplateConfig, TemplateKind, TrainOn
-from dsrecipes.data.badrows import BadRow
-from dsrecipes.data.messages import messages_for
-from dsrecipes.data.sharegpt import Conversation, Role, Turn
-from dsrecipes.data.template import REQUIRED_TOKENS, render
+from dsrecipes.data.render.template import REQUIRED_TOKENS, render
+from dsrecipes.data.sources.badrows import BadRow
+from dsrecipes.data.sources.messages import messages_for
+from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
 
 _MARK = "DSRECIPESSYSTEMMARK"
 

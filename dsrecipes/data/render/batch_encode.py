@@ -28,10 +28,10 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from dsrecipes.config.schema import DatasetConfig, SourceConfig, TrainConfig
-from dsrecipes.data.badrows import BadReason, BadRow, BadRowReport
-from dsrecipes.data.files import FileUnreadable, RawRow, expand_paths, no_file, read_row_items, row_of
-from dsrecipes.data.sharegpt import conversation_dict, conversation_of, role_table
-from dsrecipes.data.tokenize import Encoder
+from dsrecipes.data.render.tokenize import Encoder
+from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
+from dsrecipes.data.sources.files import FileUnreadable, RawRow, expand_paths, no_file, read_row_items, row_of
+from dsrecipes.data.sources.sharegpt import conversation_dict, conversation_of, role_table
 
 CHUNK = 512  # rows per task
 CHUNK_BYTES = 8 << 20  # bytes of rows per task (a row may be up to dataset.max_row_bytes)
@@ -53,7 +53,7 @@ class Encoded:
     dropped: List[int]  # nothing trained left after truncation
     ids: List[str]  # sample id of each conversation
     sources: List[str]  # source name of each conversation
-    one_text: bool = True  # the template takes the one-text path (data/spans.py)
+    one_text: bool = True  # the template takes the one-text path (data/render/spans.py)
     per_segment: int = 0  # conversations tokenized per segment instead (a border check failed)
 
 

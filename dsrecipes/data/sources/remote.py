@@ -131,7 +131,7 @@ def expand(pattern: str) -> List[str]:
     if problem:
         raise DataError(problem)
     if pattern.startswith("hf://"):
-        from dsrecipes.data.remote_hub import hf_expand
+        from dsrecipes.data.sources.remote_hub import hf_expand
 
         return hf_expand(pattern)
     fs = s3()

@@ -26,13 +26,13 @@ import dataclasses
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from dsrecipes.config.schema import DatasetConfig, SourceConfig, TrainConfig, TrainOn
-from dsrecipes.data.badrows import BadReason, BadRow, BadRowReport
-from dsrecipes.data.files import expand_paths, no_file, read_rows
-from dsrecipes.data.labels import IGNORE_INDEX
-from dsrecipes.data.preference import Pair, pair_of
-from dsrecipes.data.sharegpt import Conversation, Role, Turn, role_table
-from dsrecipes.data.template import Segment
-from dsrecipes.data.tokenize import Encoder
+from dsrecipes.data.render.labels import IGNORE_INDEX
+from dsrecipes.data.render.template import Segment
+from dsrecipes.data.render.tokenize import Encoder
+from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
+from dsrecipes.data.sources.files import expand_paths, no_file, read_rows
+from dsrecipes.data.sources.preference import Pair, pair_of
+from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn, role_table
 
 Row = Dict[str, Any]
 

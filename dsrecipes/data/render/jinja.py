@@ -2,17 +2,17 @@
 
 A served model is prompted through `tokenizer.apply_chat_template` (transformers, vLLM, TGI, ...), so the export
 must carry the training template, not whatever the base tokenizer shipped. Each built-in template is defined once,
-as a `Spec` in data/template.py (the literal text around each kind of message); the training renderer and
+as a `Spec` in data/render/template.py (the literal text around each kind of message); the training renderer and
 `chat_template()` here are both made from it: the Jinja source has the run's settings baked in as literals: `template.default_system` (vicuna: FastChat's system prompt when none is set), `template.separator`,
 and the tokenizer's bos/eos strings. It takes the standard inputs: `messages` (an optional leading `system`
 message, then `user`, `assistant` (text and/or `tool_calls`) and `tool` messages), `tools` (a list of function
 schemas) and `add_generation_prompt`. Tools and tool calls are serialised with `tojson`, the canonical form
-data/messages.py trains on. Other roles, or a system message after the first, raise an error: the model never saw
+data/sources/messages.py trains on. Other roles, or a system message after the first, raise an error: the model never saw
 them. `template=tokenizer` keeps the model's own template; a configured `template.default_system` is put in front
 of it, because training filled it in for conversations without a system prompt.
 
 tests/test_chat_export.py checks, for every template, that `apply_chat_template` with this source is byte-identical
-to data/template.py's rendering (and generation prompt) on conversations with systems, tools, tool calls,
+to data/render/template.py's rendering (and generation prompt) on conversations with systems, tools, tool calls,
 observations, several turns, an opening assistant turn, and CJK text.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from dsrecipes.config.schema import TemplateConfig, TemplateKind
-from dsrecipes.data.template import Spec, default_system, template_spec
+from dsrecipes.data.render.template import Spec, default_system, template_spec
 
 
 def chat_template(cfg: TemplateConfig, tokenizer: Any) -> Optional[str]:

@@ -3,7 +3,7 @@ canonical text of tools and tool calls that every built-in template trains on.
 
 Why canonical text: a served model gets tools and tool calls as structured data (`tools=[{...}]`, an assistant
 message with `tool_calls`), and its chat template serialises them with `tojson` (transformers: `json.dumps(x,
-ensure_ascii=False)`). Training renders the same serialisation, so the exported Jinja template (data/jinja.py)
+ensure_ascii=False)`). Training renders the same serialisation, so the exported Jinja template (data/render/jinja.py)
 reproduces the training text byte for byte. Where a row's text is not such JSON (tools that are not a list of
 objects, a tool call that is not exactly `{"name": str, "arguments": JSON}`), the raw text is kept and travels as text:
 tools in the system prompt ("Tools: <text>"), such a call as a plain assistant reply (chatml then renders it without
@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Optional, Tuple
 
-from dsrecipes.data.sharegpt import Conversation, Role, Turn
+from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
 
 Messages = List[Dict[str, Any]]
 

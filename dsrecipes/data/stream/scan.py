@@ -1,6 +1,6 @@
 """Index and check a stream before any rank starts (data=iterable), and the row checks of training for other readers.
 
-`prepare_stream` is the launching process's part of `data=iterable`: it indexes the files (stream_index.py: blocks,
+`prepare_stream` is the launching process's part of `data=iterable`: it indexes the files (stream/index.py: blocks,
 caps, held-out validation rows; JSON arrays and gzip converted once), scans them when `data.prescan` is on,
 writes the index into the run directory and returns the samples of one epoch, which the run plan records
 (`RunPlan.rows`) and every rank checks.
@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from dsrecipes.config.schema import SourceConfig, TrainConfig
-from dsrecipes.data.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.prepare import QUARANTINE_FILE
-from dsrecipes.data.sharegpt import Conversation, conversation_dict, iter_conversations
-from dsrecipes.data.stream_index import (
+from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
+from dsrecipes.data.sources.sharegpt import Conversation, conversation_dict, iter_conversations
+from dsrecipes.data.stream.index import (
     BlockSource,
     StreamIndex,
     file_sources,
@@ -43,10 +43,10 @@ BATCH = 256  # conversations per tokenization call
 
 def prepare_stream(cfg: TrainConfig, run_dir: Path) -> Tuple[int, str, int]:
     """(samples per epoch, data fingerprint, validation rows) of a stream; writes `<run>/stream_index.*` (and the
-    quarantine). The row pre-scan runs in the pass that indexes the files (scan_files.py): one read of the corpus,
+    quarantine). The row pre-scan runs in the pass that indexes the files (stream/scan_files.py): one read of the corpus,
     cold; none, warm."""
     from dsrecipes.data.cache import data_fingerprint
-    from dsrecipes.data.registry import resolve_sources
+    from dsrecipes.data.sources.registry import resolve_sources
 
     started = time.perf_counter()
     notes: List[str] = []
@@ -76,7 +76,7 @@ class _Scanning:
 
     def __init__(self, cfg: TrainConfig, run_dir: Path):
         from dsrecipes.data.cache import cache_root
-        from dsrecipes.data.scan_files import Taps
+        from dsrecipes.data.stream.scan_files import Taps
 
         self.cfg = cfg
         self.report, self.encoder = _start(cfg, run_dir)
@@ -85,7 +85,7 @@ class _Scanning:
         self.taps = Taps(self._tap)
 
     def _tap(self, name: str, src: SourceConfig) -> Any:
-        from dsrecipes.data.scan_files import RowChecker, RowTap
+        from dsrecipes.data.stream.scan_files import RowChecker, RowTap
 
         checker = RowChecker(name, src, False, self.cfg.dataset.max_row_bytes, self.encoder)
         return RowTap(checker, self.cfg.dataset.max_row_bytes)
@@ -111,7 +111,7 @@ def scan_stream(cfg: TrainConfig, run_dir: Path, index: Optional[StreamIndex] = 
                 scanning: Optional[_Scanning] = None) -> Dict[str, int]:
     """Every row checked once under the bad-row policy (from the indexing pass, the scan cache, or read by
     blocks); returns {'rows': read, 'good': kept, 'skipped': bad}."""
-    from dsrecipes.data.scan_files import load_scan, save_scan, scan_path
+    from dsrecipes.data.stream.scan_files import load_scan, save_scan, scan_path
 
     scanning = _Scanning(cfg, run_dir) if scanning is None else scanning
     index = index_stream(cfg) if index is None else index
@@ -133,7 +133,7 @@ def scan_stream(cfg: TrainConfig, run_dir: Path, index: Optional[StreamIndex] = 
 
 def _read_scan(cfg: TrainConfig, index: StreamIndex, f: int, src: SourceConfig, encoder: Any) -> Any:
     """The scan of file f read by blocks (its index came from the cache, or it is a converted copy)."""
-    from dsrecipes.data.scan_files import RowChecker
+    from dsrecipes.data.stream.scan_files import RowChecker
 
     fi = index.files[f]
     checker = RowChecker(fi.name, src, fi.loc_base < 0, cfg.dataset.max_row_bytes, encoder)
@@ -177,7 +177,7 @@ def checked_conversations(cfg: TrainConfig, report: BadRowReport, encoder: Any,
 
 
 def _start(cfg: TrainConfig, run_dir: Path) -> Tuple[BadRowReport, Any]:
-    from dsrecipes.data.tokenize import Encoder
+    from dsrecipes.data.render.tokenize import Encoder
     from dsrecipes.model import load_tokenizer
 
     quarantine = Path(run_dir) / QUARANTINE_FILE
@@ -195,7 +195,7 @@ def _finish(report: BadRowReport, good: int, run_dir: Path) -> Dict[str, int]:
 
 
 def _encoded(convs: List[Conversation], report: BadRowReport, encoder: Any) -> Iterator[Tuple[Conversation, Any]]:
-    from dsrecipes.data.files import element_line
+    from dsrecipes.data.sources.files import element_line
 
     if not convs:
         return

@@ -1,7 +1,7 @@
 """SentencePiece-style tokenizers and segment-wise tokenization: no word-start marker in the middle of a text.
 
 Llama-2 / Mistral-v1 style tokenizers mark the start of a text with "▁" (a space): a `Metaspace` pre-tokenizer with
-`prepend_scheme` "always"/"first", or a `Prepend("▁")` normalizer (the legacy Llama layout). data/tokenize.py encodes
+`prepend_scheme` "always"/"first", or a `Prepend("▁")` normalizer (the legacy Llama layout). data/render/tokenize.py encodes
 each template segment on its own (so a trained reply never shares a token with its prompt), and such a tokenizer then
 puts "▁" in front of every segment: "ASSISTANT: " + "Hello</s>" became [..., ":", "▁"] + ["▁Hello", "</s>"], a
 spurious space at the start of every reply (and of every prompt after the first). At inference the rendered prompt

@@ -7,7 +7,7 @@ pass that computes the file's content hash for `data/cache.py`), cuts the sample
 caches the result under `<cache>/stream/` by content hash and block size.
 
 Files that cannot be read at an offset (gzip, JSON arrays) are converted once into a cached JSONL
-(`<cache>/stream/<hash>.jsonl`, stream_convert.py); for a JSON array line L of the copy is element L-1 (`loc_base =
+(`<cache>/stream/<hash>.jsonl`, stream/convert.py); for a JSON array line L of the copy is element L-1 (`loc_base =
 -1`: sample ids keep the original `<file>:<element>`, exactly as `data=map` names them; messages say
 `<file>: element N (line L)`). A file without rows gets `problem` and no samples, and the bad-row policy decides
 (like `data=map`, which counts it as one bad row); a file that breaks (corrupt gzip, broken JSON structure) is
@@ -23,8 +23,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from dsrecipes.data.remote import is_url, open_bytes, pin, size_mtime
-from dsrecipes.data.stream_convert import CHUNK, convert, file_kind
+from dsrecipes.data.sources.remote import is_url, open_bytes, pin, size_mtime
+from dsrecipes.data.stream.convert import CHUNK, convert, file_kind
 from dsrecipes.fileio import atomic_writer
 
 INDEX_VERSION = 1
@@ -113,7 +113,7 @@ def index_files(cfg: Any, names: List[str], block_bytes: int,
                 tap: Optional[Callable[[str], Optional[Callable[[bytes], None]]]] = None) -> List[FileIndex]:
     """The FileIndex of each file, from the cache or built (one pass for hash + index of a plain JSONL file).
     `tap(name)` may give a feed that sees the bytes of a JSONL file read in place, in the same pass (the row
-    pre-scan, scan_files.py)."""
+    pre-scan, stream/scan_files.py)."""
     from dsrecipes.data.cache import cache_root, content_hashes
 
     root = cache_root(cfg) / "stream"

@@ -1,4 +1,4 @@
-"""Who reads which part of a `data=iterable` epoch's order (stream_plan.py), and resuming. Pure numpy; the loaders
+"""Who reads which part of a `data=iterable` epoch's order (stream/order.py), and resuming. Pure numpy; the loaders
 and `dsrecipes audit` call these same functions.
 
 1. Segments and stretches. A segment plans the remaining order positions ("runs": sorted [start, stop) rows) for one
@@ -25,7 +25,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from dsrecipes.data.plan import Layout
-from dsrecipes.data.stream_plan import hash_keys, salt
+from dsrecipes.data.stream.order import hash_keys, salt
 
 UNSHUFFLED_WINDOW = 4096  # positions handled at once by a reader when the stream is not shuffled
 
