@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 from dsrecipes.config.load import config_to_dict
-from dsrecipes.config.schema import LauncherKind, TrainConfig
+from dsrecipes.schema import LauncherKind, TrainConfig
 from dsrecipes.data.strategies import PrepareResult, plan_steps, strategy_of
 from dsrecipes.errors import ConfigError, Refused, UserError
 from dsrecipes.rundir import CHECKPOINTS_DIR
@@ -134,7 +134,7 @@ def plan_run(cfg: TrainConfig, run_dir: Path, decision: Decision) -> RunPlan:
 def check_fresh_start(cfg: TrainConfig, run_dir: Path) -> None:
     """A run directory that holds a run is continued, never restarted over (metrics, checkpoints and retention
     would mix two runs): `trainer.resume=never` there, or a resume from another run's checkpoint, is refused."""
-    from dsrecipes.config.schema import ResumeMode
+    from dsrecipes.schema import ResumeMode
     from dsrecipes.rundir import holds_run
 
     held = holds_run(run_dir)

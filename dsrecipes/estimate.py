@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from dsrecipes.config.schema import AttnImpl, OptimizerKind, Precision, TrainConfig
+from dsrecipes.schema import AttnImpl, OptimizerKind, Precision, TrainConfig
 from dsrecipes.errors import no_custom_code
 
 GIB = 1024**3

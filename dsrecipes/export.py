@@ -24,7 +24,7 @@ import torch
 import dsrecipes.disk_space as disk_space
 import dsrecipes.manifest as manifest
 from dsrecipes.checkpoint import read_record, step_of
-from dsrecipes.config.schema import TrainConfig
+from dsrecipes.schema import TrainConfig
 from dsrecipes.errors import UserError
 from dsrecipes.fileio import atomic_write_json
 from dsrecipes.trust import sign

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from dsrecipes.config.schema import Precision, TrainConfig
+from dsrecipes.schema import Precision, TrainConfig
 from dsrecipes.errors import no_custom_code
 from dsrecipes.paths import TINY_TOKENIZER_DIR
 

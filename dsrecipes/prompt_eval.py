@@ -103,7 +103,7 @@ def read_prompts(path: Path) -> List[PromptRow]:
 def validation_rows(run_dir: Path) -> List[PromptRow]:
     """The run's held-out conversations: everything before the last reply is the prompt, the reply the reference."""
     from dsrecipes.config.load import load_run_config
-    from dsrecipes.config.schema import BadRows
+    from dsrecipes.schema import BadRows
     from dsrecipes.data.prepare import STATS_FILE, load_prepared
     from dsrecipes.data.sources.badrows import BadRowReport
     from dsrecipes.data.sources.messages import chat_messages, tool_call_text

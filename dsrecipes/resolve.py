@@ -19,7 +19,7 @@ import sys
 from typing import List, Tuple
 
 from dsrecipes.config.defaults import config_warnings, with_derived_defaults
-from dsrecipes.config.schema import Device, Precision, TemplateKind, TrainConfig
+from dsrecipes.schema import Device, Precision, TemplateKind, TrainConfig
 from dsrecipes.hub import resolve_hub_paths
 
 

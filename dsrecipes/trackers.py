@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Protocol
 
-from dsrecipes.config.schema import ReportTo, TrainConfig
+from dsrecipes.schema import ReportTo, TrainConfig
 from dsrecipes.fileio import atomic_write_json
 
 TB_DIR = "tb"

@@ -33,7 +33,7 @@ import dsrecipes.heartbeat as heartbeat
 import dsrecipes.stopping as stopping
 from dsrecipes.checkpoint import ResumePoint, TrainState, load_checkpoint, open_resume, save_checkpoint
 from dsrecipes.config.defaults import learning_rate
-from dsrecipes.config.schema import LauncherKind, NanPolicy, TrainConfig
+from dsrecipes.schema import LauncherKind, NanPolicy, TrainConfig
 from dsrecipes.distributed import all_ranks, finish_distributed, init_distributed
 from dsrecipes.errors import DataError, RunInterrupted, TrainingFailed, UserError
 from dsrecipes.evaluation import EvalLedger, evaluate

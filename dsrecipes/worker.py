@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from dsrecipes.checkpoint import TrainState
-from dsrecipes.config.schema import Device
+from dsrecipes.schema import Device
 from dsrecipes.errors import RunInterrupted, TrainingFailed, UserError
 
 

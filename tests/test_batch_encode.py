@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsrecipes.config.schema import BadRows, DatasetConfig, SourceConfig, TemplateConfig, TemplateKind, TrainConfig
+from dsrecipes.schema import BadRows, DatasetConfig, SourceConfig, TemplateConfig, TemplateKind, TrainConfig
 from dsrecipes.data.render import batch_encode
 from dsrecipes.data.render.tokenize import Encoder
 from dsrecipes.data.sources.badrows import BadRowReport

@@ -9,7 +9,7 @@ from typing import List
 
 import pytest
 
-from dsrecipes.config.schema import TemplateConfig, TemplateKind, TrainOn
+from dsrecipes.schema import TemplateConfig, TemplateKind, TrainOn
 from dsrecipes.data.render.jinja import chat_template, lit
 from dsrecipes.data.render.template import generation_prompt, render
 from dsrecipes.data.sources.messages import messages_for
@@ -123,7 +123,7 @@ def test_real_sharegpt_rows_render_identically(tok, tmp_path, glaive):
     """Glaive tool-calling rows (English and Chinese, bundled) under every template."""
     import gzip
 
-    from dsrecipes.config.schema import SourceConfig
+    from dsrecipes.schema import SourceConfig
     from dsrecipes.data.sources.sharegpt import normalize_row
 
     rows = []

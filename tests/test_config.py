@@ -9,7 +9,7 @@ import pytest
 
 from dsrecipes.config.groups import RECIPE_GROUP, group_options, recipes
 from dsrecipes.config.load import check_composition, compose, compose_and_load, hydra_context
-from dsrecipes.config.schema import DataKind, OffloadDevice, Precision, TrainConfig
+from dsrecipes.schema import DataKind, OffloadDevice, Precision, TrainConfig
 from dsrecipes.config.validate import check_runtime
 from dsrecipes.errors import ConfigError
 

@@ -10,7 +10,7 @@ import yaml
 
 from dsrecipes.config.groups import recipes
 from dsrecipes.config.load import check_composition, compose, compose_and_load, config_to_dict, hydra_context
-from dsrecipes.config.schema import TrainConfig
+from dsrecipes.schema import TrainConfig
 from dsrecipes.paths import conf_dir
 
 RECIPES = recipes()

@@ -82,7 +82,7 @@ def read_through(strategy: str, cfg, tmp_path: Path) -> dict:
 def runtime_rows(cfg, tmp_path: Path, strategy: str):
     """The loader workers' side: RowEncoder over every block the stream index gives (iterable), or over the part's
     items (presharded)."""
-    from dsrecipes.config.schema import SourceConfig
+    from dsrecipes.schema import SourceConfig
     from dsrecipes.data.sampler import StreamSpec
     from dsrecipes.data.strategies.rows import RowEncoder
     from dsrecipes.model import load_tokenizer

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dsrecipes.config.schema import BadRows, ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
+from dsrecipes.schema import BadRows, ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.sources.files import read_rows
 from dsrecipes.data.sources.registry import load_registry, resolve_sources

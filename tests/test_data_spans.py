@@ -11,7 +11,7 @@ from typing import List
 
 import pytest
 
-from dsrecipes.config.schema import TemplateKind, TrainOn
+from dsrecipes.schema import TemplateKind, TrainOn
 from dsrecipes.data.render.template import render
 from dsrecipes.data.render.tokenize import IGNORE_INDEX, Encoder, Example
 from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn

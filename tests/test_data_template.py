@@ -9,7 +9,7 @@ from typing import List
 
 import pytest
 
-from dsrecipes.config.schema import BadRows, SourceConfig, TemplateConfig, TemplateKind, TrainConfig, TrainOn
+from dsrecipes.schema import BadRows, SourceConfig, TemplateConfig, TemplateKind, TrainConfig, TrainOn
 from dsrecipes.data.render.labels import IGNORE_INDEX
 from dsrecipes.data.render.template import generation_prompt, render
 from dsrecipes.data.render.tokenize import Encoder

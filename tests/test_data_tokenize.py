@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from dsrecipes.config.schema import TemplateConfig, TemplateKind, TrainConfig, TrainOn
+from dsrecipes.schema import TemplateConfig, TemplateKind, TrainConfig, TrainOn
 from dsrecipes.data.render.labels import IGNORE_INDEX
 from dsrecipes.data.render.packing import pack, pack_plan, packing_efficiency
 from dsrecipes.data.render.tokenize import Encoder, Example

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsrecipes.config.schema import DpoLoss
+from dsrecipes.schema import DpoLoss
 from dsrecipes.data.render.preference_encode import read_and_encode_pairs
 from dsrecipes.data.sources.badrows import BadRowReport
 from dsrecipes.data.sources.registry import resolve_sources

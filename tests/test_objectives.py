@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsrecipes.config.schema import ObjectiveKind
+from dsrecipes.schema import ObjectiveKind
 from dsrecipes.objectives import build_objective, builders
 from dsrecipes.paths import conf_dir
 

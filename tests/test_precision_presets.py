@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from dsrecipes.config.schema import Precision
+from dsrecipes.schema import Precision
 from dsrecipes.paths import PACKAGE_DIR
 from dsrecipes.resolve import _this_device, precision_for_device
 

@@ -12,7 +12,7 @@ import pytest
 
 from dsrecipes import resume_contract
 from dsrecipes.config.load import config_to_dict
-from dsrecipes.config.schema import TrainConfig
+from dsrecipes.schema import TrainConfig
 
 
 def leaf_keys() -> list:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsrecipes.config.schema import SchedulerConfig, SchedulerKind
+from dsrecipes.schema import SchedulerConfig, SchedulerKind
 from dsrecipes.schedule import StepScheduler, lr_factor, warmup_steps
 
 

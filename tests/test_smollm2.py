@@ -45,7 +45,7 @@ def raw_rows(path: Path) -> List[dict]:
 
 def conversations() -> List:
     """All 600 bundled Glaive rows (300 English, 300 Chinese)."""
-    from dsrecipes.config.schema import SourceConfig
+    from dsrecipes.schema import SourceConfig
     from dsrecipes.data.sources.sharegpt import normalize_row
 
     return [normalize_row(r, f"{f.name}:{i}", SourceConfig(name=f.name)) for f in GLAIVE
@@ -172,7 +172,7 @@ def recompute_step0(workspace: Path, run: Path, smollm2_dir: Path):
     the ids (expected_mask), one conversation at a time."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dsrecipes.config.schema import BadRows, SourceConfig
+    from dsrecipes.schema import BadRows, SourceConfig
     from dsrecipes.data.sources.badrows import BadRowReport
     from dsrecipes.data.sources.messages import messages_for
     from dsrecipes.data.sources.sharegpt import iter_source
@@ -295,7 +295,7 @@ def test_two_rank_zero3_from_a_hub_id_exports_the_original_shapes(workspace, smo
 def test_eos_terminated_templates_use_the_tokenizers_eos_and_header_templates_still_refuse(tok):
     """vicuna's "</s>" is the model's eos: on SmolLM2 (no literal "</s>" token) replies end with <|im_end|>; llama3,
     whose special tokens are the format itself, keeps refusing with the clear message."""
-    from dsrecipes.config.schema import TemplateConfig, TemplateKind, TrainOn
+    from dsrecipes.schema import TemplateConfig, TemplateKind, TrainOn
     from dsrecipes.data.render.template import check_template, render
     from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
 
@@ -314,7 +314,7 @@ def test_vicuna_trains_exports_and_serves_with_the_training_rendering(workspace,
     chat template renders the training text byte for byte, and stock generate stops at that eos, greedily."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dsrecipes.config.schema import BadRows, SourceConfig, TemplateConfig, TemplateKind, TrainOn
+    from dsrecipes.schema import BadRows, SourceConfig, TemplateConfig, TemplateKind, TrainOn
     from dsrecipes.data.prepare import _open
     from dsrecipes.data.render.template import render
     from dsrecipes.data.sources.badrows import BadRowReport

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dsrecipes.config.schema import DataKind
+from dsrecipes.schema import DataKind
 from dsrecipes.data.strategies import STRATEGIES, DataStrategy
 from dsrecipes.data.strategies.rules import RULES
 from dsrecipes.errors import DataError

@@ -20,7 +20,7 @@ def _cfg(make_cfg, *overrides):
 
 def test_report_to_is_a_typed_list(make_cfg):
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.config.schema import ReportTo
+    from dsrecipes.schema import ReportTo
     from dsrecipes.errors import ConfigError
 
     assert _cfg(make_cfg).trainer.report_to == [ReportTo.tensorboard]

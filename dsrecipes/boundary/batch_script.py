@@ -6,7 +6,7 @@
     launcher.slurm_sbatch_args  `#SBATCH --key=value` with keys from SBATCH_ALLOWED, each value of its type
     launcher.slurm_partition / slurm_account   `#SBATCH --partition` / `--account` (names)
 
-The free shell text of the retired `launcher.slurm_setup` is gone (config/schema.py RETIRED_KEYS says what replaces
+The free shell text of the retired `launcher.slurm_setup` is gone (schema.py RETIRED_KEYS says what replaces
 it). Every value is checked against a shape that holds no whitespace, quote, `$` or line break, and is still quoted
 where the shell reads it; directives dsrecipes writes itself (nodes, time, output, requeue, ...) point to their field.
 """

@@ -33,7 +33,7 @@ from dsrecipes.boundary.values import (
     number,
     shape,
 )
-from dsrecipes.config.schema import LauncherKind
+from dsrecipes.schema import LauncherKind
 
 KEY = "launcher.extra_args"
 _HOSTFILE_WORD = re.compile(r"[A-Za-z_]{1,32}=\d{1,6}")  # slots=8, max_slots=8

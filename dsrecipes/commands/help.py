@@ -48,7 +48,7 @@ def train_help() -> str:
 def schema_rows() -> Dict[str, List[str]]:
     """{"trainer.": [micro_batch_size, ...], "model.lora.": [...], ...}: every key of the schema by parent."""
     from dsrecipes.config.hints import unwrap_optional
-    from dsrecipes.config.schema import TrainConfig
+    from dsrecipes.schema import TrainConfig
 
     rows: Dict[str, List[str]] = {}
 

@@ -10,7 +10,7 @@ from typing import List, Sequence
 
 from dsrecipes.commands.args import override_parser, parse
 from dsrecipes.config.load import compose_and_load
-from dsrecipes.config.schema import ShardBalance
+from dsrecipes.schema import ShardBalance
 
 
 def main(argv: List[str]) -> int:

@@ -23,7 +23,7 @@ import os
 from pathlib import PurePath
 from typing import List
 
-from dsrecipes.config.schema import OptimizerKind, TrainConfig
+from dsrecipes.schema import OptimizerKind, TrainConfig
 
 TINY_NAME = "tiny"
 HIGH_LR = 1e-3  # above this, adaptive optimizers tend to wreck a pretrained model

@@ -73,7 +73,7 @@ def clean_hydra_message(exc: BaseException) -> str:
 
 def schema_keys(cls: Any = None, prefix: str = "") -> List[str]:
     """Every dotted key of the schema, inner nodes included (`model`, `model.lora`, `model.lora.r`, ...)."""
-    from dsrecipes.config.schema import TrainConfig
+    from dsrecipes.schema import TrainConfig
 
     cls = TrainConfig if cls is None else cls
     keys = []
@@ -227,7 +227,7 @@ def _unknown_key(chain: List[BaseException], overrides: List[str]) -> str:
     if typed.startswith("hydra."):
         return ""
     blame = _blame(typed, overrides)
-    from dsrecipes.config.schema import RETIRED_KEYS
+    from dsrecipes.schema import RETIRED_KEYS
 
     if typed in RETIRED_KEYS:
         return f"{typed}: {RETIRED_KEYS[typed]}{blame}"

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from dsrecipes.config.hints import clean_hydra_message, full_key, schema_keys
-from dsrecipes.config.schema import TrainConfig
+from dsrecipes.schema import TrainConfig
 from dsrecipes.errors import ConfigError
 from dsrecipes.suggest import closest, phrase
 

@@ -6,7 +6,7 @@ import os
 import re
 from typing import List
 
-from dsrecipes.config.schema import (
+from dsrecipes.schema import (
     AttnImpl,
     Device,
     DpoLoss,

@@ -7,7 +7,7 @@ from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
-from dsrecipes.config.schema import TrainConfig
+from dsrecipes.schema import TrainConfig
 from dsrecipes.data.render.batch_encode import Encoded
 from dsrecipes.data.render.labels import IGNORE_INDEX
 from dsrecipes.data.render.packing import pack_plan, packing_efficiency

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from dsrecipes.config.load import config_to_dict
-from dsrecipes.config.schema import SourceConfig, TrainConfig
+from dsrecipes.schema import SourceConfig, TrainConfig
 from dsrecipes.data.sources.remote import identity as remote_identity
 from dsrecipes.data.sources.remote import is_url
 from dsrecipes.fileio import atomic_write_json

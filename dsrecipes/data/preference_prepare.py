@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
-from dsrecipes.config.schema import SourceConfig, TrainConfig
+from dsrecipes.schema import SourceConfig, TrainConfig
 from dsrecipes.data.render.labels import IGNORE_INDEX
 from dsrecipes.data.render.preference_encode import read_and_encode_pairs
 from dsrecipes.data.sources.badrows import BadRowReport

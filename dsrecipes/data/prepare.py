@@ -39,7 +39,7 @@ from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
-from dsrecipes.config.schema import ObjectiveKind, ReferenceMode, SourceConfig, TrainConfig
+from dsrecipes.schema import ObjectiveKind, ReferenceMode, SourceConfig, TrainConfig
 from dsrecipes.data.arrow_split import write_split
 from dsrecipes.data.cache import cache_key, cache_root
 from dsrecipes.data.preference_prepare import attach_reference

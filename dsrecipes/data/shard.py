@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import dsrecipes.data.shard_store as store_upload
-from dsrecipes.config.schema import ShardBalance
+from dsrecipes.schema import ShardBalance
 from dsrecipes.data.sources.remote import identity as remote_identity
 from dsrecipes.data.sources.remote import is_url
 from dsrecipes.data.sources.splits import split_val

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import List, Mapping, Optional
 
-from dsrecipes.config.schema import TrainConfig
+from dsrecipes.schema import TrainConfig
 from dsrecipes.console import log_path
 from dsrecipes.distributed import remove_shm_buffers
 from dsrecipes.errors import UserError
@@ -87,7 +87,7 @@ def _trained(cfg: TrainConfig, run_dir: Path, commands: List[Command], worker_mo
     """0 when the ranks report the planned steps (launch/trained.py); else the reason goes to rank_outcome.json
     (the run's result.json then says `failed`) and the exit code is 1. SLURM returns at submission: the job's ranks
     have not run yet. Another worker module (tests' probes) reports nothing."""
-    from dsrecipes.config.schema import LauncherKind
+    from dsrecipes.schema import LauncherKind
     from dsrecipes.launch.trained import EXIT_CODE, untrained
     from dsrecipes.rundir import write_outcome
 

@@ -18,7 +18,7 @@ from typing import Mapping
 from dsrecipes.boundary.batch_script import directive_lines, run_dir_problem, setup_lines
 from dsrecipes.boundary.launcher_args import checked_extra_args
 from dsrecipes.boundary.rank_env import checked_env
-from dsrecipes.config.schema import TrainConfig
+from dsrecipes.schema import TrainConfig
 from dsrecipes.errors import ConfigError
 from dsrecipes.launch.plan import SBATCH_FILE, WORKER_MODULE, Command, LaunchPlan, Requirement
 from dsrecipes.topology import per_node

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict
 
-from dsrecipes.config.schema import ObjectiveKind, TrainConfig
+from dsrecipes.schema import ObjectiveKind, TrainConfig
 from dsrecipes.objectives.base import Objective
 
 Builder = Callable[[TrainConfig, Any], Objective]

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from dsrecipes.config.schema import DpoLoss, ObjectiveKind, ReferenceMode, TrainConfig
+from dsrecipes.schema import DpoLoss, ObjectiveKind, ReferenceMode, TrainConfig
 from dsrecipes.model import build_model
 from dsrecipes.objectives.base import IGNORE_INDEX, Batch, Row, pad_token_id, ratio
 

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dsrecipes.config.schema import DatasetConfig, SourceConfig, TrainConfig
+from dsrecipes.schema import DatasetConfig, SourceConfig, TrainConfig
 from dsrecipes.data.render.tokenize import Encoder
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.sources.files import FileUnreadable, RawRow, expand_paths, no_file, read_row_items, row_of

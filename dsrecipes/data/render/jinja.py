@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from dsrecipes.config.schema import TemplateConfig, TemplateKind
+from dsrecipes.schema import TemplateConfig, TemplateKind
 from dsrecipes.data.render.template import Spec, default_system, template_spec
 
 

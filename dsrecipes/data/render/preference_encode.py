@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-from dsrecipes.config.schema import DatasetConfig, SourceConfig, TrainConfig, TrainOn
+from dsrecipes.schema import DatasetConfig, SourceConfig, TrainConfig, TrainOn
 from dsrecipes.data.render.labels import IGNORE_INDEX
 from dsrecipes.data.render.template import Segment
 from dsrecipes.data.render.tokenize import Encoder

@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from dsrecipes.chat_sandbox import TemplateRaised, TemplateRefused
 from dsrecipes.chat_sandbox import render as render_chat_template
-from dsrecipes.config.schema import TemplateConfig, TemplateKind, TrainOn
+from dsrecipes.schema import TemplateConfig, TemplateKind, TrainOn
 from dsrecipes.data.sources.badrows import BadReason, BadRow
 from dsrecipes.data.sources.messages import (
     chat_messages,

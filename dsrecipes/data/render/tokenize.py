@@ -39,7 +39,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from dsrecipes.chat_sandbox import TemplateRefused
-from dsrecipes.config.schema import TrainConfig
+from dsrecipes.schema import TrainConfig
 from dsrecipes.data.render.labels import IGNORE_INDEX
 from dsrecipes.data.render.spans import FullText, Spans
 from dsrecipes.data.render.spm import continuation_encoder

@@ -16,7 +16,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from dsrecipes.config.schema import BadRows
+from dsrecipes.schema import BadRows
 from dsrecipes.errors import DataError
 from dsrecipes.fileio import json_text
 

@@ -23,7 +23,7 @@ import zlib
 from dataclasses import dataclass
 from typing import IO, Any, Callable, Iterator, List, Optional, Tuple, Union
 
-from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES
+from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES
 from dsrecipes.data.sources.badrows import BadReason, BadRow, location
 from dsrecipes.data.sources.jsonscan import BOM, JsonStructureError, values
 from dsrecipes.data.sources.remote import expand as remote_expand

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from dsrecipes.config.schema import DatasetFormat, ObjectiveKind, SourceConfig
+from dsrecipes.schema import DatasetFormat, ObjectiveKind, SourceConfig
 from dsrecipes.data.sources.badrows import BadReason, BadRow
 from dsrecipes.data.sources.files import RawRow
 from dsrecipes.data.sources.sharegpt import (

@@ -25,7 +25,7 @@ import json
 import os
 from typing import Any, Dict, List, Optional
 
-from dsrecipes.config.schema import ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
+from dsrecipes.schema import ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
 from dsrecipes.data.sources.remote import looks_like_url
 from dsrecipes.errors import ConfigError, DataError
 

@@ -17,7 +17,7 @@ Guarantees, for every strategy, world size and `data.num_workers` (checked by `d
 Adding a strategy is one module, one option file and one Enum value: write `data/strategies/<name>.py` with a class
 implementing every method of `DataStrategy` (identity, prepare, steps_per_epoch, open, train_loader, eval_loader,
 audit; its config rules go in `rules.py`'s table, checked by the same completeness test), add `<name>` to
-`DataKind` in config/schema.py, add `conf/data/<name>.yaml`, and list the class in `STRATEGIES` below.
+`DataKind` in schema.py, add `conf/data/<name>.yaml`, and list the class in `STRATEGIES` below.
 tests/test_strategy_table.py fails until every `DataKind` has a complete strategy, and refuses a `DataKind`
 comparison in any module outside this package.
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
-from dsrecipes.config.schema import DataKind, TrainConfig
+from dsrecipes.schema import DataKind, TrainConfig
 from dsrecipes.data.audit import AuditReport
 from dsrecipes.data.plan import Layout, total_steps
 from dsrecipes.data.strategies.base import TrainLoader

@@ -18,7 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES, DataKind, TrainConfig
+from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES, DataKind, TrainConfig
 from dsrecipes.data.audit import AuditReport, audit_stream
 from dsrecipes.data.plan import Layout, require_steps, steps_per_epoch
 from dsrecipes.data.strategies.base import Batch, Row, TrainLoader

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from dsrecipes.config.schema import DataKind, TrainConfig
+from dsrecipes.schema import DataKind, TrainConfig
 from dsrecipes.data.audit import AuditReport, audit_map
 from dsrecipes.data.plan import EpochPlan, Layout, require_steps, steps_per_epoch
 from dsrecipes.data.sampler import map_micro_batches

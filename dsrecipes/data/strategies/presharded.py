@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from dsrecipes.config.schema import DataKind, SourceConfig, TrainConfig
+from dsrecipes.schema import DataKind, SourceConfig, TrainConfig
 from dsrecipes.data.audit import AuditReport, audit_presharded
 from dsrecipes.data.plan import Layout, StreamShuffle, presharded_steps, require_steps
 from dsrecipes.data.sampler import Item, StreamSpec, select_slots

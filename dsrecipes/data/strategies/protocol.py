@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol, Tuple
 
-from dsrecipes.config.schema import DataKind, TrainConfig
+from dsrecipes.schema import DataKind, TrainConfig
 from dsrecipes.errors import DataError
 from dsrecipes.runplan import PLAN_FILE, RunPlan
 

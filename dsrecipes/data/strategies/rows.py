@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence
 
-from dsrecipes.config.schema import BadRows, TrainConfig
+from dsrecipes.schema import BadRows, TrainConfig
 from dsrecipes.data.strategies.base import Batch, Row
 from dsrecipes.errors import DataError
 from dsrecipes.objectives import build_objective

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES
+from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES
 from dsrecipes.data.sources.remote import PREFETCH_BLOCKS, ObjectChanged, RangePool, is_url, size_mtime
 from dsrecipes.data.sources.remote import identity as remote_identity
 from dsrecipes.data.stream.files import FileIndex, index_files
@@ -180,7 +180,7 @@ def file_sources(cfg: Any, index: StreamIndex) -> List[Any]:
 
 
 def _file_configs(cfg: Any, sources: Sequence[Any], file_source: Sequence[int]) -> List[Any]:
-    from dsrecipes.config.schema import SourceConfig
+    from dsrecipes.schema import SourceConfig
 
     ds = cfg.dataset
     val = SourceConfig(name=f"{ds.name}-val", paths=list(ds.val_paths), format=ds.format, columns=ds.columns,

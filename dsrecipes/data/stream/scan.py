@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from dsrecipes.config.schema import SourceConfig, TrainConfig
+from dsrecipes.schema import SourceConfig, TrainConfig
 from dsrecipes.data.prepare import QUARANTINE_FILE
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.sources.sharegpt import Conversation, conversation_dict, iter_conversations
