@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, List, Optional
 
-from dsrecipes.schema import OffloadDevice, TrainConfig
 from dsrecipes.jit_ops import JitOp, build_root, describe_build, ops_for
 from dsrecipes.machine import Probe
+from dsrecipes.schema import OffloadDevice, TrainConfig
 
 GIB = 1024**3
 

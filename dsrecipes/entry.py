@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 from dsrecipes.config.load import config_to_dict
-from dsrecipes.schema import LauncherKind, TrainConfig
 from dsrecipes.data.strategies import PrepareResult, plan_steps, strategy_of
 from dsrecipes.errors import ConfigError, Refused, UserError
 from dsrecipes.rundir import CHECKPOINTS_DIR
 from dsrecipes.runplan import ResumePlan, RunPlan, write_plan
+from dsrecipes.schema import LauncherKind, TrainConfig
 from dsrecipes.topology import Topology, resolve_topology
 
 
@@ -134,8 +134,8 @@ def plan_run(cfg: TrainConfig, run_dir: Path, decision: Decision) -> RunPlan:
 def check_fresh_start(cfg: TrainConfig, run_dir: Path) -> None:
     """A run directory that holds a run is continued, never restarted over (metrics, checkpoints and retention
     would mix two runs): `trainer.resume=never` there, or a resume from another run's checkpoint, is refused."""
-    from dsrecipes.schema import ResumeMode
     from dsrecipes.rundir import holds_run
+    from dsrecipes.schema import ResumeMode
 
     held = holds_run(run_dir)
     if held is None:

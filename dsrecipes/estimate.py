@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from dsrecipes.schema import AttnImpl, OptimizerKind, Precision, TrainConfig
 from dsrecipes.errors import no_custom_code
+from dsrecipes.schema import AttnImpl, OptimizerKind, Precision, TrainConfig
 
 GIB = 1024**3
 BUFFER_FACTOR = 1.5  # DeepSpeed's additional_buffer_factor default for CPU memory

@@ -24,9 +24,9 @@ import torch
 import dsrecipes.disk_space as disk_space
 import dsrecipes.manifest as manifest
 from dsrecipes.checkpoint import read_record, step_of
-from dsrecipes.schema import TrainConfig
 from dsrecipes.errors import UserError
 from dsrecipes.fileio import atomic_write_json
+from dsrecipes.schema import TrainConfig
 from dsrecipes.trust import sign
 
 EXPORT_DIR = "export"

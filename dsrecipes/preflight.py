@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 from typing import List, Optional
 
-from dsrecipes.schema import TrainConfig
 from dsrecipes.errors import UserError
+from dsrecipes.schema import TrainConfig
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json",
                    "*.gguf")

@@ -103,11 +103,11 @@ def read_prompts(path: Path) -> List[PromptRow]:
 def validation_rows(run_dir: Path) -> List[PromptRow]:
     """The run's held-out conversations: everything before the last reply is the prompt, the reply the reference."""
     from dsrecipes.config.load import load_run_config
-    from dsrecipes.schema import BadRows
     from dsrecipes.data.prepare import STATS_FILE, load_prepared
     from dsrecipes.data.sources.badrows import BadRowReport
     from dsrecipes.data.sources.messages import chat_messages, tool_call_text
     from dsrecipes.data.sources.sharegpt import Conversation, Role, iter_conversations
+    from dsrecipes.schema import BadRows
 
     cfg = load_run_config(run_dir)
     if not (run_dir / STATS_FILE).is_file():

@@ -19,8 +19,8 @@ import sys
 from typing import List, Tuple
 
 from dsrecipes.config.defaults import config_warnings, with_derived_defaults
-from dsrecipes.schema import Device, Precision, TemplateKind, TrainConfig
 from dsrecipes.hub import resolve_hub_paths
+from dsrecipes.schema import Device, Precision, TemplateKind, TrainConfig
 
 
 def resolve_model_choices(cfg: TrainConfig) -> Tuple[TrainConfig, List[str]]:

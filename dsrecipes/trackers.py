@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Protocol
 
-from dsrecipes.schema import ReportTo, TrainConfig
 from dsrecipes.fileio import atomic_write_json
+from dsrecipes.schema import ReportTo, TrainConfig
 
 TB_DIR = "tb"
 IDS_FILE = "trackers.json"

@@ -33,7 +33,6 @@ import dsrecipes.heartbeat as heartbeat
 import dsrecipes.stopping as stopping
 from dsrecipes.checkpoint import ResumePoint, TrainState, load_checkpoint, open_resume, save_checkpoint
 from dsrecipes.config.defaults import learning_rate
-from dsrecipes.schema import LauncherKind, NanPolicy, TrainConfig
 from dsrecipes.distributed import all_ranks, finish_distributed, init_distributed
 from dsrecipes.errors import DataError, RunInterrupted, TrainingFailed, UserError
 from dsrecipes.evaluation import EvalLedger, evaluate
@@ -46,6 +45,7 @@ from dsrecipes.objectives.base import Objective
 from dsrecipes.rundir import CHECKPOINTS_DIR, launcher_alive, rank_lock, read_ds_config, write_outcome, write_rank_steps
 from dsrecipes.runplan import RunPlan, read_plan
 from dsrecipes.schedule import StepScheduler, warmup_steps
+from dsrecipes.schema import LauncherKind, NanPolicy, TrainConfig
 from dsrecipes.selection import EXPORT_BEST_DIR, Selector, Verdict
 from dsrecipes.step_guard import StepGuard, discard_step, nonfinite, pause_for_signal
 

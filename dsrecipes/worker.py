@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import List, Optional
 
 from dsrecipes.checkpoint import TrainState
-from dsrecipes.schema import Device
 from dsrecipes.errors import RunInterrupted, TrainingFailed, UserError
+from dsrecipes.schema import Device
 
 
 def run(run_dir: str | Path) -> TrainState:

@@ -10,8 +10,8 @@ import yaml
 
 from dsrecipes.config.groups import recipes
 from dsrecipes.config.load import check_composition, compose, compose_and_load, config_to_dict, hydra_context
-from dsrecipes.schema import TrainConfig
 from dsrecipes.paths import conf_dir
+from dsrecipes.schema import TrainConfig
 
 RECIPES = recipes()
 

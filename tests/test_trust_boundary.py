@@ -108,8 +108,8 @@ def test_builders_refuse_what_validation_refuses(kind, args):
     """A config built in code (no validation) still cannot put these on a command line."""
     from dsrecipes import launch
     from dsrecipes.boundary.launcher_args import extra_args_problems
-    from dsrecipes.schema import LauncherConfig, LauncherKind, TrainConfig
     from dsrecipes.errors import ConfigError
+    from dsrecipes.schema import LauncherConfig, LauncherKind, TrainConfig
 
     assert extra_args_problems(LauncherKind(kind), args)
     ln = LauncherConfig(kind=LauncherKind(kind), num_gpus=2, extra_args=args)

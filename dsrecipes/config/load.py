@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from dsrecipes.config.hints import clean_hydra_message, full_key, schema_keys
-from dsrecipes.schema import TrainConfig
 from dsrecipes.errors import ConfigError
+from dsrecipes.schema import TrainConfig
 from dsrecipes.suggest import closest, phrase
 
 

@@ -6,6 +6,9 @@ import os
 import re
 from typing import List
 
+from dsrecipes.data.strategies.rules import carries_pairs, config_problems, required_paths
+from dsrecipes.errors import DataError
+from dsrecipes.hub import check_hub_paths, is_hub_id
 from dsrecipes.schema import (
     AttnImpl,
     Device,
@@ -18,9 +21,6 @@ from dsrecipes.schema import (
     ResumeMode,
     TrainConfig,
 )
-from dsrecipes.data.strategies.rules import carries_pairs, config_problems, required_paths
-from dsrecipes.errors import DataError
-from dsrecipes.hub import check_hub_paths, is_hub_id
 from dsrecipes.selection import config_problems as selection_problems
 
 _SLOTS = r"[A-Za-z0-9_.-]{1,253}(?::\d{1,4}(?:,\d{1,4})*)?"  # deepspeed --include/--exclude: host[:slots]@...

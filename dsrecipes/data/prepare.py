@@ -39,7 +39,6 @@ from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
-from dsrecipes.schema import ObjectiveKind, ReferenceMode, SourceConfig, TrainConfig
 from dsrecipes.data.arrow_split import write_split
 from dsrecipes.data.cache import cache_key, cache_root
 from dsrecipes.data.preference_prepare import attach_reference
@@ -53,6 +52,7 @@ from dsrecipes.data.sources.registry import resolve_sources, validation_files
 from dsrecipes.data.sources.splits import mix, split_val
 from dsrecipes.errors import DataError
 from dsrecipes.fileio import atomic_write_json
+from dsrecipes.schema import ObjectiveKind, ReferenceMode, SourceConfig, TrainConfig
 
 STATS_FILE = "prepare_stats.json"
 VAL_SOURCE = "dataset.val_paths"  # the source name of the validation files' samples

@@ -11,9 +11,9 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES
 from dsrecipes.data.plan import EpochPlan, Layout, StreamShuffle, epoch_order, file_order
 from dsrecipes.data.sources.remote import open_maybe_gzip
+from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES
 
 T = TypeVar("T")
 

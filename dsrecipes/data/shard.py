@@ -31,12 +31,12 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import dsrecipes.data.shard_store as store_upload
-from dsrecipes.schema import ShardBalance
 from dsrecipes.data.sources.remote import identity as remote_identity
 from dsrecipes.data.sources.remote import is_url
 from dsrecipes.data.sources.splits import split_val
 from dsrecipes.errors import DataError, UserError
 from dsrecipes.fileio import atomic_write_json
+from dsrecipes.schema import ShardBalance
 
 MANIFEST = "manifest.json"
 VAL_PART = "val.jsonl"

@@ -16,10 +16,10 @@ from typing import Callable, Dict, List, Mapping
 
 from dsrecipes.boundary.launcher_args import checked_extra_args
 from dsrecipes.boundary.rank_env import checked_env, hooks_from
-from dsrecipes.schema import LauncherConfig, LauncherKind, TrainConfig
 from dsrecipes.distributed import free_port
 from dsrecipes.launch.plan import DS_ENV_FILE, HOSTFILE, Command, LaunchPlan, Requirement
 from dsrecipes.launch.slurm import build_slurm
+from dsrecipes.schema import LauncherConfig, LauncherKind, TrainConfig
 from dsrecipes.topology import per_node
 
 # Multi-node runs need one port every node agrees on; with launcher.master_port unset that is DeepSpeed's default.

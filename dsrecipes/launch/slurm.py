@@ -18,9 +18,9 @@ from typing import Mapping
 from dsrecipes.boundary.batch_script import directive_lines, run_dir_problem, setup_lines
 from dsrecipes.boundary.launcher_args import checked_extra_args
 from dsrecipes.boundary.rank_env import checked_env
-from dsrecipes.schema import TrainConfig
 from dsrecipes.errors import ConfigError
 from dsrecipes.launch.plan import SBATCH_FILE, WORKER_MODULE, Command, LaunchPlan, Requirement
+from dsrecipes.schema import TrainConfig
 from dsrecipes.topology import per_node
 
 REQUEUE_SIGNAL_S = 180  # USR1 this long before the time limit: time to checkpoint and requeue

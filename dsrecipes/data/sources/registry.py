@@ -25,9 +25,9 @@ import json
 import os
 from typing import Any, Dict, List, Optional
 
-from dsrecipes.schema import ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
 from dsrecipes.data.sources.remote import looks_like_url
 from dsrecipes.errors import ConfigError, DataError
+from dsrecipes.schema import ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
 
 _LF_UNSUPPORTED = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
 _LF_MEDIA_COLUMNS = ("images", "videos", "audios", "kto_tag")

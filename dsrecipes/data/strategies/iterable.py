@@ -18,7 +18,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES, DataKind, TrainConfig
 from dsrecipes.data.audit import AuditReport, audit_stream
 from dsrecipes.data.plan import Layout, require_steps, steps_per_epoch
 from dsrecipes.data.strategies.base import Batch, Row, TrainLoader
@@ -31,6 +30,7 @@ from dsrecipes.data.stream.reader import ItemFetcher, read_stretch
 from dsrecipes.data.stream.segments import LocalShuffle, Segment, epoch_segment
 from dsrecipes.errors import DataError
 from dsrecipes.runplan import RunPlan
+from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES, DataKind, TrainConfig
 
 STREAM_STATE_VERSION = 2  # 1: the shared-stream filter before block reading
 MakeRows = Callable[[Sequence[Any]], List[Row]]

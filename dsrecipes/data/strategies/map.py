@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from dsrecipes.schema import DataKind, TrainConfig
 from dsrecipes.data.audit import AuditReport, audit_map
 from dsrecipes.data.plan import EpochPlan, Layout, require_steps, steps_per_epoch
 from dsrecipes.data.sampler import map_micro_batches
@@ -20,6 +19,7 @@ from dsrecipes.data.strategies.eval import EvalLoader, limit_rows
 from dsrecipes.data.strategies.protocol import PrepareResult, RankData, rows_of_plan
 from dsrecipes.data.strategies.rows import make_collate
 from dsrecipes.runplan import RunPlan
+from dsrecipes.schema import DataKind, TrainConfig
 
 
 class MapTrainLoader(TrainLoader):

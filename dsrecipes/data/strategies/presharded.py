@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from dsrecipes.schema import DataKind, SourceConfig, TrainConfig
 from dsrecipes.data.audit import AuditReport, audit_presharded
 from dsrecipes.data.plan import Layout, StreamShuffle, presharded_steps, require_steps
 from dsrecipes.data.sampler import Item, StreamSpec, select_slots
@@ -35,6 +34,7 @@ from dsrecipes.data.strategies.rows import RowEncoder, make_collate
 from dsrecipes.errors import DataError
 from dsrecipes.fileio import atomic_writer
 from dsrecipes.runplan import RunPlan
+from dsrecipes.schema import DataKind, SourceConfig, TrainConfig
 
 VAL_ROWS = "val_rows.jsonl"  # `dataset.val_paths` in canonical form, written by the launching process
 VAL_QUARANTINE = "val_quarantine.jsonl"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence
 
-from dsrecipes.schema import BadRows, TrainConfig
 from dsrecipes.data.strategies.base import Batch, Row
 from dsrecipes.errors import DataError
 from dsrecipes.objectives import build_objective
+from dsrecipes.schema import BadRows, TrainConfig
 
 
 def make_collate(cfg: TrainConfig, tokenizer: Any) -> Callable[[List[Row]], Batch]:

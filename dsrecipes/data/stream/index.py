@@ -24,13 +24,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES
 from dsrecipes.data.sources.remote import PREFETCH_BLOCKS, ObjectChanged, RangePool, is_url, size_mtime
 from dsrecipes.data.sources.remote import identity as remote_identity
 from dsrecipes.data.stream.files import FileIndex, index_files
 from dsrecipes.data.stream.order import BlockTable
 from dsrecipes.errors import DataError
 from dsrecipes.fileio import atomic_write_json, atomic_writer
+from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES
 
 INDEX_FILE = "stream_index.json"
 ARRAYS_FILE = "stream_index.npz"

@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from dsrecipes.schema import SourceConfig, TrainConfig
 from dsrecipes.data.prepare import QUARANTINE_FILE
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.sources.sharegpt import Conversation, conversation_dict, iter_conversations
@@ -37,6 +36,7 @@ from dsrecipes.data.stream.index import (
     write_stream_index,
 )
 from dsrecipes.errors import DataError
+from dsrecipes.schema import SourceConfig, TrainConfig
 
 BATCH = 256  # conversations per tokenization call
 
