@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
-from dsrecipes.config.load import config_to_dict
 from dsrecipes.data.strategies import PrepareResult, plan_steps, strategy_of
 from dsrecipes.errors import ConfigError, Refused, UserError
 from dsrecipes.rundir import CHECKPOINTS_DIR
 from dsrecipes.runplan import ResumePlan, RunPlan, write_plan
 from dsrecipes.schema import LauncherKind, TrainConfig
 from dsrecipes.topology import Topology, resolve_topology
+from dsrecipes.typed import config_to_dict
 
 
 def check_machine(cfg: TrainConfig) -> TrainConfig:

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from dsrecipes.config.load import config_to_dict
 from dsrecipes.data.render.template import render
 from dsrecipes.data.render.template_choice import choose_template
 from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
 from dsrecipes.decoding import settle_decoding
 from dsrecipes.schema import TemplateConfig, TrainConfig, TrainOn
+from dsrecipes.typed import config_to_dict
 
 _REPLY = "DSRECIPESREPLY"
 

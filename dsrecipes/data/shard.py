@@ -307,9 +307,9 @@ def checked_rows(cfg: Any, report: Any, encoder: Any, sources: List[Any]) -> Ite
 
 def check_identity(cfg: Any, tokenizer: Any) -> Dict[str, Any]:
     """What decides whether a row passes: the template config, the tokenizer itself and the row size limit."""
-    from dsrecipes.config.load import config_to_dict
     from dsrecipes.data.cache import tokenizer_fingerprint
     from dsrecipes.data.render.template_choice import choose_template
+    from dsrecipes.typed import config_to_dict
 
     template = choose_template(cfg.template, tokenizer, cfg.model.path)  # `auto` as the launch resolves it
     return {"template": config_to_dict(template), "tokenizer": tokenizer_fingerprint(tokenizer),

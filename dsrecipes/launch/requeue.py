@@ -22,12 +22,13 @@ def replan(run_dir: Path) -> RunPlan:
     """Plan the continuation of the run in `run_dir` from its newest verified checkpoint, with the config it was
     started with (holding the run directory's lock meanwhile); returns the new plan."""
     from dsrecipes.checkpoint_find import committed
-    from dsrecipes.config.load import config_to_dict, load_run_config
+    from dsrecipes.config.load import load_run_config
     from dsrecipes.entry import describe_plan, write_run_dir
     from dsrecipes.resume_contract import identity_fingerprint
     from dsrecipes.rundir import CHECKPOINTS_DIR, claim
     from dsrecipes.schema import ResumeMode
     from dsrecipes.topology import resolve_topology
+    from dsrecipes.typed import config_to_dict
 
     run_dir = Path(run_dir).resolve()
     cfg = load_run_config(run_dir)

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional
 from dsrecipes.data.sources.remote import looks_like_url
 from dsrecipes.errors import ConfigError, DataError
 from dsrecipes.schema import ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
+from dsrecipes.typed import convert
 
 _LF_UNSUPPORTED = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
 _LF_MEDIA_COLUMNS = ("images", "videos", "audios", "kto_tag")
@@ -133,12 +134,10 @@ def load_registry(path: str) -> Dict[str, SourceConfig]:
 
 
 def _yaml_entry(name: str, entry: Any, base: str) -> SourceConfig:
-    from dsrecipes.config.load import _convert  # the one typed conversion (errors carry dotted paths)
-
     if not isinstance(entry, dict):
         raise ConfigError(f"dataset.registry.{name}: expected a mapping")
     errors: List[str] = []
-    src = _convert(SourceConfig, {"name": name, **entry}, f"dataset.registry.{name}", errors)
+    src = convert(SourceConfig, {"name": name, **entry}, f"dataset.registry.{name}", errors)
     if errors:
         raise ConfigError(errors)
     src.paths = [p if looks_like_url(p) or os.path.isabs(os.path.expanduser(p)) else os.path.join(base, p)

@@ -97,8 +97,8 @@ def _scan_key(cfg: TrainConfig, encoder: Any) -> str:
     import hashlib
     import json
 
-    from dsrecipes.config.load import config_to_dict
     from dsrecipes.data.cache import PREP_VERSION, tokenizer_fingerprint
+    from dsrecipes.typed import config_to_dict
 
     dataset = {k: v for k, v in config_to_dict(cfg.dataset).items() if k not in ("bad_rows", "max_bad_fraction")}
     material = {"version": PREP_VERSION, "dataset": dataset, "template": config_to_dict(cfg.template),
