@@ -1,5 +1,6 @@
-"""`python -m dsrecipes.launch.requeue --run-dir RUN`: the first step of a requeued `launcher=slurm` batch
-job (an entry point of its own, like mpi_rank.py: it imports entry.py, which imports launch/).
+"""`python -m dsrecipes.requeue --run-dir RUN`: the first step of a requeued `launcher=slurm` batch
+job (an entry point of its own, like worker.py). It sits at the top level, not in launch/: it imports entry.py,
+which imports launch/, and a module in launch/ importing entry.py would tie the two folders both ways.
 
 The job's ranks only read the run directory, and refuse a plan.json older than the run's newest checkpoint
 (train.check_plan_current). A requeued job therefore plans its continuation first, on the batch host: the config
@@ -43,7 +44,7 @@ def replan(run_dir: Path) -> RunPlan:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dsrecipes.launch.requeue", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m dsrecipes.requeue", description=__doc__)
     parser.add_argument("--run-dir", required=True, help="the run directory of the requeued job")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
