@@ -12,6 +12,8 @@ import contextlib
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+import yaml
+
 from dsrecipes.config.hints import clean_hydra_message, full_key, schema_keys
 from dsrecipes.errors import ConfigError
 from dsrecipes.schema import TrainConfig
@@ -20,7 +22,7 @@ from dsrecipes.typed import to_dataclass
 
 def compose(overrides: Sequence[str] = ()) -> Any:
     """conf/train.yaml with overrides, checked for code (config/hydra_app.py)."""
-    import dsrecipes.config.hydra_app as hydra_app  # Hydra's runner: 0.4 s to import, which ranks (load_run_config) skip
+    import dsrecipes.config.hydra_app as hydra_app  # lazy: Hydra's runner, 0.13 s; ranks (worker) skip it
 
     return hydra_app.compose(overrides)
 
@@ -28,7 +30,7 @@ def compose(overrides: Sequence[str] = ()) -> Any:
 @contextlib.contextmanager
 def hydra_context() -> Iterator[None]:
     """Hydra initialised once; compose() calls inside reuse it (validate --all composes hundreds)."""
-    import dsrecipes.config.hydra_app as hydra_app  # see compose()
+    import dsrecipes.config.hydra_app as hydra_app  # lazy: see compose()
 
     with hydra_app.hydra_context():
         yield
@@ -47,9 +49,9 @@ def check_composition(
     composed: Any, *, check_files: bool = True, overrides: Sequence[str] = ()
 ) -> Tuple[Optional[TrainConfig], List[str], List[str]]:
     """(config, schema problems, rule problems). Rules are only checked once the schema is clean."""
-    from omegaconf import DictConfig, ListConfig, OmegaConf
+    from omegaconf import DictConfig, ListConfig, OmegaConf  # lazy: else `worker` imports omegaconf 0.06 s
 
-    from dsrecipes.config.validate import validate
+    from dsrecipes.config.validate import validate  # lazy: else `commands.show` imports numpy 0.11 s
 
     if isinstance(composed, DictConfig):
         try:  # key by key: Hydra's own `hydra` node (present in a job's composition) is not ours to resolve
@@ -90,7 +92,6 @@ def compose_and_load(overrides: Sequence[str] = (), *, check_files: bool = True)
 
 def load_run_config(run_dir: str | Path) -> TrainConfig:
     """What each rank does: read <run dir>/config.yaml (written by the launcher), never re-compose."""
-    import yaml
 
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():

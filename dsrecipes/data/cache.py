@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from dsrecipes.data.sources.files import expand_paths
 from dsrecipes.data.sources.remote import identity as remote_identity
 from dsrecipes.data.sources.remote import is_url
 from dsrecipes.fileio import atomic_write_json
@@ -38,7 +39,6 @@ def sources_material(cfg: TrainConfig, sources: Sequence[SourceConfig],
     """Every source with the content hash of each of its files (the data part of every key). `known`: hashes this
     launch already computed while reading the files (the stream index), so they are not read again."""
     known = known or {}
-    from dsrecipes.data.sources.files import expand_paths
 
     memo_path = cache_root(cfg) / MEMO_FILE
     memo = _read_memo(memo_path)

@@ -111,7 +111,7 @@ def load_prepared(cfg: TrainConfig, run_dir: str | Path) -> Prepared:
         if stats[name] != want:
             raise DataError(f"{path}: prepared with data.{name}={stats[name]}, but this config has {want}")
     if precomputed_reference(cfg):
-        from dsrecipes.objectives.dpo_reference import reference_key
+        from dsrecipes.objectives.dpo_reference import reference_key  # lazy: else `commands.train` imports torch 3.80 s
 
         ref = Path(stats.get("reference_dir") or cache / "reference" / "none")
         if ref.name != reference_key(cfg) or not (ref / "done").is_file():

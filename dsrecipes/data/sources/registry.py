@@ -25,6 +25,9 @@ import json
 import os
 from typing import Any, Dict, List, Optional
 
+import yaml
+
+from dsrecipes.data.sources.files import expand_paths
 from dsrecipes.data.sources.remote import looks_like_url
 from dsrecipes.errors import ConfigError, DataError
 from dsrecipes.schema import ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
@@ -73,7 +76,6 @@ def read_once(sources: List[SourceConfig], notes: Optional[List[str]] = None) ->
     named: the same file under two spellings (absolute, relative, `./`, `../`, a link) would otherwise be read twice
     and its rows could land in both the training and the validation split. Patterns matching nothing stay (the
     reader reports them); file names are glob-escaped so that a re-expansion finds exactly that file."""
-    from dsrecipes.data.sources.files import expand_paths
 
     first: Dict[str, str] = {}  # real path -> the spelling that was kept (with its source)
     out = []
@@ -118,8 +120,6 @@ def load_registry(path: str) -> Dict[str, SourceConfig]:
     try:
         with open(path, encoding="utf-8") as fh:
             if path.endswith((".yaml", ".yml")):
-                import yaml
-
                 data = yaml.safe_load(fh)
                 kind = "yaml"
             else:

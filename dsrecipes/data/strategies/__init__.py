@@ -21,10 +21,8 @@ audit; its config rules go in `rules.py`'s table, checked by the same completene
 tests/test_strategy_table.py fails until every `DataKind` has a complete strategy, and refuses a `DataKind`
 comparison in any module outside this package.
 
-Imports: the strategy modules import the preparation side of the data layer (prepare, scan, cache, registry, model)
-inside the methods that use it. This package is imported by the config validation (through rules.py) and those
-modules import the config loader (data/cache.py), so at module top they would make loading a config circular; they
-also cost `dsrecipes audit`/`validate` the tokenizer stack (model.py: torch, 5 s on a busy 2-core machine).
+Imports: at module top, except the few marked `# lazy:` (the tokenizer stack: model.py imports torch). This package
+is imported by the config validation (through rules.py), and `dsrecipes audit`/`validate` must not pay for torch.
 """
 
 from __future__ import annotations
