@@ -73,10 +73,10 @@ def measure(batches) -> Dict[str, float]:
 
 def plain_loop(cfg, tokenizer, paths: List[str]):
     """The baseline: read + parse + normalise + tokenize + collate every line, one process, no planning."""
-    from dsrecipes.config.schema import SourceConfig
     from dsrecipes.data.render.tokenize import Encoder
     from dsrecipes.data.sources.sharegpt import normalize_row
     from dsrecipes.objectives.sft import collate
+    from dsrecipes.schema import SourceConfig
 
     enc = Encoder(tokenizer, cfg)
     source = SourceConfig(name="x")

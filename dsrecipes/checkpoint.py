@@ -29,6 +29,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
@@ -37,11 +38,12 @@ import torch
 import dsrecipes.disk_space as disk_space
 import dsrecipes.manifest as manifest
 import dsrecipes.safe_load as safe_load
+from dsrecipes.distributed import all_ranks
 from dsrecipes.errors import UserError
 from dsrecipes.fileio import atomic_write_json, atomic_write_text
 from dsrecipes.rundir import CHECKPOINTS_DIR, CONFIG_FILE
 from dsrecipes.runplan import ResumePlan
-from dsrecipes.trust import sign
+from dsrecipes.trust import sign, signature_problem
 
 CHECKPOINTS = CHECKPOINTS_DIR
 LATEST = "latest"
@@ -163,7 +165,6 @@ def read_record(tag_dir: Path) -> Dict[str, Any]:
 
 def _stop_if_full(root: Path, staging: Path, full: Optional[str]) -> None:
     """Collective: when any rank ran out of space, remove the partial checkpoint and raise OutOfSpace everywhere."""
-    from dsrecipes.distributed import all_ranks
 
     if all_ranks(full is None):
         import torch.distributed as dist
@@ -252,7 +253,6 @@ def open_resume(plan: Optional[ResumePlan]) -> Optional[ResumePoint]:
 
 
 def convert_to_universal(tag_dir: Path) -> Path:
-    from types import SimpleNamespace
 
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
@@ -271,7 +271,6 @@ def convert_to_universal(tag_dir: Path) -> Path:
 def universal_verifies(tag_dir: Path) -> bool:
     """A universal conversion made earlier is reused only when this user signed it and its files are as written
     (complete.json of the checkpoint does not cover it: it is made after the commit)."""
-    from dsrecipes.trust import signature_problem
 
     try:
         record = json.loads((tag_dir / UNIVERSAL / COMPLETE).read_text(encoding="utf-8"))

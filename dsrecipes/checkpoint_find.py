@@ -20,9 +20,9 @@ import dsrecipes.manifest as manifest
 import dsrecipes.safe_load as safe_load
 import dsrecipes.trust as trust
 from dsrecipes.checkpoint import CHECKPOINTS, COMPLETE, UNIVERSAL, commit_order, read_record, step_of
-from dsrecipes.config.schema import ResumeMode, TrainerConfig
 from dsrecipes.errors import Refused, UserError
 from dsrecipes.runplan import ResumePlan
+from dsrecipes.schema import ResumeMode, TrainerConfig
 
 Report = Callable[[str], None]
 TRAIN_RETRY = "dsrecipes train ..."

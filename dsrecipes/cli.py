@@ -12,7 +12,11 @@ import signal
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import dsrecipes.trust as trust
+from dsrecipes.commands.help import version_text
+from dsrecipes.console import command_log, quiet_third_party
 from dsrecipes.errors import UserError
+from dsrecipes.suggest import closest, phrase
 
 # subcommand -> (module under dsrecipes.commands, one-line help). The module exposes `main(argv) -> int`.
 SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
@@ -41,7 +45,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(usage())
         return 0
     if args and args[0] in ("-V", "--version"):
-        from dsrecipes.commands.help import version_text
 
         print(version_text())
         return 0
@@ -49,13 +52,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         name, rest = args[0], args[1:]
     else:
         name, rest = "train", args
-    import dsrecipes.trust as trust
 
     trust.reset()  # trusting a checkpoint is a decision of one command line, never carried over
     if name == "train":  # Hydra's parser owns train's arguments: the flag is taken off before it sees them
         rest = trust.take_flag(rest)
     if name in QUIET_COMMANDS:  # before deepspeed / transformers load (train quiets itself once its run dir is known)
-        from dsrecipes.console import command_log, quiet_third_party
 
         quiet_third_party(command_log(rest, name))
     module = importlib.import_module(f"dsrecipes.commands.{SUBCOMMANDS[name][0]}")
@@ -77,7 +78,6 @@ def run_guarded(fn: Callable[[List[str]], int], argv: List[str]) -> int:
 def _check_command(args: List[str]) -> None:
     """A first word close to a subcommand, and neither a flag nor an override, is a mistyped subcommand (other bare
     words reach the training command, which names the closest keys and groups)."""
-    from dsrecipes.suggest import closest, phrase
 
     word = args[0] if args else ""
     near = closest(word, SUBCOMMANDS)

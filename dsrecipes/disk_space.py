@@ -11,6 +11,7 @@ the path, the bytes it needs and the bytes free.
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import shutil
 from pathlib import Path
@@ -95,7 +96,6 @@ def fits(target: Path, write: Callable[[], None]) -> Optional[str]:
 def abandon_checkpoint(final: Path, staging: Path, previous: Optional[Path]) -> None:
     """Collective, after some rank ran out of space saving `final` into `staging`: rank 0 removes the partial
     directory (once every rank let go of its files), then every rank raises OutOfSpace saying what it needs."""
-    import gc
 
     import torch.distributed as dist
 

@@ -6,9 +6,13 @@ imports neither of them.
 
 from __future__ import annotations
 
+import glob
+import importlib
 import os
 import socket
 from typing import List, Tuple
+
+import dsrecipes.jit_ops as jit_ops
 
 SINGLE_PROCESS_ENV = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
 
@@ -31,7 +35,6 @@ def remove_shm_buffers(port: int) -> List[str]:
     never unlinks it: every multi-rank CPU run would leave them in RAM (tmpfs) until the machine runs out of memory.
     Called by the launching process after its ranks ended; the names carry this run's port, so no other run's
     segment matches while that run is alive."""
-    import glob
 
     removed = []
     for path in glob.glob(os.path.join(SHM_DIR, f"{SHM_BUFFER_PREFIX}_{os.getuid()}_*_{int(port)}_*")):
@@ -64,7 +67,6 @@ def init_distributed() -> Tuple[int, int]:
         # intra-op threads spin-wait (the default tiny run took 117 s with 2 threads on a busy 2-core host, 29 s with 1).
         local_size = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
         torch.set_num_threads(max(1, ((os.cpu_count() or 1) - 1) // local_size))
-    import dsrecipes.jit_ops as jit_ops
 
     jit_ops.prepare_rank()  # this environment's own op builds, each announced before it starts
     skip_shm_comm_op()
@@ -78,7 +80,6 @@ def skip_shm_comm_op() -> None:
     torch.distributed (gloo). Skipping it saves its JIT build (minutes, the first time in an environment) and its
     /dev/shm segment per rank. DeepSpeed treats a missing op as "use torch.distributed", the path it takes where the
     op cannot be built (the same loss step for step: tests/test_jit_ops.py)."""
-    import importlib
 
     try:  # (`import deepspeed.comm.torch as m` would bind the torch package that deepspeed.comm re-exports)
         ds_comm_torch = importlib.import_module("deepspeed.comm.torch")

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, List, Optional
 
-from dsrecipes.config.schema import OffloadDevice, TrainConfig
 from dsrecipes.jit_ops import JitOp, build_root, describe_build, ops_for
 from dsrecipes.machine import Probe
+from dsrecipes.schema import OffloadDevice, TrainConfig
 
 GIB = 1024**3
 
@@ -265,7 +265,7 @@ def check_config(probe: Probe, ctx: Context) -> List[Finding]:
     """The config's machine-dependent rules (fp16 or flash attention without CUDA, ...), as the entry applies them."""
     if ctx.config is None or probe.version("torch") is None:
         return []
-    from dsrecipes.config.validate import check_runtime
+    from dsrecipes.config.validate import check_runtime  # lazy: else `commands.doctor` imports numpy 0.11 s
 
     problems = check_runtime(ctx.config, cuda_available=bool(probe.torch()["cuda_available"]))
     if not problems:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from dsrecipes.config.defaults import learning_rate
-from dsrecipes.config.schema import OffloadDevice, OptimizerKind, Precision, TrainConfig
+from dsrecipes.schema import OffloadDevice, OptimizerKind, Precision, TrainConfig
 
 
 def train_batch_size(cfg: TrainConfig, world_size: int) -> int:

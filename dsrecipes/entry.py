@@ -11,18 +11,29 @@ read that directory.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
-from dsrecipes.config.load import config_to_dict
-from dsrecipes.config.schema import LauncherKind, TrainConfig
+import yaml
+
+import dsrecipes.resume_contract as resume_contract
+from dsrecipes.config.validate import check_runtime
 from dsrecipes.data.strategies import PrepareResult, plan_steps, strategy_of
+from dsrecipes.ds_config import build_ds_config
 from dsrecipes.errors import ConfigError, Refused, UserError
-from dsrecipes.rundir import CHECKPOINTS_DIR
+from dsrecipes.hub import resolve_hub_paths
+from dsrecipes.launch import launch
+from dsrecipes.preflight import check_environment
+from dsrecipes.resolve import prepare_launch
+from dsrecipes.rundir import CHECKPOINTS_DIR, RESULT_FILE, clear_outcome, holds_run, write_config, write_ds_config
 from dsrecipes.runplan import ResumePlan, RunPlan, write_plan
+from dsrecipes.schema import LauncherKind, ResumeMode, TrainConfig
 from dsrecipes.topology import Topology, resolve_topology
+from dsrecipes.trackers import preflight
+from dsrecipes.typed import config_to_dict
 
 
 def check_machine(cfg: TrainConfig) -> TrainConfig:
@@ -31,12 +42,7 @@ def check_machine(cfg: TrainConfig) -> TrainConfig:
     the run uses: model choices made once (resolve.prepare_launch)."""
     import torch
 
-    from dsrecipes.config.validate import check_runtime
-    from dsrecipes.hub import resolve_hub_paths
-    from dsrecipes.model import check_no_custom_code
-    from dsrecipes.preflight import check_environment
-    from dsrecipes.resolve import prepare_launch
-    from dsrecipes.trackers import preflight
+    from dsrecipes.model import check_no_custom_code  # lazy: else `commands.train` imports torch 3.80 s
 
     problems = check_runtime(cfg, cuda_available=torch.cuda.is_available()) + preflight(cfg)
     problems += check_environment(resolve_hub_paths(cfg))  # a hub id's local snapshot (downloaded now if need be)
@@ -61,18 +67,18 @@ class Decision:
 def decide(cfg: TrainConfig, topology: Optional[Topology] = None) -> Decision:
     """Read-only: the run's topology, data identity and resume point, with the resume contract checked. Refused
     (exit 2) here, the run directory stays exactly as it was."""
-    from dsrecipes.checkpoint_find import plan_resume
+    from dsrecipes.checkpoint_find import plan_resume  # lazy: else `commands.train` imports torch 3.80 s
 
     run_dir = Path(cfg.trainer.output_dir)
     topology = topology or resolve_topology(cfg.launcher)
     check_fresh_start(cfg, run_dir)
     if cfg.trainer.export:  # refused now, not after the training
-        from dsrecipes.export import EXPORT_DIR, check_out_dir
+        from dsrecipes.export import EXPORT_DIR, check_out_dir  # lazy: else `commands.train` imports torch 3.80 s
 
         check_out_dir(run_dir / EXPORT_DIR, "trainer.export")
     tokenizer = None
     if strategy_of(cfg).needs_tokenizer:  # map: the preparation cache key hashes the tokenizer
-        from dsrecipes.model import load_tokenizer
+        from dsrecipes.model import load_tokenizer  # lazy: else `commands.train` imports torch 3.80 s
 
         tokenizer = load_tokenizer(cfg)
     fingerprint, files = data_identity(cfg, tokenizer)
@@ -85,8 +91,6 @@ def decide(cfg: TrainConfig, topology: Optional[Topology] = None) -> Decision:
 def run(cfg: TrainConfig, decision: Optional[Decision] = None) -> int:
     """Plan, write the run directory (`trainer.output_dir`, already claimed: rundir.claim), launch. Returns the
     ranks' exit code."""
-    from dsrecipes.launch import launch
-    from dsrecipes.rundir import RESULT_FILE, clear_outcome
 
     run_dir = Path(cfg.trainer.output_dir)
     again = (run_dir / RESULT_FILE).is_file()  # an earlier attempt ended here (e.g. interrupted before its checkpoint)
@@ -98,8 +102,6 @@ def run(cfg: TrainConfig, decision: Optional[Decision] = None) -> int:
 
 def write_run_dir(cfg: TrainConfig, topology: Topology, decision: Optional[Decision] = None) -> RunPlan:
     """Prepare the data and plan the run, then write config.yaml, plan.json and ds_config.json."""
-    from dsrecipes.ds_config import build_ds_config
-    from dsrecipes.rundir import write_config, write_ds_config
 
     run_dir = Path(cfg.trainer.output_dir)
     plan = plan_run(cfg, run_dir, decision or decide(cfg, topology))
@@ -118,7 +120,7 @@ def with_run_dir(cfg: TrainConfig, hydra_run_dir: Path) -> TrainConfig:
 
 def plan_run(cfg: TrainConfig, run_dir: Path, decision: Decision) -> RunPlan:
     """Every decision the ranks follow: what they read, how many steps, where they resume from."""
-    from dsrecipes.checkpoint_find import committed
+    from dsrecipes.checkpoint_find import committed  # lazy: else `commands.train` imports torch 3.80 s
 
     topology = decision.topology
     prepared = plan_data(cfg, run_dir, decision.tokenizer, decision.data_fingerprint, topology.world_size)
@@ -134,8 +136,6 @@ def plan_run(cfg: TrainConfig, run_dir: Path, decision: Decision) -> RunPlan:
 def check_fresh_start(cfg: TrainConfig, run_dir: Path) -> None:
     """A run directory that holds a run is continued, never restarted over (metrics, checkpoints and retention
     would mix two runs): `trainer.resume=never` there, or a resume from another run's checkpoint, is refused."""
-    from dsrecipes.config.schema import ResumeMode
-    from dsrecipes.rundir import holds_run
 
     held = holds_run(run_dir)
     if held is None:
@@ -161,12 +161,9 @@ def check_resume(cfg: TrainConfig, resume: ResumePlan, fingerprint: str, files: 
     """The resume contract against what wrote the checkpoint (its config.yaml and complete.json; for checkpoints
     of older versions, its run directory's config.yaml and plan.json). Exit 2 listing every difference that
     cannot resume; one line for the accepted ones."""
-    import json
 
-    import yaml
 
-    import dsrecipes.resume_contract as resume_contract
-    from dsrecipes.checkpoint import read_record
+    from dsrecipes.checkpoint import read_record  # lazy: else `commands.train` imports torch 3.80 s
 
     tag_dir = Path(resume.checkpoint)
     record = read_record(tag_dir)

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from dsrecipes.config.schema import AttnImpl, OptimizerKind, Precision, TrainConfig
-from dsrecipes.errors import no_custom_code
+from dsrecipes.errors import UserError, no_custom_code
+from dsrecipes.schema import AttnImpl, OptimizerKind, Precision, TrainConfig
 
 GIB = 1024**3
 BUFFER_FACTOR = 1.5  # DeepSpeed's additional_buffer_factor default for CPU memory
@@ -142,7 +142,6 @@ def model_shape(cfg: TrainConfig, hf_config: Optional[str] = None) -> ModelShape
     config, source = _hf_config(cfg, hf_config)
     if config is None:
         if cfg.model.num_params is None:
-            from dsrecipes.errors import UserError
 
             raise UserError(
                 f"model.path {cfg.model.path!r} has no config.json here and model.num_params is not set; "
@@ -200,7 +199,7 @@ def _hf_config(cfg: TrainConfig, hf_config: Optional[str]) -> Tuple[Any, str]:
         return None, ""
     from transformers import LlamaConfig
 
-    from dsrecipes.model import load_tokenizer
+    from dsrecipes.model import load_tokenizer  # lazy: else `commands.estimate` imports torch 3.80 s
 
     tiny = cfg.model.tiny  # the embedded model: same shape as dsrecipes.model.build_tiny_model
     config = LlamaConfig(

@@ -12,10 +12,13 @@ under a fresh name and renamed into place; an earlier export is swapped out and 
 
 from __future__ import annotations
 
+import copy
 import errno
+import json
 import os
 import shutil
 import tempfile
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -24,9 +27,15 @@ import torch
 import dsrecipes.disk_space as disk_space
 import dsrecipes.manifest as manifest
 from dsrecipes.checkpoint import read_record, step_of
-from dsrecipes.config.schema import TrainConfig
+from dsrecipes.checkpoint_find import verified
+from dsrecipes.config.load import load_run_config
 from dsrecipes.errors import UserError
 from dsrecipes.fileio import atomic_write_json
+from dsrecipes.model import TORCH_DTYPES, build_model, build_tiny_model, load_tokenizer
+from dsrecipes.preflight import custom_code_problems
+from dsrecipes.safe_load import load
+from dsrecipes.schema import TrainConfig
+from dsrecipes.serving import make_servable
 from dsrecipes.trust import sign
 
 EXPORT_DIR = "export"
@@ -42,10 +51,7 @@ EXPORT_INFO = EXPORT_MARKER  # also where an export came from: run, step, templa
 def export_initial(cfg: TrainConfig, tokenizer: Any, out_dir: Path) -> Path:
     """The embedded tiny model's seeded start, as a HF directory: the baseline for `dsrecipes prompt-eval`, and the
     base of the tiny model's adapter-only LoRA exports."""
-    import copy
 
-    from dsrecipes.model import build_tiny_model
-    from dsrecipes.serving import make_servable
 
     check_out_dir(out_dir)
     tokenizer = copy.deepcopy(tokenizer)  # the caller's (training) tokenizer keeps its chat template
@@ -64,16 +70,11 @@ def export_checkpoint(run_dir: Path, tag_dir: Path, out_dir: Path, cfg: Optional
     `trainer.export_merged_lora`). Nothing is read from the checkpoint before checkpoint_find.verified passed
     (signed by this user or trusted on the command line, every file as written; `retry` is named if not).
     """
-    from dsrecipes.checkpoint_find import verified
-    from dsrecipes.config.load import load_run_config
-    from dsrecipes.model import TORCH_DTYPES, build_model, load_tokenizer
-    from dsrecipes.serving import make_servable
 
     check_out_dir(out_dir, key)
     verified(tag_dir, retry)
     cfg = cfg or load_run_config(run_dir)
     if cfg.model.path:  # the base the weights go onto: never a directory that needs its own code
-        from dsrecipes.preflight import custom_code_problems
 
         for problem in custom_code_problems("model.path", Path(cfg.model.path)):
             raise UserError(problem)
@@ -119,7 +120,6 @@ def consolidated_state_dict(tag_dir: Path, zero_stage: int, frozen_excluded: boo
 
         return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name,
                                                         exclude_frozen_parameters=frozen_excluded)
-    from dsrecipes.safe_load import load
 
     return load(tag_dir / "mp_rank_00_model_states.pt")["module"]  # weights_only: tensors and plain data only
 
@@ -167,7 +167,6 @@ def _has_entries(directory: Path) -> bool:
 
 def _written_by_export(out_dir: Path) -> Optional[set]:
     """The files an earlier export listed in its marker (older exports: what matches LEGACY_EXPORT_FILES)."""
-    import json
 
     try:
         marker = json.loads((out_dir / EXPORT_MARKER).read_text(encoding="utf-8"))
@@ -181,7 +180,6 @@ def _written_by_export(out_dir: Path) -> Optional[set]:
 def _first_foreign(out_dir: Path, written: set, limit: int = 5) -> List[str]:
     """Up to `limit` files below `out_dir` that are not in `written`, walking no further than needed (the walk
     stops at the first foreign file past `limit`, and never follows symlinks)."""
-    from fnmatch import fnmatch
 
     legacy = "*legacy*" in written
     foreign: List[str] = []

@@ -25,6 +25,7 @@ import torch
 
 from dsrecipes.data.render.labels import IGNORE_INDEX
 from dsrecipes.prompt_eval import normalize
+from dsrecipes.serving import end_of_turn_ids, run_template
 
 
 @dataclass(frozen=True)
@@ -116,8 +117,7 @@ def build_prompt_eval(cfg: Any, tokenizer: Any, rank: int, world_size: int, run_
     t = cfg.trainer
     if t.prompt_eval_every <= 0:
         return None
-    from dsrecipes.data.strategies.eval import prepared_val
-    from dsrecipes.serving import end_of_turn_ids, run_template
+    from dsrecipes.data.strategies.eval import prepared_val  # lazy: else `gen_eval` imports numpy 0.11 s
 
     val = prepared_val(cfg, run_dir)
     if val is None:

@@ -16,8 +16,8 @@ import re
 from pathlib import Path
 from typing import List, Optional
 
-from dsrecipes.config.schema import TrainConfig
 from dsrecipes.errors import ConfigError
+from dsrecipes.schema import TrainConfig
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 NEEDED = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]

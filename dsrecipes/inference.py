@@ -15,6 +15,7 @@ a SentencePiece start marker, data/render/spm.py), and generation stops at the e
 from __future__ import annotations
 
 import json
+import pickle
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +23,14 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
+import dsrecipes.trust as trust
 from dsrecipes.chat_sandbox import render
+from dsrecipes.config.load import load_run_config
+from dsrecipes.data.render.spm import continuation_encoder
 from dsrecipes.errors import UserError, no_custom_code
 from dsrecipes.export import EXPORT_DIR, EXPORT_INFO, EXPORT_INIT_DIR
+from dsrecipes.manifest import verify
+from dsrecipes.preflight import check_model_dir, custom_code_problems
 
 Messages = List[Dict[str, Any]]
 
@@ -61,9 +67,6 @@ def check_loadable(model_dir: Path, retry: str, adapter: bool = False) -> None:
     """Before anything of `model_dir` is read by transformers: a dsrecipes export (it has dsrecipes_export.json)
     must be signed by this user or trusted on the command line (trust.py) and hold its files as written; any model
     directory is refused when it needs its own code (auto_map, preflight.check_model_dir)."""
-    import dsrecipes.trust as trust
-    from dsrecipes.manifest import verify
-    from dsrecipes.preflight import check_model_dir, custom_code_problems
 
     marker = model_dir / EXPORT_INFO
     if marker.exists():
@@ -87,7 +90,6 @@ def _from_run(run: Path, baseline: bool, retry: str) -> ModelPath:
         if (run / EXPORT_INIT_DIR / "config.json").is_file():
             check_loadable(run / EXPORT_INIT_DIR, retry)
             return ModelPath(run / EXPORT_INIT_DIR, False, None, run)
-        from dsrecipes.config.load import load_run_config
 
         base = load_run_config(run).model.path  # a real model: the model the run started from
         if base and (Path(base) / "config.json").is_file():
@@ -116,7 +118,6 @@ class ChatModel:
     def __init__(self, where: ModelPath, chat_template: Optional[str] = None, stop_ids: Optional[List[int]] = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from dsrecipes.data.render.spm import continuation_encoder
 
         self.where = where
         with no_custom_code("model", str(where.path)):
@@ -181,7 +182,6 @@ class ChatModel:
 def weights_only_refusal(path: Path) -> Iterator[None]:
     """A model file that is a pickle holding more than tensors (transformers loads `*.bin` weights_only): one
     message instead of a traceback."""
-    import pickle
 
     try:
         yield

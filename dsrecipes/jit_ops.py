@@ -21,11 +21,14 @@ import os
 import sys
 import time
 from enum import Enum
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, List, Mapping, Optional
 
+from dsrecipes.schema import OffloadDevice, OptimizerKind
+
 if TYPE_CHECKING:
-    from dsrecipes.config.schema import TrainConfig
+    from dsrecipes.schema import TrainConfig
 
 ENV = "TORCH_EXTENSIONS_DIR"
 SUBDIR = "dsrecipes"  # under torch's default root: our keyed directories beside torch's own py311_cpu
@@ -55,7 +58,6 @@ WHAT["deepspeed_shm_comm"] = "the CPU shared-memory all-reduce"
 
 def ops_for(cfg: "TrainConfig") -> List[JitOp]:
     """The ops DeepSpeed builds for this config (its optimizer choice: ds_config.py; offload targets)."""
-    from dsrecipes.config.schema import OffloadDevice, OptimizerKind
 
     name, offloaded = cfg.optimizer.name, cfg.offload.optimizer is not OffloadDevice.none
     ops = []
@@ -85,7 +87,6 @@ def build(op: JitOp) -> Path:
 
 
 def _version(dist: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version(dist)

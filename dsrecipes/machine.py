@@ -10,6 +10,8 @@ import os
 import shutil
 import subprocess
 import time
+from ctypes.util import find_library
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional
 
@@ -31,7 +33,6 @@ class Probe:
         return done.stdout + done.stderr
 
     def version(self, dist: str) -> Optional[str]:
-        from importlib.metadata import PackageNotFoundError, version
 
         try:
             return version(dist)
@@ -62,7 +63,6 @@ class Probe:
         return st.f_frsize * st.f_blocks
 
     def find_library(self, name: str) -> Optional[str]:
-        from ctypes.util import find_library
 
         return find_library(name)
 

@@ -20,6 +20,7 @@ import torch
 
 from dsrecipes.console import progress_mode
 from dsrecipes.fileio import atomic_write_text, finite
+from dsrecipes.plots import plot_run
 from dsrecipes.rundir import CONFIG_FILE, METRICS_FILE, read_metrics
 from dsrecipes.trackers import call_each, open_trackers
 
@@ -152,7 +153,6 @@ class MetricsLogger:
             self._bar.close()
         if self._fh is not None:
             self._fh.close()
-        from dsrecipes.plots import plot_run
 
         artifacts = [self.run_dir / name for name in (LOSS_PLOT, CONFIG_FILE)]
         plot_run(self.history, artifacts[0], title=f"{self.run_dir.parent.name}/{self.run_dir.name}")

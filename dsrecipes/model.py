@@ -9,9 +9,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from dsrecipes.config.schema import Precision, TrainConfig
 from dsrecipes.errors import no_custom_code
 from dsrecipes.paths import TINY_TOKENIZER_DIR
+from dsrecipes.schema import Precision, TrainConfig
 
 TORCH_DTYPES = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 

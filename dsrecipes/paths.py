@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from dsrecipes.errors import ConfigError
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 ASSETS_DIR = PACKAGE_DIR / "assets"
 TINY_TOKENIZER_DIR = ASSETS_DIR / "tiny_tokenizer"
@@ -23,7 +25,6 @@ def conf_dir() -> Path:
     env = os.environ.get(HOME_ENV)
     conf = Path(env).expanduser().resolve() / "conf" if env else PACKAGE_DIR / "conf"
     if not (conf / "train.yaml").is_file():
-        from dsrecipes.errors import ConfigError
 
         where = f"{HOME_ENV}={env}" if env else f"the installed package ({PACKAGE_DIR})"
         raise ConfigError(f"cannot find conf/train.yaml in {where}; reinstall dsrecipes (pip install .) "

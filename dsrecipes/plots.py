@@ -7,9 +7,12 @@ with plain tick labels (0.5, 1, 2, 5), which keeps both the drop and the tail re
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple
+
+from dsrecipes.fileio import atomic_write_bytes
 
 Curve = List[Tuple[int, float]]
 LOG_SCALE_RATIO = 3.0
@@ -118,11 +121,9 @@ def _finish(ax: Any, values: List[float], title: str) -> None:
 
 
 def _save(fig: Any, out: Path) -> None:
-    import io
 
     import matplotlib.pyplot as plt
 
-    from dsrecipes.fileio import atomic_write_bytes
 
     buf = io.BytesIO()
     fig.tight_layout()

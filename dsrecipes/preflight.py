@@ -13,8 +13,16 @@ import os
 from pathlib import Path
 from typing import List, Optional
 
-from dsrecipes.config.schema import TrainConfig
+from dsrecipes.data.cache import cache_root
+from dsrecipes.data.render.template import check_template
+from dsrecipes.data.render.template_choice import choose_template
+from dsrecipes.data.render.tokenizer_files import open_tokenizer
+from dsrecipes.data.sources.files import expand_paths
+from dsrecipes.data.sources.registry import resolve_sources, validation_files
 from dsrecipes.errors import UserError
+from dsrecipes.hub import is_hub_id
+from dsrecipes.paths import TINY_TOKENIZER_DIR
+from dsrecipes.schema import TrainConfig
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json",
                    "*.gguf")
@@ -23,13 +31,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 def check_environment(cfg: TrainConfig) -> List[str]:
     """Every problem with the run's paths on this machine (empty when there is none)."""
-    from dsrecipes.data.cache import cache_root
 
     problems: List[str] = []
     if cfg.trainer.output_dir:
         problems += _writable_dir("trainer.output_dir", Path(cfg.trainer.output_dir).expanduser())
     problems += _writable_dir("data.cache_dir", cache_root(cfg))
-    from dsrecipes.hub import is_hub_id
 
     model: List[str] = []
     path, tokenizer_path = ((p if not is_hub_id(p) else None) for p in (cfg.model.path, cfg.model.tokenizer_path))
@@ -46,9 +52,7 @@ def check_data_names(cfg: TrainConfig) -> List[str]:
     """What a run would refuse about the data a config names, found without reading a row: `dataset.use` entries
     missing from `dataset.registry` (or a registry entry it cannot read), a validation file that is also a
     training file (its rows would be evaluated after being trained on)."""
-    from dsrecipes.data.sources.files import expand_paths
-    from dsrecipes.data.sources.registry import resolve_sources, validation_files
-    from dsrecipes.data.strategies.rules import reads_sources
+    from dsrecipes.data.strategies.rules import reads_sources  # lazy: else `commands.validate` imports numpy 0.11 s
 
     if not reads_sources(cfg):  # presharded reads the shards' manifest, not the dataset's sources
         return []
@@ -64,11 +68,6 @@ def check_data_names(cfg: TrainConfig) -> List[str]:
 def check_template_tokens(cfg: TrainConfig) -> List[str]:
     """The template rules a run applies to its loaded tokenizer (data/render/template.py `check_template`, after `auto` is
     decided as the run decides it), applied to the tokenizer's files: no transformers, no torch (`validate`)."""
-    from dsrecipes.data.render.template import check_template
-    from dsrecipes.data.render.template_choice import choose_template
-    from dsrecipes.data.render.tokenizer_files import open_tokenizer
-    from dsrecipes.hub import is_hub_id
-    from dsrecipes.paths import TINY_TOKENIZER_DIR
 
     where = cfg.model.tokenizer_path or cfg.model.path or str(TINY_TOKENIZER_DIR)
     tokenizer = None if is_hub_id(where) else open_tokenizer(Path(where).expanduser())

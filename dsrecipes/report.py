@@ -6,19 +6,20 @@ Numbers come from `rundir.run_summary()` (metrics.jsonl), the one place that com
 
 from __future__ import annotations
 
+import json
 import shlex
 from pathlib import Path
 from typing import List, Optional, Sequence
 
 from dsrecipes.console import LOGS_DIR
-from dsrecipes.rundir import read_metrics, run_summary
+from dsrecipes.rundir import RESULT_FILE, read_metrics, run_summary
 
 EXPORT_DIR = "export"  # export.py's name; repeated so printing a summary never imports torch
 LOSS_PLOT = "loss.png"
 
 
 def closing_summary(run_dir: Path, wall_s: float, overrides: Sequence[str], max_steps: Optional[int]) -> str:
-    from dsrecipes.metrics import format_seconds
+    from dsrecipes.metrics import format_seconds  # lazy: else `commands.train` imports torch 3.80 s
 
     summary = run_summary(run_dir)
     rows = read_metrics(run_dir)
@@ -61,10 +62,8 @@ def eval_lines(eval_rows: List[dict]) -> List[str]:
 
 def selection_lines(run_dir: Path) -> List[str]:
     """The best checkpoint and early stopping, as result.json records them."""
-    import json
 
-    from dsrecipes.rundir import RESULT_FILE
-    from dsrecipes.selection import EXPORT_BEST_DIR, summary_lines
+    from dsrecipes.selection import EXPORT_BEST_DIR, summary_lines  # lazy: else `report` imports numpy 0.11 s
 
     try:
         result = json.loads((run_dir / RESULT_FILE).read_text(encoding="utf-8"))

@@ -19,20 +19,20 @@ import sys
 from typing import List, Tuple
 
 from dsrecipes.config.defaults import config_warnings, with_derived_defaults
-from dsrecipes.config.schema import Device, Precision, TemplateKind, TrainConfig
+from dsrecipes.data.render.template_choice import choose_template, template_warnings
 from dsrecipes.hub import resolve_hub_paths
+from dsrecipes.schema import Device, Precision, TemplateKind, TrainConfig
 
 
 def resolve_model_choices(cfg: TrainConfig) -> Tuple[TrainConfig, List[str]]:
     """(config with local model paths and a concrete template, warnings)."""
-    from dsrecipes.data.render.template_choice import choose_template, template_warnings
 
     cfg = resolve_hub_paths(with_derived_defaults(cfg))  # the name comes from a hub id before it becomes a path
     warnings = config_warnings(cfg)
     if cfg.model.path is None and cfg.template.name is TemplateKind.auto:
         return dataclasses.replace(cfg, template=dataclasses.replace(cfg.template, name=TemplateKind.chatml)), warnings
     if cfg.model.path is not None:
-        from dsrecipes.model import load_tokenizer
+        from dsrecipes.model import load_tokenizer  # lazy: else `commands.train` imports torch 3.80 s
 
         tokenizer = load_tokenizer(cfg)
         template = choose_template(cfg.template, tokenizer, cfg.model.path)

@@ -18,6 +18,8 @@ import hashlib
 import json
 from typing import Any, Dict, List, Optional, Tuple
 
+from dsrecipes.errors import Refused
+
 MUST_MATCH = (
     "model", "template", "dataset", "data.kind", "data.cutoff_len", "data.packing", "data.train_on", "data.shuffle",
     "data.shuffle_buffer", "data.num_samples", "data.block_bytes", "optimizer.name", "optimizer.torch_adam",
@@ -93,7 +95,6 @@ def check(saved: Dict[str, Any], new: Dict[str, Any], saved_data: Optional[str],
           checkpoint: str, changed_files: List[str]) -> Optional[str]:
     """Raise ConfigError listing every difference that cannot resume from `checkpoint`; else return the one-line
     report of the accepted differences (None when there are none)."""
-    from dsrecipes.errors import Refused
 
     refused, accepted = compare(saved, new)
     ignorable = {"trainer.output_dir", "trainer.resume_from", "trainer.resume"}  # how one says "resume", not what

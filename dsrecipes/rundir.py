@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
+
+import yaml
 
 from dsrecipes.errors import UserError
 from dsrecipes.fileio import atomic_write_json, atomic_write_text
@@ -200,7 +203,6 @@ def holds_run(run_dir: Path) -> Optional[str]:
 
 
 def write_config(run_dir: Path, data: Dict[str, Any]) -> Path:
-    import yaml
 
     return atomic_write_text(run_dir / CONFIG_FILE, yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
 
@@ -295,7 +297,6 @@ def write_result(run_dir: Path, code: int, error: Optional[str], status: str = "
 
     `status` is kept for a zero exit code and for "interrupted"; any other non-zero exit is "failed". `extra` keys
     (the interrupted run's checkpoint and resume command, a non-finite step, ...) are added as given."""
-    import resource
 
     peak_kb = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                   resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)

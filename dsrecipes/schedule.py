@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
-from dsrecipes.config.schema import SchedulerConfig, SchedulerKind
+from dsrecipes.schema import SchedulerConfig, SchedulerKind
 
 
 def warmup_steps(cfg: SchedulerConfig, total_steps: int) -> Tuple[int, Optional[str]]:

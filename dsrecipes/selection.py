@@ -21,8 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from dsrecipes.config.schema import SelectMetric, SelectMode, TrainConfig, TrainOn
 from dsrecipes.data.strategies.rules import has_prompt_rows
+from dsrecipes.schema import SelectMetric, SelectMode, TrainConfig, TrainOn
 
 # The direction of each metric (completeness: tests/test_selection.py).
 METRIC_MODES: Dict[SelectMetric, SelectMode] = {

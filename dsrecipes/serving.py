@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from dsrecipes.config.load import config_to_dict
-from dsrecipes.config.schema import TemplateConfig, TrainConfig, TrainOn
+from dsrecipes.data.render.jinja import chat_template
 from dsrecipes.data.render.template import render
 from dsrecipes.data.render.template_choice import choose_template
 from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
 from dsrecipes.decoding import settle_decoding
+from dsrecipes.schema import TemplateConfig, TrainConfig, TrainOn
+from dsrecipes.typed import config_to_dict
 
 _REPLY = "DSRECIPESREPLY"
 
@@ -49,7 +50,6 @@ def end_of_turn_ids(template: TemplateConfig, tokenizer: Any) -> List[int]:
 def make_servable(model: Any, tokenizer: Any, cfg: TrainConfig) -> Dict[str, Any]:
     """Set chat template, stop tokens and use_cache on `model` / `tokenizer` (a PeftModel's base too); returns the
     facts for dsrecipes_export.json."""
-    from dsrecipes.data.render.jinja import chat_template
 
     template = run_template(cfg, tokenizer)
     tokenizer.chat_template = chat_template(template, tokenizer)

@@ -10,6 +10,7 @@ export holds its weights); `skip` drops the update (`discard_step`) and counts i
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, List, Tuple
 
 import torch
@@ -101,7 +102,6 @@ def discard_step(engine: Any, step: int) -> None:
 
 def pause_for_signal(step: int, rank: int, stop_requested: Any) -> None:
     """Fault injection (PAUSE_AFTER_STEP_ENV): rank 0 idles after `step` until asked to stop, or for 120 s."""
-    import time
 
     if rank != 0 or os.environ.get(PAUSE_AFTER_STEP_ENV) != str(step):
         return

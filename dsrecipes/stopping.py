@@ -17,6 +17,7 @@ the OS handlers, every active block's callback is told about the signal.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -101,8 +102,6 @@ def watch(alive: Callable[[], bool], grace_s: float, what: str, poll_s: float = 
     process died and that is stuck where no step boundary comes, e.g. in a collective with a dead peer: without
     this it would outlive everything until the process-group timeout). Reaching a step boundary first is the
     normal way out (train.py stops there on its own)."""
-    import os
-    import time
 
     def run() -> None:
         gone_since: Optional[float] = None

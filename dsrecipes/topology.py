@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from dsrecipes.config.schema import LauncherConfig, LauncherKind
+from dsrecipes.schema import LauncherConfig, LauncherKind
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Protocol
 
-from dsrecipes.config.schema import ReportTo, TrainConfig
 from dsrecipes.fileio import atomic_write_json
+from dsrecipes.schema import ReportTo, TrainConfig
+from dsrecipes.typed import config_to_dict
 
 TB_DIR = "tb"
 IDS_FILE = "trackers.json"
@@ -71,7 +72,6 @@ def run_name(run_dir: Path) -> str:
 
 def flat_params(cfg: TrainConfig) -> Dict[str, str]:
     """The resolved config as `{"trainer.max_steps": "400", ...}` (lists and mappings as JSON)."""
-    from dsrecipes.config.load import config_to_dict
 
     out: Dict[str, str] = {}
 
@@ -153,7 +153,6 @@ class WandbTracker:
     def __init__(self, cfg: TrainConfig, run_dir: Path, start_step: int, ids: Dict[str, str]):
         import wandb
 
-        from dsrecipes.config.load import config_to_dict
 
         # console="off": W&B would otherwise wrap this process's stdout/stderr to upload them. silent: its banner
         # (~20 lines at start and end) stays off the console; W&B keeps its own logs in <run>/wandb/.

@@ -32,9 +32,13 @@ import torch
 import dsrecipes.heartbeat as heartbeat
 import dsrecipes.stopping as stopping
 from dsrecipes.checkpoint import ResumePoint, TrainState, load_checkpoint, open_resume, save_checkpoint
+from dsrecipes.checkpoint_find import committed
 from dsrecipes.config.defaults import learning_rate
-from dsrecipes.config.schema import LauncherKind, NanPolicy, TrainConfig
+from dsrecipes.data.ledger import LedgerWriter
+from dsrecipes.data.strategies import build_loaders
+from dsrecipes.disk_space import ExportOutOfSpace
 from dsrecipes.distributed import all_ranks, finish_distributed, init_distributed
+from dsrecipes.ds_config import train_batch_size
 from dsrecipes.errors import DataError, RunInterrupted, TrainingFailed, UserError
 from dsrecipes.evaluation import EvalLedger, evaluate
 from dsrecipes.export import EXPORT_DIR, EXPORT_INIT_DIR, export_checkpoint, export_initial
@@ -46,6 +50,7 @@ from dsrecipes.objectives.base import Objective
 from dsrecipes.rundir import CHECKPOINTS_DIR, launcher_alive, rank_lock, read_ds_config, write_outcome, write_rank_steps
 from dsrecipes.runplan import RunPlan, read_plan
 from dsrecipes.schedule import StepScheduler, warmup_steps
+from dsrecipes.schema import LauncherKind, NanPolicy, TrainConfig
 from dsrecipes.selection import EXPORT_BEST_DIR, Selector, Verdict
 from dsrecipes.step_guard import StepGuard, discard_step, nonfinite, pause_for_signal
 
@@ -102,7 +107,6 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
     """Join the process group, build model, loaders and engine, and load the planned checkpoint."""
     import deepspeed
 
-    from dsrecipes.data.strategies import build_loaders
 
     plan = read_plan(run_dir)
     check_plan_current(plan, run_dir)
@@ -281,7 +285,6 @@ def finish(s: Session) -> None:
                      ended_early=s.state.selection.get("stopped"))  # early stopping: fewer steps, still a success
     finish_distributed()
     if s.rank == 0 and s.cfg.trainer.export:
-        from dsrecipes.disk_space import ExportOutOfSpace
 
         try:
             out = export_checkpoint(s.run_dir, s.last_checkpoint, s.run_dir / EXPORT_DIR, s.cfg)
@@ -324,7 +327,6 @@ def weights_finite(engine: Any) -> bool:
 def check_plan_current(plan: RunPlan, run_dir: Path) -> None:
     """Ranks started from an old plan (a SLURM job requeued with its original plan.json, launch.txt re-run by hand)
     must not train over checkpoints committed since: the launching process has to plan the resume."""
-    from dsrecipes.checkpoint_find import committed
 
     newest = committed(run_dir / CHECKPOINTS_DIR)
     name = newest[0].name if newest else None
@@ -347,13 +349,11 @@ def check_loader(loader: Any, plan: RunPlan) -> None:
 def open_ledger(cfg: TrainConfig, run_dir: Path, rank: int) -> Optional[Any]:
     if not cfg.trainer.record_samples:
         return None
-    from dsrecipes.data.ledger import LedgerWriter
 
     return LedgerWriter(run_dir, rank)
 
 
 def describe_run(cfg: TrainConfig, model: Any, plan: RunPlan, resume: Optional[ResumePoint]) -> str:
-    from dsrecipes.ds_config import train_batch_size
 
     trainable, total = count_parameters(model)
     world = plan.world_size

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from dsrecipes.errors import Refused, UserError
+from dsrecipes.fileio import json_text
 
 KEY_ENV = "DSRECIPES_KEY_FILE"
 SIGNATURE = "signature"
@@ -98,7 +99,6 @@ def ensure_key() -> None:
 def sign(record: Dict[str, Any]) -> Dict[str, Any]:
     """`record` as it will read back from its JSON file (fileio.json_text), with this user's signature (the key
     is created on first use)."""
-    from dsrecipes.fileio import json_text
 
     canonical = json.loads(json_text({k: v for k, v in record.items() if k != SIGNATURE}))
     return {**canonical, SIGNATURE: _digest(canonical, _load_key(create=True))}

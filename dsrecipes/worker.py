@@ -12,20 +12,21 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+import dsrecipes.heartbeat as heartbeat
 from dsrecipes.checkpoint import TrainState
-from dsrecipes.config.schema import Device
+from dsrecipes.config.load import load_run_config
+from dsrecipes.console import log_path, quiet_third_party, survive_lost_console
 from dsrecipes.errors import RunInterrupted, TrainingFailed, UserError
+from dsrecipes.schema import Device
+from dsrecipes.train import train
 
 
 def run(run_dir: str | Path) -> TrainState:
     """Train the run in `run_dir` as the rank described by the environment (RANK, WORLD_SIZE, ...)."""
-    from dsrecipes.config.load import load_run_config
 
     cfg = load_run_config(run_dir)
     if cfg.trainer.device is Device.cpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must precede the first `import deepspeed`
-    import dsrecipes.heartbeat as heartbeat
-    from dsrecipes.train import train
 
     try:
         return train(cfg, run_dir)
@@ -57,7 +58,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
-    from dsrecipes.console import log_path, quiet_third_party, survive_lost_console
 
     log = log_path(Path(args.run_dir), f"rank{os.environ.get('RANK', '0')}")
     quiet_third_party(log)  # before deepspeed loads

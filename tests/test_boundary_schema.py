@@ -15,7 +15,7 @@ from typing import Any, Iterator, List, Tuple
 
 import pytest
 
-from dsrecipes.config.schema import LauncherKind, SourceConfig, TrainConfig
+from dsrecipes.schema import LauncherKind, SourceConfig, TrainConfig
 
 MARK = "HOSTILE"
 VALUES = [

@@ -9,11 +9,11 @@ from typing import List
 
 import pytest
 
-from dsrecipes.config.schema import TemplateConfig, TemplateKind, TrainOn
 from dsrecipes.data.render.jinja import chat_template, lit
 from dsrecipes.data.render.template import generation_prompt, render
 from dsrecipes.data.sources.messages import messages_for
 from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
+from dsrecipes.schema import TemplateConfig, TemplateKind, TrainOn
 
 NASTY = "He said \"hi\" & 'bye' \\ {{ x }} {% y %} #}\n\r\t 中文 😀 \\n"
 TOOLS = json.dumps([{"name": "get_weather", "description": "天气 lookup",
@@ -123,8 +123,8 @@ def test_real_sharegpt_rows_render_identically(tok, tmp_path, glaive):
     """Glaive tool-calling rows (English and Chinese, bundled) under every template."""
     import gzip
 
-    from dsrecipes.config.schema import SourceConfig
     from dsrecipes.data.sources.sharegpt import normalize_row
+    from dsrecipes.schema import SourceConfig
 
     rows = []
     for name in ("glaive_toolcall_en_demo.json.gz", "glaive_toolcall_zh_demo.json.gz"):

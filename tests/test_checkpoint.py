@@ -11,9 +11,9 @@ import torch
 
 from dsrecipes.checkpoint import COMPLETE, LATEST, prune_checkpoints, restore_rng, rng_state
 from dsrecipes.checkpoint_find import find_resume_checkpoint, latest_complete, plan_resume
-from dsrecipes.config.schema import ResumeMode, TrainerConfig
 from dsrecipes.errors import UserError
 from dsrecipes.export import export_initial
+from dsrecipes.schema import ResumeMode, TrainerConfig
 from dsrecipes.trust import sign
 
 AUTO, NEVER = TrainerConfig(resume=ResumeMode.auto), TrainerConfig(resume=ResumeMode.never)

@@ -9,9 +9,9 @@ import pytest
 
 from dsrecipes.config.groups import RECIPE_GROUP, group_options, recipes
 from dsrecipes.config.load import check_composition, compose, compose_and_load, hydra_context
-from dsrecipes.config.schema import DataKind, OffloadDevice, Precision, TrainConfig
 from dsrecipes.config.validate import check_runtime
 from dsrecipes.errors import ConfigError
+from dsrecipes.schema import DataKind, OffloadDevice, Precision, TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 OPTIONS = [(g, o) for g, opts in group_options().items() if g != RECIPE_GROUP for o in opts]

@@ -9,9 +9,10 @@ import pytest
 import yaml
 
 from dsrecipes.config.groups import recipes
-from dsrecipes.config.load import check_composition, compose, compose_and_load, config_to_dict, hydra_context
-from dsrecipes.config.schema import TrainConfig
+from dsrecipes.config.load import check_composition, compose, compose_and_load, hydra_context
 from dsrecipes.paths import conf_dir
+from dsrecipes.schema import TrainConfig
+from dsrecipes.typed import config_to_dict
 
 RECIPES = recipes()
 

@@ -82,10 +82,10 @@ def read_through(strategy: str, cfg, tmp_path: Path) -> dict:
 def runtime_rows(cfg, tmp_path: Path, strategy: str):
     """The loader workers' side: RowEncoder over every block the stream index gives (iterable), or over the part's
     items (presharded)."""
-    from dsrecipes.config.schema import SourceConfig
     from dsrecipes.data.sampler import StreamSpec
     from dsrecipes.data.strategies.rows import RowEncoder
     from dsrecipes.model import load_tokenizer
+    from dsrecipes.schema import SourceConfig
 
     if strategy == "iterable":
         from dsrecipes.data.strategies.iterable import row_encoder

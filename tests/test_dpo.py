@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsrecipes.config.schema import DpoLoss
 from dsrecipes.data.render.preference_encode import read_and_encode_pairs
 from dsrecipes.data.sources.badrows import BadRowReport
 from dsrecipes.data.sources.registry import resolve_sources
@@ -23,6 +22,7 @@ from dsrecipes.errors import ConfigError, DataError
 from dsrecipes.model import build_model, load_tokenizer
 from dsrecipes.objectives import build_objective
 from dsrecipes.objectives.dpo import LiveReference
+from dsrecipes.schema import DpoLoss
 
 TRL_ROWS = [
     {"prompt": [{"role": "user", "content": "What is 2 + 2?"}],

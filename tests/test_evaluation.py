@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from dsrecipes.config.schema import SelectMetric
 from dsrecipes.data.strategies.eval import limit_rows
 from dsrecipes.evaluation import EvalLedger, evaluate, verify_eval_ledgers
 from dsrecipes.objectives.sft import SFT, EvalResult, collate, token_sums
+from dsrecipes.schema import SelectMetric
 from dsrecipes.selection import METRIC_MODES, Selector
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from dsrecipes import launch
-from dsrecipes.config.schema import LauncherKind
 from dsrecipes.errors import UserError
 from dsrecipes.launch.builders import MULTINODE_DEFAULT_PORT
 from dsrecipes.launch.process import child_env, run_subprocess
+from dsrecipes.schema import LauncherKind
 from dsrecipes.topology import resolve_topology
 
 PY = sys.executable

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsrecipes.config.schema import ObjectiveKind
 from dsrecipes.objectives import build_objective, builders
 from dsrecipes.paths import conf_dir
+from dsrecipes.schema import ObjectiveKind
 
 # `python -m dsrecipes trainer.max_steps=6 trainer.log_every=1 trainer.eval_every=3` (the default composition: tiny
 # model, sample data, map, fp32, one CPU process) on the code before objectives/ existed (commit cd3e6f8).

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from dsrecipes import resume_contract
-from dsrecipes.config.load import config_to_dict
-from dsrecipes.config.schema import TrainConfig
+from dsrecipes.schema import TrainConfig
+from dsrecipes.typed import config_to_dict
 
 
 def leaf_keys() -> list:

@@ -341,7 +341,7 @@ def test_lora_checkpoints_hold_only_what_trains_and_resume_exactly(ws, base):
 
 
 def test_a_requeued_batch_job_replans_and_resumes_by_itself(ws, base):
-    """The generated launch.sbatch of a requeued job runs `python -m dsrecipes.launch.requeue`, then its ranks:
+    """The generated launch.sbatch of a requeued job runs `python -m dsrecipes.requeue`, then its ranks:
     here both run as the batch script would, on a run stopped after step 4 whose plan.json still says "from the start"."""
     import yaml
 
@@ -361,7 +361,7 @@ def test_a_requeued_batch_job_replans_and_resumes_by_itself(ws, base):
     worker = [sys.executable, "-m", "dsrecipes.worker", "--run-dir", str(run)]
     stale = subprocess.run(worker, env=env, capture_output=True, text=True, timeout=600)
     assert stale.returncode == 2 and "plan.json" in stale.stderr and "Traceback" not in stale.stderr, stale.stderr
-    requeue = [sys.executable, "-m", "dsrecipes.launch.requeue", "--run-dir", str(run)]
+    requeue = [sys.executable, "-m", "dsrecipes.requeue", "--run-dir", str(run)]
     replanned = subprocess.run(requeue, env=env, capture_output=True, text=True, timeout=600)
     assert replanned.returncode == 0 and "resuming from step 4" in replanned.stdout, replanned.stderr[-3000:]
     done = subprocess.run(worker, env=env, capture_output=True, text=True, timeout=600)
@@ -372,5 +372,5 @@ def test_a_requeued_batch_job_replans_and_resumes_by_itself(ws, base):
 
     script = sbatch_script(load_run_config(run), run, 29500)
     assert "#SBATCH --requeue" in script and "#SBATCH --signal=B:USR1@180" in script
-    assert f"-m dsrecipes.launch.requeue --run-dir {run}" in script and "scontrol requeue" in script
+    assert f"-m dsrecipes.requeue --run-dir {run}" in script and "scontrol requeue" in script
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0

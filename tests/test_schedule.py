@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsrecipes.config.schema import SchedulerConfig, SchedulerKind
 from dsrecipes.schedule import StepScheduler, lr_factor, warmup_steps
+from dsrecipes.schema import SchedulerConfig, SchedulerKind
 
 
 def expected_lr(step: int, total: int, warmup: int, kind: str, peak: float, floor: float = 0.0) -> float:

@@ -48,9 +48,9 @@ def test_shard_samples_balance(sharded, capsys):
 
 def test_parts_keep_ids_and_conversations(sharded):
     """Canonical rows read back (default ShareGPT columns) to the same conversations as the source rows."""
-    from dsrecipes.config.schema import BadRows, SourceConfig
     from dsrecipes.data.sources.badrows import BadRowReport
     from dsrecipes.data.sources.sharegpt import iter_source
+    from dsrecipes.schema import BadRows, SourceConfig
 
     m = read_manifest(str(sharded))
     report = BadRowReport(BadRows.error, 0.0)

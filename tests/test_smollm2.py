@@ -45,8 +45,8 @@ def raw_rows(path: Path) -> List[dict]:
 
 def conversations() -> List:
     """All 600 bundled Glaive rows (300 English, 300 Chinese)."""
-    from dsrecipes.config.schema import SourceConfig
     from dsrecipes.data.sources.sharegpt import normalize_row
+    from dsrecipes.schema import SourceConfig
 
     return [normalize_row(r, f"{f.name}:{i}", SourceConfig(name=f.name)) for f in GLAIVE
             for i, r in enumerate(raw_rows(f))]
@@ -172,11 +172,11 @@ def recompute_step0(workspace: Path, run: Path, smollm2_dir: Path):
     the ids (expected_mask), one conversation at a time."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dsrecipes.config.schema import BadRows, SourceConfig
     from dsrecipes.data.sources.badrows import BadRowReport
     from dsrecipes.data.sources.messages import messages_for
     from dsrecipes.data.sources.sharegpt import iter_source
     from dsrecipes.evaluation import read_eval_ledger
+    from dsrecipes.schema import BadRows, SourceConfig
 
     scored = read_eval_ledger(run / "ledger" / "eval_rank0.jsonl")[0]
     assert len(scored) == 4
@@ -295,9 +295,9 @@ def test_two_rank_zero3_from_a_hub_id_exports_the_original_shapes(workspace, smo
 def test_eos_terminated_templates_use_the_tokenizers_eos_and_header_templates_still_refuse(tok):
     """vicuna's "</s>" is the model's eos: on SmolLM2 (no literal "</s>" token) replies end with <|im_end|>; llama3,
     whose special tokens are the format itself, keeps refusing with the clear message."""
-    from dsrecipes.config.schema import TemplateConfig, TemplateKind, TrainOn
     from dsrecipes.data.render.template import check_template, render
     from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
+    from dsrecipes.schema import TemplateConfig, TemplateKind, TrainOn
 
     assert check_template(TemplateConfig(name=TemplateKind.vicuna), tok) == []
     conv = Conversation("c", [Turn(Role.user, "Hi"), Turn(Role.assistant, "Hello!")])
@@ -314,12 +314,12 @@ def test_vicuna_trains_exports_and_serves_with_the_training_rendering(workspace,
     chat template renders the training text byte for byte, and stock generate stops at that eos, greedily."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dsrecipes.config.schema import BadRows, SourceConfig, TemplateConfig, TemplateKind, TrainOn
     from dsrecipes.data.prepare import _open
     from dsrecipes.data.render.template import render
     from dsrecipes.data.sources.badrows import BadRowReport
     from dsrecipes.data.sources.messages import messages_for
     from dsrecipes.data.sources.sharegpt import iter_source
+    from dsrecipes.schema import BadRows, SourceConfig, TemplateConfig, TemplateKind, TrainOn
 
     run = train(workspace, "vicuna", smollm2_dir, "template=vicuna", "trainer.max_steps=2", "dataset.val_size=0")
     stats = json.loads((run / "prepare_stats.json").read_text())

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from dsrecipes.config.schema import DataKind
 from dsrecipes.data.strategies import STRATEGIES, DataStrategy
 from dsrecipes.data.strategies.rules import RULES
 from dsrecipes.errors import DataError
+from dsrecipes.schema import DataKind
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dsrecipes"
 STRATEGY_DIR = PACKAGE / "data" / "strategies"

@@ -128,8 +128,8 @@ def test_a_built_in_template_on_a_hostile_model_is_refused_by_the_renders_differ
     from transformers import AutoTokenizer
 
     from dsrecipes.chat_sandbox import TemplateRefused
-    from dsrecipes.config.schema import TemplateConfig, TemplateKind
     from dsrecipes.data.render.template_choice import template_warnings
+    from dsrecipes.schema import TemplateConfig, TemplateKind
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir(weights, tmp_path, HOSTILE["loops for ever"]))
     started = time.monotonic()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsrecipes.config.schema import LauncherConfig, LauncherKind
+from dsrecipes.schema import LauncherConfig, LauncherKind
 from dsrecipes.topology import Topology, resolve_topology
 
 

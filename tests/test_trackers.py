@@ -20,8 +20,8 @@ def _cfg(make_cfg, *overrides):
 
 def test_report_to_is_a_typed_list(make_cfg):
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.config.schema import ReportTo
     from dsrecipes.errors import ConfigError
+    from dsrecipes.schema import ReportTo
 
     assert _cfg(make_cfg).trainer.report_to == [ReportTo.tensorboard]
     assert _cfg(make_cfg, "trainer.report_to=[mlflow,wandb]").trainer.report_to == [ReportTo.mlflow, ReportTo.wandb]

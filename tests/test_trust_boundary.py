@@ -108,8 +108,8 @@ def test_builders_refuse_what_validation_refuses(kind, args):
     """A config built in code (no validation) still cannot put these on a command line."""
     from dsrecipes import launch
     from dsrecipes.boundary.launcher_args import extra_args_problems
-    from dsrecipes.config.schema import LauncherConfig, LauncherKind, TrainConfig
     from dsrecipes.errors import ConfigError
+    from dsrecipes.schema import LauncherConfig, LauncherKind, TrainConfig
 
     assert extra_args_problems(LauncherKind(kind), args)
     ln = LauncherConfig(kind=LauncherKind(kind), num_gpus=2, extra_args=args)
@@ -297,7 +297,7 @@ def _parser_actions(kind):
 
 def test_every_launcher_has_a_table_and_every_option_is_the_launchers_own():
     from dsrecipes.boundary.launcher_args import ALLOWED
-    from dsrecipes.config.schema import LauncherKind
+    from dsrecipes.schema import LauncherKind
 
     assert set(ALLOWED) == set(LauncherKind) and ALLOWED[LauncherKind.local] == {}
     for kind in ("deepspeed", "torchrun"):

@@ -6,7 +6,7 @@
     launcher.slurm_sbatch_args  `#SBATCH --key=value` with keys from SBATCH_ALLOWED, each value of its type
     launcher.slurm_partition / slurm_account   `#SBATCH --partition` / `--account` (names)
 
-The free shell text of the retired `launcher.slurm_setup` is gone (config/schema.py RETIRED_KEYS says what replaces
+The free shell text of the retired `launcher.slurm_setup` is gone (schema.py RETIRED_KEYS says what replaces
 it). Every value is checked against a shape that holds no whitespace, quote, `$` or line break, and is still quoted
 where the shell reads it; directives dsrecipes writes itself (nodes, time, output, requeue, ...) point to their field.
 """
@@ -17,6 +17,7 @@ import shlex
 from typing import Dict, List
 
 from dsrecipes.boundary.values import FLAG, MODULE_NAME, NAME, SIZE, Value, choice, integer, path_problem, shape
+from dsrecipes.errors import ConfigError
 
 _MAIL = ("NONE", "BEGIN", "END", "FAIL", "REQUEUE", "ALL", "INVALID_DEPEND", "STAGE_OUT", "TIME_LIMIT",
          "TIME_LIMIT_90", "TIME_LIMIT_80", "TIME_LIMIT_50", "ARRAY_TASKS")
@@ -83,7 +84,6 @@ def _directive_problem(arg: str) -> str:
 
 
 def checked_batch_fields(ln) -> None:
-    from dsrecipes.errors import ConfigError
 
     problems = batch_problems(ln)
     if problems:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 from typing import Dict, List, Tuple
 
@@ -33,7 +34,8 @@ from dsrecipes.boundary.values import (
     number,
     shape,
 )
-from dsrecipes.config.schema import LauncherKind
+from dsrecipes.errors import ConfigError
+from dsrecipes.schema import LauncherKind
 
 KEY = "launcher.extra_args"
 _HOSTFILE_WORD = re.compile(r"[A-Za-z_]{1,32}=\d{1,6}")  # slots=8, max_slots=8
@@ -109,7 +111,6 @@ def extra_args_problems(kind: LauncherKind, args: List[str]) -> List[str]:
 def checked_extra_args(kind: LauncherKind, args: List[str]) -> List[str]:
     """The arguments, after the checks of `extra_args_problems` (ConfigError when any fails): the only way
     `launcher.extra_args` reaches a command line."""
-    from dsrecipes.errors import ConfigError
 
     problems = extra_args_problems(kind, list(args))
     if problems:
@@ -218,9 +219,7 @@ def _torchrun_parse(argv: List[str]):
 def hostfile_problems(path: str) -> List[str]:
     """`launcher.hostfile`: its host names reach ssh/pdsh and mpirun's command lines, so each line must be a host
     name (HOST: never an option such as `-oProxyCommand=...`) followed by `key=value` words (`slots=8`)."""
-    import os
 
-    from dsrecipes.boundary.values import HOST
 
     try:
         with open(os.path.expanduser(path), encoding="utf-8") as fh:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Dict, List, Mapping
 
 from dsrecipes.boundary.values import BOOL01, INTERFACES, NAME, TRUE_FALSE, Value, choice, integer, key_values, shape
+from dsrecipes.errors import ConfigError
 
 KEY = "launcher.env"
 # Read by ranks to inject faults in tests (train.py, step_guard.py, checkpoint.py); tests/test_trust_boundary.py
@@ -102,7 +103,6 @@ def env_problems(env: Mapping[str, str]) -> List[str]:
 
 def checked_env(env: Mapping[str, str]) -> Dict[str, str]:
     """`launcher.env` after `env_problems` (ConfigError when any): the only way it reaches a rank."""
-    from dsrecipes.errors import ConfigError
 
     problems = env_problems(env)
     if problems:

@@ -10,6 +10,7 @@ import re
 from typing import NoReturn, Sequence
 
 from dsrecipes.errors import UserError
+from dsrecipes.suggest import closest, phrase
 
 
 def override_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -27,7 +28,6 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Name
 
 
 def usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
-    from dsrecipes.suggest import closest, phrase
 
     flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
     unknown = re.findall(r"(?<!\w)(--?[\w-]+)", message.partition("unrecognized arguments:")[2])

@@ -6,11 +6,12 @@ from typing import List
 
 from dsrecipes.commands.args import override_parser, parse
 from dsrecipes.config.load import compose_and_load
+from dsrecipes.data.ledger import verify_ledgers
+from dsrecipes.topology import resolve_topology
 
 
 def main(argv: List[str]) -> int:
-    from dsrecipes.data.strategies import audit_config
-    from dsrecipes.topology import resolve_topology
+    from dsrecipes.data.strategies import audit_config  # lazy: else `commands.audit` imports numpy 0.11 s
 
     parser = override_parser("audit", "prove exactly-once / equal-steps data plans for a world size")
     parser.add_argument("--world-size", type=int, default=None, help="data-parallel ranks (default: the launcher's)")
@@ -24,7 +25,6 @@ def main(argv: List[str]) -> int:
     if args.num_workers is not None:
         overrides.append(f"data.num_workers={args.num_workers}")
     if args.ledger:
-        from dsrecipes.data.ledger import verify_ledgers
 
         ledger = verify_ledgers(args.ledger)
         print(ledger.summary())

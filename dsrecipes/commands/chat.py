@@ -13,11 +13,15 @@ import argparse
 import sys
 from typing import Any, Dict, List
 
+from dsrecipes.commands.args import parse
+from dsrecipes.trust import FLAG, TRUST_HELP, trust
+
 
 def main(argv: List[str]) -> int:
-    from dsrecipes.commands.args import parse
-    from dsrecipes.inference import ChatModel, resolve_model_path
-    from dsrecipes.trust import FLAG, TRUST_HELP, trust
+    from dsrecipes.inference import (  # lazy: else `commands.chat` imports torch 3.80 s, numpy 0.11 s
+        ChatModel,
+        resolve_model_path,
+    )
 
     parser = argparse.ArgumentParser(prog="dsrecipes chat", description=__doc__.split("\n")[0])
     parser.add_argument("model", help="run dir, export, merged or adapter-only LoRA export, or a model dir")

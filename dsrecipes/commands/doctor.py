@@ -10,11 +10,12 @@ import sys
 from dataclasses import asdict
 from typing import List
 
+import dsrecipes.jit_ops as jit_ops
 from dsrecipes.commands.args import override_parser, parse
+from dsrecipes.doctor import Context, Level, Probe, diagnose, render
 
 
 def main(argv: List[str]) -> int:
-    from dsrecipes.doctor import Context, Level, Probe, diagnose, render
 
     parser = override_parser("doctor", "check the environment (torch, CUDA, compilers, shm, caches)")
     parser.add_argument("--json", action="store_true", help="print findings as JSON")
@@ -23,7 +24,7 @@ def main(argv: List[str]) -> int:
     args = parse(parser, argv)
     ctx = Context()
     try:
-        from dsrecipes.config.load import compose_and_load
+        from dsrecipes.config.load import compose_and_load  # lazy: in the try: doctor runs with a broken Hydra
 
         ctx = Context.from_config(compose_and_load(args.overrides, check_files=False))
     except Exception as exc:  # noqa: BLE001 - doctor must run even where the config (or hydra) is broken
@@ -40,7 +41,6 @@ def main(argv: List[str]) -> int:
 
 
 def _build_ops(ctx) -> None:  # noqa: ANN001 - doctor.Context
-    import dsrecipes.jit_ops as jit_ops
 
     if not ctx.jit_ops:
         print("this config needs no JIT-built op; nothing to build", file=sys.stderr)

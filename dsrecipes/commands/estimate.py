@@ -9,11 +9,11 @@ from typing import List
 from dsrecipes.commands.args import override_parser, parse
 from dsrecipes.config.defaults import with_derived_defaults
 from dsrecipes.config.load import compose_and_load
+from dsrecipes.estimate import estimate, render
+from dsrecipes.topology import resolve_topology
 
 
 def main(argv: List[str]) -> int:
-    from dsrecipes.estimate import estimate, render
-    from dsrecipes.topology import resolve_topology
 
     parser = override_parser("estimate", "memory per GPU/CPU for every ZeRO stage and offload choice")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="default: the launcher's ranks per node")

@@ -8,12 +8,12 @@ from typing import List
 
 from dsrecipes.commands.args import override_parser, parse
 from dsrecipes.config.load import compose_and_load
+from dsrecipes.data.inspect import format_stats, render_row
 
 
 def main(argv: List[str]) -> int:
-    from dsrecipes.data.inspect import format_stats, render_row
-    from dsrecipes.data.prepare import prepare
-    from dsrecipes.model import load_tokenizer
+    from dsrecipes.data.prepare import prepare  # lazy: else `commands.inspect_data` imports numpy 0.11 s
+    from dsrecipes.model import load_tokenizer  # lazy: else `commands.inspect_data` imports torch 3.80 s
 
     parser = override_parser("inspect-data", "render prepared samples with trained tokens highlighted, plus statistics")
     parser.add_argument("--rows", type=int, default=3, help="rows to render (default 3)")

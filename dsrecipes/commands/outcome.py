@@ -32,7 +32,7 @@ def conclude(run_dir: Path, code: int, dry_run: bool, argv: Sequence[str]) -> Tu
 
 def report_interrupted(run_dir: Path, signum: int, extra: dict, argv: Sequence[str]) -> int:
     """Write result.json `interrupted`, print where it stopped and how to resume; returns the exit code."""
-    from dsrecipes.checkpoint_find import committed  # imports torch (seconds): only a stopped run needs it
+    from dsrecipes.checkpoint_find import committed  # lazy: else `commands.train` imports torch 3.80 s
 
     newest = committed(run_dir / CHECKPOINTS_DIR)
     checkpoint = str(newest[0]) if newest else None

@@ -7,14 +7,14 @@ import argparse
 from dataclasses import asdict
 from typing import List
 
+from dsrecipes import prompt_eval as pe
 from dsrecipes.commands.args import parse
 from dsrecipes.fileio import atomic_write_json
+from dsrecipes.trust import FLAG, TRUST_HELP, trust
 
 
 def main(argv: List[str]) -> int:
-    from dsrecipes import prompt_eval as pe
-    from dsrecipes.inference import resolve_model_path
-    from dsrecipes.trust import FLAG, TRUST_HELP, trust
+    from dsrecipes.inference import resolve_model_path  # lazy: else `commands.prompt_eval` imports torch 3.80 s
 
     parser = argparse.ArgumentParser(prog="dsrecipes prompt-eval", description=pe.__doc__.split("\n")[0],
                                      epilog="--prompts format: one JSON object per line with 'prompt' and optional "

@@ -10,11 +10,11 @@ from typing import List, Sequence
 
 from dsrecipes.commands.args import override_parser, parse
 from dsrecipes.config.load import compose_and_load
-from dsrecipes.config.schema import ShardBalance
+from dsrecipes.data.shard import shard
+from dsrecipes.schema import ShardBalance
 
 
 def main(argv: List[str]) -> int:
-    from dsrecipes.data.shard import shard
 
     parser = override_parser("shard", "split data into one JSONL part per rank (+ manifest.json)")
     parser.add_argument("--parts", type=int, required=True, help="number of parts = the world size that will read them")

@@ -8,9 +8,10 @@ from typing import List
 import yaml
 
 from dsrecipes.commands.args import override_parser, parse
-from dsrecipes.config.load import compose_and_load, config_to_dict
+from dsrecipes.config.load import compose_and_load
 from dsrecipes.ds_config import build_ds_config
 from dsrecipes.topology import resolve_topology
+from dsrecipes.typed import config_to_dict
 
 
 def main(argv: List[str]) -> int:

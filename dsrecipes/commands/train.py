@@ -26,14 +26,15 @@ from dsrecipes import stopping
 from dsrecipes.commands.args import parse
 from dsrecipes.commands.help import train_help, version_text
 from dsrecipes.commands.outcome import conclude, report_interrupted
-from dsrecipes.config.load import config_to_dict, load_config
-from dsrecipes.config.schema import TrainConfig
+from dsrecipes.config.load import load_config
 from dsrecipes.console import log_path, quiet_third_party
 from dsrecipes.entry import Decision, check_machine, decide, run, with_run_dir
 from dsrecipes.errors import Refused, UserError
 from dsrecipes.report import closing_summary
 from dsrecipes.resume_contract import identity_fingerprint
 from dsrecipes.rundir import claim, write_result
+from dsrecipes.schema import TrainConfig
+from dsrecipes.typed import config_to_dict
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
 import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -10,7 +12,9 @@ from dsrecipes.commands.args import override_parser, parse
 from dsrecipes.config.defaults import config_warnings, model_name
 from dsrecipes.config.groups import RECIPE_GROUP, group_options
 from dsrecipes.config.load import check_composition, compose, compose_and_load, hydra_context
+from dsrecipes.config.matrix import layer, plan_all, recipe_body
 from dsrecipes.errors import ConfigError
+from dsrecipes.preflight import check_environment, check_template_tokens
 
 
 def main(argv: List[str]) -> int:
@@ -21,7 +25,6 @@ def main(argv: List[str]) -> int:
     if args.all:
         return validate_all(args.overrides, verbose=args.verbose)
     cfg = compose_and_load(args.overrides)
-    from dsrecipes.preflight import check_environment, check_template_tokens
 
     problems = check_environment(cfg) + check_template_tokens(cfg)  # paths, names, tokens: no model loaded
     if problems:
@@ -44,8 +47,7 @@ def validate_all(extra: List[str], *, verbose: bool = False) -> int:
     directories that exist on the training cluster, not on CI. Hydra composes the defaults, each recipe and every
     option (in rows, in parallel over the CPU cores); the products are layered from those (config/matrix.py).
     """
-    from dsrecipes.config.hydra_app import register_schemas
-    from dsrecipes.config.matrix import plan_all
+    from dsrecipes.config.hydra_app import register_schemas  # lazy: else `commands.validate` imports hydra 0.12 s
 
     start = time.perf_counter()
     register_schemas()  # the resolvers the option and recipe files may use
@@ -104,7 +106,6 @@ class Progress:
 
 
 def _layered(check: Any, plan: Any, composed: Dict[Tuple[str, ...], Composed]) -> Tuple[List[str], List[str]]:
-    from dsrecipes.config.matrix import layer, recipe_body
 
     group, option = check.option
     base = composed[tuple([f"{RECIPE_GROUP}={check.base}"] if check.base else [])]
@@ -138,8 +139,6 @@ def _compose_products_of_failed_bases(plan: Any, composed: Dict[Tuple[str, ...],
 
 
 def _compose_parallel(jobs: List[List[str]], progress: Progress) -> Dict[Tuple[str, ...], Composed]:
-    import multiprocessing as mp
-    import os
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     size = max(1, min(4, len(jobs) // (2 * cores)))
@@ -158,7 +157,7 @@ def _compose_parallel(jobs: List[List[str]], progress: Progress) -> Dict[Tuple[s
 
 
 def _compose_chunk(chunk: List[List[str]]) -> List[Composed]:
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # lazy: else `commands.validate` imports omegaconf 0.06 s
 
     out: List[Composed] = []
     with hydra_context():

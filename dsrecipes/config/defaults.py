@@ -23,7 +23,8 @@ import os
 from pathlib import PurePath
 from typing import List
 
-from dsrecipes.config.schema import OptimizerKind, TrainConfig
+from dsrecipes.hub import is_hub_id
+from dsrecipes.schema import OptimizerKind, TrainConfig
 
 TINY_NAME = "tiny"
 HIGH_LR = 1e-3  # above this, adaptive optimizers tend to wreck a pretrained model
@@ -42,7 +43,6 @@ def model_name(cfg: TrainConfig) -> str:
     path = cfg.model.path
     if not path or cfg.model.name != TINY_NAME:
         return cfg.model.name
-    from dsrecipes.hub import is_hub_id
 
     return path if is_hub_id(path) else PurePath(os.path.expanduser(path).rstrip("/")).name or path
 

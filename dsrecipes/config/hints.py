@@ -15,7 +15,12 @@ import typing
 from pathlib import Path
 from typing import Any, Iterator, List, Optional, Sequence
 
+import yaml
+
+from dsrecipes.config.groups import group_options
 from dsrecipes.errors import ConfigError
+from dsrecipes.paths import conf_dir
+from dsrecipes.schema import RETIRED_KEYS, TrainConfig
 from dsrecipes.suggest import closest, closest_keys, phrase
 
 
@@ -34,8 +39,7 @@ def explain(exc: BaseException, overrides: Sequence[str], fallback: str) -> str:
 
 def _at_line(file: str, key: str) -> str:
     """`FILE:LINE` when the file sets `key` (user recipe files and conf/ option files alike), else `FILE`."""
-    from dsrecipes.config.recipe_file import line_of
-    from dsrecipes.paths import conf_dir
+    from dsrecipes.config.recipe_file import line_of  # lazy: else `cli` imports hydra 0.12 s, omegaconf 0.06 s
 
     group = Path(file).parent.name if Path(file).parent.parent == conf_dir() else ""
     line = line_of(Path(file), key, group) if re.fullmatch(r"[\w.]+", key) else None
@@ -73,7 +77,6 @@ def clean_hydra_message(exc: BaseException) -> str:
 
 def schema_keys(cls: Any = None, prefix: str = "") -> List[str]:
     """Every dotted key of the schema, inner nodes included (`model`, `model.lora`, `model.lora.r`, ...)."""
-    from dsrecipes.config.schema import TrainConfig
 
     cls = TrainConfig if cls is None else cls
     keys = []
@@ -95,7 +98,6 @@ def unwrap_optional(tp: Any) -> Any:
 
 
 def group_names() -> List[str]:
-    from dsrecipes.config.groups import group_options
 
     return list(group_options())
 
@@ -122,8 +124,11 @@ def _context(chain: List[BaseException]) -> str:
 
 def config_file(config_path: str) -> str:
     """Hydra's config path (`zero/stage2`, `recipe/NAME`, `recipe//abs/file.yaml`) -> the file it was read from."""
-    from dsrecipes.config.sources import RECIPE_GROUP, is_path, user_recipes
-    from dsrecipes.paths import conf_dir
+    from dsrecipes.config.sources import (  # lazy: else `cli` imports hydra 0.12 s, omegaconf 0.06 s
+        RECIPE_GROUP,
+        is_path,
+        user_recipes,
+    )
 
     group, _, name = config_path.partition("/")
     if group == RECIPE_GROUP and is_path(name):
@@ -155,7 +160,6 @@ def _bad_override(chain: List[BaseException], overrides: List[str]) -> str:
 
 
 def _yaml_error(chain: List[BaseException], overrides: List[str]) -> str:
-    import yaml
 
     for exc in chain:
         if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
@@ -168,7 +172,10 @@ def _yaml_error(chain: List[BaseException], overrides: List[str]) -> str:
 def _missing_option(chain: List[BaseException], overrides: List[str]) -> str:
     from hydra.errors import MissingConfigException
 
-    from dsrecipes.config.sources import RECIPE_GROUP, is_path
+    from dsrecipes.config.sources import (  # lazy: else `cli` imports hydra 0.12 s, omegaconf 0.06 s
+        RECIPE_GROUP,
+        is_path,
+    )
 
     exc = next((e for e in chain if isinstance(e, MissingConfigException)), None)
     if exc is None or not exc.missing_cfg_file or "/" not in exc.missing_cfg_file:
@@ -186,7 +193,7 @@ def _missing_option(chain: List[BaseException], overrides: List[str]) -> str:
 def _chosen_in(group: str, overrides: List[str]) -> str:
     """` [in FILE:LINE]`: the recipe file of the command line that chooses an option of `group` (flat `zero: x` or
     a defaults list's `override /zero: x`)."""
-    from dsrecipes.config.sources import RECIPE_GROUP
+    from dsrecipes.config.sources import RECIPE_GROUP  # lazy: else `cli` imports hydra 0.12 s, omegaconf 0.06 s
 
     pattern = re.compile(rf"^\s*(-\s*)?(override\s+)?/?{re.escape(group)}\s*:")
     for ov in overrides:
@@ -214,7 +221,7 @@ def _unknown_group(chain: List[BaseException], overrides: List[str]) -> str:
 
 
 def _unknown_key(chain: List[BaseException], overrides: List[str]) -> str:
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError  # lazy: else `cli` imports omegaconf 0.06 s
 
     key_error = next((e for e in chain if isinstance(e, (ConfigKeyError, ConfigAttributeError)) and e.full_key), None)
     if key_error is None:
@@ -227,7 +234,6 @@ def _unknown_key(chain: List[BaseException], overrides: List[str]) -> str:
     if typed.startswith("hydra."):
         return ""
     blame = _blame(typed, overrides)
-    from dsrecipes.config.schema import RETIRED_KEYS
 
     if typed in RETIRED_KEYS:
         return f"{typed}: {RETIRED_KEYS[typed]}{blame}"
@@ -267,7 +273,7 @@ def full_key(typed: str, keys: Sequence[str]) -> List[str]:
 
 
 def _bad_value(chain: List[BaseException], overrides: List[str]) -> str:
-    from omegaconf.errors import ValidationError
+    from omegaconf.errors import ValidationError  # lazy: else `cli` imports omegaconf 0.06 s
 
     exc = next((e for e in chain if isinstance(e, ValidationError) and e.full_key and e.msg), None)
     if exc is None or str(exc.full_key).startswith("hydra."):

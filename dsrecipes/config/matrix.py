@@ -125,7 +125,7 @@ def package_of(group: str, option: str) -> str:
 @functools.lru_cache(maxsize=None)
 def pulls_groups(group: str, option: str) -> bool:
     """Whether the option's defaults list names anything but its schema (then it is composed alone)."""
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # lazy: else `commands.validate` imports omegaconf 0.06 s
 
     entries = OmegaConf.to_container(OmegaConf.load(conf_dir() / group / f"{option}.yaml")).get("defaults") or []
     return any(not (e == "_self_" or isinstance(e, str) and e.startswith("/schema/")) for e in entries)
@@ -141,7 +141,7 @@ def _recipe_layerable(name: str, options: Dict[str, List[str]]) -> bool:
 
 
 def _body(path: Path) -> Container:
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # lazy: else `commands.validate` imports omegaconf 0.06 s
 
     node = OmegaConf.load(path)
     data = OmegaConf.to_container(node, resolve=True, enum_to_str=True)

@@ -6,7 +6,16 @@ import os
 import re
 from typing import List
 
-from dsrecipes.config.schema import (
+from dsrecipes.boundary.batch_script import batch_problems, run_dir_problem
+from dsrecipes.boundary.launcher_args import extra_args_problems, hostfile_problems
+from dsrecipes.boundary.rank_env import env_problems
+from dsrecipes.boundary.values import HOST
+from dsrecipes.data.sources.files import expand_paths, no_file
+from dsrecipes.data.sources.remote import check_url, expand, looks_like_url
+from dsrecipes.data.strategies.rules import carries_pairs, config_problems, required_paths
+from dsrecipes.errors import DataError
+from dsrecipes.hub import check_hub_paths, is_hub_id
+from dsrecipes.schema import (
     AttnImpl,
     Device,
     DpoLoss,
@@ -18,9 +27,6 @@ from dsrecipes.config.schema import (
     ResumeMode,
     TrainConfig,
 )
-from dsrecipes.data.strategies.rules import carries_pairs, config_problems, required_paths
-from dsrecipes.errors import DataError
-from dsrecipes.hub import check_hub_paths, is_hub_id
 from dsrecipes.selection import config_problems as selection_problems
 
 _SLOTS = r"[A-Za-z0-9_.-]{1,253}(?::\d{1,4}(?:,\d{1,4})*)?"  # deepspeed --include/--exclude: host[:slots]@...
@@ -180,7 +186,6 @@ def _misc(cfg: TrainConfig) -> List[str]:
     errors += _launcher(ln)
     errors += launcher_boundary_problems(ln)
     if ln.kind is LauncherKind.slurm and cfg.trainer.output_dir:
-        from dsrecipes.boundary.batch_script import run_dir_problem
 
         errors += [p for p in [run_dir_problem(os.path.abspath(os.path.expanduser(cfg.trainer.output_dir)))] if p]
     if cfg.model.trust_remote_code:
@@ -191,7 +196,6 @@ def _misc(cfg: TrainConfig) -> List[str]:
 
 def launcher_env_problems(env: dict) -> List[str]:
     """launcher.env entries outside the documented table (boundary/rank_env.py) or with a value not of its type."""
-    from dsrecipes.boundary.rank_env import env_problems
 
     return env_problems(env)
 
@@ -199,9 +203,6 @@ def launcher_env_problems(env: dict) -> List[str]:
 def launcher_boundary_problems(ln) -> List[str]:
     """What a config would put on a command line, into the ranks' environment or into a batch script, checked
     against the boundary's positive lists (every refused item named)."""
-    from dsrecipes.boundary.batch_script import batch_problems
-    from dsrecipes.boundary.launcher_args import extra_args_problems
-    from dsrecipes.boundary.values import HOST
 
     problems = extra_args_problems(ln.kind, list(ln.extra_args)) + launcher_env_problems(ln.env) + batch_problems(ln)
     if HOST.check(str(ln.master_addr)):
@@ -243,8 +244,6 @@ def _launcher(ln) -> List[str]:
 
 
 def _files(cfg: TrainConfig) -> List[str]:
-    from dsrecipes.data.sources.files import expand_paths, no_file
-    from dsrecipes.data.sources.remote import looks_like_url
 
     named = [(f"dataset.paths[{i}]", p) for i, p in enumerate(cfg.dataset.paths)]
     named += [(f"dataset.val_paths[{i}]", p) for i, p in enumerate(cfg.dataset.val_paths)]
@@ -272,14 +271,12 @@ def _files(cfg: TrainConfig) -> List[str]:
         if path and not os.path.exists(os.path.expanduser(path)) and not (key.startswith("model.") and is_hub_id(path)):
             errors.append(f"{key}: {path!r} does not exist")
     if cfg.launcher.hostfile and os.path.isfile(os.path.expanduser(cfg.launcher.hostfile)):
-        from dsrecipes.boundary.launcher_args import hostfile_problems
 
         errors += hostfile_problems(cfg.launcher.hostfile)
     return errors + check_hub_paths(cfg)
 
 
 def _shard_url(url: str) -> List[str]:
-    from dsrecipes.data.sources.remote import check_url, expand
 
     problem = check_url(url.rstrip("/") + "/manifest.json")
     if problem:

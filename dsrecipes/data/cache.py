@@ -16,11 +16,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from dsrecipes.config.load import config_to_dict
-from dsrecipes.config.schema import SourceConfig, TrainConfig
+from dsrecipes.data.sources.files import expand_paths
 from dsrecipes.data.sources.remote import identity as remote_identity
 from dsrecipes.data.sources.remote import is_url
 from dsrecipes.fileio import atomic_write_json
+from dsrecipes.schema import SourceConfig, TrainConfig
+from dsrecipes.typed import config_to_dict
 
 RACY_SECONDS = 2.0  # a file changed this recently is hashed, not memoised
 PREP_VERSION = 2  # bump when the output of preparation changes for the same inputs (2: one-text tokenization)
@@ -38,7 +39,6 @@ def sources_material(cfg: TrainConfig, sources: Sequence[SourceConfig],
     """Every source with the content hash of each of its files (the data part of every key). `known`: hashes this
     launch already computed while reading the files (the stream index), so they are not read again."""
     known = known or {}
-    from dsrecipes.data.sources.files import expand_paths
 
     memo_path = cache_root(cfg) / MEMO_FILE
     memo = _read_memo(memo_path)

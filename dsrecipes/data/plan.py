@@ -30,7 +30,7 @@ import numpy as np
 from dsrecipes.errors import DataError
 
 if TYPE_CHECKING:
-    from dsrecipes.config.schema import TrainConfig
+    from dsrecipes.schema import TrainConfig
 
 STATE_VERSION = 1
 UNSHUFFLED_WINDOW = 4096  # items read between position bookkeeping when the stream is not shuffled

@@ -9,16 +9,18 @@ answers' tokens on both sides.
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
-from dsrecipes.config.schema import SourceConfig, TrainConfig
 from dsrecipes.data.render.labels import IGNORE_INDEX
 from dsrecipes.data.render.preference_encode import read_and_encode_pairs
 from dsrecipes.data.sources.badrows import BadRowReport
 from dsrecipes.data.sources.splits import mix, split_val
 from dsrecipes.errors import DataError
+from dsrecipes.schema import SourceConfig, TrainConfig
 
 COLUMNS = ("ids", "prompt_ids", "chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels")
 
@@ -91,12 +93,13 @@ def attach_reference(cfg: TrainConfig, tokenizer: Any, cache: Path) -> Path:
     """`<prepared cache>/reference/<reference key>/{train,val}`: the prepared pairs with the reference log-probs
     (`ref_chosen_logps`, `ref_rejected_logps`), computed once per reference model (objectives/dpo_reference.py)
     and written beside, then renamed into place, like the prepared data itself."""
-    import os
-    import shutil
 
     from datasets import load_from_disk
 
-    from dsrecipes.objectives.dpo_reference import precompute, reference_key
+    from dsrecipes.objectives.dpo_reference import (  # lazy: else `commands.train` imports torch 3.80 s
+        precompute,
+        reference_key,
+    )
 
     final = cache / "reference" / reference_key(cfg)
     if (final / "done").is_file():

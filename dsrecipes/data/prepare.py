@@ -39,7 +39,6 @@ from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
-from dsrecipes.config.schema import ObjectiveKind, ReferenceMode, SourceConfig, TrainConfig
 from dsrecipes.data.arrow_split import write_split
 from dsrecipes.data.cache import cache_key, cache_root
 from dsrecipes.data.preference_prepare import attach_reference
@@ -53,6 +52,7 @@ from dsrecipes.data.sources.registry import resolve_sources, validation_files
 from dsrecipes.data.sources.splits import mix, split_val
 from dsrecipes.errors import DataError
 from dsrecipes.fileio import atomic_write_json
+from dsrecipes.schema import ObjectiveKind, ReferenceMode, SourceConfig, TrainConfig
 
 STATS_FILE = "prepare_stats.json"
 VAL_SOURCE = "dataset.val_paths"  # the source name of the validation files' samples
@@ -111,7 +111,7 @@ def load_prepared(cfg: TrainConfig, run_dir: str | Path) -> Prepared:
         if stats[name] != want:
             raise DataError(f"{path}: prepared with data.{name}={stats[name]}, but this config has {want}")
     if precomputed_reference(cfg):
-        from dsrecipes.objectives.dpo_reference import reference_key
+        from dsrecipes.objectives.dpo_reference import reference_key  # lazy: else `commands.train` imports torch 3.80 s
 
         ref = Path(stats.get("reference_dir") or cache / "reference" / "none")
         if ref.name != reference_key(cfg) or not (ref / "done").is_file():

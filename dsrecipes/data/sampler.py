@@ -11,9 +11,10 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES
 from dsrecipes.data.plan import EpochPlan, Layout, StreamShuffle, epoch_order, file_order
+from dsrecipes.data.sources.files import iter_lines
 from dsrecipes.data.sources.remote import open_maybe_gzip
+from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES
 
 T = TypeVar("T")
 
@@ -144,7 +145,6 @@ Item = Tuple[int, int, Optional[bytes]]  # (file index, 1-based line number, raw
 
 def count_rows(path: str, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> int:
     """Non-blank lines of a JSONL file: its samples, counted without parsing (lines read in bounded pieces)."""
-    from dsrecipes.data.sources.files import iter_lines
 
     with open_maybe_gzip(path) as fh:
         return sum(1 for _ in iter_lines(fh, max_row_bytes, path))
@@ -154,7 +154,6 @@ def iter_items(paths: Sequence[str], order: Sequence[int], limits: Optional[Sequ
                max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> Iterator[Item]:
     """(file index, line number, raw line) of every sample, visiting files in `order`; blank lines are not samples,
     a line longer than `max_row_bytes` is one (a bad row: its bytes are None, never held)."""
-    from dsrecipes.data.sources.files import iter_lines
 
     for fi in order:
         limit = None if limits is None else limits[fi]

@@ -31,12 +31,18 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import dsrecipes.data.shard_store as store_upload
-from dsrecipes.config.schema import ShardBalance
+from dsrecipes.data.cache import tokenizer_fingerprint
+from dsrecipes.data.render.template_choice import choose_template
+from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
+from dsrecipes.data.sources.files import expand_paths
+from dsrecipes.data.sources.registry import resolve_sources
 from dsrecipes.data.sources.remote import identity as remote_identity
 from dsrecipes.data.sources.remote import is_url
 from dsrecipes.data.sources.splits import split_val
 from dsrecipes.errors import DataError, UserError
 from dsrecipes.fileio import atomic_write_json
+from dsrecipes.schema import ShardBalance
+from dsrecipes.typed import config_to_dict
 
 MANIFEST = "manifest.json"
 VAL_PART = "val.jsonl"
@@ -237,11 +243,8 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
           force: bool = False, val_size: float = 0) -> Manifest:
     """Split the samples of `cfg.dataset` into `parts` canonical JSONL files plus manifest.json in `out_dir`;
     `val_size` (a fraction < 1 or a count) holds samples out into the validation part `val.jsonl`."""
-    from dsrecipes.data.render.tokenize import Encoder
-    from dsrecipes.data.sources.badrows import BadRowReport
-    from dsrecipes.data.sources.files import expand_paths
-    from dsrecipes.data.sources.registry import resolve_sources
-    from dsrecipes.model import load_tokenizer
+    from dsrecipes.data.render.tokenize import Encoder  # lazy: else `commands.shard` imports numpy 0.11 s
+    from dsrecipes.model import load_tokenizer  # lazy: else `commands.shard` imports torch 3.80 s
 
     if parts < 1:
         raise UserError(f"--parts must be >= 1, got {parts}")
@@ -291,8 +294,7 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
 def checked_rows(cfg: Any, report: Any, encoder: Any, sources: List[Any]) -> Iterator[Tuple[bytes, int]]:
     """(canonical line, tokens in a run) of every row that passes training's checks; the policy is enforced at the
     end. A row whose canonical form outgrows `dataset.max_row_bytes` is a bad row here (the parts never hold one)."""
-    from dsrecipes.data.sources.badrows import BadReason, BadRow
-    from dsrecipes.data.stream.scan import checked_conversations
+    from dsrecipes.data.stream.scan import checked_conversations  # lazy: else `commands.shard` imports numpy 0.11 s
 
     for conv, example in checked_conversations(cfg, report, encoder, sources):
         line = (json.dumps(conversation_row(conv), ensure_ascii=False) + "\n").encode("utf-8")
@@ -307,9 +309,6 @@ def checked_rows(cfg: Any, report: Any, encoder: Any, sources: List[Any]) -> Ite
 
 def check_identity(cfg: Any, tokenizer: Any) -> Dict[str, Any]:
     """What decides whether a row passes: the template config, the tokenizer itself and the row size limit."""
-    from dsrecipes.config.load import config_to_dict
-    from dsrecipes.data.cache import tokenizer_fingerprint
-    from dsrecipes.data.render.template_choice import choose_template
 
     template = choose_template(cfg.template, tokenizer, cfg.model.path)  # `auto` as the launch resolves it
     return {"template": config_to_dict(template), "tokenizer": tokenizer_fingerprint(tokenizer),

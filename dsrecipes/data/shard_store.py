@@ -15,8 +15,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from dsrecipes.data.cache import cache_root
 from dsrecipes.data.sources.remote import identity, s3, store_errors
 from dsrecipes.errors import UserError
+from dsrecipes.fileio import json_text
 
 MANIFEST = "manifest.json"
 
@@ -43,8 +45,6 @@ def identity_or_none(url: str) -> Optional[str]:
 def shard_to_store(cfg: Any, parts: int, out_url: str, balance: Any, force: bool,
                    local_shard: Callable[..., Any], val_size: float = 0) -> Any:
     """`local_shard` (shard.shard) into a staging directory, then the parts and the manifest uploaded to `out_url`."""
-    from dsrecipes.data.cache import cache_root
-    from dsrecipes.fileio import json_text
 
     prefix = out_url.rstrip("/")
     fs = s3()

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 from typing import List, Mapping, Optional
 
-from dsrecipes.config.schema import TrainConfig
 from dsrecipes.console import log_path
 from dsrecipes.distributed import remove_shm_buffers
 from dsrecipes.errors import UserError
@@ -22,6 +21,9 @@ from dsrecipes.heartbeat import FAILURE_FILE
 from dsrecipes.launch.builders import BUILDERS, resolve_master_port
 from dsrecipes.launch.plan import LAUNCH_FILE, WORKER_MODULE, Command, LaunchPlan, render_plan
 from dsrecipes.launch.process import run_in_process, run_subprocess
+from dsrecipes.launch.trained import EXIT_CODE, untrained
+from dsrecipes.rundir import write_outcome
+from dsrecipes.schema import LauncherKind, TrainConfig
 
 __all__ = ["build_plan", "build_commands", "launch", "render_plan", "resolve_master_port", "Command", "LaunchPlan"]
 
@@ -87,9 +89,6 @@ def _trained(cfg: TrainConfig, run_dir: Path, commands: List[Command], worker_mo
     """0 when the ranks report the planned steps (launch/trained.py); else the reason goes to rank_outcome.json
     (the run's result.json then says `failed`) and the exit code is 1. SLURM returns at submission: the job's ranks
     have not run yet. Another worker module (tests' probes) reports nothing."""
-    from dsrecipes.config.schema import LauncherKind
-    from dsrecipes.launch.trained import EXIT_CODE, untrained
-    from dsrecipes.rundir import write_outcome
 
     if cfg.launcher.kind is LauncherKind.slurm or worker_module != WORKER_MODULE:
         return 0

@@ -14,12 +14,13 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping
 
-from dsrecipes.boundary.launcher_args import checked_extra_args
+from dsrecipes.boundary.launcher_args import checked_extra_args, hostfile_problems
 from dsrecipes.boundary.rank_env import checked_env, hooks_from
-from dsrecipes.config.schema import LauncherConfig, LauncherKind, TrainConfig
 from dsrecipes.distributed import free_port
+from dsrecipes.errors import ConfigError
 from dsrecipes.launch.plan import DS_ENV_FILE, HOSTFILE, Command, LaunchPlan, Requirement
 from dsrecipes.launch.slurm import build_slurm
+from dsrecipes.schema import LauncherConfig, LauncherKind, TrainConfig
 from dsrecipes.topology import per_node
 
 # Multi-node runs need one port every node agrees on; with launcher.master_port unset that is DeepSpeed's default.
@@ -32,8 +33,6 @@ def _absolute(path: str) -> str:
 def _hostfile(path: str) -> str:
     """A user's hostfile, absolute; its host names reach pdsh/ssh and mpirun, so they are checked (when it exists
     here: a dry run may name one that lives on the cluster only)."""
-    from dsrecipes.boundary.launcher_args import hostfile_problems
-    from dsrecipes.errors import ConfigError
 
     if Path(path).expanduser().is_file() and hostfile_problems(path):
         raise ConfigError(hostfile_problems(path))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import runpy
 import sys
 from typing import Sequence
 
@@ -17,7 +18,6 @@ def main(argv: Sequence[str]) -> int:
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, with our port instead of its fixed 29500, so that
     `deepspeed.init_distributed()` in the worker finds a complete env:// setup.
     """
-    import runpy
 
     parser = argparse.ArgumentParser(prog="python -m dsrecipes.launch.mpi_rank")
     parser.add_argument("--master-port", type=int, required=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import _thread
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,8 +22,11 @@ import time
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Tuple
 
+import psutil
+
 import dsrecipes.heartbeat as heartbeat
 import dsrecipes.stopping as stopping
+from dsrecipes.console import PROGRESS_ENV, progress_mode, relay
 from dsrecipes.launch.plan import RANK_ENV, Command
 
 FAILED_NODE_GRACE_S = 5  # after a rank reported a lost node: time for the launcher to stop the others itself
@@ -72,9 +76,7 @@ def run_subprocess(cmd: Command, run_dir: Path, grace_s: float, log: Optional[Pa
 def _start(cmd: Command, log: Optional[Path]) -> Tuple[subprocess.Popen, List[threading.Thread]]:
     """Start `cmd` in a new session: ranks learn the progress mode (and the terminal width for a bar drawn through
     a pipe)."""
-    import shutil
 
-    from dsrecipes.console import PROGRESS_ENV, progress_mode, relay
 
     columns = {"COLUMNS": str(shutil.get_terminal_size().columns)} if sys.stderr.isatty() else {}
     pipe = subprocess.PIPE if log is not None else None
@@ -127,7 +129,6 @@ def _end_group(pid: int) -> None:
 def kill_tree(pid: int) -> None:
     """SIGKILL a process and all its descendants. The tree is frozen (SIGSTOP) first, so nothing it starts meanwhile
     (deepspeed's cleanup spawns `pdsh ... pkill` on a SIGTERM, which would hang on a dead host) escapes."""
-    import psutil
 
     frozen: Dict[int, "psutil.Process"] = {}
     try:
@@ -171,7 +172,7 @@ def _signal_group(pgid: int, signum: int) -> None:
 def run_in_process(cmd: Command, run_dir: Path, grace_s: float) -> int:
     """launcher=local: the rank runs here. A stop signal is acted on by the rank itself (stopping.py); if it has not
     stopped `grace_s` after the signal, it is interrupted where it stands."""
-    import dsrecipes.worker as worker
+    import dsrecipes.worker as worker  # lazy: else `commands.train` imports torch 3.80 s
 
     timers: List[threading.Timer] = []
 

@@ -4,7 +4,7 @@ Preemption and time limits: the job is requeueable and gets USR1 `REQUEUE_SIGNAL
 the batch shell then stops the ranks (SIGTERM: they checkpoint at the next step boundary, stopping.py) and requeues
 the job. A preempted job gets SIGTERM from SLURM, which reaches the ranks the same way, and SLURM requeues it. A
 requeued job (SLURM_RESTART_COUNT > 0) first plans the continuation from the newest verified checkpoint
-(`python -m dsrecipes.launch.requeue`), so it resumes by itself.
+(`python -m dsrecipes.requeue`), so it resumes by itself.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Mapping
 from dsrecipes.boundary.batch_script import directive_lines, run_dir_problem, setup_lines
 from dsrecipes.boundary.launcher_args import checked_extra_args
 from dsrecipes.boundary.rank_env import checked_env
-from dsrecipes.config.schema import TrainConfig
 from dsrecipes.errors import ConfigError
 from dsrecipes.launch.plan import SBATCH_FILE, WORKER_MODULE, Command, LaunchPlan, Requirement
+from dsrecipes.schema import TrainConfig
 from dsrecipes.topology import per_node
 
 REQUEUE_SIGNAL_S = 180  # USR1 this long before the time limit: time to checkpoint and requeue
@@ -79,7 +79,7 @@ def sbatch_script(cfg: TrainConfig, run_dir: Path, port: int, worker_module: str
         f"printf '%s slots={per_node(ln)}\\n' $HOSTS > \"$HOSTFILE\"",
         "export MASTER_ADDR MASTER_PORT HOSTFILE",
         'if [ "${SLURM_RESTART_COUNT:-0}" != 0 ]; then  # requeued: continue from the newest checkpoint',
-        f"  {q(sys.executable)} -m dsrecipes.launch.requeue --run-dir {q(str(run_dir))}",
+        f"  {q(sys.executable)} -m dsrecipes.requeue --run-dir {q(str(run_dir))}",
         "fi",
         f"srun --nodes={ln.num_nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {q('exec ' + inner_sh)} &",
         *_REQUEUE_TRAPS,

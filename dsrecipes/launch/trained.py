@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import List, Optional
 
 from dsrecipes.launch.plan import Command
+from dsrecipes.rundir import read_rank_steps
+from dsrecipes.runplan import PLAN_FILE, read_plan
 
 EXIT_CODE = 1
 
@@ -20,8 +22,6 @@ EXIT_CODE = 1
 def untrained(run_dir: Path, commands: List[Command]) -> Optional[str]:
     """Why the ranks did not train what the plan said (None when they did, when the plan had nothing to do, or when
     there is no plan: `launch()` called on a bare directory, as unit tests do; a run always writes plan.json first)."""
-    from dsrecipes.rundir import read_rank_steps
-    from dsrecipes.runplan import PLAN_FILE, read_plan
 
     if not (Path(run_dir) / PLAN_FILE).is_file():
         return None

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict
 
-from dsrecipes.config.schema import ObjectiveKind, TrainConfig
 from dsrecipes.objectives.base import Objective
+from dsrecipes.schema import ObjectiveKind, TrainConfig
 
 Builder = Callable[[TrainConfig, Any], Objective]
 
 
 def builders() -> Dict[ObjectiveKind, Builder]:
-    from dsrecipes.objectives import dpo, sft
+    from dsrecipes.objectives import dpo, sft  # lazy: else `commands.train` imports torch 3.80 s
 
     return {ObjectiveKind.sft: sft.build, ObjectiveKind.dpo: dpo.build}
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Protocol, Tuple
 
-from dsrecipes.config.schema import ObjectiveKind
+from dsrecipes.schema import ObjectiveKind
 
 IGNORE_INDEX = -100  # the label of a token that is not trained: PyTorch cross-entropy's `ignore_index`
 

@@ -26,9 +26,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from dsrecipes.config.schema import DpoLoss, ObjectiveKind, ReferenceMode, TrainConfig
 from dsrecipes.model import build_model
 from dsrecipes.objectives.base import IGNORE_INDEX, Batch, Row, pad_token_id, ratio
+from dsrecipes.schema import DpoLoss, ObjectiveKind, ReferenceMode, TrainConfig
 
 PAIR_SUMS = ("pairs", "chosen_rewards", "rejected_rewards", "correct", "margin", "chosen_logps", "rejected_logps")
 Reference = Callable[[Batch, torch.device], Tuple[torch.Tensor, torch.Tensor]]

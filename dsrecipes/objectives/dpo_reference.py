@@ -17,11 +17,11 @@ from typing import Any, Iterable, List, Tuple
 
 import torch
 
-from dsrecipes.config.load import config_to_dict
-from dsrecipes.config.schema import TrainConfig
 from dsrecipes.model import build_model
 from dsrecipes.objectives.base import Row, pad_token_id
 from dsrecipes.objectives.dpo import collate_pairs, reference_config, sequence_logps
+from dsrecipes.schema import TrainConfig
+from dsrecipes.typed import config_to_dict
 
 
 def reference_key(cfg: TrainConfig) -> str:

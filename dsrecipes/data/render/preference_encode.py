@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-from dsrecipes.config.schema import DatasetConfig, SourceConfig, TrainConfig, TrainOn
 from dsrecipes.data.render.labels import IGNORE_INDEX
 from dsrecipes.data.render.template import Segment
 from dsrecipes.data.render.tokenize import Encoder
@@ -33,6 +32,7 @@ from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.sources.files import expand_paths, no_file, read_rows
 from dsrecipes.data.sources.preference import Pair, pair_of
 from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn, role_table
+from dsrecipes.schema import DatasetConfig, SourceConfig, TrainConfig, TrainOn
 
 Row = Dict[str, Any]
 

@@ -38,6 +38,7 @@ from itertools import accumulate, chain
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+from tokenizers import Tokenizer, pre_tokenizers
 
 Spans = Tuple[np.ndarray, List[int]]  # (token ids, int32; token index where each segment starts, plus the end)
 
@@ -49,7 +50,6 @@ class FullText:
     """Tokenizes whole conversations and maps segment borders to token indices."""
 
     def __init__(self, backend: Any):
-        from tokenizers import Tokenizer
 
         # A private copy without post-processor: with add_special_tokens=False it adds no tokens, but ByteLevel's
         # `trim_offsets` would move offsets off leading spaces and hide a token straddling a border.
@@ -189,7 +189,6 @@ def _token_at(enc: Any, pos: int, n_chars: int, n_tokens: int) -> Optional[int]:
 def _token_byte_lengths(tok: Any) -> Optional[np.ndarray]:
     """Bytes of text each token id stands for, when every token is spelled in bytes of the text (byte-level BPE, no
     normalizer, pre-tokenizers that only cut); None otherwise."""
-    from tokenizers import pre_tokenizers
 
     spec = json.loads(tok.to_str())
     if spec.get("normalizer") is not None or (spec.get("model") or {}).get("type") != "BPE":

@@ -18,13 +18,14 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Dict, Optional
 
+from tokenizers import Tokenizer
+
 MARKER = "\u2581"  # "▁", SentencePiece's word-start / space symbol
 
 
 def continuation_encoder(backend: Any) -> Optional[Callable[..., Any]]:
     """`encode_batch` of a copy of `backend` (a `tokenizers.Tokenizer`) that adds no "▁" at the start of a text, or
     None when `backend` adds none."""
-    from tokenizers import Tokenizer
 
     spec = json.loads(backend.to_str())
     changed = _no_prepend_pre_tokenizer(spec.get("pre_tokenizer"))

@@ -16,19 +16,21 @@ from __future__ import annotations
 
 import glob
 import gzip
+import io
 import json
 import os
 import re
 import zlib
+from array import array
 from dataclasses import dataclass
 from typing import IO, Any, Callable, Iterator, List, Optional, Tuple, Union
 
-from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES
 from dsrecipes.data.sources.badrows import BadReason, BadRow, location
 from dsrecipes.data.sources.jsonscan import BOM, JsonStructureError, values
 from dsrecipes.data.sources.remote import expand as remote_expand
 from dsrecipes.data.sources.remote import looks_like_url, open_maybe_gzip
 from dsrecipes.errors import DataError
+from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES
 
 MAX_DEPTH = 100  # conversations need ~5 levels; far deeper rows only exhaust recursion in the code after the parse
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -102,7 +104,6 @@ def where(path: str, line: Optional[int], element: Optional[int]) -> str:
 def element_line(path: str, element: int) -> Optional[int]:
     """The line where element `element` of the JSON array in `path` starts: one scan of the file the first time
     (8 bytes per element are kept, for the file asked about last); for messages."""
-    from array import array
 
     if _element_lines.get("path") != path:
         lines = array("q")
@@ -163,7 +164,6 @@ def parse_row(path: str, line: int, data: Optional[bytes], element: Optional[int
 
 def json_depth(data: bytes) -> int:
     """The deepest bracket nesting of JSON bytes (strings skipped); a cheap pre-check before parsing."""
-    import io
 
     try:
         return max((v.depth for v in values(io.BytesIO(data), len(data), array=False)), default=0)

@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from dsrecipes.config.schema import DatasetFormat, ObjectiveKind, SourceConfig
 from dsrecipes.data.sources.badrows import BadReason, BadRow
 from dsrecipes.data.sources.files import RawRow
 from dsrecipes.data.sources.sharegpt import (
@@ -33,6 +32,7 @@ from dsrecipes.data.sources.sharegpt import (
     sample_id,
 )
 from dsrecipes.errors import ConfigError
+from dsrecipes.schema import DatasetFormat, ObjectiveKind, SourceConfig
 
 
 @dataclass

@@ -25,9 +25,13 @@ import json
 import os
 from typing import Any, Dict, List, Optional
 
-from dsrecipes.config.schema import ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
+import yaml
+
+from dsrecipes.data.sources.files import expand_paths
 from dsrecipes.data.sources.remote import looks_like_url
 from dsrecipes.errors import ConfigError, DataError
+from dsrecipes.schema import ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
+from dsrecipes.typed import convert
 
 _LF_UNSUPPORTED = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
 _LF_MEDIA_COLUMNS = ("images", "videos", "audios", "kto_tag")
@@ -72,7 +76,6 @@ def read_once(sources: List[SourceConfig], notes: Optional[List[str]] = None) ->
     named: the same file under two spellings (absolute, relative, `./`, `../`, a link) would otherwise be read twice
     and its rows could land in both the training and the validation split. Patterns matching nothing stay (the
     reader reports them); file names are glob-escaped so that a re-expansion finds exactly that file."""
-    from dsrecipes.data.sources.files import expand_paths
 
     first: Dict[str, str] = {}  # real path -> the spelling that was kept (with its source)
     out = []
@@ -117,8 +120,6 @@ def load_registry(path: str) -> Dict[str, SourceConfig]:
     try:
         with open(path, encoding="utf-8") as fh:
             if path.endswith((".yaml", ".yml")):
-                import yaml
-
                 data = yaml.safe_load(fh)
                 kind = "yaml"
             else:
@@ -133,12 +134,10 @@ def load_registry(path: str) -> Dict[str, SourceConfig]:
 
 
 def _yaml_entry(name: str, entry: Any, base: str) -> SourceConfig:
-    from dsrecipes.config.load import _convert  # the one typed conversion (errors carry dotted paths)
-
     if not isinstance(entry, dict):
         raise ConfigError(f"dataset.registry.{name}: expected a mapping")
     errors: List[str] = []
-    src = _convert(SourceConfig, {"name": name, **entry}, f"dataset.registry.{name}", errors)
+    src = convert(SourceConfig, {"name": name, **entry}, f"dataset.registry.{name}", errors)
     if errors:
         raise ConfigError(errors)
     src.paths = [p if looks_like_url(p) or os.path.isabs(os.path.expanduser(p)) else os.path.join(base, p)

@@ -24,10 +24,13 @@ import hashlib
 import io
 import os
 import re
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import IO, Any, Dict, Iterator, List, Optional, Tuple
 
+from dsrecipes.data.sources.remote_hub import hf_expand
 from dsrecipes.errors import DataError
 
 SCHEMES = ("s3", "hf")
@@ -131,7 +134,6 @@ def expand(pattern: str) -> List[str]:
     if problem:
         raise DataError(problem)
     if pattern.startswith("hf://"):
-        from dsrecipes.data.sources.remote_hub import hf_expand
 
         return hf_expand(pattern)
     fs = s3()
@@ -274,7 +276,6 @@ class RangePool:
     of `threads` that runs `submit(fn, *args)` ahead of the reader."""
 
     def __init__(self, threads: int = PREFETCH_THREADS):
-        import threading
 
         self.threads = threads
         self._local = threading.local()
@@ -292,7 +293,6 @@ class RangePool:
 
     def submit(self, fn: Any, *args: Any) -> Any:
         if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dsrecipes-range")
         return self._pool.submit(fn, *args)

@@ -8,6 +8,7 @@ environment at call time (huggingface_hub reads its constants once, at import).
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from typing import List
 
@@ -24,7 +25,6 @@ def _hub_cache() -> str:
 
 
 def hf_expand(url: str) -> List[str]:
-    import fnmatch
 
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Dict, Iterator, List, Optional
 
-from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES, DatasetConfig, DatasetFormat, SourceConfig
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
-from dsrecipes.data.sources.files import RawRow, expand_paths, no_file, read_rows
+from dsrecipes.data.sources.files import RawRow, expand_paths, no_file, parse_row, read_rows
+from dsrecipes.data.sources.registry import resolve_sources
 from dsrecipes.errors import ConfigError
+from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES, DatasetConfig, DatasetFormat, SourceConfig
 
 
 class Role(str, Enum):
@@ -136,7 +137,6 @@ def parse_item(raw: Optional[bytes], path: str, loc: int, source: SourceConfig, 
                limit: int = DEFAULT_MAX_ROW_BYTES, element: bool = False) -> Conversation:
     """One raw line of a stream (None: longer than the row limit) -> Conversation, or BadRow: `files.parse_row`
     and `conversation_of`, the checks of every reader. `element`: `loc` is a JSON array's element, not a line."""
-    from dsrecipes.data.sources.files import parse_row
 
     if raw is not None and len(raw) > limit:
         raw = None
@@ -274,7 +274,6 @@ def iter_conversations(dataset_cfg: DatasetConfig, *, report: BadRowReport,
     """All sources (`paths`, then `sources`, then registry `use` entries, unless resolved ones are given), in that
     fixed order. `dataset.max_samples` caps the total: reading stops after that many good conversations.
     """
-    from dsrecipes.data.sources.registry import resolve_sources
 
     kept = 0
     for source in resolve_sources(dataset_cfg) if sources is None else sources:

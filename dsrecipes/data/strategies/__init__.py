@@ -17,21 +17,18 @@ Guarantees, for every strategy, world size and `data.num_workers` (checked by `d
 Adding a strategy is one module, one option file and one Enum value: write `data/strategies/<name>.py` with a class
 implementing every method of `DataStrategy` (identity, prepare, steps_per_epoch, open, train_loader, eval_loader,
 audit; its config rules go in `rules.py`'s table, checked by the same completeness test), add `<name>` to
-`DataKind` in config/schema.py, add `conf/data/<name>.yaml`, and list the class in `STRATEGIES` below.
+`DataKind` in schema.py, add `conf/data/<name>.yaml`, and list the class in `STRATEGIES` below.
 tests/test_strategy_table.py fails until every `DataKind` has a complete strategy, and refuses a `DataKind`
 comparison in any module outside this package.
 
-Imports: the strategy modules import the preparation side of the data layer (prepare, scan, cache, registry, model)
-inside the methods that use it. This package is imported by the config validation (through rules.py) and those
-modules import the config loader (data/cache.py), so at module top they would make loading a config circular; they
-also cost `dsrecipes audit`/`validate` the tokenizer stack (model.py: torch, 5 s on a busy 2-core machine).
+Imports: at module top, except the few marked `# lazy:` (the tokenizer stack: model.py imports torch). This package
+is imported by the config validation (through rules.py), and `dsrecipes audit`/`validate` must not pay for torch.
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
-from dsrecipes.config.schema import DataKind, TrainConfig
 from dsrecipes.data.audit import AuditReport
 from dsrecipes.data.plan import Layout, total_steps
 from dsrecipes.data.strategies.base import TrainLoader
@@ -41,6 +38,7 @@ from dsrecipes.data.strategies.map import MapStrategy
 from dsrecipes.data.strategies.presharded import PreshardedStrategy
 from dsrecipes.data.strategies.protocol import DataStrategy, PrepareResult, RankData
 from dsrecipes.runplan import RunPlan
+from dsrecipes.schema import DataKind, TrainConfig
 
 STRATEGIES: Dict[DataKind, DataStrategy] = {s.kind: s for s in (MapStrategy(), IterableStrategy(), PreshardedStrategy())}
 

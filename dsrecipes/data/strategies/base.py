@@ -6,6 +6,7 @@ A strategy only says how to produce the remaining micro-batches of an epoch from
 
 from __future__ import annotations
 
+import signal
 from typing import Any, Dict, Iterator, Optional
 
 from dsrecipes.data.plan import STATE_VERSION, Layout, Position, resume_point
@@ -27,7 +28,6 @@ def loader_generator(seed: int, epoch: int) -> Any:
 def worker_ignores_stop_signals(_worker_id: int) -> None:
     """DataLoader `worker_init_fn`: a SIGTERM/SIGINT sent to the whole process group must stop the rank at a step
     boundary (stopping.py), not kill the worker that feeds it mid-step; workers end with their rank."""
-    import signal
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

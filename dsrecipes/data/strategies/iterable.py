@@ -18,19 +18,29 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES, DataKind, TrainConfig
 from dsrecipes.data.audit import AuditReport, audit_stream
+from dsrecipes.data.cache import data_files, data_fingerprint
 from dsrecipes.data.plan import Layout, require_steps, steps_per_epoch
+from dsrecipes.data.sources.registry import resolve_sources
 from dsrecipes.data.strategies.base import Batch, Row, TrainLoader
 from dsrecipes.data.strategies.eval import EvalLoader
 from dsrecipes.data.strategies.protocol import PrepareResult, RankData, rows_of_plan
 from dsrecipes.data.strategies.rows import RowEncoder, make_collate
-from dsrecipes.data.stream.index import INDEX_FILE, BlockSource, StreamIndex, read_stream_index
+from dsrecipes.data.stream.index import (
+    INDEX_FILE,
+    BlockSource,
+    StreamIndex,
+    build_stream_index,
+    file_sources,
+    read_stream_index,
+)
 from dsrecipes.data.stream.order import epoch_visits
 from dsrecipes.data.stream.reader import ItemFetcher, read_stretch
+from dsrecipes.data.stream.scan import prepare_stream
 from dsrecipes.data.stream.segments import LocalShuffle, Segment, epoch_segment
 from dsrecipes.errors import DataError
 from dsrecipes.runplan import RunPlan
+from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES, DataKind, TrainConfig
 
 STREAM_STATE_VERSION = 2  # 1: the shared-stream filter before block reading
 MakeRows = Callable[[Sequence[Any]], List[Row]]
@@ -94,7 +104,10 @@ class StreamTrainLoader(TrainLoader):
         expected = self.segment().micro_per_rank - start_micro
         if expected <= 0:
             return
-        from dsrecipes.data.strategies.readers import ReaderDataset, run_readers  # torch: at first read (readers.py)
+        from dsrecipes.data.strategies.readers import (  # lazy: else `commands.train` imports torch 3.80 s
+            ReaderDataset,
+            run_readers,
+        )
 
         dataset = ReaderDataset(self, self.epoch, start_micro)
         yield from run_readers(dataset, expected, self.num_workers, self.prefetch_factor, self.global_rank)
@@ -157,15 +170,12 @@ class IterableStrategy:
     needs_tokenizer = False
 
     def identity(self, cfg: TrainConfig, tokenizer: Any) -> Tuple[str, Dict[str, str]]:
-        from dsrecipes.data.cache import data_files, data_fingerprint
-        from dsrecipes.data.sources.registry import resolve_sources
 
         sources = resolve_sources(cfg.dataset)
         return data_fingerprint(cfg, sources), data_files(cfg, sources)
 
     def prepare(self, cfg: TrainConfig, run_dir: Path, tokenizer: Any, world_size: int) -> PrepareResult:
         """Index (and scan) the stream, write `<run>/stream_index.*`: the samples of one epoch, counted."""
-        from dsrecipes.data.stream.scan import prepare_stream
 
         rows, fingerprint, val = prepare_stream(cfg, run_dir)
         return PrepareResult(rows, fingerprint, val)
@@ -208,7 +218,6 @@ class IterableStrategy:
 
     def audit(self, cfg: TrainConfig, layout: Layout, epochs: int, num_rows: Optional[int]) -> AuditReport:
         """The index the launching process builds (cached by content), without the scan."""
-        from dsrecipes.data.stream.index import build_stream_index
 
         index = build_stream_index(cfg)
         counts = [index.caps[f] for f in index.train_files]
@@ -217,7 +226,6 @@ class IterableStrategy:
 
 
 def row_encoder(cfg: Any, tokenizer: Any, index: StreamIndex) -> Any:
-    from dsrecipes.data.stream.index import file_sources
 
     return RowEncoder(cfg, tokenizer, [f.name for f in index.files], file_sources(cfg, index),
                       [f.loc_base < 0 for f in index.files])

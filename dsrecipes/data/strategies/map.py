@@ -8,18 +8,22 @@ the index lists they are handed.
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from dsrecipes.config.schema import DataKind, TrainConfig
 from dsrecipes.data.audit import AuditReport, audit_map
+from dsrecipes.data.cache import data_files
 from dsrecipes.data.plan import EpochPlan, Layout, require_steps, steps_per_epoch
+from dsrecipes.data.prepare import load_prepared, preparation_key, prepare
 from dsrecipes.data.sampler import map_micro_batches
+from dsrecipes.data.sources.registry import resolve_sources
 from dsrecipes.data.strategies.base import Batch, Row, TrainLoader, loader_generator, worker_ignores_stop_signals
 from dsrecipes.data.strategies.eval import EvalLoader, limit_rows
 from dsrecipes.data.strategies.protocol import PrepareResult, RankData, rows_of_plan
 from dsrecipes.data.strategies.rows import make_collate
 from dsrecipes.runplan import RunPlan
+from dsrecipes.schema import DataKind, TrainConfig
 
 
 class MapTrainLoader(TrainLoader):
@@ -100,15 +104,11 @@ class MapStrategy:
     needs_tokenizer = True  # the preparation cache key hashes the tokenizer
 
     def identity(self, cfg: TrainConfig, tokenizer: Any) -> Tuple[str, Dict[str, str]]:
-        from dsrecipes.data.cache import data_files
-        from dsrecipes.data.prepare import preparation_key
-        from dsrecipes.data.sources.registry import resolve_sources
 
         sources = resolve_sources(cfg.dataset)
         return preparation_key(cfg, tokenizer, sources), data_files(cfg, sources)
 
     def prepare(self, cfg: TrainConfig, run_dir: Path, tokenizer: Any, world_size: int) -> PrepareResult:
-        from dsrecipes.data.prepare import prepare
 
         prepared = prepare(cfg, tokenizer, run_dir)
         val = 0 if prepared.val is None else len(prepared.val)
@@ -118,7 +118,6 @@ class MapStrategy:
         return require_steps(steps_per_epoch(prepared.rows, layout), f"{prepared.rows} training rows", layout)
 
     def open(self, cfg: TrainConfig, run_dir: str, rank: int, world_size: int, plan: RunPlan) -> Any:
-        from dsrecipes.data.prepare import load_prepared
 
         prepared = load_prepared(cfg, run_dir)
         rows_of_plan(plan, len(prepared.train), run_dir)
@@ -147,10 +146,8 @@ class MapStrategy:
 
 def prepared_rows(cfg: TrainConfig) -> int:
     """Rows of the prepared train split (the data layer's cache makes a second call cheap)."""
-    import tempfile
 
-    from dsrecipes.data.prepare import prepare
-    from dsrecipes.model import load_tokenizer
+    from dsrecipes.model import load_tokenizer  # lazy: else `commands.train` imports torch 3.80 s
 
     with tempfile.TemporaryDirectory(prefix="dsrecipes-audit-") as run_dir:
         return len(prepare(cfg, load_tokenizer(cfg), run_dir).train)

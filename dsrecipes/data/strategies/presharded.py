@@ -23,18 +23,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from dsrecipes.config.schema import DataKind, SourceConfig, TrainConfig
 from dsrecipes.data.audit import AuditReport, audit_presharded
 from dsrecipes.data.plan import Layout, StreamShuffle, presharded_steps, require_steps
+from dsrecipes.data.render.tokenize import Encoder
 from dsrecipes.data.sampler import Item, StreamSpec, select_slots
-from dsrecipes.data.shard import Manifest, checked_alike, read_manifest, verify_part, verify_val_part
+from dsrecipes.data.shard import Manifest, checked_alike, checked_rows, read_manifest, verify_part, verify_val_part
+from dsrecipes.data.sources.badrows import BadRowReport
 from dsrecipes.data.strategies.base import Batch, Row, TrainLoader
 from dsrecipes.data.strategies.eval import EvalLoader
 from dsrecipes.data.strategies.protocol import PrepareResult, RankData, rows_of_plan
 from dsrecipes.data.strategies.rows import RowEncoder, make_collate
+from dsrecipes.data.stream.scan import scan_sources
 from dsrecipes.errors import DataError
 from dsrecipes.fileio import atomic_writer
 from dsrecipes.runplan import RunPlan
+from dsrecipes.schema import DataKind, SourceConfig, TrainConfig
 
 VAL_ROWS = "val_rows.jsonl"  # `dataset.val_paths` in canonical form, written by the launching process
 VAL_QUARANTINE = "val_quarantine.jsonl"
@@ -96,7 +99,10 @@ class PreshardedTrainLoader(TrainLoader):
         expected = self._steps(offset) * self.layout.grad_accum - start_micro
         if expected <= 0:
             return
-        from dsrecipes.data.strategies.readers import ReaderDataset, run_readers  # torch: at first read (readers.py)
+        from dsrecipes.data.strategies.readers import (  # lazy: else `commands.train` imports torch 3.80 s
+            ReaderDataset,
+            run_readers,
+        )
 
         dataset = ReaderDataset(self, self.epoch, offset, start_micro)
         yield from run_readers(dataset, expected, self.num_workers, self.prefetch_factor, self.global_rank)
@@ -183,8 +189,7 @@ class PreshardedStrategy:
 def check_parts(cfg: TrainConfig, run_dir: Path, manifest: Manifest) -> None:
     """Parts are checked by `dsrecipes shard` with its template and tokenizer; with another one, a row could fail to
     render or tokenize mid-run (or mid-evaluation), so the parts (and the validation part) are scanned first."""
-    from dsrecipes.data.stream.scan import scan_sources
-    from dsrecipes.model import load_tokenizer
+    from dsrecipes.model import load_tokenizer  # lazy: else `commands.train` imports torch 3.80 s
 
     if checked_alike(manifest.checked_with, cfg, load_tokenizer(cfg)):
         return
@@ -198,10 +203,7 @@ def write_val_rows(cfg: TrainConfig, run_dir: Path) -> int:
     """`dataset.val_paths` read and checked like `dsrecipes shard` checks rows (bad rows per `dataset.bad_rows`,
     quarantined in `<run>/val_quarantine.jsonl`), written in the parts' canonical form to `<run>/val_rows.jsonl`;
     returns the rows written."""
-    from dsrecipes.data.render.tokenize import Encoder
-    from dsrecipes.data.shard import checked_rows
-    from dsrecipes.data.sources.badrows import BadRowReport
-    from dsrecipes.model import load_tokenizer
+    from dsrecipes.model import load_tokenizer  # lazy: else `commands.train` imports torch 3.80 s
 
     run_dir = Path(run_dir)
     (run_dir / VAL_QUARANTINE).unlink(missing_ok=True)  # an earlier launch's list, never beside this one's rows

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence
 
-from dsrecipes.config.schema import BadRows, TrainConfig
+from dsrecipes.data.render.packing import pack
+from dsrecipes.data.render.tokenize import Encoder
+from dsrecipes.data.sources.badrows import BadRow, error_message
+from dsrecipes.data.sources.files import where
+from dsrecipes.data.sources.sharegpt import parse_item, role_table
 from dsrecipes.data.strategies.base import Batch, Row
 from dsrecipes.errors import DataError
 from dsrecipes.objectives import build_objective
+from dsrecipes.schema import BadRows, TrainConfig
 
 
 def make_collate(cfg: TrainConfig, tokenizer: Any) -> Callable[[List[Row]], Batch]:
@@ -28,8 +33,6 @@ class RowEncoder:
 
     def __init__(self, cfg: TrainConfig, tokenizer: Any, paths: Sequence[str], sources: Sequence[Any],
                  element_files: Optional[Sequence[bool]] = None):
-        from dsrecipes.data.render.tokenize import Encoder
-        from dsrecipes.data.sources.sharegpt import role_table
 
         self.encoder = Encoder(tokenizer, cfg)
         self.paths = list(paths)
@@ -44,9 +47,6 @@ class RowEncoder:
         self.dropped = 0  # samples whose trained tokens were all truncated away
 
     def conversation(self, item: Any) -> Any:
-        from dsrecipes.data.sources.badrows import BadRow
-        from dsrecipes.data.sources.files import where
-        from dsrecipes.data.sources.sharegpt import parse_item
 
         file_index, loc, raw = item[:3]
         path, element = self.paths[file_index], self.element_files[file_index]
@@ -61,7 +61,6 @@ class RowEncoder:
         return conv
 
     def _bad(self, location: str, bad: Any) -> None:
-        from dsrecipes.data.sources.badrows import error_message
 
         if self.policy is BadRows.error:
             raise DataError(error_message(location, bad))
@@ -72,13 +71,11 @@ class RowEncoder:
         errors: List[Any] = []
         encoded = self.encoder.encode_batch(convs, errors) if convs else []
         for conv, bad in errors:
-            from dsrecipes.data.sources.files import where
 
             self._bad(where(conv.path, conv.loc, conv.element), bad)
         examples = [e for e in encoded if e is not None]
         self.dropped += len(convs) - len(examples) - len(errors)
         if self.packing:
-            from dsrecipes.data.render.packing import pack
 
             return [_row(p.ids, p.input_ids, p.labels, p.position_ids) for p in pack(examples, self.cutoff_len)]
         return [_row([e.id], e.input_ids, e.labels, list(range(len(e.input_ids)))) for e in examples]

@@ -14,6 +14,8 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable, Optional, Tuple
 
+from dsrecipes.data.sources.files import FileUnreadable, read_error
+from dsrecipes.data.sources.jsonscan import JsonStructureError, values
 from dsrecipes.data.sources.remote import open_maybe_gzip
 from dsrecipes.fileio import atomic_writer
 
@@ -52,7 +54,6 @@ def convert(path: str, out: Path, new_scanner: Callable[[], Any]) -> Converted:
 
 
 def _decompress(path: str, out: Path, scanner: Any) -> None:
-    from dsrecipes.data.sources.files import FileUnreadable, read_error
 
     try:
         with atomic_writer(out) as fh, open_maybe_gzip(path) as src:
@@ -67,8 +68,6 @@ def _decompress(path: str, out: Path, scanner: Any) -> None:
 def _copy_values(path: str, out: Path, scanner: Any) -> Tuple[int, bool]:
     """(values, whether they were the elements of an array): every top-level value of `path` written onto one line
     of `out`, streamed through in pieces (jsonscan.py: memory is one chunk, whatever the element's size)."""
-    from dsrecipes.data.sources.files import FileUnreadable, read_error
-    from dsrecipes.data.sources.jsonscan import JsonStructureError, values
 
     count, array = 0, False
     try:

@@ -23,9 +23,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from dsrecipes.data.cache import cache_root, content_hashes
 from dsrecipes.data.sources.remote import is_url, open_bytes, pin, size_mtime
 from dsrecipes.data.stream.convert import CHUNK, convert, file_kind
-from dsrecipes.fileio import atomic_writer
+from dsrecipes.fileio import atomic_write_json, atomic_writer
 
 INDEX_VERSION = 1
 _WS = np.zeros(256, dtype=bool)
@@ -114,7 +115,6 @@ def index_files(cfg: Any, names: List[str], block_bytes: int,
     """The FileIndex of each file, from the cache or built (one pass for hash + index of a plain JSONL file).
     `tap(name)` may give a feed that sees the bytes of a JSONL file read in place, in the same pass (the row
     pre-scan, stream/scan_files.py)."""
-    from dsrecipes.data.cache import cache_root, content_hashes
 
     root = cache_root(cfg) / "stream"
     scanners: Dict[str, LineScanner] = {}
@@ -169,7 +169,6 @@ def _converted(name: str, out: Path, block_bytes: int) -> Tuple[str, int, Any, O
         problem = tuple(meta["problem"]) if meta["problem"] else None
         return name if meta["path"] == name else str(out), meta["loc_base"], None, problem
     read_path, loc_base, scanner, problem = convert(name, out, lambda: LineScanner(block_bytes))  # FileUnreadable
-    from dsrecipes.fileio import atomic_write_json
 
     path = name if read_path == name else "converted"
     atomic_write_json(meta_path, {"path": path, "loc_base": loc_base, "problem": problem})

@@ -24,13 +24,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dsrecipes.config.schema import DEFAULT_MAX_ROW_BYTES
+from dsrecipes.data.sources.files import expand_paths, lines_in_range, no_file
+from dsrecipes.data.sources.registry import resolve_sources, validation_files
 from dsrecipes.data.sources.remote import PREFETCH_BLOCKS, ObjectChanged, RangePool, is_url, size_mtime
 from dsrecipes.data.sources.remote import identity as remote_identity
+from dsrecipes.data.sources.splits import split_val
 from dsrecipes.data.stream.files import FileIndex, index_files
 from dsrecipes.data.stream.order import BlockTable
 from dsrecipes.errors import DataError
 from dsrecipes.fileio import atomic_write_json, atomic_writer
+from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES, SourceConfig
 
 INDEX_FILE = "stream_index.json"
 ARRAYS_FILE = "stream_index.npz"
@@ -130,7 +133,6 @@ def build_stream_index(cfg: Any) -> StreamIndex:
 
 def hold_out(index: StreamIndex, cfg: Any) -> StreamIndex:
     """Hold out `dataset.val_size` rows of the training files (none when `dataset.val_paths` names files)."""
-    from dsrecipes.data.sources.splits import split_val
 
     if not index.val_files and cfg.dataset.val_size > 0:
         index.holdout = np.asarray(split_val(index.num_lines, cfg.dataset.val_size, cfg.trainer.seed), np.int64)
@@ -140,8 +142,6 @@ def hold_out(index: StreamIndex, cfg: Any) -> StreamIndex:
 def index_stream(cfg: Any, tap: Any = None) -> StreamIndex:
     """Every file of `cfg.dataset` (and `dataset.val_paths`) indexed, caps applied, nothing held out yet. `tap`:
     see `stream_files.index_files` (the row pre-scan in the indexing pass)."""
-    from dsrecipes.data.sources.files import expand_paths, no_file
-    from dsrecipes.data.sources.registry import resolve_sources, validation_files
 
     names: List[str] = []
     file_source: List[int] = []
@@ -174,13 +174,11 @@ def index_stream(cfg: Any, tap: Any = None) -> StreamIndex:
 
 def file_sources(cfg: Any, index: StreamIndex) -> List[Any]:
     """The SourceConfig of each file of `index` (validation files: the dataset's format, columns and roles)."""
-    from dsrecipes.data.sources.registry import resolve_sources
 
     return _file_configs(cfg, resolve_sources(cfg.dataset), index.file_source)
 
 
 def _file_configs(cfg: Any, sources: Sequence[Any], file_source: Sequence[int]) -> List[Any]:
-    from dsrecipes.config.schema import SourceConfig
 
     ds = cfg.dataset
     val = SourceConfig(name=f"{ds.name}-val", paths=list(ds.val_paths), format=ds.format, columns=ds.columns,
@@ -302,7 +300,6 @@ class BlockSource:
     def samples(self, f: int, local: int, count: int) -> List[Tuple[int, Optional[bytes]]]:
         """(location, raw line or None when too long) of the first `count` sample lines of block `local` of file
         `f`."""
-        from dsrecipes.data.sources.files import lines_in_range
 
         fi = self.index.files[f]
         start = fi.offsets.item(local)

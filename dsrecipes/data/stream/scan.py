@@ -19,14 +19,19 @@ streams too large to read twice (indexing still reads every byte once, cached by
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from dsrecipes.config.schema import SourceConfig, TrainConfig
+from dsrecipes.data.cache import PREP_VERSION, cache_root, data_fingerprint, tokenizer_fingerprint
 from dsrecipes.data.prepare import QUARANTINE_FILE
+from dsrecipes.data.render.tokenize import Encoder
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
+from dsrecipes.data.sources.files import element_line
+from dsrecipes.data.sources.registry import resolve_sources
 from dsrecipes.data.sources.sharegpt import Conversation, conversation_dict, iter_conversations
 from dsrecipes.data.stream.index import (
     BlockSource,
@@ -36,7 +41,10 @@ from dsrecipes.data.stream.index import (
     index_stream,
     write_stream_index,
 )
+from dsrecipes.data.stream.scan_files import RowChecker, RowTap, Taps, load_scan, save_scan, scan_path
 from dsrecipes.errors import DataError
+from dsrecipes.schema import SourceConfig, TrainConfig
+from dsrecipes.typed import config_to_dict
 
 BATCH = 256  # conversations per tokenization call
 
@@ -45,8 +53,6 @@ def prepare_stream(cfg: TrainConfig, run_dir: Path) -> Tuple[int, str, int]:
     """(samples per epoch, data fingerprint, validation rows) of a stream; writes `<run>/stream_index.*` (and the
     quarantine). The row pre-scan runs in the pass that indexes the files (stream/scan_files.py): one read of the corpus,
     cold; none, warm."""
-    from dsrecipes.data.cache import data_fingerprint
-    from dsrecipes.data.sources.registry import resolve_sources
 
     started = time.perf_counter()
     notes: List[str] = []
@@ -75,8 +81,6 @@ class _Scanning:
     """The pre-scan's state across the indexing pass: report, encoder, the taps and the scan cache key."""
 
     def __init__(self, cfg: TrainConfig, run_dir: Path):
-        from dsrecipes.data.cache import cache_root
-        from dsrecipes.data.stream.scan_files import Taps
 
         self.cfg = cfg
         self.report, self.encoder = _start(cfg, run_dir)
@@ -85,7 +89,6 @@ class _Scanning:
         self.taps = Taps(self._tap)
 
     def _tap(self, name: str, src: SourceConfig) -> Any:
-        from dsrecipes.data.stream.scan_files import RowChecker, RowTap
 
         checker = RowChecker(name, src, False, self.cfg.dataset.max_row_bytes, self.encoder)
         return RowTap(checker, self.cfg.dataset.max_row_bytes)
@@ -94,11 +97,7 @@ class _Scanning:
 def _scan_key(cfg: TrainConfig, encoder: Any) -> str:
     """What a file's scan result depends on besides its content: row reading and normalising, template,
     tokenization (the bad-row policy and caps are applied afterwards)."""
-    import hashlib
-    import json
 
-    from dsrecipes.config.load import config_to_dict
-    from dsrecipes.data.cache import PREP_VERSION, tokenizer_fingerprint
 
     dataset = {k: v for k, v in config_to_dict(cfg.dataset).items() if k not in ("bad_rows", "max_bad_fraction")}
     material = {"version": PREP_VERSION, "dataset": dataset, "template": config_to_dict(cfg.template),
@@ -111,7 +110,6 @@ def scan_stream(cfg: TrainConfig, run_dir: Path, index: Optional[StreamIndex] = 
                 scanning: Optional[_Scanning] = None) -> Dict[str, int]:
     """Every row checked once under the bad-row policy (from the indexing pass, the scan cache, or read by
     blocks); returns {'rows': read, 'good': kept, 'skipped': bad}."""
-    from dsrecipes.data.stream.scan_files import load_scan, save_scan, scan_path
 
     scanning = _Scanning(cfg, run_dir) if scanning is None else scanning
     index = index_stream(cfg) if index is None else index
@@ -133,7 +131,6 @@ def scan_stream(cfg: TrainConfig, run_dir: Path, index: Optional[StreamIndex] = 
 
 def _read_scan(cfg: TrainConfig, index: StreamIndex, f: int, src: SourceConfig, encoder: Any) -> Any:
     """The scan of file f read by blocks (its index came from the cache, or it is a converted copy)."""
-    from dsrecipes.data.stream.scan_files import RowChecker
 
     fi = index.files[f]
     checker = RowChecker(fi.name, src, fi.loc_base < 0, cfg.dataset.max_row_bytes, encoder)
@@ -177,8 +174,7 @@ def checked_conversations(cfg: TrainConfig, report: BadRowReport, encoder: Any,
 
 
 def _start(cfg: TrainConfig, run_dir: Path) -> Tuple[BadRowReport, Any]:
-    from dsrecipes.data.render.tokenize import Encoder
-    from dsrecipes.model import load_tokenizer
+    from dsrecipes.model import load_tokenizer  # lazy: else `commands.train` imports torch 3.80 s
 
     quarantine = Path(run_dir) / QUARANTINE_FILE
     quarantine.unlink(missing_ok=True)
@@ -195,7 +191,6 @@ def _finish(report: BadRowReport, good: int, run_dir: Path) -> Dict[str, int]:
 
 
 def _encoded(convs: List[Conversation], report: BadRowReport, encoder: Any) -> Iterator[Tuple[Conversation, Any]]:
-    from dsrecipes.data.sources.files import element_line
 
     if not convs:
         return

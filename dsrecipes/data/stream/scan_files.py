@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from dsrecipes.data.sources.badrows import BadReason, BadRow
+from dsrecipes.data.sources.files import element_line
+from dsrecipes.data.sources.sharegpt import conversation_dict, parse_item, role_table
 from dsrecipes.fileio import atomic_write_json
 
 SCAN_VERSION = 1
@@ -46,7 +48,6 @@ class RowChecker:
     """The checks of training for the sample rows of one file, fed in file order: `row(loc, raw)`."""
 
     def __init__(self, name: str, source: Any, element: bool, limit: int, encoder: Any):
-        from dsrecipes.data.sources.sharegpt import role_table
 
         self.name, self.source, self.element, self.limit, self.encoder = name, source, element, limit, encoder
         self.table = role_table(source)
@@ -54,8 +55,6 @@ class RowChecker:
         self._batch: List[tuple] = []
 
     def row(self, loc: int, raw: Optional[bytes]) -> None:
-        from dsrecipes.data.sources.files import element_line
-        from dsrecipes.data.sources.sharegpt import parse_item
 
         sample = self.scan.count
         self.scan.count += 1
@@ -73,8 +72,6 @@ class RowChecker:
             self._encode()
 
     def _encode(self) -> None:
-        from dsrecipes.data.sources.files import element_line
-        from dsrecipes.data.sources.sharegpt import conversation_dict
 
         if not self._batch:
             return
