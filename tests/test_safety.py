@@ -16,7 +16,8 @@ from tests.conftest import REPO, subprocess_env
 
 KEPT_OPTIONS = {"data": {"map"}, "dataset": {"sample"}, "model": {"tiny"}, "template": {"auto"},
                 "zero": {"stage0"}, "offload": {"none"}, "precision": {"fp32"}, "optimizer": {"adamw"},
-                "scheduler": {"cosine"}, "trainer": {"default"}, "launcher": {"local", "torchrun"}}
+                "scheduler": {"cosine"}, "trainer": {"default"}, "launcher": {"local", "torchrun"},
+                "objective": {"sft"}}
 
 
 @pytest.fixture
