@@ -117,10 +117,10 @@ def build_prompt_eval(cfg: Any, tokenizer: Any, rank: int, world_size: int, run_
     t = cfg.trainer
     if t.prompt_eval_every <= 0:
         return None
-    from dsrecipes.data.strategies.eval import prepared_val  # lazy: else `gen_eval` imports numpy 0.11 s
+    from dsrecipes.data.prepare import load_prepared  # lazy: else `gen_eval` imports numpy 0.11 s
 
-    val = prepared_val(cfg, run_dir)
-    if val is None:
+    val = load_prepared(cfg, str(run_dir)).val  # data=map with a validation split (selection.py's config rules)
+    if val is None or len(val) == 0:
         return None
     stop_ids = end_of_turn_ids(run_template(cfg, tokenizer), tokenizer)
     prompts = held_out_prompts(val, t.prompt_eval_samples, tokenizer, stop_ids)

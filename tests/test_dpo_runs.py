@@ -60,11 +60,11 @@ def runs(tmp_path_factory):
 
 def test_first_step_is_log2_and_rewards_are_reported(runs):
     a, _, _ = runs
-    first = rows(a)[0]
+    first = [r for r in rows(a) if "loss" in r][0]  # (the step-0 evaluation comes first)
     assert first["step"] == 1 and first["loss"] == pytest.approx(math.log(2), abs=1e-5)  # policy == reference
     assert abs(first["rewards_chosen"]) < 1e-4 and abs(first["reward_margin"]) < 1e-4
     evals = [r for r in rows(a) if "eval_loss" in r]
-    assert [r["step"] for r in evals] == [10, 20]
+    assert [r["step"] for r in evals] == [0, 10, 20]
     for key in ("eval_rewards_chosen", "eval_rewards_rejected", "eval_reward_accuracy", "eval_reward_margin"):
         assert all(key in r for r in evals)
     train = [r for r in rows(a) if "loss" in r]

@@ -194,7 +194,7 @@ def test_real_runs_evaluate_map_val_paths_and_a_presharded_validation_part(files
     write_rows(root / "val.jsonl", LINES[100:111], "val")
     evals = run_and_read_evals(tmp_path / "map", f"dataset.paths=[{root / 'train.jsonl'}]",
                                f"dataset.val_paths=[{root / 'val.jsonl'}]", f"data.cache_dir={tmp_path / 'c'}")
-    assert sorted(evals) == [2, 4] and all(math.isfinite(v) for v in evals.values())
+    assert sorted(evals) == [0, 2, 4] and all(math.isfinite(v) for v in evals.values())
     stats = json.loads((tmp_path / "map" / "prepare_stats.json").read_text(encoding="utf-8"))
     assert stats["samples"]["val"] == 11  # the evaluated rows are the validation file's, all of them
 

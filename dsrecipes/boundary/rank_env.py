@@ -21,7 +21,7 @@ KEY = "launcher.env"
 FAULT_HOOKS = ("DSRECIPES_NAN_AT_STEP", "DSRECIPES_PAUSE_AFTER_STEP", "DSRECIPES_KILL_BEFORE_LATEST",
                "DSRECIPES_STALL_AFTER_STEP")
 LAUNCHING_SIDE = ("DSRECIPES_HOME", "DSRECIPES_RECIPES", "DSRECIPES_PROGRESS", "DSRECIPES_SMOLLM2_DIR",
-                  "DSRECIPES_REQUIRE_SMOLLM2")
+                  "DSRECIPES_REQUIRE_SMOLLM2", "DSRECIPES_KEY_FILE")  # the key: the user's, never a recipe's (trust.py)
 
 _THREADS = integer(1, 4096)
 _NCCL_ALGOS = ("Ring", "Tree", "CollNetDirect", "CollNetChain", "NVLS", "NVLSTree", "PAT")

@@ -183,8 +183,8 @@ def _llamafactory_entry(name: str, entry: Any, base: str) -> SourceConfig:
         roles, fmt = {}, DatasetFormat.alpaca
     else:
         raise ConfigError(f"{where}: formatting {formatting!r} is not supported (sharegpt or alpaca)")
-    name = str(entry["file_name"])
-    target = name if looks_like_url(name) else os.path.join(base, os.path.expanduser(name))
+    file_name = str(entry["file_name"])
+    target = file_name if looks_like_url(file_name) else os.path.join(base, os.path.expanduser(file_name))
     if os.path.isdir(target):
         paths = sorted(os.path.join(target, f) for f in os.listdir(target) if f.endswith(_DATA_SUFFIXES))
         if not paths:
