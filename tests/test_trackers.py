@@ -136,9 +136,10 @@ def test_a_real_run_reports_to_mlflow_and_wandb(tmp_path, monkeypatch):
     records = _wandb_records(next(offline.glob("run-*.wandb")))
     history = [{i.key or "/".join(i.nested_key): i.value_json for i in r.history.item} for r in records
                if r.WhichOneof("record_type") == "history"]
-    assert [int(h["_step"]) for h in history] == [2, 4, 6, 8]
+    assert [int(h["_step"]) for h in history] == [0, 2, 4, 6, 8]  # step 0: the evaluation before training
     losses = [r["loss"] for r in _metrics(run) if "loss" in r]
-    assert [float(h["train/loss"]) for h in history] == pytest.approx(losses)
+    assert "train/loss" not in history[0] and "eval/loss" in history[0]  # the starting point is an evaluation only
+    assert [float(h["train/loss"]) for h in history[1:]] == pytest.approx(losses)
     assert "eval/loss" in history[-1] and json.loads(history[-1]["loss/_type"]) == "image-file"  # loss.png
     artifacts = [r.artifact for r in records if r.WhichOneof("record_type") == "artifact"]
     assert [a.type for a in artifacts] == ["run-files"]
