@@ -29,9 +29,8 @@ from dsrecipes.data.render.labels import IGNORE_INDEX
 from dsrecipes.data.render.template import Segment
 from dsrecipes.data.render.tokenize import Encoder
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
-from dsrecipes.data.sources.files import expand_paths, no_file, read_rows
 from dsrecipes.data.sources.preference import Pair, pair_of
-from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn, role_table
+from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn, iter_checked
 from dsrecipes.schema import DatasetConfig, SourceConfig, TrainConfig, TrainOn
 
 Row = Dict[str, Any]
@@ -119,26 +118,7 @@ def _answer_tokens(segs: List[Segment], ids: List[List[int]], keys: Dict[Tuple[b
 def iter_pairs(source: SourceConfig, report: BadRowReport, limit: Optional[int],
                max_row_bytes: int) -> Iterator[Pair]:
     """Pairs of one source in file order; bad rows go to `report`; stops after `source.max_samples` (or `limit`)."""
-    table = role_table(source)
-    caps = [c for c in (source.max_samples, limit) if c is not None]
-    cap = min(caps) if caps else None
-    files, missing = expand_paths(source.paths)
-    for pattern in missing:
-        report.rows_read += 1
-        report.add(pattern, None, BadRow(BadReason.no_matching_path, f"source {source.name!r}: {no_file(pattern)}"))
-    kept = 0
-    for path in files:
-        for row in read_rows(path, max_row_bytes):
-            if cap is not None and kept >= cap:
-                return
-            report.rows_read += 1
-            try:
-                pair = pair_of(row, source, table)
-            except BadRow as bad:
-                report.add(row.path, row.loc, bad, row.raw_text if row.error is not None else row.value, row.element)
-                continue
-            kept += 1
-            yield pair
+    return iter_checked(source, report, limit, max_row_bytes, pair_of)
 
 
 def read_and_encode_pairs(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig],

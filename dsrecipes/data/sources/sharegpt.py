@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.sources.files import RawRow, expand_paths, no_file, parse_row, read_rows
@@ -246,6 +246,15 @@ def iter_source(source: SourceConfig, report: BadRowReport, limit: Optional[int]
                 max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> Iterator[Conversation]:
     """Conversations of one source in file order; bad rows go to `report`; stops after `source.max_samples`
     (or `limit`, when smaller) good conversations without reading further."""
+    for conv in iter_checked(source, report, limit, max_row_bytes, conversation_of):
+        report.trailing_turns_dropped += conv.dropped_turns > 0
+        yield conv
+
+
+def iter_checked(source: SourceConfig, report: BadRowReport, limit: Optional[int], max_row_bytes: int,
+                 check: Callable[[Any, SourceConfig, Any], Any]) -> Iterator[Any]:
+    """`check(row, source, role_table)` of every row of one source in file order (conversations, preference
+    pairs); a BadRow goes to `report`; stops after `source.max_samples` (or `limit`, when smaller) good rows."""
     table = role_table(source)
     caps = [c for c in (source.max_samples, limit) if c is not None]
     cap = min(caps) if caps else None
@@ -260,13 +269,12 @@ def iter_source(source: SourceConfig, report: BadRowReport, limit: Optional[int]
                 return
             report.rows_read += 1
             try:
-                conv = conversation_of(row, source, table)
+                item = check(row, source, table)
             except BadRow as bad:
                 report.add(row.path, row.loc, bad, row.raw_text if row.error is not None else row.value, row.element)
                 continue
-            report.trailing_turns_dropped += conv.dropped_turns > 0
             kept += 1
-            yield conv
+            yield item
 
 
 def iter_conversations(dataset_cfg: DatasetConfig, *, report: BadRowReport,
