@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from dsrecipes.deepspeed_import import load_deepspeed
 from dsrecipes.schema import LauncherConfig, LauncherKind
 
 
@@ -52,6 +53,7 @@ def resolve_topology(ln: LauncherConfig, *, device_count: Optional[int] = None,
 
 def _deepspeed(ln: LauncherConfig, device_count: Optional[int], env: Mapping[str, str]) -> Topology:
     # Same resolution as deepspeed/launcher/runner.py: hostfile (or this machine), include/exclude, num_nodes/gpus.
+    load_deepspeed()
     from deepspeed.launcher import runner
 
     selecting = bool(ln.include or ln.exclude)
