@@ -4,6 +4,7 @@ interleaved (issue 22 item 1).
     python benchmarks/bench_rank_start.py                    # default config (tiny model, sample data)
     python benchmarks/bench_rank_start.py zero=stage2 offload=cpu_optimizer   # a config with a JIT op to build (DeepSpeedCPUAdam)
     python benchmarks/bench_rank_start.py --pairs 5 --keep /tmp/bench
+    python benchmarks/bench_rank_start.py --phases           # where a 2-rank and a 1-rank start spend their time
 
 Two environments: A is this interpreter, B a real `python -m venv --system-site-packages` beside it (the same
 packages, another sys.prefix), so each has its own JIT build directory (dsrecipes/jit_ops.py). Both start from an
@@ -18,6 +19,11 @@ libraries are listed with their modification times: "rebuilt" marks a run that r
 Reported: each run, then median and range (min-max) per kind, and warm 2-rank minus 1-rank. On a shared machine
 wall time mostly measures the neighbours, so each run's CPU time (user + system, every process of the run, the
 whole 1-step run) is reported too: the work a start costs, whatever else runs.
+
+`--phases` runs one traced 2-rank and one traced 1-rank run (after the data is prepared) and prints, process by
+process (CLI, DeepSpeed's launcher, each rank), when it was created, its imports of torch/deepspeed/transformers/
+dsrecipes, the calls of the start (config, data plan, process group, model, deepspeed.initialize, first step) and
+its CPU seconds: benchmarks/start_trace/ (a sitecustomize on PYTHONPATH, only in these runs).
 """
 
 from __future__ import annotations
@@ -32,6 +38,11 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "start_trace"))
+from timeline import timeline  # noqa: E402  (benchmarks/start_trace/timeline.py)
+
+TRACER = Path(__file__).resolve().parent / "start_trace"
 
 RUN = ["debug=fast", "trainer.max_steps=1", "trainer.log_every=1", "trainer.save_every=0", "trainer.eval_every=0",
        "dataset.val_size=0", "trainer.export=false", "trainer.resume=never"]
@@ -60,7 +71,11 @@ def start_to_first_step(python: str, ws: Path, name: str, ranks: int, overrides:
                         env: Dict[str, str]) -> float:
     from dsrecipes.rundir import read_metrics
 
-    run = ws / "runs" / name
+    run, n = ws / "runs" / name, 1
+    while run.exists():  # a kept workspace (--keep) run again: every run gets a new directory
+        n += 1
+        run = ws / "runs" / f"{name}.{n}"
+    name = run.name
     launcher = ["launcher=local"] if ranks == 1 else ["launcher=deepspeed", f"launcher.num_gpus={ranks}"]
     argv = [python, "-m", "dsrecipes", *RUN, *launcher, f"data.cache_dir={ws / 'data'}", f"trainer.output_dir={run}",
             f"hydra.run.dir={run}", *overrides]
@@ -86,10 +101,25 @@ def summary(label: str, values: List[float]) -> str:
             f"   (n={len(values)})")
 
 
+def phases(python: str, ws: Path, overrides: List[str], env: Dict[str, str]) -> int:
+    for name, ranks in (("phases_2rank", 2), ("phases_1rank", 1)):
+        trace = ws / f"trace_{name}"
+        trace.mkdir(exist_ok=True)
+        for old in trace.glob("*.jsonl"):
+            old.unlink()
+        traced = {**env, "BENCH_START_TRACE": str(trace),
+                  "PYTHONPATH": os.pathsep.join((str(TRACER), env["PYTHONPATH"]))}
+        seconds = start_to_first_step(python, ws, name, ranks, overrides, traced)
+        print(f"\n===== {name}: {seconds:.1f} s from start to step 1's metrics line =====")
+        print(timeline(trace), flush=True)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=3, help="warm rounds (each: A 2-rank, B 2-rank, A 1-rank)")
     parser.add_argument("--keep", type=Path, default=None, help="workspace to keep (default: a temporary one)")
+    parser.add_argument("--phases", action="store_true", help="trace one 2-rank and one 1-rank start, phase by phase")
     parser.add_argument("overrides", nargs="*", help="config overrides for every run (e.g. offload=cpu_optimizer)")
     args = parser.parse_args()
     ws = args.keep or Path(tempfile.mkdtemp(prefix="bench_rank_start_"))
@@ -104,6 +134,8 @@ def main() -> int:
     # without the overrides, so no op gets built here
     start_to_first_step(pythons["A"], ws, "prepare", 1, [], environment(ws, ws / "prepare_cache"))
     env = environment(ws, cache)
+    if args.phases:
+        return phases(pythons["A"], ws, args.overrides, env)
     results: List[Tuple[str, str, float, str]] = []
     cpu: Dict[str, List[float]] = {}
 
