@@ -10,7 +10,6 @@ import glob
 import importlib
 import os
 import socket
-import sys
 from typing import List, Tuple
 
 import dsrecipes.jit_ops as jit_ops
@@ -45,30 +44,6 @@ def remove_shm_buffers(port: int) -> List[str]:
         except OSError:
             pass
     return removed
-
-
-# Imported by DeepSpeed at its own import, used only by what a training rank never runs: DeepSpeed's autotuner
-# (`deepspeed --autotuning`) imports mlflow when it is installed (dsrecipes[mlflow]), 1.5 CPU s in every process
-# that imports DeepSpeed, the ranks included, whether the run tracks to mlflow or not.
-UNUSED_BY_DEEPSPEED_TRAINING = ("mlflow",)
-
-
-def import_deepspeed() -> None:
-    """Import DeepSpeed for a rank without the modules in UNUSED_BY_DEEPSPEED_TRAINING: while it loads they are
-    absent (`sys.modules[name] = None`: its autotuner records `has_mlflow = False`), then importable as before, so a
-    run that tracks to mlflow imports it where it uses it (trackers.py). Does nothing once DeepSpeed or one of them
-    is loaded. The first `import deepspeed` of the process must be this one (worker.run)."""
-    hidden = [m for m in UNUSED_BY_DEEPSPEED_TRAINING if m not in sys.modules]
-    if "deepspeed" in sys.modules or len(hidden) < len(UNUSED_BY_DEEPSPEED_TRAINING):
-        return
-    for name in hidden:
-        sys.modules[name] = None  # type: ignore[assignment]
-    try:
-        importlib.import_module("deepspeed")
-    finally:
-        for name in hidden:
-            if sys.modules.get(name, 0) is None:
-                del sys.modules[name]
 
 
 def init_distributed() -> Tuple[int, int]:

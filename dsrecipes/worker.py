@@ -16,7 +16,6 @@ import dsrecipes.heartbeat as heartbeat
 from dsrecipes.checkpoint import TrainState
 from dsrecipes.config.load import load_run_config
 from dsrecipes.console import log_path, quiet_third_party, survive_lost_console
-from dsrecipes.distributed import import_deepspeed
 from dsrecipes.errors import RunInterrupted, TrainingFailed, UserError
 from dsrecipes.schema import Device
 from dsrecipes.train import train
@@ -28,7 +27,6 @@ def run(run_dir: str | Path) -> TrainState:
     cfg = load_run_config(run_dir)
     if cfg.trainer.device is Device.cpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must precede the first `import deepspeed`
-    import_deepspeed()  # without what DeepSpeed imports for its autotuner only (mlflow: 1.5 CPU s per rank)
 
     try:
         return train(cfg, run_dir)

@@ -56,13 +56,12 @@ def _emit(event: str, **fields) -> None:
 
 
 def _created() -> float:
-    """This process's creation time on time.time()'s clock (10 ms resolution): its start in clock ticks since boot
-    (/proc/self/stat), against the seconds since boot now (/proc/uptime, the same clock)."""
+    """This process's creation time (seconds since the epoch, 10 ms resolution)."""
     with open("/proc/self/stat", encoding="utf-8") as fh:
         ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/uptime", encoding="utf-8") as fh:
-        uptime = float(fh.read().split()[0])
-    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    with open("/proc/stat", encoding="utf-8") as fh:
+        boot = next(int(line.split()[1]) for line in fh if line.startswith("btime"))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _wrap(module, qual: str, name: str) -> None:
