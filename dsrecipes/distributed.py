@@ -13,6 +13,7 @@ import socket
 from typing import List, Tuple
 
 import dsrecipes.jit_ops as jit_ops
+from dsrecipes.deepspeed_import import load_deepspeed
 
 SINGLE_PROCESS_ENV = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
 
@@ -51,9 +52,10 @@ def init_distributed() -> Tuple[int, int]:
 
     Returns (rank, world size).
     """
-    import deepspeed
     import torch
     import torch.distributed as dist
+
+    deepspeed = load_deepspeed()
     from deepspeed.accelerator import get_accelerator
 
     if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ and "PMI_RANK" not in os.environ:

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import List, Mapping, Optional
 
+from dsrecipes.deepspeed_import import load_deepspeed
 from dsrecipes.schema import LauncherConfig, LauncherKind
 
 
@@ -76,6 +77,7 @@ def _deepspeed(ln: LauncherConfig, device_count: Optional[int], env: Mapping[str
     if not ln.hostfile and visible and not selecting:  # the runner turns it into --include localhost:<ids>
         n = len([d for d in visible.split(",") if d.strip()])
         return Topology(n, 1, n)
+    load_deepspeed()
     from deepspeed.launcher import runner
 
     if ln.hostfile:

@@ -36,6 +36,7 @@ from dsrecipes.checkpoint_find import committed
 from dsrecipes.config.defaults import learning_rate
 from dsrecipes.data.ledger import LedgerWriter
 from dsrecipes.data.strategies import build_loaders
+from dsrecipes.deepspeed_import import load_deepspeed
 from dsrecipes.disk_space import ExportOutOfSpace
 from dsrecipes.distributed import all_ranks, finish_distributed, init_distributed
 from dsrecipes.ds_config import train_batch_size
@@ -105,7 +106,7 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
 
 def start(cfg: TrainConfig, run_dir: Path) -> Session:
     """Join the process group, build model, loaders and engine, and load the planned checkpoint."""
-    import deepspeed
+    deepspeed = load_deepspeed()
 
 
     plan = read_plan(run_dir)

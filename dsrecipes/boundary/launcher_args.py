@@ -42,6 +42,7 @@ from dsrecipes.boundary.values import (
     number,
     shape,
 )
+from dsrecipes.deepspeed_import import load_deepspeed
 from dsrecipes.errors import ConfigError
 from dsrecipes.schema import LauncherKind
 
@@ -264,6 +265,7 @@ def _quietly(call):
 
 
 def _deepspeed_parse(argv: List[str]):
+    load_deepspeed()
     from deepspeed.launcher.runner import parse_args
 
     return _quietly(lambda: parse_args(argv))
