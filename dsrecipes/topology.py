@@ -92,6 +92,7 @@ def _deepspeed(ln: LauncherConfig, device_count: Optional[int], env: Mapping[str
 
 
 def _accelerator_devices() -> int:
+    load_deepspeed()
     from deepspeed.accelerator import get_accelerator
 
     return get_accelerator().device_count()

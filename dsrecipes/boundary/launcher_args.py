@@ -272,6 +272,7 @@ def _deepspeed_parse(argv: List[str]):
 
 
 def _deepspeed_node_parse(argv: List[str]):
+    load_deepspeed()
     from deepspeed.launcher import launch  # its parse_args() reads sys.argv
 
     saved = sys.argv
