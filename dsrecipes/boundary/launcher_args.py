@@ -190,8 +190,8 @@ def deepspeed_node_args(slots: List[int], master_port: int, extra_args: List[str
     """The arguments of `python -u -m deepspeed.launcher.launch` for a run of `len(slots)` ranks on this machine,
     as DeepSpeed's runner writes them for a local run (runner.py main: `--world_info` is base64 JSON of
     {"localhost": slots}, master address 127.0.0.1, the allowed options passed on, `--log_level` always; it also
-    spells out a default, `--enable_each_rank_log=None`), then the worker module and its arguments. None when `launcher.extra_args` holds an option that only the runner
-    understands: then the runner runs."""
+    spells out a default, `--enable_each_rank_log=None`), then the worker module and its arguments. None when
+    `launcher.extra_args` holds an option that only the runner understands: then the runner runs."""
     extra = checked_extra_args(LauncherKind.deepspeed, extra_args)
     given = _values(LauncherKind.deepspeed, extra)
     if any(d not in _NODE_LAUNCH for d in given):
