@@ -56,7 +56,8 @@ def deepspeed_local_slots(ln: LauncherConfig, *, device_count: Optional[int] = N
     """For `launcher=deepspeed` on this machine alone: the slots DeepSpeed's runner would hand its per-node launcher
     (`deepspeed.launcher.launch --world_info={"localhost": slots}`), without importing DeepSpeed when
     `launcher.num_gpus` is given. None when the runner has more to resolve (a hostfile, --include/--exclude, or
-    CUDA_VISIBLE_DEVICES, which it turns into --include)."""
+    CUDA_VISIBLE_DEVICES, which it turns into --include). Like the rest of this module (and so the run plan), it
+    takes no `launcher.hostfile` to mean this machine, never DeepSpeed's default `/job/hostfile`."""
     env = os.environ if environ is None else environ
     if ln.kind is not LauncherKind.deepspeed or ln.hostfile or ln.include or ln.exclude:
         return None
