@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "start_trace"))
 from timeline import timeline  # noqa: E402  (benchmarks/start_trace/timeline.py)
@@ -69,7 +69,7 @@ def cpu_seconds() -> float:
 
 
 def start_to_first_step(python: str, ws: Path, name: str, ranks: int, overrides: List[str],
-                        env: Dict[str, str]) -> float:
+                        env: Dict[str, str], wall: Optional[List[float]] = None) -> float:
     from dsrecipes.rundir import read_metrics
 
     run, n = ws / "runs" / name, 1
@@ -82,6 +82,8 @@ def start_to_first_step(python: str, ws: Path, name: str, ranks: int, overrides:
             f"hydra.run.dir={run}", *overrides]
     log = open(ws / f"{name}.log", "w")
     started = time.perf_counter()
+    if wall is not None:
+        wall.append(time.time())
     proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ws)
     first = None
     while first is None:
@@ -110,9 +112,10 @@ def phases(python: str, ws: Path, overrides: List[str], env: Dict[str, str]) -> 
             old.unlink()
         traced = {**env, "BENCH_START_TRACE": str(trace),
                   "PYTHONPATH": os.pathsep.join((str(TRACER), env["PYTHONPATH"]))}
-        seconds = start_to_first_step(python, ws, name, ranks, overrides, traced)
+        wall: List[float] = []
+        seconds = start_to_first_step(python, ws, name, ranks, overrides, traced, wall)
         print(f"\n===== {name}: {seconds:.1f} s from start to step 1's metrics line =====")
-        print(timeline(trace), flush=True)
+        print(timeline(trace, zero=wall[0]), flush=True)
     return 0
 
 

@@ -2,7 +2,7 @@
 
     python benchmarks/start_trace/timeline.py TRACE_DIR
 
-Times are seconds since the first process (the CLI) was created; `cpu` is that process's own CPU seconds at that
+Times are seconds since the first process (the CLI) was started (a child's start: its parent's Popen); `cpu` is that process's own CPU seconds at that
 moment. An import or call prints at its end, with its duration.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 ROLES = (("deepspeed.launcher.runner", "deepspeed runner"), ("deepspeed.launcher.launch", "deepspeed launch.py"),
          ("dsrecipes.worker", "rank"), ("dsrecipes", "CLI"))
@@ -39,11 +39,27 @@ def load(trace: Path) -> Dict[int, List[dict]]:
     return procs
 
 
-def timeline(trace: Path) -> str:
+def spawn_times(procs: Dict[int, List[dict]]) -> Dict[int, float]:
+    """child pid -> when its parent called Popen (a "spawn" event is followed by its "spawned" with the pid)."""
+    times: Dict[int, float] = {}
+    for events in procs.values():
+        for before, after in zip(events, events[1:]):
+            if before["event"] == "spawn" and after["event"] == "spawned":
+                times[after["child"]] = before["t"]
+    return times
+
+
+def timeline(trace: Path, zero: Optional[float] = None) -> str:
+    """`zero`: when the first process was started (time.time()); default: its creation time from /proc."""
     procs = load(trace)
     if not procs:
         return f"no trace in {trace}"
-    zero = min(e[0]["t0"] for e in procs.values() if e[0]["event"] == "start")
+    spawned = spawn_times(procs)
+    if zero is None:
+        zero = min(e[0]["t0"] for e in procs.values() if e[0]["event"] == "start")
+    for pid, events in procs.items():  # /proc's creation time can be off by a constant; a parent's Popen is not
+        if events[0]["event"] == "start":
+            events[0]["t0"] = spawned.get(pid, zero)
     lines: List[str] = []
     total_cpu = 0.0
     for pid, events in sorted(procs.items(), key=lambda kv: kv[1][0].get("t0", kv[1][0]["t"])):
@@ -63,6 +79,8 @@ def timeline(trace: Path) -> str:
                 elif kind == "call" or e["name"] in SHOWN_IMPORTS:
                     began = opened.pop(key, e)
                     lines.append(at + f"{key:<48} {e['t'] - began['t']:6.2f} s  ({e['cpu'] - began['cpu']:.2f} cpu)")
+            elif kind == "spawned":
+                continue
             elif kind == "spawn":
                 argv = e["argv"] if isinstance(e["argv"], list) else [e["argv"]]
                 lines.append(at + "spawn " + " ".join(argv)[:110])
