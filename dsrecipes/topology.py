@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import List, Mapping, Optional
+from typing import Mapping, Optional
 
 from dsrecipes.deepspeed_import import load_deepspeed
 from dsrecipes.schema import LauncherConfig, LauncherKind
@@ -46,13 +46,14 @@ def resolve_topology(ln: LauncherConfig, *, device_count: Optional[int] = None,
     if ln.kind is LauncherKind.local:
         return Topology(1, 1, 1)
     if ln.kind is LauncherKind.deepspeed:
-        return _deepspeed(ln, device_count, env)
+        slots = deepspeed_local_slots(ln, device_count=device_count, environ=env)
+        return Topology(len(slots), 1, len(slots)) if slots is not None else _deepspeed(ln, device_count, env)
     n = per_node(ln, device_count)
     return Topology(n * ln.num_nodes, ln.num_nodes, n)
 
 
 def deepspeed_local_slots(ln: LauncherConfig, *, device_count: Optional[int] = None,
-                          environ: Optional[Mapping[str, str]] = None) -> Optional[List[int]]:
+                          environ: Optional[Mapping[str, str]] = None) -> Optional[list[int]]:
     """For `launcher=deepspeed` on this machine alone: the slots DeepSpeed's runner would hand its per-node launcher
     (`deepspeed.launcher.launch --world_info={"localhost": slots}`), without importing DeepSpeed when
     `launcher.num_gpus` is given. None when the runner has more to resolve (a hostfile, --include/--exclude, or
@@ -70,20 +71,19 @@ def deepspeed_local_slots(ln: LauncherConfig, *, device_count: Optional[int] = N
 
 def _deepspeed(ln: LauncherConfig, device_count: Optional[int], env: Mapping[str, str]) -> Topology:
     # Same resolution as deepspeed/launcher/runner.py: hostfile (or this machine), include/exclude, num_nodes/gpus.
-    slots = deepspeed_local_slots(ln, device_count=device_count, environ=env)
-    if slots is not None:
-        return Topology(len(slots), 1, len(slots))
-    selecting = bool(ln.include or ln.exclude)
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    if not ln.hostfile and visible and not selecting:  # the runner turns it into --include localhost:<ids>
-        n = len([d for d in visible.split(",") if d.strip()])
-        return Topology(n, 1, n)
     load_deepspeed()
     from deepspeed.launcher import runner
 
+    selecting = bool(ln.include or ln.exclude)
     if ln.hostfile:
         pool = runner.fetch_hostfile(ln.hostfile)
     else:
+        if ln.num_gpus is not None and not selecting:
+            return Topology(ln.num_gpus, 1, ln.num_gpus)
+        visible = env.get("CUDA_VISIBLE_DEVICES")
+        if visible and not selecting:  # the runner turns it into --include localhost:<ids>
+            n = len([d for d in visible.split(",") if d.strip()])
+            return Topology(n, 1, n)
         pool = {"localhost": _accelerator_devices() if device_count is None else device_count}
     active = runner.parse_inclusion_exclusion(pool, ln.include or "", ln.exclude or "")
     if not selecting:
