@@ -4,6 +4,8 @@ interleaved (issue 22 item 1).
     python benchmarks/bench_rank_start.py                    # default config (tiny model, sample data)
     python benchmarks/bench_rank_start.py zero=stage2 offload=cpu_optimizer   # a config with a JIT op to build (DeepSpeedCPUAdam)
     python benchmarks/bench_rank_start.py --pairs 5 --keep /tmp/bench
+    python benchmarks/bench_rank_start.py --phases           # where a 2-rank and a 1-rank start spend their time
+    git worktree add /tmp/before main && python benchmarks/bench_rank_start.py --before /tmp/before   # before/after
 
 Two environments: A is this interpreter, B a real `python -m venv --system-site-packages` beside it (the same
 packages, another sys.prefix), so each has its own JIT build directory (dsrecipes/jit_ops.py). Both start from an
@@ -11,13 +13,19 @@ empty torch extensions cache (XDG_CACHE_HOME points into the workspace; TORCH_EX
 
   cold     the first 2-rank run of A, then of B (whatever either builds, it builds here)
   warm     `--pairs` rounds, each one 2-rank run of A, one of B and one 1-rank run (launcher=local) of A, the order
-           rotating every round (A/B alternating), so a build B triggers would show in A's next start
+           rotating every round (A/B alternating), so a build B triggers would show in A's next start; with
+           `--before CHECKOUT` also a 2-rank and a 1-rank run of that code (interpreter A), in the same rotation
 The time is from starting `python -m dsrecipes` to the moment step 1's metrics line is written (polled every
 0.05 s). The data is prepared once, before any timed run, with a separate cache. After each run the built ops'
 libraries are listed with their modification times: "rebuilt" marks a run that rebuilt an op another run had built.
 Reported: each run, then median and range (min-max) per kind, and warm 2-rank minus 1-rank. On a shared machine
 wall time mostly measures the neighbours, so each run's CPU time (user + system, every process of the run, the
 whole 1-step run) is reported too: the work a start costs, whatever else runs.
+
+`--phases` runs one traced 2-rank and one traced 1-rank run (after the data is prepared) and prints, process by
+process (CLI, DeepSpeed's launcher, each rank), when it was created, its imports of torch/deepspeed/transformers/
+dsrecipes, the calls of the start (config, data plan, process group, model, deepspeed.initialize, first step) and
+its CPU seconds: benchmarks/start_trace/ (a sitecustomize on PYTHONPATH, only in these runs).
 """
 
 from __future__ import annotations
@@ -31,18 +39,22 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "start_trace"))
+from timeline import timeline  # noqa: E402  (benchmarks/start_trace/timeline.py)
+
+TRACER = Path(__file__).resolve().parent / "start_trace"
 
 RUN = ["debug=fast", "trainer.max_steps=1", "trainer.log_every=1", "trainer.save_every=0", "trainer.eval_every=0",
        "dataset.val_size=0", "trainer.export=false", "trainer.resume=never"]
 
 
-def environment(ws: Path, cache: Path) -> Dict[str, str]:
+def environment(ws: Path, cache: Path, repo: Path = Path(__file__).resolve().parents[1]) -> Dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT", "TORCH_EXTENSIONS_DIR")}
     env.update({"XDG_CACHE_HOME": str(cache), "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]),
-                                                    env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), env.get("PYTHONPATH")) if p)
     return env
 
 
@@ -57,15 +69,21 @@ def cpu_seconds() -> float:
 
 
 def start_to_first_step(python: str, ws: Path, name: str, ranks: int, overrides: List[str],
-                        env: Dict[str, str]) -> float:
+                        env: Dict[str, str], wall: Optional[List[float]] = None) -> float:
     from dsrecipes.rundir import read_metrics
 
-    run = ws / "runs" / name
+    run, n = ws / "runs" / name, 1
+    while run.exists():  # a kept workspace (--keep) run again: every run gets a new directory
+        n += 1
+        run = ws / "runs" / f"{name}.{n}"
+    name = run.name
     launcher = ["launcher=local"] if ranks == 1 else ["launcher=deepspeed", f"launcher.num_gpus={ranks}"]
     argv = [python, "-m", "dsrecipes", *RUN, *launcher, f"data.cache_dir={ws / 'data'}", f"trainer.output_dir={run}",
             f"hydra.run.dir={run}", *overrides]
     log = open(ws / f"{name}.log", "w")
     started = time.perf_counter()
+    if wall is not None:
+        wall.append(time.time())
     proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ws)
     first = None
     while first is None:
@@ -86,10 +104,29 @@ def summary(label: str, values: List[float]) -> str:
             f"   (n={len(values)})")
 
 
+def phases(python: str, ws: Path, overrides: List[str], env: Dict[str, str]) -> int:
+    for name, ranks in (("phases_2rank", 2), ("phases_1rank", 1)):
+        trace = ws / f"trace_{name}"
+        trace.mkdir(exist_ok=True)
+        for old in trace.glob("*.jsonl"):
+            old.unlink()
+        traced = {**env, "BENCH_START_TRACE": str(trace),
+                  "PYTHONPATH": os.pathsep.join((str(TRACER), env["PYTHONPATH"]))}
+        wall: List[float] = []
+        seconds = start_to_first_step(python, ws, name, ranks, overrides, traced, wall)
+        print(f"\n===== {name}: {seconds:.1f} s from start to step 1's metrics line =====")
+        print(timeline(trace, zero=wall[0]), flush=True)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=3, help="warm rounds (each: A 2-rank, B 2-rank, A 1-rank)")
     parser.add_argument("--keep", type=Path, default=None, help="workspace to keep (default: a temporary one)")
+    parser.add_argument("--phases", action="store_true", help="trace one 2-rank and one 1-rank start, phase by phase")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="another checkout of dsrecipes (e.g. `git worktree add /tmp/before main`): each warm round "
+                        "also runs its 2-rank and 1-rank start with interpreter A, interleaved (a before/after A/B)")
     parser.add_argument("overrides", nargs="*", help="config overrides for every run (e.g. offload=cpu_optimizer)")
     args = parser.parse_args()
     ws = args.keep or Path(tempfile.mkdtemp(prefix="bench_rank_start_"))
@@ -104,12 +141,19 @@ def main() -> int:
     # without the overrides, so no op gets built here
     start_to_first_step(pythons["A"], ws, "prepare", 1, [], environment(ws, ws / "prepare_cache"))
     env = environment(ws, cache)
+    envs = {"A": env, "B": env}
+    if args.before:
+        pythons["before"], envs["before"] = pythons["A"], environment(ws, cache, args.before.resolve())
+        start_to_first_step(pythons["A"], ws, "prepare_before", 1, [],
+                            environment(ws, ws / "prepare_cache", args.before.resolve()))
+    if args.phases:
+        return phases(pythons["A"], ws, args.overrides, env)
     results: List[Tuple[str, str, float, str]] = []
     cpu: Dict[str, List[float]] = {}
 
     def one(kind: str, who: str, ranks: int, name: str) -> None:
         before, cpu_before = built_ops(cache), cpu_seconds()
-        seconds = start_to_first_step(pythons[who], ws, name, ranks, args.overrides, env)
+        seconds = start_to_first_step(pythons[who], ws, name, ranks, args.overrides, envs[who])
         cpu.setdefault(kind, []).append(cpu_seconds() - cpu_before)
         after = built_ops(cache)
         rebuilt = sorted(k for k in before if k in after and after[k] != before[k])
@@ -122,18 +166,23 @@ def main() -> int:
     one("cold", "A", 2, "cold_A")
     one("cold", "B", 2, "cold_B")
     for i in range(args.pairs):
-        plan = [("A", 2), ("B", 2), ("A", 1)]
-        plan = plan[i % 3:] + plan[:i % 3]  # rotate: every run follows each other kind once
+        plan = [("A", 2), ("B", 2), ("A", 1)] + ([("before", 2), ("before", 1)] if args.before else [])
+        plan = plan[i % len(plan):] + plan[:i % len(plan)]  # rotate: the order changes every round
         for who, ranks in plan:
-            one("warm" if ranks == 2 else "1rank", who, ranks, f"warm{i}_{who}{ranks}")
+            kind = ("warm" if ranks == 2 else "1rank") if who != "before" else f"before{ranks}"
+            one(kind, who, ranks, f"warm{i}_{who}{ranks}")
     print()
-    for kind, who in (("cold", "A"), ("cold", "B"), ("warm", "A"), ("warm", "B"), ("1rank", "A")):
-        print(summary(f"{kind} {who}" if kind != "1rank" else "1-rank A (warm)",
-                      [s for k, w, s, _ in results if k == kind and w == who]))
+    for kind, who in (("cold", "A"), ("cold", "B"), ("warm", "A"), ("warm", "B"), ("1rank", "A"),
+                      ("before2", "before"), ("before1", "before")):
+        label = {"1rank": "1-rank A (warm)", "before2": "before: 2-rank", "before1": "before: 1-rank"}
+        print(summary(label.get(kind, f"{kind} {who}"), [s for k, w, s, _ in results if k == kind and w == who]))
     warm = [s for k, _, s, _ in results if k == "warm"]
     single = [s for k, _, s, _ in results if k == "1rank"]
     if warm and single:
         print(f"warm 2-rank minus 1-rank (medians): {statistics.median(warm) - statistics.median(single):+.1f} s")
+    old2, old1 = ([s for k, _, s, _ in results if k == kind] for kind in ("before2", "before1"))
+    if old2 and old1:
+        print(f"before: 2-rank minus 1-rank (medians): {statistics.median(old2) - statistics.median(old1):+.1f} s")
     for kind, values in cpu.items():
         print(summary(f"CPU s, whole run, {kind}", values))
     rebuilds = [r for r in results if r[3].startswith("rebuilt") and r[0] != "cold"]

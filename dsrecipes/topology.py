@@ -46,9 +46,27 @@ def resolve_topology(ln: LauncherConfig, *, device_count: Optional[int] = None,
     if ln.kind is LauncherKind.local:
         return Topology(1, 1, 1)
     if ln.kind is LauncherKind.deepspeed:
-        return _deepspeed(ln, device_count, env)
+        slots = deepspeed_local_slots(ln, device_count=device_count, environ=env)
+        return Topology(len(slots), 1, len(slots)) if slots is not None else _deepspeed(ln, device_count, env)
     n = per_node(ln, device_count)
     return Topology(n * ln.num_nodes, ln.num_nodes, n)
+
+
+def deepspeed_local_slots(ln: LauncherConfig, *, device_count: Optional[int] = None,
+                          environ: Optional[Mapping[str, str]] = None) -> Optional[list[int]]:
+    """For `launcher=deepspeed` on this machine alone: the slots DeepSpeed's runner would hand its per-node launcher
+    (`deepspeed.launcher.launch --world_info={"localhost": slots}`), without importing DeepSpeed when
+    `launcher.num_gpus` is given. None when the runner has more to resolve (a hostfile, --include/--exclude, or
+    CUDA_VISIBLE_DEVICES, which it turns into --include). Like the rest of this module (and so the run plan), it
+    takes no `launcher.hostfile` to mean this machine, never DeepSpeed's default `/job/hostfile`."""
+    env = os.environ if environ is None else environ
+    if ln.kind is not LauncherKind.deepspeed or ln.hostfile or ln.include or ln.exclude:
+        return None
+    if ln.num_gpus is not None:  # the runner: list(range(num_gpus)) on localhost, whatever the device count
+        return list(range(ln.num_gpus))
+    if env.get("CUDA_VISIBLE_DEVICES"):
+        return None
+    return list(range(_accelerator_devices() if device_count is None else device_count))
 
 
 def _deepspeed(ln: LauncherConfig, device_count: Optional[int], env: Mapping[str, str]) -> Topology:
@@ -75,6 +93,7 @@ def _deepspeed(ln: LauncherConfig, device_count: Optional[int], env: Mapping[str
 
 
 def _accelerator_devices() -> int:
+    load_deepspeed()
     from deepspeed.accelerator import get_accelerator
 
     return get_accelerator().device_count()

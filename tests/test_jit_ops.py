@@ -1,5 +1,6 @@
 """Each Python environment keeps its own build of DeepSpeed's JIT ops, announced the first time, in the directory
-`dsrecipes doctor` checks; training builds no shared-memory op (issue 22 item 1).
+`dsrecipes doctor` checks; training builds no shared-memory op; a 2-rank start starts no DeepSpeed runner and
+DeepSpeed's import pulls in no mlflow for its autotuner (issue 22 item 1: multi-rank start in seconds).
 
 The slow tests are real: a second environment is a real `python -m venv --system-site-packages`, the op is a real
 C++ extension built by DeepSpeed's own OpBuilder.jit_load (a small one, so it builds in seconds), the doctor is the
@@ -138,3 +139,25 @@ def test_a_two_rank_cpu_run_builds_no_shared_memory_op(tmp_path):
     assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2]
     assert not list((cache / "torch_extensions").rglob("*shm_comm*")), "the shm op was built"
     assert "building DeepSpeed" not in done.stdout + done.stderr
+    launched = (run / "launch.txt").read_text()  # one machine: DeepSpeed's per-node launcher, no runner before it
+    assert " -u -m deepspeed.launcher.launch --world_info=" in launched and "deepspeed.launcher.runner" not in launched
+
+
+IMPORT_IN_A_RANK = """
+import sys
+from dsrecipes.deepspeed_import import load_deepspeed
+load_deepspeed()
+import deepspeed.autotuning.autotuner as autotuner
+print("mlflow" in sys.modules, autotuner.has_mlflow)
+import mlflow
+print(mlflow.MlflowClient.__name__)
+"""
+
+
+def test_deepspeed_imports_without_the_autotuners_mlflow():
+    """DeepSpeed's autotuner imports mlflow (1.5 CPU s) in every process that imports DeepSpeed; ours import it
+    without (dsrecipes/deepspeed_import.py), and mlflow still imports afterwards (a run that tracks to mlflow)."""
+    done = subprocess.run([sys.executable, "-c", IMPORT_IN_A_RANK], capture_output=True, text=True, timeout=300,
+                          env=subprocess_env({"DS_ACCELERATOR": "cpu"}))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False", "False", "MlflowClient"]

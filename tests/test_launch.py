@@ -5,6 +5,7 @@ Real multi-process runs (a probe module stands in for the worker) are in test_la
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -65,13 +66,83 @@ def test_local_golden(make_cfg):
 
 
 def test_deepspeed_golden(make_cfg):
+    """One machine: DeepSpeed's per-node launcher, started as DeepSpeed's runner would start it."""
     cfg, plan = plan_for(make_cfg, "launcher=deepspeed", "launcher.num_gpus=2")
     (cmd,) = plan.commands
     assert cmd.argv == [
-        PY, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(PORT),
-        "--no_local_rank", "--module", "dsrecipes.worker", "--run-dir", str(RUN),
+        PY, "-u", "-m", "deepspeed.launcher.launch", "--world_info=eyJsb2NhbGhvc3QiOiBbMCwgMV19",
+        "--master_addr=127.0.0.1", f"--master_port={PORT}", "--module", "--no_local_rank", "--log_level=info",
+        "dsrecipes.worker", "--run-dir", str(RUN),
     ]  # fmt: skip
     assert cmd.env == {} and cmd.node_rank is None and not plan.files
+    assert "deepspeed" in [r.name for r in plan.requires]
+
+
+def _node_launch_parse(monkeypatch, argv):
+    from deepspeed.launcher import launch as ds_launch
+
+    monkeypatch.setattr(sys, "argv", ["launch.py", *argv])
+    return ds_launch.parse_args()
+
+
+def _runner_command(monkeypatch, runner_argv):
+    """The command DeepSpeed's runner itself starts for `runner_argv` (its main(), with Popen recording)."""
+    from deepspeed.launcher import runner
+
+    started, real_popen = [], subprocess.Popen
+
+    class Recorded:
+        returncode = 0
+
+        def __new__(cls, cmd, *args, **kwargs):
+            if "deepspeed.launcher.launch" not in cmd:  # its probes (numactl) run
+                return real_popen(cmd, *args, **kwargs)
+            started.append(cmd)
+            return super().__new__(cls)
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def wait(self):
+            return 0
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    runner.main(runner_argv)
+    (cmd,) = started
+    return cmd
+
+
+@pytest.mark.parametrize("extra", [[], ["--bind_cores_to_rank", "--bind_core_list=0-3", "--log_level", "warning"],
+                                   ["--quiet"]])
+def test_deepspeed_single_node_is_what_the_runner_starts(make_cfg, monkeypatch, extra):
+    """Ours is the command DeepSpeed's runner starts for the same run (its main(), Popen recorded): the per-node
+    launcher's own parser reads both alike, and they differ only by a default the runner spells out."""
+    quoted = ",".join(repr(a) for a in extra)
+    cfg, plan = plan_for(make_cfg, "launcher=deepspeed", "launcher.num_gpus=3", f"launcher.extra_args=[{quoted}]")
+    (cmd,) = plan.commands
+    runner_argv = ["--num_gpus", "3", "--master_port", str(PORT), *extra, "--no_local_rank", "--module",
+                   "dsrecipes.worker", "--run-dir", str(RUN)]
+    theirs = _runner_command(monkeypatch, runner_argv)
+    assert cmd.argv[:4] == theirs[:4] == [PY, "-u", "-m", "deepspeed.launcher.launch"]
+    ours = _node_launch_parse(monkeypatch, cmd.argv[4:])
+    assert vars(ours) == vars(_node_launch_parse(monkeypatch, theirs[4:]))
+    assert [a for a in theirs if a not in cmd.argv] == ["--enable_each_rank_log=None"]  # (its default, spelled out)
+    assert (ours.training_script, ours.training_script_args) == ("dsrecipes.worker", ["--run-dir", str(RUN)])
+    assert (ours.module, ours.no_local_rank, ours.no_python, ours.master_port) == (True, True, False, PORT)
+
+
+@pytest.mark.parametrize("overrides, environ", [
+    (["launcher.extra_args=[--ssh_port,'2222']"], {}),  # an option of the runner's ssh path
+    (["launcher.extra_args=[--force_multi]"], {}),
+    (["launcher.num_gpus=null", "launcher.include=localhost:1"], {}),  # the runner resolves the selection
+    (["launcher.num_gpus=null"], {"CUDA_VISIBLE_DEVICES": "1,2"}),  # ... and turns this into --include
+])
+def test_deepspeed_runner_stays_where_it_resolves_more(make_cfg, overrides, environ):
+    if not any("num_gpus" in o for o in overrides):
+        overrides = ["launcher.num_gpus=2", *overrides]
+    _, plan = plan_for(make_cfg, "launcher=deepspeed", *overrides, environ=environ)
+    assert plan.commands[0].argv[1:3] == ["-m", "deepspeed.launcher.runner"]
 
 
 def test_deepspeed_include_hostfile_golden(make_cfg, tmp_path):
@@ -95,14 +166,15 @@ def test_deepspeed_include_hostfile_golden(make_cfg, tmp_path):
     assert world_size(cfg) == 3  # DeepSpeed's own hostfile/include parsing
 
 
-def test_deepspeed_argv_parsed_by_deepspeed(make_cfg):
-    from deepspeed.launcher.runner import parse_args
+def test_deepspeed_argv_parsed_by_deepspeed(make_cfg, monkeypatch):
+    from deepspeed.launcher.runner import encode_world_info
 
     cfg, plan = plan_for(make_cfg, "launcher=deepspeed", "launcher.num_gpus=3")
-    args = parse_args(plan.commands[0].argv[3:])
-    assert (args.num_gpus, args.master_port, args.module, args.no_local_rank) == (3, PORT, True, True)
-    assert args.user_script == "dsrecipes.worker"
-    assert args.user_args == ["--run-dir", str(RUN)]
+    args = _node_launch_parse(monkeypatch, plan.commands[0].argv[4:])
+    assert args.world_info == encode_world_info({"localhost": [0, 1, 2]})
+    assert (args.master_addr, args.master_port, args.module, args.no_local_rank) == ("127.0.0.1", PORT, True, True)
+    assert args.training_script == "dsrecipes.worker"
+    assert args.training_script_args == ["--run-dir", str(RUN)]
 
 
 def test_deepspeed_multinode_golden(make_cfg):

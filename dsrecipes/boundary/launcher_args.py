@@ -10,15 +10,23 @@ command line is then parsed by the launcher's own parser (`deepspeed.launcher.ru
 `torch.distributed.run.get_args_parser`), and the program it would start must still be dsrecipes' worker. mpirun
 has no Python parser: its table is the whole check. `launcher=slurm` passes extra_args to the no-ssh DeepSpeed runner
 inside each srun task, so it takes DeepSpeed's table; `launcher=local` starts no launcher and takes none.
+
+A single-node `launcher=deepspeed` run starts DeepSpeed's per-node launcher (`deepspeed.launcher.launch`) itself,
+with the arguments DeepSpeed's runner would give it (`deepspeed_node_args`); the runner, one more Python process
+that imports all of DeepSpeed only to write that command line, is skipped. That command line is checked by
+`deepspeed.launcher.launch`'s own parser the same way.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import io
+import json
 import os
 import re
-from typing import Dict, List, Tuple
+import sys
+from typing import Dict, List, Optional, Tuple
 
 from dsrecipes.boundary.values import (
     CORE_LIST,
@@ -85,6 +93,12 @@ ALLOWED: Dict[LauncherKind, Dict[str, Tuple[str, Value]]] = {
     LauncherKind.mpirun: _MPIRUN,
     LauncherKind.slurm: _DEEPSPEED,
 }
+# DeepSpeed runner options its per-node launcher takes with the same spelling and meaning (the runner passes them on).
+# --ssh_port, --no_ssh_check and --force_multi concern the runner's own ssh path: with them, the runner runs.
+_NODE_LAUNCH = ("bind_cores_to_rank", "bind_core_list", "log_level", "quiet")
+NODE_LAUNCHER = "deepspeed.launcher.launch"
+_NODE_PROGRAM = ("training_script", "training_script_args", "module", "no_python", "no_local_rank", "world_info",
+                 "master_addr", "master_port", "node_rank", "save_pid", "enable_each_rank_log")
 # Options dsrecipes sets from typed fields: giving them again would disagree with what the run uses.
 OWN_FIELDS = {
     "--master_port": "launcher.master_port", "--master-port": "launcher.master_port",
@@ -171,6 +185,46 @@ def _short(arg: str) -> str:
     return f"{arg!r} is {what} (see the first refused argument for what is accepted)"
 
 
+def deepspeed_node_args(slots: List[int], master_port: int, extra_args: List[str], worker_module: str,
+                        worker_args: List[str]) -> Optional[List[str]]:
+    """The arguments of `python -u -m deepspeed.launcher.launch` for a run of `len(slots)` ranks on this machine,
+    as DeepSpeed's runner writes them for a local run (runner.py main: `--world_info` is base64 JSON of
+    {"localhost": slots}, master address 127.0.0.1, the allowed options passed on, `--log_level` always; it also
+    spells out a default, `--enable_each_rank_log=None`), then the worker module and its arguments. None when
+    `launcher.extra_args` holds an option that only the runner understands: then the runner runs."""
+    extra = checked_extra_args(LauncherKind.deepspeed, extra_args)
+    given = _values(LauncherKind.deepspeed, extra)
+    if any(d not in _NODE_LAUNCH for d in given):
+        return None
+    world = base64.urlsafe_b64encode(json.dumps({"localhost": [int(s) for s in slots]}).encode()).decode()
+    head = [f"--world_info={world}", "--master_addr=127.0.0.1", f"--master_port={int(master_port)}", "--module",
+            "--no_local_rank"]
+    node = ["--bind_cores_to_rank"] if given.get("bind_cores_to_rank") else []
+    node += [f"--bind_core_list={given['bind_core_list']}"] if "bind_core_list" in given else []
+    node += ["--quiet"] if given.get("quiet") else []
+    node += [f"--log_level={'error' if given.get('quiet') else given.get('log_level', 'info')}"]
+    tail = [worker_module, *worker_args]
+    if extra:  # the per-node launcher's own parser: these change only the allowed options
+        dests = [*given, "log_level"]  # (--quiet means --log_level=error)
+        problems = _changes(_deepspeed_node_parse, head, node, tail, dests, _NODE_PROGRAM, "deepspeed per-node launcher")
+        if problems:
+            raise ConfigError(problems)
+    return head + node + tail
+
+
+def _values(kind: LauncherKind, args: List[str]) -> Dict[str, object]:
+    """dest -> value (True for a flag) of arguments that passed `_scan`."""
+    table, values, i = ALLOWED[kind], {}, 0
+    while i < len(args):
+        name, eq, inline = str(args[i]).partition("=")
+        dest, value = table[name]
+        i += 1
+        if not value.flag and not eq:
+            inline, i = str(args[i]), i + 1
+        values[dest] = True if value.flag else inline
+    return values
+
+
 def _parser_problems(kind: LauncherKind, args: List[str]) -> List[str]:
     """Parse a complete command line with the launcher's own parser, with and without `args`: the program it starts
     must be the worker module either way, and only the dests of the allowed options may differ."""
@@ -186,13 +240,18 @@ def _parser_problems(kind: LauncherKind, args: List[str]) -> List[str]:
     else:
         return []
     _, dests = _scan(kind, args)
-    base, given = parse(head + tail), parse(head + list(args) + tail)
+    return _changes(parse, head, list(args), tail, dests, program, f"{kind.value} launcher")
+
+
+def _changes(parse, head: List[str], args: List[str], tail: List[str], dests: List[str], program, launcher: str):
+    """Parse `head + tail` and `head + args + tail`: only the dests of the allowed options in `args` may differ."""
+    base, given = parse(head + tail), parse(head + args + tail)
     if base is None or given is None:
-        return [f"{KEY}: {' '.join(args)!r} is not understood by the {kind.value} launcher's own argument parser"]
+        return [f"{KEY}: {' '.join(args)!r} is not understood by the {launcher}'s own argument parser"]
     changed = {k for k in set(vars(base)) | set(vars(given)) if getattr(base, k, None) != getattr(given, k, None)}
     wrong = sorted(k for k in changed if k in program or k not in dests)
     if wrong:
-        return [f"{KEY}: {' '.join(args)!r} changes {', '.join(wrong)} of the {kind.value} launcher (the program it "
+        return [f"{KEY}: {' '.join(args)!r} changes {', '.join(wrong)} of the {launcher} (the program it "
                 "starts is always dsrecipes' worker)"]
     return []
 
@@ -210,6 +269,18 @@ def _deepspeed_parse(argv: List[str]):
     from deepspeed.launcher.runner import parse_args
 
     return _quietly(lambda: parse_args(argv))
+
+
+def _deepspeed_node_parse(argv: List[str]):
+    load_deepspeed()
+    from deepspeed.launcher import launch  # its parse_args() reads sys.argv
+
+    saved = sys.argv
+    sys.argv = [NODE_LAUNCHER, *argv]
+    try:
+        return _quietly(launch.parse_args)
+    finally:
+        sys.argv = saved
 
 
 def _torchrun_parse(argv: List[str]):

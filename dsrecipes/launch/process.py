@@ -1,9 +1,9 @@
 """Running a launch plan's commands on this machine: subprocesses (signal forwarding, a stop once a rank reported a
 failed node) or in-process.
 
-A launcher runs in a session of its own, so its whole tree (the deepspeed runner, its per-node `launch.py`, the
-ranks and their DataLoader workers) is one process group. SIGTERM or SIGINT to the launching process is forwarded
-to that group (deepspeed's single-node runner would otherwise die alone and leave the ranks training), the ranks get
+A launcher runs in a session of its own, so its whole tree (DeepSpeed's runner where it runs, its per-node
+`launch.py`, the ranks and their DataLoader workers) is one process group. SIGTERM or SIGINT to the launching process
+is forwarded to that group (deepspeed's runner would otherwise die alone and leave the ranks training), the ranks get
 `grace_s` to reach a step boundary and save (stopping.py), then whatever is left of the group is killed. After a
 normal end, leftovers of the group are killed too: a run leaves no process behind.
 """
