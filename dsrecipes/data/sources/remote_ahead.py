@@ -8,7 +8,7 @@ keeps the next `budget` bytes of it fetched or in flight:
   it starts again when a take brings them down to half of it, so each refill has half a budget of tickets to group;
 - a refill's tickets of one object whose byte ranges touch are fetched by ONE ranged GET (a span), up to
   `span_bytes`; a span never covers a byte no ticket asked for, so grouping changes the number of GETs, not the bytes
-  transferred. The plan's first tickets (up to `threads` of them, `FIRST_BYTES` at most) are fetched one GET each,
+  transferred. The plan's first `FIRST_TICKETS` tickets (a first micro-batch's blocks) are fetched one GET each,
   ahead of everything: the first batch waits for its own blocks, not for a span of megabytes;
 - spans are fetched by `threads` threads in the order of their first ticket; a fetched span is cut into its tickets'
   bytes at once, so memory is the untaken tickets' bytes: <= `budget` plus one ticket (plus one span being cut).
@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Deque, Dict, Hashable, Iterator, List, Optional, Tuple
 
 Ticket = Tuple[Hashable, int, int, int]  # (key, file, start, stop)
-FIRST_BYTES = 1 << 20  # the plan's first tickets fetched singly: at most this many bytes (and `threads` tickets)
+FIRST_TICKETS = 4  # the plan's first tickets, fetched one GET each before the spans
 
 
 class ReadAhead:
@@ -41,7 +41,7 @@ class ReadAhead:
         self.peak = 0  # the most `held` ever was (tests, benchmarks)
         self.gets = 0  # spans fetched
         self.bytes = 0  # bytes fetched (each span once, whatever its retries)
-        self._singles = max(1, threads)  # the plan's first tickets still to fetch singly
+        self._singles = FIRST_TICKETS  # the plan's first tickets still to fetch singly
         self._lock = threading.Lock()
         self._refill()
 
@@ -73,11 +73,7 @@ class ReadAhead:
             fresh.append((len(fresh), ticket))
             self.held += ticket[3] - ticket[2]
         self.peak = max(self.peak, self.held)
-        singles, first_bytes = 0, 0
-        while singles < min(self._singles, len(fresh)) and first_bytes < FIRST_BYTES:
-            first_bytes += fresh[singles][1][3] - fresh[singles][1][2]
-            singles += 1
-        self._singles = 0
+        singles, self._singles = min(self._singles, len(fresh)), 0
         groups = [[x] for x in fresh[:singles]] + self._spans(fresh[singles:])
         for span in sorted(groups, key=lambda s: min(order for order, _ in s)):  # by first need
             self._start([t for _, t in span])
