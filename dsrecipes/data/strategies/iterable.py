@@ -40,13 +40,7 @@ from dsrecipes.data.stream.scan import prepare_stream
 from dsrecipes.data.stream.segments import LocalShuffle, Segment, epoch_segment
 from dsrecipes.errors import DataError
 from dsrecipes.runplan import RunPlan
-from dsrecipes.schema import (
-    DEFAULT_MAX_ROW_BYTES,
-    DEFAULT_READ_AHEAD_BYTES,
-    DEFAULT_SPAN_BYTES,
-    DataKind,
-    TrainConfig,
-)
+from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES, DEFAULT_READ_AHEAD_BYTES, DEFAULT_SPAN_BYTES, DataKind, TrainConfig
 
 STREAM_STATE_VERSION = 2  # 1: the shared-stream filter before block reading
 MakeRows = Callable[[Sequence[Any]], List[Row]]

@@ -27,7 +27,7 @@ import numpy as np
 
 from dsrecipes.data.sources.files import expand_paths, lines_in_range, no_file
 from dsrecipes.data.sources.registry import resolve_sources, validation_files
-from dsrecipes.data.sources.remote import PREFETCH_THREADS, ObjectChanged, RangePool, is_url, size_mtime
+from dsrecipes.data.sources.remote import ObjectChanged, RangePool, is_url, size_mtime
 from dsrecipes.data.sources.remote import identity as remote_identity
 from dsrecipes.data.sources.remote_ahead import ReadAhead
 from dsrecipes.data.sources.splits import split_val
