@@ -10,9 +10,10 @@ Two schemes, a positive list (`SCHEMES`):
                                The Hub API cannot glob offline (`HfFileSystem` needs the network), the cache can.
 
 An S3 object's identity is its ETag (and VersionId when the bucket keeps versions): `identity()` hashes those with the
-URL and size, so a content key never reads the content. Readers open an object once per process with
-`cache_type="none"` (each read is one ranged GET of exactly the bytes asked for) and `IfMatch` on the ETag the index
-recorded: an object replaced during a run is refused (`ObjectChanged`), never read mixed. Transient faults (throttling,
+URL and size, so a content key never reads the content. A reader's ranged reads (`RangeReader`, `RangePool` for the
+threads of remote_ahead.py, which groups a reader's adjacent blocks into one GET) are each one GET of exactly the
+bytes asked for, with `If-Match` on the ETag the index recorded (and the VersionId): an object replaced during a run is
+refused (`ObjectChanged`), never read mixed. Transient faults (throttling,
 5xx, a connection dropped mid-body, timeouts) are retried by botocore/s3fs and then by `RangeReader` (bounded, with
 backoff); a fault that outlasts them is one DataError naming the object.
 """

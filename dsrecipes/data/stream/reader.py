@@ -97,10 +97,6 @@ class ItemFetcher:
                 yield f, loc, raw, copy
             held = {g: held[g] for g in w.keep}
 
-    def __call__(self, positions: np.ndarray) -> List[Item]:
-        """The items at `positions` (one window), in that order."""
-        return list(self.items([positions]))
-
 
 def read_stretch(seg: Segment, rank: int, v: int, skip_micros: int, sh: LocalShuffle,
                  fetch: ItemFetcher) -> Iterator[Tuple[int, List[Any]]]:
