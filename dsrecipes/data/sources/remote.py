@@ -90,7 +90,8 @@ def s3() -> Any:
     if settings not in _S3:
         _S3.clear()
         _S3[settings] = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs={
-            "connect_timeout": 10, "read_timeout": 60, "retries": {"max_attempts": 5, "mode": "standard"}})
+            "connect_timeout": 10, "read_timeout": 60, "retries": {"max_attempts": 5, "mode": "standard"},
+            "max_pool_connections": 2 * PREFETCH_THREADS})  # botocore's 10 would queue the read-ahead's GETs
     return _S3[settings]
 
 
