@@ -13,14 +13,19 @@ holding the row's JSON, `size_limit` --shard-mb) into `s3://bench/mds/`. Then, p
            (list, HEAD, one ranged pass per object; `data.prescan=false`, then again warm from its cache), and the
            same with the row pre-scan (`prescan`: tokenizer checks in the same pass). streaming: the dataset's
            index.json (its launch); the MDS conversion is a separate offline pass over the corpus (reported once).
-  R readers (R ranks x 1 reader, each on its own node): bytes transferred per epoch, time to first batch
-           (micro batch 4), samples/s per reader (median). dsrecipes: every reader run, one after another in this
-           process (`StreamTrainLoader.reader` over a `BlockSource`: ranged GETs of its own blocks). streaming:
-           R = 1 run for real (`StreamingDataset`, shuffle on, batch_size 4, its own local cache); for R > 1 it
-           needs a real process group, so its bytes per epoch are computed from its own plan (`generate_work` for
-           R nodes; each node downloads the shards its samples touch, whole) and its times are not measured.
+  R readers (R ranks x 1 reader, each on its own node; run one after another in this process): bytes transferred
+           per epoch and requests (at the proxy), time to first batch, samples/s per reader (median). Both systems are timed to the same point:
+           from nothing in memory but the launch's products to MBS (4) *decoded rows* (`json.loads` of each row's
+           JSON text) for the first batch, and to the end of the reader's epoch for samples/s. dsrecipes: the clock
+           starts before the run directory's stream index is read and the loader and its BlockSource are built (what
+           a rank does; `StreamTrainLoader.reader`: read-ahead of its own blocks, adjacent ones in one ranged GET). streaming: the clock starts before
+           `StreamingDataset(remote, local)` (its index.json GET; shuffle on, batch_size 4, its own local cache, its
+           default download threads and predownload); each sample's `text` decoded; node r of R is `RANK=r
+           WORLD_SIZE=R LOCAL_WORLD_SIZE=1` (its process group is switched off: see `st_readers`). Both are run for
+           real at every R: bytes, GETs and times are measured, none computed.
 
-Ratios are dsrecipes / streaming per repetition; reported as median [min, max].
+Ratios per repetition, oriented so that >= 1 means dsrecipes is no worse (first batch: streaming's time /
+dsrecipes'; samples/s: dsrecipes' / streaming's); reported as median [min, max].
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import sys
 import tempfile
 import time
 import types
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -111,30 +117,33 @@ def ds_launch(proxy, tmp: Path, prescan: bool) -> dict:
         b0, t0 = proxy.body_bytes, time.perf_counter()
         prepare_stream(ds_cfg(cache, prescan), run)
         out[phase] = (proxy.body_bytes - b0, time.perf_counter() - t0)
-    from dsrecipes.data.stream.index import read_stream_index
-
-    return {"launch": out, "index": read_stream_index(run)}
+    return {"launch": out, "run": run}
 
 
-def ds_readers(index, readers: int, proxy) -> dict:
+def ds_readers(run: Path, readers: int, proxy) -> dict:
+    """Every reader of R, one after another. Timed per reader from nothing in memory (the run directory's stream
+    index read, the loader and its BlockSource built: what a rank does) to the first micro-batch of MBS decoded rows
+    (`json.loads` of each raw line) and to the end of its stretch."""
     from dsrecipes.data.plan import Layout
     from dsrecipes.data.strategies.iterable import StreamTrainLoader
-    from dsrecipes.data.stream.index import BlockSource
+    from dsrecipes.data.stream.index import BlockSource, read_stream_index
 
     layout = Layout(readers, MBS, 1, 0)
-    b0, first, rates = proxy.body_bytes, None, []
+    b0, r0, first, rates = proxy.body_bytes, proxy.requests, None, []
     for rank in range(readers):
+        t0, n = time.perf_counter(), 0
+        index = read_stream_index(run)
         loader = StreamTrainLoader(index, layout, rank, seed=0, shuffle=True, shuffle_buffer=1024, num_samples=None,
                                    make_rows=list, collate_fn=list, num_workers=0)
         source = BlockSource(index)
-        t0, n = time.perf_counter(), 0
         for _, items in loader.reader(0, 0, 0, source):
+            n += len([json.loads(raw) for _, _, raw, _ in items])
             if first is None:
                 first = time.perf_counter() - t0
-            n += len(items)
         rates.append(n / (time.perf_counter() - t0))
         source.close()
-    return {"bytes": proxy.body_bytes - b0, "first_batch_s": first, "samples_s": statistics.median(rates)}
+    return {"bytes": proxy.body_bytes - b0, "gets": proxy.requests - r0, "first_batch_s": first,
+            "samples_s": statistics.median(rates)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -168,38 +177,47 @@ def st_launch(proxy, tmp: Path) -> dict:
 
 
 def st_readers(readers: int, proxy, tmp: Path) -> dict:
-    """R = 1: one real reader (measured). R > 1: streaming cannot run several ranks in one process (it starts a
-    process group), so the bytes of an epoch are computed from its own plan: `generate_work` for R nodes x 1 rank,
-    and each node downloads every shard its samples touch, whole (no ranged reads)."""
-    from streaming.base.batching import generate_work
+    """Every node of R (1 rank, 1 worker each), one after another in this process, like the dsrecipes readers:
+    node r is `RANK=r WORLD_SIZE=R LOCAL_RANK=0 LOCAL_WORLD_SIZE=1`, each with its own local cache directory.
+    streaming would start a torch process group for WORLD_SIZE > 1 only to pass a barrier at the end of
+    `StreamingDataset.__init__` (no data crosses it; each node plans its own samples from the index and the world),
+    so `maybe_init_dist` is switched off for the run (`no_process_group`)."""
     from streaming.base.util import clean_stale_shared_memory
-    from streaming.base.world import World
 
-    local = Path(tempfile.mkdtemp(dir=tmp))
-    b0, t0, n, first = proxy.body_bytes, time.perf_counter(), 0, None
-    ds = st_dataset(local, MBS)
-    if readers == 1:
-        for _ in ds:
-            n += 1
-            if first is None and n == MBS:
-                first = time.perf_counter() - t0
-        out = {"bytes": proxy.body_bytes - b0, "first_batch_s": first, "samples_s": n / (time.perf_counter() - t0)}
-    else:
-        world = World(num_nodes=readers, ranks_per_node=1, workers_per_rank=1, worker=0)
-        ds.num_canonical_nodes = readers  # its default for the default shuffle (py1e): the physical nodes
-        ds._set_shuffle_block_size(world)
-        work = generate_work("random", ds, world, 0, 0)  # (nodes, ranks, workers, batches, batch)
-        sizes = [shard.get_raw_size() for shard in ds.shards]
-        total = 0
+    b0, r0, first, rates = proxy.body_bytes, proxy.requests, None, []
+    with no_process_group():
         for node in range(readers):
-            ids = work[node].ravel()
-            shards = {int(ds.spanner[int(i)][0]) for i in ids[ids >= 0]}
-            total += sum(sizes[k] for k in shards)
-        out = {"bytes": total, "first_batch_s": None, "samples_s": None, "computed": True}
-    del ds
-    clean_stale_shared_memory()
-    shutil.rmtree(local, ignore_errors=True)
-    return out
+            os.environ.update(RANK=str(node), WORLD_SIZE=str(readers), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+            local = Path(tempfile.mkdtemp(dir=tmp))
+            t0, n = time.perf_counter(), 0
+            ds = st_dataset(local, MBS)  # timed like a dsrecipes reader: from nothing in memory (its index.json GET)
+            for sample in ds:  # to MBS decoded rows: json.loads of the `text` column
+                json.loads(sample["text"])
+                n += 1
+                if first is None and n == MBS:
+                    first = time.perf_counter() - t0
+            rates.append(n / (time.perf_counter() - t0))
+            del ds
+            clean_stale_shared_memory()
+            shutil.rmtree(local, ignore_errors=True)
+    return {"bytes": proxy.body_bytes - b0, "gets": proxy.requests - r0, "first_batch_s": first,
+            "samples_s": statistics.median(rates)}
+
+
+@contextmanager
+def no_process_group():
+    import streaming.base.dataset as st_dataset_module
+    import streaming.base.util as st_util
+
+    saved = st_dataset_module.maybe_init_dist, st_util.maybe_init_dist, dict(os.environ)
+    st_dataset_module.maybe_init_dist = st_util.maybe_init_dist = lambda: False
+    try:
+        yield
+    finally:
+        st_dataset_module.maybe_init_dist, st_util.maybe_init_dist = saved[0], saved[1]
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            os.environ.pop(key, None)
+        os.environ.update(saved[2])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -247,7 +265,7 @@ def main() -> None:
                     if rep == 0:  # the pre-scan is tokenizer-bound, not store-bound: measured once
                         res["launch_prescan"] = ds_launch(proxy, tmp, prescan=True)["launch"]
                     for r in args.readers:
-                        res[r] = ds_readers(launch["index"], r, proxy)
+                        res[r] = ds_readers(launch["run"], r, proxy)
                 else:
                     res["launch"] = st_launch(proxy, tmp)["launch"]
                     for r in args.readers:
@@ -263,22 +281,18 @@ def main() -> None:
 
 def report(results: dict, total: int, readers: list) -> None:
     ds, st = results["ds"], results["st"]
-    print("\n| R | dsrecipes bytes/corpus | streaming bytes/corpus | first batch s: ds / st (ratio) | "
-          "samples/s per reader: ds / st (ratio) |")
+    print("\n| R | bytes/corpus: ds / st | GETs: ds / st | first batch s: ds / st (st/ds: >= 1 is ds no slower) | "
+          "samples/s per reader: ds / st (ds/st: >= 1 is ds no slower) |")
     print("|---|---|---|---|---|")
     for r in readers:
-        db = [x[r]["bytes"] / total for x in ds]
-        sb = [x[r]["bytes"] / total for x in st]
-        df, sf = [x[r]["first_batch_s"] for x in ds], [x[r]["first_batch_s"] for x in st]
-        dr, sr = [x[r]["samples_s"] for x in ds], [x[r]["samples_s"] for x in st]
-        note = " (computed from its plan)" if st[0][r].get("computed") else ""
-        if None in sf:
-            print(f"| {r} | {spread(db)} | {spread(sb)}{note} | {statistics.median(df):.3f} / n/a | "
-                  f"{statistics.median(dr):.0f} / n/a |")
-            continue
-        print(f"| {r} | {spread(db)} | {spread(sb)} | {statistics.median(df):.3f} / {statistics.median(sf):.3f} "
-              f"({spread([a / b for a, b in zip(df, sf)])}) | {statistics.median(dr):.0f} / {statistics.median(sr):.0f}"
-              f" ({spread([a / b for a, b in zip(dr, sr)])}) |")
+        med = {key: [statistics.median([x[r][key] for x in runs]) for runs in (ds, st)]
+               for key in ("bytes", "gets", "first_batch_s", "samples_s")}
+        first = spread([b[r]["first_batch_s"] / a[r]["first_batch_s"] for a, b in zip(ds, st)])
+        rate = spread([a[r]["samples_s"] / b[r]["samples_s"] for a, b in zip(ds, st)])
+        print(f"| {r} | {med['bytes'][0] / total:.3f} / {med['bytes'][1] / total:.3f} | "
+              f"{med['gets'][0]:.0f} / {med['gets'][1]:.0f} | {med['first_batch_s'][0]:.3f} / "
+              f"{med['first_batch_s'][1]:.3f} ({first}) | {med['samples_s'][0]:.0f} / {med['samples_s'][1]:.0f} "
+              f"({rate}) |")
     print("\n| launching process before the first step | bytes/corpus | seconds |")
     print("|---|---|---|")
     for name, rows in (("dsrecipes index, cold", [x["launch"]["cold"] for x in ds]),

@@ -14,6 +14,8 @@ from typing import Any, Dict, List, Optional
 from dsrecipes.paths import SAMPLE_DATA_DIR
 
 DEFAULT_MAX_ROW_BYTES = 16 * 1024 * 1024  # dataset.max_row_bytes (also the default of the row readers' `limit`)
+DEFAULT_READ_AHEAD_BYTES = 64 * 1024 * 1024  # data.read_ahead_bytes (also BlockSource's default)
+DEFAULT_SPAN_BYTES = 8 * 1024 * 1024  # data.span_bytes (also BlockSource's default)
 
 
 class DataKind(str, Enum):
@@ -173,6 +175,8 @@ class DataConfig:
     block_bytes: Optional[int] = None  # iterable only: bytes per read block (null: stream bytes / 65536 (objects in a
     # store: / 4096), within 4 KiB-1 MiB)
     prefetch_factor: int = 2
+    read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES  # iterable, objects in a store: bytes each reader holds ahead
+    span_bytes: int = DEFAULT_SPAN_BYTES  # iterable, objects in a store: one ranged GET covers adjacent blocks up to this
 
 
 @dataclass

@@ -125,8 +125,9 @@ def test_batch_size_is_derived_never_given():
 def test_iterable_epochs_need_no_length_but_stream_keys_are_checked():
     """data=iterable counts its stream when the launching process indexes it, so trainer.epochs works alone."""
     assert compose_and_load(["data=iterable", "trainer.max_steps=null"], check_files=False)
-    assert _problems("data=iterable", "data.block_bytes=0", "data.num_samples=0") == [
+    assert _problems("data=iterable", "data.block_bytes=0", "data.num_samples=0", "data.span_bytes=0") == [
         "data.block_bytes: must be >= 1 (or null: automatic), got 0",
+        "data.span_bytes: must be >= 1, got 0",
         "data.num_samples: must be >= 1 (or null: the stream's count), got 0",
     ]
     for kind in ("map", "iterable", "presharded"):  # every strategy evaluates on validation files (issue 22)

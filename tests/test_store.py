@@ -10,6 +10,7 @@ import gzip
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dsrecipes.errors import DataError
@@ -325,3 +326,118 @@ def test_val_paths_and_registry_file_names_may_be_urls(make_cfg, bucket, tmp_pat
     assert index.num_lines == 30 and index.num_val == 20
     rows = BlockSource(index).rows(index.val_refs())
     assert [raw for _, _, raw in rows] == [x.encode() for x in lines(20, 30)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Read-ahead: a reader's blocks in few large ranged GETs (data/sources/remote_ahead.py), counted at a real proxy
+
+
+def _ranged_proxy(port: int, drops: int = 0, drop_min: int = 0):
+    """A FaultProxy that records the length of every ranged GET and drops (half-way through the body) only the
+    first `drops` GETs of at least `drop_min` bytes: a connection lost in the middle of a coalesced range."""
+    from tests.helpers.s3server import FaultProxy
+
+    class Proxy(FaultProxy):
+        def _fault(self, handler):
+            rng = handler.headers.get("Range", "")
+            if handler.command == "GET" and rng.startswith("bytes="):
+                a, b = (int(x) for x in rng[6:].split("-"))
+                with self.lock:
+                    self.ranges.append(b - a + 1)
+                    if self.big_drops and b - a + 1 >= drop_min:
+                        self.big_drops -= 1
+                        self.requests += 1
+                        return "drop"
+            return super()._fault(handler)
+
+    proxy = Proxy(port)
+    proxy.ranges, proxy.big_drops = [], drops
+    return proxy.start()
+
+
+def _stream_ids(index, readers: int, **source_kw):
+    """Every reader of a world of `readers` run in turn (shuffle window 64): (sample ids, BlockSources' stats)."""
+    from dsrecipes.data.plan import Layout
+    from dsrecipes.data.strategies.iterable import StreamTrainLoader
+    from dsrecipes.data.stream.index import BlockSource
+
+    ids, stats = [], []
+    for rank in range(readers):
+        loader = StreamTrainLoader(index, Layout(readers, 4, 1, 0), rank, seed=3, shuffle=True, shuffle_buffer=64,
+                                   num_samples=None, make_rows=list, collate_fn=list, num_workers=0)
+        source = BlockSource(index, **source_kw)
+        ids += [json.loads(raw)["id"] for _, items in loader.reader(0, 0, 0, source) for _, _, raw, _ in items]
+        stats.append({"bytes": source.bytes_read, "gets": source.gets, "peak": source._ahead.peak,
+                      "retries": source._ranges.retries})
+        source.close()
+    return ids, stats
+
+
+@pytest.fixture(scope="module")
+def ahead_corpus(bucket, tmp_path_factory):
+    """1,000 rows in two objects, indexed in 2 KiB blocks (~270 blocks)."""
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.data.stream.index import index_stream
+
+    data = _corpus(1000)
+    cut = data.index(b"\n", len(data) // 2) + 1
+    bucket.pipe("s3://dsr-data/ahead/a.jsonl", data[:cut])
+    bucket.pipe("s3://dsr-data/ahead/b.jsonl", data[cut:])
+    cfg = compose_and_load(["data=iterable", "dataset.paths=[s3://dsr-data/ahead/*.jsonl]", "dataset.val_size=0",
+                            f"data.cache_dir={tmp_path_factory.mktemp('ahead')}", "dataset.max_samples=null",
+                            "data.block_bytes=2048", "trainer.max_steps=2"], check_files=False)
+    return index_stream(cfg), len(data)
+
+
+def test_read_ahead_fetches_a_readers_adjacent_blocks_in_few_gets_each_byte_once(ahead_corpus, s3_server,
+                                                                               monkeypatch):
+    index, corpus = ahead_corpus
+    blocks = int(index.blocks["count"].size)
+    proxy = _ranged_proxy(s3_server.port)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        ids, [one] = _stream_ids(index, 1, span_bytes=64 << 10)
+        gets_one, big = len(proxy.ranges), max(proxy.ranges)
+        ids4, four = _stream_ids(index, 4, span_bytes=64 << 10)
+        gets_four = len(proxy.ranges) - gets_one
+    finally:
+        proxy.stop()
+    assert sorted(ids) == sorted(set(ids)) and 1000 - len(ids) < 4  # every sample once
+    assert one["bytes"] == corpus and proxy.body_bytes >= corpus  # each byte once: spans never cover a gap
+    # 4 single GETs first (the first micro-batch's blocks), then spans of adjacent blocks: not one GET per block
+    assert one["gets"] == gets_one <= 2 * 4 + 2 + corpus // (60 << 10) < blocks // 8, (gets_one, blocks)
+    assert 32 << 10 < big <= 64 << 10  # coalesced up to span_bytes
+    assert sorted(ids4) == sorted(set(ids4)) and 1000 - len(ids4) < 16
+    assert corpus <= sum(s["bytes"] for s in four) <= 1.05 * corpus  # R = 4: the corpus about once
+    assert sum(s["gets"] for s in four) == gets_four < blocks + 4  # no block twice, none outside the read-ahead
+
+
+def test_read_ahead_survives_a_connection_dropped_inside_a_coalesced_range(ahead_corpus, s3_server, monkeypatch):
+    index, corpus = ahead_corpus
+    proxy = _ranged_proxy(s3_server.port, drops=2, drop_min=32 << 10)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        ids, [one] = _stream_ids(index, 1, span_bytes=64 << 10)
+    finally:
+        proxy.stop()
+    assert proxy.big_drops == 0  # two spans of >= 32 KiB were cut half-way and fetched again
+    assert sorted(ids) == sorted(set(ids)) and 1000 - len(ids) < 4  # every row once, none torn
+    assert one["bytes"] == corpus  # the retried spans count once
+
+
+def test_read_ahead_memory_is_bounded_and_a_replaced_object_is_refused(ahead_corpus, bucket, s3_server, monkeypatch):
+    from dsrecipes.data.sources.remote import ObjectChanged
+
+    index, corpus = ahead_corpus
+    biggest = int(max(np.diff(fi.offsets).max() for fi in index.files))
+    ids, [one] = _stream_ids(index, 1, read_ahead_bytes=16 << 10, span_bytes=8 << 10)
+    assert sorted(ids) == sorted(set(ids)) and 1000 - len(ids) < 4 and one["bytes"] == corpus
+    assert 8 << 10 < one["peak"] <= (16 << 10) + biggest  # held ahead: the budget plus one block at most
+    assert one["gets"] >= corpus // (8 << 10)  # spans of <= 8 KiB
+    old = bucket.cat_file("s3://dsr-data/ahead/b.jsonl")
+    bucket.pipe("s3://dsr-data/ahead/b.jsonl", old.replace(b'"r9', b'"R9'))  # same size, another ETag
+    try:
+        with pytest.raises(ObjectChanged, match="s3://dsr-data/ahead/b.jsonl: the object changed in the store"):
+            _stream_ids(index, 1)
+    finally:
+        bucket.pipe("s3://dsr-data/ahead/b.jsonl", old)

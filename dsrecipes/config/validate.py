@@ -115,6 +115,9 @@ def _data(cfg: TrainConfig) -> List[str]:
         errors.append(f"data.shuffle_buffer: must be >= 0, got {d.shuffle_buffer}")
     if d.block_bytes is not None and d.block_bytes < 1:
         errors.append(f"data.block_bytes: must be >= 1 (or null: automatic), got {d.block_bytes}")
+    for key in ("read_ahead_bytes", "span_bytes"):
+        if getattr(d, key) < 1:
+            errors.append(f"data.{key}: must be >= 1, got {getattr(d, key)}")
     if d.num_samples is not None and d.num_samples < 1:
         errors.append(f"data.num_samples: must be >= 1 (or null: the stream's count), got {d.num_samples}")
     errors += config_problems(cfg)  # what the data strategy needs (data/strategies/rules.py)

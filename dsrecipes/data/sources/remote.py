@@ -10,9 +10,10 @@ Two schemes, a positive list (`SCHEMES`):
                                The Hub API cannot glob offline (`HfFileSystem` needs the network), the cache can.
 
 An S3 object's identity is its ETag (and VersionId when the bucket keeps versions): `identity()` hashes those with the
-URL and size, so a content key never reads the content. Readers open an object once per process with
-`cache_type="none"` (each read is one ranged GET of exactly the bytes asked for) and `IfMatch` on the ETag the index
-recorded: an object replaced during a run is refused (`ObjectChanged`), never read mixed. Transient faults (throttling,
+URL and size, so a content key never reads the content. A reader's ranged reads (`RangeReader`, `RangePool` for the
+threads of remote_ahead.py, which groups a reader's adjacent blocks into one GET) are each one GET of exactly the
+bytes asked for, with `If-Match` on the ETag the index recorded (and the VersionId): an object replaced during a run is
+refused (`ObjectChanged`), never read mixed. Transient faults (throttling,
 5xx, a connection dropped mid-body, timeouts) are retried by botocore/s3fs and then by `RangeReader` (bounded, with
 backoff); a fault that outlasts them is one DataError naming the object.
 """
@@ -26,7 +27,6 @@ import os
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import IO, Any, Dict, Iterator, List, Optional, Tuple
 
@@ -37,8 +37,7 @@ SCHEMES = ("s3", "hf")
 READ_ATTEMPTS = 5  # RangeReader's own retries (each after s3fs's and botocore's): then the fault is reported
 BACKOFF_S = 0.2  # first wait; doubles per attempt
 OPEN_BLOCK = 8 << 20  # sequential reads (indexing, map preparation): one GET per 8 MiB
-PREFETCH_THREADS = 16  # ranged GETs in flight per reader process
-PREFETCH_BLOCKS = 64  # blocks fetched ahead of a reader at most (memory: this many blocks)
+PREFETCH_THREADS = 16  # ranged GETs in flight per reader process (remote_ahead.ReadAhead's threads)
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,62}$")
 _GLOB = re.compile(r"[*?\[]")
 
@@ -91,7 +90,8 @@ def s3() -> Any:
     if settings not in _S3:
         _S3.clear()
         _S3[settings] = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs={
-            "connect_timeout": 10, "read_timeout": 60, "retries": {"max_attempts": 5, "mode": "standard"}})
+            "connect_timeout": 10, "read_timeout": 60, "retries": {"max_attempts": 5, "mode": "standard"},
+            "max_pool_connections": 2 * PREFETCH_THREADS})  # botocore's 10 would queue the read-ahead's GETs
     return _S3[settings]
 
 
@@ -272,35 +272,31 @@ class RangeReader:
 
 
 class RangePool:
-    """Ranged reads from several threads (bounded prefetch): one RangeReader per object and thread, a bounded pool
-    of `threads` that runs `submit(fn, *args)` ahead of the reader."""
+    """Ranged reads from several threads (the read-ahead's, remote_ahead.py): one RangeReader per object and
+    thread; `retries` counts the faults all of them survived."""
 
     def __init__(self, threads: int = PREFETCH_THREADS):
-
         self.threads = threads
         self._local = threading.local()
-        self._pool: Any = None
+        self._all: List[RangeReader] = []
+        self._lock = threading.Lock()
 
     def read(self, url: str, digest: str, etag: str, start: int, stop: int) -> bytes:
         readers = self._local.__dict__.setdefault("readers", {})
         if url not in readers:
             readers[url] = RangeReader(url, digest, etag)
+            with self._lock:
+                self._all.append(readers[url])
         return readers[url].read(start, stop)
 
     @property
     def retries(self) -> int:
-        return sum(r.retries for r in self._local.__dict__.get("readers", {}).values())
-
-    def submit(self, fn: Any, *args: Any) -> Any:
-        if self._pool is None:
-
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dsrecipes-range")
-        return self._pool.submit(fn, *args)
+        with self._lock:
+            return sum(r.retries for r in self._all)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-        for reader in self._local.__dict__.get("readers", {}).values():
-            reader.close()
-        self._local.__dict__.pop("readers", None)
+        with self._lock:
+            for reader in self._all:
+                reader.close()
+            self._all.clear()
+        self._local = threading.local()

@@ -40,7 +40,7 @@ from dsrecipes.data.stream.scan import prepare_stream
 from dsrecipes.data.stream.segments import LocalShuffle, Segment, epoch_segment
 from dsrecipes.errors import DataError
 from dsrecipes.runplan import RunPlan
-from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES, DataKind, TrainConfig
+from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES, DEFAULT_READ_AHEAD_BYTES, DEFAULT_SPAN_BYTES, DataKind, TrainConfig
 
 STREAM_STATE_VERSION = 2  # 1: the shared-stream filter before block reading
 MakeRows = Callable[[Sequence[Any]], List[Row]]
@@ -55,7 +55,8 @@ class StreamTrainLoader(TrainLoader):
                  shuffle_buffer: int, num_samples: Optional[int], make_rows: MakeRows,
                  collate_fn: Callable[[List[Row]], Batch], num_workers: int = 0, prefetch_factor: int = 2,
                  global_rank: Optional[int] = None, fingerprint: Optional[dict] = None,
-                 max_row_bytes: int = DEFAULT_MAX_ROW_BYTES):
+                 max_row_bytes: int = DEFAULT_MAX_ROW_BYTES, read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES,
+                 span_bytes: int = DEFAULT_SPAN_BYTES):
         self.index = index
         self.table = self.index.table()
         self.total = self.table.epoch_length()
@@ -69,6 +70,7 @@ class StreamTrainLoader(TrainLoader):
         self.make_rows, self.collate_fn = make_rows, collate_fn
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
         self.max_row_bytes = max_row_bytes  # longer lines are never read whole (BlockSource)
+        self.read_ahead = {"read_ahead_bytes": read_ahead_bytes, "span_bytes": span_bytes}  # objects in a store
         self.history: Tuple[Tuple[Layout, int], ...] = ()  # closed segments of the current epoch
 
     @property
@@ -89,7 +91,7 @@ class StreamTrainLoader(TrainLoader):
         seg, sh = self.segment(epoch), self.local_shuffle(epoch)
         v = (worker + start_micro) % self.layout.readers_per_rank
         own = source is None
-        source = BlockSource(self.index, self.max_row_bytes) if own else source
+        source = BlockSource(self.index, self.max_row_bytes, **self.read_ahead) if own else source
         fetch = ItemFetcher(epoch_visits(self.table, self.seed, epoch, self.shuffle), source.block, sh)
         try:
             yield from read_stretch(seg, self.rank, v, seg.micros(v, 0, start_micro), sh, fetch)
@@ -202,7 +204,8 @@ class IterableStrategy:
                                  shuffle=cfg.data.shuffle, shuffle_buffer=cfg.data.shuffle_buffer,
                                  num_samples=cfg.data.num_samples, make_rows=row_encoder(cfg, data.tokenizer, index),
                                  collate_fn=make_collate(data.cfg, data.tokenizer), num_workers=cfg.data.num_workers,
-                                 prefetch_factor=cfg.data.prefetch_factor, max_row_bytes=cfg.dataset.max_row_bytes)
+                                 prefetch_factor=cfg.data.prefetch_factor, max_row_bytes=cfg.dataset.max_row_bytes,
+                                 read_ahead_bytes=cfg.data.read_ahead_bytes, span_bytes=cfg.data.span_bytes)
 
     def eval_loader(self, data: RankData) -> Optional[EvalLoader]:
         """This rank's share of the validation rows (held out by the index, or `dataset.val_paths`), tokenized."""

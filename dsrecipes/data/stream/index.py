@@ -9,7 +9,8 @@ training order. `write`/`read_stream_index` keep it in the run directory (`strea
 never index anything; they check each file's size and modification time against it.
 
 `BlockSource` reads blocks: one `pread` of the block's byte range (at most `block_bytes` plus one line), its sample
-lines in file order, held-out rows dropped, counting the bytes it read.
+lines in file order, held-out rows dropped, counting the bytes it read. Blocks of objects in a store are read ahead
+of the reader from its plan (`plan`, stream/reader.py), adjacent ones in one ranged GET (data/sources/remote_ahead.py).
 """
 
 from __future__ import annotations
@@ -20,20 +21,21 @@ import sys
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from dsrecipes.data.sources.files import expand_paths, lines_in_range, no_file
 from dsrecipes.data.sources.registry import resolve_sources, validation_files
-from dsrecipes.data.sources.remote import PREFETCH_BLOCKS, ObjectChanged, RangePool, is_url, size_mtime
+from dsrecipes.data.sources.remote import ObjectChanged, RangePool, is_url, size_mtime
 from dsrecipes.data.sources.remote import identity as remote_identity
+from dsrecipes.data.sources.remote_ahead import ReadAhead
 from dsrecipes.data.sources.splits import split_val
 from dsrecipes.data.stream.files import FileIndex, index_files
 from dsrecipes.data.stream.order import BlockTable
 from dsrecipes.errors import DataError
 from dsrecipes.fileio import atomic_write_json, atomic_writer
-from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES, SourceConfig
+from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES, DEFAULT_READ_AHEAD_BYTES, DEFAULT_SPAN_BYTES, SourceConfig
 
 INDEX_FILE = "stream_index.json"
 ARRAYS_FILE = "stream_index.npz"
@@ -252,60 +254,93 @@ def read_stream_index(run_dir: str | Path) -> Optional[StreamIndex]:
 class BlockSource:
     """Reads training blocks (by global block number) and single samples; counts bytes read. Open files are kept
     per process (a DataLoader worker opens its own after the fork). A line longer than `max_row_bytes` is never
-    read whole: its raw bytes are None (a too_large bad row)."""
+    read whole: its raw bytes are None (a too_large bad row). Objects in a store: see `plan`."""
 
-    def __init__(self, index: StreamIndex, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES):
+    def __init__(self, index: StreamIndex, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+                 read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES, span_bytes: int = DEFAULT_SPAN_BYTES):
         self.index = index
         self.max_row_bytes = max_row_bytes
-        self.bytes_read = 0
+        self.read_ahead_bytes, self.span_bytes = read_ahead_bytes, span_bytes
+        self._direct = 0  # bytes read outside the read-ahead
         self._fds: Dict[int, int] = {}
-        self._ranges = RangePool()  # objects in a store: ranged GETs, prefetched by `prefetch`
-        self._ahead: Dict[int, Any] = {}  # block -> future of its rows
-        self._wanted: List[int] = []  # blocks announced by `prefetch`, not yet started
+        self._ranges = RangePool()  # objects in a store: ranged GETs (If-Match, retries), one reader per thread
+        self._ahead: Optional[ReadAhead] = None
+        self._ahead_done = [0, 0]  # bytes and GETs of closed read-aheads
 
-    def __getstate__(self) -> Dict[str, Any]:
-        return {"index": self.index, "max_row_bytes": self.max_row_bytes}  # a worker opens its own files
+    def __getstate__(self) -> Dict[str, Any]:  # a worker opens its own files
+        return {"index": self.index, "max_row_bytes": self.max_row_bytes, "read_ahead_bytes": self.read_ahead_bytes,
+                "span_bytes": self.span_bytes}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__init__(state["index"], state["max_row_bytes"])  # type: ignore[misc]
+        self.__init__(**state)  # type: ignore[misc]
 
-    def prefetch(self, blocks: Sequence[int]) -> None:
-        """Announce the next blocks this reader needs (its window's), in order: those of objects in a store are
-        read ahead, at most PREFETCH_BLOCKS at a time, refilled as they are taken; local files are read when
-        asked (a pread is not worth a thread)."""
-        files, b = self.index.files, self.index.blocks
-        self._wanted = [g for g in blocks if is_url(files[b["file"].item(g)].path)][::-1]
-        self._fill()
+    @property
+    def bytes_read(self) -> int:
+        return self._direct + self._ahead_done[0] + (self._ahead.bytes if self._ahead is not None else 0)
 
-    def _fill(self) -> None:
-        while self._wanted and len(self._ahead) < PREFETCH_BLOCKS:
-            g = self._wanted.pop()
-            if g not in self._ahead:
-                self._ahead[g] = self._ranges.submit(self._block, g)
+    @property
+    def gets(self) -> int:
+        """Ranged GETs of the read-ahead (spans; each counted once whatever its retries)."""
+        return self._ahead_done[1] + (self._ahead.gets if self._ahead is not None else 0)
+
+    def plan(self, takes: Iterator[int]) -> None:
+        """The blocks the reader will ask for, in order (lazy; stream/reader.py): those of objects in a store are read
+        ahead, `read_ahead_bytes` at most, adjacent ones in one GET of up to `span_bytes`; local files are read when
+        asked (a pread is not worth a thread). Replaces the plan before."""
+        self._end_plan()
+        tickets = ((g, *where) for g in takes for where in [self._extent(g)] if where is not None)
+        self._ahead = ReadAhead(tickets, self._get, budget=self.read_ahead_bytes, span_bytes=self.span_bytes,
+                                threads=self._ranges.threads)
+
+    def _extent(self, g: int) -> Optional[Tuple[int, int, int]]:
+        """(file, start, stop) of block g when it is read in one piece from a store, else None."""
+        b = self.index.blocks
+        f, local = b["file"].item(g), b["local"].item(g)
+        if not is_url(self.index.files[f].path):
+            return None
+        start, stop = self._span(f, local)
+        return (f, start, stop) if stop - start <= self.index.block_bytes + self.max_row_bytes else None
+
+    def _span(self, f: int, local: int) -> Tuple[int, int]:
+        fi = self.index.files[f]
+        return fi.offsets.item(local), fi.offsets.item(local + 1) if local + 1 < fi.offsets.size else fi.size
+
+    def _get(self, f: int, start: int, stop: int) -> bytes:
+        fi = self.index.files[f]  # one ranged GET of exactly these bytes, pinned to the indexed ETag, retried
+        return self._ranges.read(fi.path, fi.digest, fi.etag, start, stop)
+
+    def _end_plan(self) -> None:
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead_done[0] += self._ahead.bytes
+            self._ahead_done[1] += self._ahead.gets
+            self._ahead = None
 
     def _pread(self, f: int, start: int, stop: int) -> bytes:
         fi = self.index.files[f]
-        if is_url(fi.path):  # one ranged GET of exactly these bytes, pinned to the indexed ETag, retried
-            data = self._ranges.read(fi.path, fi.digest, fi.etag, start, stop)
-            self.bytes_read += len(data)  # += from prefetch threads: under the GIL, one bytecode add per read
+        if is_url(fi.path):
+            data = self._get(f, start, stop)
+            self._direct += len(data)
             return data
         if f not in self._fds:
             if len(self._fds) >= 64:
                 os.close(self._fds.pop(next(iter(self._fds))))
             self._fds[f] = os.open(self.index.files[f].path, os.O_RDONLY)
         data = os.pread(self._fds[f], stop - start, start)
-        self.bytes_read += len(data)
+        self._direct += len(data)
         return data
 
-    def samples(self, f: int, local: int, count: int) -> List[Tuple[int, Optional[bytes]]]:
+    def samples(self, f: int, local: int, count: int, data: Optional[bytes] = None
+                ) -> List[Tuple[int, Optional[bytes]]]:
         """(location, raw line or None when too long) of the first `count` sample lines of block `local` of file
-        `f`."""
+        `f` (`data`: the block's bytes, already read ahead)."""
 
         fi = self.index.files[f]
-        start = fi.offsets.item(local)
-        stop = fi.offsets.item(local + 1) if local + 1 < fi.offsets.size else fi.size
-        if stop - start > self.index.block_bytes + self.max_row_bytes:  # holds a line over the limit
-            lines: Any = lines_in_range(lambda a, b: self._pread(f, a, b), start, stop, self.max_row_bytes)
+        start, stop = self._span(f, local)
+        if data is not None:
+            lines: Any = data.split(b"\n")
+        elif stop - start > self.index.block_bytes + self.max_row_bytes:  # holds a line over the limit
+            lines = lines_in_range(lambda a, b: self._pread(f, a, b), start, stop, self.max_row_bytes)
         else:
             lines = self._pread(f, start, stop).split(b"\n")
         out: List[Tuple[int, Optional[bytes]]] = []
@@ -320,14 +355,10 @@ class BlockSource:
 
     def block(self, g: int) -> List[Tuple[int, int, bytes]]:
         """(file, location, raw) of the kept samples of training block g, in file order."""
-        ahead = self._ahead.pop(g, None)
-        self._fill()
-        return ahead.result() if ahead is not None else self._block(g)
-
-    def _block(self, g: int) -> List[Tuple[int, int, bytes]]:
+        data = self._ahead.take(g) if self._ahead is not None else None
         b = self.index.blocks
         f, first, count = b["file"].item(g), b["first"].item(g), b["count"].item(g)
-        rows = self.samples(f, b["local"].item(g), count)
+        rows = self.samples(f, b["local"].item(g), count, data)
         held = self.index.holdout
         lo, hi = np.searchsorted(held, first), np.searchsorted(held, first + count)
         if lo == hi:
@@ -354,6 +385,5 @@ class BlockSource:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-        self._ahead.clear()
-        self._wanted = []
+        self._end_plan()
         self._ranges.close()

@@ -1,0 +1,112 @@
+"""Read-ahead of one reader's byte ranges in an object store: few large ranged GETs, overlapped with consumption.
+
+A `data=iterable` reader knows, window by window, which blocks it will ask for and in what order (stream/reader.py).
+`ReadAhead` is handed that plan lazily, as (key, file, start, stop) tickets in the order they will be taken, and
+keeps the next `budget` bytes of it fetched or in flight:
+
+- a refill takes tickets from the plan until the bytes held (fetched or in flight, not yet taken) reach `budget`;
+  it starts again when a take brings them down to half of it, so each refill has half a budget of tickets to group;
+- a refill's tickets of one object whose byte ranges touch are fetched by ONE ranged GET (a span), up to
+  `span_bytes`; a span never covers a byte no ticket asked for, so grouping changes the number of GETs, not the bytes
+  transferred. The plan's first `FIRST_TICKETS` tickets (a first micro-batch's blocks) are fetched one GET each,
+  ahead of everything: the first batch waits for its own blocks, not for a span of megabytes;
+- spans are fetched by `threads` threads in the order of their first ticket; a fetched span is cut into its tickets'
+  bytes at once, so memory is the untaken tickets' bytes: <= `budget` plus one ticket (plus one span being cut).
+
+`read(file, start, stop)` does the GET (remote.RangePool: If-Match on the indexed ETag, retries with backoff; a span
+whose connection drops mid-body is retried whole, and its bytes count once). A failed span raises its error at the
+take of any of its tickets. `take(key)` returns None for a key the plan does not hold (the caller reads it itself).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Deque, Dict, Hashable, Iterator, List, Optional, Tuple
+
+Ticket = Tuple[Hashable, int, int, int]  # (key, file, start, stop)
+FIRST_TICKETS = 4  # the plan's first tickets, fetched one GET each before the spans
+
+
+class ReadAhead:
+    def __init__(self, plan: Iterator[Ticket], read: Callable[[int, int, int], bytes], *, budget: int,
+                 span_bytes: int, threads: int):
+        self._plan: Optional[Iterator[Ticket]] = plan
+        self._read = read
+        self.budget, self.span_bytes = max(1, int(budget)), max(1, int(span_bytes))
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="dsrecipes-ahead")
+        self._untaken: Dict[Hashable, Deque[Tuple[Future, int, int]]] = {}  # key -> (span, piece, size), in order
+        self.held = 0  # bytes of tickets planned and not yet taken (fetched or in flight)
+        self.peak = 0  # the most `held` ever was (tests, benchmarks)
+        self.gets = 0  # spans fetched
+        self.bytes = 0  # bytes fetched (each span once, whatever its retries)
+        self._singles = FIRST_TICKETS  # the plan's first tickets still to fetch singly
+        self._lock = threading.Lock()
+        self._refill()
+
+    def take(self, key: Hashable) -> Optional[bytes]:
+        """The bytes of `key`'s next ticket (waiting for its span), or None when the plan holds no ticket for it."""
+        pieces = self._untaken.get(key)
+        if not pieces:
+            return None
+        span, piece, size = pieces.popleft()
+        if not pieces:
+            del self._untaken[key]
+        self.held -= size
+        try:
+            parts = span.result()
+            data, parts[piece] = parts[piece], b""  # the taken ticket's bytes are the caller's now
+        finally:
+            if self.held <= self.budget // 2:
+                self._refill()
+        return data
+
+    def _refill(self) -> None:
+        """Take tickets from the plan up to `budget` bytes held, group them into spans, start the spans."""
+        fresh: List[Tuple[int, Ticket]] = []
+        while self._plan is not None and self.held < self.budget:
+            ticket = next(self._plan, None)
+            if ticket is None:
+                self._plan = None
+                break
+            fresh.append((len(fresh), ticket))
+            self.held += ticket[3] - ticket[2]
+        self.peak = max(self.peak, self.held)
+        singles, self._singles = min(self._singles, len(fresh)), 0
+        groups = [[x] for x in fresh[:singles]] + self._spans(fresh[singles:])
+        for span in sorted(groups, key=lambda s: min(order for order, _ in s)):  # by first need
+            self._start([t for _, t in span])
+
+    def _spans(self, fresh: List[Tuple[int, Ticket]]) -> List[List[Tuple[int, Ticket]]]:
+        """`fresh` tickets grouped: touching ranges of one object, in byte order, at most the span cap each."""
+        spans: List[List[Tuple[int, Ticket]]] = []
+        for order, ticket in sorted(fresh, key=lambda x: (x[1][1], x[1][2], x[0])):
+            last = spans[-1][-1][1] if spans else None
+            if (last is not None and last[1] == ticket[1] and last[3] == ticket[2]
+                    and ticket[3] - spans[-1][0][1][2] <= self.span_bytes):
+                spans[-1].append((order, ticket))
+            else:
+                spans.append([(order, ticket)])
+        return spans
+
+    def _start(self, tickets: List[Ticket]) -> None:
+        _, f, start, _ = tickets[0]
+        stop = tickets[-1][3]
+        cuts = [(t[2] - start, t[3] - start) for t in tickets]
+        span = self._pool.submit(self._fetch, f, start, stop, cuts)
+        for i, (key, _, a, b) in enumerate(tickets):
+            self._untaken.setdefault(key, deque()).append((span, i, b - a))
+
+    def _fetch(self, f: int, start: int, stop: int, cuts: List[Tuple[int, int]]) -> List[bytes]:
+        data = self._read(f, start, stop)
+        with self._lock:
+            self.gets += 1
+            self.bytes += len(data)
+        return [data[a:b] for a, b in cuts]
+
+    def close(self) -> None:
+        self._plan = None
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._untaken.clear()
+        self.held = 0
