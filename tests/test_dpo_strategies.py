@@ -204,9 +204,98 @@ def test_iterable_loader_workers_count_bad_pairs_without_prescan(tmp_path, tok):
         list(built[0][0])
 
 
-def test_precomputed_reference_refused_for_streams():
-    for kind in ("data=iterable",):
-        with pytest.raises(ConfigError, match="objective.reference=live"):
-            from dsrecipes.config.load import compose_and_load
+def test_precomputed_reference_refused_for_streams(pair_shards):
+    from dsrecipes.config.load import compose_and_load
 
-            compose_and_load(["objective=dpo", "dataset=sample_pairs", kind])
+    for kind in (["data=iterable"], ["data=presharded", f"data.shard_dir={pair_shards[0]}"]):
+        with pytest.raises(ConfigError, match=r"objective.reference: .*objective.reference=live"):
+            compose_and_load(["objective=dpo", "dataset=sample_pairs", *kind])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# data=presharded
+
+
+@pytest.fixture(scope="module")
+def pair_shards(tmp_path_factory):
+    """`dsrecipes shard ... objective=dpo --parts 2 --val-size 6` over the first 60 pairs."""
+    from dsrecipes.data.shard import shard
+
+    out = tmp_path_factory.mktemp("shards") / "pairs"
+    cfg = compose(f"dataset.max_samples={MAX}", f"data.cache_dir={out}-cache")
+    manifest = shard(cfg, 2, str(out), val_size=VAL)
+    return out, manifest
+
+
+def test_shard_writes_pairs_the_pair_reader_reads(pair_shards):
+    from dsrecipes.data.shard_rows import PAIR_ROW_FORMAT
+
+    out, manifest = pair_shards
+    assert manifest.row_format == PAIR_ROW_FORMAT and manifest.counts == [27, 27] and manifest.val_count == VAL
+    assert json.loads((out / "manifest.json").read_text())["row_format"] == PAIR_ROW_FORMAT
+    first = json.loads((out / manifest.files[0]).read_text().splitlines()[0])
+    assert set(first) >= {"id", "conversations", "chosen", "rejected"}
+    assert first["chosen"]["from"] == first["rejected"]["from"] == "assistant"
+    assert manifest.checked_with["cutoff_len"] == 256
+
+
+def test_presharded_pairs_exactly_once_equal_steps(pair_shards, tmp_path, tok):
+    out, manifest = pair_shards
+    cfg = compose("data=presharded", f"data.shard_dir={out}", "data.num_workers=2", f"data.cache_dir={tmp_path}/c")
+    plan, built = launch(cfg, tmp_path / "run", 2, tok)
+    loaders, evals = zip(*built)
+    assert plan.rows == 54
+    parts = [{json.loads(x)["id"] for x in (out / f).read_text().splitlines()} for f in manifest.files]
+    for epoch in (0, 1):
+        ids = epoch_ids(loaders, epoch)
+        assert {len(v) for v in ids.values()} == {12}  # 27 pairs a part // (2 x 2) = 6 steps of 2 micro-batches
+        for r in range(2):  # each rank reads only its own part, each pair once
+            own = [i for b in ids[r] for i in b]
+            assert len(own) == len(set(own)) == 24 and set(own) <= parts[r]
+    held = [i for ev in evals for b in ev for i in b["ids"]]
+    assert len(held) == len(set(held)) == VAL and not set(held) & (parts[0] | parts[1])
+
+
+def test_presharded_resume_exact(pair_shards, tmp_path, tok):
+    from dsrecipes.data.strategies import build_loaders
+
+    out, _ = pair_shards
+    cfg = compose("data=presharded", f"data.shard_dir={out}", f"data.cache_dir={tmp_path}/c")
+    plan, built = launch(cfg, tmp_path / "run", 2, tok)
+    full = epoch_ids([lo for lo, _ in built], 0)
+    for r, (lo, _) in enumerate(built):
+        lo.set_epoch(1)
+        lo.set_epoch(0)
+        it = iter(lo)
+        for _ in range(5):
+            next(it)
+        again, _ = build_loaders(cfg, tok, r, 2, tmp_path / "run", plan)
+        again.load_state_dict(lo.state_dict())
+        assert [b["ids"] for b in again] == full[r][5:]
+
+
+def test_shard_kinds_are_not_mixed(pair_shards, tmp_path, tok):
+    """A shard directory made for SFT rows under objective=dpo, and pairs under SFT: refused, naming the fix."""
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.data.shard import shard
+
+    sft_dir = tmp_path / "sft"
+    shard(compose_and_load(["dataset.max_samples=20", f"data.cache_dir={tmp_path}/c"]), 2, str(sft_dir))
+    dpo = compose("data=presharded", f"data.shard_dir={sft_dir}", f"data.cache_dir={tmp_path}/c")
+    with pytest.raises(DataError, match=r"holds conversations \(SFT rows\).*objective=dpo trains on preference pairs.*"
+                                        r"dsrecipes shard .*objective=dpo"):
+        launch(dpo, tmp_path / "run", 2, tok)
+    sft = compose_and_load(["data=presharded", f"data.shard_dir={pair_shards[0]}", f"data.cache_dir={tmp_path}/c"])
+    with pytest.raises(DataError, match=r"holds preference pairs.*objective=sft trains on conversations"):
+        launch(sft, tmp_path / "run2", 2, tok)
+
+
+def test_shard_for_dpo_checks_rows_as_pairs_and_prints_a_live_reference_command(tmp_path):
+    from dsrecipes.commands.shard import training_command
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.data.shard import shard
+
+    with pytest.raises(DataError, match=r"train.jsonl:1: bad_value \(the prompt ends with a"):  # SFT rows, no pairs
+        shard(compose_and_load(["objective=dpo", "objective.reference=live", "dataset.max_samples=20"]), 2,
+              str(tmp_path / "x"))
+    assert training_command(str(tmp_path), 2, ["objective=dpo"]).endswith("objective.reference=live")

@@ -25,15 +25,15 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 from dsrecipes.data.audit import AuditReport, audit_presharded
 from dsrecipes.data.plan import Layout, StreamShuffle, presharded_steps, require_steps
-from dsrecipes.data.render.tokenize import Encoder
 from dsrecipes.data.sampler import Item, StreamSpec, select_slots
 from dsrecipes.data.shard import Manifest, checked_alike, checked_rows, read_manifest, verify_part, verify_val_part
+from dsrecipes.data.shard_rows import check_row_format
 from dsrecipes.data.sources.badrows import BadRowReport
 from dsrecipes.data.strategies.base import Batch, Row, TrainLoader
 from dsrecipes.data.strategies.eval import EvalLoader
 from dsrecipes.data.strategies.protocol import PrepareResult, RankData, rows_of_plan
 from dsrecipes.data.strategies.rows import make_collate, row_encoder
-from dsrecipes.data.stream.scan import scan_sources
+from dsrecipes.data.stream.scan import checking_encoder, scan_sources
 from dsrecipes.errors import DataError
 from dsrecipes.fileio import atomic_writer
 from dsrecipes.runplan import RunPlan
@@ -134,6 +134,7 @@ class PreshardedStrategy:
 
     def prepare(self, cfg: TrainConfig, run_dir: Path, tokenizer: Any, world_size: int) -> PrepareResult:
         manifest = read_manifest(cfg.data.shard_dir, world_size=world_size)
+        check_row_format(manifest, cfg)
         if cfg.data.prescan:
             check_parts(cfg, run_dir, manifest)
         val = write_val_rows(cfg, run_dir) if cfg.dataset.val_paths else manifest.val_count
@@ -146,6 +147,7 @@ class PreshardedStrategy:
 
     def open(self, cfg: TrainConfig, run_dir: str, rank: int, world_size: int, plan: RunPlan) -> RankParts:
         manifest = read_manifest(cfg.data.shard_dir, world_size=world_size)
+        check_row_format(manifest, cfg)
         verify_part(manifest, rank)
         rows_of_plan(plan, manifest.total, run_dir)
         val_path = None
@@ -212,7 +214,7 @@ def write_val_rows(cfg: TrainConfig, run_dir: Path) -> int:
     rows = 0
     try:
         with atomic_writer(run_dir / VAL_ROWS) as fh:
-            for line, _ in checked_rows(cfg, report, Encoder(load_tokenizer(cfg), cfg), [source]):
+            for line, _ in checked_rows(cfg, report, checking_encoder(cfg, load_tokenizer(cfg)), [source]):
                 fh.write(line)
                 rows += 1
     finally:

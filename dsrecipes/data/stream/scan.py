@@ -103,6 +103,11 @@ def pairs(cfg: TrainConfig) -> bool:
     return cfg.objective.kind is ObjectiveKind.dpo
 
 
+def checking_encoder(cfg: TrainConfig, tokenizer: Any) -> Any:
+    """What renders and tokenizes a row for the checks of training: conversations, or pairs (objective=dpo)."""
+    return (PairEncoder if pairs(cfg) else Encoder)(tokenizer, cfg)
+
+
 def _checker(cfg: TrainConfig) -> Any:
     return PairChecker if pairs(cfg) else RowChecker
 
@@ -195,7 +200,7 @@ def _start(cfg: TrainConfig, run_dir: Path) -> Tuple[BadRowReport, Any]:
     quarantine = Path(run_dir) / QUARANTINE_FILE
     quarantine.unlink(missing_ok=True)
     report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, quarantine_path=quarantine)
-    return report, (PairEncoder if pairs(cfg) else Encoder)(load_tokenizer(cfg), cfg)
+    return report, checking_encoder(cfg, load_tokenizer(cfg))
 
 
 def _finish(report: BadRowReport, good: int, run_dir: Path) -> Dict[str, int]:
