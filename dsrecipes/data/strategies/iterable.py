@@ -9,6 +9,9 @@ hold-out, mixing weights and `data.num_samples`), so `trainer.epochs` works and 
 Batching happens inside the worker (torch fetches from workers round-robin, in order), and each rank yields exactly
 `steps * grad_accum` micro-batches per epoch. The data state records the epoch's segments, so a resume continues
 exactly (same layout) or re-splits what remains (another world size, batch shape or worker count).
+
+Under objective=dpo a line is one preference pair and one sample (rows.py `row_encoder` -> `PairRowEncoder`, the
+pre-scan's `PairChecker`); everything above applies to pairs unchanged.
 """
 
 from __future__ import annotations

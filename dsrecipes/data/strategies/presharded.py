@@ -13,6 +13,10 @@ Validation: the shard's validation part (`dsrecipes shard --val-size N` holds N 
 `val.jsonl`, listed in the manifest with its checksum), or `dataset.val_paths` (which then wins): the launching
 process checks those rows and writes them in canonical form into the run directory. Every rank evaluates a
 contiguous share of them.
+
+Preference pairs (objective=dpo): parts written by `dsrecipes shard ... objective=dpo` hold one checked pair per line
+(manifest `row_format`, shard_rows.py), a pair being one sample for all of the above; parts of the other row kind
+are refused before any rank starts.
 """
 
 from __future__ import annotations
