@@ -316,8 +316,7 @@ def test_two_rank_dpo_run(kind, pair_shards, tmp_path):
     data = (["data=presharded", f"data.shard_dir={pair_shards[0]}"] if kind == "presharded" else
             ["data=iterable", f"dataset.max_samples={MAX}", f"dataset.val_size={VAL}"])
     run, _ = train_run(tmp_path, "run", *PAIRS, *data, "trainer.max_steps=3", "trainer.eval_every=3",
-                       "trainer.save_every=100", "trainer.record_samples=true", "trainer.export=false",
-                       "dataset.max_samples=" + str(MAX))
+                       "trainer.save_every=100", "trainer.record_samples=true", "trainer.export=false")
     result = json.loads((run / "result.json").read_text())
     assert result["status"] == "ok" and result["steps"] == 3
     rows = metrics(run)
