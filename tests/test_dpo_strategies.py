@@ -204,6 +204,20 @@ def test_iterable_loader_workers_count_bad_pairs_without_prescan(tmp_path, tok):
         list(built[0][0])
 
 
+def test_iterable_pair_repeats_of_a_weight_are_samples_of_their_own(tmp_path, tok):
+    """A source of weight 2: every pair twice per epoch, the repeat as `<id>@1`, still each id once."""
+    path = tmp_path / "pairs.jsonl"
+    good = {"conversations": [{"from": "human", "value": "2 + 2?"}], "chosen": {"from": "gpt", "value": "4"},
+            "rejected": {"from": "gpt", "value": "5"}}
+    path.write_text("".join(json.dumps(dict(good, id=f"p{i}")) + "\n" for i in range(8)), encoding="utf-8")
+    cfg = compose("data=iterable", "dataset.paths=[]", "dataset.use=[]", "dataset.registry=null",
+                  f"dataset.sources=[{{name: a, paths: [{path}], weight: 2.0}}]", "dataset.val_size=0",
+                  "dataset.max_samples=null", f"data.cache_dir={tmp_path}/c")
+    plan, built = launch(cfg, tmp_path / "run", 2, tok)
+    got = flat(epoch_ids([lo for lo, _ in built], 0))
+    assert plan.rows == 16 and sorted(got) == sorted([f"p{i}" for i in range(8)] + [f"p{i}@1" for i in range(8)])
+
+
 def test_precomputed_reference_refused_for_streams(pair_shards):
     from dsrecipes.config.load import compose_and_load
 
