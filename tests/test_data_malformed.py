@@ -88,14 +88,14 @@ def runtime_rows(cfg, tmp_path: Path, strategy: str):
     from dsrecipes.schema import SourceConfig
 
     if strategy == "iterable":
-        from dsrecipes.data.strategies.iterable import row_encoder
+        from dsrecipes.data.strategies.iterable import stream_rows
         from dsrecipes.data.stream.index import BlockSource, build_stream_index
 
         index = build_stream_index(cfg)
         source = BlockSource(index, cfg.dataset.max_row_bytes)
         items = [(*row, 0) for g in range(index.blocks["count"].size) for row in source.block(g)]
         source.close()
-        encoder = row_encoder(cfg, load_tokenizer(cfg), index)
+        encoder = stream_rows(cfg, load_tokenizer(cfg), index)
         return encoder(items), encoder
     part = read_manifest(str(tmp_path / "parts")).part_path(0)
     stream = StreamSpec((part,), None, cfg.dataset.max_row_bytes)

@@ -198,7 +198,7 @@ def test_dpo_config_rules(make_cfg):
         make_cfg("objective=dpo", "data=iterable", "data.packing=true", "objective.beta=0",
                  "objective.loss=robust", "objective.label_smoothing=0.5", "trainer.max_steps=3")
     text = str(err.value)
-    for key in ("data.kind", "data.packing", "objective.beta", "objective.label_smoothing"):
+    for key in ("objective.reference", "data.packing", "objective.beta", "objective.label_smoothing"):
         assert key in text
 
 

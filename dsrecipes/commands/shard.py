@@ -56,4 +56,6 @@ def training_command(out_dir: str, parts: int, overrides: Sequence[str]) -> str:
     shard_dir = out_dir if "://" in out_dir else os.path.abspath(out_dir)  # a store prefix is kept as written
     argv = ["python", "-m", "dsrecipes", "data=presharded", f"data.shard_dir={shard_dir}",
             "launcher=deepspeed", f"launcher.num_gpus={parts}", *carried]  # fmt: skip
+    if "objective=dpo" in carried and not any(o.startswith("objective.reference=") for o in carried):
+        argv.append("objective.reference=live")  # parts carry no reference log-probs (README: DPO)
     return shlex.join(argv)

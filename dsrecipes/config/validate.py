@@ -12,7 +12,7 @@ from dsrecipes.boundary.rank_env import env_problems
 from dsrecipes.boundary.values import HOST
 from dsrecipes.data.sources.files import expand_paths, no_file
 from dsrecipes.data.sources.remote import check_url, expand, looks_like_url
-from dsrecipes.data.strategies.rules import carries_pairs, config_problems, required_paths
+from dsrecipes.data.strategies.rules import caches_reference, carries_pairs, config_problems, required_paths
 from dsrecipes.errors import DataError
 from dsrecipes.hub import check_hub_paths, is_hub_id
 from dsrecipes.schema import (
@@ -24,6 +24,7 @@ from dsrecipes.schema import (
     OffloadDevice,
     OptimizerKind,
     Precision,
+    ReferenceMode,
     ResumeMode,
     TrainConfig,
 )
@@ -140,14 +141,18 @@ def _data(cfg: TrainConfig) -> List[str]:
 
 
 def _objective(cfg: TrainConfig) -> List[str]:
-    """DPO: map data without packing (a pair is one sample of two sequences), a positive beta, a label smoothing
-    its loss defines."""
+    """DPO: data that carries pairs, without packing (a pair is one sample of two sequences), a precomputed
+    reference only where the strategy caches one, a positive beta, a label smoothing its loss defines."""
     o, errors = cfg.objective, []
     if o.kind is not ObjectiveKind.dpo:
         return errors
     if not carries_pairs(cfg):
-        errors.append(f"data.kind: objective=dpo reads preference pairs with data=map; data={cfg.data.kind.value} "
-                      "does not carry pairs yet")
+        errors.append(f"data.kind: data={cfg.data.kind.value} does not carry preference pairs (objective=dpo)")
+    elif o.reference is ReferenceMode.precomputed and not caches_reference(cfg):
+        errors.append(f"objective.reference: precomputed reference log-probs are cached with the prepared pairs of "
+                      f"data=map; data={cfg.data.kind.value} reads each pair only on the rank that trains on it, so "
+                      "there is no pass before training to compute them in. Set objective.reference=live (with "
+                      "LoRA: the base model with its adapters disabled, no second copy), or use data=map")
     if cfg.data.packing:
         errors.append("data.packing: objective=dpo trains on whole pairs; set data.packing=false")
     if not o.beta > 0:

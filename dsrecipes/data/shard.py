@@ -2,9 +2,9 @@
 
 Rows are read through the data layer (every format, column mapping, role alias and bad-row policy of `dataset`),
 checked exactly as training checks them (read, normalised, rendered and tokenized with the run's template and
-tokenizer: `scan.checked_conversations`), and written in one canonical ShareGPT form (`id`, `conversations: [{from: <role>, value}]`, `system`,
-`tools`), so a part needs no column settings and the sample ids survive (`<source file>:<line>` when the row had
-none). `manifest.json` records per-part counts (and token totals), sha256 checksums, the balance mode, the source
+tokenizer: `scan.checked_conversations`, or `checked_pairs` under objective=dpo), and written in one canonical
+form (shard_rows.py: conversations, or preference pairs, a pair being one sample), so a part needs no column settings
+and the sample ids survive (`<source file>:<line>` when the row had none); the manifest's `row_format` says which. `manifest.json` records per-part counts (and token totals), sha256 checksums, the balance mode, the source
 files with their checksums, the bad rows per reason and per file, and what the rows were checked with
 (`checked_with`: template and tokenizer; a presharded run with another one scans its parts before launch).
 
@@ -28,13 +28,15 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import dsrecipes.data.shard_store as store_upload
 from dsrecipes.data.cache import tokenizer_fingerprint
 from dsrecipes.data.render.template_choice import choose_template
-from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
+from dsrecipes.data.shard_rows import PAIR_ROW_FORMAT, ROW_FORMAT, checked_rows, row_format
+from dsrecipes.data.sources.badrows import BadRowReport
 from dsrecipes.data.sources.files import expand_paths
+from dsrecipes.data.sources.preference import check_sources
 from dsrecipes.data.sources.registry import resolve_sources
 from dsrecipes.data.sources.remote import identity as remote_identity
 from dsrecipes.data.sources.remote import is_url
@@ -47,7 +49,6 @@ from dsrecipes.typed import config_to_dict
 MANIFEST = "manifest.json"
 VAL_PART = "val.jsonl"
 MANIFEST_VERSION = 1
-ROW_FORMAT = "dsrecipes-sharegpt-v1"  # canonical rows: roles are dsrecipes.data.sources.sharegpt.Role values
 
 
 @dataclass
@@ -159,15 +160,6 @@ def _verify(path: str, sha256: str) -> None:
 # Rows
 
 
-def conversation_row(conv: Any) -> Dict[str, Any]:
-    row: Dict[str, Any] = {"id": conv.id, "conversations": [{"from": t.role.value, "value": t.content} for t in conv.turns]}
-    if conv.system is not None:
-        row["system"] = conv.system
-    if conv.tools is not None:
-        row["tools"] = conv.tools
-    return row
-
-
 def assign_balanced(tokens: Sequence[int], parts: int) -> List[int]:
     """Part of each sample: counts equal (+-1), token totals as even as a greedy longest-first pass makes them."""
     total = len(tokens)
@@ -243,7 +235,7 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
           force: bool = False, val_size: float = 0) -> Manifest:
     """Split the samples of `cfg.dataset` into `parts` canonical JSONL files plus manifest.json in `out_dir`;
     `val_size` (a fraction < 1 or a count) holds samples out into the validation part `val.jsonl`."""
-    from dsrecipes.data.render.tokenize import Encoder  # lazy: else `commands.shard` imports numpy 0.11 s
+    from dsrecipes.data.stream.scan import checking_encoder  # lazy: else `commands.shard` imports numpy 0.11 s
     from dsrecipes.model import load_tokenizer  # lazy: else `commands.shard` imports torch 3.80 s
 
     if parts < 1:
@@ -262,11 +254,12 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
     sources = resolve_sources(cfg.dataset, notes)
     for note in notes:
         print(note, file=sys.stderr)
+    check_sources(cfg.objective.kind, sources)
     for src in sources:
         if src.weight != 1.0:
             raise UserError(f"source {src.name!r}: mixing weights are not applied by shard (weight {src.weight})")
     tokenizer = load_tokenizer(cfg)
-    encoder = Encoder(tokenizer, cfg)
+    encoder = checking_encoder(cfg, tokenizer)
     tokens: Optional[List[int]] = None
     assignment: Optional[List[int]] = None
     if balance is ShardBalance.tokens or val_size > 0:  # a first pass: token counts, and how many samples there are
@@ -278,6 +271,7 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
     manifest = write_parts((line for line, _ in checked_rows(cfg, report, encoder, sources)), assignment, parts,
                            out, tokens)
     manifest.balance = balance.value
+    manifest.row_format = row_format(cfg)
     manifest.bad_rows = dict(report.counts)
     manifest.bad_rows_by_file = report.files()
     manifest.checked_with = check_identity(cfg, tokenizer)
@@ -291,32 +285,20 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
     return manifest
 
 
-def checked_rows(cfg: Any, report: Any, encoder: Any, sources: List[Any]) -> Iterator[Tuple[bytes, int]]:
-    """(canonical line, tokens in a run) of every row that passes training's checks; the policy is enforced at the
-    end. A row whose canonical form outgrows `dataset.max_row_bytes` is a bad row here (the parts never hold one)."""
-    from dsrecipes.data.stream.scan import checked_conversations  # lazy: else `commands.shard` imports numpy 0.11 s
-
-    for conv, example in checked_conversations(cfg, report, encoder, sources):
-        line = (json.dumps(conversation_row(conv), ensure_ascii=False) + "\n").encode("utf-8")
-        if len(line) - 1 > cfg.dataset.max_row_bytes:
-            report.add(conv.path, conv.loc, BadRow(BadReason.too_large, "its canonical form is longer than "
-                                                   f"dataset.max_row_bytes={cfg.dataset.max_row_bytes}"),
-                       None, conv.element)
-            continue
-        yield line, 0 if example is None else len(example.input_ids)
-    report.check()
-
-
 def check_identity(cfg: Any, tokenizer: Any) -> Dict[str, Any]:
     """What decides whether a row passes: the template config, the tokenizer itself and the row size limit."""
 
     template = choose_template(cfg.template, tokenizer, cfg.model.path)  # `auto` as the launch resolves it
-    return {"template": config_to_dict(template), "tokenizer": tokenizer_fingerprint(tokenizer),
-            "max_row_bytes": cfg.dataset.max_row_bytes}
+    out = {"template": config_to_dict(template), "tokenizer": tokenizer_fingerprint(tokenizer),
+           "max_row_bytes": cfg.dataset.max_row_bytes}
+    if row_format(cfg) == PAIR_ROW_FORMAT:  # a pair's prompt past the cutoff is a bad row
+        out["cutoff_len"] = cfg.data.cutoff_len
+    return out
 
 
 def checked_alike(checked_with: Dict[str, Any], cfg: Any, tokenizer: Any) -> bool:
     """Whether rows `dsrecipes shard` checked with `checked_with` pass this run's checks too."""
     now = check_identity(cfg, tokenizer)
     return (checked_with.get("template") == now["template"] and checked_with.get("tokenizer") == now["tokenizer"]
-            and now["max_row_bytes"] >= checked_with.get("max_row_bytes", float("inf")))
+            and now["max_row_bytes"] >= checked_with.get("max_row_bytes", float("inf"))
+            and now.get("cutoff_len", 0) >= checked_with.get("cutoff_len", 0))

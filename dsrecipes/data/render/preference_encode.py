@@ -42,6 +42,7 @@ class PairEncoder:
     def __init__(self, tokenizer: Any, cfg: TrainConfig):
         last = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train_on=TrainOn.last_assistant))
         self.encoder = Encoder(tokenizer, last, full_text=False)
+        self.tokenizer = tokenizer
         self.cutoff_len = cfg.data.cutoff_len
 
     def split(self, pair: Pair, answer: str) -> Tuple[str, List[Segment]]:
@@ -121,30 +122,37 @@ def iter_pairs(source: SourceConfig, report: BadRowReport, limit: Optional[int],
     return iter_checked(source, report, limit, max_row_bytes, pair_of)
 
 
-def read_and_encode_pairs(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig],
-                          report: BadRowReport, chunk: int = 256) -> Tuple[List[Row], List[str]]:
-    """(rows, source name of each row) of every source in order, caps and bad-row policy applied like SFT reading
-    (in this process: preference sets are small next to SFT corpora)."""
-    encoder = PairEncoder(tokenizer, cfg)
-    rows: List[Row] = []
-    names: List[str] = []
+def checked_pairs(cfg: TrainConfig, report: BadRowReport, encoder: "PairEncoder", sources: Sequence[SourceConfig],
+                  chunk: int = 256) -> Iterator[Tuple[Pair, Row]]:
+    """(pair, row) of every pair of `sources` in order that passes training's checks (reading, rendering,
+    tokenizing, truncation); caps apply as in map preparation; bad rows go to `report` (its policy decides)."""
     pending: List[Pair] = []
 
-    def flush() -> None:
+    def flush() -> Iterator[Tuple[Pair, Row]]:
         for pair, got in zip(pending, encoder.encode_batch(pending)):
             if isinstance(got, BadRow):
                 p = pair.prompt
                 report.add(p.path, p.loc, got, None, p.element)
                 continue
-            rows.append(got)
-            names.append(pair.prompt.source)
+            yield pair, got
         pending.clear()
 
     for pair in _all_pairs(cfg.dataset, sources, report):
         pending.append(pair)
         if len(pending) >= chunk:
-            flush()
-    flush()
+            yield from flush()
+    yield from flush()
+
+
+def read_and_encode_pairs(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig],
+                          report: BadRowReport, chunk: int = 256) -> Tuple[List[Row], List[str]]:
+    """(rows, source name of each row) of every source in order, caps and bad-row policy applied like SFT reading
+    (in this process: preference sets are small next to SFT corpora)."""
+    rows: List[Row] = []
+    names: List[str] = []
+    for pair, row in checked_pairs(cfg, report, PairEncoder(tokenizer, cfg), sources, chunk):
+        rows.append(row)
+        names.append(pair.prompt.source)
     return rows, names
 
 

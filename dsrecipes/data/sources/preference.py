@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from dsrecipes.data.sources.badrows import BadReason, BadRow
-from dsrecipes.data.sources.files import RawRow
+from dsrecipes.data.sources.files import RawRow, parse_row
 from dsrecipes.data.sources.sharegpt import (
     TRAINED_ROLES,
     Conversation,
@@ -32,7 +32,7 @@ from dsrecipes.data.sources.sharegpt import (
     sample_id,
 )
 from dsrecipes.errors import ConfigError
-from dsrecipes.schema import DatasetFormat, ObjectiveKind, SourceConfig
+from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES, DatasetFormat, ObjectiveKind, SourceConfig
 
 
 @dataclass
@@ -71,6 +71,31 @@ def pair_of(row: RawRow, source: SourceConfig, roles: Dict[str, Role]) -> Pair:
     conv.id, conv.source = sample_id(raw, row, source), source.name
     conv.path, conv.loc, conv.element = row.path, row.loc, row.element
     return pair
+
+
+def parse_pair_item(raw: Optional[bytes], path: str, loc: int, source: SourceConfig, roles: Dict[str, Role], *,
+                    limit: int = DEFAULT_MAX_ROW_BYTES, element: bool = False) -> Pair:
+    """One raw line of a stream or a presharded part (None: longer than the row limit) -> Pair, or BadRow: the
+    checks `sharegpt.parse_item` applies to a conversation line, with `pair_of` in place of `conversation_of`."""
+    if raw is not None and len(raw) > limit:
+        raw = None
+    return pair_of(parse_row(path, None if element else loc, raw, loc if element else None, limit=limit), source,
+                   roles)
+
+
+def pair_row(pair: Pair) -> Dict[str, Any]:
+    """A checked pair in the canonical form `dsrecipes shard` writes (`PAIR_ROW_FORMAT`): sharegpt columns, roles
+    named by their `Role` value, so a part needs no column settings and its sample ids survive."""
+    conv = pair.prompt
+    row: Dict[str, Any] = {"id": conv.id, "conversations": [{"from": t.role.value, "value": t.content}
+                                                            for t in conv.turns],
+                           "chosen": {"from": Role.assistant.value, "value": pair.chosen},
+                           "rejected": {"from": Role.assistant.value, "value": pair.rejected}}
+    if conv.system is not None:
+        row["system"] = conv.system
+    if conv.tools is not None:
+        row["tools"] = conv.tools
+    return row
 
 
 def _pair(raw: Dict[str, Any], source: SourceConfig, roles: Dict[str, Role]) -> Pair:

@@ -9,6 +9,9 @@ hold-out, mixing weights and `data.num_samples`), so `trainer.epochs` works and 
 Batching happens inside the worker (torch fetches from workers round-robin, in order), and each rank yields exactly
 `steps * grad_accum` micro-batches per epoch. The data state records the epoch's segments, so a resume continues
 exactly (same layout) or re-splits what remains (another world size, batch shape or worker count).
+
+Under objective=dpo a line is one preference pair and one sample (rows.py `row_encoder` -> `PairRowEncoder`, the
+pre-scan's `PairChecker`); everything above applies to pairs unchanged.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dsrecipes.data.sources.registry import resolve_sources
 from dsrecipes.data.strategies.base import Batch, Row, TrainLoader
 from dsrecipes.data.strategies.eval import EvalLoader
 from dsrecipes.data.strategies.protocol import PrepareResult, RankData, rows_of_plan
-from dsrecipes.data.strategies.rows import RowEncoder, make_collate
+from dsrecipes.data.strategies.rows import make_collate, row_encoder
 from dsrecipes.data.stream.index import (
     INDEX_FILE,
     BlockSource,
@@ -202,7 +205,7 @@ class IterableStrategy:
         cfg, index = data.cfg, data.source
         return StreamTrainLoader(index, Layout.from_cfg(cfg, data.world_size), data.rank, seed=cfg.trainer.seed,
                                  shuffle=cfg.data.shuffle, shuffle_buffer=cfg.data.shuffle_buffer,
-                                 num_samples=cfg.data.num_samples, make_rows=row_encoder(cfg, data.tokenizer, index),
+                                 num_samples=cfg.data.num_samples, make_rows=stream_rows(cfg, data.tokenizer, index),
                                  collate_fn=make_collate(data.cfg, data.tokenizer), num_workers=cfg.data.num_workers,
                                  prefetch_factor=cfg.data.prefetch_factor, max_row_bytes=cfg.dataset.max_row_bytes,
                                  read_ahead_bytes=cfg.data.read_ahead_bytes, span_bytes=cfg.data.span_bytes)
@@ -215,7 +218,7 @@ class IterableStrategy:
             return None
         share = refs[data.rank * len(refs) // data.world_size:(data.rank + 1) * len(refs) // data.world_size]
         source = BlockSource(index, cfg.dataset.max_row_bytes)
-        rows = row_encoder(cfg, data.tokenizer, index)([(*row, 0) for row in source.rows(share)])
+        rows = stream_rows(cfg, data.tokenizer, index)([(*row, 0) for row in source.rows(share)])
         source.close()
         return EvalLoader(rows, 0, 1, cfg.trainer.micro_batch_size, make_collate(data.cfg, data.tokenizer))
 
@@ -228,7 +231,7 @@ class IterableStrategy:
                             cfg.data.num_samples, index.table())
 
 
-def row_encoder(cfg: Any, tokenizer: Any, index: StreamIndex) -> Any:
-
-    return RowEncoder(cfg, tokenizer, [f.name for f in index.files], file_sources(cfg, index),
+def stream_rows(cfg: Any, tokenizer: Any, index: StreamIndex) -> Any:
+    """The run objective's rows (conversations, or preference pairs) of the stream's files."""
+    return row_encoder(cfg, tokenizer, [f.name for f in index.files], file_sources(cfg, index),
                       [f.loc_base < 0 for f in index.files])

@@ -13,6 +13,10 @@ Validation: the shard's validation part (`dsrecipes shard --val-size N` holds N 
 `val.jsonl`, listed in the manifest with its checksum), or `dataset.val_paths` (which then wins): the launching
 process checks those rows and writes them in canonical form into the run directory. Every rank evaluates a
 contiguous share of them.
+
+Preference pairs (objective=dpo): parts written by `dsrecipes shard ... objective=dpo` hold one checked pair per line
+(manifest `row_format`, shard_rows.py), a pair being one sample for all of the above; parts of the other row kind
+are refused before any rank starts.
 """
 
 from __future__ import annotations
@@ -25,15 +29,15 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 from dsrecipes.data.audit import AuditReport, audit_presharded
 from dsrecipes.data.plan import Layout, StreamShuffle, presharded_steps, require_steps
-from dsrecipes.data.render.tokenize import Encoder
 from dsrecipes.data.sampler import Item, StreamSpec, select_slots
 from dsrecipes.data.shard import Manifest, checked_alike, checked_rows, read_manifest, verify_part, verify_val_part
+from dsrecipes.data.shard_rows import check_row_format
 from dsrecipes.data.sources.badrows import BadRowReport
 from dsrecipes.data.strategies.base import Batch, Row, TrainLoader
 from dsrecipes.data.strategies.eval import EvalLoader
 from dsrecipes.data.strategies.protocol import PrepareResult, RankData, rows_of_plan
-from dsrecipes.data.strategies.rows import RowEncoder, make_collate
-from dsrecipes.data.stream.scan import scan_sources
+from dsrecipes.data.strategies.rows import make_collate, row_encoder
+from dsrecipes.data.stream.scan import checking_encoder, scan_sources
 from dsrecipes.errors import DataError
 from dsrecipes.fileio import atomic_writer
 from dsrecipes.runplan import RunPlan
@@ -134,6 +138,7 @@ class PreshardedStrategy:
 
     def prepare(self, cfg: TrainConfig, run_dir: Path, tokenizer: Any, world_size: int) -> PrepareResult:
         manifest = read_manifest(cfg.data.shard_dir, world_size=world_size)
+        check_row_format(manifest, cfg)
         if cfg.data.prescan:
             check_parts(cfg, run_dir, manifest)
         val = write_val_rows(cfg, run_dir) if cfg.dataset.val_paths else manifest.val_count
@@ -146,6 +151,7 @@ class PreshardedStrategy:
 
     def open(self, cfg: TrainConfig, run_dir: str, rank: int, world_size: int, plan: RunPlan) -> RankParts:
         manifest = read_manifest(cfg.data.shard_dir, world_size=world_size)
+        check_row_format(manifest, cfg)
         verify_part(manifest, rank)
         rows_of_plan(plan, manifest.total, run_dir)
         val_path = None
@@ -163,7 +169,7 @@ class PreshardedStrategy:
         return PreshardedTrainLoader(
             StreamSpec((path,), None, cfg.dataset.max_row_bytes), part_layout(cfg), 0, seed=cfg.trainer.seed,
             shuffle=cfg.data.shuffle, shuffle_buffer=cfg.data.shuffle_buffer, num_samples=manifest.counts[rank],
-            make_rows=RowEncoder(cfg, data.tokenizer, [path], [SourceConfig(name=f"part{rank}")]),
+            make_rows=row_encoder(cfg, data.tokenizer, [path], [SourceConfig(name=f"part{rank}")]),
             collate_fn=make_collate(data.cfg, data.tokenizer), num_workers=cfg.data.num_workers,
             prefetch_factor=cfg.data.prefetch_factor, part_counts=manifest.counts, global_rank=rank,
             fingerprint={"manifest_sha256": manifest.sha256})
@@ -178,7 +184,7 @@ class PreshardedStrategy:
         items = items[:cfg.trainer.eval_samples]  # the first N samples (None: all), before ranks share them
         n = len(items)
         share = items[data.rank * n // data.world_size:(data.rank + 1) * n // data.world_size]
-        rows = RowEncoder(cfg, data.tokenizer, [path], [SourceConfig(name="validation")])(share)
+        rows = row_encoder(cfg, data.tokenizer, [path], [SourceConfig(name="validation")])(share)
         return EvalLoader(rows, 0, 1, cfg.trainer.micro_batch_size, make_collate(data.cfg, data.tokenizer))
 
     def audit(self, cfg: TrainConfig, layout: Layout, epochs: int, num_rows: Optional[int]) -> AuditReport:
@@ -212,7 +218,7 @@ def write_val_rows(cfg: TrainConfig, run_dir: Path) -> int:
     rows = 0
     try:
         with atomic_writer(run_dir / VAL_ROWS) as fh:
-            for line, _ in checked_rows(cfg, report, Encoder(load_tokenizer(cfg), cfg), [source]):
+            for line, _ in checked_rows(cfg, report, checking_encoder(cfg, load_tokenizer(cfg)), [source]):
                 fh.write(line)
                 rows += 1
     finally:

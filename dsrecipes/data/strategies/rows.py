@@ -10,9 +10,18 @@ from dsrecipes.data.sources.badrows import BadRow, error_message
 from dsrecipes.data.sources.files import where
 from dsrecipes.data.sources.sharegpt import parse_item, role_table
 from dsrecipes.data.strategies.base import Batch, Row
+from dsrecipes.data.strategies.pair_rows import PairRowEncoder
 from dsrecipes.errors import DataError
 from dsrecipes.objectives import build_objective
-from dsrecipes.schema import BadRows, TrainConfig
+from dsrecipes.schema import BadRows, ObjectiveKind, TrainConfig
+
+
+def row_encoder(cfg: TrainConfig, tokenizer: Any, paths: Sequence[str], sources: Sequence[Any],
+                element_files: Optional[Sequence[bool]] = None) -> Any:
+    """The rows of the run's objective from raw lines: conversations (`RowEncoder`), or preference pairs under
+    objective=dpo (`pair_rows.PairRowEncoder`: a pair is one sample)."""
+    make = PairRowEncoder if cfg.objective.kind is ObjectiveKind.dpo else RowEncoder
+    return make(cfg, tokenizer, paths, sources, element_files)
 
 
 def make_collate(cfg: TrainConfig, tokenizer: Any) -> Callable[[List[Row]], Batch]:

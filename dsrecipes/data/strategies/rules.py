@@ -21,7 +21,8 @@ class Rules:
     paths: Callable[[TrainConfig], List[NamedPath]] = lambda cfg: []
     reads_sources: bool = True  # trains on dataset.paths/sources/use (presharded: on the shards' manifest)
     prompt_rows: bool = False  # its prepared validation split can feed prompt-evals during training (gen_eval.py)
-    pairs: bool = False  # it carries preference pairs (objective=dpo: data/preference_prepare.py)
+    pairs: bool = False  # it carries preference pairs (objective=dpo): one pair is one sample
+    reference_cache: bool = False  # objective.reference=precomputed: reference log-probs cached with prepared pairs
 
 
 def _reads_dataset(cfg: TrainConfig) -> List[str]:
@@ -36,9 +37,10 @@ def _reads_shards(cfg: TrainConfig) -> List[str]:
 
 
 RULES: Dict[DataKind, Rules] = {
-    DataKind.map: Rules(_reads_dataset, prompt_rows=True, pairs=True),
-    DataKind.iterable: Rules(_reads_dataset),
-    DataKind.presharded: Rules(_reads_shards, lambda cfg: [("data.shard_dir", cfg.data.shard_dir)], reads_sources=False),
+    DataKind.map: Rules(_reads_dataset, prompt_rows=True, pairs=True, reference_cache=True),
+    DataKind.iterable: Rules(_reads_dataset, pairs=True),
+    DataKind.presharded: Rules(_reads_shards, lambda cfg: [("data.shard_dir", cfg.data.shard_dir)], reads_sources=False,
+                               pairs=True),
 }
 
 
@@ -60,3 +62,7 @@ def has_prompt_rows(cfg: TrainConfig) -> bool:
 
 def carries_pairs(cfg: TrainConfig) -> bool:
     return RULES[cfg.data.kind].pairs
+
+
+def caches_reference(cfg: TrainConfig) -> bool:
+    return RULES[cfg.data.kind].reference_cache

@@ -28,9 +28,11 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from dsrecipes.data.cache import PREP_VERSION, cache_root, data_fingerprint, tokenizer_fingerprint
 from dsrecipes.data.prepare import QUARANTINE_FILE
+from dsrecipes.data.render.preference_encode import PairEncoder, checked_pairs
 from dsrecipes.data.render.tokenize import Encoder
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.sources.files import element_line
+from dsrecipes.data.sources.preference import check_sources
 from dsrecipes.data.sources.registry import resolve_sources
 from dsrecipes.data.sources.sharegpt import Conversation, conversation_dict, iter_conversations
 from dsrecipes.data.stream.index import (
@@ -42,8 +44,9 @@ from dsrecipes.data.stream.index import (
     write_stream_index,
 )
 from dsrecipes.data.stream.scan_files import RowChecker, RowTap, Taps, load_scan, save_scan, scan_path
+from dsrecipes.data.stream.scan_pairs import PairChecker
 from dsrecipes.errors import DataError
-from dsrecipes.schema import SourceConfig, TrainConfig
+from dsrecipes.schema import ObjectiveKind, SourceConfig, TrainConfig
 from dsrecipes.typed import config_to_dict
 
 BATCH = 256  # conversations per tokenization call
@@ -57,6 +60,7 @@ def prepare_stream(cfg: TrainConfig, run_dir: Path) -> Tuple[int, str, int]:
     started = time.perf_counter()
     notes: List[str] = []
     sources = resolve_sources(cfg.dataset, notes)
+    check_sources(cfg.objective.kind, sources)
     for note in notes:
         print(note, file=sys.stderr)
     scanning = _Scanning(cfg, run_dir) if cfg.data.prescan else None
@@ -90,8 +94,22 @@ class _Scanning:
 
     def _tap(self, name: str, src: SourceConfig) -> Any:
 
-        checker = RowChecker(name, src, False, self.cfg.dataset.max_row_bytes, self.encoder)
+        checker = _checker(self.cfg)(name, src, False, self.cfg.dataset.max_row_bytes, self.encoder)
         return RowTap(checker, self.cfg.dataset.max_row_bytes)
+
+
+def pairs(cfg: TrainConfig) -> bool:
+    """Whether the run's rows are preference pairs (objective=dpo): a pair is one line, one sample."""
+    return cfg.objective.kind is ObjectiveKind.dpo
+
+
+def checking_encoder(cfg: TrainConfig, tokenizer: Any) -> Any:
+    """What renders and tokenizes a row for the checks of training: conversations, or pairs (objective=dpo)."""
+    return (PairEncoder if pairs(cfg) else Encoder)(tokenizer, cfg)
+
+
+def _checker(cfg: TrainConfig) -> Any:
+    return PairChecker if pairs(cfg) else RowChecker
 
 
 def _scan_key(cfg: TrainConfig, encoder: Any) -> str:
@@ -103,6 +121,8 @@ def _scan_key(cfg: TrainConfig, encoder: Any) -> str:
     material = {"version": PREP_VERSION, "dataset": dataset, "template": config_to_dict(cfg.template),
                 "data": {k: config_to_dict(getattr(cfg.data, k)) for k in ("cutoff_len", "packing", "train_on")},
                 "tokenizer": tokenizer_fingerprint(encoder.tokenizer)}
+    if pairs(cfg):  # another check per row; SFT keys stay as they were
+        material["objective"] = cfg.objective.kind.value
     return hashlib.blake2b(json.dumps(material, sort_keys=True, default=str).encode(), digest_size=10).hexdigest()
 
 
@@ -133,7 +153,7 @@ def _read_scan(cfg: TrainConfig, index: StreamIndex, f: int, src: SourceConfig, 
     """The scan of file f read by blocks (its index came from the cache, or it is a converted copy)."""
 
     fi = index.files[f]
-    checker = RowChecker(fi.name, src, fi.loc_base < 0, cfg.dataset.max_row_bytes, encoder)
+    checker = _checker(cfg)(fi.name, src, fi.loc_base < 0, cfg.dataset.max_row_bytes, encoder)
     source = BlockSource(index, cfg.dataset.max_row_bytes)
     for local in range(fi.offsets.size):
         end = int(fi.firsts[local + 1]) if local + 1 < fi.offsets.size else fi.count
@@ -156,7 +176,8 @@ def _apply(report: BadRowReport, name: str, scan: Any, cap: int) -> int:
 def scan_sources(cfg: TrainConfig, run_dir: Path, sources: Sequence[SourceConfig]) -> Dict[str, int]:
     """The scan over files read through `files.py` (presharded parts); same checks, same counts and quarantine."""
     report, encoder = _start(cfg, run_dir)
-    good = sum(1 for _ in checked_conversations(cfg, report, encoder, list(sources)))
+    rows = checked_pairs if pairs(cfg) else checked_conversations
+    good = sum(1 for _ in rows(cfg, report, encoder, list(sources)))
     return _finish(report, good, run_dir)
 
 
@@ -179,7 +200,7 @@ def _start(cfg: TrainConfig, run_dir: Path) -> Tuple[BadRowReport, Any]:
     quarantine = Path(run_dir) / QUARANTINE_FILE
     quarantine.unlink(missing_ok=True)
     report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, quarantine_path=quarantine)
-    return report, Encoder(load_tokenizer(cfg), cfg)
+    return report, checking_encoder(cfg, load_tokenizer(cfg))
 
 
 def _finish(report: BadRowReport, good: int, run_dir: Path) -> Dict[str, int]:
