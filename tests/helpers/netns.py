@@ -7,6 +7,9 @@ address SUBNET.<i+1>/24, lo up. The other veth ends are ports of a bridge that l
 namespaces this module created, and two clusters built at the same time (another test session) cannot see each
 other even though they use the same subnet. The file system is shared, as on a cluster with a shared home.
 
+`cluster.add_host(name)` adds one more namespace on the same bridge for a service the nodes reach by its address
+(an object store: tests/helpers/s3server.py runs moto there); it is not a training node and `link(False)` cuts it off.
+
 `cluster.start_sshd()` starts one `sshd` per node on its own port with throwaway keys (host key, user key,
 authorized_keys, config: all in the cluster's work directory), and prepares a client directory (`config`,
 `id_ed25519`) that `launching_argv()` bind-mounts over ~/.ssh inside `unshare -m`: the launching side's ssh and
@@ -114,10 +117,11 @@ class Node:
     addr: str
     ssh_port: int
     hosts_file: Path  # node<i> -> address for every node, mounted over /etc/hosts on the node
+    name: str = ""  # a service host's name (`Cluster.add_host`); training nodes are node<i>
 
     @property
     def host(self) -> str:
-        return f"node{self.index}"
+        return self.name or f"node{self.index}"
 
     def argv(self, argv: Sequence[str], setup: Sequence[str] = ()) -> List[str]:
         """`argv` on this node: its network namespace, its own hostname (UTS namespace) and /etc/hosts (private
@@ -163,6 +167,7 @@ class Cluster:
         hosts = self.workdir / "hosts"
         self.nodes = [Node(i, f"{self.tag}-n{i}", f"{SUBNET}.{i + 1}", SSH_BASE_PORT + i, hosts) for i in range(nodes)]
         hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{n.addr} {n.host}\n" for n in self.nodes))
+        self.services: List[Node] = []  # add_host: namespaces on the same bridge that are not training nodes
         self._procs: List[subprocess.Popen] = []
         self.ssh_dir: Optional[Path] = None
         try:
@@ -176,14 +181,28 @@ class Cluster:
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.switch, "link", "set", "br0", "up")
         for node in self.nodes:
-            _ip("netns", "add", node.ns)
-            _ip("-n", node.ns, "link", "set", "lo", "up")
-            port = f"p{node.index}"
-            _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", IFNAME, "netns", node.ns)
-            _ip("-n", self.switch, "link", "set", port, "master", "br0")
-            _ip("-n", self.switch, "link", "set", port, "up")
-            _ip("-n", node.ns, "addr", "add", f"{node.addr}/24", "dev", IFNAME)
-            _ip("-n", node.ns, "link", "set", IFNAME, "up")
+            self._attach(node)
+
+    def _attach(self, node: Node) -> None:
+        """`node`'s namespace, lo up, and a veth from it (IFNAME, its address) to a port of the bridge."""
+        _ip("netns", "add", node.ns)
+        _ip("-n", node.ns, "link", "set", "lo", "up")
+        port = f"p{node.index}"
+        _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", IFNAME, "netns", node.ns)
+        _ip("-n", self.switch, "link", "set", port, "master", "br0")
+        _ip("-n", self.switch, "link", "set", port, "up")
+        _ip("-n", node.ns, "addr", "add", f"{node.addr}/24", "dev", IFNAME)
+        _ip("-n", node.ns, "link", "set", IFNAME, "up")
+
+    def add_host(self, name: str) -> Node:
+        """One more namespace on the same bridge for a service the nodes use (an object store, say): not a
+        training node (not in `nodes` nor the hostfile), address SUBNET.<101+k>, reached by the nodes only through
+        the bridge; `link(False)` cuts it off. Killed and deleted with the cluster."""
+        index = 100 + len(self.services)
+        node = Node(index, f"{self.tag}-{name}", f"{SUBNET}.{index + 1}", 0, self.workdir / "hosts", name)
+        self.services.append(node)
+        self._attach(node)
+        return node
 
     # -------------------------------------------------------------------------------------------------------
     # ssh
@@ -264,14 +283,14 @@ class Cluster:
     # -------------------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        for node in self.nodes:
+        for node in [*self.nodes, *self.services]:
             kill_namespace(node.ns)
         for proc in self._procs:
             try:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        for ns in [n.ns for n in self.nodes] + [self.switch]:
+        for ns in [n.ns for n in [*self.nodes, *self.services]] + [self.switch]:
             _ip("netns", "del", ns, check=False)
 
     def __enter__(self) -> "Cluster":

@@ -1,6 +1,7 @@
 """A real S3-API server for the tests (moto's standalone server on 127.0.0.1, a free port) and a faulty HTTP proxy.
 
-`S3Server` starts `python -m moto.server`, waits until it answers, and stops it. `env()` is what a client needs: the
+`S3Server` starts `python -m moto.server`, waits until it answers, and stops it; `S3Server(node)` runs it inside a
+tests/helpers/netns.py namespace of its own instead, on that host's address (the multi-node test's store). `env()` is what a client needs: the
 endpoint (`AWS_ENDPOINT_URL`, the standard setting dsrecipes reads) and fake credentials, with the user's own AWS
 files and the instance-metadata lookup switched off so nothing outside this machine is asked.
 
@@ -20,7 +21,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 SECRET = "dsrecipes-test-secret-Zq8Xv"  # must never appear in a run directory
 
@@ -32,26 +33,39 @@ def free_port() -> int:
 
 
 class S3Server:
-    def __init__(self) -> None:
-        self.port = free_port()
+    """On 127.0.0.1 here, or with `node` (a tests/helpers/netns.py Node) inside that node's network namespace on
+    its address: only the namespaces on the same bridge reach it then (`endpoint` is that address)."""
+
+    def __init__(self, node: Any = None, port: int = 9000) -> None:
+        self.node = node
+        self.host = "127.0.0.1" if node is None else node.addr
+        self.port = free_port() if node is None else port  # a namespace of its own has every port free
         self.proc: Optional[subprocess.Popen] = None
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
+
+    def _answers(self) -> bool:
+        if self.node is not None:
+            return self.node.listening(self.port)
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                return True
+        except OSError:
+            return False
 
     def start(self) -> "S3Server":
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+        argv = [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)]
+        self.proc = subprocess.Popen(argv if self.node is None else self.node.argv(argv),
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    return self
-            except OSError:
-                if self.proc.poll() is not None:
-                    raise RuntimeError("moto server exited at start")
-                time.sleep(0.2)
+            if self._answers():
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError("moto server exited at start")
+            time.sleep(0.2)
         self.stop()
         raise RuntimeError("moto server did not start within 60 s")
 
