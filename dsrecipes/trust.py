@@ -54,14 +54,29 @@ def key_path() -> Path:
     return Path(config_home) / "dsrecipes" / "checkpoint.key"
 
 
+def _publish_new_key(path: Path) -> None:
+    """Write a new key beside `path` and link it into place: a process that finds `path` always finds a whole key
+    (two runs starting at once never read a half-written one); FileExistsError when another process won."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as fh:
+            fh.write(secrets.token_hex(32) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.link(tmp, path)
+    finally:
+        os.unlink(tmp)
+
+
 def _load_key(create: bool) -> Optional[bytes]:
     path = key_path()
     if not path.exists():
         if not create:
             return None
         try:
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            _publish_new_key(path)
         except FileExistsError:  # another process made it meanwhile: use theirs
             if not path.is_file():
                 raise UserError(f"{path}: cannot create the checkpoint signing key (a path below a file); point "
@@ -70,8 +85,6 @@ def _load_key(create: bool) -> Optional[bytes]:
         except OSError as exc:
             raise UserError(f"{path}: cannot create the checkpoint signing key ({exc.strerror or exc}); point "
                             f"{KEY_ENV} at a file in a private directory you can write")
-        with os.fdopen(fd, "w", encoding="ascii") as fh:
-            fh.write(secrets.token_hex(32) + "\n")
     info = path.stat()
     if info.st_uid != os.geteuid() or info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise UserError(f"{path}: the checkpoint signing key must belong to you with mode 0600 (it is "

@@ -277,3 +277,22 @@ def test_an_export_signs_its_files(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "refusing to load its weights: a pickle that holds more than tensors" in err and "Traceback" not in err
     assert not (tmp_path / "ran").exists()
+
+
+def test_runs_starting_at_once_make_one_key_and_never_read_half_of_it(tmp_path):
+    """Eight processes create the key at the same moment: every one gets the same whole key (the key is written
+    beside its path and linked into place, so no process ever reads an empty or partial file)."""
+    import subprocess
+    import sys
+
+    key = tmp_path / "cfg" / "checkpoint.key"
+    code = ("import sys; from dsrecipes import trust; trust.ensure_key(); "
+            "sys.stdout.write(trust._load_key(False).decode())")
+    env = {**os.environ, trust.KEY_ENV: str(key)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                              text=True) for _ in range(8)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    assert len({out for out, _ in outs}) == 1 and len(outs[0][0]) == 64
+    assert sorted(os.listdir(key.parent)) == ["checkpoint.key"]  # no temporary file left behind
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
