@@ -33,4 +33,7 @@ python -m pip install -q "torch==2.13.0" -e ".[test,mpi,mlflow,wandb]"
 python scripts/fetch_smollm2.py
 python -m dsrecipes validate --all
 # The tests never touch the network (hub ids resolve from local caches only); a missing SmolLM2 fails, not skips.
-DSRECIPES_REQUIRE_SMOLLM2=1 HF_HUB_OFFLINE=1 python -m pytest -q "$@"
+# Two workers (pytest-xdist), one test file each at a time (module fixtures: one trained run, many assertions), the
+# heaviest files first (tests/conftest.py HEAVY_FIRST): most tests are one single-threaded process at a time, so a
+# 2-core machine runs two files at once. `-n 0` after the script's name runs everything in one process.
+DSRECIPES_REQUIRE_SMOLLM2=1 HF_HUB_OFFLINE=1 python -m pytest -q -n 2 --dist loadfile "$@"

@@ -48,7 +48,49 @@ def smollm2_dir() -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def built_cpu_adam(tmp_path_factory):
+    """DeepSpeed's CPU Adam, JIT-built ONCE per test session, for real and cold: `dsrecipes doctor --build-ops
+    zero=stage2 offload=cpu_optimizer` with a fresh XDG_CACHE_HOME (no TORCH_EXTENSIONS_DIR), so it builds into this
+    environment's directory under that cache. test_doctor checks what the build said; the tests that need the op
+    (the optimizer matrix, offloaded training) point TORCH_EXTENSIONS_DIR at the built directory instead of building
+    it again (a cold build is 1-2 minutes on a quiet 2-core machine). Returns (env, completed process, build root)."""
+    import fcntl
+    import json
+    import subprocess
+    import sys
+
+    from dsrecipes import jit_ops
+
+    # One build for the whole run, also across pytest-xdist workers (they share the base temp's parent): the first
+    # worker builds under a lock and records what doctor said; the others read that record.
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "built_cpu_adam"
+    shared.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    env["XDG_CACHE_HOME"] = str(shared / "cache")
+    record = shared / "doctor.json"
+    with open(shared / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not record.is_file():
+            cmd = [sys.executable, "-m", "dsrecipes", "doctor", "--build-ops", "--json", "zero=stage2",
+                   "offload=cpu_optimizer"]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=1700, env=env)
+            record.write_text(json.dumps([done.args, done.returncode, done.stdout, done.stderr]))
+    done = subprocess.CompletedProcess(*json.loads(record.read_text()))
+    return env, done, jit_ops.build_root(env)
+
+
+# The files that take longest (pytest --durations): collected first, so that under pytest-xdist (`-n 2 --dist
+# loadfile`, the README's test command) they start at once on the two workers instead of ending the run alone.
+HEAVY_FIRST = ("test_multinode.py", "test_dpo_smollm2.py", "test_smollm2.py", "test_train_runs.py",
+               "test_guarantees_e2e.py", "test_store_e2e.py", "test_dpo_strategies.py", "test_config.py",
+               "test_doctor.py", "test_optimizers.py", "test_eval_runs.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
     try:
         import torch
 

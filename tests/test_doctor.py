@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 
@@ -211,17 +210,12 @@ def test_jit_op_table_is_complete():
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # a cold DeepSpeedCPUAdam build: 1-2 min on a quiet machine, ~9 min on a loaded 2-core one
-def test_doctor_build_ops_builds_what_the_config_needs_where_the_run_looks(tmp_path):
+def test_doctor_build_ops_builds_what_the_config_needs_where_the_run_looks(built_cpu_adam):
     """For real: `--build-ops offload=cpu_optimizer` builds DeepSpeedCPUAdam into this environment's directory under the
-    cache root, and doctor then reports it built there."""
-    import os
-
-    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
-    env["XDG_CACHE_HOME"] = str(tmp_path)
-    cmd = [sys.executable, "-m", "dsrecipes", "doctor", "--build-ops", "--json", "zero=stage2", "offload=cpu_optimizer"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1700, env=env)
+    cache root, and doctor then reports it built there (the build is the session's one: conftest.built_cpu_adam)."""
+    env, done, root = built_cpu_adam
+    tmp_path = Path(env["XDG_CACHE_HOME"])
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    root = jit_ops.build_root(env)
     assert root.parent == tmp_path / "torch_extensions" / "dsrecipes" and (root / "cpu_adam" / "cpu_adam.so").is_file()
     assert "building DeepSpeed's cpu_adam" in done.stderr and f"cpu_adam: built ({root / 'cpu_adam'})" in done.stderr
     (f,) = [f for f in json.loads(done.stdout) if f["check"] == "jit_ops"]

@@ -2,7 +2,7 @@
 
 With `"torch_adam": true` DeepSpeed built torch's AdamW even for an offloaded optimizer, although DeepSpeed's CPU
 Adam is the reason to offload. One subprocess builds every engine (the CPU ops JIT-build once, ~45 s each the first
-time, cached in ~/.cache/torch_extensions).
+time; CPU Adam comes from the session's one build, conftest.built_cpu_adam).
 """
 
 from __future__ import annotations
@@ -36,9 +36,11 @@ def async_io_available() -> bool:
 
 
 @pytest.mark.slow
-def test_every_optimizer_offload_and_stage_builds_the_right_optimizer():
+@pytest.mark.timeout(1800)  # may pay the session's cold CPU Adam build (conftest.built_cpu_adam)
+def test_every_optimizer_offload_and_stage_builds_the_right_optimizer(built_cpu_adam):
+    _, _, jit_root = built_cpu_adam  # CPU Adam built once for the session; CPU Lion builds beside it
     out = subprocess.run([sys.executable, str(HELPER), "29563"], capture_output=True, text=True, timeout=900,
-                         env=subprocess_env(), cwd=Path(__file__).parents[1])
+                         env=subprocess_env({"TORCH_EXTENSIONS_DIR": str(jit_root)}), cwd=Path(__file__).parents[1])
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     built = {tuple(r["overrides"][:3]): r for r in rows if "rejected" not in r}

@@ -247,7 +247,8 @@ def test_zero3_two_ranks_from_a_local_model_directory(workspace):
     assert not state_dicts_equal(exported, AutoModelForCausalLM.from_pretrained(base))
 
 
-def test_one_process_zero0_zero1_bf16_zero2_offload_and_export_cli(workspace):
+@pytest.mark.timeout(1800)  # may pay the session's cold CPU Adam build (conftest.built_cpu_adam)
+def test_one_process_zero0_zero1_bf16_zero2_offload_and_export_cli(workspace, built_cpu_adam, monkeypatch):
     from dsrecipes.cli import main as cli
 
     run, _ = train_run(workspace, "zero0", "zero=stage0", world_size=1)
@@ -263,6 +264,7 @@ def test_one_process_zero0_zero1_bf16_zero2_offload_and_export_cli(workspace):
     assert model.dtype == torch.bfloat16
     assert json.loads((run / "exported_4" / "dsrecipes_export.json").read_text())["step"] == 4
 
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(built_cpu_adam[2]))  # the session's one CPU Adam build
     run, _ = train_run(workspace, "zero2_offload", "zero=stage2", "offload=cpu_optimizer", world_size=1)
     assert_loss_falls(run)
     assert_hf_model_loads(run / "export")
