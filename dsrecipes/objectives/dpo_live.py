@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Any, Callable, Dict, Tuple
 
 import torch
@@ -30,8 +31,9 @@ class LiveReference:
     """A frozen reference model (a module, or a DeepSpeed inference engine around one) beside the trained one."""
 
     def __init__(self, model: Any):
-        self.model = model.eval()
-        self.model.requires_grad_(False)
+        model.eval()  # (a DeepSpeed engine's eval() returns None)
+        model.requires_grad_(False)
+        self.model = model
 
     @torch.no_grad()
     def __call__(self, batch: Batch, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -53,12 +55,19 @@ class AdapterReference:
 
 
 def live_reference(cfg: TrainConfig, tokenizer: Any, engine: Any) -> Reference:
-    """The live reference of the run (see the module docstring)."""
+    """The live reference of the run (see the module docstring); a frozen copy says on stderr what this rank holds
+    of it: `dsrecipes: rank R: live DPO reference holds H of its T parameters (ZeRO-3 partitioned)`."""
     if cfg.model.lora.enabled:
         return AdapterReference(engine)
     if cfg.zero.stage == 3:
-        return LiveReference(zero3_reference(cfg, tokenizer, engine.config))
-    return LiveReference(build_model(reference_config(cfg), tokenizer).to(engine.device))
+        reference = LiveReference(zero3_reference(cfg, tokenizer, engine.config))
+    else:
+        reference = LiveReference(build_model(reference_config(cfg), tokenizer).to(engine.device))
+    held, total = held_parameters(reference.model)
+    how = " (ZeRO-3 partitioned)" if cfg.zero.stage == 3 else ""
+    print(f"dsrecipes: rank {engine.global_rank}: live DPO reference holds {held:,} of its {total:,} parameters{how}",
+          file=sys.stderr, flush=True)
+    return reference
 
 
 def inference_config(ds_config: Dict[str, Any]) -> Dict[str, Any]:
