@@ -73,7 +73,8 @@ def watch(proc: subprocess.Popen) -> Dict[str, object]:
             children = []
         for child in children:
             try:
-                if "dsrecipes.worker" in " ".join(child.cmdline()):
+                cmd = child.cmdline()
+                if "dsrecipes.worker" in cmd and "deepspeed.launcher.launch" not in cmd:  # a rank, not its launcher
                     ranks[child.pid] = max(ranks.get(child.pid, 0), peak_rss(child.pid))
             except psutil.Error:
                 continue

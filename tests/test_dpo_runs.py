@@ -7,6 +7,7 @@ this process; module-scoped runs shared by the assertions):
   D  live reference under zero=stage3, 2 ranks (deepspeed launcher, a subprocess) of 2 pairs each, 6 steps: each
      rank holds half of the reference's parameters (a DeepSpeed ZeRO-3 inference engine), the losses equal A's
      (precomputed) and the final evaluation B's (live, unpartitioned)
+  E  objective.loss=simpo, 4 steps, its own data cache: no reference is computed, cached or loaded
 
 A pair is one sample: the ledger holds pair ids, each once per epoch, and the steps are planned in pairs.
 """
@@ -97,6 +98,25 @@ def test_zero3_live_reference_is_partitioned_and_gives_the_precomputed_losses(ru
     assert sorted(evals) == [0, 6] and evals[6] < 0.69  # evaluation runs the partitioned reference too: as B's
     assert evals[6] == pytest.approx([r["eval_loss"] for r in rows(runs[1]) if r.get("step") == 6 and "eval_loss" in r][0],
                                      rel=1e-4)
+
+
+@pytest.fixture(scope="module")
+def simpo_run(tmp_path_factory):
+    ws = tmp_path_factory.mktemp("simpo")
+    return run(ws, "e", "objective.loss=simpo", "objective.beta=2", "objective.simpo_gamma=1", "trainer.max_steps=4",
+               "trainer.export=false"), ws / "cache"
+
+
+def test_simpo_runs_without_any_reference(simpo_run):
+    e, cache = simpo_run
+    assert "reference_dir" not in json.loads((e / "prepare_stats.json").read_text())
+    assert (cache / "prepared").is_dir() and not list(cache.rglob("reference"))  # no reference pass
+    first = [r for r in rows(e) if "loss" in r][0]
+    # policy log-probs differ per pair, so unlike DPO the first loss is not log 2; the margin term pushes it up
+    assert math.isfinite(first["loss"]) and first["loss"] != pytest.approx(math.log(2), abs=1e-3)
+    assert -20 < first["logps_chosen"] < 0  # per-token averages
+    assert first["rewards_chosen"] == pytest.approx(2 * first["logps_chosen"], rel=1e-5)
+    assert sorted(r["step"] for r in rows(e) if "loss" in r) == [1, 2, 3, 4]
 
 
 def test_first_step_is_log2_and_rewards_are_reported(runs):
