@@ -74,7 +74,7 @@ def watch(proc: subprocess.Popen) -> Dict[str, object]:
         for child in children:
             try:
                 cmd = child.cmdline()
-                if "dsrecipes.worker" in cmd and "deepspeed.launcher.launch" not in cmd:  # a rank, not its launcher
+                if "-m" in cmd[:3] and cmd[cmd.index("-m") + 1:][:1] == ["dsrecipes.worker"]:  # a rank, not its launcher
                     ranks[child.pid] = max(ranks.get(child.pid, 0), peak_rss(child.pid))
             except psutil.Error:
                 continue
@@ -101,6 +101,12 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path, i: int) -> Dict
     held = [int(h.replace(",", "")) for _, h, _ in HELD.findall(text)]
     return {"mode": mode, "wall_s": round(time.monotonic() - started, 1), "launcher_peak": peaks["launcher"],
             "rank_peaks": peaks["ranks"], "ref_params_held": max(held, default=0)}
+
+
+def from_log(path: str) -> List[Dict[str, object]]:
+    """The per-run rows a (possibly unfinished) benchmark printed."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.startswith('{"mode"')
+            and "rank_peaks" in line]
 
 
 def summarise(rows: List[Dict[str, object]], bytes_per_param: int) -> List[Dict[str, object]]:
@@ -131,7 +137,12 @@ def main() -> None:
     parser.add_argument("--cutoff", type=int, default=192)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--out", default=None)
+    parser.add_argument("--summarise", metavar="LOG", help="only summarise the run rows this benchmark printed")
     args = parser.parse_args()
+    if args.summarise:
+        for row in summarise(from_log(args.summarise), bytes_per_param=4):
+            print(json.dumps(row))
+        return
     if not Path(args.model).is_dir():
         raise SystemExit(f"--model {args.model}: not a directory; run `python scripts/fetch_smollm2.py` first")
     modes = args.modes.split(",")

@@ -94,6 +94,7 @@ def test_zero3_live_reference_is_partitioned_and_gives_the_precomputed_losses(ru
     la, ld = losses(a), losses(d)
     assert sorted(ld) == [1, 2, 3, 4, 5, 6]
     assert [ld[s] for s in range(1, 7)] == pytest.approx([la[s] for s in range(1, 7)], rel=1e-4, abs=1e-5)
+    assert (d / "checkpoints" / "step_6" / "complete.json").is_file()  # the trained engine saves beside the other
     evals = {r["step"]: r["eval_loss"] for r in rows(d) if "eval_loss" in r}
     assert sorted(evals) == [0, 6] and evals[6] < 0.69  # evaluation runs the partitioned reference too: as B's
     assert evals[6] == pytest.approx([r["eval_loss"] for r in rows(runs[1]) if r.get("step") == 6 and "eval_loss" in r][0],
