@@ -34,7 +34,7 @@ SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
     "export": ("export", "write a Hugging Face model directory from a run's checkpoint"),
 }
 
-QUIET_COMMANDS = ("export", "chat", "prompt-eval")  # load models: third-party bars and warnings go to the run's log
+QUIET_COMMANDS = ("export", "chat", "prompt-eval", "inspect-data")  # third-party bars and warnings go to a run's log
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

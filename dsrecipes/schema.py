@@ -144,6 +144,7 @@ class DpoLoss(str, Enum):
     sigmoid = "sigmoid"  # DPO (with objective.label_smoothing > 0: conservative DPO, cDPO)
     ipo = "ipo"  # IPO, on log-ratios averaged per answer token (as TRL)
     robust = "robust"  # robust DPO (rDPO) for noisy labels: needs objective.label_smoothing in [0, 0.5)
+    simpo = "simpo"  # SimPO: no reference model; per-token average log-probs and a target margin (simpo_gamma)
 
 
 class ReferenceMode(str, Enum):
@@ -399,7 +400,8 @@ class ObjectiveConfig:
     beta: float = 0.1  # dpo: strength of the KL anchor to the reference model
     loss: DpoLoss = DpoLoss.sigmoid  # dpo
     label_smoothing: float = 0.0  # dpo: assumed fraction of flipped preference labels (sigmoid, robust)
-    reference: ReferenceMode = ReferenceMode.precomputed  # dpo
+    reference: ReferenceMode = ReferenceMode.precomputed  # dpo (not with loss=simpo, which has no reference)
+    simpo_gamma: float = 0.5  # dpo, loss=simpo: target reward margin (TRL's name and default)
 
 
 @dataclass

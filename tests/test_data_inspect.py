@@ -32,3 +32,22 @@ def test_bad_data_is_one_message_and_exit_2(tmp_path, capsys):
     assert cli.main(["inspect-data", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "bad_rows.jsonl:2: invalid_json" in err[0]
+
+
+def test_inspect_data_of_pairs_shows_both_sides_and_no_third_party_bar(tmp_path):
+    """A fresh process (no bar already switched off by another test): `inspect-data objective=dpo` prints the prompt
+    and both answers with their trained spans and reference log-probs, and no `datasets` progress bar."""
+    import subprocess
+    import sys
+
+    from tests.conftest import subprocess_env
+
+    argv = [sys.executable, "-m", "dsrecipes", "inspect-data", "objective=dpo", "dataset=sample_pairs",
+            "dataset.max_samples=12", "dataset.val_size=4", f"data.cache_dir={tmp_path / 'cache'}", "--rows", "1",
+            "--color", "never"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--- chosen:" in done.stdout and "--- rejected:" in done.stdout and "reference log-prob" in done.stdout
+    assert "[[" in done.stdout  # the trained answer span, bracketed
+    screen = done.stdout + done.stderr
+    assert "Saving the dataset" not in screen and "examples/s" not in screen, screen[-2000:]

@@ -21,7 +21,7 @@ from dsrecipes.data.sources.registry import resolve_sources
 from dsrecipes.errors import ConfigError, DataError
 from dsrecipes.model import build_model, load_tokenizer
 from dsrecipes.objectives import build_objective
-from dsrecipes.objectives.dpo import LiveReference
+from dsrecipes.objectives.dpo_live import LiveReference
 from dsrecipes.schema import DpoLoss
 
 TRL_ROWS = [
@@ -82,12 +82,13 @@ def trl_numbers(trl_setup, tmp_path, loss: str, beta: float, ls: float, swap: bo
     return float(loss_value.detach()), metrics, trainer
 
 
-def our_numbers(trl_setup, loss: DpoLoss, beta: float, ls: float):
-    cfg, tokenizer, policy, reference, rows = trl_setup
+def our_numbers(trl_setup, loss: DpoLoss, beta: float, ls: float, gamma: float = 0.5, reference: bool = True):
+    cfg, tokenizer, policy, ref_model, rows = trl_setup
     cfg = type(cfg)(**{**cfg.__dict__, "objective": type(cfg.objective)(kind=cfg.objective.kind, beta=beta, loss=loss,
-                                                                          label_smoothing=ls)})
+                                                                          label_smoothing=ls, simpo_gamma=gamma)})
     objective = build_objective(cfg, tokenizer)
-    objective.reference = LiveReference(reference)
+    if reference:
+        objective.reference = LiveReference(ref_model)
     policy.train()
     value, sums = objective.loss(policy, objective.collate(rows), torch.device("cpu"))
     return float(value), objective.metrics({k: float(v) for k, v in sums.items()}, "")
@@ -106,6 +107,56 @@ def test_loss_logps_and_rewards_equal_trl(trl_setup, tmp_path, loss, beta, ls):
     assert ours["reward_margin"] == pytest.approx(theirs["rewards/margins"], rel=1e-4, abs=1e-6)
     assert ours["reward_accuracy"] == pytest.approx(theirs["rewards/accuracies"])
     assert abs(ours["rewards_chosen"]) > 1e-3  # a different reference model: the rewards are not trivially 0
+
+
+def trl_simpo_numbers(trl_setup, tmp_path, beta: float, gamma: float, ls: float):
+    """TRL's SimPO (CPOTrainer, loss_type="simpo", cpo_alpha=0: no NLL term) on our token rows, collated by us."""
+    from datasets import Dataset
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    _, tokenizer, policy, _, rows = trl_setup
+    args = CPOConfig(output_dir=str(tmp_path / "cpo"), beta=beta, loss_type="simpo", simpo_gamma=gamma, cpo_alpha=0.0,
+                     label_smoothing=ls, report_to=[], use_cpu=True, bf16=False, max_length=None)
+    text = [{k: tokenizer.apply_chat_template(r[k], tokenize=False) for k in ("prompt", "chosen", "rejected")}
+            for r in TRL_ROWS]
+    trainer = CPOTrainer(model=policy, args=args, train_dataset=Dataset.from_list(text), processing_class=tokenizer)
+    ours = build_objective(trl_setup[0], tokenizer).collate(rows)
+    half = len(rows)
+    batch = {f"{side}_{key}": ours[key][part] for side, part in (("chosen", slice(0, half)),
+                                                                   ("rejected", slice(half, None)))
+             for key in ("input_ids", "attention_mask", "labels")}
+    policy.train()
+    loss, metrics = trainer.get_batch_loss_metrics(policy, batch)
+    return float(loss.detach()), metrics
+
+
+@pytest.mark.parametrize("beta,gamma,ls", [(2.0, 0.5, 0.0), (2.5, 1.4, 0.0), (0.7, 0.3, 0.2)])
+def test_simpo_equals_trl_cpo_simpo_without_any_reference(trl_setup, tmp_path, beta, gamma, ls):
+    """SimPO is reference-free: no reference is set on our objective (a reference call would raise), and the
+    numbers still equal TRL's."""
+    theirs_loss, theirs = trl_simpo_numbers(trl_setup, tmp_path, beta, gamma, ls)
+    ours_loss, ours = our_numbers(trl_setup, DpoLoss.simpo, beta, ls, gamma=gamma, reference=False)
+    assert ours_loss == pytest.approx(theirs_loss, rel=1e-5, abs=1e-6)
+    for key, trl_key in (("logps_chosen", "logps/chosen"), ("logps_rejected", "logps/rejected"),
+                         ("rewards_chosen", "rewards/chosen"), ("rewards_rejected", "rewards/rejected"),
+                         ("reward_margin", "rewards/margins"), ("reward_accuracy", "rewards/accuracies")):
+        assert ours[key] == pytest.approx(theirs[trl_key], rel=1e-5, abs=1e-6), key
+    assert -20 < ours["logps_chosen"] < 0  # an average per answer token, not a sum
+
+
+def test_simpo_needs_no_reference_anywhere(make_cfg):
+    from dsrecipes.data.prepare import precomputed_reference
+
+    simpo = make_cfg("objective=dpo", "objective.loss=simpo", "objective.beta=2", "objective.simpo_gamma=1")
+    assert not precomputed_reference(simpo)  # prepare computes and caches no reference log-probs
+    objective = build_objective(simpo, load_tokenizer(simpo))
+    assert objective.precomputed is False and objective.gamma == 1.0
+    objective.attach(simpo, None, None)  # builds nothing (no engine needed)
+    assert objective.reference is None
+    assert precomputed_reference(make_cfg("objective=dpo"))
+    with pytest.raises(ConfigError) as err:
+        make_cfg("objective=dpo", "objective.loss=simpo", "objective.reference=live", "objective.simpo_gamma=-1")
+    assert "objective.reference" in str(err.value) and "objective.simpo_gamma" in str(err.value)
 
 
 def test_label_smoothing_is_cdpo_in_trl_terms(trl_setup, tmp_path):

@@ -166,6 +166,23 @@ def test_deepspeed_include_hostfile_golden(make_cfg, tmp_path):
     assert world_size(cfg) == 3  # DeepSpeed's own hostfile/include parsing
 
 
+def test_pdsh_nodes_get_the_store_settings_never_the_secrets(make_cfg, tmp_path):
+    """DeepSpeed's pdsh runner forwards only PYTHON*/MLFLOW*/MV2*/UCX* names: the object-store endpoint, region and
+    profile of the launching environment go to the other nodes through .deepspeed_env (plain URLs and names only:
+    DeepSpeed writes that file into a shell command); keys and tokens never do, and the plan says so."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("worker-0 slots=2\nworker-1 slots=2\n")
+    environ = {"AWS_ENDPOINT_URL": "http://10.213.0.101:9000", "AWS_REGION": "us-east-1", "AWS_PROFILE": "$(reboot)",
+               "AWS_ACCESS_KEY_ID": "AKIAEXAMPLE", "AWS_SECRET_ACCESS_KEY": "s3cr3t", "HF_TOKEN": "hf_x"}
+    _, plan = plan_for(make_cfg, "launcher=deepspeed", "launcher.num_gpus=null", f"launcher.hostfile={hostfile}",
+                       "launcher.num_nodes=2", environ=environ)
+    assert plan.files[".deepspeed_env"] == "AWS_ENDPOINT_URL=http://10.213.0.101:9000\nAWS_REGION=us-east-1\n"
+    notes = "\n".join(plan.notes)
+    assert "AWS_PROFILE is not passed to the other nodes" in notes  # not a plain name: stays behind, said
+    assert "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, HF_TOKEN stay on this node" in notes
+    assert "s3cr3t" not in notes + str(plan.files) and "hf_x" not in notes + str(plan.files)
+
+
 def test_deepspeed_argv_parsed_by_deepspeed(make_cfg, monkeypatch):
     from deepspeed.launcher.runner import encode_world_info
 

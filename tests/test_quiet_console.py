@@ -39,8 +39,10 @@ def on_screen(argv: List[str], cwd: Path, env: dict, timeout: float = 600) -> Tu
                             stdout=slave, stderr=slave, start_new_session=True)
     os.close(slave)
     chunks, deadline = [], time.monotonic() + timeout
+    poller = select.poll()  # not select(): a long-lived test process may hold descriptors past FD_SETSIZE (1024)
+    poller.register(master, select.POLLIN)
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([master], [], [], 0.5)
+        ready = poller.poll(500)
         if ready:
             try:
                 data = os.read(master, 65536)

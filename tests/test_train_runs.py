@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -166,7 +167,7 @@ def test_zero2_two_ranks_trains_logs_checkpoints_and_exports(zero2_run):
     exported = assert_hf_model_loads(run / "export")
     initial = assert_hf_model_loads(run / "export_init")
     assert not state_dicts_equal(exported, initial)
-    port = (run / "launch.txt").read_text().split("--master_port ")[1].split()[0]
+    port = re.search(r"--master_port[= ](\d+)", (run / "launch.txt").read_text()).group(1)
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))  # the ranks' shm segments
 
 

@@ -10,7 +10,7 @@ fault-injection hooks (FAULT_HOOKS): tests set those in the launching process's 
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping
+from typing import Dict, List, Mapping, Tuple
 
 from dsrecipes.boundary.values import BOOL01, INTERFACES, NAME, TRUE_FALSE, Value, choice, integer, key_values, shape
 from dsrecipes.errors import ConfigError
@@ -108,6 +108,38 @@ def checked_env(env: Mapping[str, str]) -> Dict[str, str]:
     if problems:
         raise ConfigError(problems)
     return {str(k): str(v) for k, v in env.items()}
+
+
+# Object-store settings that are not secrets (issue 23): the launching process's own values travel to pdsh's remote
+# ranks through `.deepspeed_env` (DeepSpeed's runner forwards only PYTHON*, MLFLOW*, MV2* and UCX* names itself, and
+# writes `.deepspeed_env` into the command it runs on each node: so each value must be a plain URL or name). Keys,
+# secrets and tokens never travel: remote nodes read their own ~/.aws/credentials, profile or instance role.
+_URL = shape(r"https?://[A-Za-z0-9.\-]{1,253}(?::\d{1,5})?(?:/[A-Za-z0-9._~\-/]{0,200})?", "an http(s) URL")
+_STORE_NAME = shape(r"[A-Za-z0-9._\-]{1,64}", "a region or profile name")
+STORE_SETTINGS: Dict[str, Value] = {"AWS_ENDPOINT_URL": _URL, "AWS_ENDPOINT_URL_S3": _URL, "AWS_REGION": _STORE_NAME,
+                                    "AWS_DEFAULT_REGION": _STORE_NAME, "AWS_PROFILE": _STORE_NAME}
+STORE_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN")
+
+
+def store_settings_from(environ: Mapping[str, str]) -> Tuple[Dict[str, str], List[str]]:
+    """(the STORE_SETTINGS of the launching environment for remote ranks, notes): a value that is not a plain URL or
+    name stays behind with a note; the secrets set here are named in a note (they never travel)."""
+    settings: Dict[str, str] = {}
+    notes: List[str] = []
+    for name, value in STORE_SETTINGS.items():
+        if name not in environ:
+            continue
+        problem = value.check(environ[name])
+        if problem is None:
+            settings[name] = environ[name]
+        else:
+            notes.append(f"{name} is not passed to the other nodes: {problem}; set it in their own environment")
+    secrets = [name for name in STORE_SECRETS if environ.get(name)]
+    if secrets:
+        notes.append(f"{', '.join(secrets)} stay on this node (secrets never go into .deepspeed_env): the other "
+                     "nodes' ranks read their own credentials (~/.aws/credentials, AWS_PROFILE, an instance role, "
+                     "the Hugging Face token file)")
+    return settings, notes
 
 
 def hooks_from(environ: Mapping[str, str]) -> Dict[str, str]:

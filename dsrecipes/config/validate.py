@@ -163,6 +163,10 @@ def _objective(cfg: TrainConfig) -> List[str]:
                       f"got {o.label_smoothing}")
     if o.loss is DpoLoss.ipo and o.label_smoothing:
         errors.append("objective.label_smoothing: objective.loss=ipo has no label smoothing; use sigmoid or robust")
+    if o.loss is DpoLoss.simpo and o.reference is ReferenceMode.live:
+        errors.append("objective.reference: objective.loss=simpo uses no reference model; drop objective.reference=live")
+    if not o.simpo_gamma >= 0:
+        errors.append(f"objective.simpo_gamma: must be >= 0, got {o.simpo_gamma}")
     return errors
 
 

@@ -52,6 +52,7 @@ from dsrecipes.data.sources.registry import resolve_sources, validation_files
 from dsrecipes.data.sources.splits import mix, split_val
 from dsrecipes.errors import DataError
 from dsrecipes.fileio import atomic_write_json
+from dsrecipes.objectives.base import reference_mode
 from dsrecipes.schema import ObjectiveKind, ReferenceMode, SourceConfig, TrainConfig
 
 STATS_FILE = "prepare_stats.json"
@@ -121,7 +122,7 @@ def load_prepared(cfg: TrainConfig, run_dir: str | Path) -> Prepared:
 
 
 def precomputed_reference(cfg: TrainConfig) -> bool:
-    return cfg.objective.kind is ObjectiveKind.dpo and cfg.objective.reference is ReferenceMode.precomputed
+    return reference_mode(cfg) is ReferenceMode.precomputed
 
 
 def _open(cache: Path, stats: Dict[str, Any]) -> Prepared:

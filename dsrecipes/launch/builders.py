@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional
 
 from dsrecipes.boundary.launcher_args import NODE_LAUNCHER, checked_extra_args, deepspeed_node_args, hostfile_problems
-from dsrecipes.boundary.rank_env import checked_env, hooks_from
+from dsrecipes.boundary.rank_env import checked_env, hooks_from, store_settings_from
 from dsrecipes.distributed import free_port
 from dsrecipes.errors import ConfigError
 from dsrecipes.launch.plan import DS_ENV_FILE, HOSTFILE, Command, LaunchPlan, Requirement
@@ -99,7 +99,9 @@ def _build_deepspeed(cfg: TrainConfig, run_dir: Path, port: int, worker_module: 
     if ln.hostfile:
         # Only the ssh (pdsh) multi-node path reads .deepspeed_env; DS_ENV_FILE points it at the run's own copy.
         # Remote ranks do not inherit this environment: test hooks set in it travel there too (never from config).
-        remote = {**hooks_from(environ), **env}
+        store, store_notes = store_settings_from(environ)
+        remote = {**hooks_from(environ), **store, **env}
+        plan.notes += store_notes
         plan.files[DS_ENV_FILE] = "".join(f"{k}={v}\n" for k, v in sorted(remote.items()))
         env["DS_ENV_FILE"] = str(run_dir / DS_ENV_FILE)
         if ln.num_nodes > 1:

@@ -26,9 +26,9 @@ and one `ObjectiveKind` value.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Protocol, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Tuple
 
-from dsrecipes.schema import ObjectiveKind
+from dsrecipes.schema import DpoLoss, ObjectiveKind, ReferenceMode, TrainConfig
 
 IGNORE_INDEX = -100  # the label of a token that is not trained: PyTorch cross-entropy's `ignore_index`
 
@@ -61,3 +61,12 @@ def pad_token_id(tokenizer: Any) -> int:
 def ratio(num: float, den: float) -> float:
     """num / den, 0 for an empty denominator (a window or split with nothing in it)."""
     return float(num) / float(den) if den else 0.0
+
+
+def reference_mode(cfg: TrainConfig) -> Optional[ReferenceMode]:
+    """The reference model the run's objective compares with: `objective.reference` for DPO, None for SFT and for
+    reference-free SimPO (then nothing computes, caches or loads a reference)."""
+    o = cfg.objective
+    if o.kind is not ObjectiveKind.dpo or o.loss is DpoLoss.simpo:
+        return None
+    return o.reference

@@ -6,12 +6,16 @@ attention mask, `pair_mask` (1 per real pair; an empty micro-batch is one placeh
 the rows carry them (`objective.reference=precomputed`), the reference log-probs `ref_chosen_logps` /
 `ref_rejected_logps`.
 
-Numbers (tests/test_dpo.py checks them against TRL's DPOTrainer): logp(answer) = the sum over the answer's tokens of
+Numbers (tests/test_dpo.py checks them against TRL's DPOTrainer, SimPO against its CPOTrainer): logp(answer) = the sum over the answer's tokens of
 log p(token | everything before it); log-ratios against the reference; delta = chosen log-ratio - rejected
 log-ratio; loss per pair:
   sigmoid  -(1 - ls) log sigmoid(beta delta) - ls log sigmoid(-beta delta)   (ls = objective.label_smoothing: cDPO)
   robust   (-(1 - ls) log sigmoid(beta delta) + ls log sigmoid(-beta delta)) / (1 - 2 ls)
   ipo      (chosen log-ratio / chosen tokens - rejected log-ratio / rejected tokens - 1 / (2 beta))^2
+  simpo    -(1 - ls) log sigmoid(beta delta - gamma) - ls log sigmoid(gamma - beta delta)   (gamma =
+           objective.simpo_gamma) with NO reference: the "log-ratios" are the policy's log-probs averaged per answer
+           token (length-normalised), as TRL's CPOTrainer(loss_type="simpo", cpo_alpha=0) computes them; logps and
+           rewards report those averages
 The micro-batch loss is the mean over its pairs. rewards = beta x log-ratio; reward accuracy = share of pairs with
 chosen reward > rejected reward; margin = chosen - rejected reward. Train metrics and evaluation are sums over pairs
 (`train_keys`, `eval_keys`), reported as means per pair.
@@ -19,19 +23,18 @@ chosen reward > rejected reward; margin = chosen - rejected reward. Train metric
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from dsrecipes.model import build_model
-from dsrecipes.objectives.base import IGNORE_INDEX, Batch, Row, pad_token_id, ratio
+from dsrecipes.objectives.base import IGNORE_INDEX, Batch, Row, pad_token_id, ratio, reference_mode
+from dsrecipes.objectives.dpo_live import Reference, live_reference
+from dsrecipes.objectives.logps import sequence_logps
 from dsrecipes.schema import DpoLoss, ObjectiveKind, ReferenceMode, TrainConfig
 
 PAIR_SUMS = ("pairs", "chosen_rewards", "rejected_rewards", "correct", "margin", "chosen_logps", "rejected_logps")
-Reference = Callable[[Batch, torch.device], Tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -40,6 +43,7 @@ class DPO:
     beta: float
     loss_kind: DpoLoss
     label_smoothing: float
+    gamma: float = 0.0  # objective.simpo_gamma (loss=simpo)
     kind: ObjectiveKind = ObjectiveKind.dpo
     train_keys: Tuple[str, ...] = PAIR_SUMS
     eval_keys: Tuple[str, ...] = ("loss_sum",) + PAIR_SUMS
@@ -76,10 +80,12 @@ class DPO:
     def pair_losses(self, model: Any, batch: Batch, device: torch.device) -> Tuple[torch.Tensor, Dict[str, Any]]:
         """(loss of every pair, the micro-batch's metric sums) with the policy `model`."""
         logps, tokens = sequence_logps(model, batch, device)
+        if self.loss_kind is DpoLoss.simpo:  # length-normalised: the average log-prob per answer token
+            logps = logps / tokens.clamp(min=1)
         chosen, rejected = logps.chunk(2)
         ref_chosen, ref_rejected = self.reference_logps(batch, device)
         per_pair = dpo_loss(chosen - ref_chosen, rejected - ref_rejected, tokens.chunk(2), self.beta,
-                            self.loss_kind, self.label_smoothing)
+                            self.loss_kind, self.label_smoothing, self.gamma)
         mask = batch["pair_mask"].to(device)
         c_rew = self.beta * (chosen - ref_chosen).detach()
         r_rew = self.beta * (rejected - ref_rejected).detach()
@@ -89,16 +95,14 @@ class DPO:
         return per_pair, sums
 
     def attach(self, cfg: TrainConfig, tokenizer: Any, engine: Any) -> None:
-        """objective.reference=live: with LoRA the trained model with its adapters disabled (the base it started
-        from, no second copy), else a frozen copy of the start model on this rank's device (not partitioned)."""
-        if self.precomputed:
-            return
-        if cfg.model.lora.enabled:
-            self.reference = AdapterReference(engine)
-        else:
-            self.reference = LiveReference(build_model(reference_config(cfg), tokenizer).to(engine.device))
+        """objective.reference=live: build the live reference (objectives/dpo_live.py); nothing otherwise."""
+        if reference_mode(cfg) is ReferenceMode.live:
+            self.reference = live_reference(cfg, tokenizer, engine)
 
     def reference_logps(self, batch: Batch, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self.loss_kind is DpoLoss.simpo:  # reference-free: the log-ratios are the policy's own log-probs
+            zeros = torch.zeros(batch["pair_mask"].shape, device=device)
+            return zeros, zeros
         if "ref_chosen_logps" in batch:
             return batch["ref_chosen_logps"].to(device), batch["ref_rejected_logps"].to(device)
         if self.reference is None:
@@ -106,66 +110,26 @@ class DPO:
         return self.reference(batch, device)
 
 
-class LiveReference:
-    """A frozen reference model beside the trained one."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model.eval().requires_grad_(False)
-
-    @torch.no_grad()
-    def __call__(self, batch: Batch, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-        logps, _ = sequence_logps(self.model, batch, device)
-        return logps.chunk(2)
-
-
-class AdapterReference:
-    """The trained LoRA model (a DeepSpeed engine around a peft model) with its adapters disabled."""
-
-    def __init__(self, engine: Any):
-        self.engine = engine
-
-    @torch.no_grad()
-    def __call__(self, batch: Batch, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-        with self.engine.module.disable_adapter():
-            logps, _ = sequence_logps(self.engine, batch, device)
-        return logps.chunk(2)
-
-
-def reference_config(cfg: TrainConfig) -> TrainConfig:
-    """The reference model's config: the run's model without LoRA and without activation checkpointing."""
-    model = dataclasses.replace(cfg.model, lora=dataclasses.replace(cfg.model.lora, enabled=False),
-                                gradient_checkpointing=False)
-    return dataclasses.replace(cfg, model=model)
-
-
 def build(cfg: TrainConfig, tokenizer: Any) -> DPO:
     o = cfg.objective
-    return DPO(pad_token_id(tokenizer), o.beta, o.loss, o.label_smoothing,
-               precomputed=o.reference is ReferenceMode.precomputed)
+    return DPO(pad_token_id(tokenizer), o.beta, o.loss, o.label_smoothing, gamma=o.simpo_gamma,
+               precomputed=reference_mode(cfg) is ReferenceMode.precomputed)
 
 
 def dpo_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor,
-             tokens: Tuple[torch.Tensor, torch.Tensor], beta: float, kind: DpoLoss, ls: float) -> torch.Tensor:
-    """The loss of every pair (see the module docstring); `tokens`: answer tokens of (chosen, rejected)."""
+             tokens: Tuple[torch.Tensor, torch.Tensor], beta: float, kind: DpoLoss, ls: float,
+             gamma: float = 0.0) -> torch.Tensor:
+    """The loss of every pair (see the module docstring); `tokens`: answer tokens of (chosen, rejected); simpo:
+    the log-ratios are the policy's per-token average log-probs, `gamma` the target margin."""
     delta = chosen_logratios - rejected_logratios
+    if kind is DpoLoss.simpo:
+        return -(1 - ls) * F.logsigmoid(beta * delta - gamma) - ls * F.logsigmoid(gamma - beta * delta)
     if kind is DpoLoss.sigmoid:
         return -(1 - ls) * F.logsigmoid(beta * delta) - ls * F.logsigmoid(-beta * delta)
     if kind is DpoLoss.robust:
         return (-(1 - ls) * F.logsigmoid(beta * delta) + ls * F.logsigmoid(-beta * delta)) / (1 - 2 * ls)
     chosen_tokens, rejected_tokens = (t.clamp(min=1) for t in tokens)
     return (chosen_logratios / chosen_tokens - rejected_logratios / rejected_tokens - 1 / (2 * beta)) ** 2
-
-
-def sequence_logps(model: Any, batch: Batch, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(sum of log p over each sequence's answer tokens, answer tokens) for the 2B sequences of a batch."""
-    logits = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
-                   position_ids=batch["position_ids"].to(device), use_cache=False).logits
-    labels = batch["labels"].to(device)[:, 1:]
-    mask = labels != IGNORE_INDEX
-    logits = logits[:, :-1].float()
-    picked = torch.gather(logits, 2, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    per_token = (picked - torch.logsumexp(logits, dim=-1)) * mask
-    return per_token.sum(dim=1), mask.sum(dim=1)
 
 
 def placeholder_pair(pad_id: int, precomputed: bool) -> Row:

@@ -5,7 +5,7 @@ seeded tiny model; with LoRA the base alone, which is what the adapted model sta
 log-probs of every prepared pair in `trainer.micro_batch_size` batches (on a GPU if it has one, else the CPU) and the
 caller stores them with the prepared data under `reference_key`: the model's identity (resolved path and each file's
 name, size and modification time; the tiny model's config), its dtype and the attention implementation. Training
-then holds one model. Live references: objectives/dpo.py (`DPO.attach`).
+then holds one model. Live references: objectives/dpo_live.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import torch
 
 from dsrecipes.model import build_model
 from dsrecipes.objectives.base import Row, pad_token_id
-from dsrecipes.objectives.dpo import collate_pairs, reference_config, sequence_logps
+from dsrecipes.objectives.dpo import collate_pairs
+from dsrecipes.objectives.logps import reference_config, sequence_logps
 from dsrecipes.schema import TrainConfig
 from dsrecipes.typed import config_to_dict
 

@@ -1,0 +1,105 @@
+"""Live DPO references (`objective.reference=live`), built on each rank once the trained engine exists:
+
+  LoRA      the trained model with its adapters disabled: the base it started from, no second copy
+  ZeRO-3    a frozen copy in its own DeepSpeed engine for inference (the run's config without optimizer, scheduler
+            and optimizer offload; eval mode), as TRL's `prepare_deepspeed` and DeepSpeed-Chat prepare a reference:
+            each rank holds 1/world of its parameters and gathers a layer's for its forward; a local `model.path`
+            loads partitioned (transformers' zero.Init), never whole on a rank. Every rank runs every micro-batch
+            (training and evaluation), so the gathers line up as they do for the trained ZeRO-3 model.
+  otherwise a frozen full copy on the rank's device (ZeRO-0/1/2 keep the trained model's weights whole too)
+
+`held_parameters(module)` -> (parameter elements held on this rank, elements of the whole model).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from typing import Any, Callable, Dict, Tuple
+
+import torch
+
+from dsrecipes.model import build_model
+from dsrecipes.objectives.base import Batch
+from dsrecipes.objectives.logps import reference_config, sequence_logps
+from dsrecipes.schema import TrainConfig
+
+Reference = Callable[[Batch, torch.device], Tuple[torch.Tensor, torch.Tensor]]
+
+
+class LiveReference:
+    """A frozen reference model (a module, or a DeepSpeed inference engine around one) beside the trained one."""
+
+    def __init__(self, model: Any):
+        model.eval()  # (a DeepSpeed engine's eval() returns None)
+        model.requires_grad_(False)
+        self.model = model
+
+    @torch.no_grad()
+    def __call__(self, batch: Batch, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+        logps, _ = sequence_logps(self.model, batch, device)
+        return logps.chunk(2)
+
+
+class AdapterReference:
+    """The trained LoRA model (a DeepSpeed engine around a peft model) with its adapters disabled."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    @torch.no_grad()
+    def __call__(self, batch: Batch, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+        with self.engine.module.disable_adapter():
+            logps, _ = sequence_logps(self.engine, batch, device)
+        return logps.chunk(2)
+
+
+def live_reference(cfg: TrainConfig, tokenizer: Any, engine: Any) -> Reference:
+    """The live reference of the run (see the module docstring); a frozen copy says on stderr what this rank holds
+    of it: `dsrecipes: rank R: live DPO reference holds H of its T parameters (ZeRO-3 partitioned)`."""
+    if cfg.model.lora.enabled:
+        return AdapterReference(engine)
+    if cfg.zero.stage == 3:
+        reference = LiveReference(zero3_reference(cfg, tokenizer, engine.config))
+    else:
+        reference = LiveReference(build_model(reference_config(cfg), tokenizer).to(engine.device))
+    held, total = held_parameters(reference.model)
+    how = " (ZeRO-3 partitioned)" if cfg.zero.stage == 3 else ""
+    print(f"dsrecipes: rank {engine.global_rank}: live DPO reference holds {held:,} of its {total:,} parameters{how}",
+          file=sys.stderr, flush=True)
+    return reference
+
+
+def inference_config(ds_config: Dict[str, Any]) -> Dict[str, Any]:
+    """The run's DeepSpeed config for a model that only runs forward: no optimizer, scheduler or optimizer offload
+    (DeepSpeed would build them for nothing, as TRL notes)."""
+    out = copy.deepcopy(ds_config)
+    for key in ("optimizer", "scheduler"):
+        out.pop(key, None)
+    out["zero_optimization"].pop("offload_optimizer", None)
+    return out
+
+
+def zero3_reference(cfg: TrainConfig, tokenizer: Any, ds_config: Dict[str, Any]) -> Any:
+    """The reference model partitioned over the ranks: a DeepSpeed ZeRO-3 engine without optimizer, in eval mode."""
+    import deepspeed
+
+    config = inference_config(ds_config)
+    model = build_model(reference_config(cfg), tokenizer, config)  # local model.path: loaded partitioned
+    ref, *_ = deepspeed.initialize(model=model, config=config)
+    return ref
+
+
+def held_parameters(module: torch.nn.Module) -> Tuple[int, int]:
+    """(parameter elements this rank holds, elements of the whole model): under ZeRO-3 a parameter's local
+    partition (`ds_tensor`) plus its gathered whole when one is kept (persistent small parameters) against its full
+    size (`ds_numel`); otherwise the whole parameter on both sides."""
+    held = total = 0
+    for p in module.parameters():
+        if hasattr(p, "ds_numel"):
+            held += p.ds_tensor.numel() + p.data.numel()  # (p.data is empty while the parameter is released)
+            total += p.ds_numel
+        else:
+            held += p.numel()
+            total += p.numel()
+    return held, total
