@@ -6,14 +6,13 @@ from typing import Any, Callable, List, Optional, Sequence
 
 from dsrecipes.data.render.packing import pack
 from dsrecipes.data.render.tokenize import Encoder
-from dsrecipes.data.sources.badrows import BadRow, error_message
 from dsrecipes.data.sources.files import where
-from dsrecipes.data.sources.sharegpt import parse_item, role_table
+from dsrecipes.data.sources.sharegpt import parse_item
 from dsrecipes.data.strategies.base import Batch, Row
+from dsrecipes.data.strategies.item_rows import ItemRows
 from dsrecipes.data.strategies.pair_rows import PairRowEncoder
-from dsrecipes.errors import DataError
 from dsrecipes.objectives import build_objective
-from dsrecipes.schema import BadRows, ObjectiveKind, TrainConfig
+from dsrecipes.schema import ObjectiveKind, TrainConfig
 
 
 def row_encoder(cfg: TrainConfig, tokenizer: Any, paths: Sequence[str], sources: Sequence[Any],
@@ -29,7 +28,7 @@ def make_collate(cfg: TrainConfig, tokenizer: Any) -> Callable[[List[Row]], Batc
     return build_objective(cfg, tokenizer).collate
 
 
-class RowEncoder:
+class RowEncoder(ItemRows):
     """Raw JSONL lines of a stream -> tokenized rows (one per sample, or packed rows), inside a loader worker.
 
     Items are (file index, location, raw line[, copy]); `paths` name the files as the user gave them (a converted
@@ -42,38 +41,14 @@ class RowEncoder:
 
     def __init__(self, cfg: TrainConfig, tokenizer: Any, paths: Sequence[str], sources: Sequence[Any],
                  element_files: Optional[Sequence[bool]] = None):
-
+        super().__init__(cfg, paths, sources, element_files)
         self.encoder = Encoder(tokenizer, cfg)
-        self.paths = list(paths)
-        self.sources = list(sources)
-        self.tables = [role_table(s) for s in self.sources]
-        self.policy = cfg.dataset.bad_rows
-        self.max_row_bytes = cfg.dataset.max_row_bytes
-        self.element_files = list(element_files) if element_files is not None else [False] * len(self.paths)
         self.packing = cfg.data.packing
         self.cutoff_len = cfg.data.cutoff_len
-        self.skipped = 0
         self.dropped = 0  # samples whose trained tokens were all truncated away
 
     def conversation(self, item: Any) -> Any:
-
-        file_index, loc, raw = item[:3]
-        path, element = self.paths[file_index], self.element_files[file_index]
-        try:
-            conv = parse_item(raw, path, loc, self.sources[file_index], self.tables[file_index],
-                              limit=self.max_row_bytes, element=element)
-        except BadRow as bad:
-            self._bad(where(path, None if element else loc, loc if element else None), bad)
-            return None
-        if len(item) > 3 and item[3]:
-            conv.id = f"{conv.id}@{item[3]}"  # a repeat made by a mixing weight > 1 is a sample of its own
-        return conv
-
-    def _bad(self, location: str, bad: Any) -> None:
-
-        if self.policy is BadRows.error:
-            raise DataError(error_message(location, bad))
-        self.skipped += 1
+        return self.parsed(item, parse_item, lambda conv: conv)
 
     def __call__(self, items: Sequence[Any]) -> List[Row]:
         convs = [c for c in (self.conversation(item) for item in items) if c is not None]
