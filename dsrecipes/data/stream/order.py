@@ -21,10 +21,11 @@ kept each file's line order and only moved a sample within `shuffle_buffer` line
 measures both). Chunks are the price of fewer GETs for objects in a store (a reader's blocks come in runs that one
 ranged GET serves): a chunk's samples stay within one chunk's stretch of the order (block by block, each block's
 samples permuted, then mixed further by the reader's `shuffle_buffer` window), so neighbours in a file stay nearer
-each other in the epoch than with single blocks. Measured by bench_stream_reads.py on a 0.5 GB local corpus (8 KiB
-blocks): the mean |Spearman| of a file's samples, training step vs line order, rises from 0.04 to ~0.28 at one
-reader with 128 KiB chunks and is unchanged at the 16 x 4 world (docs/scale.md). Every sample is still read exactly
-once per epoch (w = 1); a batch still mixes all files and sources.
+each other in the epoch than with single blocks, and a global batch draws from fewer places. Measured by
+bench_stream_reads.py on a 0.5 GB local corpus (16 KiB blocks): the mean |Spearman| of a file's samples, training
+step vs line order, goes from 0.02 (one block) to 0.05 (128 KiB chunks), 0.13 (1 MiB) and 0.26 (4 MiB) at one
+reader; 1024-line regions per global batch at 16 x 4 readers from 59 to 52, 33 and 26 (docs/scale.md). Every sample
+is still read exactly once per epoch (w = 1).
 """
 
 from __future__ import annotations
