@@ -1,7 +1,7 @@
 """dsrecipes `data=iterable` vs mosaicml-streaming, both reading the same ShareGPT corpus from the same S3-API server.
 
     pip install mosaicml-streaming --no-deps   # (+ brotli python-snappy cramjam zstd catalogue; not a dsrecipes dep)
-    python benchmarks/bench_store.py [--mb 32] [--files 8] [--readers 1 8 64] [--reps 3] [--shard-mb 2]
+    python benchmarks/bench_store.py [--mb 32] [--files 8] [--readers 1 8 64] [--reps 3] [--shard-mb 2] [--chunk-kb K]
 
 Starts moto's standalone S3 server on 127.0.0.1 and a counting HTTP proxy in front of it (tests/helpers/s3server.py;
 both systems talk to the proxy, which counts the response body bytes it relays), writes a corpus of real ShareGPT
@@ -23,6 +23,9 @@ holding the row's JSON, `size_limit` --shard-mb) into `s3://bench/mds/`. Then, p
            default download threads and predownload); each sample's `text` decoded; node r of R is `RANK=r
            WORLD_SIZE=R LOCAL_WORLD_SIZE=1` (its process group is switched off: see `st_readers`). Both are run for
            real at every R: bytes, GETs and times are measured, none computed.
+
+dsrecipes' epoch order keeps chunks of adjacent blocks together (`data.chunk_bytes`, automatic: the corpus / 128, so
+a reader's blocks come in runs one GET serves); --chunk-kb sets it (the block size: the order from before chunks).
 
 Ratios per repetition, oriented so that >= 1 means dsrecipes is no worse (first batch: streaming's time /
 dsrecipes'; samples/s: dsrecipes' / streaming's); reported as median [min, max].
@@ -99,12 +102,15 @@ def upload(fs, corpus: list, shard_mb: float, tmp: Path) -> dict:
 # dsrecipes
 
 
+CHUNK = ["data.chunk_bytes=null"]  # --chunk-kb
+
+
 def ds_cfg(cache: Path, prescan: bool):
     from dsrecipes.config.load import compose_and_load
 
     return compose_and_load(["data=iterable", "dataset.paths=[s3://bench/jsonl/*.jsonl]", f"data.cache_dir={cache}",
                              "dataset.val_size=0", "dataset.max_samples=null", f"data.prescan={str(prescan).lower()}",
-                             "trainer.max_steps=1"], check_files=False)
+                             "trainer.max_steps=1", *CHUNK], check_files=False)
 
 
 def ds_launch(proxy, tmp: Path, prescan: bool) -> dict:
@@ -143,7 +149,7 @@ def ds_readers(run: Path, readers: int, proxy) -> dict:
         rates.append(n / (time.perf_counter() - t0))
         source.close()
     return {"bytes": proxy.body_bytes - b0, "gets": proxy.requests - r0, "first_batch_s": first,
-            "samples_s": statistics.median(rates)}
+            "samples_s": statistics.median(rates), "block_bytes": index.block_bytes, "chunk_bytes": index.chunk_bytes}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -234,7 +240,10 @@ def main() -> None:
     ap.add_argument("--readers", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--shard-mb", type=float, default=2.0, help="MDS shard size_limit (streaming's default: 64)")
+    ap.add_argument("--chunk-kb", type=float, default=None, help="dsrecipes' data.chunk_bytes in KiB (automatic)")
     args = ap.parse_args()
+    if args.chunk_kb is not None:
+        CHUNK[:] = [f"data.chunk_bytes={int(args.chunk_kb * 1024)}"]
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the server and proxy on the way out

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_stream_reads.py [--gb 0.5] [--files 16] [--readers 1 8 64 256] [--workers 4]
                                             [--old-full 8] [--old-sample 2] [--dir /tmp/dsrecipes-bench-stream]
+                                            [--chunk-kb 128 ...] [--order-only]
 
 Writes a multi-file JSONL corpus (uneven files, lines of 0.2-2.5 KB from the bundled sample data), then simulates R
 readers (R/W ranks x W DataLoader workers; R=1: one rank, no workers) over one epoch without training: every reader
@@ -15,12 +16,14 @@ runs the loader's own reading code and counts the bytes it reads.
 Reported per R: total bytes read / corpus bytes for both, the bound of the new scheme (corpus + 2 blocks per reader),
 median per-reader throughput (MB/s of bytes read, samples/s of own samples). Also: index build time per GB (cold:
 hash + line scan in one pass; warm: cache hit), and how random each order is (mean distinct 1024-line regions per
-global batch; mean |Spearman| of a file's samples: training step vs line order, 1 = file order kept).
+global batch; mean |Spearman| of a file's samples: training step vs line order, 1 = file order kept); with
+--chunk-kb, also of the order with `data.chunk_bytes` of these sizes (the local default is one block per chunk).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -36,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsrecipes.data.plan import EpochPlan, Layout, StreamShuffle, file_order  # noqa: E402
 from dsrecipes.data.sampler import iter_items, select_slots  # noqa: E402
+from dsrecipes.data.stream.sizes import blocks_per_chunk  # noqa: E402
 
 SAMPLE = Path(__file__).resolve().parents[1] / "dsrecipes" / "assets" / "sample_data" / "train.jsonl"
 MBS = 4
@@ -181,6 +185,8 @@ def main() -> None:
     ap.add_argument("--old-full", type=int, default=8, help="run every old reader up to this R")
     ap.add_argument("--old-sample", type=int, default=2, help="old readers run above --old-full")
     ap.add_argument("--dir", default=str(Path(tempfile.gettempdir()) / "dsrecipes-bench-stream"))
+    ap.add_argument("--chunk-kb", type=int, nargs="*", default=[], help="also the order quality with these chunks")
+    ap.add_argument("--order-only", action="store_true", help="no reading: the index and the order quality only")
     args = ap.parse_args()
     paths = make_corpus(Path(args.dir), args.gb, args.files)
     corpus = sum(os.path.getsize(p) for p in paths)
@@ -194,7 +200,7 @@ def main() -> None:
     print("| R | old bytes/corpus | new bytes/corpus | new bound | old MB/s, samples/s per reader | "
           "new MB/s, samples/s per reader |")
     print("|---|---|---|---|---|---|")
-    for r in args.readers:
+    for r in [] if args.order_only else args.readers:
         lay = layout_for(r, args.workers)
         new = run_new(index, lay)
         old = run_old(paths, counts, lay, r if r <= args.old_full else args.old_sample)
@@ -202,8 +208,12 @@ def main() -> None:
         note = "" if old["measured"] == old["readers"] else f" ({old['measured']} of {r} run)"
         print(f"| {r} | {old['bytes'] / corpus:.2f}{note} | {new['bytes'] / corpus:.3f} | {bound:.3f} | "
               f"{old['mb_s']:.0f}, {old['samples_s']:.0f} | {new['mb_s']:.0f}, {new['samples_s']:.0f} |", flush=True)
-    print(json.dumps({"order_quality_world_16x4": order_quality(index, counts, layout_for(64, args.workers)),
-                      "order_quality_1_reader": order_quality(index, counts, layout_for(1, args.workers))}))
+    for chunk_kb in [None, *args.chunk_kb]:
+        chunked = index if chunk_kb is None else dataclasses.replace(index, chunk_bytes=chunk_kb << 10)
+        print(json.dumps({"chunk_kb": chunk_kb, "blocks_per_chunk": blocks_per_chunk(chunked.chunk_bytes,
+                                                                                      chunked.block_bytes),
+                          "order_quality_world_16x4": order_quality(chunked, counts, layout_for(64, args.workers)),
+                          "order_quality_1_reader": order_quality(chunked, counts, layout_for(1, args.workers))}))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ from dsrecipes.errors import Refused
 
 MUST_MATCH = (
     "model", "template", "dataset", "data.kind", "data.cutoff_len", "data.packing", "data.train_on", "data.shuffle",
-    "data.shuffle_buffer", "data.num_samples", "data.block_bytes", "optimizer.name", "optimizer.torch_adam",
+    "data.shuffle_buffer", "data.num_samples", "data.block_bytes", "data.chunk_bytes",
+    "optimizer.name", "optimizer.torch_adam",
     "precision.dtype", "zero.stage", "scheduler.name", "trainer.seed", "objective",
     "trainer.save_best.metric", "trainer.save_best.mode",  # the best so far (in the checkpoint) is in these terms
 )

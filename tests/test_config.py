@@ -130,6 +130,8 @@ def test_iterable_epochs_need_no_length_but_stream_keys_are_checked():
         "data.span_bytes: must be >= 1, got 0",
         "data.num_samples: must be >= 1 (or null: the stream's count), got 0",
     ]
+    assert _problems("data=iterable", "data.chunk_bytes=0") == [
+        "data.chunk_bytes: must be >= 1 (or null: automatic), got 0"]
     for kind in ("map", "iterable", "presharded"):  # every strategy evaluates on validation files (issue 22)
         extra = ["data.shard_dir=/shards"] if kind == "presharded" else []
         assert compose_and_load([f"data={kind}", "dataset.val_paths=[/x.jsonl]", *extra], check_files=False)

@@ -168,7 +168,11 @@ def _block_of(index, sample_id):
 def test_elastic_resume_reads_the_rest_exactly_once(tmp_path, old, new, third):
     paths = write_corpus(tmp_path, [700, 20, 900, 333])
     index = stream_index_like_launcher(paths, tmp_path / "run", 2048)
-    universe = all_ids(paths)
+    _resume_twice_exactly_once(index, all_ids(paths), old, new, third)
+
+
+def _resume_twice_exactly_once(index, universe, old, new, third):
+    """5 steps in layout `old`, 3 in `new`, the rest of epoch 0 in `third`: every sample once, equal steps."""
     seen = []
     state = None
     for lay_args, steps in ((old, 5), (new, 3), (third, None)):
@@ -187,6 +191,7 @@ def test_elastic_resume_reads_the_rest_exactly_once(tmp_path, old, new, third):
     assert len(seen) == len(set(seen)), "a sample read twice across the resumes"
     assert len(universe) - len(seen) < Layout(*third).global_batch
     assert state["samples_consumed"] == len(seen)
+    return state
 
 
 def test_resume_with_other_workers_reads_the_rest_once(tmp_path):
@@ -250,6 +255,94 @@ def test_order_is_a_real_shuffle(tmp_path):
 def _spearman(seq):
     ranks = np.argsort(np.argsort(np.asarray(seq)))
     return float(np.corrcoef(np.arange(len(seq)), ranks)[0, 1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Chunks: runs of adjacent blocks of one file kept together by the epoch order (data.chunk_bytes)
+
+# (block, kept index, copy) of the whole epoch order of a small table, from the code before chunks existed
+_BEFORE_CHUNKS = {
+    0: [[0, 0, 0], [0, 1, 0], [0, 2, 0], [4, 2, 0], [4, 1, 0], [4, 0, 0], [0, 0, 1], [0, 1, 1], [0, 2, 1], [8, 0, 0],
+        [8, 1, 0], [1, 2, 0], [1, 0, 0], [1, 1, 0], [6, 0, 0], [6, 1, 0], [6, 2, 0], [2, 0, 0]],
+    1: [[2, 0, 0], [3, 1, 0], [3, 0, 0], [1, 0, 0], [1, 1, 0], [1, 2, 0], [7, 1, 0], [7, 0, 0], [7, 2, 0], [1, 0, 1],
+        [1, 2, 1], [1, 1, 1], [5, 1, 0], [5, 0, 0], [5, 2, 0], [0, 1, 1], [0, 2, 1], [0, 0, 1]],
+}
+_BEFORE_CHUNKS_SHA = "74bc1e48db26e8a0501487e4c34a26cf9d84676305c0e9d016df1bcc39053c37"  # 3 sources, 3 epochs
+
+
+def _epoch_order(table, seed, epoch, shuffle=True):
+    from dsrecipes.data.stream.order import epoch_visits, visit_items
+
+    visits = epoch_visits(table, seed, epoch, shuffle)
+    items = visit_items(visits, np.arange(visits.block.size), seed, epoch, shuffle)
+    return visits, np.stack(items, axis=1).astype(np.int64)
+
+
+def test_one_block_chunks_keep_the_order_from_before_chunks():
+    import hashlib
+
+    from dsrecipes.data.stream.order import BlockTable
+
+    small = BlockTable.uniform([7, 0, 12, 5], 3, file_source=[0, 0, 1, 1], weights=(1.5, 0.5))
+    assert [_epoch_order(small, 5, e)[1].tolist() for e in range(2)] == [_BEFORE_CHUNKS[0], _BEFORE_CHUNKS[1]]
+    for k in (None, 1):
+        args = {} if k is None else {"blocks_per_chunk": k}
+        big = BlockTable.uniform([500, 31, 900, 77], 16, file_source=[0, 1, 0, 2], weights=(1.0, 2.5, 0.25), **args)
+        digest = hashlib.sha256()
+        for e in range(3):
+            digest.update(_epoch_order(big, 11, e)[1].tobytes())
+            digest.update(_epoch_order(big, 11, e, shuffle=False)[1].tobytes())
+        assert digest.hexdigest() == _BEFORE_CHUNKS_SHA
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_chunks_keep_their_blocks_adjacent_in_file_order_and_every_sample_once(k):
+    from dsrecipes.data.stream.order import BlockTable
+
+    counts = [500, 31, 900, 77, 0, 260]
+    table = BlockTable.uniform(counts, 16, file_source=[0, 1, 0, 1, 1, 0], weights=(1.0, 1.0), blocks_per_chunk=k)
+    blocks = [-(-n // 16) for n in counts]
+    assert table.chunks.max() + 1 == sum(-(-b // k) for b in blocks)  # chunks never cross files
+    everything = sorted((g, i) for g in range(table.kept.size) for i in range(table.kept[g]))
+    for epoch in range(2):
+        visits, items = _epoch_order(table, 7, epoch)
+        assert sorted(map(tuple, items[:, :2].tolist())) == everything and not items[:, 2].any()
+        chunk = table.chunks[visits.block]
+        starts = np.flatnonzero(np.diff(np.concatenate(([-1], chunk))))
+        runs = np.split(visits.block, starts[1:])
+        assert len(runs) == len(set(chunk.tolist())) == table.chunks.max() + 1  # each chunk: one run of visits
+        for run in runs:  # ... its blocks, all of them, in file order
+            assert run.tolist() == np.flatnonzero(table.chunks == table.chunks[run[0]]).tolist()
+        positions = np.flatnonzero(chunk[1:] != chunk[:-1])
+        assert len(positions) > 2 * k and not (visits.block[1:] == visits.block[:-1] + 1).all()  # still shuffled
+        inside = [items[items[:, 0] == g, 1].tolist() for g in range(table.kept.size)]
+        assert sum(x != sorted(x) for x in inside) > table.kept.size // 2  # samples in a block still permuted
+
+
+def test_chunked_readers_read_every_sample_once_and_resume_elastically(tmp_path):
+    """Chunks of 4 blocks through the loaders: exactly once, equal steps, each block read once per epoch; elastic
+    resumes; a checkpoint of another chunking is refused, one from before chunks resumes a one-block run."""
+    from dsrecipes.errors import DataError
+
+    paths = write_corpus(tmp_path, [700, 20, 900, 333])
+    index = stream_index_like_launcher(paths, tmp_path / "run", 1024, chunk_bytes=4096)
+    assert index.chunk_bytes == 4096 and index.table().chunks.max() + 1 < index.blocks["count"].size / 3
+    universe = all_ids(paths)
+    layout, sources = Layout(8, 2, 2, 2), {}
+    per_rank = {r: rank_micro_batches(make_loader(index, layout, r), 0, sources) for r in range(8)}
+    assert len({len(v) for v in per_rank.values()}) == 1
+    flat = [i for v in per_rank.values() for b in v for i in b]
+    assert len(flat) == len(set(flat)) and len(universe) - len(flat) < layout.global_batch
+    reads = [g for src in sources.values() for g in src.blocks_read]
+    assert len(reads) - len(set(reads)) <= 2 * len(sources)  # at most the blocks shared by neighbouring stretches
+    state = _resume_twice_exactly_once(index, universe, (8, 2, 2, 2), (3, 3, 1, 3), (5, 1, 4, 0))
+    plain = stream_index_like_launcher(paths, tmp_path / "run-plain", 1024)
+    with pytest.raises(DataError, match=r"chunk_bytes: 4096 -> 1024"):
+        make_loader(plain, Layout(5, 1, 4, 0), 0).load_state_dict(state)
+    before = make_loader(plain, Layout(2, 2, 1, 0), 0)
+    old = before.state_dict()
+    del old["fingerprint"]["chunk_bytes"]  # a checkpoint written before chunks: one block per chunk
+    make_loader(plain, Layout(2, 2, 1, 0), 0).load_state_dict(old)
 
 
 def test_holdout_is_deterministic_and_never_trained(make_cfg, tmp_path):

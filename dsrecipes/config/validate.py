@@ -114,8 +114,9 @@ def _data(cfg: TrainConfig) -> List[str]:
         errors.append(f"data.preprocess_workers: must be >= 1, got {d.preprocess_workers}")
     if d.shuffle_buffer < 0:
         errors.append(f"data.shuffle_buffer: must be >= 0, got {d.shuffle_buffer}")
-    if d.block_bytes is not None and d.block_bytes < 1:
-        errors.append(f"data.block_bytes: must be >= 1 (or null: automatic), got {d.block_bytes}")
+    for key in ("block_bytes", "chunk_bytes"):
+        if getattr(d, key) is not None and getattr(d, key) < 1:
+            errors.append(f"data.{key}: must be >= 1 (or null: automatic), got {getattr(d, key)}")
     for key in ("read_ahead_bytes", "span_bytes"):
         if getattr(d, key) < 1:
             errors.append(f"data.{key}: must be >= 1, got {getattr(d, key)}")

@@ -16,11 +16,11 @@ def plan_like_launcher(cfg: Any, run_dir: Path, world_size: int) -> Any:
 
 
 def stream_index_like_launcher(paths: Any, run_dir: Path, block_bytes: Any = None, world_size: int = 1,
-                               weights: Any = None) -> Any:
+                               weights: Any = None, chunk_bytes: Any = None) -> Any:
     """The StreamIndex a rank opens after `python -m dsrecipes data=iterable` indexed `paths` into `run_dir`: written
     by the launching process, then read and checked as a rank does. Any JSONL lines, empty files too (no prescan,
     bad_rows=skip), all of them trained (no hold-out, no cap, a global batch of one); `weights`: one source per file
-    with these mixing weights."""
+    with these mixing weights; `chunk_bytes`: data.chunk_bytes (None: automatic)."""
     from dsrecipes.config.load import compose_and_load
     from dsrecipes.data.strategies.iterable import IterableStrategy
 
@@ -29,6 +29,7 @@ def stream_index_like_launcher(paths: Any, run_dir: Path, block_bytes: Any = Non
         f"{{name: s{i}, paths: [{p}], weight: {w}}}" for i, (p, w) in enumerate(zip(paths, weights))) + "]"]
     cfg = compose_and_load(["data=iterable", "data.prescan=false", "dataset.bad_rows=skip", "dataset.val_size=0",
                             "dataset.max_samples=null", "trainer.micro_batch_size=1", "trainer.max_steps=1", *data,
-                            f"data.block_bytes={block_bytes or 'null'}", f"data.cache_dir={run_dir}-cache"])
+                            f"data.block_bytes={block_bytes or 'null'}", f"data.chunk_bytes={chunk_bytes or 'null'}",
+                            f"data.cache_dir={run_dir}-cache"])
     plan = plan_like_launcher(cfg, run_dir, world_size)
     return IterableStrategy().open(cfg, str(run_dir), 0, world_size, plan)

@@ -41,6 +41,7 @@ from dsrecipes.data.stream.order import epoch_visits
 from dsrecipes.data.stream.reader import ItemFetcher, read_stretch
 from dsrecipes.data.stream.scan import prepare_stream
 from dsrecipes.data.stream.segments import LocalShuffle, Segment, epoch_segment
+from dsrecipes.data.stream.sizes import blocks_per_chunk
 from dsrecipes.errors import DataError
 from dsrecipes.runplan import RunPlan
 from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES, DEFAULT_READ_AHEAD_BYTES, DEFAULT_SPAN_BYTES, DataKind, TrainConfig
@@ -65,9 +66,10 @@ class StreamTrainLoader(TrainLoader):
         self.total = self.table.epoch_length()
         self.num_samples = num_samples
         self.planned = self.total if num_samples is None else num_samples  # samples of an epoch
+        block = self.index.block_bytes
         fingerprint = {"num_samples": self.planned, "shuffle_buffer": shuffle_buffer if shuffle else 0,
-                       "files": [os.path.basename(f.name) for f in self.index.files],
-                       "block_bytes": self.index.block_bytes, **(fingerprint or {})}
+                       "files": [os.path.basename(f.name) for f in self.index.files], "block_bytes": block,
+                       "chunk_bytes": blocks_per_chunk(self.index.chunk_bytes, block) * block, **(fingerprint or {})}
         super().__init__(layout, rank, seed, shuffle, fingerprint, global_rank)
         self.shuffle_buffer = shuffle_buffer if shuffle else 0
         self.make_rows, self.collate_fn = make_rows, collate_fn
@@ -79,6 +81,11 @@ class StreamTrainLoader(TrainLoader):
     @property
     def steps_per_epoch(self) -> int:
         return self.planned // self.layout.global_batch
+
+    def check_fingerprint(self, state: Dict[str, Any]) -> None:
+        """Another chunking is another order: refused. A checkpoint from before chunks had one block per chunk."""
+        saved = state["fingerprint"]
+        super().check_fingerprint({**state, "fingerprint": {"chunk_bytes": saved.get("block_bytes"), **saved}})
 
     def local_shuffle(self, epoch: int) -> LocalShuffle:
         return LocalShuffle(self.seed, epoch, self.shuffle_buffer, self.shuffle)

@@ -10,7 +10,8 @@ never index anything; they check each file's size and modification time against 
 
 `BlockSource` reads blocks: one `pread` of the block's byte range (at most `block_bytes` plus one line), its sample
 lines in file order, held-out rows dropped, counting the bytes it read. Blocks of objects in a store are read ahead
-of the reader from its plan (`plan`, stream/reader.py), adjacent ones in one ranged GET (data/sources/remote_ahead.py).
+of the reader from its plan (`plan`, stream/reader.py), adjacent ones in one ranged GET (data/sources/remote_ahead.py);
+the order keeps `chunk_bytes` of adjacent blocks together so that a reader has adjacent blocks (stream/sizes.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from dsrecipes.data.sources.remote import identity as remote_identity
 from dsrecipes.data.sources.remote_ahead import ReadAhead
 from dsrecipes.data.sources.splits import split_val
 from dsrecipes.data.stream.files import FileIndex, index_files
-from dsrecipes.data.stream.order import BlockTable
+from dsrecipes.data.stream.order import BlockTable, chunks_of
+from dsrecipes.data.stream.sizes import auto_block_bytes, blocks_per_chunk, chunk_bytes_of
 from dsrecipes.errors import DataError
 from dsrecipes.fileio import atomic_write_json, atomic_writer
 from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES, DEFAULT_READ_AHEAD_BYTES, DEFAULT_SPAN_BYTES, SourceConfig
@@ -40,13 +42,6 @@ from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES, DEFAULT_READ_AHEAD_BYTES, DE
 INDEX_FILE = "stream_index.json"
 ARRAYS_FILE = "stream_index.npz"
 STREAM_VERSION = 1
-BLOCKS_PER_STREAM = 1 << 16  # automatic block size: the stream's bytes / this, within [4 KiB, 1 MiB]
-BLOCKS_PER_REMOTE_STREAM = 1 << 12  # objects in a store: fewer, larger blocks (one GET each; latency-bound)
-
-
-def auto_block_bytes(total_bytes: int, remote: bool = False) -> int:
-    per = BLOCKS_PER_REMOTE_STREAM if remote else BLOCKS_PER_STREAM
-    return int(min(1 << 20, max(1 << 12, 1 << max(0, int(total_bytes // per).bit_length()))))
 
 
 @dataclass
@@ -57,6 +52,7 @@ class StreamIndex:
     sources: List[Tuple[str, float]]  # (name, weight)
     block_bytes: int
     holdout: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # natural numbers held out
+    chunk_bytes: int = 0  # the order keeps chunk_bytes // block_bytes adjacent blocks together (stream/sizes.py)
 
     @property
     def train_files(self) -> List[int]:
@@ -92,7 +88,8 @@ class StreamIndex:
         b = self.blocks
         held = np.searchsorted(self.holdout, b["first"] + b["count"]) - np.searchsorted(self.holdout, b["first"])
         source = np.asarray(self.file_source, dtype=np.int64)[b["file"]] if b["file"].size else b["file"]
-        return BlockTable(b["count"] - held, source, tuple(w for _, w in self.sources))
+        chunk = chunks_of(b["file"], b["local"], blocks_per_chunk(self.chunk_bytes, self.block_bytes))
+        return BlockTable(b["count"] - held, source, tuple(w for _, w in self.sources), chunk)
 
     @property
     def num_val(self) -> int:
@@ -162,8 +159,9 @@ def index_stream(cfg: Any, tap: Any = None) -> StreamIndex:
     for note in notes:
         print(note, file=sys.stderr)
     file_source += [-1] * len(val_names)
-    block_bytes = cfg.data.block_bytes or auto_block_bytes(sum(size_mtime(n)[0] for n in names),
-                                                        remote=any(is_url(n) for n in names))
+    total, remote = sum(size_mtime(n)[0] for n in names), any(is_url(n) for n in names)
+    block_bytes = cfg.data.block_bytes or auto_block_bytes(total, remote)
+    chunk_bytes = chunk_bytes_of(cfg.data.chunk_bytes, total, block_bytes, remote, cfg.data.span_bytes)
     one_tap = None
     if tap is not None:
         srcs = dict(zip(names, _file_configs(cfg, sources, file_source)))
@@ -171,7 +169,8 @@ def index_stream(cfg: Any, tap: Any = None) -> StreamIndex:
     files = index_files(cfg, names, block_bytes, one_tap)
     _whole_file_problems(files, cfg.dataset.bad_rows.value)
     caps = _caps(files, file_source, [src.max_samples for src in sources], cfg.dataset.max_samples)
-    return StreamIndex(files, caps, file_source, [(s.name, s.weight) for s in sources], block_bytes)
+    return StreamIndex(files, caps, file_source, [(s.name, s.weight) for s in sources], block_bytes,
+                       chunk_bytes=chunk_bytes)
 
 
 def file_sources(cfg: Any, index: StreamIndex) -> List[Any]:
@@ -217,8 +216,8 @@ def write_stream_index(run_dir: str | Path, index: StreamIndex) -> None:
               "digest": fi.digest, "count": fi.count, "problem": fi.problem, "blocks": int(fi.offsets.size),
               "etag": fi.etag}
              for fi in index.files]
-    meta = {"version": STREAM_VERSION, "block_bytes": index.block_bytes, "sources": index.sources,
-            "file_source": index.file_source, "caps": index.caps, "files": files}
+    meta = {"version": STREAM_VERSION, "block_bytes": index.block_bytes, "chunk_bytes": index.chunk_bytes,
+            "sources": index.sources, "file_source": index.file_source, "caps": index.caps, "files": files}
     cat = {k: np.concatenate([getattr(fi, k) for fi in index.files]) if index.files else np.zeros(0, np.int64)
            for k in ("offsets", "lines", "firsts")}
     with atomic_writer(Path(run_dir) / ARRAYS_FILE) as fh:
@@ -244,7 +243,7 @@ def read_stream_index(run_dir: str | Path) -> Optional[StreamIndex]:
                                arrays["offsets"][sl], arrays["lines"][sl], arrays["firsts"][sl],
                                tuple(m["problem"]) if m["problem"] else None, m.get("etag", "")))
     return StreamIndex(files, meta["caps"], meta["file_source"], [tuple(s) for s in meta["sources"]],
-                       meta["block_bytes"], arrays["holdout"])
+                       meta["block_bytes"], arrays["holdout"], meta.get("chunk_bytes", 0))
 
 
 # ---------------------------------------------------------------------------------------------------------------
