@@ -34,6 +34,7 @@ python scripts/fetch_smollm2.py
 python -m dsrecipes validate --all
 # The tests never touch the network (hub ids resolve from local caches only); a missing SmolLM2 fails, not skips.
 # Two workers (pytest-xdist), one test file each at a time (module fixtures: one trained run, many assertions), the
-# heaviest files first (tests/conftest.py HEAVY_FIRST): most tests are one single-threaded process at a time, so a
-# 2-core machine runs two files at once. `-n 0` after the script's name runs everything in one process.
-DSRECIPES_REQUIRE_SMOLLM2=1 HF_HUB_OFFLINE=1 python -m pytest -q -n 2 --dist loadfile "$@"
+# heaviest files first (tests/conftest.py HEAVY_FIRST; --no-loadscope-reorder keeps that order, xdist would sort the
+# files by their number of tests): most tests are one single-threaded process at a time, so a 2-core machine runs
+# two files at once. `-n 0` after the script's name runs everything in one process.
+DSRECIPES_REQUIRE_SMOLLM2=1 HF_HUB_OFFLINE=1 python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder "$@"

@@ -21,6 +21,7 @@ from deepspeed.runtime.config import DeepSpeedConfig  # noqa: E402
 
 from dsrecipes.config.groups import group_options  # noqa: E402
 from dsrecipes.config.load import ConfigError, compose_and_load, hydra_context  # noqa: E402
+from dsrecipes.distributed import skip_shm_comm_op  # noqa: E402
 from dsrecipes.ds_config import build_ds_config  # noqa: E402
 
 
@@ -41,6 +42,7 @@ class DataParallelOnly:
         return 0
 
 
+skip_shm_comm_op()  # as every dsrecipes rank does: parsing configs needs no shared-memory op (a cold JIT build)
 deepspeed.init_distributed(dist_backend="gloo")
 opts = group_options()
 with hydra_context():
