@@ -514,3 +514,19 @@ def test_epochs_leave_no_open_files(tmp_path):
             list(it)  # a whole epoch; the others are abandoned after one batch, as a step budget does
         del it
     assert len(os.listdir("/proc/self/fd")) <= before
+
+
+def test_automatic_chunk_size_local_one_block_store_a_128th_within_one_block_and_1_mib():
+    """Local files keep the finest order (one block per chunk); a store stream gets 1/128 of its bytes, a power of
+    two, never under one block nor over 1 MiB - and nothing a resume may change (data.span_bytes) enters it."""
+    from dsrecipes.data.stream.sizes import auto_block_bytes, auto_chunk_bytes, blocks_per_chunk, chunk_bytes_of
+
+    mb = 1 << 20
+    assert auto_chunk_bytes(8 * mb, auto_block_bytes(8 * mb), remote=False) == auto_block_bytes(8 * mb)
+    block = auto_block_bytes(8 * mb, remote=True)
+    assert (block, auto_chunk_bytes(8 * mb, block, remote=True)) == (4096, 64 * 1024)
+    assert auto_chunk_bytes(100 * 1024, 4096, remote=True) == 4096  # 800 B wanted: one block
+    assert auto_chunk_bytes(1 << 40, auto_block_bytes(1 << 40, remote=True), remote=True) == mb  # 1 TB: capped
+    assert auto_chunk_bytes(3 * mb, 4096, remote=True) == 32 * 1024  # 24 KiB rounded up
+    assert chunk_bytes_of(12345, 8 * mb, block, remote=True) == 12345 and blocks_per_chunk(12345, block) == 3
+    assert blocks_per_chunk(100, block) == 1

@@ -161,7 +161,7 @@ def index_stream(cfg: Any, tap: Any = None) -> StreamIndex:
     file_source += [-1] * len(val_names)
     total, remote = sum(size_mtime(n)[0] for n in names), any(is_url(n) for n in names)
     block_bytes = cfg.data.block_bytes or auto_block_bytes(total, remote)
-    chunk_bytes = chunk_bytes_of(cfg.data.chunk_bytes, total, block_bytes, remote, cfg.data.span_bytes)
+    chunk_bytes = chunk_bytes_of(cfg.data.chunk_bytes, total, block_bytes, remote)
     one_tap = None
     if tap is not None:
         srcs = dict(zip(names, _file_configs(cfg, sources, file_source)))
