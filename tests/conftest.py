@@ -92,6 +92,17 @@ HEAVY_FIRST = ("test_multinode.py", "test_dpo_smollm2.py", "test_smollm2.py", "t
                "test_eval_runs.py", "test_launch_real.py", "test_stream_e2e.py")
 
 
+def pytest_sessionstart(session):
+    """Under pytest-xdist each worker has one core of the two (the README's `-n 2`): work done inside the worker (the
+    launching side of in-process runs: preparing data, DPO reference log-probs, evaluation, export) uses one intra-op
+    thread, as every subprocess does (subprocess_env) and as ranks already do (distributed.init_distributed). Two
+    threads per worker spin-wait on an oversubscribed host (DPO on SmolLM2: 174 s to prepare with the other worker busy)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
