@@ -41,7 +41,6 @@ from dsrecipes.data.stream.order import epoch_visits
 from dsrecipes.data.stream.reader import ItemFetcher, read_stretch
 from dsrecipes.data.stream.scan import prepare_stream
 from dsrecipes.data.stream.segments import LocalShuffle, Segment, epoch_segment
-from dsrecipes.data.stream.sizes import blocks_per_chunk
 from dsrecipes.errors import DataError
 from dsrecipes.runplan import RunPlan
 from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES, DEFAULT_READ_AHEAD_BYTES, DEFAULT_SPAN_BYTES, DataKind, TrainConfig
@@ -69,7 +68,7 @@ class StreamTrainLoader(TrainLoader):
         block = self.index.block_bytes
         fingerprint = {"num_samples": self.planned, "shuffle_buffer": shuffle_buffer if shuffle else 0,
                        "files": [os.path.basename(f.name) for f in self.index.files], "block_bytes": block,
-                       "chunk_bytes": blocks_per_chunk(self.index.chunk_bytes, block) * block, **(fingerprint or {})}
+                       "chunk_bytes": self.index.blocks_per_chunk * block, **(fingerprint or {})}
         super().__init__(layout, rank, seed, shuffle, fingerprint, global_rank)
         self.shuffle_buffer = shuffle_buffer if shuffle else 0
         self.make_rows, self.collate_fn = make_rows, collate_fn

@@ -55,6 +55,10 @@ class StreamIndex:
     chunk_bytes: int = 0  # the order keeps chunk_bytes // block_bytes adjacent blocks together (stream/sizes.py)
 
     @property
+    def blocks_per_chunk(self) -> int:
+        return blocks_per_chunk(self.chunk_bytes, self.block_bytes)
+
+    @property
     def train_files(self) -> List[int]:
         return [f for f, s in enumerate(self.file_source) if s >= 0]
 
@@ -88,7 +92,7 @@ class StreamIndex:
         b = self.blocks
         held = np.searchsorted(self.holdout, b["first"] + b["count"]) - np.searchsorted(self.holdout, b["first"])
         source = np.asarray(self.file_source, dtype=np.int64)[b["file"]] if b["file"].size else b["file"]
-        chunk = chunks_of(b["file"], b["local"], blocks_per_chunk(self.chunk_bytes, self.block_bytes))
+        chunk = chunks_of(b["file"], b["local"], self.blocks_per_chunk)
         return BlockTable(b["count"] - held, source, tuple(w for _, w in self.sources), chunk)
 
     @property

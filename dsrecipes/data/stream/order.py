@@ -92,15 +92,16 @@ class BlockTable:
         (audits and tests without files)."""
         kept: List[int] = []
         source: List[int] = []
+        file: List[int] = []
         local: List[int] = []
         for f, n in enumerate(counts):
             full, rest = divmod(int(n), per_block)
             sizes = [per_block] * full + ([rest] if rest else [])
             kept += sizes
             source += [0 if file_source is None else int(file_source[f])] * len(sizes)
+            file += [f] * len(sizes)
             local += range(len(sizes))
-        chunk = chunks_of(np.repeat(np.arange(len(counts)), [-(-int(n) // per_block) for n in counts]),
-                          np.asarray(local, dtype=np.int64), blocks_per_chunk)
+        chunk = chunks_of(np.asarray(file, dtype=np.int64), np.asarray(local, dtype=np.int64), blocks_per_chunk)
         return cls(np.asarray(kept, dtype=np.int64), np.asarray(source, dtype=np.int64), tuple(weights), chunk)
 
     @cached_property

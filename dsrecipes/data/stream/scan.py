@@ -45,7 +45,6 @@ from dsrecipes.data.stream.index import (
 )
 from dsrecipes.data.stream.scan_files import RowChecker, RowTap, Taps, load_scan, save_scan, scan_path
 from dsrecipes.data.stream.scan_pairs import PairChecker
-from dsrecipes.data.stream.sizes import blocks_per_chunk
 from dsrecipes.errors import DataError
 from dsrecipes.schema import ObjectiveKind, SourceConfig, TrainConfig
 from dsrecipes.typed import config_to_dict
@@ -75,7 +74,7 @@ def prepare_stream(cfg: TrainConfig, run_dir: Path) -> Tuple[int, str, int]:
     if rows > total:
         raise DataError(f"data.num_samples={rows} but the stream has {total} training samples per epoch; "
                         f"set data.num_samples={total} or leave it unset")
-    blocks, per_chunk = int(index.blocks["count"].size), blocks_per_chunk(index.chunk_bytes, index.block_bytes)
+    blocks, per_chunk = int(index.blocks["count"].size), index.blocks_per_chunk
     chunks = f" (ordered in chunks of {per_chunk})" if per_chunk > 1 else ""
     print(f"data: stream indexed: {len(index.files)} files, {index.num_lines} lines in {blocks} blocks of "
           f"~{index.block_bytes} bytes{chunks}, {index.num_val} validation rows, {rows} training samples per epoch "
