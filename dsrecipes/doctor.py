@@ -267,7 +267,8 @@ def check_config(probe: Probe, ctx: Context) -> List[Finding]:
         return []
     from dsrecipes.config.validate import check_runtime  # lazy: else `commands.doctor` imports numpy 0.11 s
 
-    problems = check_runtime(ctx.config, cuda_available=bool(probe.torch()["cuda_available"]))
+    # libaio for offload=nvme is check_aio's finding, from the probed environment: not asked again here
+    problems = check_runtime(ctx.config, cuda_available=bool(probe.torch()["cuda_available"]), async_io=True)
     if not problems:
         return [Finding("config", Level.ok, "the composed config can run on this machine")]
     return [Finding("config", Level.error, p) for p in problems]

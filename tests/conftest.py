@@ -121,11 +121,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 def subprocess_env(extra: dict | None = None) -> dict:
-    """Environment for real subprocess runs: no inherited rank variables, quiet tokenizers, single-thread BLAS."""
+    """Environment for real subprocess runs: no inherited rank variables, quiet tokenizers, single-thread BLAS;
+    `extra` on top (a None value removes that variable)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update({"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     env.update(extra or {})
-    return env
+    return {k: v for k, v in env.items() if v is not None}
 
 
 @pytest.fixture(scope="session")

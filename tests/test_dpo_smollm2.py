@@ -1,8 +1,9 @@
 """DPO learns on a real model: SmolLM2-135M-Instruct (as the suite fetches it) through the shipped recipe
 `smollm2_cpu_dpo`, on pairs from the bundled data (a numeric answer as `chosen`, the same answer with a wrong number
-as `rejected`), judged on the HELD-OUT pairs of the split: the implicit reward accuracy of the final evaluation is
-well above chance, and the exported model prefers the chosen answers more than the base model does, measured with
-plain transformers (no dsrecipes code in the measurement). One short run shared by the assertions (CI time)."""
+as `rejected`; the single-turn rows of `dataset=sample_pairs`, for CI time), judged on the HELD-OUT pairs of the
+split: the implicit reward accuracy of the final evaluation is well above chance, and the exported model prefers the
+chosen answers more than the base model does, measured with plain transformers (no dsrecipes code in the
+measurement). One short run shared by the assertions (CI time)."""
 
 from __future__ import annotations
 
@@ -15,15 +16,33 @@ import torch
 pytestmark = pytest.mark.slow
 
 
+def short_pairs(root):
+    """The bundled pairs as `dataset=sample_pairs` reads them (its dataset_info.json entry), keeping the single-turn
+    rows without tools ("What is 29 + 30?" / "29 + 30 = 59." vs "... = 69."), unchanged: ~40 tokens per sequence
+    instead of ~120 with the tool-call conversations, a third of the CPU for the same number of pairs and steps."""
+    from dsrecipes.paths import ASSETS_DIR
+
+    assets = ASSETS_DIR / "sample_data"
+    entry = json.loads((assets / "dataset_info.json").read_text(encoding="utf-8"))["sample_pairs"]
+    rows = (assets / entry["file_name"]).read_text(encoding="utf-8").splitlines()
+    kept = [r for r in rows if len(json.loads(r)["conversations"]) == 1 and not json.loads(r).get("tools")]
+    assert len(kept) > 400
+    (root / entry["file_name"]).write_text("\n".join(kept) + "\n", encoding="utf-8")
+    (root / "dataset_info.json").write_text(json.dumps({"sample_pairs": entry}), encoding="utf-8")
+    return root / "dataset_info.json"
+
+
 @pytest.fixture(scope="module")
 def dpo_run(smollm2_dir, tmp_path_factory):
     from dsrecipes.cli import main
 
     run_dir = tmp_path_factory.mktemp("smol_dpo") / "run"
+    registry = short_pairs(run_dir.parent)
     saved = dict(os.environ)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        code = main(["recipe=smollm2_cpu_dpo", f"model.path={smollm2_dir}", "dataset.max_samples=48",
+        code = main(["recipe=smollm2_cpu_dpo", f"model.path={smollm2_dir}", f"dataset.registry={registry}",
+                     "dataset.max_samples=48",
                      "dataset.val_size=16", "trainer.max_steps=8", "trainer.eval_every=0", "trainer.save_every=0",
                      "trainer.eval_at_start=false",
                      f"data.cache_dir={run_dir.parent / 'cache'}", f"trainer.output_dir={run_dir}",

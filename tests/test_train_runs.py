@@ -127,7 +127,9 @@ RECORDED = ("zero=stage2", "trainer.record_samples=true")
 
 @pytest.fixture(scope="module")
 def zero2_run(workspace) -> Path:
-    run_dir, out = train_run(workspace, "zero2", *RECORDED)
+    # from an empty extensions cache (this run needs no op): test_two_rank_training_builds_no_shared_memory_op
+    fresh = {"XDG_CACHE_HOME": str(workspace / "zero2_cache"), "TORCH_EXTENSIONS_DIR": None}
+    run_dir, out = train_run(workspace, "zero2", *RECORDED, env=fresh)
     (workspace / "zero2.console").write_text(out)  # what the user saw (stdout + stderr)
     return run_dir
 
@@ -169,6 +171,18 @@ def test_zero2_two_ranks_trains_logs_checkpoints_and_exports(zero2_run):
     assert not state_dicts_equal(exported, initial)
     port = re.search(r"--master_port[= ](\d+)", (run / "launch.txt").read_text()).group(1)
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))  # the ranks' shm segments
+
+
+def test_two_rank_training_builds_no_shared_memory_op(zero2_run, workspace):
+    """Training over gloo does not use DeepSpeed's shm op (dsrecipes.jit_ops): the 2-rank run, started from an
+    empty extensions cache, trained (test_zero2_...) and built nothing, and DeepSpeed's runner was not started."""
+    cache = workspace / "zero2_cache"
+    assert cache.is_dir()  # the run's processes used it (matplotlib keeps its font cache there)
+    assert not list(cache.rglob("*shm_comm*")), "the shm op was built"
+    assert not list(cache.rglob("*.so")), list(cache.rglob("*.so"))
+    assert "building DeepSpeed" not in (workspace / "zero2.console").read_text()
+    launched = (zero2_run / "launch.txt").read_text()  # one machine: DeepSpeed's per-node launcher, no runner first
+    assert " -u -m deepspeed.launcher.launch --world_info=" in launched and "deepspeed.launcher.runner" not in launched
 
 
 def test_killed_mid_save_resumes_from_last_good_checkpoint_with_identical_losses(zero2_run, workspace):

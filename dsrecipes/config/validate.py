@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import re
-from typing import List
+from typing import List, Optional
 
+from dsrecipes import jit_ops
 from dsrecipes.boundary.batch_script import batch_problems, run_dir_problem
 from dsrecipes.boundary.launcher_args import extra_args_problems, hostfile_problems
 from dsrecipes.boundary.rank_env import env_problems
@@ -301,8 +302,11 @@ def _shard_url(url: str) -> List[str]:
     return [] if found else [f"data.shard_dir: {url!r} holds no manifest.json (written by `dsrecipes shard`)"]
 
 
-def check_runtime(cfg: TrainConfig, *, cuda_available: bool) -> List[str]:
-    """Rules that depend on the machine a run starts on (not part of `validate`, which must accept GPU recipes)."""
+def check_runtime(cfg: TrainConfig, *, cuda_available: bool, async_io: Optional[bool] = None) -> List[str]:
+    """Rules that depend on the machine a run starts on (not part of `validate`, which must accept GPU recipes).
+
+    `async_io`: whether DeepSpeed can build its async I/O op here (None: asked of DeepSpeed, only when the config
+    offloads to NVMe; jit_ops.async_io_buildable)."""
     errors = []
     if cfg.precision.dtype is Precision.fp16 and not cuda_available:
         errors.append(
@@ -317,4 +321,10 @@ def check_runtime(cfg: TrainConfig, *, cuda_available: bool) -> List[str]:
         errors.append("optimizer.name: lion without optimizer offload is DeepSpeed's FusedLion, a CUDA kernel "
                       "('This op had not been implemented on CPU backend'); on CPU use offload=cpu_optimizer "
                       "(DeepSpeedCPULion, needs zero=stage1 or higher) or another optimizer")
+    nvme = [k for k in ("optimizer", "param") if getattr(cfg.offload, k) is OffloadDevice.nvme]
+    if nvme and not (jit_ops.async_io_buildable() if async_io is None else async_io):
+        # Refused here: a rank would first JIT-build DeepSpeed's pin_memory op (minutes of C++) and then fail on
+        # async_io ('async_io' op not compatible) in every rank.
+        errors.append(f"offload.{nvme[0]}: nvme offload needs DeepSpeed's async_io op, which cannot be built on this "
+                      "machine: libaio is missing (apt install libaio-dev; `dsrecipes doctor` checks it)")
     return errors
