@@ -24,7 +24,7 @@ import time
 from enum import Enum
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Mapping, Optional
+from typing import TYPE_CHECKING, Any, List, Mapping, Optional
 
 from dsrecipes.deepspeed_import import load_deepspeed
 from dsrecipes.schema import OffloadDevice, OptimizerKind
@@ -76,13 +76,21 @@ def ops_for(cfg: "TrainConfig") -> List[JitOp]:
     return ops
 
 
-def build(op: JitOp) -> Path:
-    """Build (or load, when cached) `op` now, into this environment's directory (`dsrecipes doctor --build-ops`)."""
+def _builder(op: JitOp) -> Any:
+    """DeepSpeed's builder of `op` for this machine's accelerator (None when the accelerator has no such op)."""
+    load_deepspeed()
     from deepspeed.accelerator import get_accelerator
 
+    return get_accelerator().create_op_builder(BUILDERS[op][0])
+
+
+def build(op: JitOp) -> Path:
+    """Build (or load, when cached) `op` now, into this environment's directory (`dsrecipes doctor --build-ops`)."""
     root = prepare_rank()
-    builder = get_accelerator().create_op_builder(BUILDERS[op][0])
+    builder = _builder(op)
     if builder is None:
+        from deepspeed.accelerator import get_accelerator
+
         raise RuntimeError(f"DeepSpeed's {get_accelerator().device_name()} accelerator has no {op.value} op")
     builder.load(verbose=False)
     return root / builder.name
@@ -92,10 +100,7 @@ def build(op: JitOp) -> Path:
 def async_io_buildable() -> bool:
     """Whether DeepSpeed can build its async_io op (offload to NVMe) here, by DeepSpeed's own test: it compiles and
     links a call to libaio's io_submit."""
-    load_deepspeed()
-    from deepspeed.accelerator import get_accelerator
-
-    builder = get_accelerator().create_op_builder(BUILDERS[JitOp.async_io][0])
+    builder = _builder(JitOp.async_io)
     return builder is not None and bool(builder.is_compatible(verbose=False))
 
 

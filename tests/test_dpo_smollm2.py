@@ -24,8 +24,9 @@ def short_pairs(root):
 
     assets = ASSETS_DIR / "sample_data"
     entry = json.loads((assets / "dataset_info.json").read_text(encoding="utf-8"))["sample_pairs"]
-    rows = (assets / entry["file_name"]).read_text(encoding="utf-8").splitlines()
-    kept = [r for r in rows if len(json.loads(r)["conversations"]) == 1 and not json.loads(r).get("tools")]
+    lines = (assets / entry["file_name"]).read_text(encoding="utf-8").splitlines()
+    kept = [line for line, row in zip(lines, map(json.loads, lines))
+            if len(row["conversations"]) == 1 and not row.get("tools")]
     assert len(kept) > 400
     (root / entry["file_name"]).write_text("\n".join(kept) + "\n", encoding="utf-8")
     (root / "dataset_info.json").write_text(json.dumps({"sample_pairs": entry}), encoding="utf-8")

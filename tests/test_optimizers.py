@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from dsrecipes import jit_ops
 from tests.conftest import subprocess_env
 
 HELPER = Path(__file__).parent / "helpers" / "check_optimizers.py"
@@ -30,12 +31,6 @@ def expected(optimizer: str, offloaded: bool) -> str:
     return {"adamw": "torch.optim.adamw.AdamW", "adam": "torch.optim.adam.Adam"}[optimizer]
 
 
-def async_io_available() -> bool:
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-
-    return AsyncIOBuilder().is_compatible(verbose=False)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # may pay the session's cold CPU Adam build (conftest.built_cpu_adam)
 def test_every_optimizer_offload_and_stage_builds_the_right_optimizer(built_cpu_adam):
@@ -46,7 +41,7 @@ def test_every_optimizer_offload_and_stage_builds_the_right_optimizer(built_cpu_
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     built = {tuple(r["overrides"][:3]): r for r in rows if "rejected" not in r}
     assert len(rows) == 4 * 4 * 4  # optimizers x offloads x stages, each reported
-    nvme = async_io_available()
+    nvme = jit_ops.async_io_buildable()  # DeepSpeed's own test (tests/test_config.py checks it agrees)
     for (opt, off, zero), r in sorted(built.items()):
         name, offload = opt.split("=")[1], off.split("=")[1]
         if offload == "nvme" and not nvme:
