@@ -176,3 +176,24 @@ def test_ls_help_and_group_filter(capsys):
     assert main(["ls", "zero"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("zero (zero=OPTION):") and "stage3" in out and "offload" not in out
+
+
+def test_nvme_offload_without_async_io_is_one_message_before_anything_is_written(tmp_path):
+    """Where DeepSpeed cannot build its async_io op (no libaio, as on the test machines), `offload=nvme` exits 2 with
+    one message naming the key, before a run directory is claimed or an op is built; a foreign file in the output
+    directory survives untouched."""
+    from dsrecipes import jit_ops
+
+    if jit_ops.async_io_buildable():
+        pytest.skip("libaio is installed here: DeepSpeed can build async_io, nothing to refuse")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    out = subprocess.run([sys.executable, "-m", "dsrecipes", "offload=nvme", "zero=stage3",
+                          f"offload.nvme_path={tmp_path / 'nvme'}", f"trainer.output_dir={run}", f"hydra.run.dir={run}"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                         env=subprocess_env({"XDG_CACHE_HOME": str(tmp_path / "cache"), "TORCH_EXTENSIONS_DIR": None}))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "offload.optimizer: nvme offload needs DeepSpeed's async_io op" in out.stderr and "Traceback" not in out.stderr
+    assert [p.name for p in run.iterdir()] == ["notes.txt"] and (run / "notes.txt").read_text() == "mine"
+    assert not list((tmp_path / "cache").rglob("*.so"))  # no pin_memory (or any) op was built first
