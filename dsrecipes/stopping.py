@@ -65,12 +65,13 @@ def _handler(signum: int, frame: object) -> None:
             _forced = True
             raise KeyboardInterrupt  # Ctrl-C again, after the acknowledgement: stop now
     first = _received is None
-    _received = _received or signum
+    if first:
+        # Recorded before anything else runs: the wrapper's copy can arrive while this handler is still printing
+        # (Python runs the next handler inside this one), and must find the interruption already acknowledged.
+        _received, _acknowledged_at = signum, time.monotonic()
     if first and any(_announce):
         print(f"\n{signal.Signals(signum).name}: stopping at the next step boundary and saving a checkpoint "
               "(Ctrl-C again, after this line, stops at once)", file=sys.stderr, flush=True)
-    if first:
-        _acknowledged_at = time.monotonic()
     for callback in list(_callbacks):
         callback(signum)
 

@@ -84,7 +84,8 @@ def test_every_subcommand_main_lives_in_commands():
         defines_main = any(isinstance(n, ast.FunctionDef) and n.name == "main"
                            for n in ast.parse(path.read_text(encoding="utf-8")).body)
         if defines_main:
-            entry_points = ("dsrecipes.cli", "dsrecipes.worker", "dsrecipes.launch.mpi_rank", "dsrecipes.requeue")
+            entry_points = ("dsrecipes.cli", "dsrecipes.worker", "dsrecipes.launch.mpi_rank", "dsrecipes.launch.ds_node",
+                            "dsrecipes.requeue")
             assert module.startswith("dsrecipes.commands.") or module in entry_points, module
 
 

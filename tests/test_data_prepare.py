@@ -188,3 +188,41 @@ def test_parallel_workers_give_identical_output(cfg_for, tok, tmp_path):
 def test_load_prepared_without_prepare(cfg_for, tmp_path):
     with pytest.raises(DataError, match="prepare_stats.json: missing"):
         load_prepared(cfg_for(), tmp_path / "nothing")
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_splits_read_without_datasets_give_what_datasets_gives(cfg_for, tok, tmp_path, packing):
+    """Ranks read a prepared split with pyarrow alone (data/arrow_rows.py): every row, column, batch, selection and
+    the iteration order are the values `datasets.load_from_disk` gives for the same directory."""
+    from datasets import load_from_disk
+
+    from dsrecipes.data.arrow_rows import ArrowRows
+
+    prep = prepare(cfg_for(**{"data.packing": packing, "data.cutoff_len": 256}), tok, tmp_path / "run")
+    assert isinstance(prep.train, ArrowRows) and isinstance(prep.val, ArrowRows)
+    for split in ("train", "val"):
+        ours, theirs = getattr(prep, split), load_from_disk(str(prep.cache_dir / split))
+        assert len(ours) == len(theirs) and ours.column_names == theirs.column_names
+        assert list(ours) == list(theirs)
+        last = len(ours) - 1
+        assert len(ours) > 1 and [ours[i] for i in (0, last, -1)] == [theirs[i] for i in (0, last, -1)]
+        assert ours.__getitems__([last, 0, last]) == [theirs[last], theirs[0], theirs[last]]
+        assert all(ours[c] == list(theirs[c]) for c in theirs.column_names)
+        assert list(ours.select(range(4))) == list(theirs.select(range(4)))
+        with pytest.raises(IndexError):
+            ours[len(ours)]
+
+
+def test_a_damaged_prepared_split_is_one_message(cfg_for, tok, tmp_path):
+    from dsrecipes.data.arrow_rows import ArrowRows
+
+    prep = prepare(cfg_for(), tok, tmp_path / "run")
+    split = tmp_path / "copy"
+    shutil.copytree(prep.cache_dir / "train", split)
+    (arrow,) = split.glob("*.arrow")
+    arrow.write_bytes(arrow.read_bytes()[:100])  # cut short (a full disk, a copy interrupted)
+    with pytest.raises(DataError, match="copy: not a readable prepared split"):
+        ArrowRows.open(split)
+    (split / "state.json").write_text("{}")
+    with pytest.raises(DataError, match="not a readable prepared split"):
+        ArrowRows.open(split)

@@ -42,6 +42,29 @@ def test_two_sigints_within_milliseconds_are_one_interruption(fresh_stop, capsys
     assert capsys.readouterr().err.count("stopping at the next step boundary") == 1
 
 
+def test_the_copy_that_arrives_while_the_first_is_being_announced_is_the_same_interruption(fresh_stop, monkeypatch):
+    """On a loaded machine the wrapper's copy can run inside the first handler, while it prints the announcement
+    (Python runs a pending handler at the next bytecode, also inside a handler): still one interruption, no
+    KeyboardInterrupt (a CI run once stopped "at once by a second SIGINT" this way, without its checkpoint)."""
+    import builtins
+
+    real_print, copies = builtins.print, []
+
+    def print_then_copy(*args, **kwargs):
+        if not copies:
+            copies.append(1)
+            stopping._handler(signal.SIGINT, None)  # the copy, delivered mid-announcement
+        real_print(*args, **kwargs)
+
+    monkeypatch.setattr(builtins, "print", print_then_copy)
+    try:
+        with stopping.handling(announce=True):
+            stopping._handler(signal.SIGINT, None)
+    except KeyboardInterrupt:
+        pytest.fail("the copy delivered during the announcement stopped the run at once")
+    assert copies and stopping.requested() == signal.SIGINT and not stopping.forced()
+
+
 def test_a_second_sigint_after_the_acknowledgement_stops_at_once(fresh_stop):
     with pytest.raises(KeyboardInterrupt):
         with stopping.handling(announce=True):

@@ -70,7 +70,7 @@ def test_deepspeed_golden(make_cfg):
     cfg, plan = plan_for(make_cfg, "launcher=deepspeed", "launcher.num_gpus=2")
     (cmd,) = plan.commands
     assert cmd.argv == [
-        PY, "-u", "-m", "deepspeed.launcher.launch", "--world_info=eyJsb2NhbGhvc3QiOiBbMCwgMV19",
+        PY, "-u", "-m", "dsrecipes.launch.ds_node", "--world_info=eyJsb2NhbGhvc3QiOiBbMCwgMV19",
         "--master_addr=127.0.0.1", f"--master_port={PORT}", "--module", "--no_local_rank", "--log_level=info",
         "dsrecipes.worker", "--run-dir", str(RUN),
     ]  # fmt: skip
@@ -124,12 +124,28 @@ def test_deepspeed_single_node_is_what_the_runner_starts(make_cfg, monkeypatch, 
     runner_argv = ["--num_gpus", "3", "--master_port", str(PORT), *extra, "--no_local_rank", "--module",
                    "dsrecipes.worker", "--run-dir", str(RUN)]
     theirs = _runner_command(monkeypatch, runner_argv)
-    assert cmd.argv[:4] == theirs[:4] == [PY, "-u", "-m", "deepspeed.launcher.launch"]
+    assert theirs[:4] == [PY, "-u", "-m", "deepspeed.launcher.launch"]
+    assert cmd.argv[:4] == [PY, "-u", "-m", "dsrecipes.launch.ds_node"]  # which runs that module's main()
     ours = _node_launch_parse(monkeypatch, cmd.argv[4:])
     assert vars(ours) == vars(_node_launch_parse(monkeypatch, theirs[4:]))
-    assert [a for a in theirs if a not in cmd.argv] == ["--enable_each_rank_log=None"]  # (its default, spelled out)
+    assert [a for a in theirs[4:] if a not in cmd.argv] == ["--enable_each_rank_log=None"]  # (a default, spelled out)
     assert (ours.training_script, ours.training_script_args) == ("dsrecipes.worker", ["--run-dir", str(RUN)])
     assert (ours.module, ours.no_local_rank, ours.no_python, ours.master_port) == (True, True, False, PORT)
+
+
+def test_the_node_entry_is_deepspeeds_launcher_without_mlflow():
+    """`python -m dsrecipes.launch.ds_node` is DeepSpeed's per-node launcher (its own parser and main()), and its
+    process never imports mlflow although mlflow is installed (DeepSpeed's autotuner would import it)."""
+    pytest.importorskip("mlflow")
+    probe = ("import sys\nfrom dsrecipes.launch import ds_node\nsys.argv = ['ds_node', '--help']\n"
+             "try:\n    ds_node.main()\nexcept SystemExit as e:\n    print('exit', e.code)\n"
+             "print('mlflow' in sys.modules, sys.modules['deepspeed.launcher.launch'].__file__)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                          env={**child_env({}), "DS_ACCELERATOR": "cpu"})
+    assert done.returncode == 0, done.stderr
+    assert "--world_info" in done.stdout and "--no_local_rank" in done.stdout  # DeepSpeed's launcher's own help
+    *_, exited, last = done.stdout.strip().splitlines()
+    assert exited == "exit 0" and last.startswith("False ") and last.endswith("deepspeed/launcher/launch.py"), last
 
 
 @pytest.mark.parametrize("overrides, environ", [

@@ -274,7 +274,7 @@ def test_two_rank_zero3_from_a_hub_id_exports_the_original_shapes(workspace, smo
     from tests.test_hub import populate_hub_cache
 
     snapshot = populate_hub_cache(workspace / "hf", smollm2_dir, repo_id=HUB_ID)
-    run = train(workspace, "zero3", smollm2_dir, f"model.path={HUB_ID}", "zero=stage3", "trainer.max_steps=2",
+    run = train(workspace, "zero3", smollm2_dir, f"model.path={HUB_ID}", "zero=stage3", "trainer.max_steps=1",
                 "trainer.micro_batch_size=1", "data.cutoff_len=128", "dataset.val_size=0", ranks=2,
                 env={"HF_HOME": str(workspace / "hf")})
     import yaml

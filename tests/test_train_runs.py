@@ -182,7 +182,7 @@ def test_two_rank_training_builds_no_shared_memory_op(zero2_run, workspace):
     assert not list(cache.rglob("*.so")), list(cache.rglob("*.so"))
     assert "building DeepSpeed" not in (workspace / "zero2.console").read_text()
     launched = (zero2_run / "launch.txt").read_text()  # one machine: DeepSpeed's per-node launcher, no runner first
-    assert " -u -m deepspeed.launcher.launch --world_info=" in launched and "deepspeed.launcher.runner" not in launched
+    assert " -u -m dsrecipes.launch.ds_node --world_info=" in launched and "deepspeed.launcher.runner" not in launched
 
 
 def test_killed_mid_save_resumes_from_last_good_checkpoint_with_identical_losses(zero2_run, workspace):

@@ -14,7 +14,8 @@ inside each srun task, so it takes DeepSpeed's table; `launcher=local` starts no
 A single-node `launcher=deepspeed` run starts DeepSpeed's per-node launcher (`deepspeed.launcher.launch`) itself,
 with the arguments DeepSpeed's runner would give it (`deepspeed_node_args`); the runner, one more Python process
 that imports all of DeepSpeed only to write that command line, is skipped. That command line is checked by
-`deepspeed.launcher.launch`'s own parser the same way.
+`deepspeed.launcher.launch`'s own parser the same way. It runs as `python -u -m dsrecipes.launch.ds_node` (NODE_ENTRY):
+DeepSpeed's `launch.main()` itself, imported without the mlflow import DeepSpeed's autotuner makes (ds_node.py).
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ ALLOWED: Dict[LauncherKind, Dict[str, Tuple[str, Value]]] = {
 # DeepSpeed runner options its per-node launcher takes with the same spelling and meaning (the runner passes them on).
 # --ssh_port, --no_ssh_check and --force_multi concern the runner's own ssh path: with them, the runner runs.
 _NODE_LAUNCH = ("bind_cores_to_rank", "bind_core_list", "log_level", "quiet")
-NODE_LAUNCHER = "deepspeed.launcher.launch"
+NODE_LAUNCHER = "deepspeed.launcher.launch"  # whose parser reads the per-node command line
+NODE_ENTRY = "dsrecipes.launch.ds_node"  # what runs it: NODE_LAUNCHER's main(), DeepSpeed imported without mlflow
 _NODE_PROGRAM = ("training_script", "training_script_args", "module", "no_python", "no_local_rank", "world_info",
                  "master_addr", "master_port", "node_rank", "save_pid", "enable_each_rank_log")
 # Options dsrecipes sets from typed fields: giving them again would disagree with what the run uses.

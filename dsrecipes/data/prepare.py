@@ -35,10 +35,11 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from dsrecipes.data.arrow_rows import ArrowRows
 from dsrecipes.data.arrow_split import write_split
 from dsrecipes.data.cache import cache_key, cache_root
 from dsrecipes.data.preference_prepare import attach_reference
@@ -62,8 +63,8 @@ QUARANTINE_FILE = "quarantine.jsonl"
 
 @dataclass
 class Prepared:
-    train: Any  # datasets.Dataset: ids (list[str]), input_ids, labels, position_ids (list[int32])
-    val: Any  # datasets.Dataset, or None without validation samples (dataset.val_size 0, no dataset.val_paths)
+    train: ArrowRows  # columns ids (list[str]), input_ids, labels, position_ids (list[int32])
+    val: Optional[ArrowRows]  # None without validation samples (dataset.val_size 0, no dataset.val_paths)
     stats: Dict[str, Any]
     cache_dir: Path
 
@@ -126,12 +127,11 @@ def precomputed_reference(cfg: TrainConfig) -> bool:
 
 
 def _open(cache: Path, stats: Dict[str, Any]) -> Prepared:
-    """The prepared splits (with the reference log-probs of a precomputed DPO reference, when there are some)."""
-    from datasets import load_from_disk
-
+    """The prepared splits (with the reference log-probs of a precomputed DPO reference, when there are some), read
+    with pyarrow alone (arrow_rows.py: no `datasets` import in a rank)."""
     data = Path(stats.get("reference_dir") or cache)
-    train = load_from_disk(str(data / "train"))
-    val = load_from_disk(str(data / "val")) if (data / "val").is_dir() else None
+    train = ArrowRows.open(data / "train")
+    val = ArrowRows.open(data / "val") if (data / "val").is_dir() else None
     return Prepared(train, val, stats, cache)
 
 

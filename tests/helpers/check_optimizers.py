@@ -24,6 +24,13 @@ from dsrecipes.distributed import skip_shm_comm_op  # noqa: E402
 from dsrecipes.model import build_model, load_tokenizer, trainable_parameters  # noqa: E402
 
 skip_shm_comm_op()  # as every dsrecipes rank does: no JIT build of the shared-memory op this check never calls
+# DeepSpeedCPUAdam/CPULion ask py-cpuinfo on every construction, and py-cpuinfo starts a Python subprocess each time
+# (~1.1 CPU s; 16 engines here, one per rank in a real run): asked once for this process, the same answer.
+import functools  # noqa: E402
+
+import cpuinfo  # noqa: E402
+
+cpuinfo.get_cpu_info = functools.lru_cache(maxsize=None)(cpuinfo.get_cpu_info)
 deepspeed.init_distributed(dist_backend="gloo")
 torch.set_num_threads(1)
 opts = group_options()
