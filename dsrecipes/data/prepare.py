@@ -35,11 +35,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from dsrecipes.data.arrow_rows import ArrowRows
 from dsrecipes.data.arrow_split import write_split
 from dsrecipes.data.cache import cache_key, cache_root
 from dsrecipes.data.preference_prepare import attach_reference
@@ -55,6 +54,9 @@ from dsrecipes.errors import DataError
 from dsrecipes.fileio import atomic_write_json
 from dsrecipes.objectives.base import reference_mode
 from dsrecipes.schema import ObjectiveKind, ReferenceMode, SourceConfig, TrainConfig
+
+if TYPE_CHECKING:
+    from dsrecipes.data.arrow_rows import ArrowRows
 
 STATS_FILE = "prepare_stats.json"
 VAL_SOURCE = "dataset.val_paths"  # the source name of the validation files' samples
@@ -129,6 +131,8 @@ def precomputed_reference(cfg: TrainConfig) -> bool:
 def _open(cache: Path, stats: Dict[str, Any]) -> Prepared:
     """The prepared splits (with the reference log-probs of a precomputed DPO reference, when there are some), read
     with pyarrow alone (arrow_rows.py: no `datasets` import in a rank)."""
+    from dsrecipes.data.arrow_rows import ArrowRows  # lazy: else `validate` and `show` import pyarrow (0.09 s)
+
     data = Path(stats.get("reference_dir") or cache)
     train = ArrowRows.open(data / "train")
     val = ArrowRows.open(data / "val") if (data / "val").is_dir() else None

@@ -7,7 +7,7 @@ interpreter running this code (the same thing the `deepspeed` / `torchrun` scrip
 environment that validated the config, whatever is first on PATH. A single-node `launcher=deepspeed` run starts
 what DeepSpeed's runner would start for it, the per-node launcher `deepspeed.launcher.launch` (one Python
 process fewer that imports all of DeepSpeed before a rank starts: about 3.5 CPU seconds), run by
-`dsrecipes.launch.ds_node` (its own main(), DeepSpeed imported without mlflow: 1.5 CPU seconds less); the runner
+`dsrecipes.launch.ds_node` (its own main(), DeepSpeed imported without mlflow: ~1.9 CPU seconds less); the runner
 stays for hostfiles, --include/--exclude and CUDA_VISIBLE_DEVICES, which it resolves itself.
 """
 
