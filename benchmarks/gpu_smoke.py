@@ -68,9 +68,11 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
 
 def run_direct(args: argparse.Namespace) -> Dict[str, Any]:
     """A random Qwen2-shaped model in a bare deepspeed.initialize loop: step time, tokens/s, MFU, peak memory."""
-    import deepspeed
     import torch
 
+    from dsrecipes.deepspeed_import import load_deepspeed
+
+    deepspeed = load_deepspeed()  # the first import, as in dsrecipes processes (no autotuner mlflow import)
     t_start = time.time()
     engine, n_params, vocab = _direct_engine(args)
     timed, elapsed, all_losses = _timed_steps(args, engine, vocab)
@@ -102,6 +104,7 @@ def _direct_engine(args: argparse.Namespace) -> Tuple[Any, int, int]:
 
     from dsrecipes.config.defaults import learning_rate
     from dsrecipes.config.load import compose_and_load
+    from dsrecipes.distributed import skip_shm_comm_op
     from dsrecipes.ds_config import build_ds_config
     from dsrecipes.schedule import StepScheduler
 
@@ -121,6 +124,8 @@ def _direct_engine(args: argparse.Namespace) -> Tuple[Any, int, int]:
     with torch.device(args.device):
         model = Qwen2ForCausalLM(config).to(dtype)
     n_params = sum(p.numel() for p in model.parameters())
+    if args.device == "cpu":  # as dsrecipes ranks train on CPU: no shared-memory all-reduce op (a cold JIT build)
+        skip_shm_comm_op()
     deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
     schedule = lambda opt: StepScheduler(opt, cfg.scheduler, learning_rate(cfg), args.steps)  # noqa: E731 (as train.py)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,

@@ -53,3 +53,5 @@ def test_direct_mode_on_cpu(tmp_path):
     (phase,) = result["results"]
     assert phase["ok"] and phase["tokens_per_s"] > 0 and 0 < phase["mfu"] < 1
     assert "PASS" in done.stdout
+    log = (tmp_path / "direct_stage2.log").read_text()  # on CPU, as dsrecipes ranks: no shared-memory comm op
+    assert "shm_comm" not in log, log[-2000:]
