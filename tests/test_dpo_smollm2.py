@@ -63,10 +63,16 @@ def test_held_out_reward_accuracy_rises_above_chance(dpo_run):
 
 
 @torch.no_grad()
-def answer_logp(model, prompt, answer):
-    ids = torch.tensor([list(prompt) + list(answer)])
-    logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
-    return float(logits.log_softmax(-1).gather(1, torch.tensor(answer)[:, None]).sum())
+def answer_logps(model, pairs):
+    """Summed log-probability of each (prompt, answer) pair's answer tokens, with plain transformers: the sequences
+    right-padded into one batch (a causal model's logits at real positions never see the padding after them)."""
+    seqs = [list(prompt) + list(answer) for prompt, answer in pairs]
+    width = max(map(len, seqs))
+    ids = torch.tensor([seq + [0] * (width - len(seq)) for seq in seqs])
+    mask = torch.tensor([[1] * len(seq) + [0] * (width - len(seq)) for seq in seqs])
+    logps = model(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
+    return [float(logps[i, len(p) - 1:len(p) + len(a) - 1].gather(1, torch.tensor(a)[:, None]).sum())
+            for i, (p, a) in enumerate(pairs)]
 
 
 def test_exported_model_prefers_the_chosen_answers_more_than_the_base(dpo_run, smollm2_dir):
@@ -79,8 +85,9 @@ def test_exported_model_prefers_the_chosen_answers_more_than_the_base(dpo_run, s
     tuned = AutoModelForCausalLM.from_pretrained(dpo_run / "export", dtype=torch.float32).eval()
 
     def margins(model):
-        return [answer_logp(model, r["prompt_ids"], r["chosen_ids"]) - answer_logp(model, r["prompt_ids"],
-                                                                                   r["rejected_ids"]) for r in val]
+        chosen = answer_logps(model, [(r["prompt_ids"], r["chosen_ids"]) for r in val])
+        rejected = answer_logps(model, [(r["prompt_ids"], r["rejected_ids"]) for r in val])
+        return [c - r for c, r in zip(chosen, rejected)]
 
     before, after = margins(base), margins(tuned)
     gained = sum(a > b for a, b in zip(after, before))
