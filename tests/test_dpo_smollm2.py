@@ -44,7 +44,7 @@ def dpo_run(smollm2_dir, tmp_path_factory):
     try:
         code = main(["recipe=smollm2_cpu_dpo", f"model.path={smollm2_dir}", f"dataset.registry={registry}",
                      "dataset.max_samples=48",
-                     "dataset.val_size=16", "trainer.max_steps=8", "trainer.eval_every=0", "trainer.save_every=0",
+                     "dataset.val_size=16", "trainer.max_steps=6", "trainer.eval_every=0", "trainer.save_every=0",
                      "trainer.eval_at_start=false",
                      f"data.cache_dir={run_dir.parent / 'cache'}", f"trainer.output_dir={run_dir}",
                      f"hydra.run.dir={run_dir}"])
