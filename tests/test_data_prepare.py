@@ -217,8 +217,8 @@ def test_splits_read_without_datasets_give_what_datasets_gives(cfg_for, tok, tmp
 
 def test_reading_a_split_imports_neither_datasets_nor_pandas(cfg_for, tok, tmp_path):
     """What a rank does with a split (open, length, a batch, a row, a column, iterate) imports neither `datasets` nor
-    pandas (pyarrow's `pa.array` would import pandas to ask whether its input is a pandas object: 0.4-0.5 CPU s in
-    every rank). Checked in a fresh interpreter, where nothing else has imported them."""
+    pandas (pyarrow's `pa.array` would import pandas to ask whether its input is a pandas object: 0.36-0.45 CPU s
+    in every rank). Checked in a fresh interpreter, where nothing else has imported them."""
     prep = prepare(cfg_for(), tok, tmp_path / "run")
     code = (
         "import sys\n"

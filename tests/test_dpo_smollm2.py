@@ -67,9 +67,9 @@ def answer_logps(model, pairs):
     """Summed log-probability of each (prompt, answer) pair's answer tokens, with plain transformers: the sequences
     right-padded into one batch (a causal model's logits at real positions never see the padding after them)."""
     seqs = [list(prompt) + list(answer) for prompt, answer in pairs]
-    width = max(map(len, seqs))
-    ids = torch.tensor([seq + [0] * (width - len(seq)) for seq in seqs])
-    mask = torch.tensor([[1] * len(seq) + [0] * (width - len(seq)) for seq in seqs])
+    lengths = torch.tensor([len(seq) for seq in seqs])
+    ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(seq) for seq in seqs], batch_first=True)
+    mask = (torch.arange(ids.shape[1]) < lengths[:, None]).long()
     logps = model(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
     return [float(logps[i, len(p) - 1:len(p) + len(a) - 1].gather(1, torch.tensor(a)[:, None]).sum())
             for i, (p, a) in enumerate(pairs)]

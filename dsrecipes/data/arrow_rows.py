@@ -4,9 +4,10 @@ memory-mapped, as rows of Python values.
 The launching process writes each split with `datasets` (arrow_split.py, preference_prepare.py); every rank and the
 launching process then only read it. Opening a split with `datasets.load_from_disk` costs 0.74-0.79 CPU seconds per
 process on the 2-core test machine (pandas, fsspec, its config and its `Dataset` machinery; torch and transformers
-already imported), with pyarrow alone 0.40-0.53, before a rank's first step. `ArrowRows` offers what dsrecipes reads from a split: its length, a row (a dict of
-Python values), several rows at once (`__getitems__`, as DataLoader fetches a batch), a column, the first rows
-(`select`) and iteration in order, the same values `datasets.Dataset` gives (a test compares them).
+already imported), with pyarrow alone 0.40-0.53, before a rank's first step. `ArrowRows` offers what dsrecipes reads
+from a split: its length, a row (a dict of Python values), several rows at once (`__getitems__`, as DataLoader
+fetches a batch), a column, the first rows (`select`) and iteration in order, the same values `datasets.Dataset`
+gives (a test compares them).
 """
 
 from __future__ import annotations
@@ -75,6 +76,6 @@ class ArrowRows:
 
 def _int64_array(values: Iterable[int]) -> pa.Array:
     """`values` as an Arrow int64 array, built from a buffer: `pa.array(...)` checks whether its input is a pandas
-    object and so imports pandas, 0.4-0.5 CPU s in every rank that reads a split (the first evaluation batch)."""
+    object and so imports pandas, 0.36-0.45 CPU s in every rank that reads a split (its first batch)."""
     data = array.array("q", values)
     return pa.Array.from_buffers(pa.int64(), len(data), [None, pa.py_buffer(data)])
