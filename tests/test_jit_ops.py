@@ -128,19 +128,31 @@ def test_environments_build_apart_once_each_announced_where_doctor_looks(tmp_pat
 
 IMPORT_IN_A_RANK = """
 import sys
+import torch
 from dsrecipes.deepspeed_import import load_deepspeed
 load_deepspeed()
 import deepspeed.autotuning.autotuner as autotuner
 print("mlflow" in sys.modules, autotuner.has_mlflow)
+compiled = []
+torch.compile = lambda fn, **kw: compiled.append(fn.__name__) or fn  # what DeepSpeed's compiler.compile() returns
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer  # ZeRO-1/2
+from deepspeed.runtime.zero.muon.original_muon import zeropower_via_newtonschulz5  # what it imports on first use
+print("torch._inductor.compile_fx" in sys.modules, compiled)
+G = torch.randn(4, 4)
+for _ in range(2):
+    zeropower_via_newtonschulz5(G, steps=1)
+print(compiled)
 import mlflow
 print(mlflow.MlflowClient.__name__)
 """
 
 
-def test_deepspeed_imports_without_the_autotuners_mlflow():
+def test_deepspeed_imports_without_the_autotuners_mlflow_and_compiles_muon_only_when_called():
     """DeepSpeed's autotuner imports mlflow (1.5 CPU s) in every process that imports DeepSpeed; ours import it
-    without (dsrecipes/deepspeed_import.py), and mlflow still imports afterwards (a run that tracks to mlflow)."""
+    without (dsrecipes/deepspeed_import.py), and mlflow still imports afterwards (a run that tracks to mlflow).
+    ZeRO-1/2 import DeepSpeed's Muon kernels, whose `torch.compile` decorators import TorchInductor (2.1-2.3 CPU s
+    per rank): ours compile each of them on its first call, once, and a run without Muon never imports Inductor."""
     done = subprocess.run([sys.executable, "-c", IMPORT_IN_A_RANK], capture_output=True, text=True, timeout=300,
                           env=subprocess_env({"DS_ACCELERATOR": "cpu"}))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["False", "False", "MlflowClient"]
+    assert done.stdout.splitlines() == ["False False", "False []", "['zeropower_via_newtonschulz5']", "MlflowClient"]

@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, Tuple
 
 import torch
 
+from dsrecipes.deepspeed_import import load_deepspeed
 from dsrecipes.model import build_model
 from dsrecipes.objectives.base import Batch
 from dsrecipes.objectives.logps import reference_config, sequence_logps
@@ -82,11 +83,9 @@ def inference_config(ds_config: Dict[str, Any]) -> Dict[str, Any]:
 
 def zero3_reference(cfg: TrainConfig, tokenizer: Any, ds_config: Dict[str, Any]) -> Any:
     """The reference model partitioned over the ranks: a DeepSpeed ZeRO-3 engine without optimizer, in eval mode."""
-    import deepspeed
-
     config = inference_config(ds_config)
     model = build_model(reference_config(cfg), tokenizer, config)  # local model.path: loaded partitioned
-    ref, *_ = deepspeed.initialize(model=model, config=config)
+    ref, *_ = load_deepspeed().initialize(model=model, config=config)
     return ref
 
 
