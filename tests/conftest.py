@@ -84,9 +84,11 @@ def built_cpu_adam(tmp_path_factory):
 # The files that take longest (pytest --durations; measured on a 2-core machine, heaviest first): collected first, so
 # that under pytest-xdist (`-n 2 --dist loadfile --no-loadscope-reorder`, the README's test command) the two workers
 # start on them at once and the run ends on short files, not on one long file alone. xdist's default reorder (files
-# with the most tests first) would undo this order. test_doctor builds the session's CPU Adam (`built_cpu_adam`)
-# before test_optimizers needs it, so that no worker sits waiting on the build's lock.
-HEAVY_FIRST = ("test_multinode.py", "test_dpo_smollm2.py", "test_smollm2.py", "test_train_runs.py", "test_doctor.py",
+# with the most tests first) would undo this order. test_doctor comes first: it builds the session's CPU Adam
+# (`built_cpu_adam`, a cold JIT build of 2-4 minutes) while the other worker starts test_multinode, so that the files
+# needing the op later (test_train_runs, test_optimizers) find it built instead of a worker sitting idle on the
+# build's lock (seen: 227 s of test_doctor's setup spent waiting while test_train_runs built it on the other worker).
+HEAVY_FIRST = ("test_doctor.py", "test_multinode.py", "test_dpo_smollm2.py", "test_smollm2.py", "test_train_runs.py",
                "test_guarantees_e2e.py", "test_optimizers.py", "test_store_e2e.py", "test_dpo_strategies.py",
                "test_quickstart.py", "test_config.py", "test_run_safety.py", "test_safety.py", "test_jit_ops.py",
                "test_eval_runs.py", "test_launch_real.py", "test_stream_e2e.py")

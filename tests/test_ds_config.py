@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from dsrecipes.distributed import free_port
 from dsrecipes.ds_config import build_ds_config
 from tests.conftest import subprocess_env
 
@@ -87,7 +88,7 @@ def test_offloaded_adam_is_deepspeeds_cpu_adam(make_cfg):
 
 @pytest.mark.slow
 def test_every_combination_parses_in_deepspeed_at_world_1_2_8():
-    out = subprocess.run([sys.executable, str(HELPER), "29561"], capture_output=True, text=True, timeout=600,
+    out = subprocess.run([sys.executable, str(HELPER), str(free_port())], capture_output=True, text=True, timeout=600,
                          env=subprocess_env(), cwd=Path(__file__).parents[1])
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from dsrecipes import jit_ops
+from dsrecipes.distributed import free_port
 from tests.conftest import subprocess_env
 
 HELPER = Path(__file__).parent / "helpers" / "check_optimizers.py"
@@ -35,7 +36,7 @@ def expected(optimizer: str, offloaded: bool) -> str:
 @pytest.mark.timeout(1800)  # may pay the session's cold CPU Adam build (conftest.built_cpu_adam)
 def test_every_optimizer_offload_and_stage_builds_the_right_optimizer(built_cpu_adam):
     _, _, jit_root = built_cpu_adam  # CPU Adam built once for the session; CPU Lion builds beside it
-    out = subprocess.run([sys.executable, str(HELPER), "29563"], capture_output=True, text=True, timeout=900,
+    out = subprocess.run([sys.executable, str(HELPER), str(free_port())], capture_output=True, text=True, timeout=900,
                          env=subprocess_env({"TORCH_EXTENSIONS_DIR": str(jit_root)}), cwd=Path(__file__).parents[1])
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
