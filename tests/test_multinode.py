@@ -170,6 +170,7 @@ def test_deepspeed_multinode_no_ssh(cluster, workspace, reference):
     walkthrough(cluster, workspace, run, "deepspeed_multinode", "nossh")
     text = (run / "launch.txt").read_text()
     assert f"--master_addr {cluster.nodes[0].addr}" in text and "GLOO_SOCKET_IFNAME=dsr0" in text
+    assert "--no_ssh --node_rank 1" in text  # (tests/test_launch_scripts.py checks the same on one machine)
     assert_same_training(run, reference)
 
 
