@@ -31,7 +31,11 @@ from typing import Any, Callable
 def load_deepspeed() -> ModuleType:
     """The `deepspeed` package, imported once per process (see the module docstring)."""
     deepspeed = sys.modules.get("deepspeed") or _import_without_mlflow()
-    _compile_on_first_call(importlib.import_module("deepspeed.runtime.compiler"))
+    try:
+        compiler = importlib.import_module("deepspeed.runtime.compiler")
+    except ImportError:  # a DeepSpeed without it has no such decorator to defer
+        return deepspeed
+    _compile_on_first_call(compiler)
     return deepspeed
 
 
@@ -48,8 +52,8 @@ def _import_without_mlflow() -> ModuleType:
 
 def _compile_on_first_call(compiler: ModuleType) -> None:
     """`compiler.compile()` (DeepSpeed's `torch.compile` decorator) deferred to each function's first call."""
-    eager = compiler.compile
-    if getattr(eager, "_dsrecipes_deferred", False):
+    eager = getattr(compiler, "compile", None)
+    if eager is None or getattr(eager, "_dsrecipes_deferred", False):
         return
 
     def compile(*args: Any, **kwargs: Any) -> Callable[[Callable], Callable]:
