@@ -180,8 +180,17 @@ def read_and_encode(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceCo
     else:
         with get_context().Pool(workers, initializer=_init_worker, initargs=init) as pool:
             run = lambda t: pool.apply_async(_encode_chunk, (t,))  # noqa: E731
-            for task, chunk in _ordered(run, _tasks(sources, caps, limit), workers * AHEAD):
-                out.add(task, chunk, sources, caps, report)
+            try:
+                for task, chunk in _ordered(run, _tasks(sources, caps, limit), workers * AHEAD):
+                    out.add(task, chunk, sources, caps, report)
+            except Exception:
+                # A refused row (bad_rows=error) while chunks are in flight: let the healthy workers finish them
+                # and exit, instead of the `with` block's terminate(), which SIGTERMs workers and hangs forever
+                # when one dies holding the result queue's lock (seen: Pool._terminate_pool joining a task
+                # handler blocked in outqueue.put). Ctrl-C and the like still terminate.
+                pool.close()
+                pool.join()
+                raise
     return out.result()
 
 
