@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -217,6 +218,8 @@ def test_doctor_build_ops_builds_what_the_config_needs_where_the_run_looks(built
     tmp_path = Path(env["XDG_CACHE_HOME"])
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert root.parent == tmp_path / "torch_extensions" / "dsrecipes" and (root / "cpu_adam" / "cpu_adam.so").is_file()
+    flags = re.search(r"^cflags = (.*)$", (root / "cpu_adam" / "build.ninja").read_text(), re.M).group(1).split()
+    assert "-O3" in flags and "-fopenmp" in flags and "-g" not in flags  # DeepSpeed's flags, less the debug info
     assert "building DeepSpeed's cpu_adam" in done.stderr and f"cpu_adam: built ({root / 'cpu_adam'})" in done.stderr
     (f,) = [f for f in json.loads(done.stdout) if f["check"] == "jit_ops"]
     assert f["level"] == "ok" and f["message"] == f"cpu_adam: built ({root / 'cpu_adam'})"

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -71,7 +73,7 @@ class TinyBuilder(CPUOpBuilder):
         return []
 
     def cxx_args(self):
-        return ["-O0"]
+        return ["-O0", "-g"]
 
 
 root = jit_ops.prepare_rank()  # what every rank does in distributed.init_distributed
@@ -99,9 +101,10 @@ def test_environments_build_apart_once_each_announced_where_doctor_looks(tmp_pat
     env.pop("TORCH_EXTENSIONS_DIR", None)
     pythons = {"A": sys.executable, "B": str(venv / "bin" / "python")}
 
-    def load(who: str) -> tuple[Path, str]:
-        done = subprocess.run([pythons[who], str(tmp_path / "tiny_op.py"), str(tmp_path / "tiny_op.cpp")], env=env,
-                              capture_output=True, text=True, timeout=600)
+    def load(who: str, chosen: Optional[Path] = None) -> tuple[Path, str]:
+        done = subprocess.run([pythons[who], str(tmp_path / "tiny_op.py"), str(tmp_path / "tiny_op.cpp")],
+                              env={**env, "TORCH_EXTENSIONS_DIR": str(chosen)} if chosen else env,
+                              capture_output=True, text=True, timeout=600)  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
         assert "answer 42" in done.stdout
         return Path(done.stdout.split(" root ")[1].strip()), done.stderr
@@ -124,6 +127,12 @@ def test_environments_build_apart_once_each_announced_where_doctor_looks(tmp_pat
     assert library_a.stat().st_mtime_ns == built_at
     assert doctor("A") == f"{root_a}: built ops: dsrecipes_tiny_op"  # the doctor looks where the run builds
     assert doctor("B") == f"{root_b}: built ops: dsrecipes_tiny_op"
+    # ours build without DeepSpeed's -g (jit_ops.NO_DEBUG_INFO); a directory the user chose keeps the op's flags
+    assert load("A", tmp_path / "chosen")[0] == tmp_path / "chosen"
+    for root, debug_info in ((root_a, False), (root_b, False), (tmp_path / "chosen", True)):
+        ninja = (root / "dsrecipes_tiny_op" / "build.ninja").read_text()
+        flags = re.search(r"^cflags = (.*)$", ninja, re.M).group(1).split()
+        assert "-O0" in flags and ("-g" in flags) is debug_info, (root, flags)
 
 
 IMPORT_IN_A_RANK = """

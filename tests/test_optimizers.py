@@ -36,9 +36,13 @@ def expected(optimizer: str, offloaded: bool) -> str:
 @pytest.mark.timeout(1800)  # may pay the session's cold CPU Adam build (conftest.built_cpu_adam)
 def test_every_optimizer_offload_and_stage_builds_the_right_optimizer(built_cpu_adam):
     _, _, jit_root = built_cpu_adam  # CPU Adam built once for the session; CPU Lion builds beside it
+    adam = jit_root / "cpu_adam" / "cpu_adam.so"
+    adam_built = adam.stat().st_mtime_ns
     out = subprocess.run([sys.executable, str(HELPER), str(free_port())], capture_output=True, text=True, timeout=900,
                          env=subprocess_env({"TORCH_EXTENSIONS_DIR": str(jit_root)}), cwd=Path(__file__).parents[1])
     assert out.returncode == 0, out.stderr[-3000:]
+    assert adam.stat().st_mtime_ns == adam_built  # the session's build, loaded with the rank's flags: not rebuilt
+    assert "-g " not in (jit_root / "cpu_lion" / "build.ninja").read_text()  # ours: no debug information (jit_ops)
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     built = {tuple(r["overrides"][:3]): r for r in rows if "rejected" not in r}
     assert len(rows) == 4 * 4 * 4  # optimizers x offloads x stages, each reported

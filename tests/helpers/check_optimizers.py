@@ -21,9 +21,11 @@ from dsrecipes.config.load import ConfigError, compose_and_load, hydra_context  
 from dsrecipes.config.validate import check_runtime  # noqa: E402
 from dsrecipes.distributed import skip_shm_comm_op  # noqa: E402
 from dsrecipes.ds_config import build_ds_config  # noqa: E402
+from dsrecipes.jit_ops import prepare_rank  # noqa: E402
 from dsrecipes.model import build_model, load_tokenizer, trainable_parameters  # noqa: E402
 
 skip_shm_comm_op()  # as every dsrecipes rank does: no JIT build of the shared-memory op this check never calls
+prepare_rank()  # as every rank does: ops build (and load) with the rank's flags, in the session's build directory
 # DeepSpeedCPUAdam/CPULion ask py-cpuinfo on every construction, and py-cpuinfo starts a Python subprocess each time
 # (~1.1 CPU s; 16 engines here, one per rank in a real run): asked once for this process, the same answer.
 import functools  # noqa: E402
