@@ -30,14 +30,14 @@ def test_example_hostfile_parses_with_deepspeed():
 
 @pytest.mark.slow
 def test_multinode_nossh_script_trains_with_two_nodes_on_localhost(tmp_path):
-    """Where network namespaces can be built (root: CI), test_multinode.py::test_deepspeed_multinode_no_ssh runs this
-    script on two namespace nodes instead (world 4; the same launch.txt line, plus ledgers and losses equal to a
-    one-node run), so this localhost stand-in, for machines without root, would train the same path twice."""
+    """Where network namespaces can be built (root: CI), test_multinode.py runs this script on two namespace nodes
+    instead (world 4, the corpus on a store host; the same launch.txt line, plus exactly-once ledgers and a torchrun
+    run's losses), so this localhost stand-in, for machines without root, would train the same path twice."""
     from tests.conftest import subprocess_env
     from tests.helpers import netns
 
     if netns.unavailable_reason() is None:
-        pytest.skip("covered here by test_multinode.py::test_deepspeed_multinode_no_ssh (network-namespace nodes)")
+        pytest.skip("covered by test_multinode.py (the no-ssh walkthrough on network-namespace nodes)")
     run_dir = tmp_path / "run"
     common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NNODES": "2", "GPUS_PER_NODE": "1",
               "RUN_DIR": str(run_dir), "WAIT_S": "300"}  # fmt: skip

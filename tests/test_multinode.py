@@ -1,16 +1,20 @@
 """Multi-node for real on one machine: 2 network-namespace nodes x 2 CPU ranks = world 4 (tests/helpers/netns.py).
 
-Every path trains the tiny model for 4 steps and must read exactly what a single-node world-4 run reads (ledgers
-equal rank by rank, `dsrecipes audit --ledger` passes) and log exactly its losses:
-  launcher=deepspeed_multinode  launch/multinode_nossh.sh on both nodes (the launch/README.md walkthrough)
-  launcher=torchrun             the same script with LAUNCHER=torchrun (c10d rendezvous on node 0)
-  launcher=deepspeed + hostfile pdsh over ssh to an sshd per node; .deepspeed_env reaches the remote ranks; node 1
+Every path trains the tiny model for 4 steps on all 4 ranks, exactly once per sample with equal steps
+(`dsrecipes audit --ledger` passes), and reproduces another world-4 run rank by rank (ledgers) and loss for loss:
+  launcher=deepspeed_multinode  launch/multinode_nossh.sh on both nodes (the launch/README.md walkthrough) with
+                                the corpus in an object store on a host of its own: moto's S3 server in a third
+                                namespace on the same bridge, data=iterable from s3:// (every node exports
+                                AWS_ENDPOINT_URL and the credentials); every sample of the store read once, no
+                                secret in the run directory, and its step-2 checkpoint resumes elastically on one
+                                node (world 2): both sessions together read every sample exactly once
+  launcher=torchrun             the same script with LAUNCHER=torchrun (c10d rendezvous on node 0) from the same
+                                store: the no-ssh run's ledgers and losses exactly (one 2-node run serves both)
+  launcher=deepspeed + hostfile pdsh over ssh to an sshd per node (local files: secrets never travel to the other
+                                node, see rank_env.STORE_SECRETS); .deepspeed_env reaches the remote ranks; node 1
                                 is cut off and killed mid-run: every rank exits well within a minute, the launching
-                                process names node 1, and the same command resumes to identical losses
-  store on a host of its own    moto's S3 server in a third namespace on the same bridge; the walkthrough with
-                                data=iterable from s3:// (every node exports AWS_ENDPOINT_URL and the credentials)
-                                reads the epoch exactly once with equal steps, and its step-2 checkpoint resumes
-                                elastically on one node (world 2): both sessions together read every sample once
+                                process names node 1, and the same command resumes to the single-node world-4 run's
+                                samples and losses exactly
 Every rank pins gloo to GLOO_SOCKET_IFNAME=dsr0 (the veth name on every node), as on nodes with several NICs; here
 each node's own hostname also resolves to its cluster address (so gloo would find it without, but not on a
 machine whose hostname resolves to 127.0.0.1 or another NIC). Needs root (namespaces) and, for the ssh path, openssh-server + pdsh (scripts/test.sh installs them);
@@ -165,22 +169,6 @@ def walkthrough(cluster: netns.Cluster, workspace: Path, run: Path, launcher: st
     return codes
 
 
-def test_deepspeed_multinode_no_ssh(cluster, workspace, reference):
-    run = workspace / "nossh"
-    walkthrough(cluster, workspace, run, "deepspeed_multinode", "nossh")
-    text = (run / "launch.txt").read_text()
-    assert f"--master_addr {cluster.nodes[0].addr}" in text and "GLOO_SOCKET_IFNAME=dsr0" in text
-    assert "--no_ssh --node_rank 1" in text  # (tests/test_launch_scripts.py checks the same on one machine)
-    assert_same_training(run, reference)
-
-
-def test_torchrun_multinode_c10d(cluster, workspace, reference):
-    run = workspace / "torchrun"
-    walkthrough(cluster, workspace, run, "torchrun", "torchrun")
-    assert f"--rdzv_endpoint {cluster.nodes[0].addr}:29500" in (run / "launch.txt").read_text()
-    assert_same_training(run, reference)
-
-
 def pdsh_argv(cluster: netns.Cluster, workspace: Path, run: Path, *extra: str) -> List[str]:
     hostfile = workspace / "hostfile"
     hostfile.write_text(cluster.hostfile(slots=2))
@@ -329,24 +317,38 @@ def store(cluster, workspace):
     server.stop()
 
 
-def test_store_in_its_own_namespace_two_nodes_then_elastic_resume_on_one(cluster, workspace, store):
-    """data=iterable from s3:// on the store host: the two-node walkthrough (every node exports the endpoint and
-    credentials, as a user does; node 1's ranks reach the store only over the bridge) reads the epoch exactly once
-    with equal steps on all 4 ranks; then its step-2 checkpoint resumes on one node (world 2): the readers split
-    what step 2 had not consumed, so both sessions together read every sample exactly once."""
+@pytest.fixture(scope="module")
+def store_run(cluster, workspace, store) -> Path:
+    """launch/README.md's walkthrough (launcher=deepspeed_multinode: no ssh) with data=iterable from s3:// on the
+    store host: every node exports the endpoint and credentials, as a user does; node 1's ranks reach the store only
+    over the bridge."""
+    _, environ, _ = store
+    for node in cluster.nodes:  # whatever an earlier test of the module did to them (the dead-node test cuts node 1)
+        node.link(True)
+    run = workspace / "store"
+    walkthrough(cluster, workspace, run, "deepspeed_multinode", "store", replaced(TRAIN, STORE_TRAIN), environ)
+    return run
+
+
+def test_deepspeed_multinode_no_ssh_reads_a_store_host_exactly_once_then_resumes_elastically_on_one(
+        cluster, workspace, store, store_run):  # fmt: skip
+    """The no-ssh walkthrough from the store reads the epoch exactly once with equal steps on all 4 ranks; then its
+    step-2 checkpoint resumes on one node (world 2): the readers split what step 2 had not consumed, so both
+    sessions together read every sample exactly once."""
     from dsrecipes.data.ledger import verify_ledgers
     from dsrecipes.data.stream.index import read_stream_index
     from tests.helpers.s3server import SECRET
 
     server, environ, ids = store
-    for node in cluster.nodes:  # whatever an earlier test of the module did to them (the dead-node test cuts node 1)
-        node.link(True)
-    train = replaced(TRAIN, STORE_TRAIN)
-    run = workspace / "store"
-    walkthrough(cluster, workspace, run, "deepspeed_multinode", "store", train, environ)
+    run = store_run
+    text = (run / "launch.txt").read_text()
+    assert f"--master_addr {cluster.nodes[0].addr}" in text and "GLOO_SOCKET_IFNAME=dsr0" in text
+    assert "--no_ssh --node_rank 1" in text  # (tests/test_launch_scripts.py checks the same on one machine)
     audit = subprocess.run([sys.executable, "-m", "dsrecipes", "audit", "--ledger", str(run)], env=env(),
                            capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert audit.returncode == 0 and audit.stdout.count(": 4 steps,") == 4, audit.stdout + audit.stderr
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    assert "4 rank(s)" in audit.stdout and audit.stdout.count(": 4 steps,") == 4, audit.stdout
+    assert sorted(losses(run)) == [1, 2, 3, 4]
     report = verify_ledgers(run, expected_ids=ids, global_batch=8, complete_epochs=[0])
     assert report.ok and report.missing == {0: 0}, report.summary()  # every sample of the store, once
     assert [f.path for f in read_stream_index(run).files] == [f"s3://{BUCKET}/train/{n}" for n in sorted(STORE_FILES)]
@@ -369,6 +371,14 @@ def test_store_in_its_own_namespace_two_nodes_then_elastic_resume_on_one(cluster
     rest = [i for _, batch in merged(resumed) for i in batch]
     assert len(first) == len(rest) == 16 and len(set(first) | set(rest)) == 32, "a sample read twice"
     assert set(first) | set(rest) == ids
+
+
+def test_torchrun_multinode_c10d(cluster, workspace, store, store_run):
+    """The same walkthrough with LAUNCHER=torchrun, from the same store: the no-ssh run, rank by rank, loss for loss."""
+    run = workspace / "torchrun"
+    walkthrough(cluster, workspace, run, "torchrun", "torchrun", replaced(TRAIN, STORE_TRAIN), store[1])
+    assert f"--rdzv_endpoint {cluster.nodes[0].addr}:29500" in (run / "launch.txt").read_text()
+    assert_same_training(run, store_run)
 
 
 def merged(per_rank: Dict[int, dict]) -> List[tuple]:
