@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 
@@ -100,12 +100,12 @@ def assert_interrupted_at_step_3(ws: Path, run: Path, code: int, signum: int) ->
     return result["resume_command"]
 
 
-def resume(ws: Path, run: Path, command: str) -> None:
-    """Run the printed resume command as a user would, in a shell."""
+def resume(ws: Path, run: Path, command: str, env: Optional[Dict[str, str]] = None, expect_ok: bool = True) -> None:
+    """Run the printed resume command as a user would, in a shell (`env`: on top of the test environment)."""
     with open(ws / f"{run.name}.log", "a") as log:
-        code = subprocess.run(command, shell=True, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
+        code = subprocess.run(command, shell=True, env=subprocess_env(env), stdout=log, stderr=subprocess.STDOUT,
                               timeout=600).returncode
-    assert code == 0, log_of(ws, run)[-4000:]
+    assert (code == 0) is expect_ok, log_of(ws, run)[-4000:]
 
 
 def no_process_left(run: Path, within: float = 60) -> None:

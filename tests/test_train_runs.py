@@ -185,31 +185,20 @@ def test_two_rank_training_builds_no_shared_memory_op(zero2_run, workspace):
     assert " -u -m dsrecipes.launch.ds_node --world_info=" in launched and "deepspeed.launcher.runner" not in launched
 
 
-def test_killed_mid_save_resumes_from_last_good_checkpoint_with_identical_losses(zero2_run, workspace):
-    from dsrecipes.checkpoint import KILL_BEFORE_LATEST_ENV
-    from dsrecipes.data.ledger import verify_ledgers
-
-    run, _ = train_run(workspace, "killed", *RECORDED, env={KILL_BEFORE_LATEST_ENV: "8"}, expect_ok=False)
-    ckpts = run / "checkpoints"
-    assert (ckpts / "latest").read_text() == "step_4"
-    assert (ckpts / "step_8.partial").is_dir() and not (ckpts / "step_8").exists()  # written beside, never renamed
-    assert max(train_losses(run)) == 8  # it trained to the end, then died while saving
-
-    _, out = train_run(workspace, "killed", *RECORDED)  # the same command again: trainer.resume=auto
-    assert "resumed from" in out and "step_4" in out
-    assert (ckpts / "latest").read_text() == "step_8" and (ckpts / "step_8" / "complete.json").is_file()
-    assert train_losses(run) == train_losses(zero2_run)  # exact, step for step
-    evals = lambda r: [(x["step"], x["eval_loss"]) for x in metrics(r) if "eval_loss" in x]
-    assert evals(run) == evals(zero2_run)
-    verify_ledgers(run)
-
-
-def test_sigterm_reaches_every_rank_and_a_killed_launcher_leaves_no_rank_behind(zero2_run, workspace):
+def test_sigterm_reaches_every_rank_a_killed_launcher_leaves_no_rank_behind_and_a_death_mid_save_resumes(
+        zero2_run, workspace):  # fmt: skip
+    """One 2-rank run through three interruptions, then compared with the uninterrupted run step for step:
+    SIGTERM at step 2 (checkpoint at 3, the printed command resumes), the launching process killed outright at step
+    5 (the ranks checkpoint at 6 and stop), and a death while saving the final step-8 checkpoint (after the files,
+    before `latest`): the same command resumes from step 6, the last good one."""
     import signal
 
+    from dsrecipes.checkpoint import KILL_BEFORE_LATEST_ENV
+    from dsrecipes.data.ledger import verify_ledgers
     from tests.test_signals import (
         assert_interrupted_at_step_3,
         finish,
+        log_of,
         losses,
         no_process_left,
         resume,
@@ -217,7 +206,7 @@ def test_sigterm_reaches_every_rank_and_a_killed_launcher_leaves_no_rank_behind(
         wait_for_step,
     )
 
-    run, two_ranks = workspace / "signalled", ("zero=stage2", "launcher=deepspeed", "launcher.num_gpus=2")
+    run, two_ranks = workspace / "signalled", (*RECORDED, "launcher=deepspeed", "launcher.num_gpus=2")
     proc = start(workspace, run, *two_ranks, pause_after=2)
     wait_for_step(run, 2, proc)
     proc.send_signal(signal.SIGTERM)
@@ -233,8 +222,19 @@ def test_sigterm_reaches_every_rank_and_a_killed_launcher_leaves_no_rank_behind(
     assert (run / "checkpoints" / "step_6" / "complete.json").is_file()  # checkpointed at the next boundary
     assert json.loads((run / "rank_outcome.json").read_text())["stopped_at_step"] == 6
 
-    resume(workspace, run, command)
-    assert losses(run) == train_losses(zero2_run)
+    ckpts = run / "checkpoints"
+    resume(workspace, run, command, env={KILL_BEFORE_LATEST_ENV: "8"}, expect_ok=False)  # dies saving step 8
+    assert (ckpts / "latest").read_text() == "step_6"
+    assert (ckpts / "step_8.partial").is_dir() and not (ckpts / "step_8").exists()  # written beside, never renamed
+    assert max(losses(run)) == 8  # it trained to the end, then died while saving
+    seen = len(log_of(workspace, run))
+    resume(workspace, run, command)  # the same command again: trainer.resume=auto
+    assert f"resumed from {ckpts / 'step_6'}" in log_of(workspace, run)[seen:]
+    assert (ckpts / "latest").read_text() == "step_8" and (ckpts / "step_8" / "complete.json").is_file()
+    assert losses(run) == train_losses(zero2_run)  # exact, step for step
+    evals = lambda r: [(x["step"], x["eval_loss"]) for x in metrics(r) if "eval_loss" in x]  # noqa: E731
+    assert evals(run) == evals(zero2_run)
+    verify_ledgers(run)
 
 
 def test_elastic_resume_of_a_two_rank_zero2_checkpoint_on_one_rank(zero2_run, workspace):
