@@ -5,6 +5,8 @@ The loss lives with the objective (dsrecipes/objectives/).
 
 from __future__ import annotations
 
+import importlib
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -17,6 +19,34 @@ TORCH_DTYPES = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, P
 
 # transformers decides "is ZeRO-3 on?" through a weak reference to this object, so it must outlive the model load.
 _hf_zero3_config: Any = None
+
+
+def import_modeling() -> None:
+    """transformers' modeling code, imported once per process without scipy.
+
+    It imports scipy.optimize for its object-detection losses whenever scipy is installed
+    (transformers/loss/loss_for_object_detection.py: `if is_scipy_available(): from scipy.optimize import
+    linear_sum_assignment`): 0.8-1.3 s of CPU in every rank, for losses a causal LM never computes (measured on the
+    2-core test machine: importing transformers.modeling_utils and LlamaForCausalLM after torch, 5.5 s with, 4.7 s
+    without). So the first import happens with scipy hidden (transformers then skips that import), and right after
+    it scipy imports normally again and transformers' cached "is scipy available?" answers truthfully.
+    """
+    if "transformers.modeling_utils" in sys.modules:
+        return
+    if "scipy" in sys.modules:  # imported already: nothing to save
+        importlib.import_module("transformers.modeling_utils")
+        return
+    from transformers.utils.import_utils import is_scipy_available
+
+    forget = getattr(is_scipy_available, "cache_clear", lambda: None)  # an lru_cache in transformers 5.x
+    sys.modules["scipy"] = None  # `import scipy` raises ImportError and find_spec finds nothing while this is set
+    forget()  # an answer cached before (True) would make transformers import scipy.optimize anyway
+    try:
+        importlib.import_module("transformers.modeling_utils")
+    finally:
+        if "scipy" in sys.modules and sys.modules["scipy"] is None:
+            del sys.modules["scipy"]
+        forget()  # and the hidden answer (False) must not outlive the import
 
 
 def tokenizer_dir(cfg: TrainConfig) -> str:
@@ -80,6 +110,7 @@ def build_tiny_model(cfg: TrainConfig, tokenizer) -> torch.nn.Module:
     The init is seeded on its own (a forked RNG) so the start model is the same whatever `trainer.seed` is, and
     building it does not consume the training RNG.
     """
+    import_modeling()
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tiny = cfg.model.tiny
@@ -107,6 +138,7 @@ def build_tiny_model(cfg: TrainConfig, tokenizer) -> torch.nn.Module:
 
 def load_pretrained(cfg: TrainConfig, dtype: torch.dtype, ds_config: Optional[Dict[str, Any]]) -> torch.nn.Module:
     global _hf_zero3_config
+    import_modeling()
     from transformers import AutoModelForCausalLM
 
     _hf_zero3_config = None  # a load without ds_config (export, prompt-eval) must not partition

@@ -85,3 +85,31 @@ def test_micro_batch_loss_runs_packed_and_padded_with_checkpointing(make_cfg):
     assert int(n_packed) == 16 and torch.isfinite(loss_packed)
     # a loss near log(vocab) at init: the random model knows nothing
     assert abs(float(loss.detach()) - torch.log(torch.tensor(float(len(tokenizer))))) < 1.0
+
+
+BUILD_IN_A_RANK = """
+import sys
+from dsrecipes.config.load import compose_and_load, hydra_context
+from dsrecipes.model import build_model, load_tokenizer
+with hydra_context():
+    cfg = compose_and_load(["debug=fast"], check_files=False)
+model = build_model(cfg, load_tokenizer(cfg))
+print(type(model).__name__, "scipy" in sys.modules)
+from transformers.utils.import_utils import is_scipy_available
+import scipy.optimize
+print(is_scipy_available(), scipy.optimize.linear_sum_assignment.__name__)
+"""
+
+
+def test_a_rank_builds_its_model_without_importing_scipy_and_scipy_still_imports_afterwards():
+    """transformers' object-detection losses import scipy.optimize with the modeling code (~1 CPU s per rank);
+    model.import_modeling hides scipy for that one import (a fresh interpreter, as a rank starts)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import subprocess_env
+
+    done = subprocess.run([sys.executable, "-c", BUILD_IN_A_RANK], capture_output=True, text=True, timeout=300,
+                          env=subprocess_env())  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["LlamaForCausalLM", "False", "True", "linear_sum_assignment"], done.stdout
