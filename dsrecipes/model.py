@@ -31,11 +31,8 @@ def import_modeling() -> None:
     without). So the first import happens with scipy hidden (transformers then skips that import), and right after
     it scipy imports normally again and transformers' cached "is scipy available?" answers truthfully.
     """
-    if "transformers.modeling_utils" in sys.modules:
-        return
-    if "scipy" in sys.modules:  # imported already: nothing to save
-        importlib.import_module("transformers.modeling_utils")
-        return
+    if "transformers.modeling_utils" in sys.modules or "scipy" in sys.modules:
+        return  # imported already (or scipy is, so there is nothing to save): the caller's import does the rest
     from transformers.utils.import_utils import is_scipy_available
 
     forget = getattr(is_scipy_available, "cache_clear", lambda: None)  # an lru_cache in transformers 5.x
@@ -44,8 +41,7 @@ def import_modeling() -> None:
     try:
         importlib.import_module("transformers.modeling_utils")
     finally:
-        if "scipy" in sys.modules and sys.modules["scipy"] is None:
-            del sys.modules["scipy"]
+        sys.modules.pop("scipy", None)  # nothing can have imported the real scipy while the entry was None
         forget()  # and the hidden answer (False) must not outlive the import
 
 
