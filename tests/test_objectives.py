@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import List
 
 import pytest
 import torch
@@ -72,18 +73,31 @@ def test_sft_eval_sums_count_tokens_and_correct_predictions(make_cfg):
     assert empty["ids"] == [] and int((empty["labels"] != -100).sum()) == 0
 
 
+ALLREDUCES: List[int] = []  # DeepSpeed gradient all-reduces during default_run (one rank, ZeRO-0: none)
+
+
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory) -> Path:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
     from dsrecipes.cli import main
 
     run_dir = tmp_path_factory.mktemp("pinned") / "run"
     saved = dict(os.environ)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    allreduce = DeepSpeedEngine.allreduce_gradients
+
+    def counted(self, *args, **kwargs):
+        ALLREDUCES.append(1)
+        return allreduce(self, *args, **kwargs)
+
+    DeepSpeedEngine.allreduce_gradients = counted
     try:
         code = main(["trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every=3", "trainer.export=false",
                      f"trainer.output_dir={run_dir}", f"hydra.run.dir={run_dir}",
                      f"data.cache_dir={run_dir.parent / 'cache'}"])
     finally:
+        DeepSpeedEngine.allreduce_gradients = allreduce
         os.environ.clear()
         os.environ.update(saved)
     assert code == 0
@@ -91,6 +105,9 @@ def default_run(tmp_path_factory) -> Path:
 
 
 def test_sft_reproduces_the_default_runs_pinned_losses(default_run):
+    """Also: one rank without ZeRO runs no gradient all-reduce (train.skip_identity_allreduce), and the pinned
+    numbers (recorded when it still ran) are unchanged: skipping it is an identity."""
+    assert ALLREDUCES == []
     rows = [json.loads(line) for line in (default_run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "loss" in r]
     evals = {r["step"]: r for r in rows if "eval_loss" in r}
