@@ -1,20 +1,20 @@
 """Multi-node for real on one machine: 2 network-namespace nodes x 2 CPU ranks = world 4 (tests/helpers/netns.py).
 
 Every path trains the tiny model for 4 steps on all 4 ranks, exactly once per sample with equal steps
-(`dsrecipes audit --ledger` passes), and reproduces another world-4 run rank by rank (ledgers) and loss for loss:
+(`dsrecipes audit --ledger` passes):
   launcher=deepspeed_multinode  launch/multinode_nossh.sh on both nodes (the launch/README.md walkthrough) with
                                 the corpus in an object store on a host of its own: moto's S3 server in a third
                                 namespace on the same bridge, data=iterable from s3:// (every node exports
                                 AWS_ENDPOINT_URL and the credentials); every sample of the store read once, no
                                 secret in the run directory, and its step-2 checkpoint resumes elastically on one
                                 node (world 2): both sessions together read every sample exactly once
-  launcher=torchrun             the same script with LAUNCHER=torchrun (c10d rendezvous on node 0) from the same
-                                store: the no-ssh run's ledgers and losses exactly (one 2-node run serves both)
+  launcher=torchrun             the same script with LAUNCHER=torchrun (c10d rendezvous on node 0), local files:
+                                the uninterrupted run the pdsh path must reproduce
   launcher=deepspeed + hostfile pdsh over ssh to an sshd per node (local files: secrets never travel to the other
                                 node, see rank_env.STORE_SECRETS); .deepspeed_env reaches the remote ranks; node 1
                                 is cut off and killed mid-run: every rank exits well within a minute, the launching
-                                process names node 1, and the same command resumes to the single-node world-4 run's
-                                samples and losses exactly
+                                process names node 1, and the same command resumes to the torchrun run's samples
+                                and losses exactly, rank by rank (two launchers, one killed and resumed: one result)
 Every rank pins gloo to GLOO_SOCKET_IFNAME=dsr0 (the veth name on every node), as on nodes with several NICs; here
 each node's own hostname also resolves to its cluster address (so gloo would find it without, but not on a
 machine whose hostname resolves to 127.0.0.1 or another NIC). Needs root (namespaces) and, for the ssh path, openssh-server + pdsh (scripts/test.sh installs them);
@@ -121,29 +121,20 @@ def ledgers(run: Path) -> Dict[int, dict]:
     return {int(p.stem[4:]): read_ledger(p) for p in sorted((run / "ledger").glob("rank*.jsonl"))}
 
 
-def assert_same_training(run: Path, reference: Path) -> None:
-    """Exactly-once, equal steps on all 4 ranks (the audit CLI), the reference's samples per rank and its losses."""
+def assert_exactly_once(run: Path) -> None:
+    """Exactly-once, equal steps on all 4 ranks (the audit CLI), 4 steps logged."""
     audit = subprocess.run([sys.executable, "-m", "dsrecipes", "audit", "--ledger", str(run)], env=env(),
                            capture_output=True, text=True, timeout=120)  # fmt: skip
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert "4 rank(s)" in audit.stdout and audit.stdout.count(": 4 steps,") == 4, audit.stdout
+    assert sorted(losses(run)) == [1, 2, 3, 4]
+
+
+def assert_same_training(run: Path, reference: Path) -> None:
+    """`assert_exactly_once`, with the reference's samples per rank and its losses."""
+    assert_exactly_once(run)
     assert ledgers(run) == ledgers(reference)
-    assert sorted(losses(run)) == [1, 2, 3, 4]
     assert losses(run) == losses(reference)  # exact: same data, same all-reduce, world 4 either way
-
-
-@pytest.fixture(scope="module")
-def reference(workspace) -> Path:
-    """The single-node world-4 run every multi-node run must reproduce."""
-    run = workspace / "reference"
-    argv = [sys.executable, "-m", "dsrecipes", *common(workspace, run), "launcher=deepspeed", "launcher.num_gpus=4"]
-    log = workspace / "reference.log"
-    with open(log, "wb") as fh:
-        code = subprocess.run(argv, env=env(), cwd=workspace, stdout=fh, stderr=subprocess.STDOUT,
-                              timeout=RUN_TIMEOUT).returncode  # fmt: skip
-    assert code == 0, tails([log])
-    assert sorted(losses(run)) == [1, 2, 3, 4]
-    return run
 
 
 def walkthrough(cluster: netns.Cluster, workspace: Path, run: Path, launcher: str, name: str,
@@ -167,6 +158,17 @@ def walkthrough(cluster: netns.Cluster, workspace: Path, run: Path, launcher: st
     codes = wait_all(procs, logs)
     assert codes == [0, 0], tails(logs)
     return codes
+
+
+@pytest.fixture(scope="module")
+def torchrun_run(cluster, workspace) -> Path:
+    """The walkthrough with LAUNCHER=torchrun (c10d rendezvous on node 0) on local files: the uninterrupted world-4
+    run the pdsh run, killed and resumed, must reproduce."""
+    for node in cluster.nodes:  # whatever an earlier test of the module did to them (the dead-node test cuts node 1)
+        node.link(True)
+    run = workspace / "torchrun"
+    walkthrough(cluster, workspace, run, "torchrun", "torchrun")
+    return run
 
 
 def pdsh_argv(cluster: netns.Cluster, workspace: Path, run: Path, *extra: str) -> List[str]:
@@ -201,11 +203,11 @@ def remote_worker_env(node: netns.Node, proc: subprocess.Popen, timeout: float =
     return {}
 
 
-def test_deepspeed_over_ssh_pdsh_through_a_dead_node_and_resume(ssh_cluster, workspace, reference):
+def test_deepspeed_over_ssh_pdsh_through_a_dead_node_and_resume(ssh_cluster, workspace, torchrun_run):
     """launcher=deepspeed with a hostfile: pdsh over ssh to both nodes, .deepspeed_env reaching the node-1 ranks.
     Node 1 is cut off and killed while rank 0 stalls after the step-2 checkpoint (the others wait in a collective),
     so no connection is closed and only the heartbeat can notice; then the same command resumes on both nodes. The
-    result (both sessions through pdsh) must be the reference run, sample for sample and loss for loss."""
+    result (both sessions through pdsh) must be the torchrun run's, sample for sample and loss for loss."""
     from dsrecipes.heartbeat import FAILURE_FILE
     from dsrecipes.train import STALL_AFTER_STEP_ENV
 
@@ -263,7 +265,7 @@ def test_deepspeed_over_ssh_pdsh_through_a_dead_node_and_resume(ssh_cluster, wor
     assert code == 0, out[-4000:]
     assert f"resumed from {run / 'checkpoints' / 'step_2'}" in out
     assert not (run / FAILURE_FILE).exists()
-    assert_same_training(run, reference)
+    assert_same_training(run, torchrun_run)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -373,12 +375,11 @@ def test_deepspeed_multinode_no_ssh_reads_a_store_host_exactly_once_then_resumes
     assert set(first) | set(rest) == ids
 
 
-def test_torchrun_multinode_c10d(cluster, workspace, store, store_run):
-    """The same walkthrough with LAUNCHER=torchrun, from the same store: the no-ssh run, rank by rank, loss for loss."""
-    run = workspace / "torchrun"
-    walkthrough(cluster, workspace, run, "torchrun", "torchrun", replaced(TRAIN, STORE_TRAIN), store[1])
-    assert f"--rdzv_endpoint {cluster.nodes[0].addr}:29500" in (run / "launch.txt").read_text()
-    assert_same_training(run, store_run)
+def test_torchrun_multinode_c10d(cluster, workspace, torchrun_run):
+    """The same walkthrough with LAUNCHER=torchrun (c10d rendezvous on node 0): exactly once, equal steps on all 4
+    ranks (the pdsh test then reproduces it rank by rank and loss for loss, across a dead node and a resume)."""
+    assert f"--rdzv_endpoint {cluster.nodes[0].addr}:29500" in (torchrun_run / "launch.txt").read_text()
+    assert_exactly_once(torchrun_run)
 
 
 def merged(per_rank: Dict[int, dict]) -> List[tuple]:
