@@ -27,11 +27,17 @@ def test_inspect_colours_when_asked(tmp_path, capsys):
     assert "\033[42;30m" in capsys.readouterr().out
 
 
-def test_bad_data_is_one_message_and_exit_2(tmp_path, capsys):
+def test_bad_data_is_one_message_and_exit_2(tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    temp = tmp_path / "tmp"  # where inspect-data makes its stats directory (no --run-dir)
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     argv = [f"data.cache_dir={tmp_path / 'cache'}", f"dataset.paths=[{FIX / 'bad_rows.jsonl'}]", "dataset.max_samples=null"]
     assert cli.main(["inspect-data", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "bad_rows.jsonl:2: invalid_json" in err[0]
+    assert list(temp.iterdir()) == []  # its empty stats directory is removed, not left behind
 
 
 def test_inspect_data_of_pairs_shows_both_sides_and_no_third_party_bar(tmp_path):

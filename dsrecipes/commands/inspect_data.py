@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from typing import List
@@ -24,7 +25,12 @@ def main(argv: List[str]) -> int:
     cfg = compose_and_load(args.overrides)
     tokenizer = load_tokenizer(cfg)
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="dsrecipes-inspect-")
-    prepared = prepare(cfg, tokenizer, run_dir)
+    try:
+        prepared = prepare(cfg, tokenizer, run_dir)
+    except BaseException:
+        if not args.run_dir:
+            _remove_if_empty(run_dir)  # ours, and nothing in it to read: no empty directory left behind
+        raise
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     split = prepared.train if args.split == "train" else prepared.val
     if split is None:
@@ -35,3 +41,10 @@ def main(argv: List[str]) -> int:
     print(format_stats(prepared.stats))
     print(f"stats: {run_dir}/prepare_stats.json")
     return 0
+
+
+def _remove_if_empty(path: str) -> None:
+    try:
+        os.rmdir(path)  # fails (and keeps it) when prepare wrote anything there, e.g. a quarantine file
+    except OSError:
+        pass
