@@ -211,11 +211,11 @@ def test_full_finetune_starts_at_the_pretrained_loss_and_lowers_held_out_loss(wo
 
     from dsrecipes.metrics import read_metrics
 
-    run = train(workspace, "full", smollm2_dir, "trainer.max_steps=6", "optimizer.lr=1e-4", "trainer.record_samples=true")
+    run = train(workspace, "full", smollm2_dir, "trainer.max_steps=4", "optimizer.lr=2e-4", "trainer.record_samples=true")
     losses = [r["loss"] for r in read_metrics(run) if "loss" in r]
     assert losses[0] < 2.5, losses  # pretrained (a random init would start at ln(49152) = 10.8)
     start, end = [r for r in read_metrics(run) if "eval_loss" in r]
-    assert (start["step"], end["step"]) == (0, 6) and end["eval_loss"] < start["eval_loss"]
+    assert (start["step"], end["step"]) == (0, 4) and end["eval_loss"] < start["eval_loss"]
     loss, tokens, correct = recompute_step0(workspace, run, smollm2_dir)
     assert start["eval_tokens"] == tokens and abs(start["eval_loss"] - loss) < 1e-4 * loss, (start, loss)
     assert start["eval_accuracy"] == pytest.approx(correct / tokens, abs=1.5 / tokens)  # (argmax ties: one token)
@@ -231,7 +231,7 @@ def test_full_finetune_starts_at_the_pretrained_loss_and_lowers_held_out_loss(wo
     tok, model = AutoTokenizer.from_pretrained(export), AutoModelForCausalLM.from_pretrained(export)
     assert tok.chat_template == AutoTokenizer.from_pretrained(smollm2_dir).chat_template
     assert model.config.use_cache and model.generation_config.eos_token_id == IM_END
-    # Asked the way it was just trained (every Glaive row has a system prompt). What it answers after 6 steps of
+    # Asked the way it was just trained (every Glaive row has a system prompt). What it answers after 4 steps of
     # batch 2 on tool-call rows is the data's doing (its quality is the held-out loss above); the export must stop.
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
