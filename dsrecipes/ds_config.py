@@ -55,18 +55,12 @@ def _optimizer(cfg: TrainConfig) -> Dict[str, Any]:
     # DeepSpeed honours torch_adam before it looks at offload: an offloaded Adam would be torch's, stepping on the
     # CPU at a fraction of DeepSpeedCPUAdam's speed (the reason to offload at all). Offloaded: DeepSpeed's CPU Adam.
     torch_adam = o.torch_adam and cfg.offload.optimizer is OffloadDevice.none
-    # torch's Adam: its fused kernel (DeepSpeed hands the remaining params to torch.optim.Adam/AdamW). Without it,
-    # torch steps a CPU model one tensor at a time: 0.77 -> 0.10 CPU s per step for 128M fp32 parameters on one
-    # thread (measured, torch 2.13); it differs from that loop by rounding only (~1e-7). Not for DeepSpeed's own
-    # optimizers, which take no such argument.
-    fused = {"fused": True} if torch_adam else {}
     if o.name is OptimizerKind.adamw:
-        params = {"lr": lr, "betas": betas, "eps": o.eps, "weight_decay": o.weight_decay, "torch_adam": torch_adam,
-                  **fused}
+        params = {"lr": lr, "betas": betas, "eps": o.eps, "weight_decay": o.weight_decay, "torch_adam": torch_adam}
         return {"type": "AdamW", "params": params}
     if o.name is OptimizerKind.adam:
         params = {"lr": lr, "betas": betas, "eps": o.eps, "weight_decay": o.weight_decay,
-                  "torch_adam": torch_adam, "adam_w_mode": False, **fused}
+                  "torch_adam": torch_adam, "adam_w_mode": False}
         return {"type": "Adam", "params": params}
     if o.name is OptimizerKind.lion:
         return {"type": "Lion", "params": {"lr": lr, "betas": betas, "weight_decay": o.weight_decay}}

@@ -82,10 +82,8 @@ def test_offloaded_adam_is_deepspeeds_cpu_adam(make_cfg):
     for offload, zero in (("cpu_optimizer", "stage1"), ("cpu_optimizer_params", "stage3"), ("nvme", "stage3")):
         for opt in ("adamw", "adam"):
             ds = build_ds_config(make_cfg(f"optimizer={opt}", f"offload={offload}", f"zero={zero}", check_files=False), 1)
-            params = ds["optimizer"]["params"]
-            assert params["torch_adam"] is False and "fused" not in params, (opt, offload)  # DeepSpeedCPUAdam
-    params = build_ds_config(make_cfg("optimizer=adamw", check_files=False), 1)["optimizer"]["params"]
-    assert params["torch_adam"] and params["fused"] is True  # torch's AdamW, its fused kernel
+            assert ds["optimizer"]["params"]["torch_adam"] is False, (opt, offload)
+    assert build_ds_config(make_cfg("optimizer=adamw", check_files=False), 1)["optimizer"]["params"]["torch_adam"]
 
 
 @pytest.mark.slow

@@ -62,7 +62,5 @@ def test_every_optimizer_offload_and_stage_builds_the_right_optimizer(built_cpu_
         assert r["basic"] == expected(name, offload != "none"), (opt, off, zero, r)
         if r["basic"] == CPU_ADAM:
             assert r["adam_w_mode"] is (name == "adamw") and r["torch_adam"] is False
-        if r["basic"].startswith(("torch.optim.adam", "torch.optim.adamw")):
-            assert r["fused"] is True, r  # torch's fused kernel, not its one-tensor-at-a-time loop
     stages = {k[2] for k, r in built.items() if r.get("basic") == CPU_ADAM}
     assert stages == {"zero=stage1", "zero=stage2", "zero=stage3"}  # offloaded Adam at every stage that allows it

@@ -57,8 +57,7 @@ with hydra_context():
                                                        config=ds)
             basic = engine.basic_optimizer
             out.update(basic=f"{type(basic).__module__}.{type(basic).__name__}", wrapper=type(optim).__name__,
-                       adam_w_mode=getattr(basic, "adam_w_mode", None), torch_adam=ds["optimizer"]["params"].get("torch_adam"),
-                       fused=getattr(basic, "defaults", {}).get("fused"))
+                       adam_w_mode=getattr(basic, "adam_w_mode", None), torch_adam=ds["optimizer"]["params"].get("torch_adam"))
             del engine, optim, model
         except Exception as exc:  # reported, the test decides
             out["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
