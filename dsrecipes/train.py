@@ -148,10 +148,10 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
 def skip_identity_allreduce(engine, world_size: int, zero_stage: int) -> None:
     """One rank without ZeRO: DeepSpeed's backward still "all-reduces" the gradients over a group of one (flatten
     every gradient into one buffer, scale by 1/1, all_reduce, copy back: four passes over all gradients per step, an
-    identity). Measured on CPU with SmolLM2-135M (cProfile, 1 rank, 6 steps): 8.6 s in it, 1.4 s a step. DeepSpeed skips it itself when it has no
-    process group (`enable_backward_allreduce = False`, the flag its `no_sync()` and pipeline engine rely on); with
-    one rank the result is the same bit for bit, so it is skipped here too. ZeRO 1-3 reduce in their optimizers and
-    keep their own path."""
+    identity). Measured on CPU with SmolLM2-135M (cProfile, 1 rank, 6 steps): 8.6 s in it, 1.4 s a step.
+    DeepSpeed skips it itself when it has no process group (`enable_backward_allreduce = False`, the flag its
+    `no_sync()` and pipeline engine rely on); with one rank the result is the same bit for bit, so it is skipped
+    here too. ZeRO 1-3 reduce in their optimizers and keep their own path."""
     if world_size == 1 and zero_stage == 0:
         engine.enable_backward_allreduce = False
 

@@ -160,12 +160,17 @@ def walkthrough(cluster: netns.Cluster, workspace: Path, run: Path, launcher: st
     return codes
 
 
+def relink(cluster: netns.Cluster) -> None:
+    """Every node's link up, whatever an earlier test of the module did to them (the dead-node test cuts node 1)."""
+    for node in cluster.nodes:
+        node.link(True)
+
+
 @pytest.fixture(scope="module")
 def torchrun_run(cluster, workspace) -> Path:
     """The walkthrough with LAUNCHER=torchrun (c10d rendezvous on node 0) on local files: the uninterrupted world-4
     run the pdsh run, killed and resumed, must reproduce."""
-    for node in cluster.nodes:  # whatever an earlier test of the module did to them (the dead-node test cuts node 1)
-        node.link(True)
+    relink(cluster)
     run = workspace / "torchrun"
     walkthrough(cluster, workspace, run, "torchrun", "torchrun")
     return run
@@ -325,8 +330,7 @@ def store_run(cluster, workspace, store) -> Path:
     store host: every node exports the endpoint and credentials, as a user does; node 1's ranks reach the store only
     over the bridge."""
     _, environ, _ = store
-    for node in cluster.nodes:  # whatever an earlier test of the module did to them (the dead-node test cuts node 1)
-        node.link(True)
+    relink(cluster)
     run = workspace / "store"
     walkthrough(cluster, workspace, run, "deepspeed_multinode", "store", replaced(TRAIN, STORE_TRAIN), environ)
     return run
@@ -346,11 +350,7 @@ def test_deepspeed_multinode_no_ssh_reads_a_store_host_exactly_once_then_resumes
     text = (run / "launch.txt").read_text()
     assert f"--master_addr {cluster.nodes[0].addr}" in text and "GLOO_SOCKET_IFNAME=dsr0" in text
     assert "--no_ssh --node_rank 1" in text  # (tests/test_launch_scripts.py checks the same on one machine)
-    audit = subprocess.run([sys.executable, "-m", "dsrecipes", "audit", "--ledger", str(run)], env=env(),
-                           capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert audit.returncode == 0, audit.stdout + audit.stderr
-    assert "4 rank(s)" in audit.stdout and audit.stdout.count(": 4 steps,") == 4, audit.stdout
-    assert sorted(losses(run)) == [1, 2, 3, 4]
+    assert_exactly_once(run)
     report = verify_ledgers(run, expected_ids=ids, global_batch=8, complete_epochs=[0])
     assert report.ok and report.missing == {0: 0}, report.summary()  # every sample of the store, once
     assert [f.path for f in read_stream_index(run).files] == [f"s3://{BUCKET}/train/{n}" for n in sorted(STORE_FILES)]
