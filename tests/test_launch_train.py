@@ -21,7 +21,7 @@ def train(kind: str, tmp_path) -> list:
 
     run_dir = tmp_path / kind
     args = [
-        sys.executable, "-m", "dsrecipes", f"launcher={kind}", "launcher.num_gpus=2", "trainer.max_steps=2",
+        sys.executable, "-m", "dsrecipes", "debug=fast", f"launcher={kind}", "launcher.num_gpus=2", "trainer.max_steps=2",
         "scheduler.warmup_steps=1", "trainer.export=false", "trainer.log_every=1", f"trainer.output_dir={run_dir}",
     ]  # fmt: skip
     done = subprocess.run(args, env=subprocess_env(), cwd=tmp_path, capture_output=True, text=True, timeout=600)
