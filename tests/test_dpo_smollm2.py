@@ -42,10 +42,11 @@ def dpo_run(smollm2_dir, tmp_path_factory):
     saved = dict(os.environ)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
+        # 16 training pairs, 3 steps of 4 at twice the recipe's rate: held-out accuracy 14/16 (0.875) on this machine,
+        # 14 of 16 margins gained (the asserts need 12); 6 steps of 48 samples at 5e-5 cost ~40 more CPU seconds.
         code = main(["recipe=smollm2_cpu_dpo", f"model.path={smollm2_dir}", f"dataset.registry={registry}",
-                     "dataset.max_samples=48",
-                     "dataset.val_size=16", "trainer.max_steps=6", "trainer.eval_every=0", "trainer.save_every=0",
-                     "trainer.eval_at_start=false",
+                     "dataset.max_samples=32", "dataset.val_size=16", "trainer.max_steps=3", "optimizer.lr=1e-4",
+                     "trainer.eval_every=0", "trainer.save_every=0", "trainer.eval_at_start=false",
                      f"data.cache_dir={run_dir.parent / 'cache'}", f"trainer.output_dir={run_dir}",
                      f"hydra.run.dir={run_dir}"])
     finally:
