@@ -253,7 +253,6 @@ def open_resume(plan: Optional[ResumePlan]) -> Optional[ResumePoint]:
 
 
 def convert_to_universal(tag_dir: Path) -> Path:
-
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
     out = tag_dir / UNIVERSAL

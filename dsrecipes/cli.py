@@ -45,7 +45,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(usage())
         return 0
     if args and args[0] in ("-V", "--version"):
-
         print(version_text())
         return 0
     if args and args[0] in SUBCOMMANDS:

@@ -162,7 +162,6 @@ def check_resume(cfg: TrainConfig, resume: ResumePlan, fingerprint: str, files: 
     of older versions, its run directory's config.yaml and plan.json). Exit 2 listing every difference that
     cannot resume; one line for the accepted ones."""
 
-
     from dsrecipes.checkpoint import read_record  # lazy: else `commands.train` imports torch 3.80 s
 
     tag_dir = Path(resume.checkpoint)

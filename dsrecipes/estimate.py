@@ -142,7 +142,6 @@ def model_shape(cfg: TrainConfig, hf_config: Optional[str] = None) -> ModelShape
     config, source = _hf_config(cfg, hf_config)
     if config is None:
         if cfg.model.num_params is None:
-
             raise UserError(
                 f"model.path {cfg.model.path!r} has no config.json here and model.num_params is not set; "
                 "set model.num_params or pass --hf-config DIR"

@@ -52,7 +52,6 @@ def export_initial(cfg: TrainConfig, tokenizer: Any, out_dir: Path) -> Path:
     """The embedded tiny model's seeded start, as a HF directory: the baseline for `dsrecipes prompt-eval`, and the
     base of the tiny model's adapter-only LoRA exports."""
 
-
     check_out_dir(out_dir)
     tokenizer = copy.deepcopy(tokenizer)  # the caller's (training) tokenizer keeps its chat template
     model = build_tiny_model(cfg, tokenizer)

@@ -118,7 +118,6 @@ class ChatModel:
     def __init__(self, where: ModelPath, chat_template: Optional[str] = None, stop_ids: Optional[List[int]] = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-
         self.where = where
         with no_custom_code("model", str(where.path)):
             self.tokenizer = AutoTokenizer.from_pretrained(str(where.path), trust_remote_code=False)

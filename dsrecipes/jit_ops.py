@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, List, Mapping, Optional
 
 from dsrecipes.deepspeed_import import load_deepspeed
+from dsrecipes.paths import user_cache_dir
 from dsrecipes.schema import OffloadDevice, OptimizerKind
 
 if TYPE_CHECKING:
@@ -112,7 +113,6 @@ def async_io_buildable() -> bool:
 
 
 def _version(dist: str) -> str:
-
     try:
         return version(dist)
     except PackageNotFoundError:
@@ -132,8 +132,7 @@ def environment_key(prefix: Optional[str] = None, torch_version: Optional[str] =
 
 def default_root(environ: Mapping[str, str]) -> Path:
     """torch's own default root (torch.utils.cpp_extension.get_default_build_root), read from `environ`."""
-    cache = environ.get("XDG_CACHE_HOME") or os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".cache")
-    return Path(os.path.realpath(os.path.join(cache, "torch_extensions")))
+    return Path(os.path.realpath(user_cache_dir(environ) / "torch_extensions"))
 
 
 def build_root(environ: Optional[Mapping[str, str]] = None, key: Optional[str] = None) -> Path:

@@ -33,7 +33,6 @@ class Probe:
         return done.stdout + done.stderr
 
     def version(self, dist: str) -> Optional[str]:
-
         try:
             return version(dist)
         except PackageNotFoundError:
@@ -63,7 +62,6 @@ class Probe:
         return st.f_frsize * st.f_blocks
 
     def find_library(self, name: str) -> Optional[str]:
-
         return find_library(name)
 
     def exists(self, path: str) -> bool:

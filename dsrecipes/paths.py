@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Mapping, Optional
 
 from dsrecipes.errors import ConfigError
 
@@ -20,12 +21,19 @@ SAMPLE_DATA_DIR = ASSETS_DIR / "sample_data"
 HOME_ENV = "DSRECIPES_HOME"
 
 
+def user_cache_dir(environ: Optional[Mapping[str, str]] = None) -> Path:
+    """The user's cache folder, as torch, pip and Hugging Face read it: $XDG_CACHE_HOME, else $HOME/.cache (`environ`:
+    another environment than this process's, e.g. the one a rank will get)."""
+    environ = os.environ if environ is None else environ
+    home = environ.get("HOME") or os.path.expanduser("~")
+    return Path(environ.get("XDG_CACHE_HOME") or os.path.join(home, ".cache"))
+
+
 def conf_dir() -> Path:
     """The config tree: $DSRECIPES_HOME/conf, else the one installed with the package."""
     env = os.environ.get(HOME_ENV)
     conf = Path(env).expanduser().resolve() / "conf" if env else PACKAGE_DIR / "conf"
     if not (conf / "train.yaml").is_file():
-
         where = f"{HOME_ENV}={env}" if env else f"the installed package ({PACKAGE_DIR})"
         raise ConfigError(f"cannot find conf/train.yaml in {where}; reinstall dsrecipes (pip install .) "
                           f"or set {HOME_ENV} to a checkout")

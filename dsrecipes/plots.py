@@ -121,9 +121,7 @@ def _finish(ax: Any, values: List[float], title: str) -> None:
 
 
 def _save(fig: Any, out: Path) -> None:
-
     import matplotlib.pyplot as plt
-
 
     buf = io.BytesIO()
     fig.tight_layout()

@@ -203,7 +203,6 @@ def holds_run(run_dir: Path) -> Optional[str]:
 
 
 def write_config(run_dir: Path, data: Dict[str, Any]) -> Path:
-
     return atomic_write_text(run_dir / CONFIG_FILE, yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
 
 

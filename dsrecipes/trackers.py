@@ -153,7 +153,6 @@ class WandbTracker:
     def __init__(self, cfg: TrainConfig, run_dir: Path, start_step: int, ids: Dict[str, str]):
         import wandb
 
-
         # console="off": W&B would otherwise wrap this process's stdout/stderr to upload them. silent: its banner
         # (~20 lines at start and end) stays off the console; W&B keeps its own logs in <run>/wandb/.
         self.run = wandb.init(project=cfg.trainer.experiment, name=run_name(run_dir), dir=str(run_dir),

@@ -108,7 +108,6 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
     """Join the process group, build model, loaders and engine, and load the planned checkpoint."""
     deepspeed = load_deepspeed()
 
-
     plan = read_plan(run_dir)
     check_plan_current(plan, run_dir)
     seed_everything(cfg.trainer.seed)
@@ -298,7 +297,6 @@ def finish(s: Session) -> None:
                      ended_early=s.state.selection.get("stopped"))  # early stopping: fewer steps, still a success
     finish_distributed()
     if s.rank == 0 and s.cfg.trainer.export:
-
         try:
             out = export_checkpoint(s.run_dir, s.last_checkpoint, s.run_dir / EXPORT_DIR, s.cfg)
         except ExportOutOfSpace as exc:  # the checkpoints are intact: result.json says failed, with why
@@ -367,7 +365,6 @@ def open_ledger(cfg: TrainConfig, run_dir: Path, rank: int) -> Optional[Any]:
 
 
 def describe_run(cfg: TrainConfig, model: Any, plan: RunPlan, resume: Optional[ResumePoint]) -> str:
-
     trainable, total = count_parameters(model)
     world = plan.world_size
     lines = [

@@ -34,10 +34,12 @@ from types import ModuleType
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set
 
 from dsrecipes.fileio import atomic_write_text
+from dsrecipes.paths import user_cache_dir
 
 TARGET = "transformers.utils.import_utils"
 FORMAT = 1
-STATS = {"hits": 0, "computed": 0}  # calls served from the file / computed by transformers (read by tests)
+STATS = {"hits": 0, "computed": 0, "read": 0}  # calls not computed / computed by transformers; files read (tests)
+_LOADED: Dict[Path, List[Any]] = {}  # this process's table of each folder, as JSON rows
 
 Structure = Dict[FrozenSet[str], Dict[str, Set[str]]]
 
@@ -50,7 +52,7 @@ def install() -> None:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsrecipes" / "transformers"
+    return user_cache_dir() / "dsrecipes" / "transformers"
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -104,25 +106,37 @@ def _cached(original: Callable[..., Structure], models_dir: Path) -> Callable[..
 
 
 def load_or_build(models_dir: Path, build: Callable[[], Structure]) -> Structure:
-    """The table of `models_dir` from its cache file when the stamp matches, else `build()` (and the file rewritten)."""
+    """The table of `models_dir`: from this process's first answer, else from its cache file when the stamp matches,
+    else `build()` (and the file rewritten). The tree is walked and the file read once per process; every call gets a
+    fresh copy, because transformers updates the table it gets in place (transformers/__init__.py adds its names)."""
+    rows = _LOADED.get(models_dir)
+    if rows is None:
+        rows = _LOADED[models_dir] = _read_or_build(models_dir, build)
+    else:
+        STATS["hits"] += 1
+    return _from_json(rows)
+
+
+def _read_or_build(models_dir: Path, build: Callable[[], Structure]) -> List[Any]:
     path = cache_dir() / f"{hashlib.sha256(str(models_dir).encode()).hexdigest()[:24]}.json"
     stamp = tree_stamp(models_dir)
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
         if isinstance(saved, dict) and saved.get("format") == FORMAT and saved.get("stamp") == stamp:
-            table = _from_json(saved.get("table"))
+            rows = saved.get("table")
+            _from_json(rows)  # checked for shape before it is kept
             STATS["hits"] += 1
-            return table
+            STATS["read"] += 1
+            return rows
     except (OSError, ValueError, TypeError, AttributeError):
         pass  # missing, unreadable or not ours in shape: computed again below
-    table = build()
+    rows = _to_json(build())
     STATS["computed"] += 1
     try:
-        atomic_write_text(path, json.dumps({"format": FORMAT, "stamp": stamp, "table": _to_json(table)}))
+        atomic_write_text(path, json.dumps({"format": FORMAT, "stamp": stamp, "table": rows}))
     except OSError:
         pass  # a read-only home: transformers just computes it each time, as without this module
-    # A fresh copy: transformers updates the table it gets in place (transformers/__init__.py adds its own names).
-    return _from_json(_to_json(table))
+    return rows
 
 
 def tree_stamp(folder: Path) -> str:

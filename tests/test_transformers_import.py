@@ -52,9 +52,9 @@ def test_the_cached_table_is_the_one_transformers_builds_and_a_second_process_re
     digest, stats, tokenizer = _run("plain", tmp_path / "unused")
     assert stats == "{}" and tokenizer == "TokenizersBackend" and int(digest.split()[1]) > 100_000
     first = _run("hook", tmp_path)  # builds the table once (transformers' own function), serves the 2nd call
-    assert first[0] == digest and json.loads(first[1]) == {"computed": 1, "hits": 1} and first[2] == tokenizer
+    assert first[0] == digest and json.loads(first[1]) == {"computed": 1, "hits": 1, "read": 0} and first[2] == tokenizer
     second = _run("hook", tmp_path)  # reads both calls' tables from the file: transformers scans nothing
-    assert second[0] == digest and json.loads(second[1]) == {"computed": 0, "hits": 2} and second[2] == tokenizer
+    assert second[0] == digest and json.loads(second[1]) == {"computed": 0, "hits": 2, "read": 1} and second[2] == tokenizer
     saved = json.loads(_cache_file(tmp_path).read_text())
     assert saved["format"] == 1 and len(saved["stamp"]) == 64
 
@@ -70,6 +70,13 @@ def _fake_tree(tmp_path: Path) -> Path:
 TABLE = {frozenset({"torch"}): {"llama.modeling_llama": {"LlamaModel"}}, frozenset(): {"auto": {"AutoConfig"}}}
 
 
+def _new_process(monkeypatch) -> None:
+    """What a fresh process starts with: no table of its own yet (a process walks the tree and reads the file once)."""
+    from dsrecipes import transformers_import
+
+    monkeypatch.setattr(transformers_import, "_LOADED", {})
+
+
 @pytest.mark.parametrize("planted", [
     "not json {",
     json.dumps({"format": 1, "stamp": "0" * 64, "table": [[[], {"auto.tokenization_auto": ["AutoTokenizer"]}]]}),
@@ -81,13 +88,16 @@ def test_a_stale_or_malformed_cache_file_is_rebuilt_never_used(tmp_path, monkeyp
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     models, built = _fake_tree(tmp_path), []
     build = lambda: built.append(1) or TABLE  # noqa: E731
+    _new_process(monkeypatch)
     assert transformers_import.load_or_build(models, build) == TABLE and len(built) == 1
     path = _cache_file(tmp_path / "cache")
     real = json.loads(path.read_text())
+    _new_process(monkeypatch)
     assert transformers_import.load_or_build(models, build) == TABLE and len(built) == 1  # read back, not built
     if planted == "SHAPE":
         planted = json.dumps({"format": 1, "stamp": real["stamp"], "table": [[["torch"], {"x": "not a list"}]]})
     path.write_text(planted)
+    _new_process(monkeypatch)
     assert transformers_import.load_or_build(models, build) == TABLE and len(built) == 2
     assert json.loads(path.read_text()) == real  # rewritten with what transformers built
 
@@ -100,6 +110,7 @@ def test_a_cache_that_cannot_be_written_is_left_alone_and_the_table_still_built(
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
     models, built = _fake_tree(tmp_path), []
     for _ in range(2):
+        _new_process(monkeypatch)
         assert transformers_import.load_or_build(models, lambda: built.append(1) or TABLE) == TABLE
     assert len(built) == 2 and blocker.read_text() == "a file where the cache folder would be"
 
@@ -108,6 +119,7 @@ def test_other_folders_and_prefixes_go_through_as_transformers_has_them(tmp_path
     from dsrecipes import transformers_import
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    _new_process(monkeypatch)
     models, calls, table = _fake_tree(tmp_path), [], TABLE
 
     def original(module_path, prefix=None):
@@ -123,6 +135,8 @@ def test_other_folders_and_prefixes_go_through_as_transformers_has_them(tmp_path
     prefixed[frozenset()]["models.auto"].add("changed in place")  # as transformers/__init__.py does with its copy
     assert define(str(models / "__init__.py")) == table  # a file means its folder; the cached table is intact
     assert [c for c in calls if c[0] == str(models.resolve())] == [(str(models.resolve()), None)]  # built once
-    (models / "llama" / "modeling_llama.py").write_text("__all__ = []")  # a file changed (size): built again
-    define(models)
+    (models / "llama" / "modeling_llama.py").write_text("__all__ = []")  # a file changed (size): the next process ...
+    assert define(models) == table  # (this one keeps the table it has, as transformers' own lru_cache would)
+    _new_process(monkeypatch)
+    define(models)  # ... builds it again
     assert [c for c in calls if c[0] == str(models.resolve())] == [(str(models.resolve()), None)] * 2

@@ -84,7 +84,6 @@ def _directive_problem(arg: str) -> str:
 
 
 def checked_batch_fields(ln) -> None:
-
     problems = batch_problems(ln)
     if problems:
         raise ConfigError(problems)

@@ -295,7 +295,6 @@ def hostfile_problems(path: str) -> List[str]:
     """`launcher.hostfile`: its host names reach ssh/pdsh and mpirun's command lines, so each line must be a host
     name (HOST: never an option such as `-oProxyCommand=...`) followed by `key=value` words (`slots=8`)."""
 
-
     try:
         with open(os.path.expanduser(path), encoding="utf-8") as fh:
             lines = fh.read(1 << 20).splitlines()

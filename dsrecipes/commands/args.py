@@ -28,7 +28,6 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Name
 
 
 def usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
-
     flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
     unknown = re.findall(r"(?<!\w)(--?[\w-]+)", message.partition("unrecognized arguments:")[2])
     hint = "".join(phrase(closest(u, flags)) for u in unknown)

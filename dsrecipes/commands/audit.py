@@ -25,7 +25,6 @@ def main(argv: List[str]) -> int:
     if args.num_workers is not None:
         overrides.append(f"data.num_workers={args.num_workers}")
     if args.ledger:
-
         ledger = verify_ledgers(args.ledger)
         print(ledger.summary())
         return 0 if ledger.ok else 1

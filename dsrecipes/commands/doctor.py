@@ -16,7 +16,6 @@ from dsrecipes.doctor import Context, Level, Probe, diagnose, render
 
 
 def main(argv: List[str]) -> int:
-
     parser = override_parser("doctor", "check the environment (torch, CUDA, compilers, shm, caches)")
     parser.add_argument("--json", action="store_true", help="print findings as JSON")
     parser.add_argument("--build-ops", action="store_true",

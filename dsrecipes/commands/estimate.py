@@ -14,7 +14,6 @@ from dsrecipes.topology import resolve_topology
 
 
 def main(argv: List[str]) -> int:
-
     parser = override_parser("estimate", "memory per GPU/CPU for every ZeRO stage and offload choice")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="default: the launcher's ranks per node")
     parser.add_argument("--nodes", type=int, default=None, help="default: the launcher's nodes")

@@ -78,8 +78,6 @@ def schema_rows() -> Dict[str, List[str]]:
 
 
 def _default_options() -> Dict[str, str]:
-
-
     entries = yaml.safe_load((conf_dir() / "train.yaml").read_text(encoding="utf-8"))["defaults"]
     return {str(k).split()[-1]: str(v) for d in entries if isinstance(d, dict) for k, v in d.items()}
 
@@ -92,7 +90,6 @@ def _row(label: str, text: str, width: int) -> List[str]:
 
 def version_text() -> str:
     """dsrecipes and the versions of what it drives (from package metadata: nothing heavy is imported)."""
-
 
     lines = [f"dsrecipes {__version__} ({PACKAGE_DIR})"]
     for dist in ("torch", "deepspeed", "transformers", "hydra-core"):

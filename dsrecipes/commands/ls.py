@@ -15,7 +15,6 @@ from dsrecipes.suggest import closest, phrase
 
 
 def main(argv: List[str]) -> int:
-
     parser = argparse.ArgumentParser(prog="dsrecipes ls", description="List config groups, their options and the "
                                      "recipes, each with its description.")
     parser.add_argument("groups", nargs="*", help="only these groups (e.g. `dsrecipes ls zero offload recipe`)")

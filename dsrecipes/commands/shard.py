@@ -15,7 +15,6 @@ from dsrecipes.schema import ShardBalance
 
 
 def main(argv: List[str]) -> int:
-
     parser = override_parser("shard", "split data into one JSONL part per rank (+ manifest.json)")
     parser.add_argument("--parts", type=int, required=True, help="number of parts = the world size that will read them")
     parser.add_argument("--out", required=True, help="output directory (becomes data.shard_dir)")

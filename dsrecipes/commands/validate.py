@@ -106,7 +106,6 @@ class Progress:
 
 
 def _layered(check: Any, plan: Any, composed: Dict[Tuple[str, ...], Composed]) -> Tuple[List[str], List[str]]:
-
     group, option = check.option
     base = composed[tuple([f"{RECIPE_GROUP}={check.base}"] if check.base else [])]
     opt = composed[tuple(plan.sources[check.option])]
@@ -139,7 +138,6 @@ def _compose_products_of_failed_bases(plan: Any, composed: Dict[Tuple[str, ...],
 
 
 def _compose_parallel(jobs: List[List[str]], progress: Progress) -> Dict[Tuple[str, ...], Composed]:
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     size = max(1, min(4, len(jobs) // (2 * cores)))
     chunks = [jobs[i: i + size] for i in range(0, len(jobs), size)]

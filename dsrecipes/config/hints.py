@@ -98,7 +98,6 @@ def unwrap_optional(tp: Any) -> Any:
 
 
 def group_names() -> List[str]:
-
     return list(group_options())
 
 
@@ -160,7 +159,6 @@ def _bad_override(chain: List[BaseException], overrides: List[str]) -> str:
 
 
 def _yaml_error(chain: List[BaseException], overrides: List[str]) -> str:
-
     for exc in chain:
         if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
             mark = exc.problem_mark

@@ -200,7 +200,6 @@ def _misc(cfg: TrainConfig) -> List[str]:
     errors += _launcher(ln)
     errors += launcher_boundary_problems(ln)
     if ln.kind is LauncherKind.slurm and cfg.trainer.output_dir:
-
         errors += [p for p in [run_dir_problem(os.path.abspath(os.path.expanduser(cfg.trainer.output_dir)))] if p]
     if cfg.model.trust_remote_code:
         errors.append("model.trust_remote_code: must stay false; a model or tokenizer directory's own Python code "
@@ -258,7 +257,6 @@ def _launcher(ln) -> List[str]:
 
 
 def _files(cfg: TrainConfig) -> List[str]:
-
     named = [(f"dataset.paths[{i}]", p) for i, p in enumerate(cfg.dataset.paths)]
     named += [(f"dataset.val_paths[{i}]", p) for i, p in enumerate(cfg.dataset.val_paths)]
     for i, src in enumerate(cfg.dataset.sources):
@@ -285,13 +283,11 @@ def _files(cfg: TrainConfig) -> List[str]:
         if path and not os.path.exists(os.path.expanduser(path)) and not (key.startswith("model.") and is_hub_id(path)):
             errors.append(f"{key}: {path!r} does not exist")
     if cfg.launcher.hostfile and os.path.isfile(os.path.expanduser(cfg.launcher.hostfile)):
-
         errors += hostfile_problems(cfg.launcher.hostfile)
     return errors + check_hub_paths(cfg)
 
 
 def _shard_url(url: str) -> List[str]:
-
     problem = check_url(url.rstrip("/") + "/manifest.json")
     if problem:
         return [f"data.shard_dir: {problem}"]

@@ -20,6 +20,7 @@ from dsrecipes.data.sources.files import expand_paths
 from dsrecipes.data.sources.remote import identity as remote_identity
 from dsrecipes.data.sources.remote import is_url
 from dsrecipes.fileio import atomic_write_json
+from dsrecipes.paths import user_cache_dir
 from dsrecipes.schema import SourceConfig, TrainConfig
 from dsrecipes.typed import config_to_dict
 
@@ -31,7 +32,7 @@ MEMO_FILE = "file_hashes.json"
 def cache_root(cfg: TrainConfig) -> Path:
     if cfg.data.cache_dir:
         return Path(os.path.expanduser(cfg.data.cache_dir))
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsrecipes"
+    return user_cache_dir() / "dsrecipes"
 
 
 def sources_material(cfg: TrainConfig, sources: Sequence[SourceConfig],

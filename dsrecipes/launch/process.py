@@ -77,7 +77,6 @@ def _start(cmd: Command, log: Optional[Path]) -> Tuple[subprocess.Popen, List[th
     """Start `cmd` in a new session: ranks learn the progress mode (and the terminal width for a bar drawn through
     a pipe)."""
 
-
     columns = {"COLUMNS": str(shutil.get_terminal_size().columns)} if sys.stderr.isatty() else {}
     pipe = subprocess.PIPE if log is not None else None
     unbuffered = {"PYTHONUNBUFFERED": "1"} if pipe else {}  # ranks writing into a pipe would hold lines back

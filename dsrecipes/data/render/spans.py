@@ -50,7 +50,6 @@ class FullText:
     """Tokenizes whole conversations and maps segment borders to token indices."""
 
     def __init__(self, backend: Any):
-
         # A private copy without post-processor: with add_special_tokens=False it adds no tokens, but ByteLevel's
         # `trim_offsets` would move offsets off leading spaces and hide a token straddling a border.
         self._tok = Tokenizer.from_str(backend.to_str())

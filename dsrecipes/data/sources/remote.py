@@ -134,7 +134,6 @@ def expand(pattern: str) -> List[str]:
     if problem:
         raise DataError(problem)
     if pattern.startswith("hf://"):
-
         return hf_expand(pattern)
     fs = s3()
     with store_errors(pattern):

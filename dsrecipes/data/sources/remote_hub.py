@@ -13,19 +13,18 @@ import os
 from typing import List
 
 from dsrecipes.errors import DataError
+from dsrecipes.paths import user_cache_dir
 
 
 def _hub_cache() -> str:
     """huggingface_hub's cache folder from the environment now (its own constants are read once, at import)."""
     if os.environ.get("HF_HUB_CACHE"):
         return os.environ["HF_HUB_CACHE"]
-    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser(
-        "~/.cache"), "huggingface")
+    home = os.environ.get("HF_HOME") or os.path.join(user_cache_dir(), "huggingface")
     return os.path.join(home, "hub")
 
 
 def hf_expand(url: str) -> List[str]:
-
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 

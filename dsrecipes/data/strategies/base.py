@@ -78,7 +78,6 @@ class TrainLoader:
     def steps_per_epoch(self) -> Optional[int]:
         raise NotImplementedError
 
-
     def _batches(self, offset: int, start_micro: int) -> Iterator[Batch]:
         """The remaining micro-batches of epoch `self.epoch` for a plan at `offset`, from micro `start_micro`."""
         raise NotImplementedError

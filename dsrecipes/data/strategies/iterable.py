@@ -181,7 +181,6 @@ class IterableStrategy:
     needs_tokenizer = False
 
     def identity(self, cfg: TrainConfig, tokenizer: Any) -> Tuple[str, Dict[str, str]]:
-
         sources = resolve_sources(cfg.dataset)
         return data_fingerprint(cfg, sources), data_files(cfg, sources)
 

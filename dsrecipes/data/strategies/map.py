@@ -52,7 +52,6 @@ class MapTrainLoader(TrainLoader):
     def steps_per_epoch(self) -> int:
         return EpochPlan(self.num_samples, self.layout).steps
 
-
     def plan(self, offset: int = 0, start_micro: int = 0) -> EpochPlan:
         return EpochPlan(self.num_samples, self.layout, offset, start_micro)
 
@@ -104,12 +103,10 @@ class MapStrategy:
     needs_tokenizer = True  # the preparation cache key hashes the tokenizer
 
     def identity(self, cfg: TrainConfig, tokenizer: Any) -> Tuple[str, Dict[str, str]]:
-
         sources = resolve_sources(cfg.dataset)
         return preparation_key(cfg, tokenizer, sources), data_files(cfg, sources)
 
     def prepare(self, cfg: TrainConfig, run_dir: Path, tokenizer: Any, world_size: int) -> PrepareResult:
-
         prepared = prepare(cfg, tokenizer, run_dir)
         val = 0 if prepared.val is None else len(prepared.val)
         return PrepareResult(len(prepared.train), prepared.stats["cache_key"], val)
@@ -118,7 +115,6 @@ class MapStrategy:
         return require_steps(steps_per_epoch(prepared.rows, layout), f"{prepared.rows} training rows", layout)
 
     def open(self, cfg: TrainConfig, run_dir: str, rank: int, world_size: int, plan: RunPlan) -> Any:
-
         prepared = load_prepared(cfg, run_dir)
         rows_of_plan(plan, len(prepared.train), run_dir)
         return prepared

@@ -55,12 +55,10 @@ class RowEncoder(ItemRows):
         errors: List[Any] = []
         encoded = self.encoder.encode_batch(convs, errors) if convs else []
         for conv, bad in errors:
-
             self._bad(where(conv.path, conv.loc, conv.element), bad)
         examples = [e for e in encoded if e is not None]
         self.dropped += len(convs) - len(examples) - len(errors)
         if self.packing:
-
             return [_row(p.ids, p.input_ids, p.labels, p.position_ids) for p in pack(examples, self.cutoff_len)]
         return [_row([e.id], e.input_ids, e.labels, list(range(len(e.input_ids)))) for e in examples]
 

@@ -54,7 +54,6 @@ def convert(path: str, out: Path, new_scanner: Callable[[], Any]) -> Converted:
 
 
 def _decompress(path: str, out: Path, scanner: Any) -> None:
-
     try:
         with atomic_writer(out) as fh, open_maybe_gzip(path) as src:
             for block in iter(lambda: src.read(1 << 16), b""):  # small reads: a break is located closely

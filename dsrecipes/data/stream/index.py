@@ -184,7 +184,6 @@ def file_sources(cfg: Any, index: StreamIndex) -> List[Any]:
 
 
 def _file_configs(cfg: Any, sources: Sequence[Any], file_source: Sequence[int]) -> List[Any]:
-
     ds = cfg.dataset
     val = SourceConfig(name=f"{ds.name}-val", paths=list(ds.val_paths), format=ds.format, columns=ds.columns,
                        roles=dict(ds.roles))

@@ -86,7 +86,6 @@ class _Scanning:
     """The pre-scan's state across the indexing pass: report, encoder, the taps and the scan cache key."""
 
     def __init__(self, cfg: TrainConfig, run_dir: Path):
-
         self.cfg = cfg
         self.report, self.encoder = _start(cfg, run_dir)
         self.root = cache_root(cfg) / "stream"
@@ -94,7 +93,6 @@ class _Scanning:
         self.taps = Taps(self._tap)
 
     def _tap(self, name: str, src: SourceConfig) -> Any:
-
         checker = _checker(self.cfg)(name, src, False, self.cfg.dataset.max_row_bytes, self.encoder)
         return RowTap(checker, self.cfg.dataset.max_row_bytes)
 
@@ -116,7 +114,6 @@ def _checker(cfg: TrainConfig) -> Any:
 def _scan_key(cfg: TrainConfig, encoder: Any) -> str:
     """What a file's scan result depends on besides its content: row reading and normalising, template,
     tokenization (the bad-row policy and caps are applied afterwards)."""
-
 
     dataset = {k: v for k, v in config_to_dict(cfg.dataset).items() if k not in ("bad_rows", "max_bad_fraction")}
     material = {"version": PREP_VERSION, "dataset": dataset, "template": config_to_dict(cfg.template),
@@ -213,7 +210,6 @@ def _finish(report: BadRowReport, good: int, run_dir: Path) -> Dict[str, int]:
 
 
 def _encoded(convs: List[Conversation], report: BadRowReport, encoder: Any) -> Iterator[Tuple[Conversation, Any]]:
-
     if not convs:
         return
     errors: List[Any] = []

@@ -48,14 +48,12 @@ class RowChecker:
     """The checks of training for the sample rows of one file, fed in file order: `row(loc, raw)`."""
 
     def __init__(self, name: str, source: Any, element: bool, limit: int, encoder: Any):
-
         self.name, self.source, self.element, self.limit, self.encoder = name, source, element, limit, encoder
         self.table = role_table(source)
         self.scan = FileScan()
         self._batch: List[tuple] = []
 
     def row(self, loc: int, raw: Optional[bytes]) -> None:
-
         sample = self.scan.count
         self.scan.count += 1
         try:
@@ -72,7 +70,6 @@ class RowChecker:
             self._encode()
 
     def _encode(self) -> None:
-
         if not self._batch:
             return
         errors: List[Any] = []
