@@ -9,14 +9,24 @@ Data: three JSONL files of very different sizes (120, 30 and 7 rows of the bundl
 stream is shuffled window by window, several windows), micro batch 4 x grad_accum 2 x 2 ranks = 16 per step:
 157 samples -> 9 steps per epoch, remainder 13; 2 epochs = 18 steps.
 
+The files are written here AND put, byte for byte, on a real S3-API server (moto's standalone server, the session's
+`s3_server`) under s3://dsr-guarantees/train/, and the runs read them from there: one run serves both these data
+guarantees and the object-store guarantees of issue 23 (identity by ETag, the credentials nowhere in the run
+directory or its output, a shard written into the store and each rank reading only its own part straight from it)
+that tests/test_store_e2e.py would otherwise need runs of its own for. (Local files under the same strategies are
+trained by test_stream_e2e and test_dpo_strategies; the local copies here feed the 3-part shard dir.)
+
 Runs (module fixtures, shared between tests):
-  iterable           data=iterable, data.num_samples=157, trainer.epochs=2, trainer.max_steps=null, save_every=4
+  iterable           data=iterable from s3://dsr-guarantees/train/*.jsonl, data.num_samples=157, trainer.epochs=2,
+                     trainer.max_steps=null, save_every=4
   iterable_killed    the same command, every rank killed while saving step 12 (before `latest`), so the last good
                      checkpoint is step 8, in the middle of epoch 0; then the same command again (resume=auto),
                      which replays steps 9-12 and crosses into epoch 1. (save_every = total/2 would put the
                      checkpoint exactly on the epoch boundary with 2 epochs; mid-epoch is the harder case.)
-  presharded         `dsrecipes shard` (subprocess) of the three files into 2 parts, then data=presharded
-  + a 3-part shard dir under world size 2: exit 2 with the re-shard hint, before any rank starts
+  presharded         `dsrecipes shard s3://.../train/*.jsonl --out s3://dsr-guarantees/parts2` (subprocess), then
+                     the training command it printed (data=presharded, data.shard_dir=s3://...), run as printed
+  + a 3-part shard dir (of the local copies) under world size 2: exit 2 with the re-shard hint, before any rank
+    starts (in-process: `dsrecipes.cli.main`, nothing to launch)
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import subprocess_env
+from tests.helpers.s3server import SECRET
 from tests.test_train_runs import SHORT, train_run
 
 pytestmark = pytest.mark.slow
@@ -46,6 +57,9 @@ TOTAL_STEPS = EPOCHS * STEPS_PER_EPOCH  # 18
 SAVE_EVERY = 4  # checkpoints at 4, 8, 12, 16 and 18
 KILLED_AT = 12  # dies while saving step 12: resumes from step 8 (epoch 0, micro-batch 16 of 18 per rank)
 RESUMED_FROM = 8
+STORE = "s3://dsr-guarantees"  # a bucket of this file's own: under `-n 0` the session's server is shared
+TRAIN_GLOB = f"{STORE}/train/*.jsonl"
+STORE_ENV = {"AWS_SECRET_ACCESS_KEY": SECRET}  # what the runs' environment holds anyway (s3_server), said explicitly
 
 COMMON = (
     "trainer.record_samples=true",
@@ -73,17 +87,22 @@ def workspace(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def shards(workspace) -> tuple[list[Path], set[str]]:
-    """The three uneven JSONL files and every sample id in them."""
+def shards(workspace, s3_server) -> tuple[list[Path], set[str]]:
+    """The three uneven JSONL files (here, and the same bytes in the store under TRAIN_GLOB) and every sample id."""
+    from dsrecipes.data.sources.remote import s3
+
     lines = [ln for ln in SAMPLE.read_text(encoding="utf-8").splitlines(keepends=True) if ln.strip()]
     out_dir = workspace / "data"
     out_dir.mkdir()
+    fs = s3()
+    fs.mkdir(STORE)
     paths, ids, start = [], set(), 0
     for name, n in FILES.items():
         chunk = lines[start:start + n]
         start += n
         assert len(chunk) == n
         (out_dir / name).write_text("".join(chunk), encoding="utf-8")
+        fs.pipe(f"{STORE}/train/{name}", "".join(chunk).encode())
         paths.append(out_dir / name)
         for line_no, line in enumerate(chunk, 1):
             row = json.loads(line)
@@ -93,48 +112,51 @@ def shards(workspace) -> tuple[list[Path], set[str]]:
     return paths, ids
 
 
-def iterable_overrides(paths: list[Path]) -> tuple[str, ...]:
-    return (*COMMON, "data=iterable", f"data.num_samples={NUM_SAMPLES}",
-            "dataset.paths=[" + ",".join(json.dumps(str(p)) for p in paths) + "]")
+def iterable_overrides() -> tuple[str, ...]:
+    return (*COMMON, "data=iterable", f"data.num_samples={NUM_SAMPLES}", f"dataset.paths=[{TRAIN_GLOB}]")
 
 
 @pytest.fixture(scope="module")
-def iterable_run(workspace, shards) -> Path:
-    run, _ = train_run(workspace, "iterable", *iterable_overrides(shards[0]))
-    return run
+def iterable_run(workspace, shards) -> tuple[Path, str]:
+    """The uninterrupted data=iterable run from the store: (run directory, its output)."""
+    return train_run(workspace, "iterable", *iterable_overrides(), env=STORE_ENV)
 
 
 @pytest.fixture(scope="module")
-def sharding(workspace, shards) -> tuple[Path, str]:
-    """`dsrecipes shard FILES --parts 2 --out DIR <training overrides>`, for real: the parts and the training
-    command it printed."""
-    out = workspace / "parts2"
-    training = [*SHORT, *COMMON, f"data.cache_dir={workspace / 'cache'}", f"trainer.output_dir={workspace / 'presharded'}"]
-    argv = [sys.executable, "-m", "dsrecipes", "shard", *map(str, shards[0]), "--parts", "2", "--out", str(out), *training]
+def sharding(workspace, shards) -> tuple[str, str]:
+    """`dsrecipes shard s3://... --parts 2 --out s3://.../parts2 <training overrides>`, for real: the parts' URL and
+    the training command it printed."""
+    out = f"{STORE}/parts2"
+    training = [*SHORT, *COMMON, f"data.cache_dir={workspace / 'cache'}",
+                f"trainer.output_dir={workspace / 'presharded'}"]
+    argv = [sys.executable, "-m", "dsrecipes", "shard", TRAIN_GLOB, "--parts", "2", "--out", out, *training]
     proc = subprocess.run(argv, env=subprocess_env(), capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert not list((workspace / "cache").glob("shard-staging-*")), "the staging directory is removed"
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("train with: ")]
     return out, line[len("train with: "):]
 
 
 @pytest.fixture(scope="module")
-def shard_dir(sharding) -> Path:
+def shard_dir(sharding) -> str:
     return sharding[0]
 
 
 @pytest.fixture(scope="module")
-def presharded_run(workspace, sharding) -> Path:
-    """The command `dsrecipes shard` printed, run exactly as printed (`python` = this interpreter)."""
+def presharded_run(workspace, sharding) -> tuple[Path, str]:
+    """The command `dsrecipes shard` printed, run exactly as printed (`python` = this interpreter): (run directory,
+    its output)."""
     import os
 
     out, command = sharding
+    assert f"data.shard_dir={out} " in command
     assert command.startswith(f"python -m dsrecipes data=presharded data.shard_dir={out} launcher=deepspeed "
                               "launcher.num_gpus=2 ")  # fmt: skip
-    env = subprocess_env({"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]})
+    env = subprocess_env({"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], **STORE_ENV})
     proc = subprocess.run(["bash", "-c", command], cwd=workspace, env=env, capture_output=True, text=True,
                           timeout=600, check=False)  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return workspace / "presharded"
+    return workspace / "presharded", proc.stdout + proc.stderr
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -208,9 +230,30 @@ def losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in train}
 
 
-def part_ids(shard_dir: Path, part: int) -> list[str]:
-    name = json.loads((shard_dir / "manifest.json").read_text(encoding="utf-8"))["files"][part]
-    return [json.loads(t)["id"] for t in (shard_dir / name).read_text(encoding="utf-8").splitlines() if t.strip()]
+def store_text(url: str) -> str:
+    from dsrecipes.data.sources.remote import s3
+
+    return s3().cat_file(url).decode("utf-8")
+
+
+def shard_manifest(shard_dir: str) -> dict:
+    return json.loads(store_text(f"{shard_dir}/manifest.json"))
+
+
+def part_ids(shard_dir: str, part: int) -> list[str]:
+    name = shard_manifest(shard_dir)["files"][part]
+    return [json.loads(t)["id"] for t in store_text(f"{shard_dir}/{name}").splitlines() if t.strip()]
+
+
+def assert_store_run(run: Path, out: str) -> None:
+    """A run that read the store: finished with the planned steps; the secret key nowhere in its files or output."""
+    plan = json.loads((run / "plan.json").read_text())
+    result = json.loads((run / "result.json").read_text())
+    assert result["status"] == "ok" and result["steps"] == plan["total_steps"] == TOTAL_STEPS
+    for path in run.rglob("*"):  # config.yaml, plan.json, logs, ledgers, checkpoints' metadata
+        if path.is_file() and path.stat().st_size < 50 << 20:
+            assert SECRET.encode() not in path.read_bytes(), f"the secret key leaked into {path}"
+    assert SECRET not in out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -220,6 +263,7 @@ def part_ids(shard_dir: Path, part: int) -> list[str]:
 def test_iterable_uneven_shards_exactly_once_per_epoch_equal_steps(iterable_run, shards):
     from dsrecipes.data.ledger import verify_ledgers
 
+    iterable_run, _ = iterable_run
     _, expected = shards
     report = verify_ledgers(iterable_run, expected, GLOBAL_BATCH, complete_epochs=range(EPOCHS))
     assert report.ok, report.summary()
@@ -245,26 +289,52 @@ def test_iterable_uneven_shards_exactly_once_per_epoch_equal_steps(iterable_run,
     assert [r["step"] for r in lines if "loss" in r] == list(range(1, TOTAL_STEPS + 1))
 
 
+def test_iterable_from_the_store_indexes_by_etag_and_keeps_the_secret_out(iterable_run):
+    """(issue 23) The readers read their own blocks of the store's objects with ranged GETs: the stream index names
+    the s3:// objects the glob matched, identified by ETag (their contents were not hashed); the run finished with
+    the planned steps, and the secret key is in none of its files and not in its output."""
+    from dsrecipes.data.stream.index import read_stream_index
+
+    run, out = iterable_run
+    assert_store_run(run, out)
+    index = read_stream_index(run)
+    assert [f.path for f in index.files] == [f"{STORE}/train/{n}" for n in sorted(FILES)]
+    assert all(f.digest.startswith("s3-") for f in index.files)  # identity = ETag, the contents were not hashed
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 2. data=presharded from `dsrecipes shard`
 
 
 def test_presharded_each_rank_reads_only_its_part_once_per_epoch(presharded_run, shard_dir, shards):
-    from dsrecipes.data.ledger import verify_ledgers
+    """`dsrecipes shard` into the store, then the printed training command: each rank reads only its own part,
+    straight from the store, exactly once per epoch."""
+    from dsrecipes.data.ledger import read_ledger, verify_ledgers
 
+    presharded_run, out = presharded_run
     _, expected = shards
-    manifest = json.loads((shard_dir / "manifest.json").read_text(encoding="utf-8"))
+    manifest = shard_manifest(shard_dir)
     parts = [part_ids(shard_dir, r) for r in range(RANKS)]
     assert manifest["parts"] == RANKS and manifest["counts"] == [len(p) for p in parts]
+    assert len(manifest["identities"]) == RANKS
     assert sorted(manifest["counts"]) == [NUM_SAMPLES // 2, NUM_SAMPLES - NUM_SAMPLES // 2]  # balanced +-1
     assert not set(parts[0]) & set(parts[1]) and set(parts[0]) | set(parts[1]) == expected  # ids survive shard
     rank_batch = MICRO * ACCUM
     steps_per_epoch = min(len(p) for p in parts) // rank_batch
     assert steps_per_epoch == STEPS_PER_EPOCH
 
+    assert_store_run(presharded_run, out)
+    report = verify_ledgers(presharded_run, expected, GLOBAL_BATCH)
+    assert report.ok, report.summary()
     report = verify_ledgers(presharded_run, expected, GLOBAL_BATCH, complete_epochs=range(EPOCHS))
     assert report.ok, report.summary()
     assert report.steps_per_rank == {r: TOTAL_STEPS for r in range(RANKS)}
+    for r in range(RANKS):  # the same through read_ledger: (epoch, step) -> ids
+        ledger = read_ledger(presharded_run / "ledger" / f"rank{r}.jsonl")
+        assert sorted({e for e, _ in ledger}) == list(range(EPOCHS))
+        for epoch in range(EPOCHS):
+            read = [i for (e, _), batch in ledger.items() if e == epoch for i in batch]
+            assert read and set(read) <= set(parts[r]) and len(read) == len(set(read)), (epoch, r)
 
     per_rank = {r: single_session(presharded_run, r) for r in range(RANKS)}
     assert_step_structure(per_rank)
@@ -280,18 +350,21 @@ def test_presharded_each_rank_reads_only_its_part_once_per_epoch(presharded_run,
         assert left[0] != left[1], f"rank {r}: the same samples are left out in both epochs"
 
 
-def test_presharded_part_count_must_match_world_size(workspace, shards):
+def test_presharded_part_count_must_match_world_size(workspace, shards, capfd):
+    """Refused by the launching process before any rank starts, so it runs in-process (`dsrecipes.cli.main`, the
+    function `python -m dsrecipes` calls); capfd also holds anything a launched child would have written."""
     from dsrecipes.cli import main as cli
 
     three = workspace / "parts3"
     assert cli(["shard", *map(str, shards[0]), "--parts", "3", "--out", str(three)]) == 0
+    capfd.readouterr()
     run = workspace / "presharded_3of2"
-    argv = [sys.executable, "-m", "dsrecipes", *SHORT, f"data.cache_dir={workspace / 'cache'}",
-            f"trainer.output_dir={run}", f"hydra.run.dir={run}", *COMMON, "data=presharded",
-            f"data.shard_dir={three}", "launcher=deepspeed", f"launcher.num_gpus={RANKS}"]
-    proc = subprocess.run(argv, env=subprocess_env(), capture_output=True, text=True, timeout=300, check=False)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, out[-4000:]
+    argv = [*SHORT, f"data.cache_dir={workspace / 'cache'}", f"trainer.output_dir={run}", f"hydra.run.dir={run}",
+            *COMMON, "data=presharded", f"data.shard_dir={three}", "launcher=deepspeed", f"launcher.num_gpus={RANKS}"]
+    code = cli(argv)
+    captured = capfd.readouterr()
+    out = captured.out + captured.err
+    assert code == 2, out[-4000:]
     assert f"holds 3 parts but the run has {RANKS} ranks" in out and f"--parts {RANKS}" in out, out[-4000:]
     assert "Traceback" not in out
     # before any rank: no launcher command, no run files, no ledger
@@ -307,9 +380,9 @@ def test_presharded_part_count_must_match_world_size(workspace, shards):
 def resumed_run(workspace, shards) -> tuple[Path, str]:
     from dsrecipes.checkpoint import KILL_BEFORE_LATEST_ENV
 
-    overrides = iterable_overrides(shards[0])
-    run, _ = train_run(workspace, "iterable_killed", *overrides, env={KILL_BEFORE_LATEST_ENV: str(KILLED_AT)},
-                       expect_ok=False)
+    overrides = iterable_overrides()
+    killed = {KILL_BEFORE_LATEST_ENV: str(KILLED_AT), **STORE_ENV}
+    run, _ = train_run(workspace, "iterable_killed", *overrides, env=killed, expect_ok=False)
     ckpts = run / "checkpoints"
     assert (ckpts / "latest").read_text() == f"step_{RESUMED_FROM}"
     assert not (ckpts / f"step_{KILLED_AT}" / "complete.json").exists()
@@ -317,7 +390,7 @@ def resumed_run(workspace, shards) -> tuple[Path, str]:
     killed_sessions = {r: raw_sessions(run, r) for r in range(RANKS)}
     assert all(len(s) == 1 for s in killed_sessions.values())
 
-    _, out = train_run(workspace, "iterable_killed", *overrides)  # the same command: trainer.resume=auto
+    _, out = train_run(workspace, "iterable_killed", *overrides, env=STORE_ENV)  # the same command: resume=auto
     assert "resumed from" in out and f"step_{RESUMED_FROM}" in out, out[-3000:]
     return run, out
 
@@ -326,6 +399,7 @@ def test_iterable_resume_replays_the_same_samples_and_losses(resumed_run, iterab
     from dsrecipes.data.ledger import read_ledger, verify_ledgers
 
     run, _ = resumed_run
+    iterable_run, _ = iterable_run
     _, expected = shards
     assert (run / "checkpoints" / "latest").read_text() == f"step_{TOTAL_STEPS}"
 

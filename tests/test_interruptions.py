@@ -2,9 +2,10 @@
 only a second one after the first was acknowledged stops at once, and the message still names the latest checkpoint;
 a resume command for a run without a checkpoint says it starts from step 1.
 
-The handler tests send real signals to this process; the slow test interrupts a real `python -m dsrecipes` run
-through `timeout`, which forwards a SIGINT it receives to its child and to its process group, so the child gets it
-twice within milliseconds (what a terminal's Ctrl-C does under `timeout`, CI runners and `srun`).
+The handler tests send real signals to this process; test_ctrl_c_under_timeout_still_checkpoints interrupts a real
+`python -m dsrecipes` run through `timeout`, which forwards a SIGINT it receives to its child and to its process
+group, so the child gets it twice within milliseconds (what a terminal's Ctrl-C does under `timeout`, CI runners and
+`srun`).
 """
 
 from __future__ import annotations
@@ -150,15 +151,22 @@ def test_ctrl_c_under_timeout_still_checkpoints(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_second_attempt_without_a_checkpoint_says_it_starts_from_step_1(tmp_path):
+def test_a_second_attempt_without_a_checkpoint_says_it_starts_from_step_1(tmp_path, capsys, monkeypatch):
     """An earlier attempt ended in the run directory (here: a dry run) and left no checkpoint: the next start says
-    it begins at step 1 instead of looking like a resume."""
-    run = tmp_path / "again"
-    argv = [sys.executable, "-m", "dsrecipes", *_args(tmp_path, run), "trainer.max_steps=2"]
-    first = subprocess.run([*argv, "launcher.dry_run=true"], cwd=tmp_path, env=subprocess_env(), capture_output=True,
-                           text=True, timeout=600)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "no checkpoint yet" not in first.stdout + first.stderr  # a first start is just a start
-    done = subprocess.run(argv, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "no checkpoint yet: starting from step 1" in done.stdout + done.stderr
+    it begins at step 1 instead of looking like a resume. Both run in this process (`dsrecipes.cli.main`)."""
+    from dsrecipes.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    args = [*_args(tmp_path, tmp_path / "again"), "trainer.max_steps=2"]
+    saved = dict(os.environ)  # a run sets RANK, MASTER_PORT, ... for its rank: none outlives it
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        code, first = main([*args, "launcher.dry_run=true"]), capsys.readouterr()
+        assert code == 0, first.err[-3000:]
+        assert "no checkpoint yet" not in first.out + first.err  # a first start is just a start
+        code, done = main(args), capsys.readouterr()
+        assert code == 0, done.err[-3000:]
+        assert "no checkpoint yet: starting from step 1" in done.out + done.err
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -340,14 +340,30 @@ def test_lora_checkpoints_hold_only_what_trains_and_resume_exactly(ws, base):
 # A requeued SLURM job (launcher=slurm's batch script, minus SLURM)
 
 
+def in_process(main, argv: list, env: Dict[str, str]) -> Tuple[int, str, str]:
+    """`python -m MODULE argv` as its `main(argv)` in this process, under exactly `env`: (exit code, stdout, stderr)."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return code, out.getvalue(), err.getvalue()
+
+
 def test_a_requeued_batch_job_replans_and_resumes_by_itself(ws, base):
-    """The generated launch.sbatch of a requeued job runs `python -m dsrecipes.requeue`, then its ranks:
-    here both run as the batch script would, on a run stopped after step 4 whose plan.json still says "from the start"."""
+    """The generated launch.sbatch of a requeued job runs `python -m dsrecipes.requeue`, then its ranks: here both
+    run as the batch script would (their `main` with its arguments and the rank's environment, in this process),
+    on a run stopped after step 4 whose plan.json still says "from the start"."""
     import yaml
 
+    from dsrecipes import requeue, worker
     from dsrecipes.launch.slurm import sbatch_script
     from dsrecipes.rundir import CHECKPOINTS_DIR
-    from tests.conftest import subprocess_env
 
     run = copy_run(base, ws / "requeued")
     config = yaml.safe_load((run / "config.yaml").read_text())
@@ -358,14 +374,12 @@ def test_a_requeued_batch_job_replans_and_resumes_by_itself(ws, base):
     assert json.loads((run / "plan.json").read_text())["resume"] is None  # planned when it started
 
     env = subprocess_env({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"})
-    worker = [sys.executable, "-m", "dsrecipes.worker", "--run-dir", str(run)]
-    stale = subprocess.run(worker, env=env, capture_output=True, text=True, timeout=600)
-    assert stale.returncode == 2 and "plan.json" in stale.stderr and "Traceback" not in stale.stderr, stale.stderr
-    requeue = [sys.executable, "-m", "dsrecipes.requeue", "--run-dir", str(run)]
-    replanned = subprocess.run(requeue, env=env, capture_output=True, text=True, timeout=600)
-    assert replanned.returncode == 0 and "resuming from step 4" in replanned.stdout, replanned.stderr[-3000:]
-    done = subprocess.run(worker, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    code, _, stderr = in_process(worker.main, ["--run-dir", str(run)], env)
+    assert code == 2 and "plan.json" in stderr and "Traceback" not in stderr, stderr
+    code, stdout, stderr = in_process(requeue.main, ["--run-dir", str(run)], env)
+    assert code == 0 and "resuming from step 4" in stdout, stderr[-3000:]
+    code, _, stderr = in_process(worker.main, ["--run-dir", str(run)], env)
+    assert code == 0, stderr[-3000:]
     assert losses(run) == losses(base)
 
     from dsrecipes.config.load import load_run_config

@@ -2,7 +2,8 @@
 
   local, SIGINT / SIGTERM     1 rank in the launching process: it stops at the next step boundary, checkpoints,
                               writes result.json `interrupted` with the resume command, exits 130 / 143; the printed
-                              command resumes it and the losses equal an uninterrupted run's step for step
+                              command resumes it and the losses equal an uninterrupted run's (trained in this
+                              process) step for step
   deepspeed, SIGTERM          (in tests/test_train_runs.py, whose 2-rank ZeRO-2 run is the reference) 2 ranks
                               under the deepspeed launcher: the signal reaches every rank, both checkpoint the same
                               step, no process of the run is left; a SIGKILLed launching process leaves no rank
@@ -14,7 +15,9 @@ the signal always lands while the run is in flight at a known step: the stop hap
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -34,11 +37,14 @@ def ws(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("signals")
 
 
-def argv(ws: Path, run: Path, *overrides: str) -> List[str]:
+def run_args(ws: Path, run: Path, *overrides: str) -> List[str]:
     from tests.test_train_runs import SHORT
 
-    return [sys.executable, "-m", "dsrecipes", *SHORT, f"data.cache_dir={ws / 'cache'}", f"trainer.output_dir={run}",
-            *overrides]
+    return [*SHORT, f"data.cache_dir={ws / 'cache'}", f"trainer.output_dir={run}", *overrides]
+
+
+def argv(ws: Path, run: Path, *overrides: str) -> List[str]:
+    return [sys.executable, "-m", "dsrecipes", *run_args(ws, run, *overrides)]
 
 
 def start(ws: Path, run: Path, *overrides: str, pause_after: int | None = None) -> subprocess.Popen:
@@ -120,8 +126,20 @@ def no_process_left(run: Path, within: float = 60) -> None:
 
 @pytest.fixture(scope="module")
 def local_reference(ws) -> Path:
+    """The uninterrupted run, trained in this process (nothing is signalled: it needs no process of its own)."""
+    from dsrecipes.cli import main
+
     reference = ws / "local_reference"
-    assert finish(start(ws, reference)) == 0, log_of(ws, reference)[-3000:]
+    saved = dict(os.environ)
+    os.environ.update({"TOKENIZERS_PARALLELISM": "false"})
+    try:
+        with open(ws / f"{reference.name}.log", "a") as log:
+            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                code = main(run_args(ws, reference))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert code == 0, log_of(ws, reference)[-3000:]
     return reference
 
 

@@ -126,16 +126,29 @@ def test_real_hydra_multirun_with_a_failing_job(tmp_path):
     assert "| 1 | 3 | failed |" in done.stdout
 
 
+def dsrecipes_in_process(*argv: str) -> int:
+    """`python -m dsrecipes ARGV` as `dsrecipes.cli.main` in this process (the working directory is the caller's):
+    its exit code; the environment is restored after (a run sets RANK, MASTER_PORT, ... for its rank)."""
+    from dsrecipes.cli import main
+
+    saved = dict(os.environ)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        return main(list(argv))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.mark.slow
-def test_dsrecipes_sweep_dry_run_writes_summary(tmp_path):
-    """The real entry: each job composes, prepares and "launches" (dry run); the summary lists every job."""
+def test_dsrecipes_sweep_dry_run_writes_summary(tmp_path, monkeypatch, capsys):
+    """The real entry (in this process): each job composes, prepares and "launches" (dry run); the summary lists every
+    job."""
+    monkeypatch.chdir(tmp_path)
     sweep_dir = tmp_path / "sweep"
-    done = subprocess.run(
-        [sys.executable, "-m", "dsrecipes", "-m", "launcher.dry_run=true", "zero=stage1,stage2", "trainer.max_steps=12",
-         f"hydra.sweep.dir={sweep_dir}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    code = dsrecipes_in_process("-m", "launcher.dry_run=true", "zero=stage1,stage2", "trainer.max_steps=12",
+                                f"hydra.sweep.dir={sweep_dir}")
+    assert code == 0, capsys.readouterr().err[-3000:]
     data = json.loads((sweep_dir / "summary.json").read_text())
     assert data["swept"] == ["zero"] and [j["status"] for j in data["jobs"]] == ["dry_run", "dry_run"]
     assert all((Path(j["run_dir"]) / "launch.txt").is_file() for j in data["jobs"])
@@ -152,22 +165,19 @@ def test_explicit_output_dir_and_hydra_dir_are_both_searched(tmp_path):
 
 
 @pytest.mark.slow
-def test_dsrecipes_sweep_really_trains_each_job_and_reports_a_failing_one(tmp_path):
-    """Three real jobs: two train (ZeRO-0 and ZeRO-1), one is refused at run start (fp16 without CUDA)."""
+def test_dsrecipes_sweep_really_trains_each_job_and_reports_a_failing_one(tmp_path, monkeypatch, capsys):
+    """Three real jobs, in two sweeps run in this process: two train (ZeRO-0 and ZeRO-1), one is refused at run start
+    (fp16 without CUDA)."""
+    monkeypatch.chdir(tmp_path)
     sweep_dir = tmp_path / "sweep"
-    done = subprocess.run(
-        [sys.executable, "-m", "dsrecipes", "-m", "debug=fast", "trainer.export=false", "trainer.log_every=1",
-         "zero=stage0,stage1", f"data.cache_dir={tmp_path / 'cache'}", f"hydra.sweep.dir={sweep_dir}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    failing = subprocess.run(
-        [sys.executable, "-m", "dsrecipes", "-m", "debug=fast", "trainer.export=false", "precision=fp16,fp32",
-         "trainer.max_steps=2", "scheduler.warmup_steps=0", f"data.cache_dir={tmp_path / 'cache'}",
-         f"hydra.sweep.dir={tmp_path / 'sweep2'}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert failing.returncode == 2, "a failed job makes the sweep exit non-zero after every job ran"
+    code = dsrecipes_in_process("-m", "debug=fast", "trainer.export=false", "trainer.log_every=1",
+                                "zero=stage0,stage1", f"data.cache_dir={tmp_path / 'cache'}",
+                                f"hydra.sweep.dir={sweep_dir}")
+    assert code == 0, capsys.readouterr().err[-3000:]
+    code = dsrecipes_in_process("-m", "debug=fast", "trainer.export=false", "precision=fp16,fp32",
+                                "trainer.max_steps=2", "scheduler.warmup_steps=0",
+                                f"data.cache_dir={tmp_path / 'cache'}", f"hydra.sweep.dir={tmp_path / 'sweep2'}")
+    assert code == 2, "a failed job makes the sweep exit non-zero after every job ran"
 
     jobs = json.loads((sweep_dir / "summary.json").read_text())["jobs"]
     assert [j["status"] for j in jobs] == ["ok", "ok"]

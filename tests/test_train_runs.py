@@ -3,13 +3,12 @@ subprocess, 1 rank with the local launcher inside this process (as Hydra would r
 
 One run per configuration, each checking several things, to keep the file within a few CPU minutes:
   ZeRO-2, 2 ranks: loss falls, metrics/TensorBoard/plot/ledger, checkpoints + latest, export reloads
-  ZeRO-2, 2 ranks, killed mid-save, then the same command: resumes from the last good checkpoint and the
-      losses equal the uninterrupted run's step for step
-  ZeRO-2, 2 ranks, SIGTERM to the launching process: every rank checkpoints the same step, nothing is left
-      running; SIGKILL to the launching process of the resumed run: its ranks checkpoint and stop by themselves;
-      the printed command finishes the run with the uninterrupted run's losses (tests/test_signals.py: helpers)
+  ZeRO-2, 2 ranks, one run through three interruptions (tests/test_signals.py: helpers): SIGTERM to the launching
+      process: every rank checkpoints the same step, nothing is left running; SIGKILL to the launching process of
+      the resumed run: its ranks checkpoint and stop by themselves; killed mid-save, then the same command: resumes
+      from the last good checkpoint; the losses equal the uninterrupted run's step for step
   ZeRO-2 checkpoint of 2 ranks resumed on 1 rank (universal checkpoint conversion)
-  ZeRO-3, 2 ranks, from a local HF directory (partitioned load): export through zero_to_fp32
+  (ZeRO-3, 2 ranks, from a local HF directory: in tests/test_eval_runs.py, whose step-0 evaluation run it is)
   ZeRO-0 (1 rank) then ZeRO-1 bf16 and ZeRO-2 + CPU optimizer offload in the same process (re-entrant runs);
       `dsrecipes export` CLI from a tag
   LoRA (1 rank): merged export == base + adapter; adapter-only export
@@ -245,21 +244,6 @@ def test_elastic_resume_of_a_two_rank_zero2_checkpoint_on_one_rank(zero2_run, wo
     assert sorted(losses) == [5, 6, 7, 8]
     # weights and optimizer state carried over (a fresh model would be back near 7.7); the batches differ
     assert abs(losses[5] - reference[5]) < 0.3 and losses[8] < losses[5]
-
-
-def test_zero3_two_ranks_from_a_local_model_directory(workspace):
-    from transformers import AutoModelForCausalLM
-
-    from dsrecipes.config.load import compose_and_load
-    from dsrecipes.export import export_initial
-    from dsrecipes.model import load_tokenizer
-
-    cfg = compose_and_load(["debug=fast"])
-    base = export_initial(cfg, load_tokenizer(cfg), workspace / "tiny_hf")
-    run, _ = train_run(workspace, "zero3", "zero=stage3", f"model.path={base}")
-    assert_loss_falls(run)
-    exported = assert_hf_model_loads(run / "export")
-    assert not state_dicts_equal(exported, AutoModelForCausalLM.from_pretrained(base))
 
 
 @pytest.mark.timeout(1800)  # may pay the session's cold CPU Adam build (conftest.built_cpu_adam)
