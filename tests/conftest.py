@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 
@@ -129,6 +130,24 @@ def subprocess_env(extra: dict | None = None) -> dict:
     env.update({"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     env.update(extra or {})
     return {k: v for k, v in env.items() if v is not None}
+
+
+@contextmanager
+def in_process_environ(env: dict | None = None) -> Iterator[None]:
+    """For a run (`dsrecipes.cli.main`, a module's `main`) inside the test process: quiet tokenizers, or exactly `env`
+    when given (a rank's environment); afterwards the environment is what it was (a run sets RANK, MASTER_PORT, ...
+    for its rank, and none of it may outlive the run)."""
+    saved = dict(os.environ)
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
+    else:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture(scope="session")

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import in_process_environ
 
 pytestmark = pytest.mark.slow
 
@@ -32,14 +33,9 @@ def run(workspace: Path, name: str, *overrides: str) -> Path:
     from dsrecipes.cli import main
 
     run_dir = workspace / name
-    saved = dict(os.environ)
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
+    with in_process_environ():
         code = main([*COMMON, f"data.cache_dir={workspace / 'cache'}", f"trainer.output_dir={run_dir}",
                      f"hydra.run.dir={run_dir}", *overrides])
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
     assert code == 0
     return run_dir
 

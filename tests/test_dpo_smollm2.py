@@ -13,6 +13,8 @@ import os
 import pytest
 import torch
 
+from tests.conftest import in_process_environ
+
 pytestmark = pytest.mark.slow
 
 
@@ -39,9 +41,7 @@ def dpo_run(smollm2_dir, tmp_path_factory):
 
     run_dir = tmp_path_factory.mktemp("smol_dpo") / "run"
     registry = short_pairs(run_dir.parent)
-    saved = dict(os.environ)
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
+    with in_process_environ():
         # 16 training pairs, 3 steps of 4 at twice the recipe's rate: held-out accuracy 14/16 (0.875) on this machine,
         # 14 of 16 margins gained (the asserts need 12); 6 steps of 48 samples at 5e-5 cost ~40 more CPU seconds.
         code = main(["recipe=smollm2_cpu_dpo", f"model.path={smollm2_dir}", f"dataset.registry={registry}",
@@ -49,9 +49,6 @@ def dpo_run(smollm2_dir, tmp_path_factory):
                      "trainer.eval_every=0", "trainer.save_every=0", "trainer.eval_at_start=false",
                      f"data.cache_dir={run_dir.parent / 'cache'}", f"trainer.output_dir={run_dir}",
                      f"hydra.run.dir={run_dir}"])
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
     assert code == 0
     return run_dir
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import dsrecipes.stopping as stopping
-from tests.conftest import subprocess_env
+from tests.conftest import in_process_environ, subprocess_env
 
 
 @pytest.fixture
@@ -158,15 +158,10 @@ def test_a_second_attempt_without_a_checkpoint_says_it_starts_from_step_1(tmp_pa
 
     monkeypatch.chdir(tmp_path)
     args = [*_args(tmp_path, tmp_path / "again"), "trainer.max_steps=2"]
-    saved = dict(os.environ)  # a run sets RANK, MASTER_PORT, ... for its rank: none outlives it
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
+    with in_process_environ():
         code, first = main([*args, "launcher.dry_run=true"]), capsys.readouterr()
         assert code == 0, first.err[-3000:]
         assert "no checkpoint yet" not in first.out + first.err  # a first start is just a start
         code, done = main(args), capsys.readouterr()
         assert code == 0, done.err[-3000:]
         assert "no checkpoint yet: starting from step 1" in done.out + done.err
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)

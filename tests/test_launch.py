@@ -211,28 +211,61 @@ def test_deepspeed_argv_parsed_by_deepspeed(make_cfg, monkeypatch):
 
 
 def test_deepspeed_multinode_golden(make_cfg):
+    """No hostfile: on node N, DeepSpeed's per-node launcher with what `deepspeed --no_ssh --node_rank N` gives it."""
     cfg, plan = plan_for(
         make_cfg, "launcher=deepspeed_multinode", "launcher.master_addr=10.1.2.3", "launcher.master_port=29600"
     )
     assert [c.node_rank for c in plan.commands] == [0, 1]
-    hostfile = str(RUN / "hostfile")
+    world = "eyJub2RlMCI6IFswLCAxLCAyLCAzLCA0LCA1LCA2LCA3XSwgIm5vZGUxIjogWzAsIDEsIDIsIDMsIDQsIDUsIDYsIDddfQ=="
     for node, cmd in enumerate(plan.commands):
         assert cmd.argv == [
-            PY, "-m", "deepspeed.launcher.runner", "--hostfile", hostfile, "--num_nodes", "2", "--num_gpus", "8",
-            "--no_ssh", "--node_rank", str(node), "--master_addr", "10.1.2.3", "--master_port", str(PORT),
-            "--no_local_rank", "--module", "dsrecipes.worker", "--run-dir", str(RUN),
+            PY, "-u", "-m", "dsrecipes.launch.ds_node", f"--world_info={world}", "--master_addr=10.1.2.3",
+            f"--master_port={PORT}", f"--node_rank={node}", "--module", "--no_local_rank", "--log_level=info",
+            "dsrecipes.worker", "--run-dir", str(RUN),
         ]  # fmt: skip
         assert cmd.env == {"NCCL_IB_DISABLE": "0"}  # launcher.env, exported directly (no-ssh ignores .deepspeed_env)
-    assert plan.files["hostfile"].splitlines()[1:] == ["node0 slots=8", "node1 slots=8"]
+    assert not plan.files  # no hostfile: nothing reads one
     assert world_size(cfg) == 16
 
 
-def test_deepspeed_multinode_argv_parsed_by_deepspeed(make_cfg):
+@pytest.mark.parametrize("extra", [[], ["--bind_cores_to_rank", "--log_level", "warning"], ["--quiet"]])
+def test_deepspeed_multinode_node_is_what_the_no_ssh_runner_starts(make_cfg, monkeypatch, tmp_path, extra):
+    """Node N's command is the one DeepSpeed's runner starts on node N in --no_ssh mode, for a hostfile of
+    num_nodes x num_gpus (its main(), Popen recorded): the per-node launcher's parser reads both alike."""
+    quoted = ",".join(repr(a) for a in extra)
+    cfg, plan = plan_for(make_cfg, "launcher=deepspeed_multinode", "launcher.num_nodes=3", "launcher.num_gpus=2",
+                         "launcher.master_addr=10.1.2.3", f"launcher.extra_args=[{quoted}]")
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=2\nnode1 slots=2\nnode2 slots=2\n")
+    for cmd in plan.commands:
+        runner_argv = ["--hostfile", str(hostfile), "--num_nodes", "3", "--num_gpus", "2", "--no_ssh", "--node_rank",
+                       str(cmd.node_rank), "--master_addr", "10.1.2.3", "--master_port", str(PORT), *extra,
+                       "--no_local_rank", "--module", "dsrecipes.worker", "--run-dir", str(RUN)]
+        theirs = _runner_command(monkeypatch, runner_argv)
+        assert theirs[:4] == [PY, "-u", "-m", "deepspeed.launcher.launch"]
+        assert cmd.argv[:4] == [PY, "-u", "-m", "dsrecipes.launch.ds_node"]
+        ours = _node_launch_parse(monkeypatch, cmd.argv[4:])
+        assert vars(ours) == vars(_node_launch_parse(monkeypatch, theirs[4:]))
+        assert [a for a in theirs[4:] if a not in cmd.argv] == ["--enable_each_rank_log=None"]
+        assert (ours.node_rank, ours.master_addr) == (cmd.node_rank, "10.1.2.3")
+        assert ours.training_script == "dsrecipes.worker"
+    assert world_size(cfg) == 6
+
+
+def test_deepspeed_multinode_runner_stays_for_a_hostfile_or_a_runner_option(make_cfg, tmp_path):
+    """A hostfile of the user's (the runner resolves it, with --include/--exclude) or a runner-only option (here
+    --ssh_port) keep DeepSpeed's runner on every node, as `deepspeed --no_ssh --node_rank N`."""
     from deepspeed.launcher.runner import parse_args
 
-    cfg, plan = plan_for(make_cfg, "launcher=deepspeed_multinode")
-    args = parse_args(plan.commands[1].argv[3:])
-    assert (args.no_ssh, args.node_rank, args.num_nodes, args.num_gpus) == (True, 1, 2, 8)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("worker-0 slots=8\nworker-1 slots=8\n")
+    for overrides in ([f"launcher.hostfile={hostfile}"], ["launcher.extra_args=[--ssh_port,'2222']"]):
+        cfg, plan = plan_for(make_cfg, "launcher=deepspeed_multinode", *overrides)
+        for node, cmd in enumerate(plan.commands):
+            assert cmd.argv[1:3] == ["-m", "deepspeed.launcher.runner"]
+            args = parse_args(cmd.argv[3:])
+            assert (args.no_ssh, args.node_rank, args.num_nodes, args.num_gpus) == (True, node, 2, 8)
+    assert plan.files["hostfile"].splitlines()[1:] == ["node0 slots=8", "node1 slots=8"]  # the runner's node list
 
 
 def test_torchrun_golden(make_cfg):

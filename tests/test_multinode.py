@@ -348,8 +348,9 @@ def test_deepspeed_multinode_no_ssh_reads_a_store_host_exactly_once_then_resumes
     server, environ, ids = store
     run = store_run
     text = (run / "launch.txt").read_text()
-    assert f"--master_addr {cluster.nodes[0].addr}" in text and "GLOO_SOCKET_IFNAME=dsr0" in text
-    assert "--no_ssh --node_rank 1" in text  # (tests/test_launch_scripts.py checks the same on one machine)
+    assert f"--master_addr={cluster.nodes[0].addr} " in text and "GLOO_SOCKET_IFNAME=dsr0" in text
+    # each node runs DeepSpeed's per-node launcher as the no-ssh runner would start it on node N, not the runner
+    assert "-m dsrecipes.launch.ds_node " in text and "--node_rank=1 " in text and "launcher.runner" not in text
     assert_exactly_once(run)
     report = verify_ledgers(run, expected_ids=ids, global_batch=8, complete_epochs=[0])
     assert report.ok and report.missing == {0: 0}, report.summary()  # every sample of the store, once

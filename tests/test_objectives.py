@@ -4,7 +4,6 @@ the default run had before the seam existed (pinned below), and its evaluation r
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import List
 
@@ -14,6 +13,7 @@ import torch
 from dsrecipes.objectives import build_objective, builders
 from dsrecipes.paths import conf_dir
 from dsrecipes.schema import ObjectiveKind
+from tests.conftest import in_process_environ
 
 # `python -m dsrecipes trainer.max_steps=6 trainer.log_every=1 trainer.eval_every=3` (the default composition: tiny
 # model, sample data, map, fp32, one CPU process) on the code before objectives/ existed (commit cd3e6f8).
@@ -83,8 +83,6 @@ def default_run(tmp_path_factory) -> Path:
     from dsrecipes.cli import main
 
     run_dir = tmp_path_factory.mktemp("pinned") / "run"
-    saved = dict(os.environ)
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     allreduce = DeepSpeedEngine.allreduce_gradients
 
     def counted(self, *args, **kwargs):
@@ -93,13 +91,12 @@ def default_run(tmp_path_factory) -> Path:
 
     DeepSpeedEngine.allreduce_gradients = counted
     try:
-        code = main(["trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every=3", "trainer.export=false",
-                     f"trainer.output_dir={run_dir}", f"hydra.run.dir={run_dir}",
-                     f"data.cache_dir={run_dir.parent / 'cache'}"])
+        with in_process_environ():
+            code = main(["trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every=3", "trainer.export=false",
+                         f"trainer.output_dir={run_dir}", f"hydra.run.dir={run_dir}",
+                         f"data.cache_dir={run_dir.parent / 'cache'}"])
     finally:
         DeepSpeedEngine.allreduce_gradients = allreduce
-        os.environ.clear()
-        os.environ.update(saved)
     assert code == 0
     return run_dir
 

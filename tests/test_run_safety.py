@@ -30,7 +30,7 @@ from typing import Dict, Tuple
 
 import pytest
 
-from tests.conftest import subprocess_env
+from tests.conftest import in_process_environ, subprocess_env
 from tests.test_run_ownership import snapshot
 
 pytestmark = pytest.mark.slow
@@ -56,15 +56,10 @@ def train(ws: Path, run: Path, *overrides: str, env: Dict[str, str] | None = Non
     """`python -m dsrecipes` with launcher=local, in this process: (exit code, output)."""
     from dsrecipes.cli import main
 
-    saved = dict(os.environ)
-    os.environ.update({"TOKENIZERS_PARALLELISM": "false", **(env or {})})
     out = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            code = main(base_args(ws, run, *overrides))
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    with in_process_environ(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        os.environ.update(env or {})
+        code = main(base_args(ws, run, *overrides))
     return code, out.getvalue()
 
 
@@ -342,16 +337,9 @@ def test_lora_checkpoints_hold_only_what_trains_and_resume_exactly(ws, base):
 
 def in_process(main, argv: list, env: Dict[str, str]) -> Tuple[int, str, str]:
     """`python -m MODULE argv` as its `main(argv)` in this process, under exactly `env`: (exit code, stdout, stderr)."""
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(env)
     out, err = io.StringIO(), io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(argv)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    with in_process_environ(env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
     return code, out.getvalue(), err.getvalue()
 
 

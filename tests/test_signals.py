@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from tests.conftest import subprocess_env
+from tests.conftest import in_process_environ, subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -130,15 +129,9 @@ def local_reference(ws) -> Path:
     from dsrecipes.cli import main
 
     reference = ws / "local_reference"
-    saved = dict(os.environ)
-    os.environ.update({"TOKENIZERS_PARALLELISM": "false"})
-    try:
-        with open(ws / f"{reference.name}.log", "a") as log:
-            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-                code = main(run_args(ws, reference))
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    with in_process_environ(), open(ws / f"{reference.name}.log", "a") as log:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            code = main(run_args(ws, reference))
     assert code == 0, log_of(ws, reference)[-3000:]
     return reference
 

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from dsrecipes import sweep
+from tests.conftest import in_process_environ
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -131,13 +132,8 @@ def dsrecipes_in_process(*argv: str) -> int:
     its exit code; the environment is restored after (a run sets RANK, MASTER_PORT, ... for its rank)."""
     from dsrecipes.cli import main
 
-    saved = dict(os.environ)
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
+    with in_process_environ():
         return main(list(argv))
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 @pytest.mark.slow

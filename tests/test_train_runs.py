@@ -18,18 +18,16 @@ One run per configuration, each checking several things, to keep the file within
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 from typing import List, Optional, Tuple
 
 import pytest
 import torch
 
-from tests.conftest import subprocess_env
+from tests.conftest import in_process_environ, subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -66,21 +64,10 @@ def train_run(workspace: Path, name: str, *overrides: str, world_size: int = 2, 
 def _in_process(args: List[str], expect_ok: bool) -> str:
     from dsrecipes.cli import main
 
-    with _restored_environ():
+    with in_process_environ():
         code = main(args)
     assert (code == 0) == expect_ok
     return ""
-
-
-@contextmanager
-def _restored_environ():
-    saved = dict(os.environ)
-    os.environ.update({"TOKENIZERS_PARALLELISM": "false"})
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def metrics(run_dir: Path) -> List[dict]:

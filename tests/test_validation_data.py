@@ -17,6 +17,7 @@ from dsrecipes.data.shard import VAL_PART, read_manifest
 from dsrecipes.errors import DataError, UserError
 from dsrecipes.paths import SAMPLE_DATA_DIR
 from tests.helpers.launching import plan_like_launcher
+from tests.conftest import in_process_environ
 
 LINES = (SAMPLE_DATA_DIR / "train.jsonl").read_text(encoding="utf-8").splitlines()
 
@@ -173,13 +174,9 @@ def run_and_read_evals(run_dir: Path, *overrides: str):
     from dsrecipes.cli import main
     from dsrecipes.rundir import read_metrics
 
-    saved = dict(os.environ)
-    try:
+    with in_process_environ():
         assert main(["debug=fast", "trainer.max_steps=4", "trainer.eval_every=2", "trainer.save_every=0",
                      "launcher=local", f"trainer.output_dir={run_dir}", f"hydra.run.dir={run_dir}", *overrides]) == 0
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
     return {r["step"]: r["eval_loss"] for r in read_metrics(run_dir) if "eval_loss" in r}
 
 

@@ -11,9 +11,10 @@ command line is then parsed by the launcher's own parser (`deepspeed.launcher.ru
 has no Python parser: its table is the whole check. `launcher=slurm` passes extra_args to the no-ssh DeepSpeed runner
 inside each srun task, so it takes DeepSpeed's table; `launcher=local` starts no launcher and takes none.
 
-A single-node `launcher=deepspeed` run starts DeepSpeed's per-node launcher (`deepspeed.launcher.launch`) itself,
-with the arguments DeepSpeed's runner would give it (`deepspeed_node_args`); the runner, one more Python process
-that imports all of DeepSpeed only to write that command line, is skipped. That command line is checked by
+A single-node `launcher=deepspeed` run, and each node of a `launcher=deepspeed_multinode` run without a hostfile,
+starts DeepSpeed's per-node launcher (`deepspeed.launcher.launch`) itself, with the arguments DeepSpeed's runner
+would give it (`deepspeed_node_args`); the runner, one more Python process that imports all of DeepSpeed only to
+write that command line, is skipped. That command line is checked by
 `deepspeed.launcher.launch`'s own parser the same way. It runs as `python -u -m dsrecipes.launch.ds_node` (NODE_ENTRY):
 DeepSpeed's `launch.main()` itself, imported without the mlflow import DeepSpeed's autotuner makes (ds_node.py).
 """
@@ -187,20 +188,24 @@ def _short(arg: str) -> str:
     return f"{arg!r} is {what} (see the first refused argument for what is accepted)"
 
 
-def deepspeed_node_args(slots: List[int], master_port: int, extra_args: List[str], worker_module: str,
-                        worker_args: List[str]) -> Optional[List[str]]:
-    """The arguments of `python -u -m deepspeed.launcher.launch` for a run of `len(slots)` ranks on this machine,
-    as DeepSpeed's runner writes them for a local run (runner.py main: `--world_info` is base64 JSON of
-    {"localhost": slots}, master address 127.0.0.1, the allowed options passed on, `--log_level` always; it also
-    spells out a default, `--enable_each_rank_log=None`), then the worker module and its arguments. None when
-    `launcher.extra_args` holds an option that only the runner understands: then the runner runs."""
-    extra = checked_extra_args(LauncherKind.deepspeed, extra_args)
-    given = _values(LauncherKind.deepspeed, extra)
+def deepspeed_node_args(hosts: Dict[str, List[int]], master_port: int, extra_args: List[str], worker_module: str,
+                        worker_args: List[str], master_addr: str = "127.0.0.1", node_rank: Optional[int] = None,
+                        kind: LauncherKind = LauncherKind.deepspeed) -> Optional[List[str]]:
+    """The arguments of `python -u -m deepspeed.launcher.launch` for the ranks of one node, as DeepSpeed's runner
+    writes them (runner.py main: `--world_info` is base64 JSON of {host: slots} in the hostfile's order,
+    {"localhost": slots} with master address 127.0.0.1 on this machine alone; `--node_rank=N` in --no_ssh mode; the
+    allowed options passed on, `--log_level` always; the runner also spells out a default,
+    `--enable_each_rank_log=None`), then the worker module and its arguments. None when `launcher.extra_args` holds
+    an option that only the runner understands: then the runner runs."""
+    extra = checked_extra_args(kind, extra_args)
+    given = _values(kind, extra)
     if any(d not in _NODE_LAUNCH for d in given):
         return None
-    world = base64.urlsafe_b64encode(json.dumps({"localhost": [int(s) for s in slots]}).encode()).decode()
-    head = [f"--world_info={world}", "--master_addr=127.0.0.1", f"--master_port={int(master_port)}", "--module",
-            "--no_local_rank"]
+    layout = {str(host): [int(s) for s in slots] for host, slots in hosts.items()}
+    world = base64.urlsafe_b64encode(json.dumps(layout).encode()).decode()
+    head = [f"--world_info={world}", f"--master_addr={master_addr}", f"--master_port={int(master_port)}"]
+    head += [] if node_rank is None else [f"--node_rank={int(node_rank)}"]
+    head += ["--module", "--no_local_rank"]
     node = ["--bind_cores_to_rank"] if given.get("bind_cores_to_rank") else []
     node += [f"--bind_core_list={given['bind_core_list']}"] if "bind_core_list" in given else []
     node += ["--quiet"] if given.get("quiet") else []
@@ -208,7 +213,8 @@ def deepspeed_node_args(slots: List[int], master_port: int, extra_args: List[str
     tail = [worker_module, *worker_args]
     if extra:  # the per-node launcher's own parser: these change only the allowed options
         dests = [*given, "log_level"]  # (--quiet means --log_level=error)
-        problems = _changes(_deepspeed_node_parse, head, node, tail, dests, _NODE_PROGRAM, "deepspeed per-node launcher")
+        problems = _changes(_deepspeed_node_parse, head, node, tail, dests, _NODE_PROGRAM,
+                            "deepspeed per-node launcher")
         if problems:
             raise ConfigError(problems)
     return head + node + tail

@@ -7,8 +7,9 @@ interpreter running this code (the same thing the `deepspeed` / `torchrun` scrip
 environment that validated the config, whatever is first on PATH. A single-node `launcher=deepspeed` run starts
 what DeepSpeed's runner would start for it, the per-node launcher `deepspeed.launcher.launch` (one Python
 process fewer that imports all of DeepSpeed before a rank starts: about 3.5 CPU seconds), run by
-`dsrecipes.launch.ds_node` (its own main(), DeepSpeed imported without mlflow: ~1.9 CPU seconds less); the runner
-stays for hostfiles, --include/--exclude and CUDA_VISIBLE_DEVICES, which it resolves itself.
+`dsrecipes.launch.ds_node` (its own main(), DeepSpeed imported without mlflow: ~1.9 CPU seconds less); so does each
+node of a `launcher=deepspeed_multinode` run without a hostfile (what the runner's --no_ssh path starts on node N).
+The runner stays for hostfiles, --include/--exclude and CUDA_VISIBLE_DEVICES, which it resolves itself.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def _deepspeed_node_plan(ln: LauncherConfig, run_dir: Path, port: int, worker_mo
     slots = deepspeed_local_slots(ln, environ=environ)
     if slots is None:
         return None
-    node = deepspeed_node_args(slots, port, ln.extra_args, worker_module, ["--run-dir", str(run_dir)])
+    node = deepspeed_node_args({"localhost": slots}, port, ln.extra_args, worker_module, ["--run-dir", str(run_dir)])
     if node is None:
         return None
     plan = LaunchPlan([Command([sys.executable, "-u", "-m", NODE_ENTRY, *node], checked_env(ln.env))],
@@ -137,6 +138,10 @@ def _node_hostfile(ln: LauncherConfig) -> str:
 
 def _build_deepspeed_multinode(cfg, run_dir: Path, port: int, worker_module: str, environ: Mapping[str, str]):
     ln = cfg.launcher
+    plan = _deepspeed_nodes_plan(ln, run_dir, port, worker_module) if not ln.hostfile else None
+    if plan is not None:
+        plan.warnings += _cuda_visible_warning(ln, environ)
+        return plan
     plan = LaunchPlan([], requires=[Requirement("deepspeed", True, "the deepspeed launcher")])
     hostfile = _hostfile(ln.hostfile) if ln.hostfile else None
     if not hostfile:
@@ -154,6 +159,28 @@ def _build_deepspeed_multinode(cfg, run_dir: Path, port: int, worker_module: str
     plan.notes.append(
         "run command N on node N (all at once); this machine runs the one for launcher.node_rank. "
         "In --no_ssh mode deepspeed does not read .deepspeed_env: launcher.env is exported to each command instead"
+    )
+    return plan
+
+
+def _deepspeed_nodes_plan(ln: LauncherConfig, run_dir: Path, port: int, worker_module: str) -> Optional[LaunchPlan]:
+    """`launcher=deepspeed_multinode` without a hostfile: on node N, DeepSpeed's per-node launcher with what the
+    runner's --no_ssh path gives it for node N of `num_nodes` nodes x `num_gpus` slots (tests/test_launch.py compares
+    the two), instead of the runner, which imports all of DeepSpeed only to write that line. None when
+    `launcher.extra_args` holds a runner-only option: then every node runs the runner."""
+    hosts = {f"node{i}": list(range(per_node(ln))) for i in range(ln.num_nodes)}
+    env = checked_env(ln.env)
+    plan = LaunchPlan([], requires=[Requirement("deepspeed", True, "the deepspeed launcher")])
+    for node in range(ln.num_nodes):
+        args = deepspeed_node_args(hosts, port, ln.extra_args, worker_module, ["--run-dir", str(run_dir)],
+                                   master_addr=ln.master_addr, node_rank=node, kind=ln.kind)
+        if args is None:
+            return None
+        plan.commands.append(Command([sys.executable, "-u", "-m", NODE_ENTRY, *args], dict(env), node_rank=node))
+    plan.notes.append(
+        "run command N on node N (all at once); this machine runs the one for launcher.node_rank. Each is DeepSpeed's "
+        "per-node launcher with what `deepspeed --no_ssh --node_rank N` would start it with; launcher.env is exported "
+        "to each command"
     )
     return plan
 
