@@ -50,9 +50,12 @@ TINY_OP = r'''
 import sys
 from pathlib import Path
 
-from deepspeed.ops.op_builder.cpu.builder import CPUOpBuilder
+from dsrecipes.deepspeed_import import load_deepspeed
 
-import dsrecipes.jit_ops as jit_ops
+load_deepspeed()  # as every dsrecipes process imports DeepSpeed (without its autotuner's mlflow import)
+from deepspeed.ops.op_builder.cpu.builder import CPUOpBuilder  # noqa: E402
+
+import dsrecipes.jit_ops as jit_ops  # noqa: E402
 
 SOURCE = Path(sys.argv[1])
 
