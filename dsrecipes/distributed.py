@@ -10,10 +10,13 @@ import glob
 import importlib
 import os
 import socket
-from typing import List, Tuple
+from typing import TYPE_CHECKING, List, Tuple
 
 import dsrecipes.jit_ops as jit_ops
 from dsrecipes.deepspeed_import import load_deepspeed
+
+if TYPE_CHECKING:
+    import torch
 
 SINGLE_PROCESS_ENV = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
 
@@ -104,8 +107,35 @@ def finish_distributed() -> None:
 def all_ranks(flag: bool) -> bool:
     """True when `flag` holds on every rank (collective)."""
     import torch
+
+    return bool(all_reduce(torch.tensor([1 if flag else 0], dtype=torch.int64), "MIN").item())
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "SUM") -> torch.Tensor:
+    """Collective: reduce `tensor` over every rank in place (`op`: a `ReduceOp` name) and return it; without a
+    process group, `tensor` as it is. The small host-side tallies (flags, counts, metric sums) are built on the CPU,
+    which gloo reduces but NCCL does not ("No backend type associated with device type cpu"): they travel to the
+    device the group's backend reduces on and back. Every host-side collective of dsrecipes goes through here
+    (tests/test_distributed_collectives.py)."""
     import torch.distributed as dist
 
-    value = torch.tensor([1 if flag else 0], dtype=torch.int64)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN)
-    return bool(value.item())
+    if not (dist.is_available() and dist.is_initialized()):
+        return tensor
+    device = collective_device()
+    moved = tensor if tensor.device == device else tensor.to(device)
+    dist.all_reduce(moved, op=getattr(dist.ReduceOp, op))
+    if moved is not tensor:
+        tensor.copy_(moved)
+    return tensor
+
+
+def collective_device(backend: str | None = None) -> torch.device:
+    """The device the default process group reduces host tensors on: the CPU where its backend takes CPU tensors
+    (gloo, MPI), otherwise this rank's accelerator (NCCL and the other device-only backends)."""
+    import torch
+    import torch.distributed as dist
+
+    backend = backend if backend is not None else str(dist.get_backend())
+    if backend in ("gloo", "mpi") or "cpu:" in backend:  # ("cpu:gloo,cuda:nccl": a group with a CPU backend too)
+        return torch.device("cpu")
+    return torch.device(load_deepspeed().accelerator.get_accelerator().current_device_name())

@@ -30,16 +30,9 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 import torch
 
 from dsrecipes.data.ledger import LEDGER_DIR
+from dsrecipes.distributed import all_reduce
 
 EVAL_LEDGER_PREFIX = "eval_rank"  # <run>/ledger/eval_rank<R>.jsonl (the training ledger's files are rank<R>.jsonl)
-
-
-def _reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op))
-    return tensor
 
 
 @torch.no_grad()
@@ -50,7 +43,7 @@ def evaluate(objective: Any, engine: Any, loader: Any, ledger: Optional["EvalLed
     largest share's number of micro-batches, add up the sums of every rank, and turn them into the objective's
     `eval_*` numbers (the same on every rank)."""
     engine.eval()
-    passes = int(_reduce(torch.tensor([len(loader)], dtype=torch.int64), "MAX")[0])
+    passes = int(all_reduce(torch.tensor([len(loader)], dtype=torch.int64), "MAX")[0])
     keys = objective.eval_keys
     sums = torch.zeros(len(keys), dtype=torch.float64)
     scored: List[str] = []
@@ -66,7 +59,7 @@ def evaluate(objective: Any, engine: Any, loader: Any, ledger: Optional["EvalLed
         raise RuntimeError("evaluation loader yielded more micro-batches than its len()")
     if ledger is not None:
         ledger.record(step, scored)
-    _reduce(sums, "SUM")
+    all_reduce(sums, "SUM")
     engine.train()
     return objective.metrics(dict(zip(keys, sums.tolist())), "eval_")
 

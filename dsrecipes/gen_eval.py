@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from dsrecipes.data.render.labels import IGNORE_INDEX
+from dsrecipes.distributed import all_reduce
 from dsrecipes.prompt_eval import normalize
 from dsrecipes.serving import end_of_turn_ids, run_template
 
@@ -83,8 +84,6 @@ class PromptEval:
 
     @torch.no_grad()
     def run(self, engine: Any) -> Dict[str, float]:
-        import torch.distributed as dist
-
         engine.eval()
         sums = torch.zeros(4, dtype=torch.float64)  # exact, similarity, ended, count
         for k in range(self.passes):
@@ -96,8 +95,7 @@ class PromptEval:
             reference = normalize(prompt.reference)
             sums += torch.tensor([answer == reference, difflib.SequenceMatcher(None, answer, reference).ratio(),
                                   bool(new) and new[-1] in self.stop_ids, 1], dtype=torch.float64)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(sums)
+        all_reduce(sums)
         engine.train()
         exact, similarity, ended, count = sums.tolist()
         n = max(count, 1.0)

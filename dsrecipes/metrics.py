@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from dsrecipes.console import progress_mode
+from dsrecipes.distributed import all_reduce
 from dsrecipes.fileio import atomic_write_text, finite
 from dsrecipes.plots import plot_run
 from dsrecipes.rundir import CONFIG_FILE, METRICS_FILE, read_metrics
@@ -53,13 +54,10 @@ class Window:
     def reduce(self) -> Dict[str, float]:
         """{loss: mean micro-batch loss over all ranks, tokens, samples: summed over ranks, seconds, sums: the
         objective's train sums over all ranks}."""
-        import torch.distributed as dist
-
         extra = self.extra if self.extra is not None else torch.zeros(len(self.keys), dtype=torch.float64)
         sums = torch.cat([torch.tensor([float(self.loss_sum), self.micro_batches, self.tokens, self.samples],
                                        dtype=torch.float64), extra])
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(sums)
+        all_reduce(sums)
         loss_sum, micro_batches, tokens, samples = sums[:4].tolist()
         seconds = max(time.perf_counter() - self.started - self.excluded, 1e-9)
         return {"loss": loss_sum / max(micro_batches, 1), "tokens": tokens, "samples": samples, "seconds": seconds,
