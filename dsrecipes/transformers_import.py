@@ -19,7 +19,8 @@ leaves transformers to do what it always does.
 The hook has to sit between transformers loading `utils/import_utils.py` and calling it a few lines later, so
 `install()` (run when `dsrecipes` is imported) puts a one-shot finder on `sys.meta_path` that wraps that one module's
 loader, replaces `define_import_structure` right after the module executes, then gives the module its own loader
-back. It does nothing when transformers is already imported.
+back. It does nothing when transformers is already imported. The same hook answers transformers' "is scipy
+installed?" with no (`_no_scipy_for_detection_losses`), which keeps `scipy.optimize` out of every process.
 """
 
 from __future__ import annotations
@@ -81,12 +82,22 @@ class _Loader(importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         module.__loader__ = module.__spec__.loader = self._loader  # tracebacks and get_source see the real one
         self._loader.exec_module(module)
+        if callable(getattr(module, "is_scipy_available", None)):
+            module.is_scipy_available = _no_scipy_for_detection_losses
         original = getattr(module, "define_import_structure", None)
         if callable(original) and getattr(module, "__file__", None):
             module.define_import_structure = _cached(original, Path(module.__file__).resolve().parents[1] / "models")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)
+
+
+def _no_scipy_for_detection_losses() -> bool:
+    """transformers' answer to "is scipy installed?" in a dsrecipes process: no. Loading `modeling_utils` imports its
+    loss table, whose object-detection losses (DETR and kin) import `scipy.optimize` for Hungarian matching whenever
+    scipy is installed: 0.4 s of every process that loads a model (each rank, each export), for losses a causal
+    LM never uses. Only detection losses and vision/audio models ask; scipy itself stays importable to everyone else."""
+    return False
 
 
 def _cached(original: Callable[..., Structure], models_dir: Path) -> Callable[..., Structure]:
