@@ -120,6 +120,26 @@ def test_the_pickle_screen_finds_a_payload_without_running_it(tmp_path):
     assert not marker.exists()
 
 
+def test_load_maps_a_zip_file_reads_a_legacy_one_and_never_writes_back(tmp_path):
+    """safe_load.load memory-maps torch.save's zip files (export reads only the module weights of a file that also
+    holds the optimizer states), still reads a legacy pre-zip file someone else wrote, and a tensor changed after
+    loading leaves the file as it was (a private mapping)."""
+    from dsrecipes.safe_load import load
+
+    state = {"module": {"w": torch.arange(6, dtype=torch.float32)}, "step": 3}
+    mapped, legacy = tmp_path / "zip.pt", tmp_path / "legacy.pt"
+    torch.save(state, mapped)
+    torch.save(state, legacy, _use_new_zipfile_serialization=False)
+    before = mapped.read_bytes()
+    got = load(mapped)
+    assert got["step"] == 3 and torch.equal(got["module"]["w"], state["module"]["w"])
+    assert str(mapped) in Path("/proc/self/maps").read_text()  # mapped, not copied into fresh memory
+    got["module"]["w"].mul_(-1)  # in place, on the mapped storage
+    assert mapped.read_bytes() == before and torch.equal(load(mapped)["module"]["w"], state["module"]["w"])
+    old = load(legacy)
+    assert old["step"] == 3 and torch.equal(old["module"]["w"], state["module"]["w"])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Chat templates
 
