@@ -3,8 +3,14 @@
 A subprocess (see tests/test_ds_config.py): DeepSpeedConfig only honours a data-parallel world size when a process
 group exists, so this script creates a single-process gloo group and hands DeepSpeed an mpu that reports N.
 Prints one JSON line per checked config.
+
+The 96 compositions are layered as `validate --all` layers its products (dsrecipes/config/matrix.py): the defaults
+and each option's node come from real Hydra composes (1 + 13 instead of 96; each option is group-packaged and pulls
+no other group, checked), each combination is the defaults with those four nodes swapped in, and is then loaded and
+rule-checked exactly as a compose is (load_config). A few combinations are also composed by Hydra and must be equal.
 """
 
+import copy
 import itertools
 import json
 import os
@@ -17,10 +23,12 @@ os.environ.setdefault("WORLD_SIZE", "1")
 os.environ.setdefault("LOCAL_RANK", "0")
 
 import deepspeed  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 from deepspeed.runtime.config import DeepSpeedConfig  # noqa: E402
 
 from dsrecipes.config.groups import group_options  # noqa: E402
-from dsrecipes.config.load import ConfigError, compose_and_load, hydra_context  # noqa: E402
+from dsrecipes.config.load import ConfigError, compose, hydra_context, load_config  # noqa: E402
+from dsrecipes.config.matrix import package_of, pulls_groups  # noqa: E402
 from dsrecipes.distributed import skip_shm_comm_op  # noqa: E402
 from dsrecipes.ds_config import build_ds_config  # noqa: E402
 
@@ -45,13 +53,34 @@ class DataParallelOnly:
 skip_shm_comm_op()  # as every dsrecipes rank does: parsing configs needs no shared-memory op (a cold JIT build)
 deepspeed.init_distributed(dist_backend="gloo")
 opts = group_options()
+CHOICES = {"zero": opts["zero"], "offload": opts["offload"], "precision": opts["precision"],
+           "optimizer": ["adamw", "sgd"]}
+EXTRA = ["trainer.grad_accum=2"]
+
+
+def container(overrides):
+    data = OmegaConf.to_container(compose(overrides), resolve=True, enum_to_str=True)
+    data.pop("hydra", None)
+    return data
+
+
 with hydra_context():
-    for zero, offload, precision, optimizer in itertools.product(opts["zero"], opts["offload"], opts["precision"],
-                                                                   ["adamw", "sgd"]):
-        overrides = [f"zero={zero}", f"offload={offload}", f"precision={precision}", f"optimizer={optimizer}",
-                     "trainer.grad_accum=2"]
+    base = container(EXTRA)
+    nodes = {}
+    for group, options in CHOICES.items():
+        for option in options:
+            assert package_of(group, option) == group and not pulls_groups(group, option), (group, option)
+            nodes[group, option] = container([f"{group}={option}"] + EXTRA)[group]
+    combos = list(itertools.product(*CHOICES.values()))
+    for combo in combos:
+        overrides = [f"{g}={o}" for g, o in zip(CHOICES, combo)] + EXTRA
+        data = copy.deepcopy(base)
+        for group, option in zip(CHOICES, combo):
+            data[group] = copy.deepcopy(nodes[group, option])
+        if combo in (combos[0], combos[len(combos) // 2], combos[-1]):
+            assert data == container(overrides), overrides  # layered = Hydra's own composition
         try:
-            cfg = compose_and_load(overrides, check_files=False)
+            cfg = load_config(data, check_files=False, overrides=overrides)
         except ConfigError as exc:
             print(json.dumps({"overrides": overrides, "rejected": exc.problems}))
             continue
