@@ -19,8 +19,7 @@ leaves transformers to do what it always does.
 The hook has to sit between transformers loading `utils/import_utils.py` and calling it a few lines later, so
 `install()` (run when `dsrecipes` is imported) puts a one-shot finder on `sys.meta_path` that wraps that one module's
 loader, replaces `define_import_structure` right after the module executes, then gives the module its own loader
-back. It does nothing when transformers is already imported. The same hook answers transformers' "is scipy
-installed?" with no (`_no_scipy_for_detection_losses`), which keeps `scipy.optimize` out of every process.
+back. It does nothing when transformers is already imported.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ import os
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
 from dsrecipes.fileio import atomic_write_text
 from dsrecipes.paths import user_cache_dir
@@ -82,22 +81,12 @@ class _Loader(importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         module.__loader__ = module.__spec__.loader = self._loader  # tracebacks and get_source see the real one
         self._loader.exec_module(module)
-        if callable(getattr(module, "is_scipy_available", None)):
-            module.is_scipy_available = _no_scipy_for_detection_losses
         original = getattr(module, "define_import_structure", None)
         if callable(original) and getattr(module, "__file__", None):
             module.define_import_structure = _cached(original, Path(module.__file__).resolve().parents[1] / "models")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)
-
-
-def _no_scipy_for_detection_losses() -> bool:
-    """transformers' answer to "is scipy installed?" in a dsrecipes process: no. Loading `modeling_utils` imports its
-    loss table, whose object-detection losses (DETR and kin) import `scipy.optimize` for Hungarian matching whenever
-    scipy is installed: 0.4 s of every process that loads a model (each rank, each export), for losses a causal
-    LM never uses. Only detection losses and vision/audio models ask; scipy itself stays importable to everyone else."""
-    return False
 
 
 def _cached(original: Callable[..., Structure], models_dir: Path) -> Callable[..., Structure]:
@@ -121,33 +110,36 @@ def load_or_build(models_dir: Path, build: Callable[[], Structure]) -> Structure
     else `build()` (and the file rewritten). The tree is walked and the file read once per process; every call gets a
     fresh copy, because transformers updates the table it gets in place (transformers/__init__.py adds its names)."""
     rows = _LOADED.get(models_dir)
-    if rows is None:
-        rows = _LOADED[models_dir] = _read_or_build(models_dir, build)
-    else:
+    if rows is not None:
         STATS["hits"] += 1
-    return _from_json(rows)
+        return _from_json(rows)
+    rows, table = _read_or_build(models_dir, build)
+    _LOADED[models_dir] = rows
+    return table
 
 
-def _read_or_build(models_dir: Path, build: Callable[[], Structure]) -> List[Any]:
+def _read_or_build(models_dir: Path, build: Callable[[], Structure]) -> Tuple[List[Any], Structure]:
+    """(the table as JSON rows, kept for this process's later calls; the table itself, for this first call)."""
     path = cache_dir() / f"{hashlib.sha256(str(models_dir).encode()).hexdigest()[:24]}.json"
     stamp = tree_stamp(models_dir)
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
         if isinstance(saved, dict) and saved.get("format") == FORMAT and saved.get("stamp") == stamp:
             rows = saved.get("table")
-            _from_json(rows)  # checked for shape before it is kept
+            table = _from_json(rows)  # checked for shape before it is kept
             STATS["hits"] += 1
             STATS["read"] += 1
-            return rows
+            return rows, table
     except (OSError, ValueError, TypeError, AttributeError):
         pass  # missing, unreadable or not ours in shape: computed again below
-    rows = _to_json(build())
+    table = build()
+    rows = _to_json(table)
     STATS["computed"] += 1
     try:
         atomic_write_text(path, json.dumps({"format": FORMAT, "stamp": stamp, "table": rows}))
     except OSError:
         pass  # a read-only home: transformers just computes it each time, as without this module
-    return rows
+    return rows, table
 
 
 def tree_stamp(folder: Path) -> str:

@@ -96,8 +96,7 @@ def _build_deepspeed(cfg: TrainConfig, run_dir: Path, port: int, worker_module: 
     argv += ["--master_port", str(port), *extra, "--no_local_rank", "--module", worker_module]
     argv += ["--run-dir", str(run_dir)]
     env = checked_env(ln.env)
-    plan = LaunchPlan([Command(argv, env)], warnings=_cuda_visible_warning(ln, environ))
-    plan.requires.append(Requirement("deepspeed", True, "the deepspeed launcher"))
+    plan = LaunchPlan([Command(argv, env)], warnings=_cuda_visible_warning(ln, environ), requires=[_needs_deepspeed()])
     if ln.hostfile:
         # Only the ssh (pdsh) multi-node path reads .deepspeed_env; DS_ENV_FILE points it at the run's own copy.
         # Remote ranks do not inherit this environment: test hooks set in it travel there too (never from config).
@@ -122,12 +121,20 @@ def _deepspeed_node_plan(ln: LauncherConfig, run_dir: Path, port: int, worker_mo
     node = deepspeed_node_args({"localhost": slots}, port, ln.extra_args, worker_module, ["--run-dir", str(run_dir)])
     if node is None:
         return None
-    plan = LaunchPlan([Command([sys.executable, "-u", "-m", NODE_ENTRY, *node], checked_env(ln.env))],
-                      warnings=_cuda_visible_warning(ln, environ))
-    plan.requires.append(Requirement("deepspeed", True, "the deepspeed launcher"))
+    plan = LaunchPlan([_node_launcher(node, checked_env(ln.env))], warnings=_cuda_visible_warning(ln, environ),
+                      requires=[_needs_deepspeed()])
     plan.notes.append(f"DeepSpeed's per-node launcher, {len(slots)} rank(s) on this machine: what DeepSpeed's runner "
                       "(the `deepspeed` command) starts for a single-node run")
     return plan
+
+
+def _node_launcher(args: List[str], env: Dict[str, str], node_rank: Optional[int] = None) -> Command:
+    """DeepSpeed's per-node launcher (through our entry, `NODE_ENTRY`) with `args` from `deepspeed_node_args`."""
+    return Command([sys.executable, "-u", "-m", NODE_ENTRY, *args], env, node_rank=node_rank)
+
+
+def _needs_deepspeed() -> Requirement:
+    return Requirement("deepspeed", True, "the deepspeed launcher")
 
 
 def _node_hostfile(ln: LauncherConfig) -> str:
@@ -142,7 +149,7 @@ def _build_deepspeed_multinode(cfg, run_dir: Path, port: int, worker_module: str
     if plan is not None:
         plan.warnings += _cuda_visible_warning(ln, environ)
         return plan
-    plan = LaunchPlan([], requires=[Requirement("deepspeed", True, "the deepspeed launcher")])
+    plan = LaunchPlan([], requires=[_needs_deepspeed()])
     hostfile = _hostfile(ln.hostfile) if ln.hostfile else None
     if not hostfile:
         # --no_ssh still takes the node list (and rank offsets) from a hostfile; node names are only labels.
@@ -170,13 +177,13 @@ def _deepspeed_nodes_plan(ln: LauncherConfig, run_dir: Path, port: int, worker_m
     `launcher.extra_args` holds a runner-only option: then every node runs the runner."""
     hosts = {f"node{i}": list(range(per_node(ln))) for i in range(ln.num_nodes)}
     env = checked_env(ln.env)
-    plan = LaunchPlan([], requires=[Requirement("deepspeed", True, "the deepspeed launcher")])
+    plan = LaunchPlan([], requires=[_needs_deepspeed()])
     for node in range(ln.num_nodes):
         args = deepspeed_node_args(hosts, port, ln.extra_args, worker_module, ["--run-dir", str(run_dir)],
                                    master_addr=ln.master_addr, node_rank=node, kind=ln.kind)
         if args is None:
             return None
-        plan.commands.append(Command([sys.executable, "-u", "-m", NODE_ENTRY, *args], dict(env), node_rank=node))
+        plan.commands.append(_node_launcher(args, dict(env), node_rank=node))
     plan.notes.append(
         "run command N on node N (all at once); this machine runs the one for launcher.node_rank. Each is DeepSpeed's "
         "per-node launcher with what `deepspeed --no_ssh --node_rank N` would start it with; launcher.env is exported "
