@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from tests.conftest import in_process_environ
+from tests.conftest import in_process_environ, remove_when_passed
 
 pytestmark = pytest.mark.slow
 
@@ -36,10 +36,11 @@ def short_pairs(root):
 
 
 @pytest.fixture(scope="module")
-def dpo_run(smollm2_dir, tmp_path_factory):
+def dpo_run(smollm2_dir, tmp_path_factory, request):
     from dsrecipes.cli import main
 
     run_dir = tmp_path_factory.mktemp("smol_dpo") / "run"
+    remove_when_passed(request, run_dir.parent)  # checkpoint and export: 2.2 GB
     registry = short_pairs(run_dir.parent)
     with in_process_environ():
         # 16 training pairs, 3 steps of 4 at twice the recipe's rate: held-out accuracy 14/16 (0.875) on this machine,

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from dsrecipes.paths import ASSETS_DIR
-from tests.conftest import subprocess_env
+from tests.conftest import remove_when_passed, subprocess_env
 
 GLAIVE = [ASSETS_DIR / "glaive_toolcall" / f"glaive_toolcall_{lang}_demo.json.gz" for lang in ("en", "zh")]
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -134,9 +134,10 @@ def test_estimate_names_the_real_model(smollm2_dir, capsys):
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory, tok) -> Path:
+def workspace(tmp_path_factory, tok, request) -> Path:
     """A work directory with `short.json`: the first 48 English and 16 Chinese Glaive rows (unchanged) whose
-    SmolLM2 rendering is at most 256 tokens, so a short cutoff trains complete conversations."""
+    SmolLM2 rendering is at most 256 tokens, so a short cutoff trains complete conversations. Removed at the end
+    of the module when every test passed (conftest.remove_when_passed)."""
     from dsrecipes.data.sources.messages import messages_for
 
     def length(conv) -> int:
@@ -144,6 +145,7 @@ def workspace(tmp_path_factory, tok) -> Path:
         return len(tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True)["input_ids"])
 
     root = tmp_path_factory.mktemp("smollm2")
+    remove_when_passed(request, root)
     convs = conversations()
     picked = []
     for path, want in zip(GLAIVE, (48, 16)):
@@ -151,6 +153,19 @@ def workspace(tmp_path_factory, tok) -> Path:
         picked += [raw for raw, conv in pairs if length(conv) <= 256][:want]
     (root / "short.json").write_text(json.dumps(picked, ensure_ascii=False), encoding="utf-8")
     return root
+
+
+@pytest.fixture(autouse=True)
+def drop_checkpoints(request):
+    """After a passed test, its run's checkpoints (1.6 GB of fp32 weights and Adam moments for SmolLM2) go: no later
+    test reads them, and the next run writes into the freed pages instead of fresh ones."""
+    failed = request.session.testsfailed
+    yield
+    if request.session.testsfailed == failed and "workspace" in request.fixturenames:
+        import shutil
+
+        for checkpoints in request.getfixturevalue("workspace").glob("*/checkpoints"):
+            shutil.rmtree(checkpoints, ignore_errors=True)
 
 
 def train(workspace: Path, name: str, smollm2_dir: Path, *overrides: str, ranks: int = 1, env=None) -> Path:
