@@ -7,16 +7,18 @@
 # Results: OUT_DIR/results.json (exit code 0 = every phase passed), one JSON and one log per phase.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The interpreter: $PYTHON, else `python`, else `python3` (GPU images often have only python3; the H200 one did).
+PYTHON_BIN=${PYTHON:-$(command -v python || command -v python3)}
 OUT=${1:-gpu_smoke_out}
 shift || true
 mkdir -p "$OUT"
 export TOKENIZERS_PARALLELISM=false
 unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT
-timeout 90 python -m dsrecipes doctor --json > "$OUT/doctor.json" 2> "$OUT/doctor.log" || echo "(doctor reported problems: $OUT/doctor.json)"
-python - "$OUT/doctor.json" <<'PY' || true
+timeout 90 "$PYTHON_BIN" -m dsrecipes doctor --json > "$OUT/doctor.json" 2> "$OUT/doctor.log" || echo "(doctor reported problems: $OUT/doctor.json)"
+"$PYTHON_BIN" - "$OUT/doctor.json" <<'PY' || true
 import json, sys
 for f in json.load(open(sys.argv[1])):
     if f["level"] != "ok" or f["check"] in ("cuda", "accelerator", "nvcc"):
         print(f"doctor [{f['level']}] {f['check']}: {f['message']}")
 PY
-exec python benchmarks/gpu_smoke.py --out "$OUT" "$@"
+exec "$PYTHON_BIN" benchmarks/gpu_smoke.py --out "$OUT" "$@"
