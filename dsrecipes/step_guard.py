@@ -15,6 +15,7 @@ from typing import Any, List, Tuple
 
 import torch
 
+from dsrecipes.distributed import all_reduce
 from dsrecipes.errors import TrainingFailed
 
 # Fault injection for tests: rank 0's loss at this optimizer step becomes NaN (a real poison for the step).
@@ -47,9 +48,7 @@ class StepGuard:
         """Collective: (some loss of this step was non-finite on some rank, some rank was asked to stop)."""
         flags = torch.stack([self._bad.to(torch.int64), torch.tensor(int(stop_requested), device=self.device)])
         if self.world_size > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            all_reduce(flags, "MAX")
         self._bad.zero_()
         bad, stop = (bool(v) for v in flags.tolist())
         return bad, stop

@@ -6,7 +6,8 @@ type cpu" -- the GPU smoke test (launch/gpu_smoke.sh, pipeline mode) died there 
 host-side collective goes through `dsrecipes.distributed.all_reduce`, which reduces on `collective_device()`:
 - the mapping from backend to device is checked here;
 - `all_reduce` hands the backend a tensor on that device and leaves the result in the caller's tensor;
-- no other module of dsrecipes calls `dist.all_reduce` itself (step_guard's flags live on the engine's device).
+- no other module of dsrecipes calls `dist.all_reduce` itself (step_guard's flags, already on the engine's device,
+  go through it too and stay where they are).
 The end-to-end proof is the GPU smoke test's pipeline phase on a real GPU (NCCL).
 """
 
@@ -26,7 +27,6 @@ PACKAGE = Path(distributed.__file__).resolve().parent
 # modules allowed to call dist.all_reduce directly, and why
 OWN_COLLECTIVES = {
     "distributed.py": "the one host-side helper",
-    "step_guard.py": "its flags are built on the engine's device (torch.isfinite of the loss)",
 }
 
 
