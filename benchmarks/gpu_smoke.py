@@ -46,15 +46,17 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="directory for results.json and per-phase files")
     p.add_argument("--stages", default="2,3", help="ZeRO stages, comma-separated")
     p.add_argument("--modes", default="direct,pipeline", help="direct, pipeline, or both")
-    p.add_argument("--steps", type=int, default=150, help="direct mode: optimizer steps (first --warmup not timed)")
+    p.add_argument("--steps", type=int, default=100, help="direct mode: optimizer steps (first --warmup not timed)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--pipeline-steps", type=int, default=50)
-    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--micro-batch", type=int, default=16, help="per step (16 x 1024: 56 GiB peak on ZeRO-2)")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of one GPU (H100/H200: 989)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true", help="a tiny model (self-test of this script on CPU)")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="a dsrecipes override for both modes, repeatable (e.g. optimizer.torch_adam=false)")
     p.add_argument("--budget-s", type=float, default=280.0, help="skip phases that would start after this")
     p.add_argument("--phase-timeout-s", type=float, default=150.0)
     p.add_argument("--child", choices=["direct"], help=argparse.SUPPRESS)
@@ -74,7 +76,7 @@ def run_direct(args: argparse.Namespace) -> Dict[str, Any]:
 
     deepspeed = load_deepspeed()  # the first import, as in dsrecipes processes (no autotuner mlflow import)
     t_start = time.time()
-    engine, n_params, vocab = _direct_engine(args)
+    engine, n_params, vocab, ds_config = _direct_engine(args)
     timed, elapsed, all_losses = _timed_steps(args, engine, vocab)
     tokens_per_s = timed * args.micro_batch * args.seq / elapsed
     cycle = min(POOL, len(all_losses) // 2) or 1
@@ -88,6 +90,8 @@ def run_direct(args: argparse.Namespace) -> Dict[str, Any]:
         "peak_mem_mb": torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else None,
         "loss_first": first, "loss_last": last, "losses": all_losses[:: max(len(all_losses) // 30, 1)],
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+        "optimizer": f"{type(engine.basic_optimizer).__name__} in {type(engine.optimizer).__name__}",
+        "overrides": args.override, "ds_optimizer": ds_config["optimizer"],
         "torch": torch.__version__, "deepspeed": deepspeed.__version__, "wall_s": time.time() - t_start,
         "note": None if last < first else "loss did not fall on a repeated batch pool",
     }  # fmt: skip
@@ -96,8 +100,8 @@ def run_direct(args: argparse.Namespace) -> Dict[str, Any]:
 POOL = 8  # distinct random batches, cycled
 
 
-def _direct_engine(args: argparse.Namespace) -> Tuple[Any, int, int]:
-    """(engine, parameters, vocabulary size) with the DeepSpeed JSON dsrecipes generates for these settings."""
+def _direct_engine(args: argparse.Namespace) -> Tuple[Any, int, int, Dict[str, Any]]:
+    """(engine, parameters, vocabulary size, the DeepSpeed JSON) with the DeepSpeed JSON dsrecipes generates for these settings."""
     import deepspeed
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -111,7 +115,7 @@ def _direct_engine(args: argparse.Namespace) -> Tuple[Any, int, int]:
     overrides = [
         f"zero=stage{args.stage}", f"precision={args.precision}", f"trainer.micro_batch_size={args.micro_batch}",
         "trainer.grad_accum=1", f"trainer.max_steps={args.steps}", f"scheduler.warmup_steps={args.warmup}",
-        "optimizer.lr=3e-4", f"data.cutoff_len={args.seq}", f"trainer.device={args.device}",
+        "optimizer.lr=3e-4", f"data.cutoff_len={args.seq}", f"trainer.device={args.device}", *args.override,
     ]  # fmt: skip
     cfg = compose_and_load(overrides, check_files=False)
     ds_config = build_ds_config(cfg, world_size=1)
@@ -130,7 +134,7 @@ def _direct_engine(args: argparse.Namespace) -> Tuple[Any, int, int]:
     schedule = lambda opt: StepScheduler(opt, cfg.scheduler, learning_rate(cfg), args.steps)  # noqa: E731 (as train.py)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
                                            lr_scheduler=schedule)
-    return engine, n_params, config.vocab_size
+    return engine, n_params, config.vocab_size, ds_config
 
 
 def _timed_steps(args: argparse.Namespace, engine: Any, vocab: int) -> Tuple[int, float, List[float]]:
@@ -175,6 +179,7 @@ def pipeline_overrides(args: argparse.Namespace, stage: int, run_dir: Path) -> L
         f"trainer.max_steps={args.pipeline_steps}", f"trainer.log_every={max(args.pipeline_steps // 10, 1)}",
         f"scheduler.warmup_steps={max(args.pipeline_steps // 10, 1)}", f"trainer.eval_samples={2 * args.micro_batch}",
         "trainer.export=false", "launcher=deepspeed", "launcher.num_gpus=1", f"trainer.output_dir={run_dir}",
+        *args.override,
     ]  # fmt: skip
 
 
@@ -203,6 +208,7 @@ def run_pipeline(args: argparse.Namespace, stage: int, out: Path, timeout: float
     ok = code == 0 and len(train) > 1 and train[-1]["loss"] < train[0]["loss"]
     return {
         "mode": "pipeline", "stage": stage, "ok": ok, "exit_code": code, "params": n_params,
+        "micro_batch": args.micro_batch, "seq": args.seq, "overrides": args.override,
         "steps": train[-1]["step"] if train else 0, "tokens_per_s": tokens_per_s,
         "mfu": 6 * n_params * tokens_per_s / (args.peak_tflops * 1e12) if tokens_per_s else None,
         "loss_first": train[0]["loss"] if train else None, "loss_last": train[-1]["loss"] if train else None,

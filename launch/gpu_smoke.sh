@@ -2,7 +2,8 @@
 # GPU smoke test on ONE GPU (about 4-5 minutes on an H100/H200, start-up included):
 #   launch/gpu_smoke.sh [OUT_DIR] [extra flags for benchmarks/gpu_smoke.py, e.g. --peak-tflops 989 --stages 2,3]
 # 1. `dsrecipes doctor --json` into OUT_DIR/doctor.json (environment record; never fatal here),
-# 2. benchmarks/gpu_smoke.py: a random ~0.5B Qwen2-shaped model, bf16, ZeRO-2 and ZeRO-3, tokens/s + MFU, directly
+# 2. benchmarks/gpu_smoke.py: a random ~0.5B Qwen2-shaped model, bf16, micro-batch 16 x 1024 (about 56 GiB of GPU
+#    memory; --micro-batch 8: about 31 GiB), ZeRO-2 and ZeRO-3, tokens/s + MFU, directly
 #    through deepspeed.initialize and end-to-end through `python -m dsrecipes` (launcher=deepspeed, 1 GPU).
 # Results: OUT_DIR/results.json (exit code 0 = every phase passed), one JSON and one log per phase.
 set -euo pipefail
