@@ -150,17 +150,19 @@ def in_process_environ(env: dict | None = None) -> Iterator[None]:
         os.environ.update(saved)
 
 
-def remove_when_passed(request, path: Path) -> None:
-    """Remove `path` (a module fixture's directory: a real model's checkpoints and exports are GBs) when the fixture
-    is torn down, unless a test failed meanwhile (then it stays for a look, as pytest keeps a failed test's
-    tmp_path under tmp_path_retention_policy = "failed", pyproject.toml)."""
+def remove_when_passed(request, paths) -> None:
+    """Remove `paths` (a directory, or a function that gives the directories when the time comes: a real model's
+    checkpoints and exports are GBs) when the requesting fixture is torn down, unless a test failed meanwhile (then
+    they stay for a look, as pytest keeps a failed test's tmp_path under tmp_path_retention_policy = "failed",
+    pyproject.toml)."""
     import shutil
 
     failed = request.session.testsfailed
 
     def finish() -> None:
         if request.session.testsfailed == failed:
-            shutil.rmtree(path, ignore_errors=True)
+            for path in paths() if callable(paths) else [paths]:
+                shutil.rmtree(path, ignore_errors=True)
 
     request.addfinalizer(finish)
 

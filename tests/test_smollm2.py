@@ -159,13 +159,9 @@ def workspace(tmp_path_factory, tok, request) -> Path:
 def drop_checkpoints(request):
     """After a passed test, its run's checkpoints (1.6 GB of fp32 weights and Adam moments for SmolLM2) go: no later
     test reads them, and the next run writes into the freed pages instead of fresh ones."""
-    failed = request.session.testsfailed
-    yield
-    if request.session.testsfailed == failed and "workspace" in request.fixturenames:
-        import shutil
-
-        for checkpoints in request.getfixturevalue("workspace").glob("*/checkpoints"):
-            shutil.rmtree(checkpoints, ignore_errors=True)
+    if "workspace" in request.fixturenames:
+        workspace = request.getfixturevalue("workspace")
+        remove_when_passed(request, lambda: list(workspace.glob("*/checkpoints")))
 
 
 def train(workspace: Path, name: str, smollm2_dir: Path, *overrides: str, ranks: int = 1, env=None) -> Path:

@@ -12,7 +12,7 @@ from dsrecipes.commands.args import override_parser, parse
 from dsrecipes.config.defaults import config_warnings, model_name
 from dsrecipes.config.groups import RECIPE_GROUP, group_options
 from dsrecipes.config.load import check_composition, compose, compose_and_load, hydra_context
-from dsrecipes.config.matrix import layer, plan_all, recipe_body
+from dsrecipes.config.matrix import as_container, layer, plan_all, recipe_body
 from dsrecipes.errors import ConfigError
 from dsrecipes.preflight import check_environment, check_template_tokens
 
@@ -155,8 +155,6 @@ def _compose_parallel(jobs: List[List[str]], progress: Progress) -> Dict[Tuple[s
 
 
 def _compose_chunk(chunk: List[List[str]]) -> List[Composed]:
-    from omegaconf import OmegaConf  # lazy: else `commands.validate` imports omegaconf 0.06 s
-
     out: List[Composed] = []
     with hydra_context():
         for overrides in chunk:
@@ -166,9 +164,5 @@ def _compose_chunk(chunk: List[List[str]]) -> List[Composed]:
                 out.append((None, exc.problems, []))
                 continue
             cfg, schema_errors, rule_errors = check_composition(composed, check_files=False, overrides=overrides)
-            data = None
-            if cfg is not None:
-                data = OmegaConf.to_container(composed, resolve=True, enum_to_str=True)
-                data.pop("hydra", None)
-            out.append((data, schema_errors, rule_errors))
+            out.append((None if cfg is None else as_container(composed), schema_errors, rule_errors))
     return out

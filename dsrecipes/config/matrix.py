@@ -84,6 +84,15 @@ def option_rows(options: Dict[str, List[str]]) -> Tuple[List[List[Option]], List
     return rows, alone
 
 
+def as_container(composed: Any) -> Container:
+    """A Hydra composition as plain data, Hydra's own `hydra` node dropped: what `layer` takes and returns."""
+    from omegaconf import OmegaConf  # lazy: else `commands.validate` imports omegaconf 0.06 s
+
+    data = OmegaConf.to_container(composed, resolve=True, enum_to_str=True)
+    data.pop("hydra", None)
+    return data
+
+
 def layer(base: Container, group: str, option: str, option_cfg: Container, recipe: Container) -> Container:
     """`base` (the defaults' or a recipe's composition) with `group=option`: the option's node (or global body),
     then the recipe's body again."""

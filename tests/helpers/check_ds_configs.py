@@ -23,12 +23,11 @@ os.environ.setdefault("WORLD_SIZE", "1")
 os.environ.setdefault("LOCAL_RANK", "0")
 
 import deepspeed  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
 from deepspeed.runtime.config import DeepSpeedConfig  # noqa: E402
 
 from dsrecipes.config.groups import group_options  # noqa: E402
 from dsrecipes.config.load import ConfigError, compose, hydra_context, load_config  # noqa: E402
-from dsrecipes.config.matrix import package_of, pulls_groups  # noqa: E402
+from dsrecipes.config.matrix import as_container, package_of, pulls_groups  # noqa: E402
 from dsrecipes.distributed import skip_shm_comm_op  # noqa: E402
 from dsrecipes.ds_config import build_ds_config  # noqa: E402
 
@@ -59,9 +58,7 @@ EXTRA = ["trainer.grad_accum=2"]
 
 
 def container(overrides):
-    data = OmegaConf.to_container(compose(overrides), resolve=True, enum_to_str=True)
-    data.pop("hydra", None)
-    return data
+    return as_container(compose(overrides))
 
 
 with hydra_context():
