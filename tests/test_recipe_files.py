@@ -66,6 +66,8 @@ def test_a_header_file_keeps_working_and_may_use_flat_group_choices(tmp_path):
     ("optimizer:\n  lr: 1.0e-3\nlearning_rate: 3.0e-4\n", 3, "learning_rate: unknown key; did you mean optimizer.lr?"),
     ("trainer:\n  max_steps: 3\n   log_every: 1\n", 3, "not valid YAML"),
     ("- zero: stage2\n", 1, "a recipe is a mapping of keys"),
+    ("trainer:\n  experiment: !!python/object/apply:os.system [touch pwned]\n", 2, "not valid YAML: could not "
+     "determine a constructor for the tag 'tag:yaml.org,2002:python/object/apply:os.system'"),  # (not '<file>')
 ])  # fmt: skip
 def test_mistakes_in_a_flat_file_name_the_file_and_line(tmp_path, capsys, text, line, words):
     recipe = tmp_path / "mine.yaml"

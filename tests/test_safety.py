@@ -65,6 +65,9 @@ hydra:
   job:
     env_set: {{PYTHONPATH: {site}}}
 """,
+        "recipes/secret.yaml": "# @package _global_\ntrainer: {experiment: 'sft-${oc.env:DSR_TEST_SECRET}'}\n",
+        "recipes/resolver.yaml": "# @package _global_\ntrainer: {experiment: '${oc.decode:x}'}\n",
+        "recipes/overrides.yaml": "# @package _global_\nhydra: {overrides: {task: ['--trust-checkpoint=/x']}}\n",
         "conf/dataset/logging.yaml": f"""# @package _global_
 defaults:
   - /schema/dataset@dataset
@@ -115,18 +118,26 @@ ROUTES = {  # route -> (arguments, what the message must name)
     "override _target_": (["+model.arch._target_=builtins.open"],
                           "set by command-line override '+model.arch._target_=builtins.open'"),
     "override launcher.env": (["+launcher.env.PYTHONPATH=/tmp"], "launcher.env.PYTHONPATH: not an allowed variable"),
+    "recipe reads a secret": (["recipe=secret"], "trainer.experiment: reads the environment variable "
+                              "'DSR_TEST_SECRET' (configuration may read only DSRECIPES_SMOLLM2_DIR; "),
+    "recipe calls a resolver": (["recipe=resolver"], "trainer.experiment: calls the resolver 'oc.decode'"),
+    "recipe sets hydra.overrides": (["recipe=overrides"], "hydra.overrides: changes the overrides Hydra records"),
+    "override reads a secret": (["trainer.experiment=${oc.env:DSR_TEST_SECRET}"],
+                                "set by command-line override 'trainer.experiment=${oc.env:DSR_TEST_SECRET}'"),
 }
 
 
 @pytest.mark.parametrize("command", ["run", "validate"])
 @pytest.mark.parametrize("route", sorted(ROUTES))
-def test_every_route_is_refused_and_runs_nothing(project, capsys, route, command):
+def test_every_route_is_refused_and_runs_nothing(project, capsys, monkeypatch, route, command):
     _, markers, precious = project
+    monkeypatch.setenv("DSR_TEST_SECRET", "s3cr3t-value")
     args, named = ROUTES[route]
     argv = (["trainer.max_steps=1", "scheduler.warmup_steps=0"] + args) if command == "run" else ["validate", *args]
     assert cli_main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and named in err and "Traceback" not in err, err
+    assert "s3cr3t-value" not in err
     untouched(markers, precious)
     assert not (Path.cwd() / "outputs").exists() or not any((Path.cwd() / "outputs").rglob("config.yaml"))
 

@@ -75,9 +75,7 @@ def parse(path: Path, text: str) -> Any:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         size = _values(node, {}) if node is not None else 0
     except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        raise ConfigError(f"{where}: not valid YAML: {exc.problem or exc.context}") from None
+        raise ConfigError(f"{_where(path, exc)}: not valid YAML: {exc.problem or exc.context}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     except RecursionError:
@@ -92,7 +90,15 @@ def parse(path: Path, text: str) -> Any:
     if not isinstance(node, yaml.MappingNode):
         raise ConfigError(f"{path}:{node.start_mark.line + 1}: a recipe is a mapping of keys (key: value), "
                           f"not a {'list' if isinstance(node, yaml.SequenceNode) else 'single value'}")
-    return OmegaConf.load(io.StringIO(text))
+    try:  # the constructor runs here: an unknown tag (`!!python/object/apply:...`) is refused by its SafeLoader
+        return OmegaConf.load(io.StringIO(text))
+    except yaml.MarkedYAMLError as exc:
+        raise ConfigError(f"{_where(path, exc)}: not valid YAML: {exc.problem or exc.context}") from None
+
+
+def _where(path: Path, exc: "yaml.MarkedYAMLError") -> str:
+    mark = exc.problem_mark or exc.context_mark
+    return f"{path}:{mark.line + 1}" if mark is not None else str(path)
 
 
 def _values(node: Any, memo: Dict[int, int]) -> int:

@@ -10,7 +10,13 @@ before anything is instantiated and before Hydra configures logging (`check`):
     never a `hydra/...` group, an `@hydra` package, callbacks, logging, launcher, sweeper, search path or env;
   * the composed `hydra` node must equal the one conf/train.yaml alone composes (the baseline), apart from those
     keys and the fields Hydra fills in for each composition (RUNTIME_KEYS);
-  * no `_target_` or `()` key anywhere that the baseline does not hold at the same place with the same value.
+  * no `_target_` or `()` key anywhere that the baseline does not hold at the same place with the same value;
+  * `hydra.overrides` is what Hydra wrote there: exactly the command line's overrides (a recipe setting it would
+    put its own overrides, even `--trust-checkpoint`, into the "train further" command a run prints);
+  * interpolations call only the resolvers in RESOLVERS, and `oc.env` reads only the variables in READABLE_ENV: a
+    recipe is data from someone else, and `${oc.env:AWS_SECRET_ACCESS_KEY}` would copy a secret into config.yaml,
+    a tracker's parameters or a path. A value from the environment is passed on the command line instead (the
+    shell expands `$VAR`). Values equal to the baseline's at the same place (Hydra's own) are not checked.
 A refusal (ConfigError, exit 2) names where the key came from: the file (recipe or group file) found through Hydra's
 defaults list, or the command-line override. This module is the rule, on plain data; config/hydra_app.py applies it
 to every composition (a sweep's jobs through its guarded loader) and supplies the baseline and the sources.
@@ -18,6 +24,7 @@ to every composition (a sweep's jobs through its guarded loader) and supplies th
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -29,6 +36,9 @@ ALLOWED_HYDRA_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir", 
 RUNTIME_KEYS = ("runtime", "overrides", "mode", "job.override_dirname", "job.id", "job.num", "job.name",
                 "job.config_name")
 CODE_KEYS = ("_target_", "()")  # Hydra's instantiate, logging.config's factories
+RESOLVERS = ("dsr.asset", "now", "oc.env", "oc.select")  # dsr.asset: a file shipped in the package (hydra_app.py)
+READABLE_ENV = ("DSRECIPES_SMOLLM2_DIR",)  # conf/model/smollm2_135m.yaml: where the SmolLM2 download lives
+_RESOLVER_CALL = re.compile(r"(?<!\\)\$\{\s*([A-Za-z_][\w.-]*)\s*:\s*([^,}]*)")
 Path = Tuple[Any, ...]
 MISSING = object()  # lookup(): no such key
 
@@ -39,7 +49,7 @@ def check(overrides: Sequence[str], composed: Any, baseline: Dict[str, Any], sou
     (config/hydra_app.py supplies both from Hydra)."""
     problems = override_problems(overrides)
     if not problems:
-        for path, what in composition_problems(composed, baseline):
+        for path, what in composition_problems(composed, baseline, overrides):
             source = source_of(path, lookup(container(composed), path))
             problems.append(f"{_dotted(path)}: {what}, set by {source}; recipes, group files and overrides are data: "
                             "they cannot name code or change Hydra's callbacks, logging, launcher or environment")
@@ -60,18 +70,48 @@ def override_problems(overrides: Sequence[str]) -> List[str]:
     return problems
 
 
-def composition_problems(composed: Any, base: Dict[str, Any]) -> List[Tuple[Path, str]]:
-    """(key path, what is wrong) for each code key and each change to the `hydra` node that the baseline lacks."""
+def composition_problems(composed: Any, base: Dict[str, Any], overrides: Sequence[str] = ()) -> List[Tuple[Path, str]]:
+    """(key path, what is wrong) for each code key, each resolver call outside RESOLVERS / READABLE_ENV, overrides
+    recorded in `hydra.overrides` that are not `overrides`, and each change to the `hydra` node the baseline lacks."""
     data = container(composed)
     found: List[Tuple[Path, str]] = []
     for path, value in _code_keys(data):
         if lookup(base, path) != value:
             found.append((path, f"names code to run ({value!r})"))
+    for path, value in _strings(data):
+        if lookup(base, path) != value:
+            found += [(path, what) for what in resolver_problems(value)]
+    recorded = lookup(data, ("hydra", "overrides"))
+    if recorded is not MISSING and _recorded_overrides(recorded) != sorted(overrides):
+        found.append((("hydra", "overrides"), "changes the overrides Hydra records from the command line"))
     for path in _differences(data.get("hydra"), base.get("hydra"), ("hydra",)):
         if _allowed(path) or any(related(path[:2], p[:2]) for p, _ in found):
             continue  # one problem per part of the hydra node (callbacks, job_logging, job, ...)
         found.append((path, "changes Hydra's own configuration"))
     return found
+
+
+def resolver_problems(value: str) -> List[str]:
+    """What is wrong with the resolver calls in one string value (OmegaConf's `${name:args}` syntax)."""
+    problems = []
+    for name, arg in _RESOLVER_CALL.findall(value):
+        if name not in RESOLVERS:
+            problems.append(f"calls the resolver '{name}' (configuration may call only {', '.join(RESOLVERS)})")
+        elif name == "oc.env" and arg.strip().strip("'\"") not in READABLE_ENV:
+            problems.append(f"reads the environment variable '{arg.strip()}' (configuration may read only "
+                            f"{', '.join(READABLE_ENV)}; pass other values on the command line, where the shell "
+                            "expands $VARIABLES)")
+    return problems
+
+
+def _recorded_overrides(recorded: Any) -> Any:
+    """`hydra.overrides` ({task: [...], hydra: [...]}, as Hydra writes it) as one sorted list, else None."""
+    if not isinstance(recorded, dict) or set(recorded) != {"task", "hydra"}:
+        return None
+    lists = [recorded["task"], recorded["hydra"]]
+    if not all(isinstance(x, list) and all(isinstance(o, str) for o in x) for x in lists):
+        return None
+    return sorted(lists[0] + lists[1])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -91,6 +131,17 @@ def _code_keys(value: Any, path: Path = ()) -> Iterator[Tuple[Path, Any]]:
     elif isinstance(value, list):
         for i, v in enumerate(value):
             yield from _code_keys(v, path + (i,))
+
+
+def _strings(value: Any, path: Path = ()) -> Iterator[Tuple[Path, str]]:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(v, path + (k,))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _strings(v, path + (i,))
+    elif isinstance(value, str):
+        yield path, value
 
 
 def _differences(a: Any, b: Any, path: Path) -> Iterator[Path]:
