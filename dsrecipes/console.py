@@ -25,6 +25,8 @@ import warnings
 from pathlib import Path
 from typing import IO, Callable, List, Optional
 
+from dsrecipes.fileio import open_append, open_append_fd
+
 PROGRESS_ENV = "DSRECIPES_PROGRESS"
 LOGS_DIR = "logs"
 
@@ -67,8 +69,7 @@ class _Sink:
         if self.path is None:
             return
         with self.lock:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a", encoding="utf-8") as fh:
+            with open_append(self.path) as fh:
                 fh.write(text if text.endswith("\n") else text + "\n")
 
 
@@ -165,8 +166,7 @@ class _Survivor:
 
 
 def _divert(log: Path) -> None:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = open_append_fd(log)
     try:
         for target in (1, 2):
             os.dup2(fd, target)

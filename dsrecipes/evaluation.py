@@ -31,6 +31,7 @@ import torch
 
 from dsrecipes.data.ledger import LEDGER_DIR
 from dsrecipes.distributed import all_reduce
+from dsrecipes.fileio import open_append
 
 EVAL_LEDGER_PREFIX = "eval_rank"  # <run>/ledger/eval_rank<R>.jsonl (the training ledger's files are rank<R>.jsonl)
 
@@ -73,8 +74,7 @@ class EvalLedger:
 
     def __init__(self, run_dir: str | os.PathLike, rank: int):
         self.path = Path(run_dir) / LEDGER_DIR / f"{EVAL_LEDGER_PREFIX}{rank}.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "a", encoding="utf-8", buffering=1)
+        self._fh = open_append(self.path, buffering=1)
         self._fh.write(json.dumps({"session": time.time(), "pid": os.getpid()}) + "\n")
 
     def record(self, step: int, ids: Sequence[str]) -> None:

@@ -48,6 +48,20 @@ def atomic_writer(path: str | Path) -> Iterator[IO[bytes]]:
         raise
 
 
+def open_append_fd(path: str | Path) -> int:
+    """A write-only descriptor appending to `path` (created 0644 if missing, parent included). A symbolic link at
+    `path` is refused (O_NOFOLLOW: OSError ELOOP), so a link planted in a run directory cannot make a run append to a
+    file elsewhere (rundir.claim also refuses a run directory that holds links)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+
+
+def open_append(path: str | Path, buffering: int = -1) -> IO[str]:
+    """`open(path, "a", encoding="utf-8")` through `open_append_fd` (no symbolic link followed)."""
+    return os.fdopen(open_append_fd(path), "a", encoding="utf-8", buffering=buffering)
+
+
 def json_text(data: Any, indent: int | None = 2) -> str:
     """Strict JSON (non-finite floats become null), UTF-8 kept readable, with a final newline."""
     return json.dumps(finite(data), indent=indent, ensure_ascii=False, allow_nan=False, default=str) + "\n"

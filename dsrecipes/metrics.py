@@ -20,7 +20,7 @@ import torch
 
 from dsrecipes.console import progress_mode
 from dsrecipes.distributed import all_reduce
-from dsrecipes.fileio import atomic_write_text, finite
+from dsrecipes.fileio import atomic_write_text, finite, open_append
 from dsrecipes.plots import plot_run
 from dsrecipes.rundir import CONFIG_FILE, METRICS_FILE, read_metrics
 from dsrecipes.trackers import call_each, open_trackers
@@ -96,7 +96,7 @@ class MetricsLogger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.history = truncate_metrics(self.run_dir / METRICS_FILE, start_step)
-        self._fh = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")
+        self._fh = open_append(self.run_dir / METRICS_FILE)
         self._trackers = open_trackers(cfg, self.run_dir, start_step)
         if bar if bar is not None else progress_mode() == "bar":
             from tqdm.auto import tqdm

@@ -27,7 +27,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import yaml
 
@@ -60,9 +60,25 @@ class Claim:
     run_dir: Path
     fresh: bool  # created (or found empty) by this claim
     lock: ExclusiveLock
+    made: Tuple[Path, ...] = ()  # the directories this claim created, deepest first
 
     def release(self) -> None:
         self.lock.release()
+
+    def undo(self) -> None:
+        """Release, and take back what a fresh claim wrote (the marker and lock files) and the directories it made
+        while they hold nothing else: a run refused before it starts leaves no directory behind. A directory that
+        was there before, or holds anything else, stays."""
+        self.release()
+        if not self.fresh:
+            return
+        for name in (MARKER_FILE, LOCK_FILE, RANKS_LOCK_FILE):
+            (self.run_dir / name).unlink(missing_ok=True)
+        for made in self.made:
+            try:
+                made.rmdir()
+            except OSError:  # not empty (someone else's files): it stays, and so do its parents
+                break
 
     def __enter__(self) -> "Claim":
         return self
@@ -81,6 +97,7 @@ def claim(run_dir: Path, key: str, fingerprint: str, *, hydra_job_dir: bool = Fa
     the same new directory at once: one gets it, the other is told who holds it.
     """
     run_dir = Path(run_dir)
+    made = tuple(p for p in [run_dir, *run_dir.parents] if not os.path.lexists(p))
     ensure_owned_dir(run_dir, key, hydra_job_dir=hydra_job_dir)
     lock = ExclusiveLock(run_dir / LOCK_FILE, {"run_dir": str(run_dir)})
     try:
@@ -100,7 +117,7 @@ def claim(run_dir: Path, key: str, fingerprint: str, *, hydra_job_dir: bool = Fa
         marker = {"dsrecipes_run": 1, "run_id": uuid.uuid4().hex, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
                   "config_fingerprint": fingerprint}
         atomic_write_json(run_dir / MARKER_FILE, marker)
-    return Claim(run_dir, fresh, lock)
+    return Claim(run_dir, fresh, lock, made)
 
 
 def ensure_owned_dir(run_dir: Path, key: str, *, hydra_job_dir: bool = False) -> bool:
@@ -115,6 +132,7 @@ def ensure_owned_dir(run_dir: Path, key: str, *, hydra_job_dir: bool = False) ->
     entries -= {HYDRA_SUBDIR} if hydra_job_dir else set()
     if MARKER_FILE in entries:
         read_marker(run_dir, key)
+        _check_no_links(run_dir, key)
         _check_writable(run_dir, key)
         return True
     if entries:
@@ -138,6 +156,18 @@ def _make_dir(path: Path, key: str) -> None:
         ensure_owned_dir(path, key)
     except OSError as exc:
         raise UserError(f"{key}: cannot create {path} ({exc.strerror or exc})") from None
+
+
+def _check_no_links(run_dir: Path, key: str) -> None:
+    """dsrecipes never makes a symbolic link in a run directory; one found there (a log or a ledger pointing
+    elsewhere) would make this run write through it, so the run is refused, the link named."""
+    for root, dirs, files in os.walk(run_dir):
+        for name in dirs + files:
+            path = Path(root) / name
+            if path.is_symlink():
+                raise UserError(f"{key}: {path} is a symbolic link (to {os.readlink(path)}); dsrecipes makes none "
+                                "in a run directory and writes through none. Remove it, or choose another directory; "
+                                "nothing was changed")
 
 
 def _check_writable(path: Path, key: str) -> None:

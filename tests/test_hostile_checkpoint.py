@@ -70,6 +70,8 @@ def test_a_pickle_payload_with_recomputed_hashes_is_refused_everywhere(ws, base,
     for override in ([f"trainer.resume_from={tag}"], [f"trainer.resume_from={run}"], []):  # resume=auto too
         code, out = train(ws, run, *override)
         assert code == 2 and why in one_error(out) and "dsrecipes train ... --trust-checkpoint" in out
+    code, out = train(ws, tmp_path / "new" / "run", f"trainer.resume_from={tag}")  # a new run directory: ...
+    assert code == 2 and why in one_error(out) and not (tmp_path / "new").exists()  # ... taken back, parents too
     # chat and prompt-eval on the run directory read its export (signed, untouched), never its checkpoints
     code, out = dsrecipes("chat", str(run), "--message", "hi", "--max-new-tokens", "2", cwd=tmp_path)
     assert code == 0, out[-2000:]

@@ -240,3 +240,45 @@ def test_broken_model_directories_are_user_errors_in_run_and_validate(tmp_path, 
     assert not (tmp_path / "run").exists() and "dsrecipes.worker" not in out  # before any rank, nothing created
     code, out = dsrecipes("validate", override, cwd=tmp_path)
     assert code == 2 and message in error_line(out)
+
+
+def test_a_run_directory_holding_a_symbolic_link_is_refused_and_appends_never_follow_one(tmp_path):
+    """dsrecipes makes no links in a run directory: one planted there (a colleague's run continued in place) would
+    make the run append its log to a file elsewhere. The claim refuses it, naming the link; the appending opens
+    themselves (fileio.open_append) refuse a link too."""
+    from dsrecipes.errors import UserError
+    from dsrecipes.fileio import open_append
+    from dsrecipes.rundir import claim
+
+    run, outside = tmp_path / "run", tmp_path / "outside.txt"
+    outside.write_text("theirs\n")
+    claim(run, "trainer.output_dir", "fp").release()
+    (run / "logs").mkdir()
+    (run / "logs" / "main.log").symlink_to(outside)
+    with pytest.raises(UserError, match=r"logs/main.log is a symbolic link \(to .*outside.txt\)"):
+        claim(run, "trainer.output_dir", "fp")
+    with pytest.raises(OSError):
+        open_append(run / "logs" / "main.log")
+    assert outside.read_text() == "theirs\n"
+
+
+def test_an_undone_claim_takes_back_only_what_it_made(tmp_path):
+    """A run refused after its claim (commands/train.py: the resume decision) leaves no directory behind: the claim
+    removes its marker, its lock files and the directories it created, but never a directory that holds anything
+    else, nor one that was there before."""
+    from dsrecipes.rundir import claim
+
+    held = claim(tmp_path / "a" / "b" / "run", "trainer.output_dir", "fp")
+    held.undo()
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "keep.txt").write_text("x")
+    held = claim(tmp_path / "mine" / "new" / "run", "trainer.output_dir", "fp")
+    (tmp_path / "mine" / "new" / "theirs.txt").write_text("y")  # appeared meanwhile: not ours to remove
+    held.undo()
+    assert sorted(p.name for p in (tmp_path / "mine" / "new").iterdir()) == ["theirs.txt"]
+    old = claim(tmp_path / "old", "trainer.output_dir", "fp")
+    old.release()
+    again = claim(tmp_path / "old", "trainer.output_dir", "fp")  # an existing run of ours: not fresh
+    again.undo()
+    assert (tmp_path / "old" / "dsrecipes_run.json").is_file()

@@ -101,6 +101,8 @@ def run_job(inv: Invocation, job: hydra_app.Job) -> None:
         try:
             decision = decide(cfg)
         except UserError as exc:
+            if not inv.sweep or isinstance(exc, Refused):  # nothing is recorded: a new directory goes again
+                held.undo()
             return _refused(inv, exc, run_dir)
         job.enter(run_dir, lambda: _launch(inv, job, cfg, decision, started))
 

@@ -19,14 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
+from dsrecipes.fileio import open_append
+
 LEDGER_DIR = "ledger"
 
 
 class LedgerWriter:
     def __init__(self, run_dir: str | os.PathLike, rank: int):
         self.path = Path(run_dir) / LEDGER_DIR / f"rank{rank}.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "a", encoding="utf-8", buffering=1)  # line-buffered: a crash loses no step
+        self._fh = open_append(self.path, buffering=1)  # line-buffered: a crash loses no step
         self._fh.write(json.dumps({"session": time.time(), "pid": os.getpid()}) + "\n")
 
     def record(self, epoch: int, step: int, ids: Sequence[str]) -> None:
