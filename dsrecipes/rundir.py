@@ -44,6 +44,7 @@ STEPS_DIR = "rank_steps"
 MARKER_FILE = "dsrecipes_run.json"
 LOCK_FILE = ".dsrecipes.lock"
 RANKS_LOCK_FILE = ".dsrecipes.ranks.lock"
+SWEEP_MARKER = "dsrecipes_sweep.json"  # a sweep directory of ours (claim_sweep_dir)
 CHECKPOINTS_DIR = "checkpoints"  # (checkpoint.py owns what is inside)
 HYDRA_SUBDIR = ".hydra"  # Hydra writes it into a job directory before the job starts
 CLAIMING_PREFIXES = (".dsrecipes", f".{MARKER_FILE}.")  # lock files, write probes, the marker being written
@@ -189,6 +190,30 @@ def read_marker(run_dir: Path, key: str = "run directory") -> Dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise UserError(f"{key}: {path} is unreadable ({exc}); this directory cannot be trusted as a dsrecipes run") \
             from None
+
+
+def claim_sweep_dir(sweep_dir: Path, key: str = "hydra.sweep.dir") -> Path:
+    """Make `sweep_dir` a dsrecipes sweep directory before Hydra writes anything into it: create it, or take it
+    empty, or take one an earlier dsrecipes sweep marked (SWEEP_MARKER). Its jobs' directories are
+    `<sweep_dir>/<job number>` (hydra.sweep.subdir is closed to overrides: config/safety.py), so nothing of a
+    foreign directory is written. Anything else: UserError naming `key`, nothing changed."""
+    sweep_dir = Path(sweep_dir)
+    if sweep_dir.exists() and not sweep_dir.is_dir():
+        raise UserError(f"{key}: {sweep_dir} is a file, not a directory; choose a directory for the sweep")
+    if sweep_dir.is_dir():
+        entries = sorted(e for e in os.listdir(sweep_dir))
+        if SWEEP_MARKER in entries:
+            return sweep_dir
+        if entries:
+            shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+            raise UserError(f"{key}: {sweep_dir} is not empty ({shown}) and is not a dsrecipes sweep directory (no "
+                            f"{SWEEP_MARKER}); a sweep writes only into a new or empty directory or one of its own. "
+                            "Choose another directory; nothing was changed")
+        _check_writable(sweep_dir, key)
+    else:
+        _make_dir(sweep_dir, key)
+    atomic_write_json(sweep_dir / SWEEP_MARKER, {"dsrecipes_sweep": 1, "created": time.strftime("%Y-%m-%d %H:%M:%S")})
+    return sweep_dir
 
 
 def unique_new_dir(base: Path) -> Path:

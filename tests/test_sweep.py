@@ -148,6 +148,28 @@ def test_dsrecipes_sweep_dry_run_writes_summary(tmp_path, monkeypatch, capsys):
     data = json.loads((sweep_dir / "summary.json").read_text())
     assert data["swept"] == ["zero"] and [j["status"] for j in data["jobs"]] == ["dry_run", "dry_run"]
     assert all((Path(j["run_dir"]) / "launch.txt").is_file() for j in data["jobs"])
+    assert (sweep_dir / "dsrecipes_sweep.json").is_file()  # ours: the same sweep may run into it again
+
+
+def test_a_sweep_never_writes_into_a_foreign_directory(tmp_path, monkeypatch, capsys):
+    """hydra.sweep.dir naming someone's directory is refused before Hydra writes anything (its .hydra/, the summary
+    files); hydra.sweep.subdir, which could put a job's directory anywhere (`../victim`), is closed to overrides."""
+    from tests.test_run_ownership import snapshot
+
+    monkeypatch.chdir(tmp_path)
+    victim = tmp_path / "victim"
+    (victim / "0" / ".hydra").mkdir(parents=True)
+    for rel in ("summary.md", "multirun.yaml", "0/result.json", "0/.hydra/config.yaml"):
+        (victim / rel).write_text(f"{rel}: theirs\n")
+    before = snapshot(victim)
+    code = dsrecipes_in_process("-m", "launcher.dry_run=true", "zero=stage1,stage2", f"hydra.sweep.dir={victim}")
+    err = capsys.readouterr().err
+    assert code == 2 and f"hydra.sweep.dir: {victim} is not empty (0, multirun.yaml, summary.md)" in err, err
+    code = dsrecipes_in_process("-m", "launcher.dry_run=true", "zero=stage1,stage2",
+                                f"hydra.sweep.dir={tmp_path / 'sweep'}", "hydra.sweep.subdir=../victim/0")
+    err = capsys.readouterr().err
+    assert code == 2 and "command-line override 'hydra.sweep.subdir=../victim/0'" in err, err
+    assert snapshot(victim) == before and not (tmp_path / "sweep").exists() and not (tmp_path / "multirun").exists()
 
 
 def test_explicit_output_dir_and_hydra_dir_are_both_searched(tmp_path):

@@ -46,7 +46,7 @@ import dsrecipes.config.sources as sources
 from dsrecipes.config.hints import compose_error
 from dsrecipes.errors import ConfigError, UserError
 from dsrecipes.paths import ASSETS_DIR, conf_dir
-from dsrecipes.rundir import unique_new_dir
+from dsrecipes.rundir import claim_sweep_dir, unique_new_dir
 from dsrecipes.schema import GROUP_SCHEMAS, TrainConfig
 
 CONFIG_NAME = "train"
@@ -335,14 +335,16 @@ def _compose_checked(hydra: Any, overrides: Sequence[str], configure_logging: bo
 
 
 def _unique_sweep_dir(hydra: Any, overrides: Sequence[str]) -> List[str]:
-    """Hydra's default sweep directory (a date and a time) made unique per invocation (the sweep's composition was
-    checked by check_sweep already)."""
-    if any(ov.split("=", 1)[0].lstrip("+~") == "hydra.sweep.dir" for ov in overrides):
-        return list(overrides)
+    """The sweep directory, claimed before Hydra writes into it (rundir.claim_sweep_dir): the one hydra.sweep.dir
+    names, or Hydra's default (a date and a time) made unique per invocation (the sweep's composition was checked
+    by check_sweep already)."""
     try:
         composed = hydra.compose_config(config_name=CONFIG_NAME, overrides=list(overrides),
                                         run_mode=RunMode.MULTIRUN, with_log_configuration=False)
     except Exception as exc:  # Hydra raises many types; all are user mistakes in a composition
         raise compose_error(exc, overrides) from None
-    new = str(unique_new_dir(Path(str(composed.hydra.sweep.dir))))
+    if any(ov.split("=", 1)[0].lstrip("+~") == "hydra.sweep.dir" for ov in overrides):
+        claim_sweep_dir(Path(str(composed.hydra.sweep.dir)).expanduser().resolve())
+        return list(overrides)
+    new = str(claim_sweep_dir(unique_new_dir(Path(str(composed.hydra.sweep.dir)))))
     return list(overrides) + ["hydra.sweep.dir='" + new.replace("\\", "\\\\").replace("'", "\\'") + "'"]

@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 
 from dsrecipes.errors import ConfigError
 
-ALLOWED_HYDRA_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir", "hydra.verbose")
+ALLOWED_HYDRA_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "hydra.verbose")  # not sweep.subdir: jobs stay inside
 RUNTIME_KEYS = ("runtime", "overrides", "mode", "job.override_dirname", "job.id", "job.num", "job.name",
                 "job.config_name")
 CODE_KEYS = ("_target_", "()")  # Hydra's instantiate, logging.config's factories
