@@ -183,6 +183,19 @@ def test_slurm_setup_is_retired_with_one_message(hostile, capsys):
         assert err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize("key, value", [("slurm_venv", "/tmp/their_venv"), ("slurm_conda_env", "theirs"),
+                                        ("slurm_modules", "[their/module]")])
+def test_the_environment_a_batch_job_activates_is_set_on_the_command_line_only(tmp_path, capsys, key, value):
+    """A venv's bin/activate, a conda env's activate.d, a modulefile run in the batch job: a recipe from someone else
+    must not choose them. The command line may."""
+    recipe = tmp_path / "theirs.yaml"
+    recipe.write_text(f"launcher: slurm\nlauncher.num_gpus: 1\nlauncher.{key}: {value}\n")
+    assert cli_main(["validate", f"recipe={recipe}"]) == 2
+    err = capsys.readouterr().err
+    assert f"launcher.{key}: set by {recipe}" in err and "give it on the command line" in err, err
+    assert cli_main(["validate", "launcher=slurm", "launcher.num_gpus=1", f"launcher.{key}={value}"]) == 0
+
+
 def test_slurm_script_from_typed_fields(make_cfg, tmp_path):
     from dsrecipes import launch
 

@@ -11,6 +11,8 @@ before anything is instantiated and before Hydra configures logging (`check`):
   * the composed `hydra` node must equal the one conf/train.yaml alone composes (the baseline), apart from those
     keys and the fields Hydra fills in for each composition (RUNTIME_KEYS);
   * no `_target_` or `()` key anywhere that the baseline does not hold at the same place with the same value;
+  * the SLURM environment to activate (COMMAND_LINE_ONLY: a venv's activate script, a conda env, modulefiles) is
+    set only on the command line, never by a recipe or group file;
   * `hydra.overrides` is what Hydra wrote there: exactly the command line's overrides (a recipe setting it would
     put its own overrides, even `--trust-checkpoint`, into the "train further" command a run prints);
   * interpolations call only the resolvers in RESOLVERS, and `oc.env` reads only the variables in READABLE_ENV: a
@@ -36,6 +38,8 @@ ALLOWED_HYDRA_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "hydra.verbose")  # no
 RUNTIME_KEYS = ("runtime", "overrides", "mode", "job.override_dirname", "job.id", "job.num", "job.name",
                 "job.config_name")
 CODE_KEYS = ("_target_", "()")  # Hydra's instantiate, logging.config's factories
+# Settings that choose code the batch job runs (boundary/batch_script.py): only the command line may set them.
+COMMAND_LINE_ONLY = (("launcher", "slurm_venv"), ("launcher", "slurm_conda_env"), ("launcher", "slurm_modules"))
 RESOLVERS = ("dsr.asset", "now", "oc.env", "oc.select")  # dsr.asset: a file shipped in the package (hydra_app.py)
 READABLE_ENV = ("DSRECIPES_SMOLLM2_DIR",)  # conf/model/smollm2_135m.yaml: where the SmolLM2 download lives
 _RESOLVER_CALL = re.compile(r"(?<!\\)\$\{\s*([A-Za-z_][\w.-]*)\s*:\s*([^,}]*)")
@@ -49,10 +53,18 @@ def check(overrides: Sequence[str], composed: Any, baseline: Dict[str, Any], sou
     (config/hydra_app.py supplies both from Hydra)."""
     problems = override_problems(overrides)
     if not problems:
+        data = container(composed)
         for path, what in composition_problems(composed, baseline, overrides):
-            source = source_of(path, lookup(container(composed), path))
+            source = source_of(path, lookup(data, path))
             problems.append(f"{_dotted(path)}: {what}, set by {source}; recipes, group files and overrides are data: "
                             "they cannot name code or change Hydra's callbacks, logging, launcher or environment")
+        for path in COMMAND_LINE_ONLY:
+            value = lookup(data, path)
+            source = source_of(path, value) if value != lookup(baseline, path) else ""
+            if source and not source.startswith("command-line override"):
+                problems.append(f"{_dotted(path)}: set by {source}; it chooses code the batch job runs (an activate "
+                                "script, modulefiles), so it is this machine's setting, not a recipe's: give it on "
+                                "the command line")
     if problems:
         raise ConfigError(problems)
 
