@@ -137,7 +137,8 @@ def test_every_route_is_refused_and_runs_nothing(project, capsys, monkeypatch, r
     assert cli_main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and named in err and "Traceback" not in err, err
-    assert "s3cr3t-value" not in err
+    assert "s3cr3t-value" not in err and "override_dirname" not in err  # (not Hydra's copies of an override)
+    assert "hydra.overrides" not in err or "hydra.overrides" in named
     untouched(markers, precious)
     assert not (Path.cwd() / "outputs").exists() or not any((Path.cwd() / "outputs").rglob("config.yaml"))
 

@@ -91,7 +91,7 @@ def composition_problems(composed: Any, base: Dict[str, Any], overrides: Sequenc
         if lookup(base, path) != value:
             found.append((path, f"names code to run ({value!r})"))
     for path, value in _strings(data):
-        if lookup(base, path) != value:
+        if lookup(base, path) != value and not _runtime(path):  # (Hydra records the overrides' text there)
             found += [(path, what) for what in resolver_problems(value)]
     recorded = lookup(data, ("hydra", "overrides"))
     if recorded is not MISSING and _recorded_overrides(recorded) != sorted(overrides):
@@ -168,8 +168,16 @@ def _differences(a: Any, b: Any, path: Path) -> Iterator[Path]:
 
 
 def _allowed(path: Path) -> bool:
+    return _under(path, ALLOWED_HYDRA_KEYS) or _runtime(path)
+
+
+def _runtime(path: Path) -> bool:
+    """A field Hydra fills in for each composition (RUNTIME_KEYS)."""
+    return _under(path, tuple(f"hydra.{k}" for k in RUNTIME_KEYS))
+
+
+def _under(path: Path, keys: Sequence[str]) -> bool:
     dotted = _dotted(path)
-    keys = ALLOWED_HYDRA_KEYS + tuple(f"hydra.{k}" for k in RUNTIME_KEYS)
     return any(dotted == k or dotted.startswith(k + ".") for k in keys)
 
 
