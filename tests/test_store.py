@@ -271,6 +271,22 @@ def test_a_fault_that_outlasts_the_stores_retries_is_retried_then_reported(bucke
         proxy.stop()
 
 
+def test_a_store_that_fails_for_good_while_the_launch_indexes_is_one_message(make_cfg, bucket, s3_server, tmp_path,
+                                                                            monkeypatch):
+    """The launching side's index scan (data=iterable) reads whole objects: a fault that outlasts the retries is one
+    DataError naming the object (exit 2), as the ranks' ranged reads are, not an OSError from inside s3fs."""
+    from tests.helpers.s3server import FaultProxy
+
+    bucket.pipe("s3://dsr-data/faults/idx.jsonl", _corpus(40))
+    proxy = FaultProxy(s3_server.port, drops=1000).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        with pytest.raises(DataError, match=r"^s3://dsr-data/faults/idx.jsonl: "):
+            _prepare(make_cfg, "[s3://dsr-data/faults/idx.jsonl]", tmp_path / "cache", tmp_path / "run")
+    finally:
+        proxy.stop()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # hf://datasets/...: offline, through the local Hub cache
 

@@ -16,6 +16,7 @@ refused under both policies (`files.FileUnreadable`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from dsrecipes.data.cache import cache_root, content_hashes
-from dsrecipes.data.sources.remote import is_url, open_bytes, pin, size_mtime
+from dsrecipes.data.sources.remote import is_url, open_bytes, pin, size_mtime, store_errors
 from dsrecipes.data.stream.convert import CHUNK, convert, file_kind
 from dsrecipes.fileio import atomic_write_json, atomic_writer
 
@@ -177,7 +178,8 @@ def _converted(name: str, out: Path, block_bytes: int) -> Tuple[str, int, Any, O
 
 def _scan(path: str, block_bytes: int, tap: Optional[Callable[[bytes], None]] = None) -> LineScanner:
     scanner = LineScanner(block_bytes)
-    with open_bytes(path) as fh:
+    # the reads too, not only the open: a store that fails for good mid-object is one message naming it
+    with store_errors(path) if is_url(path) else contextlib.nullcontext(), open_bytes(path) as fh:
         for block in iter(lambda: fh.read(CHUNK), b""):
             scanner.feed(block)
             if tap is not None:
