@@ -13,6 +13,7 @@ import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import dsrecipes.trust as trust
+import dsrecipes.stopping as stopping
 from dsrecipes.commands.help import version_text
 from dsrecipes.console import command_log, quiet_third_party
 from dsrecipes.errors import UserError
@@ -63,15 +64,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def run_guarded(fn: Callable[[List[str]], int], argv: List[str]) -> int:
-    """Run a subcommand; user mistakes print one message and exit 2, never a traceback."""
+    """Run a subcommand; user mistakes print one message and exit 2, never a traceback. SIGTERM stops it as Ctrl-C
+    does (stopping.raising; the launch records it instead, to stop at a step boundary): exit 143 or 130."""
     try:
-        return int(fn(argv) or 0)
+        with stopping.raising():
+            return int(fn(argv) or 0)
     except UserError as exc:
         print(exc.render(), file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         print("interrupted", file=sys.stderr)
-        return 130
+        return stopping.exit_code(stopping.signal_of(exc))
 
 
 def _check_command(args: List[str]) -> None:

@@ -76,6 +76,44 @@ def _handler(signum: int, frame: object) -> None:
         callback(signum)
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM outside a `handling()` block (the launching process preparing data, a subcommand at work), raised as
+    Python raises KeyboardInterrupt for SIGINT: the same path, so every `finally` runs (worker pools stop, staging
+    directories go) and the run is reported interrupted, with the exit code of the signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def signal_of(exc: KeyboardInterrupt) -> int:
+    """The stop signal behind a KeyboardInterrupt: SIGTERM for `Stopped`, else SIGINT."""
+    return getattr(exc, "signum", signal.SIGINT)
+
+
+@contextmanager
+def raising() -> Iterator[None]:
+    """Within the block, SIGTERM raises `Stopped` in this process (the main thread only; elsewhere nothing
+    changes). A process forked meanwhile inherits the handler but ends as SIGTERM ends it, without a traceback."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    owner = os.getpid()
+
+    def _raise(signum: int, frame: object) -> None:
+        if os.getpid() != owner:  # a forked worker: the default action, as if no handler were installed
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise Stopped(signum)
+
+    previous = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @contextmanager
 def handling(on_signal: Optional[Callable[[int], None]] = None, announce: bool = False) -> Iterator[None]:
     """Within the block, SIGTERM/SIGINT are recorded (and passed to `on_signal`) instead of ending the process.

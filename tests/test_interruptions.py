@@ -165,3 +165,44 @@ def test_a_second_attempt_without_a_checkpoint_says_it_starts_from_step_1(tmp_pa
         code, done = main(args), capsys.readouterr()
         assert code == 0, done.err[-3000:]
         assert "no checkpoint yet: starting from step 1" in done.out + done.err
+
+
+def test_sigterm_outside_the_launch_raises_like_ctrl_c_and_a_forked_worker_just_ends():
+    """stopping.raising (around every subcommand, cli.run_guarded): SIGTERM is a KeyboardInterrupt that says which
+    signal it was; a process forked inside the block (a preprocessing pool worker) ends as SIGTERM ends it."""
+    with pytest.raises(stopping.Stopped) as stopped, stopping.raising():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)
+    assert stopping.signal_of(stopped.value) == signal.SIGTERM and stopping.exit_code(signal.SIGTERM) == 143
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored (pytest leaves the default)
+    with stopping.raising():
+        pid = os.fork()
+        if pid == 0:  # the child: no traceback, no return into pytest
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+            os._exit(7)
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+
+
+def test_sigterm_while_preparing_data_reports_the_run_interrupted_with_the_resume_command(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """Before the launch (data preparation runs in the launching process) a SIGTERM used to end the process with
+    no result.json and no resume command: now it is exit 143, result.json `interrupted`, the command printed."""
+    import dsrecipes.entry as entry
+    from dsrecipes.cli import main
+
+    real = entry.plan_run
+
+    def preparing(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler would, mid-preparation
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(entry, "plan_run", preparing)
+    run = tmp_path / "run"
+    with in_process_environ():
+        code = main(["debug=fast", f"trainer.output_dir={run}", f"data.cache_dir={tmp_path / 'cache'}"])
+    err = capsys.readouterr().err
+    assert code == 143, err[-2000:]
+    result = json.loads((run / "result.json").read_text())
+    assert result["status"] == "interrupted" and "interrupted by SIGTERM" in err and "Resume with:" in err

@@ -13,7 +13,6 @@ config/hydra_app.py; `--help` is ours (commands/help.py), `--cfg`, `--info`, `--
 
 from __future__ import annotations
 
-import signal
 import sys
 import time
 import traceback
@@ -115,8 +114,8 @@ def _launch(inv: Invocation, job: hydra_app.Job, cfg: TrainConfig, decision: Dec
         code = run(cfg, decision)
     except UserError as exc:
         return _record(inv, exc, run_dir)
-    except KeyboardInterrupt:  # Ctrl-C twice: stopped where it stood
-        report_interrupted(run_dir, signal.SIGINT, {}, inv.argv)
+    except KeyboardInterrupt as exc:  # Ctrl-C twice, or a stop signal before the launch (preparing data)
+        report_interrupted(run_dir, stopping.signal_of(exc), {}, inv.argv)
         raise
     except Exception as exc:  # noqa: BLE001 - a sweep must go on; a single run re-raises
         if not inv.sweep:
