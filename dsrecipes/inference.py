@@ -77,7 +77,7 @@ def check_loadable(model_dir: Path, retry: str, adapter: bool = False) -> None:
         except (OSError, ValueError) as exc:
             raise UserError(f"{marker}: unreadable ({exc}); nothing was loaded")
         trust.check(record, model_dir, "export", retry)
-        problem = verify(model_dir, record["hashes"]) if isinstance(record.get("hashes"), dict) else None
+        problem = verify(model_dir, record.get("hashes"), listing=f"{EXPORT_INFO}: hashes")  # its shape checked too
         if problem is not None:
             raise UserError(f"{model_dir}: damaged export ({problem}); nothing was loaded")
     problems = custom_code_problems("model", model_dir) if adapter else check_model_dir("model", model_dir, False)

@@ -157,3 +157,19 @@ def test_a_pickle_added_beside_a_signed_checkpoint_is_not_loaded(ws, base, tmp_p
     code, out = dsrecipes("export", str(run), "--tag", "step_8", "--out", str(tmp_path / "out"), cwd=tmp_path)
     assert code == 2 and planted in one_error(out) and not (tmp_path / "out").exists()
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("hashes", [[], {"model.safetensors": 5}, {"../config.json": {"size": 1, "hash": "x"}}])
+def test_an_export_marker_of_the_wrong_shape_is_a_damaged_export(ws, base, tmp_path, hashes, monkeypatch):  # noqa: F811
+    """dsrecipes_export.json's `hashes` from someone else (trusted on the command line): a list used to skip the
+    check and load whatever was there; any wrong shape is now one message before anything is read."""
+    from dsrecipes import trust
+    from dsrecipes.errors import UserError
+    from dsrecipes.inference import check_loadable
+
+    export = copy_run(base / "export", tmp_path / "export")
+    info = json.loads((export / "dsrecipes_export.json").read_text())
+    (export / "dsrecipes_export.json").write_text(json.dumps({**info, "hashes": hashes}))
+    monkeypatch.setattr(trust, "check", lambda *a, **k: False)  # (trusted: the shape is what is under test)
+    with pytest.raises(UserError, match=r"damaged export \(dsrecipes_export.json: hashes"):
+        check_loadable(export, "retry")
