@@ -337,3 +337,26 @@ def test_real_iterable_loader_tokenizes_on_the_fly(prepared_run, tmp_path):
     held = [i for ev in evals for b in ev for i in b["ids"]]
     assert len(held) == len(set(held)) == 16 and not set(held) & set(flat)
     assert len(flat) >= n - 16 - 2 * cfg.trainer.micro_batch_size - 8  # only remainder, holdout and truncation
+
+
+def test_a_presharded_part_is_rechecked_at_each_new_epoch(tmp_path):
+    """A part in a store is read again every epoch: the loader re-checks it (one HEAD against the manifest's
+    identity: PreshardedTrainLoader.recheck) before each new epoch, so a part replaced mid-run is refused at the
+    next epoch instead of trained on (seen in review: a replaced S3 part trained two epochs silently)."""
+    from dsrecipes.errors import DataError
+
+    part = tmp_path / "part_00.jsonl"
+    part.write_text("".join(f'{{"i": {i}}}\n' for i in range(8)))
+    calls = []
+    loader = make_presharded([str(part)], 1, 0)
+    loader.recheck = lambda: calls.append(loader.epoch)
+    for epoch in (0, 0, 1):  # epoch 0: checked when the rank opened the part; the same epoch again is no new read
+        run_epoch([loader], epoch)
+    assert calls == [0], calls  # once, before epoch 1
+
+    def replaced():
+        raise DataError("s3://b/part_00.jsonl: missing or changed since `dsrecipes shard` wrote it")
+
+    loader.recheck = replaced
+    with pytest.raises(DataError, match="missing or changed"):
+        loader.set_epoch(2)

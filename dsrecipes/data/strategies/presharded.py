@@ -21,6 +21,7 @@ are refused before any rank starts.
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from dsrecipes.data.sampler import Item, StreamSpec, select_slots
 from dsrecipes.data.shard import Manifest, checked_alike, checked_rows, read_manifest, verify_part, verify_val_part
 from dsrecipes.data.shard_rows import check_row_format
 from dsrecipes.data.sources.badrows import BadRowReport
+from dsrecipes.data.sources.remote import is_url
 from dsrecipes.data.strategies.base import Batch, Row, TrainLoader
 from dsrecipes.data.strategies.eval import EvalLoader
 from dsrecipes.data.strategies.protocol import PrepareResult, RankData, rows_of_plan
@@ -69,6 +71,7 @@ class PreshardedTrainLoader(TrainLoader):
         prefetch_factor: int = 2,
         global_rank: Optional[int] = None,
         fingerprint: Optional[dict] = None,
+        recheck: Optional[Callable[[], None]] = None,
     ):
         fingerprint = {
             "num_samples": num_samples,
@@ -85,6 +88,14 @@ class PreshardedTrainLoader(TrainLoader):
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
         self.part_counts = list(part_counts)
+        self.recheck = recheck
+
+    def set_epoch(self, epoch: int) -> None:
+        """A new epoch reads the part again: `recheck` first (a part in a store must still be the object the manifest
+        recorded, one HEAD; a replaced one is a DataError, never trained on)."""
+        if epoch != self.epoch and self.recheck is not None:
+            self.recheck()
+        super().set_epoch(epoch)
 
     def _steps(self, offset: int) -> int:
         return presharded_steps(self.part_counts, self.layout, offset)
@@ -172,7 +183,8 @@ class PreshardedStrategy:
             make_rows=row_encoder(cfg, data.tokenizer, [path], [SourceConfig(name=f"part{rank}")]),
             collate_fn=make_collate(data.cfg, data.tokenizer), num_workers=cfg.data.num_workers,
             prefetch_factor=cfg.data.prefetch_factor, part_counts=manifest.counts, global_rank=rank,
-            fingerprint={"manifest_sha256": manifest.sha256})
+            fingerprint={"manifest_sha256": manifest.sha256},
+            recheck=functools.partial(verify_part, manifest, rank) if is_url(path) else None)
 
     def eval_loader(self, data: RankData) -> Optional[EvalLoader]:
         """This rank's contiguous share of the validation file's rows (canonical JSONL), tokenized."""
