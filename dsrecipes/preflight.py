@@ -110,7 +110,34 @@ def check_model_dir(key: str, path: Path, trust_remote_code: bool) -> List[str]:
         problems += _known_model_type(key, path, config.get("model_type"))
     if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
         problems.append(f"{key}: {path} has no weights (*.safetensors, pytorch_model*.bin or *.gguf)")
+    if not problems:  # weights whose header does not read: one message here, not a traceback in every rank
+        damaged = ((f, safetensors_problem(f)) for f in sorted(path.glob("*.safetensors")))
+        problems += [f"{key}: {f} is not a readable safetensors file ({why}); the download may be incomplete or "
+                     "damaged" for f, why in damaged if why]
     return problems
+
+
+MAX_SAFETENSORS_HEADER = 100 << 20  # the format's own limit (safetensors: "header too large" beyond it)
+
+
+def safetensors_problem(path: Path) -> str:
+    """What is wrong with a safetensors file's header (8-byte length, then JSON), read without the tensors: a
+    truncated or random file is one message here instead of a traceback in every rank."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(8)
+            size = path.stat().st_size
+            if len(raw) < 8:
+                return f"{size} bytes, shorter than a header"
+            length = int.from_bytes(raw, "little")
+            if length > min(size - 8, MAX_SAFETENSORS_HEADER):
+                return f"its header claims {length} bytes of {size}"
+            header = json.loads(fh.read(length).decode("utf-8"))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    except ValueError as exc:  # JSON and UTF-8 errors
+        return f"its header is not JSON: {exc}"
+    return "" if isinstance(header, dict) else "its header is not a JSON object"
 
 
 def custom_code_problems(key: str, path: Path) -> List[str]:

@@ -227,12 +227,17 @@ def model_dir(tmp_path: Path, kind: str) -> Tuple[Path, str, str]:
         (path / "model.safetensors").write_bytes(b"x")
         (path / "tokenizer.json").write_text("{}")
         return path, f"model.path={path}", f"model.path: {path} needs its own Python code to load"
+    if kind == "corrupt_weights":  # random bytes where the weights should be: a rank traceback before
+        (path / "config.json").write_text(json.dumps(config))
+        (path / "tokenizer.json").write_text("{}")
+        (path / "model.safetensors").write_bytes(os.urandom(4096))
+        return path, f"model.path={path}", f"model.path: {path / 'model.safetensors'} is not a readable safetensors file"
     tokenizer_file = path / "tokenizer.json"
     tokenizer_file.write_text("{}")
     return path, f"model.tokenizer_path={tokenizer_file}", f"model.tokenizer_path: {tokenizer_file} is a file"
 
 
-@pytest.mark.parametrize("kind", ["no_config", "no_weights", "custom_code", "tokenizer_file"])
+@pytest.mark.parametrize("kind", ["no_config", "no_weights", "custom_code", "tokenizer_file", "corrupt_weights"])
 def test_broken_model_directories_are_user_errors_in_run_and_validate(tmp_path, kind):
     path, override, message = model_dir(tmp_path, kind)
     code, out = dsrecipes(*FAST, override, f"trainer.output_dir={tmp_path / 'run'}", cwd=tmp_path)
