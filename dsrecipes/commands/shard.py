@@ -18,9 +18,10 @@ def main(argv: List[str]) -> int:
     parser = override_parser("shard", "split data into one JSONL part per rank (+ manifest.json)")
     parser.add_argument("--parts", type=int, required=True, help="number of parts = the world size that will read them")
     parser.add_argument("--out", required=True, help="output directory (becomes data.shard_dir)")
-    parser.add_argument("--balance", type=ShardBalance, choices=list(ShardBalance), default=ShardBalance.samples,
+    parser.add_argument("--balance", choices=[b.value for b in ShardBalance], default=ShardBalance.samples.value,
                         help="samples: equal counts; tokens: equal counts and even token totals")
-    parser.add_argument("--force", action="store_true", help="overwrite an existing manifest in --out")
+    parser.add_argument("--force", action="store_true",
+                        help="replace the shard already in --out (only the files its manifest lists)")
     parser.add_argument("--val-size", type=float, default=0, metavar="N",
                         help="hold N samples (a count, or a fraction < 1) out into the validation part val.jsonl")
     args = parse(parser, argv)
@@ -30,7 +31,7 @@ def main(argv: List[str]) -> int:
         overrides += ["dataset.paths=[" + ",".join(json.dumps(p if "://" in p else os.path.abspath(p)) for p in inputs) + "]",
                       "dataset.sources=[]", "dataset.use=[]"]
     cfg = compose_and_load(overrides, check_files=True)
-    manifest = shard(cfg, args.parts, args.out, args.balance, args.force, args.val_size)
+    manifest = shard(cfg, args.parts, args.out, ShardBalance(args.balance), args.force, args.val_size)
     val = f", validation part of {manifest.val_count}" if manifest.val_file else ""
     print(f"wrote {manifest.parts} parts of {min(manifest.counts)}-{max(manifest.counts)} samples "
           f"({manifest.total} in all, balance={manifest.balance}{val}) to {args.out}")

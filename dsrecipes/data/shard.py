@@ -15,20 +15,34 @@ presharded run evaluates on it.
 Balance: every part gets the same number of samples (+-1), so equal step counts lose less than one global batch.
 `samples` deals rows round-robin; `tokens` additionally evens out tokens (longest first, to the part with the
 fewest tokens that still has room), using the run's tokenizer and template.
+
+Ownership: `--out` is the user's until proven ours. A new directory, an empty one, or (with `--force`) a shard
+directory holding our manifest (`dsrecipes_shard`, or the exact shape an older `shard` wrote) and nothing its
+manifest does not list; anything else is refused before any row is read, nothing changed. What can be checked
+before writing is checked first (the part count against the samples, the open-file limit). The shard is written into
+a new directory beside `--out` (same file system), synced, then renamed into place, or exchanged with the previous
+shard in one step (Linux `renameat2`), whose listed files are removed only then: a reader sees the old complete
+shard or the new one, never a mix, and a failure (a bad row, a full disk) leaves `--out` as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
+import errno
 import hashlib
 import heapq
+import itertools
 import json
 import os
-import re
+import resource
+import shutil
 import sys
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import dsrecipes.data.shard_store as store_upload
 from dsrecipes.data.cache import tokenizer_fingerprint
@@ -39,7 +53,7 @@ from dsrecipes.data.sources.files import expand_paths
 from dsrecipes.data.sources.preference import check_sources
 from dsrecipes.data.sources.registry import resolve_sources
 from dsrecipes.data.sources.remote import identity as remote_identity
-from dsrecipes.data.sources.remote import is_url
+from dsrecipes.data.sources.remote import check_url, is_url, looks_like_url
 from dsrecipes.data.sources.splits import split_val
 from dsrecipes.errors import DataError, UserError
 from dsrecipes.fileio import atomic_write_json
@@ -48,7 +62,10 @@ from dsrecipes.typed import config_to_dict
 
 MANIFEST = "manifest.json"
 VAL_PART = "val.jsonl"
+QUARANTINE = "quarantine.jsonl"
 MANIFEST_VERSION = 1
+SHARD_MARKER = "dsrecipes_shard"  # the manifest key that says `dsrecipes shard` wrote it (older manifests lack it)
+OPEN_FILES_HEADROOM = 128  # descriptors left to the rest of the process while every part is open
 
 
 @dataclass
@@ -70,6 +87,7 @@ class Manifest:
     val_identity: Optional[str] = None  # the validation part in a store: its remote.identity
     row_format: str = ROW_FORMAT
     version: int = MANIFEST_VERSION
+    dsrecipes_shard: int = 1  # SHARD_MARKER: the ownership marker (`shard_files`)
     directory: str = ""  # where it was read from (not stored)
 
     @property
@@ -119,6 +137,25 @@ def read_manifest(shard_dir: Optional[str], world_size: Optional[int] = None) ->
             f"{world_size} --out NEW_DIR --balance {manifest.balance}` and set data.shard_dir=NEW_DIR"
         )
     return manifest
+
+
+def shard_files(data: Any) -> Optional[List[str]]:
+    """The files a manifest (its JSON) says `shard` wrote, itself included, or None when it is not the manifest of a
+    dsrecipes shard: one carrying SHARD_MARKER, or (written before the marker) exactly the keys an older `shard`
+    wrote. Either way its part names must be the ones `shard` gives: only these names are ever replaced or removed."""
+    if not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION or data.get(SHARD_MARKER, 1) != 1:
+        return None
+    known = {f.name for f in dataclasses.fields(Manifest)} - {"directory", SHARD_MARKER} | {"total"}
+    if SHARD_MARKER not in data and not set(data) <= known:
+        return None
+    parts = data.get("parts")
+    if type(parts) is not int or parts < 1 or data.get("files") != [part_name(p, parts) for p in range(parts)]:
+        return None
+    if data.get("val_file") not in (None, VAL_PART):
+        return None
+    # the quarantine is written exactly when rows were skipped (`dataset.bad_rows=skip`)
+    names = [MANIFEST, *data["files"]] + ([VAL_PART] if data.get("val_file") else [])
+    return names + ([QUARANTINE] if data.get("bad_rows") else [])
 
 
 def file_sha256(path: str) -> str:
@@ -185,15 +222,16 @@ def assign_balanced(tokens: Sequence[int], parts: int) -> List[int]:
 def write_parts(lines: Iterator[bytes], assignment: Optional[Sequence[int]], parts: int, out_dir: Path,
                 tokens: Optional[Sequence[int]] = None) -> Manifest:
     """Write canonical row lines into parts (round-robin without `assignment`; assignment -1: the validation part);
-    returns the manifest (not yet written)."""
+    returns the manifest (not yet written). Every part stays open while the rows stream through (`open_files`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     files = [part_name(p, parts) for p in range(parts)]
     with_val = assignment is not None and -1 in assignment
-    handles = [open(out_dir / f, "wb") for f in files + ([VAL_PART] if with_val else [])]
-    digests = [hashlib.sha256() for _ in handles]
-    counts = [0] * len(handles)  # the validation part last
-    part_tokens = [0] * parts
-    try:
+    names = files + ([VAL_PART] if with_val else [])
+    with open_files(len(names), parts), contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(open(out_dir / f, "wb")) for f in names]
+        digests = [hashlib.sha256() for _ in handles]
+        counts = [0] * len(handles)  # the validation part last
+        part_tokens = [0] * parts
         for k, line in enumerate(lines):
             p = k % parts if assignment is None else assignment[k]
             handles[p].write(line)  # p = -1: the last handle, the validation part
@@ -201,15 +239,45 @@ def write_parts(lines: Iterator[bytes], assignment: Optional[Sequence[int]], par
             counts[p] += 1
             if tokens is not None and p >= 0:
                 part_tokens[p] += tokens[k]
-    finally:
-        for h in handles:
-            h.close()
     sha = [d.hexdigest() for d in digests]
     manifest = Manifest(parts, "samples", files, counts[:parts], sha[:parts],
                         tokens=part_tokens if tokens is not None else None, directory=str(out_dir))
     if with_val:
         manifest.val_file, manifest.val_count, manifest.val_sha256 = VAL_PART, counts[-1], sha[-1]
     return manifest
+
+
+@contextlib.contextmanager
+def open_files(needed: int, parts: int) -> Iterator[None]:
+    """Room for `needed` more open files: the soft limit raised (up to the hard one) for the block. UserError, before
+    anything is opened, when even the hard limit leaves no room."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = needed + OPEN_FILES_HEADROOM
+    if hard != resource.RLIM_INFINITY and want > hard:
+        raise UserError(f"--parts {parts}: writing the parts keeps {needed} files open, more than this process may "
+                        f"open (ulimit -n: {hard}); raise the limit or shard into fewer parts. Nothing was changed")
+    raised = soft != resource.RLIM_INFINITY and want > soft
+    if raised:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    try:
+        yield
+    finally:
+        if raised:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def check_fill(samples: int, parts: int) -> None:
+    """DataError when `samples` leave a part empty (checked before any part is written)."""
+    if samples < parts:
+        raise DataError(f"{samples} samples cannot fill {parts} parts (a part would be empty); shard into at most "
+                        f"{samples} parts. Nothing was changed")
+
+
+def filling(lines: Iterator[bytes], parts: int) -> Iterator[bytes]:
+    """`lines` (dealt round-robin), once their first `parts` (held in memory) show that every part gets one."""
+    head = list(itertools.islice(lines, parts))
+    check_fill(len(head), parts)
+    return itertools.chain(head, lines)
 
 
 def assign_parts(tokens: Sequence[int], parts: int, balance: ShardBalance, val_size: float, seed: int) -> List[int]:
@@ -226,15 +294,11 @@ def assign_parts(tokens: Sequence[int], parts: int, balance: ShardBalance, val_s
     return out
 
 
-def _shard_file(name: str) -> bool:
-    """A name `shard` writes (or an earlier, interrupted shard left): a directory holding only these is ours."""
-    return name in (MANIFEST, VAL_PART, "quarantine.jsonl") or bool(re.fullmatch(r"part_\d+\.jsonl", name))
-
-
 def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalance.samples,
           force: bool = False, val_size: float = 0) -> Manifest:
     """Split the samples of `cfg.dataset` into `parts` canonical JSONL files plus manifest.json in `out_dir`;
-    `val_size` (a fraction < 1 or a count) holds samples out into the validation part `val.jsonl`."""
+    `val_size` (a fraction < 1 or a count) holds samples out into the validation part `val.jsonl`. The shard appears
+    in `out_dir` only complete (module docstring: Ownership); on any failure `out_dir` is as it was."""
     from dsrecipes.data.stream.scan import checking_encoder  # lazy: else `commands.shard` imports numpy 0.11 s
     from dsrecipes.model import load_tokenizer  # lazy: else `commands.shard` imports torch 3.80 s
 
@@ -242,14 +306,12 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
         raise UserError(f"--parts must be >= 1, got {parts}")
     if val_size < 0 or (val_size >= 1 and val_size != int(val_size)):
         raise UserError(f"--val-size: a fraction in [0, 1) or a whole number of samples, got {val_size:g}")
+    if looks_like_url(out_dir) and check_url(out_dir):  # (credentials in it are refused, never echoed)
+        raise UserError(f"--out: {check_url(out_dir)}")
     if is_url(out_dir):
-        return store_upload.shard_to_store(cfg, parts, out_dir, balance, force, shard, val_size)
-    out = Path(out_dir)
-    if (out / MANIFEST).exists() and not force:
-        raise UserError(f"{out / MANIFEST} exists; choose another --out or pass --force to overwrite")
-    if out.is_dir() and any(not _shard_file(e.name) for e in out.iterdir()):  # a user's directory, not ours
-        raise UserError(f"--out: {out} is not empty and holds no {MANIFEST}; shard writes into a new or empty "
-                        "directory (or over an earlier shard directory with --force). Nothing was changed")
+        return store_upload.shard_to_store(cfg, parts, out_dir, balance, force, shard, shard_files, val_size)
+    out = Path(os.path.realpath(out_dir))  # a link to a directory: the shard replaces the directory, not the link
+    previous = claim_out(out, force)
     notes: List[str] = []
     sources = resolve_sources(cfg.dataset, notes)
     for note in notes:
@@ -267,22 +329,171 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
         counted = [n for _, n in checked_rows(cfg, first, encoder, sources)]
         assignment = assign_parts(counted, parts, balance, val_size, cfg.trainer.seed)
         tokens = counted if balance is ShardBalance.tokens else None
-    report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, out / "quarantine.jsonl")
-    manifest = write_parts((line for line, _ in checked_rows(cfg, report, encoder, sources)), assignment, parts,
-                           out, tokens)
-    manifest.balance = balance.value
-    manifest.row_format = row_format(cfg)
-    manifest.bad_rows = dict(report.counts)
-    manifest.bad_rows_by_file = report.files()
-    manifest.checked_with = check_identity(cfg, tokenizer)
-    for src in sources:
-        files, _ = expand_paths(src.paths)
-        manifest.sources += [{"path": f, "identity": remote_identity(f), "source": src.name} if is_url(f) else
-                             {"path": os.path.abspath(f), "sha256": file_sha256(f), "source": src.name} for f in files]
-    if min(manifest.counts) == 0:
-        raise DataError(f"{manifest.total} samples cannot fill {parts} parts (a part would be empty)")
-    atomic_write_json(out / MANIFEST, manifest.to_json())
+        check_fill(sum(p >= 0 for p in assignment), parts)
+    staging, made = new_dir_beside(out, "shard-tmp")
+    try:
+        report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, staging / QUARANTINE)
+        lines = (line for line, _ in checked_rows(cfg, report, encoder, sources))
+        lines = lines if assignment is not None else filling(lines, parts)  # the part count checked before writing
+        manifest = write_parts(lines, assignment, parts, staging, tokens)
+        manifest.balance = balance.value
+        manifest.row_format = row_format(cfg)
+        manifest.bad_rows = dict(report.counts)
+        manifest.bad_rows_by_file = report.files()
+        manifest.checked_with = check_identity(cfg, tokenizer)
+        for src in sources:
+            files, _ = expand_paths(src.paths)
+            manifest.sources += [{"path": f, "identity": remote_identity(f), "source": src.name} if is_url(f) else
+                                 {"path": os.path.abspath(f), "sha256": file_sha256(f), "source": src.name}
+                                 for f in files]
+        atomic_write_json(staging / MANIFEST, manifest.to_json())
+        sync_dir(staging, files=True)
+        publish(staging, out, previous is not None)
+    except BaseException as exc:
+        discard(staging, made)
+        if isinstance(exc, OSError):  # a full disk, too many open files, no permission, out changed meanwhile
+            where = f" ({exc.filename})" if exc.filename else ""
+            raise UserError(f"--out: writing the shard to {out} failed: {exc.strerror or exc}{where}; "
+                            "nothing was changed") from None
+        raise
+    with contextlib.suppress(OSError):  # the rename itself is durable once the parent directory is synced
+        sync_dir(out.parent)
+    if previous is not None:
+        remove_listed(staging, previous)  # now the previous shard, out of sight
+    manifest.directory = out_dir
     return manifest
+
+
+def claim_out(out: Path, force: bool) -> Optional[List[str]]:
+    """Check that `shard` may make `out` its shard directory, changing nothing: a new directory (below directories),
+    an empty one, or with `force` a shard directory of ours that holds only what its manifest lists. Returns those
+    files (None: no shard there); anything else is a UserError."""
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"--out: {out} lies below {parent}, which is a file; choose a directory")
+            break
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        raise UserError(f"--out: {out} is a file, not a directory; choose a directory for the parts")
+    entries = sorted(os.listdir(out))
+    listed = shard_files(_json_or_none(out / MANIFEST)) if MANIFEST in entries else None
+    if entries and listed is None:
+        raise UserError(f"--out: {out} is not empty ({_shown(entries)}) and holds no {MANIFEST} written by "
+                        "`dsrecipes shard`; shard writes into a new or empty directory (or over an earlier shard "
+                        "directory with --force). Choose another directory; nothing was changed")
+    if listed is not None and not force:
+        raise UserError(f"{out / MANIFEST} exists; choose another --out or pass --force to overwrite")
+    unlisted = [e for e in entries if e not in (listed or [])]
+    if unlisted:
+        raise UserError(f"--out: {out} holds {_shown(unlisted)}, which its {MANIFEST} does not list; --force "
+                        "replaces only a shard's own files. Move them elsewhere or choose another directory; nothing "
+                        "was changed")
+    cwd = _cwd()
+    if os.path.ismount(out) or (cwd is not None and os.path.samefile(out, cwd)):
+        what = "a mount point" if os.path.ismount(out) else "the current directory"
+        raise UserError(f"--out: {out} is {what}; shard replaces its --out directory as a whole (by renaming), which "
+                        "cannot be done to it. Choose a directory inside it; nothing was changed")
+    return listed
+
+
+def new_dir_beside(path: Path, tag: str) -> Tuple[Path, List[Path]]:
+    """A new, uniquely named hidden directory beside `path` (same file system, so it can be renamed onto it), and
+    the parent directories that had to be made for it (deepest first)."""
+    made = [p for p in [path.parent, *path.parent.parents] if not os.path.lexists(p)]
+    new = path.parent / f".{path.name}.{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        new.mkdir(parents=True)
+    except OSError as exc:
+        discard(None, made)
+        raise UserError(f"--out: cannot create a directory beside {path} ({exc.strerror or exc}); "
+                        "nothing was changed") from None
+    return new, made
+
+
+def publish(staging: Path, out: Path, replace: bool) -> None:
+    """Make the complete shard in `staging` the directory `out`: renamed onto it (new, or empty: a directory that
+    gained entries meanwhile fails with ENOTEMPTY), or with `replace` exchanged with the shard there, which is then
+    in `staging`."""
+    if replace:
+        _exchange(staging, out)
+    else:
+        os.rename(staging, out)
+
+
+def _exchange(new: Path, old: Path) -> None:
+    """Swap two directories in one step (Linux renameat2 RENAME_EXCHANGE: `old` never goes missing). Where that is
+    not available: `old` renamed aside, `new` into its place (`old` put back if that fails), the aside to `new`."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is not None:
+        at_fdcwd, rename_exchange = -100, 2
+        if renameat2(at_fdcwd, os.fsencode(new), at_fdcwd, os.fsencode(old), rename_exchange) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno.ENOSYS, errno.EINVAL):  # EINVAL: a file system without exchange
+            raise OSError(code, os.strerror(code), str(old))
+    aside, _ = new_dir_beside(old, "old-tmp")
+    os.rename(old, aside)
+    try:
+        os.rename(new, old)
+    except OSError:
+        os.rename(aside, old)
+        raise
+    os.rename(aside, new)
+
+
+def remove_listed(old: Path, names: Sequence[str]) -> None:
+    """Remove a replaced shard: the files its manifest listed, then its directory (left, with a note, when it holds
+    anything else)."""
+    try:
+        for name in names:
+            (old / name).unlink(missing_ok=True)
+        old.rmdir()
+    except OSError as exc:
+        print(f"note: the previous shard's files were kept in {old} ({exc.strerror or exc}); remove it when done",
+              file=sys.stderr)
+
+
+def discard(staging: Optional[Path], made: Sequence[Path]) -> None:
+    """Take back a shard that was not published: its staging directory (created by this process) and the parent
+    directories made for it while they are empty."""
+    if staging is not None:
+        shutil.rmtree(staging, ignore_errors=True)
+    for path in made:
+        try:
+            path.rmdir()
+        except OSError:  # not empty (someone else's files): it stays, and so do its parents
+            break
+
+
+def sync_dir(path: Path, files: bool = False) -> None:
+    """fsync a directory (its entries), with `files` also every file in it first."""
+    names = sorted(os.listdir(path)) if files else []
+    for name in [*names, "."]:
+        fd = os.open(path / name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _json_or_none(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _shown(names: Sequence[str], limit: int = 5) -> str:
+    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
+
+
+def _cwd() -> Optional[str]:
+    try:
+        return os.getcwd()
+    except OSError:  # the working directory was removed
+        return None
 
 
 def check_identity(cfg: Any, tokenizer: Any) -> Dict[str, Any]:
