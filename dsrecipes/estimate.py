@@ -10,6 +10,7 @@ with gradient checkpointing only each layer's input is kept, plus one layer bein
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -185,13 +186,11 @@ def _trainable(cfg: TrainConfig, base: int, lora: int) -> int:
 def _hf_config(cfg: TrainConfig, hf_config: Optional[str]) -> Tuple[Any, str]:
     from transformers import AutoConfig
 
-    where = hf_config or cfg.model.path
+    where, key = (hf_config, "--hf-config") if hf_config else (cfg.model.path, "model.path")
     if where is not None:
         path = Path(where).expanduser()
-        if path.is_file() or (path / "config.json").is_file():
-            target = str(path.parent if path.is_file() else path)
-            with no_custom_code("model.path", target):
-                return AutoConfig.from_pretrained(target, trust_remote_code=False), target
+        if hf_config or path.is_file() or (path / "config.json").is_file():  # --hf-config is a config, or refused
+            return read_hf_config(key, path), str(path)
         if cfg.model.arch:  # the shape the model entry ships, for estimating before the weights are downloaded
             arch = dict(cfg.model.arch)
             return AutoConfig.for_model(arch.pop("model_type"), **arch), f"model.arch of model={cfg.model.name}"
@@ -208,6 +207,31 @@ def _hf_config(cfg: TrainConfig, hf_config: Optional[str]) -> Tuple[Any, str]:
         tie_word_embeddings=tiny.tie_word_embeddings,
     )  # fmt: skip
     return config, "embedded tiny model (model.tiny)"
+
+
+def read_hf_config(key: str, path: Path) -> Any:
+    """transformers' config from `path`, a config.json or the directory holding one. Every problem is one UserError
+    naming `key` (the setting or flag that gave the path): no config.json, not a JSON object, no model_type, a
+    model type or a field transformers refuses, a config that needs its own code."""
+    from transformers import AutoConfig
+
+    file = path if path.is_file() else path / "config.json"
+    if not file.is_file():
+        raise UserError(f"{key}: {path} has no config.json; give a model's config.json or its directory")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        raise UserError(f"{key}: {file} is unreadable ({exc})") from None
+    if not data.get("model_type") and not data.get("auto_map"):
+        raise UserError(f"{key}: {file} has no model_type; it is not a Hugging Face model config")
+    try:
+        with no_custom_code(key, str(path)):
+            return AutoConfig.from_pretrained(str(file), trust_remote_code=False)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        first = str(exc).strip().split("\n")[0] or type(exc).__name__  # (transformers goes on with advice)
+        raise UserError(f"{key}: {file}: {first}") from None
 
 
 def _lora_params(cfg: TrainConfig, model: Any) -> int:

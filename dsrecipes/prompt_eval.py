@@ -17,13 +17,17 @@ before the last assistant turn, the reference is that turn), so the score measur
 character similarity to it (difflib ratio, 0..1), and the mean per-token loss of the reference as the reply (the
 trained span: reply text plus end-of-turn token; lower is better). The last two move long before a small model gets
 whole answers right.
+
+`--json FILE` also writes the scores (and answers) there, marked as ours by RESULT_KEY. The path is checked before any
+model is loaded (`check_json_out`): a new file in an existing or creatable directory, or a result an earlier
+prompt-eval wrote; never a user's file and never inside an export or a run's checkpoints (their files are signed).
 """
 
 from __future__ import annotations
 
 import difflib
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -32,10 +36,14 @@ from dsrecipes.data.sources.badrows import BadRowReport
 from dsrecipes.data.sources.messages import chat_messages, tool_call_text
 from dsrecipes.data.sources.sharegpt import Conversation, Role, iter_conversations
 from dsrecipes.errors import UserError
+from dsrecipes.fileio import atomic_write_json
 from dsrecipes.paths import SAMPLE_DATA_DIR
+from dsrecipes.preflight import _writable_dir
+from dsrecipes.rundir import CHECKPOINTS_DIR, MARKER_FILE
 from dsrecipes.schema import BadRows
 
 DEFAULT_PROMPTS = SAMPLE_DATA_DIR / "prompts.jsonl"  # an example of the --prompts format
+RESULT_KEY = "dsrecipes_prompt_eval"  # in every --json file we write: only such a file is ever replaced
 
 
 @dataclass
@@ -65,7 +73,7 @@ def prompt_rows(finetuned: Any, prompts: Optional[str], limit: int) -> List[Prom
         rows = validation_rows(finetuned.run_dir)
     else:
         raise UserError(f"{finetuned.path}: no run to take validation conversations from; pass --prompts FILE")
-    return rows[: max(1, limit)]
+    return rows[:limit]
 
 
 def compare(finetuned: Any, baseline: Optional[Any], rows: List[PromptRow], max_new_tokens: int) -> Dict[str, Score]:
@@ -82,24 +90,30 @@ def compare(finetuned: Any, baseline: Optional[Any], rows: List[PromptRow], max_
 
 def read_prompts(path: Path) -> List[PromptRow]:
     if not path.is_file():
-        raise UserError(f"--prompts: {path} does not exist")
+        what = "is a directory" if path.is_dir() else "is not a file" if path.exists() else "does not exist"
+        raise UserError(f"--prompts: {path} {what}; give a JSONL file of prompts")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"--prompts: {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise UserError(f"--prompts: cannot read {path} ({exc.strerror or exc})") from None
     rows = []
-    with open(path, encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}:{line_no}: not JSON ({exc.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise UserError(f"{path}:{line_no}: each line needs a string 'prompt'")
-            for key in ("reference", "system"):
-                if row.get(key) is not None and not isinstance(row[key], str):
-                    raise UserError(f"{path}:{line_no}: '{key}' must be a string")
-            messages = [{"role": "system", "content": row["system"]}] if row.get("system") else []
-            messages.append({"role": "user", "content": row["prompt"]})
-            rows.append(PromptRow(messages, None, row.get("reference"), row["prompt"]))
+    for line_no, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}:{line_no}: not JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise UserError(f"{path}:{line_no}: each line needs a string 'prompt'")
+        for key in ("reference", "system"):
+            if row.get(key) is not None and not isinstance(row[key], str):
+                raise UserError(f"{path}:{line_no}: '{key}' must be a string")
+        messages = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+        messages.append({"role": "user", "content": row["prompt"]})
+        rows.append(PromptRow(messages, None, row.get("reference"), row["prompt"]))
     if not rows:
         raise UserError(f"{path}: no prompts")
     return rows
@@ -175,3 +189,62 @@ def print_side_by_side(rows: List[PromptRow], scores: Dict[str, Score]) -> None:
         print(f"{name:<10} exact {score.exact}/{score.total}  contains {score.contains}/{score.total}  "
               f"similarity {score.similarity:.3f}  reference loss {score.reference_loss:.3f}  "
               f"stopped at end of turn {score.stopped}/{len(score.answers)}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --json
+
+
+def check_json_out(out: str) -> Path:
+    """Where `--json` may write, checked before any model is loaded (and again just before writing): a new file in
+    an existing or creatable writable directory, or a result an earlier prompt-eval wrote (RESULT_KEY). A directory,
+    a user's file, a symbolic link, a path inside an export or a run's checkpoints: UserError, nothing written."""
+    path = Path(out).expanduser()
+    if path.is_dir():
+        raise UserError(f"--json: {path} is a directory; give a file to write the scores to")
+    for problem in _writable_dir("--json", path.parent):
+        raise UserError(problem)
+    inside = _signed_dir_around(path.resolve())
+    if inside is not None:
+        raise UserError(f"--json: {path} lies inside {inside}, an export or a run's checkpoints, whose files are "
+                        "signed; write the scores elsewhere. Nothing was written")
+    if (path.exists() or path.is_symlink()) and not _our_result(path):
+        raise UserError(f"--json: {path} exists and is not a prompt-eval result (no {RESULT_KEY!r}); dsrecipes "
+                        "replaces only its own results. Choose another file; nothing was written")
+    return path
+
+
+def write_scores(out: str, scores: Dict[str, Score]) -> Path:
+    """The scores, answers included, at `out` (atomically; checked again first): one UserError when it cannot be
+    written (disk full, permissions), and then nothing is left there."""
+    path = check_json_out(out)
+    try:
+        return atomic_write_json(path, {RESULT_KEY: 1, **{k: asdict(v) for k, v in scores.items()}}, indent=1)
+    except OSError as exc:
+        raise UserError(f"--json: cannot write {path} ({exc.strerror or exc}); nothing was written") from None
+
+
+def _our_result(path: Path) -> bool:
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError):  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        return False
+    return isinstance(data, dict) and data.get(RESULT_KEY) == 1
+
+
+def _signed_dir_around(where: Path) -> Optional[Path]:
+    """The export (its marker) or the run's export or checkpoints directory that `where` lies in, if any."""
+    from dsrecipes.export import (  # lazy: else `commands.prompt_eval` imports torch 3.80 s
+        EXPORT_DIR,
+        EXPORT_INFO,
+        EXPORT_INIT_DIR,
+    )
+
+    signed_names = (EXPORT_DIR, EXPORT_INIT_DIR, CHECKPOINTS_DIR)
+    for parent in where.parents:
+        of_run = parent.name in signed_names and (parent.parent / MARKER_FILE).exists()
+        if of_run or (parent / EXPORT_INFO).exists():
+            return parent
+    return None

@@ -1,28 +1,64 @@
 """Argument parsing shared by the subcommands: `dsrecipes SUB [key=value ...] [--flags]`.
 
-A usage mistake is a UserError (exit 2, one message), never argparse's own exit.
+A usage mistake is a UserError (exit 2, one message), never argparse's own exit. A flag value that makes no sense
+(`--world-size 0`, `--max-new-tokens -3`, a path that is not there) is refused here, by the flag's type, never
+replaced by a default: `positive_int`, `non_negative_int`, `positive_float`, `existing_path`, `existing_dir`.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import re
-from typing import NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from dsrecipes.errors import UserError
 from dsrecipes.suggest import closest, phrase
 
+TRAIN_PROG = "dsrecipes train"  # Hydra's parser (the training command's) names itself after sys.argv[0]
+
+
+def command_parser(prog: str, description: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A parser for `dsrecipes SUB ...`, named so in its usage and errors (never `__main__.py` under `python -m`)."""
+    return argparse.ArgumentParser(prog=f"dsrecipes {prog}", description=description, **kwargs)
+
 
 def override_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """A parser for `dsrecipes SUB [key=value ...] [--flags]`: positional Hydra overrides plus the command's flags."""
-    parser = argparse.ArgumentParser(prog=f"dsrecipes {prog}", description=description)
+    parser = command_parser(prog, description)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. data=iterable zero=stage2")
     return parser
+
+
+def _checked(convert: Callable[[str], Any], ok: Callable[[Any], bool], what: str) -> Callable[[str], Any]:
+    """An argparse type: `convert(text)` when that works and `ok` holds, else argparse's error (exit 2 through
+    `parse`, naming the flag): `argument --world-size: must be a positive integer, got '0'`."""
+
+    def check(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+
+    return check
+
+
+positive_int = _checked(int, lambda v: v > 0, "a positive integer")
+non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
+positive_float = _checked(float, lambda v: math.isfinite(v) and v > 0, "a positive number")
+existing_path = _checked(lambda p: p if os.path.exists(os.path.expanduser(p)) else None, bool, "an existing path")
+existing_dir = _checked(lambda p: p if os.path.isdir(os.path.expanduser(p)) else None, bool, "an existing directory")
 
 
 def parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
     """argparse, but a usage mistake is a UserError (exit 2, one message naming the closest flags) instead of
     argparse's own usage dump and exit."""
+    if not parser.prog.startswith("dsrecipes "):  # Hydra's parser: `__main__.py` under `python -m dsrecipes`
+        parser.prog = TRAIN_PROG
     parser.error = lambda message: usage_error(parser, message)  # type: ignore[method-assign]
     return parser.parse_intermixed_args(list(argv))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import List
 
-from dsrecipes.commands.args import override_parser, parse
+from dsrecipes.commands.args import existing_dir, non_negative_int, override_parser, parse, positive_int
 from dsrecipes.config.load import compose_and_load
 from dsrecipes.data.ledger import verify_ledgers
 from dsrecipes.topology import resolve_topology
@@ -14,11 +14,15 @@ def main(argv: List[str]) -> int:
     from dsrecipes.data.strategies import audit_config  # lazy: else `commands.audit` imports numpy 0.11 s
 
     parser = override_parser("audit", "prove exactly-once / equal-steps data plans for a world size")
-    parser.add_argument("--world-size", type=int, default=None, help="data-parallel ranks (default: the launcher's)")
-    parser.add_argument("--num-workers", type=int, default=None, help="DataLoader workers per rank (default: data.num_workers)")
-    parser.add_argument("--epochs", type=int, default=2, help="epochs to check (default 2)")
-    parser.add_argument("--num-rows", type=int, default=None, help="map: audit this many rows instead of preparing")
-    parser.add_argument("--ledger", default=None, metavar="RUN_DIR", help="check a finished run's ledger instead")
+    parser.add_argument("--world-size", type=positive_int, default=None,
+                        help="data-parallel ranks (default: the launcher's)")
+    parser.add_argument("--num-workers", type=non_negative_int, default=None,
+                        help="DataLoader workers per rank (default: data.num_workers)")
+    parser.add_argument("--epochs", type=positive_int, default=2, help="epochs to check (default 2)")
+    parser.add_argument("--num-rows", type=positive_int, default=None,
+                        help="map: audit this many rows instead of preparing")
+    parser.add_argument("--ledger", type=existing_dir, default=None, metavar="RUN_DIR",
+                        help="check a finished run's ledger instead")
     parser.add_argument("--verbose", action="store_true", help="print every rank")
     args = parse(parser, argv)
     overrides = list(args.overrides)
@@ -29,7 +33,7 @@ def main(argv: List[str]) -> int:
         print(ledger.summary())
         return 0 if ledger.ok else 1
     cfg = compose_and_load(overrides)
-    world = args.world_size or resolve_topology(cfg.launcher).world_size
+    world = args.world_size if args.world_size is not None else resolve_topology(cfg.launcher).world_size
     report = audit_config(cfg, world, args.epochs, args.num_rows)
     print(report.render(args.verbose))
     return 0 if report.ok else 1

@@ -9,11 +9,10 @@ by --max-new-tokens.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Any, Dict, List
 
-from dsrecipes.commands.args import parse
+from dsrecipes.commands.args import command_parser, existing_path, parse, positive_int
 from dsrecipes.trust import FLAG, TRUST_HELP, trust
 
 
@@ -23,12 +22,12 @@ def main(argv: List[str]) -> int:
         resolve_model_path,
     )
 
-    parser = argparse.ArgumentParser(prog="dsrecipes chat", description=__doc__.split("\n")[0])
+    parser = command_parser("chat", __doc__.split("\n")[0])
     parser.add_argument("model", help="run dir, export, merged or adapter-only LoRA export, or a model dir")
     parser.add_argument("--message", default=None, help="one user message: answer it and exit")
     parser.add_argument("--system", default=None, help="system prompt (default: the template's, if any)")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument(FLAG, action="append", default=[], metavar="PATH", help=TRUST_HELP)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256, help="reply length cap (default 256)")
+    parser.add_argument(FLAG, action="append", default=[], type=existing_path, metavar="PATH", help=TRUST_HELP)
     args = parse(parser, argv)
     trust(args.trust_checkpoint)
     model = ChatModel(resolve_model_path(args.model, retry=f"dsrecipes chat {args.model}"))

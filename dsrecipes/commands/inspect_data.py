@@ -1,15 +1,29 @@
-"""`dsrecipes inspect-data [overrides] --rows K`: prepared rows with trained tokens highlighted, plus statistics."""
+"""`dsrecipes inspect-data [overrides] --rows K`: prepared rows with trained tokens highlighted, plus statistics.
+
+The statistics (prepare_stats.json, quarantine.jsonl) go to a new temporary directory, or to `--run-dir DIR`: a new
+or empty directory (made ours by INSPECT_MARKER) or one an earlier inspect-data made. Anything else (a file, a
+user's directory, a training run's directory, whose files the run reads) is refused before any work, nothing touched.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
-from typing import List
+import time
+from pathlib import Path
+from typing import List, Tuple
 
-from dsrecipes.commands.args import override_parser, parse
+from dsrecipes.commands.args import non_negative_int, override_parser, parse
 from dsrecipes.config.load import compose_and_load
 from dsrecipes.data.inspect import format_stats, render_row
+from dsrecipes.errors import UserError
+from dsrecipes.fileio import atomic_write_json
+from dsrecipes.rundir import CONFIG_FILE, MARKER_FILE, _check_writable, _make_dir
+
+INSPECT_MARKER = "dsrecipes_inspect.json"  # a directory inspect-data made: it may write there again
+KEY = "--run-dir"
 
 
 def main(argv: List[str]) -> int:
@@ -17,19 +31,23 @@ def main(argv: List[str]) -> int:
     from dsrecipes.model import load_tokenizer  # lazy: else `commands.inspect_data` imports torch 3.80 s
 
     parser = override_parser("inspect-data", "render prepared samples with trained tokens highlighted, plus statistics")
-    parser.add_argument("--rows", type=int, default=3, help="rows to render (default 3)")
+    parser.add_argument("--rows", type=non_negative_int, default=3, help="rows to render (default 3)")
     parser.add_argument("--split", choices=["train", "val"], default="train")
     parser.add_argument("--color", choices=["auto", "always", "never"], default="auto")
-    parser.add_argument("--run-dir", default=None, help="where prepare_stats.json/quarantine.jsonl go (default: temp dir)")
+    parser.add_argument("--run-dir", default=None, help="where prepare_stats.json/quarantine.jsonl go: a new or empty "
+                                                        "directory, or one inspect-data wrote (default: temp dir)")
     args = parse(parser, argv)
-    cfg = compose_and_load(args.overrides)
-    tokenizer = load_tokenizer(cfg)
-    run_dir = args.run_dir or tempfile.mkdtemp(prefix="dsrecipes-inspect-")
+    if args.run_dir:
+        run_dir, created = claim_inspect_dir(Path(args.run_dir))
+    else:
+        run_dir = Path(tempfile.mkdtemp(prefix="dsrecipes-inspect-"))
+        created = [run_dir]
     try:
+        cfg = compose_and_load(args.overrides)
+        tokenizer = load_tokenizer(cfg)
         prepared = prepare(cfg, tokenizer, run_dir)
     except BaseException:
-        if not args.run_dir:
-            _remove_if_empty(run_dir)  # ours, and nothing in it to read: no empty directory left behind
+        _take_back(created)  # nothing in it to read: no empty directory left behind
         raise
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     split = prepared.train if args.split == "train" else prepared.val
@@ -43,8 +61,59 @@ def main(argv: List[str]) -> int:
     return 0
 
 
-def _remove_if_empty(path: str) -> None:
+def claim_inspect_dir(run_dir: Path) -> Tuple[Path, List[Path]]:
+    """`--run-dir` made ours: created (or taken empty) and marked, or one an earlier inspect-data marked. Returns it
+    and what this call created (the marker, the directory: deepest first). Anything else is a UserError naming
+    --run-dir, with nothing changed."""
+    run_dir = run_dir.expanduser()
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"{KEY}: {run_dir} is a file, not a directory; give a new or empty directory for statistics")
     try:
-        os.rmdir(path)  # fails (and keeps it) when prepare wrote anything there, e.g. a quarantine file
-    except OSError:
-        pass
+        entries = sorted(os.listdir(run_dir)) if run_dir.is_dir() else []
+    except OSError as exc:
+        raise UserError(f"{KEY}: cannot read {run_dir} ({exc.strerror or exc})") from None
+    run = next((name for name in (MARKER_FILE, CONFIG_FILE) if name in entries), None)
+    if run is not None:
+        raise UserError(f"{KEY}: {run_dir} is a training run's directory ({run}), whose files the run reads; "
+                        "inspect-data never writes there. Choose another directory; nothing was changed")
+    if INSPECT_MARKER in entries:
+        _check_marker(run_dir)
+        _check_writable(run_dir, KEY)
+        return run_dir, []
+    if entries:
+        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        raise UserError(f"{KEY}: {run_dir} is not empty ({shown}) and is not a directory inspect-data wrote (no "
+                        f"{INSPECT_MARKER}); it writes only into a new or empty directory or one of its own. Choose "
+                        "another directory; nothing was changed")
+    made = [p for p in [run_dir, *run_dir.parents] if not os.path.lexists(p)]  # deepest first
+    if made:
+        _make_dir(run_dir, KEY)
+    else:
+        _check_writable(run_dir, KEY)
+    marker = atomic_write_json(run_dir / INSPECT_MARKER, {"dsrecipes_inspect": 1,
+                                                          "created": time.strftime("%Y-%m-%d %H:%M:%S")})
+    return run_dir, [marker, *made]
+
+
+def _check_marker(run_dir: Path) -> None:
+    try:
+        marker = json.loads((run_dir / INSPECT_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{KEY}: {run_dir / INSPECT_MARKER} is unreadable ({exc}); choose another directory; nothing "
+                        "was changed") from None
+    if not isinstance(marker, dict) or marker.get("dsrecipes_inspect") != 1:
+        raise UserError(f"{KEY}: {run_dir / INSPECT_MARKER} is not inspect-data's marker; choose another directory; "
+                        "nothing was changed")
+
+
+def _take_back(created: List[Path]) -> None:
+    """After a failure, remove what this inspect-data created (its marker, its directory) while nothing else was
+    written beside it: a quarantine file stays, to be read, in a directory still marked ours."""
+    for path in created:
+        try:
+            if path.is_dir():
+                path.rmdir()  # fails (and keeps it) when anything is left in it
+            elif os.listdir(path.parent) == [path.name]:
+                path.unlink()
+        except OSError:
+            pass

@@ -3,31 +3,31 @@
 
 from __future__ import annotations
 
-import argparse
-from dataclasses import asdict
 from typing import List
 
 from dsrecipes import prompt_eval as pe
-from dsrecipes.commands.args import parse
-from dsrecipes.fileio import atomic_write_json
+from dsrecipes.commands.args import command_parser, existing_path, parse, positive_int
 from dsrecipes.trust import FLAG, TRUST_HELP, trust
 
 
 def main(argv: List[str]) -> int:
     from dsrecipes.inference import resolve_model_path  # lazy: else `commands.prompt_eval` imports torch 3.80 s
 
-    parser = argparse.ArgumentParser(prog="dsrecipes prompt-eval", description=pe.__doc__.split("\n")[0],
-                                     epilog="--prompts format: one JSON object per line with 'prompt' and optional "
-                                            "'reference' and 'system' (example: dsrecipes/assets/sample_data/"
-                                            "prompts.jsonl); default: the run's validation conversations")
+    parser = command_parser("prompt-eval", pe.__doc__.split("\n")[0],
+                            epilog="--prompts format: one JSON object per line with 'prompt' and optional "
+                                   "'reference' and 'system' (example: dsrecipes/assets/sample_data/prompts.jsonl); "
+                                   "default: the run's validation conversations")
     parser.add_argument("--finetuned", required=True, help="run dir, export, merged or adapter-only LoRA export")
     parser.add_argument("--baseline", default=None, help="run dir (its starting model) or any model dir")
     parser.add_argument("--prompts", default=None, help="JSONL: prompt, optional reference and system")
-    parser.add_argument("--limit", type=int, default=32, help="at most this many prompts (default 32)")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--json", default=None, help="also write the answers and scores to this JSON file")
-    parser.add_argument(FLAG, action="append", default=[], metavar="PATH", help=TRUST_HELP)
+    parser.add_argument("--limit", type=positive_int, default=32, help="at most this many prompts (default 32)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=48, help="answer length cap (default 48)")
+    parser.add_argument("--json", default=None, help="also write the answers and scores to this JSON file (a new "
+                                                     "file, or one an earlier prompt-eval wrote)")
+    parser.add_argument(FLAG, action="append", default=[], type=existing_path, metavar="PATH", help=TRUST_HELP)
     args = parse(parser, argv)
+    if args.json:
+        pe.check_json_out(args.json)  # before any model is loaded: a bad path never costs a whole evaluation
     trust(args.trust_checkpoint)
     retry = f"dsrecipes prompt-eval --finetuned {args.finetuned}" + (f" --baseline {args.baseline}" if args.baseline
                                                                     else "")
@@ -37,5 +37,5 @@ def main(argv: List[str]) -> int:
     scores = pe.compare(finetuned, baseline, rows, args.max_new_tokens)
     pe.print_side_by_side(rows, scores)
     if args.json:
-        atomic_write_json(args.json, {k: asdict(v) for k, v in scores.items()}, indent=1)
+        pe.write_scores(args.json, scores)
     return 0

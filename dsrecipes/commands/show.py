@@ -7,7 +7,7 @@ from typing import List
 
 import yaml
 
-from dsrecipes.commands.args import override_parser, parse
+from dsrecipes.commands.args import override_parser, parse, positive_int
 from dsrecipes.config.load import compose_and_load
 from dsrecipes.ds_config import build_ds_config
 from dsrecipes.topology import resolve_topology
@@ -16,11 +16,12 @@ from dsrecipes.typed import config_to_dict
 
 def main(argv: List[str]) -> int:
     parser = override_parser("show", "Print the resolved config and the DeepSpeed JSON for a world size.")
-    parser.add_argument("--world-size", type=int, default=None, help="data-parallel ranks (default: the launcher's)")
+    parser.add_argument("--world-size", type=positive_int, default=None,
+                        help="data-parallel ranks (default: the launcher's)")
     parser.add_argument("--json-only", action="store_true", help="print only the DeepSpeed JSON")
     args = parse(parser, argv)
     cfg = compose_and_load(args.overrides, check_files=False)
-    world = args.world_size or resolve_topology(cfg.launcher).world_size
+    world = args.world_size if args.world_size is not None else resolve_topology(cfg.launcher).world_size
     if not args.json_only:
         print("# resolved config")
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True))
