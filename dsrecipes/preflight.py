@@ -34,8 +34,8 @@ def check_environment(cfg: TrainConfig) -> List[str]:
 
     problems: List[str] = []
     if cfg.trainer.output_dir:
-        problems += _writable_dir("trainer.output_dir", Path(cfg.trainer.output_dir).expanduser())
-    problems += _writable_dir("data.cache_dir", cache_root(cfg))
+        problems += writable_dir("trainer.output_dir", Path(cfg.trainer.output_dir).expanduser())
+    problems += writable_dir("data.cache_dir", cache_root(cfg))
 
     model: List[str] = []
     path, tokenizer_path = ((p if not is_hub_id(p) else None) for p in (cfg.model.path, cfg.model.tokenizer_path))
@@ -76,7 +76,7 @@ def check_template_tokens(cfg: TrainConfig) -> List[str]:
     return check_template(choose_template(cfg.template, tokenizer, cfg.model.path), tokenizer)
 
 
-def _writable_dir(key: str, path: Path) -> List[str]:
+def writable_dir(key: str, path: Path) -> List[str]:
     """`path` is (or can be made) a directory we may write into. Creates nothing."""
     existing: Optional[Path] = next((p for p in [path, *path.parents] if p.exists()), None)
     if existing is None:

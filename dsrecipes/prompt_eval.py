@@ -38,7 +38,7 @@ from dsrecipes.data.sources.sharegpt import Conversation, Role, iter_conversatio
 from dsrecipes.errors import UserError
 from dsrecipes.fileio import atomic_write_json
 from dsrecipes.paths import SAMPLE_DATA_DIR
-from dsrecipes.preflight import _writable_dir
+from dsrecipes.preflight import writable_dir
 from dsrecipes.rundir import CHECKPOINTS_DIR, MARKER_FILE
 from dsrecipes.schema import BadRows
 
@@ -202,7 +202,7 @@ def check_json_out(out: str) -> Path:
     path = Path(out).expanduser()
     if path.is_dir():
         raise UserError(f"--json: {path} is a directory; give a file to write the scores to")
-    for problem in _writable_dir("--json", path.parent):
+    for problem in writable_dir("--json", path.parent):
         raise UserError(problem)
     inside = _signed_dir_around(path.resolve())
     if inside is not None:

@@ -127,25 +127,25 @@ def ensure_owned_dir(run_dir: Path, key: str, *, hydra_job_dir: bool = False) ->
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"{key}: {run_dir} is a file, not a directory; choose a directory for the run")
     if not run_dir.exists():
-        _make_dir(run_dir, key)
+        make_dir(run_dir, key)
         return False
     entries = {e for e in os.listdir(run_dir) if not e.startswith(CLAIMING_PREFIXES)}
     entries -= {HYDRA_SUBDIR} if hydra_job_dir else set()
     if MARKER_FILE in entries:
         read_marker(run_dir, key)
         _check_no_links(run_dir, key)
-        _check_writable(run_dir, key)
+        check_writable(run_dir, key)
         return True
     if entries:
         shown = ", ".join(sorted(entries)[:5]) + (", ..." if len(entries) > 5 else "")
         raise UserError(f"{key}: {run_dir} is not empty ({shown}) and is not a dsrecipes run directory (no "
                         f"{MARKER_FILE}); dsrecipes writes only into a new or empty directory or one of its own runs. "
                         "Choose another directory; nothing was changed")
-    _check_writable(run_dir, key)
+    check_writable(run_dir, key)
     return False
 
 
-def _make_dir(path: Path, key: str) -> None:
+def make_dir(path: Path, key: str) -> None:
     for parent in [path, *path.parents]:
         if parent.exists():
             if not parent.is_dir():
@@ -171,7 +171,7 @@ def _check_no_links(run_dir: Path, key: str) -> None:
                                 "nothing was changed")
 
 
-def _check_writable(path: Path, key: str) -> None:
+def check_writable(path: Path, key: str) -> None:
     probe = path / f".dsrecipes-write-test-{os.getpid()}"
     try:
         probe.write_bytes(b"")
@@ -209,9 +209,9 @@ def claim_sweep_dir(sweep_dir: Path, key: str = "hydra.sweep.dir") -> Path:
             raise UserError(f"{key}: {sweep_dir} is not empty ({shown}) and is not a dsrecipes sweep directory (no "
                             f"{SWEEP_MARKER}); a sweep writes only into a new or empty directory or one of its own. "
                             "Choose another directory; nothing was changed")
-        _check_writable(sweep_dir, key)
+        check_writable(sweep_dir, key)
     else:
-        _make_dir(sweep_dir, key)
+        make_dir(sweep_dir, key)
     atomic_write_json(sweep_dir / SWEEP_MARKER, {"dsrecipes_sweep": 1, "created": time.strftime("%Y-%m-%d %H:%M:%S")})
     return sweep_dir
 

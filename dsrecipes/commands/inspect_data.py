@@ -20,7 +20,7 @@ from dsrecipes.config.load import compose_and_load
 from dsrecipes.data.inspect import format_stats, render_row
 from dsrecipes.errors import UserError
 from dsrecipes.fileio import atomic_write_json
-from dsrecipes.rundir import CONFIG_FILE, MARKER_FILE, _check_writable, _make_dir
+from dsrecipes.rundir import CONFIG_FILE, MARKER_FILE, check_writable, make_dir
 
 INSPECT_MARKER = "dsrecipes_inspect.json"  # a directory inspect-data made: it may write there again
 KEY = "--run-dir"
@@ -78,7 +78,7 @@ def claim_inspect_dir(run_dir: Path) -> Tuple[Path, List[Path]]:
                         "inspect-data never writes there. Choose another directory; nothing was changed")
     if INSPECT_MARKER in entries:
         _check_marker(run_dir)
-        _check_writable(run_dir, KEY)
+        check_writable(run_dir, KEY)
         return run_dir, []
     if entries:
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
@@ -87,9 +87,9 @@ def claim_inspect_dir(run_dir: Path) -> Tuple[Path, List[Path]]:
                         "another directory; nothing was changed")
     made = [p for p in [run_dir, *run_dir.parents] if not os.path.lexists(p)]  # deepest first
     if made:
-        _make_dir(run_dir, KEY)
+        make_dir(run_dir, KEY)
     else:
-        _check_writable(run_dir, KEY)
+        check_writable(run_dir, KEY)
     marker = atomic_write_json(run_dir / INSPECT_MARKER, {"dsrecipes_inspect": 1,
                                                           "created": time.strftime("%Y-%m-%d %H:%M:%S")})
     return run_dir, [marker, *made]
