@@ -168,7 +168,7 @@ def test_flags_that_bring_other_configs_are_refused(project, capsys, flag):
 
 def test_validate_all_names_every_hostile_file(project):
     root, markers, precious = project
-    for name in ("chain", "target", "env_set", "clean"):  # the same checks as above; fewer compositions
+    for name in ("chain", "target", "env_set", "clean", "secret", "resolver", "overrides"):  # checked above: fewer
         (root / "recipes" / f"{name}.yaml").unlink()
     env = subprocess_env({"DSRECIPES_HOME": str(root)})
     env.pop("DSRECIPES_RECIPES")  # (its recipe would add another round of compositions)
