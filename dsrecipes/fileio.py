@@ -48,6 +48,13 @@ def atomic_writer(path: str | Path) -> Iterator[IO[bytes]]:
         raise
 
 
+def missing_dirs(path: str | Path) -> list[Path]:
+    """`path` and its ancestors that do not exist yet, deepest first: what making `path` creates (and what to take
+    back, while empty, after a failure)."""
+    path = Path(path)
+    return [p for p in [path, *path.parents] if not os.path.lexists(p)]
+
+
 def open_append_fd(path: str | Path) -> int:
     """A write-only descriptor appending to `path` (created 0644 if missing, parent included). A symbolic link at
     `path` is refused (O_NOFOLLOW: OSError ELOOP), so a link planted in a run directory cannot make a run append to a

@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import yaml
 
 from dsrecipes.errors import UserError
-from dsrecipes.fileio import atomic_write_json, atomic_write_text
+from dsrecipes.fileio import atomic_write_json, atomic_write_text, missing_dirs
 from dsrecipes.locks import ExclusiveLock, LockHeld, SharedLock, is_held, probe_free
 
 CONFIG_FILE = "config.yaml"
@@ -98,7 +98,7 @@ def claim(run_dir: Path, key: str, fingerprint: str, *, hydra_job_dir: bool = Fa
     the same new directory at once: one gets it, the other is told who holds it.
     """
     run_dir = Path(run_dir)
-    made = tuple(p for p in [run_dir, *run_dir.parents] if not os.path.lexists(p))
+    made = tuple(missing_dirs(run_dir))
     ensure_owned_dir(run_dir, key, hydra_job_dir=hydra_job_dir)
     lock = ExclusiveLock(run_dir / LOCK_FILE, {"run_dir": str(run_dir)})
     try:
@@ -193,27 +193,49 @@ def read_marker(run_dir: Path, key: str = "run directory") -> Dict[str, Any]:
 
 
 def claim_sweep_dir(sweep_dir: Path, key: str = "hydra.sweep.dir") -> Path:
-    """Make `sweep_dir` a dsrecipes sweep directory before Hydra writes anything into it: create it, or take it
-    empty, or take one an earlier dsrecipes sweep marked (SWEEP_MARKER). Its jobs' directories are
-    `<sweep_dir>/<job number>` (hydra.sweep.subdir is closed to overrides: config/safety.py), so nothing of a
-    foreign directory is written. Anything else: UserError naming `key`, nothing changed."""
-    sweep_dir = Path(sweep_dir)
-    if sweep_dir.exists() and not sweep_dir.is_dir():
-        raise UserError(f"{key}: {sweep_dir} is a file, not a directory; choose a directory for the sweep")
-    if sweep_dir.is_dir():
-        entries = sorted(e for e in os.listdir(sweep_dir))
-        if SWEEP_MARKER in entries:
-            return sweep_dir
-        if entries:
-            shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
-            raise UserError(f"{key}: {sweep_dir} is not empty ({shown}) and is not a dsrecipes sweep directory (no "
-                            f"{SWEEP_MARKER}); a sweep writes only into a new or empty directory or one of its own. "
-                            "Choose another directory; nothing was changed")
-        check_writable(sweep_dir, key)
+    """Make `sweep_dir` a dsrecipes sweep directory before Hydra writes anything into it (claim_marked_dir). Its
+    jobs' directories are `<sweep_dir>/<job number>` (hydra.sweep.subdir is closed to overrides: config/safety.py),
+    so nothing of a foreign directory is written."""
+    claim_marked_dir(Path(sweep_dir), key, SWEEP_MARKER, "a dsrecipes sweep directory")
+    return Path(sweep_dir)
+
+
+def claim_marked_dir(path: Path, key: str, marker: str, what: str,
+                     refused: Optional[Dict[str, str]] = None) -> List[Path]:
+    """A directory made ours before anything is written into it: created (or taken empty) and marked with `marker`
+    (JSON `{<marker's stem>: 1}`), or one that holds our `marker` already. A file, an unreadable directory, a
+    forged marker, a non-empty directory without the marker, or one holding a name of `refused` (name -> why) is a
+    UserError naming `key`, nothing changed. Returns what this call created: the marker, then the directories it
+    made, deepest first (for taking them back after a failure)."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{key}: {path} is a file, not a directory; choose a directory for {what}")
+    try:
+        entries = sorted(os.listdir(path)) if path.is_dir() else []
+    except OSError as exc:
+        raise UserError(f"{key}: cannot read {path} ({exc.strerror or exc})") from None
+    for name in (n for n in entries if n in (refused or {})):
+        raise UserError(f"{key}: {path} {refused[name]}; choose another directory; nothing was changed")
+    tag = Path(marker).stem
+    if marker in entries:
+        try:
+            ours = json.loads((path / marker).read_text(encoding="utf-8")).get(tag) == 1
+        except (OSError, ValueError, AttributeError):
+            ours = False
+        if not ours:
+            raise UserError(f"{key}: {path / marker} is not our marker; choose another directory; nothing was changed")
+        check_writable(path, key)
+        return []
+    if entries:
+        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        raise UserError(f"{key}: {path} is not empty ({shown}) and is not {what} (no {marker}); dsrecipes writes "
+                        "only into a new or empty directory or one of its own. Choose another directory; nothing was "
+                        "changed")
+    made = missing_dirs(path)
+    if made:
+        make_dir(path, key)
     else:
-        make_dir(sweep_dir, key)
-    atomic_write_json(sweep_dir / SWEEP_MARKER, {"dsrecipes_sweep": 1, "created": time.strftime("%Y-%m-%d %H:%M:%S")})
-    return sweep_dir
+        check_writable(path, key)
+    return [atomic_write_json(path / marker, {tag: 1, "created": time.strftime("%Y-%m-%d %H:%M:%S")}), *made]
 
 
 def unique_new_dir(base: Path) -> Path:

@@ -7,20 +7,16 @@ user's directory, a training run's directory, whose files the run reads) is refu
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import List, Tuple
 
 from dsrecipes.commands.args import non_negative_int, override_parser, parse
 from dsrecipes.config.load import compose_and_load
 from dsrecipes.data.inspect import format_stats, render_row
-from dsrecipes.errors import UserError
-from dsrecipes.fileio import atomic_write_json
-from dsrecipes.rundir import CONFIG_FILE, MARKER_FILE, check_writable, make_dir
+from dsrecipes.rundir import CONFIG_FILE, MARKER_FILE, claim_marked_dir
 
 INSPECT_MARKER = "dsrecipes_inspect.json"  # a directory inspect-data made: it may write there again
 KEY = "--run-dir"
@@ -62,48 +58,13 @@ def main(argv: List[str]) -> int:
 
 
 def claim_inspect_dir(run_dir: Path) -> Tuple[Path, List[Path]]:
-    """`--run-dir` made ours: created (or taken empty) and marked, or one an earlier inspect-data marked. Returns it
-    and what this call created (the marker, the directory: deepest first). Anything else is a UserError naming
-    --run-dir, with nothing changed."""
+    """`--run-dir` made ours (rundir.claim_marked_dir), never a training run's directory. Returns it and what this
+    call created (the marker, the directories: deepest first)."""
     run_dir = run_dir.expanduser()
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"{KEY}: {run_dir} is a file, not a directory; give a new or empty directory for statistics")
-    try:
-        entries = sorted(os.listdir(run_dir)) if run_dir.is_dir() else []
-    except OSError as exc:
-        raise UserError(f"{KEY}: cannot read {run_dir} ({exc.strerror or exc})") from None
-    run = next((name for name in (MARKER_FILE, CONFIG_FILE) if name in entries), None)
-    if run is not None:
-        raise UserError(f"{KEY}: {run_dir} is a training run's directory ({run}), whose files the run reads; "
-                        "inspect-data never writes there. Choose another directory; nothing was changed")
-    if INSPECT_MARKER in entries:
-        _check_marker(run_dir)
-        check_writable(run_dir, KEY)
-        return run_dir, []
-    if entries:
-        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
-        raise UserError(f"{KEY}: {run_dir} is not empty ({shown}) and is not a directory inspect-data wrote (no "
-                        f"{INSPECT_MARKER}); it writes only into a new or empty directory or one of its own. Choose "
-                        "another directory; nothing was changed")
-    made = [p for p in [run_dir, *run_dir.parents] if not os.path.lexists(p)]  # deepest first
-    if made:
-        make_dir(run_dir, KEY)
-    else:
-        check_writable(run_dir, KEY)
-    marker = atomic_write_json(run_dir / INSPECT_MARKER, {"dsrecipes_inspect": 1,
-                                                          "created": time.strftime("%Y-%m-%d %H:%M:%S")})
-    return run_dir, [marker, *made]
-
-
-def _check_marker(run_dir: Path) -> None:
-    try:
-        marker = json.loads((run_dir / INSPECT_MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{KEY}: {run_dir / INSPECT_MARKER} is unreadable ({exc}); choose another directory; nothing "
-                        "was changed") from None
-    if not isinstance(marker, dict) or marker.get("dsrecipes_inspect") != 1:
-        raise UserError(f"{KEY}: {run_dir / INSPECT_MARKER} is not inspect-data's marker; choose another directory; "
-                        "nothing was changed")
+    why = "is a training run's directory ({}), whose files the run reads; inspect-data never writes there"
+    made = claim_marked_dir(run_dir, KEY, INSPECT_MARKER, "a directory inspect-data wrote",
+                            refused={name: why.format(name) for name in (MARKER_FILE, CONFIG_FILE)})
+    return run_dir, made
 
 
 def _take_back(created: List[Path]) -> None:

@@ -56,7 +56,7 @@ from dsrecipes.data.sources.remote import identity as remote_identity
 from dsrecipes.data.sources.remote import check_url, is_url, looks_like_url
 from dsrecipes.data.sources.splits import split_val
 from dsrecipes.errors import DataError, UserError
-from dsrecipes.fileio import atomic_write_json
+from dsrecipes.fileio import atomic_write_json, missing_dirs
 from dsrecipes.schema import ShardBalance
 from dsrecipes.typed import config_to_dict
 
@@ -401,7 +401,7 @@ def claim_out(out: Path, force: bool) -> Optional[List[str]]:
 def new_dir_beside(path: Path, tag: str) -> Tuple[Path, List[Path]]:
     """A new, uniquely named hidden directory beside `path` (same file system, so it can be renamed onto it), and
     the parent directories that had to be made for it (deepest first)."""
-    made = [p for p in [path.parent, *path.parent.parents] if not os.path.lexists(p)]
+    made = missing_dirs(path.parent)
     new = path.parent / f".{path.name}.{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         new.mkdir(parents=True)
