@@ -409,13 +409,69 @@ _TEST_SIZES = {
 _METHOD_SIZES = {"replace": _replace_size, "expandtabs": _expandtabs_size, "translate": _translate_size}
 
 
-@lru_cache(maxsize=1)
-def _environment() -> Any:
-    """The sandbox every template compiles in, made once."""
-    import jinja2
-    import jinja2.ext
+class _Budgeted:
+    """The size checks of the sandbox's environment (`_bounded_class`), before Jinja's own behaviour (super())."""
+
+    def _generate(self, *args: Any, **kwargs: Any) -> str:
+        """Compiling, with `_allowance.folding` for the constants Jinja folds."""
+        _allowance.folding = MAX_OUTPUT
+        try:
+            return super()._generate(*args, **kwargs)
+        finally:
+            _allowance.folding = None
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator in ("*", "**"):
+            _refuse_big_ints(left, right)
+        if operator == "**" and isinstance(right, int) and abs(right) > 64:
+            raise _OverBudget(f"an exponent of {right}")
+        size = _binop_size(operator, left, right)
+        if size > MAX_OUTPUT:
+            _within(size, f"`{operator}`")
+        result = super().call_binop(context, operator, left, right)
+        _charge(_weight(result))
+        return result
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        """What a call receives it may keep (a macro's `varargs`, a cycler's items), so its arguments together
+        are within the budget; str's and bytes' methods that outgrow their text are sized first."""
+        _refuse_big_ints(*args, *kwargs.values())
+        given = {k: v for k, v in kwargs.items() if k not in ("_loop_vars", "_block_vars")}  # not Jinja's own
+        _within(sum(map(_text_size, args)) + sum(map(_text_size, given.values())), "a call's arguments")
+        owner = getattr(__obj, "__self__", None)
+        if isinstance(owner, (str, bytes)):
+            name = getattr(__obj, "__name__", None)
+            if name == "join" and len(args) == 1:
+                args = (_counted(args[0], len(owner), "str.join"),)
+            elif name in _METHOD_SIZES:
+                _within(_METHOD_SIZES[name](owner, *args, **given), f"str.{name}")
+        return _sized(super().call(__context, __obj, *args, **kwargs))
+
+    def concat(self, pieces: Any) -> str:
+        """A block's, a macro's, a `{% set %}` block's output, joined once it is within the budget."""
+        pieces = pieces if isinstance(pieces, list) else list(pieces)
+        size = sum(map(len, pieces))
+        _within(size, "a block")
+        _charge(size)
+        return "".join(pieces)
+
+    @staticmethod
+    def sized(value: Any) -> Any:
+        """A container the template writes out (`Generator`)."""
+        return _sized(value)
+
+    @staticmethod
+    def joins(operands: tuple) -> tuple:
+        """The operands of `a ~ b ~ ...`, once their text together is within the budget (`Generator`)."""
+        size = sum(map(_text_size, operands))
+        _within(size, "`~`")
+        _charge(size)
+        return operands
+
+
+def _generator_class() -> type:
+    """Jinja's code generator with the size checks (used by `_bounded_class`)."""
     from jinja2.compiler import CodeGenerator, optimizeconst
-    from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEscapeFormatter, SandboxedFormatter
 
     class Generator(CodeGenerator):
         """Jinja's code generator, with the containers a template writes (`[a, b]`, `(a, b)`, `{k: v}`) `_sized`
@@ -452,50 +508,24 @@ def _environment() -> Any:
                 self.write(", ")
             self.write(")))")
 
+    return Generator
+
+
+def _bounded_class() -> type:
+    """Jinja's immutable sandbox with every size-building operation checked first (module docstring)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEscapeFormatter, SandboxedFormatter
+
+    Generator = _generator_class()
+
     class Formatter(_SizedFields, SandboxedFormatter):
         pass
 
     class EscapeFormatter(_SizedFields, SandboxedEscapeFormatter):
         pass
 
-    class Bounded(ImmutableSandboxedEnvironment):
+    class Bounded(_Budgeted, ImmutableSandboxedEnvironment):
         code_generator_class = Generator
         intercepted_binops = frozenset({"*", "**", "+", "%"})
-
-        def _generate(self, *args: Any, **kwargs: Any) -> str:
-            """Compiling, with `_allowance.folding` for the constants Jinja folds."""
-            _allowance.folding = MAX_OUTPUT
-            try:
-                return super()._generate(*args, **kwargs)
-            finally:
-                _allowance.folding = None
-
-        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-            if operator in ("*", "**"):
-                _refuse_big_ints(left, right)
-            if operator == "**" and isinstance(right, int) and abs(right) > 64:
-                raise _OverBudget(f"an exponent of {right}")
-            size = _binop_size(operator, left, right)
-            if size > MAX_OUTPUT:
-                _within(size, f"`{operator}`")
-            result = super().call_binop(context, operator, left, right)
-            _charge(_weight(result))
-            return result
-
-        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
-            """What a call receives it may keep (a macro's `varargs`, a cycler's items), so its arguments together
-            are within the budget; str's and bytes' methods that outgrow their text are sized first."""
-            _refuse_big_ints(*args, *kwargs.values())
-            given = {k: v for k, v in kwargs.items() if k not in ("_loop_vars", "_block_vars")}  # not Jinja's own
-            _within(sum(map(_text_size, args)) + sum(map(_text_size, given.values())), "a call's arguments")
-            owner = getattr(__obj, "__self__", None)
-            if isinstance(owner, (str, bytes)):
-                name = getattr(__obj, "__name__", None)
-                if name == "join" and len(args) == 1:
-                    args = (_counted(args[0], len(owner), "str.join"),)
-                elif name in _METHOD_SIZES:
-                    _within(_METHOD_SIZES[name](owner, *args, **given), f"str.{name}")
-            return _sized(super().call(__context, __obj, *args, **kwargs))
 
         def wrap_str_format(self, value: Any) -> Any:
             """Jinja's str.format / format_map wrapper, with a formatter that sizes each field first."""
@@ -511,26 +541,16 @@ def _environment() -> Any:
                     return type(text)(formatter.vformat(text, args, kwargs))
             return update_wrapper(formatted, value)
 
-        def concat(self, pieces: Any) -> str:
-            """A block's, a macro's, a `{% set %}` block's output, joined once it is within the budget."""
-            pieces = pieces if isinstance(pieces, list) else list(pieces)
-            size = sum(map(len, pieces))
-            _within(size, "a block")
-            _charge(size)
-            return "".join(pieces)
+    return Bounded
 
-        @staticmethod
-        def sized(value: Any) -> Any:
-            """A container the template writes out (`Generator`)."""
-            return _sized(value)
 
-        @staticmethod
-        def joins(operands: tuple) -> tuple:
-            """The operands of `a ~ b ~ ...`, once their text together is within the budget (`Generator`)."""
-            size = sum(map(_text_size, operands))
-            _within(size, "`~`")
-            _charge(size)
-            return operands
+@lru_cache(maxsize=1)
+def _environment() -> Any:
+    """The sandbox every template compiles in, made once."""
+    import jinja2
+    import jinja2.ext
+
+    Bounded = _bounded_class()
 
     class Generation(jinja2.ext.Extension):
         tags = {"generation"}

@@ -306,8 +306,9 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
         raise UserError(f"--parts must be >= 1, got {parts}")
     if val_size < 0 or (val_size >= 1 and val_size != int(val_size)):
         raise UserError(f"--val-size: a fraction in [0, 1) or a whole number of samples, got {val_size:g}")
-    if looks_like_url(out_dir) and check_url(out_dir):  # (credentials in it are refused, never echoed)
-        raise UserError(f"--out: {check_url(out_dir)}")
+    url_problem = check_url(out_dir) if looks_like_url(out_dir) else None  # credentials refused, never echoed
+    if url_problem:
+        raise UserError(f"--out: {url_problem}")
     if is_url(out_dir):
         return store_upload.shard_to_store(cfg, parts, out_dir, balance, force, shard, shard_files, val_size)
     out = Path(os.path.realpath(out_dir))  # a link to a directory: the shard replaces the directory, not the link
@@ -335,17 +336,8 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
         report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, staging / QUARANTINE)
         lines = (line for line, _ in checked_rows(cfg, report, encoder, sources))
         lines = lines if assignment is not None else filling(lines, parts)  # the part count checked before writing
-        manifest = write_parts(lines, assignment, parts, staging, tokens)
-        manifest.balance = balance.value
-        manifest.row_format = row_format(cfg)
-        manifest.bad_rows = dict(report.counts)
-        manifest.bad_rows_by_file = report.files()
-        manifest.checked_with = check_identity(cfg, tokenizer)
-        for src in sources:
-            files, _ = expand_paths(src.paths)
-            manifest.sources += [{"path": f, "identity": remote_identity(f), "source": src.name} if is_url(f) else
-                                 {"path": os.path.abspath(f), "sha256": file_sha256(f), "source": src.name}
-                                 for f in files]
+        written = write_parts(lines, assignment, parts, staging, tokens)
+        manifest = describe_parts(written, cfg, balance, report, check_identity(cfg, tokenizer), sources)
         atomic_write_json(staging / MANIFEST, manifest.to_json())
         sync_dir(staging, files=True)
         publish(staging, out, previous is not None)
@@ -396,6 +388,23 @@ def claim_out(out: Path, force: bool) -> Optional[List[str]]:
         raise UserError(f"--out: {out} is {what}; shard replaces its --out directory as a whole (by renaming), which "
                         "cannot be done to it. Choose a directory inside it; nothing was changed")
     return listed
+
+
+def describe_parts(manifest: Manifest, cfg: Any, balance: ShardBalance, report: BadRowReport,
+                   checked_with: Any, sources: List[Any]) -> Manifest:
+    """`manifest` (the parts written) with how they were made: balance, row format, bad rows, the check's identity
+    and every input file's identity (an object's ETag, a local file's sha256)."""
+    manifest.balance = balance.value
+    manifest.row_format = row_format(cfg)
+    manifest.bad_rows = dict(report.counts)
+    manifest.bad_rows_by_file = report.files()
+    manifest.checked_with = checked_with
+    for src in sources:
+        files, _ = expand_paths(src.paths)
+        manifest.sources += [{"path": f, "identity": remote_identity(f), "source": src.name} if is_url(f) else
+                             {"path": os.path.abspath(f), "sha256": file_sha256(f), "source": src.name}
+                             for f in files]
+    return manifest
 
 
 def new_dir_beside(path: Path, tag: str) -> Tuple[Path, List[Path]]:
