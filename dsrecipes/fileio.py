@@ -55,6 +55,16 @@ def missing_dirs(path: str | Path) -> list[Path]:
     return [p for p in [path, *path.parents] if not os.path.lexists(p)]
 
 
+def remove_empty_dirs(made: "list[Path] | tuple[Path, ...]") -> None:
+    """Take back directories `missing_dirs` listed (deepest first) while they are empty: the first that holds
+    anything (someone else's files) stays, and so do its parents."""
+    for path in made:
+        try:
+            path.rmdir()
+        except OSError:
+            break
+
+
 def open_append_fd(path: str | Path) -> int:
     """A write-only descriptor appending to `path` (created 0644 if missing, parent included). A symbolic link at
     `path` is refused (O_NOFOLLOW: OSError ELOOP), so a link planted in a run directory cannot make a run append to a

@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import yaml
 
 from dsrecipes.errors import UserError
-from dsrecipes.fileio import atomic_write_json, atomic_write_text, missing_dirs
+from dsrecipes.fileio import atomic_write_json, atomic_write_text, missing_dirs, remove_empty_dirs
 from dsrecipes.locks import ExclusiveLock, LockHeld, SharedLock, is_held, probe_free
 
 CONFIG_FILE = "config.yaml"
@@ -75,11 +75,7 @@ class Claim:
             return
         for name in (MARKER_FILE, LOCK_FILE, RANKS_LOCK_FILE):
             (self.run_dir / name).unlink(missing_ok=True)
-        for made in self.made:
-            try:
-                made.rmdir()
-            except OSError:  # not empty (someone else's files): it stays, and so do its parents
-                break
+        remove_empty_dirs(self.made)
 
     def __enter__(self) -> "Claim":
         return self

@@ -7,6 +7,7 @@ user's directory, a training run's directory, whose files the run reads) is refu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -16,6 +17,7 @@ from typing import List, Tuple
 from dsrecipes.commands.args import non_negative_int, override_parser, parse
 from dsrecipes.config.load import compose_and_load
 from dsrecipes.data.inspect import format_stats, render_row
+from dsrecipes.fileio import remove_empty_dirs
 from dsrecipes.rundir import CONFIG_FILE, MARKER_FILE, claim_marked_dir
 
 INSPECT_MARKER = "dsrecipes_inspect.json"  # a directory inspect-data made: it may write there again
@@ -68,13 +70,11 @@ def claim_inspect_dir(run_dir: Path) -> Tuple[Path, List[Path]]:
 
 
 def _take_back(created: List[Path]) -> None:
-    """After a failure, remove what this inspect-data created (its marker, its directory) while nothing else was
-    written beside it: a quarantine file stays, to be read, in a directory still marked ours."""
-    for path in created:
-        try:
-            if path.is_dir():
-                path.rmdir()  # fails (and keeps it) when anything is left in it
-            elif os.listdir(path.parent) == [path.name]:
+    """After a failure, remove what this inspect-data created (its marker, then its directories) while nothing else
+    was written beside it: a quarantine file stays, to be read, in a directory still marked ours."""
+    files = [p for p in created if not p.is_dir()]
+    for path in files:
+        with contextlib.suppress(OSError):
+            if os.listdir(path.parent) == [path.name]:
                 path.unlink()
-        except OSError:
-            pass
+    remove_empty_dirs([p for p in created if p not in files])

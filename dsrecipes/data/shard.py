@@ -56,7 +56,7 @@ from dsrecipes.data.sources.remote import identity as remote_identity
 from dsrecipes.data.sources.remote import check_url, is_url, looks_like_url
 from dsrecipes.data.sources.splits import split_val
 from dsrecipes.errors import DataError, UserError
-from dsrecipes.fileio import atomic_write_json, missing_dirs
+from dsrecipes.fileio import atomic_write_json, missing_dirs, remove_empty_dirs
 from dsrecipes.schema import ShardBalance
 from dsrecipes.typed import config_to_dict
 
@@ -469,11 +469,7 @@ def discard(staging: Optional[Path], made: Sequence[Path]) -> None:
     directories made for it while they are empty."""
     if staging is not None:
         shutil.rmtree(staging, ignore_errors=True)
-    for path in made:
-        try:
-            path.rmdir()
-        except OSError:  # not empty (someone else's files): it stays, and so do its parents
-            break
+    remove_empty_dirs(made)
 
 
 def sync_dir(path: Path, files: bool = False) -> None:
