@@ -74,7 +74,7 @@ def watch(proc: subprocess.Popen) -> Dict[str, object]:
         for child in children:
             try:
                 cmd = child.cmdline()
-                if "-m" in cmd[:3] and cmd[cmd.index("-m") + 1:][:1] == ["dsrecipes.worker"]:  # a rank, not its launcher
+                if "-m" in cmd[:3] and cmd[cmd.index("-m") + 1:][:1] == ["dsrecipes.rank.worker"]:  # a rank, not its launcher
                     ranks[child.pid] = max(ranks.get(child.pid, 0), peak_rss(child.pid))
             except psutil.Error:
                 continue

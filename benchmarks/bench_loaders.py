@@ -73,10 +73,10 @@ def measure(batches) -> Dict[str, float]:
 
 def plain_loop(cfg, tokenizer, paths: List[str]):
     """The baseline: read + parse + normalise + tokenize + collate every line, one process, no planning."""
+    from dsrecipes.core.schema import SourceConfig
     from dsrecipes.data.render.tokenize import Encoder
     from dsrecipes.data.sources.sharegpt import normalize_row
     from dsrecipes.objectives.sft import collate
-    from dsrecipes.schema import SourceConfig
 
     enc = Encoder(tokenizer, cfg)
     source = SourceConfig(name="x")
@@ -95,12 +95,12 @@ def plain_loop(cfg, tokenizer, paths: List[str]):
 
 def throughput(conversations: int, work: Path) -> List[Dict[str, object]]:
     from dsrecipes.config.load import compose_and_load
+    from dsrecipes.core.tokenizer import load_tokenizer
+    from dsrecipes.core.topology import Topology
     from dsrecipes.data.prepare import prepare
     from dsrecipes.data.shard import shard
     from dsrecipes.data.strategies import build_loaders
-    from dsrecipes.entry import with_run_dir, write_run_dir
-    from dsrecipes.model import load_tokenizer
-    from dsrecipes.topology import Topology
+    from dsrecipes.run.entry import with_run_dir, write_run_dir
 
     paths = generate(work / "corpus", conversations, files=5)
     base = overrides_for(paths, work / "cache")
@@ -135,10 +135,10 @@ def throughput(conversations: int, work: Path) -> List[Dict[str, object]]:
 
 def memory_child(path: str, conversations: int) -> None:
     from dsrecipes.config.load import compose_and_load
+    from dsrecipes.core.tokenizer import load_tokenizer
+    from dsrecipes.core.topology import Topology
     from dsrecipes.data.strategies import build_loaders
-    from dsrecipes.entry import with_run_dir, write_run_dir
-    from dsrecipes.model import load_tokenizer
-    from dsrecipes.topology import Topology
+    from dsrecipes.run.entry import with_run_dir, write_run_dir
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = compose_and_load(overrides_for([path], Path(tmp)) + ["data=iterable", f"data.num_samples={conversations}",

@@ -44,10 +44,10 @@ def measure(root: Path, name: str, data_file: Path, packing: bool, cutoff: int, 
     import torch
 
     from dsrecipes.config.load import compose_and_load
+    from dsrecipes.core.topology import Topology
     from dsrecipes.data.strategies import build_loaders
-    from dsrecipes.entry import write_run_dir
-    from dsrecipes.model import build_model, load_tokenizer, micro_batch_loss
-    from dsrecipes.topology import Topology
+    from dsrecipes.modeling.model import build_model, load_tokenizer, micro_batch_loss
+    from dsrecipes.run.entry import write_run_dir
 
     run_dir = root / name
     run_dir.mkdir(parents=True)
@@ -94,7 +94,7 @@ def main(argv: List[str]) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 
-    from dsrecipes.paths import SAMPLE_DATA_DIR
+    from dsrecipes.core.paths import SAMPLE_DATA_DIR
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="bench_packing_") as tmp:

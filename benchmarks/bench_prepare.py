@@ -134,7 +134,7 @@ def measure_one(kind: str, data: Path, tmp: Path, workers: int) -> Dict[str, flo
     import datasets  # noqa: F401  (imported up front: its ~2 s import is not preparation time)
     from transformers import AutoTokenizer
 
-    from dsrecipes.paths import TINY_TOKENIZER_DIR
+    from dsrecipes.core.paths import TINY_TOKENIZER_DIR
 
     tokenizer = AutoTokenizer.from_pretrained(str(TINY_TOKENIZER_DIR))
     cfg = load_cfg(data, tmp / f"cache-{kind}", workers)

@@ -8,7 +8,7 @@ interleaved (issue 22 item 1).
     git worktree add /tmp/before main && python benchmarks/bench_rank_start.py --before /tmp/before   # before/after
 
 Two environments: A is this interpreter, B a real `python -m venv --system-site-packages` beside it (the same
-packages, another sys.prefix), so each has its own JIT build directory (dsrecipes/jit_ops.py). Both start from an
+packages, another sys.prefix), so each has its own JIT build directory (dsrecipes/core/jit_ops.py). Both start from an
 empty torch extensions cache (XDG_CACHE_HOME points into the workspace; TORCH_EXTENSIONS_DIR is unset).
 
   cold     the first 2-rank run of A, then of B (whatever either builds, it builds here)
@@ -70,7 +70,7 @@ def cpu_seconds() -> float:
 
 def start_to_first_step(python: str, ws: Path, name: str, ranks: int, overrides: List[str],
                         env: Dict[str, str], wall: Optional[List[float]] = None) -> float:
-    from dsrecipes.rundir import read_metrics
+    from dsrecipes.core.rundir import read_metrics
 
     run, n = ws / "runs" / name, 1
     while run.exists():  # a kept workspace (--keep) run again: every run gets a new directory

@@ -3,7 +3,7 @@
     python benchmarks/bench_runner.py                        # default config (tiny model, sample data), 1 process
     python benchmarks/bench_runner.py --pairs 30 zero=stage2 precision=bf16
 
-One process, one warm state: `dsrecipes.train.start()` builds the run's session (model, engine, loader, metrics)
+One process, one warm state: `dsrecipes.rank.train.start()` builds the run's session (model, engine, loader, metrics)
 once; then blocks of --block optimizer steps alternate on that same engine, each on the same recorded micro-batches
 (the first block of the run's own loader, replayed): the runner's own
 `train.loop()` (its loss, metric windows, progress bar, lr/grad-norm bookkeeping, a metrics line with its all_reduce,
@@ -36,9 +36,9 @@ _CLAIMS: List[object] = []  # run directories held (locked) for the whole benchm
 
 def make_run_dir(root: Path, overrides: List[str], steps: int) -> Tuple[Any, Path]:
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.entry import write_run_dir
-    from dsrecipes.rundir import claim
-    from dsrecipes.topology import Topology
+    from dsrecipes.core.rundir import claim
+    from dsrecipes.core.topology import Topology
+    from dsrecipes.run.entry import write_run_dir
 
     run_dir = root / "run"
     _CLAIMS.append(claim(run_dir, "benchmark run directory", "benchmark"))
@@ -77,7 +77,7 @@ def replay(session: Any, steps: int) -> None:
 
 def runner_block(session: Any, steps: int) -> float:
     """Seconds of the runner's loop for `steps` optimizer steps (its metrics lines included, the last one too)."""
-    from dsrecipes.train import loop
+    from dsrecipes.rank.train import loop
 
     session.plan = dataclasses.replace(session.plan, total_steps=session.state.step + steps)
     start = time.perf_counter()
@@ -87,7 +87,7 @@ def runner_block(session: Any, steps: int) -> float:
 
 def bare_block(session: Any, steps: int) -> Tuple[float, int]:
     """(seconds, real tokens) of `steps` hand-written optimizer steps on the same engine and data stream."""
-    from dsrecipes.train import micro_batches
+    from dsrecipes.rank.train import micro_batches
 
     engine, accum = session.engine, session.cfg.trainer.grad_accum
     batches = micro_batches(session.train_loader, session.state)
@@ -110,8 +110,8 @@ def component_costs(session: Any, iterations: int = 40) -> Tuple[float, float]:
     ratio), and microseconds of per-micro-batch bookkeeping (metric window + progress bar)."""
     import torch
 
-    from dsrecipes.metrics import Window
-    from dsrecipes.model import micro_batch_loss
+    from dsrecipes.modeling.model import micro_batch_loss
+    from dsrecipes.observe.metrics import Window
 
     model = session.engine.module
     batch = next(iter(session.train_loader))
@@ -189,7 +189,7 @@ def main(argv: List[str]) -> int:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch: the runner keeps the thread count it finds
     import torch
 
-    from dsrecipes import train
+    from dsrecipes.rank import train
 
     torch.set_num_threads(args.threads)
     if args.clock == "cpu":

@@ -72,7 +72,7 @@ def run_direct(args: argparse.Namespace) -> Dict[str, Any]:
     """A random Qwen2-shaped model in a bare deepspeed.initialize loop: step time, tokens/s, MFU, peak memory."""
     import torch
 
-    from dsrecipes.deepspeed_import import load_deepspeed
+    from dsrecipes.core.deepspeed_import import load_deepspeed
 
     deepspeed = load_deepspeed()  # the first import, as in dsrecipes processes (no autotuner mlflow import)
     t_start = time.time()
@@ -108,9 +108,9 @@ def _direct_engine(args: argparse.Namespace) -> Tuple[Any, int, int, Dict[str, A
 
     from dsrecipes.config.defaults import learning_rate
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.distributed import skip_shm_comm_op
-    from dsrecipes.ds_config import build_ds_config
-    from dsrecipes.schedule import StepScheduler
+    from dsrecipes.core.distributed import skip_shm_comm_op
+    from dsrecipes.rank.schedule import StepScheduler
+    from dsrecipes.run.ds_config import build_ds_config
 
     overrides = [
         f"zero=stage{args.stage}", f"precision={args.precision}", f"trainer.micro_batch_size={args.micro_batch}",
@@ -185,7 +185,7 @@ def pipeline_overrides(args: argparse.Namespace, stage: int, run_dir: Path) -> L
 
 def run_pipeline(args: argparse.Namespace, stage: int, out: Path, timeout: float) -> Dict[str, Any]:
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.estimate import model_shape
+    from dsrecipes.run.estimate import model_shape
 
     run_dir = out / f"pipeline_stage{stage}_run"
     overrides = pipeline_overrides(args, stage, run_dir)

@@ -1,6 +1,6 @@
 """dsrecipes: config-first supervised fine-tuning of causal LMs on ShareGPT conversations with DeepSpeed."""
 
-from dsrecipes import transformers_import
+from dsrecipes.rank import transformers_import
 
 __version__ = "0.1.0"
 

@@ -12,12 +12,12 @@ import signal
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-import dsrecipes.trust as trust
-import dsrecipes.stopping as stopping
+import dsrecipes.boundary.trust as trust
+import dsrecipes.core.stopping as stopping
 from dsrecipes.commands.help import version_text
-from dsrecipes.console import command_log, quiet_third_party
-from dsrecipes.errors import UserError
-from dsrecipes.suggest import closest, phrase
+from dsrecipes.core.console import command_log, quiet_third_party
+from dsrecipes.core.errors import UserError
+from dsrecipes.core.suggest import closest, phrase
 
 # subcommand -> (module under dsrecipes.commands, one-line help). The module exposes `main(argv) -> int`.
 SUBCOMMANDS: Dict[str, Tuple[str, str]] = {

@@ -26,7 +26,7 @@ def make_cfg() -> Callable[..., object]:
 @pytest.fixture
 def glaive() -> Path:
     """The real Glaive tool-call demo files (English, Chinese) bundled with dsrecipes."""
-    from dsrecipes.paths import ASSETS_DIR
+    from dsrecipes.core.paths import ASSETS_DIR
 
     return ASSETS_DIR / "glaive_toolcall"
 
@@ -61,7 +61,7 @@ def built_cpu_adam(tmp_path_factory):
     import subprocess
     import sys
 
-    from dsrecipes import jit_ops
+    from dsrecipes.core import jit_ops
 
     # One build for the whole run, also across pytest-xdist workers (they share the base temp's parent): the first
     # worker builds under a lock and records what doctor said; the others read that record.

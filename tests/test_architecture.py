@@ -51,7 +51,7 @@ GRAPH = {m: _imports(m) for m in MODULES}
 
 
 def test_the_graph_is_not_empty():
-    assert len(GRAPH) > 40 and "dsrecipes.train" in GRAPH["dsrecipes.worker"]
+    assert len(GRAPH) > 40 and "dsrecipes.rank.train" in GRAPH["dsrecipes.rank.worker"]
 
 
 def test_no_import_cycle():
@@ -84,8 +84,8 @@ def test_every_subcommand_main_lives_in_commands():
         defines_main = any(isinstance(n, ast.FunctionDef) and n.name == "main"
                            for n in ast.parse(path.read_text(encoding="utf-8")).body)
         if defines_main:
-            entry_points = ("dsrecipes.cli", "dsrecipes.worker", "dsrecipes.launch.mpi_rank", "dsrecipes.launch.ds_node",
-                            "dsrecipes.requeue")
+            entry_points = ("dsrecipes.cli", "dsrecipes.rank.worker", "dsrecipes.run.launch.mpi_rank", "dsrecipes.run.launch.ds_node",
+                            "dsrecipes.run.requeue")
             assert module.startswith("dsrecipes.commands.") or module in entry_points, module
 
 
@@ -179,3 +179,53 @@ def test_imports_are_at_module_top_unless_measured():
                 continue
             bad.append(f"{path.relative_to(PACKAGE.parent)}:{lineno}: {name}")
     assert not bad, "imports inside functions (move them to the top, or say why with '# lazy: <reason>'):\n" + "\n".join(bad)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Two wings over one floor (docs/architecture.md): the layout is the import rule.
+
+LAUNCHING_SIDE = ("dsrecipes.cli", "dsrecipes.core", "dsrecipes.config", "dsrecipes.commands", "dsrecipes.run",
+                  "dsrecipes.boundary", "dsrecipes.observe")
+HEAVY = ("torch", "deepspeed", "transformers.modeling_utils")
+
+
+def test_few_loose_modules_at_the_top():
+    loose = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert 0 < len(loose) <= 8, loose
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert {"core", "run", "rank", "boundary", "serve", "observe", "config", "commands", "data"} <= folders
+
+
+def _in(module: str, folder: str) -> bool:
+    return module == f"dsrecipes.{folder}" or module.startswith(f"dsrecipes.{folder}.")
+
+
+@pytest.mark.parametrize("wing, other", [("run", "rank"), ("rank", "run")])
+def test_the_two_wings_never_import_each_other(wing, other):
+    """The launching wing (run/) and the rank wing (rank/) meet only on the floor below them; lazy imports count."""
+    bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() if _in(m, wing) for t in ts if _in(t, other))
+    assert not bad, bad
+
+
+def test_the_floor_stands_on_nothing():
+    """core/ imports no other folder of the package: everything else may stand on it."""
+    bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() if _in(m, "core") for t in ts if not _in(t, "core"))
+    assert not bad, bad
+
+
+def test_the_launching_side_loads_no_torch():
+    """Every module of the launching side, imported in a fresh process, loads no torch, deepspeed or transformers'
+    model code: the `validate`, `ls`, `show`, `--help` and launching paths never pay for them."""
+    import subprocess
+    import sys
+
+    names = sorted(m for m in MODULES if any(_in(m, f.split(".", 1)[1]) for f in LAUNCHING_SIDE))
+    assert len(names) > 60, names
+    code = ("import importlib, sys\n"
+            f"for name in {names!r}:\n"
+            "    importlib.import_module(name)\n"
+            f"    loaded = [h for h in {HEAVY!r} if h in sys.modules]\n"
+            "    if loaded:\n"
+            "        sys.exit(f'{name} loads {loaded}')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]

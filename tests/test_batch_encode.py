@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dsrecipes.core.errors import DataError
+from dsrecipes.core.paths import SAMPLE_DATA_DIR, TINY_TOKENIZER_DIR
+from dsrecipes.core.schema import BadRows, DatasetConfig, SourceConfig, TemplateConfig, TemplateKind, TrainConfig
 from dsrecipes.data.render import batch_encode
 from dsrecipes.data.render.tokenize import Encoder
 from dsrecipes.data.sources.badrows import BadRowReport
 from dsrecipes.data.sources.sharegpt import iter_conversations
-from dsrecipes.errors import DataError
-from dsrecipes.paths import SAMPLE_DATA_DIR, TINY_TOKENIZER_DIR
-from dsrecipes.schema import BadRows, DatasetConfig, SourceConfig, TemplateConfig, TemplateKind, TrainConfig
 
 FIX = Path(__file__).parent / "fixtures" / "data"
 

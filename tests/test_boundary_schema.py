@@ -15,7 +15,7 @@ from typing import Any, Iterator, List, Tuple
 
 import pytest
 
-from dsrecipes.schema import LauncherKind, SourceConfig, TrainConfig
+from dsrecipes.core.schema import LauncherKind, SourceConfig, TrainConfig
 
 MARK = "HOSTILE"
 VALUES = [
@@ -103,9 +103,9 @@ def leaks(plan, run_dir: Path, allowed: str = "\0") -> List[str]:
 
 
 def test_no_string_field_reaches_a_command_line_an_environment_or_a_script_unchecked(tmp_path, monkeypatch):
-    from dsrecipes import launch
     from dsrecipes.config.validate import validate
-    from dsrecipes.errors import ConfigError
+    from dsrecipes.core.errors import ConfigError
+    from dsrecipes.run import launch
 
     monkeypatch.chdir(tmp_path)
     fields = list(string_fields())
@@ -145,9 +145,9 @@ def test_no_string_field_reaches_a_command_line_an_environment_or_a_script_unche
 def test_a_hostile_run_directory_never_reaches_a_shell(tmp_path, value, monkeypatch):
     """The run directory is the one free string on the command line: one argv element; in a batch script only when
     it has the checked path shape."""
-    from dsrecipes import launch
     from dsrecipes.boundary.values import path_problem
-    from dsrecipes.errors import ConfigError
+    from dsrecipes.core.errors import ConfigError
+    from dsrecipes.run import launch
 
     monkeypatch.chdir(tmp_path)
     run_dir = (tmp_path / value).resolve()

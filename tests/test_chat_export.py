@@ -9,11 +9,11 @@ from typing import List
 
 import pytest
 
+from dsrecipes.core.schema import TemplateConfig, TemplateKind, TrainOn
 from dsrecipes.data.render.jinja import chat_template, lit
 from dsrecipes.data.render.template import generation_prompt, render
 from dsrecipes.data.sources.messages import messages_for
 from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
-from dsrecipes.schema import TemplateConfig, TemplateKind, TrainOn
 
 NASTY = "He said \"hi\" & 'bye' \\ {{ x }} {% y %} #}\n\r\t 中文 😀 \\n"
 TOOLS = json.dumps([{"name": "get_weather", "description": "天气 lookup",
@@ -57,7 +57,7 @@ SETTINGS = [
 @pytest.fixture(scope="module")
 def tok():
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.model import load_tokenizer
+    from dsrecipes.core.tokenizer import load_tokenizer
 
     return load_tokenizer(compose_and_load([]))
 
@@ -123,8 +123,8 @@ def test_real_sharegpt_rows_render_identically(tok, tmp_path, glaive):
     """Glaive tool-calling rows (English and Chinese, bundled) under every template."""
     import gzip
 
+    from dsrecipes.core.schema import SourceConfig
     from dsrecipes.data.sources.sharegpt import normalize_row
-    from dsrecipes.schema import SourceConfig
 
     rows = []
     for name in ("glaive_toolcall_en_demo.json.gz", "glaive_toolcall_zh_demo.json.gz"):
@@ -151,9 +151,9 @@ def test_an_export_of_each_template_serves_it(tmp_path, kind):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.export import export_initial
-    from dsrecipes.model import load_tokenizer
-    from dsrecipes.serving import run_template
+    from dsrecipes.core.tokenizer import load_tokenizer
+    from dsrecipes.data.render.serving import run_template
+    from dsrecipes.rank.export import export_initial
 
     cfg = compose_and_load(["debug=fast", f"template={kind}", "template.default_system='Be exact.'"])
     training = load_tokenizer(cfg)

@@ -13,7 +13,7 @@ import tracemalloc
 
 import pytest
 
-from dsrecipes.chat_sandbox import MAX_OUTPUT, TemplateRaised, TemplateRefused, render
+from dsrecipes.boundary.chat_sandbox import MAX_OUTPUT, TemplateRaised, TemplateRefused, render
 
 S = "{% set s = 'x' * 1000000 %}"  # one string within the budget, repeated below
 MANY = "range(300)|map(attribute='x', default=s)"  # 300 references to it, one at a time

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from dsrecipes.checkpoint import COMPLETE, LATEST, prune_checkpoints, restore_rng, rng_state
-from dsrecipes.checkpoint_find import find_resume_checkpoint, latest_complete, plan_resume
-from dsrecipes.errors import UserError
-from dsrecipes.export import export_initial
-from dsrecipes.schema import ResumeMode, TrainerConfig
-from dsrecipes.trust import sign
+from dsrecipes.boundary.checkpoint_find import find_resume_checkpoint, latest_complete, plan_resume
+from dsrecipes.boundary.trust import sign
+from dsrecipes.core.errors import UserError
+from dsrecipes.core.schema import ResumeMode, TrainerConfig
+from dsrecipes.rank.checkpoint import COMPLETE, LATEST, prune_checkpoints, restore_rng, rng_state
+from dsrecipes.rank.export import export_initial
 
 AUTO, NEVER = TrainerConfig(resume=ResumeMode.auto), TrainerConfig(resume=ResumeMode.never)
 
@@ -88,7 +88,7 @@ def test_rng_round_trip():
 def test_initial_export_reloads_with_the_chat_template(make_cfg, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dsrecipes.model import build_model, load_tokenizer
+    from dsrecipes.modeling.model import build_model, load_tokenizer
 
     cfg = make_cfg("debug=fast")
     tokenizer = load_tokenizer(cfg)

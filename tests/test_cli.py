@@ -182,7 +182,7 @@ def test_nvme_offload_without_async_io_is_one_message_before_anything_is_written
     """Where DeepSpeed cannot build its async_io op (no libaio, as on the test machines), `offload=nvme` exits 2 with
     one message naming the key, before a run directory is claimed or an op is built; a foreign file in the output
     directory survives untouched."""
-    from dsrecipes import jit_ops
+    from dsrecipes.core import jit_ops
 
     if jit_ops.async_io_buildable():
         pytest.skip("libaio is installed here: DeepSpeed can build async_io, nothing to refuse")

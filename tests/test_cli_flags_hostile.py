@@ -109,7 +109,7 @@ def test_prompt_eval_json_replaces_its_own_result_and_a_failed_write_is_one_mess
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("dsrecipes.prompt_eval.atomic_write_json", disk_full)
+    monkeypatch.setattr("dsrecipes.serve.prompt_eval.atomic_write_json", disk_full)
     assert "No space left on device" in refused(capsys, argv, "--json")
     assert snapshot(tmp_path) == before
 

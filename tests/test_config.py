@@ -10,8 +10,8 @@ import pytest
 from dsrecipes.config.groups import RECIPE_GROUP, group_options, recipes
 from dsrecipes.config.load import check_composition, compose, compose_and_load, hydra_context
 from dsrecipes.config.validate import check_runtime
-from dsrecipes.errors import ConfigError
-from dsrecipes.schema import DataKind, OffloadDevice, Precision, TrainConfig
+from dsrecipes.core.errors import ConfigError
+from dsrecipes.core.schema import DataKind, OffloadDevice, Precision, TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 OPTIONS = [(g, o) for g, opts in group_options().items() if g != RECIPE_GROUP for o in opts]
@@ -170,7 +170,7 @@ def test_nvme_offload_is_refused_before_launch_where_deepspeed_cannot_build_asyn
     launching side says so first, by DeepSpeed's own compatibility test (asked only for NVMe offload)."""
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
-    from dsrecipes import jit_ops
+    from dsrecipes.core import jit_ops
 
     cfg = compose_and_load(["offload=nvme", "zero=stage3", "offload.nvme_path=/tmp"])
     (msg,) = check_runtime(cfg, cuda_available=False, async_io=False)

@@ -10,9 +10,9 @@ import yaml
 
 from dsrecipes.config.groups import recipes
 from dsrecipes.config.load import check_composition, compose, compose_and_load, hydra_context
-from dsrecipes.paths import conf_dir
-from dsrecipes.schema import TrainConfig
-from dsrecipes.typed import config_to_dict
+from dsrecipes.core.paths import conf_dir
+from dsrecipes.core.schema import TrainConfig
+from dsrecipes.core.typed import config_to_dict
 
 RECIPES = recipes()
 

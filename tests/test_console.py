@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dsrecipes import console
-from dsrecipes.metrics import MetricsLogger, format_seconds
+from dsrecipes.core import console
+from dsrecipes.observe.metrics import MetricsLogger, format_seconds
 from tests.conftest import subprocess_env
 
 NOISE = [
@@ -68,7 +68,7 @@ def test_own_processes_keep_deepspeed_and_python_warnings_off_the_console(tmp_pa
     log = tmp_path / "logs" / "rank0.log"
     code = textwrap.dedent(f"""
         import warnings
-        from dsrecipes.console import quiet_third_party
+        from dsrecipes.core.console import quiet_third_party
         quiet_third_party({str(log)!r})
         import deepspeed
         from deepspeed.accelerator import get_accelerator

@@ -88,8 +88,8 @@ def test_parse_row_kinds(monkeypatch):
 def test_tool_call_arguments_that_python_cannot_parse_stay_text():
     """A tool call's `arguments` string is parsed for the template; a 5000-digit number or deep nesting in it
     (valid JSON, but ValueError/RecursionError in Python) keeps it as text instead of escaping the row checks."""
+    from dsrecipes.core.schema import ColumnsConfig, DatasetFormat, SourceConfig
     from dsrecipes.data.sources.sharegpt import conversation_of, role_table
-    from dsrecipes.schema import ColumnsConfig, DatasetFormat, SourceConfig
 
     src = SourceConfig(name="s", format=DatasetFormat.openai,
                        columns=ColumnsConfig(messages="messages", role="role", content="content"))
@@ -153,9 +153,9 @@ def test_cache_key_sees_a_same_size_edit_with_the_mtime_set_back(make_cfg, tok, 
 def test_a_text_the_tokenizer_refuses_is_one_bad_row(tok, full_text):
     """Both tokenization paths: a refused one-text batch is retried conversation by conversation, the refused
     conversation goes per segment, where the refused text is found; the rest of the batch is encoded."""
+    from dsrecipes.core.schema import TrainConfig
     from dsrecipes.data.render.tokenize import Encoder
     from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
-    from dsrecipes.schema import TrainConfig
 
     def poison(real):
         def encode(texts, **kw):
@@ -190,9 +190,9 @@ def test_a_text_the_tokenizer_refuses_is_one_bad_row(tok, full_text):
 def test_long_texts_give_exactly_the_head_full_tokenization_gives(tok, cutoff):
     import random
 
+    from dsrecipes.core.schema import TrainConfig
     from dsrecipes.data.render.tokenize import Encoder
     from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
-    from dsrecipes.schema import TrainConfig
 
     rng = random.Random(0)
     words = ["lorem", "ipsum", "法国", "的", "  ", "\n", "123", "!!", "ü", "😀", "a" * 30]
@@ -214,12 +214,12 @@ def test_a_16mb_row_costs_a_small_multiple_of_its_size():
     code = """
 import resource, sys
 from transformers import AutoTokenizer
-from dsrecipes.schema import TrainConfig
+from dsrecipes.core.schema import TrainConfig
 from dsrecipes.data.sources.files import parse_row
 from dsrecipes.data.sources.sharegpt import conversation_of, role_table
-from dsrecipes.schema import SourceConfig
+from dsrecipes.core.schema import SourceConfig
 from dsrecipes.data.render.tokenize import Encoder
-from dsrecipes.paths import TINY_TOKENIZER_DIR
+from dsrecipes.core.paths import TINY_TOKENIZER_DIR
 enc = Encoder(AutoTokenizer.from_pretrained(str(TINY_TOKENIZER_DIR)), TrainConfig())
 enc.encode_texts(["warm up"])
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -241,7 +241,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base, len(raw))
 def tok():
     from transformers import AutoTokenizer
 
-    from dsrecipes.paths import TINY_TOKENIZER_DIR
+    from dsrecipes.core.paths import TINY_TOKENIZER_DIR
 
     return AutoTokenizer.from_pretrained(str(TINY_TOKENIZER_DIR))
 

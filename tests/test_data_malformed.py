@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from dsrecipes.core.errors import DataError
+from dsrecipes.core.paths import TINY_TOKENIZER_DIR
 from dsrecipes.data.shard import read_manifest
-from dsrecipes.errors import DataError
-from dsrecipes.paths import TINY_TOKENIZER_DIR
 
 CAT = Path(__file__).parent / "fixtures" / "data" / "malformed"
 OLD = Path(__file__).parent / "fixtures" / "data" / "bad_rows.jsonl"
@@ -57,8 +57,8 @@ def read_through(strategy: str, cfg, tmp_path: Path) -> dict:
     """What the strategy's launching-side reader makes of the data: {rows, good, bad: {reason: n}, by_file}."""
     run = tmp_path / "run"
     if strategy == "map":
+        from dsrecipes.core.tokenizer import load_tokenizer
         from dsrecipes.data.prepare import prepare
-        from dsrecipes.model import load_tokenizer
 
         stats = prepare(cfg, load_tokenizer(cfg), run).stats
         return {"rows": stats["rows_read"], "good": stats["rows_kept"], "bad": stats["skipped"],
@@ -82,10 +82,10 @@ def read_through(strategy: str, cfg, tmp_path: Path) -> dict:
 def runtime_rows(cfg, tmp_path: Path, strategy: str):
     """The loader workers' side: RowEncoder over every block the stream index gives (iterable), or over the part's
     items (presharded)."""
+    from dsrecipes.core.schema import SourceConfig
+    from dsrecipes.core.tokenizer import load_tokenizer
     from dsrecipes.data.sampler import StreamSpec
     from dsrecipes.data.strategies.rows import RowEncoder
-    from dsrecipes.model import load_tokenizer
-    from dsrecipes.schema import SourceConfig
 
     if strategy == "iterable":
         from dsrecipes.data.strategies.iterable import stream_rows
@@ -201,7 +201,7 @@ def test_presharded_run_with_another_template_scans_its_parts(make_cfg, tmp_path
     """Parts checked by `shard` with chatml hold the REFUSE row; a run rendering with a template that refuses it
     scans the parts before launch instead of failing mid-run."""
     from dsrecipes.data.shard import shard
-    from dsrecipes.entry import plan_data
+    from dsrecipes.run.entry import plan_data
 
     shard(make_cfg(*settings(tmp_path, "map", "skip", ROWS)), 1, str(tmp_path / "parts"))
     part = read_manifest(str(tmp_path / "parts")).part_path(0)

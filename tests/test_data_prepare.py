@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from dsrecipes.core.errors import DataError
+from dsrecipes.core.paths import TINY_TOKENIZER_DIR
+from dsrecipes.core.schema import BadRows, DatasetFormat, SourceConfig
 from dsrecipes.data.prepare import load_prepared, prepare
-from dsrecipes.errors import DataError
-from dsrecipes.paths import TINY_TOKENIZER_DIR
-from dsrecipes.schema import BadRows, DatasetFormat, SourceConfig
 
 FIX = Path(__file__).parent / "fixtures" / "data"
 

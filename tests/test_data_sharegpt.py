@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from dsrecipes.core.errors import ConfigError, DataError
+from dsrecipes.core.schema import BadRows, ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.sources.files import read_rows
 from dsrecipes.data.sources.registry import load_registry, resolve_sources
 from dsrecipes.data.sources.sharegpt import Role, iter_conversations, iter_source, normalize_row
-from dsrecipes.errors import ConfigError, DataError
-from dsrecipes.schema import BadRows, ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
 
 FIX = Path(__file__).parent / "fixtures" / "data"
 

@@ -11,10 +11,10 @@ from typing import List
 
 import pytest
 
+from dsrecipes.core.schema import TemplateKind, TrainOn
 from dsrecipes.data.render.template import render
 from dsrecipes.data.render.tokenize import IGNORE_INDEX, Encoder, Example
 from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
-from dsrecipes.schema import TemplateKind, TrainOn
 from tests.test_data_template import make_cfg, sample_convs
 
 EDGES = ["\nHello", "\n\nHello", " Hello", "  Hello", "Hello ", "Hello\n", "Hello\n\n", "'s fine", "法国", " 法国",
@@ -25,7 +25,7 @@ EDGES = ["\nHello", "\n\nHello", " Hello", "  Hello", "Hello ", "Hello\n", "Hell
 def tok():
     from transformers import AutoTokenizer
 
-    from dsrecipes.paths import TINY_TOKENIZER_DIR
+    from dsrecipes.core.paths import TINY_TOKENIZER_DIR
 
     return AutoTokenizer.from_pretrained(str(TINY_TOKENIZER_DIR))
 

@@ -86,7 +86,7 @@ def test_the_first_segment_keeps_the_start_marker_as_at_inference(make_cfg):
 
 
 def test_byte_level_tokenizers_are_encoded_as_before(make_cfg):
-    from dsrecipes.model import load_tokenizer
+    from dsrecipes.core.tokenizer import load_tokenizer
 
     cfg = make_cfg()
     tok = load_tokenizer(cfg)

@@ -9,14 +9,14 @@ from typing import List
 
 import pytest
 
+from dsrecipes.core.errors import ConfigError
+from dsrecipes.core.paths import SAMPLE_DATA_DIR, TINY_TOKENIZER_DIR
+from dsrecipes.core.schema import BadRows, SourceConfig, TemplateConfig, TemplateKind, TrainConfig, TrainOn
 from dsrecipes.data.render.labels import IGNORE_INDEX
 from dsrecipes.data.render.template import generation_prompt, render
 from dsrecipes.data.render.tokenize import Encoder
 from dsrecipes.data.sources.badrows import BadRowReport
 from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn, iter_source
-from dsrecipes.errors import ConfigError
-from dsrecipes.paths import SAMPLE_DATA_DIR, TINY_TOKENIZER_DIR
-from dsrecipes.schema import BadRows, SourceConfig, TemplateConfig, TemplateKind, TrainConfig, TrainOn
 
 FIX = Path(__file__).parent / "fixtures" / "data"
 END = {TemplateKind.auto: "<|im_end|>", TemplateKind.chatml: "<|im_end|>", TemplateKind.tokenizer: "<|im_end|>", TemplateKind.llama3: "<|eot_id|>",

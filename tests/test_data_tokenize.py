@@ -6,13 +6,13 @@ import random
 
 import pytest
 
+from dsrecipes.core.paths import TINY_TOKENIZER_DIR
+from dsrecipes.core.schema import TemplateConfig, TemplateKind, TrainConfig, TrainOn
 from dsrecipes.data.render.labels import IGNORE_INDEX
 from dsrecipes.data.render.packing import pack, pack_plan, packing_efficiency
 from dsrecipes.data.render.tokenize import Encoder, Example
 from dsrecipes.data.sources.badrows import BadReason, BadRow
 from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
-from dsrecipes.paths import TINY_TOKENIZER_DIR
-from dsrecipes.schema import TemplateConfig, TemplateKind, TrainConfig, TrainOn
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Exports decode the same through stock `pipeline` and `generate`: greedy written explicitly unless the base model
-has its own sampling settings, which are kept (dsrecipes/decoding.py, called by serving.make_servable)."""
+has its own sampling settings, which are kept (dsrecipes/data/render/decoding.py, called by serving.make_servable)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 def test_an_export_without_sampling_settings_is_greedy_through_pipeline_and_generate(tmp_path, make_cfg):
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
-    from dsrecipes.export import export_initial
-    from dsrecipes.model import load_tokenizer
+    from dsrecipes.core.tokenizer import load_tokenizer
+    from dsrecipes.rank.export import export_initial
 
     cfg = make_cfg("debug=fast")
     out = export_initial(cfg, load_tokenizer(cfg), tmp_path / "export")
@@ -34,8 +34,8 @@ def test_an_export_without_sampling_settings_is_greedy_through_pipeline_and_gene
 def test_a_base_model_that_samples_keeps_its_settings(tmp_path, make_cfg):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from dsrecipes.model import build_tiny_model, load_tokenizer
-    from dsrecipes.serving import make_servable
+    from dsrecipes.data.render.serving import make_servable
+    from dsrecipes.modeling.model import build_tiny_model, load_tokenizer
 
     cfg = make_cfg("debug=fast")
     tok = load_tokenizer(cfg)

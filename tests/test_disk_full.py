@@ -43,7 +43,7 @@ def small_disk(tmp_path):
 
 
 def test_a_checkpoint_that_does_not_fit_fails_cleanly_and_resumes_later(ws, small_disk):  # noqa: F811
-    from dsrecipes.checkpoint_find import damage
+    from dsrecipes.boundary.checkpoint_find import damage
 
     disk = small_disk("disk", "13M")  # export_init (2.7 MB) + step_4 (7.7 MB) fit; step_8 does not
     run = disk / "run"

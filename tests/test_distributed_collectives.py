@@ -3,7 +3,7 @@
 The flags, counts and metric sums the ranks agree on are built on the CPU. Under gloo (every CPU run) that is fine;
 under NCCL (`trainer.device=cuda`) `dist.all_reduce` of a CPU tensor raises "No backend type associated with device
 type cpu" -- the GPU smoke test (launch/gpu_smoke.sh, pipeline mode) died there at the first `all_ranks`. So every
-host-side collective goes through `dsrecipes.distributed.all_reduce`, which reduces on `collective_device()`:
+host-side collective goes through `dsrecipes.core.distributed.all_reduce`, which reduces on `collective_device()`:
 - the mapping from backend to device is checked here;
 - `all_reduce` hands the backend a tensor on that device and leaves the result in the caller's tensor;
 - no other module of dsrecipes calls `dist.all_reduce` itself (step_guard's flags, already on the engine's device,
@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import dsrecipes.distributed as distributed
+import dsrecipes.core.distributed as distributed
 
 PACKAGE = Path(distributed.__file__).resolve().parent
 # modules allowed to call dist.all_reduce directly, and why
@@ -78,4 +78,4 @@ def test_no_module_calls_all_reduce_on_host_tensors_itself():
             if isinstance(node, ast.Attribute) and node.attr in ("all_reduce", "reduce", "all_gather", "broadcast"):
                 if isinstance(node.value, ast.Name) and node.value.id == "dist":
                     offenders.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: dist.{node.attr}")
-    assert not offenders, "use dsrecipes.distributed.all_reduce (NCCL takes no CPU tensors):\n" + "\n".join(offenders)
+    assert not offenders, "use dsrecipes.core.distributed.all_reduce (NCCL takes no CPU tensors):\n" + "\n".join(offenders)

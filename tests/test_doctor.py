@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from dsrecipes import doctor, jit_ops
-from dsrecipes.doctor import Context, Level
-from dsrecipes.machine import Probe
+from dsrecipes.core import jit_ops
+from dsrecipes.run import doctor
+from dsrecipes.run.doctor import Context, Level
+from dsrecipes.run.machine import Probe
 
 
 class FakeProbe(Probe):

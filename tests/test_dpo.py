@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsrecipes.core.errors import ConfigError, DataError
+from dsrecipes.core.schema import DpoLoss
 from dsrecipes.data.render.preference_encode import read_and_encode_pairs
 from dsrecipes.data.sources.badrows import BadRowReport
 from dsrecipes.data.sources.registry import resolve_sources
-from dsrecipes.errors import ConfigError, DataError
-from dsrecipes.model import build_model, load_tokenizer
+from dsrecipes.modeling.model import build_model, load_tokenizer
 from dsrecipes.objectives import build_objective
 from dsrecipes.objectives.dpo_live import LiveReference
-from dsrecipes.schema import DpoLoss
 
 TRL_ROWS = [
     {"prompt": [{"role": "user", "content": "What is 2 + 2?"}],
@@ -225,8 +225,8 @@ def test_truncation_keeps_the_prompt_tail_and_aligns_both_answers(make_cfg, tmp_
 
 
 def test_llamafactory_ranking_entries_are_preference_sources_only_for_dpo(make_cfg):
+    from dsrecipes.core.paths import SAMPLE_DATA_DIR
     from dsrecipes.data.sources.preference import check_sources
-    from dsrecipes.paths import SAMPLE_DATA_DIR
 
     cfg = make_cfg("objective=dpo", "dataset=sample_pairs")
     (source,) = resolve_sources(cfg.dataset)

@@ -22,7 +22,7 @@ def short_pairs(root):
     """The bundled pairs as `dataset=sample_pairs` reads them (its dataset_info.json entry), keeping the single-turn
     rows without tools ("What is 29 + 30?" / "29 + 30 = 59." vs "... = 69."), unchanged: ~40 tokens per sequence
     instead of ~120 with the tool-call conversations, a third of the CPU for the same number of pairs and steps."""
-    from dsrecipes.paths import ASSETS_DIR
+    from dsrecipes.core.paths import ASSETS_DIR
 
     assets = ASSETS_DIR / "sample_data"
     entry = json.loads((assets / "dataset_info.json").read_text(encoding="utf-8"))["sample_pairs"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dsrecipes.errors import ConfigError, DataError
+from dsrecipes.core.errors import ConfigError, DataError
 
 PAIRS = ["objective=dpo", "objective.reference=live", "dataset=sample_pairs", "data.cutoff_len=256",
          "trainer.micro_batch_size=2", "trainer.grad_accum=2"]
@@ -31,7 +31,7 @@ def compose(*overrides: str):
 
 @pytest.fixture(scope="module")
 def tok():
-    from dsrecipes.model import load_tokenizer
+    from dsrecipes.core.tokenizer import load_tokenizer
 
     return load_tokenizer(compose())
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dsrecipes.distributed import free_port
-from dsrecipes.ds_config import build_ds_config
+from dsrecipes.core.distributed import free_port
+from dsrecipes.run.ds_config import build_ds_config
 from tests.conftest import subprocess_env
 
 HELPER = Path(__file__).parent / "helpers" / "check_ds_configs.py"
@@ -62,7 +62,7 @@ def test_golden_default_and_fp16(make_cfg):
     assert ds["fp16"] == {"enabled": True, "loss_scale": 0.0, "initial_scale_power": 16, "loss_scale_window": 1000,
                           "hysteresis": 2, "min_loss_scale": 1}
     assert "bf16" not in ds
-    assert "scheduler" not in ds  # the LR schedule is ours (dsrecipes.schedule), not DeepSpeed's
+    assert "scheduler" not in ds  # the LR schedule is ours (dsrecipes.rank.schedule), not DeepSpeed's
     assert ds["zero_optimization"] == {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
                                        "reduce_bucket_size": 50000000, "allgather_bucket_size": 50000000}
 

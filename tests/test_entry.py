@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from dsrecipes.core.errors import DataError
 from dsrecipes.data.stream.scan import scan_stream
-from dsrecipes.errors import DataError
 from tests.conftest import subprocess_env
 
 ROWS = [

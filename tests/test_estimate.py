@@ -13,8 +13,8 @@ from deepspeed.runtime.zero.stage3 import (
 )
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-from dsrecipes import estimate as est
 from dsrecipes.commands.estimate import main as estimate_main
+from dsrecipes.run import estimate as est
 
 P, L = 1_234_567_890, 123_456_789
 LAYOUTS = [(1, 1), (8, 1), (8, 4), (4, 2)]
@@ -79,7 +79,7 @@ def test_stage_ordering_and_lora_and_fp32(make_cfg, mixed_adam):
 def test_tiny_model_shape_counts_like_deepspeed(make_cfg):
     from deepspeed.runtime.zero.stage3 import model_to_params
 
-    from dsrecipes.model import build_model, load_tokenizer
+    from dsrecipes.modeling.model import build_model, load_tokenizer
 
     cfg = make_cfg(check_files=False)
     s = est.model_shape(cfg)
@@ -89,7 +89,7 @@ def test_tiny_model_shape_counts_like_deepspeed(make_cfg):
 
 
 def test_lora_shape_counts_adapters(make_cfg):
-    from dsrecipes.model import build_model, count_parameters, load_tokenizer
+    from dsrecipes.modeling.model import build_model, count_parameters, load_tokenizer
 
     cfg = make_cfg("model.lora.enabled=true", check_files=False)
     s = est.model_shape(cfg)
@@ -144,7 +144,7 @@ def test_cli_table_and_json(capsys):
 @pytest.mark.parametrize("model", ["qwen2_5_0_5b", "llama3_8b", "opt_1_3b"])
 def test_shipped_model_shapes_match_their_published_parameter_counts(make_cfg, model):
     """`model.arch` lets `estimate` work before the weights are downloaded; its shape must be the real one."""
-    from dsrecipes.estimate import model_shape
+    from dsrecipes.run.estimate import model_shape
 
     published = make_cfg(f"model={model}", check_files=False).model.num_params
     shape = model_shape(make_cfg(f"model={model}", "model.num_params=null", check_files=False))

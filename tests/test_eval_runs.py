@@ -38,7 +38,7 @@ def workspace(tmp_path_factory) -> Path:
 
 
 def eval_rows(run_dir: Path) -> List[dict]:
-    from dsrecipes.rundir import read_metrics
+    from dsrecipes.core.rundir import read_metrics
 
     return [r for r in read_metrics(run_dir) if "eval_loss" in r]
 
@@ -54,8 +54,8 @@ def val_rows(run_dir: Path):
 def tiny_hf(workspace) -> Path:
     """The tiny model's seeded start as a local HF directory (the 2-rank ZeRO-3 run's base)."""
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.export import export_initial
-    from dsrecipes.model import load_tokenizer
+    from dsrecipes.core.tokenizer import load_tokenizer
+    from dsrecipes.rank.export import export_initial
 
     cfg = compose_and_load(["debug=fast"])
     return export_initial(cfg, load_tokenizer(cfg), workspace / "tiny_hf")
@@ -87,7 +87,7 @@ def test_zero3_two_ranks_from_a_local_model_directory(zero3_two_ranks, tiny_hf):
 
 
 def test_step0_eval_is_the_same_on_one_and_two_ranks(zero3_two_ranks, workspace):
-    from dsrecipes.evaluation import verify_eval_ledgers
+    from dsrecipes.rank.evaluation import verify_eval_ledgers
 
     two = zero3_two_ranks
     one, _ = train_run(workspace, "w1", *STEP0, "trainer.max_steps=1", "trainer.export=false",
@@ -102,7 +102,7 @@ def test_step0_eval_is_the_same_on_one_and_two_ranks(zero3_two_ranks, workspace)
     for run, ranks in ((one, 1), (two, 2)):
         assert len(list((run / "ledger").glob("eval_rank*.jsonl"))) == ranks
         assert verify_eval_ledgers(run, first9) == [], run
-    from dsrecipes.evaluation import read_eval_ledger
+    from dsrecipes.rank.evaluation import read_eval_ledger
 
     shares = [read_eval_ledger(two / "ledger" / f"eval_rank{r}.jsonl")[0] for r in (0, 1)]
     assert [len(s) for s in shares] == [4, 5]  # unequal shares: rank 0 padded its second forward
@@ -184,7 +184,7 @@ def test_overfitting_run_keeps_and_exports_its_best_checkpoint_and_stops_early(o
 
 
 def test_kill_while_counting_patience_then_resume_ends_like_the_uninterrupted_run(overfit, workspace):
-    from dsrecipes.checkpoint import KILL_BEFORE_LATEST_ENV
+    from dsrecipes.rank.checkpoint import KILL_BEFORE_LATEST_ENV
 
     result = json.loads((overfit / "result.json").read_text())
     kill_at = result["best_step"] + 4  # two evaluations without improvement: the counter is at 2

@@ -10,11 +10,11 @@ import math
 import pytest
 import torch
 
+from dsrecipes.core.schema import SelectMetric
 from dsrecipes.data.strategies.eval import limit_rows
-from dsrecipes.evaluation import EvalLedger, evaluate, verify_eval_ledgers
 from dsrecipes.objectives.sft import SFT, EvalResult, collate, token_sums
-from dsrecipes.schema import SelectMetric
-from dsrecipes.selection import METRIC_MODES, Selector
+from dsrecipes.rank.evaluation import EvalLedger, evaluate, verify_eval_ledgers
+from dsrecipes.rank.selection import METRIC_MODES, Selector
 
 
 def batch_sums(logits, labels, position_ids=None):
@@ -147,7 +147,7 @@ def test_selection_off_keeps_nothing(make_cfg):
     ("trainer.early_stopping.min_delta=-0.5", "trainer.early_stopping.min_delta"),
 ])
 def test_config_rules(make_cfg, override, message):
-    from dsrecipes.errors import ConfigError
+    from dsrecipes.core.errors import ConfigError
 
     with pytest.raises(ConfigError) as err:
         make_cfg(override, check_files=False)
@@ -155,7 +155,7 @@ def test_config_rules(make_cfg, override, message):
 
 
 def test_held_out_prompts_cut_each_sample_at_its_last_trained_span():
-    from dsrecipes.gen_eval import held_out_prompts, samples_of
+    from dsrecipes.rank.gen_eval import held_out_prompts, samples_of
 
     class Tok:
         def decode(self, ids, skip_special_tokens=False):
@@ -180,7 +180,7 @@ def test_held_out_prompts_cut_each_sample_at_its_last_trained_span():
     ("trainer.prompt_eval_every=5 data.train_on=all", "trainer.prompt_eval_every: with data.train_on=all"),
 ])
 def test_prompt_eval_config_rules(make_cfg, override, message):
-    from dsrecipes.errors import ConfigError
+    from dsrecipes.core.errors import ConfigError
 
     with pytest.raises(ConfigError) as err:
         make_cfg(*override.split(), check_files=False)

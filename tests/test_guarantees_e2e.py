@@ -368,7 +368,7 @@ def test_presharded_part_count_must_match_world_size(workspace, shards, capfd):
     assert f"holds 3 parts but the run has {RANKS} ranks" in out and f"--parts {RANKS}" in out, out[-4000:]
     assert "Traceback" not in out
     # before any rank: no launcher command, no run files, no ledger
-    assert "dsrecipes.worker" not in out and "spawned" not in out
+    assert "dsrecipes.rank.worker" not in out and "spawned" not in out
     assert not any((run / f).exists() for f in ("config.yaml", "ds_config.json", "launch.txt", "ledger"))
 
 
@@ -378,7 +378,7 @@ def test_presharded_part_count_must_match_world_size(workspace, shards, capfd):
 
 @pytest.fixture(scope="module")
 def resumed_run(workspace, shards) -> tuple[Path, str]:
-    from dsrecipes.checkpoint import KILL_BEFORE_LATEST_ENV
+    from dsrecipes.rank.checkpoint import KILL_BEFORE_LATEST_ENV
 
     overrides = iterable_overrides()
     killed = {KILL_BEFORE_LATEST_ENV: str(KILLED_AT), **STORE_ENV}

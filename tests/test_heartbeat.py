@@ -1,4 +1,4 @@
-"""dsrecipes.heartbeat on a real 2-rank gloo job on this machine (no namespaces needed).
+"""dsrecipes.core.heartbeat on a real 2-rank gloo job on this machine (no namespaces needed).
 
   a peer killed (its sockets close): the rank waiting in all_reduce crashes, asks the heartbeat, names the peer
   a peer frozen (SIGSTOP: nothing closes, as with a dead node): the heartbeat notices within peer_timeout_s
@@ -20,14 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from dsrecipes import heartbeat
+from dsrecipes.core import heartbeat
 from tests.conftest import REPO, subprocess_env
 
 TIMEOUT_S = 5
 
 
 def start_pair(run_dir: Path, *mode: str):
-    from dsrecipes.distributed import free_port
+    from dsrecipes.core.distributed import free_port
 
     port = str(free_port())
     procs = []

@@ -34,8 +34,8 @@ def base(ws) -> Path:  # noqa: F811
 def poison(run: Path, marker: Path, sign_with: Path | None = None, monkeypatch=None) -> Path:
     """step_8's model states carry a payload; complete.json lists the new hashes (unsigned, or signed with another
     user's key `sign_with`). Returns the checkpoint."""
-    from dsrecipes import trust
-    from dsrecipes.manifest import describe
+    from dsrecipes.boundary import trust
+    from dsrecipes.core.manifest import describe
 
     tag = run / "checkpoints" / "step_8"
     states = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=True)
@@ -89,7 +89,7 @@ def test_a_pickle_payload_with_recomputed_hashes_is_refused_everywhere(ws, base,
 def test_an_unsigned_clean_checkpoint_loads_only_with_the_flag(ws, base, tmp_path):  # noqa: F811
     """What --trust-checkpoint is for: a colleague's checkpoint (here: the signature removed). It exports and
     resumes with the flag, and nothing is re-signed."""
-    from dsrecipes.runplan import read_plan
+    from dsrecipes.core.runplan import read_plan
 
     run = copy_run(base, ws / "colleague")
     tag = run / "checkpoints" / "step_8"
@@ -108,7 +108,7 @@ def test_an_unsigned_clean_checkpoint_loads_only_with_the_flag(ws, base, tmp_pat
 
 def test_chat_and_prompt_eval_refuse_a_poisoned_export_of_a_run(ws, base, tmp_path):  # noqa: F811
     """The run's export has its weights replaced by a pickle payload and its marker's hashes recomputed."""
-    from dsrecipes.manifest import describe
+    from dsrecipes.core.manifest import describe
 
     marker = tmp_path / "payload_ran"
     run = copy_run(base, ws / "poisoned_export")
@@ -130,7 +130,7 @@ def test_chat_and_prompt_eval_refuse_a_poisoned_export_of_a_run(ws, base, tmp_pa
 
 def test_export_refuses_a_base_model_that_needs_its_own_code(ws, base, tmp_path):  # noqa: F811
     """The run's model.path (the base its weights go onto) gained an auto_map: export refuses it, nothing runs."""
-    from dsrecipes.paths import TINY_TOKENIZER_DIR
+    from dsrecipes.core.paths import TINY_TOKENIZER_DIR
 
     run = copy_run(base, ws / "custom_base")
     custom = tmp_path / "custom"
@@ -163,9 +163,9 @@ def test_a_pickle_added_beside_a_signed_checkpoint_is_not_loaded(ws, base, tmp_p
 def test_an_export_marker_of_the_wrong_shape_is_a_damaged_export(ws, base, tmp_path, hashes, monkeypatch):  # noqa: F811
     """dsrecipes_export.json's `hashes` from someone else (trusted on the command line): a list used to skip the
     check and load whatever was there; any wrong shape is now one message before anything is read."""
-    from dsrecipes import trust
-    from dsrecipes.errors import UserError
-    from dsrecipes.inference import check_loadable
+    from dsrecipes.boundary import trust
+    from dsrecipes.core.errors import UserError
+    from dsrecipes.serve.inference import check_loadable
 
     export = copy_run(base / "export", tmp_path / "export")
     info = json.loads((export / "dsrecipes_export.json").read_text())

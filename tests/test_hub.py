@@ -36,8 +36,8 @@ def populate_hub_cache(hf_home: Path, model_dir: Path, repo_id: str = REPO_ID, c
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.export import export_initial
-    from dsrecipes.model import load_tokenizer
+    from dsrecipes.core.tokenizer import load_tokenizer
+    from dsrecipes.rank.export import export_initial
 
     cfg = compose_and_load(["debug=fast"])
     return export_initial(cfg, load_tokenizer(cfg), tmp_path_factory.mktemp("hub_src") / "tiny")
@@ -80,8 +80,8 @@ def test_missing_cache_offline_or_unreachable_hub_is_one_message(tmp_path, monke
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setattr(hub_constants, "ENDPOINT", "http://127.0.0.1:9")
     monkeypatch.setattr(hub_constants, "HF_HUB_ETAG_TIMEOUT", 2)
-    from dsrecipes.errors import ConfigError
-    from dsrecipes.hub import fetch
+    from dsrecipes.core.errors import ConfigError
+    from dsrecipes.core.hub import fetch
 
     with pytest.raises(ConfigError, match="not in the hub cache and the Hub could not be reached"):
         fetch("acme/not-cached", None, "model.path")
@@ -90,8 +90,8 @@ def test_missing_cache_offline_or_unreachable_hub_is_one_message(tmp_path, monke
 def test_local_paths_win_and_revisions_are_honoured(tmp_path, tiny_model_dir, monkeypatch):
     import huggingface_hub.constants as hub_constants
 
-    from dsrecipes.errors import ConfigError
-    from dsrecipes.hub import fetch, is_hub_id
+    from dsrecipes.core.errors import ConfigError
+    from dsrecipes.core.hub import fetch, is_hub_id
 
     populate_hub_cache(tmp_path / "hf", tiny_model_dir)
     other = populate_hub_cache(tmp_path / "hf2", tiny_model_dir, commit="f" * 40)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-import dsrecipes.stopping as stopping
+import dsrecipes.core.stopping as stopping
 from tests.conftest import in_process_environ, subprocess_env
 
 
@@ -86,7 +86,7 @@ def test_a_sigterm_then_a_sigint_together_are_one_interruption(fresh_stop):
 
 
 def _checkpoint(run: Path, step: int) -> Path:
-    from dsrecipes.checkpoint import COMPLETE
+    from dsrecipes.rank.checkpoint import COMPLETE
 
     tag = run / "checkpoints" / f"step_{step}"
     tag.mkdir(parents=True)
@@ -128,8 +128,8 @@ def _args(ws: Path, run: Path):
 def test_ctrl_c_under_timeout_still_checkpoints(tmp_path):
     """`timeout` forwards one SIGINT twice (to the child, then to its group): the run still stops at the next step
     boundary with a verified checkpoint, says so once, and exits 130."""
-    from dsrecipes.checkpoint_find import damage
-    from dsrecipes.step_guard import PAUSE_AFTER_STEP_ENV
+    from dsrecipes.boundary.checkpoint_find import damage
+    from dsrecipes.rank.step_guard import PAUSE_AFTER_STEP_ENV
     from tests.test_signals import wait_for_step
 
     run = tmp_path / "under_timeout"
@@ -189,7 +189,7 @@ def test_sigterm_while_preparing_data_reports_the_run_interrupted_with_the_resum
                                                                                         capsys):
     """Before the launch (data preparation runs in the launching process) a SIGTERM used to end the process with
     no result.json and no resume command: now it is exit 143, result.json `interrupted`, the command printed."""
-    import dsrecipes.entry as entry
+    import dsrecipes.run.entry as entry
     from dsrecipes.cli import main
 
     real = entry.plan_run

@@ -20,7 +20,7 @@ from typing import Optional
 
 import pytest
 
-import dsrecipes.jit_ops as jit_ops
+import dsrecipes.core.jit_ops as jit_ops
 from tests.conftest import subprocess_env
 
 
@@ -50,12 +50,12 @@ TINY_OP = r'''
 import sys
 from pathlib import Path
 
-from dsrecipes.deepspeed_import import load_deepspeed
+from dsrecipes.core.deepspeed_import import load_deepspeed
 
 load_deepspeed()  # as every dsrecipes process imports DeepSpeed (without its autotuner's mlflow import)
 from deepspeed.ops.op_builder.cpu.builder import CPUOpBuilder  # noqa: E402
 
-import dsrecipes.jit_ops as jit_ops  # noqa: E402
+import dsrecipes.core.jit_ops as jit_ops  # noqa: E402
 
 SOURCE = Path(sys.argv[1])
 
@@ -141,7 +141,7 @@ def test_environments_build_apart_once_each_announced_where_doctor_looks(tmp_pat
 IMPORT_IN_A_RANK = """
 import sys
 import torch
-from dsrecipes.deepspeed_import import load_deepspeed
+from dsrecipes.core.deepspeed_import import load_deepspeed
 load_deepspeed()
 import deepspeed.autotuning.autotuner as autotuner
 print("mlflow" in sys.modules, autotuner.has_mlflow)
@@ -161,7 +161,7 @@ print(mlflow.MlflowClient.__name__)
 
 def test_deepspeed_imports_without_the_autotuners_mlflow_and_compiles_muon_only_when_called():
     """DeepSpeed's autotuner imports mlflow (1.5 CPU s) in every process that imports DeepSpeed; ours import it
-    without (dsrecipes/deepspeed_import.py), and mlflow still imports afterwards (a run that tracks to mlflow).
+    without (dsrecipes/core/deepspeed_import.py), and mlflow still imports afterwards (a run that tracks to mlflow).
     ZeRO-1/2 import DeepSpeed's Muon kernels, whose `torch.compile` decorators import TorchInductor (2.1-2.3 CPU s
     per rank): ours compile each of them on its first call, once, and a run without Muon never imports Inductor."""
     done = subprocess.run([sys.executable, "-c", IMPORT_IN_A_RANK], capture_output=True, text=True, timeout=300,

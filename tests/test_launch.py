@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from dsrecipes import launch
-from dsrecipes.errors import UserError
-from dsrecipes.launch.builders import MULTINODE_DEFAULT_PORT
-from dsrecipes.launch.process import child_env, run_subprocess
-from dsrecipes.schema import LauncherKind
-from dsrecipes.topology import resolve_topology
+from dsrecipes.core.errors import UserError
+from dsrecipes.core.schema import LauncherKind
+from dsrecipes.core.topology import resolve_topology
+from dsrecipes.run import launch
+from dsrecipes.run.launch.builders import MULTINODE_DEFAULT_PORT
+from dsrecipes.run.launch.process import child_env, run_subprocess
 
 PY = sys.executable
 RUN = Path("/tmp/dsr-run")
@@ -38,7 +38,7 @@ def test_every_kind_has_a_builder():
 
 
 def test_every_launcher_option_composes_and_builds(make_cfg):
-    from dsrecipes.paths import conf_dir
+    from dsrecipes.core.paths import conf_dir
 
     options = sorted(p.stem for p in (conf_dir() / "launcher").glob("*.yaml"))
     assert options, "no conf/launcher/*.yaml found"
@@ -55,7 +55,7 @@ def test_local_golden(make_cfg):
     cfg, plan = plan_for(make_cfg, "launcher=local")
     (cmd,) = plan.commands
     assert cmd.in_process
-    assert cmd.argv == [PY, "-m", "dsrecipes.worker", "--run-dir", str(RUN)]
+    assert cmd.argv == [PY, "-m", "dsrecipes.rank.worker", "--run-dir", str(RUN)]
     assert cmd.env == {
         "RANK": "0",
         "WORLD_SIZE": "1",
@@ -70,9 +70,9 @@ def test_deepspeed_golden(make_cfg):
     cfg, plan = plan_for(make_cfg, "launcher=deepspeed", "launcher.num_gpus=2")
     (cmd,) = plan.commands
     assert cmd.argv == [
-        PY, "-u", "-m", "dsrecipes.launch.ds_node", "--world_info=eyJsb2NhbGhvc3QiOiBbMCwgMV19",
+        PY, "-u", "-m", "dsrecipes.run.launch.ds_node", "--world_info=eyJsb2NhbGhvc3QiOiBbMCwgMV19",
         "--master_addr=127.0.0.1", f"--master_port={PORT}", "--module", "--no_local_rank", "--log_level=info",
-        "dsrecipes.worker", "--run-dir", str(RUN),
+        "dsrecipes.rank.worker", "--run-dir", str(RUN),
     ]  # fmt: skip
     assert cmd.env == {} and cmd.node_rank is None and not plan.files
     assert "deepspeed" in [r.name for r in plan.requires]
@@ -122,22 +122,22 @@ def test_deepspeed_single_node_is_what_the_runner_starts(make_cfg, monkeypatch, 
     cfg, plan = plan_for(make_cfg, "launcher=deepspeed", "launcher.num_gpus=3", f"launcher.extra_args=[{quoted}]")
     (cmd,) = plan.commands
     runner_argv = ["--num_gpus", "3", "--master_port", str(PORT), *extra, "--no_local_rank", "--module",
-                   "dsrecipes.worker", "--run-dir", str(RUN)]
+                   "dsrecipes.rank.worker", "--run-dir", str(RUN)]
     theirs = _runner_command(monkeypatch, runner_argv)
     assert theirs[:4] == [PY, "-u", "-m", "deepspeed.launcher.launch"]
-    assert cmd.argv[:4] == [PY, "-u", "-m", "dsrecipes.launch.ds_node"]  # which runs that module's main()
+    assert cmd.argv[:4] == [PY, "-u", "-m", "dsrecipes.run.launch.ds_node"]  # which runs that module's main()
     ours = _node_launch_parse(monkeypatch, cmd.argv[4:])
     assert vars(ours) == vars(_node_launch_parse(monkeypatch, theirs[4:]))
     assert [a for a in theirs[4:] if a not in cmd.argv] == ["--enable_each_rank_log=None"]  # (a default, spelled out)
-    assert (ours.training_script, ours.training_script_args) == ("dsrecipes.worker", ["--run-dir", str(RUN)])
+    assert (ours.training_script, ours.training_script_args) == ("dsrecipes.rank.worker", ["--run-dir", str(RUN)])
     assert (ours.module, ours.no_local_rank, ours.no_python, ours.master_port) == (True, True, False, PORT)
 
 
 def test_the_node_entry_is_deepspeeds_launcher_without_mlflow():
-    """`python -m dsrecipes.launch.ds_node` is DeepSpeed's per-node launcher (its own parser and main()), and its
+    """`python -m dsrecipes.run.launch.ds_node` is DeepSpeed's per-node launcher (its own parser and main()), and its
     process never imports mlflow although mlflow is installed (DeepSpeed's autotuner would import it)."""
     pytest.importorskip("mlflow")
-    probe = ("import sys\nfrom dsrecipes.launch import ds_node\nsys.argv = ['ds_node', '--help']\n"
+    probe = ("import sys\nfrom dsrecipes.run.launch import ds_node\nsys.argv = ['ds_node', '--help']\n"
              "try:\n    ds_node.main()\nexcept SystemExit as e:\n    print('exit', e.code)\n"
              "print('mlflow' in sys.modules, sys.modules['deepspeed.launcher.launch'].__file__)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
@@ -173,7 +173,7 @@ def test_deepspeed_include_hostfile_golden(make_cfg, tmp_path):
     assert cmd.argv == [
         PY, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--include", "worker-0:0,1@worker-1:2",
         "--master_addr", "10.0.0.1", "--master_port", str(PORT), "--bind_cores_to_rank",
-        "--no_local_rank", "--module", "dsrecipes.worker", "--run-dir", str(RUN),
+        "--no_local_rank", "--module", "dsrecipes.rank.worker", "--run-dir", str(RUN),
     ]  # fmt: skip
     # pdsh multi-node reads .deepspeed_env; DS_ENV_FILE points DeepSpeed at the run's own copy
     assert plan.files[".deepspeed_env"] == "NCCL_DEBUG=INFO\n"
@@ -206,7 +206,7 @@ def test_deepspeed_argv_parsed_by_deepspeed(make_cfg, monkeypatch):
     args = _node_launch_parse(monkeypatch, plan.commands[0].argv[4:])
     assert args.world_info == encode_world_info({"localhost": [0, 1, 2]})
     assert (args.master_addr, args.master_port, args.module, args.no_local_rank) == ("127.0.0.1", PORT, True, True)
-    assert args.training_script == "dsrecipes.worker"
+    assert args.training_script == "dsrecipes.rank.worker"
     assert args.training_script_args == ["--run-dir", str(RUN)]
 
 
@@ -219,9 +219,9 @@ def test_deepspeed_multinode_golden(make_cfg):
     world = "eyJub2RlMCI6IFswLCAxLCAyLCAzLCA0LCA1LCA2LCA3XSwgIm5vZGUxIjogWzAsIDEsIDIsIDMsIDQsIDUsIDYsIDddfQ=="
     for node, cmd in enumerate(plan.commands):
         assert cmd.argv == [
-            PY, "-u", "-m", "dsrecipes.launch.ds_node", f"--world_info={world}", "--master_addr=10.1.2.3",
+            PY, "-u", "-m", "dsrecipes.run.launch.ds_node", f"--world_info={world}", "--master_addr=10.1.2.3",
             f"--master_port={PORT}", f"--node_rank={node}", "--module", "--no_local_rank", "--log_level=info",
-            "dsrecipes.worker", "--run-dir", str(RUN),
+            "dsrecipes.rank.worker", "--run-dir", str(RUN),
         ]  # fmt: skip
         assert cmd.env == {"NCCL_IB_DISABLE": "0"}  # launcher.env, exported directly (no-ssh ignores .deepspeed_env)
     assert not plan.files  # no hostfile: nothing reads one
@@ -240,15 +240,15 @@ def test_deepspeed_multinode_node_is_what_the_no_ssh_runner_starts(make_cfg, mon
     for cmd in plan.commands:
         runner_argv = ["--hostfile", str(hostfile), "--num_nodes", "3", "--num_gpus", "2", "--no_ssh", "--node_rank",
                        str(cmd.node_rank), "--master_addr", "10.1.2.3", "--master_port", str(PORT), *extra,
-                       "--no_local_rank", "--module", "dsrecipes.worker", "--run-dir", str(RUN)]
+                       "--no_local_rank", "--module", "dsrecipes.rank.worker", "--run-dir", str(RUN)]
         theirs = _runner_command(monkeypatch, runner_argv)
         assert theirs[:4] == [PY, "-u", "-m", "deepspeed.launcher.launch"]
-        assert cmd.argv[:4] == [PY, "-u", "-m", "dsrecipes.launch.ds_node"]
+        assert cmd.argv[:4] == [PY, "-u", "-m", "dsrecipes.run.launch.ds_node"]
         ours = _node_launch_parse(monkeypatch, cmd.argv[4:])
         assert vars(ours) == vars(_node_launch_parse(monkeypatch, theirs[4:]))
         assert [a for a in theirs[4:] if a not in cmd.argv] == ["--enable_each_rank_log=None"]
         assert (ours.node_rank, ours.master_addr) == (cmd.node_rank, "10.1.2.3")
-        assert ours.training_script == "dsrecipes.worker"
+        assert ours.training_script == "dsrecipes.rank.worker"
     assert world_size(cfg) == 6
 
 
@@ -274,7 +274,7 @@ def test_torchrun_golden(make_cfg):
     assert cmd.argv == [
         PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1", "--rdzv_backend", "c10d",
         "--rdzv_endpoint", f"127.0.0.1:{PORT}", "--rdzv_id", "dsrecipes-dsr-run",
-        "-m", "dsrecipes.worker", "--run-dir", str(RUN),
+        "-m", "dsrecipes.rank.worker", "--run-dir", str(RUN),
     ]  # fmt: skip
     assert world_size(cfg) == 2
 
@@ -293,7 +293,7 @@ def test_torchrun_multinode_endpoint(make_cfg):
     from torch.distributed.run import get_args_parser
 
     args = get_args_parser().parse_args(argv[3:])
-    assert (args.nproc_per_node, args.module, args.training_script) == ("8", True, "dsrecipes.worker")
+    assert (args.nproc_per_node, args.module, args.training_script) == ("8", True, "dsrecipes.rank.worker")
     assert args.training_script_args == ["--run-dir", str(RUN)]
     assert world_size(cfg) == 32
 
@@ -302,8 +302,8 @@ def test_mpirun_golden(make_cfg):
     cfg, plan = plan_for(make_cfg, "launcher=mpirun", "+launcher.env.NCCL_SOCKET_IFNAME='eth0,ib0'")
     (cmd,) = plan.commands
     assert cmd.argv == [
-        "mpirun", "-np", "2", PY, "-m", "dsrecipes.launch.mpi_rank", "--master-port", str(PORT),
-        "--master-addr", "127.0.0.1", "--env", "NCCL_SOCKET_IFNAME=eth0,ib0", "--module", "dsrecipes.worker",
+        "mpirun", "-np", "2", PY, "-m", "dsrecipes.run.launch.mpi_rank", "--master-port", str(PORT),
+        "--master-addr", "127.0.0.1", "--env", "NCCL_SOCKET_IFNAME=eth0,ib0", "--module", "dsrecipes.rank.worker",
         "--", "--run-dir", str(RUN),
     ]  # fmt: skip
     assert {r.name for r in plan.requires} == {"mpirun", "mpi4py"}
@@ -384,9 +384,9 @@ def test_local_runs_worker_in_process_and_restores_env(make_cfg, tmp_path, monke
         seen["run_dir"] = run_dir
         return 0
 
-    import dsrecipes.worker
+    import dsrecipes.rank.worker
 
-    monkeypatch.setattr(dsrecipes.worker, "run", run)
+    monkeypatch.setattr(dsrecipes.rank.worker, "run", run)
     monkeypatch.setenv("RANK", "7")
     monkeypatch.delenv("MASTER_PORT", raising=False)
     cfg = make_cfg("launcher=local", check_files=False)
@@ -431,7 +431,7 @@ def test_sigterm_is_forwarded_to_the_launcher(tmp_path):
     code = run_subprocess(launch.Command([sys.executable, str(child)]), tmp_path, grace_s=10)
     assert code == 3 and marker.is_file() and time.time() - start < 20
     assert signal.getsignal(signal.SIGTERM) is before
-    from dsrecipes import stopping
+    from dsrecipes.core import stopping
 
     assert stopping.requested() == signal.SIGTERM
     stopping.reset()
@@ -463,6 +463,6 @@ def test_a_launcher_that_ignores_sigterm_is_killed_with_its_tree_after_the_grace
     assert code == -signal.SIGKILL and time.time() - start < 15
     for pid in map(int, pids.read_text().split()):
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
-    from dsrecipes import stopping
+    from dsrecipes.core import stopping
 
     stopping.reset()

@@ -28,7 +28,7 @@ def test_pipeline_overrides_compose(make_cfg, tmp_path, stage):
     cfg = make_cfg(*smoke.pipeline_overrides(args, stage, tmp_path / "run"), check_files=False)
     assert cfg.zero.stage == stage and cfg.model.tiny.hidden_size == 896 and cfg.data.packing
     assert cfg.optimizer.torch_adam is False and cfg.trainer.micro_batch_size == 16  # --override, the default batch
-    from dsrecipes.topology import resolve_topology
+    from dsrecipes.core.topology import resolve_topology
 
     assert resolve_topology(cfg.launcher).world_size == 1
 

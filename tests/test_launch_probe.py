@@ -1,4 +1,4 @@
-"""Not a test module: a stand-in for `dsrecipes.worker` that the launcher tests start on every rank.
+"""Not a test module: a stand-in for `dsrecipes.rank.worker` that the launcher tests start on every rank.
 
 `python -m test_launch_probe --run-dir RUN` (with tests/ on PYTHONPATH) checks the env:// variables the launchers
 must provide, does one all_reduce over gloo, and writes `RUN/probe/rank<R>.json`.

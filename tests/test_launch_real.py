@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from dsrecipes import launch
-from dsrecipes.distributed import free_port
-from dsrecipes.topology import resolve_topology
+from dsrecipes.core.distributed import free_port
+from dsrecipes.core.topology import resolve_topology
+from dsrecipes.run import launch
 
 TESTS = Path(__file__).resolve().parent
 PROBE = "test_launch_probe"

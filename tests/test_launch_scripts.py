@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dsrecipes.distributed import free_port
+from dsrecipes.core.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((REPO / "launch").glob("*.sh")) + sorted((REPO / "launch").glob("*.sbatch"))
@@ -51,7 +51,7 @@ def test_multinode_nossh_script_trains_with_two_nodes_on_localhost(tmp_path):
     codes = [p.wait(timeout=600) for p in procs]
     assert codes == [0, 0]
     text = (run_dir / "launch.txt").read_text()
-    assert "-m dsrecipes.launch.ds_node " in text and "--node_rank=1 " in text  # node 1's per-node launcher
+    assert "-m dsrecipes.run.launch.ds_node " in text and "--node_rank=1 " in text  # node 1's per-node launcher
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
     assert json.loads((run_dir / "ds_config.json").read_text())["train_batch_size"] % 2 == 0  # world size 2

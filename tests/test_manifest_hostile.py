@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dsrecipes import manifest
+from dsrecipes.core import manifest
 from tests import test_run_safety as safety
 from tests.conftest import subprocess_env
 from tests.test_run_ownership import snapshot

@@ -6,8 +6,9 @@ import json
 
 import torch
 
-from dsrecipes.metrics import MetricsLogger, Window
-from dsrecipes.rundir import read_metrics
+from dsrecipes.core.rundir import read_metrics
+from dsrecipes.observe.metrics import MetricsLogger
+from dsrecipes.rank.step_window import Window
 
 
 def test_rank0_writes_jsonl_tensorboard_and_plot(tmp_path):

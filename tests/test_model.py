@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsrecipes.model import build_model, count_parameters, load_tokenizer, trainable_parameters
+from dsrecipes.modeling.model import build_model, count_parameters, load_tokenizer, trainable_parameters
 from dsrecipes.objectives.base import IGNORE_INDEX
 from dsrecipes.objectives.sft import micro_batch_loss, token_loss_sum
 
@@ -90,7 +90,7 @@ def test_micro_batch_loss_runs_packed_and_padded_with_checkpointing(make_cfg):
 BUILD_IN_A_RANK = """
 import sys
 from dsrecipes.config.load import compose_and_load, hydra_context
-from dsrecipes.model import build_model, load_tokenizer
+from dsrecipes.modeling.model import build_model, load_tokenizer
 with hydra_context():
     cfg = compose_and_load(["debug=fast"], check_files=False)
 model = build_model(cfg, load_tokenizer(cfg))

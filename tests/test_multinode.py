@@ -110,7 +110,7 @@ def tails(logs: Sequence[Path], n: int = 4000) -> str:
 
 
 def losses(run: Path) -> Dict[int, float]:
-    from dsrecipes.metrics import read_metrics
+    from dsrecipes.observe.metrics import read_metrics
 
     return {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
 
@@ -187,11 +187,11 @@ def pdsh_argv(cluster: netns.Cluster, workspace: Path, run: Path, *extra: str) -
 
 
 def workers(node: netns.Node) -> List[int]:
-    """Rank processes (`python -u -m dsrecipes.worker ...`) running on `node`."""
+    """Rank processes (`python -u -m dsrecipes.rank.worker ...`) running on `node`."""
     found = []
     for pid in node.pids():
         cmd = netns.cmdline_of(pid)
-        if "dsrecipes.worker" in cmd and cmd[cmd.index("dsrecipes.worker") - 1] == "-m":
+        if "dsrecipes.rank.worker" in cmd and cmd[cmd.index("dsrecipes.rank.worker") - 1] == "-m":
             found.append(pid)
     return found
 
@@ -213,8 +213,8 @@ def test_deepspeed_over_ssh_pdsh_through_a_dead_node_and_resume(ssh_cluster, wor
     Node 1 is cut off and killed while rank 0 stalls after the step-2 checkpoint (the others wait in a collective),
     so no connection is closed and only the heartbeat can notice; then the same command resumes on both nodes. The
     result (both sessions through pdsh) must be the torchrun run's, sample for sample and loss for loss."""
-    from dsrecipes.heartbeat import FAILURE_FILE
-    from dsrecipes.train import STALL_AFTER_STEP_ENV
+    from dsrecipes.core.heartbeat import FAILURE_FILE
+    from dsrecipes.rank.train import STALL_AFTER_STEP_ENV
 
     node0, node1 = ssh_cluster.nodes
     run = workspace / "pdsh"
@@ -350,7 +350,7 @@ def test_deepspeed_multinode_no_ssh_reads_a_store_host_exactly_once_then_resumes
     text = (run / "launch.txt").read_text()
     assert f"--master_addr={cluster.nodes[0].addr} " in text and "GLOO_SOCKET_IFNAME=dsr0" in text
     # each node runs DeepSpeed's per-node launcher as the no-ssh runner would start it on node N, not the runner
-    assert "-m dsrecipes.launch.ds_node " in text and "--node_rank=1 " in text and "launcher.runner" not in text
+    assert "-m dsrecipes.run.launch.ds_node " in text and "--node_rank=1 " in text and "launcher.runner" not in text
     assert_exactly_once(run)
     report = verify_ledgers(run, expected_ids=ids, global_batch=8, complete_epochs=[0])
     assert report.ok and report.missing == {0: 0}, report.summary()  # every sample of the store, once

@@ -10,9 +10,9 @@ from typing import List
 import pytest
 import torch
 
+from dsrecipes.core.paths import conf_dir
+from dsrecipes.core.schema import ObjectiveKind
 from dsrecipes.objectives import build_objective, builders
-from dsrecipes.paths import conf_dir
-from dsrecipes.schema import ObjectiveKind
 from tests.conftest import in_process_environ
 
 # `python -m dsrecipes trainer.max_steps=6 trainer.log_every=1 trainer.eval_every=3` (the default composition: tiny
@@ -31,14 +31,14 @@ def test_every_objective_kind_has_a_builder_and_an_option_file(make_cfg):
     for kind in ObjectiveKind:
         cfg = make_cfg(f"objective={kind.value}")
         assert cfg.objective.kind is kind
-        from dsrecipes.model import load_tokenizer
+        from dsrecipes.core.tokenizer import load_tokenizer
 
         objective = build_objective(cfg, load_tokenizer(cfg))
         assert objective.kind is kind and objective.eval_keys
 
 
 def test_objective_typo_fails_at_compose(make_cfg):
-    from dsrecipes.errors import ConfigError
+    from dsrecipes.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="objective"):
         make_cfg("objective=nope")
@@ -48,7 +48,7 @@ def test_objective_typo_fails_at_compose(make_cfg):
 
 def test_sft_eval_sums_count_tokens_and_correct_predictions(make_cfg):
     """A model that always predicts the next label gets every counted token right; sums, not means."""
-    from dsrecipes.model import load_tokenizer
+    from dsrecipes.core.tokenizer import load_tokenizer
 
     cfg = make_cfg()
     sft = build_objective(cfg, load_tokenizer(cfg))

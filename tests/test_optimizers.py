@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from dsrecipes import jit_ops
-from dsrecipes.distributed import free_port
+from dsrecipes.core import jit_ops
+from dsrecipes.core.distributed import free_port
 from tests.conftest import subprocess_env
 
 HELPER = Path(__file__).parent / "helpers" / "check_optimizers.py"

@@ -197,7 +197,7 @@ def test_plan_steps(make_cfg):
     cfg = make_cfg("data=iterable", "data.num_samples=1000", "trainer.max_steps=null", "trainer.epochs=2",
                    "trainer.micro_batch_size=8", check_files=False)
     assert plan_steps(cfg, 4, PrepareResult(None, "")) == (31, 62)
-    from dsrecipes.errors import DataError
+    from dsrecipes.core.errors import DataError
 
     with pytest.raises(DataError, match="20 training rows do not fill one global batch"):
         plan_steps(cfg, 4, PrepareResult(20, ""))

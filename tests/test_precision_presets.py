@@ -8,9 +8,9 @@ import dataclasses
 
 import pytest
 
-from dsrecipes.paths import PACKAGE_DIR
-from dsrecipes.resolve import _this_device, precision_for_device
-from dsrecipes.schema import Precision
+from dsrecipes.core.paths import PACKAGE_DIR
+from dsrecipes.core.schema import Precision
+from dsrecipes.run.resolve import _this_device, precision_for_device
 
 LARGE = 4e8  # parameters from which a preset defaults to bf16
 

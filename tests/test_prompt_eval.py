@@ -7,14 +7,14 @@ import json
 import pytest
 
 from dsrecipes.cli import main as cli
-from dsrecipes.prompt_eval import DEFAULT_PROMPTS, read_prompts
+from dsrecipes.serve.prompt_eval import DEFAULT_PROMPTS, read_prompts
 
 
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory):
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.export import export_initial
-    from dsrecipes.model import load_tokenizer
+    from dsrecipes.core.tokenizer import load_tokenizer
+    from dsrecipes.rank.export import export_initial
 
     root = tmp_path_factory.mktemp("prompt_eval")
     dirs = []
@@ -94,7 +94,7 @@ def test_a_plain_base_model_directory_is_accepted_with_its_own_template(tmp_path
     """A Hugging Face directory nobody exported (no dsrecipes_export.json, its tokenizer's own chat template, its
     own generation_config): prompt-eval and chat both load it; prompt-eval needs --prompts (no run behind it)."""
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.model import build_tiny_model, load_tokenizer
+    from dsrecipes.modeling.model import build_tiny_model, load_tokenizer
 
     cfg = compose_and_load(["debug=fast"])
     tokenizer = load_tokenizer(cfg)

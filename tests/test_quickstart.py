@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from dsrecipes.rundir import read_metrics
+from dsrecipes.core.rundir import read_metrics
 from tests.conftest import subprocess_env
 
 pytestmark = pytest.mark.slow

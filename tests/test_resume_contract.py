@@ -1,4 +1,4 @@
-"""The resume contract's table (dsrecipes/resume_contract.py) and the pieces of run-directory safety that need no
+"""The resume contract's table (dsrecipes/run/resume_contract.py) and the pieces of run-directory safety that need no
 training: every setting is classified, checkpoint records verify, atomic claims, locks, stop signals."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from dsrecipes import resume_contract
-from dsrecipes.schema import TrainConfig
-from dsrecipes.typed import config_to_dict
+from dsrecipes.core.schema import TrainConfig
+from dsrecipes.core.typed import config_to_dict
+from dsrecipes.run import resume_contract
 
 
 def leaf_keys() -> list:
@@ -49,7 +49,7 @@ def test_compare_and_fingerprint():
 
 
 def test_a_manifest_catches_truncation_and_same_size_rewrites(tmp_path):
-    from dsrecipes import manifest
+    from dsrecipes.core import manifest
 
     (tmp_path / "sub").mkdir()
     big = tmp_path / "big.bin"
@@ -69,8 +69,8 @@ def test_a_manifest_catches_truncation_and_same_size_rewrites(tmp_path):
 
 
 def test_claims_take_a_new_or_empty_directory_or_our_own(tmp_path):
-    from dsrecipes.errors import UserError
-    from dsrecipes.rundir import MARKER_FILE, claim, unique_new_dir
+    from dsrecipes.core.errors import UserError
+    from dsrecipes.core.rundir import MARKER_FILE, claim, unique_new_dir
 
     with claim(tmp_path / "new", "k", "fp") as held:
         assert held.fresh and json.loads((tmp_path / "new" / MARKER_FILE).read_text())["config_fingerprint"] == "fp"
@@ -87,7 +87,7 @@ def test_claims_take_a_new_or_empty_directory_or_our_own(tmp_path):
 def test_stop_signals_are_recorded_and_a_second_ctrl_c_stops_at_once():
     import os
 
-    from dsrecipes import stopping
+    from dsrecipes.core import stopping
 
     seen = []
     stopping.reset()

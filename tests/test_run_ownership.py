@@ -141,7 +141,7 @@ def test_unwritable_output_and_cache_directories_are_user_errors(tmp_path, read_
 
 
 def test_shard_refuses_a_foreign_output_directory(tmp_path):
-    from dsrecipes.paths import SAMPLE_DATA_DIR
+    from dsrecipes.core.paths import SAMPLE_DATA_DIR
 
     target = foreign_dir(tmp_path / "theirs")
     before = snapshot(target)
@@ -170,7 +170,7 @@ def hold(script: str, tmp_path: Path) -> subprocess.Popen:
 
 def test_a_directory_held_by_another_run_is_refused_naming_the_holder(tmp_path):
     run = tmp_path / "run"
-    holder = hold(f"from dsrecipes.rundir import claim\nc = claim(__import__('pathlib').Path({str(run)!r}), 'x', 'f')",
+    holder = hold(f"from dsrecipes.core.rundir import claim\nc = claim(__import__('pathlib').Path({str(run)!r}), 'x', 'f')",
                   tmp_path)
     try:
         code, out = dsrecipes(*FAST, f"trainer.output_dir={run}", cwd=tmp_path)
@@ -185,7 +185,7 @@ def test_ranks_that_outlived_their_launching_process_keep_a_new_run_out(tmp_path
     run = tmp_path / "run"
     run.mkdir()
     (run / "dsrecipes_run.json").write_text(json.dumps({"dsrecipes_run": 1, "run_id": "x"}))
-    orphan = hold(f"from dsrecipes.rundir import rank_lock\nl = rank_lock({str(run)!r})", tmp_path)
+    orphan = hold(f"from dsrecipes.core.rundir import rank_lock\nl = rank_lock({str(run)!r})", tmp_path)
     try:
         code, out = dsrecipes(*FAST, f"trainer.output_dir={run}", cwd=tmp_path)
     finally:
@@ -242,7 +242,7 @@ def test_broken_model_directories_are_user_errors_in_run_and_validate(tmp_path, 
     path, override, message = model_dir(tmp_path, kind)
     code, out = dsrecipes(*FAST, override, f"trainer.output_dir={tmp_path / 'run'}", cwd=tmp_path)
     assert code == 2 and message in error_line(out)
-    assert not (tmp_path / "run").exists() and "dsrecipes.worker" not in out  # before any rank, nothing created
+    assert not (tmp_path / "run").exists() and "dsrecipes.rank.worker" not in out  # before any rank, nothing created
     code, out = dsrecipes("validate", override, cwd=tmp_path)
     assert code == 2 and message in error_line(out)
 
@@ -251,9 +251,9 @@ def test_a_run_directory_holding_a_symbolic_link_is_refused_and_appends_never_fo
     """dsrecipes makes no links in a run directory: one planted there (a colleague's run continued in place) would
     make the run append its log to a file elsewhere. The claim refuses it, naming the link; the appending opens
     themselves (fileio.open_append) refuse a link too."""
-    from dsrecipes.errors import UserError
-    from dsrecipes.fileio import open_append
-    from dsrecipes.rundir import claim
+    from dsrecipes.core.errors import UserError
+    from dsrecipes.core.fileio import open_append
+    from dsrecipes.core.rundir import claim
 
     run, outside = tmp_path / "run", tmp_path / "outside.txt"
     outside.write_text("theirs\n")
@@ -271,7 +271,7 @@ def test_an_undone_claim_takes_back_only_what_it_made(tmp_path):
     """A run refused after its claim (commands/train.py: the resume decision) leaves no directory behind: the claim
     removes its marker, its lock files and the directories it created, but never a directory that holds anything
     else, nor one that was there before."""
-    from dsrecipes.rundir import claim
+    from dsrecipes.core.rundir import claim
 
     held = claim(tmp_path / "a" / "b" / "run", "trainer.output_dir", "fp")
     held.undo()

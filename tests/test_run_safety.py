@@ -64,7 +64,7 @@ def train(ws: Path, run: Path, *overrides: str, env: Dict[str, str] | None = Non
 
 
 def losses(run: Path) -> Dict[int, float]:
-    from dsrecipes.rundir import read_metrics
+    from dsrecipes.core.rundir import read_metrics
 
     return {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
 
@@ -173,7 +173,7 @@ KINDS = ["weights", "rng", "data_state", "data_state_same_size", "config", "miss
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_damaged_checkpoint_is_named_and_the_previous_one_is_used(ws, base, kind):
-    from dsrecipes.runplan import read_plan
+    from dsrecipes.core.runplan import read_plan
 
     run = copy_run(base, ws / f"damaged_{kind}")
     name = damage(run / "checkpoints" / "step_8", kind)
@@ -186,7 +186,7 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_is_used(ws, base, ki
 
 
 def test_a_run_falls_back_past_a_damaged_checkpoint_and_trains_the_same_steps(ws, base):
-    from dsrecipes.checkpoint_find import damage as check
+    from dsrecipes.boundary.checkpoint_find import damage as check
 
     run = copy_run(base, ws / "fallback")
     damage(run / "checkpoints" / "step_8", "weights")
@@ -272,7 +272,7 @@ def test_a_failed_run_is_failed_in_its_tracker(ws, monkeypatch):
 
 
 def test_skip_drops_a_poisoned_step_and_counts_it(ws):
-    from dsrecipes.step_guard import NAN_AT_STEP_ENV
+    from dsrecipes.rank.step_guard import NAN_AT_STEP_ENV
 
     run = ws / "nan_skip"
     code, out = train(ws, run, "trainer.nan_policy=skip", env={NAN_AT_STEP_ENV: "3"})
@@ -344,14 +344,15 @@ def in_process(main, argv: list, env: Dict[str, str]) -> Tuple[int, str, str]:
 
 
 def test_a_requeued_batch_job_replans_and_resumes_by_itself(ws, base):
-    """The generated launch.sbatch of a requeued job runs `python -m dsrecipes.requeue`, then its ranks: here both
+    """The generated launch.sbatch of a requeued job runs `python -m dsrecipes.run.requeue`, then its ranks: here both
     run as the batch script would (their `main` with its arguments and the rank's environment, in this process),
     on a run stopped after step 4 whose plan.json still says "from the start"."""
     import yaml
 
-    from dsrecipes import requeue, worker
-    from dsrecipes.launch.slurm import sbatch_script
-    from dsrecipes.rundir import CHECKPOINTS_DIR
+    from dsrecipes.core.rundir import CHECKPOINTS_DIR
+    from dsrecipes.rank import worker
+    from dsrecipes.run import requeue
+    from dsrecipes.run.launch.slurm import sbatch_script
 
     run = copy_run(base, ws / "requeued")
     config = yaml.safe_load((run / "config.yaml").read_text())
@@ -374,5 +375,5 @@ def test_a_requeued_batch_job_replans_and_resumes_by_itself(ws, base):
 
     script = sbatch_script(load_run_config(run), run, 29500)
     assert "#SBATCH --requeue" in script and "#SBATCH --signal=B:USR1@180" in script
-    assert f"-m dsrecipes.requeue --run-dir {run}" in script and "scontrol requeue" in script
+    assert f"-m dsrecipes.run.requeue --run-dir {run}" in script and "scontrol requeue" in script
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0

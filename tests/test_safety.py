@@ -206,7 +206,7 @@ def test_models_that_need_their_own_code_are_refused(tmp_path, capsys, monkeypat
     import json
 
     monkeypatch.chdir(tmp_path)
-    from dsrecipes.paths import TINY_TOKENIZER_DIR
+    from dsrecipes.core.paths import TINY_TOKENIZER_DIR
 
     model = tmp_path / "custom"
     shutil.copytree(TINY_TOKENIZER_DIR, model)

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsrecipes.schedule import StepScheduler, lr_factor, warmup_steps
-from dsrecipes.schema import SchedulerConfig, SchedulerKind
+from dsrecipes.core.schema import SchedulerConfig, SchedulerKind
+from dsrecipes.rank.schedule import StepScheduler, lr_factor, warmup_steps
 
 
 def expected_lr(step: int, total: int, warmup: int, kind: str, peak: float, floor: float = 0.0) -> float:
-    """Written apart from dsrecipes.schedule: ramp s/W from step 1, then decay over steps W+1..T, never reaching 0."""
+    """Written apart from dsrecipes.rank.schedule: ramp s/W from step 1, then decay over steps W+1..T, never reaching 0."""
     warmup = min(warmup, total)
     if step <= warmup:
         return peak * step / warmup
@@ -66,7 +66,7 @@ def test_scheduler_object_sets_each_steps_lr_and_resumes_on_a_new_budget():
 
 
 def logged_lrs(run_dir: Path):
-    from dsrecipes.metrics import read_metrics
+    from dsrecipes.observe.metrics import read_metrics
 
     return {r["step"]: r["lr"] for r in read_metrics(run_dir) if "loss" in r}
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from dsrecipes.cli import main as cli_main
+from dsrecipes.core.errors import DataError
+from dsrecipes.core.paths import SAMPLE_DATA_DIR
 from dsrecipes.data.shard import MANIFEST, assign_balanced, read_manifest
-from dsrecipes.errors import DataError
-from dsrecipes.paths import SAMPLE_DATA_DIR
 
 SAMPLE = str(SAMPLE_DATA_DIR / "train.jsonl")
 
@@ -48,9 +48,9 @@ def test_shard_samples_balance(sharded, capsys):
 
 def test_parts_keep_ids_and_conversations(sharded):
     """Canonical rows read back (default ShareGPT columns) to the same conversations as the source rows."""
+    from dsrecipes.core.schema import BadRows, SourceConfig
     from dsrecipes.data.sources.badrows import BadRowReport
     from dsrecipes.data.sources.sharegpt import iter_source
-    from dsrecipes.schema import BadRows, SourceConfig
 
     m = read_manifest(str(sharded))
     report = BadRowReport(BadRows.error, 0.0)
@@ -93,8 +93,8 @@ def test_assign_balanced_counts_and_tokens():
 
 def test_presharded_loaders_read_only_their_part(sharded, tmp_path):
     from dsrecipes.config.load import compose_and_load
+    from dsrecipes.core.tokenizer import load_tokenizer
     from dsrecipes.data.strategies import build_loaders
-    from dsrecipes.model import load_tokenizer
     from tests.helpers.launching import plan_like_launcher
 
     cfg = compose_and_load(["debug=fast", "data=presharded", f"data.shard_dir={sharded}", "data.num_workers=2",

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from dsrecipes import sweep
-from dsrecipes.metrics import MetricsLogger
-from dsrecipes.plots import run_figure, sweep_figure
-from dsrecipes.report import closing_summary
+from dsrecipes.observe import sweep
+from dsrecipes.observe.metrics import MetricsLogger
+from dsrecipes.observe.plots import run_figure, sweep_figure
+from dsrecipes.observe.report import closing_summary
 from tests.test_sweep import fake_job
 
 

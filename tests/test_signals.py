@@ -47,7 +47,7 @@ def argv(ws: Path, run: Path, *overrides: str) -> List[str]:
 
 
 def start(ws: Path, run: Path, *overrides: str, pause_after: int | None = None) -> subprocess.Popen:
-    from dsrecipes.step_guard import PAUSE_AFTER_STEP_ENV
+    from dsrecipes.rank.step_guard import PAUSE_AFTER_STEP_ENV
 
     env = subprocess_env({PAUSE_AFTER_STEP_ENV: str(pause_after)} if pause_after else None)
     log = open(ws / f"{run.name}.log", "a")
@@ -63,7 +63,7 @@ def log_of(ws: Path, run: Path) -> str:
 
 
 def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 600) -> None:
-    from dsrecipes.rundir import read_metrics
+    from dsrecipes.core.rundir import read_metrics
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -87,13 +87,13 @@ def processes_of(run: Path) -> List[str]:
 
 
 def losses(run: Path) -> Dict[int, float]:
-    from dsrecipes.rundir import read_metrics
+    from dsrecipes.core.rundir import read_metrics
 
     return {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
 
 
 def assert_interrupted_at_step_3(ws: Path, run: Path, code: int, signum: int) -> str:
-    from dsrecipes.checkpoint_find import damage
+    from dsrecipes.boundary.checkpoint_find import damage
 
     assert code == 128 + signum, log_of(ws, run)[-4000:]
     result = json.loads((run / "result.json").read_text())

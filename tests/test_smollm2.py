@@ -25,7 +25,7 @@ from typing import List
 import pytest
 import torch
 
-from dsrecipes.paths import ASSETS_DIR
+from dsrecipes.core.paths import ASSETS_DIR
 from tests.conftest import remove_when_passed, subprocess_env
 
 GLAIVE = [ASSETS_DIR / "glaive_toolcall" / f"glaive_toolcall_{lang}_demo.json.gz" for lang in ("en", "zh")]
@@ -45,8 +45,8 @@ def raw_rows(path: Path) -> List[dict]:
 
 def conversations() -> List:
     """All 600 bundled Glaive rows (300 English, 300 Chinese)."""
+    from dsrecipes.core.schema import SourceConfig
     from dsrecipes.data.sources.sharegpt import normalize_row
-    from dsrecipes.schema import SourceConfig
 
     return [normalize_row(r, f"{f.name}:{i}", SourceConfig(name=f.name)) for f in GLAIVE
             for i, r in enumerate(raw_rows(f))]
@@ -96,7 +96,7 @@ def test_masks_equal_apply_chat_template_token_for_token(tok, smollm2_dir, make_
 
 def test_auto_template_name_and_learning_rate_come_from_the_model(tok, smollm2_dir, make_cfg):
     from dsrecipes.config.defaults import config_warnings, learning_rate
-    from dsrecipes.resolve import resolve_model_choices
+    from dsrecipes.run.resolve import resolve_model_choices
 
     cfg, warnings = resolve_model_choices(make_cfg(f"model.path={smollm2_dir}"))  # what the launch writes
     assert cfg.template.name.value == "tokenizer" and warnings == []
@@ -110,7 +110,7 @@ def test_auto_template_name_and_learning_rate_come_from_the_model(tok, smollm2_d
 
 
 def test_a_template_that_drops_the_default_system_prompt_is_named(tok, smollm2_dir, make_cfg):
-    from dsrecipes.resolve import resolve_model_choices
+    from dsrecipes.run.resolve import resolve_model_choices
 
     _, warnings = resolve_model_choices(make_cfg(f"model.path={smollm2_dir}", "template=chatml"))
     assert len(warnings) == 1 and f"({DEFAULT_SYSTEM!r})" in warnings[0] and "template.default_system" in warnings[0]
@@ -183,11 +183,11 @@ def recompute_step0(workspace: Path, run: Path, smollm2_dir: Path):
     the ids (expected_mask), one conversation at a time."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dsrecipes.core.schema import BadRows, SourceConfig
     from dsrecipes.data.sources.badrows import BadRowReport
     from dsrecipes.data.sources.messages import messages_for
     from dsrecipes.data.sources.sharegpt import iter_source
-    from dsrecipes.evaluation import read_eval_ledger
-    from dsrecipes.schema import BadRows, SourceConfig
+    from dsrecipes.rank.evaluation import read_eval_ledger
 
     scored = read_eval_ledger(run / "ledger" / "eval_rank0.jsonl")[0]
     assert len(scored) == 4
@@ -220,7 +220,7 @@ def cli(*args: str) -> int:
 def test_full_finetune_starts_at_the_pretrained_loss_and_lowers_held_out_loss(workspace, smollm2_dir, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dsrecipes.metrics import read_metrics
+    from dsrecipes.observe.metrics import read_metrics
 
     run = train(workspace, "full", smollm2_dir, "trainer.max_steps=4", "optimizer.lr=2e-4", "trainer.record_samples=true")
     losses = [r["loss"] for r in read_metrics(run) if "loss" in r]
@@ -259,7 +259,7 @@ def test_full_finetune_starts_at_the_pretrained_loss_and_lowers_held_out_loss(wo
 def test_lora_adapter_and_merged_exports_agree(workspace, smollm2_dir, capsys):
     from transformers import AutoModelForCausalLM
 
-    from dsrecipes.inference import ChatModel, resolve_model_path
+    from dsrecipes.serve.inference import ChatModel, resolve_model_path
 
     run = train(workspace, "lora", smollm2_dir, "model.lora.enabled=true", "trainer.export_merged_lora=false",
                 "trainer.max_steps=3", "scheduler.warmup_steps=0", "optimizer.lr=1e-3")
@@ -306,9 +306,9 @@ def test_two_rank_zero3_from_a_hub_id_exports_the_original_shapes(workspace, smo
 def test_eos_terminated_templates_use_the_tokenizers_eos_and_header_templates_still_refuse(tok):
     """vicuna's "</s>" is the model's eos: on SmolLM2 (no literal "</s>" token) replies end with <|im_end|>; llama3,
     whose special tokens are the format itself, keeps refusing with the clear message."""
+    from dsrecipes.core.schema import TemplateConfig, TemplateKind, TrainOn
     from dsrecipes.data.render.template import check_template, render
     from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
-    from dsrecipes.schema import TemplateConfig, TemplateKind, TrainOn
 
     assert check_template(TemplateConfig(name=TemplateKind.vicuna), tok) == []
     conv = Conversation("c", [Turn(Role.user, "Hi"), Turn(Role.assistant, "Hello!")])
@@ -325,12 +325,12 @@ def test_vicuna_trains_exports_and_serves_with_the_training_rendering(workspace,
     chat template renders the training text byte for byte, and stock generate stops at that eos, greedily."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dsrecipes.core.schema import BadRows, SourceConfig, TemplateConfig, TemplateKind, TrainOn
     from dsrecipes.data.prepare import _open
     from dsrecipes.data.render.template import render
     from dsrecipes.data.sources.badrows import BadRowReport
     from dsrecipes.data.sources.messages import messages_for
     from dsrecipes.data.sources.sharegpt import iter_source
-    from dsrecipes.schema import BadRows, SourceConfig, TemplateConfig, TemplateKind, TrainOn
 
     run = train(workspace, "vicuna", smollm2_dir, "template=vicuna", "trainer.max_steps=2", "dataset.val_size=0")
     stats = json.loads((run / "prepare_stats.json").read_text())

@@ -258,7 +258,7 @@ def test_elastic_resume_other_world_size(tmp_path, factory):
 
 
 def test_resume_refuses_changed_setup():
-    from dsrecipes.errors import DataError
+    from dsrecipes.core.errors import DataError
 
     lo = make_map(40, 2, 0, seed=1)
     state = lo.state_dict()
@@ -269,7 +269,7 @@ def test_resume_refuses_changed_setup():
 
 
 def test_iterable_stream_too_short_is_an_error(tmp_path):
-    from dsrecipes.errors import DataError
+    from dsrecipes.core.errors import DataError
 
     paths = write_files(tmp_path, [10])
     lo = make_stream(paths, 1, 0, num_samples=20)
@@ -288,7 +288,7 @@ def test_loader_is_a_trainloader():
 @pytest.fixture(scope="module")
 def prepared_run(tmp_path_factory):
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.model import load_tokenizer
+    from dsrecipes.core.tokenizer import load_tokenizer
     from tests.helpers.launching import plan_like_launcher
 
     run_dir = tmp_path_factory.mktemp("run")
@@ -343,7 +343,7 @@ def test_a_presharded_part_is_rechecked_at_each_new_epoch(tmp_path):
     """A part in a store is read again every epoch: the loader re-checks it (one HEAD against the manifest's
     identity: PreshardedTrainLoader.recheck) before each new epoch, so a part replaced mid-run is refused at the
     next epoch instead of trained on (seen in review: a replaced S3 part trained two epochs silently)."""
-    from dsrecipes.errors import DataError
+    from dsrecipes.core.errors import DataError
 
     part = tmp_path / "part_00.jsonl"
     part.write_text("".join(f'{{"i": {i}}}\n' for i in range(8)))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsrecipes.distributed import free_port
+from dsrecipes.core.distributed import free_port
 
 pytestmark = pytest.mark.slow
 

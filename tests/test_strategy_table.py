@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from dsrecipes.core.errors import DataError
+from dsrecipes.core.schema import DataKind
 from dsrecipes.data.strategies import STRATEGIES, DataStrategy
 from dsrecipes.data.strategies.rules import RULES
-from dsrecipes.errors import DataError
-from dsrecipes.schema import DataKind
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dsrecipes"
 STRATEGY_DIR = PACKAGE / "data" / "strategies"
@@ -87,9 +87,9 @@ def test_the_branch_finder_finds_branches(tmp_path):
 @pytest.mark.parametrize("kind", ["map", "iterable"])
 def test_a_rank_never_prepares_data_itself(kind, make_cfg, tmp_path):
     """The ranks read what the launching process wrote; a run directory without it is refused, not filled in."""
+    from dsrecipes.core.paths import SAMPLE_DATA_DIR
+    from dsrecipes.core.runplan import RunPlan
     from dsrecipes.data.strategies import build_loaders
-    from dsrecipes.paths import SAMPLE_DATA_DIR
-    from dsrecipes.runplan import RunPlan
 
     cfg = make_cfg(f"data={kind}", f"dataset.paths=[{SAMPLE_DATA_DIR / 'train.jsonl'}]",
                    f"data.cache_dir={tmp_path / 'cache'}")
@@ -104,9 +104,9 @@ def test_a_rank_refuses_data_that_differs_from_its_plan(make_cfg, tmp_path):
     """plan.json is read once (train.start) and handed down; the stream the rank sees must have its row count."""
     import dataclasses
 
+    from dsrecipes.core.paths import SAMPLE_DATA_DIR
+    from dsrecipes.core.tokenizer import load_tokenizer
     from dsrecipes.data.strategies import build_loaders
-    from dsrecipes.model import load_tokenizer
-    from dsrecipes.paths import SAMPLE_DATA_DIR
     from tests.helpers.launching import plan_like_launcher
 
     cfg = make_cfg("data=iterable", f"dataset.paths=[{SAMPLE_DATA_DIR / 'train.jsonl'}]", "dataset.max_samples=40",

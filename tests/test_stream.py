@@ -322,7 +322,7 @@ def test_chunks_keep_their_blocks_adjacent_in_file_order_and_every_sample_once(k
 def test_chunked_readers_read_every_sample_once_and_resume_elastically(tmp_path):
     """Chunks of 4 blocks through the loaders: exactly once, equal steps, each block read once per epoch; elastic
     resumes; a checkpoint of another chunking is refused, one from before chunks resumes a one-block run."""
-    from dsrecipes.errors import DataError
+    from dsrecipes.core.errors import DataError
 
     paths = write_corpus(tmp_path, [700, 20, 900, 333])
     index = stream_index_like_launcher(paths, tmp_path / "run", 1024, chunk_bytes=4096)
@@ -399,8 +399,8 @@ def test_json_array_and_gzip_stream_with_their_positions(make_cfg, tmp_path, mon
 
 
 def test_broken_json_array_names_the_element(make_cfg, tmp_path):
+    from dsrecipes.core.errors import DataError
     from dsrecipes.data.stream.index import index_stream
-    from dsrecipes.errors import DataError
 
     bad = tmp_path / "bad.json"
     bad.write_text('[{"conversations": []},\n {"conversations": [}]', encoding="utf-8")
@@ -433,8 +433,8 @@ def test_index_is_cached_by_content(make_cfg, tmp_path, monkeypatch):
 
 
 def test_index_survives_the_run_directory(make_cfg, tmp_path):
+    from dsrecipes.core.errors import DataError
     from dsrecipes.data.stream.index import build_stream_index, read_stream_index, write_stream_index
-    from dsrecipes.errors import DataError
 
     paths = write_corpus(tmp_path, [30, 44])
     cfg = make_cfg("data=iterable", f"dataset.paths=[{','.join(paths)}]", f"data.cache_dir={tmp_path / 'c'}",
@@ -452,9 +452,9 @@ def test_index_survives_the_run_directory(make_cfg, tmp_path):
 
 def test_val_paths_are_the_validation_set(make_cfg, tmp_path):
     """dataset.val_paths: every row of those files is evaluated (tokenized like training rows), none is trained."""
+    from dsrecipes.core.paths import SAMPLE_DATA_DIR
+    from dsrecipes.core.tokenizer import load_tokenizer
     from dsrecipes.data.strategies import build_loaders
-    from dsrecipes.model import load_tokenizer
-    from dsrecipes.paths import SAMPLE_DATA_DIR
     from tests.helpers.launching import plan_like_launcher
 
     lines = (SAMPLE_DATA_DIR / "train.jsonl").read_text(encoding="utf-8").splitlines()
@@ -475,9 +475,9 @@ def test_val_paths_are_the_validation_set(make_cfg, tmp_path):
 def test_a_validation_file_that_is_also_trained_on_is_refused(make_cfg, tmp_path, monkeypatch, capsys):
     """dataset.val_paths naming a training file under another spelling (relative, `./`, `../`, a link) is refused:
     its rows would be evaluated after being trained on. The same validation file twice is read once."""
+    from dsrecipes.core.errors import DataError
+    from dsrecipes.core.paths import SAMPLE_DATA_DIR
     from dsrecipes.data.stream.index import index_stream
-    from dsrecipes.errors import DataError
-    from dsrecipes.paths import SAMPLE_DATA_DIR
 
     lines = (SAMPLE_DATA_DIR / "train.jsonl").read_text(encoding="utf-8").splitlines()
     (tmp_path / "d").mkdir()

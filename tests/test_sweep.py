@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dsrecipes import sweep
+from dsrecipes.observe import sweep
 from tests.conftest import in_process_environ
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,7 +90,7 @@ x: 0
 hydra:
   callbacks:
     sweep_summary:
-      _target_: dsrecipes.sweep.SweepSummary
+      _target_: dsrecipes.observe.sweep.SweepSummary
 """
 
 
@@ -105,7 +105,7 @@ def test_real_hydra_multirun_with_a_failing_job(tmp_path):
         [sys.executable, "app.py", "-m", "x=1,2,3,4", f"hydra.sweep.dir={sweep_dir}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    # Hydra's basic sweeper runs every job of the batch, then re-raises the failure (dsrecipes.entry never raises
+    # Hydra's basic sweeper runs every job of the batch, then re-raises the failure (dsrecipes.run.entry never raises
     # in a sweep); the summary was already written by on_job_end.
     assert done.returncode == 1 and "job two exploded" in done.stderr
     data = json.loads((sweep_dir / "summary.json").read_text())
@@ -229,6 +229,6 @@ def test_summary_picture_has_every_job_labelled_by_its_swept_values(tmp_path):
 
 
 def test_log_scale_when_losses_span_more_than_3x():
-    from dsrecipes.plots import use_log_scale
+    from dsrecipes.observe.plots import use_log_scale
 
     assert use_log_scale([7.4, 2.0, 0.75]) and not use_log_scale([1.2, 0.9, 0.7]) and not use_log_scale([1.0, 0.0])

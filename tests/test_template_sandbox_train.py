@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from dsrecipes.cli import main as cli
-from dsrecipes.paths import TINY_TOKENIZER_DIR
+from dsrecipes.core.paths import TINY_TOKENIZER_DIR
 
 LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 ROW = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -35,7 +35,7 @@ LOOPS_ON_A_ROW = ("{% for m in messages %}{% if 'LOOPME' in m['content'] %}" + L
 def weights(tmp_path_factory):
     """The tiny model's config and weights, saved once (the tokenizer files come from TINY_TOKENIZER_DIR)."""
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.model import build_tiny_model, load_tokenizer
+    from dsrecipes.modeling.model import build_tiny_model, load_tokenizer
 
     cfg = compose_and_load(["debug=fast"])
     out = tmp_path_factory.mktemp("weights")
@@ -127,9 +127,9 @@ def test_validate_and_inspect_data_name_a_hostile_template(weights, tmp_path, ca
 def test_a_built_in_template_on_a_hostile_model_is_refused_by_the_renders_differently_check(weights, tmp_path):
     from transformers import AutoTokenizer
 
-    from dsrecipes.chat_sandbox import TemplateRefused
+    from dsrecipes.boundary.chat_sandbox import TemplateRefused
+    from dsrecipes.core.schema import TemplateConfig, TemplateKind
     from dsrecipes.data.render.template_choice import template_warnings
-    from dsrecipes.schema import TemplateConfig, TemplateKind
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir(weights, tmp_path, HOSTILE["loops for ever"]))
     started = time.monotonic()
@@ -140,7 +140,7 @@ def test_a_built_in_template_on_a_hostile_model_is_refused_by_the_renders_differ
 
 def test_the_time_budget_holds_outside_the_main_thread(tmp_path, monkeypatch):
     """SIGALRM reaches only a main thread; a watchdog stops the template in any other, and never shoots later."""
-    from dsrecipes import chat_sandbox
+    from dsrecipes.boundary import chat_sandbox
     from dsrecipes.data.render.tokenizer_files import open_tokenizer
 
     monkeypatch.setattr(chat_sandbox, "MAX_SECONDS", 0.5)

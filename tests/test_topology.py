@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dsrecipes.schema import LauncherConfig, LauncherKind
-from dsrecipes.topology import Topology, resolve_topology
+from dsrecipes.core.schema import LauncherConfig, LauncherKind
+from dsrecipes.core.topology import Topology, resolve_topology
 
 
 def test_deepspeed_defaults_to_every_visible_device():

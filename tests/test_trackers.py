@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dsrecipes import trackers
-from dsrecipes.metrics import MetricsLogger
+from dsrecipes.observe import trackers
+from dsrecipes.observe.metrics import MetricsLogger
 from tests.conftest import subprocess_env
 
 
@@ -20,8 +20,8 @@ def _cfg(make_cfg, *overrides):
 
 def test_report_to_is_a_typed_list(make_cfg):
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.errors import ConfigError
-    from dsrecipes.schema import ReportTo
+    from dsrecipes.core.errors import ConfigError
+    from dsrecipes.core.schema import ReportTo
 
     assert _cfg(make_cfg).trainer.report_to == [ReportTo.tensorboard]
     assert _cfg(make_cfg, "trainer.report_to=[mlflow,wandb]").trainer.report_to == [ReportTo.mlflow, ReportTo.wandb]
@@ -151,7 +151,7 @@ def test_a_real_run_reports_to_mlflow_and_wandb(tmp_path, monkeypatch):
 
 
 def _metrics(run: Path):
-    from dsrecipes.rundir import read_metrics
+    from dsrecipes.core.rundir import read_metrics
 
     return read_metrics(run)
 

@@ -71,7 +71,7 @@ def _in_process(args: List[str], expect_ok: bool) -> str:
 
 
 def metrics(run_dir: Path) -> List[dict]:
-    from dsrecipes.rundir import read_metrics
+    from dsrecipes.core.rundir import read_metrics
 
     return read_metrics(run_dir)
 
@@ -160,7 +160,7 @@ def test_zero2_two_ranks_trains_logs_checkpoints_and_exports(zero2_run):
 
 
 def test_two_rank_training_builds_no_shared_memory_op(zero2_run, workspace):
-    """Training over gloo does not use DeepSpeed's shm op (dsrecipes.jit_ops): the 2-rank run, started from an
+    """Training over gloo does not use DeepSpeed's shm op (dsrecipes.core.jit_ops): the 2-rank run, started from an
     empty extensions cache, trained (test_zero2_...) and built nothing, and DeepSpeed's runner was not started."""
     cache = workspace / "zero2_cache"
     assert cache.is_dir()  # the run's processes used it (matplotlib keeps its font cache there)
@@ -168,7 +168,7 @@ def test_two_rank_training_builds_no_shared_memory_op(zero2_run, workspace):
     assert not list(cache.rglob("*.so")), list(cache.rglob("*.so"))
     assert "building DeepSpeed" not in (workspace / "zero2.console").read_text()
     launched = (zero2_run / "launch.txt").read_text()  # one machine: DeepSpeed's per-node launcher, no runner first
-    assert " -u -m dsrecipes.launch.ds_node --world_info=" in launched and "deepspeed.launcher.runner" not in launched
+    assert " -u -m dsrecipes.run.launch.ds_node --world_info=" in launched and "deepspeed.launcher.runner" not in launched
 
 
 def test_sigterm_reaches_every_rank_a_killed_launcher_leaves_no_rank_behind_and_a_death_mid_save_resumes(
@@ -179,8 +179,8 @@ def test_sigterm_reaches_every_rank_a_killed_launcher_leaves_no_rank_behind_and_
     before `latest`): the same command resumes from step 6, the last good one."""
     import signal
 
-    from dsrecipes.checkpoint import KILL_BEFORE_LATEST_ENV
     from dsrecipes.data.ledger import verify_ledgers
+    from dsrecipes.rank.checkpoint import KILL_BEFORE_LATEST_ENV
     from tests.test_signals import (
         assert_interrupted_at_step_3,
         finish,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from dsrecipes.checkpoint import TrainState
-from dsrecipes.errors import UserError
-from dsrecipes.rundir import read_ds_config
-from dsrecipes.runplan import read_plan
-from dsrecipes.train import due, micro_batches
+from dsrecipes.core.errors import UserError
+from dsrecipes.core.rundir import read_ds_config
+from dsrecipes.core.runplan import read_plan
+from dsrecipes.rank.checkpoint import TrainState
+from dsrecipes.rank.train import due, micro_batches
 
 
 class FakeLoader:
@@ -44,7 +44,7 @@ def test_due():
 
 
 def test_worker_tolerates_local_rank_and_reports_a_missing_run_dir(tmp_path, capsys, monkeypatch):
-    from dsrecipes.worker import main as worker_main
+    from dsrecipes.rank.worker import main as worker_main
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert worker_main(["--run-dir", str(tmp_path), "--local_rank=1"]) == 2

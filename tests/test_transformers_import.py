@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dsrecipes.paths import TINY_TOKENIZER_DIR
+from dsrecipes.core.paths import TINY_TOKENIZER_DIR
 from tests.conftest import subprocess_env
 
 # A fresh interpreter, as every launching process and rank starts: `hook` imports dsrecipes first (which installs
@@ -20,7 +20,7 @@ SCRIPT = f"""
 import hashlib, json, sys
 if sys.argv[1] == "hook":
     import dsrecipes
-    from dsrecipes.transformers_import import STATS
+    from dsrecipes.rank.transformers_import import STATS
 else:
     STATS = {{}}
     assert not any(type(f).__module__.startswith("dsrecipes") for f in sys.meta_path)
@@ -72,7 +72,7 @@ TABLE = {frozenset({"torch"}): {"llama.modeling_llama": {"LlamaModel"}}, frozens
 
 def _new_process(monkeypatch) -> None:
     """What a fresh process starts with: no table of its own yet (a process walks the tree and reads the file once)."""
-    from dsrecipes import transformers_import
+    from dsrecipes.rank import transformers_import
 
     monkeypatch.setattr(transformers_import, "_LOADED", {})
 
@@ -83,7 +83,7 @@ def _new_process(monkeypatch) -> None:
     "SHAPE",  # the right stamp (copied from the real file) around a table of the wrong shape
 ])
 def test_a_stale_or_malformed_cache_file_is_rebuilt_never_used(tmp_path, monkeypatch, planted):
-    from dsrecipes import transformers_import
+    from dsrecipes.rank import transformers_import
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     models, built = _fake_tree(tmp_path), []
@@ -103,7 +103,7 @@ def test_a_stale_or_malformed_cache_file_is_rebuilt_never_used(tmp_path, monkeyp
 
 
 def test_a_cache_that_cannot_be_written_is_left_alone_and_the_table_still_built(tmp_path, monkeypatch):
-    from dsrecipes import transformers_import
+    from dsrecipes.rank import transformers_import
 
     blocker = tmp_path / "cache"
     blocker.write_text("a file where the cache folder would be")
@@ -116,7 +116,7 @@ def test_a_cache_that_cannot_be_written_is_left_alone_and_the_table_still_built(
 
 
 def test_other_folders_and_prefixes_go_through_as_transformers_has_them(tmp_path, monkeypatch):
-    from dsrecipes import transformers_import
+    from dsrecipes.rank import transformers_import
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     _new_process(monkeypatch)

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsrecipes import trust
+from dsrecipes.boundary import trust
 from dsrecipes.cli import main as cli
-from dsrecipes.errors import UserError
+from dsrecipes.core.errors import UserError
 
 
 @pytest.fixture
@@ -99,8 +99,8 @@ def test_the_train_flag_is_taken_off_the_command_line():
 
 
 def test_the_pickle_screen_finds_a_payload_without_running_it(tmp_path):
-    from dsrecipes.checkpoint import rng_state
-    from dsrecipes.safe_load import load, screen
+    from dsrecipes.boundary.safe_load import load, screen
+    from dsrecipes.rank.checkpoint import rng_state
 
     marker = tmp_path / "ran"
     tag = tmp_path / "step_1"
@@ -124,7 +124,7 @@ def test_load_maps_a_zip_file_reads_a_legacy_one_and_never_writes_back(tmp_path)
     """safe_load.load memory-maps torch.save's zip files (export reads only the module weights of a file that also
     holds the optimizer states), still reads a legacy pre-zip file someone else wrote, and a tensor changed after
     loading leaves the file as it was (a private mapping)."""
-    from dsrecipes.safe_load import load
+    from dsrecipes.boundary.safe_load import load
 
     state = {"module": {"w": torch.arange(6, dtype=torch.float32)}, "step": 3}
     mapped, legacy = tmp_path / "zip.pt", tmp_path / "legacy.pt"
@@ -159,7 +159,7 @@ HOSTILE_TEMPLATES = {
 def model_dir(tmp_path_factory):
     """A plain Hugging Face directory (the tiny model, its tokenizer's own template)."""
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.model import build_tiny_model, load_tokenizer
+    from dsrecipes.modeling.model import build_tiny_model, load_tokenizer
 
     cfg = compose_and_load(["debug=fast"])
     tokenizer = load_tokenizer(cfg)
@@ -194,7 +194,7 @@ def test_a_hostile_chat_template_is_one_message_within_seconds(model_dir, tmp_pa
 def test_the_sandbox_renders_what_transformers_renders(model_dir):
     from transformers import AutoTokenizer
 
-    from dsrecipes.chat_sandbox import render
+    from dsrecipes.boundary.chat_sandbox import render
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "{{ hi }} 中文"},
@@ -232,7 +232,7 @@ def test_auto_map_directories_are_refused_by_chat_prompt_eval_and_export(model_d
 
 
 def test_export_out_to_a_filesystem_root_is_refused_without_listing_it(tmp_path, monkeypatch):
-    from dsrecipes import export
+    from dsrecipes.rank import export
 
     walked = []
     monkeypatch.setattr(export.os, "walk", lambda *a, **k: walked.append(a) or iter(()))
@@ -258,8 +258,8 @@ def test_export_out_slash_on_the_command_line(tmp_path, capsys):
 
 def test_an_export_directory_gets_the_users_umask(tmp_path):
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.export import export_initial
-    from dsrecipes.model import load_tokenizer
+    from dsrecipes.core.tokenizer import load_tokenizer
+    from dsrecipes.rank.export import export_initial
 
     cfg = compose_and_load(["debug=fast"])
     old = os.umask(0o027)
@@ -275,9 +275,9 @@ def test_an_export_directory_gets_the_users_umask(tmp_path):
 def test_an_export_signs_its_files(tmp_path, capsys):
     """An export of this user loads; the same export with a file swapped and its hash recomputed does not."""
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.export import export_initial
-    from dsrecipes.manifest import describe
-    from dsrecipes.model import load_tokenizer
+    from dsrecipes.core.manifest import describe
+    from dsrecipes.core.tokenizer import load_tokenizer
+    from dsrecipes.rank.export import export_initial
 
     cfg = compose_and_load(["debug=fast"])
     out = export_initial(cfg, load_tokenizer(cfg), tmp_path / "export")

@@ -87,7 +87,7 @@ def test_validate_names_every_refused_argument(capsys):
     ("slurm", ["--no_ssh_check"]),
 ])
 def test_harmless_launcher_options_reach_the_command_line(make_cfg, kind, args):
-    from dsrecipes import launch
+    from dsrecipes.run import launch
 
     cfg = make_cfg(f"launcher={kind}", "launcher.num_gpus=2", f"launcher.extra_args=[{','.join(repr(a) for a in args)}]",
                    check_files=False)
@@ -106,10 +106,10 @@ def test_harmless_launcher_options_reach_the_command_line(make_cfg, kind, args):
 ])
 def test_builders_refuse_what_validation_refuses(kind, args):
     """A config built in code (no validation) still cannot put these on a command line."""
-    from dsrecipes import launch
     from dsrecipes.boundary.launcher_args import extra_args_problems
-    from dsrecipes.errors import ConfigError
-    from dsrecipes.schema import LauncherConfig, LauncherKind, TrainConfig
+    from dsrecipes.core.errors import ConfigError
+    from dsrecipes.core.schema import LauncherConfig, LauncherKind, TrainConfig
+    from dsrecipes.run import launch
 
     assert extra_args_problems(LauncherKind(kind), args)
     ln = LauncherConfig(kind=LauncherKind(kind), num_gpus=2, extra_args=args)
@@ -197,7 +197,7 @@ def test_the_environment_a_batch_job_activates_is_set_on_the_command_line_only(t
 
 
 def test_slurm_script_from_typed_fields(make_cfg, tmp_path):
-    from dsrecipes import launch
+    from dsrecipes.run import launch
 
     cfg = make_cfg("launcher=slurm", "launcher.slurm_modules=[cuda/12.1,gcc/11.2.0]", "launcher.slurm_conda_env=ft",
                    "launcher.slurm_sbatch_args=['--qos=high','--constraint=a100&ib','--mem=200G',--exclusive]",
@@ -260,10 +260,10 @@ def test_a_launcher_that_exits_0_without_training_fails_the_run(tmp_path):
 
 
 def test_ranks_that_report_fewer_steps_fail(tmp_path):
-    from dsrecipes.launch.plan import Command
-    from dsrecipes.launch.trained import untrained
-    from dsrecipes.rundir import clear_outcome, write_rank_steps
-    from dsrecipes.runplan import ResumePlan, RunPlan, write_plan
+    from dsrecipes.core.rundir import clear_outcome, write_rank_steps
+    from dsrecipes.core.runplan import ResumePlan, RunPlan, write_plan
+    from dsrecipes.run.launch.plan import Command
+    from dsrecipes.run.launch.trained import untrained
 
     plan = RunPlan(world_size=2, num_nodes=1, data_kind="map", rows=10, steps_per_epoch=5, total_steps=5,
                    data_fingerprint="x")
@@ -310,7 +310,7 @@ def _parser_actions(kind):
 
 def test_every_launcher_has_a_table_and_every_option_is_the_launchers_own():
     from dsrecipes.boundary.launcher_args import ALLOWED
-    from dsrecipes.schema import LauncherKind
+    from dsrecipes.core.schema import LauncherKind
 
     assert set(ALLOWED) == set(LauncherKind) and ALLOWED[LauncherKind.local] == {}
     for kind in ("deepspeed", "torchrun"):
@@ -338,7 +338,7 @@ def test_a_hostfile_cannot_put_options_into_ssh(tmp_path, capsys):
 def test_fault_hooks_travel_from_the_launching_environment_only(make_cfg, tmp_path):
     """pdsh's remote ranks read .deepspeed_env: a hook set in the launching shell (tests) goes there with
     launcher.env; a non-numeric value or a name that is not a hook does not."""
-    from dsrecipes import launch
+    from dsrecipes.run import launch
 
     hosts = tmp_path / "hosts"
     hosts.write_text("node0 slots=1\nnode1 slots=1\n")

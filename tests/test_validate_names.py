@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dsrecipes.cli import main
-from dsrecipes.paths import SAMPLE_DATA_DIR
+from dsrecipes.core.paths import SAMPLE_DATA_DIR
 from tests.conftest import REPO, subprocess_env
 
 

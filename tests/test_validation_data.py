@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from dsrecipes.core.errors import DataError, UserError
+from dsrecipes.core.paths import SAMPLE_DATA_DIR
 from dsrecipes.data.shard import VAL_PART, read_manifest
-from dsrecipes.errors import DataError, UserError
-from dsrecipes.paths import SAMPLE_DATA_DIR
-from tests.helpers.launching import plan_like_launcher
 from tests.conftest import in_process_environ
+from tests.helpers.launching import plan_like_launcher
 
 LINES = (SAMPLE_DATA_DIR / "train.jsonl").read_text(encoding="utf-8").splitlines()
 
@@ -50,7 +50,7 @@ def rank_ids(cfg, tok, run_dir, plan, world):
 
 
 def test_map_evaluates_every_row_of_val_paths_and_trains_on_none(make_cfg, files, tmp_path):
-    from dsrecipes.model import load_tokenizer
+    from dsrecipes.core.tokenizer import load_tokenizer
 
     root, train_ids, val_ids = files
     cfg = make_cfg(f"dataset.paths=[{root / 'train.jsonl'}]", f"dataset.val_paths=[{root / 'val.jsonl'}]",
@@ -112,7 +112,7 @@ def test_shard_refuses_a_bad_val_size(files, tmp_path):
 
 
 def test_presharded_evaluates_the_validation_part(make_cfg, val_shard, tmp_path, capsys):
-    from dsrecipes.model import load_tokenizer
+    from dsrecipes.core.tokenizer import load_tokenizer
 
     cfg = make_cfg("data=presharded", f"data.shard_dir={val_shard}", "trainer.micro_batch_size=4")
     plan = plan_like_launcher(cfg, tmp_path / "run", 2)
@@ -123,7 +123,7 @@ def test_presharded_evaluates_the_validation_part(make_cfg, val_shard, tmp_path,
 
 
 def test_presharded_val_paths_win_over_the_validation_part(make_cfg, val_shard, files, tmp_path):
-    from dsrecipes.model import load_tokenizer
+    from dsrecipes.core.tokenizer import load_tokenizer
 
     root, _, val_ids = files
     write_rows(root / "val.jsonl", LINES[100:111], "val")  # (an earlier test may have edited it)
@@ -172,7 +172,7 @@ def test_eval_every_without_validation_data_is_a_note_printed_once(kind, make_cf
 
 def run_and_read_evals(run_dir: Path, *overrides: str):
     from dsrecipes.cli import main
-    from dsrecipes.rundir import read_metrics
+    from dsrecipes.core.rundir import read_metrics
 
     with in_process_environ():
         assert main(["debug=fast", "trainer.max_steps=4", "trainer.eval_every=2", "trainer.save_every=0",

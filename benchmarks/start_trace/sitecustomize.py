@@ -26,7 +26,7 @@ import time
 _DIR = os.environ.get("BENCH_START_TRACE")
 
 WATCH_IMPORTS = ("torch", "deepspeed", "transformers", "datasets", "hydra", "numpy", "dsrecipes", "dsrecipes.cli",
-                 "dsrecipes.worker", "dsrecipes.train", "dsrecipes.entry", "dsrecipes.launch",
+                 "dsrecipes.rank.worker", "dsrecipes.rank.train", "dsrecipes.run.entry", "dsrecipes.run.launch",
                  "deepspeed.launcher", "deepspeed.launcher.runner", "deepspeed.launcher.launch", "torch.distributed",
                  "deepspeed.comm", "deepspeed.accelerator", "deepspeed.ops", "psutil")
 WATCH_CALLS = {
@@ -34,13 +34,13 @@ WATCH_CALLS = {
     "torch.distributed": ("init_process_group",),
     "dsrecipes.commands.train": ("run_job", "_launch"),
     "dsrecipes.config.load": ("load_config",),
-    "dsrecipes.entry": ("check_machine", "decide", "plan_data", "write_run_dir", "launch"),
-    "dsrecipes.launch.process": ("run_subprocess", "run_in_process"),
-    "dsrecipes.worker": ("run",),
-    "dsrecipes.train": ("start", "loop", "init_distributed", "load_tokenizer", "build_model", "build_loaders",
+    "dsrecipes.run.entry": ("check_machine", "decide", "plan_data", "write_run_dir", "launch"),
+    "dsrecipes.run.launch.process": ("run_subprocess", "run_in_process"),
+    "dsrecipes.rank.worker": ("run",),
+    "dsrecipes.rank.train": ("start", "loop", "init_distributed", "load_tokenizer", "build_model", "build_loaders",
                         "build_objective", "read_plan", "log_window", "export_initial", "build_prompt_eval"),
-    "dsrecipes.distributed": ("init_distributed",),
-    "dsrecipes.jit_ops": ("prepare_rank",),
+    "dsrecipes.core.distributed": ("init_distributed",),
+    "dsrecipes.core.jit_ops": ("prepare_rank",),
 }
 
 

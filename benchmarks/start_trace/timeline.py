@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 ROLES = (("deepspeed.launcher.runner", "deepspeed runner"), ("deepspeed.launcher.launch", "deepspeed launch.py"),
-         ("dsrecipes.worker", "rank"), ("dsrecipes", "CLI"))
-SHOWN_IMPORTS = ("torch", "deepspeed", "transformers", "datasets", "hydra", "dsrecipes.worker", "dsrecipes.train",
-                 "dsrecipes.entry", "deepspeed.launcher.runner", "deepspeed.launcher.launch", "dsrecipes.cli")
+         ("dsrecipes.rank.worker", "rank"), ("dsrecipes", "CLI"))
+SHOWN_IMPORTS = ("torch", "deepspeed", "transformers", "datasets", "hydra", "dsrecipes.rank.worker", "dsrecipes.rank.train",
+                 "dsrecipes.run.entry", "deepspeed.launcher.runner", "deepspeed.launcher.launch", "dsrecipes.cli")
 
 
 def role(argv: List[str]) -> str:

@@ -17,7 +17,7 @@ import shlex
 from typing import Dict, List
 
 from dsrecipes.boundary.values import FLAG, MODULE_NAME, NAME, SIZE, Value, choice, integer, path_problem, shape
-from dsrecipes.errors import ConfigError
+from dsrecipes.core.errors import ConfigError
 
 _MAIL = ("NONE", "BEGIN", "END", "FAIL", "REQUEUE", "ALL", "INVALID_DEPEND", "STAGE_OUT", "TIME_LIMIT",
          "TIME_LIMIT_90", "TIME_LIMIT_80", "TIME_LIMIT_50", "ARRAY_TASKS")

@@ -15,7 +15,7 @@ A single-node `launcher=deepspeed` run, and each node of a `launcher=deepspeed_m
 starts DeepSpeed's per-node launcher (`deepspeed.launcher.launch`) itself, with the arguments DeepSpeed's runner
 would give it (`deepspeed_node_args`); the runner, one more Python process that imports all of DeepSpeed only to
 write that command line, is skipped. That command line is checked by
-`deepspeed.launcher.launch`'s own parser the same way. It runs as `python -u -m dsrecipes.launch.ds_node` (NODE_ENTRY):
+`deepspeed.launcher.launch`'s own parser the same way. It runs as `python -u -m dsrecipes.run.launch.ds_node` (NODE_ENTRY):
 DeepSpeed's `launch.main()` itself, imported without the mlflow import DeepSpeed's autotuner makes (ds_node.py).
 """
 
@@ -44,9 +44,9 @@ from dsrecipes.boundary.values import (
     number,
     shape,
 )
-from dsrecipes.deepspeed_import import load_deepspeed
-from dsrecipes.errors import ConfigError
-from dsrecipes.schema import LauncherKind
+from dsrecipes.core.deepspeed_import import load_deepspeed
+from dsrecipes.core.errors import ConfigError
+from dsrecipes.core.schema import LauncherKind
 
 KEY = "launcher.extra_args"
 _HOSTFILE_WORD = re.compile(r"[A-Za-z_]{1,32}=\d{1,6}")  # slots=8, max_slots=8
@@ -99,7 +99,7 @@ ALLOWED: Dict[LauncherKind, Dict[str, Tuple[str, Value]]] = {
 # --ssh_port, --no_ssh_check and --force_multi concern the runner's own ssh path: with them, the runner runs.
 _NODE_LAUNCH = ("bind_cores_to_rank", "bind_core_list", "log_level", "quiet")
 NODE_LAUNCHER = "deepspeed.launcher.launch"  # whose parser reads the per-node command line
-NODE_ENTRY = "dsrecipes.launch.ds_node"  # what runs it: NODE_LAUNCHER's main(), DeepSpeed imported without mlflow
+NODE_ENTRY = "dsrecipes.run.launch.ds_node"  # what runs it: NODE_LAUNCHER's main(), DeepSpeed imported without mlflow
 _NODE_PROGRAM = ("training_script", "training_script_args", "module", "no_python", "no_local_rank", "world_info",
                  "master_addr", "master_port", "node_rank", "save_pid", "enable_each_rank_log")
 # Options dsrecipes sets from typed fields: giving them again would disagree with what the run uses.
@@ -238,11 +238,11 @@ def _parser_problems(kind: LauncherKind, args: List[str]) -> List[str]:
     must be the worker module either way, and only the dests of the allowed options may differ."""
     run = ["--run-dir", "/run"]
     if kind in (LauncherKind.deepspeed, LauncherKind.deepspeed_multinode, LauncherKind.slurm):
-        head, tail = ["--master_port", "29500"], ["--no_local_rank", "--module", "dsrecipes.worker", *run]
+        head, tail = ["--master_port", "29500"], ["--no_local_rank", "--module", "dsrecipes.rank.worker", *run]
         program = ("user_script", "user_args", "module", "no_python", "launcher", "launcher_args", "venv_script")
         parse = _deepspeed_parse
     elif kind is LauncherKind.torchrun:
-        head, tail = ["--nproc_per_node", "1", "--nnodes", "1"], ["-m", "dsrecipes.worker", *run]
+        head, tail = ["--nproc_per_node", "1", "--nnodes", "1"], ["-m", "dsrecipes.rank.worker", *run]
         program = ("training_script", "training_script_args", "module", "no_python", "run_path", "logs_specs")
         parse = _torchrun_parse
     else:

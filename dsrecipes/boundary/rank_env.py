@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Dict, List, Mapping, Tuple
 
 from dsrecipes.boundary.values import BOOL01, INTERFACES, NAME, TRUE_FALSE, Value, choice, integer, key_values, shape
-from dsrecipes.errors import ConfigError
+from dsrecipes.core.errors import ConfigError
 
 KEY = "launcher.env"
 # Read by ranks to inject faults in tests (train.py, step_guard.py, checkpoint.py); tests/test_trust_boundary.py

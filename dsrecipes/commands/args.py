@@ -13,8 +13,8 @@ import os
 import re
 from typing import Any, Callable, NoReturn, Sequence
 
-from dsrecipes.errors import UserError
-from dsrecipes.suggest import closest, phrase
+from dsrecipes.core.errors import UserError
+from dsrecipes.core.suggest import closest, phrase
 
 TRAIN_PROG = "dsrecipes train"  # Hydra's parser (the training command's) names itself after sys.argv[0]
 

@@ -6,8 +6,8 @@ from typing import List
 
 from dsrecipes.commands.args import existing_dir, non_negative_int, override_parser, parse, positive_int
 from dsrecipes.config.load import compose_and_load
+from dsrecipes.core.topology import resolve_topology
 from dsrecipes.data.ledger import verify_ledgers
-from dsrecipes.topology import resolve_topology
 
 
 def main(argv: List[str]) -> int:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, List
 
+from dsrecipes.boundary.trust import FLAG, TRUST_HELP, trust
 from dsrecipes.commands.args import command_parser, existing_path, parse, positive_int
-from dsrecipes.trust import FLAG, TRUST_HELP, trust
 
 
 def main(argv: List[str]) -> int:
-    from dsrecipes.inference import (  # lazy: else `commands.chat` imports torch 3.80 s, numpy 0.11 s
+    from dsrecipes.serve.inference import (  # lazy: else `commands.chat` imports torch 3.80 s, numpy 0.11 s
         ChatModel,
         resolve_model_path,
     )

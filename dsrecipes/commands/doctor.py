@@ -10,9 +10,9 @@ import sys
 from dataclasses import asdict
 from typing import List
 
-import dsrecipes.jit_ops as jit_ops
+import dsrecipes.core.jit_ops as jit_ops
 from dsrecipes.commands.args import override_parser, parse
-from dsrecipes.doctor import Context, Level, Probe, diagnose, render
+from dsrecipes.run.doctor import Context, Level, Probe, diagnose, render
 
 
 def main(argv: List[str]) -> int:

@@ -9,8 +9,8 @@ from typing import List
 from dsrecipes.commands.args import existing_path, override_parser, parse, positive_float, positive_int
 from dsrecipes.config.defaults import with_derived_defaults
 from dsrecipes.config.load import compose_and_load
-from dsrecipes.estimate import estimate, render
-from dsrecipes.topology import resolve_topology
+from dsrecipes.core.topology import resolve_topology
+from dsrecipes.run.estimate import estimate, render
 
 
 def main(argv: List[str]) -> int:

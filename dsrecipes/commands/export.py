@@ -6,15 +6,15 @@ import argparse
 from pathlib import Path
 from typing import List
 
+from dsrecipes.boundary.checkpoint_find import latest_complete
+from dsrecipes.boundary.trust import FLAG, TRUST_HELP, trust
 from dsrecipes.commands.args import parse
-from dsrecipes.errors import UserError
-from dsrecipes.trust import FLAG, TRUST_HELP, trust
+from dsrecipes.core.checkpoint_names import CHECKPOINTS
+from dsrecipes.core.errors import UserError
 
 
 def main(argv: List[str]) -> int:
-    from dsrecipes.checkpoint import CHECKPOINTS  # lazy: else `commands.export` imports torch 3.80 s, numpy 0.11 s
-    from dsrecipes.checkpoint_find import latest_complete  # lazy: else `commands.export` imports torch 3.80 s
-    from dsrecipes.export import (  # lazy: else `commands.export` imports torch 3.80 s, numpy 0.11 s
+    from dsrecipes.rank.export import (  # lazy: else `commands.export` imports torch 3.80 s, numpy 0.11 s
         check_out_dir,
         export_checkpoint,
     )

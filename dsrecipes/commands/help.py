@@ -16,8 +16,8 @@ import yaml
 from dsrecipes import __version__
 from dsrecipes.config.groups import RECIPE_GROUP, group_options
 from dsrecipes.config.hints import unwrap_optional
-from dsrecipes.paths import PACKAGE_DIR, conf_dir
-from dsrecipes.schema import TrainConfig
+from dsrecipes.core.paths import PACKAGE_DIR, conf_dir
+from dsrecipes.core.schema import TrainConfig
 
 FLAGS = [
     ("-m, --multirun", "sweep: comma-separated values run one job each (zero=stage1,stage2), then a summary"),

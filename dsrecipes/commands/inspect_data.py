@@ -16,9 +16,10 @@ from typing import List, Tuple
 
 from dsrecipes.commands.args import non_negative_int, override_parser, parse
 from dsrecipes.config.load import compose_and_load
+from dsrecipes.core.fileio import remove_empty_dirs
+from dsrecipes.core.rundir import CONFIG_FILE, MARKER_FILE, claim_marked_dir
+from dsrecipes.core.tokenizer import load_tokenizer
 from dsrecipes.data.inspect import format_stats, render_row
-from dsrecipes.fileio import remove_empty_dirs
-from dsrecipes.rundir import CONFIG_FILE, MARKER_FILE, claim_marked_dir
 
 INSPECT_MARKER = "dsrecipes_inspect.json"  # a directory inspect-data made: it may write there again
 KEY = "--run-dir"
@@ -26,7 +27,6 @@ KEY = "--run-dir"
 
 def main(argv: List[str]) -> int:
     from dsrecipes.data.prepare import prepare  # lazy: else `commands.inspect_data` imports numpy 0.11 s
-    from dsrecipes.model import load_tokenizer  # lazy: else `commands.inspect_data` imports torch 3.80 s
 
     parser = override_parser("inspect-data", "render prepared samples with trained tokens highlighted, plus statistics")
     parser.add_argument("--rows", type=non_negative_int, default=3, help="rows to render (default 3)")

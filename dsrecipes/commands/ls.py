@@ -10,8 +10,8 @@ from typing import List
 
 from dsrecipes.commands.args import parse
 from dsrecipes.config.groups import RECIPE_GROUP, describe, describe_file, group_options, option_file
-from dsrecipes.errors import UserError
-from dsrecipes.suggest import closest, phrase
+from dsrecipes.core.errors import UserError
+from dsrecipes.core.suggest import closest, phrase
 
 
 def main(argv: List[str]) -> int:

@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 from typing import Sequence, Tuple
 
-from dsrecipes import stopping
-from dsrecipes.rundir import CHECKPOINTS_DIR, read_outcome, write_result
+from dsrecipes.boundary.checkpoint_find import committed
+from dsrecipes.core import stopping
+from dsrecipes.core.rundir import CHECKPOINTS_DIR, read_outcome, write_result
 
 
 def conclude(run_dir: Path, code: int, dry_run: bool, argv: Sequence[str]) -> Tuple[int, bool]:
@@ -32,7 +33,6 @@ def conclude(run_dir: Path, code: int, dry_run: bool, argv: Sequence[str]) -> Tu
 
 def report_interrupted(run_dir: Path, signum: int, extra: dict, argv: Sequence[str]) -> int:
     """Write result.json `interrupted`, print where it stopped and how to resume; returns the exit code."""
-    from dsrecipes.checkpoint_find import committed  # lazy: else `commands.train` imports torch 3.80 s
 
     newest = committed(run_dir / CHECKPOINTS_DIR)
     checkpoint = str(newest[0]) if newest else None

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import List
 
-from dsrecipes import prompt_eval as pe
+from dsrecipes.boundary.trust import FLAG, TRUST_HELP, trust
 from dsrecipes.commands.args import command_parser, existing_path, parse, positive_int
-from dsrecipes.trust import FLAG, TRUST_HELP, trust
+from dsrecipes.serve import prompt_eval as pe
 
 
 def main(argv: List[str]) -> int:
-    from dsrecipes.inference import resolve_model_path  # lazy: else `commands.prompt_eval` imports torch 3.80 s
+    from dsrecipes.serve.inference import resolve_model_path  # lazy: else `commands.prompt_eval` imports torch 3.80 s
 
     parser = command_parser("prompt-eval", pe.__doc__.split("\n")[0],
                             epilog="--prompts format: one JSON object per line with 'prompt' and optional "

@@ -10,8 +10,8 @@ from typing import List, Sequence
 
 from dsrecipes.commands.args import override_parser, parse
 from dsrecipes.config.load import compose_and_load
+from dsrecipes.core.schema import ShardBalance
 from dsrecipes.data.shard import shard
-from dsrecipes.schema import ShardBalance
 
 
 def main(argv: List[str]) -> int:

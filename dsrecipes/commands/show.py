@@ -9,9 +9,9 @@ import yaml
 
 from dsrecipes.commands.args import override_parser, parse, positive_int
 from dsrecipes.config.load import compose_and_load
-from dsrecipes.ds_config import build_ds_config
-from dsrecipes.topology import resolve_topology
-from dsrecipes.typed import config_to_dict
+from dsrecipes.core.topology import resolve_topology
+from dsrecipes.core.typed import config_to_dict
+from dsrecipes.run.ds_config import build_ds_config
 
 
 def main(argv: List[str]) -> int:
@@ -26,6 +26,6 @@ def main(argv: List[str]) -> int:
         print("# resolved config")
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True))
         print(f"# DeepSpeed JSON at world size {world}")
-        print("# (no \"scheduler\" section: the LR schedule is dsrecipes.schedule, given to deepspeed.initialize)")
+        print("# (no \"scheduler\" section: the LR schedule is dsrecipes.rank.schedule, given to deepspeed.initialize)")
     print(json.dumps(build_ds_config(cfg, world), indent=2))
     return 0

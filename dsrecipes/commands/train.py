@@ -21,19 +21,19 @@ from pathlib import Path
 from typing import List, Optional, Set
 
 import dsrecipes.config.hydra_app as hydra_app
-from dsrecipes import stopping
 from dsrecipes.commands.args import parse
 from dsrecipes.commands.help import train_help, version_text
 from dsrecipes.commands.outcome import conclude, report_interrupted
 from dsrecipes.config.load import load_config
-from dsrecipes.console import log_path, quiet_third_party
-from dsrecipes.entry import Decision, check_machine, decide, run, with_run_dir
-from dsrecipes.errors import Refused, UserError
-from dsrecipes.report import closing_summary
-from dsrecipes.resume_contract import identity_fingerprint
-from dsrecipes.rundir import claim, write_result
-from dsrecipes.schema import TrainConfig
-from dsrecipes.typed import config_to_dict
+from dsrecipes.core import stopping
+from dsrecipes.core.console import log_path, quiet_third_party
+from dsrecipes.core.errors import Refused, UserError
+from dsrecipes.core.rundir import claim, write_result
+from dsrecipes.core.schema import TrainConfig
+from dsrecipes.core.typed import config_to_dict
+from dsrecipes.observe.report import closing_summary
+from dsrecipes.run.entry import Decision, check_machine, decide, run, with_run_dir
+from dsrecipes.run.resume_contract import identity_fingerprint
 
 
 @dataclass

@@ -13,8 +13,8 @@ from dsrecipes.config.defaults import config_warnings, model_name
 from dsrecipes.config.groups import RECIPE_GROUP, group_options
 from dsrecipes.config.load import check_composition, compose, compose_and_load, hydra_context
 from dsrecipes.config.matrix import as_container, layer, plan_all, recipe_body
-from dsrecipes.errors import ConfigError
-from dsrecipes.preflight import check_environment, check_template_tokens
+from dsrecipes.core.errors import ConfigError
+from dsrecipes.run.preflight import check_environment, check_template_tokens
 
 
 def main(argv: List[str]) -> int:

@@ -23,8 +23,8 @@ import os
 from pathlib import PurePath
 from typing import List
 
-from dsrecipes.hub import is_hub_id
-from dsrecipes.schema import OptimizerKind, TrainConfig
+from dsrecipes.core.hub import is_hub_id
+from dsrecipes.core.schema import OptimizerKind, TrainConfig
 
 TINY_NAME = "tiny"
 HIGH_LR = 1e-3  # above this, adaptive optimizers tend to wreck a pretrained model

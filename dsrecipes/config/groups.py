@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, List
 
-from dsrecipes.paths import conf_dir
+from dsrecipes.core.paths import conf_dir
 
 RECIPE_GROUP = "recipe"  # conf/recipe -> ../recipes
 

@@ -18,10 +18,10 @@ from typing import Any, Iterator, List, Optional, Sequence
 import yaml
 
 from dsrecipes.config.groups import group_options
-from dsrecipes.errors import ConfigError
-from dsrecipes.paths import conf_dir
-from dsrecipes.schema import RETIRED_KEYS, TrainConfig
-from dsrecipes.suggest import closest, closest_keys, phrase
+from dsrecipes.core.errors import ConfigError
+from dsrecipes.core.paths import conf_dir
+from dsrecipes.core.schema import RETIRED_KEYS, TrainConfig
+from dsrecipes.core.suggest import closest, closest_keys, phrase
 
 
 def explain(exc: BaseException, overrides: Sequence[str], fallback: str) -> str:

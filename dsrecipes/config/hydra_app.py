@@ -44,10 +44,10 @@ from omegaconf.errors import OmegaConfBaseException
 import dsrecipes.config.safety as safety
 import dsrecipes.config.sources as sources
 from dsrecipes.config.hints import compose_error
-from dsrecipes.errors import ConfigError, UserError
-from dsrecipes.paths import ASSETS_DIR, conf_dir
-from dsrecipes.rundir import claim_sweep_dir, unique_new_dir
-from dsrecipes.schema import GROUP_SCHEMAS, TrainConfig
+from dsrecipes.core.errors import ConfigError, UserError
+from dsrecipes.core.paths import ASSETS_DIR, conf_dir
+from dsrecipes.core.rundir import claim_sweep_dir, unique_new_dir
+from dsrecipes.core.schema import GROUP_SCHEMAS, TrainConfig
 
 CONFIG_NAME = "train"
 TASK_NAME = "dsrecipes"

@@ -15,9 +15,9 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import yaml
 
 from dsrecipes.config.hints import clean_hydra_message, full_key, schema_keys
-from dsrecipes.errors import ConfigError
-from dsrecipes.schema import TrainConfig
-from dsrecipes.typed import to_dataclass
+from dsrecipes.core.errors import ConfigError
+from dsrecipes.core.schema import TrainConfig
+from dsrecipes.core.typed import to_dataclass
 
 
 def compose(overrides: Sequence[str] = ()) -> Any:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from dsrecipes.config.groups import RECIPE_GROUP, group_options
-from dsrecipes.paths import conf_dir
+from dsrecipes.core.paths import conf_dir
 
 Container = Dict[str, Any]
 Option = Tuple[str, str]  # (group, option)

@@ -32,7 +32,7 @@ from hydra.plugins.config_source import ConfigSource
 from omegaconf import OmegaConf
 
 from dsrecipes.config.groups import RECIPE_GROUP, group_options
-from dsrecipes.errors import ConfigError
+from dsrecipes.core.errors import ConfigError
 
 MAX_BYTES = 1 << 20  # 1 MiB: recipes are a screen of keys
 MAX_VALUES = 100_000  # scalars, mappings and lists after alias expansion

@@ -4,7 +4,7 @@ Hydra instantiates every `_target_` under `hydra.callbacks` (and its launcher an
 `hydra.job_logging` / `hydra.hydra_logging` to `logging.config` (handler classes, `()` factories, files opened for
 writing), exports `hydra.job.env_set` before a job and reads extra config directories from `hydra.searchpath`. The
 only such entries a dsrecipes composition may hold are the ones conf/train.yaml and Hydra's own config files put
-there: the sweep callback (`dsrecipes.sweep.SweepSummary`), Hydra's basic launcher and sweeper, and no logging. So,
+there: the sweep callback (`dsrecipes.observe.sweep.SweepSummary`), Hydra's basic launcher and sweeper, and no logging. So,
 before anything is instantiated and before Hydra configures logging (`check`):
   * a command-line override may touch `hydra` only at ALLOWED_HYDRA_KEYS (run and sweep directories, verbosity):
     never a `hydra/...` group, an `@hydra` package, callbacks, logging, launcher, sweeper, search path or env;
@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from dsrecipes.errors import ConfigError
+from dsrecipes.core.errors import ConfigError
 
 ALLOWED_HYDRA_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "hydra.verbose")  # not sweep.subdir: jobs stay inside
 RUNTIME_KEYS = ("runtime", "overrides", "mode", "job.override_dirname", "job.id", "job.num", "job.name",

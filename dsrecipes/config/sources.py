@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 from hydra.plugins.config_source import ConfigLoadError, ConfigResult, ConfigSource
 
 import dsrecipes.config.recipe_file as recipe_file
-from dsrecipes.errors import ConfigError
+from dsrecipes.core.errors import ConfigError
 
 RECIPES_ENV = "DSRECIPES_RECIPES"
 RECIPE_GROUP = "recipe"

@@ -6,17 +6,15 @@ import os
 import re
 from typing import List, Optional
 
-from dsrecipes import jit_ops
 from dsrecipes.boundary.batch_script import batch_problems, run_dir_problem
 from dsrecipes.boundary.launcher_args import extra_args_problems, hostfile_problems
 from dsrecipes.boundary.rank_env import env_problems
 from dsrecipes.boundary.values import HOST
-from dsrecipes.data.sources.files import expand_paths, no_file
-from dsrecipes.data.sources.remote import check_url, expand, looks_like_url
-from dsrecipes.data.strategies.rules import caches_reference, carries_pairs, config_problems, required_paths
-from dsrecipes.errors import DataError
-from dsrecipes.hub import check_hub_paths, is_hub_id
-from dsrecipes.schema import (
+from dsrecipes.config.selection_rules import config_problems as selection_problems
+from dsrecipes.core import jit_ops
+from dsrecipes.core.errors import DataError
+from dsrecipes.core.hub import check_hub_paths, is_hub_id
+from dsrecipes.core.schema import (
     AttnImpl,
     Device,
     DpoLoss,
@@ -29,7 +27,9 @@ from dsrecipes.schema import (
     ResumeMode,
     TrainConfig,
 )
-from dsrecipes.selection import config_problems as selection_problems
+from dsrecipes.data.sources.files import expand_paths, no_file
+from dsrecipes.data.sources.remote import check_url, expand, looks_like_url
+from dsrecipes.data.strategies.rules import caches_reference, carries_pairs, config_problems, required_paths
 
 _SLOTS = r"[A-Za-z0-9_.-]{1,253}(?::\d{1,4}(?:,\d{1,4})*)?"  # deepspeed --include/--exclude: host[:slots]@...
 _HOST_SLOTS = re.compile(f"{_SLOTS}(?:@{_SLOTS})*")
@@ -44,7 +44,7 @@ def validate(cfg: TrainConfig, *, check_files: bool = True) -> List[str]:
     errors += _batch(cfg)
     errors += _data(cfg)
     errors += _misc(cfg)
-    errors += selection_problems(cfg)  # evaluation, save_best, early stopping (dsrecipes/selection.py)
+    errors += selection_problems(cfg)  # evaluation, save_best, early stopping (dsrecipes/rank/selection.py)
     errors += _objective(cfg)
     if check_files:
         errors += _files(cfg)

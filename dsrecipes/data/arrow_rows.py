@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Union
 
 import pyarrow as pa
 
-from dsrecipes.errors import DataError
+from dsrecipes.core.errors import DataError
 
 STATE_FILE = "state.json"  # datasets' save_to_disk: which Arrow files hold the rows, in order
 

@@ -7,10 +7,10 @@ from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
+from dsrecipes.core.schema import TrainConfig
 from dsrecipes.data.render.batch_encode import Encoded
 from dsrecipes.data.render.labels import IGNORE_INDEX
 from dsrecipes.data.render.packing import pack_plan, packing_efficiency
-from dsrecipes.schema import TrainConfig
 
 
 def write_split(path: Path, items: List[Tuple[int, int]], enc: Encoded, cfg: TrainConfig,

@@ -16,13 +16,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from dsrecipes.core.fileio import atomic_write_json
+from dsrecipes.core.paths import user_cache_dir
+from dsrecipes.core.schema import SourceConfig, TrainConfig
+from dsrecipes.core.typed import config_to_dict
 from dsrecipes.data.sources.files import expand_paths
 from dsrecipes.data.sources.remote import identity as remote_identity
 from dsrecipes.data.sources.remote import is_url
-from dsrecipes.fileio import atomic_write_json
-from dsrecipes.paths import user_cache_dir
-from dsrecipes.schema import SourceConfig, TrainConfig
-from dsrecipes.typed import config_to_dict
 
 RACY_SECONDS = 2.0  # a file changed this recently is hashed, not memoised
 PREP_VERSION = 2  # bump when the output of preparation changes for the same inputs (2: one-text tokenization)

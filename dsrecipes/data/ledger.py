@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from dsrecipes.fileio import open_append
+from dsrecipes.core.fileio import open_append
 
 LEDGER_DIR = "ledger"
 

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from dsrecipes.errors import DataError
+from dsrecipes.core.errors import DataError
 
 if TYPE_CHECKING:
-    from dsrecipes.schema import TrainConfig
+    from dsrecipes.core.schema import TrainConfig
 
 STATE_VERSION = 1
 UNSHUFFLED_WINDOW = 4096  # items read between position bookkeeping when the stream is not shuffled

@@ -15,12 +15,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
+from dsrecipes.core.errors import DataError
+from dsrecipes.core.schema import SourceConfig, TrainConfig
 from dsrecipes.data.render.labels import IGNORE_INDEX
 from dsrecipes.data.render.preference_encode import read_and_encode_pairs
 from dsrecipes.data.sources.badrows import BadRowReport
 from dsrecipes.data.sources.splits import mix, split_val
-from dsrecipes.errors import DataError
-from dsrecipes.schema import SourceConfig, TrainConfig
 
 COLUMNS = ("ids", "prompt_ids", "chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels")
 

@@ -39,6 +39,9 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from dsrecipes.core.errors import DataError
+from dsrecipes.core.fileio import atomic_write_json
+from dsrecipes.core.schema import ObjectiveKind, ReferenceMode, SourceConfig, TrainConfig
 from dsrecipes.data.arrow_split import write_split
 from dsrecipes.data.cache import cache_key, cache_root
 from dsrecipes.data.preference_prepare import attach_reference
@@ -50,10 +53,7 @@ from dsrecipes.data.sources.files import expand_paths, no_file
 from dsrecipes.data.sources.preference import check_sources
 from dsrecipes.data.sources.registry import resolve_sources, validation_files
 from dsrecipes.data.sources.splits import mix, split_val
-from dsrecipes.errors import DataError
-from dsrecipes.fileio import atomic_write_json
 from dsrecipes.objectives.base import reference_mode
-from dsrecipes.schema import ObjectiveKind, ReferenceMode, SourceConfig, TrainConfig
 
 if TYPE_CHECKING:
     from dsrecipes.data.arrow_rows import ArrowRows

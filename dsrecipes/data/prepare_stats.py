@@ -7,10 +7,10 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from dsrecipes.core.schema import SourceConfig, TrainConfig
 from dsrecipes.data.render.batch_encode import Encoded
 from dsrecipes.data.render.labels import IGNORE_INDEX
 from dsrecipes.data.sources.badrows import BadRowReport, by_file_summary
-from dsrecipes.schema import SourceConfig, TrainConfig
 
 
 def build_stats(cfg: TrainConfig, sources: Sequence[SourceConfig], report: BadRowReport, enc: Encoded,

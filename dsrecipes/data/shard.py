@@ -45,6 +45,11 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import dsrecipes.data.shard_store as store_upload
+from dsrecipes.core.errors import DataError, UserError
+from dsrecipes.core.fileio import atomic_write_json, missing_dirs, remove_empty_dirs
+from dsrecipes.core.schema import ShardBalance
+from dsrecipes.core.tokenizer import load_tokenizer
+from dsrecipes.core.typed import config_to_dict
 from dsrecipes.data.cache import tokenizer_fingerprint
 from dsrecipes.data.render.template_choice import choose_template
 from dsrecipes.data.shard_rows import PAIR_ROW_FORMAT, ROW_FORMAT, checked_rows, row_format
@@ -52,13 +57,9 @@ from dsrecipes.data.sources.badrows import BadRowReport
 from dsrecipes.data.sources.files import expand_paths
 from dsrecipes.data.sources.preference import check_sources
 from dsrecipes.data.sources.registry import resolve_sources
-from dsrecipes.data.sources.remote import identity as remote_identity
 from dsrecipes.data.sources.remote import check_url, is_url, looks_like_url
+from dsrecipes.data.sources.remote import identity as remote_identity
 from dsrecipes.data.sources.splits import split_val
-from dsrecipes.errors import DataError, UserError
-from dsrecipes.fileio import atomic_write_json, missing_dirs, remove_empty_dirs
-from dsrecipes.schema import ShardBalance
-from dsrecipes.typed import config_to_dict
 
 MANIFEST = "manifest.json"
 VAL_PART = "val.jsonl"
@@ -300,7 +301,6 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
     `val_size` (a fraction < 1 or a count) holds samples out into the validation part `val.jsonl`. The shard appears
     in `out_dir` only complete (module docstring: Ownership); on any failure `out_dir` is as it was."""
     from dsrecipes.data.stream.scan import checking_encoder  # lazy: else `commands.shard` imports numpy 0.11 s
-    from dsrecipes.model import load_tokenizer  # lazy: else `commands.shard` imports torch 3.80 s
 
     if parts < 1:
         raise UserError(f"--parts must be >= 1, got {parts}")

@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, Iterator, List, Tuple
 
+from dsrecipes.core.errors import DataError
+from dsrecipes.core.schema import ObjectiveKind
 from dsrecipes.data.sources.badrows import BadReason, BadRow
 from dsrecipes.data.sources.preference import pair_row
-from dsrecipes.errors import DataError
-from dsrecipes.schema import ObjectiveKind
 
 ROW_FORMAT = "dsrecipes-sharegpt-v1"  # canonical rows: roles are dsrecipes.data.sources.sharegpt.Role values
 PAIR_ROW_FORMAT = "dsrecipes-pairs-v1"  # canonical preference pairs (objective=dpo): preference.pair_row

@@ -18,10 +18,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, List, Optional
 
+from dsrecipes.core.errors import UserError
+from dsrecipes.core.fileio import json_text
 from dsrecipes.data.cache import cache_root
 from dsrecipes.data.sources.remote import identity, s3, store_errors
-from dsrecipes.errors import UserError
-from dsrecipes.fileio import json_text
 
 MANIFEST = "manifest.json"
 

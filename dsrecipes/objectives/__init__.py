@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict
 
+from dsrecipes.core.schema import ObjectiveKind, TrainConfig
 from dsrecipes.objectives.base import Objective
-from dsrecipes.schema import ObjectiveKind, TrainConfig
 
 Builder = Callable[[TrainConfig, Any], Objective]
 

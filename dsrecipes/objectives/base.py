@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Protocol, Tuple
 
-from dsrecipes.schema import DpoLoss, ObjectiveKind, ReferenceMode, TrainConfig
+from dsrecipes.core.schema import DpoLoss, ObjectiveKind, ReferenceMode, TrainConfig
 
 IGNORE_INDEX = -100  # the label of a token that is not trained: PyTorch cross-entropy's `ignore_index`
 

@@ -29,10 +29,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from dsrecipes.core.schema import DpoLoss, ObjectiveKind, ReferenceMode, TrainConfig
 from dsrecipes.objectives.base import IGNORE_INDEX, Batch, Row, pad_token_id, ratio, reference_mode
 from dsrecipes.objectives.dpo_live import Reference, live_reference
 from dsrecipes.objectives.logps import sequence_logps
-from dsrecipes.schema import DpoLoss, ObjectiveKind, ReferenceMode, TrainConfig
 
 PAIR_SUMS = ("pairs", "chosen_rewards", "rejected_rewards", "correct", "margin", "chosen_logps", "rejected_logps")
 

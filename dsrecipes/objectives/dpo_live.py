@@ -19,11 +19,11 @@ from typing import Any, Callable, Dict, Tuple
 
 import torch
 
-from dsrecipes.deepspeed_import import load_deepspeed
-from dsrecipes.model import build_model
+from dsrecipes.core.deepspeed_import import load_deepspeed
+from dsrecipes.core.schema import TrainConfig
+from dsrecipes.modeling.model import build_model
 from dsrecipes.objectives.base import Batch
 from dsrecipes.objectives.logps import reference_config, sequence_logps
-from dsrecipes.schema import TrainConfig
 
 Reference = Callable[[Batch, torch.device], Tuple[torch.Tensor, torch.Tensor]]
 

@@ -17,12 +17,12 @@ from typing import Any, Iterable, List, Tuple
 
 import torch
 
-from dsrecipes.model import build_model
+from dsrecipes.core.schema import TrainConfig
+from dsrecipes.core.typed import config_to_dict
+from dsrecipes.modeling.model import build_model
 from dsrecipes.objectives.base import Row, pad_token_id
 from dsrecipes.objectives.dpo import collate_pairs
 from dsrecipes.objectives.logps import reference_config, sequence_logps
-from dsrecipes.schema import TrainConfig
-from dsrecipes.typed import config_to_dict
 
 
 def reference_key(cfg: TrainConfig) -> str:

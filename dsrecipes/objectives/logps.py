@@ -8,8 +8,8 @@ from typing import Any, Tuple
 
 import torch
 
+from dsrecipes.core.schema import TrainConfig
 from dsrecipes.objectives.base import IGNORE_INDEX, Batch
-from dsrecipes.schema import TrainConfig
 
 
 def sequence_logps(model: Any, batch: Batch, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -21,8 +21,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from dsrecipes.core.schema import ObjectiveKind, TrainConfig
 from dsrecipes.objectives.base import IGNORE_INDEX, Batch, Row, pad_token_id
-from dsrecipes.schema import ObjectiveKind, TrainConfig
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from deepspeed.runtime.config import DeepSpeedConfig  # noqa: E402
 from dsrecipes.config.groups import group_options  # noqa: E402
 from dsrecipes.config.load import ConfigError, compose, hydra_context, load_config  # noqa: E402
 from dsrecipes.config.matrix import as_container, package_of, pulls_groups  # noqa: E402
-from dsrecipes.distributed import skip_shm_comm_op  # noqa: E402
-from dsrecipes.ds_config import build_ds_config  # noqa: E402
+from dsrecipes.core.distributed import skip_shm_comm_op  # noqa: E402
+from dsrecipes.run.ds_config import build_ds_config  # noqa: E402
 
 
 class DataParallelOnly:

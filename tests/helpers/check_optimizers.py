@@ -19,10 +19,10 @@ import torch  # noqa: E402
 from dsrecipes.config.groups import group_options  # noqa: E402
 from dsrecipes.config.load import ConfigError, compose_and_load, hydra_context  # noqa: E402
 from dsrecipes.config.validate import check_runtime  # noqa: E402
-from dsrecipes.distributed import skip_shm_comm_op  # noqa: E402
-from dsrecipes.ds_config import build_ds_config  # noqa: E402
-from dsrecipes.jit_ops import prepare_rank  # noqa: E402
-from dsrecipes.model import build_model, load_tokenizer, trainable_parameters  # noqa: E402
+from dsrecipes.core.distributed import skip_shm_comm_op  # noqa: E402
+from dsrecipes.core.jit_ops import prepare_rank  # noqa: E402
+from dsrecipes.modeling.model import build_model, load_tokenizer, trainable_parameters  # noqa: E402
+from dsrecipes.run.ds_config import build_ds_config  # noqa: E402
 
 skip_shm_comm_op()  # as every dsrecipes rank does: no JIT build of the shared-memory op this check never calls
 prepare_rank()  # as every rank does: ops build (and load) with the rank's flags, in the session's build directory

@@ -19,7 +19,7 @@ def main(run_dir: str, timeout_s: str, mode: str = "") -> int:
     import torch
     import torch.distributed as dist
 
-    from dsrecipes import heartbeat
+    from dsrecipes.core import heartbeat
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     rank = dist.get_rank()

@@ -9,8 +9,8 @@ from typing import Any
 
 def plan_like_launcher(cfg: Any, run_dir: Path, world_size: int) -> Any:
     """The RunPlan `entry.write_run_dir` writes for `cfg` in `run_dir` with `world_size` ranks on one node."""
-    from dsrecipes.entry import with_run_dir, write_run_dir
-    from dsrecipes.topology import Topology
+    from dsrecipes.core.topology import Topology
+    from dsrecipes.run.entry import with_run_dir, write_run_dir
 
     return write_run_dir(with_run_dir(cfg, Path(run_dir)), Topology(world_size, 1, world_size))
 

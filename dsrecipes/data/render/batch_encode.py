@@ -27,11 +27,11 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from dsrecipes.core.schema import DatasetConfig, SourceConfig, TrainConfig
 from dsrecipes.data.render.tokenize import Encoder
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.sources.files import FileUnreadable, RawRow, expand_paths, no_file, read_row_items, row_of
 from dsrecipes.data.sources.sharegpt import conversation_dict, conversation_of, role_table
-from dsrecipes.schema import DatasetConfig, SourceConfig, TrainConfig
 
 CHUNK = 512  # rows per task
 CHUNK_BYTES = 8 << 20  # bytes of rows per task (a row may be up to dataset.max_row_bytes)

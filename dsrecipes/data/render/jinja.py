@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from dsrecipes.core.schema import TemplateConfig, TemplateKind
 from dsrecipes.data.render.template import Spec, default_system, template_spec
-from dsrecipes.schema import TemplateConfig, TemplateKind
 
 
 def chat_template(cfg: TemplateConfig, tokenizer: Any) -> Optional[str]:

@@ -25,13 +25,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
+from dsrecipes.core.schema import DatasetConfig, SourceConfig, TrainConfig, TrainOn
 from dsrecipes.data.render.labels import IGNORE_INDEX
 from dsrecipes.data.render.template import Segment
 from dsrecipes.data.render.tokenize import Encoder
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.sources.preference import Pair, pair_of
 from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn, iter_checked
-from dsrecipes.schema import DatasetConfig, SourceConfig, TrainConfig, TrainOn
 
 Row = Dict[str, Any]
 

@@ -35,8 +35,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
-from dsrecipes.chat_sandbox import TemplateRaised, TemplateRefused
-from dsrecipes.chat_sandbox import render as render_chat_template
+from dsrecipes.boundary.chat_sandbox import TemplateRaised, TemplateRefused
+from dsrecipes.boundary.chat_sandbox import render as render_chat_template
+from dsrecipes.core.schema import TemplateConfig, TemplateKind, TrainOn
 from dsrecipes.data.sources.badrows import BadReason, BadRow
 from dsrecipes.data.sources.messages import (
     chat_messages,
@@ -47,7 +48,6 @@ from dsrecipes.data.sources.messages import (
     tools_schema,
 )
 from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
-from dsrecipes.schema import TemplateConfig, TemplateKind, TrainOn
 
 
 class Segment(NamedTuple):

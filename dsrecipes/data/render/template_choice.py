@@ -17,13 +17,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, List, Optional
 
-from dsrecipes.chat_sandbox import TemplateRaised
-from dsrecipes.chat_sandbox import render as render_chat_template
+from dsrecipes.boundary.chat_sandbox import TemplateRaised
+from dsrecipes.boundary.chat_sandbox import render as render_chat_template
+from dsrecipes.core.schema import TemplateConfig, TemplateKind, TrainOn
 from dsrecipes.data.render.template import REQUIRED_TOKENS, render
 from dsrecipes.data.sources.badrows import BadRow
 from dsrecipes.data.sources.messages import messages_for
 from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
-from dsrecipes.schema import TemplateConfig, TemplateKind, TrainOn
 
 _MARK = "DSRECIPESSYSTEMMARK"
 

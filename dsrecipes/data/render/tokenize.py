@@ -38,7 +38,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from dsrecipes.chat_sandbox import TemplateRefused
+from dsrecipes.boundary.chat_sandbox import TemplateRefused
+from dsrecipes.core.errors import ConfigError
+from dsrecipes.core.schema import TrainConfig
 from dsrecipes.data.render.labels import IGNORE_INDEX
 from dsrecipes.data.render.spans import FullText, Spans
 from dsrecipes.data.render.spm import continuation_encoder
@@ -46,8 +48,6 @@ from dsrecipes.data.render.template import Segment, check_template, render
 from dsrecipes.data.render.template_choice import choose_template
 from dsrecipes.data.sources.badrows import BadReason, BadRow
 from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
-from dsrecipes.errors import ConfigError
-from dsrecipes.schema import TrainConfig
 
 LONG_TEXT_FACTOR = 8  # characters per token of cutoff_len above which a text is tokenized by its prefixes
 ONE_TEXT_SEGMENTS = 16  # a conversation of at most this many long_text lengths may be tokenized as one text

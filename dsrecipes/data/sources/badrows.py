@@ -16,9 +16,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from dsrecipes.errors import DataError
-from dsrecipes.fileio import json_text
-from dsrecipes.schema import BadRows
+from dsrecipes.core.errors import DataError
+from dsrecipes.core.fileio import json_text
+from dsrecipes.core.schema import BadRows
 
 
 class BadReason(str, Enum):

@@ -25,12 +25,12 @@ from array import array
 from dataclasses import dataclass
 from typing import IO, Any, Callable, Iterator, List, Optional, Tuple, Union
 
+from dsrecipes.core.errors import DataError
+from dsrecipes.core.schema import DEFAULT_MAX_ROW_BYTES
 from dsrecipes.data.sources.badrows import BadReason, BadRow, location
 from dsrecipes.data.sources.jsonscan import BOM, JsonStructureError, values
 from dsrecipes.data.sources.remote import expand as remote_expand
 from dsrecipes.data.sources.remote import looks_like_url, open_maybe_gzip
-from dsrecipes.errors import DataError
-from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES
 
 MAX_DEPTH = 100  # conversations need ~5 levels; far deeper rows only exhaust recursion in the code after the parse
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")

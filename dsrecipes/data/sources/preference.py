@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+from dsrecipes.core.errors import ConfigError
+from dsrecipes.core.schema import DEFAULT_MAX_ROW_BYTES, DatasetFormat, ObjectiveKind, SourceConfig
 from dsrecipes.data.sources.badrows import BadReason, BadRow
 from dsrecipes.data.sources.files import RawRow, parse_row
 from dsrecipes.data.sources.sharegpt import (
@@ -31,8 +33,6 @@ from dsrecipes.data.sources.sharegpt import (
     _tools_text,
     sample_id,
 )
-from dsrecipes.errors import ConfigError
-from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES, DatasetFormat, ObjectiveKind, SourceConfig
 
 
 @dataclass

@@ -27,11 +27,11 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
+from dsrecipes.core.errors import ConfigError, DataError
+from dsrecipes.core.schema import ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
+from dsrecipes.core.typed import convert
 from dsrecipes.data.sources.files import expand_paths
 from dsrecipes.data.sources.remote import looks_like_url
-from dsrecipes.errors import ConfigError, DataError
-from dsrecipes.schema import ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
-from dsrecipes.typed import convert
 
 _LF_UNSUPPORTED = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
 _LF_MEDIA_COLUMNS = ("images", "videos", "audios", "kto_tag")

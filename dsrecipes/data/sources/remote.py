@@ -30,8 +30,8 @@ import time
 from contextlib import contextmanager
 from typing import IO, Any, Dict, Iterator, List, Optional, Tuple
 
+from dsrecipes.core.errors import DataError
 from dsrecipes.data.sources.remote_hub import hf_expand
-from dsrecipes.errors import DataError
 
 SCHEMES = ("s3", "hf")
 READ_ATTEMPTS = 5  # RangeReader's own retries (each after s3fs's and botocore's): then the fault is reported

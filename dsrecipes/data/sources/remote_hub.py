@@ -12,8 +12,8 @@ import fnmatch
 import os
 from typing import List
 
-from dsrecipes.errors import DataError
-from dsrecipes.paths import user_cache_dir
+from dsrecipes.core.errors import DataError
+from dsrecipes.core.paths import user_cache_dir
 
 
 def _hub_cache() -> str:

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
+from dsrecipes.core.errors import ConfigError
+from dsrecipes.core.schema import DEFAULT_MAX_ROW_BYTES, DatasetConfig, DatasetFormat, SourceConfig
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.sources.files import RawRow, expand_paths, no_file, parse_row, read_rows
 from dsrecipes.data.sources.registry import resolve_sources
-from dsrecipes.errors import ConfigError
-from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES, DatasetConfig, DatasetFormat, SourceConfig
 
 
 class Role(str, Enum):

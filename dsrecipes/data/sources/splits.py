@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from typing import Dict, List, Sequence, Tuple
 
-from dsrecipes.errors import DataError
+from dsrecipes.core.errors import DataError
 
 
 def split_val(n: int, val_size: float, seed: int) -> List[int]:

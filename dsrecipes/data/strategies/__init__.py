@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
+from dsrecipes.core.runplan import RunPlan
+from dsrecipes.core.schema import DataKind, TrainConfig
 from dsrecipes.data.audit import AuditReport
 from dsrecipes.data.plan import Layout, total_steps
 from dsrecipes.data.strategies.base import TrainLoader
@@ -37,8 +39,6 @@ from dsrecipes.data.strategies.iterable import IterableStrategy
 from dsrecipes.data.strategies.map import MapStrategy
 from dsrecipes.data.strategies.presharded import PreshardedStrategy
 from dsrecipes.data.strategies.protocol import DataStrategy, PrepareResult, RankData
-from dsrecipes.runplan import RunPlan
-from dsrecipes.schema import DataKind, TrainConfig
 
 STRATEGIES: Dict[DataKind, DataStrategy] = {s.kind: s for s in (MapStrategy(), IterableStrategy(), PreshardedStrategy())}
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import signal
 from typing import Any, Dict, Iterator, Optional
 
+from dsrecipes.core.errors import DataError
 from dsrecipes.data.plan import STATE_VERSION, Layout, Position, resume_point
-from dsrecipes.errors import DataError
 
 Batch = Dict[str, Any]
 Row = Dict[str, Any]

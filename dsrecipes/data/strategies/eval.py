@@ -11,7 +11,7 @@ from dsrecipes.data.strategies.base import Batch, Row
 class EvalLoader:
     """The validation rows of one rank: a contiguous share (sizes differ by at most one row), in order.
 
-    Ranks can end one micro-batch apart; the evaluation (dsrecipes/evaluation.py) pads the shorter ranks with
+    Ranks can end one micro-batch apart; the evaluation (dsrecipes/rank/evaluation.py) pads the shorter ranks with
     zero-weight forward passes (ZeRO-3 forwards are collective), so every row is scored once and none twice.
     """
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
+from dsrecipes.core.errors import DataError
+from dsrecipes.core.schema import BadRows, TrainConfig
 from dsrecipes.data.sources.badrows import BadRow, error_message
 from dsrecipes.data.sources.files import where
 from dsrecipes.data.sources.sharegpt import role_table
-from dsrecipes.errors import DataError
-from dsrecipes.schema import BadRows, TrainConfig
 
 
 class ItemRows:

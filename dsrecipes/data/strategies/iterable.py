@@ -21,6 +21,15 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from dsrecipes.core.errors import DataError
+from dsrecipes.core.runplan import RunPlan
+from dsrecipes.core.schema import (
+    DEFAULT_MAX_ROW_BYTES,
+    DEFAULT_READ_AHEAD_BYTES,
+    DEFAULT_SPAN_BYTES,
+    DataKind,
+    TrainConfig,
+)
 from dsrecipes.data.audit import AuditReport, audit_stream
 from dsrecipes.data.cache import data_files, data_fingerprint
 from dsrecipes.data.plan import Layout, require_steps, steps_per_epoch
@@ -41,9 +50,6 @@ from dsrecipes.data.stream.order import epoch_visits
 from dsrecipes.data.stream.reader import ItemFetcher, read_stretch
 from dsrecipes.data.stream.scan import prepare_stream
 from dsrecipes.data.stream.segments import LocalShuffle, Segment, epoch_segment
-from dsrecipes.errors import DataError
-from dsrecipes.runplan import RunPlan
-from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES, DEFAULT_READ_AHEAD_BYTES, DEFAULT_SPAN_BYTES, DataKind, TrainConfig
 
 STREAM_STATE_VERSION = 2  # 1: the shared-stream filter before block reading
 MakeRows = Callable[[Sequence[Any]], List[Row]]

@@ -12,6 +12,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from dsrecipes.core.runplan import RunPlan
+from dsrecipes.core.schema import DataKind, TrainConfig
+from dsrecipes.core.tokenizer import load_tokenizer
 from dsrecipes.data.audit import AuditReport, audit_map
 from dsrecipes.data.cache import data_files
 from dsrecipes.data.plan import EpochPlan, Layout, require_steps, steps_per_epoch
@@ -22,8 +25,6 @@ from dsrecipes.data.strategies.base import Batch, Row, TrainLoader, loader_gener
 from dsrecipes.data.strategies.eval import EvalLoader, limit_rows
 from dsrecipes.data.strategies.protocol import PrepareResult, RankData, rows_of_plan
 from dsrecipes.data.strategies.rows import make_collate
-from dsrecipes.runplan import RunPlan
-from dsrecipes.schema import DataKind, TrainConfig
 
 
 class MapTrainLoader(TrainLoader):
@@ -143,7 +144,6 @@ class MapStrategy:
 def prepared_rows(cfg: TrainConfig) -> int:
     """Rows of the prepared train split (the data layer's cache makes a second call cheap)."""
 
-    from dsrecipes.model import load_tokenizer  # lazy: else `commands.train` imports torch 3.80 s
 
     with tempfile.TemporaryDirectory(prefix="dsrecipes-audit-") as run_dir:
         return len(prepare(cfg, load_tokenizer(cfg), run_dir).train)

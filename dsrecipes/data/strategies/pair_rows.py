@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence
 
+from dsrecipes.core.schema import TrainConfig
 from dsrecipes.data.render.preference_encode import PairEncoder
 from dsrecipes.data.sources.badrows import BadRow
 from dsrecipes.data.sources.files import where
 from dsrecipes.data.sources.preference import Pair, parse_pair_item
 from dsrecipes.data.strategies.base import Row
 from dsrecipes.data.strategies.item_rows import ItemRows
-from dsrecipes.schema import TrainConfig
 
 
 class PairRowEncoder(ItemRows):

@@ -28,6 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from dsrecipes.core.errors import DataError
+from dsrecipes.core.fileio import atomic_writer
+from dsrecipes.core.runplan import RunPlan
+from dsrecipes.core.schema import DataKind, SourceConfig, TrainConfig
+from dsrecipes.core.tokenizer import load_tokenizer
 from dsrecipes.data.audit import AuditReport, audit_presharded
 from dsrecipes.data.plan import Layout, StreamShuffle, presharded_steps, require_steps
 from dsrecipes.data.sampler import Item, StreamSpec, select_slots
@@ -40,10 +45,6 @@ from dsrecipes.data.strategies.eval import EvalLoader
 from dsrecipes.data.strategies.protocol import PrepareResult, RankData, rows_of_plan
 from dsrecipes.data.strategies.rows import make_collate, row_encoder
 from dsrecipes.data.stream.scan import checking_encoder, scan_sources
-from dsrecipes.errors import DataError
-from dsrecipes.fileio import atomic_writer
-from dsrecipes.runplan import RunPlan
-from dsrecipes.schema import DataKind, SourceConfig, TrainConfig
 
 VAL_ROWS = "val_rows.jsonl"  # `dataset.val_paths` in canonical form, written by the launching process
 VAL_QUARANTINE = "val_quarantine.jsonl"
@@ -207,7 +208,6 @@ class PreshardedStrategy:
 def check_parts(cfg: TrainConfig, run_dir: Path, manifest: Manifest) -> None:
     """Parts are checked by `dsrecipes shard` with its template and tokenizer; with another one, a row could fail to
     render or tokenize mid-run (or mid-evaluation), so the parts (and the validation part) are scanned first."""
-    from dsrecipes.model import load_tokenizer  # lazy: else `commands.train` imports torch 3.80 s
 
     if checked_alike(manifest.checked_with, cfg, load_tokenizer(cfg)):
         return
@@ -221,7 +221,6 @@ def write_val_rows(cfg: TrainConfig, run_dir: Path) -> int:
     """`dataset.val_paths` read and checked like `dsrecipes shard` checks rows (bad rows per `dataset.bad_rows`,
     quarantined in `<run>/val_quarantine.jsonl`), written in the parts' canonical form to `<run>/val_rows.jsonl`;
     returns the rows written."""
-    from dsrecipes.model import load_tokenizer  # lazy: else `commands.train` imports torch 3.80 s
 
     run_dir = Path(run_dir)
     (run_dir / VAL_QUARANTINE).unlink(missing_ok=True)  # an earlier launch's list, never beside this one's rows

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol, Tuple
 
-from dsrecipes.errors import DataError
-from dsrecipes.runplan import PLAN_FILE, RunPlan
-from dsrecipes.schema import DataKind, TrainConfig
+from dsrecipes.core.errors import DataError
+from dsrecipes.core.runplan import PLAN_FILE, RunPlan
+from dsrecipes.core.schema import DataKind, TrainConfig
 
 if TYPE_CHECKING:
     from dsrecipes.data.audit import AuditReport

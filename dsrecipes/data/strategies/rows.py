@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence
 
+from dsrecipes.core.schema import ObjectiveKind, TrainConfig
 from dsrecipes.data.render.packing import pack
 from dsrecipes.data.render.tokenize import Encoder
 from dsrecipes.data.sources.files import where
@@ -12,7 +13,6 @@ from dsrecipes.data.strategies.base import Batch, Row
 from dsrecipes.data.strategies.item_rows import ItemRows
 from dsrecipes.data.strategies.pair_rows import PairRowEncoder
 from dsrecipes.objectives import build_objective
-from dsrecipes.schema import ObjectiveKind, TrainConfig
 
 
 def row_encoder(cfg: TrainConfig, tokenizer: Any, paths: Sequence[str], sources: Sequence[Any],

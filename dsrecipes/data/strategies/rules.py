@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
-from dsrecipes.schema import DataKind, TrainConfig
+from dsrecipes.core.schema import DataKind, TrainConfig
 
 NamedPath = Tuple[str, Optional[str]]  # (config key, path) that must exist when files are checked
 

@@ -14,10 +14,10 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable, Optional, Tuple
 
+from dsrecipes.core.fileio import atomic_writer
 from dsrecipes.data.sources.files import FileUnreadable, read_error
 from dsrecipes.data.sources.jsonscan import JsonStructureError, values
 from dsrecipes.data.sources.remote import open_maybe_gzip
-from dsrecipes.fileio import atomic_writer
 
 CHUNK = 1 << 20
 _NEWLINES = bytes.maketrans(b"\n\r", b"  ")

@@ -24,10 +24,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from dsrecipes.core.fileio import atomic_write_json, atomic_writer
 from dsrecipes.data.cache import cache_root, content_hashes
 from dsrecipes.data.sources.remote import is_url, open_bytes, pin, size_mtime, store_errors
 from dsrecipes.data.stream.convert import CHUNK, convert, file_kind
-from dsrecipes.fileio import atomic_write_json, atomic_writer
 
 INDEX_VERSION = 1
 _WS = np.zeros(256, dtype=bool)

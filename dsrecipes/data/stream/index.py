@@ -26,6 +26,9 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from dsrecipes.core.errors import DataError
+from dsrecipes.core.fileio import atomic_write_json, atomic_writer
+from dsrecipes.core.schema import DEFAULT_MAX_ROW_BYTES, DEFAULT_READ_AHEAD_BYTES, DEFAULT_SPAN_BYTES, SourceConfig
 from dsrecipes.data.sources.files import expand_paths, lines_in_range, no_file
 from dsrecipes.data.sources.registry import resolve_sources, validation_files
 from dsrecipes.data.sources.remote import ObjectChanged, RangePool, is_url, size_mtime
@@ -35,9 +38,6 @@ from dsrecipes.data.sources.splits import split_val
 from dsrecipes.data.stream.files import FileIndex, index_files
 from dsrecipes.data.stream.order import BlockTable, chunks_of
 from dsrecipes.data.stream.sizes import auto_block_bytes, blocks_per_chunk, chunk_bytes_of
-from dsrecipes.errors import DataError
-from dsrecipes.fileio import atomic_write_json, atomic_writer
-from dsrecipes.schema import DEFAULT_MAX_ROW_BYTES, DEFAULT_READ_AHEAD_BYTES, DEFAULT_SPAN_BYTES, SourceConfig
 
 INDEX_FILE = "stream_index.json"
 ARRAYS_FILE = "stream_index.npz"

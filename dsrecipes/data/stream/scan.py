@@ -26,6 +26,10 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from dsrecipes.core.errors import DataError
+from dsrecipes.core.schema import ObjectiveKind, SourceConfig, TrainConfig
+from dsrecipes.core.tokenizer import load_tokenizer
+from dsrecipes.core.typed import config_to_dict
 from dsrecipes.data.cache import PREP_VERSION, cache_root, data_fingerprint, tokenizer_fingerprint
 from dsrecipes.data.prepare import QUARANTINE_FILE
 from dsrecipes.data.render.preference_encode import PairEncoder, checked_pairs
@@ -45,9 +49,6 @@ from dsrecipes.data.stream.index import (
 )
 from dsrecipes.data.stream.scan_files import RowChecker, RowTap, Taps, load_scan, save_scan, scan_path
 from dsrecipes.data.stream.scan_pairs import PairChecker
-from dsrecipes.errors import DataError
-from dsrecipes.schema import ObjectiveKind, SourceConfig, TrainConfig
-from dsrecipes.typed import config_to_dict
 
 BATCH = 256  # conversations per tokenization call
 
@@ -193,7 +194,6 @@ def checked_conversations(cfg: TrainConfig, report: BadRowReport, encoder: Any,
 
 
 def _start(cfg: TrainConfig, run_dir: Path) -> Tuple[BadRowReport, Any]:
-    from dsrecipes.model import load_tokenizer  # lazy: else `commands.train` imports torch 3.80 s
 
     quarantine = Path(run_dir) / QUARANTINE_FILE
     quarantine.unlink(missing_ok=True)

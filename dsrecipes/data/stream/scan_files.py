@@ -20,10 +20,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
+from dsrecipes.core.fileio import atomic_write_json
 from dsrecipes.data.sources.badrows import BadReason, BadRow
 from dsrecipes.data.sources.files import element_line
 from dsrecipes.data.sources.sharegpt import conversation_dict, parse_item, role_table
-from dsrecipes.fileio import atomic_write_json
 
 SCAN_VERSION = 1
 BATCH = 256  # conversations per tokenization call

@@ -1,0 +1,130 @@
+"""Which checkpoint a run continues from, decided once by the launching process (ranks follow plan.json).
+
+A checkpoint is used only when its commit record (complete.json) reads, carries this user's signature (trust.py:
+else the run is refused, exit 2, naming `dsrecipes train ... --trust-checkpoint PATH`), every file it lists has its
+size and hash (manifest.py); one trusted on the command line instead must also hold no pickle that imports beyond
+an allow-list (safe_load.screen). `verified` is
+that one check; export, prompt-eval and chat use it too. `trainer.resume=auto` takes the most recently committed checkpoint that verifies, naming
+each damaged one it passes over; when checkpoints exist but none verifies, it stops (starting over would bury
+them). An explicit `trainer.resume_from` naming one checkpoint must verify, or the run stops (exit 2) naming the
+damaged file. Records of older dsrecipes versions are unsigned: they load only with --trust-checkpoint.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import dsrecipes.boundary.safe_load as safe_load
+import dsrecipes.boundary.trust as trust
+import dsrecipes.core.manifest as manifest
+from dsrecipes.core.checkpoint_names import CHECKPOINTS, COMPLETE, UNIVERSAL, commit_order, read_record, step_of
+from dsrecipes.core.errors import Refused, UserError
+from dsrecipes.core.runplan import ResumePlan
+from dsrecipes.core.schema import ResumeMode, TrainerConfig
+
+Report = Callable[[str], None]
+TRAIN_RETRY = "dsrecipes train ..."
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def damage(tag_dir: Path, retry: str = TRAIN_RETRY) -> Optional[str]:
+    """None when the checkpoint verifies, else what is wrong with it (naming the file). A readable record that
+    is not signed by this user raises trust.Untrusted (`retry`: the command the message tells to repeat); a pickle
+    that would import more than data raises UserError."""
+    try:
+        record = read_record(tag_dir)
+    except OSError:
+        return f"{COMPLETE}: missing (the save did not finish)"
+    except ValueError as exc:
+        return f"{COMPLETE}: unreadable ({exc})"
+    ours = trust.check(record, Path(tag_dir), "checkpoint", retry)
+    files = record.get("files")
+    problem = None if files is None else (manifest.verify(tag_dir, files)
+                                          or manifest.unlisted(tag_dir, files, ignore=[COMPLETE, UNIVERSAL]))
+    if problem is None and not ours:  # trusted on the command line: still no pickle that imports code
+        safe_load.screen(tag_dir)
+    return problem
+
+
+def verified(tag_dir: Path, retry: str) -> Path:
+    """The one check before anything loads a checkpoint outside training (export): signed (or trusted on the
+    command line), every file as written, no pickle that imports code. UserError otherwise."""
+    problem = damage(tag_dir, retry)
+    if problem is not None:
+        raise UserError(f"{tag_dir}: damaged checkpoint ({problem}); nothing was loaded")
+    return Path(tag_dir)
+
+
+def committed(root: Path) -> List[Path]:
+    """Tag directories holding a commit record (readable or not), newest commit first."""
+    tags = [d for d in Path(root).glob("step_*") if d.is_dir() and d.name.split("_", 1)[1].isdigit()]
+    return sorted((d for d in tags if (d / COMPLETE).exists()), key=commit_order, reverse=True)
+
+
+def newest_verified(root: Path, report: Report = _stderr, retry: str = TRAIN_RETRY) -> Optional[Path]:
+    """The most recently committed checkpoint under `root` that verifies (None when there is none at all)."""
+    tags = committed(root)
+    damaged = []
+    for tag_dir in tags:
+        problem = damage(tag_dir, retry)
+        if problem is None:
+            return tag_dir
+        damaged.append(f"{tag_dir.name}: {problem}")
+        report(f"warning: checkpoint {tag_dir} is damaged ({problem}); falling back to an older one")
+    if damaged:
+        raise Refused(f"{root}: no checkpoint verifies ({'; '.join(damaged)}). Nothing was changed; resume from "
+                        "a copy you trust with trainer.resume_from=PATH, or start a new run in another "
+                        "trainer.output_dir")
+    return None
+
+
+def find_resume_checkpoint(trainer: TrainerConfig, run_dir: Path, report: Report = _stderr) -> Optional[Path]:
+    """The tag dir a run continues from, or None: `trainer.resume_from` when set, else with `trainer.resume=auto`
+    the newest verified checkpoint of this run directory."""
+    if trainer.resume is ResumeMode.never:
+        return None
+    if trainer.resume_from is None:
+        return newest_verified(Path(run_dir) / CHECKPOINTS, report)
+    path = Path(trainer.resume_from).expanduser()
+    if (path / COMPLETE).exists() or (path.name.startswith("step_") and path.is_dir()):
+        problem = damage(path)
+        if problem is not None:
+            raise Refused(f"trainer.resume_from: {path} is not a complete checkpoint that verifies: {problem}. "
+                            "Nothing was changed; name an earlier checkpoint or the run directory (which falls "
+                            "back to its newest good checkpoint)")
+        return path
+    for candidate in (path / CHECKPOINTS, path):
+        if candidate.is_dir():
+            found = newest_verified(candidate, report)
+            if found is not None:
+                return found
+    raise UserError(
+        f"trainer.resume_from: {trainer.resume_from!r} is not a complete checkpoint (a checkpoints/step_<N> dir with "
+        f"{COMPLETE}), nor a run or checkpoints directory holding one"
+    )
+
+
+def latest_complete(root: Path, report: Report = _stderr, retry: str = TRAIN_RETRY) -> Optional[Path]:
+    """The newest verified checkpoint under a checkpoints directory (what `dsrecipes export` takes by default)."""
+    return newest_verified(root, report, retry)
+
+
+def plan_resume(trainer: TrainerConfig, run_dir: Path, world_size: int, zero_stage: int,
+                report: Report = _stderr) -> Optional[ResumePlan]:
+    """What the run continues from (reads files only: the launching process calls this once, before any rank).
+
+    Another world size (elastic resume): ZeRO-0 states are whole and load as saved; ZeRO-1/2/3 shards go through a
+    DeepSpeed universal checkpoint (`"checkpoint": {"load_universal": true}` in ds_config.json). The user's
+    checkpoint signing key is made here if need be (trust.py; outside the run directory)."""
+    trust.ensure_key()
+    tag_dir = find_resume_checkpoint(trainer, run_dir, report)
+    if tag_dir is None:
+        return None
+    saved = read_record(tag_dir)["world_size"]
+    elastic = saved != world_size and zero_stage > 0
+    return ResumePlan(str(tag_dir.resolve()), step_of(tag_dir), saved, elastic)

@@ -1,0 +1,178 @@
+"""Who wrote a checkpoint or an export: commit records signed with this user's key, checked before any load.
+
+A checkpoint's files are pickles (DeepSpeed's engine and zero_to_fp32 read them with `weights_only=False`), so a
+file list with hashes proves nothing by itself: whoever can write the files can write their hashes. The commit
+record (checkpoints: complete.json; exports: dsrecipes_export.json) therefore carries an HMAC-SHA256 over its
+canonical JSON, made with a per-user key that lives outside every run directory:
+
+    $DSRECIPES_KEY_FILE, else $XDG_CONFIG_HOME/dsrecipes/checkpoint.key, else ~/.config/dsrecipes/checkpoint.key
+
+created once (32 random bytes, hex, mode 0600, its directory 0700) the first time something is signed. A key that
+others can read, or that another user owns, is refused: it would let them sign.
+
+`check` is the one gate (export, resume, trainer.resume_from, prompt-eval and chat on run directories): the record
+must read and carry this key's signature, else `Untrusted` (exit 2) saying how to trust it explicitly. Trusting is
+a command-line decision of this invocation only (`--trust-checkpoint PATH`, `trust()`), never a config key: it
+accepts the record as it is for this command and re-signs nothing (a run that continues from it signs only the
+checkpoints it writes itself). Training checks in the launching process, which names the checkpoint in plan.json
+for the ranks, so the decision never travels through the config. The file hashes are verified in every case (checkpoint_find.damage), and the pickles of a checkpoint trusted that way are screened for what they
+would import (safe_load.screen) before anything unpickles them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import stat
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from dsrecipes.core.errors import Refused, UserError
+from dsrecipes.core.fileio import json_text
+
+KEY_ENV = "DSRECIPES_KEY_FILE"
+SIGNATURE = "signature"
+SCHEME = "hmac-sha256"
+FLAG = "--trust-checkpoint"
+TRUST_HELP = ("load the checkpoint or export at PATH (or any below that directory) although this user's key did not "
+              "sign it: for this command only; its file hashes are still checked and nothing is re-signed")
+
+_trusted: List[Path] = []  # set by the command line of this invocation (commands/*: --trust-checkpoint PATH)
+
+
+class Untrusted(Refused):
+    """A record that is unsigned, signed with another key, or altered: refused before anything is loaded."""
+
+
+def key_path() -> Path:
+    if os.environ.get(KEY_ENV):
+        return Path(os.environ[KEY_ENV]).expanduser()
+    config_home = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(config_home) / "dsrecipes" / "checkpoint.key"
+
+
+def _publish_new_key(path: Path) -> None:
+    """Write a new key beside `path` and link it into place: a process that finds `path` always finds a whole key
+    (two runs starting at once never read a half-written one); FileExistsError when another process won."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as fh:
+            fh.write(secrets.token_hex(32) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.link(tmp, path)
+    finally:
+        os.unlink(tmp)
+
+
+def _load_key(create: bool) -> Optional[bytes]:
+    path = key_path()
+    if not path.exists():
+        if not create:
+            return None
+        try:
+            _publish_new_key(path)
+        except FileExistsError:  # another process made it meanwhile: use theirs
+            if not path.is_file():
+                raise UserError(f"{path}: cannot create the checkpoint signing key (a path below a file); point "
+                                f"{KEY_ENV} at a file in a private directory you can write")
+            return _load_key(False)
+        except OSError as exc:
+            raise UserError(f"{path}: cannot create the checkpoint signing key ({exc.strerror or exc}); point "
+                            f"{KEY_ENV} at a file in a private directory you can write")
+    info = path.stat()
+    if info.st_uid != os.geteuid() or info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise UserError(f"{path}: the checkpoint signing key must belong to you with mode 0600 (it is "
+                        f"{stat.filemode(info.st_mode)}, uid {info.st_uid}); others could sign checkpoints with it. "
+                        f"Fix it with `chmod 600 {path}`, or delete it to start a new key (your existing checkpoints "
+                        f"then need {FLAG})")
+    key = path.read_text(encoding="ascii").strip()
+    if len(key) < 32:
+        raise UserError(f"{path}: not a dsrecipes signing key (delete it to create a new one)")
+    return key.encode("ascii")
+
+
+def _digest(record: Dict[str, Any], key: bytes) -> str:
+    body = {k: v for k, v in record.items() if k != SIGNATURE}
+    payload = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return f"{SCHEME}:" + hmac.new(key, payload.encode("utf-8"), hashlib.sha256).hexdigest()
+
+
+def ensure_key() -> None:
+    """The signing key exists (made now if not): the launching process checks this before any rank starts, so a
+    run does not fail at its first checkpoint for want of it."""
+    _load_key(create=True)
+
+
+def sign(record: Dict[str, Any]) -> Dict[str, Any]:
+    """`record` as it will read back from its JSON file (fileio.json_text), with this user's signature (the key
+    is created on first use)."""
+
+    canonical = json.loads(json_text({k: v for k, v in record.items() if k != SIGNATURE}))
+    return {**canonical, SIGNATURE: _digest(canonical, _load_key(create=True))}
+
+
+def signature_problem(record: Dict[str, Any]) -> Optional[str]:
+    """None when `record` carries this user's signature, else why not."""
+    given = record.get(SIGNATURE)
+    if not isinstance(given, str):
+        return "it is not signed (written by another user, or by dsrecipes before checkpoints were signed)"
+    key = _load_key(create=False)
+    if key is None:
+        return f"it is signed, but this user has no signing key ({key_path()}), so it was not written here"
+    if not hmac.compare_digest(given, _digest(record, key)):
+        return "its signature does not match this user's key (written by another user or altered)"
+    return None
+
+
+def trust(paths: List[str]) -> None:
+    """Accept the records at or below `paths` for this invocation (the command line's --trust-checkpoint)."""
+    _trusted.extend(Path(p).expanduser().resolve() for p in paths)
+
+
+def take_flag(argv: List[str]) -> List[str]:
+    """`argv` without its `--trust-checkpoint PATH` / `--trust-checkpoint=PATH` arguments, which are trusted
+    (training: Hydra's parser owns the rest of the command line)."""
+    rest, paths, it = [], [], iter(argv)
+    for arg in it:
+        if arg == FLAG:
+            path = next(it, None)
+            if path is None or path.startswith("-") or "=" in path:
+                raise UserError(f"{FLAG} needs the checkpoint (or run directory) to trust: {FLAG} PATH")
+            paths.append(path)
+        elif arg.startswith(FLAG + "="):
+            paths.append(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+    trust(paths)
+    return rest
+
+
+def reset() -> None:
+    _trusted.clear()
+
+
+def is_trusted(path: Path) -> bool:
+    where = Path(path).expanduser().resolve()
+    return any(where == t or t in where.parents for t in _trusted)
+
+
+def check(record: Dict[str, Any], where: Path, what: str, retry: str) -> bool:
+    """The one gate before any load from `where` (a checkpoint or an export, whose commit record is `record`):
+    True when it carries this user's signature, False when it does not but the command line trusted `where`,
+    else Untrusted (exit 2). `retry`: the command to repeat with the flag, for the message."""
+    problem = signature_problem(record)
+    if problem is None:
+        return True
+    if is_trusted(where):
+        return False
+    raise Untrusted(
+        f"{where}: refusing to load this {what}: {problem}. Its files are pickles, and loading them can run code, "
+        f"so only files written by this user's runs load without asking. If you trust whoever wrote it, repeat "
+        f"with `{retry} {FLAG} {where}`: that accepts it for that one command (its file "
+        "hashes are still checked and a pickle that imports code is still refused); it is not re-signed")

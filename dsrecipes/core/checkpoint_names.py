@@ -1,0 +1,49 @@
+"""A checkpoint's names and commit record, torch-free: where tags live (`checkpoints/step_<N>`), what marks one
+complete (`complete.json`), and the order commits happened in. The launching process reads these to decide a resume;
+the ranks (rank/checkpoint.py) write them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict
+
+from dsrecipes.core.rundir import CHECKPOINTS_DIR
+
+CHECKPOINTS = CHECKPOINTS_DIR
+LATEST = "latest"
+COMPLETE = "complete.json"
+UNIVERSAL = "universal"
+PARTIAL = ".partial"  # suffix of a tag directory being written
+REPLACED = ".replaced"  # suffix of an old tag directory while a re-save swaps it out
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step}"
+
+
+def step_of(tag_dir: Path) -> int:
+    return int(tag_dir.name.split("_", 1)[1])
+
+
+def read_record(tag_dir: Path) -> Dict[str, Any]:
+    """complete.json of a checkpoint; ValueError/OSError when it is missing or not a commit record."""
+    record = json.loads((Path(tag_dir) / COMPLETE).read_text(encoding="utf-8"))
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int) or "world_size" not in record:
+        raise ValueError("not a checkpoint commit record")
+    return record
+
+
+def commit_order(tag_dir: Path) -> tuple:
+    """(commit time, step): the record's `saved_at`; for a record without one (older versions, or unreadable), when
+    complete.json was last written."""
+    try:
+        saved_at = float(read_record(tag_dir).get("saved_at") or 0.0)
+    except (OSError, ValueError):
+        saved_at = 0.0
+    if not saved_at:
+        try:
+            saved_at = (tag_dir / COMPLETE).stat().st_mtime
+        except OSError:
+            saved_at = 0.0
+    return (saved_at, step_of(tag_dir))

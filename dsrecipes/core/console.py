@@ -1,0 +1,220 @@
+"""What a run shows on the console, and what it keeps off it.
+
+Progress: a bar on a terminal, one plain line per log step otherwise (a log file or a CI console gets lines, never
+one 38 KB bar). The launching process decides (`progress_mode()`) and passes `DSRECIPES_PROGRESS=bar|lines` to the
+ranks, whose output reaches the terminal through a pipe.
+
+Third-party lines that tell the user nothing (DeepSpeed's "Setting accelerator to CPU" and "Attempting to get
+learning rate from scheduler before it has started", the deepspeed launcher's INFO lines, deprecation warnings from
+inside torch or DeepSpeed; Hugging Face progress bars such as "Loading weights" and "Writing model shards", on a
+terminal too; tracker banners: trackers.py) are kept off the console and written to `<run>/logs/<process>.log`:
+  - in our own processes (the launching process, every rank): `quiet_third_party()` filters DeepSpeed's logger and
+    sends deprecation warnings (FutureWarning, DeprecationWarning) to the log; other warnings are shown;
+  - from launcher binaries (deepspeed, torchrun, mpirun) and everything they start: `relay()` reads their output
+    and passes on what is not noise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import threading
+import warnings
+from pathlib import Path
+from typing import IO, Callable, List, Optional
+
+from dsrecipes.core.fileio import open_append, open_append_fd
+
+PROGRESS_ENV = "DSRECIPES_PROGRESS"
+LOGS_DIR = "logs"
+
+NOISE = [re.compile(p) for p in (
+    r"Setting accelerator to CPU\. If you have GPU or other accelerator",
+    r"Attempting to get learning rate from scheduler before it has started",
+    r"Unable to find hostfile, will proceed with training with local resources only",
+    r"\[INFO\] \[(runner|launch)\.py:\d+:",  # the deepspeed launcher narrating itself (launch.txt has the command)
+    r"DeepSpeed deepspeed\.ops\.\S+ built successfully",
+    r"^\s*return func\(\*args, \*\*kwargs\)\s*$",  # the source line Python prints under a FutureWarning
+    r"(FutureWarning|DeprecationWarning|UserWarning): .*(deprecated|will be removed)",
+    r"^(Writing model shards|Loading checkpoint shards|Saving the dataset|Map)\b.*\|",  # HF progress bars
+)]
+
+
+def is_noise(line: str) -> bool:
+    return any(p.search(line) for p in NOISE)
+
+
+def progress_mode() -> str:
+    """`bar` on a terminal, else `lines`; DSRECIPES_PROGRESS=bar|lines decides when set (ranks get it)."""
+    mode = os.environ.get(PROGRESS_ENV, "")
+    if mode in ("bar", "lines"):
+        return mode
+    return "bar" if sys.stderr.isatty() else "lines"
+
+
+def log_path(run_dir: Path, process: str) -> Path:
+    return Path(run_dir) / LOGS_DIR / f"{process}.log"
+
+
+class _Sink:
+    """An append-only log file shared by the filters of this process (lines from threads are written whole)."""
+
+    def __init__(self) -> None:
+        self.path: Optional[Path] = None
+        self.lock = threading.Lock()
+
+    def write(self, text: str) -> None:
+        if self.path is None:
+            return
+        with self.lock:
+            with open_append(self.path) as fh:
+                fh.write(text if text.endswith("\n") else text + "\n")
+
+
+_SINK = _Sink()
+
+
+class _DeepSpeedFilter(logging.Filter):
+    """On DeepSpeed's logger: noise goes to the log file instead of the console."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not is_noise(message):
+            return True
+        _SINK.write(f"[{record.levelname}] [{record.filename}:{record.lineno}] {message}")
+        return False
+
+
+def quiet_third_party(path: Optional[Path]) -> None:
+    """Keep third-party noise of this process off the console and in `path` (None: nowhere yet; idempotent; a later
+    call moves the file). Call it before deepspeed, transformers and datasets are imported."""
+    _SINK.path = None if path is None else Path(path)
+    # Hugging Face's bars (loading weights, writing shards, map) say nothing our own lines do not; the run's own
+    # progress bar is ours (metrics.py) and stays.
+    for var in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
+        os.environ.setdefault(var, "1")  # read when transformers / datasets are imported (ranks inherit it)
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
+    logger = logging.getLogger("DeepSpeed")  # created here if deepspeed is not imported yet; DeepSpeed adds its handler
+    if not any(isinstance(f, _DeepSpeedFilter) for f in logger.filters):
+        logger.addFilter(_DeepSpeedFilter())
+    if not isinstance(warnings.showwarning, _WarningRouter):
+        warnings.showwarning = _WarningRouter(warnings.showwarning)
+
+
+class _WarningRouter:
+    """Deprecation notices from inside libraries go to the log file; other warnings (a DataLoader with more
+    workers than cores, ...) are shown as usual."""
+
+    HIDDEN = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
+
+    def __init__(self, show: Callable[..., None]):
+        self.show = show
+
+    def __call__(self, message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+        if issubclass(category, self.HIDDEN):
+            _SINK.write(warnings.formatwarning(message, category, filename, lineno, line).rstrip())
+        else:
+            self.show(message, category, filename, lineno, file, line)
+
+
+def command_log(argv: List[str], command: str) -> Optional[Path]:
+    """Where a model command (export, chat, prompt-eval) keeps third-party noise: `<run>/logs/<command>.log` of the
+    first run directory (one holding config.yaml, or its export directory) named on its command line."""
+    for arg in argv:
+        named = Path(arg.partition("=")[2] if arg.startswith("--") else arg)  # a positional, or --flag=PATH
+        for run in (named, named.parent):
+            if (run / "config.yaml").is_file() and os.access(run, os.W_OK):
+                return log_path(run, command)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A rank outliving its console
+
+
+class _Survivor:
+    """A rank's stdout/stderr, which is a pipe to the launching process's `relay`. A SIGKILLed launching process
+    leaves that pipe without a reader, and the next print would raise BrokenPipeError in the middle of the step
+    boundary where the rank checkpoints and stops (stopping.watch). The first broken write moves both console file
+    descriptors onto `log` (dup2, so C-level writers follow too) and writes there."""
+
+    def __init__(self, stream: IO[str], log: Path) -> None:
+        self._stream = stream
+        self._log = Path(log)
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            _divert(self._log)
+            return self._stream.write(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            _divert(self._log)
+            self._stream.flush()
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - everything else is the stream's
+        return getattr(self._stream, name)
+
+
+def _divert(log: Path) -> None:
+    fd = open_append_fd(log)
+    try:
+        for target in (1, 2):
+            os.dup2(fd, target)
+    finally:
+        os.close(fd)
+
+
+def survive_lost_console(log: Path) -> None:
+    """Ranks started behind a relay: keep writing (into `log`) when the launching process is gone."""
+    if not isinstance(sys.stdout, _Survivor):
+        sys.stdout = _Survivor(sys.stdout, log)  # type: ignore[assignment]
+        sys.stderr = _Survivor(sys.stderr, log)  # type: ignore[assignment]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Relaying a launcher binary's output
+
+
+def relay(stream: IO[bytes], console: IO[str], log: Path) -> threading.Thread:
+    """Copy `stream` (a child's stdout or stderr pipe) to `console`, noise to `log`, in a daemon thread.
+
+    Pieces end at a newline or a carriage return, so a progress bar (`\\r...`) moves as it is drawn; a line is
+    judged whole. Returns the thread (join it after the child exits)."""
+    sink = _Sink()
+    sink.path = Path(log)
+
+    def pump() -> None:
+        pending = b""
+        for chunk in iter(lambda: os.read(stream.fileno(), 65536), b""):
+            pending += chunk
+            pieces = re.split(rb"(?<=[\r\n])", pending)
+            pending = pieces.pop()  # the unfinished piece ('' when the chunk ended a line)
+            _emit([p.decode("utf-8", "replace") for p in pieces], console, sink)
+        if pending:
+            _emit([pending.decode("utf-8", "replace")], console, sink)
+
+    thread = threading.Thread(target=pump, name="dsrecipes-relay", daemon=True)
+    thread.start()
+    return thread
+
+
+def _emit(pieces: List[str], console: IO[str], sink: _Sink) -> None:
+    shown = []
+    for piece in pieces:
+        if is_noise(piece):
+            sink.write(piece.rstrip("\r\n"))
+        else:
+            shown.append(piece)
+    if shown:
+        console.write("".join(shown))
+        console.flush()

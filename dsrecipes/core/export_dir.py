@@ -1,0 +1,86 @@
+"""The export directory rule, torch-free: the names a run gives its exports, the marker an export writes, and when a
+destination may be written (absent, empty, or an earlier export made only of its own files). The launching process
+checks a destination with it before any rank starts; rank/export.py writes through it."""
+
+from __future__ import annotations
+
+import json
+import os
+from fnmatch import fnmatch
+from pathlib import Path
+from typing import List, Optional
+
+from dsrecipes.core.errors import UserError
+
+EXPORT_DIR = "export"
+EXPORT_INIT_DIR = "export_init"
+EXPORT_MARKER = "dsrecipes_export.json"
+# What exports of dsrecipes before the marker listed its files contained (such an export is still replaced).
+LEGACY_EXPORT_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+                       "tokenizer*", "special_tokens_map.json", "chat_template.jinja", "adapter_*", "vocab.json",
+                       "merges.txt", "added_tokens.json", "README.md")
+EXPORT_INFO = EXPORT_MARKER  # also where an export came from: run, step, template, an adapter's base model
+EXPORT_BEST_DIR = "export_best"  # trainer.save_best: the best evaluated checkpoint's export
+
+
+def check_out_dir(out_dir: Path, key: str = "export") -> None:
+    """Refuse (UserError) a destination that is not absent, empty, or an earlier export made only of its files.
+    A filesystem root, or a directory without our marker that holds anything, is refused before its contents are
+    listed; an earlier export is listed only up to the first file it did not write."""
+    out_dir = Path(out_dir)
+    for parent in [out_dir, *out_dir.parents]:
+        if parent.exists():
+            if not parent.is_dir():
+                where = "is a file" if parent == out_dir else f"lies below {parent}, which is a file"
+                raise UserError(f"{key}: {out_dir} {where}; give a directory to write the model to")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise UserError(f"{key}: {parent} is not writable")
+            break
+    if out_dir.is_dir() and (out_dir == Path(out_dir.anchor) or os.path.ismount(out_dir)):
+        raise UserError(f"{key}: {out_dir} is the root of a filesystem; an export goes into a new or empty directory "
+                        "(for example a subdirectory of it). Nothing was changed")
+    if not out_dir.is_dir() or not _has_entries(out_dir):
+        return
+    if not (out_dir / EXPORT_MARKER).is_file():
+        raise UserError(f"{key}: {out_dir} is not empty and is not a dsrecipes export (no {EXPORT_MARKER}); an export "
+                        "goes into a new or empty directory or replaces an earlier export. Nothing was changed")
+    written = _written_by_export(out_dir)
+    extra = None if written is None else _first_foreign(out_dir, written | {EXPORT_MARKER})
+    if written is None or extra:
+        what = f"files the export did not write ({', '.join(extra)})" if extra else f"an unreadable {EXPORT_MARKER}"
+        raise UserError(f"{key}: {out_dir} holds {what}; replacing it would delete them. Choose another directory "
+                        "or move them away. Nothing was changed")
+
+
+def _has_entries(directory: Path) -> bool:
+    with os.scandir(directory) as it:
+        return next(it, None) is not None
+
+
+def _written_by_export(out_dir: Path) -> Optional[set]:
+    """The files an earlier export listed in its marker (older exports: what matches LEGACY_EXPORT_FILES)."""
+
+    try:
+        marker = json.loads((out_dir / EXPORT_MARKER).read_text(encoding="utf-8"))
+        if "files" in marker:
+            return {str(f) for f in marker["files"]}
+    except (OSError, ValueError, TypeError):
+        return None
+    return {"*legacy*"}
+
+
+def _first_foreign(out_dir: Path, written: set, limit: int = 5) -> List[str]:
+    """Up to `limit` files below `out_dir` that are not in `written`, walking no further than needed (the walk
+    stops at the first foreign file past `limit`, and never follows symlinks)."""
+
+    legacy = "*legacy*" in written
+    foreign: List[str] = []
+    for dirpath, dirnames, filenames in os.walk(out_dir):
+        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            rel = Path(dirpath, name).relative_to(out_dir).as_posix()
+            ours = rel in written or (legacy and any(fnmatch(rel, p) for p in LEGACY_EXPORT_FILES))
+            if not ours:
+                foreign.append(rel)
+                if len(foreign) >= limit:
+                    return foreign
+    return foreign

@@ -1,0 +1,475 @@
+"""Typed schema of every config group.
+
+One dataclass per group, one Enum per closed choice. Defaults live here and only here: code below the entry point
+receives a `TrainConfig` and never looks keys up with a fallback. Field names are the names users type
+(`trainer.micro_batch_size`, `data.cutoff_len`, ...); keep them in sync with README's table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, List, Optional
+
+from dsrecipes.core.paths import SAMPLE_DATA_DIR
+
+DEFAULT_MAX_ROW_BYTES = 16 * 1024 * 1024  # dataset.max_row_bytes (also the default of the row readers' `limit`)
+DEFAULT_READ_AHEAD_BYTES = 64 * 1024 * 1024  # data.read_ahead_bytes (also BlockSource's default)
+DEFAULT_SPAN_BYTES = 8 * 1024 * 1024  # data.span_bytes (also BlockSource's default)
+
+
+class DataKind(str, Enum):
+    map = "map"
+    iterable = "iterable"
+    presharded = "presharded"
+
+
+class DatasetFormat(str, Enum):
+    sharegpt = "sharegpt"
+    openai = "openai"
+    alpaca = "alpaca"
+
+
+class BadRows(str, Enum):
+    error = "error"
+    skip = "skip"
+
+
+class TrainOn(str, Enum):
+    """Which turns carry labels. Everything else is -100."""
+
+    assistant = "assistant"  # every assistant and tool-call turn (+ its end-of-turn token)
+    last_assistant = "last_assistant"  # only the final assistant turn
+    all = "all"  # prompt too (system/user/observation turns)
+
+
+class TemplateKind(str, Enum):
+    auto = "auto"  # tokenizer's own when model.path's tokenizer has one, else chatml/plain (data/render/template_choice.py)
+    tokenizer = "tokenizer"  # the tokenizer's own chat_template
+    chatml = "chatml"
+    llama3 = "llama3"
+    vicuna = "vicuna"
+    plain = "plain"
+    human_assistant = "human_assistant"
+
+
+class AttnImpl(str, Enum):
+    sdpa = "sdpa"
+    eager = "eager"
+    flash_attention_2 = "flash_attention_2"
+
+
+class OffloadDevice(str, Enum):
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+class Precision(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class OptimizerKind(str, Enum):
+    adamw = "adamw"
+    adam = "adam"
+    lion = "lion"
+    sgd = "sgd"
+
+
+class SchedulerKind(str, Enum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class LauncherKind(str, Enum):
+    local = "local"
+    deepspeed = "deepspeed"
+    deepspeed_multinode = "deepspeed_multinode"
+    torchrun = "torchrun"
+    mpirun = "mpirun"
+    slurm = "slurm"
+
+
+class ShardBalance(str, Enum):
+    samples = "samples"
+    tokens = "tokens"
+
+
+class Device(str, Enum):
+    auto = "auto"  # CUDA when available, else CPU
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class NanPolicy(str, Enum):
+    """What a step with a non-finite loss (NaN/Inf on any rank) does."""
+
+    stop = "stop"  # the run fails at that step: no checkpoint, no export of the weights it would produce
+    skip = "skip"  # the step's update is dropped and counted; trainer.nan_max_skips in a row end the run
+
+
+class ReportTo(str, Enum):
+    """Experiment trackers (`trainer.report_to=[tensorboard,mlflow]`); metrics.jsonl and loss.png are always written."""
+
+    tensorboard = "tensorboard"  # <run>/tb/
+    mlflow = "mlflow"  # pip install 'dsrecipes[mlflow]'; trainer.tracking_uri
+    wandb = "wandb"  # pip install 'dsrecipes[wandb]'; WANDB_MODE=offline needs no account
+
+
+class SelectMetric(str, Enum):
+    """What `trainer.save_best` and `trainer.early_stopping` judge an evaluation by (metrics.jsonl keys)."""
+
+    eval_loss = "eval_loss"  # token-weighted mean validation cross-entropy (lower is better)
+    eval_ppl = "eval_ppl"  # exp(eval_loss) (lower is better)
+    eval_accuracy = "eval_accuracy"  # share of validation tokens predicted exactly (higher is better)
+    prompt_exact_match = "prompt_exact_match"  # trainer.prompt_eval_every: greedy answer == reference (higher)
+    prompt_similarity = "prompt_similarity"  # mean character similarity to the reference (higher)
+    prompt_ended = "prompt_ended"  # share of answers that stopped at the end-of-turn token (higher)
+
+
+class SelectMode(str, Enum):
+    min = "min"  # lower is better
+    max = "max"  # higher is better
+
+
+class ObjectiveKind(str, Enum):
+    sft = "sft"  # next-token cross-entropy on the trained spans of conversations
+    dpo = "dpo"  # Direct Preference Optimization on (prompt, chosen, rejected) pairs
+
+
+class DpoLoss(str, Enum):
+    sigmoid = "sigmoid"  # DPO (with objective.label_smoothing > 0: conservative DPO, cDPO)
+    ipo = "ipo"  # IPO, on log-ratios averaged per answer token (as TRL)
+    robust = "robust"  # robust DPO (rDPO) for noisy labels: needs objective.label_smoothing in [0, 0.5)
+    simpo = "simpo"  # SimPO: no reference model; per-token average log-probs and a target margin (simpo_gamma)
+
+
+class ReferenceMode(str, Enum):
+    precomputed = "precomputed"  # reference log-probs computed once before training, cached with the prepared data
+    live = "live"  # a frozen reference model next to the trained one (LoRA: the base with adapters disabled)
+
+
+class ResumeMode(str, Enum):
+    auto = "auto"  # continue from trainer.resume_from, else from the run directory's newest complete checkpoint
+    never = "never"  # start from step 0
+
+
+@dataclass
+class DataConfig:
+    """How prepared samples reach the model (`data=map|iterable|presharded`)."""
+
+    kind: DataKind = DataKind.map
+    num_workers: int = 0  # DataLoader workers per rank
+    shuffle: bool = True
+    shuffle_buffer: int = 1024  # iterable: window of each reader's local shuffle, in samples (0 = block order only)
+    cutoff_len: int = 512  # max tokens per row (sample, or packed row)
+    packing: bool = False
+    train_on: TrainOn = TrainOn.assistant
+    preprocess_workers: int = 1  # processes for tokenization (map / presharded preparation)
+    cache_dir: Optional[str] = None  # tokenization cache; None = ~/.cache/dsrecipes
+    num_samples: Optional[int] = None  # iterable only: plan epochs of this many samples (default: the index's count)
+    shard_dir: Optional[str] = None  # presharded only: directory written by `dsrecipes shard`
+    prescan: bool = True  # iterable only: read the stream once before launch to apply the bad-row policy
+    block_bytes: Optional[int] = None  # iterable only: bytes per read block (null: stream bytes / 65536 (objects in a
+    # store: / 4096), within 4 KiB-1 MiB)
+    prefetch_factor: int = 2
+    read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES  # iterable, objects in a store: bytes each reader holds ahead
+    span_bytes: int = DEFAULT_SPAN_BYTES  # iterable, objects in a store: one ranged GET covers adjacent blocks up to this
+    chunk_bytes: Optional[int] = None  # iterable: the epoch order keeps this many bytes of adjacent blocks together
+    # (null: objects in a store: stream bytes / 128 up to a power of two, within one block and min(1 MiB, span_bytes);
+    # local files: one block)
+
+
+@dataclass
+class ColumnsConfig:
+    """Where a source keeps each field (LLaMA-Factory `columns`/`tags` in one place)."""
+
+    messages: str = "conversations"  # list of turns (sharegpt / openai)
+    role: str = "from"  # key of the role inside a turn
+    content: str = "value"  # key of the text inside a turn
+    system: str = "system"  # optional top-level system prompt
+    tools: str = "tools"  # optional top-level tools text
+    id: str = "id"  # optional stable sample id
+    instruction: str = "instruction"  # alpaca
+    input: str = "input"  # alpaca
+    output: str = "output"  # alpaca
+    history: str = "history"  # alpaca: optional list of [prompt, response] pairs before the instruction
+    prompt: str = "prompt"  # preference rows, openai format (TRL): the prompt's messages
+    chosen: str = "chosen"  # preference rows: the preferred answer (a message, or a list of one message)
+    rejected: str = "rejected"  # preference rows: the dispreferred answer
+
+
+@dataclass
+class SourceConfig:
+    """One dataset in a mix (an entry of `dataset.sources` or of a registry file)."""
+
+    name: str = ""
+    paths: List[str] = field(default_factory=list)
+    format: DatasetFormat = DatasetFormat.sharegpt
+    columns: ColumnsConfig = field(default_factory=ColumnsConfig)
+    roles: Dict[str, str] = field(default_factory=dict)  # extra role aliases: raw name -> canonical role
+    max_samples: Optional[int] = None
+    weight: float = 1.0
+    ranking: Optional[bool] = None  # preference rows (LLaMA-Factory `ranking`); None: what objective.kind reads
+
+
+@dataclass
+class DatasetConfig:
+    """Which files, in which format (`dataset=sample|sharegpt_files|...`)."""
+
+    name: str = "sample"
+    paths: List[str] = field(default_factory=lambda: [str(SAMPLE_DATA_DIR / "train.jsonl")])  # files or globs
+    format: DatasetFormat = DatasetFormat.sharegpt
+    columns: ColumnsConfig = field(default_factory=ColumnsConfig)
+    roles: Dict[str, str] = field(default_factory=dict)
+    max_samples: Optional[int] = None
+    sources: List[SourceConfig] = field(default_factory=list)  # extra sources mixed with `paths`
+    registry: Optional[str] = None  # dataset_info.json (LLaMA-Factory) or YAML registry
+    use: List[str] = field(default_factory=list)  # registry entries to mix in
+    val_size: float = 64  # < 1: fraction, >= 1: number of samples
+    val_paths: List[str] = field(default_factory=list)  # validation files, every strategy (then val_size is unused)
+    bad_rows: BadRows = BadRows.error
+    max_bad_fraction: float = 0.05
+    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES  # a longer row is a bad row (too_large), skipped without being held
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.05
+    target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    only_optimize_lora: bool = True
+    finetune_lr: float = 2e-4  # this model's LoRA learning rate: used when optimizer.lr is null
+
+
+@dataclass
+class TinyModelConfig:
+    """The embedded default model: a seeded random Llama-style config built in memory."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 352
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 1024
+    tie_word_embeddings: bool = True  # share input and output embeddings (most of a tiny model is embeddings)
+    seed: int = 1234  # init seed, independent of trainer.seed: the same start model whatever the data order
+    finetune_lr: float = 3e-3  # its learning rate (full or LoRA) when optimizer.lr is null: random init learns fast
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    path: Optional[str] = None  # local HF directory or hub id Org/Name; None = embedded tiny model + bundled tokenizer
+    tokenizer_path: Optional[str] = None  # defaults to `path`
+    revision: Optional[str] = None  # hub id only: branch, tag or commit (the launch records the commit it got)
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    attn_implementation: AttnImpl = AttnImpl.sdpa
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    finetune_lr: float = 2e-5  # full fine-tune learning rate of a model at `path` when optimizer.lr is null
+    num_params: Optional[int] = None  # for `estimate` when the weights are not on this machine
+    arch: Dict[str, Any] = field(default_factory=dict)  # HF config fields (model_type, hidden_size, ...) for `estimate`
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class TemplateConfig:
+    name: TemplateKind = TemplateKind.auto
+    separator: str = "\n\n"  # plain template: between turns
+    default_system: Optional[str] = None  # used when a sample has no system prompt
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = 0
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    reduce_bucket_size: int = 50_000_000
+    allgather_bucket_size: int = 50_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_gather_16bit_weights_on_model_save: bool = True
+
+
+@dataclass
+class OffloadConfig:
+    optimizer: OffloadDevice = OffloadDevice.none
+    param: OffloadDevice = OffloadDevice.none
+    nvme_path: Optional[str] = None
+    pin_memory: bool = True
+
+    @property
+    def label(self) -> str:
+        """What is offloaded where, e.g. `none`, `optimizer=cpu`, `optimizer=cpu,param=cpu`."""
+        parts = [f"{k}={v.value}" for k, v in (("optimizer", self.optimizer), ("param", self.param))
+                 if v is not OffloadDevice.none]
+        return ",".join(parts) or "none"
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: Precision = Precision.fp32
+    loss_scale: float = 0.0  # fp16: 0 = dynamic
+    initial_scale_power: int = 16  # fp16 dynamic scaler starts at 2**power
+    loss_scale_window: int = 1000
+
+
+@dataclass
+class OptimizerConfig:
+    name: OptimizerKind = OptimizerKind.adamw
+    lr: Optional[float] = None  # null: the model's own (config/defaults.py: learning_rate)
+    weight_decay: float = 0.01
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    momentum: float = 0.0  # sgd only
+    torch_adam: bool = True  # adam/adamw: torch's implementation (no JIT build); offloaded: DeepSpeedCPUAdam always
+
+
+@dataclass
+class SchedulerConfig:
+    """The LR schedule (closed form in dsrecipes/rank/schedule.py): linear warmup from lr / warmup_steps, then the decay."""
+
+    name: SchedulerKind = SchedulerKind.cosine
+    warmup_steps: int = 10  # 0: the first step at the peak; longer than the run: clamped to it (with a note)
+    min_lr_ratio: float = 0.0  # linear/cosine: the floor the decay approaches, as a fraction of optimizer.lr
+
+
+@dataclass
+class SaveBestConfig:
+    """Keep (out of retention) and export the checkpoint of the best evaluation after step 0 (`<run>/export_best`)."""
+
+    enabled: bool = False
+    metric: SelectMetric = SelectMetric.eval_loss  # also what trainer.early_stopping watches
+    mode: Optional[SelectMode] = None  # null: min for eval_loss/eval_ppl, max for the others
+
+
+@dataclass
+class EarlyStoppingConfig:
+    """End the run (cleanly: checkpoint, export) after `patience` evaluations in a row without an improvement of
+    `trainer.save_best.metric` by more than `min_delta` over the best after step 0."""
+
+    patience: int = 0  # 0 = off
+    min_delta: float = 0.0
+
+
+@dataclass
+class TrainerConfig:
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    max_steps: Optional[int] = 400  # optimizer steps; null: train `epochs` passes over the data
+    epochs: int = 1
+    save_every: int = 0  # optimizer steps between checkpoints; 0 = only at the end
+    eval_every: int = 100  # 0 = only at the end (when there is a validation split)
+    eval_samples: Optional[int] = None  # validation samples per evaluation over all ranks (the first N); null = all
+    eval_batches: Optional[int] = None  # replaced by eval_samples (refused when set: it depended on the world size)
+    eval_at_start: bool = True  # evaluate the starting weights (step 0) before the first step
+    save_best: SaveBestConfig = field(default_factory=SaveBestConfig)
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    prompt_eval_every: int = 0  # steps between prompt-evals of held-out prompts during training (data=map); 0 = off
+    prompt_eval_samples: int = 8  # the first N validation samples, answered greedily and scored like prompt-eval
+    prompt_eval_max_new_tokens: int = 64
+    log_every: int = 10
+    keep_checkpoints: int = 2
+    resume: ResumeMode = ResumeMode.auto
+    resume_from: Optional[str] = None  # a checkpoint (checkpoints/step_<N>), or a run / checkpoints dir holding one
+    seed: int = 42
+    output_dir: Optional[str] = None  # run directory; None = Hydra's run directory
+    record_samples: bool = False
+    gradient_clipping: float = 1.0
+    export: bool = True  # write a Hugging Face model directory at the end
+    export_merged_lora: bool = True  # LoRA runs: merged model (true) or adapter only (false)
+    device: Device = Device.auto
+    nan_policy: NanPolicy = NanPolicy.stop
+    nan_max_skips: int = 3  # nan_policy=skip: this many non-finite steps in a row fail the run
+    stop_grace_s: float = 60.0  # after SIGTERM/SIGINT: time for the ranks to reach a step boundary and checkpoint
+    report_to: List[ReportTo] = field(default_factory=lambda: [ReportTo.tensorboard])  # []: metrics.jsonl only
+    experiment: str = "dsrecipes"  # MLflow experiment / W&B project
+    tracking_uri: Optional[str] = None  # MLflow (file:/path, sqlite:///db, http://host); None: MLFLOW_TRACKING_URI
+
+
+@dataclass
+class ObjectiveConfig:
+    """What the training step optimises (`objective=sft|dpo`): collate, loss and metrics, evaluation
+    (dsrecipes/objectives/)."""
+
+    kind: ObjectiveKind = ObjectiveKind.sft
+    beta: float = 0.1  # dpo: strength of the KL anchor to the reference model
+    loss: DpoLoss = DpoLoss.sigmoid  # dpo
+    label_smoothing: float = 0.0  # dpo: assumed fraction of flipped preference labels (sigmoid, robust)
+    reference: ReferenceMode = ReferenceMode.precomputed  # dpo (not with loss=simpo, which has no reference)
+    simpo_gamma: float = 0.5  # dpo, loss=simpo: target reward margin (TRL's name and default)
+
+
+@dataclass
+class LauncherConfig:
+    kind: LauncherKind = LauncherKind.local
+    num_gpus: Optional[int] = None  # processes per node; None = all visible devices (1 on CPU)
+    num_nodes: int = 1
+    hostfile: Optional[str] = None
+    include: Optional[str] = None
+    exclude: Optional[str] = None
+    master_addr: str = "127.0.0.1"
+    master_port: Optional[int] = None  # None: a free port on one node, 29500 (DeepSpeed's default) on several
+    node_rank: int = 0
+    rdzv_endpoint: Optional[str] = None  # torchrun: host:port
+    env: Dict[str, str] = field(default_factory=dict)  # documented tuning variables only (boundary/rank_env.py)
+    extra_args: List[str] = field(default_factory=list)  # allowed launcher options only (boundary/launcher_args.py)
+    # A rank silent this long (its node died or was cut off) ends the run on every node (dsrecipes.core.heartbeat);
+    # 0 disables the heartbeat (then a dead node leaves the others waiting for the process-group timeout).
+    peer_timeout_s: int = 30
+    slurm_partition: Optional[str] = None
+    slurm_time_min: int = 60
+    slurm_account: Optional[str] = None
+    slurm_sbatch_args: List[str] = field(default_factory=list)  # allowed `#SBATCH` directives, e.g. ["--qos=high"]
+    slurm_modules: List[str] = field(default_factory=list)  # `module load NAME` before srun, e.g. ["cuda/12.1"]
+    slurm_venv: Optional[str] = None  # absolute path of a virtual environment to activate before srun
+    slurm_conda_env: Optional[str] = None  # or the name of a conda environment to activate
+    dry_run: bool = False
+
+
+@dataclass
+class TrainConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    template: TemplateConfig = field(default_factory=TemplateConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+
+# Keys that existed once and were removed on purpose: a config still setting one gets this message (config/hints.py).
+RETIRED_KEYS: Dict[str, str] = {
+    "launcher.slurm_setup": "free shell text in the batch script is no longer a config field; use "
+    "launcher.slurm_modules=[cuda/12.1,...] (module load), launcher.slurm_venv=/abs/venv or "
+    "launcher.slurm_conda_env=NAME (activation) and launcher.slurm_sbatch_args=['--qos=high'] (#SBATCH directives)",
+}
+
+
+# Group name -> schema, used by the ConfigStore registration and by `dsrecipes ls`.
+GROUP_SCHEMAS: Dict[str, Any] = {
+    "data": DataConfig,
+    "dataset": DatasetConfig,
+    "model": ModelConfig,
+    "template": TemplateConfig,
+    "zero": ZeroConfig,
+    "offload": OffloadConfig,
+    "precision": PrecisionConfig,
+    "optimizer": OptimizerConfig,
+    "scheduler": SchedulerConfig,
+    "trainer": TrainerConfig,
+    "objective": ObjectiveConfig,
+    "launcher": LauncherConfig,
+}

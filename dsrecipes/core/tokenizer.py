@@ -1,0 +1,54 @@
+"""Loading a run's tokenizer, torch-free (transformers' tokenizer classes need no torch), and refusing a model or
+tokenizer directory that names its own Python code. The launching process, the data layer and the ranks all load the
+tokenizer from here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List
+
+from dsrecipes.core.errors import no_custom_code
+from dsrecipes.core.paths import TINY_TOKENIZER_DIR
+from dsrecipes.core.schema import TrainConfig
+
+
+def tokenizer_dir(cfg: TrainConfig) -> str:
+    return cfg.model.tokenizer_path or cfg.model.path or str(TINY_TOKENIZER_DIR)
+
+
+def check_no_custom_code(cfg: TrainConfig) -> None:
+    """Before anything launches: the model directory's config and the tokenizer load without running their code
+    (ConfigError otherwise); the weights are loaded by the ranks."""
+    from transformers import AutoConfig
+
+    if cfg.model.path:
+        with no_custom_code("model.path", cfg.model.path):
+            AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=False)
+    load_tokenizer(cfg)
+
+
+def load_tokenizer(cfg: TrainConfig):
+    """The run's tokenizer, with a pad token (eos, else unk) so that every collate pads the same way."""
+    from transformers import AutoTokenizer
+
+    path = tokenizer_dir(cfg)
+    with no_custom_code("model.tokenizer_path" if cfg.model.tokenizer_path else "model.path", path):
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
+    return tokenizer
+
+
+def custom_code_problems(key: str, path: Path) -> List[str]:
+    """A model or tokenizer directory that names its own Python code (`auto_map` in config.json,
+    tokenizer_config.json or adapter_config.json): refused by every command (train, chat, prompt-eval, export)."""
+    for name in ("config.json", "tokenizer_config.json", "adapter_config.json"):
+        try:
+            found = json.loads((path / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(found, dict) and found.get("auto_map"):
+            return [f"{key}: {path} needs its own Python code to load ({name} auto_map); dsrecipes never runs code "
+                    "from a model directory: use a model that transformers supports natively"]
+    return []

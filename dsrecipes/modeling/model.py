@@ -1,0 +1,159 @@
+"""The model: the embedded tiny Llama or a local Hugging Face directory; dtype, checkpointing, LoRA (the
+tokenizer: core/tokenizer.py).
+
+The loss lives with the objective (dsrecipes/objectives/).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from dsrecipes.core.errors import no_custom_code
+from dsrecipes.core.schema import Precision, TrainConfig
+from dsrecipes.core.tokenizer import load_tokenizer, tokenizer_dir  # noqa: F401 (the model's tokenizer, re-exported)
+
+TORCH_DTYPES = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
+
+# transformers decides "is ZeRO-3 on?" through a weak reference to this object, so it must outlive the model load.
+_hf_zero3_config: Any = None
+
+
+def import_modeling() -> None:
+    """transformers' modeling code, imported once per process without scipy.
+
+    It imports scipy.optimize for its object-detection losses whenever scipy is installed
+    (transformers/loss/loss_for_object_detection.py: `if is_scipy_available(): from scipy.optimize import
+    linear_sum_assignment`): 0.8-1.3 s of CPU in every rank, for losses a causal LM never computes (measured on the
+    2-core test machine: importing transformers.modeling_utils and LlamaForCausalLM after torch, 5.5 s with, 4.7 s
+    without). So the first import happens with scipy hidden (transformers then skips that import), and right after
+    it scipy imports normally again and transformers' cached "is scipy available?" answers truthfully.
+    """
+    if "transformers.modeling_utils" in sys.modules or "scipy" in sys.modules:
+        return  # imported already (or scipy is, so there is nothing to save): the caller's import does the rest
+    from transformers.utils.import_utils import is_scipy_available
+
+    forget = getattr(is_scipy_available, "cache_clear", lambda: None)  # an lru_cache in transformers 5.x
+    sys.modules["scipy"] = None  # `import scipy` raises ImportError and find_spec finds nothing while this is set
+    forget()  # an answer cached before (True) would make transformers import scipy.optimize anyway
+    try:
+        importlib.import_module("transformers.modeling_utils")
+    finally:
+        sys.modules.pop("scipy", None)  # nothing can have imported the real scipy while the entry was None
+        forget()  # and the hidden answer (False) must not outlive the import
+
+
+def build_model(cfg: TrainConfig, tokenizer, ds_config: Optional[Dict[str, Any]] = None) -> torch.nn.Module:
+    """The model to train: weights in `precision.dtype`, gradient checkpointing and LoRA as configured.
+
+    `ds_config` (the run's DeepSpeed dict) lets a ZeRO-3 run load a local model already partitioned across ranks
+    (transformers' zero.Init integration) instead of materialising it whole on every rank first.
+    """
+    dtype = TORCH_DTYPES[cfg.precision.dtype]
+    if cfg.model.path is None:
+        model = build_tiny_model(cfg, tokenizer).to(dtype)
+    else:
+        model = load_pretrained(cfg, dtype, ds_config)
+    model.config.use_cache = False
+    if cfg.model.gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    if cfg.model.lora.enabled:
+        model = add_lora(cfg, model)
+    return model
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    # Non-reentrant checkpointing needs no `enable_input_require_grads` hack for LoRA's frozen embeddings.
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5 name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def build_tiny_model(cfg: TrainConfig, tokenizer) -> torch.nn.Module:
+    """A Llama-style causal LM sized by `model.tiny`, randomly initialised from `model.tiny.seed`.
+
+    The init is seeded on its own (a forked RNG) so the start model is the same whatever `trainer.seed` is, and
+    building it does not consume the training RNG.
+    """
+    import_modeling()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tiny = cfg.model.tiny
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=tiny.hidden_size,
+        intermediate_size=tiny.intermediate_size,
+        num_hidden_layers=tiny.num_hidden_layers,
+        num_attention_heads=tiny.num_attention_heads,
+        num_key_value_heads=tiny.num_key_value_heads,
+        max_position_embeddings=tiny.max_position_embeddings,
+        tie_word_embeddings=tiny.tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        attn_implementation=cfg.model.attn_implementation.value,
+        use_cache=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(tiny.seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def load_pretrained(cfg: TrainConfig, dtype: torch.dtype, ds_config: Optional[Dict[str, Any]]) -> torch.nn.Module:
+    global _hf_zero3_config
+    import_modeling()
+    from transformers import AutoModelForCausalLM
+
+    _hf_zero3_config = None  # a load without ds_config (export, prompt-eval) must not partition
+    if ds_config is not None and cfg.zero.stage == 3:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        _hf_zero3_config = HfDeepSpeedConfig(ds_config)
+    with no_custom_code("model.path", str(cfg.model.path)):
+        return AutoModelForCausalLM.from_pretrained(
+            cfg.model.path,
+            dtype=dtype,
+            attn_implementation=cfg.model.attn_implementation.value,
+            trust_remote_code=False,
+        )
+
+
+def add_lora(cfg: TrainConfig, model: torch.nn.Module) -> torch.nn.Module:
+    """Wrap in peft LoRA. `only_optimize_lora=false` trains the base weights too (DeepSpeed-Chat's meaning)."""
+    import peft
+
+    lora = cfg.model.lora
+    peft_config = peft.LoraConfig(
+        task_type="CAUSAL_LM",
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+    )
+    model = peft.get_peft_model(model, peft_config)
+    if not lora.only_optimize_lora:
+        for param in model.parameters():
+            param.requires_grad_(True)
+    return model
+
+
+def trainable_parameters(model: torch.nn.Module) -> List[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def count_parameters(model: torch.nn.Module) -> Tuple[int, int]:
+    """(trainable, total) parameter counts (ZeRO-3 partitioned parameters report their full size)."""
+
+    def numel(p: torch.nn.Parameter) -> int:
+        return getattr(p, "ds_numel", p.numel())
+
+    params = list(model.parameters())
+    return sum(numel(p) for p in params if p.requires_grad), sum(numel(p) for p in params)
+

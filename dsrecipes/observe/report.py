@@ -1,0 +1,124 @@
+"""The closing summary a finished run prints: what it did (steps, losses, wall time, tokens/s), where its files are,
+and the next commands (compare with the start, chat, train further from the last checkpoint).
+
+Numbers come from `rundir.run_summary()` (metrics.jsonl), the one place that computes a run's headline numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from dsrecipes.core.console import LOGS_DIR
+from dsrecipes.core.export_dir import EXPORT_BEST_DIR, EXPORT_DIR
+from dsrecipes.core.rundir import RESULT_FILE, read_metrics, run_summary
+from dsrecipes.observe.metrics import format_seconds
+
+LOSS_PLOT = "loss.png"
+
+
+def closing_summary(run_dir: Path, wall_s: float, overrides: Sequence[str], max_steps: Optional[int]) -> str:
+
+    summary = run_summary(run_dir)
+    rows = read_metrics(run_dir)
+    eval_rows = [r for r in rows if r.get("eval_loss") is not None]
+    speed = f" at {summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] else ""
+    lines = [f"done: {summary['steps']} steps in {format_seconds(wall_s)}{speed}"]
+    if train := trend(rows, "loss"):
+        lines.append(f"  train loss   {train}")
+    if eval_rows:
+        lines += eval_lines(eval_rows)
+    lines += selection_lines(run_dir)
+    lines.append(f"  run dir      {run_dir}")
+    export = run_dir / EXPORT_DIR
+    if export.is_dir():
+        lines.append(f"  model        {export}  (Hugging Face format)")
+    if (run_dir / LOSS_PLOT).is_file():
+        lines.append(f"  loss curves  {run_dir / LOSS_PLOT}")
+    hidden = _hidden_lines(run_dir)
+    if hidden:
+        lines.append(f"  hidden logs  {run_dir / LOGS_DIR}  ({hidden} third-party line{'s' * (hidden != 1)} kept off "
+                     "the console)")
+    lines += ["next:"] + [f"  {what:<15}{cmd}" for what, cmd in next_commands(run_dir, overrides, summary["steps"],
+                                                                              max_steps)]
+    return "\n".join(lines)
+
+
+def eval_lines(eval_rows: List[dict]) -> List[str]:
+    """First -> last evaluation (step 0 is the starting weights), how many ran, and accuracy/perplexity."""
+    first, last = eval_rows[0], eval_rows[-1]
+    if len(eval_rows) == 1:  # one evaluation is not a trend: "7.5 -> 7.5" would claim a curve it never measured
+        lines = [f"  eval loss    {first['eval_loss']:.4f}  (1 evaluation, step {first['step']})"]
+    else:
+        count = f"{len(eval_rows)} evaluations, steps {first['step']}..{last['step']}"
+        lines = [f"  eval loss    {first['eval_loss']:.4f} -> {last['eval_loss']:.4f}  ({count})"]
+    if first.get("eval_accuracy") is not None and last.get("eval_accuracy") is not None:
+        lines.append(f"  eval acc     {first['eval_accuracy']:.1%} -> {last['eval_accuracy']:.1%}  (perplexity "
+                     f"{first.get('eval_ppl', float('nan')):.4g} -> {last.get('eval_ppl', float('nan')):.4g})")
+    return lines
+
+
+def selection_lines(run_dir: Path) -> List[str]:
+    """The best checkpoint and early stopping, as result.json records them."""
+
+
+    try:
+        result = json.loads((run_dir / RESULT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    best = run_dir / EXPORT_BEST_DIR
+    return summary_lines(result, str(best) if best.is_dir() else None)
+
+
+def trend(rows: Sequence[dict], key: str) -> Optional[str]:
+    """First and last logged value of `key` and how many there were: a run shorter than trainer.log_every logged
+    once, and "7.16 -> 7.16" would claim a flat curve it never measured."""
+    logged = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    if not logged:
+        return None
+    (first_step, first), (last_step, last) = logged[0], logged[-1]
+    if len(logged) == 1:
+        return f"{first:.4f}  (1 logged value, step {first_step})"
+    return f"{first:.4f} -> {last:.4f}  (first and last of {len(logged)} logged values, steps {first_step}-{last_step})"
+
+
+def next_commands(run_dir: Path, overrides: Sequence[str], steps: int, max_steps: Optional[int]) -> List[tuple]:
+    run = shlex.quote(str(run_dir))
+    out = []
+    if (run_dir / EXPORT_DIR).is_dir():
+        out.append(("compare:", f"dsrecipes prompt-eval --baseline {run} --finetuned {run}"))
+        out.append(("chat:", f"dsrecipes chat {run}"))
+    out.append(("train further:", resume_command(run_dir, overrides, steps, max_steps)))
+    return out
+
+
+def resume_command(run_dir: Path, overrides: Sequence[str], steps: int, max_steps: Optional[int]) -> str:
+    """The same command, pointed at this run directory: it resumes from the newest complete checkpoint. A run
+    that reached its step budget gets a doubled one (a finished epoch-based run: one more epoch to set by hand)."""
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in ("trainer.output_dir", "trainer.max_steps",
+                                                                             "hydra.run.dir")]
+    extra = [f"trainer.output_dir={run_dir}"]
+    if max_steps is not None:
+        extra.append(f"trainer.max_steps={max(max_steps, steps) * 2 if steps >= max_steps else max_steps}")
+    return shlex.join(["dsrecipes", *kept, *extra])
+
+
+def _hidden_lines(run_dir: Path) -> int:
+    logs = run_dir / LOGS_DIR
+    if not logs.is_dir():
+        return 0
+    return sum(len(p.read_text(encoding="utf-8", errors="replace").splitlines()) for p in logs.glob("*.log"))
+
+
+def summary_lines(result: Dict[str, Any], export_best: Optional[str]) -> List[str]:
+    """The closing summary's lines about model selection, from result.json."""
+    lines = []
+    if result.get("best_metric") and result.get("best_step") is not None:
+        where = f": {export_best}" if export_best else ""
+        lines.append(f"  best         {result['best_metric']} {result['best_value']:.4f} at step "
+                     f"{result['best_step']}{where}")
+    if result.get("stopped_early"):
+        lines.append(f"  stopped      {result['stopped_early']}")
+    return lines

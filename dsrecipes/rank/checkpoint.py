@@ -1,0 +1,276 @@
+"""Checkpoints that survive a kill, exact resume and retention (choosing one to resume from: checkpoint_find.py;
+export to Hugging Face: export.py).
+
+Layout of `<run>/checkpoints/`:
+
+    step_<N>/                     DeepSpeed's files (engine.save_checkpoint, save_latest=False) plus ours:
+        data_state/rank<R>.json   each rank's data position (loader.state_dict()); DeepSpeed keeps only rank 0's
+                                  client_state, so per-rank positions cannot go there
+        rng/rank<R>.pt            each rank's python / numpy / torch RNG states (DeepSpeed saves none)
+        config.yaml               the settings that wrote it (the resume contract compares against them)
+        complete.json             the commit record, written last: step, world size, data fingerprint and the size
+                                  and hash of every other file (manifest.py), signed with this user's key (trust.py)
+    latest                        the tag of the newest checkpoint (same format as DeepSpeed's own file)
+
+A save writes into `step_<N>.partial/` and rank 0 renames it to `step_<N>` only after every rank finished and
+complete.json is written, so a tag is never half written and never half old, half new (re-saving an existing tag,
+after an explicit resume from an earlier step, swaps the whole directory). A run killed mid-save leaves a
+`.partial` directory, which the next save or retention pass removes. LoRA runs leave the frozen base out
+(`exclude_frozen_parameters`); it is rebuilt from `model.path` (or the tiny model's seed) on resume and export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+import dsrecipes.boundary.safe_load as safe_load
+import dsrecipes.core.disk_space as disk_space
+import dsrecipes.core.manifest as manifest
+from dsrecipes.boundary.trust import sign, signature_problem
+from dsrecipes.core.checkpoint_names import (
+    CHECKPOINTS,
+    COMPLETE,
+    LATEST,
+    PARTIAL,
+    REPLACED,
+    UNIVERSAL,
+    commit_order,
+    read_record,
+    step_of,
+    tag_for,
+)
+from dsrecipes.core.distributed import all_ranks
+from dsrecipes.core.errors import UserError
+from dsrecipes.core.fileio import atomic_write_json, atomic_write_text
+from dsrecipes.core.rundir import CONFIG_FILE
+from dsrecipes.core.runplan import ResumePlan
+
+# Fault injection for tests: kill every rank after the engine checkpoint of this step is written, before the commit.
+KILL_BEFORE_LATEST_ENV = "DSRECIPES_KILL_BEFORE_LATEST"
+
+
+@dataclass
+class TrainState:
+    """Run progress, global (identical on every rank): saved in DeepSpeed's client_state."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0  # epoch the data loader is in
+    samples_seen: int = 0  # samples (packed rows count their samples) over all ranks
+    elapsed: float = 0.0  # training seconds over all attempts
+    skipped_steps: int = 0  # steps dropped for a non-finite loss (trainer.nan_policy=skip)
+    selection: Dict[str, Any] = field(default_factory=dict)  # best step/value, patience counter (selection.py)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Save (every rank)
+
+
+def save_checkpoint(engine: Any, loader: Any, state: TrainState, run_dir: Path, keep: int, *,
+                    frozen_excluded: bool, record: Dict[str, Any], protect: Sequence[str] = ()) -> Path:
+    """Collective: every rank writes its shards, data position and RNG into `step_<N>.partial`; rank 0 then
+    commits (complete.json, rename, `latest`) and prunes (never the tags in `protect`: the best checkpoint). `record` goes into complete.json (data fingerprint).
+    A disk that fills up on any rank: every rank agrees, the partial directory is removed, the checkpoints already
+    committed stay as they are, and OutOfSpace (exit 1, result.json failed) names the path and the bytes needed."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    root = Path(run_dir) / CHECKPOINTS
+    tag = tag_for(state.step)
+    staging = root / (tag + PARTIAL)
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)  # left by a save of this step that was killed
+    dist.barrier()
+    full = disk_space.fits(staging, lambda: _write_rank_files(engine, loader, state, staging, rank, frozen_excluded))
+    _stop_if_full(root, staging, full)
+    if os.environ.get(KILL_BEFORE_LATEST_ENV) == str(state.step):
+        os._exit(17)  # simulate a crash between the shard writes and the commit
+    full = None
+    if rank == 0:
+        record = {**record, "step": state.step, "world_size": dist.get_world_size(), "saved_at": time.time(),
+                  "frozen_excluded": frozen_excluded}
+        full = disk_space.fits(staging, lambda: commit(run_dir, staging, root / tag, record))
+        if full is None:
+            prune_checkpoints(root, keep, protect)
+    _stop_if_full(root, staging, full)
+    return root / tag
+
+
+def _write_rank_files(engine: Any, loader: Any, state: TrainState, staging: Path, rank: int,
+                      frozen_excluded: bool) -> None:
+    with _frozen_aliases_left_out(engine.module, frozen_excluded):
+        engine.save_checkpoint(str(staging.parent), tag=staging.name, client_state={"train_state": asdict(state)},
+                               save_latest=False, exclude_frozen_parameters=frozen_excluded)
+    atomic_write_json(staging / "data_state" / f"rank{rank}.json", loader.state_dict())
+    (staging / "rng").mkdir(parents=True, exist_ok=True)
+    torch.save(rng_state(), staging / "rng" / f"rank{rank}.pt")
+
+
+@contextmanager
+def _frozen_aliases_left_out(module: torch.nn.Module, active: bool) -> Iterator[None]:
+    """DeepSpeed's `exclude_frozen_parameters` drops each frozen parameter under its first name only, so a tied
+    alias (`lm_head.weight` of tied embeddings: a whole vocabulary matrix) would still be saved. While saving, every
+    name of a frozen parameter is left out of the state dict."""
+    if not active:
+        yield
+        return
+    frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+    def drop_frozen(_module: Any, state_dict: Dict[str, Any], prefix: str, _metadata: Any) -> None:
+        for key in [k for k in state_dict if k[len(prefix):] in frozen]:
+            del state_dict[key]
+
+    handle = module.register_state_dict_post_hook(drop_frozen)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def commit(run_dir: Path, staging: Path, final: Path, record: Dict[str, Any]) -> None:
+    """Rank 0: the config beside the weights, complete.json (every file's size and hash) last, then the rename."""
+    shutil.copyfile(Path(run_dir) / CONFIG_FILE, staging / CONFIG_FILE)
+    atomic_write_json(staging / COMPLETE, sign({**record, "files": manifest.describe(staging, skip=[COMPLETE])}))
+    if final.exists():  # re-saving a tag (a resume from an earlier step): swap whole directories
+        old = final.with_name(final.name + REPLACED)
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(staging, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, final)
+    atomic_write_text(final.parent / LATEST, final.name)
+
+
+def _stop_if_full(root: Path, staging: Path, full: Optional[str]) -> None:
+    """Collective: when any rank ran out of space, remove the partial checkpoint and raise OutOfSpace everywhere."""
+
+    if all_ranks(full is None):
+        import torch.distributed as dist
+
+        dist.barrier()
+        return
+    newest = sorted((d for d in root.glob("step_*") if (d / COMPLETE).is_file()), key=commit_order)
+    disk_space.abandon_checkpoint(root / staging.name[: -len(PARTIAL)], staging, newest[-1] if newest else None)
+
+
+def rng_state() -> Dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: Dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def prune_checkpoints(root: Path, keep: int, protect: Sequence[str] = ()) -> List[Path]:
+    """Delete all but the `keep` most recently committed checkpoints (and the tags in `protect`), plus what killed
+    saves left behind.
+
+    Commit order, not step order: after a resume from an earlier step, the checkpoints just written are the ones
+    to keep. Only our own names are touched (`step_<N>`, `step_<N>.partial`, `step_<N>.replaced`)."""
+    tags = [d for d in root.glob("step_*") if d.is_dir() and d.name.split("_", 1)[1].isdigit()]
+    committed = sorted((d for d in tags if (d / COMPLETE).is_file()), key=commit_order)
+    kept = set(committed[-keep:]) | {d for d in committed if d.name in protect}
+    newest = step_of(committed[-1]) if committed else -1
+    removed = [d for d in tags if d not in kept and ((d / COMPLETE).is_file() or step_of(d) <= newest)]
+    removed += [d for d in root.glob("step_*") if d.is_dir() and d.name.endswith((PARTIAL, REPLACED))]
+    for d in removed:
+        shutil.rmtree(d, ignore_errors=True)
+    return removed
+
+
+@dataclass
+class ResumePoint:
+    tag_dir: Path  # the checkpoint (our per-rank files, complete.json)
+    load_dir: Path  # engine.load_checkpoint(load_dir, tag)
+    tag: str
+    saved_world_size: int
+    universal: bool = False  # needs `"checkpoint": {"load_universal": true}` in the DeepSpeed config
+    frozen_excluded: bool = False  # LoRA: the frozen base is not in it (the model built from model.path has it)
+
+
+def open_resume(plan: Optional[ResumePlan]) -> Optional[ResumePoint]:
+    """Collective. The planned checkpoint, ready for the engine: an elastic resume of ZeRO-1/2/3 shards is
+    converted once by rank 0 into a universal checkpoint (`<tag>/universal`, ds_to_universal
+    --inject_missing_state) that any world size can load."""
+    import torch.distributed as dist
+
+    if plan is None:
+        return None
+    tag_dir = Path(plan.checkpoint)
+    frozen_excluded = bool(read_record(tag_dir).get("frozen_excluded"))
+    if not plan.elastic:
+        return ResumePoint(tag_dir, tag_dir.parent, tag_dir.name, plan.saved_world_size,
+                           frozen_excluded=frozen_excluded)
+    if dist.get_rank() == 0 and not universal_verifies(tag_dir):
+        convert_to_universal(tag_dir)
+    dist.barrier()
+    return ResumePoint(tag_dir, tag_dir, UNIVERSAL, plan.saved_world_size, universal=True,
+                       frozen_excluded=frozen_excluded)
+
+
+def convert_to_universal(tag_dir: Path) -> Path:
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    out = tag_dir / UNIVERSAL
+    shutil.rmtree(out, ignore_errors=True)
+    ds_to_universal(SimpleNamespace(input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=1,
+                                    num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                    inject_missing_state=True))
+    # The engine still reads the module/scheduler/client state file from the universal tag.
+    for states in tag_dir.glob("mp_rank_*_model_states.pt"):
+        shutil.copy2(states, out / states.name)
+    atomic_write_json(out / COMPLETE, sign({"source": tag_dir.name, "files": manifest.describe(out, skip=[COMPLETE])}))
+    return out
+
+
+def universal_verifies(tag_dir: Path) -> bool:
+    """A universal conversion made earlier is reused only when this user signed it and its files are as written
+    (complete.json of the checkpoint does not cover it: it is made after the commit)."""
+
+    try:
+        record = json.loads((tag_dir / UNIVERSAL / COMPLETE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (isinstance(record, dict) and isinstance(record.get("files"), dict) and signature_problem(record) is None
+            and manifest.verify(tag_dir / UNIVERSAL, record["files"]) is None)
+
+
+def load_checkpoint(engine: Any, loader: Any, point: ResumePoint) -> TrainState:
+    """Collective: model/optimizer/scheduler via DeepSpeed, then this rank's data position and RNG (restored last,
+    so nothing between here and the first step draws from it).
+
+    At another world size every rank's saved position is the same global position (equal step counts), which the
+    data loader maps onto the new layout; RNG states are then left seeded, so such a resume is not step-exact.
+    """
+    import torch.distributed as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    load_path, client_state = engine.load_checkpoint(str(point.load_dir), tag=point.tag,
+                                                     load_module_strict=not point.frozen_excluded)
+    if load_path is None:
+        raise UserError(f"trainer.resume: DeepSpeed could not load {point.tag_dir}")
+    source_rank = min(rank, point.saved_world_size - 1)
+    data_state = point.tag_dir / "data_state" / f"rank{source_rank}.json"
+    loader.load_state_dict(json.loads(data_state.read_text(encoding="utf-8")))
+    if point.saved_world_size == world_size:
+        restore_rng(safe_load.load(point.tag_dir / "rng" / f"rank{rank}.pt"))
+    return TrainState(**client_state["train_state"])

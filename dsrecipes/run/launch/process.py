@@ -1,0 +1,201 @@
+"""Running a launch plan's commands on this machine: subprocesses (signal forwarding, a stop once a rank reported a
+failed node) or in-process.
+
+A launcher runs in a session of its own, so its whole tree (DeepSpeed's runner where it runs, its per-node
+`launch.py`, the ranks and their DataLoader workers) is one process group. SIGTERM or SIGINT to the launching process
+is forwarded to that group (deepspeed's runner would otherwise die alone and leave the ranks training), the ranks get
+`grace_s` to reach a step boundary and save (stopping.py), then whatever is left of the group is killed. After a
+normal end, leftovers of the group are killed too: a run leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import _thread
+import contextlib
+import importlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import psutil
+
+import dsrecipes.core.heartbeat as heartbeat
+import dsrecipes.core.stopping as stopping
+from dsrecipes.core.console import PROGRESS_ENV, progress_mode, relay
+from dsrecipes.run.launch.plan import RANK_ENV, WORKER_MODULE, Command
+
+FAILED_NODE_GRACE_S = 5  # after a rank reported a lost node: time for the launcher to stop the others itself
+
+
+def child_env(extra: Mapping[str, str]) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in RANK_ENV}
+    env.update(extra)
+    return env
+
+
+class _Stop:
+    """When a stop signal arrived (None: not yet); the deadline of the ranks' grace follows from it."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.at: Optional[float] = None
+
+    def overdue(self) -> bool:
+        return self.at is not None and time.monotonic() - self.at > self.grace_s
+
+
+def run_subprocess(cmd: Command, run_dir: Path, grace_s: float, log: Optional[Path] = None) -> int:
+    """Run `cmd` in its own process group and supervise it (`supervise`) until it and everything it started have
+    ended; with `log`, its output passes through `console.relay` (third-party noise goes to `log`)."""
+    proc, relays = _start(cmd, log)
+    stop = _Stop(grace_s)
+
+    def forward(signum: int) -> None:
+        stop.at = stop.at or time.monotonic()
+        _signal_group(proc.pid, signum)
+
+    try:
+        with stopping.handling(on_signal=forward, announce=True):
+            code = supervise(proc, run_dir, stop)
+    except KeyboardInterrupt:  # Ctrl-C twice
+        _end_group(proc.pid)
+        raise
+    finally:
+        _end_group(proc.pid)  # whatever is still there (leftover workers, a stuck rank)
+        code = proc.wait()
+        for thread in relays:
+            thread.join(timeout=10)  # a rank that outlives its launcher must not hold us here
+    return code
+
+
+def _start(cmd: Command, log: Optional[Path]) -> Tuple[subprocess.Popen, List[threading.Thread]]:
+    """Start `cmd` in a new session: ranks learn the progress mode (and the terminal width for a bar drawn through
+    a pipe)."""
+
+    columns = {"COLUMNS": str(shutil.get_terminal_size().columns)} if sys.stderr.isatty() else {}
+    pipe = subprocess.PIPE if log is not None else None
+    unbuffered = {"PYTHONUNBUFFERED": "1"} if pipe else {}  # ranks writing into a pipe would hold lines back
+    env = child_env({PROGRESS_ENV: progress_mode(), **columns, **unbuffered, **cmd.env})
+    proc = subprocess.Popen(cmd.argv, env=env, stdout=pipe, stderr=pipe, start_new_session=True)
+    relays = [] if log is None else [relay(proc.stdout, sys.stdout, log), relay(proc.stderr, sys.stderr, log)]
+    return proc, relays
+
+
+def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = None) -> int:
+    """Wait for the launcher (and, after a stop signal, for its whole group, up to the grace). When a rank reports
+    a lost node (<run>/failure.json, dsrecipes.core.heartbeat), say which node failed and give the launcher
+    FAILED_NODE_GRACE_S to stop its ranks; then end its process tree (pdsh keeps waiting for ssh to a dead host, and
+    deepspeed's own cleanup would ssh there too)."""
+    stop = stop or _Stop(0.0)
+    deadline: Optional[float] = None
+    code: Optional[int] = None
+    while code is None or (stop.at is not None and _group_alive(proc.pid)):
+        if stop.overdue():
+            _end_group(proc.pid)  # out of time: whatever has not stopped is killed
+            break
+        if code is not None:
+            time.sleep(0.2)  # the launcher ended; its ranks are still saving
+            continue
+        try:
+            code = proc.wait(timeout=0.5)
+            continue
+        except subprocess.TimeoutExpired:
+            pass
+        if deadline is None and (run_dir / heartbeat.FAILURE_FILE).is_file():
+            deadline = time.monotonic() + FAILED_NODE_GRACE_S
+        elif deadline is not None and time.monotonic() > deadline:
+            kill_tree(proc.pid)
+            code = proc.wait()
+    code = proc.wait() if code is None else code
+    failure = heartbeat.read_failure(run_dir) if code != 0 else None
+    if failure is not None:
+        print(f"error: {heartbeat.describe_failure(failure)}. The ranks on the other nodes were stopped; run the "
+              "same command again to resume from the last checkpoint (trainer.resume=auto)", file=sys.stderr, flush=True)  # fmt: skip
+    return code
+
+
+def _end_group(pid: int) -> None:
+    """SIGKILL the launcher's tree and its process group (a grandchild whose parent died is in the group only)."""
+    kill_tree(pid)
+    _signal_group(pid, signal.SIGKILL)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants. The tree is frozen (SIGSTOP) first, so nothing it starts meanwhile
+    (deepspeed's cleanup spawns `pdsh ... pkill` on a SIGTERM, which would hang on a dead host) escapes."""
+
+    frozen: Dict[int, "psutil.Process"] = {}
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    for _ in range(10):
+        try:
+            found = [root] + root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            found = []
+        new = [p for p in found if p.pid not in frozen]
+        if not new:
+            break
+        for p in new:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.suspend()
+            frozen[p.pid] = p
+    for p in frozen.values():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    # Not the root: waiting on it would reap it here, and its Popen would then report exit code 0.
+    psutil.wait_procs([p for p in frozen.values() if p.pid != pid], timeout=10)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_in_process(cmd: Command, run_dir: Path, grace_s: float) -> int:
+    """launcher=local: the rank runs here. A stop signal is acted on by the rank itself (stopping.py); if it has not
+    stopped `grace_s` after the signal, it is interrupted where it stands.
+
+    The rank is the same module the other launchers start with `python -m` (plan.WORKER_MODULE), imported by that
+    name only here, when it runs: the launching wing has no import of the rank wing (tests/test_architecture.py)."""
+    worker = importlib.import_module(WORKER_MODULE)
+
+    timers: List[threading.Timer] = []
+
+    def deadline(signum: int) -> None:
+        if not timers:
+            timers.append(threading.Timer(grace_s, _thread.interrupt_main))
+            timers[0].daemon = True
+            timers[0].start()
+
+    saved = {k: os.environ.get(k) for k in cmd.env}
+    os.environ.update(cmd.env)
+    try:
+        with stopping.handling(on_signal=deadline, announce=True):
+            result = worker.run_rank(run_dir)
+    finally:
+        for timer in timers:
+            timer.cancel()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return result

@@ -1,0 +1,163 @@
+"""What a run needs from this machine's files, checked before any rank starts and by `dsrecipes validate`.
+
+Nothing here loads a model or writes a file: it looks at paths. An output or cache directory that cannot be
+created or written, an output path below a file, a model directory without config.json or weights, a tokenizer
+path that is a file, a model that needs custom code: each is one `key: message` line (exit 2), instead of a
+traceback from deep inside transformers after the ranks started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import List, Optional
+
+from dsrecipes.core.errors import UserError
+from dsrecipes.core.hub import is_hub_id
+from dsrecipes.core.paths import TINY_TOKENIZER_DIR
+from dsrecipes.core.schema import TrainConfig
+from dsrecipes.core.tokenizer import custom_code_problems
+from dsrecipes.data.cache import cache_root
+from dsrecipes.data.render.template import check_template
+from dsrecipes.data.render.template_choice import choose_template
+from dsrecipes.data.render.tokenizer_files import open_tokenizer
+from dsrecipes.data.sources.files import expand_paths
+from dsrecipes.data.sources.registry import resolve_sources, validation_files
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json",
+                   "*.gguf")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_environment(cfg: TrainConfig) -> List[str]:
+    """Every problem with the run's paths on this machine (empty when there is none)."""
+
+    problems: List[str] = []
+    if cfg.trainer.output_dir:
+        problems += writable_dir("trainer.output_dir", Path(cfg.trainer.output_dir).expanduser())
+    problems += writable_dir("data.cache_dir", cache_root(cfg))
+
+    model: List[str] = []
+    path, tokenizer_path = ((p if not is_hub_id(p) else None) for p in (cfg.model.path, cfg.model.tokenizer_path))
+    if path:  # a hub id is checked as one (hub.check_hub_paths) and its snapshot once resolved (entry.check_machine)
+        model = check_model_dir("model.path", Path(path).expanduser(), cfg.model.trust_remote_code)
+    if tokenizer_path:
+        problems += check_tokenizer_dir("model.tokenizer_path", Path(tokenizer_path).expanduser())
+    elif path and not cfg.model.tokenizer_path and not model:  # a broken model directory is one problem, not two
+        problems += check_tokenizer_dir("model.path", Path(path).expanduser())
+    return problems + model + check_data_names(cfg)
+
+
+def check_data_names(cfg: TrainConfig) -> List[str]:
+    """What a run would refuse about the data a config names, found without reading a row: `dataset.use` entries
+    missing from `dataset.registry` (or a registry entry it cannot read), a validation file that is also a
+    training file (its rows would be evaluated after being trained on)."""
+    from dsrecipes.data.strategies.rules import reads_sources  # lazy: else `commands.validate` imports numpy 0.11 s
+
+    if not reads_sources(cfg):  # presharded reads the shards' manifest, not the dataset's sources
+        return []
+    try:
+        sources = resolve_sources(cfg.dataset, [])
+        train = [f for src in sources for f in expand_paths(src.paths)[0]]
+        validation_files(train, expand_paths(cfg.dataset.val_paths)[0], [])
+    except UserError as exc:
+        return list(exc.problems)
+    return []
+
+
+def check_template_tokens(cfg: TrainConfig) -> List[str]:
+    """The template rules a run applies to its loaded tokenizer (data/render/template.py `check_template`, after `auto` is
+    decided as the run decides it), applied to the tokenizer's files: no transformers, no torch (`validate`)."""
+
+    where = cfg.model.tokenizer_path or cfg.model.path or str(TINY_TOKENIZER_DIR)
+    tokenizer = None if is_hub_id(where) else open_tokenizer(Path(where).expanduser())
+    if tokenizer is None:  # a hub id not fetched yet, a SentencePiece-only tokenizer: the run checks it
+        return []
+    return check_template(choose_template(cfg.template, tokenizer, cfg.model.path), tokenizer)
+
+
+def writable_dir(key: str, path: Path) -> List[str]:
+    """`path` is (or can be made) a directory we may write into. Creates nothing."""
+    existing: Optional[Path] = next((p for p in [path, *path.parents] if p.exists()), None)
+    if existing is None:
+        return []
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"lies below {existing}, which is a file"
+        return [f"{key}: {path} {where}; it must be a directory"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == path else f"cannot be created ({existing} is not writable)"
+        return [f"{key}: {path} {what}"]
+    return []
+
+
+def check_model_dir(key: str, path: Path, trust_remote_code: bool) -> List[str]:
+    """A local Hugging Face model directory: config.json with a known (or allowed custom) architecture, weights."""
+    if not path.exists():
+        return []  # reported by the config rules (or resolved as a hub id where that is supported)
+    if not path.is_dir():
+        return [f"{key}: {path} is a file; give the model's directory (config.json and weights)"]
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        return [f"{key}: {path} has no config.json; it is not a Hugging Face model directory"]
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        return [f"{key}: {config_path} is unreadable ({exc})"]
+    problems = [] if trust_remote_code else custom_code_problems(key, path)
+    if not config.get("auto_map"):
+        problems += _known_model_type(key, path, config.get("model_type"))
+    if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+        problems.append(f"{key}: {path} has no weights (*.safetensors, pytorch_model*.bin or *.gguf)")
+    if not problems:  # weights whose header does not read: one message here, not a traceback in every rank
+        damaged = ((f, safetensors_problem(f)) for f in sorted(path.glob("*.safetensors")))
+        problems += [f"{key}: {f} is not a readable safetensors file ({why}); the download may be incomplete or "
+                     "damaged" for f, why in damaged if why]
+    return problems
+
+
+MAX_SAFETENSORS_HEADER = 100 << 20  # the format's own limit (safetensors: "header too large" beyond it)
+
+
+def safetensors_problem(path: Path) -> str:
+    """What is wrong with a safetensors file's header (8-byte length, then JSON), read without the tensors: a
+    truncated or random file is one message here instead of a traceback in every rank."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(8)
+            size = path.stat().st_size
+            if len(raw) < 8:
+                return f"{size} bytes, shorter than a header"
+            length = int.from_bytes(raw, "little")
+            if length > min(size - 8, MAX_SAFETENSORS_HEADER):
+                return f"its header claims {length} bytes of {size}"
+            header = json.loads(fh.read(length).decode("utf-8"))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    except ValueError as exc:  # JSON and UTF-8 errors
+        return f"its header is not JSON: {exc}"
+    return "" if isinstance(header, dict) else "its header is not a JSON object"
+
+
+
+def _known_model_type(key: str, path: Path, model_type: object) -> List[str]:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if not model_type:
+        return [f"{key}: {path}/config.json has no model_type"]
+    if model_type not in CONFIG_MAPPING_NAMES:
+        return [f"{key}: {path}/config.json: model_type {model_type!r} is not known to this transformers version"]
+    return []
+
+
+def check_tokenizer_dir(key: str, path: Path) -> List[str]:
+    if not path.exists():
+        return []
+    if not path.is_dir():
+        return [f"{key}: {path} is a file; the tokenizer is loaded from a directory (tokenizer.json, "
+                "tokenizer_config.json, ...)"]
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return [f"{key}: {path} holds no tokenizer files ({', '.join(TOKENIZER_FILES)})"]
+    return []

@@ -1,0 +1,115 @@
+"""Which config changes a resume accepts: checked by the launching process before it writes anything.
+
+A checkpoint holds weights, optimizer state and a data position that only mean something for the settings that
+wrote them. Resuming with another model, LoRA setting, optimizer type, template, cutoff, packing, seed or different
+training data would load state into the wrong shapes (a traceback deep in DeepSpeed) or, worse, train silently on
+a mixture. Those keys must equal the checkpoint's (`MUST_MATCH`); the data must have the same fingerprint (file
+contents and preparation, data/cache.py). Everything that only changes how long, how often, where, with how many
+processes or in which batch shape a run continues may change (`MAY_CHANGE`; the data position is global, see
+README "Data strategies"), and is reported in one line.
+
+Every leaf key of TrainConfig is classified by its longest listed prefix; a key listed nowhere must match (a new
+setting is unsafe until someone decides otherwise; tests/test_resume_contract.py fails for unlisted keys).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Dict, List, Optional, Tuple
+
+from dsrecipes.core.errors import Refused
+
+MUST_MATCH = (
+    "model", "template", "dataset", "data.kind", "data.cutoff_len", "data.packing", "data.train_on", "data.shuffle",
+    "data.shuffle_buffer", "data.num_samples", "data.block_bytes", "data.chunk_bytes",
+    "optimizer.name", "optimizer.torch_adam",
+    "precision.dtype", "zero.stage", "scheduler.name", "trainer.seed", "objective",
+    "trainer.save_best.metric", "trainer.save_best.mode",  # the best so far (in the checkpoint) is in these terms
+)
+MAY_CHANGE = (
+    "model.name", "model.attn_implementation", "model.gradient_checkpointing", "model.num_params", "model.arch",
+    "data.num_workers", "data.prefetch_factor", "data.read_ahead_bytes", "data.span_bytes", "data.preprocess_workers",
+    "data.cache_dir", "data.prescan",
+    "data.shard_dir", "optimizer.lr", "optimizer.weight_decay", "optimizer.betas", "optimizer.eps",
+    "optimizer.momentum", "precision.loss_scale", "precision.initial_scale_power", "precision.loss_scale_window",
+    "zero.overlap_comm", "zero.contiguous_gradients", "zero.reduce_bucket_size", "zero.allgather_bucket_size",
+    "zero.stage3_prefetch_bucket_size", "zero.stage3_param_persistence_threshold", "zero.stage3_max_live_parameters",
+    "zero.stage3_gather_16bit_weights_on_model_save", "offload", "scheduler.warmup_steps", "scheduler.min_lr_ratio",
+    "trainer.max_steps", "trainer.epochs", "trainer.micro_batch_size", "trainer.grad_accum", "trainer.save_every",
+    "trainer.eval_every", "trainer.eval_batches", "trainer.eval_samples", "trainer.eval_at_start",
+    "trainer.save_best.enabled", "trainer.early_stopping", "trainer.prompt_eval_every", "trainer.prompt_eval_samples",
+    "trainer.prompt_eval_max_new_tokens", "trainer.log_every", "trainer.keep_checkpoints", "trainer.resume", "trainer.resume_from", "trainer.output_dir",
+    "trainer.record_samples", "trainer.gradient_clipping", "trainer.export", "trainer.export_merged_lora",
+    "trainer.device", "trainer.nan_policy", "trainer.nan_max_skips", "trainer.stop_grace_s", "trainer.report_to",
+    "trainer.experiment", "trainer.tracking_uri", "launcher",
+)
+
+
+def flatten(data: Any, prefix: str = "") -> Dict[str, Any]:
+    """{"a.b.c": leaf} for nested dicts; lists are leaves."""
+    if not isinstance(data, dict):
+        return {prefix: data}
+    out: Dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def may_change(key: str) -> bool:
+    """True when `key` may differ between a checkpoint and the run resuming it (longest listed prefix decides)."""
+    best, verdict = -1, False
+    for table, allowed in ((MUST_MATCH, False), (MAY_CHANGE, True)):
+        for prefix in table:
+            if (key == prefix or key.startswith(prefix + ".")) and len(prefix) > best:
+                best, verdict = len(prefix), allowed
+    return verdict
+
+
+def listed(key: str) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in MUST_MATCH + MAY_CHANGE)
+
+
+def identity_fingerprint(config: Dict[str, Any]) -> str:
+    """A digest of the settings a resume must keep (the run marker records it)."""
+    keep = {k: v for k, v in sorted(flatten(config).items()) if not may_change(k)}
+    return hashlib.blake2b(json.dumps(keep, sort_keys=True, default=str).encode(), digest_size=12).hexdigest()
+
+
+def compare(saved: Dict[str, Any], new: Dict[str, Any]) -> Tuple[List[str], List[str]]:
+    """(changes that cannot resume, changes that can), each as `key: old -> new`."""
+    old_flat, new_flat = flatten(saved), flatten(new)
+    refused, accepted = [], []
+    for key in sorted(set(old_flat) | set(new_flat)):
+        old, now = old_flat.get(key, "<absent>"), new_flat.get(key, "<absent>")
+        if old == now:
+            continue
+        (accepted if may_change(key) else refused).append(f"{key}: {_show(old)} -> {_show(now)}")
+    return refused, accepted
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check(saved: Dict[str, Any], new: Dict[str, Any], saved_data: Optional[str], new_data: str,
+          checkpoint: str, changed_files: List[str]) -> Optional[str]:
+    """Raise ConfigError listing every difference that cannot resume from `checkpoint`; else return the one-line
+    report of the accepted differences (None when there are none)."""
+
+    refused, accepted = compare(saved, new)
+    ignorable = {"trainer.output_dir", "trainer.resume_from", "trainer.resume"}  # how one says "resume", not what
+    accepted = [a for a in accepted if a.split(":", 1)[0] not in ignorable]
+    if saved_data is not None and saved_data != new_data:
+        what = "; ".join(changed_files) if changed_files else "file contents or preparation settings"
+        refused.append(f"training data: fingerprint {saved_data} -> {new_data} ({what})")
+    if refused:
+        lines = "\n".join(f"  {r}" for r in refused)
+        raise Refused(
+            f"cannot resume {checkpoint}: these settings differ from the ones it was trained with, and a "
+            f"checkpoint only continues correctly under its own:\n{lines}\n"
+            "Restore them to resume, or start a new run in another trainer.output_dir (nothing was changed)")
+    if not accepted:
+        return None
+    return f"resuming {checkpoint} with changed settings: " + ", ".join(accepted)

@@ -1,0 +1,204 @@
+"""Load any model a run produces (or starts from) and talk to it with the run's template: prompt-eval and chat.
+
+Accepted paths (`resolve_model_path`):
+  a run directory   RUN/export (or, for a baseline, RUN/export_init, else the run's base model at model.path)
+  a full export     a directory with config.json (also a LoRA export merged into the base)
+  an adapter export a directory with adapter_config.json (LoRA only): loaded onto the base it names
+  a base model      any Hugging Face model directory (config.json + tokenizer)
+Before transformers reads a directory, `check_loadable` refuses an export this user did not sign (unless trusted
+with --trust-checkpoint), a damaged one, and any directory that needs its own code (auto_map); `*.bin` weights are
+read weights_only. The prompt is rendered, in a sandbox with a time and output budget (chat_sandbox.py), by the
+chat template of the fine-tuned export, which is the training template (serving.py); tokens are produced the way training produced them (prompt as one text, a reply continuing it without
+a SentencePiece start marker, data/render/spm.py), and generation stops at the export's end-of-turn tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+
+import dsrecipes.boundary.trust as trust
+from dsrecipes.boundary.chat_sandbox import render
+from dsrecipes.config.load import load_run_config
+from dsrecipes.core.errors import UserError, no_custom_code
+from dsrecipes.core.export_dir import EXPORT_DIR, EXPORT_INFO, EXPORT_INIT_DIR
+from dsrecipes.core.manifest import verify
+from dsrecipes.core.tokenizer import custom_code_problems
+from dsrecipes.data.render.spm import continuation_encoder
+from dsrecipes.run.preflight import check_model_dir
+
+Messages = List[Dict[str, Any]]
+
+
+@dataclass
+class ModelPath:
+    path: Path  # the directory to load (config.json or adapter_config.json inside)
+    adapter: bool  # LoRA adapter only: load `base` first
+    base: Optional[Path] = None
+    run_dir: Optional[Path] = None  # the run it came from, when known (its config.yaml and validation data)
+
+
+def resolve_model_path(arg: str, baseline: bool = False, retry: str = "dsrecipes chat MODEL") -> ModelPath:
+    """`arg` (see module doc) -> what to load, after `check_loadable` passed for every directory that will be
+    loaded. `baseline`: a run directory means its starting model. `retry`: the command named by a trust refusal."""
+    p = Path(arg).expanduser().resolve()
+    if (p / "config.yaml").is_file() and not (p / "config.json").is_file():
+        return _from_run(p, baseline, retry)
+    if (p / "adapter_config.json").is_file():
+        check_loadable(p, retry, adapter=True)
+        base = json.loads((p / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
+        if not base or not (Path(base) / "config.json").is_file():
+            raise UserError(f"{p}: a LoRA adapter whose base model {base!r} is not a local model directory here")
+        check_loadable(Path(base), retry)
+        return ModelPath(p, True, Path(base), _run_of(p))
+    if (p / "config.json").is_file():
+        check_loadable(p, retry)
+        return ModelPath(p, False, None, _run_of(p))
+    raise UserError(f"{arg}: not a run directory, a Hugging Face model directory (config.json) or a LoRA adapter "
+                    "export (adapter_config.json)")
+
+
+def check_loadable(model_dir: Path, retry: str, adapter: bool = False) -> None:
+    """Before anything of `model_dir` is read by transformers: a dsrecipes export (it has dsrecipes_export.json)
+    must be signed by this user or trusted on the command line (trust.py) and hold its files as written; any model
+    directory is refused when it needs its own code (auto_map, preflight.check_model_dir)."""
+
+    marker = model_dir / EXPORT_INFO
+    if marker.exists():
+        try:
+            record = json.loads(marker.read_text(encoding="utf-8"))
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{marker}: unreadable ({exc}); nothing was loaded")
+        trust.check(record, model_dir, "export", retry)
+        problem = verify(model_dir, record.get("hashes"), listing=f"{EXPORT_INFO}: hashes")  # its shape checked too
+        if problem is not None:
+            raise UserError(f"{model_dir}: damaged export ({problem}); nothing was loaded")
+    problems = custom_code_problems("model", model_dir) if adapter else check_model_dir("model", model_dir, False)
+    if problems:
+        raise UserError(problems)
+
+
+def _from_run(run: Path, baseline: bool, retry: str) -> ModelPath:
+    if baseline:
+        if (run / EXPORT_INIT_DIR / "config.json").is_file():
+            check_loadable(run / EXPORT_INIT_DIR, retry)
+            return ModelPath(run / EXPORT_INIT_DIR, False, None, run)
+
+        base = load_run_config(run).model.path  # a real model: the model the run started from
+        if base and (Path(base) / "config.json").is_file():
+            check_loadable(Path(base), retry)
+            return ModelPath(Path(base), False, None, run)
+        raise UserError(f"{run}: no {EXPORT_INIT_DIR}/ and no local base model at model.path to compare against")
+    if not (run / EXPORT_DIR).is_dir():
+        raise UserError(f"{run}: the run has no {EXPORT_DIR}/ (trainer.export=false?); write one with "
+                        f"`dsrecipes export {run} --out {run / EXPORT_DIR}`")
+    found = resolve_model_path(str(run / EXPORT_DIR), retry=retry)
+    found.run_dir = run
+    return found
+
+
+def _run_of(model_dir: Path) -> Optional[Path]:
+    info = model_dir / EXPORT_INFO
+    if not info.is_file():
+        return None
+    run = json.loads(info.read_text(encoding="utf-8")).get("run_dir")
+    return Path(run) if run and (Path(run) / "config.yaml").is_file() else None
+
+
+class ChatModel:
+    """A loaded model plus the tokenizer whose chat template renders the run's format."""
+
+    def __init__(self, where: ModelPath, chat_template: Optional[str] = None, stop_ids: Optional[List[int]] = None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.where = where
+        with no_custom_code("model", str(where.path)):
+            self.tokenizer = AutoTokenizer.from_pretrained(str(where.path), trust_remote_code=False)
+        if chat_template is not None:
+            self.tokenizer.chat_template = chat_template
+        if not self.tokenizer.chat_template:
+            raise UserError(f"{where.path}: the tokenizer has no chat_template, so prompts cannot be rendered")
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        source = where.base if where.adapter else where.path
+        with weights_only_refusal(source):  # transformers reads *.bin with torch.load(weights_only=True)
+            model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32, trust_remote_code=False)
+            if where.adapter:
+                from peft import PeftModel
+
+                model = PeftModel.from_pretrained(model, str(where.path))
+                model.generation_config = _generation_config(where.path, model.generation_config)
+        self.model = model.to(device).eval()
+        self.stop_ids = stop_ids if stop_ids is not None else _as_list(self.model.generation_config.eos_token_id)
+        if not self.stop_ids and self.tokenizer.eos_token_id is not None:
+            self.stop_ids = [self.tokenizer.eos_token_id]
+        self._continue = continuation_encoder(self.tokenizer.backend_tokenizer)
+
+    def prompt_text(self, messages: Messages, tools: Optional[list] = None) -> str:
+        return render(self.tokenizer, messages, tools, add_generation_prompt=True, where=self.where.path)
+
+    def encode(self, text: str, continuation: bool = False) -> List[int]:
+        if continuation and self._continue is not None:
+            return self._continue([text], add_special_tokens=False)[0].ids
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: List[int], max_new_tokens: int, streamer: Any = None) -> List[int]:
+        """Greedy continuation of `prompt_ids`, up to and including the first end-of-turn token."""
+        ids = torch.tensor([prompt_ids], device=self.model.device)
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                  do_sample=False, eos_token_id=self.stop_ids, pad_token_id=self.tokenizer.pad_token_id,
+                                  streamer=streamer)
+        return out[0, len(prompt_ids):].tolist()
+
+    def answer_text(self, new_ids: List[int]) -> str:
+        return self.tokenizer.decode(new_ids, skip_special_tokens=True).strip()
+
+    @torch.no_grad()
+    def reference_loss(self, messages: Messages, tools: Optional[list], reference: str) -> float:
+        """Mean next-token loss of `reference` as the reply to `messages`, with its end-of-turn text, tokenized the
+        way training tokenizes a reply (the trained span)."""
+        prompt = self.prompt_text(messages, tools)
+        full = render(self.tokenizer, messages + [{"role": "assistant", "content": reference}], tools,
+                      where=self.where.path)
+        reply = full[len(prompt):].rstrip() if full.startswith(prompt) else reference + (self.tokenizer.eos_token or "")
+        prompt_ids, reply_ids = self.encode(prompt), self.encode(reply, continuation=True)
+        ids = torch.tensor([prompt_ids + reply_ids], device=self.model.device)
+        labels = torch.full_like(ids, -100)
+        labels[0, len(prompt_ids):] = ids[0, len(prompt_ids):]
+        return float(self.model(input_ids=ids, labels=labels, use_cache=False).loss)
+
+
+@contextmanager
+def weights_only_refusal(path: Path) -> Iterator[None]:
+    """A model file that is a pickle holding more than tensors (transformers loads `*.bin` weights_only): one
+    message instead of a traceback."""
+
+    try:
+        yield
+    except pickle.UnpicklingError as exc:
+        raise UserError(f"{path}: refusing to load its weights: a pickle that holds more than tensors "
+                        f"({str(exc).splitlines()[0]}); nothing of it ran")
+
+
+def _as_list(value: Any) -> List[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _generation_config(path: Path, fallback: Any) -> Any:
+    from transformers import GenerationConfig
+
+    if (path / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(str(path))
+    return fallback
