@@ -110,8 +110,8 @@ def component_costs(session: Any, iterations: int = 40) -> Tuple[float, float]:
     ratio), and microseconds of per-micro-batch bookkeeping (metric window + progress bar)."""
     import torch
 
-    from dsrecipes.modeling.model import micro_batch_loss
-    from dsrecipes.observe.metrics import Window
+    from dsrecipes.objectives.sft import micro_batch_loss
+    from dsrecipes.rank.step_window import Window
 
     model = session.engine.module
     batch = next(iter(session.train_loader))

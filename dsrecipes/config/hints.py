@@ -56,7 +56,12 @@ def compose_error(exc: BaseException, overrides: Sequence[str]) -> ConfigError:
 
 
 def clean_hydra_message(exc: BaseException) -> str:
-    """Hydra/OmegaConf messages, flattened to one readable line (with the file and full key when known)."""
+    """Hydra/OmegaConf messages, flattened to one readable line (with the file and full key when known). A refusal of
+    our own raised inside a resolver (hydra_app.readable_env) is that message, with the key it was resolving."""
+    ours = next((e for e in _chain(exc) if isinstance(e, ConfigError)), None)
+    if ours is not None:
+        key = next((str(e.full_key) for e in _chain(exc) if getattr(e, "full_key", None)), "")
+        return f"{key}: {ours}" if key else str(ours)
     parts = []
     seen = set()
     e: Optional[BaseException] = exc
@@ -73,6 +78,13 @@ def clean_hydra_message(exc: BaseException) -> str:
             continue
         kept.append(re.sub(r"\s*\n\s*", "; ", part).rstrip(" ;"))
     return " | ".join(kept[:2])
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    e: Optional[BaseException] = exc
+    while e is not None:
+        yield e
+        e = e.__cause__ or e.__context__
 
 
 def schema_keys(cls: Any = None, prefix: str = "") -> List[str]:

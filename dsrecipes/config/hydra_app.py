@@ -77,12 +77,32 @@ def refuse_other_config_roots(args: Any) -> None:
 
 def register_schemas() -> None:
     """The schemas in Hydra's ConfigStore and the `${dsr.asset:NAME}` resolver (explicitly, never at import;
-    registering again replaces the same entries)."""
+    registering again replaces the same entries). `oc.env` is replaced by `readable_env`: whatever form of a
+    recipe's text reaches OmegaConf's resolver (escaped, nested, in a key or a list), it can read only the variables
+    in safety.READABLE_ENV - enforced where interpolations resolve, not only by the scan of the text (safety.py)."""
     OmegaConf.register_new_resolver("dsr.asset", lambda name: str(ASSETS_DIR / name), replace=True)
+    OmegaConf.register_new_resolver("oc.env", readable_env, replace=True)
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     for group, schema in GROUP_SCHEMAS.items():
         store.store(group="schema", name=group, node=schema)
+
+
+_NO_DEFAULT = object()
+
+
+def readable_env(name: str, default: Any = _NO_DEFAULT) -> Optional[str]:
+    """`${oc.env:NAME[,DEFAULT]}` as OmegaConf's own resolver answers it, for the variables in READABLE_ENV only; any
+    other name is refused without reading it (the message names the variable, never a value)."""
+    if name not in safety.READABLE_ENV:
+        raise ConfigError(f"${{oc.env:{name}}}: configuration may read only {', '.join(safety.READABLE_ENV)} from the "
+                          "environment (a recipe is data from someone else; pass values on the command line)")
+    value = os.environ.get(name)
+    if value is not None:
+        return value
+    if default is _NO_DEFAULT:
+        raise ConfigError(f"${{oc.env:{name}}}: the environment variable {name} is not set")
+    return None if default is None else str(default)
 
 
 def search_path() -> Any:

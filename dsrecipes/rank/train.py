@@ -37,6 +37,7 @@ from dsrecipes.core.deepspeed_import import load_deepspeed
 from dsrecipes.core.disk_space import ExportOutOfSpace
 from dsrecipes.core.distributed import all_ranks, finish_distributed, init_distributed
 from dsrecipes.core.errors import DataError, RunInterrupted, TrainingFailed, UserError
+from dsrecipes.core.export_dir import EXPORT_BEST_DIR, EXPORT_DIR, EXPORT_INIT_DIR
 from dsrecipes.core.rundir import (
     CHECKPOINTS_DIR,
     launcher_alive,
@@ -56,10 +57,10 @@ from dsrecipes.objectives.base import Objective
 from dsrecipes.observe.metrics import MetricsLogger
 from dsrecipes.rank.checkpoint import ResumePoint, TrainState, load_checkpoint, open_resume, save_checkpoint
 from dsrecipes.rank.evaluation import EvalLedger, evaluate
-from dsrecipes.rank.export import EXPORT_DIR, EXPORT_INIT_DIR, export_checkpoint, export_initial
+from dsrecipes.rank.export import export_checkpoint, export_initial
 from dsrecipes.rank.gen_eval import build_prompt_eval
 from dsrecipes.rank.schedule import StepScheduler, warmup_steps
-from dsrecipes.rank.selection import EXPORT_BEST_DIR, Selector, Verdict
+from dsrecipes.rank.selection import Selector, Verdict
 from dsrecipes.rank.step_guard import StepGuard, discard_step, nonfinite, pause_for_signal
 from dsrecipes.rank.step_window import Window
 

@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional
 from dsrecipes.config.load import load_run_config
 from dsrecipes.core.answers import normalize
 from dsrecipes.core.errors import UserError
+from dsrecipes.core.export_dir import EXPORT_DIR, EXPORT_INFO, EXPORT_INIT_DIR
 from dsrecipes.core.fileio import atomic_write_json
 from dsrecipes.core.paths import SAMPLE_DATA_DIR
 from dsrecipes.core.rundir import CHECKPOINTS_DIR, MARKER_FILE
@@ -233,12 +234,6 @@ def _our_result(path: Path) -> bool:
 
 def _signed_dir_around(where: Path) -> Optional[Path]:
     """The export (its marker) or the run's export or checkpoints directory that `where` lies in, if any."""
-    from dsrecipes.rank.export import (  # lazy: else `commands.prompt_eval` imports torch 3.80 s
-        EXPORT_DIR,
-        EXPORT_INFO,
-        EXPORT_INIT_DIR,
-    )
-
     signed_names = (EXPORT_DIR, EXPORT_INIT_DIR, CHECKPOINTS_DIR)
     for parent in where.parents:
         of_run = parent.name in signed_names and (parent.parent / MARKER_FILE).exists()
