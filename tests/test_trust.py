@@ -306,7 +306,7 @@ def test_runs_starting_at_once_make_one_key_and_never_read_half_of_it(tmp_path):
     import sys
 
     key = tmp_path / "cfg" / "checkpoint.key"
-    code = ("import sys; from dsrecipes import trust; trust.ensure_key(); "
+    code = ("import sys; from dsrecipes.boundary import trust; trust.ensure_key(); "
             "sys.stdout.write(trust._load_key(False).decode())")
     env = {**os.environ, trust.KEY_ENV: str(key)}
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
