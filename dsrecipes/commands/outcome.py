@@ -12,6 +12,7 @@ from typing import Sequence, Tuple
 
 from dsrecipes.boundary.checkpoint_find import committed
 from dsrecipes.core import stopping
+from dsrecipes.core.failure import rank_failure
 from dsrecipes.core.rundir import CHECKPOINTS_DIR, read_outcome, write_result
 
 
@@ -25,10 +26,30 @@ def conclude(run_dir: Path, code: int, dry_run: bool, argv: Sequence[str]) -> Tu
     if signum is not None and code != 0:
         return report_interrupted(run_dir, int(signum), extra, argv), True
     if code != 0:
-        write_result(run_dir, code, outcome.get("error") or f"ranks exited with code {code}", **extra)
+        error = report_failed(run_dir, argv) or outcome.get("error") or f"ranks exited with code {code}"
+        write_result(run_dir, code, error, **extra)
     else:
         write_result(run_dir, 0, None, "dry_run" if dry_run else "ok", **extra)
     return code, False
+
+
+def report_failed(run_dir: Path, argv: Sequence[str]) -> str | None:
+    """The first failing rank's one-line cause (core/failure.py), printed with where its traceback is and, when a
+    checkpoint exists, the command that resumes from it; None when no rank reported one."""
+    report = rank_failure(run_dir)
+    if report is None:
+        return None
+    if report.get("render"):  # a user error found by a rank: its own message, as any other (no traceback kept)
+        print(report["render"], file=sys.stderr, flush=True)
+        return str(report["render"])
+    lines = [f"error: {report['reason']}"]
+    if report.get("log"):
+        lines.append(f"  full traceback: {report['log']}")
+    newest = committed(run_dir / CHECKPOINTS_DIR)
+    if newest:
+        lines.append(f"  resume from {newest[0]} with:\n  {resume_command(run_dir, argv, keep_resume_from=False)}")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    return str(report["reason"])
 
 
 def report_interrupted(run_dir: Path, signum: int, extra: dict, argv: Sequence[str]) -> int:

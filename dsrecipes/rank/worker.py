@@ -7,6 +7,7 @@ so every rank trains exactly the resolved config. The local launcher calls `run(
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -16,7 +17,10 @@ import dsrecipes.core.heartbeat as heartbeat
 from dsrecipes.config.load import load_run_config
 from dsrecipes.core.console import log_path, quiet_third_party, survive_lost_console
 from dsrecipes.core.errors import RunInterrupted, TrainingFailed, UserError
+from dsrecipes.core.failure import log_traceback, record_rank_failure
+from dsrecipes.core.runplan import read_plan
 from dsrecipes.core.schema import Device
+from dsrecipes.data.strategies.base import end_workers, worker_lost
 from dsrecipes.rank.checkpoint import TrainState
 from dsrecipes.rank.train import train
 
@@ -39,15 +43,56 @@ def run(run_dir: str | Path) -> TrainState:
 
 def run_rank(run_dir: str | Path) -> int:
     """`run()`, as an exit code: 0 when it trained to the end, the signal's code (130/143) when it stopped on
-    SIGINT/SIGTERM, 1 when training failed (non-finite loss; the ranks wrote why into rank_outcome.json)."""
+    SIGINT/SIGTERM, 1 when training failed (non-finite loss; the ranks wrote why into rank_outcome.json). Any other
+    failure (an exception in the loop, in a DataLoader worker, in evaluation, checkpointing or export; a user error
+    found by the rank) ends this rank's DataLoader workers at once and is recorded as one line (`failed`)."""
     try:
         run(run_dir)
     except RunInterrupted as exc:
         return exc.exit_code
     except TrainingFailed as exc:
+        end_workers()
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
+    except KeyboardInterrupt:  # Ctrl-C twice (in the launching process): no worker outlives it either
+        end_workers()
+        raise
+    except Exception as exc:  # noqa: BLE001 - every other way out is one recorded line, never a hang
+        return failed(run_dir, exc)
     return 0
+
+
+def failed(run_dir: str | Path, exc: BaseException) -> int:
+    """A failing rank: its workers are SIGKILLed (they ignore SIGTERM), the traceback goes to its log, the one-line
+    cause into <run>/failure.json (first rank wins) for the launching process; returns the exit code."""
+    lost = worker_lost(None, exc)  # torch's SIGCHLD handler raises wherever the rank was: name the worker
+    if lost is not None:
+        lost.__traceback__ = exc.__traceback__
+        exc = lost
+    end_workers()
+    rank = int(os.environ.get("RANK", "0"))
+    log = log_path(Path(run_dir), f"rank{rank}")
+    log_traceback(log, exc)
+    report = record_rank_failure(Path(run_dir), rank, exc, log)
+    if report.get("pid") == os.getpid() and not _reported_by_launcher(Path(run_dir)):  # (slurm: nobody else says it)
+        print(report["render"] or f"error: {report['reason']} (traceback: {log})", file=sys.stderr, flush=True)
+    return exc.exit_code if isinstance(exc, UserError) else 1
+
+
+def _reported_by_launcher(run_dir: Path) -> bool:
+    """A launching process supervises the ranks and prints the first failure itself (runplan.supervised)."""
+    try:
+        return bool(read_plan(run_dir).supervised)
+    except Exception:  # noqa: BLE001 - an unreadable plan: say it here rather than nowhere
+        return False
+
+
+def _exit_now(code: int) -> None:
+    """End a failed rank process without interpreter shutdown (nothing left to join: workers, feeder threads)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -62,11 +107,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     log = log_path(Path(args.run_dir), f"rank{os.environ.get('RANK', '0')}")
     quiet_third_party(log)  # before deepspeed loads
     survive_lost_console(log)
-    try:
-        return run_rank(args.run_dir)
-    except UserError as exc:
-        print(exc.render(), file=sys.stderr)
-        return exc.exit_code
+    code = run_rank(args.run_dir)
+    if code not in (0, 130, 143):
+        _exit_now(code)
+    return code
 
 
 if __name__ == "__main__":

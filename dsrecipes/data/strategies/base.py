@@ -6,11 +6,20 @@ A strategy only says how to produce the remaining micro-batches of an epoch from
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import multiprocessing
+import os
+import re
 import signal
+import time
+import weakref
 from typing import Any, Dict, Iterator, Optional
 
 from dsrecipes.core.errors import DataError
 from dsrecipes.data.plan import STATE_VERSION, Layout, Position, resume_point
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 Batch = Dict[str, Any]
 Row = Dict[str, Any]
@@ -27,10 +36,112 @@ def loader_generator(seed: int, epoch: int) -> Any:
 
 def worker_ignores_stop_signals(_worker_id: int) -> None:
     """DataLoader `worker_init_fn`: a SIGTERM/SIGINT sent to the whole process group must stop the rank at a step
-    boundary (stopping.py), not kill the worker that feeds it mid-step; workers end with their rank."""
+    boundary (stopping.py), not kill the worker that feeds it mid-step; workers end with their rank, and never
+    outlive it: the kernel SIGKILLs a worker whose rank dies (PR_SET_PDEATHSIG), and a worker whose rank died before
+    that was set ends at once. The rank's failure path ends its workers itself (`end_workers`)."""
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when the process that started it dies (Linux; elsewhere: nothing), and exit now if it
+    already has (the parent's pid is multiprocessing's record of it, or the one given)."""
+    parent = multiprocessing.parent_process()
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if parent is not None and parent.pid is not None and os.getppid() != parent.pid:
+        os._exit(1)  # the rank is gone already: nothing to feed
+
+
+_live: "weakref.WeakSet[Any]" = weakref.WeakSet()  # this process's DataLoader iterators that have workers
+
+
+def iterate(loader: Any) -> Iterator[Any]:
+    """`iter(loader)`, with its worker processes known to `end_workers` while it lives. A worker that died of a
+    signal (the OOM killer's SIGKILL) is one WorkerLost naming the worker, its signal and what to change."""
+    it = iter(loader)
+    if not getattr(it, "_workers", None):
+        yield from it
+        return
+    _live.add(it)
+    try:
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            except RuntimeError as exc:
+                lost = worker_lost(it, exc)
+                end_workers()
+                if lost is None:
+                    raise
+                raise lost from None
+            except BaseException:
+                end_workers()  # a worker's exception (re-raised here) or a stop: its siblings go now
+                raise
+            yield batch
+    finally:
+        _live.discard(it)
+
+
+class WorkerLost(RuntimeError):
+    """A DataLoader worker of this rank died of a signal (one line: which worker, which signal, what to change)."""
+
+    plain = True  # its message is the whole cause (core/failure.py)
+
+
+def worker_lost(it: Any, exc: BaseException) -> Optional[WorkerLost]:
+    """The WorkerLost for torch's 'DataLoader worker (pid ...) is killed by signal' / 'exited unexpectedly' (raised
+    by next(it) or by torch's SIGCHLD handler wherever the rank was); `it`: None for any live iterator."""
+    if "DataLoader worker (pid" not in str(exc):
+        return None
+    pids = {int(p) for p in re.findall(r"\d+", str(exc).split(")", 1)[0])}
+    for each in [it] if it is not None else list(_live):
+        for worker_id, w in enumerate(getattr(each, "_workers", [])):
+            with contextlib.suppress(Exception):
+                w.join(timeout=1.0)
+            code = w.exitcode
+            if code is not None and code < 0 and (w.pid in pids or not pids):
+                return WorkerLost(_lost_message(worker_id, w.pid, -code))
+    return WorkerLost(f"a DataLoader worker ended unexpectedly ({str(exc).splitlines()[0]}); lower "
+                      "data.num_workers or give the job more memory if the system log shows the OOM killer")
+
+
+def _lost_message(worker_id: int, pid: int, signum: int) -> str:
+    name = signal.Signals(signum).name if signum in signal.valid_signals() else f"signal {signum}"
+    hint = ("the kernel's OOM killer sends SIGKILL when memory runs out: lower data.num_workers (or "
+            "data.shuffle_buffer, data.read_ahead_bytes), or give the job more memory"
+            if signum == signal.SIGKILL else "see the system log for who sent it")
+    return f"DataLoader worker {worker_id} (pid {pid}) was killed by {name}; {hint}"
+
+
+def end_workers(timeout: float = 5.0) -> None:
+    """SIGKILL every DataLoader worker of this process and reap it (a failing rank's path: they ignore SIGTERM, and
+    an iterator kept alive by a traceback would otherwise be joined forever at exit). Bounded by `timeout`."""
+    procs = []
+    for it in list(_live):
+        with contextlib.suppress(Exception):
+            from torch.utils.data import _utils  # imported: `it` is a torch iterator
+
+            if getattr(it, "_worker_pids_set", False):  # torch's SIGCHLD check must not raise about our kills
+                _utils.signal_handling._remove_worker_pids(id(it))
+                it._worker_pids_set = False
+        procs += list(getattr(it, "_workers", []))
+    procs += [p for p in multiprocessing.active_children() if p not in procs]
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.kill()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for it in list(_live):
+        with contextlib.suppress(Exception):
+            it._shutdown_workers()  # queues closed; the workers are gone, so nothing waits
+        _live.discard(it)
 
 
 class TrainLoader:

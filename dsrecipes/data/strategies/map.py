@@ -21,7 +21,14 @@ from dsrecipes.data.plan import EpochPlan, Layout, require_steps, steps_per_epoc
 from dsrecipes.data.prepare import load_prepared, preparation_key, prepare
 from dsrecipes.data.sampler import map_micro_batches
 from dsrecipes.data.sources.registry import resolve_sources
-from dsrecipes.data.strategies.base import Batch, Row, TrainLoader, loader_generator, worker_ignores_stop_signals
+from dsrecipes.data.strategies.base import (
+    Batch,
+    Row,
+    TrainLoader,
+    iterate,
+    loader_generator,
+    worker_ignores_stop_signals,
+)
 from dsrecipes.data.strategies.eval import EvalLoader, limit_rows
 from dsrecipes.data.strategies.protocol import PrepareResult, RankData, rows_of_plan
 from dsrecipes.data.strategies.rows import make_collate
@@ -75,7 +82,7 @@ class MapTrainLoader(TrainLoader):
             worker_init_fn=worker_ignores_stop_signals,
             generator=loader_generator(self.seed, self.epoch),
         )
-        yield from loader
+        yield from iterate(loader)  # its workers end with a failing rank (base.end_workers)
 
 
 class _Rows:

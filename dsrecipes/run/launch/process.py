@@ -114,7 +114,7 @@ def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = Non
             code = proc.wait()
     code = proc.wait() if code is None else code
     failure = heartbeat.read_failure(run_dir) if code != 0 else None
-    if failure is not None:
+    if failure is not None and "lost" in failure:  # a lost node (a rank's own failure: commands/outcome.py)
         print(f"error: {heartbeat.describe_failure(failure)}. The ranks on the other nodes were stopped; run the "
               "same command again to resume from the last checkpoint (trainer.resume=auto)", file=sys.stderr, flush=True)  # fmt: skip
     return code

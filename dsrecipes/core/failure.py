@@ -1,0 +1,105 @@
+"""How a failing rank is reported: one line naming the cause (never a traceback on the console: the full one goes
+to the rank's log), recorded in `<run>/failure.json` by the first rank that fails (core/heartbeat.py's file: the
+first report wins, later ones come from ranks that saw the run coming down). The launching process prints that line,
+where the log is and the resume command (commands/outcome.py), and result.json holds the same line.
+
+Torch-free: the launching side reads what the ranks wrote.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+from dsrecipes.core.errors import UserError
+from dsrecipes.core.heartbeat import read_failure, write_failure
+
+MAX_CAUSE = 400  # characters of the one-line cause
+_WORKER = re.compile(r"^Caught (\w+) in DataLoader worker process (\d+)\.")
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+)')
+
+
+def one_line(exc: BaseException) -> str:
+    """The cause of `exc` in one line: a user error's own message; otherwise 'Type: message (at file:line)', with
+    an exception that torch re-raised from a DataLoader worker unwrapped ('... in DataLoader worker N')."""
+    text = str(exc)
+    worker = _WORKER.match(text)
+    if worker is not None:
+        name, message, where = _unwrap(text)
+        if isinstance(exc, UserError):
+            return _short(message)
+        return _short(f"{name or worker.group(1)} in DataLoader worker {worker.group(2)}: {message}{where}")
+    if isinstance(exc, UserError):
+        return _short(" ".join(p.strip() for p in exc.problems))
+    if getattr(exc, "plain", False):  # its message says it all (e.g. a DataLoader worker killed by a signal)
+        return _short(text)
+    return _short(f"{type(exc).__name__}: {text.strip() or '(no message)'}{_where(exc.__traceback__)}")
+
+
+def _unwrap(text: str) -> Tuple[str, str, str]:
+    """(type name, message, ' (at file:line)') of the original exception in torch's re-raised text."""
+    lines = text.rstrip("\n").splitlines()
+    last_frame = max((i for i, line in enumerate(lines) if _FRAME.match(line)), default=-1)
+    where = ""
+    if last_frame >= 0:
+        m = _FRAME.match(lines[last_frame])
+        where = f" (at {_relative(m.group(1))}:{m.group(2)})" if m else ""
+    rest = [line for line in lines[last_frame + 1:] if line.strip() and not line.startswith("    ")]
+    head = " ".join(rest) or lines[0]
+    name, _, message = head.partition(": ")
+    return name.rsplit(".", 1)[-1], message.strip() or head, where
+
+
+def _where(tb: Any) -> str:
+    """' (at file:line)' of the innermost frame of a traceback (None: nothing)."""
+    frames = traceback.extract_tb(tb) if tb is not None else []
+    return f" (at {_relative(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+
+
+def _relative(path: str) -> str:
+    """Our own files relative to the package's parent (dsrecipes/...); others as they are."""
+    root = str(Path(__file__).resolve().parents[2]) + os.sep
+    return path[len(root):] if path.startswith(root) else path
+
+
+def _short(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_CAUSE else text[:MAX_CAUSE - 3] + "..."
+
+
+def record_rank_failure(run_dir: Path, rank: int, exc: BaseException, log: Optional[Path]) -> Dict[str, Any]:
+    """Record this rank's failure unless another rank did first; returns the report that stands. A user error
+    (bad data, a refused checkpoint) keeps its own message (`render`), printed as the launching process would."""
+    cause = one_line(exc)
+    render = exc.render() if isinstance(exc, UserError) else None
+    report = {"rank": int(rank), "cause": cause, "reason": render[len("error: "):] if render else
+              f"rank {rank} failed: {cause}", "render": render, "log": str(log) if log else None,
+              "pid": os.getpid(), "time": time.time()}
+    try:
+        return write_failure(Path(run_dir), report)
+    except OSError:  # an unwritable run directory: the rank's own exit code and stderr still say it
+        return report
+
+
+def rank_failure(run_dir: Path) -> Optional[Dict[str, Any]]:
+    """The first failing rank's report (None: no rank reported a failure of its own, e.g. a lost node)."""
+    report = read_failure(run_dir)
+    if report is None or not isinstance(report.get("cause"), str):
+        return None
+    return report
+
+
+def log_traceback(log: Optional[Path], exc: BaseException) -> None:
+    """Append the full traceback of `exc` to the rank's log (the console gets one line)."""
+    if log is None:
+        return
+    try:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "a", encoding="utf-8") as fh:
+            fh.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    except OSError:
+        pass
