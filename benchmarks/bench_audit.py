@@ -1,21 +1,24 @@
 """`dsrecipes audit` at scale: 1M samples, world size 64, on one core (target: < 10 s).
 
-    python benchmarks/bench_audit.py [--samples 1000000] [--world-size 64] [--num-workers 2] [--epochs 1]
+    python benchmarks/bench_audit.py [--samples 1000000] [--world-size 64] [--num-workers 2] [--epochs 1] [--out DIR]
+    python benchmarks/bench_audit.py --smoke              # 2,000 samples, world 4: every phase in seconds
 
 Times the audit of each strategy in-process (wall and CPU seconds, the process pinned to one core when possible),
 plus the whole `dsrecipes audit` command for map (`--num-rows`) and iterable (a generated JSONL file in /tmp that
-the audit line-counts) including interpreter start and imports.
+the audit line-counts) including interpreter start and imports. The JSONL file is generated (2-turn ShareGPT rows)
+into the result directory (--out). Result file: <out>/bench_audit.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _harness import Result, add_args
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -29,21 +32,18 @@ def one_core() -> str:
     return "not pinned"
 
 
-def timed(label: str, fn):
+def timed(result: Result, label: str, fn):
     wall, cpu = time.perf_counter(), time.process_time()
     report = fn()
-    row = {"what": label, "wall_s": round(time.perf_counter() - wall, 2), "cpu_s": round(time.process_time() - cpu, 2),
-           "ok": report.ok}
-    print(json.dumps(row))
-    return row
+    return result.row({"what": label, "wall_s": round(time.perf_counter() - wall, 2),
+                       "cpu_s": round(time.process_time() - cpu, 2), "ok": report.ok})
 
 
-def jsonl(n: int) -> Path:
-    path = Path("/tmp") / f"dsrecipes_audit_{n}.jsonl"
-    if not path.is_file():
-        row = '{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}\n'
-        with open(path, "w") as fh:
-            fh.writelines(row for _ in range(n))
+def jsonl(n: int, root: Path) -> Path:
+    path = root / f"dsrecipes_audit_{n}.jsonl"
+    row = '{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}\n'
+    with open(path, "w") as fh:
+        fh.writelines(row for _ in range(n))
     return path
 
 
@@ -53,20 +53,27 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=64)
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=1)
-    args = parser.parse_args()
-    print(one_core())
+    args = add_args(parser).parse_args()
+    if args.smoke:
+        args.samples, args.world_size = 2000, 4
+    with Result("bench_audit", args) as result:
+        run(args, result)
+
+
+def run(args: argparse.Namespace, result: Result) -> None:
+    result.note(one_core())
     from dsrecipes.data.audit import audit_map, audit_presharded, audit_stream
     from dsrecipes.data.plan import Layout
     from dsrecipes.data.sampler import count_rows
 
     n, w = args.samples, args.world_size
     lay = Layout(w, 4, 2, args.num_workers)
-    path = jsonl(n)
-    timed(f"map: {n} rows, world {w}", lambda: audit_map(n, lay, 42, True, args.epochs))
-    timed(f"iterable: {n} lines (count + plan), world {w}",
+    path = jsonl(n, result.out)
+    timed(result, f"map: {n} rows, world {w}", lambda: audit_map(n, lay, 42, True, args.epochs))
+    timed(result, f"iterable: {n} lines (count + plan), world {w}",
           lambda: audit_stream([count_rows(str(path))], lay, 42, True, 1024, args.epochs))
     parts = [n // w + (1 if r < n % w else 0) for r in range(w)]
-    timed(f"presharded: {w} parts of {min(parts)}, world {w}", lambda: audit_presharded(parts, lay, 42, True, 1024, args.epochs))
+    timed(result, f"presharded: {w} parts of {min(parts)}, world {w}", lambda: audit_presharded(parts, lay, 42, True, 1024, args.epochs))
 
     common = ["--world-size", str(w), "--num-workers", str(args.num_workers), "--epochs", str(args.epochs),
               "trainer.micro_batch_size=4", "trainer.grad_accum=2"]
@@ -79,8 +86,11 @@ def main() -> None:
         cmd += [sys.executable, "-m", "dsrecipes", "audit", *extra, *common]
         start = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        print(json.dumps({"what": f"{label} (whole command, one core)", "wall_s": round(time.perf_counter() - start, 2),
-                          "exit": proc.returncode, "last_line": proc.stdout.strip().splitlines()[-1] if proc.stdout else proc.stderr[-300:]}))
+        result.row({"what": f"{label} (whole command, one core)", "wall_s": round(time.perf_counter() - start, 2),
+                    "exit": proc.returncode,
+                    "last_line": proc.stdout.strip().splitlines()[-1] if proc.stdout else proc.stderr[-300:]})
+        if proc.returncode != 0:
+            raise SystemExit(f"{label}: `{' '.join(cmd)}` exited {proc.returncode}: {proc.stderr[-1000:]}")
 
 
 def _has_taskset() -> bool:

@@ -1,6 +1,7 @@
 """Peak memory of each DPO reference mode: the same model, pairs and steps, 2 ranks (deepspeed launcher, CPU/gloo).
 
-    python benchmarks/bench_dpo_reference.py [--model PATH] [--repeats 3] [--steps 3] [--out FILE.json]
+    python benchmarks/bench_dpo_reference.py [--model PATH] [--repeats 3] [--steps 3] [--out DIR]
+    python benchmarks/bench_dpo_reference.py --smoke    # embedded tiny model, 1 rank, 1 step, mode live only
 
 Modes (each a real `python -m dsrecipes` run, in alternating order: one of each, then the next repeat):
   precomputed       objective.reference=precomputed, zero=stage2: reference log-probs computed before training
@@ -16,6 +17,7 @@ pairs and, for `precomputed`, runs the reference pass: a fresh data.cache_dir pe
 and the reference parameters each rank holds (the rank's `live DPO reference holds H of its T parameters` line,
 x bytes per element; 0 where no separate reference exists). Reported: median over the repeats and the spread
 (min-max) of the larger rank's peak. Default model: SmolLM2-135M-Instruct as `scripts/fetch_smollm2.py` keeps it.
+Result file: <out>/bench_dpo_reference.json (every run and the summary).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Dict, List
 
 import psutil
+from _harness import Result, add_args
 
 MODES: Dict[str, List[str]] = {
     "precomputed": ["zero=stage2"],
@@ -84,10 +87,11 @@ def watch(proc: subprocess.Popen) -> Dict[str, object]:
 
 def run_mode(mode: str, args: argparse.Namespace, workdir: Path, i: int) -> Dict[str, object]:
     run_dir = workdir / f"{mode}_{i}"
-    argv = [sys.executable, "-m", "dsrecipes", "objective=dpo", "dataset=sample_pairs", f"model.path={args.model}",
+    model = [f"model.path={args.model}"] if args.model else []  # none: the embedded tiny model (--smoke)
+    argv = [sys.executable, "-m", "dsrecipes", "objective=dpo", "dataset=sample_pairs", *model,
             f"dataset.max_samples={args.pairs}", "dataset.val_size=0", f"data.cutoff_len={args.cutoff}",
             "trainer.micro_batch_size=2", f"trainer.max_steps={args.steps}", "trainer.save_every=0",
-            "trainer.eval_every=0", "trainer.export=false", "launcher=deepspeed", "launcher.num_gpus=2",
+            "trainer.eval_every=0", "trainer.export=false", "launcher=deepspeed", f"launcher.num_gpus={args.ranks}",
             f"data.cache_dir={run_dir}_cache", f"trainer.output_dir={run_dir}", f"hydra.run.dir={run_dir}",
             *MODES[mode]]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -98,6 +102,8 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path, i: int) -> Dict
     text = (workdir / f"{mode}_{i}.log").read_text()
     if proc.returncode != 0:
         raise SystemExit(f"{mode}: exit {proc.returncode}; see {workdir / f'{mode}_{i}.log'}\n{text[-3000:]}")
+    if not peaks["ranks"]:
+        raise SystemExit(f"{mode}: no rank process (dsrecipes.rank.worker) was seen; see the log\n{text[-3000:]}")
     held = [int(h.replace(",", "")) for _, h, _ in HELD.findall(text)]
     return {"mode": mode, "wall_s": round(time.monotonic() - started, 1), "launcher_peak": peaks["launcher"],
             "rank_peaks": peaks["ranks"], "ref_params_held": max(held, default=0)}
@@ -136,14 +142,24 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=24)
     parser.add_argument("--cutoff", type=int, default=192)
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--summarise", metavar="LOG", help="only summarise the run rows this benchmark printed")
-    args = parser.parse_args()
+    args = add_args(parser).parse_args()
+    if args.smoke:
+        args.model, args.repeats, args.steps, args.pairs, args.cutoff, args.ranks = "", 1, 1, 4, 192, 1
+        args.modes = "live"
+    with Result("bench_dpo_reference", args) as result:
+        measure(args, result)
+
+
+def measure(args: argparse.Namespace, result: Result) -> None:
+    if args.smoke:
+        result.note("smoke: the embedded tiny model (not --model), 1 rank, 1 step, mode live only (the other modes differ only in their overrides)")
     if args.summarise:
         for row in summarise(from_log(args.summarise), bytes_per_param=4):
-            print(json.dumps(row))
+            result.row(row)
         return
-    if not Path(args.model).is_dir():
+    if args.model and not Path(args.model).is_dir():
         raise SystemExit(f"--model {args.model}: not a directory; run `python scripts/fetch_smollm2.py` first")
     modes = args.modes.split(",")
     rows: List[Dict[str, object]] = []
@@ -153,10 +169,9 @@ def main() -> None:
                 rows.append(run_mode(mode, args, Path(tmp), i))
                 print(json.dumps(rows[-1]), flush=True)
     summary = summarise(rows, bytes_per_param=4)  # fp32 (precision default on CPU)
+    result.extra["runs"] = rows
     for row in summary:
-        print(json.dumps(row))
-    if args.out:
-        Path(args.out).write_text(json.dumps({"runs": rows, "summary": summary}, indent=1))
+        result.row(row)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_loaders.py                       # throughput on a generated 20k-conversation corpus
     python benchmarks/bench_loaders.py --memory 10000 1000000  # peak RSS of data=iterable (corpus in /tmp)
+    python benchmarks/bench_loaders.py --smoke               # 160 conversations, --memory 600 (world 32 needs 256): seconds
 
 Throughput: one epoch of rank 0 of a world of 2 (so every strategy reads half the corpus), with 0 and 2 DataLoader
 workers, in samples/s and tokens/s (real tokens of the collated micro-batches), against a plain loop that reads,
@@ -11,6 +12,9 @@ separately, it is cached); `presharded` excludes `dsrecipes shard` (also reporte
 Memory: a child process per size runs a full epoch of data=iterable (rank 0 of a world of 32, no workers: it reads
 and tokenizes its 1/32 of the blocks) over one JSONL file of N conversations and reports its peak RSS (ru_maxrss)
 and the RSS before iterating (the stream index, built by the loader here, is part of it).
+
+Both corpora are generated from the bundled sample rows (dsrecipes/assets/sample_data). Result file:
+<out>/bench_loaders.json (--out DIR).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List
+
+from _harness import Result, add_args
 
 SAMPLE = Path(__file__).resolve().parents[1] / "dsrecipes" / "assets" / "sample_data" / "train.jsonl"
 MBS = 8
@@ -98,7 +104,7 @@ def throughput(conversations: int, work: Path) -> List[Dict[str, object]]:
     from dsrecipes.core.tokenizer import load_tokenizer
     from dsrecipes.core.topology import Topology
     from dsrecipes.data.prepare import prepare
-    from dsrecipes.data.shard import shard
+    from dsrecipes.data.shard import ShardBalance, shard
     from dsrecipes.data.strategies import build_loaders
     from dsrecipes.run.entry import with_run_dir, write_run_dir
 
@@ -114,7 +120,7 @@ def throughput(conversations: int, work: Path) -> List[Dict[str, object]]:
     prepare(cfg, tok, run)
     prep_s = time.perf_counter() - t
     t = time.perf_counter()
-    shard(cfg, 2, str(work / "shards"), "samples", force=True)
+    shard(cfg, 2, str(work / "shards"), ShardBalance.samples, force=True)
     shard_s = time.perf_counter() - t
     kinds = {
         "map": [],
@@ -154,16 +160,18 @@ def memory_child(path: str, conversations: int) -> None:
                       "peak_rss_mib": round(peak / 1024, 1), **stats}))
 
 
-def memory(sizes: List[int]) -> List[Dict[str, object]]:
+def memory(sizes: List[int], root: Path) -> List[Dict[str, object]]:
     out = []
     for n in sizes:
-        path = Path("/tmp") / f"dsrecipes_bench_{n}.jsonl"
+        path = root / f"dsrecipes_bench_{n}.jsonl"
         if not path.is_file() or sum(1 for _ in open(path, "rb")) != n:
-            generated = generate(Path("/tmp") / f"dsrecipes_bench_{n}", n, files=1)[0]
+            generated = generate(root / f"dsrecipes_bench_{n}", n, files=1)[0]
             os.replace(generated, path)
             os.rmdir(Path(generated).parent)
         proc = subprocess.run([sys.executable, __file__, "--memory-child", str(path), str(n)], capture_output=True,
-                              text=True, check=True)
+                              text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"memory child for {n} conversations exited {proc.returncode}:\n{proc.stderr[-2000:]}")
         out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     return out
 
@@ -173,21 +181,34 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=20000)
     parser.add_argument("--memory", type=int, nargs="*", default=None, metavar="N")
     parser.add_argument("--memory-child", nargs=2, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = add_args(parser).parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.memory_child:
         memory_child(args.memory_child[0], int(args.memory_child[1]))
         return
-    if args.memory is not None:
-        rows = memory(args.memory or [10000, 1000000])
-        for row in rows:
-            print(json.dumps(row))
-        if len(rows) > 1:
-            growth = rows[-1]["peak_rss_mib"] / rows[0]["peak_rss_mib"] - 1
-            print(f"peak RSS growth {rows[0]['conversations']} -> {rows[-1]['conversations']}: {growth:+.1%}")
-        return
+    if args.smoke:
+        args.conversations = 160
+    with Result("bench_loaders", args) as result:
+        if args.memory is not None or args.smoke:
+            memory_rows(args.memory or ([600] if args.smoke else [10000, 1000000]), result)
+        if args.memory is None:
+            throughput_rows(args.conversations, result)
+
+
+def memory_rows(sizes: List[int], result: Result) -> None:
+    rows = memory(sizes, result.out if result.smoke else Path(tempfile.gettempdir()))
+    for row in rows:
+        result.row({"phase": "memory", **row})
+    if len(rows) > 1:
+        growth = rows[-1]["peak_rss_mib"] / rows[0]["peak_rss_mib"] - 1
+        print(f"peak RSS growth {rows[0]['conversations']} -> {rows[-1]['conversations']}: {growth:+.1%}")
+
+
+def throughput_rows(conversations: int, result: Result) -> None:
     with tempfile.TemporaryDirectory(prefix="dsrecipes-bench-") as tmp:
-        rows = throughput(args.conversations, Path(tmp))
+        rows = throughput(conversations, Path(tmp))
+    for r in rows:
+        result.row({"phase": "throughput", **r}, echo=False)
     print(f"{'strategy':<40} {'workers':>7} {'samples':>8} {'seconds':>8} {'samples/s':>10} {'tokens/s':>10}")
     for r in rows:
         print(f"{r['strategy']:<40} {r.get('workers', ''):>7} {r.get('samples', ''):>8} {r['seconds']:>8} "

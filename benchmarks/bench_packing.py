@@ -2,13 +2,15 @@
 
     python benchmarks/bench_packing.py                  # bundled sample data + a synthetic long-tailed mix
     python benchmarks/bench_packing.py --steps 40 --cutoff 512
+    python benchmarks/bench_packing.py --smoke          # 2 timed micro-batches, 60 long-tail rows: seconds
 
 For each dataset the same rows go through `prepare` and the map strategy's loader twice: one sample per row padded
 to the longest row of its micro-batch (`data.packing=false`, micro batch 8), and best-fit-decreasing packed rows of
 `data.cutoff_len` (`data.packing=true`, micro batch 2). Utilisation = real tokens / token slots over a whole epoch.
 Speed = real tokens per second of forward + backward + AdamW step on the tiny model with the runner's own loss,
 timed on this process's CPU clock with one torch thread (robust to other load on the machine). Target: >= 95%
-slot utilisation with packing.
+slot utilisation with packing. Data: the bundled sample rows and a generated long-tailed mix. Result file:
+<out>/bench_packing.json (--out DIR).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List
+
+from _harness import Result, add_args
 
 WORDS = ("data model train token batch layer weight memory rank shard step loss sample query answer value time "
          "river stone cloud light paper garden window market signal engine vector matrix").split()
@@ -44,9 +48,11 @@ def measure(root: Path, name: str, data_file: Path, packing: bool, cutoff: int, 
     import torch
 
     from dsrecipes.config.load import compose_and_load
+    from dsrecipes.core.tokenizer import load_tokenizer
     from dsrecipes.core.topology import Topology
     from dsrecipes.data.strategies import build_loaders
-    from dsrecipes.modeling.model import build_model, load_tokenizer, micro_batch_loss
+    from dsrecipes.modeling.model import build_model
+    from dsrecipes.objectives.sft import micro_batch_loss
     from dsrecipes.run.entry import write_run_dir
 
     run_dir = root / name
@@ -90,7 +96,15 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--cutoff", type=int, default=512)
     parser.add_argument("--tail-rows", type=int, default=1500)
-    args = parser.parse_args(argv)
+    args = add_args(parser).parse_args(argv)
+    if args.smoke:
+        args.steps, args.warmup, args.cutoff, args.tail_rows = 2, 1, 256, 60
+    with Result("bench_packing", args) as result:
+        run(args, result)
+    return 0
+
+
+def run(args: argparse.Namespace, result: Result) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 
@@ -108,11 +122,14 @@ def main(argv: List[str]) -> int:
                 mode = "packed" if packing else "padded"
                 r = measure(root, f"{data_name}_{mode}", path, packing, args.cutoff, args.steps, args.warmup)
                 results[mode] = r
+                result.row({"dataset": data_name, "mode": mode, **r}, echo=False)
+                if r["timed_micro_batches"] < args.steps:
+                    result.note(f"{data_name} {mode}: only {r['timed_micro_batches']} micro-batches after the warm-up "
+                                f"(--steps {args.steps} asked)")
                 print(f"{data_name:<10} {mode:<8} {r['rows']:>6} {r['micro_batches']:>13} {r['utilisation']:>8.1%} "
                       f"{r['tokens_per_cpu_s']:>13,.0f}", flush=True)
             gain = results["packed"]["tokens_per_cpu_s"] / results["padded"]["tokens_per_cpu_s"]
             print(f"{data_name:<10} packing speed-up in real tokens per CPU second: x{gain:.2f}")
-    return 0
 
 
 if __name__ == "__main__":

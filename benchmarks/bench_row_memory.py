@@ -2,6 +2,7 @@
 
     python benchmarks/bench_row_memory.py                   # rows of 4, 16 and 50 MB, 2 repeats each
     python benchmarks/bench_row_memory.py --sizes 16 --repeats 3
+    python benchmarks/bench_row_memory.py --smoke           # one row of 0.2 MB, 1 repeat: every phase in seconds
 
 Each measurement is a fresh `python -m dsrecipes ... launcher.dry_run=true` (map preparation: read, normalise,
 render, tokenize, write Arrow) on 16 small rows plus one row of SIZE MB of text, against the same command on the 16
@@ -9,6 +10,7 @@ small rows alone, run alternately; the number reported is the median growth of t
 `dataset.max_row_bytes` (default 16 MiB) are allowed and tokenized by their head (data/render/tokenize.py); a larger row is
 a too_large bad row skipped without being held (run with `dataset.bad_rows=skip`). Target: growth within a small
 multiple (<= 8x) of the largest allowed row. Before issue 11 a 4 MB row grew the peak by ~0.5 GB and 16 MB by ~2.5 GB.
+Result file: <out>/bench_row_memory.json (--out DIR).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from _harness import Result, add_args
 
 
 def write_data(path: Path, big_mb: float) -> None:
@@ -53,7 +57,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=float, nargs="+", default=[50, 16, 4], help="row sizes in MB")
     parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args()
+    args = add_args(parser).parse_args()
+    if args.smoke:
+        args.sizes, args.repeats = [0.2], 1
+    with Result("bench_row_memory", args) as result:
+        measure(args, result)
+
+
+def measure(args: argparse.Namespace, result: Result) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         base = work / "base.jsonl"
@@ -67,7 +78,9 @@ def main() -> None:
                 big = peak_rss_mib(data, work, f"b{size}-{r}")
                 growth.append(big - peak_rss_mib(base, work, f"s{size}-{r}"))
             med = statistics.median(growth)
-            print(f"{size:6.0f} | {med:8.1f} ({min(growth):.1f} .. {max(growth):.1f}) | {med / (size * 1e6 / 2**20):.1f}x")
+            print(f"{size:6.1f} | {med:8.1f} ({min(growth):.1f} .. {max(growth):.1f}) | {med / (size * 1e6 / 2**20):.1f}x")
+            result.row({"row_mb": size, "growth_mib": growth, "median_growth_mib": med,
+                        "growth_over_row": med / (size * 1e6 / 2**20)}, echo=False)
 
 
 if __name__ == "__main__":
