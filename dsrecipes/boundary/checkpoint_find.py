@@ -12,6 +12,7 @@ damaged file. Records of older dsrecipes versions are unsigned: they load only w
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Callable, List, Optional
@@ -19,6 +20,7 @@ from typing import Callable, List, Optional
 import dsrecipes.boundary.safe_load as safe_load
 import dsrecipes.boundary.trust as trust
 import dsrecipes.core.manifest as manifest
+from dsrecipes.boundary.point_of_use import record_digest
 from dsrecipes.core.checkpoint_names import CHECKPOINTS, COMPLETE, UNIVERSAL, commit_order, read_record, step_of
 from dsrecipes.core.errors import Refused, UserError
 from dsrecipes.core.runplan import ResumePlan
@@ -43,6 +45,10 @@ def damage(tag_dir: Path, retry: str = TRAIN_RETRY) -> Optional[str]:
     except ValueError as exc:
         return f"{COMPLETE}: unreadable ({exc})"
     ours = trust.check(record, Path(tag_dir), "checkpoint", retry)
+    named = Path(tag_dir).name.split("_", 1)
+    if named[0] == "step" and named[-1].isdigit() and record["step"] != step_of(tag_dir):
+        return (f"{COMPLETE}: records step {record['step']}, but the directory is named {Path(tag_dir).name} (a "
+                "renamed checkpoint would resume from another step than it says)")
     files = record.get("files")
     problem = None if files is None else (manifest.verify(tag_dir, files)
                                           or manifest.unlisted(tag_dir, files, ignore=[COMPLETE, UNIVERSAL]))
@@ -125,6 +131,12 @@ def plan_resume(trainer: TrainerConfig, run_dir: Path, world_size: int, zero_sta
     tag_dir = find_resume_checkpoint(trainer, run_dir, report)
     if tag_dir is None:
         return None
-    saved = read_record(tag_dir)["world_size"]
+    try:  # pinned: each rank loads only against this very record
+        data = (tag_dir / COMPLETE).read_bytes()
+        record = json.loads(data)
+        saved, step = int(record["world_size"]), int(record["step"])
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise Refused(f"{tag_dir / COMPLETE}: changed while the run was planned ({exc}); nothing was loaded")
+    trust.check(record, tag_dir, "checkpoint", TRAIN_RETRY)  # the bytes pinned are a record accepted above
     elastic = saved != world_size and zero_stage > 0
-    return ResumePlan(str(tag_dir.resolve()), step_of(tag_dir), saved, elastic)
+    return ResumePlan(str(tag_dir.resolve()), step, saved, elastic, record_digest(data))

@@ -34,18 +34,23 @@ def allowed_names() -> set:
     return {f"{g.__module__}.{g.__name__}" for g in _NUMPY}
 
 
-def load(path: Path) -> Any:
+def load(path: Path, checked: Any = None) -> Any:
     """torch.load(weights_only=True) with numpy's RNG types allowed; a file that needs more is refused.
 
     A zip-format file (what torch.save writes) is memory-mapped: its tensors are read from the page cache when they
     are used, not copied into fresh memory up front. Export reads only the module weights of a ZeRO-0 model-states
     file that also holds the optimizer's fp32 master and moments (SmolLM2-135M: 1.6 GB): mapped, 0.3 s of CPU where
     reading it all took 7-15 s on the 2-core test machine. The mapping is private (copy-on-write): nothing written
-    to a tensor reaches the file. A legacy (pre-zip) file cannot be mapped and is read as before."""
+    to a tensor reaches the file. A legacy (pre-zip) file cannot be mapped and is read as before.
+
+    `checked` (point_of_use.CheckedCheckpoint): the file is read from the descriptor its signed hash was checked on,
+    right before loading."""
     import torch  # lazy: the launching process checks checkpoints with this module and never loads them
 
     try:
         with torch.serialization.safe_globals(_NUMPY):
+            if checked is not None:
+                return checked.load(path, map_location="cpu", weights_only=True, mmap=True)
             return torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as exc:
         first = str(exc).split("\n")[0]

@@ -10,6 +10,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import List, Optional
 
+from dsrecipes.core.checkpoint_names import CHECKPOINTS, COMPLETE, PARTIAL
 from dsrecipes.core.errors import UserError
 
 EXPORT_DIR = "export"
@@ -28,6 +29,7 @@ def check_out_dir(out_dir: Path, key: str = "export") -> None:
     A filesystem root, or a directory without our marker that holds anything, is refused before its contents are
     listed; an earlier export is listed only up to the first file it did not write."""
     out_dir = Path(out_dir)
+    _outside_checkpoints(out_dir, key)
     for parent in [out_dir, *out_dir.parents]:
         if parent.exists():
             if not parent.is_dir():
@@ -50,6 +52,17 @@ def check_out_dir(out_dir: Path, key: str = "export") -> None:
         what = f"files the export did not write ({', '.join(extra)})" if extra else f"an unreadable {EXPORT_MARKER}"
         raise UserError(f"{key}: {out_dir} holds {what}; replacing it would delete them. Choose another directory "
                         "or move them away. Nothing was changed")
+
+
+def _outside_checkpoints(out_dir: Path, key: str) -> None:
+    """Refuse a destination inside a checkpoint (a directory holding complete.json, or one being written) or a run's
+    checkpoints/ directory itself: an export written there would change what the checkpoint's record signs."""
+    where = Path(os.path.abspath(out_dir))
+    for parent in [where, *where.parents]:
+        checkpoint = (parent / COMPLETE).is_file() or parent.name.endswith(PARTIAL)
+        if checkpoint or (parent.name == CHECKPOINTS and (parent.parent / "config.yaml").is_file()):
+            raise UserError(f"{key}: {out_dir} lies inside the checkpoints of a run ({parent}); an export written "
+                            "there would change a checkpoint. Choose a directory outside it. Nothing was changed")
 
 
 def _has_entries(directory: Path) -> bool:

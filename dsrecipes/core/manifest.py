@@ -29,15 +29,25 @@ ENTRY = '{"size": bytes, "hash": digest}'
 
 
 def file_digest(path: Path, size: int) -> str:
-    h = hashlib.blake2b(digest_size=16)
     with open(path, "rb") as fh:
-        if size <= WHOLE_FILE_BYTES:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-        else:
-            for offset in (0, size // 2 - WINDOW_BYTES // 2, size - WINDOW_BYTES):
-                fh.seek(offset)
-                h.update(fh.read(WINDOW_BYTES))
+        return fd_digest(fh.fileno(), size)
+
+
+def fd_digest(fd: int, size: int) -> str:
+    """The digest of the file open as `fd` (read with pread: the descriptor's position is left alone), so a loader
+    can hash exactly the file it then loads from the same descriptor (boundary/point_of_use.py)."""
+    h = hashlib.blake2b(digest_size=16)
+    if size <= WHOLE_FILE_BYTES:
+        offset = 0
+        while True:
+            block = os.pread(fd, 1 << 20, offset)
+            if not block:
+                break
+            h.update(block)
+            offset += len(block)
+    else:
+        for offset in (0, size // 2 - WINDOW_BYTES // 2, size - WINDOW_BYTES):
+            h.update(os.pread(fd, WINDOW_BYTES, offset))
     return h.hexdigest()
 
 
@@ -127,7 +137,7 @@ def verify(root: Path, files: Dict[str, Dict[str, object]], listing: str = LISTI
 
 
 def unlisted(root: Path, files: Dict[str, Dict[str, object]], ignore: Iterable[str] = (),
-             listing: str = LISTING) -> Optional[str]:
+             listing: str = LISTING, what: str = "checkpoint") -> Optional[str]:
     """The first file below `root` that `files` does not list (`ignore`: top-level names left out, e.g. the record
     itself): a file added after the commit, which a loader globbing for shards would read unverified. A list of
     another shape is the problem instead (`shape_problem`)."""
@@ -144,5 +154,5 @@ def unlisted(root: Path, files: Dict[str, Dict[str, object]], ignore: Iterable[s
         for name in sorted(filenames):
             rel = (rel_dir / name).as_posix()
             if rel not in files and rel not in ignored:
-                return f"{rel}: not part of the checkpoint as it was written (added later)"
+                return f"{rel}: not part of the {what} as it was written (added later)"
     return None

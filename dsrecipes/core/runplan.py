@@ -28,6 +28,7 @@ class ResumePlan:
     step: int  # optimizer steps it had done
     saved_world_size: int  # ranks that wrote it
     elastic: bool  # ZeRO-1/2/3 states saved at another world size: loaded through a universal checkpoint
+    record_sha256: Optional[str] = None  # complete.json as the launching process checked it (ranks check it again)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ import torch
 import dsrecipes.boundary.safe_load as safe_load
 import dsrecipes.core.disk_space as disk_space
 import dsrecipes.core.manifest as manifest
+from dsrecipes.boundary.point_of_use import ChangedCheckpoint, CheckedCheckpoint
 from dsrecipes.boundary.trust import sign, signature_problem
 from dsrecipes.core.checkpoint_names import (
     CHECKPOINTS,
@@ -47,13 +48,13 @@ from dsrecipes.core.checkpoint_names import (
     REPLACED,
     UNIVERSAL,
     commit_order,
-    read_record,
     step_of,
     tag_for,
 )
 from dsrecipes.core.distributed import all_ranks
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.fileio import atomic_write_json, atomic_write_text
+from dsrecipes.core.publish import Existing, publish_dir
 from dsrecipes.core.rundir import CONFIG_FILE
 from dsrecipes.core.runplan import ResumePlan
 
@@ -142,14 +143,11 @@ def commit(run_dir: Path, staging: Path, final: Path, record: Dict[str, Any]) ->
     """Rank 0: the config beside the weights, complete.json (every file's size and hash) last, then the rename."""
     shutil.copyfile(Path(run_dir) / CONFIG_FILE, staging / CONFIG_FILE)
     atomic_write_json(staging / COMPLETE, sign({**record, "files": manifest.describe(staging, skip=[COMPLETE])}))
-    if final.exists():  # re-saving a tag (a resume from an earlier step): swap whole directories
-        old = final.with_name(final.name + REPLACED)
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(staging, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staging, final)
+    # Re-saving a tag (a resume from an earlier step) exchanges the whole directories in one step (publish.py):
+    # `final` always names a complete checkpoint; the previous one, now at the staging path, is removed after.
+    previous = publish_dir(staging, final, Existing.exchange)
+    if previous is not None:
+        shutil.rmtree(previous, ignore_errors=True)
     atomic_write_text(final.parent / LATEST, final.name)
 
 
@@ -205,6 +203,7 @@ class ResumePoint:
     saved_world_size: int
     universal: bool = False  # needs `"checkpoint": {"load_universal": true}` in the DeepSpeed config
     frozen_excluded: bool = False  # LoRA: the frozen base is not in it (the model built from model.path has it)
+    checked: Optional[CheckedCheckpoint] = None  # its files as its signed records list them, checked on each load
 
 
 def open_resume(plan: Optional[ResumePlan]) -> Optional[ResumePoint]:
@@ -216,28 +215,38 @@ def open_resume(plan: Optional[ResumePlan]) -> Optional[ResumePoint]:
     if plan is None:
         return None
     tag_dir = Path(plan.checkpoint)
-    frozen_excluded = bool(read_record(tag_dir).get("frozen_excluded"))
+    checked = CheckedCheckpoint.open(tag_dir, plan.record_sha256)  # this process checks again (point_of_use.py)
+    if checked.record.get("step") != plan.step:
+        raise ChangedCheckpoint(f"{tag_dir / COMPLETE}: records step {checked.record.get('step')!r}, the run was "
+                                f"planned to resume from step {plan.step}; nothing was loaded")
+    frozen_excluded = bool(checked.record.get("frozen_excluded"))
     if not plan.elastic:
         return ResumePoint(tag_dir, tag_dir.parent, tag_dir.name, plan.saved_world_size,
-                           frozen_excluded=frozen_excluded)
+                           frozen_excluded=frozen_excluded, checked=checked)
     if dist.get_rank() == 0 and not universal_verifies(tag_dir):
-        convert_to_universal(tag_dir)
+        convert_to_universal(tag_dir, checked)
     dist.barrier()
+    checked.add(tag_dir / UNIVERSAL)  # signed by the conversion (this user's key)
     return ResumePoint(tag_dir, tag_dir, UNIVERSAL, plan.saved_world_size, universal=True,
-                       frozen_excluded=frozen_excluded)
+                       frozen_excluded=frozen_excluded, checked=checked)
 
 
-def convert_to_universal(tag_dir: Path) -> Path:
+def convert_to_universal(tag_dir: Path, checked: Optional[CheckedCheckpoint] = None) -> Path:
+    """`checked`: every file of the checkpoint the conversion unpickles is checked right before (its own
+    temporary slices, written and read back below `universal/`, pass)."""
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
     out = tag_dir / UNIVERSAL
     shutil.rmtree(out, ignore_errors=True)
-    ds_to_universal(SimpleNamespace(input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=1,
-                                    num_merge_workers=1, keep_temp_folder=False, strict=True,
-                                    inject_missing_state=True))
-    # The engine still reads the module/scheduler/client state file from the universal tag.
-    for states in tag_dir.glob("mp_rank_*_model_states.pt"):
-        shutil.copy2(states, out / states.name)
+    checked = checked or CheckedCheckpoint.open(tag_dir)
+    checked.allow_written(out)
+    with checked.guard():
+        ds_to_universal(SimpleNamespace(input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=1,
+                                        num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                        inject_missing_state=True))
+    # The engine still reads the module/scheduler/client state file from the universal tag (copied as checked).
+    for states in sorted(tag_dir.glob("mp_rank_*_model_states.pt")):
+        (out / states.name).write_bytes(checked.read_bytes(states))
     atomic_write_json(out / COMPLETE, sign({"source": tag_dir.name, "files": manifest.describe(out, skip=[COMPLETE])}))
     return out
 
@@ -264,13 +273,16 @@ def load_checkpoint(engine: Any, loader: Any, point: ResumePoint) -> TrainState:
     import torch.distributed as dist
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    load_path, client_state = engine.load_checkpoint(str(point.load_dir), tag=point.tag,
-                                                     load_module_strict=not point.frozen_excluded)
+    checked = point.checked or CheckedCheckpoint.open(point.tag_dir)
+    with checked.guard():  # every file DeepSpeed unpickles is checked right before (point_of_use.py)
+        load_path, client_state = engine.load_checkpoint(str(point.load_dir), tag=point.tag,
+                                                         load_module_strict=not point.frozen_excluded)
     if load_path is None:
         raise UserError(f"trainer.resume: DeepSpeed could not load {point.tag_dir}")
     source_rank = min(rank, point.saved_world_size - 1)
-    data_state = point.tag_dir / "data_state" / f"rank{source_rank}.json"
-    loader.load_state_dict(json.loads(data_state.read_text(encoding="utf-8")))
+    data_state = checked.read_bytes(point.tag_dir / "data_state" / f"rank{source_rank}.json")
+    loader.load_state_dict(json.loads(data_state.decode("utf-8")))
     if point.saved_world_size == world_size:
-        restore_rng(safe_load.load(point.tag_dir / "rng" / f"rank{rank}.pt"))
+        restore_rng(safe_load.load(point.tag_dir / "rng" / f"rank{rank}.pt", checked))
+    checked.close()
     return TrainState(**client_state["train_state"])

@@ -1,0 +1,76 @@
+"""Check at the point of use on real runs (issue 50 items 3 and 5): a checkpoint file replaced right after the
+launching process wrote plan.json (its check passed) is refused by the rank that would unpickle it - one message,
+exit 2, the payload never runs; a signed tag renamed to another step is refused; `export --out` into a checkpoint is
+refused before anything is written.
+
+One base run (tiny model, 8 steps, checkpoints at 4 and 8) is shared; each case works on a copy.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_hostile_checkpoint import one_error
+from tests.test_run_ownership import dsrecipes, snapshot
+from tests.test_run_safety import copy_run, train, ws  # noqa: F401  (ws: the module-scoped workspace fixture)
+from tests.test_trust import Payload
+
+pytestmark = pytest.mark.slow
+
+STATES = "mp_rank_00_model_states.pt"
+
+
+@pytest.fixture(scope="module")
+def base(ws) -> Path:  # noqa: F811
+    run = ws / "base"
+    code, out = train(ws, run)
+    assert code == 0, out[-3000:]
+    return run
+
+
+def test_a_file_replaced_after_plan_json_is_written_never_runs(ws, base, tmp_path, monkeypatch):  # noqa: F811
+    """The attack of issue 50: the launching process checked step_8 and wrote plan.json; then the model states are
+    replaced by a pickle payload (complete.json untouched, still signed). The rank checks again and refuses."""
+    import dsrecipes.run.entry as entry
+
+    run = copy_run(base, ws / "swapped")
+    tag = run / "checkpoints" / "step_8"
+    marker = tmp_path / "payload_ran"
+    planned = entry.write_plan
+
+    def write_plan_then_swap(run_dir, plan):
+        written = planned(run_dir, plan)
+        states = torch.load(tag / STATES, weights_only=True)
+        torch.save({**states, "extra": Payload(marker)}, tag / "new.pt")
+        os.replace(tag / "new.pt", tag / STATES)
+        return written
+
+    monkeypatch.setattr(entry, "write_plan", write_plan_then_swap)
+    code, out = train(ws, run, "trainer.max_steps=12")
+    assert code == 2, out[-3000:]
+    assert f"{tag / STATES}: " in one_error(out) and "checked right before loading it" in out
+    assert not marker.exists()
+    assert not (run / "checkpoints" / "step_12").exists()
+
+
+def test_a_signed_tag_renamed_to_another_step_is_refused(ws, base):  # noqa: F811
+    run = copy_run(base, ws / "renamed")
+    shutil.rmtree(run / "checkpoints" / "step_8")
+    os.rename(run / "checkpoints" / "step_4", run / "checkpoints" / "step_12")
+    before = snapshot(run)
+    code, out = train(ws, run, "trainer.max_steps=16", f"trainer.resume_from={run / 'checkpoints' / 'step_12'}")
+    assert code == 2 and "records step 4, but the directory is named step_12" in one_error(out)
+    assert "resuming from step 12" not in out and snapshot(run) == before
+
+
+def test_export_into_a_checkpoint_is_refused(ws, base, tmp_path):  # noqa: F811
+    before = snapshot(base)
+    for out_dir in (base / "checkpoints" / "step_8" / "x", base / "checkpoints" / "x", base / "checkpoints"):
+        code, out = dsrecipes("export", str(base), "--out", str(out_dir), cwd=tmp_path)
+        assert code == 2 and "inside the checkpoints" in one_error(out), out[-2000:]
+    assert snapshot(base) == before
