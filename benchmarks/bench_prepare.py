@@ -3,6 +3,7 @@
     python benchmarks/bench_prepare.py                         # both shapes, 100,000 conversations each, 2 rounds
     python benchmarks/bench_prepare.py --n 20000 --rounds 3    # a quicker look
     python benchmarks/bench_prepare.py --shape chat --per-segment   # also prepare() with per-segment tokenization
+    python benchmarks/bench_prepare.py --smoke                 # 200 chat conversations, 1 round, --per-segment
 
 Corpus shapes (generated, seeded, written to a JSONL file; bundled tiny byte-level BPE tokenizer, template=chatml,
 `data.cutoff_len=1024`):
@@ -17,7 +18,9 @@ Each round runs, alternately (ceiling first in even rounds, prepare first in odd
 * with --per-segment: the same prepare() with per-segment tokenization forced (what one-text tokenization buys).
 Prints samples/s per round, the prepare/ceiling ratio per round, and medians with their spread: the wall-clock
 share (the target: prepare >= 0.75 of the ceiling's samples/s) and the CPU share (ceiling CPU seconds / prepare's,
-workers included), which neighbours on a shared machine disturb much less.
+workers included), which neighbours on a shared machine disturb much less. Each prepare() run reports how it
+tokenized (`one_text`); a per-segment run that still tokenized as one text stops the benchmark (the switch below
+no longer reaches the encoder). Result file: <out>/bench_prepare.json (--out DIR).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Dict, List
+
+from _harness import Result, add_args
 
 EN_WORDS = ("the a of to and in is it you that he was for on are with as his they be at one have this from or had "
             "by word but what some we can out other were all there when up use your how said an each she which do "
@@ -143,7 +148,8 @@ def measure_one(kind: str, data: Path, tmp: Path, workers: int) -> Dict[str, flo
         return {"wall": wall, "cpu": cpu}
     wall, cpu, stats = time_prepare(cfg, tokenizer, tmp / f"run-{kind}", kind == "per-segment")
     shutil.rmtree(cfg.data.cache_dir, ignore_errors=True)
-    return {"wall": wall, "cpu": cpu, "tokens": stats["tokens"], "rows": stats["rows_kept"]}
+    return {"wall": wall, "cpu": cpu, "tokens": stats["tokens"], "rows": stats["rows_kept"],
+            "one_text": stats["tokenization"]["one_text"]}
 
 
 def run_one(kind: str, data: Path, tmp: Path, workers: int) -> Dict[str, float]:
@@ -152,10 +158,14 @@ def run_one(kind: str, data: Path, tmp: Path, workers: int) -> Dict[str, float]:
                           "--workers", str(workers)], capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(f"{kind} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if kind == "per-segment" and got["one_text"]:
+        raise SystemExit("per-segment: prepare() still tokenized as one text; the Encoder switch in time_prepare no "
+                         "longer reaches the encoder (dsrecipes/data/render/tokenize.py changed?)")
+    return got
 
 
-def bench_shape(shape: str, args, tmp: Path) -> List[str]:
+def bench_shape(shape: str, args, tmp: Path, result: Result) -> List[str]:
     data = tmp / f"{shape}.jsonl"
     write_corpus(data, shape, args.n)
     kinds = ["ceiling", "prepare"] + (["per-segment"] if args.per_segment else [])
@@ -165,6 +175,7 @@ def bench_shape(shape: str, args, tmp: Path) -> List[str]:
     for r in range(args.rounds):
         for kind in kinds if r % 2 == 0 else kinds[::-1]:
             got = run_one(kind, data, tmp, args.workers)
+            result.row({"shape": shape, "round": r, "kind": kind, "n": args.n, **got}, echo=False)
             wall[kind].append(got["wall"])
             cpu[kind].append(got["cpu"])
             if "tokens" in got:
@@ -193,16 +204,26 @@ def main() -> None:
     parser.add_argument("--one", choices=["ceiling", "prepare", "per-segment"], help=argparse.SUPPRESS)
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--tmp", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = add_args(parser).parse_args()
     os.environ.pop("TOKENIZERS_PARALLELISM", None)  # the ceiling uses every core; prepare's workers set their own
     if args.one:
         print(json.dumps(measure_one(args.one, args.data, args.tmp, args.workers)))
         return
+    if args.smoke:
+        args.n, args.shape, args.rounds, args.per_segment = 200, "chat", 1, True
+    with Result("bench_prepare", args) as result:
+        run(args, result)
+
+
+def run(args: argparse.Namespace, result: Result) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-prepare-"))
     try:
         rows = []
+        if args.smoke:  # the other shape's generator at least runs
+            write_corpus(tmp / "long-smoke.jsonl", "long", 20)
+            result.note("smoke: only the chat shape is measured (20 rows of the long shape generated, not measured)")
         for shape in SHAPES if args.shape == "all" else [args.shape]:
-            rows += bench_shape(shape, args, tmp)
+            rows += bench_shape(shape, args, tmp, result)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"\n{args.n:,} conversations per shape, tiny byte-level BPE tokenizer, chatml, cutoff 1024, "
@@ -212,6 +233,7 @@ def main() -> None:
           "CPU share of the ceiling, median (range) |")
     print("|---|---|---:|---:|---:|---:|")
     print("\n".join(rows))
+    result.extra["table"] = rows
 
 
 if __name__ == "__main__":

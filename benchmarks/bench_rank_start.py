@@ -6,10 +6,14 @@ interleaved (issue 22 item 1).
     python benchmarks/bench_rank_start.py --pairs 5 --keep /tmp/bench
     python benchmarks/bench_rank_start.py --phases           # where a 2-rank and a 1-rank start spend their time
     git worktree add /tmp/before main && python benchmarks/bench_rank_start.py --before /tmp/before   # before/after
+    python benchmarks/bench_rank_start.py --smoke            # B built, the preparing run, one 1-rank start of B
 
-Two environments: A is this interpreter, B a real `python -m venv --system-site-packages` beside it (the same
-packages, another sys.prefix), so each has its own JIT build directory (dsrecipes/core/jit_ops.py). Both start from an
-empty torch extensions cache (XDG_CACHE_HOME points into the workspace; TORCH_EXTENSIONS_DIR is unset).
+Two environments: A is this interpreter, B a real virtual environment beside it (another sys.prefix, the same
+packages), so each has its own JIT build directory (dsrecipes/core/jit_ops.py). B is `python -m venv
+--system-site-packages` run by A's interpreter plus a .pth file that adds A's own site directories (`site.addsitedir`,
+so A's .pth files count too): when A is itself a virtual environment, --system-site-packages alone would give B only
+the base interpreter's packages (no torch). B is checked to find torch and deepspeed before any run. Both start
+from an empty torch extensions cache (XDG_CACHE_HOME points into the workspace; TORCH_EXTENSIONS_DIR is unset).
 
   cold     the first 2-rank run of A, then of B (whatever either builds, it builds here)
   warm     `--pairs` rounds, each one 2-rank run of A, one of B and one 1-rank run (launcher=local) of A, the order
@@ -26,6 +30,9 @@ whole 1-step run) is reported too: the work a start costs, whatever else runs.
 process (CLI, DeepSpeed's launcher, each rank), when it was created, its imports of torch/deepspeed/transformers/
 dsrecipes, the calls of the start (config, data plan, process group, model, deepspeed.initialize, first step) and
 its CPU seconds: benchmarks/start_trace/ (a sitecustomize on PYTHONPATH, only in these runs).
+
+Result file: <out>/bench_rank_start.json (--out DIR): every run (kind, environment, ranks, seconds, CPU seconds,
+op builds) and the notes.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import site
 import statistics
 import subprocess
 import sys
@@ -40,6 +48,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
+
+from _harness import Result, add_args  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "start_trace"))
 from timeline import timeline  # noqa: E402  (benchmarks/start_trace/timeline.py)
@@ -56,6 +66,25 @@ def environment(ws: Path, cache: Path, repo: Path = Path(__file__).resolve().par
     env.update({"XDG_CACHE_HOME": str(cache), "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), env.get("PYTHONPATH")) if p)
     return env
+
+
+def environment_b(venv: Path) -> str:
+    """Interpreter B: a virtual environment with A's packages (see the module docstring); its python."""
+    python = venv / "bin" / "python"
+    if not python.is_file():
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    dirs = [d for d in [*site.getsitepackages(), site.getusersitepackages()] if os.path.isdir(d)]
+    line = "import site; " + "; ".join(f"site.addsitedir({d!r})" for d in dirs)
+    Path(purelib, "bench_rank_start_env_a.pth").write_text(line + "\n", encoding="utf-8")
+    probe = "import importlib.util as u, sys; assert u.find_spec('torch') and u.find_spec('deepspeed'); print(sys.prefix)"
+    check = subprocess.run([str(python), "-c", probe], capture_output=True, text=True)
+    if check.returncode != 0:
+        raise SystemExit(f"environment B ({python}) does not see torch and deepspeed:\n{check.stderr[-1500:]}")
+    if check.stdout.strip() == sys.prefix:
+        raise SystemExit(f"environment B ({python}) has A's sys.prefix {sys.prefix}: not a second environment")
+    return str(python)
 
 
 def built_ops(cache: Path) -> Dict[str, float]:
@@ -104,7 +133,7 @@ def summary(label: str, values: List[float]) -> str:
             f"   (n={len(values)})")
 
 
-def phases(python: str, ws: Path, overrides: List[str], env: Dict[str, str]) -> int:
+def phases(python: str, ws: Path, overrides: List[str], env: Dict[str, str], result: Result) -> int:
     for name, ranks in (("phases_2rank", 2), ("phases_1rank", 1)):
         trace = ws / f"trace_{name}"
         trace.mkdir(exist_ok=True)
@@ -114,8 +143,11 @@ def phases(python: str, ws: Path, overrides: List[str], env: Dict[str, str]) -> 
                   "PYTHONPATH": os.pathsep.join((str(TRACER), env["PYTHONPATH"]))}
         wall: List[float] = []
         seconds = start_to_first_step(python, ws, name, ranks, overrides, traced, wall)
+        text = timeline(trace, zero=wall[0])
         print(f"\n===== {name}: {seconds:.1f} s from start to step 1's metrics line =====")
-        print(timeline(trace, zero=wall[0]), flush=True)
+        print(text, flush=True)
+        result.row({"name": name, "kind": "phases", "ranks": ranks, "seconds_to_step_1": seconds, "timeline": text},
+                   echo=False)
     return 0
 
 
@@ -128,15 +160,18 @@ def main() -> int:
                         help="another checkout of dsrecipes (e.g. `git worktree add /tmp/before main`): each warm round "
                         "also runs its 2-rank and 1-rank start with interpreter A, interleaved (a before/after A/B)")
     parser.add_argument("overrides", nargs="*", help="config overrides for every run (e.g. offload=cpu_optimizer)")
-    args = parser.parse_args()
-    ws = args.keep or Path(tempfile.mkdtemp(prefix="bench_rank_start_"))
+    args = add_args(parser).parse_args()
+    with Result("bench_rank_start", args) as result:
+        return measure(args, result)
+
+
+def measure(args: argparse.Namespace, result: Result) -> int:
+    ws = args.keep or (result.out / "workspace" if args.smoke else Path(tempfile.mkdtemp(prefix="bench_rank_start_")))
     ws.mkdir(parents=True, exist_ok=True)
     cache = ws / "cache"
-    venv = ws / "venv_b"
-    if not venv.is_dir():
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
-    pythons = {"A": sys.executable, "B": str(venv / "bin" / "python")}
+    pythons = {"A": sys.executable, "B": environment_b(ws / "venv_b")}
     print(f"workspace {ws}\nA: {pythons['A']}\nB: {pythons['B']}\noverrides: {args.overrides}", flush=True)
+    result.extra.update(workspace=str(ws), pythons=pythons)
     # the data (tokenized once, content-keyed; zero/offload are not part of its key), with a cache of its own and
     # without the overrides, so no op gets built here
     start_to_first_step(pythons["A"], ws, "prepare", 1, [], environment(ws, ws / "prepare_cache"))
@@ -147,7 +182,7 @@ def main() -> int:
         start_to_first_step(pythons["A"], ws, "prepare_before", 1, [],
                             environment(ws, ws / "prepare_cache", args.before.resolve()))
     if args.phases:
-        return phases(pythons["A"], ws, args.overrides, env)
+        return phases(pythons["A"], ws, args.overrides, env, result)
     results: List[Tuple[str, str, float, str]] = []
     cpu: Dict[str, List[float]] = {}
 
@@ -160,9 +195,16 @@ def main() -> int:
         note = ("rebuilt " + ", ".join(rebuilt)) if rebuilt else ("built " + ", ".join(sorted(set(after) - set(before)))
                                                                   if set(after) - set(before) else "")
         results.append((kind, who, seconds, note))
+        result.row({"name": name, "kind": kind, "env": who, "ranks": ranks, "seconds_to_step_1": seconds,
+                    "cpu_s": cpu[kind][-1], "ops": note}, echo=False)
         print(f"{name:<14} {kind:<6} env {who} {ranks} rank(s): {seconds:6.1f} s to step 1, whole run "
               f"{cpu[kind][-1]:6.1f} CPU s  {note}", flush=True)
 
+    if args.smoke:
+        result.note("smoke: no 2-rank start and no rounds: the data-preparing 1-rank start of A (untimed) and one "
+                    "1-rank start of B (kind `smoke1B`); --phases is smoke-tested by start_trace/timeline.py --smoke")
+        one("smoke1B", "B", 1, "smoke_B1")
+        return 0
     one("cold", "A", 2, "cold_A")
     one("cold", "B", 2, "cold_B")
     for i in range(args.pairs):

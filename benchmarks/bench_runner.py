@@ -2,6 +2,7 @@
 
     python benchmarks/bench_runner.py                        # default config (tiny model, sample data), 1 process
     python benchmarks/bench_runner.py --pairs 30 zero=stage2 precision=bf16
+    python benchmarks/bench_runner.py --smoke               # 2 pairs of 2-step blocks: every phase in seconds
 
 One process, one warm state: `dsrecipes.rank.train.start()` builds the run's session (model, engine, loader, metrics)
 once; then blocks of --block optimizer steps alternate on that same engine, each on the same recorded micro-batches
@@ -17,7 +18,7 @@ On a shared machine wall time mostly measures the neighbours, so by default both
 CPU time on one torch thread (`time.process_time` stands in for `time.perf_counter`, which the runner's clock
 uses): that counts the work each loop does, whatever else runs. `--clock wall --threads N` for wall time.
 Checkpoints (the runner saves at the end of each of its blocks) are switched off for the measurement: they are
-I/O, not loop overhead. Target: runner <= 3% slower per step.
+I/O, not loop overhead. Target: runner <= 3% slower per step. Result file: <out>/bench_runner.json (--out DIR).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
+
+from _harness import Result, add_args
 
 _CLAIMS: List[object] = []  # run directories held (locked) for the whole benchmark, as `python -m dsrecipes` does
 
@@ -139,7 +142,7 @@ def component_costs(session: Any, iterations: int = 40) -> Tuple[float, float]:
     return spent["ours"] / spent["model"], 1e6 * (time.perf_counter() - start) / n
 
 
-def run_pairs(args: argparse.Namespace, session: Any) -> Tuple[List[float], List[float], int]:
+def run_pairs(args: argparse.Namespace, session: Any, result: Result) -> Tuple[List[float], List[float], int]:
     replay(session, args.block)
     runner_block(session, args.block)  # untimed: first steps allocate, and the bare loop gets its warm-up below
     bare_block(session, args.block)
@@ -153,14 +156,20 @@ def run_pairs(args: argparse.Namespace, session: Any) -> Tuple[List[float], List
                 runner_s.append(runner_block(session, args.block))
         print(f"pair {i + 1}: bare {bare_s[-1]:.3f} s, runner {runner_s[-1]:.3f} s "
               f"({100 * (runner_s[-1] / bare_s[-1] - 1):+.1f}%)", flush=True)
+        result.row({"pair": i + 1, "bare_s": bare_s[-1], "runner_s": runner_s[-1]}, echo=False)
     return bare_s, runner_s, tokens
 
 
 def report(args: argparse.Namespace, bare_s: List[float], runner_s: List[float], tokens: int,
-           components: Optional[Tuple[float, float]]) -> None:
+           components: Optional[Tuple[float, float]], result: Result) -> None:
     ratios = sorted(r / b for r, b in zip(runner_s, bare_s))
     q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
     bare, runner = statistics.median(bare_s), statistics.median(runner_s)
+    result.extra["summary"] = {"clock": args.clock, "block": args.block, "bare_s_per_step": bare / args.block,
+                               "runner_s_per_step": runner / args.block, "overhead_median": statistics.median(ratios) - 1,
+                               "overhead_interquartile": [q1 - 1, q3 - 1], "overhead_extremes": [ratios[0] - 1,
+                                                                                                 ratios[-1] - 1],
+                               "components": components}
     unit = "CPU" if args.clock == "cpu" else "wall"
     print(f"bare DeepSpeed loop: {1000 * bare / args.block:.2f} {unit} ms/step, {tokens / bare:,.0f} tokens per {unit} s")
     print(f"dsrecipes runner:    {1000 * runner / args.block:.2f} {unit} ms/step, {tokens / runner:,.0f} tokens per "
@@ -183,7 +192,15 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (cpu clock: keep 1)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. zero=stage2 precision=bf16")
-    args = parser.parse_args(argv)
+    args = add_args(parser).parse_args(argv)
+    if args.smoke:
+        args.block, args.pairs = 2, 2
+    with Result("bench_runner", args) as result:
+        measure(args, result)
+    return 0
+
+
+def measure(args: argparse.Namespace, result: Result) -> None:
     import os
 
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch: the runner keeps the thread count it finds
@@ -199,12 +216,13 @@ def main(argv: List[str]) -> int:
         total = 2 * (args.pairs + 1) * args.block
         cfg, run_dir = make_run_dir(Path(tmp), args.overrides, total)
         session = train.start(cfg, run_dir)
-        bare_s, runner_s, tokens = run_pairs(args, session)
+        bare_s, runner_s, tokens = run_pairs(args, session, result)
         # (the module alone, outside the engine: only where ZeRO puts no hooks on its parameters)
-        components = component_costs(session) if cfg.zero.stage == 0 else None
+        components = component_costs(session, 6 if args.smoke else 40) if cfg.zero.stage == 0 else None
+        if components is None:
+            result.note(f"component costs not measured: ZeRO stage {cfg.zero.stage} hooks the module's parameters")
         session.metrics.close()
-    report(args, bare_s, runner_s, tokens, components)
-    return 0
+    report(args, bare_s, runner_s, tokens, components, result)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,14 @@ CLI, DeepSpeed's runner and per-node launcher, each rank) then appends JSON line
   exit      at exit: this process's user+system CPU seconds, and its reaped children's
 
 Each event carries wall time (time.time(): one clock for every process) and this process's CPU seconds so far.
+
+    python benchmarks/start_trace/sitecustomize.py --smoke [--out DIR]
+
+checks the watch lists against the code (run as a script, not as sitecustomize): every module of WATCH_IMPORTS and
+WATCH_CALLS is found, and every watched function exists, else it stops naming the stale ones (a renamed function
+would otherwise just vanish from the timeline). Result file: <out>/start_trace_sitecustomize.json.
 """
+
 
 from __future__ import annotations
 
@@ -141,5 +148,46 @@ def _install() -> None:
     atexit.register(at_exit)
 
 
-if _DIR:
+def check_watch_lists() -> list:
+    """The stale entries of the watch lists: modules that cannot be found or imported, functions that are gone."""
+    import importlib
+    import importlib.util
+
+    stale = []
+    for name in WATCH_IMPORTS:
+        try:
+            if importlib.util.find_spec(name) is None:
+                stale.append(f"import {name}: no such module")
+        except (ImportError, ValueError) as exc:
+            stale.append(f"import {name}: {exc}")
+    for name, calls in WATCH_CALLS.items():
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            stale.append(f"calls of {name}: {exc}")
+            continue
+        stale += [f"call {name}.{call}: no such function" for call in calls if not callable(getattr(module, call, None))]
+    return stale
+
+
+def _main() -> int:
+    import argparse
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from _harness import Result, add_args
+
+    parser = add_args(argparse.ArgumentParser(description="check the watch lists of the start trace"))
+    args = parser.parse_args()
+    with Result("start_trace_sitecustomize", args) as result:
+        stale = check_watch_lists()
+        result.row({"watched_imports": len(WATCH_IMPORTS), "watched_calls": sum(map(len, WATCH_CALLS.values())),
+                    "stale": stale})
+        if stale:
+            raise SystemExit("stale entries in benchmarks/start_trace/sitecustomize.py:\n  " + "\n  ".join(stale))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
+elif _DIR:
     _install()

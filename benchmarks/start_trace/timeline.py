@@ -1,14 +1,19 @@
 """Print the phase timeline of one traced run (the JSON lines sitecustomize.py wrote), process by process.
 
     python benchmarks/start_trace/timeline.py TRACE_DIR
+    python benchmarks/start_trace/timeline.py --smoke [--out DIR]   # trace a `dsrecipes audit` and print it
 
 Times are seconds since the first process (the CLI) was started (a child's start: its parent's Popen); `cpu` is that process's own CPU seconds at that
-moment. An import or call prints at its end, with its duration.
+moment. An import or call prints at its end, with its duration. `--smoke` traces one short real command
+(`python -m dsrecipes audit`, sitecustomize.py on PYTHONPATH) into <out>/trace, checks that its process, imports and
+a watched call were recorded, and prints the timeline; result file <out>/start_trace_timeline.json.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -91,5 +96,38 @@ def timeline(trace: Path, zero: Optional[float] = None) -> str:
     return "\n".join(lines)
 
 
+def smoke() -> int:
+    import argparse
+
+    here = Path(__file__).resolve().parent
+    sys.path.insert(0, str(here.parent))
+    from _harness import REPO, Result, add_args
+
+    args = add_args(argparse.ArgumentParser(description="trace one short command and print its timeline")).parse_args()
+    with Result("start_trace_timeline", args) as result:
+        trace = result.out / "trace"
+        trace.mkdir(exist_ok=True)
+        env = {**os.environ, "BENCH_START_TRACE": str(trace),
+               "PYTHONPATH": os.pathsep.join(p for p in (str(here), str(REPO), os.environ.get("PYTHONPATH")) if p)}
+        cmd = [sys.executable, "-m", "dsrecipes", "audit", "--num-rows", "64", "--world-size", "2",
+               "trainer.micro_batch_size=4"]
+        done = subprocess.run(cmd, env=env, cwd=result.out, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-2000:]}")
+        events = [e for evs in load(trace).values() for e in evs]
+        kinds = {e["event"] for e in events}
+        calls = sorted({e["name"] for e in events if e["event"] == "call"})
+        result.row({"processes": len(load(trace)), "events": len(events), "kinds": sorted(kinds), "calls": calls})
+        missing = {"start", "site", "import", "call", "exit"} - kinds
+        if missing:
+            raise SystemExit(f"the trace of {' '.join(cmd)} has no {sorted(missing)} events (in {trace})")
+        text = timeline(trace)
+        print(text)
+        result.extra["timeline"] = text
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--smoke"]:
+        raise SystemExit(smoke())
     print(timeline(Path(sys.argv[1])))
