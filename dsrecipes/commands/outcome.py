@@ -40,16 +40,14 @@ def report_failed(run_dir: Path, argv: Sequence[str]) -> str | None:
     if report is None:
         return None
     if report.get("render"):  # a user error found by a rank: its own message, as any other (no traceback kept)
-        print(report["render"], file=sys.stderr, flush=True)
-        return str(report["render"])
-    lines = [f"error: {report['reason']}"]
-    if report.get("log"):
-        lines.append(f"  full traceback: {report['log']}")
+        lines = [str(report["render"])]
+    else:
+        lines = [f"error: {report['reason']}"] + ([f"  full traceback: {report['log']}"] if report.get("log") else [])
     newest = committed(run_dir / CHECKPOINTS_DIR)
-    if newest:
+    if newest and report.get("resumable", True):
         lines.append(f"  resume from {newest[0]} with:\n  {resume_command(run_dir, argv, keep_resume_from=False)}")
     print("\n".join(lines), file=sys.stderr, flush=True)
-    return str(report["reason"])
+    return str(report["render"] or report["reason"])
 
 
 def report_interrupted(run_dir: Path, signum: int, extra: dict, argv: Sequence[str]) -> int:

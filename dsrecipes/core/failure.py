@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
-from dsrecipes.core.errors import UserError
+from dsrecipes.core.errors import Refused, UserError
 from dsrecipes.core.heartbeat import read_failure, write_failure
 
 MAX_CAUSE = 400  # characters of the one-line cause
@@ -38,6 +38,17 @@ def one_line(exc: BaseException) -> str:
     if getattr(exc, "plain", False):  # its message says it all (e.g. a DataLoader worker killed by a signal)
         return _short(text)
     return _short(f"{type(exc).__name__}: {text.strip() or '(no message)'}{_where(exc.__traceback__)}")
+
+
+def unwrapped(exc: BaseException) -> BaseException:
+    """A user error that torch re-raised from a DataLoader worker (its message: 'Caught DataError in DataLoader
+    worker process N. Original Traceback ...') as the error the worker raised: one message, no traceback text."""
+    if not isinstance(exc, UserError) or _WORKER.match(str(exc)) is None:
+        return exc
+    try:
+        return type(exc)(_unwrap(str(exc))[1])
+    except Exception:  # noqa: BLE001 - a subclass with another signature: a plain UserError says the same
+        return UserError(_unwrap(str(exc))[1])
 
 
 def _unwrap(text: str) -> Tuple[str, str, str]:
@@ -75,10 +86,11 @@ def record_rank_failure(run_dir: Path, rank: int, exc: BaseException, log: Optio
     """Record this rank's failure unless another rank did first; returns the report that stands. A user error
     (bad data, a refused checkpoint) keeps its own message (`render`), printed as the launching process would."""
     cause = one_line(exc)
+    exc = unwrapped(exc)
     render = exc.render() if isinstance(exc, UserError) else None
     report = {"rank": int(rank), "cause": cause, "reason": render[len("error: "):] if render else
               f"rank {rank} failed: {cause}", "render": render, "log": str(log) if log else None,
-              "pid": os.getpid(), "time": time.time()}
+              "pid": os.getpid(), "time": time.time(), "resumable": not isinstance(exc, Refused)}
     try:
         return write_failure(Path(run_dir), report)
     except OSError:  # an unwritable run directory: the rank's own exit code and stderr still say it

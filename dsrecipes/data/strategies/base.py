@@ -17,6 +17,7 @@ import weakref
 from typing import Any, Dict, Iterator, Optional
 
 from dsrecipes.core.errors import DataError
+from dsrecipes.core.failure import unwrapped
 from dsrecipes.data.plan import STATE_VERSION, Layout, Position, resume_point
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -79,9 +80,12 @@ def iterate(loader: Any) -> Iterator[Any]:
                 if lost is None:
                     raise
                 raise lost from None
-            except BaseException:
+            except BaseException as exc:
                 end_workers()  # a worker's exception (re-raised here) or a stop: its siblings go now
-                raise
+                clean = unwrapped(exc)  # a worker's DataError: its own message, not torch's traceback text
+                if clean is exc:
+                    raise
+                raise clean from None
             yield batch
     finally:
         _live.discard(it)

@@ -35,6 +35,7 @@ from dsrecipes.data.sources.remote import ObjectChanged, RangePool, is_url, size
 from dsrecipes.data.sources.remote import identity as remote_identity
 from dsrecipes.data.sources.remote_ahead import ReadAhead
 from dsrecipes.data.sources.splits import split_val
+from dsrecipes.data.stream.changed import Seen, changed, check_fd, check_lines, check_read, differences
 from dsrecipes.data.stream.files import FileIndex, index_files
 from dsrecipes.data.stream.order import BlockTable, chunks_of
 from dsrecipes.data.stream.sizes import auto_block_bytes, blocks_per_chunk, chunk_bytes_of
@@ -116,17 +117,21 @@ class StreamIndex:
                     raise ObjectChanged(fi.path)
                 continue
             try:
-                st = os.stat(fi.path)
+                what = differences(seen(fi), os.stat(fi.path))
             except OSError:
                 raise DataError(f"{fi.path}: missing on this node (indexed by the launching process for {fi.name}); "
                                 "data.cache_dir must be on storage every node sees") from None
-            same = st.st_size == fi.size and (st.st_mtime_ns == fi.mtime_ns or fi.path != fi.name)  # copies: by content
-            if not same:
-                raise DataError(f"{fi.name}: changed since the launching process indexed it; start the run again")
+            if what:
+                raise changed(fi.name, what)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Building (launching process, audit) and the run directory copy
+
+
+def seen(fi: FileIndex) -> Seen:
+    """The file as indexed (a converted copy is checked by content at indexing: its size only)."""
+    return Seen(fi.size, fi.mtime_ns if fi.path == fi.name else None)
 
 
 def build_stream_index(cfg: Any) -> StreamIndex:
@@ -329,6 +334,8 @@ class BlockSource:
                 os.close(self._fds.pop(next(iter(self._fds))))
             self._fds[f] = os.open(self.index.files[f].path, os.O_RDONLY)
         data = os.pread(self._fds[f], stop - start, start)
+        check_fd(fi.name, seen(fi), self._fds[f], fi.path)  # after the read: these bytes are the indexed ones
+        check_read(fi.name, len(data), stop - start, start)
         self._direct += len(data)
         return data
 
@@ -353,6 +360,7 @@ class BlockSource:
                 if len(out) == count:
                     break
             line += 1
+        check_lines(fi.name, local, len(out), count)
         return out
 
     def block(self, g: int) -> List[Tuple[int, int, bytes]]:
