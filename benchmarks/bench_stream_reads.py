@@ -2,7 +2,8 @@
 
     python benchmarks/bench_stream_reads.py [--gb 0.5] [--files 16] [--readers 1 8 64 256] [--workers 4]
                                             [--old-full 8] [--old-sample 2] [--dir /tmp/dsrecipes-bench-stream]
-                                            [--chunk-kb 128 ...] [--order-only]
+                                            [--chunk-kb 128 ...] [--order-only] [--out DIR]
+    python benchmarks/bench_stream_reads.py --smoke     # 2 MiB in 4 files, R = 1 and 8, one chunk size: seconds
 
 Writes a multi-file JSONL corpus (uneven files, lines of 0.2-2.5 KB from the bundled sample data), then simulates R
 readers (R/W ranks x W DataLoader workers; R=1: one rank, no workers) over one epoch without training: every reader
@@ -18,6 +19,8 @@ median per-reader throughput (MB/s of bytes read, samples/s of own samples). Als
 hash + line scan in one pass; warm: cache hit), and how random each order is (mean distinct 1024-line regions per
 global batch; mean |Spearman| of a file's samples: training step vs line order, 1 = file order kept); with
 --chunk-kb, also of the order with `data.chunk_bytes` of these sizes (the local default is one block per chunk).
+The corpus is generated from the bundled sample rows into --dir (--smoke: into the result directory). Result file:
+<out>/bench_stream_reads.json.
 """
 
 from __future__ import annotations
@@ -28,18 +31,16 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from _harness import Result, add_args  # (puts this checkout on sys.path: before dsrecipes)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dsrecipes.data.plan import EpochPlan, Layout, StreamShuffle, file_order  # noqa: E402
-from dsrecipes.data.sampler import iter_items, select_slots  # noqa: E402
-from dsrecipes.data.stream.sizes import blocks_per_chunk  # noqa: E402
+from dsrecipes.data.plan import EpochPlan, Layout, StreamShuffle, file_order
+from dsrecipes.data.sampler import iter_items, select_slots
+from dsrecipes.data.stream.sizes import blocks_per_chunk
 
 SAMPLE = Path(__file__).resolve().parents[1] / "dsrecipes" / "assets" / "sample_data" / "train.jsonl"
 MBS = 4
@@ -187,15 +188,24 @@ def main() -> None:
     ap.add_argument("--dir", default=str(Path(tempfile.gettempdir()) / "dsrecipes-bench-stream"))
     ap.add_argument("--chunk-kb", type=int, nargs="*", default=[], help="also the order quality with these chunks")
     ap.add_argument("--order-only", action="store_true", help="no reading: the index and the order quality only")
-    args = ap.parse_args()
+    args = add_args(ap).parse_args()
+    if args.smoke:
+        args.gb, args.files, args.readers, args.workers, args.chunk_kb = 2 / 1024, 4, [1, 8], 2, [16]
+    with Result("bench_stream_reads", args) as result:
+        if args.smoke:
+            args.dir = str(result.out / "corpus")
+        run(args, result)
+
+
+def run(args: argparse.Namespace, result: Result) -> None:
     paths = make_corpus(Path(args.dir), args.gb, args.files)
     corpus = sum(os.path.getsize(p) for p in paths)
     index, cold, warm = index_times(paths)
     counts = [f.count for f in index.files]
     gb = corpus / (1 << 30)
-    print(json.dumps({"corpus_bytes": corpus, "files": len(paths), "samples": sum(counts),
-                      "block_bytes": index.block_bytes, "blocks": int(index.blocks["count"].size),
-                      "index_cold_s_per_gb": round(cold / gb, 2), "index_warm_s": round(warm, 3)}))
+    result.row({"corpus_bytes": corpus, "files": len(paths), "samples": sum(counts), "block_bytes": index.block_bytes,
+                "blocks": int(index.blocks["count"].size), "index_cold_s_per_gb": round(cold / gb, 2),
+                "index_warm_s": round(warm, 3)})
     max_block = max(int(np.diff(np.append(f.offsets, f.size)).max()) for f in index.files)
     print("| R | old bytes/corpus | new bytes/corpus | new bound | old MB/s, samples/s per reader | "
           "new MB/s, samples/s per reader |")
@@ -206,14 +216,16 @@ def main() -> None:
         old = run_old(paths, counts, lay, r if r <= args.old_full else args.old_sample)
         bound = 1 + 2 * r * max_block / corpus
         note = "" if old["measured"] == old["readers"] else f" ({old['measured']} of {r} run)"
+        if note:
+            result.note(f"R = {r}: old scheme: {old['measured']} of {r} readers run, its bytes are R x their mean")
+        result.row({"readers": r, "old": old, "new": new, "new_bound": bound}, echo=False)
         print(f"| {r} | {old['bytes'] / corpus:.2f}{note} | {new['bytes'] / corpus:.3f} | {bound:.3f} | "
               f"{old['mb_s']:.0f}, {old['samples_s']:.0f} | {new['mb_s']:.0f}, {new['samples_s']:.0f} |", flush=True)
     for chunk_kb in [None, *args.chunk_kb]:
         chunked = index if chunk_kb is None else dataclasses.replace(index, chunk_bytes=chunk_kb << 10)
-        print(json.dumps({"chunk_kb": chunk_kb, "blocks_per_chunk": blocks_per_chunk(chunked.chunk_bytes,
-                                                                                      chunked.block_bytes),
-                          "order_quality_world_16x4": order_quality(chunked, counts, layout_for(64, args.workers)),
-                          "order_quality_1_reader": order_quality(chunked, counts, layout_for(1, args.workers))}))
+        result.row({"chunk_kb": chunk_kb, "blocks_per_chunk": blocks_per_chunk(chunked.chunk_bytes, chunked.block_bytes),
+                    "order_quality_world_16x4": order_quality(chunked, counts, layout_for(64, args.workers)),
+                    "order_quality_1_reader": order_quality(chunked, counts, layout_for(1, args.workers))})
 
 
 if __name__ == "__main__":

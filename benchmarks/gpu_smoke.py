@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_smoke.py --out smoke_out            # (launch/gpu_smoke.sh wraps this)
     python benchmarks/gpu_smoke.py --out /tmp/s --tiny --device cpu --steps 6 --pipeline-steps 4   # CPU self-test
+    python benchmarks/gpu_smoke.py --smoke      # tiny, both modes, ZeRO-2; on CPU (and says so) when no GPU is there
 
 Two modes, each run once per ZeRO stage in its own child process (a hang or crash costs one phase, not the run):
   direct    a randomly initialised Qwen2.5-0.5B-shaped model (config built here, no hub), bf16, trained with
@@ -12,6 +13,8 @@ Two modes, each run once per ZeRO stage in its own child process (a hang or cras
 MFU = 6 * N * tokens/s / peak, N = all parameters, peak = --peak-tflops (989 = H100/H200 dense bf16).
 Everything lands in OUT/results.json (plus one JSON per phase); exit code 0 only when every phase passed.
 A total time budget (--budget-s) skips phases that could not finish in time, so the script ends in about 5 minutes.
+`--smoke`: the tiny model, a few steps, ZeRO-2 only, both modes, on the GPU when there is one, else on CPU in fp32
+with a note on the output and in results.json's `notes` (--out defaults to a fresh temporary directory then).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
+
+import _harness  # noqa: F401  (this checkout on sys.path and PYTHONPATH: the dsrecipes beside it is measured)
 
 REPO = Path(__file__).resolve().parents[1]
 QWEN2_0_5B = dict(
@@ -43,7 +48,8 @@ TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_atte
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="directory for results.json and per-phase files")
+    p.add_argument("--out", default=None, help="directory for results.json and per-phase files (required unless --smoke)")
+    p.add_argument("--smoke", action="store_true", help="tiny, seconds: every phase runs (on CPU when no GPU)")
     p.add_argument("--stages", default="2,3", help="ZeRO stages, comma-separated")
     p.add_argument("--modes", default="direct,pipeline", help="direct, pipeline, or both")
     p.add_argument("--steps", type=int, default=100, help="direct mode: optimizer steps (first --warmup not timed)")
@@ -61,7 +67,31 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--phase-timeout-s", type=float, default=150.0)
     p.add_argument("--child", choices=["direct"], help=argparse.SUPPRESS)
     p.add_argument("--stage", type=int, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.notes = []
+    if args.out is None and not args.smoke:
+        p.error("--out is required (unless --smoke)")
+    if args.smoke and args.child is None:
+        smoke_settings(args)
+    return args
+
+
+def smoke_settings(args: argparse.Namespace) -> None:
+    """--smoke: tiny sizes; on CPU (fp32) when this machine has no CUDA GPU, with a note saying so."""
+    import tempfile
+
+    import torch
+
+    args.tiny, args.stages, args.steps, args.warmup, args.pipeline_steps = True, "2", 16, 2, 4
+    args.micro_batch, args.seq, args.budget_s, args.phase_timeout_s = 2, 64, 280.0, 150.0
+    if args.out is None:
+        args.out = tempfile.mkdtemp(prefix="gpu_smoke_")
+    if not torch.cuda.is_available():
+        args.device, args.precision = "cpu", "fp32"
+        args.notes.append("smoke: no CUDA GPU on this machine, so the tiny model runs on CPU in fp32; nothing here "
+                          "says anything about a GPU")
+    for note in args.notes:
+        print(f"NOTE: {note}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -231,8 +261,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def child_argv(args: argparse.Namespace) -> List[str]:
+    """The settings a direct-mode child needs, spelled out (--smoke resolved here, not again in the child)."""
+    argv = ["--out", str(args.out), "--steps", str(args.steps), "--warmup", str(args.warmup), "--micro-batch",
+            str(args.micro_batch), "--seq", str(args.seq), "--peak-tflops", str(args.peak_tflops), "--precision",
+            args.precision, "--device", args.device, *(["--tiny"] if args.tiny else [])]
+    return argv + [a for o in args.override for a in ("--override", o)]
+
+
 def run_direct_child(
-    args: argparse.Namespace, argv: List[str], stage: int, out: Path, timeout: float
+    args: argparse.Namespace, stage: int, out: Path, timeout: float
 ) -> Dict[str, Any]:
     result_file = out / f"direct_stage{stage}.json"
     log = out / f"direct_stage{stage}.log"
@@ -241,8 +279,8 @@ def run_direct_child(
     t0 = time.time()
     with open(log, "w") as fh:
         try:
-            code = subprocess.run([sys.executable, __file__, *argv, "--child", "direct", "--stage", str(stage)],
-                                  env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout).returncode  # fmt: skip
+            argv = [sys.executable, __file__, *child_argv(args), "--child", "direct", "--stage", str(stage)]
+            code = subprocess.run(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             code = "timeout"
     if code == 0 and result_file.is_file():
@@ -274,14 +312,14 @@ def main(argv: List[str]) -> int:
             timeout = min(args.phase_timeout_s, left)
             print(f"[gpu_smoke] {mode} ZeRO-{stage} (timeout {timeout:.0f}s) ...", flush=True)
             if mode == "direct":
-                r = run_direct_child(args, argv, stage, out, timeout)
+                r = run_direct_child(args, stage, out, timeout)
             else:
                 r = run_pipeline(args, stage, out, timeout)
             (out / f"{mode}_stage{stage}.json").write_text(json.dumps(r, indent=2))
             results.append(r)
             print("[gpu_smoke]   " + _line(r), flush=True)
     summary = {"ok": all(r["ok"] for r in results), "wall_s": time.time() - start, "args": vars(args),
-               "results": results}  # fmt: skip
+               "smoke": args.smoke, "notes": args.notes, "results": results}  # fmt: skip
     (out / "results.json").write_text(json.dumps(summary, indent=2))
     print(f"\n[gpu_smoke] {'PASS' if summary['ok'] else 'FAIL'} in {summary['wall_s']:.0f}s -> {out / 'results.json'}")
     for r in results:
