@@ -84,8 +84,9 @@ def trl_numbers(trl_setup, tmp_path, loss: str, beta: float, ls: float, swap: bo
 
 def our_numbers(trl_setup, loss: DpoLoss, beta: float, ls: float, gamma: float = 0.5, reference: bool = True):
     cfg, tokenizer, policy, ref_model, rows = trl_setup
-    cfg = type(cfg)(**{**cfg.__dict__, "objective": type(cfg.objective)(kind=cfg.objective.kind, beta=beta, loss=loss,
-                                                                          label_smoothing=ls, simpo_gamma=gamma)})
+    objective = type(cfg.objective)(kind=cfg.objective.kind, rows=cfg.objective.rows, beta=beta, loss=loss,
+                                     label_smoothing=ls, simpo_gamma=gamma)
+    cfg = type(cfg)(**{**cfg.__dict__, "objective": objective})
     objective = build_objective(cfg, tokenizer)
     if reference:
         objective.reference = LiveReference(ref_model)
@@ -231,14 +232,14 @@ def test_llamafactory_ranking_entries_are_preference_sources_only_for_dpo(make_c
     cfg = make_cfg("objective=dpo", "dataset=sample_pairs")
     (source,) = resolve_sources(cfg.dataset)
     assert source.ranking is True and source.columns.chosen == "chosen"
-    check_sources(cfg.objective.kind, [source])
+    check_sources(cfg.objective.rows, [source])
     with pytest.raises(ConfigError, match="objective=dpo"):
-        check_sources(make_cfg().objective.kind, [source])
+        check_sources(make_cfg().objective.rows, [source])
     sft = make_cfg(f"dataset.paths=[{SAMPLE_DATA_DIR / 'train.jsonl'}]")
     from dataclasses import replace
 
     with pytest.raises(ConfigError, match="not preference data"):
-        check_sources(cfg.objective.kind, [replace(resolve_sources(sft.dataset)[0], ranking=False)])
+        check_sources(cfg.objective.rows, [replace(resolve_sources(sft.dataset)[0], ranking=False)])
     rows, report = encode(make_cfg("objective=dpo", "dataset=sample_pairs", "dataset.max_samples=40"),
                           load_tokenizer(cfg))
     assert len(rows) == 40 and report.skipped == 0

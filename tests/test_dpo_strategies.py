@@ -296,11 +296,11 @@ def test_shard_kinds_are_not_mixed(pair_shards, tmp_path, tok):
     sft_dir = tmp_path / "sft"
     shard(compose_and_load(["dataset.max_samples=20", f"data.cache_dir={tmp_path}/c"]), 2, str(sft_dir))
     dpo = compose("data=presharded", f"data.shard_dir={sft_dir}", f"data.cache_dir={tmp_path}/c")
-    with pytest.raises(DataError, match=r"holds conversations \(SFT rows\).*objective=dpo trains on preference pairs.*"
-                                        r"dsrecipes shard .*objective=dpo"):
+    with pytest.raises(DataError, match=r"holds conversations \(SFT rows\).*trains on preference pairs "
+                                        r"\(objective.rows=pair\).*dsrecipes shard .*objective="):
         launch(dpo, tmp_path / "run", 2, tok)
     sft = compose_and_load(["data=presharded", f"data.shard_dir={pair_shards[0]}", f"data.cache_dir={tmp_path}/c"])
-    with pytest.raises(DataError, match=r"holds preference pairs.*objective=sft trains on conversations"):
+    with pytest.raises(DataError, match=r"holds preference pairs.*trains on conversations.*objective.rows=conversation"):
         launch(sft, tmp_path / "run2", 2, tok)
 
 

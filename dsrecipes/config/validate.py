@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from dsrecipes.boundary.batch_script import batch_problems, run_dir_problem
 from dsrecipes.boundary.launcher_args import extra_args_problems, hostfile_problems
@@ -25,11 +25,13 @@ from dsrecipes.core.schema import (
     Precision,
     ReferenceMode,
     ResumeMode,
+    RowKind,
     TrainConfig,
 )
 from dsrecipes.data.sources.files import expand_paths, no_file
 from dsrecipes.data.sources.remote import check_url, expand, looks_like_url
 from dsrecipes.data.strategies.rules import caches_reference, carries_pairs, config_problems, required_paths
+from dsrecipes.objectives.base import reference_mode
 
 _SLOTS = r"[A-Za-z0-9_.-]{1,253}(?::\d{1,4}(?:,\d{1,4})*)?"  # deepspeed --include/--exclude: host[:slots]@...
 _HOST_SLOTS = re.compile(f"{_SLOTS}(?:@{_SLOTS})*")
@@ -143,22 +145,31 @@ def _data(cfg: TrainConfig) -> List[str]:
 
 
 def _objective(cfg: TrainConfig) -> List[str]:
-    """DPO: data that carries pairs, without packing (a pair is one sample of two sequences), a precomputed
-    reference only where the strategy caches one, a positive beta, a label smoothing its loss defines."""
+    """Objectives on pairs (`objective.rows=pair`): data that carries pairs, without packing (a pair is one sample of
+    two sequences), a positive beta; a precomputed reference only where the strategy caches one; DPO: a label
+    smoothing its loss defines."""
     o, errors = cfg.objective, []
-    if o.kind is not ObjectiveKind.dpo:
+    if o.rows is not RowKind.pair:
         return errors
+    name = f"objective={o.kind.value}"
     if not carries_pairs(cfg):
-        errors.append(f"data.kind: data={cfg.data.kind.value} does not carry preference pairs (objective=dpo)")
-    elif o.reference is ReferenceMode.precomputed and not caches_reference(cfg):
+        errors.append(f"data.kind: data={cfg.data.kind.value} does not carry preference pairs ({name})")
+    elif reference_mode(cfg) is ReferenceMode.precomputed and not caches_reference(cfg):
         errors.append(f"objective.reference: precomputed reference log-probs are cached with the prepared pairs of "
                       f"data=map; data={cfg.data.kind.value} reads each pair only on the rank that trains on it, so "
                       "there is no pass before training to compute them in. Set objective.reference=live (with "
                       "LoRA: the base model with its adapters disabled, no second copy), or use data=map")
     if cfg.data.packing:
-        errors.append("data.packing: objective=dpo trains on whole pairs; set data.packing=false")
+        errors.append(f"data.packing: {name} trains on whole pairs; set data.packing=false")
     if not o.beta > 0:
         errors.append(f"objective.beta: must be > 0, got {o.beta}")
+    if o.kind is ObjectiveKind.dpo:
+        errors += _dpo(o)
+    return errors
+
+
+def _dpo(o: Any) -> List[str]:
+    errors = []
     top = 0.5 if o.loss is DpoLoss.robust else 1.0
     if not 0 <= o.label_smoothing < top:
         errors.append(f"objective.label_smoothing: must be in [0, {top}) for objective.loss={o.loss.value}, "

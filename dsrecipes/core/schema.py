@@ -138,6 +138,15 @@ class SelectMode(str, Enum):
 class ObjectiveKind(str, Enum):
     sft = "sft"  # next-token cross-entropy on the trained spans of conversations
     dpo = "dpo"  # Direct Preference Optimization on (prompt, chosen, rejected) pairs
+    orpo = "orpo"  # Odds Ratio Preference Optimization: SFT on chosen + odds-ratio term, no reference model
+
+
+class RowKind(str, Enum):
+    """The kind of row an objective trains on, declared by its option file (conf/objective/<kind>.yaml `rows`) and
+    its module (`row_kind`); the data layer reads, checks, scans, prepares and shards rows by it alone."""
+
+    conversation = "conversation"  # a conversation with trained spans
+    pair = "pair"  # a prompt with a chosen and a rejected answer (one sample)
 
 
 class DpoLoss(str, Enum):
@@ -400,7 +409,8 @@ class ObjectiveConfig:
     (dsrecipes/objectives/)."""
 
     kind: ObjectiveKind = ObjectiveKind.sft
-    beta: float = 0.1  # dpo: strength of the KL anchor to the reference model
+    rows: RowKind = RowKind.conversation  # declared by the objective's option file, not a user setting
+    beta: float = 0.1  # dpo: strength of the KL anchor to the reference model; orpo: lambda, the odds-ratio weight
     loss: DpoLoss = DpoLoss.sigmoid  # dpo
     label_smoothing: float = 0.0  # dpo: assumed fraction of flipped preference labels (sigmoid, robust)
     reference: ReferenceMode = ReferenceMode.precomputed  # dpo (not with loss=simpo, which has no reference)

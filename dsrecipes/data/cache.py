@@ -69,7 +69,7 @@ def cache_key(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig])
         "data": {k: config_to_dict(getattr(cfg.data, k)) for k in ("cutoff_len", "packing", "train_on")},
         "seed": cfg.trainer.seed,
         "tokenizer": tokenizer_fingerprint(tokenizer),
-        "objective": cfg.objective.kind.value,  # sft rows or preference pairs
+        "rows": cfg.objective.rows.value,  # conversations or preference pairs (the objective's row kind)
     }
     return _digest(material)
 

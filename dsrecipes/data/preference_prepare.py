@@ -61,7 +61,7 @@ def _stats(cfg: TrainConfig, report: BadRowReport, rows: List[Dict[str, Any]], n
     truncated = sum(bool(r["truncated"]) for r in rows)
     longest = [len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in rows]
     return {
-        "objective": cfg.objective.kind.value,
+        "rows": cfg.objective.rows.value,
         "dataset": cfg.dataset.name,
         "template": cfg.template.name.value,
         "train_on": "last_assistant",

@@ -41,7 +41,7 @@ import numpy as np
 
 from dsrecipes.core.errors import DataError
 from dsrecipes.core.fileio import atomic_write_json
-from dsrecipes.core.schema import ObjectiveKind, ReferenceMode, SourceConfig, TrainConfig
+from dsrecipes.core.schema import ReferenceMode, RowKind, SourceConfig, TrainConfig
 from dsrecipes.data.arrow_split import write_split
 from dsrecipes.data.cache import cache_key, cache_root
 from dsrecipes.data.preference_prepare import attach_reference
@@ -76,7 +76,7 @@ def prepare(cfg: TrainConfig, tokenizer: Any, run_dir: str | Path) -> Prepared:
     run_dir.mkdir(parents=True, exist_ok=True)
     notes: List[str] = []
     sources = resolve_sources(cfg.dataset, notes)  # once per preparation
-    check_sources(cfg.objective.kind, sources)
+    check_sources(cfg.objective.rows, sources)
     for note in notes:
         print(note, file=sys.stderr)
     val = val_sources(cfg, sources)
@@ -149,7 +149,7 @@ def _build(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig], val: L
     tmp.mkdir(parents=True)
     report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, quarantine)
     try:
-        if cfg.objective.kind is ObjectiveKind.dpo:
+        if cfg.objective.rows is RowKind.pair:
             stats = build_pairs(cfg, tokenizer, sources, report, tmp)
         else:
             stats = _build_sft(cfg, tokenizer, sources, val, report, key, tmp)

@@ -317,7 +317,7 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
     sources = resolve_sources(cfg.dataset, notes)
     for note in notes:
         print(note, file=sys.stderr)
-    check_sources(cfg.objective.kind, sources)
+    check_sources(cfg.objective.rows, sources)
     for src in sources:
         if src.weight != 1.0:
             raise UserError(f"source {src.name!r}: mixing weights are not applied by shard (weight {src.weight})")

@@ -1,8 +1,9 @@
 """The rows `dsrecipes shard` writes into parts: every row checked as training checks it, in one canonical form.
 
 Two row kinds, recorded in the manifest's `row_format`: conversations (`ROW_FORMAT`: `id`, `conversations: [{from:
-<role>, value}]`, `system`, `tools`) and, under objective=dpo, preference pairs (`PAIR_ROW_FORMAT`: the same
-columns holding the prompt, plus `chosen` and `rejected` as one assistant message each: `preference.pair_row`).
+<role>, value}]`, `system`, `tools`) and preference pairs (`PAIR_ROW_FORMAT`: the same
+columns holding the prompt, plus `chosen` and `rejected` as one assistant message each: `preference.pair_row`),
+by the run's `objective.rows`.
 Roles are `sharegpt.Role` values, so a part needs no column settings, and sample ids survive (`<source file>:<line>`
 when the row had none). A presharded run refuses parts of the other kind (`check_row_format`).
 """
@@ -13,12 +14,14 @@ import json
 from typing import Any, Dict, Iterator, List, Tuple
 
 from dsrecipes.core.errors import DataError
-from dsrecipes.core.schema import ObjectiveKind
+from dsrecipes.core.schema import RowKind
 from dsrecipes.data.sources.badrows import BadReason, BadRow
 from dsrecipes.data.sources.preference import pair_row
 
 ROW_FORMAT = "dsrecipes-sharegpt-v1"  # canonical rows: roles are dsrecipes.data.sources.sharegpt.Role values
-PAIR_ROW_FORMAT = "dsrecipes-pairs-v1"  # canonical preference pairs (objective=dpo): preference.pair_row
+PAIR_ROW_FORMAT = "dsrecipes-pairs-v1"  # canonical preference pairs (objective.rows=pair): preference.pair_row
+FORMATS = {RowKind.conversation: ROW_FORMAT, RowKind.pair: PAIR_ROW_FORMAT}  # every row kind has one
+HELD = {ROW_FORMAT: "conversations (SFT rows)", PAIR_ROW_FORMAT: "preference pairs"}
 
 
 def conversation_row(conv: Any) -> Dict[str, Any]:
@@ -46,7 +49,7 @@ def checked_rows(cfg: Any, report: Any, encoder: Any, sources: List[Any]) -> Ite
 
 def _canonical_rows(cfg: Any, report: Any, encoder: Any, sources: List[Any]) -> Iterator[Tuple[Any, Dict, int]]:
     """(the row's Conversation: where it was read, canonical row, tokens in a run) of every checked row: a
-    conversation, or under objective=dpo a preference pair (tokens: the prompt and both answers)."""
+    conversation, or a preference pair (objective.rows=pair) (tokens: the prompt and both answers)."""
     from dsrecipes.data.render.preference_encode import checked_pairs  # lazy: else `commands.shard` imports numpy
     from dsrecipes.data.stream.scan import checked_conversations  # lazy: else `commands.shard` imports numpy 0.11 s
 
@@ -59,8 +62,8 @@ def _canonical_rows(cfg: Any, report: Any, encoder: Any, sources: List[Any]) -> 
 
 
 def row_format(cfg: Any) -> str:
-    """The canonical rows a run of `cfg` reads from parts: conversations, or preference pairs (objective=dpo)."""
-    return PAIR_ROW_FORMAT if cfg.objective.kind is ObjectiveKind.dpo else ROW_FORMAT
+    """The canonical rows a run of `cfg` reads from parts: those of its objective's row kind (`objective.rows`)."""
+    return FORMATS[cfg.objective.rows]
 
 
 def check_row_format(manifest: Any, cfg: Any) -> None:
@@ -68,8 +71,8 @@ def check_row_format(manifest: Any, cfg: Any) -> None:
     want = row_format(cfg)
     if manifest.row_format == want:
         return
-    held = "preference pairs" if manifest.row_format == PAIR_ROW_FORMAT else "conversations (SFT rows)"
-    wanted = "preference pairs" if want == PAIR_ROW_FORMAT else "conversations"
+    held = HELD.get(manifest.row_format, "rows of another kind")
     raise DataError(f"data.shard_dir: {manifest.directory} holds {held} (row_format {manifest.row_format}), but "
-                    f"objective={cfg.objective.kind.value} trains on {wanted}; shard the data for this objective: "
-                    f"`dsrecipes shard INPUT... --parts N --out NEW_DIR objective={cfg.objective.kind.value}`")
+                    f"this run's objective trains on {HELD[want]} (objective.rows={cfg.objective.rows.value}); shard "
+                    "the data for this objective: `dsrecipes shard INPUT... --parts N --out NEW_DIR objective=<the "
+                    "run's objective>`")

@@ -20,15 +20,15 @@ The training loop (train.py) and the loaders (data/strategies/) know nothing els
         `eval_loss` first, the selection metric every objective has; prefix "" turns `train_keys` sums into train
         metrics, loss excluded: the loop averages micro-batch losses itself).
 
-Rows, batches and sums are plain dicts: a second objective (preference pairs) is one more module, one option file
-and one `ObjectiveKind` value.
+Rows, batches and sums are plain dicts: another objective on an existing row kind (ORPO on pairs) is one more
+module, one option file and one `ObjectiveKind` value.
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Protocol, Tuple
 
-from dsrecipes.core.schema import DpoLoss, ObjectiveKind, ReferenceMode, TrainConfig
+from dsrecipes.core.schema import DpoLoss, ObjectiveKind, ReferenceMode, RowKind, TrainConfig
 
 IGNORE_INDEX = -100  # the label of a token that is not trained: PyTorch cross-entropy's `ignore_index`
 
@@ -38,6 +38,7 @@ Batch = Dict[str, Any]
 
 class Objective(Protocol):
     kind: ObjectiveKind
+    row_kind: RowKind  # the rows it trains on; its option file declares the same (`objective.rows`)
     train_keys: Tuple[str, ...]
     eval_keys: Tuple[str, ...]
 
@@ -64,7 +65,7 @@ def ratio(num: float, den: float) -> float:
 
 
 def reference_mode(cfg: TrainConfig) -> Optional[ReferenceMode]:
-    """The reference model the run's objective compares with: `objective.reference` for DPO, None for SFT and for
+    """The reference model the run's objective compares with: `objective.reference` for DPO, None for SFT, ORPO and
     reference-free SimPO (then nothing computes, caches or loads a reference)."""
     o = cfg.objective
     if o.kind is not ObjectiveKind.dpo or o.loss is DpoLoss.simpo:

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from dsrecipes.core.schema import DpoLoss, ObjectiveKind, ReferenceMode, TrainConfig
+from dsrecipes.core.schema import DpoLoss, ObjectiveKind, ReferenceMode, RowKind, TrainConfig
 from dsrecipes.objectives.base import IGNORE_INDEX, Batch, Row, pad_token_id, ratio, reference_mode
 from dsrecipes.objectives.dpo_live import Reference, live_reference
 from dsrecipes.objectives.logps import sequence_logps
@@ -45,6 +45,7 @@ class DPO:
     label_smoothing: float
     gamma: float = 0.0  # objective.simpo_gamma (loss=simpo)
     kind: ObjectiveKind = ObjectiveKind.dpo
+    row_kind: RowKind = RowKind.pair
     train_keys: Tuple[str, ...] = PAIR_SUMS
     eval_keys: Tuple[str, ...] = ("loss_sum",) + PAIR_SUMS
     precomputed: bool = True  # the rows carry the reference log-probs (objective.reference=precomputed)

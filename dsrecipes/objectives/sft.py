@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from dsrecipes.core.schema import ObjectiveKind, TrainConfig
+from dsrecipes.core.schema import ObjectiveKind, RowKind, TrainConfig
 from dsrecipes.objectives.base import IGNORE_INDEX, Batch, Row, pad_token_id
 
 
@@ -58,6 +58,7 @@ class EvalResult:
 class SFT:
     pad_id: int
     kind: ObjectiveKind = ObjectiveKind.sft
+    row_kind: RowKind = RowKind.conversation
     train_keys: Tuple[str, ...] = ()
     eval_keys: Tuple[str, ...] = ("loss_sum", "tokens", "correct")
 

@@ -1,4 +1,4 @@
-"""Preference rows -> checked pairs (a prompt conversation, a chosen and a rejected answer), for `objective=dpo`.
+"""Preference rows -> checked pairs (a prompt conversation, a chosen and a rejected answer), for `objective.rows=pair`.
 
 Formats (per source, `format`):
 - `sharegpt` (LLaMA-Factory, `ranking: true` in dataset_info.json): `conversations` holds the prompt turns (ending
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from dsrecipes.core.errors import ConfigError
-from dsrecipes.core.schema import DEFAULT_MAX_ROW_BYTES, DatasetFormat, ObjectiveKind, SourceConfig
+from dsrecipes.core.schema import DEFAULT_MAX_ROW_BYTES, DatasetFormat, RowKind, SourceConfig
 from dsrecipes.data.sources.badrows import BadReason, BadRow
 from dsrecipes.data.sources.files import RawRow, parse_row
 from dsrecipes.data.sources.sharegpt import (
@@ -42,16 +42,16 @@ class Pair:
     rejected: str
 
 
-def check_sources(kind: ObjectiveKind, sources: List[SourceConfig]) -> None:
-    """Preference sources only under objective=dpo, and no source that says it is not one."""
+def check_sources(rows: RowKind, sources: List[SourceConfig]) -> None:
+    """Preference sources only for an objective on pairs (`objective.rows`), and no source that says it is not one."""
     for src in sources:
-        if kind is ObjectiveKind.dpo and src.ranking is False:
+        if rows is RowKind.pair and src.ranking is False:
             raise ConfigError(f"dataset: source {src.name!r} is not preference data (its registry entry has no "
-                              "`ranking: true`); objective=dpo trains on chosen/rejected pairs")
-        if kind is not ObjectiveKind.dpo and src.ranking:
-            raise ConfigError(f"dataset: source {src.name!r} holds preference (ranking) rows; train on it with "
-                              "objective=dpo")
-        if kind is ObjectiveKind.dpo and src.format is DatasetFormat.alpaca:
+                              "`ranking: true`); this objective (objective.rows=pair) trains on chosen/rejected pairs")
+        if rows is not RowKind.pair and src.ranking:
+            raise ConfigError(f"dataset: source {src.name!r} holds preference (ranking) rows; train on it with an "
+                              "objective on pairs (objective=dpo or objective=orpo)")
+        if rows is RowKind.pair and src.format is DatasetFormat.alpaca:
             raise ConfigError(f"dataset: source {src.name!r}: preference rows are read in the sharegpt "
                               "(LLaMA-Factory) or openai (TRL) format, not alpaca")
 

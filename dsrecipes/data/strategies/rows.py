@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence
 
-from dsrecipes.core.schema import ObjectiveKind, TrainConfig
+from dsrecipes.core.schema import RowKind, TrainConfig
 from dsrecipes.data.render.packing import pack
 from dsrecipes.data.render.tokenize import Encoder
 from dsrecipes.data.sources.files import where
@@ -17,9 +17,9 @@ from dsrecipes.objectives import build_objective
 
 def row_encoder(cfg: TrainConfig, tokenizer: Any, paths: Sequence[str], sources: Sequence[Any],
                 element_files: Optional[Sequence[bool]] = None) -> Any:
-    """The rows of the run's objective from raw lines: conversations (`RowEncoder`), or preference pairs under
-    objective=dpo (`pair_rows.PairRowEncoder`: a pair is one sample)."""
-    make = PairRowEncoder if cfg.objective.kind is ObjectiveKind.dpo else RowEncoder
+    """The rows of the run's objective (`objective.rows`) from raw lines: conversations (`RowEncoder`), or preference
+    pairs (`pair_rows.PairRowEncoder`: a pair is one sample)."""
+    make = PairRowEncoder if cfg.objective.rows is RowKind.pair else RowEncoder
     return make(cfg, tokenizer, paths, sources, element_files)
 
 

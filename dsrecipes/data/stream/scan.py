@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from dsrecipes.core.errors import DataError
-from dsrecipes.core.schema import ObjectiveKind, SourceConfig, TrainConfig
+from dsrecipes.core.schema import RowKind, SourceConfig, TrainConfig
 from dsrecipes.core.tokenizer import load_tokenizer
 from dsrecipes.core.typed import config_to_dict
 from dsrecipes.data.cache import PREP_VERSION, cache_root, data_fingerprint, tokenizer_fingerprint
@@ -61,7 +61,7 @@ def prepare_stream(cfg: TrainConfig, run_dir: Path) -> Tuple[int, str, int]:
     started = time.perf_counter()
     notes: List[str] = []
     sources = resolve_sources(cfg.dataset, notes)
-    check_sources(cfg.objective.kind, sources)
+    check_sources(cfg.objective.rows, sources)
     for note in notes:
         print(note, file=sys.stderr)
     scanning = _Scanning(cfg, run_dir) if cfg.data.prescan else None
@@ -99,12 +99,12 @@ class _Scanning:
 
 
 def pairs(cfg: TrainConfig) -> bool:
-    """Whether the run's rows are preference pairs (objective=dpo): a pair is one line, one sample."""
-    return cfg.objective.kind is ObjectiveKind.dpo
+    """Whether the run's rows are preference pairs (`objective.rows=pair`): a pair is one line, one sample."""
+    return cfg.objective.rows is RowKind.pair
 
 
 def checking_encoder(cfg: TrainConfig, tokenizer: Any) -> Any:
-    """What renders and tokenizes a row for the checks of training: conversations, or pairs (objective=dpo)."""
+    """What renders and tokenizes a row for the checks of training: conversations, or pairs (objective.rows=pair)."""
     return (PairEncoder if pairs(cfg) else Encoder)(tokenizer, cfg)
 
 
@@ -121,7 +121,7 @@ def _scan_key(cfg: TrainConfig, encoder: Any) -> str:
                 "data": {k: config_to_dict(getattr(cfg.data, k)) for k in ("cutoff_len", "packing", "train_on")},
                 "tokenizer": tokenizer_fingerprint(encoder.tokenizer)}
     if pairs(cfg):  # another check per row; SFT keys stay as they were
-        material["objective"] = cfg.objective.kind.value
+        material["rows"] = cfg.objective.rows.value
     return hashlib.blake2b(json.dumps(material, sort_keys=True, default=str).encode(), digest_size=10).hexdigest()
 
 
