@@ -8,6 +8,7 @@ One base run (tiny model, 8 steps, checkpoints at 4 and 8) is shared; each case 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -74,3 +75,38 @@ def test_export_into_a_checkpoint_is_refused(ws, base, tmp_path):  # noqa: F811
         code, out = dsrecipes("export", str(base), "--out", str(out_dir), cwd=tmp_path)
         assert code == 2 and "inside the checkpoints" in one_error(out), out[-2000:]
     assert snapshot(base) == before
+
+
+@pytest.mark.parametrize("bad", ["{not json", "[1, 2]", '{"loss": 1.0}', b"\xff\xfe"])
+def test_a_damaged_metrics_line_is_one_message_naming_file_and_line(ws, base, bad):  # noqa: F811
+    run = copy_run(base, ws / "damaged_metrics")
+    try:
+        metrics = run / "metrics.jsonl"
+        lines = metrics.read_bytes().splitlines(keepends=True)
+        bad = bad if isinstance(bad, bytes) else bad.encode()
+        metrics.write_bytes(b"".join(lines[:2]) + bad + b"\n" + b"".join(lines[2:]))
+        code, out = train(ws, run, "trainer.max_steps=12")
+        assert code == 2 and f"{metrics}:3: not a metrics record" in one_error(out), out[-3000:]
+        result = json.loads((run / "result.json").read_text())
+        assert result["status"] != "ok" and f"{metrics}:3" in (result.get("error") or result.get("metrics_error"))
+    finally:
+        shutil.rmtree(run)
+
+
+def test_pickled_weights_in_model_path_are_refused_in_one_message(ws, tmp_path):  # noqa: F811
+    """A model directory with pytorch_model.bin only: refused by the loader (one message), not a traceback."""
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.modeling.model import build_tiny_model, load_tokenizer
+
+    cfg = compose_and_load(["debug=fast"])
+    tokenizer = load_tokenizer(cfg)
+    model_dir = tmp_path / "pickled"
+    model = build_tiny_model(cfg, tokenizer)
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    for weights in model_dir.glob("*.safetensors"):
+        weights.unlink()
+    torch.save(model.state_dict(), model_dir / "pytorch_model.bin")
+    assert (model_dir / "pytorch_model.bin").is_file() and not list(model_dir.glob("*.safetensors"))
+    code, out = train(ws, tmp_path / "run", f"model.path={model_dir}")
+    assert code == 2 and "holds its weights as pickles (pytorch_model.bin)" in one_error(out), out[-3000:]

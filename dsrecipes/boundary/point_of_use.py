@@ -166,9 +166,11 @@ class CheckedCheckpoint:
         self.passthrough.append(Path(os.path.abspath(directory)))
 
     def close(self) -> None:
+        """Close the directories (the records stay readable; nothing more can be loaded through them)."""
         for listing in self.listings:
-            os.close(listing.fd)
-        self.listings.clear()
+            if listing.fd >= 0:
+                os.close(listing.fd)
+            listing.fd, listing.files = -1, {}
 
     def _find(self, path: Path) -> tuple:
         path = Path(os.path.abspath(path))

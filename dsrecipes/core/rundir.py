@@ -292,18 +292,31 @@ def read_ds_config(run_dir: Path) -> Dict[str, Any]:
 
 
 def read_metrics(path: str | Path) -> List[Dict[str, Any]]:
-    """The lines of metrics.jsonl (a run directory or the file); a line cut short by a killed run is skipped."""
+    """The lines of metrics.jsonl (a run directory or the file): each a JSON object with an integer `step`. The last
+    line, cut short by a killed run (no newline at its end), is skipped; any other line that is not such a record
+    is UserError naming file:line (a run resumed onto it would crash or mix its history)."""
     path = Path(path)
     if path.is_dir():
         path = path / METRICS_FILE
     if not path.is_file():
         return []
+    data = path.read_bytes()
+    lines = data.split(b"\n")
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
             continue
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except ValueError as exc:  # also UnicodeDecodeError
+            if number == len(lines):  # after the last newline: a write cut short
+                continue
+            raise UserError(f"{path}:{number}: not a metrics record ({type(exc).__name__}: {str(exc)[:80]}); "
+                            "repair or remove that line (or move the file away) and run again") from None
+        if not isinstance(row, dict) or type(row.get("step")) is not int:
+            raise UserError(f"{path}:{number}: not a metrics record (a JSON object with an integer \"step\"); "
+                            "repair or remove that line (or move the file away) and run again")
+        rows.append(row)
     return rows
 
 
@@ -374,6 +387,10 @@ def write_result(run_dir: Path, code: int, error: Optional[str], status: str = "
                   resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
     kept = code == 0 or status == "interrupted"
     result: Dict[str, Any] = {"status": status if kept else "failed", "exit_code": code, "error": error}
-    result.update(run_summary(run_dir), peak_mem_mb=round(peak_kb / 1024, 1))
+    try:
+        result.update(run_summary(run_dir))
+    except UserError as exc:  # a damaged metrics.jsonl: the result still says how the run ended
+        result["metrics_error"] = str(exc)
+    result.update(peak_mem_mb=round(peak_kb / 1024, 1))
     result.update(extra)
     return atomic_write_json(run_dir / RESULT_FILE, result)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import importlib
 import sys
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from dsrecipes.core.errors import no_custom_code
+from dsrecipes.core.errors import UserError, no_custom_code
 from dsrecipes.core.schema import Precision, TrainConfig
 from dsrecipes.core.tokenizer import load_tokenizer, tokenizer_dir  # noqa: F401 (the model's tokenizer, re-exported)
 
@@ -112,6 +113,9 @@ def load_pretrained(cfg: TrainConfig, dtype: torch.dtype, ds_config: Optional[Di
     from transformers import AutoModelForCausalLM
 
     _hf_zero3_config = None  # a load without ds_config (export, prompt-eval) must not partition
+    problem = pickled_weights_problem(Path(cfg.model.path))
+    if problem is not None:
+        raise UserError(problem)
     if ds_config is not None and cfg.zero.stage == 3:
         from transformers.integrations import HfDeepSpeedConfig
 
@@ -122,7 +126,26 @@ def load_pretrained(cfg: TrainConfig, dtype: torch.dtype, ds_config: Optional[Di
             dtype=dtype,
             attn_implementation=cfg.model.attn_implementation.value,
             trust_remote_code=False,
+            use_safetensors=True,  # never a pickle from a model directory (pickled_weights_problem)
         )
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def pickled_weights_problem(path: Path) -> Optional[str]:
+    """model.path holding its weights only as pickles (pytorch_model.bin, ...): refused, since unpickling can run
+    code and transformers' weights_only reader ends in a traceback on anything unusual. None when safetensors are
+    there (transformers then reads only those)."""
+    if not path.is_dir() or next(path.glob("*.safetensors"), None) is not None:
+        return None
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if not pickles:
+        return None
+    return (f"model.path: {path} holds its weights as pickles ({', '.join(pickles[:3])}) and no *.safetensors; "
+            "dsrecipes loads model weights only from safetensors (a pickle can run code when loaded). Convert them "
+            "once, e.g. AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir), and point model.path at "
+            "the result")
 
 
 def add_lora(cfg: TrainConfig, model: torch.nn.Module) -> torch.nn.Module:

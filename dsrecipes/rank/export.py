@@ -13,10 +13,8 @@ under a fresh name and renamed into place; an earlier export is swapped out and 
 from __future__ import annotations
 
 import copy
-import errno
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -25,13 +23,14 @@ import torch
 import dsrecipes.core.disk_space as disk_space
 import dsrecipes.core.manifest as manifest
 from dsrecipes.boundary.checkpoint_find import verified
+from dsrecipes.boundary.point_of_use import CheckedCheckpoint
 from dsrecipes.boundary.safe_load import load
 from dsrecipes.boundary.trust import sign
 from dsrecipes.config.load import load_run_config
-from dsrecipes.core.checkpoint_names import read_record, step_of
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.export_dir import EXPORT_INIT_DIR, EXPORT_MARKER, check_out_dir
 from dsrecipes.core.fileio import atomic_write_json
+from dsrecipes.core.publish import Existing, publish_dir, staging_dir
 from dsrecipes.core.schema import TrainConfig
 from dsrecipes.core.tokenizer import custom_code_problems
 from dsrecipes.data.render.serving import make_servable
@@ -62,14 +61,16 @@ def export_checkpoint(run_dir: Path, tag_dir: Path, out_dir: Path, cfg: Optional
 
     check_out_dir(out_dir, key)
     verified(tag_dir, retry)
+    checked = CheckedCheckpoint.open(tag_dir)  # what is loaded below is checked again right before (point_of_use)
     cfg = cfg or load_run_config(run_dir)
     if cfg.model.path:  # the base the weights go onto: never a directory that needs its own code
 
         for problem in custom_code_problems("model.path", Path(cfg.model.path)):
             raise UserError(problem)
     tokenizer = load_tokenizer(cfg)
-    frozen_excluded = bool(read_record(tag_dir).get("frozen_excluded"))
-    state_dict = consolidated_state_dict(tag_dir, cfg.zero.stage, frozen_excluded)
+    frozen_excluded = bool(checked.record.get("frozen_excluded"))
+    state_dict = consolidated_state_dict(tag_dir, cfg.zero.stage, frozen_excluded, checked)
+    checked.close()
     model = build_model(cfg, tokenizer)  # skeleton on CPU; real models re-read from model.path, then overwritten
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     # A LoRA checkpoint leaves the frozen base out: those weights stay as built from model.path (or the tiny seed).
@@ -77,7 +78,7 @@ def export_checkpoint(run_dir: Path, tag_dir: Path, out_dir: Path, cfg: Optional
     missing = [k for k in missing if not _is_tied(model, k) and k not in frozen]
     if missing or unexpected:
         raise RuntimeError(f"checkpoint {tag_dir} does not match the model: missing {missing}, unexpected {unexpected}")
-    info = {"source": str(tag_dir), "step": step_of(tag_dir), "run_dir": str(Path(run_dir).resolve())}
+    info = {"source": str(tag_dir), "step": checked.record["step"], "run_dir": str(Path(run_dir).resolve())}
     merge_lora = cfg.trainer.export_merged_lora if merge_lora is None else merge_lora
     if cfg.model.lora.enabled and merge_lora:
         model = model.merge_and_unload()
@@ -103,14 +104,18 @@ def _adapter_base(cfg: TrainConfig, model: Any, tokenizer: Any, run_dir: Path) -
     return base
 
 
-def consolidated_state_dict(tag_dir: Path, zero_stage: int, frozen_excluded: bool = False) -> Dict[str, torch.Tensor]:
+def consolidated_state_dict(tag_dir: Path, zero_stage: int, frozen_excluded: bool = False,
+                            checked: Optional[CheckedCheckpoint] = None) -> Dict[str, torch.Tensor]:
+    """The module's weights; `checked`: each file is checked against the signed record right before it is read."""
+    checked = checked or CheckedCheckpoint.open(tag_dir)
     if zero_stage == 3:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name,
-                                                        exclude_frozen_parameters=frozen_excluded)
+        with checked.guard():  # zero_to_fp32 unpickles with weights_only=False
+            return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name,
+                                                            exclude_frozen_parameters=frozen_excluded)
 
-    return load(tag_dir / "mp_rank_00_model_states.pt")["module"]  # weights_only: tensors and plain data only
+    return load(tag_dir / "mp_rank_00_model_states.pt", checked)["module"]  # weights_only: tensors and data only
 
 
 def _is_tied(model: torch.nn.Module, key: str) -> bool:
@@ -124,7 +129,7 @@ def _save_hf(model: Any, tokenizer: Any, out_dir: Path, info: Dict[str, Any], ke
     out_dir = Path(out_dir)
     check_out_dir(out_dir, key)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    tmp = staging_dir(out_dir)
     try:
         model.save_pretrained(str(tmp), safe_serialization=True)
         if hasattr(model, "get_base_model"):  # an adapter-only export: peft writes no generation_config.json
@@ -160,16 +165,13 @@ def _user_modes(tmp: Path) -> None:
 
 
 def _swap_in(tmp: Path, out_dir: Path, key: str) -> None:
-    """Rename `tmp` to `out_dir`: directly when that is absent or empty (one atomic rename), else swap out the
-    earlier export first (checked again: it may have changed during the export) and delete it afterwards."""
+    """Publish `tmp` as `out_dir` (core/publish.py): one rename when that is absent or empty, else the earlier export
+    (checked again: it may have changed during the export) is exchanged with it in one step and then deleted."""
     try:
-        os.rename(tmp, out_dir)
+        publish_dir(tmp, out_dir, Existing.refuse)
         return
-    except OSError as exc:
-        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-            raise
-    check_out_dir(out_dir, key)
-    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))
-    os.rename(out_dir, old)  # onto the empty directory just made
-    os.rename(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    except FileExistsError:
+        check_out_dir(out_dir, key)
+    previous = publish_dir(tmp, out_dir, Existing.exchange)
+    if previous is not None:
+        shutil.rmtree(previous, ignore_errors=True)

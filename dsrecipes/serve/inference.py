@@ -28,7 +28,7 @@ from dsrecipes.boundary.chat_sandbox import render
 from dsrecipes.config.load import load_run_config
 from dsrecipes.core.errors import UserError, no_custom_code
 from dsrecipes.core.export_dir import EXPORT_DIR, EXPORT_INFO, EXPORT_INIT_DIR
-from dsrecipes.core.manifest import verify
+from dsrecipes.core.manifest import unlisted, verify
 from dsrecipes.core.tokenizer import custom_code_problems
 from dsrecipes.data.render.spm import continuation_encoder
 from dsrecipes.run.preflight import check_model_dir
@@ -78,7 +78,9 @@ def check_loadable(model_dir: Path, retry: str, adapter: bool = False) -> None:
         except (OSError, ValueError) as exc:
             raise UserError(f"{marker}: unreadable ({exc}); nothing was loaded")
         trust.check(record, model_dir, "export", retry)
-        problem = verify(model_dir, record.get("hashes"), listing=f"{EXPORT_INFO}: hashes")  # its shape checked too
+        listing = f"{EXPORT_INFO}: hashes"
+        problem = (verify(model_dir, record.get("hashes"), listing=listing)  # its shape checked too
+                   or unlisted(model_dir, record.get("hashes"), [EXPORT_INFO], listing, "export"))
         if problem is not None:
             raise UserError(f"{model_dir}: damaged export ({problem}); nothing was loaded")
     problems = custom_code_problems("model", model_dir) if adapter else check_model_dir("model", model_dir, False)
@@ -100,6 +102,9 @@ def _from_run(run: Path, baseline: bool, retry: str) -> ModelPath:
     if not (run / EXPORT_DIR).is_dir():
         raise UserError(f"{run}: the run has no {EXPORT_DIR}/ (trainer.export=false?); write one with "
                         f"`dsrecipes export {run} --out {run / EXPORT_DIR}`")
+    if not (run / EXPORT_DIR / EXPORT_INFO).is_file():  # a run's export is signed: never load one without it
+        raise UserError(f"{run / EXPORT_DIR}: the run's export has no {EXPORT_INFO} (its signed list of files); "
+                        f"nothing was loaded. Write it again with `dsrecipes export {run} --out {run / EXPORT_DIR}`")
     found = resolve_model_path(str(run / EXPORT_DIR), retry=retry)
     found.run_dir = run
     return found
@@ -138,6 +143,8 @@ class ChatModel:
                 model = PeftModel.from_pretrained(model, str(where.path))
                 model.generation_config = _generation_config(where.path, model.generation_config)
         self.model = model.to(device).eval()
+        self.model.generation_config = greedy_config(self.model.generation_config, where.path,
+                                                     int(self.model.config.vocab_size))
         self.stop_ids = stop_ids if stop_ids is not None else _as_list(self.model.generation_config.eos_token_id)
         if not self.stop_ids and self.tokenizer.eos_token_id is not None:
             self.stop_ids = [self.tokenizer.eos_token_id]
@@ -200,5 +207,27 @@ def _generation_config(path: Path, fallback: Any) -> Any:
     from transformers import GenerationConfig
 
     if (path / "generation_config.json").is_file():
-        return GenerationConfig.from_pretrained(str(path))
+        try:
+            return GenerationConfig.from_pretrained(str(path))
+        except (OSError, ValueError, TypeError) as exc:
+            raise UserError(f"{path / 'generation_config.json'}: unreadable ({type(exc).__name__}); nothing was loaded")
     return fallback
+
+
+def greedy_config(loaded: Any, path: Path, vocab_size: int) -> Any:
+    """What generation uses, whatever the model directory's generation_config.json says: greedy decoding, one beam,
+    and only its token ids (end of turn, padding, start), each checked to be a token of the model. Beams,
+    sampling, penalties and lengths of the file are not carried over (`num_beams: 64` once ended chat in a
+    traceback); a token id that is not one is one message naming the file and key."""
+    from transformers import GenerationConfig
+
+    ids: Dict[str, Any] = {}
+    for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        value = getattr(loaded, key, None)
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if value is not None and not all(type(v) is int and 0 <= v < vocab_size for v in items):
+            shown = value if type(value) is int else type(value).__name__
+            raise UserError(f"{path / 'generation_config.json'}: {key}: expected a token id (or a list of them) "
+                            f"below the vocabulary size {vocab_size}, got {shown}; nothing was generated")
+        ids[key] = list(value) if isinstance(value, tuple) else value
+    return GenerationConfig(**ids, do_sample=False, num_beams=1, use_cache=True)
