@@ -1,12 +1,14 @@
 """dsrecipes `data=iterable` vs mosaicml-streaming, both reading the same ShareGPT corpus from the same S3-API server.
 
-    pip install mosaicml-streaming --no-deps   # (+ brotli python-snappy cramjam zstd catalogue; not a dsrecipes dep)
-    python benchmarks/bench_store.py [--mb 32] [--files 8] [--readers 1 8 64] [--reps 3] [--shard-mb 2] [--chunk-kb K]
+    pip install mosaicml-streaming --no-deps   # (+ brotli python-snappy cramjam zstd catalogue; not a dsrecipes dep:
+                                               #  best in a venv of its own made with --system-site-packages)
+    python benchmarks/bench_store.py [--mb 256] [--files 8] [--readers 1 8 64] [--reps 3] [--shard-mb 2] [--chunk-kb K]
+    python benchmarks/bench_store.py --smoke   # 0.25 MiB, R = 1 and 2, 1 repetition: every phase in seconds
 
 Starts moto's standalone S3 server on 127.0.0.1 and a counting HTTP proxy in front of it (tests/helpers/s3server.py;
-both systems talk to the proxy, which counts the response body bytes it relays), writes a corpus of real ShareGPT
-rows (the Glaive tool-call demo files of ../shared/data when present, else the bundled sample data, repeated with
-fresh ids) as JSONL files into `s3://bench/jsonl/`, and the same rows as MDS shards (`MDSWriter`, one `text` column
+both systems talk to the proxy, which counts the response body bytes it relays), generates the corpus (--mb MiB of
+deterministic synthetic ShareGPT conversations, benchmarks/_sharegpt_corpus.py: nothing is read from outside the
+repository) as JSONL files into `s3://bench/jsonl/`, and the same rows as MDS shards (`MDSWriter`, one `text` column
 holding the row's JSON, `size_limit` --shard-mb) into `s3://bench/mds/`. Then, per repetition, A and B alternate:
 
   launch   what the launching process reads and how long it takes before the first step. dsrecipes: the stream index
@@ -14,21 +16,29 @@ holding the row's JSON, `size_limit` --shard-mb) into `s3://bench/mds/`. Then, p
            same with the row pre-scan (`prescan`: tokenizer checks in the same pass). streaming: the dataset's
            index.json (its launch); the MDS conversion is a separate offline pass over the corpus (reported once).
   R readers (R ranks x 1 reader, each on its own node; run one after another in this process): bytes transferred
-           per epoch and requests (at the proxy), time to first batch, samples/s per reader (median). Both systems are timed to the same point:
-           from nothing in memory but the launch's products to MBS (4) *decoded rows* (`json.loads` of each row's
-           JSON text) for the first batch, and to the end of the reader's epoch for samples/s. dsrecipes: the clock
-           starts before the run directory's stream index is read and the loader and its BlockSource are built (what
-           a rank does; `StreamTrainLoader.reader`: read-ahead of its own blocks, adjacent ones in one ranged GET). streaming: the clock starts before
-           `StreamingDataset(remote, local)` (its index.json GET; shuffle on, batch_size 4, its own local cache, its
-           default download threads and predownload); each sample's `text` decoded; node r of R is `RANK=r
-           WORLD_SIZE=R LOCAL_WORLD_SIZE=1` (its process group is switched off: see `st_readers`). Both are run for
-           real at every R: bytes, GETs and times are measured, none computed.
+           per epoch and requests (at the proxy), time to first batch, samples/s per reader (median). Both systems
+           are timed to the same point: from nothing in memory but the launch's products to MBS (4) *decoded rows*
+           (`json.loads` of each row's JSON text) for the first batch, and to the end of the reader's epoch for
+           samples/s. Each reader of each system starts as a rank's DataLoader worker does: with no S3 client,
+           connection or credential made before its clock starts. dsrecipes: the process's cached S3 client
+           (`dsrecipes.data.sources.remote.s3()`, one per process) is dropped before the clock starts, so the reader
+           builds its own inside its timed window (the count of distinct clients is checked and reported); the clock
+           starts before the run directory's stream index is read and the loader and its BlockSource are built
+           (`StreamTrainLoader.reader`: read-ahead of its own blocks, adjacent ones in one ranged GET). streaming:
+           the clock starts before `StreamingDataset(remote, local)` (which builds its own client and GETs its
+           index.json; shuffle on, batch_size 4, a fresh local cache, its default download threads and
+           predownload); each sample's `text` decoded; node r of R is `RANK=r WORLD_SIZE=R LOCAL_WORLD_SIZE=1` (its
+           process group is switched off: see `st_readers`). Both are run for real at every R: bytes, GETs and
+           times are measured, none computed.
 
 dsrecipes' epoch order keeps chunks of adjacent blocks together (`data.chunk_bytes`, automatic: the corpus / 128, so
 a reader's blocks come in runs one GET serves); --chunk-kb sets it (the block size: the order from before chunks).
 
 Ratios per repetition, oriented so that >= 1 means dsrecipes is no worse (first batch: streaming's time /
-dsrecipes'; samples/s: dsrecipes' / streaming's); reported as median [min, max].
+dsrecipes'; samples/s: dsrecipes' / streaming's); reported as median [min, max]. Where mosaicml-streaming cannot be
+imported, the dsrecipes side still runs and the output and the result say that the streaming side was skipped and
+why. Result: <out>/bench_store.json (every repetition, the summary, the notes) and <out>/README.md (what each system
+was given, the tables).
 """
 
 from __future__ import annotations
@@ -36,7 +46,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import statistics
 import sys
@@ -46,51 +55,29 @@ import types
 from contextlib import contextmanager
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _harness import Result, add_args  # (puts this checkout on sys.path: before dsrecipes and tests)
+from _sharegpt_corpus import write_corpus
 
-from tests.helpers.s3server import FaultProxy, S3Server  # noqa: E402
+from tests.helpers.s3server import FaultProxy, S3Server
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent.parent / "shared" / "data"
 MBS = 4
 
 
-def rows_source() -> list:
-    files = sorted(SHARED.glob("glaive_toolcall_*_demo.json")) if SHARED.is_dir() else []
-    if files:
-        return [r for f in files for r in json.loads(f.read_text(encoding="utf-8"))]
-    sample = ROOT / "dsrecipes" / "assets" / "sample_data" / "train.jsonl"
-    return [json.loads(x) for x in sample.read_text(encoding="utf-8").splitlines() if x.strip()]
+def upload_jsonl(fs, paths: list) -> None:
+    for path in paths:
+        fs.put_file(str(path), f"s3://bench/jsonl/{path.name}")
 
 
-def make_corpus(mb: float, files: int) -> list:
-    """`files` lists of JSONL lines, `mb` MiB in all (uneven files)."""
-    rnd, base = random.Random(0), rows_source()
-    weights = [rnd.uniform(0.5, 1.5) for _ in range(files)]
-    out, n = [], 0
-    for w in weights:
-        target, size, lines = int(mb * (1 << 20) * w / sum(weights)), 0, []
-        while size < target:
-            row = dict(base[n % len(base)], id=f"row{n}")
-            n += 1
-            line = json.dumps(row, ensure_ascii=False) + "\n"
-            lines.append(line)
-            size += len(line.encode())
-        out.append(lines)
-    return out
-
-
-def upload(fs, corpus: list, shard_mb: float, tmp: Path) -> dict:
+def upload_mds(fs, paths: list, shard_mb: float, tmp: Path) -> dict:
     from streaming import MDSWriter
 
-    for f, lines in enumerate(corpus):
-        fs.pipe_file(f"s3://bench/jsonl/part{f:02d}.jsonl", "".join(lines).encode())
     t0 = time.perf_counter()
     mds = tmp / "mds"
     with MDSWriter(out=str(mds), columns={"text": "str"}, size_limit=int(shard_mb * (1 << 20))) as writer:
-        for lines in corpus:
-            for line in lines:
-                writer.write({"text": line.rstrip("\n")})
+        for path in paths:
+            with open(path, encoding="utf-8") as fh:
+                for line in fh:
+                    writer.write({"text": line.rstrip("\n")})
     convert_s = time.perf_counter() - t0
     for p in sorted(mds.iterdir()):
         fs.put_file(str(p), f"s3://bench/mds/{p.name}")
@@ -113,13 +100,28 @@ def ds_cfg(cache: Path, prescan: bool):
                              "trainer.max_steps=1", *CHUNK], check_files=False)
 
 
+def fresh_client() -> None:
+    """Drop this process's cached dsrecipes S3 client: the next `s3()` builds one, as a fresh DataLoader worker does."""
+    from dsrecipes.data.sources import remote
+
+    remote._S3.clear()
+
+
+def current_client():
+    from dsrecipes.data.sources import remote
+
+    return next(iter(remote._S3.values()), None)
+
+
 def ds_launch(proxy, tmp: Path, prescan: bool) -> dict:
-    """(cold, warm) bytes and seconds of the launching process: prepare_stream (index, optional pre-scan)."""
+    """(cold, warm) bytes and seconds of the launching process: prepare_stream (index, optional pre-scan); each
+    phase starts without an S3 client, as a launching process does."""
     from dsrecipes.data.stream.scan import prepare_stream
 
     cache, out = Path(tempfile.mkdtemp(dir=tmp)), {}
     for phase in ("cold", "warm"):
         run = Path(tempfile.mkdtemp(dir=tmp))
+        fresh_client()
         b0, t0 = proxy.body_bytes, time.perf_counter()
         prepare_stream(ds_cfg(cache, prescan), run)
         out[phase] = (proxy.body_bytes - b0, time.perf_counter() - t0)
@@ -127,17 +129,19 @@ def ds_launch(proxy, tmp: Path, prescan: bool) -> dict:
 
 
 def ds_readers(run: Path, readers: int, proxy) -> dict:
-    """Every reader of R, one after another. Timed per reader from nothing in memory (the run directory's stream
-    index read, the loader and its BlockSource built: what a rank does) to the first micro-batch of MBS decoded rows
-    (`json.loads` of each raw line) and to the end of its stretch."""
+    """Every reader of R, one after another. Timed per reader from nothing in memory (no S3 client: the cached one is
+    dropped before the clock starts; the run directory's stream index read, the loader and its BlockSource built:
+    what a rank's worker does) to the first micro-batch of MBS decoded rows (`json.loads` of each raw line) and to
+    the end of its stretch."""
     from dsrecipes.data.plan import Layout
     from dsrecipes.data.strategies.iterable import StreamTrainLoader
     from dsrecipes.data.stream.index import BlockSource, read_stream_index
 
     layout = Layout(readers, MBS, 1, 0)
-    b0, r0, first, rates = proxy.body_bytes, proxy.requests, None, []
+    b0, r0, firsts, rates, built, previous = proxy.body_bytes, proxy.requests, [], [], 0, current_client()
     for rank in range(readers):
-        t0, n = time.perf_counter(), 0
+        fresh_client()
+        t0, n, first = time.perf_counter(), 0, None
         index = read_stream_index(run)
         loader = StreamTrainLoader(index, layout, rank, seed=0, shuffle=True, shuffle_buffer=1024, num_samples=None,
                                    make_rows=list, collate_fn=list, num_workers=0)
@@ -147,9 +151,17 @@ def ds_readers(run: Path, readers: int, proxy) -> dict:
             if first is None:
                 first = time.perf_counter() - t0
         rates.append(n / (time.perf_counter() - t0))
+        firsts.append(first)
+        client = current_client()  # `previous` is still referenced, so a new client cannot reuse its id
+        built += client is not None and client is not previous
+        previous = client
         source.close()
-    return {"bytes": proxy.body_bytes - b0, "gets": proxy.requests - r0, "first_batch_s": first,
-            "samples_s": statistics.median(rates), "block_bytes": index.block_bytes, "chunk_bytes": index.chunk_bytes}
+    if built != readers:  # each reader must have built (and used) a client of its own
+        raise SystemExit(f"dsrecipes R = {readers}: {built} S3 clients built for {readers} readers: the fresh-client "
+                         "reset no longer reaches dsrecipes.data.sources.remote")
+    return {"bytes": proxy.body_bytes - b0, "gets": proxy.requests - r0, "first_batch_s": statistics.median(firsts),
+            "first_batch_s_range": [min(firsts), max(firsts)], "samples_s": statistics.median(rates),
+            "block_bytes": index.block_bytes, "chunk_bytes": index.chunk_bytes, "clients_built": built}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -190,12 +202,12 @@ def st_readers(readers: int, proxy, tmp: Path) -> dict:
     so `maybe_init_dist` is switched off for the run (`no_process_group`)."""
     from streaming.base.util import clean_stale_shared_memory
 
-    b0, r0, first, rates = proxy.body_bytes, proxy.requests, None, []
+    b0, r0, firsts, rates = proxy.body_bytes, proxy.requests, [], []
     with no_process_group():
         for node in range(readers):
             os.environ.update(RANK=str(node), WORLD_SIZE=str(readers), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
             local = Path(tempfile.mkdtemp(dir=tmp))
-            t0, n = time.perf_counter(), 0
+            t0, n, first = time.perf_counter(), 0, None
             ds = st_dataset(local, MBS)  # timed like a dsrecipes reader: from nothing in memory (its index.json GET)
             for sample in ds:  # to MBS decoded rows: json.loads of the `text` column
                 json.loads(sample["text"])
@@ -203,11 +215,12 @@ def st_readers(readers: int, proxy, tmp: Path) -> dict:
                 if first is None and n == MBS:
                     first = time.perf_counter() - t0
             rates.append(n / (time.perf_counter() - t0))
+            firsts.append(first)
             del ds
             clean_stale_shared_memory()
             shutil.rmtree(local, ignore_errors=True)
-    return {"bytes": proxy.body_bytes - b0, "gets": proxy.requests - r0, "first_batch_s": first,
-            "samples_s": statistics.median(rates)}
+    return {"bytes": proxy.body_bytes - b0, "gets": proxy.requests - r0, "first_batch_s": statistics.median(firsts),
+            "first_batch_s_range": [min(firsts), max(firsts)], "samples_s": statistics.median(rates)}
 
 
 @contextmanager
@@ -233,83 +246,150 @@ def spread(values: list) -> str:
     return f"{statistics.median(values):.3g} [{min(values):.3g}, {max(values):.3g}]"
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mb", type=float, default=32)
+    ap.add_argument("--mb", type=float, default=256, help="corpus size in MiB (generated; >= 256 for real runs)")
     ap.add_argument("--files", type=int, default=8)
     ap.add_argument("--readers", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--shard-mb", type=float, default=2.0, help="MDS shard size_limit (streaming's default: 64)")
     ap.add_argument("--chunk-kb", type=float, default=None, help="dsrecipes' data.chunk_bytes in KiB (automatic)")
-    args = ap.parse_args()
+    args = add_args(ap).parse_args()
+    if args.smoke:
+        args.mb, args.files, args.readers, args.reps, args.shard_mb = 0.25, 2, [1, 2], 1, 0.05
+    return args
+
+
+def streaming_or_why() -> str:
+    """'' when mosaicml-streaming imports, else why not."""
+    try:
+        import_streaming()
+        return ""
+    except Exception as exc:  # ImportError, or one of its own dependencies failing at import
+        return f"{type(exc).__name__}: {exc}"
+
+
+def main() -> None:
+    args = parse_args()
     if args.chunk_kb is not None:
         CHUNK[:] = [f"data.chunk_bytes={int(args.chunk_kb * 1024)}"]
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the server and proxy on the way out
-    import_streaming()
-    server = S3Server().start()
-    proxy = FaultProxy(server.port).start()
-    env = server.env(proxy.endpoint)
-    os.environ.update(env, S3_ENDPOINT_URL=proxy.endpoint, TOKENIZERS_PARALLELISM="false")
-    tmp = Path(tempfile.mkdtemp(prefix="dsrecipes-bench-store-"))
-    try:
-        from dsrecipes.data.sources.remote import s3
-
-        fs = s3()
-        fs.mkdir("s3://bench")
-        corpus = make_corpus(args.mb, args.files)
-        total = sum(len("".join(lines).encode()) for lines in corpus)
-        rows = sum(len(lines) for lines in corpus)
-        info = upload(fs, corpus, args.shard_mb, tmp)
-        print(json.dumps({"corpus_bytes": total, "rows": rows, "files": args.files, **info}), flush=True)
-        results: dict = {"ds": [], "st": []}
-        for rep in range(args.reps):
-            order = ("ds", "st") if rep % 2 == 0 else ("st", "ds")  # A/B alternating
-            for system in order:
-                res = {}
-                if system == "ds":
-                    launch = ds_launch(proxy, tmp, prescan=False)
-                    res["launch"] = launch["launch"]
-                    if rep == 0:  # the pre-scan is tokenizer-bound, not store-bound: measured once
-                        res["launch_prescan"] = ds_launch(proxy, tmp, prescan=True)["launch"]
-                    for r in args.readers:
-                        res[r] = ds_readers(launch["run"], r, proxy)
-                else:
-                    res["launch"] = st_launch(proxy, tmp)["launch"]
-                    for r in args.readers:
-                        res[r] = st_readers(r, proxy, tmp)
-                results[system].append(res)
-                print(json.dumps({"rep": rep, "system": system, **{str(k): v for k, v in res.items()}}), flush=True)
-        report(results, total, args.readers)
-    finally:
-        proxy.stop()
-        server.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+    with Result("bench_store", args) as result:
+        why = streaming_or_why()
+        if why:
+            result.note(f"streaming side SKIPPED: mosaicml-streaming cannot be imported ({why}); only dsrecipes is "
+                        "measured, no comparison is made (install it with `pip install mosaicml-streaming --no-deps` "
+                        "and brotli python-snappy cramjam zstd catalogue, e.g. in a venv made with "
+                        "--system-site-packages)")
+        server = S3Server().start()
+        proxy = FaultProxy(server.port).start()
+        os.environ.update(server.env(proxy.endpoint), S3_ENDPOINT_URL=proxy.endpoint, TOKENIZERS_PARALLELISM="false")
+        tmp = Path(tempfile.mkdtemp(prefix="dsrecipes-bench-store-"))
+        try:
+            run(args, result, proxy, tmp, systems=("ds",) if why else ("ds", "st"))
+        finally:
+            proxy.stop()
+            server.stop()
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
-def report(results: dict, total: int, readers: list) -> None:
+def run(args: argparse.Namespace, result: Result, proxy, tmp: Path, systems: tuple) -> None:
+    from dsrecipes.data.sources.remote import s3
+
+    fs = s3()
+    fs.mkdir("s3://bench")
+    t0 = time.perf_counter()
+    paths = write_corpus(tmp / "corpus", args.mb, args.files)
+    corpus = {"corpus_bytes": sum(p.stat().st_size for p in paths), "generate_s": round(time.perf_counter() - t0, 2),
+              "rows": sum(1 for p in paths for _ in open(p, "rb")), "files": args.files, "mb_asked": args.mb}
+    upload_jsonl(fs, paths)
+    if "st" in systems:
+        corpus.update(upload_mds(fs, paths, args.shard_mb, tmp))
+    shutil.rmtree(tmp / "corpus")
+    result.extra["corpus"] = corpus
+    print(json.dumps(corpus), flush=True)
+    results: dict = {"ds": [], "st": []}
+    for rep in range(args.reps):
+        for system in systems if rep % 2 == 0 else systems[::-1]:  # A/B alternating
+            res = measure(system, rep, args, proxy, tmp)
+            results[system].append(res)
+            result.row({"rep": rep, "system": system, **{str(k): v for k, v in res.items()}})
+    result.extra["summary"] = report(results, corpus["corpus_bytes"], args.readers)
+    write_readme(result, args, corpus, systems)
+
+
+def measure(system: str, rep: int, args: argparse.Namespace, proxy, tmp: Path) -> dict:
+    res: dict = {}
+    if system == "ds":
+        launch = ds_launch(proxy, tmp, prescan=False)
+        res["launch"] = launch["launch"]
+        if rep == 0:  # the pre-scan is tokenizer-bound, not store-bound: measured once
+            res["launch_prescan"] = ds_launch(proxy, tmp, prescan=True)["launch"]
+        for r in args.readers:
+            res[r] = ds_readers(launch["run"], r, proxy)
+    else:
+        res["launch"] = st_launch(proxy, tmp)["launch"]
+        for r in args.readers:
+            res[r] = st_readers(r, proxy, tmp)
+    return res
+
+
+def report(results: dict, total: int, readers: list) -> list:
+    """Print the tables (markdown); return their lines."""
     ds, st = results["ds"], results["st"]
-    print("\n| R | bytes/corpus: ds / st | GETs: ds / st | first batch s: ds / st (st/ds: >= 1 is ds no slower) | "
-          "samples/s per reader: ds / st (ds/st: >= 1 is ds no slower) |")
-    print("|---|---|---|---|---|")
+    lines = ["| R | bytes/corpus: ds / st | GETs: ds / st | first batch s, median over readers: ds / st (st/ds: >= 1 "
+             "is ds no slower) | samples/s per reader: ds / st (ds/st: >= 1 is ds no slower) |", "|---|---|---|---|---|"]
     for r in readers:
-        med = {key: [statistics.median([x[r][key] for x in runs]) for runs in (ds, st)]
+        med = {key: [statistics.median([x[r][key] for x in runs]) if runs else float("nan") for runs in (ds, st)]
                for key in ("bytes", "gets", "first_batch_s", "samples_s")}
-        first = spread([b[r]["first_batch_s"] / a[r]["first_batch_s"] for a, b in zip(ds, st)])
-        rate = spread([a[r]["samples_s"] / b[r]["samples_s"] for a, b in zip(ds, st)])
-        print(f"| {r} | {med['bytes'][0] / total:.3f} / {med['bytes'][1] / total:.3f} | "
-              f"{med['gets'][0]:.0f} / {med['gets'][1]:.0f} | {med['first_batch_s'][0]:.3f} / "
-              f"{med['first_batch_s'][1]:.3f} ({first}) | {med['samples_s'][0]:.0f} / {med['samples_s'][1]:.0f} "
-              f"({rate}) |")
-    print("\n| launching process before the first step | bytes/corpus | seconds |")
-    print("|---|---|---|")
+        first = spread([b[r]["first_batch_s"] / a[r]["first_batch_s"] for a, b in zip(ds, st)]) if st else "-"
+        rate = spread([a[r]["samples_s"] / b[r]["samples_s"] for a, b in zip(ds, st)]) if st else "-"
+        lines.append(f"| {r} | {med['bytes'][0] / total:.3f} / {med['bytes'][1] / total:.3f} | "
+                     f"{med['gets'][0]:.0f} / {med['gets'][1]:.0f} | {med['first_batch_s'][0]:.3f} / "
+                     f"{med['first_batch_s'][1]:.3f} ({first}) | {med['samples_s'][0]:.0f} / "
+                     f"{med['samples_s'][1]:.0f} ({rate}) |")
+    lines += ["", "| launching process before the first step | bytes/corpus | seconds |", "|---|---|---|"]
     for name, rows in (("dsrecipes index, cold", [x["launch"]["cold"] for x in ds]),
                        ("dsrecipes index, warm", [x["launch"]["warm"] for x in ds]),
                        ("dsrecipes index + row pre-scan, cold (rep 0)", [ds[0]["launch_prescan"]["cold"]]),
                        ("dsrecipes index + row pre-scan, warm (rep 0)", [ds[0]["launch_prescan"]["warm"]]),
                        ("streaming (index.json)", [x["launch"]["cold"] for x in st])):
-        print(f"| {name} | {spread([b / total for b, _ in rows])} | {spread([t for _, t in rows])} |")
+        if rows:
+            lines.append(f"| {name} | {spread([b / total for b, _ in rows])} | {spread([t for _, t in rows])} |")
+    print("\n" + "\n".join(lines), flush=True)
+    return lines
+
+
+def write_readme(result: Result, args: argparse.Namespace, corpus: dict, systems: tuple) -> None:
+    given = [
+        f"# bench_store: dsrecipes data=iterable vs mosaicml-streaming{' (SMOKE: numbers mean nothing)' if args.smoke else ''}",
+        "", f"Command: `{' '.join(sys.argv)}`", "",
+        f"Corpus: {corpus['corpus_bytes']:,} bytes, {corpus['rows']:,} rows in {corpus['files']} JSONL files, generated "
+        "by benchmarks/_sharegpt_corpus.py (deterministic synthetic ShareGPT conversations, seed 0); both systems "
+        "read it through the same moto server and counting proxy on 127.0.0.1.", "",
+        "What each system was given:",
+        "- dsrecipes: the JSONL objects at s3://bench/jsonl/ (`data=iterable`, `data.prescan=false`, "
+        f"`{CHUNK[0]}`), the run directory's stream index from the launch; each reader (R ranks x 1 reader, no "
+        "DataLoader workers, one after another in one process) starts with no S3 client: the process's cached one is "
+        "dropped before its clock starts, so it builds its own client and connections inside its timed window; "
+        f"shuffle buffer 1024, micro-batch {MBS}.",
+    ]
+    if "st" in systems:
+        given.append(f"- mosaicml-streaming: the same rows as MDS shards of <= {args.shard_mb} MiB at s3://bench/mds/ "
+                     f"({corpus.get('mds_files')} files, one `text` column holding the row's JSON; conversion "
+                     f"{corpus.get('mds_convert_s')} s offline, not timed), `StreamingDataset(remote, fresh local "
+                     f"dir, batch_size={MBS}, shuffle=True, shuffle_seed=0)`, its default download threads and "
+                     "predownload; node r of R is RANK=r WORLD_SIZE=R LOCAL_WORLD_SIZE=1 with its process group "
+                     "switched off; each node builds its own client inside its timed window.")
+    else:
+        given.append("- mosaicml-streaming: NOT RUN (see the notes).")
+    given += ["", "Both are timed from nothing in memory but the launch's products to the first micro-batch of decoded "
+              "rows (median over the readers of R) and to the end of each reader's epoch (samples/s per reader, "
+              "median over the readers).", "", "Notes:", *[f"- {n}" for n in result.notes], "",
+              *result.extra["summary"], ""]
+    (result.out / "README.md").write_text("\n".join(given), encoding="utf-8")
 
 
 if __name__ == "__main__":
