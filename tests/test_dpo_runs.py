@@ -136,7 +136,7 @@ def test_a_pair_is_one_sample_exactly_once_per_epoch(runs):
 
     a, _, _ = runs
     stats = json.loads((a / "prepare_stats.json").read_text())
-    assert stats["samples"] == {"train": 64, "val": 8} and stats["rows"] == "pair"
+    assert stats["samples"] == {"train": 64, "val": 8} and stats["row_kind"] == "pair"
     train_ids = [i for r in load_prepared(load_run_config(a), a).train["ids"] for i in r]
     report = verify_ledgers(a, expected_ids=train_ids, global_batch=4, complete_epochs=[0])
     assert report.ok, report.problems

@@ -9,6 +9,7 @@ answers' tokens on both sides.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from collections import Counter
@@ -20,26 +21,32 @@ from dsrecipes.core.schema import SourceConfig, TrainConfig
 from dsrecipes.data.render.labels import IGNORE_INDEX
 from dsrecipes.data.render.preference_encode import read_and_encode_pairs
 from dsrecipes.data.sources.badrows import BadRowReport
-from dsrecipes.data.sources.splits import mix, split_val
+from dsrecipes.data.sources.splits import split_and_mix
 
 COLUMNS = ("ids", "prompt_ids", "chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels")
 
 
-def build(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig], report: BadRowReport,
-          out: Path) -> Dict[str, Any]:
-    """Write `out/train` (and `out/val`); returns the preparation's stats."""
+def build(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig], val: Sequence[SourceConfig],
+          report: BadRowReport, out: Path) -> Dict[str, Any]:
+    """Write `out/train` (and `out/val`); returns the preparation's stats. `val`: `dataset.val_paths` as one source
+    (prepare.val_sources), read after the training sources and not capped by `dataset.max_samples`; its pairs are
+    then the validation split, as for conversations (splits.split_and_mix)."""
     from datasets import Dataset
 
     rows, names = read_and_encode_pairs(cfg, tokenizer, sources, report)
+    trained = len(rows)
+    if val:
+        uncapped = dataclasses.replace(cfg, dataset=dataclasses.replace(cfg.dataset, max_samples=None))
+        more, more_names = read_and_encode_pairs(uncapped, tokenizer, val, report)
+        rows, names = rows + more, names + more_names
     report.check()
-    if not rows:
+    if not trained:
         raise DataError(f"dataset {cfg.dataset.name}: no usable preference pairs ({report.summary()})")
-    val_pick = split_val(len(rows), cfg.dataset.val_size, cfg.trainer.seed)
-    in_val = set(val_pick)
-    members = [i for i in range(len(rows)) if i not in in_val]
-    train_items = mix(members, names, {src.name: src.weight for src in sources}, cfg.trainer.seed)
-    stats = _stats(cfg, report, rows, names, len(train_items), len(val_pick))
-    for split, items in (("train", train_items), ("val", [(i, 0) for i in val_pick])):
+    train_items, val_items = split_and_mix(range(trained), range(trained, len(rows)), names,
+                                           {src.name: src.weight for src in sources}, cfg.dataset.val_size,
+                                           cfg.trainer.seed)
+    stats = _stats(cfg, report, rows, names, len(train_items), len(val_items))
+    for split, items in (("train", train_items), ("val", val_items)):
         if not items:
             continue
         table = {c: [_copy(rows[i], c, k) for i, k in items] for c in COLUMNS}
@@ -61,7 +68,7 @@ def _stats(cfg: TrainConfig, report: BadRowReport, rows: List[Dict[str, Any]], n
     truncated = sum(bool(r["truncated"]) for r in rows)
     longest = [len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in rows]
     return {
-        "rows": cfg.objective.rows.value,
+        "row_kind": cfg.objective.rows.value,
         "dataset": cfg.dataset.name,
         "template": cfg.template.name.value,
         "train_on": "last_assistant",

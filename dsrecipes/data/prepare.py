@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import numpy as np
 
@@ -52,7 +52,7 @@ from dsrecipes.data.sources.badrows import BadRowReport
 from dsrecipes.data.sources.files import expand_paths, no_file
 from dsrecipes.data.sources.preference import check_sources
 from dsrecipes.data.sources.registry import resolve_sources, validation_files
-from dsrecipes.data.sources.splits import mix, split_val
+from dsrecipes.data.sources.splits import split_and_mix
 from dsrecipes.objectives.base import reference_mode
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ def _build(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig], val: L
     report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, quarantine)
     try:
         if cfg.objective.rows is RowKind.pair:
-            stats = build_pairs(cfg, tokenizer, sources, report, tmp)
+            stats = build_pairs(cfg, tokenizer, sources, val, report, tmp)
         else:
             stats = _build_sft(cfg, tokenizer, sources, val, report, key, tmp)
         stats["seconds"] = round(time.time() - started, 2)
@@ -179,30 +179,16 @@ def _build_sft(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig], va
     report.check()
     if not (encoded.kept < trained).any():
         raise DataError(f"dataset {cfg.dataset.name}: no usable samples ({report.summary()})")
-    train_items, val_items = _split(cfg, encoded, trained, sources, bool(val))
+    pool = encoded.kept[encoded.kept < trained]
+    train_items, val_items = split_and_mix(pool, encoded.kept[encoded.kept >= trained], encoded.sources,
+                                           {src.name: src.weight for src in sources}, cfg.dataset.val_size,
+                                           cfg.trainer.seed)
     stats = build_stats(cfg, sources, report, encoded, train_items, val_items)
     for split, items in (("train", train_items), ("val", val_items)):
         if items:
             rows, eff = write_split(tmp / split, items, encoded, cfg, f"{key}-{split}")
             stats["rows"][split], stats["packing_efficiency"][split] = rows, eff
     return stats
-
-
-def _split(cfg: TrainConfig, encoded: Encoded, trained: int, sources: List[SourceConfig],
-           val_files: bool) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
-    """(train items, validation items): the validation files' samples, else `dataset.val_size` held out of the
-    training samples; the training part is then mixed by the sources' weights."""
-    pool = encoded.kept[encoded.kept < trained]
-    if val_files:
-        val_items = [(int(i), 0) for i in encoded.kept[encoded.kept >= trained]]
-        members = [int(i) for i in pool]
-    else:
-        val_pick = split_val(len(pool), cfg.dataset.val_size, cfg.trainer.seed)
-        val_items = [(int(pool[j]), 0) for j in val_pick]
-        in_val = set(val_pick)
-        members = [int(pool[j]) for j in range(len(pool)) if j not in in_val]
-    weights = {src.name: src.weight for src in sources}
-    return mix(members, encoded.sources, weights, cfg.trainer.seed), val_items
 
 
 def val_sources(cfg: TrainConfig, sources: List[SourceConfig]) -> List[SourceConfig]:

@@ -26,6 +26,7 @@ def build_stats(cfg: TrainConfig, sources: Sequence[SourceConfig], report: BadRo
         per_source[enc.sources[i]]["train_samples"] += 1
     id_counts = Counter(enc.ids)
     return {
+        "row_kind": cfg.objective.rows.value,
         "dataset": cfg.dataset.name,
         "template": cfg.template.name.value,
         "train_on": cfg.data.train_on.value,

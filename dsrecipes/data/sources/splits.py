@@ -1,4 +1,5 @@
-"""The validation split and the per-source mixing weights of a preparation (deterministic for a seed)."""
+"""The validation split and the per-source mixing weights of a preparation (deterministic for a seed), one
+implementation for every row kind (conversations: prepare.py, preference pairs: preference_prepare.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,22 @@ def split_val(n: int, val_size: float, seed: int) -> List[int]:
     if k >= n:
         raise DataError(f"dataset.val_size: {k} validation samples leave nothing to train on ({n} usable samples)")
     return sorted(random.Random(seed).sample(range(n), k))
+
+
+def split_and_mix(pool: Sequence[int], held: Sequence[int], source_of: Sequence[str], weights: Dict[str, float],
+                  val_size: float, seed: int) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
+    """(training items, validation items) of a preparation. `pool`: the kept samples of the training sources;
+    `held`: those of `dataset.val_paths`, which are then the whole validation split (`val_size` unused), else
+    `val_size` of the pool is held out. Validation items are never copied; the training part is mixed by weight."""
+    if len(held):
+        val_items = [(int(i), 0) for i in held]
+        members = [int(i) for i in pool]
+    else:
+        pick = split_val(len(pool), val_size, seed)
+        val_items = [(int(pool[j]), 0) for j in pick]
+        in_val = set(pick)
+        members = [int(pool[j]) for j in range(len(pool)) if j not in in_val]
+    return mix(members, source_of, weights, seed), val_items
 
 
 def mix(members: Sequence[int], source_of: Sequence[str], weights: Dict[str, float], seed: int) -> List[Tuple[int, int]]:
