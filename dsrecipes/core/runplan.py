@@ -69,6 +69,8 @@ def read_plan(run_dir: str | Path) -> RunPlan:
         raise UserError(f"{path}: missing; start runs with `python -m dsrecipes` (it writes the run directory)")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
         if data.get("version") != PLAN_VERSION:
             raise ValueError(f"plan version {data.get('version')!r}, expected {PLAN_VERSION}")
         return RunPlan.from_dict(data)

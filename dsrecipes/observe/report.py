@@ -68,6 +68,8 @@ def selection_lines(run_dir: Path) -> List[str]:
         result = json.loads((run_dir / RESULT_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return []
+    if not isinstance(result, dict):
+        return []
     best = run_dir / EXPORT_BEST_DIR
     return summary_lines(result, str(best) if best.is_dir() else None)
 

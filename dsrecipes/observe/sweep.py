@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import yaml
 from hydra.experimental.callback import Callback
 
+from dsrecipes.core.errors import UserError
 from dsrecipes.core.fileio import atomic_write_json, atomic_write_text
 from dsrecipes.core.rundir import METRICS_FILE, RESULT_FILE, read_metrics, run_summary
 from dsrecipes.observe.plots import plot_sweep
@@ -106,13 +107,20 @@ def read_run(*dirs: Path) -> Dict[str, Any]:
     result_file = _first(dirs, RESULT_FILE)
     if result_file is not None:
         try:
-            result.update(json.loads(result_file.read_text(encoding="utf-8")))
-        except json.JSONDecodeError as exc:
-            result.update(status="failed", error=f"unreadable {RESULT_FILE}: {exc}")
+            recorded = json.loads(result_file.read_text(encoding="utf-8"))
+            if not isinstance(recorded, dict):
+                raise ValueError("not a JSON object")
+            result.update(recorded)
+        except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError too
+            result.update(status="failed", error=f"unreadable {result_file}: {type(exc).__name__}: {str(exc)[:80]}")
     else:
         result.update(status="unknown", error=f"no {RESULT_FILE} (still running, or killed)")
     metrics_file = _first(dirs, METRICS_FILE)
-    from_metrics = run_summary(metrics_file.parent) if metrics_file is not None else {}
+    try:
+        from_metrics = run_summary(metrics_file.parent) if metrics_file is not None else {}
+    except UserError as exc:  # a damaged metrics.jsonl: named in this run's row, the sweep table still prints
+        from_metrics = {}
+        result.update(status="failed", error=str(exc))
     for key in HEADLINE:
         if result.get(key) is None:
             result[key] = from_metrics.get(key)
@@ -153,9 +161,17 @@ def write_summary(sweep_dir: Path) -> List[Dict[str, Any]]:
 def plot_summary(sweep_dir: Path, rows: List[Dict[str, Any]]) -> bool:
     """summary.png: every job's loss curves on one set of axes, labelled by its swept values."""
 
-    jobs = [(label, read_metrics(Path(row["run_dir"])) or read_metrics(sweep_dir / row["job"]))
+    jobs = [(label, _curves(Path(row["run_dir"])) or _curves(sweep_dir / row["job"]))
             for label, row in zip(curve_labels(rows), rows)]
     return plot_sweep(jobs, sweep_dir / SUMMARY_PNG, title=f"sweep {sweep_dir.name}: {len(rows)} jobs")
+
+
+def _curves(run_dir: Path) -> List[Dict[str, Any]]:
+    """A job's metrics for the picture; a damaged file (named in its row of the table) draws no curve."""
+    try:
+        return read_metrics(run_dir)
+    except UserError:
+        return []
 
 
 def curve_labels(rows: List[Dict[str, Any]]) -> List[str]:
