@@ -122,8 +122,8 @@ ROUTES = {  # route -> (arguments, what the message must name)
                               "'DSR_TEST_SECRET' (configuration may read only DSRECIPES_SMOLLM2_DIR; "),
     "recipe calls a resolver": (["recipe=resolver"], "trainer.experiment: calls the resolver 'oc.decode'"),
     "recipe sets hydra.overrides": (["recipe=overrides"], "hydra.overrides: changes the overrides Hydra records"),
-    "override reads a secret": (["trainer.experiment=${oc.env:DSR_TEST_SECRET}"],
-                                "set by command-line override 'trainer.experiment=${oc.env:DSR_TEST_SECRET}'"),
+    "override reads a secret": (["trainer.experiment=${oc.env:DSR_TEST_SECRET}"],  # refused where it resolves
+                                "trainer.experiment: reads the environment variable 'DSR_TEST_SECRET'"),
 }
 
 

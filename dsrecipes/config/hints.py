@@ -18,6 +18,7 @@ from typing import Any, Iterator, List, Optional, Sequence
 import yaml
 
 from dsrecipes.config.groups import group_options
+from dsrecipes.config.resolvers import refused_resolver
 from dsrecipes.core.errors import ConfigError
 from dsrecipes.core.paths import conf_dir
 from dsrecipes.core.schema import RETIRED_KEYS, TrainConfig
@@ -58,9 +59,11 @@ def compose_error(exc: BaseException, overrides: Sequence[str]) -> ConfigError:
 def clean_hydra_message(exc: BaseException) -> str:
     """Hydra/OmegaConf messages, flattened to one readable line (with the file and full key when known). A refusal of
     our own raised inside a resolver (hydra_app.readable_env) is that message, with the key it was resolving."""
+    key = next((str(e.full_key) for e in _chain(exc) if getattr(e, "full_key", None)), "")
     ours = next((e for e in _chain(exc) if isinstance(e, ConfigError)), None)
+    if ours is None:  # a resolver outside the registry (config/resolvers.py)
+        ours = next((refused_resolver(str(e).strip()) for e in _chain(exc) if refused_resolver(str(e).strip())), None)
     if ours is not None:
-        key = next((str(e.full_key) for e in _chain(exc) if getattr(e, "full_key", None)), "")
         return f"{key}: {ours}" if key else str(ours)
     parts = []
     seen = set()

@@ -38,14 +38,16 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import configure_log, run_job
 from hydra.errors import HydraException
 from hydra.types import HydraContext, RunMode
-from omegaconf import OmegaConf, open_dict, read_write
+from omegaconf import open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
+import dsrecipes.config.resolvers as resolvers
 import dsrecipes.config.safety as safety
 import dsrecipes.config.sources as sources
 from dsrecipes.config.hints import compose_error
+from dsrecipes.config.resolvers import readable_env  # noqa: F401 - tests and callers name it here
 from dsrecipes.core.errors import ConfigError, UserError
-from dsrecipes.core.paths import ASSETS_DIR, conf_dir
+from dsrecipes.core.paths import conf_dir
 from dsrecipes.core.rundir import claim_sweep_dir, unique_new_dir
 from dsrecipes.core.schema import GROUP_SCHEMAS, TrainConfig
 
@@ -76,33 +78,14 @@ def refuse_other_config_roots(args: Any) -> None:
 
 
 def register_schemas() -> None:
-    """The schemas in Hydra's ConfigStore and the `${dsr.asset:NAME}` resolver (explicitly, never at import;
-    registering again replaces the same entries). `oc.env` is replaced by `readable_env`: whatever form of a
-    recipe's text reaches OmegaConf's resolver (escaped, nested, in a key or a list), it can read only the variables
-    in safety.READABLE_ENV - enforced where interpolations resolve, not only by the scan of the text (safety.py)."""
-    OmegaConf.register_new_resolver("dsr.asset", lambda name: str(ASSETS_DIR / name), replace=True)
-    OmegaConf.register_new_resolver("oc.env", readable_env, replace=True)
+    """The schemas in Hydra's ConfigStore and only the allowed resolvers (config/resolvers.py: `dsr.asset`, `now`,
+    `oc.select`, and `oc.env` reading only safety.READABLE_ENV), explicitly, never at import; registering again
+    replaces the same entries. Enforced where interpolations resolve, whatever form a recipe's text takes."""
+    resolvers.install()
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     for group, schema in GROUP_SCHEMAS.items():
         store.store(group="schema", name=group, node=schema)
-
-
-_NO_DEFAULT = object()
-
-
-def readable_env(name: str, default: Any = _NO_DEFAULT) -> Optional[str]:
-    """`${oc.env:NAME[,DEFAULT]}` as OmegaConf's own resolver answers it, for the variables in READABLE_ENV only; any
-    other name is refused without reading it (the message names the variable, never a value)."""
-    if name not in safety.READABLE_ENV:
-        raise ConfigError(f"${{oc.env:{name}}}: configuration may read only {', '.join(safety.READABLE_ENV)} from the "
-                          "environment (a recipe is data from someone else; pass values on the command line)")
-    value = os.environ.get(name)
-    if value is not None:
-        return value
-    if default is _NO_DEFAULT:
-        raise ConfigError(f"${{oc.env:{name}}}: the environment variable {name} is not set")
-    return None if default is None else str(default)
 
 
 def search_path() -> Any:
@@ -130,6 +113,7 @@ def create_hydra() -> Any:
 def hydra_context(fresh: bool = False) -> Iterator[Any]:
     """Hydra initialised once; compositions inside reuse it (validate --all composes hundreds). `fresh`: a Hydra of
     its own (a run or sweep changes its loader), cleared at the end."""
+    resolvers.install()  # (a Hydra initialised elsewhere: still only the allowed resolvers)
     if GlobalHydra.instance().is_initialized() and not fresh:
         yield GlobalHydra.instance().hydra
         return

@@ -15,10 +15,9 @@ before anything is instantiated and before Hydra configures logging (`check`):
     set only on the command line, never by a recipe or group file;
   * `hydra.overrides` is what Hydra wrote there: exactly the command line's overrides (a recipe setting it would
     put its own overrides, even `--trust-checkpoint`, into the "train further" command a run prints);
-  * interpolations call only the resolvers in RESOLVERS, and `oc.env` reads only the variables in READABLE_ENV: a
-    recipe is data from someone else, and `${oc.env:AWS_SECRET_ACCESS_KEY}` would copy a secret into config.yaml,
-    a tracker's parameters or a path. A value from the environment is passed on the command line instead (the
-    shell expands `$VAR`). Values equal to the baseline's at the same place (Hydra's own) are not checked.
+Interpolations are not checked here (no scan of text): config/resolvers.py registers only RESOLVERS with OmegaConf,
+and its `oc.env` reads only READABLE_ENV, so every form a recipe can write is refused where it resolves (a recipe is
+data from someone else: `${oc.env:AWS_SECRET_ACCESS_KEY}` would copy a secret into config.yaml, a tracker or a path).
 A refusal (ConfigError, exit 2) names where the key came from: the file (recipe or group file) found through Hydra's
 defaults list, or the command-line override. This module is the rule, on plain data; config/hydra_app.py applies it
 to every composition (a sweep's jobs through its guarded loader) and supplies the baseline and the sources.
@@ -26,7 +25,6 @@ to every composition (a sweep's jobs through its guarded loader) and supplies th
 
 from __future__ import annotations
 
-import re
 from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -40,9 +38,8 @@ RUNTIME_KEYS = ("runtime", "overrides", "mode", "job.override_dirname", "job.id"
 CODE_KEYS = ("_target_", "()")  # Hydra's instantiate, logging.config's factories
 # Settings that choose code the batch job runs (boundary/batch_script.py): only the command line may set them.
 COMMAND_LINE_ONLY = (("launcher", "slurm_venv"), ("launcher", "slurm_conda_env"), ("launcher", "slurm_modules"))
-RESOLVERS = ("dsr.asset", "now", "oc.env", "oc.select")  # dsr.asset: a file shipped in the package (hydra_app.py)
+RESOLVERS = ("dsr.asset", "now", "oc.env", "oc.select")  # the only ones registered (config/resolvers.py)
 READABLE_ENV = ("DSRECIPES_SMOLLM2_DIR",)  # conf/model/smollm2_135m.yaml: where the SmolLM2 download lives
-_RESOLVER_CALL = re.compile(r"(?<!\\)\$\{\s*([A-Za-z_][\w.-]*)\s*:\s*([^,}]*)")
 Path = Tuple[Any, ...]
 MISSING = object()  # lookup(): no such key
 
@@ -83,16 +80,13 @@ def override_problems(overrides: Sequence[str]) -> List[str]:
 
 
 def composition_problems(composed: Any, base: Dict[str, Any], overrides: Sequence[str] = ()) -> List[Tuple[Path, str]]:
-    """(key path, what is wrong) for each code key, each resolver call outside RESOLVERS / READABLE_ENV, overrides
-    recorded in `hydra.overrides` that are not `overrides`, and each change to the `hydra` node the baseline lacks."""
+    """(key path, what is wrong) for each code key, overrides recorded in `hydra.overrides` that are not
+    `overrides`, and each change to the `hydra` node the baseline lacks."""
     data = container(composed)
     found: List[Tuple[Path, str]] = []
     for path, value in _code_keys(data):
         if lookup(base, path) != value:
             found.append((path, f"names code to run ({value!r})"))
-    for path, value in _strings(data):
-        if lookup(base, path) != value and not _runtime(path):  # (Hydra records the overrides' text there)
-            found += [(path, what) for what in resolver_problems(value)]
     recorded = lookup(data, ("hydra", "overrides"))
     if recorded is not MISSING and _recorded_overrides(recorded) != sorted(overrides):
         found.append((("hydra", "overrides"), "changes the overrides Hydra records from the command line"))
@@ -101,19 +95,6 @@ def composition_problems(composed: Any, base: Dict[str, Any], overrides: Sequenc
             continue  # one problem per part of the hydra node (callbacks, job_logging, job, ...)
         found.append((path, "changes Hydra's own configuration"))
     return found
-
-
-def resolver_problems(value: str) -> List[str]:
-    """What is wrong with the resolver calls in one string value (OmegaConf's `${name:args}` syntax)."""
-    problems = []
-    for name, arg in _RESOLVER_CALL.findall(value):
-        if name not in RESOLVERS:
-            problems.append(f"calls the resolver '{name}' (configuration may call only {', '.join(RESOLVERS)})")
-        elif name == "oc.env" and arg.strip().strip("'\"") not in READABLE_ENV:
-            problems.append(f"reads the environment variable '{arg.strip()}' (configuration may read only "
-                            f"{', '.join(READABLE_ENV)}; pass other values on the command line, where the shell "
-                            "expands $VARIABLES)")
-    return problems
 
 
 def _recorded_overrides(recorded: Any) -> Any:
@@ -143,17 +124,6 @@ def _code_keys(value: Any, path: Path = ()) -> Iterator[Tuple[Path, Any]]:
     elif isinstance(value, list):
         for i, v in enumerate(value):
             yield from _code_keys(v, path + (i,))
-
-
-def _strings(value: Any, path: Path = ()) -> Iterator[Tuple[Path, str]]:
-    if isinstance(value, dict):
-        for k, v in value.items():
-            yield from _strings(v, path + (k,))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            yield from _strings(v, path + (i,))
-    elif isinstance(value, str):
-        yield path, value
 
 
 def _differences(a: Any, b: Any, path: Path) -> Iterator[Path]:
