@@ -27,6 +27,7 @@ from dsrecipes.core.schema import ObjectiveKind, RowKind, TrainConfig
 from dsrecipes.objectives.base import IGNORE_INDEX, Batch, Row, pad_token_id, ratio
 from dsrecipes.objectives.dpo import collate_pairs, placeholder_pair
 
+AVG_MAX = -1e-6  # an answer's average log-prob is kept below 0, where log(1 - exp(x)) is finite (a placeholder pair's is 0)
 SUMS = ("pairs", "nll_sum", "nll_tokens", "ratio_sum", "log_odds", "chosen_rewards", "rejected_rewards", "correct",
         "chosen_logps", "rejected_logps")
 
@@ -76,7 +77,7 @@ class ORPO:
         """The micro-batch's sums (module docstring); `nll_sum` and `ratio_sum` carry the gradient."""
         per_token, answer, seen = token_logps(model, batch, device)
         mask = batch["pair_mask"].to(device)
-        avg = (per_token * answer).sum(dim=1) / answer.sum(dim=1).clamp(min=1)
+        avg = ((per_token * answer).sum(dim=1) / answer.sum(dim=1).clamp(min=1)).clamp(max=AVG_MAX)
         chosen, rejected = avg.chunk(2)
         log_odds, log_ratio = odds_ratio(chosen, rejected)
         chosen_seen = seen.chunk(2)[0] * mask[:, None]
