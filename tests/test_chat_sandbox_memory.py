@@ -1,10 +1,13 @@
-"""The sandbox's memory budget (chat_sandbox.py): a chat template that would build a text past MAX_OUTPUT characters
-is refused before it builds it, whatever builds it: an operator (`~`, `%`, `*`, `+`), a str method, a format spec's
-width or precision, a filter or test, a block's or macro's output, the constants Jinja folds while compiling, or the
-str(), JSON or error message of a value that repeats one large string (so none can be made), or many values each
-within it (MAX_BUILT). Before this budget each case allocated hundreds of MiB to GiB, or ran into the deadline, which
-cannot stop an allocation made in one C call; each is now refused by a budget, not the deadline, with a traced peak of
-a few MiB. (Loops, Python internals: test_trust.py.)"""
+"""Memory bombs in a chat template (chat_sandbox.py): whatever builds the text - an operator (`~`, `%`, `*`, `+`), a
+str method, a format spec's width or precision, a filter or test, a block's or macro's output, the constants Jinja
+folds while compiling, the str(), JSON or error message of a value that repeats one large string, or many values
+each of moderate size - the template runs in the renderer child process under its address-space limit (MAX_MEMORY),
+its time limits and MAX_OUTPUT, and is refused with one message ("chat template stopped" / "refused") while this
+process's traced memory stays where it was (a few KiB for the request and the reply). Before the child process, each
+case was refused by sizing every operation on Jinja's internals; a few cases that sizing refused on an upper bound
+but that Python builds small (`indent` of blank lines, `urlize` of words that are no links), or that stay within
+the child's limits (a 10 MB `~`, 100 lists), are scaled here to what would really take the memory.
+(Loops, Python internals: test_trust.py; the OS limits themselves: test_chat_sandbox_os.py.)"""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ MANY = "range(300)|map(attribute='x', default=s)"  # 300 references to it, one a
 HOSTILE = {
     "`~` doubling": ("{% set ns = namespace(s='ab') %}{% for i in range(28) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
                      "{{ ns.s|length }}"),
-    "`~` of many operands": S + "{{ (s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s)|length }}",
+    "`~` of many operands": S + "{{ (" + " ~ ".join(["s"] * 300) + ")|length }}",
     "`%` width": "{{ '%0400000000d' % 1 }}",
     "`%` width taken from the values": "{{ '%*d' % (400000000, 1) }}",
     "`%` keyed, nested parentheses": "{{ '%(a(b)c)400000000s' % {'a(b)c': 1} }}",
@@ -41,18 +44,18 @@ HOSTILE = {
     "str.replace": S + "{{ ('x' * 300).replace('x', s) }}",
     "str.expandtabs": "{{ ('\\t' * 1000000).expandtabs(300) }}",
     "str.translate": S + "{{ ('x' * 300).translate({120: s}) }}",
-    "`indent` filter": "{{ ('\\n' * 100000)|indent(3000) }}",
+    "`indent` filter": "{{ ('x\\n' * 100000)|indent(3000) }}",
     "`wordwrap` filter": "{{ ('a ' * 100000)|wordwrap(1, wrapstring='y' * 3000) }}",
-    "`urlize` filter": "{{ ('a.b ' * 30000)|urlize(target='y' * 10000) }}",
+    "`urlize` filter": "{{ ('www.a.com ' * 30000)|urlize(target='y' * 10000) }}",
     "`batch` filter's fill": S + "{{ [1]|batch(300, s)|list }}",
     "`sum` of lists": ("{% set l = range(100000)|list %}"
                        "{{ (range(100)|map(attribute='x', default=l)|sum(start=[]))|length }}"),
     "`lipsum`": "{{ lipsum(100000, max=1000)|length }}",
-    "`list` of a long text": "{{ ('中' * 1000000)|list|length }}",
+    "`list` of a long text": "{{ ('中' * 10000000)|list|length }}",
     "a block's output": S + "{% set b %}{% for i in range(300) %}{{ s }}{% endfor %}{% endset %}{{ b|length }}",
     "a macro's output": S + "{% macro m() %}{% for i in range(300) %}{{ s }}{% endfor %}{% endmacro %}{{ m()|length }}",
     "constants folded while compiling": "{{ 'x'|center(1000000) }}" * 60,
-    "an autoescape expression folded while compiling": ("{% autoescape " + " ~ ".join(["'x'|center(1000000)"] * 60)
+    "an autoescape expression folded while compiling": ("{% autoescape " + " ~ ".join(["'x'|center(1000000)"] * 300)
                                                          + " %}{% endautoescape %}"),
     "a list printed": S + "{{ [s] * 300 }}",
     "nested literals printed": S + ("{% set a = [s, s, s] %}{% set b = [a, a, a] %}{% set c = [b, b, b] %}"
@@ -64,7 +67,7 @@ HOSTILE = {
     "a macro's varargs printed": S + "{% macro m() %}{{ varargs }}{% endmacro %}{{ m(*(" + MANY + ")) }}",
     "an error message quoting a value": S + "{{ [0].index([s] * 300) }}",
     "many values, each within the budget": "".join(f"{{% set v{i} = 'x'|center(1000000) %}}" for i in range(100)),
-    "many lists, each within the budget": "".join(f"{{% set v{i} = (range(256)|list) * 250 %}}" for i in range(150)),
+    "many lists, each within the budget": "".join(f"{{% set v{i} = (range(256)|list) * 250 %}}" for i in range(600)),
     "an undefined name quoting a value": S + "{% set t = (" + "s, " * 300 + ") %}{{ {}[t].x }}",
 }
 MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
@@ -97,16 +100,15 @@ def traced_render(template: str):
 
 
 @pytest.mark.parametrize("name", list(HOSTILE))
-def test_a_template_that_would_build_past_the_budget_is_refused_before_it_allocates(name):
+def test_a_memory_bomb_is_stopped_in_the_child_and_this_process_allocates_nothing(name):
     outcome, peak = traced_render(HOSTILE[name])
     assert isinstance(outcome, TemplateRefused) and not isinstance(outcome, TemplateRaised), outcome
     message = str(outcome)
-    assert "hostile-model: chat_template: chat template stopped:" in message, message
-    assert "ran longer than" not in message, message  # a budget stopped it, not the deadline
-    assert peak < 50 * 2**20, f"{peak / 2**20:.0f} MiB traced"
+    assert message.count("hostile-model: chat_template: chat template stopped:") == 1, message
+    assert peak < 2**20, f"{peak / 2**20:.1f} MiB traced in this process"  # the child built it, not this process
 
 
-SIZED = {  # each operation above, within the budget: what Python itself makes, byte for byte
+SIZED = {  # each operation above, within the limits: what Python itself makes, byte for byte
     "{{ '%0500000d' % 7 }}": "%0500000d" % 7,
     "{{ '%*d|%.3f|%-4s|' % (6, 7, 2.5, 'ab') ~ '%(a)s=%(b)05d' % {'a': 'k', 'b': 3} }}": "     7|2.500|ab  |k=00003",
     "{{ '{:>500000}|{:.2f}|{:,}'.format('x', 3.14159, 1234) }}": "{:>500000}|{:.2f}|{:,}".format("x", 3.14159, 1234),
@@ -125,7 +127,7 @@ SIZED = {  # each operation above, within the budget: what Python itself makes, 
 
 
 @pytest.mark.parametrize("template", list(SIZED))
-def test_the_same_operations_within_the_budget_render_as_python_makes_them(template):
+def test_the_same_operations_within_the_limits_render_as_python_makes_them(template):
     outcome, _ = traced_render(template)
     assert outcome == SIZED[template]
     assert len(outcome) <= MAX_OUTPUT

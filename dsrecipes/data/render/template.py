@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
-from dsrecipes.boundary.chat_sandbox import TemplateRaised, TemplateRefused
+from dsrecipes.boundary.chat_sandbox import TemplateRaised, TemplateRefused, render_many
 from dsrecipes.boundary.chat_sandbox import render as render_chat_template
 from dsrecipes.core.schema import TemplateConfig, TemplateKind, TrainOn
 from dsrecipes.data.sources.badrows import BadReason, BadRow
@@ -178,22 +178,29 @@ _REPLY_MARK = "DSRECIPESREPLYMARK"
 def _tokenizer_template(conv: Conversation, cfg: TemplateConfig, tokenizer: Any) -> List[Piece]:
     messages, tools = tokenizer_messages(conv, cfg, tokenizer)
     offset = len(messages) - len(conv.turns)  # the system message, if any
+    replies = [offset + i for i, t in enumerate(conv.turns) if t.role in (Role.assistant, Role.tool_call)]
 
-    def apply(msgs: List[Dict[str, Any]], generation: bool) -> str:
-        try:  # in the sandbox: past a budget or reaching for internals is TemplateRefused, the whole run's message
-            return render_chat_template(tokenizer, msgs, tools=tools, add_generation_prompt=generation)
+    def apply(renders: List[Tuple[List[Dict[str, Any]], bool]]) -> List[str]:
+        """Prefixes (with the generation prompt or not), in one call to the sandbox: past a budget or reaching for
+        internals is TemplateRefused, the whole run's message."""
+        try:
+            return render_many(tokenizer, renders, tools=tools)
         except TemplateRaised as exc:  # raise_exception, an undefined key: this template refuses this row
             raise BadRow(BadReason.template_error, exc.detail) from None
 
-    full = apply(messages, False)
+    wanted = [(len(messages), False)]  # (k, generation): messages[:k]; the full text, then each reply's before/after
+    for k in replies:
+        wanted += [(k, True)] * (k > 0) + [(k + 1, False)] * (k + 1 < len(messages))
+    texts = dict(zip(wanted, apply([(messages[:k], generation) for k, generation in wanted])))
+    full = texts[len(messages), False]
     out: List[Piece] = []
     pos = 0
     for i, t in enumerate(conv.turns):
         if t.role not in (Role.assistant, Role.tool_call):
             continue
         k = offset + i
-        before = apply(messages[:k], True) if k > 0 else _opening_prompt(apply, messages[0])
-        after = full if k + 1 == len(messages) else apply(messages[: k + 1], False)
+        before = texts[k, True] if k > 0 else _opening_prompt(lambda m, g: apply([(m, g)])[0], messages[0])
+        after = texts[k + 1, False]
         if not (full.startswith(after) and after.startswith(before) and len(before) >= pos):
             raise BadRow(BadReason.template_error, f"chat_template is not prefix-stable at turn {i}; use a built-in template")
         body = after[len(before):].rstrip()

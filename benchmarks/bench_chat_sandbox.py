@@ -1,0 +1,98 @@
+"""Training-side cost of rendering a model's own chat template in the sandbox (dsrecipes/boundary/chat_sandbox.py).
+
+    python benchmarks/bench_chat_sandbox.py                  # 3000 conversations, 3 rounds, SmolLM2's template
+    python benchmarks/bench_chat_sandbox.py --n 500 --rounds 1
+
+Conversations: `--n` of them, 1-3 user/assistant exchanges each, taken from the rows of tests/fixtures/data/
+small.jsonl.gz and array.json (seeded), a system prompt on every fourth. Tokenizer and template: SmolLM2-135M-Instruct's (scripts/fetch_smollm2.py; without it,
+the bundled tiny tokenizer with a ChatML chat_template, noted). Each round times, in this process:
+* encode: `Encoder(template=tokenizer).encode_arrays` over all conversations in batches of 256 (what a
+  data-preparation worker does: every assistant turn renders two prefixes, so ~2 renders per exchange + 1);
+* render: `chat_sandbox.render` of each whole conversation once.
+Prints conversations/s and renders/s per round and their medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, List
+
+from _harness import REPO, Result, add_args
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def conversations(n: int) -> List[Any]:
+    """`n` Conversations of 1-3 exchanges, each exchange a user/assistant pair of the fixtures' rows (seeded)."""
+    from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
+
+    data = REPO / "tests" / "fixtures" / "data"
+    rows = [json.loads(line) for line in gzip.open(data / "small.jsonl.gz", "rt") if line.strip()]
+    rows += [r for r in json.loads((data / "array.json").read_text()) if isinstance(r, dict)]
+    pairs = []
+    for row in rows:
+        turns = [t for t in row["conversations"] if t["from"] in ("human", "gpt")]
+        pairs += [(a["value"], b["value"]) for a, b in zip(turns, turns[1:]) if (a["from"], b["from"]) == ("human", "gpt")]
+    rng = random.Random(0)
+    out = []
+    for i in range(n):
+        turns = []
+        for q, a in (rng.choice(pairs) for _ in range(rng.randint(1, 3))):
+            turns += [Turn(Role.user, q), Turn(Role.assistant, a)]
+        out.append(Conversation(f"c{i}", turns, system="Be brief." if i % 4 == 0 else None))
+    return out
+
+
+def main(argv: List[str]) -> int:
+    parser = add_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser.add_argument("--n", type=int, default=3000)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.n, args.rounds = 40, 1
+    from dsrecipes.boundary.chat_sandbox import render
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.core.tokenizer import load_tokenizer
+    from dsrecipes.data.render.tokenize import Encoder
+
+    with Result("bench_chat_sandbox", args) as result:
+        smol = Path.home() / ".cache" / "dsrecipes" / "models" / "SmolLM2-135M-Instruct"
+        model = smol if (smol / "tokenizer.json").is_file() else REPO / "dsrecipes" / "assets" / "tiny_tokenizer"
+        cfg = compose_and_load(["debug=fast", "template=tokenizer", f"model.path={model}"])
+        tokenizer = load_tokenizer(cfg)
+        if model != smol:
+            result.note(f"SmolLM2 is not at {smol}: the tiny tokenizer with a ChatML template instead")
+            tokenizer.chat_template = CHATML
+        encoder = Encoder(tokenizer, cfg)
+        convs = conversations(args.n)
+        renders = []
+        for r in range(args.rounds):
+            started = time.perf_counter()
+            for i in range(0, len(convs), 256):
+                batch = encoder.encode_arrays(convs[i:i + 256])
+                assert not batch.bad, batch.bad[:1]
+            encode_s = time.perf_counter() - started
+            messages = [[{"role": "user" if t.role.value == "user" else "assistant", "content": t.content}
+                         for t in c.turns] for c in convs]
+            started = time.perf_counter()
+            for m in messages:
+                render(tokenizer, m)
+            render_s = time.perf_counter() - started
+            renders.append((len(convs) / encode_s, len(convs) / render_s))
+            result.row({"round": r, "conversations": len(convs), "encode_conv_per_s": round(renders[-1][0], 1),
+                        "render_per_s": round(renders[-1][1], 1)})
+        result.row({"median_encode_conv_per_s": round(statistics.median(e for e, _ in renders), 1),
+                    "median_render_per_s": round(statistics.median(r for _, r in renders), 1)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
