@@ -71,18 +71,18 @@ def all_cases() -> List[Case]:
             if c.applies()]
 
 
-def overrides(case: Case, root: Path) -> List[str]:
+def overrides(case: Case, root: Path, cache: Optional[Path] = None) -> List[str]:
     data = root / "train.jsonl"
     run = root / "run"
     args = ["debug=fast", "trainer.log_every=1", "data.cutoff_len=64", f"data.num_workers={case.workers}",
             f"dataset.paths=[{data}]", "trainer.max_steps=400", "trainer.save_every=2", "trainer.eval_every=0",
             "trainer.export=false", "dataset.val_size=0", "trainer.eval_at_start=false",
-            f"data.cache_dir={root / 'cache'}", f"trainer.output_dir={run}", f"hydra.run.dir={run}",
+            f"data.cache_dir={cache or root / 'cache'}", f"trainer.output_dir={run}", f"hydra.run.dir={run}",
             f"launcher.peer_timeout_s={PEER_TIMEOUT_S}"]
     if case.strategy == "iterable":
         args += ["data=iterable", "data.block_bytes=4096", "data.prescan=false", "dataset.max_samples=null"]
     else:
-        args += ["dataset.max_samples=1600"]
+        args += ["dataset.max_samples=400"]
     if case.world == 1:
         return args + ["launcher=local"]
     return args + ["launcher=deepspeed", f"launcher.num_gpus={case.world}"]
@@ -97,14 +97,15 @@ def env() -> Dict[str, str]:
     return e
 
 
-def run_case(case: Case, root: Path, start_timeout: float = 300) -> Outcome:
+def run_case(case: Case, root: Path, cache: Optional[Path] = None, start_timeout: float = 300) -> Outcome:
+    """Run `case` in `root` (`cache`: data.cache_dir shared by cases; map tokenizes once)."""
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     shutil.copy(SAMPLE, root / "train.jsonl")
     console = root / "console.log"
     with open(console, "w") as out:
         proc = subprocess.Popen(["/bin/sh", "-c", f'{MARK_ENV}=$$ exec "$@"', "sh", sys.executable, "-m",
-                                 "dsrecipes", *overrides(case, root)], cwd=REPO, env=env(), stdout=out,
+                                 "dsrecipes", *overrides(case, root, cache)], cwd=REPO, env=env(), stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
         reached = wait_for_step(root / "run", INJECT_AT, proc, start_timeout)

@@ -13,6 +13,7 @@ from typing import Sequence, Tuple
 from dsrecipes.boundary.checkpoint_find import committed
 from dsrecipes.core import stopping
 from dsrecipes.core.failure import rank_failure
+from dsrecipes.core.heartbeat import describe_failure, read_failure
 from dsrecipes.core.rundir import CHECKPOINTS_DIR, read_outcome, write_result
 
 
@@ -37,8 +38,9 @@ def report_failed(run_dir: Path, argv: Sequence[str]) -> str | None:
     """The first failing rank's one-line cause (core/failure.py), printed with where its traceback is and, when a
     checkpoint exists, the command that resumes from it; None when no rank reported one."""
     report = rank_failure(run_dir)
-    if report is None:
-        return None
+    if report is None:  # a lost node or rank (core/heartbeat.py): the launcher printed it; result.json says it too
+        lost = read_failure(run_dir)
+        return describe_failure(lost) if lost is not None else None
     if report.get("render"):  # a user error found by a rank: its own message, as any other (no traceback kept)
         lines = [str(report["render"])]
     else:

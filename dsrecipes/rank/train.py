@@ -103,7 +103,9 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
             except (RunInterrupted, TrainingFailed) as exc:
                 stopped(session, exc)
                 raise
-            except BaseException:  # a crash (or Ctrl-C twice): trackers record a failed run, not a running one
+            except BaseException as exc:  # a crash (or Ctrl-C twice): trackers record a failed run, not a running one
+                if not isinstance(exc, (UserError, KeyboardInterrupt)):
+                    heartbeat.explain_crash()  # a broken collective because a peer died: name it (exits)
                 heartbeat.stop()
                 session.metrics.close(ok=False)
                 raise
