@@ -49,7 +49,7 @@ from dsrecipes.core.errors import ConfigError
 from dsrecipes.core.schema import LauncherKind
 
 KEY = "launcher.extra_args"
-_HOSTFILE_WORD = re.compile(r"[A-Za-z_]{1,32}=\d{1,6}")  # slots=8, max_slots=8
+_HOSTFILE_WORD = re.compile(r"[A-Za-z_]{1,32}=\d{1,6}", re.ASCII)  # slots=8, max_slots=8
 _LOG_LEVELS = choice("debug", "info", "warning", "error", "critical")
 _STD_STREAMS = shape(r"[0-3]|\d{1,4}:[0-3](?:,\d{1,4}:[0-3])*", "0-3, or LOCAL_RANK:0-3 pairs such as 0:3,1:0")
 _RDZV_KEYS = ("timeout", "join_timeout", "last_call_timeout", "close_timeout", "read_timeout")
@@ -299,22 +299,27 @@ def _torchrun_parse(argv: List[str]):
 
 def hostfile_problems(path: str) -> List[str]:
     """`launcher.hostfile`: its host names reach ssh/pdsh and mpirun's command lines, so each line must be a host
-    name (HOST: never an option such as `-oProxyCommand=...`) followed by `key=value` words (`slots=8`)."""
+    name (HOST: never an option such as `-oProxyCommand=...`) followed by `key=value` words (`slots=8`). A message
+    names the line and which word is wrong, never the file's text (it may be a token file named by mistake)."""
 
     try:
         with open(os.path.expanduser(path), encoding="utf-8") as fh:
             lines = fh.read(1 << 20).splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        return [f"launcher.hostfile: cannot read {path} ({exc})"]
+    except UnicodeDecodeError:
+        return [f"launcher.hostfile: {path} is not UTF-8 text; a hostfile has lines 'HOST slots=N'"]
+    except OSError as exc:
+        return [f"launcher.hostfile: cannot read {path} ({exc.strerror or type(exc).__name__})"]
     problems = []
     for lineno, line in enumerate(lines, 1):
         words = line.split("#", 1)[0].split()
         if not words:
             continue
         host, rest = words[0].split(":", 1)[0], words[1:]
-        if HOST.check(host) or any(not _HOSTFILE_WORD.fullmatch(w) for w in rest):
-            problems.append(f"launcher.hostfile: {path}:{lineno}: needs 'HOST slots=N' ({HOST.expected}), got "
-                            f"{line.strip()!r}")
+        bad = [i for i, w in enumerate(rest, 2) if not _HOSTFILE_WORD.fullmatch(w)]
+        if HOST.check(host) or bad:
+            which = "its first word is not a host name" if HOST.check(host) else f"word {bad[0]} is not key=value"
+            problems.append(f"launcher.hostfile: {path}:{lineno}: needs 'HOST slots=N' ({HOST.expected}); {which} "
+                            "(the line is not shown: the file may not be a hostfile)")
     return problems
 
 

@@ -26,7 +26,7 @@ class Value:
 
 
 def _int(text: str, low: int, high: Optional[int]) -> bool:
-    if not re.fullmatch(r"\d{1,12}", text):
+    if not re.fullmatch(r"\d{1,12}", text, re.ASCII):  # ASCII digits only (int() also reads '١٢' or '１２')
         return False
     return low <= int(text) and (high is None or int(text) <= high)
 
@@ -38,7 +38,7 @@ def integer(low: int = 0, high: Optional[int] = None) -> Value:
 
 def number(low: float = 0.0) -> Value:
     def test(text: str) -> bool:
-        return bool(re.fullmatch(r"\d{1,9}(\.\d{1,9})?", text)) and float(text) > low
+        return bool(re.fullmatch(r"\d{1,9}(\.\d{1,9})?", text, re.ASCII)) and float(text) > low
 
     return Value(f"a number > {low:g}", test)
 
@@ -55,7 +55,7 @@ def choice(*options: str, many: bool = False) -> Value:
 
 def shape(pattern: str, expected: str) -> Value:
     """A string matching `pattern` entirely (the patterns below never allow whitespace or shell syntax)."""
-    compiled = re.compile(pattern)
+    compiled = re.compile(pattern, re.ASCII)  # \d is 0-9 only, never another script's digits
     return Value(expected, lambda t: bool(compiled.fullmatch(t)))
 
 

@@ -144,7 +144,8 @@ def compose(overrides: Sequence[str] = ()) -> Any:
 def check(loader: Any, overrides: Sequence[str], composed: Any, run_mode: Any) -> None:
     """ConfigError naming every key of `composed` that would run code, and the file or override that set it."""
     safety.check(overrides, composed, _baseline(loader, run_mode),
-                 lambda path, value: _source(loader, overrides, run_mode, path, value))
+                 lambda path, value: _source(loader, overrides, run_mode, path, value),
+                 lambda path, value: _shared_source(loader, overrides, run_mode, path, value))
 
 
 def _baseline(loader: Any, run_mode: Any) -> Dict[str, Any]:
@@ -171,6 +172,31 @@ def _source(loader: Any, overrides: Sequence[str], run_mode: Any, path: Tuple[An
     for ov in OverridesParser.create().parse_overrides(list(overrides)):
         if safety.related(tuple(ov.key_or_group.split(".")), tuple(str(k) for k in path)):
             return f"command-line override '{ov.input_line}'"
+    return "the composition"
+
+
+SHARED_PROVIDERS = ("dsrecipes-user", "dsrecipes-file")  # $DSRECIPES_RECIPES folders, recipe files by path
+
+
+def _shared_source(loader: Any, overrides: Sequence[str], run_mode: Any, path: Tuple[Any, ...],
+                   value: Any) -> Optional[str]:
+    """The shared recipe (search_path's SHARED_PROVIDERS) that set `path` to `value`; None when the command line set
+    that key (its overrides apply after every file) or a file of the config tree did. Unknown: the composition."""
+    dotted = ".".join(str(k) for k in path)
+    for ov in OverridesParser.create().parse_overrides(list(overrides)):
+        if ov.key_or_group == dotted and not ov.is_delete() and not ov.package:
+            return None
+    try:
+        defaults = loader.compute_defaults_list(CONFIG_NAME, list(overrides), run_mode).defaults
+    except Exception:  # noqa: BLE001 - without the defaults list no file can vouch for the value
+        defaults = []
+    for d in reversed(defaults):
+        loaded = loader.repository.load_config(d.config_path) if d.config_path else None
+        if loaded is None:
+            continue
+        here = safety.lookup(safety.container(ConfigLoaderImpl._embed_result_config(loaded, d.package).config), path)
+        if here is not safety.MISSING and here == value:
+            return _file_name(loaded, d) if loaded.provider in SHARED_PROVIDERS else None
     return "the composition"
 
 

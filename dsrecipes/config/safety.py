@@ -13,6 +13,9 @@ before anything is instantiated and before Hydra configures logging (`check`):
   * no `_target_` or `()` key anywhere that the baseline does not hold at the same place with the same value;
   * the SLURM environment to activate (COMMAND_LINE_ONLY: a venv's activate script, a conda env, modulefiles) is
     set only on the command line, never by a recipe or group file;
+  * a field that reaches outside the run directory or the machine (config/field_classes.py: tracking URI, cache and
+    NVMe directories, hostfile, rendezvous hosts; a run directory outside the working one) takes a shared recipe's
+    value never: only the command line, the environment or the config tree name those (`outside_problems`);
   * `hydra.overrides` is what Hydra wrote there: exactly the command line's overrides (a recipe setting it would
     put its own overrides, even `--trust-checkpoint`, into the "train further" command a run prints);
 Interpolations are not checked here (no scan of text): config/resolvers.py registers only RESOLVERS with OmegaConf,
@@ -25,11 +28,12 @@ to every composition (a sweep's jobs through its guarded loader) and supplies th
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
+from dsrecipes.config.field_classes import FIELDS, FieldClass, inside_working_dir, of
 from dsrecipes.core.errors import ConfigError
 
 ALLOWED_HYDRA_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "hydra.verbose")  # not sweep.subdir: jobs stay inside
@@ -37,18 +41,22 @@ RUNTIME_KEYS = ("runtime", "overrides", "mode", "job.override_dirname", "job.id"
                 "job.config_name")
 CODE_KEYS = ("_target_", "()")  # Hydra's instantiate, logging.config's factories
 # Settings that choose code the batch job runs (boundary/batch_script.py): only the command line may set them.
-COMMAND_LINE_ONLY = (("launcher", "slurm_venv"), ("launcher", "slurm_conda_env"), ("launcher", "slurm_modules"))
+COMMAND_LINE_ONLY = tuple(of(FieldClass.command_line))  # launcher.slurm_venv, slurm_conda_env, slurm_modules
 RESOLVERS = ("dsr.asset", "now", "oc.env", "oc.select")  # the only ones registered (config/resolvers.py)
 READABLE_ENV = ("DSRECIPES_SMOLLM2_DIR",)  # conf/model/smollm2_135m.yaml: where the SmolLM2 download lives
 Path = Tuple[Any, ...]
 MISSING = object()  # lookup(): no such key
 
 
-def check(overrides: Sequence[str], composed: Any, baseline: Dict[str, Any], source_of: Callable[[Path, Any], str]) -> None:
-    """ConfigError naming every key of `composed` (a composition with its `hydra` node) that would run code;
-    `baseline` is conf/train.yaml composed alone, `source_of(path, value)` names the file or override that set a key
-    (config/hydra_app.py supplies both from Hydra)."""
+def check(overrides: Sequence[str], composed: Any, baseline: Dict[str, Any], source_of: Callable[[Path, Any], str],
+          shared_source: Callable[[Path, Any], Optional[str]] = lambda path, value: None) -> None:
+    """ConfigError naming every key of `composed` (a composition with its `hydra` node) that would run code, or that
+    a shared recipe set to reach outside the run directory; `baseline` is conf/train.yaml composed alone,
+    `source_of(path, value)` names the file or override that set a key, `shared_source(path, value)` the shared
+    recipe that set it (None: the command line or the config tree). config/hydra_app.py supplies them from Hydra."""
     problems = override_problems(overrides)
+    if not problems:
+        problems += outside_problems(container(composed), baseline, shared_source)
     if not problems:
         data = container(composed)
         for path, what in composition_problems(composed, baseline, overrides):
@@ -64,6 +72,29 @@ def check(overrides: Sequence[str], composed: Any, baseline: Dict[str, Any], sou
                                 "the command line")
     if problems:
         raise ConfigError(problems)
+
+
+def outside_problems(data: Any, baseline: Dict[str, Any],
+                     shared_source: Callable[[Path, Any], Optional[str]]) -> List[str]:
+    """A shared recipe's value for a field that reaches outside the run directory or the machine
+    (config/field_classes.py: user-named only; the run directory only as a relative path inside the working one).
+    Nothing was opened, read or sent for it yet: this runs on the composition, before any use."""
+    problems = []
+    for path in of(FieldClass.user_named) + of(FieldClass.run_dir):
+        value = lookup(data, path)
+        if value is MISSING or value == lookup(baseline, path):
+            continue
+        if FIELDS[_dotted(path)] is FieldClass.run_dir and inside_working_dir(value):
+            continue
+        source = shared_source(path, value)
+        if source is None:
+            continue
+        where = "outside the working directory" if FIELDS[_dotted(path)] is FieldClass.run_dir else \
+            "outside the run directory or this machine"
+        problems.append(f"{_dotted(path)}: set by {source}, a shared recipe; it names a place {where} (a recipe "
+                        f"could send your credentials to its host, or read or write your files), so only your "
+                        f"command line or environment may name it: give {_dotted(path)}=... on the command line")
+    return problems
 
 
 def override_problems(overrides: Sequence[str]) -> List[str]:
