@@ -1,4 +1,5 @@
-"""Which checkpoint a run continues from, decided once by the launching process (ranks follow plan.json).
+"""Which checkpoint a run continues from, decided once by the launching process (ranks follow plan.json, which
+pins the record checked here; each rank checks again where it loads: point_of_use.py).
 
 A checkpoint is used only when its commit record (complete.json) reads, carries this user's signature (trust.py:
 else the run is refused, exit 2, naming `dsrecipes train ... --trust-checkpoint PATH`), every file it lists has its
