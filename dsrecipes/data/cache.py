@@ -25,7 +25,8 @@ from dsrecipes.data.sources.remote import identity as remote_identity
 from dsrecipes.data.sources.remote import is_url
 
 RACY_SECONDS = 2.0  # a file changed this recently is hashed, not memoised
-PREP_VERSION = 2  # bump when the output of preparation changes for the same inputs (2: one-text tokenization)
+PREP_VERSION = 3  # bump when the output of preparation changes for the same inputs (2: one-text tokenization,
+# 3: caches carry a content record, cache_contents.py; older ones have none and are not reused)
 MEMO_FILE = "file_hashes.json"
 
 

@@ -10,6 +10,8 @@ answers' tokens on both sides.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import shutil
 from collections import Counter
@@ -17,7 +19,11 @@ from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
 from dsrecipes.core.errors import DataError
+from dsrecipes.core.publish import Existing, publish_dir, staging_dir
 from dsrecipes.core.schema import SourceConfig, TrainConfig
+from dsrecipes.core.typed import config_to_dict
+from dsrecipes.data.cache import content_hashes
+from dsrecipes.data.cache_contents import check, seal
 from dsrecipes.data.render.labels import IGNORE_INDEX
 from dsrecipes.data.render.preference_encode import read_and_encode_pairs
 from dsrecipes.data.sources.badrows import BadRowReport
@@ -98,21 +104,19 @@ def _stats(cfg: TrainConfig, report: BadRowReport, rows: List[Dict[str, Any]], n
 
 def attach_reference(cfg: TrainConfig, tokenizer: Any, cache: Path) -> Path:
     """`<prepared cache>/reference/<reference key>/{train,val}`: the prepared pairs with the reference log-probs
-    (`ref_chosen_logps`, `ref_rejected_logps`), computed once per reference model (objectives/dpo_reference.py)
-    and written beside, then renamed into place, like the prepared data itself."""
+    (`ref_chosen_logps`, `ref_rejected_logps`), computed once per reference model (objectives/dpo_reference.py),
+    staged beside, sealed with their content hashes and published like the prepared data itself; checked on use."""
 
     from datasets import load_from_disk
 
-    from dsrecipes.objectives.dpo_reference import (  # lazy: else `commands.train` imports torch 3.80 s
-        precompute,
-        reference_key,
-    )
+    from dsrecipes.objectives.dpo_reference import precompute  # lazy: else `commands.train` imports torch 3.80 s
 
     final = cache / "reference" / reference_key(cfg)
     if (final / "done").is_file():
+        check(final)
         return final
-    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    final.parent.mkdir(exist_ok=True)
+    tmp = staging_dir(final, "ref")
     try:
         for split in ("train", "val"):
             if not (cache / split).is_dir():
@@ -121,13 +125,30 @@ def attach_reference(cfg: TrainConfig, tokenizer: Any, cache: Path) -> Path:
             chosen, rejected = precompute(cfg, tokenizer, iter(ds), len(ds))
             ds = ds.add_column("ref_chosen_logps", chosen).add_column("ref_rejected_logps", rejected)
             ds.save_to_disk(str(tmp / split))
-        tmp.mkdir(parents=True, exist_ok=True)
         (tmp / "done").write_text(final.name, encoding="utf-8")
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another run computed the same reference first; theirs is identical
-            if not (final / "done").is_file():
-                raise
+        seal(tmp)
+        publish_dir(tmp, final, Existing.keep)  # another run computed the same reference first: theirs is kept
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def reference_key(cfg: TrainConfig) -> str:
+    """The reference model's identity: the content hash of every file of `model.path` (data/cache.py, memoised by
+    path, size, inode, modification and change time: weights swapped in with their modification time set back are
+    hashed again), or the tiny model's config; its dtype and the attention implementation."""
+    material: Dict[str, Any] = {"dtype": cfg.precision.dtype.value, "attn": cfg.model.attn_implementation.value}
+    if cfg.model.path is None:
+        material["tiny"] = config_to_dict(cfg.model.tiny)
+    else:
+        root = os.path.realpath(os.path.expanduser(cfg.model.path))
+        files = sorted(os.path.relpath(os.path.join(d, f), root) for d, dirs, names in os.walk(root)
+                       for f in names if not _hidden(os.path.relpath(os.path.join(d, f), root)))
+        hashes = content_hashes(cfg, [os.path.join(root, f) for f in files])
+        material.update(files=[list(pair) for pair in zip(files, hashes)])
+    return hashlib.blake2b(json.dumps(material, sort_keys=True).encode(), digest_size=12).hexdigest()
+
+
+def _hidden(rel: str) -> bool:
+    """A file a download tool keeps beside the model (`.cache/huggingface/...`, `.gitattributes`): not the model."""
+    return any(part.startswith(".") for part in Path(rel).parts)

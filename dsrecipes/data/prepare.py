@@ -20,8 +20,10 @@ Order of operations (all deterministic for a config, data and `trainer.seed`):
 
 Cache: `<data.cache_dir or $XDG_CACHE_HOME/dsrecipes>/prepared/<key>`, key = hash of the input files' contents
 (data/cache.py), the dataset/template config, cutoff_len, packing, train_on, seed and the
-tokenizer itself (vocabulary, merges, special tokens, chat_template). The directory is written beside and renamed
-into place, so concurrent runs never see half a cache.
+tokenizer itself (vocabulary, merges, special tokens, chat_template). The directory is staged beside and published
+(core/publish.py, content-addressed: a run that finds the key already published keeps that one), so concurrent runs
+never see half a cache. Its files' content hashes are recorded at publish (cache_contents.py `seal`) and checked
+every time a run uses the cache (`check`): a changed file is refused, named, never trained on.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
-import os
 import shutil
 import sys
 import time
@@ -41,10 +42,12 @@ import numpy as np
 
 from dsrecipes.core.errors import DataError
 from dsrecipes.core.fileio import atomic_write_json
+from dsrecipes.core.publish import Existing, publish_dir, staging_dir
 from dsrecipes.core.schema import ReferenceMode, RowKind, SourceConfig, TrainConfig
 from dsrecipes.data.arrow_split import write_split
 from dsrecipes.data.cache import cache_key, cache_root
-from dsrecipes.data.preference_prepare import attach_reference
+from dsrecipes.data.cache_contents import check, seal
+from dsrecipes.data.preference_prepare import attach_reference, reference_key
 from dsrecipes.data.preference_prepare import build as build_pairs
 from dsrecipes.data.prepare_stats import build_stats, summary
 from dsrecipes.data.render.batch_encode import Encoded, read_and_encode
@@ -59,6 +62,7 @@ if TYPE_CHECKING:
     from dsrecipes.data.arrow_rows import ArrowRows
 
 STATS_FILE = "prepare_stats.json"
+REFERENCE_DIR = "reference"  # reference log-probs of prepared pairs, per reference model (content record of their own)
 VAL_SOURCE = "dataset.val_paths"  # the source name of the validation files' samples
 QUARANTINE_FILE = "quarantine.jsonl"
 
@@ -87,6 +91,7 @@ def prepare(cfg: TrainConfig, tokenizer: Any, run_dir: str | Path) -> Prepared:
     quarantine = run_dir / QUARANTINE_FILE
     quarantine.unlink(missing_ok=True)  # never leave an older run's list beside this run's data
     if hit:
+        check(final, skip=[REFERENCE_DIR])
         if (final / QUARANTINE_FILE).is_file():
             shutil.copyfile(final / QUARANTINE_FILE, quarantine)
     else:
@@ -115,9 +120,7 @@ def load_prepared(cfg: TrainConfig, run_dir: str | Path) -> Prepared:
         if stats[name] != want:
             raise DataError(f"{path}: prepared with data.{name}={stats[name]}, but this config has {want}")
     if precomputed_reference(cfg):
-        from dsrecipes.objectives.dpo_reference import reference_key  # lazy: else `commands.train` imports torch 3.80 s
-
-        ref = Path(stats.get("reference_dir") or cache / "reference" / "none")
+        ref = Path(stats.get("reference_dir") or cache / REFERENCE_DIR / "none")
         if ref.name != reference_key(cfg) or not (ref / "done").is_file():
             raise DataError(f"{path}: no reference log-probs for this run's reference model (model.path changed "
                             "since preparation?); start the run again with `python -m dsrecipes`")
@@ -141,12 +144,12 @@ def _open(cache: Path, stats: Dict[str, Any]) -> Prepared:
 
 def _build(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig], val: List[SourceConfig], key: str,
            root: Path, final: Path, quarantine: Path) -> None:
-    """Prepare into a temporary directory and rename it to `final`; bad rows are listed in `quarantine` (the run
-    directory's copy, kept when preparation fails) and copied into the cache for later cache hits."""
+    """Prepare into a staging directory, record its contents and publish it as `final`; bad rows are listed in
+    `quarantine` (the run directory's copy, kept when preparation fails) and copied into the cache for later cache
+    hits."""
     started = time.time()
-    tmp = root / f".tmp-{key}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = staging_dir(final, "prep")
     report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, quarantine)
     try:
         if cfg.objective.rows is RowKind.pair:
@@ -159,11 +162,8 @@ def _build(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig], val: L
         if quarantine.is_file():
             shutil.copyfile(quarantine, tmp / QUARANTINE_FILE)
         (tmp / "done").write_text(key, encoding="utf-8")
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another run finished the same key first; theirs is identical
-            if not (final / "done").is_file():
-                raise
+        seal(tmp)
+        publish_dir(tmp, final, Existing.keep)  # another run finished the same key first: theirs is kept (checked)
     finally:
         report.close()
         shutil.rmtree(tmp, ignore_errors=True)

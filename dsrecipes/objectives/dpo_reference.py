@@ -3,41 +3,22 @@
 Precomputed (the default): the launching process loads the reference model once (the run's `model.path`, or the
 seeded tiny model; with LoRA the base alone, which is what the adapted model starts as), computes the summed answer
 log-probs of every prepared pair in `trainer.micro_batch_size` batches (on a GPU if it has one, else the CPU) and the
-caller stores them with the prepared data under `reference_key`: the model's identity (resolved path and each file's
-name, size and modification time; the tiny model's config), its dtype and the attention implementation. Training
-then holds one model. Live references: objectives/dpo_live.py.
+caller stores them with the prepared data under `data/preference_prepare.py::reference_key`: the content hash of the
+model's files (the tiny model's config), its dtype and the attention implementation. Training then holds one model.
+Live references: objectives/dpo_live.py.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from typing import Any, Iterable, List, Tuple
 
 import torch
 
 from dsrecipes.core.schema import TrainConfig
-from dsrecipes.core.typed import config_to_dict
 from dsrecipes.modeling.model import build_model
 from dsrecipes.objectives.base import Row, pad_token_id
 from dsrecipes.objectives.dpo import collate_pairs
 from dsrecipes.objectives.logps import reference_config, sequence_logps
-
-
-def reference_key(cfg: TrainConfig) -> str:
-    """The reference model's identity (see the module docstring)."""
-    material: dict = {"dtype": cfg.precision.dtype.value, "attn": cfg.model.attn_implementation.value}
-    if cfg.model.path is None:
-        material["tiny"] = config_to_dict(cfg.model.tiny)
-    else:
-        root = os.path.realpath(os.path.expanduser(cfg.model.path))
-        files = []
-        for name in sorted(os.listdir(root)):
-            st = os.stat(os.path.join(root, name))
-            files.append([name, st.st_size, st.st_mtime_ns])
-        material.update(path=root, files=files)
-    return hashlib.blake2b(json.dumps(material, sort_keys=True).encode(), digest_size=12).hexdigest()
 
 
 @torch.no_grad()
