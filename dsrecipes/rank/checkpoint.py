@@ -12,9 +12,10 @@ Layout of `<run>/checkpoints/`:
                                   and hash of every other file (manifest.py), signed with this user's key (trust.py)
     latest                        the tag of the newest checkpoint (same format as DeepSpeed's own file)
 
-A save writes into `step_<N>.partial/` and rank 0 renames it to `step_<N>` only after every rank finished and
-complete.json is written, so a tag is never half written and never half old, half new (re-saving an existing tag,
-after an explicit resume from an earlier step, swaps the whole directory). A run killed mid-save leaves a
+A save writes into `step_<N>.partial/` and rank 0 publishes it as `step_<N>` (core/publish.py) only after every rank
+finished and complete.json is written, so a tag is never half written and never half old, half new (re-saving an
+existing tag, after an explicit resume from an earlier step, exchanges the whole directories in one step). A resume
+checks the checkpoint again in each rank, right before each file is unpickled (boundary/point_of_use.py). A run killed mid-save leaves a
 `.partial` directory, which the next save or retention pass removes. LoRA runs leave the frozen base out
 (`exclude_frozen_parameters`); it is rebuilt from `model.path` (or the tiny model's seed) on resume and export.
 """
