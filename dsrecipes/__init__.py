@@ -1,10 +1,6 @@
-"""dsrecipes: config-first supervised fine-tuning of causal LMs on ShareGPT conversations with DeepSpeed."""
+"""dsrecipes: config-first supervised fine-tuning of causal LMs on ShareGPT conversations with DeepSpeed.
 
-from dsrecipes.rank import transformers_import
+Importing the package changes nothing outside it: no import hook, no patch of another library
+(tests/test_no_import_patching.py)."""
 
 __version__ = "0.1.0"
-
-# Every dsrecipes process (launching side, ranks, helpers) imports this package before transformers: from here on,
-# transformers' table of its models is read from a checked cache file instead of being rebuilt twice per process
-# (1.3 s of CPU each; transformers_import.py says how, and why it is safe).
-transformers_import.install()
