@@ -4,7 +4,7 @@ then what a sceptical user would check: it ended by itself within its bound, fai
 no traceback, left no process of its session, and its previous checkpoint still verifies.
 
 Faults (injected at step INJECT_AT, after the checkpoint at step 2):
-  file_changed     the data file is emptied under the run (iterable: the stream file; map: its tokenized cache)
+  file_changed     the data grows under the run (iterable: the corpus; presharded: the parts; map: the prepared cache)
   worker_killed    one DataLoader worker of the last rank gets SIGKILL (what the OOM killer sends)
   rank_killed      the last rank gets SIGKILL (a segfault, the OOM killer on the rank itself)
   rank_stopped     the last rank gets SIGSTOP (stuck in a driver call): the heartbeat notices (world 2 only)
@@ -33,7 +33,7 @@ FAULTS = ("file_changed", "worker_killed", "rank_killed", "rank_stopped", "launc
 
 @dataclass(frozen=True)
 class Case:
-    strategy: str  # map | iterable
+    strategy: str  # map | iterable | presharded
     workers: int
     world: int
     fault: str
@@ -50,9 +50,9 @@ class Case:
     def applies(self) -> bool:
         if self.fault == "worker_killed" and self.workers == 0:
             return False
-        if self.fault == "rank_stopped" and self.world == 1:  # a lone rank has no peer to notice it
-            return False
-        return not (self.fault == "file_changed" and self.strategy == "map")  # (map: a cache nobody else writes)
+        if self.fault in ("rank_stopped", "rank_killed") and self.world == 1:  # launcher=local: the rank is the
+            return False  # launching process (launcher_killed), and a lone rank has no peer to notice it stop
+        return True
 
 
 @dataclass
@@ -67,8 +67,8 @@ class Outcome:
 
 
 def all_cases() -> List[Case]:
-    return [c for c in (Case(s, w, r, f) for s in ("map", "iterable") for w in (0, 2) for r in (1, 2) for f in FAULTS)
-            if c.applies()]
+    return [c for c in (Case(s, w, r, f) for s in ("map", "iterable", "presharded") for w in (0, 2) for r in (1, 2)
+                        for f in FAULTS) if c.applies()]
 
 
 def overrides(case: Case, root: Path, cache: Optional[Path] = None) -> List[str]:
@@ -79,7 +79,9 @@ def overrides(case: Case, root: Path, cache: Optional[Path] = None) -> List[str]
             "trainer.export=false", "dataset.val_size=0", "trainer.eval_at_start=false",
             f"data.cache_dir={cache or root / 'cache'}", f"trainer.output_dir={run}", f"hydra.run.dir={run}",
             f"launcher.peer_timeout_s={PEER_TIMEOUT_S}"]
-    if case.strategy == "iterable":
+    if case.strategy == "presharded":
+        args += ["data=presharded", f"data.shard_dir={root / 'parts'}", "dataset.max_samples=null"]
+    elif case.strategy == "iterable":
         args += ["data=iterable", "data.block_bytes=4096", "data.prescan=false", "dataset.max_samples=null"]
     else:
         args += ["dataset.max_samples=400"]
@@ -103,6 +105,12 @@ def run_case(case: Case, root: Path, cache: Optional[Path] = None, start_timeout
     root.mkdir(parents=True)
     shutil.copy(SAMPLE, root / "train.jsonl")
     console = root / "console.log"
+    if case.fault == "file_changed":
+        cache = None  # (map: its own prepared cache is changed)
+    if case.strategy == "presharded":
+        subprocess.run([sys.executable, "-m", "dsrecipes", "shard", str(root / "train.jsonl"), "--parts",
+                        str(case.world), "--out", str(root / "parts")], cwd=REPO, env=env(), check=True,
+                       capture_output=True, timeout=300)
     with open(console, "w") as out:
         proc = subprocess.Popen(["/bin/sh", "-c", f'{MARK_ENV}=$$ exec "$@"', "sh", sys.executable, "-m",
                                  "dsrecipes", *overrides(case, root, cache)], cwd=REPO, env=env(), stdout=out,
@@ -138,8 +146,13 @@ def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float) 
 
 
 def inject(case: Case, root: Path, proc: subprocess.Popen) -> None:
-    if case.fault == "file_changed":
-        (root / "train.jsonl").write_bytes(b"")
+    if case.fault == "file_changed":  # iterable: the corpus; presharded: the parts; map: the prepared cache
+        targets = {"iterable": [root / "train.jsonl"], "presharded": sorted((root / "parts").glob("*.jsonl")),
+                   "map": sorted((root / "cache").rglob("*.arrow"))}[case.strategy]
+        assert targets, case.name
+        for path in targets:
+            with open(path, "ab") as fh:  # appended: what a memory-mapped reader can still survive
+                fh.write(b"\n" * 16)
     elif case.fault == "launcher_killed":
         os.kill(proc.pid, signal.SIGKILL)
     elif case.fault == "worker_killed":
@@ -240,7 +253,7 @@ def previous_checkpoint_problem(run: Path) -> Optional[str]:
 
 
 def expected_cause(case: Case) -> str:
-    return {"file_changed": "train.jsonl", "worker_killed": "DataLoader worker", "rank_killed": "rank",
+    return {"file_changed": "changed since", "worker_killed": "DataLoader worker", "rank_killed": "rank",
             "rank_stopped": "stopped responding", "launcher_killed": ""}[case.fault]
 
 

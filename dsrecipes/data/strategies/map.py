@@ -8,6 +8,8 @@ the index lists they are handed.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -32,6 +34,7 @@ from dsrecipes.data.strategies.base import (
 from dsrecipes.data.strategies.eval import EvalLoader, limit_rows
 from dsrecipes.data.strategies.protocol import PrepareResult, RankData, rows_of_plan
 from dsrecipes.data.strategies.rows import make_collate
+from dsrecipes.data.stream.changed import Seen, changed, differences
 
 
 class MapTrainLoader(TrainLoader):
@@ -51,6 +54,7 @@ class MapTrainLoader(TrainLoader):
     ):
         super().__init__(layout, rank, seed, shuffle, {"num_samples": len(rows)})
         self.rows = rows
+        self.watched = cache_files_seen(rows)  # the prepared cache as the rank opened it (changed.py)
         self.num_samples = len(rows)
         self.collate_fn = collate_fn
         self.num_workers = num_workers
@@ -74,7 +78,7 @@ class MapTrainLoader(TrainLoader):
         if not batches:
             return
         loader = DataLoader(
-            _Rows(self.rows),
+            _Rows(self.rows, self.watched),
             batch_sampler=batches,
             collate_fn=self.collate_fn,
             num_workers=self.num_workers,
@@ -88,20 +92,38 @@ class MapTrainLoader(TrainLoader):
 class _Rows:
     """A map-style view that fetches a whole micro-batch at once (HF datasets read a batch of rows in one call)."""
 
-    def __init__(self, rows: Sequence[Row]):
+    def __init__(self, rows: Sequence[Row], watched: Sequence[Tuple[str, Seen]] = ()):
         self.rows = rows
+        self.watched = watched
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, index: int) -> Row:
-        return self.rows[index]
+        return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: List[int]) -> List[Row]:
+        for path, seen in self.watched:  # before the memory-mapped read: a changed cache is a DataError, not SIGBUS
+            try:
+                what = differences(seen, os.stat(path))
+            except OSError:
+                what = ["removed"]
+            if what:
+                raise changed(path, what, "the rank opened the prepared data")
         getitems = getattr(self.rows, "__getitems__", None)
         if getitems is not None:
             return list(getitems(indices))
         return [self.rows[i] for i in indices]
+
+
+def cache_files_seen(rows: Any) -> List[Tuple[str, Seen]]:
+    """The files behind a prepared (memory-mapped) split, as they are now: (path, size, mtime, inode)."""
+    out = []
+    for entry in getattr(rows, "cache_files", None) or []:
+        with contextlib.suppress(OSError, KeyError, TypeError):
+            st = os.stat(entry["filename"])
+            out.append((entry["filename"], Seen(st.st_size, st.st_mtime_ns, st.st_ino)))
+    return out
 
 
 class MapStrategy:

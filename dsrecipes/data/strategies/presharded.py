@@ -36,7 +36,8 @@ from dsrecipes.core.tokenizer import load_tokenizer
 from dsrecipes.data.audit import AuditReport, audit_presharded
 from dsrecipes.data.plan import Layout, StreamShuffle, presharded_steps, require_steps
 from dsrecipes.data.sampler import Item, StreamSpec, select_slots
-from dsrecipes.data.shard import Manifest, checked_alike, checked_rows, read_manifest, verify_part, verify_val_part
+from dsrecipes.data.shard_manifest import Manifest, checked_alike, read_manifest, verify_part, verify_val_part
+from dsrecipes.data.shard_rows import checked_rows
 from dsrecipes.data.shard_rows import check_row_format
 from dsrecipes.data.sources.badrows import BadRowReport
 from dsrecipes.data.sources.remote import is_url
@@ -44,6 +45,7 @@ from dsrecipes.data.strategies.base import Batch, Row, TrainLoader
 from dsrecipes.data.strategies.eval import EvalLoader
 from dsrecipes.data.strategies.protocol import PrepareResult, RankData, rows_of_plan
 from dsrecipes.data.strategies.rows import make_collate, row_encoder
+from dsrecipes.data.stream.changed import seen_now, watched
 from dsrecipes.data.stream.scan import checking_encoder, scan_sources
 
 VAL_ROWS = "val_rows.jsonl"  # `dataset.val_paths` in canonical form, written by the launching process
@@ -90,6 +92,7 @@ class PreshardedTrainLoader(TrainLoader):
         self.prefetch_factor = prefetch_factor
         self.part_counts = list(part_counts)
         self.recheck = recheck
+        self.watched = seen_now(stream.paths)  # local parts as verified at open: a change mid-run is a DataError
 
     def set_epoch(self, epoch: int) -> None:
         """A new epoch reads the part again: `recheck` first (a part in a store must still be the object the manifest
@@ -107,7 +110,8 @@ class PreshardedTrainLoader(TrainLoader):
 
     def reader(self, worker: int, epoch: int, offset: int, start_micro: int) -> Iterator[Tuple[int, List[Item]]]:
         """(micro, items) of one reader: the exact selection the runtime makes (also what the audit replays)."""
-        return select_slots(self.stream.items(epoch, self.seed, self.shuffle),
+        items = watched(self.stream.items(epoch, self.seed, self.shuffle), self.watched, "the rank verified it")
+        return select_slots(items,
                             StreamShuffle(self.seed, epoch, self.shuffle_buffer), self.layout, self.rank, worker,
                             offset=offset, start_micro=start_micro, steps=self._steps(offset))
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 from dsrecipes.core.errors import DataError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -68,3 +70,28 @@ def check_lines(name: str, block: int, got: int, wanted: int) -> None:
     """A block that holds fewer sample lines than the index counted."""
     if got < wanted:
         raise changed(name, [f"block {block} holds {got} sample lines, {wanted} indexed"])
+
+
+def seen_now(paths: Sequence[str]) -> List[Tuple[str, Seen]]:
+    """Local files as they are now (URLs and missing files left out: checked elsewhere)."""
+    out = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        out.append((path, Seen(st.st_size, st.st_mtime_ns, st.st_ino)))
+    return out
+
+
+def watched(items: Iterable[T], files: Sequence[Tuple[str, Seen]], since: str) -> Iterator[T]:
+    """`items`, each checked after it was read: its file is still the one `files` recorded (a stat per item)."""
+    for item in items:
+        for path, seen in files:
+            try:
+                what = differences(seen, os.stat(path))
+            except OSError:
+                what = ["removed"]
+            if what:
+                raise changed(path, what, since)
+        yield item
