@@ -70,8 +70,27 @@ def _publish_new_key(path: Path) -> None:
         os.unlink(tmp)
 
 
+def _place_problem(path: Path) -> Optional[str]:
+    """Why the key at `path` cannot be trusted where it is: a symlink (whoever controls its target signs), or a
+    directory others may write (they could replace the key with their own). None: it can."""
+    if path.is_symlink():
+        return "is a symlink; the checkpoint signing key must be a regular file at that path, not a link"
+    try:
+        info = path.parent.stat()
+    except OSError:
+        return None  # no directory yet: made 0700 with the key
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or info.st_uid not in (os.geteuid(), 0):
+        return (f"is in {path.parent}, a directory others can write ({stat.filemode(info.st_mode)}, uid "
+                f"{info.st_uid}): they could replace the key with theirs")
+    return None
+
+
 def _load_key(create: bool) -> Optional[bytes]:
     path = key_path()
+    problem = _place_problem(path)
+    if problem:
+        raise UserError(f"{path}: the checkpoint signing key {problem}. Point {KEY_ENV} at a file in a private "
+                        "directory of yours (mode 0700)")
     if not path.exists():
         if not create:
             return None
@@ -85,14 +104,20 @@ def _load_key(create: bool) -> Optional[bytes]:
         except OSError as exc:
             raise UserError(f"{path}: cannot create the checkpoint signing key ({exc.strerror or exc}); point "
                             f"{KEY_ENV} at a file in a private directory you can write")
-    info = path.stat()
-    if info.st_uid != os.geteuid() or info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+    try:  # O_NOFOLLOW: a link put in place after the check above is refused too
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read the checkpoint signing key ({exc.strerror or exc}); it must be a "
+                        f"regular file of yours, not a link. Point {KEY_ENV} at a file in a private directory")
+    with os.fdopen(fd, "rb") as fh:
+        info, data = os.fstat(fh.fileno()), fh.read(4096)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise UserError(f"{path}: the checkpoint signing key must belong to you with mode 0600 (it is "
                         f"{stat.filemode(info.st_mode)}, uid {info.st_uid}); others could sign checkpoints with it. "
                         f"Fix it with `chmod 600 {path}`, or delete it to start a new key (your existing checkpoints "
                         f"then need {FLAG})")
-    key = path.read_text(encoding="ascii").strip()
-    if len(key) < 32:
+    key = data.decode("ascii", "replace").strip()
+    if len(key) < 32 or not key.isascii() or not key.isalnum():
         raise UserError(f"{path}: not a dsrecipes signing key (delete it to create a new one)")
     return key.encode("ascii")
 

@@ -2,7 +2,8 @@
 
 A usage mistake is a UserError (exit 2, one message), never argparse's own exit. A flag value that makes no sense
 (`--world-size 0`, `--max-new-tokens -3`, a path that is not there) is refused here, by the flag's type, never
-replaced by a default: `positive_int`, `non_negative_int`, `positive_float`, `existing_path`, `existing_dir`.
+replaced by a default: `positive_int`, `bounded_int`, `non_negative_int`, `positive_float`, `existing_path`,
+`existing_dir`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Callable, NoReturn, Sequence
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.suggest import closest, phrase
 
+MAX_NEW_TOKENS = 32768  # chat, prompt-eval: past any context we train; more is minutes of generation
 TRAIN_PROG = "dsrecipes train"  # Hydra's parser (the training command's) names itself after sys.argv[0]
 
 
@@ -50,6 +52,14 @@ def _checked(convert: Callable[[str], Any], ok: Callable[[Any], bool], what: str
 positive_int = _checked(int, lambda v: v > 0, "a positive integer")
 non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
 positive_float = _checked(float, lambda v: math.isfinite(v) and v > 0, "a positive number")
+
+
+def bounded_int(high: int, why: str) -> Callable[[str], Any]:
+    """A positive integer up to `high` (a flag whose work grows with its value: one message, never minutes of
+    silence): `argument --world-size: must be a positive integer up to 16384 (audit simulates every rank), got ...`."""
+    return _checked(int, lambda v: 0 < v <= high, f"a positive integer up to {high} ({why})")
+
+
 existing_path = _checked(lambda p: p if os.path.exists(os.path.expanduser(p)) else None, bool, "an existing path")
 existing_dir = _checked(lambda p: p if os.path.isdir(os.path.expanduser(p)) else None, bool, "an existing directory")
 

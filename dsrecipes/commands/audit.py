@@ -4,21 +4,26 @@ from __future__ import annotations
 
 from typing import List
 
-from dsrecipes.commands.args import existing_dir, non_negative_int, override_parser, parse, positive_int
+from dsrecipes.commands.args import bounded_int, existing_dir, non_negative_int, override_parser, parse, positive_int
 from dsrecipes.config.load import compose_and_load
 from dsrecipes.core.topology import resolve_topology
 from dsrecipes.data.ledger import verify_ledgers
+
+MAX_WORLD_SIZE = 16384  # audit simulates each rank: beyond this it would run for minutes
+MAX_EPOCHS = 1000
 
 
 def main(argv: List[str]) -> int:
     from dsrecipes.data.strategies import audit_config  # lazy: else `commands.audit` imports numpy 0.11 s
 
     parser = override_parser("audit", "prove exactly-once / equal-steps data plans for a world size")
-    parser.add_argument("--world-size", type=positive_int, default=None,
+    parser.add_argument("--world-size", type=bounded_int(MAX_WORLD_SIZE, "audit simulates every rank"),
+                        default=None,
                         help="data-parallel ranks (default: the launcher's)")
     parser.add_argument("--num-workers", type=non_negative_int, default=None,
                         help="DataLoader workers per rank (default: data.num_workers)")
-    parser.add_argument("--epochs", type=positive_int, default=2, help="epochs to check (default 2)")
+    parser.add_argument("--epochs", type=bounded_int(MAX_EPOCHS, "audit plans every epoch"), default=2,
+                        help="epochs to check (default 2)")
     parser.add_argument("--num-rows", type=positive_int, default=None,
                         help="map: audit this many rows instead of preparing")
     parser.add_argument("--ledger", type=existing_dir, default=None, metavar="RUN_DIR",

@@ -13,7 +13,7 @@ import sys
 from typing import Any, Dict, List
 
 from dsrecipes.boundary.trust import FLAG, TRUST_HELP, trust
-from dsrecipes.commands.args import command_parser, existing_path, parse, positive_int
+from dsrecipes.commands.args import MAX_NEW_TOKENS, bounded_int, command_parser, existing_path, parse
 
 
 def main(argv: List[str]) -> int:
@@ -26,7 +26,8 @@ def main(argv: List[str]) -> int:
     parser.add_argument("model", help="run dir, export, merged or adapter-only LoRA export, or a model dir")
     parser.add_argument("--message", default=None, help="one user message: answer it and exit")
     parser.add_argument("--system", default=None, help="system prompt (default: the template's, if any)")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=256, help="reply length cap (default 256)")
+    parser.add_argument("--max-new-tokens", type=bounded_int(MAX_NEW_TOKENS, "tokens generated per reply"), default=256,
+                        help="reply length cap (default 256)")
     parser.add_argument(FLAG, action="append", default=[], type=existing_path, metavar="PATH", help=TRUST_HELP)
     args = parse(parser, argv)
     trust(args.trust_checkpoint)

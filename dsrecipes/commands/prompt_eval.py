@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import List
 
 from dsrecipes.boundary.trust import FLAG, TRUST_HELP, trust
-from dsrecipes.commands.args import command_parser, existing_path, parse, positive_int
+from dsrecipes.commands.args import MAX_NEW_TOKENS, bounded_int, command_parser, existing_path, parse, positive_int
 from dsrecipes.serve import prompt_eval as pe
 
 
@@ -21,7 +21,8 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--baseline", default=None, help="run dir (its starting model) or any model dir")
     parser.add_argument("--prompts", default=None, help="JSONL: prompt, optional reference and system")
     parser.add_argument("--limit", type=positive_int, default=32, help="at most this many prompts (default 32)")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=48, help="answer length cap (default 48)")
+    parser.add_argument("--max-new-tokens", type=bounded_int(MAX_NEW_TOKENS, "tokens generated per answer"), default=48,
+                        help="answer length cap (default 48)")
     parser.add_argument("--json", default=None, help="also write the answers and scores to this JSON file (a new "
                                                      "file, or one an earlier prompt-eval wrote)")
     parser.add_argument(FLAG, action="append", default=[], type=existing_path, metavar="PATH", help=TRUST_HELP)

@@ -53,6 +53,10 @@ def compose_error(exc: BaseException, overrides: Sequence[str]) -> ConfigError:
     ours = next((e for e in _chain(exc) if isinstance(e, ConfigError)), None)
     if ours is not None:
         return ours
+    if any(isinstance(e, RecursionError) for e in _chain(exc)):
+        from dsrecipes.config.cycles import recipe_cycle  # lazy: only for this failure
+
+        return ConfigError(recipe_cycle(overrides))
     return ConfigError(explain(exc, overrides, fallback=clean_hydra_message(exc)))
 
 

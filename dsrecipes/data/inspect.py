@@ -12,6 +12,8 @@ from typing import Any, Dict, Mapping, Sequence
 from dsrecipes.data.render.labels import IGNORE_INDEX
 
 GREEN, RESET = "\033[42;30m", "\033[0m"
+# Control characters from the data (ESC, BEL, CR, C1 ...) shown escaped, never sent to the terminal; \n and \t kept.
+_VISIBLE = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)] if chr(c) not in "\n\t"}
 
 
 def render_row(row: Mapping[str, Any], tokenizer: Any, color: bool, title: str = "row") -> str:
@@ -24,7 +26,7 @@ def render_row(row: Mapping[str, Any], tokenizer: Any, color: bool, title: str =
     bounds = list(zip(starts, starts[1:] + [len(ids)]))
     out = [f"=== {title}: {len(ids)} tokens, {len(row['ids'])} sample(s)"]
     for k, (lo, hi) in enumerate(bounds):
-        sample = row["ids"][k] if k < len(row["ids"]) else "?"
+        sample = str(row["ids"][k]).translate(_VISIBLE) if k < len(row["ids"]) else "?"
         trained = sum(1 for x in labels[lo:hi] if x != IGNORE_INDEX)
         out.append(f"--- sample {sample}: {hi - lo} tokens, {trained} trained")
         out.append(_spans(ids[lo:hi], labels[lo:hi], tokenizer, color))
@@ -33,7 +35,7 @@ def render_row(row: Mapping[str, Any], tokenizer: Any, color: bool, title: str =
 
 def render_pair(row: Mapping[str, Any], tokenizer: Any, color: bool, title: str = "row") -> str:
     prompt = list(row["prompt_ids"])
-    out = [f"=== {title}: pair {row['ids'][0]}, prompt {len(prompt)} tokens"]
+    out = [f"=== {title}: pair {str(row['ids'][0]).translate(_VISIBLE)}, prompt {len(prompt)} tokens"]
     out.append(_spans(prompt, [IGNORE_INDEX] * len(prompt), tokenizer, color))
     for side in ("chosen", "rejected"):
         ids, labels = list(row[f"{side}_ids"]), list(row[f"{side}_labels"])
@@ -52,7 +54,8 @@ def _spans(ids: Sequence[int], labels: Sequence[int], tokenizer: Any, color: boo
         j = i
         while j < len(ids) and (labels[j] != IGNORE_INDEX) == trained:
             j += 1
-        piece = tokenizer.decode(list(ids[i:j]), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        piece = tokenizer.decode(list(ids[i:j]), skip_special_tokens=False,
+                                 clean_up_tokenization_spaces=False).translate(_VISIBLE)
         if trained:
             piece = f"{GREEN}{piece}{RESET}" if color else f"[[{piece}]]"
         text.append(piece)

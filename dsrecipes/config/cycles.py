@@ -1,0 +1,72 @@
+"""A recipe that includes itself (directly or through others) as one message naming the cycle.
+
+Hydra follows a defaults list into itself until Python's recursion limit ("maximum recursion depth exceeded"); when
+a composition fails that way, `recipe_cycle(overrides)` follows the recipes' defaults lists itself, each file read
+once through config/recipe_file.py (bounded), and names the files of the first cycle it finds.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, List, Optional, Sequence
+
+from dsrecipes.config import recipe_file, sources
+from dsrecipes.core.errors import ConfigError
+from dsrecipes.core.paths import shipped_recipes_dir
+
+
+def recipe_cycle(overrides: Sequence[str]) -> str:
+    """The message for a composition that recursed without end."""
+    for ov in overrides:
+        key, eq, value = ov.partition("=")
+        if eq and key.lstrip("+~").split("@")[0] == sources.RECIPE_GROUP:
+            found = _walk(_find(value.strip()), [])
+            if found:
+                return ("recipe: the recipes include each other in a cycle: " + " -> ".join(map(str, found)) +
+                        "; remove the entry that leads back from the defaults list")
+    return ("the defaults lists include each other in a cycle (a recipe or group file that names itself, directly "
+            "or through others); remove the entry that leads back")
+
+
+def _find(name: str) -> Optional[Path]:
+    if sources.is_path(name):
+        path = Path(os.path.expanduser(name))
+        path = path if path.suffix in (".yaml", ".yml") else path.with_suffix(".yaml")
+        return path.resolve()
+    try:
+        user = sources.user_recipes().get(name)
+    except ConfigError:
+        user = None
+    path = user or shipped_recipes_dir() / f"{name}.yaml"
+    return path.resolve() if path.is_file() else None
+
+
+def _walk(path: Optional[Path], chain: List[Path]) -> Optional[List[Path]]:
+    if path is None:
+        return None
+    if path in chain:
+        return chain[chain.index(path):] + [path]
+    try:
+        config, _ = recipe_file.load(path)
+    except ConfigError:
+        return None
+    for name in _included(config):
+        found = _walk(_find(name), chain + [path])
+        if found:
+            return found
+    return None
+
+
+def _included(config: Any) -> List[str]:
+    """The recipes a recipe's defaults list names (`/recipe: X`, `override /recipe: X`, or a bare `X`)."""
+    names = []
+    for entry in (config.get("defaults") or []) if hasattr(config, "get") else []:
+        if isinstance(entry, str) and entry != "_self_":
+            names.append(entry)
+        elif hasattr(entry, "items"):
+            for key, value in entry.items():
+                group = str(key).replace("override ", "").strip().lstrip("/").split("@")[0]
+                if group == sources.RECIPE_GROUP and isinstance(value, str):
+                    names.append(value)
+    return names
