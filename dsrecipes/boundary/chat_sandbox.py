@@ -192,18 +192,22 @@ class _Renderer:
         """(kind, text) for each of `renders` until the first that is not a text (chat_render_child.py)."""
         request = pickle.dumps((source, context, renders, MAX_OUTPUT, MAX_CPU_SECONDS), protocol=pickle.HIGHEST_PROTOCOL)
         with self.lock:
+            if self.child is not None and self.child.proc.poll() is not None:  # it died between renders
+                self.discard()
             if self.child is None:
                 self.child = _Child()
-            child = self.child
             try:
-                child.send(len(request).to_bytes(4, "big") + request, time.monotonic() + MAX_SECONDS)
-                answers: List[tuple] = []
-                while len(answers) < len(renders) and (not answers or answers[-1][0] == b"o"):
-                    answers.append(self._answer(child, time.monotonic() + MAX_SECONDS))
-                return answers
+                return self._exchange(self.child, len(request).to_bytes(4, "big") + request, len(renders))
             except BaseException:  # a limit, a dead child, or our own interruption: never reuse it mid-answer
                 self.discard()
                 raise
+
+    def _exchange(self, child: _Child, request: bytes, count: int) -> List[tuple]:
+        child.send(request, time.monotonic() + MAX_SECONDS)
+        answers: List[tuple] = []
+        while len(answers) < count and (not answers or answers[-1][0] == b"o"):
+            answers.append(self._answer(child, time.monotonic() + MAX_SECONDS))
+        return answers
 
     @staticmethod
     def _answer(child: _Child, deadline: float) -> tuple:
