@@ -2,11 +2,13 @@
 
 Rows are read through the data layer (every format, column mapping, role alias and bad-row policy of `dataset`),
 checked exactly as training checks them (read, normalised, rendered and tokenized with the run's template and
-tokenizer: `scan.checked_conversations`, or `checked_pairs` under objective=dpo), and written in one canonical
-form (shard_rows.py: conversations, or preference pairs, a pair being one sample), so a part needs no column settings
-and the sample ids survive (`<source file>:<line>` when the row had none); the manifest's `row_format` says which. `manifest.json` records per-part counts (and token totals), sha256 checksums, the balance mode, the source
-files with their checksums, the bad rows per reason and per file, and what the rows were checked with
-(`checked_with`: template and tokenizer; a presharded run with another one scans its parts before launch).
+tokenizer: `scan.checked_conversations`, or `checked_pairs` for an objective on pairs, `objective.rows=pair`), and
+written in one canonical form (shard_rows.py: conversations, or preference pairs, a pair being one sample), so a part
+needs no column settings and the sample ids survive (`<source file>:<line>` when the row had none); the manifest's
+`row_format` says which. `manifest.json` (shard_manifest.py: the record, reading and verifying it) records per-part
+counts (and token totals), sha256 checksums, the balance mode, the source files with their checksums, the bad rows per
+reason and per file, and what the rows were checked with (`checked_with`: template and tokenizer; a presharded run
+with another one scans its parts before launch).
 
 Validation: `--val-size N` (a count, or a fraction < 1) holds N samples out of the parts into `val.jsonl` (chosen
 like a run's validation split, seeded by `trainer.seed`), listed in the manifest with its count and checksum; a
@@ -20,17 +22,15 @@ Ownership: `--out` is the user's until proven ours. A new directory, an empty on
 directory holding our manifest (`dsrecipes_shard`, or the exact shape an older `shard` wrote) and nothing its
 manifest does not list; anything else is refused before any row is read, nothing changed. What can be checked
 before writing is checked first (the part count against the samples, the open-file limit). The shard is written into
-a new directory beside `--out` (same file system), synced, then renamed into place, or exchanged with the previous
-shard in one step (Linux `renameat2`), whose listed files are removed only then: a reader sees the old complete
-shard or the new one, never a mix, and a failure (a bad row, a full disk) leaves `--out` as it was.
+a staging directory beside `--out` (same file system), synced, then published with core/publish.py: renamed onto a
+new or empty `--out`, or exchanged with the previous shard in one step (`Existing.exchange`), whose listed files are
+removed only then: a reader sees the old complete shard or the new one, never a mix, and a failure (a bad row, a full
+disk) leaves `--out` as it was.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import dataclasses
-import errno
 import hashlib
 import heapq
 import itertools
@@ -39,20 +39,31 @@ import os
 import resource
 import shutil
 import sys
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import dsrecipes.data.shard_store as store_upload
 from dsrecipes.core.errors import DataError, UserError
 from dsrecipes.core.fileio import atomic_write_json, missing_dirs, remove_empty_dirs
+from dsrecipes.core.publish import Existing, publish_dir, staging_dir
 from dsrecipes.core.schema import ShardBalance
 from dsrecipes.core.tokenizer import load_tokenizer
-from dsrecipes.core.typed import config_to_dict
-from dsrecipes.data.cache import tokenizer_fingerprint
-from dsrecipes.data.render.template_choice import choose_template
-from dsrecipes.data.shard_rows import PAIR_ROW_FORMAT, ROW_FORMAT, checked_rows, row_format
+from dsrecipes.data.shard_manifest import (
+    MANIFEST,
+    QUARANTINE,
+    VAL_PART,
+    Manifest,
+    check_identity,
+    file_sha256,
+    part_name,
+)
+from dsrecipes.data.shard_manifest import SHARD_MARKER as SHARD_MARKER  # re-exported: the manifest's names, as before
+from dsrecipes.data.shard_manifest import checked_alike as checked_alike
+from dsrecipes.data.shard_manifest import read_manifest as read_manifest
+from dsrecipes.data.shard_manifest import shard_files as shard_files
+from dsrecipes.data.shard_manifest import verify_part as verify_part
+from dsrecipes.data.shard_manifest import verify_val_part as verify_val_part
+from dsrecipes.data.shard_rows import checked_rows, row_format
 from dsrecipes.data.sources.badrows import BadRowReport
 from dsrecipes.data.sources.files import expand_paths
 from dsrecipes.data.sources.preference import check_sources
@@ -61,137 +72,7 @@ from dsrecipes.data.sources.remote import check_url, is_url, looks_like_url
 from dsrecipes.data.sources.remote import identity as remote_identity
 from dsrecipes.data.sources.splits import split_val
 
-MANIFEST = "manifest.json"
-VAL_PART = "val.jsonl"
-QUARANTINE = "quarantine.jsonl"
-MANIFEST_VERSION = 1
-SHARD_MARKER = "dsrecipes_shard"  # the manifest key that says `dsrecipes shard` wrote it (older manifests lack it)
 OPEN_FILES_HEADROOM = 128  # descriptors left to the rest of the process while every part is open
-
-
-@dataclass
-class Manifest:
-    parts: int
-    balance: str
-    files: List[str]
-    counts: List[int]
-    sha256: List[str]
-    tokens: Optional[List[int]] = None
-    sources: List[Dict[str, Any]] = field(default_factory=list)
-    bad_rows: Dict[str, int] = field(default_factory=dict)
-    bad_rows_by_file: Dict[str, Dict[str, int]] = field(default_factory=dict)
-    checked_with: Dict[str, Any] = field(default_factory=dict)  # check_identity() of the shard run
-    val_file: Optional[str] = None  # the validation part (`shard --val-size`), not read for training
-    val_count: int = 0
-    val_sha256: Optional[str] = None
-    identities: List[str] = field(default_factory=list)  # parts in a store: remote.identity (ETag) of each
-    val_identity: Optional[str] = None  # the validation part in a store: its remote.identity
-    row_format: str = ROW_FORMAT
-    version: int = MANIFEST_VERSION
-    dsrecipes_shard: int = 1  # SHARD_MARKER: the ownership marker (`shard_files`)
-    directory: str = ""  # where it was read from (not stored)
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts)
-
-    @property
-    def fingerprint(self) -> str:
-        """The parts' identity: a digest of their checksums."""
-        return hashlib.blake2b(json.dumps(self.sha256).encode(), digest_size=12).hexdigest()
-
-    def part_path(self, rank: int) -> str:
-        return self.path_of(self.files[rank])
-
-    def path_of(self, name: str) -> str:
-        """A file of the shard directory (or store prefix) the manifest was read from."""
-        return f"{self.directory.rstrip('/')}/{name}" if is_url(self.directory) else os.path.join(self.directory, name)
-
-    def to_json(self) -> Dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data.pop("directory")
-        data["total"] = self.total
-        return data
-
-
-def part_name(index: int, parts: int) -> str:
-    return f"part_{index:0{max(2, len(str(parts - 1)))}d}.jsonl"
-
-
-def read_manifest(shard_dir: Optional[str], world_size: Optional[int] = None) -> Manifest:
-    """The manifest of `shard_dir`; with `world_size`, refuses a part count that differs from it."""
-    if not shard_dir:
-        raise DataError("data.shard_dir: data=presharded needs the directory written by `dsrecipes shard`")
-    path: Any = f"{shard_dir.rstrip('/')}/{MANIFEST}" if is_url(shard_dir) else Path(shard_dir) / MANIFEST
-    if not (store_upload.exists(path) if is_url(shard_dir) else path.is_file()):
-        raise DataError(f"data.shard_dir: {path} not found; write the parts with `dsrecipes shard ... --out {shard_dir}`")
-    data = json.loads(store_upload.read_text(path) if is_url(shard_dir) else path.read_text(encoding="utf-8"))
-    data.pop("total", None)
-    if data.get("version") != MANIFEST_VERSION:
-        raise DataError(f"{path}: manifest version {data.get('version')!r}, expected {MANIFEST_VERSION}; re-shard")
-    manifest = Manifest(**data, directory=str(shard_dir))
-    if world_size is not None and manifest.parts != world_size:
-        sources = " ".join(s["path"] for s in manifest.sources) or "INPUT..."
-        raise DataError(
-            f"data.shard_dir: {shard_dir} holds {manifest.parts} parts but the run has {world_size} ranks; each rank "
-            f"reads exactly its own part. Re-shard for this world size: `dsrecipes shard {sources} --parts "
-            f"{world_size} --out NEW_DIR --balance {manifest.balance}` and set data.shard_dir=NEW_DIR"
-        )
-    return manifest
-
-
-def shard_files(data: Any) -> Optional[List[str]]:
-    """The files a manifest (its JSON) says `shard` wrote, itself included, or None when it is not the manifest of a
-    dsrecipes shard: one carrying SHARD_MARKER, or (written before the marker) exactly the keys an older `shard`
-    wrote. Either way its part names must be the ones `shard` gives: only these names are ever replaced or removed."""
-    if not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION or data.get(SHARD_MARKER, 1) != 1:
-        return None
-    known = {f.name for f in dataclasses.fields(Manifest)} - {"directory", SHARD_MARKER} | {"total"}
-    if SHARD_MARKER not in data and not set(data) <= known:
-        return None
-    parts = data.get("parts")
-    if type(parts) is not int or parts < 1 or data.get("files") != [part_name(p, parts) for p in range(parts)]:
-        return None
-    if data.get("val_file") not in (None, VAL_PART):
-        return None
-    # the quarantine is written exactly when rows were skipped (`dataset.bad_rows=skip`)
-    names = [MANIFEST, *data["files"]] + ([VAL_PART] if data.get("val_file") else [])
-    return names + ([QUARANTINE] if data.get("bad_rows") else [])
-
-
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def verify_part(manifest: Manifest, rank: int) -> None:
-    path = manifest.part_path(rank)
-    if is_url(path):  # by the ETag recorded at upload: the part is not read twice
-        if not manifest.identities or store_upload.identity_or_none(path) != manifest.identities[rank]:
-            raise DataError(f"{path}: missing or changed since `dsrecipes shard` wrote it ({MANIFEST}); re-shard")
-        return
-    _verify(path, manifest.sha256[rank])
-
-
-def verify_val_part(manifest: Manifest) -> str:
-    """The validation part's path, checked against the manifest (in a store: by the identity recorded at upload)."""
-    path = manifest.path_of(str(manifest.val_file))
-    if is_url(path):
-        if manifest.val_identity is None or store_upload.identity_or_none(path) != manifest.val_identity:
-            raise DataError(f"{path}: missing or changed since `dsrecipes shard` wrote it ({MANIFEST}); re-shard")
-        return path
-    _verify(path, str(manifest.val_sha256))
-    return path
-
-
-def _verify(path: str, sha256: str) -> None:
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: missing (listed in {MANIFEST})")
-    if file_sha256(path) != sha256:
-        raise DataError(f"{path}: sha256 differs from {MANIFEST}; the part was modified, re-shard")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -340,7 +221,8 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
         manifest = describe_parts(written, cfg, balance, report, check_identity(cfg, tokenizer), sources)
         atomic_write_json(staging / MANIFEST, manifest.to_json())
         sync_dir(staging, files=True)
-        publish(staging, out, previous is not None)
+        # onto a new or empty --out (one that gained entries meanwhile is refused), or exchanged with our previous shard
+        old = publish_dir(staging, out, Existing.exchange if previous is not None else Existing.refuse)
     except BaseException as exc:
         discard(staging, made)
         if isinstance(exc, OSError):  # a full disk, too many open files, no permission, out changed meanwhile
@@ -350,8 +232,8 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
         raise
     with contextlib.suppress(OSError):  # the rename itself is durable once the parent directory is synced
         sync_dir(out.parent)
-    if previous is not None:
-        remove_listed(staging, previous)  # now the previous shard, out of sight
+    if old is not None and previous is not None:
+        remove_listed(old, previous)  # now the previous shard, out of sight
     manifest.directory = out_dir
     return manifest
 
@@ -408,48 +290,16 @@ def describe_parts(manifest: Manifest, cfg: Any, balance: ShardBalance, report: 
 
 
 def new_dir_beside(path: Path, tag: str) -> Tuple[Path, List[Path]]:
-    """A new, uniquely named hidden directory beside `path` (same file system, so it can be renamed onto it), and
-    the parent directories that had to be made for it (deepest first)."""
+    """A staging directory beside `path` (core/publish.py `staging_dir`: same file system, so it can be published onto
+    it), and the parent directories that had to be made for it (deepest first)."""
     made = missing_dirs(path.parent)
-    new = path.parent / f".{path.name}.{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        new.mkdir(parents=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return staging_dir(path, tag), made
     except OSError as exc:
         discard(None, made)
         raise UserError(f"--out: cannot create a directory beside {path} ({exc.strerror or exc}); "
                         "nothing was changed") from None
-    return new, made
-
-
-def publish(staging: Path, out: Path, replace: bool) -> None:
-    """Make the complete shard in `staging` the directory `out`: renamed onto it (new, or empty: a directory that
-    gained entries meanwhile fails with ENOTEMPTY), or with `replace` exchanged with the shard there, which is then
-    in `staging`."""
-    if replace:
-        _exchange(staging, out)
-    else:
-        os.rename(staging, out)
-
-
-def _exchange(new: Path, old: Path) -> None:
-    """Swap two directories in one step (Linux renameat2 RENAME_EXCHANGE: `old` never goes missing). Where that is
-    not available: `old` renamed aside, `new` into its place (`old` put back if that fails), the aside to `new`."""
-    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-    if renameat2 is not None:
-        at_fdcwd, rename_exchange = -100, 2
-        if renameat2(at_fdcwd, os.fsencode(new), at_fdcwd, os.fsencode(old), rename_exchange) == 0:
-            return
-        code = ctypes.get_errno()
-        if code not in (errno.ENOSYS, errno.EINVAL):  # EINVAL: a file system without exchange
-            raise OSError(code, os.strerror(code), str(old))
-    aside, _ = new_dir_beside(old, "old-tmp")
-    os.rename(old, aside)
-    try:
-        os.rename(new, old)
-    except OSError:
-        os.rename(aside, old)
-        raise
-    os.rename(aside, new)
 
 
 def remove_listed(old: Path, names: Sequence[str]) -> None:
@@ -499,22 +349,3 @@ def _cwd() -> Optional[str]:
         return os.getcwd()
     except OSError:  # the working directory was removed
         return None
-
-
-def check_identity(cfg: Any, tokenizer: Any) -> Dict[str, Any]:
-    """What decides whether a row passes: the template config, the tokenizer itself and the row size limit."""
-
-    template = choose_template(cfg.template, tokenizer, cfg.model.path)  # `auto` as the launch resolves it
-    out = {"template": config_to_dict(template), "tokenizer": tokenizer_fingerprint(tokenizer),
-           "max_row_bytes": cfg.dataset.max_row_bytes}
-    if row_format(cfg) == PAIR_ROW_FORMAT:  # a pair's prompt past the cutoff is a bad row
-        out["cutoff_len"] = cfg.data.cutoff_len
-    return out
-
-
-def checked_alike(checked_with: Dict[str, Any], cfg: Any, tokenizer: Any) -> bool:
-    """Whether rows `dsrecipes shard` checked with `checked_with` pass this run's checks too."""
-    now = check_identity(cfg, tokenizer)
-    return (checked_with.get("template") == now["template"] and checked_with.get("tokenizer") == now["tokenizer"]
-            and now["max_row_bytes"] >= checked_with.get("max_row_bytes", float("inf"))
-            and now.get("cutoff_len", 0) >= checked_with.get("cutoff_len", 0))

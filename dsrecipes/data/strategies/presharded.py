@@ -37,8 +37,7 @@ from dsrecipes.data.audit import AuditReport, audit_presharded
 from dsrecipes.data.plan import Layout, StreamShuffle, presharded_steps, require_steps
 from dsrecipes.data.sampler import Item, StreamSpec, select_slots
 from dsrecipes.data.shard_manifest import Manifest, checked_alike, read_manifest, verify_part, verify_val_part
-from dsrecipes.data.shard_rows import checked_rows
-from dsrecipes.data.shard_rows import check_row_format
+from dsrecipes.data.shard_rows import check_row_format, checked_rows
 from dsrecipes.data.sources.badrows import BadRowReport
 from dsrecipes.data.sources.remote import is_url
 from dsrecipes.data.strategies.base import Batch, Row, TrainLoader

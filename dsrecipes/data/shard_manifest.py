@@ -1,0 +1,177 @@
+"""A shard directory's manifest (`manifest.json`): what `dsrecipes shard` wrote and what a presharded run trusts.
+
+Owns: the `Manifest` record (per-part counts, token totals, sha256 checksums, balance, row format, sources, bad rows,
+the validation part, the ownership marker), reading it back (`read_manifest`, refusing another version or a part
+count that differs from the world size), which files a manifest makes ours (`shard_files`: only these are ever
+replaced or removed), verifying a part against it (`verify_part`, `verify_val_part`: sha256 locally, the ETag in a
+store), and what the rows were checked with (`check_identity`, `checked_alike`). Writing parts: data/shard.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import dsrecipes.data.shard_store as store_upload
+from dsrecipes.core.errors import DataError
+from dsrecipes.core.typed import config_to_dict
+from dsrecipes.data.cache import tokenizer_fingerprint
+from dsrecipes.data.render.template_choice import choose_template
+from dsrecipes.data.shard_rows import PAIR_ROW_FORMAT, ROW_FORMAT, row_format
+from dsrecipes.data.sources.remote import is_url
+
+MANIFEST = "manifest.json"
+VAL_PART = "val.jsonl"
+QUARANTINE = "quarantine.jsonl"
+MANIFEST_VERSION = 1
+SHARD_MARKER = "dsrecipes_shard"  # the manifest key that says `dsrecipes shard` wrote it (older manifests lack it)
+
+
+
+@dataclass
+class Manifest:
+    parts: int
+    balance: str
+    files: List[str]
+    counts: List[int]
+    sha256: List[str]
+    tokens: Optional[List[int]] = None
+    sources: List[Dict[str, Any]] = field(default_factory=list)
+    bad_rows: Dict[str, int] = field(default_factory=dict)
+    bad_rows_by_file: Dict[str, Dict[str, int]] = field(default_factory=dict)
+    checked_with: Dict[str, Any] = field(default_factory=dict)  # check_identity() of the shard run
+    val_file: Optional[str] = None  # the validation part (`shard --val-size`), not read for training
+    val_count: int = 0
+    val_sha256: Optional[str] = None
+    identities: List[str] = field(default_factory=list)  # parts in a store: remote.identity (ETag) of each
+    val_identity: Optional[str] = None  # the validation part in a store: its remote.identity
+    row_format: str = ROW_FORMAT
+    version: int = MANIFEST_VERSION
+    dsrecipes_shard: int = 1  # SHARD_MARKER: the ownership marker (`shard_files`)
+    directory: str = ""  # where it was read from (not stored)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def fingerprint(self) -> str:
+        """The parts' identity: a digest of their checksums."""
+        return hashlib.blake2b(json.dumps(self.sha256).encode(), digest_size=12).hexdigest()
+
+    def part_path(self, rank: int) -> str:
+        return self.path_of(self.files[rank])
+
+    def path_of(self, name: str) -> str:
+        """A file of the shard directory (or store prefix) the manifest was read from."""
+        return f"{self.directory.rstrip('/')}/{name}" if is_url(self.directory) else os.path.join(self.directory, name)
+
+    def to_json(self) -> Dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data.pop("directory")
+        data["total"] = self.total
+        return data
+
+
+def part_name(index: int, parts: int) -> str:
+    return f"part_{index:0{max(2, len(str(parts - 1)))}d}.jsonl"
+
+
+def read_manifest(shard_dir: Optional[str], world_size: Optional[int] = None) -> Manifest:
+    """The manifest of `shard_dir`; with `world_size`, refuses a part count that differs from it."""
+    if not shard_dir:
+        raise DataError("data.shard_dir: data=presharded needs the directory written by `dsrecipes shard`")
+    path: Any = f"{shard_dir.rstrip('/')}/{MANIFEST}" if is_url(shard_dir) else Path(shard_dir) / MANIFEST
+    if not (store_upload.exists(path) if is_url(shard_dir) else path.is_file()):
+        raise DataError(f"data.shard_dir: {path} not found; write the parts with `dsrecipes shard ... --out {shard_dir}`")
+    data = json.loads(store_upload.read_text(path) if is_url(shard_dir) else path.read_text(encoding="utf-8"))
+    data.pop("total", None)
+    if data.get("version") != MANIFEST_VERSION:
+        raise DataError(f"{path}: manifest version {data.get('version')!r}, expected {MANIFEST_VERSION}; re-shard")
+    manifest = Manifest(**data, directory=str(shard_dir))
+    if world_size is not None and manifest.parts != world_size:
+        sources = " ".join(s["path"] for s in manifest.sources) or "INPUT..."
+        raise DataError(
+            f"data.shard_dir: {shard_dir} holds {manifest.parts} parts but the run has {world_size} ranks; each rank "
+            f"reads exactly its own part. Re-shard for this world size: `dsrecipes shard {sources} --parts "
+            f"{world_size} --out NEW_DIR --balance {manifest.balance}` and set data.shard_dir=NEW_DIR"
+        )
+    return manifest
+
+
+def shard_files(data: Any) -> Optional[List[str]]:
+    """The files a manifest (its JSON) says `shard` wrote, itself included, or None when it is not the manifest of a
+    dsrecipes shard: one carrying SHARD_MARKER, or (written before the marker) exactly the keys an older `shard`
+    wrote. Either way its part names must be the ones `shard` gives: only these names are ever replaced or removed."""
+    if not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION or data.get(SHARD_MARKER, 1) != 1:
+        return None
+    known = {f.name for f in dataclasses.fields(Manifest)} - {"directory", SHARD_MARKER} | {"total"}
+    if SHARD_MARKER not in data and not set(data) <= known:
+        return None
+    parts = data.get("parts")
+    if type(parts) is not int or parts < 1 or data.get("files") != [part_name(p, parts) for p in range(parts)]:
+        return None
+    if data.get("val_file") not in (None, VAL_PART):
+        return None
+    # the quarantine is written exactly when rows were skipped (`dataset.bad_rows=skip`)
+    names = [MANIFEST, *data["files"]] + ([VAL_PART] if data.get("val_file") else [])
+    return names + ([QUARANTINE] if data.get("bad_rows") else [])
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_part(manifest: Manifest, rank: int) -> None:
+    path = manifest.part_path(rank)
+    if is_url(path):  # by the ETag recorded at upload: the part is not read twice
+        if not manifest.identities or store_upload.identity_or_none(path) != manifest.identities[rank]:
+            raise DataError(f"{path}: missing or changed since `dsrecipes shard` wrote it ({MANIFEST}); re-shard")
+        return
+    _verify(path, manifest.sha256[rank])
+
+
+def verify_val_part(manifest: Manifest) -> str:
+    """The validation part's path, checked against the manifest (in a store: by the identity recorded at upload)."""
+    path = manifest.path_of(str(manifest.val_file))
+    if is_url(path):
+        if manifest.val_identity is None or store_upload.identity_or_none(path) != manifest.val_identity:
+            raise DataError(f"{path}: missing or changed since `dsrecipes shard` wrote it ({MANIFEST}); re-shard")
+        return path
+    _verify(path, str(manifest.val_sha256))
+    return path
+
+
+def _verify(path: str, sha256: str) -> None:
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: missing (listed in {MANIFEST})")
+    if file_sha256(path) != sha256:
+        raise DataError(f"{path}: sha256 differs from {MANIFEST}; the part was modified, re-shard")
+
+
+def check_identity(cfg: Any, tokenizer: Any) -> Dict[str, Any]:
+    """What decides whether a row passes: the template config, the tokenizer itself and the row size limit."""
+
+    template = choose_template(cfg.template, tokenizer, cfg.model.path)  # `auto` as the launch resolves it
+    out = {"template": config_to_dict(template), "tokenizer": tokenizer_fingerprint(tokenizer),
+           "max_row_bytes": cfg.dataset.max_row_bytes}
+    if row_format(cfg) == PAIR_ROW_FORMAT:  # a pair's prompt past the cutoff is a bad row
+        out["cutoff_len"] = cfg.data.cutoff_len
+    return out
+
+
+def checked_alike(checked_with: Dict[str, Any], cfg: Any, tokenizer: Any) -> bool:
+    """Whether rows `dsrecipes shard` checked with `checked_with` pass this run's checks too."""
+    now = check_identity(cfg, tokenizer)
+    return (checked_with.get("template") == now["template"] and checked_with.get("tokenizer") == now["tokenizer"]
+            and now["max_row_bytes"] >= checked_with.get("max_row_bytes", float("inf"))
+            and now.get("cutoff_len", 0) >= checked_with.get("cutoff_len", 0))
