@@ -7,8 +7,8 @@ Accepted paths (`resolve_model_path`):
   a base model      any Hugging Face model directory (config.json + tokenizer)
 Before transformers reads a directory, `check_loadable` refuses an export this user did not sign (unless trusted
 with --trust-checkpoint), a damaged one, and any directory that needs its own code (auto_map); `*.bin` weights are
-read weights_only. The prompt is rendered, in a sandbox with a time and output budget (chat_sandbox.py), by the
-chat template of the fine-tuned export, which is the training template (serving.py); tokens are produced the way training produced them (prompt as one text, a reply continuing it without
+read weights_only. The prompt is rendered, in a sandboxed child process with time, memory and output limits
+(chat_sandbox.py), by the chat template of the fine-tuned export, which is the training template (serving.py); tokens are produced the way training produced them (prompt as one text, a reply continuing it without
 a SentencePiece start marker, data/render/spm.py), and generation stops at the export's end-of-turn tokens.
 """
 
