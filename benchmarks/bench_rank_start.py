@@ -6,7 +6,7 @@ interleaved (issue 22 item 1).
     python benchmarks/bench_rank_start.py --pairs 5 --keep /tmp/bench
     python benchmarks/bench_rank_start.py --phases           # where a 2-rank and a 1-rank start spend their time
     git worktree add /tmp/before main && python benchmarks/bench_rank_start.py --before /tmp/before   # before/after
-    python benchmarks/bench_rank_start.py --smoke            # B built, the preparing run, one 1-rank start of B
+    python benchmarks/bench_rank_start.py --smoke            # B built, one 1-rank start of B (preparing its data)
 
 Two environments: A is this interpreter, B a real virtual environment beside it (another sys.prefix, the same
 packages), so each has its own JIT build directory (dsrecipes/core/jit_ops.py). B is `python -m venv
@@ -174,7 +174,8 @@ def measure(args: argparse.Namespace, result: Result) -> int:
     result.extra.update(workspace=str(ws), pythons=pythons)
     # the data (tokenized once, content-keyed; zero/offload are not part of its key), with a cache of its own and
     # without the overrides, so no op gets built here
-    start_to_first_step(pythons["A"], ws, "prepare", 1, [], environment(ws, ws / "prepare_cache"))
+    if not args.smoke:  # (--smoke: B's one run prepares the data itself)
+        start_to_first_step(pythons["A"], ws, "prepare", 1, [], environment(ws, ws / "prepare_cache"))
     env = environment(ws, cache)
     envs = {"A": env, "B": env}
     if args.before:
@@ -201,8 +202,8 @@ def measure(args: argparse.Namespace, result: Result) -> int:
               f"{cpu[kind][-1]:6.1f} CPU s  {note}", flush=True)
 
     if args.smoke:
-        result.note("smoke: no 2-rank start and no rounds: the data-preparing 1-rank start of A (untimed) and one "
-                    "1-rank start of B (kind `smoke1B`); --phases is smoke-tested by start_trace/timeline.py --smoke")
+        result.note("smoke: no 2-rank start, no rounds, no separate data preparation: one 1-rank start of B (kind "
+                    "`smoke1B`, preparing its data); --phases is smoke-tested by start_trace/timeline.py --smoke")
         one("smoke1B", "B", 1, "smoke_B1")
         return 0
     one("cold", "A", 2, "cold_A")

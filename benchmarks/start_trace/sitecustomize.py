@@ -33,7 +33,8 @@ import time
 _DIR = os.environ.get("BENCH_START_TRACE")
 
 WATCH_IMPORTS = ("torch", "deepspeed", "transformers", "datasets", "hydra", "numpy", "dsrecipes", "dsrecipes.cli",
-                 "dsrecipes.rank.worker", "dsrecipes.rank.train", "dsrecipes.run.entry", "dsrecipes.run.launch",
+                 "dsrecipes.rank.worker", "dsrecipes.rank.train", "dsrecipes.rank.session", "dsrecipes.run.entry",
+                 "dsrecipes.run.launch",
                  "deepspeed.launcher", "deepspeed.launcher.runner", "deepspeed.launcher.launch", "torch.distributed",
                  "deepspeed.comm", "deepspeed.accelerator", "deepspeed.ops", "psutil")
 WATCH_CALLS = {
@@ -44,8 +45,9 @@ WATCH_CALLS = {
     "dsrecipes.run.entry": ("check_machine", "decide", "plan_data", "write_run_dir", "launch"),
     "dsrecipes.run.launch.process": ("run_subprocess", "run_in_process"),
     "dsrecipes.rank.worker": ("run",),
-    "dsrecipes.rank.train": ("start", "loop", "init_distributed", "load_tokenizer", "build_model", "build_loaders",
-                        "build_objective", "read_plan", "log_window", "export_initial", "build_prompt_eval"),
+    "dsrecipes.rank.train": ("loop", "log_window"),
+    "dsrecipes.rank.session": ("start", "init_distributed", "load_tokenizer", "build_model", "build_loaders",
+                               "build_objective", "read_plan", "export_initial", "build_prompt_eval"),
     "dsrecipes.core.distributed": ("init_distributed",),
     "dsrecipes.core.jit_ops": ("prepare_rank",),
 }

@@ -1,0 +1,91 @@
+"""Every script in benchmarks/ runs in its `--smoke` mode: imports, paths, the functions it calls and its result file.
+
+A renamed function, a moved module or a broken path then fails here, not in the next measurement. Each script is
+found by listing benchmarks/ (helpers start with `_`), so a new benchmark without a working `--smoke` fails too.
+Each runs as its own process (`python SCRIPT --smoke --out DIR`, with a timeout), as a user runs it; what it prints
+as `NOTE:` (a substitution, a skipped phase, smoke sizes) must also be in its result file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import subprocess_env
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
+SCRIPTS = sorted([p for p in BENCH.glob("*.py") if not p.name.startswith("_")] + sorted(BENCH.glob("start_trace/*.py")))
+TIMEOUT_S = 420  # each smoke takes seconds to ~40 s on a quiet 2-core machine; the bound is for a loaded one
+
+
+def result_file(script: Path, out: Path) -> Path:
+    if script.name == "gpu_smoke.py":
+        return out / "results.json"
+    prefix = "start_trace_" if script.parent.name == "start_trace" else ""
+    return out / f"{prefix}{script.stem}.json"
+
+
+def run_smoke(script: Path, out: Path) -> subprocess.CompletedProcess:
+    env = subprocess_env({"HF_HUB_OFFLINE": "1", "PYTHONPATH": None})  # the scripts find this checkout themselves
+    return subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], cwd=out, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def test_every_benchmark_is_listed():
+    names = {str(p.relative_to(BENCH)) for p in SCRIPTS}
+    assert {"bench_store.py", "bench_runner.py", "bench_rank_start.py", "gpu_smoke.py", "start_trace/timeline.py",
+            "start_trace/sitecustomize.py"} <= names, names
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(BENCH)))
+def test_smoke(script: Path, tmp_path: Path):
+    done = run_smoke(script, tmp_path)
+    tail = f"\n--- stdout ---\n{done.stdout[-3000:]}\n--- stderr ---\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, f"{script.name} --smoke exited {done.returncode}{tail}"
+    assert "Traceback" not in done.stderr, tail
+    path = result_file(script, tmp_path)
+    assert path.is_file(), f"no result file {path}{tail}"
+    result = json.loads(path.read_text())
+    assert result["smoke"] is True and "error" not in result, result
+    printed = [line[len("NOTE: "):] for line in done.stdout.splitlines() if line.startswith("NOTE: ")]
+    missing = [note for note in printed if note not in result["notes"]]
+    assert not missing, f"printed but not in {path.name}: {missing}"
+    assert not list(tmp_path.rglob("*.tmp")), "a result file left half written"
+    if script.name == "bench_store.py":
+        check_store(tmp_path, result)
+
+
+def check_store(out: Path, result: dict) -> None:
+    """The corpus is generated (never a folder outside the checkout), every dsrecipes reader built its own client,
+    and a missing mosaicml-streaming is said on the output and in the result, never silently skipped."""
+    assert result["corpus"]["mb_asked"] == 0.25 and result["corpus"]["corpus_bytes"] >= 0.25 * (1 << 20)
+    for row in (r for r in result["rows"] if r["system"] == "ds"):
+        assert all(row[str(r)]["clients_built"] == r for r in (1, 2)), row
+    readme = (out / "README.md").read_text()
+    assert "What each system was given" in readme and "shared" not in readme
+    streaming = importlib.util.find_spec("streaming") is not None
+    skipped = [n for n in result["notes"] if "streaming side SKIPPED" in n]
+    assert bool(skipped) != streaming, (streaming, result["notes"])
+    assert {r["system"] for r in result["rows"]} == ({"ds", "st"} if streaming else {"ds"})
+
+
+def test_store_corpus_is_deterministic_and_of_the_asked_size(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    try:
+        from _sharegpt_corpus import write_corpus
+    finally:
+        sys.path.remove(str(BENCH))
+    a, b = write_corpus(tmp_path / "a", 0.2, 3), write_corpus(tmp_path / "b", 0.2, 3)
+    assert [p.read_bytes() for p in a] == [p.read_bytes() for p in b]
+    sizes = [p.stat().st_size for p in a]
+    assert sum(sizes) >= 0.2 * (1 << 20) and len(set(sizes)) == 3  # uneven files
+    rows = [json.loads(line) for p in a for line in p.read_text(encoding="utf-8").splitlines()]
+    assert len({r["id"] for r in rows}) == len(rows)
+    assert all(r["conversations"][0]["from"] == "human" and r["conversations"][-1]["from"] == "gpt" for r in rows)
