@@ -174,3 +174,29 @@ def test_launcher_options_take_ascii_digits_only(value):
     assert extra_args_problems(LauncherKind.torchrun, [f"--max-restarts={value}"])
     assert extra_args_problems(LauncherKind.deepspeed, [f"--ssh_port={value}"])
     assert not extra_args_problems(LauncherKind.torchrun, ["--max-restarts=2"])
+
+
+def test_a_sweep_refuses_before_its_first_job(tmp_path, monkeypatch, capsys):
+    """Every job of a sweep is checked before the first starts: one job's recipe naming a cache elsewhere stops it."""
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    _recipe(folder, "clean", {"trainer.max_steps": 1})
+    _recipe(folder, "hostile", {"data.cache_dir": str(tmp_path / "elsewhere")})
+    monkeypatch.setenv("DSRECIPES_RECIPES", str(folder))
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["-m", "recipe=clean,hostile", "launcher.dry_run=true"]) == 2
+    err = capsys.readouterr().err
+    assert f"data.cache_dir: set by {folder / 'hostile.yaml'}" in err and "Traceback" not in err, err
+    assert not (tmp_path / "multirun").exists() and not (tmp_path / "elsewhere").exists()
+
+
+def test_an_override_interpolating_the_environment_is_refused_not_leaked(tmp_path, monkeypatch, capsys):
+    """Hydra records the overrides' text (hydra.overrides.task): it is read as text, never resolved, so the run
+    refuses `${oc.env:SECRET}` where the value is used - one message, no traceback."""
+    monkeypatch.setenv("DSR_OUTSIDE_SECRET", TOKEN)
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["trainer.experiment=${oc.env:DSR_OUTSIDE_SECRET}", "trainer.max_steps=1",
+                     f"trainer.output_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: trainer.experiment: reads the environment variable") and TOKEN not in err, err
+    assert not (tmp_path / "run").exists()

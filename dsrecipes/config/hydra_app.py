@@ -38,7 +38,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import configure_log, run_job
 from hydra.errors import HydraException
 from hydra.types import HydraContext, RunMode
-from omegaconf import open_dict, read_write
+from omegaconf import OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 import dsrecipes.config.resolvers as resolvers
@@ -229,7 +229,7 @@ class GuardedLoader:
 
     def load_sweep_config(self, master_config: Any, sweep_overrides: List[str]) -> Any:
         cfg = self._inner.load_sweep_config(master_config, sweep_overrides)
-        check(self._inner, list(master_config.hydra.overrides.hydra) + list(sweep_overrides), cfg, RunMode.RUN)
+        check(self._inner, _texts(master_config.hydra.overrides.hydra) + list(sweep_overrides), cfg, RunMode.RUN)
         return cfg
 
 
@@ -239,7 +239,7 @@ def check_sweep(loader: GuardedLoader, overrides: Sequence[str]) -> None:
     try:
         master = loader.load_configuration(config_name=CONFIG_NAME, overrides=list(overrides),
                                            run_mode=RunMode.MULTIRUN)
-        parsed = OverridesParser.create(config_loader=loader).parse_overrides(list(master.hydra.overrides.task))
+        parsed = OverridesParser.create(config_loader=loader).parse_overrides(_texts(master.hydra.overrides.task))
         batches = BasicSweeper.split_arguments(parsed, None)
     except ConfigError:
         raise
@@ -282,7 +282,7 @@ class Job:
             return self.job_dir.resolve(), "hydra.sweep.dir"
         HydraConfig.instance().set_config(self.composed)  # the pattern may use ${hydra:...}
         pattern = Path(str(self.composed.hydra.run.dir)).expanduser()
-        given = any(ov.split("=", 1)[0].lstrip("+~") == "hydra.run.dir" for ov in self.composed.hydra.overrides.hydra)
+        given = any(ov.split("=", 1)[0].lstrip("+~") == "hydra.run.dir" for ov in _texts(self.composed.hydra.overrides.hydra))
         return (pattern if given else unique_new_dir(pattern)).resolve(), "hydra.run.dir"
 
     def hydra_made(self, run_dir: Path) -> bool:
@@ -312,7 +312,7 @@ def run(overrides: Sequence[str], job_fn: Callable[[Job], None]) -> None:
     with hydra_context(fresh=True) as hydra:
         composed = _compose_checked(hydra, overrides)
         composed.hydra.mode = RunMode.RUN
-        job_fn(Job(composed, list(composed.hydra.overrides.task), sweep=False, hydra=hydra))
+        job_fn(Job(composed, _texts(composed.hydra.overrides.task), sweep=False, hydra=hydra))
 
 
 def multirun(overrides: Sequence[str], job_fn: Callable[[Job], None]) -> None:
@@ -321,7 +321,7 @@ def multirun(overrides: Sequence[str], job_fn: Callable[[Job], None]) -> None:
     with hydra_context(fresh=True) as hydra:
         hydra.config_loader = GuardedLoader(hydra.config_loader)
         check_sweep(hydra.config_loader, overrides)
-        task = lambda composed: job_fn(Job(composed, list(HydraConfig.get().overrides.task), sweep=True))
+        task = lambda composed: job_fn(Job(composed, _texts(HydraConfig.get().overrides.task), sweep=True))
         try:
             hydra.multirun(config_name=CONFIG_NAME, task_function=task, overrides=_unique_sweep_dir(hydra, overrides))
         except (HydraException, OmegaConfBaseException) as exc:  # the sweeper composes every job before running any
@@ -362,6 +362,12 @@ def _compose_checked(hydra: Any, overrides: Sequence[str], configure_logging: bo
     if configure_logging:
         configure_log(composed.hydra.hydra_logging, composed.hydra.verbose)
     return composed
+
+
+def _texts(recorded: Any) -> List[str]:
+    """Hydra's record of the overrides, as the text typed: never resolved (an override's `${...}` resolves where the
+    value is used, through config/resolvers.py, not while its text is read)."""
+    return [str(o) for o in OmegaConf.to_container(recorded, resolve=False)]
 
 
 def _unique_sweep_dir(hydra: Any, overrides: Sequence[str]) -> List[str]:
