@@ -89,3 +89,23 @@ def test_store_corpus_is_deterministic_and_of_the_asked_size(tmp_path):
     rows = [json.loads(line) for p in a for line in p.read_text(encoding="utf-8").splitlines()]
     assert len({r["id"] for r in rows}) == len(rows)
     assert all(r["conversations"][0]["from"] == "human" and r["conversations"][-1]["from"] == "gpt" for r in rows)
+
+
+@pytest.mark.slow
+def test_rank_start_second_environment_sees_a_virtual_environments_packages(tmp_path):
+    """bench_rank_start's environment B, built while A is itself a virtual environment, sees A's own packages (a
+    plain `venv --system-site-packages` from a venv sees only the base interpreter's: no torch there)."""
+    a = tmp_path / "venv_a"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(a)], check=True)
+    purelib = subprocess.run([str(a / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    Path(purelib, "only_in_venv_a.py").write_text("")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from bench_rank_start import environment_b; from pathlib "
+            "import Path; print(environment_b(Path(sys.argv[2])))")
+    made = subprocess.run([str(a / "bin" / "python"), "-c", code, str(BENCH), str(tmp_path / "venv_b")],
+                          capture_output=True, text=True, env=subprocess_env({"PYTHONPATH": None}), timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+    b = made.stdout.strip().splitlines()[-1]
+    probe = "import importlib.util as u, sys; print(sys.prefix, bool(u.find_spec('only_in_venv_a')))"
+    seen = subprocess.run([b, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert seen == [str(tmp_path / "venv_b"), "True"], seen
