@@ -31,7 +31,7 @@ from dsrecipes.data.render.template import Segment
 from dsrecipes.data.render.tokenize import Encoder
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.sources.preference import Pair, pair_of
-from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn, iter_checked
+from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn, iter_capped, iter_checked
 
 Row = Dict[str, Any]
 
@@ -157,11 +157,4 @@ def read_and_encode_pairs(cfg: TrainConfig, tokenizer: Any, sources: Sequence[So
 
 
 def _all_pairs(ds: DatasetConfig, sources: Sequence[SourceConfig], report: BadRowReport) -> Iterator[Pair]:
-    kept = 0
-    for source in sources:
-        limit = None if ds.max_samples is None else ds.max_samples - kept
-        if limit is not None and limit <= 0:
-            return
-        for pair in iter_pairs(source, report, limit, ds.max_row_bytes):
-            kept += 1
-            yield pair
+    return iter_capped(ds, list(sources), lambda source, limit: iter_pairs(source, report, limit, ds.max_row_bytes))

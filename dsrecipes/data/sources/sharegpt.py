@@ -283,11 +283,19 @@ def iter_conversations(dataset_cfg: DatasetConfig, *, report: BadRowReport,
     fixed order. `dataset.max_samples` caps the total: reading stops after that many good conversations.
     """
 
+    return iter_capped(dataset_cfg, resolve_sources(dataset_cfg) if sources is None else sources,
+                       lambda source, limit: iter_source(source, report, limit, dataset_cfg.max_row_bytes))
+
+
+def iter_capped(dataset_cfg: DatasetConfig, sources: List[SourceConfig],
+                read: Callable[[SourceConfig, Optional[int]], Iterator[Any]]) -> Iterator[Any]:
+    """`read(source, limit)` of every source in order (conversations, preference pairs), reading stopped after
+    `dataset.max_samples` good rows over all of them (`limit`: what is left of it for this source)."""
     kept = 0
-    for source in resolve_sources(dataset_cfg) if sources is None else sources:
+    for source in sources:
         limit = None if dataset_cfg.max_samples is None else dataset_cfg.max_samples - kept
         if limit is not None and limit <= 0:
             return
-        for conv in iter_source(source, report, limit, dataset_cfg.max_row_bytes):
+        for row in read(source, limit):
             kept += 1
-            yield conv
+            yield row

@@ -54,20 +54,32 @@ class RowChecker:
         self._batch: List[tuple] = []
 
     def row(self, loc: int, raw: Optional[bytes]) -> None:
+        """One sample row: read (`parse`; a BadRow is recorded with the raw text), then checked in batches of BATCH
+        (`_encode`). The same for every row kind: the kinds differ in `parse`, `dropped` and `_encode` alone."""
         sample = self.scan.count
         self.scan.count += 1
         try:
-            conv = parse_item(raw, self.name, loc, self.source, self.table, limit=self.limit, element=self.element)
+            item = self.parse(raw, loc)
         except BadRow as bad:
-            line = element_line(self.name, loc) if self.element else loc
             text = None if raw is None else raw.decode("utf-8", errors="replace").rstrip("\r\n")
-            self.scan.bad.append([sample, line, bad.reason.value, bad.detail, text, loc if self.element else None])
+            self.scan.bad.append([sample, self.line(loc), bad.reason.value, bad.detail, text,
+                                  loc if self.element else None])
             return
-        if conv.dropped_turns > 0:
+        if self.dropped(item):
             self.scan.dropped.append(sample)
-        self._batch.append((sample, conv))
+        self._batch.append((sample, item))
         if len(self._batch) == BATCH:
             self._encode()
+
+    def parse(self, raw: Optional[bytes], loc: int) -> Any:
+        return parse_item(raw, self.name, loc, self.source, self.table, limit=self.limit, element=self.element)
+
+    def dropped(self, conv: Any) -> bool:
+        """Whether the row lost trailing non-assistant turns."""
+        return conv.dropped_turns > 0
+
+    def line(self, loc: int) -> Optional[int]:
+        return element_line(self.name, loc) if self.element else loc
 
     def _encode(self) -> None:
         if not self._batch:

@@ -6,41 +6,21 @@ scan cache, caps, bad-row policy and quarantine of `scan.py` apply to pairs unch
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional
 
 from dsrecipes.data.sources.badrows import BadRow
-from dsrecipes.data.sources.files import element_line
 from dsrecipes.data.sources.preference import Pair, pair_row, parse_pair_item
-from dsrecipes.data.sources.sharegpt import role_table
-from dsrecipes.data.stream.scan_files import BATCH, FileScan
+from dsrecipes.data.stream.scan_files import RowChecker
 
 
-class PairChecker:
-    """The checks of training for the pair rows of one file, fed in file order: `row(loc, raw)`."""
+class PairChecker(RowChecker):
+    """The checks of training for the pair rows of one file, fed in file order: `row(loc, raw)` (scan_files.py)."""
 
-    def __init__(self, name: str, source: Any, element: bool, limit: int, encoder: Any):
-        self.name, self.source, self.element, self.limit, self.encoder = name, source, element, limit, encoder
-        self.table = role_table(source)
-        self.scan = FileScan()
-        self._batch: List[Tuple[int, Pair]] = []
+    def parse(self, raw: Optional[bytes], loc: int) -> Pair:
+        return parse_pair_item(raw, self.name, loc, self.source, self.table, limit=self.limit, element=self.element)
 
-    def _line(self, loc: int) -> Optional[int]:
-        return element_line(self.name, loc) if self.element else loc
-
-    def row(self, loc: int, raw: Optional[bytes]) -> None:
-        sample = self.scan.count
-        self.scan.count += 1
-        try:
-            pair = parse_pair_item(raw, self.name, loc, self.source, self.table, limit=self.limit,
-                                   element=self.element)
-        except BadRow as bad:
-            text = None if raw is None else raw.decode("utf-8", errors="replace").rstrip("\r\n")
-            self.scan.bad.append([sample, self._line(loc), bad.reason.value, bad.detail, text,
-                                  loc if self.element else None])
-            return
-        self._batch.append((sample, pair))
-        if len(self._batch) == BATCH:
-            self._encode()
+    def dropped(self, pair: Any) -> bool:
+        return False  # a pair's prompt ends with a user turn: nothing trailing to drop
 
     def _encode(self) -> None:
         if not self._batch:
@@ -49,10 +29,6 @@ class PairChecker:
         for (sample, pair), result in zip(self._batch, got):
             if isinstance(result, BadRow):
                 loc = pair.prompt.loc if pair.prompt.loc is not None else pair.prompt.element
-                self.scan.bad.append([sample, self._line(loc), result.reason.value, result.detail, pair_row(pair),
+                self.scan.bad.append([sample, self.line(loc), result.reason.value, result.detail, pair_row(pair),
                                       pair.prompt.element])
         self._batch = []
-
-    def finish(self) -> FileScan:
-        self._encode()
-        return self.scan
