@@ -139,7 +139,8 @@ def test_a_built_in_template_on_a_hostile_model_is_refused_by_the_renders_differ
 
 
 def test_the_time_budget_holds_outside_the_main_thread(tmp_path, monkeypatch):
-    """SIGALRM reaches only a main thread; a watchdog stops the template in any other, and never shoots later."""
+    """The time limit holds in any thread (the parent kills the renderer child; no signal or exception is aimed at
+    the rendering thread), and nothing fires after a render has finished."""
     from dsrecipes.boundary import chat_sandbox
     from dsrecipes.data.render.tokenizer_files import open_tokenizer
 

@@ -28,12 +28,14 @@ underscore names).
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import resource
 import signal
 import sys
 import threading
+from datetime import datetime
 
 DETAIL = 2000  # characters of an exception's message sent back
 
@@ -95,13 +97,9 @@ def _environment():
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        import json
-
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     def strftime_now(fmt):
-        from datetime import datetime
-
         return datetime.now().strftime(fmt)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -150,7 +148,7 @@ def _cpu_allowance(seconds: int) -> None:
     resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
 
 
-def main(argv: list) -> None:
+def serve(argv: list) -> None:
     lifeline, memory = int(argv[1]), int(argv[2])
     sys.path[:0] = argv[3:]
     threading.stack_size(1 << 18)
@@ -176,4 +174,4 @@ def main(argv: list) -> None:
         del context, renders
 
 if __name__ == "__main__":
-    main(sys.argv)
+    serve(sys.argv)
