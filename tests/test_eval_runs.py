@@ -184,11 +184,11 @@ def test_overfitting_run_keeps_and_exports_its_best_checkpoint_and_stops_early(o
 
 
 def test_kill_while_counting_patience_then_resume_ends_like_the_uninterrupted_run(overfit, workspace):
-    from dsrecipes.rank.checkpoint import KILL_BEFORE_LATEST_ENV
+    from tests.faults import fault_env
 
     result = json.loads((overfit / "result.json").read_text())
     kill_at = result["best_step"] + 4  # two evaluations without improvement: the counter is at 2
-    run_local(workspace, "killed", env={KILL_BEFORE_LATEST_ENV: str(kill_at)}, expect=17)
+    run_local(workspace, "killed", env=fault_env(workspace, kill_before_latest=kill_at), expect=17)
     resumed = run_here(workspace, "killed")  # the same run, restarted: trainer.resume=auto
     again = json.loads((resumed / "result.json").read_text())
     keys = ("best_step", "best_value", "stopped_early", "steps")

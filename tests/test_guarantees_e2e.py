@@ -378,10 +378,10 @@ def test_presharded_part_count_must_match_world_size(workspace, shards, capfd):
 
 @pytest.fixture(scope="module")
 def resumed_run(workspace, shards) -> tuple[Path, str]:
-    from dsrecipes.rank.checkpoint import KILL_BEFORE_LATEST_ENV
+    from tests.faults import fault_env
 
     overrides = iterable_overrides()
-    killed = {KILL_BEFORE_LATEST_ENV: str(KILLED_AT), **STORE_ENV}
+    killed = {**fault_env(workspace, kill_before_latest=KILLED_AT), **STORE_ENV}
     run, _ = train_run(workspace, "iterable_killed", *overrides, env=killed, expect_ok=False)
     ckpts = run / "checkpoints"
     assert (ckpts / "latest").read_text() == f"step_{RESUMED_FROM}"

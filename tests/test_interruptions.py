@@ -129,13 +129,13 @@ def test_ctrl_c_under_timeout_still_checkpoints(tmp_path):
     """`timeout` forwards one SIGINT twice (to the child, then to its group): the run still stops at the next step
     boundary with a verified checkpoint, says so once, and exits 130."""
     from dsrecipes.boundary.checkpoint_find import damage
-    from dsrecipes.rank.step_guard import PAUSE_AFTER_STEP_ENV
+    from tests.faults import fault_env
     from tests.test_signals import wait_for_step
 
     run = tmp_path / "under_timeout"
     argv = ["timeout", "900", sys.executable, "-m", "dsrecipes", *_args(tmp_path, run)]
     with open(tmp_path / "run.log", "w") as log:
-        proc = subprocess.Popen(argv, cwd=tmp_path, env=subprocess_env({PAUSE_AFTER_STEP_ENV: "2"}), stdout=log,
+        proc = subprocess.Popen(argv, cwd=tmp_path, env=subprocess_env(fault_env(tmp_path, pause_after_step=2)), stdout=log,
                                 stderr=subprocess.STDOUT)
     wait_for_step(run, 2, proc)
     proc.send_signal(signal.SIGINT)  # to `timeout`, as the terminal's Ctrl-C

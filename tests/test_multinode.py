@@ -214,15 +214,16 @@ def test_deepspeed_over_ssh_pdsh_through_a_dead_node_and_resume(ssh_cluster, wor
     so no connection is closed and only the heartbeat can notice; then the same command resumes on both nodes. The
     result (both sessions through pdsh) must be the torchrun run's, sample for sample and loss for loss."""
     from dsrecipes.core.heartbeat import FAILURE_FILE
-    from dsrecipes.rank.train import STALL_AFTER_STEP_ENV
+    from tests.faults import fault_env
 
     node0, node1 = ssh_cluster.nodes
     run = workspace / "pdsh"
     timeout = ["launcher.peer_timeout_s=15"]
     log = workspace / "pdsh.log"
     with open(log, "wb") as fh:
-        # the fault hook comes from the launching environment (never from a config), and travels in .deepspeed_env
-        proc = subprocess.Popen(pdsh_argv(ssh_cluster, workspace, run, *timeout), env=env({STALL_AFTER_STEP_ENV: "2"}),
+        # the fault comes from the test's PYTHONPATH (tests/faults.py), which DeepSpeed's runner exports to pdsh's ranks
+        stall = fault_env(workspace, stall_after_step=2)
+        proc = subprocess.Popen(pdsh_argv(ssh_cluster, workspace, run, *timeout), env=env(stall),
                                 cwd=workspace, stdout=fh, stderr=subprocess.STDOUT)  # fmt: skip
         remote = remote_worker_env(node1, proc)
         latest = run / "checkpoints" / "latest"
@@ -243,10 +244,11 @@ def test_deepspeed_over_ssh_pdsh_through_a_dead_node_and_resume(ssh_cluster, wor
         launcher_gone = time.monotonic() - killed
     out = log.read_text(errors="replace")
     assert remote.get(MARK) == "23" and remote.get("GLOO_SOCKET_IFNAME") == netns.IFNAME, remote
+    assert stall["PYTHONPATH"].split(":")[0] in remote.get("PYTHONPATH", "").split(":"), remote
     assert remote.get("SSH_CONNECTION"), "the node-1 rank was not started over ssh"
     shipped = [line for line in (run / ".deepspeed_env").read_text().splitlines()
                if not line.startswith("AWS_")]  # store settings of this process's environment travel too
-    assert sorted(shipped) == sorted([f"{MARK}=23", f"{STALL_AFTER_STEP_ENV}=2", f"GLOO_SOCKET_IFNAME={netns.IFNAME}"])
+    assert sorted(shipped) == sorted([f"{MARK}=23", f"GLOO_SOCKET_IFNAME={netns.IFNAME}"])
     assert code != 0, out[-3000:]
     print(f"\nnode 1 killed: node 0's ranks gone after {ranks_gone:.1f} s, launching process after {launcher_gone:.1f} s",
           file=sys.stderr)  # fmt: skip

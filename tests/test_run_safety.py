@@ -272,10 +272,11 @@ def test_a_failed_run_is_failed_in_its_tracker(ws, monkeypatch):
 
 
 def test_skip_drops_a_poisoned_step_and_counts_it(ws):
-    from dsrecipes.rank.step_guard import NAN_AT_STEP_ENV
+    from tests.faults import injected
 
     run = ws / "nan_skip"
-    code, out = train(ws, run, "trainer.nan_policy=skip", env={NAN_AT_STEP_ENV: "3"})
+    with injected(nan_at_step=3):  # rank 0 runs in this process (launcher=local)
+        code, out = train(ws, run, "trainer.nan_policy=skip")
     assert code == 0, out[-3000:]
     result = strict_json(run / "result.json")
     assert result["status"] == "ok" and result["skipped_steps"] == 1

@@ -9,7 +9,7 @@
                               step, no process of the run is left; a SIGKILLed launching process leaves no rank
                               training; the printed command finishes the run with the reference's losses
 
-A fault-injection variable (step_guard.PAUSE_AFTER_STEP_ENV) holds rank 0 after step 2 until the stop arrives, so
+A fault (tests/faults.py, pause_after_step) holds rank 0 after step 2 until the stop arrives, so
 the signal always lands while the run is in flight at a known step: the stop happens at the boundary of step 3.
 """
 
@@ -47,9 +47,9 @@ def argv(ws: Path, run: Path, *overrides: str) -> List[str]:
 
 
 def start(ws: Path, run: Path, *overrides: str, pause_after: int | None = None) -> subprocess.Popen:
-    from dsrecipes.rank.step_guard import PAUSE_AFTER_STEP_ENV
+    from tests.faults import fault_env
 
-    env = subprocess_env({PAUSE_AFTER_STEP_ENV: str(pause_after)} if pause_after else None)
+    env = subprocess_env(fault_env(ws, pause_after_step=pause_after) if pause_after else None)
     log = open(ws / f"{run.name}.log", "a")
     return subprocess.Popen(argv(ws, run, *overrides), cwd=ws, env=env, stdout=log, stderr=subprocess.STDOUT)
 

@@ -180,7 +180,7 @@ def test_sigterm_reaches_every_rank_a_killed_launcher_leaves_no_rank_behind_and_
     import signal
 
     from dsrecipes.data.ledger import verify_ledgers
-    from dsrecipes.rank.checkpoint import KILL_BEFORE_LATEST_ENV
+    from tests.faults import fault_env
     from tests.test_signals import (
         assert_interrupted_at_step_3,
         finish,
@@ -209,7 +209,7 @@ def test_sigterm_reaches_every_rank_a_killed_launcher_leaves_no_rank_behind_and_
     assert json.loads((run / "rank_outcome.json").read_text())["stopped_at_step"] == 6
 
     ckpts = run / "checkpoints"
-    resume(workspace, run, command, env={KILL_BEFORE_LATEST_ENV: "8"}, expect_ok=False)  # dies saving step 8
+    resume(workspace, run, command, env=fault_env(workspace, kill_before_latest=8), expect_ok=False)  # dies saving step 8
     assert (ckpts / "latest").read_text() == "step_6"
     assert (ckpts / "step_8.partial").is_dir() and not (ckpts / "step_8").exists()  # written beside, never renamed
     assert max(losses(run)) == 8  # it trained to the end, then died while saving

@@ -3,9 +3,9 @@ values (README "Trust model" shows it).
 
 Only tuning knobs: thread counts, network interfaces, collective algorithms, allocator settings, offline switches.
 Never a name whose value is a path the process loads or writes (plugins, libraries, caches, `TORCH_LOGS_OUT`,
-`NCCL_DEBUG_FILE`, `TORCH_TRACE`, dump files, debug directories, `HF_HOME`), and never dsrecipes' own
-fault-injection hooks (FAULT_HOOKS): tests set those in the launching process's environment, which the ranks inherit
-(`hooks_from`), not in a configuration. A variable outside the table is the user's to export in their own shell.
+`NCCL_DEBUG_FILE`, `TORCH_TRACE`, dump files, debug directories, `HF_HOME`). dsrecipes reads no test hook from the
+environment (the tests inject their faults from tests/faults.py). A variable outside the table is the user's to
+export in their own shell.
 """
 
 from __future__ import annotations
@@ -16,10 +16,7 @@ from dsrecipes.boundary.values import BOOL01, INTERFACES, NAME, TRUE_FALSE, Valu
 from dsrecipes.core.errors import ConfigError
 
 KEY = "launcher.env"
-# Read by ranks to inject faults in tests (train.py, step_guard.py, checkpoint.py); tests/test_trust_boundary.py
-# checks that every DSRECIPES_* name the package reads from the environment is listed here or in LAUNCHING_SIDE.
-FAULT_HOOKS = ("DSRECIPES_NAN_AT_STEP", "DSRECIPES_PAUSE_AFTER_STEP", "DSRECIPES_KILL_BEFORE_LATEST",
-               "DSRECIPES_STALL_AFTER_STEP")
+# tests/test_trust_boundary.py checks that every DSRECIPES_* name the package reads from the environment is listed here.
 LAUNCHING_SIDE = ("DSRECIPES_HOME", "DSRECIPES_RECIPES", "DSRECIPES_PROGRESS", "DSRECIPES_SMOLLM2_DIR",
                   "DSRECIPES_REQUIRE_SMOLLM2", "DSRECIPES_KEY_FILE")  # the key: the user's, never a recipe's (trust.py)
 
@@ -86,10 +83,7 @@ def env_problems(env: Mapping[str, str]) -> List[str]:
     problems = []
     for name, value in env.items():
         where = f"{KEY}.{name}"
-        if name in FAULT_HOOKS:
-            problems.append(f"{where}: not an allowed variable; it is a fault-injection hook of dsrecipes' tests "
-                            "and never comes from a configuration")
-        elif name not in ENV_TABLE:
+        if name not in ENV_TABLE:
             problems.append(f"{where}: not an allowed variable; launcher.env takes only the documented tuning "
                             "variables (README, Trust model: OMP_NUM_THREADS, NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, "
                             "NCCL_IB_*, ...), never one that loads code or reads or writes a path; export others "
@@ -140,9 +134,3 @@ def store_settings_from(environ: Mapping[str, str]) -> Tuple[Dict[str, str], Lis
                      "nodes' ranks read their own credentials (~/.aws/credentials, AWS_PROFILE, an instance role, "
                      "the Hugging Face token file)")
     return settings, notes
-
-
-def hooks_from(environ: Mapping[str, str]) -> Dict[str, str]:
-    """Fault-injection hooks set in the launching process's own environment (tests), for ranks that do not inherit
-    it (pdsh's remote ranks read `.deepspeed_env`)."""
-    return {k: environ[k] for k in FAULT_HOOKS if environ.get(k, "").isdigit()}

@@ -23,7 +23,6 @@ checks the checkpoint again in each rank, right before each file is unpickled (b
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import time
@@ -59,9 +58,6 @@ from dsrecipes.core.publish import Existing, publish_dir
 from dsrecipes.core.rundir import CONFIG_FILE
 from dsrecipes.core.runplan import ResumePlan
 
-# Fault injection for tests: kill every rank after the engine checkpoint of this step is written, before the commit.
-KILL_BEFORE_LATEST_ENV = "DSRECIPES_KILL_BEFORE_LATEST"
-
 
 @dataclass
 class TrainState:
@@ -96,8 +92,6 @@ def save_checkpoint(engine: Any, loader: Any, state: TrainState, run_dir: Path, 
     dist.barrier()
     full = disk_space.fits(staging, lambda: _write_rank_files(engine, loader, state, staging, rank, frozen_excluded))
     _stop_if_full(root, staging, full)
-    if os.environ.get(KILL_BEFORE_LATEST_ENV) == str(state.step):
-        os._exit(17)  # simulate a crash between the shard writes and the commit
     full = None
     if rank == 0:
         record = {**record, "step": state.step, "world_size": dist.get_world_size(), "saved_at": time.time(),

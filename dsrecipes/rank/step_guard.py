@@ -9,20 +9,12 @@ export holds its weights); `skip` drops the update (`discard_step`) and counts i
 
 from __future__ import annotations
 
-import os
-import time
 from typing import Any, List, Tuple
 
 import torch
 
 from dsrecipes.core.distributed import all_reduce
 from dsrecipes.core.errors import TrainingFailed
-
-# Fault injection for tests: rank 0's loss at this optimizer step becomes NaN (a real poison for the step).
-NAN_AT_STEP_ENV = "DSRECIPES_NAN_AT_STEP"
-# Fault injection for tests: rank 0 waits after this step until a stop signal arrives (a run in flight at a known
-# step when the test signals it).
-PAUSE_AFTER_STEP_ENV = "DSRECIPES_PAUSE_AFTER_STEP"
 
 
 class StepGuard:
@@ -38,8 +30,6 @@ class StepGuard:
 
     def add(self, loss: torch.Tensor, batch: Any, step: int) -> torch.Tensor:
         """Record a micro-batch loss of optimizer step `step` (no device sync); returns the loss to train on."""
-        if self.rank == 0 and os.environ.get(NAN_AT_STEP_ENV) == str(step):
-            loss = loss * float("nan")
         self._bad |= ~torch.isfinite(loss.detach())
         self.pending.append((loss, batch))
         return loss
@@ -97,13 +87,3 @@ def discard_step(engine: Any, step: int) -> None:
             del optimizer.step
         else:
             optimizer.step = shadowed
-
-
-def pause_for_signal(step: int, rank: int, stop_requested: Any) -> None:
-    """Fault injection (PAUSE_AFTER_STEP_ENV): rank 0 idles after `step` until asked to stop, or for 120 s."""
-
-    if rank != 0 or os.environ.get(PAUSE_AFTER_STEP_ENV) != str(step):
-        return
-    deadline = time.monotonic() + 120
-    while not stop_requested() and time.monotonic() < deadline:
-        time.sleep(0.05)

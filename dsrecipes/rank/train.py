@@ -1,4 +1,6 @@
 """The training recipe, on every rank: setup -> loop -> eval -> checkpoint -> export. Read `train()` top to bottom.
+The setup (process group, model, loaders, engine, resume: the `Session`) is session.py's `start()`; this module runs
+the session and ends it.
 
 Objective. What a micro-batch is, its loss and the evaluation belong to the run's objective (`objective=sft`;
 dsrecipes/objectives/base.py says the contract); this loop only calls it.
@@ -17,78 +19,29 @@ exit code. Rank 0 writes how the ranks ended into rank_outcome.json for the laun
 
 from __future__ import annotations
 
-import functools
 import math
-import os
-import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
 
-import numpy as np
 import torch
 
 import dsrecipes.core.heartbeat as heartbeat
 import dsrecipes.core.stopping as stopping
-from dsrecipes.boundary.checkpoint_find import committed
-from dsrecipes.config.defaults import learning_rate
-from dsrecipes.core.deepspeed_import import load_deepspeed
 from dsrecipes.core.disk_space import ExportOutOfSpace
-from dsrecipes.core.distributed import all_ranks, finish_distributed, init_distributed
-from dsrecipes.core.errors import DataError, RunInterrupted, TrainingFailed, UserError
-from dsrecipes.core.export_dir import EXPORT_BEST_DIR, EXPORT_DIR, EXPORT_INIT_DIR
-from dsrecipes.core.rundir import (
-    CHECKPOINTS_DIR,
-    launcher_alive,
-    rank_lock,
-    read_ds_config,
-    write_outcome,
-    write_rank_steps,
-)
-from dsrecipes.core.runplan import RunPlan, read_plan
-from dsrecipes.core.schema import LauncherKind, NanPolicy, TrainConfig
-from dsrecipes.core.topology import train_batch_size
-from dsrecipes.data.ledger import LedgerWriter
-from dsrecipes.data.strategies import build_loaders
-from dsrecipes.modeling.model import build_model, count_parameters, load_tokenizer, trainable_parameters
-from dsrecipes.objectives import build_objective
-from dsrecipes.objectives.base import Objective
-from dsrecipes.observe.metrics import MetricsLogger
-from dsrecipes.rank.checkpoint import ResumePoint, TrainState, load_checkpoint, open_resume, save_checkpoint
-from dsrecipes.rank.evaluation import EvalLedger, evaluate
-from dsrecipes.rank.export import export_checkpoint, export_initial
-from dsrecipes.rank.gen_eval import build_prompt_eval
-from dsrecipes.rank.schedule import StepScheduler, warmup_steps
-from dsrecipes.rank.selection import Selector, Verdict
-from dsrecipes.rank.step_guard import StepGuard, discard_step, nonfinite, pause_for_signal
+from dsrecipes.core.distributed import all_ranks, finish_distributed
+from dsrecipes.core.errors import RunInterrupted, TrainingFailed, UserError
+from dsrecipes.core.export_dir import EXPORT_BEST_DIR, EXPORT_DIR
+from dsrecipes.core.rundir import CHECKPOINTS_DIR, launcher_alive, rank_lock, write_outcome, write_rank_steps
+from dsrecipes.core.schema import NanPolicy, TrainConfig
+from dsrecipes.modeling.model import trainable_parameters
+from dsrecipes.rank.checkpoint import TrainState, save_checkpoint
+from dsrecipes.rank.evaluation import evaluate
+from dsrecipes.rank.export import export_checkpoint
+from dsrecipes.rank.selection import Verdict
+from dsrecipes.rank.session import Session, start
+from dsrecipes.rank.step_guard import StepGuard, discard_step, nonfinite
 from dsrecipes.rank.step_window import Window
-
-
-@dataclass
-class Session:
-    """Everything one rank trains with, built by `start()`."""
-
-    cfg: TrainConfig
-    run_dir: Path
-    plan: RunPlan
-    rank: int
-    engine: Any
-    objective: Objective
-    train_loader: Any
-    eval_loader: Any
-    state: TrainState
-    metrics: MetricsLogger
-    ledger: Any
-    last_checkpoint: Optional[Path]
-    selector: Any = None  # save_best / early stopping (selection.py), over state.selection
-    eval_ledger: Any = None  # which samples each evaluation scored (trainer.record_samples)
-    prompt_eval: Any = None  # trainer.prompt_eval_every (gen_eval.py)
-
-
-# Fault injection for tests (tests/test_multinode.py): rank 0 stalls after this step, so that a node can be killed
-# while the run is in flight at a known point.
-STALL_AFTER_STEP_ENV = "DSRECIPES_STALL_AFTER_STEP"
 
 
 def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
@@ -113,57 +66,6 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
     finally:
         lock.release()
     return session.state
-
-
-def start(cfg: TrainConfig, run_dir: Path) -> Session:
-    """Join the process group, build model, loaders and engine, and load the planned checkpoint."""
-    deepspeed = load_deepspeed()
-
-    plan = read_plan(run_dir)
-    check_plan_current(plan, run_dir)
-    seed_everything(cfg.trainer.seed)
-    rank, world_size = init_distributed()
-    if rank == 0 and plan.supervised and cfg.launcher.kind is not LauncherKind.local:  # (local: the same process)
-        stopping.watch(lambda: launcher_alive(run_dir), cfg.trainer.stop_grace_s, "the launching process")
-    heartbeat.start(run_dir, rank, world_size, cfg.launcher.peer_timeout_s)  # a dead node ends the run, not a hang
-    if world_size != plan.world_size:
-        raise DataError(f"{run_dir}/plan.json was made for {plan.world_size} ranks, but {world_size} started; "
-                        "start the run again with `python -m dsrecipes` so the launcher plans it")
-    tokenizer = load_tokenizer(cfg)
-    ds_config = read_ds_config(run_dir)
-    model = build_model(cfg, tokenizer, ds_config)
-    if rank == 0 and cfg.trainer.export and cfg.model.path is None and not (run_dir / EXPORT_INIT_DIR).is_dir():
-        export_initial(cfg, tokenizer, run_dir / EXPORT_INIT_DIR)  # the prompt-eval baseline of the tiny model
-    train_loader, eval_loader = build_loaders(cfg, tokenizer, rank, world_size, run_dir, plan)  # data read once
-    check_loader(train_loader, plan)
-    resume = open_resume(plan.resume)
-    schedule = functools.partial(StepScheduler, cfg=cfg.scheduler, peak_lr=learning_rate(cfg),
-                                 total_steps=plan.total_steps)  # DeepSpeed calls it with the optimizer it built
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable_parameters(model), config=ds_config,
-                                           lr_scheduler=schedule)
-    skip_identity_allreduce(engine, world_size, cfg.zero.stage)
-    objective = build_objective(cfg, tokenizer)
-    objective.attach(cfg, tokenizer, engine)
-    state = TrainState() if resume is None else load_checkpoint(engine, train_loader, resume)
-    engine.lr_scheduler.resume_at(state.step)  # this run's schedule (its step budget) from the first resumed step
-    metrics = MetricsLogger(run_dir, rank, plan.total_steps, start_step=state.step, cfg=cfg)
-    metrics.info(describe_run(cfg, model, plan, resume))
-    eval_ledger = EvalLedger(run_dir, rank) if cfg.trainer.record_samples and eval_loader is not None else None
-    prompt_eval = build_prompt_eval(cfg, tokenizer, rank, world_size, run_dir)
-    return Session(cfg, run_dir, plan, rank, engine, objective, train_loader, eval_loader, state, metrics,
-                   open_ledger(cfg, run_dir, rank), None if resume is None else resume.tag_dir,
-                   Selector(cfg, state.selection), eval_ledger, prompt_eval)
-
-
-def skip_identity_allreduce(engine, world_size: int, zero_stage: int) -> None:
-    """One rank without ZeRO: DeepSpeed's backward still "all-reduces" the gradients over a group of one (flatten
-    every gradient into one buffer, scale by 1/1, all_reduce, copy back: four passes over all gradients per step, an
-    identity). Measured on CPU with SmolLM2-135M (cProfile, 1 rank, 6 steps): 8.6 s in it, 1.4 s a step.
-    DeepSpeed skips it itself when it has no process group (`enable_backward_allreduce = False`, the flag its
-    `no_sync()` and pipeline engine rely on); with one rank the result is the same bit for bit, so it is skipped
-    here too. ZeRO 1-3 reduce in their optimizers and keep their own path."""
-    if world_size == 1 and zero_stage == 0:
-        engine.enable_backward_allreduce = False
 
 
 def loop(s: Session) -> None:
@@ -215,11 +117,8 @@ def loop(s: Session) -> None:
             after_step(s)
         if stop and state.step < total:  # at the last step the run simply ends (and exports)
             stop_here(s)
-        pause_for_signal(state.step, s.rank, lambda: stop_requested(s))
         if state.step >= total or state.selection.get("stopped"):  # the budget, or early stopping
             break
-        if s.rank == 0 and os.environ.get(STALL_AFTER_STEP_ENV) == str(state.step):
-            time.sleep(3600)  # fault injection: a run in flight, the other ranks waiting in their next collective
 
 
 def after_step(s: Session) -> None:
@@ -325,18 +224,6 @@ def finish(s: Session) -> None:
         write_outcome(s.run_dir, {"status": "ok", "skipped_steps": s.state.skipped_steps, **s.selector.outcome()})
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Setup helpers
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
-
-
 def weights_finite(engine: Any) -> bool:
     """This rank's trainable weights (its ZeRO-3 partition where parameters are partitioned) are all finite."""
     for param in trainable_parameters(engine.module):
@@ -344,53 +231,6 @@ def weights_finite(engine: Any) -> bool:
         if not bool(torch.isfinite(tensor.detach()).all()):
             return False
     return True
-
-
-def check_plan_current(plan: RunPlan, run_dir: Path) -> None:
-    """Ranks started from an old plan (a SLURM job requeued with its original plan.json, launch.txt re-run by hand)
-    must not train over checkpoints committed since: the launching process has to plan the resume."""
-
-    newest = committed(run_dir / CHECKPOINTS_DIR)
-    name = newest[0].name if newest else None
-    if name != plan.newest_checkpoint:
-        raise UserError(f"{run_dir}: checkpoint {name} was committed after this run was planned (plan.json knows "
-                        f"{plan.newest_checkpoint}); start it through `python -m dsrecipes` with "
-                        f"trainer.output_dir={run_dir}, which plans the resume")
-
-
-def check_loader(loader: Any, plan: RunPlan) -> None:
-    """Collective: every rank's loader must give the planned steps per epoch (ranks with different step counts hang
-    in their collectives until a timeout), so all ranks fail together when one disagrees."""
-    if all_ranks(loader.steps_per_epoch == plan.steps_per_epoch):
-        return
-    raise DataError(f"rank loaders disagree with plan.json ({plan.steps_per_epoch} steps per epoch; this rank: "
-                    f"{loader.steps_per_epoch}): the data changed since the launching process planned the run; "
-                    "start it again with `python -m dsrecipes`")
-
-
-def open_ledger(cfg: TrainConfig, run_dir: Path, rank: int) -> Optional[Any]:
-    if not cfg.trainer.record_samples:
-        return None
-
-    return LedgerWriter(run_dir, rank)
-
-
-def describe_run(cfg: TrainConfig, model: Any, plan: RunPlan, resume: Optional[ResumePoint]) -> str:
-    trainable, total = count_parameters(model)
-    world = plan.world_size
-    lines = [
-        (f"model {cfg.model.name}: {total:,} parameters ({trainable:,} trainable), {cfg.precision.dtype.value}, "
-         f"ZeRO-{cfg.zero.stage}, {world} rank(s)"),
-        (f"{plan.total_steps} optimizer steps of {train_batch_size(cfg, world)} rows "
-         f"({cfg.trainer.micro_batch_size} x {cfg.trainer.grad_accum} accum x {world} ranks)"),
-    ]
-    if resume is not None:
-        how = f", written by {resume.saved_world_size} ranks" if resume.saved_world_size != world else ""
-        lines.append(f"resumed from {resume.tag_dir}{how}" + (" (universal checkpoint)" if resume.universal else ""))
-    _, note = warmup_steps(cfg.scheduler, plan.total_steps)
-    if note is not None:
-        lines.append(note)
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------------------------

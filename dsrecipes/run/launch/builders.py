@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional
 
 from dsrecipes.boundary.launcher_args import NODE_ENTRY, checked_extra_args, deepspeed_node_args, hostfile_problems
-from dsrecipes.boundary.rank_env import checked_env, hooks_from, store_settings_from
+from dsrecipes.boundary.rank_env import checked_env, store_settings_from
 from dsrecipes.core.distributed import free_port
 from dsrecipes.core.errors import ConfigError
 from dsrecipes.core.schema import LauncherConfig, LauncherKind, TrainConfig
@@ -99,9 +99,9 @@ def _build_deepspeed(cfg: TrainConfig, run_dir: Path, port: int, worker_module: 
     plan = LaunchPlan([Command(argv, env)], warnings=_cuda_visible_warning(ln, environ), requires=[_needs_deepspeed()])
     if ln.hostfile:
         # Only the ssh (pdsh) multi-node path reads .deepspeed_env; DS_ENV_FILE points it at the run's own copy.
-        # Remote ranks do not inherit this environment: test hooks set in it travel there too (never from config).
+        # Remote ranks do not inherit this environment: its object-store settings travel there too.
         store, store_notes = store_settings_from(environ)
-        remote = {**hooks_from(environ), **store, **env}
+        remote = {**store, **env}
         plan.notes += store_notes
         plan.files[DS_ENV_FILE] = "".join(f"{k}={v}\n" for k, v in sorted(remote.items()))
         env["DS_ENV_FILE"] = str(run_dir / DS_ENV_FILE)
