@@ -50,7 +50,7 @@ def check_sources(rows: RowKind, sources: List[SourceConfig]) -> None:
                               "`ranking: true`); this objective (objective.rows=pair) trains on chosen/rejected pairs")
         if rows is not RowKind.pair and src.ranking:
             raise ConfigError(f"dataset: source {src.name!r} holds preference (ranking) rows; train on it with an "
-                              "objective on pairs (objective=dpo or objective=orpo)")
+                              "objective on pairs (objective.rows=pair: objective=dpo, for one)")
         if rows is RowKind.pair and src.format is DatasetFormat.alpaca:
             raise ConfigError(f"dataset: source {src.name!r}: preference rows are read in the sharegpt "
                               "(LLaMA-Factory) or openai (TRL) format, not alpaca")
