@@ -184,6 +184,16 @@ def test_a_crashed_child_is_replaced_and_the_next_render_works(monkeypatch):
     assert render(Tokenizer(PLAIN), HI) == "user: hi\n"
 
 
+def test_a_renderer_that_cannot_start_is_one_message_naming_the_model(monkeypatch, fresh_child):
+    monkeypatch.setattr(chat_sandbox, "CHILD", Path("/nonexistent/chat_render_child.py"))
+    result = outcome(PLAIN)
+    assert isinstance(result, TemplateRefused) and not isinstance(result, TemplateRaised), result
+    assert str(result).startswith("hostile-model: chat_template: chat template stopped: the renderer process did not "
+                                  "start"), result
+    monkeypatch.undo()
+    assert render(Tokenizer(PLAIN), HI) == "user: hi\n"
+
+
 def test_the_child_never_outlives_its_parent(tmp_path):
     script = ("import os, signal\nfrom dsrecipes.boundary import chat_sandbox as c\n"
               "class T:\n    name_or_path = 'm'; special_tokens_map = {}; chat_template = 'x'\n"

@@ -74,7 +74,7 @@ def _site_dirs() -> List[str]:
     for name in ("jinja2", "markupsafe"):
         spec = importlib.util.find_spec(name)
         if spec is None or spec.origin is None:
-            raise UserError(f"chat templates are rendered with {name}, which is not installed")
+            raise _Stopped(f"chat templates are rendered with {name}, which is not installed")
         top = str(Path(spec.origin).parent.parent)
         if top not in dirs:
             dirs.append(top)
@@ -100,7 +100,7 @@ class _Child:
                 env=_child_env(), cwd="/", start_new_session=True)
         except OSError as exc:
             os.close(self.lifeline)
-            raise TemplateRefused(f"chat templates: the renderer process could not start ({exc})") from None
+            raise _Stopped(f"the renderer process could not start ({exc})") from None
         finally:
             os.close(lifeline)
         self.pid, self.buffer = self.proc.pid, bytearray()
@@ -112,8 +112,8 @@ class _Child:
             ready = str(exc).encode()
         if ready != b"ready":
             self.kill()
-            raise TemplateRefused(f"chat templates: the renderer process did not start within {START_SECONDS:g} s "
-                                  f"({'no answer' if ready == _LATE.encode() else 'it ended'})")
+            raise _Stopped(f"the renderer process did not start within {START_SECONDS:g} s "
+                           f"({'no answer' if ready == _LATE.encode() else 'it ended'})")
 
     def send(self, data: bytes, deadline: float) -> None:
         view = memoryview(data)
