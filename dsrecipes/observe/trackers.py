@@ -7,6 +7,11 @@ run continues the same MLflow / W&B run (their ids are kept in `<run>/trackers.j
 optional extras: `preflight()` turns a missing package or an unreachable MLflow store into one message in the
 launching process, before any data is prepared. A tracker that fails mid-run is reported once and dropped:
 training goes on (metrics.jsonl keeps every number).
+
+Where the numbers and the user's credentials go is the user's choice only: `trainer.tracking_uri` is a user-named
+field (config/field_classes.py), so a shared recipe's value is refused on the composition before `preflight` opens
+anything (MLFLOW_TRACKING_TOKEN goes only to the server the command line, MLFLOW_TRACKING_URI or conf/ named); W&B's
+host comes from the user's own WANDB_BASE_URL / login, which no recipe can set (launcher.env is allow-listed).
 """
 
 from __future__ import annotations
