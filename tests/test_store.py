@@ -214,8 +214,8 @@ def test_readers_survive_throttling_and_dropped_connections_and_read_each_block_
         proxy.stop()
     assert got == [x for x in data.split(b"\n") if x]  # every row, in order, none twice, none torn
     assert read == len(data)  # each block once: the retried ranges are not counted twice
-    assert proxy.slowdowns == 0 and proxy.drops == 0  # every fault was served (and survived by s3fs/botocore)
-    assert retries == 0
+    assert proxy.slowdowns == 0 and proxy.drops == 0  # every fault was served (and survived)
+    assert retries == 6  # one attempt each: RangeReader retries (and says so), botocore does not
 
 
 def test_a_reader_with_prefetch_reads_its_stretch_exactly_once_through_faults(make_cfg, bucket, s3_server, tmp_path,
@@ -259,13 +259,14 @@ def test_a_fault_that_outlasts_the_stores_retries_is_retried_then_reported(bucke
     url = "s3://dsr-data/faults/b.jsonl"
     bucket.pipe(url, b"0123456789" * 1000)
     digest = identity(url)
-    proxy = FaultProxy(s3_server.port, drops=6).start()  # one more than s3fs retries a ranged read
+    proxy = FaultProxy(s3_server.port, drops=3).start()  # more than s3fs retries: RangeReader retries too
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
     try:
         reader = RangeReader(url, digest)
-        assert reader.read(5, 25) == b"56789012345678901234" and reader.retries == 1
-        proxy.drops = 1000  # a store that keeps dropping: bounded, then one message
-        with pytest.raises(DataError, match=r"s3://dsr-data/faults/b.jsonl: bytes 0-10 unreadable after 5 attempts"):
+        assert reader.read(5, 25) == b"56789012345678901234" and reader.retries >= 1  # (s3fs retries some)
+        proxy.drops = 1000  # a store that keeps dropping: bounded, then one message naming object and endpoint
+        with pytest.raises(DataError, match=r"s3://dsr-data/faults/b.jsonl: bytes 0-10 unreadable after 8 attempts "
+                                            rf"in \d+ s from {proxy.endpoint} \(data.read_deadline_s=120\)"):
             RangeReader(url, digest).read(0, 10)
     finally:
         proxy.stop()

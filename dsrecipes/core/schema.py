@@ -187,6 +187,7 @@ class DataConfig:
     prefetch_factor: int = 2
     read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES  # iterable, objects in a store: bytes each reader holds ahead
     span_bytes: int = DEFAULT_SPAN_BYTES  # iterable, objects in a store: one ranged GET covers adjacent blocks up to this
+    read_deadline_s: float = 120.0  # objects in a store: one read fails after this long, all its retries included
     chunk_bytes: Optional[int] = None  # iterable: the epoch order keeps this many bytes of adjacent blocks together
     # (null: objects in a store: stream bytes / 128 up to a power of two, within one block and min(1 MiB, span_bytes);
     # local files: one block)

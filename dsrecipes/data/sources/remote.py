@@ -13,9 +13,16 @@ An S3 object's identity is its ETag (and VersionId when the bucket keeps version
 URL and size, so a content key never reads the content. A reader's ranged reads (`RangeReader`, `RangePool` for the
 threads of remote_ahead.py, which groups a reader's adjacent blocks into one GET) are each one GET of exactly the
 bytes asked for, with `If-Match` on the ETag the index recorded (and the VersionId): an object replaced during a run is
-refused (`ObjectChanged`), never read mixed. Transient faults (throttling,
-5xx, a connection dropped mid-body, timeouts) are retried by botocore/s3fs and then by `RangeReader` (bounded, with
-backoff); a fault that outlasts them is one DataError naming the object.
+refused (`ObjectChanged`), never read mixed.
+
+Liveness (issue 43): a ranged read is one GET through botocore's public client (never s3fs internals), which does
+not retry; `RangeReader` retries with backoff and prints one line per failed attempt (object, bytes, endpoint,
+attempt k/n), and a read that has not succeeded within `data.read_deadline_s` (all attempts and waits) is one
+DataError naming the object and the endpoint. Each attempt's connect and read timeouts are an eighth of the deadline
+(at most botocore's 10 s / 60 s), and no attempt starts that could end past the deadline, so a stalled store and a
+cut link fail alike and in bounded time. Sequential reads (indexing, preparation) go through s3fs with the same
+timeouts, botocore retrying an attempt twice and s3fs twice more. `check_versions` refuses an s3fs/botocore too old
+for this before any rank starts.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import hashlib
 import io
 import os
 import re
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -34,8 +42,11 @@ from dsrecipes.core.errors import DataError
 from dsrecipes.data.sources.remote_hub import hf_expand
 
 SCHEMES = ("s3", "hf")
-READ_ATTEMPTS = 5  # RangeReader's own retries (each after s3fs's and botocore's): then the fault is reported
-BACKOFF_S = 0.2  # first wait; doubles per attempt
+READ_ATTEMPTS = 8  # a ranged read's attempts (RangeReader; botocore does not retry them): then the fault is reported
+BACKOFF_S = 0.2  # first wait; doubles per attempt, up to MAX_BACKOFF_S
+MAX_BACKOFF_S = 8.0
+DEFAULT_READ_DEADLINE_S = 120.0  # data.read_deadline_s: one read, all its attempts and waits included
+_deadline = [DEFAULT_READ_DEADLINE_S]
 OPEN_BLOCK = 8 << 20  # sequential reads (indexing, map preparation): one GET per 8 MiB
 PREFETCH_THREADS = 16  # ranged GETs in flight per reader process (remote_ahead.ReadAhead's threads)
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,62}$")
@@ -80,22 +91,71 @@ def check_url(url: str) -> Optional[str]:
 # File systems and errors
 
 
+def configure(read_deadline_s: float) -> None:
+    """data.read_deadline_s for this process (and the DataLoader workers it forks)."""
+    if read_deadline_s != _deadline[0]:
+        _deadline[0] = float(read_deadline_s)
+        _S3.clear()
+        _CLIENT.clear()
+
+
+def attempt_timeouts() -> Tuple[float, float]:
+    """(connect, read) timeouts of one attempt: an eighth of the deadline each, at most botocore's 10 s / 60 s, so
+    a stalled store (GETs that never answer) and a cut link both end an attempt well inside the deadline."""
+    share = max(1.0, _deadline[0] / 8)
+    return min(10.0, share), min(60.0, share)
+
+
+def _settings() -> tuple:
+    return (os.getpid(), _deadline[0], *(os.environ.get(k) for k in (
+        "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_ACCESS_KEY_ID", "AWS_SHARED_CREDENTIALS_FILE")))
+
+
 def s3() -> Any:
     """The S3 file system of this process and these standard settings (a forked reader gets its own; a changed
-    endpoint, profile or key a new one). The endpoint and credentials are botocore's own resolution."""
+    endpoint, profile or key a new one). The endpoint and credentials are botocore's own resolution. Sequential reads
+    (indexing, preparation) go through it: botocore retries an attempt twice, s3fs twice more."""
     import s3fs
 
-    settings = (os.getpid(), *(os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE",
-                                                           "AWS_ACCESS_KEY_ID", "AWS_SHARED_CREDENTIALS_FILE")))
+    settings = _settings()
     if settings not in _S3:
         _S3.clear()
-        _S3[settings] = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs={
-            "connect_timeout": 10, "read_timeout": 60, "retries": {"max_attempts": 5, "mode": "standard"},
+        connect, read = attempt_timeouts()
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs={
+            "connect_timeout": connect, "read_timeout": read, "retries": {"max_attempts": 3, "mode": "standard"},
             "max_pool_connections": 2 * PREFETCH_THREADS})  # botocore's 10 would queue the read-ahead's GETs
+        fs.retries = 2  # s3fs's own retry count (a public attribute; 5 by default)
+        _S3[settings] = fs
     return _S3[settings]
 
 
+def client() -> Any:
+    """A plain (synchronous, thread-safe) botocore S3 client for ranged GETs, with the same standard settings as
+    `s3()`; botocore does not retry (RangeReader does, within the deadline, saying so)."""
+    settings = _settings()
+    if settings not in _CLIENT:
+        import botocore.config
+        import botocore.session
+
+        _CLIENT.clear()
+        connect, read = attempt_timeouts()
+        config = botocore.config.Config(connect_timeout=connect, read_timeout=read, max_pool_connections=2 *
+                                        PREFETCH_THREADS, retries={"total_max_attempts": 1, "mode": "standard"})
+        _CLIENT[settings] = botocore.session.get_session().create_client("s3", config=config)
+    return _CLIENT[settings]
+
+
+def endpoint() -> str:
+    """The store's endpoint as botocore resolved it (no credentials in it)."""
+    try:
+        url = client().meta.endpoint_url
+    except Exception:  # noqa: BLE001 - a message must not fail on the way
+        url = os.environ.get("AWS_ENDPOINT_URL") or "the default AWS endpoint"
+    return re.sub(r"//[^/@]*@", "//", str(url))
+
+
 _S3: Dict[tuple, Any] = {}
+_CLIENT: Dict[tuple, Any] = {}
 
 
 @contextmanager
@@ -128,6 +188,29 @@ def explain(exc: BaseException) -> str:
 # Listing, identity, opening
 
 
+MIN_VERSIONS = {"s3fs": "2024.6", "botocore": "1.31"}  # botocore 1.31: AWS_ENDPOINT_URL
+
+
+def check_versions() -> None:
+    """s3:// data needs s3fs and botocore new enough (a resolver that picked s3fs 0.4.2 made every read fail): one
+    message naming what is installed, before any rank starts."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found, old = {}, []
+    for name, least in MIN_VERSIONS.items():
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = "not installed"
+        if found[name] == "not installed" or [int(x) for x in re.findall(r"\d+", found[name])[:3]] < [
+                int(x) for x in least.split(".")]:
+            old.append(f"{name}>={least}")
+    if old:
+        have = ", ".join(f"{k} {v}" for k, v in found.items())
+        raise DataError(f"s3:// data needs {', '.join(old)}; installed: {have}. Install them next to dsrecipes: "
+                        f"pip install {' '.join(repr(x) for x in old)}")
+
+
 def expand(pattern: str) -> List[str]:
     """The files a URL names (a glob: sorted; none: []), as URLs (s3) or local snapshot paths (hf)."""
     problem = check_url(pattern)
@@ -135,6 +218,7 @@ def expand(pattern: str) -> List[str]:
         raise DataError(problem)
     if pattern.startswith("hf://"):
         return hf_expand(pattern)
+    check_versions()
     fs = s3()
     with store_errors(pattern):
         if _GLOB.search(pattern):
@@ -214,16 +298,20 @@ class RangeReader:
         self.retries = 0  # faults survived (tests and benchmarks read it)
 
     def _get(self, start: int, stop: int) -> bytes:
-        """One ranged GET with If-Match through s3fs's own ranged fetch (its retries included)."""
-        from s3fs.core import _fetch_range
-
-        fs = s3()
-        bucket, key, _ = fs.split_path(self.url)
+        """One ranged GET with If-Match (and the VersionId), through botocore's public client."""
+        bucket, _, key = self.url[len("s3://"):].partition("/")
         etag, _, version = self.etag.partition("\x1f")
+        extra = {"VersionId": version} if version else {}
         try:
-            return _fetch_range(fs, bucket, key, version or None, start, stop, req_kw={"IfMatch": etag})
-        except OSError as exc:
-            if len(exc.args) > 1 and "pre-condition" in str(exc.args[1]).lower() or "412" in str(exc):
+            body = client().get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{stop - 1}", IfMatch=etag,
+                                       **extra)["Body"]
+            try:
+                return body.read()
+            finally:
+                body.close()
+        except Exception as exc:
+            code = str(((getattr(exc, "response", None) or {}).get("Error") or {}).get("Code", ""))
+            if code in ("412", "PreconditionFailed"):
                 raise ObjectChanged(self.url) from None
             raise
 
@@ -236,15 +324,13 @@ class RangeReader:
         return fh
 
     def read(self, start: int, stop: int) -> bytes:
-        for attempt in range(READ_ATTEMPTS):
+        """Bytes [start, stop) of the object, within data.read_deadline_s whatever the store does (a stalled
+        server, a cut link, throttling): each failed attempt prints one line; the last is one DataError."""
+        began = time.monotonic()
+        _, read_timeout = attempt_timeouts()
+        for attempt in range(1, READ_ATTEMPTS + 1):
             try:
-                if self.etag:
-                    data = self._get(start, stop)
-                else:
-                    if self.fh is None:
-                        self.fh = self._open()
-                    self.fh.seek(start)
-                    data = self.fh.read(stop - start)
+                data = self._get(start, stop) if self.etag else self._read_open(start, stop)
                 if len(data) == stop - start:
                     return data
                 raise ConnectionError(f"short read: {len(data)} of {stop - start} bytes")
@@ -255,11 +341,23 @@ class RangeReader:
                     raise ObjectChanged(self.url) from None
                 self.close()
                 self.retries += 1
-                if attempt + 1 == READ_ATTEMPTS:
-                    raise DataError(f"{self.url}: bytes {start}-{stop} unreadable after {READ_ATTEMPTS} attempts: "
+                wait = min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (attempt - 1))
+                spent = time.monotonic() - began
+                if attempt == READ_ATTEMPTS or spent + wait + 2 * read_timeout > _deadline[0]:
+                    raise DataError(f"{self.url}: bytes {start}-{stop} unreadable after {attempt} attempts in "
+                                    f"{spent:.0f} s from {endpoint()} (data.read_deadline_s={_deadline[0]:g}): "
                                     f"{explain(exc)}") from None
-                time.sleep(BACKOFF_S * 2 ** attempt)
+                print(f"dsrecipes: {self.url} (bytes {start}-{stop}, {endpoint()}): attempt {attempt}/"
+                      f"{READ_ATTEMPTS} failed ({explain(exc)}); retrying in {wait:.1f} s", file=sys.stderr,
+                      flush=True)
+                time.sleep(wait)
         raise AssertionError("unreachable")
+
+    def _read_open(self, start: int, stop: int) -> bytes:  # (no ETag recorded: opened, its identity compared)
+        if self.fh is None:
+            self.fh = self._open()
+        self.fh.seek(start)
+        return self.fh.read(stop - start)
 
     def close(self) -> None:
         if self.fh is not None:

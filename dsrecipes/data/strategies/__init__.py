@@ -33,6 +33,7 @@ from dsrecipes.core.runplan import RunPlan
 from dsrecipes.core.schema import DataKind, TrainConfig
 from dsrecipes.data.audit import AuditReport
 from dsrecipes.data.plan import Layout, total_steps
+from dsrecipes.data.sources import remote
 from dsrecipes.data.strategies.base import TrainLoader
 from dsrecipes.data.strategies.eval import EvalLoader
 from dsrecipes.data.strategies.iterable import IterableStrategy
@@ -47,6 +48,8 @@ __all__ = ["STRATEGIES", "DataStrategy", "PrepareResult", "RankData", "audit_con
 
 
 def strategy_of(cfg: TrainConfig) -> DataStrategy:
+    """The run's data strategy (every reader of a run comes through here: the store's read deadline is set)."""
+    remote.configure(cfg.data.read_deadline_s)
     return STRATEGIES[cfg.data.kind]
 
 
