@@ -98,3 +98,14 @@ def test_a_flat_file_run_by_path_is_refused_by_validate(form, tmp_path, monkeypa
     out, err = capfd.readouterr()
     assert err.startswith("error: ") and "trainer.experiment: " in err and SECRET not in out + err, err
     assert "Traceback" not in err
+
+
+def test_a_flat_file_given_as_a_word_to_train(tmp_path, monkeypatch, capfd):
+    """`dsrecipes train FILE.yaml` (the flat form people pass like --config): refused where it resolves, no run."""
+    monkeypatch.setenv("DSR_RES_SECRET", SECRET)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "flat.yaml").write_text("trainer.experiment: 'x\\\\${oc.env:DSR_RES_SECRET}'\ntrainer.max_steps: 1\n")
+    assert cli_main(["train", "flat.yaml", f"trainer.output_dir={tmp_path / 'run'}"]) == 2
+    out, err = capfd.readouterr()
+    assert "trainer.experiment: reads the environment variable 'DSR_RES_SECRET'" in err and SECRET not in out + err
+    assert not (tmp_path / "run").exists()
