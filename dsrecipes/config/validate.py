@@ -34,8 +34,8 @@ from dsrecipes.data.strategies.rules import caches_reference, carries_pairs, con
 from dsrecipes.objectives.base import reference_mode
 
 _SLOTS = r"[A-Za-z0-9_.-]{1,253}(?::\d{1,4}(?:,\d{1,4})*)?"  # deepspeed --include/--exclude: host[:slots]@...
-_HOST_SLOTS = re.compile(f"{_SLOTS}(?:@{_SLOTS})*")
-_ENDPOINT = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9.-]{0,252}|\[[0-9A-Fa-f:]{2,45}\])(?::\d{1,5})?")
+_HOST_SLOTS = re.compile(f"{_SLOTS}(?:@{_SLOTS})*", re.ASCII)  # ASCII digits only (issue 50)
+_ENDPOINT = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9.-]{0,252}|\[[0-9A-Fa-f:]{2,45}\])(?::\d{1,5})?", re.ASCII)
 
 
 
