@@ -121,3 +121,26 @@ def test_tiny_orpo_run_end_to_end(tmp_path):
     stats = json.loads((run_dir / "prepare_stats.json").read_text())
     assert stats["row_kind"] == "pair" and "reference_dir" not in stats
     assert not (tmp_path / "cache" / "prepared" / stats["cache_key"] / "reference").exists()
+
+
+@pytest.mark.parametrize("kind", ["iterable", "map"])
+def test_orpo_reads_pairs_under_every_reading_strategy(kind, tmp_path):
+    """The data layer serves ORPO by its row kind alone: pairs under data=map and data=iterable, no reference."""
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.core.tokenizer import load_tokenizer
+    from dsrecipes.data.strategies import build_loaders
+    from tests.helpers.launching import plan_like_launcher
+
+    cfg = compose_and_load(["objective=orpo", f"data={kind}", "dataset=sample_pairs", "dataset.max_samples=20",
+                            "dataset.val_size=4", "data.cutoff_len=256", "trainer.micro_batch_size=2",
+                            f"data.cache_dir={tmp_path / 'cache'}"])
+    tok = load_tokenizer(cfg)
+    plan = plan_like_launcher(cfg, tmp_path / "run", 1)
+    train, evals = build_loaders(cfg, tok, 0, 1, tmp_path / "run", plan)
+    train.set_epoch(0)
+    batch = next(iter(train))
+    assert batch["input_ids"].shape[0] == 2 * len(batch["pair_mask"]) and "ref_chosen_logps" not in batch
+    model = build_model(cfg, tok)
+    loss, sums = build_objective(cfg, tok).loss(model, batch, torch.device("cpu"))
+    assert math.isfinite(float(loss)) and float(sums["pairs"]) == len(batch["ids"])
+    assert sum(len(b["ids"]) for b in evals) == 4
