@@ -1,7 +1,8 @@
 """Caches carry content hashes checked on use (issue 50 item 3), hostile cases:
 
 - a prepared-data cache whose Arrow file had one byte changed after it was published (same size, same mtime) is
-  refused, naming the file; before the content record, the changed tokens were trained on silently;
+  refused, naming the file, by the launching process and by a rank opening it (a change after the launching
+  process's check); before the content record, the changed tokens were trained on silently;
 - the DPO reference cache is keyed by the content of the model's files: weights swapped for other weights of the
   same size with the modification time set back get their own reference log-probs (the size+mtime key reused the
   old ones silently);
@@ -38,7 +39,7 @@ def arrow_file(split_dir: Path) -> Path:
 
 def test_a_poisoned_prepared_cache_is_refused_naming_the_file(make_cfg, tmp_path):
     from dsrecipes.core.tokenizer import load_tokenizer
-    from dsrecipes.data.prepare import prepare
+    from dsrecipes.data.prepare import load_prepared, prepare
 
     cfg = make_cfg("dataset.max_samples=40", "dataset.val_size=4", f"data.cache_dir={tmp_path / 'cache'}")
     tok = load_tokenizer(cfg)
@@ -49,9 +50,14 @@ def test_a_poisoned_prepared_cache_is_refused_naming_the_file(make_cfg, tmp_path
     with pytest.raises(DataError, match=rf"{target}: changed after the cache was published.*delete "
                                         rf"{first.cache_dir}"):
         prepare(cfg, tok, tmp_path / "run2")
-    extra = first.cache_dir / "train" / "data-99999-of-99999.arrow"
-    poke(target)  # back as published
+    poke(target)  # back as published: a cache hit again, and a rank opens it
     prepare(cfg, tok, tmp_path / "run3")
+    load_prepared(cfg, tmp_path / "run3")
+    poke(target)  # changed between the launching process's check and the rank's
+    with pytest.raises(DataError, match=rf"{target}: changed after the cache was published"):
+        load_prepared(cfg, tmp_path / "run3")
+    poke(target)
+    extra = first.cache_dir / "train" / "data-99999-of-99999.arrow"
     extra.write_bytes(b"x")
     with pytest.raises(DataError, match=rf"{extra}: is not in the record"):
         prepare(cfg, tok, tmp_path / "run4")

@@ -108,7 +108,9 @@ def prepare(cfg: TrainConfig, tokenizer: Any, run_dir: str | Path) -> Prepared:
 
 
 def load_prepared(cfg: TrainConfig, run_dir: str | Path) -> Prepared:
-    """Re-open what `prepare` wrote for this run (on each rank); never reads the sources."""
+    """Re-open what `prepare` wrote for this run (on each rank); never reads the sources. The cache (and the reference
+    log-probs) are checked against their content records here too, right before the rank maps them: a file changed
+    after the launching process checked it is refused, not trained on."""
     path = Path(run_dir) / STATS_FILE
     if not path.is_file():
         raise DataError(f"{path}: missing; the launching process runs prepare() before starting ranks")
@@ -124,6 +126,8 @@ def load_prepared(cfg: TrainConfig, run_dir: str | Path) -> Prepared:
         if ref.name != reference_key(cfg) or not (ref / "done").is_file():
             raise DataError(f"{path}: no reference log-probs for this run's reference model (model.path changed "
                             "since preparation?); start the run again with `python -m dsrecipes`")
+        check(ref)
+    check(cache, skip=[REFERENCE_DIR])
     return _open(cache, stats)
 
 
