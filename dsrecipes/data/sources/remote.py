@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from importlib.metadata import PackageNotFoundError, version
 from typing import IO, Any, Dict, Iterator, List, Optional, Tuple
 
 from dsrecipes.core.errors import DataError
@@ -134,8 +135,8 @@ def client() -> Any:
     `s3()`; botocore does not retry (RangeReader does, within the deadline, saying so)."""
     settings = _settings()
     if settings not in _CLIENT:
-        import botocore.config
-        import botocore.session
+        import botocore.config  # lazy: only s3:// data needs botocore (a second of imports)
+        import botocore.session  # lazy: as above
 
         _CLIENT.clear()
         connect, read = attempt_timeouts()
@@ -194,8 +195,6 @@ MIN_VERSIONS = {"s3fs": "2024.6", "botocore": "1.31"}  # botocore 1.31: AWS_ENDP
 def check_versions() -> None:
     """s3:// data needs s3fs and botocore new enough (a resolver that picked s3fs 0.4.2 made every read fail): one
     message naming what is installed, before any rank starts."""
-    from importlib.metadata import PackageNotFoundError, version
-
     found, old = {}, []
     for name, least in MIN_VERSIONS.items():
         try:
@@ -300,8 +299,8 @@ class RangeReader:
     def _get(self, start: int, stop: int) -> bytes:
         """One ranged GET with If-Match (and the VersionId), through botocore's public client."""
         bucket, _, key = self.url[len("s3://"):].partition("/")
-        etag, _, version = self.etag.partition("\x1f")
-        extra = {"VersionId": version} if version else {}
+        etag, _, version_id = self.etag.partition("\x1f")
+        extra = {"VersionId": version_id} if version_id else {}
         try:
             body = client().get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{stop - 1}", IfMatch=etag,
                                        **extra)["Body"]
