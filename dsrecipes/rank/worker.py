@@ -9,7 +9,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -18,11 +21,14 @@ from dsrecipes.config.load import load_run_config
 from dsrecipes.core.console import log_path, quiet_third_party, survive_lost_console
 from dsrecipes.core.errors import RunInterrupted, TrainingFailed, UserError
 from dsrecipes.core.failure import log_traceback, record_rank_failure
+from dsrecipes.core.rundir import launcher_alive
 from dsrecipes.core.runplan import read_plan
 from dsrecipes.core.schema import Device
 from dsrecipes.data.strategies.base import end_workers, worker_lost
 from dsrecipes.rank.checkpoint import TrainState
 from dsrecipes.rank.train import train
+
+LAUNCHER_POLL_S = 1.0
 
 
 def run(run_dir: str | Path) -> TrainState:
@@ -87,6 +93,32 @@ def _reported_by_launcher(run_dir: Path) -> bool:
         return False
 
 
+def watch_launcher(run_dir: Path) -> None:
+    """A rank on the launching process's node whose launching process died (even by SIGKILL: its lock on the run
+    directory is gone) stops as on SIGTERM - checkpoint at the next step boundary, all ranks alike - and is gone
+    trainer.stop_grace_s later whatever it was doing (stuck in a collective): no rank outlives its run for longer.
+    Nothing is watched where the lock is not seen held at the start (another node, a file system without locks)."""
+    node = os.environ.get("CROSS_RANK") or os.environ.get("GROUP_RANK") or "0"
+    try:
+        grace = float(load_run_config(run_dir).trainer.stop_grace_s)
+        watched = node == "0" and _reported_by_launcher(run_dir) and launcher_alive(run_dir)
+    except Exception:  # noqa: BLE001 - a run directory the rank cannot read fails in run() with its message
+        return
+    if not watched:
+        return
+
+    def watch() -> None:
+        while launcher_alive(run_dir):
+            time.sleep(LAUNCHER_POLL_S)
+        print(f"dsrecipes: rank {os.environ.get('RANK', '0')}: the launching process is gone; stopping",
+              file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace + 5)
+        _exit_now(143)
+
+    threading.Thread(target=watch, name="dsrecipes-launcher-watch", daemon=True).start()
+
+
 def _exit_now(code: int) -> None:
     """End a failed rank process without interpreter shutdown (nothing left to join: workers, feeder threads)."""
     for stream in (sys.stdout, sys.stderr):
@@ -107,6 +139,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     log = log_path(Path(args.run_dir), f"rank{os.environ.get('RANK', '0')}")
     quiet_third_party(log)  # before deepspeed loads
     survive_lost_console(log)
+    watch_launcher(Path(args.run_dir))
     code = run_rank(args.run_dir)
     if code not in (0, 130, 143):
         _exit_now(code)
