@@ -1,4 +1,4 @@
-"""Preparation of preference pairs (`objective=dpo`, `data=map`): read and tokenize pairs, split, mix, write Arrow.
+"""Preparation of preference pairs (`rows=pair`, `data=map`): read and tokenize pairs, split, mix, write Arrow.
 
 The same order of operations as SFT preparation (prepare.py): sources in order with their caps and the bad-row
 policy, the seeded validation split, per-source mixing weights (a copy k >= 1 of a pair gets the id `<id>@<k>`),

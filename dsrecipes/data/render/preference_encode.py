@@ -1,4 +1,4 @@
-"""Preference pairs -> token rows (`objective=dpo`): render, tokenize, truncate; read every source of a preparation.
+"""Preference pairs -> token rows (`rows=pair`): render, tokenize, truncate; read every source of a preparation.
 
 A pair is ONE sample (one row, one id) for every strategy and guarantee: the prompt is stored once and both answers
 beside it, so exactly-once, equal steps, resume and ledgers count pairs exactly as they count SFT samples.

@@ -1,4 +1,4 @@
-"""Preference pairs of a stream or a presharded part (`objective=dpo`): raw lines -> pair rows inside a loader worker.
+"""Preference pairs of a stream or a presharded part (`rows=pair`): raw lines -> pair rows inside a loader worker.
 
 The counterpart of `rows.RowEncoder` for pairs, with the same items, the same bad-row policy and the same checks as
 every other reader of pairs (`preference.parse_pair_item`, then `PairEncoder.encode_batch`: the checks of map

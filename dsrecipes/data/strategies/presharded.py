@@ -14,7 +14,7 @@ Validation: the shard's validation part (`dsrecipes shard --val-size N` holds N 
 process checks those rows and writes them in canonical form into the run directory. Every rank evaluates a
 contiguous share of them.
 
-Preference pairs (objective=dpo): parts written by `dsrecipes shard ... objective=dpo` hold one checked pair per line
+Pairs (objective.rows=pair): parts written by `dsrecipes shard ... objective=dpo` hold one checked pair per line
 (manifest `row_format`, shard_rows.py), a pair being one sample for all of the above; parts of the other row kind
 are refused before any rank starts.
 """

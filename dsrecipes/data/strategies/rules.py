@@ -21,7 +21,7 @@ class Rules:
     paths: Callable[[TrainConfig], List[NamedPath]] = lambda cfg: []
     reads_sources: bool = True  # trains on dataset.paths/sources/use (presharded: on the shards' manifest)
     prompt_rows: bool = False  # its prepared validation split can feed prompt-evals during training (gen_eval.py)
-    pairs: bool = False  # it carries preference pairs (objective=dpo): one pair is one sample
+    pairs: bool = False  # it carries preference pairs (objective.rows=pair): one pair is one sample
     reference_cache: bool = False  # objective.reference=precomputed: reference log-probs cached with prepared pairs
 
 

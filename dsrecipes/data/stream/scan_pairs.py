@@ -1,4 +1,4 @@
-"""The row pre-scan of a stream of preference pairs (`objective=dpo data=iterable`): `scan_files.RowChecker`'s part
+"""The row pre-scan of a stream of preference pairs (`rows=pair data=iterable`): `scan_files.RowChecker`'s part
 for pairs, with the checks of the loader workers (`preference.parse_pair_item`, then `PairEncoder.encode_batch`:
 reading, rendering, tokenizing, truncation). It records a `FileScan` exactly like the conversation checker, so the
 scan cache, caps, bad-row policy and quarantine of `scan.py` apply to pairs unchanged.
