@@ -41,6 +41,7 @@ from hydra.types import HydraContext, RunMode
 from omegaconf import OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
+import dsrecipes.config.recipe_file as recipe_file
 import dsrecipes.config.resolvers as resolvers
 import dsrecipes.config.safety as safety
 import dsrecipes.config.sources as sources
@@ -196,7 +197,11 @@ def _shared_source(loader: Any, overrides: Sequence[str], run_mode: Any, path: T
             continue
         here = safety.lookup(safety.container(ConfigLoaderImpl._embed_result_config(loaded, d.package).config), path)
         if here is not safety.MISSING and here == value:
-            return _file_name(loaded, d) if loaded.provider in SHARED_PROVIDERS else None
+            if loaded.provider not in SHARED_PROVIDERS:
+                return None
+            name = _file_name(loaded, d)
+            line = recipe_file.line_of(Path(name), dotted) if os.path.isfile(name) else None
+            return f"{name}:{line}" if line else name
     return "the composition"
 
 

@@ -56,8 +56,6 @@ def check(overrides: Sequence[str], composed: Any, baseline: Dict[str, Any], sou
     recipe that set it (None: the command line or the config tree). config/hydra_app.py supplies them from Hydra."""
     problems = override_problems(overrides)
     if not problems:
-        problems += outside_problems(container(composed), baseline, shared_source)
-    if not problems:
         data = container(composed)
         for path, what in composition_problems(composed, baseline, overrides):
             source = source_of(path, lookup(data, path))
@@ -70,6 +68,7 @@ def check(overrides: Sequence[str], composed: Any, baseline: Dict[str, Any], sou
                 problems.append(f"{_dotted(path)}: set by {source}; it chooses code the batch job runs (an activate "
                                 "script, modulefiles), so it is this machine's setting, not a recipe's: give it on "
                                 "the command line")
+        problems += outside_problems(data, baseline, shared_source)
     if problems:
         raise ConfigError(problems)
 
