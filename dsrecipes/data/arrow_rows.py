@@ -29,6 +29,7 @@ class ArrowRows:
 
     def __init__(self, table: pa.Table) -> None:
         self.table = table
+        self.cache_files: List[Dict[str, str]] = []  # the memory-mapped files (strategies/map.py checks them)
 
     @classmethod
     def open(cls, path: Union[str, Path]) -> "ArrowRows":
@@ -44,7 +45,9 @@ class ArrowRows:
             raise DataError(f"{path}: not a readable prepared split ({exc}); prepare the data again") from exc
         if not tables:
             raise DataError(f"{path}: {STATE_FILE} lists no Arrow file; prepare the data again")
-        return cls(tables[0] if len(tables) == 1 else pa.concat_tables(tables))
+        rows = cls(tables[0] if len(tables) == 1 else pa.concat_tables(tables))
+        rows.cache_files = [{"filename": str(f)} for f in files]  # as datasets names them: watched while mapped
+        return rows
 
     @property
     def column_names(self) -> List[str]:
