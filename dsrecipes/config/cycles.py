@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
-from dsrecipes.config import recipe_file, sources
+import dsrecipes.config.recipe_file as recipe_file
+import dsrecipes.config.sources as sources
 from dsrecipes.core.errors import ConfigError
 from dsrecipes.core.paths import shipped_recipes_dir
 

@@ -21,6 +21,8 @@ from enum import Enum
 from pathlib import PurePosixPath
 from typing import Any, Dict, Iterator, List, Tuple
 
+from dsrecipes.core.schema import TrainConfig
+
 
 class FieldClass(str, Enum):
     user_named = "user-named only"  # outside the run directory or the machine: command line / environment / conf tree
@@ -78,8 +80,6 @@ def of(cls: FieldClass) -> List[Tuple[str, ...]]:
 
 def text_fields(cls: Any = None, prefix: str = "") -> Iterator[str]:
     """Every dotted key of the schema whose type can hold text (str, Any, or a list/mapping of them)."""
-    from dsrecipes.core.schema import TrainConfig
-
     cls = TrainConfig if cls is None else cls
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
