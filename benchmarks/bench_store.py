@@ -63,16 +63,10 @@ from tests.helpers.s3server import FaultProxy, S3Server
 MBS = 4
 
 
-def upload_jsonl(fs, paths: list) -> None:
-    for path in paths:
-        fs.put_file(str(path), f"s3://bench/jsonl/{path.name}")
-
-
 def upload_mds(fs, paths: list, shard_mb: float, tmp: Path) -> dict:
     from streaming import MDSWriter
 
-    t0 = time.perf_counter()
-    mds = tmp / "mds"
+    t0, mds = time.perf_counter(), tmp / "mds"
     with MDSWriter(out=str(mds), columns={"text": "str"}, size_limit=int(shard_mb * (1 << 20))) as writer:
         for path in paths:
             with open(path, encoding="utf-8") as fh:
@@ -88,7 +82,6 @@ def upload_mds(fs, paths: list, shard_mb: float, tmp: Path) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 # dsrecipes
 
-
 CHUNK = ["data.chunk_bytes=null"]  # --chunk-kb
 
 
@@ -100,18 +93,28 @@ def ds_cfg(cache: Path, prescan: bool):
                              "trainer.max_steps=1", *CHUNK], check_files=False)
 
 
+CLIENT_CACHES = ("_S3", "_CLIENT")  # dsrecipes.data.sources.remote: s3fs file system, botocore client for ranged GETs
+
+
+def client_caches() -> list:
+    from dsrecipes.data.sources import remote
+
+    missing = [name for name in CLIENT_CACHES if not isinstance(getattr(remote, name, None), dict)]
+    if missing:
+        raise SystemExit(f"dsrecipes.data.sources.remote has no client cache {missing}: update CLIENT_CACHES in "
+                         "benchmarks/bench_store.py, or the readers would start with a warm client")
+    return [getattr(remote, name) for name in CLIENT_CACHES]
+
+
 def fresh_client() -> None:
-    """Drop this process's cached dsrecipes S3 client: the next `s3()` builds one, as a fresh DataLoader worker does."""
-    from dsrecipes.data.sources import remote
+    """Drop this process's cached dsrecipes S3 clients: the next read builds its own, as a fresh DataLoader worker
+    (forked before any read) does."""
+    for cache in client_caches():
+        cache.clear()
 
-    remote._S3.clear()
 
-
-def current_client():
-    from dsrecipes.data.sources import remote
-
-    return next(iter(remote._S3.values()), None)
-
+def current_clients() -> list:
+    return [c for cache in client_caches() for c in cache.values()]
 
 def ds_launch(proxy, tmp: Path, prescan: bool) -> dict:
     """(cold, warm) bytes and seconds of the launching process: prepare_stream (index, optional pre-scan); each
@@ -138,7 +141,7 @@ def ds_readers(run: Path, readers: int, proxy) -> dict:
     from dsrecipes.data.stream.index import BlockSource, read_stream_index
 
     layout = Layout(readers, MBS, 1, 0)
-    b0, r0, firsts, rates, built, previous = proxy.body_bytes, proxy.requests, [], [], 0, current_client()
+    b0, r0, firsts, rates, built, previous = proxy.body_bytes, proxy.requests, [], [], 0, current_clients()
     for rank in range(readers):
         fresh_client()
         t0, n, first = time.perf_counter(), 0, None
@@ -152,9 +155,9 @@ def ds_readers(run: Path, readers: int, proxy) -> dict:
                 first = time.perf_counter() - t0
         rates.append(n / (time.perf_counter() - t0))
         firsts.append(first)
-        client = current_client()  # `previous` is still referenced, so a new client cannot reuse its id
-        built += client is not None and client is not previous
-        previous = client
+        clients = current_clients()  # `previous` are still referenced, so a new client cannot reuse their ids
+        built += bool(clients) and not {id(c) for c in clients} & {id(c) for c in previous}
+        previous = clients
         source.close()
     if built != readers:  # each reader must have built (and used) a client of its own
         raise SystemExit(f"dsrecipes R = {readers}: {built} S3 clients built for {readers} readers: the fresh-client "
@@ -261,11 +264,10 @@ def parse_args() -> argparse.Namespace:
 
 
 def streaming_or_why() -> str:
-    """'' when mosaicml-streaming imports, else why not."""
+    """'' when mosaicml-streaming imports, else why not (ImportError, or one of its dependencies failing)."""
     try:
-        import_streaming()
-        return ""
-    except Exception as exc:  # ImportError, or one of its own dependencies failing at import
+        return "" if import_streaming() else "?"
+    except Exception as exc:  # noqa: BLE001
         return f"{type(exc).__name__}: {exc}"
 
 
@@ -304,7 +306,8 @@ def run(args: argparse.Namespace, result: Result, proxy, tmp: Path, systems: tup
     paths = write_corpus(tmp / "corpus", args.mb, args.files)
     corpus = {"corpus_bytes": sum(p.stat().st_size for p in paths), "generate_s": round(time.perf_counter() - t0, 2),
               "rows": sum(1 for p in paths for _ in open(p, "rb")), "files": args.files, "mb_asked": args.mb}
-    upload_jsonl(fs, paths)
+    for path in paths:
+        fs.put_file(str(path), f"s3://bench/jsonl/{path.name}")
     if "st" in systems:
         corpus.update(upload_mds(fs, paths, args.shard_mb, tmp))
     shutil.rmtree(tmp / "corpus")
