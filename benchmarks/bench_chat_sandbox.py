@@ -7,7 +7,9 @@ Conversations: `--n` of them, 1-3 user/assistant exchanges each, taken from the 
 small.jsonl.gz and array.json (seeded), a system prompt on every fourth. Tokenizer and template: SmolLM2-135M-Instruct's (scripts/fetch_smollm2.py; without it,
 the bundled tiny tokenizer with a ChatML chat_template, noted). Each round times, in this process:
 * encode: `Encoder(template=tokenizer).encode_arrays` over all conversations in batches of 256 (what a
-  data-preparation worker does: every assistant turn renders two prefixes, so ~2 renders per exchange + 1);
+  data-preparation worker does: every assistant turn renders two prefixes, so ~2 renders per exchange + 1), its
+  wall-clock rate and its CPU time per conversation, this process's and its renderer child's (a shared machine
+  disturbs the CPU time much less than the wall clock);
 * render: `chat_sandbox.render` of each whole conversation once.
 Prints conversations/s and renders/s per round and their medians.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import random
 import statistics
 import sys
@@ -51,6 +54,16 @@ def conversations(n: int) -> List[Any]:
     return out
 
 
+def renderer_cpu() -> float:
+    """CPU seconds of this process's template-renderer child so far (0 without one: an in-process sandbox)."""
+    renderer = getattr(sys.modules.get("dsrecipes.boundary.chat_sandbox"), "_RENDERER", None)
+    child = getattr(renderer, "child", None)
+    if child is None:
+        return 0.0
+    fields = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main(argv: List[str]) -> int:
     parser = add_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--n", type=int, default=3000)
@@ -73,13 +86,14 @@ def main(argv: List[str]) -> int:
             tokenizer.chat_template = CHATML
         encoder = Encoder(tokenizer, cfg)
         convs = conversations(args.n)
-        renders = []
+        renders, cpus = [], []
         for r in range(args.rounds):
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time() + renderer_cpu()
             for i in range(0, len(convs), 256):
                 batch = encoder.encode_arrays(convs[i:i + 256])
                 assert not batch.bad, batch.bad[:1]
             encode_s = time.perf_counter() - started
+            encode_cpu = time.process_time() + renderer_cpu() - cpu
             messages = [[{"role": "user" if t.role.value == "user" else "assistant", "content": t.content}
                          for t in c.turns] for c in convs]
             started = time.perf_counter()
@@ -88,8 +102,11 @@ def main(argv: List[str]) -> int:
             render_s = time.perf_counter() - started
             renders.append((len(convs) / encode_s, len(convs) / render_s))
             result.row({"round": r, "conversations": len(convs), "encode_conv_per_s": round(renders[-1][0], 1),
+                        "encode_cpu_us_per_conv": round(encode_cpu / len(convs) * 1e6, 1),
                         "render_per_s": round(renders[-1][1], 1)})
+            cpus.append(encode_cpu / len(convs) * 1e6)
         result.row({"median_encode_conv_per_s": round(statistics.median(e for e, _ in renders), 1),
+                    "median_encode_cpu_us_per_conv": round(statistics.median(cpus), 1),
                     "median_render_per_s": round(statistics.median(r for _, r in renders), 1)})
     return 0
 

@@ -14,8 +14,8 @@ file of the run is in reach of the template. Before it answers the first request
 Protocol (stdin/stdout, binary): a request is a 4-byte big-endian length and a pickle of (source, context, renders,
 max_output, cpu_seconds) written by the parent (trusted), `renders` a list of (messages, add_generation_prompt) to
 render with the same context (a conversation and its prefixes: one round trip). Each render is answered as soon as it
-is done, until the first answer that is not a text; an answer is one kind byte, a 4-byte length and UTF-8
-(surrogatepass):
+is done (answers done within FLUSH_SECONDS of each other go together), until the first answer that is not a text;
+an answer is one kind byte, a 4-byte length and UTF-8 (surrogatepass):
   o  the rendered text
   r  the template raised (its `raise_exception`, an undefined key, a type error): "TypeName\\0message"
   s  the sandbox refused it (SecurityError, TemplateSyntaxError): "TypeName\\0message"
@@ -35,9 +35,11 @@ import resource
 import signal
 import sys
 import threading
+import time
 from datetime import datetime
 
 DETAIL = 2000  # characters of an exception's message sent back
+FLUSH_SECONDS = 0.01  # answers done within this of the last ones sent go back together (one wake-up of the parent)
 
 
 def _read_exact(fd: int, n: int) -> bytes:
@@ -164,14 +166,18 @@ def serve(argv: list) -> None:
             source, context, renders, max_output, cpu_seconds = pickle.loads(_read_exact(0, size))
         except EOFError:
             return
+        pending, flushed = [], time.monotonic()
         for messages, add_generation_prompt in renders:  # a reply for each, until one is not a text
+            if pending and time.monotonic() - flushed > FLUSH_SECONDS:  # the parent times each render
+                _write_all(1, b"".join(pending))
+                pending, flushed = [], time.monotonic()
             _cpu_allowance(cpu_seconds)
             context.update(messages=messages, add_generation_prompt=add_generation_prompt)
-            reply = _render(env, compiled, source, context, max_output)
-            _write_all(1, reply)
-            if reply[:1] != b"o":
+            pending.append(_render(env, compiled, source, context, max_output))
+            if pending[-1][:1] != b"o":
                 break
-        del context, renders
+        _write_all(1, b"".join(pending))
+        del context, renders, pending
 
 if __name__ == "__main__":
     serve(sys.argv)
