@@ -65,3 +65,15 @@ def test_rows_overridden_against_the_objective_are_refused(make_cfg):
     cfg = make_cfg("objective=sft", "objective.rows=pair", check_files=False)
     with pytest.raises(ConfigError, match=r"objective\.rows: objective=sft trains on conversation rows"):
         build_objective(cfg, load_tokenizer(cfg))
+
+
+def test_every_layer_of_the_data_layer_has_each_row_kind():
+    """Reading, checking, scanning and sharding are tables by row kind: a new kind fails here until each layer
+    serves it (no `if pairs ... else` that would silently treat it as a conversation)."""
+    from dsrecipes.data.shard_rows import FORMATS
+    from dsrecipes.data.strategies.rows import ROW_ENCODERS
+    from dsrecipes.data.stream.scan import READINGS
+
+    for table in (FORMATS, ROW_ENCODERS, READINGS):
+        assert set(table) == set(RowKind), table
+    assert len(set(FORMATS.values())) == len(RowKind)

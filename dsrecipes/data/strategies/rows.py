@@ -19,8 +19,7 @@ def row_encoder(cfg: TrainConfig, tokenizer: Any, paths: Sequence[str], sources:
                 element_files: Optional[Sequence[bool]] = None) -> Any:
     """The rows of the run's objective (`objective.rows`) from raw lines: conversations (`RowEncoder`), or preference
     pairs (`pair_rows.PairRowEncoder`: a pair is one sample)."""
-    make = PairRowEncoder if cfg.objective.rows is RowKind.pair else RowEncoder
-    return make(cfg, tokenizer, paths, sources, element_files)
+    return ROW_ENCODERS[cfg.objective.rows](cfg, tokenizer, paths, sources, element_files)
 
 
 def make_collate(cfg: TrainConfig, tokenizer: Any) -> Callable[[List[Row]], Batch]:
@@ -67,3 +66,4 @@ def _row(ids: List[str], input_ids: List[int], labels: List[int], position_ids: 
     return {"ids": list(ids), "input_ids": list(input_ids), "labels": list(labels), "position_ids": list(position_ids)}
 
 
+ROW_ENCODERS = {RowKind.conversation: RowEncoder, RowKind.pair: PairRowEncoder}  # one per row kind (test_row_kinds.py)

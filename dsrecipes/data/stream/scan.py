@@ -23,8 +23,9 @@ import hashlib
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from dsrecipes.core.errors import DataError
 from dsrecipes.core.schema import RowKind, SourceConfig, TrainConfig
@@ -105,11 +106,11 @@ def pairs(cfg: TrainConfig) -> bool:
 
 def checking_encoder(cfg: TrainConfig, tokenizer: Any) -> Any:
     """What renders and tokenizes a row for the checks of training: conversations, or pairs (objective.rows=pair)."""
-    return (PairEncoder if pairs(cfg) else Encoder)(tokenizer, cfg)
+    return READINGS[cfg.objective.rows].encoder(tokenizer, cfg)
 
 
 def _checker(cfg: TrainConfig) -> Any:
-    return PairChecker if pairs(cfg) else RowChecker
+    return READINGS[cfg.objective.rows].checker
 
 
 def _scan_key(cfg: TrainConfig, encoder: Any) -> str:
@@ -175,7 +176,7 @@ def _apply(report: BadRowReport, name: str, scan: Any, cap: int) -> int:
 def scan_sources(cfg: TrainConfig, run_dir: Path, sources: Sequence[SourceConfig]) -> Dict[str, int]:
     """The scan over files read through `files.py` (presharded parts); same checks, same counts and quarantine."""
     report, encoder = _start(cfg, run_dir)
-    rows = checked_pairs if pairs(cfg) else checked_conversations
+    rows = READINGS[cfg.objective.rows].checked
     good = sum(1 for _ in rows(cfg, report, encoder, list(sources)))
     return _finish(report, good, run_dir)
 
@@ -225,3 +226,20 @@ def _encoded(convs: List[Conversation], report: BadRowReport, encoder: Any) -> I
 
 def _raw_text(raw: Optional[bytes]) -> Optional[str]:
     return None if raw is None else raw.decode("utf-8", errors="replace").rstrip("\r\n")
+
+
+@dataclass(frozen=True)
+class RowReading:
+    """How rows of one kind are checked as training checks them: `encoder(tokenizer, cfg)` renders and tokenizes a
+    row, `checker` is the pre-scan's per-file part (scan_files.py), `checked(cfg, report, encoder, sources)` yields
+    the checked rows of sources read through files.py (`dsrecipes shard`, presharded parts)."""
+
+    encoder: Callable[..., Any]
+    checker: Callable[..., Any]
+    checked: Callable[..., Iterator[Any]]
+
+
+READINGS: Dict[RowKind, RowReading] = {  # one per row kind (tests/test_row_kinds.py checks it is complete)
+    RowKind.conversation: RowReading(Encoder, RowChecker, checked_conversations),
+    RowKind.pair: RowReading(PairEncoder, PairChecker, checked_pairs),
+}
