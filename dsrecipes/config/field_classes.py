@@ -10,7 +10,9 @@ from a shared recipe (a `recipe=` file by path or from a $DSRECIPES_RECIPES fold
 is the run directory itself: a shared recipe may name a relative path inside the working directory only.
 config/safety.py enforces both on each composition, with the provenance config/hydra_app.py finds in Hydra's
 defaults list - before anything connects, reads or writes. tests/test_trust_outside.py checks that every text field
-of the schema is in FIELDS, so a new field fails until it is classified here.
+of the schema is in FIELDS, so a new field fails until it is classified here. Outside the schema, Hydra's own
+`hydra.run.dir` / `hydra.sweep.dir` are closed to recipes already (config/safety.py: the `hydra` node must equal
+the baseline; only command-line overrides may set those two).
 """
 
 from __future__ import annotations
