@@ -92,10 +92,11 @@ class _Child:
     """One renderer process, its pipes and its lifeline (chat_render_child.py's protocol)."""
 
     def __init__(self) -> None:
+        site = _site_dirs()
         lifeline, self.lifeline = os.pipe()  # the child holds the read end; only this process the write end
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-B", str(CHILD), str(lifeline), str(MAX_MEMORY), *_site_dirs()],
+                [sys.executable, "-I", "-S", "-B", str(CHILD), str(lifeline), str(MAX_MEMORY), *site],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, pass_fds=(lifeline,),
                 env=_child_env(), cwd="/", start_new_session=True)
         except OSError as exc:
