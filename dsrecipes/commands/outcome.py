@@ -28,6 +28,7 @@ def conclude(run_dir: Path, code: int, dry_run: bool, argv: Sequence[str]) -> Tu
         return report_interrupted(run_dir, int(signum), extra, argv), True
     if code != 0:
         error = report_failed(run_dir, argv) or outcome.get("error") or f"ranks exited with code {code}"
+        code = code if code > 0 else 1  # a launcher the supervisor killed (-9): the run failed, exit 1, not 247
         write_result(run_dir, code, error, **extra)
     else:
         write_result(run_dir, 0, None, "dry_run" if dry_run else "ok", **extra)
