@@ -30,7 +30,7 @@ MUST_MATCH = (
 MAY_CHANGE = (
     "model.name", "model.attn_implementation", "model.gradient_checkpointing", "model.num_params", "model.arch",
     "data.num_workers", "data.prefetch_factor", "data.read_ahead_bytes", "data.span_bytes", "data.preprocess_workers",
-    "data.cache_dir", "data.prescan",
+    "data.cache_dir", "data.prescan", "data.read_deadline_s",
     "data.shard_dir", "optimizer.lr", "optimizer.weight_decay", "optimizer.betas", "optimizer.eps",
     "optimizer.momentum", "precision.loss_scale", "precision.initial_scale_power", "precision.loss_scale_window",
     "zero.overlap_comm", "zero.contiguous_gradients", "zero.reduce_bucket_size", "zero.allgather_bucket_size",
