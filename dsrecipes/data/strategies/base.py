@@ -98,18 +98,21 @@ class WorkerLost(RuntimeError):
 
 
 def worker_lost(it: Any, exc: BaseException) -> Optional[WorkerLost]:
-    """The WorkerLost for torch's 'DataLoader worker (pid ...) is killed by signal' / 'exited unexpectedly' (raised
-    by next(it) or by torch's SIGCHLD handler wherever the rank was); `it`: None for any live iterator."""
-    if "DataLoader worker (pid" not in str(exc):
-        return None
-    pids = {int(p) for p in re.findall(r"\d+", str(exc).split(")", 1)[0])}
+    """The WorkerLost for a worker that died of a signal: torch's 'DataLoader worker (pid ...) is killed by signal' /
+    'exited unexpectedly' (raised by next(it) or by torch's SIGCHLD handler wherever the rank was), or any error of
+    the rank while one of its workers lies dead of a signal (a broken pipe to it); `it`: None for any live iterator."""
+    torchs = "DataLoader worker (pid" in str(exc)
+    pids = {int(p) for p in re.findall(r"\d+", str(exc).split(")", 1)[0])} if torchs else set()
     for each in [it] if it is not None else list(_live):
         for worker_id, w in enumerate(getattr(each, "_workers", [])):
-            with contextlib.suppress(Exception):
-                w.join(timeout=1.0)
+            if torchs:
+                with contextlib.suppress(Exception):
+                    w.join(timeout=1.0)
             code = w.exitcode
             if code is not None and code < 0 and (w.pid in pids or not pids):
                 return WorkerLost(_lost_message(worker_id, w.pid, -code))
+    if not torchs:
+        return None
     return WorkerLost(f"a DataLoader worker ended unexpectedly ({str(exc).splitlines()[0]}); lower "
                       "data.num_workers or give the job more memory if the system log shows the OOM killer")
 
