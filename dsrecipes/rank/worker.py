@@ -140,11 +140,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     quiet_third_party(log)  # before deepspeed loads
     survive_lost_console(log)
     watch_launcher(Path(args.run_dir))
-    code = run_rank(args.run_dir)
-    if code not in (0, 130, 143):
-        _exit_now(code)
-    return code
+    return run_rank(args.run_dir)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # A rank process that failed ends without interpreter shutdown (nothing left to join); main() itself returns,
+    # so a caller in its own process (a test, a requeued job's step) is never ended by it.
+    _code = main()
+    if _code not in (0, 130, 143):
+        _exit_now(_code)
+    raise SystemExit(_code)
