@@ -27,12 +27,30 @@ def conclude(run_dir: Path, code: int, dry_run: bool, argv: Sequence[str]) -> Tu
     if signum is not None and code != 0:
         return report_interrupted(run_dir, int(signum), extra, argv), True
     if code != 0:
-        error = report_failed(run_dir, argv) or outcome.get("error") or f"ranks exited with code {code}"
-        code = code if code > 0 else 1  # a launcher the supervisor killed (-9): the run failed, exit 1, not 247
-        write_result(run_dir, code, error, **extra)
+        code, killed_by = launcher_code(code)
+        error = report_failed(run_dir, argv) or outcome.get("error")
+        if killed_by is not None:
+            killed = f"a rank was killed by {killed_by}"
+            print(f"error: {killed}", file=sys.stderr, flush=True)
+            error, extra = (f"{error} ({killed})" if error else killed), {**extra, "rank_signal": killed_by}
+        write_result(run_dir, code, error or f"ranks exited with code {code}", **extra)
     else:
         write_result(run_dir, 0, None, "dry_run" if dry_run else "ok", **extra)
     return code, False
+
+
+# Signals that kill a rank outright (the OOM killer, a crash): the launchers pass the rank's return code -N on,
+# which the shell sees as 256 - N (DeepSpeed's launcher: sys.exit(-9) is exit status 247).
+KILLING_SIGNALS = (signal.SIGKILL, signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS)
+
+
+def launcher_code(code: int) -> Tuple[int, str | None]:
+    """The run's exit code for a failed launch and, when a rank was killed by a signal, its name: -9 or 247 (a rank
+    killed by SIGKILL) is exit 1 with 'SIGKILL', never the launcher's wrapped-around number."""
+    for signum in KILLING_SIGNALS:
+        if code in (-signum, 256 - signum):
+            return 1, signum.name
+    return (code if code > 0 else 1), None
 
 
 def report_failed(run_dir: Path, argv: Sequence[str]) -> str | None:
