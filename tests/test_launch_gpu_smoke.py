@@ -15,6 +15,8 @@ SCRIPT = REPO / "benchmarks" / "gpu_smoke.py"
 
 
 def load_smoke():
+    if str(SCRIPT.parent) not in sys.path:  # its _harness sits beside it, as when it runs as a script
+        sys.path.insert(0, str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("gpu_smoke", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

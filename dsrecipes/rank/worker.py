@@ -86,9 +86,10 @@ def failed(run_dir: str | Path, exc: BaseException) -> int:
 
 
 def _reported_by_launcher(run_dir: Path) -> bool:
-    """A launching process supervises the ranks and prints the first failure itself (runplan.supervised)."""
+    """A launching process supervises the ranks and prints the first failure itself (runplan.supervised) - when it
+    is still there: a rank started by a batch job from a plan a supervised launch wrote says it itself."""
     try:
-        return bool(read_plan(run_dir).supervised)
+        return bool(read_plan(run_dir).supervised) and launcher_alive(run_dir)
     except Exception:  # noqa: BLE001 - an unreadable plan: say it here rather than nowhere
         return False
 
