@@ -159,17 +159,9 @@ def _baseline(loader: Any, run_mode: Any) -> Dict[str, Any]:
 
 def _source(loader: Any, overrides: Sequence[str], run_mode: Any, path: Tuple[Any, ...], value: Any) -> str:
     """The last config file of the defaults list that sets `path` to `value`, else the command-line override."""
-    try:
-        defaults = loader.compute_defaults_list(CONFIG_NAME, list(overrides), run_mode).defaults
-    except Exception:  # noqa: BLE001 - naming the source is best effort; the refusal stands
-        defaults = []
-    for d in reversed(defaults):
-        loaded = loader.repository.load_config(d.config_path) if d.config_path else None
-        if loaded is None:
-            continue
-        here = safety.lookup(safety.container(ConfigLoaderImpl._embed_result_config(loaded, d.package).config), path)
-        if here is not safety.MISSING and (value is safety.MISSING or here == value):
-            return _file_name(loaded, d)
+    found = _setting_file(loader, overrides, run_mode, path, lambda here: value is safety.MISSING or here == value)
+    if found is not None:
+        return _file_name(*found)
     for ov in OverridesParser.create().parse_overrides(list(overrides)):
         if safety.related(tuple(ov.key_or_group.split(".")), tuple(str(k) for k in path)):
             return f"command-line override '{ov.input_line}'"
@@ -187,22 +179,32 @@ def _shared_source(loader: Any, overrides: Sequence[str], run_mode: Any, path: T
     for ov in OverridesParser.create().parse_overrides(list(overrides)):
         if ov.key_or_group == dotted and not ov.is_delete() and not ov.package:
             return None
+    found = _setting_file(loader, overrides, run_mode, path, lambda here: here == value)
+    if found is None:
+        return "the composition"
+    if found[0].provider not in SHARED_PROVIDERS:
+        return None
+    name = _file_name(*found)
+    line = recipe_file.line_of(Path(name), dotted) if os.path.isfile(name) else None
+    return f"{name}:{line}" if line else name
+
+
+def _setting_file(loader: Any, overrides: Sequence[str], run_mode: Any, path: Tuple[Any, ...],
+                  matches: Callable[[Any], bool]) -> Optional[Tuple[Any, Any]]:
+    """(loaded config, defaults entry) of the last file of the defaults list that sets `path` to a value `matches`
+    accepts; None when none does (or the defaults list cannot be computed: naming the source is best effort)."""
     try:
         defaults = loader.compute_defaults_list(CONFIG_NAME, list(overrides), run_mode).defaults
     except Exception:  # noqa: BLE001 - without the defaults list no file can vouch for the value
-        defaults = []
+        return None
     for d in reversed(defaults):
         loaded = loader.repository.load_config(d.config_path) if d.config_path else None
         if loaded is None:
             continue
         here = safety.lookup(safety.container(ConfigLoaderImpl._embed_result_config(loaded, d.package).config), path)
-        if here is not safety.MISSING and here == value:
-            if loaded.provider not in SHARED_PROVIDERS:
-                return None
-            name = _file_name(loaded, d)
-            line = recipe_file.line_of(Path(name), dotted) if os.path.isfile(name) else None
-            return f"{name}:{line}" if line else name
-    return "the composition"
+        if here is not safety.MISSING and matches(here):
+            return loaded, d
+    return None
 
 
 def _file_name(loaded: Any, default: Any) -> str:
