@@ -62,9 +62,9 @@ def main() -> None:
 
 def run(args: argparse.Namespace, result: Result) -> None:
     result.note(one_core())
-    from dsrecipes.data.audit import audit_map, audit_presharded, audit_stream
-    from dsrecipes.data.plan import Layout
-    from dsrecipes.data.sampler import count_rows
+    from dsrecipes.data.plan.epoch import Layout
+    from dsrecipes.data.plan.sampler import count_rows
+    from dsrecipes.data.strategies.audit import audit_map, audit_presharded, audit_stream
 
     n, w = args.samples, args.world_size
     lay = Layout(w, 4, 2, args.num_workers)

@@ -103,8 +103,8 @@ def throughput(conversations: int, work: Path) -> List[Dict[str, object]]:
     from dsrecipes.config.load import compose_and_load
     from dsrecipes.core.tokenizer import load_tokenizer
     from dsrecipes.core.topology import Topology
-    from dsrecipes.data.prepare import prepare
-    from dsrecipes.data.shard import ShardBalance, shard
+    from dsrecipes.data.prepare.build import prepare
+    from dsrecipes.data.shard.build import ShardBalance, shard
     from dsrecipes.data.strategies import build_loaders
     from dsrecipes.run.entry import with_run_dir, write_run_dir
 

@@ -13,7 +13,7 @@ Corpus shapes (generated, seeded, written to a JSONL file; bundled tiny byte-lev
 Each round runs, alternately (ceiling first in even rounds, prepare first in odd ones):
 * ceiling: the fast tokenizer's Rust `encode_batch` on the already rendered full texts (all cores, no masks, no
   reading, no writing), with a fresh tokenizer (its BPE word cache starts empty, as in a worker);
-* prepare: the whole `dsrecipes.data.prepare.prepare()` from the file into a fresh cache directory: read, check,
+* prepare: the whole `dsrecipes.data.prepare.build.prepare()` from the file into a fresh cache directory: read, check,
   render, tokenize, labels, truncation, split, Arrow write, with `data.preprocess_workers=2`;
 * with --per-segment: the same prepare() with per-segment tokenization forced (what one-text tokenization buys).
 Prints samples/s per round, the prepare/ceiling ratio per round, and medians with their spread: the wall-clock
@@ -119,7 +119,7 @@ def time_ceiling(tokenizer, texts: List[str]) -> tuple[float, float]:
 
 
 def time_prepare(cfg, tokenizer, run_dir: Path, per_segment: bool) -> tuple[float, float, dict]:
-    from dsrecipes.data.prepare import prepare
+    from dsrecipes.data.prepare.build import prepare
     from dsrecipes.data.render import tokenize
 
     shutil.rmtree(cfg.data.cache_dir, ignore_errors=True)

@@ -136,7 +136,7 @@ def ds_readers(run: Path, readers: int, proxy) -> dict:
     dropped before the clock starts; the run directory's stream index read, the loader and its BlockSource built:
     what a rank's worker does) to the first micro-batch of MBS decoded rows (`json.loads` of each raw line) and to
     the end of its stretch."""
-    from dsrecipes.data.plan import Layout
+    from dsrecipes.data.plan.epoch import Layout
     from dsrecipes.data.strategies.iterable import StreamTrainLoader
     from dsrecipes.data.stream.index import BlockSource, read_stream_index
 

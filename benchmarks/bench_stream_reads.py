@@ -38,8 +38,8 @@ from pathlib import Path
 import numpy as np
 from _harness import Result, add_args  # (puts this checkout on sys.path: before dsrecipes)
 
-from dsrecipes.data.plan import EpochPlan, Layout, StreamShuffle, file_order
-from dsrecipes.data.sampler import iter_items, select_slots
+from dsrecipes.data.plan.epoch import EpochPlan, Layout, StreamShuffle, file_order
+from dsrecipes.data.plan.sampler import iter_items, select_slots
 from dsrecipes.data.stream.sizes import blocks_per_chunk
 
 SAMPLE = Path(__file__).resolve().parents[1] / "dsrecipes" / "assets" / "sample_data" / "train.jsonl"
@@ -145,7 +145,7 @@ def summarize(stats: list, readers: int) -> dict:
 
 def order_quality(index, counts: list, layout: Layout) -> dict:
     """Both orders from their plans (no reading): regions per global batch, file order kept (|Spearman|)."""
-    from dsrecipes.data.audit import _sample_numbers, block_reads
+    from dsrecipes.data.strategies.audit import _sample_numbers, block_reads
     from dsrecipes.data.stream.order import epoch_visits
     from dsrecipes.data.stream.segments import LocalShuffle, epoch_segment
 

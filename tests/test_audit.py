@@ -7,9 +7,9 @@ import json
 import pytest
 
 from dsrecipes.cli import main as cli_main
-from dsrecipes.data.audit import audit_map, audit_presharded, audit_stream
-from dsrecipes.data.ledger import LedgerWriter, read_ledger, verify_ledgers
-from dsrecipes.data.plan import Layout
+from dsrecipes.data.plan.epoch import Layout
+from dsrecipes.data.plan.ledger import LedgerWriter, read_ledger, verify_ledgers
+from dsrecipes.data.strategies.audit import audit_map, audit_presharded, audit_stream
 
 
 def audit(*args: str) -> int:

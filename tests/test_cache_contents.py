@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from dsrecipes.core.errors import DataError
-from dsrecipes.data.cache_contents import CONTENTS
+from dsrecipes.data.prepare.cache_contents import CONTENTS
 
 
 def poke(path: Path) -> None:
@@ -39,7 +39,7 @@ def arrow_file(split_dir: Path) -> Path:
 
 def test_a_poisoned_prepared_cache_is_refused_naming_the_file(make_cfg, tmp_path):
     from dsrecipes.core.tokenizer import load_tokenizer
-    from dsrecipes.data.prepare import load_prepared, prepare
+    from dsrecipes.data.prepare.build import load_prepared, prepare
 
     cfg = make_cfg("dataset.max_samples=40", "dataset.val_size=4", f"data.cache_dir={tmp_path / 'cache'}")
     tok = load_tokenizer(cfg)
@@ -104,7 +104,7 @@ def test_reference_cache_follows_the_weights_content_not_their_mtime(two_models,
     import shutil
 
     from dsrecipes.core.tokenizer import load_tokenizer
-    from dsrecipes.data.prepare import prepare
+    from dsrecipes.data.prepare.build import prepare
 
     model = tmp_path / "model"
     shutil.copytree(two_models[0], model)
@@ -122,7 +122,7 @@ def test_reference_cache_follows_the_weights_content_not_their_mtime(two_models,
 
 def test_a_changed_reference_cache_is_refused_naming_the_file(two_models, tmp_path):
     from dsrecipes.core.tokenizer import load_tokenizer
-    from dsrecipes.data.prepare import prepare
+    from dsrecipes.data.prepare.build import prepare
 
     cfg = dpo_cfg(two_models[0], tmp_path / "cache")
     tok = load_tokenizer(cfg)

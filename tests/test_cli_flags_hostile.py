@@ -97,8 +97,8 @@ def test_prompt_eval_json_never_replaces_a_file_it_did_not_write(target, two_mod
     assert snapshot(tmp_path) == before and snapshot(export) == export_before
 
 
-def test_prompt_eval_json_replaces_its_own_result_and_a_failed_write_is_one_message(two_models, tmp_path, capsys,
-                                                                                     monkeypatch):  # noqa: F811
+def test_prompt_eval_json_replaces_its_own_result_and_a_failed_write_is_one_message(two_models, tmp_path, capsys,  # noqa: F811
+                                                                                     monkeypatch):
     out, prompts = tmp_path / "scores.json", write_files(tmp_path, {"p.jsonl": PROMPT}) / "p.jsonl"
     argv = ["prompt-eval", "--finetuned", str(two_models[1]), "--prompts", str(prompts), "--max-new-tokens", "1",
             "--json", str(out)]

@@ -102,7 +102,7 @@ def test_tool_call_arguments_that_python_cannot_parse_stay_text():
 
 
 def test_one_file_is_read_once_under_every_spelling(make_cfg, tok, tmp_path, monkeypatch, capsys):
-    from dsrecipes.data.prepare import prepare
+    from dsrecipes.data.prepare.build import prepare
 
     data = tmp_path / "d" / "rows.jsonl"
     data.parent.mkdir()
@@ -121,8 +121,8 @@ def test_one_file_is_read_once_under_every_spelling(make_cfg, tok, tmp_path, mon
 
 
 def test_cache_key_sees_a_same_size_edit_with_the_mtime_set_back(make_cfg, tok, tmp_path, monkeypatch):
-    from dsrecipes.data import cache
-    from dsrecipes.data.prepare import prepare
+    from dsrecipes.data.prepare import cache
+    from dsrecipes.data.prepare.build import prepare
 
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps({**GOOD, "id": f"r{i}"}) + "\n" for i in range(10)))

@@ -17,7 +17,7 @@ import pytest
 
 from dsrecipes.core.errors import DataError
 from dsrecipes.core.paths import TINY_TOKENIZER_DIR
-from dsrecipes.data.shard import read_manifest
+from dsrecipes.data.shard.build import read_manifest
 
 CAT = Path(__file__).parent / "fixtures" / "data" / "malformed"
 OLD = Path(__file__).parent / "fixtures" / "data" / "bad_rows.jsonl"
@@ -58,7 +58,7 @@ def read_through(strategy: str, cfg, tmp_path: Path) -> dict:
     run = tmp_path / "run"
     if strategy == "map":
         from dsrecipes.core.tokenizer import load_tokenizer
-        from dsrecipes.data.prepare import prepare
+        from dsrecipes.data.prepare.build import prepare
 
         stats = prepare(cfg, load_tokenizer(cfg), run).stats
         return {"rows": stats["rows_read"], "good": stats["rows_kept"], "bad": stats["skipped"],
@@ -72,7 +72,7 @@ def read_through(strategy: str, cfg, tmp_path: Path) -> dict:
         for e in entries:
             bad[e["reason"]] = bad.get(e["reason"], 0) + 1
         return {"rows": counts["rows"], "good": counts["good"], "bad": bad, "by_file": None}
-    from dsrecipes.data.shard import shard
+    from dsrecipes.data.shard.build import shard
 
     m = shard(cfg, 1, str(tmp_path / "parts"), force=True)
     return {"rows": m.total + sum(m.bad_rows.values()), "good": m.total, "bad": m.bad_rows,
@@ -84,7 +84,7 @@ def runtime_rows(cfg, tmp_path: Path, strategy: str):
     items (presharded)."""
     from dsrecipes.core.schema import SourceConfig
     from dsrecipes.core.tokenizer import load_tokenizer
-    from dsrecipes.data.sampler import StreamSpec
+    from dsrecipes.data.plan.sampler import StreamSpec
     from dsrecipes.data.strategies.rows import RowEncoder
 
     if strategy == "iterable":
@@ -200,7 +200,7 @@ def test_broken_files_are_refused_under_both_policies(make_cfg, tmp_path, strate
 def test_presharded_run_with_another_template_scans_its_parts(make_cfg, tmp_path, refusing_tokenizer):
     """Parts checked by `shard` with chatml hold the REFUSE row; a run rendering with a template that refuses it
     scans the parts before launch instead of failing mid-run."""
-    from dsrecipes.data.shard import shard
+    from dsrecipes.data.shard.build import shard
     from dsrecipes.run.entry import plan_data
 
     shard(make_cfg(*settings(tmp_path, "map", "skip", ROWS)), 1, str(tmp_path / "parts"))

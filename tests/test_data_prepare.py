@@ -15,7 +15,7 @@ import pytest
 from dsrecipes.core.errors import DataError
 from dsrecipes.core.paths import TINY_TOKENIZER_DIR
 from dsrecipes.core.schema import BadRows, DatasetFormat, SourceConfig
-from dsrecipes.data.prepare import load_prepared, prepare
+from dsrecipes.data.prepare.build import load_prepared, prepare
 
 FIX = Path(__file__).parent / "fixtures" / "data"
 
@@ -194,11 +194,11 @@ def test_load_prepared_without_prepare(cfg_for, tmp_path):
 
 @pytest.mark.parametrize("packing", [False, True])
 def test_splits_read_without_datasets_give_what_datasets_gives(cfg_for, tok, tmp_path, packing):
-    """Ranks read a prepared split with pyarrow alone (data/arrow_rows.py): every row, column, batch, selection and
+    """Ranks read a prepared split with pyarrow alone (data/prepare/arrow_rows.py): every row, column, batch, selection and
     the iteration order are the values `datasets.load_from_disk` gives for the same directory."""
     from datasets import load_from_disk
 
-    from dsrecipes.data.arrow_rows import ArrowRows
+    from dsrecipes.data.prepare.arrow_rows import ArrowRows
 
     prep = prepare(cfg_for(**{"data.packing": packing, "data.cutoff_len": 256}), tok, tmp_path / "run")
     assert isinstance(prep.train, ArrowRows) and isinstance(prep.val, ArrowRows)
@@ -222,7 +222,7 @@ def test_reading_a_split_imports_neither_datasets_nor_pandas(cfg_for, tok, tmp_p
     prep = prepare(cfg_for(), tok, tmp_path / "run")
     code = (
         "import sys\n"
-        "from dsrecipes.data.arrow_rows import ArrowRows\n"
+        "from dsrecipes.data.prepare.arrow_rows import ArrowRows\n"
         f"rows = ArrowRows.open({str(prep.cache_dir / 'train')!r})\n"
         "assert len(rows.__getitems__([len(rows) - 1, 0])) == 2 and rows[0] and rows['input_ids'] and list(rows)\n"
         "assert list(rows.select([1])) == [rows[1]]\n"
@@ -234,7 +234,7 @@ def test_reading_a_split_imports_neither_datasets_nor_pandas(cfg_for, tok, tmp_p
 
 
 def test_a_damaged_prepared_split_is_one_message(cfg_for, tok, tmp_path):
-    from dsrecipes.data.arrow_rows import ArrowRows
+    from dsrecipes.data.prepare.arrow_rows import ArrowRows
 
     prep = prepare(cfg_for(), tok, tmp_path / "run")
     split = tmp_path / "copy"

@@ -146,7 +146,7 @@ def test_simpo_equals_trl_cpo_simpo_without_any_reference(trl_setup, tmp_path, b
 
 
 def test_simpo_needs_no_reference_anywhere(make_cfg):
-    from dsrecipes.data.prepare import precomputed_reference
+    from dsrecipes.data.prepare.build import precomputed_reference
 
     simpo = make_cfg("objective=dpo", "objective.loss=simpo", "objective.beta=2", "objective.simpo_gamma=1")
     assert not precomputed_reference(simpo)  # prepare computes and caches no reference log-probs
@@ -255,7 +255,7 @@ def test_dpo_config_rules(make_cfg):
 
 
 def test_inspect_shows_the_prompt_once_and_both_trained_answers(trl_setup):
-    from dsrecipes.data.inspect import render_row
+    from dsrecipes.data.render.inspect import render_row
 
     _, tokenizer, _, _, rows = trl_setup
     text = render_row({**rows[0], "ref_chosen_logps": -1.5, "ref_rejected_logps": -2.5}, tokenizer, color=False)

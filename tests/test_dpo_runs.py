@@ -131,8 +131,8 @@ def test_first_step_is_log2_and_rewards_are_reported(runs):
 
 def test_a_pair_is_one_sample_exactly_once_per_epoch(runs):
     from dsrecipes.config.load import load_run_config
-    from dsrecipes.data.ledger import verify_ledgers
-    from dsrecipes.data.prepare import load_prepared
+    from dsrecipes.data.plan.ledger import verify_ledgers
+    from dsrecipes.data.prepare.build import load_prepared
 
     a, _, _ = runs
     stats = json.loads((a / "prepare_stats.json").read_text())

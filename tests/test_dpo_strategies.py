@@ -137,7 +137,7 @@ def test_iterable_pairs_resume_exact_and_elastic(stream_run, tok):
 def test_iterable_pair_ledger_passes_audit(stream_run, tmp_path):
     """The ledger a run writes (per micro-batch, pair ids) is what `dsrecipes audit --ledger` checks."""
     from dsrecipes.commands.audit import main as audit_main
-    from dsrecipes.data.ledger import LedgerWriter
+    from dsrecipes.data.plan.ledger import LedgerWriter
 
     _, _, _, built = stream_run
     loaders = [lo for lo, _ in built]
@@ -233,7 +233,7 @@ def test_precomputed_reference_refused_for_streams(pair_shards):
 @pytest.fixture(scope="module")
 def pair_shards(tmp_path_factory):
     """`dsrecipes shard ... objective=dpo --parts 2 --val-size 6` over the first 60 pairs."""
-    from dsrecipes.data.shard import shard
+    from dsrecipes.data.shard.build import shard
 
     out = tmp_path_factory.mktemp("shards") / "pairs"
     cfg = compose(f"dataset.max_samples={MAX}", f"data.cache_dir={out}-cache")
@@ -242,7 +242,7 @@ def pair_shards(tmp_path_factory):
 
 
 def test_shard_writes_pairs_the_pair_reader_reads(pair_shards):
-    from dsrecipes.data.shard_rows import PAIR_ROW_FORMAT
+    from dsrecipes.data.shard.rows import PAIR_ROW_FORMAT
 
     out, manifest = pair_shards
     assert manifest.row_format == PAIR_ROW_FORMAT and manifest.counts == [27, 27] and manifest.val_count == VAL
@@ -291,7 +291,7 @@ def test_presharded_resume_exact(pair_shards, tmp_path, tok):
 def test_shard_kinds_are_not_mixed(pair_shards, tmp_path, tok):
     """A shard directory made for SFT rows under objective=dpo, and pairs under SFT: refused, naming the fix."""
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.data.shard import shard
+    from dsrecipes.data.shard.build import shard
 
     sft_dir = tmp_path / "sft"
     shard(compose_and_load(["dataset.max_samples=20", f"data.cache_dir={tmp_path}/c"]), 2, str(sft_dir))
@@ -307,7 +307,7 @@ def test_shard_kinds_are_not_mixed(pair_shards, tmp_path, tok):
 def test_shard_for_dpo_checks_rows_as_pairs_and_prints_a_live_reference_command(tmp_path):
     from dsrecipes.commands.shard import training_command
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.data.shard import shard
+    from dsrecipes.data.shard.build import shard
 
     with pytest.raises(DataError, match=r"train.jsonl:1: bad_value \(the prompt ends with a"):  # SFT rows, no pairs
         shard(compose_and_load(["objective=dpo", "objective.reference=live", "dataset.max_samples=20"]), 2,
@@ -324,7 +324,7 @@ def test_shard_for_dpo_checks_rows_as_pairs_and_prints_a_live_reference_command(
 def test_two_rank_dpo_run(kind, pair_shards, tmp_path):
     """A few DPO steps on 2 ranks with the tiny model: the run ends ok, reports rewards, and its pair ledger passes
     `dsrecipes audit --ledger` (no pair twice, equal steps)."""
-    from dsrecipes.data.ledger import verify_ledgers
+    from dsrecipes.data.plan.ledger import verify_ledgers
     from tests.test_train_runs import metrics, train_run
 
     data = (["data=presharded", f"data.shard_dir={pair_shards[0]}"] if kind == "presharded" else

@@ -44,7 +44,7 @@ def eval_rows(run_dir: Path) -> List[dict]:
 
 
 def val_rows(run_dir: Path):
-    from dsrecipes.data.prepare import _open
+    from dsrecipes.data.prepare.build import _open
 
     stats = json.loads((run_dir / "prepare_stats.json").read_text())
     return _open(Path(stats["cache_dir"]), stats).val

@@ -1,7 +1,7 @@
 """The data guarantees of tracker issue 4, end to end: real `deepspeed --num_gpus 2` CPU runs through
 `python -m dsrecipes` with `trainer.record_samples=true`, checked on the sample ledgers they write.
 
-Every claim is checked twice: by `dsrecipes.data.ledger.verify_ledgers` (the tool users run) and by assertions on
+Every claim is checked twice: by `dsrecipes.data.plan.ledger.verify_ledgers` (the tool users run) and by assertions on
 the raw `<run>/ledger/rank<R>.jsonl` lines parsed here, independently of `read_ledger`.
 
 Data: three JSONL files of very different sizes (120, 30 and 7 rows of the bundled sample data; ids from the row's
@@ -261,7 +261,7 @@ def assert_store_run(run: Path, out: str) -> None:
 
 
 def test_iterable_uneven_shards_exactly_once_per_epoch_equal_steps(iterable_run, shards):
-    from dsrecipes.data.ledger import verify_ledgers
+    from dsrecipes.data.plan.ledger import verify_ledgers
 
     iterable_run, _ = iterable_run
     _, expected = shards
@@ -309,7 +309,7 @@ def test_iterable_from_the_store_indexes_by_etag_and_keeps_the_secret_out(iterab
 def test_presharded_each_rank_reads_only_its_part_once_per_epoch(presharded_run, shard_dir, shards):
     """`dsrecipes shard` into the store, then the printed training command: each rank reads only its own part,
     straight from the store, exactly once per epoch."""
-    from dsrecipes.data.ledger import read_ledger, verify_ledgers
+    from dsrecipes.data.plan.ledger import read_ledger, verify_ledgers
 
     presharded_run, out = presharded_run
     _, expected = shards
@@ -396,7 +396,7 @@ def resumed_run(workspace, shards) -> tuple[Path, str]:
 
 
 def test_iterable_resume_replays_the_same_samples_and_losses(resumed_run, iterable_run, shards):
-    from dsrecipes.data.ledger import read_ledger, verify_ledgers
+    from dsrecipes.data.plan.ledger import read_ledger, verify_ledgers
 
     run, _ = resumed_run
     iterable_run, _ = iterable_run

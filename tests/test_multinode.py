@@ -116,7 +116,7 @@ def losses(run: Path) -> Dict[int, float]:
 
 
 def ledgers(run: Path) -> Dict[int, dict]:
-    from dsrecipes.data.ledger import read_ledger
+    from dsrecipes.data.plan.ledger import read_ledger
 
     return {int(p.stem[4:]): read_ledger(p) for p in sorted((run / "ledger").glob("rank*.jsonl"))}
 
@@ -343,7 +343,7 @@ def test_deepspeed_multinode_no_ssh_reads_a_store_host_exactly_once_then_resumes
     """The no-ssh walkthrough from the store reads the epoch exactly once with equal steps on all 4 ranks; then its
     step-2 checkpoint resumes on one node (world 2): the readers split what step 2 had not consumed, so both
     sessions together read every sample exactly once."""
-    from dsrecipes.data.ledger import verify_ledgers
+    from dsrecipes.data.plan.ledger import verify_ledgers
     from dsrecipes.data.stream.index import read_stream_index
     from tests.helpers.s3server import SECRET
 

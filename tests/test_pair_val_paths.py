@@ -2,7 +2,7 @@
 strategy (map, iterable, presharded).
 
 Before conversations and pairs shared one split (data/sources/splits.py `split_and_mix`), `objective=dpo data=map`
-silently ignored `dataset.val_paths` (data/preference_prepare.py only split by `dataset.val_size`): a real SmolLM2 run
+silently ignored `dataset.val_paths` (data/prepare/pairs.py only split by `dataset.val_size`): a real SmolLM2 run
 evaluated on pairs held out of the training file and never read the given one. Each test builds the launching
 process's part and the loaders of 2 simulated ranks (tests/test_dpo_strategies.py) and compares the evaluated pair ids
 with the ids of the validation file's pairs.
@@ -92,7 +92,7 @@ def test_iterable_evaluates_the_val_file(val_file, tok, tmp_path):
 
 
 def test_presharded_evaluates_the_val_file(val_file, tok, tmp_path):
-    from dsrecipes.data.shard import shard
+    from dsrecipes.data.shard.build import shard
 
     out = tmp_path / "pairs"
     shard(compose(f"dataset.max_samples={TRAIN}", f"data.cache_dir={tmp_path}/c"), 2, str(out), val_size=4)

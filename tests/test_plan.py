@@ -1,4 +1,4 @@
-"""The planner (`dsrecipes.data.plan`) and the readers' own filters (`sampler`): exactly-once, equal steps, resume.
+"""The planner (`dsrecipes.data.plan.epoch`) and the readers' own filters (`sampler`): exactly-once, equal steps, resume.
 
 Pure Python over synthetic sample numbers: every world size 1-8 x DataLoader workers 0-4, map and stream orders,
 fewer files than readers and very uneven files. The loaders' own tests (real DataLoader workers) are in
@@ -12,8 +12,8 @@ import itertools
 import numpy as np
 import pytest
 
-from dsrecipes.data.plan import EpochPlan, Layout, Position, StreamShuffle, epoch_order, file_order, resume_point
-from dsrecipes.data.sampler import StreamTooShort, map_micro_batches, select_slots
+from dsrecipes.data.plan.epoch import EpochPlan, Layout, Position, StreamShuffle, epoch_order, file_order, resume_point
+from dsrecipes.data.plan.sampler import StreamTooShort, map_micro_batches, select_slots
 from dsrecipes.data.strategies import PrepareResult, plan_steps
 
 WORLDS = range(1, 9)

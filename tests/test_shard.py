@@ -10,7 +10,7 @@ import pytest
 from dsrecipes.cli import main as cli_main
 from dsrecipes.core.errors import DataError
 from dsrecipes.core.paths import SAMPLE_DATA_DIR
-from dsrecipes.data.shard import MANIFEST, assign_balanced, read_manifest
+from dsrecipes.data.shard.build import MANIFEST, assign_balanced, read_manifest
 
 SAMPLE = str(SAMPLE_DATA_DIR / "train.jsonl")
 
@@ -122,7 +122,7 @@ def test_modified_part_is_refused(tmp_path):
     assert shard_cli(SAMPLE, "--parts", "2", "--out", str(out), "dataset.max_samples=10") == 0
     with open(out / "part_01.jsonl", "a") as fh:
         fh.write("\n")
-    from dsrecipes.data.shard import verify_part
+    from dsrecipes.data.shard.build import verify_part
 
     verify_part(read_manifest(str(out)), 0)
     with pytest.raises(DataError, match="sha256"):

@@ -19,7 +19,7 @@ from typing import Dict, List
 import pytest
 
 from dsrecipes.core.paths import SAMPLE_DATA_DIR
-from dsrecipes.data.shard import MANIFEST, QUARANTINE, SHARD_MARKER, read_manifest, verify_part
+from dsrecipes.data.shard.build import MANIFEST, QUARANTINE, SHARD_MARKER, read_manifest, verify_part
 from tests.conftest import in_process_environ, subprocess_env
 
 LINES = [ln for ln in (SAMPLE_DATA_DIR / "train.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)

@@ -326,7 +326,7 @@ def test_vicuna_trains_exports_and_serves_with_the_training_rendering(workspace,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dsrecipes.core.schema import BadRows, SourceConfig, TemplateConfig, TemplateKind, TrainOn
-    from dsrecipes.data.prepare import _open
+    from dsrecipes.data.prepare.build import _open
     from dsrecipes.data.render.template import render
     from dsrecipes.data.sources.badrows import BadRowReport
     from dsrecipes.data.sources.messages import messages_for

@@ -222,7 +222,7 @@ def test_a_reader_with_prefetch_reads_its_stretch_exactly_once_through_faults(ma
                                                                               monkeypatch):
     """The loader's own reader (window blocks prefetched by 16 threads) over a store that throttles and drops
     connections: 4 readers together read every sample once, and the corpus about once."""
-    from dsrecipes.data.plan import Layout
+    from dsrecipes.data.plan.epoch import Layout
     from dsrecipes.data.strategies.iterable import StreamTrainLoader
     from dsrecipes.data.stream.index import BlockSource, index_stream
     from tests.helpers.s3server import FaultProxy
@@ -374,7 +374,7 @@ def _ranged_proxy(port: int, drops: int = 0, drop_min: int = 0):
 
 def _stream_ids(index, readers: int, **source_kw):
     """Every reader of a world of `readers` run in turn (shuffle window 64): (sample ids, BlockSources' stats)."""
-    from dsrecipes.data.plan import Layout
+    from dsrecipes.data.plan.epoch import Layout
     from dsrecipes.data.strategies.iterable import StreamTrainLoader
     from dsrecipes.data.stream.index import BlockSource
 

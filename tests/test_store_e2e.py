@@ -56,7 +56,7 @@ def corpus(s3_server, tmp_path_factory):
 
 
 def _check_run(run: Path, ids: set) -> None:
-    from dsrecipes.data.ledger import verify_ledgers
+    from dsrecipes.data.plan.ledger import verify_ledgers
 
     plan = json.loads((run / "plan.json").read_text())
     result = json.loads((run / "result.json").read_text())

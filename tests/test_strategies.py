@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dsrecipes.data.plan import Layout
-from dsrecipes.data.sampler import StreamSpec, count_rows
+from dsrecipes.data.plan.epoch import Layout
+from dsrecipes.data.plan.sampler import StreamSpec, count_rows
 from dsrecipes.data.strategies.base import TrainLoader
 from dsrecipes.data.strategies.iterable import StreamTrainLoader
 from dsrecipes.data.strategies.map import MapTrainLoader

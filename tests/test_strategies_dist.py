@@ -18,7 +18,7 @@ def _rank_main(rank: int, port: int, root: str, paths: list, n_map: int) -> None
     import torch
     import torch.distributed as dist
 
-    from dsrecipes.data.ledger import LedgerWriter
+    from dsrecipes.data.plan.ledger import LedgerWriter
     from tests.test_strategies import make_map, make_presharded, make_stream
 
     torch.multiprocessing.set_start_method("fork", force=True)  # as in a launcher-started rank (spawn is slow here)
@@ -50,7 +50,7 @@ def _rank_main(rank: int, port: int, root: str, paths: list, n_map: int) -> None
 def test_two_process_loaders_disjoint_and_equal(tmp_path):
     import torch.multiprocessing as mp
 
-    from dsrecipes.data.ledger import verify_ledgers
+    from dsrecipes.data.plan.ledger import verify_ledgers
     from tests.test_strategies import all_ids, write_files
 
     paths = write_files(tmp_path, [21, 23])

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsrecipes.data.plan import Layout
+from dsrecipes.data.plan.epoch import Layout
 from dsrecipes.data.strategies.iterable import StreamTrainLoader
 from dsrecipes.data.stream.files import LineScanner
 from dsrecipes.data.stream.index import BlockSource, StreamIndex
@@ -241,7 +241,7 @@ def test_weights_interleave_sources_and_walk_through_small_weights(tmp_path):
 
 def test_order_is_a_real_shuffle(tmp_path):
     """Spearman correlation of epoch position vs place in the files: ~0 (the old window shuffle kept ~1)."""
-    from dsrecipes.data.plan import StreamShuffle
+    from dsrecipes.data.plan.epoch import StreamShuffle
 
     paths = write_corpus(tmp_path, [3000])
     index = stream_index_like_launcher(paths, tmp_path / "run", 2048)

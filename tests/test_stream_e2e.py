@@ -45,7 +45,7 @@ def mixed_run(tmp_path_factory):
 
 
 def test_mixed_stream_epochs_eval_and_ledger(mixed_run):
-    from dsrecipes.data.ledger import read_ledger, verify_ledgers
+    from dsrecipes.data.plan.ledger import read_ledger, verify_ledgers
     from dsrecipes.data.stream.index import read_stream_index
 
     root, run = mixed_run

@@ -132,7 +132,7 @@ def test_two_rank_console_has_lines_a_summary_and_no_launcher_noise(zero2_run, w
 
 
 def test_zero2_two_ranks_trains_logs_checkpoints_and_exports(zero2_run):
-    from dsrecipes.data.ledger import verify_ledgers
+    from dsrecipes.data.plan.ledger import verify_ledgers
 
     run = zero2_run
     assert_loss_falls(run)
@@ -179,7 +179,7 @@ def test_sigterm_reaches_every_rank_a_killed_launcher_leaves_no_rank_behind_and_
     before `latest`): the same command resumes from step 6, the last good one."""
     import signal
 
-    from dsrecipes.data.ledger import verify_ledgers
+    from dsrecipes.data.plan.ledger import verify_ledgers
     from tests.faults import fault_env
     from tests.test_signals import (
         assert_interrupted_at_step_3,

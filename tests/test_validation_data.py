@@ -15,7 +15,7 @@ import pytest
 
 from dsrecipes.core.errors import DataError, UserError
 from dsrecipes.core.paths import SAMPLE_DATA_DIR
-from dsrecipes.data.shard import VAL_PART, read_manifest
+from dsrecipes.data.shard.build import VAL_PART, read_manifest
 from tests.conftest import in_process_environ
 from tests.helpers.launching import plan_like_launcher
 
@@ -103,7 +103,7 @@ def test_shard_holds_a_validation_part_out_of_the_parts(val_shard, files):
 
 def test_shard_refuses_a_bad_val_size(files, tmp_path):
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.data.shard import shard
+    from dsrecipes.data.shard.build import shard
 
     root, _, _ = files
     cfg = compose_and_load([f"dataset.paths=[{root / 'train.jsonl'}]"])
@@ -151,7 +151,7 @@ def test_a_modified_validation_part_is_refused(make_cfg, val_shard, tmp_path):
 @pytest.mark.parametrize("kind", ["map", "presharded"])
 def test_eval_every_without_validation_data_is_a_note_printed_once(kind, make_cfg, files, tmp_path, capsys):
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.data.shard import shard
+    from dsrecipes.data.shard.build import shard
 
     root, _, _ = files
     data = [f"dataset.paths=[{root / 'train.jsonl'}]", f"data.cache_dir={tmp_path / 'c'}"]
@@ -185,7 +185,7 @@ def test_real_runs_evaluate_map_val_paths_and_a_presharded_validation_part(files
     import math
 
     from dsrecipes.config.load import compose_and_load
-    from dsrecipes.data.shard import shard
+    from dsrecipes.data.shard.build import shard
 
     root, _, _ = files
     write_rows(root / "val.jsonl", LINES[100:111], "val")

@@ -7,7 +7,7 @@ from typing import List
 from dsrecipes.commands.args import bounded_int, existing_dir, non_negative_int, override_parser, parse, positive_int
 from dsrecipes.config.load import compose_and_load
 from dsrecipes.core.topology import resolve_topology
-from dsrecipes.data.ledger import verify_ledgers
+from dsrecipes.data.plan.ledger import verify_ledgers
 
 MAX_WORLD_SIZE = 16384  # audit simulates each rank: beyond this it would run for minutes
 MAX_EPOCHS = 1000

@@ -19,14 +19,14 @@ from dsrecipes.config.load import compose_and_load
 from dsrecipes.core.fileio import remove_empty_dirs
 from dsrecipes.core.rundir import CONFIG_FILE, MARKER_FILE, claim_marked_dir
 from dsrecipes.core.tokenizer import load_tokenizer
-from dsrecipes.data.inspect import format_stats, render_row
+from dsrecipes.data.render.inspect import format_stats, render_row
 
 INSPECT_MARKER = "dsrecipes_inspect.json"  # a directory inspect-data made: it may write there again
 KEY = "--run-dir"
 
 
 def main(argv: List[str]) -> int:
-    from dsrecipes.data.prepare import prepare  # lazy: else `commands.inspect_data` imports numpy 0.11 s
+    from dsrecipes.data.prepare.build import prepare  # lazy: else `commands.inspect_data` imports numpy 0.11 s
 
     parser = override_parser("inspect-data", "render prepared samples with trained tokens highlighted, plus statistics")
     parser.add_argument("--rows", type=non_negative_int, default=3, help="rows to render (default 3)")

@@ -11,7 +11,7 @@ from typing import List, Sequence
 from dsrecipes.commands.args import override_parser, parse
 from dsrecipes.config.load import compose_and_load
 from dsrecipes.core.schema import ShardBalance
-from dsrecipes.data.shard import shard
+from dsrecipes.data.shard.build import shard
 
 
 def main(argv: List[str]) -> int:

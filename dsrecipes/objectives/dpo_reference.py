@@ -3,7 +3,7 @@
 Precomputed (the default): the launching process loads the reference model once (the run's `model.path`, or the
 seeded tiny model; with LoRA the base alone, which is what the adapted model starts as), computes the summed answer
 log-probs of every prepared pair in `trainer.micro_batch_size` batches (on a GPU if it has one, else the CPU) and the
-caller stores them with the prepared data under `data/preference_prepare.py::reference_key`: the content hash of the
+caller stores them with the prepared data under `data/prepare/pairs.py::reference_key`: the content hash of the
 model's files (the tiny model's config), its dtype and the attention implementation. Training then holds one model.
 Live references: objectives/dpo_live.py.
 """

@@ -31,7 +31,7 @@ import torch
 
 from dsrecipes.core.distributed import all_reduce
 from dsrecipes.core.fileio import open_append
-from dsrecipes.data.ledger import LEDGER_DIR
+from dsrecipes.data.plan.ledger import LEDGER_DIR
 
 EVAL_LEDGER_PREFIX = "eval_rank"  # <run>/ledger/eval_rank<R>.jsonl (the training ledger's files are rank<R>.jsonl)
 

@@ -115,7 +115,7 @@ def build_prompt_eval(cfg: Any, tokenizer: Any, rank: int, world_size: int, run_
     t = cfg.trainer
     if t.prompt_eval_every <= 0:
         return None
-    from dsrecipes.data.prepare import load_prepared  # lazy: else `gen_eval` imports numpy 0.11 s
+    from dsrecipes.data.prepare.build import load_prepared  # lazy: else `gen_eval` imports numpy 0.11 s
 
     val = load_prepared(cfg, str(run_dir)).val  # data=map with a validation split (selection.py's config rules)
     if val is None or len(val) == 0:

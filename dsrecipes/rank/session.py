@@ -30,7 +30,7 @@ from dsrecipes.core.rundir import CHECKPOINTS_DIR, launcher_alive, read_ds_confi
 from dsrecipes.core.runplan import RunPlan, read_plan
 from dsrecipes.core.schema import LauncherKind, TrainConfig
 from dsrecipes.core.topology import train_batch_size
-from dsrecipes.data.ledger import LedgerWriter
+from dsrecipes.data.plan.ledger import LedgerWriter
 from dsrecipes.data.strategies import build_loaders
 from dsrecipes.modeling.model import build_model, count_parameters, load_tokenizer, trainable_parameters
 from dsrecipes.objectives import build_objective

@@ -18,7 +18,7 @@ from dsrecipes.core.hub import is_hub_id
 from dsrecipes.core.paths import TINY_TOKENIZER_DIR
 from dsrecipes.core.schema import TrainConfig
 from dsrecipes.core.tokenizer import custom_code_problems
-from dsrecipes.data.cache import cache_root
+from dsrecipes.data.prepare.cache import cache_root
 from dsrecipes.data.render.template import check_template
 from dsrecipes.data.render.template_choice import choose_template
 from dsrecipes.data.render.tokenizer_files import open_tokenizer

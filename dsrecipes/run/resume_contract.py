@@ -4,7 +4,7 @@ A checkpoint holds weights, optimizer state and a data position that only mean s
 wrote them. Resuming with another model, LoRA setting, optimizer type, template, cutoff, packing, seed or different
 training data would load state into the wrong shapes (a traceback deep in DeepSpeed) or, worse, train silently on
 a mixture. Those keys must equal the checkpoint's (`MUST_MATCH`); the data must have the same fingerprint (file
-contents and preparation, data/cache.py). Everything that only changes how long, how often, where, with how many
+contents and preparation, data/prepare/cache.py). Everything that only changes how long, how often, where, with how many
 processes or in which batch shape a run continues may change (`MAY_CHANGE`; the data position is global, see
 README "Data strategies"), and is reported in one line.
 

@@ -123,7 +123,7 @@ def read_prompts(path: Path) -> List[PromptRow]:
 
 def validation_rows(run_dir: Path) -> List[PromptRow]:
     """The run's held-out conversations: everything before the last reply is the prompt, the reply the reference."""
-    from dsrecipes.data.prepare import (  # lazy: else `commands.prompt_eval` imports numpy 0.11 s
+    from dsrecipes.data.prepare.build import (  # lazy: else `commands.prompt_eval` imports numpy 0.11 s
         STATS_FILE,
         load_prepared,
     )

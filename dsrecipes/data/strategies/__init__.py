@@ -1,6 +1,6 @@
 """Data strategies: one `DataStrategy` (protocol.py) per `DataKind`, looked up in `STRATEGIES`, and the dispatchers
 the launching process (entry.py), the ranks (train.py) and `dsrecipes audit` call. Nothing outside this package
-asks which data kind a run uses; the planner they share is `dsrecipes.data.plan`.
+asks which data kind a run uses; the planner they share is `dsrecipes.data.plan.epoch`.
 
     strategy_of(cfg)                                                   -> DataStrategy
     plan_steps(cfg, world_size, prepared)                              -> (steps per epoch, total steps)
@@ -31,9 +31,9 @@ from typing import Any, Dict, Optional, Tuple
 
 from dsrecipes.core.runplan import RunPlan
 from dsrecipes.core.schema import DataKind, TrainConfig
-from dsrecipes.data.audit import AuditReport
-from dsrecipes.data.plan import Layout, total_steps
+from dsrecipes.data.plan.epoch import Layout, total_steps
 from dsrecipes.data.sources import remote
+from dsrecipes.data.strategies.audit import AuditReport
 from dsrecipes.data.strategies.base import TrainLoader
 from dsrecipes.data.strategies.eval import EvalLoader
 from dsrecipes.data.strategies.iterable import IterableStrategy

@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, Optional
 
 from dsrecipes.core.errors import DataError
 from dsrecipes.core.failure import unwrapped
-from dsrecipes.data.plan import STATE_VERSION, Layout, Position, resume_point
+from dsrecipes.data.plan.epoch import STATE_VERSION, Layout, Position, resume_point
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 

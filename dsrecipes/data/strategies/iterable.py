@@ -30,10 +30,10 @@ from dsrecipes.core.schema import (
     DataKind,
     TrainConfig,
 )
-from dsrecipes.data.audit import AuditReport, audit_stream
-from dsrecipes.data.cache import data_files, data_fingerprint
-from dsrecipes.data.plan import Layout, require_steps, steps_per_epoch
+from dsrecipes.data.plan.epoch import Layout, require_steps, steps_per_epoch
+from dsrecipes.data.prepare.cache import data_files, data_fingerprint
 from dsrecipes.data.sources.registry import resolve_sources
+from dsrecipes.data.strategies.audit import AuditReport, audit_stream
 from dsrecipes.data.strategies.base import Batch, Row, TrainLoader
 from dsrecipes.data.strategies.eval import EvalLoader
 from dsrecipes.data.strategies.protocol import PrepareResult, RankData, rows_of_plan

@@ -17,12 +17,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 from dsrecipes.core.runplan import RunPlan
 from dsrecipes.core.schema import DataKind, TrainConfig
 from dsrecipes.core.tokenizer import load_tokenizer
-from dsrecipes.data.audit import AuditReport, audit_map
-from dsrecipes.data.cache import data_files
-from dsrecipes.data.plan import EpochPlan, Layout, require_steps, steps_per_epoch
-from dsrecipes.data.prepare import load_prepared, preparation_key, prepare
-from dsrecipes.data.sampler import map_micro_batches
+from dsrecipes.data.plan.epoch import EpochPlan, Layout, require_steps, steps_per_epoch
+from dsrecipes.data.plan.sampler import map_micro_batches
+from dsrecipes.data.prepare.build import load_prepared, preparation_key, prepare
+from dsrecipes.data.prepare.cache import data_files
 from dsrecipes.data.sources.registry import resolve_sources
+from dsrecipes.data.strategies.audit import AuditReport, audit_map
 from dsrecipes.data.strategies.base import (
     Batch,
     Row,
@@ -127,7 +127,7 @@ def cache_files_seen(rows: Any) -> List[Tuple[str, Seen]]:
 
 
 class MapStrategy:
-    """`data=map`: prepared once by the launching process (data/prepare.py), re-opened by each rank."""
+    """`data=map`: prepared once by the launching process (data/prepare/build.py), re-opened by each rank."""
 
     kind = DataKind.map
     needs_tokenizer = True  # the preparation cache key hashes the tokenizer

@@ -33,13 +33,13 @@ from dsrecipes.core.fileio import atomic_writer
 from dsrecipes.core.runplan import RunPlan
 from dsrecipes.core.schema import DataKind, SourceConfig, TrainConfig
 from dsrecipes.core.tokenizer import load_tokenizer
-from dsrecipes.data.audit import AuditReport, audit_presharded
-from dsrecipes.data.plan import Layout, StreamShuffle, presharded_steps, require_steps
-from dsrecipes.data.sampler import Item, StreamSpec, select_slots
-from dsrecipes.data.shard_manifest import Manifest, checked_alike, read_manifest, verify_part, verify_val_part
-from dsrecipes.data.shard_rows import check_row_format, checked_rows
+from dsrecipes.data.plan.epoch import Layout, StreamShuffle, presharded_steps, require_steps
+from dsrecipes.data.plan.sampler import Item, StreamSpec, select_slots
+from dsrecipes.data.shard.manifest import Manifest, checked_alike, read_manifest, verify_part, verify_val_part
+from dsrecipes.data.shard.rows import check_row_format, checked_rows
 from dsrecipes.data.sources.badrows import BadRowReport
 from dsrecipes.data.sources.remote import is_url
+from dsrecipes.data.strategies.audit import AuditReport, audit_presharded
 from dsrecipes.data.strategies.base import Batch, Row, TrainLoader
 from dsrecipes.data.strategies.eval import EvalLoader
 from dsrecipes.data.strategies.protocol import PrepareResult, RankData, rows_of_plan

@@ -23,8 +23,8 @@ from dsrecipes.core.runplan import PLAN_FILE, RunPlan
 from dsrecipes.core.schema import DataKind, TrainConfig
 
 if TYPE_CHECKING:
-    from dsrecipes.data.audit import AuditReport
-    from dsrecipes.data.plan import Layout
+    from dsrecipes.data.plan.epoch import Layout
+    from dsrecipes.data.strategies.audit import AuditReport
     from dsrecipes.data.strategies.base import TrainLoader
     from dsrecipes.data.strategies.eval import EvalLoader
 

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from dsrecipes.core.errors import DataError
-from dsrecipes.data.sampler import StreamTooShort
+from dsrecipes.data.plan.sampler import StreamTooShort
 from dsrecipes.data.strategies.base import Batch, iterate, loader_generator, worker_ignores_stop_signals
 
 

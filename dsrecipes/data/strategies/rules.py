@@ -1,6 +1,6 @@
 """What each data strategy requires of a config, for the collect-all validation (`config/validate.py`); no I/O.
 
-Kept apart from the strategy modules on purpose: they prepare data (data/prepare.py, data/cache.py), which imports
+Kept apart from the strategy modules on purpose: they prepare data (data/prepare/build.py, data/prepare/cache.py), which imports
 the config loader, which validates; this module imports only the schema, so validation asks it without an import
 cycle. `RULES` has one entry per `DataKind` (tests/test_strategy_table.py checks it with `STRATEGIES`).
 """

@@ -2,7 +2,7 @@
 
 A reader of `data=iterable` reads only the blocks that hold its samples, so it needs, per file, where each block
 starts. The launching process finds every line boundary of every file once (numpy over 1 MiB chunks, in the same
-pass that computes the file's content hash for `data/cache.py`), cuts the sample lines into blocks (one per
+pass that computes the file's content hash for `data/prepare/cache.py`), cuts the sample lines into blocks (one per
 `block_bytes`-aligned stretch of the file that a sample line starts in, so a block is < block_bytes + one line), and
 caches the result under `<cache>/stream/` by content hash and block size.
 
@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from dsrecipes.core.fileio import atomic_write_json, atomic_writer
-from dsrecipes.data.cache import cache_root, content_hashes
+from dsrecipes.data.prepare.cache import cache_root, content_hashes
 from dsrecipes.data.sources.remote import is_url, open_bytes, pin, size_mtime, store_errors
 from dsrecipes.data.stream.convert import CHUNK, convert, file_kind
 

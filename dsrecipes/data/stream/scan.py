@@ -31,8 +31,8 @@ from dsrecipes.core.errors import DataError
 from dsrecipes.core.schema import RowKind, SourceConfig, TrainConfig
 from dsrecipes.core.tokenizer import load_tokenizer
 from dsrecipes.core.typed import config_to_dict
-from dsrecipes.data.cache import PREP_VERSION, cache_root, data_fingerprint, tokenizer_fingerprint
-from dsrecipes.data.prepare import QUARANTINE_FILE
+from dsrecipes.data.prepare.build import QUARANTINE_FILE
+from dsrecipes.data.prepare.cache import PREP_VERSION, cache_root, data_fingerprint, tokenizer_fingerprint
 from dsrecipes.data.render.preference_encode import PairEncoder, checked_pairs
 from dsrecipes.data.render.tokenize import Encoder
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport

@@ -24,7 +24,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dsrecipes.data.plan import Layout
+from dsrecipes.data.plan.epoch import Layout
 from dsrecipes.data.stream.order import hash_keys, salt
 
 UNSHUFFLED_WINDOW = 4096  # positions handled at once by a reader when the stream is not shuffled

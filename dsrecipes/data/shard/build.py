@@ -42,13 +42,13 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
-import dsrecipes.data.shard_store as store_upload
+import dsrecipes.data.shard.store as store_upload
 from dsrecipes.core.errors import DataError, UserError
 from dsrecipes.core.fileio import atomic_write_json, missing_dirs, remove_empty_dirs
 from dsrecipes.core.publish import Existing, publish_dir, staging_dir
 from dsrecipes.core.schema import ShardBalance
 from dsrecipes.core.tokenizer import load_tokenizer
-from dsrecipes.data.shard_manifest import (
+from dsrecipes.data.shard.manifest import (
     MANIFEST,
     QUARANTINE,
     VAL_PART,
@@ -57,13 +57,13 @@ from dsrecipes.data.shard_manifest import (
     file_sha256,
     part_name,
 )
-from dsrecipes.data.shard_manifest import SHARD_MARKER as SHARD_MARKER  # re-exported: the manifest's names, as before
-from dsrecipes.data.shard_manifest import checked_alike as checked_alike
-from dsrecipes.data.shard_manifest import read_manifest as read_manifest
-from dsrecipes.data.shard_manifest import shard_files as shard_files
-from dsrecipes.data.shard_manifest import verify_part as verify_part
-from dsrecipes.data.shard_manifest import verify_val_part as verify_val_part
-from dsrecipes.data.shard_rows import checked_rows, row_format
+from dsrecipes.data.shard.manifest import SHARD_MARKER as SHARD_MARKER  # re-exported: the manifest's names, as before
+from dsrecipes.data.shard.manifest import checked_alike as checked_alike
+from dsrecipes.data.shard.manifest import read_manifest as read_manifest
+from dsrecipes.data.shard.manifest import shard_files as shard_files
+from dsrecipes.data.shard.manifest import verify_part as verify_part
+from dsrecipes.data.shard.manifest import verify_val_part as verify_val_part
+from dsrecipes.data.shard.rows import checked_rows, row_format
 from dsrecipes.data.sources.badrows import BadRowReport
 from dsrecipes.data.sources.files import expand_paths
 from dsrecipes.data.sources.preference import check_sources

@@ -20,7 +20,7 @@ from typing import Any, Callable, List, Optional
 
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.fileio import json_text
-from dsrecipes.data.cache import cache_root
+from dsrecipes.data.prepare.cache import cache_root
 from dsrecipes.data.sources.remote import identity, s3, store_errors
 
 MANIFEST = "manifest.json"

@@ -19,7 +19,7 @@ Order of operations (all deterministic for a config, data and `trainer.seed`):
 5. packing (`data.packing`) of each split, best-fit-decreasing; else one row per sample.
 
 Cache: `<data.cache_dir or $XDG_CACHE_HOME/dsrecipes>/prepared/<key>`, key = hash of the input files' contents
-(data/cache.py), the dataset/template config, cutoff_len, packing, train_on, seed and the
+(data/prepare/cache.py), the dataset/template config, cutoff_len, packing, train_on, seed and the
 tokenizer itself (vocabulary, merges, special tokens, chat_template). The directory is staged beside and published
 (core/publish.py, content-addressed: a run that finds the key already published keeps that one), so concurrent runs
 never see half a cache. Its files' content hashes are recorded at publish (cache_contents.py `seal`) and checked
@@ -44,12 +44,12 @@ from dsrecipes.core.errors import DataError
 from dsrecipes.core.fileio import atomic_write_json
 from dsrecipes.core.publish import Existing, publish_dir, staging_dir
 from dsrecipes.core.schema import ReferenceMode, RowKind, SourceConfig, TrainConfig
-from dsrecipes.data.arrow_split import write_split
-from dsrecipes.data.cache import cache_key, cache_root
-from dsrecipes.data.cache_contents import check, seal
-from dsrecipes.data.preference_prepare import attach_reference, reference_key
-from dsrecipes.data.preference_prepare import build as build_pairs
-from dsrecipes.data.prepare_stats import build_stats, summary
+from dsrecipes.data.prepare.arrow_split import write_split
+from dsrecipes.data.prepare.cache import cache_key, cache_root
+from dsrecipes.data.prepare.cache_contents import check, seal
+from dsrecipes.data.prepare.pairs import attach_reference, reference_key
+from dsrecipes.data.prepare.pairs import build as build_pairs
+from dsrecipes.data.prepare.stats import build_stats, summary
 from dsrecipes.data.render.batch_encode import Encoded, read_and_encode
 from dsrecipes.data.sources.badrows import BadRowReport
 from dsrecipes.data.sources.files import expand_paths, no_file
@@ -59,7 +59,7 @@ from dsrecipes.data.sources.splits import split_and_mix
 from dsrecipes.objectives.base import reference_mode
 
 if TYPE_CHECKING:
-    from dsrecipes.data.arrow_rows import ArrowRows
+    from dsrecipes.data.prepare.arrow_rows import ArrowRows
 
 STATS_FILE = "prepare_stats.json"
 REFERENCE_DIR = "reference"  # reference log-probs of prepared pairs, per reference model (content record of their own)
@@ -138,7 +138,7 @@ def precomputed_reference(cfg: TrainConfig) -> bool:
 def _open(cache: Path, stats: Dict[str, Any]) -> Prepared:
     """The prepared splits (with the reference log-probs of a precomputed DPO reference, when there are some), read
     with pyarrow alone (arrow_rows.py: no `datasets` import in a rank)."""
-    from dsrecipes.data.arrow_rows import ArrowRows  # lazy: else `validate` and `show` import pyarrow (0.09 s)
+    from dsrecipes.data.prepare.arrow_rows import ArrowRows  # lazy: else `validate` and `show` import pyarrow (0.09 s)
 
     data = Path(stats.get("reference_dir") or cache)
     train = ArrowRows.open(data / "train")

@@ -4,7 +4,7 @@ Owns: the `Manifest` record (per-part counts, token totals, sha256 checksums, ba
 the validation part, the ownership marker), reading it back (`read_manifest`, refusing another version or a part
 count that differs from the world size), which files a manifest makes ours (`shard_files`: only these are ever
 replaced or removed), verifying a part against it (`verify_part`, `verify_val_part`: sha256 locally, the ETag in a
-store), and what the rows were checked with (`check_identity`, `checked_alike`). Writing parts: data/shard.py.
+store), and what the rows were checked with (`check_identity`, `checked_alike`). Writing parts: data/shard/build.py.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-import dsrecipes.data.shard_store as store_upload
+import dsrecipes.data.shard.store as store_upload
 from dsrecipes.core.errors import DataError
 from dsrecipes.core.typed import config_to_dict
-from dsrecipes.data.cache import tokenizer_fingerprint
+from dsrecipes.data.prepare.cache import tokenizer_fingerprint
 from dsrecipes.data.render.template_choice import choose_template
-from dsrecipes.data.shard_rows import PAIR_ROW_FORMAT, ROW_FORMAT, row_format
+from dsrecipes.data.shard.rows import PAIR_ROW_FORMAT, ROW_FORMAT, row_format
 from dsrecipes.data.sources.remote import is_url
 
 MANIFEST = "manifest.json"

@@ -22,8 +22,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dsrecipes.data.plan import EpochPlan, Layout, StreamShuffle, epoch_order, presharded_steps
-from dsrecipes.data.sampler import map_rank_rows
+from dsrecipes.data.plan.epoch import EpochPlan, Layout, StreamShuffle, epoch_order, presharded_steps
+from dsrecipes.data.plan.sampler import map_rank_rows
 from dsrecipes.data.stream.order import BlockTable, Visits, epoch_visits, items_at
 from dsrecipes.data.stream.reader import ItemFetcher, read_stretch
 from dsrecipes.data.stream.segments import LocalShuffle, Segment, epoch_segment, stretch_positions

@@ -12,7 +12,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 
 from dsrecipes.core.schema import DEFAULT_MAX_ROW_BYTES
-from dsrecipes.data.plan import EpochPlan, Layout, StreamShuffle, epoch_order, file_order
+from dsrecipes.data.plan.epoch import EpochPlan, Layout, StreamShuffle, epoch_order, file_order
 from dsrecipes.data.sources.files import iter_lines
 from dsrecipes.data.sources.remote import open_maybe_gzip
 

@@ -22,8 +22,8 @@ from dsrecipes.core.errors import DataError
 from dsrecipes.core.publish import Existing, publish_dir, staging_dir
 from dsrecipes.core.schema import SourceConfig, TrainConfig
 from dsrecipes.core.typed import config_to_dict
-from dsrecipes.data.cache import content_hashes
-from dsrecipes.data.cache_contents import check, seal
+from dsrecipes.data.prepare.cache import content_hashes
+from dsrecipes.data.prepare.cache_contents import check, seal
 from dsrecipes.data.render.labels import IGNORE_INDEX
 from dsrecipes.data.render.preference_encode import read_and_encode_pairs
 from dsrecipes.data.sources.badrows import BadRowReport
@@ -134,7 +134,7 @@ def attach_reference(cfg: TrainConfig, tokenizer: Any, cache: Path) -> Path:
 
 
 def reference_key(cfg: TrainConfig) -> str:
-    """The reference model's identity: the content hash of every file of `model.path` (data/cache.py, memoised by
+    """The reference model's identity: the content hash of every file of `model.path` (data/prepare/cache.py, memoised by
     path, size, inode, modification and change time: weights swapped in with their modification time set back are
     hashed again), or the tiny model's config; its dtype and the attention implementation."""
     material: Dict[str, Any] = {"dtype": cfg.precision.dtype.value, "attn": cfg.model.attn_implementation.value}

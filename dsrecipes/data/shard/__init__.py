@@ -1,0 +1,1 @@
+"""`dsrecipes shard`: writing, verifying and uploading presharded data (manifest, row formats, store upload)."""
