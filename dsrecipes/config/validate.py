@@ -1,42 +1,25 @@
-"""Cross-field rules, all in one place. Each returns problems as `dotted.path: message`; nothing is raised here."""
+"""Cross-field rules, collected in one place. Each returns problems as `dotted.path: message`; nothing is raised here.
+
+The rules of one launcher, one objective or one data strategy live in their tables (config/launcher_rules.py,
+config/objective_rules.py, data/strategies/rules.py); this module runs them all and holds the rules between groups."""
 
 from __future__ import annotations
 
 import os
-import re
-from typing import Any, List, Optional
+from typing import List, Optional
 
-from dsrecipes.boundary.batch_script import batch_problems, run_dir_problem
-from dsrecipes.boundary.launcher_args import extra_args_problems, hostfile_problems
+from dsrecipes.boundary.launcher_args import hostfile_problems
 from dsrecipes.boundary.rank_env import env_problems
-from dsrecipes.boundary.values import HOST
+from dsrecipes.config.launcher_rules import launcher_problems
+from dsrecipes.config.objective_rules import objective_problems
 from dsrecipes.config.selection_rules import config_problems as selection_problems
 from dsrecipes.core import jit_ops
 from dsrecipes.core.errors import DataError
 from dsrecipes.core.hub import check_hub_paths, is_hub_id
-from dsrecipes.core.schema import (
-    AttnImpl,
-    Device,
-    DpoLoss,
-    LauncherKind,
-    ObjectiveKind,
-    OffloadDevice,
-    OptimizerKind,
-    Precision,
-    ReferenceMode,
-    ResumeMode,
-    RowKind,
-    TrainConfig,
-)
+from dsrecipes.core.schema import AttnImpl, Device, OffloadDevice, OptimizerKind, Precision, ResumeMode, TrainConfig
 from dsrecipes.data.sources.files import expand_paths, no_file
 from dsrecipes.data.sources.remote import check_url, expand, looks_like_url
-from dsrecipes.data.strategies.rules import caches_reference, carries_pairs, config_problems, required_paths
-from dsrecipes.objectives.base import reference_mode
-
-_SLOTS = r"[A-Za-z0-9_.-]{1,253}(?::\d{1,4}(?:,\d{1,4})*)?"  # deepspeed --include/--exclude: host[:slots]@...
-_HOST_SLOTS = re.compile(f"{_SLOTS}(?:@{_SLOTS})*", re.ASCII)  # ASCII digits only (issue 50)
-_ENDPOINT = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9.-]{0,252}|\[[0-9A-Fa-f:]{2,45}\])(?::\d{1,5})?", re.ASCII)
-
+from dsrecipes.data.strategies.rules import config_problems, required_paths
 
 
 def validate(cfg: TrainConfig, *, check_files: bool = True) -> List[str]:
@@ -46,8 +29,9 @@ def validate(cfg: TrainConfig, *, check_files: bool = True) -> List[str]:
     errors += _batch(cfg)
     errors += _data(cfg)
     errors += _misc(cfg)
+    errors += launcher_problems(cfg)  # shared and per launcher (config/launcher_rules.py)
     errors += selection_problems(cfg)  # evaluation, save_best, early stopping (dsrecipes/rank/selection.py)
-    errors += _objective(cfg)
+    errors += objective_problems(cfg)  # per row kind and per objective (config/objective_rules.py)
     if check_files:
         errors += _files(cfg)
     return errors
@@ -144,45 +128,6 @@ def _data(cfg: TrainConfig) -> List[str]:
     return errors
 
 
-def _objective(cfg: TrainConfig) -> List[str]:
-    """Objectives on pairs (`objective.rows=pair`): data that carries pairs, without packing (a pair is one sample of
-    two sequences), a positive beta; a precomputed reference only where the strategy caches one; DPO: a label
-    smoothing its loss defines."""
-    o, errors = cfg.objective, []
-    if o.rows is not RowKind.pair:
-        return errors
-    name = f"objective={o.kind.value}"
-    if not carries_pairs(cfg):
-        errors.append(f"data.kind: data={cfg.data.kind.value} does not carry preference pairs ({name})")
-    elif reference_mode(cfg) is ReferenceMode.precomputed and not caches_reference(cfg):
-        errors.append(f"objective.reference: precomputed reference log-probs are cached with the prepared pairs of "
-                      f"data=map; data={cfg.data.kind.value} reads each pair only on the rank that trains on it, so "
-                      "there is no pass before training to compute them in. Set objective.reference=live (with "
-                      "LoRA: the base model with its adapters disabled, no second copy), or use data=map")
-    if cfg.data.packing:
-        errors.append(f"data.packing: {name} trains on whole pairs; set data.packing=false")
-    if not o.beta > 0:
-        errors.append(f"objective.beta: must be > 0, got {o.beta}")
-    if o.kind is ObjectiveKind.dpo:
-        errors += _dpo(o)
-    return errors
-
-
-def _dpo(o: Any) -> List[str]:
-    errors = []
-    top = 0.5 if o.loss is DpoLoss.robust else 1.0
-    if not 0 <= o.label_smoothing < top:
-        errors.append(f"objective.label_smoothing: must be in [0, {top}) for objective.loss={o.loss.value}, "
-                      f"got {o.label_smoothing}")
-    if o.loss is DpoLoss.ipo and o.label_smoothing:
-        errors.append("objective.label_smoothing: objective.loss=ipo has no label smoothing; use sigmoid or robust")
-    if o.loss is DpoLoss.simpo and o.reference is ReferenceMode.live:
-        errors.append("objective.reference: objective.loss=simpo uses no reference model; drop objective.reference=live")
-    if not o.simpo_gamma >= 0:
-        errors.append(f"objective.simpo_gamma: must be >= 0, got {o.simpo_gamma}")
-    return errors
-
-
 def _misc(cfg: TrainConfig) -> List[str]:
     errors = []
     lora = cfg.model.lora
@@ -190,28 +135,6 @@ def _misc(cfg: TrainConfig) -> List[str]:
         errors.append("model.lora.r: rank and alpha must be >= 1")
     if lora.enabled and not lora.target_modules:
         errors.append("model.lora.target_modules: empty")
-    ln = cfg.launcher
-    if ln.num_gpus is not None and ln.num_gpus < 1:
-        errors.append(f"launcher.num_gpus: must be >= 1, got {ln.num_gpus}")
-    if ln.peer_timeout_s < 0 or 0 < ln.peer_timeout_s < 5:
-        errors.append(f"launcher.peer_timeout_s: 0 (off) or >= 5 seconds, got {ln.peer_timeout_s}")
-    if ln.num_nodes < 1:
-        errors.append(f"launcher.num_nodes: must be >= 1, got {ln.num_nodes}")
-    if ln.kind is LauncherKind.deepspeed and (ln.include or ln.exclude) and ln.num_gpus is not None:
-        errors.append(
-            f"launcher.{'include' if ln.include else 'exclude'}: deepspeed cannot combine --include/--exclude with --num_gpus; "
-            "set launcher.num_gpus=null when selecting devices"
-        )
-    if ln.include and ln.exclude:
-        errors.append("launcher.exclude: use launcher.include or launcher.exclude, not both")
-    if ln.kind is LauncherKind.local and ((ln.num_gpus or 1) > 1 or ln.num_nodes > 1):
-        errors.append("launcher.kind: the local launcher runs one process; use launcher=deepspeed for several")
-    if not 0 <= ln.node_rank < ln.num_nodes:
-        errors.append(f"launcher.node_rank: must be in [0, {ln.num_nodes}), got {ln.node_rank}")
-    errors += _launcher(ln)
-    errors += launcher_boundary_problems(ln)
-    if ln.kind is LauncherKind.slurm and cfg.trainer.output_dir:
-        errors += [p for p in [run_dir_problem(os.path.abspath(os.path.expanduser(cfg.trainer.output_dir)))] if p]
     if cfg.model.trust_remote_code:
         errors.append("model.trust_remote_code: must stay false; a model or tokenizer directory's own Python code "
                       "is never run (configs and downloads are data); use a model transformers supports natively")
@@ -220,51 +143,7 @@ def _misc(cfg: TrainConfig) -> List[str]:
 
 def launcher_env_problems(env: dict) -> List[str]:
     """launcher.env entries outside the documented table (boundary/rank_env.py) or with a value not of its type."""
-
     return env_problems(env)
-
-
-def launcher_boundary_problems(ln) -> List[str]:
-    """What a config would put on a command line, into the ranks' environment or into a batch script, checked
-    against the boundary's positive lists (every refused item named)."""
-
-    problems = extra_args_problems(ln.kind, list(ln.extra_args)) + launcher_env_problems(ln.env) + batch_problems(ln)
-    if HOST.check(str(ln.master_addr)):
-        problems.append(f"launcher.master_addr: needs {HOST.expected}, got {ln.master_addr!r}")
-    for key in ("include", "exclude"):
-        value = getattr(ln, key)
-        if value is not None and not _HOST_SLOTS.fullmatch(str(value)):
-            problems.append(f"launcher.{key}: needs hosts and slots such as 'localhost:0,1' or 'node1@node2:0', "
-                            f"got {value!r}")
-    if ln.rdzv_endpoint is not None and not _ENDPOINT.fullmatch(str(ln.rdzv_endpoint)):
-        problems.append(f"launcher.rdzv_endpoint: needs HOST or HOST:PORT, got {ln.rdzv_endpoint!r}")
-    if ln.hostfile is not None and any(c in str(ln.hostfile) for c in "\n\r\0"):
-        problems.append("launcher.hostfile: the path holds a line break or NUL")
-    return problems
-
-
-def _launcher(ln) -> List[str]:
-    errors = []
-    multi = ln.num_nodes > 1
-    if (ln.include or ln.exclude) and ln.kind is not LauncherKind.deepspeed:
-        key = "launcher.include" if ln.include else "launcher.exclude"
-        errors.append(f"{key}: --include/--exclude exist only for launcher=deepspeed, not {ln.kind.value}")
-    if ln.kind is LauncherKind.deepspeed and multi and not ln.hostfile:
-        errors.append("launcher.hostfile: launcher=deepspeed on several nodes needs a hostfile "
-                      "(or use launcher=deepspeed_multinode for the no-ssh mode)")
-    if ln.kind in (LauncherKind.deepspeed_multinode, LauncherKind.slurm) and ln.num_gpus is None:
-        errors.append(f"launcher.num_gpus: launcher={ln.kind.value} starts ranks on other machines, so say how many "
-                      "per node (this machine's device count is not theirs)")
-    if ln.kind is LauncherKind.torchrun and multi and not ln.rdzv_endpoint and ln.master_addr in ("127.0.0.1", "localhost"):
-        errors.append("launcher.rdzv_endpoint: torchrun on several nodes needs a rendezvous host:port "
-                      "(or launcher.master_addr set to node 0's address)")
-    if ln.kind is LauncherKind.mpirun and multi and not ln.hostfile:
-        errors.append("launcher.hostfile: mpirun on several nodes needs a hostfile")
-    if ln.master_port is not None and not 1 <= ln.master_port <= 65535:
-        errors.append(f"launcher.master_port: must be in 1..65535, got {ln.master_port}")
-    if ln.slurm_time_min < 1:
-        errors.append(f"launcher.slurm_time_min: must be >= 1, got {ln.slurm_time_min}")
-    return errors
 
 
 def _files(cfg: TrainConfig) -> List[str]:

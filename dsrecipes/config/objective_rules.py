@@ -1,0 +1,71 @@
+"""What each objective requires of a config, as tables, for the collect-all validation (`config/validate.py`):
+`ROW_RULES` per `RowKind` (what any objective on those rows needs of the data: pairs carried by the strategy, no
+packing, ...) and `RULES` per `ObjectiveKind` (its own keys). Adding an objective is its module, its option file,
+its Enum value and its row here (tests/test_launcher_rules.py checks both tables are complete)."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Tuple
+
+from dsrecipes.core.schema import DpoLoss, ObjectiveKind, ReferenceMode, RowKind, TrainConfig
+from dsrecipes.data.strategies.rules import caches_reference, carries_pairs
+from dsrecipes.objectives.base import reference_mode
+
+Rule = Callable[[TrainConfig], List[str]]  # every message names its key
+
+
+def _name(cfg: TrainConfig) -> str:
+    return f"objective={cfg.objective.kind.value}"
+
+
+def _pairs_carried(cfg: TrainConfig) -> List[str]:
+    if not carries_pairs(cfg):
+        return [f"data.kind: data={cfg.data.kind.value} does not carry preference pairs ({_name(cfg)})"]
+    if reference_mode(cfg) is ReferenceMode.precomputed and not caches_reference(cfg):
+        return [f"objective.reference: precomputed reference log-probs are cached with the prepared pairs of "
+                f"data=map; data={cfg.data.kind.value} reads each pair only on the rank that trains on it, so there "
+                "is no pass before training to compute them in. Set objective.reference=live (with LoRA: the base "
+                "model with its adapters disabled, no second copy), or use data=map"]
+    return []
+
+
+def _whole_pairs(cfg: TrainConfig) -> List[str]:
+    return [f"data.packing: {_name(cfg)} trains on whole pairs; set data.packing=false"] if cfg.data.packing else []
+
+
+def _positive_beta(cfg: TrainConfig) -> List[str]:
+    beta = cfg.objective.beta
+    return [] if beta > 0 else [f"objective.beta: must be > 0, got {beta}"]
+
+
+def _dpo_loss(cfg: TrainConfig) -> List[str]:
+    o, errors = cfg.objective, []
+    top = 0.5 if o.loss is DpoLoss.robust else 1.0
+    if not 0 <= o.label_smoothing < top:
+        errors.append(f"objective.label_smoothing: must be in [0, {top}) for objective.loss={o.loss.value}, "
+                      f"got {o.label_smoothing}")
+    if o.loss is DpoLoss.ipo and o.label_smoothing:
+        errors.append("objective.label_smoothing: objective.loss=ipo has no label smoothing; use sigmoid or robust")
+    if o.loss is DpoLoss.simpo and o.reference is ReferenceMode.live:
+        errors.append("objective.reference: objective.loss=simpo uses no reference model; drop objective.reference=live")
+    if not o.simpo_gamma >= 0:
+        errors.append(f"objective.simpo_gamma: must be >= 0, got {o.simpo_gamma}")
+    return errors
+
+
+ROW_RULES: Dict[RowKind, Tuple[Rule, ...]] = {
+    RowKind.conversation: (),
+    RowKind.pair: (_pairs_carried, _whole_pairs),
+}
+
+RULES: Dict[ObjectiveKind, Tuple[Rule, ...]] = {
+    ObjectiveKind.sft: (),
+    ObjectiveKind.dpo: (_positive_beta, _dpo_loss),
+    ObjectiveKind.orpo: (_positive_beta,),
+}
+
+
+def objective_problems(cfg: TrainConfig) -> List[str]:
+    """Every objective rule `cfg` breaks: its rows' rules, then its own."""
+    rules = ROW_RULES.get(cfg.objective.rows, ()) + RULES.get(cfg.objective.kind, ())
+    return [problem for rule in rules for problem in rule(cfg)]
