@@ -8,7 +8,13 @@ Faults (injected at step INJECT_AT, after the checkpoint at step 2):
   worker_killed    one DataLoader worker of the last rank gets SIGKILL (what the OOM killer sends)
   rank_killed      the last rank gets SIGKILL (a segfault, the OOM killer on the rank itself)
   rank_stopped     the last rank gets SIGSTOP (stuck in a driver call): the heartbeat notices (world 2 only)
+  store_stalled    (iterable, corpus in the local S3 server) the proxy in front of the store stops answering: the
+                   read fails within data.read_deadline_s
   launcher_killed  the launching process gets SIGKILL: no rank or worker may outlive it
+
+With `resume=True` the fault is then repaired (the data put back, the store answering again) and the same command
+runs again: it must resume from the newest checkpoint and replay exactly what the faulty session trained - the same
+sample ids per step in every rank's ledger and the same losses - until it is stopped with SIGTERM two steps later.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "dsrecipes" / "assets" / "sample_data" / "train.jsonl"
 INJECT_AT = 3  # the step after which the fault is injected (a checkpoint exists at step 2)
 PEER_TIMEOUT_S = 8
-FAULTS = ("file_changed", "worker_killed", "rank_killed", "rank_stopped", "launcher_killed")
+READ_DEADLINE_S = 10
+FAULTS = ("file_changed", "worker_killed", "rank_killed", "rank_stopped", "store_stalled", "launcher_killed")
+BUCKET = "fault-matrix"
 
 
 @dataclass(frozen=True)
@@ -45,11 +53,13 @@ class Case:
     @property
     def bound_s(self) -> float:
         """Seconds from the fault to the end of every process of the run."""
-        return PEER_TIMEOUT_S + 30 if self.fault == "rank_stopped" else 30
+        return {"rank_stopped": PEER_TIMEOUT_S + 30, "store_stalled": READ_DEADLINE_S + 30}.get(self.fault, 30)
 
     def applies(self) -> bool:
         if self.fault == "worker_killed" and self.workers == 0:
             return False
+        if self.fault == "store_stalled" and self.strategy != "iterable":  # map and presharded read the store
+            return False  # before training (prepare) or from local parts here
         if self.fault in ("rank_stopped", "rank_killed") and self.world == 1:  # launcher=local: the rank is the
             return False  # launching process (launcher_killed), and a lone rank has no peer to notice it stop
         return True
@@ -64,6 +74,46 @@ class Outcome:
     result: Dict
     left: List[str]
     checkpoint_problem: Optional[str]
+    resumed: Optional["Resumed"] = None
+
+
+@dataclass
+class Resumed:
+    from_step: Optional[int]  # the newest committed checkpoint when the same command ran again
+    first_step: Optional[int]  # the first step the second session trained
+    compared: int  # steps both sessions trained: sample ids (every rank) and losses compared
+    code: Optional[int]  # the second session's exit code after SIGTERM
+    problem: Optional[str]
+
+
+class Store:
+    """The local S3 server and a stalling proxy in front of it (tests/helpers/s3server.py)."""
+
+    def __init__(self, server) -> None:
+        from tests.helpers.s3server import FaultProxy
+
+        self.server = server
+        self.proxy = FaultProxy(server.port).start()
+
+    def env(self) -> Dict[str, str]:
+        return self.server.env(self.proxy.endpoint)
+
+    def put(self, key: str, path: Path) -> str:
+        import boto3
+
+        e = self.server.env()
+        client = boto3.client("s3", endpoint_url=e["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                              aws_access_key_id=e["AWS_ACCESS_KEY_ID"], aws_secret_access_key=e["AWS_SECRET_ACCESS_KEY"])
+        try:
+            client.create_bucket(Bucket=BUCKET)
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            pass
+        client.put_object(Bucket=BUCKET, Key=key, Body=path.read_bytes())
+        return f"s3://{BUCKET}/{key}"
+
+    def stop(self) -> None:
+        self.proxy.unstall()
+        self.proxy.stop()
 
 
 def all_cases() -> List[Case]:
@@ -71,19 +121,21 @@ def all_cases() -> List[Case]:
                         for f in FAULTS) if c.applies()]
 
 
-def overrides(case: Case, root: Path, cache: Optional[Path] = None) -> List[str]:
-    data = root / "train.jsonl"
+def overrides(case: Case, root: Path, cache: Optional[Path] = None, data: object = None) -> List[str]:
+    data = data or root / "train.jsonl"
     run = root / "run"
     args = ["debug=fast", "trainer.log_every=1", "data.cutoff_len=64", f"data.num_workers={case.workers}",
             f"dataset.paths=[{data}]", "trainer.max_steps=400", "trainer.save_every=2", "trainer.eval_every=0",
             "trainer.export=false", "dataset.val_size=0", "trainer.eval_at_start=false",
             f"data.cache_dir={cache or root / 'cache'}", f"trainer.output_dir={run}", f"hydra.run.dir={run}",
-            f"launcher.peer_timeout_s={PEER_TIMEOUT_S}"]
+            f"launcher.peer_timeout_s={PEER_TIMEOUT_S}", "trainer.record_samples=true"]
     if case.strategy == "presharded":
         args += ["data=presharded", f"data.shard_dir={root / 'parts'}", "dataset.max_samples=null",
                  "data.shuffle_buffer=16"]  # a change is seen at the first read after it: a small buffer reads soon
     elif case.strategy == "iterable":
         args += ["data=iterable", "data.block_bytes=4096", "data.prescan=false", "dataset.max_samples=null"]
+        if case.fault == "store_stalled":  # small reads all along, so the stall is met at a read, not after it
+            args += ["data.read_ahead_bytes=4096", "data.span_bytes=4096", f"data.read_deadline_s={READ_DEADLINE_S}"]
     else:
         args += ["dataset.max_samples=400"]
     if case.world == 1:
@@ -91,46 +143,160 @@ def overrides(case: Case, root: Path, cache: Optional[Path] = None) -> List[str]
     return args + ["launcher=deepspeed", f"launcher.num_gpus={case.world}"]
 
 
-def env() -> Dict[str, str]:
+def env(store: Optional[Store] = None) -> Dict[str, str]:
     e = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                           "MASTER_PORT")}
     e.pop(MARK_ENV, None)
     e.update({"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
               "HF_HUB_OFFLINE": "1"})
-    return e
+    return {**e, **(store.env() if store else {})}
 
 
-def run_case(case: Case, root: Path, cache: Optional[Path] = None, start_timeout: float = 300) -> Outcome:
-    """Run `case` in `root` (`cache`: data.cache_dir shared by cases; map tokenizes once)."""
+def start(args: List[str], root: Path, console: Path, store: Optional[Store]) -> subprocess.Popen:
+    """`python -m dsrecipes ARGS` in a session of its own, every process of it marked (MARK_ENV)."""
+    with open(console, "a") as out:
+        return subprocess.Popen(["/bin/sh", "-c", f'{MARK_ENV}=$$ exec "$@"', "sh", sys.executable, "-m",
+                                 "dsrecipes", *args], cwd=REPO, env=env(store), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def end(proc: subprocess.Popen) -> None:
+    kill_session(proc.pid)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def run_case(case: Case, root: Path, cache: Optional[Path] = None, start_timeout: float = 300,
+             store: Optional[Store] = None, resume: bool = False) -> Outcome:
+    """Run `case` in `root` (`cache`: data.cache_dir shared by cases; map tokenizes once; `store`: needed by
+    store_stalled; `resume`: then repair the fault and check the same command resumes exactly)."""
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     shutil.copy(SAMPLE, root / "train.jsonl")
     console = root / "console.log"
     if case.fault == "file_changed":
         cache = None  # (map: its own prepared cache is changed)
+    data = None
+    if case.fault == "store_stalled":
+        assert store is not None, f"{case.name} needs the local S3 server"
+        data = store.put(f"{case.name}/train.jsonl", root / "train.jsonl")
     if case.strategy == "presharded":
         subprocess.run([sys.executable, "-m", "dsrecipes", "shard", str(root / "train.jsonl"), "--parts",
                         str(case.world), "--out", str(root / "parts")], cwd=REPO, env=env(), check=True,
                        capture_output=True, timeout=300)
-    with open(console, "w") as out:
-        proc = subprocess.Popen(["/bin/sh", "-c", f'{MARK_ENV}=$$ exec "$@"', "sh", sys.executable, "-m",
-                                 "dsrecipes", *overrides(case, root, cache)], cwd=REPO, env=env(), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+    args = overrides(case, root, cache, data)
+    proc = start(args, root, console, store if data else None)
     try:
         reached = wait_for_step(root / "run", INJECT_AT, proc, start_timeout)
         assert reached, f"{case.name}: step {INJECT_AT} not reached:\n{console.read_text()[-3000:]}"
         at = time.monotonic()
-        inject(case, root, proc)
+        originals = {p: p.read_bytes() for p in fault_targets(case, root)}
+        inject(case, root, proc, store)
         code = wait_exit(proc, case.bound_s)
         left = wait_session_gone(proc.pid, at + case.bound_s)
         seconds = time.monotonic() - at if not left else float("inf")
     finally:
-        kill_session(proc.pid)
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-    return Outcome(case, seconds, code, console.read_text(), read_json(root / "run" / "result.json"), left,
-                   previous_checkpoint_problem(root / "run"))
+        end(proc)
+    outcome = Outcome(case, seconds, code, console.read_text(), read_json(root / "run" / "result.json"), left,
+                      previous_checkpoint_problem(root / "run"))
+    if resume and not outcome.left and outcome.checkpoint_problem is None:
+        for path, content in originals.items():  # the fault repaired: the data as it was, the store answering
+            path.write_bytes(content)
+        if store is not None:
+            store.proxy.unstall()
+        outcome.resumed = resume_again(case, root, args, console, store if data else None, start_timeout)
+    return outcome
+
+
+def resume_again(case: Case, root: Path, args: List[str], console: Path, store: Optional[Store],
+                 start_timeout: float) -> Resumed:
+    """The same command again: it resumes from the newest checkpoint and trains what the faulty session trained
+    (sample ids of every rank, losses) until SIGTERM stops it two steps in."""
+    from dsrecipes.boundary.checkpoint_find import committed
+
+    run = root / "run"
+    newest = committed(run / "checkpoints")
+    from_step = int(newest[0].name.split("_")[-1]) if newest else None
+    if from_step is None:
+        return Resumed(None, None, 0, None, "no committed checkpoint to resume from")
+    before = {r: ledger_sessions(run, r) for r in range(case.world)}
+    losses_before = step_losses(run)
+    proc = start(args, root, console, store)
+    try:
+        deadline = time.monotonic() + start_timeout
+        while time.monotonic() < deadline and proc.poll() is None:
+            new = ledger_sessions(run, 0)[len(before[0]):]
+            if new and any(step >= from_step + 2 for step in new[0]):
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)  # what a scheduler's preemption sends; the run saves and ends
+        code = wait_exit(proc, 60)
+        left = wait_session_gone(proc.pid, time.monotonic() + 10)
+    finally:
+        end(proc)
+    resumed = compare_sessions(case, run, before, losses_before, from_step, code)
+    if code is None or left:
+        resumed.problem = resumed.problem or f"SIGTERM did not end the second session within 60 s (left: {left})"
+    return resumed
+
+
+def compare_sessions(case: Case, run: Path, before: Dict[int, List[Dict[int, list]]], losses_before: Dict[int, float],
+                     from_step: int, code: Optional[int]) -> Resumed:
+    first_step, compared, problem = None, 0, None
+    for r in range(case.world):
+        sessions = ledger_sessions(run, r)[len(before[r]):]
+        if not sessions or not sessions[0]:
+            return Resumed(from_step, None, 0, code, f"rank {r}: the same command trained no step")
+        faulty, again = before[r][-1], sessions[0]
+        first_step = min(again)
+        if first_step != from_step + 1:
+            problem = f"rank {r}: resumed at step {first_step}, not {from_step + 1}"
+        same = sorted(set(faulty) & set(again))
+        compared = len(same)
+        for step in same:
+            if faulty[step] != again[step]:
+                problem = problem or f"rank {r} step {step}: samples {again[step]} != {faulty[step]} before"
+    losses = step_losses(run)
+    for step in sorted(set(losses) & set(losses_before)):
+        if step > from_step and abs(losses[step] - losses_before[step]) > 1e-6 * max(1.0, abs(losses_before[step])):
+            problem = problem or f"step {step}: loss {losses[step]} != {losses_before[step]} before the fault"
+    return Resumed(from_step, first_step, compared, code, problem)
+
+
+def ledger_sessions(run: Path, rank: int) -> List[Dict[int, list]]:
+    """{step: sample ids} of each session of one rank's ledger (a `{"session": ...}` line opens each)."""
+    sessions: List[Dict[int, list]] = []
+    try:
+        text = (run / "ledger" / f"rank{rank}.jsonl").read_text(encoding="utf-8")
+    except OSError:
+        return sessions
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line being written
+        if "session" in rec:
+            sessions.append({})
+        elif sessions and "step" in rec:
+            sessions[-1][rec["step"]] = rec.get("ids")
+    return sessions
+
+
+def step_losses(run: Path) -> Dict[int, float]:
+    try:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return {}
+    found = {}
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if "loss" in rec and "step" in rec:
+            found[rec["step"]] = rec["loss"]
+    return found
 
 
 def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float) -> bool:
@@ -146,14 +312,23 @@ def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float) 
     return False
 
 
-def inject(case: Case, root: Path, proc: subprocess.Popen) -> None:
-    if case.fault == "file_changed":  # iterable: the corpus; presharded: the parts; map: the prepared cache
-        targets = {"iterable": [root / "train.jsonl"], "presharded": sorted((root / "parts").glob("*.jsonl")),
-                   "map": sorted((root / "cache").rglob("*.arrow"))}[case.strategy]
+def fault_targets(case: Case, root: Path) -> List[Path]:
+    """The files file_changed changes (iterable: the corpus; presharded: the parts; map: the prepared cache)."""
+    if case.fault != "file_changed":
+        return []
+    return {"iterable": [root / "train.jsonl"], "presharded": sorted((root / "parts").glob("*.jsonl")),
+            "map": sorted((root / "cache").rglob("*.arrow"))}[case.strategy]
+
+
+def inject(case: Case, root: Path, proc: subprocess.Popen, store: Optional[Store] = None) -> None:
+    if case.fault == "file_changed":
+        targets = fault_targets(case, root)
         assert targets, case.name
         for path in targets:
             with open(path, "ab") as fh:  # appended: what a memory-mapped reader can still survive
                 fh.write(b"\n" * 16)
+    elif case.fault == "store_stalled":
+        store.proxy.stall()
     elif case.fault == "launcher_killed":
         os.kill(proc.pid, signal.SIGKILL)
     elif case.fault == "worker_killed":
@@ -255,7 +430,7 @@ def previous_checkpoint_problem(run: Path) -> Optional[str]:
 
 def expected_cause(case: Case) -> str:
     return {"file_changed": "changed since", "worker_killed": "DataLoader worker", "rank_killed": "rank",
-            "rank_stopped": "stopped responding", "launcher_killed": ""}[case.fault]
+            "rank_stopped": "stopped responding", "store_stalled": "unreadable after", "launcher_killed": ""}[case.fault]
 
 
 def problems(o: Outcome) -> List[str]:
@@ -274,4 +449,6 @@ def problems(o: Outcome) -> List[str]:
             found.append(f"status {o.result.get('status')!r}, exit {o.code}")
         if expected_cause(o.case) not in str(o.result.get("error")):
             found.append(f"result.json error {o.result.get('error')!r} does not name {expected_cause(o.case)!r}")
+    if o.resumed is not None and o.resumed.problem:
+        found.append(f"resume: {o.resumed.problem}")
     return found

@@ -6,7 +6,9 @@ before the fault still verifies.
 
 CI runs a representative subset (each a tiny model for a few steps): the hang that started the issue (a data file
 emptied under data=iterable with DataLoader workers), a worker killed as the OOM killer does under two ranks, and
-the launching process killed (its DataLoader workers must notice). The whole matrix runs with
+the launching process killed (its DataLoader workers must notice; then the same command must resume exactly: the
+same sample ids and losses as the killed session, from its newest checkpoint). The whole matrix (every case also
+resumed, and a store stalled behind a proxy in front of the local S3 server) runs with
 DSRECIPES_FAULT_MATRIX=1 (marker `fault_matrix`); `python scripts/fault_matrix.py` prints it as a table (case,
 seconds to exit, processes left).
 """
@@ -17,7 +19,7 @@ import os
 
 import pytest
 
-from tests.fault_cases import Case, all_cases, problems, run_case
+from tests.fault_cases import Case, Store, all_cases, problems, run_case
 
 pytestmark = pytest.mark.slow
 
@@ -33,17 +35,30 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("fault_cache")
 
 
+RESUMED_IN_CI = Case("map", 2, 1, "launcher_killed")
+
+
+@pytest.fixture(scope="module")
+def store(s3_server):
+    store = Store(s3_server)
+    yield store
+    store.stop()
+
+
 @pytest.mark.parametrize("case", CI, ids=lambda c: c.name)
 def test_fault_ends_the_run_with_its_cause(case, tmp_path, cache):
-    outcome = run_case(case, tmp_path / case.name, cache)
+    outcome = run_case(case, tmp_path / case.name, cache, resume=case == RESUMED_IN_CI)
     assert not problems(outcome), (problems(outcome), outcome.console[-3000:])
+    if case == RESUMED_IN_CI:
+        assert outcome.resumed is not None and outcome.resumed.first_step == outcome.resumed.from_step + 1
 
 
 @pytest.mark.fault_matrix
 @pytest.mark.skipif(not os.environ.get("DSRECIPES_FAULT_MATRIX"), reason="the full matrix: DSRECIPES_FAULT_MATRIX=1")
 @pytest.mark.parametrize("case", [c for c in all_cases() if c not in CI], ids=lambda c: c.name)
-def test_fault_matrix(case, tmp_path, cache):
-    outcome = run_case(case, tmp_path / case.name, cache)
+def test_fault_matrix(case, tmp_path, cache, request):
+    store = request.getfixturevalue("store") if case.fault == "store_stalled" else None
+    outcome = run_case(case, tmp_path / case.name, cache, store=store, resume=True)
     assert not problems(outcome), (problems(outcome), outcome.console[-3000:])
 
 

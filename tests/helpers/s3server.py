@@ -8,6 +8,7 @@ files and the instance-metadata lookup switched off so nothing outside this mach
 `FaultProxy` stands between a client and the server: each request is forwarded over a real socket; the first
 `slowdowns` ranged GETs are answered 503 SlowDown (S3's throttling answer), the next `drops` ranged GETs send their
 headers and half the body and then the connection is closed (a connection dropped in the middle of a range).
+`stall()` makes it accept every request and answer none until `unstall()` (a store that stops answering).
 `requests` and `body_bytes` count what clients asked for and received.
 """
 
@@ -92,6 +93,8 @@ class FaultProxy:
         self.requests = 0
         self.body_bytes = 0
         self.lock = threading.Lock()
+        self.answering = threading.Event()
+        self.answering.set()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -121,6 +124,12 @@ class FaultProxy:
         self.server.shutdown()
         self.server.server_close()
 
+    def stall(self) -> None:
+        self.answering.clear()
+
+    def unstall(self) -> None:
+        self.answering.set()
+
     def _fault(self, handler: BaseHTTPRequestHandler) -> str:
         with self.lock:
             self.requests += 1
@@ -135,6 +144,10 @@ class FaultProxy:
         return ""
 
     def forward(self, handler: BaseHTTPRequestHandler) -> None:
+        if not self.answering.is_set():  # stalled: the request was accepted and is never answered
+            self.answering.wait()
+            handler.close_connection = True
+            return
         fault = self._fault(handler)
         if fault == "slowdown":
             body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
