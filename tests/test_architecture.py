@@ -237,3 +237,26 @@ def test_the_launching_side_loads_no_torch():
             "        sys.exit(f'{name} loads {loaded}')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sizes a reader can hold (docs/architecture.md "How we write code here"): modules around 300 lines, never over 400;
+# functions never over 60 lines.
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
+
+
+def test_no_module_over_400_lines():
+    long = sorted((len(p.read_text(encoding="utf-8").splitlines()), m) for m, p in MODULES.items())
+    assert [x for x in long if x[0] > MAX_MODULE_LINES] == []
+
+
+def test_no_function_over_60_lines():
+    long = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{module}.{node.name}: {lines} lines")
+    assert long == []
