@@ -15,6 +15,7 @@ MAX_EPOCHS = 1000
 
 def main(argv: List[str]) -> int:
     from dsrecipes.data.strategies import audit_config  # lazy: else `commands.audit` imports numpy 0.11 s
+    from dsrecipes.data.strategies.split_audit import audit_split  # lazy: the same package
 
     parser = override_parser("audit", "prove exactly-once / equal-steps data plans for a world size")
     parser.add_argument("--world-size", type=bounded_int(MAX_WORLD_SIZE, "audit simulates every rank"),
@@ -38,7 +39,12 @@ def main(argv: List[str]) -> int:
         print(ledger.summary())
         return 0 if ledger.ok else 1
     cfg = compose_and_load(overrides)
+    split_ok = True
+    if cfg.dataset.split.shares:  # the shares of dataset.split first: disjoint and covering
+        split = audit_split(cfg.dataset)
+        print(split.render())
+        split_ok = split.ok
     world = args.world_size if args.world_size is not None else resolve_topology(cfg.launcher).world_size
     report = audit_config(cfg, world, args.epochs, args.num_rows)
     print(report.render(args.verbose))
-    return 0 if report.ok else 1
+    return 0 if report.ok and split_ok else 1

@@ -19,6 +19,7 @@ from dsrecipes.core.hub import check_hub_paths, is_hub_id
 from dsrecipes.core.schema import AttnImpl, Device, OffloadDevice, OptimizerKind, Precision, ResumeMode, TrainConfig
 from dsrecipes.data.sources.files import expand_paths, no_file
 from dsrecipes.data.sources.remote import check_url, expand, looks_like_url
+from dsrecipes.data.sources.split_shares import split_problems
 from dsrecipes.data.strategies.rules import config_problems, required_paths
 
 
@@ -120,6 +121,7 @@ def _data(cfg: TrainConfig) -> List[str]:
         errors.append(f"dataset.max_row_bytes: must be >= 64 (bytes of one row), got {ds.max_row_bytes}")
     if ds.max_samples is not None and ds.max_samples < 1:
         errors.append(f"dataset.max_samples: must be >= 1, got {ds.max_samples}")
+    errors += split_problems(ds, d.kind)  # dataset.split (data/sources/split_shares.py)
     for i, src in enumerate(ds.sources):
         if not src.paths:
             errors.append(f"dataset.sources[{i}].paths: empty")

@@ -88,6 +88,25 @@ class ColumnsConfig:
 
 
 @dataclass
+class ShareOfSource:
+    """The share of `dataset.split` a run reads, attached to each source when sources are resolved (never typed
+    by users: data/sources/split_shares.py)."""
+
+    shares: Dict[str, int] = field(default_factory=dict)
+    take: str = ""
+    pinned: Optional[str] = None  # every row of this source belongs to this share
+
+
+@dataclass
+class SplitConfig:
+    """One dataset split into named step shares by a stable row hash (DeepSpeed-Chat's --data_split 2,4,4)."""
+
+    shares: Dict[str, int] = field(default_factory=dict)  # share name -> weight; empty: no split
+    take: Optional[str] = None  # the share this run reads
+    pin: Dict[str, str] = field(default_factory=dict)  # source name -> share holding all its rows (SFT-only data)
+
+
+@dataclass
 class SourceConfig:
     """One dataset in a mix (an entry of `dataset.sources` or of a registry file)."""
 
@@ -99,6 +118,7 @@ class SourceConfig:
     max_samples: Optional[int] = None
     weight: float = 1.0
     ranking: Optional[bool] = None  # preference rows (LLaMA-Factory `ranking`); None: what objective.kind reads
+    share: Optional[ShareOfSource] = None  # set from dataset.split when sources are resolved
 
 
 @dataclass
@@ -119,6 +139,7 @@ class DatasetConfig:
     bad_rows: BadRows = BadRows.error
     max_bad_fraction: float = 0.05
     max_row_bytes: int = DEFAULT_MAX_ROW_BYTES  # a longer row is a bad row (too_large), skipped without being held
+    split: SplitConfig = field(default_factory=SplitConfig)  # shares across an experiment's steps (data_split)
 
 
 @dataclass

@@ -32,6 +32,7 @@ from dsrecipes.core.schema import ColumnsConfig, DatasetConfig, DatasetFormat, S
 from dsrecipes.core.typed import convert
 from dsrecipes.data.sources.files import expand_paths
 from dsrecipes.data.sources.remote import looks_like_url
+from dsrecipes.data.sources.split_shares import stamp
 
 _LF_UNSUPPORTED = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
 _LF_MEDIA_COLUMNS = ("images", "videos", "audios", "kto_tag")
@@ -68,7 +69,7 @@ def resolve_sources(dataset_cfg: DatasetConfig, notes: Optional[List[str]] = Non
         seen[src.name] = seen.get(src.name, 0) + 1
         if seen[src.name] > 1:
             sources[k] = dataclasses.replace(src, name=f"{src.name}#{seen[src.name]}")
-    return read_once(sources, notes)
+    return stamp(ds.split, read_once(sources, notes))  # each source reads only the run's share (dataset.split)
 
 
 def read_once(sources: List[SourceConfig], notes: Optional[List[str]] = None) -> List[SourceConfig]:

@@ -26,6 +26,7 @@ from dsrecipes.core.schema import DEFAULT_MAX_ROW_BYTES, DatasetConfig, DatasetF
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.sources.files import RawRow, expand_paths, no_file, parse_row, read_rows
 from dsrecipes.data.sources.registry import resolve_sources
+from dsrecipes.data.sources.split_shares import keeps
 
 
 class Role(str, Enum):
@@ -267,6 +268,8 @@ def iter_checked(source: SourceConfig, report: BadRowReport, limit: Optional[int
         for row in read_rows(path, max_row_bytes):
             if cap is not None and kept >= cap:
                 return
+            if not keeps(row, source):  # another share's row (dataset.split)
+                continue
             report.rows_read += 1
             try:
                 item = check(row, source, table)
