@@ -69,6 +69,8 @@ FIELDS: Dict[str, FieldClass] = {
     # names and text
     **{k: FieldClass.not_a_path for k in (
         "dataset.name", "dataset.roles", "dataset.use", "dataset.sources[].name", "dataset.sources[].roles",
+        "dataset.split.take", "dataset.split.shares", "dataset.split.pin", "dataset.sources[].share[].take",
+        "dataset.sources[].share[].pinned", "dataset.sources[].share[].shares",
         "model.name", "model.revision", "model.arch", "model.lora.target_modules", "template.separator",
         "template.default_system", "trainer.experiment", "launcher.slurm_partition", "launcher.slurm_account",
         *(f"{p}.columns.{c}" for p in ("dataset", "dataset.sources[]") for c in _COLUMNS))},
