@@ -1,0 +1,38 @@
+"""`dsrecipes pipeline PIPELINE.yaml [--out DIR]`: run a pipeline's stages in order (run/pipeline.py), each one
+through the training command's own entry in this process; the same command resumes it (default --out:
+runs/<file name without .yaml>)."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import List
+
+import dsrecipes.boundary.trust as trust
+import dsrecipes.commands.train as train
+from dsrecipes.commands.args import command_parser, parse
+from dsrecipes.config.pipeline_file import load_pipeline
+from dsrecipes.core.errors import UserError
+from dsrecipes.run.pipeline import run_pipeline
+
+
+def main(argv: List[str]) -> int:
+    parser = command_parser("pipeline", "run a pipeline's stages in order (SFT -> reward -> DPO, ...), resumably")
+    parser.add_argument("file", help="the pipeline file (recipes/pipelines/*.yaml)")
+    parser.add_argument("--out", default=None, help="the pipeline's directory (default: runs/<file name>)")
+    args = parse(parser, argv)
+    path = Path(args.file)
+    pipeline = load_pipeline(path)
+    out = Path(args.out) if args.out else Path("runs") / path.stem
+    command = shlex.join(["dsrecipes", "pipeline", str(path), "--out", str(out)])
+    return run_pipeline(pipeline, out, train_stage, command)
+
+
+def train_stage(argv: List[str]) -> int:
+    """One stage as `dsrecipes train ARGV` runs (cli.py's handling: a refusal is one message and its exit code)."""
+    trust.reset()  # trusting a checkpoint is never carried from one stage to the next
+    try:
+        return train.main(argv)
+    except UserError as exc:
+        print(exc.render(), flush=True)
+        return exc.exit_code

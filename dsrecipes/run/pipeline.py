@@ -1,0 +1,153 @@
+"""Run a pipeline's stages in order (`dsrecipes pipeline FILE`), each one a normal run directory, resumable anywhere.
+
+    <out>/dsrecipes_pipeline.json    our marker (the directory is claimed before anything is written into it)
+    <out>/pipeline_state.json        per stage: status (running | done | failed | interrupted), its train overrides,
+                                     run directory, export, exit code; rewritten atomically after every change
+    <out>/<stage>/                   the stage's run directory (trainer.output_dir and hydra.run.dir)
+    <out>/pipeline_summary.md, .png  the stages side by side (observe/pipeline_report.py)
+
+Each stage is `train` with the stage's overrides (config/pipeline_file.py) plus `trainer.output_dir` and, under
+`model_from`, `model.path=<that stage's export>`; the caller supplies `train` (the command's own entry, in this
+process), so a stage has every guarantee of a run started by hand. Before the first stage every stage's
+composition is loaded and validated (model paths of later stages are not there yet, so files are not checked):
+a typo in the last stage stops the pipeline before the first step.
+
+Resume is the same command: a stage recorded done is never run again (its overrides must be the ones recorded, or
+the pipeline is refused: a finished stage cannot be changed, use a new --out); a stage whose run finished while
+the record was not yet written (killed between stages) is recorded done from its result.json; any other stage is
+started again with the same overrides and run directory, so `train` resumes it from its newest checkpoint
+(trainer.resume=auto). A stage that fails stops the pipeline with one message naming the stage, its run directory
+and the resume command (exit 2); an interrupted stage (Ctrl-C, SIGTERM) ends it with the run's exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List
+
+from dsrecipes.config.load import compose_and_load
+from dsrecipes.config.pipeline_file import Pipeline, Stage, stage_overrides
+from dsrecipes.core.errors import UserError
+from dsrecipes.core.export_dir import EXPORT_DIR
+from dsrecipes.core.fileio import atomic_write_json
+from dsrecipes.core.rundir import RESULT_FILE, claim_marked_dir
+from dsrecipes.observe.pipeline_report import write_summary
+
+MARKER = "dsrecipes_pipeline.json"
+STATE_FILE = "pipeline_state.json"
+INTERRUPTED = (130, 143)  # the exit codes of a run stopped by SIGINT / SIGTERM
+Train = Callable[[List[str]], int]
+
+
+@dataclass
+class PipelineRun:
+    pipeline: Pipeline
+    out: Path
+    resume_command: str
+    state: Dict[str, Any]
+
+    def record(self, stage: Stage, **fields: Any) -> None:
+        self.state["stages"].setdefault(stage.name, {}).update(fields)
+        atomic_write_json(self.out / STATE_FILE, self.state)
+
+    def entry(self, name: str) -> Dict[str, Any]:
+        return self.state["stages"].get(name, {})
+
+
+def run_pipeline(pipeline: Pipeline, out: Path, train: Train, resume_command: str) -> int:
+    """Every stage in order (see the module's opening comment); returns 0, or an interrupted stage's exit code."""
+    check_stages(pipeline, out)
+    claim_marked_dir(out, "--out", MARKER, "a dsrecipes pipeline directory")
+    run = PipelineRun(pipeline, out, resume_command, read_state(out, pipeline))
+    started = time.perf_counter()
+    for number, stage in enumerate(pipeline.stages, 1):
+        code = run_stage(run, stage, number, train)
+        if code:
+            return code
+    print(write_summary(out, [(s.name, out / s.name) for s in pipeline.stages], time.perf_counter() - started),
+          flush=True)
+    return 0
+
+
+def stage_argv(pipeline: Pipeline, stage: Stage, out: Path) -> List[str]:
+    """The overrides `train` gets for `stage` (the same on every resume)."""
+    argv = stage_overrides(pipeline, stage)
+    if stage.model_from:
+        argv.append(f"model.path={out.resolve() / stage.model_from / EXPORT_DIR}")
+    run_dir = out.resolve() / stage.name
+    return argv + [f"trainer.output_dir={run_dir}", f"hydra.run.dir={run_dir}"]
+
+
+def check_stages(pipeline: Pipeline, out: Path) -> None:
+    """Every stage's composition loads and validates (files are checked when the stage starts); a stage another
+    one takes its model from must export one."""
+    problems: List[str] = []
+    for stage in pipeline.stages:
+        try:
+            cfg = compose_and_load(stage_argv(pipeline, stage, out), check_files=False)
+        except UserError as exc:
+            problems += [f"stage {stage.name!r} (line {stage.line}): {p}" for p in exc.problems]
+            continue
+        takers = [s.name for s in pipeline.stages if s.model_from == stage.name]
+        if takers and not cfg.trainer.export:
+            problems.append(f"stage {stage.name!r} (line {stage.line}): trainer.export is false, but stage "
+                            f"{takers[0]!r} takes its model from this stage's export")
+    if problems:
+        raise UserError([f"{pipeline.path}: {p}" for p in problems])
+
+
+def read_state(out: Path, pipeline: Pipeline) -> Dict[str, Any]:
+    path = out / STATE_FILE
+    if not path.exists():
+        return {"pipeline": str(pipeline.path.resolve()), "stages": {}}
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+        assert isinstance(state, dict) and isinstance(state.get("stages"), dict)
+    except (OSError, ValueError, AssertionError):
+        raise UserError(f"--out: {path} is not a pipeline state this program wrote; choose another --out") from None
+    return state
+
+
+def run_stage(run: PipelineRun, stage: Stage, number: int, train: Train) -> int:
+    argv = stage_argv(run.pipeline, stage, run.out)
+    entry, of = run.entry(stage.name), f"stage {stage.name!r} ({number} of {len(run.pipeline.stages)})"
+    if entry.get("argv") not in (None, argv) and entry.get("status") == "done":
+        raise UserError(f"{run.pipeline.path}: {of} finished with other settings than the file now gives it; a "
+                        f"finished stage is never run again: restore its settings, or start over with a new --out")
+    if entry.get("status") == "done" or (entry.get("argv") == argv and finished(run.out / stage.name)):
+        run.record(stage, status="done", argv=argv, run_dir=str(run.out / stage.name), exit_code=0,
+                   export=str(run.out / stage.name / EXPORT_DIR))
+        print(f"pipeline: {of} is done ({run.out / stage.name}); not run again", flush=True)
+        return 0
+    again = " (resumed: the run continues from its newest checkpoint)" if entry else ""
+    print(f"pipeline: {of}{again}: dsrecipes train {' '.join(argv)}", flush=True)
+    run.record(stage, status="running", argv=argv, run_dir=str(run.out / stage.name))
+    try:
+        code = train(argv)
+    except KeyboardInterrupt:
+        run.record(stage, status="interrupted")
+        print(f"pipeline: {of} was interrupted; resume with: {run.resume_command}", file=sys.stderr, flush=True)
+        raise
+    if code in INTERRUPTED:
+        run.record(stage, status="interrupted", exit_code=code)
+        print(f"pipeline: {of} was interrupted; resume with: {run.resume_command}", file=sys.stderr, flush=True)
+        return code
+    if code:
+        run.record(stage, status="failed", exit_code=code)
+        raise UserError(f"pipeline: {of} failed (exit {code}); its run directory: {run.out / stage.name}; the "
+                        f"stages before it are kept. Fix the cause, then resume with: {run.resume_command}")
+    run.record(stage, status="done", exit_code=0, export=str(run.out / stage.name / EXPORT_DIR))
+    return 0
+
+
+def finished(run_dir: Path) -> bool:
+    """Whether a run directory's result.json says it ended well (a stage killed before its record was written)."""
+    try:
+        result = json.loads((run_dir / RESULT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(result, dict) and result.get("status") == "ok" and result.get("exit_code") == 0
