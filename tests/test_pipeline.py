@@ -75,7 +75,7 @@ def test_settings_become_overrides_train_checks_again(tmp_path):
     dpo = pipeline.stage("dpo")
     assert stage_overrides(pipeline, dpo)[-5:] == [
         "objective=dpo", "dataset=sample_pairs", "++dataset.split.shares={reward:1,dpo:1}",
-        "dataset.split.take='dpo'", "trainer.max_steps=6"]
+        "dataset.split.take=dpo", "trainer.max_steps=6"]
     assert f"model.path={(tmp_path / 'out').resolve()}/sft/export" in stage_argv(pipeline, dpo, tmp_path / "out")
 
 

@@ -46,6 +46,7 @@ PIPELINE_SET = ("trainer.output_dir", "hydra")  # what the pipeline itself sets 
 VALUE_CHARS = r"[\w .,:/@+=~%*?\-]"
 _VALUE = re.compile(rf"(?:{VALUE_CHARS}|\$\{{[\w.:/\-]*\}})*\Z")
 _KEY_PART = re.compile(r"[A-Za-z][A-Za-z0-9_]*\Z")
+_PLAIN = re.compile(r"[A-Za-z_/.][\w/\-+.@]*\Z")  # read by Hydra as this very string, unquoted
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_\-]{0,63}\Z")
 MAX_STAGES = 32
 
@@ -116,7 +117,8 @@ def literal(value: Any) -> str:
         return "[" + ",".join(literal(v) for v in value) + "]"
     if isinstance(value, dict):
         return "{" + ",".join(f"{k}:{literal(v)}" for k, v in value.items()) + "}"
-    return f"'{value}'"
+    plain = _PLAIN.match(value) and value.lower() not in ("true", "false", "null", "none", "inf", "nan")
+    return value if plain else f"'{value}'"
 
 
 def _groups() -> Dict[str, List[str]]:
