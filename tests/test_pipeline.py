@@ -20,7 +20,8 @@ import pytest
 
 from dsrecipes.config.pipeline_file import load_pipeline, stage_overrides
 from dsrecipes.core.errors import ConfigError, UserError
-from dsrecipes.run.pipeline import STATE_FILE, run_pipeline, stage_argv
+from dsrecipes.core.locks import ExclusiveLock
+from dsrecipes.run.pipeline import LOCK_FILE, STATE_FILE, run_pipeline, stage_argv
 from tests.conftest import REPO, in_process_environ, subprocess_env
 
 TINY = """\
@@ -109,6 +110,9 @@ def test_a_failing_stage_stops_the_pipeline_naming_it_and_the_resume_command(tmp
     assert err.value.problems[0].endswith("resume with: dsrecipes pipeline p.yaml --out out")
     state = json.loads((out / STATE_FILE).read_text())["stages"]
     assert state["a"]["status"] == "done" and state["b"]["status"] == "failed" and "c" not in state
+    with ExclusiveLock(out / LOCK_FILE):  # one pipeline at a time in a directory
+        with pytest.raises(UserError, match="is in use by another pipeline"):
+            run_pipeline(pipeline, out, train, "")
     train.fail.clear()  # fixed: the same command goes on at b, never at a
     assert run_pipeline(pipeline, out, train, "") == 0 and train.calls == ["a", "b", "b", "c"]
 

@@ -34,11 +34,13 @@ from dsrecipes.config.pipeline_file import Pipeline, Stage, stage_overrides
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.export_dir import EXPORT_DIR
 from dsrecipes.core.fileio import atomic_write_json
+from dsrecipes.core.locks import ExclusiveLock, LockHeld
 from dsrecipes.core.rundir import RESULT_FILE, claim_marked_dir
 from dsrecipes.observe.pipeline_report import write_summary
 
 MARKER = "dsrecipes_pipeline.json"
 STATE_FILE = "pipeline_state.json"
+LOCK_FILE = ".dsrecipes.pipeline.lock"
 INTERRUPTED = (130, 143)  # the exit codes of a run stopped by SIGINT / SIGTERM
 Train = Callable[[List[str]], int]
 
@@ -62,15 +64,26 @@ def run_pipeline(pipeline: Pipeline, out: Path, train: Train, resume_command: st
     """Every stage in order (see the module's opening comment); returns 0, or an interrupted stage's exit code."""
     check_stages(pipeline, out)
     claim_marked_dir(out, "--out", MARKER, "a dsrecipes pipeline directory")
-    run = PipelineRun(pipeline, out, resume_command, read_state(out, pipeline))
-    started = time.perf_counter()
-    for number, stage in enumerate(pipeline.stages, 1):
-        code = run_stage(run, stage, number, train)
-        if code:
-            return code
+    with _held(out):
+        run = PipelineRun(pipeline, out, resume_command, read_state(out, pipeline))
+        started = time.perf_counter()
+        for number, stage in enumerate(pipeline.stages, 1):
+            code = run_stage(run, stage, number, train)
+            if code:
+                return code
     print(write_summary(out, [(s.name, out / s.name) for s in pipeline.stages], time.perf_counter() - started),
           flush=True)
     return 0
+
+
+def _held(out: Path) -> ExclusiveLock:
+    """One pipeline at a time in a directory (two would race for the state file and the stages' runs)."""
+    lock = ExclusiveLock(out / LOCK_FILE, {"pipeline_dir": str(out)})
+    try:
+        return lock.acquire()
+    except LockHeld as exc:
+        raise UserError(f"--out: {out} is in use by another pipeline: {exc.holder}. Wait for it, stop it, or "
+                        "choose another --out") from None
 
 
 def stage_argv(pipeline: Pipeline, stage: Stage, out: Path) -> List[str]:
