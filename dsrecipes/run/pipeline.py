@@ -22,12 +22,13 @@ and the resume command (exit 2); an interrupted stage (Ctrl-C, SIGTERM) ends it 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, Iterator, List
 
 from dsrecipes.config.load import compose_and_load
 from dsrecipes.config.pipeline_file import Pipeline, Stage, stage_overrides
@@ -76,14 +77,19 @@ def run_pipeline(pipeline: Pipeline, out: Path, train: Train, resume_command: st
     return 0
 
 
-def _held(out: Path) -> ExclusiveLock:
+@contextlib.contextmanager
+def _held(out: Path) -> Iterator[None]:
     """One pipeline at a time in a directory (two would race for the state file and the stages' runs)."""
     lock = ExclusiveLock(out / LOCK_FILE, {"pipeline_dir": str(out)})
     try:
-        return lock.acquire()
+        lock.acquire()
     except LockHeld as exc:
         raise UserError(f"--out: {out} is in use by another pipeline: {exc.holder}. Wait for it, stop it, or "
                         "choose another --out") from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def stage_argv(pipeline: Pipeline, stage: Stage, out: Path) -> List[str]:
