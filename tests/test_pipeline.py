@@ -60,6 +60,8 @@ def write(tmp_path: Path, text: str, name: str = "p.yaml") -> Path:
     ("stages:\n  - name: a\n    set:\n      trainer.output_dir: /etc\n", 4, "set by the pipeline"),
     ("stages:\n  - name: a\n  - name: b\n    model_from: c\n", 4, "'c' is not an earlier stage"),
     ("stages:\n  - name: a\n    set: {trainer.max_stepz: 3}\n", 3, "did you mean trainer.max_steps?"),
+    ("stages:\n  - name: a\n    from_export: {model.tokenizer_path: b}\n  - name: b\n", 3, "not an earlier stage"),
+    ("stages:\n  - name: a\n  - name: b\n    from_export: {model.path: a}\n", 4, "set by the pipeline"),
     ("stages:\n  - name: a\n    set: {objective: dpx}\n", 3, "'dpx' is not an option of objective"),
     ("stages:\n  - name: a\n  - name: a\n", 3, "'a' names an earlier stage too"),
     ("stages: []\nextra: 1\n", 1, "stages: a non-empty list"),
@@ -78,6 +80,8 @@ def test_settings_become_overrides_train_checks_again(tmp_path):
         "objective=dpo", "dataset=sample_pairs", "++dataset.split.shares={reward:1,dpo:1}",
         "dataset.split.take=dpo", "trainer.max_steps=6"]
     assert f"model.path={(tmp_path / 'out').resolve()}/sft/export" in stage_argv(pipeline, dpo, tmp_path / "out")
+    rl = load_pipeline(write(tmp_path, THREE.replace("model_from: b", "from_export: {model.tokenizer_path: a}")))
+    assert f"model.tokenizer_path={(tmp_path / 'out').resolve()}/a/export" in stage_argv(rl, rl.stage("c"), tmp_path / "out")
 
 
 class FakeTrain:

@@ -12,11 +12,13 @@
       - name: dpo
         model_from: sft            # model.path = that stage's export
         set: {objective: dpo, dataset: sample_pairs}
+      # an RL stage takes a reward model from an earlier stage the same way, by key:
+      #   from_export: {objective.reward_model: reward}   (any path setting: KEY = that stage's export)
 
 A pipeline file is a recipe, read by the same bounded reader (config/recipe_file.py: size, UTF-8, YAML, aliases),
 then checked here as typed data, every problem with its `file:line` and all of them at once: only the keys above
 (positive lists, at the top and in a stage); a stage name is a plain name used once (it names the stage's run
-directory); `model_from` names an EARLIER stage; a setting's key is a key of the schema (or a config group), never
+directory); `model_from` and `from_export` name EARLIER stages; a setting's key is a key of the schema (or a config group), never
 one starting with `_` (Hydra's `_target_` would name code) and never one the pipeline sets itself
 (`trainer.output_dir`, `hydra.*`, `model.path` under `model_from`); a value is a number, true/false, null, a string
 of the characters in VALUE_CHARS (letters, digits, spaces and `_.,:/@+=~%*?-`, plus `${resolver:arg}`), or a list
@@ -41,7 +43,7 @@ from dsrecipes.core.errors import ConfigError
 from dsrecipes.core.suggest import closest, phrase
 
 TOP_KEYS = ("shared", "stages")
-STAGE_KEYS = ("name", "recipe", "set", "model_from")
+STAGE_KEYS = ("name", "recipe", "set", "model_from", "from_export")
 PIPELINE_SET = ("trainer.output_dir", "hydra")  # what the pipeline itself sets for every stage
 VALUE_CHARS = r"[\w .,:/@+=~%*?\-]"
 _VALUE = re.compile(rf"(?:{VALUE_CHARS}|\$\{{[\w.:/\-]*\}})*\Z")
@@ -65,6 +67,11 @@ class Stage:
     recipe: Optional[str] = None  # a shipped recipe's name, or an absolute recipe file path
     model_from: Optional[str] = None
     settings: List[Setting] = field(default_factory=list)
+    from_export: Dict[str, str] = field(default_factory=dict)  # key -> earlier stage whose export path it takes
+
+    def exports_used(self) -> Dict[str, str]:
+        """{key: stage} of every setting taken from an earlier stage's export (`model_from` is model.path)."""
+        return {**({"model.path": self.model_from} if self.model_from else {}), **self.from_export}
 
 
 @dataclass
@@ -183,10 +190,31 @@ class _Reader:
             stage.recipe = self.recipe(items["recipe"], f"{where}.recipe")
         if "model_from" in items:
             stage.model_from = self.model_from(items["model_from"], f"{where}.model_from", before)
-        reserved = ("model.path",) if stage.model_from else ()
+        if "from_export" in items:
+            stage.from_export = self.from_export(items["from_export"], f"{where}.from_export", before)
+        reserved = tuple(stage.exports_used())
         if "set" in items:
             stage.settings = self.settings(items["set"], f"{where}.set", reserved)
         return stage
+
+    def from_export(self, node: Any, where: str, before: List[Stage]) -> Dict[str, str]:
+        """`{KEY: STAGE}`: KEY (a path setting, e.g. a reward model's) takes that earlier stage's export."""
+        if not isinstance(node, yaml.MappingNode):
+            self.error(node, f"{where}: a mapping of keys to earlier stages (e.g. objective.reward_model: reward)")
+            return {}
+        out: Dict[str, str] = {}
+        for k, v in node.value:
+            key = str(k.value)
+            if not all(_KEY_PART.match(p) for p in key.split(".")) or not self.known(key, leaf=True):
+                self.error(k, f"{where}: {key!r} is not a key of the config"
+                              f"{phrase(closest(key, sorted(self.keys)))}")
+            elif any(key == r or key.startswith(r + ".") for r in PIPELINE_SET + ("model.path",)):
+                self.error(k, f"{where}.{key}: set by the pipeline (model_from names the model's stage)")
+            else:
+                stage = self.model_from(v, f"{where}.{key}", before)
+                if stage:
+                    out[key] = stage
+        return out
 
     def name(self, node: Any, parent: Any, where: str, before: List[Stage]) -> str:
         if node is None:
@@ -247,7 +275,7 @@ class _Reader:
             self.error(k, f"{where}: {key!r} is not a setting's key: dotted plain names{code}")
             return []
         if any(key == r or key.startswith(r + ".") for r in PIPELINE_SET + reserved):
-            self.error(k, f"{where}.{key}: set by the pipeline for every stage (its run directory, its model_from)")
+            self.error(k, f"{where}.{key}: set by the pipeline (its run directory; model_from, from_export)")
             return []
         if key == RECIPE_GROUP:
             self.error(k, f"{where}.{key}: name a stage's recipe with the stage's `recipe:` key")

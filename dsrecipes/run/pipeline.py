@@ -7,7 +7,8 @@
     <out>/pipeline_summary.md, .png  the stages side by side (observe/pipeline_report.py)
 
 Each stage is `train` with the stage's overrides (config/pipeline_file.py) plus `trainer.output_dir` and, under
-`model_from`, `model.path=<that stage's export>`; the caller supplies `train` (the command's own entry, in this
+`model_from`, `model.path=<that stage's export>` (under `from_export: {KEY: STAGE}`, KEY=<that stage's export>: a
+reward model for an RL stage); the caller supplies `train` (the command's own entry, in this
 process), so a stage has every guarantee of a run started by hand. Before the first stage every stage's
 composition is loaded and validated (model paths of later stages are not there yet, so files are not checked):
 a typo in the last stage stops the pipeline before the first step.
@@ -95,8 +96,7 @@ def _held(out: Path) -> Iterator[None]:
 def stage_argv(pipeline: Pipeline, stage: Stage, out: Path) -> List[str]:
     """The overrides `train` gets for `stage` (the same on every resume)."""
     argv = stage_overrides(pipeline, stage)
-    if stage.model_from:
-        argv.append(f"model.path={out.resolve() / stage.model_from / EXPORT_DIR}")
+    argv += [f"{key}={out.resolve() / source / EXPORT_DIR}" for key, source in stage.exports_used().items()]
     run_dir = out.resolve() / stage.name
     return argv + [f"trainer.output_dir={run_dir}", f"hydra.run.dir={run_dir}"]
 
@@ -111,10 +111,10 @@ def check_stages(pipeline: Pipeline, out: Path) -> None:
         except UserError as exc:
             problems += [f"stage {stage.name!r} (line {stage.line}): {p}" for p in exc.problems]
             continue
-        takers = [s.name for s in pipeline.stages if s.model_from == stage.name]
+        takers = [s.name for s in pipeline.stages if stage.name in s.exports_used().values()]
         if takers and not cfg.trainer.export:
             problems.append(f"stage {stage.name!r} (line {stage.line}): trainer.export is false, but stage "
-                            f"{takers[0]!r} takes its model from this stage's export")
+                            f"{takers[0]!r} takes this stage's export")
     if problems:
         raise UserError([f"{pipeline.path}: {p}" for p in problems])
 
