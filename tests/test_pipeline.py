@@ -25,6 +25,7 @@ from dsrecipes.run.pipeline import LOCK_FILE, STATE_FILE, run_pipeline, stage_ar
 from tests.conftest import REPO, in_process_environ, subprocess_env
 
 TINY = """\
+prompts: {limit: 2, max_new_tokens: 4}
 shared:
   debug: fast
   data.cutoff_len: 512
@@ -182,3 +183,5 @@ def test_tiny_sft_then_dpo_killed_mid_stage_resumes_without_rerunning_sft(tmp_pa
     state = json.loads((out / STATE_FILE).read_text())["stages"]
     assert [state[s]["status"] for s in ("sft", "dpo")] == ["done", "done"]
     assert (out / "pipeline_summary.png").is_file() and "| dpo | dpo | 6 |" in (out / "pipeline_summary.md").read_text()
+    answers = (out / "pipeline_prompts.md").read_text()  # base, SFT and DPO on the same two held-out prompts
+    assert answers.count("- **base**:") == answers.count("- **sft**:") == answers.count("- **dpo**:") == 2, answers

@@ -11,7 +11,7 @@ from typing import List
 import dsrecipes.boundary.trust as trust
 import dsrecipes.commands.train as train
 from dsrecipes.commands.args import command_parser, parse
-from dsrecipes.config.pipeline_file import load_pipeline
+from dsrecipes.config.pipeline_file import Pipeline, load_pipeline
 from dsrecipes.core.errors import UserError
 from dsrecipes.run.pipeline import run_pipeline
 
@@ -25,7 +25,22 @@ def main(argv: List[str]) -> int:
     pipeline = load_pipeline(path)
     out = Path(args.out) if args.out else Path("runs") / path.stem
     command = shlex.join(["dsrecipes", "pipeline", str(path), "--out", str(out)])
-    return run_pipeline(pipeline, out, train_stage, command)
+    code = run_pipeline(pipeline, out, train_stage, command)
+    if code == 0 and pipeline.prompts is not None:
+        print(prompt_answers(pipeline, out), flush=True)
+    return code
+
+
+def prompt_answers(pipeline: Pipeline, out: Path) -> str:
+    """The base model and every generating stage on the same held-out prompts (serve/pipeline_prompts.py); a
+    pipeline whose stages all finished is not failed by them: a reason they cannot be asked is printed instead."""
+    from dsrecipes.serve.pipeline_prompts import answer_stages  # lazy: else `commands.pipeline` imports torch
+
+    try:
+        return answer_stages(out, [(s.name, out / s.name) for s in pipeline.stages], pipeline.prompts.limit,
+                             pipeline.prompts.max_new_tokens)
+    except UserError as exc:
+        return f"prompt answers skipped: {exc.render().removeprefix('error: ')}"
 
 
 def train_stage(argv: List[str]) -> int:

@@ -4,6 +4,7 @@
     shared:                        # settings of every stage: a flat recipe (group choices and dotted keys)
       model: smollm2_135m
       model.lora.enabled: true
+    prompts: {limit: 4, max_new_tokens: 32}   # optional: base and each stage answer 4 held-out prompts at the end
     stages:
       - name: sft
         recipe: smollm2_cpu_sft    # optional: a shipped recipe, or a recipe file (relative to this file)
@@ -42,7 +43,8 @@ from dsrecipes.config.hints import schema_keys
 from dsrecipes.core.errors import ConfigError
 from dsrecipes.core.suggest import closest, phrase
 
-TOP_KEYS = ("shared", "stages")
+TOP_KEYS = ("shared", "stages", "prompts")
+PROMPT_KEYS = {"limit": 64, "max_new_tokens": 1024}  # key -> the largest value (each answer costs generation)
 STAGE_KEYS = ("name", "recipe", "set", "model_from", "from_export")
 PIPELINE_SET = ("trainer.output_dir", "hydra")  # what the pipeline itself sets for every stage
 VALUE_CHARS = r"[\w .,:/@+=~%*?\-]"
@@ -75,10 +77,19 @@ class Stage:
 
 
 @dataclass
+class Prompts:
+    """`prompts:` the base model and each generating stage answer `limit` held-out prompts at the end."""
+
+    limit: int = 4
+    max_new_tokens: int = 32
+
+
+@dataclass
 class Pipeline:
     path: Path
     stages: List[Stage]
     shared: List[Setting] = field(default_factory=list)
+    prompts: Optional[Prompts] = None
 
     def stage(self, name: str) -> Stage:
         return next(s for s in self.stages if s.name == name)
@@ -163,7 +174,18 @@ class _Reader:
         else:
             for i, node in enumerate(stages_node.value):
                 stages.append(self.stage(node, i, stages))
-        return Pipeline(self.path, stages, shared)
+        prompts = self.prompts(items["prompts"]) if "prompts" in items else None
+        return Pipeline(self.path, stages, shared, prompts)
+
+    def prompts(self, node: Any) -> Prompts:
+        out = Prompts()
+        for key, v in self.mapping(node, tuple(PROMPT_KEYS), "prompts").items():
+            text = self.scalar_text(v)
+            if text is None or not text.isdigit() or not 1 <= int(text) <= PROMPT_KEYS[key]:
+                self.error(v, f"prompts.{key}: a whole number from 1 to {PROMPT_KEYS[key]}")
+            else:
+                setattr(out, key, int(text))
+        return out
 
     def mapping(self, node: Any, allowed: Tuple[str, ...], where: str) -> Dict[str, Any]:
         """{key: value node} of a mapping with only `allowed` keys, each once."""
