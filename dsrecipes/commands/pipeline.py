@@ -5,6 +5,7 @@ runs/<file name without .yaml>)."""
 from __future__ import annotations
 
 import shlex
+import traceback
 from pathlib import Path
 from typing import List
 
@@ -51,3 +52,6 @@ def train_stage(argv: List[str]) -> int:
     except UserError as exc:
         print(exc.render(), flush=True)
         return exc.exit_code
+    except Exception:  # noqa: BLE001 - a crash of one stage (train re-raises it for a single run): the pipeline
+        traceback.print_exc()  # stops naming that stage, with the resume command (run/pipeline.py)
+        return 1
