@@ -160,15 +160,18 @@ def test_tiny_sft_then_dpo_killed_mid_stage_resumes_without_rerunning_sft(tmp_pa
 
     path, out = write(tmp_path, TINY), tmp_path / "out"
     cmd = [sys.executable, "-m", "dsrecipes", "pipeline", str(path), "--out", str(out)]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=subprocess_env({"PYTHONPATH": str(REPO)}), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "first.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=subprocess_env({"PYTHONPATH": str(REPO)}),
+                                start_new_session=True, stdout=fh, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     try:
         while not (out / "dpo" / "checkpoints" / "step_3").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "the pipeline ended before DPO's checkpoint"
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.05)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
     sft_result = (out / "sft" / "result.json").stat().st_mtime_ns
     with in_process_environ():
