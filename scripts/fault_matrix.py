@@ -35,7 +35,13 @@ def main() -> int:
     bad = 0
     try:
         for case in cases:
-            outcome = run_case(case, root / case.name, root / "cache", store=store, resume=not args.no_resume)
+            try:
+                outcome = run_case(case, root / case.name, root / "cache", store=store, resume=not args.no_resume)
+            except AssertionError as exc:  # the case never reached its fault (the run failed before step 3)
+                bad += 1
+                print(f"{case.name:<38} {'-':>7} {'-':>5} {'-':>5} {'-':>9} {'-':>5}  {str(exc).splitlines()[0]}",
+                      flush=True)
+                continue
             found = problems(outcome)
             bad += bool(found)
             seconds = "hang" if outcome.seconds == float("inf") else f"{outcome.seconds:.1f}"
