@@ -60,6 +60,7 @@ FIELDS: Dict[str, FieldClass] = {
     "model.path": FieldClass.read_input,
     "model.tokenizer_path": FieldClass.read_input,
     "trainer.resume_from": FieldClass.read_input,
+    "objective.reward_model": FieldClass.read_input,  # objective=grpo: loaded with the model-directory checks
     # allow-listed element by element
     "launcher.env": FieldClass.boundary,  # boundary/rank_env.py
     "launcher.extra_args": FieldClass.boundary,  # boundary/launcher_args.py
@@ -73,6 +74,7 @@ FIELDS: Dict[str, FieldClass] = {
         "dataset.sources[].share[].pinned", "dataset.sources[].share[].shares",
         "model.name", "model.revision", "model.arch", "model.lora.target_modules", "template.separator",
         "template.default_system", "trainer.experiment", "launcher.slurm_partition", "launcher.slurm_account",
+        "objective.rewards[].name", "objective.rewards[].pattern",
         *(f"{p}.columns.{c}" for p in ("dataset", "dataset.sources[]") for c in _COLUMNS))},
 }
 

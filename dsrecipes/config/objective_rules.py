@@ -53,15 +53,44 @@ def _dpo_loss(cfg: TrainConfig) -> List[str]:
     return errors
 
 
+def _whole_prompts(cfg: TrainConfig) -> List[str]:
+    return [f"data.packing: {_name(cfg)} samples completions for whole prompts; set data.packing=false"
+            ] if cfg.data.packing else []
+
+
+def _grpo(cfg: TrainConfig) -> List[str]:
+    from dsrecipes.objectives.rewards import reward_problems  # lazy: reads installed entry points
+
+    o, errors = cfg.objective, []
+    if o.num_generations < 2:
+        errors.append(f"objective.num_generations: must be >= 2 (advantages compare completions of a prompt), "
+                      f"got {o.num_generations}")
+    if not 1 <= o.max_completion_length < cfg.data.cutoff_len:
+        errors.append(f"objective.max_completion_length: must be in [1, data.cutoff_len={cfg.data.cutoff_len}), "
+                      f"got {o.max_completion_length}")
+    if not o.temperature > 0:
+        errors.append(f"objective.temperature: must be > 0, got {o.temperature}")
+    if not 0 < o.epsilon < 1:
+        errors.append(f"objective.epsilon: must be in (0, 1), got {o.epsilon}")
+    if o.beta < 0:
+        errors.append(f"objective.beta: must be >= 0, got {o.beta}")
+    if o.beta > 0 and not cfg.model.lora.enabled:
+        errors.append("objective.beta: the KL term's reference is the LoRA base with adapters disabled; set "
+                      "model.lora.enabled=true, or objective.beta=0")
+    return errors + reward_problems(cfg)
+
+
 ROW_RULES: Dict[RowKind, Tuple[Rule, ...]] = {
     RowKind.conversation: (),
     RowKind.pair: (_pairs_carried, _whole_pairs),
+    RowKind.prompt: (_whole_prompts,),
 }
 
 RULES: Dict[ObjectiveKind, Tuple[Rule, ...]] = {
     ObjectiveKind.sft: (),
     ObjectiveKind.dpo: (_positive_beta, _dpo_loss),
     ObjectiveKind.orpo: (_positive_beta,),
+    ObjectiveKind.grpo: (_grpo,),
 }
 
 

@@ -130,6 +130,7 @@ class ObjectiveKind(str, Enum):
     sft = "sft"  # next-token cross-entropy on the trained spans of conversations
     dpo = "dpo"  # Direct Preference Optimization on (prompt, chosen, rejected) pairs
     orpo = "orpo"  # Odds Ratio Preference Optimization: SFT on chosen + odds-ratio term, no reference model
+    grpo = "grpo"  # Group Relative Policy Optimization: online RL on prompts, completions sampled and rewarded
 
 
 class RowKind(str, Enum):
@@ -138,6 +139,7 @@ class RowKind(str, Enum):
 
     conversation = "conversation"  # a conversation with trained spans
     pair = "pair"  # a prompt with a chosen and a rejected answer (one sample)
+    prompt = "prompt"  # a prompt alone (ending with a user turn), optionally with a reference answer (one sample)
 
 
 class DpoLoss(str, Enum):

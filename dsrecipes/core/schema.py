@@ -301,6 +301,16 @@ class TrainerConfig:
 
 
 @dataclass
+class RewardConfig:
+    """One weighted reward of `objective=grpo` (`objective.rewards`; objectives/rewards.py)."""
+    name: str = "exact_match"  # exact_match|number_equal|regex|length, or an installed `dsrecipes.rewards` entry
+    weight: float = 1.0
+    pattern: Optional[str] = None  # regex: the completion must match it (re.search) for reward 1
+    min_chars: int = 0  # length: reward 1 when min_chars <= len(completion) <= max_chars
+    max_chars: Optional[int] = None
+
+
+@dataclass
 class ObjectiveConfig:
     """What the training step optimises (`objective=sft|dpo`): collate, loss and metrics, evaluation
     (dsrecipes/objectives/)."""
@@ -312,6 +322,13 @@ class ObjectiveConfig:
     label_smoothing: float = 0.0  # dpo: assumed fraction of flipped preference labels (sigmoid, robust)
     reference: ReferenceMode = ReferenceMode.precomputed  # dpo (not with loss=simpo, which has no reference)
     simpo_gamma: float = 0.5  # dpo, loss=simpo: target reward margin (TRL's name and default)
+    num_generations: int = 4  # grpo: completions sampled per prompt (a group)
+    max_completion_length: int = 64  # grpo: new tokens per completion; prompts must fit data.cutoff_len - this
+    temperature: float = 1.0  # grpo: sampling temperature (also divides the logits of the loss, as TRL)
+    epsilon: float = 0.2  # grpo: clip range of the importance ratio (TRL's epsilon)
+    rewards: List[RewardConfig] = field(default_factory=list)  # grpo: built-in / installed reward checks
+    reward_model: Optional[str] = None  # grpo: a sequence-classification model directory (objective=reward export)
+    reward_model_weight: float = 1.0  # grpo: the reward model's weight in the sum
 
 
 @dataclass

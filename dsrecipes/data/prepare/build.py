@@ -49,6 +49,7 @@ from dsrecipes.data.prepare.cache import cache_key, cache_root
 from dsrecipes.data.prepare.cache_contents import check, seal
 from dsrecipes.data.prepare.pairs import attach_reference, reference_key
 from dsrecipes.data.prepare.pairs import build as build_pairs
+from dsrecipes.data.prepare.prompts import build as build_prompts
 from dsrecipes.data.prepare.stats import build_stats, summary
 from dsrecipes.data.render.batch_encode import Encoded, read_and_encode
 from dsrecipes.data.sources.badrows import BadRowReport
@@ -158,6 +159,8 @@ def _build(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig], val: L
     try:
         if cfg.objective.rows is RowKind.pair:
             stats = build_pairs(cfg, tokenizer, sources, val, report, tmp)
+        elif cfg.objective.rows is RowKind.prompt:
+            stats = build_prompts(cfg, tokenizer, sources, val, report, tmp)
         else:
             stats = _build_sft(cfg, tokenizer, sources, val, report, key, tmp)
         stats["seconds"] = round(time.time() - started, 2)

@@ -72,6 +72,8 @@ def cache_key(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig])
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "rows": cfg.objective.rows.value,  # conversations or preference pairs (the objective's row kind)
     }
+    if cfg.objective.rows.value == "prompt":  # the prompt budget: cutoff_len - max_completion_length
+        material["completion"] = cfg.objective.max_completion_length
     return _digest(material)
 
 

@@ -17,11 +17,14 @@ from dsrecipes.core.errors import DataError
 from dsrecipes.core.schema import RowKind
 from dsrecipes.data.sources.badrows import BadReason, BadRow
 from dsrecipes.data.sources.preference import pair_row
+from dsrecipes.data.sources.prompts import prompt_row
 
 ROW_FORMAT = "dsrecipes-sharegpt-v1"  # canonical rows: roles are dsrecipes.data.sources.sharegpt.Role values
 PAIR_ROW_FORMAT = "dsrecipes-pairs-v1"  # canonical preference pairs (objective.rows=pair): preference.pair_row
-FORMATS = {RowKind.conversation: ROW_FORMAT, RowKind.pair: PAIR_ROW_FORMAT}  # every row kind has one
-HELD = {ROW_FORMAT: "conversations (SFT rows)", PAIR_ROW_FORMAT: "preference pairs"}
+PROMPT_ROW_FORMAT = "dsrecipes-prompts-v1"  # canonical prompts (objective.rows=prompt): prompts.prompt_row
+FORMATS = {RowKind.conversation: ROW_FORMAT, RowKind.pair: PAIR_ROW_FORMAT,
+           RowKind.prompt: PROMPT_ROW_FORMAT}  # every row kind has one
+HELD = {ROW_FORMAT: "conversations (SFT rows)", PAIR_ROW_FORMAT: "preference pairs", PROMPT_ROW_FORMAT: "prompts"}
 
 
 def conversation_row(conv: Any) -> Dict[str, Any]:
@@ -53,6 +56,11 @@ def _canonical_rows(cfg: Any, report: Any, encoder: Any, sources: List[Any]) -> 
     from dsrecipes.data.render.preference_encode import checked_pairs  # lazy: else `commands.shard` imports numpy
     from dsrecipes.data.stream.scan import checked_conversations  # lazy: else `commands.shard` imports numpy 0.11 s
 
+    if row_format(cfg) == PROMPT_ROW_FORMAT:
+        from dsrecipes.data.render.prompt_encode import checked_prompts  # lazy: as checked_pairs (numpy)
+        for prompt, row in checked_prompts(cfg, report, encoder, sources):
+            yield prompt.prompt, prompt_row(prompt), len(row["prompt_ids"])
+        return
     if row_format(cfg) == PAIR_ROW_FORMAT:
         for pair, row in checked_pairs(cfg, report, encoder, sources):
             yield pair.prompt, pair_row(pair), sum(len(row[k]) for k in ("prompt_ids", "chosen_ids", "rejected_ids"))

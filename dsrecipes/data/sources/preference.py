@@ -51,8 +51,8 @@ def check_sources(rows: RowKind, sources: List[SourceConfig]) -> None:
         if rows is not RowKind.pair and src.ranking:
             raise ConfigError(f"dataset: source {src.name!r} holds preference (ranking) rows; train on it with an "
                               "objective on pairs (objective.rows=pair: objective=dpo, for one)")
-        if rows is RowKind.pair and src.format is DatasetFormat.alpaca:
-            raise ConfigError(f"dataset: source {src.name!r}: preference rows are read in the sharegpt "
+        if rows in (RowKind.pair, RowKind.prompt) and src.format is DatasetFormat.alpaca:
+            raise ConfigError(f"dataset: source {src.name!r}: {rows.value} rows are read in the sharegpt "
                               "(LLaMA-Factory) or openai (TRL) format, not alpaca")
 
 
@@ -100,6 +100,17 @@ def pair_row(pair: Pair) -> Dict[str, Any]:
 
 def _pair(raw: Dict[str, Any], source: SourceConfig, roles: Dict[str, Role]) -> Pair:
     cols = source.columns
+    conv = prompt_conversation(raw, source, roles)
+    chosen, rejected = (_answer(raw, side, source, roles) for side in (cols.chosen, cols.rejected))
+    if chosen == rejected:
+        raise BadRow(BadReason.identical_sides, "chosen and rejected are the same text")
+    return Pair(conv, chosen, rejected)
+
+
+def prompt_conversation(raw: Dict[str, Any], source: SourceConfig, roles: Dict[str, Role]) -> Conversation:
+    """The prompt turns of a row (ending with the turn a reply answers), its system prompt and tools: the prompt of
+    a pair, and a prompt row (`rows=prompt`, sources/prompts.py)."""
+    cols = source.columns
     prompt_col = cols.prompt if source.format is DatasetFormat.openai else cols.messages
     if prompt_col not in raw:
         raise BadRow(BadReason.missing_conversation, f"no {prompt_col!r} field (keys: {sorted(raw)[:8]})")
@@ -114,11 +125,7 @@ def _pair(raw: Dict[str, Any], source: SourceConfig, roles: Dict[str, Role]) -> 
     if turns[-1].role in TRAINED_ROLES:
         raise BadRow(BadReason.bad_value, f"the prompt ends with a {turns[-1].role.value} turn; it must end with "
                                           "the turn the answers reply to")
-    chosen, rejected = (_answer(raw, side, source, roles) for side in (cols.chosen, cols.rejected))
-    if chosen == rejected:
-        raise BadRow(BadReason.identical_sides, "chosen and rejected are the same text")
-    conv = Conversation("", turns, system, _tools_text(raw.get(cols.tools)))
-    return Pair(conv, chosen, rejected)
+    return Conversation("", turns, system, _tools_text(raw.get(cols.tools)))
 
 
 def _answer(raw: Dict[str, Any], side: str, source: SourceConfig, roles: Dict[str, Role]) -> str:

@@ -12,6 +12,7 @@ from dsrecipes.data.sources.sharegpt import parse_item
 from dsrecipes.data.strategies.base import Batch, Row
 from dsrecipes.data.strategies.item_rows import ItemRows
 from dsrecipes.data.strategies.pair_rows import PairRowEncoder
+from dsrecipes.data.strategies.prompt_rows import PromptRowEncoder
 from dsrecipes.objectives import build_objective
 
 
@@ -66,4 +67,4 @@ def _row(ids: List[str], input_ids: List[int], labels: List[int], position_ids: 
     return {"ids": list(ids), "input_ids": list(input_ids), "labels": list(labels), "position_ids": list(position_ids)}
 
 
-ROW_ENCODERS = {RowKind.conversation: RowEncoder, RowKind.pair: PairRowEncoder}  # one per row kind (test_row_kinds.py)
+ROW_ENCODERS = {RowKind.conversation: RowEncoder, RowKind.pair: PairRowEncoder, RowKind.prompt: PromptRowEncoder}  # one per row kind (test_row_kinds.py)

@@ -34,6 +34,7 @@ from dsrecipes.core.typed import config_to_dict
 from dsrecipes.data.prepare.build import QUARANTINE_FILE
 from dsrecipes.data.prepare.cache import PREP_VERSION, cache_root, data_fingerprint, tokenizer_fingerprint
 from dsrecipes.data.render.preference_encode import PairEncoder, checked_pairs
+from dsrecipes.data.render.prompt_encode import PromptEncoder, checked_prompts
 from dsrecipes.data.render.tokenize import Encoder
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.sources.files import element_line
@@ -50,6 +51,7 @@ from dsrecipes.data.stream.index import (
 )
 from dsrecipes.data.stream.scan_files import RowChecker, RowTap, Taps, load_scan, save_scan, scan_path
 from dsrecipes.data.stream.scan_pairs import PairChecker
+from dsrecipes.data.stream.scan_prompts import PromptChecker
 
 BATCH = 256  # conversations per tokenization call
 
@@ -100,8 +102,8 @@ class _Scanning:
 
 
 def pairs(cfg: TrainConfig) -> bool:
-    """Whether the run's rows are preference pairs (`objective.rows=pair`): a pair is one line, one sample."""
-    return cfg.objective.rows is RowKind.pair
+    """Whether the run's rows are one line, one sample: preference pairs or prompts (`objective.rows=pair|prompt`)."""
+    return cfg.objective.rows is not RowKind.conversation
 
 
 def checking_encoder(cfg: TrainConfig, tokenizer: Any) -> Any:
@@ -123,6 +125,8 @@ def _scan_key(cfg: TrainConfig, encoder: Any) -> str:
                 "tokenizer": tokenizer_fingerprint(encoder.tokenizer)}
     if pairs(cfg):  # another check per row; SFT keys stay as they were
         material["rows"] = cfg.objective.rows.value
+    if cfg.objective.rows is RowKind.prompt:  # the prompt budget: cutoff_len - max_completion_length
+        material["completion"] = cfg.objective.max_completion_length
     return hashlib.blake2b(json.dumps(material, sort_keys=True, default=str).encode(), digest_size=10).hexdigest()
 
 
@@ -242,4 +246,5 @@ class RowReading:
 READINGS: Dict[RowKind, RowReading] = {  # one per row kind (tests/test_row_kinds.py checks it is complete)
     RowKind.conversation: RowReading(Encoder, RowChecker, checked_conversations),
     RowKind.pair: RowReading(PairEncoder, PairChecker, checked_pairs),
+    RowKind.prompt: RowReading(PromptEncoder, PromptChecker, checked_prompts),
 }

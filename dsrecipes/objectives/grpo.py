@@ -1,0 +1,197 @@
+"""`objective=grpo`: Group Relative Policy Optimization (online RL) on prompt rows (`rows=prompt`).
+
+Each micro-batch step, on each rank, for each of its prompts (`collate`: left-padded prompt ids, the reference
+answers, the sample ids):
+1. `objective.num_generations` completions are sampled by the policy (grpo_generate.py: one seed per completion
+   from (trainer.seed, epoch, sample id, completion index), so resume and elastic resume sample exactly the same;
+   ZeRO-3 parameters gathered for the sampling);
+2. rewards: the configured parts (objectives/rewards.py: built-in checks, installed functions, a reward model),
+   summed with their weights;
+3. group-normalised advantages and the clipped policy loss with an optional KL to the reference (grpo_loss.py:
+   TRL's numbers); the reference is the LoRA base with the adapters disabled (no second copy; objective.beta > 0
+   needs LoRA).
+Train metrics (sums over completions, reported as means): reward and each part (`reward_<part>`), `reward_std`
+(within-group spread), `zero_std_groups` (share of groups whose completions all got the same reward: no
+learning signal), `completion_length`, `kl`, `gen_tokens_per_s` (generated tokens / sampling seconds, per rank).
+Every `trainer.log_every` steps rank 0 appends a few completions with their rewards to `<run>/grpo_samples.jsonl`.
+Evaluation samples with seeds of epoch -1 and reports `eval_reward`; `eval_loss` is minus the mean reward (lower is
+better, like every objective's selection metric).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from dsrecipes.core.schema import ObjectiveKind, RowKind, TrainConfig
+from dsrecipes.objectives.base import Batch, Row, pad_token_id, ratio
+from dsrecipes.objectives.grpo_generate import completion_seed, gathered, sample, stop_ids
+from dsrecipes.objectives.grpo_loss import group_advantages, grpo_loss, token_logps
+from dsrecipes.objectives.rewards import Rewards, part_names
+
+SUMS = ("completions", "groups", "reward", "reward_std", "zero_std_groups", "completion_tokens", "kl",
+        "gen_tokens", "gen_seconds")
+SAMPLES_FILE = "grpo_samples.jsonl"
+
+
+@dataclass
+class GRPO:
+    pad_id: int
+    num_generations: int
+    max_completion_length: int
+    temperature: float
+    epsilon: float
+    beta: float
+    seed: int
+    parts: Tuple[str, ...]
+    log_every: int = 10
+    kind: ObjectiveKind = ObjectiveKind.grpo
+    row_kind: RowKind = RowKind.prompt
+    train_keys: Tuple[str, ...] = SUMS
+    eval_keys: Tuple[str, ...] = SUMS
+    run_dir: Optional[str] = None
+    tokenizer: Any = field(default=None, repr=False)  # set by attach (on the rank; collate never needs it)
+    rewards: Any = field(default=None, repr=False)
+    engine: Any = field(default=None, repr=False)
+    stops: List[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.train_keys = self.eval_keys = SUMS + tuple(f"reward_{p}" for p in self.parts)
+
+    def collate(self, rows: List[Row]) -> Batch:
+        real = bool(rows)
+        rows = rows or [{"ids": [], "prompt_ids": [self.pad_id], "reference": ""}]
+        width = max(len(r["prompt_ids"]) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):  # left-padded: every prompt ends where the completions start
+            n = len(r["prompt_ids"])
+            ids[i, width - n:] = torch.as_tensor(list(r["prompt_ids"]), dtype=torch.long)
+            mask[i, width - n:] = 1
+        return {"prompt_ids": ids, "prompt_mask": mask, "references": [str(r["reference"]) for r in rows],
+                "sample_ids": [r["ids"][0] if r["ids"] else "" for r in rows], "real": real,
+                "ids": [i for r in rows for i in r["ids"]], "num_tokens": int(mask.sum()) if real else 0}
+
+    def attach(self, cfg: TrainConfig, tokenizer: Any, engine: Any) -> None:
+        self.tokenizer, self.engine = tokenizer, engine
+        self.stops = stop_ids(tokenizer)
+        self.rewards = Rewards(cfg, getattr(engine, "device", None))
+
+    def loss(self, model: Any, batch: Batch, device: torch.device) -> Tuple[torch.Tensor, Dict[str, Any]]:
+        loss, sums, shown = self.rollout(model, batch, device, int(batch.get("epoch", 0)))
+        step = int(getattr(self.engine, "global_steps", 0)) + 1
+        if shown and self.log_every and step % self.log_every == 0:
+            self.write_samples(step, shown)
+        return loss, sums
+
+    def eval_sums(self, model: Any, batch: Batch, device: torch.device) -> Dict[str, float]:
+        with torch.no_grad():
+            _, sums, _ = self.rollout(model, batch, device, -1)
+        return {k: float(v) for k, v in sums.items()}
+
+    def metrics(self, sums: Dict[str, float], prefix: str) -> Dict[str, float]:
+        n, groups = sums["completions"], sums["groups"]
+        out = {"eval_loss": -ratio(sums["reward"], n)} if prefix == "eval_" else {}
+        out.update({f"{prefix}reward": ratio(sums["reward"], n), f"{prefix}reward_std": ratio(sums["reward_std"], groups),
+                    f"{prefix}zero_std_groups": ratio(sums["zero_std_groups"], groups),
+                    f"{prefix}completion_length": ratio(sums["completion_tokens"], n),
+                    f"{prefix}kl": ratio(sums["kl"], n),
+                    f"{prefix}gen_tokens_per_s": ratio(sums["gen_tokens"], sums["gen_seconds"])})
+        out.update({f"{prefix}reward_{p}": ratio(sums[f"reward_{p}"], n) for p in self.parts})
+        return out
+
+    def rollout(self, model: Any, batch: Batch, device: torch.device, epoch: int
+                ) -> Tuple[torch.Tensor, Dict[str, Any], List[Dict[str, Any]]]:
+        """(loss, sums, a few shown completions) of one micro-batch: sample, reward, advantages, loss."""
+        if not batch["real"]:
+            return self.empty(model, batch, device)
+        g = self.num_generations
+        prompts = batch["prompt_ids"].to(device).repeat_interleave(g, dim=0)
+        prompt_mask = batch["prompt_mask"].to(device).repeat_interleave(g, dim=0)
+        seeds = [completion_seed(self.seed, epoch, sid, j) for sid in batch["sample_ids"] for j in range(g)]
+        started = time.perf_counter()
+        completions, mask = self.generate(model, prompts, prompt_mask, seeds)
+        seconds = time.perf_counter() - started
+        texts, prompt_texts = self.decode(completions, mask), self.decode(prompts, prompt_mask)
+        refs = [r for r in batch["references"] for _ in range(g)]
+        parts = self.rewards.parts(prompt_texts, texts, refs)
+        rewards = sum(torch.tensor(v, dtype=torch.float32) * self.rewards.weights[k] for k, v in parts.items())
+        advantages, std = group_advantages(rewards, g)
+        logps, ref = self.logps(model, prompts, prompt_mask, completions, mask)
+        loss, kl = grpo_loss(logps, logps.detach(), ref, advantages.to(device), mask, self.epsilon, self.beta)
+        groups = rewards.view(-1, g)
+        lengths = mask.sum(dim=1).float().cpu()
+        sums: Dict[str, Any] = {
+            "completions": torch.tensor(float(len(texts))), "groups": torch.tensor(float(groups.shape[0])),
+            "reward": rewards.sum(), "reward_std": std.view(-1, g)[:, 0].sum(),
+            "zero_std_groups": torch.isclose(std.view(-1, g)[:, 0], torch.zeros(1)).float().sum(),
+            "completion_tokens": lengths.sum(), "kl": kl.detach().cpu() * len(texts),
+            "gen_tokens": lengths.sum(), "gen_seconds": torch.tensor(seconds)}
+        sums.update({f"reward_{k}": torch.tensor(v).sum() for k, v in parts.items()})
+        shown = [{"id": batch["sample_ids"][i // g], "prompt": prompt_texts[i], "completion": texts[i],
+                  "reference": refs[i], "reward": float(rewards[i]), "advantage": float(advantages[i]),
+                  "parts": {k: v[i] for k, v in parts.items()}} for i in range(min(len(texts), 2 * g))]
+        return loss, sums, shown
+
+    def generate(self, model: Any, prompts: torch.Tensor, prompt_mask: torch.Tensor, seeds: List[int]
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+        module = getattr(model, "module", model)
+        was_training = module.training
+        module.eval()
+        try:
+            with gathered(module):
+                return sample(module, prompts, prompt_mask, seeds, self.max_completion_length, self.temperature,
+                              self.stops, self.pad_id)
+        finally:
+            module.train(was_training)
+
+    def logps(self, model: Any, prompts: torch.Tensor, prompt_mask: torch.Tensor, completions: torch.Tensor,
+              mask: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(policy log-probs of the completion tokens, the reference's when objective.beta > 0)."""
+        ids = torch.cat([prompts, completions], dim=1)
+        attn = torch.cat([prompt_mask, mask], dim=1)
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        width = completions.shape[1]
+
+        def forward(m: Any) -> torch.Tensor:
+            logits = m(input_ids=ids, attention_mask=attn, position_ids=positions).logits
+            return token_logps(logits[:, -width - 1:-1, :], completions, self.temperature)
+
+        logps = forward(model)
+        if self.beta == 0.0:
+            return logps, None
+        module = getattr(model, "module", model)
+        with torch.no_grad(), module.disable_adapter():  # the LoRA base: no second copy (validation requires LoRA)
+            return logps, forward(module)
+
+    def empty(self, model: Any, batch: Batch, device: torch.device
+              ) -> Tuple[torch.Tensor, Dict[str, Any], List[Dict[str, Any]]]:
+        """A micro-batch with no prompt on this rank: a forward that trains nothing (every rank runs backward)."""
+        logits = model(input_ids=batch["prompt_ids"].to(device), attention_mask=batch["prompt_mask"].to(device)).logits
+        zero = torch.tensor(0.0)
+        sums = {k: zero for k in self.train_keys}
+        return logits.sum() * 0.0, sums, []
+
+    def decode(self, ids: torch.Tensor, mask: torch.Tensor) -> List[str]:
+        return [self.tokenizer.decode([int(t) for t, m in zip(row, keep) if m], skip_special_tokens=True)
+                for row, keep in zip(ids.tolist(), mask.tolist())]
+
+    def write_samples(self, step: int, shown: List[Dict[str, Any]]) -> None:
+        """Rank 0: the step's first completions with their rewards, appended to `<run>/grpo_samples.jsonl`."""
+        if self.run_dir is None or torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+            return
+        with open(Path(self.run_dir) / SAMPLES_FILE, "a", encoding="utf-8") as f:
+            for row in shown:
+                f.write(json.dumps({"step": step, **row}, ensure_ascii=False) + "\n")
+
+
+def build(cfg: TrainConfig, tokenizer: Any) -> GRPO:
+    o = cfg.objective
+    return GRPO(pad_token_id(tokenizer), o.num_generations, o.max_completion_length, o.temperature, o.epsilon,
+                o.beta, cfg.trainer.seed, tuple(part_names(cfg)), log_every=cfg.trainer.log_every,
+                run_dir=cfg.trainer.output_dir)

@@ -1,0 +1,165 @@
+"""The rewards of `objective=grpo`, chosen by name in the recipe (`objective.rewards`), never by code path.
+
+    rewards(completion: str, reference: str) -> {part name: float}, summed with the weights into the reward
+
+Built-in typed checks (reward 1.0 or 0.0; completions and references are text):
+- `exact_match`   the completion equals the reference after normalisation (core/answers.py: case-folded,
+                  whitespace collapsed; the rule prompt-eval scores with). No reference: 0.
+- `number_equal`  the last number in the completion equals the reference read as a number (|a - b| <= 1e-9).
+- `regex`         the completion matches `pattern` (re.search); a pattern that does not compile is refused at
+                  validation, naming its key.
+- `length`        `min_chars <= len(completion) <= max_chars` (max_chars null: no upper bound).
+Anything else is the name of a function an INSTALLED package registers under the entry point group
+`dsrecipes.rewards` (`[project.entry-points."dsrecipes.rewards"] my_reward = "my_pkg.rewards:score"`, called as
+`score(completion, reference) -> float`); a name that is neither built in nor installed is refused with the
+installed names. The recipe names; the installed package decides what runs.
+
+`objective.reward_model`: a sequence-classification model directory (`objective=reward`'s export: config,
+safetensors, tokenizer beside); its logit for (prompt + completion) is the part `reward_model`. It loads with the
+checks of every model directory (no custom code, safetensors only); a directory that fails is one ConfigError.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+from dsrecipes.core.answers import normalize
+from dsrecipes.core.errors import ConfigError, no_custom_code
+from dsrecipes.core.schema import RewardConfig, TrainConfig
+from dsrecipes.core.tokenizer import custom_code_problems
+
+GROUP = "dsrecipes.rewards"
+BUILTIN = ("exact_match", "number_equal", "regex", "length")
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+Check = Callable[[str, str], float]
+
+
+def installed() -> Dict[str, Any]:
+    """{name: entry point} of every function installed under `dsrecipes.rewards`."""
+    return {ep.name: ep for ep in entry_points(group=GROUP)}
+
+
+def reward_problems(cfg: TrainConfig) -> List[str]:
+    """Every problem of `objective.rewards` / `objective.reward_model` (config/validate.py), each naming its key."""
+    o, errors = cfg.objective, []
+    if not o.rewards and not o.reward_model:
+        errors.append("objective.rewards: objective=grpo needs a reward: objective.rewards=[{name: exact_match}] "
+                      "(built-in: exact_match, number_equal, regex, length) and/or objective.reward_model=DIR")
+    names = None
+    for i, r in enumerate(o.rewards):
+        key = f"objective.rewards[{i}]"
+        if r.name == "regex":
+            errors += _pattern_problems(key, r.pattern)
+        elif r.name == "length" and (r.min_chars < 0 or (r.max_chars is not None and r.max_chars < r.min_chars)):
+            errors.append(f"{key}.max_chars: length bounds must satisfy 0 <= min_chars <= max_chars")
+        elif r.name not in BUILTIN:
+            names = installed() if names is None else names
+            if r.name not in names:
+                errors.append(f"{key}.name: {r.name!r} is neither a built-in reward ({', '.join(BUILTIN)}) nor "
+                              f"installed under the entry point group {GROUP!r} (installed: {sorted(names) or 'none'})")
+        if not math.isfinite(r.weight):
+            errors.append(f"{key}.weight: must be a finite number, got {r.weight}")
+    return errors
+
+
+def _pattern_problems(key: str, pattern: Optional[str]) -> List[str]:
+    if not pattern:
+        return [f"{key}.pattern: the regex reward needs a pattern"]
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        return [f"{key}.pattern: {pattern!r} is not a regular expression ({exc})"]
+    return []
+
+
+def check_of(r: RewardConfig) -> Check:
+    """The function of one reward (built in, else the installed entry point, loaded here)."""
+    if r.name == "exact_match":
+        return lambda text, ref: float(bool(ref) and normalize(text) == normalize(ref))
+    if r.name == "number_equal":
+        return _number_equal
+    if r.name == "regex":
+        pattern = re.compile(r.pattern or "")
+        return lambda text, ref: float(pattern.search(text) is not None)
+    if r.name == "length":
+        top = math.inf if r.max_chars is None else r.max_chars
+        return lambda text, ref: float(r.min_chars <= len(text) <= top)
+    found = installed().get(r.name)
+    if found is None:
+        raise ConfigError(f"objective.rewards: {r.name!r} is not installed under the entry point group {GROUP!r}")
+    return found.load()
+
+
+def _number_equal(text: str, ref: str) -> float:
+    got, want = NUMBER.findall(text), NUMBER.findall(ref)
+    if not got or len(want) != 1:
+        return 0.0
+    return float(abs(float(got[-1]) - float(want[0])) <= 1e-9)
+
+
+class Rewards:
+    """Every configured reward: `parts(prompts, completions, references)` -> {name: [reward per completion]} and
+    `weights` {name: weight}; built on the rank (not pickled into loader workers)."""
+
+    def __init__(self, cfg: TrainConfig, device: Any = None):
+        o = cfg.objective
+        self.checks = {name: (check_of(r), r.weight) for name, r in zip(part_names(cfg), o.rewards)}
+        self.weights = {name: w for name, (_, w) in self.checks.items()}
+        self.model = load_reward_model(o.reward_model, device) if o.reward_model else None
+        if self.model is not None:
+            self.weights["reward_model"] = o.reward_model_weight
+
+    def parts(self, prompts: List[str], completions: List[str], references: List[str]) -> Dict[str, List[float]]:
+        out = {name: [float(fn(c, r)) for c, r in zip(completions, references)]
+               for name, (fn, _) in self.checks.items()}
+        if self.model is not None:
+            out["reward_model"] = self.model([p + c for p, c in zip(prompts, completions)])
+        return out
+
+
+def part_names(cfg: TrainConfig) -> List[str]:
+    """The metric name of every reward part: the reward's name (`<name>_<i>` when named twice), `reward_model`."""
+    o = cfg.objective
+    names = [r.name for r in o.rewards]
+    out = [f"{n}_{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
+    return out + (["reward_model"] if o.reward_model else [])
+
+
+def load_reward_model(path: str, device: Any) -> Callable[[List[str]], List[float]]:
+    """A sequence-classification directory -> texts -> [score]: no custom code, safetensors only; any failure to
+    load is one ConfigError naming objective.reward_model."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from dsrecipes.modeling.model import pickled_weights_problem  # lazy: else config/validate.py imports torch 3.80 s
+
+    key = "objective.reward_model"
+    problems = custom_code_problems(key, Path(path)) if Path(path).is_dir() else [f"{key}: {path} is not a directory"]
+    problems += [p.replace("model.path", key) for p in [pickled_weights_problem(Path(path))] if p]
+    if problems:
+        raise ConfigError(problems)
+    try:
+        with no_custom_code(key, path):
+            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+            model = AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=False,
+                                                                       use_safetensors=True)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises on a broken directory
+        raise ConfigError(f"{key}: {path} does not load as a sequence-classification model "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model.config.pad_token_id = tok.pad_token_id
+    model.eval().requires_grad_(False).to(device or "cpu")
+
+    def score(texts: List[str]) -> List[float]:
+        enc = tok(texts, return_tensors="pt", padding=True, truncation=True).to(model.device)
+        with torch.no_grad():
+            return model(**enc).logits[:, 0].float().tolist()
+
+    return score
