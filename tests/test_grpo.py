@@ -6,7 +6,6 @@ message). The SmolLM2 learning run lives in tests/test_grpo_smollm2.py.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -292,3 +291,92 @@ def test_installed_reward_functions_only(tmp_path, monkeypatch):
     text = str(got.value)
     assert "installed: ['sevens']" in text and "objective.rewards[1].pattern" in text
     assert "objective.num_generations: must be >= 2" in text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tiny end-to-end runs (`python -m dsrecipes` in this process, tiny model)
+
+RUN = [*GRPO, "trainer.log_every=1", "scheduler=constant", "scheduler.warmup_steps=0", "optimizer.lr=3e-3",
+       "dataset.val_size=4", "trainer.eval_every=4", "trainer.save_every=2", "trainer.export=false",
+       "objective.rewards=[{name: exact_match}, {name: length, max_chars: 4, weight: 0.5}]"]
+
+
+def run(ws: Path, name: str, *overrides: str) -> int:
+    from dsrecipes.cli import main
+    from tests.conftest import in_process_environ
+
+    run_dir = ws / name
+    with in_process_environ():
+        return main([*RUN, f"dataset.paths=[{ws / 'p.jsonl'}]", f"data.cache_dir={ws / 'cache'}",
+                     f"trainer.output_dir={run_dir}", f"hydra.run.dir={run_dir}", *overrides])
+
+
+def metrics(run_dir: Path):
+    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A: 4 steps. B: 2 steps, then the same command to 4 steps (resumes from its step-2 checkpoint). C: ZeRO-2 with
+    LoRA and the KL term, 2 steps."""
+    ws = tmp_path_factory.mktemp("grpo")
+    arithmetic(ws / "p.jsonl", 40)
+    assert run(ws, "a", "trainer.max_steps=4") == 0
+    assert run(ws, "b", "trainer.max_steps=2") == 0
+    assert run(ws, "b", "trainer.max_steps=4") == 0
+    assert run(ws, "c", "trainer.max_steps=2", "zero=stage2", "model.lora.enabled=true", "model.lora.dropout=0",
+               "objective.beta=0.04", "optimizer.lr=5e-2", "objective.rewards=[{name: regex, pattern: '[aeiou]'}]",
+               "objective.num_generations=4") == 0
+    return ws
+
+
+def test_run_reports_what_a_person_acts_on(runs):
+    a = metrics(runs / "a")
+    assert sorted(a) == [1, 2, 3, 4]
+    for key in ("reward", "reward_std", "zero_std_groups", "completion_length", "kl", "gen_tokens_per_s",
+                "reward_exact_match", "reward_length"):
+        assert all(key in a[s] for s in a), key
+    assert all(0 < a[s]["completion_length"] <= 6 and a[s]["gen_tokens_per_s"] > 0 for s in a)
+    assert all(abs(a[s]["reward"] - a[s]["reward_exact_match"] - 0.5 * a[s]["reward_length"]) < 1e-6 for s in a)
+    evals = [r for r in map(json.loads, (runs / "a" / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
+    assert evals and "eval_reward" in evals[-1] and evals[-1]["eval_loss"] == -evals[-1]["eval_reward"]
+    shown = [json.loads(x) for x in (runs / "a" / "grpo_samples.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in shown} == {1, 2, 3, 4}
+    assert set(shown[0]) >= {"id", "prompt", "completion", "reference", "reward", "advantage", "parts"}
+
+
+def test_resume_samples_and_trains_exactly_as_the_uninterrupted_run(runs):
+    """The resumed run's steps 3-4 sample the same completions (seeds from trainer.seed, epoch, sample id) and give
+    the same rewards and losses as run A's."""
+    a, b = metrics(runs / "a"), metrics(runs / "b")
+    for step in (3, 4):
+        for key in ("loss", "reward", "reward_std", "completion_length", "grad_norm"):
+            assert b[step][key] == a[step][key], (step, key)
+    sa = [json.loads(x) for x in (runs / "a" / "grpo_samples.jsonl").read_text().splitlines()]
+    sb = [json.loads(x) for x in (runs / "b" / "grpo_samples.jsonl").read_text().splitlines()]
+    assert [s for s in sa if s["step"] > 2] == [s for s in sb if s["step"] > 2]
+
+
+def test_zero2_lora_with_kl_to_the_adapter_free_base(runs):
+    """ZeRO-2 with LoRA samples ZeRO-0's completions at step 1 (same weights, same seeds); the KL to the LoRA base
+    is 0 before the first update and positive after it."""
+    c = metrics(runs / "c")
+    assert c[1]["zero_std_groups"] < 1
+    shown = {name: [json.loads(x) for x in (runs / name / "grpo_samples.jsonl").read_text().splitlines()]
+             for name in ("a", "c")}  # per step: the first two prompts' completions, in completion order
+    first = [(s["id"], s["completion"]) for s in shown["a"] if s["step"] == 1][:2]
+    assert first == [(s["id"], s["completion"]) for s in shown["c"] if s["step"] == 1][:2]
+    assert c[1]["kl"] == 0.0 and c[2]["kl"] > 0
+
+
+def test_refusals_are_one_message(tmp_path, capsys):
+    """A reward model directory that is not one, a prompt over the budget: exit 2, one message, nothing trained."""
+    arithmetic(tmp_path / "p.jsonl", 12, 0, json.dumps({"conversations": [{"from": "human", "value": "9 " * 60}]}))
+    (tmp_path / "rm").mkdir()
+    assert run(tmp_path, "r1", f"objective.reward_model={tmp_path / 'rm'}") == 2
+    assert run(tmp_path, "r2", "trainer.max_steps=1") == 2
+    err = capsys.readouterr().err
+    assert "error: objective.reward_model:" in err and "has no config.json" in err
+    assert "p.jsonl:13: prompt_too_long" in err and "Traceback" not in err
+    assert not (tmp_path / "r2" / "metrics.jsonl").exists()

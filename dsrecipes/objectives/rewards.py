@@ -49,6 +49,8 @@ def reward_problems(cfg: TrainConfig) -> List[str]:
     if not o.rewards and not o.reward_model:
         errors.append("objective.rewards: objective=grpo needs a reward: objective.rewards=[{name: exact_match}] "
                       "(built-in: exact_match, number_equal, regex, length) and/or objective.reward_model=DIR")
+    if o.reward_model:
+        errors += reward_model_problems(o.reward_model)
     names = None
     for i, r in enumerate(o.rewards):
         key = f"objective.rewards[{i}]"
@@ -64,6 +66,18 @@ def reward_problems(cfg: TrainConfig) -> List[str]:
         if not math.isfinite(r.weight):
             errors.append(f"{key}.weight: must be a finite number, got {r.weight}")
     return errors
+
+
+def reward_model_problems(path: str) -> List[str]:
+    """Before anything launches: a directory with a config, safetensors weights, and no code of its own (the weights
+    load on the ranks, where any other failure is one ConfigError too)."""
+    key, found = "objective.reward_model", Path(path).expanduser()
+    if not found.is_dir():
+        return [f"{key}: {path} is not a directory (an objective=reward export: config.json, *.safetensors, tokenizer)"]
+    if not (found / "config.json").is_file() or next(found.glob("*.safetensors"), None) is None:
+        return [f"{key}: {path} has no config.json or no *.safetensors weights (dsrecipes loads model weights only "
+                "from safetensors); give an objective=reward export"]
+    return custom_code_problems(key, found)
 
 
 def _pattern_problems(key: str, pattern: Optional[str]) -> List[str]:
@@ -135,11 +149,9 @@ def load_reward_model(path: str, device: Any) -> Callable[[List[str]], List[floa
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from dsrecipes.modeling.model import pickled_weights_problem  # lazy: else config/validate.py imports torch 3.80 s
 
     key = "objective.reward_model"
-    problems = custom_code_problems(key, Path(path)) if Path(path).is_dir() else [f"{key}: {path} is not a directory"]
-    problems += [p.replace("model.path", key) for p in [pickled_weights_problem(Path(path))] if p]
+    problems = reward_model_problems(path)
     if problems:
         raise ConfigError(problems)
     try:
