@@ -380,3 +380,37 @@ def test_refusals_are_one_message(tmp_path, capsys):
     assert "error: objective.reward_model:" in err and "has no config.json" in err
     assert "p.jsonl:13: prompt_too_long" in err and "Traceback" not in err
     assert not (tmp_path / "r2" / "metrics.jsonl").exists()
+
+
+STOPPER = '''import os, signal
+calls = [0]
+def score(completion, reference):
+    """length <= 4 characters (the `length` reward of RUN); on call DSRECIPES_TEST_STOP_AT, SIGTERM to this process."""
+    calls[0] += 1
+    if str(calls[0]) == os.environ.get("DSRECIPES_TEST_STOP_AT"):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return float(len(completion) <= 4)
+'''
+
+
+def test_sigterm_mid_rollout_checkpoints_and_resumes_exactly(runs, tmp_path, monkeypatch):
+    """SIGTERM lands inside step 3's rollout (in a reward function, after its completions were sampled, before the
+    loss): the run stops at a step boundary, checkpoints and exits 143; the same command resumes and every step's loss,
+    reward and grad norm equal the uninterrupted run A's (the installed `stopper` reward scores as RUN's `length`)."""
+    pkg = tmp_path / "site"
+    (pkg / "stopper").mkdir(parents=True)
+    (pkg / "stopper" / "__init__.py").write_text(STOPPER)
+    (pkg / "stopper-0.1.dist-info").mkdir()
+    (pkg / "stopper-0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: stopper\nVersion: 0.1\n")
+    (pkg / "stopper-0.1.dist-info" / "entry_points.txt").write_text("[dsrecipes.rewards]\nstopper = stopper:score\n")
+    monkeypatch.syspath_prepend(str(pkg))
+    monkeypatch.setenv("DSRECIPES_TEST_STOP_AT", str(2 * 8 + 1))  # 8 completions a step: the first call of step 3
+    ws = runs
+    args = ["trainer.max_steps=4", "objective.rewards=[{name: exact_match}, {name: stopper, max_chars: 4, weight: 0.5}]"]
+    assert run(ws, "s", *args) == 143
+    assert sorted(metrics(ws / "s")) in ([1, 2], [1, 2, 3])  # stopped at a step boundary, checkpointed
+    monkeypatch.delenv("DSRECIPES_TEST_STOP_AT")
+    assert run(ws, "s", *args) == 0
+    a, s = metrics(ws / "a"), metrics(ws / "s")
+    for step in (1, 2, 3, 4):
+        assert [s[step][k] for k in ("loss", "reward", "grad_norm")] == [a[step][k] for k in ("loss", "reward", "grad_norm")]
