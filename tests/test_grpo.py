@@ -6,6 +6,7 @@ message). The SmolLM2 learning run lives in tests/test_grpo_smollm2.py.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -414,3 +415,50 @@ def test_sigterm_mid_rollout_checkpoints_and_resumes_exactly(runs, tmp_path, mon
     a, s = metrics(ws / "a"), metrics(ws / "s")
     for step in (1, 2, 3, 4):
         assert [s[step][k] for k in ("loss", "reward", "grad_norm")] == [a[step][k] for k in ("loss", "reward", "grad_norm")]
+
+
+def test_zero3_gathers_parameters_for_sampling(runs):
+    """ZeRO-3 (a subprocess: its partitioning hooks are process-wide): the parameters are partitioned, gathered for
+    sampling, and step 1 samples run A's completions."""
+    import subprocess
+
+    from tests.conftest import subprocess_env
+
+    ws = runs
+    argv = [sys.executable, "-m", "dsrecipes", *RUN, f"dataset.paths=[{ws / 'p.jsonl'}]", f"data.cache_dir={ws / 'cache'}",
+            f"trainer.output_dir={ws / 'z3'}", f"hydra.run.dir={ws / 'z3'}", "zero=stage3", "trainer.max_steps=1",
+            "trainer.eval_every=0"]
+    proc = subprocess.run(argv, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "ZeRO-3" in proc.stdout + proc.stderr
+    shown = {name: [(s["id"], s["completion"]) for s in map(json.loads, (ws / name / "grpo_samples.jsonl").read_text()
+                                                            .splitlines()) if s["step"] == 1] for name in ("a", "z3")}
+    assert shown["z3"] and shown["z3"] == shown["a"]
+
+
+def test_reward_model_directory(tmp_path):
+    """A sequence-classification export (config, safetensors, tokenizer beside) scores prompt + completion as the
+    part `reward_model`; a directory that names its own code is refused at validation, naming the key."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    from dsrecipes.core.paths import TINY_TOKENIZER_DIR
+    from dsrecipes.objectives.rewards import Rewards
+
+    tok = AutoTokenizer.from_pretrained(str(TINY_TOKENIZER_DIR))
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                                       num_hidden_layers=1, num_attention_heads=4,
+                                                       num_key_value_heads=2, num_labels=1))
+    out = tmp_path / "rm"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    cfg = compose(f"objective.reward_model={out}", "objective.reward_model_weight=0.5")
+    rewards = Rewards(cfg)
+    parts = rewards.parts(["1+1=", "1+1="], ["2", "3"], ["2", "2"])
+    assert set(parts) == {"exact_match", "reward_model"} and rewards.weights["reward_model"] == 0.5
+    assert len(parts["reward_model"]) == 2 and parts["reward_model"][0] != parts["reward_model"][1]
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModel": "x.Y"}}))
+    with pytest.raises(ConfigError, match=r"objective.reward_model: .* needs its own Python code"):
+        compose(f"objective.reward_model={out}")
