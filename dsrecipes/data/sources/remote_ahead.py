@@ -9,7 +9,9 @@ keeps the next `budget` bytes of it fetched or in flight:
 - a refill's tickets of one object whose byte ranges touch are fetched by ONE ranged GET (a span), up to
   `span_bytes`; a span never covers a byte no ticket asked for, so grouping changes the number of GETs, not the bytes
   transferred. The plan's first `FIRST_TICKETS` tickets (a first micro-batch's blocks) are fetched one GET each,
-  ahead of everything: the first batch waits for its own blocks, not for a span of megabytes;
+  ahead of everything, and the spans start only once they are in: the first batch waits for its own blocks, not
+  for a span of megabytes, nor shares the connection's bandwidth with one (measured: 256 MiB corpus through the
+  local S3 server, time to first batch 3.7 s with the spans in flight beside the first blocks);
 - spans are fetched by `threads` threads in the order of their first ticket; a fetched span is cut into its tickets'
   bytes at once, so memory is the untaken tickets' bytes: <= `budget` plus one ticket (plus one span being cut).
 
@@ -43,7 +45,11 @@ class ReadAhead:
         self.bytes = 0  # bytes fetched (each span once, whatever its retries)
         self._singles = FIRST_TICKETS  # the plan's first tickets still to fetch singly
         self._lock = threading.Lock()
+        self._first_in = threading.Event()  # set when the singly fetched first tickets are in (or failed)
+        self._singles_left = 0
         self._refill()
+        if not self._singles_left:
+            self._first_in.set()
 
     def take(self, key: Hashable) -> Optional[bytes]:
         """The bytes of `key`'s next ticket (waiting for its span), or None when the plan holds no ticket for it."""
@@ -74,8 +80,10 @@ class ReadAhead:
             self.held += ticket[3] - ticket[2]
         self.peak = max(self.peak, self.held)
         singles, self._singles = min(self._singles, len(fresh)), 0
-        groups = [[x] for x in fresh[:singles]] + self._spans(fresh[singles:])
-        for span in sorted(groups, key=lambda s: min(order for order, _ in s)):  # by first need
+        self._singles_left += singles
+        for order, ticket in fresh[:singles]:  # submitted first: the pool starts them first
+            self._start([ticket], first=True)
+        for span in sorted(self._spans(fresh[singles:]), key=lambda s: min(order for order, _ in s)):  # by need
             self._start([t for _, t in span])
 
     def _spans(self, fresh: List[Tuple[int, Ticket]]) -> List[List[Tuple[int, Ticket]]]:
@@ -90,13 +98,26 @@ class ReadAhead:
                 spans.append([(order, ticket)])
         return spans
 
-    def _start(self, tickets: List[Ticket]) -> None:
+    def _start(self, tickets: List[Ticket], first: bool = False) -> None:
         _, f, start, _ = tickets[0]
         stop = tickets[-1][3]
         cuts = [(t[2] - start, t[3] - start) for t in tickets]
-        span = self._pool.submit(self._fetch, f, start, stop, cuts)
+        span = self._pool.submit(self._fetch_first if first else self._fetch_after_first, f, start, stop, cuts)
         for i, (key, _, a, b) in enumerate(tickets):
             self._untaken.setdefault(key, deque()).append((span, i, b - a))
+
+    def _fetch_first(self, f: int, start: int, stop: int, cuts: List[Tuple[int, int]]) -> List[bytes]:
+        try:
+            return self._fetch(f, start, stop, cuts)
+        finally:
+            with self._lock:
+                self._singles_left -= 1
+                if not self._singles_left:
+                    self._first_in.set()
+
+    def _fetch_after_first(self, f: int, start: int, stop: int, cuts: List[Tuple[int, int]]) -> List[bytes]:
+        self._first_in.wait()  # bounded: each first ticket's read ends within data.read_deadline_s, in or failed
+        return self._fetch(f, start, stop, cuts)
 
     def _fetch(self, f: int, start: int, stop: int, cuts: List[Tuple[int, int]]) -> List[bytes]:
         data = self._read(f, start, stop)
@@ -107,6 +128,7 @@ class ReadAhead:
 
     def close(self) -> None:
         self._plan = None
+        self._first_in.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._untaken.clear()
         self.held = 0
