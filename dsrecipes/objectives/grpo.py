@@ -4,7 +4,7 @@ Each micro-batch step, on each rank, for each of its prompts (`collate`: left-pa
 answers, the sample ids):
 1. `objective.num_generations` completions are sampled by the policy (grpo_generate.py: one seed per completion
    from (trainer.seed, epoch, sample id, completion index), so resume and elastic resume sample exactly the same;
-   ZeRO-3 parameters gathered for the sampling);
+   ZeRO-3 parameters gathered for the sampling, and every rank runs the same number of forwards);
 2. rewards: the configured parts (objectives/rewards.py: built-in checks, installed functions, a reward model),
    summed with their weights;
 3. group-normalised advantages and the clipped policy loss with an optional KL to the reference (grpo_loss.py:
@@ -13,7 +13,8 @@ answers, the sample ids):
 Train metrics (sums over completions, reported as means): reward and each part (`reward_<part>`), `reward_std`
 (within-group spread), `zero_std_groups` (share of groups whose completions all got the same reward: no
 learning signal), `completion_length`, `kl`, `gen_tokens_per_s` (generated tokens / sampling seconds, per rank).
-Every `trainer.log_every` steps rank 0 appends a few completions with their rewards to `<run>/grpo_samples.jsonl`.
+A micro-batch with no prompt on a rank (the end of an epoch) runs the rollout of a placeholder prompt with weight
+0, so every rank runs the same collectives. Every `trainer.log_every` steps rank 0 appends a few completions with their rewards to `<run>/grpo_samples.jsonl`.
 Evaluation samples with seeds of epoch -1 and reports `eval_reward`; `eval_loss` is minus the mean reward (lower is
 better, like every objective's selection metric).
 """
@@ -108,8 +109,6 @@ class GRPO:
     def rollout(self, model: Any, batch: Batch, device: torch.device, epoch: int
                 ) -> Tuple[torch.Tensor, Dict[str, Any], List[Dict[str, Any]]]:
         """(loss, sums, a few shown completions) of one micro-batch: sample, reward, advantages, loss."""
-        if not batch["real"]:
-            return self.empty(model, batch, device)
         g = self.num_generations
         prompts = batch["prompt_ids"].to(device).repeat_interleave(g, dim=0)
         prompt_mask = batch["prompt_mask"].to(device).repeat_interleave(g, dim=0)
@@ -133,6 +132,8 @@ class GRPO:
             "completion_tokens": lengths.sum(), "kl": kl.detach().cpu() * len(texts),
             "gen_tokens": lengths.sum(), "gen_seconds": torch.tensor(seconds)}
         sums.update({f"reward_{k}": torch.tensor(v).sum() for k, v in parts.items()})
+        if not batch["real"]:  # a rank without a prompt here ran the placeholder's rollout like the others (ZeRO-3:
+            return loss * 0.0, {k: torch.zeros(()) for k in sums}, []  # the same collectives); it trains nothing
         shown = [{"id": batch["sample_ids"][i // g], "prompt": prompt_texts[i], "completion": texts[i],
                   "reference": refs[i], "reward": float(rewards[i]), "advantage": float(advantages[i]),
                   "parts": {k: v[i] for k, v in parts.items()}} for i in range(min(len(texts), 2 * g))]
@@ -144,9 +145,9 @@ class GRPO:
         was_training = module.training
         module.eval()
         try:
-            with gathered(module):
+            with gathered(module) as partitioned:  # ZeRO-3: every rank runs max_completion_length forwards
                 return sample(module, prompts, prompt_mask, seeds, self.max_completion_length, self.temperature,
-                              self.stops, self.pad_id)
+                              self.stops, self.pad_id, stop_early=not partitioned)
         finally:
             module.train(was_training)
 
@@ -168,14 +169,6 @@ class GRPO:
         module = getattr(model, "module", model)
         with torch.no_grad(), module.disable_adapter():  # the LoRA base: no second copy (validation requires LoRA)
             return logps, forward(module)
-
-    def empty(self, model: Any, batch: Batch, device: torch.device
-              ) -> Tuple[torch.Tensor, Dict[str, Any], List[Dict[str, Any]]]:
-        """A micro-batch with no prompt on this rank: a forward that trains nothing (every rank runs backward)."""
-        logits = model(input_ids=batch["prompt_ids"].to(device), attention_mask=batch["prompt_mask"].to(device)).logits
-        zero = torch.tensor(0.0)
-        sums = {k: zero for k in self.train_keys}
-        return logits.sum() * 0.0, sums, []
 
     def decode(self, ids: torch.Tensor, mask: torch.Tensor) -> List[str]:
         return [self.tokenizer.decode([int(t) for t, m in zip(row, keep) if m], skip_special_tokens=True)

@@ -9,7 +9,8 @@ completion j of a prompt is `completion_seed(seed, epoch, sample id, j)`.
 
 A completion ends at its first stop token (kept: the end of the turn is part of the answer) or after `max_new`
 tokens; after it, `mask` is 0 and the ids are the pad id. ZeRO-3: the caller gathers the parameters around this
-(`gathered`), as DeepSpeed-Chat's hybrid engine does for generation.
+(`gathered`), as DeepSpeed-Chat's hybrid engine does for generation, and every rank runs all `max_new` forwards
+(a rank whose completions ended early would otherwise leave the others' collectives waiting).
 """
 
 from __future__ import annotations
@@ -28,22 +29,25 @@ def completion_seed(seed: int, epoch: int, sample_id: str, j: int) -> int:
 
 
 @contextlib.contextmanager
-def gathered(model: torch.nn.Module) -> Iterator[None]:
-    """ZeRO-3: every partitioned parameter gathered for the duration (read only); nothing otherwise."""
+def gathered(model: torch.nn.Module) -> Iterator[bool]:
+    """ZeRO-3: every partitioned parameter gathered for the duration (read only); nothing otherwise. Yields whether
+    the model is partitioned."""
     params = [p for p in model.parameters() if hasattr(p, "ds_id")]
     if not params:
-        yield
+        yield False
         return
     import deepspeed
 
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        yield
+        yield True
 
 
 @torch.no_grad()
 def sample(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, seeds: Sequence[int],
-           max_new: int, temperature: float, stop_ids: Sequence[int], pad_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(completion ids (B, T), completion mask (B, T)), T <= max_new; see the module docstring."""
+           max_new: int, temperature: float, stop_ids: Sequence[int], pad_id: int, stop_early: bool = True
+           ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(completion ids (B, T), completion mask (B, T)), T <= max_new; see the module docstring. `stop_early=False`
+    runs all max_new forwards even when every row has ended (ZeRO-3: the ranks' forwards stay in step)."""
     device = prompt_ids.device
     gens = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
     b = prompt_ids.shape[0]
@@ -63,7 +67,7 @@ def sample(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
         tokens.append(picked)
         alive.append(~done)
         done = done | torch.isin(picked, stops)
-        if bool(done.all()):
+        if stop_early and bool(done.all()):
             break
         mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=device)], dim=1)
         out = model(input_ids=picked[:, None], attention_mask=mask, position_ids=next_pos[:, None],
