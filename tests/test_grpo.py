@@ -462,3 +462,18 @@ def test_reward_model_directory(tmp_path):
     (out / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModel": "x.Y"}}))
     with pytest.raises(ConfigError, match=r"objective.reward_model: .* needs its own Python code"):
         compose(f"objective.reward_model={out}")
+
+
+def test_inspect_data_shows_prompt_rows(tmp_path, capsys):
+    """`dsrecipes inspect-data objective=grpo`: each prepared prompt with its reference, the per-source summary."""
+    from dsrecipes.cli import main
+    from tests.conftest import in_process_environ
+
+    data = arithmetic(tmp_path / "p.jsonl", 6)
+    with in_process_environ():
+        code = main(["inspect-data", *GRPO, f"dataset.paths=[{data}]", "dataset.val_size=0",
+                     f"data.cache_dir={tmp_path}/c", "--rows", "1"])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-2000:]
+    assert "=== train row 0: prompt p.jsonl:" in out.out and ", reference " in out.out
+    assert "data: per source:" in out.err and "(6 train)" in out.err

@@ -40,6 +40,8 @@ def build(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig], val
                                            {src.name: src.weight for src in sources}, cfg.dataset.val_size,
                                            cfg.trainer.seed)
     stats = _stats(cfg, report, rows, names, len(train_items), len(val_items))
+    for name, n in Counter(names[i] for i, _ in train_items).items():
+        stats["sources"][name]["train_samples"] = n
     for split, items in (("train", train_items), ("val", val_items)):
         if not items:
             continue
@@ -70,6 +72,6 @@ def _stats(cfg: TrainConfig, report: BadRowReport, rows: List[Dict[str, Any]], n
         "length": {"mean": sum(lengths) / len(lengths), "p50": lengths[len(lengths) // 2],
                    "p95": lengths[int(len(lengths) * 0.95)], "max": lengths[-1], "histogram": []},
         "packing_efficiency": {"train": None, "val": None},
-        "sources": {name: {"conversations": n} for name, n in Counter(names).items()},
+        "sources": {name: {"conversations": n, "train_samples": 0} for name, n in Counter(names).items()},
         "with_reference": sum(1 for r in rows if r["reference"]),
     }

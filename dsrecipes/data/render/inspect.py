@@ -21,6 +21,11 @@ def render_row(row: Mapping[str, Any], tokenizer: Any, color: bool, title: str =
     prompt once, then each side with its trained span)."""
     if "chosen_ids" in row:
         return render_pair(row, tokenizer, color, title)
+    if "reference" in row:  # a prompt row (rows=prompt): nothing trained, the completions are sampled in training
+        prompt = list(row["prompt_ids"])
+        ref = str(row["reference"]).translate(_VISIBLE) or "(none)"
+        return "\n".join([f"=== {title}: prompt {str(row['ids'][0]).translate(_VISIBLE)}, {len(prompt)} tokens, "
+                          f"reference {ref}", _spans(prompt, [IGNORE_INDEX] * len(prompt), tokenizer, color)])
     ids, labels, positions = list(row["input_ids"]), list(row["labels"]), list(row["position_ids"])
     starts = [i for i, p in enumerate(positions) if p == 0] or [0]
     bounds = list(zip(starts, starts[1:] + [len(ids)]))
