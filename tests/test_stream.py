@@ -415,7 +415,7 @@ def test_broken_json_array_names_the_element(make_cfg, tmp_path):
 
 
 def test_index_is_cached_by_content(make_cfg, tmp_path, monkeypatch):
-    from dsrecipes.data import cache
+    from dsrecipes.data.prepare import cache
     from dsrecipes.data.stream import files as stream_files
     from dsrecipes.data.stream.index import index_stream
 

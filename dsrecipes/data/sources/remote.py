@@ -10,19 +10,19 @@ Two schemes, a positive list (`SCHEMES`):
                                The Hub API cannot glob offline (`HfFileSystem` needs the network), the cache can.
 
 An S3 object's identity is its ETag (and VersionId when the bucket keeps versions): `identity()` hashes those with the
-URL and size, so a content key never reads the content. A reader's ranged reads (`RangeReader`, `RangePool` for the
+URL and size, so a content key never reads the content. A reader's ranged reads (`RangeReader`; remote_ahead.RangePool for the
 threads of remote_ahead.py, which groups a reader's adjacent blocks into one GET) are each one GET of exactly the
-bytes asked for, with `If-Match` on the ETag the index recorded (and the VersionId): an object replaced during a run is
-refused (`ObjectChanged`), never read mixed.
+bytes asked for, with `If-Match` on the ETag the index recorded (and the VersionId): an object replaced during a run
+is refused (`ObjectChanged`), never read mixed.
 
-Liveness (issue 43): a ranged read is one GET through botocore's public client (never s3fs internals), which does
-not retry; `RangeReader` retries with backoff and prints one line per failed attempt (object, bytes, endpoint,
-attempt k/n), and a read that has not succeeded within `data.read_deadline_s` (all attempts and waits) is one
-DataError naming the object and the endpoint. Each attempt's connect and read timeouts are an eighth of the deadline
-(at most botocore's 10 s / 60 s), and no attempt starts that could end past the deadline, so a stalled store and a
-cut link fail alike and in bounded time. Sequential reads (indexing, preparation) go through s3fs with the same
-timeouts, botocore retrying an attempt twice and s3fs twice more. `check_versions` refuses an s3fs/botocore too old
-for this before any rank starts.
+Liveness (issue 43): a ranged read is one GET through botocore's public client (never s3fs internals), which does not
+retry; `RangeReader` retries with backoff and prints one line per failed attempt (object, bytes, endpoint, attempt
+k/n), and a read that has not succeeded within `data.read_deadline_s` (all attempts and waits) is one DataError naming
+the object and the endpoint. Each attempt's connect and read timeouts are an eighth of the deadline (at most
+botocore's 10 s / 60 s), and no attempt starts that could end past the deadline, so a stalled store and a cut link
+fail alike and in bounded time. Sequential reads (indexing, preparation) go through s3fs with the same timeouts,
+botocore retrying an attempt twice and s3fs twice more. `check_versions` refuses an s3fs/botocore too old for this
+before any rank starts.
 """
 
 from __future__ import annotations
@@ -132,17 +132,21 @@ def s3() -> Any:
 
 def client() -> Any:
     """A plain (synchronous, thread-safe) botocore S3 client for ranged GETs, with the same standard settings as
-    `s3()`; botocore does not retry (RangeReader does, within the deadline, saying so)."""
-    settings = _settings()
-    if settings not in _CLIENT:
-        import botocore.config  # lazy: only s3:// data needs botocore (a second of imports)
-        import botocore.session  # lazy: as above
+    `s3()`; botocore does not retry (RangeReader does, within the deadline, saying so). Built once even when the
+    read-ahead's threads all ask at once (each building one cost a reader ~1 s before its first batch)."""
+    with _CLIENT_LOCK:
+        return _CLIENT.get(_settings()) or _new_client(_settings())
 
-        _CLIENT.clear()
-        connect, read = attempt_timeouts()
-        config = botocore.config.Config(connect_timeout=connect, read_timeout=read, max_pool_connections=2 *
-                                        PREFETCH_THREADS, retries={"total_max_attempts": 1, "mode": "standard"})
-        _CLIENT[settings] = botocore.session.get_session().create_client("s3", config=config)
+
+def _new_client(settings: tuple) -> Any:
+    import botocore.config  # lazy: only s3:// data needs botocore (a second of imports)
+    import botocore.session  # lazy: as above
+
+    _CLIENT.clear()
+    connect, read = attempt_timeouts()
+    config = botocore.config.Config(connect_timeout=connect, read_timeout=read, max_pool_connections=2 *
+                                    PREFETCH_THREADS, retries={"total_max_attempts": 1, "mode": "standard"})
+    _CLIENT[settings] = botocore.session.get_session().create_client("s3", config=config)
     return _CLIENT[settings]
 
 
@@ -157,6 +161,7 @@ def endpoint() -> str:
 
 _S3: Dict[tuple, Any] = {}
 _CLIENT: Dict[tuple, Any] = {}
+_CLIENT_LOCK = threading.Lock()
 
 
 @contextmanager
@@ -365,34 +370,3 @@ class RangeReader:
             except Exception:
                 pass
             self.fh = None
-
-
-class RangePool:
-    """Ranged reads from several threads (the read-ahead's, remote_ahead.py): one RangeReader per object and
-    thread; `retries` counts the faults all of them survived."""
-
-    def __init__(self, threads: int = PREFETCH_THREADS):
-        self.threads = threads
-        self._local = threading.local()
-        self._all: List[RangeReader] = []
-        self._lock = threading.Lock()
-
-    def read(self, url: str, digest: str, etag: str, start: int, stop: int) -> bytes:
-        readers = self._local.__dict__.setdefault("readers", {})
-        if url not in readers:
-            readers[url] = RangeReader(url, digest, etag)
-            with self._lock:
-                self._all.append(readers[url])
-        return readers[url].read(start, stop)
-
-    @property
-    def retries(self) -> int:
-        with self._lock:
-            return sum(r.retries for r in self._all)
-
-    def close(self) -> None:
-        with self._lock:
-            for reader in self._all:
-                reader.close()
-            self._all.clear()
-        self._local = threading.local()

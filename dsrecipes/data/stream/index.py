@@ -31,9 +31,9 @@ from dsrecipes.core.fileio import atomic_write_json, atomic_writer
 from dsrecipes.core.schema import DEFAULT_MAX_ROW_BYTES, DEFAULT_READ_AHEAD_BYTES, DEFAULT_SPAN_BYTES, SourceConfig
 from dsrecipes.data.sources.files import expand_paths, lines_in_range, no_file
 from dsrecipes.data.sources.registry import resolve_sources, validation_files
-from dsrecipes.data.sources.remote import ObjectChanged, RangePool, is_url, size_mtime
+from dsrecipes.data.sources.remote import ObjectChanged, is_url, size_mtime
 from dsrecipes.data.sources.remote import identity as remote_identity
-from dsrecipes.data.sources.remote_ahead import ReadAhead
+from dsrecipes.data.sources.remote_ahead import RangePool, ReadAhead
 from dsrecipes.data.sources.splits import split_val
 from dsrecipes.data.stream.changed import Seen, changed, check_fd, check_lines, check_read, differences
 from dsrecipes.data.stream.files import FileIndex, index_files
