@@ -33,6 +33,7 @@ SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
     "prompt-eval": ("prompt_eval", "answers of a baseline and a fine-tuned model side by side"),
     "chat": ("chat", "chat with a trained model in the terminal, on the template it was trained on"),
     "export": ("export", "write a Hugging Face model directory from a run's checkpoint"),
+    "score": ("score", "score preference pairs with a reward model: accuracy, margin, rewards as JSONL"),
     "pipeline": ("pipeline", "run stages in order (SFT -> reward -> DPO), each feeding the next; resumable"),
 }
 

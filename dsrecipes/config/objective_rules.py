@@ -80,6 +80,17 @@ def _grpo(cfg: TrainConfig) -> List[str]:
     return errors + reward_problems(cfg)
 
 
+def _reward(cfg: TrainConfig) -> List[str]:
+    """objective=reward: a scalar head generates nothing (no prompt-eval); the centering weight is >= 0."""
+    errors, center = [], cfg.objective.center_rewards_coefficient
+    if center is not None and not center >= 0:
+        errors.append(f"objective.center_rewards_coefficient: must be >= 0 (or null: off), got {center}")
+    if cfg.trainer.prompt_eval_every:
+        errors.append("trainer.prompt_eval_every: objective=reward trains a scoring head that generates no answers; "
+                      "set trainer.prompt_eval_every=0 (evaluation reports eval_reward_accuracy)")
+    return errors
+
+
 ROW_RULES: Dict[RowKind, Tuple[Rule, ...]] = {
     RowKind.conversation: (),
     RowKind.pair: (_pairs_carried, _whole_pairs),
@@ -91,6 +102,7 @@ RULES: Dict[ObjectiveKind, Tuple[Rule, ...]] = {
     ObjectiveKind.dpo: (_positive_beta, _dpo_loss),
     ObjectiveKind.orpo: (_positive_beta,),
     ObjectiveKind.grpo: (_grpo,),
+    ObjectiveKind.reward: (_reward,),
 }
 
 

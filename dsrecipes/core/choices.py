@@ -131,6 +131,7 @@ class ObjectiveKind(str, Enum):
     dpo = "dpo"  # Direct Preference Optimization on (prompt, chosen, rejected) pairs
     orpo = "orpo"  # Odds Ratio Preference Optimization: SFT on chosen + odds-ratio term, no reference model
     grpo = "grpo"  # Group Relative Policy Optimization: online RL on prompts, completions sampled and rewarded
+    reward = "reward"  # Bradley-Terry reward model on pairs: a scalar head scores chosen above rejected
 
 
 class RowKind(str, Enum):

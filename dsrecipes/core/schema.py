@@ -329,6 +329,7 @@ class ObjectiveConfig:
     rewards: List[RewardConfig] = field(default_factory=list)  # grpo: built-in / installed reward checks
     reward_model: Optional[str] = None  # grpo: a sequence-classification model directory (objective=reward export)
     reward_model_weight: float = 1.0  # grpo: the reward model's weight in the sum
+    center_rewards_coefficient: Optional[float] = None  # reward: weight of mean((r_chosen + r_rejected)^2) (TRL's)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from dsrecipes.core.errors import UserError, no_custom_code
-from dsrecipes.core.schema import Precision, TrainConfig
+from dsrecipes.core.schema import ObjectiveKind, Precision, TrainConfig
 from dsrecipes.core.tokenizer import load_tokenizer, tokenizer_dir  # noqa: F401 (the model's tokenizer, re-exported)
 
 TORCH_DTYPES = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
@@ -47,6 +47,12 @@ def import_modeling() -> None:
         forget()  # and the hidden answer (False) must not outlive the import
 
 
+def scalar_head(cfg: TrainConfig) -> bool:
+    """objective=reward trains a sequence-classification model with one label (a scalar score read at the last
+    non-pad token, `config.pad_token_id`) instead of a causal LM; LoRA then trains the new head whole."""
+    return cfg.objective.kind is ObjectiveKind.reward
+
+
 def build_model(cfg: TrainConfig, tokenizer, ds_config: Optional[Dict[str, Any]] = None) -> torch.nn.Module:
     """The model to train: weights in `precision.dtype`, gradient checkpointing and LoRA as configured.
 
@@ -57,7 +63,7 @@ def build_model(cfg: TrainConfig, tokenizer, ds_config: Optional[Dict[str, Any]]
     if cfg.model.path is None:
         model = build_tiny_model(cfg, tokenizer).to(dtype)
     else:
-        model = load_pretrained(cfg, dtype, ds_config)
+        model = load_pretrained(cfg, dtype, ds_config, tokenizer)
     model.config.use_cache = False
     if cfg.model.gradient_checkpointing:
         enable_activation_checkpointing(model)
@@ -102,15 +108,21 @@ def build_tiny_model(cfg: TrainConfig, tokenizer) -> torch.nn.Module:
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(tiny.seed)
+        if scalar_head(cfg):
+            from transformers import LlamaForSequenceClassification
+
+            config.num_labels = 1
+            return LlamaForSequenceClassification(config)
         model = LlamaForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
 
 
-def load_pretrained(cfg: TrainConfig, dtype: torch.dtype, ds_config: Optional[Dict[str, Any]]) -> torch.nn.Module:
+def load_pretrained(cfg: TrainConfig, dtype: torch.dtype, ds_config: Optional[Dict[str, Any]],
+                    tokenizer: Any = None) -> torch.nn.Module:
     global _hf_zero3_config
     import_modeling()
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     _hf_zero3_config = None  # a load without ds_config (export, prompt-eval) must not partition
     problem = pickled_weights_problem(Path(cfg.model.path))
@@ -120,9 +132,15 @@ def load_pretrained(cfg: TrainConfig, dtype: torch.dtype, ds_config: Optional[Di
         from transformers.integrations import HfDeepSpeedConfig
 
         _hf_zero3_config = HfDeepSpeedConfig(ds_config)
+    auto, head = AutoModelForCausalLM, {}
+    if scalar_head(cfg):  # a causal LM's body + a new score head (num_labels=1); the pad id finds the last token
+        auto, head = AutoModelForSequenceClassification, {"num_labels": 1}
+        if tokenizer is not None:
+            head["pad_token_id"] = tokenizer.pad_token_id
     with no_custom_code("model.path", str(cfg.model.path)):
-        return AutoModelForCausalLM.from_pretrained(
+        return auto.from_pretrained(
             cfg.model.path,
+            **head,
             dtype=dtype,
             attn_implementation=cfg.model.attn_implementation.value,
             trust_remote_code=False,
@@ -154,7 +172,8 @@ def add_lora(cfg: TrainConfig, model: torch.nn.Module) -> torch.nn.Module:
 
     lora = cfg.model.lora
     peft_config = peft.LoraConfig(
-        task_type="CAUSAL_LM",
+        task_type="SEQ_CLS" if scalar_head(cfg) else "CAUSAL_LM",  # SEQ_CLS: peft trains the score head whole
+        modules_to_save=["score"] if scalar_head(cfg) else None,
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,

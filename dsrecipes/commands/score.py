@@ -1,0 +1,136 @@
+"""`dsrecipes score EXPORT --pairs FILE [--out FILE]`: a reward model (an `objective=reward` export, or any Hugging
+Face sequence-classification directory with one label) scores preference pairs.
+
+Pairs are read like training pairs (data/sources/preference.py), per line in either format: TRL's `prompt` /
+`chosen` / `rejected` message lists, or LLaMA-Factory's `conversations` + `chosen` + `rejected`. Each side is the
+prompt plus that answer rendered with the directory's chat template (an export's is its training template) and
+scored at its last non-pad token, as transformers' sequence classification does. Printed: pairs, pairwise accuracy
+(share with reward(chosen) > reward(rejected)) and mean margin; written (--out, default FILE.rewards.jsonl, never
+over an existing file): one JSON line per pair with both rewards. Every failure (a directory that is not a model, one
+that needs its own code, a malformed pair named by file:line) is one message and exit 2, with nothing written.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+from dsrecipes.commands.args import parse
+from dsrecipes.core.errors import UserError, no_custom_code
+from dsrecipes.core.fileio import atomic_write_text, json_text
+from dsrecipes.core.schema import DatasetFormat, SourceConfig
+from dsrecipes.core.tokenizer import custom_code_problems
+from dsrecipes.data.sources.badrows import BadRow
+from dsrecipes.data.sources.preference import Pair, parse_pair_item
+from dsrecipes.data.sources.sharegpt import role_table
+
+BATCH = 8  # sequences per forward
+
+
+def main(argv: List[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dsrecipes score", description="Score preference pairs with a reward model: "
+                                     "pairwise accuracy, mean margin, and per-pair rewards as JSONL.")
+    parser.add_argument("export", help="a sequence-classification model directory (an objective=reward export)")
+    parser.add_argument("--pairs", required=True, help="JSONL pairs (TRL prompt/chosen/rejected or LLaMA-Factory "
+                        "conversations/chosen/rejected)")
+    parser.add_argument("--out", default=None, help="per-pair rewards JSONL to write (default: PAIRS.rewards.jsonl); "
+                        "must not exist")
+    args = parse(parser, argv)
+    model_dir, pairs_path = Path(args.export).expanduser(), Path(args.pairs).expanduser()
+    out = Path(args.out).expanduser() if args.out else pairs_path.with_suffix(".rewards.jsonl")
+    check_model_dir(model_dir)
+    if out.exists():
+        raise UserError(f"--out: {out} exists; dsrecipes score writes a new file (give another --out)")
+    pairs = read_pairs(pairs_path)
+    model, tokenizer = load_scorer(model_dir)
+    rows = score_pairs(model, tokenizer, pairs)
+    atomic_write_text(out, "".join(json_text(r, indent=None) + "\n" for r in rows))
+    n = len(rows)
+    accuracy = sum(r["correct"] for r in rows) / n
+    margin = sum(r["margin"] for r in rows) / n
+    print(f"pairs {n}  reward_accuracy {accuracy:.4f}  reward_margin {margin:.4f}  rewards -> {out}")
+    return 0
+
+
+def check_model_dir(path: Path) -> None:
+    """The checks of any model directory: a config, safetensors weights only, no code of its own."""
+    from dsrecipes.modeling.model import pickled_weights_problem  # lazy: torch
+
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise UserError(f"{path}: not a model directory (no config.json); give an objective=reward export")
+    problem = pickled_weights_problem(path)
+    if problem is None and next(path.glob("*.safetensors"), None) is None:
+        problem = f"{path}: no *.safetensors weights (an adapter-only export needs --lora merged to be scored)"
+    if problem is not None:
+        raise UserError(problem)
+    for problem in custom_code_problems("EXPORT", path):
+        raise UserError(problem)
+
+
+def read_pairs(path: Path) -> List[Tuple[int, Pair]]:
+    """(line, pair) of every non-empty line; a malformed one is one message naming file:line."""
+    if not path.is_file():
+        raise UserError(f"--pairs: {path} is not a file")
+    sources = {fmt: SourceConfig(name="pairs", paths=[str(path)], format=fmt, ranking=True)
+               for fmt in (DatasetFormat.openai, DatasetFormat.sharegpt)}
+    roles = {fmt: role_table(src) for fmt, src in sources.items()}
+    out = []
+    with open(path, "rb") as f:
+        for loc, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            fmt = DatasetFormat.openai if b'"prompt"' in raw else DatasetFormat.sharegpt
+            try:
+                out.append((loc, parse_pair_item(raw.rstrip(b"\r\n"), str(path), loc, sources[fmt], roles[fmt])))
+            except BadRow as exc:
+                raise UserError(f"{path}:{loc}: {exc}") from None
+    if not out:
+        raise UserError(f"--pairs: {path} holds no pairs")
+    return out
+
+
+def load_scorer(path: Path) -> Tuple[Any, Any]:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    try:
+        with no_custom_code("EXPORT", str(path)):
+            tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+            model = AutoModelForSequenceClassification.from_pretrained(str(path), trust_remote_code=False,
+                                                                       use_safetensors=True)
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises on a broken directory
+        raise UserError(f"{path}: does not load as a sequence-classification model "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+    if model.config.num_labels != 1:
+        raise UserError(f"{path}: a reward model has one label (a scalar score), this one has {model.config.num_labels}")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    tokenizer.padding_side = "right"
+    return model.eval(), tokenizer
+
+
+def pair_texts(tokenizer: Any, pair: Pair) -> Tuple[str, str]:
+    conv = pair.prompt
+    messages = ([{"role": "system", "content": conv.system}] if conv.system is not None else [])
+    messages += [{"role": t.role.value, "content": t.content} for t in conv.turns]
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError("EXPORT: the tokenizer has no chat template to render pairs with (a dsrecipes export has one)")
+    return tuple(tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": answer}], tokenize=False)
+                 for answer in (pair.chosen, pair.rejected))
+
+
+def score_pairs(model: Any, tokenizer: Any, pairs: List[Tuple[int, Pair]]) -> List[Dict[str, Any]]:
+    import torch
+
+    texts = [text for _, pair in pairs for text in pair_texts(tokenizer, pair)]
+    scores: List[float] = []
+    with torch.no_grad():
+        for i in range(0, len(texts), BATCH):
+            enc = tokenizer(texts[i:i + BATCH], return_tensors="pt", padding=True, add_special_tokens=False)
+            scores += model(**enc).logits[:, 0].float().tolist()
+    return [{"line": loc, "id": pair.prompt.id, "chosen_reward": c, "rejected_reward": r, "margin": c - r,
+             "correct": c > r} for (loc, pair), c, r in zip(pairs, scores[0::2], scores[1::2])]
