@@ -14,6 +14,7 @@ from dsrecipes.config.groups import RECIPE_GROUP, group_options
 from dsrecipes.config.load import check_composition, compose, compose_and_load, hydra_context
 from dsrecipes.config.matrix import as_container, layer, plan_all, recipe_body
 from dsrecipes.core.errors import ConfigError
+from dsrecipes.data.sources.registry import resolve_sources
 from dsrecipes.run.preflight import check_environment, check_template_tokens
 
 
@@ -32,11 +33,21 @@ def main(argv: List[str]) -> int:
     for warning in config_warnings(cfg):
         print(f"warning: {warning}", file=sys.stderr)
     print(
-        f"OK: data={cfg.data.kind.value} dataset={cfg.dataset.name} model={model_name(cfg)} "
+        f"OK: data={cfg.data.kind.value} dataset={source_names(cfg)} model={model_name(cfg)} "
         f"zero={cfg.zero.stage} offload={cfg.offload.label} precision={cfg.precision.dtype.value} "
         f"launcher={cfg.launcher.kind.value}"
     )
     return 0
+
+
+def source_names(cfg: Any) -> str:
+    """The sources a run of `cfg` reads, as `train` resolves them (`registry.resolve_sources`): `my_chats+glaive_en`,
+    or `sample` alone when nothing else is named."""
+    from dsrecipes.data.strategies.rules import reads_sources  # lazy: numpy
+
+    if not reads_sources(cfg):
+        return cfg.dataset.name
+    return "+".join(src.name for src in resolve_sources(cfg.dataset, [])) or cfg.dataset.name
 
 
 def validate_all(extra: List[str], *, verbose: bool = False) -> int:

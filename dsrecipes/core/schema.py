@@ -12,9 +12,7 @@ from typing import Any, Dict, List, Optional
 
 from dsrecipes.core.choices import AttnImpl as AttnImpl
 from dsrecipes.core.choices import BadRows as BadRows
-from dsrecipes.core.choices import (  # re-exported: the schema's field types, imported from here as before
-    DataKind as DataKind,
-)
+from dsrecipes.core.choices import DataKind as DataKind  # re-exported: the schema's field types, imported from here
 from dsrecipes.core.choices import DatasetFormat as DatasetFormat
 from dsrecipes.core.choices import Device as Device
 from dsrecipes.core.choices import DpoLoss as DpoLoss
@@ -134,6 +132,7 @@ class DatasetConfig:
     sources: List[SourceConfig] = field(default_factory=list)  # extra sources mixed with `paths`
     registry: Optional[str] = None  # dataset_info.json (LLaMA-Factory) or YAML registry
     use: List[str] = field(default_factory=list)  # registry entries to mix in
+    mix_sample: bool = False  # with dataset.use/sources: also train on the bundled sample (else they replace it)
     val_size: float = 64  # < 1: fraction, >= 1: number of samples
     val_paths: List[str] = field(default_factory=list)  # validation files, every strategy (then val_size is unused)
     bad_rows: BadRows = BadRows.error

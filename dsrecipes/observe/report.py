@@ -92,16 +92,28 @@ def next_commands(run_dir: Path, overrides: Sequence[str], steps: int, max_steps
     if (run_dir / EXPORT_DIR).is_dir():
         out.append(("compare:", f"dsrecipes prompt-eval --baseline {run} --finetuned {run}"))
         out.append(("chat:", f"dsrecipes chat {run}"))
-    out.append(("train further:", resume_command(run_dir, overrides, steps, max_steps)))
+    out.append(("train further:", resume_command(run_dir, overrides, steps, max_steps, _stopped_early(run_dir))))
     return out
 
 
-def resume_command(run_dir: Path, overrides: Sequence[str], steps: int, max_steps: Optional[int]) -> str:
+def _stopped_early(run_dir: Path) -> bool:
+    try:
+        result = json.loads((run_dir / RESULT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(result, dict) and bool(result.get("stopped_early"))
+
+
+def resume_command(run_dir: Path, overrides: Sequence[str], steps: int, max_steps: Optional[int],
+                   stopped_early: bool = False) -> str:
     """The same command, pointed at this run directory: it resumes from the newest complete checkpoint. A run
-    that reached its step budget gets a doubled one (a finished epoch-based run: one more epoch to set by hand)."""
-    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in ("trainer.output_dir", "trainer.max_steps",
-                                                                             "hydra.run.dir")]
-    extra = [f"trainer.output_dir={run_dir}"]
+    that reached its step budget gets a doubled one (a finished epoch-based run: one more epoch to set by hand); a
+    run that stopped early gets `trainer.early_stopping.patience=0`, which trains on to its budget (the same
+    command would stop there again: run/resume_contract.check_budget refuses it)."""
+    dropped = ("trainer.output_dir", "trainer.max_steps", "hydra.run.dir") + (
+        ("trainer.early_stopping.patience",) if stopped_early else ())
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in dropped]
+    extra = [f"trainer.output_dir={run_dir}"] + (["trainer.early_stopping.patience=0"] if stopped_early else [])
     if max_steps is not None:
         extra.append(f"trainer.max_steps={max(max_steps, steps) * 2 if steps >= max_steps else max_steps}")
     return shlex.join(["dsrecipes", *kept, *extra])

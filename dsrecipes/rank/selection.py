@@ -4,7 +4,8 @@
 The state is a plain dict inside `TrainState.selection` (checkpoint client state), so a resumed run continues with
 the same best step, best value and patience counter as an uninterrupted one:
 
-    {"best_step": int | None, "best_value": float | None, "bad_evals": int, "stopped": str | None}
+    {"best_step": int | None, "best_value": float | None, "bad_evals": int, "stopped": str | None,
+     "earlier_stops": [{"step": int, "reason": str}]}   # stops a resume with a larger budget continued past
 
 Rules, applied to every evaluation after step 0 (the step-0 evaluation is the starting point, not a candidate):
 - better: strictly better than the best so far in the metric's direction (`save_best.mode`, or the metric's own);
@@ -35,7 +36,7 @@ METRIC_MODES: Dict[SelectMetric, SelectMode] = {
 
 
 def fresh_state() -> Dict[str, Any]:
-    return {"best_step": None, "best_value": None, "bad_evals": 0, "stopped": None}
+    return {"best_step": None, "best_value": None, "bad_evals": 0, "stopped": None, "earlier_stops": []}
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class Verdict:
 class Selector:
     """Applies the rules to `state` (TrainState.selection, updated in place) as evaluations arrive."""
 
-    def __init__(self, cfg: TrainConfig, state: Dict[str, Any]):
+    def __init__(self, cfg: TrainConfig, state: Dict[str, Any], step: int = 0, total_steps: Optional[int] = None):
         t = cfg.trainer
         self.metric = t.save_best.metric
         self.mode = t.save_best.mode or METRIC_MODES[self.metric]
@@ -56,6 +57,16 @@ class Selector:
         for key, value in fresh_state().items():
             state.setdefault(key, value)
         self.state = state
+        if state["stopped"] and total_steps is not None and step < total_steps:
+            self._continue_past_stop(step)
+
+    def _continue_past_stop(self, step: int) -> None:
+        """A resume of a run that stopped early, with steps left to train (the launching side refused one that
+        asked for nothing new, run/resume_contract.check_budget): the stop goes to `earlier_stops` (result.json
+        keeps it) and patience counts afresh from here."""
+        st = self.state
+        st["earlier_stops"] = [*st["earlier_stops"], {"step": step, "reason": st["stopped"]}]
+        st["stopped"], st["bad_evals"] = None, 0
 
     @property
     def active(self) -> bool:
@@ -96,4 +107,6 @@ class Selector:
                        best_value=self.state["best_value"])
         if self.patience > 0:
             out["stopped_early"] = self.state["stopped"]
+        if self.state["earlier_stops"]:  # stops of earlier segments this run continued past
+            out["earlier_stops"] = list(self.state["earlier_stops"])
         return out

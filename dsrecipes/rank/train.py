@@ -157,7 +157,8 @@ def save(s: Session) -> None:
         raise TrainingFailed(f"non-finite weights after step {s.state.step}; the run stopped without saving them",
                              s.state.step)
     lora = s.cfg.model.lora.enabled  # the frozen base is rebuilt from model.path, so it is not saved
-    record = {"data_fingerprint": s.plan.data_fingerprint, "data_files": s.plan.data_files}
+    record = {"data_fingerprint": s.plan.data_fingerprint, "data_files": s.plan.data_files,
+              "total_steps": s.plan.total_steps, "stopped_early": s.state.selection.get("stopped")}  # check_budget
     s.last_checkpoint = save_checkpoint(s.engine, s.train_loader, s.state, s.run_dir,
                                         keep=s.cfg.trainer.keep_checkpoints, frozen_excluded=lora, record=record,
                                         protect=s.selector.protected())

@@ -81,8 +81,10 @@ def decide(cfg: TrainConfig, topology: Optional[Topology] = None) -> Decision:
     if strategy_of(cfg).needs_tokenizer:  # map: the preparation cache key hashes the tokenizer
 
         tokenizer = load_tokenizer(cfg)
-    fingerprint, files = data_identity(cfg, tokenizer)
     resume = plan_resume(cfg.trainer, run_dir, topology.world_size, cfg.zero.stage)
+    fingerprint, files = "", {}  # a fresh stream: identified by the pass that indexes it (plan_run), not read twice
+    if resume is not None or not getattr(strategy_of(cfg), "identity_in_prepare", False):
+        fingerprint, files = data_identity(cfg, tokenizer)
     if resume is not None:
         check_resume(cfg, resume, fingerprint, files)
     return Decision(topology, tokenizer, fingerprint, files, resume)
@@ -123,7 +125,11 @@ def plan_run(cfg: TrainConfig, run_dir: Path, decision: Decision) -> RunPlan:
 
     topology = decision.topology
     prepared = plan_data(cfg, run_dir, decision.tokenizer, decision.data_fingerprint, topology.world_size)
+    if not decision.data_fingerprint:  # identified while preparing (decide)
+        decision = dataclasses.replace(decision, data_fingerprint=prepared.fingerprint, data_files=prepared.files or {})
     per_epoch, total = plan_steps(cfg, topology.world_size, prepared)
+    if decision.resume is not None:
+        check_budget(cfg, decision.resume, total)
     newest = committed(run_dir / CHECKPOINTS_DIR)
     return RunPlan(world_size=topology.world_size, num_nodes=topology.num_nodes, data_kind=cfg.data.kind.value,
                    rows=prepared.rows, steps_per_epoch=per_epoch, total_steps=total,
@@ -148,6 +154,21 @@ def check_fresh_start(cfg: TrainConfig, run_dir: Path) -> None:
         raise Refused(f"trainer.resume_from: {source} belongs to another run, but {run_dir} already holds a "
                             f"run ({held}); continue another run's checkpoint in a new trainer.output_dir "
                             "(nothing was changed)")
+
+
+def check_budget(cfg: TrainConfig, resume: ResumePlan, total: int) -> None:
+    """Exit 2 before anything is written when the resumed run would train no step (resume_contract.check_budget)."""
+    tag_dir = Path(resume.checkpoint)
+    try:
+        record = read_record(tag_dir)
+    except (OSError, ValueError):
+        record = {}
+    config_path = tag_dir / "config.yaml"
+    if not config_path.is_file():
+        config_path = tag_dir.parent.parent / "config.yaml"  # checkpoints of older versions (as check_resume)
+    saved = yaml.safe_load(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    resume_contract.check_budget(str(tag_dir), resume.step, total, record, saved if isinstance(saved, dict) else {},
+                                 config_to_dict(cfg))
 
 
 def data_identity(cfg: TrainConfig, tokenizer: Any) -> Tuple[str, Dict[str, str]]:
@@ -187,7 +208,7 @@ def plan_data(cfg: TrainConfig, run_dir: Path, tokenizer: Any, fingerprint: str,
     and what it found: the training rows of an epoch, the validation rows. The data must still be what `decide`
     fingerprinted. `trainer.eval_every` with no validation data is a note, here, once."""
     prepared = strategy_of(cfg).prepare(cfg, Path(run_dir), tokenizer, world_size)
-    if prepared.fingerprint != fingerprint:
+    if fingerprint and prepared.fingerprint != fingerprint:
         raise UserError("the training data changed while the run was being planned; start it again")
     if prepared.val_rows == 0 and cfg.trainer.eval_every > 0:
         print(f"note: trainer.eval_every={cfg.trainer.eval_every}, but this run has no validation data, so it will "

@@ -23,6 +23,7 @@ from dsrecipes.data.render.template import check_template
 from dsrecipes.data.render.template_choice import choose_template
 from dsrecipes.data.render.tokenizer_files import open_tokenizer
 from dsrecipes.data.sources.files import expand_paths
+from dsrecipes.data.sources.preference import check_sources
 from dsrecipes.data.sources.registry import resolve_sources, validation_files
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json",
@@ -51,7 +52,8 @@ def check_environment(cfg: TrainConfig) -> List[str]:
 
 def check_data_names(cfg: TrainConfig) -> List[str]:
     """What a run would refuse about the data a config names, found without reading a row: `dataset.use` entries
-    missing from `dataset.registry` (or a registry entry it cannot read), a validation file that is also a
+    missing from `dataset.registry` (or a registry entry it cannot read), a source whose rows the objective cannot
+    train on (preference entries under SFT, plain ones under DPO), a validation file that is also a
     training file (its rows would be evaluated after being trained on)."""
     from dsrecipes.data.strategies.rules import reads_sources  # lazy: else `commands.validate` imports numpy 0.11 s
 
@@ -59,6 +61,7 @@ def check_data_names(cfg: TrainConfig) -> List[str]:
         return []
     try:
         sources = resolve_sources(cfg.dataset, [])
+        check_sources(cfg.objective.rows, sources)  # a ranking entry under SFT, a plain one under DPO (as train)
         train = [f for src in sources for f in expand_paths(src.paths)[0]]
         validation_files(train, expand_paths(cfg.dataset.val_paths)[0], [])
     except UserError as exc:

@@ -113,3 +113,25 @@ def check(saved: Dict[str, Any], new: Dict[str, Any], saved_data: Optional[str],
     if not accepted:
         return None
     return f"resuming {checkpoint} with changed settings: " + ", ".join(accepted)
+
+
+def check_budget(checkpoint: str, step: int, total: int, record: Dict[str, Any], saved: Dict[str, Any],
+                 new: Dict[str, Any]) -> None:
+    """A resume must have steps to train: Refused (exit 2, nothing written, result.json kept) when this run's budget
+    (`total` optimizer steps) ends at or before the checkpoint's `step`, or when the checkpoint stopped early
+    (its complete.json `stopped_early`) and neither a larger budget than that segment's nor other
+    `trainer.early_stopping` settings ask to go past the stop (the run would stop there again, training nothing)."""
+    if total <= step:
+        raise Refused(f"nothing to train: {checkpoint} has done {step} optimizer steps and this run plans {total}; "
+                      f"raise trainer.max_steps above {step} to train further (e.g. trainer.max_steps={2 * step}); "
+                      "nothing was changed")
+    stopped = record.get("stopped_early")
+    if not stopped or total > int(record.get("total_steps") or total):
+        return
+    stopping = (flatten(saved).get(f"trainer.early_stopping.{k}") for k in ("patience", "min_delta"))
+    if list(stopping) != [flatten(new).get(f"trainer.early_stopping.{k}") for k in ("patience", "min_delta")]:
+        return
+    raise Refused(f"nothing to train: {checkpoint} stopped early ({stopped}), and this run's budget ({total} steps) "
+                  "and early stopping are that segment's, so it would stop there again. To train past it, set "
+                  f"trainer.early_stopping.patience=0 (train up to step {total}) or a larger trainer.max_steps; "
+                  "nothing was changed")

@@ -81,6 +81,9 @@ def summary(stats: Dict[str, Any]) -> str:
         f"{stats['trailing_turns_dropped']} lost trailing non-assistant turns; trained tokens "
         f"{stats['trained_token_share']:.1%}",
     ]
+    if stats.get("sources"):  # what was read, per source: a named dataset replaces the sample unless mixed
+        lines.append("data: per source: " + ", ".join(
+            f"{name} {v['conversations']} rows ({v['train_samples']} train)" for name, v in stats["sources"].items()))
     eff = stats["packing_efficiency"]["train"]
     if eff is not None:
         lines.append(f"data: packing efficiency {eff:.1%} (train)")

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional
 import yaml
 
 from dsrecipes.core.errors import ConfigError, DataError
+from dsrecipes.core.paths import SAMPLE_DATA_DIR
 from dsrecipes.core.schema import ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
 from dsrecipes.core.typed import convert
 from dsrecipes.data.sources.files import expand_paths
@@ -47,11 +48,12 @@ _DATA_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
 
 
 def resolve_sources(dataset_cfg: DatasetConfig, notes: Optional[List[str]] = None) -> List[SourceConfig]:
-    """Every source to read, in a fixed order: `paths` (as a source named `dataset.name`), `sources`, `use`; each
+    """Every source to read, in a fixed order: `paths` (as a source named `dataset.name`; the bundled sample only
+    when nothing else is named or `dataset.mix_sample` asks for it, see `sample_replaced`), `sources`, `use`; each
     file once (see `read_once`, whose notes are appended to `notes`)."""
     ds = dataset_cfg
     sources: List[SourceConfig] = []
-    if ds.paths:
+    if ds.paths and not sample_replaced(ds):
         sources.append(SourceConfig(name=ds.name, paths=list(ds.paths), format=ds.format, columns=ds.columns,
                                     roles=dict(ds.roles)))
     for i, src in enumerate(ds.sources):  # copies: the typed config is never mutated
@@ -70,6 +72,16 @@ def resolve_sources(dataset_cfg: DatasetConfig, notes: Optional[List[str]] = Non
         if seen[src.name] > 1:
             sources[k] = dataclasses.replace(src, name=f"{src.name}#{seen[src.name]}")
     return stamp(ds.split, read_once(sources, notes))  # each source reads only the run's share (dataset.split)
+
+
+def sample_replaced(ds: DatasetConfig) -> bool:
+    """True when `dataset.paths` is still the bundled sample and the user named data (`dataset.use` or
+    `dataset.sources`) without `dataset.mix_sample=true`: what they named replaces the sample rather than being
+    silently mixed with its rows."""
+    if ds.mix_sample or not (ds.use or ds.sources):
+        return False
+    sample = os.path.realpath(SAMPLE_DATA_DIR / "train.jsonl")
+    return [os.path.realpath(p) for p in ds.paths] == [sample]
 
 
 def read_once(sources: List[SourceConfig], notes: Optional[List[str]] = None) -> List[SourceConfig]:
