@@ -141,6 +141,7 @@ def _write_memo(path: Path, memo: Dict[str, str]) -> None:
         pass  # a read-only cache root only costs re-hashing next time
 
 
-def data_files(cfg: TrainConfig, sources: Sequence[SourceConfig]) -> Dict[str, str]:
-    """{file: content hash} of every training file (a resume names the files that changed)."""
-    return {path: digest for src in sources_material(cfg, sources) for path, digest in src["files"]}
+def data_files(cfg: TrainConfig, sources: Sequence[SourceConfig], known: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """{file: content hash} of every training file (a resume names the files that changed); `known`: see
+    `sources_material`."""
+    return {path: digest for src in sources_material(cfg, sources, known) for path, digest in src["files"]}

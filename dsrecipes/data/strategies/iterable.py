@@ -48,7 +48,7 @@ from dsrecipes.data.stream.index import (
 )
 from dsrecipes.data.stream.order import epoch_visits
 from dsrecipes.data.stream.reader import ItemFetcher, read_stretch
-from dsrecipes.data.stream.scan import prepare_stream
+from dsrecipes.data.stream.scan import prepare_stream_files
 from dsrecipes.data.stream.segments import LocalShuffle, Segment, epoch_segment
 
 STREAM_STATE_VERSION = 2  # 1: the shared-stream filter before block reading
@@ -185,6 +185,7 @@ class IterableStrategy:
 
     kind = DataKind.iterable
     needs_tokenizer = False
+    identity_in_prepare = True  # prepare_stream_files hashes while indexing
 
     def identity(self, cfg: TrainConfig, tokenizer: Any) -> Tuple[str, Dict[str, str]]:
         sources = resolve_sources(cfg.dataset)
@@ -193,8 +194,8 @@ class IterableStrategy:
     def prepare(self, cfg: TrainConfig, run_dir: Path, tokenizer: Any, world_size: int) -> PrepareResult:
         """Index (and scan) the stream, write `<run>/stream_index.*`: the samples of one epoch, counted."""
 
-        rows, fingerprint, val = prepare_stream(cfg, run_dir)
-        return PrepareResult(rows, fingerprint, val)
+        rows, fingerprint, val, files = prepare_stream_files(cfg, run_dir)
+        return PrepareResult(rows, fingerprint, val, files=files)
 
     def steps_per_epoch(self, cfg: TrainConfig, layout: Layout, prepared: PrepareResult) -> Optional[int]:
         rows = cfg.data.num_samples if prepared.rows is None else prepared.rows

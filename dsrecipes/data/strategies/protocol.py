@@ -37,6 +37,7 @@ class PrepareResult:
     fingerprint: str  # the data identity after preparing; must still be what `identity` returned
     val_rows: int = 0  # validation samples the ranks will evaluate (0: the run does not evaluate)
     detail: Any = None  # strategy-private (presharded: the part counts)
+    files: Optional[Dict[str, str]] = None  # {training file: content hash} from preparing (`identity_in_prepare`)
 
 
 @dataclass
@@ -58,6 +59,9 @@ class DataStrategy(Protocol):
 
     kind: DataKind
     needs_tokenizer: bool
+    # a fresh start (no checkpoint to check against) takes its identity from `prepare`, which hashes the files in
+    # the pass that reads them anyway (data=iterable: one read of a local corpus on the launching side, cold)
+    identity_in_prepare: bool = False
 
     def identity(self, cfg: TrainConfig, tokenizer: Any) -> Tuple[str, Dict[str, str]]:
         """(fingerprint, {training file: content hash}) without writing anything."""

@@ -32,7 +32,7 @@ from dsrecipes.core.schema import RowKind, SourceConfig, TrainConfig
 from dsrecipes.core.tokenizer import load_tokenizer
 from dsrecipes.core.typed import config_to_dict
 from dsrecipes.data.prepare.build import QUARANTINE_FILE
-from dsrecipes.data.prepare.cache import PREP_VERSION, cache_root, data_fingerprint, tokenizer_fingerprint
+from dsrecipes.data.prepare.cache import PREP_VERSION, cache_root, data_files, data_fingerprint, tokenizer_fingerprint
 from dsrecipes.data.render.preference_encode import PairEncoder, checked_pairs
 from dsrecipes.data.render.prompt_encode import PromptEncoder, checked_prompts
 from dsrecipes.data.render.tokenize import Encoder
@@ -60,6 +60,13 @@ def prepare_stream(cfg: TrainConfig, run_dir: Path) -> Tuple[int, str, int]:
     """(samples per epoch, data fingerprint, validation rows) of a stream; writes `<run>/stream_index.*` (and the
     quarantine). The row pre-scan runs in the pass that indexes the files (stream/scan_files.py): one read of the corpus,
     cold; none, warm."""
+    rows, fingerprint, val, _ = prepare_stream_files(cfg, run_dir)
+    return rows, fingerprint, val
+
+
+def prepare_stream_files(cfg: TrainConfig, run_dir: Path) -> Tuple[int, str, int, Dict[str, str]]:
+    """`prepare_stream` and {training file: content hash} (cache.data_files), both from the indexing pass's hashes:
+    a fresh run's data identity costs no read of its own."""
 
     started = time.perf_counter()
     notes: List[str] = []
@@ -83,7 +90,8 @@ def prepare_stream(cfg: TrainConfig, run_dir: Path) -> Tuple[int, str, int]:
     print(f"data: stream indexed: {len(index.files)} files, {index.num_lines} lines in {blocks} blocks of "
           f"~{index.block_bytes} bytes{chunks}, {index.num_val} validation rows, {rows} training samples per epoch "
           f"({time.perf_counter() - started:.1f} s)", file=sys.stderr)
-    return rows, data_fingerprint(cfg, sources, {fi.name: fi.digest for fi in index.files}), index.num_val  # hashed once
+    digests = {fi.name: fi.digest for fi in index.files}  # hashed once, in the indexing pass
+    return rows, data_fingerprint(cfg, sources, digests), index.num_val, data_files(cfg, sources, digests)
 
 
 class _Scanning:
