@@ -128,6 +128,8 @@ def plan_run(cfg: TrainConfig, run_dir: Path, decision: Decision) -> RunPlan:
     if not decision.data_fingerprint:  # identified while preparing (decide)
         decision = dataclasses.replace(decision, data_fingerprint=prepared.fingerprint, data_files=prepared.files or {})
     per_epoch, total = plan_steps(cfg, topology.world_size, prepared)
+    if decision.resume is not None:
+        check_budget(cfg, decision.resume, total)
     newest = committed(run_dir / CHECKPOINTS_DIR)
     return RunPlan(world_size=topology.world_size, num_nodes=topology.num_nodes, data_kind=cfg.data.kind.value,
                    rows=prepared.rows, steps_per_epoch=per_epoch, total_steps=total,
@@ -152,6 +154,21 @@ def check_fresh_start(cfg: TrainConfig, run_dir: Path) -> None:
         raise Refused(f"trainer.resume_from: {source} belongs to another run, but {run_dir} already holds a "
                             f"run ({held}); continue another run's checkpoint in a new trainer.output_dir "
                             "(nothing was changed)")
+
+
+def check_budget(cfg: TrainConfig, resume: ResumePlan, total: int) -> None:
+    """Exit 2 before anything is written when the resumed run would train no step (resume_contract.check_budget)."""
+    tag_dir = Path(resume.checkpoint)
+    try:
+        record = read_record(tag_dir)
+    except (OSError, ValueError):
+        record = {}
+    config_path = tag_dir / "config.yaml"
+    if not config_path.is_file():
+        config_path = tag_dir.parent.parent / "config.yaml"  # checkpoints of older versions (as check_resume)
+    saved = yaml.safe_load(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    resume_contract.check_budget(str(tag_dir), resume.step, total, record, saved if isinstance(saved, dict) else {},
+                                 config_to_dict(cfg))
 
 
 def data_identity(cfg: TrainConfig, tokenizer: Any) -> Tuple[str, Dict[str, str]]:
