@@ -3,8 +3,9 @@ Face sequence-classification directory with one label) scores preference pairs.
 
 Pairs are read like training pairs (data/sources/preference.py), per line in either format: TRL's `prompt` /
 `chosen` / `rejected` message lists, or LLaMA-Factory's `conversations` + `chosen` + `rejected`. Each side is the
-prompt plus that answer rendered with the directory's chat template (an export's is its training template) and
-scored at its last non-pad token, as transformers' sequence classification does. Printed: pairs, pairwise accuracy
+prompt plus that answer rendered with the directory's chat template (an export's is its training template), ending
+with the answer's end-of-turn token as in training, and scored at its last non-pad token as transformers' sequence
+classification does. Printed: pairs, pairwise accuracy
 (share with reward(chosen) > reward(rejected)) and mean margin; written (--out, default FILE.rewards.jsonl, never
 over an existing file): one JSON line per pair with both rewards. Every failure (a directory that is not a model, one
 that needs its own code, a malformed pair named by file:line) is one message and exit 2, with nothing written.
@@ -13,13 +14,15 @@ that needs its own code, a malformed pair named by file:line) is one message and
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 from dsrecipes.commands.args import parse
 from dsrecipes.core.errors import UserError, no_custom_code
+from dsrecipes.core.export_dir import EXPORT_MARKER
 from dsrecipes.core.fileio import atomic_write_text, json_text
-from dsrecipes.core.schema import DatasetFormat, SourceConfig
+from dsrecipes.core.schema import ColumnsConfig, DatasetFormat, SourceConfig
 from dsrecipes.core.tokenizer import custom_code_problems
 from dsrecipes.data.sources.badrows import BadRow
 from dsrecipes.data.sources.preference import Pair, parse_pair_item
@@ -44,8 +47,8 @@ def main(argv: List[str]) -> int:
         raise UserError(f"--out: {out} exists; dsrecipes score writes a new file (give another --out)")
     pairs = read_pairs(pairs_path)
     model, tokenizer = load_scorer(model_dir)
-    rows = score_pairs(model, tokenizer, pairs)
-    atomic_write_text(out, "".join(json_text(r, indent=None) + "\n" for r in rows))
+    rows = score_pairs(model, tokenizer, pairs, end_of_turn(model_dir))
+    atomic_write_text(out, "".join(json_text(r, indent=None) for r in rows))
     n = len(rows)
     accuracy = sum(r["correct"] for r in rows) / n
     margin = sum(r["margin"] for r in rows) / n
@@ -72,8 +75,9 @@ def read_pairs(path: Path) -> List[Tuple[int, Pair]]:
     """(line, pair) of every non-empty line; a malformed one is one message naming file:line."""
     if not path.is_file():
         raise UserError(f"--pairs: {path} is not a file")
-    sources = {fmt: SourceConfig(name="pairs", paths=[str(path)], format=fmt, ranking=True)
-               for fmt in (DatasetFormat.openai, DatasetFormat.sharegpt)}
+    openai = ColumnsConfig(messages="messages", role="role", content="content")  # as dataset=openai_messages
+    sources = {fmt: SourceConfig(name="pairs", paths=[str(path)], format=fmt, ranking=True, columns=cols)
+               for fmt, cols in ((DatasetFormat.openai, openai), (DatasetFormat.sharegpt, ColumnsConfig()))}
     roles = {fmt: role_table(src) for fmt, src in sources.items()}
     out = []
     with open(path, "rb") as f:
@@ -109,7 +113,6 @@ def load_scorer(path: Path) -> Tuple[Any, Any]:
         tokenizer.pad_token = tokenizer.eos_token
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
-    tokenizer.padding_side = "right"
     return model.eval(), tokenizer
 
 
@@ -123,14 +126,36 @@ def pair_texts(tokenizer: Any, pair: Pair) -> Tuple[str, str]:
                  for answer in (pair.chosen, pair.rejected))
 
 
-def score_pairs(model: Any, tokenizer: Any, pairs: List[Tuple[int, Pair]]) -> List[Dict[str, Any]]:
+def end_of_turn(path: Path) -> List[int]:
+    """The end-of-turn ids a dsrecipes export records (dsrecipes_export.json): a trained sequence ends with the
+    answer's end-of-turn token, so what a chat template renders after it (chatml's newline) is cut off, else the
+    score would be read at another token than training read it. [] for a directory from elsewhere."""
+    try:
+        ids = json.loads((path / EXPORT_MARKER).read_text(encoding="utf-8")).get("end_of_turn_ids") or []
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [i for i in ids if isinstance(i, int) and not isinstance(i, bool)] if isinstance(ids, list) else []
+
+
+def encode(tokenizer: Any, text: str, stops: List[int]) -> List[int]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    last = max((i for i, t in enumerate(ids) if t in stops), default=len(ids) - 1)
+    return ids[:last + 1]
+
+
+def score_pairs(model: Any, tokenizer: Any, pairs: List[Tuple[int, Pair]], stops: List[int]) -> List[Dict[str, Any]]:
     import torch
 
-    texts = [text for _, pair in pairs for text in pair_texts(tokenizer, pair)]
+    seqs = [encode(tokenizer, text, stops) for _, pair in pairs for text in pair_texts(tokenizer, pair)]
     scores: List[float] = []
     with torch.no_grad():
-        for i in range(0, len(texts), BATCH):
-            enc = tokenizer(texts[i:i + BATCH], return_tensors="pt", padding=True, add_special_tokens=False)
-            scores += model(**enc).logits[:, 0].float().tolist()
+        for i in range(0, len(seqs), BATCH):
+            chunk = seqs[i:i + BATCH]
+            width = max(len(s) for s in chunk)
+            ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, seq in enumerate(chunk):
+                ids[row, :len(seq)], mask[row, :len(seq)] = torch.tensor(seq), 1
+            scores += model(input_ids=ids, attention_mask=mask).logits[:, 0].float().tolist()
     return [{"line": loc, "id": pair.prompt.id, "chosen_reward": c, "rejected_reward": r, "margin": c - r,
              "correct": c > r} for (loc, pair), c, r in zip(pairs, scores[0::2], scores[1::2])]
