@@ -37,7 +37,8 @@ SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
     "pipeline": ("pipeline", "run stages in order (SFT -> reward -> DPO), each feeding the next; resumable"),
 }
 
-QUIET_COMMANDS = ("export", "chat", "prompt-eval", "inspect-data")  # third-party bars and warnings go to a run's log
+# third-party bars and warnings go to a run's log
+QUIET_COMMANDS = ("export", "chat", "prompt-eval", "inspect-data", "score")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
