@@ -103,3 +103,61 @@ def test_an_early_stopped_run_continues_with_the_printed_command(registry, tmp_p
 
     code, out = _cli(capsys, *shlex.split(further)[1:])  # finished: the same budget trains nothing
     assert code == 2 and "nothing to train" in out and "trainer.max_steps above 8" in out, out[-2000:]
+
+    tags = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+    code, out = _cli(capsys, "export", str(run), "--tag", "step_99", "--out", str(tmp_path / "x"))
+    assert code == 2 and f"its complete checkpoints: {', '.join(tags)} (choose one with --tag)" in out, out
+    code, out = _cli(capsys, "export", str(run / "checkpoints" / "step_8"), "--out", str(tmp_path / "x"))
+    assert code == 0 and f"exported {run / 'checkpoints' / 'step_8'} -> " in out, out  # = RUN --tag step_8
+    code, out = _cli(capsys, "export", str(run / "checkpoints" / "step_8"), "--tag", "step_4", "--out",
+                     str(tmp_path / "y"))
+    assert code == 2 and "but --tag names step_4" in out, out
+
+
+def test_an_offline_hub_id_is_refused_by_validate_with_trains_words(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    code, validated = _cli(capsys, "validate", "model.path=NoSuchOrg/NoSuchModel")
+    code2, trained = _cli(capsys, "model.path=NoSuchOrg/NoSuchModel", f"trainer.output_dir={tmp_path / 'r'}",
+                          f"hydra.run.dir={tmp_path / 'r'}", "launcher=local")
+    line = "error: model.path: 'NoSuchOrg/NoSuchModel' is not a local directory, and HF_HUB_OFFLINE is set"
+    assert code == code2 == 2 and line in validated and line in trained, (validated, trained)
+
+
+def test_the_random_start_baseline_says_why_it_is_slow_and_empty(tmp_path, capsys, monkeypatch):
+    import dsrecipes.serve.inference as inference
+    from dsrecipes.serve import prompt_eval as pe
+    from dsrecipes.serve.inference import ModelPath
+
+    class Fake:
+        def __init__(self, *args):
+            self.tokenizer, self.stop_ids = type("T", (), {"chat_template": ""})(), [0]
+
+    monkeypatch.setattr(inference, "ChatModel", Fake)
+    monkeypatch.setattr(pe, "evaluate", lambda *a: pe.Score())
+    pe.compare(ModelPath(tmp_path / "export", False), ModelPath(tmp_path / "export_init", False), [], 48)
+    out = capsys.readouterr().out
+    assert "is the embedded tiny model's random start (never trained)" in out and "--max-new-tokens 48" in out
+    pe.compare(ModelPath(tmp_path / "export", False), ModelPath(tmp_path / "base", False), [], 48)
+    assert "random start" not in capsys.readouterr().out  # a real base model: no note
+
+
+def test_shard_names_a_store_prefix_as_a_url():
+    from dsrecipes.commands.shard import inside
+
+    assert inside("s3://bucket/shards/", "quarantine.jsonl") == "s3://bucket/shards/quarantine.jsonl"
+    assert inside("out", "quarantine.jsonl") == "out/quarantine.jsonl"
+
+
+def test_the_sweep_table_has_an_accuracy_column_when_jobs_report_one(tmp_path):
+    from dsrecipes.observe import sweep
+    from tests.test_sweep import fake_job
+
+    for num, (beta, acc) in enumerate((("0.1", 0.5), ("0.3", 0.75))):
+        fake_job(tmp_path, num, [f"objective.beta={beta}"], {"status": "ok", "error": None},
+                 [{"step": 4, "loss": 0.6}, {"step": 4, "eval_loss": 0.6, "eval_reward_accuracy": acc}])
+    md = sweep.render_markdown(sweep.collect(tmp_path)).splitlines()
+    assert "| eval_reward_accuracy |" in md[0] and "| 0.7500 |" in md[3], md
+    plain = tmp_path / "plain"
+    fake_job(plain, 0, ["x=1"], {"status": "ok", "error": None}, [{"step": 1, "loss": 3.0}])
+    assert "accuracy" not in sweep.render_markdown(sweep.collect(plain))

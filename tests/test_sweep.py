@@ -203,7 +203,8 @@ def test_dsrecipes_sweep_really_trains_each_job_and_reports_a_failing_one(tmp_pa
         assert job["final_loss"] is not None and job["final_eval_loss"] is not None
         assert job["tokens_per_s"] and job["peak_mem_mb"] > 0
     table = (sweep_dir / "summary.md").read_text()
-    assert table.splitlines()[0].startswith("| job | zero | status | final loss | eval loss | tokens/s | peak MB")
+    assert table.splitlines()[0].startswith("| job | zero | status | final loss | eval loss | eval_accuracy | "
+                                            "tokens/s | peak MB")  # SFT runs report their token accuracy
 
     second = json.loads((tmp_path / "sweep2" / "summary.json").read_text())["jobs"]
     assert [j["status"] for j in second] == ["failed", "ok"]

@@ -36,13 +36,18 @@ def main(argv: List[str]) -> int:
     print(f"wrote {manifest.parts} parts of {min(manifest.counts)}-{max(manifest.counts)} samples "
           f"({manifest.total} in all, balance={manifest.balance}{val}) to {args.out}")
     if manifest.bad_rows:
-        print(f"skipped bad rows: {manifest.bad_rows} (see {Path(args.out) / 'quarantine.jsonl'})")
+        print(f"skipped bad rows: {manifest.bad_rows} (see {inside(args.out, 'quarantine.jsonl')})")
     print(f"train with: {training_command(args.out, manifest.parts, overrides)}")
     if manifest.parts > 1:
         print(f"on M nodes x G ranks (M x G = {manifest.parts}): replace the launcher part with "
               "launcher=deepspeed_multinode launcher.num_nodes=M launcher.num_gpus=G launcher.master_addr=NODE0 "
               "(walkthrough: launch/README.md)")
     return 0
+
+
+def inside(out_dir: str, name: str) -> str:
+    """`name` in the output: a store prefix joined as a URL (`Path` would print `s3:/bucket/...`)."""
+    return f"{out_dir.rstrip('/')}/{name}" if "://" in out_dir else str(Path(out_dir) / name)
 
 
 # Overrides that only described the input or would clash with the printed launcher/data settings.

@@ -35,6 +35,9 @@ SUMMARY_JSON = "summary.json"
 SUMMARY_PNG = "summary.png"
 RESULT_KEYS = ("status", "error", "final_loss", "final_eval_loss", "tokens_per_s", "peak_mem_mb")
 HEADLINE = ("final_loss", "final_eval_loss", "tokens_per_s", "peak_mem_mb")
+# The accuracy a job's last evaluation reports, the first of these it has: a reward model's pair accuracy, DPO's
+# implicit reward accuracy, SFT's next-token accuracy, prompt-eval's exact match (a column when a job has one).
+ACCURACY_KEYS = ("eval_pair_accuracy", "eval_reward_accuracy", "eval_accuracy", "prompt_exact_match")
 
 
 class SweepSummary(Callback):
@@ -118,13 +121,24 @@ def read_run(*dirs: Path) -> Dict[str, Any]:
     metrics_file = _first(dirs, METRICS_FILE)
     try:
         from_metrics = run_summary(metrics_file.parent) if metrics_file is not None else {}
+        if metrics_file is not None:
+            from_metrics.update(last_accuracy(read_metrics(metrics_file.parent)))
     except UserError as exc:  # a damaged metrics.jsonl: named in this run's row, the sweep table still prints
         from_metrics = {}
         result.update(status="failed", error=str(exc))
-    for key in HEADLINE:
+    for key in (*HEADLINE, "accuracy", "accuracy_key"):
         if result.get(key) is None:
             result[key] = from_metrics.get(key)
     return result
+
+
+def last_accuracy(metrics: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """{"accuracy", "accuracy_key"} of the last evaluation that reports one of ACCURACY_KEYS (empty when none)."""
+    for row in reversed(metrics):
+        key = next((k for k in ACCURACY_KEYS if _finite(row.get(k))), None)
+        if key is not None:
+            return {"accuracy": float(row[key]), "accuracy_key": key}
+    return {}
 
 
 def _first(dirs: Any, name: str) -> Optional[Path]:
@@ -202,7 +216,9 @@ def best_row(rows: List[Dict[str, Any]]) -> Optional[Tuple[int, str, str]]:
 def render_markdown(rows: List[Dict[str, Any]]) -> str:
     keys = varying_keys(rows)
     best = best_row(rows)
-    head = ["job", *keys, "status", "final loss", "eval loss", "tokens/s", "peak MB", "error"]
+    accuracy = sorted({r["accuracy_key"] for r in rows if r.get("accuracy_key")}, key=ACCURACY_KEYS.index)
+    head = ["job", *keys, "status", "final loss", "eval loss", *(["/".join(accuracy)] if accuracy else []),
+            "tokens/s", "peak MB", "error"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, row in enumerate(rows):
         ovs = dict(ov.partition("=")[::2] for ov in row["overrides"])
@@ -211,8 +227,9 @@ def render_markdown(rows: List[Dict[str, Any]]) -> str:
         job = row["job"]
         if best is not None and best[0] == i:
             job, numbers[best[1]] = f"{job} (best)", f"**{numbers[best[1]]}**"
+        acc = [_num(row.get("accuracy"), 4)] if accuracy else []
         cells = [job, *[ovs.get(k, "") for k in keys], str(row["status"]), numbers["final_loss"],
-                 numbers["final_eval_loss"], _num(row["tokens_per_s"], 1), _num(row["peak_mem_mb"], 0),
+                 numbers["final_eval_loss"], *acc, _num(row["tokens_per_s"], 1), _num(row["peak_mem_mb"], 0),
                  error[:120]]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     if best is not None:

@@ -87,7 +87,18 @@ def compare(finetuned: Any, baseline: Optional[Any], rows: List[PromptRow], max_
     models = {"finetuned": tuned}
     if baseline is not None:
         models = {"baseline": ChatModel(baseline, tuned.tokenizer.chat_template, tuned.stop_ids), "finetuned": tuned}
+        if Path(baseline.path).name == EXPORT_INIT_DIR:
+            print(random_start_note(baseline.path, len(rows), max_new_tokens), flush=True)
     return {name: evaluate(m, rows, max_new_tokens) for name, m in models.items()}
+
+
+def random_start_note(path: Path, prompts: int, max_new_tokens: int) -> str:
+    """Why the tiny model's baseline is slow and answers "": it is kept (the floor the fine-tuned scores and
+    reference loss are measured from), and said once, before it runs."""
+    return (f"baseline: {path} is the embedded tiny model's random start (never trained): it almost never ends a "
+            f"turn, so each of its {prompts} answers runs to --max-new-tokens {max_new_tokens} (most of this "
+            "command's time), and what it generates is mostly special tokens, shown as an empty answer. It is the "
+            "floor the fine-tuned scores are measured from; leave out --baseline to skip it")
 
 
 def read_prompts(path: Path) -> List[PromptRow]:
