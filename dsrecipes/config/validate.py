@@ -75,6 +75,8 @@ def _batch(cfg: TrainConfig) -> List[str]:
         errors.append(f"trainer.stop_grace_s: must be > 0 seconds, got {t.stop_grace_s}")
     if t.gradient_clipping < 0:
         errors.append(f"trainer.gradient_clipping: must be >= 0 (0 disables), got {t.gradient_clipping}")
+    if t.ce_chunk_tokens < 0:
+        errors.append(f"trainer.ce_chunk_tokens: must be >= 0 (0 = full logits), got {t.ce_chunk_tokens}")
     if t.resume is ResumeMode.never and t.resume_from is not None:
         errors.append("trainer.resume_from: set, but trainer.resume=never starts from step 0; drop one of them")
     m = cfg.model

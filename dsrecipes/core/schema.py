@@ -297,6 +297,7 @@ class TrainerConfig:
     report_to: List[ReportTo] = field(default_factory=lambda: [ReportTo.tensorboard])  # []: metrics.jsonl only
     experiment: str = "dsrecipes"  # MLflow experiment / W&B project
     tracking_uri: Optional[str] = None  # MLflow (file:/path, sqlite:///db, http://host); None: MLFLOW_TRACKING_URI
+    ce_chunk_tokens: int = 0  # 0: loss on the full logits; N: head + loss N tokens at a time (objectives/chunked_ce)
 
 
 @dataclass

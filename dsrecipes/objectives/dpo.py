@@ -50,6 +50,7 @@ class DPO:
     eval_keys: Tuple[str, ...] = ("loss_sum",) + PAIR_SUMS
     precomputed: bool = True  # the rows carry the reference log-probs (objective.reference=precomputed)
     reference: Optional[Reference] = None  # live reference (train.py sets it)
+    chunk_tokens: int = 0  # trainer.ce_chunk_tokens > 0: policy log-probs without full logits (chunked_ce)
 
     def collate(self, rows: List[Row]) -> Batch:
         return collate_pairs(rows or [placeholder_pair(self.pad_id, self.precomputed)], self.pad_id, real=bool(rows))
@@ -80,7 +81,7 @@ class DPO:
 
     def pair_losses(self, model: Any, batch: Batch, device: torch.device) -> Tuple[torch.Tensor, Dict[str, Any]]:
         """(loss of every pair, the micro-batch's metric sums) with the policy `model`."""
-        logps, tokens = sequence_logps(model, batch, device)
+        logps, tokens = sequence_logps(model, batch, device, self.chunk_tokens)
         if self.loss_kind is DpoLoss.simpo:  # length-normalised: the average log-prob per answer token
             logps = logps / tokens.clamp(min=1)
         chosen, rejected = logps.chunk(2)
@@ -114,7 +115,8 @@ class DPO:
 def build(cfg: TrainConfig, tokenizer: Any) -> DPO:
     o = cfg.objective
     return DPO(pad_token_id(tokenizer), o.beta, o.loss, o.label_smoothing, gamma=o.simpo_gamma,
-               precomputed=reference_mode(cfg) is ReferenceMode.precomputed)
+               precomputed=reference_mode(cfg) is ReferenceMode.precomputed,
+               chunk_tokens=cfg.trainer.ce_chunk_tokens)
 
 
 def dpo_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor,

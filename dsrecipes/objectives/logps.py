@@ -10,12 +10,21 @@ import torch
 
 from dsrecipes.core.schema import TrainConfig
 from dsrecipes.objectives.base import IGNORE_INDEX, Batch
+from dsrecipes.objectives.chunked_ce import hidden_and_head, token_nll
 
 
-def sequence_logps(model: Any, batch: Batch, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(sum of log p over each sequence's answer tokens, answer tokens) for the 2B sequences of a batch."""
-    logits = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
-                   position_ids=batch["position_ids"].to(device), use_cache=False).logits
+def sequence_logps(model: Any, batch: Batch, device: torch.device,
+                   chunk_tokens: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(sum of log p over each sequence's answer tokens, answer tokens) for the 2B sequences of a batch.
+    `chunk_tokens` > 0: without the full-vocabulary logits, that many answer tokens at a time (chunked_ce)."""
+    inputs = {"input_ids": batch["input_ids"].to(device), "attention_mask": batch["attention_mask"].to(device),
+              "position_ids": batch["position_ids"].to(device)}
+    if chunk_tokens > 0:
+        hidden, head = hidden_and_head(model, **inputs)
+        shift = torch.nn.functional.pad(batch["labels"].to(device)[:, 1:], (0, 1), value=IGNORE_INDEX)
+        nll, _ = token_nll(hidden, head, shift, chunk_tokens)
+        return -nll.sum(dim=1), (shift != IGNORE_INDEX).sum(dim=1)
+    logits = model(**inputs, use_cache=False).logits
     labels = batch["labels"].to(device)[:, 1:]
     mask = labels != IGNORE_INDEX
     logits = logits[:, :-1].float()

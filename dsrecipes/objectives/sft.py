@@ -11,6 +11,8 @@ token that trains nothing, so every rank keeps the same number of forward/backwa
 Loss. A micro-batch's loss is the mean cross-entropy over its predicted tokens (shifted labels != -100, packing
 boundaries excluded: `token_sums`). Evaluation returns sums (loss sum, predicted tokens, tokens whose argmax is the
 label), reported as the token-weighted `eval_loss`, `eval_ppl`, `eval_accuracy` and `eval_tokens` (`EvalResult`).
+With `trainer.ce_chunk_tokens` > 0 the same sums come without the full-vocabulary logits (objectives/chunked_ce.py;
+liger-kernel's fused linear cross-entropy for the training loss where installed, on CUDA); 0 takes them on the logits.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from dsrecipes.core.schema import ObjectiveKind, RowKind, TrainConfig
 from dsrecipes.objectives.base import IGNORE_INDEX, Batch, Row, pad_token_id
+from dsrecipes.objectives.chunked_ce import fused_loss_sum, hidden_and_head, token_nll
 
 
 @dataclass(frozen=True)
@@ -61,17 +64,18 @@ class SFT:
     row_kind: RowKind = RowKind.conversation
     train_keys: Tuple[str, ...] = ()
     eval_keys: Tuple[str, ...] = ("loss_sum", "tokens", "correct")
+    chunk_tokens: int = 0  # trainer.ce_chunk_tokens (0: full logits)
 
     def collate(self, rows: List[Row]) -> Batch:
         return collate(rows or [placeholder_row(self.pad_id)], self.pad_id)
 
     def loss(self, model: Any, batch: Batch, device: torch.device) -> Tuple[torch.Tensor, Dict[str, Any]]:
-        loss, _ = micro_batch_loss(model, batch, device)
+        loss, _ = micro_batch_loss(model, batch, device, self.chunk_tokens)
         return loss, {}
 
     def eval_sums(self, model: Any, batch: Batch, device: torch.device) -> Dict[str, float]:
-        loss_sum, tokens, correct = token_sums(forward(model, batch, device), batch["labels"].to(device),
-                                               batch["position_ids"].to(device), count_correct=True)
+        loss_sum, tokens, correct = batch_sums(model, batch, device, self.chunk_tokens,
+                                               count_correct=True)
         return {"loss_sum": float(loss_sum), "tokens": int(tokens), "correct": int(correct)}
 
     def attach(self, cfg: TrainConfig, tokenizer: Any, engine: Any) -> None:
@@ -84,7 +88,7 @@ class SFT:
 
 
 def build(cfg: TrainConfig, tokenizer: Any) -> SFT:
-    return SFT(pad_token_id(tokenizer))
+    return SFT(pad_token_id(tokenizer), chunk_tokens=cfg.trainer.ce_chunk_tokens)
 
 
 def placeholder_row(pad_id: int) -> Row:
@@ -181,8 +185,32 @@ def forward(model: Any, batch: Batch, device: torch.device) -> torch.Tensor:
     return outputs.logits
 
 
-def micro_batch_loss(model: Any, batch: Batch, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+def model_inputs(batch: Batch, device: torch.device) -> Dict[str, Any]:
+    attention_mask = batch["attention_mask"]
+    return {"input_ids": batch["input_ids"].to(device), "position_ids": batch["position_ids"].to(device),
+            "attention_mask": None if attention_mask is None else attention_mask.to(device)}
+
+
+def batch_sums(model: Any, batch: Batch, device: torch.device, chunk_tokens: int = 0,
+               count_correct: bool = False) -> Tuple[torch.Tensor, ...]:
+    """`token_sums` of one collated micro-batch, with the full logits (`chunk_tokens=0`) or without (chunked_ce)."""
+    labels, position_ids = batch["labels"].to(device), batch["position_ids"].to(device)
+    if chunk_tokens <= 0:
+        return token_sums(forward(model, batch, device), labels, position_ids, count_correct=count_correct)
+    hidden, head = hidden_and_head(model, **model_inputs(batch, device))
+    shift = shifted_labels(labels, position_ids)
+    counted = (shift != IGNORE_INDEX).sum()
+    fused = None
+    if not count_correct and torch.is_grad_enabled():
+        fused = fused_loss_sum(hidden, head, shift)
+    if fused is not None:
+        return fused, counted
+    nll, correct = token_nll(hidden, head, shift, chunk_tokens, count_correct=count_correct)
+    return (nll.sum(), counted) if correct is None else (nll.sum(), counted, correct.sum())
+
+
+def micro_batch_loss(model: Any, batch: Batch, device: torch.device,
+                     chunk_tokens: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """(mean loss over the micro-batch's predicted tokens, token count) for one collated micro-batch."""
-    loss_sum, n_tokens = token_loss_sum(forward(model, batch, device), batch["labels"].to(device),
-                                        batch["position_ids"].to(device))
+    loss_sum, n_tokens = batch_sums(model, batch, device, chunk_tokens)
     return loss_sum / n_tokens.clamp(min=1), n_tokens
