@@ -17,6 +17,8 @@ from typing import Any, Iterator, List, Optional, Sequence
 
 import yaml
 
+from dsrecipes.config.foreign_keys import FROM_OTHER_TOOLS, foreign_key
+from dsrecipes.config.foreign_keys import RULES as FOREIGN_RULES
 from dsrecipes.config.groups import group_options
 from dsrecipes.config.resolvers import refused_resolver
 from dsrecipes.core.errors import ConfigError
@@ -254,6 +256,10 @@ def _unknown_key(chain: List[BaseException], overrides: List[str]) -> str:
 
     if typed in RETIRED_KEYS:
         return f"{typed}: {RETIRED_KEYS[typed]}{blame}"
+    renamed = typed in FROM_OTHER_TOOLS or isinstance(FOREIGN_RULES.get(typed), str)  # "did you mean" below
+    foreign = foreign_key(typed, _given(typed, overrides)) if "." not in typed and not renamed else None
+    if foreign:  # `stage=dpo`, `do_train=true`: LLaMA-Factory's key, with our spelling or why it is not needed
+        return f"{typed}: {foreign}{blame}"
     if "is not in struct" in str(key_error.msg) and key_error.object_type is dict:
         parent = typed.rpartition(".")[0]
         return f"{parent} is a mapping: add a key to it with +{typed}=VALUE{blame}"
@@ -266,20 +272,6 @@ def _unknown_key(chain: List[BaseException], overrides: List[str]) -> str:
     return f"{typed}: unknown key{hint}{blame}"
 
 
-# Names people bring from Hugging Face TrainingArguments, LLaMA-Factory and axolotl recipes -> ours.
-FROM_OTHER_TOOLS = {
-    "learning_rate": "optimizer.lr", "num_train_epochs": "trainer.epochs", "num_epochs": "trainer.epochs",
-    "per_device_train_batch_size": "trainer.micro_batch_size", "gradient_accumulation_steps": "trainer.grad_accum",
-    "gradient_accumulation": "trainer.grad_accum", "logging_steps": "trainer.log_every",
-    "save_steps": "trainer.save_every", "eval_steps": "trainer.eval_every", "save_total_limit": "trainer.keep_checkpoints",
-    "max_grad_norm": "trainer.gradient_clipping", "resume_from_checkpoint": "trainer.resume_from",
-    "model_name_or_path": "model.path", "base_model": "model.path", "lr_scheduler_type": "scheduler=NAME",
-    "lora_rank": "model.lora.r", "lora_r": "model.lora.r", "lora_target": "model.lora.target_modules",
-    "bf16": "precision=bf16", "fp16": "precision=fp16", "deepspeed": "zero=stageN", "sequence_len": "data.cutoff_len",
-    "max_seq_length": "data.cutoff_len", "dataset_dir": "dataset.registry", "warmup_steps": "scheduler.warmup_steps",
-}
-
-
 def full_key(typed: str, keys: Sequence[str]) -> List[str]:
     """The keys a mistyped or misplaced key most likely means: another tool's name for it (`learning_rate` ->
     optimizer.lr), the same field name under its parent (`max_steps` -> trainer.max_steps), or a near spelling."""
@@ -287,6 +279,18 @@ def full_key(typed: str, keys: Sequence[str]) -> List[str]:
     if leaf in FROM_OTHER_TOOLS and FROM_OTHER_TOOLS[leaf] != typed:
         return [FROM_OTHER_TOOLS[leaf]]
     return closest_keys(typed, list(keys) + ([] if "." in typed else group_names()))
+
+
+def _given(key: str, overrides: List[str]) -> Any:
+    """The value the command line gives `key` (as YAML reads it), None when it gives none."""
+    for ov in overrides:
+        name, _, value = ov.partition("=")
+        if name.lstrip("+~") == key:
+            try:
+                return yaml.safe_load(value)
+            except yaml.YAMLError:
+                return value
+    return None
 
 
 def _bad_value(chain: List[BaseException], overrides: List[str]) -> str:

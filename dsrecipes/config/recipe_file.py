@@ -16,7 +16,9 @@ axolotl:
     trainer.max_steps: 200    # dotted keys are nested keys
 
 A file with `# @package _global_` (the shipped recipes' form: a defaults list of `override /GROUP: OPTION`) is used
-as it is.
+as it is. Both forms have their keys checked first, all at once (config/flat_check.py): every unknown key (another
+tool's spelled ours: `learning_rate` -> optimizer.lr, `stage: dpo` -> objective: dpo), missing option and wrong type
+of the file is one message, not one run each.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import yaml
 from hydra.plugins.config_source import ConfigSource
 from omegaconf import OmegaConf
 
+from dsrecipes.config.flat_check import flat_problems
 from dsrecipes.config.groups import RECIPE_GROUP, group_options
 from dsrecipes.core.errors import ConfigError
 
@@ -137,6 +140,10 @@ def load(path: Path) -> Tuple[Any, Dict[str, Optional[str]]]:
         raise ConfigError(f"{path}:1: {exc}") from None
     config = parse(path, text)
     if header.get("package") in (None, "_global_"):
+        problems = flat_problems(OmegaConf.to_container(config, resolve=False), str(path),
+                                 lambda key: line_of(path, key))
+        if problems:  # every unknown key, missing option and wrong type of the file in one message
+            raise ConfigError(problems)
         config, header = flat_to_global(config), {**header, "package": "_global_"}
     return config, header
 

@@ -88,6 +88,9 @@ def _batch(cfg: TrainConfig) -> List[str]:
         errors.append(f"optimizer.betas: needs two values, got {cfg.optimizer.betas}")
     if cfg.scheduler.warmup_steps < 0:
         errors.append(f"scheduler.warmup_steps: must be >= 0, got {cfg.scheduler.warmup_steps}")
+    ratio = cfg.scheduler.warmup_ratio
+    if ratio is not None and not 0.0 <= ratio < 1.0:
+        errors.append(f"scheduler.warmup_ratio: must be in [0, 1) (a share of the run's steps), got {ratio}")
     if not 0.0 <= cfg.scheduler.min_lr_ratio <= 1.0:
         errors.append(f"scheduler.min_lr_ratio: must be in [0, 1], got {cfg.scheduler.min_lr_ratio}")
     return errors

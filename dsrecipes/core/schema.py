@@ -243,6 +243,7 @@ class SchedulerConfig:
 
     name: SchedulerKind = SchedulerKind.cosine
     warmup_steps: int = 10  # 0: the first step at the peak; longer than the run: clamped to it (with a note)
+    warmup_ratio: Optional[float] = None  # set: warm up over ceil(ratio x the run's steps) instead of warmup_steps
     min_lr_ratio: float = 0.0  # linear/cosine: the floor the decay approaches, as a fraction of optimizer.lr
 
 

@@ -1,6 +1,7 @@
 """The learning-rate schedule: a closed form per optimizer step, and the scheduler object DeepSpeed steps.
 
-Optimizer step s (1-based) of a run of T steps with W warmup steps trains at `lr * factor(s)`:
+Optimizer step s (1-based) of a run of T steps with W warmup steps (scheduler.warmup_steps, or
+ceil(scheduler.warmup_ratio x T) when the ratio is set) trains at `lr * factor(s)`:
 
     warmup (s <= W):   s / W                  step 1 already trains (lr / W), step W at the peak
     after (s > W):     p = (s - 1 - W) / (T - W)   in [0, 1): the first step after warmup at the peak, the last
@@ -26,7 +27,12 @@ from dsrecipes.core.schema import SchedulerConfig, SchedulerKind
 
 
 def warmup_steps(cfg: SchedulerConfig, total_steps: int) -> Tuple[int, Optional[str]]:
-    """(warmup steps used, a one-line note when the configured warmup had to be clamped to the run)."""
+    """(warmup steps used, a one-line note when the configured warmup had to be clamped to the run).
+    `scheduler.warmup_ratio`, when set, replaces `warmup_steps`: ceil(ratio x T) steps (Hugging Face's and
+    LLaMA-Factory's rounding), computed from the current run's T (a resumed run with a larger budget warms up
+    over its share of the new T)."""
+    if cfg.warmup_ratio is not None:
+        return min(math.ceil(cfg.warmup_ratio * total_steps), total_steps), None
     if cfg.warmup_steps <= total_steps:
         return cfg.warmup_steps, None
     return total_steps, (f"note: scheduler.warmup_steps={cfg.warmup_steps} is longer than the run's {total_steps} "

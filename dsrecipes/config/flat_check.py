@@ -1,0 +1,107 @@
+"""Every problem of a recipe file's plain keys at once, before Hydra composes it (Hydra stops at the first unknown
+key, so a LLaMA-Factory file took one run per key).
+
+Each top-level key of a flat (or `_global_`) recipe file, and each key nested under it, is one of:
+  - a config group with an option (`zero: stage2`): the option must exist;
+  - a schema key (`optimizer.lr`, `trainer: {max_steps: 5}`): its value must have the key's type (values with a
+    `${...}` interpolation are left to the composition, which resolves them);
+  - anything else: a problem, with another tool's spelling translated (config/foreign_keys.py: `learning_rate` ->
+    optimizer.lr, `stage: dpo` -> objective: dpo, `do_train` -> not needed here) or the closest schema keys.
+`defaults`, `hydra` and `recipe` are left to Hydra. Problems read `FILE:LINE: key: what`, all of them in one
+ConfigError (exit 2); cross-field rules are checked after composition (config/validate.py), all at once too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+from dsrecipes.config.foreign_keys import foreign_key
+from dsrecipes.config.groups import RECIPE_GROUP, group_options
+from dsrecipes.core.schema import RETIRED_KEYS, TrainConfig
+from dsrecipes.core.suggest import closest, closest_keys, phrase
+from dsrecipes.core.typed import convert
+
+LEFT_TO_HYDRA = ("defaults", "hydra", RECIPE_GROUP)
+
+
+def schema_types(cls: Any = TrainConfig, prefix: str = "") -> Dict[str, Any]:
+    """{dotted key: its type (Optional unwrapped)} for every key of the schema, inner nodes included."""
+    out: Dict[str, Any] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if typing.get_origin(tp) is typing.Union:
+            tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        out[prefix + f.name] = tp
+        if dataclasses.is_dataclass(tp):
+            out.update(schema_types(tp, f"{prefix}{f.name}."))
+    return out
+
+
+def flat_problems(data: Dict[str, Any], where: str, line: Callable[[str], Optional[int]]) -> List[str]:
+    """Every problem of the file's keys (module docstring); `where` names the file, `line(key)` finds a key's line."""
+    types = schema_types()
+    options = {g: o for g, o in group_options().items() if g != RECIPE_GROUP}
+    out = []
+    for key, value in data.items():
+        if str(key) in LEFT_TO_HYDRA or str(key).startswith("hydra."):
+            continue
+        for dotted, problem in _problems(str(key), value, types, options):
+            at = line(dotted)
+            out.append(f"{where}:{at}: {problem}" if at else f"{where}: {problem}")
+    return out
+
+
+def _problems(key: str, value: Any, types: Dict[str, Any], options: Dict[str, List[str]]
+              ) -> Iterator[Tuple[str, str]]:
+    if key in options and (isinstance(value, str) or value is None):
+        if value is not None and value not in options[key]:
+            yield key, _no_option(key, value, options[key])
+        return
+    tp = types.get(key)
+    if tp is None:
+        yield key, _unknown(key, value, types, options)
+    elif dataclasses.is_dataclass(tp) and isinstance(value, dict):
+        for inner, inner_value in value.items():
+            yield from _problems(f"{key}.{inner}", inner_value, types, options)
+    elif not _interpolated(value):
+        errors: List[str] = []
+        convert(tp, value, key, errors)
+        yield from ((key, e) for e in errors)
+
+
+def _no_option(group: str, value: str, names: List[str]) -> str:
+    foreign = foreign_key(group, value)  # `dataset: identity,alpaca_en_demo` names LLaMA-Factory registry entries
+    if foreign:
+        return f"{group}={value}: no option '{value}' in group '{group}'; {foreign}"
+    return f"{group}={value}: no option '{value}' in group '{group}'{phrase(closest(value, names))} (options: " \
+        f"{', '.join(names)})"
+
+
+def _unknown(key: str, value: Any, types: Dict[str, Any], options: Dict[str, List[str]]) -> str:
+    if key in RETIRED_KEYS:
+        return f"{key}: {RETIRED_KEYS[key]}"
+    foreign = foreign_key(key, value) if "." not in key else None
+    if foreign:
+        return f"{key}: {foreign}"
+    parent = key.rpartition(".")[0]
+    leaf_foreign = foreign_key(key.rpartition(".")[2], value) if parent else None
+    if leaf_foreign:  # `trainer.learning_rate`
+        return f"{key}: unknown key; {leaf_foreign}"
+    near = closest_keys(key, list(types) + ([] if parent else list(options)))
+    if near:
+        return f"{key}: unknown key{phrase(near)}"
+    siblings = sorted(k.rpartition(".")[2] for k in types if k.rpartition(".")[0] == parent)
+    return f"{key}: unknown key (keys of {parent or 'the config'}: {', '.join(siblings)})"
+
+
+def _interpolated(value: Any) -> bool:
+    if isinstance(value, str):
+        return "${" in value
+    if isinstance(value, dict):
+        return any(_interpolated(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_interpolated(v) for v in value)
+    return False

@@ -1,0 +1,195 @@
+"""Keys people bring from LLaMA-Factory experiment files (and Hugging Face TrainingArguments) -> one line each: the
+dsrecipes spelling, with their value where it carries over, or why the key is not needed here.
+
+    foreign_key("learning_rate", 1e-4)   -> "LLaMA-Factory's key; here: optimizer.lr: 0.0001"
+    foreign_key("stage", "dpo")          -> "LLaMA-Factory's stage is the objective; here: objective: dpo (...)"
+    foreign_key("do_train", True)        -> "not needed here: ..."
+    foreign_key("trainer", {...})        -> None (not a key of another tool)
+
+A flat recipe file (config/flat_check.py) reports every such key of a file at once; the command line's
+`learning_rate=...` gets the plain key through hints.FROM_OTHER_TOOLS.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Dict, Optional, Union
+
+HERE = "LLaMA-Factory's key; here: "
+NOT_NEEDED = "not needed here: "
+
+Rule = Union[str, Callable[[Any], str]]
+
+
+def _plain(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_plain(v) for v in value) + "]"
+    if value is None:
+        return "null"
+    return str(value)
+
+
+def _names(value: Any) -> list:
+    """`identity,alpaca_en_demo` (LLaMA-Factory's comma list) or a YAML list -> the names."""
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    return [str(v).strip() for v in items if str(v).strip()]
+
+
+def _stage(value: Any) -> str:
+    objective = {"sft": "objective: sft", "pt": "objective: sft with data.train_on: all (continued pre-training)",
+                 "dpo": "objective: dpo", "rm": "objective: reward",
+                 "ppo": "objective: grpo (online RL; there is no PPO here)"}.get(str(value))
+    if objective is None:
+        objective = f"no {value} objective (objectives: sft, dpo, orpo, reward, grpo)"
+    return f"LLaMA-Factory's stage is the training objective; here: {objective} (zero.stage is DeepSpeed's ZeRO stage)"
+
+
+def _finetuning_type(value: Any) -> str:
+    if value == "lora":
+        return HERE + "model.lora.enabled: true"
+    if value == "full":
+        return NOT_NEEDED + "full fine-tuning is the default (model.lora.enabled: false)"
+    return f"no {value} fine-tuning here: full (the default) or model.lora.enabled: true"
+
+
+def _precision(name: str) -> Callable[[Any], str]:
+    def rule(value: Any) -> str:
+        if value is True:
+            return HERE + f"precision: {name}"
+        return NOT_NEEDED + "choose one precision with precision: bf16|fp16|fp32"
+    return rule
+
+
+def _deepspeed(value: Any) -> str:
+    found = re.search(r"z(?:ero)?_?([0-3])", str(value))
+    stage = f"zero: stage{found.group(1)}" if found else "zero: stage0|stage1|stage2|stage3"
+    offload = " with offload: cpu_optimizer" if "offload" in str(value) else ""
+    return (f"{HERE}{stage}{offload} (the DeepSpeed JSON is generated from the zero, offload and precision groups; "
+            "no file to point at)")
+
+
+def _dataset(value: Any) -> str:
+    names = _names(value)
+    return (f"LLaMA-Factory's dataset names entries of dataset_info.json; here: dataset.use: {_plain(names)} with "
+            "dataset.registry: DIR/dataset_info.json (or dataset.paths: [FILE.jsonl] for files)")
+
+
+def _epochs(value: Any) -> str:
+    whole = int(value) if isinstance(value, (int, float)) and float(value).is_integer() else None
+    if whole is None:
+        return HERE + f"trainer.epochs: N (whole epochs), or trainer.max_steps: N for a part of one ({value})"
+    return HERE + f"trainer.epochs: {whole}"
+
+
+def _lora_target(value: Any) -> str:
+    if str(value) == "all":
+        return (HERE + "model.lora.target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj] "
+                "(the linear layers by name; LLaMA-Factory's `all`)")
+    return HERE + f"model.lora.target_modules: {_plain(_names(value))}"
+
+
+def _pref_loss(value: Any) -> str:
+    if value == "orpo":
+        return HERE + "objective: orpo"
+    if value in ("sigmoid", "ipo", "simpo"):
+        return HERE + f"objective.loss: {value}"
+    return f"no {value} preference loss here (objective.loss: sigmoid, ipo, robust, simpo; objective: orpo)"
+
+
+def _flash_attn(value: Any) -> str:
+    impl = {"fa2": "flash_attention_2", "sdpa": "sdpa", "disabled": "eager"}.get(str(value))
+    return HERE + f"model.attn_implementation: {impl}" if impl else NOT_NEEDED + "model.attn_implementation: sdpa " \
+        "is the default"
+
+
+def _streaming(value: Any) -> str:
+    return HERE + "data: iterable (reads the files as a stream)" if value is True else NOT_NEEDED + "data: map " \
+        "is the default"
+
+
+def _scheduler(value: Any) -> str:
+    if value in ("cosine", "linear", "constant"):
+        return HERE + f"scheduler: {value}"
+    return f"no {value} schedule here (scheduler: cosine, linear, constant; all with warmup)"
+
+
+def _eval_every(what: str) -> str:
+    return NOT_NEEDED + f"{what} runs every trainer.eval_every steps (0: only at the end)"
+
+
+# A key of another tool (Hugging Face TrainingArguments, LLaMA-Factory, axolotl) -> ours, for "did you mean" on the
+# command line (hints.full_key) and in config.yaml-like files; a flat recipe file gets the whole line (RULES below).
+FROM_OTHER_TOOLS = {
+    "learning_rate": "optimizer.lr", "num_train_epochs": "trainer.epochs", "num_epochs": "trainer.epochs",
+    "per_device_train_batch_size": "trainer.micro_batch_size", "gradient_accumulation_steps": "trainer.grad_accum",
+    "gradient_accumulation": "trainer.grad_accum", "logging_steps": "trainer.log_every",
+    "save_steps": "trainer.save_every", "eval_steps": "trainer.eval_every", "save_total_limit": "trainer.keep_checkpoints",
+    "max_grad_norm": "trainer.gradient_clipping", "resume_from_checkpoint": "trainer.resume_from",
+    "model_name_or_path": "model.path", "base_model": "model.path", "lr_scheduler_type": "scheduler=NAME",
+    "lora_rank": "model.lora.r", "lora_r": "model.lora.r", "lora_target": "model.lora.target_modules",
+    "bf16": "precision=bf16", "fp16": "precision=fp16", "deepspeed": "zero=stageN", "sequence_len": "data.cutoff_len",
+    "max_seq_length": "data.cutoff_len", "dataset_dir": "dataset.registry", "warmup_steps": "scheduler.warmup_steps",
+    "warmup_ratio": "scheduler.warmup_ratio", "cutoff_len": "data.cutoff_len", "val_size": "dataset.val_size",
+    "output_dir": "trainer.output_dir", "pref_beta": "objective.beta", "pref_loss": "objective.loss",
+    "max_samples": "dataset.max_samples", "finetuning_type": "model.lora.enabled",
+    "lora_alpha": "model.lora.alpha", "lora_dropout": "model.lora.dropout", "simpo_gamma": "objective.simpo_gamma",
+}
+
+
+# key -> a dsrecipes key (the value carries over: `KEY: VALUE`) or a rule (value -> the line)
+RULES: Dict[str, Rule] = {
+    # method
+    "stage": _stage, "finetuning_type": _finetuning_type, "lora_rank": "model.lora.r", "lora_alpha": "model.lora.alpha",
+    "lora_dropout": "model.lora.dropout", "lora_target": _lora_target, "pref_beta": "objective.beta",
+    "pref_loss": _pref_loss, "simpo_gamma": "objective.simpo_gamma", "dpo_label_smoothing": "objective.label_smoothing",
+    "pref_ftx": lambda v: "no SFT term in objective=dpo here; objective: orpo adds the chosen answers' NLL",
+    "do_train": lambda v: NOT_NEEDED + "dsrecipes trains when started (dsrecipes FILE.yaml)",
+    "do_eval": lambda v: _eval_every("evaluation"), "do_predict": lambda v: NOT_NEEDED + "dsrecipes prompt-eval RUN",
+    "plot_loss": lambda v: NOT_NEEDED + "every run writes loss.png",
+    # model
+    "model_name_or_path": "model.path", "trust_remote_code": "model.trust_remote_code", "flash_attn": _flash_attn,
+    "quantization_bit": lambda v: "no quantized (QLoRA) training here: model.lora.enabled: true on bf16 weights",
+    "adapter_name_or_path": lambda v: "to start from a trained LoRA run, point model.path at its export directory",
+    # dataset
+    "dataset": _dataset, "dataset_dir": lambda v: HERE + f"dataset.registry: {v}/dataset_info.json",
+    "template": lambda v: "templates here: template: auto (the tokenizer's own chat template), chatml, llama3, "
+    "vicuna, human_assistant, plain, tokenizer",
+    "cutoff_len": "data.cutoff_len", "max_samples": "dataset.max_samples", "val_size": "dataset.val_size",
+    "packing": "data.packing", "streaming": _streaming, "preprocessing_num_workers": "data.preprocess_workers",
+    "overwrite_cache": lambda v: NOT_NEEDED + "prepared data is cached by content; a change prepares it again",
+    "eval_dataset": lambda v: "dataset.val_paths: [FILE.jsonl] (validation files)",
+    "tokenized_path": lambda v: NOT_NEEDED + "prepared data is cached under data.cache_dir",
+    # output
+    "output_dir": "trainer.output_dir", "logging_steps": "trainer.log_every", "save_steps": "trainer.save_every",
+    "save_total_limit": "trainer.keep_checkpoints", "report_to": "trainer.report_to",
+    "overwrite_output_dir": lambda v: NOT_NEEDED + "an existing trainer.output_dir resumes; a run is never "
+    "overwritten",
+    "save_only_model": lambda v: NOT_NEEDED + "checkpoints keep what resuming needs; the export is the model alone",
+    # train
+    "per_device_train_batch_size": "trainer.micro_batch_size", "gradient_accumulation_steps": "trainer.grad_accum",
+    "learning_rate": "optimizer.lr", "num_train_epochs": _epochs, "max_steps": "trainer.max_steps",
+    "lr_scheduler_type": _scheduler, "warmup_ratio": "scheduler.warmup_ratio", "warmup_steps": "scheduler.warmup_steps",
+    "weight_decay": "optimizer.weight_decay", "max_grad_norm": "trainer.gradient_clipping", "seed": "trainer.seed",
+    "bf16": _precision("bf16"), "fp16": _precision("fp16"), "deepspeed": _deepspeed,
+    "gradient_checkpointing": "model.gradient_checkpointing", "resume_from_checkpoint": "trainer.resume_from",
+    "ddp_timeout": lambda v: NOT_NEEDED + "a rank silent for launcher.peer_timeout_s seconds ends the run",
+    "optim": lambda v: "optimizer: adamw|adam|lion|sgd",
+    # eval
+    "per_device_eval_batch_size": lambda v: NOT_NEEDED + "evaluation uses trainer.micro_batch_size",
+    "eval_strategy": lambda v: _eval_every("evaluation"), "evaluation_strategy": lambda v: _eval_every("evaluation"),
+    "eval_steps": "trainer.eval_every", "save_strategy": lambda v: NOT_NEEDED + "a checkpoint every "
+    "trainer.save_every steps", "load_best_model_at_end": "trainer.save_best.enabled",
+    "metric_for_best_model": "trainer.save_best.metric",
+}
+
+
+def foreign_key(key: str, value: Any) -> Optional[str]:
+    """The line for `key: value` from another tool (module docstring), None for a key this table does not know."""
+    rule = RULES.get(key)
+    if rule is None:
+        return None
+    if isinstance(rule, str):
+        return HERE + f"{rule}: {_plain(value)}"
+    return rule(value)
