@@ -17,18 +17,10 @@ import pytest
 import torch
 
 from tests.test_run_ownership import dsrecipes, snapshot
-from tests.test_run_safety import copy_run, train, ws  # noqa: F401  (ws: the module-scoped workspace fixture)
+from tests.test_run_safety import base, copy_run, train, ws  # noqa: F401  (the session-scoped workspace and base run)
 from tests.test_trust import Payload
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def base(ws) -> Path:  # noqa: F811
-    run = ws / "base"
-    code, out = train(ws, run)
-    assert code == 0, out[-3000:]
-    return run
 
 
 def poison(run: Path, marker: Path, sign_with: Path | None = None, monkeypatch=None) -> Path:

@@ -11,27 +11,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.test_hostile_checkpoint import one_error
 from tests.test_run_ownership import dsrecipes, snapshot
-from tests.test_run_safety import copy_run, train, ws  # noqa: F401  (ws: the module-scoped workspace fixture)
+from tests.test_run_safety import base, copy_run, train, ws  # noqa: F401  (the session-scoped workspace and base run)
 from tests.test_trust import Payload
 
 pytestmark = pytest.mark.slow
 
 STATES = "mp_rank_00_model_states.pt"
-
-
-@pytest.fixture(scope="module")
-def base(ws) -> Path:  # noqa: F811
-    run = ws / "base"
-    code, out = train(ws, run)
-    assert code == 0, out[-3000:]
-    return run
 
 
 def test_a_file_replaced_after_plan_json_is_written_never_runs(ws, base, tmp_path, monkeypatch):  # noqa: F811

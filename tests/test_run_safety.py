@@ -39,8 +39,10 @@ SAMPLE = Path(__file__).resolve().parents[1] / "dsrecipes" / "assets" / "sample_
 SHORT = ["debug=fast", "trainer.log_every=1", "dataset.max_samples=240", "data.cutoff_len=96"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ws(tmp_path_factory) -> Path:
+    """One workspace per test process, shared with test_hostile_checkpoint, test_point_of_use_runs and test_disk_full
+    (their runs have names of their own), so that the base run below is trained once, not once per module."""
     ws = tmp_path_factory.mktemp("safety")
     (ws / "data").mkdir()
     shutil.copyfile(SAMPLE, ws / "data" / "train.jsonl")
@@ -74,8 +76,10 @@ def copy_run(src: Path, dst: Path) -> Path:
     return dst
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def base(ws) -> Path:
+    """The base run (8 steps, checkpoints at 4 and 8, an export), shared by every module that imports it: cases only
+    read it or are refused (and prove it unchanged byte for byte), or work on a copy (copy_run)."""
     run = ws / "base"
     code, out = train(ws, run)
     assert code == 0, out[-3000:]
