@@ -52,10 +52,13 @@ def build(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig], val
                                            {src.name: src.weight for src in sources}, cfg.dataset.val_size,
                                            cfg.trainer.seed)
     stats = _stats(cfg, report, rows, names, len(train_items), len(val_items))
+    for name, n in Counter(names[i] for i, _ in train_items).items():  # the summary's per-source line
+        stats["sources"][name]["train_samples"] = n
     for split, items in (("train", train_items), ("val", val_items)):
         if not items:
             continue
-        table = {c: [_copy(rows[i], c, k) for i, k in items] for c in COLUMNS}
+        columns = COLUMNS + (("margin",) if any(r.get("margin") is not None for r in rows) else ())  # reward's
+        table = {c: [_copy(rows[i], c, k) for i, k in items] for c in columns}
         Dataset.from_dict(table).save_to_disk(str(out / split))
         stats["rows"][split] = len(items)
     return stats
@@ -64,7 +67,7 @@ def build(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig], val
 def _copy(row: Dict[str, Any], column: str, copy: int) -> Any:
     if column == "ids" and copy:
         return [f"{row['ids'][0]}@{copy}"]
-    return row[column]
+    return row.get(column)  # margin: None where a row has none
 
 
 def _stats(cfg: TrainConfig, report: BadRowReport, rows: List[Dict[str, Any]], names: List[str], n_train: int,
@@ -98,7 +101,7 @@ def _stats(cfg: TrainConfig, report: BadRowReport, rows: List[Dict[str, Any]], n
         "length": {"mean": sum(longest) / len(longest), "p50": sorted(longest)[len(longest) // 2],
                    "p95": sorted(longest)[int(len(longest) * 0.95)], "max": max(longest), "histogram": []},
         "packing_efficiency": {"train": None, "val": None},
-        "sources": {name: {"conversations": n} for name, n in Counter(names).items()},
+        "sources": {name: {"conversations": n, "train_samples": 0} for name, n in Counter(names).items()},
     }
 
 

@@ -83,7 +83,7 @@ def summary(stats: Dict[str, Any]) -> str:
     ]
     if stats.get("sources"):  # what was read, per source: a named dataset replaces the sample unless mixed
         lines.append("data: per source: " + ", ".join(
-            f"{name} {v['conversations']} rows ({v['train_samples']} train)" for name, v in stats["sources"].items()))
+            f"{name} {v['conversations']} rows ({v.get('train_samples', '?')} train)" for name, v in stats["sources"].items()))
     eff = stats["packing_efficiency"]["train"]
     if eff is not None:
         lines.append(f"data: packing efficiency {eff:.1%} (train)")
