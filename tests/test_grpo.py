@@ -323,7 +323,7 @@ def runs(tmp_path_factory):
     LoRA and the KL term, 2 steps."""
     ws = tmp_path_factory.mktemp("grpo")
     arithmetic(ws / "p.jsonl", 40)
-    assert run(ws, "a", "trainer.max_steps=4") == 0
+    assert run(ws, "a", "trainer.max_steps=4", "trainer.prompt_eval_every=4", "trainer.prompt_eval_samples=4") == 0
     assert run(ws, "b", "trainer.max_steps=2") == 0
     assert run(ws, "b", "trainer.max_steps=4") == 0
     assert run(ws, "c", "trainer.max_steps=2", "zero=stage2", "model.lora.enabled=true", "model.lora.dropout=0",
@@ -342,6 +342,8 @@ def test_run_reports_what_a_person_acts_on(runs):
     assert all(abs(a[s]["reward"] - a[s]["reward_exact_match"] - 0.5 * a[s]["reward_length"]) < 1e-6 for s in a)
     evals = [r for r in map(json.loads, (runs / "a" / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
     assert evals and "eval_reward" in evals[-1] and evals[-1]["eval_loss"] == -evals[-1]["eval_reward"]
+    assert any("prompt_exact_match" in r for r in map(json.loads, (runs / "a" / "metrics.jsonl").read_text()
+                                                       .splitlines()))  # greedy, on held-out prompts' references
     shown = [json.loads(x) for x in (runs / "a" / "grpo_samples.jsonl").read_text().splitlines()]
     assert {s["step"] for s in shown} == {1, 2, 3, 4}
     assert set(shown[0]) >= {"id", "prompt", "completion", "reference", "reward", "advantage", "parts"}

@@ -63,6 +63,11 @@ def held_out_prompt(sample: Dict[str, List[int]], tokenizer: Any, stop_ids: Sequ
 def held_out_prompts(rows: Any, limit: int, tokenizer: Any, stop_ids: Sequence[int]) -> List[HeldOutPrompt]:
     out: List[HeldOutPrompt] = []
     for row in rows:
+        if "reference" in row:  # a prompt row (rows=prompt): its prompt and reference answer as they are
+            out += [HeldOutPrompt(list(row["prompt_ids"]), str(row["reference"]))] if row["reference"] else []
+            if len(out) >= limit:
+                return out
+            continue
         for sample in samples_of(row):
             prompt = held_out_prompt(sample, tokenizer, stop_ids)
             if prompt is not None:
