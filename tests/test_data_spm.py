@@ -65,7 +65,8 @@ def test_replies_and_prompts_have_no_spurious_spaces(make_cfg, style, template):
     assert continuation_encoder(tok.backend_tokenizer) is not None
     enc = Encoder(tok, make_cfg(f"template={template}"))
     ex = enc.encode(CONV)
-    assert trained_texts(tok, ex) == ["I am fine</s>", "Hello, thank you</s>"]
+    # the one space after "ASSISTANT:" is the reply's first token ("▁I"), never a separate or doubled one
+    assert trained_texts(tok, ex) == [" I am fine</s>", " Hello, thank you</s>"]
     segments = [s.text for s in enc.render(CONV)]
     # The first segment is tokenized as at inference (start marker included); every later one adds nothing.
     want = spelled(tok, tok(segments[0], add_special_tokens=False)["input_ids"]) + "".join(segments[1:])

@@ -51,7 +51,10 @@ def expected_reply(template: TemplateKind, turn: Turn) -> str:
             call = json.loads(turn.content)
             body = json.dumps({"name": call["name"], "arguments": call["arguments"]}, ensure_ascii=False)
         return f"<tool_call>\n{body}\n</tool_call><|im_end|>"
-    return turn.content + END[template]
+    # these templates' prompt ends at "ASSISTANT:" (the generation prompt, FastChat/HH style): the space is the
+    # model's first token of the reply, as one text tokenizes it (" 29"), so it is trained with the reply
+    lead = " " if template in (TemplateKind.vicuna, TemplateKind.plain, TemplateKind.human_assistant) else ""
+    return lead + turn.content + END[template]
 
 
 def trained_runs(labels: List[int]) -> List[range]:
@@ -127,7 +130,7 @@ def test_generation_prompt(tok):
     assert prompt == tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert generation_prompt(conv, TemplateConfig(name=TemplateKind.tokenizer), tok) == prompt
     plain = generation_prompt(conv, TemplateConfig(name=TemplateKind.plain, separator="\n"), tok)
-    assert plain == "### System: Be brief.\n### User: What is 7 + 8?\n### Assistant: "
+    assert plain == "### System: Be brief.\n### User: What is 7 + 8?\n### Assistant:"  # the model writes the space
 
 
 def test_default_system_and_vicuna_system():

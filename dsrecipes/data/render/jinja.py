@@ -39,6 +39,8 @@ def chat_template(cfg: TemplateConfig, tokenizer: Any) -> Optional[str]:
 def builtin_source(spec: Spec, default_system: Optional[str]) -> str:
     s = {name: lit(value) for name, value in spec._asdict().items()}
     s["reply_close"] = lit(spec.reply_close + spec.reply_after)  # the prompt text after a reply: not trained, same text
+    s["reply_open"] = lit(spec.reply_open + spec.reply_lead)  # a reply's opening; the generation prompt stops before
+    s["generation_prompt"] = lit(spec.reply_open)  # the lead (the space after "ASSISTANT:"), which the model writes
     text = "(m['content'] or '')"
     call = ("(('{\"name\": ' + (f['name'] | tojson) + ', \"arguments\": ' + (f['arguments'] if f['arguments'] is string"
             " else (f['arguments'] | tojson)) + '}'))")
@@ -63,7 +65,7 @@ def builtin_source(spec: Spec, default_system: Optional[str]) -> str:
         "{%- else -%}{{- raise_exception('this model was trained on system (first only), user, assistant and tool "
         "messages, not ' + m['role'] + ' here') -}}{%- endif -%}",
         "{%- endfor -%}",
-        f"{{%- if add_generation_prompt -%}}{{{{- {s['reply_open']} -}}}}{{%- endif -%}}",
+        f"{{%- if add_generation_prompt -%}}{{{{- {s['generation_prompt']} -}}}}{{%- endif -%}}",
     ]
     return "".join(parts)
 

@@ -90,7 +90,8 @@ def system_text(conv: Conversation, cfg: TemplateConfig, fallback: Optional[str]
 class Spec(NamedTuple):
     """A built-in template, defined once: the literal text around each kind of message. The training renderer
     (`_builtin`) and the exported Jinja `chat_template` (data/render/jinja.py `builtin_source`) are both made from it. A
-    reply is `reply_open` (prompt) + text + `reply_close` (trained: the end-of-turn token) + `reply_after` (prompt)."""
+    reply is `reply_open` (prompt) + `reply_lead` + text + `reply_close` (trained: the end-of-turn token) +
+    `reply_after` (prompt; trained too under `template.train_eot_newline`)."""
 
     begin: str  # once, at the start
     system_open: str
@@ -104,6 +105,7 @@ class Spec(NamedTuple):
     call_open: str = ""  # around a tool call's canonical JSON
     call_close: str = ""
     reply_after: str = ""
+    reply_lead: str = ""  # trained text before the reply (the space after "ASSISTANT:"): the prompt ends at a word
 
 
 def _llama3_header(role: str) -> str:
@@ -120,13 +122,17 @@ def template_spec(cfg: TemplateConfig, tokenizer: Any) -> Spec:
         TemplateKind.llama3: Spec("<|begin_of_text|>", _llama3_header("system"), "<|eot_id|>", _llama3_header("user"),
                                   "<|eot_id|>", _llama3_header("ipython"), "<|eot_id|>", _llama3_header("assistant"),
                                   "<|eot_id|>"),
-        TemplateKind.vicuna: Spec(bos, "", " ", "USER: ", " ", "OBSERVATION: ", " ", "ASSISTANT: ", eos),
+        TemplateKind.vicuna: Spec(bos, "", " ", "USER: ", " ", "OBSERVATION: ", " ", "ASSISTANT:", eos,
+                                  reply_lead=" "),
         TemplateKind.plain: Spec("", "### System: ", sep, "### User: ", sep, "### Observation: ", sep,
-                                 "### Assistant: ", eos, reply_after=sep),
+                                 "### Assistant:", eos, reply_after=sep, reply_lead=" "),
         TemplateKind.human_assistant: Spec("", "", "", "\n\nHuman: ", "", "\n\nObservation: ", "",
-                                           "\n\nAssistant: ", eos),
+                                           "\n\nAssistant:", eos, reply_lead=" "),
     }
-    return specs[cfg.name]
+    spec = specs[cfg.name]
+    if cfg.train_eot_newline:  # the text after the end-of-turn token is trained with it (TRL, LLaMA-Factory)
+        spec = spec._replace(reply_close=spec.reply_close + spec.reply_after, reply_after="")
+    return spec
 
 
 def default_system(cfg: TemplateConfig) -> Optional[str]:
@@ -144,7 +150,8 @@ def _builtin(conv: Conversation, cfg: TemplateConfig, tokenizer: Any) -> List[Pi
         out.append((f"{spec.system_open}{system}{spec.system_close}", None))
     for i, t in enumerate(conv.turns):
         if t.role in (Role.assistant, Role.tool_call):
-            out += [(spec.reply_open, None), (f"{_reply(t, spec)}{spec.reply_close}", i), (spec.reply_after, None)]
+            out += [(spec.reply_open, None), (f"{spec.reply_lead}{_reply(t, spec)}{spec.reply_close}", i),
+                    (spec.reply_after, None)]
         elif t.role is Role.observation:
             out.append((f"{spec.tool_open}{t.content}{spec.tool_close}", None))
         else:
@@ -203,7 +210,8 @@ def _tokenizer_template(conv: Conversation, cfg: TemplateConfig, tokenizer: Any)
         after = texts[k + 1, False]
         if not (full.startswith(after) and after.startswith(before) and len(before) >= pos):
             raise BadRow(BadReason.template_error, f"chat_template is not prefix-stable at turn {i}; use a built-in template")
-        body = after[len(before):].rstrip()
+        body = after[len(before):]
+        body = body if cfg.train_eot_newline else body.rstrip()
         out += [(full[pos: len(before)], None), (body, i)]
         pos = len(before) + len(body)
     out.append((full[pos:], None))
