@@ -208,3 +208,34 @@ def test_score_prints_accuracy_and_writes_rewards(reward_export, capsys):
     assert "not a model directory" in capsys.readouterr().err
     assert main(["score", str(export), "--pairs", str(pairs), "--out", str(tmp / "r.jsonl")]) == 2
     assert "exists" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["map", "iterable", "presharded"])
+def test_a_margin_column_reaches_the_loss_under_every_strategy(kind, tmp_path):
+    """TRL's per-pair `margin` column is read with the pair, kept by `dsrecipes shard`, and batched; a margin that is
+    not a finite number is a bad row named by file:line."""
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.core.errors import DataError
+    from dsrecipes.data.shard.build import shard
+    from dsrecipes.data.strategies import build_loaders
+    from tests.helpers.launching import plan_like_launcher
+
+    rows = [dict(r, margin=m) for r, m in zip(TRL_ROWS * 2, [0.5, 1, 2.0, 0, 0.25, 3])]
+    path = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    base = ["objective=reward", *TRL_FORMAT, f"dataset.paths=[{path}]", "trainer.micro_batch_size=6",
+            f"data.cache_dir={tmp_path / 'cache'}"]
+    data = [f"data={kind}"]
+    if kind == "presharded":
+        shard(compose_and_load(base), 1, str(tmp_path / "parts"))
+        data += [f"data.shard_dir={tmp_path / 'parts'}"]
+    cfg = compose_and_load(base + data)
+    tok = load_tokenizer(cfg)
+    train, _ = build_loaders(cfg, tok, 0, 1, tmp_path / "run", plan_like_launcher(cfg, tmp_path / "run", 1))
+    train.set_epoch(0)
+    batch = next(iter(train))
+    by_id = {f"pairs.jsonl:{i + 1}": float(r["margin"]) for i, r in enumerate(rows)}
+    assert batch["margin"].tolist() == [by_id[i.rsplit("/", 1)[-1]] for i in batch["ids"]]
+    if kind == "map":
+        bad = write_jsonl(tmp_path / "bad.jsonl", [rows[0], dict(rows[1], margin="wide")])
+        with pytest.raises(DataError, match=r"bad.jsonl:2.*bad_value.*margin"):
+            encode(compose_and_load(["objective=reward", *TRL_FORMAT, f"dataset.paths=[{bad}]"]), tok)

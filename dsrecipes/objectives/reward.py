@@ -39,7 +39,7 @@ class Reward:
 
     def collate(self, rows: List[Row]) -> Batch:
         batch = collate_pairs(rows or [placeholder_pair(self.pad_id, False)], self.pad_id, real=bool(rows))
-        if rows and "margin" in rows[0]:
+        if any(r.get("margin") is not None for r in rows):
             batch["margin"] = torch.tensor([float(r.get("margin") or 0.0) for r in rows], dtype=torch.float32)
         return batch
 

@@ -84,6 +84,8 @@ class PairEncoder:
                 continue
             out[n] = self._row(pair.prompt.id, ids[keys[(False, part[0])]],
                                *(_answer_tokens(segs, ids, keys) for segs in part[1:]))
+            if pair.margin is not None and isinstance(out[n], dict):
+                out[n]["margin"] = pair.margin  # type: ignore[index]  (objective=reward: TRL's margin column)
         return out  # type: ignore[return-value]
 
     def _row(self, sample_id: str, prompt: List[int], chosen: Tuple[List[int], List[int]],

@@ -16,6 +16,7 @@ assistant turn), `empty_answer`, `identical_sides`, plus every check of the prom
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -40,6 +41,7 @@ class Pair:
     prompt: Conversation  # the prompt turns (no reply yet), system, tools, id and where it was read
     chosen: str
     rejected: str
+    margin: Optional[float] = None  # the row's `margin` (TRL's reward-model column): objective=reward's target gap
 
 
 def check_sources(rows: RowKind, sources: List[SourceConfig]) -> None:
@@ -95,6 +97,8 @@ def pair_row(pair: Pair) -> Dict[str, Any]:
         row["system"] = conv.system
     if conv.tools is not None:
         row["tools"] = conv.tools
+    if pair.margin is not None:
+        row["margin"] = pair.margin
     return row
 
 
@@ -104,7 +108,11 @@ def _pair(raw: Dict[str, Any], source: SourceConfig, roles: Dict[str, Role]) -> 
     chosen, rejected = (_answer(raw, side, source, roles) for side in (cols.chosen, cols.rejected))
     if chosen == rejected:
         raise BadRow(BadReason.identical_sides, "chosen and rejected are the same text")
-    return Pair(conv, chosen, rejected)
+    margin = raw.get("margin")
+    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
+                               or not math.isfinite(margin)):
+        raise BadRow(BadReason.bad_value, f"margin must be a finite number, got {margin!r}")
+    return Pair(conv, chosen, rejected, None if margin is None else float(margin))
 
 
 def prompt_conversation(raw: Dict[str, Any], source: SourceConfig, roles: Dict[str, Role]) -> Conversation:
