@@ -262,3 +262,36 @@ def test_inspect_shows_the_prompt_once_and_both_trained_answers(trl_setup):
     assert text.count("What is 2 + 2?") == 1
     assert "[[2 + 2 = 4.<|im_end|>]]" in text and "[[2 + 2 = 5.<|im_end|>]]" in text
     assert "reference log-prob -1.500" in text and "--- rejected" in text
+
+
+def _trl_metrics(trainer, policy, rows):
+    policy.train()
+    batch = trainer.data_collator([{k: r[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for r in rows])
+    trainer._compute_loss(policy, batch, return_outputs=False)
+    return {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+
+def test_eot_newline_option_is_trl_exact(trl_setup, tmp_path):
+    """template.train_eot_newline=true: our rows are TRL's own tokenization of the same pairs (the chatml "\\n" after
+    <|im_end|> trained), so TRL's log-probs on its own rows equal ours; the default (newline not trained) differs by
+    the log-prob of that newline token (measured here, README)."""
+    from dsrecipes.config.load import compose_and_load
+
+    cfg, tokenizer, policy, _, rows = trl_setup
+    path = cfg.dataset.paths[0] if cfg.dataset.paths else None
+    on = compose_and_load(["objective=dpo", *TRL_FORMAT, f"dataset.paths=[{path}]", "template.train_eot_newline=true"],
+                          check_files=False)
+    rows_on, _ = encode(on, tokenizer)
+    _, _, trainer = trl_numbers(trl_setup, tmp_path, "sigmoid", 0.1, 0.0)
+    for ours, theirs in zip(rows_on, trainer.train_dataset):
+        for key in ("prompt_ids", "chosen_ids", "rejected_ids"):
+            assert ours[key] == theirs[key], key
+    theirs = _trl_metrics(trainer, policy, list(trainer.train_dataset))
+    exact = _trl_metrics(trainer, policy, rows_on)
+    default = _trl_metrics(trainer, policy, rows)
+    for key in ("logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected"):
+        assert exact[key] == pytest.approx(theirs[key], rel=1e-6, abs=1e-7), key
+    gap = abs(default["logps/chosen"] - theirs["logps/chosen"])
+    print(f"default vs TRL: logps/chosen {gap:.3e}, rewards/chosen "
+          f"{abs(default['rewards/chosen'] - theirs['rewards/chosen']):.3e}")
+    assert gap > 0  # the default leaves the newline out: not TRL's numbers
