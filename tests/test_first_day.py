@@ -161,3 +161,22 @@ def test_the_sweep_table_has_an_accuracy_column_when_jobs_report_one(tmp_path):
     plain = tmp_path / "plain"
     fake_job(plain, 0, ["x=1"], {"status": "ok", "error": None}, [{"step": 1, "loss": 3.0}])
     assert "accuracy" not in sweep.render_markdown(sweep.collect(plain))
+
+
+def test_an_iterable_run_says_what_an_epoch_trains(tmp_path, capsys):
+    """100 lines, 10 bad (skipped), 10 held out: 90 training lines of which 9 bad, 81 trainable; an epoch is 22
+    steps of 4, so 2 rows of each epoch's order wait for the next (before: "100 training samples per epoch")."""
+    rows = []
+    for i in range(100):
+        good = json.dumps({"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]})
+        rows.append("not json" if i % 20 == 13 else json.dumps({"conversations": [{"from": "human", "value": "x"}]})
+                    if i % 20 == 7 else good)
+    (tmp_path / "bad.jsonl").write_text("\n".join(rows) + "\n")
+    code, out = _cli(capsys, "data=iterable", "debug=fast", "trainer.max_steps=1", "trainer.eval_every=0",
+                     f"dataset.paths=[{tmp_path / 'bad.jsonl'}]", "dataset.bad_rows=skip",
+                     "dataset.max_bad_fraction=0.5", "dataset.val_size=10", f"data.cache_dir={tmp_path / 'cache'}",
+                     f"trainer.output_dir={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'run'}",
+                     "trainer.export=false", "trainer.report_to=[]", "launcher=local")
+    assert code == 0, out[-3000:]
+    assert "10 validation rows, 81 training samples per epoch (90 lines, 9 bad rows skipped)" in out, out
+    assert "an epoch is 22 steps of 4 rows, so the last 2 of its 90 training rows" in out, out

@@ -30,7 +30,7 @@ from dsrecipes.core.rundir import CHECKPOINTS_DIR, RESULT_FILE, clear_outcome, h
 from dsrecipes.core.runplan import ResumePlan, RunPlan, write_plan
 from dsrecipes.core.schema import LauncherKind, ResumeMode, TrainConfig
 from dsrecipes.core.tokenizer import check_no_custom_code, load_tokenizer
-from dsrecipes.core.topology import Topology, resolve_topology
+from dsrecipes.core.topology import Topology, resolve_topology, train_batch_size
 from dsrecipes.core.typed import config_to_dict
 from dsrecipes.data.strategies import PrepareResult, plan_steps, strategy_of
 from dsrecipes.observe.trackers import preflight
@@ -128,6 +128,12 @@ def plan_run(cfg: TrainConfig, run_dir: Path, decision: Decision) -> RunPlan:
     if not decision.data_fingerprint:  # identified while preparing (decide)
         decision = dataclasses.replace(decision, data_fingerprint=prepared.fingerprint, data_files=prepared.files or {})
     per_epoch, total = plan_steps(cfg, topology.world_size, prepared)
+    left = None if per_epoch is None or prepared.rows is None else prepared.rows - per_epoch * train_batch_size(
+        cfg, topology.world_size)
+    if left:  # what an epoch trains: its whole steps (the rank's summary counts samples, not these rows)
+        print(f"note: an epoch is {per_epoch} steps of {train_batch_size(cfg, topology.world_size)} rows, so the "
+              f"last {left} of its {prepared.rows} training rows (in that epoch's order) are not trained in it",
+              file=sys.stderr, flush=True)
     if decision.resume is not None:
         check_budget(cfg, decision.resume, total)
     newest = committed(run_dir / CHECKPOINTS_DIR)

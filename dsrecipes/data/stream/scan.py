@@ -20,6 +20,7 @@ streams too large to read twice (indexing still reads every byte once, cached by
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import sys
 import time
@@ -76,8 +77,9 @@ def prepare_stream_files(cfg: TrainConfig, run_dir: Path) -> Tuple[int, str, int
         print(note, file=sys.stderr)
     scanning = _Scanning(cfg, run_dir) if cfg.data.prescan else None
     index = index_stream(cfg, scanning.taps.factory if scanning else None)
+    bad_train: List[int] = []
     if scanning is not None:
-        scan_stream(cfg, run_dir, index, scanning)
+        scan_stream(cfg, run_dir, index, scanning, bad_train)
     hold_out(index, cfg)  # after the scan: a bad row is reported as such, not as too little data
     write_stream_index(run_dir, index)
     total = index.table().epoch_length()
@@ -88,10 +90,24 @@ def prepare_stream_files(cfg: TrainConfig, run_dir: Path) -> Tuple[int, str, int
     blocks, per_chunk = int(index.blocks["count"].size), index.blocks_per_chunk
     chunks = f" (ordered in chunks of {per_chunk})" if per_chunk > 1 else ""
     print(f"data: stream indexed: {len(index.files)} files, {index.num_lines} lines in {blocks} blocks of "
-          f"~{index.block_bytes} bytes{chunks}, {index.num_val} validation rows, {rows} training samples per epoch "
+          f"~{index.block_bytes} bytes{chunks}, {index.num_val} validation rows, "
+          f"{trained_per_epoch(index, rows, bad_train, cfg.data.num_samples is None)} "
           f"({time.perf_counter() - started:.1f} s)", file=sys.stderr)
     digests = {fi.name: fi.digest for fi in index.files}  # hashed once, in the indexing pass
     return rows, data_fingerprint(cfg, sources, digests), index.num_val, data_files(cfg, sources, digests)
+
+
+def trained_per_epoch(index: StreamIndex, rows: int, bad_train: List[int], whole: bool) -> str:
+    """`N training samples per epoch`: what an epoch trains. Bad rows the scan skipped (`dataset.bad_rows=skip`)
+    keep their slot in the order but are dropped when read, so a whole epoch of unweighted sources trains `rows`
+    minus the bad rows outside the validation hold-out; otherwise their count is said beside the slots."""
+    held = set(index.holdout.tolist())
+    skipped = sum(1 for n in bad_train if n not in held)
+    if not skipped:
+        return f"{rows} training samples per epoch"
+    if whole and all(w == 1.0 for _, w in index.sources):
+        return f"{rows - skipped} training samples per epoch ({rows} lines, {skipped} bad rows skipped)"
+    return f"{rows} training slots per epoch ({skipped} bad training rows among the lines are skipped when read)"
 
 
 class _Scanning:
@@ -139,13 +155,16 @@ def _scan_key(cfg: TrainConfig, encoder: Any) -> str:
 
 
 def scan_stream(cfg: TrainConfig, run_dir: Path, index: Optional[StreamIndex] = None,
-                scanning: Optional[_Scanning] = None) -> Dict[str, int]:
+                scanning: Optional[_Scanning] = None, bad_train: Optional[List[int]] = None) -> Dict[str, int]:
     """Every row checked once under the bad-row policy (from the indexing pass, the scan cache, or read by
-    blocks); returns {'rows': read, 'good': kept, 'skipped': bad}."""
+    blocks); returns {'rows': read, 'good': kept, 'skipped': bad}. `bad_train` gets the natural numbers (as
+    hold_out counts them) of the bad training rows."""
 
     scanning = _Scanning(cfg, run_dir) if scanning is None else scanning
     index = index_stream(cfg) if index is None else index
     report, good = scanning.report, 0
+    bases = dict(zip(index.train_files, itertools.accumulate([0] + [index.caps[f] for f in index.train_files])))
+    bad_train = [] if bad_train is None else bad_train
     for f, (fi, src) in enumerate(zip(index.files, file_sources(cfg, index))):
         if fi.problem is not None:
             report.rows_read += 1
@@ -158,6 +177,8 @@ def scan_stream(cfg: TrainConfig, run_dir: Path, index: Optional[StreamIndex] = 
             result = result if result is not None else _read_scan(cfg, index, f, src, scanning.encoder)
             save_scan(path, result)
         good += _apply(report, fi.name, result, index.caps[f])
+        if f in bases:
+            bad_train += [bases[f] + b[0] for b in result.bad_rows() if b[0] < index.caps[f]]
     return _finish(report, good, run_dir)
 
 
