@@ -13,7 +13,9 @@ so a run directory holds the concrete values; commands that read a composed conf
 - relative data paths (`dataset.paths`, `dataset.sources[i].paths`, `dataset.registry`) become absolute, so the run's
   config.yaml means the same files from any working directory (ranks, `prompt-eval` reading the validation split).
 
-`config_warnings` names legal but probably unintended settings (a tiny-model learning rate on a pretrained model).
+`config_warnings` names legal but probably unintended settings (a tiny-model learning rate on a pretrained model);
+`lr_note` says where the learning rate came from when `optimizer.lr` is unset (the launch prints it), so a run
+after one at another rate never trains at the model's rate unannounced.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import PurePath
-from typing import List
+from typing import List, Optional
 
 from dsrecipes.core.hub import is_hub_id
 from dsrecipes.core.schema import OptimizerKind, TrainConfig
@@ -37,6 +39,27 @@ def learning_rate(cfg: TrainConfig) -> float:
     if cfg.model.path is None:
         return cfg.model.tiny.finetune_lr
     return cfg.model.lora.finetune_lr if cfg.model.lora.enabled else cfg.model.finetune_lr
+
+
+def lr_source(cfg: TrainConfig) -> str:
+    """The key `learning_rate(cfg)` reads: optimizer.lr, or the model's own rule's key."""
+    if cfg.optimizer.lr is not None:
+        return "optimizer.lr"
+    if cfg.model.path is None:
+        return "model.tiny.finetune_lr"
+    return "model.lora.finetune_lr" if cfg.model.lora.enabled else "model.finetune_lr"
+
+
+def lr_note(cfg: TrainConfig) -> Optional[str]:
+    """`learning rate: 2e-05 from model.finetune_lr (...); optimizer.lr=VALUE sets another`, None when the
+    command chose it (optimizer.lr set). Call it before `with_derived_defaults`, which fills optimizer.lr in."""
+    if cfg.optimizer.lr is not None:
+        return None
+    what = {"model.tiny.finetune_lr": "the embedded tiny model's rate",
+            "model.lora.finetune_lr": f"{model_name(cfg)}'s LoRA rate",
+            "model.finetune_lr": f"{model_name(cfg)}'s full fine-tuning rate"}[lr_source(cfg)]
+    return (f"learning rate: {learning_rate(cfg):g} from {lr_source(cfg)} ({what}; optimizer.lr is unset); "
+            "optimizer.lr=VALUE sets another")
 
 
 def model_name(cfg: TrainConfig) -> str:

@@ -6,10 +6,16 @@ log-probs of every prepared pair in `trainer.micro_batch_size` batches (on a GPU
 caller stores them with the prepared data under `data/prepare/pairs.py::reference_key`: the content hash of the
 model's files (the tiny model's config), its dtype and the attention implementation. Training then holds one model.
 Live references: objectives/dpo_live.py.
+
+The pass runs before the first step (a minute or two for a 135M model on a CPU), so it says so on stderr: a line
+before the model loads, a progress line at most every PROGRESS_EVERY_S seconds (pairs done, rate, time left), and
+a closing line; a second run with the same reference reads the cache and prints none of them.
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from typing import Any, Iterable, List, Tuple
 
 import torch
@@ -19,17 +25,28 @@ from dsrecipes.modeling.model import build_model
 from dsrecipes.objectives.base import Row, pad_token_id
 from dsrecipes.objectives.dpo import collate_pairs
 from dsrecipes.objectives.logps import reference_config, sequence_logps
+from dsrecipes.observe.metrics import format_seconds
+
+PROGRESS_EVERY_S = 15.0  # at most one progress line per this many seconds
+
+
+def _say(text: str) -> None:
+    print(f"reference pass: {text}", file=sys.stderr, flush=True)
 
 
 @torch.no_grad()
 def precompute(cfg: TrainConfig, tokenizer: Any, rows: Iterable[Row], n_rows: int) -> Tuple[List[float], List[float]]:
-    """(chosen, rejected) reference log-probs of every row, in row order."""
+    """(chosen, rejected) reference log-probs of every row, in row order (progress on stderr: module docstring)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    started = time.monotonic()
+    _say(f"log-probs of {n_rows:,} pairs under the reference model ({cfg.model.path or 'the tiny model'}) on "
+         f"{device.type}, once before the first step; cached with the prepared data for later runs")
     model = build_model(reference_config(cfg), tokenizer).to(device).eval()
     pad, size = pad_token_id(tokenizer), cfg.trainer.micro_batch_size
     chosen: List[float] = []
     rejected: List[float] = []
     batch: List[Row] = []
+    said = computing = time.monotonic()
     for i, row in enumerate(rows):
         batch.append(row)
         if len(batch) == size or i == n_rows - 1:
@@ -38,6 +55,12 @@ def precompute(cfg: TrainConfig, tokenizer: Any, rows: Iterable[Row], n_rows: in
             chosen += c.tolist()
             rejected += r.tolist()
             batch = []
+            if time.monotonic() - said >= PROGRESS_EVERY_S and len(chosen) < n_rows:
+                said = time.monotonic()
+                rate = len(chosen) / max(said - computing, 1e-9)
+                _say(f"{len(chosen):,}/{n_rows:,} pairs ({len(chosen) / n_rows:.0%}), {rate:.1f} pairs/s, "
+                     f"about {format_seconds((n_rows - len(chosen)) / rate)} left")
     del model
+    _say(f"{len(chosen):,} pairs in {format_seconds(time.monotonic() - started)}")
     return chosen, rejected
 

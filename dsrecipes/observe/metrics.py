@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 from dsrecipes.core.console import progress_mode
 from dsrecipes.core.fileio import atomic_write_text, finite, open_append
 from dsrecipes.core.rundir import CONFIG_FILE, METRICS_FILE, read_metrics
+from dsrecipes.observe.headline import inline, loss_unit, shown
 from dsrecipes.observe.plots import plot_run
 from dsrecipes.observe.trackers import call_each, open_trackers
 
@@ -36,6 +37,7 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.history: List[Dict[str, Any]] = []
         self.total_steps, self.start_step, self.started = total_steps, start_step, time.perf_counter()
+        self.loss_unit = loss_unit(getattr(getattr(cfg, "objective", None), "kind", None))  # loss.png's y label
         self._bar = None
         self._fh = None
         self._trackers: List[Any] = []
@@ -56,7 +58,8 @@ class MetricsLogger:
 
     def log_train(self, step: int, loss: float, lr: float, grad_norm: Optional[float], tokens_per_s: float,
                   samples_seen: int, elapsed: float, extra: Optional[Dict[str, float]] = None) -> None:
-        """`extra`: the objective's other train metrics (DPO: rewards, reward accuracy, margin)."""
+        """`extra`: the objective's other train metrics (DPO: rewards, reward accuracy, margin); those of
+        headline.HEADLINE are shown beside the loss."""
         extra = extra or {}
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                   "samples_seen": samples_seen, "elapsed": elapsed, **extra}
@@ -67,11 +70,12 @@ class MetricsLogger:
             scalars["train/grad_norm"] = grad_norm
         self._track(scalars, step)
         if self._bar is not None:
-            self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            self._bar.set_postfix(loss=f"{loss:.4f}", **dict(shown(extra)), lr=f"{lr:.2e}",
+                                  tok_s=f"{tokens_per_s:,.0f}", refresh=False)
         elif self.enabled:
             grad = "" if grad_norm is None else f"  grad_norm {grad_norm:.3f}"
-            print(f"{self._where(step)}  loss {loss:.4f}  lr {lr:.2e}{grad}  {tokens_per_s:,.0f} tok/s"
-                  f"  {self._eta(step)}", flush=True)
+            print(f"{self._where(step)}  loss {loss:.4f}{inline(extra)}  lr {lr:.2e}{grad}  {tokens_per_s:,.0f} "
+                  f"tok/s  {self._eta(step)}", flush=True)
 
     def log_eval(self, step: int, values: float | Dict[str, float]) -> None:
         """One evaluation: `eval_loss` (a bare float), or the numbers of evaluation.EvalResult.metrics() /
@@ -100,7 +104,8 @@ class MetricsLogger:
             self._fh.close()
 
         artifacts = [self.run_dir / name for name in (LOSS_PLOT, CONFIG_FILE)]
-        plot_run(self.history, artifacts[0], title=f"{self.run_dir.parent.name}/{self.run_dir.name}")
+        plot_run(self.history, artifacts[0], title=f"{self.run_dir.parent.name}/{self.run_dir.name}",
+                 unit=self.loss_unit)
         self._trackers = call_each(self._trackers, "log_artifacts", [p for p in artifacts if p.is_file()])
         self._trackers = call_each(self._trackers, "close", ok)
 
@@ -127,10 +132,12 @@ class MetricsLogger:
 
 
 def describe_eval(values: Dict[str, Any]) -> str:
-    """`eval_loss 1.2345  ppl 3.44  accuracy 41.2%  prompts: similarity 0.512  exact 25.0%  ended 100.0%`."""
+    """`eval_loss 1.2345  ppl 3.44  accuracy 41.2%  prompts: similarity 0.512  exact 25.0%  ended 100.0%`; a
+    preference objective's `eval_loss 0.6812  reward_acc 62.5%  margin 0.0310` (headline.py)."""
     parts = []
     if values.get("eval_loss") is not None:
         parts.append(f"eval_loss {values['eval_loss']:.4f}")
+    parts += [f"{label} {text}" for label, text in shown(values, "eval_")]
     if values.get("eval_ppl") is not None:
         parts.append(f"ppl {values['eval_ppl']:.4g}")
     if values.get("eval_accuracy") is not None:

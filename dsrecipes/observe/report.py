@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from dsrecipes.core.console import LOGS_DIR
 from dsrecipes.core.export_dir import EXPORT_BEST_DIR, EXPORT_DIR
 from dsrecipes.core.rundir import RESULT_FILE, read_metrics, run_summary
+from dsrecipes.observe.headline import fmt, logged
 from dsrecipes.observe.metrics import format_seconds
 
 LOSS_PLOT = "loss.png"
@@ -28,6 +29,7 @@ def closing_summary(run_dir: Path, wall_s: float, overrides: Sequence[str], max_
     lines = [f"done: {summary['steps']} steps in {format_seconds(wall_s)}{speed}"]
     if train := trend(rows, "loss"):
         lines.append(f"  train loss   {train}")
+    lines += headline_lines(rows, "", "train")
     if eval_rows:
         lines += eval_lines(eval_rows)
     lines += selection_lines(run_dir)
@@ -57,7 +59,13 @@ def eval_lines(eval_rows: List[dict]) -> List[str]:
     if first.get("eval_accuracy") is not None and last.get("eval_accuracy") is not None:
         lines.append(f"  eval acc     {first['eval_accuracy']:.1%} -> {last['eval_accuracy']:.1%}  (perplexity "
                      f"{first.get('eval_ppl', float('nan')):.4g} -> {last.get('eval_ppl', float('nan')):.4g})")
-    return lines
+    return lines + headline_lines(eval_rows, "eval_", "eval")
+
+
+def headline_lines(rows: List[dict], prefix: str, what: str) -> List[str]:
+    """The objective's headline numbers (observe/headline.py: reward accuracy and margin of the preference
+    objectives, GRPO's reward), first -> last, as the loss is shown: `  train reward_acc 50.0% -> 87.5%  (...)`."""
+    return [f"  {f'{what} {label}':<12} {trend(rows, key, spec)}" for key, label, spec in logged(rows, prefix)]
 
 
 def selection_lines(run_dir: Path) -> List[str]:
@@ -74,16 +82,17 @@ def selection_lines(run_dir: Path) -> List[str]:
     return summary_lines(result, str(best) if best.is_dir() else None)
 
 
-def trend(rows: Sequence[dict], key: str) -> Optional[str]:
+def trend(rows: Sequence[dict], key: str, spec: str = ".4f") -> Optional[str]:
     """First and last logged value of `key` and how many there were: a run shorter than trainer.log_every logged
-    once, and "7.16 -> 7.16" would claim a flat curve it never measured."""
-    logged = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-    if not logged:
+    once, and "7.16 -> 7.16" would claim a flat curve it never measured. `spec`: headline.fmt's ("pct": 62.5%)."""
+    values = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    if not values:
         return None
-    (first_step, first), (last_step, last) = logged[0], logged[-1]
-    if len(logged) == 1:
-        return f"{first:.4f}  (1 logged value, step {first_step})"
-    return f"{first:.4f} -> {last:.4f}  (first and last of {len(logged)} logged values, steps {first_step}-{last_step})"
+    (first_step, first), (last_step, last) = values[0], values[-1]
+    if len(values) == 1:
+        return f"{fmt(first, spec)}  (1 logged value, step {first_step})"
+    return (f"{fmt(first, spec)} -> {fmt(last, spec)}  (first and last of {len(values)} logged values, steps "
+            f"{first_step}-{last_step})")
 
 
 def next_commands(run_dir: Path, overrides: Sequence[str], steps: int, max_steps: Optional[int]) -> List[tuple]:

@@ -1,6 +1,7 @@
 """What the launching process decides once about the model, before it writes the run directory.
 
-- derived defaults: the model's learning rate and name, absolute data paths (config/defaults.py);
+- derived defaults: the model's learning rate (said on the console when it comes from the model's rule, not from
+  optimizer.lr) and name, absolute data paths (config/defaults.py);
 - hub ids in `model.path` / `model.tokenizer_path` -> local snapshot directories (hub.py);
 - `template=auto` -> the concrete template for this tokenizer (data/render/template_choice.py);
 - bf16 on a GPU without it (pre-Ampere) -> fp16, said on the console (large-model presets default to bf16;
@@ -18,7 +19,7 @@ import dataclasses
 import sys
 from typing import List, Tuple
 
-from dsrecipes.config.defaults import config_warnings, with_derived_defaults
+from dsrecipes.config.defaults import config_warnings, lr_note, with_derived_defaults
 from dsrecipes.core.hub import resolve_hub_paths
 from dsrecipes.core.schema import Device, Precision, TemplateKind, TrainConfig
 from dsrecipes.core.tokenizer import load_tokenizer
@@ -63,8 +64,9 @@ def prepare_launch(cfg: TrainConfig) -> TrainConfig:
     """`resolve_model_choices`, printing what was chosen and the warnings (stderr)."""
     chosen, warnings = resolve_model_choices(cfg)
     chosen, note = precision_for_device(chosen, *_this_device(chosen))
-    if note:
-        print(note, file=sys.stderr)
+    for said in (note, lr_note(cfg)):  # lr_note: where the learning rate came from, when optimizer.lr is unset
+        if said:
+            print(said, file=sys.stderr)
     if cfg.template.name is TemplateKind.auto:
         print(f"template: auto -> {chosen.template.name.value}", file=sys.stderr)
     if chosen.model.path != cfg.model.path:
