@@ -188,9 +188,7 @@ class TemplateConfig:
     name: TemplateKind = TemplateKind.auto
     separator: str = "\n\n"  # plain template: between turns
     default_system: Optional[str] = None  # used when a sample has no system prompt
-    # Train the text a template writes after the end-of-turn token (chatml's "\n" after <|im_end|>) as TRL and
-    # LLaMA-Factory do. Off: served generation stops at the end-of-turn token and never produces it (README).
-    train_eot_newline: bool = False
+    train_eot_newline: bool = False  # train the text after the end-of-turn token (chatml "\n") as TRL does (README)
 
 
 @dataclass
