@@ -96,6 +96,27 @@ HEAVY_FIRST = ("test_benchmarks_smoke.py", "test_doctor.py", "test_multinode.py"
                "test_store_e2e.py", "test_launch_real.py", "test_stream_e2e.py")
 
 
+# Files that share a session fixture's expensive set-up run in one pytest-xdist worker, as one work unit, so the set-up
+# happens once (a session fixture is per worker): test_run_safety's workspace and base run (tiny model, 8 steps) are
+# imported by the others.
+SAME_WORKER = {name: "safety-base-run" for name in ("test_run_safety.py", "test_hostile_checkpoint.py",
+                                                     "test_point_of_use_runs.py", "test_disk_full.py")}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, with the SAME_WORKER files as one unit (any other mode: xdist's own scheduler)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class GroupedFiles(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return SAME_WORKER.get(scope.rsplit("/", 1)[-1], scope)
+
+    return GroupedFiles(config, log)
+
+
 def pytest_sessionstart(session):
     """Under pytest-xdist each worker has one core of the two (the README's `-n 2`): work done inside the worker (the
     launching side of in-process runs: preparing data, DPO reference log-probs, evaluation, export) uses one intra-op
