@@ -180,3 +180,19 @@ def test_an_iterable_run_says_what_an_epoch_trains(tmp_path, capsys):
     assert code == 0, out[-3000:]
     assert "10 validation rows, 81 training samples per epoch (90 lines, 9 bad rows skipped)" in out, out
     assert "an epoch is 22 steps of 4 rows, so the last 2 of its 90 training rows" in out, out
+
+
+def test_check_budget_completes_an_unfinished_end_and_refuses_a_finished_one():
+    from dsrecipes.core.errors import Refused
+    from dsrecipes.run.resume_contract import check_budget
+
+    es = {"trainer": {"early_stopping": {"patience": 1, "min_delta": 100}}}
+    stopped = {"stopped_early": "early stopping: ...", "total_steps": 8}
+    assert check_budget("step_8", 8, 8, {}, es, es, finished=False) is False  # killed while exporting: completed
+    assert check_budget("step_4", 4, 8, stopped, es, es, finished=False) is False  # stops again, exports
+    assert check_budget("step_4", 4, 16, stopped, es, es, finished=True) is True  # a larger budget goes on
+    off = {"trainer": {"early_stopping": {"patience": 0, "min_delta": 100}}}
+    assert check_budget("step_4", 4, 8, stopped, es, off, finished=True) is True
+    for args in (("step_8", 8, 8, {}), ("step_4", 4, 8, stopped)):
+        with pytest.raises(Refused, match="nothing to train"):
+            check_budget(*args, es, es, finished=True)

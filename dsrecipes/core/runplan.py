@@ -44,6 +44,7 @@ class RunPlan:
     data_files: Dict[str, str] = field(default_factory=dict)  # content hash of each training file (resume checks)
     newest_checkpoint: Optional[str] = None  # the run dir's newest committed checkpoint when planned (ranks check)
     supervised: bool = False  # a launching process holds the run directory's lock while the ranks run
+    past_stop: bool = False  # the resumed checkpoint stopped early and this run trains on (resume_contract)
     version: int = PLAN_VERSION
 
     @property

@@ -48,7 +48,7 @@ class Verdict:
 class Selector:
     """Applies the rules to `state` (TrainState.selection, updated in place) as evaluations arrive."""
 
-    def __init__(self, cfg: TrainConfig, state: Dict[str, Any], step: int = 0, total_steps: Optional[int] = None):
+    def __init__(self, cfg: TrainConfig, state: Dict[str, Any], past_stop: bool = False):
         t = cfg.trainer
         self.metric = t.save_best.metric
         self.mode = t.save_best.mode or METRIC_MODES[self.metric]
@@ -57,15 +57,15 @@ class Selector:
         for key, value in fresh_state().items():
             state.setdefault(key, value)
         self.state = state
-        if state["stopped"] and total_steps is not None and step < total_steps:
-            self._continue_past_stop(step)
+        if state["stopped"] and past_stop:
+            self._continue_past_stop()
 
-    def _continue_past_stop(self, step: int) -> None:
-        """A resume of a run that stopped early, with steps left to train (the launching side refused one that
-        asked for nothing new, run/resume_contract.check_budget): the stop goes to `earlier_stops` (result.json
+    def _continue_past_stop(self) -> None:
+        """A resume of a run that stopped early, asked to go on (a larger budget or other early stopping: the
+        launching side decides, run/resume_contract.check_budget): the stop goes to `earlier_stops` (result.json
         keeps it) and patience counts afresh from here."""
         st = self.state
-        st["earlier_stops"] = [*st["earlier_stops"], {"step": step, "reason": st["stopped"]}]
+        st["earlier_stops"] = [*st["earlier_stops"], {"step": st.get("stopped_step"), "reason": st["stopped"]}]
         st["stopped"], st["bad_evals"] = None, 0
 
     @property
@@ -86,6 +86,7 @@ class Selector:
             st["best_step"], st["best_value"] = step, float(value)
         st["bad_evals"] = 0 if significant else st["bad_evals"] + 1
         if self.patience > 0 and st["bad_evals"] >= self.patience:
+            st["stopped_step"] = step
             st["stopped"] = (f"early stopping: {self.metric.value} did not improve by more than {self.min_delta:g} "
                              f"for {st['bad_evals']} evaluation(s) (best {st['best_value']} at step "
                              f"{st['best_step']})")

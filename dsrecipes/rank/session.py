@@ -102,7 +102,7 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
     prompt_eval = build_prompt_eval(cfg, tokenizer, rank, world_size, run_dir)
     return Session(cfg, run_dir, plan, rank, engine, objective, train_loader, eval_loader, state, metrics,
                    open_ledger(cfg, run_dir, rank), None if resume is None else resume.tag_dir,
-                   Selector(cfg, state.selection, state.step, plan.total_steps), eval_ledger, prompt_eval)
+                   Selector(cfg, state.selection, plan.past_stop), eval_ledger, prompt_eval)
 
 
 def skip_identity_allreduce(engine, world_size: int, zero_stage: int) -> None:

@@ -134,14 +134,13 @@ def plan_run(cfg: TrainConfig, run_dir: Path, decision: Decision) -> RunPlan:
         print(f"note: an epoch is {per_epoch} steps of {train_batch_size(cfg, topology.world_size)} rows, so the "
               f"last {left} of its {prepared.rows} training rows (in that epoch's order) are not trained in it",
               file=sys.stderr, flush=True)
-    if decision.resume is not None:
-        check_budget(cfg, decision.resume, total)
+    past_stop = decision.resume is not None and check_budget(cfg, decision.resume, total)
     newest = committed(run_dir / CHECKPOINTS_DIR)
     return RunPlan(world_size=topology.world_size, num_nodes=topology.num_nodes, data_kind=cfg.data.kind.value,
                    rows=prepared.rows, steps_per_epoch=per_epoch, total_steps=total,
                    data_fingerprint=decision.data_fingerprint, resume=decision.resume, data_files=decision.data_files,
                    newest_checkpoint=newest[0].name if newest else None,
-                   supervised=cfg.launcher.kind is not LauncherKind.slurm)
+                   supervised=cfg.launcher.kind is not LauncherKind.slurm, past_stop=past_stop)
 
 
 def check_fresh_start(cfg: TrainConfig, run_dir: Path) -> None:
@@ -162,8 +161,9 @@ def check_fresh_start(cfg: TrainConfig, run_dir: Path) -> None:
                             "(nothing was changed)")
 
 
-def check_budget(cfg: TrainConfig, resume: ResumePlan, total: int) -> None:
-    """Exit 2 before anything is written when the resumed run would train no step (resume_contract.check_budget)."""
+def check_budget(cfg: TrainConfig, resume: ResumePlan, total: int) -> bool:
+    """Exit 2 before anything is written when the resumed run would train no step; True when it trains past an
+    early stop (resume_contract.check_budget)."""
     tag_dir = Path(resume.checkpoint)
     try:
         record = read_record(tag_dir)
@@ -173,8 +173,13 @@ def check_budget(cfg: TrainConfig, resume: ResumePlan, total: int) -> None:
     if not config_path.is_file():
         config_path = tag_dir.parent.parent / "config.yaml"  # checkpoints of older versions (as check_resume)
     saved = yaml.safe_load(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
-    resume_contract.check_budget(str(tag_dir), resume.step, total, record, saved if isinstance(saved, dict) else {},
-                                 config_to_dict(cfg))
+    try:
+        result = json.loads((tag_dir.parent.parent / RESULT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        result = None
+    finished = isinstance(result, dict) and result.get("status") == "ok" and (result.get("steps") or 0) >= resume.step
+    return resume_contract.check_budget(str(tag_dir), resume.step, total, record,
+                                        saved if isinstance(saved, dict) else {}, config_to_dict(cfg), finished)
 
 
 def data_identity(cfg: TrainConfig, tokenizer: Any) -> Tuple[str, Dict[str, str]]:

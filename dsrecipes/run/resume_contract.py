@@ -117,22 +117,28 @@ def check(saved: Dict[str, Any], new: Dict[str, Any], saved_data: Optional[str],
 
 
 def check_budget(checkpoint: str, step: int, total: int, record: Dict[str, Any], saved: Dict[str, Any],
-                 new: Dict[str, Any]) -> None:
-    """A resume must have steps to train: Refused (exit 2, nothing written, result.json kept) when this run's budget
-    (`total` optimizer steps) ends at or before the checkpoint's `step`, or when the checkpoint stopped early
-    (its complete.json `stopped_early`) and neither a larger budget than that segment's nor other
-    `trainer.early_stopping` settings ask to go past the stop (the run would stop there again, training nothing)."""
-    if total <= step:
-        raise Refused(f"nothing to train: {checkpoint} has done {step} optimizer steps and this run plans {total}; "
-                      f"raise trainer.max_steps above {step} to train further (e.g. trainer.max_steps={2 * step}); "
-                      "nothing was changed")
+                 new: Dict[str, Any], finished: bool) -> bool:
+    """Whether this resume trains past an early stop (the checkpoint's complete.json `stopped_early`, with a larger
+    budget than that segment's or other `trainer.early_stopping` settings): the rank then forgets the stop.
+    Refused (exit 2, nothing written, result.json kept) when the run that wrote the checkpoint `finished` (its
+    result.json: ok, at that step) and this one would train no step: a budget at or below `step`, or the same
+    budget and early stopping after an early stop. An unfinished end (killed while exporting) is completed."""
     stopped = record.get("stopped_early")
-    if not stopped or total > int(record.get("total_steps") or total):
-        return
-    stopping = (flatten(saved).get(f"trainer.early_stopping.{k}") for k in ("patience", "min_delta"))
-    if list(stopping) != [flatten(new).get(f"trainer.early_stopping.{k}") for k in ("patience", "min_delta")]:
-        return
-    raise Refused(f"nothing to train: {checkpoint} stopped early ({stopped}), and this run's budget ({total} steps) "
-                  "and early stopping are that segment's, so it would stop there again. To train past it, set "
-                  f"trainer.early_stopping.patience=0 (train up to step {total}) or a larger trainer.max_steps; "
-                  "nothing was changed")
+    if total <= step:
+        if finished:
+            raise Refused(f"nothing to train: {checkpoint} has done {step} optimizer steps and this run plans "
+                          f"{total}; raise trainer.max_steps above {step} to train further (e.g. "
+                          f"trainer.max_steps={2 * step}); nothing was changed")
+        return False
+    if not stopped:
+        return False
+    stopping = [flatten(saved).get(f"trainer.early_stopping.{k}") for k in ("patience", "min_delta")]
+    if total > int(record.get("total_steps") or total) or stopping != [
+            flatten(new).get(f"trainer.early_stopping.{k}") for k in ("patience", "min_delta")]:
+        return True
+    if finished:
+        raise Refused(f"nothing to train: {checkpoint} stopped early ({stopped}), and this run's budget ({total} "
+                      "steps) and early stopping are that segment's, so it would stop there again. To train past "
+                      f"it, set trainer.early_stopping.patience=0 (train up to step {total}) or a larger "
+                      "trainer.max_steps; nothing was changed")
+    return False
