@@ -25,6 +25,7 @@ from dsrecipes.core.fileio import atomic_write_text, json_text
 from dsrecipes.core.schema import ColumnsConfig, DatasetFormat, SourceConfig
 from dsrecipes.core.tokenizer import custom_code_problems
 from dsrecipes.data.sources.badrows import BadRow
+from dsrecipes.data.sources.messages import messages_for
 from dsrecipes.data.sources.preference import Pair, parse_pair_item
 from dsrecipes.data.sources.sharegpt import role_table
 
@@ -116,14 +117,18 @@ def load_scorer(path: Path) -> Tuple[Any, Any]:
     return model.eval(), tokenizer
 
 
-def pair_texts(tokenizer: Any, pair: Pair) -> Tuple[str, str]:
-    conv = pair.prompt
-    messages = ([{"role": "system", "content": conv.system}] if conv.system is not None else [])
-    messages += [{"role": t.role.value, "content": t.content} for t in conv.turns]
+def pair_texts(tokenizer: Any, loc: int, pair: Pair) -> Tuple[str, str]:
+    """prompt + each answer, rendered as training renders it for this chat template (data/sources/messages.py)."""
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("EXPORT: the tokenizer has no chat template to render pairs with (a dsrecipes export has one)")
-    return tuple(tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": answer}], tokenize=False)
-                 for answer in (pair.chosen, pair.rejected))
+    messages, tools = messages_for(pair.prompt, tokenizer.chat_template)
+    try:
+        return tuple(tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": answer}],
+                                                   tools=tools, tokenize=False)
+                     for answer in (pair.chosen, pair.rejected))
+    except Exception as exc:  # noqa: BLE001 - the template's own refusal (jinja raise_exception) or a render error
+        raise UserError(f"{pair.prompt.path}:{loc}: the chat template cannot render this pair "
+                        f"({str(exc).splitlines()[0][:200]})") from None
 
 
 def end_of_turn(path: Path) -> List[int]:
@@ -146,7 +151,7 @@ def encode(tokenizer: Any, text: str, stops: List[int]) -> List[int]:
 def score_pairs(model: Any, tokenizer: Any, pairs: List[Tuple[int, Pair]], stops: List[int]) -> List[Dict[str, Any]]:
     import torch
 
-    seqs = [encode(tokenizer, text, stops) for _, pair in pairs for text in pair_texts(tokenizer, pair)]
+    seqs = [encode(tokenizer, text, stops) for loc, pair in pairs for text in pair_texts(tokenizer, loc, pair)]
     scores: List[float] = []
     with torch.no_grad():
         for i in range(0, len(seqs), BATCH):
