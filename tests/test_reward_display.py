@@ -26,7 +26,10 @@ def test_every_objective_says_what_its_loss_is():
 
 
 def test_step_and_eval_lines_show_reward_accuracy_and_margin(tmp_path, capsys):
-    logger = MetricsLogger(tmp_path, 0, total_steps=2, bar=False)
+    from dsrecipes.core.schema import TrainConfig, TrainerConfig
+
+    no_trackers = TrainConfig(trainer=TrainerConfig(report_to=[]))
+    logger = MetricsLogger(tmp_path, 0, total_steps=2, bar=False, cfg=no_trackers)
     logger.log_train(1, 0.6931, 1e-5, None, 100.0, 4, 1.0, extra={"reward_accuracy": 0.625, "reward_margin": 0.0312,
                                                                   "rewards_chosen": 0.1})
     logger.log_train(2, 0.6931, 1e-5, None, 100.0, 4, 1.0)  # SFT: no extra, nothing more on the line
