@@ -1,10 +1,12 @@
-"""The pipeline on the real test model: SmolLM2-135M-Instruct, SFT -> DPO from the SFT export, as one
-`dsrecipes pipeline` command (LoRA merged into each export, short cutoff, a few steps: CI's budget).
+"""The pipeline on the real test model: SmolLM2-135M-Instruct, SFT -> a reward model -> DPO (both from the SFT
+export), as one `dsrecipes pipeline` command (LoRA merged into the SFT export, short cutoff, a few steps: CI's budget;
+the reward model's export is left out: nothing in the test reads it, and writing it costs seconds).
 
 The pairs are the short single-turn ones test_dpo_smollm2 uses (`short_pairs`, shared), split once into a `reward`
-and a `dpo` share by row hash (dataset.split); DPO reads its share only. What it proves: the stages chain (the DPO
-run's model is the SFT export), SFT lowers held-out loss from the base model's, DPO's implicit reward accuracy on
-its held-out pairs is well above chance, and the summary compares the stages."""
+and a `dpo` share by row hash (dataset.split); each stage reads its share only. What it proves: the stages chain (the
+reward and DPO runs start from the SFT export), SFT lowers held-out loss from the base model's, the reward model's
+pairwise accuracy on its held-out pairs rises from its random head's to well above chance, DPO's implicit reward
+accuracy on its held-out pairs is well above chance, and the summary compares the stages."""
 
 from __future__ import annotations
 
@@ -34,6 +36,17 @@ stages:
       dataset: {{max_samples: 48, val_size: 16}}
       trainer.max_steps: 2
       optimizer.lr: 1.0e-3
+  - name: reward
+    model_from: sft
+    recipe: smollm2_cpu_dpo
+    set:
+      objective: reward
+      dataset.registry: {registry}
+      dataset.split.shares: {{reward: 1, dpo: 1}}
+      dataset.split.take: reward
+      dataset: {{max_samples: 36, val_size: 16}}
+      trainer: {{max_steps: 5, export: false}}
+      optimizer.lr: 3.0e-3
   - name: dpo
     model_from: sft
     recipe: smollm2_cpu_dpo
@@ -69,15 +82,18 @@ def evals(run_dir):
     return [r for r in rows if "eval_loss" in r]
 
 
-def test_sft_then_dpo_from_its_export(pipeline_run, smollm2_dir):
-    sft, dpo = pipeline_run / "sft", pipeline_run / "dpo"
+def test_sft_then_reward_model_and_dpo_from_its_export(pipeline_run, smollm2_dir):
+    sft, reward, dpo = pipeline_run / "sft", pipeline_run / "reward", pipeline_run / "dpo"
     start, end = evals(sft)
     assert end["eval_loss"] < start["eval_loss"] < 2.5, (start, end)  # from the pretrained level, lowered
-    assert yaml.safe_load((dpo / "config.yaml").read_text())["model"]["path"] == str(sft / "export")
+    for stage in (reward, dpo):
+        assert yaml.safe_load((stage / "config.yaml").read_text())["model"]["path"] == str(sft / "export")
+    first, last = evals(reward)
+    assert last["eval_reward_accuracy"] >= 0.75 > first["eval_reward_accuracy"], (first, last)  # 0.875 measured
     final = evals(dpo)[-1]
     assert final["eval_reward_accuracy"] >= 0.75 and final["eval_reward_margin"] > 0, final
     state = json.loads((pipeline_run / "pipeline_state.json").read_text())["stages"]
-    assert [state[s]["status"] for s in ("sft", "dpo")] == ["done", "done"]
+    assert [state[s]["status"] for s in ("sft", "reward", "dpo")] == ["done"] * 3
     summary = (pipeline_run / "pipeline_summary.md").read_text()
-    assert "| sft | sft | 2 |" in summary and "| dpo | dpo | 3 |" in summary and "reward_accuracy" in summary
+    assert "| sft | sft | 2 |" in summary and "| reward | reward | 5 |" in summary and "| dpo | dpo | 3 |" in summary
     assert (pipeline_run / "pipeline_summary.png").stat().st_size > 10_000
