@@ -188,3 +188,14 @@ def test_tiny_sft_then_dpo_killed_mid_stage_resumes_without_rerunning_sft(tmp_pa
     assert (out / "pipeline_summary.png").is_file() and "| dpo | dpo | 6 |" in (out / "pipeline_summary.md").read_text()
     answers = (out / "pipeline_prompts.md").read_text()  # base, SFT and DPO on the same two held-out prompts
     assert answers.count("- **base**:") == answers.count("- **sft**:") == answers.count("- **dpo**:") == 2, answers
+
+
+def test_the_shipped_pipelines_load_and_every_stage_validates(tmp_path):
+    from dsrecipes.run.pipeline import check_stages
+
+    files = sorted((REPO / "recipes" / "pipelines").glob("*.yaml"))
+    assert files
+    for path in files:
+        pipeline = load_pipeline(path)
+        check_stages(pipeline, tmp_path / path.stem)  # composes and validates each stage (files checked at its start)
+        assert not (tmp_path / path.stem).exists()
