@@ -87,9 +87,7 @@ class ColumnsConfig:
 
 @dataclass
 class ShareOfSource:
-    """The share of `dataset.split` a run reads, attached to each source when sources are resolved (never typed
-    by users: data/sources/split_shares.py)."""
-
+    """The share of `dataset.split` a run reads, set on each source by registry.resolve_sources (not by users)."""
     shares: Dict[str, int] = field(default_factory=dict)
     take: str = ""
     pinned: Optional[str] = None  # every row of this source belongs to this share
@@ -98,7 +96,6 @@ class ShareOfSource:
 @dataclass
 class SplitConfig:
     """One dataset split into named step shares by a stable row hash (DeepSpeed-Chat's --data_split 2,4,4)."""
-
     shares: Dict[str, int] = field(default_factory=dict)  # share name -> weight; empty: no split
     take: Optional[str] = None  # the share this run reads
     pin: Dict[str, str] = field(default_factory=dict)  # source name -> share holding all its rows (SFT-only data)
