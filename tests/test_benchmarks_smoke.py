@@ -27,6 +27,8 @@ TIMEOUT_S = 420  # each smoke takes seconds to ~40 s on a quiet 2-core machine; 
 def result_file(script: Path, out: Path) -> Path:
     if script.name == "gpu_smoke.py":
         return out / "results.json"
+    if script.name == "gpu_compare.py":
+        return out / "compare.json"
     prefix = "start_trace_" if script.parent.name == "start_trace" else ""
     return out / f"{prefix}{script.stem}.json"
 
