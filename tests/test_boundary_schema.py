@@ -61,7 +61,11 @@ def with_value(cfg: TrainConfig, path: Path_, kind: str, value: str) -> TrainCon
             node.append(SourceConfig(name="s", paths=["/data/s.jsonl"]))
             node = node[step]
         else:
-            node = getattr(node, step)
+            parent, node = node, getattr(node, step)
+            if node is None:  # an optional group left unset (dataset.sources[].share): give it its defaults
+                hint = typing.get_type_hints(type(parent))[step]
+                node = next(a for a in typing.get_args(hint) if dataclasses.is_dataclass(a))()
+                setattr(parent, step, node)
     new = {"str": value, "list": ["ok", value], "dict": {value: value, "OMP_NUM_THREADS": value}}[kind]
     setattr(node, path[-1], new)
     return cfg

@@ -41,7 +41,7 @@ MAY_CHANGE = (
     "trainer.eval_every", "trainer.eval_batches", "trainer.eval_samples", "trainer.eval_at_start",
     "trainer.save_best.enabled", "trainer.early_stopping", "trainer.prompt_eval_every", "trainer.prompt_eval_samples",
     "trainer.prompt_eval_max_new_tokens", "trainer.log_every", "trainer.keep_checkpoints", "trainer.resume", "trainer.resume_from", "trainer.output_dir",
-    "trainer.record_samples", "trainer.gradient_clipping", "trainer.export", "trainer.export_merged_lora",
+    "trainer.record_samples", "trainer.ce_chunk_tokens", "trainer.gradient_clipping", "trainer.export", "trainer.export_merged_lora",
     "trainer.device", "trainer.nan_policy", "trainer.nan_max_skips", "trainer.stop_grace_s", "trainer.report_to",
     "trainer.experiment", "trainer.tracking_uri", "launcher",
 )

@@ -89,7 +89,8 @@ def split_problems(ds: DatasetConfig, data_kind: DataKind) -> List[str]:
     sp, errors = ds.split, []
     if not sp.shares:
         if sp.take is not None or sp.pin:
-            errors.append("dataset.split.shares: dataset.split.take/pin name shares, so the shares are needed "
+            key = "dataset.split.pin" if sp.pin else "dataset.split.take"
+            errors.append(f"{key}: names shares, so dataset.split.shares is needed "
                           "(e.g. dataset.split.shares={sft:2,reward:4,rl:4})")
         return errors
     if len(sp.shares) > MAX_SHARES:
