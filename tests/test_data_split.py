@@ -117,7 +117,15 @@ def test_the_share_is_the_same_for_one_rank_and_two(tmp_path, make_cfg):
     ({"take": "sft"}, DataKind.presharded, "dataset.split: data=presharded reads parts written by `dsrecipes shard`"),
 ])
 def test_a_split_that_cannot_be_honoured_is_refused_by_name(split, kind, expected):
-    problems = split_problems(dataset(["x.jsonl"], **split), kind)
+    import dataclasses
+
+    from dsrecipes.core.schema import TrainConfig
+    from dsrecipes.data.strategies.rules import config_problems
+
+    ds = dataset(["x.jsonl"], **split)
+    cfg = TrainConfig()
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, kind=kind), dataset=ds)
+    problems = split_problems(ds, kind) + [p for p in config_problems(cfg) if p.startswith("dataset.split")]
     assert len(problems) == 1 and problems[0].startswith(expected), problems
     bad = DatasetConfig(split=SplitConfig(shares={"a": 0, "b": 1}, take="b"))
     assert split_problems(bad, DataKind.map) == [

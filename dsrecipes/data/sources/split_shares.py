@@ -109,13 +109,6 @@ def split_problems(ds: DatasetConfig, data_kind: DataKind) -> List[str]:
     for source, share in sp.pin.items():
         if share not in sp.shares:
             errors.append(f"dataset.split.pin.{source}: {share!r} is not a share (shares: {known})")
-    if data_kind is DataKind.iterable:
-        errors.append("dataset.split: data=iterable plans its steps from the files' line counts and cannot leave "
-                      "out the other shares' rows; use data=map, or write the share with `dsrecipes shard ... "
-                      "dataset.split.take=NAME` and train with data=presharded")
-    if data_kind is DataKind.presharded:
-        errors.append("dataset.split: data=presharded reads parts written by `dsrecipes shard`; choose the share "
-                      "when sharding (dsrecipes shard ... dataset.split.take=NAME) and leave dataset.split unset here")
     for i, src in enumerate(ds.sources):
         if src.share is not None:
             errors.append(f"dataset.sources[{i}].share: set from dataset.split, not per source "

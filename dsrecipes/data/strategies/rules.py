@@ -23,6 +23,7 @@ class Rules:
     prompt_rows: bool = False  # its prepared validation split can feed prompt-evals during training (gen_eval.py)
     pairs: bool = False  # it carries preference pairs (objective.rows=pair): one pair is one sample
     reference_cache: bool = False  # objective.reference=precomputed: reference log-probs cached with prepared pairs
+    split_refusal: Optional[str] = None  # why it cannot read one share of dataset.split (None: it can)
 
 
 def _reads_dataset(cfg: TrainConfig) -> List[str]:
@@ -38,14 +39,22 @@ def _reads_shards(cfg: TrainConfig) -> List[str]:
 
 RULES: Dict[DataKind, Rules] = {
     DataKind.map: Rules(_reads_dataset, prompt_rows=True, pairs=True, reference_cache=True),
-    DataKind.iterable: Rules(_reads_dataset, pairs=True),
+    DataKind.iterable: Rules(_reads_dataset, pairs=True, split_refusal=(
+        "data=iterable plans its steps from the files' line counts and cannot leave out the other shares' rows; use "
+        "data=map, or write the share with `dsrecipes shard ... dataset.split.take=NAME` and train with "
+        "data=presharded")),
     DataKind.presharded: Rules(_reads_shards, lambda cfg: [("data.shard_dir", cfg.data.shard_dir)], reads_sources=False,
-                               pairs=True),
+                               pairs=True, split_refusal=(
+                                   "data=presharded reads parts written by `dsrecipes shard`; choose the share when "
+                                   "sharding (dsrecipes shard ... dataset.split.take=NAME) and leave dataset.split "
+                                   "unset here")),
 }
 
 
 def config_problems(cfg: TrainConfig) -> List[str]:
-    return RULES[cfg.data.kind].problems(cfg)
+    rules = RULES[cfg.data.kind]
+    split = [f"dataset.split: {rules.split_refusal}"] if rules.split_refusal and cfg.dataset.split.shares else []
+    return rules.problems(cfg) + split
 
 
 def required_paths(cfg: TrainConfig) -> List[NamedPath]:
