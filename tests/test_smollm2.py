@@ -314,7 +314,7 @@ def test_eos_terminated_templates_use_the_tokenizers_eos_and_header_templates_st
     conv = Conversation("c", [Turn(Role.user, "Hi"), Turn(Role.assistant, "Hello!")])
     trained = [s.text for s in render(conv, TemplateConfig(name=TemplateKind.vicuna), tok, TrainOn.assistant)
                if s.trained]
-    assert trained == ["Hello!<|im_end|>"]
+    assert trained == [" Hello!<|im_end|>"]  # the space after "ASSISTANT:" is the reply's first token (issue 44)
     (problem, *_) = check_template(TemplateConfig(name=TemplateKind.llama3), tok)
     assert problem.startswith("template.name: llama3 needs '<|begin_of_text|>' as one token")
 
@@ -354,6 +354,6 @@ def test_vicuna_trains_exports_and_serves_with_the_training_rendering(workspace,
                                                  else gen.eos_token_id)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     ids = served.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    assert served.decode(ids["input_ids"][0]).endswith("ASSISTANT: ")
+    assert served.decode(ids["input_ids"][0]).endswith("ASSISTANT:")  # the generation prompt ends before the space (issue 44)
     out = model.generate(**ids, max_new_tokens=64)[0, ids["input_ids"].shape[1]:].tolist()
     assert IM_END in out and out.index(IM_END) == len(out) - 1, served.decode(out)
