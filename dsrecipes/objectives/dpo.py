@@ -37,8 +37,37 @@ from dsrecipes.objectives.logps import sequence_logps
 PAIR_SUMS = ("pairs", "chosen_rewards", "rejected_rewards", "correct", "margin", "chosen_logps", "rejected_logps")
 
 
+class PerPairLoss:
+    """The loss and evaluation sums of an objective whose `pair_losses` gives one loss per pair (the DPO family,
+    reward models): the mean over the micro-batch's real pairs, and their sum for evaluation."""
+
+    def loss(self, model: Any, batch: Batch, device: torch.device) -> Tuple[torch.Tensor, Dict[str, Any]]:
+        per_pair, sums = self.pair_losses(model, batch, device)
+        mask = batch["pair_mask"].to(device)
+        return (per_pair * mask).sum() / mask.sum().clamp(min=1), sums
+
+    def eval_sums(self, model: Any, batch: Batch, device: torch.device) -> Dict[str, float]:
+        per_pair, sums = self.pair_losses(model, batch, device)
+        out = {k: float(v) for k, v in sums.items()}
+        out["loss_sum"] = float((per_pair * batch["pair_mask"].to(device)).sum())
+        return out
+
+
+def reward_metrics(sums: Dict[str, float], prefix: str) -> Dict[str, float]:
+    """eval_loss (evaluation only) and the rewards of chosen and rejected answers, their accuracy and margin."""
+    n = sums["pairs"]
+    out = {"eval_loss": ratio(sums["loss_sum"], n)} if prefix == "eval_" else {}
+    out.update({
+        f"{prefix}rewards_chosen": ratio(sums["chosen_rewards"], n),
+        f"{prefix}rewards_rejected": ratio(sums["rejected_rewards"], n),
+        f"{prefix}reward_accuracy": ratio(sums["correct"], n),
+        f"{prefix}reward_margin": ratio(sums["margin"], n),
+    })
+    return out
+
+
 @dataclass
-class DPO:
+class DPO(PerPairLoss):
     pad_id: int
     beta: float
     loss_kind: DpoLoss
@@ -55,28 +84,10 @@ class DPO:
     def collate(self, rows: List[Row]) -> Batch:
         return collate_pairs(rows or [placeholder_pair(self.pad_id, self.precomputed)], self.pad_id, real=bool(rows))
 
-    def loss(self, model: Any, batch: Batch, device: torch.device) -> Tuple[torch.Tensor, Dict[str, Any]]:
-        per_pair, sums = self.pair_losses(model, batch, device)
-        mask = batch["pair_mask"].to(device)
-        return (per_pair * mask).sum() / mask.sum().clamp(min=1), sums
-
-    def eval_sums(self, model: Any, batch: Batch, device: torch.device) -> Dict[str, float]:
-        per_pair, sums = self.pair_losses(model, batch, device)
-        out = {k: float(v) for k, v in sums.items()}
-        out["loss_sum"] = float((per_pair * batch["pair_mask"].to(device)).sum())
-        return out
-
     def metrics(self, sums: Dict[str, float], prefix: str) -> Dict[str, float]:
-        n = sums["pairs"]
-        out = {"eval_loss": ratio(sums["loss_sum"], n)} if prefix == "eval_" else {}
-        out.update({
-            f"{prefix}rewards_chosen": ratio(sums["chosen_rewards"], n),
-            f"{prefix}rewards_rejected": ratio(sums["rejected_rewards"], n),
-            f"{prefix}reward_accuracy": ratio(sums["correct"], n),
-            f"{prefix}reward_margin": ratio(sums["margin"], n),
-            f"{prefix}logps_chosen": ratio(sums["chosen_logps"], n),
-            f"{prefix}logps_rejected": ratio(sums["rejected_logps"], n),
-        })
+        out = reward_metrics(sums, prefix)
+        out.update({f"{prefix}logps_chosen": ratio(sums["chosen_logps"], sums["pairs"]),
+                    f"{prefix}logps_rejected": ratio(sums["rejected_logps"], sums["pairs"])})
         return out
 
     def pair_losses(self, model: Any, batch: Batch, device: torch.device) -> Tuple[torch.Tensor, Dict[str, Any]]:

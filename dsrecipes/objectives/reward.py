@@ -22,14 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from dsrecipes.core.schema import ObjectiveKind, RowKind, TrainConfig
-from dsrecipes.objectives.base import Batch, Row, pad_token_id, ratio
-from dsrecipes.objectives.dpo import collate_pairs, placeholder_pair
+from dsrecipes.objectives.base import Batch, Row, pad_token_id
+from dsrecipes.objectives.dpo import PerPairLoss, collate_pairs, placeholder_pair, reward_metrics
 
 SUMS = ("pairs", "correct", "margin", "chosen_rewards", "rejected_rewards")
 
 
 @dataclass
-class Reward:
+class Reward(PerPairLoss):
     pad_id: int
     center: Optional[float] = None  # objective.center_rewards_coefficient
     kind: ObjectiveKind = ObjectiveKind.reward
@@ -46,27 +46,8 @@ class Reward:
     def attach(self, cfg: TrainConfig, tokenizer: Any, engine: Any) -> None:
         """Nothing to attach: no reference model."""
 
-    def loss(self, model: Any, batch: Batch, device: torch.device) -> Tuple[torch.Tensor, Dict[str, Any]]:
-        per_pair, sums = self.pair_losses(model, batch, device)
-        mask = batch["pair_mask"].to(device)
-        return (per_pair * mask).sum() / mask.sum().clamp(min=1), sums
-
-    def eval_sums(self, model: Any, batch: Batch, device: torch.device) -> Dict[str, float]:
-        per_pair, sums = self.pair_losses(model, batch, device)
-        out = {k: float(v) for k, v in sums.items()}
-        out["loss_sum"] = float((per_pair * batch["pair_mask"].to(device)).sum())
-        return out
-
     def metrics(self, sums: Dict[str, float], prefix: str) -> Dict[str, float]:
-        n = sums["pairs"]
-        out = {"eval_loss": ratio(sums["loss_sum"], n)} if prefix == "eval_" else {}
-        out.update({
-            f"{prefix}reward_accuracy": ratio(sums["correct"], n),
-            f"{prefix}reward_margin": ratio(sums["margin"], n),
-            f"{prefix}rewards_chosen": ratio(sums["chosen_rewards"], n),
-            f"{prefix}rewards_rejected": ratio(sums["rejected_rewards"], n),
-        })
-        return out
+        return reward_metrics(sums, prefix)
 
     def pair_losses(self, model: Any, batch: Batch, device: torch.device) -> Tuple[torch.Tensor, Dict[str, Any]]:
         """(loss of every pair, the micro-batch's metric sums): the centering term is per pair too, so that the

@@ -16,7 +16,7 @@ import os
 import shutil
 from collections import Counter
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 from dsrecipes.core.errors import DataError
 from dsrecipes.core.publish import Existing, publish_dir, staging_dir
@@ -37,27 +37,36 @@ def build(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig], val
     """Write `out/train` (and `out/val`); returns the preparation's stats. `val`: `dataset.val_paths` as one source
     (prepare.val_sources), read after the training sources and not capped by `dataset.max_samples`; its pairs are
     then the validation split, as for conversations (splits.split_and_mix)."""
+    return build_rows(cfg, tokenizer, sources, val, report, out, read_and_encode_pairs, _stats, "preference pairs",
+                      lambda rows: COLUMNS + (("margin",) if any(r.get("margin") is not None for r in rows) else ()))
+
+
+def build_rows(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig], val: Sequence[SourceConfig],
+               report: BadRowReport, out: Path, read: Callable, stats_of: Callable, what: str,
+               columns_of: Callable[[List[Dict[str, Any]]], Sequence[str]]) -> Dict[str, Any]:
+    """The preparation of rows that are one sample each (pairs, prompts): `read` the sources (then `val`, uncapped),
+    split and mix, one Arrow dataset per split with the `columns_of(rows)`; `stats_of` counts them."""
     from datasets import Dataset
 
-    rows, names = read_and_encode_pairs(cfg, tokenizer, sources, report)
+    rows, names = read(cfg, tokenizer, sources, report)
     trained = len(rows)
     if val:
         uncapped = dataclasses.replace(cfg, dataset=dataclasses.replace(cfg.dataset, max_samples=None))
-        more, more_names = read_and_encode_pairs(uncapped, tokenizer, val, report)
+        more, more_names = read(uncapped, tokenizer, val, report)
         rows, names = rows + more, names + more_names
     report.check()
     if not trained:
-        raise DataError(f"dataset {cfg.dataset.name}: no usable preference pairs ({report.summary()})")
+        raise DataError(f"dataset {cfg.dataset.name}: no usable {what} ({report.summary()})")
     train_items, val_items = split_and_mix(range(trained), range(trained, len(rows)), names,
                                            {src.name: src.weight for src in sources}, cfg.dataset.val_size,
                                            cfg.trainer.seed)
-    stats = _stats(cfg, report, rows, names, len(train_items), len(val_items))
+    stats = stats_of(cfg, report, rows, names, len(train_items), len(val_items))
     for name, n in Counter(names[i] for i, _ in train_items).items():  # the summary's per-source line
         stats["sources"][name]["train_samples"] = n
+    columns = columns_of(rows)
     for split, items in (("train", train_items), ("val", val_items)):
         if not items:
             continue
-        columns = COLUMNS + (("margin",) if any(r.get("margin") is not None for r in rows) else ())  # reward's
         table = {c: [_copy(rows[i], c, k) for i, k in items] for c in columns}
         Dataset.from_dict(table).save_to_disk(str(out / split))
         stats["rows"][split] = len(items)
@@ -67,7 +76,7 @@ def build(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig], val
 def _copy(row: Dict[str, Any], column: str, copy: int) -> Any:
     if column == "ids" and copy:
         return [f"{row['ids'][0]}@{copy}"]
-    return row.get(column)  # margin: None where a row has none
+    return row.get(column)  # (a pair's margin: None where it has none)
 
 
 def _stats(cfg: TrainConfig, report: BadRowReport, rows: List[Dict[str, Any]], names: List[str], n_train: int,

@@ -8,16 +8,14 @@ nothing is trained on a prompt's tokens, so "trained tokens" are 0.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
-from dsrecipes.core.errors import DataError
 from dsrecipes.core.schema import SourceConfig, TrainConfig
+from dsrecipes.data.prepare.pairs import build_rows
 from dsrecipes.data.render.prompt_encode import read_and_encode_prompts
 from dsrecipes.data.sources.badrows import BadRowReport
-from dsrecipes.data.sources.splits import split_and_mix
 
 COLUMNS = ("ids", "prompt_ids", "reference")
 
@@ -25,36 +23,8 @@ COLUMNS = ("ids", "prompt_ids", "reference")
 def build(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig], val: Sequence[SourceConfig],
           report: BadRowReport, out: Path) -> Dict[str, Any]:
     """Write `out/train` (and `out/val`); returns the preparation's stats (`val` as in pairs.build)."""
-    from datasets import Dataset
-
-    rows, names = read_and_encode_prompts(cfg, tokenizer, sources, report)
-    trained = len(rows)
-    if val:
-        uncapped = dataclasses.replace(cfg, dataset=dataclasses.replace(cfg.dataset, max_samples=None))
-        more, more_names = read_and_encode_prompts(uncapped, tokenizer, val, report)
-        rows, names = rows + more, names + more_names
-    report.check()
-    if not trained:
-        raise DataError(f"dataset {cfg.dataset.name}: no usable prompts ({report.summary()})")
-    train_items, val_items = split_and_mix(range(trained), range(trained, len(rows)), names,
-                                           {src.name: src.weight for src in sources}, cfg.dataset.val_size,
-                                           cfg.trainer.seed)
-    stats = _stats(cfg, report, rows, names, len(train_items), len(val_items))
-    for name, n in Counter(names[i] for i, _ in train_items).items():
-        stats["sources"][name]["train_samples"] = n
-    for split, items in (("train", train_items), ("val", val_items)):
-        if not items:
-            continue
-        table = {c: [_copy(rows[i], c, k) for i, k in items] for c in COLUMNS}
-        Dataset.from_dict(table).save_to_disk(str(out / split))
-        stats["rows"][split] = len(items)
-    return stats
-
-
-def _copy(row: Dict[str, Any], column: str, copy: int) -> Any:
-    if column == "ids" and copy:
-        return [f"{row['ids'][0]}@{copy}"]
-    return row[column]
+    return build_rows(cfg, tokenizer, sources, val, report, out, read_and_encode_prompts, _stats, "prompts",
+                      lambda rows: COLUMNS)
 
 
 def _stats(cfg: TrainConfig, report: BadRowReport, rows: List[Dict[str, Any]], names: List[str], n_train: int,

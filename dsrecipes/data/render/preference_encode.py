@@ -23,7 +23,7 @@ only.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from dsrecipes.core.schema import DatasetConfig, SourceConfig, TrainConfig, TrainOn
 from dsrecipes.data.render.labels import IGNORE_INDEX
@@ -128,19 +128,26 @@ def checked_pairs(cfg: TrainConfig, report: BadRowReport, encoder: "PairEncoder"
                   chunk: int = 256) -> Iterator[Tuple[Pair, Row]]:
     """(pair, row) of every pair of `sources` in order that passes training's checks (reading, rendering,
     tokenizing, truncation); caps apply as in map preparation; bad rows go to `report` (its policy decides)."""
-    pending: List[Pair] = []
+    return checked_in_chunks(_all_pairs(cfg.dataset, sources, report), encoder.encode_batch, report, chunk)
 
-    def flush() -> Iterator[Tuple[Pair, Row]]:
-        for pair, got in zip(pending, encoder.encode_batch(pending)):
+
+def checked_in_chunks(items: Iterable[Any], encode_batch: Callable[[List[Any]], List[Any]], report: BadRowReport,
+                      chunk: int) -> Iterator[Tuple[Any, Row]]:
+    """(item, row) of each item (a pair or a prompt: `.prompt` says where it was read) encoded `chunk` at a time,
+    in order; an item whose encoding is a BadRow goes to `report` instead."""
+    pending: List[Any] = []
+
+    def flush() -> Iterator[Tuple[Any, Row]]:
+        for item, got in zip(pending, encode_batch(pending)):
             if isinstance(got, BadRow):
-                p = pair.prompt
+                p = item.prompt
                 report.add(p.path, p.loc, got, None, p.element)
                 continue
-            yield pair, got
+            yield item, got
         pending.clear()
 
-    for pair in _all_pairs(cfg.dataset, sources, report):
-        pending.append(pair)
+    for item in items:
+        pending.append(item)
         if len(pending) >= chunk:
             yield from flush()
     yield from flush()

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from dsrecipes.core.schema import DatasetConfig, SourceConfig, TrainConfig
-from dsrecipes.data.render.preference_encode import PairEncoder
+from dsrecipes.data.render.preference_encode import PairEncoder, checked_in_chunks
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.sources.preference import Pair
 from dsrecipes.data.sources.prompts import Prompt, prompt_of
@@ -68,22 +68,7 @@ class PromptEncoder:
 def checked_prompts(cfg: TrainConfig, report: BadRowReport, encoder: PromptEncoder, sources: Sequence[SourceConfig],
                     chunk: int = 256) -> Iterator[Tuple[Prompt, Row]]:
     """(prompt, row) of every prompt of `sources` in order that passes training's checks; bad rows go to `report`."""
-    pending: List[Prompt] = []
-
-    def flush() -> Iterator[Tuple[Prompt, Row]]:
-        for prompt, got in zip(pending, encoder.encode_batch(pending)):
-            if isinstance(got, BadRow):
-                p = prompt.prompt
-                report.add(p.path, p.loc, got, None, p.element)
-                continue
-            yield prompt, got
-        pending.clear()
-
-    for prompt in _all_prompts(cfg.dataset, sources, report):
-        pending.append(prompt)
-        if len(pending) >= chunk:
-            yield from flush()
-    yield from flush()
+    return checked_in_chunks(_all_prompts(cfg.dataset, sources, report), encoder.encode_batch, report, chunk)
 
 
 def read_and_encode_prompts(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig],
