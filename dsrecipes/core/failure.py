@@ -13,12 +13,13 @@ import re
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Iterable, Optional, Tuple
 
 from dsrecipes.core.errors import Refused, UserError
 from dsrecipes.core.heartbeat import read_failure, write_failure
 
 MAX_CAUSE = 400  # characters of the one-line cause
+PEER_DEATH_WAIT_S = 2.0  # after a broken pipe to a child: how long its death may take to become visible
 _WORKER = re.compile(r"^Caught (\w+) in DataLoader worker process (\d+)\.")
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+)')
 
@@ -115,3 +116,36 @@ def log_traceback(log: Optional[Path], exc: BaseException) -> None:
             fh.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
     except OSError:
         pass
+
+
+def from_a_dead_peer(exc: BaseException) -> bool:
+    """Whether `exc` (or an exception it was raised from) is what a process sees when the process at the other end
+    of a pipe or socket died: a connection reset, a broken pipe, an EOF, or torch's 'DataLoader worker (pid ...)
+    exited unexpectedly / is killed by signal'."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (ConnectionError, EOFError)) or "DataLoader worker (pid" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def died_by_signal(procs: Iterable[Any], wait_s: float) -> Optional[Tuple[int, int, int]]:
+    """(index, pid, signal number) of the first of `procs` (multiprocessing processes) that died of a signal,
+    polling for up to `wait_s` seconds (0: look once). The wait covers a race the kernel leaves open: a process
+    killed by SIGKILL closes its pipes before it becomes a zombie, so its peer may read the broken pipe before
+    `exitcode` can tell why."""
+    procs = list(procs)
+    deadline = time.monotonic() + max(0.0, wait_s)
+    while True:
+        for index, proc in enumerate(procs):
+            try:
+                code = proc.exitcode  # (waitpid WNOHANG on a child)
+            except Exception:  # noqa: BLE001 - a process object of another kind, or already closed
+                continue
+            if code is not None and code < 0:
+                return index, int(proc.pid), -int(code)
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)

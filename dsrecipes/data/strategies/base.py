@@ -16,8 +16,9 @@ import time
 import weakref
 from typing import Any, Dict, Iterator, Optional
 
+import dsrecipes.core.failure as failure
 from dsrecipes.core.errors import DataError
-from dsrecipes.core.failure import unwrapped
+from dsrecipes.core.failure import died_by_signal, from_a_dead_peer, unwrapped
 from dsrecipes.data.plan.epoch import STATE_VERSION, Layout, Position, resume_point
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -74,14 +75,11 @@ def iterate(loader: Any) -> Iterator[Any]:
                 batch = next(it)
             except StopIteration:
                 return
-            except RuntimeError as exc:
-                lost = worker_lost(it, exc)
-                end_workers()
-                if lost is None:
-                    raise
-                raise lost from None
             except BaseException as exc:
+                lost = worker_lost(it, exc) if isinstance(exc, Exception) else None  # before its siblings are killed
                 end_workers()  # a worker's exception (re-raised here) or a stop: its siblings go now
+                if lost is not None:
+                    raise lost from None
                 clean = unwrapped(exc)  # a worker's DataError: its own message, not torch's traceback text
                 if clean is exc:
                     raise
@@ -100,17 +98,19 @@ class WorkerLost(RuntimeError):
 def worker_lost(it: Any, exc: BaseException) -> Optional[WorkerLost]:
     """The WorkerLost for a worker that died of a signal: torch's 'DataLoader worker (pid ...) is killed by signal' /
     'exited unexpectedly' (raised by next(it) or by torch's SIGCHLD handler wherever the rank was), or any error of
-    the rank while one of its workers lies dead of a signal (a broken pipe to it); `it`: None for any live iterator."""
+    the rank while one of its workers lies dead of a signal. After a broken pipe, a connection reset or an EOF (a
+    worker killed by SIGKILL closes its end before it can be seen dead) its death is awaited for up to
+    core/failure.PEER_DEATH_WAIT_S; `it`: None for any live iterator."""
+    if isinstance(exc, WorkerLost):
+        return None
     torchs = "DataLoader worker (pid" in str(exc)
     pids = {int(p) for p in re.findall(r"\d+", str(exc).split(")", 1)[0])} if torchs else set()
-    for each in [it] if it is not None else list(_live):
-        for worker_id, w in enumerate(getattr(each, "_workers", [])):
-            if torchs:
-                with contextlib.suppress(Exception):
-                    w.join(timeout=1.0)
-            code = w.exitcode
-            if code is not None and code < 0 and (w.pid in pids or not pids):
-                return WorkerLost(_lost_message(worker_id, w.pid, -code))
+    workers = [(i, w) for each in ([it] if it is not None else list(_live))
+               for i, w in enumerate(getattr(each, "_workers", []))]  # (worker id, process)
+    named = [(i, w) for i, w in workers if w.pid in pids] or workers
+    dead = died_by_signal([w for _, w in named], failure.PEER_DEATH_WAIT_S if from_a_dead_peer(exc) else 0.0)
+    if dead is not None:
+        return WorkerLost(_lost_message(named[dead[0]][0], dead[1], dead[2]))
     if not torchs:
         return None
     return WorkerLost(f"a DataLoader worker ended unexpectedly ({str(exc).splitlines()[0]}); lower "
