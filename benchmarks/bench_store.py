@@ -5,8 +5,9 @@
     python benchmarks/bench_store.py [--mb 256] [--files 8] [--readers 1 8 64] [--reps 3] [--shard-mb 2] [--chunk-kb K]
     python benchmarks/bench_store.py --smoke   # 0.25 MiB, R = 1 and 2, 1 repetition: every phase in seconds
 
-Starts moto's standalone S3 server on 127.0.0.1 and a counting HTTP proxy in front of it (tests/helpers/s3server.py;
-both systems talk to the proxy, which counts the response body bytes it relays), generates the corpus (--mb MiB of
+Starts moto's S3 server on 127.0.0.1 and a counting HTTP proxy in front of it, each in its own process, the server
+reading only the range a ranged GET asks for, as S3 does (benchmarks/_store_server.py says why); both systems talk to
+the proxy, which counts the response body bytes it relays. It generates the corpus (--mb MiB of
 deterministic synthetic ShareGPT conversations, benchmarks/_sharegpt_corpus.py: nothing is read from outside the
 repository) as JSONL files into `s3://bench/jsonl/`, and the same rows as MDS shards (`MDSWriter`, one `text` column
 holding the row's JSON, `size_limit` --shard-mb) into `s3://bench/mds/`. Then, per repetition, A and B alternate:
@@ -47,6 +48,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -57,8 +59,7 @@ from pathlib import Path
 
 from _harness import Result, add_args  # (puts this checkout on sys.path: before dsrecipes and tests)
 from _sharegpt_corpus import write_corpus
-
-from tests.helpers.s3server import FaultProxy, S3Server
+from _store_server import ProxyProcess, start_server
 
 MBS = 4
 
@@ -107,8 +108,7 @@ def client_caches() -> list:
 
 
 def fresh_client() -> None:
-    """Drop this process's cached dsrecipes S3 clients: the next read builds its own, as a fresh DataLoader worker
-    (forked before any read) does."""
+    """Drop this process's cached dsrecipes S3 clients: the next read builds its own, as a fresh worker does."""
     for cache in client_caches():
         cache.clear()
 
@@ -242,9 +242,6 @@ def no_process_group():
         os.environ.update(saved[2])
 
 
-# ---------------------------------------------------------------------------------------------------------------
-
-
 def spread(values: list) -> str:
     return f"{statistics.median(values):.3g} [{min(values):.3g}, {max(values):.3g}]"
 
@@ -275,8 +272,6 @@ def main() -> None:
     args = parse_args()
     if args.chunk_kb is not None:
         CHUNK[:] = [f"data.chunk_bytes={int(args.chunk_kb * 1024)}"]
-    import signal
-
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the server and proxy on the way out
     with Result("bench_store", args) as result:
         why = streaming_or_why()
@@ -285,8 +280,8 @@ def main() -> None:
                         "measured, no comparison is made (install it with `pip install mosaicml-streaming --no-deps` "
                         "and brotli python-snappy cramjam zstd catalogue, e.g. in a venv made with "
                         "--system-site-packages)")
-        server = S3Server().start()
-        proxy = FaultProxy(server.port).start()
+        server = start_server()  # moto, ranged GETs reading their range, in a process of its own
+        proxy = ProxyProcess(server.port)  # the counting proxy, in a process of its own
         os.environ.update(server.env(proxy.endpoint), S3_ENDPOINT_URL=proxy.endpoint, TOKENIZERS_PARALLELISM="false")
         tmp = Path(tempfile.mkdtemp(prefix="dsrecipes-bench-store-"))
         try:
@@ -314,12 +309,15 @@ def run(args: argparse.Namespace, result: Result, proxy, tmp: Path, systems: tup
     result.extra["corpus"] = corpus
     print(json.dumps(corpus), flush=True)
     results: dict = {"ds": [], "st": []}
+    loads = result.extra["loadavg"] = []
     for rep in range(args.reps):
+        loads.append(round(os.getloadavg()[0], 1))
         for system in systems if rep % 2 == 0 else systems[::-1]:  # A/B alternating
             res = measure(system, rep, args, proxy, tmp)
             results[system].append(res)
             result.row({"rep": rep, "system": system, **{str(k): v for k, v in res.items()}})
-    result.extra["summary"] = report(results, corpus["corpus_bytes"], args.readers)
+    loads.append(round(os.getloadavg()[0], 1))
+    result.extra["summary"] = report(results, corpus["corpus_bytes"], args.readers, loads)
     write_readme(result, args, corpus, systems)
 
 
@@ -339,7 +337,7 @@ def measure(system: str, rep: int, args: argparse.Namespace, proxy, tmp: Path) -
     return res
 
 
-def report(results: dict, total: int, readers: list) -> list:
+def report(results: dict, total: int, readers: list, loads: list) -> list:
     """Print the tables (markdown); return their lines."""
     ds, st = results["ds"], results["st"]
     lines = ["| R | bytes/corpus: ds / st | GETs: ds / st | first batch s, median over readers: ds / st (st/ds: >= 1 "
@@ -353,7 +351,7 @@ def report(results: dict, total: int, readers: list) -> list:
                      f"{med['gets'][0]:.0f} / {med['gets'][1]:.0f} | {med['first_batch_s'][0]:.3f} / "
                      f"{med['first_batch_s'][1]:.3f} ({first}) | {med['samples_s'][0]:.0f} / "
                      f"{med['samples_s'][1]:.0f} ({rate}) |")
-    lines += ["", "| launching process before the first step | bytes/corpus | seconds |", "|---|---|---|"]
+    lines += ["", f"Load average (1 min) at each repetition's start and at the end: {loads}", "", "| launching process before the first step | bytes/corpus | seconds |", "|---|---|---|"]
     for name, rows in (("dsrecipes index, cold", [x["launch"]["cold"] for x in ds]),
                        ("dsrecipes index, warm", [x["launch"]["warm"] for x in ds]),
                        ("dsrecipes index + row pre-scan, cold (rep 0)", [ds[0]["launch_prescan"]["cold"]]),
@@ -368,10 +366,12 @@ def report(results: dict, total: int, readers: list) -> list:
 def write_readme(result: Result, args: argparse.Namespace, corpus: dict, systems: tuple) -> None:
     given = [
         f"# bench_store: dsrecipes data=iterable vs mosaicml-streaming{' (SMOKE: numbers mean nothing)' if args.smoke else ''}",
-        "", f"Command: `{' '.join(sys.argv)}`", "",
+        "", f"Command: `{sys.executable} {' '.join(sys.argv)}`", "",
         f"Corpus: {corpus['corpus_bytes']:,} bytes, {corpus['rows']:,} rows in {corpus['files']} JSONL files, generated "
         "by benchmarks/_sharegpt_corpus.py (deterministic synthetic ShareGPT conversations, seed 0); both systems "
-        "read it through the same moto server and counting proxy on 127.0.0.1.", "",
+        "read it through the same moto server and counting proxy on 127.0.0.1, each in a process of its own, the "
+        "server reading only the asked range of a ranged GET, as S3 does (benchmarks/_store_server.py).", "",
+        f"The machine ({os.cpu_count()} cores) is shared: compare the ratios, measured in the same repetition.", "",
         "What each system was given:",
         "- dsrecipes: the JSONL objects at s3://bench/jsonl/ (`data=iterable`, `data.prescan=false`, "
         f"`{CHUNK[0]}`), the run directory's stream index from the launch; each reader (R ranks x 1 reader, no "

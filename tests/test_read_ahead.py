@@ -75,3 +75,26 @@ def test_threads_asking_at_once_share_one_client(monkeypatch):
         t.join()
     remote._CLIENT.clear()
     assert len(made) == 1 and len({id(c) for c in clients}) == 1
+
+
+def test_the_first_gets_start_before_the_rest_of_the_plan_is_drawn():
+    """Drawing the plan (a 64 MiB budget: hundreds of tickets, dozens of windows computed) used to come before the
+    first GET; the first tickets' GETs now start as soon as they are drawn, while the rest is planned."""
+    started = threading.Event()
+
+    def plan():
+        for i in range(FIRST_TICKETS):
+            yield (i, 0, 10 * i, 10 * i + 10)
+        assert started.wait(5), "no GET started while the rest of the plan was drawn"
+        for i in range(FIRST_TICKETS, 40):
+            yield (i, 0, 10 * i, 10 * i + 10)
+
+    def read(f, start, stop):
+        started.set()
+        return bytes(stop - start)
+
+    ahead = ReadAhead(plan(), read, budget=400, span_bytes=100, threads=4)
+    try:
+        assert all(ahead.take(i) == bytes(10) for i in range(40))
+    finally:
+        ahead.close()
