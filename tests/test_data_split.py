@@ -113,10 +113,10 @@ def test_the_share_is_the_same_for_one_rank_and_two(tmp_path, make_cfg):
     ({"take": "rewrd"}, DataKind.map, "dataset.split.take: 'rewrd' is not a share (shares: reward, rl, sft)"),
     ({"take": None}, DataKind.map, "dataset.split.take: which share this run reads"),
     ({"take": "sft", "pin": {"x": "sf"}}, DataKind.map, "dataset.split.pin.x: 'sf' is not a share"),
-    ({"take": "sft"}, DataKind.iterable, "dataset.split: data=iterable plans its steps"),
     ({"take": "sft"}, DataKind.presharded, "dataset.split: data=presharded reads parts written by `dsrecipes shard`"),
 ])
 def test_a_split_that_cannot_be_honoured_is_refused_by_name(split, kind, expected):
+    """(data=iterable reads a share: test_data_split_stream.py)"""
     import dataclasses
 
     from dsrecipes.core.schema import TrainConfig

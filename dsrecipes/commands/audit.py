@@ -41,7 +41,7 @@ def main(argv: List[str]) -> int:
     cfg = compose_and_load(overrides)
     split_ok = True
     if cfg.dataset.split.shares:  # the shares of dataset.split first: disjoint and covering
-        split = audit_split(cfg.dataset)
+        split = audit_split(cfg.dataset, cfg)
         print(split.render())
         split_ok = split.ok
     world = args.world_size if args.world_size is not None else resolve_topology(cfg.launcher).world_size

@@ -32,11 +32,13 @@ from dsrecipes.data.render.tokenize import Encoder
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.sources.files import FileUnreadable, RawRow, expand_paths, no_file, read_row_items, row_of
 from dsrecipes.data.sources.sharegpt import conversation_dict, conversation_of, role_table
+from dsrecipes.data.sources.split_shares import keeps
 
 CHUNK = 512  # rows per task
 CHUNK_BYTES = 8 << 20  # bytes of rows per task (a row may be up to dataset.max_row_bytes)
 AHEAD = 3  # tasks in flight per worker
-GOOD, DROPPED, BAD, REFUSED = 0, 1, 2, 3  # row outcomes; REFUSED: the template refused the conversation
+GOOD, DROPPED, BAD, REFUSED, OTHER = 0, 1, 2, 3, 4  # row outcomes; REFUSED: the template refused the conversation;
+# OTHER: a row of another share of dataset.split (not this run's row: neither read nor bad)
 
 
 @dataclass
@@ -138,6 +140,9 @@ def _encode_rows(task: _Task) -> _Chunk:
     convs, rows = [], []
     for k, item in enumerate(task.items):
         row = item if isinstance(item, RawRow) else row_of(task.path, item, _Worker.limit)
+        if not keeps(row, source):
+            status[k] = OTHER
+            continue
         try:
             conv = conversation_of(row, source, table)
         except BadRow as exc:
@@ -292,12 +297,12 @@ class _Collector:
             return
         if caps.closed(task.source):
             return  # read ahead past the cap: never counted
-        is_conv = chunk.status != BAD
+        is_conv = (chunk.status != BAD) & (chunk.status != OTHER)
         room, cut = caps.room(task.source), len(chunk.status)
         taken = np.cumsum(is_conv)
         if room is not None and len(taken) and taken[-1] >= room:
             cut = int(np.searchsorted(taken, room)) + 1 if room else 0
-        report.rows_read += cut
+        report.rows_read += cut - int((chunk.status[:cut] == OTHER).sum())
         for k, loc, element, reason, detail, raw in chunk.bad:
             if k < cut:
                 report.add(task.path, loc, BadRow(reason, detail), raw, element)

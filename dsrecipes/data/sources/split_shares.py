@@ -14,9 +14,9 @@ the SFT share into the reward share. A row that cannot be parsed is hashed on it
 hold, its file:line); it is reported as bad only by the run whose share it falls into.
 
 The filter sits where rows are read (`sharegpt.iter_checked`: map preparation, preference pairs, `dsrecipes shard`,
-prompt-eval), so the validation split (`dataset.val_size`) is drawn inside the share; `dataset.val_paths` files are
-not split. `data=iterable` plans its steps from the files' line counts and is refused with a split (use data=map,
-or `dsrecipes shard ... dataset.split.take=NAME` then data=presharded: the share is chosen when sharding).
+prompt-eval; `data=iterable`: the launching process's index leaves the other shares' lines out of the training order,
+data/stream/shares.py), so the validation split (`dataset.val_size`) is drawn inside the share; `dataset.val_paths`
+files are not split. data=presharded chooses the share when sharding (`dsrecipes shard ... dataset.split.take=NAME`).
 """
 
 from __future__ import annotations

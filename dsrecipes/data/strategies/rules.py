@@ -39,10 +39,7 @@ def _reads_shards(cfg: TrainConfig) -> List[str]:
 
 RULES: Dict[DataKind, Rules] = {
     DataKind.map: Rules(_reads_dataset, prompt_rows=True, pairs=True, reference_cache=True),
-    DataKind.iterable: Rules(_reads_dataset, pairs=True, split_refusal=(
-        "data=iterable plans its steps from the files' line counts and cannot leave out the other shares' rows; use "
-        "data=map, or write the share with `dsrecipes shard ... dataset.split.take=NAME` and train with "
-        "data=presharded")),
+    DataKind.iterable: Rules(_reads_dataset, pairs=True),  # its share: stream/shares.py
     DataKind.presharded: Rules(_reads_shards, lambda cfg: [("data.shard_dir", cfg.data.shard_dir)], reads_sources=False,
                                pairs=True, split_refusal=(
                                    "data=presharded reads parts written by `dsrecipes shard`; choose the share when "

@@ -5,22 +5,26 @@ Each share is read the way a run taking it reads (`registry.resolve_sources` sta
 (split_shares.row_id), then compared with every row of the sources read without a split: no row id in two shares
 (disjoint), and the shares' rows together are exactly the dataset's rows, duplicates counted (covering). Caps
 (`max_samples`) are lifted here: they cut each share's run after the split, so a capped run reads less than its
-share by design. Validation files (`dataset.val_paths`) are not split and not audited here.
+share by design. Validation files (`dataset.val_paths`) are not split and not audited here. Under `data=iterable`
+each share is read as its run's index reads it (stream/shares.py: the lines it leaves in the training order).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from dsrecipes.core.choices import BadRows
-from dsrecipes.core.schema import DatasetConfig, SplitConfig
+from dsrecipes.core.schema import DataKind, DatasetConfig, SplitConfig, TrainConfig
 from dsrecipes.data.sources.badrows import BadRowReport
 from dsrecipes.data.sources.registry import resolve_sources
 from dsrecipes.data.sources.sharegpt import iter_checked
 from dsrecipes.data.sources.split_shares import row_id, with_take
+from dsrecipes.data.stream.index import BlockSource, index_stream
+from dsrecipes.data.stream.shares import outside_of, rows_of
 
 
 @dataclass
@@ -48,13 +52,17 @@ class SplitAudit:
         return "\n".join(lines)
 
 
-def audit_split(dataset: DatasetConfig) -> SplitAudit:
-    """Read every share and the whole dataset (see the module's opening comment)."""
+def audit_split(dataset: DatasetConfig, cfg: Optional[TrainConfig] = None) -> SplitAudit:
+    """Read every share and the whole dataset (see the module's opening comment); `cfg`: the run's config, whose
+    data strategy reads the shares (default: as data=map)."""
     uncapped = _uncapped(dataset)
     audit = SplitAudit(dict(dataset.split.shares))
+    read = _ids
+    if cfg is not None and cfg.data.kind is DataKind.iterable:
+        read = lambda ds: _stream_ids(dataclasses.replace(cfg, dataset=ds))  # noqa: E731
     for name in sorted(dataset.split.shares):
-        audit.rows[name] = _ids(with_take(uncapped, name))
-    audit.total = _ids(dataclasses.replace(uncapped, split=SplitConfig()))
+        audit.rows[name] = read(with_take(uncapped, name))
+    audit.total = read(dataclasses.replace(uncapped, split=SplitConfig()))
     owner: Dict[str, str] = {}
     for name, ids in audit.rows.items():
         for rid in ids:
@@ -80,6 +88,21 @@ def _ids(dataset: DatasetConfig) -> Counter:
     for source in resolve_sources(dataset):
         source = dataclasses.replace(source, max_samples=None)
         ids.update(iter_checked(source, report, None, dataset.max_row_bytes, _row_id))
+    return ids
+
+
+def _stream_ids(cfg: TrainConfig) -> Counter:
+    """Row ids of the lines a data=iterable run's index keeps in its training order or holds out for validation."""
+    index = index_stream(cfg)
+    source, ids, base = BlockSource(index, cfg.dataset.max_row_bytes), Counter(), 0
+    try:
+        for f in index.train_files:
+            other = outside_of(index, base, index.caps[f])
+            rows = itertools.islice(rows_of(source, f, cfg.dataset.max_row_bytes), index.caps[f])
+            ids.update(_row_id(row, None, None) for n, row in enumerate(rows) if n not in other)
+            base += index.caps[f]
+    finally:
+        source.close()
     return ids
 
 

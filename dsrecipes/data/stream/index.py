@@ -5,7 +5,7 @@ every file (stream/files.py, cached by content hash), applies the caps (`sources
 `dataset.max_samples`: the first N lines in this natural order, blank lines are not samples) and picks the
 validation rows: every row of `dataset.val_paths`, else `dataset.val_size` rows of the training files chosen by
 `splits.split_val` (seeded by `trainer.seed`) over the natural sample numbers; held-out rows never enter the
-training order. `write`/`read_stream_index` keep it in the run directory (`stream_index.json` + `.npz`), so ranks
+training order, nor do the other shares' lines under `dataset.split` (stream/shares.py, which applies the caps). `write`/`read_stream_index` keep it in the run directory (`stream_index.json` + `.npz`), so ranks
 never index anything; they check each file's size and modification time against it.
 
 `BlockSource` reads blocks: one `pread` of the block's byte range (at most `block_bytes` plus one line), its sample
@@ -38,6 +38,7 @@ from dsrecipes.data.sources.splits import split_val
 from dsrecipes.data.stream.changed import Seen, changed, check_fd, check_lines, check_read, differences
 from dsrecipes.data.stream.files import FileIndex, index_files
 from dsrecipes.data.stream.order import BlockTable, chunks_of
+from dsrecipes.data.stream.shares import share_numbers, take_share
 from dsrecipes.data.stream.sizes import auto_block_bytes, blocks_per_chunk, chunk_bytes_of
 
 INDEX_FILE = "stream_index.json"
@@ -54,6 +55,12 @@ class StreamIndex:
     block_bytes: int
     holdout: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # natural numbers held out
     chunk_bytes: int = 0  # the order keeps chunk_bytes // block_bytes adjacent blocks together (stream/sizes.py)
+    outside: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # other shares' (stream/shares.py)
+
+    @property
+    def dropped(self) -> np.ndarray:
+        """Natural numbers out of the training order: held out for validation, or of another share."""
+        return np.union1d(self.holdout, self.outside) if self.outside.size else self.holdout
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -91,7 +98,8 @@ class StreamIndex:
 
     def table(self) -> BlockTable:
         b = self.blocks
-        held = np.searchsorted(self.holdout, b["first"] + b["count"]) - np.searchsorted(self.holdout, b["first"])
+        out = self.dropped
+        held = np.searchsorted(out, b["first"] + b["count"]) - np.searchsorted(out, b["first"])
         source = np.asarray(self.file_source, dtype=np.int64)[b["file"]] if b["file"].size else b["file"]
         chunk = chunks_of(b["file"], b["local"], self.blocks_per_chunk)
         return BlockTable(b["count"] - held, source, tuple(w for _, w in self.sources), chunk)
@@ -143,7 +151,8 @@ def hold_out(index: StreamIndex, cfg: Any) -> StreamIndex:
     """Hold out `dataset.val_size` rows of the training files (none when `dataset.val_paths` names files)."""
 
     if not index.val_files and cfg.dataset.val_size > 0:
-        index.holdout = np.asarray(split_val(index.num_lines, cfg.dataset.val_size, cfg.trainer.seed), np.int64)
+        pick = split_val(index.num_lines - index.outside.size, cfg.dataset.val_size, cfg.trainer.seed)
+        index.holdout = share_numbers(np.asarray(pick, np.int64), index.outside)
     return index
 
 
@@ -177,9 +186,11 @@ def index_stream(cfg: Any, tap: Any = None) -> StreamIndex:
         one_tap = lambda name: tap(name, srcs[name])  # noqa: E731
     files = index_files(cfg, names, block_bytes, one_tap)
     _whole_file_problems(files, cfg.dataset.bad_rows.value)
-    caps = _caps(files, file_source, [src.max_samples for src in sources], cfg.dataset.max_samples)
-    return StreamIndex(files, caps, file_source, [(s.name, s.weight) for s in sources], block_bytes,
-                       chunk_bytes=chunk_bytes)
+    index = StreamIndex(files, [fi.count for fi in files], file_source, [(s.name, s.weight) for s in sources],
+                        block_bytes, chunk_bytes=chunk_bytes)
+    index.caps, index.outside = take_share(index, sources, cfg.dataset,
+                                           lambda: BlockSource(index, cfg.dataset.max_row_bytes))
+    return index
 
 
 def file_sources(cfg: Any, index: StreamIndex) -> List[Any]:
@@ -203,22 +214,6 @@ def _whole_file_problems(files: Sequence[FileIndex], policy: str) -> None:
             raise DataError(f"{fi.name}: {reason} ({detail}); set dataset.bad_rows=skip to quarantine bad rows")
 
 
-def _caps(files: Sequence[FileIndex], file_source: Sequence[int], source_caps: Sequence[Optional[int]],
-          total_cap: Optional[int]) -> List[int]:
-    caps = [fi.count for fi in files]
-    left = {s: c for s, c in enumerate(source_caps) if c is not None}
-    for f, s in enumerate(file_source):
-        if s in left:
-            caps[f] = min(caps[f], left[s])
-            left[s] -= caps[f]
-    if total_cap is not None:
-        for f, s in enumerate(file_source):
-            if s >= 0:
-                caps[f] = min(caps[f], total_cap)
-                total_cap -= caps[f]
-    return caps
-
-
 def write_stream_index(run_dir: str | Path, index: StreamIndex) -> None:
     files = [{"name": fi.name, "path": fi.path, "loc_base": fi.loc_base, "size": fi.size, "mtime_ns": fi.mtime_ns,
               "digest": fi.digest, "count": fi.count, "problem": fi.problem, "blocks": int(fi.offsets.size),
@@ -229,7 +224,7 @@ def write_stream_index(run_dir: str | Path, index: StreamIndex) -> None:
     cat = {k: np.concatenate([getattr(fi, k) for fi in index.files]) if index.files else np.zeros(0, np.int64)
            for k in ("offsets", "lines", "firsts")}
     with atomic_writer(Path(run_dir) / ARRAYS_FILE) as fh:
-        np.savez(fh, holdout=index.holdout, **cat)
+        np.savez(fh, holdout=index.holdout, outside=index.outside, **cat)
     atomic_write_json(Path(run_dir) / INDEX_FILE, meta)
 
 
@@ -242,7 +237,7 @@ def read_stream_index(run_dir: str | Path) -> Optional[StreamIndex]:
     if meta.get("version") != STREAM_VERSION:
         raise DataError(f"{path}: stream index version {meta.get('version')!r}; start the run again")
     with np.load(Path(run_dir) / ARRAYS_FILE, allow_pickle=False) as z:
-        arrays = {k: z[k] for k in ("offsets", "lines", "firsts", "holdout")}
+        arrays = {k: z[k] for k in ("offsets", "lines", "firsts", "holdout", "outside") if k in z}
     files, at = [], 0
     for m in meta["files"]:
         sl = slice(at, at + m["blocks"])
@@ -251,7 +246,8 @@ def read_stream_index(run_dir: str | Path) -> Optional[StreamIndex]:
                                arrays["offsets"][sl], arrays["lines"][sl], arrays["firsts"][sl],
                                tuple(m["problem"]) if m["problem"] else None, m.get("etag", "")))
     return StreamIndex(files, meta["caps"], meta["file_source"], [tuple(s) for s in meta["sources"]],
-                       meta["block_bytes"], arrays["holdout"], meta.get("chunk_bytes", 0))
+                       meta["block_bytes"], arrays["holdout"], meta.get("chunk_bytes", 0),
+                       arrays.get("outside", np.zeros(0, np.int64)))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -273,6 +269,7 @@ class BlockSource:
         self._ranges = RangePool()  # objects in a store: ranged GETs (If-Match, retries), one reader per thread
         self._ahead: Optional[ReadAhead] = None
         self._ahead_done = [0, 0]  # bytes and GETs of closed read-aheads
+        self._dropped: Optional[np.ndarray] = None  # index.dropped, once the first block is read
 
     def __getstate__(self) -> Dict[str, Any]:  # a worker opens its own files
         return {"index": self.index, "max_row_bytes": self.max_row_bytes, "read_ahead_bytes": self.read_ahead_bytes,
@@ -369,7 +366,7 @@ class BlockSource:
         b = self.index.blocks
         f, first, count = b["file"].item(g), b["first"].item(g), b["count"].item(g)
         rows = self.samples(f, b["local"].item(g), count, data)
-        held = self.index.holdout
+        held = self._dropped = self.index.dropped if self._dropped is None else self._dropped
         lo, hi = np.searchsorted(held, first), np.searchsorted(held, first + count)
         if lo == hi:
             return [(f, loc, raw) for loc, raw in rows]

@@ -53,6 +53,7 @@ from dsrecipes.data.stream.index import (
 from dsrecipes.data.stream.scan_files import RowChecker, RowTap, Taps, load_scan, save_scan, scan_path
 from dsrecipes.data.stream.scan_pairs import PairChecker
 from dsrecipes.data.stream.scan_prompts import PromptChecker
+from dsrecipes.data.stream.shares import outside_of
 
 BATCH = 256  # conversations per tokenization call
 
@@ -176,9 +177,10 @@ def scan_stream(cfg: TrainConfig, run_dir: Path, index: Optional[StreamIndex] = 
             result = scanning.taps.result(fi.name, fi.size) if fi.path == fi.name else None
             result = result if result is not None else _read_scan(cfg, index, f, src, scanning.encoder)
             save_scan(path, result)
-        good += _apply(report, fi.name, result, index.caps[f])
+        other = outside_of(index, bases[f], index.caps[f]) if f in bases else frozenset()  # dataset.split
+        good += _apply(report, fi.name, result, index.caps[f], other)
         if f in bases:
-            bad_train += [bases[f] + b[0] for b in result.bad_rows() if b[0] < index.caps[f]]
+            bad_train += [bases[f] + b[0] for b in result.bad_rows() if b[0] < index.caps[f] and b[0] not in other]
     return _finish(report, good, run_dir)
 
 
@@ -196,14 +198,15 @@ def _read_scan(cfg: TrainConfig, index: StreamIndex, f: int, src: SourceConfig, 
     return checker.finish()
 
 
-def _apply(report: BadRowReport, name: str, scan: Any, cap: int) -> int:
-    """The scan of one file under its cap and the bad-row policy: the good rows it adds."""
-    bad = [b for b in scan.bad_rows() if b[0] < cap]
-    report.rows_read += cap
-    report.trailing_turns_dropped += sum(1 for s in scan.dropped if s < cap)
+def _apply(report: BadRowReport, name: str, scan: Any, cap: int, other: Any = frozenset()) -> int:
+    """The scan of one file under its cap and the bad-row policy, without the lines of `other` shares (their runs
+    report them): the good rows it adds."""
+    bad = [b for b in scan.bad_rows() if b[0] < cap and b[0] not in other]
+    report.rows_read += cap - len(other)
+    report.trailing_turns_dropped += sum(1 for s in scan.dropped if s < cap and s not in other)
     for _, line, row, raw, element in bad:
         report.add(name, line, row, raw, element)
-    return cap - len(bad)
+    return cap - len(other) - len(bad)
 
 
 def scan_sources(cfg: TrainConfig, run_dir: Path, sources: Sequence[SourceConfig]) -> Dict[str, int]:
