@@ -70,10 +70,12 @@ def test_rows_overridden_against_the_objective_are_refused(make_cfg):
 def test_every_layer_of_the_data_layer_has_each_row_kind():
     """Reading, checking, scanning and sharding are tables by row kind: a new kind fails here until each layer
     serves it (no `if pairs ... else` that would silently treat it as a conversation)."""
+    from dsrecipes.data.prepare.build import PREPARATIONS
     from dsrecipes.data.shard.rows import FORMATS
+    from dsrecipes.data.sources.samples import SOURCES
     from dsrecipes.data.strategies.rows import ROW_ENCODERS
     from dsrecipes.data.stream.scan import READINGS
 
-    for table in (FORMATS, ROW_ENCODERS, READINGS):
+    for table in (FORMATS, ROW_ENCODERS, READINGS, PREPARATIONS, SOURCES):
         assert set(table) == set(RowKind), table
     assert len(set(FORMATS.values())) == len(RowKind)

@@ -29,6 +29,7 @@ every time a run uses the cache (`check`): a changed file is refused, named, nev
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import json
 import shutil
@@ -36,7 +37,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -47,9 +48,16 @@ from dsrecipes.core.schema import ReferenceMode, RowKind, SourceConfig, TrainCon
 from dsrecipes.data.prepare.arrow_split import write_split
 from dsrecipes.data.prepare.cache import cache_key, cache_root
 from dsrecipes.data.prepare.cache_contents import check, seal
-from dsrecipes.data.prepare.pairs import attach_reference, reference_key
-from dsrecipes.data.prepare.pairs import build as build_pairs
-from dsrecipes.data.prepare.prompts import build as build_prompts
+from dsrecipes.data.prepare.pairs import (
+    SampleRows,
+    attach_reference,
+    pair_columns,
+    pair_stats,
+    read_pairs,
+    reference_key,
+    write_rows,
+)
+from dsrecipes.data.prepare.prompts import prompt_columns, prompt_stats, read_prompts
 from dsrecipes.data.prepare.stats import build_stats, summary
 from dsrecipes.data.render.batch_encode import Encoded, read_and_encode
 from dsrecipes.data.sources.badrows import BadRowReport
@@ -157,12 +165,7 @@ def _build(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig], val: L
     tmp = staging_dir(final, "prep")
     report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, quarantine)
     try:
-        if cfg.objective.rows is RowKind.pair:
-            stats = build_pairs(cfg, tokenizer, sources, val, report, tmp)
-        elif cfg.objective.rows is RowKind.prompt:
-            stats = build_prompts(cfg, tokenizer, sources, val, report, tmp)
-        else:
-            stats = _build_sft(cfg, tokenizer, sources, val, report, key, tmp)
+        stats = build_split(PREPARATIONS[cfg.objective.rows], cfg, tokenizer, sources, val, report, key, tmp)
         stats["seconds"] = round(time.time() - started, 2)
         stats["cache_key"] = key
         atomic_write_json(tmp / STATS_FILE, stats)
@@ -176,25 +179,49 @@ def _build(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig], val: L
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _build_sft(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig], val: List[SourceConfig],
-               report: BadRowReport, key: str, tmp: Path) -> Dict[str, Any]:
-    encoded = read_and_encode(cfg, tokenizer, sources, report)
-    trained = len(encoded.ids)  # conversations before this come from training sources
-    if val:  # every row of dataset.val_paths, not capped by dataset.max_samples
+@dataclass(frozen=True)
+class Preparation:
+    """How one row kind is prepared: read (then joined with the validation files' samples), counted, written. The
+    data read has `sources` (each sample's source name, in read order) and `kept` (indices of its usable samples)."""
+
+    what: str  # the samples, in the message when none is usable
+    read: Callable[[TrainConfig, Any, Sequence[SourceConfig], BadRowReport], Any]
+    join: Callable[[Any, Any], Any]
+    stats: Callable[[TrainConfig, Sequence[SourceConfig], BadRowReport, Any, list, list], Dict[str, Any]]
+    write: Callable[[Path, list, Any, TrainConfig, str], Tuple[int, Optional[float]]]  # -> rows, packing efficiency
+
+
+PREPARATIONS: Dict[RowKind, Preparation] = {  # one per row kind (test_row_kinds.py)
+    RowKind.conversation: Preparation("samples", read_and_encode, lambda a, b: join_encoded(a, b), build_stats,
+                                      write_split),
+    RowKind.pair: Preparation("preference pairs", read_pairs, SampleRows.join, pair_stats,
+                              functools.partial(write_rows, pair_columns)),
+    RowKind.prompt: Preparation("prompts", read_prompts, SampleRows.join, prompt_stats,
+                                functools.partial(write_rows, prompt_columns)),
+}
+
+
+def build_split(prep: Preparation, cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig],
+                val: List[SourceConfig], report: BadRowReport, key: str, tmp: Path) -> Dict[str, Any]:
+    """Read the sources (then every sample of `val`, `dataset.val_paths`, not capped by `dataset.max_samples`),
+    split and mix (splits.split_and_mix), write `tmp/train` (and `tmp/val`); returns the preparation's stats."""
+    data = prep.read(cfg, tokenizer, sources, report)
+    trained = len(data.sources)  # samples before this come from training sources
+    if val:
         uncapped = dataclasses.replace(cfg, dataset=dataclasses.replace(cfg.dataset, max_samples=None))
-        encoded = join_encoded(encoded, read_and_encode(uncapped, tokenizer, val, report))
+        data = prep.join(data, prep.read(uncapped, tokenizer, val, report))
     report.check()
-    if not (encoded.kept < trained).any():
-        raise DataError(f"dataset {cfg.dataset.name}: no usable samples ({report.summary()})")
-    pool = encoded.kept[encoded.kept < trained]
-    train_items, val_items = split_and_mix(pool, encoded.kept[encoded.kept >= trained], encoded.sources,
+    kept = data.kept
+    if not (kept < trained).any():
+        raise DataError(f"dataset {cfg.dataset.name}: no usable {prep.what} ({report.summary()})")
+    train_items, val_items = split_and_mix(kept[kept < trained], kept[kept >= trained], data.sources,
                                            {src.name: src.weight for src in sources}, cfg.dataset.val_size,
                                            cfg.trainer.seed)
-    stats = build_stats(cfg, sources, report, encoded, train_items, val_items)
+    stats = prep.stats(cfg, sources, report, data, train_items, val_items)
     for split, items in (("train", train_items), ("val", val_items)):
         if items:
-            rows, eff = write_split(tmp / split, items, encoded, cfg, f"{key}-{split}")
-            stats["rows"][split], stats["packing_efficiency"][split] = rows, eff
+            stats["rows"][split], stats["packing_efficiency"][split] = prep.write(tmp / split, items, data, cfg,
+                                                                                  f"{key}-{split}")
     return stats
 
 

@@ -1,24 +1,26 @@
-"""Preparation of preference pairs (`rows=pair`, `data=map`): read and tokenize pairs, split, mix, write Arrow.
+"""Preparation of rows that are one sample each (pairs: `rows=pair`; prompts: `rows=prompt`, prompts.py), `data=map`.
 
-The same order of operations as SFT preparation (prepare.py): sources in order with their caps and the bad-row
-policy, the seeded validation split, per-source mixing weights (a copy k >= 1 of a pair gets the id `<id>@<k>`),
-then one Arrow dataset per split. No packing: a pair's two sequences are its own micro-batch rows. The stats keep
-the keys of SFT preparation (`prepare_stats.summary`, `inspect-data`), counted in pairs; "trained tokens" are the
-answers' tokens on both sides.
+build.py prepares every row kind with one builder (`build.build_split`); this module gives it what these row kinds
+share: `SampleRows` (the rows as read, one per sample, all usable), `write_rows` (one Arrow dataset per split, no
+packing: a pair's two sequences are its own micro-batch rows), `sample_stats` (the keys of SFT preparation,
+`prepare_stats.summary`, `inspect-data`, counted in samples), and the pairs' own entry (`read_pairs`, `pair_stats`,
+`PAIR_COLUMNS`): "trained tokens" are the answers' tokens on both sides. Also the reference log-probs of prepared
+pairs (`attach_reference`, `reference_key`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
 import shutil
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from dsrecipes.core.errors import DataError
+import numpy as np
+
 from dsrecipes.core.publish import Existing, publish_dir, staging_dir
 from dsrecipes.core.schema import SourceConfig, TrainConfig
 from dsrecipes.core.typed import config_to_dict
@@ -27,50 +29,42 @@ from dsrecipes.data.prepare.cache_contents import check, seal
 from dsrecipes.data.render.labels import IGNORE_INDEX
 from dsrecipes.data.render.preference_encode import read_and_encode_pairs
 from dsrecipes.data.sources.badrows import BadRowReport
-from dsrecipes.data.sources.splits import split_and_mix
 
-COLUMNS = ("ids", "prompt_ids", "chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels")
-
-
-def build(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig], val: Sequence[SourceConfig],
-          report: BadRowReport, out: Path) -> Dict[str, Any]:
-    """Write `out/train` (and `out/val`); returns the preparation's stats. `val`: `dataset.val_paths` as one source
-    (prepare.val_sources), read after the training sources and not capped by `dataset.max_samples`; its pairs are
-    then the validation split, as for conversations (splits.split_and_mix)."""
-    return build_rows(cfg, tokenizer, sources, val, report, out, read_and_encode_pairs, _stats, "preference pairs",
-                      lambda rows: COLUMNS + (("margin",) if any(r.get("margin") is not None for r in rows) else ()))
+PAIR_COLUMNS = ("ids", "prompt_ids", "chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels")
+Items = List[Tuple[int, int]]  # (sample index, copy number)
 
 
-def build_rows(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig], val: Sequence[SourceConfig],
-               report: BadRowReport, out: Path, read: Callable, stats_of: Callable, what: str,
-               columns_of: Callable[[List[Dict[str, Any]]], Sequence[str]]) -> Dict[str, Any]:
-    """The preparation of rows that are one sample each (pairs, prompts): `read` the sources (then `val`, uncapped),
-    split and mix, one Arrow dataset per split with the `columns_of(rows)`; `stats_of` counts them."""
+@dataclass
+class SampleRows:
+    """Pairs or prompts as read: one row (its columns) per sample, every one usable, and each one's source name."""
+
+    rows: List[Dict[str, Any]]
+    sources: List[str]
+
+    @property
+    def kept(self) -> np.ndarray:
+        return np.arange(len(self.rows))
+
+    def join(self, more: "SampleRows") -> "SampleRows":
+        return SampleRows(self.rows + more.rows, self.sources + more.sources)
+
+
+def read_pairs(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig], report: BadRowReport) -> SampleRows:
+    return SampleRows(*read_and_encode_pairs(cfg, tokenizer, sources, report))
+
+
+def pair_columns(rows: List[Dict[str, Any]]) -> Sequence[str]:
+    return PAIR_COLUMNS + (("margin",) if any(r.get("margin") is not None for r in rows) else ())
+
+
+def write_rows(columns_of: Any, out: Path, items: Items, data: SampleRows, cfg: TrainConfig,
+               tag: str) -> Tuple[int, Optional[float]]:
+    """One split as an Arrow dataset with the `columns_of(rows)`; (rows written, packing efficiency: none)."""
     from datasets import Dataset
 
-    rows, names = read(cfg, tokenizer, sources, report)
-    trained = len(rows)
-    if val:
-        uncapped = dataclasses.replace(cfg, dataset=dataclasses.replace(cfg.dataset, max_samples=None))
-        more, more_names = read(uncapped, tokenizer, val, report)
-        rows, names = rows + more, names + more_names
-    report.check()
-    if not trained:
-        raise DataError(f"dataset {cfg.dataset.name}: no usable {what} ({report.summary()})")
-    train_items, val_items = split_and_mix(range(trained), range(trained, len(rows)), names,
-                                           {src.name: src.weight for src in sources}, cfg.dataset.val_size,
-                                           cfg.trainer.seed)
-    stats = stats_of(cfg, report, rows, names, len(train_items), len(val_items))
-    for name, n in Counter(names[i] for i, _ in train_items).items():  # the summary's per-source line
-        stats["sources"][name]["train_samples"] = n
-    columns = columns_of(rows)
-    for split, items in (("train", train_items), ("val", val_items)):
-        if not items:
-            continue
-        table = {c: [_copy(rows[i], c, k) for i, k in items] for c in columns}
-        Dataset.from_dict(table).save_to_disk(str(out / split))
-        stats["rows"][split] = len(items)
-    return stats
+    table = {c: [_copy(data.rows[i], c, k) for i, k in items] for c in columns_of(data.rows)}
+    Dataset.from_dict(table).save_to_disk(str(out))
+    return len(items), None
 
 
 def _copy(row: Dict[str, Any], column: str, copy: int) -> Any:
@@ -79,39 +73,38 @@ def _copy(row: Dict[str, Any], column: str, copy: int) -> Any:
     return row.get(column)  # (a pair's margin: None where it has none)
 
 
-def _stats(cfg: TrainConfig, report: BadRowReport, rows: List[Dict[str, Any]], names: List[str], n_train: int,
-           n_val: int) -> Dict[str, Any]:
-    tokens = sum(len(r["prompt_ids"]) * 2 + len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in rows)
-    trained = sum(sum(lab != IGNORE_INDEX for lab in r[f"{side}_labels"]) for r in rows for side in ("chosen", "rejected"))
-    truncated = sum(bool(r["truncated"]) for r in rows)
-    longest = [len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in rows]
+def sample_stats(cfg: TrainConfig, report: BadRowReport, data: SampleRows, train_items: Items, val_items: Items, *,
+                 train_on: str, truncated: int, tokens: int, trained: int, lengths: List[int],
+                 **extra: Any) -> Dict[str, Any]:
+    """`prepare_stats.json` of rows that are one sample each (the kind's own counts as arguments)."""
+    rows, lengths = data.rows, sorted(lengths)
+    per_source = {name: {"conversations": n, "train_samples": 0} for name, n in Counter(data.sources).items()}
+    for name, n in Counter(data.sources[i] for i, _ in train_items).items():  # the summary's per-source line
+        per_source[name]["train_samples"] = n
     return {
-        "row_kind": cfg.objective.rows.value,
-        "dataset": cfg.dataset.name,
-        "template": cfg.template.name.value,
-        "train_on": "last_assistant",
-        "cutoff_len": cfg.data.cutoff_len,
-        "packing": cfg.data.packing,
-        "rows_read": report.rows_read,
-        "rows_kept": len(rows),
-        "skipped": dict(sorted(report.counts.items())),
-        "skipped_total": report.skipped,
-        "skipped_by_file": report.files(),
-        "trailing_turns_dropped": 0,
-        "truncated": truncated,
-        "truncated_share": truncated / len(rows),
-        "dropped_all_trained_cut": 0,
+        "row_kind": cfg.objective.rows.value, "dataset": cfg.dataset.name, "template": cfg.template.name.value,
+        "train_on": train_on, "cutoff_len": cfg.data.cutoff_len, "packing": cfg.data.packing,
+        "rows_read": report.rows_read, "rows_kept": len(rows), "skipped": dict(sorted(report.counts.items())),
+        "skipped_total": report.skipped, "skipped_by_file": report.files(), "trailing_turns_dropped": 0,
+        "truncated": truncated, "truncated_share": truncated / len(rows), "dropped_all_trained_cut": 0,
         "duplicate_ids": sum(n - 1 for n in Counter(r["ids"][0] for r in rows).values() if n > 1),
-        "samples": {"train": n_train, "val": n_val},
-        "rows": {"train": 0, "val": 0},
-        "tokens": tokens,
-        "trained_tokens": trained,
-        "trained_token_share": trained / tokens if tokens else 0.0,
-        "length": {"mean": sum(longest) / len(longest), "p50": sorted(longest)[len(longest) // 2],
-                   "p95": sorted(longest)[int(len(longest) * 0.95)], "max": max(longest), "histogram": []},
-        "packing_efficiency": {"train": None, "val": None},
-        "sources": {name: {"conversations": n, "train_samples": 0} for name, n in Counter(names).items()},
+        "samples": {"train": len(train_items), "val": len(val_items)}, "rows": {"train": 0, "val": 0},
+        "tokens": tokens, "trained_tokens": trained, "trained_token_share": trained / tokens if tokens else 0.0,
+        "length": {"mean": sum(lengths) / len(lengths), "p50": lengths[len(lengths) // 2],
+                   "p95": lengths[int(len(lengths) * 0.95)], "max": lengths[-1], "histogram": []},
+        "packing_efficiency": {"train": None, "val": None}, "sources": per_source, **extra,
     }
+
+
+def pair_stats(cfg: TrainConfig, sources: Sequence[SourceConfig], report: BadRowReport, data: SampleRows,
+               train_items: Items, val_items: Items) -> Dict[str, Any]:
+    rows = data.rows
+    return sample_stats(
+        cfg, report, data, train_items, val_items, train_on="last_assistant",
+        truncated=sum(bool(r["truncated"]) for r in rows),
+        tokens=sum(len(r["prompt_ids"]) * 2 + len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in rows),
+        trained=sum(sum(lab != IGNORE_INDEX for lab in r[f"{side}_labels"]) for r in rows for side in ("chosen", "rejected")),
+        lengths=[len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in rows])
 
 
 def attach_reference(cfg: TrainConfig, tokenizer: Any, cache: Path) -> Path:

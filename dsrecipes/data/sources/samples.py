@@ -1,0 +1,117 @@
+"""Rows that are one sample around a prompt (owner: data/sources/): what reading, checking and writing them shares,
+for every such row kind (`objective.rows`: `pair`, preference.py; `prompt`, prompts.py).
+
+A row kind of this family is a table entry, `SampleKind(check, columns)`: `check` turns a row's JSON object into the
+kind's sample (or raises BadRow), `columns` gives the sample's canonical columns beside the prompt's. Everything else
+is here, once:
+- `SampleKind.of`: a row as read (files.RawRow) -> sample, or BadRow: the read error, `not_an_object`, `too_deep`,
+  then `check`; the sample's prompt gets its id (`sample_id`), source and place (`file:line`);
+- `SampleKind.parse_item`: one raw line of a stream or a presharded part (None: past the row limit) -> sample;
+- `SampleKind.canonical`: the sample in the canonical form `dsrecipes shard` writes (sharegpt columns, roles by
+  `Role` value, so a part needs no column settings and its sample ids survive);
+- `prompt_conversation`: the prompt turns every such row holds, checked like SFT turns.
+`SOURCES` says, per row kind (conversations too), which source formats hold it and whether they are ranking data
+(preference.check_sources).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Generic, Optional, Tuple, TypeVar
+
+from dsrecipes.core.schema import DEFAULT_MAX_ROW_BYTES, DatasetFormat, RowKind, SourceConfig
+from dsrecipes.data.sources.badrows import BadReason, BadRow
+from dsrecipes.data.sources.files import RawRow, parse_row
+from dsrecipes.data.sources.sharegpt import (
+    TRAINED_ROLES,
+    Conversation,
+    Role,
+    _message_turns,
+    _optional_text,
+    _tools_text,
+    sample_id,
+)
+
+S = TypeVar("S")  # a sample: its `.prompt` is a Conversation (the prompt turns, id, where it was read)
+Roles = Dict[str, Role]
+
+
+@dataclass(frozen=True)
+class RowSources:
+    """Which sources hold a row kind."""
+
+    ranking: bool  # ranking (chosen/rejected) data: a registry entry with `ranking: true`
+    formats: Tuple[DatasetFormat, ...]  # the source formats it is read in
+
+
+SOURCES: Dict[RowKind, RowSources] = {
+    RowKind.conversation: RowSources(False, tuple(DatasetFormat)),
+    RowKind.pair: RowSources(True, (DatasetFormat.sharegpt, DatasetFormat.openai)),
+    RowKind.prompt: RowSources(False, (DatasetFormat.sharegpt, DatasetFormat.openai)),
+}
+
+
+@dataclass(frozen=True)
+class SampleKind(Generic[S]):
+    """One row kind whose sample holds a prompt: its own checks and its own canonical columns."""
+
+    check: Callable[[Dict[str, Any], SourceConfig, Roles], S]  # the row's JSON object -> sample, or BadRow
+    columns: Callable[[S], Dict[str, Any]]  # the sample's canonical columns beside the prompt's (None: left out)
+    lead: Tuple[str, ...] = ()  # of those, the ones written right after the prompt's turns (the rest go last)
+
+    def of(self, row: RawRow, source: SourceConfig, roles: Roles) -> S:
+        """A row as read -> sample, or BadRow (the row's own problem)."""
+        if row.error is not None:
+            raise row.error
+        raw = row.value
+        if not isinstance(raw, dict):
+            raise BadRow(BadReason.not_an_object, f"row is a {type(raw).__name__}")
+        try:
+            sample = self.check(raw, source, roles)
+        except RecursionError:
+            raise BadRow(BadReason.too_deep, "nested too deep to read") from None
+        conv = sample.prompt  # type: ignore[attr-defined]
+        conv.id, conv.source = sample_id(raw, row, source), source.name
+        conv.path, conv.loc, conv.element = row.path, row.loc, row.element
+        return sample
+
+    def parse_item(self, raw: Optional[bytes], path: str, loc: int, source: SourceConfig, roles: Roles, *,
+                   limit: int = DEFAULT_MAX_ROW_BYTES, element: bool = False) -> S:
+        """One raw line of a stream or a presharded part (None: longer than the row limit) -> sample, or BadRow:
+        the checks `sharegpt.parse_item` applies to a conversation line, with `of` in place of `conversation_of`."""
+        if raw is not None and len(raw) > limit:
+            raw = None
+        return self.of(parse_row(path, None if element else loc, raw, loc if element else None, limit=limit),
+                       source, roles)
+
+    def canonical(self, sample: S) -> Dict[str, Any]:
+        """The sample as `dsrecipes shard` writes it: the prompt's sharegpt columns, then the kind's own."""
+        conv = sample.prompt  # type: ignore[attr-defined]
+        own = {key: value for key, value in self.columns(sample).items() if value is not None}
+        row: Dict[str, Any] = {"id": conv.id, "conversations": [{"from": t.role.value, "value": t.content}
+                                                                for t in conv.turns]}
+        row.update((key, own[key]) for key in self.lead if key in own)
+        row.update((key, value) for key, value in (("system", conv.system), ("tools", conv.tools)) if value is not None)
+        row.update((key, value) for key, value in own.items() if key not in self.lead)
+        return row
+
+
+def prompt_conversation(raw: Dict[str, Any], source: SourceConfig, roles: Roles) -> Conversation:
+    """The prompt turns of a row (ending with the turn a reply answers), its system prompt and tools: the prompt of
+    a pair, and a prompt row (`rows=prompt`)."""
+    cols = source.columns
+    prompt_col = cols.prompt if source.format is DatasetFormat.openai else cols.messages
+    if prompt_col not in raw:
+        raise BadRow(BadReason.missing_conversation, f"no {prompt_col!r} field (keys: {sorted(raw)[:8]})")
+    turns = _message_turns({cols.messages: raw[prompt_col]}, source, roles)
+    system = _optional_text(raw, cols.system)
+    while turns and turns[0].role is Role.system:
+        system = turns[0].content if system is None else f"{system}\n\n{turns[0].content}"
+        turns = turns[1:]
+    if not turns or any(t.role is Role.system for t in turns):
+        raise BadRow(BadReason.system_not_first if turns else BadReason.empty_conversation,
+                     "a system turn after the first user/assistant turn" if turns else "the prompt has no turns")
+    if turns[-1].role in TRAINED_ROLES:
+        raise BadRow(BadReason.bad_value, f"the prompt ends with a {turns[-1].role.value} turn; it must end with "
+                                          "the turn the answers reply to")
+    return Conversation("", turns, system, _tools_text(raw.get(cols.tools)))
