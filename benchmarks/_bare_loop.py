@@ -3,7 +3,8 @@
 Owner: benchmarks/. One JSON argument (model directory, DeepSpeed JSON, micro_batch, seq, steps, cuda, result path):
 the model directory's weights under `deepspeed.initialize` with that JSON, trained on a pool of random token batches
 of shape (micro_batch, seq) with `labels=input_ids`; the steps after the first third are timed. Writes {tokens_per_s,
-step_s, steps} to the result path.
+step_s, steps} to the result path. gpu_compare starts it as its own process on a GPU and calls `main([json])` in its
+own process for the CPU dry run (--smoke).
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import List, Optional
 
 import _harness  # noqa: F401  (this checkout on sys.path)
 
 
-def main(spec: dict) -> None:
+def main(argv: Optional[List[str]] = None) -> None:
+    spec = json.loads((sys.argv[1:] if argv is None else argv)[0])
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -54,4 +57,4 @@ def main(spec: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    main()

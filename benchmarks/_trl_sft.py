@@ -1,12 +1,16 @@
 """TRL's side of benchmarks/gpu_compare.py (not a benchmark itself): TRL's SFTTrainer as its documentation starts it.
 
 Owner: benchmarks/. Started by gpu_compare.py as `deepspeed --num_gpus 1 _trl_sft.py ... --deepspeed DS.json` (the
-HF Trainer's documented DeepSpeed path; the same ZeRO JSON dsrecipes builds) or, on CPU (--smoke), with plain
-`python`. The ShareGPT files are read with `datasets` and turned into `messages` (human -> user, gpt and
-function_call -> assistant, observation -> user, system -> system); SFTTrainer then tokenizes them with the model's
-chat template. `--mode best`: packing (bfd), padding_free, use_liger_kernel when liger-kernel is installed, bf16 on
-CUDA; `--mode plain`: TRL's defaults (no packing, padded batches). Writes one JSON row (tokens/s over the steps after
-the first third, peak GPU memory) to --result.
+HF Trainer's documented DeepSpeed path) or, in the CPU dry run (--smoke), by calling `main(argv)` with the same
+arguments inside gpu_compare's process (the HF Trainer then runs DeepSpeed on its CPU accelerator, gloo). DS.json
+is dsrecipes' ZeRO JSON with the values the HF Trainer owns set to "auto", as HF's DeepSpeed guide writes it; the
+optimizer hyper-parameters come as HF flags with dsrecipes' values (same optimizer, same ZeRO settings).
+The ShareGPT files are read with `datasets` and turned into `messages` (a row's `system` first; human -> user, gpt
+and function_call -> assistant, observation -> user, system -> system); SFTTrainer tokenizes them with the model's
+chat template. `--mode best`: packing (bfd), padding_free, use_liger_kernel when liger-kernel is installed (CUDA),
+flash_attention_2 when flash-attn is installed (else sdpa), no gradient checkpointing (as dsrecipes' default), bf16
+on CUDA, DataLoader workers as dsrecipes'; `--mode plain`: TRL's defaults (no packing, padded batches, TRL's
+default gradient checkpointing). Writes one JSON row (tokens/s over the steps after the first third) to --result.
 """
 
 from __future__ import annotations
@@ -15,29 +19,36 @@ import argparse
 import glob
 import importlib.util
 import json
+import sys
 import time
 from pathlib import Path
+from typing import List, Optional
 
 ROLES = {"human": "user", "gpt": "assistant", "function_call": "assistant", "observation": "user", "system": "system"}
+HF_FLOATS = ("--learning-rate", "--weight-decay", "--adam-beta1", "--adam-beta2", "--adam-epsilon", "--max-grad-norm")
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: List[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     for name in ("--model", "--data", "--result", "--mode"):
         p.add_argument(name, required=True)
-    for name in ("--seq", "--micro-batch", "--grad-accum", "--steps"):
+    for name in ("--seq", "--micro-batch", "--grad-accum", "--steps", "--workers"):
         p.add_argument(name, type=int, required=True)
+    for name in HF_FLOATS:
+        p.add_argument(name, type=float, required=True)
     p.add_argument("--deepspeed", default=None)
     p.add_argument("--local_rank", type=int, default=0)  # set by the deepspeed launcher
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def messages(files: list) -> list:
     out = []
     for path in files:
         for line in Path(path).read_text(encoding="utf-8").splitlines():
-            turns = json.loads(line)["conversations"]
-            out.append({"messages": [{"role": ROLES[t["from"]], "content": t["value"]} for t in turns]})
+            row = json.loads(line)
+            turns = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+            turns += [{"role": ROLES[t["from"]], "content": t["value"]} for t in row["conversations"]]
+            out.append({"messages": turns})
     return out
 
 
@@ -51,25 +62,43 @@ class Clock:
         self.marks.append((time.perf_counter(), state.num_input_tokens_seen))
 
 
-def main() -> None:
-    args = parse_args()
+def sft_settings(args: argparse.Namespace, cuda: bool) -> dict:
+    """SFTConfig's arguments for --mode best or plain."""
+    settings = dict(max_length=args.seq, per_device_train_batch_size=args.micro_batch, max_steps=args.steps,
+                    gradient_accumulation_steps=args.grad_accum, save_strategy="no", report_to=[],
+                    logging_steps=max(args.steps // 5, 1), output_dir=str(Path(args.result).parent / "trl_out"),
+                    include_num_input_tokens_seen="non_padding", bf16=cuda, use_cpu=not cuda, deepspeed=args.deepspeed,
+                    learning_rate=args.learning_rate, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+                    adam_beta2=args.adam_beta2, adam_epsilon=args.adam_epsilon, max_grad_norm=args.max_grad_norm)
+    if args.mode == "best":
+        liger = cuda and importlib.util.find_spec("liger_kernel") is not None
+        settings.update(packing=True, padding_free=True, use_liger_kernel=liger, gradient_checkpointing=False,
+                        dataloader_num_workers=args.workers)
+    return settings
+
+
+def attention(args: argparse.Namespace, cuda: bool) -> str:
+    best = args.mode == "best" and cuda and importlib.util.find_spec("flash_attn") is not None
+    return "flash_attention_2" if best else "sdpa"
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
     cuda = torch.cuda.is_available()
-    best = args.mode == "best"
-    liger = best and cuda and importlib.util.find_spec("liger_kernel") is not None
-    settings = dict(max_length=args.seq, per_device_train_batch_size=args.micro_batch, max_steps=args.steps,
-                    gradient_accumulation_steps=args.grad_accum, save_strategy="no", report_to=[],
-                    logging_steps=max(args.steps // 5, 1), output_dir=str(Path(args.result).parent / "trl_out"),
-                    include_num_input_tokens_seen="non_padding", bf16=cuda, use_cpu=not cuda, deepspeed=args.deepspeed)
-    if best:
-        settings.update(packing=True, padding_free=True, use_liger_kernel=liger)
+    if not cuda:  # DeepSpeed's CPU accelerator would JIT-build its shared-memory op (minutes) that training never uses
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from dsrecipes.core.distributed import skip_shm_comm_op
+
+        skip_shm_comm_op()
+    settings = sft_settings(args, cuda)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if cuda else torch.float32,
-                                                 attn_implementation="sdpa")
+                                                 attn_implementation=attention(args, cuda))
     clock = type("ClockCallback", (Clock, TrainerCallback), {})()
     data = Dataset.from_list(messages(sorted(glob.glob(args.data))))
     trainer = SFTTrainer(model=model, args=SFTConfig(**settings), train_dataset=data, processing_class=tokenizer,
@@ -79,11 +108,12 @@ def main() -> None:
     trainer.train()
     start = len(clock.marks) // 3
     (t0, n0), (t1, n1) = clock.marks[start], clock.marks[-1]
+    timed = max(len(clock.marks) - 1 - start, 1)
     row = {"tokens_per_s": (n1 - n0) / (t1 - t0) if t1 > t0 else None, "steps": len(clock.marks),
-           "tokens_per_step": (n1 - n0) / max(len(clock.marks) - 1 - start, 1),
-           "step_s": (t1 - t0) / max(len(clock.marks) - 1 - start, 1),
-           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-           "settings": {k: v for k, v in settings.items() if k not in ("output_dir",)}, "liger": liger}
+           "tokens_per_step": (n1 - n0) / timed, "step_s": (t1 - t0) / timed,
+           "torch_peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+           "settings": {**{k: v for k, v in settings.items() if k != "output_dir"},
+                        "attn_implementation": attention(args, cuda), "deepspeed_json": args.deepspeed}}
     if args.local_rank in (0, -1):
         Path(args.result).write_text(json.dumps(row, indent=1, default=str))
 

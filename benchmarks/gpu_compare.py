@@ -2,25 +2,31 @@
 defaults) and a bare DeepSpeed loop, same model, data, sequence length and tokens per optimizer step (issue 46).
 
     python benchmarks/gpu_compare.py                       # one H200/H100, no network: about 8 minutes
-    python benchmarks/gpu_compare.py --smoke --out DIR     # CPU dry run of the same code path: tiny model, 3 steps
+    python benchmarks/gpu_compare.py --smoke --out DIR     # CPU dry run of every code path: tiny model, 2 steps
 
-Rows: a Qwen2.5-0.5B- and a Qwen2.5-1.5B-shaped random model (config only, written once as a local model directory
-with the bundled tokenizer) x ZeRO-2 and ZeRO-3. Each cell runs these systems, each as a user starts it, in its own
-process, the order alternating from cell to cell (A/B, B/A):
+Rows: a Qwen2.5-1.5B- and a Qwen2.5-0.5B-shaped random model (config only, written once as a local model directory
+with the bundled tokenizer) x ZeRO-2 and ZeRO-3, in this order (1.5B ZeRO-2 first: the MFU target); a cell that
+would start after --budget-s is skipped and said so. Each cell runs these systems, each as a user starts it, in its
+own process, the order reversed from one cell to the next (A/B, B/A):
   dsrecipes         `python -m dsrecipes` (launcher=deepspeed): the default recipe, only model/data/sizes/ZeRO set;
-  dsrecipes_levers  the same plus the issue-46 levers (data.packing=true, trainer.ce_chunk_tokens=4096): measured
-                    here so that a lever becomes a default only where it wins;
-  trl_best          `deepspeed _trl_sft.py --deepspeed DS.json` (HF Trainer + the same ZeRO JSON): packing,
-                    padding_free, use_liger_kernel when installed, bf16;
-  trl_plain         the same launch with TRL's defaults (no packing, padded batches);
+  dsrecipes_levers  the same plus the issue-46 levers (data.packing=true, trainer.ce_chunk_tokens=4096,
+                    flash_attention_2 where flash-attn is installed): a lever becomes a default only where it wins;
+  trl_best          `deepspeed _trl_sft.py --deepspeed DS.json`: packing, padding_free, use_liger_kernel and
+                    flash_attention_2 where installed, no gradient checkpointing, bf16; DS.json is dsrecipes' ZeRO
+                    JSON with the HF-owned values "auto" (HF's guide), optimizer values as HF flags (the same);
+  trl_plain         the same launch with TRL's defaults (no packing, padded batches, gradient checkpointing on);
   bare              a bare `deepspeed.initialize` loop on random batches of the same shape (micro_batch x seq),
-                    the floor the runner is compared with: gpu_idle_s_per_step = its step time minus the bare one.
-Tokens per optimizer step = micro_batch x grad_accum x seq everywhere (TRL's plain defaults pad, so it trains fewer
-real tokens per step: its tokens/s counts real tokens). Peak memory: the largest `nvidia-smi` memory.used seen while
-the process ran (the same for every system). MFU = (6 N + 12 L d T) x tokens/s / peak (N all parameters, L layers,
-d hidden size, T seq: attention FLOPs counted as PaLM does, full T x T).
-Writes OUT/compare.json (rows {system, model, params, zero, micro_batch, seq_len, tokens_per_s, mfu, peak_mem_gib,
-settings, ...}) and compare.png, and prints the ratio table. --out defaults to benchmarks/results/<date>_<device>.
+                    the floor: gpu_idle_s_per_step = a dsrecipes step's time minus the bare loop's for its tokens.
+Tokens per optimizer step = micro_batch x grad_accum x seq everywhere (--trl-micro-batch: TRL best's own micro-batch,
+its grad_accum then keeps the product; unpacked systems pad, so they train fewer real tokens a step: tokens/s counts
+real tokens everywhere). Each system's tokens/s is over its steps after the first third. Peak memory: the largest
+`nvidia-smi` memory.used seen while the process ran (the same for every system). MFU = (6 N + 12 L d T) x tokens/s
+/ peak (N all parameters, L layers, d hidden size, T seq: attention FLOPs counted as PaLM does, full T x T).
+Writes OUT/compare.json (a list of rows {system, model, params, zero, micro_batch, seq_len, tokens_per_s, mfu,
+peak_mem_gib, settings, ...}), OUT/compare.png and OUT/gpu_compare.json (the harness' result: arguments, notes,
+rows), and prints the ratio table. --out defaults to benchmarks/results/<date>_<device>.
+--smoke without a GPU runs every system through the same argument builders inside this process instead of its own
+(dsrecipes with launcher=local, TRL's HF Trainer with the same DS.json on DeepSpeed's CPU accelerator): seconds.
 """
 
 from __future__ import annotations
@@ -31,15 +37,14 @@ import glob
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import _harness
+from _run_system import free_port, rank_env, run_child
 from _sharegpt_corpus import write_corpus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,16 +56,19 @@ SHAPES = {
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True),
+                 num_key_value_heads=2, vocab_size=2176, tie_word_embeddings=True),  # the bundled tokenizer: 2113
 }
 SYSTEMS = ("dsrecipes", "dsrecipes_levers", "trl_best", "trl_plain", "bare")
 LEVERS = ["data.packing=true", "trainer.ce_chunk_tokens=4096"]
+ROW_KEYS = ("system", "model", "params", "zero", "micro_batch", "seq_len", "tokens_per_s", "mfu", "peak_mem_gib",
+            "settings")
+HF_AUTO = ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps", "gradient_clipping")
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
     p = _harness.add_args(argparse.ArgumentParser(description=__doc__,
                                                   formatter_class=argparse.RawDescriptionHelpFormatter))
-    p.add_argument("--models", default="qwen2.5-0.5b,qwen2.5-1.5b")
+    p.add_argument("--models", default="qwen2.5-1.5b,qwen2.5-0.5b")
     p.add_argument("--zero", default="2,3")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--seq", type=int, default=2048)
@@ -69,14 +77,19 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--peak-tflops", type=float, default=989.0)
-    p.add_argument("--budget-s", type=float, default=450.0, help="cells that would start later are skipped")
+    p.add_argument("--budget-s", type=float, default=420.0, help="cells that would start later are skipped")
     p.add_argument("--run-timeout-s", type=float, default=150.0)
     p.add_argument("--corpus-mb", type=float, default=8.0)
     args = p.parse_args(argv)
     args.cuda = _cuda()
     if args.smoke:
-        args.models, args.zero, args.seq, args.micro_batch, args.trl_micro_batch = "tiny", "2", 64, 2, 2
-        args.steps, args.corpus_mb, args.budget_s = 2, 0.05, 300.0
+        args.models, args.zero, args.seq, args.micro_batch, args.trl_micro_batch = "tiny", "2", 64, 2, 1
+        args.steps, args.corpus_mb, args.budget_s = 2, 0.03, 300.0
+    if (args.micro_batch * args.grad_accum) % args.trl_micro_batch:
+        p.error(f"--trl-micro-batch {args.trl_micro_batch} must divide micro_batch x grad_accum "
+                f"({args.micro_batch} x {args.grad_accum}): the tokens per optimizer step are the same everywhere")
+    args.trl_grad_accum = args.micro_batch * args.grad_accum // args.trl_micro_batch
+    args.in_process = args.smoke and not args.cuda
     return args
 
 
@@ -115,118 +128,111 @@ def flops_per_token(name: str, params: int, seq: int) -> float:
     return 6 * params + 12 * s["num_hidden_layers"] * s["hidden_size"] * seq
 
 
-class MemPoll:
-    """The largest nvidia-smi memory.used (GiB) while a child runs (None without a GPU)."""
-
-    def __init__(self, cuda: bool) -> None:
-        self.cuda, self.peak, self.stop = cuda, None, threading.Event()
-        self.thread = threading.Thread(target=self._poll, daemon=True)
-
-    def _poll(self) -> None:
-        while not self.stop.wait(0.5):
-            got = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True).stdout.split()
-            if got:
-                self.peak = max(self.peak or 0.0, float(got[0]) / 1024)
-
-    def __enter__(self) -> "MemPoll":
-        if self.cuda:
-            self.thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop.set()
-
-
-def run_child(argv: List[str], log: Path, timeout: float, cuda: bool, env: Optional[Dict[str, str]] = None):
-    """(exit code or 'timeout', peak GiB, wall seconds) of one system's process."""
-    t0 = time.time()
-    with MemPoll(cuda) as mem, open(log, "w") as fh:
-        try:
-            code = subprocess.run(argv, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout,
-                                  env={**os.environ, **(env or {})}).returncode
-        except subprocess.TimeoutExpired:
-            code = "timeout"
-    return code, mem.peak, time.time() - t0
+def run(args, argv: List[str], log: Path, env: Optional[Dict[str, str]] = None):
+    return run_child(argv, log, in_process=args.in_process, cuda=args.cuda, timeout_s=args.run_timeout_s, env=env)
 
 
 def ds_overrides(args: argparse.Namespace, model: Path, zero: int, data: str, run_dir: Path) -> List[str]:
-    hw = ["precision=bf16", "launcher=deepspeed", "launcher.num_gpus=1"] if args.cuda else \
-        ["precision=fp32", "trainer.device=cpu", "launcher=deepspeed", "launcher.num_gpus=1"]
+    launcher = ["launcher=local"] if args.in_process else ["launcher=deepspeed", "launcher.num_gpus=1"]
+    hw = ["precision=bf16"] if args.cuda else ["precision=fp32", "trainer.device=cpu"]
     return [f"model.path={model}", "dataset=sharegpt_files", f"dataset.paths=[{data}]", f"zero=stage{zero}",
             f"data.cutoff_len={args.seq}", f"trainer.micro_batch_size={args.micro_batch}",
             f"trainer.grad_accum={args.grad_accum}", f"trainer.max_steps={args.steps}",
             f"trainer.log_every={max(args.steps // 6, 1)}", "trainer.eval_every=0", "trainer.eval_at_start=false",
-            "trainer.export=false", "trainer.report_to=[]", f"trainer.output_dir={run_dir}", *hw]
+            "trainer.export=false", "trainer.report_to=[]", f"trainer.output_dir={run_dir}",
+            f"data.cache_dir={run_dir.parent.parent / 'dsrecipes_cache'}", *hw, *launcher]
 
 
-def run_dsrecipes(args, cell: Dict[str, Any], levers: bool) -> Dict[str, Any]:
-    run_dir = cell["out"] / ("dsrecipes_levers" if levers else "dsrecipes")
-    overrides = ds_overrides(args, cell["model_dir"], cell["zero"], cell["data"], run_dir) + (LEVERS if levers else [])
-    code, peak, wall = run_child([sys.executable, "-m", "dsrecipes", *overrides], run_dir.with_suffix(".log"),
-                                 args.run_timeout_s, args.cuda)
+def levers(args: argparse.Namespace) -> List[str]:
+    import importlib.util
+
+    flash = args.cuda and importlib.util.find_spec("flash_attn") is not None
+    return LEVERS + (["model.attn_implementation=flash_attention_2"] if flash else [])
+
+
+def run_dsrecipes(args, cell: Dict[str, Any], with_levers: bool) -> Dict[str, Any]:
+    run_dir = cell["out"] / ("dsrecipes_levers" if with_levers else "dsrecipes")
+    overrides = ds_overrides(args, cell["model_dir"], cell["zero"], cell["data"], run_dir)
+    overrides += levers(args) if with_levers else []
+    code, peak, wall = run(args, [sys.executable, "-m", "dsrecipes", *overrides], run_dir.with_suffix(".log"))
     metrics = run_dir / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.is_file() else []
-    steady = [r for r in rows if r.get("tokens_per_s")][1:] or [r for r in rows if r.get("tokens_per_s")]
+    timed = [r for r in rows if r.get("tokens_per_s")]
+    steady = [r for r in timed if r["step"] > args.steps // 3] or timed  # as TRL's and the bare loop's window
     tps = sum(r["tokens_per_s"] for r in steady) / len(steady) if steady else None
-    return {"exit": code, "tokens_per_s": tps, "peak_mem_gib": peak, "wall_s": wall,
-            "micro_batch": args.micro_batch, "settings": {"overrides": overrides}}
+    return {"exit": code, "tokens_per_s": tps, "peak_mem_gib": peak, "wall_s": wall, "micro_batch": args.micro_batch,
+            "grad_accum": args.grad_accum, "settings": {"overrides": overrides}}
 
 
 def run_trl(args, cell: Dict[str, Any], mode: str) -> Dict[str, Any]:
     out = cell["out"] / f"trl_{mode}"
     out.mkdir(parents=True, exist_ok=True)
-    mb = args.trl_micro_batch if mode == "best" else args.micro_batch
+    mb, accum = (args.trl_micro_batch, args.trl_grad_accum) if mode == "best" else (args.micro_batch, args.grad_accum)
     script = [str(HERE / "_trl_sft.py"), "--model", str(cell["model_dir"]), "--data", cell["data"], "--mode", mode,
-              "--seq", str(args.seq), "--micro-batch", str(mb), "--grad-accum", str(args.grad_accum),
-              "--steps", str(args.steps), "--result", str(out / "row.json")]
+              "--seq", str(args.seq), "--micro-batch", str(mb), "--grad-accum", str(accum),
+              "--steps", str(args.steps), "--result", str(out / "row.json"), "--deepspeed", str(cell["trl_json"]),
+              *cell["hf_flags"]]
     if args.cuda:
-        argv = ["deepspeed", "--num_gpus", "1", "--master_port", str(free_port()), *script,
-                "--deepspeed", str(cell["ds_json"])]
-    else:  # CPU dry run: the HF Trainer without DeepSpeed (it needs an accelerator for ZeRO)
-        argv = [sys.executable, *script]
-    code, peak, wall = run_child(argv, out.with_suffix(".log"), args.run_timeout_s, args.cuda)
+        argv, env = ["deepspeed", "--num_gpus", "1", "--master_port", str(free_port()), *script], None
+    else:  # one rank by hand: the HF Trainer runs DeepSpeed on its CPU accelerator (gloo)
+        argv, env = [sys.executable, *script], rank_env()
+    code, peak, wall = run(args, argv, out.with_suffix(".log"), env)
     row = json.loads((out / "row.json").read_text()) if (out / "row.json").is_file() else {}
-    return {"exit": code, "peak_mem_gib": peak, "wall_s": wall, "micro_batch": mb, **row}
+    return {"exit": code, "wall_s": wall, "micro_batch": mb, "grad_accum": accum, **row, "peak_mem_gib": peak}
 
 
 def run_bare(args, cell: Dict[str, Any]) -> Dict[str, Any]:
     spec = {"model": str(cell["model_dir"]), "ds_json": str(cell["ds_json"]), "micro_batch": args.micro_batch,
             "seq": args.seq, "steps": args.steps, "cuda": args.cuda, "result": str(cell["out"] / "bare.json")}
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}
-    code, peak, wall = run_child([sys.executable, str(HERE / "_bare_loop.py"), json.dumps(spec)],
-                                 cell["out"] / "bare.log", args.run_timeout_s, args.cuda, env)
+    code, peak, wall = run(args, [sys.executable, str(HERE / "_bare_loop.py"), json.dumps(spec)],
+                           cell["out"] / "bare.log", rank_env())
     path = Path(spec["result"])
     row = json.loads(path.read_text()) if path.is_file() else {}
-    return {"exit": code, "peak_mem_gib": peak, "wall_s": wall, "micro_batch": args.micro_batch, **row}
+    return {"exit": code, "wall_s": wall, "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, **row,
+            "peak_mem_gib": peak}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def ds_json(args, model: Path, zero: int, out: Path) -> Path:
-    """The DeepSpeed JSON dsrecipes builds for these settings, for TRL and the bare loop (HF's 'auto' not needed)."""
+def ds_json(args, model: Path, zero: int, out: Path):
+    """The DeepSpeed JSON dsrecipes builds for these settings (the bare loop's), written to out/ds_config.json, and
+    dsrecipes' DataLoader workers per rank."""
     from dsrecipes.config.load import compose_and_load
     from dsrecipes.run.ds_config import build_ds_config
 
     cfg = compose_and_load(ds_overrides(args, model, zero, "x.jsonl", out / "unused"), check_files=False)
-    path = out / "ds_config.json"
-    path.write_text(json.dumps(build_ds_config(cfg, world_size=1), indent=1))
-    return path
+    ds = build_ds_config(cfg, world_size=1)
+    (out / "ds_config.json").write_text(json.dumps(ds, indent=1))
+    return ds, cfg.data.num_workers
+
+
+def trl_json(ds: Dict[str, Any], workers: int, out: Path) -> List[str]:
+    """dsrecipes' JSON as an HF Trainer user writes it (HF's DeepSpeed guide): the values TrainingArguments own are
+    "auto" and come as flags with dsrecipes' values; ZeRO and the optimizer type stay. Returns those flags."""
+    hf = dict(ds)
+    for key in HF_AUTO:
+        hf[key] = "auto"
+    params = ds["optimizer"]["params"]
+    hf["optimizer"] = {**ds["optimizer"], "params": {**params, **{k: "auto" for k in ("lr", "betas", "eps",
+                                                                                      "weight_decay")}}}
+    if "bf16" in ds:
+        hf["bf16"] = {"enabled": "auto"}
+    (out / "trl_ds_config.json").write_text(json.dumps(hf, indent=1))
+    values = (params["lr"], params["weight_decay"], params["betas"][0], params["betas"][1], params["eps"],
+              ds["gradient_clipping"])
+    names = ("--learning-rate", "--weight-decay", "--adam-beta1", "--adam-beta2", "--adam-epsilon", "--max-grad-norm")
+    return [w for name, value in zip(names, values) for w in (name, repr(float(value)))] + ["--workers", str(workers)]
 
 
 def cell_rows(args, name: str, zero: int, data: str, root: Path, flip: bool) -> List[Dict[str, Any]]:
     model_dir = write_model(name, root, args.seq)
     out = root / f"{name}_zero{zero}"
     out.mkdir(parents=True, exist_ok=True)
-    cell = {"model_dir": model_dir, "zero": zero, "data": data, "out": out, "ds_json": ds_json(args, model_dir, zero, out)}
+    ds, workers = ds_json(args, model_dir, zero, out)
+    cell = {"model_dir": model_dir, "zero": zero, "data": data, "out": out, "ds_json": out / "ds_config.json",
+            "trl_json": out / "trl_ds_config.json", "hf_flags": trl_json(ds, workers, out)}
     params = _params(model_dir)
     chosen = [s for s in args.systems.split(",") if s]
-    runs = {"dsrecipes": lambda: run_dsrecipes(args, cell, False), "dsrecipes_levers": lambda: run_dsrecipes(args, cell, True),
+    runs = {"dsrecipes": lambda: run_dsrecipes(args, cell, False),
+            "dsrecipes_levers": lambda: run_dsrecipes(args, cell, True),
             "trl_best": lambda: run_trl(args, cell, "best"), "trl_plain": lambda: run_trl(args, cell, "plain"),
             "bare": lambda: run_bare(args, cell)}
     rows = []
@@ -239,12 +245,11 @@ def cell_rows(args, name: str, zero: int, data: str, root: Path, flip: bool) -> 
                      **r})
         print("[gpu_compare]   " + json.dumps({k: rows[-1].get(k) for k in ("exit", "tokens_per_s", "peak_mem_gib")}),
               flush=True)
-    step = {r["system"]: r for r in rows}
-    if "bare" in step and step["bare"].get("step_s"):
-        tokens_step = args.micro_batch * args.grad_accum * args.seq
-        for r in rows:
-            if r["system"].startswith("dsrecipes") and r.get("tokens_per_s"):
-                r["gpu_idle_s_per_step"] = tokens_step / r["tokens_per_s"] - step["bare"]["step_s"]
+    bare = next((r.get("tokens_per_s") for r in rows if r["system"] == "bare"), None)
+    tokens_step = args.micro_batch * args.grad_accum * args.seq
+    for r in rows:
+        if bare and r["system"].startswith("dsrecipes") and r.get("tokens_per_s"):
+            r["gpu_idle_s_per_step"] = tokens_step / r["tokens_per_s"] - tokens_step / bare
     return rows
 
 
@@ -254,31 +259,29 @@ def _params(model_dir: Path) -> int:
     total = 0
     for f in model_dir.glob("*.safetensors"):
         with safe_open(str(f), "pt") as st:
-            total += sum(_prod(st.get_slice(k).get_shape()) for k in st.keys())
+            for key in st.keys():
+                n = 1
+                for d in st.get_slice(key).get_shape():
+                    n *= d
+                total += n
     return total
 
 
-def _prod(shape: List[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def ratio_table(rows: List[Dict[str, Any]]) -> str:
-    lines = ["model          ZeRO  dsrecipes tok/s  MFU    levers tok/s  trl_best  trl_plain  bare   ds/trl_best ds/trl_plain"]
-    cells = sorted({(r["model"], r["zero"]) for r in rows})
-    for model, zero in cells:
-        by = {r["system"]: r.get("tokens_per_s") for r in rows if (r["model"], r["zero"]) == (model, zero)}
-        mfu = next((r.get("mfu") for r in rows if (r["model"], r["zero"], r["system"]) == (model, zero, "dsrecipes")), None)
-        best_ds = max([v for k, v in by.items() if k.startswith("dsrecipes") and v] or [0])
+    lines = ["model          ZeRO  dsrecipes tok/s  MFU    levers tok/s  trl_best  trl_plain  bare   ds/trl_best "
+             "ds/trl_plain"]
+    for model, zero in sorted({(r["model"], r["zero"]) for r in rows}):
+        by = {r["system"]: r for r in rows if (r["model"], r["zero"]) == (model, zero)}
+        tps = {k: r.get("tokens_per_s") for k, r in by.items()}
+        best_ds = max([v for k, v in tps.items() if k.startswith("dsrecipes") and v] or [0])
 
         def f(v, fmt=".0f"):
             return format(v, fmt) if v else "-"
-        lines.append(f"{model:<14} {zero:<5} {f(by.get('dsrecipes')):>15}  {f(mfu, '.1%'):>5}  "
-                     f"{f(by.get('dsrecipes_levers')):>12}  {f(by.get('trl_best')):>8}  {f(by.get('trl_plain')):>9}  "
-                     f"{f(by.get('bare')):>5}  {f(best_ds / by['trl_best'] if by.get('trl_best') else None, '.2f'):>11} "
-                     f"{f(best_ds / by['trl_plain'] if by.get('trl_plain') else None, '.2f'):>12}")
+        lines.append(f"{model:<14} {zero:<5} {f(tps.get('dsrecipes')):>15}  "
+                     f"{f(by.get('dsrecipes', {}).get('mfu'), '.1%'):>5}  {f(tps.get('dsrecipes_levers')):>12}  "
+                     f"{f(tps.get('trl_best')):>8}  {f(tps.get('trl_plain')):>9}  {f(tps.get('bare')):>5}  "
+                     f"{f(best_ds / tps['trl_best'] if tps.get('trl_best') else None, '.2f'):>11} "
+                     f"{f(best_ds / tps['trl_plain'] if tps.get('trl_plain') else None, '.2f'):>12}")
     return "\n".join(lines)
 
 
@@ -301,22 +304,32 @@ def plot(rows: List[Dict[str, Any]], path: Path) -> None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_compare(rows: List[Dict[str, Any]], path: Path) -> None:
+    """compare.json: the rows, ROW_KEYS first, written whole (a temporary file renamed onto it)."""
+    ordered = [{**{k: r.get(k) for k in ROW_KEYS}, **r} for r in rows]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(ordered, indent=1, default=str))
+    os.replace(tmp, path)
 
 
 def main(argv: List[str]) -> int:
     args = parse_args(argv)
     if args.out is None and not args.smoke:
         args.out = default_out(args.cuda)
-    with _harness.Result("compare", args) as result:
-        if not args.cuda:
-            result.note("no CUDA GPU here: CPU dry run in fp32, launcher=deepspeed for dsrecipes, TRL without "
-                        "DeepSpeed (plain python); nothing here says anything about a GPU")
+    with _harness.Result("gpu_compare", args) as result:
+        if args.in_process:
+            result.note("no CUDA GPU here: CPU dry run in fp32, every system called in this process with the "
+                        "arguments a GPU run gives its own process (dsrecipes launcher=local, TRL's DeepSpeed on "
+                        "the CPU accelerator); nothing here says anything about a GPU")
         root = result.out
         data = str(root / "corpus" / "*.jsonl")
         write_corpus(root / "corpus", args.corpus_mb, 4)
         started, flip = time.time(), False
-        for name in args.models.split(","):
-            for zero in (int(z) for z in args.zero.split(",")):
+        for zero in (int(z) for z in args.zero.split(",")):
+            for name in args.models.split(","):
                 if time.time() - started > args.budget_s:
                     result.note(f"skipped {name} ZeRO-{zero}: time budget {args.budget_s:.0f}s spent")
                     continue
@@ -326,13 +339,12 @@ def main(argv: List[str]) -> int:
         failed = [f"{r['model']} ZeRO-{r['zero']} {r['system']}" for r in result.rows if r.get("exit") != 0]
         if failed:
             result.note(f"runs that failed (see their .log): {failed}")
-        (root / "compare_rows.json").write_text(json.dumps(result.rows, indent=1, default=str))
+        write_compare(result.rows, root / "compare.json")
         if result.rows:
             plot(result.rows, root / "compare.png")
         print(ratio_table(result.rows), flush=True)
-        shutil.rmtree(root / "corpus", ignore_errors=True)
-        for model_dir in glob.glob(str(root / "model_*")):
-            shutil.rmtree(model_dir, ignore_errors=True)  # gigabytes of random weights: rebuilt in seconds
+        for path in [root / "corpus", root / "dsrecipes_cache", *glob.glob(str(root / "model_*"))]:
+            shutil.rmtree(path, ignore_errors=True)  # gigabytes of random weights: rebuilt in seconds
         return 1 if failed else 0
 
 

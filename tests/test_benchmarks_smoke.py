@@ -27,8 +27,6 @@ TIMEOUT_S = 420  # each smoke takes seconds to ~40 s on a quiet 2-core machine; 
 def result_file(script: Path, out: Path) -> Path:
     if script.name == "gpu_smoke.py":
         return out / "results.json"
-    if script.name == "gpu_compare.py":
-        return out / "compare.json"
     prefix = "start_trace_" if script.parent.name == "start_trace" else ""
     return out / f"{prefix}{script.stem}.json"
 
@@ -62,6 +60,8 @@ def test_smoke(script: Path, tmp_path: Path):
     assert not list(tmp_path.rglob("*.tmp")), "a result file left half written"
     if script.name == "bench_store.py":
         check_store(tmp_path, result)
+    if script.name == "gpu_compare.py":
+        check_compare(tmp_path, done.stdout)
 
 
 def check_store(out: Path, result: dict) -> None:
@@ -76,6 +76,26 @@ def check_store(out: Path, result: dict) -> None:
     skipped = [n for n in result["notes"] if "streaming side SKIPPED" in n]
     assert bool(skipped) != streaming, (streaming, result["notes"])
     assert {r["system"] for r in result["rows"]} == ({"ds", "st"} if streaming else {"ds"})
+
+
+def check_compare(out: Path, stdout: str) -> None:
+    """gpu_compare's CPU dry run ran every system (each exit 0, a number), wrote compare.json's rows, the plot and
+    the ratio table, and started TRL as a user does: its SFTTrainer on the DeepSpeed JSON, best = packing +
+    padding_free without gradient checkpointing, the same tokens per optimizer step as dsrecipes."""
+    rows = json.loads((out / "compare.json").read_text())
+    keys = ("system", "model", "params", "zero", "micro_batch", "seq_len", "tokens_per_s", "mfu", "peak_mem_gib",
+            "settings")
+    assert [r["system"] for r in rows] == ["dsrecipes", "dsrecipes_levers", "trl_best", "trl_plain", "bare"], rows
+    assert all(list(r)[:len(keys)] == list(keys) and r["exit"] == 0 and r["tokens_per_s"] > 0 for r in rows), rows
+    by = {r["system"]: r for r in rows}
+    best, plain = by["trl_best"]["settings"], by["trl_plain"]["settings"]
+    assert best["packing"] and best["padding_free"] and not best["gradient_checkpointing"], best
+    assert "packing" not in plain and best["deepspeed"] == plain["deepspeed"] and best["deepspeed"], plain
+    assert (best["per_device_train_batch_size"] * best["gradient_accumulation_steps"] ==
+            by["dsrecipes"]["micro_batch"] * by["dsrecipes"]["grad_accum"])
+    assert "data.packing=true" in by["dsrecipes_levers"]["settings"]["overrides"]
+    assert (out / "compare.png").stat().st_size > 0
+    assert "ds/trl_best" in stdout and any(line.startswith("tiny ") for line in stdout.splitlines())
 
 
 def test_store_corpus_is_deterministic_and_of_the_asked_size(tmp_path):
