@@ -11,7 +11,10 @@ the bundled tiny tokenizer with a ChatML chat_template, noted). Each round times
   wall-clock rate and its CPU time per conversation, this process's and its renderer child's (a shared machine
   disturbs the CPU time much less than the wall clock);
 * render: `chat_sandbox.render` of each whole conversation once.
-Prints conversations/s and renders/s per round and their medians.
+Each round runs twice, in alternating order: through the sandbox (the child process), and in process - the same
+`ImmutableSandboxedEnvironment` and render function (chat_render_child.py) called in this process, with no child,
+no limits and no pickling: the baseline the sandbox's cost is measured against.
+Prints conversations/s and renders/s per round and mode, their medians and the sandbox/in-process ratios.
 """
 
 from __future__ import annotations
@@ -64,6 +67,50 @@ def renderer_cpu() -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+class InProcess:
+    """The baseline renderer: chat_render_child.py's environment and render, called in this process (no child)."""
+
+    child = None  # (renderer_cpu: no child's CPU time to add)
+
+    def __init__(self) -> None:
+        from dsrecipes.boundary import chat_render_child as child_code
+        from dsrecipes.boundary.chat_sandbox import MAX_OUTPUT
+
+        self.code, self.env, self.compiled, self.max_output = child_code, child_code._environment(), {}, MAX_OUTPUT
+
+    def render(self, source: str, context: dict, jobs: list) -> list:
+        """chat_sandbox._Renderer.render's answers: per (tools, renders) job, its (kind, text) answers."""
+        out = []
+        for tools, renders in jobs:
+            answers = []
+            for messages, generation in renders:
+                reply = self.code._render(self.env, self.compiled, source, {**context, "tools": tools, "messages": messages,
+                                                                             "add_generation_prompt": generation},
+                                          self.max_output)
+                answers.append((reply[:1], reply[5:].decode("utf-8", "surrogatepass")))
+                if reply[:1] != b"o":
+                    break
+            out.append(answers)
+        return out
+
+
+def one_round(encoder: Any, tokenizer: Any, convs: List[Any], render: Any) -> tuple:
+    """(conversations/s encoded, CPU us per conversation encoded, whole conversations/s rendered)."""
+    started, cpu = time.perf_counter(), time.process_time() + renderer_cpu()
+    for i in range(0, len(convs), 256):
+        batch = encoder.encode_arrays(convs[i:i + 256])
+        assert not batch.bad, batch.bad[:1]
+    encode_s = time.perf_counter() - started
+    encode_cpu = time.process_time() + renderer_cpu() - cpu
+    messages = [[{"role": "user" if t.role.value == "user" else "assistant", "content": t.content}
+                 for t in c.turns] for c in convs]
+    started = time.perf_counter()
+    for m in messages:
+        render(tokenizer, m)
+    render_s = time.perf_counter() - started
+    return len(convs) / encode_s, encode_cpu / len(convs) * 1e6, len(convs) / render_s
+
+
 def main(argv: List[str]) -> int:
     parser = add_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--n", type=int, default=3000)
@@ -86,28 +133,29 @@ def main(argv: List[str]) -> int:
             tokenizer.chat_template = CHATML
         encoder = Encoder(tokenizer, cfg)
         convs = conversations(args.n)
-        renders, cpus = [], []
+        from dsrecipes.boundary import chat_sandbox
+
+        renderers = {"sandbox": chat_sandbox._RENDERER, "in_process": InProcess()}
+        got: dict = {mode: [] for mode in renderers}
         for r in range(args.rounds):
-            started, cpu = time.perf_counter(), time.process_time() + renderer_cpu()
-            for i in range(0, len(convs), 256):
-                batch = encoder.encode_arrays(convs[i:i + 256])
-                assert not batch.bad, batch.bad[:1]
-            encode_s = time.perf_counter() - started
-            encode_cpu = time.process_time() + renderer_cpu() - cpu
-            messages = [[{"role": "user" if t.role.value == "user" else "assistant", "content": t.content}
-                         for t in c.turns] for c in convs]
-            started = time.perf_counter()
-            for m in messages:
-                render(tokenizer, m)
-            render_s = time.perf_counter() - started
-            renders.append((len(convs) / encode_s, len(convs) / render_s))
-            result.row({"round": r, "conversations": len(convs), "encode_conv_per_s": round(renders[-1][0], 1),
-                        "encode_cpu_us_per_conv": round(encode_cpu / len(convs) * 1e6, 1),
-                        "render_per_s": round(renders[-1][1], 1)})
-            cpus.append(encode_cpu / len(convs) * 1e6)
-        result.row({"median_encode_conv_per_s": round(statistics.median(e for e, _ in renders), 1),
-                    "median_encode_cpu_us_per_conv": round(statistics.median(cpus), 1),
-                    "median_render_per_s": round(statistics.median(r for _, r in renders), 1)})
+            for mode in sorted(renderers, reverse=r % 2 == 1):  # alternating order: drift hits both alike
+                chat_sandbox._RENDERER = renderers[mode]
+                try:
+                    rate, cpu_us, render_rate = one_round(encoder, tokenizer, convs, render)
+                finally:
+                    chat_sandbox._RENDERER = renderers["sandbox"]
+                got[mode].append((rate, cpu_us, render_rate))
+                result.row({"round": r, "mode": mode, "conversations": len(convs), "encode_conv_per_s": round(rate, 1),
+                            "encode_cpu_us_per_conv": round(cpu_us, 1), "render_per_s": round(render_rate, 1)})
+        med = {mode: [statistics.median(x[j] for x in rows) for j in range(3)] for mode, rows in got.items()}
+        for mode, (rate, cpu_us, render_rate) in med.items():
+            result.row({"mode": mode, "median_encode_conv_per_s": round(rate, 1),
+                        "median_encode_cpu_us_per_conv": round(cpu_us, 1), "median_render_per_s": round(render_rate, 1)})
+        sand, base = med["sandbox"], med["in_process"]
+        result.row({"sandbox_vs_in_process_encode_throughput": round(sand[0] / base[0], 3),
+                    "sandbox_vs_in_process_encode_cpu": round(sand[1] / base[1], 3),
+                    "sandbox_vs_in_process_render_throughput": round(sand[2] / base[2], 3),
+                    "load_average": [round(x, 2) for x in os.getloadavg()]})
     return 0
 
 

@@ -11,11 +11,13 @@ file of the run is in reach of the template. Before it answers the first request
 - a lifeline: a thread blocks on a pipe whose only writer is the parent; when the parent exits, however it exits,
   the read returns and the thread SIGKILLs this process (what PR_SET_PDEATHSIG does, without ctypes).
 
-Protocol (stdin/stdout, binary): a request is a 4-byte big-endian length and a pickle of (source, context, renders,
-max_output, cpu_seconds) written by the parent (trusted), `renders` a list of (messages, add_generation_prompt) to
-render with the same context (a conversation and its prefixes: one round trip). Each render is answered as soon as it
-is done (answers done within FLUSH_SECONDS of each other go together), until the first answer that is not a text;
-an answer is one kind byte, a 4-byte length and UTF-8 (surrogatepass):
+Protocol (stdin/stdout, binary): a request is a 4-byte big-endian length and a pickle of (source, context, jobs,
+max_output, cpu_seconds) written by the parent (trusted); `jobs` is a list of (tools, renders), `renders` a list of
+(messages, add_generation_prompt) to render with the context and that job's tools (a conversation and its prefixes;
+a chunk of conversations is one request: one round trip). Each render is answered as soon as it is done (answers
+done within FLUSH_SECONDS of each other go together); a job's answers end at its first answer that is not a text,
+the request's at the first that is neither a text nor `r`; an answer is one kind byte, a 4-byte length and UTF-8
+(surrogatepass):
   o  the rendered text
   r  the template raised (its `raise_exception`, an undefined key, a type error): "TypeName\\0message"
   s  the sandbox refused it (SecurityError, TemplateSyntaxError): "TypeName\\0message"
@@ -141,13 +143,18 @@ def _render(env, compiled: dict, source: str, context: dict, max_output: int) ->
         return _reply(kind, f"{type(exc).__name__}\0{detail}")
 
 
+_cpu_soft = [-1]  # the soft RLIMIT_CPU last set (setrlimit only when it moves: once per CPU second at most)
+
+
 def _cpu_allowance(seconds: int) -> None:
     """RLIMIT_CPU's soft limit at the CPU time used so far plus `seconds` (the hard limit is left as it is)."""
     used = resource.getrusage(resource.RUSAGE_SELF)
-    spent = int(used.ru_utime + used.ru_stime) + 1
+    soft = int(used.ru_utime + used.ru_stime) + 1 + seconds
+    if soft == _cpu_soft[0]:
+        return
     hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
-    soft = spent + seconds
     resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+    _cpu_soft[0] = soft
 
 
 def serve(argv: list) -> None:
@@ -163,10 +170,19 @@ def serve(argv: list) -> None:
     while True:
         try:
             size = int.from_bytes(_read_exact(0, 4), "big")
-            source, context, renders, max_output, cpu_seconds = pickle.loads(_read_exact(0, size))
+            source, context, jobs, max_output, cpu_seconds = pickle.loads(_read_exact(0, size))
         except EOFError:
             return
-        pending, flushed = [], time.monotonic()
+        _answer(env, compiled, source, context, jobs, max_output, cpu_seconds)
+        del context, jobs
+
+
+def _answer(env, compiled: dict, source: str, context: dict, jobs: list, max_output: int, cpu_seconds: int) -> None:
+    """Render each job's renders with its tools and write the answers (the module docstring's protocol)."""
+    pending, flushed = [], time.monotonic()
+    for tools, renders in jobs:
+        context["tools"] = tools
+        last = b"o"
         for messages, add_generation_prompt in renders:  # a reply for each, until one is not a text
             if pending and time.monotonic() - flushed > FLUSH_SECONDS:  # the parent times each render
                 _write_all(1, b"".join(pending))
@@ -174,10 +190,13 @@ def serve(argv: list) -> None:
             _cpu_allowance(cpu_seconds)
             context.update(messages=messages, add_generation_prompt=add_generation_prompt)
             pending.append(_render(env, compiled, source, context, max_output))
-            if pending[-1][:1] != b"o":
+            last = pending[-1][:1]
+            if last != b"o":
                 break
-        _write_all(1, b"".join(pending))
-        del context, renders, pending
+        if last not in (b"o", b"r"):  # a refusal, memory or output past its bound: the request ends here
+            break
+    _write_all(1, b"".join(pending))
+
 
 if __name__ == "__main__":
     serve(sys.argv)

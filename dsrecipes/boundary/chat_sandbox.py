@@ -4,7 +4,10 @@ under operating-system limits, and one message (exit 2) for any failure.
 A chat template ships with a model directory, so it is someone else's program. It is rendered in Jinja's
 `ImmutableSandboxedEnvironment` (transformers' environment, chat_render_child.py) in a persistent child process of
 this one, started on the first render and reused, one per process (a data-preparation worker starts its own); a lock
-makes the threads of a process take turns. The operating system bounds what the template can do:
+makes the threads of a process take turns. Training renders a chunk of conversations (each with its prefixes) in
+one request (`render_chunk`, cut at REQUEST_RENDERS renders / ~REQUEST_CHARS characters): a round trip per
+conversation cost ~35% of the encoding throughput, one per chunk a few percent (benchmarks/bench_chat_sandbox.py).
+The operating system bounds what the template can do:
 - memory: the child's address space is limited (RLIMIT_AS, `MAX_MEMORY`): past it an allocation fails in the child
   (MemoryError) or the child dies; this process allocates nothing for the template but the request and the reply;
 - time: the parent waits for the reply at most `MAX_SECONDS` of wall-clock time, then SIGKILLs the child; the child
@@ -36,7 +39,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from dsrecipes.core.errors import UserError
 
@@ -44,9 +47,13 @@ MAX_OUTPUT = 1 << 20  # characters of a rendered prompt
 MAX_SECONDS = 2.0  # wall-clock seconds of one render (the parent kills the child past it)
 MAX_CPU_SECONDS = 3  # CPU seconds of one render (RLIMIT_CPU, whole seconds: the kernel kills the child past it)
 MAX_MEMORY = 256 << 20  # bytes of the child's address space (RLIMIT_AS)
+REQUEST_RENDERS = 256  # renders in one request to the child (a chunk of conversations is cut into such requests)
+REQUEST_CHARS = 1 << 20  # about this many characters of message text in one request (a larger conversation alone)
 START_SECONDS = 60.0  # for a new child to import Jinja and say it is ready (a loaded machine included)
 CHILD = Path(__file__).with_name("chat_render_child.py")
 _LATE = "late"
+Renders = List[Tuple[List[Dict[str, Any]], bool]]  # (messages, add_generation_prompt) of one conversation's renders
+Job = Tuple[Optional[list], Renders]  # (tools, renders): one conversation, as the child reads it
 
 
 class TemplateRefused(UserError):
@@ -189,26 +196,33 @@ class _Renderer:
         self.lock = threading.Lock()
         self.child: Optional[_Child] = None
 
-    def render(self, source: str, context: Dict[str, Any], renders: list) -> List[tuple]:
-        """(kind, text) for each of `renders` until the first that is not a text (chat_render_child.py)."""
-        request = pickle.dumps((source, context, renders, MAX_OUTPUT, MAX_CPU_SECONDS), protocol=pickle.HIGHEST_PROTOCOL)
+    def render(self, source: str, context: Dict[str, Any], jobs: List[Job]) -> List[List[tuple]]:
+        """Per job, (kind, text) for each of its renders until the first that is not a text; the jobs after one
+        that the sandbox refused get no answers (chat_render_child.py)."""
+        request = pickle.dumps((source, context, jobs, MAX_OUTPUT, MAX_CPU_SECONDS), protocol=pickle.HIGHEST_PROTOCOL)
         with self.lock:
             if self.child is not None and self.child.proc.poll() is not None:  # it died between renders
                 self.discard()
             if self.child is None:
                 self.child = _Child()
             try:
-                return self._exchange(self.child, len(request).to_bytes(4, "big") + request, len(renders))
+                return self._exchange(self.child, len(request).to_bytes(4, "big") + request,
+                                      [len(renders) for _, renders in jobs])
             except BaseException:  # a limit, a dead child, or our own interruption: never reuse it mid-answer
                 self.discard()
                 raise
 
-    def _exchange(self, child: _Child, request: bytes, count: int) -> List[tuple]:
+    def _exchange(self, child: _Child, request: bytes, counts: List[int]) -> List[List[tuple]]:
         child.send(request, time.monotonic() + MAX_SECONDS)
-        answers: List[tuple] = []
-        while len(answers) < count and (not answers or answers[-1][0] == b"o"):
-            answers.append(self._answer(child, time.monotonic() + MAX_SECONDS))
-        return answers
+        out: List[List[tuple]] = []
+        for count in counts:
+            answers: List[tuple] = []
+            while len(answers) < count and (not answers or answers[-1][0] == b"o"):
+                answers.append(self._answer(child, time.monotonic() + MAX_SECONDS))
+            out.append(answers)
+            if answers[-1][0] not in (b"o", b"r"):  # the child ended the request here
+                break
+        return out
 
     @staticmethod
     def _answer(child: _Child, deadline: float) -> tuple:
@@ -255,24 +269,69 @@ def render(tokenizer: Any, messages: List[Dict[str, Any]], tools: Optional[list]
     return render_many(tokenizer, [(messages, add_generation_prompt)], tools, where)[0]
 
 
-def render_many(tokenizer: Any, renders: List[Tuple[List[Dict[str, Any]], bool]], tools: Optional[list] = None,
-                where: Any = None) -> List[str]:
+def render_many(tokenizer: Any, renders: Renders, tools: Optional[list] = None, where: Any = None) -> List[str]:
     """The template applied to each (messages, add_generation_prompt) of `renders` (a conversation and its prefixes,
     in one round trip to the child), each within the limits: the texts, or the first render's TemplateRefused."""
+    got = render_chunk(tokenizer, [(renders, tools)], where)[0]
+    if isinstance(got, TemplateRaised):
+        raise got
+    return got
+
+
+def render_chunk(tokenizer: Any, jobs: List[Tuple[Renders, Optional[list]]],
+                 where: Any = None) -> List[Union[List[str], TemplateRaised]]:
+    """`render_many` of each (renders, tools) of `jobs` (a chunk of conversations), in as few round trips to the
+    child as REQUEST_RENDERS and REQUEST_CHARS allow: per job its texts, or the TemplateRaised of its first render
+    the template declined (that conversation's problem). Anything else (a limit, the sandbox refusing the template)
+    is the whole chunk's TemplateRefused."""
     where = where or f"{getattr(tokenizer, 'name_or_path', None) or 'the model'}: chat_template"
     source = template_source(tokenizer)
     if source is None:
         raise TemplateRefused(f"{where}: the tokenizer has no chat_template, so prompts cannot be rendered")
-    context = dict(tools=tools, **{k: v for k, v in getattr(tokenizer, "special_tokens_map", {}).items()
-                                   if isinstance(v, str)})
+    context = {k: v for k, v in getattr(tokenizer, "special_tokens_map", {}).items() if isinstance(v, str)}
+    out: List[Union[List[str], TemplateRaised]] = []
+    for request in _requests(jobs):
+        out += [_result(answers, where) for answers in _round_trip(source, context, [(t, r) for r, t in request],
+                                                                    where)]
+    return out
+
+
+def _requests(jobs: List[Tuple[Renders, Optional[list]]]) -> Iterator[List[Tuple[Renders, Optional[list]]]]:
+    """`jobs` in consecutive groups of at most REQUEST_RENDERS renders and about REQUEST_CHARS characters of
+    message text (a larger job alone): one request each, so the child never holds much more than one render needs."""
+    group: List[Tuple[Renders, Optional[list]]] = []
+    renders = chars = 0
+    for job in jobs:
+        size = _chars(job[0])
+        if group and (renders + len(job[0]) > REQUEST_RENDERS or chars + size > REQUEST_CHARS):
+            yield group
+            group, renders, chars = [], 0, 0
+        group.append(job)
+        renders, chars = renders + len(job[0]), chars + size
+    if group:
+        yield group
+
+
+def _chars(renders: Renders) -> int:
+    """About the characters of a conversation's messages (its prefixes are the same objects: pickled once)."""
+    longest = max((messages for messages, _ in renders), key=len, default=[])
+    return sum(len(m["content"]) if isinstance(m, dict) and isinstance(m.get("content"), str) else 1024
+               for m in longest)
+
+
+def _round_trip(source: str, context: Dict[str, Any], jobs: List[Job], where: str) -> List[List[tuple]]:
     started = time.monotonic()
     try:
-        answers = _RENDERER.render(source, context, renders)
+        return _RENDERER.render(source, context, jobs)
     except _Stopped as exc:
         reason = f"it ran longer than {MAX_SECONDS:g} s" if str(exc) == _LATE else str(exc)
         raise TemplateRefused(f"{where}: chat template stopped: {reason} ({time.monotonic() - started:.1f} s); "
                               "dsrecipes renders a model's template in a child process with time, memory and "
                               "output limits") from None
+
+
+def _result(answers: List[tuple], where: str) -> Union[List[str], TemplateRaised]:
+    """One job's texts, or the TemplateRaised of the render the template declined; TemplateRefused otherwise."""
     kind, text = answers[-1]
     if kind == b"o":
         return [text for _, text in answers]
@@ -280,4 +339,4 @@ def render_many(tokenizer: Any, renders: List[Tuple[List[Dict[str, Any]], bool]]
     if kind == b"s":
         raise TemplateRefused(f"{where}: chat template refused: {name}: {detail}; dsrecipes renders a model's "
                               "template in a sandbox")
-    raise TemplateRaised(f"{where}: the chat template cannot render this conversation ({name}: {detail})", detail)
+    return TemplateRaised(f"{where}: the chat template cannot render this conversation ({name}: {detail})", detail)

@@ -33,9 +33,9 @@ it like any other reply, after whatever the template puts first (system prompt, 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
-from dsrecipes.boundary.chat_sandbox import TemplateRaised, TemplateRefused, render_many
+from dsrecipes.boundary.chat_sandbox import TemplateRaised, TemplateRefused, render_chunk, render_many
 from dsrecipes.boundary.chat_sandbox import render as render_chat_template
 from dsrecipes.core.schema import TemplateConfig, TemplateKind, TrainOn
 from dsrecipes.data.sources.badrows import BadReason, BadRow
@@ -182,31 +182,54 @@ def tokenizer_messages(conv: Conversation, cfg: TemplateConfig, tokenizer: Any) 
 _REPLY_MARK = "DSRECIPESREPLYMARK"
 
 
-def _tokenizer_template(conv: Conversation, cfg: TemplateConfig, tokenizer: Any) -> List[Piece]:
+class _Plan(NamedTuple):
+    """What the model's template renders of one conversation: (k, generation) for messages[:k], the full text first,
+    then each reply's text before (with the generation prompt) and after."""
+
+    messages: List[Dict[str, Any]]
+    tools: Optional[list]
+    offset: int  # messages before the first turn (the system message, if any)
+    wanted: List[Tuple[int, bool]]
+
+    def renders(self) -> List[Tuple[List[Dict[str, Any]], bool]]:
+        return [(self.messages[:k], generation) for k, generation in self.wanted]
+
+
+def _plan(conv: Conversation, cfg: TemplateConfig, tokenizer: Any) -> _Plan:
     messages, tools = tokenizer_messages(conv, cfg, tokenizer)
-    offset = len(messages) - len(conv.turns)  # the system message, if any
-    replies = [offset + i for i, t in enumerate(conv.turns) if t.role in (Role.assistant, Role.tool_call)]
-
-    def apply(renders: List[Tuple[List[Dict[str, Any]], bool]]) -> List[str]:
-        """Prefixes (with the generation prompt or not), in one call to the sandbox: past a budget or reaching for
-        internals is TemplateRefused, the whole run's message."""
-        try:
-            return render_many(tokenizer, renders, tools=tools)
-        except TemplateRaised as exc:  # raise_exception, an undefined key: this template refuses this row
-            raise BadRow(BadReason.template_error, exc.detail) from None
-
-    wanted = [(len(messages), False)]  # (k, generation): messages[:k]; the full text, then each reply's before/after
-    for k in replies:
+    offset = len(messages) - len(conv.turns)
+    wanted = [(len(messages), False)]
+    for k in (offset + i for i, t in enumerate(conv.turns) if t.role in (Role.assistant, Role.tool_call)):
         wanted += [(k, True)] * (k > 0) + [(k + 1, False)] * (k + 1 < len(messages))
-    texts = dict(zip(wanted, apply([(messages[:k], generation) for k, generation in wanted])))
-    full = texts[len(messages), False]
+    return _Plan(messages, tools, offset, wanted)
+
+
+def _apply(tokenizer: Any, renders: List[Tuple[List[Dict[str, Any]], bool]], tools: Optional[list]) -> List[str]:
+    """Renders in one call to the sandbox: past a budget or reaching for internals is TemplateRefused, the whole
+    run's message; the template refusing this row is its BadRow."""
+    try:
+        return render_many(tokenizer, renders, tools=tools)
+    except TemplateRaised as exc:  # raise_exception, an undefined key: this template refuses this row
+        raise BadRow(BadReason.template_error, exc.detail) from None
+
+
+def _tokenizer_template(conv: Conversation, cfg: TemplateConfig, tokenizer: Any,
+                        done: Optional[Tuple[_Plan, List[str]]] = None) -> List[Piece]:
+    """Pieces of the model's own template; `done`: the plan and its texts, rendered already (render_batch)."""
+    if done is None:
+        plan = _plan(conv, cfg, tokenizer)
+        done = plan, _apply(tokenizer, plan.renders(), plan.tools)
+    plan, rendered = done
+    texts = dict(zip(plan.wanted, rendered))
+    full = texts[len(plan.messages), False]
     out: List[Piece] = []
     pos = 0
     for i, t in enumerate(conv.turns):
         if t.role not in (Role.assistant, Role.tool_call):
             continue
-        k = offset + i
-        before = texts[k, True] if k > 0 else _opening_prompt(lambda m, g: apply([(m, g)])[0], messages[0])
+        k = plan.offset + i
+        before = texts[k, True] if k > 0 else _opening_prompt(
+            lambda m, g: _apply(tokenizer, [(m, g)], plan.tools)[0], plan.messages[0])
         after = texts[k + 1, False]
         if not (full.startswith(after) and after.startswith(before) and len(before) >= pos):
             raise BadRow(BadReason.template_error, f"chat_template is not prefix-stable at turn {i}; use a built-in template")
@@ -241,7 +264,47 @@ RENDERERS: Dict[TemplateKind, Callable[[Conversation, TemplateConfig, Any], List
 
 def render(conv: Conversation, template_cfg: TemplateConfig, tokenizer: Any, train_on: TrainOn) -> List[Segment]:
     """Segments whose texts concatenate to the rendered conversation; `trained` marks label-carrying text."""
-    pieces = RENDERERS[template_cfg.name](conv, template_cfg, tokenizer)
+    return _segments(conv, RENDERERS[template_cfg.name](conv, template_cfg, tokenizer), train_on)
+
+
+def render_batch(convs: Sequence[Conversation], template_cfg: TemplateConfig, tokenizer: Any,
+                 train_on: TrainOn) -> List[Union[List[Segment], Exception]]:
+    """`render` of each conversation, or the exception it raised (the row's problem); the model's own template
+    renders the whole batch in as few round trips to its sandbox as it allows (chat_sandbox.render_chunk). A
+    TemplateRefused (the template's problem, not a row's) is raised."""
+    if template_cfg.name is not TemplateKind.tokenizer:
+        return [_attempt(render, conv, template_cfg, tokenizer, train_on) for conv in convs]
+    plans = [_attempt(_plan, conv, template_cfg, tokenizer) for conv in convs]
+    todo = [i for i, plan in enumerate(plans) if isinstance(plan, _Plan)]
+    got = dict(zip(todo, render_chunk(tokenizer, [(plans[i].renders(), plans[i].tools) for i in todo])))
+    out: List[Union[List[Segment], Exception]] = []
+    for i, conv in enumerate(convs):
+        texts = got.get(i)
+        if isinstance(texts, TemplateRaised):
+            out.append(BadRow(BadReason.template_error, texts.detail))
+        elif texts is None:
+            out.append(plans[i])
+        else:
+            out.append(_attempt(_segments_of_texts, conv, template_cfg, tokenizer, train_on, (plans[i], texts)))
+    return out
+
+
+def _segments_of_texts(conv: Conversation, cfg: TemplateConfig, tokenizer: Any, train_on: TrainOn,
+                       done: Tuple[_Plan, List[str]]) -> List[Segment]:
+    return _segments(conv, _tokenizer_template(conv, cfg, tokenizer, done), train_on)
+
+
+def _attempt(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args), or the exception it raised; TemplateRefused is raised (no row's problem)."""
+    try:
+        return fn(*args)
+    except TemplateRefused:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a template is code working on untrusted rows: the caller sorts it out
+        return exc
+
+
+def _segments(conv: Conversation, pieces: List[Piece], train_on: TrainOn) -> List[Segment]:
     last = len(conv.turns) - 1  # normalisation guarantees the final turn is an assistant/tool-call reply
     segments: List[Segment] = []
     prompt = ""

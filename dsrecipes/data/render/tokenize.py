@@ -38,13 +38,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from dsrecipes.boundary.chat_sandbox import TemplateRefused
 from dsrecipes.core.errors import ConfigError
 from dsrecipes.core.schema import TrainConfig
 from dsrecipes.data.render.labels import IGNORE_INDEX
 from dsrecipes.data.render.spans import FullText, Spans
 from dsrecipes.data.render.spm import continuation_encoder
-from dsrecipes.data.render.template import Segment, check_template, render
+from dsrecipes.data.render.template import Segment, check_template, render_batch
 from dsrecipes.data.render.template_choice import choose_template
 from dsrecipes.data.sources.badrows import BadReason, BadRow
 from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
@@ -124,14 +123,16 @@ class Encoder:
     def render(self, conv: Conversation) -> List[Segment]:
         """Segments of one conversation, or BadRow: a template is code working on untrusted rows, so anything it
         raises belongs to this row."""
-        try:
-            return render(conv, self.template, self.tokenizer, self.train_on)
-        except (BadRow, TemplateRefused):  # TemplateRefused: the model's template is hostile, not this row
-            raise
-        except RecursionError:
-            raise BadRow(BadReason.too_deep, "nested too deep to render") from None
-        except Exception as exc:  # noqa: BLE001 - jinja, tool-call JSON, ...: this row cannot be rendered
-            raise BadRow(BadReason.template_error, f"{type(exc).__name__}: {exc}") from None
+        got = self.render_all([conv])[0]
+        if isinstance(got, BadRow):
+            raise got
+        return got
+
+    def render_all(self, convs: Sequence[Conversation]) -> List[Union[List[Segment], BadRow]]:
+        """`render` of each conversation (its segments or its BadRow), a model's own template in one exchange with
+        its sandbox per chunk (template.render_batch); TemplateRefused (the template is hostile, not a row) is raised."""
+        return [got if isinstance(got, list) else _row_problem(got)
+                for got in render_batch(convs, self.template, self.tokenizer, self.train_on)]
 
     def encode(self, conv: Conversation) -> Optional[Example]:
         return self.encode_batch([conv])[0]
@@ -162,12 +163,10 @@ class Encoder:
         collected in `bad` (in batch order), never raised."""
         rendered: List[Optional[List[Segment]]] = []
         bad: List[Tuple[int, BadRow]] = []
-        for i, conv in enumerate(convs):
-            try:
-                rendered.append(_through_last_turn(self.render(conv)))
-            except BadRow as exc:
-                bad.append((i, exc))
-                rendered.append(None)
+        for i, got in enumerate(self.render_all(convs)):
+            if isinstance(got, BadRow):
+                bad.append((i, got))
+            rendered.append(None if isinstance(got, BadRow) else _through_last_turn(got))
         todo = [i for i, segs in enumerate(rendered) if segs]
         spans: List[Optional[Spans]] = [None] * len(convs)
         if self._full is not None:
@@ -326,6 +325,15 @@ class Encoder:
             if keep <= first_trained:  # whole turns leave nothing trained: cut mid-reply instead
                 keep = self.cutoff_len
         return (keep if keep > first_trained else 0), full
+
+
+def _row_problem(exc: Exception) -> BadRow:
+    """What a template raised on a row, as that row's BadRow."""
+    if isinstance(exc, BadRow):
+        return exc
+    if isinstance(exc, RecursionError):
+        return BadRow(BadReason.too_deep, "nested too deep to render")
+    return BadRow(BadReason.template_error, f"{type(exc).__name__}: {exc}")
 
 
 def _through_last_turn(segs: List[Segment]) -> List[Segment]:
