@@ -33,8 +33,8 @@ stages:
   - name: sft
     recipe: smollm2_cpu_sft
     set:
-      dataset: {{max_samples: 48, val_size: 16}}
-      trainer.max_steps: 2
+      dataset: {{max_samples: 24, val_size: 8}}
+      trainer: {{max_steps: 2, eval_samples: 8}}
       optimizer.lr: 1.0e-3
   - name: reward
     model_from: sft
@@ -54,8 +54,9 @@ stages:
       dataset.registry: {registry}
       dataset.split.shares: {{reward: 1, dpo: 1}}
       dataset.split.take: dpo
-      dataset: {{max_samples: 32, val_size: 16}}
-      trainer: {{max_steps: 3, eval_at_start: false}}
+      objective.reference: live
+      dataset: {{max_samples: 28, val_size: 16}}
+      trainer: {{max_steps: 3, eval_at_start: false, export: false}}
       optimizer.lr: 1.0e-3
 """
 
