@@ -1,6 +1,8 @@
 """The pipeline on the real test model: SmolLM2-135M-Instruct, SFT -> a reward model -> DPO (both from the SFT
 export), as one `dsrecipes pipeline` command (LoRA merged into the SFT export, short cutoff, a few steps: CI's budget;
-the reward model's export is left out: nothing in the test reads it, and writing it costs seconds).
+the reward model's and DPO's exports are left out: nothing in the test reads them, and merging and writing each costs
+seconds; SFT evaluates 8 held-out rows; DPO's reference is live, the LoRA adapters disabled: no second load of the SFT
+export and no pass over all pairs before training). 308 s here at load ~10 (523 s before these cuts at the same load).
 
 The pairs are the short single-turn ones test_dpo_smollm2 uses (`short_pairs`, shared), split once into a `reward`
 and a `dpo` share by row hash (dataset.split); each stage reads its share only. What it proves: the stages chain (the
