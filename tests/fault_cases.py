@@ -152,11 +152,13 @@ def env(store: Optional[Store] = None) -> Dict[str, str]:
     return {**e, **(store.env() if store else {})}
 
 
-def start(args: List[str], root: Path, console: Path, store: Optional[Store]) -> subprocess.Popen:
-    """`python -m dsrecipes ARGS` in a session of its own, every process of it marked (MARK_ENV)."""
+def start(args: List[str], root: Path, console: Path, store: Optional[Store],
+          extra: Optional[Dict[str, str]] = None) -> subprocess.Popen:
+    """`python -m dsrecipes ARGS` in a session of its own, every process of it marked (MARK_ENV); `extra`: more
+    environment (tests/faults.py's fault_env)."""
     with open(console, "a") as out:
         return subprocess.Popen(["/bin/sh", "-c", f'{MARK_ENV}=$$ exec "$@"', "sh", sys.executable, "-m",
-                                 "dsrecipes", *args], cwd=REPO, env=env(store), stdout=out,
+                                 "dsrecipes", *args], cwd=REPO, env={**env(store), **(extra or {})}, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -9,6 +9,9 @@ A fault replaces one rank-side function with a wrapper that misbehaves at a give
                         other ranks wait in their next collective while a test kills a node
   kill_before_latest=N  every rank exits with 17 once all ranks have written step N's checkpoint files, before rank 0
                         commits it (`checkpoint._stop_if_full`, the agreement right after the writes)
+  stall_before_rendezvous=R  rank R sleeps for an hour before it joins the process group (`distributed.
+                        init_distributed`): a rank hung before the rendezvous, as a node that never started
+  exit_before_rendezvous=R   rank R exits with 3 before it joins the process group: a rank dead before the rendezvous
 
 A wrapper checks the signature of what it wraps when it is installed, so a moved fault point fails the test that
 needs it instead of silently injecting nothing.
@@ -109,11 +112,28 @@ def _kill_before_latest(checkpoint: Any, step: int) -> Undo:
     return _replace(checkpoint, "_stop_if_full", ["root", "staging", "full"], make)
 
 
+def _before_rendezvous(action: Callable[[], None]) -> Callable[[Any, int], Undo]:
+    def fault(distributed: Any, rank: int) -> Undo:
+        def make(original):
+            def init_distributed(before_join=None):
+                if os.environ.get("RANK") == str(rank):
+                    action()
+                return original(before_join)
+
+            return init_distributed
+
+        return _replace(distributed, "init_distributed", ["before_join"], make)
+
+    return fault
+
+
 FAULTS: Dict[str, Tuple[str, Callable[[Any, int], Undo]]] = {
     "nan_at_step": ("dsrecipes.rank.step_guard", _nan_at_step),
     "pause_after_step": ("dsrecipes.rank.train", _pause_after_step),
     "stall_after_step": ("dsrecipes.rank.train", _stall_after_step),
     "kill_before_latest": ("dsrecipes.rank.checkpoint", _kill_before_latest),
+    "stall_before_rendezvous": ("dsrecipes.core.distributed", _before_rendezvous(lambda: time.sleep(3600))),
+    "exit_before_rendezvous": ("dsrecipes.core.distributed", _before_rendezvous(lambda: os._exit(3))),
 }
 
 

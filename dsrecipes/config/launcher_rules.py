@@ -100,6 +100,8 @@ def _common(cfg: TrainConfig) -> List[str]:
         errors.append(f"launcher.num_gpus: must be >= 1, got {ln.num_gpus}")
     if ln.peer_timeout_s < 0 or 0 < ln.peer_timeout_s < 5:
         errors.append(f"launcher.peer_timeout_s: 0 (off) or >= 5 seconds, got {ln.peer_timeout_s}")
+    if ln.rendezvous_timeout_s < 5:
+        errors.append(f"launcher.rendezvous_timeout_s: must be >= 5 seconds, got {ln.rendezvous_timeout_s}")
     if ln.num_nodes < 1:
         errors.append(f"launcher.num_nodes: must be >= 1, got {ln.num_nodes}")
     if ln.include and ln.exclude:

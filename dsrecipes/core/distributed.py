@@ -10,7 +10,7 @@ import glob
 import importlib
 import os
 import socket
-from typing import TYPE_CHECKING, List, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 import dsrecipes.core.jit_ops as jit_ops
 from dsrecipes.core.deepspeed_import import load_deepspeed
@@ -50,8 +50,9 @@ def remove_shm_buffers(port: int) -> List[str]:
     return removed
 
 
-def init_distributed() -> Tuple[int, int]:
-    """Join the process group the launcher described in the environment (a lone process becomes rank 0 of 1).
+def init_distributed(before_join: Optional[Callable[[], None]] = None) -> Tuple[int, int]:
+    """Join the process group the launcher described in the environment (a lone process becomes rank 0 of 1);
+    `before_join` runs right before (the bounded rendezvous: core/rendezvous.py).
 
     Returns (rank, world size).
     """
@@ -75,6 +76,8 @@ def init_distributed() -> Tuple[int, int]:
 
     jit_ops.prepare_rank()  # this environment's own op builds, each announced before it starts
     skip_shm_comm_op()
+    if before_join is not None:
+        before_join()
     deepspeed.init_distributed()
     return dist.get_rank(), dist.get_world_size()
 

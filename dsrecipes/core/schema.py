@@ -348,6 +348,7 @@ class LauncherConfig:
     # A rank silent this long (its node died or was cut off) ends the run on every node (dsrecipes.core.heartbeat);
     # 0 disables the heartbeat (then a dead node leaves the others waiting for the process-group timeout).
     peer_timeout_s: int = 30
+    rendezvous_timeout_s: int = 300  # all ranks meet within this, or the run ends naming who not (core/rendezvous.py)
     slurm_partition: Optional[str] = None
     slurm_time_min: int = 60
     slurm_account: Optional[str] = None

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 import dsrecipes.core.heartbeat as heartbeat
+import dsrecipes.core.rendezvous as rendezvous
 import dsrecipes.core.stopping as stopping
 from dsrecipes.boundary.checkpoint_find import committed
 from dsrecipes.config.defaults import learning_rate
@@ -72,7 +73,7 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
     plan = read_plan(run_dir)
     check_plan_current(plan, run_dir)
     seed_everything(cfg.trainer.seed)
-    rank, world_size = init_distributed()
+    rank, world_size = init_distributed(lambda: rendezvous.meet(cfg.launcher.rendezvous_timeout_s))  # bounded
     if rank == 0 and plan.supervised and cfg.launcher.kind is not LauncherKind.local:  # (local: the same process)
         stopping.watch(lambda: launcher_alive(run_dir), cfg.trainer.stop_grace_s, "the launching process")
     heartbeat.start(run_dir, rank, world_size, cfg.launcher.peer_timeout_s)  # a dead node ends the run, not a hang

@@ -28,6 +28,7 @@ import psutil
 import dsrecipes.core.heartbeat as heartbeat
 import dsrecipes.core.stopping as stopping
 from dsrecipes.core.console import PROGRESS_ENV, progress_mode, relay
+from dsrecipes.core.failure import rank_failure
 from dsrecipes.run.launch.plan import RANK_ENV, WORKER_MODULE, Command
 
 FAILED_NODE_GRACE_S = 5  # after a rank reported a lost node: time for the launcher to stop the others itself
@@ -60,18 +61,19 @@ def run_subprocess(cmd: Command, run_dir: Path, grace_s: float, log: Optional[Pa
         stop.at = stop.at or time.monotonic()
         _signal_group(proc.pid, signum)
 
+    code: Optional[int] = None
     try:
         with stopping.handling(on_signal=forward, announce=True):
-            code = supervise(proc, run_dir, stop)
+            code = supervise(proc, run_dir, stop)  # (the run's code: not -9 where it had to stop the launcher)
     except KeyboardInterrupt:  # Ctrl-C twice
         _end_group(proc.pid)
         raise
     finally:
         _end_group(proc.pid)  # whatever is still there (leftover workers, a stuck rank)
-        code = proc.wait()
+        ended = proc.wait()
         for thread in relays:
             thread.join(timeout=10)  # a rank that outlives its launcher must not hold us here
-    return code
+    return ended if code is None else code
 
 
 def _start(cmd: Command, log: Optional[Path]) -> Tuple[subprocess.Popen, List[threading.Thread]]:
@@ -111,13 +113,22 @@ def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = Non
             deadline = time.monotonic() + FAILED_NODE_GRACE_S
         elif deadline is not None and time.monotonic() > deadline:
             kill_tree(proc.pid)
-            code = proc.wait()
+            proc.wait()
+            code = _stopped_code(run_dir)
     code = proc.wait() if code is None else code
     failure = heartbeat.read_failure(run_dir) if code != 0 else None
     if failure is not None and "lost" in failure:  # a lost node (a rank's own failure: commands/outcome.py)
         print(f"error: {heartbeat.describe_failure(failure)}. The ranks on the other nodes were stopped; run the "
               "same command again to resume from the last checkpoint (trainer.resume=auto)", file=sys.stderr, flush=True)  # fmt: skip
     return code
+
+
+def _stopped_code(run_dir: Path) -> int:
+    """The exit code of a launcher this process had to stop after a rank reported a failure (its SIGKILL is not the
+    cause): 2 when that was a user error found by a rank (its own message: a rendezvous that timed out, bad data),
+    else 1."""
+    report = rank_failure(run_dir)
+    return 2 if report is not None and report.get("render") else 1
 
 
 def _end_group(pid: int) -> None:
