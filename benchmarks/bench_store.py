@@ -371,7 +371,7 @@ def write_readme(result: Result, args: argparse.Namespace, corpus: dict, systems
         "by benchmarks/_sharegpt_corpus.py (deterministic synthetic ShareGPT conversations, seed 0); both systems "
         "read it through the same moto server and counting proxy on 127.0.0.1, each in a process of its own, the "
         "server reading only the asked range of a ranged GET, as S3 does (benchmarks/_store_server.py).", "",
-        f"The machine ({os.cpu_count()} cores) is shared: compare the ratios, measured in the same repetition.", "",
+        f"The machine ({os.cpu_count()} cores) also runs other jobs: compare the ratios, measured in the same repetition.", "",
         "What each system was given:",
         "- dsrecipes: the JSONL objects at s3://bench/jsonl/ (`data=iterable`, `data.prescan=false`, "
         f"`{CHUNK[0]}`), the run directory's stream index from the launch; each reader (R ranks x 1 reader, no "
