@@ -90,7 +90,8 @@ def prepare_stream_files(cfg: TrainConfig, run_dir: Path) -> Tuple[int, str, int
                         f"set data.num_samples={total} or leave it unset")
     blocks, per_chunk = int(index.blocks["count"].size), index.blocks_per_chunk
     chunks = f" (ordered in chunks of {per_chunk})" if per_chunk > 1 else ""
-    print(f"data: stream indexed: {len(index.files)} files, {index.num_lines} lines in {blocks} blocks of "
+    others = f" ({index.outside.size} of other shares left out: dataset.split)" if index.outside.size else ""
+    print(f"data: stream indexed: {len(index.files)} files, {index.num_lines} lines{others} in {blocks} blocks of "
           f"~{index.block_bytes} bytes{chunks}, {index.num_val} validation rows, "
           f"{trained_per_epoch(index, rows, bad_train, cfg.data.num_samples is None)} "
           f"({time.perf_counter() - started:.1f} s)", file=sys.stderr)
