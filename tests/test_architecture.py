@@ -85,7 +85,7 @@ def test_every_subcommand_main_lives_in_commands():
                            for n in ast.parse(path.read_text(encoding="utf-8")).body)
         if defines_main:
             entry_points = ("dsrecipes.cli", "dsrecipes.rank.worker", "dsrecipes.run.launch.mpi_rank", "dsrecipes.run.launch.ds_node",
-                            "dsrecipes.run.requeue")
+                            "dsrecipes.run.requeue", "dsrecipes.rank.batch_probe")
             assert module.startswith("dsrecipes.commands.") or module in entry_points, module
 
 

@@ -85,8 +85,8 @@ def test_bad_enum_and_wrong_type():
     (msg,) = _problems("data.kind=foo")
     assert msg == ("data.kind: invalid value 'foo' (expected one of map, iterable, presharded) "
                    "[from command-line override 'data.kind=foo']")
-    (msg,) = _problems("trainer.micro_batch_size=abc")
-    assert "could not be converted to Integer" in msg and "trainer.micro_batch_size" in msg
+    (msg,) = _problems("trainer.micro_batch_size=abc")  # an int or "auto" (issue 46): checked by config/validate.py
+    assert msg == "trainer.micro_batch_size: must be an integer >= 1 or 'auto' (the largest that fits), got 'abc'"
 
 
 def test_unknown_group_option():

@@ -9,6 +9,7 @@ import yaml
 
 from dsrecipes.commands.args import override_parser, parse, positive_int
 from dsrecipes.config.load import compose_and_load
+from dsrecipes.core.errors import UserError
 from dsrecipes.core.topology import resolve_topology
 from dsrecipes.core.typed import config_to_dict
 from dsrecipes.run.ds_config import build_ds_config
@@ -21,6 +22,10 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--json-only", action="store_true", help="print only the DeepSpeed JSON")
     args = parse(parser, argv)
     cfg = compose_and_load(args.overrides, check_files=False)
+    if cfg.trainer.micro_batch_size == "auto":  # run/micro_batch.py
+        raise UserError("trainer.micro_batch_size: auto is found by a probe on the GPU when the run starts (then "
+                        "<run dir>/ds_config.json holds the number); show it for a number, e.g. "
+                        "trainer.micro_batch_size=8")
     world = args.world_size if args.world_size is not None else resolve_topology(cfg.launcher).world_size
     if not args.json_only:
         print("# resolved config")

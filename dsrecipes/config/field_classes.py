@@ -74,7 +74,7 @@ FIELDS: Dict[str, FieldClass] = {
         "dataset.sources[].share[].pinned", "dataset.sources[].share[].shares",
         "model.name", "model.revision", "model.arch", "model.lora.target_modules", "template.separator",
         "template.default_system", "trainer.experiment", "launcher.slurm_partition", "launcher.slurm_account",
-        "objective.rewards[].name", "objective.rewards[].pattern",
+        "objective.rewards[].name", "objective.rewards[].pattern", "trainer.micro_batch_size",  # int or "auto"
         *(f"{p}.columns.{c}" for p in ("dataset", "dataset.sources[]") for c in _COLUMNS))},
 }
 

@@ -16,7 +16,16 @@ from dsrecipes.config.selection_rules import config_problems as selection_proble
 from dsrecipes.core import jit_ops
 from dsrecipes.core.errors import DataError
 from dsrecipes.core.hub import check_hub_paths, is_hub_id
-from dsrecipes.core.schema import AttnImpl, Device, OffloadDevice, OptimizerKind, Precision, ResumeMode, TrainConfig
+from dsrecipes.core.schema import (
+    AttnImpl,
+    Device,
+    OffloadDevice,
+    OptimizerKind,
+    Precision,
+    ResumeMode,
+    RowKind,
+    TrainConfig,
+)
 from dsrecipes.data.sources.files import expand_paths, no_file
 from dsrecipes.data.sources.remote import check_url, expand, looks_like_url
 from dsrecipes.data.sources.split_shares import split_problems
@@ -63,7 +72,8 @@ def _zero_and_offload(cfg: TrainConfig) -> List[str]:
 def _batch(cfg: TrainConfig) -> List[str]:
     t = cfg.trainer
     errors = []
-    for name in ("micro_batch_size", "grad_accum", "epochs", "log_every", "keep_checkpoints", "nan_max_skips"):
+    errors += micro_batch_problems(cfg)
+    for name in ("grad_accum", "epochs", "log_every", "keep_checkpoints", "nan_max_skips"):
         if getattr(t, name) < 1:
             errors.append(f"trainer.{name}: must be >= 1, got {getattr(t, name)}")
     if t.max_steps is not None and t.max_steps < 1:
@@ -94,6 +104,19 @@ def _batch(cfg: TrainConfig) -> List[str]:
     if not 0.0 <= cfg.scheduler.min_lr_ratio <= 1.0:
         errors.append(f"scheduler.min_lr_ratio: must be in [0, 1], got {cfg.scheduler.min_lr_ratio}")
     return errors
+
+
+def micro_batch_problems(cfg: TrainConfig) -> List[str]:
+    """trainer.micro_batch_size: a whole number >= 1, or "auto" (run/micro_batch.py: probes SFT's rows)."""
+    size = cfg.trainer.micro_batch_size
+    if size == "auto":
+        if cfg.objective.rows is RowKind.conversation:
+            return []
+        return [f"trainer.micro_batch_size: auto probes conversation rows (objective=sft), not "
+                f"objective={cfg.objective.kind.value}'s {cfg.objective.rows.value} rows; set a number"]
+    if isinstance(size, bool) or not isinstance(size, int):
+        return [f"trainer.micro_batch_size: must be an integer >= 1 or 'auto' (the largest that fits), got {size!r}"]
+    return [] if size >= 1 else [f"trainer.micro_batch_size: must be >= 1, got {size}"]
 
 
 def _data(cfg: TrainConfig) -> List[str]:
@@ -206,6 +229,10 @@ def check_runtime(cfg: TrainConfig, *, cuda_available: bool, async_io: Optional[
             "precision.dtype: fp16 needs a CUDA GPU and none is available here "
             "(DeepSpeed: 'Type fp16 is not supported on your device'); use precision=bf16 or precision=fp32"
         )
+    if cfg.trainer.micro_batch_size == "auto" and not cuda_available:
+        errors.append("trainer.micro_batch_size: auto is a GPU-only choice (a probe finds the largest micro-batch "
+                      "that fits GPU memory) and this machine has no CUDA GPU; set a number, e.g. "
+                      "trainer.micro_batch_size=8")
     if cfg.trainer.device is Device.cuda and not cuda_available:
         errors.append("trainer.device: cuda requested but no CUDA GPU is available")
     if cfg.model.attn_implementation is AttnImpl.flash_attention_2 and not cuda_available:

@@ -265,7 +265,7 @@ class EarlyStoppingConfig:
 
 @dataclass
 class TrainerConfig:
-    micro_batch_size: int = 8
+    micro_batch_size: Any = 8  # an int >= 1, or "auto": the largest that fits one GPU (run/micro_batch.py)
     grad_accum: int = 1
     max_steps: Optional[int] = 400  # optimizer steps; null: train `epochs` passes over the data
     epochs: int = 1

@@ -36,6 +36,7 @@ from dsrecipes.data.strategies import PrepareResult, plan_steps, strategy_of
 from dsrecipes.observe.trackers import preflight
 from dsrecipes.run.ds_config import build_ds_config
 from dsrecipes.run.launch import launch
+from dsrecipes.run.micro_batch import settle as settle_micro_batch
 from dsrecipes.run.preflight import check_environment
 from dsrecipes.run.resolve import prepare_launch
 
@@ -95,6 +96,7 @@ def run(cfg: TrainConfig, decision: Optional[Decision] = None) -> int:
     ranks' exit code."""
 
     run_dir = Path(cfg.trainer.output_dir)
+    cfg = settle_micro_batch(cfg, run_dir)  # trainer.micro_batch_size=auto: the recorded or probed number
     again = (run_dir / RESULT_FILE).is_file()  # an earlier attempt ended here (e.g. interrupted before its checkpoint)
     plan = write_run_dir(cfg, resolve_topology(cfg.launcher), decision)
     clear_outcome(run_dir)

@@ -1,0 +1,105 @@
+"""`trainer.micro_batch_size=auto`, the launching side: decide the run's micro-batch once and record it.
+
+`settle(cfg, run_dir)` (entry.run, before the run directory is written) returns `cfg` unchanged for a number. For
+`auto` it returns the config with a number in its place:
+  - the one recorded in the run directory: `micro_batch.json` (a probe's record), else the number in the run's
+    `config.yaml` (the run being resumed ran with it). A resume never probes again: the number the checkpoint's
+    steps were made with stays, also after a restart on another machine;
+  - else found by the probe, `python -m dsrecipes.rank.batch_probe` in a subprocess on this node's first GPU (this
+    process never imports torch): the largest micro-batch up to LIMIT that trains full-length rows of the run's
+    model, ZeRO JSON and objective without running out of memory (rank/batch_probe.py says how), written whole to
+    `micro_batch.json` with what was tried, and said on the console.
+`config.yaml` then holds the number, so ranks, `requeue` and later resumes read it like any other setting. Without
+a CUDA GPU the run is refused before anything is written (config/validate.py check_runtime: a GPU-only choice).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import yaml
+
+from dsrecipes.core.errors import UserError
+from dsrecipes.core.fileio import atomic_write_json
+from dsrecipes.core.rundir import CONFIG_FILE
+from dsrecipes.core.schema import TrainConfig
+from dsrecipes.core.typed import config_to_dict
+from dsrecipes.run.ds_config import build_ds_config
+
+AUTO = "auto"
+RECORD_FILE = "micro_batch.json"
+LIMIT = 256  # the largest size tried: beyond it a step is long enough that a larger one gains nothing
+PROBE_TIMEOUT_S = 900.0
+KEY = "trainer.micro_batch_size"
+
+
+def settle(cfg: TrainConfig, run_dir: Path, probe: Optional[Callable[[TrainConfig], Dict[str, Any]]] = None
+           ) -> TrainConfig:
+    """`cfg` with `trainer.micro_batch_size=auto` replaced by the recorded or probed number (see the module)."""
+    if cfg.trainer.micro_batch_size != AUTO:
+        return cfg
+    found = recorded(Path(run_dir))
+    if found is None:
+        record = (probe or run_probe)(cfg)
+        atomic_write_json(Path(run_dir) / RECORD_FILE, record)
+        found = (int(record["micro_batch_size"]), f"the largest that fits one {record.get('device', 'GPU')}, "
+                 f"tried {[size for size, _ in record.get('tried', [])]}; recorded in {Path(run_dir) / RECORD_FILE}")
+    size, how = found
+    print(f"{KEY}=auto: {size} ({how})", flush=True)
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, micro_batch_size=size))
+
+
+def recorded(run_dir: Path) -> Optional[Tuple[int, str]]:
+    """(size, where it was read) from the run directory's record or config.yaml; None when neither holds one."""
+    path = run_dir / RECORD_FILE
+    if path.is_file():
+        try:
+            size = json.loads(path.read_text(encoding="utf-8"))["micro_batch_size"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise UserError(f"{path}: unreadable record of {KEY}=auto ({exc}); remove it to probe again") from None
+        if not _whole(size):
+            raise UserError(f"{path}: micro_batch_size must be an integer >= 1, got {size!r}; remove it to probe again")
+        return size, f"recorded in {path}"
+    path = run_dir / CONFIG_FILE
+    if path.is_file():
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        size = (data.get("trainer") or {}).get("micro_batch_size") if isinstance(data, dict) else None
+        if _whole(size):
+            return size, f"the run's own, from {path}"
+    return None
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def run_probe(cfg: TrainConfig) -> Dict[str, Any]:
+    """The probe's record (rank/batch_probe.py's protocol), from a subprocess bounded by PROBE_TIMEOUT_S."""
+    one = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, micro_batch_size=1, grad_accum=1))
+    request = {"config": config_to_dict(one), "ds_config": build_ds_config(one, 1), "limit": LIMIT}
+    print(f"{KEY}=auto: trying micro-batches of {cfg.data.cutoff_len}-token rows on this node's GPU (up to {LIMIT}; "
+          f"at most {PROBE_TIMEOUT_S:.0f} s)", flush=True)
+    try:
+        done = subprocess.run([sys.executable, "-m", "dsrecipes.rank.batch_probe"], input=json.dumps(request),
+                              capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"{KEY}=auto: the probe did not finish within {PROBE_TIMEOUT_S:.0f} s; set a number "
+                        "instead") from None
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    if done.returncode == 0 and lines:
+        try:
+            record = json.loads(lines[-1])
+        except ValueError:
+            record = {}
+        if _whole(record.get("micro_batch_size")):
+            return record
+    said = [line for line in done.stderr.splitlines() if line.strip()]
+    if done.returncode == 2 and said:
+        raise UserError(said[-1])
+    raise UserError(f"{KEY}=auto: the probe failed (exit {done.returncode}: "
+                    f"{said[-1] if said else 'no message'}); set a number instead")
