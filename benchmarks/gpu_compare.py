@@ -5,9 +5,9 @@ defaults) and a bare DeepSpeed loop, same model, data, sequence length and token
     python benchmarks/gpu_compare.py --smoke --out DIR     # CPU dry run of every code path: tiny model, 2 steps
 
 Rows: a Qwen2.5-1.5B- and a Qwen2.5-0.5B-shaped random model (config only, written once as a local model directory
-with the bundled tokenizer) x ZeRO-2 and ZeRO-3, in this order (1.5B ZeRO-2 first: the MFU target); a cell that
-would start after --budget-s is skipped and said so. Each cell runs these systems, each as a user starts it, in its
-own process, the order reversed from one cell to the next (A/B, B/A):
+with the bundled tokenizer) x ZeRO-2 and ZeRO-3, in this order (1.5B ZeRO-2 first: the MFU target); a run that
+would start after --budget-s is skipped and said so (a started run ends within --run-timeout-s). Each cell runs
+these systems, each as a user starts it, in its own process, the order reversed from one cell to the next (A/B, B/A):
   dsrecipes         `python -m dsrecipes` (launcher=deepspeed): the default recipe, only model/data/sizes/ZeRO set;
   dsrecipes_levers  the same plus the issue-46 levers (data.packing=true, trainer.ce_chunk_tokens=4096,
                     flash_attention_2 where flash-attn is installed): a lever becomes a default only where it wins;
@@ -77,8 +77,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--peak-tflops", type=float, default=989.0)
-    p.add_argument("--budget-s", type=float, default=420.0, help="cells that would start later are skipped")
-    p.add_argument("--run-timeout-s", type=float, default=150.0)
+    p.add_argument("--budget-s", type=float, default=360.0, help="runs that would start later are skipped (noted)")
+    p.add_argument("--run-timeout-s", type=float, default=120.0)
     p.add_argument("--corpus-mb", type=float, default=8.0)
     args = p.parse_args(argv)
     args.cuda = _cuda()
@@ -222,7 +222,7 @@ def trl_json(ds: Dict[str, Any], workers: int, out: Path) -> List[str]:
     return [w for name, value in zip(names, values) for w in (name, repr(float(value)))] + ["--workers", str(workers)]
 
 
-def cell_rows(args, name: str, zero: int, data: str, root: Path, flip: bool) -> List[Dict[str, Any]]:
+def cell_rows(args, name: str, zero: int, data: str, root: Path, flip: bool, note) -> List[Dict[str, Any]]:
     model_dir = write_model(name, root, args.seq)
     out = root / f"{name}_zero{zero}"
     out.mkdir(parents=True, exist_ok=True)
@@ -237,6 +237,9 @@ def cell_rows(args, name: str, zero: int, data: str, root: Path, flip: bool) -> 
             "bare": lambda: run_bare(args, cell)}
     rows = []
     for system in (reversed(chosen) if flip else chosen):
+        if time.time() > args.deadline:
+            note(f"skipped {name} ZeRO-{zero} {system}: time budget {args.budget_s:.0f}s spent")
+            continue
         print(f"[gpu_compare] {name} ZeRO-{zero} {system} ...", flush=True)
         r = runs[system]()
         tps = r.get("tokens_per_s")
@@ -327,13 +330,13 @@ def main(argv: List[str]) -> int:
         root = result.out
         data = str(root / "corpus" / "*.jsonl")
         write_corpus(root / "corpus", args.corpus_mb, 4)
-        started, flip = time.time(), False
+        args.deadline, flip = time.time() + args.budget_s, False
         for zero in (int(z) for z in args.zero.split(",")):
             for name in args.models.split(","):
-                if time.time() - started > args.budget_s:
+                if time.time() > args.deadline:
                     result.note(f"skipped {name} ZeRO-{zero}: time budget {args.budget_s:.0f}s spent")
                     continue
-                for row in cell_rows(args, name, zero, data, root, flip):
+                for row in cell_rows(args, name, zero, data, root, flip, result.note):
                     result.row(row, echo=False)
                 flip = not flip
         failed = [f"{r['model']} ZeRO-{r['zero']} {r['system']}" for r in result.rows if r.get("exit") != 0]
