@@ -10,7 +10,9 @@ the bundled tiny tokenizer with a ChatML chat_template, noted). Each round times
   data-preparation worker does: every assistant turn renders two prefixes, so ~2 renders per exchange + 1), its
   wall-clock rate and its CPU time per conversation, this process's and its renderer child's (a shared machine
   disturbs the CPU time much less than the wall clock);
-* render: `chat_sandbox.render` of each whole conversation once.
+* pairs: `PairEncoder.encode_batch` over the bundled preference pairs (`--n`/3 of them) in batches of 256 (DPO's
+  preparation: each answer renders its conversation and the prompt's generation prefix);
+* render: `chat_sandbox.render` of each whole conversation once, one call each (chat, prompt-eval).
 Each round runs twice, in alternating order: through the sandbox (the child process), and in process - the same
 `ImmutableSandboxedEnvironment` and render function (chat_render_child.py) called in this process, with no child,
 no limits and no pickling: the baseline the sandbox's cost is measured against.
@@ -94,21 +96,52 @@ class InProcess:
         return out
 
 
-def one_round(encoder: Any, tokenizer: Any, convs: List[Any], render: Any) -> tuple:
-    """(conversations/s encoded, CPU us per conversation encoded, whole conversations/s rendered)."""
+def one_round(encoder: Any, tokenizer: Any, convs: List[Any], pair_encoder: Any, pairs: List[Any]) -> dict:
+    """Conversations/s encoded, CPU us per conversation encoded, preference pairs/s encoded (PairEncoder, as DPO's
+    preparation), whole conversations/s rendered one call each (chat, prompt-eval)."""
+    from dsrecipes.boundary.chat_sandbox import render
+
     started, cpu = time.perf_counter(), time.process_time() + renderer_cpu()
     for i in range(0, len(convs), 256):
         batch = encoder.encode_arrays(convs[i:i + 256])
         assert not batch.bad, batch.bad[:1]
     encode_s = time.perf_counter() - started
     encode_cpu = time.process_time() + renderer_cpu() - cpu
+    started = time.perf_counter()
+    for i in range(0, len(pairs), 256):
+        assert not any(isinstance(row, Exception) for row in pair_encoder.encode_batch(pairs[i:i + 256]))
+    pairs_s = time.perf_counter() - started
     messages = [[{"role": "user" if t.role.value == "user" else "assistant", "content": t.content}
                  for t in c.turns] for c in convs]
     started = time.perf_counter()
     for m in messages:
         render(tokenizer, m)
     render_s = time.perf_counter() - started
-    return len(convs) / encode_s, encode_cpu / len(convs) * 1e6, len(convs) / render_s
+    return {"encode_conv_per_s": len(convs) / encode_s, "encode_cpu_us_per_conv": encode_cpu / len(convs) * 1e6,
+            "encode_pairs_per_s": len(pairs) / pairs_s, "render_per_s": len(convs) / render_s}
+
+
+def setup(args: argparse.Namespace, result: Result) -> tuple:
+    """(encoder, tokenizer, conversations, pair encoder, pairs) on SmolLM2's own template (else a ChatML one)."""
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.core.tokenizer import load_tokenizer
+    from dsrecipes.data.render.preference_encode import PairEncoder, iter_pairs
+    from dsrecipes.data.render.tokenize import Encoder
+    from dsrecipes.data.sources.badrows import BadRowReport
+    from dsrecipes.data.sources.registry import resolve_sources
+
+    smol = Path.home() / ".cache" / "dsrecipes" / "models" / "SmolLM2-135M-Instruct"
+    model = smol if (smol / "tokenizer.json").is_file() else REPO / "dsrecipes" / "assets" / "tiny_tokenizer"
+    cfg = compose_and_load(["debug=fast", "template=tokenizer", f"model.path={model}"])
+    tokenizer = load_tokenizer(cfg)
+    if model != smol:
+        result.note(f"SmolLM2 is not at {smol}: the tiny tokenizer with a ChatML template instead")
+        tokenizer.chat_template = CHATML
+    pair_cfg = compose_and_load(["debug=fast", "template=tokenizer", f"model.path={model}", "objective=dpo",
+                                 "objective.reference=live", "dataset=sample_pairs", "data.cutoff_len=256"])
+    source = resolve_sources(pair_cfg.dataset, [])[0]
+    pairs = list(iter_pairs(source, BadRowReport("skip", 1.0), max(8, args.n // 3), pair_cfg.dataset.max_row_bytes))
+    return Encoder(tokenizer, cfg), tokenizer, conversations(args.n), PairEncoder(tokenizer, pair_cfg), pairs
 
 
 def main(argv: List[str]) -> int:
@@ -118,44 +151,26 @@ def main(argv: List[str]) -> int:
     args = parser.parse_args(argv)
     if args.smoke:
         args.n, args.rounds = 40, 1
-    from dsrecipes.boundary.chat_sandbox import render
-    from dsrecipes.config.load import compose_and_load
-    from dsrecipes.core.tokenizer import load_tokenizer
-    from dsrecipes.data.render.tokenize import Encoder
+    from dsrecipes.boundary import chat_sandbox
 
     with Result("bench_chat_sandbox", args) as result:
-        smol = Path.home() / ".cache" / "dsrecipes" / "models" / "SmolLM2-135M-Instruct"
-        model = smol if (smol / "tokenizer.json").is_file() else REPO / "dsrecipes" / "assets" / "tiny_tokenizer"
-        cfg = compose_and_load(["debug=fast", "template=tokenizer", f"model.path={model}"])
-        tokenizer = load_tokenizer(cfg)
-        if model != smol:
-            result.note(f"SmolLM2 is not at {smol}: the tiny tokenizer with a ChatML template instead")
-            tokenizer.chat_template = CHATML
-        encoder = Encoder(tokenizer, cfg)
-        convs = conversations(args.n)
-        from dsrecipes.boundary import chat_sandbox
-
+        encoder, tokenizer, convs, pair_encoder, pairs = setup(args, result)
         renderers = {"sandbox": chat_sandbox._RENDERER, "in_process": InProcess()}
         got: dict = {mode: [] for mode in renderers}
         for r in range(args.rounds):
             for mode in sorted(renderers, reverse=r % 2 == 1):  # alternating order: drift hits both alike
                 chat_sandbox._RENDERER = renderers[mode]
                 try:
-                    rate, cpu_us, render_rate = one_round(encoder, tokenizer, convs, render)
+                    got[mode].append(one_round(encoder, tokenizer, convs, pair_encoder, pairs))
                 finally:
                     chat_sandbox._RENDERER = renderers["sandbox"]
-                got[mode].append((rate, cpu_us, render_rate))
-                result.row({"round": r, "mode": mode, "conversations": len(convs), "encode_conv_per_s": round(rate, 1),
-                            "encode_cpu_us_per_conv": round(cpu_us, 1), "render_per_s": round(render_rate, 1)})
-        med = {mode: [statistics.median(x[j] for x in rows) for j in range(3)] for mode, rows in got.items()}
-        for mode, (rate, cpu_us, render_rate) in med.items():
-            result.row({"mode": mode, "median_encode_conv_per_s": round(rate, 1),
-                        "median_encode_cpu_us_per_conv": round(cpu_us, 1), "median_render_per_s": round(render_rate, 1)})
-        sand, base = med["sandbox"], med["in_process"]
-        result.row({"sandbox_vs_in_process_encode_throughput": round(sand[0] / base[0], 3),
-                    "sandbox_vs_in_process_encode_cpu": round(sand[1] / base[1], 3),
-                    "sandbox_vs_in_process_render_throughput": round(sand[2] / base[2], 3),
-                    "load_average": [round(x, 2) for x in os.getloadavg()]})
+                result.row({"round": r, "mode": mode, "conversations": len(convs), "pairs": len(pairs),
+                            **{k: round(v, 1) for k, v in got[mode][-1].items()}})
+        med = {mode: {k: statistics.median(x[k] for x in rows) for k in rows[0]} for mode, rows in got.items()}
+        for mode, values in med.items():
+            result.row({"mode": mode, **{f"median_{k}": round(v, 1) for k, v in values.items()}})
+        result.row({**{f"sandbox_vs_in_process_{k}": round(med["sandbox"][k] / med["in_process"][k], 3)
+                       for k in med["sandbox"]}, "load_average": [round(x, 2) for x in os.getloadavg()]})
     return 0
 
 

@@ -47,22 +47,27 @@ class PairEncoder:
 
     def split(self, pair: Pair, answer: str) -> Tuple[str, List[Segment]]:
         """(prompt text, answer segments) of the prompt followed by one answer."""
-        p = pair.prompt
-        conv = Conversation(p.id, [*p.turns, Turn(Role.assistant, answer)], p.system, p.tools, p.source)
-        segs = self.encoder.render(conv)
-        first = next((i for i, s in enumerate(segs) if s.trained), None)
-        end = max((i for i, s in enumerate(segs) if s.closes_turn), default=None)
-        if first is None or end is None or end < first:
-            raise BadRow(BadReason.template_error, "the template trains no part of the answer")
-        return "".join(s.text for s in segs[:first]), segs[first:end + 1]
+        return _cut(self.encoder.render(_answered(pair, answer)))
+
+    def split_all(self, items: Sequence[Tuple[Pair, str]]) -> List[Union[Tuple[str, List[Segment]], BadRow]]:
+        """`split` of each (pair, answer), or its BadRow: rendered together (a model's own template in one exchange
+        with its sandbox per chunk, Encoder.render_all)."""
+        out: List[Union[Tuple[str, List[Segment]], BadRow]] = []
+        for got in self.encoder.render_all([_answered(pair, answer) for pair, answer in items]):
+            try:
+                out.append(got if isinstance(got, BadRow) else _cut(got))
+            except BadRow as bad:
+                out.append(bad)
+        return out
 
     def encode_batch(self, pairs: Sequence[Pair]) -> List[Union[Row, BadRow]]:
         parts: List[Optional[Tuple[str, List[Segment], List[Segment]]]] = []
         out: List[Union[Row, BadRow, None]] = []
         keys: Dict[Tuple[bool, str], int] = {}
-        for pair in pairs:
+        sides = self.split_all([(pair, answer) for pair in pairs for answer in (pair.chosen, pair.rejected)])
+        for n, pair in enumerate(pairs):
             try:
-                (prompt, chosen), (prompt_r, rejected) = self.split(pair, pair.chosen), self.split(pair, pair.rejected)
+                (prompt, chosen), (prompt_r, rejected) = (_ok(sides[2 * n]), _ok(sides[2 * n + 1]))
                 if prompt != prompt_r:
                     raise BadRow(BadReason.template_error, "the template renders the prompt differently per answer")
             except BadRow as bad:
@@ -105,6 +110,26 @@ class PairEncoder:
         return {"ids": [sample_id], "prompt_ids": list(prompt), "chosen_ids": list(chosen[0]),
                 "chosen_labels": list(chosen[1]), "rejected_ids": list(rejected[0]),
                 "rejected_labels": list(rejected[1]), "truncated": truncated}
+
+
+def _answered(pair: Pair, answer: str) -> Conversation:
+    p = pair.prompt
+    return Conversation(p.id, [*p.turns, Turn(Role.assistant, answer)], p.system, p.tools, p.source)
+
+
+def _cut(segs: List[Segment]) -> Tuple[str, List[Segment]]:
+    """(prompt text, answer segments) of a rendered prompt and answer."""
+    first = next((i for i, s in enumerate(segs) if s.trained), None)
+    end = max((i for i, s in enumerate(segs) if s.closes_turn), default=None)
+    if first is None or end is None or end < first:
+        raise BadRow(BadReason.template_error, "the template trains no part of the answer")
+    return "".join(s.text for s in segs[:first]), segs[first:end + 1]
+
+
+def _ok(side: Union[Tuple[str, List[Segment]], BadRow]) -> Tuple[str, List[Segment]]:
+    if isinstance(side, BadRow):
+        raise side
+    return side
 
 
 def _answer_tokens(segs: List[Segment], ids: List[List[int]], keys: Dict[Tuple[bool, str], int]

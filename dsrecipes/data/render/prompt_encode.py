@@ -39,15 +39,9 @@ class PromptEncoder:
         return text
 
     def encode_batch(self, prompts: Sequence[Prompt]) -> List[Union[Row, BadRow]]:
-        texts: List[Optional[str]] = []
-        out: List[Union[Row, BadRow, None]] = []
-        for prompt in prompts:
-            try:
-                texts.append(self.text(prompt))
-                out.append(None)
-            except BadRow as bad:
-                texts.append(None)
-                out.append(bad)
+        split = self.pairs.split_all([(Pair(prompt.prompt, "", ""), "x") for prompt in prompts])  # as `text`, together
+        texts: List[Optional[str]] = [None if isinstance(got, BadRow) else got[0] for got in split]
+        out: List[Union[Row, BadRow, None]] = [got if isinstance(got, BadRow) else None for got in split]
         keys = {t: n for n, t in enumerate(dict.fromkeys(t for t in texts if t is not None))}
         ids, refused = self.pairs.encoder._encode_segments([(False, t) for t in keys])
         for n, (prompt, text) in enumerate(zip(prompts, texts)):
