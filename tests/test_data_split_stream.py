@@ -68,6 +68,11 @@ def test_map_and_iterable_read_the_same_rows_per_share(split_file, tmp_path):
             got[(kind, take)] = set(ids)
         assert got[("map", take)] == got[("iterable", take)], take
     assert len(got[("map", "rl")]) == 12 and not got[("map", "reward")] & got[("map", "rl")]
+    cached = sorted((tmp_path / "iterable" / "cache" / "stream").glob("*-share-*.npy"))
+    assert len(cached) == 2  # which lines are in the share, per file content and share: read once
+    train, held, _, _ = read_all(cfg_of(path, tmp_path / "iterable", "iterable", "reward", "dataset.bad_rows=skip"),
+                                 tmp_path / "again")
+    assert {i for b in train[0] for i in b} | set(held) == got[("iterable", "reward")]
     assert len(got[("map", "reward")]) > 25  # ~0.4 of 90 (disjoint and covering: the audit test)
 
 

@@ -188,8 +188,7 @@ def index_stream(cfg: Any, tap: Any = None) -> StreamIndex:
     _whole_file_problems(files, cfg.dataset.bad_rows.value)
     index = StreamIndex(files, [fi.count for fi in files], file_source, [(s.name, s.weight) for s in sources],
                         block_bytes, chunk_bytes=chunk_bytes)
-    index.caps, index.outside = take_share(index, sources, cfg.dataset,
-                                           lambda: BlockSource(index, cfg.dataset.max_row_bytes))
+    index.caps, index.outside = take_share(index, sources, cfg, lambda: BlockSource(index, cfg.dataset.max_row_bytes))
     return index
 
 

@@ -7,24 +7,32 @@ other shares' lines become `StreamIndex.outside` (natural numbers), which leave 
 rows do (block counts, block reads), so the run plan's rows, equal steps and exact and elastic resume are the index's
 as without a split; the validation hold-out (`dataset.val_size`) is drawn among the share's lines (`share_numbers`).
 Caps (`sources[i].max_samples`, then `dataset.max_samples`) count the share's lines (data=map counts the share's
-rows), and are applied here with or without a split. Validation files (`dataset.val_paths`) are not split.
+rows), and are applied here with or without a split. Validation files (`dataset.val_paths`) are not split. Which
+lines of a file are in the share is cached by the file's content hash (`<data.cache_dir>/stream/*-share-*.npy`), so
+only a run's first launch reads the corpus for it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from dsrecipes.core.fileio import atomic_writer
+from dsrecipes.data.prepare.cache import cache_root
 from dsrecipes.data.sources.files import parse_row
 from dsrecipes.data.sources.split_shares import keeps
 
 
-def take_share(index: Any, sources: Sequence[Any], dataset: Any, open_source: Callable[[], Any]
+def take_share(index: Any, sources: Sequence[Any], cfg: Any, open_source: Callable[[], Any]
                ) -> Tuple[List[int], np.ndarray]:
     """(caps: sample lines of each file that belong to the stream, outside: natural numbers of the lines of other
     shares within the caps) of a freshly indexed stream. `open_source()`: a BlockSource over `index`."""
-    kept = _kept_lines(index, sources, dataset.max_row_bytes, open_source)
+    dataset = cfg.dataset
+    kept = _kept_lines(index, sources, dataset.max_row_bytes, open_source, cache_root(cfg) / "stream")
     counts = [fi.count if k is None else int(k.sum()) for fi, k in zip(index.files, kept)]
     share_caps = caps_of(counts, index.file_source, [s.max_samples for s in sources], dataset.max_samples)
     caps, outside, base = [], [], 0
@@ -40,25 +48,51 @@ def take_share(index: Any, sources: Sequence[Any], dataset: Any, open_source: Ca
     return caps, np.concatenate(outside).astype(np.int64) if outside else np.zeros(0, np.int64)
 
 
-def _kept_lines(index: Any, sources: Sequence[Any], limit: int, open_source: Callable[[], Any]
+def _kept_lines(index: Any, sources: Sequence[Any], limit: int, open_source: Callable[[], Any], root: Path
                 ) -> List[Optional[np.ndarray]]:
-    """Per file: None (no split, a validation file, or a source pinned to the share: every line), else whether each
-    sample line is in the share."""
+    """Per file: None (no split, a validation file), else whether each sample line is in the share (a source pinned
+    to a share: all or none, unread)."""
     kept: List[Optional[np.ndarray]] = [None] * len(index.files)
-    todo = [f for f, s in enumerate(index.file_source) if s >= 0 and sources[s].share is not None]
-    if not todo:
-        return kept
-    source = open_source()
+    source = None
     try:
-        for f in todo:
-            src, fi = sources[index.file_source[f]], index.files[f]
+        for f, s in enumerate(index.file_source):
+            src, fi = (sources[s], index.files[f]) if s >= 0 else (None, None)
+            if src is None or src.share is None:
+                continue
             if src.share.pinned is not None:
                 kept[f] = np.full(fi.count, src.share.pinned == src.share.take)
                 continue
-            kept[f] = np.fromiter((keeps(row, src) for row in rows_of(source, f, limit)), bool, fi.count)
+            path = root / f"{fi.digest}-share-{_key(src.share, limit)}.npy"
+            kept[f] = _load(path, fi.count)
+            if kept[f] is None:
+                source = open_source() if source is None else source
+                kept[f] = np.fromiter((keeps(row, src) for row in rows_of(source, f, limit)), bool, fi.count)
+                _save(path, kept[f])
     finally:
-        source.close()
+        if source is not None:
+            source.close()
     return kept
+
+
+def _key(share: Any, limit: int) -> str:
+    material = {"version": 1, "shares": sorted(share.shares.items()), "take": share.take, "limit": limit}
+    return hashlib.blake2b(json.dumps(material).encode(), digest_size=10).hexdigest()
+
+
+def _load(path: Path, count: int) -> Optional[np.ndarray]:
+    try:
+        kept = np.load(path, allow_pickle=False)
+    except (OSError, ValueError):
+        return None
+    return kept if kept.dtype == np.bool_ and kept.shape == (count,) else None
+
+
+def _save(path: Path, kept: np.ndarray) -> None:
+    try:
+        with atomic_writer(path) as fh:
+            np.save(fh, kept, allow_pickle=False)
+    except OSError:
+        pass  # a read-only cache only costs reading the files again next time
 
 
 def rows_of(source: Any, f: int, limit: int) -> Any:
