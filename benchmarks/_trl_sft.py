@@ -8,7 +8,7 @@ optimizer hyper-parameters come as HF flags with dsrecipes' values (same optimiz
 The ShareGPT files are read with `datasets` and turned into `messages` (a row's `system` first; human -> user, gpt
 and function_call -> assistant, observation -> user, system -> system); SFTTrainer tokenizes them with the model's
 chat template. `--mode best`: packing (bfd), padding_free, use_liger_kernel when liger-kernel is installed (CUDA),
-flash_attention_2 when flash-attn is installed (else sdpa), no gradient checkpointing (as dsrecipes' default), bf16
+flash_attention_2 when flash-attn is installed (else sdpa, or --attn), no gradient checkpointing (as dsrecipes' default), bf16
 on CUDA, DataLoader workers as dsrecipes'; `--mode plain`: TRL's defaults (no packing, padded batches, TRL's
 default gradient checkpointing). Writes one JSON row (tokens/s over the steps after the first third) to --result.
 """
@@ -37,6 +37,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     for name in HF_FLOATS:
         p.add_argument(name, type=float, required=True)
     p.add_argument("--deepspeed", default=None)
+    p.add_argument("--attn", default="auto", help="auto: flash_attention_2 for --mode best where flash-attn is "
+                   "installed on CUDA, else sdpa")
     p.add_argument("--local_rank", type=int, default=0)  # set by the deepspeed launcher
     return p.parse_args(argv)
 
@@ -78,6 +80,8 @@ def sft_settings(args: argparse.Namespace, cuda: bool) -> dict:
 
 
 def attention(args: argparse.Namespace, cuda: bool) -> str:
+    if args.attn != "auto":
+        return args.attn
     best = args.mode == "best" and cuda and importlib.util.find_spec("flash_attn") is not None
     return "flash_attention_2" if best else "sdpa"
 

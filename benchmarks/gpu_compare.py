@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import glob
+import importlib.util
 import json
 import os
 import shutil
@@ -74,6 +75,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=8, help="dsrecipes' and the bare loop's micro-batch")
     p.add_argument("--trl-micro-batch", type=int, default=8, help="TRL best: the largest that fits (found before)")
+    p.add_argument("--trl-attn", default="auto", choices=["auto", "flash_attention_2", "sdpa", "flex_attention"],
+                   help="TRL best's attention (auto: flash_attention_2 where flash-attn is installed, else sdpa)")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--peak-tflops", type=float, default=989.0)
@@ -144,8 +147,6 @@ def ds_overrides(args: argparse.Namespace, model: Path, zero: int, data: str, ru
 
 
 def levers(args: argparse.Namespace) -> List[str]:
-    import importlib.util
-
     flash = args.cuda and importlib.util.find_spec("flash_attn") is not None
     return LEVERS + (["model.attn_implementation=flash_attention_2"] if flash else [])
 
@@ -171,7 +172,7 @@ def run_trl(args, cell: Dict[str, Any], mode: str) -> Dict[str, Any]:
     script = [str(HERE / "_trl_sft.py"), "--model", str(cell["model_dir"]), "--data", cell["data"], "--mode", mode,
               "--seq", str(args.seq), "--micro-batch", str(mb), "--grad-accum", str(accum),
               "--steps", str(args.steps), "--result", str(out / "row.json"), "--deepspeed", str(cell["trl_json"]),
-              *cell["hf_flags"]]
+              "--attn", args.trl_attn if mode == "best" else "auto", *cell["hf_flags"]]
     if args.cuda:
         argv, env = ["deepspeed", "--num_gpus", "1", "--master_port", str(free_port()), *script], None
     else:  # one rank by hand: the HF Trainer runs DeepSpeed on its CPU accelerator (gloo)
@@ -327,6 +328,10 @@ def main(argv: List[str]) -> int:
             result.note("no CUDA GPU here: CPU dry run in fp32, every system called in this process with the "
                         "arguments a GPU run gives its own process (dsrecipes launcher=local, TRL's DeepSpeed on "
                         "the CPU accelerator); nothing here says anything about a GPU")
+        if args.cuda and args.trl_attn == "auto" and importlib.util.find_spec("flash_attn") is None:
+            result.note("flash-attn is not installed: TRL best's padding-free batch (one flattened sequence) runs on "
+                        "sdpa with a mask over the whole micro-batch, slower than TRL with flash-attn; its ratio "
+                        "favours dsrecipes (carry a flash-attn wheel, or try --trl-attn flex_attention)")
         root = result.out
         data = str(root / "corpus" / "*.jsonl")
         write_corpus(root / "corpus", args.corpus_mb, 4)
