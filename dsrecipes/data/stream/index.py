@@ -148,7 +148,8 @@ def build_stream_index(cfg: Any) -> StreamIndex:
 
 
 def hold_out(index: StreamIndex, cfg: Any) -> StreamIndex:
-    """Hold out `dataset.val_size` rows of the training files (none when `dataset.val_paths` names files)."""
+    """Hold out `dataset.val_size` rows of the training files, among the share's lines under `dataset.split` (none
+    when `dataset.val_paths` names files)."""
 
     if not index.val_files and cfg.dataset.val_size > 0:
         pick = split_val(index.num_lines - index.outside.size, cfg.dataset.val_size, cfg.trainer.seed)
