@@ -68,6 +68,30 @@ def test_probe_rows_are_full_length_micro_batches(packing):
     assert (batch["attention_mask"] is None) == packing
 
 
+def test_the_probe_trains_the_runs_model_from_its_request(tmp_path):
+    """The probe's own training step, on the CPU (the GPU-only parts are its memory checks): the request the
+    launching side sends (config and one-rank DeepSpeed JSON) builds the run's model, engine and objective, and
+    two optimizer steps of full-length rows run."""
+    from dsrecipes.config.load import compose_and_load, from_dict
+    from dsrecipes.core.distributed import init_distributed
+    from dsrecipes.rank.batch_probe import STEPS, Trainer
+
+    cfg = compose_and_load(["model=tiny", "precision=fp32", "trainer.device=cpu", "zero=stage2", "data.packing=true",
+                            "data.cutoff_len=32", "trainer.micro_batch_size=auto", "trainer.grad_accum=4"],
+                           check_files=False)
+    request = json.loads(json.dumps(micro_batch.probe_request(cfg)))  # as it travels
+    assert request["ds_config"]["train_micro_batch_size_per_gpu"] == 1
+    assert request["ds_config"]["gradient_accumulation_steps"] == 1 and request["limit"] == micro_batch.LIMIT
+    probe_cfg, errors = from_dict(request["config"])
+    assert not errors and probe_cfg.trainer.micro_batch_size == 1 and probe_cfg.zero.stage == 2
+    with in_process_environ():
+        init_distributed()
+        trainer = Trainer(probe_cfg, request["ds_config"])
+        trainer.build()
+        trainer.train(3)
+    assert trainer.engine.global_steps == STEPS
+
+
 def test_the_key_is_a_whole_number_or_auto_one_line_each():
     assert micro_batch_problems(with_size(4)) == [] and micro_batch_problems(with_size("auto")) == []
     for bad in ("big", 2.5, True, None):

@@ -101,18 +101,24 @@ class Trainer:
         self.objective.attach(self.cfg, self.tokenizer, self.engine)
 
     def step(self, size: int) -> None:
+        """Train at `size` on the GPU; running out of memory, or reserving more than HEADROOM of it, raises
+        torch.OutOfMemoryError."""
         if self.engine is None:
             self.build()
         torch.cuda.reset_peak_memory_stats()
+        self.train(size)
+        torch.cuda.synchronize()
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        if torch.cuda.max_memory_reserved() > HEADROOM * total:
+            raise torch.OutOfMemoryError(f"{torch.cuda.max_memory_reserved() / 2**30:.1f} GiB reserved")
+
+    def train(self, size: int) -> None:
+        """STEPS optimizer steps on `size` probe rows, as train.py's loop runs a micro-batch (any device)."""
         rows = probe_rows(self.cfg, size, len(self.tokenizer))
         for _ in range(STEPS):
             loss, _ = self.objective.loss(self.engine, self.objective.collate(rows), self.engine.device)
             self.engine.backward(loss)
             self.engine.step()
-        torch.cuda.synchronize()
-        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        if torch.cuda.max_memory_reserved() > HEADROOM * total:
-            raise torch.OutOfMemoryError(f"{torch.cuda.max_memory_reserved() / 2**30:.1f} GiB reserved")
 
     def drop(self) -> None:
         self.engine = self.objective = None

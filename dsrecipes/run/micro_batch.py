@@ -78,10 +78,15 @@ def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def probe_request(cfg: TrainConfig) -> Dict[str, Any]:
+    """What the probe reads on stdin: the run's config and its DeepSpeed JSON for one rank, one row a step."""
+    one = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, micro_batch_size=1, grad_accum=1))
+    return {"config": config_to_dict(one), "ds_config": build_ds_config(one, 1), "limit": LIMIT}
+
+
 def run_probe(cfg: TrainConfig) -> Dict[str, Any]:
     """The probe's record (rank/batch_probe.py's protocol), from a subprocess bounded by PROBE_TIMEOUT_S."""
-    one = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, micro_batch_size=1, grad_accum=1))
-    request = {"config": config_to_dict(one), "ds_config": build_ds_config(one, 1), "limit": LIMIT}
+    request = probe_request(cfg)
     print(f"{KEY}=auto: trying micro-batches of {cfg.data.cutoff_len}-token rows on this node's GPU (up to {LIMIT}; "
           f"at most {PROBE_TIMEOUT_S:.0f} s)", flush=True)
     try:
