@@ -168,7 +168,7 @@ def test_a_broken_record_is_one_message_naming_the_file(tmp_path, text):
 
 
 
-@pytest.mark.parametrize("command", ["estimate", "show"])
+@pytest.mark.parametrize("command", ["estimate", "show", "audit"])
 def test_commands_that_need_the_number_say_so_in_one_message(command, capsys):
     from dsrecipes.cli import main
 

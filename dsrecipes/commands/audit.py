@@ -8,6 +8,7 @@ from dsrecipes.commands.args import bounded_int, existing_dir, non_negative_int,
 from dsrecipes.config.load import compose_and_load
 from dsrecipes.core.topology import resolve_topology
 from dsrecipes.data.plan.ledger import verify_ledgers
+from dsrecipes.run.micro_batch import needs_number
 
 MAX_WORLD_SIZE = 16384  # audit simulates each rank: beyond this it would run for minutes
 MAX_EPOCHS = 1000
@@ -39,6 +40,7 @@ def main(argv: List[str]) -> int:
         print(ledger.summary())
         return 0 if ledger.ok else 1
     cfg = compose_and_load(overrides)
+    needs_number(cfg, "audit the data plan")
     split_ok = True
     if cfg.dataset.split.shares:  # the shares of dataset.split first: disjoint and covering
         split = audit_split(cfg.dataset, cfg)

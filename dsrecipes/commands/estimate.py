@@ -9,9 +9,9 @@ from typing import List
 from dsrecipes.commands.args import existing_path, override_parser, parse, positive_float, positive_int
 from dsrecipes.config.defaults import with_derived_defaults
 from dsrecipes.config.load import compose_and_load
-from dsrecipes.core.errors import UserError
 from dsrecipes.core.topology import resolve_topology
 from dsrecipes.run.estimate import estimate, render
+from dsrecipes.run.micro_batch import needs_number
 
 
 def main(argv: List[str]) -> int:
@@ -26,9 +26,7 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--json", action="store_true")
     args = parse(parser, argv)
     cfg = with_derived_defaults(compose_and_load(args.overrides, check_files=False))  # the model's own name
-    if cfg.trainer.micro_batch_size == "auto":  # run/micro_batch.py
-        raise UserError("trainer.micro_batch_size: auto is found by a probe on the GPU when the run starts; "
-                        "estimate for a number, e.g. trainer.micro_batch_size=8")
+    needs_number(cfg, "estimate")
     topo = resolve_topology(cfg.launcher)
     gpus = args.gpus_per_node if args.gpus_per_node is not None else topo.per_node
     nodes = args.nodes if args.nodes is not None else topo.num_nodes

@@ -9,10 +9,10 @@ import yaml
 
 from dsrecipes.commands.args import override_parser, parse, positive_int
 from dsrecipes.config.load import compose_and_load
-from dsrecipes.core.errors import UserError
 from dsrecipes.core.topology import resolve_topology
 from dsrecipes.core.typed import config_to_dict
 from dsrecipes.run.ds_config import build_ds_config
+from dsrecipes.run.micro_batch import needs_number
 
 
 def main(argv: List[str]) -> int:
@@ -22,10 +22,7 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--json-only", action="store_true", help="print only the DeepSpeed JSON")
     args = parse(parser, argv)
     cfg = compose_and_load(args.overrides, check_files=False)
-    if cfg.trainer.micro_batch_size == "auto":  # run/micro_batch.py
-        raise UserError("trainer.micro_batch_size: auto is found by a probe on the GPU when the run starts (then "
-                        "<run dir>/ds_config.json holds the number); show it for a number, e.g. "
-                        "trainer.micro_batch_size=8")
+    needs_number(cfg, "show the DeepSpeed JSON")
     world = args.world_size if args.world_size is not None else resolve_topology(cfg.launcher).world_size
     if not args.json_only:
         print("# resolved config")

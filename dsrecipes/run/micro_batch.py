@@ -54,6 +54,14 @@ def settle(cfg: TrainConfig, run_dir: Path, probe: Optional[Callable[[TrainConfi
     return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, micro_batch_size=size))
 
 
+def needs_number(cfg: TrainConfig, what: str) -> None:
+    """For commands that compute with the micro-batch before any run (estimate, show, audit): `auto` is one
+    message, as the number only exists once a run's probe found it."""
+    if cfg.trainer.micro_batch_size == AUTO:
+        raise UserError(f"{KEY}: auto is found by a probe on the GPU when the run starts (its run directory's "
+                        f"config.yaml then holds the number); {what} for a number, e.g. {KEY}=8")
+
+
 def recorded(run_dir: Path) -> Optional[Tuple[int, str]]:
     """(size, where it was read) from the run directory's record or config.yaml; None when neither holds one."""
     path = run_dir / RECORD_FILE
