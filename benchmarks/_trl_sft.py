@@ -71,7 +71,8 @@ def sft_settings(args: argparse.Namespace, cuda: bool) -> dict:
                     logging_steps=max(args.steps // 5, 1), output_dir=str(Path(args.result).parent / "trl_out"),
                     include_num_input_tokens_seen="non_padding", bf16=cuda, use_cpu=not cuda, deepspeed=args.deepspeed,
                     learning_rate=args.learning_rate, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-                    adam_beta2=args.adam_beta2, adam_epsilon=args.adam_epsilon, max_grad_norm=args.max_grad_norm)
+                    adam_beta2=args.adam_beta2, adam_epsilon=args.adam_epsilon, max_grad_norm=args.max_grad_norm,
+                    dataset_num_proc=8 if cuda else None)  # tokenizing before training: not timed, only faster
     if args.mode == "best":
         liger = cuda and importlib.util.find_spec("liger_kernel") is not None
         settings.update(packing=True, padding_free=True, use_liger_kernel=liger, gradient_checkpointing=False,
