@@ -43,15 +43,18 @@ def _fixed_batch():
     return prompts, completions, mask, rewards
 
 
-def _trl_trainer(beta: float, temperature: float):
+def _trl_trainer(beta: float, temperature: float, accum: int = 1):
     """A GRPOTrainer with the attributes `_compute_loss` reads, and its defaults (loss_type='dapo', token-level
-    importance sampling, epsilon 0.2) - built without __init__ (that needs a dataset, an optimizer, accelerate)."""
+    importance sampling, epsilon 0.2, one generation batch per optimizer step: steps_per_generation = accum) - built
+    without __init__ (that needs a dataset, an optimizer, accelerate)."""
     import contextlib
 
     import torch
     from trl import GRPOConfig, GRPOTrainer
 
-    args = GRPOConfig(output_dir="/tmp/unused", report_to=[], use_cpu=True, bf16=False)
+    args = GRPOConfig(output_dir="/tmp/unused", report_to=[], use_cpu=True, bf16=False,
+                      gradient_accumulation_steps=accum)
+    assert args.steps_per_generation == accum
     t = GRPOTrainer.__new__(GRPOTrainer)
     acc = SimpleNamespace(num_processes=1, sync_gradients=True, autocast=contextlib.nullcontext, is_main_process=True,
                           gather=lambda x: x, gather_for_metrics=lambda x: x, reduce=lambda x, reduction: x)
@@ -60,7 +63,7 @@ def _trl_trainer(beta: float, temperature: float):
         epsilon_high=args.epsilon_high if args.epsilon_high is not None else args.epsilon,
         importance_sampling_level=args.importance_sampling_level, top_entropy_quantile=args.top_entropy_quantile,
         off_policy_mask_threshold=None, use_vllm=False, vllm_importance_sampling_correction=False,
-        aux_loss_enabled=False, _entropy_bonus_enabled=False, current_gradient_accumulation_steps=1,
+        aux_loss_enabled=False, _entropy_bonus_enabled=False, current_gradient_accumulation_steps=accum,
         accelerator=acc, temperature=temperature, max_completion_length=6,
         _metrics={"train": __import__("collections").defaultdict(list), "eval": __import__("collections").defaultdict(list)})
     assert args.loss_type == "dapo" and args.scale_rewards == "group"  # TRL 1.16's defaults, matched here
@@ -106,6 +109,40 @@ def test_loss_and_advantages_equal_trl(beta, temperature):
         assert kl > 0 and abs(float(kl) - trainer._metrics["train"]["kl"][-1]) <= 1e-5 * float(kl)
     loss.backward()  # and the gradient flows into the policy
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_token_normalisation_with_accumulation_is_per_micro_batch_as_documented():
+    """grad_accum 2 (one process): TRL normalises every micro-batch by the completion tokens of the whole generation
+    batch (N), so its step loss is sum(token losses) / N; ours is the mean of the micro-batch losses L_m (each over
+    its own N_m tokens: DeepSpeed divides by grad_accum). The README states the relation checked here with TRL's own
+    `_compute_loss`: TRL = sum_m (N_m / N) L_m, ours = mean_m L_m - equal when the N_m are equal, not otherwise."""
+    from dsrecipes.objectives.grpo import GRPO
+    from dsrecipes.objectives.grpo_loss import group_advantages, grpo_loss
+
+    trainer, torch = _trl_trainer(0.0, 1.0, accum=2)
+    prompts, completions, mask, rewards = _fixed_batch()
+    advantages, _ = group_advantages(rewards, 3)
+    model = _tiny_lm()
+    from trl.trainer.utils import add_fused_lm_head
+
+    add_fused_lm_head(model, temperature=1.0, outputs=("log_probs", "entropy"))
+    trainer.model = model.train()
+    total = mask.sum().float()
+    halves = [slice(0, 6), slice(6, 12)]  # two micro-batches of 2 prompts x 3 completions
+    trl = sum(trainer._compute_loss(model, {"prompt_ids": prompts[h], "prompt_mask": torch.ones_like(prompts[h]),
+                                            "completion_ids": completions[h], "completion_mask": mask[h],
+                                            "advantages": advantages[h], "num_items_in_batch": total})
+              for h in halves)
+    ours = GRPO(0, 3, 6, 1.0, 0.2, 0.0, 0, ())
+    per_mb, tokens = [], []
+    for h in halves:
+        logps, _ = ours.logps(_tiny_lm(), prompts[h], torch.ones_like(prompts[h]), completions[h], mask[h])
+        per_mb.append(grpo_loss(logps, logps.detach(), None, advantages[h], mask[h], 0.2, 0.0)[0])
+        tokens.append(mask[h].sum().float())
+    assert tokens[0] != tokens[1]  # (26 and 24) equal counts would hide the difference
+    torch.testing.assert_close(trl, sum(n / total * lm for n, lm in zip(tokens, per_mb)), rtol=1e-5, atol=1e-7)
+    step = sum(per_mb) / 2  # what one dsrecipes optimizer step minimises
+    assert abs(float(step.detach()) - float(trl.detach())) > 1e-4 * abs(float(trl.detach()))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -374,7 +411,10 @@ def test_zero2_lora_with_kl_to_the_adapter_free_base(runs):
 
 
 def test_refusals_are_one_message(tmp_path, capsys):
-    """A reward model directory that is not one, a prompt over the budget: exit 2, one message, nothing trained."""
+    """A reward model directory that is not one (refused before launch), one whose weights do not load (refused on
+    the rank, when the rewards are built), a prompt over the budget: exit 2, one message each, nothing trained."""
+    from transformers import LlamaConfig
+
     arithmetic(tmp_path / "p.jsonl", 12, 0, json.dumps({"conversations": [{"from": "human", "value": "9 " * 60}]}))
     (tmp_path / "rm").mkdir()
     assert run(tmp_path, "r1", f"objective.reward_model={tmp_path / 'rm'}") == 2
@@ -383,6 +423,15 @@ def test_refusals_are_one_message(tmp_path, capsys):
     assert "error: objective.reward_model:" in err and "has no config.json" in err
     assert "p.jsonl:13: prompt_too_long" in err and "Traceback" not in err
     assert not (tmp_path / "r2" / "metrics.jsonl").exists()
+    arithmetic(tmp_path / "p.jsonl", 12)
+    LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, architectures=["LlamaForSequenceClassification"]).save_pretrained(tmp_path / "rm")
+    (tmp_path / "rm" / "model.safetensors").write_bytes(b"not safetensors")  # passes the checks before launch
+    assert run(tmp_path, "r3", f"objective.reward_model={tmp_path / 'rm'}", "trainer.max_steps=1") == 2
+    captured = capsys.readouterr()
+    lines = [x for x in (captured.out + captured.err).splitlines() if "does not load" in x]
+    assert len(lines) == 1 and "objective.reward_model:" in lines[0], captured.err[-2000:]
+    assert "Traceback" not in captured.out + captured.err and not (tmp_path / "r3" / "metrics.jsonl").exists()
 
 
 STOPPER = '''import os, signal
@@ -479,3 +528,24 @@ def test_inspect_data_shows_prompt_rows(tmp_path, capsys):
     assert code == 0, out.err[-2000:]
     assert "=== train row 0: prompt p.jsonl:" in out.out and ", reference " in out.out
     assert "data: per source:" in out.err and "(6 train)" in out.err
+
+
+@pytest.mark.slow
+def test_two_ranks_consume_each_prompt_once_per_epoch(tmp_path):
+    """Two real ranks (`launcher=deepspeed launcher.num_gpus=2`, gloo, tiny model), streamed prompts: 8 prompts are
+    one global batch (2 ranks x 2 prompts x grad_accum 2), so 2 steps are 2 epochs. The run finishes, both ranks
+    ran the same steps, and the ledgers show every prompt exactly once in each epoch across the ranks."""
+    from dsrecipes.data.plan.ledger import verify_ledgers
+    from tests.test_train_runs import train_run
+
+    arithmetic(tmp_path / "p.jsonl", 8)
+    run_dir, out = train_run(tmp_path, "run", *RUN, f"dataset.paths=[{tmp_path / 'p.jsonl'}]", "data=iterable",
+                             "dataset.val_size=0", "trainer.eval_every=0", "trainer.save_every=0",
+                             "trainer.max_steps=2", "trainer.record_samples=true")
+    assert json.loads((run_dir / "result.json").read_text())["steps"] == 2, out[-3000:]
+    ids = {f"p.jsonl:{i}" for i in range(1, 9)}
+    report = verify_ledgers(run_dir, expected_ids=ids, global_batch=8, complete_epochs=[0, 1])
+    assert report.ok, report.summary()
+    assert report.epochs == [0, 1] and report.missing == {0: 0, 1: 0}
+    assert report.steps_per_rank == {0: 2, 1: 2} and report.samples_per_rank == {0: 8, 1: 8}
+    assert sorted(metrics(run_dir)) == [1, 2]

@@ -199,3 +199,54 @@ def test_the_shipped_pipelines_load_and_every_stage_validates(tmp_path):
         pipeline = load_pipeline(path)
         check_stages(pipeline, tmp_path / path.stem)  # composes and validates each stage (files checked at its start)
         assert not (tmp_path / path.stem).exists()
+
+
+TINY_GRPO = """\
+shared:
+  debug: fast
+  data.cutoff_len: 256
+  dataset: {max_samples: 24, val_size: 0}
+  trainer: {save_every: 0, eval_every: 0, max_steps: 1, micro_batch_size: 2, log_every: 1}
+stages:
+  - name: sft
+  - name: reward
+    model_from: sft
+    set:
+      objective: reward
+      dataset: sample_pairs
+      dataset.split.shares: {reward: 1, rl: 1}
+      dataset.split.take: reward
+  - name: grpo
+    model_from: sft
+    from_export: {objective.reward_model: reward}
+    set:
+      objective: grpo
+      dataset.paths:
+        - ${dsr.asset:sample_data}/pairs.jsonl
+      dataset.split.shares: {reward: 1, rl: 1}
+      dataset.split.take: rl
+      objective.rewards: [{name: length, max_chars: 40, weight: 0.5}]
+      objective.num_generations: 2
+      objective.max_completion_length: 8
+      trainer.max_steps: 2
+      trainer.export: false
+"""
+
+
+@pytest.mark.slow
+def test_tiny_pipeline_ends_with_grpo_on_the_sft_export_scored_by_the_reward_export(tmp_path):
+    """SFT -> reward -> grpo on the tiny model (as recipes/pipelines/smollm2_chat_grpo.yaml on SmolLM2): the grpo
+    stage samples with the SFT export (model.path) and is scored by the reward stage's export
+    (objective.reward_model) plus the `length` check, on the other share of the pairs file read as prompts."""
+    from dsrecipes.cli import main
+
+    path, out = write(tmp_path, TINY_GRPO), tmp_path / "out"
+    with in_process_environ():
+        assert main(["pipeline", str(path), "--out", str(out)]) == 0
+    state = json.loads((out / STATE_FILE).read_text())["stages"]
+    assert [state[s]["status"] for s in ("sft", "reward", "grpo")] == ["done"] * 3
+    config = (out / "grpo" / "config.yaml").read_text()
+    assert f"path: {out.resolve()}/sft/export" in config and f"reward_model: {out.resolve()}/reward/export" in config
+    rows = [json.loads(x) for x in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all("reward_reward_model" in r and "reward_length" in r for r in steps)

@@ -30,6 +30,7 @@ from dsrecipes.data.sources.files import expand_paths, no_file
 from dsrecipes.data.sources.remote import check_url, expand, looks_like_url
 from dsrecipes.data.sources.split_shares import split_problems
 from dsrecipes.data.strategies.rules import config_problems, required_paths
+from dsrecipes.objectives.rewards import reward_model_problems
 
 
 def validate(cfg: TrainConfig, *, check_files: bool = True) -> List[str]:
@@ -204,6 +205,8 @@ def _files(cfg: TrainConfig) -> List[str]:
             errors.append(f"{key}: {path!r} does not exist")
     if cfg.launcher.hostfile and os.path.isfile(os.path.expanduser(cfg.launcher.hostfile)):
         errors += hostfile_problems(cfg.launcher.hostfile)
+    if cfg.objective.reward_model:  # objective=grpo's scorer directory (a pipeline's is an export made later)
+        errors += reward_model_problems(cfg.objective.reward_model)
     return errors + check_hub_paths(cfg)
 
 

@@ -84,7 +84,7 @@ class GRPO:
         self.rewards = Rewards(cfg, getattr(engine, "device", None))
 
     def loss(self, model: Any, batch: Batch, device: torch.device) -> Tuple[torch.Tensor, Dict[str, Any]]:
-        loss, sums, shown = self.rollout(model, batch, device, int(batch.get("epoch", 0)))
+        loss, sums, shown = self.rollout(model, batch, device, int(batch.get("epoch", 0)), train=True)
         step = int(getattr(self.engine, "global_steps", 0)) + 1
         if shown and self.log_every and step % self.log_every == 0:
             self.write_samples(step, shown)
@@ -92,7 +92,7 @@ class GRPO:
 
     def eval_sums(self, model: Any, batch: Batch, device: torch.device) -> Dict[str, float]:
         with torch.no_grad():
-            _, sums, _ = self.rollout(model, batch, device, -1)
+            _, sums, _ = self.rollout(model, batch, device, -1, train=False)
         return {k: float(v) for k, v in sums.items()}
 
     def metrics(self, sums: Dict[str, float], prefix: str) -> Dict[str, float]:
@@ -106,9 +106,11 @@ class GRPO:
         out.update({f"{prefix}reward_{p}": ratio(sums[f"reward_{p}"], n) for p in self.parts})
         return out
 
-    def rollout(self, model: Any, batch: Batch, device: torch.device, epoch: int
+    def rollout(self, model: Any, batch: Batch, device: torch.device, epoch: int, train: bool
                 ) -> Tuple[torch.Tensor, Dict[str, Any], List[Dict[str, Any]]]:
-        """(loss, sums, a few shown completions) of one micro-batch: sample, reward, advantages, loss."""
+        """(loss, sums, a few shown completions) of one micro-batch: sample, reward, advantages, loss. Evaluation
+        without the KL term (objective.beta = 0) reports rewards only and skips the log-prob forward (every rank
+        alike)."""
         g = self.num_generations
         prompts = batch["prompt_ids"].to(device).repeat_interleave(g, dim=0)
         prompt_mask = batch["prompt_mask"].to(device).repeat_interleave(g, dim=0)
@@ -121,8 +123,11 @@ class GRPO:
         parts = self.rewards.parts(prompt_texts, texts, refs)
         rewards = sum(torch.tensor(v, dtype=torch.float32) * self.rewards.weights[k] for k, v in parts.items())
         advantages, std = group_advantages(rewards, g)
-        logps, ref = self.logps(model, prompts, prompt_mask, completions, mask)
-        loss, kl = grpo_loss(logps, logps.detach(), ref, advantages.to(device), mask, self.epsilon, self.beta)
+        if train or self.beta != 0.0:
+            logps, ref = self.logps(model, prompts, prompt_mask, completions, mask)
+            loss, kl = grpo_loss(logps, logps.detach(), ref, advantages.to(device), mask, self.epsilon, self.beta)
+        else:
+            loss = kl = torch.zeros((), device=device)
         groups = rewards.view(-1, g)
         lengths = mask.sum(dim=1).float().cpu()
         sums: Dict[str, Any] = {
@@ -159,9 +164,9 @@ class GRPO:
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
         width = completions.shape[1]
 
-        def forward(m: Any) -> torch.Tensor:
-            logits = m(input_ids=ids, attention_mask=attn, position_ids=positions).logits
-            return token_logps(logits[:, -width - 1:-1, :], completions, self.temperature)
+        def forward(m: Any) -> torch.Tensor:  # the LM head on the completion positions only (TRL: logits_to_keep)
+            logits = m(input_ids=ids, attention_mask=attn, position_ids=positions, logits_to_keep=width + 1).logits
+            return token_logps(logits[:, :-1, :], completions, self.temperature)
 
         logps = forward(model)
         if self.beta == 0.0:

@@ -53,7 +53,7 @@ def sample(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
     b = prompt_ids.shape[0]
     mask = prompt_mask.clone()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
     past, logits = out.cache, out.logits[:, -1, :]
     stops = torch.tensor(list(stop_ids), device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
