@@ -98,3 +98,37 @@ def test_the_first_gets_start_before_the_rest_of_the_plan_is_drawn():
         assert all(ahead.take(i) == bytes(10) for i in range(40))
     finally:
         ahead.close()
+
+
+def test_the_rest_of_the_plan_is_drawn_once_the_first_tickets_are_taken():
+    """Drawing a 64 MiB budget of plan took the reader's interpreter from its S3 client before the first batch: only
+    the first tickets are drawn at the start, the rest when they are all taken (or a block past them is asked)."""
+    drawn = []
+
+    def plan(n=40):
+        for i in range(n):
+            drawn.append(i)
+            yield (i, 0, 10 * i, 10 * i + 10)
+
+    def read(f, start, stop):
+        return bytes((start + j) % 251 for j in range(stop - start))  # each byte names its place
+
+    ahead = ReadAhead(plan(), read, budget=400, span_bytes=100, threads=4)
+    try:
+        assert len(drawn) == FIRST_TICKETS
+        for i in range(FIRST_TICKETS):
+            assert ahead.take(i) == read(0, 10 * i, 10 * i + 10)
+        assert len(drawn) == FIRST_TICKETS  # the first batch is out before the rest is planned
+        for i in range(FIRST_TICKETS, 40):
+            assert ahead.take(i) == read(0, 10 * i, 10 * i + 10)
+        assert len(drawn) == 40 and ahead.take(99) is None
+    finally:
+        ahead.close()
+    drawn.clear()
+    ahead = ReadAhead(plan(), read, budget=400, span_bytes=100, threads=4)
+    try:  # a block past the first tickets asked first: the plan is drawn for it
+        k = FIRST_TICKETS + 1
+        assert ahead.take(0) == read(0, 0, 10) and ahead.take(k) == read(0, 10 * k, 10 * k + 10)
+        assert all(ahead.take(i) == read(0, 10 * i, 10 * i + 10) for i in range(1, FIRST_TICKETS))
+    finally:
+        ahead.close()

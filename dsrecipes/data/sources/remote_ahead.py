@@ -8,17 +8,22 @@ keeps the next `budget` bytes of it fetched or in flight:
   it starts again when a take brings them down to half of it, so each refill has half a budget of tickets to group;
 - a refill's tickets of one object whose byte ranges touch are fetched by ONE ranged GET (a span), up to
   `span_bytes`; a span never covers a byte no ticket asked for, so grouping changes the number of GETs, not the bytes
-  transferred. The plan's first `FIRST_TICKETS` tickets (a first micro-batch's blocks) are fetched one GET each,
-  each started as soon as it is drawn, before the rest of the budget is planned (a 64 MiB budget is hundreds of
-  tickets from dozens of windows: 50-100 ms of planning came before the first GET), and the spans are handed to the threads only once they are in: the first batch waits for its
-  own blocks, not for a span of megabytes, neither sharing the bandwidth with one nor the interpreter with the
-  start of a dozen fetching threads (measured, 256 MiB corpus through the local S3 server: time to first batch
-  3.7 s with the spans in flight beside the first blocks, 0.6-0.9 s with them waiting on threads of their own);
+  transferred. The plan's first `FIRST_TICKETS` tickets (a first micro-batch's blocks) are drawn alone and fetched
+  one GET each; the rest of the plan is drawn only when they have all been taken (or a block past them is asked):
+  drawing a 64 MiB budget (hundreds of tickets from dozens of windows) took the reader's interpreter from the
+  building of its S3 client before the first batch (R = 1 first batch under load ~15: 1.14-1.28 s drawing it first,
+  see docs/scale.md for the after). A reader in a DataLoader worker draws it while the trainer runs its first step;
+  one in the trainer's process (`num_workers=0`) when the second micro-batch is asked. Spans are handed to the
+  threads only once the first tickets are in: the first batch waits for its own blocks, not for a span of
+  megabytes, neither sharing the bandwidth with one nor the interpreter with the start of a dozen fetching threads
+  (measured, 256 MiB corpus through the local S3 server: time to first batch 3.7 s with the spans in flight beside
+  the first blocks, 0.6-0.9 s with them waiting on threads of their own);
 - spans are fetched by `threads` threads in the order of their first ticket; a fetched span is cut into its tickets'
   bytes at once, so memory is the untaken tickets' bytes: <= `budget` plus one ticket (plus one span being cut).
 
-`read(file, start, stop)` does the GET (`RangePool` below, one remote.RangeReader per object and thread: If-Match on the indexed ETag, retries with backoff; a span
-whose connection drops mid-body is retried whole, and its bytes count once). A failed span raises its error at the
+`read(file, start, stop)` does the GET (`RangePool` below, one remote.RangeReader per object and thread: If-Match on
+the indexed ETag, retries with backoff; a span whose connection drops mid-body is retried whole, and its bytes count
+once). A failed span raises its error at the
 take of any of its tickets. `take(key)` returns None for a key the plan does not hold (the caller reads it itself).
 """
 
@@ -27,7 +32,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Deque, Dict, Hashable, Iterator, List, Optional, Tuple
+from typing import Callable, Deque, Dict, Hashable, Iterator, List, Optional, Set, Tuple
 
 from dsrecipes.data.sources.remote import PREFETCH_THREADS, RangeReader
 
@@ -51,16 +56,22 @@ class ReadAhead:
         self._lock = threading.Lock()
         self._singles_left = 0  # first tickets fetched singly and not in yet
         self._deferred: Optional[List[Tuple[Future, tuple]]] = []  # spans held back until they are (None: none)
-        self._refill()
+        self._firsts: Set[Future] = set()  # the first tickets' GETs whose ticket is not taken yet
+        self._lazy = True  # only the first tickets drawn: the rest of the plan once they are taken
+        self._refill(firsts_only=True)
         if not self._singles_left:
             self._release()
 
     def take(self, key: Hashable) -> Optional[bytes]:
         """The bytes of `key`'s next ticket (waiting for its span), or None when the plan holds no ticket for it."""
+        if self._lazy and (not self._firsts or key not in self._untaken):  # the first tickets handed out, or a
+            self._lazy = False  # block past them asked: the rest of the plan is drawn now
+            self._refill()
         pieces = self._untaken.get(key)
         if not pieces:
             return None
         span, piece, size = pieces.popleft()
+        self._firsts.discard(span)
         if not pieces:
             del self._untaken[key]
         self.held -= size
@@ -68,14 +79,15 @@ class ReadAhead:
             parts = span.result()
             data, parts[piece] = parts[piece], b""  # the taken ticket's bytes are the caller's now
         finally:
-            if self.held <= self.budget // 2:
+            if not self._lazy and self.held <= self.budget // 2:
                 self._refill()
         return data
 
-    def _refill(self) -> None:
-        """Take tickets from the plan up to `budget` bytes held, group them into spans, start the spans."""
+    def _refill(self, firsts_only: bool = False) -> None:
+        """Take tickets from the plan up to `budget` bytes held (`firsts_only`: the first tickets), group them into
+        spans, start the spans."""
         fresh: List[Tuple[int, Ticket]] = []
-        while self._plan is not None and self.held < self.budget:
+        while self._plan is not None and self.held < self.budget and not (firsts_only and not self._singles):
             ticket = next(self._plan, None)
             if ticket is None:
                 self._plan = None
@@ -116,6 +128,8 @@ class ReadAhead:
                 self._deferred.append((span, (f, start, stop, cuts)))
         if not held_back:
             span = self._pool.submit(self._fetch_first if first else self._fetch, f, start, stop, cuts)
+            if first:
+                self._firsts.add(span)
         for i, (key, _, a, b) in enumerate(tickets):
             self._untaken.setdefault(key, deque()).append((span, i, b - a))
 
