@@ -1,8 +1,8 @@
 """The pipeline on the real test model: SmolLM2-135M-Instruct, SFT -> a reward model -> DPO (both from the SFT
 export), as one `dsrecipes pipeline` command (LoRA merged into the SFT export, short cutoff, a few steps: CI's budget;
 the reward model's and DPO's exports are left out: nothing in the test reads them, and merging and writing each costs
-seconds; SFT evaluates 8 held-out rows; DPO's reference is live, the LoRA adapters disabled: no second load of the SFT
-export and no pass over all pairs before training). 308 s here at load ~10 (523 s before these cuts at the same load).
+seconds; SFT evaluates 8 of its 16 held-out rows; DPO's reference is live, the LoRA adapters disabled: no second load of the SFT
+export and no pass over all pairs before training: the same losses and accuracies).
 
 The pairs are the short single-turn ones test_dpo_smollm2 uses (`short_pairs`, shared), split once into a `reward`
 and a `dpo` share by row hash (dataset.split); each stage reads its share only. What it proves: the stages chain (the
@@ -35,7 +35,7 @@ stages:
   - name: sft
     recipe: smollm2_cpu_sft
     set:
-      dataset: {{max_samples: 24, val_size: 8}}
+      dataset: {{max_samples: 48, val_size: 16}}
       trainer: {{max_steps: 2, eval_samples: 8}}
       optimizer.lr: 1.0e-3
   - name: reward
@@ -57,7 +57,7 @@ stages:
       dataset.split.shares: {{reward: 1, dpo: 1}}
       dataset.split.take: dpo
       objective.reference: live
-      dataset: {{max_samples: 28, val_size: 16}}
+      dataset: {{max_samples: 32, val_size: 16}}
       trainer: {{max_steps: 3, eval_at_start: false, export: false}}
       optimizer.lr: 1.0e-3
 """
