@@ -169,6 +169,10 @@ def test_completions_depend_on_their_seed_only():
     left, _ = sample(model, padded, (padded > 0).long() | torch.tensor([[0, 0, 1, 1, 1, 1]]), seeds[1:2], 6,
                      1.0, [0], 0)
     assert torch.equal(left, alone)
+    pairs = [completion_seed(7, 0, f"f.jsonl:{i}", j) for i in range(3) for j in range(2)]
+    grouped = sample(model, p, torch.ones_like(p), pairs, 6, 1.0, [0], 0, group=2)  # each prompt read once
+    repeated = sample(model, p.repeat_interleave(2, dim=0), torch.ones(6, 4, dtype=torch.long), pairs, 6, 1.0, [0], 0)
+    assert all(torch.equal(a, b) for a, b in zip(grouped, repeated))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 (system "You are a calculator. Reply with the number only.", user "What is 3+4?", reference "7"), rewarded by the
 built-in `number_equal` check only, LoRA, completions of at most 8 tokens. Judged on the HELD-OUT prompts of the
 split: the evaluation samples the same completion seeds before and after training (seeds of epoch -1), so the two
-held-out rewards are a paired comparison. One short run (CI time: 4 steps of 4 prompts x 4 completions, 8 held-out
-prompts; evaluation without the KL term samples and scores only)."""
+held-out rewards are a paired comparison. One short run (CI time: 3 steps of 4 prompts x 4 completions, 8 held-out
+prompts; each prompt is read once for its 4 completions; evaluation without the KL term samples and scores only)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def grpo_run(smollm2_dir, tmp_path_factory, request):
         code = main(["objective=grpo", f"model.path={smollm2_dir}", f"dataset.paths=[{data}]", "dataset.val_size=8",
                      "objective.rewards=[{name: number_equal}]", "objective.num_generations=4",
                      "objective.max_completion_length=8", "data.cutoff_len=96", "trainer.micro_batch_size=4",
-                     "trainer.max_steps=4", "trainer.eval_every=4", "model.lora.enabled=true", "optimizer.lr=5e-3",
+                     "trainer.max_steps=3", "trainer.eval_every=3", "model.lora.enabled=true", "optimizer.lr=5e-3",
                      "scheduler=constant", "scheduler.warmup_steps=0", "trainer.log_every=1", "trainer.save_every=0",
                      "trainer.export=false", f"data.cache_dir={run_dir.parent / 'cache'}",
                      f"trainer.output_dir={run_dir}", f"hydra.run.dir={run_dir}"])
@@ -51,7 +51,7 @@ def grpo_run(smollm2_dir, tmp_path_factory, request):
 def test_held_out_exact_answers_rise(grpo_run):
     rows = [json.loads(line) for line in (grpo_run / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval_reward" in r]
-    assert [r["step"] for r in evals] == [0, 4]
+    assert [r["step"] for r in evals] == [0, 3]
     before, after = evals[0]["eval_reward"], evals[-1]["eval_reward"]
     print(f"held-out number_equal reward: {before:.3f} -> {after:.3f}")  # shown with -s
     assert after >= before + 0.25, (before, after)

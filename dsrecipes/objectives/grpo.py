@@ -116,7 +116,7 @@ class GRPO:
         prompt_mask = batch["prompt_mask"].to(device).repeat_interleave(g, dim=0)
         seeds = [completion_seed(self.seed, epoch, sid, j) for sid in batch["sample_ids"] for j in range(g)]
         started = time.perf_counter()
-        completions, mask = self.generate(model, prompts, prompt_mask, seeds)
+        completions, mask = self.generate(model, batch["prompt_ids"].to(device), batch["prompt_mask"].to(device), seeds)
         seconds = time.perf_counter() - started
         texts, prompt_texts = self.decode(completions, mask), self.decode(prompts, prompt_mask)
         refs = [r for r in batch["references"] for _ in range(g)]
@@ -152,7 +152,7 @@ class GRPO:
         try:
             with gathered(module) as partitioned:  # ZeRO-3: every rank runs max_completion_length forwards
                 return sample(module, prompts, prompt_mask, seeds, self.max_completion_length, self.temperature,
-                              self.stops, self.pad_id, stop_early=not partitioned)
+                              self.stops, self.pad_id, stop_early=not partitioned, group=self.num_generations)
         finally:
             module.train(was_training)
 

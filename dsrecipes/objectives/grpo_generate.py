@@ -5,7 +5,8 @@
 `prompt_ids` are LEFT-padded (B, P); each row is sampled with a `torch.Generator` seeded by `seeds[i]`, so a
 completion depends on its prompt, its seed and the weights only - not on the other rows of the micro-batch, the
 rank, or the worker - and a resumed run samples exactly what the interrupted one would have. The seed of
-completion j of a prompt is `completion_seed(seed, epoch, sample id, j)`.
+completion j of a prompt is `completion_seed(seed, epoch, sample id, j)`. With `group` completions per prompt the prompt is read once and its
+cache repeated (the prompt forward is most of the sampling cost).
 
 A completion ends at its first stop token (kept: the end of the turn is part of the answer) or after `max_new`
 tokens; after it, `mask` is 0 and the ids are the pad id. ZeRO-3: the caller gathers the parameters around this
@@ -44,17 +45,22 @@ def gathered(model: torch.nn.Module) -> Iterator[bool]:
 
 @torch.no_grad()
 def sample(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, seeds: Sequence[int],
-           max_new: int, temperature: float, stop_ids: Sequence[int], pad_id: int, stop_early: bool = True
-           ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(completion ids (B, T), completion mask (B, T)), T <= max_new; see the module docstring. `stop_early=False`
-    runs all max_new forwards even when every row has ended (ZeRO-3: the ranks' forwards stay in step)."""
+           max_new: int, temperature: float, stop_ids: Sequence[int], pad_id: int, stop_early: bool = True,
+           group: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(completion ids (B * group, T), completion mask (B * group, T)), T <= max_new; see the module docstring.
+    `group` completions per prompt row (seeds: B * group, in row order): each prompt is read once and its cache
+    repeated. `stop_early=False` runs all max_new forwards even when every row has ended (ZeRO-3: the ranks'
+    forwards stay in step)."""
     device = prompt_ids.device
     gens = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
-    b = prompt_ids.shape[0]
-    mask = prompt_mask.clone()
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
+                logits_to_keep=1)
     past, logits = out.cache, out.logits[:, -1, :]
+    if group > 1:
+        past, logits = _repeated(model, prompt_ids, prompt_mask, positions, past, logits, group)
+    mask, positions = prompt_mask.repeat_interleave(group, dim=0), positions.repeat_interleave(group, dim=0)
+    b = mask.shape[0]
     stops = torch.tensor(list(stop_ids), device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     tokens: List[torch.Tensor] = []
@@ -74,6 +80,20 @@ def sample(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.
                     cache=past, use_cache=True)
         past, logits, next_pos = out.cache, out.logits[:, -1, :], next_pos + 1
     return torch.stack(tokens, dim=1), torch.stack(alive, dim=1).long()
+
+
+def _repeated(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, positions: torch.Tensor,
+              past: Any, logits: torch.Tensor, group: int) -> Tuple[Any, torch.Tensor]:
+    """The prompt cache and last logits repeated `group` times per row (a cache whose layers cannot repeat: the
+    repeated prompts are read again)."""
+    layers = getattr(past, "layers", None)
+    if layers and all(hasattr(layer, "batch_repeat_interleave") for layer in layers):
+        for layer in layers:
+            layer.batch_repeat_interleave(group)
+        return past, logits.repeat_interleave(group, dim=0)
+    out = model(input_ids=prompt_ids.repeat_interleave(group, dim=0), attention_mask=prompt_mask.repeat_interleave(
+        group, dim=0), position_ids=positions.repeat_interleave(group, dim=0), use_cache=True, logits_to_keep=1)
+    return out.cache, out.logits[:, -1, :]
 
 
 def stop_ids(tokenizer: Any) -> List[int]:
