@@ -90,7 +90,7 @@ def built_cpu_adam(tmp_path_factory):
 # needing the op later (test_train_runs, test_optimizers) find it built instead of a worker sitting idle on the
 # build's lock (seen: 227 s of test_doctor's setup spent waiting while test_train_runs built it on the other worker).
 HEAVY_FIRST = ("test_benchmarks_smoke.py", "test_doctor.py", "test_multinode.py", "test_fault_matrix.py",
-               "test_dpo_smollm2.py", "test_grpo_smollm2.py", "test_pipeline_smollm2.py", "test_smollm2.py", "test_train_runs.py", "test_guarantees_e2e.py",
+               "test_dpo_smollm2.py", "test_grpo_smollm2.py", "test_grpo.py", "test_pipeline_smollm2.py", "test_smollm2.py", "test_train_runs.py", "test_guarantees_e2e.py",
                "test_optimizers.py", "test_eval_runs.py", "test_dpo_strategies.py",
                "test_quickstart.py", "test_config.py", "test_run_safety.py", "test_safety.py", "test_jit_ops.py",
                "test_store_e2e.py", "test_launch_real.py", "test_stream_e2e.py")

@@ -10,7 +10,8 @@
         plus beta (exp(ref - logp) - (ref - logp) - 1) when beta > 0; the loss is the sum over completion tokens
         divided by the number of completion tokens. TRL divides by the tokens of the whole generation batch (all
         processes and accumulation steps); here each micro-batch is its own generation batch, so the two agree
-        for one micro-batch on one process and the gradient differs by the token-count weighting otherwise.
+        for one micro-batch on one process and the gradient differs by the token-count weighting otherwise (README,
+        "Token normalisation differs from TRL's": the formula; tests/test_grpo.py checks it with grad_accum 2).
 With one optimisation step per generation (TRL's num_iterations=1), old logp = logp.detach(): the ratio is 1 and
 the gradient is the advantage-weighted log-likelihood gradient.
 """
