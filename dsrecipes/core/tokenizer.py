@@ -5,16 +5,19 @@ tokenizer from here."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import List
 
-from dsrecipes.core.errors import no_custom_code
+from dsrecipes.core.errors import ConfigError, no_custom_code
 from dsrecipes.core.paths import TINY_TOKENIZER_DIR
 from dsrecipes.core.schema import TrainConfig
 
 
 def tokenizer_dir(cfg: TrainConfig) -> str:
-    return cfg.model.tokenizer_path or cfg.model.path or str(TINY_TOKENIZER_DIR)
+    """Where the tokenizer loads from, `~` expanded here, at the point of use: commands that read a composed config
+    without the launch's derived defaults (inspect-data, chat) load from the same place as train."""
+    return os.path.expanduser(cfg.model.tokenizer_path or cfg.model.path or str(TINY_TOKENIZER_DIR))
 
 
 def check_no_custom_code(cfg: TrainConfig) -> None:
@@ -33,8 +36,14 @@ def load_tokenizer(cfg: TrainConfig):
     from transformers import AutoTokenizer
 
     path = tokenizer_dir(cfg)
-    with no_custom_code("model.tokenizer_path" if cfg.model.tokenizer_path else "model.path", path):
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
+    try:
+        with no_custom_code(key, path):
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as exc:  # no such directory, no tokenizer files in it, an uncached Hub id offline
+        raise ConfigError(f"{key}: {path} does not load as a tokenizer: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
     return tokenizer
