@@ -60,4 +60,5 @@ def test_a_moved_fault_point_fails_loudly(monkeypatch):
             pass
     with pytest.raises(ValueError, match="unknown faults"):
         fault_env(".", nan_at=3)
-    assert set(FAULTS) == {"nan_at_step", "pause_after_step", "stall_after_step", "kill_before_latest"}
+    assert set(FAULTS) == {"nan_at_step", "pause_after_step", "stall_after_step", "kill_before_latest",
+                           "stall_before_rendezvous", "exit_before_rendezvous"}
