@@ -54,7 +54,8 @@ def run_rank(run_dir: str | Path) -> int:
     found by the rank) ends this rank's DataLoader workers at once and is recorded as one line (`failed`)."""
     try:
         run(run_dir)
-    except RunInterrupted as exc:
+    except RunInterrupted as exc:  # saved; an iterator the stop's traceback keeps alive would be joined at exit
+        end_workers()  # forever (its workers ignore SIGTERM): they go now, as on every other way out
         return exc.exit_code
     except TrainingFailed as exc:
         end_workers()
@@ -65,6 +66,7 @@ def run_rank(run_dir: str | Path) -> int:
         raise
     except Exception as exc:  # noqa: BLE001 - every other way out is one recorded line, never a hang
         return failed(run_dir, exc)
+    end_workers()  # trained to the end: a loader left mid-epoch (max_steps) has no worker left at exit either
     return 0
 
 
