@@ -148,6 +148,9 @@ def _compose_products_of_failed_bases(plan: Any, composed: Dict[Tuple[str, ...],
     composed.update(_compose_parallel([c.overrides for c in todo], progress))
 
 
+CHUNK_TIMEOUT_S = 60.0  # one chunk (<= 4 composes, well under a second each) from a forked compose worker
+
+
 def _compose_parallel(jobs: List[List[str]], progress: Progress) -> Dict[Tuple[str, ...], Composed]:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     size = max(1, min(4, len(jobs) // (2 * cores)))
@@ -159,7 +162,18 @@ def _compose_parallel(jobs: List[List[str]], progress: Progress) -> Dict[Tuple[s
             progress.advance(len(chunk))
         return out
     with mp.get_context("fork").Pool(min(cores, len(chunks))) as pool:
-        for chunk, part in zip(chunks, pool.imap(_compose_chunk, chunks)):
+        answers = pool.imap(_compose_chunk, chunks)
+        for i, chunk in enumerate(chunks):
+            try:
+                part = answers.next(timeout=CHUNK_TIMEOUT_S)
+            except mp.TimeoutError:  # a forked child stuck (a lock held by a thread at fork time): never wait on
+                pool.terminate()  # it; the rest is composed here, in this process, and said
+                print(f"validate --all: a compose worker gave no answer in {CHUNK_TIMEOUT_S:g} s; composing the "
+                      f"remaining {sum(map(len, chunks[i:]))} in this process", file=sys.stderr, flush=True)
+                for rest in chunks[i:]:
+                    out.update(zip(map(tuple, rest), _compose_chunk(rest)))
+                    progress.advance(len(rest))
+                return out
             out.update(zip(map(tuple, chunk), part))
             progress.advance(len(chunk))
     return out
