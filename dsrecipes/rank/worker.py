@@ -54,19 +54,15 @@ def run_rank(run_dir: str | Path) -> int:
     found by the rank) ends this rank's DataLoader workers at once and is recorded as one line (`failed`)."""
     try:
         run(run_dir)
-    except RunInterrupted as exc:  # saved; an iterator the stop's traceback keeps alive would be joined at exit
-        end_workers()  # forever (its workers ignore SIGTERM): they go now, as on every other way out
+    except RunInterrupted as exc:
         return exc.exit_code
     except TrainingFailed as exc:
-        end_workers()
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
-    except KeyboardInterrupt:  # Ctrl-C twice (in the launching process): no worker outlives it either
-        end_workers()
-        raise
     except Exception as exc:  # noqa: BLE001 - every other way out is one recorded line, never a hang
         return failed(run_dir, exc)
-    end_workers()  # trained to the end: a loader left mid-epoch (max_steps) has no worker left at exit either
+    finally:  # every way out, Ctrl-C twice included: an iterator still referenced (a traceback, a stop) would have
+        end_workers()  # its workers (they ignore SIGTERM) joined forever at exit; a loader left mid-epoch too
     return 0
 
 
