@@ -175,6 +175,9 @@ def test_a_crashed_child_is_replaced_and_the_next_render_works(monkeypatch):
     pid = child_pid()
     os.kill(pid, signal.SIGSEGV)  # between renders: replaced without a message
     assert gone(pid, 5)
+    child, end = chat_sandbox._RENDERER.child, time.monotonic() + 5
+    while child.alive() and time.monotonic() < end:  # where /proc is another pid namespace's, gone() says nothing
+        time.sleep(0.05)
     assert render(Tokenizer(PLAIN), HI) == "user: hi\n"
     pid = chat_sandbox._RENDERER.child.pid
     threading.Timer(0.5, os.kill, (pid, signal.SIGSEGV)).start()  # during one
@@ -183,6 +186,19 @@ def test_a_crashed_child_is_replaced_and_the_next_render_works(monkeypatch):
     assert "chat template stopped: the renderer process died of SIGSEGV" in str(result), result
     assert time.monotonic() - started < 8
     assert render(Tokenizer(PLAIN), HI) == "user: hi\n"
+
+
+def test_a_dying_child_not_yet_reapable_is_replaced_without_a_message(monkeypatch):
+    """The kernel may show a dead child as running (a core dump, another pid namespace's /proc) while its end of
+    our pipe is already closed: the hang-up alone says it is gone, and the next render gets a fresh child."""
+    monkeypatch.setattr(chat_sandbox, "MAX_SECONDS", 10.0)
+    pid = child_pid()
+    child = chat_sandbox._RENDERER.child
+    monkeypatch.setattr(child.proc, "poll", lambda: None)  # not reapable yet, as far as this process can tell
+    os.kill(pid, signal.SIGKILL)
+    assert gone(pid, 5)
+    assert render(Tokenizer(PLAIN), HI) == "user: hi\n"
+    assert chat_sandbox._RENDERER.child.pid != pid
 
 
 def test_a_renderer_that_cannot_start_is_one_message_naming_the_model(monkeypatch, fresh_child):

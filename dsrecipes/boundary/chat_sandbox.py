@@ -153,6 +153,21 @@ class _Child:
         if left <= 0 or not poller.poll(left * 1000):
             raise _Stopped(_LATE)
 
+    def alive(self) -> bool:
+        """Not ended and not ending. A killed child's main thread is a zombie before its other thread has closed our
+        pipe, and the kernel lets us reap it only after both: any of the three signs means it is gone."""
+        if self.proc.poll() is not None:
+            return False
+        poller = select.poll()
+        poller.register(self.out, select.POLLIN)
+        if poller.poll(0):  # between renders the child never writes: readable means its end closed
+            return False
+        try:
+            state = Path(f"/proc/{self.pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True  # no /proc of our pid namespace: the first two signs only
+        return state not in (b"Z", b"X")
+
     def death(self) -> str:
         """Why the child ended (it closed its end of a pipe): its signal or exit code."""
         try:
@@ -201,7 +216,7 @@ class _Renderer:
         that the sandbox refused get no answers (chat_render_child.py)."""
         request = pickle.dumps((source, context, jobs, MAX_OUTPUT, MAX_CPU_SECONDS), protocol=pickle.HIGHEST_PROTOCOL)
         with self.lock:
-            if self.child is not None and self.child.proc.poll() is not None:  # it died between renders
+            if self.child is not None and not self.child.alive():  # it died between renders
                 self.discard()
             if self.child is None:
                 self.child = _Child()
