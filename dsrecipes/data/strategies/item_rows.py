@@ -1,5 +1,5 @@
-"""What the row encoders of a stream share (`rows.RowEncoder` for conversations, `pair_rows.PairRowEncoder` for
-preference pairs): items (file index, location, raw line[, copy]) -> parsed samples under `dataset.bad_rows`.
+"""What the row encoders of a stream share (`rows.RowEncoder` for conversations, `sample_rows.SampleRowEncoder` for
+pairs and prompts): items (file index, location, raw line[, copy]) -> parsed samples under `dataset.bad_rows`.
 
 `paths` name the files as the user gave them (a converted JSON array keeps its own name; the location is then the
 element: `element_files`). `error` raises DataError naming `file:line` (or `file: element N (line L)`); `skip` drops

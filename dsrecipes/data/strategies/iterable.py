@@ -10,7 +10,7 @@ Batching happens inside the worker (torch fetches from workers round-robin, in o
 `steps * grad_accum` micro-batches per epoch. The data state records the epoch's segments, so a resume continues
 exactly (same layout) or re-splits what remains (another world size, batch shape or worker count).
 
-Under objective.rows=pair a line is one preference pair and one sample (rows.py `row_encoder` -> `PairRowEncoder`, the
+Under objective.rows=pair a line is one preference pair and one sample (rows.py `row_encoder` -> `SampleRowEncoder`, the
 pre-scan's `PairChecker`); everything above applies to pairs unchanged.
 """
 

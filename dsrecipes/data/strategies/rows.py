@@ -2,24 +2,28 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, List, Optional, Sequence
 
 from dsrecipes.core.schema import RowKind, TrainConfig
 from dsrecipes.data.render.packing import pack
+from dsrecipes.data.render.preference_encode import PairEncoder
+from dsrecipes.data.render.prompt_encode import PromptEncoder
 from dsrecipes.data.render.tokenize import Encoder
 from dsrecipes.data.sources.files import where
+from dsrecipes.data.sources.preference import PAIRS
+from dsrecipes.data.sources.prompts import PROMPTS
 from dsrecipes.data.sources.sharegpt import parse_item
 from dsrecipes.data.strategies.base import Batch, Row
 from dsrecipes.data.strategies.item_rows import ItemRows
-from dsrecipes.data.strategies.pair_rows import PairRowEncoder
-from dsrecipes.data.strategies.prompt_rows import PromptRowEncoder
+from dsrecipes.data.strategies.sample_rows import SampleRowEncoder
 from dsrecipes.objectives import build_objective
 
 
 def row_encoder(cfg: TrainConfig, tokenizer: Any, paths: Sequence[str], sources: Sequence[Any],
                 element_files: Optional[Sequence[bool]] = None) -> Any:
     """The rows of the run's objective (`objective.rows`) from raw lines: conversations (`RowEncoder`), or preference
-    pairs (`pair_rows.PairRowEncoder`: a pair is one sample)."""
+    pairs and prompts (`sample_rows.SampleRowEncoder` of the kind: a pair, a prompt is one sample)."""
     return ROW_ENCODERS[cfg.objective.rows](cfg, tokenizer, paths, sources, element_files)
 
 
@@ -67,4 +71,6 @@ def _row(ids: List[str], input_ids: List[int], labels: List[int], position_ids: 
     return {"ids": list(ids), "input_ids": list(input_ids), "labels": list(labels), "position_ids": list(position_ids)}
 
 
-ROW_ENCODERS = {RowKind.conversation: RowEncoder, RowKind.pair: PairRowEncoder, RowKind.prompt: PromptRowEncoder}  # one per row kind (test_row_kinds.py)
+ROW_ENCODERS = {RowKind.conversation: RowEncoder,  # one per row kind (test_row_kinds.py)
+                RowKind.pair: partial(SampleRowEncoder, PAIRS, PairEncoder),
+                RowKind.prompt: partial(SampleRowEncoder, PROMPTS, PromptEncoder)}

@@ -25,6 +25,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -39,7 +40,8 @@ from dsrecipes.data.render.prompt_encode import PromptEncoder, checked_prompts
 from dsrecipes.data.render.tokenize import Encoder
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.sources.files import element_line
-from dsrecipes.data.sources.preference import check_sources
+from dsrecipes.data.sources.preference import PAIRS, check_sources
+from dsrecipes.data.sources.prompts import PROMPTS
 from dsrecipes.data.sources.registry import resolve_sources
 from dsrecipes.data.sources.sharegpt import Conversation, conversation_dict, iter_conversations
 from dsrecipes.data.stream.index import (
@@ -51,8 +53,7 @@ from dsrecipes.data.stream.index import (
     write_stream_index,
 )
 from dsrecipes.data.stream.scan_files import RowChecker, RowTap, Taps, load_scan, save_scan, scan_path
-from dsrecipes.data.stream.scan_pairs import PairChecker
-from dsrecipes.data.stream.scan_prompts import PromptChecker
+from dsrecipes.data.stream.scan_samples import SampleChecker
 from dsrecipes.data.stream.shares import outside_of
 
 BATCH = 256  # conversations per tokenization call
@@ -278,6 +279,6 @@ class RowReading:
 
 READINGS: Dict[RowKind, RowReading] = {  # one per row kind (tests/test_row_kinds.py checks it is complete)
     RowKind.conversation: RowReading(Encoder, RowChecker, checked_conversations),
-    RowKind.pair: RowReading(PairEncoder, PairChecker, checked_pairs),
-    RowKind.prompt: RowReading(PromptEncoder, PromptChecker, checked_prompts),
+    RowKind.pair: RowReading(PairEncoder, partial(SampleChecker, PAIRS), checked_pairs),
+    RowKind.prompt: RowReading(PromptEncoder, partial(SampleChecker, PROMPTS), checked_prompts),
 }
