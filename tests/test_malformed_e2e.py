@@ -1,5 +1,10 @@
-"""The malformed-input catalogue through the real command line: exit code, one message with `file:line` (or element),
-no traceback, exact counts under `skip`, for map, iterable and presharded (`dsrecipes shard`) data."""
+"""The malformed-input catalogue through the command line: exit code, one message with `file:line` (or element),
+no traceback, exact counts under `skip`, for map, iterable and presharded (`dsrecipes shard`) data.
+
+The refusals, dry runs and `dsrecipes shard` run in this process through `dsrecipes.cli.main` (what `python -m
+dsrecipes` calls, `raise SystemExit(main())`), its stdout/stderr captured at the file descriptors: nothing of them is
+about the process boundary, and a fresh interpreter per command was most of this file's time. The one training run
+(DataLoader worker processes meeting the bad rows) is a real `python -m dsrecipes` subprocess."""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import subprocess_env
+from tests.conftest import in_process_environ, subprocess_env
 
 CAT = Path(__file__).parent / "fixtures" / "data" / "malformed"
 ROWS, ARRAY = CAT / "rows.jsonl", CAT / "array.json"
@@ -18,9 +23,25 @@ SURROGATE = (f"error: {ROWS}:2: invalid_text (a string holds a lone UTF-16 surro
              "escape)); set dataset.bad_rows=skip to quarantine bad rows")
 
 
-def dsrecipes(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+def dsrecipes_process(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dsrecipes", *args], capture_output=True, text=True, cwd=cwd,
                           env=subprocess_env(), timeout=600)
+
+
+@pytest.fixture
+def dsrecipes(capfd, monkeypatch):
+    """`dsrecipes(cwd, *args)`: the command line in this process (cli.main in `cwd`), as a CompletedProcess."""
+    from dsrecipes.cli import main
+
+    def run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+        capfd.readouterr()
+        monkeypatch.chdir(cwd)
+        with in_process_environ():
+            code = main(list(args))
+        captured = capfd.readouterr()
+        return subprocess.CompletedProcess(["dsrecipes", *args], code, captured.out, captured.err)
+
+    return run
 
 
 def common(tmp_path: Path, policy: str, *paths: Path) -> list:
@@ -31,13 +52,13 @@ def common(tmp_path: Path, policy: str, *paths: Path) -> list:
 
 
 @pytest.mark.parametrize("kind", ["map", "iterable"])
-def test_error_policy_exits_2_naming_the_row(tmp_path, kind):
+def test_error_policy_exits_2_naming_the_row(tmp_path, kind, dsrecipes):
     out = dsrecipes(tmp_path, f"data={kind}", "trainer.max_steps=2", *common(tmp_path, "error", ROWS))
     assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == SURROGATE
     assert "Traceback" not in out.stderr and not (tmp_path / "run" / "ds_config.json").exists()
 
 
-def test_map_skip_counts_rows_per_reason_and_file(tmp_path):
+def test_map_skip_counts_rows_per_reason_and_file(tmp_path, dsrecipes):
     out = dsrecipes(tmp_path, "launcher.dry_run=true", *common(tmp_path, "skip", ROWS, ARRAY))
     assert out.returncode == 0, out.stderr
     stats = json.loads((tmp_path / "run" / "prepare_stats.json").read_text())
@@ -54,7 +75,7 @@ def test_map_skip_counts_rows_per_reason_and_file(tmp_path):
 @pytest.mark.slow
 def test_iterable_run_trains_past_rows_that_used_to_crash_it(tmp_path):
     """Before: the surrogate row passed the pre-scan and crashed a loader worker mid-run (TypeError)."""
-    out = dsrecipes(tmp_path, "data=iterable", "trainer.max_steps=3", "trainer.eval_every=0", "trainer.export=false",
+    out = dsrecipes_process(tmp_path, "data=iterable", "trainer.max_steps=3", "trainer.eval_every=0", "trainer.export=false",
                     "data.shuffle_buffer=0", *common(tmp_path, "skip", ROWS))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "stream scanned: 13 rows, 9 good, bad: invalid_text=2, too_deep=1, too_large=1" in out.stderr
@@ -62,7 +83,7 @@ def test_iterable_run_trains_past_rows_that_used_to_crash_it(tmp_path):
     assert result["status"] == "ok"
 
 
-def test_presharded_via_shard_under_both_policies(tmp_path):
+def test_presharded_via_shard_under_both_policies(tmp_path, dsrecipes):
     parts = tmp_path / "parts"
     out = dsrecipes(tmp_path, "shard", str(ROWS), str(ARRAY), "--parts", "1", "--out", str(parts),
                     "dataset.max_row_bytes=4096")
@@ -80,7 +101,7 @@ def test_presharded_via_shard_under_both_policies(tmp_path):
     assert "stream scanned" not in out.stderr  # checked by shard with this template and tokenizer: no second read
 
 
-def test_a_broken_file_is_refused_even_under_skip(tmp_path):
+def test_a_broken_file_is_refused_even_under_skip(tmp_path, dsrecipes):
     """(every broken kind through every strategy: test_data_malformed.py)"""
     path = CAT / "truncated.jsonl.gz"
     out = dsrecipes(tmp_path, "trainer.max_steps=2", "launcher.dry_run=true",
