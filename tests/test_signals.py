@@ -1,16 +1,16 @@
 """Signals stop everything and keep work (tracker issue 10): real `python -m dsrecipes` processes, real signals.
 
-  local, SIGINT / SIGTERM     1 rank in the launching process: it stops at the next step boundary, checkpoints,
-                              writes result.json `interrupted` with the resume command, exits 130 / 143; the printed
-                              command resumes it and the losses equal an uninterrupted run's (trained in this
-                              process) step for step
+  local, SIGINT then SIGTERM  1 rank in the launching process: it stops at the next step boundary, checkpoints,
+                              writes result.json `interrupted` with the resume command, exits 130 / 143 (one run:
+                              Ctrl-C, the same command again, SIGTERM); the printed command resumes it and the
+                              losses equal an uninterrupted run's (trained in this process) step for step
   deepspeed, SIGTERM          (in tests/test_train_runs.py, whose 2-rank ZeRO-2 run is the reference) 2 ranks
                               under the deepspeed launcher: the signal reaches every rank, both checkpoint the same
                               step, no process of the run is left; a SIGKILLed launching process leaves no rank
                               training; the printed command finishes the run with the reference's losses
 
-A fault (tests/faults.py, pause_after_step) holds rank 0 after step 2 until the stop arrives, so
-the signal always lands while the run is in flight at a known step: the stop happens at the boundary of step 3.
+A fault (tests/faults.py, pause_after_step) holds rank 0 after step N until the stop arrives, so the signal always
+lands while the run is in flight at a known step: the stop happens at the boundary of step N + 1.
 """
 
 from __future__ import annotations
@@ -92,16 +92,16 @@ def losses(run: Path) -> Dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
 
 
-def assert_interrupted_at_step_3(ws: Path, run: Path, code: int, signum: int) -> str:
+def assert_interrupted_at(ws: Path, run: Path, code: int, signum: int, step: int = 3) -> str:
     from dsrecipes.boundary.checkpoint_find import damage
 
     assert code == 128 + signum, log_of(ws, run)[-4000:]
     result = json.loads((run / "result.json").read_text())
-    assert result["status"] == "interrupted" and result["stopped_at_step"] == 3
-    assert result["checkpoint"] == str(run / "checkpoints" / "step_3")
-    assert damage(run / "checkpoints" / "step_3") is None  # a complete, verified checkpoint
+    assert result["status"] == "interrupted" and result["stopped_at_step"] == step
+    assert result["checkpoint"] == str(run / "checkpoints" / f"step_{step}")
+    assert damage(run / "checkpoints" / f"step_{step}") is None  # a complete, verified checkpoint
     assert result["resume_command"] in log_of(ws, run)  # printed as well
-    assert sorted(losses(run)) == [1, 2, 3]
+    assert sorted(losses(run)) == list(range(1, step + 1))
     return result["resume_command"]
 
 
@@ -136,13 +136,21 @@ def local_reference(ws) -> Path:
     return reference
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
-def test_a_signal_to_a_local_run_checkpoints_and_the_printed_command_resumes_exactly(ws, local_reference, signum):
-    run = ws / f"local_{signal.Signals(signum).name}"
-    proc = start(ws, run, pause_after=2)
-    wait_for_step(run, 2, proc)
-    proc.send_signal(signum)
-    command = assert_interrupted_at_step_3(ws, run, finish(proc), signum)
-    no_process_left(run)
-    resume(ws, run, command)
+def test_ctrl_c_then_sigterm_to_a_local_run_checkpoint_and_the_printed_command_resumes_exactly(ws, local_reference):
+    """One local run stopped twice, each time while it idles after a step: Ctrl-C (SIGINT) after step 2 stops it at
+    step 3 (exit 130); the same command again resumes there and SIGTERM after step 5 stops it at step 6 (exit 143);
+    each time result.json says `interrupted` with the checkpoint and the printed command (the same both times), and
+    that command finishes the run with the uninterrupted run's losses, step for step."""
+    run = ws / "local"
+    commands = []
+    for signum, after in ((signal.SIGINT, 2), (signal.SIGTERM, 5)):
+        seen = len(log_of(ws, run)) if commands else 0
+        proc = start(ws, run, pause_after=after)
+        wait_for_step(run, after, proc)
+        proc.send_signal(signum)
+        commands.append(assert_interrupted_at(ws, run, finish(proc), signum, step=after + 1))
+        assert commands[-1] in log_of(ws, run)[seen:]  # this session printed it
+        no_process_left(run)
+    assert commands[0] == commands[1], commands
+    resume(ws, run, commands[1])
     assert losses(run) == losses(local_reference)

@@ -182,7 +182,7 @@ def test_sigterm_reaches_every_rank_a_killed_launcher_leaves_no_rank_behind_and_
     from dsrecipes.data.plan.ledger import verify_ledgers
     from tests.faults import fault_env
     from tests.test_signals import (
-        assert_interrupted_at_step_3,
+        assert_interrupted_at,
         finish,
         log_of,
         losses,
@@ -196,7 +196,7 @@ def test_sigterm_reaches_every_rank_a_killed_launcher_leaves_no_rank_behind_and_
     proc = start(workspace, run, *two_ranks, pause_after=2)
     wait_for_step(run, 2, proc)
     proc.send_signal(signal.SIGTERM)
-    command = assert_interrupted_at_step_3(workspace, run, finish(proc), signal.SIGTERM)
+    command = assert_interrupted_at(workspace, run, finish(proc), signal.SIGTERM)
     no_process_left(run, within=5)  # the launching process returns only once its whole process group is gone
 
     # The resumed run's launching process is killed outright (no handler runs): its ranks must not train on alone.
