@@ -2,7 +2,7 @@
 
     python benchmarks/bench_checkpoint_size.py                 # a 30-layer, 576-wide Llama (SmolLM-135M's shape)
     python benchmarks/bench_checkpoint_size.py --tiny          # the embedded tiny model as it is
-    python benchmarks/bench_checkpoint_size.py --smoke         # --tiny, 8 samples: every phase in seconds
+    python benchmarks/bench_checkpoint_size.py --smoke         # --tiny, 8 samples, both runs in this process: seconds
 
 Each variant is one `python -m dsrecipes` run of one optimizer step (ZeRO-0, fp32, AdamW, local launcher) that
 saves a checkpoint; the script prints the bytes of `checkpoints/step_1/` per variant and per file. A LoRA
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from _harness import Result, add_args
+from _run_system import run_here
 
 # SmolLM-135M's layer shapes (hidden 576, MLP 1536, 30 layers, 9 heads / 3 KV heads, tied embeddings); the
 # vocabulary is the bundled tokenizer's, so the parameter count is below 135M.
@@ -43,10 +44,16 @@ def run(root: Path, name: str, overrides: List[str], result: Result) -> Dict[str
     out = root / name
     cmd = [sys.executable, "-m", "dsrecipes", *COMMON, *overrides, f"trainer.output_dir={out}",
            f"data.cache_dir={root / 'cache'}"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"{name}: exit {done.returncode}\n{done.stderr[-3000:]}")
-    params = next((ln for ln in done.stdout.splitlines() if "parameters" in ln), "")
+    if result.smoke:  # the same command, its entry point called here: one torch import for both variants
+        log = root / f"{name}.log"
+        code = run_here(cmd, log, env=None)
+        stdout = stderr = log.read_text(errors="replace")  # one log holds both
+    else:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        code, stdout, stderr = done.returncode, done.stdout, done.stderr
+    if code != 0:
+        sys.exit(f"{name}: exit {code}\n{stderr[-3000:]}")
+    params = next((ln for ln in stdout.splitlines() if "parameters" in ln), "")
     print(f"{name}: {params.strip()}")
     files = sizes(out / "checkpoints" / "step_1")
     if not files:
@@ -68,6 +75,8 @@ def measure(args: argparse.Namespace, result: Result) -> None:
     shape = [] if args.tiny or args.smoke else SMOL_SHAPE
     if args.smoke:
         shape = ["dataset.max_samples=8", "data.cutoff_len=32"]
+        result.note("smoke: each variant's `python -m dsrecipes ...` is called as dsrecipes.cli.main(...) in this "
+                    "process (as gpu_compare's CPU dry run does), not in a process of its own")
     with tempfile.TemporaryDirectory(prefix="ckpt_size_") as tmp:
         root = Path(tmp)
         full = run(root, "full", shape, result)

@@ -14,7 +14,8 @@ MFU = 6 * N * tokens/s / peak, N = all parameters, peak = --peak-tflops (989 = H
 Everything lands in OUT/results.json (plus one JSON per phase); exit code 0 only when every phase passed.
 A total time budget (--budget-s) skips phases that could not finish in time, so the script ends in about 5 minutes.
 `--smoke`: the tiny model, a few steps, ZeRO-2 only, both modes, on the GPU when there is one, else on CPU in fp32
-with a note on the output and in results.json's `notes` (--out defaults to a fresh temporary directory then).
+(pipeline mode with launcher=local) with notes on the output and in results.json's `notes` (--out defaults to a fresh
+temporary directory then).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--stage", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.notes = []
+    args.launcher = ["launcher=deepspeed", "launcher.num_gpus=1"]  # pipeline mode's launcher
     if args.out is None and not args.smoke:
         p.error("--out is required (unless --smoke)")
     if args.smoke and args.child is None:
@@ -90,6 +92,9 @@ def smoke_settings(args: argparse.Namespace) -> None:
         args.device, args.precision = "cpu", "fp32"
         args.notes.append("smoke: no CUDA GPU on this machine, so the tiny model runs on CPU in fp32; nothing here "
                           "says anything about a GPU")
+        args.launcher = ["launcher=local"]  # two fewer processes (DeepSpeed's launcher, a rank) each importing torch
+        args.notes.append("smoke: pipeline mode runs `python -m dsrecipes` with launcher=local (its rank in the CLI's "
+                          "process), not launcher=deepspeed on 1 GPU")
     for note in args.notes:
         print(f"NOTE: {note}", flush=True)
 
@@ -208,8 +213,7 @@ def pipeline_overrides(args: argparse.Namespace, stage: int, run_dir: Path) -> L
         "data.packing=true", f"data.cutoff_len={args.seq}", f"trainer.micro_batch_size={args.micro_batch}",
         f"trainer.max_steps={args.pipeline_steps}", f"trainer.log_every={max(args.pipeline_steps // 10, 1)}",
         f"scheduler.warmup_steps={max(args.pipeline_steps // 10, 1)}", f"trainer.eval_samples={2 * args.micro_batch}",
-        "trainer.export=false", "launcher=deepspeed", "launcher.num_gpus=1", f"trainer.output_dir={run_dir}",
-        *args.override,
+        "trainer.export=false", *args.launcher, f"trainer.output_dir={run_dir}", *args.override,
     ]  # fmt: skip
 
 
