@@ -189,6 +189,15 @@ def test_s3_stream_is_read_once_cold_and_not_at_all_warm(make_cfg, bucket, s3_se
 # Faults: throttling (503 SlowDown) and connections dropped in the middle of a range, through a real proxy
 
 
+def short_backoff(monkeypatch) -> None:
+    """RangeReader's waits between attempts from 10 ms instead of 0.2 s (still doubling, the same attempts and
+    deadline): these tests count attempts, retries and bytes, and the product's 0.2 s doubling to 8 s made the
+    eight failed attempts of the fault that outlasts them ~21 s of sleeping."""
+    from dsrecipes.data.sources import remote
+
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+
+
 def test_readers_survive_throttling_and_dropped_connections_and_read_each_block_once(make_cfg, bucket, s3_server,
                                                                                       tmp_path, monkeypatch):
     from dsrecipes.data.stream.index import BlockSource, index_stream
@@ -204,6 +213,7 @@ def test_readers_survive_throttling_and_dropped_connections_and_read_each_block_
     index = index_stream(cfg)  # straight from the server
     proxy = FaultProxy(s3_server.port, slowdowns=3, drops=3).start()
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    short_backoff(monkeypatch)
     try:
         source = BlockSource(index)
         got = [raw for g in range(index.blocks["count"].size) for _, _, raw in source.block(g)]
@@ -261,6 +271,7 @@ def test_a_fault_that_outlasts_the_stores_retries_is_retried_then_reported(bucke
     digest = identity(url)
     proxy = FaultProxy(s3_server.port, drops=3).start()  # more than s3fs retries: RangeReader retries too
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    short_backoff(monkeypatch)  # the 8 attempts and the message are checked, not how long the waits are
     try:
         reader = RangeReader(url, digest)
         assert reader.read(5, 25) == b"56789012345678901234" and reader.retries >= 1  # (s3fs retries some)
