@@ -4,10 +4,12 @@
 Every claim is checked twice: by `dsrecipes.data.plan.ledger.verify_ledgers` (the tool users run) and by assertions on
 the raw `<run>/ledger/rank<R>.jsonl` lines parsed here, independently of `read_ledger`.
 
-Data: three JSONL files of very different sizes (120, 30 and 7 rows of the bundled sample data; ids from the row's
-`id` field or `<file>:<line>`), fewer files than readers (2 ranks x 2 DataLoader workers), shuffle buffer 32 (so the
-stream is shuffled window by window, several windows), micro batch 4 x grad_accum 2 x 2 ranks = 16 per step:
-157 samples -> 9 steps per epoch, remainder 13; 2 epochs = 18 steps.
+Data: three JSONL files of very different sizes (60, 15 and 4 rows of the bundled sample data; ids from the row's
+`id` field or `<file>:<line>`), fewer files than readers (2 ranks x 2 DataLoader workers), shuffle buffer 8 (so the
+stream is shuffled window by window, several windows in each reader's ~20 samples), micro batch 4 x grad_accum 2 x
+2 ranks = 16 per step: 79 samples -> 4 steps per epoch, remainder 15; 2 epochs = 8 steps. (Every check below holds
+for any such sizes; these are the smallest that keep a mid-epoch checkpoint before the kill, a replay that crosses
+into the next epoch and several shuffle windows per reader, so the four launches spend their time on the checks.)
 
 The files are written here AND put, byte for byte, on a real S3-API server (moto's standalone server, the session's
 `s3_server`) under s3://dsr-guarantees/train/, and the runs read them from there: one run serves both these data
@@ -17,20 +19,23 @@ that tests/test_store_e2e.py would otherwise need runs of its own for. (Local fi
 trained by test_stream_e2e and test_dpo_strategies; the local copies here feed the 3-part shard dir.)
 
 Runs (module fixtures, shared between tests):
-  iterable           data=iterable from s3://dsr-guarantees/train/*.jsonl, data.num_samples=157, trainer.epochs=2,
-                     trainer.max_steps=null, save_every=4
-  iterable_killed    the same command, every rank killed while saving step 12 (before `latest`), so the last good
-                     checkpoint is step 8, in the middle of epoch 0; then the same command again (resume=auto),
-                     which replays steps 9-12 and crosses into epoch 1. (save_every = total/2 would put the
+  iterable           data=iterable from s3://dsr-guarantees/train/*.jsonl, data.num_samples=79, trainer.epochs=2,
+                     trainer.max_steps=null, save_every=3
+  iterable_killed    the same command, every rank killed while saving step 6 (before `latest`), so the last good
+                     checkpoint is step 3, in the middle of epoch 0; then the same command again (resume=auto),
+                     which replays steps 4-6 and crosses into epoch 1. (save_every = total/2 would put the
                      checkpoint exactly on the epoch boundary with 2 epochs; mid-epoch is the harder case.)
-  presharded         `dsrecipes shard s3://.../train/*.jsonl --out s3://dsr-guarantees/parts2` (subprocess), then
-                     the training command it printed (data=presharded, data.shard_dir=s3://...), run as printed
+  presharded         `dsrecipes shard s3://.../train/*.jsonl --out s3://dsr-guarantees/parts2` (in-process:
+                     `dsrecipes.cli.main`, the function `python -m dsrecipes` calls), then the training command it
+                     printed (data=presharded, data.shard_dir=s3://...), run as printed in a shell
   + a 3-part shard dir (of the local copies) under world size 2: exit 2 with the re-shard hint, before any rank
     starts (in-process: `dsrecipes.cli.main`, nothing to launch)
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -39,24 +44,24 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import subprocess_env
+from tests.conftest import in_process_environ, subprocess_env
 from tests.helpers.s3server import SECRET
 from tests.test_train_runs import SHORT, train_run
 
 pytestmark = pytest.mark.slow
 
 SAMPLE = Path(__file__).resolve().parents[1] / "dsrecipes" / "assets" / "sample_data" / "train.jsonl"
-FILES = {"big.jsonl": 120, "mid.jsonl": 30, "tiny.jsonl": 7}  # uneven, fewer files than the 4 readers
-NUM_SAMPLES = sum(FILES.values())  # 157
+FILES = {"big.jsonl": 60, "mid.jsonl": 15, "tiny.jsonl": 4}  # uneven, fewer files than the 4 readers
+NUM_SAMPLES = sum(FILES.values())  # 79
 RANKS, MICRO, ACCUM = 2, 4, 2
 GLOBAL_BATCH = RANKS * MICRO * ACCUM  # 16
-STEPS_PER_EPOCH = NUM_SAMPLES // GLOBAL_BATCH  # 9
-REMAINDER = NUM_SAMPLES - STEPS_PER_EPOCH * GLOBAL_BATCH  # 13
+STEPS_PER_EPOCH = NUM_SAMPLES // GLOBAL_BATCH  # 4
+REMAINDER = NUM_SAMPLES - STEPS_PER_EPOCH * GLOBAL_BATCH  # 15
 EPOCHS = 2
-TOTAL_STEPS = EPOCHS * STEPS_PER_EPOCH  # 18
-SAVE_EVERY = 4  # checkpoints at 4, 8, 12, 16 and 18
-KILLED_AT = 12  # dies while saving step 12: resumes from step 8 (epoch 0, micro-batch 16 of 18 per rank)
-RESUMED_FROM = 8
+TOTAL_STEPS = EPOCHS * STEPS_PER_EPOCH  # 8
+SAVE_EVERY = 3  # checkpoints at 3, 6 and 8
+KILLED_AT = 6  # dies while saving step 6: resumes from step 3 (epoch 0, micro-batch 6 of 8 per rank)
+RESUMED_FROM = 3
 STORE = "s3://dsr-guarantees"  # a bucket of this file's own: under `-n 0` the session's server is shared
 TRAIN_GLOB = f"{STORE}/train/*.jsonl"
 STORE_ENV = {"AWS_SECRET_ACCESS_KEY": SECRET}  # what the runs' environment holds anyway (s3_server), said explicitly
@@ -73,7 +78,7 @@ COMMON = (
     "dataset.val_size=0",  # no validation hold-out: every row of the files is a training sample
     "data.num_workers=2",
     "data.shuffle=true",
-    "data.shuffle_buffer=32",
+    "data.shuffle_buffer=8",
 )
 
 
@@ -124,16 +129,19 @@ def iterable_run(workspace, shards) -> tuple[Path, str]:
 
 @pytest.fixture(scope="module")
 def sharding(workspace, shards) -> tuple[str, str]:
-    """`dsrecipes shard s3://... --parts 2 --out s3://.../parts2 <training overrides>`, for real: the parts' URL and
-    the training command it printed."""
+    """`dsrecipes shard s3://... --parts 2 --out s3://.../parts2 <training overrides>`, for real (in this process:
+    what it does is not about a process boundary): the parts' URL and the training command it printed."""
+    from dsrecipes.cli import main as cli
+
     out = f"{STORE}/parts2"
     training = [*SHORT, *COMMON, f"data.cache_dir={workspace / 'cache'}",
                 f"trainer.output_dir={workspace / 'presharded'}"]
-    argv = [sys.executable, "-m", "dsrecipes", "shard", TRAIN_GLOB, "--parts", "2", "--out", out, *training]
-    proc = subprocess.run(argv, env=subprocess_env(), capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with in_process_environ(), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = cli(["shard", TRAIN_GLOB, "--parts", "2", "--out", out, *training])
+    assert code == 0, (stdout.getvalue() + stderr.getvalue())[-4000:]
     assert not list((workspace / "cache").glob("shard-staging-*")), "the staging directory is removed"
-    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("train with: ")]
+    (line,) = [ln for ln in stdout.getvalue().splitlines() if ln.startswith("train with: ")]
     return out, line[len("train with: "):]
 
 
@@ -412,7 +420,7 @@ def test_iterable_resume_replays_the_same_samples_and_losses(resumed_run, iterab
         assert sorted(second) == list(range(RESUMED_FROM + 1, TOTAL_STEPS + 1)), sorted(second)
         # the killed session read what the uninterrupted run read, up to where it died ...
         assert first == {s: reference[r][s] for s in first}, f"rank {r}: the killed session diverged"
-        # ... and the resumed session re-read the replayed steps 9..12 and went on exactly like it
+        # ... and the resumed session re-read the replayed steps 4..6 and went on exactly like it
         union = {**{s: v for s, v in first.items() if s <= RESUMED_FROM}, **second}
         for s in range(1, TOTAL_STEPS + 1):
             assert union[s] == reference[r][s], f"rank {r} step {s}: {union[s]} != {reference[r][s]}"
