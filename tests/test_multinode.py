@@ -218,7 +218,7 @@ def test_deepspeed_over_ssh_pdsh_through_a_dead_node_and_resume(ssh_cluster, wor
 
     node0, node1 = ssh_cluster.nodes
     run = workspace / "pdsh"
-    timeout = ["launcher.peer_timeout_s=15"]
+    timeout = ["launcher.peer_timeout_s=10"]
     log = workspace / "pdsh.log"
     with open(log, "wb") as fh:
         # the fault comes from the test's PYTHONPATH (tests/faults.py), which DeepSpeed's runner exports to pdsh's ranks
@@ -252,7 +252,7 @@ def test_deepspeed_over_ssh_pdsh_through_a_dead_node_and_resume(ssh_cluster, wor
     assert code != 0, out[-3000:]
     print(f"\nnode 1 killed: node 0's ranks gone after {ranks_gone:.1f} s, launching process after {launcher_gone:.1f} s",
           file=sys.stderr)  # fmt: skip
-    assert ranks_gone < 35 and launcher_gone < 50  # peer_timeout_s=15, then the launchers stop the rest
+    assert ranks_gone < 35 and launcher_gone < 50  # peer_timeout_s=10, then the launchers stop the rest
     orphans = lambda: [p for p in node0.pids() if not netns.cmdline_of(p)[0].startswith("sshd")]  # noqa: E731
     deadline = time.monotonic() + 10
     while orphans() and time.monotonic() < deadline:

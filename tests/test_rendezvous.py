@@ -22,7 +22,7 @@ from dsrecipes.core.rendezvous import describe
 from tests.fault_cases import end, read_json, start, wait_exit, wait_session_gone
 from tests.faults import fault_env
 
-TIMEOUT_S = 6
+TIMEOUT_S = 5  # the least launcher.rendezvous_timeout_s accepts
 WAITING = "waiting at the rendezvous"
 
 

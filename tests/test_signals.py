@@ -141,7 +141,7 @@ def test_ctrl_c_then_sigterm_to_a_local_run_checkpoint_and_the_printed_command_r
     step 3 (exit 130); the same command again resumes there and SIGTERM after step 5 stops it at step 6 (exit 143);
     each time result.json says `interrupted` with the checkpoint and the printed command (the same both times), and
     that command finishes the run with the uninterrupted run's losses, step for step."""
-    run = ws / "local"
+    run = ws / "signalled"
     commands = []
     for signum, after in ((signal.SIGINT, 2), (signal.SIGTERM, 5)):
         seen = len(log_of(ws, run)) if commands else 0
