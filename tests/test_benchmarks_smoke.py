@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,8 +32,22 @@ def result_file(script: Path, out: Path) -> Path:
     return out / f"{prefix}{script.stem}.json"
 
 
-def run_smoke(script: Path, out: Path) -> subprocess.CompletedProcess:
-    env = subprocess_env({"HF_HUB_OFFLINE": "1", "PYTHONPATH": None})  # the scripts find this checkout themselves
+@pytest.fixture(scope="module")
+def bytecode(tmp_path_factory) -> dict:
+    """Where this interpreter's torch ships without bytecode caches and PYTHONDONTWRITEBYTECODE is set, every smoke
+    process (and each of its children) compiles the same ~900 torch modules again: ~2 CPU s each, ~30 processes.
+    One bytecode cache directory for the module's smokes instead (the first process fills it, ~9 CPU s). A user's
+    installation has its caches, so this makes a smoke run closer to a user's, not further; unchanged where a
+    PYTHONPYCACHEPREFIX is already set or torch has its caches."""
+    probe = Path(importlib.util.find_spec("torch").origin).parent / "distributed" / "tensor" / "__init__.py"
+    compiles = probe.is_file() and not Path(importlib.util.cache_from_source(str(probe))).is_file()
+    if os.environ.get("PYTHONPYCACHEPREFIX") or not (compiles and os.environ.get("PYTHONDONTWRITEBYTECODE")):
+        return {}
+    return {"PYTHONPYCACHEPREFIX": str(tmp_path_factory.mktemp("pycache")), "PYTHONDONTWRITEBYTECODE": None}
+
+
+def run_smoke(script: Path, out: Path, extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = subprocess_env({"HF_HUB_OFFLINE": "1", "PYTHONPATH": None, **(extra or {})})  # the scripts find this checkout
     return subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], cwd=out, env=env,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
 
@@ -45,8 +60,8 @@ def test_every_benchmark_is_listed():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(BENCH)))
-def test_smoke(script: Path, tmp_path: Path):
-    done = run_smoke(script, tmp_path)
+def test_smoke(script: Path, tmp_path: Path, bytecode: dict):
+    done = run_smoke(script, tmp_path, bytecode)
     tail = f"\n--- stdout ---\n{done.stdout[-3000:]}\n--- stderr ---\n{done.stderr[-3000:]}"
     assert done.returncode == 0, f"{script.name} --smoke exited {done.returncode}{tail}"
     assert "Traceback" not in done.stderr, tail
