@@ -21,6 +21,7 @@ from dsrecipes.config.load import ConfigError, compose_and_load, hydra_context  
 from dsrecipes.config.validate import check_runtime  # noqa: E402
 from dsrecipes.core.distributed import skip_shm_comm_op  # noqa: E402
 from dsrecipes.core.jit_ops import prepare_rank  # noqa: E402
+from dsrecipes.core.tokenizer import tokenizer_dir  # noqa: E402
 from dsrecipes.modeling.model import build_model, load_tokenizer, trainable_parameters  # noqa: E402
 from dsrecipes.run.ds_config import build_ds_config  # noqa: E402
 
@@ -36,6 +37,22 @@ cpuinfo.get_cpu_info = functools.lru_cache(maxsize=None)(cpuinfo.get_cpu_info)
 deepspeed.init_distributed(dist_backend="gloo")
 torch.set_num_threads(1)
 opts = group_options()
+_tokenizers = {}  # tokenizer directory -> its tokenizer: one load, not one per engine (only optimizer/offload/zero
+# differ between the combinations, so they all read the same directory)
+
+
+def tokenizer(cfg):
+    path = str(tokenizer_dir(cfg))
+    if path not in _tokenizers:
+        _tokenizers[path] = load_tokenizer(cfg)
+    return _tokenizers[path]
+
+
+# ZeRO-3 engines call gc.collect(), which walks every object alive: the ~1M objects of the imports above never become
+# garbage, so they are moved out of the collector's sight (gc.freeze) and each collection walks only what came after.
+import gc  # noqa: E402
+
+gc.freeze()
 wanted = sys.argv[2].split(",") if len(sys.argv) > 2 else opts["optimizer"]
 with hydra_context():
     for optimizer, offload, zero in itertools.product(wanted, opts["offload"], opts["zero"]):
@@ -52,7 +69,7 @@ with hydra_context():
         out = {"overrides": overrides}
         try:
             ds = build_ds_config(cfg, 1)
-            model = build_model(cfg, load_tokenizer(cfg), ds)
+            model = build_model(cfg, tokenizer(cfg), ds)
             engine, optim, _, _ = deepspeed.initialize(model=model, model_parameters=trainable_parameters(model),
                                                        config=ds)
             basic = engine.basic_optimizer
