@@ -18,6 +18,8 @@ onto it) when the benchmark ends, also when it ends on an error (with `"error"` 
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import json
 import os
 import sys
@@ -31,6 +33,11 @@ if str(REPO) not in sys.path:  # the benchmarks measure this checkout's dsrecipe
     sys.path.insert(1, str(REPO))
 if str(REPO) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):  # and the `python -m dsrecipes` it starts
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+# At exit (after the other exit handlers, registered later), what is still alive is frozen: the interpreter's final
+# collections then skip it. With torch/transformers/deepspeed loaded they cost ~1.3 CPU s per process otherwise
+# (measured: 1.3-1.5 s between the end of main and the process's end, 0.2 s frozen). Nothing measured is affected.
+atexit.register(gc.freeze)
+
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--smoke", action="store_true",

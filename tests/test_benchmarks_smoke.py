@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from dsrecipes.core.paths import user_cache_dir
 from tests.conftest import subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,17 +34,16 @@ def result_file(script: Path, out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def bytecode(tmp_path_factory) -> dict:
-    """Where this interpreter's torch ships without bytecode caches and PYTHONDONTWRITEBYTECODE is set, every smoke
-    process (and each of its children) compiles the same ~900 torch modules again: ~2 CPU s each, ~30 processes.
-    One bytecode cache directory for the module's smokes instead (the first process fills it, ~9 CPU s). A user's
-    installation has its caches, so this makes a smoke run closer to a user's, not further; unchanged where a
-    PYTHONPYCACHEPREFIX is already set or torch has its caches."""
+def bytecode() -> dict:
+    """What scripts/test.sh sets for the whole suite, also when this file runs on its own (`pytest tests/...`): where
+    PYTHONDONTWRITEBYTECODE is set and torch ships without most of its bytecode, every smoke process (and each of its
+    children, ~30) would compile the same ~900 torch modules again, ~2 CPU s each; the suite's bytecode cache
+    instead. Unchanged where a PYTHONPYCACHEPREFIX is already set (scripts/test.sh) or torch has its bytecode."""
     probe = Path(importlib.util.find_spec("torch").origin).parent / "distributed" / "tensor" / "__init__.py"
     compiles = probe.is_file() and not Path(importlib.util.cache_from_source(str(probe))).is_file()
     if os.environ.get("PYTHONPYCACHEPREFIX") or not (compiles and os.environ.get("PYTHONDONTWRITEBYTECODE")):
         return {}
-    return {"PYTHONPYCACHEPREFIX": str(tmp_path_factory.mktemp("pycache")), "PYTHONDONTWRITEBYTECODE": None}
+    return {"PYTHONPYCACHEPREFIX": str(user_cache_dir() / "dsrecipes" / "pycache"), "PYTHONDONTWRITEBYTECODE": None}
 
 
 def run_smoke(script: Path, out: Path, extra: dict | None = None) -> subprocess.CompletedProcess:
