@@ -27,6 +27,7 @@ from dsrecipes.boundary.point_of_use import CheckedCheckpoint
 from dsrecipes.boundary.safe_load import load
 from dsrecipes.boundary.trust import sign
 from dsrecipes.config.load import load_run_config
+from dsrecipes.core.deepspeed_import import load_deepspeed
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.export_dir import EXPORT_INIT_DIR, EXPORT_MARKER, check_out_dir
 from dsrecipes.core.fileio import atomic_write_json
@@ -130,6 +131,7 @@ def _save_hf(model: Any, tokenizer: Any, out_dir: Path, info: Dict[str, Any], ke
     check_out_dir(out_dir, key)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = staging_dir(out_dir)
+    load_deepspeed()  # save_pretrained imports DeepSpeed (accelerate's unwrap): first without its autotuner's mlflow
     try:
         model.save_pretrained(str(tmp), safe_serialization=True)
         if hasattr(model, "get_base_model"):  # an adapter-only export: peft writes no generation_config.json
