@@ -19,6 +19,7 @@ exit code. Rank 0 writes how the ranks ended into rank_outcome.json for the laun
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from pathlib import Path
@@ -51,6 +52,7 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
     try:
         with stopping.handling():
             session = start(cfg, run_dir)
+            collector_on()
             try:
                 loop(session)
             except (RunInterrupted, TrainingFailed) as exc:
@@ -66,6 +68,15 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
     finally:
         lock.release()
     return session.state
+
+
+def collector_on() -> None:
+    """In a rank process, which starts with the cyclic collector off (rank/worker.py): what start-up left alive is
+    frozen out of every later collection, and the collector runs from here on. Elsewhere (a run inside the launching
+    process: launcher=local) the collector was never turned off, and nothing changes."""
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
 
 
 def loop(s: Session) -> None:
