@@ -4,8 +4,10 @@ DeepSpeed's import pulls in no mlflow for its autotuner (issue 22 item 1: multi-
 
 The slow tests are real: a second environment is a real `python -m venv --system-site-packages`, the op is a real
 C++ extension built by DeepSpeed's own OpBuilder.jit_load (a small one, so it builds in seconds), the doctor is the
-`dsrecipes doctor` command, and the 2-rank run is `python -m dsrecipes launcher=deepspeed`. That training builds no
-shared-memory op is checked on tests/test_train_runs.py's 2-rank run (started from an empty extensions cache).
+`dsrecipes doctor --json` command (cli.main, run by each environment's interpreter right after its silent reload of
+the op, under the environment that process started with: one interpreter start less per environment), and the
+2-rank run is `python -m dsrecipes launcher=deepspeed`. That training builds no shared-memory op is checked on
+tests/test_train_runs.py's 2-rank run (started from an empty extensions cache).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def test_the_users_torch_extensions_dir_wins(monkeypatch, tmp_path):
 
 
 TINY_OP = r'''
+import os
 import sys
 from pathlib import Path
 
@@ -79,8 +82,15 @@ class TinyBuilder(CPUOpBuilder):
         return ["-O0", "-g"]
 
 
+started_with = dict(os.environ)
 root = jit_ops.prepare_rank()  # what every rank does in distributed.init_distributed
 print("answer", TinyBuilder().load(verbose=False).answer(), "root", root, flush=True)
+if sys.argv[2:] == ["--then-doctor"]:  # `dsrecipes doctor --json` next, in this interpreter: what `python -m
+    os.environ.clear()  # dsrecipes doctor --json` runs (cli.main), under the environment this process started
+    os.environ.update(started_with)  # with (prepare_rank set TORCH_EXTENSIONS_DIR for the rank only)
+    from dsrecipes.cli import main  # noqa: E402
+
+    sys.exit(main(["doctor", "--json"]))
 '''
 
 # The CPython C API alone (no pybind11/torch headers): a real extension module that compiles in a fraction of a
@@ -104,19 +114,17 @@ def test_environments_build_apart_once_each_announced_where_doctor_looks(tmp_pat
     env.pop("TORCH_EXTENSIONS_DIR", None)
     pythons = {"A": sys.executable, "B": str(venv / "bin" / "python")}
 
-    def load(who: str, chosen: Optional[Path] = None) -> tuple[Path, str]:
-        done = subprocess.run([pythons[who], str(tmp_path / "tiny_op.py"), str(tmp_path / "tiny_op.cpp")],
-                              env={**env, "TORCH_EXTENSIONS_DIR": str(chosen)} if chosen else env,
-                              capture_output=True, text=True, timeout=600)  # fmt: skip
+    def load(who: str, chosen: Optional[Path] = None, then_doctor: bool = False) -> tuple[Path, str]:
+        argv = [pythons[who], str(tmp_path / "tiny_op.py"), str(tmp_path / "tiny_op.cpp")]
+        done = subprocess.run(argv + ["--then-doctor"] * then_doctor, capture_output=True, text=True, timeout=600,
+                              env={**env, "TORCH_EXTENSIONS_DIR": str(chosen)} if chosen else env)
         assert done.returncode == 0, done.stderr[-3000:]
         assert "answer 42" in done.stdout
-        return Path(done.stdout.split(" root ")[1].strip()), done.stderr
+        root, _, findings = done.stdout.split(" root ")[1].partition("\n")
+        doctors[who] = findings and [f["message"] for f in json.loads(findings) if f["check"] == "torch_extensions"]
+        return Path(root.strip()), done.stderr
 
-    def doctor(who: str) -> str:
-        done = subprocess.run([pythons[who], "-m", "dsrecipes", "doctor", "--json"], env=env, capture_output=True,
-                              text=True, timeout=600)
-        (f,) = [f for f in json.loads(done.stdout) if f["check"] == "torch_extensions"]
-        return f["message"]
+    doctors: dict = {}  # who -> the doctor's torch_extensions finding, from a load with then_doctor
 
     root_a, said = load("A")
     assert "building DeepSpeed's dsrecipes_tiny_op (a C++ op) for this Python environment, once" in said
@@ -126,10 +134,9 @@ def test_environments_build_apart_once_each_announced_where_doctor_looks(tmp_pat
     root_b, said = load("B")  # the other environment builds its own ...
     assert root_b != root_a and "building DeepSpeed's dsrecipes_tiny_op" in said
     for who, root in (("A", root_a), ("B", root_b)):  # ... and they alternate without rebuilding each other's
-        assert load(who) == (root, "")  # silent: nothing to build
+        assert load(who, then_doctor=True) == (root, "")  # silent: nothing to build (nor from the doctor)
+        assert doctors[who] == [f"{root}: built ops: dsrecipes_tiny_op"]  # the doctor looks where the run builds
     assert library_a.stat().st_mtime_ns == built_at
-    assert doctor("A") == f"{root_a}: built ops: dsrecipes_tiny_op"  # the doctor looks where the run builds
-    assert doctor("B") == f"{root_b}: built ops: dsrecipes_tiny_op"
     # ours build without DeepSpeed's -g (jit_ops.NO_DEBUG_INFO); a directory the user chose keeps the op's flags
     assert load("A", tmp_path / "chosen")[0] == tmp_path / "chosen"
     for root, debug_info in ((root_a, False), (root_b, False), (tmp_path / "chosen", True)):
