@@ -26,8 +26,8 @@ from tests.test_train_runs import SHORT, train_run
 pytestmark = pytest.mark.slow
 
 SAMPLE = Path(__file__).resolve().parents[1] / "dsrecipes" / "assets" / "sample_data" / "train.jsonl"
-FILES = {"big.jsonl": 40, "mid.jsonl": 15, "tiny.jsonl": 5}  # uneven files; 7 steps of 8, 4 samples left over
-NUM_SAMPLES = sum(FILES.values())  # 60
+FILES = {"big.jsonl": 60, "mid.jsonl": 25, "tiny.jsonl": 7}
+NUM_SAMPLES = sum(FILES.values())  # 92
 RANKS, MICRO = 2, 4
 GLOBAL_BATCH = RANKS * MICRO
 COMMON = ("trainer.record_samples=true", "trainer.export=false", f"trainer.micro_batch_size={MICRO}",
