@@ -64,6 +64,7 @@ class Session:
     selector: Any = None  # save_best / early stopping (selection.py), over state.selection
     eval_ledger: Any = None  # which samples each evaluation scored (trainer.record_samples)
     prompt_eval: Any = None  # trainer.prompt_eval_every (gen_eval.py)
+    launcher_seen_at: float = float("-inf")  # when rank 0 last found the launcher alive (train.stop_requested)
 
 
 def start(cfg: TrainConfig, run_dir: Path) -> Session:

@@ -176,7 +176,6 @@ def save(s: Session) -> None:
 
 
 LAUNCHER_CHECK_S = 1.0  # rank 0 asks whether the launcher still holds the run directory at most this often
-_launcher_checked: Dict[str, float] = {}  # run directory -> when rank 0 last found the launcher there
 
 
 def stop_requested(s: Session) -> bool:
@@ -187,12 +186,12 @@ def stop_requested(s: Session) -> bool:
         return True
     if s.rank != 0 or not s.plan.supervised:
         return False
-    key, now = str(s.run_dir), time.monotonic()
-    if now - _launcher_checked.get(key, -LAUNCHER_CHECK_S) < LAUNCHER_CHECK_S:
+    now = time.monotonic()
+    if now - s.launcher_seen_at < LAUNCHER_CHECK_S:
         return False
     if not launcher_alive(s.run_dir):
         return True
-    _launcher_checked[key] = now
+    s.launcher_seen_at = now
     return False
 
 
