@@ -14,6 +14,8 @@ these systems, each as a user starts it, in its own process, the order reversed 
   trl_best          `deepspeed _trl_sft.py --deepspeed DS.json`: packing, padding_free, use_liger_kernel and
                     flash_attention_2 where installed, no gradient checkpointing, bf16; DS.json is dsrecipes' ZeRO
                     JSON with the HF-owned values "auto" (HF's guide), optimizer values as HF flags (the same);
+  trl_best_flex     TRL best on flex_attention: run by default on a GPU without flash-attn, where TRL best's
+                    padding-free batch on sdpa is TRL's slow path; "TRL best" in the table is the faster of the two
   trl_plain         the same launch with TRL's defaults (no packing, padded batches, gradient checkpointing on);
   bare              a bare `deepspeed.initialize` loop on random batches of the same shape (micro_batch x seq),
                     the floor: gpu_idle_s_per_step = a dsrecipes step's time minus the bare loop's for its tokens.
@@ -59,7 +61,7 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=2176, tie_word_embeddings=True),  # the bundled tokenizer: 2113
 }
-SYSTEMS = ("dsrecipes", "dsrecipes_levers", "trl_best", "trl_plain", "bare")
+SYSTEMS = ("dsrecipes", "dsrecipes_levers", "trl_best", "trl_best_flex", "trl_plain", "bare")
 LEVERS = ["data.packing=true", "trainer.ce_chunk_tokens=4096"]
 ROW_KEYS = ("system", "model", "params", "zero", "micro_batch", "seq_len", "tokens_per_s", "mfu", "peak_mem_gib",
             "settings")
@@ -71,7 +73,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                                                   formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--models", default="qwen2.5-1.5b,qwen2.5-0.5b")
     p.add_argument("--zero", default="2,3")
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--systems", default=None, help="default: all, trl_best_flex only on a GPU without flash-attn")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=8, help="dsrecipes' and the bare loop's micro-batch")
     p.add_argument("--trl-micro-batch", type=int, default=8, help="TRL best: the largest that fits (found before)")
@@ -85,6 +87,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--corpus-mb", type=float, default=8.0)
     args = p.parse_args(argv)
     args.cuda = _cuda()
+    if args.systems is None:
+        flex = args.cuda and args.trl_attn == "auto" and importlib.util.find_spec("flash_attn") is None
+        args.systems = ",".join(s for s in SYSTEMS if flex or s != "trl_best_flex")
     if args.smoke:
         args.models, args.zero, args.seq, args.micro_batch, args.trl_micro_batch = "tiny", "2", 64, 2, 1
         args.steps, args.corpus_mb, args.budget_s = 2, 0.03, 300.0
@@ -165,14 +170,14 @@ def run_dsrecipes(args, cell: Dict[str, Any], with_levers: bool) -> Dict[str, An
             "grad_accum": args.grad_accum, "settings": {"overrides": overrides}}
 
 
-def run_trl(args, cell: Dict[str, Any], mode: str) -> Dict[str, Any]:
-    out = cell["out"] / f"trl_{mode}"
+def run_trl(args, cell: Dict[str, Any], mode: str, attn: Optional[str] = None) -> Dict[str, Any]:
+    out = cell["out"] / (f"trl_{mode}" + (f"_{attn}" if attn else ""))
     out.mkdir(parents=True, exist_ok=True)
     mb, accum = (args.trl_micro_batch, args.trl_grad_accum) if mode == "best" else (args.micro_batch, args.grad_accum)
     script = [str(HERE / "_trl_sft.py"), "--model", str(cell["model_dir"]), "--data", cell["data"], "--mode", mode,
               "--seq", str(args.seq), "--micro-batch", str(mb), "--grad-accum", str(accum),
               "--steps", str(args.steps), "--result", str(out / "row.json"), "--deepspeed", str(cell["trl_json"]),
-              "--attn", args.trl_attn if mode == "best" else "auto", *cell["hf_flags"]]
+              "--attn", attn or (args.trl_attn if mode == "best" else "auto"), *cell["hf_flags"]]
     if args.cuda:
         argv, env = ["deepspeed", "--num_gpus", "1", "--master_port", str(free_port()), *script], None
     else:  # one rank by hand: the HF Trainer runs DeepSpeed on its CPU accelerator (gloo)
@@ -235,6 +240,7 @@ def cell_rows(args, name: str, zero: int, data: str, root: Path, flip: bool, not
     runs = {"dsrecipes": lambda: run_dsrecipes(args, cell, False),
             "dsrecipes_levers": lambda: run_dsrecipes(args, cell, True),
             "trl_best": lambda: run_trl(args, cell, "best"), "trl_plain": lambda: run_trl(args, cell, "plain"),
+            "trl_best_flex": lambda: run_trl(args, cell, "best", "flex_attention"),
             "bare": lambda: run_bare(args, cell)}
     rows = []
     for system in (reversed(chosen) if flip else chosen):
@@ -272,20 +278,25 @@ def _params(model_dir: Path) -> int:
 
 
 def ratio_table(rows: List[Dict[str, Any]]) -> str:
+    """Per cell: dsrecipes' default recipe (the ratios' numerator: no levers, no tuning), the levers, TRL at its
+    best (the faster of trl_best and trl_best_flex where both ran), TRL's defaults and the bare loop."""
     lines = ["model          ZeRO  dsrecipes tok/s  MFU    levers tok/s  trl_best  trl_plain  bare   ds/trl_best "
-             "ds/trl_plain"]
+             "ds/trl_plain  levers/trl_best"]
     for model, zero in sorted({(r["model"], r["zero"]) for r in rows}):
         by = {r["system"]: r for r in rows if (r["model"], r["zero"]) == (model, zero)}
         tps = {k: r.get("tokens_per_s") for k, r in by.items()}
-        best_ds = max([v for k, v in tps.items() if k.startswith("dsrecipes") and v] or [0])
+        trl_best = max([v for k, v in tps.items() if k.startswith("trl_best") and v] or [0]) or None
 
         def f(v, fmt=".0f"):
             return format(v, fmt) if v else "-"
-        lines.append(f"{model:<14} {zero:<5} {f(tps.get('dsrecipes')):>15}  "
-                     f"{f(by.get('dsrecipes', {}).get('mfu'), '.1%'):>5}  {f(tps.get('dsrecipes_levers')):>12}  "
-                     f"{f(tps.get('trl_best')):>8}  {f(tps.get('trl_plain')):>9}  {f(tps.get('bare')):>5}  "
-                     f"{f(best_ds / tps['trl_best'] if tps.get('trl_best') else None, '.2f'):>11} "
-                     f"{f(best_ds / tps['trl_plain'] if tps.get('trl_plain') else None, '.2f'):>12}")
+
+        def ratio(num, den):
+            return f(num / den if num and den else None, ".2f")
+        ds = tps.get("dsrecipes")
+        lines.append(f"{model:<14} {zero:<5} {f(ds):>15}  {f(by.get('dsrecipes', {}).get('mfu'), '.1%'):>5}  "
+                     f"{f(tps.get('dsrecipes_levers')):>12}  {f(trl_best):>8}  {f(tps.get('trl_plain')):>9}  "
+                     f"{f(tps.get('bare')):>5}  {ratio(ds, trl_best):>11} {ratio(ds, tps.get('trl_plain')):>12} "
+                     f"{ratio(tps.get('dsrecipes_levers'), trl_best):>16}")
     return "\n".join(lines)
 
 
@@ -329,9 +340,9 @@ def main(argv: List[str]) -> int:
                         "arguments a GPU run gives its own process (dsrecipes launcher=local, TRL's DeepSpeed on "
                         "the CPU accelerator); nothing here says anything about a GPU")
         if args.cuda and args.trl_attn == "auto" and importlib.util.find_spec("flash_attn") is None:
-            result.note("flash-attn is not installed: TRL best's padding-free batch (one flattened sequence) runs on "
-                        "sdpa with a mask over the whole micro-batch, slower than TRL with flash-attn; its ratio "
-                        "favours dsrecipes (carry a flash-attn wheel, or try --trl-attn flex_attention)")
+            result.note("flash-attn is not installed: TRL best's padding-free batch (one flattened sequence) on sdpa "
+                        "is TRL's slow path, so TRL best also runs on flex_attention (trl_best_flex) and the table's "
+                        "TRL best is the faster; TRL with flash-attn may be faster still (so may dsrecipes' levers)")
         root = result.out
         data = str(root / "corpus" / "*.jsonl")
         write_corpus(root / "corpus", args.corpus_mb, 4)

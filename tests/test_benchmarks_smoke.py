@@ -146,3 +146,25 @@ def test_rank_start_second_environment_sees_a_virtual_environments_packages(tmp_
     probe = "import importlib.util as u, sys; print(sys.prefix, bool(u.find_spec('only_in_venv_a')))"
     seen = subprocess.run([b, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
     assert seen == [str(tmp_path / "venv_b"), "True"], seen
+
+
+def test_gpu_compare_ratios_take_the_default_recipe_against_trl_at_its_fastest(monkeypatch):
+    """The table's dsrecipes/TRL ratios use dsrecipes' default recipe (never the faster of it and the levers) over
+    TRL at its best (the faster of trl_best on sdpa and trl_best_flex), and a GPU without flash-attn runs both TRL
+    variants by default: a harness that picked TRL's slow attention path would flatter dsrecipes."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu_compare
+    finally:
+        sys.path.remove(str(BENCH))
+    cell = {"model": "m", "zero": 2}
+    rows = [{**cell, "system": s, "tokens_per_s": v} for s, v in
+            (("dsrecipes", 100.0), ("dsrecipes_levers", 300.0), ("trl_best", 50.0), ("trl_best_flex", 200.0),
+             ("trl_plain", 80.0), ("bare", 400.0))]
+    line = gpu_compare.ratio_table(rows).splitlines()[1].split()
+    assert line[-3:] == ["0.50", "1.25", "1.50"], line  # 100/200, 100/80, 300/200
+    monkeypatch.setattr(gpu_compare, "_cuda", lambda: True)
+    monkeypatch.setattr(gpu_compare.importlib.util, "find_spec", lambda name: None)
+    assert "trl_best_flex" in gpu_compare.parse_args([]).systems.split(",")
+    monkeypatch.setattr(gpu_compare, "_cuda", lambda: False)
+    assert "trl_best_flex" not in gpu_compare.parse_args([]).systems.split(",")
