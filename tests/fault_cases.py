@@ -35,6 +35,7 @@ SAMPLE = REPO / "dsrecipes" / "assets" / "sample_data" / "train.jsonl"
 INJECT_AT = 3  # the step after which the fault is injected (a checkpoint exists at step 2)
 PEER_TIMEOUT_S = 8
 READ_DEADLINE_S = 10
+WORKER_SEARCH_S = 30  # a rank's DataLoader workers found (they exist from the first step: only an epoch's turnover)
 FAULTS = ("file_changed", "worker_killed", "rank_killed", "rank_stopped", "store_stalled", "launcher_killed")
 BUCKET = "fault-matrix"
 
@@ -192,9 +193,8 @@ def run_case(case: Case, root: Path, cache: Optional[Path] = None, start_timeout
     try:
         reached = wait_for_step(root / "run", INJECT_AT, proc, start_timeout)
         assert reached, f"{case.name}: step {INJECT_AT} not reached:\n{console.read_text()[-3000:]}"
-        at = time.monotonic()
         originals = {p: p.read_bytes() for p in fault_targets(case, root)}
-        inject(case, root, proc, store)
+        at = inject(case, root, proc, store)
         code = wait_exit(proc, case.bound_s)
         left = wait_session_gone(proc.pid, at + case.bound_s)
         seconds = time.monotonic() - at if not left else float("inf")
@@ -322,7 +322,17 @@ def fault_targets(case: Case, root: Path) -> List[Path]:
             "map": sorted((root / "cache").rglob("*.arrow"))}[case.strategy]
 
 
-def inject(case: Case, root: Path, proc: subprocess.Popen, store: Optional[Store] = None) -> None:
+def inject(case: Case, root: Path, proc: subprocess.Popen, store: Optional[Store] = None) -> float:
+    """Inject the fault; returns when it struck (time.monotonic()), after finding its target: the time spent looking
+    for a rank or a DataLoader worker is not charged to the run's bound."""
+    if case.fault == "worker_killed":
+        return kill_a_worker(ranks(proc.pid)[-1])
+    if case.fault in ("rank_killed", "rank_stopped"):
+        target = ranks(proc.pid)[-1]
+        at = time.monotonic()
+        os.kill(target, signal.SIGKILL if case.fault == "rank_killed" else signal.SIGSTOP)
+        return at
+    at = time.monotonic()
     if case.fault == "file_changed":
         targets = fault_targets(case, root)
         assert targets, case.name
@@ -333,14 +343,25 @@ def inject(case: Case, root: Path, proc: subprocess.Popen, store: Optional[Store
         store.proxy.stall()
     elif case.fault == "launcher_killed":
         os.kill(proc.pid, signal.SIGKILL)
-    elif case.fault == "worker_killed":
-        os.kill(workers_of(ranks(proc.pid)[-1])[0], signal.SIGKILL)
-    elif case.fault == "rank_killed":
-        os.kill(ranks(proc.pid)[-1], signal.SIGKILL)
-    elif case.fault == "rank_stopped":
-        os.kill(ranks(proc.pid)[-1], signal.SIGSTOP)
     else:
         raise ValueError(case.fault)
+    return at
+
+
+def kill_a_worker(rank_pid: int, bound_s: float = WORKER_SEARCH_S) -> float:
+    """SIGKILL one live DataLoader worker of the rank; returns when. A worker that ended by itself between being
+    found and the kill (an epoch's iterator shutting down) is not the fault: the next one found gets it."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        target = workers_of(rank_pid, max(0.0, deadline - time.monotonic()))[0]
+        at = time.monotonic()
+        try:
+            os.kill(target, signal.SIGKILL)
+            return at
+        except ProcessLookupError:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"every DataLoader worker of rank pid {rank_pid} ended before its SIGKILL "
+                                     f"within {bound_s:.0f} s") from None
 
 
 MARK_ENV = "DSRECIPES_FAULT_CASE"  # every process of a case inherits it: found even after it was reparented
@@ -361,33 +382,52 @@ def session(sid: int) -> List["object"]:
 
 
 def ranks(sid: int) -> List[int]:
-    """The rank processes of the run in session `sid`, by rank (launcher=local: the launching process)."""
-    procs = session(sid)
-    by_rank = {}
-    for p in procs:
-        cmd = p.info["cmdline"] or []
+    """The rank processes of the run in session `sid`, by rank (launcher=local: the launching process). A rank is
+    a `dsrecipes.rank.worker` process with RANK set whose parent is not one (its DataLoader workers inherit both),
+    whatever order the processes are listed in (pids wrap around)."""
+    candidates: Dict[int, tuple] = {}
+    for p in session(sid):
         try:
             rank = p.environ().get("RANK")
-        except Exception:  # noqa: BLE001
+            if "dsrecipes.rank.worker" in (p.info["cmdline"] or []) and rank is not None:
+                candidates[p.pid] = (int(rank), p.ppid())
+        except Exception:  # noqa: BLE001 - a process that ended meanwhile
             continue
-        if "dsrecipes.rank.worker" in cmd and rank is not None and p.ppid() not in [q.pid for q in procs
-                                                                                     if q.pid in by_rank.values()]:
-            by_rank.setdefault(int(rank), p.pid)
+    by_rank: Dict[int, int] = {}
+    for pid, (rank, ppid) in sorted(candidates.items()):
+        if ppid not in candidates:
+            by_rank.setdefault(rank, pid)
     return [by_rank[r] for r in sorted(by_rank)] or [sid]
 
 
-def workers_of(pid: int) -> List[int]:
-    """DataLoader workers of a rank: its children running the rank's own command line (forked)."""
+def workers_of(pid: int, bound_s: float = WORKER_SEARCH_S) -> List[int]:
+    """Live DataLoader workers of a rank: its children running the rank's own command line (forked). Children that
+    end while being looked at (an epoch's workers shutting down, a zombie) are skipped, not raised; workers exist
+    from the first step on, so `bound_s` only covers an epoch's turnover on a loaded machine."""
     import psutil
 
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        parent = psutil.Process(pid)
-        kids = [c.pid for c in parent.children() if c.cmdline() == parent.cmdline()]
+    deadline = time.monotonic() + bound_s
+    seen: List[str] = []
+    while True:
+        try:
+            parent = psutil.Process(pid)
+            own, children = parent.cmdline(), parent.children()
+        except psutil.Error as exc:
+            raise AssertionError(f"rank pid {pid} ended before a DataLoader worker was seen ({exc!r})") from None
+        kids, seen = [], []
+        for c in children:
+            try:
+                if c.status() != psutil.STATUS_ZOMBIE and c.cmdline() == own:
+                    kids.append(c.pid)
+                seen.append(f"{c.pid} {c.status()}")
+            except psutil.Error:  # (NoSuchProcess, ZombieProcess, AccessDenied) it ended while looked at
+                continue
         if kids:
             return kids
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no DataLoader worker under rank pid {pid} within {bound_s:.0f} s "
+                                 f"(its children: {seen or 'none'})")
         time.sleep(0.1)
-    raise AssertionError(f"no DataLoader worker under rank pid {pid}")
 
 
 def wait_exit(proc: subprocess.Popen, bound: float) -> Optional[int]:
