@@ -76,8 +76,13 @@ class ExclusiveLock:
         self.release()
 
 
+SHARED_WAIT_S = 30.0  # a launching process's probe holds the exclusive lock for an instant; anything longer is not one
+WAIT_NOTE_S = 2.0  # a wait for a lock longer than this is said on the console
+
+
 class SharedLock:
-    """A lock any number of holders share; an exclusive probe fails while one is held. Waits for a probe to pass."""
+    """A lock any number of holders share; an exclusive probe fails while one is held. Waits for a probe to pass,
+    up to SHARED_WAIT_S (then LockHeld names the holder): a process that keeps it exclusively is not a probe."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -85,7 +90,17 @@ class SharedLock:
 
     def acquire(self) -> "SharedLock":
         fd = _open(self.path)
-        fcntl.flock(fd, fcntl.LOCK_SH)  # only blocks for the instant a launching process probes
+        started, said = time.monotonic(), False
+        while not _try_flock(fd, fcntl.LOCK_SH):
+            waited = time.monotonic() - started
+            if waited >= SHARED_WAIT_S:
+                os.close(fd)
+                raise LockHeld(self.path, f"{describe_holder(self.path)} for {waited:.0f} s")
+            if not said and waited >= WAIT_NOTE_S:
+                said = True
+                print(f"dsrecipes: waiting for {self.path}, held by {describe_holder(self.path)} (up to "
+                      f"{SHARED_WAIT_S:.0f} s)", file=sys.stderr, flush=True)
+            time.sleep(0.05)
         self.fd = fd
         return self
 

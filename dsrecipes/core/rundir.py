@@ -253,7 +253,11 @@ def unique_new_dir(base: Path) -> Path:
 
 def rank_lock(run_dir: Path) -> SharedLock:
     """Held by every rank while it runs (see `claim`, which probes it)."""
-    return SharedLock(Path(run_dir) / RANKS_LOCK_FILE).acquire()
+    try:
+        return SharedLock(Path(run_dir) / RANKS_LOCK_FILE).acquire()
+    except LockHeld as exc:
+        raise UserError(f"{exc.path}: held exclusively by {exc.holder}, so this rank cannot start (a launching "
+                        "process holds it for an instant only); stop that process") from None
 
 
 def launcher_alive(run_dir: Path) -> bool:
