@@ -108,9 +108,14 @@ def setup_lines(ln) -> List[str]:
     return lines
 
 
-def run_dir_problem(run_dir: str) -> str:
-    """The run directory appears in `#SBATCH --output=` and in comments of the script: a path of the safe shape."""
+SLURM_READS = "launcher=slurm writes {!r} into a batch script"
+PDSH_READS = ("launcher=deepspeed with a hostfile hands {!r} to pdsh, whose remote shell on every host reads "
+              "it (DeepSpeed quotes nothing)")
+
+
+def run_dir_problem(run_dir: str, reader: str = SLURM_READS) -> str:
+    """The run directory as a shell reads it (`#SBATCH --output=` and the script's lines; pdsh's remote command
+    line): a path of the safe shape. `reader` says which shell, with {!r} for the path."""
     wrong = path_problem(run_dir)
-    return f"trainer.output_dir: launcher=slurm writes {run_dir!r} into a batch script, so it must be {wrong}" \
-        if wrong else ""
+    return f"trainer.output_dir: {reader.format(run_dir)}, so it must be {wrong}" if wrong else ""
 

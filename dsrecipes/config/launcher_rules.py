@@ -10,7 +10,7 @@ import os
 import re
 from typing import Callable, Dict, List, Optional, Tuple
 
-from dsrecipes.boundary.batch_script import batch_problems, run_dir_problem
+from dsrecipes.boundary.batch_script import PDSH_READS, batch_problems, run_dir_problem
 from dsrecipes.boundary.launcher_args import extra_args_problems
 from dsrecipes.boundary.rank_env import env_problems
 from dsrecipes.boundary.values import HOST
@@ -84,9 +84,15 @@ def _batch_run_dir(cfg: TrainConfig) -> Optional[str]:
     return None
 
 
+def _pdsh_run_dir(cfg: TrainConfig) -> Optional[str]:
+    if cfg.launcher.hostfile and cfg.trainer.output_dir:  # the runner hands it to pdsh's remote shells
+        return run_dir_problem(os.path.abspath(os.path.expanduser(cfg.trainer.output_dir)), PDSH_READS)
+    return None
+
+
 RULES: Dict[LauncherKind, Tuple[Rule, ...]] = {
     LauncherKind.local: (_no_device_selection, _one_process),
-    LauncherKind.deepspeed: (_selection_without_num_gpus, _deepspeed_hostfile),
+    LauncherKind.deepspeed: (_selection_without_num_gpus, _deepspeed_hostfile, _pdsh_run_dir),
     LauncherKind.deepspeed_multinode: (_no_device_selection, _gpus_per_node),
     LauncherKind.torchrun: (_no_device_selection, _rendezvous),
     LauncherKind.mpirun: (_no_device_selection, _hostfile_for_nodes("mpirun")),

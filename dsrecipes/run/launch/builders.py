@@ -19,8 +19,10 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional
 
+from dsrecipes.boundary.batch_script import PDSH_READS, run_dir_problem
 from dsrecipes.boundary.launcher_args import NODE_ENTRY, checked_extra_args, deepspeed_node_args, hostfile_problems
 from dsrecipes.boundary.rank_env import checked_env, store_settings_from
+from dsrecipes.boundary.values import HOST
 from dsrecipes.core.distributed import free_port
 from dsrecipes.core.errors import ConfigError
 from dsrecipes.core.schema import LauncherConfig, LauncherKind, TrainConfig
@@ -89,6 +91,8 @@ def _build_deepspeed(cfg: TrainConfig, run_dir: Path, port: int, worker_module: 
     node = _deepspeed_node_plan(ln, run_dir, port, worker_module, environ)
     if node is not None:
         return node
+    if ln.hostfile:
+        _pdsh_words(run_dir, ln.master_addr)
     argv = [sys.executable, "-m", "deepspeed.launcher.runner", *_deepspeed_resource_args(ln)]
     if ln.hostfile and ln.master_addr != LauncherConfig().master_addr:
         argv += ["--master_addr", ln.master_addr]
@@ -110,6 +114,17 @@ def _build_deepspeed(cfg: TrainConfig, run_dir: Path, port: int, worker_module: 
                 Requirement("pdsh", False, "deepspeed reaches the other hosts of a hostfile with pdsh")
             )
     return plan
+
+
+def _pdsh_words(run_dir: Path, master_addr: str) -> None:
+    """DeepSpeed's runner with a hostfile reaches other hosts through pdsh, which joins the command into one line for
+    each host's remote shell, quoting nothing: the run directory and the master address must be words a shell
+    reads as themselves (checked here, where the line is made, whatever validation saw)."""
+    problems = [run_dir_problem(str(run_dir), PDSH_READS)]
+    if HOST.check(str(master_addr)):
+        problems.append(f"launcher.master_addr: needs {HOST.expected}, got {master_addr!r}")
+    if any(problems):
+        raise ConfigError([p for p in problems if p])
 
 
 def _deepspeed_node_plan(ln: LauncherConfig, run_dir: Path, port: int, worker_module: str,

@@ -1,0 +1,29 @@
+"""Hostile cases found by the trust-boundary audit (/tmp/trust/attacks.md lists every attack tried): each is refused
+where the thing happens, not by scanning text."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsrecipes.cli import main as cli_main
+from dsrecipes.core.errors import ConfigError
+
+
+def test_a_run_directory_that_is_shell_text_never_reaches_pdsh(make_cfg, tmp_path, capsys):
+    """DeepSpeed's runner with a hostfile hands `--run-dir DIR` to pdsh, which joins the command for each host's
+    remote shell without quoting: a recipe's `trainer.output_dir: "out;touch PWNED"` would run there. Validation
+    names it, and the builder refuses it whatever validation saw."""
+    from dsrecipes.run import launch
+
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node0 slots=1\nnode1 slots=1\n")
+    ssh = ("launcher=deepspeed", f"launcher.hostfile={hosts}", "launcher.num_nodes=2", "launcher.num_gpus=1")
+    cfg = make_cfg(*ssh)
+    for evil in ("out;touch PWNED", "out$(touch PWNED)", "out`id`", "out name"):
+        with pytest.raises(ConfigError, match="pdsh, whose remote shell"):
+            launch.build_plan(cfg, tmp_path / evil, master_port=29511, environ={})
+    plan = launch.build_plan(cfg, tmp_path / "run_1", master_port=29511, environ={})
+    assert str(tmp_path / "run_1") in plan.commands[0].argv
+    assert cli_main(["validate", *ssh, f"trainer.output_dir='{tmp_path}/out;touch PWNED'"]) == 2
+    err = capsys.readouterr().err
+    assert "trainer.output_dir: launcher=deepspeed with a hostfile hands" in err and "Traceback" not in err, err
