@@ -27,3 +27,24 @@ def test_a_run_directory_that_is_shell_text_never_reaches_pdsh(make_cfg, tmp_pat
     assert cli_main(["validate", *ssh, f"trainer.output_dir='{tmp_path}/out;touch PWNED'"]) == 2
     err = capsys.readouterr().err
     assert "trainer.output_dir: launcher=deepspeed with a hostfile hands" in err and "Traceback" not in err, err
+
+
+def test_score_renders_the_model_template_in_the_sandbox(smollm2_dir, tmp_path):
+    """`dsrecipes score` renders the export's chat template, someone else's program: under the sandbox's limits (a
+    template that allocates 400 MB is stopped in the child), as chat, prompt-eval and training do; a normal template
+    renders what transformers renders."""
+    from transformers import AutoTokenizer
+
+    from dsrecipes.boundary.chat_sandbox import TemplateRefused
+    from dsrecipes.commands.score import pair_texts, read_pairs
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": '
+                     '"a"}], "rejected": [{"role": "assistant", "content": "b"}]}\n')
+    (loc, pair), = read_pairs(pairs)
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}]
+    assert pair_texts(tok, loc, pair)[0] == tok.apply_chat_template(msgs, tokenize=False)
+    tok.chat_template = "{% set s = 'x' * 400000000 %}{{ s | length }}"
+    with pytest.raises(TemplateRefused, match="MiB of memory"):
+        pair_texts(tok, loc, pair)

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
+from dsrecipes.boundary.chat_sandbox import TemplateRaised, render_many
 from dsrecipes.commands.args import parse
 from dsrecipes.core.errors import UserError, no_custom_code
 from dsrecipes.core.export_dir import EXPORT_MARKER
@@ -122,13 +123,12 @@ def pair_texts(tokenizer: Any, loc: int, pair: Pair) -> Tuple[str, str]:
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("EXPORT: the tokenizer has no chat template to render pairs with (a dsrecipes export has one)")
     messages, tools = messages_for(pair.prompt, tokenizer.chat_template)
-    try:
-        return tuple(tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": answer}],
-                                                   tools=tools, tokenize=False)
-                     for answer in (pair.chosen, pair.rejected))
-    except Exception as exc:  # noqa: BLE001 - the template's own refusal (jinja raise_exception) or a render error
+    try:  # in the sandbox's child, under its time, memory and output limits (a limit: TemplateRefused, exit 2)
+        return tuple(render_many(tokenizer, [(messages + [{"role": "assistant", "content": answer}], False)
+                                             for answer in (pair.chosen, pair.rejected)], tools))
+    except TemplateRaised as exc:  # the template's own refusal (raise_exception) or a render error
         raise UserError(f"{pair.prompt.path}:{loc}: the chat template cannot render this pair "
-                        f"({str(exc).splitlines()[0][:200]})") from None
+                        f"({(exc.detail or str(exc)).splitlines()[0][:200]})") from None
 
 
 def end_of_turn(path: Path) -> List[int]:
