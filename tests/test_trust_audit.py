@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dsrecipes.cli import main as cli_main
-from dsrecipes.core.errors import ConfigError
+from dsrecipes.core.errors import ConfigError, UserError
 
 
 def test_a_run_directory_that_is_shell_text_never_reaches_pdsh(make_cfg, tmp_path, capsys):
@@ -48,3 +48,55 @@ def test_score_renders_the_model_template_in_the_sandbox(smollm2_dir, tmp_path):
     tok.chat_template = "{% set s = 'x' * 400000000 %}{{ s | length }}"
     with pytest.raises(TemplateRefused, match="MiB of memory"):
         pair_texts(tok, loc, pair)
+
+
+def _foreign_checkpoint(root, monkeypatch):
+    """A colleague's checkpoint (unsigned), trusted on this command line, and this user's key in a private dir."""
+    import json
+
+    import dsrecipes.boundary.trust as trust
+
+    key_dir = root / "key"
+    key_dir.mkdir(mode=0o700)
+    monkeypatch.setenv(trust.KEY_ENV, str(key_dir / "checkpoint.key"))
+    tag = root / "colleague" / "checkpoints" / "step_4"
+    tag.mkdir(parents=True)
+    (tag / "complete.json").write_text(json.dumps({"step": 4, "world_size": 2, "files": {}}))
+    trust.trust([str(tag)])
+    return tag
+
+
+@pytest.mark.parametrize("kind", ["link", "directory"])
+def test_an_elastic_resume_writes_no_conversion_through_a_foreign_universal(kind, tmp_path, monkeypatch):
+    """A trusted foreign checkpoint holding `universal` (a link to one of the user's directories, or its own
+    directory): the conversion neither writes through the link nor removes what it did not write."""
+    import sys
+    import types
+
+    import dsrecipes.boundary.trust as trust
+    from dsrecipes.rank.checkpoint import convert_to_universal
+
+    tag = _foreign_checkpoint(tmp_path, monkeypatch)
+    victim = tmp_path / "users_own"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("mine")
+    if kind == "link":
+        (tag / "universal").symlink_to(victim)
+    else:
+        (tag / "universal").mkdir()
+        (tag / "universal" / "keep.txt").write_text("theirs")
+
+    def fake_conversion(args):  # what ds_to_universal does to its output folder
+        out = __import__("pathlib").Path(args.output_folder)
+        out.mkdir(exist_ok=True)
+        (out / "zero").write_text("converted")
+
+    monkeypatch.setitem(sys.modules, "deepspeed.checkpoint.ds_to_universal",
+                        types.SimpleNamespace(main=fake_conversion))
+    try:
+        with pytest.raises(UserError, match="removes only a conversion of its own"):
+            convert_to_universal(tag)
+    finally:
+        trust.reset()
+    assert sorted(p.name for p in victim.iterdir()) == ["keep.txt"]
+    assert sorted(p.name for p in (tag / "universal").iterdir()) == ["keep.txt"]

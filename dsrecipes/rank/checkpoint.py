@@ -23,6 +23,7 @@ checks the checkpoint again in each rank, right before each file is unpickled (b
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import time
@@ -229,11 +230,11 @@ def open_resume(plan: Optional[ResumePlan]) -> Optional[ResumePoint]:
 def convert_to_universal(tag_dir: Path, checked: Optional[CheckedCheckpoint] = None) -> Path:
     """`checked`: every file of the checkpoint the conversion unpickles is checked right before (its own
     temporary slices, written and read back below `universal/`, pass)."""
+    out = tag_dir / UNIVERSAL
+    checked = checked or CheckedCheckpoint.open(tag_dir)
+    _clear_universal(out, ours=not checked.listings[0].screened)
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-    out = tag_dir / UNIVERSAL
-    shutil.rmtree(out, ignore_errors=True)
-    checked = checked or CheckedCheckpoint.open(tag_dir)
     checked.allow_written(out)
     with checked.guard():
         ds_to_universal(SimpleNamespace(input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=1,
@@ -244,6 +245,21 @@ def convert_to_universal(tag_dir: Path, checked: Optional[CheckedCheckpoint] = N
         (out / states.name).write_bytes(checked.read_bytes(states))
     atomic_write_json(out / COMPLETE, sign({"source": tag_dir.name, "files": manifest.describe(out, skip=[COMPLETE])}))
     return out
+
+
+def _clear_universal(out: Path, ours: bool) -> None:
+    """Make room for the conversion at `out`: an earlier one that did not verify is removed only from a checkpoint
+    this user's runs wrote (`ours`: signed with this user's key); a link there (the conversion would be written
+    wherever it leads) or a directory in someone else's checkpoint is refused, left as it is."""
+    if not os.path.lexists(out):
+        return
+    if out.is_symlink() or not out.is_dir() or not ours:
+        what = "a link" if out.is_symlink() else "not a directory" if not out.is_dir() else \
+            "a directory in a checkpoint this user's runs did not write"
+        raise UserError(f"{out}: {what}; an elastic resume writes its universal conversion there and removes only "
+                        "a conversion of its own. Nothing was changed: resume from a copy of the checkpoint without "
+                        f"{UNIVERSAL}/, or at its saved world size")
+    shutil.rmtree(out, ignore_errors=True)
 
 
 def universal_verifies(tag_dir: Path) -> bool:
