@@ -20,6 +20,7 @@ from dsrecipes.core.fileio import atomic_write_json
 from dsrecipes.core.paths import user_cache_dir
 from dsrecipes.core.schema import SourceConfig, TrainConfig
 from dsrecipes.core.typed import config_to_dict
+from dsrecipes.data.rowkinds import ROW_KINDS
 from dsrecipes.data.sources.files import expand_paths
 from dsrecipes.data.sources.remote import identity as remote_identity
 from dsrecipes.data.sources.remote import is_url
@@ -72,8 +73,7 @@ def cache_key(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig])
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "rows": cfg.objective.rows.value,  # conversations or preference pairs (the objective's row kind)
     }
-    if cfg.objective.rows.value == "prompt":  # the prompt budget: cutoff_len - max_completion_length
-        material["completion"] = cfg.objective.max_completion_length
+    material.update(ROW_KINDS[cfg.objective.rows].check_settings(cfg))  # a prompt's budget: max_completion_length
     return _digest(material)
 
 

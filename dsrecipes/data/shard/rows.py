@@ -1,11 +1,11 @@
 """The rows `dsrecipes shard` writes into parts: every row checked as training checks it, in one canonical form.
 
-Two row kinds, recorded in the manifest's `row_format`: conversations (`ROW_FORMAT`: `id`, `conversations: [{from:
-<role>, value}]`, `system`, `tools`) and preference pairs (`PAIR_ROW_FORMAT`: the same
-columns holding the prompt, plus `chosen` and `rejected` as one assistant message each: `preference.pair_row`),
-by the run's `objective.rows`.
+One row kind per set of parts, the run's `objective.rows`, recorded in the manifest's `row_format` (data/rowkinds.py:
+each kind's format name, what its parts hold, how its rows are checked and written). Every kind is written in the
+layout of `samples.canonical_row`: `id`, `conversations: [{from: <role>, value}]`, `system`, `tools`, plus the kind's
+own columns (a pair's `chosen` and `rejected` as one assistant message each, a prompt's `reference`).
 Roles are `sharegpt.Role` values, so a part needs no column settings, and sample ids survive (`<source file>:<line>`
-when the row had none). A presharded run refuses parts of the other kind (`check_row_format`).
+when the row had none). A presharded run refuses parts of another kind (`check_row_format`).
 """
 
 from __future__ import annotations
@@ -15,25 +15,13 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 from dsrecipes.core.errors import DataError
 from dsrecipes.core.schema import RowKind
+from dsrecipes.data.rowkinds import ROW_KINDS, resolved
 from dsrecipes.data.sources.badrows import BadReason, BadRow
-from dsrecipes.data.sources.preference import pair_row
-from dsrecipes.data.sources.prompts import prompt_row
 
-ROW_FORMAT = "dsrecipes-sharegpt-v1"  # canonical rows: roles are dsrecipes.data.sources.sharegpt.Role values
-PAIR_ROW_FORMAT = "dsrecipes-pairs-v1"  # canonical preference pairs (objective.rows=pair): preference.pair_row
-PROMPT_ROW_FORMAT = "dsrecipes-prompts-v1"  # canonical prompts (objective.rows=prompt): prompts.prompt_row
-FORMATS = {RowKind.conversation: ROW_FORMAT, RowKind.pair: PAIR_ROW_FORMAT,
-           RowKind.prompt: PROMPT_ROW_FORMAT}  # every row kind has one
-HELD = {ROW_FORMAT: "conversations (SFT rows)", PAIR_ROW_FORMAT: "preference pairs", PROMPT_ROW_FORMAT: "prompts"}
-
-
-def conversation_row(conv: Any) -> Dict[str, Any]:
-    row: Dict[str, Any] = {"id": conv.id, "conversations": [{"from": t.role.value, "value": t.content} for t in conv.turns]}
-    if conv.system is not None:
-        row["system"] = conv.system
-    if conv.tools is not None:
-        row["tools"] = conv.tools
-    return row
+ROW_FORMAT = ROW_KINDS[RowKind.conversation].row_format  # canonical rows: roles are sharegpt.Role values
+PAIR_ROW_FORMAT = ROW_KINDS[RowKind.pair].row_format  # canonical preference pairs (objective.rows=pair)
+PROMPT_ROW_FORMAT = ROW_KINDS[RowKind.prompt].row_format  # canonical prompts (objective.rows=prompt)
+HELD = {spec.row_format: spec.what for spec in ROW_KINDS.values()}  # row_format -> what such parts hold
 
 
 def checked_rows(cfg: Any, report: Any, encoder: Any, sources: List[Any]) -> Iterator[Tuple[bytes, int]]:
@@ -51,27 +39,17 @@ def checked_rows(cfg: Any, report: Any, encoder: Any, sources: List[Any]) -> Ite
 
 
 def _canonical_rows(cfg: Any, report: Any, encoder: Any, sources: List[Any]) -> Iterator[Tuple[Any, Dict, int]]:
-    """(the row's Conversation: where it was read, canonical row, tokens in a run) of every checked row: a
-    conversation, or a preference pair (objective.rows=pair) (tokens: the prompt and both answers)."""
-    from dsrecipes.data.render.preference_encode import checked_pairs  # lazy: else `commands.shard` imports numpy
-    from dsrecipes.data.stream.scan import checked_conversations  # lazy: else `commands.shard` imports numpy 0.11 s
-
-    if row_format(cfg) == PROMPT_ROW_FORMAT:
-        from dsrecipes.data.render.prompt_encode import checked_prompts  # lazy: as checked_pairs (numpy)
-        for prompt, row in checked_prompts(cfg, report, encoder, sources):
-            yield prompt.prompt, prompt_row(prompt), len(row["prompt_ids"])
-        return
-    if row_format(cfg) == PAIR_ROW_FORMAT:
-        for pair, row in checked_pairs(cfg, report, encoder, sources):
-            yield pair.prompt, pair_row(pair), sum(len(row[k]) for k in ("prompt_ids", "chosen_ids", "rejected_ids"))
-        return
-    for conv, example in checked_conversations(cfg, report, encoder, sources):
-        yield conv, conversation_row(conv), 0 if example is None else len(example.input_ids)
+    """(the row's Conversation: where it was read, canonical row, tokens in a run) of every checked row of the run's
+    row kind (a pair's tokens: the prompt and both answers)."""
+    spec = ROW_KINDS[cfg.objective.rows]
+    canonical = resolved(spec.canonical)
+    for item, encoded in resolved(spec.checked)(cfg, report, encoder, sources):
+        yield spec.where(item), canonical(item), spec.token_count(encoded)
 
 
 def row_format(cfg: Any) -> str:
     """The canonical rows a run of `cfg` reads from parts: those of its objective's row kind (`objective.rows`)."""
-    return FORMATS[cfg.objective.rows]
+    return ROW_KINDS[cfg.objective.rows].row_format
 
 
 def check_row_format(manifest: Any, cfg: Any) -> None:

@@ -22,8 +22,9 @@ from typing import Any, Dict, List, Optional
 
 from dsrecipes.core.errors import ConfigError
 from dsrecipes.core.schema import DatasetFormat, RowKind, SourceConfig
+from dsrecipes.data.rowkinds import ROW_KINDS
 from dsrecipes.data.sources.badrows import BadReason, BadRow
-from dsrecipes.data.sources.samples import SOURCES, SampleKind, prompt_conversation
+from dsrecipes.data.sources.samples import SampleKind, prompt_conversation
 from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn, _message_turns
 
 
@@ -37,8 +38,8 @@ class Pair:
 
 def check_sources(rows: RowKind, sources: List[SourceConfig]) -> None:
     """Preference sources only for an objective on pairs (`objective.rows`), no source that says it is not one, and
-    each source in a format its row kind is read in (samples.SOURCES)."""
-    wanted = SOURCES[rows]
+    each source in a format its row kind is read in (rowkinds.py: the kind's `sources`)."""
+    wanted = ROW_KINDS[rows].sources
     for src in sources:
         if wanted.ranking and src.ranking is False:
             raise ConfigError(f"dataset: source {src.name!r} is not preference data (its registry entry has no "

@@ -8,18 +8,18 @@ is here, once:
   then `check`; the sample's prompt gets its id (`sample_id`), source and place (`file:line`);
 - `SampleKind.parse_item`: one raw line of a stream or a presharded part (None: past the row limit) -> sample;
 - `SampleKind.canonical`: the sample in the canonical form `dsrecipes shard` writes (sharegpt columns, roles by
-  `Role` value, so a part needs no column settings and its sample ids survive);
+  `Role` value, so a part needs no column settings and its sample ids survive): `canonical_row`, the one layout of
+  every row kind's parts (a conversation is a prompt with no columns of its own);
 - `prompt_conversation`: the prompt turns every such row holds, checked like SFT turns.
-`SOURCES` says, per row kind (conversations too), which source formats hold it and whether they are ranking data
-(preference.check_sources).
+Which kinds there are and what reads, checks and writes each: data/rowkinds.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Generic, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Generic, Optional, Sequence, Tuple, TypeVar
 
-from dsrecipes.core.schema import DEFAULT_MAX_ROW_BYTES, DatasetFormat, RowKind, SourceConfig
+from dsrecipes.core.schema import DEFAULT_MAX_ROW_BYTES, DatasetFormat, SourceConfig
 from dsrecipes.data.sources.badrows import BadReason, BadRow
 from dsrecipes.data.sources.files import RawRow, parse_row
 from dsrecipes.data.sources.sharegpt import (
@@ -34,21 +34,6 @@ from dsrecipes.data.sources.sharegpt import (
 
 S = TypeVar("S")  # a sample: its `.prompt` is a Conversation (the prompt turns, id, where it was read)
 Roles = Dict[str, Role]
-
-
-@dataclass(frozen=True)
-class RowSources:
-    """Which sources hold a row kind."""
-
-    ranking: bool  # ranking (chosen/rejected) data: a registry entry with `ranking: true`
-    formats: Tuple[DatasetFormat, ...]  # the source formats it is read in
-
-
-SOURCES: Dict[RowKind, RowSources] = {
-    RowKind.conversation: RowSources(False, tuple(DatasetFormat)),
-    RowKind.pair: RowSources(True, (DatasetFormat.sharegpt, DatasetFormat.openai)),
-    RowKind.prompt: RowSources(False, (DatasetFormat.sharegpt, DatasetFormat.openai)),
-}
 
 
 @dataclass(frozen=True)
@@ -86,14 +71,21 @@ class SampleKind(Generic[S]):
 
     def canonical(self, sample: S) -> Dict[str, Any]:
         """The sample as `dsrecipes shard` writes it: the prompt's sharegpt columns, then the kind's own."""
-        conv = sample.prompt  # type: ignore[attr-defined]
-        own = {key: value for key, value in self.columns(sample).items() if value is not None}
-        row: Dict[str, Any] = {"id": conv.id, "conversations": [{"from": t.role.value, "value": t.content}
-                                                                for t in conv.turns]}
-        row.update((key, own[key]) for key in self.lead if key in own)
-        row.update((key, value) for key, value in (("system", conv.system), ("tools", conv.tools)) if value is not None)
-        row.update((key, value) for key, value in own.items() if key not in self.lead)
-        return row
+        return canonical_row(sample.prompt, self.columns(sample), self.lead)  # type: ignore[attr-defined]
+
+
+def canonical_row(conv: Conversation, own: Optional[Dict[str, Any]] = None, lead: Sequence[str] = ()
+                  ) -> Dict[str, Any]:
+    """A row as `dsrecipes shard` writes it, for every row kind: `id`, `conversations` ([{from: Role value, value}]),
+    the kind's `own` columns named in `lead`, `system` and `tools` when set, then its other own columns (a column
+    whose value is None is left out). A conversation (SFT row) is the prompt alone."""
+    own = {key: value for key, value in (own or {}).items() if value is not None}
+    row: Dict[str, Any] = {"id": conv.id, "conversations": [{"from": t.role.value, "value": t.content}
+                                                            for t in conv.turns]}
+    row.update((key, own[key]) for key in lead if key in own)
+    row.update((key, value) for key, value in (("system", conv.system), ("tools", conv.tools)) if value is not None)
+    row.update((key, value) for key, value in own.items() if key not in lead)
+    return row
 
 
 def prompt_conversation(raw: Dict[str, Any], source: SourceConfig, roles: Roles) -> Conversation:

@@ -2,29 +2,25 @@
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Callable, List, Optional, Sequence
 
-from dsrecipes.core.schema import RowKind, TrainConfig
+from dsrecipes.core.schema import TrainConfig
 from dsrecipes.data.render.packing import pack
-from dsrecipes.data.render.preference_encode import PairEncoder
-from dsrecipes.data.render.prompt_encode import PromptEncoder
 from dsrecipes.data.render.tokenize import Encoder
+from dsrecipes.data.rowkinds import ROW_KINDS
 from dsrecipes.data.sources.files import where
-from dsrecipes.data.sources.preference import PAIRS
-from dsrecipes.data.sources.prompts import PROMPTS
 from dsrecipes.data.sources.sharegpt import parse_item
 from dsrecipes.data.strategies.base import Batch, Row
 from dsrecipes.data.strategies.item_rows import ItemRows
-from dsrecipes.data.strategies.sample_rows import SampleRowEncoder
 from dsrecipes.objectives import build_objective
 
 
 def row_encoder(cfg: TrainConfig, tokenizer: Any, paths: Sequence[str], sources: Sequence[Any],
                 element_files: Optional[Sequence[bool]] = None) -> Any:
-    """The rows of the run's objective (`objective.rows`) from raw lines: conversations (`RowEncoder`), or preference
-    pairs and prompts (`sample_rows.SampleRowEncoder` of the kind: a pair, a prompt is one sample)."""
-    return ROW_ENCODERS[cfg.objective.rows](cfg, tokenizer, paths, sources, element_files)
+    """The rows of the run's objective (`objective.rows`, rowkinds.py: the kind's `loader`) from raw lines:
+    conversations (`RowEncoder`), or preference pairs and prompts (`sample_rows.SampleRowEncoder` of the kind: a pair,
+    a prompt is one sample)."""
+    return ROW_KINDS[cfg.objective.rows].loader_factory()(cfg, tokenizer, paths, sources, element_files)
 
 
 def make_collate(cfg: TrainConfig, tokenizer: Any) -> Callable[[List[Row]], Batch]:
@@ -70,7 +66,3 @@ class RowEncoder(ItemRows):
 def _row(ids: List[str], input_ids: List[int], labels: List[int], position_ids: List[int]) -> Row:
     return {"ids": list(ids), "input_ids": list(input_ids), "labels": list(labels), "position_ids": list(position_ids)}
 
-
-ROW_ENCODERS = {RowKind.conversation: RowEncoder,  # one per row kind (test_row_kinds.py)
-                RowKind.pair: partial(SampleRowEncoder, PAIRS, PairEncoder),
-                RowKind.prompt: partial(SampleRowEncoder, PROMPTS, PromptEncoder)}

@@ -6,7 +6,8 @@ as every other reader of the kind (its `parse_item`, then its encoder's `encode_
 and of the stream pre-scan). A sample is one line and one id (`<id>@<copy>` for a repeat made by a mixing weight
 > 1): a pair holds the prompt once and both answers (`preference_encode.py`), a prompt its ids and reference, so the
 block order, the micro-batch slots, equal steps, resume and the ledgers count them exactly as they count
-conversations. One implementation for every such kind, parameterised by the kind and its encoder.
+conversations. One implementation for every such kind, parameterised by the kind and its encoder (data/rowkinds.py:
+the kind's `loader`).
 """
 
 from __future__ import annotations

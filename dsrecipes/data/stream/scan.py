@@ -24,24 +24,19 @@ import itertools
 import json
 import sys
 import time
-from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from dsrecipes.core.errors import DataError
-from dsrecipes.core.schema import RowKind, SourceConfig, TrainConfig
+from dsrecipes.core.schema import SourceConfig, TrainConfig
 from dsrecipes.core.tokenizer import load_tokenizer
 from dsrecipes.core.typed import config_to_dict
 from dsrecipes.data.prepare.build import QUARANTINE_FILE
 from dsrecipes.data.prepare.cache import PREP_VERSION, cache_root, data_files, data_fingerprint, tokenizer_fingerprint
-from dsrecipes.data.render.preference_encode import PairEncoder, checked_pairs
-from dsrecipes.data.render.prompt_encode import PromptEncoder, checked_prompts
-from dsrecipes.data.render.tokenize import Encoder
+from dsrecipes.data.rowkinds import ROW_KINDS, resolved
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.sources.files import element_line
-from dsrecipes.data.sources.preference import PAIRS, check_sources
-from dsrecipes.data.sources.prompts import PROMPTS
+from dsrecipes.data.sources.preference import check_sources
 from dsrecipes.data.sources.registry import resolve_sources
 from dsrecipes.data.sources.sharegpt import Conversation, conversation_dict, iter_conversations
 from dsrecipes.data.stream.index import (
@@ -52,8 +47,7 @@ from dsrecipes.data.stream.index import (
     index_stream,
     write_stream_index,
 )
-from dsrecipes.data.stream.scan_files import RowChecker, RowTap, Taps, load_scan, save_scan, scan_path
-from dsrecipes.data.stream.scan_samples import SampleChecker
+from dsrecipes.data.stream.scan_files import RowTap, Taps, load_scan, save_scan, scan_path
 from dsrecipes.data.stream.shares import outside_of
 
 BATCH = 256  # conversations per tokenization call
@@ -128,18 +122,13 @@ class _Scanning:
         return RowTap(checker, self.cfg.dataset.max_row_bytes)
 
 
-def pairs(cfg: TrainConfig) -> bool:
-    """Whether the run's rows are one line, one sample: preference pairs or prompts (`objective.rows=pair|prompt`)."""
-    return cfg.objective.rows is not RowKind.conversation
-
-
 def checking_encoder(cfg: TrainConfig, tokenizer: Any) -> Any:
-    """What renders and tokenizes a row for the checks of training: conversations, or pairs (objective.rows=pair)."""
-    return READINGS[cfg.objective.rows].encoder(tokenizer, cfg)
+    """What renders and tokenizes a row of the run's kind (`objective.rows`) for the checks of training."""
+    return ROW_KINDS[cfg.objective.rows].encoding(tokenizer, cfg)
 
 
 def _checker(cfg: TrainConfig) -> Any:
-    return READINGS[cfg.objective.rows].checker
+    return ROW_KINDS[cfg.objective.rows].checker_factory()
 
 
 def _scan_key(cfg: TrainConfig, encoder: Any) -> str:
@@ -150,10 +139,10 @@ def _scan_key(cfg: TrainConfig, encoder: Any) -> str:
     material = {"version": PREP_VERSION, "dataset": dataset, "template": config_to_dict(cfg.template),
                 "data": {k: config_to_dict(getattr(cfg.data, k)) for k in ("cutoff_len", "packing", "train_on")},
                 "tokenizer": tokenizer_fingerprint(encoder.tokenizer)}
-    if pairs(cfg):  # another check per row; SFT keys stay as they were
+    spec = ROW_KINDS[cfg.objective.rows]
+    if spec.keyed:  # another check per row; SFT keys stay as they were
         material["rows"] = cfg.objective.rows.value
-    if cfg.objective.rows is RowKind.prompt:  # the prompt budget: cutoff_len - max_completion_length
-        material["completion"] = cfg.objective.max_completion_length
+    material.update(spec.check_settings(cfg))  # e.g. a prompt's budget: cutoff_len - max_completion_length
     return hashlib.blake2b(json.dumps(material, sort_keys=True, default=str).encode(), digest_size=10).hexdigest()
 
 
@@ -214,7 +203,7 @@ def _apply(report: BadRowReport, name: str, scan: Any, cap: int, other: Any = fr
 def scan_sources(cfg: TrainConfig, run_dir: Path, sources: Sequence[SourceConfig]) -> Dict[str, int]:
     """The scan over files read through `files.py` (presharded parts); same checks, same counts and quarantine."""
     report, encoder = _start(cfg, run_dir)
-    rows = READINGS[cfg.objective.rows].checked
+    rows = resolved(ROW_KINDS[cfg.objective.rows].checked)
     good = sum(1 for _ in rows(cfg, report, encoder, list(sources)))
     return _finish(report, good, run_dir)
 
@@ -265,20 +254,3 @@ def _encoded(convs: List[Conversation], report: BadRowReport, encoder: Any) -> I
 def _raw_text(raw: Optional[bytes]) -> Optional[str]:
     return None if raw is None else raw.decode("utf-8", errors="replace").rstrip("\r\n")
 
-
-@dataclass(frozen=True)
-class RowReading:
-    """How rows of one kind are checked as training checks them: `encoder(tokenizer, cfg)` renders and tokenizes a
-    row, `checker` is the pre-scan's per-file part (scan_files.py), `checked(cfg, report, encoder, sources)` yields
-    the checked rows of sources read through files.py (`dsrecipes shard`, presharded parts)."""
-
-    encoder: Callable[..., Any]
-    checker: Callable[..., Any]
-    checked: Callable[..., Iterator[Any]]
-
-
-READINGS: Dict[RowKind, RowReading] = {  # one per row kind (tests/test_row_kinds.py checks it is complete)
-    RowKind.conversation: RowReading(Encoder, RowChecker, checked_conversations),
-    RowKind.pair: RowReading(PairEncoder, partial(SampleChecker, PAIRS), checked_pairs),
-    RowKind.prompt: RowReading(PromptEncoder, partial(SampleChecker, PROMPTS), checked_prompts),
-}

@@ -2,7 +2,8 @@
 `samples.SampleKind`): `scan_files.RowChecker`'s part for such rows, with the checks of the loader workers (the
 kind's `parse_item`, then its encoder's `encode_batch`: reading, rendering, tokenizing, truncation or the prompt
 budget). It records a `FileScan` exactly like the conversation checker, so the scan cache, caps, bad-row policy and
-quarantine of `scan.py` apply to every kind unchanged. One implementation for every such kind, parameterised by it.
+quarantine of `scan.py` apply to every kind unchanged. One implementation for every such kind, parameterised by it
+(data/rowkinds.py: the kind's `checker`).
 """
 
 from __future__ import annotations
