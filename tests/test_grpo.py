@@ -237,6 +237,17 @@ def test_prompts_once_per_epoch_equal_steps_and_resume(kind, tmp_path):
         assert manifest.row_format == PROMPT_ROW_FORMAT
         first = json.loads((tmp_path / "parts" / manifest.files[0]).read_text().splitlines()[0])
         assert first["reference"].isdigit() and first["conversations"][-1]["from"] == "user"
+        from dsrecipes.core.tokenizer import load_tokenizer
+        from dsrecipes.data.shard.manifest import checked_alike
+
+        # A run whose prompt budget (cutoff_len - max_completion_length = 42 here) is smaller than the shard's
+        # would meet prompt_too_long mid-run in a loader worker: its parts are scanned again first.
+        assert manifest.checked_with["prompt_budget"] == 42
+        alike = lambda *o: checked_alike(manifest.checked_with, compose(*common, *o), load_tokenizer(compose()))  # noqa: E731
+        assert alike() and alike("data.cutoff_len=64")
+        assert not alike("objective.max_completion_length=7") and not alike("data.cutoff_len=47")
+        older = {k: v for k, v in manifest.checked_with.items() if k != "prompt_budget"}  # shard of earlier code
+        assert not checked_alike(older, compose(*common), load_tokenizer(compose()))
         common = [f"data.shard_dir={tmp_path / 'parts'}", f"data.cache_dir={tmp_path}/c"]
     cfg = compose(f"data={kind}", *common)
     plan, los, tok = loaders(cfg, tmp_path / "run", 2)

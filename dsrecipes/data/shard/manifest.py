@@ -22,7 +22,7 @@ from dsrecipes.core.errors import DataError
 from dsrecipes.core.typed import config_to_dict
 from dsrecipes.data.prepare.cache import tokenizer_fingerprint
 from dsrecipes.data.render.template_choice import choose_template
-from dsrecipes.data.shard.rows import PAIR_ROW_FORMAT, ROW_FORMAT, row_format
+from dsrecipes.data.shard.rows import PAIR_ROW_FORMAT, PROMPT_ROW_FORMAT, ROW_FORMAT, row_format
 from dsrecipes.data.sources.remote import is_url
 
 MANIFEST = "manifest.json"
@@ -162,16 +162,26 @@ def check_identity(cfg: Any, tokenizer: Any) -> Dict[str, Any]:
     """What decides whether a row passes: the template config, the tokenizer itself and the row size limit."""
 
     template = choose_template(cfg.template, tokenizer, cfg.model.path)  # `auto` as the launch resolves it
-    out = {"template": config_to_dict(template), "tokenizer": tokenizer_fingerprint(tokenizer),
-           "max_row_bytes": cfg.dataset.max_row_bytes}
-    if row_format(cfg) == PAIR_ROW_FORMAT:  # a pair's prompt past the cutoff is a bad row
-        out["cutoff_len"] = cfg.data.cutoff_len
-    return out
+    return {"template": config_to_dict(template), "tokenizer": tokenizer_fingerprint(tokenizer),
+            "max_row_bytes": cfg.dataset.max_row_bytes, **token_limits(cfg)}
+
+
+def token_limits(cfg: Any) -> Dict[str, int]:
+    """The token limits past which a row of the run's kind is a bad row: a pair's prompt past `data.cutoff_len`
+    (`cutoff_len`), a prompt past `data.cutoff_len - objective.max_completion_length`, the room its sampled
+    completions get (`prompt_budget`); none for conversations, which are truncated."""
+    fmt = row_format(cfg)
+    if fmt == PAIR_ROW_FORMAT:
+        return {"cutoff_len": cfg.data.cutoff_len}
+    if fmt == PROMPT_ROW_FORMAT:
+        return {"prompt_budget": cfg.data.cutoff_len - cfg.objective.max_completion_length}
+    return {}
 
 
 def checked_alike(checked_with: Dict[str, Any], cfg: Any, tokenizer: Any) -> bool:
-    """Whether rows `dsrecipes shard` checked with `checked_with` pass this run's checks too."""
+    """Whether rows `dsrecipes shard` checked with `checked_with` pass this run's checks too: the same template and
+    tokenizer, and limits no smaller (a manifest that recorded no such limit was not checked against it)."""
     now = check_identity(cfg, tokenizer)
     return (checked_with.get("template") == now["template"] and checked_with.get("tokenizer") == now["tokenizer"]
             and now["max_row_bytes"] >= checked_with.get("max_row_bytes", float("inf"))
-            and now.get("cutoff_len", 0) >= checked_with.get("cutoff_len", 0))
+            and all(now[key] >= checked_with.get(key, float("inf")) for key in token_limits(cfg)))
