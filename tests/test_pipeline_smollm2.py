@@ -27,7 +27,6 @@ PIPELINE = """\
 shared:
   model.lora.enabled: true
   data.cutoff_len: 128
-  data.cache_dir: {cache}
   trainer: {{save_every: 0, log_every: 1, eval_every: 0, micro_batch_size: 4, eval_samples: 16}}
   scheduler.warmup_steps: 0
   model.path: {base}
@@ -71,7 +70,7 @@ def pipeline_run(smollm2_dir, tmp_path_factory, request):
     remove_when_passed(request, root)  # two merged exports: 1 GB
     registry = short_pairs(root)
     path = root / "pipeline.yaml"
-    path.write_text(PIPELINE.format(cache=root / "cache", base=smollm2_dir, registry=registry), encoding="utf-8")
+    path.write_text(PIPELINE.format(base=smollm2_dir, registry=registry), encoding="utf-8")
     started = time.perf_counter()
     with in_process_environ():
         code = main(["pipeline", str(path), "--out", str(root / "out")])

@@ -100,3 +100,24 @@ def test_an_elastic_resume_writes_no_conversion_through_a_foreign_universal(kind
         trust.reset()
     assert sorted(p.name for p in victim.iterdir()) == ["keep.txt"]
     assert sorted(p.name for p in (tag / "universal").iterdir()) == ["keep.txt"]
+
+
+def test_a_pipeline_file_cannot_set_what_a_shared_recipe_cannot(tmp_path):
+    """A pipeline file is shared like a recipe, but its settings reach `train` as command-line overrides, which
+    config/safety.py takes as the user's own: a tracking server (it receives MLFLOW_TRACKING_TOKEN), a directory
+    written to, or the activate script of a batch job, set there, are refused by the pipeline reader, each with its
+    line, nested mappings included."""
+    from dsrecipes.config.pipeline_file import load_pipeline
+
+    path = tmp_path / "shared_pipeline.yaml"
+    path.write_text("shared:\n  trainer.tracking_uri: http://collector.example:5000\n  data: {cache_dir: /home/u/x}\n"
+                    "stages:\n  - name: sft\n    set:\n      trainer: {max_steps: 2, tracking_uri: file:/tmp/x}\n"
+                    "      launcher.slurm_venv: /tmp/venv\n      offload.nvme_path: /tmp/nvme\n")
+    with pytest.raises(ConfigError) as refused:
+        load_pipeline(path)
+    problems = refused.value.problems
+    assert [p.split(": ", 1)[0] for p in problems] == [f"{path}:{n}" for n in (2, 3, 7, 8, 9)], problems
+    assert "a tracking server that receives your credentials" in problems[0] and "batch job" in problems[3]
+    ok = tmp_path / "own_pipeline.yaml"
+    ok.write_text("stages:\n  - name: sft\n    set: {trainer.max_steps: 2, model.path: /models/x}\n")
+    assert [s.key for s in load_pipeline(ok).stages[0].settings] == ["trainer.max_steps", "model.path"]

@@ -21,7 +21,8 @@ then checked here as typed data, every problem with its `file:line` and all of t
 (positive lists, at the top and in a stage); a stage name is a plain name used once (it names the stage's run
 directory); `model_from` and `from_export` name EARLIER stages; a setting's key is a key of the schema (or a config group), never
 one starting with `_` (Hydra's `_target_` would name code) and never one the pipeline sets itself
-(`trainer.output_dir`, `hydra.*`, `model.path` under `model_from`); a value is a number, true/false, null, a string
+(`trainer.output_dir`, `hydra.*`, `model.path` under `model_from`), nor one a shared recipe may not set
+(SHARED_NEVER: tracking server, written directories, hosts, a batch job's activate script); a value is a number, true/false, null, a string
 of the characters in VALUE_CHARS (letters, digits, spaces and `_.,:/@+=~%*?-`, plus `${resolver:arg}`), or a list
 or mapping of those: no quotes, `;`, `|`, `&`, `$(`, backquotes or newlines, so no value can be read as more than
 one override or as a command. Settings become command-line overrides of `train` (`stage_overrides`), which then
@@ -38,6 +39,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import yaml
 
 import dsrecipes.config.recipe_file as recipe_file
+from dsrecipes.config.field_classes import FIELDS, FieldClass
 from dsrecipes.config.groups import RECIPE_GROUP, group_options
 from dsrecipes.config.hints import schema_keys
 from dsrecipes.core.errors import ConfigError
@@ -47,6 +49,15 @@ TOP_KEYS = ("shared", "stages", "prompts")
 PROMPT_KEYS = {"limit": 64, "max_new_tokens": 1024}  # key -> the largest value (each answer costs generation)
 STAGE_KEYS = ("name", "recipe", "set", "model_from", "from_export")
 PIPELINE_SET = ("trainer.output_dir", "hydra")  # what the pipeline itself sets for every stage
+# A pipeline file is shared like a recipe, but its settings reach `train` as command-line overrides (the user's own,
+# to config/safety.py): so the keys a shared recipe may never set (config/field_classes.py) are refused here.
+SHARED_NEVER = {
+    FieldClass.user_named: "names a place outside the run directory or this machine (a tracking server that receives "
+                           "your credentials, a directory written to, hosts); a pipeline file is shared like a recipe, "
+                           "so only your environment or config tree may name it (MLFLOW_TRACKING_URI, $DSRECIPES_HOME)",
+    FieldClass.command_line: "chooses code the batch job runs (an activate script, modulefiles): this machine's "
+                             "setting, never a pipeline file's",
+}
 VALUE_CHARS = r"[\w .,:/@+=~%*?\-]"
 _VALUE = re.compile(rf"(?:{VALUE_CHARS}|\$\{{[\w.:/\-]*\}})*\Z")
 _KEY_PART = re.compile(r"[A-Za-z][A-Za-z0-9_]*\Z")
@@ -301,6 +312,9 @@ class _Reader:
             return []
         if key == RECIPE_GROUP:
             self.error(k, f"{where}.{key}: name a stage's recipe with the stage's `recipe:` key")
+            return []
+        if FIELDS.get(key) in SHARED_NEVER:  # its settings reach `train` as command-line overrides: checked here
+            self.error(k, f"{where}.{key}: {SHARED_NEVER[FIELDS[key]]}")
             return []
         if key in self.groups and isinstance(v, yaml.ScalarNode):
             return self.group_choice(key, k, v, where)
