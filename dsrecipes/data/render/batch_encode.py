@@ -20,13 +20,17 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from multiprocessing import get_context
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from dsrecipes.core.errors import UserError
 from dsrecipes.core.schema import DatasetConfig, SourceConfig, TrainConfig
 from dsrecipes.data.render.tokenize import Encoder
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
@@ -108,7 +112,7 @@ def _init_worker(tokenizer: Any, cfg: TrainConfig, sources: Sequence[SourceConfi
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
     try:
         _Worker.encoder = Encoder(tokenizer, cfg)  # renders probes: a hostile chat_template is refused here
-    except Exception as exc:  # noqa: BLE001 - a Pool whose initializer raises restarts its workers for ever
+    except Exception as exc:  # noqa: BLE001 - raised by the first chunk: one message (an initializer's breaks the pool)
         if not parallel:
             raise
         _Worker.failed = exc
@@ -183,20 +187,39 @@ def read_and_encode(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceCo
         for task, chunk in _ordered(_encode_chunk, _tasks(sources, caps, limit), 1):
             out.add(task, chunk, sources, caps, report)
     else:
-        with get_context().Pool(workers, initializer=_init_worker, initargs=init) as pool:
-            run = lambda t: pool.apply_async(_encode_chunk, (t,))  # noqa: E731
+        # concurrent.futures, not multiprocessing.Pool: a worker that dies (the OOM killer's SIGKILL) breaks the
+        # pool at once (BrokenProcessPool, the others killed), where Pool lost its task and waited for ever, and a
+        # refused row (bad_rows=error) lets the running chunks finish and cancels the queued ones.
+        with ProcessPoolExecutor(workers, get_context(), initializer=_init_worker, initargs=init) as pool:
+            seen: Dict[int, Any] = {}
             try:
-                for task, chunk in _ordered(run, _tasks(sources, caps, limit), workers * AHEAD):
+                for task, chunk in _ordered(lambda t: _submit(pool, t, seen), _tasks(sources, caps, limit),
+                                            workers * AHEAD):
                     out.add(task, chunk, sources, caps, report)
+            except BrokenProcessPool:
+                raise UserError(_died(seen.values(), workers)) from None
             except Exception:
-                # A refused row (bad_rows=error) while chunks are in flight: let the healthy workers finish them
-                # and exit, instead of the `with` block's terminate(), which SIGTERMs workers and hangs forever
-                # when one dies holding the result queue's lock (seen: Pool._terminate_pool joining a task
-                # handler blocked in outqueue.put). Ctrl-C and the like still terminate.
-                pool.close()
-                pool.join()
+                pool.shutdown(wait=True, cancel_futures=True)
                 raise
     return out.result()
+
+
+def _submit(pool: ProcessPoolExecutor, task: _Task, seen: Dict[int, Any]) -> Future:
+    """Submit `task`; `seen` keeps every worker process met (after its death, its exit code names the cause)."""
+    future = pool.submit(_encode_chunk, task)
+    seen.update(getattr(pool, "_processes", None) or {})
+    return future
+
+
+def _died(procs: Iterable[Any], workers: int) -> str:
+    """The message for a preparation worker that ended without an answer: which one and how, where known."""
+    dead = [(p.pid, p.exitcode) for p in procs if p.exitcode not in (None, 0)]
+    how = ""
+    if dead:
+        pid, code = dead[0]
+        how = f" (pid {pid}, " + (f"killed by {signal.Signals(-code).name})" if code < 0 else f"exit code {code})")
+    return (f"data.preprocess_workers={workers}: a preparation worker process ended without an answer{how}; "
+            "the out-of-memory killer ends one this way: lower data.preprocess_workers, or dataset.max_row_bytes")
 
 
 class _Caps:
@@ -255,8 +278,8 @@ def _tasks(sources: Sequence[SourceConfig], caps: _Caps, limit: int) -> Iterator
 
 
 def _ordered(submit: Callable[[_Task], Any], tasks: Iterator[_Task], ahead: int) -> Iterator[Tuple[_Task, Any]]:
-    """(task, result) in task order, at most `ahead` tasks in flight; `submit` returns an async result (or, with
-    ahead=1, the result itself)."""
+    """(task, result) in task order, at most `ahead` tasks in flight; `submit` returns a future (or, with ahead=1,
+    the result itself)."""
     pending: deque = deque()
     for task in tasks:
         if task.local:
@@ -265,10 +288,10 @@ def _ordered(submit: Callable[[_Task], Any], tasks: Iterator[_Task], ahead: int)
             pending.append((task, submit(task)))
         while len(pending) >= ahead or (pending and pending[0][1] is None):
             task0, res = pending.popleft()
-            yield task0, res if res is None or ahead == 1 else res.get()
+            yield task0, res if res is None or ahead == 1 else res.result()
     while pending:
         task0, res = pending.popleft()
-        yield task0, res if res is None or ahead == 1 else res.get()
+        yield task0, res if res is None or ahead == 1 else res.result()
 
 
 class _Collector:

@@ -1,0 +1,89 @@
+"""A preparation worker (data.preprocess_workers > 1) that dies - the out-of-memory killer's SIGKILL - ends the
+preparation within seconds with one message naming the setting, the worker and its signal, and leaves no worker
+behind. Before (multiprocessing.Pool): the dead worker's chunk was never answered and the launching process waited
+for it for ever, in silence."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from dsrecipes.core.errors import UserError
+from dsrecipes.core.paths import SAMPLE_DATA_DIR, TINY_TOKENIZER_DIR
+from dsrecipes.core.schema import DatasetConfig, SourceConfig, TemplateConfig, TemplateKind, TrainConfig
+from dsrecipes.data.render import batch_encode
+from dsrecipes.data.sources.badrows import BadRowReport
+
+_real_encode_chunk = batch_encode._encode_chunk
+
+
+def _dies_on_its_third_chunk(task):
+    """What the OOM killer does to a worker mid-preparation (runs in the worker: forked after the patch)."""
+    _dies_on_its_third_chunk.calls = getattr(_dies_on_its_third_chunk, "calls", 0) + 1
+    if _dies_on_its_third_chunk.calls == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _real_encode_chunk(task)
+
+
+def test_a_killed_preparation_worker_ends_the_preparation(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(TINY_TOKENIZER_DIR))
+    monkeypatch.setattr(batch_encode, "CHUNK", 4)
+    monkeypatch.setattr(batch_encode, "_encode_chunk", _dies_on_its_third_chunk)
+    cfg = TrainConfig()
+    cfg.template = TemplateConfig(name=TemplateKind.chatml)
+    cfg.data.preprocess_workers = 2
+    source = SourceConfig(name="sample", paths=[str(SAMPLE_DATA_DIR / "train.jsonl")])
+    cfg.dataset = DatasetConfig(paths=list(source.paths))
+    report = BadRowReport(cfg.dataset.bad_rows, 1.0, tmp_path / "bad.jsonl")
+    before = {c.pid for c in psutil.Process().children()}
+    outcome = []
+
+    def prepare() -> None:
+        try:
+            outcome.append(batch_encode.read_and_encode(cfg, tok, [source], report))
+        except BaseException as exc:  # noqa: BLE001 - what the launching process would see
+            outcome.append(exc)
+
+    started = time.monotonic()
+    thread = threading.Thread(target=prepare, daemon=True)
+    thread.start()
+    thread.join(timeout=20)
+    assert not thread.is_alive(), "still waiting for the dead worker's chunk after 20 s"
+    assert time.monotonic() - started < 10
+    assert isinstance(outcome[0], UserError), outcome
+    message = str(outcome[0])
+    assert message.startswith("data.preprocess_workers=2: a preparation worker process ended without an answer (pid")
+    assert "killed by SIGKILL" in message and "lower data.preprocess_workers" in message
+    left = [c for c in psutil.Process().children() if c.pid not in before and c.status() != psutil.STATUS_ZOMBIE]
+    assert not left, left
+
+
+def test_a_refused_row_still_lets_running_chunks_finish(tmp_path):
+    """bad_rows=error while chunks are in flight: one DataError, no worker left (the path the Pool's close+join
+    served before)."""
+    from transformers import AutoTokenizer
+
+    from dsrecipes.core.errors import DataError
+    from dsrecipes.core.schema import BadRows
+
+    tok = AutoTokenizer.from_pretrained(str(TINY_TOKENIZER_DIR))
+    bad = tmp_path / "bad.jsonl"
+    good = (SAMPLE_DATA_DIR / "train.jsonl").read_text().splitlines()
+    bad.write_text("\n".join(good[:20] + ["{not json"] + good[20:]) + "\n")
+    cfg = TrainConfig()
+    cfg.template = TemplateConfig(name=TemplateKind.chatml)
+    cfg.data.preprocess_workers = 2
+    source = SourceConfig(name="bad", paths=[str(bad)])
+    cfg.dataset = DatasetConfig(paths=[str(bad)], bad_rows=BadRows.error)
+    before = {c.pid for c in psutil.Process().children()}
+    with pytest.raises(DataError):
+        batch_encode.read_and_encode(cfg, tok, [source], BadRowReport(BadRows.error, 1.0, tmp_path / "q.jsonl"))
+    left = [c for c in psutil.Process().children() if c.pid not in before and c.status() != psutil.STATUS_ZOMBIE]
+    assert not left, left
