@@ -24,9 +24,13 @@ def test_a_run_directory_that_is_shell_text_never_reaches_pdsh(make_cfg, tmp_pat
             launch.build_plan(cfg, tmp_path / evil, master_port=29511, environ={})
     plan = launch.build_plan(cfg, tmp_path / "run_1", master_port=29511, environ={})
     assert str(tmp_path / "run_1") in plan.commands[0].argv
+    forced = make_cfg("launcher=deepspeed", "launcher.extra_args=[--force_multi]")  # pdsh to localhost, no hostfile
+    with pytest.raises(ConfigError, match="pdsh, whose remote shell"):
+        launch.build_plan(forced, tmp_path / "out;touch PWNED", master_port=29511, environ={})
     assert cli_main(["validate", *ssh, f"trainer.output_dir='{tmp_path}/out;touch PWNED'"]) == 2
     err = capsys.readouterr().err
-    assert "trainer.output_dir: launcher=deepspeed with a hostfile hands" in err and "Traceback" not in err, err
+    assert "trainer.output_dir: launcher=deepspeed with a hostfile or --force_multi hands" in err, err
+    assert "Traceback" not in err
 
 
 def test_score_renders_the_model_template_in_the_sandbox(smollm2_dir, tmp_path):

@@ -109,7 +109,7 @@ def setup_lines(ln) -> List[str]:
 
 
 SLURM_READS = "launcher=slurm writes {!r} into a batch script"
-PDSH_READS = ("launcher=deepspeed with a hostfile hands {!r} to pdsh, whose remote shell on every host reads "
+PDSH_READS = ("launcher=deepspeed with a hostfile or --force_multi hands {!r} to pdsh, whose remote shell on every host reads "
               "it (DeepSpeed quotes nothing)")
 
 

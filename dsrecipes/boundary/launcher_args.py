@@ -55,12 +55,13 @@ _STD_STREAMS = shape(r"[0-3]|\d{1,4}:[0-3](?:,\d{1,4}:[0-3])*", "0-3, or LOCAL_R
 _RDZV_KEYS = ("timeout", "join_timeout", "last_call_timeout", "close_timeout", "read_timeout")
 
 # option spelling -> (the launcher parser's dest, value type). Spellings are the parsers' own, listed exactly.
+FORCE_MULTI = "--force_multi"  # DeepSpeed's runner then goes through pdsh even to one host (builders._pdsh_words)
 _DEEPSPEED: Dict[str, Tuple[str, Value]] = {
     "--ssh_port": ("ssh_port", PORT),
     "--bind_cores_to_rank": ("bind_cores_to_rank", FLAG),
     "--bind_core_list": ("bind_core_list", CORE_LIST),
     "--no_ssh_check": ("no_ssh_check", FLAG),
-    "--force_multi": ("force_multi", FLAG),
+    FORCE_MULTI: ("force_multi", FLAG),
     "--log_level": ("log_level", _LOG_LEVELS),
     "--quiet": ("quiet", FLAG),
 }

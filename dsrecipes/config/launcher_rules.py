@@ -11,7 +11,7 @@ import re
 from typing import Callable, Dict, List, Optional, Tuple
 
 from dsrecipes.boundary.batch_script import PDSH_READS, batch_problems, run_dir_problem
-from dsrecipes.boundary.launcher_args import extra_args_problems
+from dsrecipes.boundary.launcher_args import FORCE_MULTI, extra_args_problems
 from dsrecipes.boundary.rank_env import env_problems
 from dsrecipes.boundary.values import HOST
 from dsrecipes.core.schema import LauncherKind, TrainConfig
@@ -85,7 +85,8 @@ def _batch_run_dir(cfg: TrainConfig) -> Optional[str]:
 
 
 def _pdsh_run_dir(cfg: TrainConfig) -> Optional[str]:
-    if cfg.launcher.hostfile and cfg.trainer.output_dir:  # the runner hands it to pdsh's remote shells
+    ln = cfg.launcher  # the runner hands the run directory to pdsh's remote shells
+    if (ln.hostfile or FORCE_MULTI in ln.extra_args) and cfg.trainer.output_dir:
         return run_dir_problem(os.path.abspath(os.path.expanduser(cfg.trainer.output_dir)), PDSH_READS)
     return None
 

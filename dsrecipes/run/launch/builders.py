@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional
 
 from dsrecipes.boundary.batch_script import PDSH_READS, run_dir_problem
-from dsrecipes.boundary.launcher_args import NODE_ENTRY, checked_extra_args, deepspeed_node_args, hostfile_problems
+from dsrecipes.boundary.launcher_args import (
+    FORCE_MULTI,
+    NODE_ENTRY,
+    checked_extra_args,
+    deepspeed_node_args,
+    hostfile_problems,
+)
 from dsrecipes.boundary.rank_env import checked_env, store_settings_from
 from dsrecipes.boundary.values import HOST
 from dsrecipes.core.distributed import free_port
@@ -91,7 +97,7 @@ def _build_deepspeed(cfg: TrainConfig, run_dir: Path, port: int, worker_module: 
     node = _deepspeed_node_plan(ln, run_dir, port, worker_module, environ)
     if node is not None:
         return node
-    if ln.hostfile:
+    if ln.hostfile or FORCE_MULTI in checked_extra_args(ln.kind, ln.extra_args):  # the runner may go through pdsh
         _pdsh_words(run_dir, ln.master_addr)
     argv = [sys.executable, "-m", "deepspeed.launcher.runner", *_deepspeed_resource_args(ln)]
     if ln.hostfile and ln.master_addr != LauncherConfig().master_addr:
@@ -117,9 +123,9 @@ def _build_deepspeed(cfg: TrainConfig, run_dir: Path, port: int, worker_module: 
 
 
 def _pdsh_words(run_dir: Path, master_addr: str) -> None:
-    """DeepSpeed's runner with a hostfile reaches other hosts through pdsh, which joins the command into one line for
-    each host's remote shell, quoting nothing: the run directory and the master address must be words a shell
-    reads as themselves (checked here, where the line is made, whatever validation saw)."""
+    """DeepSpeed's runner with a hostfile (or --force_multi) reaches hosts through pdsh, which joins the command into
+    one line for each host's remote shell, quoting nothing: the run directory and the master address must be words a
+    shell reads as themselves (checked here, where the line is made, whatever validation saw)."""
     problems = [run_dir_problem(str(run_dir), PDSH_READS)]
     if HOST.check(str(master_addr)):
         problems.append(f"launcher.master_addr: needs {HOST.expected}, got {master_addr!r}")
