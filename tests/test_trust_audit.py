@@ -125,3 +125,20 @@ def test_a_pipeline_file_cannot_set_what_a_shared_recipe_cannot(tmp_path):
     ok = tmp_path / "own_pipeline.yaml"
     ok.write_text("stages:\n  - name: sft\n    set: {trainer.max_steps: 2, model.path: /models/x}\n")
     assert [s.key for s in load_pipeline(ok).stages[0].settings] == ["trainer.max_steps", "model.path"]
+
+
+def test_an_empty_trust_path_trusts_nothing(tmp_path, monkeypatch):
+    """`--trust-checkpoint=$CKPT` with CKPT unset resolved to the working directory and trusted every checkpoint
+    below it; it is one message now, in train's argv and in export's parser alike."""
+    import dsrecipes.boundary.trust as trust
+
+    monkeypatch.chdir(tmp_path)
+    try:
+        for argv in (["x=1", "--trust-checkpoint="], ["--trust-checkpoint", " "]):
+            with pytest.raises(UserError, match="empty PATH"):
+                trust.take_flag(argv)
+            assert not trust.is_trusted(tmp_path / "run" / "checkpoints" / "step_4")
+        assert cli_main(["export", str(tmp_path / "run"), "--trust-checkpoint="]) == 2
+        assert not trust.is_trusted(tmp_path / "run")
+    finally:
+        trust.reset()

@@ -156,7 +156,11 @@ def signature_problem(record: Dict[str, Any]) -> Optional[str]:
 
 
 def trust(paths: List[str]) -> None:
-    """Accept the records at or below `paths` for this invocation (the command line's --trust-checkpoint)."""
+    """Accept the records at or below `paths` for this invocation (the command line's --trust-checkpoint). An empty
+    PATH (`--trust-checkpoint=$UNSET`) is refused: it would resolve to the working directory and trust all below it."""
+    if any(not str(p).strip() for p in paths):
+        raise UserError(f"{FLAG}: an empty PATH would trust everything below the working directory; name the "
+                        f"checkpoint or run directory to trust: {FLAG} PATH")
     _trusted.extend(Path(p).expanduser().resolve() for p in paths)
 
 
