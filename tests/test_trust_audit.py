@@ -142,3 +142,18 @@ def test_an_empty_trust_path_trusts_nothing(tmp_path, monkeypatch):
         assert not trust.is_trusted(tmp_path / "run")
     finally:
         trust.reset()
+
+
+def test_a_recipes_regex_reward_that_backtracks_is_stopped_not_a_stalled_rank(monkeypatch):
+    """objective.rewards[].pattern comes from a recipe; `re` cannot stop `(a|aa)+$` (exponential on a long run of
+    `a`s: a completion could stall the rank for hours, silently). The search is bounded; past it, one ConfigError
+    naming the pattern. Ordinary patterns score as re.search does."""
+    import dsrecipes.objectives.rewards as rewards
+    from dsrecipes.core.schema import RewardConfig
+
+    monkeypatch.setattr(rewards, "PATTERN_SECONDS", 0.05, raising=False)
+    check = rewards.check_of(RewardConfig(name="regex", pattern=r"(a|aa)+$"))
+    with pytest.raises(ConfigError, match=r"ran past 0.05 s"):
+        check("a" * 28 + "b", "")  # re: 0.3 s on the 2-core machine; 2x longer per extra character
+    ok = rewards.check_of(RewardConfig(name="regex", pattern=r"\\boxed\{\d+\}"))
+    assert (ok(r"so \boxed{42}", ""), ok("42", "")) == (1.0, 0.0)

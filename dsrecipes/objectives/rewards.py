@@ -6,8 +6,8 @@ Built-in typed checks (reward 1.0 or 0.0; completions and references are text):
 - `exact_match`   the completion equals the reference after normalisation (core/answers.py: case-folded,
                   whitespace collapsed; the rule prompt-eval scores with). No reference: 0.
 - `number_equal`  the last number in the completion equals the reference read as a number (|a - b| <= 1e-9).
-- `regex`         the completion matches `pattern` (re.search); a pattern that does not compile is refused at
-                  validation, naming its key.
+- `regex`         the completion matches `pattern` (re.search's syntax; a pattern that does not compile is refused
+                  at validation, naming its key; one search past PATTERN_SECONDS is one ConfigError).
 - `length`        `min_chars <= len(completion) <= max_chars` (max_chars null: no upper bound).
 Anything else is the name of a function an INSTALLED package registers under the entry point group
 `dsrecipes.rewards` (`[project.entry-points."dsrecipes.rewards"] my_reward = "my_pkg.rewards:score"`, called as
@@ -36,6 +36,7 @@ GROUP = "dsrecipes.rewards"
 BUILTIN = ("exact_match", "number_equal", "regex", "length")
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 Check = Callable[[str, str], float]
+PATTERN_SECONDS = 1.0  # one regex reward's search of one completion (a sane pattern takes microseconds)
 
 
 def installed() -> Dict[str, Any]:
@@ -81,9 +82,12 @@ def reward_model_problems(path: str) -> List[str]:
 def _pattern_problems(key: str, pattern: Optional[str]) -> List[str]:
     if not pattern:
         return [f"{key}.pattern: the regex reward needs a pattern"]
+    import regex  # lazy: what _regex_check searches with
+
     try:
         re.compile(pattern)
-    except re.error as exc:
+        regex.compile(pattern, regex.VERSION0)
+    except (re.error, regex.error) as exc:
         return [f"{key}.pattern: {pattern!r} is not a regular expression ({exc})"]
     return []
 
@@ -95,8 +99,7 @@ def check_of(r: RewardConfig) -> Check:
     if r.name == "number_equal":
         return _number_equal
     if r.name == "regex":
-        pattern = re.compile(r.pattern or "")
-        return lambda text, ref: float(pattern.search(text) is not None)
+        return _regex_check(r.pattern or "")
     if r.name == "length":
         top = math.inf if r.max_chars is None else r.max_chars
         return lambda text, ref: float(r.min_chars <= len(text) <= top)
@@ -104,6 +107,25 @@ def check_of(r: RewardConfig) -> Check:
     if found is None:
         raise ConfigError(f"objective.rewards: {r.name!r} is not installed under the entry point group {GROUP!r}")
     return found.load()
+
+
+def _regex_check(source: str) -> Check:
+    """re.search of a recipe's pattern, bounded in time: `re` cannot stop a pattern that backtracks exponentially
+    (`(a|aa)+$`), which would stall the rank with no message; the `regex` module (transformers' own dependency)
+    searches the same syntax with a timeout, past which the recipe's pattern is one ConfigError naming it."""
+    import regex  # lazy: only a regex reward needs it
+
+    pattern = regex.compile(source, regex.VERSION0)  # VERSION0: re's syntax and meaning
+
+    def check(text: str, ref: str) -> float:
+        try:
+            return float(pattern.search(text, timeout=PATTERN_SECONDS) is not None)
+        except TimeoutError:
+            raise ConfigError(f"objective.rewards: the regex pattern {source!r} ran past {PATTERN_SECONDS:g} s on "
+                              f"one completion of {len(text)} characters (it backtracks exponentially); rewrite it "
+                              "without nested or overlapping repetition") from None
+
+    return check
 
 
 def _number_equal(text: str, ref: str) -> float:
