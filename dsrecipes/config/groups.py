@@ -57,4 +57,5 @@ def describe_file(path: Path) -> List[str]:
             out.append("  " + body.strip() if body.startswith("   ") else body.strip())
         else:
             out[-1] = f"{out[-1]} {body.strip()}".strip()
-    return [line for line in out if line.strip()]
+    # a shared recipe's comment goes to a terminal: no escape sequences (title, clipboard, cursor), each shown as '?'
+    return ["".join(c if c.isprintable() else "?" for c in line) for line in out if line.strip()]
