@@ -2,8 +2,8 @@
 
 A usage mistake is a UserError (exit 2, one message), never argparse's own exit. A flag value that makes no sense
 (`--world-size 0`, `--max-new-tokens -3`, a path that is not there) is refused here, by the flag's type, never
-replaced by a default: `positive_int`, `bounded_int`, `non_negative_int`, `positive_float`, `existing_path`,
-`existing_dir`.
+replaced by a default: `positive_int`, `bounded_int`, `non_negative_int`, `positive_float`,
+`non_negative_float`, `existing_path`, `existing_dir`.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def _checked(convert: Callable[[str], Any], ok: Callable[[Any], bool], what: str
 positive_int = _checked(int, lambda v: v > 0, "a positive integer")
 non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
 positive_float = _checked(float, lambda v: math.isfinite(v) and v > 0, "a positive number")
+non_negative_float = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a number >= 0")
 
 
 def bounded_int(high: int, why: str) -> Callable[[str], Any]:

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import List
 
-from dsrecipes.commands.args import bounded_int, existing_dir, non_negative_int, override_parser, parse, positive_int
+from dsrecipes.commands.args import bounded_int, existing_dir, non_negative_int, override_parser, parse
 from dsrecipes.config.load import compose_and_load
+from dsrecipes.core.errors import UserError
 from dsrecipes.core.topology import resolve_topology
-from dsrecipes.data.plan.ledger import verify_ledgers
+from dsrecipes.data.plan.ledger import LEDGER_DIR, verify_ledgers
 from dsrecipes.run.micro_batch import needs_number
 
 MAX_WORLD_SIZE = 16384  # audit simulates each rank: beyond this it would run for minutes
 MAX_EPOCHS = 1000
+MAX_NUM_ROWS = 100_000_000  # audit permutes every row index (8 bytes each) per epoch: 0.8 GB at this bound
+MAX_ROW_EPOCHS = 200_000_000  # --num-rows x --epochs: ~1 s per 10^6 row-epochs on one core, so at most minutes
 
 
 def main(argv: List[str]) -> int:
@@ -26,7 +30,7 @@ def main(argv: List[str]) -> int:
                         help="DataLoader workers per rank (default: data.num_workers)")
     parser.add_argument("--epochs", type=bounded_int(MAX_EPOCHS, "audit plans every epoch"), default=2,
                         help="epochs to check (default 2)")
-    parser.add_argument("--num-rows", type=positive_int, default=None,
+    parser.add_argument("--num-rows", type=bounded_int(MAX_NUM_ROWS, "audit permutes every row index"), default=None,
                         help="map: audit this many rows instead of preparing")
     parser.add_argument("--ledger", type=existing_dir, default=None, metavar="RUN_DIR",
                         help="check a finished run's ledger instead")
@@ -36,9 +40,15 @@ def main(argv: List[str]) -> int:
     if args.num_workers is not None:
         overrides.append(f"data.num_workers={args.num_workers}")
     if args.ledger:
+        if not Path(args.ledger, LEDGER_DIR).is_dir():  # nothing to check is a wrong directory, not a violation
+            raise UserError(f"--ledger: {args.ledger} holds no {LEDGER_DIR}/ directory; give the run directory of a "
+                            "run trained with trainer.record_samples=true")
         ledger = verify_ledgers(args.ledger)
         print(ledger.summary())
         return 0 if ledger.ok else 1
+    if args.num_rows and args.num_rows * args.epochs > MAX_ROW_EPOCHS:
+        raise UserError(f"--num-rows {args.num_rows} x --epochs {args.epochs}: more than {MAX_ROW_EPOCHS:,} row-epochs "
+                        "to simulate (minutes per 10^8); audit fewer epochs or rows")
     cfg = compose_and_load(overrides)
     needs_number(cfg, "audit the data plan")
     split_ok = True

@@ -71,6 +71,25 @@ def check_model_dir(path: Path) -> None:
         raise UserError(problem)
     for problem in custom_code_problems("EXPORT", path):
         raise UserError(problem)
+    labels = config_labels(path / "config.json")
+    if labels != 1:  # before loading: transformers would first print its load report of a fresh score head
+        raise UserError(f"{path}: a reward model has one label (a scalar score), this one has {labels} "
+                        "(config.json; an objective=reward export has one)")
+
+
+def config_labels(config: Path) -> int:
+    """The number of labels config.json declares (transformers' default is 2), or UserError naming the file."""
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{config}: not a readable JSON model config ({exc})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{config}: holds a {type(data).__name__}, not a model config (a JSON object)")
+    id2label = data.get("id2label")
+    if isinstance(id2label, dict) and id2label:
+        return len(id2label)
+    labels = data.get("num_labels", 2)
+    return labels if isinstance(labels, int) else -1
 
 
 def read_pairs(path: Path) -> List[Tuple[int, Pair]]:

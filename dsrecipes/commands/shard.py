@@ -8,7 +8,7 @@ import shlex
 from pathlib import Path
 from typing import List, Sequence
 
-from dsrecipes.commands.args import override_parser, parse
+from dsrecipes.commands.args import non_negative_float, override_parser, parse
 from dsrecipes.config.load import compose_and_load
 from dsrecipes.core.schema import ShardBalance
 from dsrecipes.data.shard.build import shard
@@ -22,7 +22,7 @@ def main(argv: List[str]) -> int:
                         help="samples: equal counts; tokens: equal counts and even token totals")
     parser.add_argument("--force", action="store_true",
                         help="replace the shard already in --out (only the files its manifest lists)")
-    parser.add_argument("--val-size", type=float, default=0, metavar="N",
+    parser.add_argument("--val-size", type=non_negative_float, default=0, metavar="N",
                         help="hold N samples (a count, or a fraction < 1) out into the validation part val.jsonl")
     args = parse(parser, argv)
     inputs = [a for a in args.overrides if "=" not in a]

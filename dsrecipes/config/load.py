@@ -96,6 +96,23 @@ def load_run_config(run_dir: str | Path) -> TrainConfig:
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise ConfigError(f"{path}: no resolved config here; start runs with `python -m dsrecipes`")
-    with open(path, encoding="utf-8") as fh:
-        data = yaml.safe_load(fh)
-    return load_config(data, check_files=True)
+    return load_config(read_yaml_mapping(path), check_files=True)
+
+
+def read_yaml_mapping(path: Path) -> Dict[str, Any]:
+    """A YAML file that must hold a mapping (a run's config.yaml), or ConfigError naming `file:line`."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise ConfigError(f"{where}: not valid YAML ({getattr(exc, 'problem', None) or exc}); this file is written "
+                          "by the launching process: restore it, or start a new run directory") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: holds a {type(data).__name__}, not a run's resolved config (a mapping of keys)")
+    return data

@@ -168,7 +168,8 @@ class _Reader:
         self.keys = set(_schema())
 
     def error(self, node: Any, what: str) -> None:
-        self.errors.append(f"{self.path}:{node.start_mark.line + 1}: {what}")
+        line = node.start_mark.line + 1 if node is not None else 1  # None: an empty file
+        self.errors.append(f"{self.path}:{line}: {what}")
 
     def pipeline(self, root: Any) -> Pipeline:
         items = self.mapping(root, TOP_KEYS, "the file")

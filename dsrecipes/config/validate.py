@@ -5,8 +5,10 @@ config/objective_rules.py, data/strategies/rules.py); this module runs them all 
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from dsrecipes.boundary.launcher_args import hostfile_problems
 from dsrecipes.boundary.rank_env import env_problems
@@ -34,8 +36,11 @@ from dsrecipes.objectives.rewards import reward_model_problems
 
 
 def validate(cfg: TrainConfig, *, check_files: bool = True) -> List[str]:
-    """Every rule violation in `cfg`. `check_files=False` skips existence checks of user paths (`validate --all`)."""
-    errors: List[str] = []
+    """Every rule violation in `cfg`. `check_files=False` skips existence checks of user paths (`validate --all`).
+    A NaN or infinite number anywhere is reported alone: the rules below compare and round numbers."""
+    errors: List[str] = non_finite(cfg)
+    if errors:
+        return errors
     errors += _zero_and_offload(cfg)
     errors += _batch(cfg)
     errors += _data(cfg)
@@ -46,6 +51,22 @@ def validate(cfg: TrainConfig, *, check_files: bool = True) -> List[str]:
     if check_files:
         errors += _files(cfg)
     return errors
+
+
+def non_finite(value: Any, key: str = "") -> List[str]:
+    """`key: must be a finite number, got nan` for every NaN/inf float in the config (no key takes one: a learning
+    rate of nan trains nothing, a timeout of inf never ends, and every `x > 0` rule lets NaN through)."""
+    if isinstance(value, float):
+        return [] if math.isfinite(value) else [f"{key}: must be a finite number, got {value}"]
+    if dataclasses.is_dataclass(value):
+        items: Any = ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
+    elif isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        return [e for i, v in enumerate(value) for e in non_finite(v, f"{key}[{i}]")]
+    else:
+        return []
+    return [e for k, v in items for e in non_finite(v, f"{key}.{k}" if key else str(k))]
 
 
 def _zero_and_offload(cfg: TrainConfig) -> List[str]:

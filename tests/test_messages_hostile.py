@@ -1,0 +1,86 @@
+"""A sceptical user's inputs, each one message naming the key, flag or file:line, exit 2, no traceback, nothing
+written: a NaN or infinite number in any config field (was: `optimizer.lr=nan` passed validation and failed in the
+rank with a TypeError, exit 1; `dataset.val_size=inf` was an OverflowError traceback), `shard --val-size inf|nan`
+(traceback / a shard written), `audit --num-rows` past what fits in memory (numpy's MemoryError traceback) and
+`audit --ledger` on a directory with no ledger (exit 1, a "violation"), a run's config.yaml that is not YAML (a
+yaml traceback from `export`/`prompt-eval`), an empty pipeline file (AttributeError traceback), and `score` on a
+model with two labels (refused only after transformers loaded it and printed its load report).
+All in this process through `dsrecipes.cli.main`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from dsrecipes.cli import main as cli_main
+from dsrecipes.config.load import load_run_config
+from dsrecipes.core.errors import ConfigError
+
+
+def refused(capsys, argv: List[str], *needles: str) -> str:
+    """`dsrecipes ARGV` exits 2 with one `error:` line holding every needle, and no traceback."""
+    code = cli_main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, (code, err)
+    assert err.startswith("error: ") and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    return err
+
+
+@pytest.mark.parametrize("override, key, shown", [
+    ("optimizer.lr=nan", "optimizer.lr", "nan"),
+    ("dataset.val_size=inf", "dataset.val_size", "inf"),
+    ("trainer.stop_grace_s=inf", "trainer.stop_grace_s", "inf"),
+    ("optimizer.betas=[0.9,nan]", "optimizer.betas[1]", "nan"),
+])
+def test_a_non_finite_number_is_refused_naming_its_key(capsys, override, key, shown):
+    err = refused(capsys, ["validate", override], f"{key}: must be a finite number, got {shown}")
+    assert err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-1"])
+def test_shard_val_size_must_be_a_finite_count_or_fraction(capsys, tmp_path, value):
+    out = tmp_path / "parts"
+    refused(capsys, ["shard", "--parts", "2", "--out", str(out), "--val-size", value], "--val-size", repr(value))
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_audit_refuses_rows_it_cannot_hold_and_a_directory_without_a_ledger(capsys, tmp_path):
+    refused(capsys, ["audit", "--num-rows", "999999999999"], "--num-rows", "up to 100000000")
+    refused(capsys, ["audit", "--num-rows", "100000000", "--epochs", "1000"], "--num-rows", "--epochs")
+    refused(capsys, ["audit", "--ledger", str(tmp_path)], "--ledger", str(tmp_path), "record_samples")
+
+
+@pytest.mark.parametrize("text, where", [
+    ("data:\n  kind: [\n", "config.yaml:3: not valid YAML"),
+    ("- 1\n", "holds a list"),
+    (b"a: \xff\n", "not UTF-8"),
+])
+def test_a_damaged_run_config_names_its_file(tmp_path, text, where):
+    path = tmp_path / "config.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ConfigError, match=where) as info:
+        load_run_config(tmp_path)
+    assert str(path) in str(info.value)
+
+
+def test_an_empty_pipeline_file_is_one_message(capsys, tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing yet\n")
+    refused(capsys, ["pipeline", str(empty), "--out", str(tmp_path / "out")], f"{empty}:1:", "stages: missing")
+    assert not (tmp_path / "out").exists()
+
+
+def test_score_refuses_a_model_with_two_labels_before_loading_it(capsys, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))  # transformers' default: 2 labels
+    (model / "model.safetensors").write_bytes(b"")  # never read: refused before loading
+    pairs = Path(__file__).parents[1] / "dsrecipes/assets/sample_data/pairs.jsonl"
+    out = tmp_path / "rewards.jsonl"
+    err = refused(capsys, ["score", str(model), "--pairs", str(pairs), "--out", str(out)], "has 2", "config.json")
+    assert "LOAD REPORT" not in err and not out.exists()
