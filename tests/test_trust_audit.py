@@ -170,3 +170,25 @@ def test_a_shared_recipes_description_reaches_the_terminal_without_escape_sequen
     assert cli_main(["ls", "recipe"]) == 0
     out = capsys.readouterr().out
     assert "SFT ?]52;c;ZWNobyBwd25lZA==? recipe" in out and "\x1b" not in out and "\x07" not in out, out
+
+
+@pytest.mark.parametrize("files,val", [(["../../secret.jsonl"], None), (["/etc/passwd"], None),
+                                       (["part_00.jsonl"], "../val.jsonl")])
+def test_a_shard_manifest_names_only_its_own_parts(files, val, tmp_path):
+    """data.shard_dir may be a colleague's: its manifest.json lists the part names, which were joined to the
+    directory and read (scanned before any hash check) wherever they led. Only the names `dsrecipes shard` writes
+    are accepted; anything else is one DataError, nothing read."""
+    import json
+
+    from dsrecipes.core.errors import DataError
+    from dsrecipes.data.shard.manifest import read_manifest
+
+    shard = tmp_path / "colleague_shard"
+    shard.mkdir()
+    (shard / "manifest.json").write_text(json.dumps({"version": 1, "parts": 1, "balance": "rows", "files": files,
+                                                     "counts": [1], "sha256": ["0" * 64], "val_file": val}))
+    with pytest.raises(DataError, match="lists files other than the parts"):
+        read_manifest(str(shard))
+    (shard / "manifest.json").write_text(json.dumps({"version": 1, "parts": 1, "balance": "rows",
+                                                     "files": ["part_00.jsonl"], "counts": [1], "sha256": ["0" * 64]}))
+    assert read_manifest(str(shard)).part_path(0) == str(shard / "part_00.jsonl")

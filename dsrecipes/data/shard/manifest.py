@@ -94,6 +94,11 @@ def read_manifest(shard_dir: Optional[str], world_size: Optional[int] = None) ->
     if data.get("version") != MANIFEST_VERSION:
         raise DataError(f"{path}: manifest version {data.get('version')!r}, expected {MANIFEST_VERSION}; re-shard")
     manifest = Manifest(**data, directory=str(shard_dir))
+    if manifest.files != [part_name(p, manifest.parts) for p in range(manifest.parts)] or \
+            manifest.val_file not in (None, VAL_PART):  # names from someone else's file: never a path elsewhere
+        raise DataError(f"{path}: lists files other than the parts `dsrecipes shard` writes ({part_name(0, 2)}, ..., "
+                        f"{VAL_PART}); a manifest names only files of its own directory, so nothing was read. "
+                        "Re-shard")
     if world_size is not None and manifest.parts != world_size:
         sources = " ".join(s["path"] for s in manifest.sources) or "INPUT..."
         raise DataError(
