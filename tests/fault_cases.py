@@ -35,6 +35,7 @@ SAMPLE = REPO / "dsrecipes" / "assets" / "sample_data" / "train.jsonl"
 INJECT_AT = 3  # the step after which the fault is injected (a checkpoint exists at step 2)
 PEER_TIMEOUT_S = 8
 READ_DEADLINE_S = 10
+WORKER_REPORT_S = 5  # a DataLoader worker's SIGKILL is in failure.json this soon (SIGCHLD: no peer to wait for)
 WORKER_SEARCH_S = 30  # a rank's DataLoader workers found (they exist from the first step: only an epoch's turnover)
 FAULTS = ("file_changed", "worker_killed", "rank_killed", "rank_stopped", "store_stalled", "launcher_killed")
 BUCKET = "fault-matrix"
@@ -76,6 +77,7 @@ class Outcome:
     left: List[str]
     checkpoint_problem: Optional[str]
     resumed: Optional["Resumed"] = None
+    reported_s: Optional[float] = None  # from the fault to the first rank's report in failure.json (None: none)
 
 
 @dataclass
@@ -195,6 +197,7 @@ def run_case(case: Case, root: Path, cache: Optional[Path] = None, start_timeout
         assert reached, f"{case.name}: step {INJECT_AT} not reached:\n{console.read_text()[-3000:]}"
         originals = {p: p.read_bytes() for p in fault_targets(case, root)}
         at = inject(case, root, proc, store)
+        fault_wall = time.time() - (time.monotonic() - at)
         code = wait_exit(proc, case.bound_s)
         left = wait_session_gone(proc.pid, at + case.bound_s)
         seconds = time.monotonic() - at if not left else float("inf")
@@ -202,6 +205,8 @@ def run_case(case: Case, root: Path, cache: Optional[Path] = None, start_timeout
         end(proc)
     outcome = Outcome(case, seconds, code, console.read_text(), read_json(root / "run" / "result.json"), left,
                       previous_checkpoint_problem(root / "run"))
+    failure = read_json(root / "run" / "failure.json")
+    outcome.reported_s = failure["time"] - fault_wall if isinstance(failure.get("time"), (int, float)) else None
     if resume and not outcome.left and outcome.checkpoint_problem is None:
         for path, content in originals.items():  # the fault repaired: the data as it was, the store answering
             path.write_bytes(content)
@@ -491,6 +496,9 @@ def problems(o: Outcome) -> List[str]:
             found.append(f"status {o.result.get('status')!r}, exit {o.code}")
         if expected_cause(o.case) not in str(o.result.get("error")):
             found.append(f"result.json error {o.result.get('error')!r} does not name {expected_cause(o.case)!r}")
+    if o.case.fault == "worker_killed" and (o.reported_s is None or o.reported_s > WORKER_REPORT_S):
+        found.append(f"the rank reported its dead worker {o.reported_s} s after the fault, not within "
+                     f"{WORKER_REPORT_S} s: the cause is local, there is no peer to wait for")
     if o.resumed is not None and o.resumed.problem:
         found.append(f"resume: {o.resumed.problem}")
     return found

@@ -74,7 +74,7 @@ class Heartbeat:
         self.master = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
         self.monitor = os.environ.get("LOCAL_RANK", "0") == "0"
         self.prefix = f"{PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        self.threshold = timeout_s
+        self.threshold, self.started = timeout_s, time.time()
         self._stop = threading.Event()
         self._who: Dict[int, Dict[str, Any]] = {}
         self._failing = threading.Lock()
@@ -102,7 +102,13 @@ class Heartbeat:
             pass
 
     def explain_crash(self) -> None:
-        """Look at the peers for a short while with a short threshold; `_fail` exits if any is gone."""
+        """Look at the peers for a short while with a short threshold; `_fail` exits if any is gone. Not when another
+        rank already reported its own failure in this session (failure.json): that is the cause, the first report
+        stands, and the look would only hold this rank up to CRASH_GRACE_S + 3 * INTERVAL_S."""
+        report = read_failure(self.run_dir) or {}
+        if isinstance(report.get("cause"), str) and report.get("rank") != self.rank and \
+                report.get("time", 0) >= self.started:
+            return
         self.monitor, self.threshold = True, min(self.threshold, CRASH_GRACE_S)
         if not self._thread.is_alive():
             return

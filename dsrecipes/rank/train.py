@@ -35,6 +35,7 @@ from dsrecipes.core.errors import RunInterrupted, TrainingFailed, UserError
 from dsrecipes.core.export_dir import EXPORT_BEST_DIR, EXPORT_DIR
 from dsrecipes.core.rundir import CHECKPOINTS_DIR, launcher_alive, rank_lock, write_outcome, write_rank_steps
 from dsrecipes.core.schema import NanPolicy, TrainConfig
+from dsrecipes.data.strategies.base import worker_died
 from dsrecipes.modeling.model import trainable_parameters
 from dsrecipes.rank.checkpoint import TrainState, save_checkpoint
 from dsrecipes.rank.evaluation import evaluate
@@ -59,7 +60,7 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
                 stopped(session, exc)
                 raise
             except BaseException as exc:  # a crash (or Ctrl-C twice): trackers record a failed run, not a running one
-                if not isinstance(exc, (UserError, KeyboardInterrupt)):
+                if not isinstance(exc, (UserError, KeyboardInterrupt)) and not worker_died(exc):
                     heartbeat.explain_crash()  # a broken collective because a peer died: name it (exits)
                 heartbeat.stop()
                 session.metrics.close(ok=False)

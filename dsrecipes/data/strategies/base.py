@@ -95,6 +95,12 @@ class WorkerLost(RuntimeError):
     plain = True  # its message is the whole cause (core/failure.py)
 
 
+def worker_died(exc: BaseException) -> bool:
+    """`exc` says a DataLoader worker of this rank died (torch's 'DataLoader worker (pid ...)', or a WorkerLost): the
+    cause is here and named, so there is no peer to wait for (heartbeat.explain_crash's 7 s) before reporting it."""
+    return isinstance(exc, WorkerLost) or "DataLoader worker (pid" in str(exc)
+
+
 def worker_lost(it: Any, exc: BaseException) -> Optional[WorkerLost]:
     """The WorkerLost for a worker that died of a signal: torch's 'DataLoader worker (pid ...) is killed by signal' /
     'exited unexpectedly' (raised by next(it) or by torch's SIGCHLD handler wherever the rank was), or any error of
