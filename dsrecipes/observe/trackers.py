@@ -21,6 +21,7 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Protocol
@@ -31,6 +32,10 @@ from dsrecipes.core.typed import config_to_dict
 
 TB_DIR = "tb"
 IDS_FILE = "trackers.json"
+# A silent MLflow server: MLflow's own defaults (120 s a request, 7 retries with backoff) hold the launching process
+# or rank 0 for ~20 minutes per call; with these, ~40 s, then its one message (preflight) or warning (mid-run).
+MLFLOW_REQUEST_S, MLFLOW_RETRIES = 10, 2
+WAIT_NOTE_S = 3.0  # a preflight wait longer than this is said on the console
 _PACKAGE = {ReportTo.mlflow: "mlflow", ReportTo.wandb: "wandb"}
 _PARAM_MAX = 6000  # MLflow's limit on a parameter value
 
@@ -51,12 +56,20 @@ def preflight(cfg: TrainConfig) -> List[str]:
                 f"'dsrecipes[{kind.value}]'" for kind in dict.fromkeys(cfg.trainer.report_to)
                 if kind in _PACKAGE and importlib.util.find_spec(_PACKAGE[kind]) is None]
     if not problems and ReportTo.mlflow in cfg.trainer.report_to:
+        uri = cfg.trainer.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "MLflow's default"
+        note = threading.Timer(WAIT_NOTE_S, lambda: print(
+            f"dsrecipes: waiting for the MLflow tracking store ({uri}): up to {os.environ['MLFLOW_HTTP_REQUEST_TIMEOUT']}"
+            f" s a request, {os.environ['MLFLOW_HTTP_REQUEST_MAX_RETRIES']} retries", file=sys.stderr, flush=True))
+        note.daemon = True
         try:
-            _mlflow_experiment(_mlflow_client(cfg), cfg.trainer.experiment)
+            client = _mlflow_client(cfg)
+            note.start()
+            _mlflow_experiment(client, cfg.trainer.experiment)
         except Exception as exc:  # noqa: BLE001 - any failure to open the store is the user's setting
-            uri = cfg.trainer.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "MLflow's default"
             problems.append(f"trainer.tracking_uri: cannot open the MLflow tracking store ({uri}): "
                             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        finally:
+            note.cancel()
     return problems
 
 
@@ -206,6 +219,9 @@ def _mlflow_client(cfg: TrainConfig) -> Any:
     from mlflow.tracking import MlflowClient
 
     uri = cfg.trainer.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    for key, value in (("MLFLOW_HTTP_REQUEST_TIMEOUT", MLFLOW_REQUEST_S), ("MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+                                                                           MLFLOW_RETRIES)):
+        os.environ.setdefault(key, str(value))  # (read by MLflow at each request; the user's own settings win)
     if uri and uri.startswith("file:"):
         # MLflow 3 refuses its file store unless told otherwise; naming a file: URI is telling it.
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
