@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, List, Mapping, Optional
 
 from dsrecipes.core.deepspeed_import import load_deepspeed
+from dsrecipes.core.errors import UserError
 from dsrecipes.core.paths import user_cache_dir
 from dsrecipes.core.schema import OffloadDevice, OptimizerKind
 
@@ -163,7 +164,39 @@ def prepare_rank() -> Path:
     os.environ.setdefault(ENV, str(build_root()))  # torch reads it when it builds
     root = Path(os.environ[ENV])
     _announce_builds()
+    _bound_build_waits()
     return root
+
+
+BUILD_WAIT_S = 20 * 60  # another process's build of an op (1-3 minutes, longer on a busy machine) is waited this long
+BUILD_NOTE_S = 30.0  # then the wait is said, naming the lock file
+
+
+def _bound_build_waits() -> None:
+    """torch waits for another process's build of an op while its lock file exists (FileBaton.wait): for ever, in
+    silence, when a killed build left the file. Here that wait says which file after BUILD_NOTE_S and ends after
+    BUILD_WAIT_S with one message naming it. Once per process."""
+    from torch.utils import file_baton
+
+    if getattr(file_baton.FileBaton.wait, "_dsrecipes_bounded", False):
+        return
+
+    def wait(self: Any) -> None:
+        started, said, lock = time.monotonic(), False, self.lock_file_path
+        while os.path.exists(lock):
+            waited = time.monotonic() - started
+            if waited >= BUILD_WAIT_S:
+                raise UserError(f"{lock}: another process's build of this op held it for {waited:.0f} s; if no "
+                                "build is running (a killed build leaves it behind), remove it and run again")
+            if not said and waited >= BUILD_NOTE_S:
+                said = True
+                print(f"dsrecipes: waiting for another process's build of {Path(lock).parent.name} (lock file "
+                      f"{lock}, up to {BUILD_WAIT_S:.0f} s); if no build is running, a killed one left it: remove "
+                      "it", file=sys.stderr, flush=True)
+            time.sleep(self.wait_seconds)
+
+    wait._dsrecipes_bounded = True  # type: ignore[attr-defined]
+    file_baton.FileBaton.wait = wait
 
 
 def ours(root: Path) -> bool:
