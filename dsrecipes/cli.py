@@ -57,13 +57,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         name, rest = "train", args
 
     trust.reset()  # trusting a checkpoint is a decision of one command line, never carried over
+    return run_guarded(lambda argv: _check_command(args) or _dispatch(name, argv), rest)
+
+
+def _dispatch(name: str, rest: List[str]) -> int:
+    """Everything after routing runs under run_guarded: a malformed flag is a message and a Ctrl-C while the
+    command's modules import is `interrupted` (exit 130), never a traceback."""
     if name == "train":  # Hydra's parser owns train's arguments: the flag is taken off before it sees them
         rest = trust.take_flag(rest)
     if name in QUIET_COMMANDS:  # before deepspeed / transformers load (train quiets itself once its run dir is known)
-
         quiet_third_party(command_log(rest, name))
-    module = importlib.import_module(f"dsrecipes.commands.{SUBCOMMANDS[name][0]}")
-    return run_guarded(lambda argv: _check_command(args) or module.main(argv), rest)
+    return importlib.import_module(f"dsrecipes.commands.{SUBCOMMANDS[name][0]}").main(rest)
 
 
 def run_guarded(fn: Callable[[List[str]], int], argv: List[str]) -> int:

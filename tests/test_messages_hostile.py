@@ -4,7 +4,9 @@ rank with a TypeError, exit 1; `dataset.val_size=inf` was an OverflowError trace
 (traceback / a shard written), `audit --num-rows` past what fits in memory (numpy's MemoryError traceback) and
 `audit --ledger` on a directory with no ledger (exit 1, a "violation"), a run's config.yaml that is not YAML (a
 yaml traceback from `export`/`prompt-eval`), an empty pipeline file (AttributeError traceback), and `score` on a
-model with two labels (refused only after transformers loaded it and printed its load report).
+model with two labels (refused only after transformers loaded it and printed its load report), `train
+--trust-checkpoint` without a path and a Ctrl-C while a command's modules import (tracebacks: both ran before
+cli.py's guard).
 All in this process through `dsrecipes.cli.main`."""
 
 from __future__ import annotations
@@ -84,3 +86,22 @@ def test_score_refuses_a_model_with_two_labels_before_loading_it(capsys, tmp_pat
     out = tmp_path / "rewards.jsonl"
     err = refused(capsys, ["score", str(model), "--pairs", str(pairs), "--out", str(out)], "has 2", "config.json")
     assert "LOAD REPORT" not in err and not out.exists()
+
+
+def test_train_trust_flag_without_a_path_is_one_message(capsys):
+    """`dsrecipes train --trust-checkpoint` (no PATH): a UserError raised while routing, before the guard (was a
+    traceback, exit 1)."""
+    refused(capsys, ["train", "--trust-checkpoint"], "--trust-checkpoint needs the checkpoint")
+    refused(capsys, ["--trust-checkpoint"], "--trust-checkpoint needs the checkpoint")
+
+
+def test_ctrl_c_while_a_command_imports_is_interrupted_not_a_traceback(capsys, monkeypatch):
+    """A Ctrl-C in the seconds `train` spends importing Hydra and torch (was: KeyboardInterrupt traceback, exit 1)."""
+    import dsrecipes.cli as cli
+
+    def interrupted(name):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.importlib, "import_module", interrupted)
+    assert cli_main(["validate"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
