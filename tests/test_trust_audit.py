@@ -192,3 +192,25 @@ def test_a_shard_manifest_names_only_its_own_parts(files, val, tmp_path):
     (shard / "manifest.json").write_text(json.dumps({"version": 1, "parts": 1, "balance": "rows",
                                                      "files": ["part_00.jsonl"], "counts": [1], "sha256": ["0" * 64]}))
     assert read_manifest(str(shard)).part_path(0) == str(shard / "part_00.jsonl")
+
+
+def test_a_model_directory_linking_outside_itself_is_refused(tmp_path, make_cfg):
+    """A model directory from a git clone or a tarball may carry `chat_template.jinja -> /root/.aws/credentials`:
+    transformers reads the link as the model's template, which then renders the file into every prompt (and the
+    model trains on it). Refused where the tokenizer is loaded and by every command's model-directory check; a hub
+    cache snapshot (links into its repository's blobs) still loads (tests/test_hub.py)."""
+    import shutil
+
+    from dsrecipes.core.paths import TINY_TOKENIZER_DIR
+    from dsrecipes.core.tokenizer import custom_code_problems, load_tokenizer
+
+    secret = tmp_path / "credentials"
+    secret.write_text("[default]\naws_secret_access_key = hunter2\n")
+    model = tmp_path / "cloned_model"
+    shutil.copytree(TINY_TOKENIZER_DIR, model)
+    cfg = make_cfg(f"model.tokenizer_path={model}", check_files=False)
+    assert load_tokenizer(cfg) is not None and custom_code_problems("model.path", model) == []
+    (model / "chat_template.jinja").symlink_to(secret)
+    with pytest.raises(ConfigError, match="chat_template.jinja is a link leading outside"):
+        load_tokenizer(cfg)
+    assert "is a link leading outside" in custom_code_problems("model.path", model)[0]

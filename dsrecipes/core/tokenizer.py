@@ -1,5 +1,5 @@
 """Loading a run's tokenizer, torch-free (transformers' tokenizer classes need no torch), and refusing a model or
-tokenizer directory that names its own Python code. The launching process, the data layer and the ranks all load the
+tokenizer directory that names its own Python code or links to files outside it. The launching process, the data layer and the ranks all load the
 tokenizer from here."""
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ def load_tokenizer(cfg: TrainConfig):
 
     path = tokenizer_dir(cfg)
     key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
+    if os.path.isdir(path) and outside_link_problems(key, Path(path)):
+        raise ConfigError(outside_link_problems(key, Path(path)))
     try:
         with no_custom_code(key, path):
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
@@ -51,7 +53,11 @@ def load_tokenizer(cfg: TrainConfig):
 
 def custom_code_problems(key: str, path: Path) -> List[str]:
     """A model or tokenizer directory that names its own Python code (`auto_map` in config.json,
-    tokenizer_config.json or adapter_config.json): refused by every command (train, chat, prompt-eval, export)."""
+    tokenizer_config.json or adapter_config.json), or holds a link leading outside it (`outside_link_problems`):
+    refused by every command (train, chat, prompt-eval, export, score)."""
+    links = outside_link_problems(key, path)
+    if links:
+        return links
     for name in ("config.json", "tokenizer_config.json", "adapter_config.json"):
         try:
             found = json.loads((path / name).read_text(encoding="utf-8"))
@@ -60,4 +66,28 @@ def custom_code_problems(key: str, path: Path) -> List[str]:
         if isinstance(found, dict) and found.get("auto_map"):
             return [f"{key}: {path} needs its own Python code to load ({name} auto_map); dsrecipes never runs code "
                     "from a model directory: use a model that transformers supports natively"]
+    return []
+
+
+MAX_ENTRIES = 10000  # a model directory holds tens of files: past this many entries the walk stops
+
+
+def outside_link_problems(key: str, path: Path) -> List[str]:
+    """A file of a model or tokenizer directory that is a symbolic link leading outside it: transformers would read
+    it as the model's own (a chat_template.jinja linked to ~/.aws/credentials would be rendered into every prompt
+    and trained on; a git clone or a tarball can carry such links). A hub cache snapshot's links lead to its
+    repository's blobs (`models--ORG--NAME/blobs`): inside that repository folder is inside."""
+    root = Path(os.path.realpath(path))
+    hub = root.parent.name == "snapshots" and root.parent.parent.name.startswith(("models--", "datasets--"))
+    inside = root.parent.parent if hub else root
+    seen = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in sorted(filenames + dirnames):
+            seen += 1
+            entry = Path(dirpath) / name
+            if entry.is_symlink() and not Path(os.path.realpath(entry)).is_relative_to(inside):
+                return [f"{key}: {entry} is a link leading outside {path}; dsrecipes reads only a model directory's "
+                        "own files (copy the file into the directory if it is meant to be there)"]
+        if seen > MAX_ENTRIES:
+            break
     return []
