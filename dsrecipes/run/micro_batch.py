@@ -15,12 +15,15 @@ a CUDA GPU the run is refused before anything is written (config/validate.py che
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import yaml
 
@@ -98,8 +101,7 @@ def run_probe(cfg: TrainConfig) -> Dict[str, Any]:
     print(f"{KEY}=auto: trying micro-batches of {cfg.data.cutoff_len}-token rows on this node's GPU (up to {LIMIT}; "
           f"at most {PROBE_TIMEOUT_S:.0f} s)", flush=True)
     try:
-        done = subprocess.run([sys.executable, "-m", "dsrecipes.rank.batch_probe"], input=json.dumps(request),
-                              capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+        done = _run_alone(_probe_argv(), json.dumps(request), PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         raise UserError(f"{KEY}=auto: the probe did not finish within {PROBE_TIMEOUT_S:.0f} s; set a number "
                         "instead") from None
@@ -116,3 +118,22 @@ def run_probe(cfg: TrainConfig) -> Dict[str, Any]:
         raise UserError(said[-1])
     raise UserError(f"{KEY}=auto: the probe failed (exit {done.returncode}: "
                     f"{said[-1] if said else 'no message'}); set a number instead")
+
+
+def _probe_argv() -> List[str]:
+    return [sys.executable, "-m", "dsrecipes.rank.batch_probe"]
+
+
+def _run_alone(argv: List[str], stdin: str, bound_s: float) -> subprocess.CompletedProcess:
+    """`argv` in a session of its own, fed `stdin`, for at most `bound_s` (TimeoutExpired): however it ends (the
+    bound, Ctrl-C), what it started too (a JIT build's compilers) is killed, not only the probe itself."""
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(stdin, timeout=bound_s)
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.returncode is None:
+            proc.communicate()  # reaped (nothing is left to hold its pipes open)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
