@@ -214,3 +214,19 @@ def test_a_model_directory_linking_outside_itself_is_refused(tmp_path, make_cfg)
     with pytest.raises(ConfigError, match="chat_template.jinja is a link leading outside"):
         load_tokenizer(cfg)
     assert "is a link leading outside" in custom_code_problems("model.path", model)[0]
+
+
+def test_no_module_renders_a_model_template_outside_the_sandbox():
+    """`tokenizer.apply_chat_template` renders a model directory's template in this process, without the sandbox's
+    limits (`dsrecipes score` did): no module of the package calls it."""
+    import ast
+    from pathlib import Path
+
+    import dsrecipes
+
+    calls = []
+    for path in sorted(Path(dsrecipes.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr == "apply_chat_template":
+                calls.append(f"{path.name}:{node.lineno}")
+    assert calls == [], calls
