@@ -6,7 +6,8 @@ rank with a TypeError, exit 1; `dataset.val_size=inf` was an OverflowError trace
 yaml traceback from `export`/`prompt-eval`), an empty pipeline file (AttributeError traceback), and `score` on a
 model with two labels (refused only after transformers loaded it and printed its load report), `train
 --trust-checkpoint` without a path and a Ctrl-C while a command's modules import (tracebacks: both ran before
-cli.py's guard).
+cli.py's guard), and a recipe whose defaults list names another recipe (`override /recipe: X`
+was silently ignored, `/recipe: X` reported a cycle that was not there).
 All in this process through `dsrecipes.cli.main`."""
 
 from __future__ import annotations
@@ -105,3 +106,19 @@ def test_ctrl_c_while_a_command_imports_is_interrupted_not_a_traceback(capsys, m
     monkeypatch.setattr(cli.importlib, "import_module", interrupted)
     assert cli_main(["validate"]) == 130
     assert capsys.readouterr().err == "interrupted\n"
+
+
+@pytest.mark.parametrize("header, entry", [
+    ("", "override /recipe: {leaf}"),  # was: silently ignored (trainer.max_steps stayed 400), exit 0
+    ("# @package _global_\n", "override /recipe: cpu_zero2_two_ranks"),  # was: ignored, zero=0 launcher=local
+    ("", "/recipe: {leaf}"),  # was: "the defaults lists include each other in a cycle" (there is none)
+])
+def test_a_recipe_that_includes_another_recipe_names_the_entry(capsys, tmp_path, header, entry):
+    leaf = tmp_path / "leaf.yaml"
+    leaf.write_text("trainer.max_steps: 3\n")
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(f"{header}defaults:\n  - {entry.format(leaf=leaf)}\n  - _self_\n")
+    line = header.count("\n") + 1
+    err = refused(capsys, ["validate", f"recipe={mine}"], f"{mine}:{line}: defaults: recipe ",
+                  "cannot include another recipe")
+    assert "cycle" not in err and err.count("\n") == 1, err

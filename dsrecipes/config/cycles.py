@@ -1,15 +1,18 @@
-"""A recipe that includes itself (directly or through others) as one message naming the cycle.
+"""A recipe that includes a recipe (itself, directly or through others, or any other) as one message.
 
 Hydra follows a defaults list into itself until Python's recursion limit ("maximum recursion depth exceeded"); when
 a composition fails that way, `recipe_cycle(overrides)` follows the recipes' defaults lists itself, each file read
-once through config/recipe_file.py (bounded), and names the files of the first cycle it finds.
+once through config/recipe_file.py (bounded), and names the files of the first cycle it finds. A recipe that names
+another recipe without a cycle fails the same way (`/recipe: X`: Hydra recurses too) or is silently ignored
+(`override /recipe: X` in the recipe the command line chose): `included_recipe(overrides)` names that entry by
+`file:line` (config/hydra_app.py checks every composition with it).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, List, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence
 
 import dsrecipes.config.recipe_file as recipe_file
 import dsrecipes.config.sources as sources
@@ -26,8 +29,35 @@ def recipe_cycle(overrides: Sequence[str]) -> str:
             if found:
                 return ("recipe: the recipes include each other in a cycle: " + " -> ".join(map(str, found)) +
                         "; remove the entry that leads back from the defaults list")
-    return ("the defaults lists include each other in a cycle (a recipe or group file that names itself, directly "
-            "or through others); remove the entry that leads back")
+    return included_recipe(overrides) or (
+        "the defaults lists include each other in a cycle (a recipe or group file that names itself, directly "
+        "or through others); remove the entry that leads back")
+
+
+def included_recipe(overrides: Sequence[str]) -> Optional[str]:
+    """`FILE:LINE: defaults: ...` for a recipe of the command line whose defaults list names a recipe, else None."""
+    for path in _chosen(overrides):
+        try:
+            config, _ = recipe_file.load(path)
+        except ConfigError:
+            continue  # the composition itself reports an unreadable recipe
+        for name in _included(config):
+            line = recipe_file.line_of(path, "defaults")
+            return (f"{path}{f':{line}' if line else ''}: defaults: recipe {name!r}: a recipe cannot include another "
+                    "recipe (a composition has one; Hydra would ignore or recurse into it): copy the keys you need "
+                    "from it into this file, or give it as recipe= with your keys as overrides")
+    return None
+
+
+def _chosen(overrides: Sequence[str]) -> Iterator[Path]:
+    """The recipe files that `recipe=` overrides name (each value of a sweep's `recipe=a.yaml,b.yaml`)."""
+    for ov in overrides:
+        key, eq, value = ov.partition("=")
+        if eq and key.lstrip("+~").split("@")[0] == sources.RECIPE_GROUP:
+            for name in dict.fromkeys([value.strip(), *(v.strip() for v in value.split(","))]):
+                path = _find(name) if name else None
+                if path is not None:
+                    yield path
 
 
 def _find(name: str) -> Optional[Path]:

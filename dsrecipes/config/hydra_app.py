@@ -41,6 +41,7 @@ from hydra.types import HydraContext, RunMode
 from omegaconf import OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
+import dsrecipes.config.cycles as cycles
 import dsrecipes.config.recipe_file as recipe_file
 import dsrecipes.config.resolvers as resolvers
 import dsrecipes.config.safety as safety
@@ -143,7 +144,11 @@ def compose(overrides: Sequence[str] = ()) -> Any:
 
 
 def check(loader: Any, overrides: Sequence[str], composed: Any, run_mode: Any) -> None:
-    """ConfigError naming every key of `composed` that would run code, and the file or override that set it."""
+    """ConfigError naming every key of `composed` that would run code, and the file or override that set it; or the
+    entry of a recipe that includes a recipe (config/cycles.py: Hydra ignores `override /recipe: X` in one)."""
+    included = cycles.included_recipe(overrides)
+    if included:
+        raise ConfigError(included)
     safety.check(overrides, composed, _baseline(loader, run_mode),
                  lambda path, value: _source(loader, overrides, run_mode, path, value),
                  lambda path, value: _shared_source(loader, overrides, run_mode, path, value))
