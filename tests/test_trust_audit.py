@@ -230,3 +230,24 @@ def test_no_module_renders_a_model_template_outside_the_sandbox():
             if isinstance(node, ast.Attribute) and node.attr == "apply_chat_template":
                 calls.append(f"{path.name}:{node.lineno}")
     assert calls == [], calls
+
+
+def test_an_atomic_write_never_writes_through_a_link_planted_beside_its_target(tmp_path):
+    """Every result file is written beside its target, then renamed. The name beside it was `.NAME.PID.tmp`, opened
+    with O_TRUNC following links: in a shared directory (`score --out /tmp/r.jsonl`) anyone could plant that name as
+    a link to a file of yours, which the write then replaced. The name is not guessable now and opened O_EXCL |
+    O_NOFOLLOW; a link already at the target itself is replaced, never followed."""
+    import os
+
+    from dsrecipes.core.fileio import atomic_write_text
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("yours")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / f".r.jsonl.{os.getpid()}.tmp").symlink_to(victim)
+    (shared / "s.jsonl").symlink_to(victim)
+    atomic_write_text(shared / "r.jsonl", "result\n")
+    atomic_write_text(shared / "s.jsonl", "result\n")
+    assert victim.read_text() == "yours"
+    assert (shared / "r.jsonl").read_text() == "result\n" and not (shared / "s.jsonl").is_symlink()

@@ -11,6 +11,7 @@ import gzip
 import json
 import math
 import os
+import secrets
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Iterator
@@ -36,9 +37,12 @@ def atomic_writer(path: str | Path) -> Iterator[IO[bytes]]:
     without an exception (removed otherwise). For large streamed outputs (converted data, indexes) too."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # A new file of ours, never one already there: the name is not guessable and O_EXCL|O_NOFOLLOW refuses anything
+    # at it, so a link planted beside `path` (a shared /tmp) cannot make this write into another file.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     try:
-        with open(tmp, "wb") as fh:
+        with os.fdopen(fd, "wb") as fh:
             yield fh
             fh.flush()
             os.fsync(fh.fileno())
