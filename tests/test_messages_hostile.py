@@ -122,3 +122,23 @@ def test_a_recipe_that_includes_another_recipe_names_the_entry(capsys, tmp_path,
     err = refused(capsys, ["validate", f"recipe={mine}"], f"{mine}:{line}: defaults: recipe ",
                   "cannot include another recipe")
     assert "cycle" not in err and err.count("\n") == 1, err
+
+
+def test_a_cache_dir_that_cannot_be_made_is_one_message(capsys, tmp_path):
+    """data.cache_dir naming a file: `inspect-data` and `audit` (which skip train's preflight) were a
+    NotADirectoryError traceback from the cache's mkdir; as root, /proc/x passed every os.access check the same way."""
+    rows = tmp_path / "rows.jsonl"
+    row = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    rows.write_text(json.dumps(row) + "\n")
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("mine\n")
+    refused(capsys, ["inspect-data", f"data.cache_dir={blocker}", f"dataset.paths=[{rows}]", "dataset.val_size=0"],
+            "data.cache_dir: cannot create", str(blocker))
+    assert blocker.read_text() == "mine\n" and sorted(p.name for p in tmp_path.iterdir()) == ["not_a_dir", "rows.jsonl"]
+
+
+def test_export_refuses_an_empty_tag(capsys, tmp_path):
+    """`--tag "$TAG"` with TAG unset exported the newest checkpoint instead (exit 0)."""
+    out = tmp_path / "out"
+    refused(capsys, ["export", str(tmp_path), "--tag", "", "--out", str(out)], "--tag: empty")
+    assert not out.exists()

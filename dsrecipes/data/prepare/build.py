@@ -161,8 +161,12 @@ def _build(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig], val: L
     `quarantine` (the run directory's copy, kept when preparation fails) and copied into the cache for later cache
     hits."""
     started = time.time()
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = staging_dir(final, "prep")
+    try:  # a file, /proc, a read-only mount: one message naming the key (root's os.access says yes to all of them)
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = staging_dir(final, "prep")
+    except OSError as exc:
+        raise DataError(f"data.cache_dir: cannot create {exc.filename or root} ({exc.strerror or exc}); set "
+                        "data.cache_dir to a writable directory") from None
     report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, quarantine)
     try:
         stats = build_split(PREPARATIONS[cfg.objective.rows], cfg, tokenizer, sources, val, report, key, tmp)
