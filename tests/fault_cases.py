@@ -19,16 +19,19 @@ sample ids per step in every rank's ledger and the same losses - until it is sto
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "dsrecipes" / "assets" / "sample_data" / "train.jsonl"
@@ -502,3 +505,37 @@ def problems(o: Outcome) -> List[str]:
     if o.resumed is not None and o.resumed.problem:
         found.append(f"resume: {o.resumed.problem}")
     return found
+
+
+@contextlib.contextmanager
+def silent_server() -> Iterator[str]:
+    """`http://127.0.0.1:PORT` of a server that accepts connections and never answers (a stalled store, a hung
+    tracking server); closed on exit."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held: List[object] = []
+    threading.Thread(target=lambda: [held.append(listener.accept()) for _ in range(64)], daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+
+
+def outcome_within(call: Callable[[], object], bound_s: float) -> Tuple[object, float]:
+    """(what `call` returned or raised, seconds it took), run in a daemon thread; AssertionError when it is still
+    waiting after `bound_s` (a hostile test's wait never hangs the suite, on the old code either)."""
+    outcome: List[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            outcome.append(exc)
+
+    started = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=bound_s)
+    assert not thread.is_alive(), f"still waiting after {bound_s:g} s"
+    return outcome[0], time.monotonic() - started

@@ -83,31 +83,24 @@ def test_a_store_that_stops_answering_fails_within_the_read_deadline(monkeypatch
     """A server that accepts the connection and never answers (a stalled store): every attempt ends on its own
     timeout, a line per retry names object, bytes and endpoint, and the read fails within data.read_deadline_s
     with one DataError naming both (before: botocore, s3fs and RangeReader retried in silence for ~15 minutes)."""
-    import socket
-    import threading
     import time
 
     from dsrecipes.core.errors import DataError
     from dsrecipes.data.sources import remote
+    from tests.fault_cases import silent_server
 
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    held = []
-    threading.Thread(target=lambda: [held.append(listener.accept()) for _ in range(64)], daemon=True).start()
-    endpoint = f"http://127.0.0.1:{listener.getsockname()[1]}"
-    for key, value in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s",
-                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(key, value)
-    remote.configure(8)
-    try:
-        started = time.monotonic()
-        with pytest.raises(DataError) as caught:
-            remote.RangeReader("s3://bucket/stalled.jsonl", "s3-x", "etag\x1f").read(0, 100)
-        took = time.monotonic() - started
-    finally:
-        remote.configure(remote.DEFAULT_READ_DEADLINE_S)
-        listener.close()
+    with silent_server() as endpoint:
+        for key, value in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s",
+                           "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            monkeypatch.setenv(key, value)
+        remote.configure(8)
+        try:
+            started = time.monotonic()
+            with pytest.raises(DataError) as caught:
+                remote.RangeReader("s3://bucket/stalled.jsonl", "s3-x", "etag\x1f").read(0, 100)
+            took = time.monotonic() - started
+        finally:
+            remote.configure(remote.DEFAULT_READ_DEADLINE_S)
     message = str(caught.value)
     assert took <= 8 + 1, took
     assert message.startswith("s3://bucket/stalled.jsonl: bytes 0-100 unreadable after ") and endpoint in message

@@ -5,10 +5,10 @@ naming it. Before, torch's FileBaton.wait looped while the file existed: for eve
 from __future__ import annotations
 
 import threading
-import time
 
 from dsrecipes.core import jit_ops
 from dsrecipes.core.errors import UserError
+from tests.fault_cases import outcome_within
 
 
 def test_a_stale_build_lock_is_said_and_ends_the_wait(tmp_path, monkeypatch, capsys):
@@ -22,24 +22,12 @@ def test_a_stale_build_lock_is_said_and_ends_the_wait(tmp_path, monkeypatch, cap
     lock = tmp_path / "cpu_adam" / "lock"
     lock.parent.mkdir()
     lock.write_text("")  # what a build killed mid-way leaves
-    outcome = []
-
-    def wait() -> None:
-        try:
-            file_baton.FileBaton(str(lock)).wait()
-            outcome.append(None)
-        except Exception as exc:  # noqa: BLE001 - what the rank would see
-            outcome.append(exc)
-
-    started = time.monotonic()
-    waiter = threading.Thread(target=wait, daemon=True)
-    waiter.start()
-    waiter.join(timeout=10)
-    took = time.monotonic() - started
-    lock.unlink()  # (ends the old loop too)
-    assert not waiter.is_alive(), "still waiting for the stale lock after 10 s"
+    try:
+        outcome, took = outcome_within(lambda: file_baton.FileBaton(str(lock)).wait(), 10)
+    finally:
+        lock.unlink()  # (ends the old loop too)
     assert took < 3, took
-    assert isinstance(outcome[0], UserError) and str(outcome[0]).startswith(f"{lock}: another process's build")
+    assert isinstance(outcome, UserError) and str(outcome).startswith(f"{lock}: another process's build")
     said = [x for x in capsys.readouterr().err.splitlines() if x.startswith("dsrecipes: waiting for another")]
     assert len(said) == 1 and "build of cpu_adam" in said[0] and str(lock) in said[0], said
 

@@ -7,24 +7,16 @@ rank 0 as long at a log step mid-run."""
 from __future__ import annotations
 
 import importlib.util
-import socket
-import threading
-import time
 
 import pytest
 
 from dsrecipes.core.schema import ReportTo, TrainConfig
 from dsrecipes.observe import trackers
+from tests.fault_cases import outcome_within, silent_server
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason="the mlflow extra is not installed")
 def test_a_silent_mlflow_server_is_one_problem_within_its_bound(monkeypatch, capsys):
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)
-    held = []
-    threading.Thread(target=lambda: [held.append(listener.accept()) for _ in range(64)], daemon=True).start()
-    uri = f"http://127.0.0.1:{listener.getsockname()[1]}"
     for key in ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_TRACKING_URI"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(trackers, "MLFLOW_REQUEST_S", 1, raising=False)  # (absent before: MLflow's 120 s x 8)
@@ -32,17 +24,11 @@ def test_a_silent_mlflow_server_is_one_problem_within_its_bound(monkeypatch, cap
     monkeypatch.setattr(trackers, "WAIT_NOTE_S", 0.3, raising=False)
     cfg = TrainConfig()
     cfg.trainer.report_to = [ReportTo.mlflow]
-    cfg.trainer.tracking_uri = uri
-    found = []
-    started = time.monotonic()
-    checking = threading.Thread(target=lambda: found.append(trackers.preflight(cfg)), daemon=True)
-    checking.start()
-    checking.join(timeout=30)
-    took = time.monotonic() - started
-    listener.close()
-    assert not checking.is_alive(), "preflight still waiting for the silent server after 30 s"
+    with silent_server() as uri:
+        cfg.trainer.tracking_uri = uri
+        found, took = outcome_within(lambda: trackers.preflight(cfg), 30)  # (old code: still waiting here)
     assert took < 10, took
-    (problem,) = found[0]
+    (problem,) = found
     assert problem.startswith(f"trainer.tracking_uri: cannot open the MLflow tracking store ({uri}): "), problem
     waiting = [x for x in capsys.readouterr().err.splitlines() if x.startswith("dsrecipes: waiting for the MLflow")]
     assert len(waiting) == 1 and uri in waiting[0] and "up to 1 s a request, 0 retries" in waiting[0], waiting
