@@ -251,3 +251,42 @@ def test_an_atomic_write_never_writes_through_a_link_planted_beside_its_target(t
     atomic_write_text(shared / "s.jsonl", "result\n")
     assert victim.read_text() == "yours"
     assert (shared / "r.jsonl").read_text() == "result\n" and not (shared / "s.jsonl").is_symlink()
+
+
+def test_an_elastic_resume_converts_a_foreign_checkpoint_into_the_run_not_into_it(tmp_path, monkeypatch):
+    """A colleague's checkpoint (trusted on the command line) resumed at another world size: the universal conversion
+    is written into this run's directory (`<run>/universal/step_4`, signed by this user) and loaded from there; the
+    colleague's directory gains nothing. (Our own checkpoints keep `<tag>/universal`: test_train_runs.)"""
+    import hashlib
+    import sys
+    import types
+
+    import torch.distributed
+
+    import dsrecipes.boundary.trust as trust
+    from dsrecipes.core.runplan import ResumePlan
+    from dsrecipes.rank.checkpoint import open_resume
+
+    tag = _foreign_checkpoint(tmp_path, monkeypatch)
+    run = tmp_path / "my_run"
+    run.mkdir()
+
+    def fake_conversion(args):
+        out = __import__("pathlib").Path(args.output_folder)
+        out.mkdir()
+        (out / "zero").write_text("converted")
+
+    monkeypatch.setitem(sys.modules, "deepspeed.checkpoint.ds_to_universal",
+                        types.SimpleNamespace(main=fake_conversion))
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda: None)
+    before = sorted(p.name for p in tag.iterdir())
+    digest = hashlib.sha256((tag / "complete.json").read_bytes()).hexdigest()
+    try:
+        point = open_resume(ResumePlan(str(tag), 4, 2, True, digest), run)
+    finally:
+        trust.reset()
+    assert (point.load_dir, point.tag, point.universal) == (run / "universal", "step_4", True)
+    assert (run / "universal" / "step_4" / "zero").read_text() == "converted"
+    assert sorted(p.name for p in tag.iterdir()) == before
+    point.checked.close()

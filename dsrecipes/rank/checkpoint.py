@@ -202,10 +202,11 @@ class ResumePoint:
     checked: Optional[CheckedCheckpoint] = None  # its files as its signed records list them, checked on each load
 
 
-def open_resume(plan: Optional[ResumePlan]) -> Optional[ResumePoint]:
+def open_resume(plan: Optional[ResumePlan], run_dir: Optional[Path] = None) -> Optional[ResumePoint]:
     """Collective. The planned checkpoint, ready for the engine: an elastic resume of ZeRO-1/2/3 shards is
-    converted once by rank 0 into a universal checkpoint (`<tag>/universal`, ds_to_universal
-    --inject_missing_state) that any world size can load."""
+    converted once by rank 0 into a universal checkpoint (ds_to_universal --inject_missing_state) that any world size
+    can load: `<tag>/universal` in a checkpoint this user's runs wrote; for one trusted on the command line (someone
+    else's directory, never written into) `<run_dir>/universal/<tag>`."""
     import torch.distributed as dist
 
     if plan is None:
@@ -219,20 +220,24 @@ def open_resume(plan: Optional[ResumePlan]) -> Optional[ResumePoint]:
     if not plan.elastic:
         return ResumePoint(tag_dir, tag_dir.parent, tag_dir.name, plan.saved_world_size,
                            frozen_excluded=frozen_excluded, checked=checked)
-    if dist.get_rank() == 0 and not universal_verifies(tag_dir):
-        convert_to_universal(tag_dir, checked)
+    foreign = checked.listings[0].screened and run_dir is not None
+    out = Path(run_dir) / UNIVERSAL / tag_dir.name if foreign else tag_dir / UNIVERSAL
+    if dist.get_rank() == 0 and not universal_verifies(out):
+        convert_to_universal(tag_dir, checked, out)
     dist.barrier()
-    checked.add(tag_dir / UNIVERSAL)  # signed by the conversion (this user's key)
-    return ResumePoint(tag_dir, tag_dir, UNIVERSAL, plan.saved_world_size, universal=True,
+    checked.add(out)  # signed by the conversion (this user's key)
+    return ResumePoint(tag_dir, out.parent, out.name, plan.saved_world_size, universal=True,
                        frozen_excluded=frozen_excluded, checked=checked)
 
 
-def convert_to_universal(tag_dir: Path, checked: Optional[CheckedCheckpoint] = None) -> Path:
-    """`checked`: every file of the checkpoint the conversion unpickles is checked right before (its own
-    temporary slices, written and read back below `universal/`, pass)."""
-    out = tag_dir / UNIVERSAL
+def convert_to_universal(tag_dir: Path, checked: Optional[CheckedCheckpoint] = None,
+                         out: Optional[Path] = None) -> Path:
+    """Into `out` (default `<tag>/universal`). `checked`: every file of the checkpoint the conversion unpickles is
+    checked right before (its own temporary slices, written and read back below `out`, pass)."""
+    out = tag_dir / UNIVERSAL if out is None else Path(out)
     checked = checked or CheckedCheckpoint.open(tag_dir)
-    _clear_universal(out, ours=not checked.listings[0].screened)
+    _clear_universal(out, ours=not checked.listings[0].screened or not out.is_relative_to(tag_dir))
+    out.parent.mkdir(parents=True, exist_ok=True)
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
     checked.allow_written(out)
@@ -262,16 +267,16 @@ def _clear_universal(out: Path, ours: bool) -> None:
     shutil.rmtree(out, ignore_errors=True)
 
 
-def universal_verifies(tag_dir: Path) -> bool:
-    """A universal conversion made earlier is reused only when this user signed it and its files are as written
-    (complete.json of the checkpoint does not cover it: it is made after the commit)."""
+def universal_verifies(out: Path) -> bool:
+    """A universal conversion made earlier (at `out`) is reused only when this user signed it and its files are as
+    written (complete.json of the checkpoint does not cover it: it is made after the commit)."""
 
     try:
-        record = json.loads((tag_dir / UNIVERSAL / COMPLETE).read_text(encoding="utf-8"))
+        record = json.loads((out / COMPLETE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     return (isinstance(record, dict) and isinstance(record.get("files"), dict) and signature_problem(record) is None
-            and manifest.verify(tag_dir / UNIVERSAL, record["files"]) is None)
+            and manifest.verify(out, record["files"]) is None)
 
 
 def load_checkpoint(engine: Any, loader: Any, point: ResumePoint) -> TrainState:

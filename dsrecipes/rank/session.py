@@ -88,7 +88,7 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
         export_initial(cfg, tokenizer, run_dir / EXPORT_INIT_DIR)  # the prompt-eval baseline of the tiny model
     train_loader, eval_loader = build_loaders(cfg, tokenizer, rank, world_size, run_dir, plan)  # data read once
     check_loader(train_loader, plan)
-    resume = open_resume(plan.resume)
+    resume = open_resume(plan.resume, run_dir)
     schedule = functools.partial(StepScheduler, cfg=cfg.scheduler, peak_lr=learning_rate(cfg),
                                  total_steps=plan.total_steps)  # DeepSpeed calls it with the optimizer it built
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable_parameters(model), config=ds_config,
