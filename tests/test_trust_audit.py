@@ -290,3 +290,15 @@ def test_an_elastic_resume_converts_a_foreign_checkpoint_into_the_run_not_into_i
     assert (run / "universal" / "step_4" / "zero").read_text() == "converted"
     assert sorted(p.name for p in tag.iterdir()) == before
     point.checked.close()
+
+
+def test_a_hostfile_line_past_the_part_checked_never_reaches_ssh(tmp_path):
+    """hostfile_problems read the first MiB only, while DeepSpeed's runner (and mpirun) read the whole file: a
+    line `-oProxyCommand=...` after a MiB of comments was never checked. A longer file is refused now."""
+    from dsrecipes.boundary.launcher_args import hostfile_problems
+
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node1 slots=1\n" + "#" * (1 << 20) + "\n-oProxyCommand=touch${IFS}x slots=1\n")
+    assert "is longer than" in " ".join(hostfile_problems(str(hosts)))
+    hosts.write_text("node1 slots=1\n# a comment\nnode2 slots=1\n")
+    assert hostfile_problems(str(hosts)) == []

@@ -49,6 +49,7 @@ from dsrecipes.core.errors import ConfigError
 from dsrecipes.core.schema import LauncherKind
 
 KEY = "launcher.extra_args"
+MAX_HOSTFILE = 1 << 20  # characters: far more than any cluster's host list
 _HOSTFILE_WORD = re.compile(r"[A-Za-z_]{1,32}=\d{1,6}", re.ASCII)  # slots=8, max_slots=8
 _LOG_LEVELS = choice("debug", "info", "warning", "error", "critical")
 _STD_STREAMS = shape(r"[0-3]|\d{1,4}:[0-3](?:,\d{1,4}:[0-3])*", "0-3, or LOCAL_RANK:0-3 pairs such as 0:3,1:0")
@@ -305,7 +306,11 @@ def hostfile_problems(path: str) -> List[str]:
 
     try:
         with open(os.path.expanduser(path), encoding="utf-8") as fh:
-            lines = fh.read(1 << 20).splitlines()
+            text = fh.read(MAX_HOSTFILE + 1)
+        if len(text) > MAX_HOSTFILE:  # the launcher reads all of it: every line must have been checked
+            return [f"launcher.hostfile: {path} is longer than {MAX_HOSTFILE} characters; a hostfile has lines "
+                    "'HOST slots=N'"]
+        lines = text.splitlines()
     except UnicodeDecodeError:
         return [f"launcher.hostfile: {path} is not UTF-8 text; a hostfile has lines 'HOST slots=N'"]
     except OSError as exc:
