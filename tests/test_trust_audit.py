@@ -300,5 +300,7 @@ def test_a_hostfile_line_past_the_part_checked_never_reaches_ssh(tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("node1 slots=1\n" + "#" * (1 << 20) + "\n-oProxyCommand=touch${IFS}x slots=1\n")
     assert "is longer than" in " ".join(hostfile_problems(str(hosts)))
-    hosts.write_text("node1 slots=1\n# a comment\nnode2 slots=1\n")
+    hosts.write_text("node1 slots=1\nnode2#;-oProxyCommand=x slots=1\n")  # DeepSpeed's host: 'node2#;-oProxy...'
+    assert [p.split(": ")[1] for p in hostfile_problems(str(hosts))] == [f"{hosts}:2"]
+    hosts.write_text("node1 slots=1\n# a comment\nnode2 slots=1  # trailing\n")
     assert hostfile_problems(str(hosts)) == []

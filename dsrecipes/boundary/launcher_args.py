@@ -320,7 +320,8 @@ def hostfile_problems(path: str) -> List[str]:
         words = line.split("#", 1)[0].split()
         if not words:
             continue
-        host, rest = words[0].split(":", 1)[0], words[1:]
+        # the host as DeepSpeed's parser takes it: the line's first word, a '#' inside it included
+        host, rest = line.split()[0].split(":", 1)[0], words[1:]
         bad = [i for i, w in enumerate(rest, 2) if not _HOSTFILE_WORD.fullmatch(w)]
         if HOST.check(host) or bad:
             which = "its first word is not a host name" if HOST.check(host) else f"word {bad[0]} is not key=value"
