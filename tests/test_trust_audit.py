@@ -304,3 +304,13 @@ def test_a_hostfile_line_past_the_part_checked_never_reaches_ssh(tmp_path):
     assert [p.split(": ")[1] for p in hostfile_problems(str(hosts))] == [f"{hosts}:2"]
     hosts.write_text("node1 slots=1\n# a comment\nnode2 slots=1  # trailing\n")
     assert hostfile_problems(str(hosts)) == []
+
+
+def test_an_error_quoting_a_shared_recipe_shows_its_control_characters_escaped(tmp_path, capsys):
+    """A message quoting someone else's file (here a recipe's unknown key) reached the terminal with its ESC/BEL
+    raw: a terminal sequence (title, clipboard). UserError.render escapes them."""
+    recipe = tmp_path / "shared.yaml"
+    recipe.write_text('model: smollm2_135m\n"bad\\e]0;PWN\\akey": 1\n', encoding="utf-8")  # YAML's \e, \a
+    assert cli_main(["validate", f"recipe={recipe}"]) == 2
+    err = capsys.readouterr().err
+    assert "bad\\x1b]0;PWN\\x07key: unknown key" in err and "\x1b" not in err and "\x07" not in err, err

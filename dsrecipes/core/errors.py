@@ -16,11 +16,18 @@ class UserError(Exception):
         super().__init__("\n".join(self.problems))
 
     def render(self) -> str:
-        if len(self.problems) == 1:
-            return f"error: {self.problems[0]}"
-        lines = [f"error: {len(self.problems)} problems:"]
-        lines += [f"  - {p}" for p in self.problems]
+        """The message for the terminal: a problem quoting someone else's file (a recipe's key, a row) shows its
+        control characters escaped (`\\x1b`), never as terminal sequences (title, clipboard, cursor)."""
+        problems = [_visible(p) for p in self.problems]
+        if len(problems) == 1:
+            return f"error: {problems[0]}"
+        lines = [f"error: {len(problems)} problems:"]
+        lines += [f"  - {p}" for p in problems]
         return "\n".join(lines)
+
+
+def _visible(text: str) -> str:
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in str(text))
 
 
 class ConfigError(UserError):
