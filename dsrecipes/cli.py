@@ -7,10 +7,13 @@ file only routes and turns a UserError into one clean message with exit code 2.
 
 from __future__ import annotations
 
+import _thread
+import contextlib
 import importlib
 import signal
 import sys
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import dsrecipes.boundary.trust as trust
 import dsrecipes.core.stopping as stopping
@@ -74,7 +77,7 @@ def run_guarded(fn: Callable[[List[str]], int], argv: List[str]) -> int:
     """Run a subcommand; user mistakes print one message and exit 2, never a traceback. SIGTERM stops it as Ctrl-C
     does (stopping.raising; the launch records it instead, to stop at a step boundary): exit 143 or 130."""
     try:
-        with stopping.raising():
+        with stopping.raising(), _interrupts_not_swallowed():
             return int(fn(argv) or 0)
     except UserError as exc:
         print(exc.render(), file=sys.stderr)
@@ -82,6 +85,31 @@ def run_guarded(fn: Callable[[List[str]], int], argv: List[str]) -> int:
     except KeyboardInterrupt as exc:
         print("interrupted", file=sys.stderr)
         return stopping.exit_code(stopping.signal_of(exc))
+
+
+@contextlib.contextmanager
+def _interrupts_not_swallowed() -> Iterator[None]:
+    """A Ctrl-C (or SIGTERM's Stopped) raised while a `__del__` or weakref callback runs (regex's Group.__del__ while
+    transformers imports) is 'ignored' by Python: an 'Exception ignored in' traceback, and the command went on to exit
+    0. Such an interrupt is delivered again to the main flow instead, where run_guarded ends it as any other."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):  # later, from a thread: raised in here, it is lost
+            _thread.start_new_thread(_interrupt_later, (stopping.signal_of(unraisable.exc_value),))
+        else:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+
+
+def _interrupt_later(signum: int) -> None:
+    time.sleep(0.01)  # past the hook's return (its own bytecode would receive the interrupt and lose it again)
+    _thread.interrupt_main(signum)
 
 
 def _check_command(args: List[str]) -> None:

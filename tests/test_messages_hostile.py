@@ -7,7 +7,8 @@ yaml traceback from `export`/`prompt-eval`), an empty pipeline file (AttributeEr
 model with two labels (refused only after transformers loaded it and printed its load report), `train
 --trust-checkpoint` without a path and a Ctrl-C while a command's modules import (tracebacks: both ran before
 cli.py's guard), and a recipe whose defaults list names another recipe (`override /recipe: X`
-was silently ignored, `/recipe: X` reported a cycle that was not there).
+was silently ignored, `/recipe: X` reported a cycle that was not there); a Ctrl-C that Python swallows in a
+finalizer, and one while export imports DeepSpeed (it left an empty staging directory).
 All in this process through `dsrecipes.cli.main`."""
 
 from __future__ import annotations
@@ -142,3 +143,49 @@ def test_export_refuses_an_empty_tag(capsys, tmp_path):
     out = tmp_path / "out"
     refused(capsys, ["export", str(tmp_path), "--tag", "", "--out", str(out)], "--tag: empty")
     assert not out.exists()
+
+
+def test_an_interrupt_python_swallows_in_a_finalizer_still_stops_the_command(capsys):
+    """A Ctrl-C that lands in a `__del__` (regex's Group.__del__ while transformers imports, ~0.2 s of `export`)
+    was printed as 'Exception ignored in ... KeyboardInterrupt' and the command went on to exit 0."""
+    import time
+
+    from dsrecipes.cli import run_guarded
+
+    class Finalizer:
+        def __del__(self):
+            raise KeyboardInterrupt
+
+    def command(argv):
+        Finalizer()  # collected at once: its KeyboardInterrupt is Python's "unraisable"
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            time.sleep(0.005)
+        return 0
+
+    started = time.monotonic()
+    assert run_guarded(command, []) == 130
+    assert capsys.readouterr().err == "interrupted\n" and time.monotonic() - started < 1
+
+
+def test_export_leaves_no_staging_directory_when_interrupted_or_refused(tmp_path, monkeypatch):
+    """A Ctrl-C while export imports DeepSpeed left an empty `.OUT.tmp-*` beside --out; a staging directory the
+    filesystem refuses (/proc/x as root passes check_out_dir's os.access) was a FileNotFoundError traceback."""
+    import dsrecipes.rank.export as export
+    from dsrecipes.core.errors import UserError
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export, "load_deepspeed", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export._save_hf(None, None, tmp_path / "out", {}, "--out")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(export, "load_deepspeed", lambda: None)
+
+    def refused(target, tag="tmp"):
+        raise FileNotFoundError(2, "No such file or directory", str(target))
+
+    monkeypatch.setattr(export, "staging_dir", refused)
+    with pytest.raises(UserError, match=r"--out: cannot create .*out \(No such file or directory\)"):
+        export._save_hf(None, None, tmp_path / "out", {}, "--out")

@@ -129,9 +129,12 @@ def _is_tied(model: torch.nn.Module, key: str) -> bool:
 def _save_hf(model: Any, tokenizer: Any, out_dir: Path, info: Dict[str, Any], key: str = "export") -> Path:
     out_dir = Path(out_dir)
     check_out_dir(out_dir, key)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = staging_dir(out_dir)
     load_deepspeed()  # save_pretrained imports DeepSpeed (accelerate's unwrap): first without its autotuner's mlflow
+    try:  # after that import: a Ctrl-C during it left an empty staging directory behind
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = staging_dir(out_dir)
+    except OSError as exc:  # /proc/x as root passes check_out_dir's os.access; a read-only mount; a race
+        raise UserError(f"{key}: cannot create {out_dir} ({exc.strerror or exc}); nothing was changed") from None
     try:
         model.save_pretrained(str(tmp), safe_serialization=True)
         if hasattr(model, "get_base_model"):  # an adapter-only export: peft writes no generation_config.json
