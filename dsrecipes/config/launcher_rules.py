@@ -107,6 +107,7 @@ def _common(cfg: TrainConfig) -> List[str]:
         errors.append(f"launcher.num_gpus: must be >= 1, got {ln.num_gpus}")
     if ln.peer_timeout_s < 0 or 0 < ln.peer_timeout_s < 5:
         errors.append(f"launcher.peer_timeout_s: 0 (off) or >= 5 seconds, got {ln.peer_timeout_s}")
+    errors += _stall_bounds(ln)
     if ln.rendezvous_timeout_s < 5:
         errors.append(f"launcher.rendezvous_timeout_s: must be >= 5 seconds, got {ln.rendezvous_timeout_s}")
     if ln.num_nodes < 1:
@@ -120,6 +121,18 @@ def _common(cfg: TrainConfig) -> List[str]:
     if ln.slurm_time_min < 1:
         errors.append(f"launcher.slurm_time_min: must be >= 1, got {ln.slurm_time_min}")
     return errors
+
+
+def _stall_bounds(ln) -> List[str]:
+    """launcher.stall_warn_s / stall_timeout_s: seconds >= 0 (0: off), the warning before the end."""
+    for key in ("stall_warn_s", "stall_timeout_s"):
+        value = getattr(ln, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return [f"launcher.{key}: whole seconds >= 0 (0: off), got {value!r}"]
+    if ln.stall_warn_s and ln.stall_timeout_s and ln.stall_warn_s > ln.stall_timeout_s:
+        return [f"launcher.stall_warn_s: must be <= launcher.stall_timeout_s ({ln.stall_timeout_s}) so the warning "
+                f"comes before the run ends, got {ln.stall_warn_s}"]
+    return []
 
 
 def boundary_problems(ln) -> List[str]:

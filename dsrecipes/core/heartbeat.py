@@ -12,7 +12,9 @@ the same counters who is gone (`explain_crash`), so both ways end in the same re
 
 A rank stops its heartbeat (marking itself done) before the final barrier, so ranks that finish and exit at
 different times are never taken for dead. Threads keep beating while the main thread computes or waits in a
-collective (both release the GIL), so only a dead or unreachable process goes silent.
+collective (both release the GIL), so only a dead or unreachable process goes silent. A live rank that stopped making
+progress is the stall watchdog's (core/stall.py): each beat carries the main thread's step and phase, and the same
+reading ranks judge them (a lone rank too, then: its own store is the job's).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import dsrecipes.core.stall as stall
+
 FAILURE_FILE = "failure.json"
 PEER_LOST_EXIT = 75  # EX_TEMPFAIL: the run can be resumed with the same command
 PREFIX = "dsrecipes/heartbeat"
@@ -38,12 +42,15 @@ QUIET_S = 2.5 * INTERVAL_S  # not beating now: reported along with a peer past t
 _current: Optional["Heartbeat"] = None
 
 
-def start(run_dir: Path, rank: int, world_size: int, timeout_s: int) -> Optional["Heartbeat"]:
-    """Start this rank's heartbeat (nothing for a lone process or with launcher.peer_timeout_s=0)."""
+def start(run_dir: Path, rank: int, world_size: int, timeout_s: int, stall_warn_s: int = 0,
+          stall_timeout_s: int = 0) -> Optional["Heartbeat"]:
+    """Start this rank's heartbeat (nothing with launcher.peer_timeout_s=0, nor for a lone process without the stall
+    watchdog: launcher.stall_warn_s, launcher.stall_timeout_s)."""
     global _current
-    if world_size < 2 or timeout_s <= 0 or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+    alone = world_size < 2 and stall_warn_s <= 0 and stall_timeout_s <= 0
+    if alone or timeout_s <= 0 or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         return None
-    beat = Heartbeat(Path(run_dir), rank, world_size, float(timeout_s))
+    beat = Heartbeat(Path(run_dir), rank, world_size, float(timeout_s), stall.Watch(stall_warn_s, stall_timeout_s))
     try:
         beat.start()
     except Exception as exc:  # noqa: BLE001 - a safety net must not be what stops a run
@@ -62,6 +69,13 @@ def stop() -> None:
         _current = None
 
 
+def stop_alone() -> None:
+    """After a failed setup: a lone rank's watchdog does not outlive its run (the launching process that ran it
+    in-process goes on). A rank of a job keeps beating for `explain_crash`; its process ends anyway."""
+    if _current is not None and _current.world_size == 1:
+        stop()
+
+
 def explain_crash() -> None:
     """Called while an exception ends this rank: if peers are gone, report them (and exit) instead of a traceback."""
     if _current is not None:
@@ -69,8 +83,9 @@ def explain_crash() -> None:
 
 
 class Heartbeat:
-    def __init__(self, run_dir: Path, rank: int, world_size: int, timeout_s: float):
+    def __init__(self, run_dir: Path, rank: int, world_size: int, timeout_s: float, watch: Optional[stall.Watch] = None):
         self.run_dir, self.rank, self.world_size, self.timeout_s = run_dir, rank, world_size, timeout_s
+        self.watch, self.progress, self.published = watch, stall.current, ""
         self.master = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
         self.monitor = os.environ.get("LOCAL_RANK", "0") == "0"
         self.prefix = f"{PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
@@ -88,7 +103,8 @@ class Heartbeat:
         self.store = dist.TCPStore(self.master[0], self.master[1], is_master=False, wait_for_workers=False,
                                    timeout=timedelta(seconds=self.timeout_s))  # fmt: skip
         self.store.set(self._key("who", self.rank), json.dumps(whoami(self.rank, self.master[0])))
-        self.store.add(self._key("beat", self.rank), 1)
+        stall.reset()
+        self._beat()
         self._last_ok = time.monotonic()
         self._thread.start()
         self._guard_thread.start()
@@ -126,13 +142,16 @@ class Heartbeat:
         tick = time.monotonic()
         while not self._stop.wait(INTERVAL_S):
             try:
-                self.store.add(self._key("beat", self.rank), 1)
+                self._beat()
                 if self.monitor:
                     now = time.monotonic()
                     starved, tick = now - tick - INTERVAL_S, now  # this process did not run: peers not judged on it
                     if starved > INTERVAL_S:
                         last_change = {r: t + starved for r, t in last_change.items()}
-                    for r, value in self._read_beats().items():
+                        if self.watch is not None:
+                            self.watch.shift(starved)
+                    beats = self._read_beats()
+                    for r, value in beats.items():
                         if last_value.get(r) != value:
                             last_value[r], last_change[r] = value, now
                     quiet = {r: now - last_change[r] for r, v in last_value.items() if v != DONE}
@@ -140,10 +159,39 @@ class Heartbeat:
                         # with it, every rank that is not beating now (its node's other ranks died with it)
                         lost = [r for r, t in quiet.items() if t > QUIET_S]
                         self._fail(lost, f"no heartbeat for {self.threshold:.0f} s")
+                    self._judge_progress(beats, now)
                 self._last_ok = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - the store's host died (connection reset) or timed out
                 if not self._stop.is_set():
                     self._fail([], f"the job's store at {self._store_name()} stopped answering ({type(exc).__name__})")
+
+    def _beat(self) -> None:
+        """The counter (a round trip: a store that stopped answering shows here), and where the main thread is
+        (core/stall.py) when that changed (a set is not answered: it shows nothing of the store's health)."""
+        where = self.progress.encode()
+        if where != self.published:
+            self.store.set(self._key("where", self.rank), where)
+            self.published = where
+        self.store.add(self._key("beat", self.rank), 1)
+
+    def _judge_progress(self, beats: Dict[int, bytes], now: float) -> None:
+        """The stall watchdog: one line per launcher.stall_warn_s (rank 0), the run ended at stall_timeout_s."""
+        if self.watch is None or self._stop.is_set() or len(beats) < self.world_size:
+            return  # (every rank's place is known once every rank beats: each sets it before its first beat)
+        where = self.store.multi_get([self._key("where", r) for r in range(self.world_size)])
+        positions = {r: None if beats[r] == DONE else w.decode(errors="replace") for r, w in enumerate(where)}
+        verdict = self.watch.observe(positions, now)
+        if verdict is None:
+            return
+        kind, behind, quiet = verdict
+        named = [dict(self._describe([r])[0], step=s, phase=p, for_s=round(t, 1)) for r, s, p, t in behind]
+        if kind == "fail":
+            self._fail([], f"no step progress for {quiet:.0f} s: launcher.stall_timeout_s={self.watch.timeout_s:.0f}",
+                       stalled=named)  # fmt: skip
+        elif self.rank == 0:
+            bound = f"the run ends at launcher.stall_timeout_s={self.watch.timeout_s:.0f}" if self.watch.timeout_s \
+                else "no bound: launcher.stall_timeout_s=0"
+            print(f"dsrecipes: waiting {quiet:.0f} s: {stall.describe(named)} ({bound})", file=sys.stderr, flush=True)
 
     def _guard(self) -> None:
         """A store call stuck on a silent network never returns; this thread (no I/O) notices that. Time in which
@@ -183,11 +231,13 @@ class Heartbeat:
             out.append(self._who[r])
         return out
 
-    def _fail(self, ranks: List[int], reason: str) -> None:
+    def _fail(self, ranks: List[int], reason: str, stalled: Optional[List[Dict[str, Any]]] = None) -> None:
         if not self._failing.acquire(blocking=False):
             return  # the other thread is already reporting
         lost = self._describe(sorted(ranks))
         record = {"lost": lost, "reason": reason, "detected_by": whoami(self.rank, self.master[0]), "time": time.time()}
+        if stalled:
+            record["stalled"] = stalled  # alive, but no step progress (core/stall.py); "lost" stays empty
         first = write_failure(self.run_dir, record)
         print(f"dsrecipes: {describe_failure(first)}; stopping rank {self.rank}", file=sys.stderr, flush=True)
         os._exit(PEER_LOST_EXIT)
@@ -232,7 +282,10 @@ def read_failure(run_dir: Path) -> Optional[Dict[str, Any]]:
 
 
 def describe_failure(record: Dict[str, Any]) -> str:
-    """'node 1 (node1, 10.213.0.2) failed: ranks 2, 3 stopped responding (no heartbeat for 10 s)'."""
+    """'node 1 (node1, 10.213.0.2) failed: ranks 2, 3 stopped responding (no heartbeat for 10 s)', or for a stall
+    'the run stalled: rank 1 (node 0, host h) at step 12, phase data (next batch) for 1800 s (no step progress ...)'."""
+    if record.get("stalled"):
+        return f"the run stalled: {stall.describe(record['stalled'])} ({record.get('reason', 'no step progress')})"
     by_node: Dict[str, List[int]] = {}
     for who in record.get("lost", []):
         where = [str(x) for x in (who.get("host"), who.get("addr")) if x]

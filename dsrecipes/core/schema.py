@@ -55,8 +55,7 @@ class DataConfig:
     num_samples: Optional[int] = None  # iterable only: plan epochs of this many samples (default: the index's count)
     shard_dir: Optional[str] = None  # presharded only: directory written by `dsrecipes shard`
     prescan: bool = True  # iterable only: read the stream once before launch to apply the bad-row policy
-    block_bytes: Optional[int] = None  # iterable only: bytes per read block (null: stream bytes / 65536 (objects in a
-    # store: / 4096), within 4 KiB-1 MiB)
+    block_bytes: Optional[int] = None  # iterable: bytes per read block (null: stream bytes / 65536, in a store 4096)
     prefetch_factor: int = 2
     read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES  # iterable, objects in a store: bytes each reader holds ahead
     span_bytes: int = DEFAULT_SPAN_BYTES  # iterable, objects in a store: one ranged GET covers adjacent blocks up to this
@@ -345,9 +344,10 @@ class LauncherConfig:
     rdzv_endpoint: Optional[str] = None  # torchrun: host:port
     env: Dict[str, str] = field(default_factory=dict)  # documented tuning variables only (boundary/rank_env.py)
     extra_args: List[str] = field(default_factory=list)  # allowed launcher options only (boundary/launcher_args.py)
-    # A rank silent this long (its node died or was cut off) ends the run on every node (dsrecipes.core.heartbeat);
-    # 0 disables the heartbeat (then a dead node leaves the others waiting for the process-group timeout).
-    peer_timeout_s: int = 30
+    # A rank silent this long (its node died or was cut off) ends the run on every node (core/heartbeat.py); 0: off,
+    peer_timeout_s: int = 30  # with the stall watchdog (a dead node then waits for the process-group timeout)
+    stall_warn_s: int = 120  # no step progress this long: a line naming the rank furthest behind, its phase; 0: off
+    stall_timeout_s: int = 1800  # (the process-group timeout) then the run ends naming it (core/stall.py); 0: never
     rendezvous_timeout_s: int = 300  # all ranks meet within this, or the run ends naming who not (core/rendezvous.py)
     slurm_partition: Optional[str] = None
     slurm_time_min: int = 60

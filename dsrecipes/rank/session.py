@@ -77,7 +77,8 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
     rank, world_size = init_distributed(lambda: rendezvous.meet(cfg.launcher.rendezvous_timeout_s))  # bounded
     if rank == 0 and plan.supervised and cfg.launcher.kind is not LauncherKind.local:  # (local: the same process)
         stopping.watch(lambda: launcher_alive(run_dir), cfg.trainer.stop_grace_s, "the launching process")
-    heartbeat.start(run_dir, rank, world_size, cfg.launcher.peer_timeout_s)  # a dead node ends the run, not a hang
+    heartbeat.start(run_dir, rank, world_size, cfg.launcher.peer_timeout_s,  # a dead node ends the run, not a hang
+                    cfg.launcher.stall_warn_s, cfg.launcher.stall_timeout_s)  # nor does a stuck rank (core/stall.py)
     if world_size != plan.world_size:
         raise DataError(f"{run_dir}/plan.json was made for {plan.world_size} ranks, but {world_size} started; "
                         "start the run again with `python -m dsrecipes` so the launcher plans it")

@@ -28,6 +28,7 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 
 import dsrecipes.core.heartbeat as heartbeat
+import dsrecipes.core.stall as stall
 import dsrecipes.core.stopping as stopping
 from dsrecipes.core.disk_space import ExportOutOfSpace
 from dsrecipes.core.distributed import all_ranks, finish_distributed
@@ -52,7 +53,11 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> TrainState:
     lock = rank_lock(run_dir)
     try:
         with stopping.handling():
-            session = start(cfg, run_dir)
+            try:
+                session = start(cfg, run_dir)
+            except BaseException:
+                heartbeat.stop_alone()
+                raise
             collector_on()
             try:
                 loop(session)
@@ -149,6 +154,7 @@ def evaluate_and_log(s: Session, loss: bool, prompts: bool) -> Verdict:
     numbers (rank 0) and judge them (save_best, early stopping: the same verdict on every rank, from the same
     reduced numbers)."""
     step, numbers = s.state.step, {}
+    stall.mark("eval", step)  # where this rank is, for the stall watchdog (core/stall.py): no I/O
     if loss and s.eval_loader is not None:
         numbers.update(evaluate(s.objective, s.engine, s.eval_loader, s.eval_ledger, step))  # the same on every rank
     if prompts and s.prompt_eval is not None:
@@ -165,6 +171,7 @@ def evaluate_and_log(s: Session, loss: bool, prompts: bool) -> Verdict:
 
 def save(s: Session) -> None:
     """Collective checkpoint, after checking that every rank's weights are finite (never save non-finite ones)."""
+    stall.mark("checkpoint", s.state.step)
     if not all_ranks(weights_finite(s.engine)):
         raise TrainingFailed(f"non-finite weights after step {s.state.step}; the run stopped without saving them",
                              s.state.step)
@@ -266,10 +273,13 @@ def micro_batches(loader: Any, state: TrainState) -> Iterator[Dict[str, Any]]:
     """Micro-batches across epochs, keeping `state.epoch` current. `set_epoch` of the epoch a resumed loader stands
     in keeps its position. Endless for a step budget: the caller stops at the last step (the same on every rank)."""
     while True:
+        stall.mark("data", state.step)  # waiting for the next batch (the stall watchdog, core/stall.py)
         loader.set_epoch(state.epoch)
         for batch in loader:
+            stall.mark("compute", state.step)
             state.epoch = batch["epoch"]  # an endless stream moves to its next epoch by itself
             yield batch
+            stall.mark("data", state.step)
         state.epoch += 1
 
 

@@ -1,0 +1,161 @@
+"""The stall watchdog (core/stall.py on core/heartbeat.py): a live rank that makes no step progress is named on the
+console every launcher.stall_warn_s, and ends the run at launcher.stall_timeout_s with <run>/failure.json saying
+"stalled". Two Heartbeat objects of one in-process TCPStore, beats every 0.05 s, bounds of tenths of a second; the
+watchdog's judgement itself on a fake clock. Before it, a rank stuck waiting for its next batch (a DataLoader worker
+alive but never answering) kept beating, and its peers waited for the process-group timeout without a line."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+
+import dsrecipes.core.heartbeat as heartbeat
+from dsrecipes.core import stall
+
+
+@pytest.fixture
+def job(tmp_path, monkeypatch):
+    """start(warn_s, timeout_s) -> (rank 0's Heartbeat, rank 1's), each with its own Progress (rank 0 reads the
+    counters). `exits` lists the codes a failing heartbeat exits with (its thread ends there instead)."""
+    import torch.distributed as dist
+
+    from dsrecipes.core.distributed import free_port
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("CROSS_RANK", "0")
+    monkeypatch.setattr(heartbeat, "INTERVAL_S", 0.05)
+    exits = []
+
+    def exit_thread(code):
+        exits.append(code)
+        raise SystemExit(code)  # ends the heartbeat thread quietly, not the test process
+
+    monkeypatch.setattr(heartbeat.os, "_exit", exit_thread)
+    beats = []
+
+    def start(warn_s, timeout_s):
+        for rank in (0, 1):
+            hb = heartbeat.Heartbeat(tmp_path, rank, 2, 10.0, stall.Watch(warn_s, timeout_s))
+            hb.monitor, hb.progress = rank == 0, stall.Progress()
+            beats.append(hb)
+        for hb in beats:
+            hb.progress.step, hb.progress.phase = 12, "compute"
+            hb.start()
+        return beats
+
+    start.exits = exits
+    yield start
+    for hb in beats:
+        hb._stop.set()
+    del server
+
+
+def mark(progress, phase, step):
+    progress.step, progress.phase, progress.moves = step, phase, progress.moves + 1
+
+
+def wait_for(condition, bound_s):
+    deadline = time.monotonic() + bound_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def test_a_rank_waiting_for_its_batch_is_named_once_per_interval(job, capsys):
+    r0, r1 = job(0.4, 0)
+    mark(r1.progress, "data", 12)  # rank 1 waits for its next batch; rank 0 sits in its collective (compute)
+    time.sleep(1.3)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "waiting" in ln]
+    assert 1 <= len(lines) <= 3, lines  # one per 0.4 s of no progress, not one per beat
+    assert "rank 1 (node" in lines[0] and "at step 12, phase data (next batch) for" in lines[0], lines
+    assert "rank 0" not in lines[0] and "launcher.stall_timeout_s=0" in lines[0], lines
+    assert not job.exits
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's stand-in exit
+def test_past_the_timeout_the_run_ends_naming_the_stalled_rank_and_phase(job, tmp_path, capsys):
+    r0, r1 = job(0.2, 0.6)
+    started = time.monotonic()
+    mark(r1.progress, "data", 12)
+    assert wait_for(lambda: job.exits, 5), capsys.readouterr().err
+    assert 0.6 <= time.monotonic() - started < 3
+    assert job.exits == [heartbeat.PEER_LOST_EXIT]
+    record = heartbeat.read_failure(tmp_path)
+    assert record["lost"] == [] and [(w["rank"], w["step"], w["phase"]) for w in record["stalled"]] == [(1, 12, "data")]
+    message = heartbeat.describe_failure(record)
+    assert message.startswith("the run stalled: rank 1 (node") and "phase data (next batch)" in message, message
+    assert "launcher.stall_timeout_s=1" in message and "stopped responding" not in message, message
+    assert "the run stalled: rank 1" in capsys.readouterr().err
+
+
+def test_ranks_that_make_progress_never_trigger_it(job, capsys):
+    r0, r1 = job(0.3, 0.5)
+    for step in range(13, 13 + 40):  # 1.2 s of steps of 30 ms: data, then compute, on both ranks
+        for hb in (r0, r1):
+            mark(hb.progress, "data", step - 1)
+            mark(hb.progress, "compute", step - 1)
+        time.sleep(0.03)
+    assert not job.exits and "waiting" not in capsys.readouterr().err
+
+
+def test_the_rank_furthest_behind_is_named_and_setup_only_warns():
+    watch = stall.Watch(warn_s=10, timeout_s=20)
+    positions = {0: "12 compute 5", 1: "12 data 4", 2: "12 checkpoint 9", 3: None}  # rank 3: done
+    assert watch.observe(positions, 0.0) is None
+    kind, behind, quiet = watch.observe(positions, 10.0)
+    assert kind == "warn" and quiet == 10.0 and [r for r, *_ in behind] == [2]  # step 12's checkpoint comes first
+    assert watch.observe(positions, 15.0) is None  # one line per interval
+    assert watch.observe(positions, 20.0)[0] == "fail"
+    setup = stall.Watch(warn_s=10, timeout_s=20)
+    setup.observe({0: "0 start 0", 1: "0 data 3"}, 0.0)
+    assert setup.observe({0: "0 start 0", 1: "0 data 3"}, 100.0)[0] == "warn"  # setup has its own bounds
+
+
+def test_the_main_thread_marks_without_io():
+    stall.reset()
+    stall.mark("data", 7)
+    assert stall.current.encode() == "7 data 1" and stall.decode("7 data 1") == (7, "data", 1)
+    assert stall.decode("7 nowhere 1") is None
+    stall.reset()
+
+
+@pytest.mark.parametrize("warn, timeout, problem", [
+    (120, 1800, None), (0, 0, None), (60, 0, None),
+    (-1, 1800, "launcher.stall_warn_s: whole seconds >= 0 (0: off), got -1"),
+    (60, -5, "launcher.stall_timeout_s: whole seconds >= 0 (0: off), got -5"),
+    (600, 300, "launcher.stall_warn_s: must be <= launcher.stall_timeout_s (300) so the warning comes before the run "
+               "ends, got 600"),
+])  # fmt: skip
+def test_the_bounds_are_validated_with_their_key(warn, timeout, problem):
+    from dsrecipes.config.launcher_rules import launcher_problems
+    from dsrecipes.core.schema import TrainConfig
+
+    cfg = TrainConfig()
+    assert (cfg.launcher.stall_warn_s, cfg.launcher.stall_timeout_s) == (120, 1800)
+    cfg.launcher.stall_warn_s, cfg.launcher.stall_timeout_s = warn, timeout
+    stalls = [p for p in launcher_problems(cfg) if "stall" in p]
+    assert stalls == ([problem] if problem else [])
+
+
+def test_a_lone_rank_gets_the_watchdog_unless_the_heartbeat_is_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    monkeypatch.setattr(heartbeat.Heartbeat, "start", lambda self: None)  # no store: whether it would start
+    monkeypatch.setattr(heartbeat, "_current", None)
+    assert heartbeat.start(tmp_path, 0, 1, 30, 0, 0) is None  # nothing to watch (before: never for one rank)
+    assert heartbeat.start(tmp_path, 0, 1, 0, 60, 600) is None  # launcher.peer_timeout_s=0: no watchdog either
+    lone = heartbeat.start(tmp_path, 0, 1, 30, 60, 600)
+    assert lone is not None and (lone.watch.warn_s, lone.watch.timeout_s) == (60, 600)
+    stopped = []
+    monkeypatch.setattr(heartbeat.Heartbeat, "stop", lambda self: stopped.append(self.world_size))
+    heartbeat.stop_alone()  # its setup failed: the watchdog does not outlive the in-process run
+    assert stopped == [1] and heartbeat._current is None
+    heartbeat.start(tmp_path, 1, 2, 30, 60, 600)
+    heartbeat.stop_alone()  # a rank of a job keeps beating for explain_crash
+    assert stopped == [1] and heartbeat._current is not None
