@@ -8,7 +8,8 @@ model with two labels (refused only after transformers loaded it and printed its
 --trust-checkpoint` without a path and a Ctrl-C while a command's modules import (tracebacks: both ran before
 cli.py's guard), and a recipe whose defaults list names another recipe (`override /recipe: X`
 was silently ignored, `/recipe: X` reported a cycle that was not there); a Ctrl-C that Python swallows in a
-finalizer, and one while export imports DeepSpeed (it left an empty staging directory).
+finalizer, and one while export imports DeepSpeed (it left an empty staging directory); `ls recipe` waiting forever on
+a FIFO in the user's recipe folder.
 All in this process through `dsrecipes.cli.main`."""
 
 from __future__ import annotations
@@ -189,3 +190,16 @@ def test_export_leaves_no_staging_directory_when_interrupted_or_refused(tmp_path
     monkeypatch.setattr(export, "staging_dir", refused)
     with pytest.raises(UserError, match=r"--out: cannot create .*out \(No such file or directory\)"):
         export._save_hf(None, None, tmp_path / "out", {}, "--out")
+
+
+@pytest.mark.timeout(30)
+def test_ls_does_not_wait_on_a_fifo_in_the_users_recipe_folder(capsys, tmp_path, monkeypatch):
+    """`dsrecipes ls recipe` with a FIFO named *.yaml in $DSRECIPES_RECIPES waited forever for a writer."""
+    import os
+
+    (tmp_path / "good.yaml").write_text("# My experiment.\ntrainer.max_steps: 3\n")
+    os.mkfifo(tmp_path / "pipe.yaml")
+    monkeypatch.setenv("DSRECIPES_RECIPES", str(tmp_path))
+    assert cli_main(["ls", "recipe"]) == 0
+    out = capsys.readouterr().out
+    assert "My experiment." in out and "(not a regular file, so not a recipe)" in out

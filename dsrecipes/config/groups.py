@@ -6,6 +6,8 @@ indented by two spaces or more after `#`, which are commands to run.
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import Dict, List
 
@@ -42,7 +44,11 @@ def describe_file(path: Path) -> List[str]:
     """Paragraph lines joined into one, command lines (indented after `#`) kept apart; [] when there is none."""
     out: List[str] = []
     try:  # the opening comment is in the first lines (a user's recipe folder may hold anything: read a bounded head)
-        with open(path, encoding="utf-8", errors="replace") as fh:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO named *.yaml: open() would wait for a writer
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return ["(not a regular file, so not a recipe)"]
+        with open(fd, encoding="utf-8", errors="replace") as fh:
             head = fh.read(65536)
     except OSError as exc:
         return [f"(cannot be read: {exc.strerror or exc})"]
