@@ -9,7 +9,7 @@ model with two labels (refused only after transformers loaded it and printed its
 cli.py's guard), and a recipe whose defaults list names another recipe (`override /recipe: X`
 was silently ignored, `/recipe: X` reported a cycle that was not there); a Ctrl-C that Python swallows in a
 finalizer, and one while export imports DeepSpeed (it left an empty staging directory); `ls recipe` waiting forever on
-a FIFO in the user's recipe folder.
+a FIFO in the user's recipe folder, and a FIFO or directory given as launcher.hostfile or dataset.registry.
 All in this process through `dsrecipes.cli.main`."""
 
 from __future__ import annotations
@@ -203,3 +203,15 @@ def test_ls_does_not_wait_on_a_fifo_in_the_users_recipe_folder(capsys, tmp_path,
     assert cli_main(["ls", "recipe"]) == 0
     out = capsys.readouterr().out
     assert "My experiment." in out and "(not a regular file, so not a recipe)" in out
+
+
+@pytest.mark.parametrize("key, extra", [("launcher.hostfile", ["launcher=deepspeed_multinode"]),
+                                        ("dataset.registry", ["dataset.use=[x]"])])
+def test_a_fifo_or_directory_where_a_file_is_read_is_refused(capsys, tmp_path, key, extra):
+    """A FIFO hostfile passed validate (the hostfile check looked at regular files only): its reader would block."""
+    import os
+
+    fifo = tmp_path / "named.fifo"
+    os.mkfifo(fifo)
+    for path in (fifo, tmp_path):
+        refused(capsys, ["validate", f"{key}={path}", *extra], f"{key}: '{path}' is not a regular file")

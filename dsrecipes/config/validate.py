@@ -224,6 +224,10 @@ def _files(cfg: TrainConfig) -> List[str]:
             continue
         if path and not os.path.exists(os.path.expanduser(path)) and not (key.startswith("model.") and is_hub_id(path)):
             errors.append(f"{key}: {path!r} does not exist")
+    for key, path in (("launcher.hostfile", cfg.launcher.hostfile), ("dataset.registry", cfg.dataset.registry)):
+        where = os.path.expanduser(path) if path else ""
+        if where and os.path.exists(where) and not os.path.isfile(where):  # a FIFO would block its reader
+            errors.append(f"{key}: {path!r} is not a regular file")
     if cfg.launcher.hostfile and os.path.isfile(os.path.expanduser(cfg.launcher.hostfile)):
         errors += hostfile_problems(cfg.launcher.hostfile)
     if cfg.objective.reward_model:  # objective=grpo's scorer directory (a pipeline's is an export made later)
