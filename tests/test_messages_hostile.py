@@ -9,7 +9,8 @@ model with two labels (refused only after transformers loaded it and printed its
 cli.py's guard), and a recipe whose defaults list names another recipe (`override /recipe: X`
 was silently ignored, `/recipe: X` reported a cycle that was not there); a Ctrl-C that Python swallows in a
 finalizer, and one while export imports DeepSpeed (it left an empty staging directory); `ls recipe` waiting forever on
-a FIFO in the user's recipe folder, and a FIFO or directory given as launcher.hostfile or dataset.registry.
+a FIFO in the user's recipe folder, a FIFO or directory given as launcher.hostfile or dataset.registry, and whole
+numbers past 64 bits (data.cutoff_len=10^20: a numpy traceback).
 All in this process through `dsrecipes.cli.main`."""
 
 from __future__ import annotations
@@ -215,3 +216,14 @@ def test_a_fifo_or_directory_where_a_file_is_read_is_refused(capsys, tmp_path, k
     os.mkfifo(fifo)
     for path in (fifo, tmp_path):
         refused(capsys, ["validate", f"{key}={path}", *extra], f"{key}: '{path}' is not a regular file")
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("data.cutoff_len=99999999999999999999", "data.cutoff_len: 99999999999999999999 does not fit in 64 bits"),
+    ("trainer.max_steps=99999999999999999999999", "trainer.max_steps: 99999999999999999999999 does not fit"),
+    ("data.cutoff_len=1099511627776", "data.cutoff_len: must be from 8 to 16777216 tokens"),
+])
+def test_a_whole_number_past_what_is_counted_is_refused(capsys, override, needle):
+    """data.cutoff_len=10^20 passed validate and was a numpy casting traceback in data preparation;
+    trainer.max_steps=10^23 trained 'forever' (eta 5e18 h)."""
+    refused(capsys, ["validate", override], needle)

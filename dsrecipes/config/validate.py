@@ -53,11 +53,18 @@ def validate(cfg: TrainConfig, *, check_files: bool = True) -> List[str]:
     return errors
 
 
+MAX_INT = 2**63 - 1
+MAX_CUTOFF = 1 << 24  # data.cutoff_len: 16M tokens per sample, past any model's context
+
+
 def non_finite(value: Any, key: str = "") -> List[str]:
     """`key: must be a finite number, got nan` for every NaN/inf float in the config (no key takes one: a learning
-    rate of nan trains nothing, a timeout of inf never ends, and every `x > 0` rule lets NaN through)."""
+    rate of nan trains nothing, a timeout of inf never ends, and every `x > 0` rule lets NaN through), and every
+    whole number past 64 bits (data.cutoff_len=10^20 was a numpy casting traceback in data preparation)."""
     if isinstance(value, float):
         return [] if math.isfinite(value) else [f"{key}: must be a finite number, got {value}"]
+    if isinstance(value, int) and not isinstance(value, bool) and not -MAX_INT <= value <= MAX_INT:
+        return [f"{key}: {value} does not fit in 64 bits (numpy and torch count in them)"]
     if dataclasses.is_dataclass(value):
         items: Any = ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
     elif isinstance(value, dict):
@@ -144,8 +151,8 @@ def micro_batch_problems(cfg: TrainConfig) -> List[str]:
 def _data(cfg: TrainConfig) -> List[str]:
     d, ds = cfg.data, cfg.dataset
     errors = []
-    if d.cutoff_len < 8:
-        errors.append(f"data.cutoff_len: must be >= 8, got {d.cutoff_len}")
+    if not 8 <= d.cutoff_len <= MAX_CUTOFF:
+        errors.append(f"data.cutoff_len: must be from 8 to {MAX_CUTOFF} tokens, got {d.cutoff_len}")
     if d.num_workers < 0:
         errors.append(f"data.num_workers: must be >= 0, got {d.num_workers}")
     if d.preprocess_workers < 1:
