@@ -10,7 +10,8 @@ cli.py's guard), and a recipe whose defaults list names another recipe (`overrid
 was silently ignored, `/recipe: X` reported a cycle that was not there); a Ctrl-C that Python swallows in a
 finalizer, and one while export imports DeepSpeed (it left an empty staging directory); `ls recipe` waiting forever on
 a FIFO in the user's recipe folder, a FIFO or directory given as launcher.hostfile or dataset.registry, and whole
-numbers past 64 bits (data.cutoff_len=10^20: a numpy traceback).
+numbers past 64 bits (data.cutoff_len=10^20: a numpy traceback), an empty flag value taken as the default
+(`export --tag ""` exported the newest checkpoint, `pipeline --out ""` ran into runs/NAME).
 All in this process through `dsrecipes.cli.main`."""
 
 from __future__ import annotations
@@ -140,11 +141,17 @@ def test_a_cache_dir_that_cannot_be_made_is_one_message(capsys, tmp_path):
     assert blocker.read_text() == "mine\n" and sorted(p.name for p in tmp_path.iterdir()) == ["not_a_dir", "rows.jsonl"]
 
 
-def test_export_refuses_an_empty_tag(capsys, tmp_path):
-    """`--tag "$TAG"` with TAG unset exported the newest checkpoint instead (exit 0)."""
-    out = tmp_path / "out"
-    refused(capsys, ["export", str(tmp_path), "--tag", "", "--out", str(out)], "--tag: empty")
-    assert not out.exists()
+@pytest.mark.parametrize("argv, flag", [
+    (["export", "{tmp}", "--tag", "", "--out", "{tmp}/out"], "--tag"),  # exported the newest checkpoint, exit 0
+    (["pipeline", "{tmp}/p.yaml", "--out", ""], "--out"),  # ran into the default runs/p
+    (["inspect-data", "--run-dir", ""], "--run-dir"),  # a temporary directory instead
+    (["shard", "--parts", "2", "--out", ""], "--out"),  # the working directory
+])
+def test_an_empty_flag_value_is_refused_not_taken_as_the_default(capsys, tmp_path, argv, flag):
+    """`--out "$DIR"` with DIR unset: every flag but chat's free text refuses an empty value."""
+    (tmp_path / "p.yaml").write_text("stages:\n  - name: a\n")
+    refused(capsys, [a.format(tmp=tmp_path) for a in argv], f"{flag}: empty")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.yaml"]
 
 
 def test_an_interrupt_python_swallows_in_a_finalizer_still_stops_the_command(capsys):

@@ -2,8 +2,8 @@
 
 A usage mistake is a UserError (exit 2, one message), never argparse's own exit. A flag value that makes no sense
 (`--world-size 0`, `--max-new-tokens -3`, a path that is not there) is refused here, by the flag's type, never
-replaced by a default: `positive_int`, `bounded_int`, `non_negative_int`, `positive_float`,
-`non_negative_float`, `existing_path`, `existing_dir`.
+replaced by a default: `positive_int`, `bounded_int`, `non_negative_int`, `positive_float`, `non_negative_float`,
+`existing_path`, `existing_dir`; an empty value (`--out "$DIR"` with DIR unset) for every flag but chat's free text.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dsrecipes.core.errors import UserError
 from dsrecipes.core.suggest import closest, phrase
 
 MAX_NEW_TOKENS = 32768  # chat, prompt-eval: past any context we train; more is minutes of generation
+TEXT_FLAGS = ("message", "system")  # chat: free text, where an empty value means "none"
 TRAIN_PROG = "dsrecipes train"  # Hydra's parser (the training command's) names itself after sys.argv[0]
 
 
@@ -71,7 +72,14 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Name
     if not parser.prog.startswith("dsrecipes "):  # Hydra's parser: `__main__.py` under `python -m dsrecipes`
         parser.prog = TRAIN_PROG
     parser.error = lambda message: usage_error(parser, message)  # type: ignore[method-assign]
-    return parser.parse_intermixed_args(list(argv))
+    args = parser.parse_intermixed_args(list(argv))
+    for action in parser._actions:  # `--out "$DIR"` with DIR unset: never "the default" or the working directory
+        value = getattr(args, action.dest, None)
+        if action.option_strings and action.dest not in TEXT_FLAGS and (value == "" or
+                                                                         (isinstance(value, list) and "" in value)):
+            raise UserError(f"{parser.prog}: {action.option_strings[-1]}: empty (an unset shell variable?); give a "
+                            f"value or leave the flag out (see {parser.prog} --help)")
+    return args
 
 
 def usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:

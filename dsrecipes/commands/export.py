@@ -31,8 +31,6 @@ def main(argv: List[str]) -> int:
                         help="LoRA runs: merged model or adapter only (default: trainer.export_merged_lora)")
     parser.add_argument(FLAG, action="append", default=[], metavar="PATH", help=TRUST_HELP)
     args = parse(parser, argv)
-    if args.tag is not None and not args.tag.strip():  # `--tag ""` (an unset shell variable): never "the newest"
-        raise UserError("--tag: empty; give a checkpoint tag (e.g. step_100), or leave --tag out for the newest")
     trust(args.trust_checkpoint)
     run_dir, tag = run_and_tag(Path(args.run_dir), args.tag)
     out_dir = Path(args.out).expanduser().resolve()
