@@ -159,6 +159,8 @@ def test_values_that_raised_are_one_message(argv, needle, two_models, tmp_path, 
     ("prompt-eval --finetuned EXPORT --prompts TMP/p.jsonl --limit 0", "--limit"),
     ("prompt-eval --finetuned EXPORT --prompts TMP/p.jsonl --limit -1", "--limit"),
     ("chat EXPORT --message hi --trust-checkpoint TMP/nonexistent", "--trust-checkpoint"),
+    ("train --trust-checkpoint TMP/nonexistent", "--trust-checkpoint"),
+    ("train --trust-checkpoint=TMP/nonexistent model=tiny", "--trust-checkpoint"),
     ("audit --ledger TMP/nonexistent", "--ledger"),
     ("inspect-data --rows -1", "--rows"),
 ])

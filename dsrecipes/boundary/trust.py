@@ -178,6 +178,9 @@ def take_flag(argv: List[str]) -> List[str]:
             paths.append(arg.split("=", 1)[1])
         else:
             rest.append(arg)
+    for path in paths:  # as chat/export/prompt-eval's flag: a mistyped PATH would trust nothing, in silence
+        if path.strip() and not Path(path).expanduser().exists():
+            raise UserError(f"argument {FLAG}: must be an existing path, got {path!r}")
     trust(paths)
     return rest
 
