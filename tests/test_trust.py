@@ -87,13 +87,18 @@ def test_a_key_that_cannot_be_made_is_one_message(tmp_path, monkeypatch):
         trust.ensure_key()
 
 
-def test_the_train_flag_is_taken_off_the_command_line():
+def test_the_train_flag_is_taken_off_the_command_line(tmp_path):
+    x, y = tmp_path / "x", tmp_path / "y"
+    (x / "step_4").mkdir(parents=True)
+    y.mkdir()
     try:
-        rest = trust.take_flag(["debug=fast", "--trust-checkpoint", "/x/step_4", "--trust-checkpoint=/y", "-m"])
-        assert rest == ["debug=fast", "-m"] and trust.is_trusted(Path("/x/step_4")) and trust.is_trusted(Path("/y/z"))
-        assert not trust.is_trusted(Path("/x"))
+        rest = trust.take_flag(["debug=fast", "--trust-checkpoint", f"{x}/step_4", f"--trust-checkpoint={y}", "-m"])
+        assert rest == ["debug=fast", "-m"] and trust.is_trusted(x / "step_4") and trust.is_trusted(y / "z")
+        assert not trust.is_trusted(x)
         with pytest.raises(UserError, match="needs the checkpoint"):
             trust.take_flag(["--trust-checkpoint"])
+        with pytest.raises(UserError, match="must be an existing path"):
+            trust.take_flag([f"--trust-checkpoint={x}/step_5"])
     finally:
         trust.reset()
 
