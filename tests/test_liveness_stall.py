@@ -159,3 +159,23 @@ def test_a_lone_rank_gets_the_watchdog_unless_the_heartbeat_is_off(tmp_path, mon
     heartbeat.start(tmp_path, 1, 2, 30, 60, 600)
     heartbeat.stop_alone()  # a rank of a job keeps beating for explain_crash
     assert stopped == [1] and heartbeat._current is not None
+
+
+@pytest.mark.parametrize("master", [None, "1"])
+def test_a_lone_rank_watchdog_needs_no_served_store(tmp_path, monkeypatch, master):
+    """launcher=local runs its one rank in the launching process, where no store is served at MASTER_ADDR:MASTER_PORT
+    (or none is set): the lone watchdog keeps its positions in this process. A first version connected a TCPStore
+    client there and waited launcher.peer_timeout_s (30 s) in every in-process run, then ran without a watchdog."""
+    for key in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    if master is not None:
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", master)  # nothing listens on port 1
+    monkeypatch.setattr(heartbeat, "_current", None)
+    began = time.monotonic()
+    lone = heartbeat.start(tmp_path, 0, 1, 30, 60, 600)
+    try:
+        assert lone is not None and time.monotonic() - began < 5
+        assert lone._thread.is_alive() and int(lone.store.add(lone._key("beat", 0), 0)) >= 1
+    finally:
+        heartbeat.stop()

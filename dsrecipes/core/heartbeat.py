@@ -47,8 +47,10 @@ def start(run_dir: Path, rank: int, world_size: int, timeout_s: int, stall_warn_
     """Start this rank's heartbeat (nothing with launcher.peer_timeout_s=0, nor for a lone process without the stall
     watchdog: launcher.stall_warn_s, launcher.stall_timeout_s)."""
     global _current
-    alone = world_size < 2 and stall_warn_s <= 0 and stall_timeout_s <= 0
-    if alone or timeout_s <= 0 or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+    lone = world_size < 2
+    if lone and stall_warn_s <= 0 and stall_timeout_s <= 0 or timeout_s <= 0:
+        return None
+    if not lone and ("MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ):
         return None
     beat = Heartbeat(Path(run_dir), rank, world_size, float(timeout_s), stall.Watch(stall_warn_s, stall_timeout_s))
     try:
@@ -86,7 +88,7 @@ class Heartbeat:
     def __init__(self, run_dir: Path, rank: int, world_size: int, timeout_s: float, watch: Optional[stall.Watch] = None):
         self.run_dir, self.rank, self.world_size, self.timeout_s = run_dir, rank, world_size, timeout_s
         self.watch, self.progress, self.published = watch, stall.current, ""
-        self.master = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        self.master = (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "0")))
         self.monitor = os.environ.get("LOCAL_RANK", "0") == "0"
         self.prefix = f"{PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self.threshold, self.started = timeout_s, time.time()
@@ -100,8 +102,11 @@ class Heartbeat:
     def start(self) -> None:
         import torch.distributed as dist
 
-        self.store = dist.TCPStore(self.master[0], self.master[1], is_master=False, wait_for_workers=False,
-                                   timeout=timedelta(seconds=self.timeout_s))  # fmt: skip
+        if self.world_size == 1:  # a lone rank (launcher=local in-process, or one process): only its own watchdog,
+            self.store = dist.HashStore()  # in this process - no store may be served at MASTER_ADDR:MASTER_PORT
+        else:
+            self.store = dist.TCPStore(self.master[0], self.master[1], is_master=False, wait_for_workers=False,
+                                       timeout=timedelta(seconds=self.timeout_s))  # fmt: skip
         self.store.set(self._key("who", self.rank), json.dumps(whoami(self.rank, self.master[0])))
         stall.reset()
         self._beat()
