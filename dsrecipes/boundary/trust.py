@@ -157,10 +157,14 @@ def signature_problem(record: Dict[str, Any]) -> Optional[str]:
 
 def trust(paths: List[str]) -> None:
     """Accept the records at or below `paths` for this invocation (the command line's --trust-checkpoint). An empty
-    PATH (`--trust-checkpoint=$UNSET`) is refused: it would resolve to the working directory and trust all below it."""
+    PATH (`--trust-checkpoint=$UNSET`) is refused: it would resolve to the working directory and trust all below it;
+    so is one that does not exist."""
     if any(not str(p).strip() for p in paths):
         raise UserError(f"{FLAG}: an empty PATH would trust everything below the working directory; name the "
                         f"checkpoint or run directory to trust: {FLAG} PATH")
+    for path in paths:  # a mistyped PATH would trust nothing, in silence
+        if not Path(path).expanduser().exists():
+            raise UserError(f"argument {FLAG}: must be an existing path, got {path!r}")
     _trusted.extend(Path(p).expanduser().resolve() for p in paths)
 
 
@@ -178,9 +182,6 @@ def take_flag(argv: List[str]) -> List[str]:
             paths.append(arg.split("=", 1)[1])
         else:
             rest.append(arg)
-    for path in paths:  # as chat/export/prompt-eval's flag: a mistyped PATH would trust nothing, in silence
-        if path.strip() and not Path(path).expanduser().exists():
-            raise UserError(f"argument {FLAG}: must be an existing path, got {path!r}")
     trust(paths)
     return rest
 
