@@ -74,3 +74,26 @@ def test_a_refused_row_still_lets_running_chunks_finish(tmp_path):
         batch_encode.read_and_encode(cfg, tok, [source], BadRowReport(BadRows.error, 1.0, tmp_path / "q.jsonl"))
     left = [c for c in psutil.Process().children() if c.pid not in before and c.status() != psutil.STATUS_ZOMBIE]
     assert not left, left
+
+
+class _Dying:
+    """A worker process as the broken pool meets it: its pipe already closed, its exit status readable only after
+    `after_s` (the kernel's order under load), or a sibling the pool then ended with SIGTERM."""
+
+    def __init__(self, pid, code, after_s):
+        import time
+
+        self.pid, self.code, self.at = pid, code, time.monotonic() + after_s
+
+    @property
+    def exitcode(self):
+        import time
+
+        return self.code if time.monotonic() >= self.at else None
+
+
+def test_the_message_waits_for_the_dead_workers_exit_status_and_names_the_first_death():
+    message = batch_encode._died([_Dying(11, -signal.SIGTERM, 0.3), _Dying(12, -signal.SIGKILL, 0.3)], 2)
+    assert "(pid 12, killed by SIGKILL)" in message, message  # (old code: no pid, the status read too early)
+    message = batch_encode._died([_Dying(13, None, 0)], 2)  # a status never readable: the message, without it
+    assert message.startswith("data.preprocess_workers=2: a preparation worker process ended without an answer;")

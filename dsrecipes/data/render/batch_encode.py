@@ -21,6 +21,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import time
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -211,12 +212,24 @@ def _submit(pool: ProcessPoolExecutor, task: _Task, seen: Dict[int, Any]) -> Fut
     return future
 
 
+DEATH_NOTICE_S = 2.0  # how long the message waits for the dead worker's exit status (it closes its pipe first)
+
+
 def _died(procs: Iterable[Any], workers: int) -> str:
-    """The message for a preparation worker that ended without an answer: which one and how, where known."""
-    dead = [(p.pid, p.exitcode) for p in procs if p.exitcode not in (None, 0)]
+    """The message for a preparation worker that ended without an answer: which one and how, where known.
+
+    The pool breaks when the worker's pipe closes, a moment before the kernel makes its exit status readable (under
+    load, long enough for `exitcode` to read None): the status is polled for up to DEATH_NOTICE_S."""
+    procs = list(procs)
+    deadline = time.monotonic() + DEATH_NOTICE_S
+    while True:
+        dead = [(p.pid, p.exitcode) for p in procs if p.exitcode not in (None, 0)]
+        if dead or time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
     how = ""
-    if dead:
-        pid, code = dead[0]
+    if dead:  # the one that died first, not a sibling the broken pool then ended with SIGTERM
+        pid, code = min(dead, key=lambda d: d[1] == -signal.SIGTERM)
         how = f" (pid {pid}, " + (f"killed by {signal.Signals(-code).name})" if code < 0 else f"exit code {code})")
     return (f"data.preprocess_workers={workers}: a preparation worker process ended without an answer{how}; "
             "the out-of-memory killer ends one this way: lower data.preprocess_workers, or dataset.max_row_bytes")
