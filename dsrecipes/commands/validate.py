@@ -149,6 +149,8 @@ def _compose_products_of_failed_bases(plan: Any, composed: Dict[Tuple[str, ...],
 
 
 CHUNK_TIMEOUT_S = 60.0  # one chunk (<= 4 composes, well under a second each) from a forked compose worker
+WAIT_LINE_S = 10.0  # a worker silent this long is named on the console while the wait lasts
+REAP_S = 5.0  # a finished worker's own exit, before it is killed
 
 
 def _compose_parallel(jobs: List[List[str]], progress: Progress) -> Dict[Tuple[str, ...], Composed]:
@@ -157,26 +159,99 @@ def _compose_parallel(jobs: List[List[str]], progress: Progress) -> Dict[Tuple[s
     chunks = [jobs[i: i + size] for i in range(0, len(jobs), size)]
     out: Dict[Tuple[str, ...], Composed] = {}
     if cores <= 1 or len(chunks) <= 1:
-        for chunk in chunks:
-            out.update(zip(map(tuple, chunk), _compose_chunk(chunk)))
-            progress.advance(len(chunk))
+        _compose_here(chunks, out, progress)
         return out
-    with mp.get_context("fork").Pool(min(cores, len(chunks))) as pool:
-        answers = pool.imap(_compose_chunk, chunks)
-        for i, chunk in enumerate(chunks):
-            try:
-                part = answers.next(timeout=CHUNK_TIMEOUT_S)
-            except mp.TimeoutError:  # a forked child stuck (a lock held by a thread at fork time): never wait on
-                pool.terminate()  # it; the rest is composed here, in this process, and said
-                print(f"validate --all: a compose worker gave no answer in {CHUNK_TIMEOUT_S:g} s; composing the "
-                      f"remaining {sum(map(len, chunks[i:]))} in this process", file=sys.stderr, flush=True)
-                for rest in chunks[i:]:
-                    out.update(zip(map(tuple, rest), _compose_chunk(rest)))
-                    progress.advance(len(rest))
-                return out
-            out.update(zip(map(tuple, chunk), part))
-            progress.advance(len(chunk))
+    workers = [_ComposeWorker(chunks, range(w, len(chunks), min(cores, len(chunks))))
+               for w in range(min(cores, len(chunks)))]
+    try:
+        _gather(workers, chunks, out, progress)
+    finally:
+        for worker in workers:
+            worker.end()
     return out
+
+
+class _ComposeWorker:
+    """A forked process that composes its share of the chunks and sends each answer down its own pipe.
+
+    Not multiprocessing.Pool: its terminate() sends SIGTERM and joins without a bound, and a forked worker stuck in C
+    (a lock taken at fork time) never runs the inherited Python SIGTERM handler (stopping.raising), so the parent
+    waited for ever, in silence (stop 55's CI: `validate --all` killed at 600 s, no line printed). Here every wait is
+    bounded and a worker that does not end is killed (SIGKILL)."""
+
+    def __init__(self, chunks: List[List[List[str]]], share: range):
+        ctx = mp.get_context("fork")
+        self.todo = list(share)
+        self.conn, child = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_serve, args=(child, [(i, chunks[i]) for i in self.todo]), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def end(self) -> None:
+        self.proc.join(REAP_S if not self.todo else 0)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(REAP_S)
+        self.conn.close()
+
+
+def _serve(conn: Any, share: List[Tuple[int, List[List[str]]]]) -> None:
+    for i, chunk in share:
+        conn.send((i, _compose_chunk(chunk)))
+    conn.close()
+
+
+def _gather(workers: List[_ComposeWorker], chunks: List[List[List[str]]], out: Dict[Tuple[str, ...], Composed],
+            progress: Progress) -> None:
+    from multiprocessing.connection import wait
+
+    live = {w.conn: w for w in workers}
+    last = time.monotonic()
+    said = 0.0
+    while live:
+        ready = wait(list(live), timeout=min(WAIT_LINE_S, CHUNK_TIMEOUT_S))
+        for conn in ready:
+            worker = live[conn]
+            try:
+                i, part = conn.recv()
+            except (EOFError, OSError):  # its pipe closed: done, or dead with chunks unanswered
+                del live[conn]
+                if worker.todo:
+                    worker.proc.join(REAP_S)
+                    print(f"validate --all: compose worker pid {worker.proc.pid} ended (exit code "
+                          f"{worker.proc.exitcode}) before its last {len(worker.todo)} chunks; composing them in "
+                          "this process", file=sys.stderr, flush=True)
+                    _compose_here([chunks[k] for k in worker.todo], out, progress)
+                    worker.todo = []
+                continue
+            worker.todo.remove(i)
+            out.update(zip(map(tuple, chunks[i]), part))
+            progress.advance(len(chunks[i]))
+            last, said = time.monotonic(), 0.0
+        silent = time.monotonic() - last
+        if ready or not live:
+            continue
+        if silent >= CHUNK_TIMEOUT_S:  # stuck (a lock held by a thread at fork time): never wait on it; the rest is
+            rest = [k for w in live.values() for k in w.todo]  # composed here, in this process, and said
+            print(f"validate --all: a compose worker gave no answer in {CHUNK_TIMEOUT_S:g} s (pid "
+                  f"{', '.join(str(w.proc.pid) for w in live.values())}); composing the remaining "
+                  f"{sum(len(chunks[k]) for k in rest)} in this process", file=sys.stderr, flush=True)
+            for worker in live.values():
+                worker.proc.kill()
+                worker.todo = []
+            live.clear()
+            _compose_here([chunks[k] for k in sorted(rest)], out, progress)
+        elif silent - said >= WAIT_LINE_S:
+            said = silent
+            print(f"validate --all: waiting for compose worker pid "
+                  f"{', '.join(str(w.proc.pid) for w in live.values())} (no answer for {silent:.0f} s; composed "
+                  f"here after {CHUNK_TIMEOUT_S:g} s)", file=sys.stderr, flush=True)
+
+
+def _compose_here(chunks: List[List[List[str]]], out: Dict[Tuple[str, ...], Composed], progress: Progress) -> None:
+    for chunk in chunks:
+        out.update(zip(map(tuple, chunk), _compose_chunk(chunk)))
+        progress.advance(len(chunk))
 
 
 def _compose_chunk(chunk: List[List[str]]) -> List[Composed]:
