@@ -14,7 +14,7 @@ import pytest
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.paths import SAMPLE_DATA_DIR, TINY_TOKENIZER_DIR
 from dsrecipes.core.schema import DatasetConfig, SourceConfig, TemplateConfig, TemplateKind, TrainConfig
-from dsrecipes.data.render import batch_encode
+from dsrecipes.data.render import batch_encode, prep_pool
 from dsrecipes.data.sources.badrows import BadRowReport
 from tests.fault_cases import outcome_within
 
@@ -29,20 +29,25 @@ def _dies_on_its_third_chunk(task):
     return _real_encode_chunk(task)
 
 
-def test_a_killed_preparation_worker_ends_the_preparation(tmp_path, monkeypatch):
+def _prepare_in_two_workers(tmp_path, monkeypatch, encode_chunk, bound_s):
+    """The sample file prepared by 2 workers in chunks of 4 rows, `encode_chunk` in the workers: (outcome, s)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(TINY_TOKENIZER_DIR))
     monkeypatch.setattr(batch_encode, "CHUNK", 4)
-    monkeypatch.setattr(batch_encode, "_encode_chunk", _dies_on_its_third_chunk)
+    monkeypatch.setattr(batch_encode, "_encode_chunk", encode_chunk)
     cfg = TrainConfig()
     cfg.template = TemplateConfig(name=TemplateKind.chatml)
     cfg.data.preprocess_workers = 2
     source = SourceConfig(name="sample", paths=[str(SAMPLE_DATA_DIR / "train.jsonl")])
     cfg.dataset = DatasetConfig(paths=list(source.paths))
     report = BadRowReport(cfg.dataset.bad_rows, 1.0, tmp_path / "bad.jsonl")
+    return outcome_within(lambda: batch_encode.read_and_encode(cfg, tok, [source], report), bound_s)
+
+
+def test_a_killed_preparation_worker_ends_the_preparation(tmp_path, monkeypatch):
     before = {c.pid for c in psutil.Process().children()}
-    outcome, took = outcome_within(lambda: batch_encode.read_and_encode(cfg, tok, [source], report), 20)
+    outcome, took = _prepare_in_two_workers(tmp_path, monkeypatch, _dies_on_its_third_chunk, 20)
     assert took < 10, took  # (old code: still waiting for the dead worker's chunk after 20 s)
     assert isinstance(outcome, UserError), outcome
     message = str(outcome)
@@ -92,8 +97,38 @@ class _Dying:
         return self.code if time.monotonic() >= self.at else None
 
 
-def test_the_message_waits_for_the_dead_workers_exit_status_and_names_the_first_death():
-    message = batch_encode._died([_Dying(11, -signal.SIGTERM, 0.3), _Dying(12, -signal.SIGKILL, 0.3)], 2)
+def test_the_message_waits_for_the_dead_workers_exit_status_and_names_the_first_death(monkeypatch):
+    monkeypatch.setattr(prep_pool, "DEATH_NOTICE_S", 0.6)
+    message = prep_pool.died_message([_Dying(11, -signal.SIGTERM, 0.3), _Dying(12, -signal.SIGKILL, 0.3)], 2)
     assert "(pid 12, killed by SIGKILL)" in message, message  # (old code: no pid, the status read too early)
-    message = batch_encode._died([_Dying(13, None, 0)], 2)  # a status never readable: the message, without it
+    message = prep_pool.died_message([_Dying(13, None, 0)], 2)  # a status never readable: the message, without it
     assert message.startswith("data.preprocess_workers=2: a preparation worker process ended without an answer;")
+
+
+def _stuck_deaf_on_its_second_chunk(task):
+    """A worker stuck in C on its second chunk: SIGTERM has no effect (its Python handler never runs). It ends by
+    itself after 30 s, so that the old code's wait does not outlive the test."""
+    _stuck_deaf_on_its_second_chunk.calls = getattr(_stuck_deaf_on_its_second_chunk, "calls", 0) + 1
+    if _stuck_deaf_on_its_second_chunk.calls == 2:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        import time
+
+        time.sleep(30)
+        os._exit(0)
+    return _real_encode_chunk(task)
+
+
+def test_a_stuck_preparation_worker_is_named_while_awaited_then_ends_the_preparation(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(prep_pool, "WAIT_LINE_S", 0.5)
+    monkeypatch.setattr(prep_pool, "CHUNK_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(prep_pool, "REAP_S", 1.0)
+    before = {c.pid for c in psutil.Process().children()}
+    outcome, took = _prepare_in_two_workers(tmp_path, monkeypatch, _stuck_deaf_on_its_second_chunk, 25)
+    assert took < 12, took  # (old code: result() without a bound, then shutdown joined the deaf worker)
+    assert isinstance(outcome, UserError), outcome
+    assert str(outcome).startswith("data.preprocess_workers=2: no preparation worker answered for 2 s on a chunk of "
+                                   "4 rows of "), outcome
+    err = capsys.readouterr().err
+    assert "preparing data: waiting " in err and " s for a chunk of 4 rows of " in err, err
+    left = [c for c in psutil.Process().children() if c.pid not in before and c.status() != psutil.STATUS_ZOMBIE]
+    assert not left, left

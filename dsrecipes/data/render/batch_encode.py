@@ -20,19 +20,19 @@ from __future__ import annotations
 
 import gc
 import os
-import signal
-import time
 from collections import deque
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
+from functools import partial
 from multiprocessing import get_context
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.schema import DatasetConfig, SourceConfig, TrainConfig
+from dsrecipes.data.render.prep_pool import PreparationPool
 from dsrecipes.data.render.tokenize import Encoder
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.sources.files import FileUnreadable, RawRow, expand_paths, no_file, read_row_items, row_of
@@ -185,54 +185,23 @@ def read_and_encode(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceCo
     out = _Collector()
     if workers == 1:
         _init_worker(*init)
-        for task, chunk in _ordered(_encode_chunk, _tasks(sources, caps, limit), 1):
+        for task, chunk in _ordered(_encode_chunk, _tasks(sources, caps, limit), 1, lambda _t, res: res):
             out.add(task, chunk, sources, caps, report)
-    else:
-        # concurrent.futures, not multiprocessing.Pool: a worker that dies (the OOM killer's SIGKILL) breaks the
-        # pool at once (BrokenProcessPool, the others killed), where Pool lost its task and waited for ever, and a
-        # refused row (bad_rows=error) lets the running chunks finish and cancels the queued ones.
-        with ProcessPoolExecutor(workers, get_context(), initializer=_init_worker, initargs=init) as pool:
-            seen: Dict[int, Any] = {}
-            try:
-                for task, chunk in _ordered(lambda t: _submit(pool, t, seen), _tasks(sources, caps, limit),
-                                            workers * AHEAD):
-                    out.add(task, chunk, sources, caps, report)
-            except BrokenProcessPool:
-                raise UserError(_died(seen.values(), workers)) from None
-            except Exception:
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
+        return out.result()
+    # concurrent.futures, not multiprocessing.Pool: a worker that dies (the OOM killer's SIGKILL) breaks the pool at
+    # once (BrokenProcessPool, the others killed), where Pool lost its task and waited for ever. Every wait on a
+    # worker is bounded (_Workers); a refused row (bad_rows=error) cancels the queued chunks.
+    pool = PreparationPool(ProcessPoolExecutor(workers, get_context(), initializer=_init_worker, initargs=init),
+                           workers)
+    try:
+        submit = partial(pool.submit, _encode_chunk)
+        for task, chunk in _ordered(submit, _tasks(sources, caps, limit), workers * AHEAD, pool.take):
+            out.add(task, chunk, sources, caps, report)
+    except BrokenProcessPool:
+        raise UserError(pool.died()) from None
+    finally:
+        pool.close()
     return out.result()
-
-
-def _submit(pool: ProcessPoolExecutor, task: _Task, seen: Dict[int, Any]) -> Future:
-    """Submit `task`; `seen` keeps every worker process met (after its death, its exit code names the cause)."""
-    future = pool.submit(_encode_chunk, task)
-    seen.update(getattr(pool, "_processes", None) or {})
-    return future
-
-
-DEATH_NOTICE_S = 2.0  # how long the message waits for the dead worker's exit status (it closes its pipe first)
-
-
-def _died(procs: Iterable[Any], workers: int) -> str:
-    """The message for a preparation worker that ended without an answer: which one and how, where known.
-
-    The pool breaks when the worker's pipe closes, a moment before the kernel makes its exit status readable (under
-    load, long enough for `exitcode` to read None): the status is polled for up to DEATH_NOTICE_S."""
-    procs = list(procs)
-    deadline = time.monotonic() + DEATH_NOTICE_S
-    while True:
-        dead = [(p.pid, p.exitcode) for p in procs if p.exitcode not in (None, 0)]
-        if dead or time.monotonic() >= deadline:
-            break
-        time.sleep(0.02)
-    how = ""
-    if dead:  # the one that died first, not a sibling the broken pool then ended with SIGTERM
-        pid, code = min(dead, key=lambda d: d[1] == -signal.SIGTERM)
-        how = f" (pid {pid}, " + (f"killed by {signal.Signals(-code).name})" if code < 0 else f"exit code {code})")
-    return (f"data.preprocess_workers={workers}: a preparation worker process ended without an answer{how}; "
-            "the out-of-memory killer ends one this way: lower data.preprocess_workers, or dataset.max_row_bytes")
 
 
 class _Caps:
@@ -290,9 +259,10 @@ def _tasks(sources: Sequence[SourceConfig], caps: _Caps, limit: int) -> Iterator
                 break
 
 
-def _ordered(submit: Callable[[_Task], Any], tasks: Iterator[_Task], ahead: int) -> Iterator[Tuple[_Task, Any]]:
+def _ordered(submit: Callable[[_Task], Any], tasks: Iterator[_Task], ahead: int,
+             take: Callable[[_Task, Any], Any]) -> Iterator[Tuple[_Task, Any]]:
     """(task, result) in task order, at most `ahead` tasks in flight; `submit` returns a future (or, with ahead=1,
-    the result itself)."""
+    the result itself) and `take(task, what submit returned)` the result."""
     pending: deque = deque()
     for task in tasks:
         if task.local:
@@ -301,10 +271,10 @@ def _ordered(submit: Callable[[_Task], Any], tasks: Iterator[_Task], ahead: int)
             pending.append((task, submit(task)))
         while len(pending) >= ahead or (pending and pending[0][1] is None):
             task0, res = pending.popleft()
-            yield task0, res if res is None or ahead == 1 else res.result()
+            yield task0, res if res is None else take(task0, res)
     while pending:
         task0, res = pending.popleft()
-        yield task0, res if res is None or ahead == 1 else res.result()
+        yield task0, res if res is None else take(task0, res)
 
 
 class _Collector:
