@@ -6,6 +6,7 @@ alive but never answering) kept beating, and its peers waited for the process-gr
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import timedelta
 
@@ -179,3 +180,41 @@ def test_a_lone_rank_watchdog_needs_no_served_store(tmp_path, monkeypatch, maste
         assert lone._thread.is_alive() and int(lone.store.add(lone._key("beat", 0), 0)) >= 1
     finally:
         heartbeat.stop()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's stand-in exit
+def test_a_stalled_in_process_run_ends_as_any_failed_run(tmp_path, monkeypatch, capsys):
+    """launcher=local: the lone rank runs in the launching process, so the watchdog's exit skipped everything the
+    launching process does after a run: no result.json, no `error:` line, and the rank's DataLoader workers (the
+    stuck one included) left running. Now it prints the error line, ends the workers and records the outcome."""
+    import multiprocessing
+
+    from dsrecipes.core.rundir import RESULT_FILE
+    from dsrecipes.data.strategies.base import end_workers
+
+    monkeypatch.setattr(heartbeat, "INTERVAL_S", 0.05)
+    monkeypatch.setattr(heartbeat, "_current", None)
+    exits = []
+
+    def exit_thread(code):
+        exits.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(heartbeat.os, "_exit", exit_thread)
+    worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
+    worker.start()  # a DataLoader worker that never answers
+    try:
+        lone = heartbeat.start(tmp_path, 0, 1, 30, 0, 1, in_process=True, before_exit=end_workers)
+        stall.mark("data", 3)
+        assert wait_for(lambda: exits, 5) and exits == [heartbeat.PEER_LOST_EXIT], capsys.readouterr().err
+        lone._thread.join(timeout=5)
+        result = json.loads((tmp_path / RESULT_FILE).read_text())
+        assert (result["status"], result["exit_code"]) == ("failed", heartbeat.PEER_LOST_EXIT), result
+        assert result["error"].startswith("the run stalled: rank 0 (") and "phase data (next batch)" in result["error"]
+        err = capsys.readouterr().err
+        assert "error: the run stalled: rank 0 (" in err and "launcher.stall_timeout_s=1" in err, err
+        assert not worker.is_alive()  # killed, and reaped
+    finally:
+        worker.kill()
+        heartbeat._current = None
+        stall.reset()

@@ -19,6 +19,7 @@ reading ranks judge them (a lone rank too, then: its own store is the job's).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -27,9 +28,10 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import dsrecipes.core.stall as stall
+from dsrecipes.core.rundir import write_result
 
 FAILURE_FILE = "failure.json"
 PEER_LOST_EXIT = 75  # EX_TEMPFAIL: the run can be resumed with the same command
@@ -42,10 +44,12 @@ QUIET_S = 2.5 * INTERVAL_S  # not beating now: reported along with a peer past t
 _current: Optional["Heartbeat"] = None
 
 
-def start(run_dir: Path, rank: int, world_size: int, timeout_s: int, stall_warn_s: int = 0,
-          stall_timeout_s: int = 0) -> Optional["Heartbeat"]:
+def start(run_dir: Path, rank: int, world_size: int, timeout_s: int, stall_warn_s: int = 0, stall_timeout_s: int = 0,
+          *, in_process: bool = False, before_exit: Optional[Callable[[], None]] = None) -> Optional["Heartbeat"]:
     """Start this rank's heartbeat (nothing with launcher.peer_timeout_s=0, nor for a lone process without the stall
-    watchdog: launcher.stall_warn_s, launcher.stall_timeout_s)."""
+    watchdog: launcher.stall_warn_s, launcher.stall_timeout_s). `in_process`: this rank runs in the launching process
+    (launcher=local), so a failure it detects is recorded here (result.json) as the launching process would;
+    `before_exit`: what must not outlive this process (its DataLoader workers), ended before it exits."""
     global _current
     lone = world_size < 2
     if lone and stall_warn_s <= 0 and stall_timeout_s <= 0 or timeout_s <= 0:
@@ -53,6 +57,7 @@ def start(run_dir: Path, rank: int, world_size: int, timeout_s: int, stall_warn_
     if not lone and ("MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ):
         return None
     beat = Heartbeat(Path(run_dir), rank, world_size, float(timeout_s), stall.Watch(stall_warn_s, stall_timeout_s))
+    beat.in_process, beat.before_exit = in_process, before_exit
     try:
         beat.start()
     except Exception as exc:  # noqa: BLE001 - a safety net must not be what stops a run
@@ -88,6 +93,7 @@ class Heartbeat:
     def __init__(self, run_dir: Path, rank: int, world_size: int, timeout_s: float, watch: Optional[stall.Watch] = None):
         self.run_dir, self.rank, self.world_size, self.timeout_s = run_dir, rank, world_size, timeout_s
         self.watch, self.progress, self.published = watch, stall.current, ""
+        self.in_process, self.before_exit = False, None  # (start(): launcher=local; the rank's DataLoader workers)
         self.master = (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "0")))
         self.monitor = os.environ.get("LOCAL_RANK", "0") == "0"
         self.prefix = f"{PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
@@ -243,9 +249,27 @@ class Heartbeat:
         record = {"lost": lost, "reason": reason, "detected_by": whoami(self.rank, self.master[0]), "time": time.time()}
         if stalled:
             record["stalled"] = stalled  # alive, but no step progress (core/stall.py); "lost" stays empty
-        first = write_failure(self.run_dir, record)
-        print(f"dsrecipes: {describe_failure(first)}; stopping rank {self.rank}", file=sys.stderr, flush=True)
-        os._exit(PEER_LOST_EXIT)
+        self._exit(write_failure(self.run_dir, record))
+
+    def _exit(self, first: Dict[str, Any]) -> None:
+        """End this process with PEER_LOST_EXIT, its DataLoader workers first (`before_exit`, bounded). In the
+        launching process (launcher=local) the run ends as any failed one: an `error:` line and result.json (written
+        last: the main thread may wake when its workers die, and must not record another ending)."""
+        message = describe_failure(first)
+        try:
+            if self.in_process:
+                print(f"error: {message}. Run the same command again to resume from the last checkpoint "
+                      "(trainer.resume=auto)", file=sys.stderr, flush=True)  # fmt: skip
+            else:
+                print(f"dsrecipes: {message}; stopping rank {self.rank}", file=sys.stderr, flush=True)
+            with contextlib.suppress(Exception):
+                if self.before_exit is not None:
+                    self.before_exit()
+            if self.in_process:
+                write_result(self.run_dir, PEER_LOST_EXIT, message)
+            sys.stdout.flush()
+        finally:  # whatever the above met (a lost console, a full disk): the exit comes
+            os._exit(PEER_LOST_EXIT)
 
 
 def whoami(rank: int, master_addr: str) -> Dict[str, Any]:

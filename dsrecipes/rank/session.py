@@ -33,6 +33,7 @@ from dsrecipes.core.schema import LauncherKind, TrainConfig
 from dsrecipes.core.topology import train_batch_size
 from dsrecipes.data.plan.ledger import LedgerWriter
 from dsrecipes.data.strategies import build_loaders
+from dsrecipes.data.strategies.base import end_workers
 from dsrecipes.modeling.model import build_model, count_parameters, load_tokenizer, trainable_parameters
 from dsrecipes.objectives import build_objective
 from dsrecipes.objectives.base import Objective
@@ -78,7 +79,8 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
     if rank == 0 and plan.supervised and cfg.launcher.kind is not LauncherKind.local:  # (local: the same process)
         stopping.watch(lambda: launcher_alive(run_dir), cfg.trainer.stop_grace_s, "the launching process")
     heartbeat.start(run_dir, rank, world_size, cfg.launcher.peer_timeout_s,  # a dead node ends the run, not a hang
-                    cfg.launcher.stall_warn_s, cfg.launcher.stall_timeout_s)  # nor does a stuck rank (core/stall.py)
+                    cfg.launcher.stall_warn_s, cfg.launcher.stall_timeout_s,  # nor does a stuck rank (core/stall.py)
+                    in_process=cfg.launcher.kind is LauncherKind.local, before_exit=end_workers)
     if world_size != plan.world_size:
         raise DataError(f"{run_dir}/plan.json was made for {plan.world_size} ranks, but {world_size} started; "
                         "start the run again with `python -m dsrecipes` so the launcher plans it")
