@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import dsrecipes.core.stall as stall
 from dsrecipes.core.rundir import write_result
+from dsrecipes.core.runplan import reported_by_launcher
 
 FAILURE_FILE = "failure.json"
 PEER_LOST_EXIT = 75  # EX_TEMPFAIL: the run can be resumed with the same command
@@ -153,6 +154,7 @@ class Heartbeat:
         tick = time.monotonic()
         while not self._stop.wait(INTERVAL_S):
             try:
+                self._follow()
                 self._beat()
                 if self.monitor:
                     now = time.monotonic()
@@ -249,18 +251,29 @@ class Heartbeat:
         record = {"lost": lost, "reason": reason, "detected_by": whoami(self.rank, self.master[0]), "time": time.time()}
         if stalled:
             record["stalled"] = stalled  # alive, but no step progress (core/stall.py); "lost" stays empty
-        self._exit(write_failure(self.run_dir, record))
+        first = write_failure(self.run_dir, record)
+        self._exit(first, mine=first is record)
 
-    def _exit(self, first: Dict[str, Any]) -> None:
-        """End this process with PEER_LOST_EXIT, its DataLoader workers first (`before_exit`, bounded). In the
-        launching process (launcher=local) the run ends as any failed one: an `error:` line and result.json (written
-        last: the main thread may wake when its workers die, and must not record another ending)."""
+    def _follow(self) -> None:
+        """Another rank's heartbeat ended the run (its report of this session stands in failure.json): this rank
+        stops too, before its next store call meets the store of a rank that is gone (torch prints a C++ stack)."""
+        report = read_failure(self.run_dir)
+        if report is None or "lost" not in report or report.get("time", 0) < self.started or self._stop.is_set():
+            return
+        if self._failing.acquire(blocking=False):
+            self._exit(report, mine=False)
+
+    def _exit(self, first: Dict[str, Any], mine: bool) -> None:
+        """End this process with PEER_LOST_EXIT, its DataLoader workers first (`before_exit`, bounded). One message:
+        the first report's, said by the launching process where one supervises (core/runplan.reported_by_launcher),
+        else by the rank that wrote it. In the launching process (launcher=local) the run ends as any failed one: an
+        `error:` line and result.json (written last: the main thread may wake when its workers die)."""
         message = describe_failure(first)
         try:
             if self.in_process:
                 print(f"error: {message}. Run the same command again to resume from the last checkpoint "
                       "(trainer.resume=auto)", file=sys.stderr, flush=True)  # fmt: skip
-            else:
+            elif mine and not reported_by_launcher(self.run_dir):
                 print(f"dsrecipes: {message}; stopping rank {self.rank}", file=sys.stderr, flush=True)
             with contextlib.suppress(Exception):
                 if self.before_exit is not None:

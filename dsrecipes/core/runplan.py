@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional
 
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.fileio import atomic_write_json
+from dsrecipes.core.rundir import launcher_alive
 
 PLAN_FILE = "plan.json"
 PLAN_VERSION = 1
@@ -77,3 +78,12 @@ def read_plan(run_dir: str | Path) -> RunPlan:
         return RunPlan.from_dict(data)
     except (ValueError, TypeError) as exc:
         raise UserError(f"{path}: unreadable run plan ({exc}); start the run again with `python -m dsrecipes`") from None
+
+
+def reported_by_launcher(run_dir: Path) -> bool:
+    """A launching process supervises the ranks and prints the first failure itself (RunPlan.supervised) - when it
+    is still there: a rank started by a batch job from a plan a supervised launch wrote says it itself."""
+    try:
+        return bool(read_plan(run_dir).supervised) and launcher_alive(run_dir)
+    except Exception:  # noqa: BLE001 - an unreadable plan: say it here rather than nowhere
+        return False

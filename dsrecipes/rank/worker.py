@@ -32,7 +32,7 @@ from dsrecipes.core.console import log_path, quiet_third_party, survive_lost_con
 from dsrecipes.core.errors import RunInterrupted, TrainingFailed, UserError  # noqa: E402
 from dsrecipes.core.failure import log_traceback, record_rank_failure  # noqa: E402
 from dsrecipes.core.rundir import launcher_alive  # noqa: E402
-from dsrecipes.core.runplan import read_plan  # noqa: E402
+from dsrecipes.core.runplan import reported_by_launcher  # noqa: E402
 from dsrecipes.core.schema import Device  # noqa: E402
 from dsrecipes.data.strategies.base import end_workers, worker_lost  # noqa: E402
 from dsrecipes.rank.checkpoint import TrainState  # noqa: E402
@@ -88,18 +88,9 @@ def failed(run_dir: str | Path, exc: BaseException) -> int:
     log = log_path(Path(run_dir), f"rank{rank}")
     log_traceback(log, exc)
     report = record_rank_failure(Path(run_dir), rank, exc, log)
-    if report.get("pid") == os.getpid() and not _reported_by_launcher(Path(run_dir)):  # (slurm: nobody else says it)
+    if report.get("pid") == os.getpid() and not reported_by_launcher(Path(run_dir)):  # (slurm: nobody else says it)
         print(report["render"] or f"error: {report['reason']} (traceback: {log})", file=sys.stderr, flush=True)
     return exc.exit_code if isinstance(exc, UserError) else 1
-
-
-def _reported_by_launcher(run_dir: Path) -> bool:
-    """A launching process supervises the ranks and prints the first failure itself (runplan.supervised) - when it
-    is still there: a rank started by a batch job from a plan a supervised launch wrote says it itself."""
-    try:
-        return bool(read_plan(run_dir).supervised) and launcher_alive(run_dir)
-    except Exception:  # noqa: BLE001 - an unreadable plan: say it here rather than nowhere
-        return False
 
 
 def watch_launcher(run_dir: Path) -> None:
@@ -110,7 +101,7 @@ def watch_launcher(run_dir: Path) -> None:
     node = os.environ.get("CROSS_RANK") or os.environ.get("GROUP_RANK") or "0"
     try:
         grace = float(load_run_config(run_dir).trainer.stop_grace_s)
-        watched = node == "0" and _reported_by_launcher(run_dir) and launcher_alive(run_dir)
+        watched = node == "0" and reported_by_launcher(run_dir) and launcher_alive(run_dir)
     except Exception:  # noqa: BLE001 - a run directory the rank cannot read fails in run() with its message
         return
     if not watched:
