@@ -84,8 +84,22 @@ def test_val_split_depends_on_seed_only(cfg_for, tok, tmp_path):
     assert val(**{"trainer.seed": 1}) != val(**{"trainer.seed": 2})
     assert len(val(**{"dataset.val_size": 0.1})) == 30
     assert prepare(cfg_for(**{"dataset.val_size": 0.0}), tok, tmp_path / "r").val is None
-    with pytest.raises(DataError, match="dataset.val_size: 300 validation samples leave nothing to train on"):
+    with pytest.raises(DataError, match=r"dataset.val_size: 300 validation samples leave nothing to train on \(300 "
+                       r"usable samples\); set dataset.val_size to a fraction \(0.1\), a count below 300, or 0"):
         prepare(cfg_for(**{"dataset.val_size": 300.0}), tok, tmp_path / "r")
+
+
+def test_a_validation_split_of_most_of_the_data_gets_a_note():
+    """The default val_size (64, the bundled sample's) takes 64 of a 100-row file of one's own: said, with the fix;
+    validation files (dataset.val_paths) or a small share: nothing."""
+    from dsrecipes.data.prepare.stats import _val_share_note
+
+    def note(train, val, sources=()):
+        return _val_share_note({"samples": {"train": train, "val": val}, "sources": dict.fromkeys(sources, {})})
+
+    (line,) = note(36, 64)
+    assert "holds out 64 of 100 samples (64%)" in line and "dataset.val_size=0.05" in line, line
+    assert note(2936, 64) == note(75, 25) == note(10, 0) == [] and note(36, 64, ["dataset.val_paths"]) == []
 
 
 def files(*paths, **changes):

@@ -88,6 +88,28 @@ def test_the_shipped_recipes_have_no_flat_problems():
         recipe_file.load(Path(path))  # raises ConfigError listing the problems
 
 
+@pytest.mark.parametrize("typed, words, not_words", [
+    ("template=qwen", "LLaMA-Factory's qwen template is chatml; here: template: chatml, or template: auto", "options:"),
+    ("template=llama2", "the model's own format; here: template: auto", "did you mean llama3"),  # not a typo
+    ("template=default", "template: human_assistant", "did you mean"),
+    ("template=chatlm", "did you mean chatml?", "LLaMA-Factory"),  # our own name misspelled: the typo wins
+    ("dataset=my_chats", "here: dataset.use: [my_chats] with dataset.registry: DIR/dataset_info.json", "options:"),
+    ("dataset=sampel", "did you mean sample?", "LLaMA-Factory"),
+    ("finetuning_type=lora", "finetuning_type: LLaMA-Factory's key; here: model.lora.enabled: true", "did you mean"),
+    ("lr_scheduler_type=linear", "here: scheduler: linear", "NAME"), ("deepspeed=ds_z2_config.json", "zero: stage2", "N?"),
+])  # fmt: skip
+def test_llamafactory_names_on_the_command_line_get_our_spelling_with_the_value(capsys, typed, words, not_words):
+    """A group option that is LLaMA-Factory's name (a template, a dataset_info.json entry) and a key whose value
+    decides our spelling: the line a file gets, not a "did you mean" that leads to `model.lora.enabled=lora`."""
+    err = _error(capsys, "validate", typed)
+    assert words in err and not_words not in err, err
+
+
+def test_a_llamafactory_template_name_in_a_file_is_not_taken_for_a_typo():
+    (problem,) = flat_problems({"template": "llama2"}, "f.yaml", lambda _: None)
+    assert "template: auto" in problem and "llama3" not in problem, problem
+
+
 def test_stage_on_the_command_line_means_the_objective(capsys):
     err = _error(capsys, "validate", "stage=dpo")
     assert "objective: dpo" in err and "did you mean zero.stage" not in err, err

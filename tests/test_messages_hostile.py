@@ -222,7 +222,10 @@ def test_a_fifo_or_directory_where_a_file_is_read_is_refused(capsys, tmp_path, k
     fifo = tmp_path / "named.fifo"
     os.mkfifo(fifo)
     for path in (fifo, tmp_path):
-        refused(capsys, ["validate", f"{key}={path}", *extra], f"{key}: '{path}' is not a regular file")
+        folder = key == "dataset.registry" and path == tmp_path  # LLaMA-Factory's dataset_dir: told the file to name
+        words = f"is a folder; name the registry file in it: {key}={path}/dataset_info.json" if folder else \
+            "is not a regular file"
+        refused(capsys, ["validate", f"{key}={path}", *extra], f"{key}: '{path}' {words}")
 
 
 @pytest.mark.parametrize("override, needle", [

@@ -46,6 +46,7 @@ def test_the_readme_registry_validates_and_a_missing_name_is_refused(registry, c
     assert code == 0 and out.startswith("OK:"), out
     code, out = _validate(capsys, f"dataset.registry={registry}", "dataset.use=[glaive_en,glaive_eng]")
     assert code == 2 and "dataset.use: 'glaive_eng' is not in" in out and "entries: alpaca_de, glaive_en, my_chats" in out
+    assert "; did you mean glaive_en? (entries:" in out, out
 
 
 def test_a_registry_entry_the_run_cannot_use_is_refused(registry, capsys):

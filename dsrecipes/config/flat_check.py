@@ -17,7 +17,7 @@ import dataclasses
 import typing
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from dsrecipes.config.foreign_keys import foreign_key
+from dsrecipes.config.foreign_keys import foreign_key, foreign_option
 from dsrecipes.config.groups import RECIPE_GROUP, group_options
 from dsrecipes.core.schema import RETIRED_KEYS, TrainConfig
 from dsrecipes.core.suggest import closest, closest_keys, phrase
@@ -73,11 +73,11 @@ def _problems(key: str, value: Any, types: Dict[str, Any], options: Dict[str, Li
 
 
 def _no_option(group: str, value: str, names: List[str]) -> str:
-    foreign = foreign_key(group, value)  # `dataset: identity,alpaca_en_demo` names LLaMA-Factory registry entries
+    close = closest(value, names)
+    foreign = foreign_option(group, value, bool(close))  # `dataset: identity,alpaca_en_demo`, `template: qwen`
     if foreign:
         return f"{group}={value}: no option '{value}' in group '{group}'; {foreign}"
-    return f"{group}={value}: no option '{value}' in group '{group}'{phrase(closest(value, names))} (options: " \
-        f"{', '.join(names)})"
+    return f"{group}={value}: no option '{value}' in group '{group}'{phrase(close)} (options: {', '.join(names)})"
 
 
 def _unknown(key: str, value: Any, types: Dict[str, Any], options: Dict[str, List[str]]) -> str:

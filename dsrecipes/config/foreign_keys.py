@@ -115,25 +115,54 @@ def _scheduler(value: Any) -> str:
     return f"no {value} schedule here (scheduler: cosine, linear, constant; all with warmup)"
 
 
+OUR_TEMPLATES = "template: auto (the tokenizer's own chat template), chatml, llama3, vicuna, human_assistant, plain, " \
+    "tokenizer"
+# LLaMA-Factory's template names -> ours: the same format under another name, or (None) a model's own format, which
+# template: auto reads from the model's tokenizer.
+LF_TEMPLATES: Dict[str, Optional[str]] = {
+    **dict.fromkeys(("qwen", "qwen3", "yi", "chatml_de", "dbrx", "opencoder", "sailor"), "chatml"),
+    "default": "human_assistant", "alpaca": "plain", "empty": "plain",
+    **dict.fromkeys(("llama2", "llama2_zh", "llama4", "mistral", "mistral_small", "gemma", "gemma2", "gemma3", "phi",
+                     "phi4", "phi_small", "deepseek", "deepseek3", "deepseekr1", "deepseekcoder", "glm4", "chatglm3",
+                     "baichuan2", "zephyr", "cohere", "falcon", "granite3", "olmo", "intern2", "openchat", "solar",
+                     "starchat", "qwen2_vl", "qwen2_audio", "llava", "minicpm_v", "pixtral", "hunyuan"), None),
+}
+
+
+def _template(value: Any) -> str:
+    """LLaMA-Factory's `template: qwen` -> ours (LF_TEMPLATES), else the list of ours."""
+    name = str(value)
+    if name not in LF_TEMPLATES:
+        return "templates here: " + OUR_TEMPLATES
+    ours = LF_TEMPLATES[name]
+    auto = "template: auto (the default: the model tokenizer's own chat template, its default system prompt included)"
+    if ours is None:
+        return f"LLaMA-Factory's {name} template is the model's own format; here: {auto}"
+    kin = "is closest to" if name in ("default", "alpaca", "empty") else "is"
+    return f"LLaMA-Factory's {name} template {kin} {ours}; here: template: {ours}, or {auto}"
+
+
 def _eval_every(what: str) -> str:
     return NOT_NEEDED + f"{what} runs every trainer.eval_every steps (0: only at the end)"
 
 
 # A key of another tool (Hugging Face TrainingArguments, LLaMA-Factory, axolotl) -> ours, for "did you mean" on the
 # command line (hints.full_key) and in config.yaml-like files; a flat recipe file gets the whole line (RULES below).
+# Keys whose value decides our spelling (`finetuning_type=lora` -> model.lora.enabled: true, `lr_scheduler_type`,
+# `deepspeed`, `lora_target`) are not here: the command line gets their RULES line with the value, as a file does.
 FROM_OTHER_TOOLS = {
     "learning_rate": "optimizer.lr", "num_train_epochs": "trainer.epochs", "num_epochs": "trainer.epochs",
     "per_device_train_batch_size": "trainer.micro_batch_size", "gradient_accumulation_steps": "trainer.grad_accum",
     "gradient_accumulation": "trainer.grad_accum", "logging_steps": "trainer.log_every",
     "save_steps": "trainer.save_every", "eval_steps": "trainer.eval_every", "save_total_limit": "trainer.keep_checkpoints",
     "max_grad_norm": "trainer.gradient_clipping", "resume_from_checkpoint": "trainer.resume_from",
-    "model_name_or_path": "model.path", "base_model": "model.path", "lr_scheduler_type": "scheduler=NAME",
-    "lora_rank": "model.lora.r", "lora_r": "model.lora.r", "lora_target": "model.lora.target_modules",
-    "bf16": "precision=bf16", "fp16": "precision=fp16", "deepspeed": "zero=stageN", "sequence_len": "data.cutoff_len",
+    "model_name_or_path": "model.path", "base_model": "model.path",
+    "lora_rank": "model.lora.r", "lora_r": "model.lora.r",
+    "bf16": "precision=bf16", "fp16": "precision=fp16", "sequence_len": "data.cutoff_len",
     "max_seq_length": "data.cutoff_len", "dataset_dir": "dataset.registry", "warmup_steps": "scheduler.warmup_steps",
     "warmup_ratio": "scheduler.warmup_ratio", "cutoff_len": "data.cutoff_len", "val_size": "dataset.val_size",
     "output_dir": "trainer.output_dir", "pref_beta": "objective.beta", "pref_loss": "objective.loss",
-    "max_samples": "dataset.max_samples", "finetuning_type": "model.lora.enabled",
+    "max_samples": "dataset.max_samples",
     "lora_alpha": "model.lora.alpha", "lora_dropout": "model.lora.dropout", "simpo_gamma": "objective.simpo_gamma",
 }
 
@@ -154,8 +183,7 @@ RULES: Dict[str, Rule] = {
     "adapter_name_or_path": lambda v: "to start from a trained LoRA run, point model.path at its export directory",
     # dataset
     "dataset": _dataset, "dataset_dir": lambda v: HERE + f"dataset.registry: {v}/dataset_info.json",
-    "template": lambda v: "templates here: template: auto (the tokenizer's own chat template), chatml, llama3, "
-    "vicuna, human_assistant, plain, tokenizer",
+    "template": _template,
     "cutoff_len": "data.cutoff_len", "max_samples": "dataset.max_samples", "val_size": "dataset.val_size",
     "packing": "data.packing", "streaming": _streaming, "preprocessing_num_workers": "data.preprocess_workers",
     "overwrite_cache": lambda v: NOT_NEEDED + "prepared data is cached by content; a change prepares it again",
@@ -193,3 +221,14 @@ def foreign_key(key: str, value: Any) -> Optional[str]:
     if isinstance(rule, str):
         return HERE + f"{rule}: {_plain(value)}"
     return rule(value)
+
+
+def foreign_option(group: str, value: Any, close: bool) -> Optional[str]:
+    """The line for a group option that is another tool's name (`template=qwen`, `dataset=alpaca_en_demo`: entries of
+    a dataset_info.json), None for anything else. `close`: the option is a near spelling of one of ours, which then
+    wins, unless it is LLaMA-Factory's own template name (llama2 is not a typo of llama3)."""
+    if group == "template" and str(value) in LF_TEMPLATES:
+        return _template(value)
+    if group in ("template", "dataset") and not close:
+        return foreign_key(group, value)
+    return None

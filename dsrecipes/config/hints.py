@@ -17,7 +17,7 @@ from typing import Any, Iterator, List, Optional, Sequence
 
 import yaml
 
-from dsrecipes.config.foreign_keys import FROM_OTHER_TOOLS, foreign_key
+from dsrecipes.config.foreign_keys import FROM_OTHER_TOOLS, foreign_key, foreign_option
 from dsrecipes.config.foreign_keys import RULES as FOREIGN_RULES
 from dsrecipes.config.groups import group_options
 from dsrecipes.config.resolvers import refused_resolver
@@ -205,8 +205,11 @@ def _missing_option(chain: List[BaseException], overrides: List[str]) -> str:
         return f"{typed}: no such file: {os.path.abspath(os.path.expanduser(option))}{_blame(group, overrides)}"
     options = list(exc.options or [])
     where = _blame(group, overrides) or _chosen_in(group, overrides)
-    return (f"{typed}: no option '{option}' in group '{group}'{phrase(closest(option, options))} "
-            f"(options: {', '.join(options)}){where}")
+    close = closest(option, options)
+    foreign = foreign_option(group, option, bool(close))  # `template=qwen`, `dataset=my_registry_entry`
+    if foreign:
+        return f"{typed}: no option '{option}' in group '{group}'; {foreign}{where}"
+    return f"{typed}: no option '{option}' in group '{group}'{phrase(close)} (options: {', '.join(options)}){where}"
 
 
 def _chosen_in(group: str, overrides: List[str]) -> str:

@@ -233,7 +233,10 @@ def _files(cfg: TrainConfig) -> List[str]:
             errors.append(f"{key}: {path!r} does not exist")
     for key, path in (("launcher.hostfile", cfg.launcher.hostfile), ("dataset.registry", cfg.dataset.registry)):
         where = os.path.expanduser(path) if path else ""
-        if where and os.path.exists(where) and not os.path.isfile(where):  # a FIFO would block its reader
+        if where and os.path.isdir(where) and key == "dataset.registry":  # LLaMA-Factory's dataset_dir is a folder
+            inside = os.path.join(path.rstrip("/"), "dataset_info.json")
+            errors.append(f"{key}: {path!r} is a folder; name the registry file in it: {key}={inside}")
+        elif where and os.path.exists(where) and not os.path.isfile(where):  # a FIFO would block its reader
             errors.append(f"{key}: {path!r} is not a regular file")
     if cfg.launcher.hostfile and os.path.isfile(os.path.expanduser(cfg.launcher.hostfile)):
         errors += hostfile_problems(cfg.launcher.hostfile)

@@ -81,6 +81,7 @@ def summary(stats: Dict[str, Any]) -> str:
         f"{stats['trailing_turns_dropped']} lost trailing non-assistant turns; trained tokens "
         f"{stats['trained_token_share']:.1%}",
     ]
+    lines += _val_share_note(stats)
     if stats.get("sources"):  # what was read, per source: a named dataset replaces the sample unless mixed
         lines.append("data: per source: " + ", ".join(
             f"{name} {v['conversations']} rows ({v.get('train_samples', '?')} train)" for name, v in stats["sources"].items()))
@@ -90,3 +91,12 @@ def summary(stats: Dict[str, Any]) -> str:
     lines.append(f"data: cache {'hit' if stats.get('cache_hit') else 'written'}: {stats.get('cache_dir')}")
     return "\n".join(lines)
 
+
+def _val_share_note(stats: Dict[str, Any]) -> List[str]:
+    """A note when `dataset.val_size` holds out more than a quarter of the samples: the default 64 (the bundled
+    sample's) takes most of a small file of one's own, and the run trains on the rest without a word otherwise."""
+    train, val = stats["samples"]["train"], stats["samples"]["val"]
+    if not val or val * 4 <= train + val or "dataset.val_paths" in stats.get("sources", {}):
+        return []
+    return [f"note: dataset.val_size holds out {val} of {train + val} samples ({val / (train + val):.0%}) for "
+            "validation; dataset.val_size=0.05 (a fraction), a smaller count, or 0 trains on more of them"]

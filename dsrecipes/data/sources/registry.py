@@ -30,6 +30,7 @@ import yaml
 from dsrecipes.core.errors import ConfigError, DataError
 from dsrecipes.core.paths import SAMPLE_DATA_DIR
 from dsrecipes.core.schema import ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
+from dsrecipes.core.suggest import closest, phrase
 from dsrecipes.core.typed import convert
 from dsrecipes.data.sources.files import expand_paths
 from dsrecipes.data.sources.remote import looks_like_url
@@ -64,7 +65,8 @@ def resolve_sources(dataset_cfg: DatasetConfig, notes: Optional[List[str]] = Non
         entries = load_registry(ds.registry)
         for name in ds.use:
             if name not in entries:
-                raise ConfigError(f"dataset.use: {name!r} is not in {ds.registry} (entries: {', '.join(sorted(entries))})")
+                raise ConfigError(f"dataset.use: {name!r} is not in {ds.registry}{phrase(closest(name, entries))} "
+                                  f"(entries: {', '.join(sorted(entries))})")
             sources.append(entries[name])
     seen: Dict[str, int] = {}
     for k, src in enumerate(sources):  # unique names: mixing weights are applied per source name

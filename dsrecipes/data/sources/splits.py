@@ -15,7 +15,8 @@ def split_val(n: int, val_size: float, seed: int) -> List[int]:
         return []
     k = int(val_size) if val_size >= 1 else max(1, round(n * val_size))
     if k >= n:
-        raise DataError(f"dataset.val_size: {k} validation samples leave nothing to train on ({n} usable samples)")
+        raise DataError(f"dataset.val_size: {k} validation samples leave nothing to train on ({n} usable samples); "
+                        f"set dataset.val_size to a fraction (0.1), a count below {n}, or 0 for no validation")
     return sorted(random.Random(seed).sample(range(n), k))
 
 
