@@ -14,6 +14,7 @@ from typing import Any, Dict, List
 
 from dsrecipes.boundary.trust import FLAG, TRUST_HELP, trust
 from dsrecipes.commands.args import MAX_NEW_TOKENS, bounded_int, command_parser, existing_path, parse
+from dsrecipes.core.errors import visible
 
 
 def main(argv: List[str]) -> int:
@@ -56,12 +57,9 @@ def main(argv: List[str]) -> int:
 
 def reply_turn(model: Any, history: List[Dict[str, Any]], message: str, max_new_tokens: int) -> str:
     """Answer `message` after `history` (streamed to stdout); both turns are appended to `history`."""
-    from transformers import TextStreamer
-
     history.append({"role": "user", "content": message})
     prompt_ids = model.encode(model.prompt_text(history))
-    streamer = TextStreamer(model.tokenizer, skip_prompt=True, skip_special_tokens=True)
-    new_ids = model.generate(prompt_ids, max_new_tokens, streamer=streamer)
+    new_ids = model.generate(prompt_ids, max_new_tokens, streamer=_visible_streamer(model.tokenizer))
     sys.stdout.flush()
     answer = model.answer_text(new_ids)
     history.append({"role": "assistant", "content": answer})
@@ -70,3 +68,15 @@ def reply_turn(model: Any, history: List[Dict[str, Any]], message: str, max_new_
            else f"cut at --max-new-tokens {max_new_tokens}")
     print(f"[{len(new_ids)} tokens, {how}]", file=sys.stderr)
     return answer
+
+
+def _visible_streamer(tokenizer: Any) -> Any:
+    """transformers' TextStreamer printing the reply with its control characters escaped (errors.visible): a
+    model's ESC sequences (window title, clipboard OSC 52, clear screen) never reach the terminal as such."""
+    from transformers import TextStreamer
+
+    class VisibleStreamer(TextStreamer):
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            super().on_finalized_text(visible(text), stream_end)
+
+    return VisibleStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)

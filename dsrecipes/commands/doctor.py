@@ -12,6 +12,7 @@ from typing import List
 
 import dsrecipes.core.jit_ops as jit_ops
 from dsrecipes.commands.args import override_parser, parse
+from dsrecipes.core.console import quiet_third_party
 from dsrecipes.run.doctor import Context, Level, Probe, diagnose, render
 
 
@@ -21,6 +22,7 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--build-ops", action="store_true",
                         help="JIT-build the DeepSpeed ops this config needs now instead of in its first run")
     args = parse(parser, argv)
+    quiet_third_party(None)  # DeepSpeed's "Setting accelerator to CPU" and the like: the findings say it
     ctx = Context()
     try:
         from dsrecipes.config.load import compose_and_load  # lazy: in the try: doctor runs with a broken Hydra

@@ -31,7 +31,7 @@ def explain(exc: BaseException, overrides: Sequence[str], fallback: str) -> str:
     """One message for a failed composition; `fallback` (Hydra's flattened text) when no rule applies."""
     chain = list(_chain(exc))
     context = _context(chain)
-    for rule in (_bad_override, _yaml_error, _missing_option, _unknown_group, _unknown_key, _bad_value):
+    for rule in (_long_number, _bad_override, _yaml_error, _missing_option, _unknown_group, _unknown_key, _bad_value):
         text = rule(chain, list(overrides))
         if text and context and not text.startswith(context):
             return f"{_at_line(context, text.split(':', 1)[0])}: {text}"
@@ -177,6 +177,20 @@ def _bad_override(chain: List[BaseException], overrides: List[str]) -> str:
         near = [f"{n}=..." for n in ([word] if word in names else closest(word, names))]
         return f"'{word}' is not a command, KEY=VALUE, GROUP=OPTION or a flag{phrase(near)} (see dsrecipes --help)"
     return f"cannot parse override '{word}': {exc.message.split(chr(10))[0]} (quote values holding special characters: key='value')"
+
+
+def _long_number(chain: List[BaseException], overrides: List[str]) -> str:
+    """An override holding a whole number longer than Python converts: Hydra's parser raised a bare ValueError."""
+    from dsrecipes.config.recipe_file import TOO_LONG, long_number  # lazy: else `cli` imports hydra
+
+    if not any(isinstance(e, ValueError) and "integer string conversion" in str(e) for e in chain):
+        return ""
+    for ov in overrides:
+        key, _, value = ov.partition("=")
+        found = long_number(value)
+        if found:
+            return f"{key.lstrip('+~')}: {TOO_LONG.format(found[1])} [from command-line override '{ov[:40]}...']"
+    return ""
 
 
 def _yaml_error(chain: List[BaseException], overrides: List[str]) -> str:

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import stat
+import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -97,6 +99,25 @@ def parse(path: Path, text: str) -> Any:
         return OmegaConf.load(io.StringIO(text))
     except yaml.MarkedYAMLError as exc:
         raise ConfigError(f"{_where(path, exc)}: not valid YAML: {exc.problem or exc.context}") from None
+    except ValueError:
+        found = long_number(text)
+        if found is None:
+            raise
+        raise ConfigError(f"{path}:{text[:found[0]].count(chr(10)) + 1}: {TOO_LONG.format(found[1])}") from None
+
+
+TOO_LONG = "a whole number of {} digits does not fit in 64 bits (numpy and torch count in them)"
+
+
+def long_number(text: str) -> Optional[Tuple[int, int]]:
+    """(offset, digits) of the first whole number in `text` longer than Python converts (sys.get_int_max_str_digits():
+    YAML's and Hydra's override parser's int() raise a bare ValueError naming neither key nor line), else None."""
+    limit = sys.get_int_max_str_digits()
+    for found in re.finditer(r"\d[\d_]*", text) if limit else ():
+        digits = len(found.group().replace("_", ""))
+        if digits > limit:
+            return found.start(), digits
+    return None
 
 
 def _where(path: Path, exc: "yaml.MarkedYAMLError") -> str:

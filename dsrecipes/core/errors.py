@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import unicodedata
 from typing import Iterable, Iterator, List
 
 
@@ -18,7 +19,7 @@ class UserError(Exception):
     def render(self) -> str:
         """The message for the terminal: a problem quoting someone else's file (a recipe's key, a row) shows its
         control characters escaped (`\\x1b`), never as terminal sequences (title, clipboard, cursor)."""
-        problems = [_visible(p) for p in self.problems]
+        problems = [visible(p) for p in self.problems]
         if len(problems) == 1:
             return f"error: {problems[0]}"
         lines = [f"error: {len(problems)} problems:"]
@@ -26,8 +27,15 @@ class UserError(Exception):
         return "\n".join(lines)
 
 
-def _visible(text: str) -> str:
-    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in str(text))
+def visible(text: str) -> str:
+    """`text` safe to print on a terminal: what is invisible or a terminal acts on (ESC, BEL, C1 controls, bidi
+    overrides, line separators) shown escaped (`\\x1b`, `\\u202e`); newline, tab, every space and the zero-width
+    joiners (emoji sequences, Persian text) kept. The one escaper for console text quoting a file or a model."""
+    return "".join(c if c.isprintable() or c in _KEPT or unicodedata.category(c) == "Zs" else repr(c)[1:-1]
+                   for c in str(text))
+
+
+_KEPT = "\n\t\u200c\u200d"
 
 
 class ConfigError(UserError):

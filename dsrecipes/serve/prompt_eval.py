@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional
 
 from dsrecipes.config.load import load_run_config
 from dsrecipes.core.answers import normalize
-from dsrecipes.core.errors import UserError
+from dsrecipes.core.errors import UserError, visible
 from dsrecipes.core.export_dir import EXPORT_DIR, EXPORT_INFO, EXPORT_INIT_DIR
 from dsrecipes.core.fileio import atomic_write_json
 from dsrecipes.core.paths import SAMPLE_DATA_DIR
@@ -185,13 +185,13 @@ def evaluate(model: Any, rows: List[PromptRow], max_new_tokens: int) -> Score:
 def print_side_by_side(rows: List[PromptRow], scores: Dict[str, Score]) -> None:
     for i, row in enumerate(rows):
         print(f"==========prompt {i + 1}/{len(rows)}==========")
-        print(row.title)
+        print(visible(row.title))  # the prompt file's and the models' text, control characters escaped
         for name, score in scores.items():
             print(f"----------{name}: greedy----------")
-            print(score.answers[i])
+            print(visible(score.answers[i]))
         if row.reference is not None:
             print("----------reference----------")
-            print(row.reference)
+            print(visible(row.reference))
         print()
     print("==========score==========")
     for name, score in scores.items():

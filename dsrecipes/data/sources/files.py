@@ -90,6 +90,11 @@ def no_file(pattern: str) -> str:
         return f"{pattern!r} matches no object"
     if os.path.isdir(os.path.expanduser(pattern)):
         return f"{pattern!r} is a directory: name its files (e.g. '{pattern.rstrip('/')}/*.jsonl')"
+    others = glob.glob(os.path.expanduser(pattern))  # stat only: a FIFO is never opened (its reader would block)
+    if others == [os.path.expanduser(pattern)]:
+        return f"{pattern!r} is not a regular file (a FIFO, socket or device): name a data file"
+    if others:
+        return f"{pattern!r} matches no regular file ({others[0]!r} is not one: a FIFO, socket, device or directory)"
     return f"{pattern!r} matches no file"
 
 

@@ -1,0 +1,135 @@
+"""What reaches the user's terminal, and the messages of a few hostile inputs, all in this process:
+
+- a fine-tuned model's text (`chat`'s streamed reply, `prompt-eval`'s side by side) with its control characters
+  escaped: a model that learned to emit ESC sequences (window title, OSC 52 clipboard write, clear screen) printed
+  them raw; the text kept (chat history, --json) is exact;
+- `doctor` prints its findings and nothing else (DeepSpeed's "Setting accelerator to CPU" warning reached stderr);
+- a whole number longer than Python converts (4300 digits), in an override or a recipe file, is one message naming
+  the key or file:line (was Python's "Exceeds the limit (4300 digits) for integer string conversion" alone);
+- a FIFO given as a data file is "not a regular file", never opened (was "matches no file").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, List
+
+import pytest
+
+from dsrecipes.cli import main as cli_main
+
+EVIL = "4 \x1b]0;pwned\x07\x1b]52;c;cm0gLXJmIH4=\x07\x1b[2J\x9b31m done\n\tnext\u3000line"
+SHOWN = "4 \\x1b]0;pwned\\x07\\x1b]52;c;cm0gLXJmIH4=\\x07\\x1b[2J\\x9b31m done\n\tnext\u3000line"
+
+
+def refused(capsys, argv: List[str], *needles: str) -> str:
+    code = cli_main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, (code, err)
+    assert err.startswith("error: ") and "Traceback" not in err and err.count("\n") == 1, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    return err
+
+
+class _Tokenizer:
+    def decode(self, ids: Any, **kwargs: Any) -> str:
+        return EVIL if ids else ""
+
+    def convert_ids_to_tokens(self, i: int) -> str:
+        return "<|im_end|>"
+
+
+class _Model:
+    """A ChatModel that answers EVIL through the streamer, as generate() does."""
+
+    tokenizer = _Tokenizer()
+    stop_ids = [0]
+
+    def prompt_text(self, history: Any) -> str:
+        return "prompt"
+
+    def encode(self, text: str) -> List[int]:
+        return [7]
+
+    def generate(self, prompt_ids: List[int], max_new_tokens: int, streamer: Any = None) -> List[int]:
+        import torch
+
+        streamer.put(torch.tensor([prompt_ids]))  # generate() streams the prompt first (skipped)
+        streamer.put(torch.tensor([5, 0]))
+        streamer.end()
+        return [5, 0]
+
+    def answer_text(self, ids: List[int]) -> str:
+        return EVIL
+
+
+def test_chat_reply_shows_control_characters_escaped_and_keeps_the_exact_text(capsys):
+    from dsrecipes.commands.chat import reply_turn
+
+    history: List[dict] = []
+    assert reply_turn(_Model(), history, "hi", 4) == EVIL
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\x9b" not in out, repr(out)
+    assert out == SHOWN + "\n", repr(out)
+    assert history[-1] == {"role": "assistant", "content": EVIL}
+
+
+def test_prompt_eval_side_by_side_shows_control_characters_escaped(capsys):
+    from dsrecipes.serve.prompt_eval import PromptRow, Score, print_side_by_side
+
+    row = PromptRow(messages=[{"role": "user", "content": "q"}], tools=None, reference="ref\x1b[2J", title="q\x1b]0;t\x07")
+    print_side_by_side([row], {"baseline": Score(answers=[EVIL]), "finetuned": Score(answers=["ok"])})
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\x9b" not in out, repr(out)
+    assert SHOWN in out and "q\\x1b]0;t\\x07" in out and "ref\\x1b[2J" in out
+
+
+def test_doctor_prints_only_its_findings(capsys, monkeypatch):
+    """DeepSpeed warns "Setting accelerator to CPU" (its logger, on import) on a machine without a GPU."""
+    from deepspeed.accelerator import real_accelerator
+
+    from dsrecipes.commands.doctor import main as doctor
+    from dsrecipes.core.console import _DeepSpeedFilter
+
+    logger = logging.getLogger("DeepSpeed")  # as in a fresh process: no filter yet, the accelerator not yet picked
+    monkeypatch.setattr(logger, "filters", [f for f in logger.filters if not isinstance(f, _DeepSpeedFilter)])
+    monkeypatch.setattr(real_accelerator, "ds_accelerator", None)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    seen: List[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        doctor(["--json"])
+    finally:
+        logger.removeHandler(handler)
+    err = capsys.readouterr().err
+    assert not [m for m in seen if "Setting accelerator" in m] and "Setting accelerator" not in err, (seen, err)
+
+
+def test_an_override_with_more_digits_than_python_reads_names_its_key(capsys):
+    number = "1" + "9" * 5000
+    err = refused(capsys, ["validate", f"trainer.max_steps={number}"],
+                  "trainer.max_steps: a whole number of 5001 digits does not fit in 64 bits")
+    assert "integer string conversion" not in err and len(err) < 300, err
+    refused(capsys, ["validate", f"optimizer.betas=[0.9,{number}]"], "optimizer.betas: a whole number of 5001")
+
+
+def test_a_recipe_file_with_more_digits_than_python_reads_names_its_line(capsys, tmp_path):
+    recipe = tmp_path / "big.yaml"
+    recipe.write_text("# too big\noptimizer:\n  lr: 1.0e-4\ntrainer.max_steps: " + "9" * 5000 + "\n")
+    err = refused(capsys, ["validate", f"recipe={recipe}"], f"{recipe}:4: a whole number of 5000 digits")
+    assert len(err) < 300, err
+
+
+@pytest.mark.timeout(30)
+def test_a_fifo_as_a_data_file_is_not_a_regular_file(capsys, tmp_path):
+    fifo = tmp_path / "rows.jsonl"
+    os.mkfifo(fifo)
+    refused(capsys, ["validate", f"dataset.paths=[{fifo}]"],
+            f"dataset.paths[0]: '{fifo}' is not a regular file")
+    refused(capsys, ["validate", f"dataset.val_paths=[{tmp_path}/*.jsonl]"],
+            f"dataset.val_paths[0]: '{tmp_path}/*.jsonl' matches no regular file ('{fifo}' is not one")
+
