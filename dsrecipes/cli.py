@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import errno
 import importlib
 import signal
 import sys
@@ -82,6 +83,13 @@ def run_guarded(fn: Callable[[List[str]], int], argv: List[str]) -> int:
     except UserError as exc:
         print(exc.render(), file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:
+        if exc.errno != errno.ENAMETOOLONG:
+            raise
+        name = str(exc.filename)  # every path a command takes, wherever it is first looked at
+        print(UserError(f"{name[:200]}{'...' if len(name) > 200 else ''}: file name too long (a name of more than "
+                        "255 bytes, or a path of more than 4096); give a shorter path").render(), file=sys.stderr)
+        return UserError.exit_code
     except KeyboardInterrupt as exc:
         print("interrupted", file=sys.stderr)
         return stopping.exit_code(stopping.signal_of(exc))

@@ -133,3 +133,19 @@ def test_a_fifo_as_a_data_file_is_not_a_regular_file(capsys, tmp_path):
     refused(capsys, ["validate", f"dataset.val_paths=[{tmp_path}/*.jsonl]"],
             f"dataset.val_paths[0]: '{tmp_path}/*.jsonl' matches no regular file ('{fifo}' is not one")
 
+
+
+def test_a_path_too_long_for_the_file_system_is_one_message(capsys, tmp_path):
+    """A name past 255 bytes raised ENAMETOOLONG from the first stat() of export, prompt-eval, shard, inspect-data:
+    a traceback; nothing is made."""
+    long = str(tmp_path / ("a" * 300))
+    for argv in (["export", long, "--out", str(tmp_path / "e")], ["export", str(tmp_path), "--out", long],
+                 ["shard", "--parts", "2", "--out", long], ["inspect-data", "--run-dir", long]):
+        refused(capsys, argv, f"{long[:200]}...: file name too long")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_chat_message_longer_than_a_file_name_is_a_message_not_a_path(capsys, tmp_path):
+    """`chat RUN --message TEXT`: TEXT past 255 bytes was looked at as a run directory (where the command's log
+    goes) and raised ENAMETOOLONG before the model was even looked at."""
+    refused(capsys, ["chat", str(tmp_path), "--message", "why? " * 60], f"{tmp_path}: not a run directory")

@@ -128,9 +128,17 @@ def command_log(argv: List[str], command: str) -> Optional[Path]:
     for arg in argv:
         named = Path(arg.partition("=")[2] if arg.startswith("--") else arg)  # a positional, or --flag=PATH
         for run in (named, named.parent):
-            if (run / "config.yaml").is_file() and os.access(run, os.W_OK):
+            if _holds_config(run):
                 return log_path(run, command)
     return None
+
+
+def _holds_config(run: Path) -> bool:
+    """False for anything that is not a path here: `--message` text past NAME_MAX raised ENAMETOOLONG."""
+    try:
+        return (run / "config.yaml").is_file() and os.access(run, os.W_OK)
+    except (OSError, ValueError):  # too long, a NUL byte (ValueError)
+        return False
 
 
 # ---------------------------------------------------------------------------------------------------------------
