@@ -28,10 +28,17 @@ def _limit(word: str) -> int:
     return max(1, min(3, len(word) // 3))
 
 
+def _plain(name: str) -> str:
+    return name.lower().replace(".", "_").replace("-", "_")
+
+
 def closest(word: str, candidates: Iterable[str], limit: int = 3) -> List[str]:
-    """Up to `limit` candidates within a typo's distance of `word`, closest first."""
+    """Up to `limit` candidates within a typo's distance of `word`, closest first; then those that begin with it
+    (4 characters or more, `.` and `-` read as `_`): `model=smollm2` -> smollm2_135m, `model=qwen2.5` -> qwen2_5_0_5b."""
     scored = sorted((distance(word.lower(), c.lower()), c) for c in set(candidates) if c != word)
-    return [c for d, c in scored if d <= _limit(word)][:limit]
+    near = [c for d, c in scored if d <= _limit(word)]
+    longer = sorted(c for _, c in scored if len(word) >= 4 and _plain(c).startswith(_plain(word)) and c not in near)
+    return (near + longer)[:limit]
 
 
 def closest_keys(typed: str, keys: Sequence[str], limit: int = 3) -> List[str]:
