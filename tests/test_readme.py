@@ -52,3 +52,21 @@ def test_the_everyday_commands_validate_as_written(tmp_path, monkeypatch, capsys
             code = main(["validate", *args])
         out = capsys.readouterr()
         assert code == 0 and "OK:" in out.out, (args, out.err[-2000:])
+
+
+def test_every_group_option_the_docs_name_exists():
+    """`offload=cpu` in docs/architecture.md named no option (cpu_optimizer, cpu_optimizer_params)."""
+    groups = {g: o for g, o in group_options().items() if g != "recipe"}  # a recipe may be a file of one's own
+    pattern = re.compile(rf"(?<![\w.])({'|'.join(groups)})=(\w+)")
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for span in re.findall(r"`([^`\n]+)`", doc.read_text(encoding="utf-8")):
+            for group, option in pattern.findall(span):
+                assert option in groups[group] or option == "NAME", (doc.name, span)
+
+
+def test_the_architecture_map_names_every_subcommand():
+    from dsrecipes.cli import SUBCOMMANDS
+
+    doc = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    row = re.search(r"^\| `commands/` \|.*$", doc, re.M).group(0)
+    assert {n for n in SUBCOMMANDS if f"`{n}`" not in row} == set(), row
