@@ -149,3 +149,13 @@ def test_a_chat_message_longer_than_a_file_name_is_a_message_not_a_path(capsys, 
     """`chat RUN --message TEXT`: TEXT past 255 bytes was looked at as a run directory (where the command's log
     goes) and raised ENAMETOOLONG before the model was even looked at."""
     refused(capsys, ["chat", str(tmp_path), "--message", "why? " * 60], f"{tmp_path}: not a run directory")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["audit", "--num-workers", "99999999999"], "data.num_workers: must be from 0 to 1024"),
+    (["validate", "data.preprocess_workers=100000"], "data.preprocess_workers: must be from 1 to 1024"),
+])
+def test_worker_counts_past_any_machine_are_refused(capsys, argv, needle):
+    """`audit --num-workers 99999999999` simulated 10^11 DataLoader workers (killed after minutes); training would
+    fork that many per rank."""
+    refused(capsys, argv, needle)

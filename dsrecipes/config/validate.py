@@ -54,6 +54,7 @@ def validate(cfg: TrainConfig, *, check_files: bool = True) -> List[str]:
 
 
 MAX_INT = 2**63 - 1
+MAX_WORKERS = 1024  # data.num_workers (per rank), data.preprocess_workers: processes, past any machine's cores
 MAX_CUTOFF = 1 << 24  # data.cutoff_len: 16M tokens per sample, past any model's context
 
 
@@ -153,10 +154,12 @@ def _data(cfg: TrainConfig) -> List[str]:
     errors = []
     if not 8 <= d.cutoff_len <= MAX_CUTOFF:
         errors.append(f"data.cutoff_len: must be from 8 to {MAX_CUTOFF} tokens, got {d.cutoff_len}")
-    if d.num_workers < 0:
-        errors.append(f"data.num_workers: must be >= 0, got {d.num_workers}")
-    if d.preprocess_workers < 1:
-        errors.append(f"data.preprocess_workers: must be >= 1, got {d.preprocess_workers}")
+    if not 0 <= d.num_workers <= MAX_WORKERS:  # more is a fork of every one (audit simulated 10^11 for ever)
+        errors.append(f"data.num_workers: must be from 0 to {MAX_WORKERS} (DataLoader processes per rank), "
+                      f"got {d.num_workers}")
+    if not 1 <= d.preprocess_workers <= MAX_WORKERS:
+        errors.append(f"data.preprocess_workers: must be from 1 to {MAX_WORKERS} (processes), got "
+                      f"{d.preprocess_workers}")
     if d.shuffle_buffer < 0:
         errors.append(f"data.shuffle_buffer: must be >= 0, got {d.shuffle_buffer}")
     for key in ("block_bytes", "chunk_bytes"):
