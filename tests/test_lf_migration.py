@@ -77,6 +77,9 @@ def test_every_kind_of_problem_of_a_file_is_reported_at_once(tmp_path):
     ("val_size", 0.1, "dataset.val_size: 0.1"), ("model_name_or_path", "/m", "model.path: /m"),
     ("pref_beta", 0.1, "objective.beta: 0.1"), ("pref_loss", "orpo", "objective: orpo"),
     ("pref_loss", "simpo", "objective.loss: simpo"), ("cutoff_len", 512, "data.cutoff_len: 512"),
+    ("dataloader_num_workers", 4, "data.num_workers: 4"), ("report_to", "none", "trainer.report_to: []"),
+    ("report_to", "wandb", "trainer.report_to: [wandb]"), ("trust_remote_code", True, "stays false here"),
+    ("resume_from_checkpoint", None, "not needed here: a run continues from its trainer.output_dir's newest"),
 ])  # fmt: skip
 def test_llamafactory_keys_get_our_spelling(key, value, words):
     (problem,) = flat_problems({key: value}, "f.yaml", lambda _: None)

@@ -142,6 +142,24 @@ def _template(value: Any) -> str:
     return f"LLaMA-Factory's {name} template {kin} {ours}; here: template: {ours}, or {auto}"
 
 
+def _trust_remote_code(value: Any) -> str:
+    if value is True:
+        return ("model.trust_remote_code stays false here: a model directory that needs its own code is refused "
+                "(Llama, Qwen, Mistral, ... need none with a current transformers)")
+    return NOT_NEEDED + "model.trust_remote_code is false"
+
+
+def _report_to(value: Any) -> str:
+    names = [n for n in _names(value) if n != "none"]
+    return HERE + f"trainer.report_to: {_plain(names)} (a list of tensorboard, mlflow, wandb)"
+
+
+def _resume_from(value: Any) -> str:
+    if value is None:
+        return NOT_NEEDED + "a run continues from its trainer.output_dir's newest checkpoint (trainer.resume: auto)"
+    return HERE + f"trainer.resume_from: {_plain(value)}"
+
+
 def _eval_every(what: str) -> str:
     return NOT_NEEDED + f"{what} runs every trainer.eval_every steps (0: only at the end)"
 
@@ -162,7 +180,7 @@ FROM_OTHER_TOOLS = {
     "max_seq_length": "data.cutoff_len", "dataset_dir": "dataset.registry", "warmup_steps": "scheduler.warmup_steps",
     "warmup_ratio": "scheduler.warmup_ratio", "cutoff_len": "data.cutoff_len", "val_size": "dataset.val_size",
     "output_dir": "trainer.output_dir", "pref_beta": "objective.beta", "pref_loss": "objective.loss",
-    "max_samples": "dataset.max_samples",
+    "max_samples": "dataset.max_samples", "dataloader_num_workers": "data.num_workers",
     "lora_alpha": "model.lora.alpha", "lora_dropout": "model.lora.dropout", "simpo_gamma": "objective.simpo_gamma",
 }
 
@@ -178,7 +196,7 @@ RULES: Dict[str, Rule] = {
     "do_eval": lambda v: _eval_every("evaluation"), "do_predict": lambda v: NOT_NEEDED + "dsrecipes prompt-eval RUN",
     "plot_loss": lambda v: NOT_NEEDED + "every run writes loss.png",
     # model
-    "model_name_or_path": "model.path", "trust_remote_code": "model.trust_remote_code", "flash_attn": _flash_attn,
+    "model_name_or_path": "model.path", "trust_remote_code": _trust_remote_code, "flash_attn": _flash_attn,
     "quantization_bit": lambda v: "no quantized (QLoRA) training here: model.lora.enabled: true on bf16 weights",
     "adapter_name_or_path": lambda v: "to start from a trained LoRA run, point model.path at its export directory",
     # dataset
@@ -191,7 +209,7 @@ RULES: Dict[str, Rule] = {
     "tokenized_path": lambda v: NOT_NEEDED + "prepared data is cached under data.cache_dir",
     # output
     "output_dir": "trainer.output_dir", "logging_steps": "trainer.log_every", "save_steps": "trainer.save_every",
-    "save_total_limit": "trainer.keep_checkpoints", "report_to": "trainer.report_to",
+    "save_total_limit": "trainer.keep_checkpoints", "report_to": _report_to,
     "overwrite_output_dir": lambda v: NOT_NEEDED + "an existing trainer.output_dir resumes; a run is never "
     "overwritten",
     "save_only_model": lambda v: NOT_NEEDED + "checkpoints keep what resuming needs; the export is the model alone",
@@ -201,7 +219,8 @@ RULES: Dict[str, Rule] = {
     "lr_scheduler_type": _scheduler, "warmup_ratio": "scheduler.warmup_ratio", "warmup_steps": "scheduler.warmup_steps",
     "weight_decay": "optimizer.weight_decay", "max_grad_norm": "trainer.gradient_clipping", "seed": "trainer.seed",
     "bf16": _precision("bf16"), "fp16": _precision("fp16"), "deepspeed": _deepspeed,
-    "gradient_checkpointing": "model.gradient_checkpointing", "resume_from_checkpoint": "trainer.resume_from",
+    "gradient_checkpointing": "model.gradient_checkpointing", "resume_from_checkpoint": _resume_from,
+    "dataloader_num_workers": "data.num_workers",
     "ddp_timeout": lambda v: NOT_NEEDED + "a rank silent for launcher.peer_timeout_s seconds ends the run",
     "optim": lambda v: "optimizer: adamw|adam|lion|sgd",
     # eval
