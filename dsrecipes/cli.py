@@ -41,6 +41,19 @@ SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
     "pipeline": ("pipeline", "run stages in order (SFT -> reward -> DPO), each feeding the next; resumable"),
 }
 
+# commands of llamafactory-cli (and `merge`) that are not ours -> what does their job here
+OTHER_TOOLS_COMMANDS = {
+    "eval": "dsrecipes prompt-eval --baseline RUN --finetuned RUN (held-out answers and scores side by side); "
+            "every run also evaluates every trainer.eval_every steps",
+    "merge": "dsrecipes export RUN --out DIR (a LoRA run: merged by default, --lora adapter for the adapter alone)",
+    "api": "export/ of a run is a Hugging Face model directory with its chat template: serve it with vLLM, TGI or "
+           "transformers; dsrecipes chat RUN talks to it in the terminal",
+    "webchat": "dsrecipes chat RUN (in the terminal)",
+    "webui": "no web UI: recipes and KEY=VALUE overrides (dsrecipes ls, dsrecipes train --help)",
+    "env": "dsrecipes doctor (environment report with fixes), dsrecipes --version",
+    "version": "dsrecipes --version",
+}
+
 # third-party bars and warnings go to a run's log
 QUIET_COMMANDS = ("export", "chat", "prompt-eval", "inspect-data", "score")
 
@@ -125,6 +138,8 @@ def _check_command(args: List[str]) -> None:
     words reach the training command, which names the closest keys and groups)."""
 
     word = args[0] if args else ""
+    if word in OTHER_TOOLS_COMMANDS:
+        raise UserError(f"unknown command '{word}'; for that here: {OTHER_TOOLS_COMMANDS[word]}")
     near = closest(word, SUBCOMMANDS)
     if near and word not in SUBCOMMANDS and not word.startswith(("-", "~", "+")) and "=" not in word:
         raise UserError(f"unknown command '{word}'{phrase(near)} "

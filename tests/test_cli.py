@@ -100,6 +100,9 @@ def test_console_script_matches_module(tmp_path):
                                 "did you mean recipe=...?"),
     (["frobnicate"], "'frobnicate' is not a command, KEY=VALUE, GROUP=OPTION or a flag (see dsrecipes --help)"),
     (["launcher.env.FOO=1"], "launcher.env is a mapping: add a key to it with +launcher.env.FOO=VALUE"),
+    (["merge", "runs/x"], "unknown command 'merge'; for that here: dsrecipes export RUN --out DIR"),
+    (["webchat"], "unknown command 'webchat'; for that here: dsrecipes chat RUN"),  # llamafactory-cli's commands
+    (["eval"], "for that here: dsrecipes prompt-eval --baseline RUN --finetuned RUN"),
 ])
 def test_did_you_mean_in_one_exit_2_message(argv, message, capsys, tmp_path, monkeypatch):
     from dsrecipes.cli import main
