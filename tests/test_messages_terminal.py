@@ -159,3 +159,12 @@ def test_worker_counts_past_any_machine_are_refused(capsys, argv, needle):
     """`audit --num-workers 99999999999` simulated 10^11 DataLoader workers (killed after minutes); training would
     fork that many per rank."""
     refused(capsys, argv, needle)
+
+
+def test_a_recipe_path_without_yaml_names_the_file_looked_for(capsys, tmp_path):
+    """`recipe=/etc/passwd` said 'no such file: /etc/passwd' of a file that exists: /etc/passwd.yaml is read."""
+    named = tmp_path / "notes.txt"
+    named.write_text("trainer.max_steps: 3\n")
+    refused(capsys, ["validate", f"recipe={named}"],
+            f"no such file: {named}.yaml ({named} is not read as a recipe: a recipe file's name ends in .yaml")
+    refused(capsys, ["validate", f"recipe={tmp_path}/gone"], f"no such file: {tmp_path}/gone.yaml [")

@@ -216,7 +216,7 @@ def _missing_option(chain: List[BaseException], overrides: List[str]) -> str:
     group, _, option = exc.missing_cfg_file.partition("/")
     typed = f"{group}={option}"
     if group == RECIPE_GROUP and is_path(option):
-        return f"{typed}: no such file: {os.path.abspath(os.path.expanduser(option))}{_blame(group, overrides)}"
+        return f"{typed}: {_no_recipe_file(option)}{_blame(group, overrides)}"
     options = list(exc.options or [])
     where = _blame(group, overrides) or _chosen_in(group, overrides)
     close = closest(option, options)
@@ -224,6 +224,16 @@ def _missing_option(chain: List[BaseException], overrides: List[str]) -> str:
     if foreign:
         return f"{typed}: no option '{option}' in group '{group}'; {foreign}{where}"
     return f"{typed}: no option '{option}' in group '{group}'{phrase(close)} (options: {', '.join(options)}){where}"
+
+
+def _no_recipe_file(option: str) -> str:
+    """`recipe=/etc/passwd` looks for /etc/passwd.yaml (sources.py): say which file, and why the one named is not."""
+    named = os.path.abspath(os.path.expanduser(option))
+    if option.endswith((".yaml", ".yml")):
+        return f"no such file: {named}"
+    if os.path.lexists(named):
+        return f"no such file: {named}.yaml ({named} is not read as a recipe: a recipe file's name ends in .yaml or .yml)"
+    return f"no such file: {named}.yaml"
 
 
 def _chosen_in(group: str, overrides: List[str]) -> str:
