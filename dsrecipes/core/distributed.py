@@ -6,18 +6,24 @@ imports neither of them.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib
 import os
 import socket
-from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Tuple
 
+import dsrecipes.core.heartbeat as heartbeat
 import dsrecipes.core.jit_ops as jit_ops
 from dsrecipes.core.deepspeed_import import load_deepspeed
 
 if TYPE_CHECKING:
     import torch
 
+NOTE_S = 10.0  # a wait the first rank of a node names after this long (`noting`)
 SINGLE_PROCESS_ENV = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
 
 
@@ -78,8 +84,32 @@ def init_distributed(before_join: Optional[Callable[[], None]] = None) -> Tuple[
     skip_shm_comm_op()
     if before_join is not None:
         before_join()
-    deepspeed.init_distributed()
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    with noting(f"starting the process group ({where}) with every rank (one that died or stopped meanwhile is named "
+                "after launcher.peer_timeout_s)"):  # fmt: skip
+        deepspeed.init_distributed()
     return dist.get_rank(), dist.get_world_size()
+
+
+@contextlib.contextmanager
+def noting(what: str, first_s: float = NOTE_S) -> Iterator[None]:
+    """While the block lasts (a wait bounded elsewhere), a line from the first rank of each node after `first_s`,
+    then every 3 times that: 'dsrecipes: rank R: WHAT: N s so far'."""
+    done, began = threading.Event(), time.monotonic()
+
+    def note() -> None:
+        wait = first_s
+        while not done.wait(wait):
+            print(f"dsrecipes: rank {os.environ.get('RANK', '0')}: {what}: {time.monotonic() - began:.0f} s so far",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            wait = 3 * first_s
+
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        threading.Thread(target=note, name="dsrecipes-note", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def skip_shm_comm_op() -> None:
@@ -98,13 +128,14 @@ def skip_shm_comm_op() -> None:
 
 
 def finish_distributed() -> None:
-    """Wait for every rank. The process group is left up on purpose: DeepSpeed caches its groups per process and
-    cannot rebuild them after destroy_process_group, so the next in-process run (local launcher, Hydra multirun)
-    reuses this one. Launched ranks exit right after."""
+    """Wait for every rank, bounded (heartbeat.final_barrier: a rank that froze or died on its way is named). The
+    process group is left up on purpose: DeepSpeed caches its groups per process and cannot rebuild them after
+    destroy_process_group, so the next in-process run (local launcher, Hydra multirun) reuses this one. Launched
+    ranks exit right after."""
     import torch.distributed as dist
 
     if dist.is_initialized():
-        dist.barrier()
+        heartbeat.final_barrier(dist.barrier)
 
 
 def all_ranks(flag: bool) -> bool:

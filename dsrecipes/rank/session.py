@@ -10,6 +10,7 @@ the model is built.
 from __future__ import annotations
 
 import functools
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,12 +76,9 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
     plan = read_plan(run_dir)
     check_plan_current(plan, run_dir)
     seed_everything(cfg.trainer.seed)
-    rank, world_size = init_distributed(lambda: rendezvous.meet(cfg.launcher.rendezvous_timeout_s))  # bounded
+    rank, world_size = init_distributed(lambda: meet_and_beat(cfg, run_dir))  # bounded
     if rank == 0 and plan.supervised and cfg.launcher.kind is not LauncherKind.local:  # (local: the same process)
         stopping.watch(lambda: launcher_alive(run_dir), cfg.trainer.stop_grace_s, "the launching process")
-    heartbeat.start(run_dir, rank, world_size, cfg.launcher.peer_timeout_s,  # a dead node ends the run, not a hang
-                    cfg.launcher.stall_warn_s, cfg.launcher.stall_timeout_s,  # nor does a stuck rank (core/stall.py)
-                    in_process=cfg.launcher.kind is LauncherKind.local, before_exit=end_workers)
     if world_size != plan.world_size:
         raise DataError(f"{run_dir}/plan.json was made for {plan.world_size} ranks, but {world_size} started; "
                         "start the run again with `python -m dsrecipes` so the launcher plans it")
@@ -123,6 +121,19 @@ def skip_identity_allreduce(engine, world_size: int, zero_stage: int) -> None:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Setup helpers
+
+
+def meet_and_beat(cfg: TrainConfig, run_dir: Path) -> None:
+    """Right before joining the process group (core/distributed.init_distributed, which set RANK and WORLD_SIZE):
+    every rank meets the others within launcher.rendezvous_timeout_s (core/rendezvous.py), then starts its heartbeat,
+    so a rank that dies or stops while the process group starts is named after launcher.peer_timeout_s instead of
+    holding the others in init_process_group for the process-group timeout (30 minutes). From here on a dead node
+    ends the run, not a hang, nor does a stuck rank (core/stall.py)."""
+    rendezvous.meet(cfg.launcher.rendezvous_timeout_s)
+    ln = cfg.launcher
+    heartbeat.start(run_dir, int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), ln.peer_timeout_s,
+                    ln.stall_warn_s, ln.stall_timeout_s, in_process=ln.kind is LauncherKind.local,
+                    before_exit=end_workers)  # fmt: skip
 
 
 def seed_everything(seed: int) -> None:
