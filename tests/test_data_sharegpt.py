@@ -159,8 +159,8 @@ def test_llamafactory_registry():
 
 
 def test_registry_use_mixes_entries_after_paths(tmp_path):
-    info = json.loads((FIX / "dataset_info.json").read_text())
-    del info["remote"]
+    info = json.loads((FIX / "dataset_info.json").read_text())  # its hub entry `remote` is not used: no matter
+    info.update({f"hub_{i}": {"hf_hub_url": f"org/set_{i}"} for i in range(30)})  # as LLaMA-Factory's own file
     for name in ("custom_roles.jsonl", "alpaca.json"):
         (tmp_path / name).write_bytes((FIX / name).read_bytes())
     (tmp_path / "dataset_info.json").write_text(json.dumps(info))
@@ -170,8 +170,12 @@ def test_registry_use_mixes_entries_after_paths(tmp_path):
     report = BadRowReport(BadRows.skip, 1.0)
     convs = list(iter_conversations(ds, report=report))
     assert [c.source for c in convs] == ["main"] * 4 + ["toy_sharegpt"] * 2 + ["toy_alpaca"] * 2
-    with pytest.raises(ConfigError, match="dataset.use: 'nope' is not in"):
+    with pytest.raises(ConfigError, match=r"dataset.use: 'nope' is not in .* \(entries: hub_0, hub_1, .*, "
+                                          r"\.\.\. \(33 in all\)\)$"):
         resolve_sources(DatasetConfig(registry=str(tmp_path / "dataset_info.json"), use=["nope"]))
+    with pytest.raises(ConfigError, match=r"dataset.registry.hub_3: only local `file_name` entries are supported "
+                                          r"\(has hf_hub_url: its files are read as dataset.paths=\[hf://datasets/org/set_3/FILE\]"):
+        resolve_sources(DatasetConfig(registry=str(tmp_path / "dataset_info.json"), use=["hub_3"]))
 
 
 def test_yaml_registry():

@@ -62,12 +62,8 @@ def resolve_sources(dataset_cfg: DatasetConfig, notes: Optional[List[str]] = Non
     if ds.use:
         if not ds.registry:
             raise ConfigError("dataset.registry: dataset.use names registry entries, so a registry file is needed")
-        entries = load_registry(ds.registry)
-        for name in ds.use:
-            if name not in entries:
-                raise ConfigError(f"dataset.use: {name!r} is not in {ds.registry}{phrase(closest(name, entries))} "
-                                  f"(entries: {', '.join(sorted(entries))})")
-            sources.append(entries[name])
+        entries = load_registry(ds.registry, use=ds.use)
+        sources += [entries[name] for name in ds.use]
     seen: Dict[str, int] = {}
     for k, src in enumerate(sources):  # unique names: mixing weights are applied per source name
         seen[src.name] = seen.get(src.name, 0) + 1
@@ -127,8 +123,11 @@ def validation_files(train: List[str], val: List[str], notes: List[str]) -> List
     return list(kept.values())
 
 
-def load_registry(path: str) -> Dict[str, SourceConfig]:
-    path = os.path.expanduser(path)
+def load_registry(path: str, use: Optional[List[str]] = None) -> Dict[str, SourceConfig]:
+    """The entries of a registry file, typed; with `use`, only those (each must be there): LLaMA-Factory's own
+    data/dataset_info.json holds hundreds of hub entries beside the local ones a run names, and only what is used
+    has to be readable here."""
+    typed, path = path, os.path.expanduser(path)
     if not os.path.isfile(path):
         raise ConfigError(f"dataset.registry: {path!r} does not exist")
     base = os.path.dirname(os.path.abspath(path))
@@ -145,7 +144,14 @@ def load_registry(path: str) -> Dict[str, SourceConfig]:
     if not isinstance(data, dict):
         raise ConfigError(f"dataset.registry: {path} must map entry names to entries")
     build = _yaml_entry if kind == "yaml" else _llamafactory_entry
-    return {str(name): build(str(name), entry, base) for name, entry in data.items()}
+    data = {str(name): entry for name, entry in data.items()}
+    for name in use or ():
+        if name not in data:
+            names = sorted(data)
+            listed = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
+            raise ConfigError(f"dataset.use: {name!r} is not in {typed}{phrase(closest(name, names))} "
+                              f"(entries: {listed})")
+    return {name: build(name, data[name], base) for name in (data if use is None else use)}
 
 
 def _yaml_entry(name: str, entry: Any, base: str) -> SourceConfig:
@@ -166,7 +172,10 @@ def _llamafactory_entry(name: str, entry: Any, base: str) -> SourceConfig:
         raise ConfigError(f"{where}: expected a mapping")
     remote = [k for k in _LF_UNSUPPORTED if entry.get(k)]
     if remote or not entry.get("file_name"):
-        raise ConfigError(f"{where}: only local `file_name` entries are supported" + (f" (has {remote[0]})" if remote else ""))
+        hub = f": its files are read as dataset.paths=[hf://datasets/{entry['hf_hub_url']}/FILE]" \
+            if remote and remote[0] == "hf_hub_url" else ""
+        raise ConfigError(f"{where}: only local `file_name` entries are supported" +
+                          (f" (has {remote[0]}{hub})" if remote else ""))
     columns: Dict[str, str] = entry.get("columns") or {}
     tags: Dict[str, str] = entry.get("tags") or {}
     media = [c for c in _LF_MEDIA_COLUMNS if c in columns]
