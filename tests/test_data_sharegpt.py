@@ -123,6 +123,20 @@ def test_alpaca_input_history_and_missing_output():
     assert dict(report.counts) == {"missing_field": 1}
 
 
+def test_a_row_of_another_format_names_the_dataset_that_reads_it(tmp_path):
+    """An alpaca file (or openai messages) read as ShareGPT: every row 'missing_conversation', now with the fix."""
+    (tmp_path / "a.jsonl").write_text('{"instruction": "2+2?", "input": "", "output": "4"}\n'
+                                      '{"messages": [{"role": "user", "content": "hi"}]}\n{"text": "x"}\n')
+    with pytest.raises(DataError, match=r"a.jsonl:1: missing_conversation .*; an alpaca row: read such files with "
+                                        r"dataset=alpaca \(or dataset.format=alpaca\)"):
+        read_all(SourceConfig(name="s", paths=[str(tmp_path / "a.jsonl")]), policy=BadRows.error)
+    report = BadRowReport(BadRows.skip, 1.0, tmp_path / "q.jsonl")
+    assert list(iter_source(SourceConfig(name="s", paths=[str(tmp_path / "a.jsonl")]), report)) == []
+    report.close()
+    reasons = [json.loads(line)["detail"] for line in (tmp_path / "q.jsonl").read_text().splitlines()]
+    assert "dataset=openai_messages" in reasons[1] and reasons[2].endswith("(keys: ['text'])"), reasons
+
+
 def test_gz_empty_file_and_unmatched_glob(tmp_path):
     convs, report = read_all(source("small.jsonl.gz"))
     assert len(convs) == 4 and convs[2].id == "small.jsonl.gz:3"

@@ -145,10 +145,20 @@ def parse_item(raw: Optional[bytes], path: str, loc: int, source: SourceConfig, 
                            source, roles)
 
 
+def _other_format(raw: Dict[str, Any]) -> str:
+    """What a row without the messages column looks like: an alpaca row, or chat messages under `messages`."""
+    if "instruction" in raw and "output" in raw:
+        return "; an alpaca row: read such files with dataset=alpaca (or dataset.format=alpaca)"
+    if isinstance(raw.get("messages"), list):
+        return "; chat messages under 'messages': dataset=openai_messages (or dataset.columns.messages=messages)"
+    return ""
+
+
 def _message_turns(raw: Dict[str, Any], source: SourceConfig, table: Dict[str, Role]) -> List[Turn]:
     cols = source.columns
     if cols.messages not in raw:
-        raise BadRow(BadReason.missing_conversation, f"no {cols.messages!r} field (keys: {sorted(raw)[:8]})")
+        raise BadRow(BadReason.missing_conversation, f"no {cols.messages!r} field (keys: {sorted(raw)[:8]})"
+                     f"{_other_format(raw)}")
     messages = raw[cols.messages]
     if not isinstance(messages, list):
         raise BadRow(BadReason.conversation_not_list, f"{cols.messages!r} is a {type(messages).__name__}")
