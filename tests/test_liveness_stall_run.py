@@ -44,7 +44,7 @@ def test_a_frozen_rank_ends_the_run_naming_it(tmp_path: Path):
     assert not left and took < TIMEOUT_S + 10, (took, left)  # the rest of the bound, the launcher stopping rank 1
     said = [line for line in out.splitlines() if "the run stalled" in line]
     assert len(said) == 1 and said[0].startswith("error: the run stalled: rank 0 (node 0, host "), said
-    assert "at step 1, phase eval (evaluation)" in said[0] and "The other ranks were stopped" in said[0], said
+    assert "at step 1, phase eval (evaluation)" in said[0] and "Every rank was stopped" in said[0], said
     assert "Traceback" not in out and "frame #" not in out, out[-3000:]
     result = read_json(run / "result.json")
     assert (result.get("status"), result.get("exit_code")) == ("failed", 75), result

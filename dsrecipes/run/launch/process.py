@@ -118,9 +118,9 @@ def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = Non
     code = proc.wait() if code is None else code
     failure = heartbeat.read_failure(run_dir) if code != 0 else None
     if failure is not None and "lost" in failure:  # a lost node or a stall (a rank's own failure: commands/outcome.py)
-        others = "other ranks" if failure.get("stalled") else "ranks on the other nodes"
-        print(f"error: {heartbeat.describe_failure(failure)}. The {others} were stopped; run the same command again "
-              "to resume from the last checkpoint (trainer.resume=auto)", file=sys.stderr, flush=True)  # fmt: skip
+        stopped = "Every rank was" if failure.get("stalled") else "The ranks on the other nodes were"
+        print(f"error: {heartbeat.describe_failure(failure)}. {stopped} stopped; run the same command again to resume "
+              "from the last checkpoint (trainer.resume=auto)", file=sys.stderr, flush=True)  # fmt: skip
     return code
 
 
