@@ -114,6 +114,18 @@ def test_a_llamafactory_template_name_in_a_file_is_not_taken_for_a_typo():
     assert "template: auto" in problem and "llama3" not in problem, problem
 
 
+def test_epochs_under_a_step_budget_is_a_warning(make_cfg):
+    """`trainer.epochs=3` (num_train_epochs' spelling here) trained the default 400 steps without a word."""
+    from dsrecipes.config.defaults import config_warnings
+
+    (warning,) = config_warnings(make_cfg("trainer.epochs=3"))
+    assert warning == "trainer.epochs: 3 is unused: trainer.max_steps=400 sets the run's length; " \
+        "trainer.max_steps=null trains 3 epochs"
+    assert config_warnings(make_cfg("trainer=full_epochs")) == config_warnings(make_cfg()) == []
+    (problem,) = flat_problems({"num_train_epochs": 2.0}, "f.yaml", lambda _: None)
+    assert "trainer.epochs: 2 with trainer.max_steps: null" in problem, problem
+
+
 def test_stage_on_the_command_line_means_the_objective(capsys):
     err = _error(capsys, "validate", "stage=dpo")
     assert "objective: dpo" in err and "did you mean zero.stage" not in err, err

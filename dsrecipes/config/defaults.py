@@ -93,8 +93,13 @@ def _absolute(paths: List[str]) -> List[str]:
 def config_warnings(cfg: TrainConfig) -> List[str]:
     """Legal but probably unintended settings (printed by the launch, never fatal)."""
     lr = learning_rate(cfg)
+    out = []
     if cfg.model.path and lr > HIGH_LR and cfg.optimizer.name is not OptimizerKind.sgd:
-        return [f"optimizer.lr: {lr:g} is a learning rate for the embedded tiny model; a pretrained model "
-                f"({model_name(cfg)}) usually fine-tunes at ~1e-5..5e-5 (full) or ~1e-4..3e-4 (LoRA). "
-                "Leave optimizer.lr unset to use the model group's model.finetune_lr / model.lora.finetune_lr"]
-    return []
+        out.append(f"optimizer.lr: {lr:g} is a learning rate for the embedded tiny model; a pretrained model "
+                   f"({model_name(cfg)}) usually fine-tunes at ~1e-5..5e-5 (full) or ~1e-4..3e-4 (LoRA). "
+                   "Leave optimizer.lr unset to use the model group's model.finetune_lr / model.lora.finetune_lr")
+    t = cfg.trainer
+    if t.max_steps is not None and t.epochs != 1:  # LLaMA-Factory's num_train_epochs is the budget there
+        out.append(f"trainer.epochs: {t.epochs} is unused: trainer.max_steps={t.max_steps} sets the run's length; "
+                   f"trainer.max_steps=null trains {t.epochs} epochs")
+    return out

@@ -80,7 +80,7 @@ def _epochs(value: Any) -> str:
     whole = int(value) if isinstance(value, (int, float)) and float(value).is_integer() else None
     if whole is None:
         return HERE + f"trainer.epochs: N (whole epochs), or trainer.max_steps: N for a part of one ({value})"
-    return HERE + f"trainer.epochs: {whole}"
+    return HERE + f"trainer.epochs: {whole} with trainer.max_steps: null (else the step budget, 400 by default, wins)"
 
 
 def _lora_target(value: Any) -> str:
