@@ -168,3 +168,14 @@ def test_a_recipe_path_without_yaml_names_the_file_looked_for(capsys, tmp_path):
     refused(capsys, ["validate", f"recipe={named}"],
             f"no such file: {named}.yaml ({named} is not read as a recipe: a recipe file's name ends in .yaml")
     refused(capsys, ["validate", f"recipe={tmp_path}/gone"], f"no such file: {tmp_path}/gone.yaml [")
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["=5"], "cannot parse override '=5': no key before '='"),  # was Hydra's 'Config group override must be ...'
+    (["a" * 300 + "=1"], "'" + "a" * 40 + "...' (300 characters): no such key or config group"),  # was ENAMETOOLONG
+    (["trainer.max_steps=${trainer.save_every}", "trainer.save_every=${trainer.max_steps}"],
+     "trainer.max_steps: its value refers to itself"),  # was 'Recursive interpolation detected; full_key: ...'
+])
+def test_overrides_hydra_cannot_read_are_named(capsys, overrides, needle):
+    err = refused(capsys, ["validate", *overrides], needle)
+    assert "hydra/conf" not in err and "Got int" not in err and "reference_type" not in err, err

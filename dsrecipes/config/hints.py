@@ -9,6 +9,7 @@ exception chain (Hydra's and OmegaConf's exception attributes, not only their te
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import re
 import typing
@@ -31,7 +32,7 @@ def explain(exc: BaseException, overrides: Sequence[str], fallback: str) -> str:
     """One message for a failed composition; `fallback` (Hydra's flattened text) when no rule applies."""
     chain = list(_chain(exc))
     context = _context(chain)
-    for rule in (_long_number, _bad_override, _yaml_error, _missing_option, _unknown_group, _unknown_key, _bad_value):
+    for rule in (_long_number, _no_such_name, _bad_override, _yaml_error, _missing_option, _unknown_group, _unknown_key, _bad_value):
         text = rule(chain, list(overrides))
         if text and context and not text.startswith(context):
             return f"{_at_line(context, text.split(':', 1)[0])}: {text}"
@@ -71,6 +72,8 @@ def clean_hydra_message(exc: BaseException) -> str:
         ours = next((refused_resolver(str(e).strip()) for e in _chain(exc) if refused_resolver(str(e).strip())), None)
     if ours is not None:
         return f"{key}: {ours}" if key else str(ours)
+    if key and any("Recursive interpolation detected" in str(e) for e in _chain(exc)):  # x=${x}, or x=${y} y=${x}
+        return f"{key}: its value refers to itself (an interpolation ${{...}} that leads back to {key})"
     parts = []
     seen = set()
     e: Optional[BaseException] = exc
@@ -190,6 +193,19 @@ def _long_number(chain: List[BaseException], overrides: List[str]) -> str:
         found = long_number(value)
         if found:
             return f"{key.lstrip('+~')}: {TOO_LONG.format(found[1])} [from command-line override '{ov[:40]}...']"
+    return ""
+
+
+def _no_such_name(chain: List[BaseException], overrides: List[str]) -> str:
+    """`=5` (no key: Hydra's 'Config group override must be a string or a list. Got int') and a key too long to be
+    a config group's file name (Hydra's ENAMETOOLONG, naming a file inside Hydra's own package)."""
+    long_name = any(getattr(e, "errno", None) == errno.ENAMETOOLONG for e in chain)
+    for ov in overrides:
+        key = ov.partition("=")[0].lstrip("+~")
+        if "=" in ov and not key:
+            return f"cannot parse override '{ov[:40]}': no key before '=' (write KEY=VALUE or GROUP=OPTION)"
+        if long_name and len(key.encode()) > 255:
+            return f"'{key[:40]}...' ({len(key)} characters): no such key or config group (see dsrecipes ls)"
     return ""
 
 
