@@ -131,7 +131,10 @@ def test_a_fifo_as_a_data_file_is_not_a_regular_file(capsys, tmp_path):
     refused(capsys, ["validate", f"dataset.paths=[{fifo}]"],
             f"dataset.paths[0]: '{fifo}' is not a regular file")
     refused(capsys, ["validate", f"dataset.val_paths=[{tmp_path}/*.jsonl]"],
-            f"dataset.val_paths[0]: '{tmp_path}/*.jsonl' matches no regular file ('{fifo}' is not one")
+            f"dataset.val_paths[0]: '{tmp_path}/*.jsonl' matches no regular file ('{fifo}' is not a regular file")
+    (tmp_path / "gone.jsonl").symlink_to(tmp_path / "moved.jsonl")  # was 'not a regular file (a FIFO, ...)'
+    refused(capsys, ["validate", f"dataset.paths=[{tmp_path}/gone.jsonl]"],
+            f"'{tmp_path}/gone.jsonl' is a symbolic link to '{tmp_path}/moved.jsonl', which does not exist")
 
 
 

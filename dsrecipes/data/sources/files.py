@@ -92,10 +92,16 @@ def no_file(pattern: str) -> str:
         return f"{pattern!r} is a directory: name its files (e.g. '{pattern.rstrip('/')}/*.jsonl')"
     others = glob.glob(os.path.expanduser(pattern))  # stat only: a FIFO is never opened (its reader would block)
     if others == [os.path.expanduser(pattern)]:
-        return f"{pattern!r} is not a regular file (a FIFO, socket or device): name a data file"
+        return f"{pattern!r} {_not_regular(others[0])}: name a data file"
     if others:
-        return f"{pattern!r} matches no regular file ({others[0]!r} is not one: a FIFO, socket, device or directory)"
+        return f"{pattern!r} matches no regular file ({others[0]!r} {_not_regular(others[0])})"
     return f"{pattern!r} matches no file"
+
+
+def _not_regular(path: str) -> str:
+    if os.path.islink(path) and not os.path.exists(path):
+        return f"is a symbolic link to {os.readlink(path)!r}, which does not exist (or a loop of links)"
+    return "is a directory" if os.path.isdir(path) else "is not a regular file (a FIFO, socket or device)"
 
 
 def where(path: str, line: Optional[int], element: Optional[int]) -> str:
