@@ -196,3 +196,18 @@ def test_check_budget_completes_an_unfinished_end_and_refuses_a_finished_one():
     for args in (("step_8", 8, 8, {}), ("step_4", 4, 8, stopped)):
         with pytest.raises(Refused, match="nothing to train"):
             check_budget(*args, es, es, finished=True)
+
+
+def test_the_local_launcher_on_a_machine_with_several_gpus_says_it_trains_on_one(make_cfg, monkeypatch, capsys):
+    """A LLaMA-Factory (torchrun) user's `dsrecipes train x.yaml` on an 8-GPU machine trained on one GPU, silently."""
+    from dsrecipes.run import entry
+
+    monkeypatch.setattr(entry, "local_devices", lambda: 4)
+    entry.one_of_many_gpus(make_cfg())
+    assert capsys.readouterr().err == ("note: launcher=local trains on 1 of this machine's 4 GPUs; "
+                                       "launcher=deepspeed (or torchrun) trains on all of them\n")
+    entry.one_of_many_gpus(make_cfg("launcher=deepspeed"))
+    entry.one_of_many_gpus(make_cfg("trainer.device=cpu"))
+    monkeypatch.setattr(entry, "local_devices", lambda: 1)
+    entry.one_of_many_gpus(make_cfg())
+    assert capsys.readouterr().err == ""

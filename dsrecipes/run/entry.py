@@ -28,9 +28,9 @@ from dsrecipes.core.export_dir import EXPORT_DIR, check_out_dir
 from dsrecipes.core.hub import resolve_hub_paths
 from dsrecipes.core.rundir import CHECKPOINTS_DIR, RESULT_FILE, clear_outcome, holds_run, write_config, write_ds_config
 from dsrecipes.core.runplan import ResumePlan, RunPlan, write_plan
-from dsrecipes.core.schema import LauncherKind, ResumeMode, TrainConfig
+from dsrecipes.core.schema import Device, LauncherKind, ResumeMode, TrainConfig
 from dsrecipes.core.tokenizer import check_no_custom_code, load_tokenizer
-from dsrecipes.core.topology import Topology, resolve_topology, train_batch_size
+from dsrecipes.core.topology import Topology, local_devices, resolve_topology, train_batch_size
 from dsrecipes.core.typed import config_to_dict
 from dsrecipes.data.strategies import PrepareResult, plan_steps, strategy_of
 from dsrecipes.observe.trackers import preflight
@@ -136,6 +136,7 @@ def plan_run(cfg: TrainConfig, run_dir: Path, decision: Decision) -> RunPlan:
         print(f"note: an epoch is {per_epoch} steps of {train_batch_size(cfg, topology.world_size)} rows, so the "
               f"last {left} of its {prepared.rows} training rows (in that epoch's order) are not trained in it",
               file=sys.stderr, flush=True)
+    one_of_many_gpus(cfg)
     past_stop = decision.resume is not None and check_budget(cfg, decision.resume, total)
     newest = committed(run_dir / CHECKPOINTS_DIR)
     return RunPlan(world_size=topology.world_size, num_nodes=topology.num_nodes, data_kind=cfg.data.kind.value,
@@ -143,6 +144,17 @@ def plan_run(cfg: TrainConfig, run_dir: Path, decision: Decision) -> RunPlan:
                    data_fingerprint=decision.data_fingerprint, resume=decision.resume, data_files=decision.data_files,
                    newest_checkpoint=newest[0].name if newest else None,
                    supervised=cfg.launcher.kind is not LauncherKind.slurm, past_stop=past_stop)
+
+
+def one_of_many_gpus(cfg: TrainConfig) -> None:
+    """launcher=local (the default) is one process: on a machine with several GPUs that is one of them, which a
+    LLaMA-Factory or torchrun user does not expect. Said once, with the launcher that uses them all."""
+    if cfg.launcher.kind is not LauncherKind.local or cfg.trainer.device is Device.cpu:
+        return
+    count = local_devices()
+    if count > 1:
+        print(f"note: launcher=local trains on 1 of this machine's {count} GPUs; launcher=deepspeed (or torchrun) "
+              "trains on all of them", file=sys.stderr, flush=True)
 
 
 def check_fresh_start(cfg: TrainConfig, run_dir: Path) -> None:
