@@ -182,3 +182,19 @@ def test_a_recipe_path_without_yaml_names_the_file_looked_for(capsys, tmp_path):
 def test_overrides_hydra_cannot_read_are_named(capsys, overrides, needle):
     err = refused(capsys, ["validate", *overrides], needle)
     assert "hydra/conf" not in err and "Got int" not in err and "reference_type" not in err, err
+
+
+def test_score_keeps_a_users_dangling_link_at_out(capsys, tmp_path):
+    """`score --out LINK` with LINK pointing nowhere: out.exists() was False, and the rewards replaced the link."""
+    import json
+
+    model = tmp_path / "rm"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"],
+                                                   "num_labels": 1}))
+    (model / "model.safetensors").write_bytes(b"")
+    out = tmp_path / "rewards.jsonl"
+    out.symlink_to(tmp_path / "elsewhere.jsonl")
+    refused(capsys, ["score", str(model), "--pairs", str(tmp_path / "pairs.jsonl"), "--out", str(out)],
+            f"--out: {out} exists (a symbolic link)")
+    assert out.is_symlink() and not (tmp_path / "elsewhere.jsonl").exists()

@@ -45,8 +45,9 @@ def main(argv: List[str]) -> int:
     model_dir, pairs_path = Path(args.export).expanduser(), Path(args.pairs).expanduser()
     out = Path(args.out).expanduser() if args.out else pairs_path.with_suffix(".rewards.jsonl")
     check_model_dir(model_dir)
-    if out.exists():
-        raise UserError(f"--out: {out} exists; dsrecipes score writes a new file (give another --out)")
+    if out.exists() or out.is_symlink():  # a dangling link too: writing would replace the user's link
+        raise UserError(f"--out: {out} exists{' (a symbolic link)' if out.is_symlink() else ''}; dsrecipes score "
+                        "writes a new file (give another --out)")
     pairs = read_pairs(pairs_path)
     model, tokenizer = load_scorer(model_dir)
     rows = score_pairs(model, tokenizer, pairs, end_of_turn(model_dir))
