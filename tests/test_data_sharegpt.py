@@ -135,6 +135,19 @@ def test_a_row_of_another_format_names_the_dataset_that_reads_it(tmp_path):
     report.close()
     reasons = [json.loads(line)["detail"] for line in (tmp_path / "q.jsonl").read_text().splitlines()]
     assert "dataset=openai_messages" in reasons[1] and reasons[2].endswith("(keys: ['text'])"), reasons
+    (tmp_path / "b.jsonl").write_text('{"conversations": [{"role": "user", "content": "hi"}]}\n'
+                                      '{"conversations": [{"speaker": "user", "text": "hi"}]}\n')
+    report = BadRowReport(BadRows.skip, 1.0, tmp_path / "q2.jsonl")
+    assert list(iter_source(SourceConfig(name="s", paths=[str(tmp_path / "b.jsonl")]), report)) == []
+    report.close()
+    reasons = [json.loads(line)["detail"] for line in (tmp_path / "q2.jsonl").read_text().splitlines()]
+    assert reasons[0] == "turn 0: no 'from' key (keys: ['content', 'role']); role/content messages: " \
+        "dataset=openai_messages (or dataset.columns.role=role dataset.columns.content=content)", reasons
+    assert reasons[1] == "turn 0: no 'from' key (keys: ['speaker', 'text'])", reasons
+    msgs = SourceConfig(name="s", paths=[str(tmp_path / "b.jsonl")], format=DatasetFormat.openai)
+    msgs.columns.messages = "messages"
+    with pytest.raises(DataError, match="ShareGPT rows under 'conversations': dataset=sharegpt_files"):
+        read_all(msgs, policy=BadRows.error)
 
 
 def test_gz_empty_file_and_unmatched_glob(tmp_path):

@@ -146,11 +146,22 @@ def parse_item(raw: Optional[bytes], path: str, loc: int, source: SourceConfig, 
 
 
 def _other_format(raw: Dict[str, Any]) -> str:
-    """What a row without the messages column looks like: an alpaca row, or chat messages under `messages`."""
+    """What a row without the messages column looks like: an alpaca row, or chat messages under another column."""
     if "instruction" in raw and "output" in raw:
         return "; an alpaca row: read such files with dataset=alpaca (or dataset.format=alpaca)"
     if isinstance(raw.get("messages"), list):
         return "; chat messages under 'messages': dataset=openai_messages (or dataset.columns.messages=messages)"
+    if isinstance(raw.get("conversations"), list):
+        return "; ShareGPT rows under 'conversations': dataset=sharegpt_files (or dataset.columns.messages=conversations)"
+    return ""
+
+
+def _other_keys(msg: Dict[str, Any]) -> str:
+    """A message in the other spelling: role/content (openai, TRL) in a ShareGPT reading, or from/value."""
+    if "role" in msg and "content" in msg:
+        return "; role/content messages: dataset=openai_messages (or dataset.columns.role=role dataset.columns.content=content)"
+    if "from" in msg and "value" in msg:
+        return "; from/value messages: dataset=sharegpt_files (or dataset.columns.role=from dataset.columns.content=value)"
     return ""
 
 
@@ -171,7 +182,8 @@ def _message_turns(raw: Dict[str, Any], source: SourceConfig, table: Dict[str, R
         name = msg.get(cols.role)
         role = table.get(name.strip().lower()) if isinstance(name, str) else None
         if role is None:
-            raise BadRow(BadReason.unknown_role, f"turn {i}: {cols.role}={name!r}")
+            raise BadRow(BadReason.unknown_role, f"turn {i}: {cols.role}={name!r}" if cols.role in msg else
+                         f"turn {i}: no {cols.role!r} key (keys: {sorted(msg)[:6]}){_other_keys(msg)}")
         tool_calls = msg.get("tool_calls") if source.format is DatasetFormat.openai else None
         content = _content_text(msg.get(cols.content), allow_none=bool(tool_calls))
         if content is None and not tool_calls:
