@@ -103,11 +103,15 @@ def test_console_script_matches_module(tmp_path):
     (["merge", "runs/x"], "unknown command 'merge'; for that here: dsrecipes export RUN --out DIR"),
     (["webchat"], "unknown command 'webchat'; for that here: dsrecipes chat RUN"),  # llamafactory-cli's commands
     (["eval"], "for that here: dsrecipes prompt-eval --baseline RUN --finetuned RUN"),
+    (["train", "smollm2_cpu_sft"], "'smollm2_cpu_sft' is not a command, KEY=VALUE, GROUP=OPTION or a flag; "
+                                   "did you mean recipe=smollm2_cpu_sft?"),
+    (["train", "my_exp"], "did you mean my_exp.yaml (dsrecipes train my_exp.yaml)?"),  # the file is here
 ])
 def test_did_you_mean_in_one_exit_2_message(argv, message, capsys, tmp_path, monkeypatch):
     from dsrecipes.cli import main
 
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_exp.yaml").write_text("trainer.max_steps: 3\n")
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.startswith("error: ") and err.count("error:") == 1, err

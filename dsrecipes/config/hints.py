@@ -178,7 +178,8 @@ def _bad_override(chain: List[BaseException], overrides: List[str]) -> str:
     if "=" not in word:
         names = group_names() + schema_keys()
         near = [f"{n}=..." for n in ([word] if word in names else closest(word, names))]
-        return f"'{word}' is not a command, KEY=VALUE, GROUP=OPTION or a flag{phrase(near)} (see dsrecipes --help)"
+        return f"'{word}' is not a command, KEY=VALUE, GROUP=OPTION or a flag{phrase(_recipe_named(word) or near)} " \
+            "(see dsrecipes --help)"
     return f"cannot parse override '{word}': {exc.message.split(chr(10))[0]} (quote values holding special characters: key='value')"
 
 
@@ -207,6 +208,14 @@ def _no_such_name(chain: List[BaseException], overrides: List[str]) -> str:
         if long_name and len(key.encode()) > 255:
             return f"'{key[:40]}...' ({len(key)} characters): no such key or config group (see dsrecipes ls)"
     return ""
+
+
+def _recipe_named(word: str) -> List[str]:
+    """`dsrecipes train my_exp` for the file my_exp.yaml here, or a shipped recipe's bare name."""
+    files = [f"{word}{ext}" for ext in (".yaml", ".yml") if os.path.isfile(f"{word}{ext}")]
+    if files:
+        return [f"{files[0]} (dsrecipes train {files[0]})"]
+    return [f"recipe={word}"] if word in group_options().get("recipe", []) else []
 
 
 def _yaml_error(chain: List[BaseException], overrides: List[str]) -> str:
