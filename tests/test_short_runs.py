@@ -36,6 +36,18 @@ def test_a_longer_run_gives_first_and_last_and_how_many(tmp_path):
     assert "  train loss   7.0000 -> 1.5000  (first and last of 3 logged values, steps 10-30)" in text.splitlines()
 
 
+def test_a_resumed_run_says_how_many_steps_this_invocation_trained(tmp_path):
+    """'done: 60 steps in 24s' after a resume at step 51 claimed 60 steps in 24 s."""
+    from dsrecipes.core.runplan import ResumePlan, RunPlan, write_plan
+
+    run = _run(tmp_path, [(10, 7.0), (60, 1.9)])
+    assert closing_summary(run, 24.0, [], 60).startswith("done: 60 steps in 24s")  # no plan.json: from the start
+    plan = RunPlan(world_size=1, num_nodes=1, data_kind="map", rows=100, steps_per_epoch=10, total_steps=60,
+                   data_fingerprint="x", resume=ResumePlan("checkpoints/step_51", 51, 1, False))
+    write_plan(run, plan)
+    assert closing_summary(run, 24.0, [], 60).startswith("done: 60 steps (9 in this run, resumed at step 51) in 24s")
+
+
 def _drawn_pixels(fig, colour) -> int:
     """Pixels of `colour` inside the axes but outside the legend (what the reader sees as data)."""
     from matplotlib.colors import to_rgb
