@@ -86,8 +86,9 @@ def test_prompt_eval_side_by_side_shows_control_characters_escaped(capsys):
     assert SHOWN in out and "q\\x1b]0;t\\x07" in out and "ref\\x1b[2J" in out
 
 
-def test_doctor_prints_only_its_findings(capsys, monkeypatch):
-    """DeepSpeed warns "Setting accelerator to CPU" (its logger, on import) on a machine without a GPU."""
+def test_doctor_prints_only_its_findings(capsys, monkeypatch, tmp_path):
+    """DeepSpeed warns "Setting accelerator to CPU" (its logger, on import) on a machine without a GPU; a recipe
+    that does not compose is a note, its key's control characters escaped."""
     from deepspeed.accelerator import real_accelerator
 
     from dsrecipes.commands.doctor import main as doctor
@@ -101,12 +102,15 @@ def test_doctor_prints_only_its_findings(capsys, monkeypatch):
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
     logger.addHandler(handler)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text('"trainer.bogus\\e]0;title\\a": 1\n')
     try:
-        doctor(["--json"])
+        doctor(["--json", f"recipe={recipe}"])
     finally:
         logger.removeHandler(handler)
     err = capsys.readouterr().err
     assert not [m for m in seen if "Setting accelerator" in m] and "Setting accelerator" not in err, (seen, err)
+    assert "\x1b" not in err and "trainer.bogus\\x1b]0;title\\x07: unknown key" in err, err
 
 
 def test_an_override_with_more_digits_than_python_reads_names_its_key(capsys):

@@ -13,6 +13,7 @@ from typing import List
 import dsrecipes.core.jit_ops as jit_ops
 from dsrecipes.commands.args import override_parser, parse
 from dsrecipes.core.console import quiet_third_party
+from dsrecipes.core.errors import visible
 from dsrecipes.run.doctor import Context, Level, Probe, diagnose, render
 
 
@@ -29,7 +30,7 @@ def main(argv: List[str]) -> int:
 
         ctx = Context.from_config(compose_and_load(args.overrides, check_files=False))
     except Exception as exc:  # noqa: BLE001 - doctor must run even where the config (or hydra) is broken
-        print(f"note: could not compose the config ({exc}); checking without it", file=sys.stderr)
+        print(f"note: could not compose the config ({visible(str(exc))}); checking without it", file=sys.stderr)
     if args.build_ops:
         _build_ops(ctx)
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout on import; keep --json clean
