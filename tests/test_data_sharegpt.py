@@ -148,6 +148,9 @@ def test_a_row_of_another_format_names_the_dataset_that_reads_it(tmp_path):
     msgs.columns.messages = "messages"
     with pytest.raises(DataError, match="ShareGPT rows under 'conversations': dataset=sharegpt_files"):
         read_all(msgs, policy=BadRows.error)
+    (tmp_path / "b.jsonl").write_text('{"prompt": [{"role": "user", "content": "hi"}], "completion": []}\n')
+    with pytest.raises(DataError, match="TRL's prompt/completion rows are not read here: write prompt \\+ completion"):
+        read_all(msgs, policy=BadRows.error)
 
 
 def test_gz_empty_file_and_unmatched_glob(tmp_path):

@@ -153,6 +153,8 @@ def _other_format(raw: Dict[str, Any]) -> str:
         return "; chat messages under 'messages': dataset=openai_messages (or dataset.columns.messages=messages)"
     if isinstance(raw.get("conversations"), list):
         return "; ShareGPT rows under 'conversations': dataset=sharegpt_files (or dataset.columns.messages=conversations)"
+    if "prompt" in raw and "completion" in raw:
+        return "; TRL's prompt/completion rows are not read here: write prompt + completion as one 'messages' list"
     return ""
 
 
