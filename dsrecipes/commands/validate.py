@@ -6,6 +6,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from multiprocessing.connection import wait
 from typing import Any, Dict, List, Optional, Tuple
 
 from dsrecipes.commands.args import override_parser, parse
@@ -203,8 +204,6 @@ def _serve(conn: Any, share: List[Tuple[int, List[List[str]]]]) -> None:
 
 def _gather(workers: List[_ComposeWorker], chunks: List[List[List[str]]], out: Dict[Tuple[str, ...], Composed],
             progress: Progress) -> None:
-    from multiprocessing.connection import wait
-
     live = {w.conn: w for w in workers}
     last = time.monotonic()
     said = 0.0
