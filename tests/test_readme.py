@@ -70,3 +70,13 @@ def test_the_architecture_map_names_every_subcommand():
     doc = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
     row = re.search(r"^\| `commands/` \|.*$", doc, re.M).group(0)
     assert {n for n in SUBCOMMANDS if f"`{n}`" not in row} == set(), row
+
+
+def test_the_printed_summary_shows_the_next_commands_a_run_prints(tmp_path):
+    """README "What a run prints": the `next:` lines a finished run with an export prints, in its order."""
+    from dsrecipes.observe.report import next_commands
+
+    block = re.search(r"## What a run prints.*?```text\n(.*?)```", README, re.S).group(1)
+    shown = re.findall(r"^  (\w[\w ]*:) ", block.split("next:\n", 1)[1], re.M)
+    (tmp_path / "export").mkdir()
+    assert shown == [label for label, _ in next_commands(tmp_path, [], 400, 400)], shown
