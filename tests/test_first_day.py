@@ -211,3 +211,23 @@ def test_the_local_launcher_on_a_machine_with_several_gpus_says_it_trains_on_one
     monkeypatch.setattr(entry, "local_devices", lambda: 1)
     entry.one_of_many_gpus(make_cfg())
     assert capsys.readouterr().err == ""
+
+
+def test_a_run_directory_or_an_adapter_as_model_path_names_the_model_to_give(tmp_path):
+    """model.path=RUN (what `dsrecipes chat` takes) or an adapter export: 'not a Hugging Face model directory' said
+    what it is not; now also which directory (or command) gives the model."""
+    from dsrecipes.core.rundir import MARKER_FILE
+    from dsrecipes.run.preflight import check_model_dir
+
+    run, adapter = tmp_path / "run", tmp_path / "adapter"
+    run.mkdir()
+    (run / MARKER_FILE).write_text("{}")
+    (problem,) = check_model_dir("model.path", run, False)
+    assert problem.endswith(f"but a dsrecipes run directory: its model is dsrecipes export {run} --out DIR, then "
+                            "model.path=DIR"), problem
+    (run / "export").mkdir()
+    assert check_model_dir("model.path", run, False)[0].endswith(f"its model is model.path={run / 'export'}")
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    assert "but a LoRA adapter: train on a merged model" in check_model_dir("model.path", adapter, False)[0]
+    assert check_model_dir("model.path", tmp_path, False)[0].endswith("it is not a Hugging Face model directory")

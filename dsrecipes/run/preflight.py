@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import List, Optional
 
 from dsrecipes.core.errors import UserError
+from dsrecipes.core.export_dir import EXPORT_DIR
 from dsrecipes.core.hub import is_hub_id
 from dsrecipes.core.paths import TINY_TOKENIZER_DIR
+from dsrecipes.core.rundir import MARKER_FILE
 from dsrecipes.core.schema import TrainConfig
 from dsrecipes.core.tokenizer import custom_code_problems
 from dsrecipes.data.prepare.cache import cache_root
@@ -102,7 +104,7 @@ def check_model_dir(key: str, path: Path, trust_remote_code: bool) -> List[str]:
         return [f"{key}: {path} is a file; give the model's directory (config.json and weights)"]
     config_path = path / "config.json"
     if not config_path.is_file():
-        return [f"{key}: {path} has no config.json; it is not a Hugging Face model directory"]
+        return [f"{key}: {path} has no config.json; it is not a Hugging Face model directory{_what_it_is(key, path)}"]
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
         if not isinstance(config, dict):
@@ -119,6 +121,18 @@ def check_model_dir(key: str, path: Path, trust_remote_code: bool) -> List[str]:
         problems += [f"{key}: {f} is not a readable safetensors file ({why}); the download may be incomplete or "
                      "damaged" for f, why in damaged if why]
     return problems
+
+
+def _what_it_is(key: str, path: Path) -> str:
+    """A run directory or a LoRA adapter export where a model directory belongs: the one to name instead."""
+    if (path / MARKER_FILE).is_file():
+        export = path / EXPORT_DIR
+        there = f"{key}={export}" if export.is_dir() else f"dsrecipes export {path} --out DIR, then {key}=DIR"
+        return f" but a dsrecipes run directory: its model is {there}"
+    if (path / "adapter_config.json").is_file():
+        return (" but a LoRA adapter: train on a merged model (dsrecipes export RUN --out DIR merges by default), "
+                f"then {key}=DIR")
+    return ""
 
 
 MAX_SAFETENSORS_HEADER = 100 << 20  # the format's own limit (safetensors: "header too large" beyond it)
