@@ -5,7 +5,7 @@
   right after the rendezvous (rank/session.meet_and_beat), a rank that never beats counts as silent from the first
   look, and a line says what the join waits for (core/distributed.noting).
 - the final barrier: every rank stops its heartbeat before it (ranks that finish first are not taken for dead), so a
-  peer that froze or died on its way there held the others. Now heartbeat.final_barrier watches it: a peer not
+  peer that froze or died on its way there held the others. Now core/final_barrier.py watches it: a peer not
   arrived that no longer beats is named after launcher.peer_timeout_s; one still beating is waited for.
 
 Heartbeats of two ranks in this process on an in-process TCPStore, beats every 0.05 s, bounds of half a second.
@@ -19,6 +19,7 @@ from datetime import timedelta
 
 import pytest
 
+import dsrecipes.core.final_barrier as final_barrier
 import dsrecipes.core.heartbeat as heartbeat
 from dsrecipes.core import stall
 from tests.test_liveness_stall import wait_for
@@ -41,7 +42,7 @@ def ranks(tmp_path, monkeypatch):
     for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_RANK": "0", "CROSS_RANK": "0"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(heartbeat, "INTERVAL_S", 0.05)
-    monkeypatch.setattr(heartbeat, "FINAL_NOTE_S", 0.2)
+    monkeypatch.setattr(final_barrier, "FINAL_NOTE_S", 0.2)
     monkeypatch.setattr(heartbeat, "QUIET_S", 0.125)
     exits, made = [], []
 
@@ -122,7 +123,7 @@ def test_a_peer_frozen_before_the_final_barrier_is_named(ranks, tmp_path, monkey
     r0.stop()
     monkeypatch.setattr(heartbeat, "_stopped", r0)
     held = threading.Event()  # the barrier: rank 1 never comes (released once rank 0's watch ended it)
-    at = threading.Thread(target=heartbeat.final_barrier, args=(lambda: held.wait(10),), daemon=True)
+    at = threading.Thread(target=final_barrier.final_barrier, args=(lambda: held.wait(10),), daemon=True)
     started = time.monotonic()
     at.start()
     try:
@@ -143,7 +144,7 @@ def test_a_peer_still_beating_is_waited_for_and_the_barrier_ends_when_it_arrives
     r0.stop()  # rank 0 is at the barrier; rank 1 is still finishing (closing its trackers): beating
     monkeypatch.setattr(heartbeat, "_stopped", r0)
     held = threading.Event()
-    at = threading.Thread(target=heartbeat.final_barrier, args=(lambda: held.wait(10),), daemon=True)
+    at = threading.Thread(target=final_barrier.final_barrier, args=(lambda: held.wait(10),), daemon=True)
     at.start()
     time.sleep(3 * TIMEOUT_S)
     assert not ranks.exits

@@ -16,9 +16,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Tuple
 
-import dsrecipes.core.heartbeat as heartbeat
 import dsrecipes.core.jit_ops as jit_ops
 from dsrecipes.core.deepspeed_import import load_deepspeed
+from dsrecipes.core.final_barrier import final_barrier
 
 if TYPE_CHECKING:
     import torch
@@ -128,14 +128,14 @@ def skip_shm_comm_op() -> None:
 
 
 def finish_distributed() -> None:
-    """Wait for every rank, bounded (heartbeat.final_barrier: a rank that froze or died on its way is named). The
+    """Wait for every rank, bounded (core/final_barrier.py: a rank that froze or died on its way is named). The
     process group is left up on purpose: DeepSpeed caches its groups per process and cannot rebuild them after
     destroy_process_group, so the next in-process run (local launcher, Hydra multirun) reuses this one. Launched
     ranks exit right after."""
     import torch.distributed as dist
 
     if dist.is_initialized():
-        heartbeat.final_barrier(dist.barrier)
+        final_barrier(dist.barrier)
 
 
 def all_ranks(flag: bool) -> bool:

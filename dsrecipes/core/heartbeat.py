@@ -12,8 +12,8 @@ the same counters who is gone (`explain_crash`), so both ways end in the same re
 
 Every rank starts beating right after the rendezvous, before the process group starts (a rank never seen beating
 is silent from the first look). A rank stops its heartbeat (marking itself done) before the final barrier, so ranks
-that finish and exit at different times are never taken for dead; there, `final_barrier` names a peer that stopped
-beating and does not arrive. Threads keep beating while the main thread computes or waits in a
+that finish and exit at different times are never taken for dead; there, core/final_barrier.py names a peer that
+stopped beating and does not arrive. Threads keep beating while the main thread computes or waits in a
 collective (both release the GIL), so only a dead or unreachable process goes silent. A live rank that stopped making
 progress is the stall watchdog's (core/stall.py): each beat carries the main thread's step and phase, and the same
 reading ranks judge them (a lone rank too, then: its own store is the job's).
@@ -43,8 +43,6 @@ DONE = b"done"
 INTERVAL_S = 1.0
 CRASH_GRACE_S = 4.0  # after a broken collective: a peer silent this long is gone
 QUIET_S = 2.5 * INTERVAL_S  # not beating now: reported along with a peer past the timeout
-
-FINAL_NOTE_S = 10.0  # at the final barrier: the first "waiting for" line after this long, then every 3 times that
 
 _current: Optional["Heartbeat"] = None
 _stopped: Optional["Heartbeat"] = None  # stopped before the final barrier, which it watches
@@ -76,30 +74,16 @@ def start(run_dir: Path, rank: int, world_size: int, timeout_s: int, stall_warn_
 
 
 def stop() -> None:
-    """Mark this rank done and stop beating (before the final barrier, which it then watches: `final_barrier`)."""
+    """Mark this rank done and stop beating (before the final barrier, which it then watches: core/final_barrier.py)."""
     global _current, _stopped
     if _current is not None:
         _current.stop()
         _stopped, _current = _current, None
 
 
-def final_barrier(barrier: Callable[[], None]) -> None:
-    """Call `barrier` (the run's last), watched: every rank stopped its heartbeat before it, so a peer that froze or
-    died on its way there would hold the others for the process-group timeout. A peer not arrived yet that still
-    beats is finishing (its own watchdog bounds it); one that stopped beating (done, or silent) and has not arrived
-    after launcher.peer_timeout_s is named and the run ends (exit PEER_LOST_EXIT); a line now and then meanwhile."""
-    beat, done = _stopped, threading.Event()
-    if beat is None or beat.world_size < 2:
-        return barrier()
-    try:
-        beat.store.set(beat._key("final", beat.rank), "1")
-        threading.Thread(target=beat._watch_final, args=(done,), name="dsrecipes-final-barrier", daemon=True).start()
-    except Exception:  # noqa: BLE001 - the store's host is gone: the barrier fails on its own
-        pass
-    try:
-        return barrier()
-    finally:
-        done.set()
+def stopped() -> Optional["Heartbeat"]:
+    """The heartbeat `stop` stopped last, for the final barrier's watch (core/final_barrier.py)."""
+    return _stopped
 
 
 def stop_alone() -> None:
@@ -202,32 +186,6 @@ class Heartbeat:
             except Exception as exc:  # noqa: BLE001 - the store's host died (connection reset) or timed out
                 if not self._stop.is_set():
                     self._fail([], f"the job's store at {self._store_name()} stopped answering ({type(exc).__name__})")
-
-    def _watch_final(self, done: threading.Event) -> None:
-        """`final_barrier`'s watch until `done`: the ranks not arrived, how long each has not beaten."""
-        began, seen, since = time.monotonic(), {}, {}
-        note = began + FINAL_NOTE_S
-        while not done.wait(INTERVAL_S):
-            now = time.monotonic()
-            try:
-                missing = [r for r in range(self.world_size) if not self.store.check([self._key("final", r)])]
-                beats = self.store.multi_get([self._key("beat", r) for r in missing]) if missing else []
-            except Exception as exc:  # noqa: BLE001 - rank 0, the store's host, leaves once past the barrier
-                if not done.wait(CRASH_GRACE_S):
-                    self._fail([], f"the job's store at {self._store_name()} stopped answering at the run's final "
-                                   f"barrier ({type(exc).__name__})")  # fmt: skip
-                return
-            for r, value in zip(missing, beats):
-                if seen.get(r) != value:
-                    seen[r], since[r] = value, now
-            silent = [r for r in missing if now - since[r] > self.timeout_s]
-            if silent:
-                self._fail(silent, f"no heartbeat for {self.timeout_s:.0f} s and not at the run's final barrier")
-            if missing and self.monitor and now >= note:
-                note = now + 3 * FINAL_NOTE_S
-                print(f"dsrecipes: rank {self.rank}: waiting {now - began:.0f} s at the run's final barrier for "
-                      f"{', '.join(stall.where(w) for w in self._describe(missing))} (one that stopped is named after "
-                      f"launcher.peer_timeout_s={self.timeout_s:.0f})", file=sys.stderr, flush=True)  # fmt: skip
 
     def _beat(self) -> None:
         """The counter (a round trip: a store that stopped answering shows here), and where the main thread is
