@@ -101,6 +101,9 @@ def test_the_shipped_recipes_have_no_flat_problems():
     ("finetuning_type=lora", "finetuning_type: LLaMA-Factory's key; here: model.lora.enabled: true", "did you mean"),
     ("lr_scheduler_type=linear", "here: scheduler: linear", "NAME"), ("deepspeed=ds_z2_config.json", "zero: stage2", "N?"),
     ("model=smollm2", "did you mean smollm2_135m?", "LLaMA"), ("model=qwen2.5", "did you mean qwen2_5_0_5b?", "LLaMA"),
+    ("objective=rm", "LLaMA-Factory's rm; here: objective: reward", "options:"),
+    ("objective=ppo", "here: objective: grpo (online RL; there is no PPO here)", "did you mean dpo"),
+    ("objective=simpo", "here: objective: dpo with objective.loss: simpo", "options:"),
 ])  # fmt: skip
 def test_llamafactory_names_on_the_command_line_get_our_spelling_with_the_value(capsys, typed, words, not_words):
     """A group option that is LLaMA-Factory's name (a template, a dataset_info.json entry) and a key whose value

@@ -37,10 +37,17 @@ def _names(value: Any) -> list:
     return [str(v).strip() for v in items if str(v).strip()]
 
 
+# LLaMA-Factory's stages and preference losses -> our objective (None: none here)
+LF_OBJECTIVES: Dict[str, Optional[str]] = {
+    "sft": "objective: sft", "pt": "objective: sft with data.train_on: all (continued pre-training)",
+    "dpo": "objective: dpo", "rm": "objective: reward", "ppo": "objective: grpo (online RL; there is no PPO here)",
+    "simpo": "objective: dpo with objective.loss: simpo", "ipo": "objective: dpo with objective.loss: ipo",
+    "kto": None,
+}
+
+
 def _stage(value: Any) -> str:
-    objective = {"sft": "objective: sft", "pt": "objective: sft with data.train_on: all (continued pre-training)",
-                 "dpo": "objective: dpo", "rm": "objective: reward",
-                 "ppo": "objective: grpo (online RL; there is no PPO here)"}.get(str(value))
+    objective = LF_OBJECTIVES.get(str(value))
     if objective is None:
         objective = f"no {value} objective (objectives: sft, dpo, orpo, reward, grpo)"
     return f"LLaMA-Factory's stage is the training objective; here: {objective} (zero.stage is DeepSpeed's ZeRO stage)"
@@ -248,6 +255,9 @@ def foreign_option(group: str, value: Any, close: bool) -> Optional[str]:
     wins, unless it is LLaMA-Factory's own template name (llama2 is not a typo of llama3)."""
     if group == "template" and str(value) in LF_TEMPLATES:
         return _template(value)
+    if group == "objective" and str(value) in LF_OBJECTIVES:  # ppo is not a typo of dpo
+        ours = LF_OBJECTIVES[str(value)] or f"no {value} objective (objectives: sft, dpo, orpo, reward, grpo)"
+        return f"LLaMA-Factory's {value}; here: {ours}"
     if group in ("template", "dataset") and not close:
         return foreign_key(group, value)
     return None
