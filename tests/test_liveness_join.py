@@ -156,3 +156,24 @@ def test_a_peer_still_beating_is_waited_for_and_the_barrier_ends_when_it_arrives
     at.join(timeout=5)
     time.sleep(0.3)
     assert not at.is_alive() and not ranks.exits
+
+
+def test_the_waiting_line_comes_from_a_rank_that_waits(ranks, monkeypatch, capsys):
+    """Rank 0, its node's first rank, is the late one: rank 1, the lowest of the node's ranks at the barrier, says
+    what it waits for (before: only the first rank of each node printed, so nobody did)."""
+    r0, r1 = ranks(0), ranks(1)
+    r0.start(), r1.start()
+    time.sleep(0.2)
+    r1.stop()  # rank 1 is at the barrier; rank 0 is still finishing: beating
+    monkeypatch.setattr(heartbeat, "_stopped", r1)
+    held = threading.Event()
+    at = threading.Thread(target=final_barrier.final_barrier, args=(lambda: held.wait(10),), daemon=True)
+    at.start()
+    err = []
+    try:
+        assert wait_for(lambda: err.append(capsys.readouterr().err) or "final barrier" in "".join(err), 2), err
+    finally:
+        held.set()
+    at.join(timeout=5)
+    line = "".join(err)
+    assert "dsrecipes: rank 1: waiting 0 s at the run's final barrier for rank 0 (node 0" in line and not ranks.exits

@@ -4,7 +4,8 @@ hold the others for the process-group timeout. Here a thread of each waiting ran
 per rank in the job's store) and how long each one not arrived has not beaten: one still beating is finishing (its
 own watchdog bounds it); one that stopped beating (done, or silent) and has not arrived after
 `launcher.peer_timeout_s` is named and the run ends (exit PEER_LOST_EXIT, heartbeat's report); a line now and then
-meanwhile. A store gone once the barrier passed (rank 0, its host, left) is not a failure.
+meanwhile, from the lowest-numbered rank of each node that arrived. A store gone once the barrier passed (rank 0,
+its host, left) is not a failure.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable, Dict, List, Tuple
 
 import dsrecipes.core.heartbeat as heartbeat
 import dsrecipes.core.stall as stall
@@ -45,6 +46,7 @@ def _watch(beat: "heartbeat.Heartbeat", done: threading.Event) -> None:
         try:
             missing = [r for r in range(beat.world_size) if not beat.store.check([beat._key("final", r)])]
             beats = beat.store.multi_get([beat._key("beat", r) for r in missing]) if missing else []
+            beat.learn_places()
         except Exception as exc:  # noqa: BLE001 - rank 0, the store's host, leaves once past the barrier
             if not done.wait(heartbeat.CRASH_GRACE_S):
                 beat._fail([], f"the job's store at {beat._store_name()} stopped answering at the run's final "
@@ -56,8 +58,23 @@ def _watch(beat: "heartbeat.Heartbeat", done: threading.Event) -> None:
         silent = [r for r in missing if now - since[r] > beat.timeout_s]
         if silent:
             beat._fail(silent, f"no heartbeat for {beat.timeout_s:.0f} s and not at the run's final barrier")
-        if missing and beat.monitor and now >= note:
+        if missing and now >= note and _says(beat, missing):
             note = now + 3 * FINAL_NOTE_S
             print(f"dsrecipes: rank {beat.rank}: waiting {now - began:.0f} s at the run's final barrier for "
                   f"{', '.join(stall.where(w) for w in beat._describe(missing))} (one that stopped is named after "
                   f"launcher.peer_timeout_s={beat.timeout_s:.0f})", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _says(beat: "heartbeat.Heartbeat", missing: List[int]) -> bool:
+    """Whether this rank prints the waiting line: the lowest-numbered rank of its node that arrived (the first rank
+    of a node may be the late one), so each node's console has one. While not every rank's place is known (one never
+    registered): the first rank of each node, as before."""
+    places = beat._who
+    if len(places) < beat.world_size:
+        return beat.monitor
+    node = _node(places[beat.rank])
+    return beat.rank == min(r for r in range(beat.world_size) if r not in missing and _node(places[r]) == node)
+
+
+def _node(who: Dict[str, Any]) -> Tuple[Any, Any]:
+    return who.get("node"), who.get("host")

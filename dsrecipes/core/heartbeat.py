@@ -233,10 +233,15 @@ class Heartbeat:
         keys = [self._key("beat", r) for r in range(self.world_size)]
         if not self.store.check(keys):  # a rank that has not registered yet cannot be read without blocking
             return {r: v for r, v in ((r, self._peek(k)) for r, k in enumerate(keys)) if v is not None}
-        if len(self._who) < self.world_size:  # everyone is registered: learn where each rank runs, once
-            who = self.store.multi_get([self._key("who", r) for r in range(self.world_size)])
-            self._who = {r: json.loads(raw) for r, raw in enumerate(who)}
+        self.learn_places()  # everyone is registered
         return dict(enumerate(self.store.multi_get(keys)))
+
+    def learn_places(self) -> Dict[int, Dict[str, Any]]:
+        """Where each rank runs (whoami), read once every rank registered (one call: no rank ever waited for)."""
+        keys = [self._key("who", r) for r in range(self.world_size)]
+        if len(self._who) < self.world_size and self.store.check(keys):
+            self._who = {r: json.loads(raw) for r, raw in enumerate(self.store.multi_get(keys))}
+        return self._who
 
     def _peek(self, key: str) -> Optional[bytes]:
         return self.store.get(key) if self.store.check([key]) else None
