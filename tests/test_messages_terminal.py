@@ -202,3 +202,19 @@ def test_score_keeps_a_users_dangling_link_at_out(capsys, tmp_path):
     refused(capsys, ["score", str(model), "--pairs", str(tmp_path / "pairs.jsonl"), "--out", str(out)],
             f"--out: {out} exists (a symbolic link)")
     assert out.is_symlink() and not (tmp_path / "elsewhere.jsonl").exists()
+
+
+def test_a_command_naming_a_checkpoint_logs_into_its_run_not_into_the_checkpoint(tmp_path):
+    """`export RUN/checkpoints/step_N` (documented as RUN --tag step_N): the checkpoint holds a config.yaml, so the
+    command's log went to RUN/checkpoints/step_N/logs/export.log, a file the checkpoint was not written with; the
+    next export refused the checkpoint as damaged ('added later')."""
+    from dsrecipes.core.console import command_log
+
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_2"
+    step.mkdir(parents=True)
+    for where in (run, step):
+        (where / "config.yaml").write_text("{}")
+    (step / "complete.json").write_text("{}")
+    assert command_log([str(step), "--out", str(tmp_path / "x")], "export") == run / "logs" / "export.log"
+    assert command_log([str(run), "--out", str(step / "x")], "export") == run / "logs" / "export.log"

@@ -125,9 +125,15 @@ class _WarningRouter:
 def command_log(argv: List[str], command: str) -> Optional[Path]:
     """Where a model command (export, chat, prompt-eval) keeps third-party noise: `<run>/logs/<command>.log` of the
     first run directory (one holding config.yaml, or its export directory) named on its command line."""
+    from dsrecipes.core.rundir import CHECKPOINTS_DIR  # lazy: else `cli` imports yaml
+
     for arg in argv:
         named = Path(arg.partition("=")[2] if arg.startswith("--") else arg)  # a positional, or --flag=PATH
         for run in (named, named.parent):
+            # a checkpoint (RUN/checkpoints/step_N holds a config.yaml too) is signed file by file: a log written
+            # there damaged it (`export RUN/checkpoints/step_N` made the next export refuse it); its run's logs/
+            run = next((p.parent for p in (run, *run.parents) if p.name == CHECKPOINTS_DIR and _holds_config(p.parent)),
+                       run)
             if _holds_config(run):
                 return log_path(run, command)
     return None
