@@ -104,6 +104,8 @@ def test_the_shipped_recipes_have_no_flat_problems():
     ("objective=rm", "LLaMA-Factory's rm; here: objective: reward", "options:"),
     ("objective=ppo", "here: objective: grpo (online RL; there is no PPO here)", "did you mean dpo"),
     ("objective=simpo", "here: objective: dpo with objective.loss: simpo", "options:"),
+    ("zero=3", "zero=3: no option '3' in group 'zero'; did you mean stage3?", "Got int"),  # was Hydra's words alone
+    ("offload=cpu", "did you mean cpu_optimizer or cpu_optimizer_params?", "LLaMA"),
 ])  # fmt: skip
 def test_llamafactory_names_on_the_command_line_get_our_spelling_with_the_value(capsys, typed, words, not_words):
     """A group option that is LLaMA-Factory's name (a template, a dataset_info.json entry) and a key whose value
@@ -115,6 +117,9 @@ def test_llamafactory_names_on_the_command_line_get_our_spelling_with_the_value(
 def test_a_llamafactory_template_name_in_a_file_is_not_taken_for_a_typo():
     (problem,) = flat_problems({"template": "llama2"}, "f.yaml", lambda _: None)
     assert "template: auto" in problem and "llama3" not in problem, problem
+    (problem,) = flat_problems({"zero": 3}, "f.yaml", lambda _: None)  # was "expected a mapping for ZeroConfig"
+    assert problem == "f.yaml: zero=3: no option '3' in group 'zero'; did you mean stage3? (options: stage0, stage1, " \
+        "stage2, stage3)", problem
 
 
 def test_epochs_under_a_step_budget_is_a_warning(make_cfg):

@@ -56,9 +56,9 @@ def flat_problems(data: Dict[str, Any], where: str, line: Callable[[str], Option
 
 def _problems(key: str, value: Any, types: Dict[str, Any], options: Dict[str, List[str]]
               ) -> Iterator[Tuple[str, str]]:
-    if key in options and (isinstance(value, str) or value is None):
-        if value is not None and value not in options[key]:
-            yield key, _no_option(key, value, options[key])
+    if key in options and (isinstance(value, (str, int)) and not isinstance(value, bool) or value is None):
+        if value is not None and str(value) not in options[key]:  # `zero: 3`: a number for an option's name
+            yield key, _no_option(key, str(value), options[key])
         return
     tp = types.get(key)
     if tp is None:

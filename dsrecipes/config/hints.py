@@ -32,7 +32,8 @@ def explain(exc: BaseException, overrides: Sequence[str], fallback: str) -> str:
     """One message for a failed composition; `fallback` (Hydra's flattened text) when no rule applies."""
     chain = list(_chain(exc))
     context = _context(chain)
-    for rule in (_long_number, _no_such_name, _bad_override, _yaml_error, _missing_option, _unknown_group, _unknown_key, _bad_value):
+    for rule in (_long_number, _no_such_name, _number_option, _bad_override, _yaml_error, _missing_option, _unknown_group,
+                 _unknown_key, _bad_value):
         text = rule(chain, list(overrides))
         if text and context and not text.startswith(context):
             return f"{_at_line(context, text.split(':', 1)[0])}: {text}"
@@ -207,6 +208,22 @@ def _no_such_name(chain: List[BaseException], overrides: List[str]) -> str:
             return f"cannot parse override '{ov[:40]}': no key before '=' (write KEY=VALUE or GROUP=OPTION)"
         if long_name and len(key.encode()) > 255:
             return f"'{key[:40]}...' ({len(key)} characters): no such key or config group (see dsrecipes ls)"
+    return ""
+
+
+def _number_option(chain: List[BaseException], overrides: List[str]) -> str:
+    """`zero=3`: a number where a group takes an option name (Hydra: 'Config group override must be a string or a
+    list. Got int', naming neither the key nor the options)."""
+    if not any("Config group override must be a string or a list" in str(e) for e in chain):
+        return ""
+    options = group_options()
+    for ov in overrides:
+        group, _, value = ov.partition("=")
+        group = group.lstrip("+~")
+        names = options.get(group, [])
+        if names and value and value not in names:
+            return (f"{group}={value}: no option '{value}' in group '{group}'{phrase(closest(value, names))} "
+                    f"(options: {', '.join(names)}){_blame(group, overrides)}")
     return ""
 
 

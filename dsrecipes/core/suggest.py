@@ -34,10 +34,13 @@ def _plain(name: str) -> str:
 
 def closest(word: str, candidates: Iterable[str], limit: int = 3) -> List[str]:
     """Up to `limit` candidates within a typo's distance of `word`, closest first; then those that begin with it
-    (4 characters or more, `.` and `-` read as `_`): `model=smollm2` -> smollm2_135m, `model=qwen2.5` -> qwen2_5_0_5b."""
+    (3 characters or more, `.` and `-` read as `_`): `model=smollm2` -> smollm2_135m, `model=qwen2.5` -> qwen2_5_0_5b,
+    `offload=cpu` -> cpu_optimizer, cpu_optimizer_params. A number names the candidates ending in it: `zero=3` -> stage3."""
     scored = sorted((distance(word.lower(), c.lower()), c) for c in set(candidates) if c != word)
+    if word.isdigit():  # `zero=3` -> stage3, `precision=32` -> fp32
+        return [c for _, c in scored if c.endswith(word)][:limit]
     near = [c for d, c in scored if d <= _limit(word)]
-    longer = sorted(c for _, c in scored if len(word) >= 4 and _plain(c).startswith(_plain(word)) and c not in near)
+    longer = sorted(c for _, c in scored if len(word) >= 3 and _plain(c).startswith(_plain(word)) and c not in near)
     return (near + longer)[:limit]
 
 
