@@ -218,3 +218,17 @@ def test_a_command_naming_a_checkpoint_logs_into_its_run_not_into_the_checkpoint
     (step / "complete.json").write_text("{}")
     assert command_log([str(step), "--out", str(tmp_path / "x")], "export") == run / "logs" / "export.log"
     assert command_log([str(run), "--out", str(step / "x")], "export") == run / "logs" / "export.log"
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('{"base_model_name_or_path": 5}', "a LoRA adapter whose base model 5 is not a local model directory"),
+    ('{"base_model_name_or_path": ["a"]}', "a LoRA adapter whose base model ['a'] is not"),
+    ('{"base_model_name_or_path": "x",', "adapter_config.json: unreadable (Expecting"),
+    ('\udcff', "adapter_config.json: unreadable ('utf-8' codec can't decode"),
+    ('[1]', "adapter_config.json: holds a list, not a JSON object"),
+])
+def test_a_hostile_adapter_config_is_one_message(capsys, tmp_path, text, needle):
+    """chat / prompt-eval on an adapter export: a base that is not a string (TypeError), or an adapter_config.json
+    that is not JSON or not UTF-8 (JSONDecodeError / UnicodeDecodeError) were tracebacks."""
+    (tmp_path / "adapter_config.json").write_bytes(text.encode("utf-8", "surrogateescape"))
+    refused(capsys, ["chat", str(tmp_path), "--message", "hi"], needle)

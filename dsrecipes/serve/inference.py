@@ -52,8 +52,8 @@ def resolve_model_path(arg: str, baseline: bool = False, retry: str = "dsrecipes
         return _from_run(p, baseline, retry)
     if (p / "adapter_config.json").is_file():
         check_loadable(p, retry, adapter=True)
-        base = json.loads((p / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
-        if not base or not (Path(base) / "config.json").is_file():
+        base = adapter_config(p).get("base_model_name_or_path")
+        if not base or not isinstance(base, str) or not (Path(base) / "config.json").is_file():
             raise UserError(f"{p}: a LoRA adapter whose base model {base!r} is not a local model directory here")
         check_loadable(Path(base), retry)
         return ModelPath(p, True, Path(base), _run_of(p))
@@ -62,6 +62,18 @@ def resolve_model_path(arg: str, baseline: bool = False, retry: str = "dsrecipes
         return ModelPath(p, False, None, _run_of(p))
     raise UserError(f"{arg}: not a run directory, a Hugging Face model directory (config.json) or a LoRA adapter "
                     "export (adapter_config.json)")
+
+
+def adapter_config(model_dir: Path) -> Dict[str, Any]:
+    """`model_dir`/adapter_config.json as a JSON object, or one UserError naming the file."""
+    path = model_dir / "adapter_config.json"
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise UserError(f"{path}: unreadable ({exc}); nothing was loaded") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: holds a {type(data).__name__}, not a JSON object; nothing was loaded")
+    return data
 
 
 def check_loadable(model_dir: Path, retry: str, adapter: bool = False) -> None:

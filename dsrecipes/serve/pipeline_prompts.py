@@ -16,7 +16,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from dsrecipes.core.export_dir import EXPORT_DIR
 from dsrecipes.core.fileio import atomic_write_text
-from dsrecipes.serve.inference import ChatModel, resolve_model_path
+from dsrecipes.serve.inference import ChatModel, adapter_config, resolve_model_path
 from dsrecipes.serve.prompt_eval import PromptRow, Score, evaluate, prompt_rows
 
 PROMPTS_MD = "pipeline_prompts.md"
@@ -48,8 +48,7 @@ def answer_stages(out: Path, stages: Sequence[Tuple[str, Path]], limit: int, max
 def generates(export: Path) -> bool:
     """Whether an export is a causal language model (its config.json's architectures), or a LoRA adapter of one."""
     if (export / "adapter_config.json").is_file():
-        return json.loads((export / "adapter_config.json").read_text(encoding="utf-8")).get("task_type") in (
-            None, "CAUSAL_LM")
+        return adapter_config(export).get("task_type") in (None, "CAUSAL_LM")
     try:
         config = json.loads((export / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
