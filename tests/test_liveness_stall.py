@@ -7,6 +7,7 @@ alive but never answering) kept beating, and its peers waited for the process-gr
 from __future__ import annotations
 
 import json
+import threading
 import time
 from datetime import timedelta
 
@@ -35,6 +36,7 @@ def job(tmp_path, monkeypatch):
 
     def exit_thread(code):
         exits.append(code)
+        start.exiting.append(threading.get_ident())
         raise SystemExit(code)  # ends the heartbeat thread quietly, not the test process
 
     monkeypatch.setattr(heartbeat.os, "_exit", exit_thread)
@@ -50,7 +52,7 @@ def job(tmp_path, monkeypatch):
             hb.start()
         return beats
 
-    start.exits = exits
+    start.exits, start.exiting = exits, []  # the codes, and the threads that exited, in order
     yield start
     for hb in beats:
         hb._stop.set()
@@ -86,13 +88,67 @@ def test_past_the_timeout_the_run_ends_naming_the_stalled_rank_and_phase(job, tm
     mark(r1.progress, "data", 12)
     assert wait_for(lambda: job.exits, 5), capsys.readouterr().err
     assert 0.6 <= time.monotonic() - started < 3
-    assert job.exits == [heartbeat.PEER_LOST_EXIT]
+    assert wait_for(lambda: len(job.exits) == 2, 5) and job.exits == [heartbeat.PEER_LOST_EXIT] * 2  # and rank 1
     record = heartbeat.read_failure(tmp_path)
     assert record["lost"] == [] and [(w["rank"], w["step"], w["phase"]) for w in record["stalled"]] == [(1, 12, "data")]
     message = heartbeat.describe_failure(record)
     assert message.startswith("the run stalled: rank 1 (node") and "phase data (next batch)" in message, message
     assert "launcher.stall_timeout_s=1" in message and "stopped responding" not in message, message
     assert "the run stalled: rank 1" in capsys.readouterr().err
+
+
+@pytest.fixture
+def failure_lookups(monkeypatch):
+    """The file-system lookups of <run>/failure.json (opened, stat'ed: is_file, exists) from now on."""
+    from pathlib import Path
+
+    looked = []
+
+    def counting(method):
+        def wrapper(self, *args, **kwargs):
+            if Path(self).name == heartbeat.FAILURE_FILE:
+                looked.append(method.__name__)
+            return method(self, *args, **kwargs)
+
+        return wrapper
+
+    for name in ("open", "stat"):
+        monkeypatch.setattr(Path, name, counting(getattr(Path, name)))
+    return looked
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's stand-in exit
+def test_a_report_reaches_the_other_ranks_through_the_store(job, tmp_path, failure_lookups):
+    """A rank learns that another rank's heartbeat ended the run from the store it beats in anyway, not by looking
+    at failure.json every beat (hundreds of ranks on a shared file system); the reporter (rank 0: under
+    launcher=deepspeed the store's host) exits after the others read it, so none meets a store gone (a C++ stack)."""
+    r0, r1 = job(0, 0.8)
+    time.sleep(0.3)  # 6 beats of each rank: before, 12 opens of failure.json
+    assert failure_lookups == [] and not job.exits
+    mark(r1.progress, "data", 12)  # rank 1 stalls: rank 0 reports it, rank 1 follows
+    assert wait_for(lambda: len(job.exits) == 2, 5), job.exits
+    r0._thread.join(timeout=5)
+    assert not r0._thread.is_alive() and job.exits == [heartbeat.PEER_LOST_EXIT] * 2
+    assert r1._thread.ident in job.exiting[:1], "the reporter exited first: its store gone under the others"
+    assert failure_lookups == [] and heartbeat.read_failure(tmp_path)["stalled"][0]["rank"] == 1
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's stand-in exit
+def test_a_rank_whose_store_is_gone_after_a_report_stops_quietly(job, tmp_path, capsys):
+    """The reporter did not wait for this rank (it exited; its store with it): the file, the durable record, says
+    the run is over; this rank stops without a report or a line of its own."""
+    r0, r1 = job(0, 0)
+    report = {"lost": [{"rank": 0, "node": 0, "host": "h"}], "reason": "no heartbeat for 10 s", "time": time.time()}
+    heartbeat.write_failure(tmp_path, report)
+
+    class Gone:
+        def __getattr__(self, name):
+            raise RuntimeError("Connection reset by peer")
+
+    r0._stop.set()
+    r1.store = Gone()
+    assert wait_for(lambda: job.exits, 5) and job.exits == [heartbeat.PEER_LOST_EXIT]
+    assert heartbeat.read_failure(tmp_path) == report and "dsrecipes" not in capsys.readouterr().err
 
 
 def test_ranks_that_make_progress_never_trigger_it(job, capsys):

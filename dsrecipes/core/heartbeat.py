@@ -5,9 +5,10 @@ next collective until the process-group timeout (30 minutes by default). Instead
 that bumps its counter in the job's TCPStore (MASTER_ADDR:MASTER_PORT: rank 0's store, or torchrun's agent store)
 every second; the first rank of each node also reads every counter. A counter that stops moving for
 `launcher.peer_timeout_s`, or a store that stops answering for that long, ends this rank (exit PEER_LOST_EXIT) after
-it wrote `<run>/failure.json`: which ranks went silent, on which node (node rank, host, address). The launcher of
-each surviving node then stops its other ranks, and the launching process names the failed node from that file
-(`describe_failure`). A rank that crashes on a broken connection (a killed peer does close its sockets) first asks
+it wrote `<run>/failure.json`: which ranks went silent, on which node (node rank, host, address). It tells the other
+ranks in the store too, where they look in their next beat (not in the file: hundreds of ranks each second on a
+shared file system), and they stop quietly. The launcher of each surviving node then stops its other ranks, and the
+launching process names the failed node from that file (`describe_failure`). A rank that crashes on a broken connection (a killed peer does close its sockets) first asks
 the same counters who is gone (`explain_crash`), so both ways end in the same report.
 
 Every rank starts beating right after the rendezvous, before the process group starts (a rank never seen beating
@@ -269,29 +270,57 @@ class Heartbeat:
         self._exit(first, mine=first is record)
 
     def _follow(self) -> None:
-        """Another rank's heartbeat ended the run (its report of this session stands in failure.json): this rank
-        stops too, before its next store call meets the store of a rank that is gone (torch prints a C++ stack)."""
-        report = read_failure(self.run_dir)
-        if report is None or "lost" not in report or report.get("time", 0) < self.started or self._stop.is_set():
+        """Another rank's heartbeat ended the run (its report stands: `_publish`): this rank stops too, before its
+        next store call meets the store of a rank that is gone (torch prints a C++ stack). Read in the store, which
+        this beat talks to anyway (a key per job and session), not in failure.json: hundreds of ranks looking at a
+        file every second would load a shared file system. A store already gone ends in `_fail`, which finds the
+        report in the file (the first one stands) and stops as quietly."""
+        if self._stop.is_set() or not self.store.check([self._key("failure", 0)]):
             return
+        report = json.loads(self.store.get(self._key("failure", 0)))
+        self.store.add(self._key("followed", 0), 1)
         if self._failing.acquire(blocking=False):
             self._exit(report, mine=False)
+
+    def _publish(self, report: Dict[str, Any]) -> int:
+        """Tell the other ranks (`_follow`) that this rank's report stands; returns how many ranks still beat and
+        should read it (`_await_followers`). Not for a store that stopped answering (no call may hang here), nor for
+        a lone rank."""
+        if self.world_size < 2 or not (report.get("lost") or report.get("stalled")):
+            return 0
+        self.store.set(self._key("failure", 0), json.dumps(report))
+        return self.world_size - len({int(w["rank"]) for w in report.get("lost", [])} | {self.rank})
+
+    def _await_followers(self, followers: int) -> None:
+        """Keep this process, maybe the store's host (launcher=deepspeed: rank 0), up until `followers` ranks read
+        the report, so none meets a store gone; bounded: 2 beats (a rank at the final barrier no longer reads)."""
+        deadline = time.monotonic() + 2 * INTERVAL_S
+        while followers > 0 and int(self.store.add(self._key("followed", 0), 0)) < followers:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(INTERVAL_S / 10)
 
     def _exit(self, first: Dict[str, Any], mine: bool) -> None:
         """End this process with PEER_LOST_EXIT, its DataLoader workers first (`before_exit`, bounded). One message:
         the first report's, said by the launching process where one supervises (core/runplan.reported_by_launcher),
-        else by the rank that wrote it. In the launching process (launcher=local) the run ends as any failed one: an
-        `error:` line and result.json (written last: the main thread may wake when its workers die)."""
-        message = describe_failure(first)
+        else by the rank that wrote it, which then tells the others (`_publish`). In the launching process
+        (launcher=local) the run ends as any failed one: an `error:` line and result.json (written last: the main
+        thread may wake when its workers die)."""
         try:
+            message = describe_failure(first)
             if self.in_process:
                 print(f"error: {message}. Run the same command again to resume from the last checkpoint "
                       "(trainer.resume=auto)", file=sys.stderr, flush=True)  # fmt: skip
             elif mine and not reported_by_launcher(self.run_dir):
                 print(f"dsrecipes: {message}; stopping rank {self.rank}", file=sys.stderr, flush=True)
+            followers = 0
+            with contextlib.suppress(Exception):
+                followers = self._publish(first) if mine else 0
             with contextlib.suppress(Exception):
                 if self.before_exit is not None:
                     self.before_exit()
+            with contextlib.suppress(Exception):
+                self._await_followers(followers)
             if self.in_process:
                 write_result(self.run_dir, PEER_LOST_EXIT, message)
             sys.stdout.flush()
