@@ -232,3 +232,18 @@ def test_a_hostile_adapter_config_is_one_message(capsys, tmp_path, text, needle)
     that is not JSON or not UTF-8 (JSONDecodeError / UnicodeDecodeError) were tracebacks."""
     (tmp_path / "adapter_config.json").write_bytes(text.encode("utf-8", "surrogateescape"))
     refused(capsys, ["chat", str(tmp_path), "--message", "hi"], needle)
+
+
+def test_a_model_directory_transformers_cannot_read_is_one_message(capsys, tmp_path):
+    """A base model directory nobody signed, with a tokenizer.json that is not JSON: chat printed transformers'
+    JSONDecodeError traceback (exit 1)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "tokenizer.json").write_text("{bad")
+    refused(capsys, ["chat", str(tmp_path), "--message", "hi"],
+            f"{tmp_path}: does not load as a chat model (JSONDecodeError: ")

@@ -119,16 +119,12 @@ def read_pairs(path: Path) -> List[Tuple[int, Pair]]:
 def load_scorer(path: Path) -> Tuple[Any, Any]:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    try:
-        with no_custom_code("EXPORT", str(path)):
-            tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
-            model = AutoModelForSequenceClassification.from_pretrained(str(path), trust_remote_code=False,
-                                                                       use_safetensors=True)
-    except UserError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - whatever transformers raises on a broken directory
-        raise UserError(f"{path}: does not load as a sequence-classification model "
-                        f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+    from dsrecipes.serve.inference import loading  # lazy: torch
+
+    with no_custom_code("EXPORT", str(path)), loading(path, "a sequence-classification model"):
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        model = AutoModelForSequenceClassification.from_pretrained(str(path), trust_remote_code=False,
+                                                                   use_safetensors=True)
     if model.config.num_labels != 1:
         raise UserError(f"{path}: a reward model has one label (a scalar score), this one has {model.config.num_labels}")
     if tokenizer.pad_token is None:

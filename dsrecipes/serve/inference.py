@@ -137,7 +137,7 @@ class ChatModel:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.where = where
-        with no_custom_code("model", str(where.path)):
+        with no_custom_code("model", str(where.path)), loading(where.path, "a chat model"):
             self.tokenizer = AutoTokenizer.from_pretrained(str(where.path), trust_remote_code=False)
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
@@ -147,7 +147,7 @@ class ChatModel:
             self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
         device = "cuda" if torch.cuda.is_available() else "cpu"
         source = where.base if where.adapter else where.path
-        with weights_only_refusal(source):  # transformers reads *.bin with torch.load(weights_only=True)
+        with weights_only_refusal(source), loading(source, "a chat model"):  # *.bin: torch.load(weights_only=True)
             model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32, trust_remote_code=False)
             if where.adapter:
                 from peft import PeftModel
@@ -207,6 +207,20 @@ def weights_only_refusal(path: Path) -> Iterator[None]:
     except pickle.UnpicklingError as exc:
         raise UserError(f"{path}: refusing to load its weights: a pickle that holds more than tensors "
                         f"({str(exc).splitlines()[0]}); nothing of it ran")
+
+
+@contextmanager
+def loading(path: Path, what: str) -> Iterator[None]:
+    """transformers / peft reading a model directory (a base model, a download: nobody signed it): a file it cannot
+    use (a tokenizer.json that is not JSON, a config value of the wrong type, a state dict of another shape) is one
+    message naming the directory, not the library's traceback."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises on a broken directory
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise UserError(f"{path}: does not load as {what} ({type(exc).__name__}: {first}); nothing was loaded") from None
 
 
 def _as_list(value: Any) -> List[int]:
