@@ -23,6 +23,7 @@ from dsrecipes.core.errors import ConfigError, UserError
 from dsrecipes.core.locks import ExclusiveLock
 from dsrecipes.run.pipeline import LOCK_FILE, STATE_FILE, run_pipeline, stage_argv
 from tests.conftest import REPO, in_process_environ, subprocess_env
+from tests.faults import fault_env
 
 TINY = """\
 prompts: {limit: 2, max_new_tokens: 4}
@@ -153,16 +154,18 @@ def test_a_stage_refused_by_train_stops_the_cli_with_exit_2(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_tiny_sft_then_dpo_killed_mid_stage_resumes_without_rerunning_sft(tmp_path):
-    """The real thing on the tiny model: SIGKILL of the pipeline's process group while DPO trains (its second
-    checkpoint written), then the same command: SFT is not run again, DPO resumes from its checkpoint, on the
-    SFT export, reading only its share of the pairs; the summary compares the stages."""
+    """The real thing on the tiny model: SIGKILL of the pipeline's process group while DPO trains (its third
+    checkpoint written, then held there: tests/faults.py stall_after_step, so the kill never races the stage's end
+    under load), then the same command: SFT is not run again, DPO resumes from its checkpoint, on the SFT export,
+    reading only its share of the pairs; the summary compares the stages."""
     from dsrecipes.cli import main
 
     path, out = write(tmp_path, TINY), tmp_path / "out"
     cmd = [sys.executable, "-m", "dsrecipes", "pipeline", str(path), "--out", str(out)]
     log = tmp_path / "first.log"
+    held = fault_env(tmp_path, stall_after_step=3)["PYTHONPATH"]  # SFT has 2 steps: only DPO is held
     with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=subprocess_env({"PYTHONPATH": str(REPO)}),
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=subprocess_env({"PYTHONPATH": held + os.pathsep + str(REPO)}),
                                 start_new_session=True, stdout=fh, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     try:
@@ -173,6 +176,7 @@ def test_tiny_sft_then_dpo_killed_mid_stage_resumes_without_rerunning_sft(tmp_pa
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
+    assert not (out / "dpo" / "checkpoints" / "step_4").exists()  # held at step 3 until the kill
     sft_result = (out / "sft" / "result.json").stat().st_mtime_ns
     with in_process_environ():
         assert main(["pipeline", str(path), "--out", str(out)]) == 0
