@@ -13,6 +13,7 @@ Heartbeats of two ranks in this process on an in-process TCPStore, beats every 0
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from datetime import timedelta
@@ -151,7 +152,7 @@ def test_a_peer_still_beating_is_waited_for_and_the_barrier_ends_when_it_arrives
     err = capsys.readouterr().err
     assert "at the run's final barrier for rank 1 (node 0" in err and "launcher.peer_timeout_s=0" in err, err
     r1.stop()
-    r1.store.set(r1._key("final", 1), "1")  # rank 1 arrives: the barrier ends
+    final_barrier.arrive(r1)  # rank 1 arrives: the barrier ends
     held.set()
     at.join(timeout=5)
     time.sleep(0.3)
@@ -177,3 +178,36 @@ def test_the_waiting_line_comes_from_a_rank_that_waits(ranks, monkeypatch, capsy
     at.join(timeout=5)
     line = "".join(err)
     assert "dsrecipes: rank 1: waiting 0 s at the run's final barrier for rank 0 (node 0" in line and not ranks.exits
+
+
+def test_a_waiting_rank_reads_who_arrived_in_one_call_whatever_the_world_size(ranks, tmp_path, monkeypatch):
+    """Each waiting rank looks once a beat: a key per rank looked up one by one (before: 64 calls a beat in a job of
+    64 ranks, world size squared calls a second on the store) is one list read in one call."""
+    calls = []
+
+    class Counting:
+        def __init__(self, store):
+            self.store = store
+
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(self.store, name)
+
+    hb = heartbeat.Heartbeat(tmp_path, 0, 64, 30.0, stall.Watch(0, 0))  # 63 ranks still beating, not at the barrier
+    hb.start()
+    hb.stop()
+    for r in range(1, 64):
+        hb.store.set(hb._key("who", r), json.dumps({"rank": r, "node": 0, "host": "h"}))
+        hb.store.add(hb._key("beat", r), 1)
+    hb.store = Counting(hb.store)
+    monkeypatch.setattr(heartbeat, "_stopped", hb)
+    held = threading.Event()
+    at = threading.Thread(target=final_barrier.final_barrier, args=(lambda: held.wait(10),), daemon=True)
+    at.start()
+    try:
+        assert wait_for(lambda: calls.count("multi_get") >= 4, 3), calls
+    finally:
+        held.set()
+    at.join(timeout=5)
+    looks = [c for c in calls if c != "append"]
+    assert len(looks) <= 4 * calls.count("get") and not ranks.exits, calls  # arrived; beats: check, read; places

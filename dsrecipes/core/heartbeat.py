@@ -173,7 +173,7 @@ class Heartbeat:
                         last_change = {r: t + starved for r, t in last_change.items()}
                         if self.watch is not None:
                             self.watch.shift(starved)
-                    beats = self._read_beats()
+                    beats = self.read_beats()
                     for r, value in beats.items():
                         if last_value.get(r) != value:
                             last_value[r], last_change[r] = value, now
@@ -230,12 +230,14 @@ class Heartbeat:
             if now - self._last_ok > self.timeout_s + 2 * INTERVAL_S:
                 self._fail([], f"the job's store at {self._store_name()} did not answer for {self.timeout_s:.0f} s")
 
-    def _read_beats(self) -> Dict[int, bytes]:
-        keys = [self._key("beat", r) for r in range(self.world_size)]
+    def read_beats(self, ranks: Optional[List[int]] = None) -> Dict[int, bytes]:
+        """The counters of `ranks` (all), in one call once each registered (none missing: no call ever blocks)."""
+        ranks = list(range(self.world_size)) if ranks is None else ranks
+        keys = [self._key("beat", r) for r in ranks]
         if not self.store.check(keys):  # a rank that has not registered yet cannot be read without blocking
-            return {r: v for r, v in ((r, self._peek(k)) for r, k in enumerate(keys)) if v is not None}
-        self.learn_places()  # everyone is registered
-        return dict(enumerate(self.store.multi_get(keys)))
+            return {r: v for r, v in ((r, self._peek(k)) for r, k in zip(ranks, keys)) if v is not None}
+        self.learn_places()
+        return dict(zip(ranks, self.store.multi_get(keys)))
 
     def learn_places(self) -> Dict[int, Dict[str, Any]]:
         """Where each rank runs (whoami), read once every rank registered (one call: no rank ever waited for)."""
