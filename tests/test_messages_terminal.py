@@ -247,3 +247,22 @@ def test_a_model_directory_transformers_cannot_read_is_one_message(capsys, tmp_p
     (tmp_path / "tokenizer.json").write_text("{bad")
     refused(capsys, ["chat", str(tmp_path), "--message", "hi"],
             f"{tmp_path}: does not load as a chat model (JSONDecodeError: ")
+
+
+def test_a_model_config_of_the_wrong_type_is_a_config_error_naming_the_key(tmp_path):
+    """model.path with config.json vocab_size: "x" passed validate, and training's first load of the tokenizer was
+    huggingface_hub's StrictDataclassFieldValidationError traceback (an Exception, not the ValueError caught)."""
+    import json
+    import shutil
+
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.core.errors import ConfigError
+    from dsrecipes.core.paths import TINY_TOKENIZER_DIR
+    from dsrecipes.core.tokenizer import load_tokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(TINY_TOKENIZER_DIR, model)
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": "x"}))
+    cfg = compose_and_load([f"model.tokenizer_path={model}"], check_files=False)
+    with pytest.raises(ConfigError, match=rf"^model\.tokenizer_path: {model} does not load as a tokenizer: Valid"):
+        load_tokenizer(cfg)

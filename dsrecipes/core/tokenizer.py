@@ -44,7 +44,8 @@ def load_tokenizer(cfg: TrainConfig):
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except ConfigError:
         raise
-    except (OSError, ValueError) as exc:  # no such directory, no tokenizer files in it, an uncached Hub id offline
+    except Exception as exc:  # noqa: BLE001 - no such directory, no tokenizer files, an uncached Hub id offline,
+        # a config value of the wrong type (huggingface_hub's StrictDataclassFieldValidationError: an Exception)
         raise ConfigError(f"{key}: {path} does not load as a tokenizer: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
