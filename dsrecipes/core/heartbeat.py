@@ -44,6 +44,7 @@ DONE = b"done"
 INTERVAL_S = 1.0
 CRASH_GRACE_S = 4.0  # after a broken collective: a peer silent this long is gone
 QUIET_S = 2.5 * INTERVAL_S  # not beating now: reported along with a peer past the timeout
+FOLLOW_S = 2 * INTERVAL_S  # a reporting rank stays up this long at most for the others to read its report
 
 _current: Optional["Heartbeat"] = None
 _stopped: Optional["Heartbeat"] = None  # stopped before the final barrier, which it watches
@@ -295,8 +296,8 @@ class Heartbeat:
 
     def _await_followers(self, followers: int) -> None:
         """Keep this process, maybe the store's host (launcher=deepspeed: rank 0), up until `followers` ranks read
-        the report, so none meets a store gone; bounded: 2 beats (a rank at the final barrier no longer reads)."""
-        deadline = time.monotonic() + 2 * INTERVAL_S
+        the report, so none meets a store gone; bounded: FOLLOW_S (a rank at the final barrier no longer reads)."""
+        deadline = time.monotonic() + FOLLOW_S
         while followers > 0 and int(self.store.add(self._key("followed", 0), 0)) < followers:
             if time.monotonic() > deadline:
                 return
