@@ -147,7 +147,7 @@ class ChatModel:
             self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
         device = "cuda" if torch.cuda.is_available() else "cpu"
         source = where.base if where.adapter else where.path
-        with weights_only_refusal(source), loading(source, "a chat model"):  # *.bin: torch.load(weights_only=True)
+        with loading(source, "a chat model"), weights_only_refusal(source):  # *.bin: torch.load(weights_only=True)
             model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32, trust_remote_code=False)
             if where.adapter:
                 from peft import PeftModel
