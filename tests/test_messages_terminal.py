@@ -266,3 +266,21 @@ def test_a_model_config_of_the_wrong_type_is_a_config_error_naming_the_key(tmp_p
     cfg = compose_and_load([f"model.tokenizer_path={model}"], check_files=False)
     with pytest.raises(ConfigError, match=rf"^model\.tokenizer_path: {model} does not load as a tokenizer: Valid"):
         load_tokenizer(cfg)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name, text, needle", [
+    ("rank0.jsonl", None, "rank0.jsonl is not a regular file"),  # a FIFO: the audit waited for a writer for ever
+    ("rankX.jsonl", "{}", "rankX.jsonl is not a rank's ledger (rank<N>.jsonl"),  # was int()'s ValueError
+    ("rank0.jsonl", "{bad\n", "rank0.jsonl:1: not a ledger record (not JSON"),  # was JSONDecodeError
+    ("rank0.jsonl", '{"epoch": 0, "step": 1, "ids": ["a"]}\n[1]\n', "rank0.jsonl:2: not a ledger record"),
+])
+def test_audit_ledger_of_a_hostile_run_directory_is_one_message(capsys, tmp_path, name, text, needle):
+    import os
+
+    (tmp_path / "ledger").mkdir()
+    if text is None:
+        os.mkfifo(tmp_path / "ledger" / name)
+    else:
+        (tmp_path / "ledger" / name).write_text(text)
+    refused(capsys, ["audit", "--ledger", str(tmp_path)], needle)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import List
 
@@ -40,9 +41,7 @@ def main(argv: List[str]) -> int:
     if args.num_workers is not None:
         overrides.append(f"data.num_workers={args.num_workers}")
     if args.ledger:
-        if not Path(args.ledger, LEDGER_DIR).is_dir():  # nothing to check is a wrong directory, not a violation
-            raise UserError(f"--ledger: {args.ledger} holds no {LEDGER_DIR}/ directory; give the run directory of a "
-                            "run trained with trainer.record_samples=true")
+        check_ledger_files(Path(args.ledger))
         ledger = verify_ledgers(args.ledger)
         print(ledger.summary())
         return 0 if ledger.ok else 1
@@ -60,3 +59,18 @@ def main(argv: List[str]) -> int:
     report = audit_config(cfg, world, args.epochs, args.num_rows)
     print(report.render(args.verbose))
     return 0 if report.ok and split_ok else 1
+
+
+def check_ledger_files(run: Path) -> None:
+    """What verify_ledgers reads is rank<N>.jsonl regular files: a FIFO there blocked the audit for ever, and
+    `rankX.jsonl` was int()'s ValueError traceback."""
+    ledger = run / LEDGER_DIR
+    if not ledger.is_dir():  # nothing to check is a wrong directory, not a violation
+        raise UserError(f"--ledger: {run} holds no {LEDGER_DIR}/ directory; give the run directory of a run trained "
+                        "with trainer.record_samples=true")
+    for path in sorted(ledger.glob("rank*.jsonl")):
+        if not re.fullmatch(r"rank\d+\.jsonl", path.name):
+            raise UserError(f"--ledger: {path} is not a rank's ledger (rank<N>.jsonl, N a rank); move it out of {ledger}")
+        if not path.is_file():
+            raise UserError(f"--ledger: {path} is not a regular file (a FIFO, socket, device or directory); a rank's "
+                            "ledger is a file the run wrote")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
+from dsrecipes.core.errors import DataError
 from dsrecipes.core.fileio import open_append
 
 LEDGER_DIR = "ledger"
@@ -48,11 +49,11 @@ def read_ledger(path: str | os.PathLike) -> Dict[Tuple[int, int], List[str]]:
     """(epoch, step) -> ids of one rank, in step order, with resumed sessions replacing replayed steps."""
     steps: Dict[Tuple[int, int], List[str]] = {}
     new_session = False
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for line_no, line in enumerate(fh, 1):
             if not line.strip():
                 continue
-            rec = json.loads(line)
+            rec = _record(path, line_no, line)
             if "session" in rec:
                 new_session = True
                 continue
@@ -62,6 +63,21 @@ def read_ledger(path: str | os.PathLike) -> Dict[Tuple[int, int], List[str]]:
                 new_session = False
             steps.setdefault(key, []).extend(rec["ids"])
     return steps
+
+
+def _record(path: str | os.PathLike, line_no: int, line: str) -> Dict:
+    """One ledger line: a session mark, or {epoch, step: whole numbers, ids: strings}; else DataError at file:line
+    (`audit --ledger` reads a run directory it did not write)."""
+    try:
+        rec = json.loads(line)
+    except ValueError as exc:
+        raise DataError(f"{path}:{line_no}: not a ledger record (not JSON: {exc})") from None
+    if isinstance(rec, dict) and ("session" in rec or (
+            all(isinstance(rec.get(k), int) and not isinstance(rec.get(k), bool) for k in ("epoch", "step"))
+            and isinstance(rec.get("ids"), list) and all(isinstance(i, (str, int)) for i in rec["ids"]))):
+        return rec
+    raise DataError(f"{path}:{line_no}: not a ledger record (a session mark, or epoch and step numbers and a list of "
+                    "sample ids)")
 
 
 @dataclass
