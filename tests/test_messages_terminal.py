@@ -284,3 +284,9 @@ def test_audit_ledger_of_a_hostile_run_directory_is_one_message(capsys, tmp_path
     else:
         (tmp_path / "ledger" / name).write_text(text)
     refused(capsys, ["audit", "--ledger", str(tmp_path)], needle)
+
+
+def test_audit_refuses_more_rank_epochs_than_minutes_hold(capsys):
+    """`audit --world-size 16384 --epochs 1000` (each within its bound) simulated for minutes without a line."""
+    refused(capsys, ["audit", "--world-size", "16384", "--epochs", "1000"],
+            "--world-size 16384 x --epochs 1000: more than 2,000,000 rank-epochs")
