@@ -93,13 +93,6 @@ def clean_hydra_message(exc: BaseException) -> str:
     return " | ".join(kept[:2])
 
 
-def _chain(exc: BaseException) -> Iterator[BaseException]:
-    e: Optional[BaseException] = exc
-    while e is not None:
-        yield e
-        e = e.__cause__ or e.__context__
-
-
 def schema_keys(cls: Any = None, prefix: str = "") -> List[str]:
     """Every dotted key of the schema, inner nodes included (`model`, `model.lora`, `model.lora.r`, ...)."""
 
@@ -130,6 +123,7 @@ def group_names() -> List[str]:
 
 
 def _chain(exc: Optional[BaseException]) -> Iterator[BaseException]:
+    """`exc`, its cause or context, theirs, ...: each once (a cycle of contexts ends the walk)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
