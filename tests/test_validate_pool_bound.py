@@ -91,3 +91,13 @@ def test_a_dead_worker_has_its_chunks_composed_here(monkeypatch, capsys, two_cor
     assert sorted(outcome) == sorted(tuple(j) for j in jobs)
     assert "ended (exit code 9) before its last" in capsys.readouterr().err
     assert not _children() - before
+
+
+def test_a_long_validate_all_says_how_far_it_is_when_piped(monkeypatch, capsys, two_cores):
+    """`validate --all EXTRA` composes every combination with Hydra (~1.5 min on 2 cores) and, piped, printed
+    nothing until the end."""
+    jobs = two_cores
+    monkeypatch.setattr(validate, "_compose_chunk", lambda chunk: (time.sleep(0.05), _answer(chunk))[1])
+    monkeypatch.setattr(validate.Progress, "PIPED_LINE_S", 0.1)
+    validate._compose_parallel(jobs, validate.Progress(len(jobs)))
+    assert "compositions checked" in capsys.readouterr().err  # (capsys: not a terminal)
