@@ -153,3 +153,14 @@ def test_warmup_ratio_sets_the_warmup_of_the_schedule_and_wins_over_warmup_steps
     assert warmup_steps(SchedulerConfig(warmup_ratio=0.05), 30)[0] == 2  # ceil(1.5), as Hugging Face rounds
     assert warmup_steps(SchedulerConfig(warmup_ratio=0.0, warmup_steps=10), 30)[0] == 0
     assert lr_factor(SchedulerConfig(name=SchedulerKind.constant), 5, 100) == pytest.approx(0.5)  # unset: 10 steps
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["train", "--config", "my.yaml"], "unrecognized arguments: --config; a recipe file is given by its path: "
+                                       "dsrecipes train FILE.yaml"),  # (was: ambiguous option, --config-path ...)
+    (["train", "-c", "my.yaml"], "a recipe file is given by its path: dsrecipes train FILE.yaml"),
+    (["train", "--learning_rate", "1e-4"], "--learning_rate is another tool's flag: here the override optimizer.lr="),
+    (["validate", "--per-device-train-batch-size", "4"], "here the override trainer.micro_batch_size=VALUE"),
+])
+def test_another_tools_flags_say_what_to_write_here(capsys, argv, said):
+    assert said in _error(capsys, *argv)

@@ -14,6 +14,7 @@ import os
 import re
 from typing import Any, Callable, NoReturn, Sequence
 
+from dsrecipes.config.foreign_keys import FROM_OTHER_TOOLS
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.suggest import closest, phrase
 
@@ -72,6 +73,7 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Name
     if not parser.prog.startswith("dsrecipes "):  # Hydra's parser: `__main__.py` under `python -m dsrecipes`
         parser.prog = TRAIN_PROG
     parser.error = lambda message: usage_error(parser, message)  # type: ignore[method-assign]
+    parser.allow_abbrev = False  # `--config x.yaml` is not Hydra's --config-name/-path/-dir cut short
     args = parser.parse_intermixed_args(list(argv))
     for action in parser._actions:  # `--out "$DIR"` with DIR unset: never "the default" or the working directory
         value = getattr(args, action.dest, None)
@@ -82,8 +84,22 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Name
     return args
 
 
+RECIPE_FILE_HINT = "; a recipe file is given by its path: dsrecipes train FILE.yaml (or recipe=FILE.yaml)"
+
+
 def usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
     flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
     unknown = re.findall(r"(?<!\w)(--?[\w-]+)", message.partition("unrecognized arguments:")[2])
-    hint = "".join(phrase(closest(u, flags)) for u in unknown)
+    hint = "".join(_foreign_flag(u) or phrase(closest(u, flags)) for u in unknown)
+    if re.search(r"argument --cfg/-c: invalid choice: '[^']*\.ya?ml'", message):  # `-c my.yaml`: Hydra's --cfg
+        hint = RECIPE_FILE_HINT
     raise UserError(f"{parser.prog}: {message}{hint} (see {parser.prog} --help)")
+
+
+def _foreign_flag(flag: str) -> str:
+    """The hint for another tool's flag: `--config FILE` (LLaMA-Factory, TRL, axolotl), `--learning_rate 1e-4`
+    (HF TrainingArguments: our key, as an override)."""
+    if flag in ("--config", "--config_file", "--config-file"):
+        return RECIPE_FILE_HINT
+    ours = FROM_OTHER_TOOLS.get(flag.lstrip("-").replace("-", "_"))
+    return f"; {flag} is another tool's flag: here the override {ours}=VALUE" if flag.startswith("--") and ours else ""
