@@ -154,6 +154,7 @@ def test_train_help_is_dsrecipes_own(capsys):
     assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: dsrecipes [train]") and "powered by Hydra" not in out
+    assert "dsrecipes train FILE.yaml" in out.splitlines()[1]  # a recipe file of one's own, on the usage lines
     assert "schema" not in out.split("keys (")[0], "the internal schema group is listed"
     assert "  zero          *stage0 stage1 stage2 stage3" in out
     assert "  trainer.      micro_batch_size" in out and "report_to" in out and "recipe=/path/to/file.yaml" in out

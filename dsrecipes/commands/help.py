@@ -38,7 +38,9 @@ def train_help() -> str:
     width = min(shutil.get_terminal_size((120, 24)).columns, 120)
     intro = ("Compose a run from config groups (and a recipe), validate it, prepare the data, launch the ranks and "
              "train. Every mistake is one message and exit code 2, before anything starts.")
-    out = ["usage: dsrecipes [train] [GROUP=OPTION ...] [KEY=VALUE ...] [flags]", "", *textwrap.wrap(intro, width),
+    out = ["usage: dsrecipes [train] [GROUP=OPTION ...] [KEY=VALUE ...] [flags]",
+           "       dsrecipes train FILE.yaml [GROUP=OPTION ...] [KEY=VALUE ...] [flags]   (a recipe file of your own)",
+           "", *textwrap.wrap(intro, width),
            "", "config groups (GROUP=OPTION; * marks the default):"]
     defaults = _default_options()
     for group, options in group_options().items():
