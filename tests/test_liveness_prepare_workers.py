@@ -19,12 +19,13 @@ from dsrecipes.data.sources.badrows import BadRowReport
 from tests.fault_cases import outcome_within
 
 _real_encode_chunk = batch_encode._encode_chunk
+TEST_PROCESS = os.getpid()  # the faults below act in the preparation workers only
 
 
 def _dies_on_its_third_chunk(task):
     """What the OOM killer does to a worker mid-preparation (runs in the worker: forked after the patch)."""
     _dies_on_its_third_chunk.calls = getattr(_dies_on_its_third_chunk, "calls", 0) + 1
-    if _dies_on_its_third_chunk.calls == 3:
+    if _dies_on_its_third_chunk.calls == 3 and os.getpid() != TEST_PROCESS:  # never the test's own process
         os.kill(os.getpid(), signal.SIGKILL)
     return _real_encode_chunk(task)
 
@@ -109,7 +110,7 @@ def _stuck_deaf_on_its_second_chunk(task):
     """A worker stuck in C on its second chunk: SIGTERM has no effect (its Python handler never runs). It ends by
     itself after 30 s, so that the old code's wait does not outlive the test."""
     _stuck_deaf_on_its_second_chunk.calls = getattr(_stuck_deaf_on_its_second_chunk, "calls", 0) + 1
-    if _stuck_deaf_on_its_second_chunk.calls == 2:
+    if _stuck_deaf_on_its_second_chunk.calls == 2 and os.getpid() != TEST_PROCESS:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         import time
 
