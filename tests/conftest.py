@@ -9,6 +9,28 @@ from typing import Callable, Iterator
 
 import pytest
 
+# A watchdog thread of the product (core/heartbeat.py, core/final_barrier.py: `dsrecipes-*` threads) ends its rank
+# with os._exit. Tests that run one in this process patch os._exit for their duration; a thread that outlives its test
+# (a beat in flight when the fixture stopped it, a store deleted under it) would then call the real one and end this
+# pytest worker (xdist: "node down: Not properly terminated", and the run hangs at 99%). In this process only, such a
+# thread's os._exit ends the thread instead, and says so; forked children (their main thread) exit as always.
+_TEST_PROCESS, _real_exit = os.getpid(), os._exit
+
+
+def _exit_guard(code: int) -> None:
+    import sys
+    import threading
+
+    thread = threading.current_thread()
+    if os.getpid() == _TEST_PROCESS and thread.name.startswith("dsrecipes-"):
+        print(f"tests/conftest.py: thread {thread.name} called os._exit({code}) after its test; the thread ends "
+              "instead of the pytest process", file=sys.stderr, flush=True)
+        raise SystemExit(code)
+    _real_exit(code)
+
+
+os._exit = _exit_guard
+
 REPO = Path(__file__).resolve().parents[1]
 
 
