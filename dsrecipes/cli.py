@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import dsrecipes.boundary.trust as trust
 import dsrecipes.core.stopping as stopping
 from dsrecipes.commands.help import version_text
-from dsrecipes.core.console import command_log, quiet_third_party
+from dsrecipes.core.console import checked_output, command_log, quiet_third_party
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.suggest import closest, phrase
 
@@ -62,6 +62,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if hasattr(signal, "SIGPIPE"):
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `dsrecipes ls | head` ends quietly
     args = list(sys.argv[1:] if argv is None else argv)
+    trust.reset()  # trusting a checkpoint is a decision of one command line, never carried over
+    with checked_output():  # `dsrecipes show > /dev/full`: one message, not a traceback
+        return run_guarded(_route, args)
+
+
+def _route(args: List[str]) -> int:
     if args and args[0] in ("-h", "--help") and len(args) == 1:
         print(usage())
         return 0
@@ -72,9 +78,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         name, rest = args[0], args[1:]
     else:
         name, rest = "train", args
-
-    trust.reset()  # trusting a checkpoint is a decision of one command line, never carried over
-    return run_guarded(lambda argv: _check_command(args) or _dispatch(name, argv), rest)
+    _check_command(args)
+    return _dispatch(name, rest)
 
 
 def _dispatch(name: str, rest: List[str]) -> int:
@@ -92,7 +97,9 @@ def run_guarded(fn: Callable[[List[str]], int], argv: List[str]) -> int:
     does (stopping.raising; the launch records it instead, to stop at a step boundary): exit 143 or 130."""
     try:
         with stopping.raising(), _interrupts_not_swallowed():
-            return int(fn(argv) or 0)
+            code = int(fn(argv) or 0)
+            sys.stdout.flush()  # a full stdout (checked_output) fails here, as a message, not at interpreter exit
+            return code
     except UserError as exc:
         print(exc.render(), file=sys.stderr)
         return exc.exit_code

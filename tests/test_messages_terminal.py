@@ -290,3 +290,35 @@ def test_audit_refuses_more_rank_epochs_than_minutes_hold(capsys):
     """`audit --world-size 16384 --epochs 1000` (each within its bound) simulated for minutes without a line."""
     refused(capsys, ["audit", "--world-size", "16384", "--epochs", "1000"],
             "--world-size 16384 x --epochs 1000: more than 2,000,000 rank-epochs")
+
+
+class _FullDisk:
+    """A stdout on a full disk: every write fails as /dev/full's does (ENOSPC)."""
+
+    def write(self, text: str) -> int:
+        raise OSError(28, "No space left on device")
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("argv", [["ls"], ["show"], ["--help"], ["--version"], ["validate"]])
+def test_a_full_stdout_is_one_message(capsys, monkeypatch, argv):
+    """`dsrecipes show > /dev/full` was an OSError traceback (exit 1)."""
+    capsys.readouterr()
+    monkeypatch.setattr("sys.stdout", _FullDisk())
+    refused(capsys, argv, "could not write to standard output: No space left on device")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_command_writing_to_dev_full_ends_with_one_message_and_no_exit_time_traceback():
+    """The real file: the message, exit 2, and no 'Exception ignored' from the interpreter's own flush at exit."""
+    import subprocess
+    import sys
+
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "dsrecipes", "ls"], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == "error: could not write to standard output: No space left on device (the output was not " \
+                          "complete)\n", done.stderr

@@ -16,6 +16,7 @@ terminal too; tracker banners: trackers.py) are kept off the console and written
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -23,8 +24,9 @@ import sys
 import threading
 import warnings
 from pathlib import Path
-from typing import IO, Callable, List, Optional
+from typing import IO, Callable, Iterator, List, Optional
 
+from dsrecipes.core.errors import UserError
 from dsrecipes.core.fileio import open_append, open_append_fd
 
 PROGRESS_ENV = "DSRECIPES_PROGRESS"
@@ -193,6 +195,59 @@ def survive_lost_console(log: Path) -> None:
     if not isinstance(sys.stdout, _Survivor):
         sys.stdout = _Survivor(sys.stdout, log)  # type: ignore[assignment]
         sys.stderr = _Survivor(sys.stderr, log)  # type: ignore[assignment]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A command's own output
+
+
+class OutputLost(UserError):
+    """Standard output refused a write: a full disk (`dsrecipes show > /dev/full`), an I/O error, a closed pipe where
+    SIGPIPE is ignored. One message naming standard output, exit 2, never a traceback."""
+
+
+class _CheckedOutput:
+    """A command's stdout (cli.main): the first failed write or flush is `OutputLost`. File descriptor 1 then points
+    at /dev/null, so that the interpreter's own flush at exit (of what is still buffered) does not fail a second time
+    with an 'Exception ignored' traceback."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as exc:
+            raise self._lost(exc) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as exc:
+            raise self._lost(exc) from None
+
+    def _lost(self, exc: OSError) -> OutputLost:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            if self._stream.fileno() == 1:
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, 1)
+                os.close(null)
+        reason = exc.strerror or type(exc).__name__
+        return OutputLost(f"could not write to standard output: {reason} (the output was not complete)")
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - everything else is the stream's
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def checked_output() -> Iterator[None]:
+    """While a command runs, a failed write to stdout is `OutputLost` (cli.run_guarded flushes before it returns)."""
+    stream = sys.stdout
+    sys.stdout = _CheckedOutput(stream)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        sys.stdout = stream
 
 
 # ---------------------------------------------------------------------------------------------------------------
