@@ -161,15 +161,16 @@ def test_a_recipes_regex_reward_that_backtracks_is_stopped_not_a_stalled_rank(mo
 
 def test_a_shared_recipes_description_reaches_the_terminal_without_escape_sequences(tmp_path, monkeypatch, capsys):
     """`dsrecipes ls` prints the opening comment of every recipe in $DSRECIPES_RECIPES: a shared file's ESC/BEL
-    (an OSC 52 sequence writes the terminal's clipboard, others retitle it or move the cursor) is shown as '?'."""
+    (an OSC 52 sequence writes the terminal's clipboard, others retitle it or move the cursor) is shown escaped, as
+    every console text quoting a file is (errors.visible), and CJK text stays as it is."""
     folder = tmp_path / "shared"
     folder.mkdir()
-    (folder / "hostile.yaml").write_text("# SFT \x1b]52;c;ZWNobyBwd25lZA==\x07 recipe\nmodel: smollm2_135m\n",
+    (folder / "hostile.yaml").write_text("# SFT \x1b]52;c;ZWNobyBwd25lZA==\x07 recipe 中文\nmodel: smollm2_135m\n",
                                          encoding="utf-8")
     monkeypatch.setenv("DSRECIPES_RECIPES", str(folder))
     assert cli_main(["ls", "recipe"]) == 0
     out = capsys.readouterr().out
-    assert "SFT ?]52;c;ZWNobyBwd25lZA==? recipe" in out and "\x1b" not in out and "\x07" not in out, out
+    assert "SFT \\x1b]52;c;ZWNobyBwd25lZA==\\x07 recipe 中文" in out and "\x1b" not in out and "\x07" not in out, out
 
 
 @pytest.mark.parametrize("files,val", [(["../../secret.jsonl"], None), (["/etc/passwd"], None),

@@ -11,6 +11,7 @@ import stat
 from pathlib import Path
 from typing import Dict, List
 
+from dsrecipes.core.errors import visible
 from dsrecipes.core.paths import conf_dir
 
 RECIPE_GROUP = "recipe"  # conf/recipe -> ../recipes
@@ -63,5 +64,5 @@ def describe_file(path: Path) -> List[str]:
             out.append("  " + body.strip() if body.startswith("   ") else body.strip())
         else:
             out[-1] = f"{out[-1]} {body.strip()}".strip()
-    # a shared recipe's comment goes to a terminal: no escape sequences (title, clipboard, cursor), each shown as '?'
-    return ["".join(c if c.isprintable() else "?" for c in line) for line in out if line.strip()]
+    # a shared recipe's comment goes to a terminal: escape sequences (title, clipboard, cursor) shown escaped
+    return [visible(line) for line in out if line.strip()]
