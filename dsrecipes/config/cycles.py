@@ -5,14 +5,17 @@ a composition fails that way, `recipe_cycle(overrides)` follows the recipes' def
 once through config/recipe_file.py (bounded), and names the files of the first cycle it finds. A recipe that names
 another recipe without a cycle fails the same way (`/recipe: X`: Hydra recurses too) or is silently ignored
 (`override /recipe: X` in the recipe the command line chose): `included_recipe(overrides)` names that entry by
-`file:line` (config/hydra_app.py checks every composition with it).
+`file:line` (config/hydra_app.py checks every composition with it), as `climbing_entries` names an entry that
+leaves the config tree ('..').
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+from omegaconf import OmegaConf
 
 import dsrecipes.config.recipe_file as recipe_file
 import dsrecipes.config.sources as sources
@@ -36,7 +39,7 @@ def recipe_cycle(overrides: Sequence[str]) -> str:
 
 def included_recipe(overrides: Sequence[str]) -> Optional[str]:
     """`FILE:LINE: defaults: ...` for a recipe of the command line whose defaults list names a recipe, else None."""
-    for path in _chosen(overrides):
+    for path in chosen(overrides):
         try:
             config, _ = recipe_file.load(path)
         except ConfigError:
@@ -49,7 +52,49 @@ def included_recipe(overrides: Sequence[str]) -> Optional[str]:
     return None
 
 
-def _chosen(overrides: Sequence[str]) -> Iterator[Path]:
+def climbing_entries(composed: Any, overrides: Sequence[str]) -> List[str]:
+    """Defaults-list entries (Hydra's hydra.runtime.choices of `composed`: every group choice it resolved) whose group or
+    option climbs out of the config tree with a '..' segment. Hydra's file and package sources join that name to
+    their folder, so `override /debug: ../../../PATH/evil` (in a shared recipe, a group file or on the command line)
+    loads a file from anywhere under the config tree's name, and config/safety.py would take its values as the
+    tree's (the user's own): a shared recipe's tracking server or cache directory passed as the user's. The `recipe`
+    choice is the command line's own (`recipe=../mine.yaml` names a file; a recipe naming one is refused above)."""
+    try:
+        choices: Dict[str, Any] = dict(OmegaConf.to_container(composed.hydra.runtime.choices))
+    except Exception:  # noqa: BLE001 - a composition without Hydra's record: nothing to check
+        return []
+    problems = []
+    for group, option in choices.items():
+        name = f"{group}/{option}" if option is not None else str(group)
+        if group == sources.RECIPE_GROUP or ".." not in name.split("/"):
+            continue
+        source = _entry_source(overrides, str(option))
+        problems.append(f"{source + ': ' if source else ''}defaults: {group} {option!r}: a '..' segment names a "
+                        "config file outside the config tree, which would be taken as the tree's own; a defaults "
+                        "entry names an option of a group (conf/GROUP/NAME.yaml), and a recipe of yours is given as "
+                        "recipe=FILE.yaml")
+    return problems
+
+
+def _entry_source(overrides: Sequence[str], option: str) -> str:
+    """Who wrote a defaults entry naming `option`: a chosen recipe's `file:line`, or the command-line override ('':
+    a group file's defaults list)."""
+    for path in chosen(overrides):
+        try:
+            config, _ = recipe_file.load(path)
+        except ConfigError:
+            continue
+        entries = (config.get("defaults") or []) if hasattr(config, "get") else []
+        if any(hasattr(e, "values") and option in [str(v) for v in e.values()] for e in entries):
+            line = recipe_file.line_of(path, "defaults")
+            return f"{path}{f':{line}' if line else ''}"
+    for ov in overrides:
+        if ov.partition("=")[2] == option:
+            return f"command-line override {ov!r}"
+    return ""
+
+
+def chosen(overrides: Sequence[str]) -> Iterator[Path]:
     """The recipe files that `recipe=` overrides name (each value of a sweep's `recipe=a.yaml,b.yaml`)."""
     for ov in overrides:
         key, eq, value = ov.partition("=")

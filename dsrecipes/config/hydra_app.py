@@ -145,10 +145,11 @@ def compose(overrides: Sequence[str] = ()) -> Any:
 
 def check(loader: Any, overrides: Sequence[str], composed: Any, run_mode: Any) -> None:
     """ConfigError naming every key of `composed` that would run code, and the file or override that set it; or the
-    entry of a recipe that includes a recipe (config/cycles.py: Hydra ignores `override /recipe: X` in one)."""
-    included = cycles.included_recipe(overrides)
-    if included:
-        raise ConfigError(included)
+    entry of a recipe that includes a recipe (config/cycles.py: Hydra ignores `override /recipe: X` in one) or one
+    that leaves the config tree ('..')."""
+    refused = cycles.included_recipe(overrides) or cycles.climbing_entries(composed, overrides)
+    if refused:
+        raise ConfigError(refused)
     safety.check(overrides, composed, _baseline(loader, run_mode),
                  lambda path, value: _source(loader, overrides, run_mode, path, value),
                  lambda path, value: _shared_source(loader, overrides, run_mode, path, value))

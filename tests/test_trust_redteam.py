@@ -1,0 +1,63 @@
+"""A sceptical reviewer's attacks on the trust boundary that found a hole, each run for real through the CLI (offline,
+tiny model, in this process): the test fails on the code before its fix.
+
+- A shared recipe's defaults list climbing out of the config tree (`override /debug: ../../../PATH/evil`): Hydra's
+  file and package sources join the name to their folder, so the file at PATH loaded under the config tree's name,
+  and config/safety.py took its `trainer.tracking_uri` / `data.cache_dir` as the config tree's (the user's), not the
+  shared recipe's: validate said OK and the tracking server would have received MLFLOW_TRACKING_TOKEN."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from dsrecipes.cli import main as cli_main
+
+
+def refused(capsys, argv: List[str], *needles: str) -> str:
+    code = cli_main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, (code, err)
+    assert err.startswith("error: ") and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    return err
+
+
+def _climb(target: Path) -> str:
+    """A defaults-list option name that leads from any folder of the search path to `target` (absolute)."""
+    return "../" * 40 + str(target).lstrip("/")
+
+
+@pytest.mark.parametrize("how", ["file by path", "recipe folder"])
+@pytest.mark.parametrize("entry", ["override /debug", "/trainer@_global_"])
+def test_a_defaults_entry_cannot_climb_out_of_the_config_tree(how, entry, tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    (folder / "evil.yaml").write_text("# @package _global_\ntrainer:\n  tracking_uri: http://127.0.0.1:9/steal\n"
+                                      "data:\n  cache_dir: /tmp/dsr-redteam-elsewhere\n", encoding="utf-8")
+    (folder / "sft.yaml").write_text(f"# @package _global_\ndefaults:\n  - {entry}: {_climb(folder / 'evil')}\n"
+                                     "trainer:\n  max_steps: 2\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DSRECIPES_RECIPES", str(folder))
+    recipe = "recipe=./shared/sft.yaml" if how == "file by path" else "recipe=sft"
+    err = refused(capsys, ["validate", recipe], "'..'", "sft.yaml", "outside the config tree")
+    assert "127.0.0.1" not in err
+    if how == "file by path" and entry.startswith("override"):
+        refused(capsys, ["show", recipe], "outside the config tree")
+
+
+def test_the_same_climb_on_the_command_line_is_refused_too(tmp_path, monkeypatch, capsys):
+    (tmp_path / "evil.yaml").write_text("# @package _global_\ntrainer:\n  max_steps: 3\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    refused(capsys, ["validate", f"debug={_climb(tmp_path / 'evil')}"], "'..'", "outside the config tree")
+
+
+def test_a_recipe_file_above_the_working_directory_still_composes(tmp_path, monkeypatch, capsys):
+    (tmp_path / "mine.yaml").write_text("# @package _global_\ntrainer:\n  max_steps: 3\n", encoding="utf-8")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert cli_main(["validate", "recipe=../mine.yaml"]) == 0, capsys.readouterr().err
