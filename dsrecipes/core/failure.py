@@ -1,23 +1,26 @@
 """How a failing rank is reported: one line naming the cause (never a traceback on the console: the full one goes
-to the rank's log), recorded in `<run>/failure.json` by the first rank that fails (core/heartbeat.py's file: the
-first report wins, later ones come from ranks that saw the run coming down). The launching process prints that line,
-where the log is and the resume command (commands/outcome.py), and result.json holds the same line.
+to the rank's log), recorded in `<run>/failure.json` by the first rank that fails (`write_failure`: the first report
+wins, later ones come from ranks that saw the run coming down; core/heartbeat.py records a lost or stalled rank there
+too, `describe_failure` says it). The launching process prints that line, where the log is and the resume command
+(commands/outcome.py), and result.json holds the same line.
 
 Torch-free: the launching side reads what the ranks wrote.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+import dsrecipes.core.stall as stall
 from dsrecipes.core.errors import Refused, UserError
-from dsrecipes.core.heartbeat import read_failure, write_failure
 
+FAILURE_FILE = "failure.json"
 MAX_CAUSE = 400  # characters of the one-line cause
 PEER_DEATH_WAIT_S = 2.0  # after a broken pipe to a child: how long its death may take to become visible
 _WORKER = re.compile(r"^Caught (\w+) in DataLoader worker process (\d+)\.")
@@ -149,3 +152,42 @@ def died_by_signal(procs: Iterable[Any], wait_s: float) -> Optional[Tuple[int, i
         if time.monotonic() >= deadline:
             return None
         time.sleep(0.05)
+
+
+def write_failure(run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
+    """Write <run>/failure.json unless a rank did first; returns the report that stands. The first one wins: later
+    ones come from ranks that saw the run coming down (their own node's ranks stopping included), not the cause."""
+    tmp = run_dir / f".{FAILURE_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    try:
+        os.link(tmp, run_dir / FAILURE_FILE)  # atomic, and fails if another rank reported first
+    except OSError:
+        return read_failure(run_dir) or record
+    finally:
+        tmp.unlink(missing_ok=True)
+    return record
+
+
+def read_failure(run_dir: Path) -> Optional[Dict[str, Any]]:
+    try:
+        return json.loads((Path(run_dir) / FAILURE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def describe_failure(record: Dict[str, Any]) -> str:
+    """'node 1 (node1, 10.213.0.2) failed: ranks 2, 3 stopped responding (no heartbeat for 10 s)', or for a stall
+    'the run stalled: rank 1 (node 0, host h) at step 12, phase data (next batch) for 1800 s (no step progress ...)'."""
+    if record.get("stalled"):
+        return f"the run stalled: {stall.describe(record['stalled'])} ({record.get('reason', 'no step progress')})"
+    by_node: Dict[str, List[int]] = {}
+    for who in record.get("lost", []):
+        where = [str(x) for x in (who.get("host"), who.get("addr")) if x]
+        node = f"node {who['node']}" if who.get("node") is not None else "node"
+        label = f"{node} ({', '.join(where)})" if where else node
+        by_node.setdefault(label, []).append(int(who["rank"]))
+    parts = [f"{label} failed: rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} stopped responding"
+             for label, r in by_node.items()]  # fmt: skip
+    if not parts:
+        return str(record.get("reason", "a peer failed"))
+    return "; ".join(parts) + f" ({record.get('reason', 'unknown')})"

@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import dsrecipes.core.stall as stall
+from dsrecipes.core.failure import FAILURE_FILE, describe_failure, read_failure, write_failure  # noqa: F401 - (its name here too)
 from dsrecipes.core.rundir import write_result
 from dsrecipes.core.runplan import reported_by_launcher
 
-FAILURE_FILE = "failure.json"
 PEER_LOST_EXIT = 75  # EX_TEMPFAIL: the run can be resumed with the same command
 PREFIX = "dsrecipes/heartbeat"
 DONE = b"done"
@@ -346,42 +346,3 @@ def route_address(master_addr: str) -> Optional[str]:
             return s.getsockname()[0]
     except OSError:
         return None
-
-
-def write_failure(run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
-    """Write <run>/failure.json unless a rank did first; returns the report that stands. The first one wins: later
-    ones come from ranks that saw the run coming down (their own node's ranks stopping included), not the cause."""
-    tmp = run_dir / f".{FAILURE_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    try:
-        os.link(tmp, run_dir / FAILURE_FILE)  # atomic, and fails if another rank reported first
-    except OSError:
-        return read_failure(run_dir) or record
-    finally:
-        tmp.unlink(missing_ok=True)
-    return record
-
-
-def read_failure(run_dir: Path) -> Optional[Dict[str, Any]]:
-    try:
-        return json.loads((Path(run_dir) / FAILURE_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def describe_failure(record: Dict[str, Any]) -> str:
-    """'node 1 (node1, 10.213.0.2) failed: ranks 2, 3 stopped responding (no heartbeat for 10 s)', or for a stall
-    'the run stalled: rank 1 (node 0, host h) at step 12, phase data (next batch) for 1800 s (no step progress ...)'."""
-    if record.get("stalled"):
-        return f"the run stalled: {stall.describe(record['stalled'])} ({record.get('reason', 'no step progress')})"
-    by_node: Dict[str, List[int]] = {}
-    for who in record.get("lost", []):
-        where = [str(x) for x in (who.get("host"), who.get("addr")) if x]
-        node = f"node {who['node']}" if who.get("node") is not None else "node"
-        label = f"{node} ({', '.join(where)})" if where else node
-        by_node.setdefault(label, []).append(int(who["rank"]))
-    parts = [f"{label} failed: rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} stopped responding"
-             for label, r in by_node.items()]  # fmt: skip
-    if not parts:
-        return str(record.get("reason", "a peer failed"))
-    return "; ".join(parts) + f" ({record.get('reason', 'unknown')})"
