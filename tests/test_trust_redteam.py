@@ -4,7 +4,10 @@ tiny model, in this process): the test fails on the code before its fix.
 - A shared recipe's defaults list climbing out of the config tree (`override /debug: ../../../PATH/evil`): Hydra's
   file and package sources join the name to their folder, so the file at PATH loaded under the config tree's name,
   and config/safety.py took its `trainer.tracking_uri` / `data.cache_dir` as the config tree's (the user's), not the
-  shared recipe's: validate said OK and the tracking server would have received MLFLOW_TRACKING_TOKEN."""
+  shared recipe's: validate said OK and the tracking server would have received MLFLOW_TRACKING_TOKEN.
+- A model directory's config.json naming its attention (`attn_implementation: "org/repo"`, or flash_attention_2
+  without flash-attn): transformers fetched that Hub kernel with the `kernels` package and loaded its native code,
+  in `chat` / `prompt-eval` and for a GRPO reward model a shared recipe names."""
 
 from __future__ import annotations
 
@@ -61,3 +64,65 @@ def test_a_recipe_file_above_the_working_directory_still_composes(tmp_path, monk
     work.mkdir()
     monkeypatch.chdir(work)
     assert cli_main(["validate", "recipe=../mine.yaml"]) == 0, capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A model directory choosing code through its config.json
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A plain Hugging Face directory: the tiny model and its tokenizer."""
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.modeling.model import build_tiny_model, load_tokenizer
+
+    cfg = compose_and_load(["debug=fast"])
+    tokenizer = load_tokenizer(cfg)
+    base = tmp_path_factory.mktemp("redteam") / "base"
+    build_tiny_model(cfg, tokenizer).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    return base
+
+
+def _with_config(model_dir: Path, tmp_path: Path, **values) -> Path:
+    import json
+    import shutil
+
+    out = tmp_path / "model"
+    shutil.copytree(model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **values}))
+    return out
+
+
+KERNELS = ["evil-org/attention", "kernels-community/flash-attn2", "flash_attention_2"]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_model_directory_cannot_choose_a_hub_kernel_for_chat(kernel, model_dir, tmp_path, capsys, monkeypatch):
+    """config.json `attn_implementation` naming a Hub kernel repository (or flash_attention_2 without flash-attn
+    installed, which transformers replaces by kernels-community/flash-attn2): transformers downloads it with the
+    `kernels` package and loads its native code. Was: `chat` tried exactly that (offline: 'not available in the
+    local cache'); the directory's choice is now never read (transformers' default attention)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = _with_config(model_dir, tmp_path, attn_implementation=kernel)
+    code = cli_main(["chat", str(model), "--message", "hi", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "kernel" not in err.lower(), err
+
+
+def test_a_reward_model_directory_cannot_choose_a_hub_kernel(model_dir, tmp_path, monkeypatch):
+    from transformers import LlamaForSequenceClassification
+
+    from dsrecipes.objectives.rewards import load_reward_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    scorer = tmp_path / "scorer"
+    LlamaForSequenceClassification.from_pretrained(model_dir, num_labels=1).save_pretrained(scorer)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (model_dir / name).exists():
+            (scorer / name).write_bytes((model_dir / name).read_bytes())
+    hostile = _with_config(scorer, tmp_path, attn_implementation="evil-org/attention")
+    score = load_reward_model(str(hostile), "cpu")
+    assert len(score(["hello"])) == 1

@@ -13,6 +13,12 @@ from dsrecipes.core.errors import ConfigError, no_custom_code
 from dsrecipes.core.paths import TINY_TOKENIZER_DIR
 from dsrecipes.core.schema import TrainConfig
 
+# Every load of a model directory passes these: the directory chooses no code. Its own Python (auto_map) stays off,
+# and the attention is transformers' default, never what its config.json names: `attn_implementation:
+# "org/repo"` (or flash_attention_2 without flash-attn installed) makes transformers download that Hub kernel with
+# the `kernels` package and load its native code. (Training passes model.attn_implementation, a closed choice.)
+NO_DIRECTORY_CODE = {"trust_remote_code": False, "attn_implementation": None}
+
 
 def tokenizer_dir(cfg: TrainConfig) -> str:
     """Where the tokenizer loads from, `~` expanded here, at the point of use: commands that read a composed config

@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional
 from dsrecipes.core.answers import normalize
 from dsrecipes.core.errors import ConfigError, no_custom_code
 from dsrecipes.core.schema import RewardConfig, TrainConfig
-from dsrecipes.core.tokenizer import custom_code_problems
+from dsrecipes.core.tokenizer import NO_DIRECTORY_CODE, custom_code_problems
 
 GROUP = "dsrecipes.rewards"
 BUILTIN = ("exact_match", "number_equal", "regex", "length")
@@ -177,8 +177,8 @@ def load_reward_model(path: str, device: Any) -> Callable[[List[str]], List[floa
     try:
         with no_custom_code(key, path):
             tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-            model = AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=False,
-                                                                       use_safetensors=True)
+            model = AutoModelForSequenceClassification.from_pretrained(path, use_safetensors=True,
+                                                                       **NO_DIRECTORY_CODE)
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever transformers raises on a broken directory

@@ -29,7 +29,7 @@ from dsrecipes.config.load import load_run_config
 from dsrecipes.core.errors import UserError, no_custom_code
 from dsrecipes.core.export_dir import EXPORT_DIR, EXPORT_INFO, EXPORT_INIT_DIR
 from dsrecipes.core.manifest import unlisted, verify
-from dsrecipes.core.tokenizer import custom_code_problems
+from dsrecipes.core.tokenizer import NO_DIRECTORY_CODE, custom_code_problems
 from dsrecipes.data.render.spm import continuation_encoder
 from dsrecipes.run.preflight import check_model_dir
 
@@ -148,7 +148,7 @@ class ChatModel:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         source = where.base if where.adapter else where.path
         with loading(source, "a chat model"), weights_only_refusal(source):  # *.bin: torch.load(weights_only=True)
-            model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32, trust_remote_code=False)
+            model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32, **NO_DIRECTORY_CODE)
             if where.adapter:
                 from peft import PeftModel
 
