@@ -19,8 +19,9 @@ from dsrecipes.core import stall
 
 @pytest.fixture
 def job(tmp_path, monkeypatch):
-    """start(warn_s, timeout_s) -> (rank 0's Heartbeat, rank 1's), each with its own Progress (rank 0 reads the
-    counters). `exits` lists the codes a failing heartbeat exits with (its thread ends there instead)."""
+    """start(warn_s, timeout_s, world_size=2) -> the Heartbeats of ranks 0, 1, ..., each with its own Progress (rank 0
+    reads the counters). `exits` lists the codes a failing heartbeat exits with (its thread ends there instead),
+    `followed` the report each rank that followed another's read."""
     import torch.distributed as dist
 
     from dsrecipes.core.distributed import free_port
@@ -40,11 +41,19 @@ def job(tmp_path, monkeypatch):
         raise SystemExit(code)  # ends the heartbeat thread quietly, not the test process
 
     monkeypatch.setattr(heartbeat.os, "_exit", exit_thread)
+    followed, exit_as = {}, heartbeat.Heartbeat._exit
+
+    def exit_noting(self, first, mine):
+        if not mine:
+            followed[self.rank] = first
+        exit_as(self, first, mine)
+
+    monkeypatch.setattr(heartbeat.Heartbeat, "_exit", exit_noting)
     beats = []
 
-    def start(warn_s, timeout_s):
-        for rank in (0, 1):
-            hb = heartbeat.Heartbeat(tmp_path, rank, 2, 10.0, stall.Watch(warn_s, timeout_s))
+    def start(warn_s, timeout_s, world_size=2):
+        for rank in range(world_size):
+            hb = heartbeat.Heartbeat(tmp_path, rank, world_size, 10.0, stall.Watch(warn_s, timeout_s))
             hb.monitor, hb.progress = rank == 0, stall.Progress()
             beats.append(hb)
         for hb in beats:
@@ -52,7 +61,7 @@ def job(tmp_path, monkeypatch):
             hb.start()
         return beats
 
-    start.exits, start.exiting = exits, []  # the codes, and the threads that exited, in order
+    start.exits, start.exiting, start.followed = exits, [], followed  # the codes, the threads that exited, in order
     yield start
     for hb in beats:
         hb._stop.set()

@@ -6,8 +6,9 @@ that bumps its counter in the job's TCPStore (MASTER_ADDR:MASTER_PORT: rank 0's 
 every second; the first rank of each node also reads every counter. A counter that stops moving for
 `launcher.peer_timeout_s`, or a store that stops answering for that long, ends this rank (exit PEER_LOST_EXIT) after
 it wrote `<run>/failure.json`: which ranks went silent, on which node (node rank, host, address). It tells the other
-ranks in the store too, where they look in their next beat (not in the file: hundreds of ranks each second on a
-shared file system), and they stop quietly. The launcher of each surviving node then stops its other ranks, and the
+ranks in the store too, in their own counters, so each learns it from the answer to its next beat (one store call a
+beat whatever happens; not in the file: hundreds of ranks each second on a shared file system), and they stop
+quietly. The launcher of each surviving node then stops its other ranks, and the
 launching process names the failed node from that file (`describe_failure`). A rank that crashes on a broken connection (a killed peer does close its sockets) first asks
 the same counters who is gone (`explain_crash`), so both ways end in the same report.
 
@@ -34,13 +35,17 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import dsrecipes.core.stall as stall
-from dsrecipes.core.failure import FAILURE_FILE, describe_failure, read_failure, write_failure  # noqa: F401 - (its name here too)
+from dsrecipes.core.failure import FAILURE_FILE, describe_failure, read_failure, write_failure
 from dsrecipes.core.rundir import write_result
 from dsrecipes.core.runplan import reported_by_launcher
 
 PEER_LOST_EXIT = 75  # EX_TEMPFAIL: the run can be resumed with the same command
 PREFIX = "dsrecipes/heartbeat"
-DONE = b"done"
+DONE = b"done"  # what `read_beats` says of a rank that stopped beating
+# A counter holds beats + FAILED per published report (`_publish`: news, never progress) + DONE_MARK once its rank
+# stopped. Always a number: an add that meets a word makes torch's store close the adder's connection ("stoll").
+FAILED = 1 << 40
+DONE_MARK = 1 << 56
 INTERVAL_S = 1.0
 CRASH_GRACE_S = 4.0  # after a broken collective: a peer silent this long is gone
 QUIET_S = 2.5 * INTERVAL_S  # not beating now: reported along with a peer past the timeout
@@ -111,6 +116,8 @@ class Heartbeat:
         self.prefix = f"{PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self.threshold, self.started = timeout_s, time.time()
         self._stop = threading.Event()
+        self.count = 0  # this rank's beats, as its store answered the last one
+        self._registered: set = set()  # ranks whose counter exists: read without a look first (`read_beats`)
         self._who: Dict[int, Dict[str, Any]] = {}
         self._failing = threading.Lock()
         self._last_ok = time.monotonic()
@@ -127,7 +134,7 @@ class Heartbeat:
                                        timeout=timedelta(seconds=self.timeout_s))  # fmt: skip
         self.store.set(self._key("who", self.rank), json.dumps(whoami(self.rank, self.master[0])))
         stall.reset()
-        self._beat()
+        self._beat()  # (a report already published: the thread's first beat follows it)
         self._last_ok = time.monotonic()
         self._thread.start()
         self._guard_thread.start()
@@ -135,8 +142,8 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2 * INTERVAL_S + self.timeout_s)
-        try:
-            self.store.set(self._key("beat", self.rank), DONE.decode())
+        try:  # a number, never a word: the rank that publishes a report adds to every counter (`_publish`)
+            self.store.set(self._key("beat", self.rank), str(DONE_MARK))
         except Exception:  # noqa: BLE001 - the run is over; a vanished store does not matter now
             pass
 
@@ -165,8 +172,8 @@ class Heartbeat:
         last_change = dict.fromkeys(range(self.world_size), tick)
         while not self._stop.wait(INTERVAL_S):
             try:
-                self._follow()
-                self._beat()
+                if self._beat():
+                    self._follow()
                 if self.monitor:
                     now = time.monotonic()
                     starved, tick = now - tick - INTERVAL_S, now  # this process did not run: peers not judged on it
@@ -189,14 +196,16 @@ class Heartbeat:
                 if not self._stop.is_set():
                     self._fail([], f"the job's store at {self._store_name()} stopped answering ({type(exc).__name__})")
 
-    def _beat(self) -> None:
+    def _beat(self) -> bool:
         """The counter (a round trip: a store that stopped answering shows here), and where the main thread is
-        (core/stall.py) when that changed (a set is not answered: it shows nothing of the store's health)."""
+        (core/stall.py) when that changed (a set is not answered: it shows nothing of the store's health). Returns
+        whether a report was published (`_publish` added FAILED to this counter): the news costs no call."""
         where = self.progress.encode()
         if where != self.published:
             self.store.set(self._key("where", self.rank), where)
             self.published = where
-        self.store.add(self._key("beat", self.rank), 1)
+        self.count = int(self.store.add(self._key("beat", self.rank), 1))
+        return self.count % DONE_MARK >= FAILED
 
     def _judge_progress(self, beats: Dict[int, bytes], now: float) -> None:
         """The stall watchdog: one line per launcher.stall_warn_s (rank 0), the run ended at stall_timeout_s."""
@@ -232,13 +241,17 @@ class Heartbeat:
                 self._fail([], f"the job's store at {self._store_name()} did not answer for {self.timeout_s:.0f} s")
 
     def read_beats(self, ranks: Optional[List[int]] = None) -> Dict[int, bytes]:
-        """The counters of `ranks` (all), in one call once each registered (none missing: no call ever blocks)."""
+        """The counters of `ranks` (all), in one call once each registered (none missing: no call ever blocks):
+        the beats alone (a published report's FAILED is news, not a beat: a silent rank does not seem to move), or
+        DONE for a rank that stopped."""
         ranks = list(range(self.world_size)) if ranks is None else ranks
         keys = [self._key("beat", r) for r in ranks]
-        if not self.store.check(keys):  # a rank that has not registered yet cannot be read without blocking
-            return {r: v for r, v in ((r, self._peek(k)) for r, k in zip(ranks, keys)) if v is not None}
+        if not self._registered.issuperset(ranks):  # (a counter, once there, stays: looked for until then)
+            if not self.store.check(keys):  # a rank that has not registered yet cannot be read without blocking
+                return {r: _beats(v) for r, v in ((r, self._peek(k)) for r, k in zip(ranks, keys)) if v is not None}
+            self._registered.update(ranks)
         self.learn_places()
-        return dict(zip(ranks, self.store.multi_get(keys)))
+        return {r: _beats(v) for r, v in zip(ranks, self.store.multi_get(keys))}
 
     def learn_places(self) -> Dict[int, Dict[str, Any]]:
         """Where each rank runs (whoami), read once every rank registered (one call: no rank ever waited for)."""
@@ -273,12 +286,12 @@ class Heartbeat:
         self._exit(first, mine=first is record)
 
     def _follow(self) -> None:
-        """Another rank's heartbeat ended the run (its report stands: `_publish`): this rank stops too, before its
-        next store call meets the store of a rank that is gone (torch prints a C++ stack). Read in the store, which
-        this beat talks to anyway (a key per job and session), not in failure.json: hundreds of ranks looking at a
-        file every second would load a shared file system. A store already gone ends in `_fail`, which finds the
-        report in the file (the first one stands) and stops as quietly."""
-        if self._stop.is_set() or not self.store.check([self._key("failure", 0)]):
+        """Another rank's heartbeat ended the run (its report stands: `_publish`; this rank's beat said so): this rank
+        stops too, before its next store call meets the store of a rank that is gone (torch prints a C++ stack).
+        Read in the store, which this beat talks to anyway (a key per job and session), not in failure.json:
+        hundreds of ranks looking at a file every second would load a shared file system. A store already gone ends
+        in `_fail`, which finds the report in the file (the first one stands) and stops as quietly."""
+        if self._stop.is_set():
             return
         report = json.loads(self.store.get(self._key("failure", 0)))
         self.store.add(self._key("followed", 0), 1)
@@ -286,12 +299,17 @@ class Heartbeat:
             self._exit(report, mine=False)
 
     def _publish(self, report: Dict[str, Any]) -> int:
-        """Tell the other ranks (`_follow`) that this rank's report stands; returns how many ranks still beat and
-        should read it (`_await_followers`). Not for a store that stopped answering (no call may hang here), nor for
-        a lone rank."""
+        """Tell the other ranks (`_follow`) that this rank's report stands: the report, then FAILED added to every
+        other rank's counter, which that rank's next beat answers with (a call per rank, once, by this rank alone;
+        hundreds of ranks each looking for a report every beat doubled the store's load). Returns how many ranks
+        still beat and should read it (`_await_followers`). Not for a store that stopped answering (`_exit` does not
+        wait for this past its bound), nor for a lone rank."""
         if self.world_size < 2 or not (report.get("lost") or report.get("stalled")):
             return 0
-        self.store.set(self._key("failure", 0), json.dumps(report))
+        self.store.set(self._key("failure", 0), json.dumps(report))  # (before the news: one connection, in order)
+        for r in range(self.world_size):
+            if r != self.rank:
+                self.store.add(self._key("beat", r), FAILED)
         return self.world_size - len({int(w["rank"]) for w in report.get("lost", [])} | {self.rank})
 
     def _await_followers(self, followers: int) -> None:
@@ -316,19 +334,34 @@ class Heartbeat:
                       "(trainer.resume=auto)", file=sys.stderr, flush=True)  # fmt: skip
             elif mine and not reported_by_launcher(self.run_dir):
                 print(f"dsrecipes: {message}; stopping rank {self.rank}", file=sys.stderr, flush=True)
-            followers = 0
-            with contextlib.suppress(Exception):
-                followers = self._publish(first) if mine else 0
+            telling = threading.Thread(target=self._tell, args=(first, mine), name="dsrecipes-heartbeat-report",
+                                       daemon=True)  # fmt: skip
+            telling.start()
             with contextlib.suppress(Exception):
                 if self.before_exit is not None:
                     self.before_exit()
-            with contextlib.suppress(Exception):
-                self._await_followers(followers)
+            telling.join(timeout=FOLLOW_S + 2 * INTERVAL_S)
+            if telling.is_alive():
+                print(f"dsrecipes: rank {self.rank}: the job's store at {self._store_name()} did not take the report "
+                      f"to the other ranks in {FOLLOW_S + 2 * INTERVAL_S:.0f} s; they find it in "
+                      f"{self.run_dir / FAILURE_FILE}", file=sys.stderr, flush=True)  # fmt: skip
             if self.in_process:
                 write_result(self.run_dir, PEER_LOST_EXIT, message)
             sys.stdout.flush()
         finally:  # whatever the above met (a lost console, a full disk): the exit comes
             os._exit(PEER_LOST_EXIT)
+
+    def _tell(self, report: Dict[str, Any], mine: bool) -> None:
+        """`_publish` (the report that stands is this rank's), then `_await_followers`: `_exit` waits for this with a
+        bound (each store call waits as long as the store does not answer)."""
+        with contextlib.suppress(Exception):
+            self._await_followers(self._publish(report) if mine else 0)
+
+
+def _beats(counter: bytes) -> bytes:
+    """A counter as read (`read_beats`): its beats alone, or DONE."""
+    value = int(counter)
+    return DONE if value >= DONE_MARK else str(value % FAILED).encode()
 
 
 def whoami(rank: int, master_addr: str) -> Dict[str, Any]:
