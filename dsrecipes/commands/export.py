@@ -11,6 +11,7 @@ from dsrecipes.boundary.trust import FLAG, TRUST_HELP, trust
 from dsrecipes.commands.args import parse
 from dsrecipes.core.checkpoint_names import CHECKPOINTS, COMPLETE
 from dsrecipes.core.errors import UserError
+from dsrecipes.core.fileio import dangling_link_problem
 
 
 def main(argv: List[str]) -> int:
@@ -33,6 +34,9 @@ def main(argv: List[str]) -> int:
     args = parse(parser, argv)
     trust(args.trust_checkpoint)
     run_dir, tag = run_and_tag(Path(args.run_dir), args.tag)
+    link = dangling_link_problem("--out", args.out)  # resolve() would name the missing target, and export make it
+    if link:
+        raise UserError(link)
     out_dir = Path(args.out).expanduser().resolve()
     check_out_dir(out_dir, "--out")  # before any work
     root = run_dir / CHECKPOINTS

@@ -29,6 +29,7 @@ from dsrecipes.data.sources.badrows import BadRow
 from dsrecipes.data.sources.messages import messages_for
 from dsrecipes.data.sources.preference import Pair, parse_pair_item
 from dsrecipes.data.sources.sharegpt import role_table
+from dsrecipes.run.preflight import writable_dir
 
 BATCH = 8  # sequences per forward
 
@@ -48,6 +49,8 @@ def main(argv: List[str]) -> int:
     if out.exists() or out.is_symlink():  # a dangling link too: writing would replace the user's link
         raise UserError(f"--out: {out} exists{' (a symbolic link)' if out.is_symlink() else ''}; dsrecipes score "
                         "writes a new file (give another --out)")
+    for problem in writable_dir("--out", out.parent):  # below a file or a dangling link: refused before scoring
+        raise UserError(problem)
     pairs = read_pairs(pairs_path)
     model, tokenizer = load_scorer(model_dir)
     rows = score_pairs(model, tokenizer, pairs, end_of_turn(model_dir))

@@ -59,6 +59,28 @@ def missing_dirs(path: str | Path) -> list[Path]:
     return [p for p in [path, *path.parents] if not os.path.lexists(p)]
 
 
+def dangling_link(path: str | Path) -> Path | None:
+    """The first of `path` and its ancestors that is a symbolic link leading nowhere (its target missing, or a loop
+    of links), else None. Making `path` would create the link's target, a place the user did not name."""
+    path = Path(os.path.abspath(os.path.expanduser(path)))
+    return next((p for p in [path, *path.parents] if os.path.islink(p) and not os.path.exists(p)), None)
+
+
+def dangling_link_problem(key: str, path: str | Path) -> str:
+    """`key: PATH is a symbolic link to X, which does not exist; ...` when `dangling_link(path)` finds one, else ''."""
+    link = dangling_link(path)
+    if link is None:
+        return ""
+    try:
+        target = os.readlink(link)
+    except OSError:
+        target = "?"
+    where = "is" if link == Path(os.path.abspath(os.path.expanduser(path))) else f"lies below {link}, which is"
+    return (f"{key}: {path} {where} a symbolic link to {target}, which does not exist (a dangling link); dsrecipes "
+            "does not create a link's target. Create the target, remove the link, or choose another path; nothing "
+            "was changed")
+
+
 def remove_empty_dirs(made: "list[Path] | tuple[Path, ...]") -> None:
     """Take back directories `missing_dirs` listed (deepest first) while they are empty: the first that holds
     anything (someone else's files) stays, and so do its parents."""

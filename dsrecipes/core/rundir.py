@@ -32,7 +32,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import yaml
 
 from dsrecipes.core.errors import UserError
-from dsrecipes.core.fileio import atomic_write_json, atomic_write_text, missing_dirs, remove_empty_dirs
+from dsrecipes.core.fileio import (
+    atomic_write_json,
+    atomic_write_text,
+    dangling_link_problem,
+    missing_dirs,
+    remove_empty_dirs,
+)
 from dsrecipes.core.locks import ExclusiveLock, LockHeld, SharedLock, is_held, probe_free
 
 CONFIG_FILE = "config.yaml"
@@ -120,6 +126,7 @@ def claim(run_dir: Path, key: str, fingerprint: str, *, hydra_job_dir: bool = Fa
 def ensure_owned_dir(run_dir: Path, key: str, *, hydra_job_dir: bool = False) -> bool:
     """Create `run_dir` or check that it is ours or empty. True when it already holds a dsrecipes run (marker).
     Names only dsrecipes itself writes while claiming (lock files, the marker being written) count as empty."""
+    refuse_dangling_link(run_dir, key)
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"{key}: {run_dir} is a file, not a directory; choose a directory for the run")
     if not run_dir.exists():
@@ -142,6 +149,7 @@ def ensure_owned_dir(run_dir: Path, key: str, *, hydra_job_dir: bool = False) ->
 
 
 def make_dir(path: Path, key: str) -> None:
+    refuse_dangling_link(path, key)
     for parent in [path, *path.parents]:
         if parent.exists():
             if not parent.is_dir():
@@ -150,9 +158,19 @@ def make_dir(path: Path, key: str) -> None:
     try:
         path.mkdir(parents=True)
     except FileExistsError:  # another process made it meanwhile: treat it like any existing directory
+        if not path.is_dir():  # something else appeared there meanwhile: refused, never a loop of retries
+            raise UserError(f"{key}: cannot create {path} (something other than a directory is there)") from None
         ensure_owned_dir(path, key)
     except OSError as exc:
         raise UserError(f"{key}: cannot create {path} ({exc.strerror or exc})") from None
+
+
+def refuse_dangling_link(path: Path, key: str) -> None:
+    """A symbolic link to nothing at `path` or above it: making `path` would create the link's target, a place the
+    user did not name (fileio.dangling_link)."""
+    problem = dangling_link_problem(key, path)
+    if problem:
+        raise UserError(problem)
 
 
 def _check_no_links(run_dir: Path, key: str) -> None:
@@ -203,6 +221,7 @@ def claim_marked_dir(path: Path, key: str, marker: str, what: str,
     forged marker, a non-empty directory without the marker, or one holding a name of `refused` (name -> why) is a
     UserError naming `key`, nothing changed. Returns what this call created: the marker, then the directories it
     made, deepest first (for taking them back after a failure)."""
+    refuse_dangling_link(path, key)
     if path.exists() and not path.is_dir():
         raise UserError(f"{key}: {path} is a file, not a directory; choose a directory for {what}")
     try:

@@ -15,6 +15,7 @@ from typing import List, Optional
 
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.export_dir import EXPORT_DIR
+from dsrecipes.core.fileio import dangling_link_problem
 from dsrecipes.core.hub import is_hub_id
 from dsrecipes.core.paths import TINY_TOKENIZER_DIR
 from dsrecipes.core.rundir import MARKER_FILE
@@ -84,6 +85,9 @@ def check_template_tokens(cfg: TrainConfig) -> List[str]:
 
 def writable_dir(key: str, path: Path) -> List[str]:
     """`path` is (or can be made) a directory we may write into. Creates nothing."""
+    link = dangling_link_problem(key, path)  # making it would make the link's target
+    if link:
+        return [link]
     existing: Optional[Path] = next((p for p in [path, *path.parents] if p.exists()), None)
     if existing is None:
         return []

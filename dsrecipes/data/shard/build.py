@@ -44,7 +44,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import dsrecipes.data.shard.store as store_upload
 from dsrecipes.core.errors import DataError, UserError
-from dsrecipes.core.fileio import atomic_write_json, missing_dirs, remove_empty_dirs
+from dsrecipes.core.fileio import atomic_write_json, dangling_link_problem, missing_dirs, remove_empty_dirs
 from dsrecipes.core.publish import Existing, publish_dir, staging_dir
 from dsrecipes.core.schema import ShardBalance
 from dsrecipes.core.tokenizer import load_tokenizer
@@ -192,6 +192,9 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
         raise UserError(f"--out: {url_problem}")
     if is_url(out_dir):
         return store_upload.shard_to_store(cfg, parts, out_dir, balance, force, shard, shard_files, val_size)
+    link = dangling_link_problem("--out", out_dir)  # realpath would name the missing target, and shard would make it
+    if link:
+        raise UserError(link)
     out = Path(os.path.realpath(out_dir))  # a link to a directory: the shard replaces the directory, not the link
     previous = claim_out(out, force)
     notes: List[str] = []

@@ -1,0 +1,120 @@
+"""Output paths a user names that lead nowhere: a symbolic link whose target does not exist, at the path or above it.
+
+Making such a path makes the link's target, a place the user never named (`shard --out LINK` created the target
+directory and wrote the shard there, `export --out LINK` the model, a run its run directory; `inspect-data --run-dir
+LINK/x` and `pipeline --out LINK/x` looped into a RecursionError). Each is now one message naming the link, exit 2,
+and nothing is created (core/fileio.py `dangling_link_problem`, used by every output check).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Dict
+
+import pytest
+
+from dsrecipes.core.errors import UserError
+from dsrecipes.core.paths import SAMPLE_DATA_DIR
+from dsrecipes.core.rundir import claim, claim_marked_dir
+from dsrecipes.run.preflight import writable_dir
+from tests.conftest import in_process_environ
+
+DANGLING = "a symbolic link to"
+
+
+def snapshot(root: Path) -> Dict[str, str]:
+    return {p.relative_to(root).as_posix(): os.readlink(p) if p.is_symlink() else "d" if p.is_dir() else "f"
+            for p in sorted(root.rglob("*"))}
+
+
+@pytest.fixture
+def link(tmp_path) -> Path:
+    """`tmp_path/out` -> `tmp_path/elsewhere/target`; `elsewhere` exists, `target` does not."""
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere" / "target", tmp_path / "out")
+    return tmp_path / "out"
+
+
+def main(*argv: str) -> int:
+    from dsrecipes.cli import main as cli
+
+    with in_process_environ():
+        return cli(list(argv))
+
+
+@pytest.mark.parametrize("below", [False, True], ids=["the-link", "below-the-link"])
+def test_shard_out_a_dangling_link_is_refused_and_creates_nothing(tmp_path, link, below, capsys):
+    """Before: exit 0, the shard written into elsewhere/target (created through the link)."""
+    before = snapshot(tmp_path)
+    out = link / "sub" if below else link
+    data = str(SAMPLE_DATA_DIR / "train.jsonl")
+    assert main("shard", data, "--parts", "2", "--out", str(out), "dataset.max_samples=8") == 2
+    err = capsys.readouterr().err
+    assert f"--out: {out}" in err and f"{DANGLING} {tmp_path / 'elsewhere' / 'target'}, which does not exist" in err
+    assert snapshot(tmp_path) == before
+
+
+def test_export_out_a_dangling_link_is_refused_before_any_work(tmp_path, link, capsys):
+    """Before: the export was written into elsewhere/target. The link is named before the run is even looked at."""
+    before = snapshot(tmp_path)
+    assert main("export", str(tmp_path / "no-run"), "--out", str(link)) == 2
+    assert f"--out: {link} is {DANGLING}" in capsys.readouterr().err
+    assert snapshot(tmp_path) == before
+
+
+def test_score_out_below_a_dangling_link_or_a_file_is_refused_before_scoring(tmp_path, link, monkeypatch, capsys):
+    """Before: the model was loaded and every pair scored, then FileExistsError / NotADirectoryError tracebacks."""
+    import dsrecipes.commands.score as score
+
+    monkeypatch.setattr(score, "check_model_dir", lambda path: None)
+    monkeypatch.setattr(score, "read_pairs", lambda path: pytest.fail("read the pairs before checking --out"))
+    (tmp_path / "file").write_text("user data")
+    before = snapshot(tmp_path)
+    for out, expected in ((link / "r.jsonl", f"{link} is {DANGLING}"), (tmp_path / "file" / "r.jsonl", "is a file")):
+        assert main("score", str(tmp_path), "--pairs", "p.jsonl", "--out", str(out)) == 2
+        assert expected in capsys.readouterr().err
+    assert snapshot(tmp_path) == before
+
+
+def test_prompt_eval_json_below_a_dangling_link_is_refused_before_answering(tmp_path, link):
+    """Before: accepted up front; after every answer was generated, 'cannot write ... (File exists)'."""
+    from dsrecipes.serve.prompt_eval import check_json_out
+
+    with pytest.raises(UserError, match=f"--json: {link} is {DANGLING}"):
+        check_json_out(str(link / "scores.json"))
+
+
+@pytest.mark.parametrize("below", [False, True], ids=["the-link", "below-the-link"])
+def test_marked_dirs_of_inspect_data_and_pipeline_refuse_a_dangling_link(tmp_path, link, below):
+    """Before: `--run-dir LINK` was 'not writable (No such file or directory)', `--run-dir LINK/x` (and pipeline
+    --out LINK/x) a RecursionError traceback (make_dir's FileExistsError retried ensure_owned_dir for ever)."""
+    before = snapshot(tmp_path)
+    out = link / "x" if below else link
+    with pytest.raises(UserError, match=f"--out: {out} .*{DANGLING}"):
+        claim_marked_dir(out, "--out", "dsrecipes_pipeline.json", "a dsrecipes pipeline directory")
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("below", [False, True], ids=["the-link", "below-the-link"])
+def test_a_run_directory_behind_a_dangling_link_is_refused(tmp_path, link, below):
+    """trainer.output_dir (preflight, before Hydra or a claim writes anything) and the claim itself. Before: the run
+    made elsewhere/target and wrote its locks and .hydra/ there (and a claim of LINK/x recursed without end)."""
+    before = snapshot(tmp_path)
+    out = link / "x" if below else link
+    problems = writable_dir("trainer.output_dir", out)
+    assert len(problems) == 1 and problems[0].startswith(f"trainer.output_dir: {out} ") and DANGLING in problems[0]
+    with pytest.raises(UserError, match=DANGLING):
+        claim(out, "trainer.output_dir", "fingerprint")
+    assert snapshot(tmp_path) == before
+
+
+def test_dangling_link_finds_loops_and_leaves_good_links(tmp_path, link):
+    from dsrecipes.core.fileio import dangling_link
+
+    os.symlink(tmp_path / "loop", tmp_path / "loop")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "good")
+    assert dangling_link(tmp_path / "loop" / "a") == tmp_path / "loop"
+    assert dangling_link(link / "a" / "b") == link
+    assert dangling_link(tmp_path / "good" / "new") is None and dangling_link(tmp_path / "new") is None
+    assert writable_dir("k", tmp_path / "good" / "new") == []
