@@ -7,7 +7,9 @@ tiny model, in this process): the test fails on the code before its fix.
   shared recipe's: validate said OK and the tracking server would have received MLFLOW_TRACKING_TOKEN.
 - A model directory's config.json naming its attention (`attn_implementation: "org/repo"`, or flash_attention_2
   without flash-attn): transformers fetched that Hub kernel with the `kernels` package and loaded its native code,
-  in `chat` / `prompt-eval` and for a GRPO reward model a shared recipe names."""
+  in `chat` / `prompt-eval` and for a GRPO reward model a shared recipe names.
+- A foreign checkpoint's complete.json holding 1e999 or a list where a number belongs: tracebacks from signing
+  (json.dumps allow_nan=False) and, trusted, from int(world_size) / float(saved_at)."""
 
 from __future__ import annotations
 
@@ -126,3 +128,41 @@ def test_a_reward_model_directory_cannot_choose_a_hub_kernel(model_dir, tmp_path
     hostile = _with_config(scorer, tmp_path, attn_implementation="evil-org/attention")
     score = load_reward_model(str(hostile), "cpu")
     assert len(score(["hello"])) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A checkpoint someone else wrote: its commit record is data
+
+
+def _foreign_checkpoint(tmp_path: Path, **record) -> Path:
+    """A run directory whose one checkpoint's complete.json (unsigned: another user's) holds `record`."""
+    import json
+
+    run = tmp_path / "foreign"
+    tag = run / "checkpoints" / "step_8"
+    tag.mkdir(parents=True)
+    (run / "config.yaml").write_text("trainer:\n  max_steps: 8\n", encoding="utf-8")
+    body = {"step": 8, "world_size": 1, "saved_at": 1.0, "files": {}, "signature": "hmac-sha256:" + "0" * 64, **record}
+    (tag / "complete.json").write_text(json.dumps(body).replace("Infinity", "1e999"), encoding="utf-8")
+    return tag
+
+
+@pytest.mark.parametrize("record", [{"world_size": float("inf")}, {"note": float("inf")}, {"saved_at": [1]}])
+def test_a_foreign_commit_record_that_json_cannot_sign_is_one_message(record, tmp_path, monkeypatch, capsys):
+    """complete.json with 1e999 (read back as inf), or a list where a time belongs. Was: a ValueError traceback from
+    signing (json.dumps allow_nan=False), an OverflowError or
+    TypeError traceback from `int(world_size)` / `float(saved_at)` once the checkpoint was trusted on the command
+    line; now one message: unsigned (naming --trust-checkpoint) or damaged (naming complete.json), and trusted, the
+    next check's (this fake run's settings differ from the checkpoint's)."""
+    monkeypatch.setenv("DSRECIPES_KEY_FILE", str(tmp_path / "key" / "checkpoint.key"))
+    monkeypatch.chdir(tmp_path)
+    tag = _foreign_checkpoint(tmp_path, **record)
+    run = tag.parent.parent
+    for trusted in ([], ["--trust-checkpoint", str(run)]):
+        code = cli_main(["train", "debug=fast", f"trainer.output_dir={tmp_path / 'mine'}",
+                         f"trainer.resume_from={run}", *trusted])
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err, (code, err)
+        assert err.count("error: ") == 1 and "step_8" in err.split("error: ")[1], err
+        if not trusted:
+            assert "--trust-checkpoint" in err or "complete.json: unreadable" in err, err

@@ -150,7 +150,11 @@ def signature_problem(record: Dict[str, Any]) -> Optional[str]:
     key = _load_key(create=False)
     if key is None:
         return f"it is signed, but this user has no signing key ({key_path()}), so it was not written here"
-    if not hmac.compare_digest(given, _digest(record, key)):
+    try:
+        digest = _digest(record, key)
+    except (TypeError, ValueError):  # 1e999 reads back as infinity, which no record dsrecipes writes holds
+        return "it holds a number JSON cannot carry (infinity or NaN), so dsrecipes did not write it"
+    if not hmac.compare_digest(given, digest):
         return "its signature does not match this user's key (written by another user or altered)"
     return None
 

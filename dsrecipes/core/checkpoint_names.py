@@ -29,9 +29,14 @@ def step_of(tag_dir: Path) -> int:
 def read_record(tag_dir: Path) -> Dict[str, Any]:
     """complete.json of a checkpoint; ValueError/OSError when it is missing or not a commit record."""
     record = json.loads((Path(tag_dir) / COMPLETE).read_text(encoding="utf-8"))
-    if not isinstance(record, dict) or not isinstance(record.get("step"), int) or "world_size" not in record:
-        raise ValueError("not a checkpoint commit record")
+    if not isinstance(record, dict) or not all(_whole(record.get(k), low) for k, low in (("step", 0), ("world_size", 1))):
+        raise ValueError("not a checkpoint commit record (step and world_size must be whole numbers)")
     return record
+
+
+def _whole(value: Any, low: int) -> bool:
+    """A JSON whole number >= low (not true/false, not 1e999 read back as infinity)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 def commit_order(tag_dir: Path) -> tuple:
@@ -39,7 +44,7 @@ def commit_order(tag_dir: Path) -> tuple:
     complete.json was last written."""
     try:
         saved_at = float(read_record(tag_dir).get("saved_at") or 0.0)
-    except (OSError, ValueError):
+    except (OSError, ValueError, TypeError):  # TypeError: a foreign record's list or object where the time belongs
         saved_at = 0.0
     if not saved_at:
         try:
