@@ -9,6 +9,7 @@ and nothing is created (core/fileio.py `dangling_link_problem`, used by every ou
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Dict
 
@@ -118,3 +119,62 @@ def test_dangling_link_finds_loops_and_leaves_good_links(tmp_path, link):
     assert dangling_link(link / "a" / "b") == link
     assert dangling_link(tmp_path / "good" / "new") is None and dangling_link(tmp_path / "new") is None
     assert writable_dir("k", tmp_path / "good" / "new") == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What validate refuses about data.shard_dir and model.path is what a run refuses, in the same words
+
+
+def _shard_dir(tmp_path: Path, kind: str) -> Path:
+    path = tmp_path / kind
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "file":
+        path.write_text("a file")
+    else:
+        path.mkdir()
+        text = {"not-json": "{x", "a-list": "[1]", "unknown-key": '{"version": 1, "colour": 1}',
+                "bad-parts": '{"version": 1, "parts": "2", "balance": "samples", "files": [], "counts": [], '
+                             '"sha256": []}'}[kind]
+        (path / "manifest.json").write_text(text)
+    return path
+
+
+SHARD_MESSAGES = {"fifo": "is a FIFO, not a directory", "file": "is a file, not a directory",
+                  "not-json": "(not JSON: ", "a-list": "(not a JSON object)", "unknown-key": "(unknown keys colour)",
+                  "bad-parts": "(parts: '2' is not a whole number >= 1)"}
+
+
+@pytest.mark.parametrize("kind", list(SHARD_MESSAGES))
+def test_validate_refuses_a_shard_dir_as_the_run_does(tmp_path, kind, capsys):
+    """Before: validate said OK for a FIFO or a file as data.shard_dir (the run: 'manifest.json not found'), and for a
+    manifest.json that is not JSON or not an object the run was a JSONDecodeError / TypeError traceback."""
+    path = _shard_dir(tmp_path, kind)
+    overrides = ["data=presharded", f"data.shard_dir={path}"]
+    assert main("validate", *overrides) == 2
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert SHARD_MESSAGES[kind] in said and "Traceback" not in said
+    assert main("train", *overrides, f"trainer.output_dir={tmp_path / 'run'}") == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == said
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_presharded_run_reading_a_broken_manifest_is_one_message(tmp_path):
+    """The run's own read (data/strategies/presharded.py) past the config checks: one DataError, not a traceback."""
+    from dsrecipes.core.errors import DataError
+    from dsrecipes.data.shard.manifest import read_manifest
+
+    for kind in ("not-json", "a-list", "unknown-key", "bad-parts", "fifo"):
+        with pytest.raises(DataError, match=re.escape(SHARD_MESSAGES[kind])):
+            read_manifest(str(_shard_dir(tmp_path, kind)), world_size=2)
+
+
+def test_validate_refuses_a_model_dir_whose_config_is_not_json_as_the_run_does(tmp_path, capsys):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{x")
+    assert main("validate", f"model.path={tmp_path / 'm'}") == 2
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said.startswith(f"error: model.path: {tmp_path / 'm' / 'config.json'} is unreadable")
+    assert main("train", f"model.path={tmp_path / 'm'}", f"trainer.output_dir={tmp_path / 'run'}") == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == said
+    assert not (tmp_path / "run").exists()

@@ -28,6 +28,7 @@ from dsrecipes.core.schema import (
     RowKind,
     TrainConfig,
 )
+from dsrecipes.data.shard.manifest import read_manifest
 from dsrecipes.data.sources.files import expand_paths, no_file
 from dsrecipes.data.sources.remote import check_url, expand, looks_like_url
 from dsrecipes.data.sources.split_shares import split_problems
@@ -234,6 +235,11 @@ def _files(cfg: TrainConfig) -> List[str]:
             continue
         if path and not os.path.exists(os.path.expanduser(path)) and not (key.startswith("model.") and is_hub_id(path)):
             errors.append(f"{key}: {path!r} does not exist")
+        elif key == "data.shard_dir" and path:  # the check the run makes first: not a directory, no manifest, ...
+            try:
+                read_manifest(path)
+            except DataError as exc:
+                errors += exc.problems
     for key, path in (("launcher.hostfile", cfg.launcher.hostfile), ("dataset.registry", cfg.dataset.registry)):
         where = os.path.expanduser(path) if path else ""
         if where and os.path.isdir(where) and key == "dataset.registry":  # LLaMA-Factory's dataset_dir is a folder

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -87,12 +88,24 @@ def read_manifest(shard_dir: Optional[str], world_size: Optional[int] = None) ->
     if not shard_dir:
         raise DataError("data.shard_dir: data=presharded needs the directory written by `dsrecipes shard`")
     path: Any = f"{shard_dir.rstrip('/')}/{MANIFEST}" if is_url(shard_dir) else Path(shard_dir) / MANIFEST
-    if not (store_upload.exists(path) if is_url(shard_dir) else path.is_file()):
+    local = None if is_url(shard_dir) else Path(shard_dir)
+    if local is not None and local.exists() and not local.is_dir():  # a file, a FIFO: never opened
+        raise DataError(f"data.shard_dir: {shard_dir} is {_kind(local)}, not a directory; give the directory "
+                        "`dsrecipes shard ... --out DIR` wrote")
+    if not (store_upload.exists(path) if local is None else path.is_file()):
         raise DataError(f"data.shard_dir: {path} not found; write the parts with `dsrecipes shard ... --out {shard_dir}`")
-    data = json.loads(store_upload.read_text(path) if is_url(shard_dir) else path.read_text(encoding="utf-8"))
+    try:
+        data = json.loads(store_upload.read_text(path) if local is None else path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
+        raise DataError(f"{path}: not a manifest written by `dsrecipes shard` ({_why(exc)}); re-shard") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{path}: not a manifest written by `dsrecipes shard` (not a JSON object); re-shard")
     data.pop("total", None)
     if data.get("version") != MANIFEST_VERSION:
         raise DataError(f"{path}: manifest version {data.get('version')!r}, expected {MANIFEST_VERSION}; re-shard")
+    problem = _shape_problem(data)
+    if problem:
+        raise DataError(f"{path}: not a manifest written by `dsrecipes shard` ({problem}); re-shard")
     manifest = Manifest(**data, directory=str(shard_dir))
     if manifest.files != [part_name(p, manifest.parts) for p in range(manifest.parts)] or \
             manifest.val_file not in (None, VAL_PART):  # names from someone else's file: never a path elsewhere
@@ -107,6 +120,29 @@ def read_manifest(shard_dir: Optional[str], world_size: Optional[int] = None) ->
             f"{world_size} --out NEW_DIR --balance {manifest.balance}` and set data.shard_dir=NEW_DIR"
         )
     return manifest
+
+
+def _kind(path: Path) -> str:
+    return "a FIFO" if stat.S_ISFIFO(path.stat().st_mode) else "a file" if path.is_file() else "not a regular file"
+
+
+def _why(exc: Exception) -> str:
+    return (exc.strerror or str(exc)) if isinstance(exc, OSError) else f"not JSON: {exc}"
+
+
+def _shape_problem(data: Dict[str, Any]) -> str:
+    """What in a manifest's JSON is not what `shard` writes, as far as a run relies on it ('' when nothing)."""
+    known = {f.name for f in dataclasses.fields(Manifest)} - {"directory"}
+    unknown, missing = sorted(set(data) - known), sorted(k for k in ("parts", "balance", "files", "counts", "sha256")
+                                                         if k not in data)
+    if unknown or missing:
+        return f"unknown keys {', '.join(unknown)}" if unknown else f"no {', '.join(missing)}"
+    parts, counts = data["parts"], data["counts"]
+    if type(parts) is not int or parts < 1:
+        return f"parts: {parts!r} is not a whole number >= 1"
+    if not isinstance(counts, list) or len(counts) != parts or any(type(c) is not int or c < 0 for c in counts):
+        return f"counts: not {parts} whole numbers >= 0"
+    return ""
 
 
 def shard_files(data: Any) -> Optional[List[str]]:
