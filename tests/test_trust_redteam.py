@@ -9,7 +9,8 @@ tiny model, in this process): the test fails on the code before its fix.
   without flash-attn): transformers fetched that Hub kernel with the `kernels` package and loaded its native code,
   in `chat` / `prompt-eval` and for a GRPO reward model a shared recipe names.
 - A foreign checkpoint's complete.json holding 1e999 or a list where a number belongs: tracebacks from signing
-  (json.dumps allow_nan=False) and, trusted, from int(world_size) / float(saved_at)."""
+  (json.dumps allow_nan=False) and, trusted, from int(world_size) / float(saved_at).
+- A YAML dataset registry (any recipe may name one) with an alias bomb: validate ran past a minute, memory growing."""
 
 from __future__ import annotations
 
@@ -166,3 +167,24 @@ def test_a_foreign_commit_record_that_json_cannot_sign_is_one_message(record, tm
         assert err.count("error: ") == 1 and "step_8" in err.split("error: ")[1], err
         if not trusted:
             assert "--trust-checkpoint" in err or "complete.json: unreadable" in err, err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dataset files a recipe names
+
+
+def test_a_dataset_registry_alias_bomb_is_refused_in_milliseconds(tmp_path, capsys):
+    """dataset.registry (a read-only input any recipe may name) in YAML: nine lines whose aliases expand to 9^9
+    values. Was: yaml.safe_load shares the nodes, then typing the entry walked every expansion (validate ran past
+    60 s, its memory growing); now read like a recipe file, within the same budget of values."""
+    import time
+
+    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    sample = Path(__file__).resolve().parents[1] / "dsrecipes" / "assets" / "sample_data" / "train.jsonl"
+    registry = tmp_path / "registry.yaml"
+    registry.write_text(f"mine:\n  paths: [{sample}]\n  roles:\n" + "".join(f"    {line}\n" for line in lines),
+                        encoding="utf-8")
+    started = time.monotonic()
+    refused(capsys, ["validate", f"dataset.registry={registry}", "dataset.use=[mine]"], str(registry), "aliases")
+    assert time.monotonic() - started < 10

@@ -37,10 +37,12 @@ from omegaconf import OmegaConf
 
 from dsrecipes.config.flat_check import flat_problems
 from dsrecipes.config.groups import RECIPE_GROUP, group_options
+from dsrecipes.core.bounded_yaml import MAX_VALUES
+from dsrecipes.core.bounded_yaml import SelfReference as _SelfReference
+from dsrecipes.core.bounded_yaml import expanded_size as _values
 from dsrecipes.core.errors import ConfigError
 
 MAX_BYTES = 1 << 20  # 1 MiB: recipes are a screen of keys
-MAX_VALUES = 100_000  # scalars, mappings and lists after alias expansion
 
 
 def read(path: Path) -> str:
@@ -123,32 +125,6 @@ def long_number(text: str) -> Optional[Tuple[int, int]]:
 def _where(path: Path, exc: "yaml.MarkedYAMLError") -> str:
     mark = exc.problem_mark or exc.context_mark
     return f"{path}:{mark.line + 1}" if mark is not None else str(path)
-
-
-def _values(node: Any, memo: Dict[int, int]) -> int:
-    """Values of `node` with every alias expanded: shared nodes are counted once per use, computed once."""
-    known = memo.get(id(node))
-    if known is not None:
-        return known
-    if isinstance(node, yaml.MappingNode):
-        children: List[Any] = [part for pair in node.value for part in pair]
-    elif isinstance(node, yaml.SequenceNode):
-        children = node.value
-    else:
-        children = []
-    memo[id(node)] = -1  # on the current path: an alias to it would make the value infinite
-    total = 1
-    for child in children:
-        if memo.get(id(child)) == -1:
-            raise _SelfReference(child)
-        total += _values(child, memo)
-    memo[id(node)] = total
-    return total
-
-
-class _SelfReference(Exception):
-    def __init__(self, node: Any):
-        super().__init__(node.start_mark.line + 1)
 
 
 def load(path: Path) -> Tuple[Any, Dict[str, Optional[str]]]:

@@ -25,8 +25,7 @@ import json
 import os
 from typing import Any, Dict, List, Optional
 
-import yaml
-
+import dsrecipes.core.bounded_yaml as bounded_yaml
 from dsrecipes.core.errors import ConfigError, DataError
 from dsrecipes.core.paths import SAMPLE_DATA_DIR
 from dsrecipes.core.schema import ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
@@ -134,12 +133,14 @@ def load_registry(path: str, use: Optional[List[str]] = None) -> Dict[str, Sourc
     try:
         with open(path, encoding="utf-8") as fh:
             if path.endswith((".yaml", ".yml")):
-                data = yaml.safe_load(fh)
+                data = bounded_yaml.safe_load(fh.read())  # an alias bomb is refused before it is walked
                 kind = "yaml"
             else:
                 data = json.load(fh)
                 kind = "llamafactory"
-    except Exception as exc:  # OSError, json.JSONDecodeError, yaml.YAMLError: all a broken registry file
+    except bounded_yaml.SelfReference as exc:
+        raise ConfigError(f"dataset.registry: {path}:{exc}: an alias (*name) inside the value it names") from None
+    except Exception as exc:  # OSError, json.JSONDecodeError, yaml.YAMLError, TooLarge: all a broken registry file
         raise ConfigError(f"dataset.registry: cannot read {path}: {' '.join(str(exc).split())}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"dataset.registry: {path} must map entry names to entries")
