@@ -110,6 +110,16 @@ def test_a_run_directory_behind_a_dangling_link_is_refused(tmp_path, link, below
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.parametrize("setting", ["hydra.run.dir", "hydra.sweep.dir"])
+def test_hydra_run_and_sweep_dirs_behind_a_dangling_link_are_refused(tmp_path, link, setting, capsys):
+    """Before: the run (or the sweep) resolved the link, made its target and wrote locks and .hydra/ there."""
+    before = snapshot(tmp_path)
+    sweep = ["-m", "optimizer.lr=0.001,0.002"] if setting == "hydra.sweep.dir" else []
+    assert main("train", *sweep, f"{setting}={link}", "trainer.max_steps=1", "dataset.max_samples=80") == 2
+    assert f"{setting}: {link} is {DANGLING}" in capsys.readouterr().err
+    assert snapshot(tmp_path) == before
+
+
 def test_dangling_link_finds_loops_and_leaves_good_links(tmp_path, link):
     from dsrecipes.core.fileio import dangling_link
 

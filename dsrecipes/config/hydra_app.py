@@ -50,7 +50,7 @@ from dsrecipes.config.hints import compose_error
 from dsrecipes.config.resolvers import readable_env  # noqa: F401 - tests and callers name it here
 from dsrecipes.core.errors import ConfigError, UserError
 from dsrecipes.core.paths import conf_dir
-from dsrecipes.core.rundir import claim_sweep_dir, unique_new_dir
+from dsrecipes.core.rundir import claim_sweep_dir, refuse_dangling_link, unique_new_dir
 from dsrecipes.core.schema import GROUP_SCHEMAS, TrainConfig
 
 CONFIG_NAME = "train"
@@ -289,12 +289,13 @@ class Job:
         """(run directory, the setting that names it): `trainer.output_dir` wins; else Hydra's job directory (a
         sweep), or a new directory from `hydra.run.dir` (a single run: `-1`, `-2` appended when it exists, unless
         hydra.run.dir was given)."""
-        if output_dir:
+        if output_dir:  # (a dangling link was refused by run/preflight.py with the other path checks)
             return Path(output_dir).expanduser().resolve(), "trainer.output_dir"
         if self.sweep:
             return self.job_dir.resolve(), "hydra.sweep.dir"
         HydraConfig.instance().set_config(self.composed)  # the pattern may use ${hydra:...}
         pattern = Path(str(self.composed.hydra.run.dir)).expanduser()
+        refuse_dangling_link(pattern, "hydra.run.dir")  # resolve() would name the link's missing target, and claim make it
         given = any(ov.split("=", 1)[0].lstrip("+~") == "hydra.run.dir" for ov in _texts(self.composed.hydra.overrides.hydra))
         return (pattern if given else unique_new_dir(pattern)).resolve(), "hydra.run.dir"
 
@@ -393,7 +394,9 @@ def _unique_sweep_dir(hydra: Any, overrides: Sequence[str]) -> List[str]:
     except Exception as exc:  # Hydra raises many types; all are user mistakes in a composition
         raise compose_error(exc, overrides) from None
     if any(ov.split("=", 1)[0].lstrip("+~") == "hydra.sweep.dir" for ov in overrides):
-        claim_sweep_dir(Path(str(composed.hydra.sweep.dir)).expanduser().resolve())
+        named = Path(str(composed.hydra.sweep.dir)).expanduser()
+        refuse_dangling_link(named, "hydra.sweep.dir")  # resolve() would name the link's missing target
+        claim_sweep_dir(named.resolve())
         return list(overrides)
     new = str(claim_sweep_dir(unique_new_dir(Path(str(composed.hydra.sweep.dir)))))
     return list(overrides) + ["hydra.sweep.dir='" + new.replace("\\", "\\\\").replace("'", "\\'") + "'"]
