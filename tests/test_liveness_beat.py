@@ -12,7 +12,7 @@ import time
 import pytest
 
 import dsrecipes.core.heartbeat as heartbeat
-from tests.test_liveness_stall import job, mark, wait_for  # noqa: F401 - a fixture
+from tests.test_liveness_stall import job, mark, no_product_thread_left, wait_for  # noqa: F401 - fixtures
 
 BEATS = 8
 

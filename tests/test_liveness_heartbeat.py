@@ -12,6 +12,7 @@ import time
 import pytest
 
 import dsrecipes.core.heartbeat as heartbeat
+from tests.test_liveness_stall import no_product_thread_left  # noqa: F401 - an autouse fixture
 
 
 @pytest.fixture
@@ -25,6 +26,7 @@ def beat(tmp_path, monkeypatch):
     hb._thread.start()
     yield hb
     hb._stop.set()
+    hb._thread.join(timeout=1)
 
 
 def _looked(hb) -> float:

@@ -23,7 +23,7 @@ import pytest
 import dsrecipes.core.final_barrier as final_barrier
 import dsrecipes.core.heartbeat as heartbeat
 from dsrecipes.core import stall
-from tests.test_liveness_stall import wait_for
+from tests.test_liveness_stall import no_product_thread_left, wait_for  # noqa: F401 - an autouse fixture
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # stand-in exits
 
@@ -62,7 +62,7 @@ def ranks(tmp_path, monkeypatch):
     make.exits = exits
     yield make
     for hb in made:
-        hb._stop.set()
+        hb.stop()  # its threads joined before os._exit is itself again
     del server
 
 

@@ -21,7 +21,8 @@ from dsrecipes.core import stall
 def job(tmp_path, monkeypatch):
     """start(warn_s, timeout_s, world_size=2) -> the Heartbeats of ranks 0, 1, ..., each with its own Progress (rank 0
     reads the counters). `exits` lists the codes a failing heartbeat exits with (its thread ends there instead),
-    `followed` the report each rank that followed another's read."""
+    `followed` the report each rank that followed another's read. Every heartbeat is stopped (its threads joined)
+    before os._exit is itself again."""
     import torch.distributed as dist
 
     from dsrecipes.core.distributed import free_port
@@ -64,8 +65,24 @@ def job(tmp_path, monkeypatch):
     start.exits, start.exiting, start.followed = exits, [], followed  # the codes, the threads that exited, in order
     yield start
     for hb in beats:
-        hb._stop.set()
+        hb.stop()
     del server
+
+
+@pytest.fixture(autouse=True)
+def no_product_thread_left():
+    """No thread of the product (`dsrecipes-*`: a heartbeat's, the final barrier's watch) outlives its test: one
+    would go on beating in a store that is gone, and its os._exit would be the real one (tests/conftest.py)."""
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline and _product_threads(before):
+        time.sleep(0.02)
+    assert not _product_threads(before), "alive after the test (and its fixtures' teardown)"
+
+
+def _product_threads(before):
+    return [t.name for t in threading.enumerate() if t.name.startswith("dsrecipes-") and t not in before]
 
 
 def mark(progress, phase, step):
@@ -268,6 +285,7 @@ def test_a_stalled_in_process_run_ends_as_any_failed_run(tmp_path, monkeypatch, 
     monkeypatch.setattr(heartbeat.os, "_exit", exit_thread)
     worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
     worker.start()  # a DataLoader worker that never answers
+    lone = None
     try:
         lone = heartbeat.start(tmp_path, 0, 1, 30, 0, 1, in_process=True, before_exit=end_workers)
         stall.mark("data", 3)
@@ -281,5 +299,7 @@ def test_a_stalled_in_process_run_ends_as_any_failed_run(tmp_path, monkeypatch, 
         assert not worker.is_alive()  # killed, and reaped
     finally:
         worker.kill()
+        if lone is not None:
+            lone.stop()  # its guard (this test's stand-in exit ended only the beating thread)
         heartbeat._current = None
         stall.reset()

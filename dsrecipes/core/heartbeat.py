@@ -50,6 +50,7 @@ INTERVAL_S = 1.0
 CRASH_GRACE_S = 4.0  # after a broken collective: a peer silent this long is gone
 QUIET_S = 2.5 * INTERVAL_S  # not beating now: reported along with a peer past the timeout
 FOLLOW_S = 2 * INTERVAL_S  # a reporting rank stays up this long at most for the others to read its report
+STOP_S = 1.0  # `stop` waits this long for the heartbeat's threads (a store call in flight: milliseconds)
 
 _current: Optional["Heartbeat"] = None
 _stopped: Optional["Heartbeat"] = None  # stopped before the final barrier, which it watches
@@ -116,6 +117,7 @@ class Heartbeat:
         self.prefix = f"{PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self.threshold, self.started = timeout_s, time.time()
         self._stop = threading.Event()
+        self._beating_ended = threading.Event()  # the guard watches the beating thread's calls until it ends
         self.count = 0  # this rank's beats, as its store answered the last one
         self._registered: set = set()  # ranks whose counter exists: read without a look first (`read_beats`)
         self._who: Dict[int, Dict[str, Any]] = {}
@@ -140,12 +142,18 @@ class Heartbeat:
         self._guard_thread.start()
 
     def stop(self) -> None:
+        """Stop beating; the beating thread marks this rank done on its way out (`_loop`). Bounded: STOP_S for both
+        threads. A beat's store call that does not return (a store gone silent) cannot be cut short: it is named,
+        and the guard stays to end this rank if the store stays silent for the timeout, as it would mid-run."""
         self._stop.set()
-        self._thread.join(timeout=2 * INTERVAL_S + self.timeout_s)
-        try:  # a number, never a word: the rank that publishes a report adds to every counter (`_publish`)
-            self.store.set(self._key("beat", self.rank), str(DONE_MARK))
-        except Exception:  # noqa: BLE001 - the run is over; a vanished store does not matter now
-            pass
+        deadline = time.monotonic() + STOP_S
+        for thread in (self._thread, self._guard_thread) if self._thread.ident is not None else ():
+            thread.join(timeout=max(deadline - time.monotonic(), INTERVAL_S / 10))
+            if thread.is_alive():
+                print(f"dsrecipes: rank {self.rank}: {thread.name} did not end in {STOP_S:.0f} s: the job's store at "
+                      f"{self._store_name()} did not answer (this rank: done when it does, ended if it stays silent "
+                      f"for launcher.peer_timeout_s={self.timeout_s:.0f})", file=sys.stderr, flush=True)  # fmt: skip
+                return
 
     def explain_crash(self) -> None:
         """Look at the peers for a short while with a short threshold; `_fail` exits if any is gone. Not when another
@@ -167,6 +175,15 @@ class Heartbeat:
         return f"{self.prefix}/{kind}/{rank}"
 
     def _loop(self) -> None:
+        try:
+            self._beating()
+            if not self._failing.locked():  # stopped (`stop`), not ending the run: peers take this rank for done
+                with contextlib.suppress(Exception):  # (the run is over for it; a store gone does not matter now)
+                    self.store.set(self._key("beat", self.rank), str(DONE_MARK))
+        finally:
+            self._beating_ended.set()
+
+    def _beating(self) -> None:
         tick = time.monotonic()  # every rank met at the rendezvous before it started: one never seen is silent
         last_value: Dict[int, Optional[bytes]] = dict.fromkeys(range(self.world_size))
         last_change = dict.fromkeys(range(self.world_size), tick)
@@ -231,7 +248,7 @@ class Heartbeat:
         this process itself did not run (a C call holding the GIL, a machine starved of CPU) is not the store's
         silence: a gap between two of this thread's own ticks is added to the store's allowance."""
         tick = time.monotonic()
-        while not self._stop.wait(INTERVAL_S):
+        while not self._beating_ended.wait(INTERVAL_S):
             now = time.monotonic()
             starved = now - tick - INTERVAL_S
             tick = now
@@ -334,13 +351,14 @@ class Heartbeat:
                       "(trainer.resume=auto)", file=sys.stderr, flush=True)  # fmt: skip
             elif mine and not reported_by_launcher(self.run_dir):
                 print(f"dsrecipes: {message}; stopping rank {self.rank}", file=sys.stderr, flush=True)
-            telling = threading.Thread(target=self._tell, args=(first, mine), name="dsrecipes-heartbeat-report",
-                                       daemon=True)  # fmt: skip
-            telling.start()
+            telling = threading.Thread(target=self._tell, args=(first,), name="dsrecipes-heartbeat-report", daemon=True)
+            if mine:
+                telling.start()
             with contextlib.suppress(Exception):
                 if self.before_exit is not None:
                     self.before_exit()
-            telling.join(timeout=FOLLOW_S + 2 * INTERVAL_S)
+            if mine:
+                telling.join(timeout=FOLLOW_S + 2 * INTERVAL_S)
             if telling.is_alive():
                 print(f"dsrecipes: rank {self.rank}: the job's store at {self._store_name()} did not take the report "
                       f"to the other ranks in {FOLLOW_S + 2 * INTERVAL_S:.0f} s; they find it in "
@@ -349,13 +367,13 @@ class Heartbeat:
                 write_result(self.run_dir, PEER_LOST_EXIT, message)
             sys.stdout.flush()
         finally:  # whatever the above met (a lost console, a full disk): the exit comes
+            self._stop.set()  # (where os._exit does not end the process, a test's stand-in: nor this heartbeat)
             os._exit(PEER_LOST_EXIT)
 
-    def _tell(self, report: Dict[str, Any], mine: bool) -> None:
-        """`_publish` (the report that stands is this rank's), then `_await_followers`: `_exit` waits for this with a
-        bound (each store call waits as long as the store does not answer)."""
+    def _tell(self, report: Dict[str, Any]) -> None:
+        """`_publish`, then `_await_followers` (`_exit` waits for this with a bound: a store call may never return)."""
         with contextlib.suppress(Exception):
-            self._await_followers(self._publish(report) if mine else 0)
+            self._await_followers(self._publish(report))
 
 
 def _beats(counter: bytes) -> bytes:
