@@ -115,20 +115,33 @@ def test_a_model_directory_cannot_choose_a_hub_kernel_for_chat(kernel, model_dir
     assert "kernel" not in err.lower(), err
 
 
-def test_a_reward_model_directory_cannot_choose_a_hub_kernel(model_dir, tmp_path, monkeypatch):
+def _scorer(model_dir: Path, tmp_path: Path) -> Path:
+    """A sequence-classification directory (the tiny model's body, one label) naming a Hub kernel."""
     from transformers import LlamaForSequenceClassification
 
-    from dsrecipes.objectives.rewards import load_reward_model
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     scorer = tmp_path / "scorer"
     LlamaForSequenceClassification.from_pretrained(model_dir, num_labels=1).save_pretrained(scorer)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (model_dir / name).exists():
             (scorer / name).write_bytes((model_dir / name).read_bytes())
-    hostile = _with_config(scorer, tmp_path, attn_implementation="evil-org/attention")
+    return _with_config(scorer, tmp_path, attn_implementation="evil-org/attention")
+
+
+def test_a_reward_model_directory_cannot_choose_a_hub_kernel(model_dir, tmp_path, monkeypatch):
+    from dsrecipes.objectives.rewards import load_reward_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hostile = _scorer(model_dir, tmp_path)
     score = load_reward_model(str(hostile), "cpu")
     assert len(score(["hello"])) == 1
+
+
+def test_dsrecipes_score_loads_no_kernel_a_model_directory_names(model_dir, tmp_path, monkeypatch):
+    from dsrecipes.commands.score import load_scorer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, _ = load_scorer(_scorer(model_dir, tmp_path))
+    assert model.config._attn_implementation in ("sdpa", "eager")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from dsrecipes.core.errors import UserError, no_custom_code
 from dsrecipes.core.export_dir import EXPORT_MARKER
 from dsrecipes.core.fileio import atomic_write_text, json_text
 from dsrecipes.core.schema import ColumnsConfig, DatasetFormat, SourceConfig
-from dsrecipes.core.tokenizer import custom_code_problems
+from dsrecipes.core.tokenizer import NO_DIRECTORY_CODE, custom_code_problems
 from dsrecipes.data.sources.badrows import BadRow
 from dsrecipes.data.sources.messages import messages_for
 from dsrecipes.data.sources.preference import Pair, parse_pair_item
@@ -126,8 +126,8 @@ def load_scorer(path: Path) -> Tuple[Any, Any]:
 
     with no_custom_code("EXPORT", str(path)), loading(path, "a sequence-classification model"):
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
-        model = AutoModelForSequenceClassification.from_pretrained(str(path), trust_remote_code=False,
-                                                                   use_safetensors=True)
+        model = AutoModelForSequenceClassification.from_pretrained(str(path), use_safetensors=True,
+                                                                   **NO_DIRECTORY_CODE)
     if model.config.num_labels != 1:
         raise UserError(f"{path}: a reward model has one label (a scalar score), this one has {model.config.num_labels}")
     if tokenizer.pad_token is None:
