@@ -120,6 +120,18 @@ def test_hydra_run_and_sweep_dirs_behind_a_dangling_link_are_refused(tmp_path, l
     assert snapshot(tmp_path) == before
 
 
+def test_a_cache_dir_behind_a_dangling_link_is_named_as_one(tmp_path, link, capsys):
+    """inspect-data and audit (no train preflight) said 'data.cache_dir: cannot create LINK (File exists)'."""
+    import json
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}))
+    before = snapshot(tmp_path)
+    assert main("inspect-data", f"data.cache_dir={link}", f"dataset.paths=[{rows}]", "dataset.val_size=0") == 2
+    assert f"lies below {link}, which is {DANGLING}" in capsys.readouterr().err
+    assert snapshot(tmp_path) == before
+
+
 def test_dangling_link_finds_loops_and_leaves_good_links(tmp_path, link):
     from dsrecipes.core.fileio import dangling_link
 

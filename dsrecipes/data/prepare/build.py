@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 import numpy as np
 
 from dsrecipes.core.errors import DataError
-from dsrecipes.core.fileio import atomic_write_json
+from dsrecipes.core.fileio import atomic_write_json, dangling_link_problem
 from dsrecipes.core.publish import Existing, publish_dir, staging_dir
 from dsrecipes.core.schema import ReferenceMode, RowKind, SourceConfig, TrainConfig
 from dsrecipes.data.prepare.arrow_split import write_split
@@ -161,6 +161,9 @@ def _build(cfg: TrainConfig, tokenizer: Any, sources: List[SourceConfig], val: L
     `quarantine` (the run directory's copy, kept when preparation fails) and copied into the cache for later cache
     hits."""
     started = time.time()
+    link = dangling_link_problem("data.cache_dir", root)  # mkdir would fail 'File exists' (or make the target)
+    if link:
+        raise DataError(link)
     try:  # a file, /proc, a read-only mount: one message naming the key (root's os.access says yes to all of them)
         root.mkdir(parents=True, exist_ok=True)
         tmp = staging_dir(final, "prep")
