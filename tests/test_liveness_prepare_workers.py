@@ -14,6 +14,7 @@ import pytest
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.paths import SAMPLE_DATA_DIR, TINY_TOKENIZER_DIR
 from dsrecipes.core.schema import DatasetConfig, SourceConfig, TemplateConfig, TemplateKind, TrainConfig
+from dsrecipes.core.worker_pool import WorkerLost
 from dsrecipes.data.render import batch_encode, prep_pool
 from dsrecipes.data.sources.badrows import BadRowReport
 from tests.fault_cases import outcome_within
@@ -82,27 +83,12 @@ def test_a_refused_row_still_lets_running_chunks_finish(tmp_path):
     assert not left, left
 
 
-class _Dying:
-    """A worker process as the broken pool meets it: its pipe already closed, its exit status readable only after
-    `after_s` (the kernel's order under load), or a sibling the pool then ended with SIGTERM."""
-
-    def __init__(self, pid, code, after_s):
-        import time
-
-        self.pid, self.code, self.at = pid, code, time.monotonic() + after_s
-
-    @property
-    def exitcode(self):
-        import time
-
-        return self.code if time.monotonic() >= self.at else None
-
-
-def test_the_message_waits_for_the_dead_workers_exit_status_and_names_the_first_death(monkeypatch):
-    monkeypatch.setattr(prep_pool, "DEATH_NOTICE_S", 0.6)
-    message = prep_pool.died_message([_Dying(11, -signal.SIGTERM, 0.3), _Dying(12, -signal.SIGKILL, 0.3)], 2)
-    assert "(pid 12, killed by SIGKILL)" in message, message  # (old code: no pid, the status read too early)
-    message = prep_pool.died_message([_Dying(13, None, 0)], 2)  # a status never readable: the message, without it
+def test_the_message_names_the_dead_worker_and_how_it_ended_where_known():
+    """The pool reads the dead worker's exit status (it waits for it: tests/test_worker_pool.py) and names that
+    worker, not a sibling: no executor ends the others with SIGTERM first any more."""
+    message = prep_pool.lost_message(WorkerLost([(12, -signal.SIGKILL)], [], None), 2)
+    assert "(pid 12, killed by SIGKILL)" in message, message
+    message = prep_pool.lost_message(WorkerLost([(13, None)], [], None), 2)  # a status never readable: without it
     assert message.startswith("data.preprocess_workers=2: a preparation worker process ended without an answer;")
 
 

@@ -1,9 +1,9 @@
 """`validate --all` composes in forked workers; a worker that never answers (a fork taken while another thread held a
 lock: the full suite once hung 300 s in `validate --all`, and stop 55's CI 600 s with no line printed) is not waited
-on: after CHUNK_TIMEOUT_S the rest is composed in the parent, with a line that says so, and every answer is still
+on: after CHUNK_TIMEOUT_S its chunks are composed in the parent, with a line that says so, and every answer is still
 there. A worker stuck in C never runs the SIGTERM handler it inherited (stopping.raising): it is killed, not joined
 for ever as multiprocessing.Pool's terminate() did; a worker that dies has its chunks composed here; no worker is
-left behind."""
+left behind. The workers are core/worker_pool.py's (its own tests: tests/test_worker_pool.py)."""
 
 import os
 import signal

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import sys
 import time
-from multiprocessing.connection import wait
 from typing import Any, Dict, List, Optional, Tuple
 
 from dsrecipes.commands.args import override_parser, parse
@@ -15,6 +13,7 @@ from dsrecipes.config.groups import RECIPE_GROUP, group_options
 from dsrecipes.config.load import check_composition, compose, compose_and_load, hydra_context
 from dsrecipes.config.matrix import as_container, layer, plan_all, recipe_body
 from dsrecipes.core.errors import ConfigError
+from dsrecipes.core.worker_pool import WorkerLost, WorkerPool
 from dsrecipes.data.sources.registry import resolve_sources
 from dsrecipes.run.preflight import check_environment, check_template_tokens
 
@@ -162,6 +161,8 @@ REAP_S = 5.0  # a finished worker's own exit, before it is killed
 
 
 def _compose_parallel(jobs: List[List[str]], progress: Progress) -> Dict[Tuple[str, ...], Composed]:
+    """In forked workers (core/worker_pool.py): the chunks of one that dies or stays silent CHUNK_TIMEOUT_S (a lock
+    held by another thread at fork time) are composed in this process, with a line that says so."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     size = max(1, min(4, len(jobs) // (2 * cores)))
     chunks = [jobs[i: i + size] for i in range(0, len(jobs), size)]
@@ -169,89 +170,34 @@ def _compose_parallel(jobs: List[List[str]], progress: Progress) -> Dict[Tuple[s
     if cores <= 1 or len(chunks) <= 1:
         _compose_here(chunks, out, progress)
         return out
-    workers = [_ComposeWorker(chunks, range(w, len(chunks), min(cores, len(chunks))))
-               for w in range(min(cores, len(chunks)))]
+    pool = WorkerPool(min(cores, len(chunks)), _compose_chunk, label="validate --all", name="compose worker",
+                      waiting=_waiting, line_s=WAIT_LINE_S, bound_s=CHUNK_TIMEOUT_S, reap_s=REAP_S)
     try:
-        _gather(workers, chunks, out, progress)
+        for chunk in chunks:
+            pool.submit(chunk)
+        while pool.pending:
+            try:
+                chunk, part = pool.next()
+            except WorkerLost as lost:
+                n = sum(len(c) for c in lost.tasks)
+                if lost.silent_s is None:
+                    print(f"validate --all: compose worker pid {lost.pids} ended ({lost.statuses()}) before its "
+                          f"last {len(lost.tasks)} chunks; composing them in this process", file=sys.stderr, flush=True)
+                else:
+                    print(f"validate --all: a compose worker gave no answer in {lost.silent_s:g} s (pid {lost.pids}); "
+                          f"composing its remaining {n} in this process", file=sys.stderr, flush=True)
+                _compose_here(lost.tasks, out, progress)
+                continue
+            out.update(zip(map(tuple, chunk), part))
+            progress.advance(len(chunk))
     finally:
-        for worker in workers:
-            worker.end()
+        pool.close()
     return out
 
 
-class _ComposeWorker:
-    """A forked process that composes its share of the chunks and sends each answer down its own pipe.
-
-    Not multiprocessing.Pool: its terminate() sends SIGTERM and joins without a bound, and a forked worker stuck in C
-    (a lock taken at fork time) never runs the inherited Python SIGTERM handler (stopping.raising), so the parent
-    waited for ever, in silence (stop 55's CI: `validate --all` killed at 600 s, no line printed). Here every wait is
-    bounded and a worker that does not end is killed (SIGKILL)."""
-
-    def __init__(self, chunks: List[List[List[str]]], share: range):
-        ctx = mp.get_context("fork")
-        self.todo = list(share)
-        self.conn, child = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=_serve, args=(child, [(i, chunks[i]) for i in self.todo]), daemon=True)
-        self.proc.start()
-        child.close()
-
-    def end(self) -> None:
-        self.proc.join(REAP_S if not self.todo else 0)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(REAP_S)
-        self.conn.close()
-
-
-def _serve(conn: Any, share: List[Tuple[int, List[List[str]]]]) -> None:
-    for i, chunk in share:
-        conn.send((i, _compose_chunk(chunk)))
-    conn.close()
-
-
-def _gather(workers: List[_ComposeWorker], chunks: List[List[List[str]]], out: Dict[Tuple[str, ...], Composed],
-            progress: Progress) -> None:
-    live = {w.conn: w for w in workers}
-    last = time.monotonic()
-    said = 0.0
-    while live:
-        ready = wait(list(live), timeout=min(WAIT_LINE_S, CHUNK_TIMEOUT_S))
-        for conn in ready:
-            worker = live[conn]
-            try:
-                i, part = conn.recv()
-            except (EOFError, OSError):  # its pipe closed: done, or dead with chunks unanswered
-                del live[conn]
-                if worker.todo:
-                    worker.proc.join(REAP_S)
-                    print(f"validate --all: compose worker pid {worker.proc.pid} ended (exit code "
-                          f"{worker.proc.exitcode}) before its last {len(worker.todo)} chunks; composing them in "
-                          "this process", file=sys.stderr, flush=True)
-                    _compose_here([chunks[k] for k in worker.todo], out, progress)
-                    worker.todo = []
-                continue
-            worker.todo.remove(i)
-            out.update(zip(map(tuple, chunks[i]), part))
-            progress.advance(len(chunks[i]))
-            last, said = time.monotonic(), 0.0
-        silent = time.monotonic() - last
-        if ready or not live:
-            continue
-        if silent >= CHUNK_TIMEOUT_S:  # stuck (a lock held by a thread at fork time): never wait on it; the rest is
-            rest = [k for w in live.values() for k in w.todo]  # composed here, in this process, and said
-            print(f"validate --all: a compose worker gave no answer in {CHUNK_TIMEOUT_S:g} s (pid "
-                  f"{', '.join(str(w.proc.pid) for w in live.values())}); composing the remaining "
-                  f"{sum(len(chunks[k]) for k in rest)} in this process", file=sys.stderr, flush=True)
-            for worker in live.values():
-                worker.proc.kill()
-                worker.todo = []
-            live.clear()
-            _compose_here([chunks[k] for k in sorted(rest)], out, progress)
-        elif silent - said >= WAIT_LINE_S:
-            said = silent
-            print(f"validate --all: waiting for compose worker pid "
-                  f"{', '.join(str(w.proc.pid) for w in live.values())} (no answer for {silent:.0f} s; composed "
-                  f"here after {CHUNK_TIMEOUT_S:g} s)", file=sys.stderr, flush=True)
+def _waiting(silent_s: float, pids: List[int], _chunks: List[Any]) -> str:
+    return (f"validate --all: waiting for compose worker pid {', '.join(map(str, pids))} (no answer for "
+            f"{silent_s:.0f} s; composed here after {CHUNK_TIMEOUT_S:g} s)")
 
 
 def _compose_here(chunks: List[List[List[str]]], out: Dict[Tuple[str, ...], Composed], progress: Progress) -> None:

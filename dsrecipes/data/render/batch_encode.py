@@ -21,16 +21,11 @@ from __future__ import annotations
 import gc
 import os
 from collections import deque
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from functools import partial
-from multiprocessing import get_context
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dsrecipes.core.errors import UserError
 from dsrecipes.core.schema import DatasetConfig, SourceConfig, TrainConfig
 from dsrecipes.data.render.prep_pool import PreparationPool
 from dsrecipes.data.render.tokenize import Encoder
@@ -188,17 +183,12 @@ def read_and_encode(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceCo
         for task, chunk in _ordered(_encode_chunk, _tasks(sources, caps, limit), 1, lambda _t, res: res):
             out.add(task, chunk, sources, caps, report)
         return out.result()
-    # concurrent.futures, not multiprocessing.Pool: a worker that dies (the OOM killer's SIGKILL) breaks the pool at
-    # once (BrokenProcessPool, the others killed), where Pool lost its task and waited for ever. Every wait on a
-    # worker is bounded (_Workers); a refused row (bad_rows=error) cancels the queued chunks.
-    pool = PreparationPool(ProcessPoolExecutor(workers, get_context(), initializer=_init_worker, initargs=init),
-                           workers)
+    # A worker that dies (the OOM killer's SIGKILL) or stays silent ends the preparation with one message; every
+    # wait on a worker is bounded (prep_pool.py); a refused row (bad_rows=error) lets only the running chunks finish.
+    pool = PreparationPool(workers, _encode_chunk, _init_worker, init)
     try:
-        submit = partial(pool.submit, _encode_chunk)
-        for task, chunk in _ordered(submit, _tasks(sources, caps, limit), workers * AHEAD, pool.take):
+        for task, chunk in _ordered(pool.submit, _tasks(sources, caps, limit), workers * AHEAD, pool.take):
             out.add(task, chunk, sources, caps, report)
-    except BrokenProcessPool:
-        raise UserError(pool.died()) from None
     finally:
         pool.close()
     return out.result()
@@ -261,8 +251,8 @@ def _tasks(sources: Sequence[SourceConfig], caps: _Caps, limit: int) -> Iterator
 
 def _ordered(submit: Callable[[_Task], Any], tasks: Iterator[_Task], ahead: int,
              take: Callable[[_Task, Any], Any]) -> Iterator[Tuple[_Task, Any]]:
-    """(task, result) in task order, at most `ahead` tasks in flight; `submit` returns a future (or, with ahead=1,
-    the result itself) and `take(task, what submit returned)` the result."""
+    """(task, result) in task order, at most `ahead` tasks in flight; `submit` returns a key (or, with ahead=1, the
+    result itself) and `take(task, what submit returned)` the result."""
     pending: deque = deque()
     for task in tasks:
         if task.local:
