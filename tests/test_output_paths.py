@@ -132,6 +132,19 @@ def test_a_cache_dir_behind_a_dangling_link_is_named_as_one(tmp_path, link, caps
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.parametrize("kind", ["file", "below-a-file", "dangling-link"])
+def test_an_nvme_path_deepspeed_cannot_make_is_refused_by_validate(tmp_path, link, kind, capsys):
+    """offload.nvme_path was never looked at: every rank failed in DeepSpeed's os.makedirs (after building its ops),
+    and through a dangling link made the link's target."""
+    (tmp_path / "file").write_text("user data")
+    path = {"file": tmp_path / "file", "below-a-file": tmp_path / "file" / "swap", "dangling-link": link}[kind]
+    before = snapshot(tmp_path)
+    assert main("validate", "zero=stage3", "offload=nvme", f"offload.nvme_path={path}") == 2
+    said = capsys.readouterr().err
+    assert f"offload.nvme_path: {path}" in said and ("is a file" in said or DANGLING in said)
+    assert snapshot(tmp_path) == before
+
+
 def test_dangling_link_finds_loops_and_leaves_good_links(tmp_path, link):
     from dsrecipes.core.fileio import dangling_link
 

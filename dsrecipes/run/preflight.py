@@ -19,7 +19,7 @@ from dsrecipes.core.fileio import dangling_link_problem
 from dsrecipes.core.hub import is_hub_id
 from dsrecipes.core.paths import TINY_TOKENIZER_DIR
 from dsrecipes.core.rundir import MARKER_FILE
-from dsrecipes.core.schema import TrainConfig
+from dsrecipes.core.schema import OffloadDevice, TrainConfig
 from dsrecipes.core.tokenizer import custom_code_problems
 from dsrecipes.data.prepare.cache import cache_root
 from dsrecipes.data.render.template import check_template
@@ -41,6 +41,9 @@ def check_environment(cfg: TrainConfig) -> List[str]:
     if cfg.trainer.output_dir:
         problems += writable_dir("trainer.output_dir", Path(cfg.trainer.output_dir).expanduser())
     problems += writable_dir("data.cache_dir", cache_root(cfg))
+    nvme = OffloadDevice.nvme in (cfg.offload.param, cfg.offload.optimizer)
+    if nvme and cfg.offload.nvme_path:  # DeepSpeed makes its swap folders there in every rank (os.makedirs)
+        problems += writable_dir("offload.nvme_path", Path(cfg.offload.nvme_path).expanduser())
 
     model: List[str] = []
     path, tokenizer_path = ((p if not is_hub_id(p) else None) for p in (cfg.model.path, cfg.model.tokenizer_path))
