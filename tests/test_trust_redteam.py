@@ -10,7 +10,8 @@ tiny model, in this process): the test fails on the code before its fix.
   in `chat` / `prompt-eval` and for a GRPO reward model a shared recipe names.
 - A foreign checkpoint's complete.json holding 1e999 or a list where a number belongs: tracebacks from signing
   (json.dumps allow_nan=False) and, trusted, from int(world_size) / float(saved_at).
-- A YAML dataset registry (any recipe may name one) with an alias bomb: validate ran past a minute, memory growing."""
+- A YAML dataset registry (any recipe may name one) or a shared run directory's config.yaml with an alias bomb:
+  validate / prompt-eval --baseline ran past a minute, memory growing."""
 
 from __future__ import annotations
 
@@ -200,4 +201,24 @@ def test_a_dataset_registry_alias_bomb_is_refused_in_milliseconds(tmp_path, caps
                         encoding="utf-8")
     started = time.monotonic()
     refused(capsys, ["validate", f"dataset.registry={registry}", "dataset.use=[mine]"], str(registry), "aliases")
+    assert time.monotonic() - started < 10
+
+
+def test_a_shared_run_directorys_config_alias_bomb_is_refused_in_milliseconds(model_dir, tmp_path, capsys):
+    """A run directory someone shared: its config.yaml is read (prompt-eval --baseline, resume, export) before any
+    signature is checked. Was: yaml.safe_load of nine alias lines under dataset.roles, then typing walked 9^9 values
+    (prompt-eval ran past 40 s); now the same budget as a recipe file, one message naming the file."""
+    import time
+
+    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    run = tmp_path / "shared_run"
+    run.mkdir()
+    (run / "config.yaml").write_text("dataset:\n  roles:\n" + "".join(f"    {line}\n" for line in lines),
+                                     encoding="utf-8")
+    started = time.monotonic()
+    code = cli_main(["prompt-eval", "--baseline", str(run), "--finetuned", str(model_dir)])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert str(run / "config.yaml") in err and "aliases" in err, err
     assert time.monotonic() - started < 10

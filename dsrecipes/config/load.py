@@ -14,6 +14,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import yaml
 
+import dsrecipes.core.bounded_yaml as bounded_yaml
 from dsrecipes.config.hints import clean_hydra_message, full_key, schema_keys
 from dsrecipes.core.errors import ConfigError
 from dsrecipes.core.schema import TrainConfig
@@ -103,7 +104,11 @@ def read_yaml_mapping(path: Path) -> Dict[str, Any]:
     """A YAML file that must hold a mapping (a run's config.yaml), or ConfigError naming `file:line`."""
     try:
         with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
+            data = bounded_yaml.safe_load(fh.read())  # a shared run's alias bomb is refused before it is walked
+    except bounded_yaml.TooLarge as exc:
+        raise ConfigError(f"{path}: {exc}; a run's config.yaml written by dsrecipes holds no aliases") from None
+    except bounded_yaml.SelfReference as exc:
+        raise ConfigError(f"{path}:{exc}: an alias (*name) inside its own value") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
     except UnicodeDecodeError as exc:
