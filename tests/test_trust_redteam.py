@@ -222,3 +222,25 @@ def test_a_shared_run_directorys_config_alias_bomb_is_refused_in_milliseconds(mo
     assert code == 2 and "Traceback" not in err, err
     assert str(run / "config.yaml") in err and "aliases" in err, err
     assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize("text", ["trainer: [unclosed\n", "trainer:\n  roles:\n" + "".join(
+    f"    a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9 if i else ['"lol"'] * 9) + "]\n" for i in range(9))])
+def test_a_trusted_foreign_checkpoints_settings_file_is_read_as_data(text, tmp_path, monkeypatch, capsys):
+    """The settings a foreign checkpoint was trained with (its run's config.yaml), read by the resume contract once
+    the user trusted it with --trust-checkpoint. Was: yaml.safe_load (a YAMLError traceback for broken YAML, an
+    alias bomb walked without end); now read like a run's config.yaml: one message naming the file."""
+    import time
+
+    monkeypatch.setenv("DSRECIPES_KEY_FILE", str(tmp_path / "key" / "checkpoint.key"))
+    monkeypatch.chdir(tmp_path)
+    tag = _foreign_checkpoint(tmp_path)
+    run = tag.parent.parent
+    (run / "config.yaml").write_text(text, encoding="utf-8")
+    started = time.monotonic()
+    code = cli_main(["train", "debug=fast", f"trainer.output_dir={tmp_path / 'mine'}", f"trainer.resume_from={run}",
+                     "--trust-checkpoint", str(run)])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, (code, err)
+    assert err.count("error: ") == 1 and str(run / "config.yaml") in err, err
+    assert time.monotonic() - started < 20

@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
-import yaml
-
 import dsrecipes.run.resume_contract as resume_contract
 from dsrecipes.boundary.checkpoint_find import committed, plan_resume
+from dsrecipes.config.load import read_yaml_mapping
 from dsrecipes.config.validate import check_runtime
 from dsrecipes.core.checkpoint_names import read_record
 from dsrecipes.core.errors import ConfigError, Refused, UserError
@@ -186,7 +185,7 @@ def check_budget(cfg: TrainConfig, resume: ResumePlan, total: int) -> bool:
     config_path = tag_dir / "config.yaml"
     if not config_path.is_file():
         config_path = tag_dir.parent.parent / "config.yaml"  # checkpoints of older versions (as check_resume)
-    saved = yaml.safe_load(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    saved = read_yaml_mapping(config_path) if config_path.is_file() else {}  # a foreign one's too: bounded
     try:
         result = json.loads((tag_dir.parent.parent / RESULT_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -215,7 +214,7 @@ def check_resume(cfg: TrainConfig, resume: ResumePlan, fingerprint: str, files: 
         config_path = tag_dir.parent.parent / "config.yaml"
     if not config_path.is_file():
         return  # a bare checkpoint without its settings: nothing to compare against
-    saved = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+    saved = read_yaml_mapping(config_path)
     saved_data, saved_files = record.get("data_fingerprint"), record.get("data_files") or {}
     plan_path = tag_dir.parent.parent / "plan.json"
     if saved_data is None and plan_path.is_file():
