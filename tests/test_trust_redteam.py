@@ -11,7 +11,9 @@ tiny model, in this process): the test fails on the code before its fix.
 - A foreign checkpoint's complete.json holding 1e999 or a list where a number belongs: tracebacks from signing
   (json.dumps allow_nan=False) and, trusted, from int(world_size) / float(saved_at).
 - A YAML dataset registry (any recipe may name one) or a shared run directory's config.yaml with an alias bomb:
-  validate / prompt-eval --baseline ran past a minute, memory growing."""
+  validate / prompt-eval --baseline ran past a minute, memory growing.
+- A pipeline file's `from_export: {KEY: STAGE}` could set the keys its `set:` may not (a batch job's activate
+  script, written directories, the MLflow store)."""
 
 from __future__ import annotations
 
@@ -244,3 +246,25 @@ def test_a_trusted_foreign_checkpoints_settings_file_is_read_as_data(text, tmp_p
     assert code == 2 and "Traceback" not in err, (code, err)
     assert err.count("error: ") == 1 and str(run / "config.yaml") in err, err
     assert time.monotonic() - started < 20
+
+
+def test_a_pipeline_file_cannot_point_a_users_setting_at_a_stages_export(tmp_path):
+    """`from_export: {KEY: STAGE}` sets KEY to an earlier stage's export directory, and reaches `train` as a
+    command-line override (the user's own to config/safety.py). Was: any key, so a shared pipeline file could set
+    what its `set:` may not: the batch job's activate script (launcher.slurm_venv), the prepared-data cache,
+    the MLflow store (trainer.tracking_uri); now refused with its line, like the same keys under `set:`."""
+    from dsrecipes.config.pipeline_file import load_pipeline
+    from dsrecipes.core.errors import ConfigError
+
+    path = tmp_path / "shared_pipeline.yaml"
+    path.write_text("stages:\n  - name: sft\n  - name: rm\n    from_export:\n      launcher.slurm_venv: sft\n"
+                    "      data.cache_dir: sft\n      trainer.tracking_uri: sft\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as refused_:
+        load_pipeline(path)
+    problems = refused_.value.problems
+    assert [p.split(": ", 1)[0] for p in problems] == [f"{path}:{n}" for n in (5, 6, 7)], problems
+    assert "batch job" in problems[0] and "credentials" in problems[2]
+    ok = tmp_path / "own_pipeline.yaml"
+    ok.write_text("stages:\n  - name: sft\n  - name: grpo\n    from_export: {objective.reward_model: sft}\n",
+                  encoding="utf-8")
+    assert load_pipeline(ok).stages[1].from_export == {"objective.reward_model": "sft"}

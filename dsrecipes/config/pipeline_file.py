@@ -244,6 +244,8 @@ class _Reader:
                               f"{phrase(closest(key, sorted(self.keys)))}")
             elif any(key == r or key.startswith(r + ".") for r in PIPELINE_SET + ("model.path",)):
                 self.error(k, f"{where}.{key}: set by the pipeline (model_from names the model's stage)")
+            elif FIELDS.get(key) in SHARED_NEVER:  # it reaches `train` as a command-line override, like `set:`
+                self.error(k, f"{where}.{key}: {SHARED_NEVER[FIELDS[key]]}")
             else:
                 stage = self.model_from(v, f"{where}.{key}", before)
                 if stage:
