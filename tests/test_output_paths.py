@@ -213,3 +213,28 @@ def test_validate_refuses_a_model_dir_whose_config_is_not_json_as_the_run_does(t
     assert main("train", f"model.path={tmp_path / 'm'}", f"trainer.output_dir={tmp_path / 'run'}") == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == said
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("key, name", [("model.path", "model.safetensors"), ("model.tokenizer_path", "tokenizer.json"),
+                                       ("model.tokenizer_path", "tokenizer_config.json")])
+def test_a_fifo_in_a_model_or_tokenizer_dir_is_refused_not_read(tmp_path, key, name, capsys):
+    """Before: validate (and train's preflight) opened the FIFO - the weights' header check, the template check's
+    tokenizer_config.json - and blocked for ever."""
+    import shutil
+
+    from dsrecipes.core.paths import TINY_TOKENIZER_DIR
+
+    model = tmp_path / "m"
+    shutil.copytree(TINY_TOKENIZER_DIR, model)
+    (model / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
+    (model / "model.safetensors").write_bytes(b"")
+    (model / name).unlink(missing_ok=True)
+    os.mkfifo(model / name)
+    assert main("validate", f"{key}={model}") == 2
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said == f"error: {key}: {model / name} is a FIFO, not a regular file; loading would read it (a FIFO " \
+                   "blocks for ever). Replace it with the file, or give another directory"
+    assert main("train", f"{key}={model}", f"trainer.output_dir={tmp_path / 'run'}") == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == said
+    assert not (tmp_path / "run").exists()

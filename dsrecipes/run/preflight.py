@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.export_dir import EXPORT_DIR
@@ -32,6 +33,9 @@ from dsrecipes.data.sources.registry import resolve_sources, validation_files
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json",
                    "*.gguf")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# Every file a tokenizer load (ours: data/render/tokenizer_files.py, or transformers') may open in its directory.
+TOKENIZER_READS = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "merges.txt",
+                   "chat_template.jinja", "chat_template.json", "generation_config.json")
 
 
 def check_environment(cfg: TrainConfig) -> List[str]:
@@ -80,6 +84,8 @@ def check_template_tokens(cfg: TrainConfig) -> List[str]:
     decided as the run decides it), applied to the tokenizer's files: no transformers, no torch (`validate`)."""
 
     where = cfg.model.tokenizer_path or cfg.model.path or str(TINY_TOKENIZER_DIR)
+    if not is_hub_id(where) and irregular_files("", Path(where).expanduser(), TOKENIZER_READS):
+        return []  # a FIFO would block the read below for ever; check_environment names it
     tokenizer = None if is_hub_id(where) else open_tokenizer(Path(where).expanduser())
     if tokenizer is None:  # a hub id not fetched yet, a SentencePiece-only tokenizer: the run checks it
         return []
@@ -109,6 +115,9 @@ def check_model_dir(key: str, path: Path, trust_remote_code: bool) -> List[str]:
         return []  # reported by the config rules (or resolved as a hub id where that is supported)
     if not path.is_dir():
         return [f"{key}: {path} is a file; give the model's directory (config.json and weights)"]
+    odd = irregular_files(key, path, ("config.json", *WEIGHT_PATTERNS, *TOKENIZER_READS))
+    if odd:
+        return odd
     config_path = path / "config.json"
     if not config_path.is_file():
         return [f"{key}: {path} has no config.json; it is not a Hugging Face model directory{_what_it_is(key, path)}"]
@@ -176,12 +185,32 @@ def _known_model_type(key: str, path: Path, model_type: object) -> List[str]:
     return []
 
 
+def irregular_files(key: str, directory: Path, patterns: Sequence[str]) -> List[str]:
+    """`key: FILE is a FIFO, not a regular file ...` for the first entry of `directory` matching `patterns` that a load
+    would open but that is not a regular file: a FIFO blocks its reader for ever, a device never ends, a link to
+    nothing is a broken download. Nothing is opened."""
+    if not directory.is_dir():
+        return []
+    found = sorted({f for pattern in patterns for f in directory.glob(pattern) if not f.is_file()})
+    if not found:
+        return []
+    odd = found[0]
+    mode = os.stat(odd).st_mode if os.path.exists(odd) else None
+    what = ("a symbolic link to nothing" if mode is None else "a FIFO" if stat.S_ISFIFO(mode) else
+            "a directory" if stat.S_ISDIR(mode) else "a device or socket")
+    return [f"{key}: {odd} is {what}, not a regular file; loading would read it (a FIFO blocks for ever). Replace it "
+            "with the file, or give another directory"]
+
+
 def check_tokenizer_dir(key: str, path: Path) -> List[str]:
     if not path.exists():
         return []
     if not path.is_dir():
         return [f"{key}: {path} is a file; the tokenizer is loaded from a directory (tokenizer.json, "
                 "tokenizer_config.json, ...)"]
+    odd = irregular_files(key, path, TOKENIZER_READS)
+    if odd:
+        return odd
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         return [f"{key}: {path} holds no tokenizer files ({', '.join(TOKENIZER_FILES)})"]
     return []
