@@ -238,3 +238,14 @@ def test_a_fifo_in_a_model_or_tokenizer_dir_is_refused_not_read(tmp_path, key, n
     assert main("train", f"{key}={model}", f"trainer.output_dir={tmp_path / 'run'}") == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == said
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(60)
+def test_score_refuses_a_fifo_in_the_export_instead_of_hanging(tmp_path, capsys):
+    """Before: `dsrecipes score DIR` with a FIFO tokenizer_config.json blocked for ever (the custom-code check read it)."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text('{"model_type": "llama", "num_labels": 1}')
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"")
+    os.mkfifo(tmp_path / "m" / "tokenizer_config.json")
+    assert main("score", str(tmp_path / "m"), "--pairs", "p.jsonl", "--out", str(tmp_path / "r.jsonl")) == 2
+    assert f"EXPORT: {tmp_path / 'm' / 'tokenizer_config.json'} is a FIFO" in capsys.readouterr().err

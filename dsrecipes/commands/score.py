@@ -29,7 +29,7 @@ from dsrecipes.data.sources.badrows import BadRow
 from dsrecipes.data.sources.messages import messages_for
 from dsrecipes.data.sources.preference import Pair, parse_pair_item
 from dsrecipes.data.sources.sharegpt import role_table
-from dsrecipes.run.preflight import writable_dir
+from dsrecipes.run.preflight import TOKENIZER_READS, WEIGHT_PATTERNS, irregular_files, writable_dir
 
 BATCH = 8  # sequences per forward
 
@@ -68,6 +68,8 @@ def check_model_dir(path: Path) -> None:
 
     if not path.is_dir() or not (path / "config.json").is_file():
         raise UserError(f"{path}: not a model directory (no config.json); give an objective=reward export")
+    for problem in irregular_files("EXPORT", path, ("config.json", *WEIGHT_PATTERNS, *TOKENIZER_READS)):
+        raise UserError(problem)  # a FIFO there would block the reads below for ever
     problem = pickled_weights_problem(path)
     if problem is None and next(path.glob("*.safetensors"), None) is None:
         problem = f"{path}: no *.safetensors weights (an adapter-only export needs --lora merged to be scored)"
