@@ -67,7 +67,32 @@ class SweepSummary(Callback):
 def _is_multirun(config: Any) -> bool:
     from omegaconf import OmegaConf  # lazy: else `sweep` imports omegaconf 0.06 s
 
-    return str(OmegaConf.select(config, "hydra.mode", default="")).endswith("MULTIRUN")
+    return _multirun_job(OmegaConf.select(config, "hydra", default=None))
+
+
+def _multirun_job(hydra: Any) -> bool:
+    """A job's `hydra` node says it is a multirun's: `hydra.mode` MULTIRUN (Hydra's own `-m` adds that override), or,
+    with no mode, a job number, which only a sweep's launcher gives (config/hydra_app.multirun calls Hydra.multirun
+    without the override, so its jobs have no mode; a single run's is RUN)."""
+    from omegaconf import OmegaConf  # lazy: else `sweep` imports omegaconf 0.06 s
+
+    if hydra is None:
+        return False
+    mode = OmegaConf.select(hydra, "mode", default=None)
+    if mode is not None:
+        return str(mode).endswith("MULTIRUN")  # (Hydra's RunMode.MULTIRUN, or its name read back from a file)
+    return OmegaConf.select(hydra, "job.num", default=None) is not None
+
+
+def in_sweep() -> bool:
+    """This process is running a sweep's job now: Hydra is initialised (a multirun clears it when it ends) and the
+    job it entered is a multirun's (`_multirun_job`). run/launch/process.py then runs a local rank as a child."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    if not (GlobalHydra.instance().is_initialized() and HydraConfig.initialized()):
+        return False
+    return _multirun_job(HydraConfig.get())
 
 
 def job_run_dirs(config: Any) -> List[Path]:

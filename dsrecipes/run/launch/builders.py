@@ -62,7 +62,8 @@ def _build_local(cfg: TrainConfig, run_dir: Path, port: int, worker_module: str,
     checked_extra_args(LauncherKind.local, cfg.launcher.extra_args)
     cmd = Command([sys.executable, *_worker_args(worker_module, run_dir)], env, in_process=True)
     return LaunchPlan(
-        [cmd], notes=["launcher=local runs the worker inside this process; the line shows the equivalent"]
+        [cmd], notes=["launcher=local runs the worker inside this process (a sweep's job: this line, as a child "
+                      "process, so that a job that stalls or crashes ends alone); the line shows the equivalent"]
     )
 
 

@@ -24,7 +24,9 @@ class Command:
     argv: List[str]
     env: Dict[str, str] = field(default_factory=dict)
     node_rank: Optional[int] = None  # multi-node: the node that runs it; None = this machine (or every node)
-    in_process: bool = False  # launcher=local: `dsrecipes.rank.worker.run(run_dir)` in this process, argv shown only
+    # launcher=local: `dsrecipes.rank.worker.run(run_dir)` in this process, argv shown only; a sweep's job runs the
+    # argv as a child process (run/launch/process.py run_in_process)
+    in_process: bool = False
 
     def shell(self) -> str:
         prefix = [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]

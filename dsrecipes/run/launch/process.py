@@ -27,7 +27,7 @@ import psutil
 
 import dsrecipes.core.heartbeat as heartbeat
 import dsrecipes.core.stopping as stopping
-from dsrecipes.core.console import PROGRESS_ENV, progress_mode, relay
+from dsrecipes.core.console import PROGRESS_ENV, log_path, progress_mode, relay
 from dsrecipes.core.failure import rank_failure
 from dsrecipes.run.launch.plan import RANK_ENV, WORKER_MODULE, Command
 
@@ -51,9 +51,11 @@ class _Stop:
         return self.at is not None and time.monotonic() - self.at > self.grace_s
 
 
-def run_subprocess(cmd: Command, run_dir: Path, grace_s: float, log: Optional[Path] = None) -> int:
+def run_subprocess(cmd: Command, run_dir: Path, grace_s: float, log: Optional[Path] = None, *,
+                   announce: bool = True) -> int:
     """Run `cmd` in its own process group and supervise it (`supervise`) until it and everything it started have
-    ended; with `log`, its output passes through `console.relay` (third-party noise goes to `log`)."""
+    ended; with `log`, its output passes through `console.relay` (third-party noise goes to `log`). `announce`:
+    this process names a lost node or a stall (False: the rank says it itself, `run_in_process`)."""
     proc, relays = _start(cmd, log)
     stop = _Stop(grace_s)
 
@@ -64,7 +66,7 @@ def run_subprocess(cmd: Command, run_dir: Path, grace_s: float, log: Optional[Pa
     code: Optional[int] = None
     try:
         with stopping.handling(on_signal=forward, announce=True):
-            code = supervise(proc, run_dir, stop)  # (the run's code: not -9 where it had to stop the launcher)
+            code = supervise(proc, run_dir, stop, announce)  # (the run's code: not -9 where it stopped the launcher)
     except KeyboardInterrupt:  # Ctrl-C twice
         _end_group(proc.pid)
         raise
@@ -89,7 +91,7 @@ def _start(cmd: Command, log: Optional[Path]) -> Tuple[subprocess.Popen, List[th
     return proc, relays
 
 
-def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = None) -> int:
+def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = None, announce: bool = True) -> int:
     """Wait for the launcher (and, after a stop signal, for its whole group, up to the grace). When a rank reports
     a lost node (<run>/failure.json, dsrecipes.core.heartbeat), say which node failed and give the launcher
     FAILED_NODE_GRACE_S to stop its ranks; then end its process tree (pdsh keeps waiting for ssh to a dead host, and
@@ -117,7 +119,7 @@ def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = Non
             code = _stopped_code(run_dir)
     code = proc.wait() if code is None else code
     failure = heartbeat.read_failure(run_dir) if code != 0 else None
-    if failure is not None and "lost" in failure:  # a lost node or a stall (a rank's own failure: commands/outcome.py)
+    if announce and failure is not None and "lost" in failure:  # a lost node or a stall (a rank's own: outcome.py)
         stopped = "Every rank was" if failure.get("stalled") else "The ranks on the other nodes were"
         print(f"error: {heartbeat.describe_failure(failure)}. {stopped} stopped; run the same command again to resume "
               "from the last checkpoint (trainer.resume=auto)", file=sys.stderr, flush=True)  # fmt: skip
@@ -186,7 +188,16 @@ def run_in_process(cmd: Command, run_dir: Path, grace_s: float) -> int:
     stopped `grace_s` after the signal, it is interrupted where it stands.
 
     The rank is the same module the other launchers start with `python -m` (plan.WORKER_MODULE), imported by that
-    name only here, when it runs: the launching wing has no import of the rank wing (tests/test_architecture.py)."""
+    name only here, when it runs: the launching wing has no import of the rank wing (tests/test_architecture.py).
+
+    A sweep's job (Hydra's multirun) runs its rank as a child process instead: `cmd` itself, the argv and
+    environment launch.txt shows, supervised as the other launchers' (`run_subprocess`: output relayed, its process
+    group ended, bounded waits). A rank that stalls ends its own process (core/heartbeat.py: os._exit; a thread stuck
+    in a step cannot be ended otherwise), and here that would end the whole sweep, the later jobs and the summary
+    with it; a child's stall, crash or exit ends its job only. The child still runs as launcher=local's rank (it
+    prints its failure and writes result.json itself), so this process does not say it again."""
+    if _in_sweep():
+        return run_subprocess(cmd, run_dir, grace_s, log_path(run_dir, "launcher"), announce=False)
     worker = importlib.import_module(WORKER_MODULE)
 
     timers: List[threading.Timer] = []
@@ -211,3 +222,9 @@ def run_in_process(cmd: Command, run_dir: Path, grace_s: float) -> int:
             else:
                 os.environ[key] = value
     return result
+
+
+def _in_sweep() -> bool:
+    from dsrecipes.observe.sweep import in_sweep  # lazy: else `process` (the ds_node entry point) imports hydra 0.12 s
+
+    return in_sweep()
