@@ -227,7 +227,8 @@ def test_a_shared_run_directorys_config_alias_bomb_is_refused_in_milliseconds(mo
 
 
 @pytest.mark.parametrize("text", ["trainer: [unclosed\n", "trainer:\n  roles:\n" + "".join(
-    f"    a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9 if i else ['"lol"'] * 9) + "]\n" for i in range(9))])
+    f"    a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9 if i else ['"lol"'] * 9) + "]\n" for i in range(9))],
+    ids=["broken YAML", "alias bomb"])
 def test_a_trusted_foreign_checkpoints_settings_file_is_read_as_data(text, tmp_path, monkeypatch, capsys):
     """The settings a foreign checkpoint was trained with (its run's config.yaml), read by the resume contract once
     the user trusted it with --trust-checkpoint. Was: yaml.safe_load (a YAMLError traceback for broken YAML, an
