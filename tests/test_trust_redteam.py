@@ -13,7 +13,8 @@ tiny model, in this process): the test fails on the code before its fix.
 - A YAML dataset registry (any recipe may name one) or a shared run directory's config.yaml with an alias bomb:
   validate / prompt-eval --baseline ran past a minute, memory growing.
 - A pipeline file's `from_export: {KEY: STAGE}` could set the keys its `set:` may not (a batch job's activate
-  script, written directories, the MLflow store)."""
+  script, written directories, the MLflow store).
+- A trusted foreign export whose dsrecipes_export.json `run_dir` is not a string: a TypeError traceback in chat."""
 
 from __future__ import annotations
 
@@ -269,3 +270,25 @@ def test_a_pipeline_file_cannot_point_a_users_setting_at_a_stages_export(tmp_pat
     ok.write_text("stages:\n  - name: sft\n  - name: grpo\n    from_export: {objective.reward_model: sft}\n",
                   encoding="utf-8")
     assert load_pipeline(ok).stages[1].from_export == {"objective.reward_model": "sft"}
+
+
+@pytest.mark.parametrize("run_dir", [5, ["/x"], {"a": 1}])
+def test_a_trusted_exports_run_dir_of_the_wrong_type_is_ignored(run_dir, model_dir, tmp_path, capsys, monkeypatch):
+    """An export someone else wrote, trusted on the command line: its dsrecipes_export.json names the run it came from
+    (`run_dir`: prompt-eval then reads that run's validation rows). Was: a number, list or object there was a
+    TypeError traceback (Path(5)); now it names no run (the export loads alone)."""
+    import json
+    import shutil
+
+    import dsrecipes.core.manifest as manifest
+
+    monkeypatch.setenv("DSRECIPES_KEY_FILE", str(tmp_path / "key" / "checkpoint.key"))
+    export = tmp_path / "export"
+    shutil.copytree(model_dir, export)
+    hashes = manifest.describe(export)
+    (export / "dsrecipes_export.json").write_text(json.dumps({"run_dir": run_dir, "files": sorted(hashes),
+                                                              "hashes": hashes}), encoding="utf-8")
+    code = cli_main(["chat", str(export), "--message", "hi", "--max-new-tokens", "2", "--trust-checkpoint",
+                     str(export)])
+    err = capsys.readouterr().err
+    assert code == 0 and "Traceback" not in err, err

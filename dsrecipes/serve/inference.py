@@ -126,8 +126,8 @@ def _run_of(model_dir: Path) -> Optional[Path]:
     info = model_dir / EXPORT_INFO
     if not info.is_file():
         return None
-    run = json.loads(info.read_text(encoding="utf-8")).get("run_dir")
-    return Path(run) if run and (Path(run) / "config.yaml").is_file() else None
+    run = json.loads(info.read_text(encoding="utf-8")).get("run_dir")  # (check_loadable read it as an object)
+    return Path(run) if isinstance(run, str) and run and (Path(run) / "config.yaml").is_file() else None
 
 
 class ChatModel:
