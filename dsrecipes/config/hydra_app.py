@@ -144,9 +144,8 @@ def compose(overrides: Sequence[str] = ()) -> Any:
 
 
 def check(loader: Any, overrides: Sequence[str], composed: Any, run_mode: Any) -> None:
-    """ConfigError naming every key of `composed` that would run code, and the file or override that set it; or the
-    entry of a recipe that includes a recipe (config/cycles.py: Hydra ignores `override /recipe: X` in one) or one
-    that leaves the config tree ('..')."""
+    """ConfigError naming every key of `composed` that would run code, and the file or override that set it; or a
+    defaults entry that names a recipe or climbs out of the config tree with '..' (config/cycles.py)."""
     refused = cycles.included_recipe(overrides) or cycles.climbing_entries(composed, overrides)
     if refused:
         raise ConfigError(refused)
