@@ -249,3 +249,18 @@ def test_score_refuses_a_fifo_in_the_export_instead_of_hanging(tmp_path, capsys)
     os.mkfifo(tmp_path / "m" / "tokenizer_config.json")
     assert main("score", str(tmp_path / "m"), "--pairs", "p.jsonl", "--out", str(tmp_path / "r.jsonl")) == 2
     assert f"EXPORT: {tmp_path / 'm' / 'tokenizer_config.json'} is a FIFO" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_as_a_checkpoints_complete_json_is_damage_not_a_hang(tmp_path):
+    """Before: export and a resumed run read complete.json of each checkpoint and blocked for ever on a FIFO."""
+    from dsrecipes.boundary.checkpoint_find import damage
+    from dsrecipes.core.checkpoint_names import commit_order, read_record
+
+    tag = tmp_path / "checkpoints" / "step_3"
+    tag.mkdir(parents=True)
+    os.mkfifo(tag / "complete.json")
+    with pytest.raises(ValueError, match="not a regular file"):
+        read_record(tag)
+    assert damage(tag) == "complete.json: unreadable (not a regular file)"
+    commit_order(tag)  # (sorting checkpoints reads the record too)

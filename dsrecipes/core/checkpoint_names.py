@@ -5,6 +5,8 @@ the ranks (rank/checkpoint.py) write them."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any, Dict
 
@@ -28,7 +30,11 @@ def step_of(tag_dir: Path) -> int:
 
 def read_record(tag_dir: Path) -> Dict[str, Any]:
     """complete.json of a checkpoint; ValueError/OSError when it is missing or not a commit record."""
-    record = json.loads((Path(tag_dir) / COMPLETE).read_text(encoding="utf-8"))
+    fd = os.open(Path(tag_dir) / COMPLETE, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens without a writer, then below
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # reading a FIFO would block for ever, a device never end
+            raise ValueError("not a regular file")
+        record = json.loads(fh.read().decode("utf-8"))
     if not isinstance(record, dict) or not all(_whole(record.get(k), low) for k, low in (("step", 0), ("world_size", 1))):
         raise ValueError("not a checkpoint commit record (step and world_size must be whole numbers)")
     return record
