@@ -264,3 +264,21 @@ def test_a_fifo_as_a_checkpoints_complete_json_is_damage_not_a_hang(tmp_path):
         read_record(tag)
     assert damage(tag) == "complete.json: unreadable (not a regular file)"
     commit_order(tag)  # (sorting checkpoints reads the record too)
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_where_our_marker_belongs_is_refused_not_waited_on(tmp_path):
+    """Before: a run, pipeline --out and inspect-data --run-dir read the marker of the directory they were given and
+    blocked for ever on a FIFO planted under its name."""
+    from dsrecipes.core.rundir import MARKER_FILE
+
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / MARKER_FILE)
+    with pytest.raises(UserError, match="is unreadable \\(not a regular file\\)"):
+        claim(run, "trainer.output_dir", "fingerprint")
+    other = tmp_path / "pipe"
+    other.mkdir()
+    os.mkfifo(other / "dsrecipes_pipeline.json")
+    with pytest.raises(UserError, match="is not our marker"):
+        claim_marked_dir(other, "--out", "dsrecipes_pipeline.json", "a dsrecipes pipeline directory")

@@ -5,11 +5,10 @@ the ranks (rank/checkpoint.py) write them."""
 from __future__ import annotations
 
 import json
-import os
-import stat
 from pathlib import Path
 from typing import Any, Dict
 
+from dsrecipes.core.fileio import read_regular_bytes
 from dsrecipes.core.rundir import CHECKPOINTS_DIR
 
 CHECKPOINTS = CHECKPOINTS_DIR
@@ -30,11 +29,7 @@ def step_of(tag_dir: Path) -> int:
 
 def read_record(tag_dir: Path) -> Dict[str, Any]:
     """complete.json of a checkpoint; ValueError/OSError when it is missing or not a commit record."""
-    fd = os.open(Path(tag_dir) / COMPLETE, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens without a writer, then below
-    with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # reading a FIFO would block for ever, a device never end
-            raise ValueError("not a regular file")
-        record = json.loads(fh.read().decode("utf-8"))
+    record = json.loads(read_regular_bytes(Path(tag_dir) / COMPLETE).decode("utf-8"))  # never a FIFO's endless wait
     if not isinstance(record, dict) or not all(_whole(record.get(k), low) for k, low in (("step", 0), ("world_size", 1))):
         raise ValueError("not a checkpoint commit record (step and world_size must be whole numbers)")
     return record

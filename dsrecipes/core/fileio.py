@@ -12,6 +12,7 @@ import json
 import math
 import os
 import secrets
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Iterator
@@ -57,6 +58,16 @@ def missing_dirs(path: str | Path) -> list[Path]:
     back, while empty, after a failure)."""
     path = Path(path)
     return [p for p in [path, *path.parents] if not os.path.lexists(p)]
+
+
+def read_regular_bytes(path: str | Path) -> bytes:
+    """The bytes of `path` when it is a regular file: ValueError for a FIFO, a device or a socket (a FIFO planted where
+    a marker or record belongs would block its reader for ever, a device would never end), OSError when unreadable."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO opens at once without a writer
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        return fh.read()
 
 
 def dangling_link(path: str | Path) -> Path | None:

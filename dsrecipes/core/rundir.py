@@ -37,6 +37,7 @@ from dsrecipes.core.fileio import (
     atomic_write_text,
     dangling_link_problem,
     missing_dirs,
+    read_regular_bytes,
     remove_empty_dirs,
 )
 from dsrecipes.core.locks import ExclusiveLock, LockHeld, SharedLock, is_held, probe_free
@@ -197,7 +198,7 @@ def check_writable(path: Path, key: str) -> None:
 def read_marker(run_dir: Path, key: str = "run directory") -> Dict[str, Any]:
     path = Path(run_dir) / MARKER_FILE
     try:
-        marker = json.loads(path.read_text(encoding="utf-8"))
+        marker = json.loads(read_regular_bytes(path).decode("utf-8"))  # a FIFO there: refused, never waited on
         if not isinstance(marker, dict) or marker.get("dsrecipes_run") != 1:
             raise ValueError("not a dsrecipes run marker")
         return marker
@@ -233,7 +234,7 @@ def claim_marked_dir(path: Path, key: str, marker: str, what: str,
     tag = Path(marker).stem
     if marker in entries:
         try:
-            ours = json.loads((path / marker).read_text(encoding="utf-8")).get(tag) == 1
+            ours = json.loads(read_regular_bytes(path / marker).decode("utf-8")).get(tag) == 1
         except (OSError, ValueError, AttributeError):
             ours = False
         if not ours:
