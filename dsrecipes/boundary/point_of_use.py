@@ -36,7 +36,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import dsrecipes.boundary.trust as trust
 import dsrecipes.core.manifest as manifest
-from dsrecipes.boundary.safe_load import _NUMPY, DEEPSPEED_NAMES
+from dsrecipes.boundary.safe_load import beyond_allowed
 from dsrecipes.core.checkpoint_names import COMPLETE
 from dsrecipes.core.errors import Refused
 
@@ -270,9 +270,9 @@ def _unsafe_globals(fd: int) -> List[str]:
     import torch  # lazy: the launching process imports this module and never loads a checkpoint
 
     try:
-        with os.fdopen(os.dup(fd), "rb") as fh, torch.serialization.safe_globals(_NUMPY):
+        with os.fdopen(os.dup(fd), "rb") as fh:
             found = torch.serialization.get_unsafe_globals_in_checkpoint(fh)
     except Exception as exc:  # noqa: BLE001 - a pickle the static reader cannot follow is not loaded
         raise ChangedCheckpoint(f"not a torch.save file that can be checked ({type(exc).__name__}); refusing to "
                                 "load it")
-    return sorted(name for name in found if name not in DEEPSPEED_NAMES)
+    return beyond_allowed(found)

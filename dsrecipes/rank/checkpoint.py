@@ -296,9 +296,25 @@ def load_checkpoint(engine: Any, loader: Any, point: ResumePoint) -> TrainState:
     if load_path is None:
         raise UserError(f"trainer.resume: DeepSpeed could not load {point.tag_dir}")
     source_rank = min(rank, point.saved_world_size - 1)
-    data_state = checked.read_bytes(point.tag_dir / "data_state" / f"rank{source_rank}.json")
-    loader.load_state_dict(json.loads(data_state.decode("utf-8")))
+    state_file = point.tag_dir / "data_state" / f"rank{source_rank}.json"
+    with _as_written(state_file):  # a trusted foreign checkpoint's position is data of any shape
+        loader.load_state_dict(json.loads(checked.read_bytes(state_file).decode("utf-8")))
     if point.saved_world_size == world_size:
         restore_rng(safe_load.load(point.tag_dir / "rng" / f"rank{rank}.pt", checked))
     checked.close()
-    return TrainState(**client_state["train_state"])
+    with _as_written(point.tag_dir, "its train_state (DeepSpeed's client_state)"):
+        return TrainState(**client_state["train_state"])
+
+
+@contextmanager
+def _as_written(path: Path, what: str = "") -> Iterator[None]:
+    """Reading what a checkpoint holds: a file of another shape than dsrecipes writes (a colleague's checkpoint,
+    loaded with --trust-checkpoint, whose hashes and signature prove nothing about its contents) is one message
+    naming it, not a KeyError traceback from the rank. The loaders' own refusals (DataError: another data setup)
+    pass as they are."""
+    try:
+        yield
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+        raise ChangedCheckpoint(f"{path}{': ' + what if what else ''}: not as dsrecipes writes it "
+                                f"({type(exc).__name__}: {str(exc)[:200]}); resume from another checkpoint "
+                                "(trainer.resume_from) or start a fresh run (trainer.resume=never)") from None
