@@ -29,6 +29,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
+import dsrecipes.core.stall as stall
 from dsrecipes.core.distributed import all_reduce
 from dsrecipes.core.fileio import open_append
 from dsrecipes.data.plan.ledger import LEDGER_DIR
@@ -56,6 +57,7 @@ def evaluate(objective: Any, engine: Any, loader: Any, ledger: Optional["EvalLed
         got = objective.eval_sums(engine, batch, engine.device)
         sums += torch.tensor([float(got[k]) for k in keys], dtype=torch.float64)
         scored.extend(batch["ids"])
+        stall.mark("eval")  # a long evaluation is progress, not a stall (the watchdog, core/stall.py): no I/O
     if next(batches, None) is not None:
         raise RuntimeError("evaluation loader yielded more micro-batches than its len()")
     if ledger is not None:

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+import dsrecipes.core.stall as stall
 from dsrecipes.core.answers import normalize
 from dsrecipes.core.distributed import all_reduce
 from dsrecipes.data.render.labels import IGNORE_INDEX
@@ -94,6 +95,7 @@ class PromptEval:
         for k in range(self.passes):
             prompt = self.mine[k] if k < len(self.mine) else None
             new = self._answer(engine.module, prompt.ids if prompt is not None else [self.pad_id], engine.device)
+            stall.mark("eval")  # each answer is progress: a long prompt-eval is not a stall (core/stall.py)
             if prompt is None:
                 continue
             answer = normalize(self.tokenizer.decode(new, skip_special_tokens=True))
