@@ -282,3 +282,14 @@ def test_a_fifo_where_our_marker_belongs_is_refused_not_waited_on(tmp_path):
     os.mkfifo(other / "dsrecipes_pipeline.json")
     with pytest.raises(UserError, match="is not our marker"):
         claim_marked_dir(other, "--out", "dsrecipes_pipeline.json", "a dsrecipes pipeline directory")
+
+
+@pytest.mark.timeout(60)
+def test_shard_force_over_a_fifo_named_manifest_json_is_refused_not_waited_on(tmp_path, capsys):
+    """Before: `shard --out DIR --force` read DIR/manifest.json to see whether the directory was ours, and blocked for
+    ever on a FIFO of that name."""
+    (tmp_path / "S").mkdir()
+    os.mkfifo(tmp_path / "S" / "manifest.json")
+    data = str(SAMPLE_DATA_DIR / "train.jsonl")
+    assert main("shard", data, "--parts", "2", "--out", str(tmp_path / "S"), "--force", "dataset.max_samples=8") == 2
+    assert "holds no manifest.json written by `dsrecipes shard`" in capsys.readouterr().err

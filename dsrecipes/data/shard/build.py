@@ -44,7 +44,13 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import dsrecipes.data.shard.store as store_upload
 from dsrecipes.core.errors import DataError, UserError
-from dsrecipes.core.fileio import atomic_write_json, dangling_link_problem, missing_dirs, remove_empty_dirs
+from dsrecipes.core.fileio import (
+    atomic_write_json,
+    dangling_link_problem,
+    missing_dirs,
+    read_regular_bytes,
+    remove_empty_dirs,
+)
 from dsrecipes.core.publish import Existing, publish_dir, staging_dir
 from dsrecipes.core.schema import ShardBalance
 from dsrecipes.core.tokenizer import load_tokenizer
@@ -338,7 +344,7 @@ def sync_dir(path: Path, files: bool = False) -> None:
 
 def _json_or_none(path: Path) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(read_regular_bytes(path).decode("utf-8"))  # a FIFO named manifest.json: not ours, no wait
     except (OSError, ValueError):
         return None
 
