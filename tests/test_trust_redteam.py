@@ -292,3 +292,33 @@ def test_a_trusted_exports_run_dir_of_the_wrong_type_is_ignored(run_dir, model_d
                      str(export)])
     err = capsys.readouterr().err
     assert code == 0 and "Traceback" not in err, err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A model directory hiding a link past the bound of the link check
+
+
+def test_a_link_outside_hidden_past_ten_thousand_entries_is_refused(tmp_path, make_cfg):
+    """A model directory of 10,001 filler files beside additional_chat_templates/evil.jinja -> a secret outside.
+    Was: outside_link_problems stopped walking after 10,000 entries and said nothing, so the hidden link was loaded
+    as one of the model's templates; now a directory past the bound is refused whole, and every entry below it is
+    checked otherwise."""
+    import shutil
+
+    from dsrecipes.core.errors import ConfigError
+    from dsrecipes.core.paths import TINY_TOKENIZER_DIR
+    from dsrecipes.core.tokenizer import MAX_ENTRIES, custom_code_problems, load_tokenizer
+
+    secret = tmp_path / "credentials"
+    secret.write_text("aws_secret_access_key = hunter2\n")
+    model = tmp_path / "model"
+    shutil.copytree(TINY_TOKENIZER_DIR, model)
+    (model / "additional_chat_templates").mkdir()
+    (model / "additional_chat_templates" / "evil.jinja").symlink_to(secret)
+    assert "is a link leading outside" in custom_code_problems("model.path", model)[0]  # deep: found
+    for n in range(MAX_ENTRIES + 1):
+        (model / f"filler_{n:05d}").touch()
+    problems = custom_code_problems("model.path", model)
+    assert problems and "more than 10000" in problems[0], problems
+    with pytest.raises(ConfigError, match="more than 10000"):
+        load_tokenizer(make_cfg(f"model.tokenizer_path={model}", check_files=False))

@@ -76,25 +76,38 @@ def custom_code_problems(key: str, path: Path) -> List[str]:
     return []
 
 
-MAX_ENTRIES = 10000  # a model directory holds tens of files: past this many entries the walk stops
+MAX_ENTRIES = 10000  # a model directory holds tens of files; one holding more is refused, not partly checked
 
 
 def outside_link_problems(key: str, path: Path) -> List[str]:
     """A file of a model or tokenizer directory that is a symbolic link leading outside it: transformers would read
     it as the model's own (a chat_template.jinja linked to ~/.aws/credentials would be rendered into every prompt
     and trained on; a git clone or a tarball can carry such links). A hub cache snapshot's links lead to its
-    repository's blobs (`models--ORG--NAME/blobs`): inside that repository folder is inside."""
+    repository's blobs (`models--ORG--NAME/blobs`): inside that repository folder is inside. Every entry at every
+    depth is checked (a loader may open any of them: additional_chat_templates/NAME.jinja); a directory of more than
+    MAX_ENTRIES entries is refused whole rather than checked in part (a link hidden past the bound was loaded)."""
+    if not os.path.isdir(path):
+        return []  # a Hub id, or nothing there: the load names it
     root = Path(os.path.realpath(path))
     hub = root.parent.name == "snapshots" and root.parent.parent.name.startswith(("models--", "datasets--"))
     inside = root.parent.parent if hub else root
-    seen = 0
-    for dirpath, dirnames, filenames in os.walk(path):
-        for name in sorted(filenames + dirnames):
-            seen += 1
-            entry = Path(dirpath) / name
-            if entry.is_symlink() and not Path(os.path.realpath(entry)).is_relative_to(inside):
-                return [f"{key}: {entry} is a link leading outside {path}; dsrecipes reads only a model directory's "
-                        "own files (copy the file into the directory if it is meant to be there)"]
-        if seen > MAX_ENTRIES:
-            break
+    seen, pending = 0, [str(path)]
+    while pending:
+        try:
+            with os.scandir(pending.pop()) as entries:
+                for entry in entries:
+                    seen += 1
+                    if seen > MAX_ENTRIES:
+                        return [f"{key}: {path} holds more than {MAX_ENTRIES} files and folders; a model or "
+                                "tokenizer directory holds tens, and dsrecipes checks each one before loading it: "
+                                "point the key at the model's own directory"]
+                    if entry.is_symlink():
+                        if not Path(os.path.realpath(entry.path)).is_relative_to(inside):
+                            return [f"{key}: {entry.path} is a link leading outside {path}; dsrecipes reads only a "
+                                    "model directory's own files (copy the file into the directory if it is meant "
+                                    "to be there)"]
+                    elif entry.is_dir(follow_symlinks=False):
+                        pending.append(entry.path)
+        except OSError as exc:
+            return [f"{key}: {path}: cannot list {exc.filename or path} ({exc.strerror or exc}) to check its files"]
     return []
