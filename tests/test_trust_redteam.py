@@ -322,3 +322,34 @@ def test_a_link_outside_hidden_past_ten_thousand_entries_is_refused(tmp_path, ma
     assert problems and "more than 10000" in problems[0], problems
     with pytest.raises(ConfigError, match="more than 10000"):
         load_tokenizer(make_cfg(f"model.tokenizer_path={model}", check_files=False))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A model directory choosing a quantizer through its config.json
+
+QUANTIZED = [{"quantization_config": {"quant_method": "mxfp4"}},
+             {"text_config": {"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}}]
+
+
+@pytest.mark.parametrize("values", QUANTIZED, ids=["mxfp4", "nested-bnb"])
+def test_a_model_directory_cannot_choose_a_quantizer(values, model_dir, tmp_path, capsys, monkeypatch):
+    """config.json `quantization_config` (or a sub-config's): transformers picks the quantizer its quant_method
+    names and follows it; mxfp4 fetches kernels-community/triton_kernels with the installed `kernels` package where
+    Triton and a GPU are there (here on CPU: a warning, then the weights 'dequantized'), bitsandbytes imports that
+    package. Was: chat loaded it (exit 0); now one message naming the directory for chat, the rank's model load
+    (train) and the reward model, before transformers reads the setting."""
+    import torch
+
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.core.errors import UserError
+    from dsrecipes.modeling.model import load_pretrained
+    from dsrecipes.objectives.rewards import load_reward_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = _with_config(model_dir, tmp_path, **values)
+    refused(capsys, ["chat", str(model), "--message", "hi", "--max-new-tokens", "2"], "is a quantized model")
+    cfg = compose_and_load(["debug=fast", f"model.path={model}"])
+    with pytest.raises(UserError, match="is a quantized model"):
+        load_pretrained(cfg, torch.float32, None)
+    with pytest.raises(UserError, match="is a quantized model"):
+        load_reward_model(str(model), "cpu")

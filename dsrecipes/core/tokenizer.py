@@ -73,7 +73,36 @@ def custom_code_problems(key: str, path: Path) -> List[str]:
         if isinstance(found, dict) and found.get("auto_map"):
             return [f"{key}: {path} needs its own Python code to load ({name} auto_map); dsrecipes never runs code "
                     "from a model directory: use a model that transformers supports natively"]
-    return []
+    return quantization_problems(key, path)
+
+
+def _quantization(config: object, depth: int = 0) -> object:
+    """The `quantization_config` of a config.json object or of one of its sub-configs (text_config, ...: where
+    transformers' get_text_config looks), else None."""
+    if not isinstance(config, dict) or depth > 3:
+        return None
+    if config.get("quantization_config") is not None:
+        return config["quantization_config"]
+    return next((q for v in config.values() if (q := _quantization(v, depth + 1)) is not None), None)
+
+
+def quantization_problems(key: str, path: Path) -> List[str]:
+    """A model directory whose config.json carries a `quantization_config`: transformers then picks a quantizer by
+    its `quant_method` and follows it (imports optional packages, and mxfp4 / fp8 methods fetch Hub kernels with
+    the `kernels` package and load their native code). dsrecipes loads full-precision safetensors weights only, so
+    the directory's choice is refused before any load, at every load (train's ranks, chat, prompt-eval, export,
+    score, the reward model)."""
+    try:
+        found = _quantization(json.loads((Path(path) / "config.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        return []  # no config.json, or unreadable: the load's own check names it
+    if found is None:
+        return []
+    method = found.get("quant_method") if isinstance(found, dict) else None
+    named = f"quant_method {method!r}" if isinstance(method, str) else "quantization_config"
+    return [f"{key}: {path} is a quantized model (config.json {named}); dsrecipes loads full-precision safetensors "
+            "weights only and lets no model directory choose a quantizer (it can import packages or download "
+            "kernels): use the model's unquantized release"]
 
 
 MAX_ENTRIES = 10000  # a model directory holds tens of files; one holding more is refused, not partly checked

@@ -15,7 +15,7 @@ import torch
 
 from dsrecipes.core.errors import UserError, no_custom_code
 from dsrecipes.core.schema import ObjectiveKind, Precision, TrainConfig
-from dsrecipes.core.tokenizer import load_tokenizer, tokenizer_dir  # noqa: F401 (the model's tokenizer, re-exported)
+from dsrecipes.core.tokenizer import load_tokenizer, quantization_problems, tokenizer_dir  # noqa: F401 (the model's tokenizer, re-exported)
 
 TORCH_DTYPES = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 
@@ -128,6 +128,9 @@ def load_pretrained(cfg: TrainConfig, dtype: torch.dtype, ds_config: Optional[Di
     problem = pickled_weights_problem(Path(cfg.model.path))
     if problem is not None:
         raise UserError(problem)
+    quantized = quantization_problems("model.path", Path(cfg.model.path))  # at the load: the directory picks no quantizer
+    if quantized:
+        raise UserError(quantized[0])
     if ds_config is not None and cfg.zero.stage == 3:
         from transformers.integrations import HfDeepSpeedConfig
 
