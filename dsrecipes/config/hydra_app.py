@@ -385,8 +385,7 @@ def _texts(recorded: Any) -> List[str]:
 
 def _unique_sweep_dir(hydra: Any, overrides: Sequence[str]) -> List[str]:
     """The sweep directory, claimed before Hydra writes into it (rundir.claim_sweep_dir): the one hydra.sweep.dir
-    names, or Hydra's default (a date and a time) made unique per invocation (the sweep's composition was checked
-    by check_sweep already)."""
+    names, or Hydra's default (a date and a time) made unique per invocation (check_sweep checked the composition)."""
     try:
         composed = hydra.compose_config(config_name=CONFIG_NAME, overrides=list(overrides),
                                         run_mode=RunMode.MULTIRUN, with_log_configuration=False)

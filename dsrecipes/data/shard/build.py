@@ -189,13 +189,7 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
     in `out_dir` only complete (module docstring: Ownership); on any failure `out_dir` is as it was."""
     from dsrecipes.data.stream.scan import checking_encoder  # lazy: else `commands.shard` imports numpy 0.11 s
 
-    if parts < 1:
-        raise UserError(f"--parts must be >= 1, got {parts}")
-    if val_size < 0 or (val_size >= 1 and val_size != int(val_size)):
-        raise UserError(f"--val-size: a fraction in [0, 1) or a whole number of samples, got {val_size:g}")
-    url_problem = check_url(out_dir) if looks_like_url(out_dir) else None  # credentials refused, never echoed
-    if url_problem:
-        raise UserError(f"--out: {url_problem}")
+    _check_arguments(parts, val_size, out_dir)
     if is_url(out_dir):
         return store_upload.shard_to_store(cfg, parts, out_dir, balance, force, shard, shard_files, val_size)
     link = dangling_link_problem("--out", out_dir)  # realpath would name the missing target, and shard would make it
@@ -245,6 +239,16 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
         remove_listed(old, previous)  # now the previous shard, out of sight
     manifest.directory = out_dir
     return manifest
+
+
+def _check_arguments(parts: int, val_size: float, out_dir: str) -> None:
+    if parts < 1:
+        raise UserError(f"--parts must be >= 1, got {parts}")
+    if val_size < 0 or (val_size >= 1 and val_size != int(val_size)):
+        raise UserError(f"--val-size: a fraction in [0, 1) or a whole number of samples, got {val_size:g}")
+    url_problem = check_url(out_dir) if looks_like_url(out_dir) else None  # credentials refused, never echoed
+    if url_problem:
+        raise UserError(f"--out: {url_problem}")
 
 
 def claim_out(out: Path, force: bool) -> Optional[List[str]]:
