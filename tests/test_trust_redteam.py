@@ -353,3 +353,72 @@ def test_a_model_directory_cannot_choose_a_quantizer(values, model_dir, tmp_path
         load_pretrained(cfg, torch.float32, None)
     with pytest.raises(UserError, match="is a quantized model"):
         load_reward_model(str(model), "cpu")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A trusted checkpoint's contents: hash-consistent, hostile
+
+
+def _load_with(monkeypatch, tmp_path, rng, state=None):
+    """rank/checkpoint.load_checkpoint on one rank, DeepSpeed's engine and the checked files stubbed: `rng` is what
+    rng/rank0.pt holds, `state` the data position (a real map-style loader's load_state_dict reads it)."""
+    import json
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from dsrecipes.data.plan.epoch import Position, resume_point
+    from dsrecipes.rank import checkpoint as ck
+
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    checked = SimpleNamespace(guard=nullcontext, close=lambda: None, load=lambda *a, **k: rng,
+                              read_bytes=lambda p: json.dumps(state or {}).encode())
+    engine = SimpleNamespace(load_checkpoint=lambda *a, **k: ("x", {"train_state": {}}))
+    layout = SimpleNamespace(world_size=1, micro_batch_size=1, grad_accum=1)
+    loader = SimpleNamespace(load_state_dict=lambda s: resume_point(Position(**s["position"]), layout) if s else None)
+    point = SimpleNamespace(checked=checked, tag_dir=tmp_path / "step_8", load_dir=tmp_path, tag="step_8",
+                            frozen_excluded=False, saved_world_size=1)
+    return ck.load_checkpoint(engine, loader, point)
+
+
+@pytest.mark.parametrize("torch_state", ["3 bytes", "float", "list"])
+def test_a_trusted_checkpoints_rng_of_another_size_is_one_message(torch_state, monkeypatch, tmp_path):
+    """rng/rank0.pt of a colleague's checkpoint (hashes consistent, weights-only loadable) whose torch generator
+    state is 3 bytes, of another dtype, or a list. Was: torch.set_rng_state's RuntimeError (or a TypeError) traceback
+    from the rank, exit 1; now one message naming the file."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from dsrecipes.boundary.point_of_use import ChangedCheckpoint
+
+    given = {"3 bytes": torch.zeros(3, dtype=torch.uint8), "float": torch.get_rng_state().float(), "list": [1, 2]}
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": given[torch_state]}
+    assert _load_with(monkeypatch, tmp_path, {**rng, "torch": torch.get_rng_state()}) is not None  # as written
+    with pytest.raises(ChangedCheckpoint, match="rng/rank0.pt: not as dsrecipes writes it"):
+        _load_with(monkeypatch, tmp_path, rng)
+
+
+BAD_POSITIONS = [{"epoch": -1}, {"offset": 10**30}, {"micro": 1.5}, {"grad_accum": 0}, {"micro": True}]
+
+
+@pytest.mark.parametrize("bad", BAD_POSITIONS, ids=[next(iter(b)) + "=" + str(next(iter(b.values()))) for b in BAD_POSITIONS])
+def test_a_trusted_checkpoints_absurd_data_position_is_one_message(bad, monkeypatch, tmp_path):
+    """data_state/rank0.json with a negative epoch, an offset of 10**30, a fractional or boolean micro-batch count,
+    grad_accum 0. Was: taken as the position (the epoch plan then indexed with it, or ZeroDivisionError traceback
+    from samples_consumed); now one message naming the file."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from dsrecipes.boundary.point_of_use import ChangedCheckpoint
+
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    position = {"epoch": 0, "offset": 0, "micro": 0, "world_size": 1, "micro_batch_size": 1, "grad_accum": 1}
+    assert _load_with(monkeypatch, tmp_path, rng, {"position": position}) is not None
+    with pytest.raises(ChangedCheckpoint, match=r"rank0.json: not as dsrecipes writes it \(ValueError"):
+        _load_with(monkeypatch, tmp_path, rng, {"position": {**position, **bad}})

@@ -167,6 +167,16 @@ def rng_state() -> Dict[str, Any]:
 
 
 def restore_rng(state: Dict[str, Any]) -> None:
+    """ValueError for states of another shape than rng_state writes, checked before any is set."""
+    mine = rng_state()
+    for name in ("torch", *(["cuda"] if "cuda" in state and "cuda" in mine else [])):
+        given = state[name] if name == "torch" else list(state[name])
+        want = mine[name] if name == "torch" else list(mine[name])
+        if name == "cuda" and len(given) != len(want):
+            raise ValueError(f"{name}: {len(given)} device states, {len(want)} devices here")
+        for g, w in zip(*(([given], [want]) if name == "torch" else (given, want))):
+            if not isinstance(g, torch.Tensor) or g.dtype != w.dtype or g.shape != w.shape:
+                raise ValueError(f"{name}: not a generator state of this torch ({w.dtype} {tuple(w.shape)})")
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -300,7 +310,10 @@ def load_checkpoint(engine: Any, loader: Any, point: ResumePoint) -> TrainState:
     with _as_written(state_file):  # a trusted foreign checkpoint's position is data of any shape
         loader.load_state_dict(json.loads(checked.read_bytes(state_file).decode("utf-8")))
     if point.saved_world_size == world_size:
-        restore_rng(safe_load.load(point.tag_dir / "rng" / f"rank{rank}.pt", checked))
+        rng_file = point.tag_dir / "rng" / f"rank{rank}.pt"
+        rng = safe_load.load(rng_file, checked)
+        with _as_written(rng_file):  # states of another size: torch's RuntimeError, numpy's ValueError
+            restore_rng(rng)
     checked.close()
     with _as_written(point.tag_dir, "its train_state (DeepSpeed's client_state)"):
         return TrainState(**client_state["train_state"])

@@ -237,6 +237,10 @@ class Position:
     micro_batch_size: int = 1
     grad_accum: int = 1
 
+    def __post_init__(self) -> None:  # a trusted foreign checkpoint's position is data: typed here, at its use
+        for name in ("epoch", "offset", "micro", "world_size", "micro_batch_size", "grad_accum"):
+            count(name, getattr(self, name), 1 if name in ("world_size", "micro_batch_size", "grad_accum") else 0)
+
     def layout_key(self) -> Tuple[int, int, int]:
         return (self.world_size, self.micro_batch_size, self.grad_accum)
 
@@ -249,6 +253,17 @@ class Position:
 
     def to_dict(self) -> Dict[str, int]:
         return asdict(self)
+
+
+MAX_COUNT = 2**53  # past any real epoch, offset or micro-batch count (and exact in a JSON reader's float)
+
+
+def count(name: str, value: object, low: int = 0) -> int:
+    """`value` as a saved data position's count: an int (not a bool) in [low, MAX_COUNT], else ValueError naming
+    `name` (a checkpoint's data_state of another shape: rank/checkpoint._as_written makes it one message)."""
+    if type(value) is not int or not low <= value <= MAX_COUNT:
+        raise ValueError(f"{name} must be a whole number from {low} to 2**53, got {str(value)[:40]}")
+    return value
 
 
 def resume_point(saved: Position, layout: Layout) -> Tuple[int, int, int]:

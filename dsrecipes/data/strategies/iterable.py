@@ -30,7 +30,7 @@ from dsrecipes.core.schema import (
     DataKind,
     TrainConfig,
 )
-from dsrecipes.data.plan.epoch import Layout, require_steps, steps_per_epoch
+from dsrecipes.data.plan.epoch import Layout, count, require_steps, steps_per_epoch
 from dsrecipes.data.prepare.cache import data_files, data_fingerprint
 from dsrecipes.data.sources.registry import resolve_sources
 from dsrecipes.data.strategies.audit import AuditReport, audit_stream
@@ -153,12 +153,12 @@ class StreamTrainLoader(TrainLoader):
         self.check_fingerprint(state)
         pos = dict(state["position"])
         saved = _layout_of(pos)
-        self.history = tuple((_layout_of(h), h["micro"]) for h in state["history"])
-        self.epoch, self._offset = pos["epoch"], 0
+        self.history = tuple((_layout_of(h), count("history micro", h["micro"])) for h in state["history"])
+        self.epoch, self._offset = count("epoch", pos["epoch"]), 0
         if saved == self.layout:
-            self._micro = pos["micro"]
+            self._micro = count("micro", pos["micro"])
         else:
-            self.history, self._micro = self.history + ((saved, pos["micro"]),), 0
+            self.history, self._micro = self.history + ((saved, count("micro", pos["micro"])),), 0
         self._start_micro = self._micro
 
 
@@ -173,7 +173,8 @@ def _layout_dict(lay: Layout) -> dict:
 
 
 def _layout_of(d: dict) -> Layout:
-    return Layout(d["world_size"], d["micro_batch_size"], d["grad_accum"], d["num_workers"])
+    return Layout(*(count(k, d[k], 1) for k in ("world_size", "micro_batch_size", "grad_accum")),
+                  count("num_workers", d["num_workers"]))
 
 
 # ---------------------------------------------------------------------------------------------------------------
