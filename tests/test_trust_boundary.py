@@ -261,7 +261,7 @@ def test_a_launcher_that_exits_0_without_training_fails_the_run(tmp_path):
 
 
 def test_ranks_that_report_fewer_steps_fail(tmp_path):
-    from dsrecipes.core.rundir import clear_outcome, write_rank_steps
+    from dsrecipes.core.rank_records import clear_outcome, write_rank_steps
     from dsrecipes.core.runplan import ResumePlan, RunPlan, write_plan
     from dsrecipes.run.launch.plan import Command
     from dsrecipes.run.launch.trained import untrained

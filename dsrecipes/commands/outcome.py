@@ -14,7 +14,8 @@ from dsrecipes.boundary.checkpoint_find import committed
 from dsrecipes.core import stopping
 from dsrecipes.core.failure import rank_failure
 from dsrecipes.core.heartbeat import describe_failure, read_failure
-from dsrecipes.core.rundir import CHECKPOINTS_DIR, read_outcome, write_result
+from dsrecipes.core.rank_records import read_outcome
+from dsrecipes.core.rundir import CHECKPOINTS_DIR, write_result
 
 
 def conclude(run_dir: Path, code: int, dry_run: bool, argv: Sequence[str]) -> Tuple[int, bool]:

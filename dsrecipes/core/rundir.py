@@ -8,8 +8,7 @@
     ds_config.json  the DeepSpeed dict for the plan's world size (ds_config.py)
     launch.txt      the launch commands (launch/)
     metrics.jsonl   train/eval lines (metrics.py)
-    rank_outcome.json  how the ranks ended (ok, interrupted at a step, failed with why), for the launching process
-    rank_steps/rank<R>.json  each rank's own count of the steps it ran, written as it finishes (launch/trained.py)
+    rank_outcome.json, rank_steps/  how the ranks ended, each rank's count of its steps (rank_records.py)
     result.json     status and headline numbers, for people and sweep summaries (sweep.py)
 
 Ownership: a path the user names is theirs until proven ours. `claim()` writes only into a new directory, an empty
@@ -46,8 +45,6 @@ CONFIG_FILE = "config.yaml"
 DS_CONFIG_FILE = "ds_config.json"
 METRICS_FILE = "metrics.jsonl"
 RESULT_FILE = "result.json"
-OUTCOME_FILE = "rank_outcome.json"
-STEPS_DIR = "rank_steps"
 MARKER_FILE = "dsrecipes_run.json"
 LOCK_FILE = ".dsrecipes.lock"
 RANKS_LOCK_FILE = ".dsrecipes.ranks.lock"
@@ -357,48 +354,6 @@ def run_summary(run_dir: Path) -> Dict[str, Any]:
         "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
         "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
     }
-
-
-def write_outcome(run_dir: Path, outcome: Dict[str, Any]) -> Path:
-    """Rank 0: how the ranks ended (`status`, `step`, `error`, ...); the launching process folds it into result.json."""
-    return atomic_write_json(Path(run_dir) / OUTCOME_FILE, outcome)
-
-
-def read_outcome(run_dir: Path) -> Optional[Dict[str, Any]]:
-    try:
-        outcome = json.loads((Path(run_dir) / OUTCOME_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return outcome if isinstance(outcome, dict) else None
-
-
-def clear_outcome(run_dir: Path) -> None:
-    """A previous attempt's rank reports (in a directory we own; only the files the ranks write)."""
-    (Path(run_dir) / OUTCOME_FILE).unlink(missing_ok=True)
-    for path in (Path(run_dir) / STEPS_DIR).glob("rank*.json"):
-        if path.stem[4:].isdigit():
-            path.unlink(missing_ok=True)
-
-
-def write_rank_steps(run_dir: Path, rank: int, step: int, total: int, ended_early: Optional[str] = None) -> Path:
-    """Every rank, once it trained to its end: the optimizer steps it has done (`ended_early`: why a run that stops
-    before the planned total, e.g. early stopping, is still a success)."""
-    (Path(run_dir) / STEPS_DIR).mkdir(exist_ok=True)
-    report = {"rank": int(rank), "step": int(step), "planned": int(total), "ended_early": ended_early}
-    return atomic_write_json(Path(run_dir) / STEPS_DIR / f"rank{int(rank)}.json", report)
-
-
-def read_rank_steps(run_dir: Path) -> Dict[int, Dict[str, Any]]:
-    """rank -> its report (unreadable or foreign files are left out: such a rank did not report)."""
-    reports = {}
-    for path in sorted((Path(run_dir) / STEPS_DIR).glob("rank*.json")):
-        try:
-            report = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if isinstance(report, dict) and path.stem == f"rank{report.get('rank')}" and isinstance(report.get("step"), int):
-            reports[int(report["rank"])] = report
-    return reports
 
 
 def write_result(run_dir: Path, code: int, error: Optional[str], status: str = "ok", **extra: Any) -> Path:

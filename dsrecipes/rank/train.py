@@ -34,7 +34,8 @@ from dsrecipes.core.disk_space import ExportOutOfSpace
 from dsrecipes.core.distributed import all_ranks, finish_distributed
 from dsrecipes.core.errors import RunInterrupted, TrainingFailed, UserError
 from dsrecipes.core.export_dir import EXPORT_BEST_DIR, EXPORT_DIR
-from dsrecipes.core.rundir import CHECKPOINTS_DIR, launcher_alive, rank_lock, write_outcome, write_rank_steps
+from dsrecipes.core.rank_records import write_outcome, write_rank_steps
+from dsrecipes.core.rundir import CHECKPOINTS_DIR, launcher_alive, rank_lock
 from dsrecipes.core.schema import NanPolicy, TrainConfig
 from dsrecipes.data.strategies.base import worker_died
 from dsrecipes.modeling.model import trainable_parameters

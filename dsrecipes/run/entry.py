@@ -25,7 +25,8 @@ from dsrecipes.core.checkpoint_names import read_record
 from dsrecipes.core.errors import ConfigError, Refused, UserError
 from dsrecipes.core.export_dir import EXPORT_DIR, check_out_dir
 from dsrecipes.core.hub import resolve_hub_paths
-from dsrecipes.core.rundir import CHECKPOINTS_DIR, RESULT_FILE, clear_outcome, holds_run, write_config, write_ds_config
+from dsrecipes.core.rank_records import clear_outcome
+from dsrecipes.core.rundir import CHECKPOINTS_DIR, RESULT_FILE, holds_run, write_config, write_ds_config
 from dsrecipes.core.runplan import ResumePlan, RunPlan, write_plan
 from dsrecipes.core.schema import Device, LauncherKind, ResumeMode, TrainConfig
 from dsrecipes.core.tokenizer import check_no_custom_code, load_tokenizer

@@ -18,7 +18,7 @@ from dsrecipes.core.distributed import remove_shm_buffers
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.fileio import atomic_write_text
 from dsrecipes.core.heartbeat import FAILURE_FILE
-from dsrecipes.core.rundir import write_outcome
+from dsrecipes.core.rank_records import write_outcome
 from dsrecipes.core.schema import LauncherKind, TrainConfig
 from dsrecipes.run.launch.builders import BUILDERS, resolve_master_port
 from dsrecipes.run.launch.plan import LAUNCH_FILE, WORKER_MODULE, Command, LaunchPlan, render_plan

@@ -1,6 +1,6 @@
 """A launch that exits 0 is a success only when every rank reports that it trained the planned steps.
 
-Every rank writes `<run>/rank_steps/rank<R>.json` (rundir.write_rank_steps) as it finishes, before the last barrier,
+Every rank writes `<run>/rank_steps/rank<R>.json` (rank_records.write_rank_steps) as it finishes, before the last barrier,
 so once any rank is past that barrier all reports exist. A launcher that ends with 0 while the plan said N > 0 steps
 and some rank is missing or reports fewer (a launcher that ran something else, a worker that quit early without an
 error) makes the run `failed` (exit 1, rank_outcome.json names why and the launcher command). A rank that stopped
@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Optional
 
-from dsrecipes.core.rundir import read_rank_steps
+from dsrecipes.core.rank_records import read_rank_steps
 from dsrecipes.core.runplan import PLAN_FILE, read_plan
 from dsrecipes.run.launch.plan import Command
 
