@@ -359,7 +359,7 @@ def test_a_model_directory_cannot_choose_a_quantizer(values, model_dir, tmp_path
 # A trusted checkpoint's contents: hash-consistent, hostile
 
 
-def _load_with(monkeypatch, tmp_path, rng, state=None):
+def _load_with(monkeypatch, tmp_path, rng, state=None, train_state=None):
     """rank/checkpoint.load_checkpoint on one rank, DeepSpeed's engine and the checked files stubbed: `rng` is what
     rng/rank0.pt holds, `state` the data position (a real map-style loader's load_state_dict reads it)."""
     import json
@@ -374,8 +374,9 @@ def _load_with(monkeypatch, tmp_path, rng, state=None):
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda: 1)
     checked = SimpleNamespace(guard=nullcontext, close=lambda: None, load=lambda *a, **k: rng,
-                              read_bytes=lambda p: json.dumps(state or {}).encode())
-    engine = SimpleNamespace(load_checkpoint=lambda *a, **k: ("x", {"train_state": {}}))
+                              read_bytes=lambda p: json.dumps(state or {}).encode(), record={"step": 8})
+    train_state = {"step": 8} if train_state is None else train_state
+    engine = SimpleNamespace(load_checkpoint=lambda *a, **k: ("x", {"train_state": train_state}))
     layout = SimpleNamespace(world_size=1, micro_batch_size=1, grad_accum=1)
     loader = SimpleNamespace(load_state_dict=lambda s: resume_point(Position(**s["position"]), layout) if s else None)
     point = SimpleNamespace(checked=checked, tag_dir=tmp_path / "step_8", load_dir=tmp_path, tag="step_8",
@@ -422,3 +423,30 @@ def test_a_trusted_checkpoints_absurd_data_position_is_one_message(bad, monkeypa
     assert _load_with(monkeypatch, tmp_path, rng, {"position": position}) is not None
     with pytest.raises(ChangedCheckpoint, match=r"rank0.json: not as dsrecipes writes it \(ValueError"):
         _load_with(monkeypatch, tmp_path, rng, {"position": {**position, **bad}})
+
+
+BAD_TRAIN_STATES = [{"step": 10**30}, {"step": 7}, {"epoch": -1}, {"elapsed": float("nan")}, {"samples_seen": 2.5},
+                    {"selection": {"best_value": "x"}}, {"selection": {"bad_evals": "1"}},
+                    {"selection": {"earlier_stops": 5}}, {"selection": []}]
+
+
+@pytest.mark.parametrize("bad", BAD_TRAIN_STATES, ids=[str(b)[:40] for b in BAD_TRAIN_STATES])
+def test_a_trusted_checkpoints_absurd_train_state_is_one_message(bad, monkeypatch, tmp_path):
+    """DeepSpeed client_state train_state with a step of 10**30 (the run 'ended' at once) or another step than its
+    complete.json records, a negative epoch, NaN seconds, a fractional sample count, or a selection state of other
+    types (a string best value or patience counter: a TypeError traceback at the first evaluation). Was: taken as
+    the run's progress; now one message naming the checkpoint."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from dsrecipes.boundary.point_of_use import ChangedCheckpoint
+
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    good = {"step": 8, "epoch": 1, "samples_seen": 64, "elapsed": 3.5, "skipped_steps": 0,
+            "selection": {"best_step": 4, "best_value": 1.25, "bad_evals": 1, "stopped": None,
+                          "earlier_stops": [{"step": None, "reason": "early stopping"}]}}
+    assert _load_with(monkeypatch, tmp_path, rng, train_state=good).step == 8
+    with pytest.raises(ChangedCheckpoint, match=r"step_8: its train_state .*not as dsrecipes writes it \(ValueError"):
+        _load_with(monkeypatch, tmp_path, rng, train_state={**good, **bad})

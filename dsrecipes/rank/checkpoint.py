@@ -58,6 +58,7 @@ from dsrecipes.core.fileio import atomic_write_json, atomic_write_text
 from dsrecipes.core.publish import Existing, publish_dir
 from dsrecipes.core.rundir import CONFIG_FILE
 from dsrecipes.core.runplan import ResumePlan
+from dsrecipes.rank.selection import check_state as check_selection
 
 
 @dataclass
@@ -70,6 +71,15 @@ class TrainState:
     elapsed: float = 0.0  # training seconds over all attempts
     skipped_steps: int = 0  # steps dropped for a non-finite loss (trainer.nan_policy=skip)
     selection: Dict[str, Any] = field(default_factory=dict)  # best step/value, patience counter (selection.py)
+
+    def __post_init__(self) -> None:  # a trusted foreign checkpoint's train_state is data: ValueError, named by
+        for name in ("step", "epoch", "samples_seen", "skipped_steps"):  # load_checkpoint's _as_written
+            value = getattr(self, name)
+            if type(value) is not int or not 0 <= value <= 2**53:
+                raise ValueError(f"{name} must be a whole number from 0 to 2**53, got {str(value)[:40]}")
+        if type(self.elapsed) not in (int, float) or not 0 <= self.elapsed < float("inf"):
+            raise ValueError(f"elapsed must be a finite number of seconds, got {str(self.elapsed)[:40]}")
+        check_selection(self.selection)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -316,7 +326,10 @@ def load_checkpoint(engine: Any, loader: Any, point: ResumePoint) -> TrainState:
             restore_rng(rng)
     checked.close()
     with _as_written(point.tag_dir, "its train_state (DeepSpeed's client_state)"):
-        return TrainState(**client_state["train_state"])
+        state = TrainState(**client_state["train_state"])
+        if state.step != checked.record.get("step"):
+            raise ValueError(f"step {state.step}, but its {COMPLETE} records step {checked.record.get('step')}")
+        return state
 
 
 @contextmanager

@@ -39,6 +39,32 @@ def fresh_state() -> Dict[str, Any]:
     return {"best_step": None, "best_value": None, "bad_evals": 0, "stopped": None, "earlier_stops": []}
 
 
+def _whole(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= 2**53
+
+
+_FIELDS = {  # what `observe` and `_continue_past_stop` write, each value's type
+    "best_step": lambda v: v is None or _whole(v),
+    "best_value": lambda v: v is None or (type(v) in (int, float) and math.isfinite(v)),
+    "bad_evals": _whole,
+    "stopped": lambda v: v is None or isinstance(v, str),
+    "stopped_step": lambda v: v is None or _whole(v),
+    "earlier_stops": lambda v: isinstance(v, list) and all(
+        isinstance(e, dict) and set(e) <= {"step", "reason"} and (e.get("step") is None or _whole(e["step"]))
+        and (e.get("reason") is None or isinstance(e["reason"], str)) for e in v),
+}
+
+
+def check_state(state: Any) -> None:
+    """ValueError unless `state` (a checkpoint's TrainState.selection: a trusted foreign checkpoint's is data) holds
+    only the keys this module writes, each of its type; checked where it is loaded, before the run uses it."""
+    if not isinstance(state, dict):
+        raise ValueError(f"selection must be an object, got {type(state).__name__}")
+    for key, value in state.items():
+        if key not in _FIELDS or not _FIELDS[key](value):
+            raise ValueError(f"selection.{str(key)[:40]} is not a value dsrecipes writes there: {str(value)[:40]}")
+
+
 @dataclass(frozen=True)
 class Verdict:
     improved: bool  # a new best: checkpoint this step (save_best)
