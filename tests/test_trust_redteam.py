@@ -450,3 +450,22 @@ def test_a_trusted_checkpoints_absurd_train_state_is_one_message(bad, monkeypatc
     assert _load_with(monkeypatch, tmp_path, rng, train_state=good).step == 8
     with pytest.raises(ChangedCheckpoint, match=r"step_8: its train_state .*not as dsrecipes writes it \(ValueError"):
         _load_with(monkeypatch, tmp_path, rng, train_state={**good, **bad})
+
+
+def test_a_shared_run_directorys_config_with_a_huge_number_is_one_message(model_dir, tmp_path, capsys):
+    """A shared run directory's config.yaml holding a whole number of 5000 digits (past Python's 4300-digit
+    conversion limit). Was: prompt-eval --baseline ended in a ValueError traceback (exit 1) from the YAML reader;
+    now one message naming the file. The same reader refuses a FIFO there without waiting on it."""
+    import os
+
+    from dsrecipes.config.load import read_yaml_mapping
+    from dsrecipes.core.errors import ConfigError
+
+    run = tmp_path / "shared_run"
+    run.mkdir()
+    (run / "config.yaml").write_text("trainer:\n  max_steps: " + "9" * 5000 + "\n", encoding="utf-8")
+    refused(capsys, ["prompt-eval", "--baseline", str(run), "--finetuned", str(model_dir)],
+            str(run / "config.yaml"), "4300 digits")
+    os.mkfifo(tmp_path / "fifo.yaml")
+    with pytest.raises(ConfigError, match="not a regular file"):
+        read_yaml_mapping(tmp_path / "fifo.yaml")

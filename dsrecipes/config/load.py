@@ -17,6 +17,7 @@ import yaml
 import dsrecipes.core.bounded_yaml as bounded_yaml
 from dsrecipes.config.hints import clean_hydra_message, full_key, schema_keys
 from dsrecipes.core.errors import ConfigError
+from dsrecipes.core.fileio import read_regular_bytes
 from dsrecipes.core.schema import TrainConfig
 from dsrecipes.core.typed import to_dataclass
 
@@ -102,9 +103,8 @@ def load_run_config(run_dir: str | Path) -> TrainConfig:
 
 def read_yaml_mapping(path: Path) -> Dict[str, Any]:
     """A YAML file that must hold a mapping (a run's config.yaml), or ConfigError naming `file:line`."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = bounded_yaml.safe_load(fh.read())  # a shared run's alias bomb is refused before it is walked
+    try:  # never a FIFO's endless wait; a shared run's alias bomb is refused before it is walked
+        data = bounded_yaml.safe_load(read_regular_bytes(path).decode("utf-8"))
     except bounded_yaml.TooLarge as exc:
         raise ConfigError(f"{path}: {exc}; a run's config.yaml written by dsrecipes holds no aliases") from None
     except bounded_yaml.SelfReference as exc:
@@ -113,6 +113,8 @@ def read_yaml_mapping(path: Path) -> Dict[str, Any]:
         raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except ValueError as exc:  # not a regular file; a number of more digits than Python converts (4300)
+        raise ConfigError(f"{path}: not a run's config.yaml ({str(exc)[:120]})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
