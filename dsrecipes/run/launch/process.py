@@ -32,6 +32,7 @@ from dsrecipes.core.failure import rank_failure
 from dsrecipes.run.launch.plan import RANK_ENV, WORKER_MODULE, Command
 
 FAILED_NODE_GRACE_S = 5  # after a rank reported a lost node: time for the launcher to stop the others itself
+STOP_NOTE_S = 10.0  # after a stop signal: a line this often while the ranks save, naming those still running
 
 
 def child_env(extra: Mapping[str, str]) -> Dict[str, str]:
@@ -99,10 +100,17 @@ def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = Non
     stop = stop or _Stop(0.0)
     deadline: Optional[float] = None
     code: Optional[int] = None
+    noted = 0.0  # seconds after the stop signal of the last waiting line
     while code is None or (stop.at is not None and _group_alive(proc.pid)):
         if stop.overdue():
+            print(f"error: {_still_running(proc.pid)} did not stop within trainer.stop_grace_s={stop.grace_s:g} s "
+                  "of the stop signal; killed (nothing after the last checkpoint is kept)", file=sys.stderr, flush=True)
             _end_group(proc.pid)  # out of time: whatever has not stopped is killed
             break
+        if stop.at is not None and time.monotonic() - stop.at - noted >= STOP_NOTE_S:
+            noted = time.monotonic() - stop.at
+            print(f"dsrecipes: waiting {noted:.0f} s for {_still_running(proc.pid)} to save and stop (killed at "
+                  f"trainer.stop_grace_s={stop.grace_s:g})", file=sys.stderr, flush=True)  # fmt: skip
         if code is not None:
             time.sleep(0.2)  # the launcher ended; its ranks are still saving
             continue
@@ -124,6 +132,31 @@ def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = Non
         print(f"error: {heartbeat.describe_failure(failure)}. {stopped} stopped; run the same command again to resume "
               "from the last checkpoint (trainer.resume=auto)", file=sys.stderr, flush=True)  # fmt: skip
     return code
+
+
+def _still_running(pgid: int) -> str:
+    """The ranks (their pids) still alive in the launcher's process group, for a message; its other processes (the
+    launcher, DataLoader workers: children of a process with the same rank) by pid and name when no rank is left."""
+    ranks, others = [], []
+    for pid in psutil.pids():
+        try:
+            if os.getpgid(pid) != pgid:
+                continue
+            p = psutil.Process(pid)
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            rank = p.environ().get("RANK")
+            parent = p.parent()
+            parent_rank = parent.environ().get("RANK") if parent is not None else None
+        except (OSError, psutil.Error):
+            continue
+        if rank is not None and rank.isdigit() and rank != parent_rank:
+            ranks.append((int(rank), pid))
+        elif rank is None:
+            others.append(f"pid {pid} ({p.name()})")
+    if ranks:
+        return ", ".join(f"rank {r} (pid {pid})" for r, pid in sorted(ranks))
+    return ", ".join(others) or "the launcher's process group"
 
 
 def _stopped_code(run_dir: Path) -> int:
