@@ -469,3 +469,28 @@ def test_a_shared_run_directorys_config_with_a_huge_number_is_one_message(model_
     os.mkfifo(tmp_path / "fifo.yaml")
     with pytest.raises(ConfigError, match="not a regular file"):
         read_yaml_mapping(tmp_path / "fifo.yaml")
+
+
+def test_training_prompt_eval_generates_with_none_of_the_directorys_generation_settings(model_dir, tmp_path):
+    """model.path's generation_config.json naming `cache_implementation: quantized` and four beams: transformers
+    fills what generate() is not given from the model's generation config. Was: the training run's prompt-eval
+    (rank/gen_eval.py) followed it, an ImportError traceback (optimum-quanto) in the rank, or that package imported
+    where installed; now greedy with the default cache, and the directory's settings stay for the export."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dsrecipes.rank.gen_eval import PromptEval
+
+    hostile = tmp_path / "model"
+    shutil.copytree(model_dir, hostile)
+    settings = json.loads((hostile / "generation_config.json").read_text())
+    settings.update(num_beams=4, cache_implementation="quantized")
+    (hostile / "generation_config.json").write_text(json.dumps(settings))
+    model = AutoModelForCausalLM.from_pretrained(hostile)
+    plain = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(hostile)
+    evaluate = PromptEval([], 0, 1, tokenizer, [tokenizer.eos_token_id or 0], 3, False)
+    assert evaluate._answer(model, [1, 2, 3], "cpu") == evaluate._answer(plain, [1, 2, 3], "cpu")
+    assert model.generation_config.cache_implementation == "quantized"

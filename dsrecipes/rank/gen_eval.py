@@ -110,10 +110,21 @@ class PromptEval:
                 "prompt_count": int(count)}
 
     def _answer(self, module: Any, ids: List[int], device: Any) -> List[int]:
+        """Greedy, one beam, the default cache: transformers fills what generate() is not given from the model's
+        generation_config, which came from model.path's generation_config.json (a directory's `num_beams`,
+        `cache_implementation: quantized` importing optional packages, ...). While it runs, the model's is a clean
+        one; the directory's stays for the export."""
+        from transformers import GenerationConfig
+
         prompt = torch.tensor([ids], device=device)
-        out = module.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=self.max_new_tokens,
-                              do_sample=False, eos_token_id=self.stop_ids, pad_token_id=self.pad_id, use_cache=True,
-                              synced_gpus=self.synced)
+        loaded = module.generation_config
+        module.generation_config = GenerationConfig(do_sample=False, num_beams=1, use_cache=True)
+        try:
+            out = module.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=self.max_new_tokens,
+                                  do_sample=False, eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
+                                  use_cache=True, synced_gpus=self.synced)
+        finally:
+            module.generation_config = loaded
         return out[0, len(ids):].tolist()
 
 
