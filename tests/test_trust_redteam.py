@@ -494,3 +494,19 @@ def test_training_prompt_eval_generates_with_none_of_the_directorys_generation_s
     evaluate = PromptEval([], 0, 1, tokenizer, [tokenizer.eos_token_id or 0], 3, False)
     assert evaluate._answer(model, [1, 2, 3], "cpu") == evaluate._answer(plain, [1, 2, 3], "cpu")
     assert model.generation_config.cache_implementation == "quantized"
+
+
+def test_validate_refuses_a_tokenizer_directory_that_names_its_own_code_as_train_does(tmp_path, capsys):
+    """model.tokenizer_path=DIR whose tokenizer_config.json has `auto_map`: train and inspect-data refused it
+    (core/tokenizer.load_tokenizer), validate said OK (run/preflight.check_tokenizer_dir looked for files only)."""
+    import json
+    import shutil
+
+    from dsrecipes.core.paths import TINY_TOKENIZER_DIR
+
+    tok = tmp_path / "tok"
+    shutil.copytree(TINY_TOKENIZER_DIR, tok)
+    config = json.loads((tok / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config["auto_map"] = {"AutoTokenizer": ["tok.EvilTokenizer", None]}
+    (tok / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    refused(capsys, ["validate", f"model.tokenizer_path={tok}"], "model.tokenizer_path", "its own Python code")

@@ -213,4 +213,6 @@ def check_tokenizer_dir(key: str, path: Path) -> List[str]:
         return odd
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         return [f"{key}: {path} holds no tokenizer files ({', '.join(TOKENIZER_FILES)})"]
+    if key == "model.tokenizer_path":  # a tokenizer of its own loads without its code, whatever trust_remote_code says
+        return custom_code_problems(key, path)  # (core/tokenizer.load_tokenizer refuses it in train and inspect-data)
     return []
