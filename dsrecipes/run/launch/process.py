@@ -237,7 +237,7 @@ def run_in_process(cmd: Command, run_dir: Path, grace_s: float) -> int:
 
     def deadline(signum: int) -> None:
         if not timers:
-            timers.append(threading.Timer(grace_s, _thread.interrupt_main))
+            timers.append(threading.Timer(grace_s, _interrupt_main, (grace_s,)))
             timers[0].daemon = True
             timers[0].start()
 
@@ -255,6 +255,19 @@ def run_in_process(cmd: Command, run_dir: Path, grace_s: float) -> int:
             else:
                 os.environ[key] = value
     return result
+
+
+def _interrupt_main(grace_s: float) -> None:
+    """The local rank did not stop within its grace: a real SIGINT to the main thread, which stopping.py's handler
+    (a second interruption) turns into KeyboardInterrupt there. `_thread.interrupt_main` only flags it, and a main
+    thread blocked in a system call (a pipe read from a frozen DataLoader worker) never looked at the flag."""
+    print(f"error: the rank did not stop within trainer.stop_grace_s={grace_s:g} s of the stop signal; stopping it "
+          "where it stands (nothing after the last checkpoint is kept)", file=sys.stderr, flush=True)  # fmt: skip
+    main = threading.main_thread().ident
+    if main is None:
+        _thread.interrupt_main()
+        return
+    signal.pthread_kill(main, signal.SIGINT)
 
 
 def _in_sweep() -> bool:
