@@ -329,7 +329,8 @@ class BlockSource:
         if f not in self._fds:
             if len(self._fds) >= 64:
                 os.close(self._fds.pop(next(iter(self._fds))))
-            self._fds[f] = os.open(self.index.files[f].path, os.O_RDONLY)
+            self._fds[f] = os.open(fi.path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO put there must not wait for a writer
+            check_fd(fi.name, seen(fi), self._fds[f], fi.path)  # before the first read too (closed with the others)
         data = os.pread(self._fds[f], stop - start, start)
         check_fd(fi.name, seen(fi), self._fds[f], fi.path)  # after the read: these bytes are the indexed ones
         check_read(fi.name, len(data), stop - start, start)
