@@ -154,3 +154,21 @@ def test_ctrl_c_then_sigterm_to_a_local_run_checkpoint_and_the_printed_command_r
     assert commands[0] == commands[1], commands
     resume(ws, run, commands[1])
     assert losses(run) == losses(local_reference)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_after_the_command_returned_keeps_its_exit_code(signum):
+    """`dsrecipes export ... && next`: a Ctrl-C or SIGTERM while the process tears down after the command's work was
+    done and reported (~1 s with torch and DeepSpeed loaded) killed it with 130/143, a failure to the script. Here the
+    signal comes from an exit handler, after cli.entry's command returned 3: the exit code stays 3."""
+    code = ("import atexit, os, signal, time\nimport dsrecipes.cli as cli\ncli.main = lambda argv=None: 3\n"
+            f"atexit.register(lambda: (os.kill(os.getpid(), {int(signum)}), time.sleep(10)))\ncli.entry()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, (done.returncode, done.stderr[-2000:])
+
+
+def test_both_entry_points_end_through_cli_entry():
+    """The console script and `python -m dsrecipes` take the same road (cli.entry)."""
+    root = Path(__file__).parents[1]
+    assert 'dsrecipes = "dsrecipes.cli:entry"' in (root / "pyproject.toml").read_text(encoding="utf-8")
+    assert "entry()" in (root / "dsrecipes" / "__main__.py").read_text(encoding="utf-8")
