@@ -104,6 +104,22 @@ def built_cpu_adam(tmp_path_factory):
     return env, done, jit_ops.build_root(env)
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A plain Hugging Face directory (the tiny model, its tokenizer's own template), one per test module: the model
+    directory the trust tests copy and poison (test_trust, test_trust_redteam; modules with a `model_dir` of their
+    own keep theirs)."""
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.modeling.model import build_tiny_model, load_tokenizer
+
+    cfg = compose_and_load(["debug=fast"])
+    tokenizer = load_tokenizer(cfg)
+    base = tmp_path_factory.mktemp("model") / "base"
+    build_tiny_model(cfg, tokenizer).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    return base
+
+
 # The files that take longest (pytest --durations; measured on a 2-core machine, heaviest first): collected first, so
 # that under pytest-xdist (`-n 2 --dist loadfile --no-loadscope-reorder`, the README's test command) the two workers
 # start on them at once and the run ends on short files, not on one long file alone. xdist's default reorder (files

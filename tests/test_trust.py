@@ -160,20 +160,6 @@ HOSTILE_TEMPLATES = {
 }
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A plain Hugging Face directory (the tiny model, its tokenizer's own template)."""
-    from dsrecipes.config.load import compose_and_load
-    from dsrecipes.modeling.model import build_tiny_model, load_tokenizer
-
-    cfg = compose_and_load(["debug=fast"])
-    tokenizer = load_tokenizer(cfg)
-    base = tmp_path_factory.mktemp("trust") / "base"
-    build_tiny_model(cfg, tokenizer).save_pretrained(base)
-    tokenizer.save_pretrained(base)
-    return base
-
-
 def with_template(model_dir: Path, tmp_path: Path, template: str) -> Path:
     import shutil
 

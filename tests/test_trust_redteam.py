@@ -19,21 +19,11 @@ tiny model, in this process): the test fails on the code before its fix.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List
 
 import pytest
 
 from dsrecipes.cli import main as cli_main
-
-
-def refused(capsys, argv: List[str], *needles: str) -> str:
-    code = cli_main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, (code, err)
-    assert err.startswith("error: ") and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in err, (needle, err)
-    return err
+from tests.test_messages_hostile import refused
 
 
 def _climb(target: Path) -> str:
@@ -77,18 +67,6 @@ def test_a_recipe_file_above_the_working_directory_still_composes(tmp_path, monk
 # A model directory choosing code through its config.json
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A plain Hugging Face directory: the tiny model and its tokenizer."""
-    from dsrecipes.config.load import compose_and_load
-    from dsrecipes.modeling.model import build_tiny_model, load_tokenizer
-
-    cfg = compose_and_load(["debug=fast"])
-    tokenizer = load_tokenizer(cfg)
-    base = tmp_path_factory.mktemp("redteam") / "base"
-    build_tiny_model(cfg, tokenizer).save_pretrained(base)
-    tokenizer.save_pretrained(base)
-    return base
 
 
 def _with_config(model_dir: Path, tmp_path: Path, **values) -> Path:

@@ -153,32 +153,50 @@ def _holds_config(run: Path) -> bool:
 # A rank outliving its console
 
 
-class _Survivor:
-    """A rank's stdout/stderr, which is a pipe to the launching process's `relay`. A SIGKILLed launching process
-    leaves that pipe without a reader, and the next print would raise BrokenPipeError in the middle of the step
-    boundary where the rank checkpoints and stops (stopping.watch). The first broken write moves both console file
-    descriptors onto `log` (dup2, so C-level writers follow too) and writes there."""
+class _GuardedStream:
+    """A console stream whose failed write or flush (`catches`) goes to `failed(exc)`: it raises, or makes the stream
+    usable again and the write is made once more. Everything else is the stream's."""
 
-    def __init__(self, stream: IO[str], log: Path) -> None:
+    catches: type = OSError
+
+    def __init__(self, stream: IO[str]) -> None:
         self._stream = stream
-        self._log = Path(log)
 
     def write(self, text: str) -> int:
         try:
             return self._stream.write(text)
-        except BrokenPipeError:
-            _divert(self._log)
+        except self.catches as exc:
+            self.failed(exc)
             return self._stream.write(text)
 
     def flush(self) -> None:
         try:
             self._stream.flush()
-        except BrokenPipeError:
-            _divert(self._log)
+        except self.catches as exc:
+            self.failed(exc)
             self._stream.flush()
+
+    def failed(self, exc: OSError) -> None:
+        raise exc
 
     def __getattr__(self, name: str):  # noqa: ANN204 - everything else is the stream's
         return getattr(self._stream, name)
+
+
+class _Survivor(_GuardedStream):
+    """A rank's stdout/stderr, which is a pipe to the launching process's `relay`. A SIGKILLed launching process
+    leaves that pipe without a reader, and the next print would raise BrokenPipeError in the middle of the step
+    boundary where the rank checkpoints and stops (stopping.watch). The first broken write moves both console file
+    descriptors onto `log` (dup2, so C-level writers follow too) and writes there."""
+
+    catches = BrokenPipeError
+
+    def __init__(self, stream: IO[str], log: Path) -> None:
+        super().__init__(stream)
+        self._log = Path(log)
+
+    def failed(self, exc: OSError) -> None:
+        _divert(self._log)
 
 
 def _divert(log: Path) -> None:
@@ -206,37 +224,19 @@ class OutputLost(UserError):
     SIGPIPE is ignored. One message naming standard output, exit 2, never a traceback."""
 
 
-class _CheckedOutput:
+class _CheckedOutput(_GuardedStream):
     """A command's stdout (cli.main): the first failed write or flush is `OutputLost`. File descriptor 1 then points
     at /dev/null, so that the interpreter's own flush at exit (of what is still buffered) does not fail a second time
     with an 'Exception ignored' traceback."""
 
-    def __init__(self, stream: IO[str]) -> None:
-        self._stream = stream
-
-    def write(self, text: str) -> int:
-        try:
-            return self._stream.write(text)
-        except OSError as exc:
-            raise self._lost(exc) from None
-
-    def flush(self) -> None:
-        try:
-            self._stream.flush()
-        except OSError as exc:
-            raise self._lost(exc) from None
-
-    def _lost(self, exc: OSError) -> OutputLost:
+    def failed(self, exc: OSError) -> None:
         with contextlib.suppress(OSError, ValueError, AttributeError):
             if self._stream.fileno() == 1:
                 null = os.open(os.devnull, os.O_WRONLY)
                 os.dup2(null, 1)
                 os.close(null)
         reason = exc.strerror or type(exc).__name__
-        return OutputLost(f"could not write to standard output: {reason} (the output was not complete)")
-
-    def __getattr__(self, name: str):  # noqa: ANN204 - everything else is the stream's
-        return getattr(self._stream, name)
+        raise OutputLost(f"could not write to standard output: {reason} (the output was not complete)") from None
 
 
 @contextlib.contextmanager
