@@ -97,7 +97,7 @@ def _checkpoint(run: Path, step: int) -> Path:
 def test_stopped_at_once_names_the_latest_checkpoint(tmp_path, fresh_stop, capsys, monkeypatch):
     from dsrecipes.commands.outcome import report_interrupted
 
-    monkeypatch.setattr(stopping, "_forced", True)
+    monkeypatch.setattr(stopping, "_forced", "stopped at once by a second SIGINT")
     _checkpoint(tmp_path, 2)
     latest = _checkpoint(tmp_path, 4)
     assert report_interrupted(tmp_path, signal.SIGINT, {}, ["debug=fast"]) == 130

@@ -87,9 +87,10 @@ def report_interrupted(run_dir: Path, signum: int, extra: dict, argv: Sequence[s
     return code
 
 
-def interrupted_message(signal_name: str, checkpoint: str | None, at_once: bool) -> str:
-    """How it stopped and what the resume command continues from: the latest checkpoint, or step 1."""
-    how = f"stopped at once by a second {signal_name}" if at_once else f"interrupted by {signal_name}"
+def interrupted_message(signal_name: str, checkpoint: str | None, at_once: str | None) -> str:
+    """How it stopped (`at_once`: how it was stopped at once, stopping.forced()) and what the resume command
+    continues from: the latest checkpoint, or step 1."""
+    how = at_once or f"interrupted by {signal_name}"
     if checkpoint is None:
         return f"{how} (no checkpoint yet: the command below starts from step 1)"
     return f"{how} (latest checkpoint: {checkpoint})"

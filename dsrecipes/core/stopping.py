@@ -9,7 +9,9 @@ save a checkpoint and end with the exit code of the signal (train.py).
 Signals that arrive together are one interruption: a wrapper that forwards signals (`timeout`, CI runners, `srun`)
 delivers the terminal's Ctrl-C a second time within milliseconds, and that copy must not throw the checkpoint away.
 Only a SIGINT more than `SAME_INTERRUPTION_S` after the first one was acknowledged (the "stopping at the next step
-boundary" line) stops at once; `forced()` then says so, for the message naming the latest checkpoint.
+boundary" line) stops at once; `forced()` then says so, for the message naming the latest checkpoint. A run
+whose work did not stop within its grace is stopped the same way (`stop_now`: launcher=local), as the first signal's
+interruption (its exit code), and `forced()` says that instead of "a second SIGINT".
 
 `handling()` blocks nest (the local launcher runs the rank inside the launching process): the outermost installs
 the OS handlers, every active block's callback is told about the signal.
@@ -30,7 +32,8 @@ SAME_INTERRUPTION_S = 1.0  # signals closer than this to the acknowledged first 
 
 _received: Optional[int] = None
 _acknowledged_at: float = 0.0  # time.monotonic() when the first signal was acknowledged
-_forced = False
+_forced: Optional[str] = None  # how the work was stopped at once (None: it was not)
+_stop_now: Optional[str] = None  # set by `stop_now`: the next signal stops the work at once, saying this
 _callbacks: List[Callable[[int], None]] = []
 _announce: List[bool] = []
 
@@ -40,15 +43,25 @@ def requested() -> Optional[int]:
     return _received
 
 
-def forced() -> bool:
-    """True when a second interruption (after the first was acknowledged) stopped the work at once."""
+def forced() -> Optional[str]:
+    """How the work was stopped at once ("stopped at once by a second SIGINT", or what `stop_now` was told), else
+    None."""
     return _forced
 
 
+def stop_now(why: str) -> None:
+    """The work did not stop within its grace (another thread says so, then sends SIGINT to the main thread): that
+    signal stops it at once as the first signal's interruption (`Stopped(requested())`, that signal's exit code), not
+    as a second Ctrl-C, and however soon after the first, with `forced()` saying `why`."""
+    global _stop_now
+    _stop_now = why
+
+
 def reset() -> None:
-    global _received, _forced
+    global _received, _forced, _stop_now
     _received = None
-    _forced = False
+    _forced = None
+    _stop_now = None
 
 
 def exit_code(signum: int) -> int:
@@ -59,10 +72,13 @@ def exit_code(signum: int) -> int:
 def _handler(signum: int, frame: object) -> None:
     global _received, _acknowledged_at, _forced
     if _received is not None:
+        if _stop_now is not None:  # out of its grace: stopped as the first signal's interruption
+            _forced = _stop_now
+            raise Stopped(_received)
         if time.monotonic() - _acknowledged_at < SAME_INTERRUPTION_S:
             return  # the same interruption, delivered again (a forwarding wrapper): already being acted on
         if signum == signal.SIGINT:
-            _forced = True
+            _forced = "stopped at once by a second SIGINT"
             raise KeyboardInterrupt  # Ctrl-C again, after the acknowledgement: stop now
     first = _received is None
     if first:

@@ -237,7 +237,7 @@ def run_in_process(cmd: Command, run_dir: Path, grace_s: float) -> int:
 
     def deadline(signum: int) -> None:
         if not timers:
-            timers.append(threading.Timer(grace_s, _interrupt_main, (grace_s,)))
+            timers.append(threading.Timer(grace_s, _interrupt_main, (grace_s, signum)))
             timers[0].daemon = True
             timers[0].start()
 
@@ -257,12 +257,15 @@ def run_in_process(cmd: Command, run_dir: Path, grace_s: float) -> int:
     return result
 
 
-def _interrupt_main(grace_s: float) -> None:
+def _interrupt_main(grace_s: float, signum: int) -> None:
     """The local rank did not stop within its grace: a real SIGINT to the main thread, which stopping.py's handler
-    (a second interruption) turns into KeyboardInterrupt there. `_thread.interrupt_main` only flags it, and a main
-    thread blocked in a system call (a pipe read from a frozen DataLoader worker) never looked at the flag."""
+    (told by `stop_now`) turns into `Stopped(signum)` there: the run ends as `signum`'s interruption (143 for
+    SIGTERM), saying it was stopped at the grace, not "by a second SIGINT". `_thread.interrupt_main` only flags it,
+    and a main thread blocked in a system call (a pipe read from a frozen DataLoader worker) never looked at the flag."""
     print(f"error: the rank did not stop within trainer.stop_grace_s={grace_s:g} s of the stop signal; stopping it "
           "where it stands (nothing after the last checkpoint is kept)", file=sys.stderr, flush=True)  # fmt: skip
+    stopping.stop_now(f"interrupted by {signal.Signals(signum).name}; the rank did not stop within "
+                      f"trainer.stop_grace_s={grace_s:g} s and was stopped where it stood")
     main = threading.main_thread().ident
     if main is None:
         _thread.interrupt_main()
