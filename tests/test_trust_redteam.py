@@ -164,6 +164,28 @@ def test_a_foreign_commit_record_that_json_cannot_sign_is_one_message(record, tm
             assert "--trust-checkpoint" in err or "complete.json: unreadable" in err, err
 
 
+@pytest.mark.parametrize("world_size", [10**30, (1 << 20) + 1])
+def test_a_foreign_commit_records_absurd_world_size_is_one_message(world_size, tmp_path, monkeypatch, capsys):
+    """complete.json saying 10**30 ranks wrote it. Was: a whole number >= 1, so accepted, and once trusted on the
+    command line the resume planned for that many ranks (an elastic resume at another world size); now, trusted or
+    not, one message naming complete.json and its world_size, exit 2, as other absurd record fields are."""
+    from dsrecipes.core.checkpoint_names import MAX_WORLD_SIZE, read_record
+
+    monkeypatch.setenv("DSRECIPES_KEY_FILE", str(tmp_path / "key" / "checkpoint.key"))
+    monkeypatch.chdir(tmp_path)
+    tag = _foreign_checkpoint(tmp_path, world_size=MAX_WORLD_SIZE)
+    assert read_record(tag)["world_size"] == MAX_WORLD_SIZE  # the bound itself is still a record
+    tag = _foreign_checkpoint(tmp_path / "absurd", world_size=world_size)
+    run = tag.parent.parent
+    for trusted in ([], ["--trust-checkpoint", str(run)]):
+        code = cli_main(["train", "debug=fast", f"trainer.output_dir={tmp_path / 'mine'}",
+                         f"trainer.resume_from={run}", *trusted])
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err and err.count("error: ") == 1, (code, err)
+        assert str(tag) in err and "complete.json: unreadable" in err, err
+        assert f"world_size {world_size if world_size < 10**12 else 'of 31 digits'} is more than 1048576 ranks" in err
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Dataset files a recipe names
 

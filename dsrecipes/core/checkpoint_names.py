@@ -17,6 +17,7 @@ COMPLETE = "complete.json"
 UNIVERSAL = "universal"
 PARTIAL = ".partial"  # suffix of a tag directory being written
 REPLACED = ".replaced"  # suffix of an old tag directory while a re-save swaps it out
+MAX_WORLD_SIZE = 1 << 20  # more ranks than any run has had: a record saying so is not one we wrote
 
 
 def tag_for(step: int) -> str:
@@ -32,6 +33,10 @@ def read_record(tag_dir: Path) -> Dict[str, Any]:
     record = json.loads(read_regular_bytes(Path(tag_dir) / COMPLETE).decode("utf-8"))  # never a FIFO's endless wait
     if not isinstance(record, dict) or not all(_whole(record.get(k), low) for k, low in (("step", 0), ("world_size", 1))):
         raise ValueError("not a checkpoint commit record (step and world_size must be whole numbers)")
+    size = record["world_size"]
+    if size > MAX_WORLD_SIZE:  # (a resume at another world size would plan for that many ranks)
+        shown = size if size < 10**12 else f"of {len(str(size))} digits"
+        raise ValueError(f"not a checkpoint commit record (world_size {shown} is more than {MAX_WORLD_SIZE} ranks)")
     return record
 
 
