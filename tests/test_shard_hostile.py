@@ -248,3 +248,26 @@ def test_an_out_url_with_credentials_or_another_scheme_is_refused_without_echoin
     assert "--out: s3://...: a data URL must not carry credentials" in err and "topsecretpw" not in err
     assert shard("--parts", "1", "--out", "gs://bucket/x", f"dataset.paths=[{data}]") == 2
     assert "--out: 'gs://bucket/x': scheme gs:// is not read" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["a FIFO", "a directory"])
+def test_a_part_replaced_by_a_fifo_or_directory_says_what_it_is(shard_dir, kind):
+    """A shard part that is now a FIFO or a directory. Was: 'part_01.jsonl: missing (listed in manifest.json)', as
+    if nothing were there; now it says what is there, naming the path (and never opens the FIFO)."""
+    from dsrecipes.core.errors import DataError
+
+    part = shard_dir / "part_01.jsonl"
+    part.unlink()
+    if kind == "a FIFO":
+        os.mkfifo(part)
+    else:
+        part.mkdir()
+    manifest = read_manifest(str(shard_dir), world_size=2)
+    verify_part(manifest, 0)
+    with pytest.raises(DataError) as refused:
+        verify_part(manifest, 1)
+    assert str(refused.value).startswith(f"{part}: is not a regular file ({kind}), where {MANIFEST} lists a shard part")
+    part.rmdir() if part.is_dir() else part.unlink()
+    with pytest.raises(DataError, match=r"part_01.jsonl: missing \(listed in manifest.json\)"):
+        verify_part(manifest, 1)  # nothing there at all is still 'missing'

@@ -70,6 +70,22 @@ def read_regular_bytes(path: str | Path) -> bytes:
         return fh.read()
 
 
+def not_regular(path: str | Path) -> str | None:
+    """What `path` is when something other than a regular file is there ("a FIFO", "a directory", ...), else None (a
+    regular file, or nothing at all). Only stat: a FIFO is never opened."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a symbolic link to nothing" if os.path.islink(path) else None
+    except OSError:
+        return None  # unreadable metadata: the caller's own open says why
+    if stat.S_ISREG(mode):
+        return None
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
 def dangling_link(path: str | Path) -> Path | None:
     """The first of `path` and its ancestors that is a symbolic link leading nowhere (its target missing, or a loop
     of links), else None. Making `path` would create the link's target, a place the user did not name."""

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional
 
 import dsrecipes.data.shard.store as store_upload
 from dsrecipes.core.errors import DataError
+from dsrecipes.core.fileio import not_regular
 from dsrecipes.core.typed import config_to_dict
 from dsrecipes.data.prepare.cache import tokenizer_fingerprint
 from dsrecipes.data.render.template_choice import choose_template
@@ -193,6 +194,10 @@ def verify_val_part(manifest: Manifest) -> str:
 
 
 def _verify(path: str, sha256: str) -> None:
+    what = not_regular(path)
+    if what is not None:  # never opened: a FIFO's reader would wait for a writer
+        raise DataError(f"{path}: is not a regular file ({what}), where {MANIFEST} lists a shard part; put the "
+                        "part written by `dsrecipes shard` back, or re-shard")
     if not os.path.isfile(path):
         raise DataError(f"{path}: missing (listed in {MANIFEST})")
     if file_sha256(path) != sha256:
