@@ -60,14 +60,20 @@ def missing_dirs(path: str | Path) -> list[Path]:
     return [p for p in [path, *path.parents] if not os.path.lexists(p)]
 
 
-def read_regular_bytes(path: str | Path) -> bytes:
+def read_regular_bytes(path: str | Path, limit: int | None = None) -> bytes:
     """The bytes of `path` when it is a regular file: ValueError for a FIFO, a device or a socket (a FIFO planted where
-    a marker or record belongs would block its reader for ever, a device would never end), OSError when unreadable."""
+    a marker or record belongs would block its reader for ever, a device would never end), or for a file of more than
+    `limit` bytes (never read into memory); OSError when unreadable."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO opens at once without a writer
     with os.fdopen(fd, "rb") as fh:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ValueError("not a regular file")
-        return fh.read()
+        if limit is None:
+            return fh.read()
+        data = fh.read(limit + 1)
+        if len(data) > limit:
+            raise ValueError(f"larger than {limit} bytes")
+        return data
 
 
 def not_regular(path: str | Path) -> str | None:

@@ -26,7 +26,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import yaml
 
@@ -52,6 +52,10 @@ SWEEP_MARKER = "dsrecipes_sweep.json"  # a sweep directory of ours (claim_sweep_
 CHECKPOINTS_DIR = "checkpoints"  # (checkpoint.py owns what is inside)
 HYDRA_SUBDIR = ".hydra"  # Hydra writes it into a job directory before the job starts
 CLAIMING_PREFIXES = (".dsrecipes", f".{MARKER_FILE}.")  # lock files, write probes, the marker being written
+# Files of a run directory someone else may have handed over (or a damaged one) are read within bounds:
+MAX_DS_CONFIG_BYTES = 1 << 20  # ds_config.json is a few KB
+MAX_METRICS_BYTES = 512 << 20  # about two million log lines of a few hundred bytes (log_every steps each)
+MAX_METRICS_LINE = 1 << 20  # one log line: a flat record of numbers
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -309,36 +313,54 @@ def read_ds_config(run_dir: Path) -> Dict[str, Any]:
     path = Path(run_dir) / DS_CONFIG_FILE
     if not path.is_file():
         raise UserError(f"{path}: missing; start runs with `python -m dsrecipes` (it writes the run directory)")
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        data = read_regular_bytes(path, limit=MAX_DS_CONFIG_BYTES)
+    except ValueError as exc:  # a damaged (or someone else's) run directory: never read whole into memory
+        raise UserError(f"{path}: {exc}, not the DeepSpeed config dsrecipes writes (a few KB); start the run "
+                        "again with `python -m dsrecipes`") from None
+    return json.loads(data.decode("utf-8"))
 
 
 def read_metrics(path: str | Path) -> List[Dict[str, Any]]:
     """The lines of metrics.jsonl (a run directory or the file): each a JSON object with an integer `step`. The last
     line, cut short by a killed run (no newline at its end), is skipped; any other line that is not such a record
-    is UserError naming file:line (a run resumed onto it would crash or mix its history)."""
+    is UserError naming file:line (a run resumed onto it would crash or mix its history), as is a file of more than
+    MAX_METRICS_BYTES or a line of more than MAX_METRICS_LINE (read line by line, never whole)."""
     path = Path(path)
     if path.is_dir():
         path = path / METRICS_FILE
     if not path.is_file():
         return []
-    data = path.read_bytes()
-    lines = data.split(b"\n")
+    fix = "repair or remove that line (or move the file away) and run again"
     rows = []
-    for number, line in enumerate(lines, 1):
+    for number, line in _metric_lines(path, fix):
         if not line.strip():
             continue
         try:
             row = json.loads(line.decode("utf-8"))
         except ValueError as exc:  # also UnicodeDecodeError
-            if number == len(lines):  # after the last newline: a write cut short
+            if not line.endswith(b"\n"):  # after the last newline: a write cut short
                 continue
             raise UserError(f"{path}:{number}: not a metrics record ({type(exc).__name__}: {str(exc)[:80]}); "
-                            "repair or remove that line (or move the file away) and run again") from None
+                            f"{fix}") from None
         if not isinstance(row, dict) or type(row.get("step")) is not int:
-            raise UserError(f"{path}:{number}: not a metrics record (a JSON object with an integer \"step\"); "
-                            "repair or remove that line (or move the file away) and run again")
+            raise UserError(f"{path}:{number}: not a metrics record (a JSON object with an integer \"step\"); {fix}")
         rows.append(row)
     return rows
+
+
+def _metric_lines(path: Path, fix: str) -> Iterator[Tuple[int, bytes]]:
+    """(number, line) of metrics.jsonl, read line by line within MAX_METRICS_BYTES and MAX_METRICS_LINE."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        for number, line in enumerate(iter(lambda: fh.readline(MAX_METRICS_LINE + 1), b""), 1):
+            if max(size, fh.tell()) > MAX_METRICS_BYTES:  # (checked before the first line is kept)
+                raise UserError(f"{path}: more than {MAX_METRICS_BYTES >> 20} MiB, more than dsrecipes reads of a "
+                                "run's metrics (about two million log lines); move the file away and run again")
+            if len(line) > MAX_METRICS_LINE:
+                raise UserError(f"{path}:{number}: a line of more than {MAX_METRICS_LINE >> 20} MiB, not a metrics "
+                                f"record; {fix}")
+            yield number, line
 
 
 def run_summary(run_dir: Path) -> Dict[str, Any]:
