@@ -12,26 +12,16 @@ import errno
 import json
 import sys
 from pathlib import Path
-from typing import Callable, List
+from typing import Callable
 
 import pytest
 
+from tests.test_messages_hostile import refused
 from tests.test_prompt_eval import two_models  # noqa: F401  (the module-scoped exports)
 from tests.test_run_ownership import snapshot
 from tests.test_sweep import dsrecipes_in_process
 
 PROMPT = b'{"prompt": "What is 2 + 2?", "reference": "4"}\n'  # --prompts: one, so that generating is quick
-
-
-def refused(capsys, argv: List[str], *needles: str) -> str:
-    """Run `dsrecipes ARGV`: exit 2 and one `error:` line holding every needle (the flag first), no traceback.
-    Returns that line."""
-    code = dsrecipes_in_process(*argv)
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert code == 2 and len(errors) == 1 and "Traceback" not in err, (code, err)
-    assert all(needle in errors[0] for needle in needles), (needles, errors[0])
-    return errors[0]
 
 
 def write_files(root: Path, files: dict) -> Path:

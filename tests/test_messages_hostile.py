@@ -25,14 +25,20 @@ import pytest
 from dsrecipes.cli import main as cli_main
 from dsrecipes.config.load import load_run_config
 from dsrecipes.core.errors import ConfigError
+from tests.conftest import in_process_environ
 
 
-def refused(capsys, argv: List[str], *needles: str) -> str:
-    """`dsrecipes ARGV` exits 2 with one `error:` line holding every needle, and no traceback."""
-    code = cli_main(argv)
+def refused(capsys, argv: List[str], *needles: str, one_line: bool = False) -> str:
+    """`dsrecipes ARGV` (in this process, its environment restored after) exits 2 with one `error:` line, first,
+    holding every needle, and no traceback; `one_line`: stderr is that line alone. Returns stderr. The one helper of
+    the message tests (test_cli_flags_hostile, test_messages_terminal, test_trust_redteam use it)."""
+    with in_process_environ():
+        code = cli_main(argv)
     err = capsys.readouterr().err
     assert code == 2, (code, err)
-    assert err.startswith("error: ") and "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert err.startswith("error: ") and len(errors) == 1 and "Traceback" not in err, err
+    assert not one_line or err.count("\n") == 1, err
     for needle in needles:
         assert needle in err, (needle, err)
     return err

@@ -11,26 +11,18 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any, List
 
 import pytest
 
-from dsrecipes.cli import main as cli_main
+from tests.test_messages_hostile import refused as _refused
 
 EVIL = "4 \x1b]0;pwned\x07\x1b]52;c;cm0gLXJmIH4=\x07\x1b[2J\x9b31m done\n\tnext\u3000line"
 SHOWN = "4 \\x1b]0;pwned\\x07\\x1b]52;c;cm0gLXJmIH4=\\x07\\x1b[2J\\x9b31m done\n\tnext\u3000line"
-
-
-def refused(capsys, argv: List[str], *needles: str) -> str:
-    code = cli_main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, (code, err)
-    assert err.startswith("error: ") and "Traceback" not in err and err.count("\n") == 1, err
-    for needle in needles:
-        assert needle in err, (needle, err)
-    return err
+refused = functools.partial(_refused, one_line=True)  # (and stderr is the `error:` line alone)
 
 
 class _Tokenizer:
