@@ -310,6 +310,36 @@ def test_iterable_from_the_store_indexes_by_etag_and_keeps_the_secret_out(iterab
     assert all(f.digest.startswith("s3-") for f in index.files)  # identity = ETag, the contents were not hashed
 
 
+def test_the_per_node_launcher_ends_promptly_after_its_ranks(monkeypatch):
+    """Every launch in this file goes through DeepSpeed's per-node launcher (run/launch/ds_node.py: DeepSpeed's own
+    `main()`), whose wait for its ranks slept 1 s between looks at them, also after the last one had ended: each run
+    ended 1-2 s after its ranks (in the launches here: result.json 1.2-1.5 s after launcher.log noted the last rank's
+    end). Its real main() here, in-process, starting two ranks that end at once (`true`): it returns at once."""
+    import signal
+    import time
+
+    from dsrecipes.core.deepspeed_import import load_deepspeed
+    from dsrecipes.run.launch import ds_node
+
+    load_deepspeed()
+    from deepspeed.launcher import launch
+
+    monkeypatch.setattr(launch, "time", launch.time)  # ds_node.main replaces it: put back afterwards
+    monkeypatch.setattr(ds_node.gc, "freeze", lambda: None)  # not this test process's objects
+    world = "eyJsb2NhbGhvc3QiOiBbMCwgMV19"  # base64 of {"localhost": [0, 1]}: two ranks on this machine
+    monkeypatch.setattr(sys, "argv", ["ds_node", f"--world_info={world}", "--master_addr=127.0.0.1",
+                                      "--master_port=29500", "--no_python", "--no_local_rank", "true"])  # fmt: skip
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # main() installs its own
+    started = time.monotonic()
+    try:
+        ds_node.main()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    took = time.monotonic() - started
+    assert took < 1.0, f"DeepSpeed's launcher took {took:.2f} s over two ranks that ended at once"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 2. data=presharded from `dsrecipes shard`
 
