@@ -10,8 +10,7 @@ defaults list and repository). Everything else composes through here:
 
 A `Job` carries what differs between a single run and a sweep's job (the run directory's default, whether Hydra made
 it, entering Hydra's job: `.hydra/`, callbacks, logging), so both take one road in one order (commands/train.py).
-config/safety.py is the rule for what a composition may hold; here Hydra supplies the baseline and the file a key
-came from.
+config/safety.py is the rule for what a composition may hold; Hydra supplies the baseline and the file a key came from.
 """
 
 from __future__ import annotations
@@ -56,6 +55,7 @@ from dsrecipes.core.schema import GROUP_SCHEMAS, TrainConfig
 CONFIG_NAME = "train"
 TASK_NAME = "dsrecipes"
 _baselines: Dict[Any, Dict[str, Any]] = {}  # conf/train.yaml alone, per search path and mode (pure data)
+_stored: Dict[Tuple[Optional[str], str], Any] = {}  # (group, name) -> the ConfigStore entry register_schemas made
 
 
 def args_parser() -> Any:
@@ -80,14 +80,16 @@ def refuse_other_config_roots(args: Any) -> None:
 
 
 def register_schemas() -> None:
-    """The schemas in Hydra's ConfigStore and only the allowed resolvers (config/resolvers.py: `dsr.asset`, `now`,
-    `oc.select`, and `oc.env` reading only safety.READABLE_ENV), explicitly, never at import; registering again
-    replaces the same entries. Enforced where interpolations resolve, whatever form a recipe's text takes."""
+    """The schemas in Hydra's ConfigStore (once per process: it hands out deep copies; again where an entry is not
+    ours) and only the allowed resolvers (config/resolvers.py: `dsr.asset`, `now`, `oc.select`, `oc.env` reading only
+    safety.READABLE_ENV), never at import. Enforced where interpolations resolve, whatever form a recipe's text takes."""
     resolvers.install()
     store = ConfigStore.instance()
-    store.store(name="train_schema", node=TrainConfig)
-    for group, schema in GROUP_SCHEMAS.items():
-        store.store(group="schema", name=group, node=schema)
+    entry = lambda key: (store.repo.get(key[0], {}) if key[0] else store.repo).get(f"{key[1]}.yaml")  # noqa: E731
+    for group, name, node in [(None, "train_schema", TrainConfig), *(("schema", g, s) for g, s in GROUP_SCHEMAS.items())]:
+        if (group, name) not in _stored or entry((group, name)) is not _stored[group, name]:
+            store.store(name=name, node=node, group=group)
+            _stored[group, name] = entry((group, name))
 
 
 def search_path() -> Any:
@@ -157,8 +159,7 @@ def check(loader: Any, overrides: Sequence[str], composed: Any, run_mode: Any) -
 def _baseline(loader: Any, run_mode: Any) -> Dict[str, Any]:
     key = (tuple((p.provider, p.path) for p in loader.get_search_path().get_path()), str(run_mode))
     if key not in _baselines:
-        loaded = loader.load_configuration(config_name=CONFIG_NAME, overrides=[], run_mode=run_mode)
-        _baselines[key] = safety.container(loaded)
+        _baselines[key] = safety.container(loader.load_configuration(config_name=CONFIG_NAME, overrides=[], run_mode=run_mode))
     return _baselines[key]
 
 
@@ -203,8 +204,7 @@ def _setting_file(loader: Any, overrides: Sequence[str], run_mode: Any, path: Tu
     except Exception:  # noqa: BLE001 - without the defaults list no file can vouch for the value
         return None
     for d in reversed(defaults):
-        loaded = loader.repository.load_config(d.config_path) if d.config_path else None
-        if loaded is None:
+        if (loaded := loader.repository.load_config(d.config_path) if d.config_path else None) is None:
             continue
         here = safety.lookup(safety.container(ConfigLoaderImpl._embed_result_config(loaded, d.package).config), path)
         if here is not safety.MISSING and matches(here):
