@@ -366,6 +366,25 @@ def test_a_rank_that_trained_to_the_end_ends_without_tearing_down_its_modules(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["atexit", "thread"]
 
 
+def test_a_trained_ranks_thread_that_never_ends_is_named_and_does_not_hold_the_rank(tmp_path):
+    """The interpreter's own shutdown joins non-daemon threads without a bound; end_trained_rank waits THREADS_JOIN_S
+    at most, names the thread, runs the atexit handlers and ends."""
+    script = (
+        "import atexit, sys, threading\n"
+        "from pathlib import Path\n"
+        "from dsrecipes.rank import worker\n"
+        "worker.THREADS_JOIN_S = 0.5\n"
+        "atexit.register(lambda: (Path(sys.argv[1]) / 'atexit').write_text('ran'))\n"
+        "threading.Thread(target=threading.Event().wait, name='stuck-upload').start()\n"
+        "worker.end_trained_rank()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                          timeout=60, env=subprocess_env(), check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "thread stuck-upload did not end within 0.5 s of the end of training" in proc.stderr, proc.stderr
+    assert (tmp_path / "atexit").read_text() == "ran"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 2. data=presharded from `dsrecipes shard`
 

@@ -126,12 +126,19 @@ def watch_launcher(run_dir: Path) -> None:
     threading.Thread(target=watch, name="dsrecipes-launcher-watch", daemon=True).start()
 
 
+THREADS_JOIN_S = 30.0  # a trained rank's wait for its other non-daemon threads (a tracker's upload) at the end
+
+
 def end_trained_rank() -> None:
     """End a rank process that trained to the end: threads joined and atexit handlers run as at interpreter
     shutdown, then os._exit(0) without the teardown of every module (see the module docstring)."""
+    rank, deadline = os.environ.get("RANK", "0"), time.monotonic() + THREADS_JOIN_S
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+            thread.join(max(0.0, deadline - time.monotonic()))  # bounded, unlike the interpreter's own join
+            if thread.is_alive():
+                print(f"dsrecipes: rank {rank}: thread {thread.name} did not end within {THREADS_JOIN_S:g} s of the "
+                      "end of training; the rank ends without it", file=sys.stderr, flush=True)
     atexit._run_exitfuncs()
     _exit_now(0)
 
