@@ -340,6 +340,12 @@ def test_the_per_node_launcher_ends_promptly_after_its_ranks(monkeypatch):
     assert took < 1.0, f"DeepSpeed's launcher took {took:.2f} s over two ranks that ended at once"
 
 
+def ending_rank(script: str, out: Path) -> subprocess.CompletedProcess:
+    """`script` (a process that imported the rank worker and ends through it) run with `out` as its argument."""
+    return subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, timeout=120,
+                          env=subprocess_env(), check=False)  # fmt: skip
+
+
 def test_a_rank_that_trained_to_the_end_ends_without_tearing_down_its_modules(tmp_path):
     """Every rank of the runs here ends through `rank.worker.end_trained_rank` once it trained to the end: its other
     threads joined and its atexit handlers run, as at interpreter shutdown, then os._exit(0) without the teardown
@@ -360,8 +366,7 @@ def test_a_rank_that_trained_to_the_end_ends_without_tearing_down_its_modules(tm
         "worker.end_trained_rank()\n"
         "(out / 'after').write_text('end_trained_rank returned')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
-                          timeout=120, env=subprocess_env(), check=False)  # fmt: skip
+    proc = ending_rank(script, tmp_path)
     assert proc.returncode == 0 and proc.stdout == "flushed", (proc.stdout + proc.stderr)[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["atexit", "thread"]
 
@@ -378,8 +383,7 @@ def test_a_trained_ranks_thread_that_never_ends_is_named_and_does_not_hold_the_r
         "threading.Thread(target=threading.Event().wait, name='stuck-upload').start()\n"
         "worker.end_trained_rank()\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
-                          timeout=60, env=subprocess_env(), check=False)  # fmt: skip
+    proc = ending_rank(script, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "thread stuck-upload did not end within 0.5 s of the end of training" in proc.stderr, proc.stderr
     assert (tmp_path / "atexit").read_text() == "ran"
