@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from pathlib import Path
 from typing import List, Optional, Sequence
 
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.export_dir import EXPORT_DIR
-from dsrecipes.core.fileio import dangling_link_problem
+from dsrecipes.core.fileio import dangling_link_problem, not_regular
 from dsrecipes.core.hub import is_hub_id
 from dsrecipes.core.paths import TINY_TOKENIZER_DIR
 from dsrecipes.core.rundir import MARKER_FILE
@@ -195,9 +194,7 @@ def irregular_files(key: str, directory: Path, patterns: Sequence[str]) -> List[
     if not found:
         return []
     odd = found[0]
-    mode = os.stat(odd).st_mode if os.path.exists(odd) else None
-    what = ("a symbolic link to nothing" if mode is None else "a FIFO" if stat.S_ISFIFO(mode) else
-            "a directory" if stat.S_ISDIR(mode) else "a device or socket")
+    what = not_regular(odd) or "not a regular file"
     return [f"{key}: {odd} is {what}, not a regular file; loading would read it (a FIFO blocks for ever). Replace it "
             "with the file, or give another directory"]
 

@@ -13,7 +13,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -91,7 +90,7 @@ def read_manifest(shard_dir: Optional[str], world_size: Optional[int] = None) ->
     path: Any = f"{shard_dir.rstrip('/')}/{MANIFEST}" if is_url(shard_dir) else Path(shard_dir) / MANIFEST
     local = None if is_url(shard_dir) else Path(shard_dir)
     if local is not None and local.exists() and not local.is_dir():  # a file, a FIFO: never opened
-        raise DataError(f"data.shard_dir: {shard_dir} is {_kind(local)}, not a directory; give the directory "
+        raise DataError(f"data.shard_dir: {shard_dir} is {not_regular(local) or 'a file'}, not a directory; give the directory "
                         "`dsrecipes shard ... --out DIR` wrote")
     if not (store_upload.exists(path) if local is None else path.is_file()):
         raise DataError(f"data.shard_dir: {path} not found; write the parts with `dsrecipes shard ... --out {shard_dir}`")
@@ -121,10 +120,6 @@ def read_manifest(shard_dir: Optional[str], world_size: Optional[int] = None) ->
             f"{world_size} --out NEW_DIR --balance {manifest.balance}` and set data.shard_dir=NEW_DIR"
         )
     return manifest
-
-
-def _kind(path: Path) -> str:
-    return "a FIFO" if stat.S_ISFIFO(path.stat().st_mode) else "a file" if path.is_file() else "not a regular file"
 
 
 def _why(exc: Exception) -> str:
