@@ -12,7 +12,6 @@ import contextlib
 import errno
 import gc
 import importlib
-import os
 import signal
 import sys
 import time
@@ -21,7 +20,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import dsrecipes.boundary.trust as trust
 import dsrecipes.core.stopping as stopping
 from dsrecipes.commands.help import version_text
-from dsrecipes.core.console import checked_output, command_log, quiet_third_party
+from dsrecipes.core.console import checked_output, command_log, exit_flushed, quiet_third_party
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.suggest import closest, phrase
 
@@ -78,10 +77,7 @@ def entry() -> None:
 
 def _exit_now(code: int) -> Callable[[int, Any], None]:
     def handler(signum: int, frame: Any) -> None:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
-        os._exit(code)
+        exit_flushed(code)
 
     return handler
 

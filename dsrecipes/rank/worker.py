@@ -24,7 +24,6 @@ if __name__ == "__main__":  # a rank process: no cyclic collector while it start
 
 import argparse  # noqa: E402
 import atexit  # noqa: E402
-import contextlib  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
@@ -35,7 +34,7 @@ from typing import List, Optional  # noqa: E402
 
 import dsrecipes.core.heartbeat as heartbeat  # noqa: E402
 from dsrecipes.config.load import load_run_config  # noqa: E402
-from dsrecipes.core.console import log_path, quiet_third_party, survive_lost_console  # noqa: E402
+from dsrecipes.core.console import exit_flushed, log_path, quiet_third_party, survive_lost_console  # noqa: E402
 from dsrecipes.core.errors import RunInterrupted, TrainingFailed, UserError  # noqa: E402
 from dsrecipes.core.failure import log_traceback, record_rank_failure  # noqa: E402
 from dsrecipes.core.rundir import launcher_alive  # noqa: E402
@@ -145,10 +144,7 @@ def end_trained_rank() -> None:
 
 def _exit_now(code: int) -> None:
     """End a failed rank process without interpreter shutdown (nothing left to join: workers, feeder threads)."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
+    exit_flushed(code)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
