@@ -177,8 +177,7 @@ def _llamafactory_entry(name: str, entry: Any, base: str) -> SourceConfig:
             if remote and remote[0] == "hf_hub_url" else ""
         raise ConfigError(f"{where}: only local `file_name` entries are supported" +
                           (f" (has {remote[0]}{hub})" if remote else ""))
-    columns: Dict[str, str] = entry.get("columns") or {}
-    tags: Dict[str, str] = entry.get("tags") or {}
+    columns, tags = _names(where, "columns", entry.get("columns")), _names(where, "tags", entry.get("tags"))
     media = [c for c in _LF_MEDIA_COLUMNS if c in columns]
     media += [c for c in ("chosen", "rejected") if c in columns and not entry.get("ranking")]
     if media:
@@ -194,7 +193,7 @@ def _llamafactory_entry(name: str, entry: Any, base: str) -> SourceConfig:
             chosen=columns.get("chosen", "chosen"),
             rejected=columns.get("rejected", "rejected"),
         )
-        roles = {tags.get(tag, default): ours for tag, (default, ours) in _LF_ROLE_TAGS.items()}
+        roles = _lf_roles(where, tags)
         fmt = DatasetFormat.sharegpt
     elif formatting == "alpaca":
         cols = ColumnsConfig(
@@ -216,8 +215,37 @@ def _llamafactory_entry(name: str, entry: Any, base: str) -> SourceConfig:
             raise ConfigError(f"{where}: folder {target} holds no .json/.jsonl files")
     else:
         paths = [target]
-    num = entry.get("num_samples")
-    if entry.get("ranking") and fmt is not DatasetFormat.sharegpt:
+    num, ranking = entry.get("num_samples"), entry.get("ranking") or False  # null as LLaMA-Factory's default
+    if num is not None and (type(num) is not int or num < 1):
+        raise ConfigError(f"{where}.num_samples: must be a whole number >= 1, got {num!r}")
+    if not isinstance(ranking, bool):
+        raise ConfigError(f"{where}.ranking: must be true or false, got {ranking!r}")
+    if ranking and fmt is not DatasetFormat.sharegpt:
         raise ConfigError(f"{where}: preference (ranking) entries are read in the sharegpt formatting only")
-    return SourceConfig(name=name, paths=paths, format=fmt, columns=cols, roles=roles,
-                        max_samples=int(num) if num else None, ranking=bool(entry.get("ranking")))
+    return SourceConfig(name=name, paths=paths, format=fmt, columns=cols, roles=roles, max_samples=num,
+                        ranking=ranking)
+
+
+def _names(where: str, key: str, value: Any) -> Dict[str, str]:
+    """An entry's `columns` or `tags`: a mapping of names to the row's key or role names (strings), else refused."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}.{key}: expected a mapping of names to strings, got {type(value).__name__}")
+    for k, v in value.items():
+        if not isinstance(v, str) or not v:
+            raise ConfigError(f"{where}.{key}.{k}: expected a non-empty string, got {v!r}")
+    return value
+
+
+def _lf_roles(where: str, tags: Dict[str, str]) -> Dict[str, str]:
+    """Role value in the rows -> our role; two tags with the same value are refused (which role would the turn be?)."""
+    roles: Dict[str, str] = {}
+    tag_of: Dict[str, str] = {}
+    for tag, (default, ours) in _LF_ROLE_TAGS.items():
+        value = tags.get(tag, default)
+        if value in tag_of:
+            raise ConfigError(f"{where}.tags: {tag_of[value]} and {tag} are both {value!r}; a turn with that role "
+                              "would be read as one of them silently: give each role its own value")
+        roles[value], tag_of[value] = ours, tag
+    return roles
