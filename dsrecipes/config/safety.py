@@ -68,22 +68,25 @@ def check(overrides: Sequence[str], composed: Any, baseline: Dict[str, Any], sou
                 problems.append(f"{_dotted(path)}: set by {source}; it chooses code the batch job runs (an activate "
                                 "script, modulefiles), so it is this machine's setting, not a recipe's: give it on "
                                 "the command line")
-        problems += outside_problems(data, baseline, shared_source)
+        problems += outside_problems(data, baseline, shared_source, lambda path: resolved(composed, path))
     if problems:
         raise ConfigError(problems)
 
 
-def outside_problems(data: Any, baseline: Dict[str, Any],
-                     shared_source: Callable[[Path, Any], Optional[str]]) -> List[str]:
+def outside_problems(data: Any, baseline: Dict[str, Any], shared_source: Callable[[Path, Any], Optional[str]],
+                     resolve: Callable[[Path], Any] = lambda path: MISSING) -> List[str]:
     """A shared recipe's value for a field that reaches outside the run directory or the machine
-    (config/field_classes.py: user-named only; the run directory only as a relative path inside the working one).
+    (config/field_classes.py: user-named only; the run directory only as a relative path inside the working one,
+    judged on what it resolves to - `${trainer.experiment}` or `${now:/abs}` is relative text naming an absolute
+    place; `resolve(path)`: the resolved value, MISSING where it cannot resolve, which refuses it where it resolves).
     Nothing was opened, read or sent for it yet: this runs on the composition, before any use."""
     problems = []
     for path in of(FieldClass.user_named) + of(FieldClass.run_dir):
         value = lookup(data, path)
         if value is MISSING or value == lookup(baseline, path):
             continue
-        if FIELDS[_dotted(path)] is FieldClass.run_dir and inside_working_dir(value):
+        if FIELDS[_dotted(path)] is FieldClass.run_dir and inside_working_dir(value) and \
+                inside_working_dir(value if "${" not in value else resolve(path)):
             continue
         source = shared_source(path, value)
         if source is None:
@@ -184,6 +187,16 @@ def _under(path: Path, keys: Sequence[str]) -> bool:
 def related(a: Path, b: Path) -> bool:
     n = min(len(a), len(b))
     return a[:n] == b[:n]
+
+
+def resolved(composed: Any, path: Path) -> Any:
+    """The value at `path` with its interpolations resolved (through the allowed resolvers only), else MISSING."""
+    if not OmegaConf.is_config(composed):
+        return lookup(composed, path)
+    try:
+        return OmegaConf.select(composed, _dotted(path), default=MISSING)
+    except Exception:  # noqa: BLE001 - refused where it resolves, with that message
+        return MISSING
 
 
 def lookup(value: Any, path: Path) -> Any:
