@@ -3,11 +3,12 @@ served."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from dsrecipes.core.errors import ConfigError
+from dsrecipes.core.errors import ConfigError, DataError
 from dsrecipes.data.sources.registry import load_registry
 
 TAGS = {"role_tag": "speaker", "content_tag": "text", "user_tag": "client", "assistant_tag": "agent"}
@@ -44,3 +45,48 @@ def test_a_plain_dataset_info_entry_still_reads(tmp_path):
     src = load_registry(str(registry), ["x"])["x"]
     assert src.max_samples == 5 and not src.ranking
     assert src.roles["client"] == "user" and src.roles["agent"] == "assistant"
+
+
+# --- a registry entry's settings, mixing weights and the prepared cache -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    from dsrecipes.core.paths import TINY_TOKENIZER_DIR
+
+    return AutoTokenizer.from_pretrained(str(TINY_TOKENIZER_DIR))
+
+
+@pytest.fixture(scope="module")
+def base_cfg():
+    from dsrecipes.config.load import compose_and_load
+
+    return compose_and_load(["dataset.val_size=0"])  # composed once: Hydra is slow
+
+
+ROW = {"dialog": [{"speaker": "client", "text": "hello"}, {"speaker": "agent", "text": "hi there"}]}
+
+
+def registry_cfg(base_cfg, tmp_path, weight, agent="assistant", rows=6, **extra):
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({**ROW, "id": str(i)}) + "\n" for i in range(rows)))
+    registry = tmp_path / "reg.yaml"
+    registry.write_text("x:\n  paths: [rows.jsonl]\n  columns: {messages: dialog, role: speaker, content: text}\n"
+                        f"  roles: {{client: user, agent: {agent}}}\n  weight: {weight}\n")
+    dataset = dataclasses.replace(base_cfg.dataset, registry=str(registry), use=["x"], **extra)
+    data = dataclasses.replace(base_cfg.data, cache_dir=str(tmp_path / "cache"))
+    return dataclasses.replace(base_cfg, dataset=dataset, data=data)
+
+
+def test_an_edited_registry_entry_is_prepared_again_not_taken_from_the_cache(base_cfg, tok, tmp_path):
+    """Was: the cache key held cfg.dataset (the registry's path) and each file's contents, not the entry read from
+    the registry file, so changing its weight (or roles, columns, caps) hit the old preparation: weight 1 -> 2 still
+    trained 6 samples, roles changed so nothing is an assistant turn still trained the old replies."""
+    from dsrecipes.data.prepare.build import prepare
+
+    assert len(prepare(registry_cfg(base_cfg, tmp_path, 1), tok, tmp_path / "run1").train) == 6
+    assert len(prepare(registry_cfg(base_cfg, tmp_path, 2), tok, tmp_path / "run2").train) == 12
+    with pytest.raises(DataError, match="no_assistant_turn"):
+        prepare(registry_cfg(base_cfg, tmp_path, 2, agent="user"), tok, tmp_path / "run3")
+

@@ -48,8 +48,10 @@ def sources_material(cfg: TrainConfig, sources: Sequence[SourceConfig],
     material = []
     for src in sources:
         files, missing = expand_paths(src.paths)
+        # the whole source: a registry entry's weight, columns, roles and caps live in the registry file, not in
+        # cfg.dataset, so an edited entry must change the key as an edited dataset.sources does
         material.append({"name": src.name, "files": [[f, known.get(f) or file_hash(f, memo)] for f in files],
-                         "missing": missing})
+                         "missing": missing, "source": config_to_dict(src)})
     _write_memo(memo_path, memo)
     return material
 
