@@ -90,3 +90,14 @@ def test_an_edited_registry_entry_is_prepared_again_not_taken_from_the_cache(bas
     with pytest.raises(DataError, match="no_assistant_turn"):
         prepare(registry_cfg(base_cfg, tmp_path, 2, agent="user"), tok, tmp_path / "run3")
 
+
+def test_weights_that_leave_no_training_sample_are_one_message_not_an_empty_cache(base_cfg, tok, tmp_path):
+    """Was: weight 0.1 on 2 samples (round(0.2) = 0) published a prepared cache without a train split; that run and
+    every later one (a cache hit) ended in '.../train: not a readable prepared split ...; prepare the data again'."""
+    from dsrecipes.data.prepare.build import prepare
+
+    cfg = registry_cfg(base_cfg, tmp_path, 0.1, rows=2)
+    for run in ("run1", "run2"):
+        with pytest.raises(DataError, match=r"the mixing weights leave no training samples \(weight x 0.1"):
+            prepare(cfg, tok, tmp_path / run)
+

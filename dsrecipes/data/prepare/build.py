@@ -224,6 +224,10 @@ def build_split(prep: Preparation, cfg: TrainConfig, tokenizer: Any, sources: Li
     train_items, val_items = split_and_mix(kept[kept < trained], kept[kept >= trained], data.sources,
                                            {src.name: src.weight for src in sources}, cfg.dataset.val_size,
                                            cfg.trainer.seed)
+    if not len(train_items):  # else a cache with no train split is published, and every later run hits it
+        weights = ", ".join(f"{src.name} {src.weight:g}" for src in sources)
+        raise DataError(f"dataset {cfg.dataset.name}: the mixing weights leave no training {prep.what} (weight "
+                        f"{weights}: round(weight * samples) is 0 for each source); raise a source's weight")
     stats = prep.stats(cfg, sources, report, data, train_items, val_items)
     for split, items in (("train", train_items), ("val", val_items)):
         if items:
