@@ -101,3 +101,24 @@ def test_weights_that_leave_no_training_sample_are_one_message_not_an_empty_cach
         with pytest.raises(DataError, match=r"the mixing weights leave no training samples \(weight x 0.1"):
             prepare(cfg, tok, tmp_path / run)
 
+
+@pytest.mark.parametrize("where,change,message", [
+    ("registry", {"weight": 0}, "dataset.registry.x.weight: must be a finite number > 0, got 0"),
+    ("registry", {"max_samples": 0}, "dataset.registry.x.max_samples: must be >= 1, got 0"),
+    ("sources", {"max_samples": -3}, "dataset.sources[0].max_samples: must be >= 1, got -3"),
+])
+def test_a_source_that_would_read_nothing_is_refused(tmp_path, where, change, message):
+    """Was: validate said OK and the source was silently left out of the mix (alone: an empty preparation)."""
+    from dsrecipes.core.schema import DatasetConfig, SourceConfig
+    from dsrecipes.data.sources.registry import resolve_sources
+
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"conversations": []}) + "\n")
+    if where == "registry":
+        (tmp_path / "reg.yaml").write_text("x:\n  paths: [rows.jsonl]\n" + "".join(f"  {k}: {v}\n"
+                                                                                  for k, v in change.items()))
+        ds = DatasetConfig(registry=str(tmp_path / "reg.yaml"), use=["x"])
+    else:
+        ds = DatasetConfig(sources=[SourceConfig(paths=[str(tmp_path / "rows.jsonl")], **change)])
+    with pytest.raises(ConfigError) as err:
+        resolve_sources(ds)
+    assert message in str(err.value)

@@ -57,6 +57,7 @@ def resolve_sources(dataset_cfg: DatasetConfig, notes: Optional[List[str]] = Non
         sources.append(SourceConfig(name=ds.name, paths=list(ds.paths), format=ds.format, columns=ds.columns,
                                     roles=dict(ds.roles)))
     for i, src in enumerate(ds.sources):  # copies: the typed config is never mutated
+        check_share(f"dataset.sources[{i}]", src)
         sources.append(dataclasses.replace(src, name=src.name or f"source{i}", paths=list(src.paths)))
     if ds.use:
         if not ds.registry:
@@ -162,9 +163,19 @@ def _yaml_entry(name: str, entry: Any, base: str) -> SourceConfig:
     src = convert(SourceConfig, {"name": name, **entry}, f"dataset.registry.{name}", errors)
     if errors:
         raise ConfigError(errors)
+    check_share(f"dataset.registry.{name}", src)
     src.paths = [p if looks_like_url(p) or os.path.isabs(os.path.expanduser(p)) else os.path.join(base, p)
                  for p in src.paths]
     return src
+
+
+def check_share(where: str, src: SourceConfig) -> None:
+    """A source's `max_samples` and `weight` leave it something to train on: 0 or less read nothing of it, silently
+    (one such source alone prepared an empty training split)."""
+    if src.max_samples is not None and src.max_samples < 1:
+        raise ConfigError(f"{where}.max_samples: must be >= 1, got {src.max_samples} (leave it out to read every row)")
+    if not src.weight > 0 or src.weight == float("inf"):
+        raise ConfigError(f"{where}.weight: must be a finite number > 0, got {src.weight}")
 
 
 def _llamafactory_entry(name: str, entry: Any, base: str) -> SourceConfig:
