@@ -29,3 +29,42 @@ def test_a_shared_recipes_interpolated_run_directory_inside_the_working_one_is_a
     recipe.write_text("trainer:\n  experiment: abc\n  output_dir: runs/${now:%H}/${trainer.experiment}\n",
                       encoding="utf-8")
     assert cli_main(["validate", f"recipe={recipe}", "debug=fast"]) == 0, capsys.readouterr().err
+
+
+DEEP = '{"a": ' + "[" * 100000 + "]" * 100000 + "}"
+
+
+def _deep_safetensors(path):
+    header = DEEP.encode()
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json", "model.safetensors", "dsrecipes_export.json"])
+def test_a_shared_model_directorys_json_nested_too_deeply_is_one_message(name, model_dir, tmp_path, capsys):
+    # Was: json.loads' RecursionError (config.json, tokenizer_config.json and a safetensors header read by the
+    # preflight and auto_map checks, an export's marker read by chat) ended validate and chat in a traceback, exit 1.
+    import shutil
+
+    from tests.test_messages_hostile import refused
+
+    model = tmp_path / "shared"
+    shutil.copytree(model_dir, model)
+    if name.endswith(".safetensors"):
+        _deep_safetensors(model / name)
+    else:
+        (model / name).write_text(DEEP, encoding="utf-8")
+    refused(capsys, ["chat", str(model), "--message", "hi", "--max-new-tokens", "2"], f"{model / name}", "too deeply")
+    if name != "dsrecipes_export.json":
+        refused(capsys, ["validate", "debug=fast", f"model.path={model}"], f"model.path: {model / name}", "too deeply")
+
+
+def test_a_model_directorys_settings_file_over_the_bound_is_never_read_whole(model_dir, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    import dsrecipes.core.tokenizer as tokenizer_module
+    from tests.test_messages_hostile import refused
+
+    model = tmp_path / "shared"
+    shutil.copytree(model_dir, model)
+    monkeypatch.setattr(tokenizer_module, "MAX_JSON_BYTES", 64)
+    refused(capsys, ["validate", "debug=fast", f"model.path={model}"], f"{model / 'config.json'}", "larger than 64 bytes")

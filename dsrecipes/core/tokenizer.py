@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import List
 
 from dsrecipes.core.errors import ConfigError, no_custom_code
+from dsrecipes.core.fileio import read_regular_bytes
 from dsrecipes.core.paths import TINY_TOKENIZER_DIR
 from dsrecipes.core.schema import TrainConfig
 
@@ -67,13 +68,37 @@ def custom_code_problems(key: str, path: Path) -> List[str]:
         return links
     for name in ("config.json", "tokenizer_config.json", "adapter_config.json"):
         try:
-            found = json.loads((path / name).read_text(encoding="utf-8"))
+            found = read_json(path / name)
+        except Unreadable as exc:
+            return [f"{key}: {path / name}: {exc}; nothing was loaded"]
         except (OSError, ValueError):
             continue
         if isinstance(found, dict) and found.get("auto_map"):
             return [f"{key}: {path} needs its own Python code to load ({name} auto_map); dsrecipes never runs code "
                     "from a model directory: use a model that transformers supports natively"]
     return quantization_problems(key, path)
+
+
+MAX_JSON_BYTES = 64 << 20  # a model's config.json is kilobytes, a tokenizer_config.json a few megabytes at most
+
+
+class Unreadable(ValueError):
+    """A model directory's JSON file that no parser should be handed (read_json)."""
+
+
+def read_json(path: Path) -> object:
+    """A model or tokenizer directory's JSON file (config.json, tokenizer_config.json, adapter_config.json), read
+    within bounds: Unreadable for a FIFO or device (never waited on), a file over MAX_JSON_BYTES (never read whole)
+    or JSON nested too deeply for Python's parser (json.loads' RecursionError, which transformers' own parse of the
+    same file ends in as a traceback); OSError when it cannot be opened, ValueError when it is not UTF-8 JSON."""
+    try:
+        data = read_regular_bytes(path, limit=MAX_JSON_BYTES)
+    except ValueError as exc:
+        raise Unreadable(str(exc)) from None
+    try:
+        return json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise Unreadable("JSON nested too deeply to be a model's settings") from None
 
 
 def _quantization(config: object, depth: int = 0) -> object:
@@ -93,7 +118,9 @@ def quantization_problems(key: str, path: Path) -> List[str]:
     the directory's choice is refused before any load, at every load (train's ranks, chat, prompt-eval, export,
     score, the reward model)."""
     try:
-        found = _quantization(json.loads((Path(path) / "config.json").read_text(encoding="utf-8")))
+        found = _quantization(read_json(Path(path) / "config.json"))
+    except Unreadable as exc:
+        return [f"{key}: {Path(path) / 'config.json'}: {exc}; nothing was loaded"]
     except (OSError, ValueError):
         return []  # no config.json, or unreadable: the load's own check names it
     if found is None:

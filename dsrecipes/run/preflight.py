@@ -20,7 +20,7 @@ from dsrecipes.core.hub import is_hub_id
 from dsrecipes.core.paths import TINY_TOKENIZER_DIR
 from dsrecipes.core.rundir import MARKER_FILE
 from dsrecipes.core.schema import OffloadDevice, TrainConfig
-from dsrecipes.core.tokenizer import custom_code_problems
+from dsrecipes.core.tokenizer import custom_code_problems, read_json
 from dsrecipes.data.prepare.cache import cache_root
 from dsrecipes.data.render.template import check_template
 from dsrecipes.data.render.template_choice import choose_template
@@ -121,7 +121,7 @@ def check_model_dir(key: str, path: Path, trust_remote_code: bool) -> List[str]:
     if not config_path.is_file():
         return [f"{key}: {path} has no config.json; it is not a Hugging Face model directory{_what_it_is(key, path)}"]
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
+        config = read_json(config_path)
         if not isinstance(config, dict):
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as exc:
@@ -170,6 +170,8 @@ def safetensors_problem(path: Path) -> str:
         return exc.strerror or str(exc)
     except ValueError as exc:  # JSON and UTF-8 errors
         return f"its header is not JSON: {exc}"
+    except RecursionError:  # json.loads on a header of nested brackets: refused here, not a traceback in every rank
+        return "its header is JSON nested too deeply to be a list of tensors"
     return "" if isinstance(header, dict) else "its header is not a JSON object"
 
 

@@ -29,7 +29,7 @@ from dsrecipes.config.load import load_run_config
 from dsrecipes.core.errors import UserError, no_custom_code
 from dsrecipes.core.export_dir import EXPORT_DIR, EXPORT_INFO, EXPORT_INIT_DIR
 from dsrecipes.core.manifest import unlisted, verify
-from dsrecipes.core.tokenizer import NO_DIRECTORY_CODE, custom_code_problems
+from dsrecipes.core.tokenizer import NO_DIRECTORY_CODE, custom_code_problems, read_json
 from dsrecipes.data.render.spm import continuation_encoder
 from dsrecipes.run.preflight import check_model_dir
 
@@ -84,7 +84,7 @@ def check_loadable(model_dir: Path, retry: str, adapter: bool = False) -> None:
     marker = model_dir / EXPORT_INFO
     if marker.exists():
         try:
-            record = json.loads(marker.read_text(encoding="utf-8"))
+            record = read_json(marker)  # bounded: a shared export's marker of nested brackets is one message
             if not isinstance(record, dict):
                 raise ValueError("not a JSON object")
         except (OSError, ValueError) as exc:
