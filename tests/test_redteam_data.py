@@ -122,3 +122,47 @@ def test_a_source_that_would_read_nothing_is_refused(tmp_path, where, change, me
     with pytest.raises(ConfigError) as err:
         resolve_sources(ds)
     assert message in str(err.value)
+
+
+# --- OpenAI fine-tuning rows: a message's "weight" ------------------------------------------------------------------
+
+
+def openai_row(weight):
+    return {"messages": [{"role": "user", "content": "q"},
+                         {"role": "assistant", "content": "EXCLUDED", "weight": weight},
+                         {"role": "user", "content": "q2"},
+                         {"role": "assistant", "content": "kept reply"}]}
+
+
+@pytest.mark.parametrize("train_on", ["assistant", "all"])
+def test_an_openai_message_with_weight_0_is_context_not_trained(base_cfg, tok, train_on):
+    """Was: OpenAI's per-message `"weight": 0` (train on this message: no) was ignored, so the replies a dataset
+    excluded from training were trained on, with every train_on."""
+    from dsrecipes.core.schema import DatasetFormat, SourceConfig, TemplateKind, TrainOn
+    from dsrecipes.data.render.labels import IGNORE_INDEX
+    from dsrecipes.data.render.tokenize import Encoder
+    from dsrecipes.data.sources.sharegpt import normalize_row
+
+    cfg = dataclasses.replace(base_cfg, template=dataclasses.replace(base_cfg.template, name=TemplateKind.chatml),
+                              data=dataclasses.replace(base_cfg.data, train_on=TrainOn(train_on)))
+    source = SourceConfig(name="o", format=DatasetFormat.openai)
+    source.columns = dataclasses.replace(source.columns, messages="messages", role="role", content="content")
+    encoder = Encoder(tok, cfg)
+    ex = encoder.encode(normalize_row(openai_row(0), "r", source))
+    trained = tok.decode([t for t, x in zip(ex.input_ids, ex.labels) if x != IGNORE_INDEX])
+    assert "kept reply" in trained and "EXCLUDED" not in trained
+    assert "EXCLUDED" in tok.decode(ex.input_ids)  # still the context of the next reply
+    ex1 = encoder.encode(normalize_row(openai_row(1), "r", source))
+    assert "EXCLUDED" in tok.decode([t for t, x in zip(ex1.input_ids, ex1.labels) if x != IGNORE_INDEX])
+
+
+@pytest.mark.parametrize("weight", ["0", 0.5, True, None])
+def test_an_openai_weight_other_than_0_or_1_is_a_bad_row(weight):
+    from dsrecipes.core.schema import DatasetFormat, SourceConfig
+    from dsrecipes.data.sources.badrows import BadRow
+    from dsrecipes.data.sources.sharegpt import normalize_row
+
+    source = SourceConfig(name="o", format=DatasetFormat.openai)
+    source.columns = dataclasses.replace(source.columns, messages="messages", role="role", content="content")
+    with pytest.raises(BadRow, match="turn 1: 'weight' must be 0 or 1"):
+        normalize_row(openai_row(weight), "r", source)

@@ -26,8 +26,9 @@ from dsrecipes.data.sources.remote import identity as remote_identity
 from dsrecipes.data.sources.remote import is_url
 
 RACY_SECONDS = 2.0  # a file changed this recently is hashed, not memoised
-PREP_VERSION = 3  # bump when the output of preparation changes for the same inputs (2: one-text tokenization,
-# 3: caches carry a content record, cache_contents.py; older ones have none and are not reused)
+PREP_VERSION = 4  # bump when the output of preparation changes for the same inputs (2: one-text tokenization,
+# 3: caches carry a content record, cache_contents.py; older ones have none and are not reused; 4: OpenAI rows'
+# `"weight": 0` messages are context, not labels)
 MEMO_FILE = "file_hashes.json"
 
 

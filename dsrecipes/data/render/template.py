@@ -315,7 +315,7 @@ def _segments(conv: Conversation, pieces: List[Piece], train_on: TrainOn) -> Lis
         if prompt:
             segments.append(Segment(prompt, train_on is TrainOn.all, False))
             prompt = ""
-        trained = train_on is not TrainOn.last_assistant or turn == last
+        trained = (train_on is not TrainOn.last_assistant or turn == last) and conv.turns[turn].trained
         segments.append(Segment(text, trained, True))
     if prompt:
         segments.append(Segment(prompt, train_on is TrainOn.all, False))

@@ -52,6 +52,7 @@ ROLE_ALIASES: Dict[str, Role] = {
 class Turn:
     role: Role
     content: str
+    trained: bool = True  # False: OpenAI's `"weight": 0` on an assistant message (context, never a label)
 
 
 @dataclass
@@ -190,11 +191,20 @@ def _message_turns(raw: Dict[str, Any], source: SourceConfig, table: Dict[str, R
         content = _content_text(msg.get(cols.content), allow_none=bool(tool_calls))
         if content is None and not tool_calls:
             raise BadRow(BadReason.bad_value, f"turn {i}: {cols.content!r} is missing or not a string")
+        trained = _weight(msg, i) if source.format is DatasetFormat.openai else True
         if content or not tool_calls:  # an assistant message holding only tool calls has no text turn
-            turns.append(Turn(role, content))
+            turns.append(Turn(role, content, trained))
         if tool_calls:
-            turns += [Turn(Role.tool_call, _tool_call_text(tc, i)) for tc in tool_calls]
+            turns += [Turn(Role.tool_call, _tool_call_text(tc, i), trained) for tc in tool_calls]
     return turns
+
+
+def _weight(msg: Dict[str, Any], turn: int) -> bool:
+    """OpenAI's fine-tuning `weight` of a message: 1 (or none) trains an assistant message, 0 keeps it as context."""
+    weight = msg.get("weight", 1)
+    if type(weight) is not int or weight not in (0, 1):
+        raise BadRow(BadReason.bad_value, f"turn {turn}: 'weight' must be 0 or 1, got {weight!r}")
+    return weight == 1
 
 
 def _content_text(value: Any, allow_none: bool) -> Optional[str]:
