@@ -68,3 +68,21 @@ def test_a_model_directorys_settings_file_over_the_bound_is_never_read_whole(mod
     shutil.copytree(model_dir, model)
     monkeypatch.setattr(tokenizer_module, "MAX_JSON_BYTES", 64)
     refused(capsys, ["validate", "debug=fast", f"model.path={model}"], f"{model / 'config.json'}", "larger than 64 bytes")
+
+
+def test_a_foreign_commit_record_nested_too_deeply_is_one_message(tmp_path, monkeypatch, capsys):
+    # Was: core/checkpoint_names.read_record handed complete.json to json.loads unbounded: train with
+    # trainer.resume_from=RUN and export RUN ended in json's RecursionError traceback, exit 1, trusted or not.
+    monkeypatch.setenv("DSRECIPES_KEY_FILE", str(tmp_path / "key" / "checkpoint.key"))
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "foreign"
+    tag = run / "checkpoints" / "step_8"
+    tag.mkdir(parents=True)
+    (run / "config.yaml").write_text("trainer:\n  max_steps: 8\n", encoding="utf-8")
+    (tag / "complete.json").write_text(DEEP, encoding="utf-8")
+    for trusted in ([], ["--trust-checkpoint", str(run)]):
+        code = cli_main(["train", "debug=fast", f"trainer.output_dir={tmp_path / 'mine'}",
+                         f"trainer.resume_from={run}", *trusted])
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err and err.count("error: ") == 1, (code, err)
+        assert str(tag) in err and "complete.json: unreadable" in err and "nested too deeply" in err, err

@@ -28,9 +28,16 @@ def step_of(tag_dir: Path) -> int:
     return int(tag_dir.name.split("_", 1)[1])
 
 
+MAX_RECORD_BYTES = 64 << 20  # complete.json lists the hashes of a checkpoint's files: kilobytes, megabytes at most
+
+
 def read_record(tag_dir: Path) -> Dict[str, Any]:
     """complete.json of a checkpoint; ValueError/OSError when it is missing or not a commit record."""
-    record = json.loads(read_regular_bytes(Path(tag_dir) / COMPLETE).decode("utf-8"))  # never a FIFO's endless wait
+    data = read_regular_bytes(Path(tag_dir) / COMPLETE, limit=MAX_RECORD_BYTES)  # never a FIFO's endless wait
+    try:
+        record = json.loads(data.decode("utf-8"))
+    except RecursionError:  # a foreign record of nested brackets: json's RecursionError was a traceback
+        raise ValueError("not a checkpoint commit record (JSON nested too deeply)") from None
     if not isinstance(record, dict) or not all(_whole(record.get(k), low) for k, low in (("step", 0), ("world_size", 1))):
         raise ValueError("not a checkpoint commit record (step and world_size must be whole numbers)")
     size = record["world_size"]
