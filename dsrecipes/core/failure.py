@@ -97,8 +97,8 @@ def record_rank_failure(run_dir: Path, rank: int, exc: BaseException, log: Optio
               "pid": os.getpid(), "time": time.time(), "resumable": not isinstance(exc, Refused)}
     try:
         return write_failure(Path(run_dir), report)
-    except OSError:  # an unwritable run directory: the rank's own exit code and stderr still say it
-        return report
+    except OSError as exc:  # an unwritable run directory (a full disk): nobody can read it there, so the rank
+        return dict(report, unrecorded=f"{type(exc).__name__}: {exc}")  # says it itself (rank/worker.failed)
 
 
 def rank_failure(run_dir: Path) -> Optional[Dict[str, Any]]:
@@ -158,11 +158,12 @@ def write_failure(run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
     """Write <run>/failure.json unless a rank did first; returns the report that stands. The first one wins: later
     ones come from ranks that saw the run coming down (their own node's ranks stopping included), not the cause."""
     tmp = run_dir / f".{FAILURE_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    try:
-        os.link(tmp, run_dir / FAILURE_FILE)  # atomic, and fails if another rank reported first
-    except OSError:
-        return read_failure(run_dir) or record
+    try:  # a full disk fails the write: raised, and nothing of it is left behind
+        tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        try:
+            os.link(tmp, run_dir / FAILURE_FILE)  # atomic, and fails if another rank reported first
+        except OSError:
+            return read_failure(run_dir) or record
     finally:
         tmp.unlink(missing_ok=True)
     return record

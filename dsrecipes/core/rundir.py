@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -380,10 +381,8 @@ def run_summary(run_dir: Path) -> Dict[str, Any]:
 
 def write_result(run_dir: Path, code: int, error: Optional[str], status: str = "ok", **extra: Any) -> Path:
     """<run>/result.json: status, exit code, error, the headline numbers and peak resident memory (strict JSON).
-
     `status` is kept for a zero exit code and for "interrupted"; any other non-zero exit is "failed". `extra` keys
     (the interrupted run's checkpoint and resume command, a non-finite step, ...) are added as given."""
-
     peak_kb = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                   resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
     kept = code == 0 or status == "interrupted"
@@ -394,4 +393,8 @@ def write_result(run_dir: Path, code: int, error: Optional[str], status: str = "
         result["metrics_error"] = str(exc)
     result.update(peak_mem_mb=round(peak_kb / 1024, 1))
     result.update(extra)
-    return atomic_write_json(run_dir / RESULT_FILE, result)
+    try:
+        return atomic_write_json(run_dir / RESULT_FILE, result)
+    except OSError as exc:  # a full disk: the run still ends with its own message and exit code
+        print(f"warning: {run_dir / RESULT_FILE} not written: {exc.strerror or exc}", file=sys.stderr, flush=True)
+        return run_dir / RESULT_FILE

@@ -94,7 +94,7 @@ def failed(run_dir: str | Path, exc: BaseException) -> int:
     log = log_path(Path(run_dir), f"rank{rank}")
     log_traceback(log, exc)
     report = record_rank_failure(Path(run_dir), rank, exc, log)
-    if report.get("pid") == os.getpid() and not reported_by_launcher(Path(run_dir)):  # (slurm: nobody else says it)
+    if report.get("pid") == os.getpid() and (report.get("unrecorded") or not reported_by_launcher(Path(run_dir))):
         print(report["render"] or f"error: {report['reason']} (traceback: {log})", file=sys.stderr, flush=True)
     return exc.exit_code if isinstance(exc, UserError) else 1
 

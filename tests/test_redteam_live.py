@@ -1,0 +1,62 @@
+"""Red team, liveness: a run whose disk fills up mid-run (another process filled it) and a lone rank's failure.
+
+Tried for real (launcher=local, debug=fast, output_dir on a 40 MiB tmpfs filled by `dd` at step 10): the rank's
+metrics write failed (ENOSPC), then 7 s of silence (heartbeat.explain_crash looking for peers a lone rank does not
+have), then a traceback of the launching process from result.json's write, a 0-byte `.failure.json.<pid>.tmp` left
+in the run directory, and the cause (metrics.py's OSError) never said: failure.json could not be written, so nobody
+printed it.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import dsrecipes.core.failure as failure
+import dsrecipes.core.heartbeat as heartbeat
+import dsrecipes.core.rundir as rundir
+
+
+def _full_disk(monkeypatch):
+    """Path.write_text that creates its file, then fails as a full disk does."""
+    def write_text(self, *args, **kwargs):
+        self.touch()
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(Path, "write_text", write_text)
+
+
+def test_a_failure_report_on_a_full_disk_leaves_nothing_and_is_said_by_the_rank(tmp_path, monkeypatch):
+    _full_disk(monkeypatch)
+    report = failure.record_rank_failure(tmp_path, 0, OSError(errno.ENOSPC, "No space left on device"), None)
+    assert list(tmp_path.iterdir()) == []  # before: a 0-byte .failure.json.<pid>.tmp
+    assert "No space left on device" in report["unrecorded"]  # rank/worker.failed prints it (nobody else can)
+
+
+def test_result_json_on_a_full_disk_is_a_warning_not_a_traceback(tmp_path, monkeypatch, capsys):
+    def atomic_write_json(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(rundir, "atomic_write_json", atomic_write_json)
+    rundir.write_result(tmp_path, 1, "rank 0 failed: OSError")  # before: the OSError went up to the console
+    assert f"{tmp_path / 'result.json'} not written: No space left on device" in capsys.readouterr().err
+
+
+@pytest.fixture
+def lone(tmp_path, monkeypatch):
+    monkeypatch.setattr(heartbeat, "CRASH_GRACE_S", 0.5)
+    monkeypatch.setattr(heartbeat, "INTERVAL_S", 0.1)
+    hb = heartbeat.Heartbeat(tmp_path, 0, 1, 30.0)
+    hb._thread = threading.Thread(target=hb._stop.wait, daemon=True)  # a beating thread, no store
+    hb._thread.start()
+    yield hb
+    hb._stop.set()
+    hb._thread.join(timeout=1)
+
+
+def test_a_lone_ranks_failure_does_not_look_for_peers(lone):
+    started = time.monotonic()
+    lone.explain_crash()  # before: the whole look, 0.5 + 3 x 0.1 s here (7 s in a run) after every failure
+    assert time.monotonic() - started < 0.3
