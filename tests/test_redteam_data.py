@@ -166,3 +166,27 @@ def test_an_openai_weight_other_than_0_or_1_is_a_bad_row(weight):
     source.columns = dataclasses.replace(source.columns, messages="messages", role="role", content="content")
     with pytest.raises(BadRow, match="turn 1: 'weight' must be 0 or 1"):
         normalize_row(openai_row(weight), "r", source)
+
+
+def test_the_quarantine_of_a_file_of_tiny_bad_rows_is_bounded(tmp_path, monkeypatch):
+    """Was: every bad row was written, ~133 bytes for a 2-byte element: a 2 MB `[1,1,...]` file (say, a JSON file of
+    numbers caught by a glob) wrote a 133 MB quarantine.jsonl before the run stopped, and one copy more into the
+    cache. Now entries stop at QUARANTINE_MAX_BYTES (64 MiB); the rest are counted, and the last line and the
+    message say how many were not written."""
+    import dsrecipes.data.sources.badrows as badrows
+    from dsrecipes.core.schema import BadRows
+
+    monkeypatch.setattr(badrows, "QUARANTINE_MAX_BYTES", 4096, raising=False)
+    report = badrows.BadRowReport(BadRows.skip, 0.01, tmp_path / "quarantine.jsonl")
+    for i in range(10_000):
+        report.add("numbers.json", 1, badrows.BadRow(badrows.BadReason.not_an_object, "row is a int"), 1, element=i)
+    report.rows_read = 10_001
+    with pytest.raises(DataError) as err:
+        report.check()
+    assert "10000 of 10001 rows are bad" in str(err.value)
+    lines = (tmp_path / "quarantine.jsonl").read_text().splitlines()
+    assert (tmp_path / "quarantine.jsonl").stat().st_size < 4096 + 500
+    written = len(lines) - 1
+    assert 10 < written < 100 and all(json.loads(x)["reason"] == "not_an_object" for x in lines[:-1])
+    note = f"{10_000 - written} more bad rows were counted but not written"
+    assert note in json.loads(lines[-1])["detail"] and note in str(err.value)

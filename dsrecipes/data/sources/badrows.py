@@ -60,6 +60,9 @@ class BadRow(Exception):
         return BadRow, (self.reason, self.detail)
 
 
+QUARANTINE_MAX_BYTES = 64 << 20  # a file of tiny bad rows (`[1,1,...]`) would write ~65x its size of entries
+
+
 class BadRowReport:
     """Counts bad rows by reason; `error` policy raises at the first one, `skip` quarantines and goes on."""
 
@@ -72,6 +75,8 @@ class BadRowReport:
         self.rows_read = 0  # rows seen (good + bad), file-level problems included
         self.trailing_turns_dropped = 0  # conversations that lost trailing non-assistant turns
         self._fh = None
+        self.written = 0  # bytes of quarantine entries written
+        self.unwritten = 0  # bad rows counted but not written: the quarantine reached QUARANTINE_MAX_BYTES
 
     @property
     def skipped(self) -> int:
@@ -90,10 +95,19 @@ class BadRowReport:
                 self._fh = open(self.quarantine_path, "w", encoding="utf-8")
             entry = {"file": path, "line": loc, "element": element, "reason": bad.reason.value,
                      "detail": _short(bad.detail, 2000), "raw": _quarantined(raw)}
-            self._fh.write(json_text(entry, indent=None))  # strict JSON: a row's NaN becomes null
+            text = json_text(entry, indent=None)  # strict JSON: a row's NaN becomes null
+            size = len(text.encode("utf-8"))
+            if self.unwritten or self.written + size > QUARANTINE_MAX_BYTES:
+                self.unwritten += 1
+                return
+            self._fh.write(text)
+            self.written += size
 
     def close(self) -> None:
         if self._fh is not None:
+            if self.unwritten:  # the last line says what is missing, for whoever reads the file
+                self._fh.write(json_text({"file": None, "line": None, "element": None, "reason": None,
+                                          "detail": self.cut_note(), "raw": None}, indent=None))
             self._fh.close()
             self._fh = None
 
@@ -106,7 +120,12 @@ class BadRowReport:
                 f"{self.skipped} of {total} rows are bad ({self.skipped / total:.1%} > dataset.max_bad_fraction="
                 f"{self.max_bad_fraction}): {self.summary()}"
                 + (f"; see {self.quarantine_path}" if self.quarantine_path else "")
+                + (f" ({self.cut_note()})" if self.unwritten else "")
             )
+
+    def cut_note(self) -> str:
+        return (f"{self.unwritten} more bad rows were counted but not written: the quarantine keeps the first "
+                f"{QUARANTINE_MAX_BYTES >> 20} MiB of entries")
 
     def summary(self) -> str:
         if not self.counts:
