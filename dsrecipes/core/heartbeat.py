@@ -156,11 +156,11 @@ class Heartbeat:
                 return
 
     def explain_crash(self) -> None:
-        """Look at the peers for a short while with a short threshold; `_fail` exits if any is gone. Not when another
-        rank already reported its own failure in this session (failure.json): that is the cause, the first report
-        stands, and the look would only hold this rank up to CRASH_GRACE_S + 3 * INTERVAL_S."""
+        """Look at the peers for a short while with a short threshold; `_fail` exits if any is gone. Not for a lone
+        rank (no peer to lose), nor when another rank already reported its own failure in this session (failure.json):
+        that is the cause, the first report stands; the look would only hold this rank up CRASH_GRACE_S + 3 beats."""
         report = read_failure(self.run_dir) or {}
-        if isinstance(report.get("cause"), str) and report.get("rank") != self.rank and \
+        if self.world_size < 2 or isinstance(report.get("cause"), str) and report.get("rank") != self.rank and \
                 report.get("time", 0) >= self.started:
             return
         self.monitor, self.threshold = True, min(self.threshold, CRASH_GRACE_S)
