@@ -60,3 +60,19 @@ def test_a_lone_ranks_failure_does_not_look_for_peers(lone):
     started = time.monotonic()
     lone.explain_crash()  # before: the whole look, 0.5 + 3 x 0.1 s here (7 s in a run) after every failure
     assert time.monotonic() - started < 0.3
+
+
+@pytest.mark.parametrize("rank, lines", [("0", 1), ("1", 0)])
+def test_a_non_finite_loss_is_said_once_not_by_every_rank(rank, lines, tmp_path, monkeypatch, capsys):
+    """Tried for real (2 ranks, tests/faults.py nan_at_step=12): the same 'error: non-finite loss ...' line twice,
+    one per rank (64 on 64 ranks). Every rank meets TrainingFailed together (an all-reduced verdict)."""
+    import dsrecipes.rank.worker as worker
+    from dsrecipes.core.errors import TrainingFailed
+
+    def run(run_dir):
+        raise TrainingFailed("non-finite loss (NaN/Inf) at step 12", 12)
+    monkeypatch.setattr(worker, "run", run)
+    monkeypatch.setattr(worker, "end_workers", lambda: None)
+    monkeypatch.setenv("RANK", rank)
+    assert worker.run_rank(tmp_path) == 1
+    assert capsys.readouterr().err.count("error: non-finite loss") == lines

@@ -72,8 +72,9 @@ def run_rank(run_dir: str | Path) -> int:
         run(run_dir)
     except RunInterrupted as exc:
         return exc.exit_code
-    except TrainingFailed as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+    except TrainingFailed as exc:  # every rank meets it (an all-reduced verdict; the export's: rank 0): said once
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     except Exception as exc:  # noqa: BLE001 - every other way out is one recorded line, never a hang
         return failed(run_dir, exc)
