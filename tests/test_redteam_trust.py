@@ -86,3 +86,26 @@ def test_a_foreign_commit_record_nested_too_deeply_is_one_message(tmp_path, monk
         err = capsys.readouterr().err
         assert code == 2 and "Traceback" not in err and err.count("error: ") == 1, (code, err)
         assert str(tag) in err and "complete.json: unreadable" in err and "nested too deeply" in err, err
+
+
+def test_score_refuses_an_export_marker_nested_too_deeply(model_dir, tmp_path, capsys):
+    # Was: commands/score.end_of_turn read dsrecipes_export.json with json.loads: a shared reward model directory
+    # whose marker is 100000 '[' ended `dsrecipes score` in json's RecursionError traceback, exit 1.
+    import json
+    import shutil
+
+    from tests.test_messages_hostile import refused
+
+    model = tmp_path / "reward"
+    shutil.copytree(model_dir, model)
+    config = json.loads((model / "config.json").read_text(encoding="utf-8"))
+    config.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    (model / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    (model / "dsrecipes_export.json").write_text(DEEP, encoding="utf-8")
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": [{"role": "user", "content": "a"}],
+                                 "chosen": [{"role": "assistant", "content": "b"}],
+                                 "rejected": [{"role": "assistant", "content": "c"}]}) + "\n", encoding="utf-8")
+    refused(capsys, ["score", "--pairs", str(pairs), str(model)], f"{model / 'dsrecipes_export.json'}: unreadable",
+            "nested too deeply")
+    assert not (tmp_path / "pairs.rewards.jsonl").exists()

@@ -24,7 +24,7 @@ from dsrecipes.core.errors import UserError, no_custom_code
 from dsrecipes.core.export_dir import EXPORT_MARKER
 from dsrecipes.core.fileio import atomic_write_text, json_text
 from dsrecipes.core.schema import ColumnsConfig, DatasetFormat, SourceConfig
-from dsrecipes.core.tokenizer import NO_DIRECTORY_CODE, custom_code_problems
+from dsrecipes.core.tokenizer import NO_DIRECTORY_CODE, Unreadable, custom_code_problems, read_json
 from dsrecipes.data.sources.badrows import BadRow
 from dsrecipes.data.sources.messages import messages_for
 from dsrecipes.data.sources.preference import Pair, parse_pair_item
@@ -157,7 +157,9 @@ def end_of_turn(path: Path) -> List[int]:
     answer's end-of-turn token, so what a chat template renders after it (chatml's newline) is cut off, else the
     score would be read at another token than training read it. [] for a directory from elsewhere."""
     try:
-        ids = json.loads((path / EXPORT_MARKER).read_text(encoding="utf-8")).get("end_of_turn_ids") or []
+        ids = read_json(path / EXPORT_MARKER).get("end_of_turn_ids") or []  # bounded: the directory is anyone's
+    except Unreadable as exc:  # nested brackets (json's RecursionError), a FIFO, a giant file
+        raise UserError(f"{path / EXPORT_MARKER}: unreadable ({exc}); nothing was scored") from None
     except (OSError, ValueError, AttributeError):
         return []
     return [i for i in ids if isinstance(i, int) and not isinstance(i, bool)] if isinstance(ids, list) else []
