@@ -190,3 +190,19 @@ def test_the_quarantine_of_a_file_of_tiny_bad_rows_is_bounded(tmp_path, monkeypa
     assert 10 < written < 100 and all(json.loads(x)["reason"] == "not_an_object" for x in lines[:-1])
     note = f"{10_000 - written} more bad rows were counted but not written"
     assert note in json.loads(lines[-1])["detail"] and note in str(err.value)
+
+
+def test_a_weight_0_message_stays_context_in_the_parts_dsrecipes_shard_writes():
+    """The canonical row of a shard part keeps `"weight": 0`, and reading the part (format sharegpt) honours it, so
+    data=presharded trains the same tokens as map and iterable."""
+    from dsrecipes.core.schema import DatasetFormat, SourceConfig
+    from dsrecipes.data.sources.samples import canonical_row
+    from dsrecipes.data.sources.sharegpt import normalize_row
+
+    source = SourceConfig(name="o", format=DatasetFormat.openai)
+    source.columns = dataclasses.replace(source.columns, messages="messages", role="role", content="content")
+    row = canonical_row(normalize_row(openai_row(0), "r", source))
+    assert row["conversations"][1] == {"from": "assistant", "value": "EXCLUDED", "weight": 0}
+    assert "weight" not in row["conversations"][3]
+    again = normalize_row(json.loads(json.dumps(row)), "r", SourceConfig(name="part"))
+    assert [t.trained for t in again.turns] == [True, False, True, True]

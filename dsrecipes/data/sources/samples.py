@@ -26,6 +26,7 @@ from dsrecipes.data.sources.sharegpt import (
     TRAINED_ROLES,
     Conversation,
     Role,
+    Turn,
     _message_turns,
     _optional_text,
     _tools_text,
@@ -80,12 +81,17 @@ def canonical_row(conv: Conversation, own: Optional[Dict[str, Any]] = None, lead
     the kind's `own` columns named in `lead`, `system` and `tools` when set, then its other own columns (a column
     whose value is None is left out). A conversation (SFT row) is the prompt alone."""
     own = {key: value for key, value in (own or {}).items() if value is not None}
-    row: Dict[str, Any] = {"id": conv.id, "conversations": [{"from": t.role.value, "value": t.content}
-                                                            for t in conv.turns]}
+    row: Dict[str, Any] = {"id": conv.id, "conversations": [_turn(t) for t in conv.turns]}
     row.update((key, own[key]) for key in lead if key in own)
     row.update((key, value) for key, value in (("system", conv.system), ("tools", conv.tools)) if value is not None)
     row.update((key, value) for key, value in own.items() if key not in lead)
     return row
+
+
+def _turn(t: Turn) -> Dict[str, Any]:
+    """A turn of a canonical row; one that is context only (OpenAI's `"weight": 0`) keeps its weight."""
+    turn: Dict[str, Any] = {"from": t.role.value, "value": t.content}
+    return turn if t.trained else {**turn, "weight": 0}
 
 
 def prompt_conversation(raw: Dict[str, Any], source: SourceConfig, roles: Roles) -> Conversation:

@@ -191,7 +191,7 @@ def _message_turns(raw: Dict[str, Any], source: SourceConfig, table: Dict[str, R
         content = _content_text(msg.get(cols.content), allow_none=bool(tool_calls))
         if content is None and not tool_calls:
             raise BadRow(BadReason.bad_value, f"turn {i}: {cols.content!r} is missing or not a string")
-        trained = _weight(msg, i) if source.format is DatasetFormat.openai else True
+        trained = _weight(msg, i)  # openai rows, and the canonical rows `dsrecipes shard` writes (samples.py)
         if content or not tool_calls:  # an assistant message holding only tool calls has no text turn
             turns.append(Turn(role, content, trained))
         if tool_calls:
