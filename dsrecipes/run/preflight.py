@@ -20,7 +20,7 @@ from dsrecipes.core.hub import is_hub_id
 from dsrecipes.core.paths import TINY_TOKENIZER_DIR
 from dsrecipes.core.rundir import MARKER_FILE
 from dsrecipes.core.schema import OffloadDevice, TrainConfig
-from dsrecipes.core.tokenizer import custom_code_problems, read_json
+from dsrecipes.core.tokenizer import Unreadable, custom_code_problems, read_json
 from dsrecipes.data.prepare.cache import cache_root
 from dsrecipes.data.render.template import check_template
 from dsrecipes.data.render.template_choice import choose_template
@@ -127,6 +127,7 @@ def check_model_dir(key: str, path: Path, trust_remote_code: bool) -> List[str]:
     except (OSError, ValueError) as exc:
         return [f"{key}: {config_path} is unreadable ({exc})"]
     problems = [] if trust_remote_code else custom_code_problems(key, path)
+    problems += settings_file_problems(key, path)
     if not config.get("auto_map"):
         problems += _known_model_type(key, path, config.get("model_type"))
     if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
@@ -135,6 +136,23 @@ def check_model_dir(key: str, path: Path, trust_remote_code: bool) -> List[str]:
         damaged = ((f, safetensors_problem(f)) for f in sorted(path.glob("*.safetensors")))
         problems += [f"{key}: {f} is not a readable safetensors file ({why}); the download may be incomplete or "
                      "damaged" for f, why in damaged if why]
+    return problems
+
+
+SETTINGS_FILES = ("generation_config.json",)  # parsed with Python's json by transformers in every rank's model load
+
+
+def settings_file_problems(key: str, path: Path) -> List[str]:
+    """A settings file the ranks' model load parses (SETTINGS_FILES) that is no parser's to read (core/tokenizer.read_json:
+    nested too deeply, too large, not a regular file): refused here, not a RecursionError in every rank."""
+    problems = []
+    for name in SETTINGS_FILES:
+        try:
+            read_json(path / name)
+        except Unreadable as exc:
+            problems.append(f"{key}: {path / name}: {exc}; nothing was loaded")
+        except (OSError, ValueError):
+            continue  # absent, or not JSON: transformers' own message at the load
     return problems
 
 
