@@ -10,6 +10,7 @@ printed it.
 from __future__ import annotations
 
 import errno
+import signal
 import threading
 import time
 from pathlib import Path
@@ -76,3 +77,30 @@ def test_a_non_finite_loss_is_said_once_not_by_every_rank(rank, lines, tmp_path,
     monkeypatch.setenv("RANK", rank)
     assert worker.run_rank(tmp_path) == 1
     assert capsys.readouterr().err.count("error: non-finite loss") == lines
+
+
+HANG_UP = """
+import os, signal, sys
+import dsrecipes.core.stopping as stopping
+seen = []
+with stopping.handling(on_signal=seen.append):
+    os.kill(os.getpid(), signal.SIGHUP)
+print(stopping.requested(), seen)
+try:
+    with stopping.raising():
+        os.kill(os.getpid(), signal.SIGHUP)
+except KeyboardInterrupt as exc:
+    print(stopping.signal_of(exc))
+"""
+
+
+def test_a_hang_up_stops_the_run_as_sigterm_does():
+    """Tried for real (2 ranks, SIGHUP to the launching process, as when the ssh session that started it closes):
+    the launching process died at once, no result.json, no resume command (its ranks saw it gone and saved). Now
+    SIGHUP is SIGTERM: recorded, forwarded as SIGTERM (DataLoader workers ignore SIGTERM, not SIGHUP), exit 143."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", HANG_UP], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done  # before: -1, killed by the SIGHUP
+    assert done.stdout.split("\n")[:2] == [f"{int(signal.SIGTERM)} [<Signals.SIGTERM: 15>]", "15"], done.stdout

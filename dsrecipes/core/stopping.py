@@ -28,6 +28,9 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, List, Optional
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# A hang-up (the terminal or the ssh session that started the run closed) is SIGTERM: stop at the step boundary,
+# keep the work, forward SIGTERM to the ranks (their DataLoader workers ignore SIGTERM, not SIGHUP). Was: death.
+AS_SIGTERM = (signal.SIGHUP,)
 SAME_INTERRUPTION_S = 1.0  # signals closer than this to the acknowledged first one are that same interruption
 
 _received: Optional[int] = None
@@ -36,6 +39,7 @@ _forced: Optional[str] = None  # how the work was stopped at once (None: it was 
 _stop_now: Optional[str] = None  # set by `stop_now`: the next signal stops the work at once, saying this
 _callbacks: List[Callable[[int], None]] = []
 _announce: List[bool] = []
+_owner = 0  # the process whose outermost `handling()` installed the handlers
 
 
 def requested() -> Optional[int]:
@@ -71,6 +75,9 @@ def exit_code(signum: int) -> int:
 
 def _handler(signum: int, frame: object) -> None:
     global _received, _acknowledged_at, _forced
+    if signum in AS_SIGTERM and os.getpid() != _owner:
+        return  # a forked child (a DataLoader worker) got the terminal's hang-up too: its parent stops, and ends it
+    signum = signal.SIGTERM if signum in AS_SIGTERM else signum
     if _received is not None:
         if _stop_now is not None:  # out of its grace: stopped as the first signal's interruption
             _forced = _stop_now
@@ -121,13 +128,14 @@ def raising() -> Iterator[None]:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        raise Stopped(signum)
+        raise Stopped(signal.SIGTERM)
 
-    previous = signal.signal(signal.SIGTERM, _raise)
+    previous = {s: signal.signal(s, _raise) for s in (signal.SIGTERM, *AS_SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 @contextmanager
@@ -137,8 +145,10 @@ def handling(on_signal: Optional[Callable[[int], None]] = None, announce: bool =
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    global _owner
     outermost = not _announce
-    previous = {s: signal.signal(s, _handler) for s in STOP_SIGNALS} if outermost else {}
+    _owner = os.getpid() if outermost else _owner
+    previous = {s: signal.signal(s, _handler) for s in STOP_SIGNALS + AS_SIGTERM} if outermost else {}
     if on_signal is not None:
         _callbacks.append(on_signal)
     _announce.append(announce)
