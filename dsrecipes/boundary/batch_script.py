@@ -14,7 +14,7 @@ where the shell reads it; directives dsrecipes writes itself (nodes, time, outpu
 from __future__ import annotations
 
 import shlex
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from dsrecipes.boundary.values import FLAG, MODULE_NAME, NAME, SIZE, Value, choice, integer, path_problem, shape
 from dsrecipes.core.errors import ConfigError
@@ -35,6 +35,9 @@ SBATCH_ALLOWED: Dict[str, Value] = {
     "hint": choice("compute_bound", "memory_bound", "multithread", "nomultithread"),
     "nice": integer(0, 10000), "switches": integer(1, 64),
 }
+# Directives whose value is an address outside this machine (Slurm mails the job's events there): the user's own,
+# never a shared recipe's (config/safety.py refuses one a shared recipe set).
+USER_NAMED_DIRECTIVES = ("mail-user",)
 OWN_DIRECTIVES = {"job-name": "the run directory's name", "nodes": "launcher.num_nodes",
                   "ntasks-per-node": "one task per node", "gpus-per-node": "launcher.num_gpus",
                   "time": "launcher.slurm_time_min", "output": "the run directory", "requeue": "always on",
@@ -66,9 +69,15 @@ def batch_problems(ln) -> List[str]:
     return problems
 
 
+def directive_key(arg: str) -> Optional[str]:
+    """`qos` of `--qos=high`; None for anything not of the form --key[=value]."""
+    name = arg.partition("=")[0]
+    return name[2:] if name.startswith("--") else None
+
+
 def _directive_problem(arg: str) -> str:
     name, eq, value = arg.partition("=")
-    key = name[2:] if name.startswith("--") else None
+    key = directive_key(arg)
     if key in OWN_DIRECTIVES:
         return f"{name} is written by dsrecipes ({OWN_DIRECTIVES[key]})"
     if key not in SBATCH_ALLOWED:

@@ -39,6 +39,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import yaml
 
 import dsrecipes.config.recipe_file as recipe_file
+from dsrecipes.boundary.batch_script import USER_NAMED_DIRECTIVES, directive_key
 from dsrecipes.config.field_classes import FIELDS, FieldClass
 from dsrecipes.config.groups import RECIPE_GROUP, group_options
 from dsrecipes.config.hints import schema_keys
@@ -327,6 +328,11 @@ class _Reader:
             self.error(k, f"{where}: {key!r} is not a key of the config{phrase(closest(key, sorted(self.keys)))}")
             return []
         value = self.value(v, f"{where}.{key}")
+        if key == "launcher.slurm_sbatch_args" and isinstance(value, list) and any(
+                isinstance(a, str) and directive_key(a) in USER_NAMED_DIRECTIVES for a in value):
+            self.error(k, f"{where}.{key}: --mail-user names an address outside this machine (Slurm mails the job's "
+                          "events there); a pipeline file is shared like a recipe: name it on your command line")
+            return []
         return [] if value is _BAD else [Setting(key, value, k.start_mark.line + 1)]
 
     def group_choice(self, key: str, k: Any, v: Any, where: str) -> List[Setting]:

@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
+from dsrecipes.boundary.batch_script import USER_NAMED_DIRECTIVES, directive_key
 from dsrecipes.config.field_classes import FIELDS, FieldClass, inside_working_dir, of
 from dsrecipes.core.errors import ConfigError
 
@@ -96,7 +97,24 @@ def outside_problems(data: Any, baseline: Dict[str, Any], shared_source: Callabl
         problems.append(f"{_dotted(path)}: set by {source}, a shared recipe; it names a place {where} (a recipe "
                         f"could send your credentials to its host, or read or write your files), so only your "
                         f"command line or environment may name it: give {_dotted(path)}=... on the command line")
-    return problems
+    return problems + _directive_problems(data, baseline, shared_source)
+
+
+SBATCH_ARGS = ("launcher", "slurm_sbatch_args")
+
+
+def _directive_problems(data: Any, baseline: Dict[str, Any],
+                        shared_source: Callable[[Path, Any], Optional[str]]) -> List[str]:
+    """An `#SBATCH` directive naming an address outside this machine (batch_script.USER_NAMED_DIRECTIVES:
+    `--mail-user`, where Slurm mails the job's events) that a shared recipe set."""
+    value = lookup(data, SBATCH_ARGS)
+    if not isinstance(value, list) or value == lookup(baseline, SBATCH_ARGS):
+        return []
+    named = [i for i, arg in enumerate(value) if isinstance(arg, str) and directive_key(arg) in USER_NAMED_DIRECTIVES]
+    source = shared_source(SBATCH_ARGS, value) if named else None
+    return [f"{_dotted(SBATCH_ARGS)}[{i}]: {value[i].partition('=')[0]} set by {source}, a shared recipe; it names an "
+            "address outside this machine (Slurm mails the job's events there), so only your command line may name "
+            f"it: give {_dotted(SBATCH_ARGS)}=[...] on the command line" for i in named] if source else []
 
 
 def override_problems(overrides: Sequence[str]) -> List[str]:
