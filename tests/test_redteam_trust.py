@@ -138,3 +138,14 @@ def test_a_pipeline_file_cannot_have_slurm_mail_the_jobs_events_to_its_address(t
     pipeline.write_text(f'stages:\n  - name: a\n    set:\n      launcher: {{slurm_sbatch_args: ["{MAIL}"]}}\n',
                         encoding="utf-8")
     refused(capsys, ["pipeline", str(pipeline)], f"{pipeline}:4: stages[0].set.launcher.slurm_sbatch_args: --mail-user")
+
+
+def test_a_shared_prompts_file_nested_too_deeply_is_one_message(model_dir, tmp_path, capsys):
+    # Was: serve/prompt_eval read each --prompts line with json.loads catching JSONDecodeError only: a line of
+    # 100000 '[' ended prompt-eval in json's RecursionError traceback, exit 1.
+    from tests.test_messages_hostile import refused
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n' + DEEP + "\n", encoding="utf-8")
+    refused(capsys, ["prompt-eval", "--finetuned", str(model_dir), "--prompts", str(prompts)],
+            f"{prompts}:2: JSON nested too deeply")

@@ -119,6 +119,8 @@ def read_prompts(path: Path) -> List[PromptRow]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}:{line_no}: not JSON ({exc.msg})") from None
+        except RecursionError:  # a shared prompts file's line of nested brackets: json's RecursionError
+            raise UserError(f"{path}:{line_no}: JSON nested too deeply to be a prompt") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise UserError(f"{path}:{line_no}: each line needs a string 'prompt'")
         for key in ("reference", "system"):
