@@ -149,3 +149,23 @@ def test_a_shared_prompts_file_nested_too_deeply_is_one_message(model_dir, tmp_p
     prompts.write_text('{"prompt": "hi"}\n' + DEEP + "\n", encoding="utf-8")
     refused(capsys, ["prompt-eval", "--finetuned", str(model_dir), "--prompts", str(prompts)],
             f"{prompts}:2: JSON nested too deeply")
+
+
+@pytest.mark.parametrize("args", [["--local_addr=attacker.example"], ["--local-addr", "attacker.example"]])
+def test_a_shared_recipe_or_pipeline_cannot_name_torchruns_local_address(args, tmp_path, monkeypatch, capsys):
+    # Was: launcher.extra_args allowed torchrun's --local_addr (a HOST) from any recipe: when this node hosts the
+    # rendezvous, every rank connects to that address, the very thing launcher.master_addr keeps user-named.
+    import json
+
+    from tests.test_messages_hostile import refused
+
+    monkeypatch.chdir(tmp_path)
+    recipe = tmp_path / "shared.yaml"
+    recipe.write_text(f"launcher:\n  extra_args: {json.dumps(args)}\n", encoding="utf-8")
+    refused(capsys, ["validate", "launcher=torchrun", f"recipe={recipe}"],
+            f"launcher.extra_args[0]: {args[0].partition('=')[0]} set by {recipe}:2, a shared recipe")
+    assert cli_main(["validate", "launcher=torchrun", "launcher.extra_args=['--local_addr=10.0.0.1']"]) == 0
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text(f"stages:\n  - name: a\n    set:\n      launcher.extra_args: {json.dumps(args)}\n",
+                        encoding="utf-8")
+    refused(capsys, ["pipeline", str(pipeline)], f"{pipeline}:4: stages[0].set.launcher.extra_args: {args[0].partition('=')[0]}")

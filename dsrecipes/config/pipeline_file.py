@@ -39,10 +39,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import yaml
 
 import dsrecipes.config.recipe_file as recipe_file
-from dsrecipes.boundary.batch_script import USER_NAMED_DIRECTIVES, directive_key
 from dsrecipes.config.field_classes import FIELDS, FieldClass
 from dsrecipes.config.groups import RECIPE_GROUP, group_options
 from dsrecipes.config.hints import schema_keys
+from dsrecipes.config.safety import OUTSIDE_OPTIONS
 from dsrecipes.core.errors import ConfigError
 from dsrecipes.core.suggest import closest, phrase
 
@@ -328,10 +328,12 @@ class _Reader:
             self.error(k, f"{where}: {key!r} is not a key of the config{phrase(closest(key, sorted(self.keys)))}")
             return []
         value = self.value(v, f"{where}.{key}")
-        if key == "launcher.slurm_sbatch_args" and isinstance(value, list) and any(
-                isinstance(a, str) and directive_key(a) in USER_NAMED_DIRECTIVES for a in value):
-            self.error(k, f"{where}.{key}: --mail-user names an address outside this machine (Slurm mails the job's "
-                          "events there); a pipeline file is shared like a recipe: name it on your command line")
+        options = OUTSIDE_OPTIONS.get(tuple(key.split(".")), ())  # (config/safety.py: a shared recipe's are refused)
+        named = [a.partition("=")[0] for a in (value if isinstance(value, list) else []) if isinstance(a, str)
+                 and a.partition("=")[0] in options]
+        if named:
+            self.error(k, f"{where}.{key}: {named[0]} names a host outside this machine; a pipeline file is shared "
+                          "like a recipe: name it on your command line")
             return []
         return [] if value is _BAD else [Setting(key, value, k.start_mark.line + 1)]
 

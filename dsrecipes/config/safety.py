@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from dsrecipes.boundary.batch_script import USER_NAMED_DIRECTIVES, directive_key
+from dsrecipes.boundary.batch_script import USER_NAMED_DIRECTIVES
 from dsrecipes.config.field_classes import FIELDS, FieldClass, inside_working_dir, of
 from dsrecipes.core.errors import ConfigError
 
@@ -97,24 +97,30 @@ def outside_problems(data: Any, baseline: Dict[str, Any], shared_source: Callabl
         problems.append(f"{_dotted(path)}: set by {source}, a shared recipe; it names a place {where} (a recipe "
                         f"could send your credentials to its host, or read or write your files), so only your "
                         f"command line or environment may name it: give {_dotted(path)}=... on the command line")
-    return problems + _directive_problems(data, baseline, shared_source)
+    return problems + _option_problems(data, baseline, shared_source)
 
 
-SBATCH_ARGS = ("launcher", "slurm_sbatch_args")
+# Options inside allow-listed lists that name a host outside this machine: the user's own, like the user-named fields
+# (a shared recipe's value is refused). Slurm mails the job's events to --mail-user; torchrun's --local_addr is the
+# address the other nodes' ranks connect to when this node hosts the rendezvous (as launcher.master_addr).
+OUTSIDE_OPTIONS = {("launcher", "slurm_sbatch_args"): tuple(f"--{k}" for k in USER_NAMED_DIRECTIVES),
+                   ("launcher", "extra_args"): ("--local_addr", "--local-addr")}
 
 
-def _directive_problems(data: Any, baseline: Dict[str, Any],
-                        shared_source: Callable[[Path, Any], Optional[str]]) -> List[str]:
-    """An `#SBATCH` directive naming an address outside this machine (batch_script.USER_NAMED_DIRECTIVES:
-    `--mail-user`, where Slurm mails the job's events) that a shared recipe set."""
-    value = lookup(data, SBATCH_ARGS)
-    if not isinstance(value, list) or value == lookup(baseline, SBATCH_ARGS):
-        return []
-    named = [i for i, arg in enumerate(value) if isinstance(arg, str) and directive_key(arg) in USER_NAMED_DIRECTIVES]
-    source = shared_source(SBATCH_ARGS, value) if named else None
-    return [f"{_dotted(SBATCH_ARGS)}[{i}]: {value[i].partition('=')[0]} set by {source}, a shared recipe; it names an "
-            "address outside this machine (Slurm mails the job's events there), so only your command line may name "
-            f"it: give {_dotted(SBATCH_ARGS)}=[...] on the command line" for i in named] if source else []
+def _option_problems(data: Any, baseline: Dict[str, Any],
+                     shared_source: Callable[[Path, Any], Optional[str]]) -> List[str]:
+    """An OUTSIDE_OPTIONS option (`--opt=value` or `--opt value`) in a list that a shared recipe set."""
+    problems = []
+    for path, options in OUTSIDE_OPTIONS.items():
+        value = lookup(data, path)
+        if not isinstance(value, list) or value == lookup(baseline, path):
+            continue
+        named = [i for i, arg in enumerate(value) if isinstance(arg, str) and arg.partition("=")[0] in options]
+        source = shared_source(path, value) if named else None
+        problems += [f"{_dotted(path)}[{i}]: {value[i].partition('=')[0]} set by {source}, a shared recipe; it names "
+                     "a host outside this machine, so only your command line may name it: give "
+                     f"{_dotted(path)}=[...] on the command line" for i in named] if source else []
+    return problems
 
 
 def override_problems(overrides: Sequence[str]) -> List[str]:
