@@ -12,7 +12,8 @@ from typing import Sequence, Tuple
 
 from dsrecipes.boundary.checkpoint_find import committed
 from dsrecipes.core import stopping
-from dsrecipes.core.failure import rank_failure
+from dsrecipes.core.console import LOGS_DIR
+from dsrecipes.core.failure import killed_by, rank_failure
 from dsrecipes.core.heartbeat import describe_failure, read_failure
 from dsrecipes.core.rank_records import read_outcome
 from dsrecipes.core.rundir import CHECKPOINTS_DIR, write_result
@@ -28,30 +29,42 @@ def conclude(run_dir: Path, code: int, dry_run: bool, argv: Sequence[str]) -> Tu
     if signum is not None and code != 0:
         return report_interrupted(run_dir, int(signum), extra, argv), True
     if code != 0:
-        code, killed_by = launcher_code(code)
-        error = report_failed(run_dir, argv) or outcome.get("error")
-        if killed_by is not None:
-            killed = f"a rank was killed by {killed_by}"
-            print(f"error: {killed}", file=sys.stderr, flush=True)
-            error, extra = (f"{error} ({killed})" if error else killed), {**extra, "rank_signal": killed_by}
-        write_result(run_dir, code, error or f"ranks exited with code {code}", **extra)
+        signal_name = killed_by(code)
+        code = 1 if signal_name is not None or code < 0 else code  # never the launcher's wrapped-around 247
+        if signal_name is not None and rank_failure(run_dir) is None:
+            error = report_killed(run_dir, signal_name)
+        else:
+            error = report_failed(run_dir, argv) or outcome.get("error") or report_unexplained(run_dir, code)
+            error = f"{error} (a rank was killed by {signal_name})" if signal_name else error
+        extra = {**extra, "rank_signal": signal_name} if signal_name else extra
+        write_result(run_dir, code, error, **extra)
     else:
         write_result(run_dir, 0, None, "dry_run" if dry_run else "ok", **extra)
     return code, False
 
 
-# Signals that kill a rank outright (the OOM killer, a crash): the launchers pass the rank's return code -N on,
-# which the shell sees as 256 - N (DeepSpeed's launcher: sys.exit(-9) is exit status 247).
-KILLING_SIGNALS = (signal.SIGKILL, signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS)
+def report_killed(run_dir: Path, signal_name: str) -> str:
+    """One line for ranks killed by a signal (the OOM killer, a crash), naming them where a peer saw them go (its
+    heartbeat record, core/heartbeat.py): the launcher stopped the others; printed, and returned for result.json."""
+    lost = (read_failure(run_dir) or {}).get("lost")
+    lost = lost if isinstance(lost, list) else []
+    ranks = sorted({w["rank"] for w in lost if isinstance(w, dict) and isinstance(w.get("rank"), int)})
+    who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else "a rank"
+    why = ("the kernel's OOM killer sends it when memory runs out: `dmesg` says whether it did"
+           if signal_name == "SIGKILL" else f"a crash in native code: {run_dir / LOGS_DIR}/ has what it printed")
+    message = f"{who} {'were' if len(ranks) > 1 else 'was'} killed by {signal_name} ({why}); the other ranks were stopped"
+    newest = committed(run_dir / CHECKPOINTS_DIR)
+    resume = "; run the same command again to resume from the last checkpoint (trainer.resume=auto)" if newest else ""
+    print(f"error: {message}{resume}", file=sys.stderr, flush=True)
+    return message
 
 
-def launcher_code(code: int) -> Tuple[int, str | None]:
-    """The run's exit code for a failed launch and, when a rank was killed by a signal, its name: -9 or 247 (a rank
-    killed by SIGKILL) is exit 1 with 'SIGKILL', never the launcher's wrapped-around number."""
-    for signum in KILLING_SIGNALS:
-        if code in (-signum, 256 - signum):
-            return 1, signum.name
-    return (code if code > 0 else 1), None
+def report_unexplained(run_dir: Path, code: int) -> str:
+    """A failed launch that no rank explained (a launcher that could not start its ranks, a rank that exited without
+    a report): said, so that the console never ends a failed run without an error line."""
+    message = f"the ranks exited with code {code} without a report"
+    print(f"error: {message}; what they printed is in {run_dir / LOGS_DIR}/", file=sys.stderr, flush=True)
+    return message
 
 
 def report_failed(run_dir: Path, argv: Sequence[str]) -> str | None:

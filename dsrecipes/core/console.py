@@ -37,6 +37,7 @@ NOISE = [re.compile(p) for p in (
     r"Attempting to get learning rate from scheduler before it has started",
     r"Unable to find hostfile, will proceed with training with local resources only",
     r"\[INFO\] \[(runner|launch)\.py:\d+:",  # the deepspeed launcher narrating itself (launch.txt has the command)
+    r"\[ERROR\] \[launch\.py:\d+:sigkill_handler\]",  # a rank's exit code: commands/outcome.py says it in words
     r"DeepSpeed deepspeed\.ops\.\S+ built successfully",
     r"^\s*return func\(\*args, \*\*kwargs\)\s*$",  # the source line Python prints under a FutureWarning
     r"(FutureWarning|DeprecationWarning|UserWarning): .*(deprecated|will be removed)",

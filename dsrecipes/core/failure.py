@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import time
 import traceback
 from pathlib import Path
@@ -23,6 +24,9 @@ from dsrecipes.core.errors import Refused, UserError
 FAILURE_FILE = "failure.json"
 MAX_CAUSE = 400  # characters of the one-line cause
 PEER_DEATH_WAIT_S = 2.0  # after a broken pipe to a child: how long its death may take to become visible
+# Signals that kill a rank outright (the OOM killer, a crash): the launchers pass the rank's return code -N on,
+# which the shell sees as 256 - N (DeepSpeed's per-node launcher: sys.exit(-9) is exit status 247).
+KILLING_SIGNALS = (signal.SIGKILL, signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS)
 _WORKER = re.compile(r"^Caught (\w+) in DataLoader worker process (\d+)\.")
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+)')
 
@@ -192,3 +196,12 @@ def describe_failure(record: Dict[str, Any]) -> str:
     if not parts:
         return str(record.get("reason", "a peer failed"))
     return "; ".join(parts) + f" ({record.get('reason', 'unknown')})"
+
+
+def killed_by(code: Optional[int]) -> Optional[str]:
+    """The name of the signal that killed a rank when a launcher's exit code says so (-9 or 247: 'SIGKILL'), else
+    None."""
+    for signum in KILLING_SIGNALS:
+        if code in (-signum, 256 - signum):
+            return signum.name
+    return None

@@ -28,7 +28,7 @@ import psutil
 import dsrecipes.core.heartbeat as heartbeat
 import dsrecipes.core.stopping as stopping
 from dsrecipes.core.console import PROGRESS_ENV, log_path, progress_mode, relay
-from dsrecipes.core.failure import rank_failure
+from dsrecipes.core.failure import killed_by, rank_failure
 from dsrecipes.run.launch.plan import RANK_ENV, WORKER_MODULE, Command
 
 FAILED_NODE_GRACE_S = 5  # after a rank reported a lost node: time for the launcher to stop the others itself
@@ -127,7 +127,9 @@ def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = Non
             code = _stopped_code(run_dir)
     code = proc.wait() if code is None else code
     failure = heartbeat.read_failure(run_dir) if code != 0 else None
-    if announce and failure is not None and "lost" in failure:  # a lost node or a stall (a rank's own: outcome.py)
+    # a lost node or a stall (a rank's own failure: outcome.py); a rank killed by a signal, which its peers then saw
+    # stop responding, is outcome.py's one line too (it names the rank and the signal)
+    if announce and failure is not None and "lost" in failure and (failure.get("stalled") or not killed_by(code)):
         stopped = "Every rank was" if failure.get("stalled") else "The ranks on the other nodes were"
         print(f"error: {heartbeat.describe_failure(failure)}. {stopped} stopped; run the same command again to resume "
               "from the last checkpoint (trainer.resume=auto)", file=sys.stderr, flush=True)  # fmt: skip
