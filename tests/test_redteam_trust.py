@@ -131,9 +131,10 @@ def test_a_shared_recipe_cannot_have_slurm_mail_the_jobs_events_to_its_address(t
     assert cli_main(["validate", "launcher=slurm", f"recipe={recipe}"]) == 0
 
 
-def test_a_pipeline_file_cannot_have_slurm_mail_the_jobs_events_to_its_address(tmp_path, capsys):
+def test_a_pipeline_file_cannot_have_slurm_mail_the_jobs_events_to_its_address(tmp_path, capsys, monkeypatch):
     from tests.test_messages_hostile import refused
 
+    monkeypatch.chdir(tmp_path)  # on a regression the pipeline runs: into runs/ here, never the checkout's
     pipeline = tmp_path / "p.yaml"
     pipeline.write_text(f'stages:\n  - name: a\n    set:\n      launcher: {{slurm_sbatch_args: ["{MAIL}"]}}\n',
                         encoding="utf-8")
