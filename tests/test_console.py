@@ -27,9 +27,12 @@ NOISE = [
     "/x/torch/distributed/c10d_logger.py:83: FutureWarning: `torch.distributed.all_gather_into_tensor` is deprecated.",
     "  return func(*args, **kwargs)",
     "Writing model shards: 100%|██████████| 1/1 [00:00<00:00, 22.00it/s]",
+    # a failed rank's exit code, from DeepSpeed's launcher: commands/outcome.conclude always says why in words
+    # (the rank's reason, "rank 1 was killed by SIGKILL", or "the ranks exited with code N without a report")
+    "[2026-11-30 09:42:45,290] [ERROR] [launch.py:325:sigkill_handler] exits with return code = 1",
 ]
 KEPT = ["step  10/400  loss 7.1897  lr 2.40e-03", "error: data/x.jsonl:3: not valid JSON",
-        "[2026-11-30 09:42:45,290] [ERROR] [launch.py:325:sigkill_handler] exits with return code = 1",
+        "[2026-11-30 09:42:45,290] [ERROR] [engine.py:12:step] any other error DeepSpeed reports",
         "model tiny: 639,744 parameters", "train:  50%|█████     | 4/8 [00:01<00:00,  4.68step/s, loss=7.4834]"]
 
 
