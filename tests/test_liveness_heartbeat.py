@@ -6,6 +6,7 @@ one 4 s + the launching process's 5 s grace), 1.6 s after. A report from before 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -15,18 +16,27 @@ import dsrecipes.core.heartbeat as heartbeat
 from tests.test_liveness_stall import no_product_thread_left  # noqa: F401 - an autouse fixture
 
 
+@contextlib.contextmanager
+def beating(run_dir, monkeypatch, world: int):
+    """Rank 0's heartbeat of a `world`-rank run, beating (a thread, no store), with a short crash grace."""
+    monkeypatch.setattr(heartbeat, "CRASH_GRACE_S", 0.5)
+    monkeypatch.setattr(heartbeat, "INTERVAL_S", 0.1)
+    hb = heartbeat.Heartbeat(run_dir, 0, world, 30.0)
+    hb._thread = threading.Thread(target=hb._stop.wait, daemon=True)
+    hb._thread.start()
+    try:
+        yield hb
+    finally:
+        hb._stop.set()
+        hb._thread.join(timeout=1)
+
+
 @pytest.fixture
 def beat(tmp_path, monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29999")
-    monkeypatch.setattr(heartbeat, "CRASH_GRACE_S", 0.5)
-    monkeypatch.setattr(heartbeat, "INTERVAL_S", 0.1)
-    hb = heartbeat.Heartbeat(tmp_path, 0, 2, 30.0)
-    hb._thread = threading.Thread(target=hb._stop.wait, daemon=True)  # a beating thread, no store
-    hb._thread.start()
-    yield hb
-    hb._stop.set()
-    hb._thread.join(timeout=1)
+    with beating(tmp_path, monkeypatch, 2) as hb:
+        yield hb
 
 
 def _looked(hb) -> float:

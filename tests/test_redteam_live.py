@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import errno
 import signal
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 import dsrecipes.core.failure as failure
-import dsrecipes.core.heartbeat as heartbeat
 import dsrecipes.core.rundir as rundir
 
 
@@ -47,14 +45,10 @@ def test_result_json_on_a_full_disk_is_a_warning_not_a_traceback(tmp_path, monke
 
 @pytest.fixture
 def lone(tmp_path, monkeypatch):
-    monkeypatch.setattr(heartbeat, "CRASH_GRACE_S", 0.5)
-    monkeypatch.setattr(heartbeat, "INTERVAL_S", 0.1)
-    hb = heartbeat.Heartbeat(tmp_path, 0, 1, 30.0)
-    hb._thread = threading.Thread(target=hb._stop.wait, daemon=True)  # a beating thread, no store
-    hb._thread.start()
-    yield hb
-    hb._stop.set()
-    hb._thread.join(timeout=1)
+    from tests.test_liveness_heartbeat import beating
+
+    with beating(tmp_path, monkeypatch, 1) as hb:
+        yield hb
 
 
 def test_a_lone_ranks_failure_does_not_look_for_peers(lone):
