@@ -98,3 +98,16 @@ def test_a_hang_up_stops_the_run_as_sigterm_does():
     done = subprocess.run([sys.executable, "-c", HANG_UP], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done  # before: -1, killed by the SIGHUP
     assert done.stdout.split("\n")[:2] == [f"{int(signal.SIGTERM)} [<Signals.SIGTERM: 15>]", "15"], done.stdout
+
+
+def test_a_hang_up_under_nohup_stays_ignored():
+    """`nohup dsrecipes ...` asks the run to outlive its terminal: SIGHUP is ignored when it starts. Before, handling()
+    and raising() installed their handler over that, so closing the terminal stopped a nohup'd run."""
+    import subprocess
+    import sys
+
+    script = "import signal\nsignal.signal(signal.SIGHUP, signal.SIG_IGN)\n" + HANG_UP + (
+        "print(signal.getsignal(signal.SIGHUP) is signal.SIG_IGN)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done
+    assert done.stdout.split("\n")[:2] == ["None []", "True"], done.stdout  # nothing recorded, still ignored

@@ -30,7 +30,13 @@ from typing import Callable, Iterator, List, Optional
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # A hang-up (the terminal or the ssh session that started the run closed) is SIGTERM: stop at the step boundary,
 # keep the work, forward SIGTERM to the ranks (their DataLoader workers ignore SIGTERM, not SIGHUP). Was: death.
+# Where it is ignored (`nohup`: the user asked the run to outlive the terminal) it stays ignored.
 AS_SIGTERM = (signal.SIGHUP,)
+
+
+def _caught(signals: tuple) -> tuple:
+    """`signals` but those of AS_SIGTERM that this process ignores (started under nohup)."""
+    return tuple(s for s in signals if s not in AS_SIGTERM or signal.getsignal(s) is not signal.SIG_IGN)
 SAME_INTERRUPTION_S = 1.0  # signals closer than this to the acknowledged first one are that same interruption
 
 _received: Optional[int] = None
@@ -130,7 +136,7 @@ def raising() -> Iterator[None]:
             return
         raise Stopped(signal.SIGTERM)
 
-    previous = {s: signal.signal(s, _raise) for s in (signal.SIGTERM, *AS_SIGTERM)}
+    previous = {s: signal.signal(s, _raise) for s in _caught((signal.SIGTERM, *AS_SIGTERM))}
     try:
         yield
     finally:
@@ -148,7 +154,7 @@ def handling(on_signal: Optional[Callable[[int], None]] = None, announce: bool =
     global _owner
     outermost = not _announce
     _owner = os.getpid() if outermost else _owner
-    previous = {s: signal.signal(s, _handler) for s in STOP_SIGNALS + AS_SIGTERM} if outermost else {}
+    previous = {s: signal.signal(s, _handler) for s in _caught(STOP_SIGNALS + AS_SIGTERM)} if outermost else {}
     if on_signal is not None:
         _callbacks.append(on_signal)
     _announce.append(announce)
