@@ -106,8 +106,9 @@ class MetricsLogger:
         artifacts = [self.run_dir / name for name in (LOSS_PLOT, CONFIG_FILE)]
         plot_run(self.history, artifacts[0], title=f"{self.run_dir.parent.name}/{self.run_dir.name}",
                  unit=self.loss_unit)
-        self._trackers = call_each(self._trackers, "log_artifacts", [p for p in artifacts if p.is_file()])
-        self._trackers = call_each(self._trackers, "close", ok)
+        self._trackers = call_each(self._trackers, "log_artifacts", [p for p in artifacts if p.is_file()],
+                                   stop_on_full=ok)
+        self._trackers = call_each(self._trackers, "close", ok, stop_on_full=ok)
 
     def _track(self, scalars: Dict[str, float], step: int) -> None:
         if self._trackers:

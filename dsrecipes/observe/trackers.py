@@ -16,6 +16,7 @@ host comes from the user's own WANDB_BASE_URL / login, which no recipe can set (
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import os
@@ -38,6 +39,7 @@ MLFLOW_REQUEST_S, MLFLOW_RETRIES = 10, 2
 WAIT_NOTE_S = 3.0  # a preflight wait longer than this is said on the console
 _PACKAGE = {ReportTo.mlflow: "mlflow", ReportTo.wandb: "wandb"}
 _PARAM_MAX = 6000  # MLflow's limit on a parameter value
+_FULL = {errno.ENOSPC, errno.EDQUOT}  # a full disk (or quota) under the run directory
 
 
 class Tracker(Protocol):
@@ -114,6 +116,7 @@ class TensorBoardTracker:
     def __init__(self, run_dir: Path, start_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
+        _quiet_writer_threads()
         # purge_step hides events a killed run wrote past the checkpoint we resume from.
         self.writer = SummaryWriter(log_dir=str(run_dir / TB_DIR), purge_step=start_step + 1 if start_step else None)
 
@@ -126,6 +129,22 @@ class TensorBoardTracker:
 
     def close(self, ok: bool) -> None:
         self.writer.close()
+
+
+def _quiet_writer_threads() -> None:
+    """TensorBoard writes its events from a thread that keeps its error (a full disk) and raises it again at the
+    writer's next call here, where call_each says it; left alone, the thread also printed its own traceback."""
+    previous = threading.excepthook
+    if getattr(previous, "dsrecipes_tensorboard", False):
+        return
+
+    def hook(args: Any) -> None:
+        kept = getattr(args.thread, "exception", None) is args.exc_value
+        if not (kept and type(args.thread).__module__.startswith("tensorboard.")):
+            previous(args)
+
+    hook.dsrecipes_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 class MlflowTracker:
@@ -202,17 +221,27 @@ OPENERS: Dict[ReportTo, Callable[..., Tracker]] = {
 }
 
 
-def call_each(trackers: List[Tracker], method: str, *args: Any) -> List[Tracker]:
-    """Call `method` on every tracker; one that raises is reported once and left out from then on."""
+def call_each(trackers: List[Tracker], method: str, *args: Any, stop_on_full: bool = True) -> List[Tracker]:
+    """Call `method` on every tracker; one that raises is reported once and left out from then on. A full disk under
+    TensorBoard's files is the run's own disk: it stops the run as metrics.jsonl's write would (`stop_on_full`
+    False: a run that already failed keeps its own error)."""
     alive = []
     for tracker in trackers:
         try:
             getattr(tracker, method)(*args)
             alive.append(tracker)
+        except OSError as exc:
+            if stop_on_full and tracker.name == TensorBoardTracker.name and exc.errno in _FULL:
+                raise  # the run directory's disk is full: the run stops as at any other write there
+            _dropped(tracker, method, exc)
         except Exception as exc:  # noqa: BLE001 - a dashboard must not end a training run
-            print(f"warning: {tracker.name}: {method} failed ({type(exc).__name__}: {exc}); "
-                  "no more reporting to it in this run (metrics.jsonl has every number)", file=sys.stderr)
+            _dropped(tracker, method, exc)
     return alive
+
+
+def _dropped(tracker: Tracker, method: str, exc: BaseException) -> None:
+    print(f"warning: {tracker.name}: {method} failed ({type(exc).__name__}: {exc}); "
+          "no more reporting to it in this run (metrics.jsonl has every number)", file=sys.stderr)
 
 
 def _mlflow_client(cfg: TrainConfig) -> Any:
