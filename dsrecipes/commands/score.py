@@ -22,9 +22,9 @@ from dsrecipes.boundary.chat_sandbox import TemplateRaised, render_many
 from dsrecipes.commands.args import parse
 from dsrecipes.core.errors import UserError, no_custom_code
 from dsrecipes.core.export_dir import EXPORT_MARKER
-from dsrecipes.core.fileio import atomic_write_text, json_text
+from dsrecipes.core.fileio import Unreadable, atomic_write_text, json_text
 from dsrecipes.core.schema import ColumnsConfig, DatasetFormat, SourceConfig
-from dsrecipes.core.tokenizer import NO_DIRECTORY_CODE, Unreadable, custom_code_problems, read_json
+from dsrecipes.core.tokenizer import NO_DIRECTORY_CODE, custom_code_problems, read_json
 from dsrecipes.data.sources.badrows import BadRow
 from dsrecipes.data.sources.messages import messages_for
 from dsrecipes.data.sources.preference import Pair, parse_pair_item

@@ -4,11 +4,10 @@ the ranks (rank/checkpoint.py) write them."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Dict
 
-from dsrecipes.core.fileio import read_regular_bytes
+from dsrecipes.core.fileio import read_json_file
 from dsrecipes.core.rundir import CHECKPOINTS_DIR
 
 CHECKPOINTS = CHECKPOINTS_DIR
@@ -28,16 +27,10 @@ def step_of(tag_dir: Path) -> int:
     return int(tag_dir.name.split("_", 1)[1])
 
 
-MAX_RECORD_BYTES = 64 << 20  # complete.json lists the hashes of a checkpoint's files: kilobytes, megabytes at most
-
-
 def read_record(tag_dir: Path) -> Dict[str, Any]:
-    """complete.json of a checkpoint; ValueError/OSError when it is missing or not a commit record."""
-    data = read_regular_bytes(Path(tag_dir) / COMPLETE, limit=MAX_RECORD_BYTES)  # never a FIFO's endless wait
-    try:
-        record = json.loads(data.decode("utf-8"))
-    except RecursionError:  # a foreign record of nested brackets: json's RecursionError was a traceback
-        raise ValueError("not a checkpoint commit record (JSON nested too deeply)") from None
+    """complete.json of a checkpoint; ValueError/OSError when it is missing or not a commit record. Read within
+    fileio's bounds (never a FIFO's endless wait, never a giant file whole, no RecursionError)."""
+    record = read_json_file(Path(tag_dir) / COMPLETE, "not a checkpoint commit record (JSON nested too deeply)")
     if not isinstance(record, dict) or not all(_whole(record.get(k), low) for k, low in (("step", 0), ("world_size", 1))):
         raise ValueError("not a checkpoint commit record (step and world_size must be whole numbers)")
     size = record["world_size"]

@@ -1,4 +1,5 @@
-"""Writing and opening files: the one atomic-write helper every file the project writes goes through.
+"""Writing and opening files: the one atomic-write helper every file the project writes goes through, and the one
+bounded JSON reader (`read_json_file`, `loads_bounded`) for every JSON file someone else may have written.
 
 A reader (another rank, another node, a resumed run, a user's editor) never sees half a file: text is written to a
 uniquely named temporary file beside the target, flushed and fsynced, then renamed into place. JSON is strict
@@ -74,6 +75,35 @@ def read_regular_bytes(path: str | Path, limit: int | None = None) -> bytes:
         if len(data) > limit:
             raise ValueError(f"larger than {limit} bytes")
         return data
+
+
+MAX_JSON_BYTES = 64 << 20  # a settings file or a commit record is kilobytes, a tokenizer_config.json megabytes at most
+
+
+class Unreadable(ValueError):
+    """JSON that no parser should be handed: not a regular file, over its size bound, or nested too deeply for
+    Python's parser. Its text is the reason only; the caller's message names the file (and line)."""
+
+
+def loads_bounded(text: str | bytes, too_deep: str) -> Any:
+    """`json.loads` of `text` (bytes are decoded as UTF-8 first): Unreadable(`too_deep`) for JSON nested too deeply
+    for Python's parser (json's RecursionError: 100000 '[' were a traceback); ValueError (UnicodeDecodeError,
+    JSONDecodeError) when it is not UTF-8 JSON."""
+    try:
+        return json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
+    except RecursionError:
+        raise Unreadable(too_deep) from None
+
+
+def read_json_file(path: str | Path, too_deep: str, limit: int = MAX_JSON_BYTES) -> Any:
+    """The JSON value in `path`, read within bounds: Unreadable for a FIFO, device or socket (never waited on), a file
+    over `limit` bytes (never read whole) or JSON nested too deeply (`too_deep` is then its text); OSError when it
+    cannot be opened; ValueError when it is not UTF-8 JSON."""
+    try:
+        data = read_regular_bytes(path, limit=limit)
+    except ValueError as exc:  # "not a regular file", "larger than N bytes"
+        raise Unreadable(str(exc)) from None
+    return loads_bounded(data, too_deep)
 
 
 def not_regular(path: str | Path) -> str | None:

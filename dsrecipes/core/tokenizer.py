@@ -4,13 +4,12 @@ tokenizer from here."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import List
 
 from dsrecipes.core.errors import ConfigError, no_custom_code
-from dsrecipes.core.fileio import read_regular_bytes
+from dsrecipes.core.fileio import MAX_JSON_BYTES, Unreadable, read_json_file
 from dsrecipes.core.paths import TINY_TOKENIZER_DIR
 from dsrecipes.core.schema import TrainConfig
 
@@ -79,26 +78,13 @@ def custom_code_problems(key: str, path: Path) -> List[str]:
     return quantization_problems(key, path)
 
 
-MAX_JSON_BYTES = 64 << 20  # a model's config.json is kilobytes, a tokenizer_config.json a few megabytes at most
-
-
-class Unreadable(ValueError):
-    """A model directory's JSON file that no parser should be handed (read_json)."""
-
-
 def read_json(path: Path) -> object:
     """A model or tokenizer directory's JSON file (config.json, tokenizer_config.json, adapter_config.json), read
-    within bounds: Unreadable for a FIFO or device (never waited on), a file over MAX_JSON_BYTES (never read whole)
-    or JSON nested too deeply for Python's parser (json.loads' RecursionError, which transformers' own parse of the
-    same file ends in as a traceback); OSError when it cannot be opened, ValueError when it is not UTF-8 JSON."""
-    try:
-        data = read_regular_bytes(path, limit=MAX_JSON_BYTES)
-    except ValueError as exc:
-        raise Unreadable(str(exc)) from None
-    try:
-        return json.loads(data.decode("utf-8"))
-    except RecursionError:
-        raise Unreadable("JSON nested too deeply to be a model's settings") from None
+    within bounds (fileio.read_json_file): Unreadable for a FIFO or device (never waited on), a file over
+    MAX_JSON_BYTES (never read whole) or JSON nested too deeply for Python's parser (json.loads' RecursionError, which
+    transformers' own parse of the same file ends in as a traceback); OSError when it cannot be opened, ValueError
+    when it is not UTF-8 JSON."""
+    return read_json_file(path, "JSON nested too deeply to be a model's settings", limit=MAX_JSON_BYTES)
 
 
 def _quantization(config: object, depth: int = 0) -> object:

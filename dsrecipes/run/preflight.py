@@ -8,19 +8,18 @@ traceback from deep inside transformers after the ranks started.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import List, Optional, Sequence
 
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.export_dir import EXPORT_DIR
-from dsrecipes.core.fileio import dangling_link_problem, not_regular
+from dsrecipes.core.fileio import Unreadable, dangling_link_problem, loads_bounded, not_regular
 from dsrecipes.core.hub import is_hub_id
 from dsrecipes.core.paths import TINY_TOKENIZER_DIR
 from dsrecipes.core.rundir import MARKER_FILE
 from dsrecipes.core.schema import OffloadDevice, TrainConfig
-from dsrecipes.core.tokenizer import Unreadable, custom_code_problems, read_json
+from dsrecipes.core.tokenizer import custom_code_problems, read_json
 from dsrecipes.data.prepare.cache import cache_root
 from dsrecipes.data.render.template import check_template
 from dsrecipes.data.render.template_choice import choose_template
@@ -183,13 +182,14 @@ def safetensors_problem(path: Path) -> str:
             length = int.from_bytes(raw, "little")
             if length > min(size - 8, MAX_SAFETENSORS_HEADER):
                 return f"its header claims {length} bytes of {size}"
-            header = json.loads(fh.read(length).decode("utf-8"))
+            # a header of nested brackets: refused here (Unreadable), not a RecursionError traceback in every rank
+            header = loads_bounded(fh.read(length), "its header is JSON nested too deeply to be a list of tensors")
     except OSError as exc:
         return exc.strerror or str(exc)
+    except Unreadable as exc:
+        return str(exc)
     except ValueError as exc:  # JSON and UTF-8 errors
         return f"its header is not JSON: {exc}"
-    except RecursionError:  # json.loads on a header of nested brackets: refused here, not a traceback in every rank
-        return "its header is JSON nested too deeply to be a list of tensors"
     return "" if isinstance(header, dict) else "its header is not a JSON object"
 
 

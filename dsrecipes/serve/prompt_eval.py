@@ -35,7 +35,7 @@ from dsrecipes.config.load import load_run_config
 from dsrecipes.core.answers import normalize
 from dsrecipes.core.errors import UserError, visible
 from dsrecipes.core.export_dir import EXPORT_DIR, EXPORT_INFO, EXPORT_INIT_DIR
-from dsrecipes.core.fileio import atomic_write_json
+from dsrecipes.core.fileio import Unreadable, atomic_write_json, loads_bounded
 from dsrecipes.core.paths import SAMPLE_DATA_DIR
 from dsrecipes.core.rundir import CHECKPOINTS_DIR, MARKER_FILE
 from dsrecipes.core.schema import BadRows
@@ -116,11 +116,11 @@ def read_prompts(path: Path) -> List[PromptRow]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = loads_bounded(line, "JSON nested too deeply to be a prompt")  # a shared file's nested brackets
+        except Unreadable as exc:
+            raise UserError(f"{path}:{line_no}: {exc}") from None
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}:{line_no}: not JSON ({exc.msg})") from None
-        except RecursionError:  # a shared prompts file's line of nested brackets: json's RecursionError
-            raise UserError(f"{path}:{line_no}: JSON nested too deeply to be a prompt") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise UserError(f"{path}:{line_no}: each line needs a string 'prompt'")
         for key in ("reference", "system"):
