@@ -97,7 +97,7 @@ def outside_problems(data: Any, baseline: Dict[str, Any], shared_source: Callabl
         problems.append(f"{_dotted(path)}: set by {source}, a shared recipe; it names a place {where} (a recipe "
                         f"could send your credentials to its host, or read or write your files), so only your "
                         f"command line or environment may name it: give {_dotted(path)}=... on the command line")
-    return problems + _option_problems(data, baseline, shared_source)
+    return problems + _option_problems(data, baseline, shared_source, resolve)
 
 
 # Options inside allow-listed lists that name a host outside this machine: the user's own, like the user-named fields
@@ -107,17 +107,21 @@ OUTSIDE_OPTIONS = {("launcher", "slurm_sbatch_args"): tuple(f"--{k}" for k in US
                    ("launcher", "extra_args"): ("--local_addr", "--local-addr")}
 
 
-def _option_problems(data: Any, baseline: Dict[str, Any],
-                     shared_source: Callable[[Path, Any], Optional[str]]) -> List[str]:
-    """An OUTSIDE_OPTIONS option (`--opt=value` or `--opt value`) in a list that a shared recipe set."""
+def _option_problems(data: Any, baseline: Dict[str, Any], shared_source: Callable[[Path, Any], Optional[str]],
+                     resolve: Callable[[Path], Any] = lambda path: MISSING) -> List[str]:
+    """An OUTSIDE_OPTIONS option (`--opt=value` or `--opt value`) in a list that a shared recipe set, judged on the
+    elements as they resolve (`"${oc.select:x,'--local_addr=HOST'}"` or `"${trainer.experiment}"` is text naming no
+    option that resolves to one), and on their text where the list does not resolve (refused where it resolves)."""
     problems = []
     for path, options in OUTSIDE_OPTIONS.items():
         value = lookup(data, path)
         if not isinstance(value, list) or value == lookup(baseline, path):
             continue
-        named = [i for i, arg in enumerate(value) if isinstance(arg, str) and arg.partition("=")[0] in options]
+        given = resolve(path)
+        args = [str(a) for a in (given if isinstance(given, list) else value)]
+        named = [i for i, arg in enumerate(args) if arg.partition("=")[0] in options]
         source = shared_source(path, value) if named else None
-        problems += [f"{_dotted(path)}[{i}]: {value[i].partition('=')[0]} set by {source}, a shared recipe; it names "
+        problems += [f"{_dotted(path)}[{i}]: {args[i].partition('=')[0]} set by {source}, a shared recipe; it names "
                      "a host outside this machine, so only your command line may name it: give "
                      f"{_dotted(path)}=[...] on the command line" for i in named] if source else []
     return problems
@@ -218,7 +222,8 @@ def resolved(composed: Any, path: Path) -> Any:
     if not OmegaConf.is_config(composed):
         return lookup(composed, path)
     try:
-        return OmegaConf.select(composed, _dotted(path), default=MISSING)
+        value = OmegaConf.select(composed, _dotted(path), default=MISSING)
+        return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
     except Exception:  # noqa: BLE001 - refused where it resolves, with that message
         return MISSING
 

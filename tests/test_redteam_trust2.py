@@ -1,0 +1,42 @@
+"""Hostile shared recipes, second round: what a recipe someone else wrote can make this machine do with the user's
+addresses, credentials and code (config/safety.py, data/sources/remote.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsrecipes.cli import main as cli_main
+
+
+@pytest.mark.parametrize("launcher,key,args", [
+    ("torchrun", "extra_args", ["${oc.select:nope,'--local_addr=10.6.6.6'}"]),
+    ("torchrun", "extra_args", ["--local${oc.select:nope,_}addr=10.6.6.6"]),
+    ("slurm", "slurm_sbatch_args", ["--mail-type=ALL", "--mail-${oc.select:nope,user}=x@evil.example"]),
+])
+def test_a_shared_recipes_outside_option_is_judged_as_it_resolves(launcher, key, args, tmp_path, monkeypatch, capsys):
+    # Was: config/safety judged launcher.extra_args / slurm_sbatch_args elements on their text, so an element that
+    # resolves to --local_addr=HOST / --mail-user=ADDR (an oc.select default, a string interpolation) passed validate.
+    import json
+
+    from tests.test_messages_hostile import refused
+
+    monkeypatch.chdir(tmp_path)
+    recipe = tmp_path / "shared.yaml"
+    recipe.write_text(f"launcher:\n  {key}: {json.dumps(args)}\n", encoding="utf-8")
+    option = "--mail-user" if launcher == "slurm" else "--local_addr"
+    refused(capsys, ["validate", f"launcher={launcher}", f"recipe={recipe}"],
+            f"launcher.{key}[{len(args) - 1}]: {option} set by {recipe}:2, a shared recipe")
+
+
+def test_a_shared_recipes_option_from_another_key_is_refused(tmp_path, monkeypatch, capsys):
+    # The option's text in a field that is not a path (trainer.experiment), the list naming it by interpolation.
+    from tests.test_messages_hostile import refused
+
+    monkeypatch.chdir(tmp_path)
+    recipe = tmp_path / "shared.yaml"
+    recipe.write_text("trainer:\n  experiment: --local_addr=10.6.6.6\nlauncher:\n  extra_args: ['${trainer.experiment}']\n",
+                      encoding="utf-8")
+    refused(capsys, ["validate", "launcher=torchrun", f"recipe={recipe}"],
+            f"launcher.extra_args[0]: --local_addr set by {recipe}:4, a shared recipe")
+    assert cli_main(["validate", "launcher=torchrun", "trainer.experiment='--local_addr=10.0.0.1'",
+                     "launcher.extra_args=['${trainer.experiment}']"]) == 0
