@@ -54,3 +54,14 @@ def test_not_json_not_utf8_and_missing_stay_what_they_were(tmp_path):
     with pytest.raises(ValueError) as err:
         loads_bounded("{nope", TOO_DEEP)
     assert not isinstance(err.value, Unreadable)
+
+
+def test_prompt_eval_json_out_nested_too_deeply_is_a_users_file_not_a_traceback(tmp_path):
+    # Was: serve/prompt_eval._our_result handed an existing --json FILE to json.loads: `dsrecipes prompt-eval
+    # --json FILE` on a file of 100000 '[' ended in json's RecursionError traceback, exit 1.
+    from dsrecipes.core.errors import UserError
+    from dsrecipes.serve.prompt_eval import check_json_out
+
+    (tmp_path / "scores.json").write_text(DEEP, encoding="utf-8")
+    with pytest.raises(UserError, match="exists and is not a prompt-eval result"):
+        check_json_out(str(tmp_path / "scores.json"))

@@ -239,8 +239,8 @@ def _our_result(path: Path) -> bool:
     if path.is_symlink() or not path.is_file():
         return False
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, ValueError):  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        data = loads_bounded(path.read_bytes(), "JSON nested too deeply to be a prompt-eval result")
+    except (OSError, ValueError):  # (Unreadable, UnicodeDecodeError and JSONDecodeError are ValueErrors)
         return False
     return isinstance(data, dict) and data.get(RESULT_KEY) == 1
 
