@@ -28,9 +28,10 @@ from typing import IO, Any, Callable, Iterator, List, Optional, Tuple, Union
 from dsrecipes.core.errors import DataError
 from dsrecipes.core.schema import DEFAULT_MAX_ROW_BYTES
 from dsrecipes.data.sources.badrows import BadReason, BadRow, location
+from dsrecipes.data.sources.formats import refuse_other_format
 from dsrecipes.data.sources.jsonscan import BOM, JsonStructureError, values
 from dsrecipes.data.sources.remote import expand as remote_expand
-from dsrecipes.data.sources.remote import looks_like_url, open_maybe_gzip
+from dsrecipes.data.sources.remote import is_url, looks_like_url, open_maybe_gzip
 
 MAX_DEPTH = 100  # conversations need ~5 levels; far deeper rows only exhaust recursion in the code after the parse
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -70,7 +71,9 @@ class RawRow:
 
 def expand_paths(patterns: List[str]) -> Tuple[List[str], List[str]]:
     """(files, patterns matching nothing): each glob sorted, duplicates removed, in pattern order. A URL
-    (`remote.is_url`) is listed in its store; a store that cannot be asked raises DataError."""
+    (`remote.is_url`) is listed in its store; a store that cannot be asked raises DataError, and so does a file that
+    is not rows we read (a Parquet or CSV file: `formats.refuse_other_format`, by its first bytes, by name in a
+    store)."""
     files: List[str] = []
     missing: List[str] = []
     for pattern in patterns:
@@ -80,6 +83,8 @@ def expand_paths(patterns: List[str]) -> Tuple[List[str], List[str]]:
             matches = sorted(m for m in glob.glob(os.path.expanduser(pattern)) if os.path.isfile(m))
         if not matches:
             missing.append(pattern)
+        for m in matches:
+            refuse_other_format(m, remote=is_url(m))
         files += [m for m in matches if m not in files]
     return files, missing
 

@@ -1,0 +1,146 @@
+"""Red team: data files in formats dsrecipes does not read (Parquet, Arrow, CSV/TSV, plain text, gzip under a plain
+name) are one message naming the file, the formats read and the conversion, at `validate`, at `train` and in every
+strategy's reader; before, they passed `validate` and every row was a bad row (`invalid_utf8`) late in the run."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsrecipes.core.errors import DataError
+from dsrecipes.core.paths import SAMPLE_DATA_DIR
+
+ROWS = [json.loads(line) for line in (SAMPLE_DATA_DIR / "train.jsonl").read_text().splitlines()[:40]]
+
+
+def write(tmp_path: Path, kind: str) -> Path:
+    """A file of `kind` holding (a few of) the sample's rows as a user would have it."""
+    import pyarrow as pa
+
+    table = pa.Table.from_pylist(ROWS)
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        pq.write_table(table, tmp_path / "train.parquet")
+        return tmp_path / "train.parquet"
+    if kind == "parquet_named_jsonl":  # the content decides, not the name
+        import pyarrow.parquet as pq
+
+        pq.write_table(table, tmp_path / "train.jsonl")
+        return tmp_path / "train.jsonl"
+    if kind == "arrow":  # what datasets' save_to_disk writes: an Arrow IPC stream
+        with pa.OSFile(str(tmp_path / "data-00000-of-00001.arrow"), "wb") as sink:
+            with pa.ipc.new_stream(sink, table.schema) as writer:
+                writer.write_table(table)
+        return tmp_path / "data-00000-of-00001.arrow"
+    if kind in ("csv", "tsv"):
+        sep = "," if kind == "csv" else "\t"
+        path = tmp_path / f"train.{kind}"
+        path.write_text("instruction" + sep + "output\n" + "".join(f"q{i}{sep}a{i}\n" for i in range(20)))
+        return path
+    if kind == "txt":
+        path = tmp_path / "train.txt"
+        path.write_text("".join(f"a line of plain text {i}\n" for i in range(20)))
+        return path
+    assert kind == "gzip_named_jsonl"
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in ROWS).encode()))
+    return path
+
+
+KINDS = {  # kind -> words the message must hold
+    "parquet": "a Parquet file", "parquet_named_jsonl": "a Parquet file", "arrow": "an Arrow file",
+    "csv": "a CSV file", "tsv": "a TSV file", "txt": "a plain-text file",
+    "gzip_named_jsonl": "gzip-compressed, although its name does not end in .gz",
+}
+
+
+def one_error(capsys, path: Path, words: str) -> str:
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "Traceback" not in err, err
+    assert f"{path}: {words}" in err and "invalid_utf8" not in err and "invalid_json" not in err, err
+    assert ".jsonl" in err and ".json" in err, err  # the formats that are read
+    return err
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_validate_names_a_file_of_another_format(kind, tmp_path, capsys):
+    from dsrecipes.cli import main
+
+    path = write(tmp_path, kind)
+    assert main(["validate", "debug=fast", f"dataset.sources=[{{name: a, paths: [{path}]}}]"]) == 2
+    err = one_error(capsys, path, KINDS[kind])
+    if kind in ("parquet", "csv", "tsv", "arrow"):
+        assert "python -c" in err and str(path.with_suffix(".jsonl")) in err, err
+
+
+@pytest.mark.parametrize("command", [["train", "debug=fast"], ["train", "debug=fast", "data=iterable"], ["shard"]])
+def test_train_and_shard_refuse_a_parquet_file_first(command, tmp_path, capsys, monkeypatch):
+    from dsrecipes.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    path = write(tmp_path, "parquet")
+    argv = command + ([str(path), "--parts", "1", "--out", str(tmp_path / "parts")] if command == ["shard"] else
+                      [f"dataset.paths=[{path}]", f"trainer.output_dir={tmp_path / 'run'}"])
+    assert main(argv) == 2
+    one_error(capsys, path, "a Parquet file")
+    assert not (tmp_path / "parts").exists()
+
+
+@pytest.mark.parametrize("strategy", ["map", "iterable", "presharded"])
+def test_each_strategys_reader_refuses_it_where_it_opens_the_files(strategy, make_cfg, tmp_path):
+    """Past `validate` (check_files=False: the file replaced after it, or a caller that skips it), the reader itself
+    refuses the file under both bad-row policies, before reading a row."""
+    from tests.test_data_malformed import read_through, settings
+
+    path = write(tmp_path, "csv")
+    for policy in ("error", "skip"):
+        cfg = make_cfg(*settings(tmp_path, strategy, policy, str(path)), check_files=False)
+        with pytest.raises(DataError) as err:
+            read_through(strategy, cfg, tmp_path)
+        (problem,) = err.value.problems
+        assert problem.startswith(f"{path}: a CSV file, not rows dsrecipes reads"), problem
+
+
+def test_the_conversion_it_prints_makes_a_file_that_validates(tmp_path, capsys):
+    from dsrecipes.cli import main
+
+    path = write(tmp_path, "parquet")
+    overrides = ["debug=fast", f"dataset.paths=[{path}]"]
+    assert main(["validate", *overrides]) == 2
+    command = re.search(r"convert it once: (python -c '[^']*')", capsys.readouterr().err).group(1)
+    argv = shlex.split(command)
+    subprocess.run([sys.executable, *argv[1:]], check=True, cwd=tmp_path, timeout=60)
+    converted = path.with_suffix(".jsonl")
+    assert [json.loads(line)["conversations"] for line in converted.read_text().splitlines()] == \
+        [r["conversations"] for r in ROWS]
+    assert main(["validate", "debug=fast", f"dataset.paths=[{converted}]"]) == 0
+
+
+def test_json_lines_under_a_csv_or_txt_name_are_still_read(tmp_path, capsys):
+    from dsrecipes.cli import main
+
+    for name in ("rows.csv", "rows.txt"):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+        assert main(["validate", "debug=fast", f"dataset.paths=[{tmp_path / name}]"]) == 0, capsys.readouterr().err
+    bad = write(tmp_path, "csv")  # and CSV content under the same kind of name is refused
+    assert main(["validate", "debug=fast", f"dataset.paths=[{bad}]"]) == 2
+    one_error(capsys, bad, "a CSV file")
+
+
+def test_an_object_in_a_store_is_judged_by_its_name_without_reading_it(monkeypatch):
+    import dsrecipes.data.sources.files as files
+
+    monkeypatch.setattr(files, "remote_expand", lambda pattern: ["s3://bucket/data/train-00000.parquet"])
+    monkeypatch.setattr(files, "open_maybe_gzip", None)  # no byte of it is fetched
+    with pytest.raises(DataError) as err:
+        files.expand_paths(["s3://bucket/data/*.parquet"])
+    (problem,) = err.value.problems
+    assert problem.startswith("s3://bucket/data/train-00000.parquet: a Parquet file") and "train-00000.jsonl" in problem
