@@ -184,7 +184,7 @@ def raw_sessions(run: Path, rank: int) -> list[list[Line]]:
             sessions.append([])
             continue
         assert sessions, f"rank {rank}: a ledger line before the first session header"
-        assert set(rec) == {"epoch", "step", "ids"}, rec
+        assert set(rec) == {"epoch", "step", "ids", "keys"} and len(rec["keys"]) == len(rec["ids"]), rec
         sessions[-1].append((rec["epoch"], rec["step"], rec["ids"]))
     return sessions
 

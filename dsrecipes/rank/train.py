@@ -104,7 +104,7 @@ def loop(s: Session) -> None:
         loss = guard.add(loss, batch, state.step + 1)
         engine.backward(loss)
         if s.ledger is not None:
-            s.ledger.record(batch["epoch"], state.step + 1, batch["ids"])
+            s.ledger.record(batch["epoch"], state.step + 1, batch["ids"], batch.get("keys"))
         if not closes_step:
             engine.step()  # between boundaries DeepSpeed only counts the micro-step (the next boundary needs it)
             continue

@@ -1,11 +1,15 @@
 """Sample ledger (`trainer.record_samples=true`): which sample ids each rank trained on, per optimizer step.
 
-Each rank appends `{"epoch": e, "step": s, "ids": [...]}` lines to `<run>/ledger/rank<R>.jsonl` (one line per
-`record` call; the runner calls it per micro-batch, several lines of one step are merged when reading). Every
+Each rank appends `{"epoch": e, "step": s, "ids": [...], "keys": [...]}` lines to `<run>/ledger/rank<R>.jsonl` (one
+line per `record` call; the runner calls it per micro-batch, several lines of one step are merged when reading).
+`ids` are the samples' ids as the data names them (an `id` column, else `file:line`), which need not be unique: two
+files named `train.jsonl` in different folders, or a data set that repeats an id. `keys` are the positions the
+strategy dealt, unique by construction (map: the prepared row; iterable: file index, line and copy; presharded: the
+rank's part and line), so the exactly-once check counts keys; a ledger without them (written before) counts ids. Every
 process that opens a ledger first writes a `{"session": ...}` line: after a resume, the steps it records again replace
 what the interrupted session had recorded from that step on, so the ledger shows what the model finally trained on.
 
-`verify_ledgers(run_dir)` checks the data guarantees on a finished run: no id twice within an epoch across ranks,
+`verify_ledgers(run_dir)` checks the data guarantees on a finished run: no key twice within an epoch across ranks,
 the same steps on every rank, and (with `expected_ids`) every sample read except less than one global batch.
 """
 
@@ -31,8 +35,11 @@ class LedgerWriter:
         self._fh = open_append(self.path, buffering=1)  # line-buffered: a crash loses no step
         self._fh.write(json.dumps({"session": time.time(), "pid": os.getpid()}) + "\n")
 
-    def record(self, epoch: int, step: int, ids: Sequence[str]) -> None:
-        self._fh.write(json.dumps({"epoch": int(epoch), "step": int(step), "ids": list(ids)}, ensure_ascii=False) + "\n")
+    def record(self, epoch: int, step: int, ids: Sequence[str], keys: Optional[Sequence[str]] = None) -> None:
+        rec: Dict[str, object] = {"epoch": int(epoch), "step": int(step), "ids": list(ids)}
+        if keys is not None:
+            rec["keys"] = [str(k) for k in keys]
+        self._fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
 
     def close(self) -> None:
         if not self._fh.closed:
@@ -47,7 +54,12 @@ class LedgerWriter:
 
 def read_ledger(path: str | os.PathLike) -> Dict[Tuple[int, int], List[str]]:
     """(epoch, step) -> ids of one rank, in step order, with resumed sessions replacing replayed steps."""
-    steps: Dict[Tuple[int, int], List[str]] = {}
+    return {step: ids for step, (ids, _keys) in read_ledger_steps(path).items()}
+
+
+def read_ledger_steps(path: str | os.PathLike) -> Dict[Tuple[int, int], Tuple[List[str], Optional[List[str]]]]:
+    """(epoch, step) -> (ids, keys) of one rank; keys None when a line of the step has none (an older ledger)."""
+    steps: Dict[Tuple[int, int], Tuple[List[str], Optional[List[str]]]] = {}
     new_session = False
     with open(path, encoding="utf-8", errors="replace") as fh:
         for line_no, line in enumerate(fh, 1):
@@ -61,7 +73,12 @@ def read_ledger(path: str | os.PathLike) -> Dict[Tuple[int, int], List[str]]:
             if new_session:  # the first step of a resumed session: forget what was recorded from there on
                 steps = {k: v for k, v in steps.items() if k[1] < rec["step"]}
                 new_session = False
-            steps.setdefault(key, []).extend(rec["ids"])
+            ids, keys = steps.setdefault(key, ([], []))
+            ids.extend(rec["ids"])
+            if keys is not None and isinstance(rec.get("keys"), list):
+                keys.extend(rec["keys"])
+            else:
+                steps[key] = (ids, None)
     return steps
 
 
@@ -74,10 +91,14 @@ def _record(path: str | os.PathLike, line_no: int, line: str) -> Dict:
         raise DataError(f"{path}:{line_no}: not a ledger record (not JSON: {exc})") from None
     if isinstance(rec, dict) and ("session" in rec or (
             all(isinstance(rec.get(k), int) and not isinstance(rec.get(k), bool) for k in ("epoch", "step"))
-            and isinstance(rec.get("ids"), list) and all(isinstance(i, (str, int)) for i in rec["ids"]))):
+            and all(_names(rec.get(k)) for k in ("ids", "keys") if k == "ids" or k in rec))):
         return rec
     raise DataError(f"{path}:{line_no}: not a ledger record (a session mark, or epoch and step numbers and a list of "
                     "sample ids)")
+
+
+def _names(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(i, (str, int)) and not isinstance(i, bool) for i in value)
 
 
 @dataclass
@@ -90,6 +111,7 @@ class LedgerReport:
     missing: Dict[int, int] = field(default_factory=dict)  # epoch -> expected ids never read
     unexpected: Dict[int, List[str]] = field(default_factory=dict)  # epoch -> ids outside expected_ids
     problems: List[str] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -102,6 +124,7 @@ class LedgerReport:
         for e in self.epochs:
             if e in self.missing:
                 lines.append(f"  epoch {e}: {self.missing[e]} expected samples not read")
+        lines += [f"  note: {n}" for n in self.notes[:5]]
         lines += [f"  VIOLATION {p}" for p in self.problems[:20]]
         lines.append("OK" if self.ok else f"FAILED ({len(self.problems)} problems)")
         return "\n".join(lines)
@@ -124,14 +147,14 @@ def verify_ledgers(
     if not files:
         report.problems.append(f"no ledger files in {Path(run_dir, LEDGER_DIR)} (trainer.record_samples=true?)")
         return report
-    per_rank = {int(p.stem[4:]): read_ledger(p) for p in files}
+    per_rank = {int(p.stem[4:]): read_ledger_steps(p) for p in files}
     report.ranks = len(per_rank)
     if sorted(per_rank) != list(range(len(per_rank))):
         report.problems.append(f"ledger ranks are {sorted(per_rank)}, expected 0..{len(per_rank) - 1}")
     step_lists = {r: sorted(steps) for r, steps in per_rank.items()}
     for r, keys in step_lists.items():
         report.steps_per_rank[r] = len(keys)
-        report.samples_per_rank[r] = sum(len(v) for v in per_rank[r].values())
+        report.samples_per_rank[r] = sum(len(ids) for ids, _ in per_rank[r].values())
     reference = step_lists[min(step_lists)]
     for r, keys in step_lists.items():
         if keys != reference:
@@ -139,18 +162,21 @@ def verify_ledgers(
             report.problems.append(f"rank {r} ran {len(keys)} steps, rank {min(step_lists)} ran {len(reference)}; "
                                    f"(epoch, step) differing: {only}")
     by_epoch: Dict[int, Counter] = defaultdict(Counter)
+    dealt: Dict[int, Optional[Counter]] = {}
     for steps in per_rank.values():
-        for (epoch, _), ids in steps.items():
+        for (epoch, _), (ids, keys) in steps.items():
             by_epoch[epoch].update(ids)
+            held = dealt.setdefault(epoch, Counter())
+            if keys is None:
+                dealt[epoch] = None
+            elif held is not None:
+                held.update(keys)
     report.epochs = sorted(by_epoch)
     expected: Optional[Set[str]] = None if expected_ids is None else set(expected_ids)
     complete = set(report.epochs[:-1]) if complete_epochs is None else set(complete_epochs)
     for epoch in report.epochs:
         counts = by_epoch[epoch]
-        dups = sorted(i for i, n in counts.items() if n > 1)
-        if dups:
-            report.duplicates[epoch] = dups
-            report.problems.append(f"epoch {epoch}: {len(dups)} ids read more than once, e.g. {dups[:5]}")
+        _check_once(report, epoch, counts, dealt[epoch])
         if expected is None:
             continue
         extra = sorted(set(counts) - expected)
@@ -164,3 +190,17 @@ def verify_ledgers(
     return report
 
 
+
+
+def _check_once(report: LedgerReport, epoch: int, ids: Counter, keys: Optional[Counter]) -> None:
+    """No position dealt twice in `epoch` (the ids, for a ledger without positions); ids naming several samples are
+    a note, not a violation."""
+    dups = sorted(i for i, n in (ids if keys is None else keys).items() if n > 1)
+    if dups:
+        report.duplicates[epoch] = dups
+        what = "ids" if keys is None else "samples (file:line, or row of the prepared data)"
+        report.problems.append(f"epoch {epoch}: {len(dups)} {what} read more than once, e.g. {dups[:5]}")
+    elif keys is not None and len(ids) < sum(ids.values()):
+        shared = sorted(i for i, n in ids.items() if n > 1)
+        report.notes.append(f"epoch {epoch}: {len(shared)} ids name more than one sample (e.g. {shared[:3]}: files "
+                            "of the same name, or an id column that repeats); each sample was read once")

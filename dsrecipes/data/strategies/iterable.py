@@ -114,6 +114,11 @@ class StreamTrainLoader(TrainLoader):
             if own:
                 source.close()  # file descriptors: a rank without workers reads every epoch in its own process
 
+    def item_key(self, item: Any) -> str:
+        """The position of an item: file, line (element of a JSON array), copy of a weight > 1; unique in an epoch."""
+        f, loc, _raw, copy = item
+        return f"{self.index.files[f].name}:{loc}" + (f"@{copy}" if copy else "")
+
     def _batches(self, offset: int, start_micro: int) -> Iterator[Batch]:
         if self.planned > self.total:
             raise DataError(f"data.num_samples={self.num_samples} but the stream has only {self.total} samples; "

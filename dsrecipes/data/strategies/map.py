@@ -86,7 +86,9 @@ class MapTrainLoader(TrainLoader):
             worker_init_fn=worker_ignores_stop_signals,
             generator=loader_generator(self.seed, self.epoch),
         )
-        yield from iterate(loader)  # its workers end with a failing rank (base.end_workers)
+        for batch, rows in zip(iterate(loader), batches):  # its workers end with a failing rank (base.end_workers)
+            batch["keys"] = [f"row{i}" for i in rows]  # the ledger's exactly-once check (data/plan/ledger.py)
+            yield batch
 
 
 class _Rows:

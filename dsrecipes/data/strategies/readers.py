@@ -27,7 +27,9 @@ class ReaderDataset(IterableDataset):
         lo = self.loader
         try:
             for _micro, items in lo.reader(0 if info is None else info.id, *self.reader_args):
-                yield lo.collate_fn(lo.make_rows(items))
+                batch = lo.collate_fn(lo.make_rows(items))
+                batch["keys"] = [lo.item_key(item) for item in items]  # positions dealt (data/plan/ledger.py)
+                yield batch
         except StreamTooShort as exc:
             raise DataError(
                 f"data.num_samples={lo.num_samples} but the stream has only {exc.num_items} samples; "
