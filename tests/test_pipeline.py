@@ -148,7 +148,8 @@ def test_a_stage_refused_by_train_stops_the_cli_with_exit_2(tmp_path, capsys):
     code = main(["pipeline", str(path), "--out", str(tmp_path / "out")])
     err = capsys.readouterr()
     assert code == 2 and "pipeline: stage 'sft' (1 of 2) failed (exit 2)" in err.err, err
-    assert f"resume with: dsrecipes pipeline {path} --out {tmp_path / 'out'}" in err.err
+    command = f"cd {os.getcwd()} && {sys.executable} -m dsrecipes pipeline {path} --out {tmp_path / 'out'}"
+    assert f"resume with: {command}" in err.err
     assert not (tmp_path / "out" / "b").exists()
 
 

@@ -10,8 +10,10 @@ until metrics.jsonl's write failed; with report_to=[] only that last failure was
 from __future__ import annotations
 
 import errno
+import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +41,37 @@ def test_a_full_disk_under_tensorboard_stops_the_run_without_the_threads_traceba
     assert raised.value.errno == errno.ENOSPC
     assert printed == []  # before: the writer thread's traceback
     assert trackers.call_each([tracker], "close", False, stop_on_full=False) == []  # a failing run keeps its error
+
+
+@pytest.mark.parametrize("ends", ["exit 143", "KeyboardInterrupt"])
+def test_a_pipeline_stopped_during_a_stage_says_one_command_and_it_is_the_pipelines(tmp_path, monkeypatch, capsys,
+                                                                                     ends):
+    """Tried for real (SIGTERM to `dsrecipes pipeline` while its DPO stage trained): 'Resume with: cd ... python -m
+    dsrecipes debug=fast ... trainer.output_dir=out/dpo' (the stage's own command) and then 'pipeline: stage 'dpo'
+    (2 of 2) was interrupted; resume with: dsrecipes pipeline p.yaml --out out' (relative to where it was started).
+    Now only the second, runnable from anywhere; run for real, it resumed DPO from its step-4 checkpoint."""
+    import signal
+    import sys
+
+    import dsrecipes.commands.outcome as outcome
+    import dsrecipes.commands.train as train
+    from dsrecipes.cli import main
+
+    def stage(argv):  # the training command interrupted by SIGTERM, as commands/train._launch ends it
+        run_dir = Path(next(a for a in argv if a.startswith("trainer.output_dir=")).partition("=")[2])
+        run_dir.mkdir(parents=True)
+        code = outcome.report_interrupted(run_dir, signal.SIGTERM, {}, argv)
+        if ends == "KeyboardInterrupt":
+            raise KeyboardInterrupt
+        return code
+
+    monkeypatch.setattr(train, "main", stage)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.yaml").write_text("stages:\n  - name: sft\n  - name: dpo\n    model_from: sft\n")
+    code = main(["pipeline", "p.yaml", "--out", "out"])
+    err = capsys.readouterr().err
+    assert code == 143 if ends == "exit 143" else code in (130, 143), err
+    assert err.lower().count("resume with") == 1, err  # before: the stage's command as well
+    command = f"cd {tmp_path} && {sys.executable} -m dsrecipes pipeline p.yaml --out out"
+    assert f"pipeline: stage 'sft' (1 of 2) was interrupted; resume with: {command}" in err, err
+    assert json.loads((tmp_path / "out" / "sft" / "result.json").read_text())["resume_command"] == command

@@ -7,8 +7,9 @@ import os
 import shlex
 import signal
 import sys
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 from dsrecipes.boundary.checkpoint_find import committed
 from dsrecipes.core import stopping
@@ -17,6 +18,10 @@ from dsrecipes.core.failure import killed_by, rank_failure
 from dsrecipes.core.heartbeat import describe_failure, read_failure
 from dsrecipes.core.rank_records import read_outcome
 from dsrecipes.core.rundir import CHECKPOINTS_DIR, write_result
+
+# The command that resumes more than this run (a pipeline's, set around each stage: commands/pipeline.py): the run
+# then prints no resume command of its own (its caller prints that one, once) and records that one in result.json.
+RESUMED_BY: ContextVar[Optional[str]] = ContextVar("RESUMED_BY", default=None)
 
 
 def conclude(run_dir: Path, code: int, dry_run: bool, argv: Sequence[str]) -> Tuple[int, bool]:
@@ -79,7 +84,7 @@ def report_failed(run_dir: Path, argv: Sequence[str]) -> str | None:
     else:
         lines = [f"error: {report['reason']}"] + ([f"  full traceback: {report['log']}"] if report.get("log") else [])
     newest = committed(run_dir / CHECKPOINTS_DIR)
-    if newest and report.get("resumable", True):
+    if newest and report.get("resumable", True) and RESUMED_BY.get() is None:
         lines.append(f"  resume from {newest[0]} with:\n  {resume_command(run_dir, argv, keep_resume_from=False)}")
     print("\n".join(lines), file=sys.stderr, flush=True)
     return str(report["render"] or report["reason"])
@@ -90,11 +95,11 @@ def report_interrupted(run_dir: Path, signum: int, extra: dict, argv: Sequence[s
 
     newest = committed(run_dir / CHECKPOINTS_DIR)
     checkpoint = str(newest[0]) if newest else None
-    command = resume_command(run_dir, argv, keep_resume_from=not newest)
+    command = RESUMED_BY.get() or resume_command(run_dir, argv, keep_resume_from=not newest)
     code = stopping.exit_code(signum)
     name = signal.Signals(signum).name
-    print(f"\n{interrupted_message(name, checkpoint, stopping.forced())}. Resume with:\n  {command}", file=sys.stderr,
-          flush=True)
+    said = interrupted_message(name, checkpoint, stopping.forced())
+    print(f"\n{said}" if RESUMED_BY.get() else f"\n{said}. Resume with:\n  {command}", file=sys.stderr, flush=True)
     extra = {**extra, "checkpoint": checkpoint, "resume_command": command}
     write_result(run_dir, code, f"interrupted by {name}", "interrupted", **extra)
     return code

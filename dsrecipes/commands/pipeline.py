@@ -4,12 +4,15 @@ runs/<file name without .yaml>)."""
 
 from __future__ import annotations
 
+import os
 import shlex
+import sys
 import traceback
 from pathlib import Path
 from typing import List
 
 import dsrecipes.boundary.trust as trust
+import dsrecipes.commands.outcome as outcome
 import dsrecipes.commands.train as train
 from dsrecipes.commands.args import command_parser, parse
 from dsrecipes.config.pipeline_file import Pipeline, load_pipeline
@@ -25,8 +28,8 @@ def main(argv: List[str]) -> int:
     path = Path(args.file)
     pipeline = load_pipeline(path)
     out = Path(args.out) if args.out else Path("runs") / path.stem
-    command = shlex.join(["dsrecipes", "pipeline", str(path), "--out", str(out)])
-    code = run_pipeline(pipeline, out, train_stage, command)
+    command = resume_command(path, out)
+    code = run_pipeline(pipeline, out, lambda stage_argv: train_stage(stage_argv, command), command)
     if code == 0 and pipeline.prompts is not None:
         print(prompt_answers(pipeline, out), flush=True)
     return code
@@ -44,9 +47,18 @@ def prompt_answers(pipeline: Pipeline, out: Path) -> str:
         return f"prompt answers skipped: {exc.render().removeprefix('error: ')}"
 
 
-def train_stage(argv: List[str]) -> int:
-    """One stage as `dsrecipes train ARGV` runs (cli.py's handling: a refusal is one message and its exit code)."""
+def resume_command(path: Path, out: Path) -> str:
+    """This pipeline again, from where it was started (its file and --out may be relative), as the training command's
+    own resume command is written (commands/outcome.py)."""
+    args = [sys.executable, "-m", "dsrecipes", "pipeline", str(path), "--out", str(out)]
+    return f"cd {shlex.quote(os.getcwd())} && {shlex.join(args)}"
+
+
+def train_stage(argv: List[str], resume: str) -> int:
+    """One stage as `dsrecipes train ARGV` runs (cli.py's handling: a refusal is one message and its exit code). An
+    interrupted or failed stage names no resume command of its own: the pipeline's (`resume`) is said once."""
     trust.reset()  # trusting a checkpoint is never carried from one stage to the next
+    resumed_by = outcome.RESUMED_BY.set(resume)
     try:
         return train.main(argv)
     except UserError as exc:
@@ -55,3 +67,5 @@ def train_stage(argv: List[str]) -> int:
     except Exception:  # noqa: BLE001 - a crash of one stage (train re-raises it for a single run): the pipeline
         traceback.print_exc()  # stops naming that stage, with the resume command (run/pipeline.py)
         return 1
+    finally:
+        outcome.RESUMED_BY.reset(resumed_by)
