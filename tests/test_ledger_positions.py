@@ -86,3 +86,35 @@ def test_a_ledger_line_with_keys_that_are_not_names_is_refused(tmp_path):
     (tmp_path / "ledger").mkdir()
     (tmp_path / "ledger" / "rank0.jsonl").write_text('{"epoch": 0, "step": 1, "ids": ["x"], "keys": [[1]]}\n')
     assert cli_main(["audit", "--ledger", str(tmp_path)]) == 2
+
+
+def test_prompt_eval_never_scores_a_trained_conversation_as_held_out(tmp_path, capsys):
+    """prompt-eval finds the run's validation conversations by id. An id that names a held-out conversation and a
+    trained one (b/train.jsonl:N is also a/train.jsonl:N) was matched to the first in data order: a trained
+    conversation scored as held out. Such ids are now left out, and said."""
+    from dsrecipes.core.errors import UserError
+    from dsrecipes.serve.prompt_eval import validation_rows
+
+    sources = same_named_files(tmp_path / "data")
+    lines = (tmp_path / "data" / "b" / "train.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "data" / "b" / "train.jsonl").write_text("".join(lines[:4]))  # ids train.jsonl:1-4 name two samples
+    run = tmp_path / "run"
+    with in_process_environ():
+        assert cli_main(["debug=fast", sources, "dataset.val_size=8", "trainer.record_samples=true",
+                         f"trainer.output_dir={run}", f"hydra.run.dir={run}", f"data.cache_dir={tmp_path / 'cache'}",
+                         "trainer.max_steps=1", "trainer.save_every=0", "trainer.eval_every=0", "launcher=local"]) == 0
+    capsys.readouterr()
+    rows = validation_rows(run)
+    shown = capsys.readouterr().out
+    titles = [row.title for row in rows]
+    assert rows and not any(f"[train.jsonl:{n}]" in t for t in titles for n in range(1, 5)), titles
+    assert "validation ids name more than one conversation" in shown and "left out" in shown, shown
+
+    (tmp_path / "data" / "a" / "train.jsonl").write_text("".join(lines[:4]))  # now every id names two samples
+    run2 = tmp_path / "run2"
+    with in_process_environ():
+        assert cli_main(["debug=fast", sources, "dataset.val_size=2", f"trainer.output_dir={run2}",
+                         f"hydra.run.dir={run2}", f"data.cache_dir={tmp_path / 'cache'}", "trainer.max_steps=1",
+                         "trainer.save_every=0", "trainer.eval_every=0", "launcher=local"]) == 0
+    with pytest.raises(UserError, match="no held-out conversation can be told apart"):
+        validation_rows(run2)

@@ -148,10 +148,19 @@ def validation_rows(run_dir: Path) -> List[PromptRow]:
     if val is None:
         raise UserError(f"{run_dir}: the run has no validation split (dataset.val_size=0); pass --prompts FILE")
     wanted = {sample_id for ids in val["ids"] for sample_id in ids}
-    convs = {}
+    found: Dict[str, List[Conversation]] = {}
     for conv in iter_conversations(cfg.dataset, report=BadRowReport(BadRows.skip, 1.0)):
-        if conv.id in wanted and conv.id not in convs:
-            convs[conv.id] = conv
+        if conv.id in wanted:
+            found.setdefault(conv.id, []).append(conv)
+    convs = {sample_id: c[0] for sample_id, c in found.items() if len(c) == 1}
+    if len(convs) < len(found):  # an id of two conversations: which one was held out is not known from the id
+        shared = sorted(set(found) - set(convs))
+        note = (f"{len(shared)} of the {len(found)} validation ids name more than one conversation in the data (e.g. "
+                f"{shared[:3]}: files of the same name, or an id column that repeats)")
+        if not convs:
+            raise UserError(f"{run_dir}: {note}, so no held-out conversation can be told apart from a trained one; give "
+                            "the samples unique ids, or pass --prompts FILE")
+        print(f"note: {note}; they are left out, so that no trained conversation is scored as held out", flush=True)
     rows = []
     for sample_id, conv in convs.items():  # in data order
         last = conv.turns[-1]  # normalisation ends every conversation with its last reply
