@@ -34,7 +34,6 @@ import contextlib
 import hashlib
 import heapq
 import itertools
-import json
 import os
 import resource
 import shutil
@@ -48,7 +47,7 @@ from dsrecipes.core.fileio import (
     atomic_write_json,
     dangling_link_problem,
     missing_dirs,
-    read_regular_bytes,
+    read_json_file,
     remove_empty_dirs,
 )
 from dsrecipes.core.publish import Existing, publish_dir, staging_dir
@@ -348,7 +347,8 @@ def sync_dir(path: Path, files: bool = False) -> None:
 
 def _json_or_none(path: Path) -> Any:
     try:
-        return json.loads(read_regular_bytes(path).decode("utf-8"))  # a FIFO named manifest.json: not ours, no wait
+        # bounded: a FIFO named manifest.json is not ours (no wait); nor is one too large or nested too deeply
+        return read_json_file(path, "JSON nested too deeply to be a shard manifest")
     except (OSError, ValueError):
         return None
 

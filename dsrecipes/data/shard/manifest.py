@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 
 import dsrecipes.data.shard.store as store_upload
 from dsrecipes.core.errors import DataError
-from dsrecipes.core.fileio import not_regular
+from dsrecipes.core.fileio import Unreadable, loads_bounded, not_regular, read_json_file
 from dsrecipes.core.typed import config_to_dict
 from dsrecipes.data.prepare.cache import tokenizer_fingerprint
 from dsrecipes.data.render.template_choice import choose_template
@@ -83,6 +83,9 @@ def part_name(index: int, parts: int) -> str:
     return f"part_{index:0{max(2, len(str(parts - 1)))}d}.jsonl"
 
 
+DEEP_MANIFEST = "JSON nested too deeply"
+
+
 def read_manifest(shard_dir: Optional[str], world_size: Optional[int] = None) -> Manifest:
     """The manifest of `shard_dir`; with `world_size`, refuses a part count that differs from it."""
     if not shard_dir:
@@ -95,8 +98,9 @@ def read_manifest(shard_dir: Optional[str], world_size: Optional[int] = None) ->
     if not (store_upload.exists(path) if local is None else path.is_file()):
         raise DataError(f"data.shard_dir: {path} not found; write the parts with `dsrecipes shard ... --out {shard_dir}`")
     try:
-        data = json.loads(store_upload.read_text(path) if local is None else path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
+        data = (loads_bounded(store_upload.read_text(path), DEEP_MANIFEST) if local is None else
+                read_json_file(path, DEEP_MANIFEST))  # bounded: the directory may be anyone's
+    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON; too large, a FIFO, nested too deeply
         raise DataError(f"{path}: not a manifest written by `dsrecipes shard` ({_why(exc)}); re-shard") from None
     if not isinstance(data, dict):
         raise DataError(f"{path}: not a manifest written by `dsrecipes shard` (not a JSON object); re-shard")
@@ -123,6 +127,8 @@ def read_manifest(shard_dir: Optional[str], world_size: Optional[int] = None) ->
 
 
 def _why(exc: Exception) -> str:
+    if isinstance(exc, Unreadable):
+        return str(exc)
     return (exc.strerror or str(exc)) if isinstance(exc, OSError) else f"not JSON: {exc}"
 
 

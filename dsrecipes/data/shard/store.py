@@ -12,14 +12,13 @@ old shard's objects the new one does not list (parts of a larger count) are remo
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, List, Optional
 
 from dsrecipes.core.errors import UserError
-from dsrecipes.core.fileio import json_text
+from dsrecipes.core.fileio import json_text, loads_bounded
 from dsrecipes.data.prepare.cache import cache_root
 from dsrecipes.data.sources.remote import identity, s3, store_errors
 
@@ -39,7 +38,7 @@ def read_text(url: str) -> str:
 def json_or_none(url: str) -> Any:
     """The JSON object at `url`, or None when it is not JSON."""
     try:
-        return json.loads(read_text(url))
+        return loads_bounded(read_text(url), "nested too deeply")  # a RecursionError is not JSON either
     except ValueError:
         return None
 
