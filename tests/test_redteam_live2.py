@@ -75,3 +75,55 @@ def test_a_pipeline_stopped_during_a_stage_says_one_command_and_it_is_the_pipeli
     command = f"cd {tmp_path} && {sys.executable} -m dsrecipes pipeline p.yaml --out out"
     assert f"pipeline: stage 'sft' (1 of 2) was interrupted; resume with: {command}" in err, err
     assert json.loads((tmp_path / "out" / "sft" / "result.json").read_text())["resume_command"] == command
+
+
+@pytest.fixture
+def signed_reward(model_dir, tmp_path, monkeypatch):
+    """The tiny model as a one-label reward model with an export marker signed by this user's key (a test key)."""
+    import shutil
+
+    from dsrecipes.boundary import trust
+    from dsrecipes.core import manifest
+    from dsrecipes.core.export_dir import EXPORT_MARKER
+
+    monkeypatch.setenv(trust.KEY_ENV, str(tmp_path / "key"))
+    model = tmp_path / "reward"
+    shutil.copytree(model_dir, model)
+    config = json.loads((model / "config.json").read_text(encoding="utf-8"))
+    config.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    (model / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    hashes = manifest.describe(model)
+    trust.ensure_key()
+    (model / EXPORT_MARKER).write_text(json.dumps(trust.sign({"files": sorted(hashes), "hashes": hashes})))
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": [{"role": "user", "content": "a"}],
+                                 "chosen": [{"role": "assistant", "content": "b"}],
+                                 "rejected": [{"role": "assistant", "content": "c"}]}) + "\n", encoding="utf-8")
+    return model, pairs
+
+
+def test_score_checks_an_export_as_chat_does_before_loading_it(signed_reward, tmp_path, monkeypatch, capsys):
+    """Tried for real: an objective=reward export with its chat template altered, and one signed with another
+    user's key: `dsrecipes chat` refused both (damaged export / refusing to load this export), `dsrecipes score`
+    loaded and scored both (exit 0)."""
+    from dsrecipes.boundary import trust
+    from dsrecipes.cli import main as cli_main
+    from tests.conftest import in_process_environ
+    from tests.test_messages_hostile import refused
+
+    model, pairs = signed_reward
+    out = tmp_path / "r.jsonl"
+    monkeypatch.setenv(trust.KEY_ENV, str(tmp_path / "another_users_key"))
+    trust.ensure_key()
+    refused(capsys, ["score", str(model), "--pairs", str(pairs), "--out", str(out)], "refusing to load this export",
+            f"dsrecipes score {model} --pairs {pairs} --trust-checkpoint {model}")
+    assert not out.exists()
+    with in_process_environ():  # trusted on the command line: scored
+        assert cli_main(["score", str(model), "--pairs", str(pairs), "--out", str(out), "--trust-checkpoint",
+                         str(model)]) == 0
+    out.unlink()
+    monkeypatch.setenv(trust.KEY_ENV, str(tmp_path / "key"))
+    (model / "config.json").write_text((model / "config.json").read_text() + " ", encoding="utf-8")
+    refused(capsys, ["score", str(model), "--pairs", str(pairs), "--out", str(out)], "damaged export",
+            "config.json")
+    assert not out.exists()

@@ -8,7 +8,9 @@ with the answer's end-of-turn token as in training, and scored at its last non-p
 classification does. Printed: pairs, pairwise accuracy
 (share with reward(chosen) > reward(rejected)) and mean margin; written (--out, default FILE.rewards.jsonl, never
 over an existing file): one JSON line per pair with both rewards. Every failure (a directory that is not a model, one
-that needs its own code, a malformed pair named by file:line) is one message and exit 2, with nothing written.
+that needs its own code, a malformed pair named by file:line) is one message and exit 2, with nothing written. A
+dsrecipes export is checked before anything of it is loaded as chat and prompt-eval check it (serve/inference.py
+check_loadable): signed by this user, or trusted with --trust-checkpoint PATH, and its files as written.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 from dsrecipes.boundary.chat_sandbox import TemplateRaised, render_many
-from dsrecipes.commands.args import parse
+from dsrecipes.boundary.trust import FLAG, TRUST_HELP, trust
+from dsrecipes.commands.args import existing_path, parse
 from dsrecipes.core.errors import UserError, no_custom_code
 from dsrecipes.core.export_dir import EXPORT_MARKER
 from dsrecipes.core.fileio import Unreadable, atomic_write_text, json_text
@@ -42,7 +45,9 @@ def main(argv: List[str]) -> int:
                         "conversations/chosen/rejected)")
     parser.add_argument("--out", default=None, help="per-pair rewards JSONL to write (default: PAIRS.rewards.jsonl); "
                         "must not exist")
+    parser.add_argument(FLAG, action="append", default=[], type=existing_path, metavar="PATH", help=TRUST_HELP)
     args = parse(parser, argv)
+    trust(args.trust_checkpoint)
     model_dir, pairs_path = Path(args.export).expanduser(), Path(args.pairs).expanduser()
     out = Path(args.out).expanduser() if args.out else pairs_path.with_suffix(".rewards.jsonl")
     check_model_dir(model_dir)
@@ -52,7 +57,7 @@ def main(argv: List[str]) -> int:
     for problem in writable_dir("--out", out.parent):  # below a file or a dangling link: refused before scoring
         raise UserError(problem)
     pairs = read_pairs(pairs_path)
-    model, tokenizer = load_scorer(model_dir)
+    model, tokenizer = load_scorer(model_dir, retry=f"dsrecipes score {args.export} --pairs {args.pairs}")
     rows = score_pairs(model, tokenizer, pairs, end_of_turn(model_dir))
     atomic_write_text(out, "".join(json_text(r, indent=None) for r in rows))
     n = len(rows)
@@ -121,11 +126,15 @@ def read_pairs(path: Path) -> List[Tuple[int, Pair]]:
     return out
 
 
-def load_scorer(path: Path) -> Tuple[Any, Any]:
+def load_scorer(path: Path, retry: str) -> Tuple[Any, Any]:
+    """The model and tokenizer of `path`, once it passed the check chat and prompt-eval make (a dsrecipes export:
+    signed by this user or trusted with --trust-checkpoint, its files as written); `retry`: the command a refusal
+    names."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from dsrecipes.serve.inference import loading  # lazy: torch
+    from dsrecipes.serve.inference import check_loadable, loading  # lazy: torch
 
+    check_loadable(path, retry)
     with no_custom_code("EXPORT", str(path)), loading(path, "a sequence-classification model"):
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
         model = AutoModelForSequenceClassification.from_pretrained(str(path), use_safetensors=True,
