@@ -127,3 +127,26 @@ def test_score_checks_an_export_as_chat_does_before_loading_it(signed_reward, tm
     refused(capsys, ["score", str(model), "--pairs", str(pairs), "--out", str(out)], "damaged export",
             "config.json")
     assert not out.exists()
+
+
+def test_score_refuses_a_directory_of_pickles_naming_its_own_argument(signed_reward, tmp_path, capsys):
+    """A foreign directory whose weights are a pickle that runs a command when loaded: refused before anything is
+    read (it was), and the message names score's own argument (before: 'model.path:', a training key)."""
+    import pickle
+
+    from tests.test_messages_hostile import refused
+
+    model, pairs = signed_reward
+    (model / "dsrecipes_export.json").unlink()
+    (model / "model.safetensors").unlink()
+    ran = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            import os
+            return os.system, (f"touch {ran}",)
+
+    (model / "pytorch_model.bin").write_bytes(pickle.dumps(Payload()))
+    err = refused(capsys, ["score", str(model), "--pairs", str(pairs), "--out", str(tmp_path / "r.jsonl")],
+                  f"error: EXPORT: {model} holds its weights as pickles (pytorch_model.bin)")
+    assert "model.path" not in err and not ran.exists()

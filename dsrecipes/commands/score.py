@@ -75,7 +75,7 @@ def check_model_dir(path: Path) -> None:
         raise UserError(f"{path}: not a model directory (no config.json); give an objective=reward export")
     for problem in irregular_files("EXPORT", path, ("config.json", *WEIGHT_PATTERNS, *TOKENIZER_READS)):
         raise UserError(problem)  # a FIFO there would block the reads below for ever
-    problem = pickled_weights_problem(path)
+    problem = pickled_weights_problem(path, "EXPORT")
     if problem is None and next(path.glob("*.safetensors"), None) is None:
         problem = f"{path}: no *.safetensors weights (an adapter-only export needs --lora merged to be scored)"
     if problem is not None:

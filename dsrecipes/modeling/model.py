@@ -154,19 +154,19 @@ def load_pretrained(cfg: TrainConfig, dtype: torch.dtype, ds_config: Optional[Di
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
-def pickled_weights_problem(path: Path) -> Optional[str]:
-    """model.path holding its weights only as pickles (pytorch_model.bin, ...): refused, since unpickling can run
-    code and transformers' weights_only reader ends in a traceback on anything unusual. None when safetensors are
-    there (transformers then reads only those)."""
+def pickled_weights_problem(path: Path, key: str = "model.path") -> Optional[str]:
+    """model.path (or another directory, named by `key`) holding its weights only as pickles (pytorch_model.bin,
+    ...): refused, since unpickling can run code and transformers' weights_only reader ends in a traceback on
+    anything unusual. None when safetensors are there (transformers then reads only those)."""
     if not path.is_dir() or next(path.glob("*.safetensors"), None) is not None:
         return None
     pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if not pickles:
         return None
-    return (f"model.path: {path} holds its weights as pickles ({', '.join(pickles[:3])}) and no *.safetensors; "
+    return (f"{key}: {path} holds its weights as pickles ({', '.join(pickles[:3])}) and no *.safetensors; "
             "dsrecipes loads model weights only from safetensors (a pickle can run code when loaded). Convert them "
-            "once, e.g. AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir), and point model.path at "
-            "the result")
+            "once, e.g. AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir), and point "
+            f"{key} at the result")
 
 
 def add_lora(cfg: TrainConfig, model: torch.nn.Module) -> torch.nn.Module:
