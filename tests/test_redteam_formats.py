@@ -144,3 +144,100 @@ def test_an_object_in_a_store_is_judged_by_its_name_without_reading_it(monkeypat
         files.expand_paths(["s3://bucket/data/*.parquet"])
     (problem,) = err.value.problems
     assert problem.startswith("s3://bucket/data/train-00000.parquet: a Parquet file") and "train-00000.jsonl" in problem
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A resume refused because dsrecipes's own preparation changed says so (not "file contents or preparation
+# settings", which sent the user to their files). The checkpoint is written as a run writes it (complete.json,
+# config.yaml, plan.json); the fingerprints are the map strategy's real keys, before and after PREP_VERSION moves.
+
+
+def checkpoint(make_cfg, tmp_path: Path, *overrides: str, plan_record: str = "recorded"):
+    """(cfg, tokenizer, ResumePlan) for a checkpoint at step 4 of a debug=fast run under this dsrecipes.
+    `plan_record`: "recorded" (this version's plan.json), "none" (a plan.json of before the record was kept),
+    "other" (the run plan of a later launch with other data, so not the checkpoint's), "deep" (no JSON to read)."""
+    from dsrecipes.core.rundir import write_config
+    from dsrecipes.core.runplan import ResumePlan
+    from dsrecipes.core.tokenizer import load_tokenizer
+    from dsrecipes.core.typed import config_to_dict
+    from dsrecipes.run.entry import data_identity
+
+    run = tmp_path / "run"
+    cfg = make_cfg("debug=fast", f"data.cache_dir={tmp_path / 'cache'}", f"trainer.output_dir={run}", *overrides)
+    tokenizer = load_tokenizer(cfg)
+    fingerprint, files = data_identity(cfg, tokenizer)
+    tag = run / "checkpoints" / "step_4"
+    tag.mkdir(parents=True)
+    write_config(tag, config_to_dict(cfg))
+    (tag / "complete.json").write_text(json.dumps({"data_fingerprint": fingerprint, "data_files": files, "step": 4,
+                                                   "world_size": 1, "total_steps": 8}))
+    plan = {"data_fingerprint": fingerprint, "data_files": files}
+    if plan_record != "none":
+        from dsrecipes.data.prepare.cache import preparation_record
+
+        plan["data_prepared"] = preparation_record(tokenizer)
+    if plan_record == "other":
+        plan["data_fingerprint"] = "0" * 24
+    (run / "plan.json").write_text("[" * 100_000 if plan_record == "deep" else json.dumps(plan))
+    return cfg, tokenizer, ResumePlan(str(tag), 4, 1, False)
+
+
+def resume_refusal(cfg, resume, monkeypatch) -> str:
+    """What `decide` (the launching process, before it writes anything) says when asked to resume `resume`: the
+    checkpoint is found as `plan_resume` finds it (monkeypatched: its signature checks are other tests' concern)."""
+    import dsrecipes.run.entry as entry
+    from dsrecipes.core.errors import Refused
+
+    monkeypatch.setattr(entry, "plan_resume", lambda *args, **kwargs: resume)
+    with pytest.raises(Refused) as err:
+        entry.decide(cfg)
+    (problem,) = err.value.problems
+    assert "training data: fingerprint" in problem, problem
+    return problem
+
+
+def test_a_resume_after_a_preparation_version_change_says_so(make_cfg, tmp_path, monkeypatch):
+    import dsrecipes.data.prepare.cache as cache
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS * 4))
+    cfg, _, resume = checkpoint(make_cfg, tmp_path, f"dataset.paths=[{data}]")
+    monkeypatch.setattr(cache, "PREP_VERSION", cache.PREP_VERSION + 1)  # an upgrade that prepares differently
+    problem = resume_refusal(cfg, resume, monkeypatch)
+    old = cache.PREP_VERSION - 1
+    assert f"the data was prepared by an earlier dsrecipes (preparation version {old}, now {old + 1})" in problem
+    assert "file contents" not in problem and "Restore them" not in problem, problem
+    assert "start a new run in another trainer.output_dir" in problem.lower(), problem
+    assert "cannot resume" in problem and "these settings differ" not in problem, problem
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS[::-1] * 4))  # and a changed file is still named
+    problem = resume_refusal(cfg, resume, monkeypatch)
+    assert f"({data} changed)" in problem and "Restore them to resume" in problem, problem
+
+
+@pytest.mark.parametrize("plan_record", ["none", "other", "deep"])
+def test_a_checkpoint_without_that_record_gets_both_possibilities(plan_record, make_cfg, tmp_path, monkeypatch):
+    import dsrecipes.data.prepare.cache as cache
+
+    cfg, _, resume = checkpoint(make_cfg, tmp_path, plan_record=plan_record)
+    monkeypatch.setattr(cache, "PREP_VERSION", cache.PREP_VERSION + 1)
+    problem = resume_refusal(cfg, resume, monkeypatch)
+    assert "the training files and settings are unchanged" in problem, problem
+    assert "an earlier dsrecipes prepared it" in problem and "does not record its preparation version" in problem
+    assert "the tokenizer at model.path" in problem and "file contents" not in problem, problem
+
+
+def test_a_changed_tokenizer_is_named_not_the_files(make_cfg, tmp_path, monkeypatch):
+    import shutil
+
+    from dsrecipes.core.paths import TINY_TOKENIZER_DIR
+
+    tok = tmp_path / "tok"
+    shutil.copytree(TINY_TOKENIZER_DIR, tok)
+    cfg, _, resume = checkpoint(make_cfg, tmp_path, f"model.tokenizer_path={tok}")
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{#- a newer snapshot -#}" + config["chat_template"]
+    (tok / "tokenizer_config.json").write_text(json.dumps(config))
+    problem = resume_refusal(cfg, resume, monkeypatch)
+    assert "the tokenizer is not the one the checkpoint was prepared with" in problem, problem
+    assert "file contents" not in problem and "preparation version" not in problem, problem
+

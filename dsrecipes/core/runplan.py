@@ -43,6 +43,8 @@ class RunPlan:
     data_fingerprint: str  # content key of the training data (files, preparation), for resume checks
     resume: Optional[ResumePlan] = None
     data_files: Dict[str, str] = field(default_factory=dict)  # content hash of each training file (resume checks)
+    data_prepared: Dict[str, Any] = field(default_factory=dict)  # what else made the fingerprint: preparation
+    # version, dsrecipes release, tokenizer (data/prepare/cache.preparation_record; resume messages)
     newest_checkpoint: Optional[str] = None  # the run dir's newest committed checkpoint when planned (ranks check)
     supervised: bool = False  # a launching process holds the run directory's lock while the ranks run
     past_stop: bool = False  # the resumed checkpoint stopped early and this run trains on (resume_contract)

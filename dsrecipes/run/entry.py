@@ -24,6 +24,7 @@ from dsrecipes.config.validate import check_runtime
 from dsrecipes.core.checkpoint_names import read_record
 from dsrecipes.core.errors import ConfigError, Refused, UserError
 from dsrecipes.core.export_dir import EXPORT_DIR, check_out_dir
+from dsrecipes.core.fileio import read_json_file
 from dsrecipes.core.hub import resolve_hub_paths
 from dsrecipes.core.rank_records import clear_outcome
 from dsrecipes.core.rundir import CHECKPOINTS_DIR, RESULT_FILE, holds_run, write_config, write_ds_config
@@ -32,8 +33,10 @@ from dsrecipes.core.schema import Device, LauncherKind, ResumeMode, TrainConfig
 from dsrecipes.core.tokenizer import check_no_custom_code, load_tokenizer
 from dsrecipes.core.topology import Topology, local_devices, resolve_topology, train_batch_size
 from dsrecipes.core.typed import config_to_dict
+from dsrecipes.data.prepare.cache import preparation_record
 from dsrecipes.data.strategies import PrepareResult, plan_steps, strategy_of
 from dsrecipes.observe.trackers import preflight
+from dsrecipes.run.data_change import DataChange
 from dsrecipes.run.ds_config import build_ds_config
 from dsrecipes.run.launch import launch
 from dsrecipes.run.micro_batch import settle as settle_micro_batch
@@ -87,7 +90,7 @@ def decide(cfg: TrainConfig, topology: Optional[Topology] = None) -> Decision:
     if resume is not None or not getattr(strategy_of(cfg), "identity_in_prepare", False):
         fingerprint, files = data_identity(cfg, tokenizer)
     if resume is not None:
-        check_resume(cfg, resume, fingerprint, files)
+        check_resume(cfg, resume, fingerprint, files, tokenizer)
     return Decision(topology, tokenizer, fingerprint, files, resume)
 
 
@@ -142,6 +145,7 @@ def plan_run(cfg: TrainConfig, run_dir: Path, decision: Decision) -> RunPlan:
     return RunPlan(world_size=topology.world_size, num_nodes=topology.num_nodes, data_kind=cfg.data.kind.value,
                    rows=prepared.rows, steps_per_epoch=per_epoch, total_steps=total,
                    data_fingerprint=decision.data_fingerprint, resume=decision.resume, data_files=decision.data_files,
+                   data_prepared=preparation_record(decision.tokenizer),
                    newest_checkpoint=newest[0].name if newest else None,
                    supervised=cfg.launcher.kind is not LauncherKind.slurm, past_stop=past_stop)
 
@@ -202,11 +206,12 @@ def data_identity(cfg: TrainConfig, tokenizer: Any) -> Tuple[str, Dict[str, str]
     return strategy_of(cfg).identity(cfg, tokenizer)
 
 
-def check_resume(cfg: TrainConfig, resume: ResumePlan, fingerprint: str, files: Dict[str, str]) -> None:
+def check_resume(cfg: TrainConfig, resume: ResumePlan, fingerprint: str, files: Dict[str, str],
+                 tokenizer: Any = None) -> None:
     """The resume contract against what wrote the checkpoint (its config.yaml and complete.json; for checkpoints
     of older versions, its run directory's config.yaml and plan.json). Exit 2 listing every difference that
-    cannot resume; one line for the accepted ones."""
-
+    cannot resume; one line for the accepted ones. What prepared the checkpoint's data is its run plan's record,
+    trusted only when that plan has the checkpoint's fingerprint (the plan of the launch that wrote it)."""
 
     tag_dir = Path(resume.checkpoint)
     record = read_record(tag_dir)
@@ -218,14 +223,25 @@ def check_resume(cfg: TrainConfig, resume: ResumePlan, fingerprint: str, files: 
     saved = read_yaml_mapping(config_path)
     saved_data, saved_files = record.get("data_fingerprint"), record.get("data_files") or {}
     plan_path = tag_dir.parent.parent / "plan.json"
-    if saved_data is None and plan_path.is_file():
-        saved_data = json.loads(plan_path.read_text(encoding="utf-8")).get("data_fingerprint")
-    changed = [f"{f} changed" for f in sorted(set(saved_files) & set(files)) if saved_files[f] != files[f]]
-    changed += [f"{f} is new" for f in sorted(set(files) - set(saved_files)) if saved_files]
-    changed += [f"{f} is gone" for f in sorted(set(saved_files) - set(files))]
-    line = resume_contract.check(saved, config_to_dict(cfg), saved_data, fingerprint, str(tag_dir), changed)
+    plan = _saved_plan(plan_path)
+    saved_data = plan.get("data_fingerprint") if saved_data is None else saved_data
+    prepared = plan.get("data_prepared") if plan.get("data_fingerprint") == saved_data else None
+    data = DataChange(saved_files, files, prepared if isinstance(prepared, dict) else None,
+                      preparation_record(tokenizer),
+                      val_files=bool(cfg.dataset.val_paths), registry=bool(cfg.dataset.use))
+    line = resume_contract.check(saved, config_to_dict(cfg), saved_data, fingerprint, str(tag_dir), data)
     if line:
         print(line, flush=True)
+
+
+def _saved_plan(path: Path) -> Dict[str, Any]:
+    """The plan.json beside a checkpoint, as far as it can be read ({} otherwise): within fileio's bounds (a FIFO is
+    never waited on, a huge or deeply nested file never read whole)."""
+    try:
+        plan = read_json_file(path, "JSON nested too deeply") if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    return plan if isinstance(plan, dict) else {}
 
 
 def plan_data(cfg: TrainConfig, run_dir: Path, tokenizer: Any, fingerprint: str, world_size: int) -> PrepareResult:

@@ -19,6 +19,7 @@ import json
 from typing import Any, Dict, List, Optional, Tuple
 
 from dsrecipes.core.errors import Refused
+from dsrecipes.run.data_change import UNKNOWN, DataChange, explain
 
 MUST_MATCH = (
     "model", "template", "dataset", "data.kind", "data.cutoff_len", "data.packing", "data.train_on", "data.shuffle",
@@ -95,22 +96,27 @@ def _show(value: Any) -> str:
 
 
 def check(saved: Dict[str, Any], new: Dict[str, Any], saved_data: Optional[str], new_data: str,
-          checkpoint: str, changed_files: List[str]) -> Optional[str]:
-    """Raise ConfigError listing every difference that cannot resume from `checkpoint`; else return the one-line
-    report of the accepted differences (None when there are none)."""
+          checkpoint: str, data: Optional[DataChange] = None) -> Optional[str]:
+    """Raise ConfigError listing every difference that cannot resume from `checkpoint` (a differing data
+    fingerprint with what changed, `data_change.explain`); else return the one-line report of the accepted
+    differences (None when there are none)."""
 
     refused, accepted = compare(saved, new)
     ignorable = {"trainer.output_dir", "trainer.resume_from", "trainer.resume"}  # how one says "resume", not what
     accepted = [a for a in accepted if a.split(":", 1)[0] not in ignorable]
+    remedy, settings = None, bool(refused)
     if saved_data is not None and saved_data != new_data:
-        what = "; ".join(changed_files) if changed_files else "file contents or preparation settings"
+        what, remedy = explain(data, settings) if data is not None else (UNKNOWN, None)
         refused.append(f"training data: fingerprint {saved_data} -> {new_data} ({what})")
     if refused:
         lines = "\n".join(f"  {r}" for r in refused)
+        tail = "Restore them to resume, or start a new run in another trainer.output_dir"
+        differ = ("these settings differ from the ones it was trained with" if settings else
+                  "the training data differs from the data it was trained on")
         raise Refused(
-            f"cannot resume {checkpoint}: these settings differ from the ones it was trained with, and a "
-            f"checkpoint only continues correctly under its own:\n{lines}\n"
-            "Restore them to resume, or start a new run in another trainer.output_dir (nothing was changed)")
+            f"cannot resume {checkpoint}: {differ}, and a checkpoint only continues correctly under its own:\n"
+            f"{lines}\n"
+            f"{remedy[0].upper() + remedy[1:] if remedy and not settings else tail} (nothing was changed)")
     if not accepted:
         return None
     return f"resuming {checkpoint} with changed settings: " + ", ".join(accepted)

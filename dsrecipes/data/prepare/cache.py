@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from dsrecipes import __version__
 from dsrecipes.core.fileio import atomic_write_json
 from dsrecipes.core.paths import user_cache_dir
 from dsrecipes.core.schema import SourceConfig, TrainConfig
@@ -82,6 +83,14 @@ def cache_key(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig])
 
 def _digest(material: Any) -> str:
     return hashlib.blake2b(json.dumps(material, sort_keys=True).encode(), digest_size=12).hexdigest()
+
+
+def preparation_record(tokenizer: Any) -> Dict[str, Any]:
+    """What makes a key besides the files and settings, kept in the run plan beside the data fingerprint, so that a
+    refused resume can say which of them changed (run/data_change.py): this dsrecipes's preparation version and
+    release, and the tokenizer's fingerprint (None where the strategy's key does not hash a tokenizer)."""
+    return {"prep_version": PREP_VERSION, "dsrecipes": __version__,
+            "tokenizer": None if tokenizer is None else tokenizer_fingerprint(tokenizer)}
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
