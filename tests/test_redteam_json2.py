@@ -4,7 +4,6 @@ or a FIFO where the file belongs is one message naming the file (exit 2), or the
 rebuilt), never a traceback or a wait for ever."""
 
 import os
-from pathlib import Path
 
 import pytest
 
@@ -58,3 +57,80 @@ def test_a_store_manifest_nested_too_deeply_is_not_json(monkeypatch):
 
     monkeypatch.setattr(store, "read_text", lambda url: DEEP)
     assert store.json_or_none("s3://bucket/shards/manifest.json") is None
+
+
+# --- a cache (data.cache_dir may be shared): a damaged entry is built again, or refused naming the file -----------
+
+
+@pytest.mark.timeout(20)  # the FIFO blocked the read for ever before
+@pytest.mark.parametrize("kind", ["deep", "fifo", "list"])
+def test_a_hostile_memo_of_hashes_is_hashed_again(kind, tmp_path, capsys):
+    # Was: cache._read_memo json.loads'd data.cache_dir/file_hashes.json: 100000 '[' ended `dsrecipes audit` (and
+    # train, inspect-data) in a RecursionError traceback, a FIFO there blocked them for ever, a list was used as a dict.
+    import json
+
+    from dsrecipes.cli import main
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    memo = cache / "file_hashes.json"
+    if kind == "fifo":
+        os.mkfifo(memo)
+    else:
+        memo.write_text(DEEP if kind == "deep" else "[1, 2]", encoding="utf-8")
+    assert main(["audit", "debug=fast", "data=iterable", f"data.cache_dir={cache}"]) == 0, capsys.readouterr().err
+    assert "Traceback" not in capsys.readouterr().err
+    assert memo.is_file() and isinstance(json.loads(memo.read_text(encoding="utf-8")), dict)  # hashed again
+
+
+def test_a_stream_index_whose_meta_is_nested_too_deeply_is_indexed_again(tmp_path, capsys):
+    # Was: stream/files._load json.loads'd the index's meta (an .npz in data.cache_dir/stream): a RecursionError
+    # traceback at `dsrecipes audit data=iterable` (train too), not a cache miss.
+    import numpy as np
+
+    from dsrecipes.cli import main
+
+    cache = tmp_path / "cache"
+    argv = ["audit", "debug=fast", "data=iterable", f"data.cache_dir={cache}"]
+    assert main(argv) == 0
+    index = next((cache / "stream").glob("*.npz"))
+    with np.load(index) as z:
+        arrays = {k: z[k] for k in z.files}
+    index.unlink()
+    with open(index, "wb") as fh:
+        np.savez(fh, **{**arrays, "meta": np.array(DEEP)})
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.timeout(20)  # the FIFO blocked the read for ever before
+@pytest.mark.parametrize("kind", ["deep", "fifo"])
+def test_a_hostile_cache_content_record_is_one_message(kind, tmp_path):
+    # Was: cache_contents.check json.loads'd prepared/KEY/contents.json: 100000 '[' ended `dsrecipes inspect-data`
+    # (and train) on a cache hit in a RecursionError traceback (tried), a FIFO blocked it for ever (tried).
+    from dsrecipes.core.errors import DataError
+    from dsrecipes.data.prepare.cache_contents import CONTENTS, check
+
+    record = tmp_path / CONTENTS
+    if kind == "fifo":
+        os.mkfifo(record)
+    else:
+        record.write_text(DEEP, encoding="utf-8")
+    with pytest.raises(DataError) as err:
+        check(tmp_path)
+    why = "JSON nested too deeply" if kind == "deep" else "not a regular file"
+    assert str(err.value).startswith(f"{record}: no readable content record of this cache ({why}); delete ")
+
+
+def test_kept_scans_and_prepared_split_states_nested_too_deeply_are_made_again(tmp_path):
+    # Was: stream/scan_files.load_scan and arrow_rows' state.json caught ValueError, not json's RecursionError.
+    from dsrecipes.core.errors import DataError
+    from dsrecipes.data.prepare.arrow_rows import ArrowRows
+    from dsrecipes.data.stream.scan_files import load_scan
+
+    (tmp_path / "scan.json").write_text(DEEP, encoding="utf-8")
+    assert load_scan(tmp_path / "scan.json") is None
+    (tmp_path / "state.json").write_text(DEEP, encoding="utf-8")
+    with pytest.raises(DataError, match="not a readable prepared split .JSON nested too deeply.; prepare the data"):
+        ArrowRows.open(tmp_path)

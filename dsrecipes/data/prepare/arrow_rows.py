@@ -13,13 +13,13 @@ gives (a test compares them).
 from __future__ import annotations
 
 import array
-import json
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Union
 
 import pyarrow as pa
 
 from dsrecipes.core.errors import DataError
+from dsrecipes.core.fileio import read_json_file
 
 STATE_FILE = "state.json"  # datasets' save_to_disk: which Arrow files hold the rows, in order
 
@@ -36,7 +36,7 @@ class ArrowRows:
         """The split `datasets.Dataset.save_to_disk(path)` wrote: its Arrow stream files, in order, memory-mapped."""
         path = Path(path)
         try:
-            state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+            state = read_json_file(path / STATE_FILE, "JSON nested too deeply")  # bounded, as any cache file
             files = [path / entry["filename"] for entry in state["_data_files"]]
             if state.get("_indices_data_files"):  # never written by dsrecipes (it saves whole tables)
                 raise DataError(f"{path}: an indices mapping this reader does not follow; prepare the data again")

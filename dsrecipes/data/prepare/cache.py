@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from dsrecipes import __version__
-from dsrecipes.core.fileio import atomic_write_json
+from dsrecipes.core.fileio import atomic_write_json, read_json_file
 from dsrecipes.core.paths import user_cache_dir
 from dsrecipes.core.schema import SourceConfig, TrainConfig
 from dsrecipes.core.typed import config_to_dict
@@ -140,10 +140,13 @@ def content_hashes(cfg: TrainConfig, paths: Sequence[str],
 
 
 def _read_memo(path: Path) -> Dict[str, str]:
+    """The memo of content hashes; {} (every file hashed again, the memo rewritten) when it is missing or not ours to
+    read: not JSON, not an object, a FIFO (never waited on), over fileio's bound or nested too deeply."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        memo = read_json_file(path, "JSON nested too deeply to be a memo of hashes")
     except (OSError, ValueError):
         return {}
+    return memo if isinstance(memo, dict) else {}
 
 
 def _write_memo(path: Path, memo: Dict[str, str]) -> None:

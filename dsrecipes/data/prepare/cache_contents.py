@@ -12,14 +12,13 @@ names subdirectories with records of their own (a prepared directory's `referenc
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import stat
 from pathlib import Path
 from typing import Dict, Iterable
 
 from dsrecipes.core.errors import DataError
-from dsrecipes.core.fileio import atomic_write_json
+from dsrecipes.core.fileio import atomic_write_json, read_json_file
 
 CONTENTS = "contents.json"
 BLOCK = 1 << 20
@@ -36,7 +35,7 @@ def check(directory: Path, skip: Iterable[str] = ()) -> None:
     directory = Path(directory)
     fix = f"delete {directory} and start the run again to rebuild it"
     try:
-        recorded = json.loads((directory / CONTENTS).read_text(encoding="utf-8"))["files"]
+        recorded = read_json_file(directory / CONTENTS, "JSON nested too deeply")["files"]  # a FIFO: no wait
         if not isinstance(recorded, dict):
             raise ValueError("files is not a mapping")
     except (OSError, ValueError, KeyError, TypeError) as exc:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from dsrecipes.core.fileio import atomic_write_json, atomic_writer
+from dsrecipes.core.fileio import atomic_write_json, atomic_writer, loads_bounded, read_json_file
 from dsrecipes.data.prepare.cache import cache_root, content_hashes
 from dsrecipes.data.sources.remote import is_url, open_bytes, pin, size_mtime, store_errors
 from dsrecipes.data.stream.convert import CHUNK, convert, file_kind
@@ -163,8 +163,8 @@ def _converted(name: str, out: Path, block_bytes: int) -> Tuple[str, int, Any, O
     would change its modification time under runs that read it."""
     meta_path = out.with_suffix(".convert.json")
     try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        meta = read_json_file(meta_path, "nested too deeply")  # bounded: the cache may be shared
+    except (OSError, ValueError):  # missing, damaged, a FIFO, too large, too deep: converted again
         meta = None
     if meta is not None and meta["problem"] is None and (meta["path"] == name or out.is_file()):
         problem = tuple(meta["problem"]) if meta["problem"] else None
@@ -200,7 +200,7 @@ def _save(path: Path, fi: FileIndex) -> None:
 def _load(path: Path, name: str, digest: str) -> Optional[FileIndex]:
     try:
         with np.load(path, allow_pickle=False) as z:
-            meta = json.loads(str(z["meta"]))
+            meta = loads_bounded(str(z["meta"]), "nested too deeply")  # too deep: indexed again
             arrays = z["offsets"], z["lines"], z["firsts"]
     except (OSError, ValueError, KeyError):
         return None

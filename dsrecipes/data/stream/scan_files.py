@@ -15,12 +15,11 @@ of the bad-row policy, which `scan.py` applies afterwards:
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from dsrecipes.core.fileio import atomic_write_json
+from dsrecipes.core.fileio import atomic_write_json, read_json_file
 from dsrecipes.data.sources.badrows import BadReason, BadRow
 from dsrecipes.data.sources.files import element_line
 from dsrecipes.data.sources.sharegpt import conversation_dict, parse_item, role_table
@@ -151,7 +150,7 @@ def scan_path(root: Path, digest: str, key: str) -> Path:
 
 def load_scan(path: Path) -> Optional[FileScan]:
     try:
-        return FileScan(**json.loads(path.read_text(encoding="utf-8")))
+        return FileScan(**read_json_file(path, "nested too deeply"))  # a FIFO, too large, too deep: scanned again
     except (OSError, ValueError, TypeError):
         return None
 
