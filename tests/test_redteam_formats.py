@@ -146,6 +146,20 @@ def test_an_object_in_a_store_is_judged_by_its_name_without_reading_it(monkeypat
     assert problem.startswith("s3://bucket/data/train-00000.parquet: a Parquet file") and "train-00000.jsonl" in problem
 
 
+def test_a_llamafactory_folder_of_parquet_files_says_so(tmp_path, capsys):
+    """LLaMA-Factory's `file_name` may be a folder; one of Parquet files (as the Hub serves them) was only 'holds
+    no .json/.jsonl files'."""
+    from dsrecipes.cli import main
+
+    (tmp_path / "hub").mkdir()
+    path = write(tmp_path / "hub", "parquet")
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"mine": {"file_name": "hub", "formatting": "sharegpt"}}))
+    assert main(["validate", "debug=fast", f"dataset.registry={tmp_path / 'dataset_info.json'}",
+                 "dataset.use=[mine]"]) == 2
+    err = one_error(capsys, path, "a Parquet file")
+    assert "dataset.registry.mine: folder" in err and "python -c" in err, err
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # A resume refused because dsrecipes's own preparation changed says so (not "file contents or preparation
 # settings", which sent the user to their files). The checkpoint is written as a run writes it (complete.json,

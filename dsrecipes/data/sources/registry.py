@@ -32,6 +32,7 @@ from dsrecipes.core.schema import ColumnsConfig, DatasetConfig, DatasetFormat, S
 from dsrecipes.core.suggest import closest, phrase
 from dsrecipes.core.typed import convert
 from dsrecipes.data.sources.files import expand_paths
+from dsrecipes.data.sources.formats import other_format, other_format_message
 from dsrecipes.data.sources.remote import looks_like_url
 from dsrecipes.data.sources.split_shares import stamp
 
@@ -223,7 +224,7 @@ def _llamafactory_entry(name: str, entry: Any, base: str) -> SourceConfig:
     if os.path.isdir(target):
         paths = sorted(os.path.join(target, f) for f in os.listdir(target) if f.endswith(_DATA_SUFFIXES))
         if not paths:
-            raise ConfigError(f"{where}: folder {target} holds no .json/.jsonl files")
+            raise ConfigError(f"{where}: folder {target} holds no .json/.jsonl files{_other_files(target)}")
     else:
         paths = [target]
     num, ranking = entry.get("num_samples"), entry.get("ranking") or False  # null as LLaMA-Factory's default
@@ -235,6 +236,17 @@ def _llamafactory_entry(name: str, entry: Any, base: str) -> SourceConfig:
         raise ConfigError(f"{where}: preference (ranking) entries are read in the sharegpt formatting only")
     return SourceConfig(name=name, paths=paths, format=fmt, columns=cols, roles=roles, max_samples=num,
                         ranking=ranking)
+
+
+def _other_files(folder: str) -> str:
+    """For a folder of a LLaMA-Factory entry without data files: the files of another format in it (Parquet, CSV,
+    ...: formats.other_format) and how to convert the first, else ""."""
+    others = [(p, other_format(p)) for p in (os.path.join(folder, f) for f in sorted(os.listdir(folder)))
+              if os.path.isfile(p) and other_format(p)]
+    if not others:
+        return ""
+    path, kind = others[0]
+    return f"; it holds {len(others)} file(s) of another format, first {other_format_message(path, kind)}"
 
 
 def _names(where: str, key: str, value: Any) -> Dict[str, str]:
