@@ -255,3 +255,24 @@ def test_a_changed_tokenizer_is_named_not_the_files(make_cfg, tmp_path, monkeypa
     assert "the tokenizer is not the one the checkpoint was prepared with" in problem, problem
     assert "file contents" not in problem and "preparation version" not in problem, problem
 
+
+
+@pytest.mark.parametrize("strategy", ["iterable", "map"])
+def test_a_stream_resumed_under_another_preparation_version_is_refused(strategy, make_cfg, tmp_path, monkeypatch):
+    """data=iterable renders and tokenizes while it trains: its fingerprint hashes files and settings only, so an
+    upgrade that renders differently (PREP_VERSION 4: weight-0 messages became context) resumed it silently on other
+    tokens. The run plan's record now refuses it; map's own key already did (same words, checked alongside)."""
+    import dsrecipes.data.prepare.cache as cache
+    import dsrecipes.run.entry as entry
+    from dsrecipes.core.errors import Refused
+
+    cfg, _, resume = checkpoint(make_cfg, tmp_path, f"data={strategy}")
+    monkeypatch.setattr(entry, "plan_resume", lambda *args, **kwargs: resume)
+    entry.decide(cfg)  # same version: resumes (no refusal)
+    monkeypatch.setattr(cache, "PREP_VERSION", cache.PREP_VERSION + 1)
+    with pytest.raises(Refused) as err:
+        entry.decide(cfg)
+    (problem,) = err.value.problems
+    old = cache.PREP_VERSION - 1
+    assert f"by an earlier dsrecipes (preparation version {old}, now {old + 1})" in problem, problem
+    assert "start a new run in another trainer.output_dir" in problem.lower() and "Restore them" not in problem

@@ -67,6 +67,17 @@ def explain(data: DataChange, settings_differ: bool) -> Tuple[str, Optional[str]
     return UNKNOWN, None
 
 
+def rendering_changed(data: Optional[DataChange]) -> Optional[Tuple[str, str]]:
+    """(what changed, remedy) when the data fingerprint is the same but the recorded preparation version is not:
+    `data=iterable` and `presharded` render and tokenize while training, so their fingerprint hashes no version, yet
+    a resumed run would train on tokens rendered by other code (e.g. version 4 made weight-0 messages context).
+    None when nothing was recorded (a run of before the record: nothing is known) or the versions agree."""
+    if data is None or not data.saved_prep or data.saved_prep.get("prep_version") == data.prep.get("prep_version"):
+        return None
+    what, remedy = _version(data.saved_prep, data.prep)
+    return what.replace("the data was prepared", "its samples were rendered and tokenized", 1), remedy
+
+
 def _version(old: Dict[str, Any], now: Dict[str, Any]) -> Tuple[str, str]:
     age = "an earlier" if (old.get("prep_version") or 0) < (now.get("prep_version") or 0) else "another"
     what = (f"the training files and settings are unchanged, but the data was prepared by {age} dsrecipes "

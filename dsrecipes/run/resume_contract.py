@@ -19,7 +19,7 @@ import json
 from typing import Any, Dict, List, Optional, Tuple
 
 from dsrecipes.core.errors import Refused
-from dsrecipes.run.data_change import UNKNOWN, DataChange, explain
+from dsrecipes.run.data_change import UNKNOWN, DataChange, explain, rendering_changed
 
 MUST_MATCH = (
     "model", "template", "dataset", "data.kind", "data.cutoff_len", "data.packing", "data.train_on", "data.shuffle",
@@ -108,6 +108,9 @@ def check(saved: Dict[str, Any], new: Dict[str, Any], saved_data: Optional[str],
     if saved_data is not None and saved_data != new_data:
         what, remedy = explain(data, settings) if data is not None else (UNKNOWN, None)
         refused.append(f"training data: fingerprint {saved_data} -> {new_data} ({what})")
+    elif saved_data is not None and rendering_changed(data):
+        what, remedy = rendering_changed(data)  # type: ignore[misc]
+        refused.append(f"training data: {what}")
     if refused:
         lines = "\n".join(f"  {r}" for r in refused)
         tail = "Restore them to resume, or start a new run in another trainer.output_dir"
