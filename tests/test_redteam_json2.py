@@ -134,3 +134,24 @@ def test_kept_scans_and_prepared_split_states_nested_too_deeply_are_made_again(t
     (tmp_path / "state.json").write_text(DEEP, encoding="utf-8")
     with pytest.raises(DataError, match="not a readable prepared split .JSON nested too deeply.; prepare the data"):
         ArrowRows.open(tmp_path)
+
+
+# --- a model or tokenizer directory (anyone's): JSON transformers parses is read bounded first ----------------------
+
+
+@pytest.mark.parametrize("name", ["special_tokens_map.json", "added_tokens.json"])
+def test_validate_names_a_tokenizer_json_nested_too_deeply(name, tmp_path, capsys):
+    # Was: validate said OK (tokenizer_files.open_tokenizer swallowed the RecursionError, no bounded read of these
+    # files), then train / inspect-data refused the tokenizer as 'does not load as a tokenizer: maximum recursion
+    # depth exceeded' (transformers' own json parse) and chat's load ended in that RecursionError.
+    import shutil
+
+    from dsrecipes.cli import main
+    from dsrecipes.core.paths import TINY_TOKENIZER_DIR
+
+    tok = tmp_path / "tok"
+    shutil.copytree(TINY_TOKENIZER_DIR, tok)
+    (tok / name).write_text(DEEP, encoding="utf-8")
+    assert main(["validate", "debug=fast", f"model.tokenizer_path={tok}"]) == 2
+    one_error(capsys, f"model.tokenizer_path: {tok / name}: JSON nested too deeply")
+

@@ -138,7 +138,8 @@ def check_model_dir(key: str, path: Path, trust_remote_code: bool) -> List[str]:
     return problems
 
 
-SETTINGS_FILES = ("generation_config.json",)  # parsed with Python's json by transformers in every rank's model load
+# parsed with Python's json by transformers wherever the model or its tokenizer loads (every rank, chat, export)
+SETTINGS_FILES = ("generation_config.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 
 
 def settings_file_problems(key: str, path: Path) -> List[str]:
@@ -225,7 +226,7 @@ def check_tokenizer_dir(key: str, path: Path) -> List[str]:
     if not path.is_dir():
         return [f"{key}: {path} is a file; the tokenizer is loaded from a directory (tokenizer.json, "
                 "tokenizer_config.json, ...)"]
-    odd = irregular_files(key, path, TOKENIZER_READS)
+    odd = irregular_files(key, path, TOKENIZER_READS) or settings_file_problems(key, path)
     if odd:
         return odd
     if not any((path / name).is_file() for name in TOKENIZER_FILES):

@@ -10,11 +10,12 @@ tokenizer) is not read here: the run checks it.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from tokenizers import AddedToken, Tokenizer
+
+from dsrecipes.core.fileio import read_json_file
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -47,8 +48,8 @@ def open_tokenizer(directory: Path) -> Optional[FileTokenizer]:
 
 def _json(path: Path) -> Dict[str, Any]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = read_json_file(path, "nested too deeply")  # bounded: the directory may be anyone's
+    except (OSError, ValueError):  # absent or damaged; nested too deeply, too large, a FIFO: preflight names it
         return {}
     return data if isinstance(data, dict) else {}
 
