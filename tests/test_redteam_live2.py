@@ -150,3 +150,55 @@ def test_score_refuses_a_directory_of_pickles_naming_its_own_argument(signed_rew
     err = refused(capsys, ["score", str(model), "--pairs", str(pairs), "--out", str(tmp_path / "r.jsonl")],
                   f"error: EXPORT: {model} holds its weights as pickles (pytorch_model.bin)")
     assert "model.path" not in err and not ran.exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A run directory on a 1 MiB tmpfs, and what fills that to the last byte (root only: skipped otherwise)."""
+    import subprocess
+
+    from tests.test_disk_full import mount_tmpfs
+
+    disk = tmp_path / "disk"
+    mount_tmpfs(disk, "1M")
+    try:
+        run_dir = disk / "run"
+        (run_dir / "logs").mkdir(parents=True)
+        yield run_dir, lambda: subprocess.run(["dd", "if=/dev/zero", f"of={disk / 'filler'}", "bs=64k"],
+                                              capture_output=True)
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=False)  # (a file a failing test left open)
+
+
+def test_a_rank_stopped_by_a_full_disk_is_one_line_saying_so(small_disk, monkeypatch, capsys):
+    """Tried for real (report_to=[], the dd run above): 'error: rank 0 failed: OSError: [Errno 28] ... (at
+    dsrecipes/core/fileio.py:32) (traceback: RUN/logs/rank0.log)' - an empty log, and the place of a later write
+    (loss.png, as the failed run closed its metrics) - then 'error: the ranks exited with code 1 without a report',
+    'warning: RUN/result.json not written' and Hydra's 'UserWarning: Callback SweepSummary.on_job_end raised
+    OSError' quoting a line of its source. Now the rank's line alone, saying the disk is full and how to go on."""
+    from argparse import Namespace
+
+    from hydra.core.utils import JobStatus
+    from omegaconf import OmegaConf
+
+    import dsrecipes.rank.worker as worker
+    from dsrecipes.commands.outcome import conclude
+    from dsrecipes.observe.metrics import MetricsLogger
+    from dsrecipes.observe.sweep import SweepSummary
+
+    full_disk, fill = small_disk
+    logger = MetricsLogger(full_disk, 0, 8, bar=False, cfg=Namespace(trainer=Namespace(report_to=[])))
+    logger.log_train(1, 1.0, 1e-3, None, 1.0, 4, 1.0)
+    fill()
+    logger.close(ok=False)  # before: OSError from loss.png, in place of the run's own error
+    monkeypatch.setattr(worker, "end_workers", lambda: None)
+    monkeypatch.setenv("RANK", "0")
+    assert worker.failed(full_disk, OSError(errno.ENOSPC, "No space left on device")) == 1
+    assert conclude(full_disk, 1, False, []) == (1, False)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: rank 0 failed: OSError: [Errno 28]"), err
+    assert f"the disk of {full_disk} is full" in err and "(no checkpoint yet: it starts from step 1)" in err
+    assert sorted(p.name for p in full_disk.iterdir()) == ["logs", "metrics.jsonl"]
+    job = OmegaConf.create({"trainer": {"output_dir": str(full_disk)},
+                            "hydra": {"mode": "RUN", "runtime": {"output_dir": str(full_disk)}}})
+    SweepSummary().on_job_end(job, Namespace(status=JobStatus.COMPLETED))  # before: OSError (Hydra's warning)

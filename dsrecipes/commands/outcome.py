@@ -3,10 +3,12 @@ checkpoint and the exact command that continues it (printed and recorded)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shlex
 import signal
 import sys
+import tempfile
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Optional, Sequence, Tuple
@@ -39,7 +41,9 @@ def conclude(run_dir: Path, code: int, dry_run: bool, argv: Sequence[str]) -> Tu
         if signal_name is not None and rank_failure(run_dir) is None:
             error = report_killed(run_dir, signal_name)
         else:
-            error = report_failed(run_dir, argv) or outcome.get("error") or report_unexplained(run_dir, code)
+            error = report_failed(run_dir, argv) or outcome.get("error")
+            if error is None:
+                return report_unexplained(run_dir, code, extra), False
             error = f"{error} (a rank was killed by {signal_name})" if signal_name else error
         extra = {**extra, "rank_signal": signal_name} if signal_name else extra
         write_result(run_dir, code, error, **extra)
@@ -64,12 +68,29 @@ def report_killed(run_dir: Path, signal_name: str) -> str:
     return message
 
 
-def report_unexplained(run_dir: Path, code: int) -> str:
+def report_unexplained(run_dir: Path, code: int, extra: dict) -> int:
     """A failed launch that no rank explained (a launcher that could not start its ranks, a rank that exited without
-    a report): said, so that the console never ends a failed run without an error line."""
+    a report): said, so that the console never ends a failed run without an error line; written to result.json.
+    On a disk without room for result.json, the rank could not record its failure either and said it itself
+    (rank/worker.failed): nothing more is said or written. Returns the exit code."""
+    if no_room(run_dir):
+        return code
     message = f"the ranks exited with code {code} without a report"
     print(f"error: {message}; what they printed is in {run_dir / LOGS_DIR}/", file=sys.stderr, flush=True)
-    return message
+    write_result(run_dir, code, message, **extra)
+    return code
+
+
+def no_room(run_dir: Path) -> bool:
+    """Whether the disk of `run_dir` has no room for a small file (written unnamed, O_TMPFILE, and dropped)."""
+    try:
+        with tempfile.TemporaryFile(dir=run_dir) as fh:
+            fh.write(b"\0" * 4096)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return False
 
 
 def report_failed(run_dir: Path, argv: Sequence[str]) -> str | None:

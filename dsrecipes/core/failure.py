@@ -9,6 +9,7 @@ Torch-free: the launching side reads what the ranks wrote.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -102,7 +103,8 @@ def record_rank_failure(run_dir: Path, rank: int, exc: BaseException, log: Optio
     try:
         return write_failure(Path(run_dir), report)
     except OSError as exc:  # an unwritable run directory (a full disk): nobody can read it there, so the rank
-        return dict(report, unrecorded=f"{type(exc).__name__}: {exc}")  # says it itself (rank/worker.failed)
+        return dict(report, unrecorded=f"{type(exc).__name__}: {exc}",  # says it itself (rank/worker.failed)
+                    disk_full=exc.errno in (errno.ENOSPC, errno.EDQUOT))
 
 
 def rank_failure(run_dir: Path) -> Optional[Dict[str, Any]]:

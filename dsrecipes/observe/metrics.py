@@ -98,6 +98,14 @@ class MetricsLogger:
         to the trackers and close them (`ok`: the run finished)."""
         if not self.enabled:
             return
+        try:
+            self._close(ok)
+        except OSError:
+            if ok:
+                raise
+            # a failed run (a full disk fails these writes too): its own error stands, not this later one
+
+    def _close(self, ok: bool) -> None:
         if self._bar is not None:
             self._bar.close()
         if self._fh is not None:

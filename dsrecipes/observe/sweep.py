@@ -50,7 +50,11 @@ class SweepSummary(Callback):
         if not any((d / RESULT_FILE).is_file() for d in dirs):
             failed = job_return.status == JobStatus.FAILED
             error = repr(job_return._return_value) if failed else "the job ended without writing result.json"
-            atomic_write_json(dirs[-1] / RESULT_FILE, {**dict.fromkeys(RESULT_KEYS), "status": "failed", "error": error})
+            try:
+                atomic_write_json(dirs[-1] / RESULT_FILE, {**dict.fromkeys(RESULT_KEYS), "status": "failed",
+                                                           "error": error})
+            except OSError:  # a full disk: the run said it (else Hydra warns, quoting a line of its own source)
+                pass
         if _is_multirun(config):
             write_summary(Path(str(config.hydra.sweep.dir)))
 

@@ -33,11 +33,12 @@ from pathlib import Path  # noqa: E402
 from typing import List, Optional  # noqa: E402
 
 import dsrecipes.core.heartbeat as heartbeat  # noqa: E402
+from dsrecipes.boundary.checkpoint_find import committed  # noqa: E402
 from dsrecipes.config.load import load_run_config  # noqa: E402
 from dsrecipes.core.console import exit_flushed, log_path, quiet_third_party, survive_lost_console  # noqa: E402
 from dsrecipes.core.errors import RunInterrupted, TrainingFailed, UserError  # noqa: E402
 from dsrecipes.core.failure import log_traceback, record_rank_failure  # noqa: E402
-from dsrecipes.core.rundir import launcher_alive  # noqa: E402
+from dsrecipes.core.rundir import CHECKPOINTS_DIR, launcher_alive  # noqa: E402
 from dsrecipes.core.runplan import reported_by_launcher  # noqa: E402
 from dsrecipes.core.schema import Device  # noqa: E402
 from dsrecipes.data.strategies.base import end_workers, worker_lost  # noqa: E402
@@ -96,8 +97,20 @@ def failed(run_dir: str | Path, exc: BaseException) -> int:
     log_traceback(log, exc)
     report = record_rank_failure(Path(run_dir), rank, exc, log)
     if report.get("pid") == os.getpid() and (report.get("unrecorded") or not reported_by_launcher(Path(run_dir))):
-        print(report["render"] or f"error: {report['reason']} (traceback: {log})", file=sys.stderr, flush=True)
+        print(report["render"] or f"error: {report['reason']} {_where_said(report, run_dir, log)}", file=sys.stderr,
+              flush=True)
     return exc.exit_code if isinstance(exc, UserError) else 1
+
+
+def _where_said(report: dict, run_dir: str | Path, log: Path) -> str:
+    """Where the rest is: the traceback's log, or, on a full disk, nowhere (the launching process then says nothing
+    more: commands/outcome.report_unexplained)."""
+    if not report.get("disk_full"):
+        return f"(traceback: {log})"
+    newest = committed(Path(run_dir) / CHECKPOINTS_DIR)
+    then = f"to resume from {newest[0]}" if newest else "(no checkpoint yet: it starts from step 1)"
+    return (f"(the disk of {run_dir} is full: neither this failure, its traceback nor result.json could be written "
+            f"there); free space, then run the same command again {then}")
 
 
 def watch_launcher(run_dir: Path) -> None:
