@@ -40,3 +40,23 @@ def test_a_shared_recipes_option_from_another_key_is_refused(tmp_path, monkeypat
             f"launcher.extra_args[0]: --local_addr set by {recipe}:4, a shared recipe")
     assert cli_main(["validate", "launcher=torchrun", "trainer.experiment='--local_addr=10.0.0.1'",
                      "launcher.extra_args=['${trainer.experiment}']"]) == 0
+
+
+@pytest.mark.timeout(60)  # on a regression the torchrun stage waits for 10.6.6.6
+@pytest.mark.parametrize("launcher,key,setting,option", [
+    ("torchrun", "extra_args", "--local_addr=10.6.6.6", "--local_addr"),
+    ("slurm", "slurm_sbatch_args", "--mail-user=x@evil.example", "--mail-user"),
+])
+def test_a_pipeline_files_outside_option_by_interpolation_is_refused(launcher, key, setting, option, tmp_path,
+                                                                   monkeypatch, capsys):
+    # Was: config/pipeline_file judged launcher.extra_args on its text, and `${trainer.experiment}` is a value it
+    # allows; its settings reach train as command-line overrides (the user's own to config/safety), so the stage ran
+    # `torch.distributed.run ... --local_addr=10.6.6.6` (tried: launch.txt of the stage).
+    from tests.test_messages_hostile import refused
+
+    monkeypatch.chdir(tmp_path)  # on a regression the pipeline runs: into runs/ here, never the checkout's
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text(f"stages:\n  - name: a\n    set:\n      launcher: {launcher}\n      trainer.experiment: {setting}\n"
+                        f"      launcher.{key}:\n        - ${{trainer.experiment}}\n", encoding="utf-8")
+    refused(capsys, ["pipeline", str(pipeline)], f"{pipeline}: stage 'a' (line 2): launcher.{key}[0]: {option} names")
+    assert not (tmp_path / "runs").exists()

@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, Iterator, List
 
 from dsrecipes.config.load import compose_and_load
 from dsrecipes.config.pipeline_file import Pipeline, Stage, stage_overrides
+from dsrecipes.config.safety import OUTSIDE_OPTIONS
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.export_dir import EXPORT_DIR
 from dsrecipes.core.fileio import atomic_write_json
@@ -111,12 +112,28 @@ def check_stages(pipeline: Pipeline, out: Path) -> None:
         except UserError as exc:
             problems += [f"stage {stage.name!r} (line {stage.line}): {p}" for p in exc.problems]
             continue
+        problems += [f"stage {stage.name!r} (line {stage.line}): {p}" for p in outside_options(cfg)]
         takers = [s.name for s in pipeline.stages if stage.name in s.exports_used().values()]
         if takers and not cfg.trainer.export:
             problems.append(f"stage {stage.name!r} (line {stage.line}): trainer.export is false, but stage "
                             f"{takers[0]!r} takes this stage's export")
     if problems:
         raise UserError([f"{pipeline.path}: {p}" for p in problems])
+
+
+def outside_options(cfg: Any) -> List[str]:
+    """A stage's OUTSIDE_OPTIONS (config/safety.py) as its composition resolved them: the pipeline file and the stage's
+    recipe are shared, and an element like `${trainer.experiment}` is text naming no option that resolves to one
+    (config/pipeline_file.py judges the settings' text; this, what train will run)."""
+    found = []
+    for path, options in OUTSIDE_OPTIONS.items():
+        value: Any = cfg
+        for key in path:
+            value = getattr(value, key)
+        found += [f"{'.'.join(path)}[{i}]: {str(a).partition('=')[0]} names a host outside this machine; a pipeline "
+                  "file is shared like a recipe: name it on your command line" for i, a in enumerate(value)
+                  if str(a).partition("=")[0] in options]
+    return found
 
 
 def read_state(out: Path, pipeline: Pipeline) -> Dict[str, Any]:
