@@ -7,6 +7,9 @@ import os
 
 import pytest
 
+from tests.test_point_of_use import signed_tag
+from tests.test_trust import key_file  # noqa: F401  (fixture)
+
 DEEP = "[" * 100000
 
 
@@ -155,3 +158,47 @@ def test_validate_names_a_tokenizer_json_nested_too_deeply(name, tmp_path, capsy
     assert main(["validate", "debug=fast", f"model.tokenizer_path={tok}"]) == 2
     one_error(capsys, f"model.tokenizer_path: {tok / name}: JSON nested too deeply")
 
+
+
+# --- a checkpoint's complete.json swapped after the launching process checked it (a shared or foreign checkpoint) ----
+
+
+def _swap_record(tag, kind):
+    record = tag / "complete.json"
+    record.unlink()
+    if kind == "fifo":
+        os.mkfifo(record)
+    else:
+        record.write_text(DEEP, encoding="utf-8")
+    return record
+
+
+@pytest.mark.timeout(20)  # the FIFO blocked the rank's open for ever before
+@pytest.mark.parametrize("kind", ["deep", "fifo"])
+def test_a_rank_refuses_a_record_swapped_for_a_hostile_one(kind, key_file, tmp_path):  # noqa: F811
+    # Was: point_of_use.CheckedCheckpoint.add (each rank, and export) opened complete.json without O_NONBLOCK and
+    # json.loads'd it whole: a FIFO swapped in after the launching process pinned the record blocked every rank for
+    # ever, 100000 '[' was a RecursionError traceback in every rank instead of ChangedCheckpoint.
+    from dsrecipes.boundary.point_of_use import ChangedCheckpoint, CheckedCheckpoint, read_pinned
+
+    tag = signed_tag(tmp_path)
+    pinned = read_pinned(tag)
+    record = _swap_record(tag, kind)
+    why = "JSON nested too deeply" if kind == "deep" else "not a regular file"
+    with pytest.raises(ChangedCheckpoint, match=f"^{record}: unreadable when loading \\({why}\\); nothing was loaded"):
+        CheckedCheckpoint.open(tag, pinned)
+
+
+@pytest.mark.timeout(20)  # the FIFO blocked the launching process for ever before
+@pytest.mark.parametrize("kind", ["deep", "fifo"])
+def test_plan_resume_refuses_a_record_swapped_after_it_was_found(kind, key_file, tmp_path, monkeypatch):  # noqa: F811
+    # Was: checkpoint_find.plan_resume read complete.json again (to pin it) with read_bytes + json.loads after
+    # find_resume_checkpoint had verified it: swapped in between, a FIFO blocked `dsrecipes train` for ever and
+    # 100000 '[' was a RecursionError traceback (the except named ValueError, not RecursionError).
+    import dsrecipes.boundary.checkpoint_find as checkpoint_find
+    from dsrecipes.core.errors import Refused
+
+    tag = signed_tag(tmp_path)
+    monkeypatch.setattr(checkpoint_find, "find_resume_checkpoint", lambda *a: _swap_record(tag, kind).parent)
+    with pytest.raises(Refused, match="complete.json: changed while the run was planned"):
+        checkpoint_find.plan_resume(None, tmp_path, 1, 0)

@@ -13,7 +13,6 @@ damaged file. Records of older dsrecipes versions are unsigned: they load only w
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Callable, List, Optional
@@ -24,6 +23,7 @@ import dsrecipes.core.manifest as manifest
 from dsrecipes.boundary.point_of_use import record_digest
 from dsrecipes.core.checkpoint_names import CHECKPOINTS, COMPLETE, UNIVERSAL, commit_order, read_record, step_of
 from dsrecipes.core.errors import Refused, UserError
+from dsrecipes.core.fileio import MAX_JSON_BYTES, loads_bounded, read_regular_bytes
 from dsrecipes.core.runplan import ResumePlan
 from dsrecipes.core.schema import ResumeMode, TrainerConfig
 
@@ -133,8 +133,8 @@ def plan_resume(trainer: TrainerConfig, run_dir: Path, world_size: int, zero_sta
     if tag_dir is None:
         return None
     try:  # pinned: each rank loads only against this very record
-        data = (tag_dir / COMPLETE).read_bytes()
-        record = json.loads(data)
+        data = read_regular_bytes(tag_dir / COMPLETE, MAX_JSON_BYTES)  # a FIFO swapped in: refused, never waited on
+        record = loads_bounded(data, "JSON nested too deeply")
         saved, step = int(record["world_size"]), int(record["step"])
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise Refused(f"{tag_dir / COMPLETE}: changed while the run was planned ({exc}); nothing was loaded")

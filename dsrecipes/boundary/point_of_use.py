@@ -25,7 +25,6 @@ not compared (torch's pickle lies in the first window of a torch.save file, its 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import stat
 import zipfile
@@ -39,6 +38,7 @@ import dsrecipes.core.manifest as manifest
 from dsrecipes.boundary.safe_load import beyond_allowed
 from dsrecipes.core.checkpoint_names import COMPLETE
 from dsrecipes.core.errors import Refused
+from dsrecipes.core.fileio import MAX_JSON_BYTES, Unreadable, loads_bounded
 
 _NOFOLLOW = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIRECTORY = _NOFOLLOW | os.O_DIRECTORY
@@ -83,13 +83,16 @@ def _open_below(dir_fd: int, rel: str, flags: int = _NOFOLLOW) -> int:
             os.close(fd)
 
 
-def _read_all(fd: int) -> bytes:
-    chunks = []
-    while True:
-        block = os.read(fd, 1 << 20)
+def _read_all(fd: int, limit: Optional[int] = None) -> bytes:
+    """What is left to read from `fd`, or its first `limit` bytes."""
+    chunks, size = [], 0
+    while limit is None or size < limit:
+        block = os.read(fd, 1 << 20 if limit is None else min(1 << 20, limit - size))
         if not block:
-            return b"".join(chunks)
+            break
         chunks.append(block)
+        size += len(block)
+    return b"".join(chunks)
 
 
 @dataclass
@@ -116,7 +119,7 @@ class CheckedCheckpoint:
                                     "was there when the run was planned. Nothing was loaded")
         try:
             data = self._record_bytes(root, fd)
-            record = json.loads(data.decode("utf-8"))
+            record = loads_bounded(data, "JSON nested too deeply")  # json's RecursionError: a traceback per rank
             if not isinstance(record, dict):
                 raise ValueError("not a JSON object")
         except (OSError, ValueError) as exc:
@@ -132,9 +135,16 @@ class CheckedCheckpoint:
 
     @staticmethod
     def _record_bytes(root: Path, dir_fd: int) -> bytes:
-        fd = _open_below(dir_fd, COMPLETE)
+        """complete.json's bytes, within fileio's bounds: a FIFO put in its place is opened at once and refused (the
+        rank never waits for a writer), a file over MAX_JSON_BYTES is never read whole (Unreadable either way)."""
+        fd = _open_below(dir_fd, COMPLETE, _NOFOLLOW | os.O_NONBLOCK)
         try:
-            return _read_all(fd)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise Unreadable("not a regular file")  # as core/fileio.read_json_file says it
+            data = _read_all(fd, MAX_JSON_BYTES + 1)
+            if len(data) > MAX_JSON_BYTES:
+                raise Unreadable(f"larger than {MAX_JSON_BYTES} bytes")
+            return data
         finally:
             os.close(fd)
 
