@@ -202,3 +202,27 @@ def test_plan_resume_refuses_a_record_swapped_after_it_was_found(kind, key_file,
     monkeypatch.setattr(checkpoint_find, "find_resume_checkpoint", lambda *a: _swap_record(tag, kind).parent)
     with pytest.raises(Refused, match="complete.json: changed while the run was planned"):
         checkpoint_find.plan_resume(None, tmp_path, 1, 0)
+
+
+def test_export_out_holding_a_deep_marker_is_not_replaced(tmp_path, capsys):
+    # Was: core/export_dir._written_by_export json.loads'd --out/dsrecipes_export.json (checked before the run is
+    # read): `dsrecipes export RUN --out DIR` over a DIR whose marker is 100000 '[' ended in a RecursionError traceback.
+    from dsrecipes.cli import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "dsrecipes_export.json").write_text(DEEP, encoding="utf-8")
+    (out / "config.json").write_text("{}", encoding="utf-8")
+    assert main(["export", str(tmp_path / "run"), "--out", str(out)]) == 2
+    one_error(capsys, f"{out} holds an unreadable dsrecipes_export.json; replacing it would delete them")
+    assert sorted(os.listdir(out)) == ["config.json", "dsrecipes_export.json"]
+
+
+def test_estimate_names_a_model_config_nested_too_deeply(tmp_path, capsys):
+    # Was: run/estimate.read_hf_config json.loads'd config.json: `dsrecipes estimate --hf-config FILE` (or
+    # model.path=DIR) with 100000 '[' ended in a RecursionError traceback.
+    from dsrecipes.cli import main
+
+    (tmp_path / "config.json").write_text(DEEP, encoding="utf-8")
+    assert main(["estimate", "--hf-config", str(tmp_path / "config.json"), "debug=fast"]) == 2
+    one_error(capsys, f"{tmp_path / 'config.json'} is unreadable (JSON nested too deeply")

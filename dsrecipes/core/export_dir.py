@@ -4,7 +4,6 @@ checks a destination with it before any rank starts; rank/export.py writes throu
 
 from __future__ import annotations
 
-import json
 import os
 from fnmatch import fnmatch
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import List, Optional
 
 from dsrecipes.core.checkpoint_names import CHECKPOINTS, COMPLETE, PARTIAL
 from dsrecipes.core.errors import UserError
+from dsrecipes.core.fileio import read_json_file
 
 EXPORT_DIR = "export"
 EXPORT_INIT_DIR = "export_init"
@@ -74,7 +74,7 @@ def _written_by_export(out_dir: Path) -> Optional[set]:
     """The files an earlier export listed in its marker (older exports: what matches LEGACY_EXPORT_FILES)."""
 
     try:
-        marker = json.loads((out_dir / EXPORT_MARKER).read_text(encoding="utf-8"))
+        marker = read_json_file(out_dir / EXPORT_MARKER, "nested too deeply")  # bounded: --out may be anyone's
         if "files" in marker:
             return {str(f) for f in marker["files"]}
     except (OSError, ValueError, TypeError):

@@ -10,14 +10,13 @@ with gradient checkpointing only each layer's input is kept, plus one layer bein
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from dsrecipes.core.errors import UserError, no_custom_code
 from dsrecipes.core.schema import AttnImpl, OptimizerKind, Precision, TrainConfig
-from dsrecipes.core.tokenizer import load_tokenizer
+from dsrecipes.core.tokenizer import load_tokenizer, read_json
 
 GIB = 1024**3
 BUFFER_FACTOR = 1.5  # DeepSpeed's additional_buffer_factor default for CPU memory
@@ -219,7 +218,7 @@ def read_hf_config(key: str, path: Path) -> Any:
     if not file.is_file():
         raise UserError(f"{key}: {path} has no config.json; give a model's config.json or its directory")
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
+        data = read_json(file)  # bounded: nested too deeply, too large or a FIFO is Unreadable (a ValueError)
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as exc:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
