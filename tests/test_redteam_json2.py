@@ -226,3 +226,24 @@ def test_estimate_names_a_model_config_nested_too_deeply(tmp_path, capsys):
     (tmp_path / "config.json").write_text(DEEP, encoding="utf-8")
     assert main(["estimate", "--hf-config", str(tmp_path / "config.json"), "debug=fast"]) == 2
     one_error(capsys, f"{tmp_path / 'config.json'} is unreadable (JSON nested too deeply")
+
+
+@pytest.mark.timeout(20)  # the FIFO blocked the launching process for ever before
+@pytest.mark.parametrize("kind", ["deep", "fifo"])
+def test_a_resumed_runs_hostile_result_reads_as_not_finished(kind, make_cfg, tmp_path):
+    # Was: run/entry.check_budget json.loads'd result.json of the resumed checkpoint's run directory (another user's
+    # run under --trust-checkpoint): 100000 '[' was a RecursionError traceback at `dsrecipes train
+    # trainer.resume_from=RUN`, a FIFO there blocked it for ever.
+    from dsrecipes.core.runplan import ResumePlan
+    from dsrecipes.run.entry import check_budget
+
+    tag = tmp_path / "run" / "checkpoints" / "step_4"
+    tag.mkdir(parents=True)
+    (tag / "complete.json").write_text('{"step": 4, "world_size": 1}', encoding="utf-8")
+    result = tmp_path / "run" / "result.json"
+    if kind == "fifo":
+        os.mkfifo(result)
+    else:
+        result.write_text(DEEP, encoding="utf-8")
+    cfg = make_cfg("debug=fast", check_files=False)
+    assert check_budget(cfg, ResumePlan(str(tag), 4, 1, False), 100) is False  # steps left: resumes

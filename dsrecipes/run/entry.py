@@ -11,7 +11,6 @@ read that directory.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,7 +191,9 @@ def check_budget(cfg: TrainConfig, resume: ResumePlan, total: int) -> bool:
         config_path = tag_dir.parent.parent / "config.yaml"  # checkpoints of older versions (as check_resume)
     saved = read_yaml_mapping(config_path) if config_path.is_file() else {}  # a foreign one's too: bounded
     try:
-        result = json.loads((tag_dir.parent.parent / RESULT_FILE).read_text(encoding="utf-8"))
+        # the resumed run's result: another user's run too (--trust-checkpoint), so bounded (no FIFO wait, no
+        # RecursionError); unreadable reads as not finished
+        result = read_json_file(tag_dir.parent.parent / RESULT_FILE, "JSON nested too deeply")
     except (OSError, ValueError):
         result = None
     finished = isinstance(result, dict) and result.get("status") == "ok" and (result.get("steps") or 0) >= resume.step
