@@ -60,3 +60,61 @@ def test_a_pipeline_files_outside_option_by_interpolation_is_refused(launcher, k
                         f"      launcher.{key}:\n        - ${{trainer.experiment}}\n", encoding="utf-8")
     refused(capsys, ["pipeline", str(pipeline)], f"{pipeline}: stage 'a' (line 2): launcher.{key}[0]: {option} names")
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.fixture
+def counted_store(s3_server, monkeypatch):
+    """s3://their-bucket/d/train.jsonl behind a proxy that records each request's Authorization header."""
+    from dsrecipes.data.sources import remote
+    from tests.helpers.s3server import FaultProxy
+    from tests.test_store import lines
+
+    fs = remote.s3()
+    if not fs.exists("s3://their-bucket"):
+        fs.mkdir("s3://their-bucket")
+    fs.pipe("s3://their-bucket/d/train.jsonl", ("\n".join(lines(30)) + "\n").encode())
+    seen = []
+
+    class Recording(FaultProxy):
+        def _fault(self, handler):
+            seen.append(handler.headers.get("Authorization", ""))
+            return super()._fault(handler)
+
+    proxy = Recording(s3_server.port).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    monkeypatch.delenv("DSRECIPES_S3_BUCKETS", raising=False)
+    yield seen
+    proxy.stop()
+
+
+URL = "s3://their-bucket/d/train.jsonl"
+
+
+def test_a_shared_recipes_bucket_never_sees_the_users_credentials(counted_store, tmp_path, monkeypatch, capsys):
+    # Was: a shared recipe's dataset.paths: [s3://their-bucket/...] was read with the user's AWS credentials:
+    # validate sent 4 HEADs signed 'AWS4-HMAC-SHA256 Credential=<the user's access key id>/...' to a bucket the
+    # recipe's author chose (its server access logs name the key), then said OK.
+    from tests.test_messages_hostile import refused
+
+    monkeypatch.chdir(tmp_path)
+    recipe = tmp_path / "shared.yaml"
+    recipe.write_text(f"dataset:\n  paths: [{URL}]\n", encoding="utf-8")
+    refused(capsys, ["validate", f"recipe={recipe}"], f"dataset.paths: s3://their-bucket/... set by {recipe}:2, a "
+            "shared recipe", "DSRECIPES_S3_BUCKETS=their-bucket")
+    sources = tmp_path / "sources.yaml"
+    sources.write_text(f"dataset:\n  sources:\n    - {{name: a, paths: ['${{oc.select:x,{URL}}}']}}\n", encoding="utf-8")
+    refused(capsys, ["validate", f"recipe={sources}"], "dataset.sources: s3://their-bucket/... set by")
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text(f"stages:\n  - name: a\n    set:\n      dataset.paths: [{URL}]\n", encoding="utf-8")
+    refused(capsys, ["pipeline", str(pipeline)], f"{pipeline}: stage 'a' (line 2): dataset.paths: s3://their-bucket")
+    assert counted_store == [] and not (tmp_path / "runs").exists()
+
+
+def test_a_bucket_the_user_named_or_allowed_is_read_with_their_credentials(counted_store, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["validate", f"dataset.paths=[{URL}]"]) == 0
+    assert counted_store and all("Credential=dsrecipes-test-key/" in a for a in counted_store)
+    recipe = tmp_path / "shared.yaml"
+    recipe.write_text(f"dataset:\n  paths: [{URL}]\n", encoding="utf-8")
+    monkeypatch.setenv("DSRECIPES_S3_BUCKETS", "other,their-bucket")
+    assert cli_main(["validate", f"recipe={recipe}"]) == 0

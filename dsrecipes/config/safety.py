@@ -28,6 +28,7 @@ to every composition (a sweep's jobs through its guarded loader) and supplies th
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -97,7 +98,8 @@ def outside_problems(data: Any, baseline: Dict[str, Any], shared_source: Callabl
         problems.append(f"{_dotted(path)}: set by {source}, a shared recipe; it names a place {where} (a recipe "
                         f"could send your credentials to its host, or read or write your files), so only your "
                         f"command line or environment may name it: give {_dotted(path)}=... on the command line")
-    return problems + _option_problems(data, baseline, shared_source, resolve)
+    return problems + _option_problems(data, baseline, shared_source, resolve) + \
+        _store_problems(data, baseline, shared_source, resolve)
 
 
 # Options inside allow-listed lists that name a host outside this machine: the user's own, like the user-named fields
@@ -124,6 +126,50 @@ def _option_problems(data: Any, baseline: Dict[str, Any], shared_source: Callabl
         problems += [f"{_dotted(path)}[{i}]: {args[i].partition('=')[0]} set by {source}, a shared recipe; it names "
                      "a host outside this machine, so only your command line may name it: give "
                      f"{_dotted(path)}=[...] on the command line" for i in named] if source else []
+    return problems
+
+
+# Fields that may name objects in a store (data/sources/remote.py): reading one signs every request with the user's
+# AWS credentials, and the bucket's owner sees the access key id in its logs. A shared recipe's bucket is read only
+# when the user allowed it by name (SIGNED_BUCKETS_ENV) - or named it on the command line.
+STORE_FIELDS = (("dataset", "paths"), ("dataset", "val_paths"), ("dataset", "sources"), ("dataset", "registry"),
+                ("data", "shard_dir"))
+SIGNED_BUCKETS_ENV = "DSRECIPES_S3_BUCKETS"  # comma- or space-separated bucket names
+
+
+def allowed_buckets() -> List[str]:
+    return os.environ.get(SIGNED_BUCKETS_ENV, "").replace(",", " ").split()
+
+
+def foreign_buckets(value: Any) -> List[str]:
+    """The buckets of the s3:// URLs in `value` (a resolved field: text, a list, a source's `paths`) that are not in
+    SIGNED_BUCKETS_ENV, in order, each once."""
+    if isinstance(value, dict):  # an entry of dataset.sources
+        found = foreign_buckets(value.get("paths"))
+    elif isinstance(value, list):
+        found = [b for v in value for b in foreign_buckets(v)]
+    else:
+        found = [value[5:].split("/", 1)[0]] if isinstance(value, str) and value.startswith("s3://") else []
+    return [b for i, b in enumerate(found) if b not in found[:i] and b not in allowed_buckets()]
+
+
+def _store_problems(data: Any, baseline: Dict[str, Any], shared_source: Callable[[Path, Any], Optional[str]],
+                    resolve: Callable[[Path], Any]) -> List[str]:
+    """A shared recipe's s3:// URL of a bucket the user did not allow, judged as it resolves (its text where it
+    does not resolve)."""
+    problems = []
+    for path in STORE_FIELDS:
+        value = lookup(data, path)
+        if value is MISSING or value == lookup(baseline, path):
+            continue
+        given = resolve(path)
+        buckets = foreign_buckets(value if given is MISSING else given)
+        source = shared_source(path, value) if buckets else None
+        if source:
+            problems.append(f"{_dotted(path)}: s3://{buckets[0]}/... set by {source}, a shared recipe; reading it would "
+                            f"sign requests to that bucket with your AWS credentials (its owner's logs see your "
+                            f"access key id), so only your command line may name it: give {_dotted(path)}=... on "
+                            f"the command line, or allow the bucket: {SIGNED_BUCKETS_ENV}={','.join(buckets)}")
     return problems
 
 

@@ -24,6 +24,7 @@ and the resume command (exit 2); an interrupted stage (Ctrl-C, SIGTERM) ends it 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import sys
 import time
@@ -33,7 +34,7 @@ from typing import Any, Callable, Dict, Iterator, List
 
 from dsrecipes.config.load import compose_and_load
 from dsrecipes.config.pipeline_file import Pipeline, Stage, stage_overrides
-from dsrecipes.config.safety import OUTSIDE_OPTIONS
+from dsrecipes.config.safety import OUTSIDE_OPTIONS, SIGNED_BUCKETS_ENV, STORE_FIELDS, foreign_buckets
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.export_dir import EXPORT_DIR
 from dsrecipes.core.fileio import atomic_write_json
@@ -122,7 +123,7 @@ def check_stages(pipeline: Pipeline, out: Path) -> None:
 
 
 def outside_options(cfg: Any) -> List[str]:
-    """A stage's OUTSIDE_OPTIONS (config/safety.py) as its composition resolved them: the pipeline file and the stage's
+    """A stage's OUTSIDE_OPTIONS and store buckets (config/safety.py) as its composition resolved them: the pipeline file and the stage's
     recipe are shared, and an element like `${trainer.experiment}` is text naming no option that resolves to one
     (config/pipeline_file.py judges the settings' text; this, what train will run)."""
     found = []
@@ -133,6 +134,12 @@ def outside_options(cfg: Any) -> List[str]:
         found += [f"{'.'.join(path)}[{i}]: {str(a).partition('=')[0]} names a host outside this machine; a pipeline "
                   "file is shared like a recipe: name it on your command line" for i, a in enumerate(value)
                   if str(a).partition("=")[0] in options]
+    for path in STORE_FIELDS:  # the user's AWS credentials sign every request to a bucket (config/safety.py)
+        value = functools.reduce(getattr, path, cfg)
+        buckets = foreign_buckets([s.paths for s in value] if path == ("dataset", "sources") else value)
+        found += [f"{'.'.join(path)}: s3://{buckets[0]}/... named by a pipeline file, which is shared like a recipe; "
+                  "reading it would sign requests to that bucket with your AWS credentials, so allow the bucket: "
+                  f"{SIGNED_BUCKETS_ENV}={','.join(buckets)}"] if buckets else []
     return found
 
 
