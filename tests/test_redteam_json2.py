@@ -247,3 +247,23 @@ def test_a_resumed_runs_hostile_result_reads_as_not_finished(kind, make_cfg, tmp
         result.write_text(DEEP, encoding="utf-8")
     cfg = make_cfg("debug=fast", check_files=False)
     assert check_budget(cfg, ResumePlan(str(tag), 4, 1, False), 100) is False  # steps left: resumes
+
+
+def test_model_settings_replaced_after_their_check_are_one_message(tmp_path):
+    # score's config_labels, chat/prompt-eval's adapter_config and _run_of, and the pipeline's generates read a model
+    # directory's JSON again after custom_code_problems / check_loadable read it bounded; replaced in between by 100000
+    # '[' it was json's RecursionError (a traceback). No command was seen reaching them without the swap.
+    from dsrecipes.commands.score import config_labels
+    from dsrecipes.core.errors import UserError
+    from dsrecipes.serve.inference import _run_of, adapter_config
+    from dsrecipes.serve.pipeline_prompts import generates
+
+    for name in ("config.json", "adapter_config.json", "dsrecipes_export.json"):
+        (tmp_path / name).write_text(DEEP, encoding="utf-8")
+    with pytest.raises(UserError, match="config.json: not a readable JSON model config .JSON nested too deeply"):
+        config_labels(tmp_path / "config.json")
+    with pytest.raises(UserError, match="adapter_config.json: unreadable .JSON nested too deeply"):
+        adapter_config(tmp_path)
+    assert _run_of(tmp_path) is None
+    (tmp_path / "adapter_config.json").unlink()
+    assert generates(tmp_path) is False

@@ -16,7 +16,6 @@ check_loadable): signed by this user, or trusted with --trust-checkpoint PATH, a
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -91,7 +90,7 @@ def check_model_dir(path: Path) -> None:
 def config_labels(config: Path) -> int:
     """The number of labels config.json declares (transformers' default is 2), or UserError naming the file."""
     try:
-        data = json.loads(config.read_text(encoding="utf-8"))
+        data = read_json(config)  # bounded, as custom_code_problems read it just before (it may have changed since)
     except (OSError, ValueError) as exc:
         raise UserError(f"{config}: not a readable JSON model config ({exc})") from None
     if not isinstance(data, dict):

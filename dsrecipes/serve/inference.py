@@ -14,7 +14,6 @@ a SentencePiece start marker, data/render/spm.py), and generation stops at the e
 
 from __future__ import annotations
 
-import json
 import pickle
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -68,8 +67,8 @@ def adapter_config(model_dir: Path) -> Dict[str, Any]:
     """`model_dir`/adapter_config.json as a JSON object, or one UserError naming the file."""
     path = model_dir / "adapter_config.json"
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        data = read_json(path)  # bounded: check_loadable read it so, but it may have been replaced since
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError, JSONDecodeError and Unreadable are ValueErrors
         raise UserError(f"{path}: unreadable ({exc}); nothing was loaded") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: holds a {type(data).__name__}, not a JSON object; nothing was loaded")
@@ -126,7 +125,11 @@ def _run_of(model_dir: Path) -> Optional[Path]:
     info = model_dir / EXPORT_INFO
     if not info.is_file():
         return None
-    run = json.loads(info.read_text(encoding="utf-8")).get("run_dir")  # (check_loadable read it as an object)
+    try:  # check_loadable read it as an object; bounded again, it may have been replaced since
+        record = read_json(info)
+    except (OSError, ValueError):
+        return None
+    run = record.get("run_dir") if isinstance(record, dict) else None
     return Path(run) if isinstance(run, str) and run and (Path(run) / "config.yaml").is_file() else None
 
 

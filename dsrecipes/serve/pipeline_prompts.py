@@ -10,12 +10,12 @@ sequence-classification head) has no answers and is left out. Models are loaded 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 from dsrecipes.core.export_dir import EXPORT_DIR
 from dsrecipes.core.fileio import atomic_write_text
+from dsrecipes.core.tokenizer import read_json
 from dsrecipes.serve.inference import ChatModel, adapter_config, resolve_model_path
 from dsrecipes.serve.prompt_eval import PromptRow, Score, evaluate, prompt_rows
 
@@ -50,8 +50,10 @@ def generates(export: Path) -> bool:
     if (export / "adapter_config.json").is_file():
         return adapter_config(export).get("task_type") in (None, "CAUSAL_LM")
     try:
-        config = json.loads((export / "config.json").read_text(encoding="utf-8"))
+        config = read_json(export / "config.json")  # bounded, as every model directory's settings
     except (OSError, ValueError):
+        return False
+    if not isinstance(config, dict):
         return False
     return any(str(a).endswith("ForCausalLM") for a in config.get("architectures") or [])
 
