@@ -267,3 +267,19 @@ def test_model_settings_replaced_after_their_check_are_one_message(tmp_path):
     assert _run_of(tmp_path) is None
     (tmp_path / "adapter_config.json").unlink()
     assert generates(tmp_path) is False
+
+
+@pytest.mark.timeout(20)  # the FIFO blocked the waiting process for ever before
+@pytest.mark.parametrize("kind", ["deep", "fifo", "list"])
+def test_a_hostile_lock_file_describes_its_holder_without_its_words(kind, tmp_path):
+    # Was: core/locks.describe_holder (what a process waiting on a lock in a shared cache prints, and LockHeld says)
+    # json.loads'd the lock file: 100000 '[' was a RecursionError traceback, a FIFO blocked for ever, a list was an
+    # AttributeError.
+    from dsrecipes.core.locks import describe_holder
+
+    lock = tmp_path / "prepare.lock"
+    if kind == "fifo":
+        os.mkfifo(lock)
+    else:
+        lock.write_text(DEEP if kind == "deep" else '["pid", 1]', encoding="utf-8")
+    assert describe_holder(lock) == "another process"  # nobody holds it: the kernel lists no pid

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from dsrecipes.core.fileio import read_json_file
+
 
 class LockHeld(Exception):
     """The lock is held by someone else; `holder` says who, as far as we can tell."""
@@ -137,12 +139,16 @@ def is_held(path: Path) -> bool:
         os.close(fd)
 
 
+LOCK_INFO_BYTES = 64 << 10  # pid, host, since and a command line
+
+
 def describe_holder(path: Path) -> str:
     """'pid 123 on host h since 2026-..., `command`' from the lock file, else the pids the kernel lists for it."""
-    try:
-        info = json.loads(Path(path).read_text(encoding="utf-8") or "{}")
-    except (OSError, ValueError):
+    try:  # bounded: a lock in a shared cache is anyone's file (a FIFO, nested brackets, a list)
+        info = read_json_file(path, "nested too deeply", limit=LOCK_INFO_BYTES)
+    except (OSError, ValueError):  # empty (not yet written), damaged, too large, too deep, not a regular file
         info = {}
+    info = info if isinstance(info, dict) else {}
     if info.get("pid"):
         text = f"pid {info['pid']} on {info.get('host', '?')} since {info.get('since', '?')}"
         return text + (f" (`{info['command']}`)" if info.get("command") else "")
