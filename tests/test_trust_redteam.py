@@ -122,7 +122,7 @@ def test_dsrecipes_score_loads_no_kernel_a_model_directory_names(model_dir, tmp_
     from dsrecipes.commands.score import load_scorer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    model, _ = load_scorer(_scorer(model_dir, tmp_path))
+    model, _ = load_scorer(_scorer(model_dir, tmp_path), "dsrecipes score")
     assert model.config._attn_implementation in ("sdpa", "eager")
 
 
