@@ -283,3 +283,38 @@ def test_a_hostile_lock_file_describes_its_holder_without_its_words(kind, tmp_pa
     else:
         lock.write_text(DEEP if kind == "deep" else '["pid", 1]', encoding="utf-8")
     assert describe_holder(lock) == "another process"  # nobody holds it: the kernel lists no pid
+
+
+@pytest.mark.parametrize("marker", ["dsrecipes_run.json", "dsrecipes_inspect.json"])
+def test_a_directory_whose_marker_is_nested_too_deeply_is_not_ours(marker, tmp_path, capsys, monkeypatch):
+    # Was: core/rundir.read_marker (trainer.output_dir holding dsrecipes_run.json) and claim_marked_dir (inspect-data
+    # --run-dir, pipeline --out, a sweep directory) json.loads'd the marker of a directory someone else may have made:
+    # 100000 '[' there ended `dsrecipes train trainer.output_dir=DIR` / `dsrecipes inspect-data --run-dir DIR` in a
+    # RecursionError traceback.
+    from dsrecipes.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / marker).write_text(DEEP, encoding="utf-8")
+    if marker == "dsrecipes_run.json":
+        assert main(["train", "debug=fast", f"trainer.output_dir={out}"]) == 2
+        one_error(capsys, f"{out / marker} is unreadable (JSON nested too deeply)")
+    else:
+        assert main(["inspect-data", "debug=fast", "--run-dir", str(out)]) == 2
+        one_error(capsys, f"{out / marker} is not our marker")
+    assert sorted(os.listdir(out)) == [marker]
+
+
+def test_a_run_dirs_metrics_line_or_ds_config_nested_too_deeply_is_one_message(tmp_path):
+    # Was: rundir.read_metrics and read_ds_config json.loads'd a run directory's metrics.jsonl lines / ds_config.json
+    # (bounded in size, not in depth): 100000 '[' was a RecursionError, not the UserError naming file:line.
+    from dsrecipes.core.errors import UserError
+    from dsrecipes.core.rundir import read_ds_config, read_metrics
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n' + DEEP + "\n" + '{"step": 2}\n', encoding="utf-8")
+    with pytest.raises(UserError, match=r"metrics.jsonl:2: not a metrics record \(Unreadable: JSON nested too deeply"):
+        read_metrics(tmp_path)
+    (tmp_path / "ds_config.json").write_text(DEEP, encoding="utf-8")
+    with pytest.raises(UserError, match=r"ds_config.json: JSON nested too deeply, not the DeepSpeed config"):
+        read_ds_config(tmp_path)

@@ -19,7 +19,6 @@ later lives inside a directory it owns. Every file goes through the one atomic-w
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import sys
@@ -36,8 +35,9 @@ from dsrecipes.core.fileio import (
     atomic_write_json,
     atomic_write_text,
     dangling_link_problem,
+    loads_bounded,
     missing_dirs,
-    read_regular_bytes,
+    read_json_file,
     remove_empty_dirs,
 )
 from dsrecipes.core.locks import ExclusiveLock, LockHeld, SharedLock, is_held, probe_free
@@ -200,7 +200,7 @@ def check_writable(path: Path, key: str) -> None:
 def read_marker(run_dir: Path, key: str = "run directory") -> Dict[str, Any]:
     path = Path(run_dir) / MARKER_FILE
     try:
-        marker = json.loads(read_regular_bytes(path).decode("utf-8"))  # a FIFO there: refused, never waited on
+        marker = read_json_file(path, "JSON nested too deeply")  # a FIFO there: refused, never waited on
         if not isinstance(marker, dict) or marker.get("dsrecipes_run") != 1:
             raise ValueError("not a dsrecipes run marker")
         return marker
@@ -236,7 +236,7 @@ def claim_marked_dir(path: Path, key: str, marker: str, what: str,
     tag = Path(marker).stem
     if marker in entries:
         try:
-            ours = json.loads(read_regular_bytes(path / marker).decode("utf-8")).get(tag) == 1
+            ours = read_json_file(path / marker, "JSON nested too deeply").get(tag) == 1  # bounded: anyone's file
         except (OSError, ValueError, AttributeError):
             ours = False
         if not ours:
@@ -315,11 +315,10 @@ def read_ds_config(run_dir: Path) -> Dict[str, Any]:
     if not path.is_file():
         raise UserError(f"{path}: missing; start runs with `python -m dsrecipes` (it writes the run directory)")
     try:
-        data = read_regular_bytes(path, limit=MAX_DS_CONFIG_BYTES)
-    except ValueError as exc:  # a damaged (or someone else's) run directory: never read whole into memory
+        return read_json_file(path, "JSON nested too deeply", limit=MAX_DS_CONFIG_BYTES)
+    except ValueError as exc:  # a damaged (or someone else's) run directory: never read whole, nor a RecursionError
         raise UserError(f"{path}: {exc}, not the DeepSpeed config dsrecipes writes (a few KB); start the run "
                         "again with `python -m dsrecipes`") from None
-    return json.loads(data.decode("utf-8"))
 
 
 def read_metrics(path: str | Path) -> List[Dict[str, Any]]:
@@ -338,7 +337,7 @@ def read_metrics(path: str | Path) -> List[Dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line.decode("utf-8"))
+            row = loads_bounded(line, "JSON nested too deeply")  # bytes: decoded as UTF-8
         except ValueError as exc:  # also UnicodeDecodeError
             if not line.endswith(b"\n"):  # after the last newline: a write cut short
                 continue
