@@ -318,3 +318,15 @@ def test_a_run_dirs_metrics_line_or_ds_config_nested_too_deeply_is_one_message(t
     (tmp_path / "ds_config.json").write_text(DEEP, encoding="utf-8")
     with pytest.raises(UserError, match=r"ds_config.json: JSON nested too deeply, not the DeepSpeed config"):
         read_ds_config(tmp_path)
+
+
+def test_a_runs_prepare_stats_nested_too_deeply_is_one_message(make_cfg, tmp_path):
+    # Was: data/prepare/build.load_prepared json.loads'd RUN/prepare_stats.json (prompt-eval --finetuned RUN reads
+    # the validation split of a run that may be another user's, under --trust-checkpoint; every map rank reads it):
+    # 100000 '[' was a RecursionError traceback.
+    from dsrecipes.core.errors import DataError
+    from dsrecipes.data.prepare.build import STATS_FILE, load_prepared
+
+    (tmp_path / STATS_FILE).write_text(DEEP, encoding="utf-8")
+    with pytest.raises(DataError, match=f"{STATS_FILE}: not the preparation record dsrecipes writes .JSON nested too"):
+        load_prepared(make_cfg("debug=fast", check_files=False), tmp_path)

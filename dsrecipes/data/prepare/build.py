@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import glob
-import json
 import shutil
 import sys
 import time
@@ -42,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 import numpy as np
 
 from dsrecipes.core.errors import DataError
-from dsrecipes.core.fileio import atomic_write_json, dangling_link_problem
+from dsrecipes.core.fileio import atomic_write_json, dangling_link_problem, read_json_file
 from dsrecipes.core.publish import Existing, publish_dir, staging_dir
 from dsrecipes.core.schema import ReferenceMode, RowKind, SourceConfig, TrainConfig
 from dsrecipes.data.prepare.arrow_split import write_split
@@ -105,7 +104,7 @@ def prepare(cfg: TrainConfig, tokenizer: Any, run_dir: str | Path) -> Prepared:
             shutil.copyfile(final / QUARANTINE_FILE, quarantine)
     else:
         _build(cfg, tokenizer, sources, val, key, root, final, quarantine)
-    stats = json.loads((final / STATS_FILE).read_text(encoding="utf-8"))
+    stats = read_stats(final / STATS_FILE)
     stats.update(cache_dir=str(final), cache_hit=hit)
     if precomputed_reference(cfg):
         stats["reference_dir"] = str(attach_reference(cfg, tokenizer, final))
@@ -116,6 +115,18 @@ def prepare(cfg: TrainConfig, tokenizer: Any, run_dir: str | Path) -> Prepared:
     return _open(final, stats)
 
 
+def read_stats(path: Path) -> Dict[str, Any]:
+    """A prepare_stats.json (a shared cache's, or the run directory's: prompt-eval reads another user's run), read
+    within fileio's bounds; DataError naming it when it is no JSON object."""
+    try:
+        stats = read_json_file(path, "JSON nested too deeply")
+        if not isinstance(stats, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: not the preparation record dsrecipes writes ({exc}); prepare the data again") from None
+    return stats
+
+
 def load_prepared(cfg: TrainConfig, run_dir: str | Path) -> Prepared:
     """Re-open what `prepare` wrote for this run (on each rank); never reads the sources. The cache (and the reference
     log-probs) are checked against their content records here too, right before the rank maps them: a file changed
@@ -123,7 +134,7 @@ def load_prepared(cfg: TrainConfig, run_dir: str | Path) -> Prepared:
     path = Path(run_dir) / STATS_FILE
     if not path.is_file():
         raise DataError(f"{path}: missing; the launching process runs prepare() before starting ranks")
-    stats = json.loads(path.read_text(encoding="utf-8"))
+    stats = read_stats(path)
     cache = Path(stats["cache_dir"])
     if not (cache / "done").is_file():
         raise DataError(f"{cache}: prepared data is gone (cache cleared?); start the run again to re-prepare")
