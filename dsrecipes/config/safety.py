@@ -37,6 +37,8 @@ from omegaconf import OmegaConf
 from dsrecipes.boundary.batch_script import USER_NAMED_DIRECTIVES
 from dsrecipes.config.field_classes import FIELDS, FieldClass, inside_working_dir, of
 from dsrecipes.core.errors import ConfigError
+from dsrecipes.data.sources.registry import load_registry
+from dsrecipes.data.sources.remote import looks_like_url
 
 ALLOWED_HYDRA_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "hydra.verbose")  # not sweep.subdir: jobs stay inside
 RUNTIME_KEYS = ("runtime", "overrides", "mode", "job.override_dirname", "job.id", "job.num", "job.name",
@@ -88,7 +90,7 @@ def outside_problems(data: Any, baseline: Dict[str, Any], shared_source: Callabl
         if value is MISSING or value == lookup(baseline, path):
             continue
         if FIELDS[_dotted(path)] is FieldClass.run_dir and inside_working_dir(value) and \
-                inside_working_dir(value if "${" not in value else resolve(path)):
+                inside_working_dir(resolve(path)):  # always as it resolves: text is not what is used
             continue
         source = shared_source(path, value)
         if source is None:
@@ -170,7 +172,32 @@ def _store_problems(data: Any, baseline: Dict[str, Any], shared_source: Callable
                             f"sign requests to that bucket with your AWS credentials (its owner's logs see your "
                             f"access key id), so only your command line may name it: give {_dotted(path)}=... on "
                             f"the command line, or allow the bucket: {SIGNED_BUCKETS_ENV}={','.join(buckets)}")
+    registry = lookup(data, ("dataset", "registry"))
+    if registry is MISSING or registry == lookup(baseline, ("dataset", "registry")):
+        return problems
+    given, use = resolve(("dataset", "registry")), resolve(("dataset", "use"))
+    entries = registry_buckets(registry if given is MISSING else given, lookup(data, ("dataset", "use"))
+                               if use is MISSING else use)
+    source = shared_source(("dataset", "registry"), registry) if entries else None
+    problems += [f"dataset.registry: entry {name!r} reads s3://{buckets[0]}/... (registry {given}, set by {source}, "
+                 "a shared recipe); reading it would sign requests to that bucket with your AWS credentials (its "
+                 "owner's logs see your access key id), so only your command line may name such a registry: give "
+                 f"dataset.registry=... on the command line, or allow the bucket: {SIGNED_BUCKETS_ENV}="
+                 f"{','.join(buckets)}" for name, buckets in entries] if source else []
     return problems
+
+
+def registry_buckets(registry: Any, use: Any) -> List[Tuple[str, List[str]]]:
+    """The entries of the registry file `registry` that `use` names, each with the buckets of its s3:// objects
+    that are not in SIGNED_BUCKETS_ENV (only those entries); none where the registry is no local file or cannot be
+    read as one (config/validate.py and the reader name why; an s3:// registry is a STORE_FIELDS bucket itself)."""
+    if not isinstance(registry, str) or not registry or looks_like_url(registry) or not isinstance(use, list):
+        return []
+    try:
+        entries = load_registry(registry, use=[str(name) for name in use])
+    except ConfigError:
+        return []
+    return [(name, buckets) for name, src in entries.items() if (buckets := foreign_buckets(src.paths))]
 
 
 def override_problems(overrides: Sequence[str]) -> List[str]:
