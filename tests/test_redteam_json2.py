@@ -330,3 +330,28 @@ def test_a_runs_prepare_stats_nested_too_deeply_is_one_message(make_cfg, tmp_pat
     (tmp_path / STATS_FILE).write_text(DEEP, encoding="utf-8")
     with pytest.raises(DataError, match=f"{STATS_FILE}: not the preparation record dsrecipes writes .JSON nested too"):
         load_prepared(make_cfg("debug=fast", check_files=False), tmp_path)
+
+
+def test_audit_ledger_line_nested_too_deeply_is_one_message(tmp_path, capsys):
+    # Was: data/plan/ledger._record caught ValueError only: `dsrecipes audit --ledger RUN` on a run directory someone
+    # else wrote, with a ledger line of 100000 '[', ended in json's RecursionError traceback.
+    from dsrecipes.cli import main
+
+    (tmp_path / "ledger").mkdir()
+    (tmp_path / "ledger" / "rank0.jsonl").write_text(DEEP + "\n")
+    assert main(["audit", "--ledger", str(tmp_path)]) == 2
+    one_error(capsys, "rank0.jsonl:1: not a ledger record")
+
+
+def test_a_foreign_checkpoints_data_position_or_universal_record_nested_too_deeply(tmp_path):
+    # Was: rank/checkpoint.load_checkpoint json.loads'd data_state/rank<R>.json of a checkpoint trusted with
+    # --trust-checkpoint (its hashes match: its writer wrote both), a RecursionError traceback in every rank;
+    # universal_verifies read universal/complete.json (anyone's, beside such a checkpoint) the same way.
+    from dsrecipes.boundary.point_of_use import ChangedCheckpoint
+    from dsrecipes.rank.checkpoint import data_position, universal_verifies
+
+    state = tmp_path / "rank0.json"
+    with pytest.raises(ChangedCheckpoint, match="rank0.json: not as dsrecipes writes it .*nested too deeply"):
+        data_position(DEEP.encode(), state)
+    (tmp_path / "complete.json").write_text(DEEP)
+    assert universal_verifies(tmp_path) is False

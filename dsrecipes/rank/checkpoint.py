@@ -22,7 +22,6 @@ checks the checkpoint again in each rank, right before each file is unpickled (b
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -54,7 +53,7 @@ from dsrecipes.core.checkpoint_names import (
 )
 from dsrecipes.core.distributed import all_ranks
 from dsrecipes.core.errors import UserError
-from dsrecipes.core.fileio import atomic_write_json, atomic_write_text
+from dsrecipes.core.fileio import atomic_write_json, atomic_write_text, loads_bounded, read_json_file
 from dsrecipes.core.publish import Existing, publish_dir
 from dsrecipes.core.rundir import CONFIG_FILE
 from dsrecipes.core.runplan import ResumePlan
@@ -291,8 +290,8 @@ def universal_verifies(out: Path) -> bool:
     """A universal conversion made earlier (at `out`) is reused only when this user signed it and its files are as
     written (complete.json of the checkpoint does not cover it: it is made after the commit)."""
 
-    try:
-        record = json.loads((out / COMPLETE).read_text(encoding="utf-8"))
+    try:  # bounded: a trusted foreign checkpoint's universal/ is anyone's (100000 '[' was a RecursionError)
+        record = read_json_file(out / COMPLETE, "JSON nested too deeply")
     except (OSError, ValueError):
         return False
     return (isinstance(record, dict) and isinstance(record.get("files"), dict) and signature_problem(record) is None
@@ -317,8 +316,9 @@ def load_checkpoint(engine: Any, loader: Any, point: ResumePoint) -> TrainState:
         raise UserError(f"trainer.resume: DeepSpeed could not load {point.tag_dir}")
     source_rank = min(rank, point.saved_world_size - 1)
     state_file = point.tag_dir / "data_state" / f"rank{source_rank}.json"
+    position = data_position(checked.read_bytes(state_file), state_file)
     with _as_written(state_file):  # a trusted foreign checkpoint's position is data of any shape
-        loader.load_state_dict(json.loads(checked.read_bytes(state_file).decode("utf-8")))
+        loader.load_state_dict(position)
     if point.saved_world_size == world_size:
         rng_file = point.tag_dir / "rng" / f"rank{rank}.pt"
         rng = safe_load.load(rng_file, checked)
@@ -330,6 +330,13 @@ def load_checkpoint(engine: Any, loader: Any, point: ResumePoint) -> TrainState:
         if state.step != checked.record.get("step"):
             raise ValueError(f"step {state.step}, but its {COMPLETE} records step {checked.record.get('step')}")
         return state
+
+
+def data_position(raw: bytes, state_file: Path) -> Any:
+    """A rank's saved data position (`data_state/rank<R>.json`): a trusted foreign checkpoint's is data of any shape,
+    nested too deeply (json's RecursionError in every rank) included: one message naming it."""
+    with _as_written(state_file):
+        return loads_bounded(raw, "JSON nested too deeply to be a data position")
 
 
 @contextmanager

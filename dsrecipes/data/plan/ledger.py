@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from dsrecipes.core.errors import DataError
-from dsrecipes.core.fileio import open_append
+from dsrecipes.core.fileio import loads_bounded, open_append
 
 LEDGER_DIR = "ledger"
 
@@ -86,7 +86,7 @@ def _record(path: str | os.PathLike, line_no: int, line: str) -> Dict:
     """One ledger line: a session mark, or {epoch, step: whole numbers, ids: strings}; else DataError at file:line
     (`audit --ledger` reads a run directory it did not write)."""
     try:
-        rec = json.loads(line)
+        rec = loads_bounded(line, "JSON nested too deeply")  # 100000 '[' was json's RecursionError traceback
     except ValueError as exc:
         raise DataError(f"{path}:{line_no}: not a ledger record (not JSON: {exc})") from None
     if isinstance(rec, dict) and ("session" in rec or (
