@@ -176,8 +176,8 @@ def _store_problems(data: Any, baseline: Dict[str, Any], shared_source: Callable
     if registry is MISSING or registry == lookup(baseline, ("dataset", "registry")):
         return problems
     given, use = resolve(("dataset", "registry")), resolve(("dataset", "use"))
-    entries = registry_buckets(registry if given is MISSING else given, lookup(data, ("dataset", "use"))
-                               if use is MISSING else use)
+    given = registry if given is MISSING else given
+    entries = registry_buckets(given, lookup(data, ("dataset", "use")) if use is MISSING else use)
     source = shared_source(("dataset", "registry"), registry) if entries else None
     problems += [f"dataset.registry: entry {name!r} reads s3://{buckets[0]}/... (registry {given}, set by {source}, "
                  "a shared recipe); reading it would sign requests to that bucket with your AWS credentials (its "

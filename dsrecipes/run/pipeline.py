@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, Iterator, List
 
 from dsrecipes.config.load import compose_and_load
 from dsrecipes.config.pipeline_file import Pipeline, Stage, stage_overrides
-from dsrecipes.config.safety import OUTSIDE_OPTIONS, SIGNED_BUCKETS_ENV, STORE_FIELDS, foreign_buckets
+from dsrecipes.config.safety import OUTSIDE_OPTIONS, SIGNED_BUCKETS_ENV, STORE_FIELDS, foreign_buckets, registry_buckets
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.export_dir import EXPORT_DIR
 from dsrecipes.core.fileio import atomic_write_json
@@ -149,6 +149,10 @@ def read_state(out: Path, pipeline: Pipeline) -> Dict[str, Any]:
         return {"pipeline": str(pipeline.path.resolve()), "stages": {}}
     try:
         state = json.loads(path.read_text(encoding="utf-8"))
+    found += [f"dataset.registry: entry {name!r} reads s3://{buckets[0]}/... and the registry was named by a pipeline "
+              "file, which is shared like a recipe; reading it would sign requests to that bucket with your AWS "
+              f"credentials, so allow the bucket: {SIGNED_BUCKETS_ENV}={','.join(buckets)}"
+              for name, buckets in registry_buckets(cfg.dataset.registry, list(cfg.dataset.use))]
         assert isinstance(state, dict) and isinstance(state.get("stages"), dict)
     except (OSError, ValueError, AssertionError):
         raise UserError(f"--out: {path} is not a pipeline state this program wrote; choose another --out") from None
