@@ -11,7 +11,7 @@ import sys
 import tempfile
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from dsrecipes.boundary.checkpoint_find import committed
 from dsrecipes.core import stopping
@@ -24,6 +24,9 @@ from dsrecipes.core.rundir import CHECKPOINTS_DIR, write_result
 # The command that resumes more than this run (a pipeline's, set around each stage: commands/pipeline.py): the run
 # then prints no resume command of its own (its caller prints that one, once) and records that one in result.json.
 RESUMED_BY: ContextVar[Optional[str]] = ContextVar("RESUMED_BY", default=None)
+# Where a failed run's cause goes instead of the console while a caller says it once, with more (a pipeline's stage:
+# commands/pipeline.train_stage names the stage and the pipeline's resume command with it); None: printed.
+CAUSES: ContextVar[Optional[List[str]]] = ContextVar("CAUSES", default=None)
 
 
 def conclude(run_dir: Path, code: int, dry_run: bool, argv: Sequence[str]) -> Tuple[int, bool]:
@@ -64,7 +67,7 @@ def report_killed(run_dir: Path, signal_name: str) -> str:
     message = f"{who} {'were' if len(ranks) > 1 else 'was'} killed by {signal_name} ({why}); the other ranks were stopped"
     newest = committed(run_dir / CHECKPOINTS_DIR)
     resume = "; run the same command again to resume from the last checkpoint (trainer.resume=auto)" if newest else ""
-    print(f"error: {message}{resume}", file=sys.stderr, flush=True)
+    say(f"error: {message}{resume}")
     return message
 
 
@@ -76,7 +79,7 @@ def report_unexplained(run_dir: Path, code: int, extra: dict) -> int:
     if no_room(run_dir):
         return code
     message = f"the ranks exited with code {code} without a report"
-    print(f"error: {message}; what they printed is in {run_dir / LOGS_DIR}/", file=sys.stderr, flush=True)
+    say(f"error: {message}; what they printed is in {run_dir / LOGS_DIR}/")
     write_result(run_dir, code, message, **extra)
     return code
 
@@ -100,15 +103,26 @@ def report_failed(run_dir: Path, argv: Sequence[str]) -> str | None:
     if report is None:  # a lost node or rank (core/heartbeat.py): the launcher printed it; result.json says it too
         lost = read_failure(run_dir)
         return describe_failure(lost) if lost is not None else None
-    if report.get("render"):  # a user error found by a rank: its own message, as any other (no traceback kept)
-        lines = [str(report["render"])]
-    else:
-        lines = [f"error: {report['reason']}"] + ([f"  full traceback: {report['log']}"] if report.get("log") else [])
+    log = f"full traceback: {report['log']}" if report.get("log") and not report.get("render") else None
+    if CAUSES.get() is not None:  # the caller says it, in one line
+        say(str(report["render"] or f"error: {report['reason']}") + (f" ({log})" if log else ""))
+        return str(report["render"] or report["reason"])
+    # a user error found by a rank: its own message, as any other (no traceback kept)
+    lines = [str(report["render"] or f"error: {report['reason']}")] + ([f"  {log}"] if log else [])
     newest = committed(run_dir / CHECKPOINTS_DIR)
     if newest and report.get("resumable", True) and RESUMED_BY.get() is None:
         lines.append(f"  resume from {newest[0]} with:\n  {resume_command(run_dir, argv, keep_resume_from=False)}")
     print("\n".join(lines), file=sys.stderr, flush=True)
     return str(report["render"] or report["reason"])
+
+
+def say(message: str) -> None:
+    """A failed run's cause: printed, or kept for the caller that says it (CAUSES)."""
+    causes = CAUSES.get()
+    if causes is None:
+        print(message, file=sys.stderr, flush=True)
+    else:
+        causes.append(message)
 
 
 def report_interrupted(run_dir: Path, signum: int, extra: dict, argv: Sequence[str]) -> int:

@@ -17,7 +17,7 @@ import dsrecipes.commands.train as train
 from dsrecipes.commands.args import command_parser, parse
 from dsrecipes.config.pipeline_file import Pipeline, load_pipeline
 from dsrecipes.core.errors import UserError
-from dsrecipes.run.pipeline import run_pipeline
+from dsrecipes.run.pipeline import StageFailed, run_pipeline
 
 
 def main(argv: List[str]) -> int:
@@ -56,16 +56,21 @@ def resume_command(path: Path, out: Path) -> str:
 
 def train_stage(argv: List[str], resume: str) -> int:
     """One stage as `dsrecipes train ARGV` runs (cli.py's handling: a refusal is one message and its exit code). An
-    interrupted or failed stage names no resume command of its own: the pipeline's (`resume`) is said once."""
+    interrupted or failed stage names no resume command of its own: the pipeline's (`resume`) is said once; a failed
+    stage's cause is said with it, once (StageFailed: run/pipeline.py)."""
     trust.reset()  # trusting a checkpoint is never carried from one stage to the next
-    resumed_by = outcome.RESUMED_BY.set(resume)
+    causes: List[str] = []
+    resumed_by, kept = outcome.RESUMED_BY.set(resume), outcome.CAUSES.set(causes)
     try:
-        return train.main(argv)
+        code = train.main(argv)
     except UserError as exc:
-        print(exc.render(), flush=True)
-        return exc.exit_code
+        raise StageFailed(exc.exit_code, exc.problems) from None
     except Exception:  # noqa: BLE001 - a crash of one stage (train re-raises it for a single run): the pipeline
         traceback.print_exc()  # stops naming that stage, with the resume command (run/pipeline.py)
         return 1
     finally:
         outcome.RESUMED_BY.reset(resumed_by)
+        outcome.CAUSES.reset(kept)
+    if code and causes:
+        raise StageFailed(code, causes)
+    return code

@@ -17,8 +17,9 @@ Resume is the same command: a stage recorded done is never run again (its overri
 the pipeline is refused: a finished stage cannot be changed, use a new --out); a stage whose run finished while
 the record was not yet written (killed between stages) is recorded done from its result.json; any other stage is
 started again with the same overrides and run directory, so `train` resumes it from its newest checkpoint
-(trainer.resume=auto). A stage that fails stops the pipeline with one message naming the stage, its run directory
-and the resume command (exit 2); an interrupted stage (Ctrl-C, SIGTERM) ends it with the run's exit code.
+(trainer.resume=auto). A stage that fails stops the pipeline with one message naming the stage, its cause (the
+stage's run says it to the pipeline, not the console: StageFailed), its run directory and the resume command (exit
+2); an interrupted stage (Ctrl-C, SIGTERM) ends it with the run's exit code.
 """
 
 from __future__ import annotations
@@ -46,7 +47,15 @@ MARKER = "dsrecipes_pipeline.json"
 STATE_FILE = "pipeline_state.json"
 LOCK_FILE = ".dsrecipes.pipeline.lock"
 INTERRUPTED = (130, 143)  # the exit codes of a run stopped by SIGINT / SIGTERM
-Train = Callable[[List[str]], int]
+Train = Callable[[List[str]], int]  # a stage's exit code, or StageFailed
+
+
+class StageFailed(Exception):
+    """A stage's run failed (exit `code`), and why: its messages (`causes`), said by the pipeline with the stage."""
+
+    def __init__(self, code: int, causes: List[str]):
+        super().__init__(f"exit {code}: {'; '.join(causes)}")
+        self.code, self.causes = code, causes
 
 
 @dataclass
@@ -140,6 +149,10 @@ def outside_options(cfg: Any) -> List[str]:
         found += [f"{'.'.join(path)}: s3://{buckets[0]}/... named by a pipeline file, which is shared like a recipe; "
                   "reading it would sign requests to that bucket with your AWS credentials, so allow the bucket: "
                   f"{SIGNED_BUCKETS_ENV}={','.join(buckets)}"] if buckets else []
+    found += [f"dataset.registry: entry {name!r} reads s3://{buckets[0]}/... and the registry was named by a pipeline "
+              "file, which is shared like a recipe; reading it would sign requests to that bucket with your AWS "
+              f"credentials, so allow the bucket: {SIGNED_BUCKETS_ENV}={','.join(buckets)}"
+              for name, buckets in registry_buckets(cfg.dataset.registry, list(cfg.dataset.use))]
     return found
 
 
@@ -149,10 +162,6 @@ def read_state(out: Path, pipeline: Pipeline) -> Dict[str, Any]:
         return {"pipeline": str(pipeline.path.resolve()), "stages": {}}
     try:
         state = json.loads(path.read_text(encoding="utf-8"))
-    found += [f"dataset.registry: entry {name!r} reads s3://{buckets[0]}/... and the registry was named by a pipeline "
-              "file, which is shared like a recipe; reading it would sign requests to that bucket with your AWS "
-              f"credentials, so allow the bucket: {SIGNED_BUCKETS_ENV}={','.join(buckets)}"
-              for name, buckets in registry_buckets(cfg.dataset.registry, list(cfg.dataset.use))]
         assert isinstance(state, dict) and isinstance(state.get("stages"), dict)
     except (OSError, ValueError, AssertionError):
         raise UserError(f"--out: {path} is not a pipeline state this program wrote; choose another --out") from None
@@ -173,8 +182,11 @@ def run_stage(run: PipelineRun, stage: Stage, number: int, train: Train) -> int:
     again = " (resumed: the run continues from its newest checkpoint)" if entry else ""
     print(f"pipeline: {of}{again}: dsrecipes train {' '.join(argv)}", flush=True)
     run.record(stage, status="running", argv=argv, run_dir=str(run.out / stage.name))
+    causes: List[str] = []
     try:
         code = train(argv)
+    except StageFailed as exc:
+        code, causes = exc.code, exc.causes
     except KeyboardInterrupt:
         run.record(stage, status="interrupted")
         print(f"pipeline: {of} was interrupted; resume with: {run.resume_command}", file=sys.stderr, flush=True)
@@ -185,8 +197,10 @@ def run_stage(run: PipelineRun, stage: Stage, number: int, train: Train) -> int:
         return code
     if code:
         run.record(stage, status="failed", exit_code=code)
-        raise UserError(f"pipeline: {of} failed (exit {code}); its run directory: {run.out / stage.name}; the "
-                        f"stages before it are kept. Fix the cause, then resume with: {run.resume_command}")
+        why = f": {'; '.join(c.removeprefix('error: ') for c in causes)}" if causes else ""
+        where = f"its run directory: {run.out / stage.name}" if (run.out / stage.name).is_dir() else "it wrote nothing"
+        raise UserError(f"pipeline: {of} failed (exit {code}){why}; {where}; the stages before it are kept. Fix the "
+                        f"cause, then resume with: {run.resume_command}")
     run.record(stage, status="done", exit_code=0, export=str(run.out / stage.name / EXPORT_DIR))
     return 0
 
