@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from dsrecipes.cli import main as cli_main
+from dsrecipes.core.errors import ConfigError
+from tests.test_redteam_live2 import signed_reward  # noqa: F401 (a fixture)
 from tests.test_redteam_trust2 import URL, counted_store  # noqa: F401 (a fixture)
 
 
@@ -55,3 +59,36 @@ def test_a_registry_the_user_named_or_allowed_is_read_as_before(counted_store, t
     recipe.write_text(f"dataset:\n  use: [theirs]\n  registry: {registry}\n", encoding="utf-8")
     monkeypatch.setenv("DSRECIPES_S3_BUCKETS", "their-bucket")
     assert cli_main(["validate", f"recipe={recipe}"]) == 0
+
+
+def test_a_reward_model_export_is_checked_as_chat_checks_it_before_launch(signed_reward, tmp_path, monkeypatch,  # noqa: F811
+                                                                         capsys):
+    # Was: objective.reward_model (objectives/rewards.reward_model_problems at validate, load_reward_model on the
+    # ranks) checked only for config.json, safetensors and no own code: an objective=reward export signed with
+    # another user's key, or with a file changed after it was written, passed validate (exit 0) and loaded on the
+    # ranks, where chat / prompt-eval / score refuse both (serve/inference.check_loadable).
+    from dsrecipes.boundary import trust
+    from dsrecipes.objectives.rewards import load_reward_model, reward_model_problems
+    from tests.test_grpo import GRPO
+    from tests.test_messages_hostile import refused
+
+    monkeypatch.chdir(tmp_path)
+    model, _ = signed_reward
+    argv = ["validate", *GRPO, f"objective.reward_model={model}"]
+    monkeypatch.setenv(trust.KEY_ENV, str(tmp_path / "another_users_key"))
+    trust.ensure_key()
+    refused(capsys, argv, f"objective.reward_model: {model}: refusing to load this export",
+            f"dsrecipes train ... --trust-checkpoint {model}")
+    trust.trust([str(model)])  # train's --trust-checkpoint (cli.py takes it off train's arguments)
+    try:
+        assert reward_model_problems(str(model)) == []
+    finally:
+        trust.reset()
+    assert load_reward_model(str(model), "cpu")  # a rank: the launching process checked who signed it
+    monkeypatch.setenv(trust.KEY_ENV, str(tmp_path / "key"))
+    assert cli_main(argv) == 0
+    capsys.readouterr()  # transformers' progress bar of the load above
+    (model / "config.json").write_text((model / "config.json").read_text() + " ", encoding="utf-8")
+    refused(capsys, argv, f"objective.reward_model: {model}: damaged export", "config.json")
+    with pytest.raises(ConfigError, match=r"objective.reward_model: .*damaged export"):
+        load_reward_model(str(model), "cpu")  # and a rank checks its files again before loading them

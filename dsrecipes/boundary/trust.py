@@ -31,7 +31,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from dsrecipes.core.errors import Refused, UserError
+from dsrecipes.core.export_dir import EXPORT_INFO
 from dsrecipes.core.fileio import json_text
+from dsrecipes.core.manifest import unlisted, verify
+from dsrecipes.core.tokenizer import read_json
 
 KEY_ENV = "DSRECIPES_KEY_FILE"
 SIGNATURE = "signature"
@@ -213,3 +216,25 @@ def check(record: Dict[str, Any], where: Path, what: str, retry: str) -> bool:
         f"so only files written by this user's runs load without asking. If you trust whoever wrote it, repeat "
         f"with `{retry} {FLAG} {where}`: that accepts it for that one command (its file "
         "hashes are still checked and a pickle that imports code is still refused); it is not re-signed")
+
+
+def check_export(model_dir: Path, retry: str, signed: bool = True) -> None:
+    """Before anything of `model_dir` is read: a dsrecipes export (it has EXPORT_INFO) must be signed by this user
+    or trusted on the command line (`check`; `signed=False`: not asked again, in a rank whose launching process
+    asked) and hold its files as written (every time); UserError else. Nothing for another directory."""
+    marker = model_dir / EXPORT_INFO
+    if not marker.exists():
+        return
+    try:
+        record = read_json(marker)  # bounded: a shared export's marker of nested brackets is one message
+        if not isinstance(record, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{marker}: unreadable ({exc}); nothing was loaded")
+    if signed:
+        check(record, model_dir, "export", retry)
+    listing = f"{EXPORT_INFO}: hashes"
+    problem = (verify(model_dir, record.get("hashes"), listing=listing)  # its shape checked too
+               or unlisted(model_dir, record.get("hashes"), [EXPORT_INFO], listing, "export"))
+    if problem is not None:
+        raise UserError(f"{model_dir}: damaged export ({problem}); nothing was loaded")

@@ -27,8 +27,10 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
+import dsrecipes.boundary.trust as trust
+from dsrecipes.boundary.checkpoint_find import TRAIN_RETRY
 from dsrecipes.core.answers import normalize
-from dsrecipes.core.errors import ConfigError, no_custom_code
+from dsrecipes.core.errors import ConfigError, UserError, no_custom_code
 from dsrecipes.core.schema import RewardConfig, TrainConfig
 from dsrecipes.core.tokenizer import NO_DIRECTORY_CODE, custom_code_problems
 
@@ -67,15 +69,21 @@ def reward_problems(cfg: TrainConfig) -> List[str]:
     return errors
 
 
-def reward_model_problems(path: str) -> List[str]:
-    """Before anything launches: a directory with a config, safetensors weights, and no code of its own (the weights
-    load on the ranks, where any other failure is one ConfigError too)."""
+def reward_model_problems(path: str, signed: bool = True) -> List[str]:
+    """Before anything launches: a directory with a config, safetensors weights, and no code of its own, and a
+    dsrecipes export signed by this user (or trusted: train's --trust-checkpoint) holding its files as written, as
+    chat loads one (boundary/trust.check_export; `signed=False` on the ranks, which check the files again but have
+    no command line to trust with). The weights load on the ranks, where any other failure is one ConfigError too."""
     key, found = "objective.reward_model", Path(path).expanduser()
     if not found.is_dir():
         return [f"{key}: {path} is not a directory (an objective=reward export: config.json, *.safetensors, tokenizer)"]
     if not (found / "config.json").is_file() or next(found.glob("*.safetensors"), None) is None:
         return [f"{key}: {path} has no config.json or no *.safetensors weights (dsrecipes loads model weights only "
                 "from safetensors); give an objective=reward export"]
+    try:
+        trust.check_export(found, TRAIN_RETRY, signed)
+    except UserError as exc:
+        return [f"{key}: {p}" for p in exc.problems]
     return custom_code_problems(key, found)
 
 
@@ -171,7 +179,7 @@ def load_reward_model(path: str, device: Any) -> Callable[[List[str]], List[floa
 
 
     key = "objective.reward_model"
-    problems = reward_model_problems(path)
+    problems = reward_model_problems(path, signed=False)
     if problems:
         raise ConfigError(problems)
     try:

@@ -27,7 +27,6 @@ from dsrecipes.boundary.chat_sandbox import render
 from dsrecipes.config.load import load_run_config
 from dsrecipes.core.errors import UserError, no_custom_code
 from dsrecipes.core.export_dir import EXPORT_DIR, EXPORT_INFO, EXPORT_INIT_DIR
-from dsrecipes.core.manifest import unlisted, verify
 from dsrecipes.core.tokenizer import NO_DIRECTORY_CODE, custom_code_problems, read_json
 from dsrecipes.data.render.spm import continuation_encoder
 from dsrecipes.run.preflight import check_model_dir
@@ -80,20 +79,7 @@ def check_loadable(model_dir: Path, retry: str, adapter: bool = False) -> None:
     must be signed by this user or trusted on the command line (trust.py) and hold its files as written; any model
     directory is refused when it needs its own code (auto_map, preflight.check_model_dir)."""
 
-    marker = model_dir / EXPORT_INFO
-    if marker.exists():
-        try:
-            record = read_json(marker)  # bounded: a shared export's marker of nested brackets is one message
-            if not isinstance(record, dict):
-                raise ValueError("not a JSON object")
-        except (OSError, ValueError) as exc:
-            raise UserError(f"{marker}: unreadable ({exc}); nothing was loaded")
-        trust.check(record, model_dir, "export", retry)
-        listing = f"{EXPORT_INFO}: hashes"
-        problem = (verify(model_dir, record.get("hashes"), listing=listing)  # its shape checked too
-                   or unlisted(model_dir, record.get("hashes"), [EXPORT_INFO], listing, "export"))
-        if problem is not None:
-            raise UserError(f"{model_dir}: damaged export ({problem}); nothing was loaded")
+    trust.check_export(model_dir, retry)
     problems = custom_code_problems("model", model_dir) if adapter else check_model_dir("model", model_dir, False)
     if problems:
         raise UserError(problems)
