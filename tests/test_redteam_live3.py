@@ -1,10 +1,13 @@
 """Failures said once, tried for real first (helper live3): a pipeline stage that fails is one message naming its
-cause, the stage and the pipeline's one resume command."""
+cause, the stage and the pipeline's one resume command; ranks that cannot record their failure on a full disk say it
+once."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+
+import pytest
 
 
 def test_a_stage_refused_by_train_is_one_message_with_its_cause_and_the_resume_command(tmp_path, monkeypatch,
@@ -55,3 +58,63 @@ def test_a_stage_whose_rank_failed_is_one_message_with_its_cause_and_the_resume_
                           "shard is corrupt"), err
     assert f"(full traceback: {tmp_path / 'out' / 'sft' / 'logs' / 'rank0.log'}); its run directory: " in err, err
     assert err.rstrip().endswith(f"resume with: {command}"), err
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A run directory on a 1 MiB tmpfs filled to the last byte (root only: skipped otherwise)."""
+    import subprocess
+
+    from tests.test_disk_full import mount_tmpfs
+
+    disk = tmp_path / "disk"
+    mount_tmpfs(disk, "1M")
+    try:
+        run_dir = disk / "run"
+        (run_dir / "logs").mkdir(parents=True)
+        subprocess.run(["dd", "if=/dev/zero", f"of={disk / 'filler'}", "bs=64k"], capture_output=True)
+        yield run_dir
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=False)
+
+
+class GoneStore:
+    def set_timeout(self, timeout):
+        pass
+
+    def add(self, key, amount):
+        raise RuntimeError("Connection reset by peer")  # as torch's TCPStore says it when its host ended
+
+
+@pytest.mark.parametrize("store", ["shared", "gone"])
+def test_ranks_that_cannot_record_their_failure_on_a_full_disk_say_it_once(full_disk, monkeypatch, capsys, store):
+    """Tried for real (2 ranks, launcher=deepspeed on CPU/gloo, the run directory on a 60 MiB tmpfs filled by dd at
+    step 6): 'error: rank 0 failed: OSError: [Errno 28] ... (at dsrecipes/observe/metrics.py:140) (the disk of RUN is
+    full: ...)' and then 'error: rank 1 failed: RuntimeError: [.../gloo/transport/tcp/pair.cc:553] Connection closed
+    by peer ... (the disk of RUN is full: ...)', each rank its own line. Now the first rank to count itself in the
+    job's store says it; a store that is gone (its host, rank 0, ended after saying its own) says a rank did."""
+    import errno
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    import dsrecipes.core.heartbeat as heartbeat
+    import dsrecipes.rank.worker as worker
+    from dsrecipes.commands.outcome import conclude
+
+    beat = SimpleNamespace(world_size=2, run_dir=full_disk, prefix="dsrecipes/heartbeat/0",
+                           store=dist.HashStore() if store == "shared" else GoneStore())
+    monkeypatch.setattr(heartbeat, "stopped", lambda: beat)
+    monkeypatch.setattr(worker, "end_workers", lambda: None)
+    failures = {"0": OSError(errno.ENOSPC, "No space left on device"),
+                "1": RuntimeError("Connection closed by peer [127.0.0.1]:17090")}
+    for rank, exc in failures.items():
+        monkeypatch.setenv("RANK", rank)
+        assert worker.failed(full_disk, exc) == 1
+    assert conclude(full_disk, 1, False, []) == (1, False)
+    err = capsys.readouterr().err
+    if store == "gone":  # neither rank could count itself: rank 0, the store's host, said it before it ended
+        assert err == "", err
+        return
+    assert err.count("\n") == 1 and err.startswith("error: rank 0 failed: OSError: [Errno 28]"), err
+    assert f"the disk of {full_disk} is full" in err and "(no checkpoint yet: it starts from step 1)" in err

@@ -24,13 +24,15 @@ if __name__ == "__main__":  # a rank process: no cyclic collector while it start
 
 import argparse  # noqa: E402
 import atexit  # noqa: E402
+import contextlib  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
+from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import List, Optional  # noqa: E402
+from typing import Iterator, List, Optional  # noqa: E402
 
 import dsrecipes.core.heartbeat as heartbeat  # noqa: E402
 from dsrecipes.boundary.checkpoint_find import committed  # noqa: E402
@@ -46,6 +48,7 @@ from dsrecipes.rank.checkpoint import TrainState  # noqa: E402
 from dsrecipes.rank.train import train  # noqa: E402
 
 LAUNCHER_POLL_S = 1.0
+STORE_ASK_S = 5.0  # a rank that cannot record its failure asks the job's store this long whether another said it
 
 
 def run(run_dir: str | Path) -> TrainState:
@@ -96,10 +99,46 @@ def failed(run_dir: str | Path, exc: BaseException) -> int:
     log = log_path(Path(run_dir), f"rank{rank}")
     log_traceback(log, exc)
     report = record_rank_failure(Path(run_dir), rank, exc, log)
-    if report.get("pid") == os.getpid() and (report.get("unrecorded") or not reported_by_launcher(Path(run_dir))):
+    if report.get("disk_full"):  # not recorded: said by this rank, once for the job
+        says = first_unrecorded(run_dir)
+    else:  # said by the launching process where it reads failure.json; the first rank recorded says it otherwise
+        says = report.get("pid") == os.getpid() and (report.get("unrecorded") or not reported_by_launcher(Path(run_dir)))
+    if says:
         print(report["render"] or f"error: {report['reason']} {_where_said(report, run_dir, log)}", file=sys.stderr,
               flush=True)
     return exc.exit_code if isinstance(exc, UserError) else 1
+
+
+def first_unrecorded(run_dir: str | Path) -> bool:
+    """Whether this rank, which could not record its failure on a full disk, is the first of the job's ranks to say
+    so, by a count in the job's store (core/heartbeat.py): the others failed on the same disk or because that rank
+    ended (a collective's peer gone), and the console says it once. A store that is gone or does not answer within
+    STORE_ASK_S means its host ended (launcher=deepspeed: rank 0, which asked first); without one (no heartbeat)
+    every such rank says it."""
+    beat = heartbeat.stopped()  # (rank/train stops it before the failure reaches here)
+    if beat is None or beat.world_size < 2 or beat.run_dir != Path(run_dir) or not hasattr(beat, "store"):
+        return True  # a lone rank, or this run's heartbeat never started
+    try:
+        with _native_stderr_quiet():  # torch's store client prints a C++ stack of its own when the store is gone
+            beat.store.set_timeout(timedelta(seconds=STORE_ASK_S))
+            return int(beat.store.add(f"{beat.prefix}/unrecorded", 1)) == 1
+    except Exception:  # noqa: BLE001 - the store's host is gone (connection reset, refused) or silent
+        return False
+
+
+@contextlib.contextmanager
+def _native_stderr_quiet() -> Iterator[None]:
+    """File descriptor 2 to /dev/null for a moment (what native code writes there; this process's own lines are
+    flushed before and printed after)."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 def _where_said(report: dict, run_dir: str | Path, log: Path) -> str:
