@@ -118,3 +118,21 @@ def test_ranks_that_cannot_record_their_failure_on_a_full_disk_say_it_once(full_
         return
     assert err.count("\n") == 1 and err.startswith("error: rank 0 failed: OSError: [Errno 28]"), err
     assert f"the disk of {full_disk} is full" in err and "(no checkpoint yet: it starts from step 1)" in err
+
+
+def test_a_stage_whose_data_file_is_corrupt_is_one_message_with_its_cause(tmp_path, monkeypatch, capsys):
+    """Tried for real (a stage's data file whose second row is cut short): 'error: .../bad.jsonl:2: invalid_json
+    (...)' from the stage's run (commands/train._record), then the pipeline's 'error: pipeline: stage ... failed
+    (exit 2) ...'. Now one message."""
+    from dsrecipes.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", '
+                                        '"content": "yo"}]}\n{"messages": [{"role": "user", "content": "hi"\n')
+    (tmp_path / "p.yaml").write_text("stages:\n  - name: sft\n    set: {debug: fast, dataset: openai_messages, "
+                                     f"dataset.paths: [{tmp_path / 'bad.jsonl'}]}}\n")
+    code = main(["pipeline", "p.yaml", "--out", "out"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("error:") == 1, err
+    assert f"error: pipeline: stage 'sft' (1 of 1) failed (exit 2): {tmp_path / 'bad.jsonl'}:2: invalid_json" in err
+    assert err.rstrip().endswith(f"resume with: cd {tmp_path} && {sys.executable} -m dsrecipes pipeline p.yaml --out out")

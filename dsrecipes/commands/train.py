@@ -23,7 +23,7 @@ from typing import List, Optional, Set
 import dsrecipes.config.hydra_app as hydra_app
 from dsrecipes.commands.args import parse
 from dsrecipes.commands.help import train_help, version_text
-from dsrecipes.commands.outcome import conclude, report_interrupted
+from dsrecipes.commands.outcome import conclude, report_interrupted, say
 from dsrecipes.config.load import load_config
 from dsrecipes.core import stopping
 from dsrecipes.core.console import log_path, quiet_third_party
@@ -138,7 +138,7 @@ def _refused(inv: Invocation, exc: UserError, record_in: Optional[Path]) -> None
 
 
 def _record(inv: Invocation, exc: UserError, record_in: Optional[Path]) -> None:
-    print(exc.render(), file=sys.stderr)
+    say(exc.render())  # (a pipeline's stage: said once, by the pipeline, with the stage)
     if record_in is not None and not isinstance(exc, Refused):  # a refused run leaves its directory as it was
         write_result(record_in, exc.exit_code, exc.render())
     inv.failed(exc.exit_code)
