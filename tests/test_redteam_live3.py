@@ -136,3 +136,62 @@ def test_a_stage_whose_data_file_is_corrupt_is_one_message_with_its_cause(tmp_pa
     assert code == 2 and err.count("error:") == 1, err
     assert f"error: pipeline: stage 'sft' (1 of 1) failed (exit 2): {tmp_path / 'bad.jsonl'}:2: invalid_json" in err
     assert err.rstrip().endswith(f"resume with: cd {tmp_path} && {sys.executable} -m dsrecipes pipeline p.yaml --out out")
+
+
+def _save_on_a_disk_rank0_finds_full(rank: int, port: int, run_dir: str, said: dict) -> None:
+    """A rank of a 2-process gloo group saving a checkpoint through an engine that saves as DeepSpeed's does (a
+    barrier, the rank's files, a closing barrier) and on rank 0 runs out of space in between."""
+    import errno
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from dsrecipes.core.disk_space import OutOfSpace
+    from dsrecipes.rank.checkpoint import TrainState, save_checkpoint
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=20))  # the old code: a hang, then gloo's timeout
+
+    class Engine:
+        module = torch.nn.Linear(1, 1)
+
+        def save_checkpoint(self, save_dir, tag, **kwargs):
+            dist.barrier()
+            if rank == 0:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            dist.barrier()
+
+    class Loader:
+        def state_dict(self):
+            return {"epoch": 0}
+
+    try:
+        save_checkpoint(Engine(), Loader(), TrainState(step=8), Path(run_dir), 2, frozen_excluded=False, record={})
+    except OutOfSpace as exc:
+        said[rank] = str(exc)
+    except Exception as exc:  # noqa: BLE001 - what the parent reports
+        said[rank] = f"{type(exc).__name__}: {exc}"
+    dist.destroy_process_group()
+
+
+def test_a_rank_whose_disk_fills_inside_deepspeeds_save_does_not_hang_the_others(tmp_path):
+    """Tried for real (2 ranks, launcher=deepspeed on CPU/gloo, save_every=4, the run directory on a 30 MiB tmpfs
+    filled at step 5 to 2 MiB free): rank 0 ran out of space writing step_8 inside DeepSpeed's save_checkpoint and went
+    on to rank/checkpoint._stop_if_full's all_reduce, while rank 1 waited in DeepSpeed's closing barrier: both hung
+    (gdb), 'dsrecipes: waiting 120 s: rank 0 ... phase checkpoint' until launcher.stall_timeout_s (30 minutes). Now
+    the rank takes its place in that barrier and both end with 628456a's one OutOfSpace message."""
+    import torch.multiprocessing as mp
+
+    from dsrecipes.core.distributed import free_port
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    with mp.Manager() as manager:
+        said = manager.dict()
+        mp.start_processes(_save_on_a_disk_rank0_finds_full, args=(free_port(), str(run_dir), said), nprocs=2,
+                           join=True, start_method="spawn")
+        said = dict(said)
+    expected = f"checkpoint: out of disk space writing {run_dir / 'checkpoints' / 'step_8'}"
+    assert sorted(said) == [0, 1] and all(m.startswith(expected) for m in said.values()), said
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == []  # the partial checkpoint removed

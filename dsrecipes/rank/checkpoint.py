@@ -116,8 +116,15 @@ def save_checkpoint(engine: Any, loader: Any, state: TrainState, run_dir: Path, 
 def _write_rank_files(engine: Any, loader: Any, state: TrainState, staging: Path, rank: int,
                       frozen_excluded: bool) -> None:
     with _frozen_aliases_left_out(engine.module, frozen_excluded):
-        engine.save_checkpoint(str(staging.parent), tag=staging.name, client_state={"train_state": asdict(state)},
-                               save_latest=False, exclude_frozen_parameters=frozen_excluded)
+        try:
+            engine.save_checkpoint(str(staging.parent), tag=staging.name, client_state={"train_state": asdict(state)},
+                                   save_latest=False, exclude_frozen_parameters=frozen_excluded)
+        except Exception as exc:  # a rank whose disk filled inside DeepSpeed's save never reaches its closing
+            if disk_space.out_of_space(exc, staging):  # barrier, where the others wait: it takes its place there
+                import torch.distributed as dist  # (else: all_ranks in _stop_if_full against that barrier, a hang)
+
+                dist.barrier()
+            raise
     atomic_write_json(staging / "data_state" / f"rank{rank}.json", loader.state_dict())
     (staging / "rng").mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), staging / "rng" / f"rank{rank}.pt")
