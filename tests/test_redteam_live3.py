@@ -195,3 +195,21 @@ def test_a_rank_whose_disk_fills_inside_deepspeeds_save_does_not_hang_the_others
     expected = f"checkpoint: out of disk space writing {run_dir / 'checkpoints' / 'step_8'}"
     assert sorted(said) == [0, 1] and all(m.startswith(expected) for m in said.values()), said
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == []  # the partial checkpoint removed
+
+
+def test_a_heartbeat_that_cannot_record_a_lost_store_on_a_full_disk_ends_without_a_traceback(full_disk,
+                                                                                              monkeypatch):
+    """Tried for real (the 2-rank dd run above): rank 1's heartbeat thread, finding the job's store gone with rank 0,
+    printed 'Exception in thread dsrecipes-heartbeat: Traceback ... core/failure.py ... write_failure ... OSError:
+    [Errno 28]' (Heartbeat._fail let write_failure's error escape). Now it ends the rank as it would have."""
+    import dsrecipes.core.heartbeat as heartbeat
+    import dsrecipes.core.stall as stall
+
+    def exit_thread(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(heartbeat.os, "_exit", exit_thread)
+    beat = heartbeat.Heartbeat(full_disk, 1, 2, 30, stall.Watch(0, 0))
+    with pytest.raises(SystemExit) as ended:  # before: OSError [Errno 28] out of the heartbeat's thread
+        beat._fail([], "the job's store at 127.0.0.1:1 stopped answering (DistNetworkError)")
+    assert ended.value.code == heartbeat.PEER_LOST_EXIT

@@ -160,12 +160,19 @@ def died_by_signal(procs: Iterable[Any], wait_s: float) -> Optional[Tuple[int, i
         time.sleep(0.05)
 
 
-def write_failure(run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
+def write_failure(run_dir: Path, record: Dict[str, Any], unwritable_ok: bool = False) -> Dict[str, Any]:
     """Write <run>/failure.json unless a rank did first; returns the report that stands. The first one wins: later
-    ones come from ranks that saw the run coming down (their own node's ranks stopping included), not the cause."""
+    ones come from ranks that saw the run coming down (their own node's ranks stopping included), not the cause.
+    `unwritable_ok` (a heartbeat's thread, which ends its rank anyway): a write that fails returns `record` itself
+    (a full disk: nobody could read it there, and the rank's own failure says it, rank/worker.failed)."""
     tmp = run_dir / f".{FAILURE_FILE}.{os.getpid()}.tmp"
     try:  # a full disk fails the write: raised, and nothing of it is left behind
-        tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        try:
+            tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        except OSError:
+            if unwritable_ok:
+                return record
+            raise
         try:
             os.link(tmp, run_dir / FAILURE_FILE)  # atomic, and fails if another rank reported first
         except OSError:

@@ -299,7 +299,7 @@ class Heartbeat:
         record = {"lost": lost, "reason": reason, "detected_by": whoami(self.rank, self.master[0]), "time": time.time()}
         if stalled:
             record["stalled"] = stalled  # alive, but no step progress (core/stall.py); "lost" stays empty
-        first = write_failure(self.run_dir, record)
+        first = write_failure(self.run_dir, record, unwritable_ok=True)  # (a full disk: the rank says it)
         self._exit(first, mine=first is record)
 
     def _follow(self) -> None:
