@@ -213,3 +213,32 @@ def test_a_heartbeat_that_cannot_record_a_lost_store_on_a_full_disk_ends_without
     with pytest.raises(SystemExit) as ended:  # before: OSError [Errno 28] out of the heartbeat's thread
         beat._fail([], "the job's store at 127.0.0.1:1 stopped answering (DistNetworkError)")
     assert ended.value.code == heartbeat.PEER_LOST_EXIT
+
+
+def test_a_stage_model_refused_for_trust_names_a_command_that_takes_the_flag(tmp_path, monkeypatch, capsys):
+    """The pipeline's prompt answers load each stage's export; a refusal (an export this user did not sign) says
+    "repeat with `RETRY --trust-checkpoint PATH`". RETRY was `dsrecipes pipeline ... --out DIR`, which has no such
+    flag (trust is never carried between stages): the printed command failed with 'unrecognized arguments'. It is now
+    prompt-eval on that stage, which takes it."""
+    import shlex
+
+    import dsrecipes.serve.pipeline_prompts as pipeline_prompts
+    from dsrecipes.cli import main
+    from dsrecipes.core.errors import UserError
+
+    seen = []
+
+    def refuse(path, **kwargs):
+        seen.append(kwargs["retry"])
+        raise UserError("refusing to load this export")
+
+    monkeypatch.setattr(pipeline_prompts, "resolve_model_path", refuse)
+    stage = tmp_path / "sft"
+    stage.mkdir()
+    with pytest.raises(UserError):
+        pipeline_prompts.answer_stages(tmp_path, [("sft", stage)], 2, 4)
+    argv = shlex.split(seen[0])[1:] + ["--trust-checkpoint", str(stage)]
+    capsys.readouterr()
+    assert main(argv) == 2  # no run there: refused for that, not for its arguments
+    err = capsys.readouterr().err
+    assert "unrecognized arguments" not in err and str(stage) in err, err

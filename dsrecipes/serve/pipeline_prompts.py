@@ -10,6 +10,7 @@ sequence-classification head) has no answers and is left out. Models are loaded 
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
@@ -25,18 +26,19 @@ PROMPTS_MD = "pipeline_prompts.md"
 def answer_stages(out: Path, stages: Sequence[Tuple[str, Path]], limit: int, max_new_tokens: int) -> str:
     """Answer, score and write `out/pipeline_prompts.md`; returns the scores as console lines."""
     first = stages[0][1]
-    rows = prompt_rows(resolve_model_path(str(first), retry=_retry(out)), None, limit)
+    rows = prompt_rows(resolve_model_path(str(first), retry=_retry(first)), None, limit)
     talking = [(name, run_dir) for name, run_dir in stages if generates(run_dir / EXPORT_DIR)]
     if not talking:
         return "prompt answers: no stage exports a model that generates text"
-    final = ChatModel(resolve_model_path(str(talking[-1][1]), retry=_retry(out)))
+    final = ChatModel(resolve_model_path(str(talking[-1][1]), retry=_retry(talking[-1][1])))
     template, stops = final.tokenizer.chat_template, final.stop_ids
     scores: Dict[str, Score] = {}
-    base = ChatModel(resolve_model_path(str(first), baseline=True, retry=_retry(out)), template, stops)
+    base = ChatModel(resolve_model_path(str(first), baseline=True, retry=_retry(first, baseline=True)), template,
+                     stops)
     scores["base"] = evaluate(base, rows, max_new_tokens)
     del base
     for name, run_dir in talking[:-1]:
-        model = ChatModel(resolve_model_path(str(run_dir), retry=_retry(out)), template, stops)
+        model = ChatModel(resolve_model_path(str(run_dir), retry=_retry(run_dir)), template, stops)
         scores[name] = evaluate(model, rows, max_new_tokens)
         del model
     scores[talking[-1][0]] = evaluate(final, rows, max_new_tokens)
@@ -77,5 +79,8 @@ def _markdown(rows: List[PromptRow], scores: Dict[str, Score], table: List[str])
     return "\n".join(parts)
 
 
-def _retry(out: Path) -> str:
-    return f"dsrecipes pipeline ... --out {out}"
+def _retry(run_dir: Path, baseline: bool = False) -> str:
+    """The command a refusal to load a stage's model names, to repeat with `--trust-checkpoint PATH`: prompt-eval on
+    that stage (the pipeline has no such flag: trust is never carried between stages, commands/pipeline.py)."""
+    where = shlex.quote(str(run_dir.resolve()))
+    return f"dsrecipes prompt-eval --finetuned {where}" + (f" --baseline {where}" if baseline else "")
