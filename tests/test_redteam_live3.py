@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_redteam_live2 import small_disk  # noqa: F401  (fixture)
+
 
 def test_a_stage_refused_by_train_is_one_message_with_its_cause_and_the_resume_command(tmp_path, monkeypatch,
                                                                                        capsys):
@@ -61,21 +63,11 @@ def test_a_stage_whose_rank_failed_is_one_message_with_its_cause_and_the_resume_
 
 
 @pytest.fixture
-def full_disk(tmp_path):
+def full_disk(small_disk):  # noqa: F811
     """A run directory on a 1 MiB tmpfs filled to the last byte (root only: skipped otherwise)."""
-    import subprocess
-
-    from tests.test_disk_full import mount_tmpfs
-
-    disk = tmp_path / "disk"
-    mount_tmpfs(disk, "1M")
-    try:
-        run_dir = disk / "run"
-        (run_dir / "logs").mkdir(parents=True)
-        subprocess.run(["dd", "if=/dev/zero", f"of={disk / 'filler'}", "bs=64k"], capture_output=True)
-        yield run_dir
-    finally:
-        subprocess.run(["umount", "--lazy", str(disk)], check=False)
+    run_dir, fill = small_disk
+    fill()
+    return run_dir
 
 
 class GoneStore:
