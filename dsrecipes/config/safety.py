@@ -111,6 +111,11 @@ OUTSIDE_OPTIONS = {("launcher", "slurm_sbatch_args"): tuple(f"--{k}" for k in US
                    ("launcher", "extra_args"): ("--local_addr", "--local-addr")}
 
 
+def outside_option_places(path: Tuple[str, str], args: Sequence[Any]) -> List[int]:
+    """The places in the list at `path` (resolved) holding an OUTSIDE_OPTIONS option, `--opt=value` or `--opt`."""
+    return [i for i, arg in enumerate(args) if str(arg).partition("=")[0] in OUTSIDE_OPTIONS[path]]
+
+
 def _option_problems(data: Any, baseline: Dict[str, Any], shared_source: Callable[[Path, Any], Optional[str]],
                      resolve: Callable[[Path], Any] = lambda path: MISSING) -> List[str]:
     """An OUTSIDE_OPTIONS option (`--opt=value` or `--opt value`) in a list that a shared recipe set, judged on the
@@ -123,7 +128,7 @@ def _option_problems(data: Any, baseline: Dict[str, Any], shared_source: Callabl
             continue
         given = resolve(path)
         args = [str(a) for a in (given if isinstance(given, list) else value)]
-        named = [i for i, arg in enumerate(args) if arg.partition("=")[0] in options]
+        named = outside_option_places(path, args)
         source = shared_source(path, value) if named else None
         problems += [f"{_dotted(path)}[{i}]: {args[i].partition('=')[0]} set by {source}, a shared recipe; it names "
                      "a host outside this machine, so only your command line may name it: give "

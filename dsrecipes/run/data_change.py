@@ -74,13 +74,12 @@ def rendering_changed(data: Optional[DataChange]) -> Optional[Tuple[str, str]]:
     None when nothing was recorded (a run of before the record: nothing is known) or the versions agree."""
     if data is None or not data.saved_prep or data.saved_prep.get("prep_version") == data.prep.get("prep_version"):
         return None
-    what, remedy = _version(data.saved_prep, data.prep)
-    return what.replace("the data was prepared", "its samples were rendered and tokenized", 1), remedy
+    return _version(data.saved_prep, data.prep, "its samples were rendered and tokenized")
 
 
-def _version(old: Dict[str, Any], now: Dict[str, Any]) -> Tuple[str, str]:
+def _version(old: Dict[str, Any], now: Dict[str, Any], done: str = "the data was prepared") -> Tuple[str, str]:
     age = "an earlier" if (old.get("prep_version") or 0) < (now.get("prep_version") or 0) else "another"
-    what = (f"the training files and settings are unchanged, but the data was prepared by {age} dsrecipes "
+    what = (f"the training files and settings are unchanged, but {done} by {age} dsrecipes "
             f"(preparation version {old.get('prep_version')}, now {now.get('prep_version')}); resuming would train "
             "on differently prepared tokens")
     if old.get("dsrecipes") and old.get("dsrecipes") != now.get("dsrecipes"):

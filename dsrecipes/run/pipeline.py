@@ -35,7 +35,14 @@ from typing import Any, Callable, Dict, Iterator, List
 
 from dsrecipes.config.load import compose_and_load
 from dsrecipes.config.pipeline_file import Pipeline, Stage, stage_overrides
-from dsrecipes.config.safety import OUTSIDE_OPTIONS, SIGNED_BUCKETS_ENV, STORE_FIELDS, foreign_buckets, registry_buckets
+from dsrecipes.config.safety import (
+    OUTSIDE_OPTIONS,
+    SIGNED_BUCKETS_ENV,
+    STORE_FIELDS,
+    foreign_buckets,
+    outside_option_places,
+    registry_buckets,
+)
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.export_dir import EXPORT_DIR
 from dsrecipes.core.fileio import atomic_write_json
@@ -136,13 +143,11 @@ def outside_options(cfg: Any) -> List[str]:
     recipe are shared, and an element like `${trainer.experiment}` is text naming no option that resolves to one
     (config/pipeline_file.py judges the settings' text; this, what train will run)."""
     found = []
-    for path, options in OUTSIDE_OPTIONS.items():
-        value: Any = cfg
-        for key in path:
-            value = getattr(value, key)
-        found += [f"{'.'.join(path)}[{i}]: {str(a).partition('=')[0]} names a host outside this machine; a pipeline "
-                  "file is shared like a recipe: name it on your command line" for i, a in enumerate(value)
-                  if str(a).partition("=")[0] in options]
+    for path in OUTSIDE_OPTIONS:
+        value = functools.reduce(getattr, path, cfg)
+        found += [f"{'.'.join(path)}[{i}]: {str(value[i]).partition('=')[0]} names a host outside this machine; a "
+                  "pipeline file is shared like a recipe: name it on your command line"
+                  for i in outside_option_places(path, value)]
     for path in STORE_FIELDS:  # the user's AWS credentials sign every request to a bucket (config/safety.py)
         value = functools.reduce(getattr, path, cfg)
         buckets = foreign_buckets([s.paths for s in value] if path == ("dataset", "sources") else value)

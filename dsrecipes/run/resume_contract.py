@@ -105,11 +105,12 @@ def check(saved: Dict[str, Any], new: Dict[str, Any], saved_data: Optional[str],
     ignorable = {"trainer.output_dir", "trainer.resume_from", "trainer.resume"}  # how one says "resume", not what
     accepted = [a for a in accepted if a.split(":", 1)[0] not in ignorable]
     remedy, settings = None, bool(refused)
+    rendered = rendering_changed(data) if saved_data is not None and saved_data == new_data else None
     if saved_data is not None and saved_data != new_data:
         what, remedy = explain(data, settings) if data is not None else (UNKNOWN, None)
         refused.append(f"training data: fingerprint {saved_data} -> {new_data} ({what})")
-    elif saved_data is not None and rendering_changed(data):
-        what, remedy = rendering_changed(data)  # type: ignore[misc]
+    elif rendered is not None:
+        what, remedy = rendered
         refused.append(f"training data: {what}")
     if refused:
         lines = "\n".join(f"  {r}" for r in refused)
