@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import os
 from typing import Any, Dict, List, Optional
 
 import dsrecipes.core.bounded_yaml as bounded_yaml
 from dsrecipes.core.errors import ConfigError, DataError
+from dsrecipes.core.fileio import loads_bounded, read_regular_bytes
 from dsrecipes.core.paths import SAMPLE_DATA_DIR
 from dsrecipes.core.schema import ColumnsConfig, DatasetConfig, DatasetFormat, SourceConfig
 from dsrecipes.core.suggest import closest, phrase
@@ -46,6 +46,9 @@ _LF_ROLE_TAGS = {  # tag -> (LLaMA-Factory default value, our role)
     "system_tag": ("system", "system"),
 }
 _DATA_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
+# Bytes read of a registry file at most: LLaMA-Factory's own dataset_info.json is about 30 KB. PyYAML's pure-Python
+# parser reads about half a MiB a second (even of comments), so a YAML registry gets less room than JSON.
+MAX_REGISTRY_BYTES = {"yaml": 2 << 20, "llamafactory": 16 << 20}
 
 
 def resolve_sources(dataset_cfg: DatasetConfig, notes: Optional[List[str]] = None) -> List[SourceConfig]:
@@ -132,18 +135,19 @@ def load_registry(path: str, use: Optional[List[str]] = None) -> Dict[str, Sourc
     if not os.path.isfile(path):
         raise ConfigError(f"dataset.registry: {path!r} does not exist")
     base = os.path.dirname(os.path.abspath(path))
-    try:
-        with open(path, encoding="utf-8") as fh:
-            if path.endswith((".yaml", ".yml")):
-                data = bounded_yaml.safe_load(fh.read())  # an alias bomb is refused before it is walked
-                kind = "yaml"
-            else:
-                data = json.load(fh)
-                kind = "llamafactory"
+    kind = "yaml" if path.endswith((".yaml", ".yml")) else "llamafactory"
+    limit = MAX_REGISTRY_BYTES[kind]
+    try:  # a FIFO, a device or a file past `limit` is refused unread (a 2 GB file or /dev/zero never ends)
+        text = read_regular_bytes(path, limit).decode("utf-8")
+        # an alias bomb is refused before it is walked; JSON nested too deeply is refused, not a RecursionError
+        data = bounded_yaml.safe_load(text) if kind == "yaml" else loads_bounded(text, "JSON nested too deeply")
     except bounded_yaml.SelfReference as exc:
         raise ConfigError(f"dataset.registry: {path}:{exc}: an alias (*name) inside the value it names") from None
-    except Exception as exc:  # OSError, json.JSONDecodeError, yaml.YAMLError, TooLarge: all a broken registry file
-        raise ConfigError(f"dataset.registry: cannot read {path}: {' '.join(str(exc).split())}") from None
+    except Exception as exc:  # OSError, ValueError (too large, not a file, not UTF-8, not JSON), YAMLError, TooLarge
+        why = " ".join(str(exc).split())
+        hint = f" (a registry names datasets: kilobytes; at most {limit >> 20} MiB is read)" if "larger than" in why \
+            else ""
+        raise ConfigError(f"dataset.registry: cannot read {path}: {why}{hint}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"dataset.registry: {path} must map entry names to entries")
     build = _yaml_entry if kind == "yaml" else _llamafactory_entry
