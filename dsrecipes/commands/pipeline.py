@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shlex
 import sys
-import traceback
 from pathlib import Path
 from typing import List
 
@@ -65,9 +64,8 @@ def train_stage(argv: List[str], resume: str) -> int:
         code = train.main(argv)
     except UserError as exc:
         raise StageFailed(exc.exit_code, exc.problems) from None
-    except Exception:  # noqa: BLE001 - a crash of one stage (train re-raises it for a single run): the pipeline
-        traceback.print_exc()  # stops naming that stage, with the resume command (run/pipeline.py)
-        return 1
+    except Exception as exc:  # noqa: BLE001 - a crash of one stage (train re-raises it for a single run): the
+        raise StageFailed(1, [], crash=exc) from None  # pipeline says its line, keeps its traceback (run/pipeline.py)
     finally:
         outcome.RESUMED_BY.reset(resumed_by)
         outcome.CAUSES.reset(kept)

@@ -34,7 +34,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.utils import configure_log, run_job
+from hydra.core.utils import JobStatus, configure_log, run_job
 from hydra.errors import HydraException
 from hydra.types import HydraContext, RunMode
 from omegaconf import OmegaConf, open_dict, read_write
@@ -303,9 +303,8 @@ class Job:
         return self.sweep and run_dir == self.job_dir.resolve()
 
     def enter(self, run_dir: Path, body: Callable[[], None]) -> None:
-        """Run `body` as Hydra's job in `run_dir` (claimed by then): a single run writes `.hydra/` there, runs the
-        callbacks and configures the job's logging (what `Hydra.run` does, minus its second compose); a sweep's
-        job is inside Hydra's job already. What the body raised is raised here."""
+        """Run `body` as Hydra's job in the claimed `run_dir`: writes `.hydra/`, runs the callbacks, configures the
+        job's logging (Hydra.run minus its second compose; a sweep's job is in Hydra's already); raises what it raised."""
         if self.sweep:
             body()
             return
@@ -317,7 +316,8 @@ class Job:
                       task_function=lambda _: body(), config=self.composed, job_dir_key="hydra.run.dir",
                       job_subdir_key=None, configure_logging=True)
         callbacks.on_run_end(config=self.composed, config_name=CONFIG_NAME, job_return=ret)
-        _ = ret.return_value  # re-raises what the job raised (a bug, not a user error)
+        if ret.status is JobStatus.FAILED:  # a bug, not a user error: raised as it is (Hydra's ret.return_value
+            raise ret._return_value  # also writes 'Error executing job with overrides: [...]' to stderr)
 
 
 def run(overrides: Sequence[str], job_fn: Callable[[Job], None]) -> None:

@@ -19,7 +19,9 @@ the record was not yet written (killed between stages) is recorded done from its
 started again with the same overrides and run directory, so `train` resumes it from its newest checkpoint
 (trainer.resume=auto). A stage that fails stops the pipeline with one message naming the stage, its cause (the
 stage's run says it to the pipeline, not the console: StageFailed), its run directory and the resume command (exit
-2); an interrupted stage (Ctrl-C, SIGTERM) ends it with the run's exit code.
+2); a stage that crashes (an exception that is no refusal: a bug, a torch error in this process) is said the same way,
+as 'Type: message (at file:line)', its traceback kept in <out>/<stage>/logs/main.log (<out>/logs/pipeline.log when
+the stage made no run directory), never on the console; an interrupted stage (Ctrl-C, SIGTERM) ends it with the run's exit code.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from dsrecipes.config.load import compose_and_load
 from dsrecipes.config.pipeline_file import Pipeline, Stage, stage_overrides
@@ -43,8 +45,10 @@ from dsrecipes.config.safety import (
     outside_option_places,
     registry_buckets,
 )
+from dsrecipes.core.console import log_path
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.export_dir import EXPORT_DIR
+from dsrecipes.core.failure import log_traceback, one_line
 from dsrecipes.core.fileio import atomic_write_json
 from dsrecipes.core.locks import ExclusiveLock, LockHeld
 from dsrecipes.core.rundir import RESULT_FILE, claim_marked_dir
@@ -58,11 +62,13 @@ Train = Callable[[List[str]], int]  # a stage's exit code, or StageFailed
 
 
 class StageFailed(Exception):
-    """A stage's run failed (exit `code`), and why: its messages (`causes`), said by the pipeline with the stage."""
+    """A stage's run failed (exit `code`), and why: its messages (`causes`), said by the pipeline with the stage; or
+    it crashed (`crash`: an exception that is no user error, e.g. a bug): its one line is said, its traceback goes to
+    the stage's log (stage_log), never to the console."""
 
-    def __init__(self, code: int, causes: List[str]):
-        super().__init__(f"exit {code}: {'; '.join(causes)}")
-        self.code, self.causes = code, causes
+    def __init__(self, code: int, causes: List[str], crash: Optional[BaseException] = None):
+        super().__init__(f"exit {code}: {'; '.join(causes) or crash!r}")
+        self.code, self.causes, self.crash = code, causes, crash
 
 
 @dataclass
@@ -191,7 +197,7 @@ def run_stage(run: PipelineRun, stage: Stage, number: int, train: Train) -> int:
     try:
         code = train(argv)
     except StageFailed as exc:
-        code, causes = exc.code, exc.causes
+        code, causes = exc.code, exc.causes + ([crashed(run.out, stage, exc.crash)] if exc.crash else [])
     except KeyboardInterrupt:
         run.record(stage, status="interrupted")
         print(f"pipeline: {of} was interrupted; resume with: {run.resume_command}", file=sys.stderr, flush=True)
@@ -208,6 +214,20 @@ def run_stage(run: PipelineRun, stage: Stage, number: int, train: Train) -> int:
                         f"cause, then resume with: {run.resume_command}")
     run.record(stage, status="done", exit_code=0, export=str(run.out / stage.name / EXPORT_DIR))
     return 0
+
+
+def stage_log(out: Path, stage: Stage) -> Path:
+    """Where a stage's crash is written: its run directory's log of the launching process (core/console.log_path),
+    or the pipeline's own log where the stage made no run directory (nothing is written into one it did not claim)."""
+    run_dir = out / stage.name
+    return log_path(run_dir, "main") if run_dir.is_dir() else log_path(out, "pipeline")
+
+
+def crashed(out: Path, stage: Stage, exc: BaseException) -> str:
+    """A crash's one line (core/failure.one_line: 'Type: message (at file:line)') and where its traceback was kept."""
+    log = stage_log(out, stage)
+    log_traceback(log, exc)
+    return f"{one_line(exc)} (full traceback: {log})"
 
 
 def finished(run_dir: Path) -> bool:
