@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from dsrecipes.core.errors import ConfigError
+from dsrecipes.data.sources.files import read_rows
 from dsrecipes.data.sources.registry import load_registry
 
 # --- 1. a registry file is read within bounds ------------------------------------------------------------------
@@ -27,3 +30,37 @@ def test_a_registry_larger_than_its_bound_is_refused_unread(tmp_path):
     big.write_text("x:\n  paths: [rows.jsonl]\n" + "#" * (MAX_REGISTRY_BYTES["yaml"] + 1), encoding="utf-8")
     with pytest.raises(ConfigError, match=rf"cannot read {big}: larger than"):
         load_registry(str(big), ["x"])
+
+
+# --- 3. sample ids are no positions ----------------------------------------------------------------------------
+
+
+def test_grpo_seeds_two_prompts_with_the_same_sample_id_differently(tmp_path):
+    """Was: completion seeds were drawn from the sample id, and a row without an `id` is `basename:line`: line 1 of
+    a/train.jsonl and of b/train.jsonl (two prompts) got the same seeds, so their completions were sampled from the
+    same random stream. Now from the position the loader dealt (`keys`: the ledger's, unique in an epoch)."""
+    from dsrecipes.objectives.grpo import GRPO
+
+    ids = []
+    for d, prompt in (("a", "2+2?"), ("b", "3+3?")):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "train.jsonl").write_text(json.dumps({"prompt": prompt}) + "\n", encoding="utf-8")
+        ids += [row.default_id for row in read_rows(str(tmp_path / d / "train.jsonl"))]
+    assert ids[0] == ids[1] == "train.jsonl:1"  # the collision, as the reader names rows
+    grpo = GRPO(pad_id=0, num_generations=2, max_completion_length=4, temperature=1.0, epsilon=0.2, beta=0.0,
+                seed=7, parts=("exact",))
+    batch = grpo.collate([{"ids": [i], "prompt_ids": [5, 6], "reference": "4"} for i in ids])
+    batch["keys"] = ["row0", "row1"]  # what the map loader sets (data/strategies/map.py)
+    seen = []
+
+    class Sampled(Exception):
+        pass
+
+    def generate(model, prompts, mask, seeds):
+        seen.extend(seeds)
+        raise Sampled
+
+    grpo.generate = generate
+    with pytest.raises(Sampled):
+        grpo.rollout(None, batch, "cpu", 0, train=True)
+    assert len(seen) == 4 and len(set(seen)) == 4, seen

@@ -3,7 +3,8 @@
 Each micro-batch step, on each rank, for each of its prompts (`collate`: left-padded prompt ids, the reference
 answers, the sample ids):
 1. `objective.num_generations` completions are sampled by the policy (grpo_generate.py: one seed per completion
-   from (trainer.seed, epoch, sample id, completion index), so resume and elastic resume sample exactly the same;
+   from (trainer.seed, epoch, the prompt's position, completion index: `seed_keys`), so resume and elastic resume
+   sample exactly the same;
    ZeRO-3 parameters gathered for the sampling, and every rank runs the same number of forwards);
 2. rewards: the configured parts (objectives/rewards.py: built-in checks, installed functions, a reward model),
    summed with their weights;
@@ -114,7 +115,7 @@ class GRPO:
         g = self.num_generations
         prompts = batch["prompt_ids"].to(device).repeat_interleave(g, dim=0)
         prompt_mask = batch["prompt_mask"].to(device).repeat_interleave(g, dim=0)
-        seeds = [completion_seed(self.seed, epoch, sid, j) for sid in batch["sample_ids"] for j in range(g)]
+        seeds = [completion_seed(self.seed, epoch, key, j) for key in seed_keys(batch) for j in range(g)]
         started = time.perf_counter()
         completions, mask = self.generate(model, batch["prompt_ids"].to(device), batch["prompt_mask"].to(device), seeds)
         seconds = time.perf_counter() - started
@@ -193,3 +194,14 @@ def build(cfg: TrainConfig, tokenizer: Any) -> GRPO:
     return GRPO(pad_token_id(tokenizer), o.num_generations, o.max_completion_length, o.temperature, o.epsilon,
                 o.beta, cfg.trainer.seed, tuple(part_names(cfg)), log_every=cfg.trainer.log_every,
                 run_dir=cfg.trainer.output_dir)
+
+
+def seed_keys(batch: Batch) -> List[str]:
+    """What each prompt's completion seeds are drawn from: its position (`keys`: map `row<N>`, iterable `file:line`,
+    presharded `part:line`, set by the data loader; the ledger's exactly-once check proves them unique in an epoch),
+    the sample id only where the batch has none (the placeholder prompt of an empty micro-batch). A sample id is no
+    position: a row without an `id` is `basename:line`, so line 1 of a/train.jsonl and b/train.jsonl, two different
+    prompts, were sampled with the same seeds."""
+    keys = batch.get("keys")
+    ids = batch["sample_ids"]
+    return [str(k) for k in keys] if keys is not None and len(keys) == len(ids) else list(ids)

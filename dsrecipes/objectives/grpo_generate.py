@@ -5,7 +5,7 @@
 `prompt_ids` are LEFT-padded (B, P); each row is sampled with a `torch.Generator` seeded by `seeds[i]`, so a
 completion depends on its prompt, its seed and the weights only - not on the other rows of the micro-batch, the
 rank, or the worker - and a resumed run samples exactly what the interrupted one would have. The seed of
-completion j of a prompt is `completion_seed(seed, epoch, sample id, j)`. With `group` completions per prompt the prompt is read once and its
+completion j of a prompt is `completion_seed(seed, epoch, its position key, j)` (grpo.seed_keys). With `group` completions per prompt the prompt is read once and its
 cache repeated (the prompt forward is most of the sampling cost).
 
 A completion ends at its first stop token (kept: the end of the turn is part of the answer) or after `max_new`
@@ -23,9 +23,10 @@ from typing import Any, Iterator, List, Sequence, Tuple
 import torch
 
 
-def completion_seed(seed: int, epoch: int, sample_id: str, j: int) -> int:
-    """A 63-bit seed from (trainer.seed, epoch, sample id, completion index): the same wherever the sample trains."""
-    digest = hashlib.blake2b(f"{seed}|{epoch}|{sample_id}|{j}".encode(), digest_size=8).digest()
+def completion_seed(seed: int, epoch: int, key: str, j: int) -> int:
+    """A 63-bit seed from (trainer.seed, epoch, the prompt's position key, completion index): the same wherever the
+    sample trains."""
+    digest = hashlib.blake2b(f"{seed}|{epoch}|{key}|{j}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1
 
 
