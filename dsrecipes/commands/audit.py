@@ -1,4 +1,5 @@
-"""`dsrecipes audit [overrides] --world-size N --num-workers W --epochs E`: prove a data plan, or check a ledger."""
+"""`dsrecipes audit [overrides] --world-size N --num-workers W --epochs E`: prove a data plan, or check a run's
+ledgers (`--ledger RUN`: the training ledger, and the evaluation ledger when the run recorded evaluations)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dsrecipes.commands.args import bounded_int, existing_dir, non_negative_int,
 from dsrecipes.config.load import compose_and_load
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.topology import resolve_topology
+from dsrecipes.data.plan.eval_ledger import EVAL_LEDGER_PREFIX, check_eval_ledgers, eval_ledger_files
 from dsrecipes.data.plan.ledger import LEDGER_DIR, verify_ledgers
 from dsrecipes.run.micro_batch import needs_number
 
@@ -42,10 +44,7 @@ def main(argv: List[str]) -> int:
     if args.num_workers is not None:
         overrides.append(f"data.num_workers={args.num_workers}")
     if args.ledger:
-        check_ledger_files(Path(args.ledger))
-        ledger = verify_ledgers(args.ledger)
-        print(ledger.summary())
-        return 0 if ledger.ok else 1
+        return audit_ledgers(Path(args.ledger))
     if args.num_rows and args.num_rows * args.epochs > MAX_ROW_EPOCHS:
         raise UserError(f"--num-rows {args.num_rows} x --epochs {args.epochs}: more than {MAX_ROW_EPOCHS:,} row-epochs "
                         "to simulate (minutes per 10^8); audit fewer epochs or rows")
@@ -65,16 +64,32 @@ def main(argv: List[str]) -> int:
     return 0 if report.ok and split_ok else 1
 
 
+def audit_ledgers(run: Path) -> int:
+    """The training ledger (every sample once per epoch, equal steps) and, when the run recorded evaluations, the
+    evaluation ledger (each evaluation scored the same samples, each once across ranks): 1 when either fails."""
+    check_ledger_files(run)
+    ledger = verify_ledgers(run)
+    print(ledger.summary())
+    if not eval_ledger_files(run):
+        print("evaluation ledger: none (the run recorded no evaluation), not checked")
+        return 0 if ledger.ok else 1
+    evaluations = check_eval_ledgers(run)
+    print(evaluations.summary())
+    return 0 if ledger.ok and evaluations.ok else 1
+
+
 def check_ledger_files(run: Path) -> None:
-    """What verify_ledgers reads is rank<N>.jsonl regular files: a FIFO there blocked the audit for ever, and
-    `rankX.jsonl` was int()'s ValueError traceback."""
+    """What verify_ledgers and check_eval_ledgers read is rank<N>.jsonl and eval_rank<N>.jsonl regular files: a FIFO
+    there blocked the audit for ever, and `rankX.jsonl` was int()'s ValueError traceback."""
     ledger = run / LEDGER_DIR
     if not ledger.is_dir():  # nothing to check is a wrong directory, not a violation
         raise UserError(f"--ledger: {run} holds no {LEDGER_DIR}/ directory; give the run directory of a run trained "
                         "with trainer.record_samples=true")
-    for path in sorted(ledger.glob("rank*.jsonl")):
-        if not re.fullmatch(r"rank\d+\.jsonl", path.name):
-            raise UserError(f"--ledger: {path} is not a rank's ledger (rank<N>.jsonl, N a rank); move it out of {ledger}")
+    for path in sorted(ledger.glob("rank*.jsonl")) + eval_ledger_files(run):
+        prefix = EVAL_LEDGER_PREFIX if path.name.startswith(EVAL_LEDGER_PREFIX) else "rank"
+        if not re.fullmatch(prefix + r"\d+\.jsonl", path.name):
+            raise UserError(f"--ledger: {path} is not a rank's ledger ({prefix}<N>.jsonl, N a rank); move it out of "
+                            f"{ledger}")
         if not path.is_file():
             raise UserError(f"--ledger: {path} is not a regular file (a FIFO, socket, device or directory); a rank's "
                             "ledger is a file the run wrote")

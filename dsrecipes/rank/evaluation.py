@@ -13,28 +13,23 @@ tokens; DPO's per-pair sums), and so are the numbers made of the reduced sums (`
 objectives/sft.py `EvalResult`: `eval_loss` (token-weighted mean cross-entropy), `eval_ppl` (exp of it), `eval_accuracy` (share of
 predicted tokens whose argmax is the label) and `eval_tokens`).
 
-With `trainer.record_samples`, each rank appends the sample ids it scored to `<run>/ledger/eval_rank<R>.jsonl`
-(`{"step": s, "ids": [...]}` per evaluation); `verify_eval_ledgers` proves every evaluation scored the same samples,
-each once across ranks.
+With `trainer.record_samples`, each rank appends the sample ids it scored, and the positions the loader dealt them
+at (`keys`), to `<run>/ledger/eval_rank<R>.jsonl` (`{"step": s, "ids": [...], "keys": [...]}` per evaluation:
+data/plan/eval_ledger.py); `verify_eval_ledgers` (and `dsrecipes audit --ledger`) proves every evaluation scored the
+same samples, each once across ranks.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import time
-from collections import Counter, defaultdict
-from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 import torch
 
 import dsrecipes.core.stall as stall
 from dsrecipes.core.distributed import all_reduce
-from dsrecipes.core.fileio import open_append
-from dsrecipes.data.plan.ledger import LEDGER_DIR
+from dsrecipes.data.plan.eval_ledger import EvalLedger, read_eval_ledger, verify_eval_ledgers
 
-EVAL_LEDGER_PREFIX = "eval_rank"  # <run>/ledger/eval_rank<R>.jsonl (the training ledger's files are rank<R>.jsonl)
+__all__ = ["EvalLedger", "evaluate", "read_eval_ledger", "verify_eval_ledgers"]  # the ledger's names, as before
 
 
 @torch.no_grad()
@@ -49,6 +44,7 @@ def evaluate(objective: Any, engine: Any, loader: Any, ledger: Optional["EvalLed
     keys = objective.eval_keys
     sums = torch.zeros(len(keys), dtype=torch.float64)
     scored: List[str] = []
+    dealt: Optional[List[str]] = []  # the positions of the scored samples (None: a loader that deals none)
     batches = iter(loader)
     for _ in range(passes):
         batch = next(batches, None)
@@ -57,73 +53,15 @@ def evaluate(objective: Any, engine: Any, loader: Any, ledger: Optional["EvalLed
         got = objective.eval_sums(engine, batch, engine.device)
         sums += torch.tensor([float(got[k]) for k in keys], dtype=torch.float64)
         scored.extend(batch["ids"])
+        if batch["ids"] and "keys" not in batch:
+            dealt = None
+        elif dealt is not None:
+            dealt.extend(batch.get("keys", ()))  # (a zero-weight pass deals nothing)
         stall.mark("eval")  # a long evaluation is progress, not a stall (the watchdog, core/stall.py): no I/O
     if next(batches, None) is not None:
         raise RuntimeError("evaluation loader yielded more micro-batches than its len()")
     if ledger is not None:
-        ledger.record(step, scored)
+        ledger.record(step, scored, dealt)
     all_reduce(sums, "SUM")
     engine.train()
     return objective.metrics(dict(zip(keys, sums.tolist())), "eval_")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Evaluation ledger
-
-
-class EvalLedger:
-    """This rank's `<run>/ledger/eval_rank<R>.jsonl`: the sample ids it scored in each evaluation."""
-
-    def __init__(self, run_dir: str | os.PathLike, rank: int):
-        self.path = Path(run_dir) / LEDGER_DIR / f"{EVAL_LEDGER_PREFIX}{rank}.jsonl"
-        self._fh = open_append(self.path, buffering=1)
-        self._fh.write(json.dumps({"session": time.time(), "pid": os.getpid()}) + "\n")
-
-    def record(self, step: int, ids: Sequence[str]) -> None:
-        self._fh.write(json.dumps({"step": int(step), "ids": list(ids)}, ensure_ascii=False) + "\n")
-
-    def close(self) -> None:
-        if not self._fh.closed:
-            self._fh.close()
-
-
-def read_eval_ledger(path: Path) -> Dict[int, List[str]]:
-    """step -> ids one rank scored; a resumed session's evaluations replace those it repeats."""
-    steps: Dict[int, List[str]] = {}
-    new_session = False
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        rec = json.loads(line)
-        if "session" in rec:
-            new_session = True
-            continue
-        if new_session:
-            steps = {s: v for s, v in steps.items() if s < rec["step"]}
-            new_session = False
-        steps[rec["step"]] = list(rec["ids"])
-    return steps
-
-
-def verify_eval_ledgers(run_dir: str | os.PathLike, expected_ids: Optional[Iterable[str]] = None) -> List[str]:
-    """Problems with the evaluations a run recorded (empty: every evaluation scored the same samples, each exactly
-    once across ranks, and with `expected_ids` exactly those)."""
-    files = sorted(Path(run_dir, LEDGER_DIR).glob(f"{EVAL_LEDGER_PREFIX}*.jsonl"))
-    if not files:
-        return [f"no evaluation ledgers in {Path(run_dir, LEDGER_DIR)} (trainer.record_samples=true?)"]
-    by_step: Dict[int, Counter] = defaultdict(Counter)
-    for path in files:
-        for step, ids in read_eval_ledger(path).items():
-            by_step[step].update(ids)
-    problems = []
-    first = None if expected_ids is None else set(expected_ids)
-    for step in sorted(by_step):
-        counts = by_step[step]
-        twice = sorted(i for i, n in counts.items() if n > 1)
-        if twice:
-            problems.append(f"evaluation at step {step}: {len(twice)} samples scored more than once, e.g. {twice[:5]}")
-        first = set(counts) if first is None else first
-        if set(counts) != first:
-            problems.append(f"evaluation at step {step}: scored {len(counts)} samples, not the same set as the others "
-                            f"({len(set(counts) ^ first)} differ)")
-    return problems

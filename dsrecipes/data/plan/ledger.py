@@ -9,6 +9,9 @@ rank's part and line), so the exactly-once check counts keys; a ledger without t
 process that opens a ledger first writes a `{"session": ...}` line: after a resume, the steps it records again replace
 what the interrupted session had recorded from that step on, so the ledger shows what the model finally trained on.
 
+This ledger and the evaluation ledger (eval_ledger.py) are read line by line through `ledger_records` (a line within
+MAX_LEDGER_LINE bytes, JSON within its nesting bound, a record of the right shape; else one DataError at file:line).
+
 `verify_ledgers(run_dir)` checks the data guarantees on a finished run: no key twice within an epoch across ranks,
 the same steps on every rank, and (with `expected_ids`) every sample read except less than one global batch.
 """
@@ -21,22 +24,29 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, TypeVar
 
 from dsrecipes.core.errors import DataError
-from dsrecipes.core.fileio import loads_bounded, open_append
+from dsrecipes.core.fileio import MAX_JSON_BYTES, loads_bounded, open_append
 
 LEDGER_DIR = "ledger"
+MAX_LEDGER_LINE = MAX_JSON_BYTES  # one line: a micro-batch's ids (training), or a rank's share of an evaluation
+_Ledger = TypeVar("_Ledger", bound="LedgerFile")
 
 
-class LedgerWriter:
-    def __init__(self, run_dir: str | os.PathLike, rank: int):
-        self.path = Path(run_dir) / LEDGER_DIR / f"rank{rank}.jsonl"
-        self._fh = open_append(self.path, buffering=1)  # line-buffered: a crash loses no step
+class LedgerFile:
+    """One rank's append-only ledger file `<run>/ledger/<name>`, line-buffered (a crash loses no line); the process
+    that opens it first writes a session mark. The training ledger (`LedgerWriter`) and the evaluation ledger
+    (data/plan/eval_ledger.py `EvalLedger`) write their records through `write`."""
+
+    def __init__(self, run_dir: str | os.PathLike, name: str):
+        self.path = Path(run_dir) / LEDGER_DIR / name
+        self._fh = open_append(self.path, buffering=1)
         self._fh.write(json.dumps({"session": time.time(), "pid": os.getpid()}) + "\n")
 
-    def record(self, epoch: int, step: int, ids: Sequence[str], keys: Optional[Sequence[str]] = None) -> None:
-        rec: Dict[str, object] = {"epoch": int(epoch), "step": int(step), "ids": list(ids)}
+    def write(self, rec: Dict[str, object], ids: Sequence[str], keys: Optional[Sequence[str]]) -> None:
+        """`rec` with the sample ids and, when the loader dealt them, their positions (`keys`)."""
+        rec["ids"] = list(ids)
         if keys is not None:
             rec["keys"] = [str(k) for k in keys]
         self._fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
@@ -45,11 +55,19 @@ class LedgerWriter:
         if not self._fh.closed:
             self._fh.close()
 
-    def __enter__(self) -> "LedgerWriter":
+    def __enter__(self: _Ledger) -> _Ledger:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class LedgerWriter(LedgerFile):
+    def __init__(self, run_dir: str | os.PathLike, rank: int):
+        super().__init__(run_dir, f"rank{rank}.jsonl")
+
+    def record(self, epoch: int, step: int, ids: Sequence[str], keys: Optional[Sequence[str]] = None) -> None:
+        self.write({"epoch": int(epoch), "step": int(step)}, ids, keys)
 
 
 def read_ledger(path: str | os.PathLike) -> Dict[Tuple[int, int], List[str]]:
@@ -61,40 +79,50 @@ def read_ledger_steps(path: str | os.PathLike) -> Dict[Tuple[int, int], Tuple[Li
     """(epoch, step) -> (ids, keys) of one rank; keys None when a line of the step has none (an older ledger)."""
     steps: Dict[Tuple[int, int], Tuple[List[str], Optional[List[str]]]] = {}
     new_session = False
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        for line_no, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            rec = _record(path, line_no, line)
-            if "session" in rec:
-                new_session = True
-                continue
-            key = (rec["epoch"], rec["step"])
-            if new_session:  # the first step of a resumed session: forget what was recorded from there on
-                steps = {k: v for k, v in steps.items() if k[1] < rec["step"]}
-                new_session = False
-            ids, keys = steps.setdefault(key, ([], []))
-            ids.extend(rec["ids"])
-            if keys is not None and isinstance(rec.get("keys"), list):
-                keys.extend(rec["keys"])
-            else:
-                steps[key] = (ids, None)
+    for rec in ledger_records(path, ("epoch", "step")):
+        if "session" in rec:
+            new_session = True
+            continue
+        key = (rec["epoch"], rec["step"])
+        if new_session:  # the first step of a resumed session: forget what was recorded from there on
+            steps = {k: v for k, v in steps.items() if k[1] < rec["step"]}
+            new_session = False
+        ids, keys = steps.setdefault(key, ([], []))
+        ids.extend(rec["ids"])
+        if keys is not None and isinstance(rec.get("keys"), list):
+            keys.extend(rec["keys"])
+        else:
+            steps[key] = (ids, None)
     return steps
 
 
-def _record(path: str | os.PathLike, line_no: int, line: str) -> Dict:
-    """One ledger line: a session mark, or {epoch, step: whole numbers, ids: strings}; else DataError at file:line
-    (`audit --ledger` reads a run directory it did not write)."""
+def ledger_records(path: str | os.PathLike, numbers: Tuple[str, ...]) -> Iterator[Dict]:
+    """The records of one ledger file, in order: session marks, and records with whole `numbers` (training: epoch and
+    step; evaluation: step), a list of sample ids and maybe of keys. Read line by line, each line within
+    MAX_LEDGER_LINE bytes (never a whole file or line into memory first); anything else is one DataError naming
+    file:line (`audit --ledger` reads a run directory it did not write)."""
+    with open(path, "rb") as fh:
+        for line_no, line in enumerate(iter(lambda: fh.readline(MAX_LEDGER_LINE + 1), b""), 1):
+            if len(line) > MAX_LEDGER_LINE:
+                raise DataError(f"{path}:{line_no}: not a ledger record (a line of more than {MAX_LEDGER_LINE >> 20} "
+                                "MiB)")
+            if line.strip():
+                yield _record(path, line_no, line.decode("utf-8", errors="replace"), numbers)
+
+
+def _record(path: str | os.PathLike, line_no: int, line: str, numbers: Tuple[str, ...]) -> Dict:
+    """One ledger line: a session mark, or {numbers: whole numbers, ids (and keys): names}; else DataError at
+    file:line."""
     try:
         rec = loads_bounded(line, "JSON nested too deeply")  # 100000 '[' was json's RecursionError traceback
     except ValueError as exc:
-        raise DataError(f"{path}:{line_no}: not a ledger record (not JSON: {exc})") from None
+        raise DataError(f"{path}:{line_no}: not a ledger record (not JSON: {str(exc)[:80]})") from None
     if isinstance(rec, dict) and ("session" in rec or (
-            all(isinstance(rec.get(k), int) and not isinstance(rec.get(k), bool) for k in ("epoch", "step"))
+            all(isinstance(rec.get(k), int) and not isinstance(rec.get(k), bool) for k in numbers)
             and all(_names(rec.get(k)) for k in ("ids", "keys") if k == "ids" or k in rec))):
         return rec
-    raise DataError(f"{path}:{line_no}: not a ledger record (a session mark, or epoch and step numbers and a list of "
-                    "sample ids)")
+    raise DataError(f"{path}:{line_no}: not a ledger record (a session mark, or {' and '.join(numbers)} "
+                    f"number{'s' if len(numbers) > 1 else ''} and a list of sample ids)")
 
 
 def _names(value: object) -> bool:

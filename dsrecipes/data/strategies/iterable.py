@@ -234,11 +234,12 @@ class IterableStrategy:
         refs = index.val_refs()[:cfg.trainer.eval_samples]  # the first N samples (None: all), before ranks share them
         if not refs:
             return None
-        share = refs[data.rank * len(refs) // data.world_size:(data.rank + 1) * len(refs) // data.world_size]
+        first = data.rank * len(refs) // data.world_size
+        share = refs[first:(data.rank + 1) * len(refs) // data.world_size]
         source = BlockSource(index, cfg.dataset.max_row_bytes)
         rows = stream_rows(cfg, data.tokenizer, index)([(*row, 0) for row in source.rows(share)])
-        source.close()
-        return EvalLoader(rows, 0, 1, cfg.trainer.micro_batch_size, make_collate(data.cfg, data.tokenizer))
+        source.close()  # rows <= samples of the share (skipped, packed): their positions stay inside it
+        return EvalLoader(rows, 0, 1, cfg.trainer.micro_batch_size, make_collate(data.cfg, data.tokenizer), first)
 
     def audit(self, cfg: TrainConfig, layout: Layout, epochs: int, num_rows: Optional[int]) -> AuditReport:
         """The index the launching process builds (cached by content), without the scan."""

@@ -203,9 +203,10 @@ class PreshardedStrategy:
         items = list(StreamSpec((path,), None, cfg.dataset.max_row_bytes).items(0, cfg.trainer.seed, False))
         items = items[:cfg.trainer.eval_samples]  # the first N samples (None: all), before ranks share them
         n = len(items)
-        share = items[data.rank * n // data.world_size:(data.rank + 1) * n // data.world_size]
-        rows = row_encoder(cfg, data.tokenizer, [path], [SourceConfig(name="validation")])(share)
-        return EvalLoader(rows, 0, 1, cfg.trainer.micro_batch_size, make_collate(data.cfg, data.tokenizer))
+        first = data.rank * n // data.world_size
+        share = items[first:(data.rank + 1) * n // data.world_size]
+        rows = row_encoder(cfg, data.tokenizer, [path], [SourceConfig(name="validation")])(share)  # rows <= share
+        return EvalLoader(rows, 0, 1, cfg.trainer.micro_batch_size, make_collate(data.cfg, data.tokenizer), first)
 
     def audit(self, cfg: TrainConfig, layout: Layout, epochs: int, num_rows: Optional[int]) -> AuditReport:
         counts = read_manifest(cfg.data.shard_dir).counts

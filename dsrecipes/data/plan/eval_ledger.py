@@ -1,0 +1,136 @@
+"""Evaluation ledger (`trainer.record_samples=true`): which validation samples each rank scored, per evaluation.
+
+Each rank appends `{"step": s, "ids": [...], "keys": [...]}` lines to `<run>/ledger/eval_rank<R>.jsonl` (one line
+per evaluation, after a `{"session": ...}` mark per process, as the training ledger does: data/plan/ledger.py). `ids`
+are the samples' ids, which need not be unique (two validation files named `valid.jsonl` in different folders, an id
+column that repeats); `keys` are the positions the evaluation loader dealt (data/strategies/eval.py: `row<N>`, the
+row's place in the validation rows), unique by construction. A ledger written before `keys` is checked by its ids.
+
+`check_eval_ledgers(run_dir)` proves every evaluation scored each sample exactly once across ranks (counting keys;
+ids naming several samples are a note) and the same samples as every other evaluation; `dsrecipes audit --ledger`
+runs it when the run recorded evaluations.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from dsrecipes.data.plan.ledger import LEDGER_DIR, LedgerFile, ledger_records
+
+EVAL_LEDGER_PREFIX = "eval_rank"  # <run>/ledger/eval_rank<R>.jsonl (the training ledger's files are rank<R>.jsonl)
+
+
+class EvalLedger(LedgerFile):
+    """This rank's `<run>/ledger/eval_rank<R>.jsonl`: the samples it scored in each evaluation."""
+
+    def __init__(self, run_dir: str | os.PathLike, rank: int):
+        super().__init__(run_dir, f"{EVAL_LEDGER_PREFIX}{rank}.jsonl")
+
+    def record(self, step: int, ids: Sequence[str], keys: Optional[Sequence[str]] = None) -> None:
+        self.write({"step": int(step)}, ids, keys)
+
+
+def eval_ledger_files(run_dir: str | os.PathLike) -> List[Path]:
+    return sorted(Path(run_dir, LEDGER_DIR).glob(f"{EVAL_LEDGER_PREFIX}*.jsonl"))
+
+
+def read_eval_steps(path: str | os.PathLike) -> Dict[int, Tuple[List[str], Optional[List[str]]]]:
+    """step -> (ids, keys) one rank scored (keys None in a ledger written before them); a resumed session's
+    evaluations replace those it repeats. Lines are read within bounds (`ledger_records`: DataError at file:line)."""
+    steps: Dict[int, Tuple[List[str], Optional[List[str]]]] = {}
+    new_session = False
+    for rec in ledger_records(path, ("step",)):
+        if "session" in rec:
+            new_session = True
+            continue
+        if new_session:
+            steps = {s: v for s, v in steps.items() if s < rec["step"]}
+            new_session = False
+        steps[rec["step"]] = ([str(i) for i in rec["ids"]], [str(k) for k in rec["keys"]] if "keys" in rec else None)
+    return steps
+
+
+def read_eval_ledger(path: str | os.PathLike) -> Dict[int, List[str]]:
+    """step -> ids one rank scored."""
+    return {step: ids for step, (ids, _keys) in read_eval_steps(path).items()}
+
+
+@dataclass
+class EvalReport:
+    ranks: int = 0
+    steps: List[int] = field(default_factory=list)  # the evaluations, by the step they were made at
+    problems: List[str] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        lines = [f"evaluation ledger: {self.ranks} rank(s), {len(self.steps)} evaluation(s) at steps {self.steps[:20]}"
+                 f"{' ...' if len(self.steps) > 20 else ''}; each must score the same samples, each once across ranks"]
+        lines += [f"  note: {n}" for n in self.notes[:5]]
+        lines += [f"  VIOLATION {p}" for p in self.problems[:20]]
+        lines.append("OK" if self.ok else f"FAILED ({len(self.problems)} problems)")
+        return "\n".join(lines)
+
+
+def check_eval_ledgers(run_dir: str | os.PathLike, expected_ids: Optional[Iterable[str]] = None) -> EvalReport:
+    """Every evaluation the run recorded scored each sample once across ranks (its keys; a ledger without them, its
+    ids), the same samples (ids) as the first evaluation, and with `expected_ids` exactly those ids."""
+    report = EvalReport()
+    files = eval_ledger_files(run_dir)
+    if not files:
+        report.problems.append(f"no evaluation ledgers in {Path(run_dir, LEDGER_DIR)} (trainer.record_samples=true?)")
+        return report
+    report.ranks = len(files)
+    ids: Dict[int, Counter] = defaultdict(Counter)
+    dealt: Dict[int, Optional[Counter]] = {}
+    for path in files:
+        for step, (step_ids, keys) in read_eval_steps(path).items():
+            ids[step].update(step_ids)
+            held = dealt.setdefault(step, Counter())
+            if keys is None:
+                dealt[step] = None
+            elif held is not None:
+                held.update(keys)
+    report.steps = sorted(ids)
+    first = None if expected_ids is None else Counter(set(expected_ids))  # expected: each id at least once
+    for step in report.steps:
+        _check_once(report, step, ids[step], dealt[step])
+        first = ids[step] if first is None else first
+        differ = _differing(ids[step], first, counted=expected_ids is None)
+        if differ:
+            report.problems.append(f"evaluation at step {step}: scored {sum(ids[step].values())} samples, not the "
+                                   f"same set as the others ({len(differ)} ids differ, e.g. {differ[:3]})")
+    return report
+
+
+def _check_once(report: EvalReport, step: int, ids: Counter, keys: Optional[Counter]) -> None:
+    """No position scored twice in the evaluation at `step` (the ids, for a ledger without positions); ids naming
+    several samples are a note, not a violation."""
+    twice = sorted(i for i, n in (ids if keys is None else keys).items() if n > 1)
+    if twice:
+        what = "samples" if keys is None else "samples (rows of the validation data)"
+        report.problems.append(f"evaluation at step {step}: {len(twice)} {what} scored more than once, e.g. "
+                               f"{twice[:5]}")
+    elif keys is not None and len(ids) < sum(ids.values()):
+        shared = sorted(i for i, n in ids.items() if n > 1)
+        report.notes.append(f"evaluation at step {step}: {len(shared)} ids name more than one sample (e.g. "
+                            f"{shared[:3]}: files of the same name, or an id column that repeats); each sample was "
+                            "scored once")
+
+
+def _differing(ids: Counter, reference: Counter, counted: bool) -> List[str]:
+    """Ids scored in one of the two but not the other; `counted`: also those scored a different number of times."""
+    return sorted(i for i in ids.keys() | reference.keys()
+                  if (ids[i] != reference[i] if counted else not (ids[i] and reference[i])))
+
+
+def verify_eval_ledgers(run_dir: str | os.PathLike, expected_ids: Optional[Iterable[str]] = None) -> List[str]:
+    """Problems with the evaluations a run recorded (empty: `check_eval_ledgers` found none)."""
+    return check_eval_ledgers(run_dir, expected_ids).problems
