@@ -4,8 +4,8 @@ Validation ids need not be unique: two files named `valid.jsonl` in different fo
 (`valid.jsonl:1`). Before `keys`, the evaluation ledger held ids only, `verify_eval_ledgers` said such an
 evaluation had scored those samples "more than once", `audit --ledger` never read the evaluation ledger at all, and a
 garbage or oversized line was json's traceback (the file was read whole). Now a real run over such files audits OK
-(the colliding ids a note), a position scored twice is a violation (exit 1), and a bad line is one message naming
-file:line (exit 2).
+(the colliding ids a note), a position scored twice is a violation (exit 1), a bad line is one message naming
+file:line (exit 2), and on 2 ranks every strategy's evaluation loaders deal disjoint positions covering the rows.
 """
 
 from __future__ import annotations
@@ -106,3 +106,28 @@ def test_an_oversized_training_ledger_line_is_one_message_too(tmp_path, capsys):
     assert cli_main(["audit", "--ledger", str(tmp_path)]) == 2
     out, err = capsys.readouterr()
     assert "rank1.jsonl:3: not a ledger record (a line of more than 64 MiB)" in err, (out + err)[-2000:]
+
+
+@pytest.mark.parametrize("strategy", ["map", "iterable", "presharded"])
+def test_two_ranks_are_dealt_disjoint_positions_that_cover_the_validation_rows(tmp_path, make_cfg, strategy):
+    """What each rank's evaluation loader deals on 2 ranks (iterable and presharded cut the share before making rows:
+    their keys start at the share's first place, else both ranks would say row0..row3)."""
+    from dsrecipes.core.tokenizer import load_tokenizer
+    from dsrecipes.data.strategies import build_loaders
+    from tests.helpers.launching import plan_like_launcher
+
+    data = ["dataset.max_samples=16"]
+    if strategy == "presharded":
+        with in_process_environ():
+            assert cli_main(["shard", "--parts", "2", "--out", str(tmp_path / "parts"), "debug=fast", *data,
+                             "dataset.val_size=0"]) == 0
+        data = [f"data.shard_dir={tmp_path / 'parts'}"]
+    cfg = make_cfg("debug=fast", f"data={strategy}", same_named_val_files(tmp_path / "data"), *data,
+                   "dataset.val_size=0", f"data.cache_dir={tmp_path / 'cache'}", "trainer.max_steps=1")
+    plan = plan_like_launcher(cfg, tmp_path / "run", 2)
+    tok = load_tokenizer(cfg)
+    dealt = [[(i, k) for batch in build_loaders(cfg, tok, rank, 2, tmp_path / "run", plan)[1]
+              for i, k in zip(batch["ids"], batch["keys"], strict=True)] for rank in (0, 1)]
+    assert [len(d) for d in dealt] == [ROWS, ROWS], dealt
+    assert sorted(k for d in dealt for _, k in d) == sorted(f"row{n}" for n in range(2 * ROWS)), dealt
+    assert len({i for d in dealt for i, _ in d}) == ROWS  # the ids collide, the positions do not
