@@ -39,3 +39,37 @@ def test_a_stage_that_crashes_is_one_message_with_its_traceback_in_the_log(tmp_p
     assert err.rstrip().endswith(f"resume with: {command}"), err
     assert "RuntimeError: the launch broke" in log.read_text() and "Traceback" in log.read_text()
     assert (tmp_path / "out" / "sft").is_dir() == (where == "run") and not (tmp_path / "out" / "b").exists()
+
+
+def test_a_pipeline_files_outside_options_are_refused_naming_where_each_key_was_set(tmp_path):
+    """Tried for real: a pipeline file whose `launcher.extra_args` resolves to `--local_addr=HOST` (through
+    `${trainer.experiment}`, text naming no option), whose `dataset.paths` and registry read a foreign bucket. Was
+    'launcher.extra_args[0]: --local_addr names a host outside this machine; a pipeline file is shared like a recipe:
+    name it on your command line' (a pipeline takes no overrides: no command line to name it on) and 's3://b/...
+    named by a pipeline file': neither said where the key was set, unlike config/safety.py's 'set by FILE:LINE, a
+    shared recipe; ...'. Now the same words as safety's, with the line of the pipeline file's setting."""
+    from dsrecipes.config.pipeline_file import load_pipeline
+    from dsrecipes.core.errors import UserError
+    from dsrecipes.run.pipeline import check_stages
+
+    registry = tmp_path / "dataset_info.json"
+    registry.write_text('{"theirs": {"file_name": "s3://their-bucket/rows.jsonl"}}', encoding="utf-8")
+    path = tmp_path / "p.yaml"
+    path.write_text("shared:\n  launcher: torchrun\n  trainer.experiment: --local_addr=evil.example\nstages:\n"
+                    "  - name: a\n    set:\n      launcher.extra_args: ['${trainer.experiment}']\n"
+                    "      dataset.paths: [s3://their-bucket/x.jsonl]\n"
+                    f"  - name: b\n    set:\n      dataset.registry: {registry}\n      dataset.use: [theirs]\n",
+                    encoding="utf-8")
+    with pytest.raises(UserError) as err:
+        check_stages(load_pipeline(path), tmp_path / "out")
+    shared = "a pipeline file (shared like a recipe)"
+    signs = ("reading it would sign requests to that bucket with your AWS credentials (its owner's logs see your "
+             "access key id), so allow the bucket: DSRECIPES_S3_BUCKETS=their-bucket")
+    assert err.value.problems == [
+        f"{path}: stage 'a' (line 5): launcher.extra_args[0]: --local_addr set by {path}:7, {shared}; it names a "
+        "host outside this machine, so only your command line may name it, and a pipeline takes no overrides: run "
+        "this stage with `dsrecipes train` and give launcher.extra_args=[...] on its command line",
+        f"{path}: stage 'a' (line 5): dataset.paths: s3://their-bucket/... set by {path}:8, {shared}; {signs}",
+        f"{path}: stage 'b' (line 9): dataset.registry: entry 'theirs' reads s3://their-bucket/... (registry "
+        f"{registry}, set by {path}:11, {shared}); {signs}"], err.value.problems
+    assert not (tmp_path / "out").exists()

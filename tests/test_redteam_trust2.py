@@ -58,7 +58,7 @@ def test_a_pipeline_files_outside_option_by_interpolation_is_refused(launcher, k
     pipeline = tmp_path / "p.yaml"
     pipeline.write_text(f"stages:\n  - name: a\n    set:\n      launcher: {launcher}\n      trainer.experiment: {setting}\n"
                         f"      launcher.{key}:\n        - ${{trainer.experiment}}\n", encoding="utf-8")
-    refused(capsys, ["pipeline", str(pipeline)], f"{pipeline}: stage 'a' (line 2): launcher.{key}[0]: {option} names")
+    refused(capsys, ["pipeline", str(pipeline)], f"{pipeline}: stage 'a' (line 2): launcher.{key}[0]: {option} set by {pipeline}:6, a pipeline file")
     assert not (tmp_path / "runs").exists()
 
 

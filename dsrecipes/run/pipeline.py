@@ -44,6 +44,7 @@ from dsrecipes.config.safety import (
     foreign_buckets,
     outside_option_places,
     registry_buckets,
+    related,
 )
 from dsrecipes.core.console import log_path
 from dsrecipes.core.errors import UserError
@@ -135,7 +136,7 @@ def check_stages(pipeline: Pipeline, out: Path) -> None:
         except UserError as exc:
             problems += [f"stage {stage.name!r} (line {stage.line}): {p}" for p in exc.problems]
             continue
-        problems += [f"stage {stage.name!r} (line {stage.line}): {p}" for p in outside_options(cfg)]
+        problems += [f"stage {stage.name!r} (line {stage.line}): {p}" for p in outside_options(cfg, pipeline, stage)]
         takers = [s.name for s in pipeline.stages if stage.name in s.exports_used().values()]
         if takers and not cfg.trainer.export:
             problems.append(f"stage {stage.name!r} (line {stage.line}): trainer.export is false, but stage "
@@ -144,27 +145,42 @@ def check_stages(pipeline: Pipeline, out: Path) -> None:
         raise UserError([f"{pipeline.path}: {p}" for p in problems])
 
 
-def outside_options(cfg: Any) -> List[str]:
+def outside_options(cfg: Any, pipeline: Pipeline, stage: Stage) -> List[str]:
     """A stage's OUTSIDE_OPTIONS and store buckets (config/safety.py) as its composition resolved them: the pipeline file and the stage's
     recipe are shared, and an element like `${trainer.experiment}` is text naming no option that resolves to one
-    (config/pipeline_file.py judges the settings' text; this, what train will run)."""
-    found = []
+    (config/pipeline_file.py judges the settings' text; this, what train will run). Said as config/safety says a
+    shared recipe's, naming where the key was set (`set_by`); a pipeline takes no overrides, so an option only a
+    command line may name means running that stage by hand."""
+    found, at = [], functools.partial(set_by, pipeline, stage)
     for path in OUTSIDE_OPTIONS:
-        value = functools.reduce(getattr, path, cfg)
-        found += [f"{'.'.join(path)}[{i}]: {str(value[i]).partition('=')[0]} names a host outside this machine; a "
-                  "pipeline file is shared like a recipe: name it on your command line"
+        value, key = functools.reduce(getattr, path, cfg), ".".join(path)
+        found += [f"{key}[{i}]: {str(value[i]).partition('=')[0]} set by {at(key)}; it names a host outside this "
+                  "machine, so only your command line may name it, and a pipeline takes no overrides: run this stage "
+                  f"with `dsrecipes train` and give {key}=[...] on its command line"
                   for i in outside_option_places(path, value)]
     for path in STORE_FIELDS:  # the user's AWS credentials sign every request to a bucket (config/safety.py)
-        value = functools.reduce(getattr, path, cfg)
+        value, key = functools.reduce(getattr, path, cfg), ".".join(path)
         buckets = foreign_buckets([s.paths for s in value] if path == ("dataset", "sources") else value)
-        found += [f"{'.'.join(path)}: s3://{buckets[0]}/... named by a pipeline file, which is shared like a recipe; "
-                  "reading it would sign requests to that bucket with your AWS credentials, so allow the bucket: "
+        found += [f"{key}: s3://{buckets[0]}/... set by {at(key)}; {_SIGNED}, so allow the bucket: "
                   f"{SIGNED_BUCKETS_ENV}={','.join(buckets)}"] if buckets else []
-    found += [f"dataset.registry: entry {name!r} reads s3://{buckets[0]}/... and the registry was named by a pipeline "
-              "file, which is shared like a recipe; reading it would sign requests to that bucket with your AWS "
-              f"credentials, so allow the bucket: {SIGNED_BUCKETS_ENV}={','.join(buckets)}"
+    found += [f"dataset.registry: entry {name!r} reads s3://{buckets[0]}/... (registry {cfg.dataset.registry}, set by "
+              f"{at('dataset.registry')}); {_SIGNED}, so allow the bucket: {SIGNED_BUCKETS_ENV}={','.join(buckets)}"
               for name, buckets in registry_buckets(cfg.dataset.registry, list(cfg.dataset.use))]
     return found
+
+
+_SIGNED = ("reading it would sign requests to that bucket with your AWS credentials (its owner's logs see your access "
+           "key id)")
+
+
+def set_by(pipeline: Pipeline, stage: Stage, key: str) -> str:
+    """Where the pipeline file sets `key` (its last setting that reaches it: the stage's own after `shared`; a group
+    choice reaches the keys below it), as 'FILE:LINE, a pipeline file (shared like a recipe)'; the stage's recipe
+    where no setting does."""
+    hits = [s for s in pipeline.shared + stage.settings if related(tuple(key.split(".")), tuple(s.key.split(".")))]
+    if hits or not stage.recipe:
+        return f"{pipeline.path}{f':{hits[-1].line}' if hits else ''}, a pipeline file (shared like a recipe)"
+    return f"recipe {stage.recipe} (stage {stage.name!r}'s, shared)"
 
 
 def read_state(out: Path, pipeline: Pipeline) -> Dict[str, Any]:
