@@ -9,6 +9,7 @@ import pytest
 from dsrecipes.core.errors import ConfigError
 from dsrecipes.data.sources.files import read_rows
 from dsrecipes.data.sources.registry import load_registry
+from tests.test_redteam_trust2 import URL, counted_store  # noqa: F401 (a fixture)
 
 # --- 1. a registry file is read within bounds ------------------------------------------------------------------
 
@@ -30,6 +31,37 @@ def test_a_registry_larger_than_its_bound_is_refused_unread(tmp_path):
     big.write_text("x:\n  paths: [rows.jsonl]\n" + "#" * (MAX_REGISTRY_BYTES["yaml"] + 1), encoding="utf-8")
     with pytest.raises(ConfigError, match=rf"cannot read {big}: larger than"):
         load_registry(str(big), ["x"])
+
+
+# --- 2. the registry used is the registry checked --------------------------------------------------------------
+
+
+def test_a_registry_swapped_after_its_check_is_not_used(counted_store, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """Was: config/safety.py read a shared recipe's registry when the config was composed (its entries' buckets: a
+    shared recipe's may not be signed for), and the data was read from a second read of the file: a registry
+    rewritten in between (by whoever shares its folder) sent requests signed with the user's credentials to the
+    recipe author's bucket: `validate` listed s3://their-bucket. Now every later read must find the checked bytes."""
+    from dsrecipes.config import safety
+    from tests.test_messages_hostile import refused
+
+    monkeypatch.chdir(tmp_path)
+    rows = [json.dumps({"instruction": f"q{i}", "output": f"a{i}"}) for i in range(30)]
+    (tmp_path / "rows.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    registry = tmp_path / "registry.yaml"
+    registry.write_text("ours:\n  paths: [rows.jsonl]\n  format: alpaca\n", encoding="utf-8")
+    recipe = tmp_path / "shared.yaml"
+    recipe.write_text(f"dataset:\n  use: [ours]\n  registry: {registry}\n", encoding="utf-8")
+    checked = safety.registry_buckets
+
+    def then_swapped(given, use):  # the check passes, then the file changes
+        found = checked(given, use)
+        registry.write_text(f"ours:\n  paths: [{URL}]\n  format: alpaca\n", encoding="utf-8")
+        return found
+
+    monkeypatch.setattr(safety, "registry_buckets", then_swapped)
+    refused(capsys, ["validate", f"recipe={recipe}"], f"dataset.registry: {registry} changed after this command "
+            "checked it")
+    assert counted_store == []
 
 
 # --- 3. sample ids are no positions ----------------------------------------------------------------------------

@@ -199,7 +199,7 @@ def registry_buckets(registry: Any, use: Any) -> List[Tuple[str, List[str]]]:
     if not isinstance(registry, str) or not registry or looks_like_url(registry) or not isinstance(use, list):
         return []
     try:
-        entries = load_registry(registry, use=[str(name) for name in use])
+        entries = load_registry(registry, use=[str(name) for name in use], checked=True)
     except ConfigError:
         return []
     return [(name, buckets) for name, src in entries.items() if (buckets := foreign_buckets(src.paths))]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
 import os
 from typing import Any, Dict, List, Optional
 
@@ -127,20 +128,21 @@ def validation_files(train: List[str], val: List[str], notes: List[str]) -> List
     return list(kept.values())
 
 
-def load_registry(path: str, use: Optional[List[str]] = None) -> Dict[str, SourceConfig]:
+def load_registry(path: str, use: Optional[List[str]] = None, checked: bool = False) -> Dict[str, SourceConfig]:
     """The entries of a registry file, typed; with `use`, only those (each must be there): LLaMA-Factory's own
     data/dataset_info.json holds hundreds of hub entries beside the local ones a run names, and only what is used
-    has to be readable here."""
+    has to be readable here. `checked`: this read is the one a composition's check judges (config/safety.py); every
+    later read of the file in this process must find the same bytes (`read_registry_text`)."""
     typed, path = path, os.path.expanduser(path)
-    if not os.path.isfile(path):
-        raise ConfigError(f"dataset.registry: {path!r} does not exist")
     base = os.path.dirname(os.path.abspath(path))
     kind = "yaml" if path.endswith((".yaml", ".yml")) else "llamafactory"
     limit = MAX_REGISTRY_BYTES[kind]
-    try:  # a FIFO, a device or a file past `limit` is refused unread (a 2 GB file or /dev/zero never ends)
-        text = read_regular_bytes(path, limit).decode("utf-8")
+    try:
+        text = read_registry_text(path, limit, checked)
         # an alias bomb is refused before it is walked; JSON nested too deeply is refused, not a RecursionError
         data = bounded_yaml.safe_load(text) if kind == "yaml" else loads_bounded(text, "JSON nested too deeply")
+    except ConfigError:
+        raise
     except bounded_yaml.SelfReference as exc:
         raise ConfigError(f"dataset.registry: {path}:{exc}: an alias (*name) inside the value it names") from None
     except Exception as exc:  # OSError, ValueError (too large, not a file, not UTF-8, not JSON), YAMLError, TooLarge
@@ -159,6 +161,32 @@ def load_registry(path: str, use: Optional[List[str]] = None) -> Dict[str, Sourc
             raise ConfigError(f"dataset.use: {name!r} is not in {typed}{phrase(closest(name, names))} "
                               f"(entries: {listed})")
     return {name: build(name, data[name], base) for name in (data if use is None else use)}
+
+
+_CHECKED: Dict[str, Optional[str]] = {}  # absolute path -> sha256 of the bytes its check read (None: unreadable)
+
+
+def read_registry_text(path: str, limit: int, checked: bool) -> str:
+    """The text of the registry file `path`, read within `limit` bytes (a FIFO, a device or a larger file is refused
+    unread: a 2 GB file or /dev/zero never ends). The composition's check (config/safety.py: the buckets a shared
+    recipe's registry signs requests to) reads it with `checked`; every later read in this process (the data's
+    identity, preparation, indexing: minutes later, after a model download) must find the bytes that were checked,
+    else ConfigError: a registry swapped in between (by whoever shares its folder, by a link's new target) would be
+    used unchecked. By its absolute path as named, so a link pointed elsewhere is the same registry changed."""
+    where = os.path.abspath(path)
+    if checked:
+        _CHECKED[where] = None  # until it is read: a registry unreadable when checked is never used later
+    if not os.path.isfile(path):
+        raise ConfigError(f"dataset.registry: {path!r} does not exist")
+    raw = read_regular_bytes(path, limit)
+    digest = hashlib.sha256(raw).hexdigest()
+    if checked:
+        _CHECKED[where] = digest
+    elif where in _CHECKED and _CHECKED[where] != digest:
+        raise ConfigError(f"dataset.registry: {path} changed after this command checked it (when it composed the "
+                          "config: which stores its entries read); a registry is used only as it was checked. Run "
+                          "the command again, and find out what rewrites that file")
+    return raw.decode("utf-8")
 
 
 def _yaml_entry(name: str, entry: Any, base: str) -> SourceConfig:
