@@ -79,6 +79,19 @@ ENV_TABLE: Dict[str, Value] = {
 }
 
 
+# Set for the ranks this node starts unless the user's environment or launcher.env names it (run/launch/process.py):
+# torch's C++ warnings are noise on the console once a rank's cause was said - when rank 0, the host of the job's
+# TCPStore, ends first, a surviving rank's next store call (its heartbeat's beat) printed '[W ... TCPStore.cpp:125]
+# [c10d] recvValue failed ... Connection reset by peer' and a C++ stack. torch reads the level when it is imported,
+# so only the environment a rank starts with sets it. C++ errors (a NCCL watchdog's timeout) still show.
+RANK_DEFAULTS: Dict[str, str] = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+
+
+def rank_defaults(environ: Mapping[str, str]) -> Dict[str, str]:
+    """RANK_DEFAULTS that `environ` (the launching process's) does not set: the user's own value is kept."""
+    return {name: value for name, value in RANK_DEFAULTS.items() if name not in environ}
+
+
 def env_problems(env: Mapping[str, str]) -> List[str]:
     """`launcher.env.NAME: ...` for every name outside ENV_TABLE and every value not of its type."""
     problems = []

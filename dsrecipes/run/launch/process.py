@@ -27,6 +27,7 @@ import psutil
 
 import dsrecipes.core.heartbeat as heartbeat
 import dsrecipes.core.stopping as stopping
+from dsrecipes.boundary.rank_env import rank_defaults
 from dsrecipes.core.console import PROGRESS_ENV, log_path, progress_mode, relay
 from dsrecipes.core.failure import killed_by, rank_failure
 from dsrecipes.run.launch.plan import RANK_ENV, WORKER_MODULE, Command
@@ -81,12 +82,12 @@ def run_subprocess(cmd: Command, run_dir: Path, grace_s: float, log: Optional[Pa
 
 def _start(cmd: Command, log: Optional[Path]) -> Tuple[subprocess.Popen, List[threading.Thread]]:
     """Start `cmd` in a new session: ranks learn the progress mode (and the terminal width for a bar drawn through
-    a pipe)."""
+    a pipe) and boundary/rank_env.RANK_DEFAULTS (torch's C++ warnings off the console) where the user set none."""
 
     columns = {"COLUMNS": str(shutil.get_terminal_size().columns)} if sys.stderr.isatty() else {}
     pipe = subprocess.PIPE if log is not None else None
     unbuffered = {"PYTHONUNBUFFERED": "1"} if pipe else {}  # ranks writing into a pipe would hold lines back
-    env = child_env({PROGRESS_ENV: progress_mode(), **columns, **unbuffered, **cmd.env})
+    env = child_env({**rank_defaults(os.environ), PROGRESS_ENV: progress_mode(), **columns, **unbuffered, **cmd.env})
     proc = subprocess.Popen(cmd.argv, env=env, stdout=pipe, stderr=pipe, start_new_session=True)
     relays = [] if log is None else [relay(proc.stdout, sys.stdout, log), relay(proc.stderr, sys.stderr, log)]
     return proc, relays
