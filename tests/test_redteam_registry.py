@@ -64,6 +64,29 @@ def test_a_registry_swapped_after_its_check_is_not_used(counted_store, tmp_path,
     assert counted_store == []
 
 
+def test_a_rank_reads_the_registry_the_launching_process_indexed(make_cfg, tmp_path, monkeypatch):
+    """Was: an iterable run's ranks read dataset.registry again for the files' formats and columns (stream/index.py
+    file_sources), whatever it held by then: a registry rewritten after the launching process indexed the stream was
+    used unchecked (its entries' paths listed with the user's credentials, its columns read silently). Now the index
+    records the sha256 of the registry it was built from, and a rank's read must find it."""
+    from dsrecipes.data.sources import registry as reg
+    from dsrecipes.data.stream.index import file_sources, index_stream, read_stream_index, write_stream_index
+
+    rows = [json.dumps({"instruction": f"q{i}", "output": f"a{i}"}) for i in range(30)]
+    (tmp_path / "rows.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    registry = tmp_path / "registry.yaml"
+    registry.write_text("ours:\n  paths: [rows.jsonl]\n  format: alpaca\n", encoding="utf-8")
+    cfg = make_cfg("data=iterable", f"dataset.registry={registry}", "dataset.use=[ours]")
+    write_stream_index(tmp_path, index_stream(cfg))
+    for name in ("_CHECKED", "_READ"):  # a rank: another process
+        monkeypatch.setattr(reg, name, {}, raising=False)
+    assert [s.name for s in file_sources(cfg, read_stream_index(tmp_path))] == ["ours"]
+    registry.write_text("ours:\n  paths: [rows.jsonl]\n  format: alpaca\n  columns: {instruction: output, output: "
+                        "instruction}\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=f"dataset.registry: {registry} changed after the launching process read"):
+        file_sources(cfg, read_stream_index(tmp_path))
+
+
 # --- 3. sample ids are no positions ----------------------------------------------------------------------------
 
 

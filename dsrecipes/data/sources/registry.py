@@ -52,10 +52,12 @@ _DATA_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
 MAX_REGISTRY_BYTES = {"yaml": 2 << 20, "llamafactory": 16 << 20}
 
 
-def resolve_sources(dataset_cfg: DatasetConfig, notes: Optional[List[str]] = None) -> List[SourceConfig]:
+def resolve_sources(dataset_cfg: DatasetConfig, notes: Optional[List[str]] = None,
+                    registry_digest: Optional[str] = None) -> List[SourceConfig]:
     """Every source to read, in a fixed order: `paths` (as a source named `dataset.name`; the bundled sample only
     when nothing else is named or `dataset.mix_sample` asks for it, see `sample_replaced`), `sources`, `use`; each
-    file once (see `read_once`, whose notes are appended to `notes`)."""
+    file once (see `read_once`, whose notes are appended to `notes`). `registry_digest`: what the launching process
+    read of `dataset.registry` (`registry_digest`), which a rank's read must find."""
     ds = dataset_cfg
     sources: List[SourceConfig] = []
     if ds.paths and not sample_replaced(ds):
@@ -67,7 +69,7 @@ def resolve_sources(dataset_cfg: DatasetConfig, notes: Optional[List[str]] = Non
     if ds.use:
         if not ds.registry:
             raise ConfigError("dataset.registry: dataset.use names registry entries, so a registry file is needed")
-        entries = load_registry(ds.registry, use=ds.use)
+        entries = load_registry(ds.registry, use=ds.use, digest=registry_digest)
         sources += [entries[name] for name in ds.use]
     seen: Dict[str, int] = {}
     for k, src in enumerate(sources):  # unique names: mixing weights are applied per source name
@@ -128,17 +130,19 @@ def validation_files(train: List[str], val: List[str], notes: List[str]) -> List
     return list(kept.values())
 
 
-def load_registry(path: str, use: Optional[List[str]] = None, checked: bool = False) -> Dict[str, SourceConfig]:
+def load_registry(path: str, use: Optional[List[str]] = None, checked: bool = False,
+                  digest: Optional[str] = None) -> Dict[str, SourceConfig]:
     """The entries of a registry file, typed; with `use`, only those (each must be there): LLaMA-Factory's own
     data/dataset_info.json holds hundreds of hub entries beside the local ones a run names, and only what is used
     has to be readable here. `checked`: this read is the one a composition's check judges (config/safety.py); every
-    later read of the file in this process must find the same bytes (`read_registry_text`)."""
+    later read of the file in this process must find the same bytes, and so must a read given their `digest`
+    (`read_registry_text`)."""
     typed, path = path, os.path.expanduser(path)
     base = os.path.dirname(os.path.abspath(path))
     kind = "yaml" if path.endswith((".yaml", ".yml")) else "llamafactory"
     limit = MAX_REGISTRY_BYTES[kind]
     try:
-        text = read_registry_text(path, limit, checked)
+        text = read_registry_text(path, limit, checked, digest)
         # an alias bomb is refused before it is walked; JSON nested too deeply is refused, not a RecursionError
         data = bounded_yaml.safe_load(text) if kind == "yaml" else loads_bounded(text, "JSON nested too deeply")
     except ConfigError:
@@ -164,29 +168,40 @@ def load_registry(path: str, use: Optional[List[str]] = None, checked: bool = Fa
 
 
 _CHECKED: Dict[str, Optional[str]] = {}  # absolute path -> sha256 of the bytes its check read (None: unreadable)
+_READ: Dict[str, str] = {}  # absolute path -> sha256 of the bytes last read (registry_digest)
 
 
-def read_registry_text(path: str, limit: int, checked: bool) -> str:
+def read_registry_text(path: str, limit: int, checked: bool, digest: Optional[str] = None) -> str:
     """The text of the registry file `path`, read within `limit` bytes (a FIFO, a device or a larger file is refused
     unread: a 2 GB file or /dev/zero never ends). The composition's check (config/safety.py: the buckets a shared
     recipe's registry signs requests to) reads it with `checked`; every later read in this process (the data's
     identity, preparation, indexing: minutes later, after a model download) must find the bytes that were checked,
-    else ConfigError: a registry swapped in between (by whoever shares its folder, by a link's new target) would be
-    used unchecked. By its absolute path as named, so a link pointed elsewhere is the same registry changed."""
+    and a rank's read the bytes the launching process used (`digest`, from the stream index), else ConfigError: a
+    registry swapped in between (by whoever shares its folder, by a link's new target) would be used unchecked. By
+    its absolute path as named, so a link pointed elsewhere is the same registry changed."""
     where = os.path.abspath(path)
     if checked:
         _CHECKED[where] = None  # until it is read: a registry unreadable when checked is never used later
     if not os.path.isfile(path):
         raise ConfigError(f"dataset.registry: {path!r} does not exist")
     raw = read_regular_bytes(path, limit)
-    digest = hashlib.sha256(raw).hexdigest()
+    found = hashlib.sha256(raw).hexdigest()
     if checked:
-        _CHECKED[where] = digest
-    elif where in _CHECKED and _CHECKED[where] != digest:
-        raise ConfigError(f"dataset.registry: {path} changed after this command checked it (when it composed the "
-                          "config: which stores its entries read); a registry is used only as it was checked. Run "
-                          "the command again, and find out what rewrites that file")
+        _CHECKED[where] = found
+    expected = digest if digest is not None else _CHECKED.get(where, found)
+    if found != expected:
+        when = "this command checked it (when it composed the config" if digest is None else \
+            "the launching process read it (for this run's stream index"
+        raise ConfigError(f"dataset.registry: {path} changed after {when}: which stores its entries read); a "
+                          "registry is used only as it was checked. Run the command again, and find out what "
+                          "rewrites that file")
+    _READ[where] = found
     return raw.decode("utf-8")
+
+
+def registry_digest(path: Optional[str]) -> Optional[str]:
+    """The sha256 of what this process last read of the registry file `path` (None: not read), for a rank to find."""
+    return _READ.get(os.path.abspath(os.path.expanduser(path))) if path else None
 
 
 def _yaml_entry(name: str, entry: Any, base: str) -> SourceConfig:

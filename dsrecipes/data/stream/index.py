@@ -30,7 +30,7 @@ from dsrecipes.core.errors import DataError
 from dsrecipes.core.fileio import atomic_write_json, atomic_writer
 from dsrecipes.core.schema import DEFAULT_MAX_ROW_BYTES, DEFAULT_READ_AHEAD_BYTES, DEFAULT_SPAN_BYTES, SourceConfig
 from dsrecipes.data.sources.files import expand_paths, lines_in_range, no_file
-from dsrecipes.data.sources.registry import resolve_sources, validation_files
+from dsrecipes.data.sources.registry import registry_digest, resolve_sources, validation_files
 from dsrecipes.data.sources.remote import ObjectChanged, is_url, size_mtime
 from dsrecipes.data.sources.remote import identity as remote_identity
 from dsrecipes.data.sources.remote_ahead import RangePool, ReadAhead
@@ -56,6 +56,7 @@ class StreamIndex:
     holdout: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # natural numbers held out
     chunk_bytes: int = 0  # the order keeps chunk_bytes // block_bytes adjacent blocks together (stream/sizes.py)
     outside: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # other shares' (stream/shares.py)
+    registry: Optional[str] = None  # sha256 of the dataset.registry read for it: a rank's read must find the same
 
     @property
     def dropped(self) -> np.ndarray:
@@ -188,7 +189,7 @@ def index_stream(cfg: Any, tap: Any = None) -> StreamIndex:
     files = index_files(cfg, names, block_bytes, one_tap)
     _whole_file_problems(files, cfg.dataset.bad_rows.value)
     index = StreamIndex(files, [fi.count for fi in files], file_source, [(s.name, s.weight) for s in sources],
-                        block_bytes, chunk_bytes=chunk_bytes)
+                        block_bytes, chunk_bytes=chunk_bytes, registry=registry_digest(cfg.dataset.registry))
     index.caps, index.outside = take_share(index, sources, cfg, lambda: BlockSource(index, cfg.dataset.max_row_bytes))
     return index
 
@@ -196,7 +197,7 @@ def index_stream(cfg: Any, tap: Any = None) -> StreamIndex:
 def file_sources(cfg: Any, index: StreamIndex) -> List[Any]:
     """The SourceConfig of each file of `index` (validation files: the dataset's format, columns and roles)."""
 
-    return _file_configs(cfg, resolve_sources(cfg.dataset), index.file_source)
+    return _file_configs(cfg, resolve_sources(cfg.dataset, registry_digest=index.registry), index.file_source)
 
 
 def _file_configs(cfg: Any, sources: Sequence[Any], file_source: Sequence[int]) -> List[Any]:
@@ -220,7 +221,8 @@ def write_stream_index(run_dir: str | Path, index: StreamIndex) -> None:
               "etag": fi.etag}
              for fi in index.files]
     meta = {"version": STREAM_VERSION, "block_bytes": index.block_bytes, "chunk_bytes": index.chunk_bytes,
-            "sources": index.sources, "file_source": index.file_source, "caps": index.caps, "files": files}
+            "sources": index.sources, "file_source": index.file_source, "caps": index.caps, "files": files,
+            "registry": index.registry}
     cat = {k: np.concatenate([getattr(fi, k) for fi in index.files]) if index.files else np.zeros(0, np.int64)
            for k in ("offsets", "lines", "firsts")}
     with atomic_writer(Path(run_dir) / ARRAYS_FILE) as fh:
@@ -247,7 +249,7 @@ def read_stream_index(run_dir: str | Path) -> Optional[StreamIndex]:
                                tuple(m["problem"]) if m["problem"] else None, m.get("etag", "")))
     return StreamIndex(files, meta["caps"], meta["file_source"], [tuple(s) for s in meta["sources"]],
                        meta["block_bytes"], arrays["holdout"], meta.get("chunk_bytes", 0),
-                       arrays.get("outside", np.zeros(0, np.int64)))
+                       arrays.get("outside", np.zeros(0, np.int64)), meta.get("registry"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
