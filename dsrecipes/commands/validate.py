@@ -7,7 +7,8 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from dsrecipes.commands.args import override_parser, parse
+from dsrecipes.boundary.trust import FLAG, TRUST_HELP, trust
+from dsrecipes.commands.args import existing_path, override_parser, parse
 from dsrecipes.config.defaults import config_warnings, model_name
 from dsrecipes.config.groups import RECIPE_GROUP, group_options
 from dsrecipes.config.load import check_composition, compose, compose_and_load, hydra_context
@@ -22,7 +23,9 @@ def main(argv: List[str]) -> int:
     parser = override_parser("validate", "Validate one composition, or every recipe x every group option (--all).")
     parser.add_argument("--all", action="store_true", help="every recipe x every option of every group")
     parser.add_argument("--verbose", action="store_true", help="--all: list every combination the rules reject")
+    parser.add_argument(FLAG, action="append", default=[], type=existing_path, metavar="PATH", help=TRUST_HELP)
     args = parse(parser, argv)
+    trust(args.trust_checkpoint)  # what train would load (objective.reward_model) is checked as train checks it
     if args.all:
         return validate_all(args.overrides, verbose=args.verbose)
     cfg = compose_and_load(args.overrides)
