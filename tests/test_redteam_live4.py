@@ -112,3 +112,58 @@ def test_a_surviving_rank_meeting_the_store_of_a_rank_that_ended_prints_no_cpp_w
     assert code == 0 and "store gone: DistNetworkError" in err, (out, err)
     assert "TCPStore" not in out + err and "frame #" not in out + err, (out, err)
     assert rank_defaults({"TORCH_CPP_LOG_LEVEL": "INFO"}) == {}
+
+
+AGENT_OUTPUT = """\
+*****************************************
+Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, to avoid your system being \
+overloaded, please further tune the variable for optimal performance in your application as needed.
+*****************************************
+step 2/4  loss 7.4667  lr 3.00e-03
+W1206 18:48:56.624000 11467 site-packages/torch/distributed/elastic/multiprocessing/api.py:1028] Sending process \
+11551 closing signal SIGTERM
+E1206 18:48:56.739000 11467 site-packages/torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: \
+1) local_rank: 0 (pid: 11550) of binary: /usr/bin/python
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "/site-packages/torch/distributed/launcher/api.py", line 383, in launch_agent
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \x20
+============================================================
+dsrecipes.rank.worker FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  exitcode  : 1 (pid: 11550)
+============================================================
+Traceback (most recent call last):
+  File "x.py", line 1, in <module>
+ValueError: another process's own
+"""
+
+
+def test_torchruns_agent_says_nothing_on_the_console_after_a_rank_failed(tmp_path):
+    """Tried for real (2 ranks, launcher=torchrun on CPU, rank 0 raising after step 2): before 'error: rank 0 failed:
+    RuntimeError: ...', the console showed torchrun's banner, its agent's 'W... Sending process ... closing signal
+    SIGTERM' and 'E... failed (exitcode: 1) local_rank: 0 ...' lines, its uncaught 'Traceback ... ChildFailedError'
+    (14 lines) and the '====' box of exit codes (20 lines). Now core/console.relay keeps them in the log; another
+    traceback still shows, whole."""
+    import io
+    import os
+
+    from dsrecipes.core.console import relay
+
+    read, write = os.pipe()
+    console, log = io.StringIO(), tmp_path / "launcher.log"
+    with os.fdopen(read, "rb") as stream:
+        thread = relay(stream, console, log)
+        os.write(write, AGENT_OUTPUT.encode())
+        os.close(write)
+        thread.join(10)
+    assert console.getvalue() == ("step 2/4  loss 7.4667  lr 3.00e-03\nTraceback (most recent call last):\n"
+                                  '  File "x.py", line 1, in <module>\nValueError: another process\'s own\n')
+    kept = log.read_text()
+    assert "ChildFailedError" in kept and "Root Cause" in kept and "closing signal SIGTERM" in kept

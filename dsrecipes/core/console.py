@@ -11,7 +11,7 @@ terminal too; tracker banners: trackers.py) are kept off the console and written
   - in our own processes (the launching process, every rank): `quiet_third_party()` filters DeepSpeed's logger and
     sends deprecation warnings (FutureWarning, DeprecationWarning) to the log; other warnings are shown;
   - from launcher binaries (deepspeed, torchrun, mpirun) and everything they start: `relay()` reads their output
-    and passes on what is not noise.
+    and passes on what is not noise (torchrun's agent's own traceback and box after a rank failed included).
 """
 
 from __future__ import annotations
@@ -42,7 +42,12 @@ NOISE = [re.compile(p) for p in (
     r"^\s*return func\(\*args, \*\*kwargs\)\s*$",  # the source line Python prints under a FutureWarning
     r"(FutureWarning|DeprecationWarning|UserWarning): .*(deprecated|will be removed)",
     r"^(Writing model shards|Loading checkpoint shards|Saving the dataset|Map)\b.*\|",  # HF progress bars
+    r"^[IWE]\d{4} [\d:.]+ \d+ \S*torch/distributed/elastic/",  # torchrun's agent narrating itself (a rank's end)
+    r"^\*{20,}\s*$|^Setting OMP_NUM_THREADS environment variable for each process to be 1",  # torchrun's banner
 )]
+# What torchrun's agent raises when a rank failed, printed as an uncaught traceback, then a box of '=' rules naming
+# the ranks' exit codes: the launching process says the cause (commands/outcome.py); the log keeps it (`_Held`).
+AGENT_FAILED = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
 
 
 def is_noise(line: str) -> bool:
@@ -260,7 +265,7 @@ def relay(stream: IO[bytes], console: IO[str], log: Path) -> threading.Thread:
 
     Pieces end at a newline or a carriage return, so a progress bar (`\\r...`) moves as it is drawn; a line is
     judged whole. Returns the thread (join it after the child exits)."""
-    sink = _Sink()
+    sink, held = _Sink(), _Held()
     sink.path = Path(log)
 
     def pump() -> None:
@@ -269,13 +274,46 @@ def relay(stream: IO[bytes], console: IO[str], log: Path) -> threading.Thread:
             pending += chunk
             pieces = re.split(rb"(?<=[\r\n])", pending)
             pending = pieces.pop()  # the unfinished piece ('' when the chunk ended a line)
-            _emit([p.decode("utf-8", "replace") for p in pieces], console, sink)
-        if pending:
-            _emit([pending.decode("utf-8", "replace")], console, sink)
+            _emit(held.route([p.decode("utf-8", "replace") for p in pieces], sink), console, sink)
+        _emit(held.route([pending.decode("utf-8", "replace")] if pending else [], sink) + held.release(), console,
+              sink)
 
     thread = threading.Thread(target=pump, name="dsrecipes-relay", daemon=True)
     thread.start()
     return thread
+
+
+class _Held:
+    """A traceback held back until its last line says whose it is: torchrun's agent's AGENT_FAILED, with the box
+    after it (up to its second '=' rule), goes to the log; any other is passed on as it came, in order."""
+
+    def __init__(self) -> None:
+        self.lines: List[str] = []
+        self.rules = 0  # '=' rules of AGENT_FAILED's box still to come
+
+    def route(self, pieces: List[str], sink: _Sink) -> List[str]:
+        """The pieces to pass on (to _emit) now."""
+        out: List[str] = []
+        for piece in pieces:
+            if self.rules:
+                sink.write(piece.rstrip("\r\n"))
+                self.rules -= bool(re.fullmatch(r"=+\s*", piece))
+            elif self.lines and piece.startswith(" "):  # a frame, its source line, its carets
+                self.lines.append(piece)
+            elif self.lines and piece.startswith(AGENT_FAILED):
+                for line in self.lines + [piece]:
+                    sink.write(line.rstrip("\r\n"))
+                self.lines, self.rules = [], 2
+            elif piece.rstrip("\r\n") == "Traceback (most recent call last):":
+                out += self.release()
+                self.lines = [piece]
+            else:
+                out += self.release() + [piece]
+        return out
+
+    def release(self) -> List[str]:
+        lines, self.lines = self.lines, []
+        return lines
 
 
 def _emit(pieces: List[str], console: IO[str], sink: _Sink) -> None:
