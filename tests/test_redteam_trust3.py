@@ -82,9 +82,11 @@ def test_a_reward_model_export_is_checked_as_chat_checks_it_before_launch(signed
     trust.trust([str(model)])  # train's --trust-checkpoint (cli.py takes it off train's arguments)
     try:
         assert reward_model_problems(str(model)) == []
+        pins = trust.accepted_exports()  # plan.json's exports
     finally:
         trust.reset()
-    assert load_reward_model(str(model), "cpu")  # a rank: the launching process checked who signed it
+    with trust.launched(pins):  # a rank: accepted as its launching process accepted it (test_redteam_trust4)
+        assert load_reward_model(str(model), "cpu")
     monkeypatch.setenv(trust.KEY_ENV, str(tmp_path / "key"))
     assert cli_main(argv) == 0
     capsys.readouterr()  # transformers' progress bar of the load above

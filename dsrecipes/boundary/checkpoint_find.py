@@ -121,6 +121,17 @@ def latest_complete(root: Path, report: Report = _stderr, retry: str = TRAIN_RET
     return newest_verified(root, report, retry)
 
 
+def trust_to_repeat(run_dir: Path, keeps_resume_from: bool) -> List[str]:
+    """The `--trust-checkpoint PATH` arguments a printed command that continues this training run in `run_dir`
+    needs (trust.repeat_flags): the paths trusted on this command line that accepted an export (a reward model,
+    checked again at every launch), or the checkpoint it continues from: `keeps_resume_from`, the kept
+    trainer.resume_from's; else the run directory's newest committed one (a checkpoint this run wrote is signed by
+    this user and needs none)."""
+    newest = committed(Path(run_dir) / CHECKPOINTS)
+    resumes = None if keeps_resume_from or not newest else newest[0].resolve()
+    return trust.repeat_flags(lambda what, where: what != "checkpoint" or resumes is None or where == resumes)
+
+
 def plan_resume(trainer: TrainerConfig, run_dir: Path, world_size: int, zero_stage: int,
                 report: Report = _stderr) -> Optional[ResumePlan]:
     """What the run continues from (reads files only: the launching process calls this once, before any rank).

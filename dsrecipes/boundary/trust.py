@@ -15,7 +15,10 @@ must read and carry this key's signature, else `Untrusted` (exit 2) saying how t
 a command-line decision of this invocation only (`--trust-checkpoint PATH`, `trust()`), never a config key: it
 accepts the record as it is for this command and re-signs nothing (a run that continues from it signs only the
 checkpoints it writes itself). Training checks in the launching process, which names the checkpoint in plan.json
-for the ranks, so the decision never travels through the config. The file hashes are verified in every case (checkpoint_find.damage), and the pickles of a checkpoint trusted that way are screened for what they
+for the ranks, so the decision never travels through the config; an export it accepted (a reward model) is pinned
+there too (plan.json's exports): a rank loads one only when this user signed it or its record is the pinned one
+(`launched`). A command printed to repeat a run repeats the flag where it loads again what the flag covered
+(`repeat_flags`). The file hashes are verified in every case (checkpoint_find.damage), and the pickles of a checkpoint trusted that way are screened for what they
 would import (safe_load.screen) before anything unpickles them.
 """
 
@@ -27,8 +30,9 @@ import json
 import os
 import secrets
 import stat
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from dsrecipes.core.errors import Refused, UserError
 from dsrecipes.core.export_dir import EXPORT_INFO
@@ -44,6 +48,9 @@ TRUST_HELP = ("load the checkpoint or export at PATH (or any below that director
               "sign it: for this command only; its file hashes are still checked and nothing is re-signed")
 
 _trusted: List[Path] = []  # set by the command line of this invocation (commands/*: --trust-checkpoint PATH)
+_relied: List[Tuple[str, Path]] = []  # (what, where) of each record accepted only because `_trusted` covers it
+_exports: Dict[str, str] = {}  # export directory -> record_pin of the record this process accepted (check_export)
+_launch: List[Dict[str, str]] = []  # on a rank (`launched`): the exports its launching process accepted
 
 
 class Untrusted(Refused):
@@ -195,6 +202,19 @@ def take_flag(argv: List[str]) -> List[str]:
 
 def reset() -> None:
     _trusted.clear()
+    _relied.clear()
+    _exports.clear()
+
+
+def repeat_flags(again: Callable[[str, Path], bool]) -> List[str]:
+    """`--trust-checkpoint PATH` for each PATH of this command line (absolute) that accepted a record which a
+    printed command repeating this one loads again (`again(what, where)`: "export" or "checkpoint", its directory):
+    the resume command of a run that relied on them (checkpoint_find.trust_to_repeat); nothing when none did."""
+    roots: List[Path] = []
+    for what, where in _relied:
+        if again(what, where):
+            roots += [t for t in _trusted if (where == t or t in where.parents) and t not in roots]
+    return [arg for root in roots for arg in (FLAG, str(root))]
 
 
 def is_trusted(path: Path) -> bool:
@@ -210,6 +230,7 @@ def check(record: Dict[str, Any], where: Path, what: str, retry: str) -> bool:
     if problem is None:
         return True
     if is_trusted(where):
+        _relied.append((what, Path(where).expanduser().resolve()))
         return False
     raise Untrusted(
         f"{where}: refusing to load this {what}: {problem}. Its files are pickles, and loading them can run code, "
@@ -218,12 +239,41 @@ def check(record: Dict[str, Any], where: Path, what: str, retry: str) -> bool:
         "hashes are still checked and a pickle that imports code is still refused); it is not re-signed")
 
 
-def check_export(model_dir: Path, retry: str, signed: bool = True) -> None:
+def record_pin(record: Dict[str, Any]) -> str:
+    """What the launching process pins of an export's record for the ranks (plan.json: exports)."""
+    return hashlib.sha256(json.dumps(record, sort_keys=True, ensure_ascii=True).encode("utf-8")).hexdigest()
+
+
+def accepted_exports() -> Dict[str, str]:
+    """{export directory: record_pin} of every export this process accepted (signed, or trusted on its command
+    line), for plan.json: a rank loads one only with the same record (`launched`)."""
+    return dict(_exports)
+
+
+@contextmanager
+def launched(exports: Dict[str, str]) -> Iterator[None]:
+    """A rank, inside this block: an export is accepted when signed by this user or when its record is the one the
+    launching process accepted (`exports`: plan.json's), never by a command line (a rank has none; one that runs in
+    the launching process checks again all the same, at the point of use)."""
+    _launch.append(dict(exports))
+    try:
+        yield
+    finally:
+        _launch.pop()
+
+
+def check_export(model_dir: Path, retry: str) -> None:
     """Before anything of `model_dir` is read: a dsrecipes export (it has EXPORT_INFO) must be signed by this user
-    or trusted on the command line (`check`; `signed=False`: not asked again, in a rank whose launching process
-    asked) and hold its files as written (every time); UserError else. Nothing for another directory."""
-    marker = model_dir / EXPORT_INFO
+    or trusted on the command line (`check`), and hold its files as written (every time); UserError else. Nothing
+    for another directory. On a rank (`launched`), the record must carry this user's signature or be the one its
+    launching process accepted, and a directory that was an export there must still be one: a record put in its
+    place after the launching process checked it is refused where it would load."""
+    pins = _launch[-1] if _launch else None
+    marker, where = model_dir / EXPORT_INFO, str(Path(model_dir).expanduser().resolve())
     if not marker.exists():
+        if pins is not None and where in pins:
+            raise Untrusted(f"{marker}: missing, but the launching process checked this export with it (the "
+                            "directory was replaced since); nothing was loaded")
         return
     try:
         record = read_json(marker)  # bounded: a shared export's marker of nested brackets is one message
@@ -231,8 +281,12 @@ def check_export(model_dir: Path, retry: str, signed: bool = True) -> None:
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as exc:
         raise UserError(f"{marker}: unreadable ({exc}); nothing was loaded")
-    if signed:
+    if pins is None:
         check(record, model_dir, "export", retry)
+        _exports[where] = record_pin(record)
+    elif pins.get(where) != record_pin(record) and (problem := signature_problem(record)) is not None:
+        raise Untrusted(f"{marker}: {problem}, and it is not the record the launching process checked (it changed "
+                        "since, or no launch that checked it started this process); nothing was loaded")
     listing = f"{EXPORT_INFO}: hashes"
     problem = (verify(model_dir, record.get("hashes"), listing=listing)  # its shape checked too
                or unlisted(model_dir, record.get("hashes"), [EXPORT_INFO], listing, "export"))

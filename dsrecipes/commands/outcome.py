@@ -13,7 +13,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from dsrecipes.boundary.checkpoint_find import committed
+from dsrecipes.boundary.checkpoint_find import committed, trust_to_repeat
 from dsrecipes.core import stopping
 from dsrecipes.core.console import LOGS_DIR
 from dsrecipes.core.failure import killed_by, rank_failure
@@ -156,5 +156,6 @@ def resume_command(run_dir: Path, argv: Sequence[str], keep_resume_from: bool) -
     if not keep_resume_from:
         drop.add("trainer.resume_from")
     kept = [ov for ov in argv if ov.split("=", 1)[0].lstrip("+~") not in drop]
-    args = [sys.executable, "-m", "dsrecipes", *kept, f"trainer.output_dir={run_dir}"]
+    args = [sys.executable, "-m", "dsrecipes", *kept, f"trainer.output_dir={run_dir}",
+            *trust_to_repeat(run_dir, keep_resume_from)]  # what this command trusted and that one loads again
     return f"cd {shlex.quote(os.getcwd())} && {shlex.join(args)}"

@@ -48,6 +48,8 @@ class RunPlan:
     newest_checkpoint: Optional[str] = None  # the run dir's newest committed checkpoint when planned (ranks check)
     supervised: bool = False  # a launching process holds the run directory's lock while the ranks run
     past_stop: bool = False  # the resumed checkpoint stopped early and this run trains on (resume_contract)
+    exports: Dict[str, str] = field(default_factory=dict)  # export dir -> its record as accepted (trust.record_pin):
+    # a reward model a rank loads only as its launching process checked it (signed, or trusted on its command line)
     version: int = PLAN_VERSION
 
     @property

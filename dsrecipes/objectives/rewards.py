@@ -69,11 +69,12 @@ def reward_problems(cfg: TrainConfig) -> List[str]:
     return errors
 
 
-def reward_model_problems(path: str, signed: bool = True) -> List[str]:
+def reward_model_problems(path: str) -> List[str]:
     """Before anything launches: a directory with a config, safetensors weights, and no code of its own, and a
     dsrecipes export signed by this user (or trusted: train's --trust-checkpoint) holding its files as written, as
-    chat loads one (boundary/trust.check_export; `signed=False` on the ranks, which check the files again but have
-    no command line to trust with). The weights load on the ranks, where any other failure is one ConfigError too."""
+    chat loads one (boundary/trust.check_export). The ranks, which have no command line to trust with, check again
+    right before the weights load (load_reward_model): signed by this user, or the record their launching process
+    accepted (plan.json's exports, trust.launched); any other failure there is one ConfigError too."""
     key, found = "objective.reward_model", Path(path).expanduser()
     if not found.is_dir():
         return [f"{key}: {path} is not a directory (an objective=reward export: config.json, *.safetensors, tokenizer)"]
@@ -81,7 +82,7 @@ def reward_model_problems(path: str, signed: bool = True) -> List[str]:
         return [f"{key}: {path} has no config.json or no *.safetensors weights (dsrecipes loads model weights only "
                 "from safetensors); give an objective=reward export"]
     try:
-        trust.check_export(found, TRAIN_RETRY, signed)
+        trust.check_export(found, TRAIN_RETRY)
     except UserError as exc:
         return [f"{key}: {p}" for p in exc.problems]
     return custom_code_problems(key, found)
@@ -172,14 +173,14 @@ def part_names(cfg: TrainConfig) -> List[str]:
 
 
 def load_reward_model(path: str, device: Any) -> Callable[[List[str]], List[float]]:
-    """A sequence-classification directory -> texts -> [score]: no custom code, safetensors only; any failure to
-    load is one ConfigError naming objective.reward_model."""
+    """A sequence-classification directory -> texts -> [score]: no custom code, safetensors only, and an export
+    checked again here, where it loads (on a rank: signed by this user, or the very record its launching process
+    accepted: trust.launched); any failure to load is one ConfigError naming objective.reward_model."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-
     key = "objective.reward_model"
-    problems = reward_model_problems(path, signed=False)
+    problems = reward_model_problems(path)
     if problems:
         raise ConfigError(problems)
     try:

@@ -11,10 +11,11 @@ import shlex
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from dsrecipes.boundary.checkpoint_find import committed, trust_to_repeat
 from dsrecipes.core.console import LOGS_DIR
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.export_dir import EXPORT_BEST_DIR, EXPORT_DIR
-from dsrecipes.core.rundir import RESULT_FILE, read_metrics, run_summary
+from dsrecipes.core.rundir import CHECKPOINTS_DIR, RESULT_FILE, read_metrics, run_summary
 from dsrecipes.core.runplan import read_plan
 from dsrecipes.observe.headline import fmt, logged
 from dsrecipes.observe.metrics import format_seconds
@@ -132,14 +133,19 @@ def resume_command(run_dir: Path, overrides: Sequence[str], steps: int, max_step
     """The same command, pointed at this run directory: it resumes from the newest complete checkpoint. A run
     that reached its step budget gets a doubled one (a finished epoch-based run: one more epoch to set by hand); a
     run that stopped early gets `trainer.early_stopping.patience=0`, which trains on to its budget (the same
-    command would stop there again: run/resume_contract.check_budget refuses it)."""
+    command would stop there again: run/resume_contract.check_budget refuses it). A run that saved a checkpoint
+    continues from its own, so trainer.resume_from (another run's: run/entry.check_fresh_start refuses it into a
+    directory that holds a run) is dropped; `--trust-checkpoint PATH` is repeated where the command loads again what
+    this one loaded only because PATH was trusted (checkpoint_find.trust_to_repeat: a reward model export)."""
+    keeps_resume_from = not committed(run_dir / CHECKPOINTS_DIR)
     dropped = ("trainer.output_dir", "trainer.max_steps", "hydra.run.dir") + (
-        ("trainer.early_stopping.patience",) if stopped_early else ())
+        ("trainer.early_stopping.patience",) if stopped_early else ()) + (
+        () if keeps_resume_from else ("trainer.resume_from",))
     kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in dropped]
     extra = [f"trainer.output_dir={run_dir}"] + (["trainer.early_stopping.patience=0"] if stopped_early else [])
     if max_steps is not None:
         extra.append(f"trainer.max_steps={max(max_steps, steps) * 2 if steps >= max_steps else max_steps}")
-    return shlex.join(["dsrecipes", *kept, *extra])
+    return shlex.join(["dsrecipes", *kept, *extra, *trust_to_repeat(run_dir, keeps_resume_from)])
 
 
 def _hidden_lines(run_dir: Path) -> int:

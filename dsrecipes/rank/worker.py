@@ -34,6 +34,7 @@ from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Iterator, List, Optional  # noqa: E402
 
+import dsrecipes.boundary.trust as trust  # noqa: E402
 import dsrecipes.core.heartbeat as heartbeat  # noqa: E402
 from dsrecipes.boundary.checkpoint_find import committed  # noqa: E402
 from dsrecipes.config.load import load_run_config  # noqa: E402
@@ -41,7 +42,7 @@ from dsrecipes.core.console import exit_flushed, log_path, quiet_third_party, su
 from dsrecipes.core.errors import RunInterrupted, TrainingFailed, UserError  # noqa: E402
 from dsrecipes.core.failure import log_traceback, record_rank_failure  # noqa: E402
 from dsrecipes.core.rundir import CHECKPOINTS_DIR, launcher_alive  # noqa: E402
-from dsrecipes.core.runplan import reported_by_launcher  # noqa: E402
+from dsrecipes.core.runplan import read_plan, reported_by_launcher  # noqa: E402
 from dsrecipes.core.schema import Device  # noqa: E402
 from dsrecipes.data.strategies.base import end_workers, worker_lost  # noqa: E402
 from dsrecipes.rank.checkpoint import TrainState  # noqa: E402
@@ -52,19 +53,21 @@ STORE_ASK_S = 5.0  # a rank that cannot record its failure asks the job's store 
 
 
 def run(run_dir: str | Path) -> TrainState:
-    """Train the run in `run_dir` as the rank described by the environment (RANK, WORLD_SIZE, ...)."""
+    """Train the run in `run_dir` as the rank described by the environment (RANK, WORLD_SIZE, ...). Exports (a reward
+    model) load as the launching process accepted them (plan.json; boundary/trust.launched), checked where they load."""
 
-    cfg = load_run_config(run_dir)
-    if cfg.trainer.device is Device.cpu:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must precede the first `import deepspeed`
+    with trust.launched(read_plan(run_dir).exports):
+        cfg = load_run_config(run_dir)
+        if cfg.trainer.device is Device.cpu:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must precede the first `import deepspeed`
 
-    try:
-        return train(cfg, run_dir)
-    except UserError:
-        raise
-    except Exception:
-        heartbeat.explain_crash()  # a broken collective because a node died: name the node (exits) or re-raise
-        raise
+        try:
+            return train(cfg, run_dir)
+        except UserError:
+            raise
+        except Exception:
+            heartbeat.explain_crash()  # a broken collective because a node died: name the node (exits) or re-raise
+            raise
 
 
 def run_rank(run_dir: str | Path) -> int:
@@ -159,7 +162,8 @@ def watch_launcher(run_dir: Path) -> None:
     Nothing is watched where the lock is not seen held at the start (another node, a file system without locks)."""
     node = os.environ.get("CROSS_RANK") or os.environ.get("GROUP_RANK") or "0"
     try:
-        grace = float(load_run_config(run_dir).trainer.stop_grace_s)
+        with trust.launched(read_plan(run_dir).exports):
+            grace = float(load_run_config(run_dir).trainer.stop_grace_s)
         watched = node == "0" and reported_by_launcher(run_dir) and launcher_alive(run_dir)
     except Exception:  # noqa: BLE001 - a run directory the rank cannot read fails in run() with its message
         return

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
+import dsrecipes.boundary.trust as trust
 import dsrecipes.run.resume_contract as resume_contract
 from dsrecipes.boundary.checkpoint_find import committed, plan_resume
 from dsrecipes.config.load import read_yaml_mapping
@@ -146,7 +147,8 @@ def plan_run(cfg: TrainConfig, run_dir: Path, decision: Decision) -> RunPlan:
                    data_fingerprint=decision.data_fingerprint, resume=decision.resume, data_files=decision.data_files,
                    data_prepared=preparation_record(decision.tokenizer),
                    newest_checkpoint=newest[0].name if newest else None,
-                   supervised=cfg.launcher.kind is not LauncherKind.slurm, past_stop=past_stop)
+                   supervised=cfg.launcher.kind is not LauncherKind.slurm, past_stop=past_stop,
+                   exports=trust.accepted_exports())
 
 
 def one_of_many_gpus(cfg: TrainConfig) -> None:
