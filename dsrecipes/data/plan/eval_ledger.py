@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from dsrecipes.data.plan.ledger import LEDGER_DIR, LedgerFile, ledger_records
+from dsrecipes.data.plan.ledger import LEDGER_DIR, LedgerFile, Verdict, ledger_records
 
 EVAL_LEDGER_PREFIX = "eval_rank"  # <run>/ledger/eval_rank<R>.jsonl (the training ledger's files are rank<R>.jsonl)
 
@@ -60,23 +60,14 @@ def read_eval_ledger(path: str | os.PathLike) -> Dict[int, List[str]]:
 
 
 @dataclass
-class EvalReport:
+class EvalReport(Verdict):
     ranks: int = 0
     steps: List[int] = field(default_factory=list)  # the evaluations, by the step they were made at
-    problems: List[str] = field(default_factory=list)
-    notes: List[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
 
     def summary(self) -> str:
         lines = [f"evaluation ledger: {self.ranks} rank(s), {len(self.steps)} evaluation(s) at steps {self.steps[:20]}"
                  f"{' ...' if len(self.steps) > 20 else ''}; each must score the same samples, each once across ranks"]
-        lines += [f"  note: {n}" for n in self.notes[:5]]
-        lines += [f"  VIOLATION {p}" for p in self.problems[:20]]
-        lines.append("OK" if self.ok else f"FAILED ({len(self.problems)} problems)")
-        return "\n".join(lines)
+        return "\n".join(lines + self.verdict_lines())
 
 
 def check_eval_ledgers(run_dir: str | os.PathLike, expected_ids: Optional[Iterable[str]] = None) -> EvalReport:

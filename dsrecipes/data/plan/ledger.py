@@ -130,7 +130,25 @@ def _names(value: object) -> bool:
 
 
 @dataclass
-class LedgerReport:
+class Verdict:
+    """What a ledger check found: problems (violations) and notes; its summary ends with them and OK or FAILED."""
+
+    problems: List[str] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def verdict_lines(self) -> List[str]:
+        lines = [f"  note: {n}" for n in self.notes[:5]]
+        lines += [f"  VIOLATION {p}" for p in self.problems[:20]]
+        lines.append("OK" if self.ok else f"FAILED ({len(self.problems)} problems)")
+        return lines
+
+
+@dataclass
+class LedgerReport(Verdict):
     ranks: int = 0
     steps_per_rank: Dict[int, int] = field(default_factory=dict)
     samples_per_rank: Dict[int, int] = field(default_factory=dict)
@@ -138,12 +156,6 @@ class LedgerReport:
     duplicates: Dict[int, List[str]] = field(default_factory=dict)  # epoch -> ids read more than once
     missing: Dict[int, int] = field(default_factory=dict)  # epoch -> expected ids never read
     unexpected: Dict[int, List[str]] = field(default_factory=dict)  # epoch -> ids outside expected_ids
-    problems: List[str] = field(default_factory=list)
-    notes: List[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
 
     def summary(self) -> str:
         lines = [f"ledger: {self.ranks} rank(s), epochs {self.epochs}"]
@@ -152,10 +164,7 @@ class LedgerReport:
         for e in self.epochs:
             if e in self.missing:
                 lines.append(f"  epoch {e}: {self.missing[e]} expected samples not read")
-        lines += [f"  note: {n}" for n in self.notes[:5]]
-        lines += [f"  VIOLATION {p}" for p in self.problems[:20]]
-        lines.append("OK" if self.ok else f"FAILED ({len(self.problems)} problems)")
-        return "\n".join(lines)
+        return "\n".join(lines + self.verdict_lines())
 
 
 def verify_ledgers(
