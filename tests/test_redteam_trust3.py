@@ -78,7 +78,7 @@ def test_a_reward_model_export_is_checked_as_chat_checks_it_before_launch(signed
     monkeypatch.setenv(trust.KEY_ENV, str(tmp_path / "another_users_key"))
     trust.ensure_key()
     refused(capsys, argv, f"objective.reward_model: {model}: refusing to load this export",
-            f"dsrecipes train ... --trust-checkpoint {model}")
+            f"dsrecipes validate ... --trust-checkpoint {model}")  # the command that refused it
     trust.trust([str(model)])  # train's --trust-checkpoint (cli.py takes it off train's arguments)
     try:
         assert reward_model_problems(str(model)) == []

@@ -34,7 +34,7 @@ def test_validate_takes_trust_checkpoint_as_train_does(foreign_reward, capsys):
     # export signed by another user, but had no --trust-checkpoint: 'unrecognized arguments', so a user could train
     # (`dsrecipes train ... --trust-checkpoint PATH`) what they could not validate.
     argv = ["validate", *GRPO, f"objective.reward_model={foreign_reward}"]
-    refused(capsys, argv, "refusing to load this export", f"--trust-checkpoint {foreign_reward}")
+    refused(capsys, argv, "refusing to load this export", f"`dsrecipes validate ... --trust-checkpoint {foreign_reward}`")
     assert cli_main([*argv, "--trust-checkpoint", str(foreign_reward)]) == 0
     assert cli_main([*argv, f"--trust-checkpoint={foreign_reward}"]) == 0
     refused(capsys, argv, "refusing to load this export")  # one command's decision, never carried over

@@ -51,6 +51,7 @@ _trusted: List[Path] = []  # set by the command line of this invocation (command
 _relied: List[Tuple[str, Path]] = []  # (what, where) of each record accepted only because `_trusted` covers it
 _exports: Dict[str, str] = {}  # export directory -> record_pin of the record this process accepted (check_export)
 _launch: List[Dict[str, str]] = []  # on a rank (`launched`): the exports its launching process accepted
+_command: List[str] = ["dsrecipes train ..."]  # the command a refusal of a run's inputs names to repeat (`trust`)
 
 
 class Untrusted(Refused):
@@ -169,10 +170,12 @@ def signature_problem(record: Dict[str, Any]) -> Optional[str]:
     return None
 
 
-def trust(paths: List[str]) -> None:
+def trust(paths: List[str], command: str = "dsrecipes train ...") -> None:
     """Accept the records at or below `paths` for this invocation (the command line's --trust-checkpoint). An empty
     PATH (`--trust-checkpoint=$UNSET`) is refused: it would resolve to the working directory and trust all below it;
-    so is one that does not exist."""
+    so is one that does not exist. `command`: this invocation, as a refusal of what a run would load (a reward model
+    export: `run_command`) names it to repeat with the flag."""
+    _command[:] = [command]
     if any(not str(p).strip() for p in paths):
         raise UserError(f"{FLAG}: an empty PATH would trust everything below the working directory; name the "
                         f"checkpoint or run directory to trust: {FLAG} PATH")
@@ -180,6 +183,12 @@ def trust(paths: List[str]) -> None:
         if not Path(path).expanduser().exists():
             raise UserError(f"argument {FLAG}: must be an existing path, got {path!r}")
     _trusted.extend(Path(p).expanduser().resolve() for p in paths)
+
+
+def run_command() -> str:
+    """The command to repeat with the flag when a run's input (a reward model export) is refused: `dsrecipes train
+    ...`, or the command that checked it (`dsrecipes validate ...`)."""
+    return _command[0]
 
 
 def take_flag(argv: List[str]) -> List[str]:
@@ -204,6 +213,7 @@ def reset() -> None:
     _trusted.clear()
     _relied.clear()
     _exports.clear()
+    _command[:] = ["dsrecipes train ..."]
 
 
 def repeat_flags(again: Callable[[str, Path], bool]) -> List[str]:

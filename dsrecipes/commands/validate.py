@@ -25,7 +25,7 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--verbose", action="store_true", help="--all: list every combination the rules reject")
     parser.add_argument(FLAG, action="append", default=[], type=existing_path, metavar="PATH", help=TRUST_HELP)
     args = parse(parser, argv)
-    trust(args.trust_checkpoint)  # what train would load (objective.reward_model) is checked as train checks it
+    trust(args.trust_checkpoint, "dsrecipes validate ...")  # what train would load (objective.reward_model) is checked as train checks it
     if args.all:
         return validate_all(args.overrides, verbose=args.verbose)
     cfg = compose_and_load(args.overrides)

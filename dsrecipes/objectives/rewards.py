@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import dsrecipes.boundary.trust as trust
-from dsrecipes.boundary.checkpoint_find import TRAIN_RETRY
 from dsrecipes.core.answers import normalize
 from dsrecipes.core.errors import ConfigError, UserError, no_custom_code
 from dsrecipes.core.schema import RewardConfig, TrainConfig
@@ -82,7 +81,7 @@ def reward_model_problems(path: str) -> List[str]:
         return [f"{key}: {path} has no config.json or no *.safetensors weights (dsrecipes loads model weights only "
                 "from safetensors); give an objective=reward export"]
     try:
-        trust.check_export(found, TRAIN_RETRY)
+        trust.check_export(found, trust.run_command())
     except UserError as exc:
         return [f"{key}: {p}" for p in exc.problems]
     return custom_code_problems(key, found)
