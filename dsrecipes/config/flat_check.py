@@ -27,16 +27,18 @@ LEFT_TO_HYDRA = ("defaults", "hydra", RECIPE_GROUP)
 
 
 def schema_types(cls: Any = TrainConfig, prefix: str = "") -> Dict[str, Any]:
-    """{dotted key: its type (Optional unwrapped)} for every key of the schema, inner nodes included."""
+    """{dotted key: its type} for every key of the schema, inner nodes included (a section's Optional unwrapped; a
+    leaf keeps it, so `trainer.max_steps: null` is accepted where the schema allows null)."""
     out: Dict[str, Any] = {}
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
+        inner = tp
         if typing.get_origin(tp) is typing.Union:
-            tp = next(a for a in typing.get_args(tp) if a is not type(None))
-        out[prefix + f.name] = tp
-        if dataclasses.is_dataclass(tp):
-            out.update(schema_types(tp, f"{prefix}{f.name}."))
+            inner = next(a for a in typing.get_args(tp) if a is not type(None))
+        out[prefix + f.name] = inner if dataclasses.is_dataclass(inner) else tp  # a leaf keeps Optional: null is a value
+        if dataclasses.is_dataclass(inner):
+            out.update(schema_types(inner, f"{prefix}{f.name}."))
     return out
 
 
