@@ -2,11 +2,13 @@
 
     python benchmarks/bench_loaders.py                       # throughput on a generated 20k-conversation corpus
     python benchmarks/bench_loaders.py --memory 10000 1000000  # peak RSS of data=iterable (corpus in /tmp)
-    python benchmarks/bench_loaders.py --smoke               # 160 conversations, --memory 600 (world 32 needs 256): seconds
+    python benchmarks/bench_loaders.py --smoke               # 80 conversations, 1 rep, --memory 320 (world 32 needs 256): seconds
 
 Throughput: one epoch of rank 0 of a world of 2 (so every strategy reads half the corpus), with 0 and 2 DataLoader
 workers, in samples/s and tokens/s (real tokens of the collated micro-batches), against a plain loop that reads,
-parses, tokenizes and collates the same JSONL in one process. `map` excludes its one-off `prepare` (reported
+parses, tokenizes and collates the same JSONL in one process. Every reader runs --reps times (default 3), the order
+reversed from one repetition to the next, each loader built afresh; reported: the median and [min, max] over the
+repetitions, and each reader's samples/s over the plain loop's of the same repetition (median [min, max]). `map` excludes its one-off `prepare` (reported
 separately, it is cached); `presharded` excludes `dsrecipes shard` (also reported).
 
 Memory: a child process per size runs a full epoch of data=iterable (rank 0 of a world of 32, no workers: it reads
@@ -23,6 +25,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,6 +38,7 @@ from _harness import Result, add_args
 SAMPLE = Path(__file__).resolve().parents[1] / "dsrecipes" / "assets" / "sample_data" / "train.jsonl"
 MBS = 8
 MEMORY_WORLD = 32
+PLAIN = "plain loop (all samples, 1 process)"
 
 
 def generate(out_dir: Path, conversations: int, files: int = 1) -> List[str]:
@@ -99,7 +103,10 @@ def plain_loop(cfg, tokenizer, paths: List[str]):
                     convs = []
 
 
-def throughput(conversations: int, work: Path) -> List[Dict[str, object]]:
+def throughput(conversations: int, work: Path, reps: int) -> List[Dict[str, object]]:
+    """Every reader (the plain loop, each strategy x workers) once per repetition, the order reversed from one
+    repetition to the next (A/B, B/A), each loader built afresh: a one-off cost (the first tokenizer call, a lazy
+    import, a file's first read) falls on whichever runs first, so it alternates instead of always hitting one."""
     from dsrecipes.config.load import compose_and_load
     from dsrecipes.core.tokenizer import load_tokenizer
     from dsrecipes.core.topology import Topology
@@ -112,12 +119,8 @@ def throughput(conversations: int, work: Path) -> List[Dict[str, object]]:
     base = overrides_for(paths, work / "cache")
     cfg = compose_and_load(base)
     tok = load_tokenizer(cfg)
-    results: List[Dict[str, object]] = []
-    results.append({"strategy": "plain loop (all samples, 1 process)", "workers": 0, **measure(plain_loop(cfg, tok, paths))})
-
-    run = work / "run"
     t = time.perf_counter()
-    prepare(cfg, tok, run)
+    prepare(cfg, tok, work / "run")
     prep_s = time.perf_counter() - t
     t = time.perf_counter()
     shard(cfg, 2, str(work / "shards"), ShardBalance.samples, force=True)
@@ -127,16 +130,41 @@ def throughput(conversations: int, work: Path) -> List[Dict[str, object]]:
         "iterable": ["data=iterable", f"data.num_samples={conversations}"],
         "presharded": ["data=presharded", f"data.shard_dir={work / 'shards'}"],
     }
-    for name, extra in kinds.items():
-        for workers in (0, 2):
-            c = compose_and_load(base + extra + [f"data.num_workers={workers}"])
-            run_k = work / f"run-{name}-{workers}"  # the launching process's part (map: a cache hit), then rank 0
-            plan = write_run_dir(with_run_dir(c, run_k), Topology(2, 1, 2))
-            loader = build_loaders(c, tok, 0, 2, run_k, plan)[0]
-            results.append({"strategy": f"{name} (rank 0 of 2)", "workers": workers, **measure(loader)})
+
+    def strategy(name: str, workers: int, rep: int):
+        c = compose_and_load(base + kinds[name] + [f"data.num_workers={workers}"])
+        run_k = work / f"run-{name}-{workers}-{rep}"  # the launching process's part (map: a cache hit), then rank 0
+        plan = write_run_dir(with_run_dir(c, run_k), Topology(2, 1, 2))
+        return build_loaders(c, tok, 0, 2, run_k, plan)[0]
+
+    readers = [(PLAIN, 0, lambda rep: plain_loop(cfg, tok, paths))]
+    readers += [(f"{name} (rank 0 of 2)", w, lambda rep, n=name, w=w: strategy(n, w, rep))
+                for name in kinds for w in (0, 2)]
+    results: List[Dict[str, object]] = []
+    for rep in range(reps):
+        for label, workers, make in readers if rep % 2 == 0 else readers[::-1]:
+            results.append({"strategy": label, "workers": workers, "rep": rep, **measure(make(rep))})
+    results += summary(results)
     results.append({"strategy": "one-off: prepare (map)", "seconds": round(prep_s, 2)})
     results.append({"strategy": "one-off: shard --parts 2 (presharded)", "seconds": round(shard_s, 2)})
     return results
+
+
+def summary(runs: List[Dict[str, object]]) -> List[Dict[str, object]]:
+    """Per reader: the median over the repetitions and the spread [min, max] of samples/s and tokens/s, and its
+    samples/s over the plain loop's of the same repetition (median [min, max])."""
+    plain = {r["rep"]: r["samples_per_s"] for r in runs if r["strategy"] == PLAIN}
+    out = []
+    for label, workers in dict.fromkeys((r["strategy"], r["workers"]) for r in runs):
+        mine = [r for r in runs if (r["strategy"], r["workers"]) == (label, workers)]
+        rates, toks = [r["samples_per_s"] for r in mine], [r["tokens_per_s"] for r in mine]
+        ratio = [r["samples_per_s"] / plain[r["rep"]] for r in mine]
+        out.append({"strategy": label, "workers": workers, "reps": len(mine), "samples": mine[0]["samples"],
+                    "samples_per_s": statistics.median(rates), "samples_per_s_range": [min(rates), max(rates)],
+                    "tokens_per_s": statistics.median(toks), "tokens_per_s_range": [min(toks), max(toks)],
+                    "vs_plain": round(statistics.median(ratio), 2), "vs_plain_range": [round(min(ratio), 2),
+                                                                                        round(max(ratio), 2)]})
+    return out
 
 
 def memory_child(path: str, conversations: int) -> None:
@@ -179,6 +207,7 @@ def memory(sizes: List[int], root: Path) -> List[Dict[str, object]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--conversations", type=int, default=20000)
+    parser.add_argument("--reps", type=int, default=3, help="repetitions of every reader, alternating order")
     parser.add_argument("--memory", type=int, nargs="*", default=None, metavar="N")
     parser.add_argument("--memory-child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = add_args(parser).parse_args()
@@ -187,12 +216,12 @@ def main() -> None:
         memory_child(args.memory_child[0], int(args.memory_child[1]))
         return
     if args.smoke:
-        args.conversations = 160
+        args.conversations, args.reps = 80, 1
     with Result("bench_loaders", args) as result:
         if args.memory is not None or args.smoke:
-            memory_rows(args.memory or ([600] if args.smoke else [10000, 1000000]), result)
+            memory_rows(args.memory or ([320] if args.smoke else [10000, 1000000]), result)
         if args.memory is None:
-            throughput_rows(args.conversations, result)
+            throughput_rows(args.conversations, args.reps, result)
 
 
 def memory_rows(sizes: List[int], result: Result) -> None:
@@ -204,15 +233,22 @@ def memory_rows(sizes: List[int], result: Result) -> None:
         print(f"peak RSS growth {rows[0]['conversations']} -> {rows[-1]['conversations']}: {growth:+.1%}")
 
 
-def throughput_rows(conversations: int, result: Result) -> None:
+def throughput_rows(conversations: int, reps: int, result: Result) -> None:
     with tempfile.TemporaryDirectory(prefix="dsrecipes-bench-") as tmp:
-        rows = throughput(conversations, Path(tmp))
+        rows = throughput(conversations, Path(tmp), reps)
     for r in rows:
         result.row({"phase": "throughput", **r}, echo=False)
-    print(f"{'strategy':<40} {'workers':>7} {'samples':>8} {'seconds':>8} {'samples/s':>10} {'tokens/s':>10}")
+    print(f"{'strategy':<40} {'workers':>7} {'samples':>8} {'samples/s median [min, max]':>28} {'tokens/s':>10} "
+          f"{'vs plain loop, same rep':>24}")
     for r in rows:
-        print(f"{r['strategy']:<40} {r.get('workers', ''):>7} {r.get('samples', ''):>8} {r['seconds']:>8} "
-              f"{r.get('samples_per_s', ''):>10} {r.get('tokens_per_s', ''):>10}")
+        if "rep" in r:  # one repetition's row: in the result file
+            continue
+        if "reps" not in r:
+            print(f"{r['strategy']:<40} {'':>7} {'':>8} {r['seconds']:>26} s")
+            continue
+        lo, hi = r["samples_per_s_range"]
+        print(f"{r['strategy']:<40} {r['workers']:>7} {r['samples']:>8} {r['samples_per_s']:>10} [{lo}, {hi}]"
+              f"{r['tokens_per_s']:>10} {r['vs_plain']:>10} {r['vs_plain_range']}")
 
 
 if __name__ == "__main__":

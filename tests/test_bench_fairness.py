@@ -42,3 +42,17 @@ def test_gpu_compare_dsrecipes_rate_is_its_tokens_over_its_time_as_trls_is(bench
     assert gc.steady_tokens_per_s(rows, after_step=8) == pytest.approx(2000 / 11)
     assert gc.steady_tokens_per_s(rows[:1], after_step=0) == 100.0  # a dry run's single window
     assert gc.steady_tokens_per_s([], after_step=0) is None
+
+
+def test_bench_loaders_compares_each_reader_with_the_plain_loop_of_its_own_repetition(bench):
+    """A repetition on a machine twice as loaded halves every reader alike: the ratio to the plain loop of the same
+    repetition stays, where a ratio of medians taken from different repetitions (or a single run) would not."""
+    bl = bench("bench_loaders")
+    runs = [{"strategy": bl.PLAIN, "workers": 0, "rep": 0, "samples": 100, "samples_per_s": 1000, "tokens_per_s": 9},
+            {"strategy": "map", "workers": 0, "rep": 0, "samples": 50, "samples_per_s": 2000, "tokens_per_s": 9},
+            {"strategy": "map", "workers": 0, "rep": 1, "samples": 50, "samples_per_s": 1000, "tokens_per_s": 9},
+            {"strategy": bl.PLAIN, "workers": 0, "rep": 1, "samples": 100, "samples_per_s": 500, "tokens_per_s": 9}]
+    rows = {r["strategy"]: r for r in bl.summary(runs)}
+    assert rows["map"]["vs_plain"] == 2.0 and rows["map"]["vs_plain_range"] == [2.0, 2.0]
+    assert rows["map"]["samples_per_s"] == 1500 and rows["map"]["samples_per_s_range"] == [1000, 2000]
+    assert rows[bl.PLAIN]["reps"] == 2
