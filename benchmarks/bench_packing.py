@@ -8,7 +8,9 @@ For each dataset the same rows go through `prepare` and the map strategy's loade
 to the longest row of its micro-batch (`data.packing=false`, micro batch 8), and best-fit-decreasing packed rows of
 `data.cutoff_len` (`data.packing=true`, micro batch 2). Utilisation = real tokens / token slots over a whole epoch.
 Speed = real tokens per second of forward + backward + AdamW step on the tiny model with the runner's own loss,
-timed on this process's CPU clock with one torch thread (robust to other load on the machine). Target: >= 95%
+timed on this process's CPU clock with one torch thread (robust to other load on the machine), --reps times
+(default 3), padded then packed, then packed then padded, ...; the speed-up is packed / padded of the same repetition,
+reported as median [min, max]. Target: >= 95%
 slot utilisation with packing. Data: the bundled sample rows and a generated long-tailed mix. Result file:
 <out>/bench_packing.json (--out DIR).
 """
@@ -19,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -94,11 +97,12 @@ def main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30, help="timed micro-batches per configuration")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=3, help="repetitions of both modes, alternating order")
     parser.add_argument("--cutoff", type=int, default=512)
     parser.add_argument("--tail-rows", type=int, default=1500)
     args = add_args(parser).parse_args(argv)
     if args.smoke:
-        args.steps, args.warmup, args.cutoff, args.tail_rows = 2, 1, 256, 60
+        args.steps, args.warmup, args.cutoff, args.tail_rows, args.reps = 2, 1, 256, 60, 1
     with Result("bench_packing", args) as result:
         run(args, result)
     return 0
@@ -120,20 +124,34 @@ def run(args: argparse.Namespace, result: Result) -> None:
             result.note("smoke: the long_tail dataset only (the bundled sample dataset is not measured)")
         print(f"{'dataset':<10} {'mode':<8} {'rows':>6} {'micro-batches':>13} {'slot use':>9} {'tokens/CPU s':>13}")
         for data_name, path in datasets.items():
-            results = {}
-            for packing in (False, True):
-                mode = "packed" if packing else "padded"
-                r = measure(root, f"{data_name}_{mode}", path, packing, args.cutoff, args.steps, args.warmup)
-                results[mode] = r
-                result.row({"dataset": data_name, "mode": mode, **r}, echo=False)
-                if r["timed_micro_batches"] < args.steps:
-                    result.note(f"{data_name} {mode}: only {r['timed_micro_batches']} micro-batches after the warm-up "
-                                f"(--steps {args.steps} asked)")
-                print(f"{data_name:<10} {mode:<8} {r['rows']:>6} {r['micro_batches']:>13} {r['utilisation']:>8.1%} "
-                      f"{r['tokens_per_cpu_s']:>13,.0f}", flush=True)
-            gain = results["packed"]["tokens_per_cpu_s"] / results["padded"]["tokens_per_cpu_s"]
-            print(f"{data_name:<10} packing speed-up in real tokens per CPU second: x{gain:.2f}")
+            runs = {"padded": [], "packed": []}
+            for rep in range(args.reps):  # A/B, then B/A: drift and one-off costs fall on both modes alike
+                for packing in modes_in(rep):
+                    mode = "packed" if packing else "padded"
+                    r = measure(root, f"{data_name}_{mode}_{rep}", path, packing, args.cutoff, args.steps, args.warmup)
+                    runs[mode].append(r)
+                    result.row({"dataset": data_name, "mode": mode, "rep": rep, **r}, echo=False)
+                    if r["timed_micro_batches"] < args.steps and rep == 0:
+                        result.note(f"{data_name} {mode}: only {r['timed_micro_batches']} micro-batches after the "
+                                    f"warm-up (--steps {args.steps} asked)")
+                    print(f"{data_name:<10} {mode:<8} {r['rows']:>6} {r['micro_batches']:>13} {r['utilisation']:>8.1%} "
+                          f"{r['tokens_per_cpu_s']:>13,.0f}  (rep {rep})", flush=True)
+            gains = [b["tokens_per_cpu_s"] / a["tokens_per_cpu_s"] for a, b in zip(runs["padded"], runs["packed"])]
+            result.row({"dataset": data_name, "summary": True, "reps": args.reps,
+                        **{f"{mode}_tokens_per_cpu_s": spread([r["tokens_per_cpu_s"] for r in rs])
+                           for mode, rs in runs.items()}, "packing_speedup": spread(gains)}, echo=False)
+            print(f"{data_name:<10} packing speed-up in real tokens per CPU second (packed / padded of the same "
+                  f"repetition, median [min, max] over {args.reps}): x{statistics.median(gains):.2f} "
+                  f"[{min(gains):.2f}, {max(gains):.2f}]")
 
+
+def modes_in(rep: int) -> tuple:
+    """The packing settings of repetition `rep`, in the order they run: padded first, then packed first, ..."""
+    return (False, True) if rep % 2 == 0 else (True, False)
+
+
+def spread(values: List[float]) -> Dict[str, object]:
+    return {"median": statistics.median(values), "range": [min(values), max(values)]}
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -56,3 +56,10 @@ def test_bench_loaders_compares_each_reader_with_the_plain_loop_of_its_own_repet
     assert rows["map"]["vs_plain"] == 2.0 and rows["map"]["vs_plain_range"] == [2.0, 2.0]
     assert rows["map"]["samples_per_s"] == 1500 and rows["map"]["samples_per_s_range"] == [1000, 2000]
     assert rows[bl.PLAIN]["reps"] == 2
+
+
+def test_bench_packing_alternates_which_mode_runs_first(bench):
+    """Padded always ran first (one run, no spread): now each repetition reverses the order of the last."""
+    bp = bench("bench_packing")
+    assert [bp.modes_in(rep) for rep in range(3)] == [(False, True), (True, False), (False, True)]
+    assert bp.spread([3.0, 1.0, 2.0]) == {"median": 2.0, "range": [1.0, 3.0]}
