@@ -12,16 +12,19 @@ import contextlib
 import errno
 import gc
 import importlib
+import os
 import signal
 import sys
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import dsrecipes.boundary.trust as trust
+import dsrecipes.core.failure as failure
 import dsrecipes.core.stopping as stopping
 from dsrecipes.commands.help import version_text
-from dsrecipes.core.console import checked_output, command_log, exit_flushed, quiet_third_party
+from dsrecipes.core.console import checked_output, command_log, current_log, exit_flushed, quiet_third_party
 from dsrecipes.core.errors import UserError
+from dsrecipes.core.paths import user_cache_dir
 from dsrecipes.core.suggest import closest, phrase
 
 # subcommand -> (module under dsrecipes.commands, one-line help). The module exposes `main(argv) -> int`.
@@ -68,11 +71,25 @@ def entry() -> None:
     frozen out of the cyclic collector (gc.freeze): the interpreter's last collections would otherwise walk every
     object torch, transformers and DeepSpeed created (~0.6-1.4 CPU s per process); every file was closed by its owner
     before this point. Not in `main`, which tests call in their own process."""
-    code = main()
+    code = console_main()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _exit_now(code))
     gc.freeze()
     raise SystemExit(code)
+
+
+def console_main(argv: Optional[Sequence[str]] = None) -> int:
+    """`main` as the console script runs it: a crash (an exception that is no refusal, e.g. a bug) is one `error:`
+    line naming its type, message and file:line, its traceback kept in the command's log (a run's logs/main.log)
+    or in a file of its own under the user's cache; exit 1 (DSRECIPES_TRACEBACK=1: the traceback instead)."""
+    try:
+        return main(argv)
+    except Exception as exc:  # noqa: BLE001 - whatever no command turned into a message
+        if os.environ.get(failure.TRACEBACK_ENV) == "1":
+            raise
+        log = current_log() or user_cache_dir() / "dsrecipes" / "crashes" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+        print(f"error: {failure.crash_line(exc, log)}", file=sys.stderr, flush=True)
+        return 1
 
 
 def _exit_now(code: int) -> Callable[[int, Any], None]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Set
@@ -25,7 +24,7 @@ from dsrecipes.commands.args import parse
 from dsrecipes.commands.help import train_help, version_text
 from dsrecipes.commands.outcome import conclude, report_interrupted, say
 from dsrecipes.config.load import load_config
-from dsrecipes.core import stopping
+from dsrecipes.core import failure, stopping
 from dsrecipes.core.console import log_path, quiet_third_party
 from dsrecipes.core.errors import Refused, UserError
 from dsrecipes.core.rundir import claim, write_result
@@ -117,11 +116,11 @@ def _launch(inv: Invocation, job: hydra_app.Job, cfg: TrainConfig, decision: Dec
     except KeyboardInterrupt as exc:  # Ctrl-C twice, or a stop signal before the launch (preparing data)
         report_interrupted(run_dir, stopping.signal_of(exc), {}, inv.argv)
         raise
-    except Exception as exc:  # noqa: BLE001 - a sweep must go on; a single run re-raises
-        if not inv.sweep:
+    except Exception as exc:  # noqa: BLE001 - a crash: recorded; a sweep goes on (its line said here, its
+        write_result(run_dir, 1, failure.one_line(exc))  # traceback in the job's log), a single run re-raises
+        if not inv.sweep:  # (cli.console_main says it the same way)
             raise
-        traceback.print_exc()
-        write_result(run_dir, 1, f"{type(exc).__name__}: {exc}")
+        print(f"error: {failure.crash_line(exc, log_path(run_dir, 'main'))}", file=sys.stderr, flush=True)
         return inv.failed(1)
     code, interrupted = conclude(run_dir, code, cfg.launcher.dry_run, inv.argv)
     inv.interrupted = inv.interrupted or interrupted

@@ -114,6 +114,11 @@ def quiet_third_party(path: Optional[Path]) -> None:
         warnings.showwarning = _WarningRouter(warnings.showwarning)
 
 
+def current_log() -> Optional[Path]:
+    """The log file this process keeps third-party noise in (quiet_third_party), if any yet."""
+    return _SINK.path
+
+
 class _WarningRouter:
     """Deprecation notices from inside libraries go to the log file; other warnings (a DataLoader with more
     workers than cores, ...) are shown as usual."""

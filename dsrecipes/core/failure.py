@@ -127,6 +127,17 @@ def log_traceback(log: Optional[Path], exc: BaseException) -> None:
         pass
 
 
+TRACEBACK_ENV = "DSRECIPES_TRACEBACK"  # =1: a crash of the launching process shows its traceback on the console
+
+
+def crash_line(exc: BaseException, log: Path) -> str:
+    """A crash of the launching process (an exception that is no refusal: a bug here or in a library) as the one
+    line the console gets; its traceback is appended to `log` (the run's logs/main.log, else a file of its own)."""
+    log_traceback(log, exc)
+    return (f"{one_line(exc)}: an unexpected error (a bug in dsrecipes or in a library it called); its traceback is in "
+            f"{log} ({TRACEBACK_ENV}=1 prints it here)")
+
+
 def from_a_dead_peer(exc: BaseException) -> bool:
     """Whether `exc` (or an exception it was raised from) is what a process sees when the process at the other end
     of a pipe or socket died: a connection reset, a broken pipe, an EOF, or torch's 'DataLoader worker (pid ...)
