@@ -3,6 +3,8 @@ following the README and the migration messages literally, and what it answered.
 
 from __future__ import annotations
 
+import pytest
+
 from dsrecipes.cli import main
 
 
@@ -30,3 +32,22 @@ def test_the_epochs_migration_message_written_into_a_recipe_file_is_accepted(tmp
     recipe.write_text("trainer.micro_batch_size: null\n")
     code, said = _run(capsys, "validate", f"recipe={recipe}")
     assert code == 2 and "trainer.micro_batch_size: must not be null" in said, said
+
+
+def test_a_finished_epoch_based_run_is_told_to_raise_its_epochs():
+    """A finished `trainer.max_steps: null, trainer.epochs: 3` run (LLaMA-Factory's num_train_epochs) resumed with the
+    same budget was told 'raise trainer.max_steps above 81 (e.g. trainer.max_steps=162)': a key the user never wrote,
+    which turns the run from epochs into steps. Now it names trainer.epochs first (tried: trainer.epochs=4 resumes at
+    step 81 and trains epoch 4); a step-budget run keeps the step advice."""
+    from dsrecipes.core.errors import Refused
+    from dsrecipes.run.resume_contract import check_budget
+
+    epochs = {"trainer": {"max_steps": None, "epochs": 3}}
+    with pytest.raises(Refused) as refused:
+        check_budget("step_81", 81, 81, {}, epochs, epochs, finished=True)
+    assert "raise trainer.epochs above 3 (e.g. trainer.epochs=6), or set trainer.max_steps above 81" in str(
+        refused.value), refused.value
+    steps = {"trainer": {"max_steps": 400, "epochs": 1}}
+    with pytest.raises(Refused) as refused:
+        check_budget("step_400", 400, 400, {}, steps, steps, finished=True)
+    assert "raise trainer.max_steps above 400 (e.g. trainer.max_steps=800)" in str(refused.value), refused.value

@@ -137,8 +137,7 @@ def check_budget(checkpoint: str, step: int, total: int, record: Dict[str, Any],
     if total <= step:
         if finished:
             raise Refused(f"nothing to train: {checkpoint} has done {step} optimizer steps and this run plans "
-                          f"{total}; raise trainer.max_steps above {step} to train further (e.g. "
-                          f"trainer.max_steps={2 * step}); nothing was changed")
+                          f"{total}; {_raise_budget(step, flatten(new))} to train further; nothing was changed")
         return False
     if not stopped:
         return False
@@ -152,3 +151,13 @@ def check_budget(checkpoint: str, step: int, total: int, record: Dict[str, Any],
                       f"it, set trainer.early_stopping.patience=0 (train up to step {total}) or a larger "
                       "trainer.max_steps; nothing was changed")
     return False
+
+
+def _raise_budget(step: int, new: Dict[str, Any]) -> str:
+    """What to raise: an epoch-based run's budget (trainer.max_steps null: LLaMA-Factory's num_train_epochs) is
+    trainer.epochs, and a trainer.max_steps the user never wrote would be a surprise there."""
+    epochs = new.get("trainer.epochs")
+    if new.get("trainer.max_steps") is None and isinstance(epochs, int):
+        return (f"raise trainer.epochs above {epochs} (e.g. trainer.epochs={2 * epochs}), or set trainer.max_steps "
+                f"above {step}")
+    return f"raise trainer.max_steps above {step} (e.g. trainer.max_steps={2 * step})"
