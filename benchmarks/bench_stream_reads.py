@@ -15,8 +15,9 @@ runs the loader's own reading code and counts the bytes it reads.
        readers are run and the total is R x their mean (stated in the output).
 
 Reported per R: total bytes read / corpus bytes for both, the bound of the new scheme (corpus + 2 blocks per reader),
-median per-reader throughput (MB/s of bytes read, samples/s of own samples). Also: index build time per GB (cold:
-hash + line scan in one pass; warm: cache hit), and how random each order is (mean distinct 1024-line regions per
+median per-reader throughput (MB/s of bytes read, samples/s of own samples; one run of each scheme per R, new
+first for the 1st, 3rd, ... R and old first for the others: single runs, so compare bytes, not a small MB/s gap).
+Also: index build time per GB (cold: hash + line scan in one pass; warm: cache hit), and how random each order is (mean distinct 1024-line regions per
 global batch; mean |Spearman| of a file's samples: training step vs line order, 1 = file order kept); with
 --chunk-kb, also of the order with `data.chunk_bytes` of these sizes (the local default is one block per chunk).
 The corpus is generated from the bundled sample rows into --dir (--smoke: into the result directory). Result file:
@@ -135,6 +136,16 @@ def run_old(paths: list, counts: list, layout: Layout, limit: int) -> dict:
     return summarize(stats, len(readers))
 
 
+def both_schemes(i: int, new, old) -> tuple:
+    """(new(), old()), run in that order for the 1st, 3rd, ... R and in the other for the 2nd, 4th, ...: a drift of
+    the machine's load (its throughput columns) falls on both schemes alike. Their bytes do not depend on it."""
+    if i % 2 == 0:
+        first = new()
+        return first, old()
+    first = old()
+    return new(), first
+
+
 def summarize(stats: list, readers: int) -> dict:
     measured = len(stats)
     mean_bytes = statistics.mean(b for b, _, _ in stats)
@@ -210,10 +221,10 @@ def run(args: argparse.Namespace, result: Result) -> None:
     print("| R | old bytes/corpus | new bytes/corpus | new bound | old MB/s, samples/s per reader | "
           "new MB/s, samples/s per reader |")
     print("|---|---|---|---|---|---|")
-    for r in [] if args.order_only else args.readers:
+    for i, r in enumerate([] if args.order_only else args.readers):
         lay = layout_for(r, args.workers)
-        new = run_new(index, lay)
-        old = run_old(paths, counts, lay, r if r <= args.old_full else args.old_sample)
+        new, old = both_schemes(i, lambda: run_new(index, lay),
+                                lambda: run_old(paths, counts, lay, r if r <= args.old_full else args.old_sample))
         bound = 1 + 2 * r * max_block / corpus
         note = "" if old["measured"] == old["readers"] else f" ({old['measured']} of {r} run)"
         if note:
