@@ -169,4 +169,5 @@ def test_a_shared_recipe_or_pipeline_cannot_name_torchruns_local_address(args, t
     pipeline = tmp_path / "p.yaml"
     pipeline.write_text(f"stages:\n  - name: a\n    set:\n      launcher.extra_args: {json.dumps(args)}\n",
                         encoding="utf-8")
-    refused(capsys, ["pipeline", str(pipeline)], f"{pipeline}:4: stages[0].set.launcher.extra_args: {args[0].partition('=')[0]}")
+    refused(capsys, ["pipeline", str(pipeline)], f"{pipeline}:4: stages[0].set.launcher.extra_args: {args[0].partition('=')[0]}",
+            "run this stage with `dsrecipes train` and give launcher.extra_args=[...] on its command line")

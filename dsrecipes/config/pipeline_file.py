@@ -67,6 +67,13 @@ _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_\-]{0,63}\Z")
 MAX_STAGES = 32
 
 
+def outside_by_hand(key: str) -> str:
+    """What a pipeline says of an option naming a host outside this machine (config/safety.OUTSIDE_OPTIONS): only a
+    command line may name one, and a pipeline takes no overrides (run/pipeline.outside_options says it too)."""
+    return (f"names a host outside this machine, so only your command line may name it, and a pipeline takes no "
+            f"overrides: run this stage with `dsrecipes train` and give {key}=[...] on its command line")
+
+
 @dataclass
 class Setting:
     key: str  # dotted
@@ -332,8 +339,7 @@ class _Reader:
         named = [a.partition("=")[0] for a in (value if isinstance(value, list) else []) if isinstance(a, str)
                  and a.partition("=")[0] in options]
         if named:
-            self.error(k, f"{where}.{key}: {named[0]} names a host outside this machine; a pipeline file is shared "
-                          "like a recipe: name it on your command line")
+            self.error(k, f"{where}.{key}: {named[0]} {outside_by_hand(key)}")
             return []
         return [] if value is _BAD else [Setting(key, value, k.start_mark.line + 1)]
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from dsrecipes.config.load import compose_and_load
-from dsrecipes.config.pipeline_file import Pipeline, Stage, stage_overrides
+from dsrecipes.config.pipeline_file import Pipeline, Stage, outside_by_hand, stage_overrides
 from dsrecipes.config.safety import (
     OUTSIDE_OPTIONS,
     SIGNED_BUCKETS_ENV,
@@ -154,9 +154,7 @@ def outside_options(cfg: Any, pipeline: Pipeline, stage: Stage) -> List[str]:
     found, at = [], functools.partial(set_by, pipeline, stage)
     for path in OUTSIDE_OPTIONS:
         value, key = functools.reduce(getattr, path, cfg), ".".join(path)
-        found += [f"{key}[{i}]: {str(value[i]).partition('=')[0]} set by {at(key)}; it names a host outside this "
-                  "machine, so only your command line may name it, and a pipeline takes no overrides: run this stage "
-                  f"with `dsrecipes train` and give {key}=[...] on its command line"
+        found += [f"{key}[{i}]: {str(value[i]).partition('=')[0]} set by {at(key)}; it {outside_by_hand(key)}"
                   for i in outside_option_places(path, value)]
     for path in STORE_FIELDS:  # the user's AWS credentials sign every request to a bucket (config/safety.py)
         value, key = functools.reduce(getattr, path, cfg), ".".join(path)
