@@ -51,3 +51,43 @@ def test_a_finished_epoch_based_run_is_told_to_raise_its_epochs():
     with pytest.raises(Refused) as refused:
         check_budget("step_400", 400, 400, {}, steps, steps, finished=True)
     assert "raise trainer.max_steps above 400 (e.g. trainer.max_steps=800)" in str(refused.value), refused.value
+
+
+def test_a_zero3_export_keeps_deepspeeds_consolidation_narrative_in_the_log(tmp_path, monkeypatch, capsys):
+    """A ZeRO-3 run's export (tried: an LF-style LoRA + zero: stage3 recipe, launcher=local) printed DeepSpeed's
+    zero_to_fp32 narrative between the last step and the summary: 'Processing zero checkpoint ...', 'Parsing checkpoint
+    created by deepspeed==...', 'Detected checkpoint of type ...', 'Reconstructed Trainable fp32 state dict ...' and two
+    tqdm bars ('Loading checkpoint shards', 'Gathering sharded weights'). Now they go to the run's log."""
+    import sys
+    import types
+
+    from dsrecipes.core import console
+    from dsrecipes.rank.export import consolidated_state_dict
+
+    def narrating(ckpt_dir, tag, exclude_frozen_parameters):  # zero_to_fp32's own output, as it writes it
+        print(f"Processing zero checkpoint '{ckpt_dir}/{tag}'")
+        sys.stderr.write("Gathering sharded weights:   0%|          | 0/28\rGathering sharded weights: 100%|###| 28/28\n")
+        print("Reconstructed Trainable fp32 state dict with 28 params 37376 elements")
+        return {"w": 1}
+
+    fake = types.ModuleType("deepspeed.utils.zero_to_fp32")
+    fake.get_fp32_state_dict_from_zero_checkpoint = narrating
+    monkeypatch.setitem(sys.modules, "deepspeed.utils.zero_to_fp32", fake)
+    log = tmp_path / "logs" / "main.log"
+    log.parent.mkdir()
+    monkeypatch.setattr(console._SINK, "path", log)
+
+    class Checked:
+        def guard(self):
+            import contextlib
+
+            return contextlib.nullcontext()
+
+    assert consolidated_state_dict(tmp_path / "checkpoints" / "step_81", 3, checked=Checked()) == {"w": 1}
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == "", captured
+    kept = log.read_text()
+    assert "Processing zero checkpoint" in kept and "Reconstructed Trainable" in kept, kept
+    assert "Gathering sharded weights: 100%" in kept, kept
+    print("after")  # the console is ours again
+    assert capsys.readouterr().out == "after\n"

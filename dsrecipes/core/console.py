@@ -119,6 +119,38 @@ def current_log() -> Optional[Path]:
     return _SINK.path
 
 
+class _ToLog:
+    """A text stream whose lines (a progress bar's `\\r` frames too) go to the log file, none to the console."""
+
+    def __init__(self) -> None:
+        self.pending = ""
+
+    def write(self, text: str) -> int:
+        *lines, self.pending = re.split(r"[\r\n]", self.pending + text)
+        for line in lines:
+            if line.strip():
+                _SINK.write(line)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def kept_in_log() -> Iterator[None]:
+    """What third-party code prints while the block runs (print, tqdm: DeepSpeed's zero_to_fp32 narrating a
+    consolidation) goes to this process's log file; without one (quiet_third_party not called) it is shown."""
+    if _SINK.path is None:
+        yield
+        return
+    stream = _ToLog()
+    try:
+        with contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):  # type: ignore[type-var]
+            yield
+    finally:
+        stream.write("\n")
+
+
 class _WarningRouter:
     """Deprecation notices from inside libraries go to the log file; other warnings (a DataLoader with more
     workers than cores, ...) are shown as usual."""

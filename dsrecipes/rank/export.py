@@ -27,6 +27,7 @@ from dsrecipes.boundary.point_of_use import CheckedCheckpoint
 from dsrecipes.boundary.safe_load import load
 from dsrecipes.boundary.trust import sign
 from dsrecipes.config.load import load_run_config
+from dsrecipes.core.console import kept_in_log
 from dsrecipes.core.deepspeed_import import load_deepspeed
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.export_dir import EXPORT_INIT_DIR, EXPORT_MARKER, check_out_dir
@@ -112,7 +113,7 @@ def consolidated_state_dict(tag_dir: Path, zero_stage: int, frozen_excluded: boo
     if zero_stage == 3:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        with checked.guard():  # zero_to_fp32 unpickles with weights_only=False
+        with checked.guard(), kept_in_log():  # zero_to_fp32 unpickles with weights_only=False; prints, draws bars
             return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name,
                                                             exclude_frozen_parameters=frozen_excluded)
 
