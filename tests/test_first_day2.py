@@ -91,3 +91,41 @@ def test_a_zero3_export_keeps_deepspeeds_consolidation_narrative_in_the_log(tmp_
     assert "Gathering sharded weights: 100%" in kept, kept
     print("after")  # the console is ours again
     assert capsys.readouterr().out == "after\n"
+
+
+@pytest.mark.parametrize("key, value", [
+    ("train_on_prompt", True), ("mask_history", True), ("neat_packing", True), ("buffer_size", 128),
+    ("default_system", "Be brief."), ("adam_beta1", 0.8), ("adam_beta2", 0.95), ("adam_epsilon", 1.0e-6),
+    ("lr_scheduler_kwargs", {"min_lr_rate": 0.1}), ("eval_on_start", False), ("disable_gradient_checkpointing", False),
+])  # fmt: skip
+def test_more_llamafactory_keys_get_a_line_that_validates_as_written(tmp_path, capsys, key, value):
+    """LLaMA-Factory keys an LF user's file has (tried: a 45-key file) were 'unknown key (keys of the config: data,
+    dataset, launcher, ...)' - no word of ours: train_on_prompt, mask_history, neat_packing, buffer_size, adam_beta1/2,
+    adam_epsilon, lr_scheduler_kwargs, disable_gradient_checkpointing (default_system and eval_on_start: a 'did you
+    mean' without the value). Now each gets 'here: KEY: VALUE', and that line, written into a file, validates."""
+    import re
+
+    from dsrecipes.config.flat_check import flat_problems
+
+    (problem,) = flat_problems({key: value}, "f.yaml", lambda _: None)
+    found = re.search(r"LLaMA-Factory's key; here: ([\w.]+): (.+?)(?: \(|$)", problem)
+    assert found, problem
+    recipe = tmp_path / "ours.yaml"
+    recipe.write_text(f"{found.group(1)}: {found.group(2)}\n")
+    code, said = _run(capsys, "validate", f"recipe={recipe}")
+    assert code == 0, (problem, said)
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("mix_strategy", "interleave_under", "weight"), ("interleave_probs", "0.5,0.5", "dataset.sources[i].weight"),
+    ("use_dora", True, "no DoRA here"), ("new_special_tokens", "<a>", "no new special tokens here"),
+    ("resize_vocab", True, "not needed here"), ("run_name", "x", "trainer.output_dir names the run"),
+    ("export_dir", "out/m", "dsrecipes export RUN --out out/m"), ("pure_bf16", True, "precision: bf16"),
+    ("disable_gradient_checkpointing", True, "not needed here: model.gradient_checkpointing: false is the default"),
+    ("lr_scheduler_type", "cosine_with_min_lr", "scheduler: cosine with scheduler.min_lr_ratio"),
+])  # fmt: skip
+def test_llamafactory_keys_without_a_twin_say_what_to_do_instead(key, value, words):
+    from dsrecipes.config.flat_check import flat_problems
+
+    (problem,) = flat_problems({key: value}, "f.yaml", lambda _: None)
+    assert words in problem and "unknown key" not in problem, problem

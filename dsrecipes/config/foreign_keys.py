@@ -119,6 +119,8 @@ def _streaming(value: Any) -> str:
 def _scheduler(value: Any) -> str:
     if value in ("cosine", "linear", "constant"):
         return HERE + f"scheduler: {value}"
+    if value == "cosine_with_min_lr":
+        return HERE + "scheduler: cosine with scheduler.min_lr_ratio: R (lr_scheduler_kwargs' min_lr_rate)"
     return f"no {value} schedule here (scheduler: cosine, linear, constant; all with warmup)"
 
 
@@ -167,6 +169,30 @@ def _resume_from(value: Any) -> str:
     return HERE + f"trainer.resume_from: {_plain(value)}"
 
 
+def _switch(on: str, off: str) -> Callable[[Any], str]:
+    """A true/false key: `on` (ours, said with HERE) when true, else `off` (why it is not needed)."""
+    return lambda v: HERE + on if v is True else NOT_NEEDED + off
+
+
+def _adam_beta(index: int) -> Callable[[Any], str]:
+    def rule(value: Any) -> str:
+        betas = [0.9, 0.999]
+        betas[index] = value
+        return HERE + f"optimizer.betas: {_plain(betas)} (both Adam betas in one list)"
+    return rule
+
+
+def _mix(value: Any) -> str:
+    return ("no interleaving here: a source's weight (dataset.sources[i].weight, or a registry entry's weight) gives "
+            "round(weight x its rows) samples per epoch, spread over the epoch, none cut short (concat: every weight 1, "
+            "the default)")
+
+
+def _scheduler_kwargs(value: Any) -> str:
+    rate = value.get("min_lr_rate") if isinstance(value, dict) else None
+    return HERE + (f"scheduler.min_lr_ratio: {rate}" if rate is not None else "scheduler.min_lr_ratio (the only one)")
+
+
 def _eval_every(what: str) -> str:
     return NOT_NEEDED + f"{what} runs every trainer.eval_every steps (0: only at the end)"
 
@@ -198,6 +224,9 @@ RULES: Dict[str, Rule] = {
     "stage": _stage, "finetuning_type": _finetuning_type, "lora_rank": "model.lora.r", "lora_alpha": "model.lora.alpha",
     "lora_dropout": "model.lora.dropout", "lora_target": _lora_target, "pref_beta": "objective.beta",
     "pref_loss": _pref_loss, "simpo_gamma": "objective.simpo_gamma", "dpo_label_smoothing": "objective.label_smoothing",
+    "use_dora": lambda v: "no DoRA here: model.lora.enabled: true trains plain LoRA",
+    "disable_gradient_checkpointing": lambda v: NOT_NEEDED + "model.gradient_checkpointing: false is the default "
+    "here" if v is True else HERE + "model.gradient_checkpointing: true (on in LLaMA-Factory by default, off here)",
     "pref_ftx": lambda v: "no SFT term in objective=dpo here; objective: orpo adds the chosen answers' NLL",
     "do_train": lambda v: NOT_NEEDED + "dsrecipes trains when started (dsrecipes FILE.yaml)",
     "do_eval": lambda v: _eval_every("evaluation"), "do_predict": lambda v: NOT_NEEDED + "dsrecipes prompt-eval RUN",
@@ -213,6 +242,16 @@ RULES: Dict[str, Rule] = {
     "packing": "data.packing", "streaming": _streaming, "preprocessing_num_workers": "data.preprocess_workers",
     "overwrite_cache": lambda v: NOT_NEEDED + "prepared data is cached by content; a change prepares it again",
     "eval_dataset": lambda v: "dataset.val_paths: [FILE.jsonl] (validation files)",
+    "train_on_prompt": _switch("data.train_on: all (the prompt turns too)", "data.train_on: assistant (every "
+                               "assistant turn) is the default"),
+    "mask_history": _switch("data.train_on: last_assistant (only the final assistant turn)", "data.train_on: "
+                            "assistant (every assistant turn) is the default"),
+    "neat_packing": _switch("data.packing: true (packed samples already attend only within themselves: position ids "
+                            "restart per sample)", "data.packing: false is the default"),
+    "buffer_size": "data.shuffle_buffer", "mix_strategy": _mix, "interleave_probs": _mix,
+    "default_system": "template.default_system", "new_special_tokens": lambda v: "no new special tokens here: the "
+    "vocabulary is the tokenizer's (a template's special tokens must already be single tokens of it)",
+    "resize_vocab": lambda v: NOT_NEEDED + "the vocabulary is the tokenizer's and is not resized",
     "tokenized_path": lambda v: NOT_NEEDED + "prepared data is cached under data.cache_dir",
     # output
     "output_dir": "trainer.output_dir", "logging_steps": "trainer.log_every", "save_steps": "trainer.save_every",
@@ -230,12 +269,19 @@ RULES: Dict[str, Rule] = {
     "dataloader_num_workers": "data.num_workers",
     "ddp_timeout": lambda v: NOT_NEEDED + "a rank silent for launcher.peer_timeout_s seconds ends the run",
     "optim": lambda v: "optimizer: adamw|adam|lion|sgd",
+    "adam_beta1": _adam_beta(0), "adam_beta2": _adam_beta(1), "adam_epsilon": "optimizer.eps",
+    "lr_scheduler_kwargs": _scheduler_kwargs, "pure_bf16": _precision("bf16"),
+    "run_name": lambda v: NOT_NEEDED + "trainer.output_dir names the run; trainer.experiment is the MLflow "
+    "experiment and the W&B project",
+    "logging_dir": lambda v: NOT_NEEDED + "TensorBoard events go to RUN/tb, logs to RUN/logs",
     # eval
     "per_device_eval_batch_size": lambda v: NOT_NEEDED + "evaluation uses trainer.micro_batch_size",
     "eval_strategy": lambda v: _eval_every("evaluation"), "evaluation_strategy": lambda v: _eval_every("evaluation"),
     "eval_steps": "trainer.eval_every", "save_strategy": lambda v: NOT_NEEDED + "a checkpoint every "
     "trainer.save_every steps", "load_best_model_at_end": "trainer.save_best.enabled",
-    "metric_for_best_model": "trainer.save_best.metric",
+    "metric_for_best_model": "trainer.save_best.metric", "eval_on_start": "trainer.eval_at_start",
+    # export (llamafactory-cli export)
+    "export_dir": lambda v: f"a run exports itself to RUN/export; another copy: dsrecipes export RUN --out {v}",
 }
 
 
