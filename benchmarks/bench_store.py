@@ -7,10 +7,10 @@
 
 Starts moto's S3 server on 127.0.0.1 and a counting HTTP proxy in front of it, each in its own process, the server
 reading only the range a ranged GET asks for, as S3 does (benchmarks/_store_server.py says why); both systems talk to
-the proxy, which counts the response body bytes it relays. It generates the corpus (--mb MiB of
-deterministic synthetic ShareGPT conversations, benchmarks/_sharegpt_corpus.py: nothing is read from outside the
-repository) as JSONL files into `s3://bench/jsonl/`, and the same rows as MDS shards (`MDSWriter`, one `text` column
-holding the row's JSON, `size_limit` --shard-mb) into `s3://bench/mds/`. Then, per repetition, A and B alternate:
+the proxy, which counts the response body bytes it relays. It generates the corpus (--mb MiB of deterministic synthetic
+ShareGPT conversations, benchmarks/_sharegpt_corpus.py: nothing is read from outside the repository) as JSONL files into
+`s3://bench/jsonl/`, and the same rows as MDS shards (`MDSWriter`, one `text` column holding the row's JSON,
+`size_limit` --shard-mb) into `s3://bench/mds/`. Then, per repetition, A and B alternate:
 
   launch   what the launching process reads and how long it takes before the first step. dsrecipes: the stream index
            (list, HEAD, one ranged pass per object; `data.prescan=false`, then again warm from its cache), and the
@@ -32,8 +32,8 @@ holding the row's JSON, `size_limit` --shard-mb) into `s3://bench/mds/`. Then, p
            process group is switched off: see `st_readers`). Both are run for real at every R: bytes, GETs and
            times are measured, none computed.
 
-dsrecipes' epoch order keeps chunks of adjacent blocks together (`data.chunk_bytes`, automatic: the corpus / 128, so
-a reader's blocks come in runs one GET serves); --chunk-kb sets it (the block size: the order from before chunks).
+dsrecipes' epoch order keeps chunks of adjacent blocks together (`data.chunk_bytes`, automatic: the corpus / 128, so a
+reader's blocks come in runs one GET serves); --chunk-kb sets it (the block size: the order from before chunks).
 
 Ratios per repetition, oriented so that >= 1 means dsrecipes is no worse (first batch: streaming's time /
 dsrecipes'; samples/s: dsrecipes' / streaming's); reported as median [min, max]. Where mosaicml-streaming cannot be
@@ -278,8 +278,10 @@ def main() -> None:
         if why:
             result.note(f"streaming side SKIPPED: mosaicml-streaming cannot be imported ({why}); only dsrecipes is "
                         "measured, no comparison is made (install it with `pip install mosaicml-streaming --no-deps` "
-                        "and brotli python-snappy cramjam zstd catalogue, e.g. in a venv made with "
-                        "--system-site-packages)")
+                        "and brotli python-snappy cramjam zstd catalogue, e.g. in a venv with --system-site-packages)")
+        elif args.shard_mb != 64:
+            result.note(f"streaming's MDS shards are <= {args.shard_mb} MiB, not MDSWriter's default 64 MiB (--shard-mb"
+                        " 64): fewer bytes, earlier first batch for it at R > 1; more GETs, fewer samples/s at R = 1")
         server = start_server()  # moto, ranged GETs reading their range, in a process of its own
         proxy = ProxyProcess(server.port)  # the counting proxy, in a process of its own
         os.environ.update(server.env(proxy.endpoint), S3_ENDPOINT_URL=proxy.endpoint, TOKENIZERS_PARALLELISM="false")
@@ -322,18 +324,14 @@ def run(args: argparse.Namespace, result: Result, proxy, tmp: Path, systems: tup
 
 
 def measure(system: str, rep: int, args: argparse.Namespace, proxy, tmp: Path) -> dict:
-    res: dict = {}
-    if system == "ds":
-        launch = ds_launch(proxy, tmp, prescan=False)
-        res["launch"] = launch["launch"]
-        if rep == 0:  # the pre-scan is tokenizer-bound, not store-bound: measured once
-            res["launch_prescan"] = ds_launch(proxy, tmp, prescan=True)["launch"]
-        for r in args.readers:
-            res[r] = ds_readers(launch["run"], r, proxy)
-    else:
-        res["launch"] = st_launch(proxy, tmp)["launch"]
-        for r in args.readers:
-            res[r] = st_readers(r, proxy, tmp)
+    if system == "st":
+        return {"launch": st_launch(proxy, tmp)["launch"], **{r: st_readers(r, proxy, tmp) for r in args.readers}}
+    launch = ds_launch(proxy, tmp, prescan=False)
+    res: dict = {"launch": launch["launch"]}
+    if rep == 0:  # the pre-scan is tokenizer-bound, not store-bound: measured once
+        res["launch_prescan"] = ds_launch(proxy, tmp, prescan=True)["launch"]
+    for r in args.readers:
+        res[r] = ds_readers(launch["run"], r, proxy)
     return res
 
 
