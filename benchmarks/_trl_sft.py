@@ -114,7 +114,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     start = len(clock.marks) // 3
     (t0, n0), (t1, n1) = clock.marks[start], clock.marks[-1]
     timed = max(len(clock.marks) - 1 - start, 1)
+    steps = [(n - m) / (t - s) for (s, m), (t, n) in zip(clock.marks[start:], clock.marks[start + 1:]) if t > s]
     row = {"tokens_per_s": (n1 - n0) / (t1 - t0) if t1 > t0 else None, "steps": len(clock.marks),
+           "tokens_per_s_range": [min(steps), max(steps)] if steps else None,  # of its timed steps
            "tokens_per_step": (n1 - n0) / timed, "step_s": (t1 - t0) / timed,
            "torch_peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
            "settings": {**{k: v for k, v in settings.items() if k != "output_dir"},

@@ -162,24 +162,27 @@ def run_dsrecipes(args, cell: Dict[str, Any], with_levers: bool) -> Dict[str, An
     overrides += levers(args) if with_levers else []
     code, peak, wall = run(args, [sys.executable, "-m", "dsrecipes", *overrides], run_dir.with_suffix(".log"))
     metrics = run_dir / "metrics.jsonl"
-    tps = steady_tokens_per_s([json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-                              if metrics.is_file() else [], args.steps // 3)
-    return {"exit": code, "tokens_per_s": tps, "peak_mem_gib": peak, "wall_s": wall, "micro_batch": args.micro_batch,
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.is_file() else []
+    tps, spread = steady_tokens_per_s(rows, args.steps // 3)
+    return {"exit": code, "tokens_per_s": tps, "tokens_per_s_range": spread, "peak_mem_gib": peak, "wall_s": wall, "micro_batch": args.micro_batch,
             "grad_accum": args.grad_accum, "settings": {"overrides": overrides}}
 
 
-def steady_tokens_per_s(rows: List[Dict[str, Any]], after_step: int) -> Optional[float]:
-    """dsrecipes' tokens/s over its log windows ending after `after_step`, as TRL's and the bare loop's are: all
-    their tokens over all their time. Each metrics line holds its window's rate; its window's wall time is the
-    `elapsed` since the previous line, so tokens = rate x that time (a mean of the window rates instead would
-    weigh a fast window as much as a slow one: it is >= the true rate whenever the windows differ)."""
+def steady_tokens_per_s(rows: List[Dict[str, Any]], after_step: int) -> tuple:
+    """(tokens/s, [min, max] of its windows' rates): dsrecipes' log windows ending after `after_step`, as TRL's and
+    the bare loop's are: all their tokens over all their time. Each metrics line holds its window's rate; its
+    window's wall time is the `elapsed` since the previous line, so tokens = rate x that time (a mean of the window
+    rates instead would weigh a fast window as much as a slow one: it is >= the true rate whenever they differ)."""
     timed = [r for r in rows if r.get("tokens_per_s") and r.get("elapsed") is not None]
     windows = [(r["tokens_per_s"], r["elapsed"] - prev["elapsed"]) for prev, r in zip(timed, timed[1:])
                if r["step"] > after_step]
     if not windows and timed:  # fewer than two windows (a dry run): the last window's own rate
-        return timed[-1]["tokens_per_s"]
+        windows = [(timed[-1]["tokens_per_s"], 1.0)]
     seconds = sum(s for _, s in windows)
-    return sum(rate * s for rate, s in windows) / seconds if seconds > 0 else None
+    if seconds <= 0:
+        return None, None
+    rates = [rate for rate, _ in windows]
+    return sum(rate * s for rate, s in windows) / seconds, [min(rates), max(rates)]
 
 
 def run_trl(args, cell: Dict[str, Any], mode: str, attn: Optional[str] = None) -> Dict[str, Any]:

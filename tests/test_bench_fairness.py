@@ -39,9 +39,10 @@ def test_gpu_compare_dsrecipes_rate_is_its_tokens_over_its_time_as_trls_is(bench
             {"step": 8, "eval_loss": 1.0},  # an eval line: no rate
             {"step": 12, "tokens_per_s": 1000.0, "elapsed": 3.0},  # 1000 tokens in 1 s
             {"step": 16, "tokens_per_s": 100.0, "elapsed": 13.0}]  # 1000 tokens in 10 s
-    assert gc.steady_tokens_per_s(rows, after_step=8) == pytest.approx(2000 / 11)
-    assert gc.steady_tokens_per_s(rows[:1], after_step=0) == 100.0  # a dry run's single window
-    assert gc.steady_tokens_per_s([], after_step=0) is None
+    rate, spread = gc.steady_tokens_per_s(rows, after_step=8)
+    assert rate == pytest.approx(2000 / 11) and spread == [100.0, 1000.0]
+    assert gc.steady_tokens_per_s(rows[:1], after_step=0) == (100.0, [100.0, 100.0])  # a dry run's single window
+    assert gc.steady_tokens_per_s([], after_step=0) == (None, None)
 
 
 def test_bench_loaders_compares_each_reader_with_the_plain_loop_of_its_own_repetition(bench):
