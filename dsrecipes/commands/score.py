@@ -133,7 +133,7 @@ def load_scorer(path: Path, retry: str) -> Tuple[Any, Any]:
 
     from dsrecipes.serve.inference import check_loadable, loading  # lazy: torch
 
-    check_loadable(path, retry)
+    check_loadable(path, retry, scorer=True)
     with no_custom_code("EXPORT", str(path)), loading(path, "a sequence-classification model"):
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
         model = AutoModelForSequenceClassification.from_pretrained(str(path), use_safetensors=True,

@@ -97,3 +97,31 @@ def _first_foreign(out_dir: Path, written: set, limit: int = 5) -> List[str]:
                 if len(foreign) >= limit:
                     return foreign
     return foreign
+
+
+def architectures(model_dir: Path) -> List[str]:
+    """config.json's `architectures` of a model directory (bounded read), [] when absent or unreadable (whoever
+    loads the directory says why)."""
+    try:
+        config = read_json_file(Path(model_dir) / "config.json", "config.json nested too deeply")
+    except (OSError, ValueError):
+        return []
+    names = config.get("architectures") if isinstance(config, dict) else None
+    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+
+
+def scorer_architecture(model_dir: Path) -> Optional[str]:
+    """The architecture of a model directory that scores instead of writing text (every one of config.json's
+    `architectures` a `*ForSequenceClassification`: an objective=reward export), else None."""
+    names = architectures(model_dir)
+    return names[0] if names and all(n.endswith("ForSequenceClassification") for n in names) else None
+
+
+def scorer_refusal(model_dir: Path) -> Optional[str]:
+    """Why chat and prompt-eval cannot use `model_dir` (a reward model), or None."""
+    arch = scorer_architecture(model_dir)
+    if arch is None:
+        return None
+    return (f"{model_dir}: a reward model ({arch}, as objective=reward exports it) scores answers and does not write "
+            f"them, so it cannot chat or answer prompts; score preference pairs with it: dsrecipes score {model_dir} "
+            "--pairs PAIRS.jsonl")

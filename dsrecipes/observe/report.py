@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from dsrecipes.boundary.checkpoint_find import committed, trust_to_repeat
 from dsrecipes.core.console import LOGS_DIR
 from dsrecipes.core.errors import UserError
-from dsrecipes.core.export_dir import EXPORT_BEST_DIR, EXPORT_DIR
+from dsrecipes.core.export_dir import EXPORT_BEST_DIR, EXPORT_DIR, scorer_architecture
 from dsrecipes.core.rundir import CHECKPOINTS_DIR, RESULT_FILE, read_metrics, run_summary
 from dsrecipes.core.runplan import read_plan
 from dsrecipes.observe.headline import fmt, logged
@@ -113,7 +113,9 @@ def trend(rows: Sequence[dict], key: str, spec: str = ".4f") -> Optional[str]:
 def next_commands(run_dir: Path, overrides: Sequence[str], steps: int, max_steps: Optional[int]) -> List[tuple]:
     run = shlex.quote(str(run_dir))
     out = []
-    if (run_dir / EXPORT_DIR).is_dir():
+    if (run_dir / EXPORT_DIR).is_dir() and scorer_architecture(run_dir / EXPORT_DIR):  # a reward model scores
+        out.append(("score pairs:", f"dsrecipes score {shlex.quote(str(run_dir / EXPORT_DIR))} --pairs PAIRS.jsonl"))
+    elif (run_dir / EXPORT_DIR).is_dir():
         out.append(("compare:", f"dsrecipes prompt-eval --baseline {run} --finetuned {run}"))
         out.append(("chat:", f"dsrecipes chat {run}"))
     out.append(("train further:", resume_command(run_dir, overrides, steps, max_steps, _stopped_early(run_dir))))

@@ -26,7 +26,7 @@ import dsrecipes.boundary.trust as trust
 from dsrecipes.boundary.chat_sandbox import render
 from dsrecipes.config.load import load_run_config
 from dsrecipes.core.errors import UserError, no_custom_code
-from dsrecipes.core.export_dir import EXPORT_DIR, EXPORT_INFO, EXPORT_INIT_DIR
+from dsrecipes.core.export_dir import EXPORT_DIR, EXPORT_INFO, EXPORT_INIT_DIR, scorer_refusal
 from dsrecipes.core.tokenizer import NO_DIRECTORY_CODE, custom_code_problems, read_json
 from dsrecipes.data.render.spm import continuation_encoder
 from dsrecipes.run.preflight import check_model_dir
@@ -74,15 +74,19 @@ def adapter_config(model_dir: Path) -> Dict[str, Any]:
     return data
 
 
-def check_loadable(model_dir: Path, retry: str, adapter: bool = False) -> None:
+def check_loadable(model_dir: Path, retry: str, adapter: bool = False, scorer: bool = False) -> None:
     """Before anything of `model_dir` is read by transformers: a dsrecipes export (it has dsrecipes_export.json)
     must be signed by this user or trusted on the command line (trust.py) and hold its files as written; any model
-    directory is refused when it needs its own code (auto_map, preflight.check_model_dir)."""
+    directory is refused when it needs its own code (auto_map, preflight.check_model_dir); a reward model (a
+    sequence classifier) is refused for generation, naming `dsrecipes score` (`scorer`: the caller scores with it)."""
 
     trust.check_export(model_dir, retry)
     problems = custom_code_problems("model", model_dir) if adapter else check_model_dir("model", model_dir, False)
     if problems:
         raise UserError(problems)
+    refusal = None if adapter or scorer else scorer_refusal(model_dir)  # as a causal LM, a reward model babbles
+    if refusal:
+        raise UserError(refusal)
 
 
 def _from_run(run: Path, baseline: bool, retry: str) -> ModelPath:

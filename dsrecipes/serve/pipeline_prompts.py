@@ -14,9 +14,8 @@ import shlex
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-from dsrecipes.core.export_dir import EXPORT_DIR
+from dsrecipes.core.export_dir import EXPORT_DIR, architectures
 from dsrecipes.core.fileio import atomic_write_text
-from dsrecipes.core.tokenizer import read_json
 from dsrecipes.serve.inference import ChatModel, adapter_config, resolve_model_path
 from dsrecipes.serve.prompt_eval import PromptRow, Score, evaluate, prompt_rows
 
@@ -51,13 +50,7 @@ def generates(export: Path) -> bool:
     """Whether an export is a causal language model (its config.json's architectures), or a LoRA adapter of one."""
     if (export / "adapter_config.json").is_file():
         return adapter_config(export).get("task_type") in (None, "CAUSAL_LM")
-    try:
-        config = read_json(export / "config.json")  # bounded, as every model directory's settings
-    except (OSError, ValueError):
-        return False
-    if not isinstance(config, dict):
-        return False
-    return any(str(a).endswith("ForCausalLM") for a in config.get("architectures") or [])
+    return any(a.endswith("ForCausalLM") for a in architectures(export))
 
 
 def score_lines(scores: Dict[str, Score]) -> List[str]:
