@@ -129,3 +129,61 @@ def test_llamafactory_keys_without_a_twin_say_what_to_do_instead(key, value, wor
 
     (problem,) = flat_problems({key: value}, "f.yaml", lambda _: None)
     assert words in problem and "unknown key" not in problem, problem
+
+
+LF_SFT = """### method
+stage: sft
+do_train: true
+finetuning_type: lora
+lora_rank: 8
+lora_target: all
+### dataset
+dataset: my_chats
+dataset_dir: data
+template: qwen
+cutoff_len: 256
+overwrite_cache: true
+quantization_bit: 4
+### train
+per_device_train_batch_size: 1
+gradient_accumulation_steps: 8
+learning_rate: 1.0e-4
+num_train_epochs: 3.0
+lr_scheduler_type: cosine
+warmup_ratio: 0.1
+val_size: 0.1
+deepspeed: examples/deepspeed/ds_z3_config.json
+zero: stage3
+"""
+
+
+def test_a_llamafactory_file_is_printed_in_our_keys_and_that_file_validates(tmp_path, capsys):
+    """An LF user's file got one line per key (22 here) to apply by hand, each with its own wording. Now the problems
+    are followed by the whole file in our keys - translated, not-needed keys dropped, a key without a twin kept as a
+    `#` line - and that text, saved as a file, validates (the registry entry exists). Nothing is written to disk."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "chats.json").write_text(
+        '[{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}]\n' * 1)
+    (tmp_path / "data" / "dataset_info.json").write_text('{"my_chats": {"file_name": "chats.json"}}')
+    recipe = tmp_path / "lf.yaml"
+    recipe.write_text(LF_SFT)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    code, said = _run(capsys, "validate", f"recipe={recipe}")
+    assert code == 2 and f"{recipe} in our keys (`#` lines: see their problem above):\n" in said, said
+    ours = said.split(f"{recipe} in our keys (`#` lines: see their problem above):\n", 1)[1]
+    assert "do_train" not in ours and "overwrite_cache" not in ours, ours
+    assert "# quantization_bit: 4\n" in ours and "template: chatml\n" in ours and "zero: stage3\n" in ours, ours
+    assert "model.lora.target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]\n" in ours
+    assert "trainer.epochs: 3\ntrainer.max_steps: null\n" in ours and "dataset.use: [my_chats]\n" in ours, ours
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    (tmp_path / "ours.yaml").write_text(ours)
+    code, said = _run(capsys, "validate", f"recipe={tmp_path / 'ours.yaml'}", "dataset.registry="
+                      f"{tmp_path / 'data' / 'dataset_info.json'}")
+    assert code == 0, (ours, said)
+
+
+def test_a_file_of_our_own_keys_with_a_typo_gets_no_translation(tmp_path, capsys):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("optimizer.weight_decy: 0.1\ntrainer:\n  max_steps: many\n")
+    code, said = _run(capsys, "validate", f"recipe={recipe}")
+    assert code == 2 and "in our keys" not in said, said

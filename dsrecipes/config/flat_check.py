@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from dsrecipes.config.foreign_keys import foreign_key, foreign_option
 from dsrecipes.config.groups import RECIPE_GROUP, group_options
+from dsrecipes.config.lf_translate import in_our_keys as translate
 from dsrecipes.core.schema import RETIRED_KEYS, TrainConfig
 from dsrecipes.core.suggest import closest, closest_keys, phrase
 from dsrecipes.core.typed import convert
@@ -54,6 +55,15 @@ def flat_problems(data: Dict[str, Any], where: str, line: Callable[[str], Option
             at = line(dotted)
             out.append(f"{where}:{at}: {problem}" if at else f"{where}: {problem}")
     return out
+
+
+def in_our_keys(data: Dict[str, Any]) -> Optional[str]:
+    """The file in our keys (config/lf_translate.in_our_keys), when a key of another tool in it was translated; else None."""
+    types = schema_types()
+    options = {g: o for g, o in group_options().items() if g != RECIPE_GROUP}
+    problems = {dotted: problem for key, value in data.items() if str(key) not in LEFT_TO_HYDRA
+                for dotted, problem in _problems(str(key), value, types, options) if dotted == str(key)}
+    return translate(data, problems)
 
 
 def _problems(key: str, value: Any, types: Dict[str, Any], options: Dict[str, List[str]]

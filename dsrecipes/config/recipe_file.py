@@ -35,7 +35,7 @@ import yaml
 from hydra.plugins.config_source import ConfigSource
 from omegaconf import OmegaConf
 
-from dsrecipes.config.flat_check import flat_problems
+from dsrecipes.config.flat_check import flat_problems, in_our_keys
 from dsrecipes.config.groups import RECIPE_GROUP, group_options
 from dsrecipes.core.bounded_yaml import MAX_VALUES
 from dsrecipes.core.bounded_yaml import SelfReference as _SelfReference
@@ -137,10 +137,12 @@ def load(path: Path) -> Tuple[Any, Dict[str, Optional[str]]]:
         raise ConfigError(f"{path}:1: {exc}") from None
     config = parse(path, text)
     if header.get("package") in (None, "_global_"):
-        problems = flat_problems(OmegaConf.to_container(config, resolve=False), str(path),
-                                 lambda key: line_of(path, key))
+        data = OmegaConf.to_container(config, resolve=False)
+        problems = flat_problems(data, str(path), lambda key: line_of(path, key))
         if problems:  # every unknown key, missing option and wrong type of the file in one message
-            raise ConfigError(problems)
+            ours = in_our_keys(data)  # another tool's file: the whole of it in our keys, to paste
+            raise ConfigError(problems, footer=f"{path} in our keys (`#` lines: see their problem above):\n{ours}"
+                              if ours else "")
         config, header = flat_to_global(config), {**header, "package": "_global_"}
     return config, header
 

@@ -12,19 +12,21 @@ class UserError(Exception):
 
     exit_code = 2
 
-    def __init__(self, problems: Iterable[str] | str):
+    def __init__(self, problems: Iterable[str] | str, footer: str = ""):
         self.problems: List[str] = [problems] if isinstance(problems, str) else list(problems)
+        self.footer = footer  # printed under the problems (render), not one of them: what to write instead
         super().__init__("\n".join(self.problems))
 
     def render(self) -> str:
         """The message for the terminal: a problem quoting someone else's file (a recipe's key, a row) shows its
         control characters escaped (`\\x1b`), never as terminal sequences (title, clipboard, cursor)."""
         problems = [visible(p) for p in self.problems]
+        footer = f"\n{visible(self.footer).rstrip()}" if self.footer else ""
         if len(problems) == 1:
-            return f"error: {problems[0]}"
+            return f"error: {problems[0]}{footer}"
         lines = [f"error: {len(problems)} problems:"]
         lines += [f"  - {p}" for p in problems]
-        return "\n".join(lines)
+        return "\n".join(lines) + footer
 
 
 def visible(text: str) -> str:

@@ -1,0 +1,117 @@
+"""A LLaMA-Factory experiment file in our keys: what `dsrecipes validate recipe=lf.yaml` prints under its problems, so
+the file is rewritten by pasting once rather than by hand, line by line.
+
+    in_our_keys({"learning_rate": 1e-4, "do_train": True, "quantization_bit": 4, "zero": "stage2"})
+    -> "optimizer.lr: 0.0001\n# quantization_bit: 4\nzero: stage2\n"  (do_train: not needed here, dropped)
+
+Each key of the file is one of: already ours (kept as written), another tool's key whose value carries over one to one
+(`ours`: config/foreign_keys.RULES' plain renames and the value rules below), not needed here (dropped), or one a
+person decides (no twin here, a value with no plain equivalent, a typo of ours: kept as a `#` comment, its problem
+above says what to write). Nothing is written to disk:
+the user's file stays theirs.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Dict, List, Optional
+
+import yaml
+
+from dsrecipes.config.foreign_keys import LF_TEMPLATES, NOT_NEEDED, RULES, foreign_key
+
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+_STAGES = {"sft": "sft", "dpo": "dpo", "rm": "reward"}
+
+
+def _names(value: Any) -> List[str]:
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    return [str(v).strip() for v in items if str(v).strip()]
+
+
+def _epochs(value: Any) -> Optional[Dict[str, Any]]:
+    whole = isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer()
+    return {"trainer.epochs": int(value), "trainer.max_steps": None} if whole else None
+
+
+def _deepspeed(value: Any) -> Optional[Dict[str, Any]]:
+    found = re.search(r"z(?:ero)?_?([0-3])", str(value))
+    if not found:
+        return None
+    return {"zero": f"stage{found.group(1)}", **({"offload": "cpu_optimizer"} if "offload" in str(value) else {})}
+
+
+def _when_true(key: str, ours: Any) -> Callable[[Any], Optional[Dict[str, Any]]]:
+    return lambda v: {key: ours} if v is True else {}
+
+
+def _template(value: Any) -> Optional[Dict[str, Any]]:
+    if str(value) not in LF_TEMPLATES:
+        return None
+    return {"template": LF_TEMPLATES[str(value)] or "auto"}
+
+
+# LLaMA-Factory keys whose value decides our key or value (RULES' other callables: a note, or a person's decision)
+VALUES: Dict[str, Callable[[Any], Optional[Dict[str, Any]]]] = {
+    "stage": lambda v: {"objective": _STAGES[str(v)]} if str(v) in _STAGES else None,
+    "finetuning_type": lambda v: {"model.lora.enabled": True} if v == "lora" else ({} if v == "full" else None),
+    "lora_target": lambda v: {"model.lora.target_modules": ALL_LINEAR if str(v) == "all" else _names(v)},
+    "dataset": lambda v: {"dataset.use": _names(v)},
+    "dataset_dir": lambda v: {"dataset.registry": f"{v}/dataset_info.json"},
+    "template": _template, "num_train_epochs": _epochs, "deepspeed": _deepspeed,
+    "bf16": _when_true("precision", "bf16"), "pure_bf16": _when_true("precision", "bf16"),
+    "fp16": _when_true("precision", "fp16"), "streaming": _when_true("data", "iterable"),
+    "train_on_prompt": _when_true("data.train_on", "all"), "mask_history": _when_true("data.train_on", "last_assistant"),
+    "neat_packing": _when_true("data.packing", True),
+    "lr_scheduler_type": lambda v: {"scheduler": v} if v in ("cosine", "linear", "constant") else None,
+    "report_to": lambda v: {"trainer.report_to": [n for n in _names(v) if n != "none"]},
+    "resume_from_checkpoint": lambda v: {} if v is None else {"trainer.resume_from": v},
+    "flash_attn": lambda v: {"model.attn_implementation": {"fa2": "flash_attention_2", "sdpa": "sdpa",
+                                                            "disabled": "eager"}[str(v)]}
+    if str(v) in ("fa2", "sdpa", "disabled") else {},
+}
+
+
+def ours(key: str, value: Any) -> Optional[Dict[str, Any]]:
+    """Our keys and values for another tool's `key: value`: {} where it is not needed here, None where a person
+    decides (and for a key no table knows)."""
+    rule = RULES.get(key)
+    if rule is None and key != "template":
+        return None
+    if isinstance(rule, str):
+        return {rule: value}
+    if key in VALUES:
+        return VALUES[key](value)
+    line = foreign_key(key, value) or ""
+    return {} if line.startswith(NOT_NEEDED) else None
+
+
+def in_our_keys(data: Dict[str, Any], problems: Dict[str, str]) -> Optional[str]:
+    """The file `data` (its top-level keys, in order) in our keys, as YAML text; `problems`: {top-level key: its
+    problem} (a key without one is ours already). None when no key of another tool was translated (a typo of ours:
+    the problems say it all)."""
+    out: List[str] = []
+    translated = False
+    written = {str(k) for k in data if str(k) not in problems}  # the user's own keys win over a translation
+    for key, value in data.items():
+        key = str(key)
+        if key not in problems:
+            out.append(_yaml({key: value}))
+            continue
+        mapped = ours(key, value)
+        if mapped is None:  # no twin here, or a typo of ours: the problem above says what to write
+            out.append("".join(f"# {line}\n" for line in _yaml({key: value}).splitlines()))
+            continue
+        translated = True
+        out.extend(_yaml({k: v}) for k, v in mapped.items() if k not in written)
+        written.update(mapped)  # a key once: `deepspeed: ds_z3.json` beside `zero: stage3`
+    return "".join(out) if translated else None
+
+
+def _yaml(item: Dict[str, Any]) -> str:
+    """`key: value` lines; a list of plain values on one line (`[q_proj, v_proj]`), as LLaMA-Factory files write it."""
+    ((key, value),) = item.items()
+    if isinstance(value, list) and not any(isinstance(v, (dict, list)) for v in value):
+        flow = yaml.safe_dump(value, default_flow_style=True, allow_unicode=True, width=1000).strip()
+        return f"{yaml.safe_dump(key).splitlines()[0]}: {flow}\n"
+    return yaml.safe_dump(item, default_flow_style=False, sort_keys=False, allow_unicode=True, width=1000)
