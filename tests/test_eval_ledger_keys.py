@@ -19,18 +19,14 @@ from dsrecipes.cli import main as cli_main
 from dsrecipes.data.plan.ledger import LedgerWriter
 from dsrecipes.rank.evaluation import verify_eval_ledgers
 from tests.conftest import in_process_environ
+from tests.test_ledger_positions import write_same_named
 
 ROWS = 4  # per validation file
 
 
 def same_named_val_files(root: Path) -> str:
-    """a/valid.jsonl and b/valid.jsonl, rows without an id: their default ids collide (`valid.jsonl:N`)."""
-    for name in ("a", "b"):
-        (root / name).mkdir(parents=True)
-        with open(root / name / "valid.jsonl", "w") as fh:
-            for i in range(ROWS):
-                fh.write(json.dumps({"conversations": [{"from": "human", "value": f"{name} check {i}?"},
-                                                       {"from": "gpt", "value": f"{name} reply {i}."}]}) + "\n")
+    """a/valid.jsonl and b/valid.jsonl (test_ledger_positions.write_same_named) as the validation files."""
+    write_same_named(root, "valid.jsonl", ROWS)
     return f"dataset.val_paths=[{root}/a/valid.jsonl,{root}/b/valid.jsonl]"
 
 

@@ -20,14 +20,19 @@ from tests.conftest import in_process_environ
 ROWS = 12  # per file; micro batch 4 (debug=fast), 1 rank: 6 steps read both files once
 
 
-def same_named_files(root: Path) -> str:
-    """a/train.jsonl and b/train.jsonl, rows without an id: their default ids collide (`train.jsonl:N`)."""
+def write_same_named(root: Path, file: str, rows: int) -> None:
+    """a/FILE and b/FILE, `rows` rows each without an id: their default ids collide (`FILE:N`), their texts differ."""
     for k, name in enumerate(("a", "b")):
         (root / name).mkdir(parents=True)
-        with open(root / name / "train.jsonl", "w") as fh:
-            for i in range(ROWS):
+        with open(root / name / file, "w") as fh:
+            for i in range(rows):
                 fh.write(json.dumps({"conversations": [{"from": "human", "value": f"{name} question {i}?"},
-                                                       {"from": "gpt", "value": f"answer {k * ROWS + i}."}]}) + "\n")
+                                                       {"from": "gpt", "value": f"answer {k * rows + i}."}]}) + "\n")
+
+
+def same_named_files(root: Path) -> str:
+    """a/train.jsonl and b/train.jsonl (write_same_named) as two sources."""
+    write_same_named(root, "train.jsonl", ROWS)
     return f"dataset.sources=[{{name: a, paths: [{root}/a/train.jsonl]}},{{name: b, paths: [{root}/b/train.jsonl]}}]"
 
 

@@ -14,12 +14,12 @@ runs it when the run recorded evaluations.
 from __future__ import annotations
 
 import os
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from dsrecipes.data.plan.ledger import LEDGER_DIR, LedgerFile, Verdict, ledger_records
+from dsrecipes.data.plan.ledger import LEDGER_DIR, LedgerFile, Verdict, ledger_records, tally
 
 EVAL_LEDGER_PREFIX = "eval_rank"  # <run>/ledger/eval_rank<R>.jsonl (the training ledger's files are rank<R>.jsonl)
 
@@ -79,16 +79,8 @@ def check_eval_ledgers(run_dir: str | os.PathLike, expected_ids: Optional[Iterab
         report.problems.append(f"no evaluation ledgers in {Path(run_dir, LEDGER_DIR)} (trainer.record_samples=true?)")
         return report
     report.ranks = len(files)
-    ids: Dict[int, Counter] = defaultdict(Counter)
-    dealt: Dict[int, Optional[Counter]] = {}
-    for path in files:
-        for step, (step_ids, keys) in read_eval_steps(path).items():
-            ids[step].update(step_ids)
-            held = dealt.setdefault(step, Counter())
-            if keys is None:
-                dealt[step] = None
-            elif held is not None:
-                held.update(keys)
+    ids, dealt = tally((step, step_ids, keys) for path in files
+                       for step, (step_ids, keys) in read_eval_steps(path).items())
     report.steps = sorted(ids)
     first = None if expected_ids is None else Counter(set(expected_ids))  # expected: each id at least once
     for step in report.steps:

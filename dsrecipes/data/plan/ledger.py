@@ -167,6 +167,22 @@ class LedgerReport(Verdict):
         return "\n".join(lines + self.verdict_lines())
 
 
+def tally(entries: Iterable[Tuple[int, Sequence[str], Optional[Sequence[str]]]]
+          ) -> Tuple[Dict[int, Counter], Dict[int, Optional[Counter]]]:
+    """Per group (an epoch; an evaluation, by its step) of (group, ids, keys) lines: how often each id was read and
+    each key dealt (None for a group with a line without keys: a ledger written before they were recorded)."""
+    ids: Dict[int, Counter] = defaultdict(Counter)
+    dealt: Dict[int, Optional[Counter]] = {}
+    for group, group_ids, keys in entries:
+        ids[group].update(group_ids)
+        held = dealt.setdefault(group, Counter())
+        if keys is None:
+            dealt[group] = None
+        elif held is not None:
+            held.update(keys)
+    return ids, dealt
+
+
 def verify_ledgers(
     run_dir: str | os.PathLike,
     expected_ids: Optional[Iterable[str]] = None,
@@ -198,16 +214,8 @@ def verify_ledgers(
             only = sorted(set(keys) ^ set(reference))[:5]
             report.problems.append(f"rank {r} ran {len(keys)} steps, rank {min(step_lists)} ran {len(reference)}; "
                                    f"(epoch, step) differing: {only}")
-    by_epoch: Dict[int, Counter] = defaultdict(Counter)
-    dealt: Dict[int, Optional[Counter]] = {}
-    for steps in per_rank.values():
-        for (epoch, _), (ids, keys) in steps.items():
-            by_epoch[epoch].update(ids)
-            held = dealt.setdefault(epoch, Counter())
-            if keys is None:
-                dealt[epoch] = None
-            elif held is not None:
-                held.update(keys)
+    by_epoch, dealt = tally((epoch, ids, keys) for steps in per_rank.values()
+                            for (epoch, _), (ids, keys) in steps.items())
     report.epochs = sorted(by_epoch)
     expected: Optional[Set[str]] = None if expected_ids is None else set(expected_ids)
     complete = set(report.epochs[:-1]) if complete_epochs is None else set(complete_epochs)
