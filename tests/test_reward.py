@@ -239,3 +239,31 @@ def test_a_margin_column_reaches_the_loss_under_every_strategy(kind, tmp_path):
         bad = write_jsonl(tmp_path / "bad.jsonl", [rows[0], dict(rows[1], margin="wide")])
         with pytest.raises(DataError, match=r"bad.jsonl:2.*bad_value.*margin"):
             encode(compose_and_load(["objective=reward", *TRL_FORMAT, f"dataset.paths=[{bad}]"]), tok)
+
+
+# A reward model scores; it does not write. Was (tried: `dsrecipes debug=fast objective=reward dataset=sample_pairs
+# data.cutoff_len=512 trainer.max_steps=2`): the summary's next commands were `compare: dsrecipes prompt-eval ...`
+# and `chat: dsrecipes chat RUN`; chat loaded the LlamaForSequenceClassification export with AutoModelForCausalLM
+# (transformers' 'UNEXPECTED: score.weight' report on the console) and answered 256 tokens of noise; prompt-eval
+# scored that noise against the references. Now the summary names `dsrecipes score`, and chat / prompt-eval refuse
+# the export with that command before transformers reads it (serve/inference.check_loadable).
+def test_the_summary_of_a_reward_run_names_score_not_chat(reward_export):
+    from dsrecipes.observe.report import next_commands
+
+    _, run_dir = reward_export
+    said = dict(next_commands(run_dir, ["objective=reward"], 8, 8))
+    assert said["score pairs:"] == f"dsrecipes score {run_dir / 'export'} --pairs PAIRS.jsonl", said
+    assert "chat:" not in said and "compare:" not in said, said
+
+
+@pytest.mark.parametrize("argv", [["chat", "{run}", "--message", "hi"], ["chat", "{run}/export", "--message", "hi"],
+                                  ["prompt-eval", "--finetuned", "{run}"],
+                                  ["prompt-eval", "--baseline", "{run}", "--finetuned", "{run}"]])
+def test_chat_and_prompt_eval_refuse_a_reward_model_naming_score(reward_export, argv, capsys):
+    from tests.test_messages_hostile import refused
+
+    _, run_dir = reward_export
+    err = refused(capsys, [a.format(run=run_dir) for a in argv],
+                  f"{run_dir / 'export'}: a reward model (LlamaForSequenceClassification",
+                  f"dsrecipes score {run_dir / 'export'} --pairs PAIRS.jsonl")
+    assert "UNEXPECTED" not in err  # refused before transformers loaded anything
