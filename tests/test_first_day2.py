@@ -187,3 +187,23 @@ def test_a_file_of_our_own_keys_with_a_typo_gets_no_translation(tmp_path, capsys
     recipe.write_text("optimizer.weight_decy: 0.1\ntrainer:\n  max_steps: many\n")
     code, said = _run(capsys, "validate", f"recipe={recipe}")
     assert code == 2 and "in our keys" not in said, said
+
+
+def test_llamafactorys_chat_and_export_files_get_the_command_to_type_here(tmp_path, capsys):
+    """`llamafactory-cli chat infer.yaml` / `export merge.yaml` habits: `dsrecipes chat infer.yaml` said 'not a run
+    directory, a Hugging Face model directory (config.json) or a LoRA adapter export' and `dsrecipes export merge.yaml`
+    'the following arguments are required: --out' - neither said what to type. Now both name the command, from the
+    file's adapter_name_or_path and export_dir; anything else keeps its message."""
+    infer = tmp_path / "infer.yaml"
+    infer.write_text("model_name_or_path: meta-llama/Meta-Llama-3-8B-Instruct\nadapter_name_or_path: saves/sft\n"
+                     "template: llama3\n")
+    code, said = _run(capsys, "chat", str(infer))
+    assert code == 2 and "a LLaMA-Factory chat file" in said and "dsrecipes chat saves/sft (" in said, said
+    merge = tmp_path / "merge.yaml"
+    merge.write_text("model_name_or_path: m\nadapter_name_or_path: saves/sft\nexport_dir: out/merged\n")
+    code, said = _run(capsys, "export", str(merge))
+    assert code == 2 and "dsrecipes export saves/sft --out out/merged" in said, said
+    other = tmp_path / "other.yaml"
+    other.write_text("trainer.max_steps: 5\n")
+    code, said = _run(capsys, "chat", str(other))
+    assert code == 2 and "not a run directory" in said, said

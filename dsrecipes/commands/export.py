@@ -9,6 +9,7 @@ from typing import List, Optional, Tuple
 from dsrecipes.boundary.checkpoint_find import latest_complete
 from dsrecipes.boundary.trust import FLAG, TRUST_HELP, trust
 from dsrecipes.commands.args import parse
+from dsrecipes.config.lf_translate import lf_command_file
 from dsrecipes.core.checkpoint_names import CHECKPOINTS, COMPLETE
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.fileio import dangling_link_problem
@@ -31,6 +32,9 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--lora", choices=["merged", "adapter"], default=None,  # an argparse choice, not config
                         help="LoRA runs: merged model or adapter only (default: trainer.export_merged_lora)")
     parser.add_argument(FLAG, action="append", default=[], metavar="PATH", help=TRUST_HELP)
+    lf_file = next((hint for a in argv if not a.startswith("-") for hint in [lf_command_file(a, "export")] if hint), None)
+    if lf_file:  # `llamafactory-cli export merge.yaml`: before argparse asks for --out
+        raise UserError(lf_file)
     args = parse(parser, argv)
     trust(args.trust_checkpoint)
     run_dir, tag = run_and_tag(Path(args.run_dir), args.tag)

@@ -14,6 +14,7 @@ the user's file stays theirs.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import yaml
@@ -115,3 +116,28 @@ def _yaml(item: Dict[str, Any]) -> str:
         flow = yaml.safe_dump(value, default_flow_style=True, allow_unicode=True, width=1000).strip()
         return f"{yaml.safe_dump(key).splitlines()[0]}: {flow}\n"
     return yaml.safe_dump(item, default_flow_style=False, sort_keys=False, allow_unicode=True, width=1000)
+
+
+def lf_command_file(arg: str, command: str) -> Optional[str]:
+    """`dsrecipes chat|export FILE.yaml` given LLaMA-Factory's inference or export file (`llamafactory-cli chat
+    FILE.yaml`): the command to type here, from its adapter_name_or_path (else model_name_or_path) and export_dir;
+    None for anything else. Reads a regular file of at most 1 MiB, its top-level keys only."""
+    path = Path(arg).expanduser()
+    try:
+        if path.suffix not in (".yaml", ".yml") or not path.is_file() or path.stat().st_size > 1 << 20:
+            return None
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    if not isinstance(data, dict) or "model_name_or_path" not in data:
+        return None
+    model = data.get("adapter_name_or_path") or data.get("model_name_or_path")
+    model = model if isinstance(model, str) and model else "RUN"
+    if command == "export":
+        out = data.get("export_dir") if isinstance(data.get("export_dir"), str) else "DIR"
+        here = (f"dsrecipes export {model} --out {out} (a run directory or one of its checkpoints; a LoRA run is "
+                "merged unless --lora adapter)")
+    else:
+        here = (f"dsrecipes {command} {model} (a run directory, its export or a model directory; the template is the "
+                "one the run trained with)")
+    return f"{arg}: a LLaMA-Factory {command} file; dsrecipes {command} takes the model itself: {here}"

@@ -24,6 +24,7 @@ import torch
 
 import dsrecipes.boundary.trust as trust
 from dsrecipes.boundary.chat_sandbox import render
+from dsrecipes.config.lf_translate import lf_command_file
 from dsrecipes.config.load import load_run_config
 from dsrecipes.core.errors import UserError, no_custom_code
 from dsrecipes.core.export_dir import EXPORT_DIR, EXPORT_INFO, EXPORT_INIT_DIR, scorer_refusal
@@ -58,8 +59,9 @@ def resolve_model_path(arg: str, baseline: bool = False, retry: str = "dsrecipes
     if (p / "config.json").is_file():
         check_loadable(p, retry)
         return ModelPath(p, False, None, _run_of(p))
-    raise UserError(f"{arg}: not a run directory, a Hugging Face model directory (config.json) or a LoRA adapter "
-                    "export (adapter_config.json)")
+    lf_file = lf_command_file(arg, "chat") if retry.startswith("dsrecipes chat ") else None  # llamafactory-cli chat
+    raise UserError(lf_file or f"{arg}: not a run directory, a Hugging Face model directory (config.json) or a LoRA "
+                    "adapter export (adapter_config.json)")
 
 
 def adapter_config(model_dir: Path) -> Dict[str, Any]:
