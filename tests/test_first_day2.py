@@ -207,3 +207,13 @@ def test_llamafactorys_chat_and_export_files_get_the_command_to_type_here(tmp_pa
     other.write_text("trainer.max_steps: 5\n")
     code, said = _run(capsys, "chat", str(other))
     assert code == 2 and "not a run directory" in said, said
+
+
+def test_show_says_that_named_data_replaces_the_sample_it_lists(tmp_path, capsys):
+    """`dsrecipes show` with dataset.use printed `dataset: name: sample, paths: [.../sample_data/train.jsonl]` and
+    nothing else about the data: an LF user read it as training on the sample. Now a line under the config says
+    what a run reads; without named data there is no such line."""
+    code, said = _run(capsys, "show", f"dataset.registry={tmp_path / 'dataset_info.json'}", "dataset.use=[mine]")
+    assert code == 0 and "# data: a run reads dataset.use, not the bundled sample" in said, said
+    code, said = _run(capsys, "show")
+    assert code == 0 and "# data:" not in said

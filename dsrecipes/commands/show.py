@@ -11,6 +11,7 @@ from dsrecipes.commands.args import override_parser, parse, positive_int
 from dsrecipes.config.load import compose_and_load
 from dsrecipes.core.topology import resolve_topology
 from dsrecipes.core.typed import config_to_dict
+from dsrecipes.data.sources.registry import sample_replaced
 from dsrecipes.run.ds_config import build_ds_config
 from dsrecipes.run.micro_batch import needs_number
 
@@ -27,6 +28,11 @@ def main(argv: List[str]) -> int:
     if not args.json_only:
         print("# resolved config")
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True))
+        if sample_replaced(cfg.dataset):  # the sample's name and path are above, but a run reads what the user named
+            named = " and ".join(n for n, v in (("dataset.use", cfg.dataset.use), ("dataset.sources", cfg.dataset.sources))
+                                 if v)
+            print(f"# data: a run reads {named}, not the bundled sample: dataset.name and dataset.paths above are not "
+                  "read (dataset.mix_sample=true keeps the sample in the mix)\n")
         print(f"# DeepSpeed JSON at world size {world}")
         print("# (no \"scheduler\" section: the LR schedule is dsrecipes.rank.schedule, given to deepspeed.initialize)")
     print(json.dumps(build_ds_config(cfg, world), indent=2))
