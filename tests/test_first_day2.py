@@ -217,3 +217,23 @@ def test_show_says_that_named_data_replaces_the_sample_it_lists(tmp_path, capsys
     assert code == 0 and "# data: a run reads dataset.use, not the bundled sample" in said, said
     code, said = _run(capsys, "show")
     assert code == 0 and "# data:" not in said
+
+
+def test_a_translated_lora_file_keeps_llamafactorys_lora_defaults(tmp_path, capsys):
+    """LLaMA-Factory's LoRA, where the file is silent, targets every linear layer with alpha 2 x rank and no dropout;
+    ours q/k/v/o_proj, alpha 16, dropout 0.05. A translated `finetuning_type: lora, lora_rank: 16` file silently trained
+    another adapter (a quarter of the layers, half the scale). Now the translation writes LF's values where the file
+    was silent and the finetuning_type line says why; keys the file sets are its own."""
+    from dsrecipes.config.lf_translate import in_our_keys
+
+    ours = in_our_keys({"finetuning_type": "lora", "lora_rank": 16}, {"finetuning_type": "x", "lora_rank": "x"})
+    assert "model.lora.alpha: 32\n" in ours and "model.lora.dropout: 0.0\n" in ours, ours
+    assert "model.lora.target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]\n" in ours, ours
+    ours = in_our_keys({"finetuning_type": "lora", "lora_alpha": 8, "lora_dropout": 0.1, "lora_target": "q_proj"},
+                       {"finetuning_type": "x", "lora_alpha": "x", "lora_dropout": "x", "lora_target": "x"})
+    assert ours.count("model.lora.alpha") == 1 and "model.lora.alpha: 8\n" in ours, ours
+    assert "model.lora.dropout: 0.1\n" in ours and "model.lora.target_modules: [q_proj]\n" in ours, ours
+    recipe = tmp_path / "lf.yaml"
+    recipe.write_text("finetuning_type: lora\n")
+    code, said = _run(capsys, "validate", f"recipe={recipe}")
+    assert code == 2 and "lora_alpha: 2 x lora_rank" in said and "model.lora.alpha: 16\n" in said, said

@@ -55,7 +55,9 @@ def _stage(value: Any) -> str:
 
 def _finetuning_type(value: Any) -> str:
     if value == "lora":
-        return HERE + "model.lora.enabled: true"
+        return HERE + ("model.lora.enabled: true (unset, LLaMA-Factory's LoRA is lora_target: all, lora_alpha: 2 x "
+                       "lora_rank, lora_dropout: 0; ours is model.lora.target_modules: [q_proj, k_proj, v_proj, "
+                       "o_proj], model.lora.alpha: 16, model.lora.dropout: 0.05: set them for the same adapter)")
     if value == "full":
         return NOT_NEEDED + "full fine-tuning is the default (model.lora.enabled: false)"
     return f"no {value} fine-tuning here: full (the default) or model.lora.enabled: true"

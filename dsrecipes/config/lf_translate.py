@@ -104,9 +104,25 @@ def in_our_keys(data: Dict[str, Any], problems: Dict[str, str]) -> Optional[str]
             out.append("".join(f"# {line}\n" for line in _yaml({key: value}).splitlines()))
             continue
         translated = True
+        if key == "finetuning_type" and value == "lora":
+            mapped = {**mapped, **lf_lora_defaults(data)}
         out.extend(_yaml({k: v}) for k, v in mapped.items() if k not in written)
         written.update(mapped)  # a key once: `deepspeed: ds_z3.json` beside `zero: stage3`
     return "".join(out) if translated else None
+
+
+def lf_lora_defaults(data: Dict[str, Any]) -> Dict[str, Any]:
+    """What LLaMA-Factory's LoRA uses where its file is silent and ours differs: lora_target `all`, lora_alpha
+    2 x lora_rank, lora_dropout 0 (ours: q/k/v/o_proj, 16, 0.05), so the translated file trains the same adapter."""
+    out: Dict[str, Any] = {}
+    if "lora_target" not in data:
+        out["model.lora.target_modules"] = ALL_LINEAR
+    rank = data.get("lora_rank", 8)
+    if "lora_alpha" not in data and isinstance(rank, int) and not isinstance(rank, bool):
+        out["model.lora.alpha"] = 2 * rank
+    if "lora_dropout" not in data:
+        out["model.lora.dropout"] = 0.0
+    return out
 
 
 def _yaml(item: Dict[str, Any]) -> str:
