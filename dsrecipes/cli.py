@@ -197,6 +197,8 @@ def _check_command(args: List[str]) -> None:
 def usage() -> str:
     lines = ["usage: dsrecipes [SUBCOMMAND] [overrides...]   (dsrecipes --version, dsrecipes train --help)", "",
              "Without a subcommand: train (a Hydra app: `-m` sweeps, `--cfg job` prints the composition, "
-             "`--hydra-help` shows Hydra's flags). `dsrecipes ls` lists groups, options and recipes.", ""]
+             "`--hydra-help` shows Hydra's flags). `dsrecipes ls` lists groups, options and recipes.", "",
+             "From LLaMA-Factory: `dsrecipes validate recipe=YOUR_LF.yaml` names each key's spelling here and prints "
+             "the file in our keys; save that and `dsrecipes train FILE.yaml`.", ""]
     lines += [f"  {name:<13} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     return "\n".join(lines)

@@ -237,3 +237,10 @@ def test_a_translated_lora_file_keeps_llamafactorys_lora_defaults(tmp_path, caps
     recipe.write_text("finetuning_type: lora\n")
     code, said = _run(capsys, "validate", f"recipe={recipe}")
     assert code == 2 and "lora_alpha: 2 x lora_rank" in said and "model.lora.alpha: 16\n" in said, said
+
+
+def test_the_top_level_help_points_a_llamafactory_user_at_the_migration(capsys):
+    """`dsrecipes --help` (the first thing typed) said nothing of LLaMA-Factory files; the README's pointer was the only
+    way in. Now one line names the command that translates such a file."""
+    code, said = _run(capsys, "--help")
+    assert code == 0 and "From LLaMA-Factory: `dsrecipes validate recipe=YOUR_LF.yaml`" in said, said
