@@ -1,6 +1,7 @@
-"""Red team: data files in formats dsrecipes does not read (Parquet, Arrow, CSV/TSV, plain text, gzip under a plain
-name) are one message naming the file, the formats read and the conversion, at `validate`, at `train` and in every
-strategy's reader; before, they passed `validate` and every row was a bad row (`invalid_utf8`) late in the run."""
+"""Red team: data files in formats dsrecipes does not read (Arrow, CSV/TSV, plain text, gzip under a plain name, and
+Parquet where it is not read: data=iterable, an object in a store) are one message naming the file, the formats read
+and the conversion, at `validate`, at `train` and in every strategy's reader; before, they passed `validate` and every
+row was a bad row (`invalid_utf8`) late in the run. data=map reads Parquet: tests/test_parquet_rows.py."""
 
 from __future__ import annotations
 
@@ -75,23 +76,24 @@ def test_validate_names_a_file_of_another_format(kind, tmp_path, capsys):
     from dsrecipes.cli import main
 
     path = write(tmp_path, kind)
-    assert main(["validate", "debug=fast", f"dataset.sources=[{{name: a, paths: [{path}]}}]"]) == 2
+    strategy = ["data=iterable"] if kind.startswith("parquet") else []  # data=map reads Parquet
+    assert main(["validate", "debug=fast", *strategy, f"dataset.sources=[{{name: a, paths: [{path}]}}]"]) == 2
     err = one_error(capsys, path, KINDS[kind])
     if kind in ("parquet", "csv", "tsv", "arrow"):
         assert "python -c" in err and str(path.with_suffix(".jsonl")) in err, err
 
 
-@pytest.mark.parametrize("command", [["train", "debug=fast"], ["train", "debug=fast", "data=iterable"], ["shard"]])
-def test_train_and_shard_refuse_a_parquet_file_first(command, tmp_path, capsys, monkeypatch):
+def test_train_with_data_iterable_refuses_a_parquet_file_first(tmp_path, capsys, monkeypatch):
+    """data=map and `dsrecipes shard` read Parquet (tests/test_parquet_rows.py); the stream's index of lines does
+    not, and says which do."""
     from dsrecipes.cli import main
 
     monkeypatch.chdir(tmp_path)
     path = write(tmp_path, "parquet")
-    argv = command + ([str(path), "--parts", "1", "--out", str(tmp_path / "parts")] if command == ["shard"] else
-                      [f"dataset.paths=[{path}]", f"trainer.output_dir={tmp_path / 'run'}"])
+    argv = ["train", "debug=fast", "data=iterable", f"dataset.paths=[{path}]", f"trainer.output_dir={tmp_path / 'run'}"]
     assert main(argv) == 2
-    one_error(capsys, path, "a Parquet file")
-    assert not (tmp_path / "parts").exists()
+    err = one_error(capsys, path, "a Parquet file")
+    assert "data=map" in err and "dsrecipes shard" in err, err
 
 
 @pytest.mark.parametrize("strategy", ["map", "iterable", "presharded"])
@@ -113,7 +115,7 @@ def test_the_conversion_it_prints_makes_a_file_that_validates(tmp_path, capsys):
     from dsrecipes.cli import main
 
     path = write(tmp_path, "parquet")
-    overrides = ["debug=fast", f"dataset.paths=[{path}]"]
+    overrides = ["debug=fast", "data=iterable", f"dataset.paths=[{path}]"]
     assert main(["validate", *overrides]) == 2
     command = re.search(r"convert it once: (python -c '[^']*')", capsys.readouterr().err).group(1)
     argv = shlex.split(command)
@@ -121,7 +123,7 @@ def test_the_conversion_it_prints_makes_a_file_that_validates(tmp_path, capsys):
     converted = path.with_suffix(".jsonl")
     assert [json.loads(line)["conversations"] for line in converted.read_text().splitlines()] == \
         [r["conversations"] for r in ROWS]
-    assert main(["validate", "debug=fast", f"dataset.paths=[{converted}]"]) == 0
+    assert main(["validate", "debug=fast", "data=iterable", f"dataset.paths=[{converted}]"]) == 0
 
 
 def test_json_lines_under_a_csv_or_txt_name_are_still_read(tmp_path, capsys):
@@ -144,20 +146,25 @@ def test_an_object_in_a_store_is_judged_by_its_name_without_reading_it(monkeypat
         files.expand_paths(["s3://bucket/data/*.parquet"])
     (problem,) = err.value.problems
     assert problem.startswith("s3://bucket/data/train-00000.parquet: a Parquet file") and "train-00000.jsonl" in problem
+    assert "an object in a store is not (download it" in problem, problem  # local Parquet files only
 
 
-def test_a_llamafactory_folder_of_parquet_files_says_so(tmp_path, capsys):
-    """LLaMA-Factory's `file_name` may be a folder; one of Parquet files (as the Hub serves them) was only 'holds
-    no .json/.jsonl files'."""
+def test_a_llamafactory_folder_of_csv_files_says_so_and_one_of_parquet_files_is_read(tmp_path, capsys):
+    """LLaMA-Factory's `file_name` may be a folder; one of CSV files was only 'holds no .json/.jsonl files'. One of
+    Parquet files (as the Hub serves them) is read by data=map."""
     from dsrecipes.cli import main
 
     (tmp_path / "hub").mkdir()
-    path = write(tmp_path / "hub", "parquet")
-    (tmp_path / "dataset_info.json").write_text(json.dumps({"mine": {"file_name": "hub", "formatting": "sharegpt"}}))
-    assert main(["validate", "debug=fast", f"dataset.registry={tmp_path / 'dataset_info.json'}",
-                 "dataset.use=[mine]"]) == 2
-    err = one_error(capsys, path, "a Parquet file")
+    path = write(tmp_path / "hub", "csv")
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"mine": {"file_name": "hub", "formatting": "alpaca"}}))
+    argv = ["validate", "debug=fast", f"dataset.registry={tmp_path / 'dataset_info.json'}", "dataset.use=[mine]"]
+    assert main(argv) == 2
+    err = one_error(capsys, path, "a CSV file")
     assert "dataset.registry.mine: folder" in err and "python -c" in err, err
+    path.unlink()
+    write(tmp_path / "hub", "parquet")
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"mine": {"file_name": "hub", "formatting": "sharegpt"}}))
+    assert main(argv) == 0, capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from dsrecipes.core.errors import DataError
 from dsrecipes.core.hub import check_hub_paths, is_hub_id
 from dsrecipes.core.schema import (
     AttnImpl,
+    DataKind,
     Device,
     OffloadDevice,
     OptimizerKind,
@@ -217,7 +218,7 @@ def _files(cfg: TrainConfig) -> List[str]:
     errors = []
     for key, pattern in named:
         try:
-            if expand_paths([pattern])[1]:
+            if expand_paths([pattern], parquet=cfg.data.kind is not DataKind.iterable)[1]:
                 errors.append(f"{key}: {no_file(pattern)}")
         except DataError as exc:  # a store that cannot be asked (credentials, network, bucket, scheme)
             errors.append(f"{key}: {exc}")

@@ -30,7 +30,15 @@ from dsrecipes.core.schema import DatasetConfig, SourceConfig, TrainConfig
 from dsrecipes.data.render.prep_pool import PreparationPool
 from dsrecipes.data.render.tokenize import Encoder
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
-from dsrecipes.data.sources.files import FileUnreadable, RawRow, expand_paths, no_file, read_row_items, row_of
+from dsrecipes.data.sources.files import (
+    FileUnreadable,
+    RawRow,
+    expand_paths,
+    no_file,
+    read_row_items,
+    row_of,
+    used_columns,
+)
 from dsrecipes.data.sources.sharegpt import conversation_dict, conversation_of, role_table
 from dsrecipes.data.sources.split_shares import keeps
 
@@ -232,7 +240,7 @@ def _tasks(sources: Sequence[SourceConfig], caps: _Caps, limit: int) -> Iterator
             task = _Task(i, path)
             broken = None
             try:
-                for item in read_row_items(path, limit):
+                for item in read_row_items(path, limit, used_columns(source)):
                     if not task.items and caps.closed(i):
                         break
                     task.items.append(item)

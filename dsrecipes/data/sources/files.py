@@ -14,6 +14,7 @@ be counted, so no bad-row policy can account for them.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import gzip
 import io
@@ -23,12 +24,12 @@ import re
 import zlib
 from array import array
 from dataclasses import dataclass
-from typing import IO, Any, Callable, Iterator, List, Optional, Tuple, Union
+from typing import IO, Any, Callable, Collection, Iterator, List, Optional, Tuple, Union
 
 from dsrecipes.core.errors import DataError
 from dsrecipes.core.schema import DEFAULT_MAX_ROW_BYTES
 from dsrecipes.data.sources.badrows import BadReason, BadRow, location
-from dsrecipes.data.sources.formats import refuse_other_format
+from dsrecipes.data.sources.formats import other_format, refuse_other_format
 from dsrecipes.data.sources.jsonscan import BOM, JsonStructureError, values
 from dsrecipes.data.sources.remote import expand as remote_expand
 from dsrecipes.data.sources.remote import is_url, looks_like_url, open_maybe_gzip
@@ -69,11 +70,11 @@ class RawRow:
         return location(self.path, self.loc, self.element)
 
 
-def expand_paths(patterns: List[str]) -> Tuple[List[str], List[str]]:
+def expand_paths(patterns: List[str], *, parquet: bool = True) -> Tuple[List[str], List[str]]:
     """(files, patterns matching nothing): each glob sorted, duplicates removed, in pattern order. A URL
     (`remote.is_url`) is listed in its store; a store that cannot be asked raises DataError, and so does a file that
-    is not rows we read (a Parquet or CSV file: `formats.refuse_other_format`, by its first bytes, by name in a
-    store)."""
+    is not rows we read (a CSV file, a Parquet object in a store, a Parquet file where `parquet` is False: the
+    readers of byte offsets, data=iterable; `formats.refuse_other_format`, by its first bytes, by name in a store)."""
     files: List[str] = []
     missing: List[str] = []
     for pattern in patterns:
@@ -84,7 +85,7 @@ def expand_paths(patterns: List[str]) -> Tuple[List[str], List[str]]:
         if not matches:
             missing.append(pattern)
         for m in matches:
-            refuse_other_format(m, remote=is_url(m))
+            refuse_other_format(m, remote=is_url(m), parquet=parquet)
         files += [m for m in matches if m not in files]
     return files, missing
 
@@ -210,28 +211,52 @@ def _has_lone_surrogate(value: Any) -> bool:
 RowItem = Tuple[Optional[int], Optional[bytes], Optional[int], Optional[int]]
 
 
-def read_rows(path: str, limit: int = DEFAULT_MAX_ROW_BYTES) -> Iterator[RawRow]:
+def read_rows(path: str, limit: int = DEFAULT_MAX_ROW_BYTES, columns: Optional[Collection[str]] = None
+              ) -> Iterator[RawRow]:
     """Every row of one file, parsed or with the reason it cannot be used (an empty file yields one bad RawRow).
-    Raises FileUnreadable when the file breaks before its end."""
-    for item in read_row_items(path, limit):
+    Raises FileUnreadable when the file breaks before its end. `columns`: see `read_row_items`."""
+    for item in read_row_items(path, limit, columns):
         yield item if isinstance(item, RawRow) else row_of(path, item, limit)
 
 
-def read_row_items(path: str, limit: int = DEFAULT_MAX_ROW_BYTES) -> Iterator[Union[RowItem, RawRow]]:
+def read_row_items(path: str, limit: int = DEFAULT_MAX_ROW_BYTES, columns: Optional[Collection[str]] = None
+                   ) -> Iterator[Union[RowItem, RawRow]]:
     """`read_rows` with the parsing left to the caller (`row_of`, e.g. in a worker process): the bytes of every row
     as the bounded readers cut them (a row over `limit` is None, never held whole), a RawRow for an empty file.
+    A Parquet file's row N is line N, its bytes the row's JSON text (parquet_rows.py); `columns`: the columns the
+    caller reads (`used_columns`), where a Parquet column JSON cannot carry is refused, else left out.
     Raises FileUnreadable when the file breaks before its end."""
     any_row = False
-    with open_maybe_gzip(path) as fh:
-        if _is_json_file(path):
-            items: Iterator[RowItem] = _json_items(path, fh, limit)
-        else:
-            items = ((n, data, None, None) for n, data in iter_lines(fh, limit, path))
-        for item in items:
-            any_row = True
-            yield item
+    for item in _items(path, limit, columns):
+        any_row = True
+        yield item
     if not any_row:
         yield RawRow(path, None, error=BadRow(BadReason.empty_file, "no rows"))
+
+
+EXTRA_COLUMNS = ("margin",)  # read by name outside a source's `columns` (preference.py: a reward model's target gap)
+
+
+def used_columns(source: Any) -> frozenset:
+    """The top-level columns a reader of `source` looks at: its `columns` mapping and EXTRA_COLUMNS."""
+    cols = source.columns
+    return frozenset({getattr(cols, f.name) for f in dataclasses.fields(cols)} | set(EXTRA_COLUMNS))
+
+
+def _items(path: str, limit: int, columns: Optional[Collection[str]]) -> Iterator[RowItem]:
+    if other_format(path, remote=is_url(path)) == "parquet":
+        import dsrecipes.data.sources.parquet_rows as parquet_rows  # lazy: pyarrow only for Parquet files
+
+        try:
+            yield from parquet_rows.parquet_items(path, limit, columns)
+        except parquet_rows.ParquetUnreadable as exc:
+            raise FileUnreadable(path, exc.where, exc.what) from None
+        return
+    with open_maybe_gzip(path) as fh:
+        if _is_json_file(path):
+            yield from _json_items(path, fh, limit)
+        else:
+            yield from ((n, data, None, None) for n, data in iter_lines(fh, limit, path))
 
 
 def row_of(path: str, item: RowItem, limit: int = DEFAULT_MAX_ROW_BYTES) -> RawRow:

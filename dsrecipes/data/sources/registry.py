@@ -46,7 +46,7 @@ _LF_ROLE_TAGS = {  # tag -> (LLaMA-Factory default value, our role)
     "function_tag": ("function_call", "tool_call"),
     "system_tag": ("system", "system"),
 }
-_DATA_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
+_DATA_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz", ".parquet", ".pq")  # Parquet: read by data=map
 # Bytes read of a registry file at most: LLaMA-Factory's own dataset_info.json is about 30 KB. PyYAML's pure-Python
 # parser reads about half a MiB a second (even of comments), so a YAML registry gets less room than JSON.
 MAX_REGISTRY_BYTES = {"yaml": 2 << 20, "llamafactory": 16 << 20}
@@ -271,7 +271,7 @@ def _llamafactory_entry(name: str, entry: Any, base: str) -> SourceConfig:
     if os.path.isdir(target):
         paths = sorted(os.path.join(target, f) for f in os.listdir(target) if f.endswith(_DATA_SUFFIXES))
         if not paths:
-            raise ConfigError(f"{where}: folder {target} holds no .json/.jsonl files{_other_files(target)}")
+            raise ConfigError(f"{where}: folder {target} holds no .json/.jsonl/.parquet files{_other_files(target)}")
     else:
         paths = [target]
     num, ranking = entry.get("num_samples"), entry.get("ranking") or False  # null as LLaMA-Factory's default

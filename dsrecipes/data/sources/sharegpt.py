@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 from dsrecipes.core.errors import ConfigError
 from dsrecipes.core.schema import DEFAULT_MAX_ROW_BYTES, DatasetConfig, DatasetFormat, SourceConfig
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
-from dsrecipes.data.sources.files import RawRow, expand_paths, no_file, parse_row, read_rows
+from dsrecipes.data.sources.files import RawRow, expand_paths, no_file, parse_row, read_rows, used_columns
 from dsrecipes.data.sources.registry import resolve_sources
 from dsrecipes.data.sources.split_shares import keeps
 
@@ -299,7 +299,7 @@ def iter_checked(source: SourceConfig, report: BadRowReport, limit: Optional[int
         report.add(pattern, None, BadRow(BadReason.no_matching_path, f"source {source.name!r}: {no_file(pattern)}"))
     kept = 0
     for path in files:
-        for row in read_rows(path, max_row_bytes):
+        for row in read_rows(path, max_row_bytes, used_columns(source)):
             if cap is not None and kept >= cap:
                 return
             if not keeps(row, source):  # another share's row (dataset.split)

@@ -166,12 +166,12 @@ def index_stream(cfg: Any, tap: Any = None) -> StreamIndex:
     file_source: List[int] = []
     sources = resolve_sources(cfg.dataset)
     for s, source in enumerate(sources):
-        files, missing = expand_paths(source.paths)
+        files, missing = expand_paths(source.paths, parquet=False)  # an index of byte offsets of lines
         if missing:
             raise DataError(f"dataset source {source.name!r}: {no_file(missing[0])}")
         names += files
         file_source += [s] * len(files)
-    val_names, missing = expand_paths(list(cfg.dataset.val_paths))
+    val_names, missing = expand_paths(list(cfg.dataset.val_paths), parquet=False)
     if missing:
         raise DataError(f"dataset.val_paths: {no_file(missing[0])}")
     notes: List[str] = []
