@@ -244,3 +244,30 @@ def test_the_top_level_help_points_a_llamafactory_user_at_the_migration(capsys):
     way in. Now one line names the command that translates such a file."""
     code, said = _run(capsys, "--help")
     assert code == 0 and "From LLaMA-Factory: `dsrecipes validate recipe=YOUR_LF.yaml`" in said, said
+
+
+def test_the_train_further_command_of_an_epoch_based_run_trains_more_epochs(tmp_path, monkeypatch, capsys):
+    """The closing summary's `train further:` of a finished `trainer.max_steps=null trainer.epochs=1` run (LLaMA-
+    Factory's num_train_epochs) dropped trainer.max_steps and gave no new budget: copied, it was refused ('the run
+    already reached its budget') or, without the null, trained to the default 400 steps. Now it says
+    `trainer.max_steps=null trainer.epochs=2`, and run as printed it trains the second epoch."""
+    import shlex
+
+    from dsrecipes.cli import main
+    from dsrecipes.core.rundir import read_metrics
+    from tests.conftest import in_process_environ
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    argv = ["debug=fast", "trainer.max_steps=null", "trainer.epochs=1", "dataset.max_samples=48",
+            "trainer.eval_every=0", "trainer.save_every=0", f"trainer.output_dir={run}"]
+    with in_process_environ():
+        assert main(argv) == 0
+    out = capsys.readouterr().out
+    (line,) = [s for s in out.splitlines() if s.strip().startswith("train further:")]
+    printed = shlex.split(line.split("train further:", 1)[1])
+    assert printed[-2:] == ["trainer.max_steps=null", "trainer.epochs=2"], printed
+    first = max(r["step"] for r in read_metrics(run) if "loss" in r)
+    with in_process_environ():
+        assert main(printed[1:]) == 0, capsys.readouterr().err
+    assert max(r["step"] for r in read_metrics(run) if "loss" in r) == 2 * first

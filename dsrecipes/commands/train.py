@@ -126,7 +126,8 @@ def _launch(inv: Invocation, job: hydra_app.Job, cfg: TrainConfig, decision: Dec
     inv.interrupted = inv.interrupted or interrupted
     inv.failed(code)
     if code == 0 and not cfg.launcher.dry_run:
-        print(closing_summary(run_dir, time.perf_counter() - started, job.overrides, cfg.trainer.max_steps), flush=True)
+        print(closing_summary(run_dir, time.perf_counter() - started, job.overrides, cfg.trainer.max_steps,
+                              cfg.trainer.epochs), flush=True)
 
 
 def _refused(inv: Invocation, exc: UserError, record_in: Optional[Path]) -> None:

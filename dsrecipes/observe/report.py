@@ -23,7 +23,8 @@ from dsrecipes.observe.metrics import format_seconds
 LOSS_PLOT = "loss.png"
 
 
-def closing_summary(run_dir: Path, wall_s: float, overrides: Sequence[str], max_steps: Optional[int]) -> str:
+def closing_summary(run_dir: Path, wall_s: float, overrides: Sequence[str], max_steps: Optional[int],
+                    epochs: int = 1) -> str:
 
     summary = run_summary(run_dir)
     rows = read_metrics(run_dir)
@@ -49,7 +50,7 @@ def closing_summary(run_dir: Path, wall_s: float, overrides: Sequence[str], max_
         lines.append(f"  hidden logs  {run_dir / LOGS_DIR}  ({hidden} third-party line{'s' * (hidden != 1)} kept off "
                      "the console)")
     lines += ["next:"] + [f"  {what:<15}{cmd}" for what, cmd in next_commands(run_dir, overrides, summary["steps"],
-                                                                              max_steps)]
+                                                                              max_steps, epochs)]
     return "\n".join(lines)
 
 
@@ -110,7 +111,8 @@ def trend(rows: Sequence[dict], key: str, spec: str = ".4f") -> Optional[str]:
             f"{first_step}-{last_step})")
 
 
-def next_commands(run_dir: Path, overrides: Sequence[str], steps: int, max_steps: Optional[int]) -> List[tuple]:
+def next_commands(run_dir: Path, overrides: Sequence[str], steps: int, max_steps: Optional[int],
+                  epochs: int = 1) -> List[tuple]:
     run = shlex.quote(str(run_dir))
     out = []
     if (run_dir / EXPORT_DIR).is_dir() and scorer_architecture(run_dir / EXPORT_DIR):  # a reward model scores
@@ -118,7 +120,8 @@ def next_commands(run_dir: Path, overrides: Sequence[str], steps: int, max_steps
     elif (run_dir / EXPORT_DIR).is_dir():
         out.append(("compare:", f"dsrecipes prompt-eval --baseline {run} --finetuned {run}"))
         out.append(("chat:", f"dsrecipes chat {run}"))
-    out.append(("train further:", resume_command(run_dir, overrides, steps, max_steps, _stopped_early(run_dir))))
+    out.append(("train further:", resume_command(run_dir, overrides, steps, max_steps, _stopped_early(run_dir),
+                                                 epochs)))
     return out
 
 
@@ -131,9 +134,9 @@ def _stopped_early(run_dir: Path) -> bool:
 
 
 def resume_command(run_dir: Path, overrides: Sequence[str], steps: int, max_steps: Optional[int],
-                   stopped_early: bool = False) -> str:
+                   stopped_early: bool = False, epochs: int = 1) -> str:
     """The same command, pointed at this run directory: it resumes from the newest complete checkpoint. A run
-    that reached its step budget gets a doubled one (a finished epoch-based run: one more epoch to set by hand); a
+    that reached its step budget gets a doubled one (an epoch-based run, `max_steps` None: twice its `epochs`); a
     run that stopped early gets `trainer.early_stopping.patience=0`, which trains on to its budget (the same
     command would stop there again: run/resume_contract.check_budget refuses it). A run that saved a checkpoint
     continues from its own, so trainer.resume_from (another run's: run/entry.check_fresh_start refuses it into a
@@ -141,12 +144,15 @@ def resume_command(run_dir: Path, overrides: Sequence[str], steps: int, max_step
     this one loaded only because PATH was trusted (checkpoint_find.trust_to_repeat: a reward model export)."""
     keeps_resume_from = not committed(run_dir / CHECKPOINTS_DIR)
     dropped = ("trainer.output_dir", "trainer.max_steps", "hydra.run.dir") + (
+        ("trainer.epochs",) if max_steps is None else ()) + (
         ("trainer.early_stopping.patience",) if stopped_early else ()) + (
         () if keeps_resume_from else ("trainer.resume_from",))
     kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in dropped]
     extra = [f"trainer.output_dir={run_dir}"] + (["trainer.early_stopping.patience=0"] if stopped_early else [])
     if max_steps is not None:
         extra.append(f"trainer.max_steps={max(max_steps, steps) * 2 if steps >= max_steps else max_steps}")
+    else:  # the budget is its epochs: run/resume_contract.check_budget refuses the same one again
+        extra += ["trainer.max_steps=null", f"trainer.epochs={epochs if stopped_early else epochs * 2}"]
     return shlex.join(["dsrecipes", *kept, *extra, *trust_to_repeat(run_dir, keeps_resume_from)])
 
 
