@@ -1,7 +1,8 @@
 """Parquet files are read by data=map (and `dsrecipes shard`) row by row: row N is line N of a JSON-lines file, so
 the same rows as Parquet and as JSON lines prepare the same token ids and labels, a bad row is `file:N`, a column JSON
-cannot carry is one message naming file, row and column, a broken file one message naming it, and data=iterable
-(an index of byte offsets of lines) refuses Parquet naming data=map. Before, every Parquet file was refused by name."""
+cannot carry is one message naming file, row and column, a broken file one message naming it, hf:// and s3:// files
+are read too, and data=iterable (an index of byte offsets of lines) refuses Parquet naming data=map. Before, every
+Parquet file was refused by name."""
 
 from __future__ import annotations
 
@@ -196,3 +197,15 @@ def test_a_hub_parquet_file_is_read_from_the_local_hub_cache(make_cfg, tmp_path,
     from_jsonl = prepared_rows(make_cfg, tmp_path, "jl", f"dataset.paths=[{jl_path}]")
     assert len(from_hub) == len(SAMPLE)
     assert [([i.replace("train-00000-of-00001:", "train:") for i in ids], x, y) for ids, x, y in from_hub] == from_jsonl
+
+
+def test_a_parquet_object_in_a_store_is_read_through_its_seekable_reader(make_cfg, tmp_path, s3_server):
+    from dsrecipes.data.sources.remote import s3
+
+    pq_path, jl_path = write_both(tmp_path / "data", "train", sharegpt_rows())
+    fs = s3()
+    fs.mkdir("s3://dsr-parquet")
+    fs.pipe("s3://dsr-parquet/data/train.parquet", pq_path.read_bytes())
+    from_store = prepared_rows(make_cfg, tmp_path, "s3", "dataset.paths=[s3://dsr-parquet/data/*.parquet]")
+    assert len(from_store) == len(SAMPLE) and from_store == prepared_rows(make_cfg, tmp_path, "jl",
+                                                                           f"dataset.paths=[{jl_path}]")

@@ -73,8 +73,8 @@ class RawRow:
 def expand_paths(patterns: List[str], *, parquet: bool = True) -> Tuple[List[str], List[str]]:
     """(files, patterns matching nothing): each glob sorted, duplicates removed, in pattern order. A URL
     (`remote.is_url`) is listed in its store; a store that cannot be asked raises DataError, and so does a file that
-    is not rows we read (a CSV file, a Parquet object in a store, a Parquet file where `parquet` is False: the
-    readers of byte offsets, data=iterable; `formats.refuse_other_format`, by its first bytes, by name in a store)."""
+    is not rows we read (a CSV file; Parquet where `parquet` is False: data=iterable's index of byte offsets;
+    `formats.refuse_other_format`, by its first bytes, by name in a store)."""
     files: List[str] = []
     missing: List[str] = []
     for pattern in patterns:

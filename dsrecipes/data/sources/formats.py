@@ -1,11 +1,12 @@
 """Which files hold rows we read, and the message for one that does not. Read: JSON (`.jsonl`, `.json`, each
 optionally `.gz`) by every reader, and Parquet (`.parquet`/`.pq`, or any local file that starts with `PAR1`; hf://
-paths are local files in the Hub cache) by map preparation and `dsrecipes shard` (parquet_rows.py: row N is line N).
+paths are local files in the Hub cache, an s3:// object is read through its seekable reader) by map preparation and
+`dsrecipes shard` (parquet_rows.py: row N is line N).
 An Arrow, CSV/TSV or plain-text file read as JSON lines makes every row a bad row (`invalid_utf8`, `invalid_json`),
 reported late and about rows rather than about the file; `expand_paths` asks `refuse_other_format` of every file it
 lists, so every reader (map preparation, the stream index, `dsrecipes shard`) and `validate` refuse such a file by
 name, with the command that converts it to JSON lines. So is Parquet where it is not read: by data=iterable (its
-index keeps byte offsets of lines; `parquet=False`) and as an object in an S3 store (only whole local files are read).
+index keeps byte offsets of lines; `parquet=False`).
 
 A local file is judged by its first bytes (Parquet's `PAR1`, Arrow's `ARROW1` or stream continuation marker), and a
 `.csv`/`.tsv`/`.txt` one also by its first character: a row file starts with `{` or `[` (JSON under another name is
@@ -47,10 +48,10 @@ def refuse_other_format(path: str, *, remote: bool = False, parquet: bool = True
     """Raise DataError naming `path` when it is not a file of rows we read (see the module's docstring); `remote`:
     an object in a store, judged by its name; `parquet`: the caller reads local Parquet files (map preparation)."""
     kind = other_format(path, remote=remote)
-    if kind == "parquet" and parquet and not remote:
+    if kind == "parquet" and parquet:
         return
     if kind is not None:
-        raise DataError(other_format_message(path, kind, remote=remote))
+        raise DataError(other_format_message(path, kind))
 
 
 def other_format(path: str, *, remote: bool = False) -> Optional[str]:
@@ -73,7 +74,7 @@ def other_format(path: str, *, remote: bool = False) -> Optional[str]:
     return None
 
 
-def other_format_message(path: str, kind: str, *, remote: bool = False) -> str:
+def other_format_message(path: str, kind: str) -> str:
     name, _ = _name(path)
     out = os.path.splitext(os.path.basename(name) if looks_like_url(path) else name)[0] + ".jsonl"  # beside it
     if kind == "gzip":
@@ -93,11 +94,9 @@ def other_format_message(path: str, kind: str, *, remote: bool = False) -> str:
                 "force_ascii=False)")
         how = f"convert it once: python -c {shlex.quote(code)}, then name {out} instead"
     if kind == "parquet":
-        where = ("an object in a store is not (download it and name the local file" if remote else
-                 "data=iterable indexes byte offsets of lines and does not (train on it with data=map, the default, "
-                 "or `dsrecipes shard` it into JSON-lines parts for data=presharded")
-        return (f"{path}: {_NAMES[kind]}; data=map reads local Parquet files, {where}), or {how}; a data file "
-                f"elsewhere must be {READ_FORMATS}")
+        return (f"{path}: {_NAMES[kind]}; data=map reads Parquet, data=iterable indexes byte offsets of lines and "
+                "does not: train on it with data=map (the default), `dsrecipes shard` it into JSON-lines parts for "
+                f"data=presharded, or {how}; data=iterable reads {READ_FORMATS}")
     return (f"{path}: {_NAMES[kind]}, not rows dsrecipes reads; a data file must be {READ_FORMATS}: {how}")
 
 

@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dsrecipes.core.errors import DataError
+from dsrecipes.data.sources.remote import is_url, open_bytes
 
 BATCH_ROWS = 1024
 _ERRORS = (pa.ArrowException, OSError, UnicodeDecodeError, ValueError)
@@ -42,29 +43,40 @@ def parquet_items(path: str, limit: int, used: Optional[Collection[str]] = None
                   ) -> Iterator[Tuple[int, Optional[bytes], None, None]]:
     """(row number N, the row's JSON bytes or None when longer than `limit`, None, None) of every row: the items of
     `files.read_row_items` for a Parquet file. `used`: the columns the caller reads (None: all of them)."""
+    fh = open_bytes(path) if is_url(path) else None  # an object: its seekable reader (a seek, a ranged GET)
     try:
-        pf = pq.ParquetFile(path)
-    except _ERRORS as exc:
-        raise ParquetUnreadable("before its first row", _what(exc)) from None
-    with pf:
-        odd = {f.name: f.type for f in pf.schema_arrow if not _jsonable(f.type)}
-        keep = [f.name for f in pf.schema_arrow if f.name not in odd or used is None or f.name in used]
-        nested = {f.name for f in pf.schema_arrow if f.name in keep and _has_struct(f.type)}
-        n = 0
-        batches = pf.iter_batches(batch_size=BATCH_ROWS, columns=keep)
-        while True:
-            try:
-                batch = next(batches, None)
-                rows = [] if batch is None else batch.to_pylist()
-            except _ERRORS as exc:
-                raise ParquetUnreadable(f"after row {n}" if n else "before its first row", _what(exc)) from None
-            if batch is None:
-                return
-            for row in rows:
-                n += 1
-                row = {k: _absent_nulls(v) if k in nested else v for k, v in row.items() if v is not None}
-                data = _row_bytes(path, n, row, odd)
-                yield n, (None if len(data) > limit else data), None, None
+        try:
+            pf = pq.ParquetFile(path if fh is None else fh)
+        except _ERRORS as exc:
+            raise ParquetUnreadable("before its first row", _what(exc)) from None
+        with pf:
+            yield from _rows(path, pf, limit, used)
+    finally:
+        if fh is not None:
+            fh.close()
+
+
+def _rows(path: str, pf: Any, limit: int, used: Optional[Collection[str]]
+          ) -> Iterator[Tuple[int, Optional[bytes], None, None]]:
+    """The rows of an open ParquetFile (see parquet_items)."""
+    odd = {f.name: f.type for f in pf.schema_arrow if not _jsonable(f.type)}
+    keep = [f.name for f in pf.schema_arrow if f.name not in odd or used is None or f.name in used]
+    nested = {f.name for f in pf.schema_arrow if f.name in keep and _has_struct(f.type)}
+    n = 0
+    batches = pf.iter_batches(batch_size=BATCH_ROWS, columns=keep)
+    while True:
+        try:
+            batch = next(batches, None)
+            rows = [] if batch is None else batch.to_pylist()
+        except _ERRORS as exc:
+            raise ParquetUnreadable(f"after row {n}" if n else "before its first row", _what(exc)) from None
+        if batch is None:
+            return
+        for row in rows:
+            n += 1
+            row = {k: _absent_nulls(v) if k in nested else v for k, v in row.items() if v is not None}
+            data = _row_bytes(path, n, row, odd)
+            yield n, (None if len(data) > limit else data), None, None
 
 
 def _row_bytes(path: str, n: int, row: Dict[str, Any], odd: Dict[str, pa.DataType]) -> bytes:
