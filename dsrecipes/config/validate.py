@@ -20,7 +20,6 @@ from dsrecipes.core.errors import DataError
 from dsrecipes.core.hub import check_hub_paths, is_hub_id
 from dsrecipes.core.schema import (
     AttnImpl,
-    DataKind,
     Device,
     OffloadDevice,
     OptimizerKind,
@@ -33,7 +32,7 @@ from dsrecipes.data.shard.manifest import read_manifest
 from dsrecipes.data.sources.files import expand_paths, no_file
 from dsrecipes.data.sources.remote import check_url, expand, looks_like_url
 from dsrecipes.data.sources.split_shares import split_problems
-from dsrecipes.data.strategies.rules import config_problems, required_paths
+from dsrecipes.data.strategies.rules import config_problems, reads_parquet, required_paths
 from dsrecipes.objectives.rewards import reward_model_problems
 
 
@@ -218,7 +217,7 @@ def _files(cfg: TrainConfig) -> List[str]:
     errors = []
     for key, pattern in named:
         try:
-            if expand_paths([pattern], parquet=cfg.data.kind is not DataKind.iterable)[1]:
+            if expand_paths([pattern], parquet=reads_parquet(cfg))[1]:
                 errors.append(f"{key}: {no_file(pattern)}")
         except DataError as exc:  # a store that cannot be asked (credentials, network, bucket, scheme)
             errors.append(f"{key}: {exc}")

@@ -24,6 +24,7 @@ class Rules:
     pairs: bool = False  # it carries preference pairs (objective.rows=pair): one pair is one sample
     reference_cache: bool = False  # objective.reference=precomputed: reference log-probs cached with prepared pairs
     split_refusal: Optional[str] = None  # why it cannot read one share of dataset.split (None: it can)
+    parquet: bool = True  # it reads Parquet files (iterable indexes byte offsets of lines: JSON lines only)
 
 
 def _reads_dataset(cfg: TrainConfig) -> List[str]:
@@ -39,7 +40,7 @@ def _reads_shards(cfg: TrainConfig) -> List[str]:
 
 RULES: Dict[DataKind, Rules] = {
     DataKind.map: Rules(_reads_dataset, prompt_rows=True, pairs=True, reference_cache=True),
-    DataKind.iterable: Rules(_reads_dataset, pairs=True),  # its share: stream/shares.py
+    DataKind.iterable: Rules(_reads_dataset, pairs=True, parquet=False),  # its share: stream/shares.py
     DataKind.presharded: Rules(_reads_shards, lambda cfg: [("data.shard_dir", cfg.data.shard_dir)], reads_sources=False,
                                pairs=True, split_refusal=(
                                    "data=presharded reads parts written by `dsrecipes shard`; choose the share when "
@@ -72,3 +73,7 @@ def carries_pairs(cfg: TrainConfig) -> bool:
 
 def caches_reference(cfg: TrainConfig) -> bool:
     return RULES[cfg.data.kind].reference_cache
+
+
+def reads_parquet(cfg: TrainConfig) -> bool:
+    return RULES[cfg.data.kind].parquet
