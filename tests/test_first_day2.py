@@ -97,6 +97,7 @@ def test_a_zero3_export_keeps_deepspeeds_consolidation_narrative_in_the_log(tmp_
     ("train_on_prompt", True), ("mask_history", True), ("neat_packing", True), ("buffer_size", 128),
     ("default_system", "Be brief."), ("adam_beta1", 0.8), ("adam_beta2", 0.95), ("adam_epsilon", 1.0e-6),
     ("lr_scheduler_kwargs", {"min_lr_rate": 0.1}), ("eval_on_start", False), ("disable_gradient_checkpointing", False),
+    ("early_stopping_steps", 3),
 ])  # fmt: skip
 def test_more_llamafactory_keys_get_a_line_that_validates_as_written(tmp_path, capsys, key, value):
     """LLaMA-Factory keys an LF user's file has (tried: a 45-key file) were 'unknown key (keys of the config: data,
@@ -123,6 +124,8 @@ def test_more_llamafactory_keys_get_a_line_that_validates_as_written(tmp_path, c
     ("export_dir", "out/m", "dsrecipes export RUN --out out/m"), ("pure_bf16", True, "precision: bf16"),
     ("disable_gradient_checkpointing", True, "not needed here: model.gradient_checkpointing: false is the default"),
     ("lr_scheduler_type", "cosine_with_min_lr", "scheduler: cosine with scheduler.min_lr_ratio"),
+    ("include_num_input_tokens_seen", True, "samples_seen"), ("use_fast_tokenizer", True, "AutoTokenizer"),
+    ("dataloader_pin_memory", False, "offload.pin_memory"),
 ])  # fmt: skip
 def test_llamafactory_keys_without_a_twin_say_what_to_do_instead(key, value, words):
     from dsrecipes.config.flat_check import flat_problems

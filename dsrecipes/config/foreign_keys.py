@@ -282,6 +282,13 @@ RULES: Dict[str, Rule] = {
     "eval_steps": "trainer.eval_every", "save_strategy": lambda v: NOT_NEEDED + "a checkpoint every "
     "trainer.save_every steps", "load_best_model_at_end": "trainer.save_best.enabled",
     "metric_for_best_model": "trainer.save_best.metric", "eval_on_start": "trainer.eval_at_start",
+    "early_stopping_steps": "trainer.early_stopping.patience",  # evaluations without improvement, as LF's callback
+    "include_num_input_tokens_seen": lambda v: NOT_NEEDED + "metrics.jsonl logs tokens_per_s and samples_seen at "
+    "every logged step",
+    "use_fast_tokenizer": lambda v: NOT_NEEDED + "the tokenizer loads as transformers' AutoTokenizer loads it (the "
+    "fast one where the directory has tokenizer.json)",
+    "dataloader_pin_memory": lambda v: "no such setting here: batches of token ids go to the device at each step "
+    "(offload.pin_memory is DeepSpeed's, for offloaded states)",
     # export (llamafactory-cli export)
     "export_dir": lambda v: f"a run exports itself to RUN/export; another copy: dsrecipes export RUN --out {v}",
 }
