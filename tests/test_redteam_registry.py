@@ -78,8 +78,7 @@ def test_a_rank_reads_the_registry_the_launching_process_indexed(make_cfg, tmp_p
     registry.write_text("ours:\n  paths: [rows.jsonl]\n  format: alpaca\n", encoding="utf-8")
     cfg = make_cfg("data=iterable", f"dataset.registry={registry}", "dataset.use=[ours]")
     write_stream_index(tmp_path, index_stream(cfg))
-    for name in ("_CHECKED", "_READ"):  # a rank: another process
-        monkeypatch.setattr(reg, name, {}, raising=False)
+    monkeypatch.setattr(reg, "_DIGESTS", {})  # a rank: another process
     assert [s.name for s in file_sources(cfg, read_stream_index(tmp_path))] == ["ours"]
     registry.write_text("ours:\n  paths: [rows.jsonl]\n  format: alpaca\n  columns: {instruction: output, output: "
                         "instruction}\n", encoding="utf-8")

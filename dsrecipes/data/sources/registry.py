@@ -23,7 +23,7 @@ import dataclasses
 import glob
 import hashlib
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import dsrecipes.core.bounded_yaml as bounded_yaml
 from dsrecipes.core.errors import ConfigError, DataError
@@ -167,8 +167,9 @@ def load_registry(path: str, use: Optional[List[str]] = None, checked: bool = Fa
     return {name: build(name, data[name], base) for name in (data if use is None else use)}
 
 
-_CHECKED: Dict[str, Optional[str]] = {}  # absolute path -> sha256 of the bytes its check read (None: unreadable)
-_READ: Dict[str, str] = {}  # absolute path -> sha256 of the bytes last read (registry_digest)
+# absolute path -> (sha256, checked). checked: the bytes the composition's check read (sha256 None: unreadable then),
+# which every later read must find and which is what this process used; else the bytes last read, binding nothing.
+_DIGESTS: Dict[str, Tuple[Optional[str], bool]] = {}
 
 
 def read_registry_text(path: str, limit: int, checked: bool, digest: Optional[str] = None) -> str:
@@ -181,27 +182,30 @@ def read_registry_text(path: str, limit: int, checked: bool, digest: Optional[st
     its absolute path as named, so a link pointed elsewhere is the same registry changed."""
     where = os.path.abspath(path)
     if checked:
-        _CHECKED[where] = None  # until it is read: a registry unreadable when checked is never used later
+        _DIGESTS[where] = (None, True)  # until it is read: a registry unreadable when checked is never used later
     if not os.path.isfile(path):
         raise ConfigError(f"dataset.registry: {path!r} does not exist")
     raw = read_regular_bytes(path, limit)
     found = hashlib.sha256(raw).hexdigest()
     if checked:
-        _CHECKED[where] = found
-    expected = digest if digest is not None else _CHECKED.get(where, found)
+        _DIGESTS[where] = (found, True)
+    pinned, was_checked = _DIGESTS.get(where, (None, False))
+    expected = digest if digest is not None else pinned if was_checked else found
     if found != expected:
         when = "this command checked it (when it composed the config" if digest is None else \
             "the launching process read it (for this run's stream index"
         raise ConfigError(f"dataset.registry: {path} changed after {when}: which stores its entries read); a "
                           "registry is used only as it was checked. Run the command again, and find out what "
                           "rewrites that file")
-    _READ[where] = found
+    if not was_checked:
+        _DIGESTS[where] = (found, False)
     return raw.decode("utf-8")
 
 
 def registry_digest(path: Optional[str]) -> Optional[str]:
-    """The sha256 of what this process last read of the registry file `path` (None: not read), for a rank to find."""
-    return _READ.get(os.path.abspath(os.path.expanduser(path))) if path else None
+    """The sha256 of what this process used of the registry file `path`, for a rank to find: the bytes its check read
+    (every later read found them), else the bytes last read; None: not read (or unreadable when checked)."""
+    return _DIGESTS.get(os.path.abspath(os.path.expanduser(path)), (None, False))[0] if path else None
 
 
 def _yaml_entry(name: str, entry: Any, base: str) -> SourceConfig:
