@@ -257,3 +257,40 @@ def test_unreadable_file_message_names_file_and_progress(tmp_path):
         list(read_rows(str(path)))
     assert str(err.value).startswith(f"{path}: unreadable after line ") and "truncated" in str(err.value)
     assert Path(str(path)).name in err.value.problems[0]
+
+
+def test_a_listed_file_is_opened_once_to_be_read_not_sniffed_again(tmp_path, monkeypatch):
+    """Was: files._items asked formats.other_format (an open and a read of the first bytes) of every file it read,
+    although expand_paths had sniffed it when it listed it: 3 opens per file (100 local files: 300). Now the
+    reader's own first bytes say whether it is Parquet: 2 opens (1 sniff when listed, 1 read), and a Parquet file
+    under another name, an empty file and a broken .gz are still told apart as before."""
+    import builtins
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dsrecipes.data.sources.files import expand_paths
+
+    (tmp_path / "a.jsonl").write_text(json.dumps(GOOD) + "\n", encoding="utf-8")
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress((json.dumps(GOOD) + "\n").encode()))
+    opened, real_open = [], builtins.open
+
+    def counted(name, *args, **kwargs):
+        opened.append(str(name))
+        return real_open(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counted)
+    for name in ("a.jsonl", "b.jsonl.gz"):
+        opened.clear()
+        listed, _ = expand_paths([str(tmp_path / name)])
+        assert [r.value for f in listed for r in read_rows(f)] == [GOOD]
+        assert opened == [str(tmp_path / name)] * 2, opened
+    monkeypatch.setattr(builtins, "open", real_open)
+    pq.write_table(pa.Table.from_pylist([GOOD]), tmp_path / "c.jsonl")  # Parquet bytes under a JSON-lines name
+    assert [r.value for r in read_rows(str(tmp_path / "c.jsonl"))] == [GOOD]
+    (tmp_path / "d.jsonl").write_bytes(b"")
+    assert [r.error.reason for r in read_rows(str(tmp_path / "d.jsonl"))] == [BadReason.empty_file]
+    (tmp_path / "e.jsonl.gz").write_bytes(b"not gzip")
+    with pytest.raises(files.FileUnreadable, match="not gzip-compressed"):
+        list(read_rows(str(tmp_path / "e.jsonl.gz")))

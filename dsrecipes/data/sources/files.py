@@ -29,7 +29,7 @@ from typing import IO, Any, Callable, Collection, Iterator, List, Optional, Tupl
 from dsrecipes.core.errors import DataError
 from dsrecipes.core.schema import DEFAULT_MAX_ROW_BYTES
 from dsrecipes.data.sources.badrows import BadReason, BadRow, location
-from dsrecipes.data.sources.formats import other_format, refuse_other_format
+from dsrecipes.data.sources.formats import PARQUET_MAGIC, other_format, refuse_other_format
 from dsrecipes.data.sources.jsonscan import BOM, JsonStructureError, values
 from dsrecipes.data.sources.remote import expand as remote_expand
 from dsrecipes.data.sources.remote import is_url, looks_like_url, open_maybe_gzip
@@ -244,7 +244,11 @@ def used_columns(source: Any) -> frozenset:
 
 
 def _items(path: str, limit: int, columns: Optional[Collection[str]]) -> Iterator[RowItem]:
-    if other_format(path, remote=is_url(path)) == "parquet":
+    if is_url(path):  # an object in a store: by its name, as expand_paths judged it (no byte is fetched for this)
+        fh = None if other_format(path, remote=True) == "parquet" else open_maybe_gzip(path)
+    else:
+        fh = _open_local(path)
+    if fh is None:  # Parquet
         import dsrecipes.data.sources.parquet_rows as parquet_rows  # lazy: pyarrow only for Parquet files
 
         try:
@@ -252,11 +256,31 @@ def _items(path: str, limit: int, columns: Optional[Collection[str]]) -> Iterato
         except parquet_rows.ParquetUnreadable as exc:
             raise FileUnreadable(path, exc.where, exc.what) from None
         return
-    with open_maybe_gzip(path) as fh:
+    with fh:
         if _is_json_file(path):
             yield from _json_items(path, fh, limit)
         else:
             yield from ((n, data, None, None) for n, data in iter_lines(fh, limit, path))
+
+
+def _open_local(path: str) -> Optional[IO[bytes]]:
+    """The reader of a local file of JSON rows, or None for a Parquet file: judged by the reader's own first bytes
+    as formats.other_format judges them, so that a file is opened to be read, not first once more to be sniffed
+    (expand_paths sniffed it when it listed it)."""
+    fh = open_maybe_gzip(path)
+    try:
+        head = fh.peek(len(PARQUET_MAGIC))  # type: ignore[attr-defined]  # BufferedReader, GzipFile
+    except _READ_ERRORS:  # a fresh reader reports it where it reads (other_format: None, not Parquet)
+        fh.close()
+        return open_maybe_gzip(path)
+    if len(head) < len(PARQUET_MAGIC):  # fewer bytes than the magic (a tiny file, a short gzip member): the sniff
+        parquet = other_format(path) == "parquet"
+    else:
+        parquet = head.startswith(PARQUET_MAGIC)
+    if parquet:
+        fh.close()
+        return None
+    return fh
 
 
 def row_of(path: str, item: RowItem, limit: int = DEFAULT_MAX_ROW_BYTES) -> RawRow:

@@ -28,7 +28,8 @@ from dsrecipes.data.sources.remote import looks_like_url
 READ_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 READ_FORMATS = "JSON lines (.jsonl) or JSON (.json: an array of rows), either optionally gzip-compressed (.gz)"
 _SNIFF_BYTES = 64
-_BINARY = ((b"PAR1", "parquet"), (b"ARROW1", "feather"), (b"\xff\xff\xff\xff", "arrow"))
+PARQUET_MAGIC = b"PAR1"  # a Parquet file's first (and last) bytes
+_BINARY = ((PARQUET_MAGIC, "parquet"), (b"ARROW1", "feather"), (b"\xff\xff\xff\xff", "arrow"))
 _BY_SUFFIX = {".parquet": "parquet", ".pq": "parquet", ".arrow": "arrow", ".feather": "feather", ".csv": "csv",
               ".tsv": "tsv", ".txt": "text", ".xlsx": "excel"}
 _TEXT_KINDS = ("csv", "tsv", "text")  # may be JSON under another name: judged by the first character when local
