@@ -31,6 +31,7 @@ import os
 import secrets
 import stat
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -47,11 +48,31 @@ FLAG = "--trust-checkpoint"
 TRUST_HELP = ("load the checkpoint or export at PATH (or any below that directory) although this user's key did not "
               "sign it: for this command only; its file hashes are still checked and nothing is re-signed")
 
-_trusted: List[Path] = []  # set by the command line of this invocation (commands/*: --trust-checkpoint PATH)
-_relied: List[Tuple[str, Path]] = []  # (what, where) of each record accepted only because `_trusted` covers it
-_exports: Dict[str, str] = {}  # export directory -> record_pin of the record this process accepted (check_export)
-_launch: List[Dict[str, str]] = []  # on a rank (`launched`): the exports its launching process accepted
-_command: List[str] = ["dsrecipes train ..."]  # the command a refusal of a run's inputs names to repeat (`trust`)
+DEFAULT_COMMAND = "dsrecipes train ..."
+
+
+@dataclass
+class Invocation:
+    """Every trust decision of one invocation (one command line: cli.main; one stage of a pipeline), in one place.
+    `reset` replaces the whole object, so nothing of a previous invocation in the same process is left behind; no
+    other state is kept by this module."""
+
+    trusted: List[Path] = field(default_factory=list)  # its command line's --trust-checkpoint PATHs, resolved
+    relied: List[Tuple[str, Path]] = field(default_factory=list)  # (what, where) accepted only because `trusted`
+    exports: Dict[str, str] = field(default_factory=dict)  # export directory -> record_pin it accepted (check_export)
+    launch: List[Dict[str, str]] = field(default_factory=list)  # on a rank, per `launched` block: accepted exports
+    command: str = DEFAULT_COMMAND  # what a refusal of a run's inputs names to repeat with the flag (`trust`)
+
+    def covers(self, where: Path) -> bool:
+        """`where` (resolved) is at or below a trusted PATH."""
+        return any(where == t or t in where.parents for t in self.trusted)
+
+    def pins(self) -> Optional[Dict[str, str]]:
+        """Inside `launched` (a rank): the exports its launching process accepted (innermost block); None outside."""
+        return self.launch[-1] if self.launch else None
+
+
+_now = Invocation()  # this invocation's; replaced whole by `reset`
 
 
 class Untrusted(Refused):
@@ -170,25 +191,25 @@ def signature_problem(record: Dict[str, Any]) -> Optional[str]:
     return None
 
 
-def trust(paths: List[str], command: str = "dsrecipes train ...") -> None:
+def trust(paths: List[str], command: str = DEFAULT_COMMAND) -> None:
     """Accept the records at or below `paths` for this invocation (the command line's --trust-checkpoint). An empty
     PATH (`--trust-checkpoint=$UNSET`) is refused: it would resolve to the working directory and trust all below it;
     so is one that does not exist. `command`: this invocation, as a refusal of what a run would load (a reward model
     export: `run_command`) names it to repeat with the flag."""
-    _command[:] = [command]
+    _now.command = command
     if any(not str(p).strip() for p in paths):
         raise UserError(f"{FLAG}: an empty PATH would trust everything below the working directory; name the "
                         f"checkpoint or run directory to trust: {FLAG} PATH")
     for path in paths:  # a mistyped PATH would trust nothing, in silence
         if not Path(path).expanduser().exists():
             raise UserError(f"argument {FLAG}: must be an existing path, got {path!r}")
-    _trusted.extend(Path(p).expanduser().resolve() for p in paths)
+    _now.trusted.extend(Path(p).expanduser().resolve() for p in paths)
 
 
 def run_command() -> str:
     """The command to repeat with the flag when a run's input (a reward model export) is refused: `dsrecipes train
     ...`, or the command that checked it (`dsrecipes validate ...`)."""
-    return _command[0]
+    return _now.command
 
 
 def take_flag(argv: List[str]) -> List[str]:
@@ -210,10 +231,9 @@ def take_flag(argv: List[str]) -> List[str]:
 
 
 def reset() -> None:
-    _trusted.clear()
-    _relied.clear()
-    _exports.clear()
-    _command[:] = ["dsrecipes train ..."]
+    """A new invocation: nothing a previous one trusted, relied on, accepted, pinned or named is kept."""
+    global _now
+    _now = Invocation()
 
 
 def repeat_flags(again: Callable[[str, Path], bool]) -> List[str]:
@@ -221,15 +241,14 @@ def repeat_flags(again: Callable[[str, Path], bool]) -> List[str]:
     printed command repeating this one loads again (`again(what, where)`: "export" or "checkpoint", its directory):
     the resume command of a run that relied on them (checkpoint_find.trust_to_repeat); nothing when none did."""
     roots: List[Path] = []
-    for what, where in _relied:
+    for what, where in _now.relied:
         if again(what, where):
-            roots += [t for t in _trusted if (where == t or t in where.parents) and t not in roots]
+            roots += [t for t in _now.trusted if (where == t or t in where.parents) and t not in roots]
     return [arg for root in roots for arg in (FLAG, str(root))]
 
 
 def is_trusted(path: Path) -> bool:
-    where = Path(path).expanduser().resolve()
-    return any(where == t or t in where.parents for t in _trusted)
+    return _now.covers(Path(path).expanduser().resolve())
 
 
 def check(record: Dict[str, Any], where: Path, what: str, retry: str) -> bool:
@@ -240,7 +259,7 @@ def check(record: Dict[str, Any], where: Path, what: str, retry: str) -> bool:
     if problem is None:
         return True
     if is_trusted(where):
-        _relied.append((what, Path(where).expanduser().resolve()))
+        _now.relied.append((what, Path(where).expanduser().resolve()))
         return False
     raise Untrusted(
         f"{where}: refusing to load this {what}: {problem}. Its files are pickles, and loading them can run code, "
@@ -257,7 +276,7 @@ def record_pin(record: Dict[str, Any]) -> str:
 def accepted_exports() -> Dict[str, str]:
     """{export directory: record_pin} of every export this process accepted (signed, or trusted on its command
     line), for plan.json: a rank loads one only with the same record (`launched`)."""
-    return dict(_exports)
+    return dict(_now.exports)
 
 
 @contextmanager
@@ -265,11 +284,12 @@ def launched(exports: Dict[str, str]) -> Iterator[None]:
     """A rank, inside this block: an export is accepted when signed by this user or when its record is the one the
     launching process accepted (`exports`: plan.json's), never by a command line (a rank has none; one that runs in
     the launching process checks again all the same, at the point of use)."""
-    _launch.append(dict(exports))
+    state = _now  # the block ends its own pins, even where a `reset` inside it began another invocation
+    state.launch.append(dict(exports))
     try:
         yield
     finally:
-        _launch.pop()
+        state.launch.pop()
 
 
 def check_export(model_dir: Path, retry: str) -> None:
@@ -278,7 +298,7 @@ def check_export(model_dir: Path, retry: str) -> None:
     for another directory. On a rank (`launched`), the record must carry this user's signature or be the one its
     launching process accepted, and a directory that was an export there must still be one: a record put in its
     place after the launching process checked it is refused where it would load."""
-    pins = _launch[-1] if _launch else None
+    pins = _now.pins()
     marker, where = model_dir / EXPORT_INFO, str(Path(model_dir).expanduser().resolve())
     if not marker.exists():
         if pins is not None and where in pins:
@@ -293,7 +313,7 @@ def check_export(model_dir: Path, retry: str) -> None:
         raise UserError(f"{marker}: unreadable ({exc}); nothing was loaded")
     if pins is None:
         check(record, model_dir, "export", retry)
-        _exports[where] = record_pin(record)
+        _now.exports[where] = record_pin(record)
     elif pins.get(where) != record_pin(record) and (problem := signature_problem(record)) is not None:
         raise Untrusted(f"{marker}: {problem}, and it is not the record the launching process checked (it changed "
                         "since, or no launch that checked it started this process); nothing was loaded")
