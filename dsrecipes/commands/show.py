@@ -8,7 +8,9 @@ from typing import List
 import yaml
 
 from dsrecipes.commands.args import override_parser, parse, positive_int
+from dsrecipes.config.defaults import lr_source, with_derived_defaults
 from dsrecipes.config.load import compose_and_load
+from dsrecipes.core.schema import TrainConfig
 from dsrecipes.core.topology import resolve_topology
 from dsrecipes.core.typed import config_to_dict
 from dsrecipes.data.sources.registry import sample_replaced
@@ -27,7 +29,7 @@ def main(argv: List[str]) -> int:
     world = args.world_size if args.world_size is not None else resolve_topology(cfg.launcher).world_size
     if not args.json_only:
         print("# resolved config")
-        print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True))
+        print(config_text(cfg))
         if sample_replaced(cfg.dataset):  # the sample's name and path are above, but a run reads what the user named
             named = " and ".join(n for n, v in (("dataset.use", cfg.dataset.use), ("dataset.sources", cfg.dataset.sources))
                                  if v)
@@ -37,3 +39,17 @@ def main(argv: List[str]) -> int:
         print("# (no \"scheduler\" section: the LR schedule is dsrecipes.rank.schedule, given to deepspeed.initialize)")
     print(json.dumps(build_ds_config(cfg, world), indent=2))
     return 0
+
+
+def config_text(cfg: TrainConfig) -> str:
+    """The config as the run directory's config.yaml will hold it (the derived defaults of config/defaults.py filled
+    in: `optimizer.lr: null` is the model's own rate), the learning rate's line naming the key it came from when the
+    command left optimizer.lr unset: `lr: 0.003  # model.tiny.finetune_lr (optimizer.lr unset)`."""
+    text = yaml.safe_dump(config_to_dict(with_derived_defaults(cfg)), sort_keys=False, allow_unicode=True)
+    if cfg.optimizer.lr is not None:
+        return text
+    lines = text.splitlines()
+    section = lines.index("optimizer:")
+    at = next(i for i in range(section + 1, len(lines)) if lines[i].startswith("  lr: "))
+    lines[at] += f"  # {lr_source(cfg)} (optimizer.lr unset)"
+    return "\n".join(lines) + "\n"
