@@ -3,6 +3,8 @@ say now."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from dsrecipes.cli import main
 
 
@@ -29,3 +31,24 @@ def test_show_prints_the_learning_rate_the_run_uses(capsys):
     assert _optimizer_lr_line(said) == "  lr: 0.003  # model.tiny.finetune_lr (optimizer.lr unset)", said
     code, said = _run(capsys, "show", "optimizer.lr=1e-4")
     assert code == 0 and _optimizer_lr_line(said) == "  lr: 0.0001", said
+
+
+def test_validate_says_how_many_rows_the_validation_split_leaves_to_train_on(tmp_path, capsys):
+    """A small file of one's own (100 rows) under the default dataset.val_size (64, the bundled sample's) validated
+    'OK' and trained on 36 rows; dataset.max_samples=60 validated 'OK' and was refused by the run after reading every
+    row. Now validate warns with the rows of each split where it knows them (rows counted in small local files,
+    dataset.max_samples), and refuses a hold-out that leaves nothing to train on; the bundled sample says nothing."""
+    sample = (Path(__file__).parents[1] / "dsrecipes" / "assets" / "sample_data" / "train.jsonl").read_text()
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("".join(sample.splitlines(keepends=True)[:100]))
+    code, said = _run(capsys, "validate", f"dataset.paths=[{mine}]")
+    assert code == 0 and "warning: dataset.val_size: 64 held out of at most 100 rows (counted in the dataset " \
+        "files) leaves at most 36 to train on (64% or more for validation)" in said, said
+    code, said = _run(capsys, "validate", f"dataset.paths=[{mine}]", "dataset.val_size=0.5")
+    assert code == 0 and "0.5 holds out 50 of at most 100 rows" in said and "trains on at most 50" in said, said
+    code, said = _run(capsys, "validate", "dataset.max_samples=60")
+    assert code == 2 and "dataset.val_size: 64 validation samples leave nothing to train on (at most 60 rows, " \
+        "dataset.max_samples)" in said, said
+    for fine in ([], ["dataset.max_samples=200"], [f"dataset.paths=[{mine}]", "dataset.val_size=10"]):
+        code, said = _run(capsys, "validate", *fine)
+        assert code == 0 and "dataset.val_size" not in said, (fine, said)

@@ -16,6 +16,7 @@ from dsrecipes.config.matrix import as_container, layer, plan_all, recipe_body
 from dsrecipes.core.errors import ConfigError
 from dsrecipes.core.worker_pool import WorkerLost, WorkerPool
 from dsrecipes.data.sources.registry import resolve_sources
+from dsrecipes.data.sources.val_share import held_out
 from dsrecipes.run.preflight import check_environment, check_template_tokens
 
 
@@ -31,9 +32,10 @@ def main(argv: List[str]) -> int:
     cfg = compose_and_load(args.overrides)
 
     problems = check_environment(cfg) + check_template_tokens(cfg)  # paths, names, tokens: no model loaded
-    if problems:
-        raise ConfigError(problems)
-    for warning in config_warnings(cfg):
+    split_problems, split_warnings = held_out_rows(cfg)
+    if problems + split_problems:
+        raise ConfigError(problems + split_problems)
+    for warning in config_warnings(cfg) + split_warnings:
         print(f"warning: {warning}", file=sys.stderr)
     print(
         f"OK: data={cfg.data.kind.value} dataset={source_names(cfg)} model={model_name(cfg)} "
@@ -41,6 +43,13 @@ def main(argv: List[str]) -> int:
         f"launcher={cfg.launcher.kind.value}"
     )
     return 0
+
+
+def held_out_rows(cfg: Any) -> Tuple[List[str], List[str]]:
+    """(problems, warnings) of the share `dataset.val_size` holds out, where the rows are known (val_share.py)."""
+    from dsrecipes.data.strategies.rules import reads_sources  # lazy: numpy
+
+    return held_out(cfg) if reads_sources(cfg) else ([], [])
 
 
 def source_names(cfg: Any) -> str:
