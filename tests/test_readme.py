@@ -42,8 +42,9 @@ def test_the_everyday_commands_validate_as_written(tmp_path, monkeypatch, capsys
     data = tmp_path / "data"
     data.mkdir()
     chat = {"conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]}
-    (data / "my_chats.json").write_text(json.dumps([chat] * 4))
-    (data / "my_alpaca.json").write_text(json.dumps([{"instruction": "2+2?", "input": "", "output": "4"}] * 4))
+    # enough rows for the default dataset.val_size (64) to leave most to train on: validate counts them
+    (data / "my_chats.json").write_text(json.dumps([chat] * 100))
+    (data / "my_alpaca.json").write_text(json.dumps([{"instruction": "2+2?", "input": "", "output": "4"}] * 100))
     (data / "dataset_info.json").write_text(json.dumps({"a": {"file_name": "my_chats.json", "formatting": "sharegpt"},
                                                         "b": {"file_name": "my_alpaca.json"}}))
     monkeypatch.chdir(tmp_path)
