@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from dsrecipes.cli import main
 
 
@@ -52,3 +54,33 @@ def test_validate_says_how_many_rows_the_validation_split_leaves_to_train_on(tmp
     for fine in ([], ["dataset.max_samples=200"], [f"dataset.paths=[{mine}]", "dataset.val_size=10"]):
         code, said = _run(capsys, "validate", *fine)
         assert code == 0 and "dataset.val_size" not in said, (fine, said)
+
+
+BUNDLED = [[], ["objective=dpo", "dataset=sample_pairs"], ["objective=orpo", "dataset=sample_pairs"],
+           ["objective=reward", "dataset=sample_pairs"], ["dataset=glaive_toolcall"]]  # fmt: skip
+
+
+@pytest.mark.parametrize("choice", BUNDLED[:4], ids=lambda c: " ".join(c) or "defaults")
+def test_debug_fast_prepares_the_bundled_rows_and_pairs_whole(tmp_path, choice):
+    """`python -m dsrecipes objective=dpo dataset=sample_pairs debug=fast` (the README's DPO command with the smoke
+    preset) was refused: 'pairs.jsonl:30: prompt_too_long (the prompt has 130 tokens; data.cutoff_len is 128)'.
+    debug=fast's cutoff (128) was shorter than the bundled pairs with tools (every pair fits in 192) and cut 17 of its
+    400 sample conversations. Now its cutoff is 192 and the first 400 rows are prepared whole, the pairs as the rows
+    the objective trains on (objective.reference=live: no reference pass; it runs under the same cutoff)."""
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.core.tokenizer import load_tokenizer
+    from dsrecipes.data.prepare.build import prepare
+
+    cfg = compose_and_load([*choice, "debug=fast", "objective.reference=live", f"data.cache_dir={tmp_path}"])
+    prepared = prepare(cfg, load_tokenizer(cfg), tmp_path / "run")
+    assert prepared.stats["samples"] == {"train": 384, "val": 16}, prepared.stats
+    assert prepared.stats.get("truncated", 0) == 0, prepared.stats
+
+
+@pytest.mark.parametrize("choice", [[f"recipe={r}"] for r in ("cpu_zero2_two_ranks", "smollm2_cpu_dpo", "smollm2_cpu_sft")]
+                         + BUNDLED, ids=lambda c: " ".join(c) or "defaults")
+def test_debug_fast_validates_with_each_recipe_and_bundled_dataset_that_runs_here(capsys, choice):
+    """debug=fast onto each shipped recipe whose files ship with dsrecipes (the others name /models and /data paths
+    of a cluster) and each bundled dataset with the objectives that train on it."""
+    code, said = _run(capsys, "validate", *choice, "debug=fast")
+    assert code == 0 and "warning" not in said, said

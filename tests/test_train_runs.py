@@ -32,7 +32,7 @@ from tests.conftest import in_process_environ, subprocess_env
 pytestmark = pytest.mark.slow
 
 SHORT = [
-    "debug=fast",  # 8 steps, micro batch 4, save/eval every 4, cutoff 128, 400 samples, 16 for validation
+    "debug=fast",  # 8 steps, micro batch 4, save/eval every 4, cutoff 192, 400 samples, 16 for validation
     "trainer.log_every=1",
     "optimizer.lr=3e-3",
     "dataset.max_samples=240",
