@@ -209,3 +209,48 @@ def test_a_parquet_object_in_a_store_is_read_through_its_seekable_reader(make_cf
     from_store = prepared_rows(make_cfg, tmp_path, "s3", "dataset.paths=[s3://dsr-parquet/data/*.parquet]")
     assert len(from_store) == len(SAMPLE) and from_store == prepared_rows(make_cfg, tmp_path, "jl",
                                                                            f"dataset.paths=[{jl_path}]")
+
+
+def test_a_large_row_group_is_not_held_in_memory_while_its_rows_are_read(tmp_path):
+    """Was: pq.ParquetFile read a row group's column chunks ahead whole (pyarrow's default pre_buffer), so memory held
+    a row group compressed while its rows were read: pd.to_parquet writes up to a million rows in one (a 110 MiB row
+    group of conversations: arrow memory peaked at 121 MiB). Now chunks are read through a 1 MiB buffer: after the
+    first row of a 23 MiB row group, arrow holds 4 MiB (the first batch), where it held 26."""
+    import os
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dsrecipes.data.sources.parquet_rows import parquet_items
+
+    rows = [{"conversations": [{"from": "human", "value": os.urandom(512).hex()}]} for _ in range(24000)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "one_group.parquet", row_group_size=len(rows))
+    items = parquet_items(str(tmp_path / "one_group.parquet"), 1 << 20)
+    before = pa.total_allocated_bytes()
+    first = next(items)
+    held = pa.total_allocated_bytes() - before
+    assert json.loads(first[1]) == rows[0]
+    assert held < 12 << 20, f"{held >> 20} MiB held after the first row of a 23 MiB row group"
+    assert sum(1 for _ in items) == len(rows) - 1
+
+
+def test_a_parquet_row_is_the_json_text_of_its_columns_in_every_batch(tmp_path):
+    """The row bytes are json.dumps(row, ensure_ascii=False) (what dataset.max_row_bytes measures and the quarantine
+    keeps) in batches of plain ASCII (made by the faster ASCII encoder), with DEL, non-ASCII text or names, control
+    characters, backslashes, and null struct fields left out (only where a batch has one)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dsrecipes.data.sources import parquet_rows
+
+    values = ['a"b\\c\n\t\x01', "plain", "q\\u00e9", "del\x7f", "snow\u2603", "\U0001F600", ""]
+    rows = []
+    for i in range(3 * parquet_rows.BATCH_ROWS):
+        turn = {"from": "human", "value": values[i % 3] if i < 2000 else values[i % len(values)]}
+        if i == 2500:
+            turn["weight"] = 1.0  # every other turn's weight is null: left out
+        rows.append({"conversations": [turn], "n": i, "f": i / 7})
+    rows.append({"conversations": [{"fróm": "x"}]})  # a non-ASCII name
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet", row_group_size=1500)
+    got = [data for _, data, _, _ in parquet_rows.parquet_items(str(tmp_path / "rows.parquet"), 1 << 20)]
+    assert got == [json.dumps(r, ensure_ascii=False).encode() for r in rows]

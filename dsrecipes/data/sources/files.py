@@ -207,7 +207,8 @@ def _has_lone_surrogate(value: Any) -> bool:
 # Rows of a file
 
 
-# (line where the row starts, its bytes or None: longer than the limit, JSON array element, bracket depth if known)
+# (line where the row starts, its bytes or None: longer than the limit, JSON array element, bracket depth if known;
+# a Parquet row's: its schema's, a bound within MAX_DEPTH, which is all parse_row asks of it)
 RowItem = Tuple[Optional[int], Optional[bytes], Optional[int], Optional[int]]
 
 
@@ -252,7 +253,7 @@ def _items(path: str, limit: int, columns: Optional[Collection[str]]) -> Iterato
         import dsrecipes.data.sources.parquet_rows as parquet_rows  # lazy: pyarrow only for Parquet files
 
         try:
-            yield from parquet_rows.parquet_items(path, limit, columns)
+            yield from parquet_rows.parquet_items(path, limit, columns, MAX_DEPTH)
         except parquet_rows.ParquetUnreadable as exc:
             raise FileUnreadable(path, exc.where, exc.what) from None
         return

@@ -6,8 +6,14 @@ and goes through `files.parse_row` like a line's bytes, so every check, id (`<fi
 bad-row reason and the row limit (`dataset.max_row_bytes`, on the row's JSON text) are those of JSON lines. A null
 column or struct field (a row without `system`, a turn without `weight` where another has one: Parquet gives every
 row every column) is left out, as absent from a JSON row. Rows are read `BATCH_ROWS` at a time
-(`ParquetFile.iter_batches`): memory holds one row group's column data and one batch of rows as Python values,
-never the whole table.
+(`ParquetFile.iter_batches`), column chunks through a `READ_BUFFER` buffer: memory holds one batch of rows as Arrow
+and Python values, not a row group's column chunks (pd.to_parquet writes up to a million rows in one) nor the table.
+
+The JSON text costs a Parquet row more than a JSON line (20,000 ShareGPT conversations, CPU time of files.read_rows:
+about 2.5x the JSON-lines file's; 3.6-4x before ASCII batches were encoded with ensure_ascii, which gives the same text
+there, rows of a schema no deeper than files.MAX_DEPTH were handed their depth, and struct nulls looked for per batch);
+what remains is Arrow decoding, to_pylist and the JSON text itself, which the row limit and the checks of
+`parse_row` are taken on, as for every row.
 
 Values JSON cannot carry (bytes, timestamps, dates, decimals, ...) in a column the source reads
 (`files.used_columns`) are one DataError naming the file, the row and the column; such a column that no reader looks
@@ -28,6 +34,14 @@ from dsrecipes.core.errors import DataError
 from dsrecipes.data.sources.remote import is_url, open_bytes
 
 BATCH_ROWS = 1024
+# Column chunks are read through a buffer this large, not read ahead whole (pyarrow's pre_buffer): else a row group's
+# columns are held compressed in memory while its rows are read, and pd.to_parquet writes up to a million rows in one
+# (a 110 MiB row group: arrow memory peaked at 121 MiB; so, at 13 MiB).
+READ_BUFFER = 1 << 20
+_ENCODER = json.JSONEncoder(ensure_ascii=False)  # json.dumps(row, ensure_ascii=False), without a new encoder per row
+# The same text where no string or name holds a character from DEL (0x7f) up (the only ones ensure_ascii escapes
+# and the other leaves), made faster (a row's size, ids and quarantined text are those of the text above).
+_ASCII = json.JSONEncoder(ensure_ascii=True)
 _ERRORS = (pa.ArrowException, OSError, UnicodeDecodeError, ValueError)
 
 
@@ -39,29 +53,35 @@ class ParquetUnreadable(Exception):
         self.where, self.what = where, what
 
 
-def parquet_items(path: str, limit: int, used: Optional[Collection[str]] = None
-                  ) -> Iterator[Tuple[int, Optional[bytes], None, None]]:
-    """(row number N, the row's JSON bytes or None when longer than `limit`, None, None) of every row: the items of
-    `files.read_row_items` for a Parquet file. `used`: the columns the caller reads (None: all of them)."""
+def parquet_items(path: str, limit: int, used: Optional[Collection[str]] = None, max_depth: int = 0
+                  ) -> Iterator[Tuple[int, Optional[bytes], None, Optional[int]]]:
+    """(row number N, the row's JSON bytes or None when longer than `limit`, None, its schema's depth where that is
+    at most `max_depth` (files.MAX_DEPTH), else None) of every row: the items of `files.read_row_items` for a Parquet
+    file. `used`: the columns the caller reads (None: all of them)."""
     fh = open_bytes(path) if is_url(path) else None  # an object: its seekable reader (a seek, a ranged GET)
     try:
         try:
-            pf = pq.ParquetFile(path if fh is None else fh)
+            pf = pq.ParquetFile(path if fh is None else fh, buffer_size=READ_BUFFER, pre_buffer=False)
         except _ERRORS as exc:
             raise ParquetUnreadable("before its first row", _what(exc)) from None
         with pf:
-            yield from _rows(path, pf, limit, used)
+            yield from _rows(path, pf, limit, used, max_depth)
     finally:
         if fh is not None:
             fh.close()
 
 
-def _rows(path: str, pf: Any, limit: int, used: Optional[Collection[str]]
-          ) -> Iterator[Tuple[int, Optional[bytes], None, None]]:
+def _rows(path: str, pf: Any, limit: int, used: Optional[Collection[str]], max_depth: int
+          ) -> Iterator[Tuple[int, Optional[bytes], None, Optional[int]]]:
     """The rows of an open ParquetFile (see parquet_items)."""
     odd = {f.name: f.type for f in pf.schema_arrow if not _jsonable(f.type)}
     keep = [f.name for f in pf.schema_arrow if f.name not in odd or used is None or f.name in used]
     nested = {f.name for f in pf.schema_arrow if f.name in keep and _has_struct(f.type)}
+    # No row is deeper than its schema: within max_depth, parse_row is told so and need not count its brackets (a
+    # row it would find too deep cannot occur); else it counts them, as for a JSON line.
+    bound = 1 + max((_depth(f.type) for f in pf.schema_arrow if f.name in keep), default=0)
+    depth = bound if bound <= max_depth else None
+    plain_names = all(_plain_text(name) for name in _names(pf.schema_arrow))
     n = 0
     batches = pf.iter_batches(batch_size=BATCH_ROWS, columns=keep)
     while True:
@@ -72,16 +92,19 @@ def _rows(path: str, pf: Any, limit: int, used: Optional[Collection[str]]
             raise ParquetUnreadable(f"after row {n}" if n else "before its first row", _what(exc)) from None
         if batch is None:
             return
+        holes = {k for k in nested if _null_field(batch.column(k))}  # struct fields to leave out: none, mostly
+        encoder = _ASCII if plain_names and all(_plain(column) for column in batch.columns) else _ENCODER
         for row in rows:
             n += 1
-            row = {k: _absent_nulls(v) if k in nested else v for k, v in row.items() if v is not None}
-            data = _row_bytes(path, n, row, odd)
-            yield n, (None if len(data) > limit else data), None, None
+            row = {k: _absent_nulls(v) if k in holes else v for k, v in row.items() if v is not None}
+            data = _row_bytes(path, n, row, odd, encoder)
+            yield n, (None if len(data) > limit else data), None, depth
 
 
-def _row_bytes(path: str, n: int, row: Dict[str, Any], odd: Dict[str, pa.DataType]) -> bytes:
+def _row_bytes(path: str, n: int, row: Dict[str, Any], odd: Dict[str, pa.DataType],
+               encoder: json.JSONEncoder = _ENCODER) -> bytes:
     try:
-        return json.dumps(row, ensure_ascii=False).encode("utf-8", "surrogatepass")
+        return encoder.encode(row).encode("utf-8", "surrogatepass")
     except (TypeError, ValueError):
         pass
     for name, kind in odd.items():
@@ -104,6 +127,66 @@ def _absent_nulls(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _absent_nulls(v) for k, v in value.items() if v is not None}
     return value
+
+
+def _null_field(values: pa.Array) -> bool:
+    """Whether a struct inside `values` has a null field (a list's or dictionary's values all looked at, those of
+    no row included: at worst `_absent_nulls` runs for nothing)."""
+    t = pa.types
+    kind = values.type
+    if t.is_dictionary(kind):
+        return _null_field(values.dictionary)
+    if t.is_list(kind) or t.is_large_list(kind) or t.is_fixed_size_list(kind):
+        return _null_field(values.values)
+    if t.is_struct(kind):
+        return any(f.null_count or _null_field(f) for f in (values.field(i) for i in range(kind.num_fields)))
+    return False
+
+
+def _plain(values: pa.Array) -> bool:
+    """Whether no string inside `values` holds a character from DEL (0x7f) up (the buffers' bytes looked at,
+    those of no row included: at worst the slower encoder is used for nothing)."""
+    t = pa.types
+    kind = values.type
+    if t.is_dictionary(kind):
+        return _plain(values.dictionary)
+    if t.is_list(kind) or t.is_large_list(kind) or t.is_fixed_size_list(kind):
+        return _plain(values.values)
+    if t.is_struct(kind):
+        return all(_plain(values.field(i)) for i in range(kind.num_fields))
+    if t.is_string(kind) or t.is_large_string(kind):
+        data = values.buffers()[2]
+        return data is None or _plain_text(data.to_pybytes())
+    return True
+
+
+def _plain_text(text: Any) -> bool:
+    return text.isascii() and ("\x7f" if isinstance(text, str) else b"\x7f") not in text
+
+
+def _names(schema: Any) -> Iterator[str]:
+    """The column and struct field names of `schema` (the keys of its rows' JSON)."""
+    stack = [(f.name, f.type) for f in schema]
+    while stack:
+        name, kind = stack.pop()
+        yield name
+        while pa.types.is_dictionary(kind) or pa.types.is_list(kind) or pa.types.is_large_list(kind) \
+                or pa.types.is_fixed_size_list(kind):
+            kind = kind.value_type
+        if pa.types.is_struct(kind):
+            stack += [(kind.field(i).name, kind.field(i).type) for i in range(kind.num_fields)]
+
+
+def _depth(kind: pa.DataType) -> int:
+    """The deepest bracket nesting a value of `kind` has as JSON (a list or struct: one more than its values)."""
+    t = pa.types
+    if t.is_dictionary(kind):
+        return _depth(kind.value_type)
+    if t.is_list(kind) or t.is_large_list(kind) or t.is_fixed_size_list(kind):
+        return 1 + _depth(kind.value_type)
+    if t.is_struct(kind):
+        return 1 + max((_depth(kind.field(i).type) for i in range(kind.num_fields)), default=0)
+    return 0
 
 
 def _has_struct(kind: pa.DataType) -> bool:
