@@ -126,6 +126,8 @@ def test_more_llamafactory_keys_get_a_line_that_validates_as_written(tmp_path, c
     ("lr_scheduler_type", "cosine_with_min_lr", "scheduler: cosine with scheduler.min_lr_ratio"),
     ("include_num_input_tokens_seen", True, "samples_seen"), ("use_fast_tokenizer", True, "AutoTokenizer"),
     ("dataloader_pin_memory", False, "offload.pin_memory"),
+    ("enable_thinking", False, "remove the <think>...</think> part from the answers in your data"),
+    ("enable_thinking", True, "keep the <think>...</think> part in the answers of your data, with template: auto"),
 ])  # fmt: skip
 def test_llamafactory_keys_without_a_twin_say_what_to_do_instead(key, value, words):
     from dsrecipes.config.flat_check import flat_problems

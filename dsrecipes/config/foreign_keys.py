@@ -153,6 +153,19 @@ def _template(value: Any) -> str:
     return f"LLaMA-Factory's {name} template {kin} {ours}; here: template: {ours}, or {auto}"
 
 
+def _thinking(value: Any) -> str:
+    """LLaMA-Factory's reasoning templates (qwen3, deepseekr1, ...) add an empty <think></think> block to answers
+    without one: trained (true, its default) or in the prompt with the answers' reasoning removed (false). Our
+    templates render the answers as the data writes them and pass no enable_thinking to a model's own template."""
+    where = ("our templates train the answers as your data writes them (no empty <think></think> block added), and "
+             "template: auto renders the model's own chat template without an enable_thinking value")
+    if value is False:
+        return (f"no thinking switch here: {where}; to train answers without reasoning, remove the <think>...</think> "
+                "part from the answers in your data")
+    return (f"no thinking switch here: {where}; to train reasoning, keep the <think>...</think> part in the answers "
+            "of your data, with template: auto (the model tokenizer's own chat template) for a reasoning model")
+
+
 def _trust_remote_code(value: Any) -> str:
     if value is True:
         return ("model.trust_remote_code stays false here: a model directory that needs its own code is refused "
@@ -255,6 +268,7 @@ RULES: Dict[str, Rule] = {
     "vocabulary is the tokenizer's (a template's special tokens must already be single tokens of it)",
     "resize_vocab": lambda v: NOT_NEEDED + "the vocabulary is the tokenizer's and is not resized",
     "tokenized_path": lambda v: NOT_NEEDED + "prepared data is cached under data.cache_dir",
+    "enable_thinking": _thinking,
     # output
     "output_dir": "trainer.output_dir", "logging_steps": "trainer.log_every", "save_steps": "trainer.save_every",
     "save_total_limit": "trainer.keep_checkpoints", "report_to": _report_to,
