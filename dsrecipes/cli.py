@@ -115,6 +115,11 @@ def _route(args: List[str]) -> int:
     if args and args[0] in ("-V", "--version"):
         print(version_text())
         return 0
+    if args and args[0] == "help":  # llamafactory-cli's `help`; `dsrecipes help CMD` is `dsrecipes CMD --help`
+        args = _help_args(args[1:])
+        if not args:
+            print(usage())
+            return 0
     if args and args[0] in SUBCOMMANDS:
         name, rest = args[0], args[1:]
     else:
@@ -179,6 +184,16 @@ def _interrupts_not_swallowed() -> Iterator[None]:
 def _interrupt_later(signum: int) -> None:
     time.sleep(0.01)  # past the hook's return (its own bytecode would receive the interrupt and lose it again)
     _thread.interrupt_main(signum)
+
+
+def _help_args(words: List[str]) -> List[str]:
+    """`dsrecipes help [COMMAND]`: nothing (the usage) or COMMAND's own --help."""
+    if not words:
+        return []
+    if len(words) > 1 or words[0] not in SUBCOMMANDS:
+        raise UserError(f"dsrecipes help takes one command, not {' '.join(words)!r}{phrase(closest(words[0], SUBCOMMANDS))} "
+                        f"(commands: {', '.join(SUBCOMMANDS)})")
+    return [words[0], "--help"]
 
 
 def _check_command(args: List[str]) -> None:

@@ -1,0 +1,33 @@
+"""A first afternoon with dsrecipes, as a TRL / LLaMA-Factory user walks it: the commands they type first."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_help_is_a_command_as_in_llamafactory_cli(capsys):
+    """`llamafactory-cli help` is what such a user types first: was 'help' is not a command (exit 2)."""
+    from dsrecipes.cli import main, usage
+    from tests.test_readme import README
+
+    assert "\ndsrecipes help [COMMAND] " in README
+
+    assert main(["help"]) == 0
+    assert capsys.readouterr().out.strip() == usage().strip()
+    with pytest.raises(SystemExit) as done:  # argparse's --help, as `dsrecipes score --help` ends
+        main(["help", "score"])
+    assert done.value.code == 0 and "--pairs" in capsys.readouterr().out  # score's own help
+    assert main(["help", "train"]) == 0
+    assert capsys.readouterr().out.startswith("usage: dsrecipes [train]")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["help", "valdate"], "dsrecipes help takes one command, not 'valdate'; did you mean validate?"),
+    (["help", "score", "x"], "dsrecipes help takes one command, not 'score x'"),
+])
+def test_help_of_no_command_is_one_message(argv, needle, capsys):
+    from dsrecipes.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("error:") == 1, err
