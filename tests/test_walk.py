@@ -31,3 +31,24 @@ def test_help_of_no_command_is_one_message(argv, needle, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("error:") == 1, err
+
+
+def test_score_names_what_it_was_given_instead_of_a_reward_export(capsys, tmp_path):
+    """`dsrecipes score runs/dpo/export` said 'a reward model has one label, this one has 2': a causal LM's config
+    declares no labels (transformers' default 2), so the count named nothing the user did; `dsrecipes score runs/rm`
+    (a run directory, as chat and prompt-eval take) did not name the run's export."""
+    import json
+    from pathlib import Path
+
+    from tests.test_messages_hostile import refused
+
+    pairs = str(Path(__file__).parents[1] / "dsrecipes/assets/sample_data/pairs.jsonl")
+    lm = tmp_path / "run" / "export"
+    lm.mkdir(parents=True)
+    (lm / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    (lm / "model.safetensors").write_bytes(b"")  # never read: refused before loading
+    out = str(tmp_path / "r.jsonl")
+    refused(capsys, ["score", str(lm), "--pairs", pairs, "--out", out],
+            f"{lm}: a text-generating model (LlamaForCausalLM), not a reward model", "objective=reward run")
+    refused(capsys, ["score", str(lm.parent), "--pairs", pairs, "--out", out],
+            f"{lm.parent}: not a model directory (no config.json)", f"its export is {lm}")

@@ -71,7 +71,9 @@ def check_model_dir(path: Path) -> None:
     from dsrecipes.modeling.model import pickled_weights_problem  # lazy: torch
 
     if not path.is_dir() or not (path / "config.json").is_file():
-        raise UserError(f"{path}: not a model directory (no config.json); give an objective=reward export")
+        export = path / "export"  # a run directory, as chat and prompt-eval take: its export is the scorer
+        where = f"; its export is {export}" if (export / "config.json").is_file() else ""
+        raise UserError(f"{path}: not a model directory (no config.json); give an objective=reward export{where}")
     for problem in irregular_files("EXPORT", path, ("config.json", *WEIGHT_PATTERNS, *TOKENIZER_READS)):
         raise UserError(problem)  # a FIFO there would block the reads below for ever
     problem = pickled_weights_problem(path, "EXPORT")
@@ -81,25 +83,32 @@ def check_model_dir(path: Path) -> None:
         raise UserError(problem)
     for problem in custom_code_problems("EXPORT", path):
         raise UserError(problem)
-    labels = config_labels(path / "config.json")
+    labels, generator = config_labels(path / "config.json")
+    if generator:  # an SFT/DPO/ORPO/GRPO export: no score head (its config's default of 2 labels says nothing)
+        raise UserError(f"{path}: a text-generating model ({generator}), not a reward model; dsrecipes score takes "
+                        "the export of an objective=reward run (a scalar score head)")
     if labels != 1:  # before loading: transformers would first print its load report of a fresh score head
         raise UserError(f"{path}: a reward model has one label (a scalar score), this one has {labels} "
                         "(config.json; an objective=reward export has one)")
 
 
-def config_labels(config: Path) -> int:
-    """The number of labels config.json declares (transformers' default is 2), or UserError naming the file."""
+def config_labels(config: Path) -> Tuple[int, str]:
+    """The number of labels config.json declares (transformers' default is 2) and its *ForCausalLM architecture
+    ('' if none), or UserError naming the file."""
     try:
         data = read_json(config)  # bounded, as custom_code_problems read it just before (it may have changed since)
     except (OSError, ValueError) as exc:
         raise UserError(f"{config}: not a readable JSON model config ({exc})") from None
     if not isinstance(data, dict):
         raise UserError(f"{config}: holds a {type(data).__name__}, not a model config (a JSON object)")
+    archs = data.get("architectures")
+    generator = next((a for a in archs if isinstance(a, str) and a.endswith("ForCausalLM")), "") \
+        if isinstance(archs, list) else ""
     id2label = data.get("id2label")
     if isinstance(id2label, dict) and id2label:
-        return len(id2label)
+        return len(id2label), generator
     labels = data.get("num_labels", 2)
-    return labels if isinstance(labels, int) else -1
+    return (labels if isinstance(labels, int) else -1), generator
 
 
 def read_pairs(path: Path) -> List[Tuple[int, Pair]]:
