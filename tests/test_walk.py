@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -52,3 +54,26 @@ def test_score_names_what_it_was_given_instead_of_a_reward_export(capsys, tmp_pa
             f"{lm}: a text-generating model (LlamaForCausalLM), not a reward model", "objective=reward run")
     refused(capsys, ["score", str(lm.parent), "--pairs", pairs, "--out", out],
             f"{lm.parent}: not a model directory (no config.json)", f"its export is {lm}")
+
+
+def test_pipeline_prompt_answers_keep_third_party_bars_off_the_console(tmp_path, monkeypatch):
+    """`dsrecipes pipeline FILE` again after every stage finished runs no stage (the stages quiet transformers), and
+    the prompt answers printed transformers' 'Loading weights: 100%|...' bar once per model."""
+    from types import SimpleNamespace
+
+    import dsrecipes.core.console as console
+    import dsrecipes.serve.pipeline_prompts as pipeline_prompts
+    from dsrecipes.commands.pipeline import prompt_answers
+
+    monkeypatch.setattr(console._SINK, "path", None)
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    seen = {}
+
+    def answers(out, stages, limit, max_new_tokens):
+        seen.update(bars=os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS"), log=console.current_log())
+        return "table"
+
+    monkeypatch.setattr(pipeline_prompts, "answer_stages", answers)
+    pipeline = SimpleNamespace(stages=[SimpleNamespace(name="sft")], prompts=SimpleNamespace(limit=4, max_new_tokens=8))
+    assert prompt_answers(pipeline, tmp_path) == "table"
+    assert seen == {"bars": "1", "log": tmp_path / "logs" / "prompts.log"}

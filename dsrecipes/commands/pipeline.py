@@ -15,6 +15,7 @@ import dsrecipes.commands.outcome as outcome
 import dsrecipes.commands.train as train
 from dsrecipes.commands.args import command_parser, parse
 from dsrecipes.config.pipeline_file import Pipeline, load_pipeline
+from dsrecipes.core.console import log_path, quiet_third_party
 from dsrecipes.core.errors import UserError
 from dsrecipes.run.pipeline import StageFailed, run_pipeline
 
@@ -39,6 +40,9 @@ def prompt_answers(pipeline: Pipeline, out: Path) -> str:
     pipeline whose stages all finished is not failed by them: a reason they cannot be asked is printed instead."""
     from dsrecipes.serve.pipeline_prompts import answer_stages  # lazy: else `commands.pipeline` imports torch
 
+    # a stage quiets third-party noise into its run's log; a pipeline whose stages all finished runs none, and the
+    # models' "Loading weights" bars came to the console. Here: the pipeline's own logs/ (DIR/logs/prompts.log)
+    quiet_third_party(log_path(out, "prompts"))
     try:
         return answer_stages(out, [(s.name, out / s.name) for s in pipeline.stages], pipeline.prompts.limit,
                              pipeline.prompts.max_new_tokens)
