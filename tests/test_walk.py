@@ -77,3 +77,28 @@ def test_pipeline_prompt_answers_keep_third_party_bars_off_the_console(tmp_path,
     pipeline = SimpleNamespace(stages=[SimpleNamespace(name="sft")], prompts=SimpleNamespace(limit=4, max_new_tokens=8))
     assert prompt_answers(pipeline, tmp_path) == "table"
     assert seen == {"bars": "1", "log": tmp_path / "logs" / "prompts.log"}
+
+
+@pytest.mark.parametrize("config,needle", [
+    ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+     "is a text-generating model (LlamaForCausalLM), not a reward model"),
+    ({"architectures": ["LlamaForSequenceClassification"], "num_labels": 3}, "has 3 labels in config.json"),
+])
+def test_grpo_refuses_a_reward_model_without_a_one_label_head(tmp_path, config, needle):
+    """`objective=grpo objective.reward_model=runs/sft/export` (the SFT export instead of the reward stage's) validated
+    OK and trained: AutoModelForSequenceClassification gave the causal LM a new random 2-label head and logits[:, 0]
+    was every completion's reward."""
+    import json
+
+    from dsrecipes.objectives.rewards import reward_model_problems
+
+    model = tmp_path / "export"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "model.safetensors").write_bytes(b"")
+    (problem,) = reward_model_problems(str(model))
+    assert problem.startswith(f"objective.reward_model: {model} ") and needle in problem, problem
+    assert "objective=reward export" in problem
+    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"],
+                                                   "id2label": {"0": "LABEL_0"}}))  # as objective=reward exports it
+    assert reward_model_problems(str(model)) == []

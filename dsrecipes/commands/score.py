@@ -26,7 +26,7 @@ from dsrecipes.core.errors import UserError, no_custom_code
 from dsrecipes.core.export_dir import EXPORT_MARKER
 from dsrecipes.core.fileio import Unreadable, atomic_write_text, json_text
 from dsrecipes.core.schema import ColumnsConfig, DatasetFormat, SourceConfig
-from dsrecipes.core.tokenizer import NO_DIRECTORY_CODE, custom_code_problems, read_json
+from dsrecipes.core.tokenizer import NO_DIRECTORY_CODE, config_labels, custom_code_problems, read_json
 from dsrecipes.data.sources.badrows import BadRow
 from dsrecipes.data.sources.messages import messages_for
 from dsrecipes.data.sources.preference import Pair, parse_pair_item
@@ -84,31 +84,12 @@ def check_model_dir(path: Path) -> None:
     for problem in custom_code_problems("EXPORT", path):
         raise UserError(problem)
     labels, generator = config_labels(path / "config.json")
-    if generator:  # an SFT/DPO/ORPO/GRPO export: no score head (its config's default of 2 labels says nothing)
+    if labels != 1 and generator:  # an SFT/DPO/ORPO/GRPO export: no score head (its config's default of 2 labels says nothing)
         raise UserError(f"{path}: a text-generating model ({generator}), not a reward model; dsrecipes score takes "
                         "the export of an objective=reward run (a scalar score head)")
     if labels != 1:  # before loading: transformers would first print its load report of a fresh score head
         raise UserError(f"{path}: a reward model has one label (a scalar score), this one has {labels} "
                         "(config.json; an objective=reward export has one)")
-
-
-def config_labels(config: Path) -> Tuple[int, str]:
-    """The number of labels config.json declares (transformers' default is 2) and its *ForCausalLM architecture
-    ('' if none), or UserError naming the file."""
-    try:
-        data = read_json(config)  # bounded, as custom_code_problems read it just before (it may have changed since)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{config}: not a readable JSON model config ({exc})") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{config}: holds a {type(data).__name__}, not a model config (a JSON object)")
-    archs = data.get("architectures")
-    generator = next((a for a in archs if isinstance(a, str) and a.endswith("ForCausalLM")), "") \
-        if isinstance(archs, list) else ""
-    id2label = data.get("id2label")
-    if isinstance(id2label, dict) and id2label:
-        return len(id2label), generator
-    labels = data.get("num_labels", 2)
-    return (labels if isinstance(labels, int) else -1), generator
 
 
 def read_pairs(path: Path) -> List[Tuple[int, Pair]]:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import List
+from typing import List, Tuple
 
-from dsrecipes.core.errors import ConfigError, no_custom_code
+from dsrecipes.core.errors import ConfigError, UserError, no_custom_code
 from dsrecipes.core.fileio import MAX_JSON_BYTES, Unreadable, read_json_file
 from dsrecipes.core.paths import TINY_TOKENIZER_DIR
 from dsrecipes.core.schema import TrainConfig
@@ -85,6 +85,25 @@ def read_json(path: Path) -> object:
     transformers' own parse of the same file ends in as a traceback); OSError when it cannot be opened, ValueError
     when it is not UTF-8 JSON."""
     return read_json_file(path, "JSON nested too deeply to be a model's settings", limit=MAX_JSON_BYTES)
+
+
+def config_labels(config: Path) -> Tuple[int, str]:
+    """The number of labels config.json declares (transformers' default is 2) and its *ForCausalLM architecture
+    ('' if none), or UserError naming the file."""
+    try:
+        data = read_json(config)  # bounded, as custom_code_problems read it just before (it may have changed since)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{config}: not a readable JSON model config ({exc})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{config}: holds a {type(data).__name__}, not a model config (a JSON object)")
+    archs = data.get("architectures")
+    generator = next((a for a in archs if isinstance(a, str) and a.endswith("ForCausalLM")), "") \
+        if isinstance(archs, list) else ""
+    id2label = data.get("id2label")
+    if isinstance(id2label, dict) and id2label:
+        return len(id2label), generator
+    labels = data.get("num_labels", 2)
+    return (labels if isinstance(labels, int) else -1), generator
 
 
 def _quantization(config: object, depth: int = 0) -> object:

@@ -31,7 +31,7 @@ import dsrecipes.boundary.trust as trust
 from dsrecipes.core.answers import normalize
 from dsrecipes.core.errors import ConfigError, UserError, no_custom_code
 from dsrecipes.core.schema import RewardConfig, TrainConfig
-from dsrecipes.core.tokenizer import NO_DIRECTORY_CODE, custom_code_problems
+from dsrecipes.core.tokenizer import NO_DIRECTORY_CODE, config_labels, custom_code_problems
 
 GROUP = "dsrecipes.rewards"
 BUILTIN = ("exact_match", "number_equal", "regex", "length")
@@ -84,7 +84,23 @@ def reward_model_problems(path: str) -> List[str]:
         trust.check_export(found, trust.run_command())
     except UserError as exc:
         return [f"{key}: {p}" for p in exc.problems]
-    return custom_code_problems(key, found)
+    return custom_code_problems(key, found) or _scorer_problems(key, path, found / "config.json")
+
+
+def _scorer_problems(key: str, path: str, config: Path) -> List[str]:
+    """A model without a one-label head (an SFT/DPO export) loads as a sequence classifier with a new, random head:
+    every reward would be noise, and the run trained on it without a word."""
+    try:
+        labels, generator = config_labels(config)
+    except UserError as exc:
+        return [f"{key}: {p}" for p in exc.problems]
+    if labels == 1:
+        return []
+    if generator:
+        return [f"{key}: {path} is a text-generating model ({generator}), not a reward model: its score head would "
+                "be new and random, and so every reward; give an objective=reward export"]
+    return [f"{key}: {path} has {labels} labels in config.json; a reward model has one (a scalar score): give "
+            "an objective=reward export"]
 
 
 def _pattern_problems(key: str, pattern: Optional[str]) -> List[str]:
