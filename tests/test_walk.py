@@ -102,3 +102,20 @@ def test_grpo_refuses_a_reward_model_without_a_one_label_head(tmp_path, config, 
     (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"],
                                                    "id2label": {"0": "LABEL_0"}}))  # as objective=reward exports it
     assert reward_model_problems(str(model)) == []
+
+
+def test_the_readme_grpo_command_rewards_a_number_with_its_regex():
+    """The README's GRPO example wrote `pattern: "^\\\\d+$"` inside shell single quotes: Hydra keeps both backslashes
+    (it unescapes only before a quote), so the reward searched for a literal backslash and 'd' and never paid '42'."""
+    import re
+    import shlex
+
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.objectives.rewards import check_of
+    from tests.test_readme import README
+
+    lines = re.search(r"\n    python -m dsrecipes objective=grpo (.*?\n.*?)\n", README).group(1).replace("\\\n", " ")
+    rewards = next(w for w in shlex.split(lines) if w.startswith("objective.rewards="))
+    cfg = compose_and_load(["objective=grpo", rewards])
+    (regex,) = [r for r in cfg.objective.rewards if r.name == "regex"]
+    assert check_of(regex)("42", "42") == 1.0 and check_of(regex)("forty-two", "42") == 0.0, regex.pattern
