@@ -119,3 +119,23 @@ def test_the_readme_grpo_command_rewards_a_number_with_its_regex():
     cfg = compose_and_load(["objective=grpo", rewards])
     (regex,) = [r for r in cfg.objective.rewards if r.name == "regex"]
     assert check_of(regex)("42", "42") == 1.0 and check_of(regex)("forty-two", "42") == 0.0, regex.pattern
+
+
+def test_a_pipeline_refuses_a_reward_model_stage_that_trains_no_reward_model(tmp_path):
+    """`from_export: {objective.reward_model: dpo}` ran the sft and dpo stages, then the grpo stage was refused (or,
+    before the one-label check, trained on a random head's rewards): the stage's objective says so before any runs."""
+    from dsrecipes.config.pipeline_file import load_pipeline
+    from dsrecipes.core.errors import UserError
+    from dsrecipes.run.pipeline import check_stages
+
+    path = tmp_path / "p.yaml"
+    path.write_text("shared:\n  debug: fast\nstages:\n  - name: sft\n  - name: dpo\n    model_from: sft\n"
+                    "    set: {objective: dpo, dataset: sample_pairs}\n  - name: grpo\n    model_from: sft\n"
+                    "    from_export: {objective.reward_model: dpo}\n    set: {objective: grpo}\n")
+    with pytest.raises(UserError) as info:
+        check_stages(load_pipeline(path), tmp_path / "out")
+    assert info.value.problems == [f"{path}: stage 'grpo' (line 8): from_export objective.reward_model: stage 'dpo' "
+                                   "trains objective=dpo, not a reward model (objective=reward)"]
+    path.write_text(path.read_text().replace("objective: dpo,", "objective: reward,"))
+    check_stages(load_pipeline(path), tmp_path / "out")
+    assert not (tmp_path / "out").exists()

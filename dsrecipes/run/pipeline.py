@@ -130,13 +130,19 @@ def check_stages(pipeline: Pipeline, out: Path) -> None:
     """Every stage's composition loads and validates (files are checked when the stage starts); a stage another
     one takes its model from must export one."""
     problems: List[str] = []
+    kinds: Dict[str, str] = {}  # stage -> its objective
     for stage in pipeline.stages:
         try:
             cfg = compose_and_load(stage_argv(pipeline, stage, out), check_files=False)
         except UserError as exc:
             problems += [f"stage {stage.name!r} (line {stage.line}): {p}" for p in exc.problems]
             continue
+        kinds[stage.name] = getattr(cfg.objective.kind, "value", str(cfg.objective.kind))
         problems += [f"stage {stage.name!r} (line {stage.line}): {p}" for p in outside_options(cfg, pipeline, stage)]
+        scorer = stage.from_export.get("objective.reward_model")  # the export is not there yet: its stage's objective
+        if scorer in kinds and kinds[scorer] != "reward":
+            problems.append(f"stage {stage.name!r} (line {stage.line}): from_export objective.reward_model: stage "
+                            f"{scorer!r} trains objective={kinds[scorer]}, not a reward model (objective=reward)")
         takers = [s.name for s in pipeline.stages if stage.name in s.exports_used().values()]
         if takers and not cfg.trainer.export:
             problems.append(f"stage {stage.name!r} (line {stage.line}): trainer.export is false, but stage "
