@@ -139,3 +139,20 @@ def test_a_pipeline_refuses_a_reward_model_stage_that_trains_no_reward_model(tmp
     path.write_text(path.read_text().replace("objective: dpo,", "objective: reward,"))
     check_stages(load_pipeline(path), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_adapter_export_names_its_local_base_model_by_its_absolute_path(tmp_path, monkeypatch):
+    """`model.path=runs/dpo/export model.lora.enabled=true` then `dsrecipes export RUN --lora adapter`: the adapter's
+    adapter_config.json said base_model_name_or_path 'runs/dpo/export', so `dsrecipes chat ADAPTER` from any other
+    directory said "a LoRA adapter whose base model 'runs/dpo/export' is not a local model directory here"."""
+    from types import SimpleNamespace
+
+    from dsrecipes.rank.export import _adapter_base
+
+    (tmp_path / "runs" / "sft" / "export").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    for typed, recorded in (("runs/sft/export", str(tmp_path / "runs" / "sft" / "export")), ("Org/Name", "Org/Name")):
+        peft = SimpleNamespace(base_model_name_or_path=None)
+        cfg = SimpleNamespace(model=SimpleNamespace(path=typed))
+        assert _adapter_base(cfg, SimpleNamespace(peft_config={"default": peft}), None, tmp_path) == recorded
+        assert peft.base_model_name_or_path == recorded

@@ -96,6 +96,8 @@ def _adapter_base(cfg: TrainConfig, model: Any, tokenizer: Any, run_dir: Path) -
     """The base model an adapter-only export applies to, recorded in adapter_config.json so peft (and prompt-eval,
     chat) can load it: model.path, or for the embedded tiny model its seeded start `RUN/export_init`."""
     base = cfg.model.path
+    if base is not None and Path(base).is_dir():  # a local directory as typed (runs/sft/export): peft, chat and a
+        base = os.path.abspath(base)  # server read it from elsewhere; a hub id stays as it is
     if base is None:
         base_dir = run_dir.resolve() / EXPORT_INIT_DIR
         if not (base_dir / "config.json").is_file():
