@@ -99,6 +99,9 @@ def test_grpo_refuses_a_reward_model_without_a_one_label_head(tmp_path, config, 
     (problem,) = reward_model_problems(str(model))
     assert problem.startswith(f"objective.reward_model: {model} ") and needle in problem, problem
     assert "objective=reward export" in problem
+    from tests.test_readme import README
+
+    assert "a one-label score head: an SFT or DPO\n  export, whose head would be new and random, is refused" in README
     (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"],
                                                    "id2label": {"0": "LABEL_0"}}))  # as objective=reward exports it
     assert reward_model_problems(str(model)) == []
