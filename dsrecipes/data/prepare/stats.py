@@ -81,7 +81,7 @@ def summary(stats: Dict[str, Any]) -> str:
         f"{stats['trailing_turns_dropped']} lost trailing non-assistant turns; trained tokens "
         f"{stats['trained_token_share']:.1%}",
     ]
-    lines += _val_share_note(stats)
+    lines += _cut_note(stats) + _val_share_note(stats)
     if stats.get("sources"):  # what was read, per source: a named dataset replaces the sample unless mixed
         lines.append("data: per source: " + ", ".join(
             f"{name} {v['conversations']} rows ({v.get('train_samples', '?')} train)" for name, v in stats["sources"].items()))
@@ -90,6 +90,17 @@ def summary(stats: Dict[str, Any]) -> str:
         lines.append(f"data: packing efficiency {eff:.1%} (train)")
     lines.append(f"data: cache {'hit' if stats.get('cache_hit') else 'written'}: {stats.get('cache_dir')}")
     return "\n".join(lines)
+
+
+def _cut_note(stats: Dict[str, Any]) -> List[str]:
+    """A note when rows were dropped because the cutoff left nothing to train on (a long system prompt or tool schemas
+    before the answers): the first line says only 'N kept, skipped: none'."""
+    dropped, read = stats["dropped_all_trained_cut"], stats["rows_read"]
+    if not dropped:
+        return []
+    return [f"note: {dropped} of {read} rows ({dropped / max(read, 1):.0%}) dropped: data.cutoff_len="
+            f"{stats['cutoff_len']} cut all their trained tokens (a long prompt, system prompt or tool schemas before "
+            "the answers); a larger data.cutoff_len keeps them"]
 
 
 def _val_share_note(stats: Dict[str, Any]) -> List[str]:
