@@ -159,3 +159,25 @@ def test_an_adapter_export_names_its_local_base_model_by_its_absolute_path(tmp_p
         cfg = SimpleNamespace(model=SimpleNamespace(path=typed))
         assert _adapter_base(cfg, SimpleNamespace(peft_config={"default": peft}), None, tmp_path) == recorded
         assert peft.base_model_name_or_path == recorded
+
+
+def test_prompt_eval_says_a_baseline_run_is_its_starting_model(tmp_path, monkeypatch):
+    """`prompt-eval --baseline runs/sft --finetuned runs/dpo` (SFT against DPO, as a pipeline's stages read) compared
+    DPO with the model SFT *started* from (the tiny model's random start), and said only that this start is random."""
+    from types import SimpleNamespace
+
+    from dsrecipes.commands.prompt_eval import started_from_note
+
+    monkeypatch.chdir(tmp_path)
+    sft, dpo = tmp_path / "runs" / "sft", tmp_path / "runs" / "dpo"
+    for run in (sft, dpo):
+        (run / "export").mkdir(parents=True)
+        (run / "export" / "config.json").write_text("{}")
+    start = SimpleNamespace(path=sft / "export_init", run_dir=sft)
+    tuned = SimpleNamespace(path=dpo / "export", run_dir=dpo)
+    assert started_from_note("runs/sft", start, tuned) == (
+        f"baseline: runs/sft is a run directory, so the model it started from answers ({sft / 'export_init'}); to "
+        "compare with the model it trained, give --baseline runs/sft/export")
+    assert started_from_note("runs/dpo", SimpleNamespace(path=sft / "export", run_dir=dpo), tuned) is None  # same run
+    assert started_from_note("runs/sft/export", SimpleNamespace(path=sft / "export", run_dir=sft), tuned) is None
+    assert started_from_note(None, None, tuned) is None

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
-from typing import List
+from pathlib import Path
+from typing import Any, List, Optional
 
 from dsrecipes.boundary.trust import FLAG, TRUST_HELP, trust
 from dsrecipes.commands.args import MAX_NEW_TOKENS, bounded_int, command_parser, existing_path, parse, positive_int
+from dsrecipes.core.export_dir import EXPORT_DIR
 from dsrecipes.serve import prompt_eval as pe
 
 
@@ -34,9 +36,24 @@ def main(argv: List[str]) -> int:
                                                                     else "")
     finetuned = resolve_model_path(args.finetuned, retry=retry)
     baseline = resolve_model_path(args.baseline, baseline=True, retry=retry) if args.baseline else None
+    note = started_from_note(args.baseline, baseline, finetuned)
+    if note:
+        print(note, flush=True)
     rows = pe.prompt_rows(finetuned, args.prompts, args.limit)
     scores = pe.compare(finetuned, baseline, rows, args.max_new_tokens)
     pe.print_side_by_side(rows, scores)
     if args.json:
         pe.write_scores(args.json, scores)
     return 0
+
+
+def started_from_note(arg: Optional[str], baseline: Any, finetuned: Any) -> Optional[str]:
+    """`--baseline RUN` is the model RUN started from, not what it trained: said when RUN is another run than the
+    fine-tuned one and has an export (`--baseline runs/sft --finetuned runs/dpo` compared DPO with SFT's start)."""
+    if baseline is None or baseline.run_dir is None or baseline.run_dir == finetuned.run_dir:
+        return None
+    run = baseline.run_dir
+    if Path(arg).expanduser().resolve() != run or not (run / EXPORT_DIR / "config.json").is_file():
+        return None
+    return (f"baseline: {arg} is a run directory, so the model it started from answers ({baseline.path}); to "
+            f"compare with the model it trained, give --baseline {Path(arg) / EXPORT_DIR}")
