@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -40,7 +41,6 @@ def test_score_names_what_it_was_given_instead_of_a_reward_export(capsys, tmp_pa
     declares no labels (transformers' default 2), so the count named nothing the user did; `dsrecipes score runs/rm`
     (a run directory, as chat and prompt-eval take) did not name the run's export."""
     import json
-    from pathlib import Path
 
     from tests.test_messages_hostile import refused
 
@@ -181,3 +181,22 @@ def test_prompt_eval_says_a_baseline_run_is_its_starting_model(tmp_path, monkeyp
     assert started_from_note("runs/dpo", SimpleNamespace(path=sft / "export", run_dir=dpo), tuned) is None  # same run
     assert started_from_note("runs/sft/export", SimpleNamespace(path=sft / "export", run_dir=sft), tuned) is None
     assert started_from_note(None, None, tuned) is None
+
+
+def test_a_shipped_pipeline_runs_by_name_from_any_directory(tmp_path, monkeypatch):
+    """README: `dsrecipes pipeline recipes/pipelines/smollm2_chat.yaml`; from any directory but the checkout's root
+    (or with `pip install .`) that was 'cannot read (No such file or directory)', and a name was not taken."""
+    from dsrecipes.commands.pipeline import pipeline_file
+    from dsrecipes.core.errors import UserError
+    from dsrecipes.core.paths import shipped_recipes_dir
+
+    monkeypatch.chdir(tmp_path)
+    shipped = shipped_recipes_dir() / "pipelines" / "smollm2_chat.yaml"
+    assert pipeline_file("smollm2_chat") == shipped
+    assert pipeline_file("recipes/pipelines/smollm2_chat.yaml") == shipped
+    (tmp_path / "smollm2_chat.yaml").write_text("stages: []\n")  # a file of one's own comes first
+    assert pipeline_file("smollm2_chat.yaml") == Path("smollm2_chat.yaml")
+    with pytest.raises(UserError, match=r"smollm2_chatt: no such pipeline file; did you mean smollm2_chat\? "
+                                        r"\(shipped pipelines, run by name: smollm2_chat, smollm2_chat_grpo\)"):
+        pipeline_file("smollm2_chatt")
+    assert pipeline_file("elsewhere/p.yaml").name == "p.yaml"  # any other path: load_pipeline names it

@@ -17,6 +17,8 @@ from dsrecipes.commands.args import command_parser, parse
 from dsrecipes.config.pipeline_file import Pipeline, load_pipeline
 from dsrecipes.core.console import log_path, quiet_third_party
 from dsrecipes.core.errors import UserError
+from dsrecipes.core.paths import shipped_recipes_dir
+from dsrecipes.core.suggest import closest, phrase
 from dsrecipes.run.pipeline import StageFailed, run_pipeline
 
 
@@ -25,7 +27,7 @@ def main(argv: List[str]) -> int:
     parser.add_argument("file", help="the pipeline file (recipes/pipelines/*.yaml)")
     parser.add_argument("--out", default=None, help="the pipeline's directory (default: runs/<file name>)")
     args = parse(parser, argv)
-    path = Path(args.file)
+    path = pipeline_file(args.file)
     pipeline = load_pipeline(path)
     out = Path(args.out) if args.out else Path("runs") / path.stem
     command = resume_command(path, out)
@@ -33,6 +35,19 @@ def main(argv: List[str]) -> int:
     if code == 0 and pipeline.prompts is not None:
         print(prompt_answers(pipeline, out), flush=True)
     return code
+
+
+def pipeline_file(arg: str) -> Path:
+    """ARG as given, else a shipped pipeline by its name (`smollm2_chat`) or by the checkout's path to it
+    (`recipes/pipelines/smollm2_chat.yaml`, run from another directory or an installed package)."""
+    path, shipped = Path(arg), shipped_recipes_dir() / "pipelines"
+    if path.exists() or path.suffix not in ("", ".yaml") or str(path.parent) not in (".", "recipes/pipelines"):
+        return path
+    if (shipped / f"{path.stem}.yaml").is_file():
+        return shipped / f"{path.stem}.yaml"
+    names = sorted(p.stem for p in shipped.glob("*.yaml"))
+    raise UserError(f"{arg}: no such pipeline file{phrase(closest(path.stem, names))} (shipped pipelines, run by "
+                    f"name: {', '.join(names)})")
 
 
 def prompt_answers(pipeline: Pipeline, out: Path) -> str:
