@@ -200,3 +200,6 @@ def test_a_shipped_pipeline_runs_by_name_from_any_directory(tmp_path, monkeypatc
                                         r"\(shipped pipelines, run by name: smollm2_chat, smollm2_chat_grpo\)"):
         pipeline_file("smollm2_chatt")
     assert pipeline_file("elsewhere/p.yaml").name == "p.yaml"  # any other path: load_pipeline names it
+    from tests.test_readme import README
+
+    assert "runs by its name, from any directory (`dsrecipes pipeline smollm2_chat`)" in README
