@@ -104,7 +104,7 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
     eval_ledger = EvalLedger(run_dir, rank) if cfg.trainer.record_samples and eval_loader is not None else None
     prompt_eval = build_prompt_eval(cfg, tokenizer, rank, world_size, run_dir)
     return Session(cfg, run_dir, plan, rank, engine, objective, train_loader, eval_loader, state, metrics,
-                   open_ledger(cfg, run_dir, rank), None if resume is None else resume.tag_dir,
+                   open_ledger(cfg, run_dir, rank, world_size), None if resume is None else resume.tag_dir,
                    Selector(cfg, state.selection, plan.past_stop), eval_ledger, prompt_eval)
 
 
@@ -166,11 +166,10 @@ def check_loader(loader: Any, plan: RunPlan) -> None:
                     "start it again with `python -m dsrecipes`")
 
 
-def open_ledger(cfg: TrainConfig, run_dir: Path, rank: int) -> Optional[Any]:
+def open_ledger(cfg: TrainConfig, run_dir: Path, rank: int, world_size: int) -> Optional[Any]:
     if not cfg.trainer.record_samples:
         return None
-
-    return LedgerWriter(run_dir, rank)
+    return LedgerWriter(run_dir, rank, world_size)  # the session mark names its world: audit checks an elastic resume
 
 
 def describe_run(cfg: TrainConfig, model: Any, plan: RunPlan, resume: Optional[ResumePoint]) -> str:

@@ -39,10 +39,13 @@ class LedgerFile:
     that opens it first writes a session mark. The training ledger (`LedgerWriter`) and the evaluation ledger
     (data/plan/eval_ledger.py `EvalLedger`) write their records through `write`."""
 
-    def __init__(self, run_dir: str | os.PathLike, name: str):
+    def __init__(self, run_dir: str | os.PathLike, name: str, world_size: Optional[int] = None):
         self.path = Path(run_dir) / LEDGER_DIR / name
         self._fh = open_append(self.path, buffering=1)
-        self._fh.write(json.dumps({"session": time.time(), "pid": os.getpid()}) + "\n")
+        mark: Dict[str, object] = {"session": time.time(), "pid": os.getpid()}
+        if world_size is not None:  # the ranks that run this session's steps (an elastic resume changes them)
+            mark["world_size"] = int(world_size)
+        self._fh.write(json.dumps(mark) + "\n")
 
     def write(self, rec: Dict[str, object], ids: Sequence[str], keys: Optional[Sequence[str]]) -> None:
         """`rec` with the sample ids and, when the loader dealt them, their positions (`keys`)."""
@@ -63,8 +66,8 @@ class LedgerFile:
 
 
 class LedgerWriter(LedgerFile):
-    def __init__(self, run_dir: str | os.PathLike, rank: int):
-        super().__init__(run_dir, f"rank{rank}.jsonl")
+    def __init__(self, run_dir: str | os.PathLike, rank: int, world_size: Optional[int] = None):
+        super().__init__(run_dir, f"rank{rank}.jsonl", world_size)
 
     def record(self, epoch: int, step: int, ids: Sequence[str], keys: Optional[Sequence[str]] = None) -> None:
         self.write({"epoch": int(epoch), "step": int(step)}, ids, keys)
@@ -77,23 +80,32 @@ def read_ledger(path: str | os.PathLike) -> Dict[Tuple[int, int], List[str]]:
 
 def read_ledger_steps(path: str | os.PathLike) -> Dict[Tuple[int, int], Tuple[List[str], Optional[List[str]]]]:
     """(epoch, step) -> (ids, keys) of one rank; keys None when a line of the step has none (an older ledger)."""
+    return _read_steps(path)[0]
+
+
+def _read_steps(path: str | os.PathLike) -> Tuple[Dict[Tuple[int, int], Tuple[List[str], Optional[List[str]]]],
+                                                  Dict[Tuple[int, int], Optional[int]]]:
+    """read_ledger_steps, and (epoch, step) -> the world size of the session that recorded it (None: not marked)."""
     steps: Dict[Tuple[int, int], Tuple[List[str], Optional[List[str]]]] = {}
-    new_session = False
+    worlds: Dict[Tuple[int, int], Optional[int]] = {}
+    new_session, world = False, None
     for rec in ledger_records(path, ("epoch", "step")):
         if "session" in rec:
-            new_session = True
+            new_session, world = True, rec.get("world_size")
+            world = world if isinstance(world, int) and not isinstance(world, bool) and world > 0 else None
             continue
         key = (rec["epoch"], rec["step"])
         if new_session:  # the first step of a resumed session: forget what was recorded from there on
             steps = {k: v for k, v in steps.items() if k[1] < rec["step"]}
             new_session = False
+        worlds[key] = world
         ids, keys = steps.setdefault(key, ([], []))
         ids.extend(rec["ids"])
         if keys is not None and isinstance(rec.get("keys"), list):
             keys.extend(rec["keys"])
         else:
             steps[key] = (ids, None)
-    return steps
+    return steps, {k: worlds[k] for k in steps}
 
 
 def ledger_records(path: str | os.PathLike, numbers: Tuple[str, ...]) -> Iterator[Dict]:
@@ -200,20 +212,12 @@ def verify_ledgers(
     if not files:
         report.problems.append(f"no ledger files in {Path(run_dir, LEDGER_DIR)} (trainer.record_samples=true?)")
         return report
-    per_rank = {int(p.stem[4:]): read_ledger_steps(p) for p in files}
+    read = {int(p.stem[4:]): _read_steps(p) for p in files}
+    per_rank = {r: steps for r, (steps, _) in read.items()}
     report.ranks = len(per_rank)
     if sorted(per_rank) != list(range(len(per_rank))):
         report.problems.append(f"ledger ranks are {sorted(per_rank)}, expected 0..{len(per_rank) - 1}")
-    step_lists = {r: sorted(steps) for r, steps in per_rank.items()}
-    for r, keys in step_lists.items():
-        report.steps_per_rank[r] = len(keys)
-        report.samples_per_rank[r] = sum(len(ids) for ids, _ in per_rank[r].values())
-    reference = step_lists[min(step_lists)]
-    for r, keys in step_lists.items():
-        if keys != reference:
-            only = sorted(set(keys) ^ set(reference))[:5]
-            report.problems.append(f"rank {r} ran {len(keys)} steps, rank {min(step_lists)} ran {len(reference)}; "
-                                   f"(epoch, step) differing: {only}")
+    _check_steps(report, per_rank, read[min(read)][1])
     by_epoch, dealt = tally((epoch, ids, keys) for steps in per_rank.values()
                             for (epoch, _), (ids, keys) in steps.items())
     report.epochs = sorted(by_epoch)
@@ -235,6 +239,30 @@ def verify_ledgers(
     return report
 
 
+
+
+def _check_steps(report: LedgerReport, per_rank: Dict[int, Dict[Tuple[int, int], Tuple[List[str], Optional[List[str]]]]],
+                 worlds: Dict[Tuple[int, int], Optional[int]]) -> None:
+    """Every rank ran the steps of the lowest rank that its world ran: a resume at another world size (session marks
+    with `world_size`) leaves a rank outside the new world without its later steps, and what such a rank had recorded
+    past the resumed checkpoint was replayed by the new world, so it is dropped (in place) rather than counted."""
+    ref = min(per_rank)
+    for r, steps in per_rank.items():
+        for key in [k for k in steps if r != ref and worlds.get(k) is not None and r >= worlds[k]]:
+            del steps[key]
+        report.steps_per_rank[r] = len(steps)
+        report.samples_per_rank[r] = sum(len(ids) for ids, _ in steps.values())
+    for r, steps in per_rank.items():
+        expected = sorted(k for k in per_rank[ref] if worlds.get(k) is None or r < worlds[k])
+        if sorted(steps) != expected:
+            only = sorted(set(steps) ^ set(expected))[:5]
+            report.problems.append(f"rank {r} ran {len(steps)} steps, rank {ref} ran {len(expected)} in its worlds; "
+                                   f"(epoch, step) differing: {only}")
+    order = [w for _, w in sorted(worlds.items()) if w is not None]
+    changes = [w for i, w in enumerate(order) if i == 0 or w != order[i - 1]]
+    if len(changes) > 1:
+        report.notes.append(f"the run resumed at another world size ({' -> '.join(map(str, changes))} ranks); each "
+                            "step is checked against the ranks that ran it")
 
 
 def _check_once(report: LedgerReport, epoch: int, ids: Counter, keys: Optional[Counter]) -> None:
