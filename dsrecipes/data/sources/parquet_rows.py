@@ -129,35 +129,34 @@ def _absent_nulls(value: Any) -> Any:
     return value
 
 
-def _null_field(values: pa.Array) -> bool:
-    """Whether a struct inside `values` has a null field (a list's or dictionary's values all looked at, those of
-    no row included: at worst `_absent_nulls` runs for nothing)."""
+def _nested(values: pa.Array) -> Iterator[pa.Array]:
+    """`values` and every array inside it: a dictionary's values, a list's values, a struct's fields (those of no
+    row included)."""
     t = pa.types
-    kind = values.type
-    if t.is_dictionary(kind):
-        return _null_field(values.dictionary)
-    if t.is_list(kind) or t.is_large_list(kind) or t.is_fixed_size_list(kind):
-        return _null_field(values.values)
-    if t.is_struct(kind):
-        return any(f.null_count or _null_field(f) for f in (values.field(i) for i in range(kind.num_fields)))
-    return False
+    stack = [values]
+    while stack:
+        array = stack.pop()
+        yield array
+        kind = array.type
+        if t.is_dictionary(kind):
+            stack.append(array.dictionary)
+        elif t.is_list(kind) or t.is_large_list(kind) or t.is_fixed_size_list(kind):
+            stack.append(array.values)
+        elif t.is_struct(kind):
+            stack.extend(array.field(i) for i in range(kind.num_fields))
+
+
+def _null_field(values: pa.Array) -> bool:
+    """Whether a struct inside `values` has a null field (at worst `_absent_nulls` runs for nothing)."""
+    return any(pa.types.is_struct(a.type) and any(a.field(i).null_count for i in range(a.type.num_fields))
+               for a in _nested(values))
 
 
 def _plain(values: pa.Array) -> bool:
-    """Whether no string inside `values` holds a character from DEL (0x7f) up (the buffers' bytes looked at,
-    those of no row included: at worst the slower encoder is used for nothing)."""
-    t = pa.types
-    kind = values.type
-    if t.is_dictionary(kind):
-        return _plain(values.dictionary)
-    if t.is_list(kind) or t.is_large_list(kind) or t.is_fixed_size_list(kind):
-        return _plain(values.values)
-    if t.is_struct(kind):
-        return all(_plain(values.field(i)) for i in range(kind.num_fields))
-    if t.is_string(kind) or t.is_large_string(kind):
-        data = values.buffers()[2]
-        return data is None or _plain_text(data.to_pybytes())
-    return True
+    """Whether no string inside `values` holds a character from DEL (0x7f) up (the buffers' bytes looked at: at
+    worst the slower encoder is used for nothing)."""
+    strings = (a for a in _nested(values) if pa.types.is_string(a.type) or pa.types.is_large_string(a.type))
+    return all(a.buffers()[2] is None or _plain_text(a.buffers()[2].to_pybytes()) for a in strings)
 
 
 def _plain_text(text: Any) -> bool:
