@@ -55,3 +55,24 @@ def test_a_rank_session_mark_names_its_world_size(tmp_path):
     open_ledger(cfg, tmp_path, 1, 2).close()
     mark = json.loads((tmp_path / "ledger" / "rank1.jsonl").read_text().splitlines()[0])
     assert mark["world_size"] == 2
+
+
+def _result(run, steps: int) -> None:
+    (run / "result.json").write_text(json.dumps({"status": "ok", "exit_code": 0, "steps": steps}))
+
+
+def test_audit_fails_a_run_whose_ledger_misses_steps_it_trained(tmp_path, capsys):
+    """Was: a run recorded 14 steps, was resumed with trainer.record_samples=false to step 20 (the resume only
+    reports 'trainer.record_samples: true -> false'), and `audit --ledger` said OK, exit 0: steps 15-20 were never
+    checked. Now it is a violation naming result.json, the count and the steps; a run whose ledger lists every step
+    it trained (and a run with no result.json yet) is checked as before."""
+    with LedgerWriter(tmp_path, 0, world_size=1) as led:
+        _steps(led, 0, range(1, 15), "a")
+    _result(tmp_path, 20)
+    assert cli_main(["audit", "--ledger", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "the run trained 20 steps, its ledger lists 14: 6 step(s) (15..20)" in out and "record_samples" in out
+    _result(tmp_path, 14)
+    assert cli_main(["audit", "--ledger", str(tmp_path)]) == 0
+    (tmp_path / "result.json").unlink()
+    assert cli_main(["audit", "--ledger", str(tmp_path)]) == 0

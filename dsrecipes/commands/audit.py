@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import List
+from typing import List, Optional, Set
 
 from dsrecipes.commands.args import bounded_int, existing_dir, non_negative_int, override_parser, parse
 from dsrecipes.config.load import compose_and_load
 from dsrecipes.core.errors import UserError
+from dsrecipes.core.fileio import read_json_file
+from dsrecipes.core.rundir import RESULT_FILE
 from dsrecipes.core.topology import resolve_topology
 from dsrecipes.data.plan.eval_ledger import EVAL_LEDGER_PREFIX, check_eval_ledgers, eval_ledger_files
 from dsrecipes.data.plan.ledger import LEDGER_DIR, verify_ledgers
@@ -69,6 +71,9 @@ def audit_ledgers(run: Path) -> int:
     evaluation ledger (each evaluation scored the same samples, each once across ranks): 1 when either fails."""
     check_ledger_files(run)
     ledger = verify_ledgers(run)
+    unrecorded = unrecorded_steps(run, ledger.step_numbers)
+    if unrecorded:
+        ledger.problems.append(unrecorded)
     print(ledger.summary())
     if not eval_ledger_files(run):
         print("evaluation ledger: none (the run recorded no evaluation), not checked")
@@ -76,6 +81,25 @@ def audit_ledgers(run: Path) -> int:
     evaluations = check_eval_ledgers(run)
     print(evaluations.summary())
     return 0 if ledger.ok and evaluations.ok else 1
+
+
+def unrecorded_steps(run: Path, recorded: Set[int]) -> Optional[str]:
+    """The steps the run's result.json says it trained and its ledger does not list (a resume with
+    trainer.record_samples=false, or one that turned it on): the audit cannot vouch for them, so they are a problem,
+    not an OK. None when every step is recorded, or when there is no readable result (a run still going, killed)."""
+    try:  # a run directory audit did not write: bounded, never waited on
+        result = read_json_file(run / RESULT_FILE, "JSON nested too deeply")
+    except (OSError, ValueError):
+        return None
+    steps = result.get("steps") if isinstance(result, dict) else None
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps > 10**9:
+        return None
+    missing = sorted(set(range(1, steps + 1)) - recorded)
+    if not missing:
+        return None
+    return (f"{run / RESULT_FILE}: the run trained {steps} steps, its ledger lists {steps - len(missing)}: "
+            f"{len(missing)} step(s) ({missing[0]}..{missing[-1]}) ran without trainer.record_samples=true and are "
+            "not checked; to audit a whole run, keep trainer.record_samples=true on every resume")
 
 
 def check_ledger_files(run: Path) -> None:

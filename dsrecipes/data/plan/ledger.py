@@ -168,6 +168,7 @@ class LedgerReport(Verdict):
     duplicates: Dict[int, List[str]] = field(default_factory=dict)  # epoch -> ids read more than once
     missing: Dict[int, int] = field(default_factory=dict)  # epoch -> expected ids never read
     unexpected: Dict[int, List[str]] = field(default_factory=dict)  # epoch -> ids outside expected_ids
+    step_numbers: Set[int] = field(default_factory=set)  # the optimizer steps the lowest rank recorded
 
     def summary(self) -> str:
         lines = [f"ledger: {self.ranks} rank(s), epochs {self.epochs}"]
@@ -247,6 +248,7 @@ def _check_steps(report: LedgerReport, per_rank: Dict[int, Dict[Tuple[int, int],
     with `world_size`) leaves a rank outside the new world without its later steps, and what such a rank had recorded
     past the resumed checkpoint was replayed by the new world, so it is dropped (in place) rather than counted."""
     ref = min(per_rank)
+    report.step_numbers = {step for _, step in per_rank[ref]}
     for r, steps in per_rank.items():
         for key in [k for k in steps if r != ref and worlds.get(k) is not None and r >= worlds[k]]:
             del steps[key]
