@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 from dsrecipes.cli import main as cli_main
 from dsrecipes.data.plan.ledger import LedgerWriter, verify_ledgers
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _steps(led: LedgerWriter, rank: int, steps, tag: str, per_step: int = 2) -> None:
@@ -76,3 +79,28 @@ def test_audit_fails_a_run_whose_ledger_misses_steps_it_trained(tmp_path, capsys
     assert cli_main(["audit", "--ledger", str(tmp_path)]) == 0
     (tmp_path / "result.json").unlink()
     assert cli_main(["audit", "--ledger", str(tmp_path)]) == 0
+
+
+def test_the_reshard_command_for_another_world_size_keeps_the_validation_part(tmp_path):
+    """Was: a presharded run at a world size other than the shard's part count said 'Re-shard for this world size:
+    `dsrecipes shard d.jsonl --parts 1 --out NEW_DIR --balance samples`' for a shard written with --val-size 16:
+    that command writes no val.jsonl, so the 16 held-out rows became training rows and the run stopped evaluating.
+    Now the command carries --val-size 16, and running it holds out the very same rows (same val.jsonl checksum)."""
+    import shlex
+
+    import pytest
+
+    from dsrecipes.core.errors import DataError
+    from dsrecipes.data.shard.manifest import read_manifest
+
+    sample = REPO / "dsrecipes" / "assets" / "sample_data" / "train.jsonl"
+    rows = tmp_path / "d.jsonl"
+    rows.write_text("".join(sample.read_text(encoding="utf-8").splitlines(keepends=True)[:40]), encoding="utf-8")
+    assert cli_main(["shard", str(rows), "--parts", "2", "--out", str(tmp_path / "s2"), "--val-size", "4"]) == 0
+    with pytest.raises(DataError) as err:
+        read_manifest(str(tmp_path / "s2"), world_size=1)
+    command = str(err.value).split("`")[1]
+    assert "--val-size 4" in command, command
+    argv = shlex.split(command.replace("NEW_DIR", str(tmp_path / "s1")))
+    assert argv[0] == "dsrecipes" and cli_main(argv[1:]) == 0
+    assert read_manifest(str(tmp_path / "s1"), 1).val_sha256 == read_manifest(str(tmp_path / "s2")).val_sha256

@@ -118,10 +118,11 @@ def read_manifest(shard_dir: Optional[str], world_size: Optional[int] = None) ->
                         "Re-shard")
     if world_size is not None and manifest.parts != world_size:
         sources = " ".join(s["path"] for s in manifest.sources) or "INPUT..."
+        held = f" --val-size {manifest.val_count}" if manifest.val_count else ""  # the same held-out rows, not trained
         raise DataError(
             f"data.shard_dir: {shard_dir} holds {manifest.parts} parts but the run has {world_size} ranks; each rank "
             f"reads exactly its own part. Re-shard for this world size: `dsrecipes shard {sources} --parts "
-            f"{world_size} --out NEW_DIR --balance {manifest.balance}` and set data.shard_dir=NEW_DIR"
+            f"{world_size} --out NEW_DIR --balance {manifest.balance}{held}` and set data.shard_dir=NEW_DIR"
         )
     return manifest
 
