@@ -309,7 +309,7 @@ def test_shard_for_dpo_checks_rows_as_pairs_and_prints_a_live_reference_command(
     from dsrecipes.config.load import compose_and_load
     from dsrecipes.data.shard.build import shard
 
-    with pytest.raises(DataError, match=r"train.jsonl:1: bad_value \(the prompt ends with a"):  # SFT rows, no pairs
+    with pytest.raises(DataError, match=r"train.jsonl:1: missing_side \(no 'chosen' and no 'rejected'"):  # SFT rows, no pairs
         shard(compose_and_load(["objective=dpo", "objective.reference=live", "dataset.max_samples=20"]), 2,
               str(tmp_path / "x"))
     assert training_command(str(tmp_path), 2, ["objective=dpo"]).endswith("objective.reference=live")

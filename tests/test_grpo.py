@@ -290,7 +290,7 @@ def test_bad_prompt_rows_named_by_file_line_or_counted(tmp_path):
     ends = json.dumps({"conversations": [{"from": "human", "value": "1+1="}, {"from": "gpt", "value": "2"}]})
     odd = json.dumps({"conversations": [{"from": "human", "value": "1+1="}], "reference": [2]})
     for extra, message in (([long], r"p\.jsonl:6: prompt_too_long \(the prompt has \d+ tokens; data.cutoff_len"),
-                           ([ends], r"p\.jsonl:6: bad_value \(the prompt ends with a assistant turn")):
+                           ([ends], r"p\.jsonl:6: bad_value \(the prompt's last turn is the model's \(assistant\)")):
         data = arithmetic(tmp_path / "p.jsonl", 5, 0, *extra)
         cfg = compose(f"dataset.paths=[{data}]")
         tok = load_tokenizer(cfg)

@@ -5,7 +5,9 @@ Formats (per source, `format`):
   with a user turn), `chosen` and `rejected` one assistant message each (`{"from": "gpt", "value": ...}`, or a
   list of exactly one such message); `system` / `tools` as for SFT rows.
 - `openai` (TRL conversational): `prompt`, `chosen`, `rejected` are message lists (`{"role", "content"}`); each
-  answer list holds exactly one assistant message. A system message opening the prompt is its system prompt.
+  answer list holds exactly one assistant message. A system message opening the prompt is its system prompt. TRL's
+  standard (plain-text) rows are read too: a string `prompt` is one user turn, a string `chosen` / `rejected` one
+  assistant answer, rendered with the template like every other pair (TRL trains such rows untemplated).
 
 Every malformed pair is a bad row (counted by reason, `file:line`, quarantined or fatal per `dataset.bad_rows`,
 exactly like SFT rows): `missing_side` (no chosen / no rejected), `side_not_assistant` (an answer that is not one
@@ -59,6 +61,9 @@ _FORMAT_NAMES = {DatasetFormat.sharegpt: "sharegpt (LLaMA-Factory)", DatasetForm
 
 def _pair(raw: Dict[str, Any], source: SourceConfig, roles: Dict[str, Role]) -> Pair:
     cols = source.columns
+    if cols.chosen not in raw and cols.rejected not in raw:  # before the prompt: an SFT row ends with its answer
+        raise BadRow(BadReason.missing_side, f"no {cols.chosen!r} and no {cols.rejected!r} answer: a pair row holds "
+                                             "a prompt and a chosen and a rejected answer (an SFT conversation?)")
     conv = prompt_conversation(raw, source, roles)
     chosen, rejected = (_answer(raw, side, source, roles) for side in (cols.chosen, cols.rejected))
     if chosen == rejected:
@@ -74,8 +79,11 @@ def _answer(raw: Dict[str, Any], side: str, source: SourceConfig, roles: Dict[st
     value: Optional[Any] = raw.get(side)
     if value is None:
         raise BadRow(BadReason.missing_side, f"no {side!r} answer")
-    messages = value if isinstance(value, list) else [value]
-    turns: List[Turn] = _message_turns({source.columns.messages: messages}, source, roles) if messages else []
+    if isinstance(value, str) and source.format is DatasetFormat.openai:  # TRL's standard (plain-text) pair
+        turns: List[Turn] = [Turn(Role.assistant, value)]
+    else:
+        messages = value if isinstance(value, list) else [value]
+        turns = _message_turns({source.columns.messages: messages}, source, roles) if messages else []
     if len(turns) != 1 or turns[0].role is not Role.assistant:
         got = [t.role.value for t in turns]
         raise BadRow(BadReason.side_not_assistant, f"{side!r} must be one assistant message, got roles {got}")

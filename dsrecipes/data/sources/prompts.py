@@ -4,8 +4,9 @@ Online objectives (`objective=grpo`) read prompts only: the completions are samp
 Formats (per source, `format`):
 - `sharegpt`: `conversations` holds the prompt turns, ending with a user (or tool output) turn; `system` / `tools`
   as for SFT rows.
-- `openai`: `prompt` (TRL's column; `messages` is read when there is no `prompt`) is a message list ending with a
-  user turn; a system message opening it is its system prompt.
+- `openai`: `prompt` (TRL's column; a `messages` list is read when there is no `prompt`) is a message list ending
+  with a user turn; a system message opening it is its system prompt. TRL's standard (plain-text) prompt, a string,
+  is one user turn, rendered with the template like every other prompt.
 The reference answer (what the built-in reward checks compare with, objectives/rewards.py) is the row's
 `reference` field, else its `answer` field: a string or a number (kept as text), absent or null for none.
 
@@ -34,7 +35,8 @@ class Prompt:
 
 
 def _prompt(raw: Dict[str, Any], source: SourceConfig, roles: Dict[str, Role]) -> Prompt:
-    if source.format is DatasetFormat.openai and source.columns.prompt not in raw and source.columns.messages in raw:
+    if source.format is DatasetFormat.openai and source.columns.prompt not in raw \
+            and isinstance(raw.get(source.columns.messages), list):
         raw = {**raw, source.columns.prompt: raw[source.columns.messages]}
     return Prompt(prompt_conversation(raw, source, roles), _reference(raw))
 

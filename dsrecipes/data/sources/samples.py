@@ -10,14 +10,15 @@ is here, once:
 - `SampleKind.canonical`: the sample in the canonical form `dsrecipes shard` writes (sharegpt columns, roles by
   `Role` value, so a part needs no column settings and its sample ids survive): `canonical_row`, the one layout of
   every row kind's parts (a conversation is a prompt with no columns of its own);
-- `prompt_conversation`: the prompt turns every such row holds, checked like SFT turns.
+- `prompt_conversation`: the prompt turns every such row holds, checked like SFT turns (TRL's standard rows: a
+  plain-text openai `prompt` is one user turn).
 Which kinds there are and what reads, checks and writes each: data/rowkinds.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Generic, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, Generic, List, Optional, Sequence, Tuple, TypeVar
 
 from dsrecipes.core.schema import DEFAULT_MAX_ROW_BYTES, DatasetFormat, SourceConfig
 from dsrecipes.data.sources.badrows import BadReason, BadRow
@@ -98,10 +99,7 @@ def prompt_conversation(raw: Dict[str, Any], source: SourceConfig, roles: Roles)
     """The prompt turns of a row (ending with the turn a reply answers), its system prompt and tools: the prompt of
     a pair, and a prompt row (`rows=prompt`)."""
     cols = source.columns
-    prompt_col = cols.prompt if source.format is DatasetFormat.openai else cols.messages
-    if prompt_col not in raw:
-        raise BadRow(BadReason.missing_conversation, f"no {prompt_col!r} field (keys: {sorted(raw)[:8]})")
-    turns = _message_turns({cols.messages: raw[prompt_col]}, source, roles)
+    turns = _prompt_turns(raw, source, roles)
     system = _optional_text(raw, cols.system)
     while turns and turns[0].role is Role.system:
         system = turns[0].content if system is None else f"{system}\n\n{turns[0].content}"
@@ -110,6 +108,26 @@ def prompt_conversation(raw: Dict[str, Any], source: SourceConfig, roles: Roles)
         raise BadRow(BadReason.system_not_first if turns else BadReason.empty_conversation,
                      "a system turn after the first user/assistant turn" if turns else "the prompt has no turns")
     if turns[-1].role in TRAINED_ROLES:
-        raise BadRow(BadReason.bad_value, f"the prompt ends with a {turns[-1].role.value} turn; it must end with "
-                                          "the turn the answers reply to")
+        raise BadRow(BadReason.bad_value, f"the prompt's last turn is the model's ({turns[-1].role.value}): a "
+                                          "prompt ends with the turn a reply answers (user or tool output), "
+                                          "without its answer")
     return Conversation("", turns, system, _tools_text(raw.get(cols.tools)))
+
+
+def _prompt_turns(raw: Dict[str, Any], source: SourceConfig, roles: Roles) -> List[Turn]:
+    """The prompt's turns as written: a message list (ShareGPT `conversations`, openai/TRL `prompt`), or TRL's
+    standard (plain-text) `prompt`, a string: one user turn, rendered with the template like every other prompt."""
+    cols = source.columns
+    openai = source.format is DatasetFormat.openai
+    col = cols.prompt if openai else cols.messages
+    if col not in raw:
+        raise BadRow(BadReason.missing_conversation, f"no {col!r} field (keys: {sorted(raw)[:8]})")
+    value = raw[col]
+    if openai and isinstance(value, str):
+        return [Turn(Role.user, value)]
+    if not isinstance(value, list):
+        read = "a message list or a string" if openai else "a message list"
+        raise BadRow(BadReason.conversation_not_list, f"{col!r} is a {type(value).__name__}; it is read as {read}")
+    if not value:
+        raise BadRow(BadReason.empty_conversation, f"{col!r} is empty")
+    return _message_turns({cols.messages: value}, source, roles)
