@@ -440,7 +440,8 @@ def test_refusals_are_one_message(tmp_path, capsys):
     assert not (tmp_path / "r2" / "metrics.jsonl").exists()
     arithmetic(tmp_path / "p.jsonl", 12)
     LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                num_key_value_heads=2, architectures=["LlamaForSequenceClassification"]).save_pretrained(tmp_path / "rm")
+                num_key_value_heads=2, num_labels=1,  # a scalar head: passes the label check (81456df)
+                architectures=["LlamaForSequenceClassification"]).save_pretrained(tmp_path / "rm")
     (tmp_path / "rm" / "model.safetensors").write_bytes(b"not safetensors")  # passes the checks before launch
     assert run(tmp_path, "r3", f"objective.reward_model={tmp_path / 'rm'}", "trainer.max_steps=1") == 2
     captured = capsys.readouterr()
