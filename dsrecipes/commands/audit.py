@@ -98,8 +98,9 @@ def unrecorded_steps(run: Path, recorded: Set[int]) -> Optional[str]:
     if not missing:
         return None
     return (f"{run / RESULT_FILE}: the run trained {steps} steps, its ledger lists {steps - len(missing)}: "
-            f"{len(missing)} step(s) ({missing[0]}..{missing[-1]}) ran without trainer.record_samples=true and are "
-            "not checked; to audit a whole run, keep trainer.record_samples=true on every resume")
+            f"{len(missing)} step(s) ({missing[0]}..{missing[-1]}) are not in it and not checked (trained without "
+            "trainer.record_samples=true, or in the run directory of trainer.resume_from); to audit a whole run, "
+            "record every session of it in one run directory")
 
 
 def check_ledger_files(run: Path) -> None:
