@@ -131,13 +131,31 @@ OUR_TEMPLATES = "template: auto (the tokenizer's own chat template), chatml, lla
 # LLaMA-Factory's template names -> ours: the same format under another name, or (None) a model's own format, which
 # template: auto reads from the model's tokenizer.
 LF_TEMPLATES: Dict[str, Optional[str]] = {
-    **dict.fromkeys(("qwen", "qwen3", "yi", "chatml_de", "dbrx", "opencoder", "sailor"), "chatml"),
+    **dict.fromkeys(("qwen", "qwen3", "qwen3_nothink", "yi", "chatml_de", "dbrx", "opencoder", "sailor"), "chatml"),
     "default": "human_assistant", "alpaca": "plain", "empty": "plain",
     **dict.fromkeys(("llama2", "llama2_zh", "llama4", "mistral", "mistral_small", "gemma", "gemma2", "gemma3", "phi",
                      "phi4", "phi_small", "deepseek", "deepseek3", "deepseekr1", "deepseekcoder", "glm4", "chatglm3",
                      "baichuan2", "zephyr", "cohere", "falcon", "granite3", "olmo", "intern2", "openchat", "solar",
                      "starchat", "qwen2_vl", "qwen2_audio", "llava", "minicpm_v", "pixtral", "hunyuan"), None),
 }
+# LLaMA-Factory's reasoning templates (ReasoningTemplate in its data/template.py) among those: before every answer
+# without a <think> part they add an empty one, trained with the answer under enable_thinking: true (its default), an
+# untrained end of the prompt under false. chatml adds none, auto renders the model's own chat template: no twin,
+# a person decides (_reasoning says how).
+LF_REASONING = ("qwen3", "deepseekr1")
+EMPTY_THINK = "<think>\\n\\n</think>\\n\\n"
+
+
+def _reasoning(name: str, ours: Optional[str]) -> str:
+    kin, nothink = ours or "the model's own format", " (LLaMA-Factory's qwen3_nothink)" if name == "qwen3" else ""
+    here = f"template: {ours} adds none: it trains the answers as your data writes them{nothink}" if ours else (
+        "template: auto renders the model tokenizer's own chat template as it is (dsrecipes inspect-data shows the "
+        "tokens it trains)")
+    return (f"LLaMA-Factory's {name} template is {kin} plus an empty "
+            f"thinking block '{EMPTY_THINK}' it adds before every answer without a <think> part, trained with the "
+            "answer (enable_thinking: true, its default; false puts it untrained at the end of the prompt and removes "
+            f"the answers' reasoning). Here: {here}; to train that block as LLaMA-Factory does, start each answer "
+            f"without a <think> part with '{EMPTY_THINK}' in your data")
 
 
 def _template(value: Any) -> str:
@@ -146,6 +164,8 @@ def _template(value: Any) -> str:
     if name not in LF_TEMPLATES:
         return "templates here: " + OUR_TEMPLATES
     ours = LF_TEMPLATES[name]
+    if name in LF_REASONING:
+        return _reasoning(name, ours)
     auto = "template: auto (the default: the model tokenizer's own chat template, its default system prompt included)"
     if ours is None:
         return f"LLaMA-Factory's {name} template is the model's own format; here: {auto}"

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import yaml
 
-from dsrecipes.config.foreign_keys import LF_TEMPLATES, NOT_NEEDED, RULES, foreign_key
+from dsrecipes.config.foreign_keys import LF_REASONING, LF_TEMPLATES, NOT_NEEDED, RULES, foreign_key
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _STAGES = {"sft": "sft", "dpo": "dpo", "rm": "reward"}
@@ -47,7 +47,7 @@ def _when_true(key: str, ours: Any) -> Callable[[Any], Optional[Dict[str, Any]]]
 
 
 def _template(value: Any) -> Optional[Dict[str, Any]]:
-    if str(value) not in LF_TEMPLATES:
+    if str(value) not in LF_TEMPLATES or str(value) in LF_REASONING:  # reasoning: no twin (foreign_keys._reasoning)
         return None
     return {"template": LF_TEMPLATES[str(value)] or "auto"}
 
