@@ -105,3 +105,39 @@ def test_the_reshard_command_for_another_world_size_keeps_the_validation_part(tm
     argv = shlex.split(command.replace("NEW_DIR", str(tmp_path / "s1")))
     assert argv[0] == "dsrecipes" and cli_main(argv[1:]) == 0
     assert read_manifest(str(tmp_path / "s1"), 1).val_sha256 == read_manifest(str(tmp_path / "s2")).val_sha256
+
+
+def test_an_elastic_resume_keeps_deepspeeds_conversion_narrative_off_the_console(tmp_path, monkeypatch, capsys):
+    """Was: resuming a 2-rank ZeRO-2 run on 1 rank printed DeepSpeed's 'Convert DeepSpeed Checkpoint to Universal
+    Checkpoint', '*** 1. Extracting ZeRO fragments', two tqdm bars and '[WARNING] ... MPU is not provided, setting tp
+    size to 1 in checkpoint loading' among the run's own lines (README: such lines go to <run>/logs/). Now the
+    conversion prints into the rank's log file, and the MPU warning is noise (a log line)."""
+    import sys
+    import types
+
+    import dsrecipes.boundary.trust as trust
+    import dsrecipes.core.console as console
+    from dsrecipes.rank.checkpoint import convert_to_universal
+    from tests.test_trust_audit import _foreign_checkpoint
+
+    tag = _foreign_checkpoint(tmp_path, monkeypatch)
+
+    def narrating_conversion(args):  # what ds_to_universal prints while it converts
+        print("Convert DeepSpeed Checkpoint to Universal Checkpoint\n*** 1. Extracting ZeRO fragments")
+        print("100%|##########| 2/2 [00:00<00:00, 13.51it/s]", file=sys.stderr)
+        Path(args.output_folder).mkdir(exist_ok=True)
+
+    monkeypatch.setitem(sys.modules, "deepspeed.checkpoint.ds_to_universal",
+                        types.SimpleNamespace(main=narrating_conversion))
+    log = tmp_path / "logs" / "rank0.log"
+    log.parent.mkdir()
+    monkeypatch.setattr(console._SINK, "path", log)
+    try:
+        convert_to_universal(tag, out=tmp_path / "run" / "universal" / "step_4")
+    finally:
+        trust.reset()
+    shown = capsys.readouterr()
+    assert "Extracting ZeRO fragments" not in shown.out + shown.err and "it/s" not in shown.err
+    assert "Extracting ZeRO fragments" in log.read_text() and "13.51it/s" in log.read_text()
+    assert console.is_noise("[WARNING] [base_optimizer.py:343:load_hp_checkpoint_state_from_checkpoint_dir] MPU is not "
+                            "provided, setting tp size to 1 in checkpoint loading.")

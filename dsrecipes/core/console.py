@@ -35,6 +35,7 @@ LOGS_DIR = "logs"
 NOISE = [re.compile(p) for p in (
     r"Setting accelerator to CPU\. If you have GPU or other accelerator",
     r"Attempting to get learning rate from scheduler before it has started",
+    r"MPU is not provided, setting tp size to 1 in checkpoint loading",  # every elastic (universal) resume
     r"Unable to find hostfile, will proceed with training with local resources only",
     r"\[INFO\] \[(runner|launch)\.py:\d+:",  # the deepspeed launcher narrating itself (launch.txt has the command)
     r"\[ERROR\] \[launch\.py:\d+:sigkill_handler\]",  # a rank's exit code: commands/outcome.py says it in words

@@ -51,6 +51,7 @@ from dsrecipes.core.checkpoint_names import (
     step_of,
     tag_for,
 )
+from dsrecipes.core.console import kept_in_log
 from dsrecipes.core.distributed import all_ranks
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.fileio import atomic_write_json, atomic_write_text, loads_bounded, read_json_file
@@ -267,7 +268,7 @@ def convert_to_universal(tag_dir: Path, checked: Optional[CheckedCheckpoint] = N
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
     checked.allow_written(out)
-    with checked.guard():
+    with checked.guard(), kept_in_log():  # DeepSpeed narrates the conversion and draws bars: the rank's log keeps them
         ds_to_universal(SimpleNamespace(input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=1,
                                         num_merge_workers=1, keep_temp_folder=False, strict=True,
                                         inject_missing_state=True))
