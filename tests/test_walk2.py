@@ -141,3 +141,28 @@ def test_an_elastic_resume_keeps_deepspeeds_conversion_narrative_off_the_console
     assert "Extracting ZeRO fragments" in log.read_text() and "13.51it/s" in log.read_text()
     assert console.is_noise("[WARNING] [base_optimizer.py:343:load_hp_checkpoint_state_from_checkpoint_dir] MPU is not "
                             "provided, setting tp size to 1 in checkpoint loading.")
+
+
+def test_a_presharded_resume_on_another_world_size_is_told_the_way_that_works(tmp_path, make_cfg):
+    """Was: resuming a 2-part presharded run on 1 rank said 'Re-shard for this world size: `dsrecipes shard ... --parts
+    1 --out NEW_DIR ...` and set data.shard_dir=NEW_DIR'; doing so, the resume was refused again ('the training data
+    differs ... fingerprint b13e... -> a7ce...'): a dead end. Now, with a checkpoint in the run directory, it says to
+    resume on 2 ranks, or to start a new run in another directory on the re-shard; a new run still gets the re-shard."""
+    import pytest
+
+    from dsrecipes.core.errors import DataError
+    from dsrecipes.data.strategies import strategy_of
+
+    sample = REPO / "dsrecipes" / "assets" / "sample_data" / "train.jsonl"
+    rows = tmp_path / "d.jsonl"
+    rows.write_text("".join(sample.read_text(encoding="utf-8").splitlines(keepends=True)[:20]), encoding="utf-8")
+    assert cli_main(["shard", str(rows), "--parts", "2", "--out", str(tmp_path / "s2")]) == 0
+    cfg = make_cfg("data=presharded", f"data.shard_dir={tmp_path / 's2'}", check_files=False)
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(DataError, match="Re-shard for this world size"):  # a new run: the re-shard is the way
+        strategy_of(cfg).prepare(cfg, run, None, 1)
+    (run / "checkpoints" / "step_8").mkdir(parents=True)
+    with pytest.raises(DataError) as err:
+        strategy_of(cfg).prepare(cfg, run, None, 1)
+    assert "resume on 2 ranks" in str(err.value) and "another trainer.output_dir" in str(err.value)

@@ -86,8 +86,9 @@ def part_name(index: int, parts: int) -> str:
 DEEP_MANIFEST = "JSON nested too deeply"
 
 
-def read_manifest(shard_dir: Optional[str], world_size: Optional[int] = None) -> Manifest:
-    """The manifest of `shard_dir`; with `world_size`, refuses a part count that differs from it."""
+def read_manifest(shard_dir: Optional[str], world_size: Optional[int] = None, resuming: bool = False) -> Manifest:
+    """The manifest of `shard_dir`; with `world_size`, refuses a part count that differs from it (`resuming`: the run
+    directory holds a checkpoint, which another shard, other training data to it, could not continue)."""
     if not shard_dir:
         raise DataError("data.shard_dir: data=presharded needs the directory written by `dsrecipes shard`")
     path: Any = f"{shard_dir.rstrip('/')}/{MANIFEST}" if is_url(shard_dir) else Path(shard_dir) / MANIFEST
@@ -119,6 +120,13 @@ def read_manifest(shard_dir: Optional[str], world_size: Optional[int] = None) ->
     if world_size is not None and manifest.parts != world_size:
         sources = " ".join(s["path"] for s in manifest.sources) or "INPUT..."
         held = f" --val-size {manifest.val_count}" if manifest.val_count else ""  # the same held-out rows, not trained
+        if resuming:
+            raise DataError(
+                f"data.shard_dir: {shard_dir} holds {manifest.parts} parts but the run has {world_size} ranks, and a "
+                f"presharded run resumes only on as many ranks as its shard has parts (a new shard is other training "
+                f"data to the checkpoint, which refuses it): resume on {manifest.parts} ranks (launcher.num_gpus, "
+                f"launcher.num_nodes), or start a new run in another trainer.output_dir on a shard for {world_size}: "
+                f"`dsrecipes shard {sources} --parts {world_size} --out NEW_DIR --balance {manifest.balance}{held}`")
         raise DataError(
             f"data.shard_dir: {shard_dir} holds {manifest.parts} parts but the run has {world_size} ranks; each rank "
             f"reads exactly its own part. Re-shard for this world size: `dsrecipes shard {sources} --parts "

@@ -156,7 +156,8 @@ class PreshardedStrategy:
         return read_manifest(cfg.data.shard_dir).fingerprint, {}
 
     def prepare(self, cfg: TrainConfig, run_dir: Path, tokenizer: Any, world_size: int) -> PrepareResult:
-        manifest = read_manifest(cfg.data.shard_dir, world_size=world_size)
+        resuming = any(not p.name.endswith(".partial") for p in (run_dir / "checkpoints").glob("step_*"))
+        manifest = read_manifest(cfg.data.shard_dir, world_size=world_size, resuming=resuming)
         check_row_format(manifest, cfg)
         if cfg.data.prescan:
             check_parts(cfg, run_dir, manifest)
