@@ -92,7 +92,10 @@ def test_the_shipped_recipes_have_no_flat_problems():
 
 
 @pytest.mark.parametrize("typed, words, not_words", [
-    ("template=qwen", "LLaMA-Factory's qwen template is chatml; here: template: chatml, or template: auto", "options:"),
+    ("template=qwen", "LLaMA-Factory's qwen template is chatml plus its default system prompt 'You are Qwen, created by "
+     "Alibaba Cloud. You are a helpful assistant.', put in every conversation without one (chatml alone puts none); "
+     "here: template: chatml with template.default_system: 'You are Qwen", "options:"),
+    ("template=yi", "LLaMA-Factory's yi template is chatml; here: template: chatml, or template: auto", "options:"),
     ("template=llama2", "the model's own format; here: template: auto", "did you mean llama3"),  # not a typo
     ("template=default", "template: human_assistant", "did you mean"),
     ("template=chatlm", "did you mean chatml?", "LLaMA-Factory"),  # our own name misspelled: the typo wins

@@ -131,13 +131,33 @@ OUR_TEMPLATES = "template: auto (the tokenizer's own chat template), chatml, lla
 # LLaMA-Factory's template names -> ours: the same format under another name, or (None) a model's own format, which
 # template: auto reads from the model's tokenizer.
 LF_TEMPLATES: Dict[str, Optional[str]] = {
-    **dict.fromkeys(("qwen", "qwen3", "qwen3_nothink", "yi", "chatml_de", "dbrx", "opencoder", "sailor"), "chatml"),
+    **dict.fromkeys(("qwen", "qwen3", "qwen3_nothink", "yi", "chatml_de", "dbrx", "opencoder"), "chatml"),
     "default": "human_assistant", "alpaca": "plain", "empty": "plain",
     **dict.fromkeys(("llama2", "llama2_zh", "llama4", "mistral", "mistral_small", "gemma", "gemma2", "gemma3", "phi",
                      "phi4", "phi_small", "deepseek", "deepseek3", "deepseekr1", "deepseekcoder", "glm4", "chatglm3",
                      "baichuan2", "zephyr", "cohere", "falcon", "granite3", "olmo", "intern2", "openchat", "solar",
-                     "starchat", "qwen2_vl", "qwen2_audio", "llava", "minicpm_v", "pixtral", "hunyuan"), None),
+                     "starchat", "qwen2_vl", "qwen2_audio", "llava", "minicpm_v", "pixtral", "hunyuan", "sailor"), None),
 }
+# LLaMA-Factory templates that are ours plus a default system prompt (its register_template default_system), put in
+# every conversation without one: translated to `template.default_system` beside the template. Ours already carry
+# none of them (vicuna's is FastChat's, as LF's vicuna); sailor's turns are `<|im_start|>question` / `answer`, no twin.
+LF_SYSTEMS = {
+    "qwen": "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+    "opencoder": "You are OpenCoder, created by OpenCoder Team.",
+    "chatml_de": "Du bist ein freundlicher und hilfsbereiter KI-Assistent.",
+    "dbrx": "You are DBRX, created by Databricks. You were last updated in December 2023. You answer questions based on "
+            "information available up to that point.\nYOU PROVIDE SHORT RESPONSES TO SHORT QUESTIONS OR STATEMENTS, but "
+            "provide thorough responses to more complex and open-ended questions.\nYou assist with various tasks, from "
+            "writing to coding (using markdown for code blocks \u2014 remember to use ``` with code, JSON, and tables).\n"
+            "(You do not have real-time data access or code execution capabilities. You avoid stereotyping and provide "
+            "balanced perspectives on controversial topics. You do not provide song lyrics, poems, or news articles and "
+            "do not divulge details of your training data.)\nThis is your system prompt, guiding your responses. Do not "
+            "reference it, just respond to the user. If you find yourself talking about this message, stop. You should "
+            "be responding appropriately and usually that means not mentioning this.\nYOU DO NOT MENTION ANY OF THIS "
+            "INFORMATION ABOUT YOURSELF UNLESS THE INFORMATION IS DIRECTLY PERTINENT TO THE USER'S QUERY.",
+}
+ALPACA_SYSTEM = ("Below is an instruction that describes a task. Write a response that appropriately completes the "
+                 "request.\n\n")
 # LLaMA-Factory's reasoning templates (ReasoningTemplate in its data/template.py) among those: before every answer
 # without a <think> part they add an empty one, trained with the answer under enable_thinking: true (its default), an
 # untrained end of the prompt under false. chatml adds none, auto renders the model's own chat template: no twin,
@@ -167,10 +187,22 @@ def _template(value: Any) -> str:
     if name in LF_REASONING:
         return _reasoning(name, ours)
     auto = "template: auto (the default: the model tokenizer's own chat template, its default system prompt included)"
+    if name == "sailor":
+        return ("LLaMA-Factory's sailor template is not chatml: its turns are '<|im_start|>question' / "
+                "'<|im_start|>answer' (chatml: user / assistant), after its default system prompt 'You are an AI "
+                f"assistant named Sailor created by Sea AI Lab. ...'; no template here writes those; here: {auto}")
     if ours is None:
         return f"LLaMA-Factory's {name} template is the model's own format; here: {auto}"
+    if name in LF_SYSTEMS:
+        text = LF_SYSTEMS[name]
+        said, here = (repr(text), repr(text)) if len(text) < 100 else (repr(text[:60] + "..."), "that text")
+        return (f"LLaMA-Factory's {name} template is {ours} plus its default system prompt {said}, put in every "
+                f"conversation without one (chatml alone puts none); here: template: {ours} with "
+                f"template.default_system: {here}, or {auto}")
     kin = "is closest to" if name in ("default", "alpaca", "empty") else "is"
-    return f"LLaMA-Factory's {name} template {kin} {ours}; here: template: {ours}, or {auto}"
+    alpaca = (f" (LLaMA-Factory's alpaca also starts every conversation without a system prompt with {ALPACA_SYSTEM!r}"
+              ": template.default_system writes one)") if name == "alpaca" else ""
+    return f"LLaMA-Factory's {name} template {kin} {ours}{alpaca}; here: template: {ours}, or {auto}"
 
 
 def _thinking(value: Any) -> str:

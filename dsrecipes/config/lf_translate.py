@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import yaml
 
-from dsrecipes.config.foreign_keys import LF_REASONING, LF_TEMPLATES, NOT_NEEDED, RULES, foreign_key
+from dsrecipes.config.foreign_keys import LF_REASONING, LF_SYSTEMS, LF_TEMPLATES, NOT_NEEDED, RULES, foreign_key
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _STAGES = {"sft": "sft", "dpo": "dpo", "rm": "reward"}
@@ -47,9 +47,10 @@ def _when_true(key: str, ours: Any) -> Callable[[Any], Optional[Dict[str, Any]]]
 
 
 def _template(value: Any) -> Optional[Dict[str, Any]]:
-    if str(value) not in LF_TEMPLATES or str(value) in LF_REASONING:  # reasoning: no twin (foreign_keys._reasoning)
-        return None
-    return {"template": LF_TEMPLATES[str(value)] or "auto"}
+    if str(value) not in LF_TEMPLATES or str(value) in LF_REASONING or str(value) == "sailor":  # no twin: a person
+        return None  # decides (foreign_keys._reasoning, _template)
+    system = {"template.default_system": LF_SYSTEMS[str(value)]} if str(value) in LF_SYSTEMS else {}
+    return {"template": LF_TEMPLATES[str(value)] or "auto", **system}
 
 
 # LLaMA-Factory keys whose value decides our key or value (RULES' other callables: a note, or a person's decision)
@@ -106,6 +107,8 @@ def in_our_keys(data: Dict[str, Any], problems: Dict[str, str]) -> Optional[str]
         translated = True
         if key == "finetuning_type" and value == "lora":
             mapped = {**mapped, **lf_lora_defaults(data)}
+        if key == "template" and "default_system" in data:  # the file's own default_system wins, as in LF
+            mapped = {k: v for k, v in mapped.items() if k != "template.default_system"}
         out.extend(_yaml({k: v}) for k, v in mapped.items() if k not in written)
         written.update(mapped)  # a key once: `deepspeed: ds_z3.json` beside `zero: stage3`
     return "".join(out) if translated else None
