@@ -109,7 +109,7 @@ def read_pairs(path: Path) -> List[Tuple[int, Pair]]:
             try:
                 out.append((loc, parse_pair_item(raw.rstrip(b"\r\n"), str(path), loc, sources[fmt], roles[fmt])))
             except BadRow as exc:
-                raise UserError(f"{path}:{loc}: {exc}") from None
+                raise UserError(f"{path}:{loc}: {exc}" + (f"; {exc.advice}" if exc.advice else "")) from None
     if not out:
         raise UserError(f"--pairs: {path} holds no pairs")
     return out

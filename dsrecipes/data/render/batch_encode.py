@@ -78,8 +78,8 @@ class _Chunk:
     truncated: np.ndarray  # bool per row
     input_ids: np.ndarray  # the GOOD rows' tokens, in row order
     labels: np.ndarray
-    # (row, line, element, reason, detail, raw), in row order (BadRow itself does not survive pickling)
-    bad: List[Tuple[int, Optional[int], Optional[int], BadReason, str, Any]]
+    # (row, line, element, BadRow, raw), in row order (BadRow pickles with its reason, detail and advice)
+    bad: List[Tuple[int, Optional[int], Optional[int], BadRow, Any]]
     one_text: bool = True
     per_segment: int = 0
 
@@ -144,7 +144,7 @@ def _encode_rows(task: _Task) -> _Chunk:
     status = np.full(n, BAD, dtype=np.int8)
     ids: List[Optional[str]] = [None] * n
     trailing = np.zeros(n, dtype=bool)
-    bad: List[Tuple[int, Optional[int], Optional[int], BadReason, str, Any]] = []
+    bad: List[Tuple[int, Optional[int], Optional[int], BadRow, Any]] = []
     convs, rows = [], []
     for k, item in enumerate(task.items):
         row = item if isinstance(item, RawRow) else row_of(task.path, item, _Worker.limit)
@@ -155,7 +155,7 @@ def _encode_rows(task: _Task) -> _Chunk:
             conv = conversation_of(row, source, table)
         except BadRow as exc:
             raw = row.raw_text if row.error is not None else row.value
-            bad.append((k, row.loc, row.element, exc.reason, exc.detail, raw))
+            bad.append((k, row.loc, row.element, exc, raw))
             continue
         ids[k], trailing[k] = conv.id, conv.dropped_turns > 0
         convs.append(conv)
@@ -168,7 +168,7 @@ def _encode_rows(task: _Task) -> _Chunk:
     status[rows_arr] = np.where(batch.lengths > 0, GOOD, DROPPED)
     for j, exc in batch.bad:
         status[rows[j]] = REFUSED
-        bad.append((rows[j], convs[j].loc, convs[j].element, exc.reason, exc.detail, conversation_dict(convs[j])))
+        bad.append((rows[j], convs[j].loc, convs[j].element, exc, conversation_dict(convs[j])))
     bad.sort(key=lambda b: b[0])
     return _Chunk(status, ids, trailing, lengths, truncated, batch.input_ids, batch.labels, bad,
                   _Worker.encoder.full_text, batch.per_segment)
@@ -307,9 +307,9 @@ class _Collector:
         if room is not None and len(taken) and taken[-1] >= room:
             cut = int(np.searchsorted(taken, room)) + 1 if room else 0
         report.rows_read += cut - int((chunk.status[:cut] == OTHER).sum())
-        for k, loc, element, reason, detail, raw in chunk.bad:
+        for k, loc, element, exc, raw in chunk.bad:
             if k < cut:
-                report.add(task.path, loc, BadRow(reason, detail), raw, element)
+                report.add(task.path, loc, exc, raw, element)
         report.trailing_turns_dropped += int(chunk.trailing[:cut].sum())
         rows = np.flatnonzero(is_conv[:cut])
         caps.taken[task.source] += len(rows)

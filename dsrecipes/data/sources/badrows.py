@@ -49,15 +49,19 @@ class BadReason(str, Enum):
 
 
 class BadRow(Exception):
-    """One row (or file) that cannot be used; `reason` is counted, `detail` explains."""
+    """One row (or file) that cannot be used; `reason` is counted, `detail` explains. `advice`: set where the row is
+    of another kind than the objective reads (an SFT conversation where pairs are read, a pair where conversations
+    are): what reads that kind of row; `bad_rows=skip` would quarantine every row of such a file, so it replaces
+    that advice in the refusal."""
 
-    def __init__(self, reason: BadReason, detail: str = ""):
+    def __init__(self, reason: BadReason, detail: str = "", advice: str = ""):
         self.reason = reason
         self.detail = detail
+        self.advice = advice
         super().__init__(f"{reason.value}: {detail}" if detail else reason.value)
 
     def __reduce__(self):  # to and from worker processes (the default would call BadRow(message))
-        return BadRow, (self.reason, self.detail)
+        return BadRow, (self.reason, self.detail, self.advice)
 
 
 QUARANTINE_MAX_BYTES = 64 << 20  # a file of tiny bad rows (`[1,1,...]`) would write ~65x its size of entries
@@ -139,9 +143,10 @@ class BadRowReport:
 
 
 def error_message(where: str, bad: BadRow) -> str:
-    """The one message of `bad_rows=error`: `file:line: reason (detail); ...`."""
+    """The one message of `bad_rows=error`: `file:line: reason (detail); ...`: the row kind to use where the row is
+    of another kind (`bad.advice`), else how to quarantine bad rows."""
     detail = f" ({_short(bad.detail)})" if bad.detail else ""
-    return f"{where}: {bad.reason.value}{detail}; set dataset.bad_rows=skip to quarantine bad rows"
+    return f"{where}: {bad.reason.value}{detail}; {bad.advice or 'set dataset.bad_rows=skip to quarantine bad rows'}"
 
 
 def location(path: str, line: Optional[int], element: Optional[int] = None) -> str:

@@ -59,11 +59,17 @@ _FORMAT_NAMES = {DatasetFormat.sharegpt: "sharegpt (LLaMA-Factory)", DatasetForm
                  DatasetFormat.alpaca: "alpaca"}
 
 
+NOT_A_PAIR = ("this looks like an SFT conversation: objective=dpo, objective=reward and `dsrecipes score --pairs` "
+              "read pairs (a prompt, a chosen and a rejected answer; see dataset=sample_pairs and README \"Preference "
+              "tuning (DPO)\"); objective=sft trains on conversations")
+
+
 def _pair(raw: Dict[str, Any], source: SourceConfig, roles: Dict[str, Role]) -> Pair:
     cols = source.columns
     if cols.chosen not in raw and cols.rejected not in raw:  # before the prompt: an SFT row ends with its answer
         raise BadRow(BadReason.missing_side, f"no {cols.chosen!r} and no {cols.rejected!r} answer: a pair row holds "
-                                             "a prompt and a chosen and a rejected answer (an SFT conversation?)")
+                                             "a prompt and a chosen and a rejected answer (an SFT conversation?)",
+                     advice=NOT_A_PAIR)
     conv = prompt_conversation(raw, source, roles)
     chosen, rejected = (_answer(raw, side, source, roles) for side in (cols.chosen, cols.rejected))
     if chosen == rejected:

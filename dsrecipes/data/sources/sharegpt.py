@@ -104,10 +104,16 @@ def normalize_row(raw: Any, sample_id: str, source: SourceConfig, roles: Optiona
         raise BadRow(BadReason.not_an_object, f"row is a {type(raw).__name__}")
     cols = source.columns
     table = role_table(source) if roles is None else roles
+    pair = _pair_advice(raw, source)
     if source.format is DatasetFormat.alpaca:
         turns = _alpaca_turns(raw, source)
     else:
-        turns = _message_turns(raw, source, table)
+        try:
+            turns = _message_turns(raw, source, table)
+        except BadRow as bad:
+            if pair and bad.reason is BadReason.missing_conversation:
+                raise BadRow(bad.reason, bad.detail, advice=pair) from None
+            raise
     system = _optional_text(raw, cols.system)
     tools = _tools_text(raw.get(cols.tools))
     # Leading system turns become the system prompt; a system turn later on is ambiguous, so it is a bad row.
@@ -118,8 +124,17 @@ def normalize_row(raw: Any, sample_id: str, source: SourceConfig, roles: Optiona
         raise BadRow(BadReason.system_not_first, "a system turn after the first user/assistant turn")
     last = max((i for i, t in enumerate(turns) if t.role in TRAINED_ROLES), default=-1)
     if last < 0:
-        raise BadRow(BadReason.no_assistant_turn, f"roles: {[t.role.value for t in turns]}")
+        raise BadRow(BadReason.no_assistant_turn, f"roles: {[t.role.value for t in turns]}", advice=pair)
     return Conversation(sample_id, turns[: last + 1], system, tools, source.name, len(turns) - last - 1)
+
+
+def _pair_advice(raw: Dict[str, Any], source: SourceConfig) -> str:
+    """What reads the row where it holds a preference pair's answers (its conversation is then the prompt alone)."""
+    if source.columns.chosen not in raw and source.columns.rejected not in raw:
+        return ""
+    return (f"this looks like a preference pair ({source.columns.chosen!r}/{source.columns.rejected!r}): objective=sft "
+            "trains on conversations that end with the model's answer; train on pairs with objective=dpo or "
+            "objective=reward (see dataset=sample_pairs and README \"Preference tuning (DPO)\")")
 
 
 def conversation_of(row: RawRow, source: SourceConfig, roles: Dict[str, Role]) -> Conversation:

@@ -24,19 +24,20 @@ from dsrecipes.data.sources.badrows import BadReason, BadRow
 from dsrecipes.data.sources.files import element_line
 from dsrecipes.data.sources.sharegpt import conversation_dict, parse_item, role_table
 
-SCAN_VERSION = 1
+SCAN_VERSION = 2  # 2: a row of another kind keeps its advice (the 7th entry of `bad`)
 BATCH = 256  # conversations per tokenization call
 
 
 @dataclass
 class FileScan:
     count: int = 0  # sample rows checked
-    bad: List[list] = field(default_factory=list)  # [sample, line, reason, detail, raw text, element]
+    bad: List[list] = field(default_factory=list)  # [sample, line, reason, detail, raw text, element(, advice)]
     dropped: List[int] = field(default_factory=list)  # samples that lost trailing non-assistant turns
 
     def bad_rows(self) -> List[tuple]:
         """(sample, line, BadRow, raw, element) in sample order."""
-        return [(s, line, BadRow(BadReason(r), d), raw, el) for s, line, r, d, raw, el in sorted(self.bad, key=_first)]
+        return [(s, line, BadRow(BadReason(r), d, *advice), raw, el)
+                for s, line, r, d, raw, el, *advice in sorted(self.bad, key=_first)]
 
 
 def _first(entry: list) -> int:
@@ -62,7 +63,7 @@ class RowChecker:
         except BadRow as bad:
             text = None if raw is None else raw.decode("utf-8", errors="replace").rstrip("\r\n")
             self.scan.bad.append([sample, self.line(loc), bad.reason.value, bad.detail, text,
-                                  loc if self.element else None])
+                                  loc if self.element else None, bad.advice])
             return
         if self.dropped(item):
             self.scan.dropped.append(sample)
