@@ -78,3 +78,44 @@ def test_score_pairs_on_an_sft_file_names_what_reads_pairs(tmp_path):
     with pytest.raises(UserError) as err:
         read_pairs(path)
     assert "bad_rows=skip" not in str(err.value) and "score --pairs" in str(err.value), str(err.value)
+
+
+# A relative `model.path` was stored as typed in the run's config.yaml (and repeated in "train further"), so the run's
+# commands and `dsrecipes export/chat RUN` worked only from the directory it was started in.
+
+
+def test_a_relative_local_model_path_is_made_absolute_and_a_hub_id_is_not(tmp_path, monkeypatch):
+    from dsrecipes.config.defaults import with_derived_defaults
+    from dsrecipes.config.load import compose_and_load
+
+    (tmp_path / "runs" / "sft" / "export").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    cfg = with_derived_defaults(compose_and_load(["model.path=runs/sft/export"], check_files=False))
+    assert cfg.model.path == str(tmp_path / "runs" / "sft" / "export")
+    hub = with_derived_defaults(compose_and_load(["model.path=HuggingFaceTB/SmolLM2-135M"], check_files=False))
+    assert hub.model.path == "HuggingFaceTB/SmolLM2-135M"
+
+
+def test_a_run_that_recorded_a_relative_model_path_resumes_from_the_same_directory(tmp_path, monkeypatch):
+    """Runs started before the change recorded `runs/sft/export`; the same command now records it absolute."""
+    from dsrecipes.run.resume_contract import compare
+
+    (tmp_path / "runs" / "sft" / "export").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    now = str(tmp_path / "runs" / "sft" / "export")
+    refused, _ = compare({"model": {"path": "runs/sft/export"}}, {"model": {"path": now}})
+    assert refused == []
+    elsewhere = tmp_path / "other"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # from another directory the relative path named another model directory
+    refused, _ = compare({"model": {"path": "runs/sft/export"}}, {"model": {"path": now}})
+    assert [r.split(":")[0] for r in refused] == ["model.path"]
+
+
+def test_the_train_further_command_names_the_model_directory_absolute(tmp_path, monkeypatch):
+    from dsrecipes.observe.report import resume_command
+
+    (tmp_path / "runs" / "sft" / "export").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    command = resume_command(tmp_path / "runs" / "ft", ["debug=fast", "model.path=runs/sft/export"], 8, 8)
+    assert f"model.path={tmp_path / 'runs' / 'sft' / 'export'}" in command, command

@@ -7,6 +7,7 @@ Numbers come from `rundir.run_summary()` (metrics.jsonl), the one place that com
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -147,13 +148,22 @@ def resume_command(run_dir: Path, overrides: Sequence[str], steps: int, max_step
         ("trainer.epochs",) if max_steps is None else ()) + (
         ("trainer.early_stopping.patience",) if stopped_early else ()) + (
         () if keeps_resume_from else ("trainer.resume_from",))
-    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in dropped]
+    kept = [_absolute_dir(o) for o in overrides if o.split("=", 1)[0].lstrip("+~") not in dropped]
     extra = [f"trainer.output_dir={run_dir}"] + (["trainer.early_stopping.patience=0"] if stopped_early else [])
     if max_steps is not None:
         extra.append(f"trainer.max_steps={max(max_steps, steps) * 2 if steps >= max_steps else max_steps}")
     else:  # the budget is its epochs: run/resume_contract.check_budget refuses the same one again
         extra += ["trainer.max_steps=null", f"trainer.epochs={epochs if stopped_early else epochs * 2}"]
     return shlex.join(["dsrecipes", *kept, *extra, *trust_to_repeat(run_dir, keeps_resume_from)])
+
+
+def _absolute_dir(override: str) -> str:
+    """`model.path=runs/sft/export` -> `model.path=/abs/runs/sft/export` where it names a local directory (as the
+    run's config.yaml records it, config/defaults._local): the command works from any directory."""
+    key, _, value = override.partition("=")
+    if key.lstrip("+~") in ("model.path", "model.tokenizer_path") and value and os.path.isdir(os.path.expanduser(value)):
+        return f"{key}={os.path.abspath(os.path.expanduser(value))}"
+    return override
 
 
 def _hidden_lines(run_dir: Path) -> int:

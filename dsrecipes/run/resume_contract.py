@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from typing import Any, Dict, List, Optional, Tuple
 
 from dsrecipes.core.errors import Refused
@@ -84,10 +85,20 @@ def compare(saved: Dict[str, Any], new: Dict[str, Any]) -> Tuple[List[str], List
     refused, accepted = [], []
     for key in sorted(set(old_flat) | set(new_flat)):
         old, now = old_flat.get(key, "<absent>"), new_flat.get(key, "<absent>")
-        if old == now:
+        if old == now or (key in LOCAL_DIRS and _same_dir(old, now)):
             continue
         (accepted if may_change(key) else refused).append(f"{key}: {_show(old)} -> {_show(now)}")
     return refused, accepted
+
+
+LOCAL_DIRS = ("model.path", "model.tokenizer_path")  # absolute since config/defaults._local; relative in older runs
+
+
+def _same_dir(old: Any, now: Any) -> bool:
+    """A relative directory recorded by a run started before model paths were made absolute, resumed from the same
+    working directory: the same directory as the absolute one recorded now."""
+    return (isinstance(old, str) and isinstance(now, str) and not os.path.isabs(old) and os.path.isabs(now)
+            and os.path.abspath(os.path.expanduser(old)) == now)
 
 
 def _show(value: Any) -> str:
