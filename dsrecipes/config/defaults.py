@@ -73,7 +73,7 @@ def model_name(cfg: TrainConfig) -> str:
 def with_derived_defaults(cfg: TrainConfig) -> TrainConfig:
     """`cfg` with the values above filled in (a new config)."""
     m, ds = cfg.model, cfg.dataset
-    model = dataclasses.replace(m, name=model_name(cfg), path=_local(m.path), tokenizer_path=_local(m.tokenizer_path))
+    model = dataclasses.replace(m, name=model_name(cfg), path=local_dir(m.path), tokenizer_path=local_dir(m.tokenizer_path))
     sources = [dataclasses.replace(s, paths=_absolute(s.paths)) for s in ds.sources]
     registry = _absolute([ds.registry])[0] if ds.registry else ds.registry
     dataset = dataclasses.replace(ds, paths=_absolute(ds.paths), sources=sources, registry=registry)
@@ -81,7 +81,7 @@ def with_derived_defaults(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(cfg, model=model, dataset=dataset, optimizer=optimizer)
 
 
-def _local(path):
+def local_dir(path):
     """An existing local directory made absolute (the run's config.yaml, its "train further" and resume commands and
     `dsrecipes export/chat RUN` then work from any directory); a hub id, or a path that is not there, as typed."""
     if not path:

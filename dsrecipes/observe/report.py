@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from dsrecipes.boundary.checkpoint_find import committed, trust_to_repeat
+from dsrecipes.config.defaults import local_dir
 from dsrecipes.core.console import LOGS_DIR
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.export_dir import EXPORT_BEST_DIR, EXPORT_DIR, scorer_architecture
@@ -158,11 +159,11 @@ def resume_command(run_dir: Path, overrides: Sequence[str], steps: int, max_step
 
 
 def _absolute_dir(override: str) -> str:
-    """`model.path=runs/sft/export` -> `model.path=/abs/runs/sft/export` where it names a local directory (as the
-    run's config.yaml records it, config/defaults._local): the command works from any directory."""
+    """`model.path=runs/sft/export` -> `model.path=/abs/runs/sft/export` where it names a local directory, as the
+    run's config.yaml records it (config/defaults.local_dir): the command works from any directory."""
     key, _, value = override.partition("=")
     if key.lstrip("+~") in ("model.path", "model.tokenizer_path") and value and os.path.isdir(os.path.expanduser(value)):
-        return f"{key}={os.path.abspath(os.path.expanduser(value))}"
+        return f"{key}={local_dir(value)}"
     return override
 
 

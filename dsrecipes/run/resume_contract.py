@@ -91,7 +91,7 @@ def compare(saved: Dict[str, Any], new: Dict[str, Any]) -> Tuple[List[str], List
     return refused, accepted
 
 
-LOCAL_DIRS = ("model.path", "model.tokenizer_path")  # absolute since config/defaults._local; relative in older runs
+LOCAL_DIRS = ("model.path", "model.tokenizer_path")  # absolute since config/defaults.local_dir; relative in older runs
 
 
 def _same_dir(old: Any, now: Any) -> bool:
