@@ -253,8 +253,8 @@ def test_model_settings_replaced_after_their_check_are_one_message(tmp_path):
     # score's config_labels, chat/prompt-eval's adapter_config and _run_of, and the pipeline's generates read a model
     # directory's JSON again after custom_code_problems / check_loadable read it bounded; replaced in between by 100000
     # '[' it was json's RecursionError (a traceback). No command was seen reaching them without the swap.
-    from dsrecipes.commands.score import config_labels
     from dsrecipes.core.errors import UserError
+    from dsrecipes.core.tokenizer import config_labels
     from dsrecipes.serve.inference import _run_of, adapter_config
     from dsrecipes.serve.pipeline_prompts import generates
 

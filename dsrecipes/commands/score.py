@@ -26,7 +26,7 @@ from dsrecipes.core.errors import UserError, no_custom_code
 from dsrecipes.core.export_dir import EXPORT_MARKER
 from dsrecipes.core.fileio import Unreadable, atomic_write_text, json_text
 from dsrecipes.core.schema import ColumnsConfig, DatasetFormat, SourceConfig
-from dsrecipes.core.tokenizer import NO_DIRECTORY_CODE, config_labels, custom_code_problems, read_json
+from dsrecipes.core.tokenizer import NO_DIRECTORY_CODE, custom_code_problems, not_a_scorer, read_json
 from dsrecipes.data.sources.badrows import BadRow
 from dsrecipes.data.sources.messages import messages_for
 from dsrecipes.data.sources.preference import Pair, parse_pair_item
@@ -83,12 +83,12 @@ def check_model_dir(path: Path) -> None:
         raise UserError(problem)
     for problem in custom_code_problems("EXPORT", path):
         raise UserError(problem)
-    labels, generator = config_labels(path / "config.json")
-    if labels != 1 and generator:  # an SFT/DPO/ORPO/GRPO export: no score head (its config's default of 2 labels says nothing)
-        raise UserError(f"{path}: a text-generating model ({generator}), not a reward model; dsrecipes score takes "
-                        "the export of an objective=reward run (a scalar score head)")
-    if labels != 1:  # before loading: transformers would first print its load report of a fresh score head
-        raise UserError(f"{path}: a reward model has one label (a scalar score), this one has {labels} "
+    found = not_a_scorer(path / "config.json")  # before loading: transformers would first print its load report
+    if found and found.generator:  # an SFT/DPO/ORPO/GRPO export: no score head (its config's default of 2 labels says nothing)
+        raise UserError(f"{path}: a text-generating model ({found.generator}), not a reward model; dsrecipes score "
+                        "takes the export of an objective=reward run (a scalar score head)")
+    if found:
+        raise UserError(f"{path}: a reward model has one label (a scalar score), this one has {found.labels} "
                         "(config.json; an objective=reward export has one)")
 
 

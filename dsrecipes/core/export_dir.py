@@ -112,7 +112,9 @@ def architectures(model_dir: Path) -> List[str]:
 
 def scorer_architecture(model_dir: Path) -> Optional[str]:
     """The architecture of a model directory that scores instead of writing text (every one of config.json's
-    `architectures` a `*ForSequenceClassification`: an objective=reward export), else None."""
+    `architectures` a `*ForSequenceClassification`: an objective=reward export), else None: chat's and the
+    report's question, whatever its number of labels; whether it scores usefully (one label) is
+    core/tokenizer.not_a_scorer's, which dsrecipes score and objective.reward_model ask."""
     names = architectures(model_dir)
     return names[0] if names and all(n.endswith("ForSequenceClassification") for n in names) else None
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 from dsrecipes.core.errors import ConfigError, UserError, no_custom_code
 from dsrecipes.core.fileio import MAX_JSON_BYTES, Unreadable, read_json_file
@@ -104,6 +104,23 @@ def config_labels(config: Path) -> Tuple[int, str]:
         return len(id2label), generator
     labels = data.get("num_labels", 2)
     return (labels if isinstance(labels, int) else -1), generator
+
+
+class NotAScorer(NamedTuple):
+    """What a model directory's config.json declares instead of a scorer's one-label head."""
+
+    labels: int  # its number of labels (config_labels: transformers' default 2, -1 when not a number)
+    generator: str  # its *ForCausalLM architecture, '' if none: then it has no score head at all
+
+
+def not_a_scorer(config: Path) -> Optional[NotAScorer]:
+    """Whether a model directory is a scorer, judged from its config.json before anything loads: None when it
+    declares one label (a scalar score: an objective=reward export, any sequence classifier with one label), else
+    what it declares instead. Everything that loads a scorer (dsrecipes score, objective.reward_model) asks this and
+    phrases its own refusal: transformers would load any model as a sequence classifier with a new, random head.
+    UserError naming the file when config.json is no readable model config."""
+    labels, generator = config_labels(config)
+    return None if labels == 1 else NotAScorer(labels, generator)
 
 
 def _quantization(config: object, depth: int = 0) -> object:

@@ -31,7 +31,7 @@ import dsrecipes.boundary.trust as trust
 from dsrecipes.core.answers import normalize
 from dsrecipes.core.errors import ConfigError, UserError, no_custom_code
 from dsrecipes.core.schema import RewardConfig, TrainConfig
-from dsrecipes.core.tokenizer import NO_DIRECTORY_CODE, config_labels, custom_code_problems
+from dsrecipes.core.tokenizer import NO_DIRECTORY_CODE, custom_code_problems, not_a_scorer
 
 GROUP = "dsrecipes.rewards"
 BUILTIN = ("exact_match", "number_equal", "regex", "length")
@@ -91,15 +91,15 @@ def _scorer_problems(key: str, path: str, config: Path) -> List[str]:
     """A model without a one-label head (an SFT/DPO export) loads as a sequence classifier with a new, random head:
     every reward would be noise, and the run trained on it without a word."""
     try:
-        labels, generator = config_labels(config)
+        found = not_a_scorer(config)
     except UserError as exc:
         return [f"{key}: {p}" for p in exc.problems]
-    if labels == 1:
+    if found is None:
         return []
-    if generator:
-        return [f"{key}: {path} is a text-generating model ({generator}), not a reward model: its score head would "
-                "be new and random, and so every reward; give an objective=reward export"]
-    return [f"{key}: {path} has {labels} labels in config.json; a reward model has one (a scalar score): give "
+    if found.generator:
+        return [f"{key}: {path} is a text-generating model ({found.generator}), not a reward model: its score head "
+                "would be new and random, and so every reward; give an objective=reward export"]
+    return [f"{key}: {path} has {found.labels} labels in config.json; a reward model has one (a scalar score): give "
             "an objective=reward export"]
 
 
