@@ -71,6 +71,8 @@ def audit_ledgers(run: Path) -> int:
     evaluation ledger (each evaluation scored the same samples, each once across ranks): 1 when either fails."""
     check_ledger_files(run)
     ledger = verify_ledgers(run)
+    if not any(ledger.steps_per_rank.values()) and not eval_ledger_files(run) and not run_steps(run):
+        raise UserError(trained_no_step(run))  # a run stopped before step 1: nothing to check is no OK either
     unrecorded = unrecorded_steps(run, ledger.step_numbers)
     if unrecorded:
         ledger.problems.append(unrecorded)
@@ -87,12 +89,8 @@ def unrecorded_steps(run: Path, recorded: Set[int]) -> Optional[str]:
     """The steps the run's result.json says it trained and its ledger does not list (a resume with
     trainer.record_samples=false, or one that turned it on): the audit cannot vouch for them, so they are a problem,
     not an OK. None when every step is recorded, or when there is no readable result (a run still going, killed)."""
-    try:  # a run directory audit did not write: bounded, never waited on
-        result = read_json_file(run / RESULT_FILE, "JSON nested too deeply")
-    except (OSError, ValueError):
-        return None
-    steps = result.get("steps") if isinstance(result, dict) else None
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps > 10**9:
+    steps = run_steps(run)
+    if not steps:
         return None
     missing = sorted(set(range(1, steps + 1)) - recorded)
     if not missing:
@@ -103,10 +101,41 @@ def unrecorded_steps(run: Path, recorded: Set[int]) -> Optional[str]:
             "record every session of it in one run directory")
 
 
+def run_result(run: Path) -> dict:
+    """The run's result.json ({} when there is none that reads: a run still going, killed, not a run)."""
+    try:  # a run directory audit did not write: bounded, never waited on
+        result = read_json_file(run / RESULT_FILE, "JSON nested too deeply")
+    except (OSError, ValueError):
+        return {}
+    return result if isinstance(result, dict) else {}
+
+
+def run_steps(run: Path) -> Optional[int]:
+    """The steps the run's result.json says it trained; None when it says none that counts."""
+    steps = run_result(run).get("steps")
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps <= 10**9:
+        return None
+    return steps
+
+
+def trained_no_step(run: Path) -> str:
+    """What `--ledger` says of a run that trained no step (stopped before step 1, or not yet at it): its ledger lists
+    the steps it trains, so there is nothing to audit; not the 'give a run trained with record_samples' of a wrong
+    directory. Was: 'holds no ledger/ directory' for a run with trainer.record_samples=true stopped by SIGTERM."""
+    result = run_result(run)
+    how = result.get("error") if isinstance(result.get("error"), str) else result.get("status")
+    said = (f" ({run / RESULT_FILE}: {str(how)[:200]}, 0 steps)" if how is not None and run_steps(run) == 0
+            else " (it has no result.json yet: still going, or killed)")
+    return (f"--ledger: {run} trained no step{said}: nothing to audit; a run's ledger lists the steps it trained "
+            "(resume the run, then audit it)")
+
+
 def check_ledger_files(run: Path) -> None:
     """What verify_ledgers and check_eval_ledgers read is rank<N>.jsonl and eval_rank<N>.jsonl regular files: a FIFO
     there blocked the audit for ever, and `rankX.jsonl` was int()'s ValueError traceback."""
     ledger = run / LEDGER_DIR
+    if not ledger.is_dir() and run_steps(run) == 0:  # stopped before step 1, ledger or not: nothing to check
+        raise UserError(trained_no_step(run))
     if not ledger.is_dir():  # nothing to check is a wrong directory, not a violation
         raise UserError(f"--ledger: {run} holds no {LEDGER_DIR}/ directory; give the run directory of a run trained "
                         "with trainer.record_samples=true")
