@@ -54,7 +54,9 @@ class Row:
     stage: int
     offload: str
     gpu_model_states: float
-    cpu_per_node: float
+    cpu_per_node: float  # the larger of the two below, times BUFFER_FACTOR
+    cpu_load: float  # loading the model (times BUFFER_FACTOR)
+    cpu_offloaded: float  # what the offload holds while training (times BUFFER_FACTOR)
     gpu_total_no_gc: Optional[float]
     gpu_total_gc: Optional[float]
     fits_no_gc: Optional[bool] = None
@@ -79,10 +81,23 @@ def model_states(
     stage: int, opt_off: bool, param_off: bool, shape: ModelShape, cfg: TrainConfig, gpus_per_node: int, nodes: int,
     zero_init: bool,
 ) -> Tuple[float, float]:  # fmt: skip
-    """(bytes per GPU, bytes of CPU per node) for parameters, gradients and optimizer states.
+    """(bytes per GPU, bytes of CPU per node) for parameters, gradients and optimizer states; the CPU figure is the
+    larger of the two in `cpu_parts` (loading the model, then what the offload keeps there), with the buffer factor."""
+    gpu, load, offloaded = cpu_parts(stage, opt_off, param_off, shape, cfg, gpus_per_node, nodes, zero_init)
+    return gpu, max(load, offloaded) * BUFFER_FACTOR
+
+
+def cpu_parts(
+    stage: int, opt_off: bool, param_off: bool, shape: ModelShape, cfg: TrainConfig, gpus_per_node: int, nodes: int,
+    zero_init: bool,
+) -> Tuple[float, float, float]:  # fmt: skip
+    """(bytes per GPU, CPU per node while the model loads, CPU per node the offload holds while training).
 
     DeepSpeed's breakdown per parameter: 2 (16-bit param) + 2 (16-bit grad) + 4 (fp32 grad) + 4 (fp32 master)
-    + 8 (Adam moments) = "2 + 18". P = all parameters, T = trainable ones (T = P without LoRA).
+    + 8 (Adam moments) = "2 + 18". P = all parameters, T = trainable ones (T = P without LoRA). Loading comes
+    first and is freed before the optimizer is built, so the CPU a node needs is the larger of the two, never less
+    than loading: under LoRA the offloaded states are the adapters' only (16 T bytes), and the load (every rank
+    materialising the model in fp32, or its largest layer under zero.Init) is what the node must hold.
     """
     P, T, L = shape.total_params, shape.trainable_params, shape.largest_layer_params
     G = gpus_per_node * nodes
@@ -93,24 +108,20 @@ def model_states(
         opt = optimizer_state_bytes(cfg)  # plain fp32 training keeps no fp32 copies
     load_cpu = 4 * P * gpus_per_node  # every local rank materialises the model in fp32 before DeepSpeed takes it
     if stage == 0:
-        return p * P + (p + opt) * T, load_cpu * BUFFER_FACTOR
+        return p * P + (p + opt) * T, load_cpu, 0
     if stage in (1, 2):
-        offload_cpu = max(load_cpu, T * max(4 * G, opt)) * BUFFER_FACTOR
         if stage == 1:
             gpu = p * P + p * T + (0 if opt_off else opt * T / G)
         else:
             gpu = p * P + (0 if opt_off else (p + opt) * T / G)
-        return int(gpu), offload_cpu if opt_off else load_cpu * BUFFER_FACTOR
+        return int(gpu), load_cpu, T * max(4 * G, opt) if opt_off else 0  # (DeepSpeed's zero2 CPU figure)
     layer = 4 * L  # ZeRO-3 gathers the largest layer in full
+    load = L * 4 * gpus_per_node if zero_init else load_cpu  # zero.Init: one layer at a time per rank
     if param_off:
-        gpu, cpu = layer, (p * P + opt * T) / nodes
-    elif opt_off:
-        gpu, cpu = layer + int(p * P / G), opt * T / nodes
-    else:
-        gpu, cpu = layer + int((p * P + opt * T) / G), (L if zero_init else P) * 4 * gpus_per_node
-    if not zero_init and (opt_off or param_off):
-        cpu = max(load_cpu, cpu)
-    return gpu, cpu * BUFFER_FACTOR
+        return layer, load, (p * P + opt * T) / nodes
+    if opt_off:
+        return layer + int(p * P / G), load, opt * T / nodes
+    return layer + int((p * P + opt * T) / G), load, 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -262,8 +273,9 @@ def estimate(
     act = {gc: activation_bytes(shape, cfg, gc) for gc in (False, True)}
     rows = []
     for stage, offload, opt_off, param_off in OPTIONS:
-        gpu, cpu = model_states(stage, opt_off, param_off, shape, cfg, gpus_per_node, nodes, zero_init)
-        row = Row(stage, offload, gpu, cpu, *(None if act[gc] is None else gpu + act[gc] for gc in (False, True)))
+        gpu, load, off = cpu_parts(stage, opt_off, param_off, shape, cfg, gpus_per_node, nodes, zero_init)
+        cpu = (max(load, off) * BUFFER_FACTOR, load * BUFFER_FACTOR, off * BUFFER_FACTOR)
+        row = Row(stage, offload, gpu, *cpu, *(None if act[gc] is None else gpu + act[gc] for gc in (False, True)))
         if gpu_mem_gb is not None:
             limit = gpu_mem_gb * GIB
             # without a model shape the activations are unknown: judge by the model states alone
@@ -290,20 +302,41 @@ def render(cfg: TrainConfig, result: Dict[str, Any]) -> str:
         f"{_gib(result['activations_gc'])} GiB with gradient checkpointing "
         f"(model.gradient_checkpointing={str(cfg.model.gradient_checkpointing).lower()})",
         "",
-        "| zero | offload | GPU model states | GPU total | GPU total (GC) | CPU per node |"
+        "| zero | offload | GPU model states | GPU total | GPU total (GC) | CPU per node (load / offload) |"
         + (f" fits {result['gpu_mem_gb']:g} GiB |" if result["gpu_mem_gb"] is not None else ""),
         "|---|---|---|---|---|---|" + ("---|" if result["gpu_mem_gb"] is not None else ""),
     ]
     for r in result["rows"]:
         mark = " *" if [r["stage"], r["offload"]] == result["configured"] else ""
         cells = [f"stage{r['stage']}{mark}", r["offload"], _gib(r["gpu_model_states"]), _gib(r["gpu_total_no_gc"]),
-                 _gib(r["gpu_total_gc"]), _gib(r["cpu_per_node"])]  # fmt: skip
+                 _gib(r["gpu_total_gc"]),
+                 f"{_gib(r['cpu_per_node'])} ({_gib(r['cpu_load'])} / {_gib(r['cpu_offloaded'])})"]  # fmt: skip
         if result["gpu_mem_gb"] is not None:
             known = r["gpu_total_no_gc"] is not None
             fits = "yes" if r["fits_no_gc"] else "with GC" if r["fits_gc"] else "no"
             cells.append(fits if known else f"{fits} (states only)")
         lines.append("| " + " | ".join(cells) + " |")
-    lines.append("\n(GiB; * = the composed config. CPU includes DeepSpeed's 1.5x buffer factor.)")
+    lines.append("\n(GiB; * = the composed config.)")
+    lines.extend(_cpu_note(cfg, result))
     return "\n".join(lines)
 
 
+def _cpu_note(cfg: TrainConfig, result: Dict[str, Any]) -> List[str]:
+    """What the CPU column counts, so that a small figure under LoRA is not read as 'the model needs no CPU'."""
+    s, per = result["shape"], 8 + optimizer_state_bytes(cfg)
+    weight = "4-byte" if cfg.precision.dtype is Precision.fp32 else "2-byte"
+    load = "the whole model" + (", under ZeRO-3 only its largest layer (zero.Init)" if result["zero_init"] else "")
+    lines = [
+        f"CPU per node: the larger of loading the model (each rank materialises {load} in fp32) and "
+        f"what the offload keeps there while training (optimizer=cpu: {per} bytes per trainable parameter, fp32 "
+        f"master, fp32 gradient and {cfg.optimizer.name.value} state; param=cpu adds the {weight} weights of every "
+        "parameter), times DeepSpeed's 1.5x buffer factor. Not counted: data loading, the Python process itself."
+    ]
+    frozen = s["total_params"] - s["trainable_params"]
+    if frozen > 0:
+        lines.append(
+            f"LoRA: the offloaded optimizer states are the {s['trainable_params'] / 1e6:.2f}M trainable adapter "
+            f"parameters' only; the {frozen / 1e6:.1f}M frozen base parameters keep only their {weight} weights "
+            "(on the GPU; on the CPU with param=cpu) and have no gradients or optimizer states."
+        )
+    return lines
