@@ -85,3 +85,110 @@ def test_chat_refuses_every_sequence_classifier(tmp_path, config, arch):
     from dsrecipes.core.export_dir import scorer_architecture
 
     assert scorer_architecture(_model(tmp_path, config)) == arch
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# dataset.val_size's share (data/sources/val_share.py), message for message
+
+FEWER = "dataset.val_size=0.05 (a fraction), a smaller count, or 0 trains on more of them"
+COUNTED = "counted in the dataset files"
+
+
+def _rows_file(tmp_path, n: int, name: str = "mine.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(f'{{"conversations": [{{"from": "human", "value": "q{i}"}}]}}\n' for i in range(n)))
+    return path
+
+
+def _val_cfg(paths, val_size, **dataset):
+    from dsrecipes.core.schema import TrainConfig
+
+    cfg = TrainConfig()
+    cfg.dataset.paths = [str(p) for p in paths]
+    cfg.dataset.val_size = val_size
+    for key, value in dataset.items():
+        setattr(cfg.dataset, key, value)
+    return cfg
+
+
+@pytest.mark.parametrize("val_size,expected", [
+    (0.5, ([], [f"dataset.val_size: 0.5 holds out 50 of at most 100 rows ({COUNTED}) for validation and trains on "
+                f"at most 50; {FEWER}"])),
+    (0.4, ([], [])),
+    (64, ([], [f"dataset.val_size: 64 held out of at most 100 rows ({COUNTED}) leaves at most 36 to train on (64% "
+               f"or more for validation); {FEWER}"])),
+    (50, ([], [f"dataset.val_size: 50 held out of at most 100 rows ({COUNTED}) leaves at most 50 to train on (50% "
+               f"or more for validation); {FEWER}"])),
+    (49, ([], [])),
+    (100, ([f"dataset.val_size: 100 validation samples leave nothing to train on (at most 100 rows, {COUNTED}); set "
+            "dataset.val_size to a fraction (0.1), a count below 100, or 0 for no validation"], [])),
+    (0, ([], [])),
+])
+def test_val_size_against_counted_rows(tmp_path, val_size, expected):
+    from dsrecipes.data.sources.val_share import held_out
+
+    assert held_out(_val_cfg([_rows_file(tmp_path, 100)], val_size)) == expected
+
+
+def test_val_size_with_rows_unknown_bounded_or_unused(tmp_path):
+    import gzip
+
+    from dsrecipes.core.schema import SourceConfig
+    from dsrecipes.data.sources.val_share import held_out
+
+    packed = tmp_path / "mine.jsonl.gz"
+    packed.write_bytes(gzip.compress(_rows_file(tmp_path, 3).read_bytes()))  # gzip: not read, rows unknown
+    assert held_out(_val_cfg([packed], 0.6)) == ([], [
+        f"dataset.val_size: 0.6 holds out 60% of the rows for validation and trains on 40%; {FEWER}"])
+    assert held_out(_val_cfg([packed], 0.4)) == ([], [])
+    assert held_out(_val_cfg([packed], 64)) == ([], [])
+    assert held_out(_val_cfg([packed], 64, max_samples=60)) == ([
+        "dataset.val_size: 64 validation samples leave nothing to train on (at most 60 rows, dataset.max_samples); "
+        "set dataset.val_size to a fraction (0.1), a count below 60, or 0 for no validation"], [])
+    assert held_out(_val_cfg([_rows_file(tmp_path, 2)], 0.001)) == ([], [
+        f"dataset.val_size: 0.001 holds out 1 of at most 2 rows ({COUNTED}) for validation and trains on at most 1; "
+        f"{FEWER}"])
+    capped = _val_cfg([_rows_file(tmp_path, 100)], 64, sources=[
+        SourceConfig(name="more", paths=[str(_rows_file(tmp_path, 500, "more.jsonl"))], max_samples=20)])
+    assert held_out(capped) == ([], [f"dataset.val_size: 64 held out of at most 120 rows ({COUNTED}, under the "
+                                     f"sources' max_samples) leaves at most 56 to train on (53% or more for "
+                                     f"validation); {FEWER}"])
+    assert held_out(_val_cfg([_rows_file(tmp_path, 100)], 64, val_paths=[str(packed)])) == ([], [])
+
+
+def test_val_share_counts_the_rows_of_small_local_files(tmp_path, monkeypatch):
+    import gzip
+
+    import dsrecipes.data.sources.val_share as val_share
+
+    lines = tmp_path / "blank.jsonl"
+    lines.write_bytes(b'\xef\xbb\xbf{"a": 1}\n\n   \n{"a": 2}\r\n{"a": 3}')  # BOM, blank lines, no final newline
+    array = tmp_path / "rows.json"
+    array.write_text(json.dumps([{"a": i} for i in range(5)], indent=2))
+    broken = tmp_path / "broken.json"
+    broken.write_text('[{"a": 1}, {"a": ')
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    packed = tmp_path / "rows.jsonl.gz"
+    packed.write_bytes(gzip.compress(b'{"a": 1}\n'))
+    assert val_share._counted([str(lines)]) == 3
+    assert val_share._counted([str(array)]) == 5
+    assert val_share._counted([str(lines), str(array), str(empty)]) == 8
+    assert val_share._counted([str(tmp_path / "*.jsonl")]) == 3  # a glob: blank.jsonl and empty.jsonl
+    assert val_share._counted([str(broken)]) is None
+    assert val_share._counted([str(packed)]) is None
+    assert val_share._counted([str(tmp_path / "none-*.jsonl")]) is None
+    assert val_share._counted(["https://example.com/rows.jsonl"]) is None
+    monkeypatch.setattr(val_share, "COUNT_BYTES", lines.stat().st_size - 1)
+    assert val_share._counted([str(lines)]) is None
+
+
+def test_val_share_reads_no_parquet_file(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    import dsrecipes.data.sources.val_share as val_share
+
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"a": [1, 2, 3]}), path)
+    assert val_share._counted([str(path)]) is None
