@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from dsrecipes.config.foreign_keys import foreign_key, foreign_option
 from dsrecipes.config.groups import RECIPE_GROUP, group_options
 from dsrecipes.config.lf_translate import in_our_keys as translate
+from dsrecipes.config.lf_translate import read_together
 from dsrecipes.core.schema import RETIRED_KEYS, TrainConfig
 from dsrecipes.core.suggest import closest, closest_keys, phrase
 from dsrecipes.core.typed import convert
@@ -48,10 +49,12 @@ def flat_problems(data: Dict[str, Any], where: str, line: Callable[[str], Option
     types = schema_types()
     options = {g: o for g, o in group_options().items() if g != RECIPE_GROUP}
     out = []
+    together = read_together(data)  # `neat_packing: true` beside `packing: false`, ...: what LF reads together
     for key, value in data.items():
         if str(key) in LEFT_TO_HYDRA or str(key).startswith("hydra."):
             continue
         for dotted, problem in _problems(str(key), value, types, options):
+            problem += f"; {together[dotted][1]}" if dotted in together else ""
             at = line(dotted)
             out.append(f"{where}:{at}: {problem}" if at else f"{where}: {problem}")
     return out

@@ -306,7 +306,9 @@ RULES: Dict[str, Rule] = {
     "dataset": _dataset, "dataset_dir": lambda v: HERE + f"dataset.registry: {v}/dataset_info.json",
     "template": _template,
     "cutoff_len": "data.cutoff_len", "max_samples": "dataset.max_samples", "val_size": "dataset.val_size",
-    "packing": "data.packing", "streaming": _streaming, "preprocessing_num_workers": "data.preprocess_workers",
+    "packing": _switch("data.packing: true (packed samples attend only within themselves here, as with LLaMA-Factory's "
+                       "neat_packing; its packing alone lets them attend to each other)", "data.packing: false is the "
+                       "default"), "streaming": _streaming, "preprocessing_num_workers": "data.preprocess_workers",
     "overwrite_cache": lambda v: NOT_NEEDED + "prepared data is cached by content; a change prepares it again",
     "eval_dataset": lambda v: "dataset.val_paths: [FILE.jsonl] (validation files)",
     "train_on_prompt": _switch("data.train_on: all (the prompt turns too)", "data.train_on: assistant (every "

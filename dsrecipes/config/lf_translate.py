@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import yaml
 
@@ -64,7 +64,7 @@ VALUES: Dict[str, Callable[[Any], Optional[Dict[str, Any]]]] = {
     "bf16": _when_true("precision", "bf16"), "pure_bf16": _when_true("precision", "bf16"),
     "fp16": _when_true("precision", "fp16"), "streaming": _when_true("data", "iterable"),
     "train_on_prompt": _when_true("data.train_on", "all"), "mask_history": _when_true("data.train_on", "last_assistant"),
-    "neat_packing": _when_true("data.packing", True),
+    "neat_packing": _when_true("data.packing", True), "packing": _when_true("data.packing", True),
     "lr_scheduler_type": lambda v: {"scheduler": v} if v in ("cosine", "linear", "constant") else None,
     "report_to": lambda v: {"trainer.report_to": [n for n in _names(v) if n != "none"]},
     "resume_from_checkpoint": lambda v: {} if v is None else {"trainer.resume_from": v},
@@ -88,6 +88,16 @@ def ours(key: str, value: Any) -> Optional[Dict[str, Any]]:
     return {} if line.startswith(NOT_NEEDED) else None
 
 
+def read_together(data: Dict[str, Any]) -> Dict[str, Tuple[bool, str]]:
+    """LLaMA-Factory keys of `data` whose meaning depends on another key of the same file (its DataArguments and
+    loader read them together): {key: (a person decides: its line stays a `#` line, what its problem line adds)}."""
+    out: Dict[str, Tuple[bool, str]] = {}
+    if data.get("neat_packing") is True and data.get("packing") is not True and "packing" in data:
+        out["packing"] = (False, "but LLaMA-Factory's neat_packing: true in this file turns packing on: data.packing: "
+                                 "true")
+    return out
+
+
 def in_our_keys(data: Dict[str, Any], problems: Dict[str, str]) -> Optional[str]:
     """The file `data` (its top-level keys, in order) in our keys, as YAML text; `problems`: {top-level key: its
     problem} (a key without one is ours already). None when no key of another tool was translated (a typo of ours:
@@ -95,12 +105,13 @@ def in_our_keys(data: Dict[str, Any], problems: Dict[str, str]) -> Optional[str]
     out: List[str] = []
     translated = False
     written = {str(k) for k in data if str(k) not in problems}  # the user's own keys win over a translation
+    together = read_together(data)
     for key, value in data.items():
         key = str(key)
         if key not in problems:
             out.append(_yaml({key: value}))
             continue
-        mapped = ours(key, value)
+        mapped = None if together.get(key, (False, ""))[0] else ours(key, value)
         if mapped is None:  # no twin here, or a typo of ours: the problem above says what to write
             out.append("".join(f"# {line}\n" for line in _yaml({key: value}).splitlines()))
             continue
