@@ -28,3 +28,14 @@ def test_neat_packing_packs_even_beside_packing_false():
 def test_plain_packing_says_that_packed_samples_do_not_see_each_other_here():
     said = _problems("packing: true\n")
     assert "data.packing: true" in said and "attend to each other" in said, said
+
+
+def test_train_on_prompt_with_mask_history_is_left_to_a_person_as_llamafactory_refuses_it():
+    """LF raises '`mask_history` is incompatible with `train_on_prompt`'; the translation wrote data.train_on: all
+    (the first key) and dropped mask_history without a word."""
+    text = "stage: sft\ntrain_on_prompt: true\nmask_history: true\n"
+    ours = _ours(text)
+    assert "# train_on_prompt: true" in ours and "# mask_history: true" in ours, ours
+    assert "data.train_on" not in ours, ours
+    said = _problems(text)
+    assert said.count("incompatible with `train_on_prompt`") == 2 and "choose one" in said, said

@@ -92,6 +92,11 @@ def read_together(data: Dict[str, Any]) -> Dict[str, Tuple[bool, str]]:
     """LLaMA-Factory keys of `data` whose meaning depends on another key of the same file (its DataArguments and
     loader read them together): {key: (a person decides: its line stays a `#` line, what its problem line adds)}."""
     out: Dict[str, Tuple[bool, str]] = {}
+    if data.get("train_on_prompt") is True and data.get("mask_history") is True:
+        both = ("but LLaMA-Factory refuses train_on_prompt: true with mask_history: true ('`mask_history` is "
+                "incompatible with `train_on_prompt`'): choose one, data.train_on: all (every token) or last_assistant "
+                "(the last reply)")
+        out["train_on_prompt"] = out["mask_history"] = (True, both)
     if data.get("neat_packing") is True and data.get("packing") is not True and "packing" in data:
         out["packing"] = (False, "but LLaMA-Factory's neat_packing: true in this file turns packing on: data.packing: "
                                  "true")
