@@ -3,9 +3,13 @@ __post_init__, its loader) keeps their meaning in the translated file, or is lef
 
 from __future__ import annotations
 
+import json
+
 import yaml
 
 from dsrecipes.config.flat_check import flat_problems, in_our_keys
+
+CHAT = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]}
 
 
 def _problems(text: str) -> str:
@@ -14,6 +18,25 @@ def _problems(text: str) -> str:
 
 def _ours(text: str) -> str:
     return in_our_keys(yaml.safe_load(text)) or ""
+
+
+def _registry(tmp_path, **rows):
+    """A dataset_info.json beside one ShareGPT file per entry, `rows[name]` rows each."""
+    info = {}
+    for name, n in rows.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps([CHAT] * n))
+        info[name] = {"file_name": f"{name}.json", "formatting": "sharegpt"}
+    (tmp_path / "dataset_info.json").write_text(json.dumps(info))
+    return tmp_path / "dataset_info.json"
+
+
+def _prepare(tmp_path, *overrides):
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.core.tokenizer import load_tokenizer
+    from dsrecipes.data.prepare.build import prepare
+
+    cfg = compose_and_load([*overrides, f"data.cache_dir={tmp_path / 'cache'}", "data.preprocess_workers=1"])
+    return prepare(cfg, load_tokenizer(cfg), tmp_path / "run").stats
 
 
 def test_neat_packing_packs_even_beside_packing_false():
@@ -39,3 +62,36 @@ def test_train_on_prompt_with_mask_history_is_left_to_a_person_as_llamafactory_r
     assert "data.train_on" not in ours, ours
     said = _problems(text)
     assert said.count("incompatible with `train_on_prompt`") == 2 and "choose one" in said, said
+
+
+def test_max_samples_over_several_datasets_is_not_taken_for_a_total_cap():
+    """LF's max_samples caps each dataset (loader._load_single_dataset); dataset.max_samples caps every source
+    together, in order, so `max_samples: 100` over three entries read 100 rows of the first and none of the others."""
+    text = "dataset: a,b,c\ndataset_dir: data\nmax_samples: 100\n"
+    ours = _ours(text)
+    assert "# max_samples: 100" in ours and "dataset.max_samples" not in ours, ours
+    said = _problems(text)
+    assert "caps each dataset" in said and "up to 300" in said and '"num_samples": 100' in said, said
+    one = _ours("dataset: a\ndataset_dir: data\nmax_samples: 100\n")  # one dataset: the same cap
+    assert "dataset.max_samples: 100" in one, one
+
+
+def test_a_run_says_which_named_sources_dataset_max_samples_left_unread(tmp_path, capsys):
+    """`dataset.max_samples=4` over entries a (4 rows), b and c read a alone; the per-source line named only a, so
+    b and c vanished from the run without a word."""
+    registry = _registry(tmp_path, a=4, b=3, c=3)
+    stats = _prepare(
+        tmp_path, f"dataset.registry={registry}", "dataset.use=[a,b,c]", "dataset.max_samples=4", "dataset.val_size=0"
+    )
+    assert stats["rows_read"] == 4 and stats["unread_sources"] == ["b", "c"], stats
+    said = capsys.readouterr().err
+    assert "note: b, c: no row read: dataset.max_samples=4 caps all sources together" in said, said
+    assert "LLaMA-Factory's max_samples caps each dataset" in said, said
+    _prepare(
+        tmp_path / "all",
+        f"dataset.registry={registry}",
+        "dataset.use=[a,b,c]",
+        "dataset.max_samples=8",
+        "dataset.val_size=0",
+    )
+    assert "no row read" not in capsys.readouterr().err

@@ -100,6 +100,14 @@ def read_together(data: Dict[str, Any]) -> Dict[str, Tuple[bool, str]]:
     if data.get("neat_packing") is True and data.get("packing") is not True and "packing" in data:
         out["packing"] = (False, "but LLaMA-Factory's neat_packing: true in this file turns packing on: data.packing: "
                                  "true")
+    names, cap = _names(data.get("dataset") or ""), data.get("max_samples")
+    if len(names) > 1 and isinstance(cap, int) and not isinstance(cap, bool):
+        out["max_samples"] = (True, (
+            f"but LLaMA-Factory's max_samples caps each dataset (the first {cap} rows of each of {', '.join(names)}: "
+            f"up to {cap * len(names)}), and dataset.max_samples caps all sources together, in order (the first {cap} "
+            f"rows in all: {', '.join(names[1:])} may not be read); for LLaMA-Factory's caps give each of those "
+            f"entries \"num_samples\": {cap} in the dataset_info.json you give dsrecipes (read here as its first "
+            f"{cap} rows), or max_samples: {cap} in a YAML registry (dataset.registry: FILE.yaml)"))
     return out
 
 

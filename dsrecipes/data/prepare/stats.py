@@ -51,6 +51,8 @@ def build_stats(cfg: TrainConfig, sources: Sequence[SourceConfig], report: BadRo
         "length": _length_stats(kept_lengths, cfg.data.cutoff_len),
         "packing_efficiency": {"train": None, "val": None},  # real tokens / row slots, when packing
         "sources": per_source,
+        "max_samples": cfg.dataset.max_samples,  # every source together; those it left unread:
+        "unread_sources": [s.name for s in sources if s.name not in per_source] if cfg.dataset.max_samples else [],
     }
 
 
@@ -81,7 +83,7 @@ def summary(stats: Dict[str, Any]) -> str:
         f"{stats['trailing_turns_dropped']} lost trailing non-assistant turns; trained tokens "
         f"{stats['trained_token_share']:.1%}",
     ]
-    lines += _cut_note(stats) + _val_share_note(stats)
+    lines += _cut_note(stats) + _val_share_note(stats) + _unread_note(stats)
     if stats.get("sources"):  # what was read, per source: a named dataset replaces the sample unless mixed
         lines.append("data: per source: " + ", ".join(
             f"{name} {v['conversations']} rows ({v.get('train_samples', '?')} train)" for name, v in stats["sources"].items()))
@@ -101,6 +103,17 @@ def _cut_note(stats: Dict[str, Any]) -> List[str]:
     return [f"note: {dropped} of {read} rows ({dropped / max(read, 1):.0%}) dropped: data.cutoff_len="
             f"{stats['cutoff_len']} cut all their trained tokens (a long prompt, system prompt or tool schemas before "
             "the answers); a larger data.cutoff_len keeps them"]
+
+
+def _unread_note(stats: Dict[str, Any]) -> List[str]:
+    """A note when `dataset.max_samples` (a cap on all sources together, in order) left named sources unread: the
+    per-source line lists only what was read, and LLaMA-Factory's max_samples caps each dataset."""
+    unread = stats.get("unread_sources") or []
+    if not unread:
+        return []
+    return [f"note: {', '.join(unread)}: no row read: dataset.max_samples={stats['max_samples']} caps all sources "
+            "together, in order, and the sources before them filled it (LLaMA-Factory's max_samples caps each "
+            "dataset; here a source's own max_samples does: a registry entry's num_samples)"]
 
 
 def _val_share_note(stats: Dict[str, Any]) -> List[str]:
