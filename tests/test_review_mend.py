@@ -192,3 +192,42 @@ def test_val_share_reads_no_parquet_file(tmp_path):
     path = tmp_path / "rows.parquet"
     pq.write_table(pa.table({"a": [1, 2, 3]}), path)
     assert val_share._counted([str(path)]) is None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The walks of an Arrow schema in data/sources/parquet_rows.py, answer for answer
+
+def _arrow_types():
+    pa = pytest.importorskip("pyarrow")
+    turn = pa.struct([("from", pa.string()), ("value", pa.string()), ("weight", pa.float64())])
+    return pa, {
+        "string": pa.string(), "large_string": pa.large_string(), "int": pa.int64(), "bool": pa.bool_(),
+        "null": pa.null(), "f32": pa.float32(), "f16": pa.float16(), "bytes": pa.binary(), "ts": pa.timestamp("s"),
+        "dict": pa.dictionary(pa.int32(), pa.string()), "turns": pa.list_(turn), "large": pa.large_list(turn),
+        "fixed": pa.list_(pa.int64(), 3), "empty_struct": pa.struct([]), "map": pa.map_(pa.string(), pa.int64()),
+        "deep": pa.list_(pa.list_(pa.struct([("x", pa.list_(pa.dictionary(pa.int8(), pa.string())))]))),
+        "odd_inside": pa.list_(pa.struct([("when", pa.date32())])), "list_of_dict": pa.list_(pa.dictionary(
+            pa.int8(), pa.large_string())), "struct_of_lists": pa.struct([("a", pa.list_(pa.int8())), ("b", turn)]),
+    }
+
+
+def test_the_arrow_schema_walks_answer_as_before():
+    from dsrecipes.data.sources import parquet_rows
+
+    pa, kinds = _arrow_types()
+    got = {name: (parquet_rows._depth(k), parquet_rows._has_struct(k), parquet_rows._jsonable(k))
+           for name, k in kinds.items()}
+    assert got == {
+        "string": (0, False, True), "large_string": (0, False, True), "int": (0, False, True), "bool": (0, False, True),
+        "null": (0, False, True), "f32": (0, False, True), "f16": (0, False, False), "bytes": (0, False, False),
+        "ts": (0, False, False), "dict": (0, False, True), "turns": (2, True, True), "large": (2, True, True),
+        "fixed": (1, False, True), "empty_struct": (1, True, True), "map": (0, False, False), "deep": (4, True, True),
+        "odd_inside": (2, True, False), "list_of_dict": (1, False, True), "struct_of_lists": (2, True, True),
+    }, got
+    schema = pa.schema([("conversations", kinds["turns"]), ("deep", kinds["deep"]), ("plain", pa.string()),
+                        ("s", kinds["struct_of_lists"])])
+    assert sorted(parquet_rows._names(schema)) == sorted(["conversations", "from", "value", "weight", "deep", "x",
+                                                          "plain", "s", "a", "b", "from", "value", "weight"])
+    array = pa.array([[{"from": "a", "value": "b", "weight": None}]], type=kinds["turns"])
+    assert [str(a.type) for a in parquet_rows._nested(array)] == [
+        str(kinds["turns"]), str(kinds["turns"].value_type), "double", "string", "string"]

@@ -25,7 +25,7 @@ refused under both bad-row policies, like a broken `.json` array.
 from __future__ import annotations
 
 import json
-from typing import Any, Collection, Dict, Iterator, Optional, Tuple
+from typing import Any, Collection, Dict, Iterator, List, Optional, Tuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -140,7 +140,7 @@ def _nested(values: pa.Array) -> Iterator[pa.Array]:
         kind = array.type
         if t.is_dictionary(kind):
             stack.append(array.dictionary)
-        elif t.is_list(kind) or t.is_large_list(kind) or t.is_fixed_size_list(kind):
+        elif _is_list(kind):
             stack.append(array.values)
         elif t.is_struct(kind):
             stack.extend(array.field(i) for i in range(kind.num_fields))
@@ -163,36 +163,49 @@ def _plain_text(text: Any) -> bool:
     return text.isascii() and ("\x7f" if isinstance(text, str) else b"\x7f") not in text
 
 
+def _is_list(kind: pa.DataType) -> bool:
+    return pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+
+
+def _parts(kind: pa.DataType) -> Optional[List[pa.DataType]]:
+    """The types a value of `kind` is made of: a dictionary's or a list's value type, a struct's field types; None
+    for a type of single values. Every walk of a schema below goes through it."""
+    if pa.types.is_dictionary(kind) or _is_list(kind):
+        return [kind.value_type]
+    if pa.types.is_struct(kind):
+        return [kind.field(i).type for i in range(kind.num_fields)]
+    return None
+
+
+def _unwrapped(kind: pa.DataType) -> pa.DataType:
+    """`kind` with its dictionaries and lists taken off (a list of structs: the struct)."""
+    while pa.types.is_dictionary(kind) or _is_list(kind):
+        kind = kind.value_type
+    return kind
+
+
 def _names(schema: Any) -> Iterator[str]:
     """The column and struct field names of `schema` (the keys of its rows' JSON)."""
     stack = [(f.name, f.type) for f in schema]
     while stack:
         name, kind = stack.pop()
         yield name
-        while pa.types.is_dictionary(kind) or pa.types.is_list(kind) or pa.types.is_large_list(kind) \
-                or pa.types.is_fixed_size_list(kind):
-            kind = kind.value_type
+        kind = _unwrapped(kind)
         if pa.types.is_struct(kind):
             stack += [(kind.field(i).name, kind.field(i).type) for i in range(kind.num_fields)]
 
 
 def _depth(kind: pa.DataType) -> int:
     """The deepest bracket nesting a value of `kind` has as JSON (a list or struct: one more than its values)."""
-    t = pa.types
-    if t.is_dictionary(kind):
-        return _depth(kind.value_type)
-    if t.is_list(kind) or t.is_large_list(kind) or t.is_fixed_size_list(kind):
-        return 1 + _depth(kind.value_type)
-    if t.is_struct(kind):
-        return 1 + max((_depth(kind.field(i).type) for i in range(kind.num_fields)), default=0)
-    return 0
+    parts = _parts(kind)
+    if parts is None:
+        return 0
+    deepest = max(map(_depth, parts), default=0)
+    return deepest if pa.types.is_dictionary(kind) else 1 + deepest
 
 
 def _has_struct(kind: pa.DataType) -> bool:
-    t = pa.types
-    if t.is_list(kind) or t.is_large_list(kind) or t.is_fixed_size_list(kind) or t.is_dictionary(kind):
-        return _has_struct(kind.value_type)
-    return t.is_struct(kind)
+    return pa.types.is_struct(_unwrapped(kind))
 
 
 def _first_odd(value: Any) -> Any:
@@ -211,13 +224,10 @@ def _first_odd(value: Any) -> Any:
 
 def _jsonable(kind: pa.DataType) -> bool:
     """Whether every value of an Arrow type is a JSON value once `to_pylist` made it Python (a map is not: pairs)."""
+    parts = _parts(kind)
+    if parts is not None:
+        return all(map(_jsonable, parts))
     t = pa.types
-    if t.is_dictionary(kind):
-        return _jsonable(kind.value_type)
-    if t.is_list(kind) or t.is_large_list(kind) or t.is_fixed_size_list(kind):
-        return _jsonable(kind.value_type)
-    if t.is_struct(kind):
-        return all(_jsonable(kind.field(i).type) for i in range(kind.num_fields))
     return (t.is_string(kind) or t.is_large_string(kind) or t.is_integer(kind) or t.is_boolean(kind)
             or t.is_null(kind) or t.is_float32(kind) or t.is_float64(kind))
 
