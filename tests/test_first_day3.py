@@ -7,14 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dsrecipes.cli import main
-
-
-def _run(capsys, *argv):
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    assert "Traceback" not in captured.err, captured.err
-    return code, captured.out + captured.err
+from tests.test_first_day2 import _run  # `dsrecipes ARGV` in this process: (exit code, stdout + stderr)
 
 
 def _optimizer_lr_line(said: str) -> str:
