@@ -52,25 +52,26 @@ def test_score_and_the_reward_model_judge_a_scorer_alike(tmp_path, config, score
         check_model_dir(model)
         assert reward_model_problems(str(model)) == []
         return
+    _both_refuse(model, f"{model}: {score}", f"objective.reward_model: {model} {reward}")
+
+
+def _both_refuse(model, score: str, reward: str) -> None:
+    """dsrecipes score refuses `model` with a message starting `score`, objective.reward_model with `reward`."""
+    from dsrecipes.commands.score import check_model_dir
+    from dsrecipes.objectives.rewards import reward_model_problems
+
     with pytest.raises(UserError) as refused:
         check_model_dir(model)
-    assert str(refused.value).startswith(f"{model}: {score}"), str(refused.value)
+    assert str(refused.value).startswith(score), str(refused.value)
     (problem,) = reward_model_problems(str(model))
-    assert problem.startswith(f"objective.reward_model: {model} {reward}"), problem
+    assert problem.startswith(reward), problem
 
 
 @pytest.mark.parametrize("text,said", [("[1, 2]", "holds a list, not a model config (a JSON object)"),
                                        ("{not json", "not a readable JSON model config")])
 def test_a_config_that_is_no_model_config_is_named_by_both(tmp_path, text, said):
-    from dsrecipes.commands.score import check_model_dir
-    from dsrecipes.objectives.rewards import reward_model_problems
-
-    model = _model(tmp_path, text)
-    with pytest.raises(UserError, match="config.json") as refused:
-        check_model_dir(model)
-    assert str(refused.value).startswith(f"{model / 'config.json'}: {said}"), str(refused.value)
-    (problem,) = reward_model_problems(str(model))
-    assert problem.startswith(f"objective.reward_model: {model / 'config.json'}: {said}"), problem
+    config = _model(tmp_path, text) / "config.json"
+    _both_refuse(config.parent, f"{config}: {said}", f"objective.reward_model: {config}: {said}")
 
 
 @pytest.mark.parametrize("config,arch", [
