@@ -313,8 +313,10 @@ RULES: Dict[str, Rule] = {
     "eval_dataset": lambda v: "dataset.val_paths: [FILE.jsonl] (validation files)",
     "train_on_prompt": _switch("data.train_on: all (the prompt turns too)", "data.train_on: assistant (every "
                                "assistant turn) is the default"),
-    "mask_history": _switch("data.train_on: last_assistant (only the final assistant turn)", "data.train_on: "
-                            "assistant (every assistant turn) is the default"),
+    "mask_history": _switch("data.train_on: last_assistant (only the final assistant turn; a conversation longer "
+                            "than data.cutoff_len keeps its head here, so one whose last reply starts past it is "
+                            "dropped, where LLaMA-Factory's mask_history keeps the last turn and cuts the history)",
+                            "data.train_on: assistant (every assistant turn) is the default"),
     "neat_packing": _switch("data.packing: true (packed samples already attend only within themselves: position ids "
                             "restart per sample)", "data.packing: false is the default"),
     "buffer_size": "data.shuffle_buffer", "mix_strategy": _mix, "interleave_probs": _mix,

@@ -100,9 +100,14 @@ def _cut_note(stats: Dict[str, Any]) -> List[str]:
     dropped, read = stats["dropped_all_trained_cut"], stats["rows_read"]
     if not dropped:
         return []
+    why, keep = "a long prompt, system prompt or tool schemas before the answers", ""
+    if stats.get("train_on") == "last_assistant":  # LLaMA-Factory's mask_history keeps such rows: say where we differ
+        why = ("data.train_on=last_assistant trains the last reply alone and a sample keeps the conversation's head, so "
+               "a row whose last reply starts past the cutoff has nothing trained; LLaMA-Factory's mask_history keeps "
+               "the last turn and cuts the history instead")
+        keep = ", data.train_on=assistant trains their earlier replies"
     return [f"note: {dropped} of {read} rows ({dropped / max(read, 1):.0%}) dropped: data.cutoff_len="
-            f"{stats['cutoff_len']} cut all their trained tokens (a long prompt, system prompt or tool schemas before "
-            "the answers); a larger data.cutoff_len keeps them"]
+            f"{stats['cutoff_len']} cut all their trained tokens ({why}); a larger data.cutoff_len keeps them{keep}"]
 
 
 def _unread_note(stats: Dict[str, Any]) -> List[str]:
