@@ -4,11 +4,16 @@
    said the run 'holds no ledger/ directory; give the run directory of a run trained with
    trainer.record_samples=true': it was. It now says the run trained no step, so there is nothing to audit (exit 2,
    as for any directory with nothing to check; an empty ledger no longer passes as 'OK').
+2. data=presharded, a part edited after `dsrecipes shard`: the run was refused ('the part was modified, re-shard')
+   and then printed 'resume from CHECKPOINT with: <the same command>', which fails the same way. The refusal now
+   names the `dsrecipes shard ... --force` command that writes the same parts again (recorded in the manifest), and
+   no resume line follows it.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 
 from dsrecipes.cli import main as cli_main
@@ -46,3 +51,33 @@ def test_audit_of_a_run_stopped_before_step_1_says_it_trained_no_step(tmp_path, 
     (run / "ledger").mkdir()
     (run / "ledger" / "rank0.jsonl").write_text(json.dumps({"session": 1.0, "pid": 1}) + "\n")
     assert "trained no step" in _error_line(capsys, ["audit", "--ledger", "runs/stop"])
+
+
+def test_an_edited_shard_part_is_refused_with_the_command_that_rebuilds_it(tmp_path, capsys, monkeypatch):
+    from dsrecipes.data.shard.manifest import read_manifest, verify_part
+
+    monkeypatch.chdir(tmp_path)
+    shard = ["shard", "--parts", "1", "--out", "parts", "debug=fast", "dataset.max_samples=40", "dataset.val_size=0"]
+    train = ["train", "debug=fast", "data=presharded", "data.shard_dir=parts", "trainer.output_dir=runs/ps",
+             "trainer.max_steps=2", "trainer.save_every=2", "trainer.eval_every=0", "trainer.export=false"]
+    with in_process_environ():
+        assert cli_main(shard) == 0
+        assert cli_main(train) == 0  # a checkpoint: the run a user resumes
+    part = tmp_path / "parts" / "part_00.jsonl"
+    lines = part.read_text().splitlines(keepends=True)
+    part.write_text("".join([lines[1], lines[0], *lines[2:]]))  # the user's edit: two rows swapped
+    capsys.readouterr()
+    with in_process_environ():
+        assert cli_main([*train, "trainer.max_steps=4"]) == 2
+    err = capsys.readouterr().err
+    assert "part_00.jsonl: sha256 differs from manifest.json" in err and "Traceback" not in err, err
+    assert "resume from" not in err, err  # was: the command that had just failed
+    [refusal] = [line for line in err.splitlines() if line.startswith("error:")]
+    rebuilds = [piece for piece in refusal.split("`") if piece.startswith("dsrecipes shard ")]
+    assert len(rebuilds) == 1, err
+    rebuild = rebuilds[0]
+    assert rebuild.endswith(f"--out {tmp_path / 'parts'} --force") and "dataset.max_samples=40" in rebuild, rebuild
+    monkeypatch.chdir(tmp_path / "runs")  # the printed command works from anywhere
+    with in_process_environ():
+        assert cli_main(shlex.split(rebuild)[1:]) == 0
+    verify_part(read_manifest(str(tmp_path / "parts")), 0)  # the same parts again: the run resumes on them

@@ -25,13 +25,15 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--val-size", type=non_negative_float, default=0, metavar="N",
                         help="hold N samples (a count, or a fraction < 1) out into the validation part val.jsonl")
     args = parse(parser, argv)
-    inputs = [a for a in args.overrides if "=" not in a]
+    inputs = [p if "://" in p else os.path.abspath(p) for p in args.overrides if "=" not in p]
     overrides = [a for a in args.overrides if "=" in a]
+    # what writes these parts again, recorded in the manifest: a changed part is refused with it (manifest.py)
+    shard_args = [*inputs, "--parts", str(args.parts), "--balance", args.balance, *held_out(args.val_size), *overrides]
     if inputs:  # INPUT files replace the dataset's own sources; format/columns still come from `dataset`
-        overrides += ["dataset.paths=[" + ",".join(json.dumps(p if "://" in p else os.path.abspath(p)) for p in inputs) + "]",
+        overrides += ["dataset.paths=[" + ",".join(json.dumps(p) for p in inputs) + "]",
                       "dataset.sources=[]", "dataset.use=[]"]
     cfg = compose_and_load(overrides, check_files=True)
-    manifest = shard(cfg, args.parts, args.out, ShardBalance(args.balance), args.force, args.val_size)
+    manifest = shard(cfg, args.parts, args.out, ShardBalance(args.balance), args.force, args.val_size, shard_args)
     val = f", validation part of {manifest.val_count}" if manifest.val_file else ""
     print(f"wrote {manifest.parts} parts of {min(manifest.counts)}-{max(manifest.counts)} samples "
           f"({manifest.total} in all, balance={manifest.balance}{val}) to {args.out}")
@@ -43,6 +45,13 @@ def main(argv: List[str]) -> int:
               "launcher=deepspeed_multinode launcher.num_nodes=M launcher.num_gpus=G launcher.master_addr=NODE0 "
               "(walkthrough: launch/README.md)")
     return 0
+
+
+def held_out(val_size: float) -> List[str]:
+    """`--val-size` as it was given (a count without `.0`), or nothing for none."""
+    if not val_size:
+        return []
+    return ["--val-size", str(int(val_size)) if val_size == int(val_size) else repr(val_size)]
 
 
 def inside(out_dir: str, name: str) -> str:

@@ -31,6 +31,7 @@ disk) leaves `--out` as it was.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import heapq
 import itertools
@@ -182,15 +183,17 @@ def assign_parts(tokens: Sequence[int], parts: int, balance: ShardBalance, val_s
 
 
 def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalance.samples,
-          force: bool = False, val_size: float = 0) -> Manifest:
+          force: bool = False, val_size: float = 0, shard_args: Sequence[str] = ()) -> Manifest:
     """Split the samples of `cfg.dataset` into `parts` canonical JSONL files plus manifest.json in `out_dir`;
     `val_size` (a fraction < 1 or a count) holds samples out into the validation part `val.jsonl`. The shard appears
-    in `out_dir` only complete (module docstring: Ownership); on any failure `out_dir` is as it was."""
+    in `out_dir` only complete (module docstring: Ownership); on any failure `out_dir` is as it was. `shard_args`
+    (the command's arguments but --out and --force) are recorded: a changed part is refused with them."""
     from dsrecipes.data.stream.scan import checking_encoder  # lazy: else `commands.shard` imports numpy 0.11 s
 
     _check_arguments(parts, val_size, out_dir)
     if is_url(out_dir):
-        return store_upload.shard_to_store(cfg, parts, out_dir, balance, force, shard, shard_files, val_size)
+        return store_upload.shard_to_store(cfg, parts, out_dir, balance, force,
+                                           functools.partial(shard, shard_args=shard_args), shard_files, val_size)
     link = dangling_link_problem("--out", out_dir)  # realpath would name the missing target, and shard would make it
     if link:
         raise UserError(link)
@@ -221,6 +224,7 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
         lines = lines if assignment is not None else filling(lines, parts)  # the part count checked before writing
         written = write_parts(lines, assignment, parts, staging, tokens)
         manifest = describe_parts(written, cfg, balance, report, check_identity(cfg, tokenizer), sources)
+        manifest.shard_args = list(shard_args)
         atomic_write_json(staging / MANIFEST, manifest.to_json())
         sync_dir(staging, files=True)
         # onto a new or empty --out (one that gained entries meanwhile is refused), or exchanged with our previous shard

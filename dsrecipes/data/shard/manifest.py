@@ -13,12 +13,13 @@ import dataclasses
 import hashlib
 import json
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import dsrecipes.data.shard.store as store_upload
-from dsrecipes.core.errors import DataError
+from dsrecipes.core.errors import DataError, Refused
 from dsrecipes.core.fileio import Unreadable, loads_bounded, not_regular, read_json_file
 from dsrecipes.core.typed import config_to_dict
 from dsrecipes.data.prepare.cache import tokenizer_fingerprint
@@ -52,6 +53,8 @@ class Manifest:
     identities: List[str] = field(default_factory=list)  # parts in a store: remote.identity (ETag) of each
     val_identity: Optional[str] = None  # the validation part in a store: its remote.identity
     row_format: str = ROW_FORMAT
+    # what `dsrecipes shard` was given besides --out and --force (INPUT files absolute): `rebuild_command` repeats it
+    shard_args: List[str] = field(default_factory=list)
     version: int = MANIFEST_VERSION
     dsrecipes_shard: int = 1  # SHARD_MARKER: the ownership marker (`shard_files`)
     directory: str = ""  # where it was read from (not stored)
@@ -183,13 +186,37 @@ def file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+class PartChanged(DataError, Refused):
+    """A part is not the one its manifest lists: every run on the shard stops there, a resume too, until the parts are
+    rebuilt. Refused, so the failed run prints no 'resume ... with' line: that command fails the same way again (was).
+    The message names the `dsrecipes shard` command that writes the same parts again (`rebuild_command`)."""
+
+
+def rebuild_command(manifest: Manifest) -> str:
+    """The `dsrecipes shard` command that writes this shard's parts again where they are read (--out, --force): the
+    arguments it recorded (`shard_args`); a manifest written before they were recorded gets its input files and
+    part count (what it was sharded with beyond them, e.g. dataset.max_samples, is not known: `OVERRIDES...`)."""
+    out = manifest.directory if is_url(manifest.directory) else os.path.abspath(manifest.directory)
+    held = ["--val-size", str(manifest.val_count)] if manifest.val_count else []
+    args = manifest.shard_args or [*(s["path"] for s in manifest.sources), "--parts", str(manifest.parts),
+                                   "--balance", manifest.balance, *held]
+    command = shlex.join(["dsrecipes", "shard", *args, "--out", out, "--force"])
+    return command if manifest.shard_args else f"{command} OVERRIDES..."
+
+
+def _changed(path: str, what: str, manifest: Manifest) -> PartChanged:
+    return PartChanged(f"{path}: {what}; a run reads only the parts `dsrecipes shard` wrote: write them again with "
+                       f"`{rebuild_command(manifest)}`, then run the training command again (a run with a checkpoint "
+                       "resumes from it)")
+
+
 def verify_part(manifest: Manifest, rank: int) -> None:
     path = manifest.part_path(rank)
     if is_url(path):  # by the ETag recorded at upload: the part is not read twice
         if not manifest.identities or store_upload.identity_or_none(path) != manifest.identities[rank]:
-            raise DataError(f"{path}: missing or changed since `dsrecipes shard` wrote it ({MANIFEST}); re-shard")
+            raise _changed(path, "missing or changed since `dsrecipes shard` wrote it", manifest)
         return
-    _verify(path, manifest.sha256[rank])
+    _verify(path, manifest.sha256[rank], manifest)
 
 
 def verify_val_part(manifest: Manifest) -> str:
@@ -197,21 +224,20 @@ def verify_val_part(manifest: Manifest) -> str:
     path = manifest.path_of(str(manifest.val_file))
     if is_url(path):
         if manifest.val_identity is None or store_upload.identity_or_none(path) != manifest.val_identity:
-            raise DataError(f"{path}: missing or changed since `dsrecipes shard` wrote it ({MANIFEST}); re-shard")
+            raise _changed(path, "missing or changed since `dsrecipes shard` wrote it", manifest)
         return path
-    _verify(path, str(manifest.val_sha256))
+    _verify(path, str(manifest.val_sha256), manifest)
     return path
 
 
-def _verify(path: str, sha256: str) -> None:
+def _verify(path: str, sha256: str, manifest: Manifest) -> None:
     what = not_regular(path)
     if what is not None:  # never opened: a FIFO's reader would wait for a writer
-        raise DataError(f"{path}: is not a regular file ({what}), where {MANIFEST} lists a shard part; put the "
-                        "part written by `dsrecipes shard` back, or re-shard")
+        raise _changed(path, f"is not a regular file ({what}), where {MANIFEST} lists a shard part", manifest)
     if not os.path.isfile(path):
-        raise DataError(f"{path}: missing (listed in {MANIFEST})")
+        raise _changed(path, f"missing (listed in {MANIFEST})", manifest)
     if file_sha256(path) != sha256:
-        raise DataError(f"{path}: sha256 differs from {MANIFEST}; the part was modified, re-shard")
+        raise _changed(path, f"sha256 differs from {MANIFEST}: the part was modified", manifest)
 
 
 def check_identity(cfg: Any, tokenizer: Any) -> Dict[str, Any]:
