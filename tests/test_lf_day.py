@@ -118,3 +118,44 @@ def test_a_run_says_why_last_assistant_dropped_rows_llamafactory_keeps(tmp_path,
     said = capsys.readouterr().err
     assert "(data.train_on=last_assistant trains the last reply alone" in said, said
     assert "LLaMA-Factory's mask_history keeps the last turn" in said and "data.train_on=assistant" in said, said
+
+
+def _phi3():
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    config = Phi3Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    )
+    return Phi3ForCausalLM(config)
+
+
+def test_lora_names_a_model_does_not_have_are_refused_not_half_applied(make_cfg):
+    """LLaMA-Factory's `lora_target: all` is every linear layer; the translation writes the Llama names, and on Phi-3
+    (qkv_proj, o_proj, gate_up_proj, down_proj) peft adapted o_proj and down_proj alone, without a word."""
+    import pytest
+
+    from dsrecipes.config.lf_translate import ALL_LINEAR as LLAMA_NAMES
+    from dsrecipes.core.errors import UserError
+    from dsrecipes.modeling.model import add_lora
+
+    cfg = make_cfg("model.lora.enabled=true", f"model.lora.target_modules=[{','.join(LLAMA_NAMES)}]")
+    with pytest.raises(UserError) as refused:
+        add_lora(cfg, _phi3())
+    said = str(refused.value)
+    assert "model.lora.target_modules: q_proj, k_proj, v_proj, gate_proj, up_proj name no linear layer" in said, said
+    assert "gate_up_proj" in said and "[all-linear]" in said, said
+
+
+def test_all_linear_adapts_every_linear_layer_but_the_output_as_llamafactorys_all(make_cfg):
+    from dsrecipes.modeling.model import add_lora
+
+    cfg = make_cfg("model.lora.enabled=true", "model.lora.target_modules=[all-linear]")
+    model = add_lora(cfg, _phi3())
+    adapted = sorted({n.split(".lora_A")[0].rpartition(".")[2] for n, _ in model.named_parameters() if "lora_A" in n})
+    assert adapted == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"], adapted

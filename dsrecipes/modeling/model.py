@@ -174,19 +174,39 @@ def add_lora(cfg: TrainConfig, model: torch.nn.Module) -> torch.nn.Module:
     import peft
 
     lora = cfg.model.lora
+    targets = lora_targets(lora.target_modules, model)
     peft_config = peft.LoraConfig(
         task_type="SEQ_CLS" if scalar_head(cfg) else "CAUSAL_LM",  # SEQ_CLS: peft trains the score head whole
         modules_to_save=["score"] if scalar_head(cfg) else None,
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules),
+        target_modules=targets,
     )
     model = peft.get_peft_model(model, peft_config)
     if not lora.only_optimize_lora:
         for param in model.parameters():
             param.requires_grad_(True)
     return model
+
+
+ALL_LINEAR = "all-linear"  # peft's name for every linear layer but the output one (LLaMA-Factory's lora_target: all)
+
+
+def lora_targets(names: List[str], model: torch.nn.Module) -> Any:
+    """`model.lora.target_modules` for peft: ["all-linear"] as peft's string, else the names, each of which must name
+    a linear layer of this model (peft adapts those that match and says nothing of the others, so the Llama names
+    of LLaMA-Factory's `all` would adapt two of Phi-3's four kinds of layer)."""
+    if list(names) == [ALL_LINEAR]:
+        return ALL_LINEAR
+    linear = sorted({n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})
+    missing = [t for t in names if not any(n == t or n.endswith("." + t) for n in linear)]
+    if missing:
+        kinds = sorted({n.rpartition(".")[2] for n in linear})
+        raise UserError(f"model.lora.target_modules: {', '.join(missing)} name no linear layer of this model (its "
+                        f"linear layers: {', '.join(kinds)}); name those, or [{ALL_LINEAR}] for every linear layer but "
+                        "the output one (LLaMA-Factory's lora_target: all)")
+    return list(names)
 
 
 def trainable_parameters(model: torch.nn.Module) -> List[torch.nn.Parameter]:
