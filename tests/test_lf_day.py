@@ -159,3 +159,11 @@ def test_all_linear_adapts_every_linear_layer_but_the_output_as_llamafactorys_al
     model = add_lora(cfg, _phi3())
     adapted = sorted({n.split(".lora_A")[0].rpartition(".")[2] for n, _ in model.named_parameters() if "lora_A" in n})
     assert adapted == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"], adapted
+
+
+def test_a_dataset_entry_near_one_of_our_options_is_an_entry_in_a_file_with_dataset_dir():
+    """`dataset: my_alpaca` beside LLaMA-Factory's `dataset_dir` said 'did you mean alpaca?' (our option for alpaca
+    files of one's own, which reads no dataset_info.json), not dataset.use."""
+    said = _problems("dataset: my_alpaca\ndataset_dir: data\n")
+    assert "here: dataset.use: [my_alpaca] with dataset.registry" in said and "did you mean" not in said, said
+    assert "did you mean alpaca?" in _problems("dataset: alpaca_e\n")  # no dataset_dir: a typo of ours

@@ -50,10 +50,11 @@ def flat_problems(data: Dict[str, Any], where: str, line: Callable[[str], Option
     options = {g: o for g, o in group_options().items() if g != RECIPE_GROUP}
     out = []
     together = read_together(data)  # `neat_packing: true` beside `packing: false`, ...: what LF reads together
+    registry = "dataset_dir" in data  # LLaMA-Factory's file: its `dataset` names entries, never a typo of ours
     for key, value in data.items():
         if str(key) in LEFT_TO_HYDRA or str(key).startswith("hydra."):
             continue
-        for dotted, problem in _problems(str(key), value, types, options):
+        for dotted, problem in _problems(str(key), value, types, options, registry):
             problem += f"; {together[dotted][1]}" if dotted in together else ""
             at = line(dotted)
             out.append(f"{where}:{at}: {problem}" if at else f"{where}: {problem}")
@@ -69,11 +70,11 @@ def in_our_keys(data: Dict[str, Any]) -> Optional[str]:
     return translate(data, problems)
 
 
-def _problems(key: str, value: Any, types: Dict[str, Any], options: Dict[str, List[str]]
+def _problems(key: str, value: Any, types: Dict[str, Any], options: Dict[str, List[str]], registry: bool = False
               ) -> Iterator[Tuple[str, str]]:
     if key in options and (isinstance(value, (str, int)) and not isinstance(value, bool) or value is None):
         if value is not None and str(value) not in options[key]:  # `zero: 3`: a number for an option's name
-            yield key, _no_option(key, str(value), options[key])
+            yield key, _no_option(key, str(value), options[key], registry and key == "dataset")
         return
     tp = types.get(key)
     if tp is None:
@@ -87,8 +88,9 @@ def _problems(key: str, value: Any, types: Dict[str, Any], options: Dict[str, Li
         yield from ((key, e) for e in errors)
 
 
-def _no_option(group: str, value: str, names: List[str]) -> str:
-    close = closest(value, names)
+def _no_option(group: str, value: str, names: List[str], entry: bool = False) -> str:
+    """`entry`: the value names an entry of a dataset_info.json (the file has LLaMA-Factory's dataset_dir)."""
+    close = [] if entry else closest(value, names)
     foreign = foreign_option(group, value, bool(close))  # `dataset: identity,alpaca_en_demo`, `template: qwen`
     if foreign:
         return f"{group}={value}: no option '{value}' in group '{group}'; {foreign}"
