@@ -39,6 +39,7 @@ from dsrecipes.boundary.safe_load import beyond_allowed
 from dsrecipes.core.checkpoint_names import COMPLETE
 from dsrecipes.core.errors import Refused
 from dsrecipes.core.fileio import MAX_JSON_BYTES, Unreadable, loads_bounded
+from dsrecipes.core.locks import try_shared
 
 _NOFOLLOW = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIRECTORY = _NOFOLLOW | os.O_DIRECTORY
@@ -65,6 +66,7 @@ class _Listing:
     files: Dict[str, Dict[str, Any]]
     screened: bool  # not signed by this user: every pickle is screened before it is loaded
     record: Dict[str, Any]  # complete.json as read through `fd`
+    record_fd: int = -1  # complete.json, open with a shared lock while the checkpoint is read (locks.try_shared)
 
 
 def _open_below(dir_fd: int, rel: str, flags: int = _NOFOLLOW) -> int:
@@ -80,6 +82,36 @@ def _open_below(dir_fd: int, rel: str, flags: int = _NOFOLLOW) -> int:
         return os.open(parts[-1], flags, dir_fd=fd)
     finally:
         if fd != dir_fd:
+            os.close(fd)
+
+
+@contextmanager
+def reading(tag_dir: Path) -> Iterator[None]:
+    """A shared lock on the checkpoint's complete.json while the block reads it (checks included), so the
+    retention of a run still writing it leaves it alone (rank/checkpoint.prune_checkpoints); ChangedCheckpoint
+    when a retention pass has removed it or is removing it. A missing or odd record: no lock (the check names it)."""
+    try:
+        fd = os.open(Path(tag_dir) / COMPLETE, _NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        yield
+        return
+    try:
+        if not try_shared(fd) or os.fstat(fd).st_nlink == 0:
+            raise ChangedCheckpoint(_removed(Path(os.path.abspath(tag_dir))))
+        yield
+    finally:
+        os.close(fd)
+
+
+def _removed(root: Path) -> str:
+    return (f"{root}: removed while it was being opened to load: the run writing {root.parent.parent} is still "
+            "going and keeps only its newest trainer.keep_checkpoints checkpoints; nothing was loaded. Take a newer "
+            "checkpoint (`dsrecipes export` without --tag takes the newest) or wait for that run to end")
+
+
+def _close(*fds: int) -> None:
+    for fd in fds:
+        if fd >= 0:
             os.close(fd)
 
 
@@ -117,43 +149,51 @@ class CheckedCheckpoint:
         except OSError as exc:
             raise ChangedCheckpoint(f"{root}: cannot open the checkpoint to load it ({exc.strerror or exc}); it "
                                     "was there when the run was planned. Nothing was loaded")
+        record_fd = -1
         try:
-            data = self._record_bytes(root, fd)
+            data, record_fd = self._record_bytes(root, fd)
             record = loads_bounded(data, "JSON nested too deeply")  # json's RecursionError: a traceback per rank
             if not isinstance(record, dict):
                 raise ValueError("not a JSON object")
+            screened = self._accept(root, record, data, pinned)
         except (OSError, ValueError) as exc:
-            os.close(fd)
+            _close(fd, record_fd)
             raise ChangedCheckpoint(f"{root / COMPLETE}: unreadable when loading ({exc}); nothing was loaded")
-        screened = self._accept(root, record, data, pinned, fd)
+        except ChangedCheckpoint:
+            _close(fd, record_fd)
+            raise
         files = record.get("files")
         problem = manifest.shape_problem(files, f"{COMPLETE}: files")
         if problem is not None:
-            os.close(fd)
+            _close(fd, record_fd)
             raise ChangedCheckpoint(f"{root}: {problem}; nothing was loaded")
-        self.listings.append(_Listing(root, fd, files, screened, record))
+        self.listings.append(_Listing(root, fd, files, screened, record, record_fd))
 
     @staticmethod
-    def _record_bytes(root: Path, dir_fd: int) -> bytes:
-        """complete.json's bytes, within fileio's bounds: a FIFO put in its place is opened at once and refused (the
-        rank never waits for a writer), a file over MAX_JSON_BYTES is never read whole (Unreadable either way)."""
+    def _record_bytes(root: Path, dir_fd: int) -> tuple:
+        """(complete.json's bytes, its descriptor, holding a shared lock until `close`: a run's retention leaves the
+        checkpoint alone meanwhile, rank/checkpoint.prune_checkpoints), within fileio's bounds: a FIFO put in its
+        place is opened at once and refused (the rank never waits for a writer), a file over MAX_JSON_BYTES is
+        never read whole (Unreadable either way)."""
         fd = _open_below(dir_fd, COMPLETE, _NOFOLLOW | os.O_NONBLOCK)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise Unreadable("not a regular file")  # as core/fileio.read_json_file says it
+            if not try_shared(fd) or os.fstat(fd).st_nlink == 0:  # a retention pass holds it, or has removed it
+                raise ChangedCheckpoint(_removed(root))
             data = _read_all(fd, MAX_JSON_BYTES + 1)
             if len(data) > MAX_JSON_BYTES:
                 raise Unreadable(f"larger than {MAX_JSON_BYTES} bytes")
-            return data
-        finally:
+            return data, fd
+        except BaseException:
             os.close(fd)
+            raise
 
     @staticmethod
-    def _accept(root: Path, record: Dict[str, Any], data: bytes, pinned: Optional[str], fd: int) -> bool:
+    def _accept(root: Path, record: Dict[str, Any], data: bytes, pinned: Optional[str]) -> bool:
         """False (not screened) for a record signed by this user; True for one trusted by the launching process
         (pinned) or this command line; else ChangedCheckpoint."""
         if pinned is not None and record_digest(data) != pinned:
-            os.close(fd)
             raise ChangedCheckpoint(f"{root / COMPLETE}: changed since the launching process checked it (another "
                                     "record was put in its place); nothing was loaded")
         problem = trust.signature_problem(record)
@@ -161,7 +201,6 @@ class CheckedCheckpoint:
             return False
         if pinned is not None or trust.is_trusted(root):
             return True
-        os.close(fd)
         raise ChangedCheckpoint(f"{root / COMPLETE}: {problem}, and it was not the record checked before this "
                                 "load; nothing was loaded")
 
@@ -178,9 +217,8 @@ class CheckedCheckpoint:
     def close(self) -> None:
         """Close the directories (the records stay readable; nothing more can be loaded through them)."""
         for listing in self.listings:
-            if listing.fd >= 0:
-                os.close(listing.fd)
-            listing.fd, listing.files = -1, {}
+            _close(listing.fd, listing.record_fd)
+            listing.fd, listing.record_fd, listing.files = -1, -1, {}
 
     def _find(self, path: Path) -> tuple:
         path = Path(os.path.abspath(path))

@@ -16,8 +16,9 @@ import os
 import socket
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from dsrecipes.core.fileio import read_json_file
 
@@ -135,6 +136,43 @@ def is_held(path: Path) -> bool:
             fcntl.flock(fd, fcntl.LOCK_UN)
             return False
         return True
+    finally:
+        os.close(fd)
+
+
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # a filesystem without flock
+
+
+def try_shared(fd: int) -> bool:
+    """A shared lock on the open file `fd` without waiting (a reader of a checkpoint holds one on its complete.json
+    while it reads: `unread` then leaves that checkpoint alone). False while someone holds it exclusively; True
+    where the filesystem has no flock (there is nobody to agree with)."""
+    try:
+        return _try_flock(fd, fcntl.LOCK_SH)
+    except OSError as exc:
+        if exc.errno in _NO_FLOCK:
+            return True
+        raise
+
+
+@contextmanager
+def unread(path: Path) -> Iterator[bool]:
+    """True, holding an exclusive lock on `path` until the block ends, when no reader holds a shared one (see
+    `try_shared`); also True when `path` is missing or its filesystem has no flock. A run's checkpoint retention
+    removes a checkpoint only inside this, so a `dsrecipes export` of it running beside the run is not cut short."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        yield True
+        return
+    try:
+        try:
+            free = _try_flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            if exc.errno not in _NO_FLOCK:
+                raise
+            free = True
+        yield free
     finally:
         os.close(fd)
 

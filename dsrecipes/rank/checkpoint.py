@@ -55,6 +55,7 @@ from dsrecipes.core.console import kept_in_log
 from dsrecipes.core.distributed import all_ranks
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.fileio import atomic_write_json, atomic_write_text, loads_bounded, read_json_file
+from dsrecipes.core.locks import unread
 from dsrecipes.core.publish import Existing, publish_dir
 from dsrecipes.core.rundir import CONFIG_FILE
 from dsrecipes.core.runplan import ResumePlan
@@ -206,7 +207,9 @@ def prune_checkpoints(root: Path, keep: int, protect: Sequence[str] = ()) -> Lis
     saves left behind.
 
     Commit order, not step order: after a resume from an earlier step, the checkpoints just written are the ones
-    to keep. Only our own names are touched (`step_<N>`, `step_<N>.partial`, `step_<N>.replaced`)."""
+    to keep. Only our own names are touched (`step_<N>`, `step_<N>.partial`, `step_<N>.replaced`). A checkpoint
+    someone is reading (point_of_use.CheckedCheckpoint holds a shared lock on its complete.json: an export, a
+    resume from this run) stays until a later pass."""
     tags = [d for d in root.glob("step_*") if d.is_dir() and d.name.split("_", 1)[1].isdigit()]
     committed = sorted((d for d in tags if (d / COMPLETE).is_file()), key=commit_order)
     kept = set(committed[-keep:]) | {d for d in committed if d.name in protect}
@@ -214,8 +217,10 @@ def prune_checkpoints(root: Path, keep: int, protect: Sequence[str] = ()) -> Lis
     removed = [d for d in tags if d not in kept and ((d / COMPLETE).is_file() or step_of(d) <= newest)]
     removed += [d for d in root.glob("step_*") if d.is_dir() and d.name.endswith((PARTIAL, REPLACED))]
     for d in removed:
-        shutil.rmtree(d, ignore_errors=True)
-    return removed
+        with unread(d / COMPLETE) as free:  # a `dsrecipes export` of it beside the run: the next pass removes it
+            if free:
+                shutil.rmtree(d, ignore_errors=True)
+    return [d for d in removed if not d.exists()]
 
 
 @dataclass

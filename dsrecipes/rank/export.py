@@ -23,7 +23,7 @@ import torch
 import dsrecipes.core.disk_space as disk_space
 import dsrecipes.core.manifest as manifest
 from dsrecipes.boundary.checkpoint_find import verified
-from dsrecipes.boundary.point_of_use import CheckedCheckpoint
+from dsrecipes.boundary.point_of_use import CheckedCheckpoint, reading
 from dsrecipes.boundary.safe_load import load
 from dsrecipes.boundary.trust import sign
 from dsrecipes.config.load import load_run_config
@@ -62,17 +62,17 @@ def export_checkpoint(run_dir: Path, tag_dir: Path, out_dir: Path, cfg: Optional
     """
 
     check_out_dir(out_dir, key)
-    verified(tag_dir, retry)
-    checked = CheckedCheckpoint.open(tag_dir)  # what is loaded below is checked again right before (point_of_use)
-    cfg = cfg or load_run_config(run_dir)
-    if cfg.model.path:  # the base the weights go onto: never a directory that needs its own code
-
-        for problem in custom_code_problems("model.path", Path(cfg.model.path)):
-            raise UserError(problem)
-    tokenizer = load_tokenizer(cfg)
-    frozen_excluded = bool(checked.record.get("frozen_excluded"))
-    state_dict = consolidated_state_dict(tag_dir, cfg.zero.stage, frozen_excluded, checked)
-    checked.close()
+    with reading(tag_dir):  # a run still writing it keeps it until this is read (its retention passes it over)
+        verified(tag_dir, retry)
+        checked = CheckedCheckpoint.open(tag_dir)  # what is loaded below is checked again right before it is
+        cfg = cfg or load_run_config(run_dir)
+        if cfg.model.path:  # the base the weights go onto: never a directory that needs its own code
+            for problem in custom_code_problems("model.path", Path(cfg.model.path)):
+                raise UserError(problem)
+        tokenizer = load_tokenizer(cfg)
+        frozen_excluded = bool(checked.record.get("frozen_excluded"))
+        state_dict = consolidated_state_dict(tag_dir, cfg.zero.stage, frozen_excluded, checked)
+        checked.close()
     model = build_model(cfg, tokenizer)  # skeleton on CPU; real models re-read from model.path, then overwritten
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     # A LoRA checkpoint leaves the frozen base out: those weights stay as built from model.path (or the tiny seed).
