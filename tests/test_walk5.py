@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+
+import pytest
 
 from dsrecipes.commands.estimate import main as estimate_main
 
@@ -42,3 +45,108 @@ def test_estimate_table_says_what_the_cpu_figure_counts_under_lora(capsys):
     assert "CPU per node: the larger of loading the model" in out and "16 bytes per trainable parameter" in out
     assert "LoRA: the offloaded optimizer states are the 13.63M trainable adapter parameters' only" in out
     assert "8030.3M frozen base parameters" in out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. A sweep run again into its own hydra.sweep.dir
+
+
+def _earlier_sweep(root, jobs, age_s=3600.0):
+    """A finished sweep of ours as an earlier invocation left it: marker, each job's .hydra record and result.json,
+    written `age_s` seconds ago."""
+    import os
+    import time
+
+    import yaml
+
+    root.mkdir()
+    (root / "dsrecipes_sweep.json").write_text(json.dumps({"dsrecipes_sweep": 1, "created": "2026-12-01 10:00:00"}))
+    for n, overrides in enumerate(jobs):
+        (root / str(n) / ".hydra").mkdir(parents=True)
+        (root / str(n) / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(list(overrides)))
+        result = root / str(n) / "result.json"
+        result.write_text(json.dumps({"status": "ok", "error": None, "final_loss": 1.0 + n}))
+        os.utime(result, (time.time() - age_s, time.time() - age_s))
+    return root
+
+
+def test_a_sweep_with_other_jobs_is_refused_before_hydra_rewrites_the_earlier_jobs_records(
+    tmp_path, monkeypatch, capsys
+):
+    """Was: `-m zero=stage2,stage3` into a finished `zero=stage0,stage1` sweep's directory ran: Hydra rewrote job 0's
+    .hydra/overrides.yaml to zero=stage2 before the job (then refused by the resume contract) started, so the table
+    said 'job 0 | stage2 | ok' with stage0's numbers and the earlier record was gone."""
+    from tests.test_run_ownership import snapshot
+    from tests.test_sweep import dsrecipes_in_process
+
+    monkeypatch.chdir(tmp_path)
+    earlier = _earlier_sweep(tmp_path / "sw", [["launcher.dry_run=true", f"zero=stage{z}"] for z in (0, 1)])
+    before = snapshot(earlier)
+    code = dsrecipes_in_process("-m", "launcher.dry_run=true", "zero=stage2,stage3", f"hydra.sweep.dir={earlier}")
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert (
+        f"error: hydra.sweep.dir: {earlier} holds an earlier sweep whose job 0 ran zero=stage0, but job 0 of this "
+        "one is zero=stage2 (2 of 2 jobs differ)"
+    ) in err, err
+    assert "or choose a new hydra.sweep.dir for this sweep; nothing was changed" in err
+    assert snapshot(earlier) == before
+
+
+def test_the_same_sweep_may_run_again_into_its_directory_with_settings_all_jobs_share_changed(tmp_path):
+    from dsrecipes.core.errors import UserError
+    from dsrecipes.observe.sweep import refuse_other_jobs
+
+    earlier = _earlier_sweep(tmp_path / "sw", [["debug=fast", f"zero=stage{z}"] for z in (0, 1)])
+    refuse_other_jobs(earlier, [["debug=fast", f"zero=stage{z}"] for z in (0, 1, 2)])  # a job added at the end
+    refuse_other_jobs(earlier, [["debug=fast", f"zero=stage{z}", "trainer.max_steps=16"] for z in (0, 1)])  # further
+    refuse_other_jobs(earlier, [["debug=fast", "zero=stage0"]])  # the first job alone
+    swept_lr = [["debug=fast", f"zero=stage{z}", f"optimizer.lr={lr}"] for z in (0, 1) for lr in ("1e-3", "3e-3")]
+    with pytest.raises(
+        UserError, match=r"job 0 ran zero=stage0, but job 0 of this one is zero=stage0 optimizer.lr=1e-3"
+    ):
+        refuse_other_jobs(earlier, swept_lr)  # a key swept now that the earlier jobs did not sweep
+    with pytest.raises(UserError, match=r"job 0 ran zero=stage0, but job 0 of this one is zero=stage1"):
+        refuse_other_jobs(earlier, [["debug=fast", "zero=stage1"], ["debug=fast", "zero=stage0"]])
+
+
+def test_the_sweep_table_tells_jobs_finished_earlier_from_jobs_run_now(tmp_path):
+    """Was: every job with a result.json was listed 'ok', as if it had run now, though the rerun trained nothing."""
+    from dsrecipes.observe import sweep
+
+    sw = _earlier_sweep(tmp_path / "sw", [["zero=stage0"], ["zero=stage1"]])
+    callback = sweep.SweepSummary()
+    callback.on_multirun_start(config=None)
+    (sw / "1" / "result.json").write_text(json.dumps({"status": "ok", "error": None, "final_loss": 0.5}))  # ran now
+    rows = sweep.write_summary(sw, callback.since)
+    assert [(r["status"], r["earlier"]) for r in rows] == [("ok", True), ("ok", False)]
+    md = (sw / "summary.md").read_text()
+    assert "| 0 | stage0 | ok (earlier) |" in md and "| 1 (best) | stage1 | ok |" in md
+    assert "(earlier) = finished before this run of the sweep and not run again, its numbers from then: job 0" in md
+    assert json.loads((sw / "summary.json").read_text())["earlier"] == 1
+
+
+@pytest.mark.slow
+def test_a_finished_sweep_run_again_skips_its_jobs_and_says_so(tmp_path, monkeypatch, capsys):
+    """Was: each finished job said 'error: nothing to train ...', the sweep exited 2, and the table listed every job
+    'ok' as if it had run now. Now a finished job is skipped (said, not a failure), the table marks it `(earlier)`; a
+    sweep where every job had finished exits 2 once, saying so; a job added to it runs (exit 0)."""
+    from tests.test_sweep import dsrecipes_in_process
+
+    monkeypatch.chdir(tmp_path)
+    sw, cache = tmp_path / "sw", f"data.cache_dir={tmp_path / 'cache'}"
+    common = ("-m", "debug=fast", "trainer.export=false", "trainer.max_steps=2", cache, f"hydra.sweep.dir={sw}")
+    assert dsrecipes_in_process(*common, "zero=stage0") == 0, capsys.readouterr().err[-3000:]
+    capsys.readouterr()
+    code = dsrecipes_in_process(*common, "zero=stage0")
+    out, err = capsys.readouterr()
+    assert code == 2 and f"skipped (finished before this run of the sweep): nothing to train: {sw}/0/" in err, err
+    assert err.rstrip().splitlines()[-1].startswith("error: nothing to train: every job of this sweep (1) had finished")
+    assert "| ok (earlier) |" in out, out
+    code = dsrecipes_in_process(*common, "zero=stage0,stage1")
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
+    assert re.search(r"\| 0( \(best\))? \| stage0 \| ok \(earlier\) \|", out), out
+    assert re.search(r"\| 1( \(best\))? \| stage1 \| ok \|", out), out
+    jobs = json.loads((sw / "summary.json").read_text())["jobs"]
+    assert [(j["status"], j["earlier"]) for j in jobs] == [("ok", True), ("ok", False)]

@@ -26,11 +26,12 @@ from dsrecipes.commands.outcome import conclude, report_interrupted, say
 from dsrecipes.config.load import load_config
 from dsrecipes.core import failure, stopping
 from dsrecipes.core.console import log_path, quiet_third_party
-from dsrecipes.core.errors import Refused, UserError
+from dsrecipes.core.errors import NothingToTrain, Refused, UserError
 from dsrecipes.core.rundir import claim, write_result
 from dsrecipes.core.schema import TrainConfig
 from dsrecipes.core.typed import config_to_dict
 from dsrecipes.observe.report import closing_summary
+from dsrecipes.observe.sweep import refuse_other_jobs
 from dsrecipes.run.entry import Decision, check_machine, decide, run, with_run_dir
 from dsrecipes.run.resume_contract import identity_fingerprint
 
@@ -44,6 +45,8 @@ class Invocation:
     exit_code: int = 0
     interrupted: bool = False  # a stop signal ends the sweep, not only its current job
     run_dirs: Set[Path] = field(default_factory=set)
+    jobs: int = 0  # runs this invocation was handed
+    done_earlier: List[Path] = field(default_factory=list)  # a sweep's jobs that had finished before it (skipped)
 
     def failed(self, code: int) -> None:
         self.exit_code = self.exit_code or code
@@ -61,7 +64,15 @@ def main(argv: List[str]) -> int:
     inv = Invocation(recipe_files_as_overrides(args.overrides), bool(args.multirun))
     if hydra_app.informational(args):
         return 0
-    (hydra_app.multirun if inv.sweep else hydra_app.run)(inv.argv, lambda job: run_job(inv, job))
+    if inv.sweep:  # (a hydra.sweep.dir of an earlier sweep: its jobs must be this sweep's, refuse_other_jobs)
+        hydra_app.multirun(inv.argv, lambda job: run_job(inv, job), refuse_other_jobs)
+    else:
+        hydra_app.run(inv.argv, lambda job: run_job(inv, job))
+    if inv.done_earlier and len(inv.done_earlier) == inv.jobs and not inv.exit_code:  # as a single run would be
+        say(f"error: nothing to train: every job of this sweep ({len(inv.done_earlier)}) had finished before this "
+            "run of it and none was run again; raise trainer.max_steps (or trainer.epochs) to train them further, "
+            "or choose a new hydra.sweep.dir for a new sweep; nothing was changed")
+        return 2
     return inv.exit_code
 
 
@@ -79,7 +90,7 @@ def run_job(inv: Invocation, job: hydra_app.Job) -> None:
     if inv.interrupted:
         print(f"skipped (the sweep was interrupted): {job.job_dir}", file=sys.stderr)
         return
-    started = time.perf_counter()
+    started, inv.jobs = time.perf_counter(), inv.jobs + 1
     try:
         cfg = check_machine(load_config(job.composed, overrides=job.overrides))
     except UserError as exc:
@@ -138,6 +149,10 @@ def _refused(inv: Invocation, exc: UserError, record_in: Optional[Path]) -> None
 
 
 def _record(inv: Invocation, exc: UserError, record_in: Optional[Path]) -> None:
+    if inv.sweep and isinstance(exc, NothingToTrain):  # a job of an earlier run of this sweep: skipped, not failed
+        inv.done_earlier.append(record_in)  # (its result.json stands; the table marks it `(earlier)`)
+        text = exc.render().removeprefix("error: ")
+        return print(f"skipped (finished before this run of the sweep): {text}", file=sys.stderr, flush=True)
     say(exc.render())  # (a pipeline's stage: said once, by the pipeline, with the stage)
     if record_in is not None and not isinstance(exc, Refused):  # a refused run leaves its directory as it was
         write_result(record_in, exc.exit_code, exc.render())

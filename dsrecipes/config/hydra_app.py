@@ -66,9 +66,8 @@ def args_parser() -> Any:
 def refuse_other_config_roots(args: Any) -> None:
     """Hydra's --config-dir/-path/-name would compose another tree than conf/ (without its schema and rules);
     --experimental-rerun loads a pickle."""
-    given = [flag for flag, value in (("--config-dir", args.config_dir), ("--config-path", args.config_path),
-                                      ("--config-name", args.config_name),
-                                      ("--experimental-rerun", args.experimental_rerun)) if value is not None]
+    given = [f"--{n.replace('_', '-')}" for n in ("config_dir", "config_path", "config_name", "experimental_rerun")
+             if getattr(args, n) is not None]
     if given:
         raise UserError(f"{', '.join(given)}: not supported by dsrecipes; run a recipe file with "
                         f"`dsrecipes train FILE.yaml` (or recipe=FILE.yaml), or name folders of recipes in "
@@ -245,9 +244,9 @@ class GuardedLoader:
         return cfg
 
 
-def check_sweep(loader: GuardedLoader, overrides: Sequence[str]) -> None:
+def check_sweep(loader: GuardedLoader, overrides: Sequence[str]) -> List[List[str]]:
     """Compose and check the sweep and every job of it (as Hydra's basic sweeper will split it) before anything of
-    the sweep exists. Other composition errors are left to Hydra and the jobs."""
+    the sweep exists; its jobs' overrides. Other composition errors are left to Hydra and the jobs."""
     try:
         master = loader.load_configuration(config_name=CONFIG_NAME, overrides=list(overrides),
                                            run_mode=RunMode.MULTIRUN)
@@ -256,14 +255,15 @@ def check_sweep(loader: GuardedLoader, overrides: Sequence[str]) -> None:
     except ConfigError:
         raise
     except Exception:  # noqa: BLE001 - Hydra reports its own composition errors when the sweep starts
-        return
-    for job in (job for batch in batches for job in batch):
+        return []
+    for job in (jobs := [list(job) for batch in batches for job in batch]):
         try:
-            loader.load_sweep_config(master, list(job))
+            loader.load_sweep_config(master, job)
         except ConfigError:
             raise
         except Exception:  # noqa: BLE001 - a job that cannot be composed fails on its own, as before
             continue
+    return jobs
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -328,15 +328,15 @@ def run(overrides: Sequence[str], job_fn: Callable[[Job], None]) -> None:
         job_fn(Job(composed, _texts(composed.hydra.overrides.task), sweep=False, hydra=hydra))
 
 
-def multirun(overrides: Sequence[str], job_fn: Callable[[Job], None]) -> None:
-    """Hydra's multirun with every composition checked for code: the sweep's and each job's up front (nothing of the
-    sweep exists yet), and each again when Hydra composes it (the loader is guarded)."""
+def multirun(overrides: Sequence[str], job_fn: Callable[[Job], None], same_jobs: Callable[..., None]) -> None:
+    """Hydra's multirun, every composition checked for code: the sweep's and each job's up front (nothing of it exists
+    yet; a named hydra.sweep.dir's earlier jobs: `same_jobs(dir, jobs)`), each again as Hydra composes it."""
     with hydra_context(fresh=True) as hydra:
         hydra.config_loader = GuardedLoader(hydra.config_loader)
-        check_sweep(hydra.config_loader, overrides)
         task = lambda composed: job_fn(Job(composed, _texts(HydraConfig.get().overrides.task), sweep=True))
+        claimed = _unique_sweep_dir(hydra, overrides, check_sweep(hydra.config_loader, overrides), same_jobs)
         try:
-            hydra.multirun(config_name=CONFIG_NAME, task_function=task, overrides=_unique_sweep_dir(hydra, overrides))
+            hydra.multirun(config_name=CONFIG_NAME, task_function=task, overrides=claimed)
         except (HydraException, OmegaConfBaseException) as exc:  # the sweeper composes every job before running any
             raise compose_error(exc, overrides) from None
 
@@ -383,7 +383,7 @@ def _texts(recorded: Any) -> List[str]:
     return [str(o) for o in OmegaConf.to_container(recorded, resolve=False)]
 
 
-def _unique_sweep_dir(hydra: Any, overrides: Sequence[str]) -> List[str]:
+def _unique_sweep_dir(hydra: Any, overrides: Sequence[str], jobs: List[List[str]], same_jobs: Callable) -> List[str]:
     """The sweep directory, claimed before Hydra writes into it (rundir.claim_sweep_dir): the one hydra.sweep.dir
     names, or Hydra's default (a date and a time) made unique per invocation (check_sweep checked the composition)."""
     try:
@@ -394,7 +394,7 @@ def _unique_sweep_dir(hydra: Any, overrides: Sequence[str]) -> List[str]:
     if any(ov.split("=", 1)[0].lstrip("+~") == "hydra.sweep.dir" for ov in overrides):
         named = Path(str(composed.hydra.sweep.dir)).expanduser()
         refuse_dangling_link(named, "hydra.sweep.dir")  # resolve() would name the link's missing target
-        claim_sweep_dir(named.resolve())
+        same_jobs(claim_sweep_dir(named.resolve()), jobs)
         return list(overrides)
     new = str(claim_sweep_dir(unique_new_dir(Path(str(composed.hydra.sweep.dir)))))
     return list(overrides) + ["hydra.sweep.dir='" + new.replace("\\", "\\\\").replace("'", "\\'") + "'"]

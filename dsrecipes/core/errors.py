@@ -72,6 +72,11 @@ class Refused(UserError):
     run, no trustworthy checkpoint): refused before anything is written there, not even result.json."""
 
 
+class NothingToTrain(Refused):
+    """A resume of a finished run that would train no step (the same budget again). A sweep's job that meets it is
+    a job done earlier: reported as skipped, not as a failure (commands/train.py)."""
+
+
 @contextlib.contextmanager
 def no_custom_code(key: str, path: str) -> Iterator[None]:
     """Around a transformers load with trust_remote_code off (config/validate.py refuses turning it on): a directory

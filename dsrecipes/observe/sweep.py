@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -43,6 +44,11 @@ ACCURACY_KEYS = ("eval_pair_accuracy", "eval_reward_accuracy", "eval_accuracy", 
 class SweepSummary(Callback):
     """Hydra callback: `hydra.callbacks.sweep_summary._target_: dsrecipes.observe.sweep.SweepSummary`."""
 
+    since: Optional[float] = None  # when this run of the sweep started: a result.json older than it is a job's earlier
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        self.since = time.time()
+
     def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
         from hydra.core.utils import JobStatus
 
@@ -56,12 +62,12 @@ class SweepSummary(Callback):
             except OSError:  # a full disk: the run said it (else Hydra warns, quoting a line of its own source)
                 pass
         if _is_multirun(config):
-            write_summary(Path(str(config.hydra.sweep.dir)))
+            write_summary(Path(str(config.hydra.sweep.dir)), self.since)
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))
         if sweep_dir.is_dir():
-            rows = write_summary(sweep_dir)
+            rows = write_summary(sweep_dir, self.since)
             print(f"\nsweep summary ({sweep_dir / SUMMARY_MD}):\n")
             print(render_markdown(rows))
             if (sweep_dir / SUMMARY_PNG).is_file():
@@ -117,8 +123,10 @@ def _candidates(explicit: Any, job_dir: Any) -> List[Path]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def collect(sweep_dir: Path) -> List[Dict[str, Any]]:
-    """One row per job directory (a directory holding .hydra/overrides.yaml) under `sweep_dir`, in job order."""
+def collect(sweep_dir: Path, since: Optional[float] = None) -> List[Dict[str, Any]]:
+    """One row per job directory (a directory holding .hydra/overrides.yaml) under `sweep_dir`, in job order. With
+    `since` (when this run of the sweep started), `earlier` marks a job whose result.json is older: it finished
+    before, and was not run again (a finished job is skipped: commands/train.py)."""
 
     rows = []
     for overrides_file in sorted(Path(sweep_dir).glob("*/.hydra/overrides.yaml")):
@@ -127,10 +135,41 @@ def collect(sweep_dir: Path) -> List[Dict[str, Any]]:
         job_cfg_file = job_dir / ".hydra" / "config.yaml"
         job_cfg = yaml.safe_load(job_cfg_file.read_text(encoding="utf-8")) if job_cfg_file.is_file() else {}
         dirs = _candidates(((job_cfg or {}).get("trainer") or {}).get("output_dir"), job_dir)
+        result = _first(dirs, RESULT_FILE)
+        earlier = since is not None and result is not None and result.stat().st_mtime < since - 2  # (coarse clocks)
         rows.append({"job": job_dir.name, "overrides": [str(o) for o in overrides], "run_dir": str(dirs[0]),
-                     **read_run(*dirs)})  # fmt: skip
+                     **read_run(*dirs), "earlier": earlier})  # fmt: skip
     rows.sort(key=lambda r: (not r["job"].isdigit(), int(r["job"]) if r["job"].isdigit() else 0, r["job"]))
     return rows
+
+
+def refuse_other_jobs(sweep_dir: Path, jobs: List[List[str]]) -> None:
+    """A sweep run again into `sweep_dir` (ours: claim_sweep_dir) runs job N in `<sweep_dir>/N`, where Hydra rewrites
+    the job's record (.hydra/overrides.yaml, what the table shows) before the job starts. Job N of this run must be
+    the job that is there: the same values of every swept key (those that differ between jobs, of this run or the
+    earlier one); settings common to all jobs may change (each job's resume contract judges them: a larger
+    trainer.max_steps trains every job further). Else a UserError, before Hydra writes anything."""
+    earlier = {}
+    for n in range(len(jobs)):
+        file = Path(sweep_dir) / str(n) / ".hydra" / "overrides.yaml"
+        if file.is_file():
+            try:
+                earlier[n] = [str(o) for o in yaml.safe_load(file.read_text(encoding="utf-8")) or []]
+            except (OSError, ValueError, yaml.YAMLError) as exc:
+                raise UserError(f"hydra.sweep.dir: {file} is unreadable ({type(exc).__name__}); it records what "
+                                f"job {n} of the earlier sweep there ran; choose a new hydra.sweep.dir") from None
+    keys = set(varying_keys([{"overrides": o} for o in earlier.values()]))
+    keys |= set(varying_keys([{"overrides": o} for o in jobs]))
+    values = lambda overrides: {k: v for k, _, v in (o.partition("=") for o in overrides) if k in keys}
+    differ = [n for n, old in earlier.items() if values(old) != values(jobs[n])]
+    if differ:
+        n = differ[0]
+        show = lambda overrides: " ".join(f"{k}={v}" for k, v in values(overrides).items()) or "(no swept value)"
+        raise UserError(
+            f"hydra.sweep.dir: {sweep_dir} holds an earlier sweep whose job {n} ran {show(earlier[n])}, but job {n} "
+            f"of this one is {show(jobs[n])} ({len(differ)} of {len(jobs)} jobs differ); a job continues only in its "
+            "own directory. Run that sweep's values again to resume it (a larger trainer.max_steps trains its jobs "
+            "further), or choose a new hydra.sweep.dir for this sweep; nothing was changed")
 
 
 def read_run(*dirs: Path) -> Dict[str, Any]:
@@ -185,14 +224,15 @@ def varying_keys(rows: List[Dict[str, Any]]) -> List[str]:
     return [k for k, v in values.items() if len(v) > 1 or any(k not in keys for keys in per_job)]
 
 
-def write_summary(sweep_dir: Path) -> List[Dict[str, Any]]:
-    rows = collect(sweep_dir)
+def write_summary(sweep_dir: Path, since: Optional[float] = None) -> List[Dict[str, Any]]:
+    rows = collect(sweep_dir, since)
     summary = {
         "sweep_dir": str(sweep_dir),
         "swept": varying_keys(rows),
         "jobs": rows,
         "ok": sum(r["status"] == "ok" for r in rows),
         "failed": sum(r["status"] == "failed" for r in rows),
+        "earlier": sum(bool(r.get("earlier")) for r in rows),  # of those, finished before this run of the sweep
     }
     atomic_write_json(sweep_dir / SUMMARY_JSON, summary)
     picture = plot_summary(sweep_dir, rows)
@@ -257,13 +297,18 @@ def render_markdown(rows: List[Dict[str, Any]]) -> str:
         if best is not None and best[0] == i:
             job, numbers[best[1]] = f"{job} (best)", f"**{numbers[best[1]]}**"
         acc = [_num(row.get("accuracy"), 4)] if accuracy else []
-        cells = [job, *[ovs.get(k, "") for k in keys], str(row["status"]), numbers["final_loss"],
+        status = f"{row['status']} (earlier)" if row.get("earlier") else str(row["status"])
+        cells = [job, *[ovs.get(k, "") for k in keys], status, numbers["final_loss"],
                  numbers["final_eval_loss"], *acc, _num(row["tokens_per_s"], 1), _num(row["peak_mem_mb"], 0),
                  error[:120]]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     if best is not None:
         label = " ".join(o for o in rows[best[0]]["overrides"] if o.partition("=")[0] in keys)
         lines.append(f"\nbest by {best[2]} (lowest): job {rows[best[0]]['job']}" + (f" ({label})" if label else ""))
+    earlier = [r["job"] for r in rows if r.get("earlier")]
+    if earlier:
+        lines.append(f"\n(earlier) = finished before this run of the sweep and not run again, its numbers from then: "
+                     f"job{'s' if len(earlier) > 1 else ''} {', '.join(earlier)}")
     return "\n".join(lines)
 
 

@@ -19,7 +19,7 @@ import json
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from dsrecipes.core.errors import Refused
+from dsrecipes.core.errors import NothingToTrain, Refused
 from dsrecipes.run.data_change import UNKNOWN, DataChange, explain, rendering_changed
 
 MUST_MATCH = (
@@ -147,7 +147,7 @@ def check_budget(checkpoint: str, step: int, total: int, record: Dict[str, Any],
     stopped = record.get("stopped_early")
     if total <= step:
         if finished:
-            raise Refused(f"nothing to train: {checkpoint} has done {step} optimizer steps and this run plans "
+            raise NothingToTrain(f"nothing to train: {checkpoint} has done {step} optimizer steps and this run plans "
                           f"{total}; {_raise_budget(step, flatten(new))} to train further; nothing was changed")
         return False
     if not stopped:
@@ -157,7 +157,7 @@ def check_budget(checkpoint: str, step: int, total: int, record: Dict[str, Any],
             flatten(new).get(f"trainer.early_stopping.{k}") for k in ("patience", "min_delta")]:
         return True
     if finished:
-        raise Refused(f"nothing to train: {checkpoint} stopped early ({stopped}), and this run's budget ({total} "
+        raise NothingToTrain(f"nothing to train: {checkpoint} stopped early ({stopped}), and this run's budget ({total} "
                       "steps) and early stopping are that segment's, so it would stop there again. To train past "
                       f"it, set trainer.early_stopping.patience=0 (train up to step {total}) or a larger "
                       "trainer.max_steps; nothing was changed")
