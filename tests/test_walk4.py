@@ -8,6 +8,11 @@
    and then printed 'resume from CHECKPOINT with: <the same command>', which fails the same way. The refusal now
    names the `dsrecipes shard ... --force` command that writes the same parts again (recorded in the manifest), and
    no resume line follows it.
+3. `dsrecipes train dataset=sample_prompts` (prompt rows for objective=grpo) under the default SFT objective stopped
+   at preparation with 'no_assistant_turn (roles: ['user']); set dataset.bad_rows=skip to quarantine bad rows':
+   skipping quarantines every row. The first message now says the rows are prompt rows and objective=grpo reads
+   them (BadRow.advice, decided on the row's `reference`/`answer` key as e21e5bb does for pairs); under
+   objective=dpo such a row is no longer called 'an SFT conversation'.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import json
 import shlex
 import signal
+
+import pytest
 
 from dsrecipes.cli import main as cli_main
 from tests.conftest import in_process_environ
@@ -27,6 +34,16 @@ def _error_line(capsys, argv) -> str:
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, (code, err)
     return err
+
+
+def _error_line_of_many(capsys, argv) -> str:
+    """`dsrecipes ARGV` exits 2 with exactly one `error:` line (notes may come before it), no traceback."""
+    with in_process_environ():
+        code = cli_main(argv)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, (code, err)
+    return errors[0]
 
 
 def test_audit_of_a_run_stopped_before_step_1_says_it_trained_no_step(tmp_path, capsys, monkeypatch):
@@ -81,3 +98,25 @@ def test_an_edited_shard_part_is_refused_with_the_command_that_rebuilds_it(tmp_p
     with in_process_environ():
         assert cli_main(shlex.split(rebuild)[1:]) == 0
     verify_part(read_manifest(str(tmp_path / "parts")), 0)  # the same parts again: the run resumes on them
+
+
+@pytest.mark.parametrize("data", ["map", "iterable"])
+def test_prompt_rows_under_sft_are_refused_naming_grpo(tmp_path, capsys, monkeypatch, data):
+    monkeypatch.chdir(tmp_path)
+    stream = ["trainer.max_steps=2", "scheduler.warmup_steps=0"] if data == "iterable" else []
+    err = _error_line_of_many(capsys, ["train", "dataset=sample_prompts", "debug=fast", f"data={data}", *stream,
+                                       f"data.cache_dir={tmp_path / 'cache'}"])  # no scan of another version
+    assert "prompt_rows.jsonl:1: no_assistant_turn" in err and "objective=grpo reads prompt rows" in err, err
+    assert "bad_rows=skip" not in err, err
+
+
+def test_a_prompt_row_under_dpo_is_not_called_an_sft_conversation():
+    from dsrecipes.core.schema import SourceConfig
+    from dsrecipes.data.sources.badrows import BadRow
+    from dsrecipes.data.sources.preference import _pair
+
+    row = {"conversations": [{"from": "human", "value": "What is 2 + 2?"}], "answer": 4}
+    with pytest.raises(BadRow) as bad:
+        _pair(row, SourceConfig(name="p"), {})
+    assert "prompt row" in bad.value.advice and "objective=grpo" in bad.value.advice
+    assert "SFT conversation" not in bad.value.advice

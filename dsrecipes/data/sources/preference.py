@@ -27,7 +27,7 @@ from dsrecipes.core.schema import DatasetFormat, RowKind, SourceConfig
 from dsrecipes.data.rowkinds import ROW_KINDS
 from dsrecipes.data.sources.badrows import BadReason, BadRow
 from dsrecipes.data.sources.samples import SampleKind, prompt_conversation
-from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn, _message_turns
+from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn, _message_turns, prompt_advice
 
 
 @dataclass
@@ -64,12 +64,15 @@ NOT_A_PAIR = ("this looks like an SFT conversation: objective=dpo, objective=rew
               "tuning (DPO)\"); objective=sft trains on conversations")
 
 
+PAIRS_READ = "objective=dpo, objective=reward and `dsrecipes score --pairs` read pairs (a chosen and a rejected answer)"
+
+
 def _pair(raw: Dict[str, Any], source: SourceConfig, roles: Dict[str, Role]) -> Pair:
     cols = source.columns
     if cols.chosen not in raw and cols.rejected not in raw:  # before the prompt: an SFT row ends with its answer
         raise BadRow(BadReason.missing_side, f"no {cols.chosen!r} and no {cols.rejected!r} answer: a pair row holds "
                                              "a prompt and a chosen and a rejected answer (an SFT conversation?)",
-                     advice=NOT_A_PAIR)
+                     advice=prompt_advice(raw, source, PAIRS_READ) or NOT_A_PAIR)
     conv = prompt_conversation(raw, source, roles)
     chosen, rejected = (_answer(raw, side, source, roles) for side in (cols.chosen, cols.rejected))
     if chosen == rejected:

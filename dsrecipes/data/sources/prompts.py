@@ -23,9 +23,7 @@ from typing import Any, Dict, Optional
 from dsrecipes.core.schema import DatasetFormat, SourceConfig
 from dsrecipes.data.sources.badrows import BadReason, BadRow
 from dsrecipes.data.sources.samples import SampleKind, prompt_conversation
-from dsrecipes.data.sources.sharegpt import Conversation, Role
-
-REFERENCE_COLUMNS = ("reference", "answer")  # the first present (and not null) is the reference answer
+from dsrecipes.data.sources.sharegpt import REFERENCE_COLUMNS, Conversation, Role
 
 
 @dataclass

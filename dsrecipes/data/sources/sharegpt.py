@@ -104,7 +104,7 @@ def normalize_row(raw: Any, sample_id: str, source: SourceConfig, roles: Optiona
         raise BadRow(BadReason.not_an_object, f"row is a {type(raw).__name__}")
     cols = source.columns
     table = role_table(source) if roles is None else roles
-    pair = _pair_advice(raw, source)
+    pair = _pair_advice(raw, source) or prompt_advice(raw, source, SFT_READS)  # a row of another kind: what reads it
     if source.format is DatasetFormat.alpaca:
         turns = _alpaca_turns(raw, source)
     else:
@@ -126,6 +126,22 @@ def normalize_row(raw: Any, sample_id: str, source: SourceConfig, roles: Optiona
     if last < 0:
         raise BadRow(BadReason.no_assistant_turn, f"roles: {[t.role.value for t in turns]}", advice=pair)
     return Conversation(sample_id, turns[: last + 1], system, tools, source.name, len(turns) - last - 1)
+
+
+REFERENCE_COLUMNS = ("reference", "answer")  # a prompt row's reference answer: the first present (and not null)
+SFT_READS = "objective=sft trains on conversations that end with the model's answer"
+
+
+def prompt_advice(raw: Dict[str, Any], source: SourceConfig, reads: str) -> str:
+    """What reads the row where it holds a reference answer and no answer turn (the reader found none): a prompt row
+    of online RL (dataset=sample_prompts), which SFT would quarantine row by row. `reads`: what the objective that
+    refused it reads. Decided on the row's keys, as `_pair_advice`, never on its text."""
+    held = [key for key in REFERENCE_COLUMNS if raw.get(key) is not None]
+    if not held or source.format is DatasetFormat.alpaca:  # an alpaca row's columns are its own mapping
+        return ""
+    return (f"this looks like a prompt row for online RL (a prompt and its {held[0]!r} answer, no answer turn): "
+            f"{reads}; objective=grpo reads prompt rows and samples the answers (see dataset=sample_prompts and "
+            "README \"Online RL (GRPO) on prompts\")")
 
 
 def _pair_advice(raw: Dict[str, Any], source: SourceConfig) -> str:
