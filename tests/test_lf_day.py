@@ -167,3 +167,22 @@ def test_a_dataset_entry_near_one_of_our_options_is_an_entry_in_a_file_with_data
     said = _problems("dataset: my_alpaca\ndataset_dir: data\n")
     assert "here: dataset.use: [my_alpaca] with dataset.registry" in said and "did you mean" not in said, said
     assert "did you mean alpaca?" in _problems("dataset: alpaca_e\n")  # no dataset_dir: a typo of ours
+
+
+def test_a_dataset_info_entry_reads_system_tools_and_history_only_where_its_columns_name_them():
+    """LLaMA-Factory (parser.DatasetAttr: system, tools, history default to None) reads a row's `system`, `tools`
+    and alpaca `history` only when the entry's `columns` name them; an entry without them trained those fields here
+    (a multi-turn alpaca row where LF trains one turn, a system prompt LF never shows)."""
+    from dsrecipes.data.sources.registry import _llamafactory_entry as lf_entry
+    from dsrecipes.data.sources.sharegpt import normalize_row
+
+    bare = lf_entry("a", {"file_name": "a.json"}, "/data")
+    named = lf_entry("b", {"file_name": "b.json", "columns": {"history": "history", "system": "system"}}, "/data")
+    row = {"instruction": "q2", "input": "", "output": "a2", "history": [["q1", "a1"]], "system": "Be brief."}
+    lf = normalize_row(row, "a.json:0", bare)
+    assert [t.content for t in lf.turns] == ["q2", "a2"] and lf.system is None, lf
+    ours = normalize_row(row, "b.json:0", named)
+    assert [t.content for t in ours.turns] == ["q1", "a1", "q2", "a2"] and ours.system == "Be brief.", ours
+    sharegpt = lf_entry("c", {"file_name": "c.json", "formatting": "sharegpt"}, "/data")
+    chat = normalize_row({**CHAT, "system": "Be brief.", "tools": '[{"name": "f"}]'}, "c.json:0", sharegpt)
+    assert chat.system is None and chat.tools is None, chat

@@ -6,7 +6,8 @@ Two registry formats, chosen by file extension:
   "columns": {...}, "tags": {...}, "num_samples": N}}`. `file_name` is relative to the registry's folder and may be
   a folder (every .json/.jsonl[.gz] in it). ShareGPT `tags` (role_tag, content_tag, user_tag, assistant_tag,
   observation_tag, function_tag, system_tag) become our columns and role aliases; alpaca `columns` prompt/query/
-  response/system/history map to instruction/input/output/system/history. `num_samples` becomes `max_samples` (the
+  response/system/history map to instruction/input/output/system/history. As in LLaMA-Factory, a row's system prompt,
+  tools and alpaca history are read only from columns that `columns` names (NOT_READ otherwise). `num_samples` becomes `max_samples` (the
   first N rows; LLaMA-Factory would also up-sample, use `weight` here for that). `ranking: true` marks preference
   rows (`chosen`/`rejected` columns; objective=dpo reads them, objective=sft refuses them). Hub, script and
   multimodal entries are rejected: we would otherwise silently train on something else.
@@ -46,6 +47,10 @@ _LF_ROLE_TAGS = {  # tag -> (LLaMA-Factory default value, our role)
     "function_tag": ("function_call", "tool_call"),
     "system_tag": ("system", "system"),
 }
+# LLaMA-Factory reads an entry's system prompt, tools and alpaca history only from the columns its `columns` names
+# (parser.DatasetAttr: system, tools, history default to None); a row's field of that name is otherwise not read.
+# This column name is in no row, so it reads nothing.
+NOT_READ = ""
 _DATA_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz", ".parquet", ".pq")  # Parquet: read by data=map
 # Bytes read of a registry file at most: LLaMA-Factory's own dataset_info.json is about 30 KB. PyYAML's pure-Python
 # parser reads about half a MiB a second (even of comments), so a YAML registry gets less room than JSON.
@@ -251,8 +256,8 @@ def _llamafactory_entry(name: str, entry: Any, base: str) -> SourceConfig:
             messages=columns.get("messages", "conversations"),
             role=tags.get("role_tag", "from"),
             content=tags.get("content_tag", "value"),
-            system=columns.get("system", "system"),
-            tools=columns.get("tools", "tools"),
+            system=columns.get("system", NOT_READ),
+            tools=columns.get("tools", NOT_READ),
             chosen=columns.get("chosen", "chosen"),
             rejected=columns.get("rejected", "rejected"),
         )
@@ -263,9 +268,9 @@ def _llamafactory_entry(name: str, entry: Any, base: str) -> SourceConfig:
             instruction=columns.get("prompt", "instruction"),
             input=columns.get("query", "input"),
             output=columns.get("response", "output"),
-            system=columns.get("system", "system"),
-            tools=columns.get("tools", "tools"),
-            history=columns.get("history", "history"),
+            system=columns.get("system", NOT_READ),
+            tools=columns.get("tools", NOT_READ),
+            history=columns.get("history", NOT_READ),
         )
         roles, fmt = {}, DatasetFormat.alpaca
     else:
