@@ -150,3 +150,99 @@ def test_a_finished_sweep_run_again_skips_its_jobs_and_says_so(tmp_path, monkeyp
     assert re.search(r"\| 1( \(best\))? \| stage1 \| ok \|", out), out
     jobs = json.loads((sw / "summary.json").read_text())["jobs"]
     assert [(j["status"], j["earlier"]) for j in jobs] == [("ok", True), ("ok", False)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. Tool results under chatml vs LLaMA-Factory's qwen and Qwen2.5's own chat template
+
+TOOLS = '[{"name": "weather", "description": "the weather", "parameters": {"type": "object", "properties": {}}}]'
+
+
+def _tool_conversation():
+    from dsrecipes.data.sources.sharegpt import Conversation, Role, Turn
+
+    call = '{"name": "weather", "arguments": {"city": "Oslo"}}'
+    turns = [Turn(Role.user, "Weather in Oslo?"), Turn(Role.tool_call, call), Turn(Role.observation, '{"temp": 3}'),
+             Turn(Role.assistant, "3 degrees.")]  # fmt: skip
+    return Conversation("t", turns, tools=TOOLS)
+
+
+def test_chatml_renders_a_tool_result_as_llama_factorys_chatml_does(make_cfg):
+    """Pinned: chatml (LLaMA-Factory's chatml, not its qwen) writes a ShareGPT observation as role `tool`; only the
+    tool call and the answer are trained. The README and the template say so, with template=auto for Qwen's format."""
+    from dsrecipes.core.schema import TrainOn
+    from dsrecipes.data.render.template import render
+
+    class Tok:
+        bos_token, eos_token = None, "<|im_end|>"
+
+    cfg = make_cfg("template=chatml", check_files=False)
+    segments = render(_tool_conversation(), cfg.template, Tok(), TrainOn.assistant)
+    text = "".join(s.text for s in segments)
+    assert text == (
+        f"<|im_start|>system\nTools: {TOOLS}<|im_end|>\n<|im_start|>user\nWeather in Oslo?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>\n'
+        '<|im_start|>tool\n{"temp": 3}<|im_end|>\n<|im_start|>assistant\n3 degrees.<|im_end|>\n'
+    ), text
+    trained = [s.text for s in segments if s.trained]
+    assert trained == ['<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>',
+                       "3 degrees.<|im_end|>"], trained  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["qwen", "qwen3", "qwen3_nothink"])
+def test_a_translated_qwen_recipe_says_its_tool_rows_differ_under_chatml(name):
+    """Was: LLaMA-Factory's qwen templates became template: chatml without a word about tool rows, which LF (like
+    Qwen2.5's own chat template) renders as a user turn around <tool_response> and chatml as role `tool`."""
+    from dsrecipes.config.flat_check import flat_problems
+
+    (problem,) = [
+        p for p in flat_problems({"stage": "sft", "template": name}, "f.yaml", lambda _: None) if "templ" in p
+    ]
+    assert "\n" not in problem
+    assert (
+        f"tool-calling rows differ: LLaMA-Factory's {name} puts a tool result (role observation/tool) in a user turn "
+        "'<|im_start|>user\\n<tool_response>\\n...\\n</tool_response><|im_end|>'"
+    ) in problem, problem
+    assert (
+        "template: chatml writes a tool result '<|im_start|>tool\\n...<|im_end|>' (as LLaMA-Factory's chatml)"
+        in problem
+    )
+    assert "so for tool data take template: auto on a Qwen model" in problem
+    (yi,) = [p for p in flat_problems({"stage": "sft", "template": "yi"}, "f.yaml", lambda _: None) if "templ" in p]
+    assert "tool_response" not in yi
+
+
+# A model's own template that puts tool results in a user turn the way Qwen2.5's does (written here, not copied):
+QWEN_LIKE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- elif m['role'] == 'assistant' and m['tool_calls'] -%}{{- '<|im_start|>assistant' -}}"
+    "{%- for tc in m['tool_calls'] -%}{{- '\\n<tool_call>\\n' + (tc['function'] | tojson) + '\\n</tool_call>' -}}"
+    "{%- endfor -%}{{- '<|im_end|>\\n' -}}"
+    "{%- else -%}{{- '<|im_start|>' + m['role'] + '\\n' + (m['content'] or '') + '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def test_the_models_own_template_trains_a_tool_result_as_llama_factorys_qwen_renders_it(make_cfg):
+    """template=tokenizer (what template=auto picks for a Qwen model) renders the observation as the model's template
+    does: untrained, in a user turn; the prompt after the tool call is LF qwen's format_observation slot exactly."""
+    from dsrecipes.core.schema import TrainOn
+    from dsrecipes.core.tokenizer import load_tokenizer
+    from dsrecipes.data.render.template import render
+
+    cfg = make_cfg("template=tokenizer", check_files=False)
+    tok = load_tokenizer(cfg)
+    tok.chat_template = QWEN_LIKE
+    segments = render(_tool_conversation(), cfg.template, tok, TrainOn.assistant)
+    lf_observation = (
+        '<|im_start|>user\n<tool_response>\n{"temp": 3}\n</tool_response><|im_end|>\n<|im_start|>assistant\n'
+    )
+    assert [(s.text, s.trained) for s in segments[1:4]] == [
+        ('<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>', True),
+        ("\n" + lf_observation, False),
+        ("3 degrees.<|im_end|>", True),
+    ], segments

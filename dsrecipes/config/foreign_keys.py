@@ -164,6 +164,14 @@ ALPACA_SYSTEM = ("Below is an instruction that describes a task. Write a respons
 # untrained end of the prompt under false. chatml adds none, auto renders the model's own chat template: no twin,
 # a person decides (_reasoning says how).
 LF_REASONING = ("qwen3", "deepseekr1")
+# LLaMA-Factory's qwen templates render tool-calling rows as Qwen2.5's own chat template does (format_observation: a
+# user turn around <tool_response>; format_tools: Qwen's "# Tools" block); chatml, here as in LF, does not.
+LF_QWEN_TOOLS = ("qwen", "qwen3", "qwen3_nothink")
+QWEN_TOOLS = ("; tool-calling rows differ: LLaMA-Factory's {name} puts a tool result (role observation/tool) in a user "
+              "turn '<|im_start|>user\\n<tool_response>\\n...\\n</tool_response><|im_end|>' and the tools in Qwen's "
+              "'# Tools' system block, as Qwen2.5's own chat template does; template: chatml writes a tool result "
+              "'<|im_start|>tool\\n...<|im_end|>' (as LLaMA-Factory's chatml) and 'Tools: [...]', so for tool data take "
+              "template: auto on a Qwen model (its own chat template, in training and in the export alike)")
 EMPTY_THINK = "<think>\\n\\n</think>\\n\\n"
 
 
@@ -180,8 +188,11 @@ def _reasoning(name: str, ours: Optional[str]) -> str:
 
 
 def _template(value: Any) -> str:
-    """LLaMA-Factory's `template: qwen` -> ours (LF_TEMPLATES), else the list of ours."""
-    name = str(value)
+    """LLaMA-Factory's `template: qwen` -> ours (LF_TEMPLATES), else the list of ours; qwen's tool rows: QWEN_TOOLS."""
+    return _template_twin(str(value)) + (QWEN_TOOLS.format(name=value) if str(value) in LF_QWEN_TOOLS else "")
+
+
+def _template_twin(name: str) -> str:
     if name not in LF_TEMPLATES:
         return "templates here: " + OUR_TEMPLATES
     ours = LF_TEMPLATES[name]

@@ -10,7 +10,9 @@ Templates (`template.name`); each built-in one is defined once, as a `Spec` (`te
 each kind of message), from which both `_builtin` here and the exported Jinja `chat_template` (data/render/jinja.py) are
 made:
   chatml           <|im_start|>role\\ntext<|im_end|>\\n; tool calls as assistant `<tool_call>\\n{json}\\n</tool_call>`,
-                   observations as role `tool`; tools go into the system turn as "Tools: <json>"
+                   observations as role `tool` (as LLaMA-Factory's chatml; Qwen2.5's own template and LF's qwen:
+                   a user turn <tool_response>, tools in Qwen's "# Tools" block); tools go into the system turn as
+                   "Tools: <json>"
   llama3           <|begin_of_text|><|start_header_id|>role<|end_header_id|>\\n\\ntext<|eot_id|>; observations
                    as role `ipython`
   vicuna           FastChat v1.1: "{system} USER: {q} ASSISTANT: {a}</s>USER: ..."; observations "OBSERVATION: ...";
