@@ -186,3 +186,22 @@ def test_a_dataset_info_entry_reads_system_tools_and_history_only_where_its_colu
     sharegpt = lf_entry("c", {"file_name": "c.json", "formatting": "sharegpt"}, "/data")
     chat = normalize_row({**CHAT, "system": "Be brief.", "tools": '[{"name": "f"}]'}, "c.json:0", sharegpt)
     assert chat.system is None and chat.tools is None, chat
+
+
+def test_a_run_says_when_num_samples_asks_for_more_rows_than_the_file_has(tmp_path, capsys):
+    """LLaMA-Factory's num_samples draws rows again up to the number (loader: permutation + np.random.choice);
+    here it is a cap, so `num_samples: 6` over 3 rows trained 3 samples an epoch, without a word."""
+    (tmp_path / "three.json").write_text(json.dumps([CHAT] * 3))
+    (tmp_path / "dataset_info.json").write_text(
+        json.dumps({"three": {"file_name": "three.json", "formatting": "sharegpt", "num_samples": 6}})
+    )
+    stats = _prepare(
+        tmp_path, f"dataset.registry={tmp_path / 'dataset_info.json'}", "dataset.use=[three]", "dataset.val_size=0"
+    )
+    assert stats["samples"]["train"] == 3 and stats["short_sources"] == {"three": [6, 3]}, stats
+    said = capsys.readouterr().err
+    assert (
+        "note: three: its max_samples (a dataset_info.json entry's num_samples) asks for 6 rows and its files gave 3"
+        in said
+        and "a source weight of 2 does here" in said
+    ), said

@@ -53,7 +53,21 @@ def build_stats(cfg: TrainConfig, sources: Sequence[SourceConfig], report: BadRo
         "sources": per_source,
         "max_samples": cfg.dataset.max_samples,  # every source together; those it left unread:
         "unread_sources": [s.name for s in sources if s.name not in per_source] if cfg.dataset.max_samples else [],
+        "short_sources": _short_sources(cfg, sources, per_source),
     }
+
+
+def _short_sources(cfg: TrainConfig, sources: Sequence[SourceConfig], per_source: Dict[str, Dict[str, Any]]
+                   ) -> Dict[str, List[int]]:
+    """{source: [its max_samples, rows it gave]} for sources whose files hold fewer rows than their own cap (a
+    dataset_info.json entry's num_samples, which LLaMA-Factory fills by drawing rows again), unless
+    dataset.max_samples stopped the reading first."""
+    taken = sum(v["conversations"] for v in per_source.values())
+    if cfg.dataset.max_samples is not None and taken >= cfg.dataset.max_samples:
+        return {}
+    return {s.name: [s.max_samples, per_source[s.name]["conversations"]] for s in sources
+            if s.max_samples is not None and s.share is None and s.name in per_source
+            and per_source[s.name]["conversations"] < s.max_samples}
 
 
 def _length_stats(lengths: np.ndarray, cutoff: int, bins: int = 8) -> Dict[str, Any]:
@@ -83,7 +97,7 @@ def summary(stats: Dict[str, Any]) -> str:
         f"{stats['trailing_turns_dropped']} lost trailing non-assistant turns; trained tokens "
         f"{stats['trained_token_share']:.1%}",
     ]
-    lines += _cut_note(stats) + _val_share_note(stats) + _unread_note(stats)
+    lines += _cut_note(stats) + _val_share_note(stats) + _unread_note(stats) + _short_note(stats)
     if stats.get("sources"):  # what was read, per source: a named dataset replaces the sample unless mixed
         lines.append("data: per source: " + ", ".join(
             f"{name} {v['conversations']} rows ({v.get('train_samples', '?')} train)" for name, v in stats["sources"].items()))
@@ -119,6 +133,15 @@ def _unread_note(stats: Dict[str, Any]) -> List[str]:
     return [f"note: {', '.join(unread)}: no row read: dataset.max_samples={stats['max_samples']} caps all sources "
             "together, in order, and the sources before them filled it (LLaMA-Factory's max_samples caps each "
             "dataset; here a source's own max_samples does: a registry entry's num_samples)"]
+
+
+def _short_note(stats: Dict[str, Any]) -> List[str]:
+    """A note per source whose cap asks for more rows than its files hold: here it reads them once; LLaMA-Factory's
+    num_samples draws rows again up to the number."""
+    return [f"note: {name}: its max_samples (a dataset_info.json entry's num_samples) asks for {cap} rows and its files "
+            f"gave {rows}: read once each here; LLaMA-Factory draws rows again up to {cap}, which a source weight of "
+            f"{cap / max(rows, 1):.4g} does here (dataset.sources[i].weight, or weight in a YAML registry)"
+            for name, (cap, rows) in (stats.get("short_sources") or {}).items()]
 
 
 def _val_share_note(stats: Dict[str, Any]) -> List[str]:
