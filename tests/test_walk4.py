@@ -13,6 +13,9 @@
    skipping quarantines every row. The first message now says the rows are prompt rows and objective=grpo reads
    them (BadRow.advice, decided on the row's `reference`/`answer` key as e21e5bb does for pairs); under
    objective=dpo such a row is no longer called 'an SFT conversation'.
+4. dataset.bad_rows=skip on a file whose every row is of the wrong kind (a pairs file under SFT, an SFT file under
+   DPO) ended 'N of N rows are bad (...): no_assistant_turn=N; ...' with no word of the row kind. The refusal now
+   ends with the advice bad_rows=error gives at the first row (BadRowReport counts each row's advice).
 """
 
 from __future__ import annotations
@@ -120,3 +123,27 @@ def test_a_prompt_row_under_dpo_is_not_called_an_sft_conversation():
         _pair(row, SourceConfig(name="p"), {})
     assert "prompt row" in bad.value.advice and "objective=grpo" in bad.value.advice
     assert "SFT conversation" not in bad.value.advice
+
+
+SFT_ROW = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]}
+PAIR_ROW = {"conversations": [{"from": "human", "value": "Hi"}], "chosen": {"from": "gpt", "value": "Hello!"},
+            "rejected": {"from": "gpt", "value": "Go away."}}
+
+
+@pytest.mark.parametrize("row, objective, advice", [
+    (PAIR_ROW, "sft", "this looks like a preference pair"),
+    (SFT_ROW, "dpo", "this looks like an SFT conversation"),
+    ({"conversations": [{"from": "human", "value": "1 + 1?"}], "reference": "2"}, "sft", "objective=grpo reads"),
+])
+@pytest.mark.parametrize("data", ["map", "iterable"])
+def test_all_rows_of_the_wrong_kind_under_bad_rows_skip_get_the_row_kind_advice(tmp_path, capsys, monkeypatch, row,
+                                                                                objective, advice, data):
+    monkeypatch.chdir(tmp_path)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(row) + "\n" for _ in range(12)))
+    stream = ["trainer.max_steps=2", "scheduler.warmup_steps=0"] if data == "iterable" else []
+    stream += ["objective.reference=live"] if data == "iterable" and objective == "dpo" else []
+    err = _error_line_of_many(capsys, ["train", "debug=fast", f"objective={objective}", "dataset=sharegpt_files",
+                                       f"dataset.paths=[{rows}]", "dataset.val_size=0", "dataset.bad_rows=skip",
+                                       f"data={data}", *stream, f"data.cache_dir={tmp_path / 'cache'}"])
+    assert "12 of 12 rows are bad" in err and advice in err, err

@@ -76,6 +76,7 @@ class BadRowReport:
         self.quarantine_path = quarantine_path
         self.counts: Counter = Counter()
         self.by_file: Dict[str, Counter] = {}  # file (or unmatched pattern) -> reason -> rows
+        self.advised: Counter = Counter()  # BadRow.advice -> rows: rows of another kind than the objective reads
         self.rows_read = 0  # rows seen (good + bad), file-level problems included
         self.trailing_turns_dropped = 0  # conversations that lost trailing non-assistant turns
         self._fh = None
@@ -93,6 +94,8 @@ class BadRowReport:
             raise DataError(error_message(location(path, loc, element), bad))
         self.counts[bad.reason.value] += 1
         self.by_file.setdefault(path, Counter())[bad.reason.value] += 1
+        if bad.advice:
+            self.advised[bad.advice] += 1
         if self.quarantine_path is not None:
             if self._fh is None:
                 self.quarantine_path.parent.mkdir(parents=True, exist_ok=True)
@@ -125,7 +128,19 @@ class BadRowReport:
                 f"{self.max_bad_fraction}): {self.summary()}"
                 + (f"; see {self.quarantine_path}" if self.quarantine_path else "")
                 + (f" ({self.cut_note()})" if self.unwritten else "")
+                + self.kind_note(total)
             )
+
+    def kind_note(self, total: int) -> str:
+        """The advice of the rows of another kind (BadRow.advice) where they alone are past max_bad_fraction: a file
+        of the wrong kind, which skipping never makes right; `bad_rows=error` says the same at its first row. Was:
+        only 'N of N rows are bad: no_assistant_turn=N' for a pairs file under SFT."""
+        if not self.advised:
+            return ""
+        advice, rows = self.advised.most_common(1)[0]
+        if rows / total <= self.max_bad_fraction:
+            return ""
+        return f"; {advice}" if rows == self.skipped else f"; {rows} of them: {advice}"
 
     def cut_note(self) -> str:
         return (f"{self.unwritten} more bad rows were counted but not written: the quarantine keeps the first "
