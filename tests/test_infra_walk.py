@@ -4,6 +4,10 @@ its disk, resume on another number of ranks. Each test here failed on the code b
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -12,6 +16,7 @@ from dsrecipes.boundary.point_of_use import ChangedCheckpoint, CheckedCheckpoint
 from dsrecipes.boundary.trust import sign
 from dsrecipes.core.locks import unread
 from dsrecipes.rank.checkpoint import COMPLETE, prune_checkpoints
+from dsrecipes.run.launch.process import _end_group, _Stop, supervise
 
 
 def _checkpoint(root, step):
@@ -54,3 +59,39 @@ def test_a_checkpoint_removed_while_export_opens_it_is_named_as_such(tmp_path):
     with reading(tag):  # no retention pass: held
         with unread(tag / COMPLETE) as free:
             assert not free
+
+
+_LAUNCHER = r"""
+import os, signal, subprocess, sys, time
+rank = subprocess.Popen([sys.executable, "-c", '''
+import os, signal, sys, time
+def stop(*_):
+    open(sys.argv[1], "w").write("saved")  # the rank's checkpoint at its step boundary
+    os._exit(143)
+signal.signal(signal.SIGTERM, stop)
+open(sys.argv[1] + ".ready", "w").close()
+while True:
+    time.sleep(0.05)
+''', sys.argv[1]])
+time.sleep(600)
+"""
+
+
+def test_ranks_whose_launcher_is_killed_save_instead_of_being_killed_with_it(tmp_path, capsys):
+    """Was: `kill -9` of DeepSpeed's per-node launcher (ds_node) mid-run: the launching process saw its launcher gone
+    and SIGKILLed the process group, so the ranks lost every step since the last checkpoint (run: step 22 trained,
+    step_20 kept) and the run said 'a rank was killed by SIGKILL (the kernel's OOM killer ...)'. Now the ranks get
+    the SIGTERM of a stop (run: they saved step_32 and the run ended with its resume command, exit 143)."""
+    saved = tmp_path / "saved"
+    proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(saved)], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "saved.ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)  # the launcher only; its rank trains on
+        code = supervise(proc, tmp_path, _Stop(10.0))
+    finally:
+        _end_group(proc.pid)  # what run_subprocess does after supervise: the old code's SIGKILL of the ranks
+    assert code == -signal.SIGKILL
+    assert saved.is_file() and saved.read_text() == "saved", "the rank was killed without saving"
+    assert "was killed by SIGKILL while its ranks ran; stopping them at the next step boundary" in capsys.readouterr().err

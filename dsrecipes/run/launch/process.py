@@ -117,6 +117,7 @@ def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = Non
             continue
         try:
             code = proc.wait(timeout=0.5)
+            _launcher_lost(proc, code, stop)
             continue
         except subprocess.TimeoutExpired:
             pass
@@ -135,6 +136,27 @@ def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = Non
         print(f"error: {heartbeat.describe_failure(failure)}. {stopped} stopped; run the same command again to resume "
               "from the last checkpoint (trainer.resume=auto)", file=sys.stderr, flush=True)  # fmt: skip
     return code
+
+
+def _launcher_lost(proc: subprocess.Popen, code: int, stop: _Stop) -> None:
+    """The launcher itself killed by a signal (DeepSpeed's per-node launcher, a torchrun agent: `kill -9` of the
+    wrong pid) while its ranks train on: they are stopped like a SIGTERM stops them, at the next step boundary with a
+    checkpoint, instead of being killed with the launcher's group and losing the steps since the last save. A
+    launcher that ends because a rank died exits with a code (DeepSpeed's: 247 for a rank's SIGKILL), not a signal."""
+    name = killed_by(code) if code < 0 else None
+    if name is None or stop.at is not None or not _group_alive(proc.pid):
+        return
+    stop.at = time.monotonic()
+    print(f"dsrecipes: the launcher (pid {proc.pid}, {_name(proc)}) was killed by {name} while its ranks ran; "
+          f"stopping them at the next step boundary with a checkpoint (up to trainer.stop_grace_s={stop.grace_s:g} s)",
+          file=sys.stderr, flush=True)  # fmt: skip
+    _signal_group(proc.pid, signal.SIGTERM)
+
+
+def _name(proc: subprocess.Popen) -> str:
+    args = proc.args if isinstance(proc.args, (list, tuple)) else str(proc.args).split()
+    module = next((a for prev, a in zip(args, args[1:]) if prev == "-m"), None)
+    return module or Path(str(args[0])).name
 
 
 def _still_running(pgid: int) -> str:
