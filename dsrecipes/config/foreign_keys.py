@@ -15,6 +15,8 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Dict, Optional, Union
 
+import dsrecipes.config.lf_differences as lf_differences
+
 HERE = "LLaMA-Factory's key; here: "
 NOT_NEEDED = "not needed here: "
 
@@ -318,17 +320,14 @@ RULES: Dict[str, Rule] = {
     "dataset": _dataset, "dataset_dir": lambda v: HERE + f"dataset.registry: {v}/dataset_info.json",
     "template": _template,
     "cutoff_len": "data.cutoff_len", "max_samples": "dataset.max_samples", "val_size": "dataset.val_size",
-    "packing": _switch("data.packing: true (packed samples attend only within themselves here, as with LLaMA-Factory's "
-                       "neat_packing; its packing alone lets them attend to each other)", "data.packing: false is the "
-                       "default"), "streaming": _streaming, "preprocessing_num_workers": "data.preprocess_workers",
+    "packing": _switch(lf_differences.PACKING, "data.packing: false is the default"), "streaming": _streaming,
+    "preprocessing_num_workers": "data.preprocess_workers",
     "overwrite_cache": lambda v: NOT_NEEDED + "prepared data is cached by content; a change prepares it again",
     "eval_dataset": lambda v: "dataset.val_paths: [FILE.jsonl] (validation files)",
     "train_on_prompt": _switch("data.train_on: all (the prompt turns too)", "data.train_on: assistant (every "
                                "assistant turn) is the default"),
-    "mask_history": _switch("data.train_on: last_assistant (only the final assistant turn; a conversation longer "
-                            "than data.cutoff_len keeps its head here, so one whose last reply starts past it is "
-                            "dropped, where LLaMA-Factory's mask_history keeps the last turn and cuts the history)",
-                            "data.train_on: assistant (every assistant turn) is the default"),
+    "mask_history": _switch(lf_differences.MASK_HISTORY, "data.train_on: assistant (every assistant turn) is the "
+                            "default"),
     "neat_packing": _switch("data.packing: true (packed samples already attend only within themselves: position ids "
                             "restart per sample)", "data.packing: false is the default"),
     "buffer_size": "data.shuffle_buffer", "mix_strategy": _mix, "interleave_probs": _mix,
@@ -344,7 +343,8 @@ RULES: Dict[str, Rule] = {
     "overwritten",
     "save_only_model": lambda v: NOT_NEEDED + "checkpoints keep what resuming needs; the export is the model alone",
     # train
-    "per_device_train_batch_size": "trainer.micro_batch_size", "gradient_accumulation_steps": "trainer.grad_accum",
+    "per_device_train_batch_size": "trainer.micro_batch_size",
+    "gradient_accumulation_steps": lambda v: HERE + f"trainer.grad_accum: {_plain(v)}" + lf_differences.grad_accum(v),
     "learning_rate": "optimizer.lr", "num_train_epochs": _epochs, "max_steps": "trainer.max_steps",
     "lr_scheduler_type": _scheduler, "warmup_ratio": "scheduler.warmup_ratio", "warmup_steps": "scheduler.warmup_steps",
     "weight_decay": "optimizer.weight_decay", "max_grad_norm": "trainer.gradient_clipping", "seed": "trainer.seed",

@@ -65,6 +65,7 @@ VALUES: Dict[str, Callable[[Any], Optional[Dict[str, Any]]]] = {
     "fp16": _when_true("precision", "fp16"), "streaming": _when_true("data", "iterable"),
     "train_on_prompt": _when_true("data.train_on", "all"), "mask_history": _when_true("data.train_on", "last_assistant"),
     "neat_packing": _when_true("data.packing", True), "packing": _when_true("data.packing", True),
+    "gradient_accumulation_steps": lambda v: {"trainer.grad_accum": v},
     "lr_scheduler_type": lambda v: {"scheduler": v} if v in ("cosine", "linear", "constant") else None,
     "report_to": lambda v: {"trainer.report_to": [n for n in _names(v) if n != "none"]},
     "resume_from_checkpoint": lambda v: {} if v is None else {"trainer.resume_from": v},
