@@ -16,6 +16,9 @@
 4. dataset.bad_rows=skip on a file whose every row is of the wrong kind (a pairs file under SFT, an SFT file under
    DPO) ended 'N of N rows are bad (...): no_assistant_turn=N; ...' with no word of the row kind. The refusal now
    ends with the advice bad_rows=error gives at the first row (BadRowReport counts each row's advice).
+5. The 'train further' command repeated relative `dataset.paths=[data/mine.jsonl]` (and data.shard_dir, data.cache_dir,
+   dataset.registry, trainer.resume_from) as typed, so it worked only from the directory the run started in; they are
+   now written absolute, as model.path is since afaf8a9 (also in `dsrecipes shard`'s 'train with' and rebuild command).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ def _error_line_of_many(capsys, argv) -> str:
     return errors[0]
 
 
+@pytest.mark.slow
 def test_audit_of_a_run_stopped_before_step_1_says_it_trained_no_step(tmp_path, capsys, monkeypatch):
     from dsrecipes.core import stopping
     from dsrecipes.run import launch
@@ -73,6 +77,7 @@ def test_audit_of_a_run_stopped_before_step_1_says_it_trained_no_step(tmp_path, 
     assert "trained no step" in _error_line(capsys, ["audit", "--ledger", "runs/stop"])
 
 
+@pytest.mark.slow
 def test_an_edited_shard_part_is_refused_with_the_command_that_rebuilds_it(tmp_path, capsys, monkeypatch):
     from dsrecipes.data.shard.manifest import read_manifest, verify_part
 
@@ -147,3 +152,39 @@ def test_all_rows_of_the_wrong_kind_under_bad_rows_skip_get_the_row_kind_advice(
                                        f"dataset.paths=[{rows}]", "dataset.val_size=0", "dataset.bad_rows=skip",
                                        f"data={data}", *stream, f"data.cache_dir={tmp_path / 'cache'}"])
     assert "12 of 12 rows are bad" in err and advice in err, err
+
+
+def test_the_train_further_command_names_local_data_paths_absolute(tmp_path, capsys, monkeypatch):
+    from dsrecipes.observe.report import resume_command
+
+    (tmp_path / "data").mkdir()
+    rows = tmp_path / "data" / "mine.jsonl"
+    rows.write_text("".join(json.dumps({**SFT_ROW, "id": str(i)}) + "\n" for i in range(24)))
+    monkeypatch.chdir(tmp_path)
+    typed = ["dataset=sharegpt_files", "dataset.paths=[data/mine.jsonl,'s3://bucket/x.jsonl']", "data.shard_dir=parts",
+             "data.cache_dir=cache", "dataset.registry=null", "model.path=HuggingFaceTB/SmolLM2-135M"]
+    command = shlex.split(resume_command(tmp_path / "runs" / "ft", typed, 8, 8))
+    assert f"dataset.paths=[{rows},'s3://bucket/x.jsonl']" in command, command
+    assert f"data.shard_dir={tmp_path / 'parts'}" in command and f"data.cache_dir={tmp_path / 'cache'}" in command
+    assert "dataset.registry=null" in command and "model.path=HuggingFaceTB/SmolLM2-135M" in command, command
+
+
+@pytest.mark.slow
+def test_the_printed_train_further_command_resumes_from_another_directory(tmp_path, capsys, monkeypatch):
+    """A real run, and its printed command typed from another directory: it resumes (was: 'matches no file')."""
+    (tmp_path / "data").mkdir()
+    rows = tmp_path / "data" / "mine.jsonl"
+    rows.write_text("".join(json.dumps({**SFT_ROW, "id": str(i)}) + "\n" for i in range(24)))
+    monkeypatch.chdir(tmp_path)
+    run = ["train", "debug=fast", "dataset=sharegpt_files", "dataset.paths=[data/mine.jsonl]", "dataset.val_size=0",
+           "trainer.max_steps=1", "trainer.eval_every=0", "trainer.export=false", "trainer.output_dir=runs/ft",
+           f"data.cache_dir={tmp_path / 'cache'}"]
+    with in_process_environ():
+        assert cli_main(run) == 0
+    further = [line for line in capsys.readouterr().out.splitlines() if "train further:" in line]
+    assert len(further) == 1 and f"dataset.paths=[{rows}]" in further[0], further
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with in_process_environ():
+        assert cli_main(shlex.split(further[0].split("train further:", 1)[1])[1:]) == 0
+    assert json.loads((tmp_path / "runs" / "ft" / "result.json").read_text())["steps"] == 2

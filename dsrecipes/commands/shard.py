@@ -12,6 +12,7 @@ from dsrecipes.commands.args import non_negative_float, override_parser, parse
 from dsrecipes.config.load import compose_and_load
 from dsrecipes.core.schema import ShardBalance
 from dsrecipes.data.shard.build import shard
+from dsrecipes.observe.report import absolute_override
 
 
 def main(argv: List[str]) -> int:
@@ -28,7 +29,8 @@ def main(argv: List[str]) -> int:
     inputs = [p if "://" in p else os.path.abspath(p) for p in args.overrides if "=" not in p]
     overrides = [a for a in args.overrides if "=" in a]
     # what writes these parts again, recorded in the manifest: a changed part is refused with it (manifest.py)
-    shard_args = [*inputs, "--parts", str(args.parts), "--balance", args.balance, *held_out(args.val_size), *overrides]
+    shard_args = [*inputs, "--parts", str(args.parts), "--balance", args.balance, *held_out(args.val_size),
+                  *map(absolute_override, overrides)]  # local paths absolute: the command works from anywhere
     if inputs:  # INPUT files replace the dataset's own sources; format/columns still come from `dataset`
         overrides += ["dataset.paths=[" + ",".join(json.dumps(p) for p in inputs) + "]",
                       "dataset.sources=[]", "dataset.use=[]"]
@@ -66,7 +68,7 @@ _NOT_CARRIED = ("dataset", "data=", "data.kind", "data.shard_dir", "launcher")
 def training_command(out_dir: str, parts: int, overrides: Sequence[str]) -> str:
     """The command that trains on the parts, as it must be typed: one rank per part on this machine, plus the
     user's overrides that shape training (model, template, cutoff, trainer, ...), so token balance matches."""
-    carried = [o for o in overrides if not o.lstrip("+~").startswith(_NOT_CARRIED)]
+    carried = [absolute_override(o) for o in overrides if not o.lstrip("+~").startswith(_NOT_CARRIED)]
     shard_dir = out_dir if "://" in out_dir else os.path.abspath(out_dir)  # a store prefix is kept as written
     argv = ["python", "-m", "dsrecipes", "data=presharded", f"data.shard_dir={shard_dir}",
             "launcher=deepspeed", f"launcher.num_gpus={parts}", *carried]  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -149,7 +150,7 @@ def resume_command(run_dir: Path, overrides: Sequence[str], steps: int, max_step
         ("trainer.epochs",) if max_steps is None else ()) + (
         ("trainer.early_stopping.patience",) if stopped_early else ()) + (
         () if keeps_resume_from else ("trainer.resume_from",))
-    kept = [_absolute_dir(o) for o in overrides if o.split("=", 1)[0].lstrip("+~") not in dropped]
+    kept = [absolute_override(o) for o in overrides if o.split("=", 1)[0].lstrip("+~") not in dropped]
     extra = [f"trainer.output_dir={run_dir}"] + (["trainer.early_stopping.patience=0"] if stopped_early else [])
     if max_steps is not None:
         extra.append(f"trainer.max_steps={max(max_steps, steps) * 2 if steps >= max_steps else max_steps}")
@@ -158,13 +159,64 @@ def resume_command(run_dir: Path, overrides: Sequence[str], steps: int, max_step
     return shlex.join(["dsrecipes", *kept, *extra, *trust_to_repeat(run_dir, keeps_resume_from)])
 
 
-def _absolute_dir(override: str) -> str:
-    """`model.path=runs/sft/export` -> `model.path=/abs/runs/sft/export` where it names a local directory, as the
-    run's config.yaml records it (config/defaults.local_dir): the command works from any directory."""
+MODEL_DIR_KEYS = ("model.path", "model.tokenizer_path")  # a local directory, else a hub id: absolute only if there
+# keys naming local files and directories: a printed command repeats them absolute, to work from any directory. The
+# dataset's are recorded absolute (config/defaults.with_derived_defaults), so a resume sees no change; the others may
+# change on a resume (run/resume_contract.MAY_CHANGE). Not dataset.val_paths: config.yaml records it as typed and the
+# resume contract compares it, so its absolute form would be refused as another dataset.
+LOCAL_PATH_KEYS = ("dataset.paths", "dataset.registry", "data.shard_dir", "data.cache_dir", "trainer.resume_from")
+
+
+def absolute_override(override: str) -> str:
+    """An override as a printed command repeats it: `model.path=runs/sft/export` -> `model.path=/abs/runs/sft/export`
+    where it names a local directory (as config.yaml records it, config/defaults.local_dir), and the local paths of
+    LOCAL_PATH_KEYS (`dataset.paths=[data/a.jsonl]` -> `dataset.paths=[/abs/data/a.jsonl]`; URLs, absolute paths,
+    null and interpolations as typed): the command then works from any directory, not only the one it ran in.
+    Was: relative data paths were repeated relative. A value this cannot read safely is kept as typed."""
     key, _, value = override.partition("=")
-    if key.lstrip("+~") in ("model.path", "model.tokenizer_path") and value and os.path.isdir(os.path.expanduser(value)):
+    bare = key.lstrip("+~")
+    if bare in MODEL_DIR_KEYS and value and os.path.isdir(os.path.expanduser(value)):
         return f"{key}={local_dir(value)}"
-    return override
+    if bare not in LOCAL_PATH_KEYS or not value:
+        return override
+    if value.startswith("[") and value.endswith("]"):
+        items = _list_items(value[1:-1])
+        return override if items is None else f"{key}=[{','.join(_absolute_item(i) for i in items)}]"
+    return f"{key}={_absolute_item(value)}"
+
+
+def _list_items(inner: str) -> Optional[List[str]]:
+    """The elements of a flat Hydra list `a,'b c',"d"` as typed (quotes kept); None for nesting or a broken quote."""
+    items, current, quote = [], "", ""
+    for char in inner:
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "[]{}":
+            return None
+        elif char == ",":
+            items.append(current.strip())
+            current = ""
+            continue
+        current += char
+    if quote:
+        return None
+    return items + [current.strip()] if current.strip() or items else []
+
+
+def _absolute_item(text: str) -> str:
+    quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
+    raw = text[1:-1] if quoted else text
+    if not raw or "://" in raw or "$" in raw or "\\" in raw or (raw == "null" and not quoted):
+        return text
+    absolute = os.path.abspath(os.path.expanduser(raw))
+    if absolute == raw:
+        return text
+    if re.fullmatch(r"[\w./*?~+@:%-]+", absolute) and not quoted:
+        return absolute
+    quote = next((q for q in "'\"" if q not in absolute), None)
+    return f"{quote}{absolute}{quote}" if quote else text
 
 
 def _hidden_lines(run_dir: Path) -> int:
