@@ -77,6 +77,14 @@ def test_audit_of_a_run_stopped_before_step_1_says_it_trained_no_step(tmp_path, 
     assert "trained no step" in _error_line(capsys, ["audit", "--ledger", "runs/stop"])
 
 
+
+def test_audit_of_a_run_that_failed_before_step_1_is_one_line(tmp_path, capsys):
+    (tmp_path / "result.json").write_text(json.dumps({"status": "failed", "steps": 0,
+                                                      "error": "error: 2 problems:\n  - a\n  - b"}))
+    err = _error_line(capsys, ["audit", "--ledger", str(tmp_path)])
+    assert "trained no step" in err and "2 problems: - a - b, 0 steps" in err, err
+
+
 @pytest.mark.slow
 def test_an_edited_shard_part_is_refused_with_the_command_that_rebuilds_it(tmp_path, capsys, monkeypatch):
     from dsrecipes.data.shard.manifest import read_manifest, verify_part

@@ -124,7 +124,8 @@ def trained_no_step(run: Path) -> str:
     directory. Was: 'holds no ledger/ directory' for a run with trainer.record_samples=true stopped by SIGTERM."""
     result = run_result(run)
     how = result.get("error") if isinstance(result.get("error"), str) else result.get("status")
-    said = (f" ({run / RESULT_FILE}: {str(how)[:200]}, 0 steps)" if how is not None and run_steps(run) == 0
+    how = " ".join(str(how).split())[:200] if how is not None else None  # one line: a multi-problem error has more
+    said = (f" ({run / RESULT_FILE}: {how}, 0 steps)" if how is not None and run_steps(run) == 0
             else " (it has no result.json yet: still going, or killed)")
     return (f"--ledger: {run} trained no step{said}: nothing to audit; a run's ledger lists the steps it trained "
             "(resume the run, then audit it)")
