@@ -44,6 +44,7 @@ class BadReason(str, Enum):
     empty_answer = "empty_answer"  # preference row: an answer with no text
     side_not_assistant = "side_not_assistant"  # preference row: an answer that is not one assistant turn
     prompt_too_long = "prompt_too_long"  # preference row: the prompt alone fills data.cutoff_len
+    preference_row = "preference_row"  # a conversation reader's row holding a pair's chosen/rejected answers
     empty_file = "empty_file"
     no_matching_path = "no_matching_path"
 

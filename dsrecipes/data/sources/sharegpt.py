@@ -104,7 +104,13 @@ def normalize_row(raw: Any, sample_id: str, source: SourceConfig, roles: Optiona
         raise BadRow(BadReason.not_an_object, f"row is a {type(raw).__name__}")
     cols = source.columns
     table = role_table(source) if roles is None else roles
-    pair = _pair_advice(raw, source) or prompt_advice(raw, source, SFT_READS)  # a row of another kind: what reads it
+    sides = _pair_advice(raw, source)
+    pair = sides or prompt_advice(raw, source, SFT_READS)  # a row of another kind: what reads it
+    if sides and source.format is not DatasetFormat.alpaca and _holds_answer_turn(raw, source, table):
+        # A pair whose prompt has earlier answers would train here on that history alone, its chosen/rejected
+        # answers unread: refused as the pair it is (a single-turn pair already stops at no_assistant_turn below).
+        held = [c for c in (cols.chosen, cols.rejected) if c in raw]
+        raise BadRow(BadReason.preference_row, f"holds {held} beside its conversation", advice=sides)
     if source.format is DatasetFormat.alpaca:
         turns = _alpaca_turns(raw, source)
     else:
@@ -142,6 +148,14 @@ def prompt_advice(raw: Dict[str, Any], source: SourceConfig, reads: str) -> str:
     return (f"this looks like a prompt row for online RL (a prompt and its {held[0]!r} answer, no answer turn): "
             f"{reads}; objective=grpo reads prompt rows and samples the answers (see dataset=sample_prompts and "
             "README \"Online RL (GRPO) on prompts\")")
+
+
+def _holds_answer_turn(raw: Dict[str, Any], source: SourceConfig, roles: Dict[str, Role]) -> bool:
+    """The row's conversation reads (the checks of `_message_turns`) and has an assistant turn."""
+    try:
+        return any(t.role in TRAINED_ROLES for t in _message_turns(raw, source, roles))
+    except BadRow:
+        return False  # its own problem is named by the reader
 
 
 def _pair_advice(raw: Dict[str, Any], source: SourceConfig) -> str:
