@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from enum import Enum
 
+# model.lora.target_modules: [all-linear] is peft's name for every linear layer but the output one (LLaMA-Factory's
+# lora_target: all); a list of module names otherwise.
+ALL_LINEAR = "all-linear"
+
 
 class DataKind(str, Enum):
     map = "map"

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from dsrecipes.core.choices import ALL_LINEAR
 from dsrecipes.core.errors import UserError, no_custom_code
 from dsrecipes.core.schema import ObjectiveKind, Precision, TrainConfig
 from dsrecipes.core.tokenizer import load_tokenizer, quantization_problems, tokenizer_dir  # noqa: F401 (the model's tokenizer, re-exported)
@@ -188,9 +189,6 @@ def add_lora(cfg: TrainConfig, model: torch.nn.Module) -> torch.nn.Module:
         for param in model.parameters():
             param.requires_grad_(True)
     return model
-
-
-ALL_LINEAR = "all-linear"  # peft's name for every linear layer but the output one (LLaMA-Factory's lora_target: all)
 
 
 def lora_targets(names: List[str], model: torch.nn.Module) -> Any:

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from dsrecipes.core.choices import ALL_LINEAR
 from dsrecipes.core.errors import UserError, no_custom_code
 from dsrecipes.core.schema import AttnImpl, OptimizerKind, Precision, TrainConfig
 from dsrecipes.core.tokenizer import load_tokenizer, read_json
@@ -245,12 +246,20 @@ def read_hf_config(key: str, path: Path) -> Any:
 
 
 def _lora_params(cfg: TrainConfig, model: Any) -> int:
+    """The parameters peft's adapters add: r x (in + out) for each adapted linear layer (nn.Linear or transformers'
+    Conv1D), those whose name ends with a name in model.lora.target_modules (peft's match), or under [all-linear]
+    peft's own rule (tuners_utils._maybe_include_all_linear_layers): every one but the output embeddings."""
     import torch
+    from transformers.pytorch_utils import Conv1D
 
     lora, total = cfg.model.lora, 0
+    every, output = list(lora.target_modules) == [ALL_LINEAR], model.get_output_embeddings()
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.split(".")[-1] in lora.target_modules:
-            total += lora.r * (module.in_features + module.out_features)
+        if not isinstance(module, (torch.nn.Linear, Conv1D)):
+            continue
+        named = any(name == t or name.endswith("." + t) for t in lora.target_modules)
+        if (module is not output) if every else named:
+            total += lora.r * sum(module.weight.shape)  # Linear (out, in), Conv1D (in, out)
     return total
 
 
