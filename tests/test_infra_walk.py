@@ -4,10 +4,12 @@ its disk, resume on another number of ranks. Each test here failed on the code b
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -95,3 +97,39 @@ def test_ranks_whose_launcher_is_killed_save_instead_of_being_killed_with_it(tmp
     assert code == -signal.SIGKILL
     assert saved.is_file() and saved.read_text() == "saved", "the rank was killed without saving"
     assert "was killed by SIGKILL while its ranks ran; stopping them at the next step boundary" in capsys.readouterr().err
+
+
+class _Saves:
+    """Stands in for a model and a tokenizer: what `save_pretrained` writes does not matter here."""
+
+    def save_pretrained(self, path, **_):
+        (Path(path) / f"{type(self).__name__}.bin").write_bytes(b"x")
+
+
+def test_an_export_killed_mid_write_leaves_no_hidden_copy_in_the_run_directory(tmp_path, monkeypatch):
+    """Was: rank 0 SIGKILLed while writing the run's export (a 12 M-parameter tiny model, 2 ranks) left
+    RUN/.export.tmp-11215-c6ebb56a/ (a hidden, partly written model-sized directory) for good: the same command
+    then exported beside it and nothing ever removed it. Now an export into a run directory (its marker
+    dsrecipes_run.json) removes such staging directories of processes of this machine that are gone; a live
+    process's, another name's and anything outside a run directory stay."""
+    from dsrecipes.core.rundir import MARKER_FILE
+    from dsrecipes.rank import export
+
+    monkeypatch.setattr(export, "load_deepspeed", lambda: None)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / MARKER_FILE).write_text("{}")
+    stale = run / f".export.tmp-{gone.pid}-c6ebb56a"
+    live = run / f".export.tmp-{os.getpid()}-0123abcd"
+    other = run / ".export.tmp-mine"
+    outside = tmp_path / f".mine.tmp-{gone.pid}-c6ebb56a"  # beside a directory of the user's, not in a run's
+    for d in (stale, live, other, outside):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"x" * 100)
+    export._save_hf(_Saves(), _Saves(), run / "export", {"source": "test"})
+    export._save_hf(_Saves(), _Saves(), tmp_path / "mine", {"source": "test"})
+    assert not stale.exists()
+    assert live.is_dir() and other.is_dir() and outside.is_dir()
+    assert (run / "export" / "_Saves.bin").is_file() and (tmp_path / "mine" / "_Saves.bin").is_file()

@@ -21,11 +21,12 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import shutil
 import uuid
 from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 
 class Existing(str, Enum):
@@ -43,6 +44,33 @@ def staging_dir(target: Path, tag: str = "tmp") -> Path:
     new = target.parent / f".{target.name}.{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     new.mkdir()
     return new
+
+
+def stale_staging(target: Path, tag: str = "tmp") -> List[Path]:
+    """The staging directories `staging_dir` made beside `target` for processes of this machine that are gone (killed
+    mid-write: SIGKILL, the OOM killer), by that exact name only; a live or unknown process's are left alone."""
+    target = Path(target)
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.{re.escape(tag)}-(\d+)-[0-9a-f]{{8}}")
+    try:
+        entries = list(target.parent.iterdir())
+    except OSError:
+        return []
+    found = []
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match and not entry.is_symlink() and entry.is_dir() and not _alive(int(match.group(1))):
+            found.append(entry)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process (EPERM), a pid out of range: not known to be gone
+        return True
+    return True
 
 
 def publish_dir(staging: Path, target: Path, existing: Existing = Existing.refuse) -> Optional[Path]:

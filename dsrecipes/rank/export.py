@@ -32,7 +32,8 @@ from dsrecipes.core.deepspeed_import import load_deepspeed
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.export_dir import EXPORT_INIT_DIR, EXPORT_MARKER, check_out_dir
 from dsrecipes.core.fileio import atomic_write_json
-from dsrecipes.core.publish import Existing, publish_dir, staging_dir
+from dsrecipes.core.publish import Existing, publish_dir, staging_dir, stale_staging
+from dsrecipes.core.rundir import MARKER_FILE
 from dsrecipes.core.schema import TrainConfig
 from dsrecipes.core.tokenizer import custom_code_problems
 from dsrecipes.data.render.serving import make_servable
@@ -135,6 +136,9 @@ def _save_hf(model: Any, tokenizer: Any, out_dir: Path, info: Dict[str, Any], ke
     load_deepspeed()  # save_pretrained imports DeepSpeed (accelerate's unwrap): first without its autotuner's mlflow
     try:  # after that import: a Ctrl-C during it left an empty staging directory behind
         out_dir.parent.mkdir(parents=True, exist_ok=True)
+        if (out_dir.parent / MARKER_FILE).is_file():  # a run directory (ours): what an export killed there left
+            for stale in stale_staging(out_dir):  # (its rank SIGKILLed mid-write: a hidden model-sized copy)
+                shutil.rmtree(stale, ignore_errors=True)
         tmp = staging_dir(out_dir)
     except OSError as exc:  # /proc/x as root passes check_out_dir's os.access; a read-only mount; a race
         raise UserError(f"{key}: cannot create {out_dir} ({exc.strerror or exc}); nothing was changed") from None
