@@ -129,8 +129,7 @@ def _scheduler(value: Any) -> str:
     return f"no {value} schedule here (scheduler: cosine, linear, constant; all with warmup)"
 
 
-OUR_TEMPLATES = "template: auto (the tokenizer's own chat template), chatml, llama3, vicuna, human_assistant, plain, " \
-    "tokenizer"
+OUR_TEMPLATES = "template: auto (the tokenizer's own chat template), chatml, llama3, vicuna, human_assistant, plain, tokenizer"
 # LLaMA-Factory's template names -> ours: the same format under another name, or (None) a model's own format, which
 # template: auto reads from the model's tokenizer.
 LF_TEMPLATES: Dict[str, Optional[str]] = {
@@ -191,7 +190,8 @@ def _reasoning(name: str, ours: Optional[str]) -> str:
 
 def _template(value: Any) -> str:
     """LLaMA-Factory's `template: qwen` -> ours (LF_TEMPLATES), else the list of ours; qwen's tool rows: QWEN_TOOLS."""
-    return _template_twin(str(value)) + (QWEN_TOOLS.format(name=value) if str(value) in LF_QWEN_TOOLS else "")
+    twin = _template_twin(str(value)) + lf_differences.eot_newline(str(value))  # its newline after <|im_end|> & co
+    return twin + (QWEN_TOOLS.format(name=value) if str(value) in LF_QWEN_TOOLS else "")
 
 
 def _template_twin(name: str) -> str:

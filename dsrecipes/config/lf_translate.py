@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import yaml
 
 from dsrecipes.config.foreign_keys import LF_REASONING, LF_SYSTEMS, LF_TEMPLATES, NOT_NEEDED, RULES, foreign_key
+from dsrecipes.config.lf_differences import EOT_NEWLINE
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _STAGES = {"sft": "sft", "dpo": "dpo", "rm": "reward"}
@@ -50,7 +51,13 @@ def _template(value: Any) -> Optional[Dict[str, Any]]:
     if str(value) not in LF_TEMPLATES or str(value) in LF_REASONING or str(value) == "sailor":  # no twin: a person
         return None  # decides (foreign_keys._reasoning, _template)
     system = {"template.default_system": LF_SYSTEMS[str(value)]} if str(value) in LF_SYSTEMS else {}
-    return {"template": LF_TEMPLATES[str(value)] or "auto", **system}
+    return {"template": LF_TEMPLATES[str(value)] or "auto", **system, **_eot_newline(value)}
+
+
+def _eot_newline(value: Any) -> Dict[str, Any]:
+    """LLaMA-Factory trains the newline after the end-of-turn token of these templates with every reply (its
+    format_assistant ends with it: chatml "{{content}}<|im_end|>\\n"): ours then do too (lf_differences.EOT_NEWLINE)."""
+    return {"template.train_eot_newline": True} if str(value) in EOT_NEWLINE else {}
 
 
 # LLaMA-Factory keys whose value decides our key or value (RULES' other callables: a note, or a person's decision)
@@ -122,8 +129,10 @@ def in_our_keys(data: Dict[str, Any], problems: Dict[str, str]) -> Optional[str]
     together = read_together(data)
     for key, value in data.items():
         key = str(key)
-        if key not in problems:
-            out.append(_yaml({key: value}))
+        if key not in problems:  # LF's `template: chatml` is ours by name: kept, its newline trained as in LF
+            extra = _eot_newline(value) if key == "template" else {}
+            out.extend(_yaml({k: v}) for k, v in {key: value, **extra}.items() if k == key or k not in written)
+            written.update(extra)
             continue
         mapped = None if together.get(key, (False, ""))[0] else ours(key, value)
         if mapped is None:  # no twin here, or a typo of ours: the problem above says what to write
