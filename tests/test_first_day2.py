@@ -178,7 +178,7 @@ def test_a_llamafactory_file_is_printed_in_our_keys_and_that_file_validates(tmp_
     ours = said.split(f"{recipe} in our keys (`#` lines: see their problem above):\n", 1)[1]
     assert "do_train" not in ours and "overwrite_cache" not in ours, ours
     assert "# quantization_bit: 4\n" in ours and "template: chatml\n" in ours and "zero: stage3\n" in ours, ours
-    assert "model.lora.target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]\n" in ours
+    assert "model.lora.target_modules: [all-linear]\n" in ours
     assert "trainer.epochs: 3\ntrainer.max_steps: null\n" in ours and "dataset.use: [my_chats]\n" in ours, ours
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
     (tmp_path / "ours.yaml").write_text(ours)
@@ -233,7 +233,7 @@ def test_a_translated_lora_file_keeps_llamafactorys_lora_defaults(tmp_path, caps
 
     ours = in_our_keys({"finetuning_type": "lora", "lora_rank": 16}, {"finetuning_type": "x", "lora_rank": "x"})
     assert "model.lora.alpha: 32\n" in ours and "model.lora.dropout: 0.0\n" in ours, ours
-    assert "model.lora.target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]\n" in ours, ours
+    assert "model.lora.target_modules: [all-linear]\n" in ours, ours
     ours = in_our_keys({"finetuning_type": "lora", "lora_alpha": 8, "lora_dropout": 0.1, "lora_target": "q_proj"},
                        {"finetuning_type": "x", "lora_alpha": "x", "lora_dropout": "x", "lora_target": "x"})
     assert ours.count("model.lora.alpha") == 1 and "model.lora.alpha: 8\n" in ours, ours

@@ -136,11 +136,11 @@ def _phi3():
 
 
 def test_lora_names_a_model_does_not_have_are_refused_not_half_applied(make_cfg):
-    """LLaMA-Factory's `lora_target: all` is every linear layer; the translation writes the Llama names, and on Phi-3
+    """LLaMA-Factory's `lora_target: all` is every linear layer; the translation wrote the Llama names, and on Phi-3
     (qkv_proj, o_proj, gate_up_proj, down_proj) peft adapted o_proj and down_proj alone, without a word."""
     import pytest
 
-    from dsrecipes.config.lf_translate import ALL_LINEAR as LLAMA_NAMES
+    LLAMA_NAMES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     from dsrecipes.core.errors import UserError
     from dsrecipes.modeling.model import add_lora
 

@@ -96,9 +96,8 @@ def _epochs(value: Any) -> str:
 
 def _lora_target(value: Any) -> str:
     if str(value) == "all":
-        return (HERE + "model.lora.target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj] "
-                "(the linear layers of Llama-style models by name; [all-linear]: every linear layer but the output "
-                "one of any model, as LLaMA-Factory's `all`)")
+        return (HERE + "model.lora.target_modules: [all-linear] (peft's name for every linear layer but the output "
+                "one, of any model: LLaMA-Factory's `all`)")
     return HERE + f"model.lora.target_modules: {_plain(_names(value))}"
 
 

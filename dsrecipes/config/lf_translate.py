@@ -21,8 +21,9 @@ import yaml
 
 from dsrecipes.config.foreign_keys import LF_REASONING, LF_SYSTEMS, LF_TEMPLATES, NOT_NEEDED, RULES, foreign_key
 from dsrecipes.config.lf_differences import EOT_NEWLINE
+from dsrecipes.core import choices
 
-ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ALL_LINEAR = [choices.ALL_LINEAR]  # LLaMA-Factory's lora_target `all`: every linear layer but the output one, any model
 _STAGES = {"sft": "sft", "dpo": "dpo", "rm": "reward"}
 
 
