@@ -133,3 +133,29 @@ def test_an_export_killed_mid_write_leaves_no_hidden_copy_in_the_run_directory(t
     assert not stale.exists()
     assert live.is_dir() and other.is_dir() and outside.is_dir()
     assert (run / "export" / "_Saves.bin").is_file() and (tmp_path / "mine" / "_Saves.bin").is_file()
+
+
+def test_a_stopped_launcher_whose_ranks_ended_does_not_keep_the_run_waiting(tmp_path, monkeypatch, capsys):
+    """Was: `kill -STOP` of DeepSpeed's per-node launcher (ds_node) mid-run (2 ranks, debug=fast): the ranks trained
+    to the end, exported and exited (zombies of the stopped launcher), and the launching process waited for the
+    launcher for ever, nothing on the console. Now a launcher still there LAUNCHER_EXIT_S after its last rank ended
+    is named in one line and ended; the ranks' own outcome decides the run."""
+    import threading
+
+    from dsrecipes.run.launch import process
+
+    monkeypatch.setattr(process, "LAUNCHER_EXIT_S", 1.0)
+    launcher = ("import os, signal, subprocess, sys\n"
+                "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(0.5)'])\n"  # a rank; never reaped
+                "os.kill(os.getpid(), signal.SIGSTOP)\n")
+    proc = subprocess.Popen([sys.executable, "-c", launcher], start_new_session=True)
+    codes = []
+    waiter = threading.Thread(target=lambda: codes.append(supervise(proc, tmp_path)), daemon=True)
+    waiter.start()
+    waiter.join(timeout=20)
+    try:
+        assert codes == [-signal.SIGKILL], "the launching process is still waiting for the stopped launcher"
+    finally:
+        _end_group(proc.pid)
+    err = capsys.readouterr().err
+    assert f"every rank has ended, but the launcher (pid {proc.pid}, state stopped) has not exited 1 s later" in err

@@ -101,6 +101,7 @@ def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = Non
     stop = stop or _Stop(0.0)
     deadline: Optional[float] = None
     code: Optional[int] = None
+    left = _LeftAlone(proc.pid)
     noted = 0.0  # seconds after the stop signal of the last waiting line
     while code is None or (stop.at is not None and _group_alive(proc.pid)):
         if stop.overdue():
@@ -121,6 +122,10 @@ def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = Non
             continue
         except subprocess.TimeoutExpired:
             pass
+        if left.overdue():  # its ranks ended, the launcher did not (stopped: SIGSTOP, a freezer)
+            kill_tree(proc.pid)
+            code = proc.wait()
+            continue
         if deadline is None and (run_dir / heartbeat.FAILURE_FILE).is_file():
             deadline = time.monotonic() + FAILED_NODE_GRACE_S
         elif deadline is not None and time.monotonic() > deadline:
@@ -136,6 +141,39 @@ def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = Non
         print(f"error: {heartbeat.describe_failure(failure)}. {stopped} stopped; run the same command again to resume "
               "from the last checkpoint (trainer.resume=auto)", file=sys.stderr, flush=True)  # fmt: skip
     return code
+
+
+LAUNCHER_EXIT_S = 20.0  # DeepSpeed's per-node launcher polls its ranks every second and exits after the last
+
+
+class _LeftAlone:
+    """A launcher that does not exit after its ranks (and their workers) have all ended: stopped (SIGSTOP, a cgroup
+    freezer) or stuck, it would keep the run waiting for ever with nothing on the console. Overdue
+    LAUNCHER_EXIT_S after its last child ended, said in one line; the caller then ends it (the ranks' own outcome
+    says how the run went)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.had_children = False
+        self.since: Optional[float] = None
+
+    def overdue(self) -> bool:
+        try:
+            launcher = psutil.Process(self.pid)
+            live = [c for c in launcher.children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
+            state = launcher.status()
+        except psutil.Error:
+            return False
+        self.had_children = self.had_children or bool(live)
+        if live or not self.had_children:
+            self.since = None
+            return False
+        self.since = self.since or time.monotonic()
+        if time.monotonic() - self.since < LAUNCHER_EXIT_S:
+            return False
+        print(f"dsrecipes: every rank has ended, but the launcher (pid {self.pid}, state {state}) has not exited "
+              f"{LAUNCHER_EXIT_S:g} s later; ending it", file=sys.stderr, flush=True)
+        return True
 
 
 def _launcher_lost(proc: subprocess.Popen, code: int, stop: _Stop) -> None:
