@@ -159,3 +159,31 @@ def test_a_stopped_launcher_whose_ranks_ended_does_not_keep_the_run_waiting(tmp_
         _end_group(proc.pid)
     err = capsys.readouterr().err
     assert f"every rank has ended, but the launcher (pid {proc.pid}, state stopped) has not exited 1 s later" in err
+
+
+def test_the_evaluation_audit_of_a_run_restarted_on_fewer_ranks_leaves_out_the_retired_ranks(tmp_path):
+    """Was: a 2-rank run (data=iterable, trainer.record_samples=true) with rank 1 SIGKILLed at step 10 before any
+    checkpoint, started again with launcher.num_gpus=1 (it begins at step 1), failed `dsrecipes audit --ledger`: 9
+    VIOLATIONs such as 'evaluation at step 0: 8 samples (rows of the validation data) scored more than once' and
+    'evaluation at step 16: ... not the same set as the others': rank 1's evaluations of the replaced session were
+    counted with the new world's (the training ledger already drops them). Now the evaluation ledger's session mark
+    names its world size and a rank outside the world that evaluated a step is left out there."""
+    from dsrecipes.data.plan.eval_ledger import EvalLedger, check_eval_ledgers
+
+    rows = [f"row{i}" for i in range(16)]
+    with EvalLedger(tmp_path, 0, 2) as r0, EvalLedger(tmp_path, 1, 2) as r1:
+        for step in (0, 4, 8, 12):
+            r0.record(step, rows[:8], rows[:8])
+            r1.record(step, rows[8:], rows[8:])
+    with EvalLedger(tmp_path, 0, 1) as r0:  # started again on one rank: it evaluates everything itself
+        for step in (0, 4, 8, 12, 16):
+            r0.record(step, rows, rows)
+    report = check_eval_ledgers(tmp_path)
+    assert report.ok, report.summary()
+    assert report.steps == [0, 4, 8, 12, 16]
+    with EvalLedger(tmp_path, 0, 2) as r0:  # on two ranks again: rank 0 scoring everything is still caught
+        r0.record(20, rows, rows)
+    with EvalLedger(tmp_path, 1, 2) as r1:
+        r1.record(20, rows[8:], rows[8:])
+    assert any("step 20: 8 samples (rows of the validation data) scored more than once" in p
+               for p in check_eval_ledgers(tmp_path).problems)

@@ -101,7 +101,8 @@ def start(cfg: TrainConfig, run_dir: Path) -> Session:
     engine.lr_scheduler.resume_at(state.step)  # this run's schedule (its step budget) from the first resumed step
     metrics = MetricsLogger(run_dir, rank, plan.total_steps, start_step=state.step, cfg=cfg)
     metrics.info(describe_run(cfg, model, plan, resume))
-    eval_ledger = EvalLedger(run_dir, rank) if cfg.trainer.record_samples and eval_loader is not None else None
+    eval_ledger = (EvalLedger(run_dir, rank, world_size)  # its world: audit drops a retired rank's evaluations
+                   if cfg.trainer.record_samples and eval_loader is not None else None)
     prompt_eval = build_prompt_eval(cfg, tokenizer, rank, world_size, run_dir)
     return Session(cfg, run_dir, plan, rank, engine, objective, train_loader, eval_loader, state, metrics,
                    open_ledger(cfg, run_dir, rank, world_size), None if resume is None else resume.tag_dir,

@@ -27,8 +27,8 @@ EVAL_LEDGER_PREFIX = "eval_rank"  # <run>/ledger/eval_rank<R>.jsonl (the trainin
 class EvalLedger(LedgerFile):
     """This rank's `<run>/ledger/eval_rank<R>.jsonl`: the samples it scored in each evaluation."""
 
-    def __init__(self, run_dir: str | os.PathLike, rank: int):
-        super().__init__(run_dir, f"{EVAL_LEDGER_PREFIX}{rank}.jsonl")
+    def __init__(self, run_dir: str | os.PathLike, rank: int, world_size: Optional[int] = None):
+        super().__init__(run_dir, f"{EVAL_LEDGER_PREFIX}{rank}.jsonl", world_size)
 
     def record(self, step: int, ids: Sequence[str], keys: Optional[Sequence[str]] = None) -> None:
         self.write({"step": int(step)}, ids, keys)
@@ -41,17 +41,37 @@ def eval_ledger_files(run_dir: str | os.PathLike) -> List[Path]:
 def read_eval_steps(path: str | os.PathLike) -> Dict[int, Tuple[List[str], Optional[List[str]]]]:
     """step -> (ids, keys) one rank scored (keys None in a ledger written before them); a resumed session's
     evaluations replace those it repeats. Lines are read within bounds (`ledger_records`: DataError at file:line)."""
+    return _read_eval(path)[0]
+
+
+def _read_eval(path: str | os.PathLike) -> Tuple[Dict[int, Tuple[List[str], Optional[List[str]]]],
+                                                 Dict[int, Optional[int]]]:
+    """read_eval_steps, and step -> the world size of the session that recorded it (None: not marked)."""
     steps: Dict[int, Tuple[List[str], Optional[List[str]]]] = {}
-    new_session = False
+    worlds: Dict[int, Optional[int]] = {}
+    new_session, world = False, None
     for rec in ledger_records(path, ("step",)):
         if "session" in rec:
-            new_session = True
+            new_session, world = True, rec.get("world_size")
+            world = world if isinstance(world, int) and not isinstance(world, bool) and world > 0 else None
             continue
         if new_session:
             steps = {s: v for s, v in steps.items() if s < rec["step"]}
             new_session = False
         steps[rec["step"]] = ([str(i) for i in rec["ids"]], [str(k) for k in rec["keys"]] if "keys" in rec else None)
-    return steps
+        worlds[rec["step"]] = world
+    return steps, {s: worlds[s] for s in steps}
+
+
+def _per_rank(files: List[Path]) -> Dict[int, Dict[int, Tuple[List[str], Optional[List[str]]]]]:
+    """Each rank's evaluations; those of a rank outside the world that evaluated that step (rank 0's session there
+    names its world size: a resume or a fresh start at another world size) are a retired session's, replaced by
+    the new world's, and left out."""
+    per_rank = {int(p.stem[len(EVAL_LEDGER_PREFIX):]) if p.stem[len(EVAL_LEDGER_PREFIX):].isdigit() else -1 - i:
+                _read_eval(p) for i, p in enumerate(files)}
+    worlds = per_rank[0][1] if 0 in per_rank else {}
+    return {r: {s: v for s, v in steps.items() if worlds.get(s) is None or r < worlds[s]}
+            for r, (steps, _) in per_rank.items()}
 
 
 def read_eval_ledger(path: str | os.PathLike) -> Dict[int, List[str]]:
@@ -79,8 +99,8 @@ def check_eval_ledgers(run_dir: str | os.PathLike, expected_ids: Optional[Iterab
         report.problems.append(f"no evaluation ledgers in {Path(run_dir, LEDGER_DIR)} (trainer.record_samples=true?)")
         return report
     report.ranks = len(files)
-    ids, dealt = tally((step, step_ids, keys) for path in files
-                       for step, (step_ids, keys) in read_eval_steps(path).items())
+    ids, dealt = tally((step, step_ids, keys) for steps in _per_rank(files).values()
+                       for step, (step_ids, keys) in steps.items())
     report.steps = sorted(ids)
     first = None if expected_ids is None else Counter(set(expected_ids))  # expected: each id at least once
     for step in report.steps:
