@@ -112,6 +112,7 @@ def test_an_export_killed_mid_write_leaves_no_hidden_copy_in_the_run_directory(t
     then exported beside it and nothing ever removed it. Now an export into a run directory (its marker
     dsrecipes_run.json) removes such staging directories of processes of this machine that are gone; a live
     process's, another name's and anything outside a run directory stay."""
+    from dsrecipes.core.publish import _host
     from dsrecipes.core.rundir import MARKER_FILE
     from dsrecipes.rank import export
 
@@ -121,17 +122,18 @@ def test_an_export_killed_mid_write_leaves_no_hidden_copy_in_the_run_directory(t
     run = tmp_path / "run"
     run.mkdir()
     (run / MARKER_FILE).write_text("{}")
-    stale = run / f".export.tmp-{gone.pid}-c6ebb56a"
-    live = run / f".export.tmp-{os.getpid()}-0123abcd"
+    stale = run / f".export.tmp-{_host()}-{gone.pid}-c6ebb56a"
+    live = run / f".export.tmp-{_host()}-{os.getpid()}-0123abcd"
     other = run / ".export.tmp-mine"
-    outside = tmp_path / f".mine.tmp-{gone.pid}-c6ebb56a"  # beside a directory of the user's, not in a run's
-    for d in (stale, live, other, outside):
+    elsewhere = run / f".export.tmp-another-host-{gone.pid}-c6ebb56a"  # a machine sharing the run directory: its pid
+    outside = tmp_path / f".mine.tmp-{_host()}-{gone.pid}-c6ebb56a"  # beside a directory of the user's, not a run's
+    for d in (stale, live, other, elsewhere, outside):
         d.mkdir()
         (d / "model.safetensors").write_bytes(b"x" * 100)
     export._save_hf(_Saves(), _Saves(), run / "export", {"source": "test"})
     export._save_hf(_Saves(), _Saves(), tmp_path / "mine", {"source": "test"})
     assert not stale.exists()
-    assert live.is_dir() and other.is_dir() and outside.is_dir()
+    assert live.is_dir() and other.is_dir() and elsewhere.is_dir() and outside.is_dir()
     assert (run / "export" / "_Saves.bin").is_file() and (tmp_path / "mine" / "_Saves.bin").is_file()
 
 

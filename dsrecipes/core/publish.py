@@ -23,6 +23,7 @@ import errno
 import os
 import re
 import shutil
+import socket
 import uuid
 from enum import Enum
 from pathlib import Path
@@ -41,16 +42,24 @@ def staging_dir(target: Path, tag: str = "tmp") -> Path:
     """A new, uniquely named hidden directory beside `target` (same file system, so it can be renamed onto it).
     The parent must exist: callers that make parents record them with `fileio.missing_dirs` first."""
     target = Path(target)
-    new = target.parent / f".{target.name}.{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    new = target.parent / f".{target.name}.{tag}-{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     new.mkdir()
     return new
 
 
+def _host() -> str:
+    """This machine's name as a staging name carries it (letters, digits, '-', at most 32): on a file system other
+    machines share, `stale_staging` only judges the directories of processes of this one."""
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:32] or "host"
+
+
 def stale_staging(target: Path, tag: str = "tmp") -> List[Path]:
     """The staging directories `staging_dir` made beside `target` for processes of this machine that are gone (killed
-    mid-write: SIGKILL, the OOM killer), by that exact name only; a live or unknown process's are left alone."""
+    mid-write: SIGKILL, the OOM killer), by that exact name only (this host's name in it); a live or unknown
+    process's, and any other machine's (its pids mean nothing here: a run directory on a shared file system), are left
+    alone."""
     target = Path(target)
-    pattern = re.compile(rf"\.{re.escape(target.name)}\.{re.escape(tag)}-(\d+)-[0-9a-f]{{8}}")
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.{re.escape(tag)}-{re.escape(_host())}-(\d+)-[0-9a-f]{{8}}")
     try:
         entries = list(target.parent.iterdir())
     except OSError:
