@@ -33,7 +33,8 @@ def conclude(run_dir: Path, code: int, dry_run: bool, argv: Sequence[str]) -> Tu
     """Write result.json for a launch that returned `code`; returns (exit code, interrupted)."""
     outcome = read_outcome(run_dir) or {}
     extra = {k: v for k, v in outcome.items() if k not in ("status", "error", "signal")}
-    signum = stopping.requested() or outcome.get("signal")
+    # (the launching process stopped the ranks with a SIGTERM of its own: their launcher was killed, stopping.cause)
+    signum = stopping.requested() or outcome.get("signal") or (signal.SIGTERM if stopping.cause() else None)
     if outcome.get("status") == "ok":  # the ranks finished (a signal that came during the last step changes nothing)
         code = 0
     if signum is not None and code != 0:
@@ -133,11 +134,21 @@ def report_interrupted(run_dir: Path, signum: int, extra: dict, argv: Sequence[s
     command = RESUMED_BY.get() or resume_command(run_dir, argv, keep_resume_from=not newest)
     code = stopping.exit_code(signum)
     name = signal.Signals(signum).name
-    said = interrupted_message(name, checkpoint, stopping.forced())
+    why = stopped_why(extra.get("stopped_at_step"))
+    said = interrupted_message(name, checkpoint, stopping.forced() or why)
     print(f"\n{said}" if RESUMED_BY.get() else f"\n{said}. Resume with:\n  {command}", file=sys.stderr, flush=True)
     extra = {**extra, "checkpoint": checkpoint, "resume_command": command}
-    write_result(run_dir, code, f"interrupted by {name}", "interrupted", **extra)
+    write_result(run_dir, code, why or f"interrupted by {name}", "interrupted", **extra)
     return code
+
+
+def stopped_why(step: object) -> str | None:
+    """Why this process stopped the ranks itself (stopping.cause: their launcher was killed) and at which step they
+    stopped; None for a stop signal sent to this run."""
+    why = stopping.cause()
+    if why is None:
+        return None
+    return f"{why}; they were stopped at step {step}" if isinstance(step, int) else f"{why}; they were stopped"
 
 
 def interrupted_message(signal_name: str, checkpoint: str | None, at_once: str | None) -> str:

@@ -43,6 +43,7 @@ _received: Optional[int] = None
 _acknowledged_at: float = 0.0  # time.monotonic() when the first signal was acknowledged
 _forced: Optional[str] = None  # how the work was stopped at once (None: it was not)
 _stop_now: Optional[str] = None  # set by `stop_now`: the next signal stops the work at once, saying this
+_cause: Optional[str] = None  # set by `stopped_for`: why this process stopped the work itself, no signal to it
 _callbacks: List[Callable[[int], None]] = []
 _announce: List[bool] = []
 _owner = 0  # the process whose outermost `handling()` installed the handlers
@@ -67,11 +68,24 @@ def stop_now(why: str) -> None:
     _stop_now = why
 
 
+def stopped_for(why: str) -> None:
+    """This process stopped the work itself, as a SIGTERM stops it, though no stop signal came to it (the ranks'
+    launcher was killed: launch/process.py): the run's outcome says `why`, not 'interrupted by SIGTERM'."""
+    global _cause
+    _cause = why
+
+
+def cause() -> Optional[str]:
+    """What `stopped_for` was told since `reset()`, else None."""
+    return _cause
+
+
 def reset() -> None:
-    global _received, _forced, _stop_now
+    global _received, _forced, _stop_now, _cause
     _received = None
     _forced = None
     _stop_now = None
+    _cause = None
 
 
 def exit_code(signum: int) -> int:

@@ -185,9 +185,10 @@ def _launcher_lost(proc: subprocess.Popen, code: int, stop: _Stop) -> None:
     if name is None or stop.at is not None or not _group_alive(proc.pid):
         return
     stop.at = time.monotonic()
-    print(f"dsrecipes: the launcher (pid {proc.pid}, {_name(proc)}) was killed by {name} while its ranks ran; "
-          f"stopping them at the next step boundary with a checkpoint (up to trainer.stop_grace_s={stop.grace_s:g} s)",
-          file=sys.stderr, flush=True)  # fmt: skip
+    lost = f"the launcher (pid {proc.pid}, {_name(proc)}) was killed by {name} while its ranks ran"
+    stopping.stopped_for(lost)  # the run's outcome names this, not a SIGTERM nobody sent (commands/outcome.py)
+    print(f"dsrecipes: {lost}; stopping them at the next step boundary with a checkpoint (up to "
+          f"trainer.stop_grace_s={stop.grace_s:g} s)", file=sys.stderr, flush=True)  # fmt: skip
     _signal_group(proc.pid, signal.SIGTERM)
 
 

@@ -1,0 +1,69 @@
+"""A second walk around a live run: its launcher killed, rank 0 killed, a checkpoint tag saved again while an export
+reads it. Each test here failed on the code before its fix."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dsrecipes.commands import outcome
+from dsrecipes.core import stopping
+from dsrecipes.core.rank_records import write_outcome
+from dsrecipes.run.launch.process import _end_group, _Stop, supervise
+
+_LAUNCHER = r"""
+import subprocess, sys, time
+rank = subprocess.Popen([sys.executable, "-c", '''
+import os, signal, sys, time
+def stop(*_):
+    open(sys.argv[1], "w").write("saved")  # the rank's checkpoint at its step boundary
+    os._exit(143)
+signal.signal(signal.SIGTERM, stop)
+open(sys.argv[1] + ".ready", "w").close()
+while True:
+    time.sleep(0.05)
+''', sys.argv[1]])
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def fresh_stop():
+    stopping.reset()
+    yield
+    stopping.reset()
+
+
+def test_a_run_whose_launcher_was_killed_says_so_not_interrupted_by_sigterm(tmp_path, capsys, fresh_stop):
+    """Was (a44a6bd): `kill -9` of DeepSpeed's per-node launcher: the ranks were stopped with a checkpoint, but the
+    run said 'interrupted by SIGTERM (latest checkpoint: ...)' on the console and in result.json, though nobody sent
+    this run a SIGTERM. Now both name the launcher, its signal and the step the ranks stopped at; still `interrupted`
+    with the stop's exit code (143) and the resume command."""
+    saved = tmp_path / "saved"
+    proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(saved)], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "saved.ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)  # the launcher only; its rank trains on
+        code = supervise(proc, tmp_path, _Stop(10.0))
+    finally:
+        _end_group(proc.pid)
+    assert saved.read_text() == "saved"
+    # what rank 0 records when the stop's SIGTERM ends it at a step boundary (rank/train.stopped)
+    write_outcome(tmp_path, {"status": "interrupted", "signal": 15, "stopped_at_step": 32, "skipped_steps": 0})
+    capsys.readouterr()
+    assert outcome.conclude(tmp_path, code, False, ["debug=fast"]) == (143, True)
+    err = capsys.readouterr().err
+    result = json.loads((tmp_path / "result.json").read_text())
+    named = f"the launcher (pid {proc.pid}, "
+    assert "SIGTERM" not in err and "SIGTERM" not in result["error"], (err, result["error"])
+    assert named in err and "was killed by SIGKILL while its ranks ran; they were stopped at step 32" in err, err
+    assert "Resume with:" in err and "trainer.resume" not in result["resume_command"].split("&&")[0]
+    assert result["status"] == "interrupted" and result["exit_code"] == 143
+    assert result["error"].startswith(named) and result["error"].endswith("they were stopped at step 32")
