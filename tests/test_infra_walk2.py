@@ -11,9 +11,14 @@ import time
 
 import pytest
 
+import dsrecipes.core.manifest as manifest
+from dsrecipes.boundary.point_of_use import CheckedCheckpoint
+from dsrecipes.boundary.trust import sign
 from dsrecipes.commands import outcome
 from dsrecipes.core import stopping
 from dsrecipes.core.rank_records import write_outcome
+from dsrecipes.core.rundir import CONFIG_FILE
+from dsrecipes.rank.checkpoint import COMPLETE, commit, prune_checkpoints
 from dsrecipes.run.launch.process import _end_group, _Stop, supervise
 
 _LAUNCHER = r"""
@@ -67,3 +72,47 @@ def test_a_run_whose_launcher_was_killed_says_so_not_interrupted_by_sigterm(tmp_
     assert "Resume with:" in err and "trainer.resume" not in result["resume_command"].split("&&")[0]
     assert result["status"] == "interrupted" and result["exit_code"] == 143
     assert result["error"].startswith(named) and result["error"].endswith("they were stopped at step 32")
+
+
+def _files(d, step):
+    (d / "data_state").mkdir(parents=True)
+    (d / "data_state" / "rank0.json").write_text(json.dumps({"step": step, "version": str(d)}))
+    return d
+
+
+def test_saving_a_tag_again_keeps_the_old_version_an_export_is_reading(tmp_path, capsys):
+    """Was: commit() of a tag saved again (after a resume from an earlier step, step_5 is written anew) removed the
+    old step_5 at once, though a `dsrecipes export` of it held the shared read lock (85b0b98) that retention
+    respects: the export's next file was gone. Now the old version is removed only under the exclusive lock; while
+    it is read it is kept as step_5.replaced (one line says so, nothing waits) and a later retention pass removes
+    it once the reader is done."""
+    run = tmp_path / "run"
+    root = run / "checkpoints"
+    run.mkdir()
+    (run / CONFIG_FILE).write_text("trainer: {}\n")
+    old = _files(root / "step_5", 5)
+    record = {"step": 5, "world_size": 1, "files": manifest.describe(old, skip=[COMPLETE])}
+    (old / COMPLETE).write_text(json.dumps(sign(record)))
+    checked = CheckedCheckpoint.open(old)  # what an export of step_5 holds while it reads
+    staging = _files(root / "step_5.partial", 5)
+    commit(run, staging, root / "step_5", {"step": 5, "world_size": 1})
+    assert json.loads((root / "step_5" / "data_state" / "rank0.json").read_text())["version"].endswith(".partial")
+    state = json.loads(checked.read_bytes(old / "data_state" / "rank0.json"))  # the old version, through its fds
+    assert state == {"step": 5, "version": str(old)}, "the re-save removed the version an export was reading"
+    err = capsys.readouterr().err
+    assert "step_5: the version this save replaced is being read by" in err and "kept as step_5.replaced" in err
+    assert prune_checkpoints(root, keep=2) == []  # still read: retention leaves it too
+    checked.close()
+    assert prune_checkpoints(root, keep=2) == [root / "step_5.replaced"]
+    assert sorted(d.name for d in root.iterdir()) == ["latest", "step_5"]
+
+
+def test_saving_a_tag_again_removes_the_old_version_nobody_reads(tmp_path, capsys):
+    run = tmp_path / "run"
+    root = run / "checkpoints"
+    run.mkdir()
+    (run / CONFIG_FILE).write_text("trainer: {}\n")
+    old = _files(root / "step_5", 5)
+    (old / COMPLETE).write_text(json.dumps(sign({"step": 5, "world_size": 1, "files": {}})))
+    commit(run, _files(root / "step_5.partial", 5), root / "step_5", {"step": 5, "world_size": 1})
+    assert sorted(d.name for d in root.iterdir()) == ["latest", "step_5"] and not capsys.readouterr().err

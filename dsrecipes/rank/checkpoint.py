@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -55,7 +56,7 @@ from dsrecipes.core.console import kept_in_log
 from dsrecipes.core.distributed import all_ranks
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.fileio import atomic_write_json, atomic_write_text, loads_bounded, read_json_file
-from dsrecipes.core.locks import unread
+from dsrecipes.core.locks import lock_holder_pids, unread
 from dsrecipes.core.publish import Existing, publish_dir
 from dsrecipes.core.rundir import CONFIG_FILE
 from dsrecipes.core.runplan import ResumePlan
@@ -161,8 +162,29 @@ def commit(run_dir: Path, staging: Path, final: Path, record: Dict[str, Any]) ->
     # `final` always names a complete checkpoint; the previous one, now at the staging path, is removed after.
     previous = publish_dir(staging, final, Existing.exchange)
     if previous is not None:
-        shutil.rmtree(previous, ignore_errors=True)
+        _drop_replaced(previous, final)
     atomic_write_text(final.parent / LATEST, final.name)
+
+
+def _drop_replaced(previous: Path, final: Path) -> None:
+    """The version of `final` that a re-save replaced (now at `previous`): removed under the exclusive lock on its
+    complete.json, as retention removes a checkpoint (`prune_checkpoints`). While a reader holds it (a `dsrecipes
+    export` beside the run: point_of_use.reading) it is not waited for: it is renamed `step_<N>.replaced`, which a
+    later save's retention removes once it is free, and one line says so."""
+    with unread(previous / COMPLETE) as free:
+        if free:
+            shutil.rmtree(previous, ignore_errors=True)
+            return
+        pids = lock_holder_pids(previous / COMPLETE)
+    aside, n = final.with_name(final.name + REPLACED), 0
+    while aside.exists():  # an earlier replaced version still being read
+        n += 1
+        aside = final.with_name(f"{final.name}.{n}{REPLACED}")
+    os.rename(previous, aside)
+    holder = f"process(es) {', '.join(map(str, pids))}" if pids else "another process"
+    print(f"dsrecipes: {final}: the version this save replaced is being read by {holder} (an export or a resume "
+          f"of it); kept as {aside.name} until that reader is done, then removed by a later save's retention "
+          f"(trainer.keep_checkpoints)", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _stop_if_full(root: Path, staging: Path, full: Optional[str]) -> None:
