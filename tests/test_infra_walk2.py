@@ -116,3 +116,75 @@ def test_saving_a_tag_again_removes_the_old_version_nobody_reads(tmp_path, capsy
     (old / COMPLETE).write_text(json.dumps(sign({"step": 5, "world_size": 1, "files": {}})))
     commit(run, _files(root / "step_5.partial", 5), root / "step_5", {"step": 5, "world_size": 1})
     assert sorted(d.name for d in root.iterdir()) == ["latest", "step_5"] and not capsys.readouterr().err
+
+
+class _Store:
+    """The job's store as rank 1 sees it: rank 0 serves it, so it answers until rank 0 is killed."""
+
+    def __init__(self, who0):
+        self.data, self.up = {"dsrecipes/heartbeat/0/who/0": json.dumps(who0).encode()}, True
+
+    def _answer(self):
+        if not self.up:
+            raise RuntimeError("Connection reset by peer")  # torch's DistNetworkError once rank 0 is gone
+
+    def set(self, key, value):
+        self._answer()
+        self.data[key] = value
+
+    def add(self, key, n):
+        self._answer()
+        self.data[key] = int(self.data.get(key, 0)) + n
+        return self.data[key]
+
+    def check(self, keys):
+        self._answer()
+        return all(k in self.data for k in keys)
+
+    def get(self, key):
+        self._answer()
+        return self.data[key]
+
+
+def test_a_killed_rank_0_is_named_with_its_place(tmp_path, monkeypatch, capsys, fresh_stop):
+    """Was: SIGKILL of rank 0 in a 2-rank run (recipe=cpu_zero2_two_ranks debug=fast) said 'error: a rank was killed
+    by SIGKILL ...' while a killed rank 1 is named: rank 0 serves the job's store, so rank 1's heartbeat saw only
+    'the job's store ... stopped answering' and failure.json listed no lost rank. Now, where rank 0 serves the
+    store (not torchrun's agent), a store gone silent is rank 0 lost, named with what rank 1 learned of it while it
+    was up: its host, local rank and pid."""
+    import dsrecipes.core.heartbeat as heartbeat
+    import dsrecipes.core.stall as stall
+
+    def exit_thread(code):
+        raise SystemExit(code)
+
+    monkeypatch.setenv("LOCAL_RANK", "1")  # rank 1 on the same node: it reads no other rank's counter
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.setattr(heartbeat, "INTERVAL_S", 0.02)
+    monkeypatch.setattr(heartbeat.os, "_exit", exit_thread)
+    who0 = {"rank": 0, "node": 0, "host": "node-a", "addr": "10.0.0.1", "pid": 4242, "local_rank": "0"}
+    beat = heartbeat.Heartbeat(tmp_path, 1, 2, 30, stall.Watch(0, 0))
+    beat.store = _Store(who0)
+    ended = []
+    original = beat._beat
+
+    def beat_then_lose_rank_0():
+        if beat.count >= 3:
+            beat.store.up = False  # rank 0 SIGKILLed: its store goes with it
+        return original()
+
+    beat._beat = beat_then_lose_rank_0
+    try:
+        beat._beating()
+    except SystemExit as exc:
+        ended.append(exc.code)
+    assert ended == [heartbeat.PEER_LOST_EXIT]
+    record = json.loads((tmp_path / "failure.json").read_text())
+    assert [w["rank"] for w in record["lost"]] == [0], record
+    capsys.readouterr()
+    assert outcome.conclude(tmp_path, 247, False, ["debug=fast"]) == (1, False)  # DeepSpeed's launcher: 247
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: rank 0 was killed by SIGKILL (the kernel's OOM killer"), err
+    assert "rank 0 ran on host node-a (local rank 0, pid 4242); the other ranks were stopped" in err, err
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["error"].startswith("rank 0 was killed by SIGKILL") and "pid 4242" in result["error"]

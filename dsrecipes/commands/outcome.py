@@ -61,15 +61,26 @@ def report_killed(run_dir: Path, signal_name: str) -> str:
     heartbeat record, core/heartbeat.py): the launcher stopped the others; printed, and returned for result.json."""
     lost = (read_failure(run_dir) or {}).get("lost")
     lost = lost if isinstance(lost, list) else []
-    ranks = sorted({w["rank"] for w in lost if isinstance(w, dict) and isinstance(w.get("rank"), int)})
+    lost = [w for w in lost if isinstance(w, dict) and isinstance(w.get("rank"), int)]
+    ranks = sorted({w["rank"] for w in lost})
     who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else "a rank"
     why = ("the kernel's OOM killer sends it when memory runs out: `dmesg` says whether it did"
            if signal_name == "SIGKILL" else f"a crash in native code: {run_dir / LOGS_DIR}/ has what it printed")
-    message = f"{who} {'were' if len(ranks) > 1 else 'was'} killed by {signal_name} ({why}); the other ranks were stopped"
+    where = "".join(f"; {place}" for place in map(_place, lost) if place)
+    message = (f"{who} {'were' if len(ranks) > 1 else 'was'} killed by {signal_name} ({why}){where}; the other ranks "
+               "were stopped")  # fmt: skip
     newest = committed(run_dir / CHECKPOINTS_DIR)
     resume = "; run the same command again to resume from the last checkpoint (trainer.resume=auto)" if newest else ""
     say(f"error: {message}{resume}")
     return message
+
+
+def _place(who: dict) -> str:
+    """'rank 0 ran on host vm (local rank 0, pid 1234)' from a peer's heartbeat record of it (what it knew)."""
+    known = ", ".join(f"{key.replace('_', ' ')} {who[key]}" for key in ("local_rank", "pid") if who.get(key) is not None)
+    if not who.get("host"):
+        return f"rank {who['rank']}: {known}" if known else ""
+    return f"rank {who['rank']} ran on host {who['host']}" + (f" ({known})" if known else "")
 
 
 def report_unexplained(run_dir: Path, code: int, extra: dict) -> int:

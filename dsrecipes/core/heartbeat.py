@@ -8,9 +8,9 @@ every second; the first rank of each node also reads every counter. A counter th
 it wrote `<run>/failure.json`: which ranks went silent, on which node (node rank, host, address). It tells the other
 ranks in the store too, in their own counters, so each learns it from the answer to its next beat (one store call a
 beat whatever happens; not in the file: hundreds of ranks each second on a shared file system), and they stop
-quietly. The launcher of each surviving node then stops its other ranks, and the
-launching process names the failed node from that file (`describe_failure`). A rank that crashes on a broken connection (a killed peer does close its sockets) first asks
-the same counters who is gone (`explain_crash`), so both ways end in the same report.
+quietly. The launcher of each surviving node then stops its other ranks, and the launching process names the failed
+node from that file (`describe_failure`). A rank that crashes on a broken connection (a killed peer does close its
+sockets) first asks the same counters who is gone (`explain_crash`), so both ways end in the same report.
 
 Every rank starts beating right after the rendezvous, before the process group starts (a rank never seen beating
 is silent from the first look). A rank stops its heartbeat (marking itself done) before the final barrier, so ranks
@@ -116,13 +116,11 @@ class Heartbeat:
         self.monitor = os.environ.get("LOCAL_RANK", "0") == "0"
         self.prefix = f"{PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self.threshold, self.started = timeout_s, time.time()
-        self._stop = threading.Event()
-        self._beating_ended = threading.Event()  # the guard watches the beating thread's calls until it ends
+        self._stop, self._beating_ended = threading.Event(), threading.Event()  # (the guard watches until the latter)
         self.count = 0  # this rank's beats, as its store answered the last one
         self._registered: set = set()  # ranks whose counter exists: read without a look first (`read_beats`)
-        self._who: Dict[int, Dict[str, Any]] = {}
-        self._failing = threading.Lock()
-        self._last_ok = time.monotonic()
+        self._failing, self._last_ok, self._who = threading.Lock(), time.monotonic(), {}  # (_who: ranks' places)
+        self.store_host = [] if rank == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else [0]  # lost
         self._thread = threading.Thread(target=self._loop, name="dsrecipes-heartbeat", daemon=True)
         self._guard_thread = threading.Thread(target=self._guard, name="dsrecipes-heartbeat-guard", daemon=True)
 
@@ -191,6 +189,8 @@ class Heartbeat:
             try:
                 if self._beat():
                     self._follow()
+                if self.store_host and 0 not in self._who and self.store.check([self._key("who", 0)]):
+                    self._describe([0])  # where rank 0 runs, learned once: its store can only be named while it is up
                 if self.monitor:
                     now = time.monotonic()
                     starved, tick = now - tick - INTERVAL_S, now  # this process did not run: peers not judged on it
@@ -211,7 +211,7 @@ class Heartbeat:
                 self._last_ok = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - the store's host died (connection reset) or timed out
                 if not self._stop.is_set():
-                    self._fail([], f"the job's store at {self._store_name()} stopped answering ({type(exc).__name__})")
+                    self._fail(self.store_host, f"the job's store at {self._store_name()} stopped answering ({type(exc).__name__})")
 
     def _beat(self) -> bool:
         """The counter (a round trip: a store that stopped answering shows here), and where the main thread is
@@ -255,7 +255,7 @@ class Heartbeat:
             if starved > INTERVAL_S:
                 self._last_ok += starved
             if now - self._last_ok > self.timeout_s + 2 * INTERVAL_S:
-                self._fail([], f"the job's store at {self._store_name()} did not answer for {self.timeout_s:.0f} s")
+                self._fail(self.store_host, f"the job's store at {self._store_name()} did not answer for {self.timeout_s:.0f} s")
 
     def read_beats(self, ranks: Optional[List[int]] = None) -> Dict[int, bytes]:
         """The counters of `ranks` (all), in one call once each registered (none missing: no call ever blocks):
@@ -317,17 +317,18 @@ class Heartbeat:
 
     def _publish(self, report: Dict[str, Any]) -> int:
         """Tell the other ranks (`_follow`) that this rank's report stands: the report, then FAILED added to every
-        other rank's counter, which that rank's next beat answers with (a call per rank, once, by this rank alone;
-        hundreds of ranks each looking for a report every beat doubled the store's load). Returns how many ranks
-        still beat and should read it (`_await_followers`). Not for a store that stopped answering (`_exit` does not
-        wait for this past its bound), nor for a lone rank."""
-        if self.world_size < 2 or not (report.get("lost") or report.get("stalled")):
+        other rank's counter, answered by that rank's next beat (a call per rank, once, by this rank alone; hundreds
+        of ranks each looking for a report every beat doubled the store's load). Returns how many ranks still beat and
+        should read it (`_await_followers`). Not for a lone rank, nor through a store gone silent or whose host is lost
+        (rank 0: `store_host`); `_exit` does not wait for this past its bound."""
+        lost = {int(w["rank"]) for w in report.get("lost", [])}
+        if self.world_size < 2 or not (lost or report.get("stalled")) or lost & set(self.store_host):
             return 0
         self.store.set(self._key("failure", 0), json.dumps(report))  # (before the news: one connection, in order)
         for r in range(self.world_size):
             if r != self.rank:
                 self.store.add(self._key("beat", r), FAILED)
-        return self.world_size - len({int(w["rank"]) for w in report.get("lost", [])} | {self.rank})
+        return self.world_size - len(lost | {self.rank})
 
     def _await_followers(self, followers: int) -> None:
         """Keep this process, maybe the store's host (launcher=deepspeed: rank 0), up until `followers` ranks read
@@ -386,7 +387,7 @@ def whoami(rank: int, master_addr: str) -> Dict[str, Any]:
     """This rank's place: node rank (deepspeed: CROSS_RANK, torchrun: GROUP_RANK), host name, cluster address."""
     node = os.environ.get("CROSS_RANK") or os.environ.get("GROUP_RANK")
     return {"rank": rank, "node": int(node) if node and node.isdigit() else None, "host": socket.gethostname(),
-            "addr": route_address(master_addr), "pid": os.getpid()}  # fmt: skip
+            "addr": route_address(master_addr), "pid": os.getpid(), "local_rank": os.environ.get("LOCAL_RANK")}  # fmt: skip
 
 
 def route_address(master_addr: str) -> Optional[str]:
