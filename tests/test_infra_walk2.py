@@ -20,21 +20,7 @@ from dsrecipes.core.rank_records import write_outcome
 from dsrecipes.core.rundir import CONFIG_FILE
 from dsrecipes.rank.checkpoint import COMPLETE, commit, prune_checkpoints
 from dsrecipes.run.launch.process import _end_group, _Stop, supervise
-
-_LAUNCHER = r"""
-import subprocess, sys, time
-rank = subprocess.Popen([sys.executable, "-c", '''
-import os, signal, sys, time
-def stop(*_):
-    open(sys.argv[1], "w").write("saved")  # the rank's checkpoint at its step boundary
-    os._exit(143)
-signal.signal(signal.SIGTERM, stop)
-open(sys.argv[1] + ".ready", "w").close()
-while True:
-    time.sleep(0.05)
-''', sys.argv[1]])
-time.sleep(600)
-"""
+from tests.test_infra_walk import _LAUNCHER  # (a launcher whose rank checkpoints on SIGTERM)
 
 
 @pytest.fixture
