@@ -136,7 +136,7 @@ def collect(sweep_dir: Path, since: Optional[float] = None) -> List[Dict[str, An
         job_cfg = yaml.safe_load(job_cfg_file.read_text(encoding="utf-8")) if job_cfg_file.is_file() else {}
         dirs = _candidates(((job_cfg or {}).get("trainer") or {}).get("output_dir"), job_dir)
         result = _first(dirs, RESULT_FILE)
-        earlier = since is not None and result is not None and result.stat().st_mtime < since - 2  # (coarse clocks)
+        earlier = since is not None and result is not None and result.stat().st_mtime < since  # (a file time lags the clock, never leads)
         rows.append({"job": job_dir.name, "overrides": [str(o) for o in overrides], "run_dir": str(dirs[0]),
                      **read_run(*dirs), "earlier": earlier})  # fmt: skip
     rows.sort(key=lambda r: (not r["job"].isdigit(), int(r["job"]) if r["job"].isdigit() else 0, r["job"]))
