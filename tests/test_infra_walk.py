@@ -79,12 +79,8 @@ time.sleep(600)
 """
 
 
-def test_ranks_whose_launcher_is_killed_save_instead_of_being_killed_with_it(tmp_path, capsys):
-    """Was: `kill -9` of DeepSpeed's per-node launcher (ds_node) mid-run: the launching process saw its launcher gone
-    and SIGKILLed the process group, so the ranks lost every step since the last checkpoint (run: step 22 trained,
-    step_20 kept) and the run said 'a rank was killed by SIGKILL (the kernel's OOM killer ...)'. Now the ranks get
-    the SIGTERM of a stop (run: they saved step_32 and the run ended with its resume command, exit 143)."""
-    saved = tmp_path / "saved"
+def supervise_a_killed_launcher(tmp_path, saved) -> tuple:
+    """_LAUNCHER started, SIGKILLed once its rank is ready, supervised as a run's launcher is: (supervise's code, the launcher's pid)."""
     proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(saved)], start_new_session=True)
     try:
         deadline = time.monotonic() + 20
@@ -94,6 +90,16 @@ def test_ranks_whose_launcher_is_killed_save_instead_of_being_killed_with_it(tmp
         code = supervise(proc, tmp_path, _Stop(10.0))
     finally:
         _end_group(proc.pid)  # what run_subprocess does after supervise: the old code's SIGKILL of the ranks
+    return code, proc.pid
+
+
+def test_ranks_whose_launcher_is_killed_save_instead_of_being_killed_with_it(tmp_path, capsys):
+    """Was: `kill -9` of DeepSpeed's per-node launcher (ds_node) mid-run: the launching process saw its launcher gone
+    and SIGKILLed the process group, so the ranks lost every step since the last checkpoint (run: step 22 trained,
+    step_20 kept) and the run said 'a rank was killed by SIGKILL (the kernel's OOM killer ...)'. Now the ranks get
+    the SIGTERM of a stop (run: they saved step_32 and the run ended with its resume command, exit 143)."""
+    saved = tmp_path / "saved"
+    code, _ = supervise_a_killed_launcher(tmp_path, saved)
     assert code == -signal.SIGKILL
     assert saved.is_file() and saved.read_text() == "saved", "the rank was killed without saving"
     assert "was killed by SIGKILL while its ranks ran; stopping them at the next step boundary" in capsys.readouterr().err

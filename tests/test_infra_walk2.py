@@ -4,10 +4,6 @@ reads it. Each test here failed on the code before its fix."""
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
@@ -19,8 +15,7 @@ from dsrecipes.core import stopping
 from dsrecipes.core.rank_records import write_outcome
 from dsrecipes.core.rundir import CONFIG_FILE
 from dsrecipes.rank.checkpoint import COMPLETE, commit, prune_checkpoints
-from dsrecipes.run.launch.process import _end_group, _Stop, supervise
-from tests.test_infra_walk import _LAUNCHER  # (a launcher whose rank checkpoints on SIGTERM)
+from tests.test_infra_walk import supervise_a_killed_launcher
 
 
 @pytest.fixture
@@ -36,15 +31,7 @@ def test_a_run_whose_launcher_was_killed_says_so_not_interrupted_by_sigterm(tmp_
     this run a SIGTERM. Now both name the launcher, its signal and the step the ranks stopped at; still `interrupted`
     with the stop's exit code (143) and the resume command."""
     saved = tmp_path / "saved"
-    proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(saved)], start_new_session=True)
-    try:
-        deadline = time.monotonic() + 20
-        while not (tmp_path / "saved.ready").exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)  # the launcher only; its rank trains on
-        code = supervise(proc, tmp_path, _Stop(10.0))
-    finally:
-        _end_group(proc.pid)
+    code, pid = supervise_a_killed_launcher(tmp_path, saved)
     assert saved.read_text() == "saved"
     # what rank 0 records when the stop's SIGTERM ends it at a step boundary (rank/train.stopped)
     write_outcome(tmp_path, {"status": "interrupted", "signal": 15, "stopped_at_step": 32, "skipped_steps": 0})
@@ -52,7 +39,7 @@ def test_a_run_whose_launcher_was_killed_says_so_not_interrupted_by_sigterm(tmp_
     assert outcome.conclude(tmp_path, code, False, ["debug=fast"]) == (143, True)
     err = capsys.readouterr().err
     result = json.loads((tmp_path / "result.json").read_text())
-    named = f"the launcher (pid {proc.pid}, "
+    named = f"the launcher (pid {pid}, "
     assert "SIGTERM" not in err and "SIGTERM" not in result["error"], (err, result["error"])
     assert named in err and "was killed by SIGKILL while its ranks ran; they were stopped at step 32" in err, err
     assert "Resume with:" in err and "trainer.resume" not in result["resume_command"].split("&&")[0]
