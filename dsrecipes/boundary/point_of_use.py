@@ -96,11 +96,17 @@ def reading(tag_dir: Path) -> Iterator[None]:
         yield
         return
     try:
-        if not try_shared(fd) or os.fstat(fd).st_nlink == 0:
-            raise ChangedCheckpoint(_removed(Path(os.path.abspath(tag_dir))))
+        _hold(fd, Path(os.path.abspath(tag_dir)))
         yield
     finally:
         os.close(fd)
+
+
+def _hold(fd: int, root: Path) -> None:
+    """A shared lock on the checkpoint's open complete.json `fd`, or ChangedCheckpoint: a retention pass holds it
+    exclusively, or has removed it (no link left)."""
+    if not try_shared(fd) or os.fstat(fd).st_nlink == 0:
+        raise ChangedCheckpoint(_removed(root))
 
 
 def _removed(root: Path) -> str:
@@ -179,8 +185,7 @@ class CheckedCheckpoint:
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise Unreadable("not a regular file")  # as core/fileio.read_json_file says it
-            if not try_shared(fd) or os.fstat(fd).st_nlink == 0:  # a retention pass holds it, or has removed it
-                raise ChangedCheckpoint(_removed(root))
+            _hold(fd, root)
             data = _read_all(fd, MAX_JSON_BYTES + 1)
             if len(data) > MAX_JSON_BYTES:
                 raise Unreadable(f"larger than {MAX_JSON_BYTES} bytes")
