@@ -115,10 +115,8 @@ def test_the_sweep_table_tells_jobs_finished_earlier_from_jobs_run_now(tmp_path)
     from dsrecipes.observe import sweep
 
     sw = _earlier_sweep(tmp_path / "sw", [["zero=stage0"], ["zero=stage1"]])
-    callback = sweep.SweepSummary()
-    callback.on_multirun_start(config=None)
     (sw / "1" / "result.json").write_text(json.dumps({"status": "ok", "error": None, "final_loss": 0.5}))  # ran now
-    rows = sweep.write_summary(sw, callback.since)
+    rows = sweep.write_summary(sw, {(sw / "0").resolve()})  # job 0 was skipped (commands/train.sweep_job)
     assert [(r["status"], r["earlier"]) for r in rows] == [("ok", True), ("ok", False)]
     md = (sw / "summary.md").read_text()
     assert "| 0 | stage0 | ok (earlier) |" in md and "| 1 (best) | stage1 | ok |" in md

@@ -31,7 +31,7 @@ from dsrecipes.core.rundir import claim, write_result
 from dsrecipes.core.schema import TrainConfig
 from dsrecipes.core.typed import config_to_dict
 from dsrecipes.observe.report import closing_summary
-from dsrecipes.observe.sweep import refuse_other_jobs
+from dsrecipes.observe.sweep import FINISHED_EARLIER, refuse_other_jobs
 from dsrecipes.run.entry import Decision, check_machine, decide, run, with_run_dir
 from dsrecipes.run.resume_contract import identity_fingerprint
 
@@ -65,7 +65,7 @@ def main(argv: List[str]) -> int:
     if hydra_app.informational(args):
         return 0
     if inv.sweep:  # (a hydra.sweep.dir of an earlier sweep: its jobs must be this sweep's, refuse_other_jobs)
-        hydra_app.multirun(inv.argv, lambda job: run_job(inv, job), refuse_other_jobs)
+        hydra_app.multirun(inv.argv, lambda job: sweep_job(inv, job), refuse_other_jobs)
     else:
         hydra_app.run(inv.argv, lambda job: run_job(inv, job))
     if inv.done_earlier and len(inv.done_earlier) == inv.jobs and not inv.exit_code:  # as a single run would be
@@ -83,6 +83,14 @@ def recipe_files_as_overrides(words: List[str]) -> List[str]:
         raise UserError(f"one recipe file per run, got {', '.join(files)}; put what they share into one file, or "
                         "sweep over files with -m recipe=a.yaml,b.yaml")
     return [f"recipe={w if w.startswith(('/', '.', '~')) else './' + w}" if w in files else w for w in words]
+
+
+def sweep_job(inv: Invocation, job: hydra_app.Job) -> Optional[str]:
+    """A sweep's job; what it returns reaches the sweep's table (observe/sweep.SweepSummary, through Hydra's job
+    return): FINISHED_EARLIER when it was skipped, having finished before this run of the sweep (done_earlier)."""
+    skipped = len(inv.done_earlier)
+    run_job(inv, job)
+    return FINISHED_EARLIER if len(inv.done_earlier) > skipped else None
 
 
 def run_job(inv: Invocation, job: hydra_app.Job) -> None:
@@ -150,7 +158,7 @@ def _refused(inv: Invocation, exc: UserError, record_in: Optional[Path]) -> None
 
 def _record(inv: Invocation, exc: UserError, record_in: Optional[Path]) -> None:
     if inv.sweep and isinstance(exc, NothingToTrain):  # a job of an earlier run of this sweep: skipped, not failed
-        inv.done_earlier.append(record_in)  # (its result.json stands; the table marks it `(earlier)`)
+        inv.done_earlier.append(record_in)  # (its result.json stands; sweep_job tells the table)
         text = exc.render().removeprefix("error: ")
         return print(f"skipped (finished before this run of the sweep): {text}", file=sys.stderr, flush=True)
     say(exc.render())  # (a pipeline's stage: said once, by the pipeline, with the stage)

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Collection, Dict, List, Optional, Set, Tuple
 
 import yaml
 from hydra.experimental.callback import Callback
@@ -39,20 +38,26 @@ HEADLINE = ("final_loss", "final_eval_loss", "tokens_per_s", "peak_mem_mb")
 # The accuracy a job's last evaluation reports, the first of these it has: a reward model's pair accuracy, DPO's
 # implicit reward accuracy, SFT's next-token accuracy, prompt-eval's exact match (a column when a job has one).
 ACCURACY_KEYS = ("eval_pair_accuracy", "eval_reward_accuracy", "eval_accuracy", "prompt_exact_match")
+# What a sweep's job returns to Hydra (commands/train.py) when it had finished before this run of the sweep and was
+# skipped, not run again: the callback marks that job `(earlier)` in the table; no file's time decides it.
+FINISHED_EARLIER = "finished before this run of the sweep"
 
 
 class SweepSummary(Callback):
     """Hydra callback: `hydra.callbacks.sweep_summary._target_: dsrecipes.observe.sweep.SweepSummary`."""
 
-    since: Optional[float] = None  # when this run of the sweep started: a result.json older than it is a job's earlier
+    def __init__(self) -> None:
+        self.earlier: Set[Path] = set()  # the job directories this run of the sweep skipped (FINISHED_EARLIER)
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        self.since = time.time()
+        self.earlier = set()
 
     def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
         from hydra.core.utils import JobStatus
 
         dirs = job_run_dirs(config)
+        if job_return.status == JobStatus.COMPLETED and getattr(job_return, "_return_value", None) == FINISHED_EARLIER:
+            self.earlier.add(dirs[-1].resolve())
         if not any((d / RESULT_FILE).is_file() for d in dirs):
             failed = job_return.status == JobStatus.FAILED
             error = repr(job_return._return_value) if failed else "the job ended without writing result.json"
@@ -62,12 +67,12 @@ class SweepSummary(Callback):
             except OSError:  # a full disk: the run said it (else Hydra warns, quoting a line of its own source)
                 pass
         if _is_multirun(config):
-            write_summary(Path(str(config.hydra.sweep.dir)), self.since)
+            write_summary(Path(str(config.hydra.sweep.dir)), self.earlier)
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))
         if sweep_dir.is_dir():
-            rows = write_summary(sweep_dir, self.since)
+            rows = write_summary(sweep_dir, self.earlier)
             print(f"\nsweep summary ({sweep_dir / SUMMARY_MD}):\n")
             print(render_markdown(rows))
             if (sweep_dir / SUMMARY_PNG).is_file():
@@ -123,10 +128,10 @@ def _candidates(explicit: Any, job_dir: Any) -> List[Path]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def collect(sweep_dir: Path, since: Optional[float] = None) -> List[Dict[str, Any]]:
-    """One row per job directory (a directory holding .hydra/overrides.yaml) under `sweep_dir`, in job order. With
-    `since` (when this run of the sweep started), `earlier` marks a job whose result.json is older: it finished
-    before, and was not run again (a finished job is skipped: commands/train.py)."""
+def collect(sweep_dir: Path, earlier: Collection[Path] = ()) -> List[Dict[str, Any]]:
+    """One row per job directory (a directory holding .hydra/overrides.yaml) under `sweep_dir`, in job order.
+    `earlier` (resolved job directories): the jobs this run of the sweep skipped because they had finished before
+    (commands/train.py says which: FINISHED_EARLIER), marked so in their rows whatever their files' times say."""
 
     rows = []
     for overrides_file in sorted(Path(sweep_dir).glob("*/.hydra/overrides.yaml")):
@@ -135,10 +140,8 @@ def collect(sweep_dir: Path, since: Optional[float] = None) -> List[Dict[str, An
         job_cfg_file = job_dir / ".hydra" / "config.yaml"
         job_cfg = yaml.safe_load(job_cfg_file.read_text(encoding="utf-8")) if job_cfg_file.is_file() else {}
         dirs = _candidates(((job_cfg or {}).get("trainer") or {}).get("output_dir"), job_dir)
-        result = _first(dirs, RESULT_FILE)
-        earlier = since is not None and result is not None and result.stat().st_mtime < since  # (a file time lags the clock, never leads)
         rows.append({"job": job_dir.name, "overrides": [str(o) for o in overrides], "run_dir": str(dirs[0]),
-                     **read_run(*dirs), "earlier": earlier})  # fmt: skip
+                     **read_run(*dirs), "earlier": job_dir.resolve() in earlier})  # fmt: skip
     rows.sort(key=lambda r: (not r["job"].isdigit(), int(r["job"]) if r["job"].isdigit() else 0, r["job"]))
     return rows
 
@@ -224,8 +227,8 @@ def varying_keys(rows: List[Dict[str, Any]]) -> List[str]:
     return [k for k, v in values.items() if len(v) > 1 or any(k not in keys for keys in per_job)]
 
 
-def write_summary(sweep_dir: Path, since: Optional[float] = None) -> List[Dict[str, Any]]:
-    rows = collect(sweep_dir, since)
+def write_summary(sweep_dir: Path, earlier: Collection[Path] = ()) -> List[Dict[str, Any]]:
+    rows = collect(sweep_dir, earlier)
     summary = {
         "sweep_dir": str(sweep_dir),
         "swept": varying_keys(rows),
