@@ -131,6 +131,7 @@ def check_stages(pipeline: Pipeline, out: Path) -> None:
     one takes its model from must export one."""
     problems: List[str] = []
     kinds: Dict[str, str] = {}  # stage -> its objective
+    splits: Dict[str, Any] = {}  # stage -> its dataset.split
     for stage in pipeline.stages:
         try:
             cfg = compose_and_load(stage_argv(pipeline, stage, out), check_files=False)
@@ -138,6 +139,7 @@ def check_stages(pipeline: Pipeline, out: Path) -> None:
             problems += [f"stage {stage.name!r} (line {stage.line}): {p}" for p in exc.problems]
             continue
         kinds[stage.name] = getattr(cfg.objective.kind, "value", str(cfg.objective.kind))
+        problems += split_conflicts(pipeline, stage, cfg.dataset.split, splits)
         problems += [f"stage {stage.name!r} (line {stage.line}): {p}" for p in outside_options(cfg, pipeline, stage)]
         scorer = stage.from_export.get("objective.reward_model")  # the export is not there yet: its stage's objective
         if scorer in kinds and kinds[scorer] != "reward":
@@ -149,6 +151,33 @@ def check_stages(pipeline: Pipeline, out: Path) -> None:
                             f"{takers[0]!r} takes this stage's export")
     if problems:
         raise UserError([f"{pipeline.path}: {p}" for p in problems])
+
+
+def split_conflicts(pipeline: Pipeline, stage: Stage, split: Any, splits: Dict[str, Any]) -> List[str]:
+    """A stage's `dataset.split` against the earlier stages' (`splits`, which this adds it to). Shares are dealt by
+    the weights of all of them, so two stages that name a share in common but weigh or pin them differently read
+    overlapping rows (DeepSpeed-Chat's --data_split is one for all three steps); and an RL stage scored by a reward
+    stage's export must not take the share that reward model trained on (it would score prompts it was fit to)."""
+    found, at = [], f"stage {stage.name!r} (line {stage.line})"
+    shares, pin = dict(split.shares), dict(split.pin)
+    for name, other in splits.items():
+        if set(shares) & set(other.shares) and (shares, pin) != (dict(other.shares), dict(other.pin)):
+            key = "dataset.split.shares" if shares != dict(other.shares) else "dataset.split.pin"
+            mine, theirs = (shares, dict(other.shares)) if key.endswith("shares") else (pin, dict(other.pin))
+            found.append(f"{at}: {key}={_flow(mine)} differs from stage {name!r}'s {_flow(theirs)}; stages that "
+                         "split the same shares must split them the same way, or one stage reads rows of another's "
+                         "share: set dataset.split.shares (and pin) once, under shared:")
+    scorer = splits.get(stage.from_export.get("objective.reward_model", ""))
+    if scorer is not None and shares and split.take is not None and split.take == scorer.take:
+        found.append(f"{at}: dataset.split.take={split.take} is the share its reward model (from_export "
+                     f"objective.reward_model: {stage.from_export['objective.reward_model']}) was trained on; take "
+                     "another share of dataset.split.shares, so the reward model scores prompts it did not train on")
+    splits[stage.name] = split
+    return found
+
+
+def _flow(mapping: Dict[str, Any]) -> str:
+    return "{" + ",".join(f"{k}:{v}" for k, v in sorted(mapping.items())) + "}"
 
 
 def outside_options(cfg: Any, pipeline: Pipeline, stage: Stage) -> List[str]:

@@ -1,0 +1,64 @@
+"""A DeepSpeed-Chat user's first day with `dsrecipes pipeline` (SFT -> reward model -> RL on one dataset split like
+`--data_split 2,4,4`): what such a user does, and what used to go wrong.
+
+Hostile: stages that split the same shares with other weights (each stage's shares are disjoint and covering on
+their own, so every per-run check passed while the reward model's rows were RL prompts), and an RL stage that takes
+the very share its reward model trained on, are refused before the first stage runs, naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dsrecipes.config.pipeline_file import load_pipeline
+from dsrecipes.core.errors import UserError
+from dsrecipes.run.pipeline import check_stages
+
+THREE_STEPS = """\
+shared:
+  debug: fast
+  dataset.paths:
+    - ${{dsr.asset:sample_data}}/pairs.jsonl
+stages:
+  - name: reward
+    set:
+      objective: reward
+      dataset.split.shares: {reward_shares}
+      dataset.split.take: reward
+  - name: grpo
+    from_export: {{objective.reward_model: reward}}
+    set:
+      objective: grpo
+      dataset.split.shares: {rl_shares}
+      dataset.split.take: {rl_take}
+      objective.rewards: [{{name: length, max_chars: 40}}]
+"""
+
+
+def refusal(tmp_path: Path, **fields: str) -> str:
+    path = tmp_path / "p.yaml"
+    path.write_text(THREE_STEPS.format(**fields), encoding="utf-8")
+    with pytest.raises(UserError) as err:
+        check_stages(load_pipeline(path), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    return "\n".join(err.value.problems)
+
+
+def test_stages_splitting_the_same_shares_with_other_weights_are_refused(tmp_path):
+    said = refusal(tmp_path, reward_shares="{sft: 2, reward: 4, rl: 4}", rl_shares="{sft: 2, reward: 2, rl: 6}",
+                   rl_take="rl")
+    assert "stage 'grpo' (line 11): dataset.split.shares={reward:2,rl:6,sft:2} differs from stage 'reward'" in said
+    assert "set dataset.split.shares (and pin) once, under shared:" in said
+
+
+def test_an_rl_stage_taking_its_reward_models_share_is_refused(tmp_path):
+    said = refusal(tmp_path, reward_shares="{reward: 1, rl: 1}", rl_shares="{reward: 1, rl: 1}", rl_take="reward")
+    assert "dataset.split.take=reward is the share its reward model (from_export objective.reward_model: reward)" in said
+
+
+def test_the_same_split_taken_by_share_passes(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(THREE_STEPS.format(reward_shares="{sft: 2, reward: 4, rl: 4}",
+                                       rl_shares="{rl: 4, reward: 4, sft: 2}", rl_take="rl"), encoding="utf-8")
+    check_stages(load_pipeline(path), tmp_path / "out")
