@@ -62,3 +62,52 @@ def test_the_same_split_taken_by_share_passes(tmp_path):
     path.write_text(THREE_STEPS.format(reward_shares="{sft: 2, reward: 4, rl: 4}",
                                        rl_shares="{rl: 4, reward: 4, sft: 2}", rl_take="rl"), encoding="utf-8")
     check_stages(load_pipeline(path), tmp_path / "out")
+
+
+class ResumeRefused:
+    """`train` as it answers a resumed stage whose settings differ from its checkpoint's (run/resume_contract.py)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, argv):
+        from dsrecipes.run.pipeline import StageFailed
+
+        self.calls += 1
+        if self.calls == 1:
+            raise KeyboardInterrupt  # Ctrl-C in the first stage
+        raise StageFailed(2, ["cannot resume CKPT: these settings differ ... or start a new run in another "
+                              "trainer.output_dir"])
+
+
+def test_a_changed_split_names_the_keys_that_changed_and_the_pipelines_remedy(tmp_path):
+    """Interrupted in the reward step, then the split edited: train refuses to resume the checkpoint under other
+    settings and its remedy names trainer.output_dir, which a pipeline file may not set. The pipeline now says which
+    keys changed since the stage started and what to do in a pipeline; a finished stage's refusal names them too."""
+    from dsrecipes.run.pipeline import run_pipeline
+
+    text = "stages:\n  - name: reward\n    set:\n      dataset.split.shares: {reward: 4, rl: 4}\n      dataset.split.take: reward\n"
+    path = tmp_path / "p.yaml"
+    path.write_text(text, encoding="utf-8")
+    out, train = tmp_path / "out", ResumeRefused()
+    with pytest.raises(KeyboardInterrupt):
+        run_pipeline(load_pipeline(path), out, train, "RESUME")
+    path.write_text(text.replace("reward: 4, rl: 4", "reward: 5, rl: 3"), encoding="utf-8")
+    with pytest.raises(UserError) as err:
+        run_pipeline(load_pipeline(path), out, train, "RESUME")
+    said = err.value.problems[0]
+    assert "started with other settings (dataset.split.shares: {reward:4,rl:4} -> {reward:5,rl:3})" in said, said
+    assert "restore them in " + str(path) + ", or start over with a new --out" in said
+
+
+def test_a_finished_stage_given_another_split_is_refused_naming_the_key(tmp_path):
+    from dsrecipes.run.pipeline import run_pipeline
+
+    text = "stages:\n  - name: reward\n    set:\n      dataset.split.shares: {reward: 4, rl: 4}\n      dataset.split.take: reward\n"
+    path = tmp_path / "p.yaml"
+    path.write_text(text, encoding="utf-8")
+    assert run_pipeline(load_pipeline(path), tmp_path / "out", lambda argv: 0, "RESUME") == 0
+    path.write_text(text.replace("reward: 4, rl: 4", "reward: 2, rl: 6"), encoding="utf-8")
+    with pytest.raises(UserError, match=r"finished with other settings than the file now gives it "
+                                        r"\(dataset.split.shares: \{reward:4,rl:4\} -> \{reward:2,rl:6\}\)"):
+        run_pipeline(load_pipeline(path), tmp_path / "out", lambda argv: 0, "RESUME")

@@ -232,8 +232,10 @@ def run_stage(run: PipelineRun, stage: Stage, number: int, train: Train) -> int:
     argv = stage_argv(run.pipeline, stage, run.out)
     entry, of = run.entry(stage.name), f"stage {stage.name!r} ({number} of {len(run.pipeline.stages)})"
     if entry.get("argv") not in (None, argv) and entry.get("status") == "done":
-        raise UserError(f"{run.pipeline.path}: {of} finished with other settings than the file now gives it; a "
-                        f"finished stage is never run again: restore its settings, or start over with a new --out")
+        raise UserError(f"{run.pipeline.path}: {of} finished with other settings than the file now gives it "
+                        f"({changed(entry['argv'], argv)}); a finished stage is never run again: restore its "
+                        "settings, or start over with a new --out")
+    before = entry.get("argv")  # the settings the stage last started with (a resumed run continues under them)
     if entry.get("status") == "done" or (entry.get("argv") == argv and finished(run.out / stage.name)):
         run.record(stage, status="done", argv=argv, run_dir=str(run.out / stage.name), exit_code=0,
                    export=str(run.out / stage.name / EXPORT_DIR))
@@ -259,10 +261,24 @@ def run_stage(run: PipelineRun, stage: Stage, number: int, train: Train) -> int:
         run.record(stage, status="failed", exit_code=code)
         why = f": {'; '.join(c.removeprefix('error: ') for c in causes)}" if causes else ""
         where = f"its run directory: {run.out / stage.name}" if (run.out / stage.name).is_dir() else "it wrote nothing"
-        raise UserError(f"pipeline: {of} failed (exit {code}){why}; {where}; the stages before it are kept. Fix the "
-                        f"cause, then resume with: {run.resume_command}")
+        since = (f"; it was started with other settings ({changed(before, argv)}): restore them in "
+                 f"{run.pipeline.path}, or start over with a new --out (a stage's trainer.output_dir is the "
+                 "pipeline's)") if before not in (None, argv) else ""
+        raise UserError(f"pipeline: {of} failed (exit {code}){why}{since}; {where}; the stages before it are kept. "
+                        f"Fix the cause, then resume with: {run.resume_command}")
     run.record(stage, status="done", exit_code=0, export=str(run.out / stage.name / EXPORT_DIR))
     return 0
+
+
+def changed(old: List[str], new: List[str]) -> str:
+    """The keys whose override differs between two argv of a stage, 'KEY: OLD -> NEW' (the last override of a key
+    wins, as in train; '-' where a key is not set)."""
+    def keyed(argv: List[str]) -> Dict[str, str]:
+        return {k.lstrip("+"): v for k, _, v in (a.partition("=") for a in argv)}
+
+    was, now = keyed(old), keyed(new)
+    keys = [k for k in dict.fromkeys([*was, *now]) if was.get(k) != now.get(k)]
+    return ", ".join(f"{k}: {was.get(k, '-')} -> {now.get(k, '-')}" for k in keys)
 
 
 def stage_log(out: Path, stage: Stage) -> Path:
