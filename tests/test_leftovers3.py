@@ -7,6 +7,8 @@ import json
 import os
 import time
 
+import pytest
+
 from tests.test_walk5 import _earlier_sweep
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -53,3 +55,64 @@ def test_a_sweep_job_returns_finished_earlier_only_when_the_command_skipped_it(m
     assert train.sweep_job(inv, None) is None
     monkeypatch.setattr(train, "run_job", lambda inv, job: inv.done_earlier.append("/runs/0"))
     assert train.sweep_job(inv, None) == FINISHED_EARLIER
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. The "train further" command names dataset.val_paths (and the launcher's local files) absolute
+
+
+def test_the_train_further_command_names_validation_files_absolute(tmp_path, monkeypatch):
+    """Was: `dataset.val_paths=[data/val.jsonl]` was repeated as typed (config.yaml recorded it so and the resume
+    contract compared it), so the command pointed elsewhere when typed from another directory."""
+    import shlex
+
+    from dsrecipes.observe.report import resume_command
+
+    monkeypatch.chdir(tmp_path)
+    typed = ["dataset.paths=[data/a.jsonl]", "dataset.val_paths=[data/val.jsonl,'s3://b/v.jsonl']",
+             "launcher.hostfile=hosts", "offload.nvme_path=nvme"]  # fmt: skip
+    command = shlex.split(resume_command(tmp_path / "runs" / "ft", typed, 8, 8))
+    assert f"dataset.val_paths=[{tmp_path / 'data' / 'val.jsonl'},'s3://b/v.jsonl']" in command, command
+    assert f"launcher.hostfile={tmp_path / 'hosts'}" in command and f"offload.nvme_path={tmp_path / 'nvme'}" in command
+
+
+def test_a_run_records_its_validation_files_absolute_as_it_does_its_training_files(tmp_path, monkeypatch):
+    """The absolute form the command repeats is what config.yaml records: the resume contract sees no change."""
+    import dataclasses
+
+    from dsrecipes.config.defaults import with_derived_defaults
+    from dsrecipes.core.schema import TrainConfig
+
+    monkeypatch.chdir(tmp_path)
+    cfg = TrainConfig()
+    cfg = dataclasses.replace(cfg, dataset=dataclasses.replace(cfg.dataset, val_paths=["v.jsonl", "s3://b/v.jsonl"]))
+    assert with_derived_defaults(cfg).dataset.val_paths == [str(tmp_path / "v.jsonl"), "s3://b/v.jsonl"]
+
+
+@pytest.mark.slow
+def test_the_printed_command_with_validation_files_resumes_from_another_directory(tmp_path, capsys, monkeypatch):
+    """A real run with relative dataset.paths and dataset.val_paths; its printed command typed from another
+    directory resumes (was: val_paths relative, 'matches no file' there)."""
+    import shlex
+
+    from dsrecipes.cli import main as cli_main
+    from tests.conftest import in_process_environ
+    from tests.test_walk4 import SFT_ROW
+
+    (tmp_path / "data").mkdir()
+    for name, n in (("mine.jsonl", 24), ("val.jsonl", 4)):
+        rows = "".join(json.dumps({**SFT_ROW, "id": f"{name}{i}"}) + "\n" for i in range(n))
+        (tmp_path / "data" / name).write_text(rows)
+    monkeypatch.chdir(tmp_path)
+    run = ["train", "debug=fast", "dataset=sharegpt_files", "dataset.paths=[data/mine.jsonl]",
+           "dataset.val_paths=[data/val.jsonl]", "trainer.max_steps=1", "trainer.eval_every=0", "trainer.export=false",
+           "trainer.output_dir=runs/ft", f"data.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
+    with in_process_environ():
+        assert cli_main(run) == 0
+    further = [line for line in capsys.readouterr().out.splitlines() if "train further:" in line]
+    assert len(further) == 1 and f"dataset.val_paths=[{tmp_path / 'data' / 'val.jsonl'}]" in further[0], further
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with in_process_environ():
+        assert cli_main(shlex.split(further[0].split("train further:", 1)[1])[1:]) == 0
+    assert json.loads((tmp_path / "runs" / "ft" / "result.json").read_text())["steps"] == 2

@@ -76,7 +76,8 @@ def with_derived_defaults(cfg: TrainConfig) -> TrainConfig:
     model = dataclasses.replace(m, name=model_name(cfg), path=local_dir(m.path), tokenizer_path=local_dir(m.tokenizer_path))
     sources = [dataclasses.replace(s, paths=_absolute(s.paths)) for s in ds.sources]
     registry = _absolute([ds.registry])[0] if ds.registry else ds.registry
-    dataset = dataclasses.replace(ds, paths=_absolute(ds.paths), sources=sources, registry=registry)
+    dataset = dataclasses.replace(ds, paths=_absolute(ds.paths), val_paths=_absolute(ds.val_paths), sources=sources,
+                                  registry=registry)
     optimizer = dataclasses.replace(cfg.optimizer, lr=learning_rate(cfg))
     return dataclasses.replace(cfg, model=model, dataset=dataset, optimizer=optimizer)
 

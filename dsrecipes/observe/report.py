@@ -161,10 +161,10 @@ def resume_command(run_dir: Path, overrides: Sequence[str], steps: int, max_step
 
 MODEL_DIR_KEYS = ("model.path", "model.tokenizer_path")  # a local directory, else a hub id: absolute only if there
 # keys naming local files and directories: a printed command repeats them absolute, to work from any directory. The
-# dataset's are recorded absolute (config/defaults.with_derived_defaults), so a resume sees no change; the others may
-# change on a resume (run/resume_contract.MAY_CHANGE). Not dataset.val_paths: config.yaml records it as typed and the
-# resume contract compares it, so its absolute form would be refused as another dataset.
-LOCAL_PATH_KEYS = ("dataset.paths", "dataset.registry", "data.shard_dir", "data.cache_dir", "trainer.resume_from")
+# dataset's (dataset.val_paths too) are recorded absolute (config/defaults.with_derived_defaults), so a resume sees
+# no change; the others may change on a resume (run/resume_contract.MAY_CHANGE).
+LOCAL_PATH_KEYS = ("dataset.paths", "dataset.val_paths", "dataset.registry", "data.shard_dir", "data.cache_dir",
+                   "trainer.resume_from", "launcher.hostfile", "offload.nvme_path")
 
 
 def absolute_override(override: str) -> str:
