@@ -111,3 +111,23 @@ def test_a_finished_stage_given_another_split_is_refused_naming_the_key(tmp_path
     with pytest.raises(UserError, match=r"finished with other settings than the file now gives it "
                                         r"\(dataset.split.shares: \{reward:4,rl:4\} -> \{reward:2,rl:6\}\)"):
         run_pipeline(load_pipeline(path), tmp_path / "out", lambda argv: 0, "RESUME")
+
+
+def test_a_pipeline_takes_trust_checkpoint_for_a_reward_model_someone_else_wrote(tmp_path, monkeypatch):
+    """A foreign reward model (signed by another user's key) in a pipeline stage: train refuses it and names
+    `--trust-checkpoint`, which `dsrecipes pipeline` did not accept (argparse: unrecognized arguments), so the only
+    way was to leave the pipeline. Now the flag is the pipeline's: every stage gets it as its own command line's (reset
+    per stage), a refusal names the pipeline command to repeat, and the resume command carries it."""
+    import dsrecipes.boundary.trust as trust
+    import dsrecipes.commands.train as train
+    from dsrecipes.cli import main
+
+    foreign, seen = tmp_path / "their_rm", []
+    foreign.mkdir()
+    monkeypatch.setattr(train, "main", lambda argv: seen.append((trust.is_trusted(foreign), trust.run_command())) or 0)
+    path = tmp_path / "p.yaml"
+    path.write_text("stages:\n  - name: a\n  - name: b\n", encoding="utf-8")
+    out = tmp_path / "out"
+    assert main(["pipeline", str(path), "--out", str(out), "--trust-checkpoint", str(foreign)]) == 0
+    assert [s[0] for s in seen] == [True, True], seen
+    assert seen[0][1].endswith(f"pipeline {path} --out {out} --trust-checkpoint {foreign.resolve()}"), seen

@@ -8,12 +8,12 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import List
+from typing import List, Sequence
 
 import dsrecipes.boundary.trust as trust
 import dsrecipes.commands.outcome as outcome
 import dsrecipes.commands.train as train
-from dsrecipes.commands.args import command_parser, parse
+from dsrecipes.commands.args import command_parser, existing_path, parse
 from dsrecipes.config.pipeline_file import Pipeline, load_pipeline
 from dsrecipes.core.console import log_path, quiet_third_party
 from dsrecipes.core.errors import UserError
@@ -26,12 +26,14 @@ def main(argv: List[str]) -> int:
     parser = command_parser("pipeline", "run a pipeline's stages in order (SFT -> reward -> DPO, ...), resumably")
     parser.add_argument("file", help="the pipeline file (recipes/pipelines/*.yaml)")
     parser.add_argument("--out", default=None, help="the pipeline's directory (default: runs/<file name>)")
+    parser.add_argument(trust.FLAG, action="append", default=[], type=existing_path, metavar="PATH",
+                        help=f"{trust.TRUST_HELP}; every stage of this command (a reward model of your own)")
     args = parse(parser, argv)
     path = pipeline_file(args.file)
     pipeline = load_pipeline(path)
     out = Path(args.out) if args.out else Path("runs") / path.stem
-    command = resume_command(path, out)
-    code = run_pipeline(pipeline, out, lambda stage_argv: train_stage(stage_argv, command), command)
+    command = resume_command(path, out, args.trust_checkpoint)
+    code = run_pipeline(pipeline, out, lambda a: train_stage(a, command, args.trust_checkpoint), command)
     if code == 0 and pipeline.prompts is not None:
         print(prompt_answers(pipeline, out), flush=True)
     return code
@@ -65,18 +67,22 @@ def prompt_answers(pipeline: Pipeline, out: Path) -> str:
         return f"prompt answers skipped: {exc.render().removeprefix('error: ')}"
 
 
-def resume_command(path: Path, out: Path) -> str:
+def resume_command(path: Path, out: Path, trusted: Sequence[str] = ()) -> str:
     """This pipeline again, from where it was started (its file and --out may be relative), as the training command's
-    own resume command is written (commands/outcome.py)."""
+    own resume command is written (commands/outcome.py); with this command line's --trust-checkpoint PATHs (absolute),
+    which a resumed stage needs again."""
     args = [sys.executable, "-m", "dsrecipes", "pipeline", str(path), "--out", str(out)]
+    args += [a for p in trusted for a in (trust.FLAG, str(Path(p).expanduser().resolve()))]
     return f"cd {shlex.quote(os.getcwd())} && {shlex.join(args)}"
 
 
-def train_stage(argv: List[str], resume: str) -> int:
+def train_stage(argv: List[str], resume: str, trusted: Sequence[str] = ()) -> int:
     """One stage as `dsrecipes train ARGV` runs (cli.py's handling: a refusal is one message and its exit code). An
     interrupted or failed stage names no resume command of its own: the pipeline's (`resume`) is said once; a failed
-    stage's cause is said with it, once (StageFailed: run/pipeline.py)."""
-    trust.reset()  # trusting a checkpoint is never carried from one stage to the next
+    stage's cause is said with it, once (StageFailed: run/pipeline.py). `trusted`: the pipeline's --trust-checkpoint
+    PATHs, given to each stage as its own command line's; a refusal of an input names the pipeline to repeat."""
+    trust.reset()  # what a stage relied on or accepted is never carried to the next: each starts from the flags
+    trust.trust(list(trusted), resume)
     causes: List[str] = []
     resumed_by, kept = outcome.RESUMED_BY.set(resume), outcome.CAUSES.set(causes)
     try:
