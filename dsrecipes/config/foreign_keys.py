@@ -16,9 +16,9 @@ import re
 from typing import Any, Callable, Dict, Optional, Union
 
 import dsrecipes.config.lf_differences as lf_differences
+from dsrecipes.config.trl_keys import NOT_NEEDED, TRL, TRL_RENAMES, TRL_RULES
 
 HERE = "LLaMA-Factory's key; here: "
-NOT_NEEDED = "not needed here: "
 
 Rule = Union[str, Callable[[Any], str]]
 
@@ -287,10 +287,9 @@ FROM_OTHER_TOOLS = {
     "gradient_accumulation": "trainer.grad_accum", "logging_steps": "trainer.log_every",
     "save_steps": "trainer.save_every", "eval_steps": "trainer.eval_every", "save_total_limit": "trainer.keep_checkpoints",
     "max_grad_norm": "trainer.gradient_clipping", "resume_from_checkpoint": "trainer.resume_from",
-    "model_name_or_path": "model.path", "base_model": "model.path",
-    "lora_rank": "model.lora.r", "lora_r": "model.lora.r",
+    "model_name_or_path": "model.path", "base_model": "model.path", "lora_rank": "model.lora.r", **TRL_RENAMES,
     "bf16": "precision=bf16", "fp16": "precision=fp16", "sequence_len": "data.cutoff_len",
-    "max_seq_length": "data.cutoff_len", "dataset_dir": "dataset.registry", "warmup_steps": "scheduler.warmup_steps",
+    "dataset_dir": "dataset.registry", "warmup_steps": "scheduler.warmup_steps",
     "warmup_ratio": "scheduler.warmup_ratio", "cutoff_len": "data.cutoff_len", "val_size": "dataset.val_size",
     "output_dir": "trainer.output_dir", "pref_beta": "objective.beta", "pref_loss": "objective.loss",
     "max_samples": "dataset.max_samples", "dataloader_num_workers": "data.num_workers",
@@ -317,10 +316,9 @@ RULES: Dict[str, Rule] = {
     "adapter_name_or_path": lambda v: "to start from a trained LoRA run, point model.path at its export directory",
     # dataset
     "dataset": _dataset, "dataset_dir": lambda v: HERE + f"dataset.registry: {v}/dataset_info.json",
-    "template": _template,
-    "cutoff_len": "data.cutoff_len", "max_samples": "dataset.max_samples", "val_size": "dataset.val_size",
+    "template": _template, "cutoff_len": "data.cutoff_len", "max_samples": "dataset.max_samples",
+    "val_size": "dataset.val_size", "preprocessing_num_workers": "data.preprocess_workers",
     "packing": _switch(lf_differences.PACKING, "data.packing: false is the default"), "streaming": _streaming,
-    "preprocessing_num_workers": "data.preprocess_workers",
     "overwrite_cache": lambda v: NOT_NEEDED + "prepared data is cached by content; a change prepares it again",
     "eval_dataset": lambda v: "dataset.val_paths: [FILE.jsonl] (validation files)",
     "train_on_prompt": _switch("data.train_on: all (the prompt turns too)", "data.train_on: assistant (every "
@@ -373,6 +371,8 @@ RULES: Dict[str, Rule] = {
     # export (llamafactory-cli export)
     "export_dir": lambda v: f"a run exports itself to RUN/export; another copy: dsrecipes export RUN --out {v}",
 }
+TRL_ONLY = {**TRL_RENAMES, **TRL_RULES}.keys() - RULES.keys()  # TRL's own keys (config/trl_keys.py): "TRL's key"
+RULES.update({key: rule for key, rule in {**TRL_RENAMES, **TRL_RULES}.items() if key in TRL_ONLY})
 
 
 def foreign_key(key: str, value: Any) -> Optional[str]:
@@ -381,7 +381,7 @@ def foreign_key(key: str, value: Any) -> Optional[str]:
     if rule is None:
         return None
     if isinstance(rule, str):
-        return HERE + f"{rule}: {_plain(value)}"
+        return (TRL if key in TRL_ONLY else HERE) + f"{rule}: {_plain(value)}"
     return rule(value)
 
 

@@ -21,6 +21,7 @@ import yaml
 
 from dsrecipes.config.foreign_keys import LF_REASONING, LF_SYSTEMS, LF_TEMPLATES, NOT_NEEDED, RULES, foreign_key
 from dsrecipes.config.lf_differences import EOT_NEWLINE
+from dsrecipes.config.trl_keys import TRL_VALUES, trl_peft_defaults
 from dsrecipes.core import choices
 
 ALL_LINEAR = [choices.ALL_LINEAR]  # LLaMA-Factory's lora_target `all`: every linear layer but the output one, any model
@@ -80,6 +81,7 @@ VALUES: Dict[str, Callable[[Any], Optional[Dict[str, Any]]]] = {
     "flash_attn": lambda v: {"model.attn_implementation": {"fa2": "flash_attention_2", "sdpa": "sdpa",
                                                             "disabled": "eager"}[str(v)]}
     if str(v) in ("fa2", "sdpa", "disabled") else {},
+    **TRL_VALUES,
 }
 
 
@@ -142,6 +144,8 @@ def in_our_keys(data: Dict[str, Any], problems: Dict[str, str]) -> Optional[str]
         translated = True
         if key == "finetuning_type" and value == "lora":
             mapped = {**mapped, **lf_lora_defaults(data)}
+        if key == "use_peft" and value is True:  # TRL's LoRA, where the file is silent
+            mapped = {**mapped, **trl_peft_defaults(data)}
         if key == "template" and "default_system" in data:  # the file's own default_system wins, as in LF
             mapped = {k: v for k, v in mapped.items() if k != "template.default_system"}
         out.extend(_yaml({k: v}) for k, v in mapped.items() if k not in written)

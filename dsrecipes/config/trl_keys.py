@@ -1,0 +1,148 @@
+"""Keys people bring from TRL scripts (SFTConfig, DPOConfig, RewardConfig, GRPOConfig, and the LoRA keys of TRL's
+ModelConfig) -> the dsrecipes key with their value, or what to write instead and why. The keys TRL shares with
+LLaMA-Factory (Hugging Face TrainingArguments: learning_rate, per_device_train_batch_size, ...) are in
+config/foreign_keys.py, which merges these tables into its own:
+
+    TRL_RENAMES["max_length"]                 -> "data.cutoff_len"  (the value carries over)
+    TRL_RULES["assistant_only_loss"](False)   -> "TRL's key; here: data.train_on: all (...)"
+    TRL_VALUES["assistant_only_loss"](False)  -> {"data.train_on": "all"}  (the translated file, config/lf_translate.py)
+
+What TRL does with each key is read from TRL's source (trl/trainer/*_config.py, model_config.py), not guessed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional
+
+TRL = "TRL's key; here: "
+NOT_NEEDED = "not needed here: "
+
+# TRL's key -> ours, the value carries over one to one
+TRL_RENAMES = {
+    "max_length": "data.cutoff_len", "max_seq_length": "data.cutoff_len", "lora_r": "model.lora.r",
+    "lora_target_modules": "model.lora.target_modules", "seed": "trainer.seed", "beta": "objective.beta",
+    "label_smoothing": "objective.label_smoothing", "num_generations": "objective.num_generations",
+    "max_completion_length": "objective.max_completion_length", "temperature": "objective.temperature",
+    "epsilon": "objective.epsilon", "center_rewards_coefficient": "objective.center_rewards_coefficient",
+    "dataset_num_proc": "data.preprocess_workers",
+}
+
+ALL_TURNS = ("data.train_on: all (every token of the conversation, TRL's default; ours, data.train_on: assistant, "
+             "trains the assistant turns only)")
+PROMPT_COMPLETION = ("TRL's prompt/completion rows are not read here: write each as one `messages` list (the prompt's "
+                     "turns, then the completion as an assistant turn), dataset=openai_messages")
+
+
+def _one(value: Any) -> Any:
+    """TRL's loss_type is a list in DPOConfig (several losses, weighted): one value stands for itself."""
+    return value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
+
+
+def _loss_type(value: Any) -> str:
+    value = _one(value)
+    if value in ("sigmoid", "ipo", "robust", "simpo"):
+        return TRL + f"objective.loss: {value} (with objective=dpo)"
+    if value in ("nll", "chunked_nll"):
+        return NOT_NEEDED + "objective=sft trains the next-token NLL of the trained tokens"
+    if value == "dapo":
+        return NOT_NEEDED + "objective=grpo's loss is TRL's loss_type: dapo (clipped, per token over the step's tokens)"
+    return (f"no {value} loss here (objective=dpo: objective.loss: sigmoid, ipo, robust, simpo; objective=orpo; "
+            "objective=grpo trains TRL's dapo loss; objective=sft the NLL)")
+
+
+def _assistant_only(value: Any) -> str:
+    if value is True:
+        return NOT_NEEDED + "data.train_on: assistant (the assistant turns only) is the default here"
+    return TRL + ALL_TURNS
+
+
+def _completion_only(value: Any) -> str:
+    if value is False:
+        return TRL + f"data.train_on: all (prompt and completion); {PROMPT_COMPLETION}"
+    return (NOT_NEEDED + "data.train_on: assistant (the default) trains the answer turns only, as TRL's completion-only "
+            f"loss does; {PROMPT_COMPLETION}")
+
+
+def _use_peft(value: Any) -> str:
+    if value is not True:
+        return NOT_NEEDED + "full fine-tuning is the default (model.lora.enabled: false)"
+    return TRL + ("model.lora.enabled: true (unset, TRL's LoRA is lora_r: 16, lora_alpha: 32, lora_dropout: 0.05 on "
+                  "peft's default modules for the model, [q_proj, v_proj] for Llama/Qwen/Mistral; ours is "
+                  "model.lora.r: 8, model.lora.alpha: 16, model.lora.target_modules: [q_proj, k_proj, v_proj, o_proj]: "
+                  "set them for the same adapter)")
+
+
+def _precompute(value: Any) -> str:
+    if value is True:
+        return NOT_NEEDED + "objective.reference: precomputed (once before training, cached) is the default here"
+    return TRL + ("objective.reference: live (a frozen reference beside the trained model, TRL's default) or keep "
+                  "ours, precomputed: the same reference log-probs, computed once before training")
+
+
+def _reference_free(value: Any) -> str:
+    if value is not True:
+        return NOT_NEEDED + "objective=dpo always has a reference (objective.reference: precomputed or live)"
+    return ("no reference-free sigmoid DPO here (TRL's reference_free: a zero reference); the reference-free losses "
+            "here are objective.loss: simpo (average log-prob margin, objective.simpo_gamma) and objective=orpo")
+
+
+def _max_prompt_length(value: Any) -> str:
+    return (f"no prompt cap of its own here ({value}): data.cutoff_len caps prompt + answer; objective=dpo and "
+            "objective=reward cut a long pair's prompt to its tail (at least cutoff_len / 2 tokens, the answers keep "
+            "their head), objective=grpo refuses a prompt longer than data.cutoff_len - "
+            "objective.max_completion_length (set data.cutoff_len to max_prompt_length + max_completion_length)")
+
+
+def _dataset_text_field(value: Any) -> str:
+    return (f"no plain-text (language-modeling) rows here, no `{value}` column: rows are conversations "
+            "(dataset=openai_messages reads TRL's `messages`; dataset.columns.messages names another column); for "
+            "continued pre-training on text, write each text as one assistant turn and train it with data.train_on: all")
+
+
+def _dataset_name(value: Any) -> str:
+    return (f"dataset=openai_messages with dataset.paths: [{value}] (local JSON/JSONL/Parquet files of TRL's messages, "
+            "prompt/chosen/rejected or prompt rows; a Hub dataset: save it to a file first, e.g. "
+            "datasets' to_json)")
+
+
+def _reward_funcs(value: Any) -> str:
+    return ("objective.rewards: [{name: exact_match}, ...] (built-in by name: exact_match, number_equal, regex, length; "
+            "your own function: a package registering it under the entry point group dsrecipes.rewards; a reward "
+            "model: objective.reward_model: DIR); no import paths in a recipe")
+
+
+# TRL's keys whose value decides our line
+TRL_RULES: Dict[str, Callable[[Any], str]] = {
+    "loss_type": _loss_type, "assistant_only_loss": _assistant_only, "completion_only_loss": _completion_only,
+    "use_peft": _use_peft, "precompute_ref_log_probs": _precompute, "reference_free": _reference_free,
+    "max_prompt_length": _max_prompt_length, "dataset_text_field": _dataset_text_field,
+    "dataset_name": _dataset_name, "reward_funcs": _reward_funcs,
+    "num_iterations": lambda v: NOT_NEEDED + "objective=grpo optimises once per generation (TRL's num_iterations: 1)"
+    if v == 1 else f"no num_iterations {v} here: objective=grpo optimises once per generation (TRL's default, 1)",
+    "ref_model": lambda v: NOT_NEEDED + "the reference is model.path (the base model under LoRA)",
+    "remove_unused_columns": lambda v: NOT_NEEDED + "rows are read by their columns (dataset.columns)",
+    "logging_first_step": lambda v: NOT_NEEDED + "the first logged step is trainer.log_every",
+}
+
+
+# TRL's keys whose value decides our keys, for the translated file: {} not needed here, None a person decides
+TRL_VALUES: Dict[str, Callable[[Any], Optional[Dict[str, Any]]]] = {
+    "loss_type": lambda v: {"objective.loss": _one(v)} if _one(v) in ("sigmoid", "ipo", "robust", "simpo") else (
+        {} if _one(v) in ("nll", "chunked_nll", "dapo") else None),
+    "assistant_only_loss": lambda v: {} if v is True else {"data.train_on": "all"},
+    "use_peft": lambda v: {"model.lora.enabled": True} if v is True else {},
+    "precompute_ref_log_probs": lambda v: {} if v is True else {"objective.reference": "live"},
+}
+
+
+def trl_peft_defaults(data: Dict[str, Any]) -> Dict[str, Any]:
+    """TRL's LoRA where its file is silent and ours differs (ModelConfig: lora_r 16, lora_alpha 32; peft's default
+    modules for Llama-family models), so the translated file trains the same adapter."""
+    out: Dict[str, Any] = {}
+    if "lora_r" not in data:
+        out["model.lora.r"] = 16
+    if "lora_alpha" not in data:
+        out["model.lora.alpha"] = 32
+    if "lora_target_modules" not in data:
+        out["model.lora.target_modules"] = ["q_proj", "v_proj"]
+    return out

@@ -1,0 +1,46 @@
+"""A TRL user's first day: SFTConfig/DPOConfig/GRPOConfig keys and TRL's LoRA keys (ModelConfig) in a recipe file or
+on the command line are answered with our key and their value, or what to write instead (config/trl_keys.py), and
+the file is printed in our keys with TRL's meaning kept (TRL's defaults where the file is silent and ours differ)."""
+
+from __future__ import annotations
+
+from dsrecipes.cli import main
+
+TRL_SFT = """model_name_or_path: HuggingFaceTB/SmolLM2-135M-Instruct
+max_length: 256
+assistant_only_loss: false
+use_peft: true
+lora_target_modules: [q_proj, v_proj]
+dataset_text_field: text
+"""
+
+
+def _error(capsys, *argv):
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return err
+
+
+def test_a_trl_sft_file_gets_our_keys_with_trl_meaning(tmp_path, capsys):
+    recipe = tmp_path / "trl_sft.yaml"
+    recipe.write_text(TRL_SFT)
+    err = _error(capsys, "validate", f"recipe={recipe}")
+    assert f"{recipe}:2: max_length: TRL's key; here: data.cutoff_len: 256" in err, err
+    assert f"{recipe}:3: assistant_only_loss: TRL's key; here: data.train_on: all" in err, err
+    assert f"{recipe}:4: use_peft: TRL's key; here: model.lora.enabled: true" in err, err
+    assert f"{recipe}:5: lora_target_modules: TRL's key; here: model.lora.target_modules: [q_proj, v_proj]" in err, err
+    assert f"{recipe}:6: dataset_text_field: no plain-text (language-modeling) rows here" in err, err
+    ours = err.split("in our keys")[1]
+    for line in ("data.cutoff_len: 256", "data.train_on: all", "model.lora.enabled: true", "model.lora.r: 16",
+                 "model.lora.alpha: 32", "model.lora.target_modules: [q_proj, v_proj]", "# dataset_text_field: text"):
+        assert f"\n{line}\n" in ours, ours
+
+
+def test_trl_names_on_the_command_line_name_our_key(capsys):
+    assert "max_length: unknown key; did you mean data.cutoff_len?" in _error(capsys, "validate", "max_length=512")
+    assert "seed: unknown key; did you mean trainer.seed?" in _error(capsys, "validate", "seed=1")
+    assert "loss_type: TRL's key; here: objective.loss: ipo" in _error(capsys, "validate", "loss_type=ipo")
+    err = _error(capsys, "validate", "precompute_ref_log_probs=false")
+    assert "precompute_ref_log_probs: TRL's key; here: objective.reference: live" in err, err
+    assert "max_prompt_length: no prompt cap of its own here (128)" in _error(capsys, "validate", "max_prompt_length=128")
