@@ -44,3 +44,17 @@ def test_trl_names_on_the_command_line_name_our_key(capsys):
     err = _error(capsys, "validate", "precompute_ref_log_probs=false")
     assert "precompute_ref_log_probs: TRL's key; here: objective.reference: live" in err, err
     assert "max_prompt_length: no prompt cap of its own here (128)" in _error(capsys, "validate", "max_prompt_length=128")
+
+
+def test_max_steps_wins_over_num_train_epochs_in_the_translated_file_whatever_their_order(tmp_path, capsys):
+    """transformers' Trainer (TRL's, LLaMA-Factory's) trains max_steps when it is > 0 and num_train_epochs when it is
+    -1 (its default). Was: `num_train_epochs: 1` before `max_steps: 4` printed `trainer.max_steps: null` (a full
+    epoch), and `max_steps: -1` printed `trainer.max_steps: -1` (refused by validation)."""
+    recipe = tmp_path / "steps.yaml"
+    recipe.write_text("num_train_epochs: 1\nmax_steps: 4\n")
+    err = _error(capsys, "validate", f"recipe={recipe}")
+    assert "but this file's max_steps: 4 wins over it" in err, err
+    assert err.split("in our keys")[1].split("\n", 1)[1] == "trainer.epochs: 1\ntrainer.max_steps: 4\n", err
+    recipe.write_text("max_steps: -1\n")
+    ours = _error(capsys, "validate", f"recipe={recipe}").split("in our keys")[1].split("\n", 1)[1]
+    assert ours == "trainer.max_steps: null\ntrainer.epochs: 3\n", ours

@@ -111,6 +111,7 @@ def read_together(data: Dict[str, Any]) -> Dict[str, Tuple[bool, str]]:
     if data.get("neat_packing") is True and data.get("packing") is not True and "packing" in data:
         out["packing"] = (False, "but LLaMA-Factory's neat_packing: true in this file turns packing on: data.packing: "
                                  "true")
+    out.update(_steps_together(data))
     names, cap = _names(data.get("dataset") or ""), data.get("max_samples")
     if len(names) > 1 and isinstance(cap, int) and not isinstance(cap, bool):
         out["max_samples"] = (True, (
@@ -120,6 +121,35 @@ def read_together(data: Dict[str, Any]) -> Dict[str, Tuple[bool, str]]:
             f"entries \"num_samples\": {cap} in the dataset_info.json you give dsrecipes (read here as its first "
             f"{cap} rows), or max_samples: {cap} in a YAML registry (dataset.registry: FILE.yaml)"))
     return out
+
+
+def _budget(value: Any) -> bool:
+    """transformers' max_steps > 0: a step budget that wins over num_train_epochs (-1, its default: none)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _steps_together(data: Dict[str, Any]) -> Dict[str, Tuple[bool, str]]:
+    """transformers' Trainer (LLaMA-Factory's and TRL's) trains max_steps when it is > 0, whatever num_train_epochs
+    says, and num_train_epochs (3 by default there) when max_steps is -1, its default."""
+    steps = data.get("max_steps")
+    if "max_steps" not in data or (_budget(steps) and "num_train_epochs" not in data):
+        return {}
+    if _budget(steps):
+        return {"num_train_epochs": (False, f"but this file's max_steps: {steps} wins over it (transformers' Trainer "
+                                            f"trains max_steps when it is > 0): trainer.max_steps: {steps}")}
+    epochs = data.get("num_train_epochs", 3)
+    return {"max_steps": (False, f"but transformers' max_steps: {steps} means no step budget: it trains "
+                                 f"num_train_epochs ({epochs}): trainer.max_steps: null with trainer.epochs")}
+
+
+def _steps(key: str, data: Dict[str, Any], mapped: Dict[str, Any]) -> Dict[str, Any]:
+    """`mapped` for num_train_epochs and max_steps read together, as transformers' Trainer does (_steps_together)."""
+    if key == "num_train_epochs" and _budget(data.get("max_steps")):
+        return {k: v for k, v in mapped.items() if k != "trainer.max_steps"}
+    if key == "max_steps" and not _budget(data["max_steps"]):
+        return {"trainer.max_steps": None} if "num_train_epochs" in data else {"trainer.max_steps": None,
+                                                                                  "trainer.epochs": 3}
+    return mapped
 
 
 def in_our_keys(data: Dict[str, Any], problems: Dict[str, str]) -> Optional[str]:
@@ -142,6 +172,7 @@ def in_our_keys(data: Dict[str, Any], problems: Dict[str, str]) -> Optional[str]
             out.append("".join(f"# {line}\n" for line in _yaml({key: value}).splitlines()))
             continue
         translated = True
+        mapped = _steps(key, data, mapped)
         if key == "finetuning_type" and value == "lora":
             mapped = {**mapped, **lf_lora_defaults(data)}
         if key == "use_peft" and value is True:  # TRL's LoRA, where the file is silent
