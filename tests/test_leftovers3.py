@@ -116,3 +116,44 @@ def test_the_printed_command_with_validation_files_resumes_from_another_director
     with in_process_environ():
         assert cli_main(shlex.split(further[0].split("train further:", 1)[1])[1:]) == 0
     assert json.loads((tmp_path / "runs" / "ft" / "result.json").read_text())["steps"] == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. Two LLaMA-Factory entries naming one file: refused, not one of them dropped
+
+
+def _lf_registry(tmp_path, entries):
+    (tmp_path / "data").mkdir(exist_ok=True)
+    (tmp_path / "data" / "rows.json").write_text(json.dumps([{"instruction": "hi", "output": "hello"}]))
+    (tmp_path / "data" / "dataset_info.json").write_text(json.dumps(entries))
+    return str(tmp_path / "data" / "dataset_info.json")
+
+
+def _resolve(registry, use):
+    import dataclasses
+
+    from dsrecipes.core.schema import DatasetConfig
+    from dsrecipes.data.sources.registry import resolve_sources
+
+    return resolve_sources(dataclasses.replace(DatasetConfig(), paths=[], registry=registry, use=use), [])
+
+
+def test_two_llamafactory_entries_naming_one_file_are_refused_naming_both(tmp_path):
+    """Was: `dataset: a,b` with both entries on rows.json read the file once, as entry 'a' (b's columns and
+    num_samples dropped, with a note) where LLaMA-Factory reads it twice. Now one message naming both and the file."""
+    from dsrecipes.core.errors import ConfigError
+
+    registry = _lf_registry(tmp_path, {"a": {"file_name": "rows.json"},
+                                       "b": {"file_name": "./rows.json", "num_samples": 1},
+                                       "c": {"file_name": "."}})  # fmt: skip
+    rows = os.path.realpath(tmp_path / "data" / "rows.json")
+    with pytest.raises(ConfigError) as refused:
+        _resolve(registry, ["a", "b"])
+    text = str(refused.value)
+    assert text.startswith("dataset.use (LLaMA-Factory's `dataset:`): entries 'a' and 'b' both name "), text
+    assert rows in text and registry in text and "Name it once" in text, text
+    with pytest.raises(ConfigError, match=r"entries 'a' and 'c' both name .*rows.json"):  # c: the folder holding it
+        _resolve(registry, ["a", "c"])
+    with pytest.raises(ConfigError, match=r"entry 'a' is named twice .*rows.json"):
+        _resolve(registry, ["a", "a"])
+    assert [s.name for s in _resolve(registry, ["b"])] == ["b"]  # one entry: read as before

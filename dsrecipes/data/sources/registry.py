@@ -15,7 +15,8 @@ Two registry formats, chosen by file extension:
   typed by `SourceConfig` (unknown keys are errors); relative paths are relative to the registry file.
 
 Each file is read once by real path (`read_once`), and a `dataset.val_paths` file that is also a training file is
-refused (`validation_files`), so no row is both trained and evaluated on.
+refused (`validation_files`), so no row is both trained and evaluated on. Two used dataset_info.json entries naming
+one file are refused (`one_entry_per_file`: LLaMA-Factory would read it once per entry).
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def resolve_sources(dataset_cfg: DatasetConfig, notes: Optional[List[str]] = Non
         if not ds.registry:
             raise ConfigError("dataset.registry: dataset.use names registry entries, so a registry file is needed")
         entries = load_registry(ds.registry, use=ds.use, digest=registry_digest)
+        if not ds.registry.endswith((".yaml", ".yml")):
+            one_entry_per_file(ds.registry, ds.use, entries)
         sources += [entries[name] for name in ds.use]
     seen: Dict[str, int] = {}
     for k, src in enumerate(sources):  # unique names: mixing weights are applied per source name
@@ -82,6 +85,26 @@ def resolve_sources(dataset_cfg: DatasetConfig, notes: Optional[List[str]] = Non
         if seen[src.name] > 1:
             sources[k] = dataclasses.replace(src, name=f"{src.name}#{seen[src.name]}")
     return stamp(ds.split, read_once(sources, notes))  # each source reads only the run's share (dataset.split)
+
+
+def one_entry_per_file(registry: str, use: List[str], entries: Dict[str, SourceConfig]) -> None:
+    """LLaMA-Factory reads a file once per entry its `dataset: a,b` names (two entries naming one file: its rows
+    twice, each time with that entry's columns and num_samples); dsrecipes reads a file once (`read_once`), which
+    would keep one entry and drop the other. So two used entries of a dataset_info.json naming the same file (the
+    same entry named twice too) are refused, naming both and the file."""
+    first: Dict[str, Tuple[int, str]] = {}  # real path (a URL as written) -> (position in `use`, entry)
+    for i, name in enumerate(use):
+        for path in entries[name].paths:
+            real = path if looks_like_url(path) else os.path.realpath(path)
+            j, other = first.setdefault(real, (i, name))
+            if j == i:
+                continue
+            which = f"entry {name!r} is named twice" if other == name else f"entries {other!r} and {name!r} both name"
+            raise ConfigError(
+                f"dataset.use (LLaMA-Factory's `dataset:`): {which} {real} (in {registry}). "
+                "LLaMA-Factory would read that file once per entry (its rows twice); dsrecipes reads a file once and "
+                "would drop one of them. Name it once (a larger share of its rows: a mixing weight, "
+                "dataset.sources[].weight); nothing was read")
 
 
 def sample_replaced(ds: DatasetConfig) -> bool:
