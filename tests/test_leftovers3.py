@@ -157,3 +157,39 @@ def test_two_llamafactory_entries_naming_one_file_are_refused_naming_both(tmp_pa
     with pytest.raises(ConfigError, match=r"entry 'a' is named twice .*rows.json"):
         _resolve(registry, ["a", "a"])
     assert [s.name for s in _resolve(registry, ["b"])] == ["b"]  # one entry: read as before
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. `dsrecipes export --out DIR` removes what an export to DIR killed mid-write left beside it
+
+
+def test_an_export_removes_stale_staging_of_a_killed_export_and_nothing_else(tmp_path, monkeypatch, capsys):
+    """Was: a SIGKILLed `dsrecipes export --out DIR` left `.DIR.tmp-HOST-PID-8hex` (a model-sized hidden copy) for
+    good: only exports into a run directory removed stale staging. Now the export to DIR removes those of a dead
+    process of this machine holding only export files; a live process's, another host's, a file of that name and
+    a directory holding anything else stay."""
+    import subprocess
+    import sys
+
+    import dsrecipes.rank.export as rank_export
+    from dsrecipes.commands.export import main
+    from dsrecipes.core.publish import _host
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = tmp_path / "out"
+    name = lambda pid, host=_host(), tail="0123abcd": tmp_path / f".out.tmp-{host}-{pid}-{tail}"
+    stale, live, other_host = name(dead.pid), name(os.getpid()), name(dead.pid, "elsewhere")
+    foreign_file, foreign_dir = name(dead.pid, tail="0123abce"), name(dead.pid, tail="0123abcf")
+    for d in (stale, live, other_host, foreign_dir):
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+    (stale / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 64)
+    (foreign_dir / "notes.txt").write_text("mine")
+    foreign_file.write_text("not a directory")
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_2").mkdir(parents=True)
+    monkeypatch.setattr(rank_export, "export_checkpoint", lambda run_dir, tag_dir, out_dir, **kw: out_dir)
+    assert main([str(run), "--tag", "step_2", "--out", str(out)]) == 0
+    assert not stale.exists() and f"removed {stale}: what an earlier export to {out}" in capsys.readouterr().err
+    assert all(p.exists() for p in (live, other_host, foreign_file, foreign_dir, foreign_dir / "notes.txt"))

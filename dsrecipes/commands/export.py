@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -12,6 +13,7 @@ from dsrecipes.commands.args import parse
 from dsrecipes.config.lf_translate import lf_command_file
 from dsrecipes.core.checkpoint_names import CHECKPOINTS, COMPLETE
 from dsrecipes.core.errors import UserError
+from dsrecipes.core.export_dir import remove_stale_staging
 from dsrecipes.core.fileio import dangling_link_problem
 
 
@@ -48,6 +50,8 @@ def main(argv: List[str]) -> int:
     tag_dir = root / tag if tag else latest_complete(root, retry=retry)
     if tag_dir is None or not tag_dir.is_dir():
         raise UserError(f"{root}: no complete checkpoint{' ' + tag if tag else ''} to export" + tags_note(root))
+    for stale in remove_stale_staging(out_dir):  # (a refused export above changes nothing)
+        print(f"removed {stale}: what an earlier export to {out_dir}, killed mid-write, left", file=sys.stderr)
     merge = None if args.lora is None else args.lora == "merged"
     out = export_checkpoint(run_dir, tag_dir, out_dir, merge_lora=merge, key="--out", retry=retry)
     print(f"exported {tag_dir} -> {out}")

@@ -5,6 +5,7 @@ checks a destination with it before any rank starts; rank/export.py writes throu
 from __future__ import annotations
 
 import os
+import shutil
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import List, Optional
@@ -12,6 +13,7 @@ from typing import List, Optional
 from dsrecipes.core.checkpoint_names import CHECKPOINTS, COMPLETE, PARTIAL
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.fileio import read_json_file
+from dsrecipes.core.publish import stale_staging
 
 EXPORT_DIR = "export"
 EXPORT_INIT_DIR = "export_init"
@@ -52,6 +54,19 @@ def check_out_dir(out_dir: Path, key: str = "export") -> None:
         what = f"files the export did not write ({', '.join(extra)})" if extra else f"an unreadable {EXPORT_MARKER}"
         raise UserError(f"{key}: {out_dir} holds {what}; replacing it would delete them. Choose another directory "
                         "or move them away. Nothing was changed")
+
+
+def remove_stale_staging(out_dir: Path) -> List[Path]:
+    """What exports to `out_dir` killed mid-write left beside it (`dsrecipes export --out DIR` SIGKILLed, the OOM
+    killer: a hidden model-sized `.DIR.tmp-HOST-PID-8hex`), removed; returned. Only what publish.stale_staging finds
+    (staging_dir's exact name, this machine's, its process gone), and of that only a directory holding nothing but
+    files an export writes: a live export's, another machine's, a file or anything else of that look stays."""
+    removed = []
+    for stale in stale_staging(out_dir):
+        if not _first_foreign(stale, {"*legacy*", EXPORT_MARKER}, limit=1):
+            shutil.rmtree(stale, ignore_errors=True)
+            removed.append(stale)
+    return removed
 
 
 def _outside_checkpoints(out_dir: Path, key: str) -> None:
