@@ -207,11 +207,11 @@ def test_a_run_says_when_num_samples_asks_for_more_rows_than_the_file_has(tmp_pa
     ), said
 
 
-def test_gradient_accumulation_says_how_the_steps_loss_is_normalised_unlike_llamafactory():
+def test_gradient_accumulation_says_the_steps_loss_is_normalised_as_in_llamafactory():
     """LF's Trainer (transformers >= 4.46, num_items_in_batch) divides a step's summed loss by all its trained
-    tokens; here each micro-batch's mean loss counts the same: other gradients for rows of unequal length."""
+    tokens; so does objective.loss_average=tokens here (the default), and the line says so."""
     said = _problems("gradient_accumulation_steps: 4\n")
-    assert "here: trainer.grad_accum: 4 (the step's loss here is the mean of its micro-batches' mean losses" in said
-    assert "divides the step's summed loss by all its trained tokens" in said, said
+    assert "here: trainer.grad_accum: 4 (each trained token of the step weighs the same" in said, said
+    assert "objective.loss_average: tokens, the default" in said, said
     assert "trainer.grad_accum: 4\n" in _ours("gradient_accumulation_steps: 4\n")
     assert "micro-batches" not in _problems("gradient_accumulation_steps: 1\n")

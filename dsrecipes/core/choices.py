@@ -154,6 +154,13 @@ class DpoLoss(str, Enum):
     simpo = "simpo"  # SimPO: no reference model; per-token average log-probs and a target margin (simpo_gamma)
 
 
+class LossAverage(str, Enum):
+    """How objective=sft averages an optimizer step's loss over its micro-batches and ranks (rank/train.py)."""
+
+    tokens = "tokens"  # over every trained token of the step, all micro-batches and ranks (transformers' Trainer)
+    micro_batches = "micro_batches"  # the mean of the micro-batch means (DeepSpeed's plain averaging)
+
+
 class ReferenceMode(str, Enum):
     precomputed = "precomputed"  # reference log-probs computed once before training, cached with the prepared data
     live = "live"  # a frozen reference model next to the trained one (LoRA: the base with adapters disabled)

@@ -17,6 +17,7 @@ from dsrecipes.core.choices import DatasetFormat as DatasetFormat
 from dsrecipes.core.choices import Device as Device
 from dsrecipes.core.choices import DpoLoss as DpoLoss
 from dsrecipes.core.choices import LauncherKind as LauncherKind
+from dsrecipes.core.choices import LossAverage as LossAverage
 from dsrecipes.core.choices import NanPolicy as NanPolicy
 from dsrecipes.core.choices import ObjectiveKind as ObjectiveKind
 from dsrecipes.core.choices import OffloadDevice as OffloadDevice
@@ -328,6 +329,7 @@ class ObjectiveConfig:
     reward_model: Optional[str] = None  # grpo: a sequence-classification model directory (objective=reward export)
     reward_model_weight: float = 1.0  # grpo: the reward model's weight in the sum
     center_rewards_coefficient: Optional[float] = None  # reward: weight of mean((r_chosen + r_rejected)^2) (TRL's)
+    loss_average: LossAverage = LossAverage.tokens  # sft: each trained token of a step weighs the same (rank/train.py)
 
 
 @dataclass
@@ -385,16 +387,7 @@ RETIRED_KEYS: Dict[str, str] = {
 
 # Group name -> schema, used by the ConfigStore registration and by `dsrecipes ls`.
 GROUP_SCHEMAS: Dict[str, Any] = {
-    "data": DataConfig,
-    "dataset": DatasetConfig,
-    "model": ModelConfig,
-    "template": TemplateConfig,
-    "zero": ZeroConfig,
-    "offload": OffloadConfig,
-    "precision": PrecisionConfig,
-    "optimizer": OptimizerConfig,
-    "scheduler": SchedulerConfig,
-    "trainer": TrainerConfig,
-    "objective": ObjectiveConfig,
-    "launcher": LauncherConfig,
+    "data": DataConfig, "dataset": DatasetConfig, "model": ModelConfig, "template": TemplateConfig, "zero": ZeroConfig,
+    "offload": OffloadConfig, "precision": PrecisionConfig, "optimizer": OptimizerConfig,
+    "scheduler": SchedulerConfig, "trainer": TrainerConfig, "objective": ObjectiveConfig, "launcher": LauncherConfig,
 }

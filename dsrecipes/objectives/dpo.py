@@ -74,6 +74,7 @@ class DPO(PerPairLoss):
     label_smoothing: float
     gamma: float = 0.0  # objective.simpo_gamma (loss=simpo)
     kind: ObjectiveKind = ObjectiveKind.dpo
+    step_tokens: bool = False  # a mean per micro-batch (objectives/base.py)
     row_kind: RowKind = RowKind.pair
     train_keys: Tuple[str, ...] = PAIR_SUMS
     eval_keys: Tuple[str, ...] = ("loss_sum",) + PAIR_SUMS

@@ -53,6 +53,7 @@ class GRPO:
     parts: Tuple[str, ...]
     log_every: int = 10
     kind: ObjectiveKind = ObjectiveKind.grpo
+    step_tokens: bool = False  # a mean per micro-batch (objectives/base.py)
     row_kind: RowKind = RowKind.prompt
     train_keys: Tuple[str, ...] = SUMS
     eval_keys: Tuple[str, ...] = SUMS

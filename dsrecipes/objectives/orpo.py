@@ -37,6 +37,7 @@ class ORPO:
     pad_id: int
     beta: float  # lambda: the weight of the odds-ratio term
     kind: ObjectiveKind = ObjectiveKind.orpo
+    step_tokens: bool = False  # a mean per micro-batch (objectives/base.py)
     row_kind: RowKind = RowKind.pair
     train_keys: Tuple[str, ...] = SUMS
     eval_keys: Tuple[str, ...] = SUMS

@@ -33,6 +33,7 @@ class Reward(PerPairLoss):
     pad_id: int
     center: Optional[float] = None  # objective.center_rewards_coefficient
     kind: ObjectiveKind = ObjectiveKind.reward
+    step_tokens: bool = False  # a mean per micro-batch (objectives/base.py)
     row_kind: RowKind = RowKind.pair
     train_keys: Tuple[str, ...] = SUMS
     eval_keys: Tuple[str, ...] = ("loss_sum",) + SUMS

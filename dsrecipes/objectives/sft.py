@@ -8,8 +8,9 @@ real sample; with right padding and causal attention no real token sees it anywa
 sample get an ordinary 0/1 `attention_mask`. An empty micro-batch (its samples were all dropped) becomes one pad
 token that trains nothing, so every rank keeps the same number of forward/backward calls.
 
-Loss. A micro-batch's loss is the mean cross-entropy over its predicted tokens (shifted labels != -100, packing
-boundaries excluded: `token_sums`). Evaluation returns sums (loss sum, predicted tokens, tokens whose argmax is the
+Loss. The cross-entropy summed over a micro-batch's predicted tokens (shifted labels != -100, packing boundaries
+excluded: `token_sums`), divided by the number of predicted tokens of the whole optimizer step, on every rank
+(`objective.loss_average=tokens`, the default: rank/step_tokens.py), or by the micro-batch's own (`micro_batches`). Evaluation returns sums (loss sum, predicted tokens, tokens whose argmax is the
 label), reported as the token-weighted `eval_loss`, `eval_ppl`, `eval_accuracy` and `eval_tokens` (`EvalResult`).
 With `trainer.ce_chunk_tokens` > 0 the same sums come without the full-vocabulary logits (objectives/chunked_ce.py;
 liger-kernel's fused linear cross-entropy for the training loss where installed, on CUDA); 0 takes them on the logits.
@@ -23,7 +24,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from dsrecipes.core.schema import ObjectiveKind, RowKind, TrainConfig
+from dsrecipes.core.schema import LossAverage, ObjectiveKind, RowKind, TrainConfig
 from dsrecipes.objectives.base import IGNORE_INDEX, Batch, Row, pad_token_id
 from dsrecipes.objectives.chunked_ce import fused_loss_sum, hidden_and_head, token_nll
 
@@ -65,13 +66,19 @@ class SFT:
     train_keys: Tuple[str, ...] = ()
     eval_keys: Tuple[str, ...] = ("loss_sum", "tokens", "correct")
     chunk_tokens: int = 0  # trainer.ce_chunk_tokens (0: full logits)
+    step_tokens: bool = True  # objective.loss_average=tokens: the loss is weighted by the step's token count
+
 
     def collate(self, rows: List[Row]) -> Batch:
         return collate(rows or [placeholder_row(self.pad_id)], self.pad_id)
 
     def loss(self, model: Any, batch: Batch, device: torch.device) -> Tuple[torch.Tensor, Dict[str, Any]]:
-        loss, _ = micro_batch_loss(model, batch, device, self.chunk_tokens)
-        return loss, {}
+        weight = batch.get("token_weight")
+        if weight is None:  # objective.loss_average=micro_batches (or a batch outside the loop: batch_probe.py)
+            loss, _ = micro_batch_loss(model, batch, device, self.chunk_tokens)
+            return loss, {}
+        loss_sum, _ = batch_sums(model, batch, device, self.chunk_tokens)
+        return loss_sum * weight, {}
 
     def eval_sums(self, model: Any, batch: Batch, device: torch.device) -> Dict[str, float]:
         loss_sum, tokens, correct = batch_sums(model, batch, device, self.chunk_tokens,
@@ -88,7 +95,8 @@ class SFT:
 
 
 def build(cfg: TrainConfig, tokenizer: Any) -> SFT:
-    return SFT(pad_token_id(tokenizer), chunk_tokens=cfg.trainer.ce_chunk_tokens)
+    return SFT(pad_token_id(tokenizer), chunk_tokens=cfg.trainer.ce_chunk_tokens,
+               step_tokens=cfg.objective.loss_average is LossAverage.tokens)
 
 
 def placeholder_row(pad_id: int) -> Row:
@@ -106,7 +114,7 @@ def collate(rows: Sequence[Mapping[str, Any]], pad_id: int, *, packing: Optional
 
     Returns tensors `input_ids`, `labels`, `position_ids` (int64, [batch, longest row]), `attention_mask`
     (None when packing), plus `ids` (flat list of the sample ids in the batch), `num_tokens` (real tokens) and
-    `num_label_tokens` (labels that count in the shifted causal-LM loss). `packing=None` decides from the rows.
+    `num_label_tokens` (the predicted tokens the loss counts: `shifted_labels`). `packing=None` decides from the rows.
     """
     if not rows:
         raise ValueError("collate: empty batch")
@@ -137,7 +145,7 @@ def collate(rows: Sequence[Mapping[str, Any]], pad_id: int, *, packing: Optional
         "attention_mask": attention_mask,
         "ids": ids,
         "num_tokens": num_tokens,
-        "num_label_tokens": int((labels[:, 1:] != IGNORE_INDEX).sum()),
+        "num_label_tokens": int((shifted_labels(labels, position_ids) != IGNORE_INDEX).sum()),
     }
 
 

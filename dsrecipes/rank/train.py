@@ -5,11 +5,12 @@ the session and ends it.
 Objective. What a micro-batch is, its loss and the evaluation belong to the run's objective (`objective=sft`;
 dsrecipes/objectives/base.py says the contract); this loop only calls it.
 
-Loss weighting. A micro-batch's loss is the objective's mean over that micro-batch (SFT: the mean cross-entropy over
-its predicted tokens, objectives/sft.py). DeepSpeed divides each micro-batch loss by `grad_accum` and averages
-gradients over ranks, so one optimizer step minimises the plain mean of its `grad_accum x world_size` micro-batch
-means: every micro-batch weighs the same, whatever its number of trained tokens. (Token-exact weighting would need
-the step's global token count before the first backward.) Logged `loss` is that same mean over the log window.
+Loss weighting. With `objective.loss_average=tokens` (SFT's default) each trained token of an optimizer step weighs
+the same across its `grad_accum` micro-batches and the ranks (step_tokens.py: the step's token count is summed over
+the ranks before its first backward); the logged `loss` is then the mean over the log window's steps of each step's
+token mean. With `micro_batches` (and for the preference objectives, whose loss is a mean per pair) a micro-batch's
+loss is its own mean; DeepSpeed divides it by `grad_accum` and averages gradients over ranks, so every micro-batch
+weighs the same whatever its number of trained tokens, and `loss` is the mean of the micro-batch means.
 
 Stopping. Every rank holds the run directory's rank lock while it runs (rundir.rank_lock). At each step boundary the
 ranks agree (step_guard.py) whether a loss was non-finite (the step is never applied: `trainer.nan_policy`) and
@@ -45,6 +46,7 @@ from dsrecipes.rank.export import export_checkpoint
 from dsrecipes.rank.selection import Verdict
 from dsrecipes.rank.session import Session, start
 from dsrecipes.rank.step_guard import StepGuard, discard_step, nonfinite
+from dsrecipes.rank.step_tokens import weigh_steps
 from dsrecipes.rank.step_window import Window
 
 
@@ -98,6 +100,8 @@ def loop(s: Session) -> None:
     engine.train()
     ended = state.step >= total or state.selection.get("stopped")  # (a resumed run that stopped early: ends)
     batches = micro_batches(s.train_loader, state) if not ended else ()
+    if s.objective.step_tokens:  # objective.loss_average=tokens: each token of a step weighs the same
+        batches = weigh_steps(batches, engine.gradient_accumulation_steps(), s.plan.world_size)
     for batch in batches:
         closes_step = engine.is_gradient_accumulation_boundary()
         loss, batch["sums"] = s.objective.loss(engine, batch, engine.device)
