@@ -131,3 +131,22 @@ def test_a_pipeline_takes_trust_checkpoint_for_a_reward_model_someone_else_wrote
     assert main(["pipeline", str(path), "--out", str(out), "--trust-checkpoint", str(foreign)]) == 0
     assert [s[0] for s in seen] == [True, True], seen
     assert seen[0][1].endswith(f"pipeline {path} --out {out} --trust-checkpoint {foreign.resolve()}"), seen
+
+
+@pytest.mark.parametrize("override, says", [
+    ("dataset.split.shares=2,4,4", "dataset.split.shares: share names and weights, "
+                                   "e.g. '++dataset.split.shares={sft:2,reward:4,rl:4}'"),
+    ("dataset.split.shares={sft:2,reward:4,rl:4}", "dataset.split.shares is a mapping: set its keys with "
+                                                   "++dataset.split.shares=VALUE"),
+    ("data_split=2,4,4", "data_split: unknown key (keys of the config: data, dataset,"),
+    ("trainer.max_steps=1,2", "trainer.max_steps: a comma separates list items or sweep values: "
+                              "trainer.max_steps=[a,b] (a list)"),
+])
+def test_a_data_split_written_as_deepspeed_chat_writes_it_names_the_key_and_the_spelling(make_cfg, override, says):
+    """`--data_split 2,4,4` typed as an override: Hydra said 'Ambiguous value for argument' (no key of ours, no
+    spelling that works), and `dataset.split.shares={...}` was told 'dataset.split is a mapping: add a key to it with
+    +dataset.split.shares=VALUE' (the parent, for a key that exists)."""
+    with pytest.raises(UserError) as err:
+        make_cfg(override, check_files=False)
+    assert err.value.problems[0].startswith(says), err.value.problems
+    assert f"[from command-line override '{override}']" in err.value.problems[0]

@@ -33,7 +33,7 @@ def explain(exc: BaseException, overrides: Sequence[str], fallback: str) -> str:
     chain = list(_chain(exc))
     context = _context(chain)
     for rule in (_long_number, _no_such_name, _number_option, _bad_override, _yaml_error, _missing_option, _unknown_group,
-                 _unknown_key, _bad_value):
+                 _ambiguous, _unknown_key, _bad_value):
         text = rule(chain, list(overrides))
         if text and context and not text.startswith(context):
             return f"{_at_line(context, text.split(':', 1)[0])}: {text}"
@@ -319,13 +319,20 @@ def _unknown_key(chain: List[BaseException], overrides: List[str]) -> str:
 
     if typed in RETIRED_KEYS:
         return f"{typed}: {RETIRED_KEYS[typed]}{blame}"
+    if "." in typed and "is not in struct" in str(key_error.msg) and key_error.object_type is dict:
+        if str(key_error.full_key).startswith(typed + "."):  # `KEY={a:1}`: Hydra merges into KEY, which is empty
+            example = f" ({SPLIT_EXAMPLE})" if typed == "dataset.split.shares" else ""
+            return f"{typed} is a mapping: set its keys with ++{typed}=VALUE{example}{blame}"
+        return f"{typed.rpartition('.')[0]} is a mapping: add a key to it with +{typed}=VALUE{blame}"
+    return _unknown(typed, overrides, blame)
+
+
+def _unknown(typed: str, overrides: List[str], blame: str) -> str:
+    """An unknown key: another tool's (LLaMA-Factory's) key with our spelling, else the closest keys."""
     renamed = typed in FROM_OTHER_TOOLS or isinstance(FOREIGN_RULES.get(typed), str)  # "did you mean" below
     foreign = foreign_key(typed, _given(typed, overrides)) if "." not in typed and not renamed else None
     if foreign:  # `stage=dpo`, `do_train=true`: LLaMA-Factory's key, with our spelling or why it is not needed
         return f"{typed}: {foreign}{blame}"
-    if "is not in struct" in str(key_error.msg) and key_error.object_type is dict:
-        parent = typed.rpartition(".")[0]
-        return f"{parent} is a mapping: add a key to it with +{typed}=VALUE{blame}"
     keys = schema_keys()
     hint = phrase(full_key(typed, keys))
     if not hint:  # nothing close: name what the parent holds
@@ -333,6 +340,24 @@ def _unknown_key(chain: List[BaseException], overrides: List[str]) -> str:
         siblings = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent]
         hint = f" (keys of {parent or 'the config'}: {', '.join(siblings)})" if siblings else ""
     return f"{typed}: unknown key{hint}{blame}"
+
+
+SPLIT_EXAMPLE = "e.g. '++dataset.split.shares={sft:2,reward:4,rl:4}', DeepSpeed-Chat's --data_split 2,4,4"
+
+
+def _ambiguous(chain: List[BaseException], overrides: List[str]) -> str:
+    """`KEY=a,b` (Hydra: "Ambiguous value"): an unknown KEY is said as one; a known one with how to write it."""
+    found = next((m for m in (re.match(r"Ambiguous value for argument '([^'=]+)=", str(e)) for e in chain) if m), None)
+    if found is None:
+        return ""
+    key, keys = found.group(1).lstrip("+~"), schema_keys()
+    blame = _blame(key, overrides)
+    if key not in keys and key not in group_names():
+        return _unknown(key, overrides, blame)
+    if key in ("dataset.split", "dataset.split.shares"):
+        return f"dataset.split.shares: share names and weights, {SPLIT_EXAMPLE}{blame}"
+    return (f"{key}: a comma separates list items or sweep values: {key}=[a,b] (a list), {key}='a,b' (text), "
+            f"dsrecipes -m {key}=a,b (a sweep){blame}")
 
 
 def full_key(typed: str, keys: Sequence[str]) -> List[str]:
