@@ -58,3 +58,16 @@ def test_max_steps_wins_over_num_train_epochs_in_the_translated_file_whatever_th
     recipe.write_text("max_steps: -1\n")
     ours = _error(capsys, "validate", f"recipe={recipe}").split("in our keys")[1].split("\n", 1)[1]
     assert ours == "trainer.max_steps: null\ntrainer.epochs: 3\n", ours
+
+
+def test_a_key_only_another_objective_reads_is_refused_not_ignored(capsys):
+    """A TRL DPOConfig/GRPOConfig file says its objective by the trainer, not by a key: translated, its beta and
+    loss_type (objective.beta, objective.loss) without `objective: dpo` trained SFT and read neither. Now each such
+    key names the objectives that read it (config/objective_rules.READ_BY)."""
+    err = _error(capsys, "validate", "objective.beta=0.3", "objective.loss=ipo")
+    assert "objective.beta: only objective=dpo or objective=orpo or objective=grpo reads it, and this run is " \
+           "objective=sft (the default)" in err, err
+    assert "objective.loss: only objective=dpo reads it" in err, err
+    err = _error(capsys, "validate", "objective=dpo", "dataset=sample_pairs", "objective.num_generations=8")
+    assert "objective.num_generations: only objective=grpo reads it, and this run is objective=dpo:" in err, err
+    assert main(["validate", "objective=dpo", "dataset=sample_pairs", "objective.beta=0.3", "objective.loss=ipo"]) == 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Tuple
 
-from dsrecipes.core.schema import DpoLoss, ObjectiveKind, ReferenceMode, RowKind, TrainConfig
+from dsrecipes.core.schema import DpoLoss, ObjectiveConfig, ObjectiveKind, ReferenceMode, RowKind, TrainConfig
 from dsrecipes.data.strategies.rules import caches_reference, carries_pairs
 from dsrecipes.objectives.base import reference_mode
 
@@ -91,6 +91,31 @@ def _reward(cfg: TrainConfig) -> List[str]:
     return errors
 
 
+_K = ObjectiveKind
+# The objective keys only some objectives read. One set away from its default under another objective is refused: a
+# TRL DPO or GRPO file translated without `objective: dpo|grpo` (TRL picks the trainer, not a key) would else train
+# SFT with its beta, loss and num_generations unread. (Not here: objective.reference=live and
+# objective.label_smoothing, harmless elsewhere, which tests set across objectives.)
+READ_BY: Dict[str, Tuple[ObjectiveKind, ...]] = {
+    "beta": (_K.dpo, _K.orpo, _K.grpo), "loss": (_K.dpo,), "simpo_gamma": (_K.dpo,),
+    "num_generations": (_K.grpo,), "max_completion_length": (_K.grpo,), "temperature": (_K.grpo,),
+    "epsilon": (_K.grpo,), "rewards": (_K.grpo,), "reward_model": (_K.grpo,), "reward_model_weight": (_K.grpo,),
+    "center_rewards_coefficient": (_K.reward,),
+}
+
+
+def _unread(cfg: TrainConfig) -> List[str]:
+    default, errors = ObjectiveConfig(), []
+    for key, kinds in READ_BY.items():
+        value = getattr(cfg.objective, key)
+        if cfg.objective.kind not in kinds and value != getattr(default, key):
+            readers = " or ".join(f"objective={kind.value}" for kind in kinds)
+            default_kind = " (the default)" if cfg.objective.kind is default.kind else ""
+            errors.append(f"objective.{key}: only {readers} reads it, and this run is {_name(cfg)}{default_kind}: "
+                          f"choose the objective (objective={kinds[0].value}), or drop objective.{key}")
+    return errors
+
+
 ROW_RULES: Dict[RowKind, Tuple[Rule, ...]] = {
     RowKind.conversation: (),
     RowKind.pair: (_pairs_carried, _whole_pairs),
@@ -108,5 +133,5 @@ RULES: Dict[ObjectiveKind, Tuple[Rule, ...]] = {
 
 def objective_problems(cfg: TrainConfig) -> List[str]:
     """Every objective rule `cfg` breaks: its rows' rules, then its own."""
-    rules = ROW_RULES.get(cfg.objective.rows, ()) + RULES.get(cfg.objective.kind, ())
+    rules = (_unread,) + ROW_RULES.get(cfg.objective.rows, ()) + RULES.get(cfg.objective.kind, ())
     return [problem for rule in rules for problem in rule(cfg)]
