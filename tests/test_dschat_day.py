@@ -150,3 +150,36 @@ def test_a_data_split_written_as_deepspeed_chat_writes_it_names_the_key_and_the_
         make_cfg(override, check_files=False)
     assert err.value.problems[0].startswith(says), err.value.problems
     assert f"[from command-line override '{override}']" in err.value.problems[0]
+
+
+def test_a_reward_models_new_score_head_report_goes_to_the_log_not_the_console(model_dir, make_cfg, tmp_path,
+                                                                               monkeypatch):
+    """Step 2 from an SFT export: transformers logs a LOAD REPORT table (with terminal escapes, also in a CI log)
+    for the new `score.weight`, twice per run (the model, then the export), on the console the README keeps free of
+    third-party noise. It is expected (objective=reward trains that head): now kept in the run's log; a report of
+    anything else is still shown."""
+    import logging
+
+    import torch
+
+    from dsrecipes.core.console import quiet_third_party
+    from dsrecipes.modeling.model import load_pretrained, new_head_kept_in_log
+
+    for var in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
+        monkeypatch.setenv(var, "1")
+    shown, logger = [], logging.getLogger("transformers.modeling_utils")
+    handler = logging.Handler()
+    handler.emit = lambda record: shown.append(record.getMessage())
+    logger.addHandler(handler)
+    log = tmp_path / "main.log"
+    quiet_third_party(log)
+    try:
+        cfg = make_cfg("debug=fast", "objective=reward", "dataset=sample_pairs", f"model.path={model_dir}")
+        load_pretrained(cfg, torch.float32, None)
+        with new_head_kept_in_log(True):
+            logger.warning("LlamaForCausalLM LOAD REPORT from: x\nKey | Status |\nlm_head.weight | MISSING |")
+    finally:
+        quiet_third_party(None)
+        logger.removeHandler(handler)
+    assert "score.weight" in log.read_text() and not any("score.weight" in m for m in shown), shown
+    assert any("lm_head.weight | MISSING" in m for m in shown)

@@ -115,6 +115,11 @@ def quiet_third_party(path: Optional[Path]) -> None:
         warnings.showwarning = _WarningRouter(warnings.showwarning)
 
 
+def keep_in_log(text: str) -> None:
+    """A third-party message this process recognised as noise: to its log file (quiet_third_party), not the console."""
+    _SINK.write(text)
+
+
 def current_log() -> Optional[Path]:
     """The log file this process keeps third-party noise in (quiet_third_party), if any yet."""
     return _SINK.path

@@ -6,14 +6,17 @@ The loss lives with the objective (dsrecipes/objectives/).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import logging
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from dsrecipes.core.choices import ALL_LINEAR
+from dsrecipes.core.console import keep_in_log
 from dsrecipes.core.errors import UserError, no_custom_code
 from dsrecipes.core.schema import ObjectiveKind, Precision, TrainConfig
 from dsrecipes.core.tokenizer import load_tokenizer, quantization_problems, tokenizer_dir  # noqa: F401 (the model's tokenizer, re-exported)
@@ -141,7 +144,7 @@ def load_pretrained(cfg: TrainConfig, dtype: torch.dtype, ds_config: Optional[Di
         auto, head = AutoModelForSequenceClassification, {"num_labels": 1}
         if tokenizer is not None:
             head["pad_token_id"] = tokenizer.pad_token_id
-    with no_custom_code("model.path", str(cfg.model.path)):
+    with no_custom_code("model.path", str(cfg.model.path)), new_head_kept_in_log(bool(head)):
         return auto.from_pretrained(
             cfg.model.path,
             **head,
@@ -150,6 +153,29 @@ def load_pretrained(cfg: TrainConfig, dtype: torch.dtype, ds_config: Optional[Di
             trust_remote_code=False,
             use_safetensors=True,  # never a pickle from a model directory (pickled_weights_problem)
         )
+
+
+@contextlib.contextmanager
+def new_head_kept_in_log(scalar: bool) -> Iterator[None]:
+    """transformers' LOAD REPORT of a reward model's new score head (`score.weight | MISSING`: expected, it is what
+    objective=reward trains) goes to the run's log (core/console), not the console; any other report is shown."""
+    logger = logging.getLogger("transformers.modeling_utils")
+
+    def only_the_new_head(record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        rows = [r.split("|") for r in text.splitlines() if r.count("|") >= 2 and not r.startswith(("Key", "-"))]
+        expected = "LOAD REPORT" in text and rows and all(
+            k.strip().startswith("score.") and v.strip() == "MISSING" for k, v, *_ in rows)
+        if expected:
+            keep_in_log(text)
+        return not expected
+
+    if scalar:
+        logger.addFilter(only_the_new_head)
+    try:
+        yield
+    finally:
+        logger.removeFilter(only_the_new_head)
 
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
