@@ -111,13 +111,15 @@ def test_loss_and_advantages_equal_trl(beta, temperature):
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
 
 
-def test_token_normalisation_with_accumulation_is_per_micro_batch_as_documented():
+def test_token_normalisation_with_accumulation_equals_trl_and_micro_batches_is_as_documented():
     """grad_accum 2 (one process): TRL normalises every micro-batch by the completion tokens of the whole generation
-    batch (N), so its step loss is sum(token losses) / N; ours is the mean of the micro-batch losses L_m (each over
-    its own N_m tokens: DeepSpeed divides by grad_accum). The README states the relation checked here with TRL's own
-    `_compute_loss`: TRL = sum_m (N_m / N) L_m, ours = mean_m L_m - equal when the N_m are equal, not otherwise."""
+    batch (N), so its step loss is sum(token losses) / N. objective.loss_average=tokens (the default) does the same:
+    the loop's token weight is grad_accum / N (rank/step_tokens.py) and DeepSpeed divides each micro-batch by
+    grad_accum. With micro_batches each micro-batch is the mean over its own N_m tokens; the README states the
+    relation checked here with TRL's own `_compute_loss`: TRL = sum_m (N_m / N) L_m, ours = mean_m L_m."""
     from dsrecipes.objectives.grpo import GRPO
     from dsrecipes.objectives.grpo_loss import group_advantages, grpo_loss
+    from dsrecipes.rank.step_tokens import weigh_steps
 
     trainer, torch = _trl_trainer(0.0, 1.0, accum=2)
     prompts, completions, mask, rewards = _fixed_batch()
@@ -134,14 +136,18 @@ def test_token_normalisation_with_accumulation_is_per_micro_batch_as_documented(
                                             "advantages": advantages[h], "num_items_in_batch": total})
               for h in halves)
     ours = GRPO(0, 3, 6, 1.0, 0.2, 0.0, 0, ())
-    per_mb, tokens = [], []
-    for h in halves:
+    weights = [b["token_weight"] for b in weigh_steps([{"n": int(mask[h].sum())} for h in halves], 2, 1,
+                                                      lambda b: b["n"])]
+    per_mb, weighed, tokens = [], [], []
+    for h, weight in zip(halves, weights):
         logps, _ = ours.logps(_tiny_lm(), prompts[h], torch.ones_like(prompts[h]), completions[h], mask[h])
         per_mb.append(grpo_loss(logps, logps.detach(), None, advantages[h], mask[h], 0.2, 0.0)[0])
+        weighed.append(grpo_loss(logps, logps.detach(), None, advantages[h], mask[h], 0.2, 0.0, weight=weight)[0])
         tokens.append(mask[h].sum().float())
     assert tokens[0] != tokens[1]  # (26 and 24) equal counts would hide the difference
+    torch.testing.assert_close(sum(weighed) / 2, trl, rtol=1e-5, atol=1e-7)  # what a default step minimises
     torch.testing.assert_close(trl, sum(n / total * lm for n, lm in zip(tokens, per_mb)), rtol=1e-5, atol=1e-7)
-    step = sum(per_mb) / 2  # what one dsrecipes optimizer step minimises
+    step = sum(per_mb) / 2  # what one objective.loss_average=micro_batches step minimises
     assert abs(float(step.detach()) - float(trl.detach())) > 1e-4 * abs(float(trl.detach()))
 
 

@@ -19,10 +19,12 @@ import torch
 from dsrecipes.rank.step_tokens import weigh_steps
 from tests.test_train_runs import metrics, train_run
 
+LABELS = lambda batch: batch["num_label_tokens"]  # noqa: E731 (SFT's `tokens`: its collated count)
+
 
 def test_weigh_steps_gives_each_step_grad_accum_over_its_token_count():
     batches = [{"num_label_tokens": n} for n in (3, 5, 0, 0, 7)]  # steps of 2: 8 tokens, none, then 7 (short)
-    weighed = list(weigh_steps(batches, grad_accum=2, world_size=1))
+    weighed = list(weigh_steps(batches, grad_accum=2, world_size=1, count=LABELS))
     assert [b["token_weight"] for b in weighed] == [2 / 8, 2 / 8, 2.0, 2.0, 2 / 7]
 
 
@@ -46,7 +48,7 @@ def test_sft_loss_with_token_weights_gives_the_gradient_of_the_joint_batch(make_
         return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).clone()
 
     joint = grad([collate(rows, 0)])
-    weighed = grad(list(weigh_steps([collate([r], 0) for r in rows], grad_accum=2, world_size=1)))
+    weighed = grad(list(weigh_steps([collate([r], 0) for r in rows], grad_accum=2, world_size=1, count=LABELS)))
     means = grad([collate([r], 0) for r in rows])
     assert torch.allclose(weighed, joint, atol=1e-6, rtol=1e-4)
     assert not torch.allclose(means, joint, atol=1e-4, rtol=1e-2)

@@ -155,7 +155,7 @@ class DpoLoss(str, Enum):
 
 
 class LossAverage(str, Enum):
-    """How objective=sft averages an optimizer step's loss over its micro-batches and ranks (rank/train.py)."""
+    """How objective=sft and grpo average an optimizer step's loss over its micro-batches and ranks (rank/train.py)."""
 
     tokens = "tokens"  # over every trained token of the step, all micro-batches and ranks (transformers' Trainer)
     micro_batches = "micro_batches"  # the mean of the micro-batch means (DeepSpeed's plain averaging)

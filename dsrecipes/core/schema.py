@@ -329,7 +329,7 @@ class ObjectiveConfig:
     reward_model: Optional[str] = None  # grpo: a sequence-classification model directory (objective=reward export)
     reward_model_weight: float = 1.0  # grpo: the reward model's weight in the sum
     center_rewards_coefficient: Optional[float] = None  # reward: weight of mean((r_chosen + r_rejected)^2) (TRL's)
-    loss_average: LossAverage = LossAverage.tokens  # sft: each trained token of a step weighs the same (rank/train.py)
+    loss_average: LossAverage = LossAverage.tokens  # sft, grpo: each trained token of a step weighs the same (train.py)
 
 
 @dataclass

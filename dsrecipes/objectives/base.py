@@ -11,9 +11,10 @@ The training loop (train.py) and the loaders (data/strategies/) know nothing els
         is small and picklable (no model, no tokenizer).
     objective.loss(model, batch, device) -> (loss, sums)
         loss: the scalar this rank back-propagates for the micro-batch (a mean; DeepSpeed divides it by grad_accum).
-        An objective with `step_tokens` finds `batch["token_weight"]` set by the loop (rank/step_tokens.py): its
-        loss is then its sum over trained tokens times that weight, so each token of the optimizer step weighs the
-        same. `num_label_tokens` (collate) counts those tokens.
+        An objective with `step_tokens` has `tokens(model, batch, device) -> int`, the tokens its loss counts,
+        which the loop asks of every micro-batch of a step before the step's first backward (rank/step_tokens.py:
+        SFT reads its collated count, GRPO samples the completions there); it then finds `batch["token_weight"]`
+        and its loss is its sum over those tokens times that weight: each token of the step weighs the same.
         sums: {name: 0-dim tensor} for every name in `train_keys`: per-micro-batch SUMS (never means) of what the
         objective reports besides the loss, e.g. pairs and correctly ranked pairs. No device sync is needed.
     objective.eval_sums(model, batch, device) -> {name: float} for every name in `eval_keys`, again SUMS over the
@@ -44,7 +45,7 @@ class Objective(Protocol):
     row_kind: RowKind  # the rows it trains on; its option file declares the same (`objective.rows`)
     train_keys: Tuple[str, ...]
     eval_keys: Tuple[str, ...]
-    step_tokens: bool  # True: the loop sets each micro-batch's `token_weight` (rank/step_tokens.py) for `loss`
+    step_tokens: bool  # True: the loop asks each micro-batch's `tokens` and sets its `token_weight` for `loss`
 
     def collate(self, rows: List[Row]) -> Batch: ...
 

@@ -1,7 +1,8 @@
 """`objective=grpo`: Group Relative Policy Optimization (online RL) on prompt rows (`rows=prompt`).
 
-Each micro-batch step, on each rank, for each of its prompts (`collate`: left-padded prompt ids, the reference
-answers, the sample ids):
+For each micro-batch, on each rank, for each of its prompts (`collate`: left-padded prompt ids, the reference
+answers, the sample ids); with objective.loss_average=tokens (the default) steps 1-2 run for all of an optimizer
+step's micro-batches before its first backward (`tokens`, rank/step_tokens.py), as TRL's generation batch:
 1. `objective.num_generations` completions are sampled by the policy (grpo_generate.py: one seed per completion
    from (trainer.seed, epoch, the prompt's position, completion index: `seed_keys`), so resume and elastic resume
    sample exactly the same;
@@ -30,7 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from dsrecipes.core.schema import ObjectiveKind, RowKind, TrainConfig
+from dsrecipes.core.schema import LossAverage, ObjectiveKind, RowKind, TrainConfig
 from dsrecipes.objectives.base import Batch, Row, pad_token_id, ratio
 from dsrecipes.objectives.grpo_generate import completion_seed, gathered, sample, stop_ids
 from dsrecipes.objectives.grpo_loss import group_advantages, grpo_loss, token_logps
@@ -53,7 +54,7 @@ class GRPO:
     parts: Tuple[str, ...]
     log_every: int = 10
     kind: ObjectiveKind = ObjectiveKind.grpo
-    step_tokens: bool = False  # a mean per micro-batch (objectives/base.py)
+    step_tokens: bool = True  # objective.loss_average=tokens: `tokens` samples before the step's first backward
     row_kind: RowKind = RowKind.prompt
     train_keys: Tuple[str, ...] = SUMS
     eval_keys: Tuple[str, ...] = SUMS
@@ -85,6 +86,12 @@ class GRPO:
         self.stops = stop_ids(tokenizer)
         self.rewards = Rewards(cfg, getattr(engine, "device", None))
 
+    def tokens(self, model: Any, batch: Batch, device: torch.device) -> int:
+        """Before the step's first backward (rank/step_tokens.py): sample and score the micro-batch's completions
+        (kept in the batch for `loss`); the completion tokens its loss counts (none for a placeholder prompt)."""
+        batch["rollout"] = self.sample_and_score(model, batch, device, int(batch.get("epoch", 0)))
+        return int(batch["rollout"]["mask"].sum()) if batch["real"] else 0
+
     def loss(self, model: Any, batch: Batch, device: torch.device) -> Tuple[torch.Tensor, Dict[str, Any]]:
         loss, sums, shown = self.rollout(model, batch, device, int(batch.get("epoch", 0)), train=True)
         step = int(getattr(self.engine, "global_steps", 0)) + 1
@@ -108,11 +115,8 @@ class GRPO:
         out.update({f"{prefix}reward_{p}": ratio(sums[f"reward_{p}"], n) for p in self.parts})
         return out
 
-    def rollout(self, model: Any, batch: Batch, device: torch.device, epoch: int, train: bool
-                ) -> Tuple[torch.Tensor, Dict[str, Any], List[Dict[str, Any]]]:
-        """(loss, sums, a few shown completions) of one micro-batch: sample, reward, advantages, loss. Evaluation
-        without the KL term (objective.beta = 0) reports rewards only and skips the log-prob forward (every rank
-        alike)."""
+    def sample_and_score(self, model: Any, batch: Batch, device: torch.device, epoch: int) -> Dict[str, Any]:
+        """Sample `num_generations` completions per prompt (no gradient) and score them: rewards and advantages."""
         g = self.num_generations
         prompts = batch["prompt_ids"].to(device).repeat_interleave(g, dim=0)
         prompt_mask = batch["prompt_mask"].to(device).repeat_interleave(g, dim=0)
@@ -125,9 +129,25 @@ class GRPO:
         parts = self.rewards.parts(prompt_texts, texts, refs)
         rewards = sum(torch.tensor(v, dtype=torch.float32) * self.rewards.weights[k] for k, v in parts.items())
         advantages, std = group_advantages(rewards, g)
+        return {"prompts": prompts, "prompt_mask": prompt_mask, "completions": completions, "mask": mask,
+                "seconds": seconds, "texts": texts, "prompt_texts": prompt_texts, "refs": refs, "parts": parts,
+                "rewards": rewards, "advantages": advantages, "std": std}
+
+    def rollout(self, model: Any, batch: Batch, device: torch.device, epoch: int, train: bool
+                ) -> Tuple[torch.Tensor, Dict[str, Any], List[Dict[str, Any]]]:
+        """(loss, sums, a few shown completions) of one micro-batch: sample, reward, advantages (sampled already
+        where the loop asked for the step's `tokens`), loss. Evaluation without the KL term (objective.beta = 0)
+        reports rewards only and skips the log-prob forward (every rank alike)."""
+        g = self.num_generations
+        r = batch.pop("rollout", None) if train else None
+        r = r if r is not None else self.sample_and_score(model, batch, device, epoch)
+        prompts, prompt_mask, completions, mask = r["prompts"], r["prompt_mask"], r["completions"], r["mask"]
+        texts, prompt_texts, refs, parts = r["texts"], r["prompt_texts"], r["refs"], r["parts"]
+        rewards, advantages, std, seconds = r["rewards"], r["advantages"], r["std"], r["seconds"]
         if train or self.beta != 0.0:
             logps, ref = self.logps(model, prompts, prompt_mask, completions, mask)
-            loss, kl = grpo_loss(logps, logps.detach(), ref, advantages.to(device), mask, self.epsilon, self.beta)
+            loss, kl = grpo_loss(logps, logps.detach(), ref, advantages.to(device), mask, self.epsilon, self.beta,
+                                 weight=batch.get("token_weight") if train else None)
         else:
             loss = kl = torch.zeros((), device=device)
         groups = rewards.view(-1, g)
@@ -194,7 +214,7 @@ def build(cfg: TrainConfig, tokenizer: Any) -> GRPO:
     o = cfg.objective
     return GRPO(pad_token_id(tokenizer), o.num_generations, o.max_completion_length, o.temperature, o.epsilon,
                 o.beta, cfg.trainer.seed, tuple(part_names(cfg)), log_every=cfg.trainer.log_every,
-                run_dir=cfg.trainer.output_dir)
+                run_dir=cfg.trainer.output_dir, step_tokens=cfg.objective.loss_average is LossAverage.tokens)
 
 
 def seed_keys(batch: Batch) -> List[str]:

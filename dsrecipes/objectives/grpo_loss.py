@@ -8,10 +8,10 @@
         TRL `_compute_loss` with its default loss_type="dapo", importance_sampling_level="token", epsilon_low =
         epsilon_high = epsilon: ratio = exp(logp - old logp); per token -min(ratio A, clip(ratio, 1-eps, 1+eps) A),
         plus beta (exp(ref - logp) - (ref - logp) - 1) when beta > 0; the loss is the sum over completion tokens
-        divided by the number of completion tokens. TRL divides by the tokens of the whole generation batch (all
-        processes and accumulation steps); here each micro-batch is its own generation batch, so the two agree
-        for one micro-batch on one process and the gradient differs by the token-count weighting otherwise (README,
-        "Token normalisation differs from TRL's": the formula; tests/test_grpo.py checks it with grad_accum 2).
+        divided by the completion tokens of the whole generation batch (all processes and accumulation steps), as
+        TRL: with objective.loss_average=tokens (the default) the loop samples a step's micro-batches before its
+        first backward and passes `weight` (rank/step_tokens.py); with micro_batches each micro-batch is divided by
+        its own tokens (README, "Token normalisation"; tests/test_grpo.py checks both with grad_accum 2).
 With one optimisation step per generation (TRL's num_iterations=1), old logp = logp.detach(): the ratio is 1 and
 the gradient is the advantage-weighted log-likelihood gradient.
 """
@@ -36,8 +36,10 @@ def token_logps(logits: torch.Tensor, completion_ids: torch.Tensor, temperature:
 
 
 def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: Optional[torch.Tensor],
-              advantages: torch.Tensor, mask: torch.Tensor, epsilon: float, beta: float
-              ) -> Tuple[torch.Tensor, torch.Tensor]:
+              advantages: torch.Tensor, mask: torch.Tensor, epsilon: float, beta: float,
+              weight: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(loss, mean KL per completion token). The loss is the sum over completion tokens divided by their number, or
+    times `weight` where given (the loop's `token_weight`: grad_accum x world over the whole step's tokens)."""
     adv = advantages.unsqueeze(1)
     ratio = torch.exp(logps - old_logps)
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon)
@@ -48,4 +50,5 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: Optional[
         per_token = per_token + beta * kl
     mask = mask.to(per_token.dtype)
     tokens = mask.sum().clamp(min=1.0)
-    return (per_token * mask).sum() / tokens, (kl.detach() * mask).sum() / tokens
+    total = (per_token * mask).sum()
+    return total / tokens if weight is None else total * weight, (kl.detach() * mask).sum() / tokens

@@ -72,6 +72,10 @@ class SFT:
     def collate(self, rows: List[Row]) -> Batch:
         return collate(rows or [placeholder_row(self.pad_id)], self.pad_id)
 
+    def tokens(self, model: Any, batch: Batch, device: torch.device) -> int:
+        """The predicted tokens the micro-batch's loss counts (rank/step_tokens.py): known from its collation."""
+        return int(batch["num_label_tokens"])
+
     def loss(self, model: Any, batch: Batch, device: torch.device) -> Tuple[torch.Tensor, Dict[str, Any]]:
         weight = batch.get("token_weight")
         if weight is None:  # objective.loss_average=micro_batches (or a batch outside the loop: batch_probe.py)

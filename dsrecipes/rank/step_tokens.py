@@ -6,8 +6,9 @@ DeepSpeed divides each micro-batch's loss by `grad_accum` and averages gradients
 micro-batch whose loss is its summed cross-entropy times `grad_accum * world_size / T`, where T counts the trained
 tokens of the whole step (every micro-batch, every rank), therefore contributes exactly its share of the step's
 token mean. T must be known before the step's first backward: `weigh_steps` reads the step's `grad_accum`
-micro-batches from the loader first (they are collated already; nothing more is computed), adds up their
-`num_label_tokens` and sums that over the ranks (one small all-reduce per step; none for a lone rank).
+micro-batches from the loader first, adds up the tokens each one's loss counts (the objective's `tokens`: SFT's
+collated `num_label_tokens`; GRPO samples and scores the completions there, all of the step's before its first
+backward, as TRL's generation batch) and sums that over the ranks (one small all-reduce per step; none alone).
 
 With `micro_batches`, each micro-batch's loss is its own token mean: a micro-batch of a few short answers weighs as
 much as one of long answers (the DeepSpeed-Chat way; the logged loss is then the mean of micro-batch means).
@@ -16,15 +17,17 @@ much as one of long answers (the DeepSpeed-Chat way; the logged loss is then the
 from __future__ import annotations
 
 from itertools import islice
-from typing import Any, Dict, Iterable, Iterator
+from typing import Any, Callable, Dict, Iterable, Iterator
 
 import torch
 
 from dsrecipes.core.distributed import all_reduce
 
 
-def weigh_steps(batches: Iterable[Dict[str, Any]], grad_accum: int, world_size: int) -> Iterator[Dict[str, Any]]:
-    """`batches` (the loop's micro-batches, each optimizer step's `grad_accum` in a row) with `token_weight` set:
+def weigh_steps(batches: Iterable[Dict[str, Any]], grad_accum: int, world_size: int,
+                count: Callable[[Dict[str, Any]], int]) -> Iterator[Dict[str, Any]]:
+    """`batches` (the loop's micro-batches, each optimizer step's `grad_accum` in a row) with `token_weight` set
+    (`count`: the tokens a micro-batch's loss counts, the objective's `tokens`):
     `grad_accum * world_size` over the step's trained tokens on every rank (at least 1: a step with none trains
     nothing). Collective per step when `world_size` > 1: every rank runs the same steps (the plan's guarantee)."""
     stream = iter(batches)
@@ -32,7 +35,7 @@ def weigh_steps(batches: Iterable[Dict[str, Any]], grad_accum: int, world_size: 
         step = list(islice(stream, grad_accum))
         if not step:
             return
-        tokens = torch.tensor([float(sum(int(b["num_label_tokens"]) for b in step))], dtype=torch.float64)
+        tokens = torch.tensor([float(sum(count(batch) for batch in step))], dtype=torch.float64)
         if world_size > 1:
             all_reduce(tokens)
         weight = grad_accum * world_size / max(float(tokens), 1.0)

@@ -8,7 +8,8 @@ dsrecipes/objectives/base.py says the contract); this loop only calls it.
 Loss weighting. With `objective.loss_average=tokens` (SFT's default) each trained token of an optimizer step weighs
 the same across its `grad_accum` micro-batches and the ranks (step_tokens.py: the step's token count is summed over
 the ranks before its first backward); the logged `loss` is then the mean over the log window's steps of each step's
-token mean. With `micro_batches` (and for the preference objectives, whose loss is a mean per pair) a micro-batch's
+token mean. GRPO likewise over completion tokens (its step's completions are sampled before the step's first backward). With
+`micro_batches` (and for the preference objectives, whose loss is a mean per pair) a micro-batch's
 loss is its own mean; DeepSpeed divides it by `grad_accum` and averages gradients over ranks, so every micro-batch
 weighs the same whatever its number of trained tokens, and `loss` is the mean of the micro-batch means.
 
@@ -101,7 +102,8 @@ def loop(s: Session) -> None:
     ended = state.step >= total or state.selection.get("stopped")  # (a resumed run that stopped early: ends)
     batches = micro_batches(s.train_loader, state) if not ended else ()
     if s.objective.step_tokens:  # objective.loss_average=tokens: each token of a step weighs the same
-        batches = weigh_steps(batches, engine.gradient_accumulation_steps(), s.plan.world_size)
+        batches = weigh_steps(batches, engine.gradient_accumulation_steps(), s.plan.world_size,
+                              lambda batch: s.objective.tokens(engine, batch, engine.device))
     for batch in batches:
         closes_step = engine.is_gradient_accumulation_boundary()
         loss, batch["sums"] = s.objective.loss(engine, batch, engine.device)
