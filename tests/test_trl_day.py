@@ -71,3 +71,19 @@ def test_a_key_only_another_objective_reads_is_refused_not_ignored(capsys):
     err = _error(capsys, "validate", "objective=dpo", "dataset=sample_pairs", "objective.num_generations=8")
     assert "objective.num_generations: only objective=grpo reads it, and this run is objective=dpo:" in err, err
     assert main(["validate", "objective=dpo", "dataset=sample_pairs", "objective.beta=0.3", "objective.loss=ipo"]) == 0
+
+
+def test_trl_implicit_prompt_pairs_prepare_as_the_same_pairs_with_an_explicit_prompt(tmp_path):
+    """TRL's preference rows without a `prompt` column (chosen/rejected whole conversations sharing their first
+    messages: RewardTrainer's usual rows, trl.data_utils.extract_prompt) stopped at line 1 with 'missing_conversation
+    (no 'prompt' field ...)'. Now the shared messages are the prompt, as TRL splits them."""
+    from tests.test_trl_rows import QUESTIONS, _assistant, _prepared, _same_rows, _user
+
+    system = [{"role": "system", "content": "Be brief."}]
+    explicit = [{"prompt": system + _user(q), "chosen": _assistant(f"It is {2 * i + 1}."),
+                 "rejected": _assistant("I do not know.")} for i, q in enumerate(QUESTIONS)]
+    implicit = [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"], "score_chosen": 9.0}
+                for r in explicit]
+    a = _prepared(tmp_path, "implicit", implicit, "objective=reward")
+    b = _prepared(tmp_path, "explicit", explicit, "objective=reward")
+    _same_rows(a, b, len(QUESTIONS))

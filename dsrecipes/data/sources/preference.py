@@ -7,7 +7,10 @@ Formats (per source, `format`):
 - `openai` (TRL conversational): `prompt`, `chosen`, `rejected` are message lists (`{"role", "content"}`); each
   answer list holds exactly one assistant message. A system message opening the prompt is its system prompt. TRL's
   standard (plain-text) rows are read too: a string `prompt` is one user turn, a string `chosen` / `rejected` one
-  assistant answer, rendered with the template like every other pair (TRL trains such rows untemplated).
+  assistant answer, rendered with the template like every other pair (TRL trains such rows untemplated). Without a
+  `prompt` column, `chosen` and `rejected` are whole conversations (TRL's implicit prompt, e.g. RewardTrainer's
+  chosen/rejected rows): their longest common prefix of messages is the prompt, the rest of each its answer, as
+  TRL's `extract_prompt` splits them.
 
 Every malformed pair is a bad row (counted by reason, `file:line`, quarantined or fatal per `dataset.bad_rows`,
 exactly like SFT rows): `missing_side` (no chosen / no rejected), `side_not_assistant` (an answer that is not one
@@ -73,6 +76,8 @@ def _pair(raw: Dict[str, Any], source: SourceConfig, roles: Dict[str, Role]) -> 
         raise BadRow(BadReason.missing_side, f"no {cols.chosen!r} and no {cols.rejected!r} answer: a pair row holds "
                                              "a prompt and a chosen and a rejected answer (an SFT conversation?)",
                      advice=prompt_advice(raw, source, PAIRS_READ) or NOT_A_PAIR)
+    if source.format is DatasetFormat.openai and cols.prompt not in raw:
+        raw = implicit_prompt(raw, source)
     conv = prompt_conversation(raw, source, roles)
     chosen, rejected = (_answer(raw, side, source, roles) for side in (cols.chosen, cols.rejected))
     if chosen == rejected:
@@ -82,6 +87,21 @@ def _pair(raw: Dict[str, Any], source: SourceConfig, roles: Dict[str, Role]) -> 
                                or not math.isfinite(margin)):
         raise BadRow(BadReason.bad_value, f"margin must be a finite number, got {margin!r}")
     return Pair(conv, chosen, rejected, None if margin is None else float(margin))
+
+
+def implicit_prompt(raw: Dict[str, Any], source: SourceConfig) -> Dict[str, Any]:
+    """TRL's implicit prompt (trl.data_utils.extract_prompt): `chosen` and `rejected` message lists that share their
+    first messages -> those as `prompt`, the rest of each as its answer. Anything else as it is (its checks say why)."""
+    cols = source.columns
+    chosen, rejected = raw.get(cols.chosen), raw.get(cols.rejected)
+    if not isinstance(chosen, list) or not isinstance(rejected, list):
+        return raw
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    if not shared:
+        return raw
+    return {**raw, cols.prompt: chosen[:shared], cols.chosen: chosen[shared:], cols.rejected: rejected[shared:]}
 
 
 def _answer(raw: Dict[str, Any], side: str, source: SourceConfig, roles: Dict[str, Role]) -> str:

@@ -24,8 +24,8 @@ from dsrecipes.data.sources.badrows import BadReason, BadRow
 from dsrecipes.data.sources.files import element_line
 from dsrecipes.data.sources.sharegpt import conversation_dict, parse_item, role_table
 
-SCAN_VERSION = 4  # 2: a row of another kind keeps its advice (the 7th entry of `bad`); 3: prompt rows get theirs;
-# 4: a pair row whose prompt holds answers is refused under SFT (preference_row)
+SCAN_VERSION = 5  # 2: a row of another kind keeps its advice (the 7th entry of `bad`); 3: prompt rows get theirs;
+# 4: a pair row whose prompt holds answers is refused under SFT (preference_row); 5: TRL's implicit-prompt pairs read
 BATCH = 256  # conversations per tokenization call
 
 
