@@ -87,3 +87,17 @@ def test_trl_implicit_prompt_pairs_prepare_as_the_same_pairs_with_an_explicit_pr
     a = _prepared(tmp_path, "implicit", implicit, "objective=reward")
     b = _prepared(tmp_path, "explicit", explicit, "objective=reward")
     _same_rows(a, b, len(QUESTIONS))
+
+
+def test_trl_grpo_batch_size_counts_completions_and_translates_to_prompts(tmp_path, capsys):
+    """TRL's GRPOConfig per_device_train_batch_size counts completions (whole groups of num_generations); ours counts
+    prompts, each sampled objective.num_generations times. Was: `per_device_train_batch_size: 8` with
+    `num_generations: 4` -> trainer.micro_batch_size: 8 (32 completions per micro-batch, 4x TRL's)."""
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text("per_device_train_batch_size: 8\nnum_generations: 4\n")
+    err = _error(capsys, "validate", f"recipe={recipe}")
+    assert "under TRL's GRPO per_device_train_batch_size counts completions" in err, err
+    assert err.split("in our keys")[1].split("\n", 1)[1] == "trainer.micro_batch_size: 2\nobjective.num_generations: 4\n"
+    recipe.write_text("per_device_train_batch_size: 6\nnum_generations: 4\n")
+    ours = _error(capsys, "validate", f"recipe={recipe}").split("in our keys")[1]
+    assert "# per_device_train_batch_size: 6\n" in ours, ours

@@ -112,6 +112,7 @@ def read_together(data: Dict[str, Any]) -> Dict[str, Tuple[bool, str]]:
         out["packing"] = (False, "but LLaMA-Factory's neat_packing: true in this file turns packing on: data.packing: "
                                  "true")
     out.update(_steps_together(data))
+    out.update(_groups_together(data))
     names, cap = _names(data.get("dataset") or ""), data.get("max_samples")
     if len(names) > 1 and isinstance(cap, int) and not isinstance(cap, bool):
         out["max_samples"] = (True, (
@@ -142,10 +143,27 @@ def _steps_together(data: Dict[str, Any]) -> Dict[str, Tuple[bool, str]]:
                                  f"num_train_epochs ({epochs}): trainer.max_steps: null with trainer.epochs")}
 
 
+def _groups_together(data: Dict[str, Any]) -> Dict[str, Tuple[bool, str]]:
+    """TRL's GRPOConfig: per_device_train_batch_size counts completions (whole groups of num_generations per
+    generation batch); trainer.micro_batch_size counts prompts, each sampled objective.num_generations times."""
+    size, group = data.get("per_device_train_batch_size"), data.get("num_generations")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (size, group)):
+        return {}
+    said = (f"but under TRL's GRPO per_device_train_batch_size counts completions ({size} = prompts x "
+            f"num_generations {group}) and trainer.micro_batch_size counts prompts, each sampled "
+            "objective.num_generations times")
+    if size % group:
+        return {"per_device_train_batch_size": (True, said + "; a group is one micro-batch's here: choose "
+                                                        "trainer.micro_batch_size (prompts) and trainer.grad_accum")}
+    return {"per_device_train_batch_size": (False, said + f": trainer.micro_batch_size: {size // group}")}
+
+
 def _steps(key: str, data: Dict[str, Any], mapped: Dict[str, Any]) -> Dict[str, Any]:
     """`mapped` for num_train_epochs and max_steps read together, as transformers' Trainer does (_steps_together)."""
     if key == "num_train_epochs" and _budget(data.get("max_steps")):
         return {k: v for k, v in mapped.items() if k != "trainer.max_steps"}
+    if key == "per_device_train_batch_size" and _groups_together(data):  # a whole number of groups: else a `#` line
+        return {"trainer.micro_batch_size": data[key] // data["num_generations"]}
     if key == "max_steps" and not _budget(data["max_steps"]):
         return {"trainer.max_steps": None} if "num_train_epochs" in data else {"trainer.max_steps": None,
                                                                                   "trainer.epochs": 3}
