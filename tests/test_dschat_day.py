@@ -183,3 +183,23 @@ def test_a_reward_models_new_score_head_report_goes_to_the_log_not_the_console(m
         logger.removeHandler(handler)
     assert "score.weight" in log.read_text() and not any("score.weight" in m for m in shown), shown
     assert any("lm_head.weight | MISSING" in m for m in shown)
+
+
+def test_an_adapter_only_reward_model_export_is_written(make_cfg, tmp_path, monkeypatch):
+    """objective=reward model.lora.enabled=true trainer.export_merged_lora=false trained its steps, then rank 0
+    crashed writing the export: AttributeError 'LlamaForSequenceClassification' object has no attribute
+    'generation_config' (rank/export._save_hf saved the base's generation config for every adapter export). A
+    scoring head has none: the adapter (with its whole score head) is written and signed."""
+    import dsrecipes.rank.export as export
+    from dsrecipes.modeling.model import add_lora, build_tiny_model, load_tokenizer
+
+    monkeypatch.setenv("DSRECIPES_KEY_FILE", str(tmp_path / "key" / "checkpoint.key"))
+    monkeypatch.setattr(export, "load_deepspeed", lambda: None)
+    cfg = make_cfg("debug=fast", "objective=reward", "dataset=sample_pairs", "model.lora.enabled=true",
+                   "trainer.export_merged_lora=false")
+    tokenizer = load_tokenizer(cfg)
+    model = add_lora(cfg, build_tiny_model(cfg, tokenizer))
+    out = export._save_hf(model, tokenizer, tmp_path / "export", {"source": "test"})
+    assert (out / "adapter_config.json").is_file() and (out / "dsrecipes_export.json").is_file()
+    assert not (out / "generation_config.json").exists()
+

@@ -144,8 +144,10 @@ def _save_hf(model: Any, tokenizer: Any, out_dir: Path, info: Dict[str, Any], ke
         raise UserError(f"{key}: cannot create {out_dir} ({exc.strerror or exc}); nothing was changed") from None
     try:
         model.save_pretrained(str(tmp), safe_serialization=True)
-        if hasattr(model, "get_base_model"):  # an adapter-only export: peft writes no generation_config.json
-            model.get_base_model().generation_config.save_pretrained(str(tmp))
+        generation = getattr(model.get_base_model(), "generation_config", None) if hasattr(
+            model, "get_base_model") else None  # an adapter-only export: peft writes no generation_config.json
+        if generation is not None:  # (a reward model's scoring head generates nothing: it has none)
+            generation.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         _user_modes(tmp)
         hashes = manifest.describe(tmp)
