@@ -203,3 +203,15 @@ def test_an_adapter_only_reward_model_export_is_written(make_cfg, tmp_path, monk
     assert (out / "adapter_config.json").is_file() and (out / "dsrecipes_export.json").is_file()
     assert not (out / "generation_config.json").exists()
 
+
+def test_a_reward_stage_exporting_only_an_adapter_is_refused_before_step_one(tmp_path):
+    """grpo scored by a reward stage with trainer.export_merged_lora=false: an adapter-only export is no scorer
+    (objective.reward_model refuses it), but the pipeline found out only after SFT and the reward model had trained."""
+    path = tmp_path / "p.yaml"
+    path.write_text(THREE_STEPS.format(reward_shares="{reward: 1, rl: 1}", rl_shares="{reward: 1, rl: 1}",
+                                       rl_take="rl").replace("  debug: fast\n", "  debug: fast\n  model.lora.enabled: true\n"
+                                                             "  trainer.export_merged_lora: false\n"), encoding="utf-8")
+    with pytest.raises(UserError) as err:
+        check_stages(load_pipeline(path), tmp_path / "out")
+    said = "\n".join(err.value.problems)
+    assert "stage 'reward' trains objective=reward with trainer.export_merged_lora=false (its export is an adapter" in said

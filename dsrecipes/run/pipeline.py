@@ -139,12 +139,15 @@ def check_stages(pipeline: Pipeline, out: Path) -> None:
             problems += [f"stage {stage.name!r} (line {stage.line}): {p}" for p in exc.problems]
             continue
         kinds[stage.name] = getattr(cfg.objective.kind, "value", str(cfg.objective.kind))
+        if cfg.model.lora.enabled and not cfg.trainer.export_merged_lora:  # its export: an adapter, not a scorer
+            kinds[stage.name] += " with trainer.export_merged_lora=false (its export is an adapter only)"
         problems += split_conflicts(pipeline, stage, cfg.dataset.split, splits)
         problems += [f"stage {stage.name!r} (line {stage.line}): {p}" for p in outside_options(cfg, pipeline, stage)]
         scorer = stage.from_export.get("objective.reward_model")  # the export is not there yet: its stage's objective
         if scorer in kinds and kinds[scorer] != "reward":
             problems.append(f"stage {stage.name!r} (line {stage.line}): from_export objective.reward_model: stage "
-                            f"{scorer!r} trains objective={kinds[scorer]}, not a reward model (objective=reward)")
+                            f"{scorer!r} trains objective={kinds[scorer]}, not a reward model (objective=reward"
+                            f"{', exported merged' if kinds[scorer].startswith('reward') else ''})")
         takers = [s.name for s in pipeline.stages if stage.name in s.exports_used().values()]
         if takers and not cfg.trainer.export:
             problems.append(f"stage {stage.name!r} (line {stage.line}): trainer.export is false, but stage "
