@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator
 
 import torch
 
+import dsrecipes.core.stall as stall
 from dsrecipes.core.distributed import all_reduce
 
 
@@ -29,16 +30,24 @@ def weigh_steps(batches: Iterable[Dict[str, Any]], grad_accum: int, world_size: 
     """`batches` (the loop's micro-batches, each optimizer step's `grad_accum` in a row) with `token_weight` set
     (`count`: the tokens a micro-batch's loss counts, the objective's `tokens`):
     `grad_accum * world_size` over the step's trained tokens on every rank (at least 1: a step with none trains
-    nothing). Collective per step when `world_size` > 1: every rank runs the same steps (the plan's guarantee)."""
+    nothing). Collective per step when `world_size` > 1: every rank runs the same steps (the plan's guarantee).
+    Each counted and each yielded micro-batch is a move for the stall watchdog (core/stall.py), as each pulled one
+    is in the loop without look-ahead: a step of many micro-batches (GRPO sampling them all first) is no stall."""
     stream = iter(batches)
     while True:
         step = list(islice(stream, grad_accum))
         if not step:
             return
-        tokens = torch.tensor([float(sum(count(batch) for batch in step))], dtype=torch.float64)
+        tokens = torch.tensor([float(sum(counted(count, batch) for batch in step))], dtype=torch.float64)
         if world_size > 1:
             all_reduce(tokens)
         weight = grad_accum * world_size / max(float(tokens), 1.0)
         for batch in step:
             batch["token_weight"] = weight
+            stall.mark("compute")
             yield batch
+
+
+def counted(count: Callable[[Dict[str, Any]], int], batch: Dict[str, Any]) -> int:
+    stall.mark("compute")  # a move per micro-batch counted (GRPO samples it here)
+    return count(batch)
