@@ -101,3 +101,17 @@ def test_trl_grpo_batch_size_counts_completions_and_translates_to_prompts(tmp_pa
     recipe.write_text("per_device_train_batch_size: 6\nnum_generations: 4\n")
     ours = _error(capsys, "validate", f"recipe={recipe}").split("in our keys")[1]
     assert "# per_device_train_batch_size: 6\n" in ours, ours
+
+
+def test_transformers_warmup_is_translated_with_its_meaning(tmp_path, capsys):
+    """transformers (TRL's TrainingArguments base) warms up for warmup_steps, 0 by default, and since 5.0 reads a
+    float below 1 as a share of the steps. Was: `warmup_steps: 0.03` -> scheduler.warmup_steps: 0.03 (refused: an
+    integer), and `lr_scheduler_type: constant` alone -> scheduler: constant, which warms up over 10 steps here."""
+    recipe = tmp_path / "warmup.yaml"
+    recipe.write_text("warmup_steps: 0.03\nlr_scheduler_type: linear\n")
+    ours = _error(capsys, "validate", f"recipe={recipe}").split("in our keys")[1].split("\n", 1)[1]
+    assert ours == "scheduler.warmup_ratio: 0.03\nscheduler: linear\n", ours
+    recipe.write_text("lr_scheduler_type: constant\n")
+    err = _error(capsys, "validate", f"recipe={recipe}")
+    assert "without warmup_steps transformers' schedule starts at the peak" in err, err
+    assert err.split("in our keys")[1].split("\n", 1)[1] == "scheduler: constant\nscheduler.warmup_steps: 0\n", err

@@ -113,6 +113,7 @@ def read_together(data: Dict[str, Any]) -> Dict[str, Tuple[bool, str]]:
                                  "true")
     out.update(_steps_together(data))
     out.update(_groups_together(data))
+    out.update(_warmup_together(data))
     names, cap = _names(data.get("dataset") or ""), data.get("max_samples")
     if len(names) > 1 and isinstance(cap, int) and not isinstance(cap, bool):
         out["max_samples"] = (True, (
@@ -158,10 +159,33 @@ def _groups_together(data: Dict[str, Any]) -> Dict[str, Tuple[bool, str]]:
     return {"per_device_train_batch_size": (False, said + f": trainer.micro_batch_size: {size // group}")}
 
 
+def _ratio(value: Any) -> bool:
+    """transformers >= 5 reads a warmup_steps float in (0, 1) as a share of the run's steps (its warmup_ratio)."""
+    return isinstance(value, float) and 0 < value < 1
+
+
+def _warmup_together(data: Dict[str, Any]) -> Dict[str, Tuple[bool, str]]:
+    """transformers' schedules warm up for warmup_steps (0 by default; a float below 1: a share of the steps), ours
+    for scheduler.warmup_steps: 10 by default."""
+    steps = data.get("warmup_steps")
+    if _ratio(steps):
+        return {"warmup_steps": (False, f"but transformers >= 5 reads a warmup_steps below 1 as a share of the "
+                                        f"run's steps: scheduler.warmup_ratio: {steps}")}
+    if "lr_scheduler_type" in data and "warmup_steps" not in data and "warmup_ratio" not in data:
+        return {"lr_scheduler_type": (False, "but without warmup_steps transformers' schedule starts at the peak (no "
+                                             "warmup) and ours warms up over scheduler.warmup_steps: 10 by default: "
+                                             "scheduler.warmup_steps: 0")}
+    return {}
+
+
 def _steps(key: str, data: Dict[str, Any], mapped: Dict[str, Any]) -> Dict[str, Any]:
     """`mapped` for num_train_epochs and max_steps read together, as transformers' Trainer does (_steps_together)."""
     if key == "num_train_epochs" and _budget(data.get("max_steps")):
         return {k: v for k, v in mapped.items() if k != "trainer.max_steps"}
+    if key == "warmup_steps" and _ratio(data[key]):
+        return {"scheduler.warmup_ratio": data[key]}
+    if key == "lr_scheduler_type" and "lr_scheduler_type" in _warmup_together(data):
+        return {**mapped, "scheduler.warmup_steps": 0}
     if key == "per_device_train_batch_size" and _groups_together(data):  # a whole number of groups: else a `#` line
         return {"trainer.micro_batch_size": data[key] // data["num_generations"]}
     if key == "max_steps" and not _budget(data["max_steps"]):
