@@ -215,3 +215,18 @@ def test_a_reward_stage_exporting_only_an_adapter_is_refused_before_step_one(tmp
         check_stages(load_pipeline(path), tmp_path / "out")
     said = "\n".join(err.value.problems)
     assert "stage 'reward' trains objective=reward with trainer.export_merged_lora=false (its export is an adapter" in said
+
+
+def test_an_adapter_only_reward_run_is_told_to_merge_and_score_not_to_chat(tmp_path):
+    """The closing 'next:' of objective=reward with trainer.export_merged_lora=false offered `prompt-eval` and `chat`
+    (a scoring head writes no text; chat then pointed at the untrained export_init). Now: merge, then score."""
+    import json
+
+    from dsrecipes.observe.report import next_commands
+
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "adapter_config.json").write_text(json.dumps({"task_type": "SEQ_CLS"}))
+    said = dict(next_commands(tmp_path, ["objective=reward"], 2, 2))
+    assert "chat:" not in said and "compare:" not in said, said
+    assert said["score pairs:"] == (f"dsrecipes export {tmp_path} --lora merged --out MERGED && dsrecipes score "
+                                    "MERGED --pairs PAIRS.jsonl")

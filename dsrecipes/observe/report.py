@@ -120,12 +120,23 @@ def next_commands(run_dir: Path, overrides: Sequence[str], steps: int, max_steps
     out = []
     if (run_dir / EXPORT_DIR).is_dir() and scorer_architecture(run_dir / EXPORT_DIR):  # a reward model scores
         out.append(("score pairs:", f"dsrecipes score {shlex.quote(str(run_dir / EXPORT_DIR))} --pairs PAIRS.jsonl"))
+    elif _scoring_adapter(run_dir / EXPORT_DIR):  # LoRA, trainer.export_merged_lora=false: merge it to score
+        out.append(("score pairs:", f"dsrecipes export {run} --lora merged --out MERGED && dsrecipes score MERGED "
+                                    "--pairs PAIRS.jsonl"))
     elif (run_dir / EXPORT_DIR).is_dir():
         out.append(("compare:", f"dsrecipes prompt-eval --baseline {run} --finetuned {run}"))
         out.append(("chat:", f"dsrecipes chat {run}"))
     out.append(("train further:", resume_command(run_dir, overrides, steps, max_steps, _stopped_early(run_dir),
                                                  epochs)))
     return out
+
+
+def _scoring_adapter(export: Path) -> bool:
+    """An adapter-only export of a reward model (peft's task_type SEQ_CLS): it neither chats nor scores as it is."""
+    try:
+        return json.loads((export / "adapter_config.json").read_text(encoding="utf-8")).get("task_type") == "SEQ_CLS"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _stopped_early(run_dir: Path) -> bool:
