@@ -115,3 +115,17 @@ def test_transformers_warmup_is_translated_with_its_meaning(tmp_path, capsys):
     err = _error(capsys, "validate", f"recipe={recipe}")
     assert "without warmup_steps transformers' schedule starts at the peak" in err, err
     assert err.split("in our keys")[1].split("\n", 1)[1] == "scheduler: constant\nscheduler.warmup_steps: 0\n", err
+
+
+def test_eval_strategy_no_trains_every_row(tmp_path, capsys):
+    """transformers' `eval_strategy: no` (TRL without an eval_dataset) evaluates nothing and trains every row. Was:
+    'not needed here: evaluation runs every trainer.eval_every steps' and the translated file dropped it, so
+    dataset.val_size (64 rows, or 1% for openai_messages) was held out of training silently."""
+    recipe = tmp_path / "noeval.yaml"
+    recipe.write_text("eval_strategy: no\n")  # YAML reads a bare `no` as false
+    err = _error(capsys, "validate", f"recipe={recipe}")
+    assert "eval_strategy: transformers' eval_strategy: no evaluates nothing; here: dataset.val_size: 0" in err, err
+    assert err.split("in our keys")[1].split("\n", 1)[1] == "dataset.val_size: 0\n", err
+    recipe.write_text("eval_strategy: steps\nval_size: 0.1\n")
+    ours = _error(capsys, "validate", f"recipe={recipe}").split("in our keys")[1].split("\n", 1)[1]
+    assert ours == "dataset.val_size: 0.1\n", ours

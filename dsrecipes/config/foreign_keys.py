@@ -16,7 +16,7 @@ import re
 from typing import Any, Callable, Dict, Optional, Union
 
 import dsrecipes.config.lf_differences as lf_differences
-from dsrecipes.config.trl_keys import NOT_NEEDED, TRL, TRL_RENAMES, TRL_RULES
+from dsrecipes.config.trl_keys import NOT_NEEDED, TRL, TRL_RENAMES, TRL_RULES, eval_strategy
 
 HERE = "LLaMA-Factory's key; here: "
 
@@ -357,7 +357,7 @@ RULES: Dict[str, Rule] = {
     "logging_dir": lambda v: NOT_NEEDED + "TensorBoard events go to RUN/tb, logs to RUN/logs",
     # eval
     "per_device_eval_batch_size": lambda v: NOT_NEEDED + "evaluation uses trainer.micro_batch_size",
-    "eval_strategy": lambda v: _eval_every("evaluation"), "evaluation_strategy": lambda v: _eval_every("evaluation"),
+    "eval_strategy": eval_strategy, "evaluation_strategy": eval_strategy,
     "eval_steps": "trainer.eval_every", "save_strategy": lambda v: NOT_NEEDED + "a checkpoint every "
     "trainer.save_every steps", "load_best_model_at_end": "trainer.save_best.enabled",
     "metric_for_best_model": "trainer.save_best.metric", "eval_on_start": "trainer.eval_at_start",

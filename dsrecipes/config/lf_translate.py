@@ -21,7 +21,7 @@ import yaml
 
 from dsrecipes.config.foreign_keys import LF_REASONING, LF_SYSTEMS, LF_TEMPLATES, NOT_NEEDED, RULES, foreign_key
 from dsrecipes.config.lf_differences import EOT_NEWLINE
-from dsrecipes.config.trl_keys import TRL_VALUES, trl_peft_defaults
+from dsrecipes.config.trl_keys import TRL_VALUES, no_eval, trl_peft_defaults
 from dsrecipes.core import choices
 
 ALL_LINEAR = [choices.ALL_LINEAR]  # LLaMA-Factory's lora_target `all`: every linear layer but the output one, any model
@@ -182,6 +182,8 @@ def _steps(key: str, data: Dict[str, Any], mapped: Dict[str, Any]) -> Dict[str, 
     """`mapped` for num_train_epochs and max_steps read together, as transformers' Trainer does (_steps_together)."""
     if key == "num_train_epochs" and _budget(data.get("max_steps")):
         return {k: v for k, v in mapped.items() if k != "trainer.max_steps"}
+    if key in ("eval_strategy", "evaluation_strategy") and no_eval(data[key]) and "val_size" not in data:
+        return {"dataset.val_size": 0}  # transformers evaluates nothing: every row trains (trl_keys.eval_strategy)
     if key == "warmup_steps" and _ratio(data[key]):
         return {"scheduler.warmup_ratio": data[key]}
     if key == "lr_scheduler_type" and "lr_scheduler_type" in _warmup_together(data):

@@ -111,6 +111,21 @@ def _reward_funcs(value: Any) -> str:
             "model: objective.reward_model: DIR); no import paths in a recipe")
 
 
+def no_eval(value: Any) -> bool:
+    """eval_strategy: no (YAML reads a bare `no` as false)."""
+    return value is False or str(value) == "no"
+
+
+def eval_strategy(value: Any) -> str:
+    """transformers' eval_strategy (TRL's and LLaMA-Factory's): `no` evaluates nothing, and TRL without an
+    eval_dataset trains every row; here dataset.val_size holds rows out for evaluation unless it is 0."""
+    if no_eval(value):
+        return ("transformers' eval_strategy: no evaluates nothing; here: dataset.val_size: 0 (no validation split, no "
+                "evaluation: every row trains, as in TRL without an eval_dataset; dataset.val_size holds rows out by "
+                "default), unless the file's val_size holds some out")
+    return NOT_NEEDED + "evaluation runs every trainer.eval_every steps (0: only at the end)"
+
+
 # TRL's keys whose value decides our line
 TRL_RULES: Dict[str, Callable[[Any], str]] = {
     "loss_type": _loss_type, "assistant_only_loss": _assistant_only, "completion_only_loss": _completion_only,
@@ -132,6 +147,7 @@ TRL_VALUES: Dict[str, Callable[[Any], Optional[Dict[str, Any]]]] = {
     "assistant_only_loss": lambda v: {} if v is True else {"data.train_on": "all"},
     "use_peft": lambda v: {"model.lora.enabled": True} if v is True else {},
     "precompute_ref_log_probs": lambda v: {} if v is True else {"objective.reference": "live"},
+    "eval_strategy": lambda v: {}, "evaluation_strategy": lambda v: {},  # `no`: lf_translate._steps, with val_size
 }
 
 
