@@ -27,7 +27,7 @@ def main(argv: List[str]) -> int:
     parser.add_argument("file", help="the pipeline file (recipes/pipelines/*.yaml)")
     parser.add_argument("--out", default=None, help="the pipeline's directory (default: runs/<file name>)")
     parser.add_argument(trust.FLAG, action="append", default=[], type=existing_path, metavar="PATH",
-                        help=f"{trust.TRUST_HELP}; every stage of this command (a reward model of your own)")
+                        help=f"{trust.TRUST_HELP}; for every stage of this command (e.g. a reward model someone else wrote)")
     args = parse(parser, argv)
     path = pipeline_file(args.file)
     pipeline = load_pipeline(path)
