@@ -129,3 +129,16 @@ def test_eval_strategy_no_trains_every_row(tmp_path, capsys):
     recipe.write_text("eval_strategy: steps\nval_size: 0.1\n")
     ours = _error(capsys, "validate", f"recipe={recipe}").split("in our keys")[1].split("\n", 1)[1]
     assert ours == "dataset.val_size: 0.1\n", ours
+
+
+def test_more_trl_keys_say_what_is_here(tmp_path, capsys):
+    """Was 'unknown key (keys of the config: ...)' for each; report_to: all became trainer.report_to: [all] (refused)."""
+    for override, said in (("rpo_alpha=1.0", "no SFT term in objective=dpo here"), ("use_vllm=true", "no vLLM here"),
+                           ("scale_rewards=none", "no scale_rewards: none here"), ("top_p=0.9", "no top_p here"),
+                           ("report_to=all", "transformers' report_to: all (every installed integration) has no twin")):
+        err = _error(capsys, "validate", override)
+        assert f"{override.split('=')[0]}: {said}" in err, err
+    recipe = tmp_path / "all.yaml"
+    recipe.write_text("report_to: all\nlearning_rate: 1.0e-5\n")
+    ours = _error(capsys, "validate", f"recipe={recipe}").split("in our keys")[1].split("\n", 1)[1]
+    assert ours == "# report_to: all\noptimizer.lr: 1.0e-05\n", ours

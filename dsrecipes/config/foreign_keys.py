@@ -16,7 +16,7 @@ import re
 from typing import Any, Callable, Dict, Optional, Union
 
 import dsrecipes.config.lf_differences as lf_differences
-from dsrecipes.config.trl_keys import NOT_NEEDED, TRL, TRL_RENAMES, TRL_RULES, eval_strategy
+from dsrecipes.config.trl_keys import NOT_NEEDED, TRL, TRL_RENAMES, TRL_RULES, eval_strategy, report_to
 
 HERE = "LLaMA-Factory's key; here: "
 
@@ -238,11 +238,6 @@ def _trust_remote_code(value: Any) -> str:
     return NOT_NEEDED + "model.trust_remote_code is false"
 
 
-def _report_to(value: Any) -> str:
-    names = [n for n in _names(value) if n != "none"]
-    return HERE + f"trainer.report_to: {_plain(names)} (a list of tensorboard, mlflow, wandb)"
-
-
 def _resume_from(value: Any) -> str:
     if value is None:
         return NOT_NEEDED + "a run continues from its trainer.output_dir's newest checkpoint (trainer.resume: auto)"
@@ -335,7 +330,7 @@ RULES: Dict[str, Rule] = {
     "enable_thinking": _thinking,
     # output
     "output_dir": "trainer.output_dir", "logging_steps": "trainer.log_every", "save_steps": "trainer.save_every",
-    "save_total_limit": "trainer.keep_checkpoints", "report_to": _report_to,
+    "save_total_limit": "trainer.keep_checkpoints", "report_to": report_to,
     "overwrite_output_dir": lambda v: NOT_NEEDED + "an existing trainer.output_dir resumes; a run is never "
     "overwritten",
     "save_only_model": lambda v: NOT_NEEDED + "checkpoints keep what resuming needs; the export is the model alone",

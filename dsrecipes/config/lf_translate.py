@@ -76,7 +76,6 @@ VALUES: Dict[str, Callable[[Any], Optional[Dict[str, Any]]]] = {
     "neat_packing": _when_true("data.packing", True), "packing": _when_true("data.packing", True),
     "gradient_accumulation_steps": lambda v: {"trainer.grad_accum": v},
     "lr_scheduler_type": lambda v: {"scheduler": v} if v in ("cosine", "linear", "constant") else None,
-    "report_to": lambda v: {"trainer.report_to": [n for n in _names(v) if n != "none"]},
     "resume_from_checkpoint": lambda v: {} if v is None else {"trainer.resume_from": v},
     "flash_attn": lambda v: {"model.attn_implementation": {"fa2": "flash_attention_2", "sdpa": "sdpa",
                                                             "disabled": "eager"}[str(v)]}

@@ -126,6 +126,35 @@ def eval_strategy(value: Any) -> str:
     return NOT_NEEDED + "evaluation runs every trainer.eval_every steps (0: only at the end)"
 
 
+def _trackers(value: Any) -> list:
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    return [str(v).strip() for v in items if str(v).strip() and str(v).strip() != "none"]
+
+
+def report_to(value: Any) -> str:
+    """transformers' report_to (TRL's, LLaMA-Factory's): `all` is every installed integration, none here."""
+    names = _trackers(value)
+    if "all" in names:
+        return ("transformers' report_to: all (every installed integration) has no twin here: name them, "
+                "trainer.report_to: [tensorboard, mlflow, wandb] (a list of those)")
+    return f"LLaMA-Factory's key; here: trainer.report_to: [{', '.join(names)}] (a list of tensorboard, mlflow, wandb)"
+
+
+def _sampling(key: str, default: Any) -> Callable[[Any], str]:
+    def rule(value: Any) -> str:
+        if value in default:
+            return NOT_NEEDED + "objective=grpo samples from the whole distribution at objective.temperature"
+        return f"no {key} here: objective=grpo samples from the whole distribution at objective.temperature"
+    return rule
+
+
+def _scale_rewards(value: Any) -> str:
+    if value in ("group", True):
+        return NOT_NEEDED + "objective=grpo divides advantages by their group's std + 1e-4 (TRL's scale_rewards: group)"
+    return (f"no scale_rewards: {value} here: objective=grpo divides advantages by their group's std + 1e-4 (TRL's "
+            "default, group)")
+
+
 # TRL's keys whose value decides our line
 TRL_RULES: Dict[str, Callable[[Any], str]] = {
     "loss_type": _loss_type, "assistant_only_loss": _assistant_only, "completion_only_loss": _completion_only,
@@ -137,6 +166,13 @@ TRL_RULES: Dict[str, Callable[[Any], str]] = {
     "ref_model": lambda v: NOT_NEEDED + "the reference is model.path (the base model under LoRA)",
     "remove_unused_columns": lambda v: NOT_NEEDED + "rows are read by their columns (dataset.columns)",
     "logging_first_step": lambda v: NOT_NEEDED + "the first logged step is trainer.log_every",
+    "rpo_alpha": lambda v: ("no SFT term in objective=dpo here (TRL's rpo_alpha weighs the chosen answers' NLL); "
+                            "objective: orpo adds the chosen answers' NLL, with the odds-ratio term instead of DPO's"),
+    "use_vllm": lambda v: ("no vLLM here: " if v is True else NOT_NEEDED) + "objective=grpo samples with the trained "
+    "policy itself on each rank (ZeRO-3: its parameters gathered for the sampling)",
+    "scale_rewards": _scale_rewards, "top_p": _sampling("top_p", (1.0, None)),
+    "top_k": _sampling("top_k", (0, None)), "min_p": _sampling("min_p", (0.0, None)),
+    "repetition_penalty": _sampling("repetition_penalty", (1.0, None)),
 }
 
 
@@ -147,6 +183,7 @@ TRL_VALUES: Dict[str, Callable[[Any], Optional[Dict[str, Any]]]] = {
     "assistant_only_loss": lambda v: {} if v is True else {"data.train_on": "all"},
     "use_peft": lambda v: {"model.lora.enabled": True} if v is True else {},
     "precompute_ref_log_probs": lambda v: {} if v is True else {"objective.reference": "live"},
+    "report_to": lambda v: None if "all" in _trackers(v) else {"trainer.report_to": _trackers(v)},
     "eval_strategy": lambda v: {}, "evaluation_strategy": lambda v: {},  # `no`: lf_translate._steps, with val_size
 }
 
