@@ -106,7 +106,8 @@ def test_a_run_says_why_last_assistant_dropped_rows_llamafactory_keeps(tmp_path,
     """Under data.train_on=last_assistant (the translation of mask_history: true) a conversation whose last reply
     starts past cutoff_len is dropped (the glaive demo at cutoff 512: 429 of 555 rows, against 39 under assistant),
     where LLaMA-Factory's mask_history keeps the last turn and cuts the history; the note blamed 'a long prompt,
-    system prompt or tool schemas' and named neither the key nor the difference."""
+    system prompt or tool schemas' and named neither the key nor the difference. Now (data/render/history_cut.py)
+    such rows keep their last reply and lose earlier turns, and the summary counts them."""
     turns = [{"from": r, "value": f"{r} turn {i}: " + "words " * 20} for i in range(3) for r in ("human", "gpt")]
     (tmp_path / "long.json").write_text(json.dumps([{"conversations": turns}] * 3 + [CHAT]))
     (tmp_path / "dataset_info.json").write_text(
@@ -114,10 +115,9 @@ def test_a_run_says_why_last_assistant_dropped_rows_llamafactory_keeps(tmp_path,
     )
     common = (f"dataset.registry={tmp_path / 'dataset_info.json'}", "dataset.use=[long]", "dataset.val_size=0")
     stats = _prepare(tmp_path, *common, "data.train_on=last_assistant", "data.cutoff_len=256")
-    assert stats["dropped_all_trained_cut"] == 3, stats
+    assert stats["dropped_all_trained_cut"] == 0 and stats["history_cut"] == 3, stats
     said = capsys.readouterr().err
-    assert "(data.train_on=last_assistant trains the last reply alone" in said, said
-    assert "LLaMA-Factory's mask_history keeps the last turn" in said and "data.train_on=assistant" in said, said
+    assert "3 kept their last reply by dropping earlier turns (data.train_on=last_assistant)" in said, said
 
 
 def _phi3():

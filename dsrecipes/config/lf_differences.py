@@ -7,9 +7,11 @@ from typing import Any
 
 PACKING = ("data.packing: true (packed samples attend only within themselves here, as with LLaMA-Factory's "
            "neat_packing; its packing alone lets them attend to each other)")
-MASK_HISTORY = ("data.train_on: last_assistant (only the final assistant turn; a conversation longer than "
-                "data.cutoff_len keeps its head here, so one whose last reply starts past it is dropped, where "
-                "LLaMA-Factory's mask_history keeps the last turn and cuts the history)")
+MASK_HISTORY = ("data.train_on: last_assistant (only the final assistant turn; like LLaMA-Factory's mask_history, "
+                "which keeps the last turn and cuts the history, a conversation whose last reply would fall past "
+                "data.cutoff_len drops earlier turns instead; here whole exchanges from the start and never the "
+                "system prompt or tools, where LLaMA-Factory also cuts inside a turn and may cut the system prompt, "
+                "so a row whose system prompt, tools and last prompt turn alone fill the cutoff is dropped here)")
 GRAD_ACCUM = (" (each trained token of the step weighs the same across its micro-batches and ranks, as with "
               "LLaMA-Factory's Trainer, transformers >= 4.46: objective.loss_average: tokens, the default)")
 

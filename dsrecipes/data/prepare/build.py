@@ -275,4 +275,4 @@ def join_encoded(a: Encoded, b: Encoded) -> Encoded:
     return Encoded(cat([a.input_ids, b.input_ids]), cat([a.labels, b.labels]), cat([a.starts, b.starts + tokens]),
                    cat([a.lengths, b.lengths]), cat([a.truncated, b.truncated]), cat([a.kept, b.kept + n]),
                    a.dropped + [d + n for d in b.dropped], a.ids + b.ids, a.sources + b.sources,
-                   a.one_text and b.one_text, a.per_segment + b.per_segment)
+                   a.one_text and b.one_text, a.per_segment + b.per_segment, a.history_cut + b.history_cut)

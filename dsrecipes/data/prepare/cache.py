@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from dsrecipes import __version__
 from dsrecipes.core.fileio import atomic_write_json, read_json_file
 from dsrecipes.core.paths import user_cache_dir
-from dsrecipes.core.schema import SourceConfig, TrainConfig
+from dsrecipes.core.schema import RowKind, SourceConfig, TrainConfig, TrainOn
 from dsrecipes.core.typed import config_to_dict
 from dsrecipes.data.rowkinds import ROW_KINDS
 from dsrecipes.data.sources.files import expand_paths
@@ -30,6 +30,9 @@ RACY_SECONDS = 2.0  # a file changed this recently is hashed, not memoised
 PREP_VERSION = 4  # bump when the output of preparation changes for the same inputs (2: one-text tokenization,
 # 3: caches carry a content record, cache_contents.py; older ones have none and are not reused; 4: OpenAI rows'
 # `"weight": 0` messages are context, not labels)
+HISTORY_CUT = 1  # in the key of SFT data under data.train_on=last_assistant alone (the only preparations it changes):
+# a row that would lose its last reply to the cutoff drops earlier turns instead of being dropped
+# (data/render/history_cut.py); a cache prepared before (no such entry) dropped those rows
 MEMO_FILE = "file_hashes.json"
 
 
@@ -78,6 +81,8 @@ def cache_key(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig])
         "rows": cfg.objective.rows.value,  # conversations or preference pairs (the objective's row kind)
     }
     material.update(ROW_KINDS[cfg.objective.rows].check_settings(cfg))  # a prompt's budget: max_completion_length
+    if cfg.objective.rows is RowKind.conversation and cfg.data.train_on is TrainOn.last_assistant:
+        material["history_cut"] = HISTORY_CUT
     return _digest(material)
 
 

@@ -41,6 +41,7 @@ def build_stats(cfg: TrainConfig, sources: Sequence[SourceConfig], report: BadRo
         "truncated": int(enc.truncated.sum()),
         "truncated_share": float(enc.truncated.sum() / max(1, len(enc.kept))),
         "dropped_all_trained_cut": len(enc.dropped),
+        "history_cut": enc.history_cut,  # train_on=last_assistant: kept the last reply, lost earlier turns
         "tokenization": {"one_text": enc.one_text, "per_segment_conversations": enc.per_segment},
         "duplicate_ids": sum(n - 1 for n in id_counts.values() if n > 1),
         "samples": {"train": len(train_items), "val": len(val_items)},
@@ -94,6 +95,7 @@ def summary(stats: Dict[str, Any]) -> str:
         f"data: {stats['samples']['train']} train / {stats['samples']['val']} val samples in "
         f"{stats['rows']['train']} / {stats['rows']['val']} rows; {stats['truncated']} truncated, "
         f"{stats['dropped_all_trained_cut']} dropped (nothing trained left), "
+        + _history_cut_words(stats) +
         f"{stats['trailing_turns_dropped']} lost trailing non-assistant turns; trained tokens "
         f"{stats['trained_token_share']:.1%}",
     ]
@@ -108,6 +110,12 @@ def summary(stats: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _history_cut_words(stats: Dict[str, Any]) -> str:
+    """The summary's words for rows that kept their last reply by losing earlier turns (train_on=last_assistant)."""
+    cut = stats.get("history_cut", 0)  # (a preparation cached before the count was kept has none)
+    return f"{cut} kept their last reply by dropping earlier turns (data.train_on=last_assistant), " if cut else ""
+
+
 def _cut_note(stats: Dict[str, Any]) -> List[str]:
     """A note when rows were dropped because the cutoff left nothing to train on (a long system prompt or tool schemas
     before the answers): the first line says only 'N kept, skipped: none'."""
@@ -115,10 +123,11 @@ def _cut_note(stats: Dict[str, Any]) -> List[str]:
     if not dropped:
         return []
     why, keep = "a long prompt, system prompt or tool schemas before the answers", ""
-    if stats.get("train_on") == "last_assistant":  # LLaMA-Factory's mask_history keeps such rows: say where we differ
-        why = ("data.train_on=last_assistant trains the last reply alone and a sample keeps the conversation's head, so "
-               "a row whose last reply starts past the cutoff has nothing trained; LLaMA-Factory's mask_history keeps "
-               "the last turn and cuts the history instead")
+    if stats.get("train_on") == "last_assistant":  # what is left after the history cut (data/render/history_cut.py)
+        why = ("data.train_on=last_assistant trains the last reply alone, and a row whose last reply starts past the "
+               "cutoff drops whole earlier turns to keep it; in these rows the system prompt, tool schemas and last "
+               "prompt turn alone fill the cutoff (never dropped here; LLaMA-Factory's mask_history cuts inside them "
+               "and keeps such rows)")
         keep = ", data.train_on=assistant trains their earlier replies"
     return [f"note: {dropped} of {read} rows ({dropped / max(read, 1):.0%}) dropped: data.cutoff_len="
             f"{stats['cutoff_len']} cut all their trained tokens ({why}); a larger data.cutoff_len keeps them{keep}"]

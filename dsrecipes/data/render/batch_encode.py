@@ -65,6 +65,7 @@ class Encoded:
     sources: List[str]  # source name of each conversation
     one_text: bool = True  # the template takes the one-text path (data/render/spans.py)
     per_segment: int = 0  # conversations tokenized per segment instead (a border check failed)
+    history_cut: int = 0  # conversations that kept their last reply by dropping earlier turns (history_cut.py)
 
 
 @dataclass
@@ -82,6 +83,7 @@ class _Chunk:
     bad: List[Tuple[int, Optional[int], Optional[int], BadRow, Any]]
     one_text: bool = True
     per_segment: int = 0
+    history_cut: Optional[np.ndarray] = None  # bool per row: kept its last reply by dropping earlier turns
 
 
 @dataclass
@@ -163,15 +165,18 @@ def _encode_rows(task: _Task) -> _Chunk:
     batch = _Worker.encoder.encode_arrays(convs)
     lengths = np.zeros(n, dtype=np.int64)
     truncated = np.zeros(n, dtype=bool)
+    history_cut = np.zeros(n, dtype=bool)
     rows_arr = np.asarray(rows, dtype=np.int64)
     lengths[rows_arr], truncated[rows_arr] = batch.lengths, batch.truncated
+    if batch.history_cut is not None:
+        history_cut[rows_arr] = batch.history_cut
     status[rows_arr] = np.where(batch.lengths > 0, GOOD, DROPPED)
     for j, exc in batch.bad:
         status[rows[j]] = REFUSED
         bad.append((rows[j], convs[j].loc, convs[j].element, exc, conversation_dict(convs[j])))
     bad.sort(key=lambda b: b[0])
     return _Chunk(status, ids, trailing, lengths, truncated, batch.input_ids, batch.labels, bad,
-                  _Worker.encoder.full_text, batch.per_segment)
+                  _Worker.encoder.full_text, batch.per_segment, history_cut)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -283,7 +288,7 @@ class _Collector:
         self.ids: List[str] = []
         self.sources: List[str] = []
         self.dropped: List[int] = []
-        self.one_text, self.per_segment = True, 0
+        self.one_text, self.per_segment, self.history_cut = True, 0, 0
 
     def add(self, task: _Task, chunk: Optional[_Chunk], sources: Sequence[SourceConfig], caps: _Caps,
             report: BadRowReport) -> None:
@@ -318,6 +323,7 @@ class _Collector:
         self.sources += [source.name] * len(rows)
         self.dropped += [first + j for j, k in enumerate(rows) if chunk.status[k] == DROPPED]
         self.one_text, self.per_segment = chunk.one_text, self.per_segment + chunk.per_segment
+        self.history_cut += int(chunk.history_cut[rows].sum()) if chunk.history_cut is not None else 0
         n_tokens = int(chunk.lengths[:cut].sum())
         self.parts.append((chunk.input_ids[:n_tokens], chunk.labels[:n_tokens], chunk.lengths[rows],
                            chunk.truncated[rows]))
@@ -328,4 +334,4 @@ class _Collector:
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if len(lengths) else lengths
         return Encoded(cat(0, np.int32), cat(1, np.int32), starts, lengths, cat(3, bool),
                        np.flatnonzero(lengths > 0), self.dropped, self.ids, self.sources, self.one_text,
-                       self.per_segment)
+                       self.per_segment, self.history_cut)

@@ -77,7 +77,8 @@ def format_stats(stats: Dict[str, Any]) -> str:
         f"samples: train {stats['samples']['train']}, val {stats['samples']['val']}; "
         f"rows: train {stats['rows']['train']}, val {stats['rows']['val']}",
         f"truncated {stats['truncated']} ({stats['truncated_share']:.1%} of kept), dropped with nothing trained "
-        f"left {stats['dropped_all_trained_cut']}, conversations with trailing non-assistant turns dropped "
+        f"left {stats['dropped_all_trained_cut']}, last reply kept by dropping earlier turns "
+        f"{stats.get('history_cut', 0)}, conversations with trailing non-assistant turns dropped "
         f"{stats['trailing_turns_dropped']}",
         f"tokens {stats['tokens']}, trained {stats['trained_tokens']} ({stats['trained_token_share']:.1%})",
     ]

@@ -15,7 +15,9 @@ Truncation (`data.cutoff_len`) keeps the head and cuts whole turns from the end:
 complete assistant/tool-call replies that fits. When not even the first reply fits (or that leaves nothing trained,
 e.g. `train_on=last_assistant`), the sequence is cut at `cutoff_len` tokens, mid-reply. A sample with no trained
 token left is dropped (`encode` returns None) and counted by the caller. Text after the final trained reply (a
-template's trailing newline) is never kept, nor tokenized.
+template's trailing newline) is never kept, nor tokenized. Under `train_on=last_assistant` a conversation whose last
+reply starts past `cutoff_len` (which the rule above drops) keeps its last reply instead and loses whole exchanges
+from the start of its history, re-rendered as that shorter conversation (data/render/history_cut.py).
 
 Bad rows: whatever rendering or tokenizing one conversation raises makes that conversation a bad row
 (`template_error`, `too_deep`, `tokenizer_error`), never a crash of the batch it came in: a batch the tokenizer
@@ -39,7 +41,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from dsrecipes.core.errors import ConfigError
-from dsrecipes.core.schema import TrainConfig
+from dsrecipes.core.schema import TrainConfig, TrainOn
+from dsrecipes.data.render.history_cut import cut_history
 from dsrecipes.data.render.labels import IGNORE_INDEX
 from dsrecipes.data.render.spans import FullText, Spans
 from dsrecipes.data.render.spm import continuation_encoder
@@ -71,6 +74,7 @@ class EncodedBatch:
     truncated: np.ndarray  # bool
     bad: List[Tuple[int, BadRow]]  # (position in the batch, why) when the template refused the conversation
     per_segment: int = 0  # conversations tokenized per segment (the fallback)
+    history_cut: Optional[np.ndarray] = None  # bool: kept its last reply by dropping earlier turns (history_cut.py)
 
 
 # A conversation shaped like real data, to find out once whether the one-text path works for a template.
@@ -160,7 +164,23 @@ class Encoder:
 
     def encode_arrays(self, convs: Sequence[Conversation]) -> EncodedBatch:
         """The batch as flat arrays (what `prepare` stores); conversations the template or the tokenizer refuses are
-        collected in `bad` (in batch order), never raised."""
+        collected in `bad` (in batch order), never raised. Under `train_on=last_assistant` a conversation that would
+        lose its last reply to the cutoff drops earlier turns instead (data/render/history_cut.py)."""
+        rendered, spans, bad, fallback = self.render_spans(convs)
+        cut = np.zeros(len(convs), dtype=bool)
+        if self.train_on is TrainOn.last_assistant:
+            cut = cut_history(self, convs, rendered, spans)
+        batch = self._assemble(rendered, spans)
+        batch.truncated |= cut
+        batch.history_cut = cut
+        batch.bad = sorted(bad, key=lambda b: b[0])
+        batch.per_segment = fallback
+        return batch
+
+    def render_spans(self, convs: Sequence[Conversation]
+                     ) -> Tuple[List[Optional[List[Segment]]], List[Optional[Spans]], List[Tuple[int, BadRow]], int]:
+        """(segments through the last reply, token spans, (position, BadRow) of refused conversations, conversations
+        tokenized per segment) of each conversation: everything but truncation."""
         rendered: List[Optional[List[Segment]]] = []
         bad: List[Tuple[int, BadRow]] = []
         for i, got in enumerate(self.render_all(convs)):
@@ -182,10 +202,7 @@ class Encoder:
                 bad.append((i, s))
             else:
                 spans[i] = s
-        batch = self._assemble(rendered, spans)
-        batch.bad = sorted(bad, key=lambda b: b[0])
-        batch.per_segment = len(fallback) if self._full is not None else 0
-        return batch
+        return rendered, spans, bad, len(fallback) if self._full is not None else 0
 
     def _one_text_fits(self, segs: List[Segment]) -> bool:
         sizes = [len(seg.text) for seg in segs]
@@ -293,7 +310,7 @@ class Encoder:
             if segs is None or span is None:
                 continue
             ids, starts = span
-            keep, full = self._keep(segs, starts)
+            keep, full = self.kept(segs, starts)
             if not keep:
                 continue
             lengths[i], truncated[i] = keep, keep < full
@@ -308,7 +325,7 @@ class Encoder:
         labels = np.where(trained, input_ids, np.int32(IGNORE_INDEX)).astype(np.int32)
         return EncodedBatch(input_ids, labels, lengths, truncated, [])
 
-    def _keep(self, segs: List[Segment], starts: List[int]) -> Tuple[int, int]:
+    def kept(self, segs: List[Segment], starts: List[int]) -> Tuple[int, int]:
         """(tokens kept, tokens of the whole sample); kept 0: nothing trained would be left."""
         turn_ends: List[int] = []
         first_trained = None
