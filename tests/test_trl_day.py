@@ -142,3 +142,14 @@ def test_more_trl_keys_say_what_is_here(tmp_path, capsys):
     recipe.write_text("report_to: all\nlearning_rate: 1.0e-5\n")
     ours = _error(capsys, "validate", f"recipe={recipe}").split("in our keys")[1].split("\n", 1)[1]
     assert ours == "# report_to: all\noptimizer.lr: 1.0e-05\n", ours
+
+
+def test_trl_grpo_solution_column_is_the_reference_answer(tmp_path):
+    """TRL's GRPO reward functions read a `solution` column (trl.rewards.accuracy_reward(completions, solution)).
+    Was: prompt rows with `solution` and no `reference`/`answer` prepared with no reference, so exact_match and
+    number_equal rewarded every completion 0 (no learning signal) and nothing said why."""
+    from tests.test_trl_rows import QUESTIONS, _prepared, _user
+
+    grpo = ("objective=grpo", "objective.max_completion_length=8", "objective.num_generations=2")
+    rows = [{"prompt": _user(q), "solution": str(2 * i + 1)} for i, q in enumerate(QUESTIONS)]
+    assert _prepared(tmp_path, "solution", rows, *grpo)["reference"] == [r["solution"] for r in rows]

@@ -27,9 +27,9 @@ from dsrecipes.data.sources.remote import identity as remote_identity
 from dsrecipes.data.sources.remote import is_url
 
 RACY_SECONDS = 2.0  # a file changed this recently is hashed, not memoised
-PREP_VERSION = 4  # bump when the output of preparation changes for the same inputs (2: one-text tokenization,
+PREP_VERSION = 5  # bump when the output of preparation changes for the same inputs (2: one-text tokenization,
 # 3: caches carry a content record, cache_contents.py; older ones have none and are not reused; 4: OpenAI rows'
-# `"weight": 0` messages are context, not labels)
+# `"weight": 0` messages are context, not labels; 5: prompt rows read TRL's `solution` column as their reference)
 HISTORY_CUT = 1  # in the key of SFT data under data.train_on=last_assistant alone (the only preparations it changes):
 # a row that would lose its last reply to the cutoff drops earlier turns instead of being dropped
 # (data/render/history_cut.py); a cache prepared before (no such entry) dropped those rows

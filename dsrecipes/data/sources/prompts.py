@@ -8,7 +8,8 @@ Formats (per source, `format`):
   with a user turn; a system message opening it is its system prompt. TRL's standard (plain-text) prompt, a string,
   is one user turn, rendered with the template like every other prompt.
 The reference answer (what the built-in reward checks compare with, objectives/rewards.py) is the row's
-`reference` field, else its `answer` field: a string or a number (kept as text), absent or null for none.
+`reference` field, else its `answer`, else its `solution` (TRL's accuracy_reward column): a string or a number
+(kept as text), absent or null for none.
 
 Every malformed row is a bad row (counted by reason, `file:line`, quarantined or fatal per `dataset.bad_rows`): the
 checks of a pair's prompt (`samples.prompt_conversation`), plus `bad_value` for a reference that is not text or a

@@ -134,7 +134,9 @@ def normalize_row(raw: Any, sample_id: str, source: SourceConfig, roles: Optiona
     return Conversation(sample_id, turns[: last + 1], system, tools, source.name, len(turns) - last - 1)
 
 
-REFERENCE_COLUMNS = ("reference", "answer")  # a prompt row's reference answer: the first present (and not null)
+# a prompt row's reference answer: the first present (and not null); `solution` is the column TRL's GRPO reward
+# functions read (trl.rewards.accuracy_reward(completions, solution))
+REFERENCE_COLUMNS = ("reference", "answer", "solution")
 SFT_READS = "objective=sft trains on conversations that end with the model's answer"
 
 
