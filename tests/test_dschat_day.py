@@ -230,3 +230,31 @@ def test_an_adapter_only_reward_run_is_told_to_merge_and_score_not_to_chat(tmp_p
     assert "chat:" not in said and "compare:" not in said, said
     assert said["score pairs:"] == (f"dsrecipes export {tmp_path} --lora merged --out MERGED && dsrecipes score "
                                     "MERGED --pairs PAIRS.jsonl")
+
+
+def test_grpos_reward_model_loads_whole_while_the_policy_trains_under_zero3(make_cfg, tmp_path, monkeypatch):
+    """DeepSpeed-Chat users run step 3 with --zero_stage 3: SFT -> reward -> grpo with zero=stage3 crashed in the
+    grpo stage's first sampling step ('weight' must be 2-D, from the reward model's embedding): the policy's
+    HfDeepSpeedConfig (modeling/model.load_pretrained) made transformers partition the reward model's
+    from_pretrained too, and it scores outside the engine. It is now loaded whole and scores."""
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+
+    import dsrecipes.modeling.model as modeling
+    from dsrecipes.modeling.model import build_tiny_model, load_tokenizer
+    from dsrecipes.objectives.rewards import load_reward_model
+
+    cfg = make_cfg("debug=fast", "objective=reward", "dataset=sample_pairs")
+    tokenizer = load_tokenizer(cfg)
+    build_tiny_model(cfg, tokenizer).save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    zero3 = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    monkeypatch.setattr(modeling, "_hf_zero3_config", zero3)
+    assert is_deepspeed_zero3_enabled()
+    try:
+        score = load_reward_model(str(tmp_path / "rm"), "cpu")
+        assert is_deepspeed_zero3_enabled()  # the policy's setting is back
+        assert len(score(["a prompt and its answer", "another"])) == 2
+    finally:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()

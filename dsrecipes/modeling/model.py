@@ -178,6 +178,23 @@ def new_head_kept_in_log(scalar: bool) -> Iterator[None]:
         logger.removeFilter(only_the_new_head)
 
 
+@contextlib.contextmanager
+def not_partitioned() -> Iterator[None]:
+    """Load another model whole while the policy trains under ZeRO-3: transformers partitions every from_pretrained
+    while the HfDeepSpeedConfig of load_pretrained lives, and a frozen model used outside the engine (GRPO's reward
+    model) then holds empty parameters ("'weight' must be 2-D" at its first forward)."""
+    if _hf_zero3_config is None:
+        yield
+        return
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        set_hf_deepspeed_config(_hf_zero3_config)
+
+
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 

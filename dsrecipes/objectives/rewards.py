@@ -198,8 +198,10 @@ def load_reward_model(path: str, device: Any) -> Callable[[List[str]], List[floa
     problems = reward_model_problems(path)
     if problems:
         raise ConfigError(problems)
+    from dsrecipes.modeling.model import not_partitioned  # lazy: transformers, torch
+
     try:
-        with no_custom_code(key, path):
+        with no_custom_code(key, path), not_partitioned():  # scored whole on every rank, outside the engine
             tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
             model = AutoModelForSequenceClassification.from_pretrained(path, use_safetensors=True,
                                                                        **NO_DIRECTORY_CODE)
