@@ -97,7 +97,8 @@ def test_trl_grpo_batch_size_counts_completions_and_translates_to_prompts(tmp_pa
     recipe.write_text("per_device_train_batch_size: 8\nnum_generations: 4\n")
     err = _error(capsys, "validate", f"recipe={recipe}")
     assert "under TRL's GRPO per_device_train_batch_size counts completions" in err, err
-    assert err.split("in our keys")[1].split("\n", 1)[1] == "trainer.micro_batch_size: 2\nobjective.num_generations: 4\n"
+    ours = err.split("in our keys")[1].split("\n", 1)[1]
+    assert ours == "trainer.micro_batch_size: 2\nobjective: grpo\nobjective.num_generations: 4\n", ours
     recipe.write_text("per_device_train_batch_size: 6\nnum_generations: 4\n")
     ours = _error(capsys, "validate", f"recipe={recipe}").split("in our keys")[1]
     assert "# per_device_train_batch_size: 6\n" in ours, ours
@@ -153,3 +154,21 @@ def test_trl_grpo_solution_column_is_the_reference_answer(tmp_path):
     grpo = ("objective=grpo", "objective.max_completion_length=8", "objective.num_generations=2")
     rows = [{"prompt": _user(q), "solution": str(2 * i + 1)} for i, q in enumerate(QUESTIONS)]
     assert _prepared(tmp_path, "solution", rows, *grpo)["reference"] == [r["solution"] for r in rows]
+
+
+def test_a_trl_file_translates_with_the_objective_its_trainer_picks(tmp_path, capsys):
+    """TRL picks the objective by its trainer class, so a DPOConfig/GRPOConfig file names none. Was: its translation
+    had no `objective:` line, and the saved file trained SFT (now refused by READ_BY, but still not runnable as
+    printed). Now the first key only one trainer reads brings `objective: <it>`; a file naming its objective keeps it."""
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text("learning_rate: 1.0e-6\nnum_generations: 4\nmax_completion_length: 32\n")
+    err = _error(capsys, "validate", f"recipe={recipe}")
+    assert "a key of TRL's grpo trainer, which picks the objective: objective: grpo" in err, err
+    ours = err.split("in our keys")[1].split("\n", 1)[1]
+    assert ours == ("optimizer.lr: 1.0e-06\nobjective: grpo\nobjective.num_generations: 4\n"
+                    "objective.max_completion_length: 32\n"), ours
+    recipe.write_text("precompute_ref_log_probs: true\nbeta: 0.2\n")
+    ours = _error(capsys, "validate", f"recipe={recipe}").split("in our keys")[1].split("\n", 1)[1]
+    assert ours == "objective: dpo\nobjective.beta: 0.2\n", ours
+    recipe.write_text("objective: orpo\nnum_generations: 4\n")
+    assert "objective: grpo" not in _error(capsys, "validate", f"recipe={recipe}")

@@ -21,7 +21,7 @@ import yaml
 
 from dsrecipes.config.foreign_keys import LF_REASONING, LF_SYSTEMS, LF_TEMPLATES, NOT_NEEDED, RULES, foreign_key
 from dsrecipes.config.lf_differences import EOT_NEWLINE
-from dsrecipes.config.trl_keys import TRL_VALUES, no_eval, trl_peft_defaults
+from dsrecipes.config.trl_keys import TRL_VALUES, no_eval, trl_objective, trl_peft_defaults
 from dsrecipes.core import choices
 
 ALL_LINEAR = [choices.ALL_LINEAR]  # LLaMA-Factory's lora_target `all`: every linear layer but the output one, any model
@@ -112,6 +112,9 @@ def read_together(data: Dict[str, Any]) -> Dict[str, Tuple[bool, str]]:
                                  "true")
     out.update(_steps_together(data))
     out.update(_groups_together(data))
+    said = trl_objective(data)  # TRL's num_generations, precompute_ref_log_probs, ...: the trainer's objective
+    if said:
+        out[said[0]] = (False, f"a key of TRL's {said[1]} trainer, which picks the objective: objective: {said[1]}")
     out.update(_warmup_together(data))
     names, cap = _names(data.get("dataset") or ""), data.get("max_samples")
     if len(names) > 1 and isinstance(cap, int) and not isinstance(cap, bool):
@@ -179,6 +182,9 @@ def _warmup_together(data: Dict[str, Any]) -> Dict[str, Tuple[bool, str]]:
 
 def _steps(key: str, data: Dict[str, Any], mapped: Dict[str, Any]) -> Dict[str, Any]:
     """`mapped` for num_train_epochs and max_steps read together, as transformers' Trainer does (_steps_together)."""
+    said = trl_objective(data)
+    if said and said[0] == key:
+        return {"objective": said[1], **mapped}
     if key == "num_train_epochs" and _budget(data.get("max_steps")):
         return {k: v for k, v in mapped.items() if k != "trainer.max_steps"}
     if key in ("eval_strategy", "evaluation_strategy") and no_eval(data[key]) and "val_size" not in data:

@@ -12,7 +12,7 @@ What TRL does with each key is read from TRL's source (trl/trainer/*_config.py, 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 TRL = "TRL's key; here: "
 NOT_NEEDED = "not needed here: "
@@ -186,6 +186,26 @@ TRL_VALUES: Dict[str, Callable[[Any], Optional[Dict[str, Any]]]] = {
     "report_to": lambda v: None if "all" in _trackers(v) else {"trainer.report_to": _trackers(v)},
     "eval_strategy": lambda v: {}, "evaluation_strategy": lambda v: {},  # `no`: lf_translate._steps, with val_size
 }
+
+
+# TRL's keys only one trainer reads -> our objective: TRL picks the objective by its trainer class, so a TRL file
+# says it only through them (config/objective_rules.READ_BY refuses them under another objective)
+TRL_OBJECTIVE_KEYS = {
+    **dict.fromkeys(("num_generations", "max_completion_length", "reward_funcs", "use_vllm", "scale_rewards",
+                     "num_iterations"), "grpo"),
+    **dict.fromkeys(("precompute_ref_log_probs", "rpo_alpha", "reference_free"), "dpo"),
+    "center_rewards_coefficient": "reward",
+}
+
+
+def trl_objective(data: Dict[str, Any]) -> Optional[Tuple[str, str]]:
+    """(the first key of a TRL file that says its objective, that objective), for a file that names none itself
+    (`objective`, or LLaMA-Factory's `stage`); None for any other file."""
+    if "objective" in data or "stage" in data:
+        return None
+    said = [(str(key), TRL_OBJECTIVE_KEYS[str(key)]) for key in data if str(key) in TRL_OBJECTIVE_KEYS]
+    kinds = {kind for _, kind in said}
+    return said[0] if len(kinds) == 1 else None
 
 
 def trl_peft_defaults(data: Dict[str, Any]) -> Dict[str, Any]:
