@@ -7,9 +7,17 @@ sampled, before its first backward).
 - A run with grad_accum 2 stopped at a step boundary (as by SIGTERM) and resumed logs the uninterrupted run's loss and
   grad norm step for step: the look-ahead reads exactly the step's micro-batches, so the data position saved at the
   boundary is the same as without it.
+- data=iterable drops a row read past data.cutoff_len, so on 2 ranks one micro-batch of the step is the empty
+  placeholder (count 0): the step's loss and grad norm still equal those of its 3 rows in one micro-batch.
+Also tried, and held (not kept: each 20-60 s): micro-batch layouts 4x1, 2x2, 1x4 (with and without data.packing,
+LoRA without dropout) and ZeRO-3 on 2 ranks x 1 x 2 log the same 8 losses and grad norms; a ZeRO-2 2-rank grad_accum 2
+checkpoint resumed on 1 rank with grad_accum 4 logs the 2-rank run's steps 5-8; nan_policy=skip; GRPO on 2 ranks with
+grad_accum 2 resumed from step 2 equals the uninterrupted run; `dsrecipes audit --ledger` is OK on these runs.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -63,3 +71,34 @@ def test_a_grad_accum_2_run_stopped_at_a_step_boundary_resumes_with_the_same_los
     assert sorted(logged(stopped)) == [1, 2, 3]
     train_run(tmp_path, "stopped", *common, world_size=1)
     assert logged(stopped) == logged(reference) and sorted(logged(reference)) == list(range(1, 9))
+
+
+@pytest.mark.slow
+def test_an_empty_placeholder_micro_batch_on_one_rank_leaves_the_steps_token_mean_unchanged(tmp_path):
+    """data=iterable, 4 rows, the first one's prompt past data.cutoff_len (dropped when read): 1 rank x 4 rows, and
+    2 ranks x 1 row x grad_accum 2, where rank 0's second micro-batch is the empty placeholder. Same loss and grad
+    norm (the 4 micro-batches of the step weigh the 3 real rows' tokens; a mean of micro-batch means would not)."""
+    from tests.test_train_runs import metrics, train_run
+
+    story = " ".join(f"Step {i}: add {i} apples to the basket and count them again." for i in range(1, 9))
+    pairs = [("Tell me again. " + story + story, "No."), ("What is 2 + 2?", "4"), ("How do I count apples?", story),
+             ("Name a colour.", "Blue, like the sky at noon.")]
+    data = tmp_path / "four.jsonl"
+    data.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]})
+                            + "\n" for q, a in pairs))
+    common = ["dataset=sharegpt_files", f"dataset.paths=[{data}]", "dataset.val_size=0", "dataset.max_samples=null",
+              "trainer.max_steps=null", "trainer.epochs=1", "trainer.eval_every=0", "trainer.export=false",
+              "trainer.report_to=[]", "data.cutoff_len=192", "data=iterable", "trainer.record_samples=true"]
+
+    def step1(name: str, *overrides: str, world_size: int) -> tuple:
+        run, _ = train_run(tmp_path, name, *common, *overrides, world_size=world_size)
+        (row,) = [r for r in metrics(run) if "loss" in r]
+        assert row["step"] == 1 and row["samples_seen"] == 3
+        return run, (row["loss"], row["grad_norm"])
+
+    _, joint = step1("joint", "trainer.micro_batch_size=4", "trainer.grad_accum=1", world_size=1)
+    run, ranks = step1("ranks", "trainer.micro_batch_size=1", "trainer.grad_accum=2", world_size=2)
+    micro = [json.loads(line)["ids"] for rank in (0, 1) for line in
+             (run / "ledger" / f"rank{rank}.jsonl").read_text().splitlines()[1:]]
+    assert sorted(len(ids) for ids in micro) == [0, 1, 1, 1]  # one placeholder among the step's 4 micro-batches
+    assert ranks == pytest.approx(joint, rel=1e-5)
