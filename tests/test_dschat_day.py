@@ -258,3 +258,18 @@ def test_grpos_reward_model_loads_whole_while_the_policy_trains_under_zero3(make
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
         unset_hf_deepspeed_config()
+
+
+def test_an_interpolation_in_a_flow_list_says_how_to_write_it(tmp_path):
+    """`dataset.paths: [${dsr.asset:sample_data}/pairs.jsonl]` (as a README command line writes it) was 'not valid
+    YAML: expected ',' or ']', but got '{'', naming the line but not why; now it says to quote it or use a block list,
+    and the quoted form loads."""
+    text = "stages:\n  - name: a\n    set:\n      dataset.paths: [{}]\n"
+    path = tmp_path / "p.yaml"
+    path.write_text(text.format("${dsr.asset:sample_data}/pairs.jsonl"), encoding="utf-8")
+    with pytest.raises(UserError) as err:
+        load_pipeline(path)
+    assert err.value.problems[0].startswith(f"{path}:4: not valid YAML: ")
+    assert "inside [ ] or { } a ${...} value needs quotes" in err.value.problems[0]
+    path.write_text(text.format("'${dsr.asset:sample_data}/pairs.jsonl'"), encoding="utf-8")
+    assert load_pipeline(path).stages[0].settings[0].value == ["${dsr.asset:sample_data}/pairs.jsonl"]

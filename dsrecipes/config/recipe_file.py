@@ -82,7 +82,8 @@ def parse(path: Path, text: str) -> Any:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         size = _values(node, {}) if node is not None else 0
     except yaml.MarkedYAMLError as exc:
-        raise ConfigError(f"{_where(path, exc)}: not valid YAML: {exc.problem or exc.context}") from None
+        raise ConfigError(f"{_where(path, exc)}: not valid YAML: {exc.problem or exc.context}{_braces(text, exc)}") \
+            from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     except RecursionError:
@@ -125,6 +126,16 @@ def long_number(text: str) -> Optional[Tuple[int, int]]:
 def _where(path: Path, exc: "yaml.MarkedYAMLError") -> str:
     mark = exc.problem_mark or exc.context_mark
     return f"{path}:{mark.line + 1}" if mark is not None else str(path)
+
+
+def _braces(text: str, exc: "yaml.MarkedYAMLError") -> str:
+    """`[${dsr.asset:sample_data}/pairs.jsonl]`: YAML reads the `{` of an interpolation as a mapping inside the list."""
+    mark = exc.problem_mark or exc.context_mark
+    line = text.splitlines()[mark.line] if mark is not None and mark.line < len(text.splitlines()) else ""
+    if "${" not in line:
+        return ""
+    return ("; inside [ ] or { } a ${...} value needs quotes ('${dsr.asset:sample_data}/x.jsonl'), or write the list "
+            "as a block list, one '- item' a line")
 
 
 def load(path: Path) -> Tuple[Any, Dict[str, Optional[str]]]:
