@@ -273,3 +273,21 @@ def test_an_interpolation_in_a_flow_list_says_how_to_write_it(tmp_path):
     assert "inside [ ] or { } a ${...} value needs quotes" in err.value.problems[0]
     path.write_text(text.format("'${dsr.asset:sample_data}/pairs.jsonl'"), encoding="utf-8")
     assert load_pipeline(path).stages[0].settings[0].value == ["${dsr.asset:sample_data}/pairs.jsonl"]
+
+
+def test_chat_refuses_an_adapter_only_reward_model_naming_merge_and_score(model_dir, tmp_path):
+    """`dsrecipes chat RUN` of objective=reward with trainer.export_merged_lora=false loaded the SEQ_CLS adapter onto
+    its causal base and 'chatted' (an empty answer, exit 0): the scorer refusal of a merged reward export was skipped
+    for adapters. Now refused the same way, naming how to merge and score."""
+    import json
+
+    from dsrecipes.serve.inference import resolve_model_path
+
+    adapter = tmp_path / "export"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"task_type": "SEQ_CLS", "peft_type": "LORA",
+                                                             "base_model_name_or_path": str(model_dir)}))
+    with pytest.raises(UserError, match=r"a LoRA adapter of a reward model \(task_type SEQ_CLS: objective=reward\) "
+                                        r"scores answers .* dsrecipes export .* --lora merged --out MERGED && "
+                                        r"dsrecipes score MERGED"):
+        resolve_model_path(str(adapter))

@@ -51,6 +51,12 @@ def resolve_model_path(arg: str, baseline: bool = False, retry: str = "dsrecipes
         return _from_run(p, baseline, retry)
     if (p / "adapter_config.json").is_file():
         check_loadable(p, retry, adapter=True)
+        if adapter_config(p).get("task_type") == "SEQ_CLS":  # peft would put a scoring adapter on a causal LM
+            run = _run_of(p) or p
+            raise UserError(f"{p}: a LoRA adapter of a reward model (task_type SEQ_CLS: objective=reward) scores "
+                            "answers and does not write them, so it cannot chat or answer prompts; merge it to score "
+                            f"pairs: dsrecipes export {run} --lora merged --out MERGED && dsrecipes score MERGED "
+                            "--pairs PAIRS.jsonl")
         base = adapter_config(p).get("base_model_name_or_path")
         if not base or not isinstance(base, str) or not (Path(base) / "config.json").is_file():
             raise UserError(f"{p}: a LoRA adapter whose base model {base!r} is not a local model directory here")
