@@ -291,3 +291,22 @@ def test_chat_refuses_an_adapter_only_reward_model_naming_merge_and_score(model_
                                         r"scores answers .* dsrecipes export .* --lora merged --out MERGED && "
                                         r"dsrecipes score MERGED"):
         resolve_model_path(str(adapter))
+
+
+def test_score_and_reward_model_name_the_merge_for_an_adapter_only_export(tmp_path, capsys):
+    """`dsrecipes score RUN[/export]` and objective.reward_model=RUN/export of an adapter-only reward export said
+    'no config.json; give an objective=reward export' without saying the export is an adapter to merge."""
+    from dsrecipes.cli import main
+    from dsrecipes.objectives.rewards import reward_model_problems
+
+    run = tmp_path / "run"
+    (run / "export").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}")
+    (run / "export" / "adapter_config.json").write_text('{"task_type": "SEQ_CLS"}')
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("")
+    merge = f"merge it first, dsrecipes export {run} --lora merged --out MERGED, and give MERGED"
+    for target in (run, run / "export"):
+        assert main(["score", str(target), "--pairs", str(pairs), "--out", str(tmp_path / "r.jsonl")]) == 2
+        assert merge in capsys.readouterr().err
+    assert merge in reward_model_problems(str(run / "export"))[0]

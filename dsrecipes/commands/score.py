@@ -23,7 +23,7 @@ from dsrecipes.boundary.chat_sandbox import TemplateRaised, render_many
 from dsrecipes.boundary.trust import FLAG, TRUST_HELP, trust
 from dsrecipes.commands.args import existing_path, parse
 from dsrecipes.core.errors import UserError, no_custom_code
-from dsrecipes.core.export_dir import EXPORT_MARKER
+from dsrecipes.core.export_dir import EXPORT_MARKER, merge_first
 from dsrecipes.core.fileio import Unreadable, atomic_write_text, json_text
 from dsrecipes.core.schema import ColumnsConfig, DatasetFormat, SourceConfig
 from dsrecipes.core.tokenizer import NO_DIRECTORY_CODE, custom_code_problems, not_a_scorer, read_json
@@ -73,7 +73,8 @@ def check_model_dir(path: Path) -> None:
     if not path.is_dir() or not (path / "config.json").is_file():
         export = path / "export"  # a run directory, as chat and prompt-eval take: its export is the scorer
         where = f"; its export is {export}" if (export / "config.json").is_file() else ""
-        raise UserError(f"{path}: not a model directory (no config.json); give an objective=reward export{where}")
+        raise UserError(f"{path}: not a model directory (no config.json); give an objective=reward export{where}"
+                        f"{merge_first(path) or merge_first(export)}")
     for problem in irregular_files("EXPORT", path, ("config.json", *WEIGHT_PATTERNS, *TOKENIZER_READS)):
         raise UserError(problem)  # a FIFO there would block the reads below for ever
     problem = pickled_weights_problem(path, "EXPORT")

@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional
 import dsrecipes.boundary.trust as trust
 from dsrecipes.core.answers import normalize
 from dsrecipes.core.errors import ConfigError, UserError, no_custom_code
+from dsrecipes.core.export_dir import merge_first
 from dsrecipes.core.schema import RewardConfig, TrainConfig
 from dsrecipes.core.tokenizer import NO_DIRECTORY_CODE, custom_code_problems, not_a_scorer
 
@@ -79,7 +80,7 @@ def reward_model_problems(path: str) -> List[str]:
         return [f"{key}: {path} is not a directory (an objective=reward export: config.json, *.safetensors, tokenizer)"]
     if not (found / "config.json").is_file() or next(found.glob("*.safetensors"), None) is None:
         return [f"{key}: {path} has no config.json or no *.safetensors weights (dsrecipes loads model weights only "
-                "from safetensors); give an objective=reward export"]
+                f"from safetensors); give an objective=reward export{merge_first(found)}"]
     try:
         trust.check_export(found, trust.run_command())
     except UserError as exc:
