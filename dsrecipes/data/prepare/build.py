@@ -56,7 +56,7 @@ from dsrecipes.data.prepare.pairs import (
     reference_key,
     write_rows,
 )
-from dsrecipes.data.prepare.prompts import prompt_columns, prompt_stats, read_prompts
+from dsrecipes.data.prepare.prompts import prompt_columns, prompt_stats, read_prompts, reference_lines
 from dsrecipes.data.prepare.stats import build_stats, summary
 from dsrecipes.data.render.batch_encode import Encoded, read_and_encode
 from dsrecipes.data.sources.badrows import BadRowReport
@@ -110,8 +110,9 @@ def prepare(cfg: TrainConfig, tokenizer: Any, run_dir: str | Path) -> Prepared:
         stats["reference_dir"] = str(attach_reference(cfg, tokenizer, final))
     if quarantine.is_file():
         stats["quarantine"] = str(quarantine)
+    lines = reference_lines(cfg, stats)  # prompt rows whose rewards have no reference to compare with (or refused)
     atomic_write_json(run_dir / STATS_FILE, stats)
-    print(summary(stats), file=sys.stderr)
+    print("\n".join([summary(stats), *lines]), file=sys.stderr)
     return _open(final, stats)
 
 

@@ -1,0 +1,55 @@
+"""objective=grpo with rewards that compare each completion with its row's reference answer (exact_match,
+number_equal): prompt rows without one are said (every completion of such a row scores 0 there), and a dataset with
+no reference at all under such rewards only is refused before training (nothing could ever score, so nothing would
+be learnt: a run that did not train). Was: silent (TRL users with a `ground_truth` column trained on all-zero
+rewards)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dsrecipes.core.errors import DataError
+
+GRPO = ["objective=grpo", "data.cutoff_len=48", "objective.max_completion_length=6", "objective.num_generations=2",
+        "dataset.val_size=0"]
+
+
+def prompts(path: Path, n: int, with_reference: int) -> Path:
+    rows = [{"conversations": [{"from": "human", "value": f"{i}+1="}], **({"reference": i + 1} if i < with_reference
+                                                                        else {"ground_truth": i + 1})}
+            for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def prepare(tmp_path: Path, data: Path, *overrides: str):
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.core.tokenizer import load_tokenizer
+    from dsrecipes.data.prepare.build import prepare as build
+
+    cfg = compose_and_load([*GRPO, f"dataset.paths=[{data}]", f"data.cache_dir={tmp_path / 'cache'}", *overrides])
+    run = tmp_path / "run"
+    run.mkdir(exist_ok=True)
+    return build(cfg, load_tokenizer(cfg), run)
+
+
+def test_no_reference_under_comparing_rewards_only_is_refused_naming_the_key(tmp_path):
+    data = prompts(tmp_path / "p.jsonl", 6, 0)
+    with pytest.raises(DataError, match=r"objective.rewards: 6 of 6 prompt rows have no reference answer .* "
+                                        r"exact_match, number_equal compare the completion with it"):
+        prepare(tmp_path, data, "objective.rewards=[{name: exact_match}, {name: number_equal}]")
+    assert not (tmp_path / "run" / "prepare_stats.json").exists()  # nothing written for the run
+
+
+def test_missing_references_are_said_and_other_rewards_keep_the_run(tmp_path, capsys):
+    data = prompts(tmp_path / "p.jsonl", 6, 4)
+    prepare(tmp_path, data, "objective.rewards=[{name: exact_match}]")
+    assert "note: 2 of 6 prompt rows have no reference answer" in capsys.readouterr().err
+    none = prompts(tmp_path / "none.jsonl", 6, 0)  # a reward that needs no reference: trains, and says so
+    prepare(tmp_path, none, "objective.rewards=[{name: exact_match}, {name: length, max_chars: 4}]")
+    assert "note: 6 of 6 prompt rows have no reference answer" in capsys.readouterr().err
+    prepare(tmp_path, none, "objective.rewards=[{name: length, max_chars: 4}]")  # nothing compares: nothing said
+    assert "reference answer" not in capsys.readouterr().err
