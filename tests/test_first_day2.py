@@ -109,7 +109,8 @@ def test_more_llamafactory_keys_get_a_line_that_validates_as_written(tmp_path, c
     from dsrecipes.config.flat_check import flat_problems
 
     (problem,) = flat_problems({key: value}, "f.yaml", lambda _: None)
-    found = re.search(r"LLaMA-Factory's key; here: ([\w.]+): (.+?)(?: \(|$)", problem)
+    found = re.search(r"(?:LLaMA-Factory's|transformers') key(?: \(LLaMA-Factory, TRL\))?; here: ([\w.]+): (.+?)(?: \(|$)",
+                      problem)
     assert found, problem
     recipe = tmp_path / "ours.yaml"
     recipe.write_text(f"{found.group(1)}: {found.group(2)}\n")

@@ -43,7 +43,7 @@ def test_a_flat_file_with_four_llamafactory_keys_gets_four_messages_in_one_run(t
     assert "zero.stage is DeepSpeed's" in err and "did you mean zero.stage" not in err, err
     assert f"{recipe}:3: finetuning_type: LLaMA-Factory's key; here: model.lora.enabled: true" in err, err
     assert f"{recipe}:4: do_train: not needed here" in err, err
-    assert f"{recipe}:6: warmup_ratio: LLaMA-Factory's key; here: scheduler.warmup_ratio: 0.1" in err, err
+    assert f"{recipe}:6: warmup_ratio: transformers' key (LLaMA-Factory, TRL); here: scheduler.warmup_ratio: 0.1" in err, err
 
 
 def test_every_kind_of_problem_of_a_file_is_reported_at_once(tmp_path):
@@ -58,7 +58,7 @@ def test_every_kind_of_problem_of_a_file_is_reported_at_once(tmp_path):
     text = "\n".join(problems)
     assert f"{recipe}:1: zero=stage9: no option 'stage9'" in text
     assert f"{recipe}:3: trainer.max_steps: expected an integer" in text
-    assert f"{recipe}:4: trainer.learning_rate: unknown key; LLaMA-Factory's key; here: optimizer.lr: 0.0001" in text
+    assert f"{recipe}:4: trainer.learning_rate: unknown key; transformers' key (LLaMA-Factory, TRL); here: optimizer.lr: 0.0001" in text
     assert "optimizer.weight_decy: unknown key; did you mean optimizer.weight_decay?" in text
     assert "dataset.use: [identity, alpaca_en_demo] with dataset.registry: DIR/dataset_info.json" in text
     assert f"{recipe}:7: cutoff_len: LLaMA-Factory's key; here: data.cutoff_len: 1024" in text

@@ -63,7 +63,7 @@ def test_a_header_file_keeps_working_and_may_use_flat_group_choices(tmp_path):
     ("zero: stage2\noptimizer:\n  lr: 1.0e-3\n  weight_decy: 0.1\n", 4, "optimizer.weight_decy: unknown key; did you mean optimizer.weight_decay?"),
     ("trainer:\n  save_every: 10\n  max_steps: many\n", 3, "trainer.max_steps"),
     ("# note\nzero: stage9\n", 2, "zero=stage9: no option 'stage9' in group 'zero'"),
-    ("optimizer:\n  lr: 1.0e-3\nlearning_rate: 3.0e-4\n", 3, "learning_rate: LLaMA-Factory's key; here: optimizer.lr: 0.0003"),
+    ("optimizer:\n  lr: 1.0e-3\nlearning_rate: 3.0e-4\n", 3, "learning_rate: transformers' key (LLaMA-Factory, TRL); here: optimizer.lr: 0.0003"),
     ("trainer:\n  max_steps: 3\n   log_every: 1\n", 3, "not valid YAML"),
     ("- zero: stage2\n", 1, "a recipe is a mapping of keys"),
     ("trainer:\n  experiment: !!python/object/apply:os.system [touch pwned]\n", 2, "not valid YAML: could not "

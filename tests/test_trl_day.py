@@ -172,3 +172,16 @@ def test_a_trl_file_translates_with_the_objective_its_trainer_picks(tmp_path, ca
     assert ours == "objective: dpo\nobjective.beta: 0.2\n", ours
     recipe.write_text("objective: orpo\nnum_generations: 4\n")
     assert "objective: grpo" not in _error(capsys, "validate", f"recipe={recipe}")
+
+
+def test_transformers_keys_are_labelled_as_transformers_not_llamafactory_alone():
+    """A TRL user's learning_rate / per_device_train_batch_size / gradient_accumulation_steps / bf16 are transformers'
+    TrainingArguments, which LLaMA-Factory shares: was labelled "LLaMA-Factory's key" for them too."""
+    from dsrecipes.config.foreign_keys import foreign_key
+
+    for key, value, ours in (("learning_rate", 1e-5, "optimizer.lr: 1e-05"), ("bf16", True, "precision: bf16"),
+                             ("per_device_train_batch_size", 4, "trainer.micro_batch_size: 4"),
+                             ("gradient_accumulation_steps", 2, "trainer.grad_accum: 2")):
+        assert foreign_key(key, value).startswith(f"transformers' key (LLaMA-Factory, TRL); here: {ours}"), key
+    assert foreign_key("cutoff_len", 64).startswith("LLaMA-Factory's key; here: data.cutoff_len: 64")
+    assert foreign_key("max_length", 64).startswith("TRL's key; here: data.cutoff_len: 64")

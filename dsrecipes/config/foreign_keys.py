@@ -1,7 +1,7 @@
 """Keys people bring from LLaMA-Factory experiment files (and Hugging Face TrainingArguments) -> one line each: the
 dsrecipes spelling, with their value where it carries over, or why the key is not needed here.
 
-    foreign_key("learning_rate", 1e-4)   -> "LLaMA-Factory's key; here: optimizer.lr: 0.0001"
+    foreign_key("learning_rate", 1e-4)   -> "transformers' key (LLaMA-Factory, TRL); here: optimizer.lr: 0.0001"
     foreign_key("stage", "dpo")          -> "LLaMA-Factory's stage is the objective; here: objective: dpo (...)"
     foreign_key("do_train", True)        -> "not needed here: ..."
     foreign_key("trainer", {...})        -> None (not a key of another tool)
@@ -16,7 +16,7 @@ import re
 from typing import Any, Callable, Dict, Optional, Union
 
 import dsrecipes.config.lf_differences as lf_differences
-from dsrecipes.config.trl_keys import NOT_NEEDED, TRL, TRL_RENAMES, TRL_RULES, eval_strategy, report_to
+from dsrecipes.config.trl_keys import NOT_NEEDED, TRL, TRL_RENAMES, TRL_RULES, eval_strategy, relabel, report_to
 
 HERE = "LLaMA-Factory's key; here: "
 
@@ -375,9 +375,8 @@ def foreign_key(key: str, value: Any) -> Optional[str]:
     rule = RULES.get(key)
     if rule is None:
         return None
-    if isinstance(rule, str):
-        return (TRL if key in TRL_ONLY else HERE) + f"{rule}: {_plain(value)}"
-    return rule(value)
+    line = (TRL if key in TRL_ONLY else HERE) + f"{rule}: {_plain(value)}" if isinstance(rule, str) else rule(value)
+    return relabel(key, line, HERE)  # transformers' keys are a TRL user's too, not LLaMA-Factory's alone
 
 
 def foreign_option(group: str, value: Any, close: bool) -> Optional[str]:

@@ -15,6 +15,25 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Optional, Tuple
 
 TRL = "TRL's key; here: "
+# transformers' TrainingArguments: the keys a LLaMA-Factory file and a TRL script (SFTConfig, DPOConfig, ...) share
+TRAINING_ARGUMENTS = frozenset((
+    "output_dir", "logging_steps", "save_steps", "save_total_limit", "report_to", "overwrite_output_dir",
+    "save_only_model", "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate",
+    "num_train_epochs", "max_steps", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "weight_decay",
+    "max_grad_norm", "seed", "bf16", "fp16", "deepspeed", "gradient_checkpointing", "resume_from_checkpoint",
+    "dataloader_num_workers", "ddp_timeout", "optim", "adam_beta1", "adam_beta2", "adam_epsilon",
+    "lr_scheduler_kwargs", "run_name", "logging_dir", "per_device_eval_batch_size", "eval_strategy",
+    "evaluation_strategy", "eval_steps", "save_strategy", "load_best_model_at_end", "metric_for_best_model",
+    "eval_on_start", "include_num_input_tokens_seen", "dataloader_pin_memory", "do_train", "do_eval", "do_predict"))
+TRANSFORMERS = "transformers' key (LLaMA-Factory, TRL); here: "
+
+
+def relabel(key: str, line: str, lf_prefix: str) -> str:
+    """`line` (a foreign key's, starting with `lf_prefix`: LLaMA-Factory's key) as transformers' key where `key` is
+    one of TrainingArguments, which a TRL script sets as much as a LLaMA-Factory file."""
+    return TRANSFORMERS + line[len(lf_prefix):] if key in TRAINING_ARGUMENTS and line.startswith(lf_prefix) else line
+
+
 NOT_NEEDED = "not needed here: "
 
 # TRL's key -> ours, the value carries over one to one
@@ -137,7 +156,7 @@ def report_to(value: Any) -> str:
     if "all" in names:
         return ("transformers' report_to: all (every installed integration) has no twin here: name them, "
                 "trainer.report_to: [tensorboard, mlflow, wandb] (a list of those)")
-    return f"LLaMA-Factory's key; here: trainer.report_to: [{', '.join(names)}] (a list of tensorboard, mlflow, wandb)"
+    return TRANSFORMERS + f"trainer.report_to: [{', '.join(names)}] (a list of tensorboard, mlflow, wandb)"
 
 
 def _sampling(key: str, default: Any) -> Callable[[Any], str]:
