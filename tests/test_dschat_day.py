@@ -310,3 +310,15 @@ def test_score_and_reward_model_name_the_merge_for_an_adapter_only_export(tmp_pa
         assert main(["score", str(target), "--pairs", str(pairs), "--out", str(tmp_path / "r.jsonl")]) == 2
         assert merge in capsys.readouterr().err
     assert merge in reward_model_problems(str(run / "export"))[0]
+
+
+def test_deepspeed_chat_options_name_our_keys():
+    """DeepSpeed-Chat's flags (--data_split 2,4,4, --lora_dim, --num_padding_at_beginning, ...) were 'unknown key'."""
+    from dsrecipes.config.foreign_keys import foreign_key
+
+    assert foreign_key("data_split", "2,4,4").startswith(
+        "DeepSpeed-Chat's option; here: '++dataset.split.shares={sft:2,reward:4,rl:4}'")
+    assert foreign_key("lora_dim", 128).startswith("DeepSpeed-Chat's option; here: model.lora.r: 128")
+    assert foreign_key("zero_stage", 3).startswith("DeepSpeed-Chat's option; here: zero=stage3")
+    assert foreign_key("num_padding_at_beginning", 1).startswith("not needed here")
+    assert foreign_key("offload", True) is None  # our own group's name: never taken for DeepSpeed-Chat's flag

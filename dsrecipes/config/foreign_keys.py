@@ -16,6 +16,7 @@ import re
 from typing import Any, Callable, Dict, Optional, Union
 
 import dsrecipes.config.lf_differences as lf_differences
+from dsrecipes.config.dschat_keys import DSCHAT_RULES
 from dsrecipes.config.trl_keys import NOT_NEEDED, TRL, TRL_RENAMES, TRL_RULES, eval_strategy, relabel, report_to
 
 HERE = "LLaMA-Factory's key; here: "
@@ -368,6 +369,7 @@ RULES: Dict[str, Rule] = {
 }
 TRL_ONLY = {**TRL_RENAMES, **TRL_RULES}.keys() - RULES.keys()  # TRL's own keys (config/trl_keys.py): "TRL's key"
 RULES.update({key: rule for key, rule in {**TRL_RENAMES, **TRL_RULES}.items() if key in TRL_ONLY})
+RULES.update({key: rule for key, rule in DSCHAT_RULES.items() if key not in RULES})  # config/dschat_keys.py
 
 
 def foreign_key(key: str, value: Any) -> Optional[str]:
