@@ -138,7 +138,7 @@ def test_a_pipeline_takes_trust_checkpoint_for_a_reward_model_someone_else_wrote
                                    "e.g. '++dataset.split.shares={sft:2,reward:4,rl:4}'"),
     ("dataset.split.shares={sft:2,reward:4,rl:4}", "dataset.split.shares is a mapping: set its keys with "
                                                    "++dataset.split.shares=VALUE"),
-    ("data_split=2,4,4", "data_split: unknown key (keys of the config: data, dataset,"),
+    ("data_split=2,4,4", "data_split: DeepSpeed-Chat's option; here: '++dataset.split.shares={sft:2,reward:4,rl:4}'"),
     ("trainer.max_steps=1,2", "trainer.max_steps: a comma separates list items or sweep values: "
                               "trainer.max_steps=[a,b] (a list)"),
 ])
