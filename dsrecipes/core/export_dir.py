@@ -147,9 +147,9 @@ def scorer_refusal(model_dir: Path) -> Optional[str]:
 def merge_first(model_dir: Path) -> str:
     """'; ...' for a directory that holds a LoRA adapter only (trainer.export_merged_lora=false): what scores is
     the merged model, which `dsrecipes export RUN --lora merged` writes; '' for anything else."""
-    if not (Path(model_dir) / "adapter_config.json").is_file():
+    model_dir = Path(model_dir)
+    if not (model_dir / "adapter_config.json").is_file():
         return ""
-    run = Path(model_dir).parent if (Path(model_dir).parent / "config.yaml").is_file() else Path(model_dir)
+    run = model_dir.parent if (model_dir.parent / "config.yaml").is_file() else model_dir
     return (f"; it holds a LoRA adapter only (trainer.export_merged_lora=false): merge it first, dsrecipes export "
             f"{run} --lora merged --out MERGED, and give MERGED")
-

@@ -10,9 +10,10 @@ token that trains nothing, so every rank keeps the same number of forward/backwa
 
 Loss. The cross-entropy summed over a micro-batch's predicted tokens (shifted labels != -100, packing boundaries
 excluded: `token_sums`), divided by the number of predicted tokens of the whole optimizer step, on every rank
-(`objective.loss_average=tokens`, the default: rank/step_tokens.py), or by the micro-batch's own (`micro_batches`). Evaluation returns sums (loss sum, predicted tokens, tokens whose argmax is the
-label), reported as the token-weighted `eval_loss`, `eval_ppl`, `eval_accuracy` and `eval_tokens` (`EvalResult`).
-With `trainer.ce_chunk_tokens` > 0 the same sums come without the full-vocabulary logits (objectives/chunked_ce.py;
+(`objective.loss_average=tokens`, the default: rank/step_tokens.py), or by the micro-batch's own (`micro_batches`).
+Evaluation returns sums (loss sum, predicted tokens, tokens whose argmax is the label), reported as the
+token-weighted `eval_loss`, `eval_ppl`, `eval_accuracy` and `eval_tokens` (`EvalResult`). With
+`trainer.ce_chunk_tokens` > 0 the same sums come without the full-vocabulary logits (objectives/chunked_ce.py;
 liger-kernel's fused linear cross-entropy for the training loss where installed, on CUDA); 0 takes them on the logits.
 """
 
@@ -67,7 +68,6 @@ class SFT:
     eval_keys: Tuple[str, ...] = ("loss_sum", "tokens", "correct")
     chunk_tokens: int = 0  # trainer.ce_chunk_tokens (0: full logits)
     step_tokens: bool = True  # objective.loss_average=tokens: the loss is weighted by the step's token count
-
 
     def collate(self, rows: List[Row]) -> Batch:
         return collate(rows or [placeholder_row(self.pad_id)], self.pad_id)
