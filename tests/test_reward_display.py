@@ -57,8 +57,8 @@ def test_the_learning_rate_rule_is_announced():
 
     cfg = compose_and_load(["model.path=/models/sft_export", "objective=dpo"], check_files=False)
     note = lr_note(cfg)
-    assert note == ("learning rate: 2e-05 from model.finetune_lr (sft_export's full fine-tuning rate; optimizer.lr "
-                    "is unset); optimizer.lr=VALUE sets another"), note
+    assert note == ("learning rate: 2e-06 from model.finetune_lr x objective.lr_scale (sft_export's full fine-tuning "
+                    "rate 2e-05 x 0.1 for dpo; optimizer.lr is unset); optimizer.lr=VALUE sets another"), note
     assert lr_note(compose_and_load(["optimizer.lr=1e-6"], check_files=False)) is None
 
 

@@ -8,7 +8,7 @@ from typing import List
 import yaml
 
 from dsrecipes.commands.args import override_parser, parse, positive_int
-from dsrecipes.config.defaults import lr_source, with_derived_defaults
+from dsrecipes.config.defaults import lr_scale_applied, lr_source, model_rate, with_derived_defaults
 from dsrecipes.config.load import compose_and_load
 from dsrecipes.core.schema import TrainConfig
 from dsrecipes.core.topology import resolve_topology
@@ -43,13 +43,18 @@ def main(argv: List[str]) -> int:
 
 def config_text(cfg: TrainConfig) -> str:
     """The config as the run directory's config.yaml will hold it (the derived defaults of config/defaults.py filled
-    in: `optimizer.lr: null` is the model's own rate), the learning rate's line naming the key it came from when the
-    command left optimizer.lr unset: `lr: 0.003  # model.tiny.finetune_lr (optimizer.lr unset)`."""
+    in: `optimizer.lr: null` is the model's own rate for the objective), the learning rate's line naming the key it came from when the
+    command left optimizer.lr unset: `lr: 0.003  # model.tiny.finetune_lr (optimizer.lr unset)`, `lr: 5.0e-06  #
+    model.finetune_lr x objective.lr_scale (5e-05 x 0.1 for dpo; optimizer.lr unset)`."""
     text = yaml.safe_dump(config_to_dict(with_derived_defaults(cfg)), sort_keys=False, allow_unicode=True)
     if cfg.optimizer.lr is not None:
         return text
     lines = text.splitlines()
     section = lines.index("optimizer:")
     at = next(i for i in range(section + 1, len(lines)) if lines[i].startswith("  lr: "))
-    lines[at] += f"  # {lr_source(cfg)} (optimizer.lr unset)"
+    scale, kind = lr_scale_applied(cfg), cfg.objective.kind.value
+    how = "" if scale is None else f"{model_rate(cfg):g} x {scale:g} for {kind}; "
+    if cfg.model.path is None and cfg.objective.lr_scale != 1.0:  # the tiny model: random init, never scaled
+        how = f"objective.lr_scale {cfg.objective.lr_scale:g} not applied to the tiny model; "
+    lines[at] += f"  # {lr_source(cfg)} ({how}optimizer.lr unset)"
     return "\n".join(lines) + "\n"

@@ -2,11 +2,16 @@
 the bare schema): the launching process applies `with_derived_defaults` before it writes config.yaml (resolve.py),
 so a run directory holds the concrete values; commands that read a composed config directly call what they need.
 
-- `optimizer.lr: null` (the optimizer groups' default) is the model's own learning rate (`learning_rate`):
-  `model.tiny.finetune_lr` (3e-3) for the embedded tiny model, else `model.finetune_lr` for a full fine-tune and
-  `model.lora.finetune_lr` with LoRA. Model groups set those for their model (schema defaults 2e-5 and 2e-4, which
-  also apply to `model.path=...` on the default group), so `model=NAME` alone trains at a sensible rate; an explicit
-  `optimizer.lr=...` wins. (Named `finetune_lr`, not `lr`, so `trainer.lr` still suggests `optimizer.lr`.)
+- `optimizer.lr: null` (the optimizer groups' default) is the model's own learning rate for the objective
+  (`learning_rate`): for a pretrained model (`model.path` set) `model.finetune_lr` for a full fine-tune or
+  `model.lora.finetune_lr` with LoRA, times `objective.lr_scale` (1 for sft and reward; 0.1 for dpo, orpo and grpo,
+  whose updates start from an SFT'd policy: TRL's defaults are 2e-5 for SFT and 1e-6 for DPO/GRPO). Model groups set
+  those rates for their model (schema defaults 2e-5 and 2e-4, which also apply to `model.path=...` on the default
+  group), so `model=NAME objective=dpo` alone trains at a sensible rate. The embedded tiny model (no `model.path`:
+  random init, nothing to preserve) trains at `model.tiny.finetune_lr` (3e-3) for every objective, unscaled. An
+  explicit `optimizer.lr=...` wins, unscaled. (Named `finetune_lr`, not `lr`, so `trainer.lr` still suggests
+  `optimizer.lr`.) config.yaml holds the concrete rate, which the ranks read and never scale again; a resume derives
+  the same rate (the model and objective keys, lr_scale included, must match the checkpoint's: run/resume_contract).
 - `model.name` still "tiny" (the default group) while `model.path` names another model: the path's last part
   (`/models/Qwen2.5-0.5B-Instruct` -> `Qwen2.5-0.5B-Instruct`, a hub id as it is), so logs and `estimate` name the
   model being trained. `~` in model paths is expanded (transformers does not).
@@ -33,33 +38,65 @@ HIGH_LR = 1e-3  # above this, adaptive optimizers tend to wreck a pretrained mod
 
 
 def learning_rate(cfg: TrainConfig) -> float:
-    """The learning rate a run uses: `optimizer.lr`, or the model's own when that is null."""
+    """The learning rate a run uses: `optimizer.lr` as set, or the model's own rate x `lr_scale_applied(cfg)` when
+    it is null (the embedded tiny model's rate unscaled, for every objective)."""
     if cfg.optimizer.lr is not None:
         return cfg.optimizer.lr
+    scale = lr_scale_applied(cfg)
+    rate = model_rate(cfg)
+    # 5e-05 x 0.1 is 5.000000000000001e-06 in binary; config.yaml and `show` hold 5e-06
+    return rate if scale is None else float(f"{rate * scale:.12g}")
+
+
+def model_rate(cfg: TrainConfig) -> float:
+    """The model's own rate (before any objective.lr_scale): the value of the key `_model_key` names."""
     if cfg.model.path is None:
         return cfg.model.tiny.finetune_lr
     return cfg.model.lora.finetune_lr if cfg.model.lora.enabled else cfg.model.finetune_lr
 
 
-def lr_source(cfg: TrainConfig) -> str:
-    """The key `learning_rate(cfg)` reads: optimizer.lr, or the model's own rule's key."""
-    if cfg.optimizer.lr is not None:
-        return "optimizer.lr"
+def lr_scale_applied(cfg: TrainConfig) -> Optional[float]:
+    """`objective.lr_scale` when `learning_rate` multiplies by it (optimizer.lr unset, a pretrained model, a scale
+    other than 1), else None."""
+    if cfg.optimizer.lr is not None or cfg.model.path is None or cfg.objective.lr_scale == 1.0:
+        return None
+    return cfg.objective.lr_scale
+
+
+def _model_key(cfg: TrainConfig) -> str:
     if cfg.model.path is None:
         return "model.tiny.finetune_lr"
     return "model.lora.finetune_lr" if cfg.model.lora.enabled else "model.finetune_lr"
 
 
+def lr_source(cfg: TrainConfig) -> str:
+    """The keys `learning_rate(cfg)` reads: `optimizer.lr`, the model's rate key (`model.finetune_lr`, ...), or
+    `model.finetune_lr x objective.lr_scale` when the objective scales it."""
+    if cfg.optimizer.lr is not None:
+        return "optimizer.lr"
+    return _model_key(cfg) + (" x objective.lr_scale" if lr_scale_applied(cfg) is not None else "")
+
+
 def lr_note(cfg: TrainConfig) -> Optional[str]:
-    """`learning rate: 2e-05 from model.finetune_lr (...); optimizer.lr=VALUE sets another`, None when the
-    command chose it (optimizer.lr set). Call it before `with_derived_defaults`, which fills optimizer.lr in."""
+    """`learning rate: 5e-06 from model.finetune_lr x objective.lr_scale (SmolLM2-135M-Instruct's full fine-tuning
+    rate 5e-05 x 0.1 for dpo; optimizer.lr is unset); optimizer.lr=VALUE sets another`, None when the command chose
+    it (optimizer.lr set). Call it before `with_derived_defaults`, which fills optimizer.lr in."""
     if cfg.optimizer.lr is not None:
         return None
-    what = {"model.tiny.finetune_lr": "the embedded tiny model's rate",
-            "model.lora.finetune_lr": f"{model_name(cfg)}'s LoRA rate",
-            "model.finetune_lr": f"{model_name(cfg)}'s full fine-tuning rate"}[lr_source(cfg)]
-    return (f"learning rate: {learning_rate(cfg):g} from {lr_source(cfg)} ({what}; optimizer.lr is unset); "
-            "optimizer.lr=VALUE sets another")
+    return (f"learning rate: {learning_rate(cfg):g} from {lr_source(cfg)} ({lr_reason(cfg)}; optimizer.lr is "
+            "unset); optimizer.lr=VALUE sets another")
+
+
+def lr_reason(cfg: TrainConfig) -> str:
+    """Where an unset optimizer.lr's rate comes from, in words: `SmolLM2-135M-Instruct's LoRA rate 0.0003 x 0.1 for
+    dpo`, `the embedded tiny model's rate, random init: objective.lr_scale 0.1 is not applied`."""
+    scale, kind = lr_scale_applied(cfg), cfg.objective.kind.value
+    if cfg.model.path is None:
+        tiny = cfg.objective.lr_scale != 1.0
+        return "the embedded tiny model's rate" + (
+            f", random init: objective.lr_scale {cfg.objective.lr_scale:g} is not applied" if tiny else "")
+    what = f"{model_name(cfg)}'s {'LoRA' if cfg.model.lora.enabled else 'full fine-tuning'} rate"
+    return what if scale is None else f"{what} {model_rate(cfg):g} x {scale:g} for {kind}"
 
 
 def model_name(cfg: TrainConfig) -> str:
@@ -103,7 +140,8 @@ def config_warnings(cfg: TrainConfig) -> List[str]:
     if cfg.model.path and lr > HIGH_LR and cfg.optimizer.name is not OptimizerKind.sgd:
         out.append(f"optimizer.lr: {lr:g} is a learning rate for the embedded tiny model; a pretrained model "
                    f"({model_name(cfg)}) usually fine-tunes at ~1e-5..5e-5 (full) or ~1e-4..3e-4 (LoRA). "
-                   "Leave optimizer.lr unset to use the model group's model.finetune_lr / model.lora.finetune_lr")
+                   "Leave optimizer.lr unset to use the model group's model.finetune_lr / model.lora.finetune_lr "
+                   "(x objective.lr_scale)")
     t = cfg.trainer
     if t.max_steps is not None and t.epochs != 1:  # LLaMA-Factory's num_train_epochs is the budget there
         out.append(f"trainer.epochs: {t.epochs} is unused: trainer.max_steps={t.max_steps} sets the run's length; "

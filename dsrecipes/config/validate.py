@@ -125,6 +125,9 @@ def _batch(cfg: TrainConfig) -> List[str]:
                     ("model.lora.finetune_lr", m.lora.finetune_lr), ("model.tiny.finetune_lr", m.tiny.finetune_lr)):
         if lr is not None and lr <= 0:
             errors.append(f"{key}: must be > 0, got {lr}")
+    if not 0 < cfg.objective.lr_scale <= 1:  # a share of the model's rate (config/defaults.py learning_rate)
+        errors.append(f"objective.lr_scale: must be in (0, 1] (the share of the model's finetune_lr this objective "
+                      f"trains at when optimizer.lr is unset), got {cfg.objective.lr_scale}")
     if len(cfg.optimizer.betas) != 2:
         errors.append(f"optimizer.betas: needs two values, got {cfg.optimizer.betas}")
     if cfg.scheduler.warmup_steps < 0:

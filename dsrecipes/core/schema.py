@@ -146,7 +146,7 @@ class LoraConfig:
     dropout: float = 0.05
     target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     only_optimize_lora: bool = True
-    finetune_lr: float = 2e-4  # this model's LoRA learning rate: used when optimizer.lr is null
+    finetune_lr: float = 2e-4  # this model's LoRA learning rate: x objective.lr_scale when optimizer.lr is null
 
 
 @dataclass
@@ -174,7 +174,7 @@ class ModelConfig:
     attn_implementation: AttnImpl = AttnImpl.sdpa
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
-    finetune_lr: float = 2e-5  # full fine-tune learning rate of a model at `path` when optimizer.lr is null
+    finetune_lr: float = 2e-5  # full fine-tune rate of a model at `path`: x objective.lr_scale when optimizer.lr is null
     num_params: Optional[int] = None  # for `estimate` when the weights are not on this machine
     arch: Dict[str, Any] = field(default_factory=dict)  # HF config fields (model_type, hidden_size, ...) for `estimate`
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -316,6 +316,7 @@ class ObjectiveConfig:
 
     kind: ObjectiveKind = ObjectiveKind.sft
     rows: RowKind = RowKind.conversation  # declared by the objective's option file, not a user setting
+    lr_scale: float = 1.0  # x the model's finetune_lr when optimizer.lr is unset (config/defaults.py); in (0, 1]
     beta: float = 0.1  # dpo: strength of the KL anchor to the reference model; orpo: lambda, the odds-ratio weight
     loss: DpoLoss = DpoLoss.sigmoid  # dpo
     label_smoothing: float = 0.0  # dpo: assumed fraction of flipped preference labels (sigmoid, robust)
