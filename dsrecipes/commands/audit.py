@@ -1,5 +1,6 @@
 """`dsrecipes audit [overrides] --world-size N --num-workers W --epochs E`: prove a data plan, or check a run's
-ledgers (`--ledger RUN`: the training ledger, and the evaluation ledger when the run recorded evaluations)."""
+ledgers (`--ledger RUN`: the training ledger, and the evaluation ledger when the run recorded evaluations; a
+pipeline's directory: every stage and the shares they took, audit_pipeline.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from typing import List, Optional, Set
 
 from dsrecipes.commands.args import bounded_int, existing_dir, non_negative_int, override_parser, parse
+from dsrecipes.commands.audit_pipeline import audit_pipeline, is_pipeline_dir
 from dsrecipes.config.load import compose_and_load
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.fileio import read_json_file
@@ -39,14 +41,16 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--num-rows", type=bounded_int(MAX_NUM_ROWS, "audit permutes every row index"), default=None,
                         help="map: audit this many rows instead of preparing")
     parser.add_argument("--ledger", type=existing_dir, default=None, metavar="RUN_DIR",
-                        help="check a finished run's ledger instead")
+                        help="check a finished run's ledger instead (a pipeline's --out: every stage, and the "
+                             "dataset.split shares its stages took)")
     parser.add_argument("--verbose", action="store_true", help="print every rank")
     args = parse(parser, argv)
     overrides = list(args.overrides)
     if args.num_workers is not None:
         overrides.append(f"data.num_workers={args.num_workers}")
     if args.ledger:
-        return audit_ledgers(Path(args.ledger))
+        run = Path(args.ledger)
+        return audit_pipeline(run, audit_ledgers) if is_pipeline_dir(run) else audit_ledgers(run)
     if args.num_rows and args.num_rows * args.epochs > MAX_ROW_EPOCHS:
         raise UserError(f"--num-rows {args.num_rows} x --epochs {args.epochs}: more than {MAX_ROW_EPOCHS:,} row-epochs "
                         "to simulate (minutes per 10^8); audit fewer epochs or rows")

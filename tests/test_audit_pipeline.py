@@ -1,0 +1,128 @@
+"""`dsrecipes audit --ledger PIPELINE_DIR`: one real tiny pipeline (SFT, then a reward model and DPO on two shares
+of the same pairs file, as DeepSpeed-Chat's --data_split), audited whole: every stage's ledger, the shares the
+stages took, the split's shares disjoint and covering. Hostile: the same pipeline's record with two stages on one
+share, or one stage reading the split file whole (its config.yaml edited as a wrong pipeline would have written it),
+is a violation (exit 1); a state file naming a stage outside the pipeline is one message (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dsrecipes.run.pipeline import STATE_FILE
+from tests.conftest import in_process_environ
+
+PIPELINE = """\
+shared:
+  debug: fast
+  data.cutoff_len: 256
+  dataset: {max_samples: 16, val_size: 0}
+  trainer: {save_every: 0, eval_every: 0, max_steps: 2, micro_batch_size: 2, record_samples: true,
+            export: true}
+stages:
+  - name: sft
+  - name: reward
+    model_from: sft
+    set:
+      objective: reward
+      dataset: sample_pairs
+      dataset.split.shares: {reward: 1, dpo: 1}
+      dataset.split.take: reward
+  - name: dpo
+    model_from: sft
+    set:
+      objective: dpo
+      dataset: sample_pairs
+      dataset.split.shares: {reward: 1, dpo: 1}
+      dataset.split.take: dpo
+      trainer.export: false
+"""
+
+
+@pytest.fixture(scope="module")
+def pipeline_out(tmp_path_factory):
+    from dsrecipes.cli import main
+
+    base = tmp_path_factory.mktemp("pipe")
+    path, out = base / "p.yaml", base / "out"
+    path.write_text(PIPELINE)
+    with in_process_environ():
+        assert main(["pipeline", str(path), "--out", str(out)]) == 0
+    return out
+
+
+def audit(out: Path, capsys) -> tuple:
+    from dsrecipes.cli import main
+
+    capsys.readouterr()
+    with in_process_environ():
+        code = main(["audit", "--ledger", str(out)])
+    return code, capsys.readouterr()
+
+
+def copy_of(out: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy, symlinks=True)
+    return copy
+
+
+def edit_config(run: Path, **split) -> None:
+    """The stage's config.yaml with dataset.split replaced, as a pipeline run with that split would have written it."""
+    import yaml
+
+    path = run / "config.yaml"
+    config = yaml.safe_load(path.read_text())
+    config["dataset"]["split"] = {"shares": {}, "take": None, "pin": {}, **split}
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def test_a_split_pipeline_audits_whole(pipeline_out, capsys):
+    code, said = audit(pipeline_out, capsys)
+    assert code == 0, said.out + said.err
+    out = said.out
+    assert out.startswith(f"audit pipeline {pipeline_out}: stages sft (done), reward (done), dpo (done)"), out
+    for stage in ("sft", "reward", "dpo"):  # each stage's own ledger audit, as `--ledger RUN` prints it
+        assert f"stage {stage}: {pipeline_out / stage}\nledger: 1 rank(s), epochs [0]\n  rank 0: 2 steps, 4 samples\nOK\n" in out
+    assert "took 'reward'" in out and "took 'dpo'" in out, out
+    assert "OK: the shares are disjoint and cover every row" in out, out
+    assert out.rstrip().endswith("OK: 3 finished stage(s); ledgers of 3 checked; the stages that split a dataset "
+                                 "took disjoint shares"), out
+
+
+def test_two_stages_on_one_share_is_a_violation(pipeline_out, tmp_path, capsys):
+    out = copy_of(pipeline_out, tmp_path)
+    edit_config(out / "dpo", shares={"reward": 1, "dpo": 1}, take="reward")
+    code, said = audit(out, capsys)
+    assert code == 1, said.out
+    assert "VIOLATION: stages reward, dpo all trained share 'reward' of " in said.out, said.out
+    assert said.out.rstrip().endswith("FAILED: 1 violation(s)"), said.out
+
+
+def test_a_stage_reading_the_split_file_whole_is_a_violation(pipeline_out, tmp_path, capsys):
+    out = copy_of(pipeline_out, tmp_path)
+    edit_config(out / "dpo")  # no split: every pair, the reward stage's share too
+    code, said = audit(out, capsys)
+    assert code == 1, said.out
+    assert "VIOLATION: stage dpo read " in said.out and "while reward split it" in said.out, said.out
+
+
+def test_an_unfinished_stage_is_listed_not_audited(pipeline_out, tmp_path, capsys):
+    out = copy_of(pipeline_out, tmp_path)
+    state = json.loads((out / STATE_FILE).read_text())
+    state["stages"]["dpo"]["status"] = "interrupted"
+    (out / STATE_FILE).write_text(json.dumps(state))
+    code, said = audit(out, capsys)
+    assert code == 0, said.out
+    assert "not audited (not finished): dpo" in said.out and "OK: 2 finished stage(s)" in said.out, said.out
+
+
+@pytest.mark.parametrize("stages", [{"../elsewhere": {"status": "done"}}, {}, "garbage"])
+def test_a_state_file_that_is_not_the_pipelines_is_one_message(pipeline_out, tmp_path, capsys, stages):
+    out = copy_of(pipeline_out, tmp_path)
+    (out / STATE_FILE).write_text(json.dumps({"stages": stages}))
+    code, said = audit(out, capsys)
+    assert code == 2 and "Traceback" not in said.err, said
+    assert said.err.strip().startswith("error: --ledger: ") and len(said.err.strip().splitlines()) == 1, said.err
