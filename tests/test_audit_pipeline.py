@@ -119,6 +119,30 @@ def test_an_unfinished_stage_is_listed_not_audited(pipeline_out, tmp_path, capsy
     assert "not audited (not finished): dpo" in said.out and "OK: 2 finished stage(s)" in said.out, said.out
 
 
+def test_a_split_file_changed_since_a_stage_read_it_is_a_violation(pipeline_out, tmp_path, capsys):
+    """The stages read the bundled pairs through the registry; here they point at a copy of registry and file (as
+    if trained on it, their plan.json recording the bundled file's hash), and the copy holds 50 rows only."""
+    from dsrecipes.core.paths import ASSETS_DIR
+
+    out, data = copy_of(pipeline_out, tmp_path), tmp_path / "data"
+    data.mkdir()
+    shutil.copy(ASSETS_DIR / "sample_data" / "dataset_info.json", data)
+    original = ASSETS_DIR / "sample_data" / "pairs.jsonl"
+    (data / "pairs.jsonl").write_text("".join(original.open().readlines()[:50]))
+    for stage in ("reward", "dpo"):
+        path = out / stage / "config.yaml"
+        path.write_text(path.read_text().replace(str(ASSETS_DIR / "sample_data" / "dataset_info.json"),
+                                                 str(data / "dataset_info.json")))
+        plan = json.loads((out / stage / "plan.json").read_text())
+        plan["data_files"] = {str(data / "pairs.jsonl"): plan["data_files"][str(original)]}
+        (out / stage / "plan.json").write_text(json.dumps(plan))
+    code, said = audit(out, capsys)
+    assert code == 1, said.out
+    for stage in ("reward", "dpo"):
+        assert f"VIOLATION: {data / 'pairs.jsonl'} changed since stage {stage} trained on it (content " in said.out, said.out
+    assert "audit dataset.split: 50 rows" in said.out, said.out  # what it read: the file as it is now
+
+
 @pytest.mark.parametrize("stages", [{"../elsewhere": {"status": "done"}}, {}, "garbage"])
 def test_a_state_file_that_is_not_the_pipelines_is_one_message(pipeline_out, tmp_path, capsys, stages):
     out = copy_of(pipeline_out, tmp_path)

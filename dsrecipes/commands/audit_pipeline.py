@@ -9,7 +9,8 @@ same rows of a dataset they split.
   config.yaml) must each take another share, and no other stage may read one of those files whole (it would train
   on rows of their shares);
 - each such split is audited once as `dsrecipes audit ... dataset.split.take=...` does (split_audit.py): the
-  shares are disjoint and cover every row.
+  shares are disjoint and cover every row; on the files as they are now, so a file whose content differs from what a
+  stage's plan.json recorded it training on is a violation too.
 
 Exit 0 when nothing is violated (stages not yet finished are listed and not audited), 1 otherwise.
 """
@@ -25,6 +26,7 @@ from dsrecipes.core.errors import UserError
 from dsrecipes.core.fileio import read_json_file
 from dsrecipes.core.schema import TrainConfig
 from dsrecipes.data.plan.ledger import LEDGER_DIR
+from dsrecipes.data.prepare.cache import data_files
 from dsrecipes.data.sources.registry import resolve_sources
 from dsrecipes.run.pipeline import MARKER, STATE_FILE
 
@@ -54,7 +56,7 @@ def audit_pipeline(out: Path, audit_ledgers: Callable[[Path], int]) -> int:
         print(f"stage {name}: {run}")
         if audit_ledgers(run) != 0:
             problems.append(f"stage {name}: its ledger audit failed (above)")
-    problems += _splits(configs)
+    problems += _splits(out, configs)
     waiting = [name for name, status in stages if status != "done"]
     if waiting:
         print(f"not audited (not finished): {', '.join(waiting)}")
@@ -101,7 +103,27 @@ def _files(cfg: TrainConfig) -> List[str]:
     return sorted({p for source in resolve_sources(cfg.dataset) for p in source.paths})
 
 
-def _splits(configs: Dict[str, TrainConfig]) -> List[str]:
+def _changed_files(out: Path, cfg: TrainConfig, stages: List[str]) -> List[str]:
+    """The files of a split that changed since a stage trained on them (its plan.json's {file: content hash}): the
+    audit reads the files as they are now, so a changed one proves nothing about what that stage read."""
+    now = data_files(cfg, resolve_sources(cfg.dataset))
+    problems = []
+    for name in stages:
+        path = out / name / "plan.json"
+        try:
+            plan = read_json_file(path, "JSON nested too deeply") if path.is_file() else {}
+        except (OSError, ValueError):
+            plan = {}
+        then = plan.get("data_files") if isinstance(plan, dict) else None
+        if not isinstance(then, dict):
+            problems.append(f"stage {name}: {path} records no data files, so what it read cannot be compared")
+            continue
+        problems += [f"{f} changed since stage {name} trained on it (content {then[f]} -> {digest}): the audit "
+                     "reads it as it is now" for f, digest in sorted(now.items()) if f in then and then[f] != digest]
+    return problems
+
+
+def _splits(out: Path, configs: Dict[str, TrainConfig]) -> List[str]:
     """The split rules of the module comment; each split's shares audited once."""
     from dsrecipes.data.strategies.split_audit import audit_split  # lazy: else `audit` imports numpy 0.11 s
 
@@ -127,6 +149,7 @@ def _splits(configs: Dict[str, TrainConfig]) -> List[str]:
         problems += [f"stage {reader} read {f} whole while {', '.join(n for n, _ in members)} split it: it trained "
                      "on rows of their shares" for f in files for reader in whole.get(f, [])]
         first = configs[members[0][0]]
+        problems += _changed_files(out, first, [n for n, _ in members])
         report = audit_split(first.dataset, first)
         print(report.render())
         problems += [f"split of {', '.join(files)}: {v}" for v in report.violations]
