@@ -30,6 +30,7 @@ from dsrecipes.core.schema import (
 )
 from dsrecipes.data.shard.manifest import read_manifest
 from dsrecipes.data.sources.files import expand_paths, no_file
+from dsrecipes.data.sources.preference import pairs_as_problems
 from dsrecipes.data.sources.remote import check_url, expand, looks_like_url
 from dsrecipes.data.sources.split_shares import split_problems
 from dsrecipes.data.strategies.rules import config_problems, reads_parquet, required_paths
@@ -186,6 +187,7 @@ def _data(cfg: TrainConfig) -> List[str]:
     if ds.max_samples is not None and ds.max_samples < 1:
         errors.append(f"dataset.max_samples: must be >= 1, got {ds.max_samples}")
     errors += split_problems(ds, d.kind)  # dataset.split (data/sources/split_shares.py)
+    errors += pairs_as_problems(ds, cfg.objective.rows)  # dataset.pairs_as (data/sources/preference.py)
     for i, src in enumerate(ds.sources):
         if not src.paths:
             errors.append(f"dataset.sources[{i}].paths: empty")

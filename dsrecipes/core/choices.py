@@ -166,6 +166,12 @@ class ReferenceMode(str, Enum):
     live = "live"  # a frozen reference model next to the trained one (LoRA: the base with adapters disabled)
 
 
+class PairsAs(str, Enum):
+    """How a conversation reader (objective=sft) takes a preference pair row (`dataset.pairs_as`)."""
+    refuse = "refuse"  # a bad row (preference_row / no_assistant_turn): pairs are for dpo and reward
+    chosen = "chosen"  # its prompt turns + the chosen answer, as DeepSpeed-Chat's step 1 trains on the pairs file
+
+
 class ResumeMode(str, Enum):
     auto = "auto"  # continue from trainer.resume_from, else from the run directory's newest complete checkpoint
     never = "never"  # start from step 0

@@ -22,6 +22,7 @@ from dsrecipes.core.choices import NanPolicy as NanPolicy
 from dsrecipes.core.choices import ObjectiveKind as ObjectiveKind
 from dsrecipes.core.choices import OffloadDevice as OffloadDevice
 from dsrecipes.core.choices import OptimizerKind as OptimizerKind
+from dsrecipes.core.choices import PairsAs as PairsAs
 from dsrecipes.core.choices import Precision as Precision
 from dsrecipes.core.choices import ReferenceMode as ReferenceMode
 from dsrecipes.core.choices import ReportTo as ReportTo
@@ -114,6 +115,7 @@ class SourceConfig:
     weight: float = 1.0
     ranking: Optional[bool] = None  # preference rows (LLaMA-Factory `ranking`); None: what objective.kind reads
     share: Optional[ShareOfSource] = None  # set from dataset.split when sources are resolved
+    pairs_as: Optional[PairsAs] = None  # null: dataset.pairs_as (set from it when sources are resolved)
 
 
 @dataclass
@@ -136,6 +138,7 @@ class DatasetConfig:
     max_bad_fraction: float = 0.05
     max_row_bytes: int = DEFAULT_MAX_ROW_BYTES  # a longer row is a bad row (too_large), skipped without being held
     split: SplitConfig = field(default_factory=SplitConfig)  # shares across an experiment's steps (data_split)
+    pairs_as: PairsAs = PairsAs.refuse  # sft on a pair row: refuse | chosen (its prompt + chosen, DS-Chat step 1)
 
 
 @dataclass

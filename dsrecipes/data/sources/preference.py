@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from dsrecipes.core.errors import ConfigError
-from dsrecipes.core.schema import DatasetFormat, RowKind, SourceConfig
+from dsrecipes.core.schema import DatasetConfig, DatasetFormat, PairsAs, RowKind, SourceConfig
 from dsrecipes.data.rowkinds import ROW_KINDS
 from dsrecipes.data.sources.badrows import BadReason, BadRow
 from dsrecipes.data.sources.samples import SampleKind, prompt_conversation
@@ -50,12 +50,24 @@ def check_sources(rows: RowKind, sources: List[SourceConfig]) -> None:
             raise ConfigError(f"dataset: source {src.name!r} is not preference data (its registry entry has no "
                               f"`ranking: true`); this objective (objective.rows={rows.value}) trains on "
                               "chosen/rejected pairs")
-        if not wanted.ranking and src.ranking:
+        if not wanted.ranking and src.ranking and not (rows is RowKind.conversation and src.pairs_as is PairsAs.chosen):
+            sft = (", or SFT on each pair's prompt + chosen answer (DeepSpeed-Chat's step 1) with "
+                   "dataset.pairs_as=chosen") if rows is RowKind.conversation else ""
             raise ConfigError(f"dataset: source {src.name!r} holds preference (ranking) rows; train on it with an "
-                              "objective on pairs (objective.rows=pair: objective=dpo, for one)")
+                              f"objective on pairs (objective.rows=pair: objective=dpo, for one){sft}")
         if src.format not in wanted.formats:
             raise ConfigError(f"dataset: source {src.name!r}: {rows.value} rows are read in the "
                               f"{' or '.join(_FORMAT_NAMES[f] for f in wanted.formats)} format, not {src.format.value}")
+
+
+def pairs_as_problems(dataset: DatasetConfig, rows: RowKind) -> List[str]:
+    """`dataset.pairs_as` (and a source's own) is read by objectives on conversations only (config/validate.py)."""
+    keys = [("dataset.pairs_as", dataset.pairs_as)] + [(f"dataset.sources[{i}].pairs_as", s.pairs_as)
+                                                       for i, s in enumerate(dataset.sources)]
+    if rows is RowKind.conversation:
+        return []
+    return [f"{key}: chosen reads a pair row as an SFT conversation (objective=sft); objective.rows={rows.value} "
+            "reads its rows as they are, so leave it unset (refuse)" for key, value in keys if value is PairsAs.chosen]
 
 
 _FORMAT_NAMES = {DatasetFormat.sharegpt: "sharegpt (LLaMA-Factory)", DatasetFormat.openai: "openai (TRL)",

@@ -9,8 +9,9 @@ Two registry formats, chosen by file extension:
   response/system/history map to instruction/input/output/system/history. As in LLaMA-Factory, a row's system prompt,
   tools and alpaca history are read only from columns that `columns` names (NOT_READ otherwise). `num_samples` becomes `max_samples` (the
   first N rows; LLaMA-Factory would also up-sample, use `weight` here for that). `ranking: true` marks preference
-  rows (`chosen`/`rejected` columns; objective=dpo reads them, objective=sft refuses them). Hub, script and
-  multimodal entries are rejected: we would otherwise silently train on something else.
+  rows (`chosen`/`rejected` columns; objective=dpo reads them, objective=sft refuses them unless
+  `dataset.pairs_as=chosen`). Hub, script and multimodal entries are rejected: we would otherwise silently train on
+  something else.
 * `*.yaml` / `*.yml`: `name: {paths: [...], format: ..., columns: {...}, roles: {...}, max_samples: N, weight: W}`,
   typed by `SourceConfig` (unknown keys are errors); relative paths are relative to the registry file.
 
@@ -84,6 +85,7 @@ def resolve_sources(dataset_cfg: DatasetConfig, notes: Optional[List[str]] = Non
         seen[src.name] = seen.get(src.name, 0) + 1
         if seen[src.name] > 1:
             sources[k] = dataclasses.replace(src, name=f"{src.name}#{seen[src.name]}")
+    sources = [s if s.pairs_as is not None else dataclasses.replace(s, pairs_as=ds.pairs_as) for s in sources]
     return stamp(ds.split, read_once(sources, notes))  # each source reads only the run's share (dataset.split)
 
 

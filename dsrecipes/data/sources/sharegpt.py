@@ -22,7 +22,8 @@ from enum import Enum
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from dsrecipes.core.errors import ConfigError
-from dsrecipes.core.schema import DEFAULT_MAX_ROW_BYTES, DatasetConfig, DatasetFormat, SourceConfig
+from dsrecipes.core.schema import DEFAULT_MAX_ROW_BYTES, DatasetConfig, DatasetFormat, PairsAs, RowKind, SourceConfig
+from dsrecipes.data.rowkinds import ROW_KINDS
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.sources.files import RawRow, expand_paths, no_file, parse_row, read_rows, used_columns
 from dsrecipes.data.sources.registry import resolve_sources
@@ -105,6 +106,8 @@ def normalize_row(raw: Any, sample_id: str, source: SourceConfig, roles: Optiona
     cols = source.columns
     table = role_table(source) if roles is None else roles
     sides = _pair_advice(raw, source)
+    if sides and source.pairs_as is PairsAs.chosen and source.format is not DatasetFormat.alpaca:
+        return chosen_conversation(raw, sample_id, source, table)
     pair = sides or prompt_advice(raw, source, SFT_READS)  # a row of another kind: what reads it
     if sides and source.format is not DatasetFormat.alpaca and _holds_answer_turn(raw, source, table):
         # A pair whose prompt has earlier answers would train here on that history alone, its chosen/rejected
@@ -132,6 +135,17 @@ def normalize_row(raw: Any, sample_id: str, source: SourceConfig, roles: Optiona
     if last < 0:
         raise BadRow(BadReason.no_assistant_turn, f"roles: {[t.role.value for t in turns]}", advice=pair)
     return Conversation(sample_id, turns[: last + 1], system, tools, source.name, len(turns) - last - 1)
+
+
+def chosen_conversation(raw: Dict[str, Any], sample_id: str, source: SourceConfig, roles: Dict[str, Role]
+                        ) -> Conversation:
+    """A pair row read by SFT under `dataset.pairs_as=chosen` (DeepSpeed-Chat's step 1): its prompt turns + the chosen
+    answer, trained like any assistant turn, after every check of the preference reader (preference.py, every format
+    it reads; looked up in rowkinds.py because it imports this module). Its row id, hence its share, is unchanged."""
+    pair = ROW_KINDS[RowKind.pair].sample_kind().check(raw, source, roles)
+    prompt = pair.prompt
+    return Conversation(sample_id, prompt.turns + [Turn(Role.assistant, pair.chosen)], prompt.system, prompt.tools,
+                        source.name)
 
 
 # a prompt row's reference answer: the first present (and not null); `solution` is the column TRL's GRPO reward
@@ -166,7 +180,8 @@ def _pair_advice(raw: Dict[str, Any], source: SourceConfig) -> str:
         return ""
     return (f"this looks like a preference pair ({source.columns.chosen!r}/{source.columns.rejected!r}): objective=sft "
             "trains on conversations that end with the model's answer; train on pairs with objective=dpo or "
-            "objective=reward (see dataset=sample_pairs and README \"Preference tuning (DPO)\")")
+            "objective=reward (see dataset=sample_pairs and README \"Preference tuning (DPO)\"), or SFT on each "
+            "pair's prompt + chosen answer (DeepSpeed-Chat's step 1) with dataset.pairs_as=chosen")
 
 
 def conversation_of(row: RawRow, source: SourceConfig, roles: Dict[str, Role]) -> Conversation:
