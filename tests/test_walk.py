@@ -197,7 +197,7 @@ def test_a_shipped_pipeline_runs_by_name_from_any_directory(tmp_path, monkeypatc
     (tmp_path / "smollm2_chat.yaml").write_text("stages: []\n")  # a file of one's own comes first
     assert pipeline_file("smollm2_chat.yaml") == Path("smollm2_chat.yaml")
     with pytest.raises(UserError, match=r"smollm2_chatt: no such pipeline file; did you mean smollm2_chat\? "
-                                        r"\(shipped pipelines, run by name: smollm2_chat, smollm2_chat_grpo\)"):
+                                        r"\(shipped pipelines, run by name: smollm2_chat, smollm2_chat_grpo, smollm2_dschat_split\)"):
         pipeline_file("smollm2_chatt")
     assert pipeline_file("elsewhere/p.yaml").name == "p.yaml"  # any other path: load_pipeline names it
     from tests.test_readme import README
