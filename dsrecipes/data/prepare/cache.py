@@ -36,6 +36,24 @@ HISTORY_CUT = 1  # in the key of SFT data under data.train_on=last_assistant alo
 MEMO_FILE = "file_hashes.json"
 
 
+# Keys added to a hashed section after runs existed, with the value(s) those runs read their data as: there they are
+# left out of the material, so an upgrade keeps the identity (cache key, data fingerprint, scan key) of the data an
+# older run was prepared on and its resume goes on (run/legacy_keys.py has the resume side); another value changes
+# it. A source's pairs_as is stamped with the dataset's (registry.resolve_sources), so `refuse` there too.
+AS_BEFORE = {"dataset": {"pairs_as": ("refuse",)}, "source": {"pairs_as": (None, "refuse")}}
+
+
+def as_before(section: str, value: Any) -> Dict[str, Any]:
+    """`config_to_dict(value)` for a key's material: without the keys of AS_BEFORE[section] at an older run's value
+    (a dataset's `sources` entries too)."""
+    data = config_to_dict(value)
+    out = {k: v for k, v in data.items() if v not in AS_BEFORE[section].get(k, ())}
+    if section == "dataset" and isinstance(out.get("sources"), list):
+        out["sources"] = [{k: v for k, v in s.items() if v not in AS_BEFORE["source"].get(k, ())}
+                          if isinstance(s, dict) else s for s in out["sources"]]
+    return out
+
+
 def cache_root(cfg: TrainConfig) -> Path:
     if cfg.data.cache_dir:
         return Path(os.path.expanduser(cfg.data.cache_dir))
@@ -56,7 +74,7 @@ def sources_material(cfg: TrainConfig, sources: Sequence[SourceConfig],
         # the whole source: a registry entry's weight, columns, roles and caps live in the registry file, not in
         # cfg.dataset, so an edited entry must change the key as an edited dataset.sources does
         material.append({"name": src.name, "files": [[f, known.get(f) or file_hash(f, memo)] for f in files],
-                         "missing": missing, "source": config_to_dict(src)})
+                         "missing": missing, "source": as_before("source", src)})
     _write_memo(memo_path, memo)
     return material
 
@@ -64,7 +82,7 @@ def sources_material(cfg: TrainConfig, sources: Sequence[SourceConfig],
 def data_fingerprint(cfg: TrainConfig, sources: Sequence[SourceConfig], known: Optional[Dict[str, str]] = None) -> str:
     """The training data's identity for streams (no preparation): dataset config and file contents (`known`: see
     `sources_material`)."""
-    material = {"dataset": config_to_dict(cfg.dataset), "sources": sources_material(cfg, sources, known)}
+    material = {"dataset": as_before("dataset", cfg.dataset), "sources": sources_material(cfg, sources, known)}
     return _digest(material)
 
 
@@ -72,7 +90,7 @@ def cache_key(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig])
     """The key of prepared data: a different key means a different preparation."""
     material = {
         "version": PREP_VERSION,
-        "dataset": config_to_dict(cfg.dataset),
+        "dataset": as_before("dataset", cfg.dataset),
         "sources": sources_material(cfg, sources),
         "template": config_to_dict(cfg.template),
         "data": {k: config_to_dict(getattr(cfg.data, k)) for k in ("cutoff_len", "packing", "train_on")},

@@ -32,7 +32,14 @@ from dsrecipes.core.schema import SourceConfig, TrainConfig
 from dsrecipes.core.tokenizer import load_tokenizer
 from dsrecipes.core.typed import config_to_dict
 from dsrecipes.data.prepare.build import QUARANTINE_FILE
-from dsrecipes.data.prepare.cache import PREP_VERSION, cache_root, data_files, data_fingerprint, tokenizer_fingerprint
+from dsrecipes.data.prepare.cache import (
+    PREP_VERSION,
+    as_before,
+    cache_root,
+    data_files,
+    data_fingerprint,
+    tokenizer_fingerprint,
+)
 from dsrecipes.data.rowkinds import ROW_KINDS, resolved
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.sources.files import element_line
@@ -135,7 +142,7 @@ def _scan_key(cfg: TrainConfig, encoder: Any) -> str:
     """What a file's scan result depends on besides its content: row reading and normalising, template,
     tokenization (the bad-row policy and caps are applied afterwards)."""
 
-    dataset = {k: v for k, v in config_to_dict(cfg.dataset).items() if k not in ("bad_rows", "max_bad_fraction")}
+    dataset = {k: v for k, v in as_before("dataset", cfg.dataset).items() if k not in ("bad_rows", "max_bad_fraction")}
     material = {"version": PREP_VERSION, "dataset": dataset, "template": config_to_dict(cfg.template),
                 "data": {k: config_to_dict(getattr(cfg.data, k)) for k in ("cutoff_len", "packing", "train_on")},
                 "tokenizer": tokenizer_fingerprint(encoder.tokenizer)}
