@@ -134,7 +134,9 @@ def test_a_row_of_another_format_names_the_dataset_that_reads_it(tmp_path):
     assert list(iter_source(SourceConfig(name="s", paths=[str(tmp_path / "a.jsonl")]), report)) == []
     report.close()
     reasons = [json.loads(line)["detail"] for line in (tmp_path / "q.jsonl").read_text().splitlines()]
-    assert "dataset=openai_messages" in reasons[1] and reasons[2].endswith("(keys: ['text'])"), reasons
+    assert "dataset=openai_messages" in reasons[1], reasons
+    assert reasons[2] == ("no 'conversations' field (keys: ['text']); a 'text' row (TRL's language modeling) is no "
+                          "conversation: make each text one assistant turn"), reasons
     (tmp_path / "b.jsonl").write_text('{"conversations": [{"role": "user", "content": "hi"}]}\n'
                                       '{"conversations": [{"speaker": "user", "text": "hi"}]}\n')
     report = BadRowReport(BadRows.skip, 1.0, tmp_path / "q2.jsonl")
@@ -149,8 +151,9 @@ def test_a_row_of_another_format_names_the_dataset_that_reads_it(tmp_path):
     with pytest.raises(DataError, match="ShareGPT rows under 'conversations': dataset=sharegpt_files"):
         read_all(msgs, policy=BadRows.error)
     (tmp_path / "b.jsonl").write_text('{"prompt": [{"role": "user", "content": "hi"}], "completion": []}\n')
-    with pytest.raises(DataError, match="TRL's prompt/completion rows are not read here: write prompt \\+ completion"):
-        read_all(msgs, policy=BadRows.error)
+    with pytest.raises(DataError, match=r"bad_value \('prompt'/'completion': list/list, not two strings \(TRL "
+                                        r"standard\) or two message lists \(the completion non-empty\)\)"):
+        read_all(msgs, policy=BadRows.error)  # an empty completion: read as TRL's row, nothing to train
 
 
 def test_gz_empty_file_and_unmatched_glob(tmp_path):

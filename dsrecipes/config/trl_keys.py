@@ -48,8 +48,8 @@ TRL_RENAMES = {
 
 ALL_TURNS = ("data.train_on: all (every token of the conversation, TRL's default; ours, data.train_on: assistant, "
              "trains the assistant turns only)")
-PROMPT_COMPLETION = ("TRL's prompt/completion rows are not read here: write each as one `messages` list (the prompt's "
-                     "turns, then the completion as an assistant turn), dataset=openai_messages")
+PROMPT_COMPLETION = ("TRL's prompt/completion rows are read by dataset=openai_messages: the prompt as context, the "
+                     "completion as the trained answer")
 
 
 def _one(value: Any) -> Any:

@@ -235,7 +235,9 @@ def read_row_items(path: str, limit: int = DEFAULT_MAX_ROW_BYTES, columns: Optio
         yield RawRow(path, None, error=BadRow(BadReason.empty_file, "no rows"))
 
 
-EXTRA_COLUMNS = ("margin",)  # read by name outside a source's `columns` (preference.py: a reward model's target gap)
+# read by name outside a source's `columns`: preference.py's `margin` (a reward model's target gap), row_shapes.py's
+# `completion` (TRL's prompt/completion rows)
+EXTRA_COLUMNS = ("margin", "completion")
 
 
 def used_columns(source: Any) -> frozenset:

@@ -27,6 +27,7 @@ from dsrecipes.data.rowkinds import ROW_KINDS
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.sources.files import RawRow, expand_paths, no_file, parse_row, read_rows, used_columns
 from dsrecipes.data.sources.registry import resolve_sources
+from dsrecipes.data.sources.row_shapes import other_format, other_keys, prompt_completion_messages
 from dsrecipes.data.sources.split_shares import keeps
 
 
@@ -208,34 +209,12 @@ def parse_item(raw: Optional[bytes], path: str, loc: int, source: SourceConfig, 
                            source, roles)
 
 
-def _other_format(raw: Dict[str, Any]) -> str:
-    """What a row without the messages column looks like: an alpaca row, or chat messages under another column."""
-    if "instruction" in raw and "output" in raw:
-        return "; an alpaca row: read such files with dataset=alpaca (or dataset.format=alpaca)"
-    if isinstance(raw.get("messages"), list):
-        return "; chat messages under 'messages': dataset=openai_messages (or dataset.columns.messages=messages)"
-    if isinstance(raw.get("conversations"), list):
-        return "; ShareGPT rows under 'conversations': dataset=sharegpt_files (or dataset.columns.messages=conversations)"
-    if "prompt" in raw and "completion" in raw:
-        return "; TRL's prompt/completion rows are not read here: write prompt + completion as one 'messages' list"
-    return ""
-
-
-def _other_keys(msg: Dict[str, Any]) -> str:
-    """A message in the other spelling: role/content (openai, TRL) in a ShareGPT reading, or from/value."""
-    if "role" in msg and "content" in msg:
-        return "; role/content messages: dataset=openai_messages (or dataset.columns.role=role dataset.columns.content=content)"
-    if "from" in msg and "value" in msg:
-        return "; from/value messages: dataset=sharegpt_files (or dataset.columns.role=from dataset.columns.content=value)"
-    return ""
-
-
 def _message_turns(raw: Dict[str, Any], source: SourceConfig, table: Dict[str, Role]) -> List[Turn]:
     cols = source.columns
-    if cols.messages not in raw:
+    messages = raw[cols.messages] if cols.messages in raw else prompt_completion_messages(raw, source)
+    if messages is None:
         raise BadRow(BadReason.missing_conversation, f"no {cols.messages!r} field (keys: {sorted(raw)[:8]})"
-                     f"{_other_format(raw)}")
-    messages = raw[cols.messages]
+                     f"{other_format(raw)}")
     if not isinstance(messages, list):
         raise BadRow(BadReason.conversation_not_list, f"{cols.messages!r} is a {type(messages).__name__}")
     if not messages:
@@ -248,7 +227,7 @@ def _message_turns(raw: Dict[str, Any], source: SourceConfig, table: Dict[str, R
         role = table.get(name.strip().lower()) if isinstance(name, str) else None
         if role is None:
             raise BadRow(BadReason.unknown_role, f"turn {i}: {cols.role}={name!r}" if cols.role in msg else
-                         f"turn {i}: no {cols.role!r} key (keys: {sorted(msg)[:6]}){_other_keys(msg)}")
+                         f"turn {i}: no {cols.role!r} key (keys: {sorted(msg)[:6]}){other_keys(msg)}")
         tool_calls = msg.get("tool_calls") if source.format is DatasetFormat.openai else None
         content = _content_text(msg.get(cols.content), allow_none=bool(tool_calls))
         if content is None and not tool_calls:
