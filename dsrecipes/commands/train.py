@@ -116,7 +116,7 @@ def run_job(inv: Invocation, job: hydra_app.Job) -> None:
     with held:
         quiet_third_party(log_path(run_dir, "main"))  # our directory now; before deepspeed/transformers are imported
         try:
-            decision = decide(cfg)
+            decision = decide(cfg, overrides=job.overrides)  # keys the command names stay its own (legacy_keys)
         except UserError as exc:
             if not inv.sweep or isinstance(exc, Refused):  # nothing is recorded: a new directory goes again
                 held.undo()

@@ -14,9 +14,10 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import dsrecipes.boundary.trust as trust
+import dsrecipes.run.legacy_keys as legacy_keys
 import dsrecipes.run.resume_contract as resume_contract
 from dsrecipes.boundary.checkpoint_find import committed, plan_resume
 from dsrecipes.config.load import read_yaml_mapping
@@ -69,11 +70,15 @@ class Decision:
     data_fingerprint: str
     data_files: Dict[str, str]
     resume: Optional[ResumePlan]
+    config: Optional[TrainConfig] = None  # the config the run continues with (a run of an older version: its legacy
+    # values, run/legacy_keys.py); run() writes it into config.yaml, which the ranks read
 
 
-def decide(cfg: TrainConfig, topology: Optional[Topology] = None) -> Decision:
+def decide(cfg: TrainConfig, topology: Optional[Topology] = None, overrides: Sequence[str] = ()) -> Decision:
     """Read-only: the run's topology, data identity and resume point, with the resume contract checked. Refused
-    (exit 2) here, the run directory stays exactly as it was."""
+    (exit 2) here, the run directory stays exactly as it was. A run started by an older version continues with the
+    values it trained as for the keys added since (legacy_keys.continue_as_started, said in one line), except those
+    the command line (`overrides`) sets: the contract compares them."""
 
     run_dir = Path(cfg.trainer.output_dir)
     topology = topology or resolve_topology(cfg.launcher)
@@ -86,12 +91,25 @@ def decide(cfg: TrainConfig, topology: Optional[Topology] = None) -> Decision:
 
         tokenizer = load_tokenizer(cfg)
     resume = plan_resume(cfg.trainer, run_dir, topology.world_size, cfg.zero.stage)
+    saved = _saved_config(Path(resume.checkpoint)) if resume is not None else None
+    if saved is not None:  # before the data is identified: a legacy dataset key chooses the files read
+        cfg = continue_as_started(cfg, saved, resume.checkpoint, overrides)
     fingerprint, files = "", {}  # a fresh stream: identified by the pass that indexes it (plan_run), not read twice
     if resume is not None or not getattr(strategy_of(cfg), "identity_in_prepare", False):
         fingerprint, files = data_identity(cfg, tokenizer)
     if resume is not None:
-        check_resume(cfg, resume, fingerprint, files, tokenizer)
-    return Decision(topology, tokenizer, fingerprint, files, resume)
+        check_resume(cfg, resume, fingerprint, files, tokenizer, overrides)
+    return Decision(topology, tokenizer, fingerprint, files, resume, cfg)
+
+
+def continue_as_started(cfg: TrainConfig, saved: Dict[str, Any], checkpoint: str,
+                        overrides: Sequence[str]) -> TrainConfig:
+    """`cfg` with the legacy values of the keys added since the checkpoint's run started (legacy_keys.py), said."""
+    cfg, changed = legacy_keys.continue_as_started(cfg, saved, overrides)
+    if changed:
+        print(f"continuing {checkpoint} as it started, with its values for settings added since: "
+              f"{', '.join(changed)}", flush=True)
+    return cfg
 
 
 def run(cfg: TrainConfig, decision: Optional[Decision] = None) -> int:
@@ -99,6 +117,7 @@ def run(cfg: TrainConfig, decision: Optional[Decision] = None) -> int:
     ranks' exit code."""
 
     run_dir = Path(cfg.trainer.output_dir)
+    cfg = decision.config if decision is not None and decision.config is not None else cfg  # as decided (legacy)
     cfg = settle_micro_batch(cfg, run_dir)  # trainer.micro_batch_size=auto: the recorded or probed number
     again = (run_dir / RESULT_FILE).is_file()  # an earlier attempt ended here (e.g. interrupted before its checkpoint)
     plan = write_run_dir(cfg, resolve_topology(cfg.launcher), decision)
@@ -111,7 +130,9 @@ def write_run_dir(cfg: TrainConfig, topology: Topology, decision: Optional[Decis
     """Prepare the data and plan the run, then write config.yaml, plan.json and ds_config.json."""
 
     run_dir = Path(cfg.trainer.output_dir)
-    plan = plan_run(cfg, run_dir, decision or decide(cfg, topology))
+    decision = decision or decide(cfg, topology)
+    cfg = decision.config or cfg  # a requeued run of an older version: its legacy values (decide)
+    plan = plan_run(cfg, run_dir, decision)
     write_config(run_dir, config_to_dict(cfg))
     write_plan(run_dir, plan)
     write_ds_config(run_dir, build_ds_config(cfg, plan.world_size, load_universal=plan.elastic))
@@ -210,7 +231,7 @@ def data_identity(cfg: TrainConfig, tokenizer: Any) -> Tuple[str, Dict[str, str]
 
 
 def check_resume(cfg: TrainConfig, resume: ResumePlan, fingerprint: str, files: Dict[str, str],
-                 tokenizer: Any = None) -> None:
+                 tokenizer: Any = None, overrides: Sequence[str] = ()) -> None:
     """The resume contract against what wrote the checkpoint (its config.yaml and complete.json; for checkpoints
     of older versions, its run directory's config.yaml and plan.json). Exit 2 listing every difference that
     cannot resume; one line for the accepted ones. What prepared the checkpoint's data is its run plan's record,
@@ -218,12 +239,9 @@ def check_resume(cfg: TrainConfig, resume: ResumePlan, fingerprint: str, files: 
 
     tag_dir = Path(resume.checkpoint)
     record = read_record(tag_dir)
-    config_path = tag_dir / "config.yaml"
-    if not config_path.is_file():
-        config_path = tag_dir.parent.parent / "config.yaml"
-    if not config_path.is_file():
+    saved = _saved_config(tag_dir)
+    if saved is None:
         return  # a bare checkpoint without its settings: nothing to compare against
-    saved = read_yaml_mapping(config_path)
     saved_data, saved_files = record.get("data_fingerprint"), record.get("data_files") or {}
     plan_path = tag_dir.parent.parent / "plan.json"
     plan = _saved_plan(plan_path)
@@ -232,9 +250,19 @@ def check_resume(cfg: TrainConfig, resume: ResumePlan, fingerprint: str, files: 
     data = DataChange(saved_files, files, prepared if isinstance(prepared, dict) else None,
                       preparation_record(tokenizer),
                       val_files=bool(cfg.dataset.val_paths), registry=bool(cfg.dataset.use))
-    line = resume_contract.check(saved, config_to_dict(cfg), saved_data, fingerprint, str(tag_dir), data)
+    line = resume_contract.check(saved, config_to_dict(cfg), saved_data, fingerprint, str(tag_dir), data,
+                                 legacy_keys.explicit_keys(overrides))
     if line:
         print(line, flush=True)
+
+
+def _saved_config(tag_dir: Path) -> Optional[Dict[str, Any]]:
+    """The settings that wrote the checkpoint: its config.yaml, or for checkpoints of older versions its run
+    directory's; None when neither is there."""
+    config_path = tag_dir / "config.yaml"
+    if not config_path.is_file():
+        config_path = tag_dir.parent.parent / "config.yaml"
+    return read_yaml_mapping(config_path) if config_path.is_file() else None
 
 
 def _saved_plan(path: Path) -> Dict[str, Any]:

@@ -9,7 +9,9 @@ processes or in which batch shape a run continues may change (`MAY_CHANGE`; the 
 README "Data strategies"), and is reported in one line.
 
 Every leaf key of TrainConfig is classified by its longest listed prefix; a key listed nowhere must match (a new
-setting is unsafe until someone decides otherwise; tests/test_resume_contract.py fails for unlisted keys).
+setting is unsafe until someone decides otherwise; tests/test_resume_contract.py fails for unlisted keys). A key
+added after a run started is absent from its config.yaml: it compares as the value that run trained as
+(legacy_keys.py, which also says how to resume it), not as a difference.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import AbstractSet, Any, Dict, List, Optional, Tuple
 
+import dsrecipes.run.legacy_keys as legacy_keys
 from dsrecipes.core.errors import NothingToTrain, Refused
 from dsrecipes.run.data_change import UNKNOWN, DataChange, explain, rendering_changed
 
@@ -80,15 +83,29 @@ def identity_fingerprint(config: Dict[str, Any]) -> str:
 
 
 def compare(saved: Dict[str, Any], new: Dict[str, Any]) -> Tuple[List[str], List[str]]:
-    """(changes that cannot resume, changes that can), each as `key: old -> new`."""
-    old_flat, new_flat = flatten(saved), flatten(new)
-    refused, accepted = [], []
+    """(changes that cannot resume, changes that can), each as `key: old -> new`; a key the saved config lacks
+    compares as its legacy value (`key: absent (... trained as X) -> new`)."""
+    return _compare(saved, new)[:2]
+
+
+def _compare(saved: Dict[str, Any], new: Dict[str, Any]) -> Tuple[List[str], List[str], List[str]]:
+    """compare's two lists and the legacy keys among the refused ones."""
+    as_started, filled = legacy_keys.as_started(saved)
+    old_flat, new_flat = flatten(as_started), flatten(new)
+    refused, accepted, legacy = [], [], []
     for key in sorted(set(old_flat) | set(new_flat)):
         old, now = old_flat.get(key, "<absent>"), new_flat.get(key, "<absent>")
         if old == now or (key in LOCAL_DIRS and _same_dir(old, now)):
             continue
-        (accepted if may_change(key) else refused).append(f"{key}: {_show(old)} -> {_show(now)}")
-    return refused, accepted
+        row = legacy_keys.filled_row(key, filled)
+        if row is None:
+            line = f"{key}: {_show(old)} -> {_show(now)}"
+        else:
+            line = legacy_keys.describe(key, row, filled, now)
+        (accepted if may_change(key) else refused).append(line)
+        if row is not None and not may_change(key):
+            legacy.append(row)
+    return refused, accepted, legacy
 
 
 LOCAL_DIRS = ("model.path", "model.tokenizer_path")  # absolute since config/defaults.local_dir; relative in older runs
@@ -107,12 +124,14 @@ def _show(value: Any) -> str:
 
 
 def check(saved: Dict[str, Any], new: Dict[str, Any], saved_data: Optional[str], new_data: str,
-          checkpoint: str, data: Optional[DataChange] = None) -> Optional[str]:
+          checkpoint: str, data: Optional[DataChange] = None,
+          explicit: AbstractSet[str] = frozenset()) -> Optional[str]:
     """Raise ConfigError listing every difference that cannot resume from `checkpoint` (a differing data
-    fingerprint with what changed, `data_change.explain`); else return the one-line report of the accepted
-    differences (None when there are none)."""
+    fingerprint with what changed, `data_change.explain`; for keys added after the run started, the overrides that
+    resume it as it started: `explicit`, the keys the command line sets, words it); else return the one-line report
+    of the accepted differences (None when there are none)."""
 
-    refused, accepted = compare(saved, new)
+    refused, accepted, legacy = _compare(saved, new)
     ignorable = {"trainer.output_dir", "trainer.resume_from", "trainer.resume"}  # how one says "resume", not what
     accepted = [a for a in accepted if a.split(":", 1)[0] not in ignorable]
     remedy, settings = None, bool(refused)
@@ -126,12 +145,14 @@ def check(saved: Dict[str, Any], new: Dict[str, Any], saved_data: Optional[str],
     if refused:
         lines = "\n".join(f"  {r}" for r in refused)
         tail = "Restore them to resume, or start a new run in another trainer.output_dir"
+        said = legacy_keys.remedy(legacy, legacy_keys.as_started(saved)[1], set(explicit)) if legacy else ""
         differ = ("these settings differ from the ones it was trained with" if settings else
                   "the training data differs from the data it was trained on")
         raise Refused(
             f"cannot resume {checkpoint}: {differ}, and a checkpoint only continues correctly under its own:\n"
             f"{lines}\n"
-            f"{remedy[0].upper() + remedy[1:] if remedy and not settings else tail} (nothing was changed)")
+            f"{remedy[0].upper() + remedy[1:] if remedy and not settings else tail} (nothing was changed)"
+            + (f"\n{said}" if said else ""))
     if not accepted:
         return None
     return f"resuming {checkpoint} with changed settings: " + ", ".join(accepted)
