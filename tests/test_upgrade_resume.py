@@ -263,3 +263,28 @@ def test_a_field_added_to_a_hashed_section_keeps_the_identity_of_existing_runs_d
         unkept = sorted(added - set(AS_BEFORE.get(section) or {}))
         assert unkept == [], (f"{name}: {unkept} enter the data's identity (data/prepare/cache.py); give each an "
                               "AS_BEFORE entry (the value runs before it read their data as)")
+
+
+@pytest.mark.slow
+def test_a_requeued_older_run_is_replanned_as_it_started(tmp_path):
+    """A Slurm requeue re-plans from the run's own config.yaml (run/requeue.py, no command line): read with the
+    schema's defaults for the absent keys, it is continued with the legacy values all the same (write_run_dir writes
+    what decide chose)."""
+    from dsrecipes.run import requeue
+
+    code, said = train(tmp_path, *SFT, "trainer.max_steps=2", "objective.loss_average=micro_batches")
+    assert code == 0, said[-3000:]
+    run = tmp_path / "run"
+    as_older_version_wrote_it(run)
+    from dsrecipes.core.rundir import write_config
+
+    config = saved(run)
+    config["trainer"]["max_steps"] = 4  # the job's budget; preempted after its checkpoint at step 2
+    write_config(run, config)
+    out = io.StringIO()
+    with in_process_environ(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = requeue.main(["--run-dir", str(run)])
+    assert code == 0, out.getvalue()[-3000:]
+    assert "its values for settings added since: objective.loss_average=micro_batches" in out.getvalue()
+    assert saved(run)["objective"]["loss_average"] == "micro_batches"
+    assert json.loads((run / "plan.json").read_text())["resume"]["step"] == 2
