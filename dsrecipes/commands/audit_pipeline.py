@@ -5,9 +5,12 @@ same rows of a dataset they split.
 - each stage's run directory (`<out>/<stage>`, as the pipeline writes it; never a path read from the state file)
   is audited as `--ledger RUN` audits a run: every sample once per epoch, equal steps, its evaluations; a stage
   trained without `trainer.record_samples=true` has no ledger, and the audit says its samples were not checked;
-- the stages that split the same files (`dataset.split`: the same files, shares and pins, read from each stage's
-  config.yaml) must each take another share, and no other stage may read one of those files whole (it would train
-  on rows of their shares);
+- per file (globs expanded, symlinks resolved), from each stage's config.yaml: the stages that split it must use
+  the same `dataset.split.shares` (other shares can hold the same rows) and each take another share; no other stage
+  may read it whole, nor pinned into the share it takes while another takes a share of it (either trains on rows of
+  the others' shares); a `data=presharded` stage is named as not compared (its share was chosen by `dsrecipes shard`
+  and is recorded nowhere);
+- a stage directory that is a link (elsewhere) is a violation, not audited as the stage;
 - each such split is audited once as `dsrecipes audit ... dataset.split.take=...` does (split_audit.py): the
   shares are disjoint and cover every row; on the files as they are now, so a file whose content differs from what a
   stage's plan.json recorded it training on is a violation too.
@@ -17,17 +20,20 @@ Exit 0 when nothing is violated (stages not yet finished are listed and not audi
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
 from dsrecipes.config.load import load_config, read_yaml_mapping
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.fileio import read_json_file
-from dsrecipes.core.schema import TrainConfig
+from dsrecipes.core.schema import DataKind, TrainConfig
 from dsrecipes.data.plan.ledger import LEDGER_DIR
 from dsrecipes.data.prepare.cache import data_files
 from dsrecipes.data.sources.registry import resolve_sources
+from dsrecipes.data.sources.remote import looks_like_url
 from dsrecipes.run.pipeline import MARKER, STATE_FILE
 
 Group = Tuple[str, ...]  # (files..., shares, pins) as JSON: stages that split the same data the same way
@@ -48,6 +54,10 @@ def audit_pipeline(out: Path, audit_ledgers: Callable[[Path], int]) -> int:
     configs: Dict[str, TrainConfig] = {}
     for name in done:
         run = out / name
+        if run.is_symlink() or run.resolve() != out.resolve() / name:
+            problems.append(f"stage {name}: {run} is a link to {run.resolve()}, not the directory the pipeline wrote: "
+                            "not audited")
+            continue
         configs[name] = _config(run)
         if not (run / LEDGER_DIR).is_dir():
             unrecorded.append(name)
@@ -76,7 +86,7 @@ def _stages(out: Path) -> List[Tuple[str, str]]:
     """[(stage, status)] in the pipeline's order, from its state file."""
     path = out / STATE_FILE
     try:
-        state = read_json_file(path, "JSON nested too deeply") if path.is_file() else None
+        state = read_json_file(path, "JSON nested too deeply") if os.path.lexists(path) else None
     except (OSError, ValueError) as exc:
         raise UserError(f"--ledger: {path} does not read as a pipeline's state ({exc})") from None
     stages = state.get("stages") if isinstance(state, dict) else None
@@ -128,29 +138,88 @@ def _splits(out: Path, configs: Dict[str, TrainConfig]) -> List[str]:
     from dsrecipes.data.strategies.split_audit import audit_split  # lazy: else `audit` imports numpy 0.11 s
 
     groups: Dict[Group, List[Tuple[str, str]]] = {}
-    whole: Dict[str, List[str]] = {}  # file -> stages that read it without a split
+    sharded = [name for name, cfg in configs.items() if cfg.data.kind is DataKind.presharded]
+    for name in sharded:
+        print(f"stage {name}: data=presharded: the share it trained on was chosen by `dsrecipes shard` and is not "
+              "recorded; its rows are not compared with the other stages'")
+    configs = {name: cfg for name, cfg in configs.items() if name not in sharded}
     for name, cfg in configs.items():
-        split, files = cfg.dataset.split, _files(cfg)
-        if not split.shares:
-            for f in files:
-                whole.setdefault(f, []).append(name)
-            continue
-        key = (*files, json.dumps(dict(split.shares), sort_keys=True), json.dumps(dict(split.pin), sort_keys=True))
-        groups.setdefault(key, []).append((name, split.take))
-    problems = []
+        split = cfg.dataset.split
+        if split.shares:
+            key = (*_files(cfg), json.dumps(dict(split.shares), sort_keys=True),
+                   json.dumps(dict(split.pin), sort_keys=True))
+            groups.setdefault(key, []).append((name, split.take))
+    problems = _overlaps(configs)
     for key, members in groups.items():
         files = key[:-2]
         print(f"split {key[-2]} of {', '.join(files)}: " + ", ".join(f"{n} took {t!r}" for n, t in members))
-        takes: Dict[str, List[str]] = {}
-        for name, take in members:
-            takes.setdefault(take, []).append(name)
-        problems += [f"stages {', '.join(names)} all trained share {take!r} of {', '.join(files)}"
-                     for take, names in takes.items() if len(names) > 1]
-        problems += [f"stage {reader} read {f} whole while {', '.join(n for n, _ in members)} split it: it trained "
-                     "on rows of their shares" for f in files for reader in whole.get(f, [])]
         first = configs[members[0][0]]
         problems += _changed_files(out, first, [n for n, _ in members])
         report = audit_split(first.dataset, first)
         print(report.render())
         problems += [f"split of {', '.join(files)}: {v}" for v in report.violations]
+    return problems
+
+
+Reading = Tuple[str, str, str]  # (how, shares as JSON, share): what a stage reads of one file, see _readings
+
+
+def _readings(cfg: TrainConfig) -> Dict[str, Reading]:
+    """{file (glob expanded, symlinks resolved): what the stage reads of it}: ("whole", "", "") without a split,
+    ("all", shares, share) for a source pinned to the share the stage takes, ("share", shares, take) for the rows
+    whose id falls in `take`; a file of a source pinned to another share is read not at all (left out)."""
+    out: Dict[str, Reading] = {}
+    for source in resolve_sources(cfg.dataset):
+        share = source.share
+        if share is None:
+            reading: Reading = ("whole", "", "")
+        elif share.pinned is not None and share.pinned != share.take:
+            continue
+        else:
+            shares = json.dumps(dict(share.shares), sort_keys=True)
+            reading = ("all", shares, share.take) if share.pinned is not None else ("share", shares, share.take)
+        for f in _real_files(source.paths):
+            out[f] = reading
+    return out
+
+
+def _real_files(paths: List[str]) -> List[str]:
+    """The files `paths` name, as one spelling each: globs expanded, symlinks resolved (URLs as written)."""
+    files: List[str] = []
+    for p in paths:
+        if looks_like_url(p):
+            files.append(p)
+            continue
+        files += [os.path.realpath(m) for m in (sorted(glob.glob(os.path.expanduser(p))) or [p])]
+    return files
+
+
+def _overlaps(configs: Dict[str, TrainConfig]) -> List[str]:
+    """Per file read by a stage that splits it: the stages that can have trained on the same rows of it (the same
+    share of the same split, the file read whole or pinned into the share taken, or split with other shares)."""
+    readers: Dict[str, List[Tuple[str, Reading]]] = {}
+    for name, cfg in configs.items():
+        for f, reading in _readings(cfg).items():
+            readers.setdefault(f, []).append((name, reading))
+    problems = []
+    for f, stages in sorted(readers.items()):
+        if all(how == "whole" for _, (how, _, _) in stages):
+            continue  # nobody splits it: not a split of this pipeline
+        splitters = [n for n, (how, _, _) in stages if how != "whole"]
+        problems += [f"stage {n} read {f} whole while {', '.join(s for s in splitters)} split it: it trained on rows "
+                     "of their shares" for n, (how, _, _) in stages if how == "whole"]
+        split = [(n, r) for n, r in stages if r[0] != "whole"]
+        takes: Dict[Reading, List[str]] = {}
+        for n, reading in split:
+            takes.setdefault(("", reading[1], reading[2]), []).append(n)
+        problems += [f"stages {', '.join(names)} all trained share {take!r} of {f}"
+                     for (_, _, take), names in takes.items() if len(names) > 1]
+        for i, (a, ra) in enumerate(split):
+            for b, rb in split[i + 1:]:
+                if ra[1] != rb[1]:
+                    problems.append(f"stages {a} and {b} split {f} with different dataset.split.shares ({ra[1]} vs "
+                                    f"{rb[1]}): their shares can hold the same rows")
+                elif ra[2] != rb[2] and "all" in (ra[0], rb[0]):
+                    problems.append(f"stages {a} and {b} split {f} with different dataset.split.pin: one read every "
+                                    "row of it, the other its share of the same rows")
     return problems

@@ -1,0 +1,117 @@
+"""A hostile review of the features landed on 2026-12-07 (5f0a12d..32c0b69): each test is a bug found through the real
+CLI and fails without its fix.
+
+`dsrecipes audit --ledger PIPELINE_OUT` (commands/audit_pipeline.py), on one real tiny pipeline (SFT, then reward and
+DPO on two shares of the bundled pairs), its stage records edited as a wrong pipeline would have written them:
+- two stages splitting one file with different dataset.split.shares took overlapping rows (reward 848 of 1681 rows,
+  dpo 1235): was "OK ... took disjoint shares", exit 0;
+- a stage reading the split file whole through another spelling of it (a symlink, a glob) was not compared: the
+  stages were keyed by the path strings as written;
+- a stage directory replaced by a link to another run was audited as that stage;
+- a FIFO as pipeline_state.json was "lists no stage yet" (it is no regular file; never opened either way)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dsrecipes.run.pipeline import STATE_FILE
+from tests.conftest import in_process_environ
+from tests.test_audit_pipeline import PIPELINE, edit_config
+
+PAIRS = Path(__file__).resolve().parents[1] / "dsrecipes" / "assets" / "sample_data" / "pairs.jsonl"
+
+
+@pytest.fixture(scope="module")
+def pipeline_out(tmp_path_factory):
+    from dsrecipes.cli import main
+
+    base = tmp_path_factory.mktemp("pipe")
+    path, out = base / "p.yaml", base / "out"
+    path.write_text(PIPELINE)
+    with in_process_environ():
+        assert main(["pipeline", str(path), "--out", str(out)]) == 0
+    return out
+
+
+def audit(out: Path, capsys) -> tuple:
+    from dsrecipes.cli import main
+
+    capsys.readouterr()
+    with in_process_environ():
+        code = main(["audit", "--ledger", str(out)])
+    return code, capsys.readouterr()
+
+
+def copy_of(out: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy, symlinks=True)
+    return copy
+
+
+def test_stages_splitting_one_file_with_other_shares_overlap(pipeline_out, tmp_path, capsys):
+    out = copy_of(pipeline_out, tmp_path)
+    edit_config(out / "dpo", shares={"other": 1, "dpo": 3}, take="dpo")  # 3/4 of the rows: half are reward's
+    code, said = audit(out, capsys)
+    assert code == 1, said.out
+    assert (f"VIOLATION: stages reward and dpo split {PAIRS} with different dataset.split.shares "
+            '({"dpo": 1, "reward": 1} vs {"dpo": 3, "other": 1}): their shares can hold the same rows') in said.out
+    assert said.out.rstrip().endswith("FAILED: 1 violation(s)"), said.out
+
+
+def test_a_stage_reading_the_split_file_whole_by_another_name_is_a_violation(pipeline_out, tmp_path, capsys):
+    import yaml
+
+    out = copy_of(pipeline_out, tmp_path)
+    link = tmp_path / "my_pairs.jsonl"
+    link.symlink_to(PAIRS)
+    path = out / "dpo" / "config.yaml"
+    config = yaml.safe_load(path.read_text())
+    config["dataset"].update(registry=None, use=[], paths=[str(tmp_path / "my_pair*.jsonl")],
+                             split={"shares": {}, "take": None, "pin": {}})
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    code, said = audit(out, capsys)
+    assert code == 1, said.out
+    assert f"VIOLATION: stage dpo read {PAIRS} whole while reward split it" in said.out, said.out
+
+
+def test_a_stage_directory_linked_elsewhere_is_not_audited_as_the_stage(pipeline_out, tmp_path, capsys):
+    out = copy_of(pipeline_out, tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    (out / "dpo").rename(elsewhere)
+    (out / "dpo").symlink_to(elsewhere)
+    code, said = audit(out, capsys)
+    assert code == 1, said.out
+    assert f"VIOLATION: stage dpo: {out / 'dpo'} is a link to {elsewhere}, not the directory the pipeline wrote" \
+        in said.out, said.out
+
+
+def test_a_fifo_as_the_state_file_is_named_as_such(pipeline_out, tmp_path, capsys):
+    out = copy_of(pipeline_out, tmp_path)
+    (out / STATE_FILE).unlink()
+    os.mkfifo(out / STATE_FILE)  # opened for reading, it would block until a writer comes
+    code, said = audit(out, capsys)
+    assert code == 2 and said.out.count("\n") <= 1, said.out + said.err
+    assert said.err.strip() == (f"error: --ledger: {out / STATE_FILE} does not read as a pipeline's state (not a "
+                                "regular file)"), said.err
+
+
+def test_a_presharded_stage_is_said_not_compared_not_called_a_whole_reader(pipeline_out, tmp_path, capsys):
+    """data=presharded trains on `dsrecipes shard`'s parts (the share chosen when sharding, recorded nowhere); its
+    config.yaml still names the dataset it was sharded from: was 'stage dpo read ... whole', a false violation."""
+    import yaml
+
+    out = copy_of(pipeline_out, tmp_path)
+    path = out / "dpo" / "config.yaml"
+    config = yaml.safe_load(path.read_text())
+    config["data"].update(kind="presharded", shard_dir=str(tmp_path / "shards"))
+    config["objective"]["reference"] = "live"  # DPO on presharded data (no preparation pass to precompute it in)
+    config["dataset"]["split"] = {"shares": {}, "take": None, "pin": {}}
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    code, said = audit(out, capsys)
+    assert code == 0, said.out
+    assert ("stage dpo: data=presharded: the share it trained on was chosen by `dsrecipes shard` and is not recorded; "
+            "its rows are not compared with the other stages'") in said.out, said.out
