@@ -8,13 +8,11 @@
             (training and evaluation), so the gathers line up as they do for the trained ZeRO-3 model.
   otherwise a frozen full copy on the rank's device (ZeRO-0/1/2 keep the trained model's weights whole too)
 
-`held_parameters(module)` -> (parameter elements held on this rank, elements of the whole model).
+The engine's config and the held/total line are objectives/frozen.py's (shared with GRPO's reward model).
 """
 
 from __future__ import annotations
 
-import copy
-import sys
 from typing import Any, Callable, Dict, Tuple
 
 import torch
@@ -23,6 +21,7 @@ from dsrecipes.core.deepspeed_import import load_deepspeed
 from dsrecipes.core.schema import TrainConfig
 from dsrecipes.modeling.model import build_model
 from dsrecipes.objectives.base import Batch
+from dsrecipes.objectives.frozen import inference_config, say_held
 from dsrecipes.objectives.logps import reference_config, sequence_logps
 
 Reference = Callable[[Batch, torch.device], Tuple[torch.Tensor, torch.Tensor]]
@@ -64,21 +63,8 @@ def live_reference(cfg: TrainConfig, tokenizer: Any, engine: Any) -> Reference:
         reference = LiveReference(zero3_reference(cfg, tokenizer, engine.config))
     else:
         reference = LiveReference(build_model(reference_config(cfg), tokenizer).to(engine.device))
-    held, total = held_parameters(reference.model)
-    how = " (ZeRO-3 partitioned)" if cfg.zero.stage == 3 else ""
-    print(f"dsrecipes: rank {engine.global_rank}: live DPO reference holds {held:,} of its {total:,} parameters{how}",
-          file=sys.stderr, flush=True)
+    say_held("live DPO reference", reference.model, engine.global_rank, cfg.zero.stage == 3)
     return reference
-
-
-def inference_config(ds_config: Dict[str, Any]) -> Dict[str, Any]:
-    """The run's DeepSpeed config for a model that only runs forward: no optimizer, scheduler or optimizer offload
-    (DeepSpeed would build them for nothing, as TRL notes)."""
-    out = copy.deepcopy(ds_config)
-    for key in ("optimizer", "scheduler"):
-        out.pop(key, None)
-    out["zero_optimization"].pop("offload_optimizer", None)
-    return out
 
 
 def zero3_reference(cfg: TrainConfig, tokenizer: Any, ds_config: Dict[str, Any]) -> Any:
@@ -87,18 +73,3 @@ def zero3_reference(cfg: TrainConfig, tokenizer: Any, ds_config: Dict[str, Any])
     model = build_model(reference_config(cfg), tokenizer, config)  # local model.path: loaded partitioned
     ref, *_ = load_deepspeed().initialize(model=model, config=config)
     return ref
-
-
-def held_parameters(module: torch.nn.Module) -> Tuple[int, int]:
-    """(parameter elements this rank holds, elements of the whole model): under ZeRO-3 a parameter's local
-    partition (`ds_tensor`) plus its gathered whole when one is kept (persistent small parameters) against its full
-    size (`ds_numel`); otherwise the whole parameter on both sides."""
-    held = total = 0
-    for p in module.parameters():
-        if hasattr(p, "ds_numel"):
-            held += p.ds_tensor.numel() + p.data.numel()  # (p.data is empty while the parameter is released)
-            total += p.ds_numel
-        else:
-            held += p.numel()
-            total += p.numel()
-    return held, total

@@ -7,8 +7,9 @@ step's micro-batches before its first backward (`tokens`, rank/step_tokens.py), 
    from (trainer.seed, epoch, the prompt's position, completion index: `seed_keys`), so resume and elastic resume
    sample exactly the same;
    ZeRO-3 parameters gathered for the sampling, and every rank runs the same number of forwards);
-2. rewards: the configured parts (objectives/rewards.py: built-in checks, installed functions, a reward model),
-   summed with their weights;
+2. rewards: the configured parts (objectives/rewards.py: built-in checks, installed functions, a reward model:
+   under ZeRO-3 partitioned in its own DeepSpeed engine, scored once per micro-batch on every rank alike), summed
+   with their weights;
 3. group-normalised advantages and the clipped policy loss with an optional KL to the reference (grpo_loss.py:
    TRL's numbers); the reference is the LoRA base with the adapters disabled (no second copy; objective.beta > 0
    needs LoRA).
@@ -84,7 +85,8 @@ class GRPO:
     def attach(self, cfg: TrainConfig, tokenizer: Any, engine: Any) -> None:
         self.tokenizer, self.engine = tokenizer, engine
         self.stops = stop_ids(tokenizer)
-        self.rewards = Rewards(cfg, getattr(engine, "device", None))
+        zero3 = cfg.zero.stage == 3 and getattr(engine, "config", None) is not None  # the reward model partitioned
+        self.rewards = Rewards(cfg, getattr(engine, "device", None), engine.config if zero3 else None)
 
     def tokens(self, model: Any, batch: Batch, device: torch.device) -> int:
         """Before the step's first backward (rank/step_tokens.py): sample and score the micro-batch's completions

@@ -17,6 +17,14 @@ installed names. The recipe names; the installed package decides what runs.
 `objective.reward_model`: a sequence-classification model directory (`objective=reward`'s export: config,
 safetensors, tokenizer beside); its logit for (prompt + completion) is the part `reward_model`. It loads with the
 checks of every model directory (no custom code, safetensors only); a directory that fails is one ConfigError.
+Under ZeRO-3 (GRPO passes the run's DeepSpeed config) it loads partitioned (zero.Init: never whole on a rank) into a
+DeepSpeed engine without optimizer (objectives/frozen.py, as DPO's live reference): each rank holds 1/world of it and
+runs it in the engine's precision. Its forward is then a collective, and every rank scores alike: `Rewards.parts` is
+called once per GRPO micro-batch (grpo.py sample_and_score), and every rank runs the same micro-batches per step and
+per evaluation (a rank without a prompt scores its placeholder prompt's completions; rank/evaluation.py pads with
+those); a call with no text runs a one-token dummy forward. ZeRO-0/1/2: a whole copy on the rank's device, as the
+policy's weights are whole there too. Either way each rank says on stderr what it holds:
+`dsrecipes: rank R: reward model holds H of its T parameters (ZeRO-3 partitioned)`.
 """
 
 from __future__ import annotations
@@ -164,11 +172,12 @@ class Rewards:
     """Every configured reward: `parts(prompts, completions, references)` -> {name: [reward per completion]} and
     `weights` {name: weight}; built on the rank (not pickled into loader workers)."""
 
-    def __init__(self, cfg: TrainConfig, device: Any = None):
+    def __init__(self, cfg: TrainConfig, device: Any = None, ds_config: Optional[Dict[str, Any]] = None):
+        """`ds_config`: the run's DeepSpeed config, given under ZeRO-3 (the reward model partitioned), else None."""
         o = cfg.objective
         self.checks = {name: (check_of(r), r.weight) for name, r in zip(part_names(cfg), o.rewards)}
         self.weights = {name: w for name, (_, w) in self.checks.items()}
-        self.model = load_reward_model(o.reward_model, device) if o.reward_model else None
+        self.model = load_reward_model(o.reward_model, device, ds_config) if o.reward_model else None
         if self.model is not None:
             self.weights["reward_model"] = o.reward_model_weight
 
@@ -188,10 +197,12 @@ def part_names(cfg: TrainConfig) -> List[str]:
     return out + (["reward_model"] if o.reward_model else [])
 
 
-def load_reward_model(path: str, device: Any) -> Callable[[List[str]], List[float]]:
+def load_reward_model(path: str, device: Any, ds_config: Optional[Dict[str, Any]] = None
+                      ) -> Callable[[List[str]], List[float]]:
     """A sequence-classification directory -> texts -> [score]: no custom code, safetensors only, and an export
     checked again here, where it loads (on a rank: signed by this user, or the very record its launching process
-    accepted: trust.launched); any failure to load is one ConfigError naming objective.reward_model."""
+    accepted: trust.launched); any failure to load is one ConfigError naming objective.reward_model. With a ZeRO-3
+    `ds_config`: partitioned, in a DeepSpeed inference engine (the module docstring); else whole on `device`."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -199,10 +210,11 @@ def load_reward_model(path: str, device: Any) -> Callable[[List[str]], List[floa
     problems = reward_model_problems(path)
     if problems:
         raise ConfigError(problems)
-    from dsrecipes.modeling.model import not_partitioned  # lazy: transformers, torch
+    import dsrecipes.objectives.frozen as frozen  # lazy: torch, deepspeed (validation imports this module)
 
-    try:
-        with no_custom_code(key, path), not_partitioned():  # scored whole on every rank, outside the engine
+    zero3 = ds_config is not None
+    try:  # partitioned under ZeRO-3; else whole, outside the policy's ZeRO-3 load config (if any)
+        with no_custom_code(key, path), frozen.partitioned(ds_config) if zero3 else frozen.not_partitioned():
             tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
             model = AutoModelForSequenceClassification.from_pretrained(path, use_safetensors=True,
                                                                        **NO_DIRECTORY_CODE)
@@ -214,11 +226,23 @@ def load_reward_model(path: str, device: Any) -> Callable[[List[str]], List[floa
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     model.config.pad_token_id = tok.pad_token_id
-    model.eval().requires_grad_(False).to(device or "cpu")
+    model.eval().requires_grad_(False)
+    if zero3:
+        run = frozen.inference_engine(model, ds_config)
+        where, rank = run.device, run.global_rank
+    else:
+        run, where = model.to(device or "cpu"), device or "cpu"
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    frozen.say_held("reward model", run, rank, zero3)
 
     def score(texts: List[str]) -> List[float]:
-        enc = tok(texts, return_tensors="pt", padding=True, truncation=True).to(model.device)
         with torch.no_grad():
-            return model(**enc).logits[:, 0].float().tolist()
+            if not texts:  # ZeRO-3: the forward is a collective the other ranks run; nothing to score here
+                if zero3:
+                    one = torch.full((1, 1), tok.pad_token_id, dtype=torch.long, device=where)
+                    run(input_ids=one, attention_mask=torch.ones_like(one))
+                return []
+            enc = tok(texts, return_tensors="pt", padding=True, truncation=True).to(where)
+            return run(**enc).logits[:, 0].float().tolist()
 
     return score
