@@ -115,3 +115,26 @@ def test_a_presharded_stage_is_said_not_compared_not_called_a_whole_reader(pipel
     assert code == 0, said.out
     assert ("stage dpo: data=presharded: the share it trained on was chosen by `dsrecipes shard` and is not recorded; "
             "its rows are not compared with the other stages'") in said.out, said.out
+
+
+def test_train_on_all_trains_a_prompt_list_but_not_its_assistant_turn(tmp_path, capsys):
+    """README said `data.train_on=all` trains both prompt and completion of TRL's prompt/completion rows; an assistant
+    turn inside a prompt list is read at OpenAI's weight 0 and stays context even then (README now says so). inspect-data
+    shows trained tokens in [[...]]. Pins the documented behaviour (docs fix: this passed before too)."""
+    import json
+
+    from dsrecipes.cli import main
+
+    row = {"prompt": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Capital?"}],
+           "completion": [{"role": "assistant", "content": "Paris."}]}
+    path = tmp_path / "pc.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with in_process_environ():
+        assert main(["inspect-data", "dataset=openai_messages", f"dataset.paths=[{path}]", "dataset.val_size=0",
+                     "data.train_on=all", f"data.cache_dir={tmp_path / 'cache'}"]) == 0
+    out = capsys.readouterr().out
+    assert "[[<|im_start|>system\nBe terse." in out and "]]Hello.<|im_end|>[[" in out, out
+    assert "Paris.<|im_end|>]]" in out, out
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "`data.train_on=all` trains both" not in readme
