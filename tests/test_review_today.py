@@ -138,3 +138,22 @@ def test_train_on_all_trains_a_prompt_list_but_not_its_assistant_turn(tmp_path, 
     assert "Paris.<|im_end|>]]" in out, out
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert "`data.train_on=all` trains both" not in readme
+
+
+def test_an_alpaca_pair_under_pairs_as_chosen_says_which_formats_it_reads(tmp_path):
+    """LLaMA-Factory's alpaca ranking rows (instruction/input/chosen/rejected) under dataset.pairs_as=chosen were
+    'missing_field (no 'output' field)': nothing said the key the user set does not read that format."""
+    import json
+    import subprocess
+    import sys
+
+    path = tmp_path / "alpaca_pairs.jsonl"
+    path.write_text("".join(json.dumps({"instruction": f"Q{i}", "input": "", "chosen": f"good {i}",
+                                        "rejected": f"bad {i}"}) + "\n" for i in range(4)))
+    done = subprocess.run([sys.executable, "-m", "dsrecipes", "inspect-data", "dataset=alpaca", f"dataset.paths=[{path}]",
+                           "dataset.val_size=0", "dataset.pairs_as=chosen", f"data.cache_dir={tmp_path / 'cache'}"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip() == (f"error: {path}:1: preference_row (an alpaca pair ('chosen'/'rejected')); "
+                                   "dataset.pairs_as=chosen reads pairs in the sharegpt or openai format, as "
+                                   "objective=dpo does"), done.stderr

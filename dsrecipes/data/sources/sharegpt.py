@@ -107,7 +107,10 @@ def normalize_row(raw: Any, sample_id: str, source: SourceConfig, roles: Optiona
     cols = source.columns
     table = role_table(source) if roles is None else roles
     sides = _pair_advice(raw, source)
-    if sides and source.pairs_as is PairsAs.chosen and source.format is not DatasetFormat.alpaca:
+    if sides and source.pairs_as is PairsAs.chosen:
+        if source.format is DatasetFormat.alpaca:  # the pair reader (objective=dpo) reads no alpaca pairs either
+            raise BadRow(BadReason.preference_row, f"an alpaca pair ({cols.chosen!r}/{cols.rejected!r})", advice=(
+                "dataset.pairs_as=chosen reads pairs in the sharegpt or openai format, as objective=dpo does"))
         return chosen_conversation(raw, sample_id, source, table)
     pair = sides or prompt_advice(raw, source, SFT_READS)  # a row of another kind: what reads it
     if sides and source.format is not DatasetFormat.alpaca and _holds_answer_turn(raw, source, table):
