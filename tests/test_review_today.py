@@ -157,3 +157,33 @@ def test_an_alpaca_pair_under_pairs_as_chosen_says_which_formats_it_reads(tmp_pa
     assert done.stderr.strip() == (f"error: {path}:1: preference_row (an alpaca pair ('chosen'/'rejected')); "
                                    "dataset.pairs_as=chosen reads pairs in the sharegpt or openai format, as "
                                    "objective=dpo does"), done.stderr
+
+
+@pytest.mark.parametrize("gone", ["deleted", "fifo"])
+def test_a_split_file_gone_since_the_stages_read_it_is_a_violation(pipeline_out, tmp_path, capsys, gone):
+    """As test_audit_pipeline's changed-file case: the stages point at a copy of registry and pairs file (their
+    plan.json recording it with the bundled file's hash); the copy is then deleted or replaced by a FIFO. Was: the
+    split audit read 0 rows, 'OK: the shares are disjoint and cover every row', exit 0 (only files present now were
+    compared with plan.json)."""
+    import json
+
+    from dsrecipes.core.paths import ASSETS_DIR
+
+    out, data = copy_of(pipeline_out, tmp_path), tmp_path / "data"
+    data.mkdir()
+    shutil.copy(ASSETS_DIR / "sample_data" / "dataset_info.json", data)
+    original = ASSETS_DIR / "sample_data" / "pairs.jsonl"
+    for stage in ("reward", "dpo"):
+        path = out / stage / "config.yaml"
+        path.write_text(path.read_text().replace(str(ASSETS_DIR / "sample_data" / "dataset_info.json"),
+                                                 str(data / "dataset_info.json")))
+        plan = json.loads((out / stage / "plan.json").read_text())
+        plan["data_files"] = {str(data / "pairs.jsonl"): plan["data_files"][str(original)]}
+        (out / stage / "plan.json").write_text(json.dumps(plan))
+    if gone == "fifo":
+        os.mkfifo(data / "pairs.jsonl")  # never opened: not a regular file
+    code, said = audit(out, capsys)
+    assert code == 1, said.out
+    for stage in ("reward", "dpo"):
+        assert (f"VIOLATION: {data / 'pairs.jsonl'} is gone (or no longer a regular file) since stage {stage} trained "
+                "on it: the audit reads none of its rows") in said.out, said.out

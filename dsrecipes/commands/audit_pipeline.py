@@ -13,7 +13,8 @@ same rows of a dataset they split.
 - a stage directory that is a link (elsewhere) is a violation, not audited as the stage;
 - each such split is audited once as `dsrecipes audit ... dataset.split.take=...` does (split_audit.py): the
   shares are disjoint and cover every row; on the files as they are now, so a file whose content differs from what a
-  stage's plan.json recorded it training on is a violation too.
+  stage's plan.json recorded it training on, one gone since (deleted, a FIFO now) or one the stage did not read (a
+  glob matching more now) is a violation too.
 
 Exit 0 when nothing is violated (stages not yet finished are listed and not audited), 1 otherwise.
 """
@@ -130,6 +131,10 @@ def _changed_files(out: Path, cfg: TrainConfig, stages: List[str]) -> List[str]:
             continue
         problems += [f"{f} changed since stage {name} trained on it (content {then[f]} -> {digest}): the audit "
                      "reads it as it is now" for f, digest in sorted(now.items()) if f in then and then[f] != digest]
+        problems += [f"{f} is gone (or no longer a regular file) since stage {name} trained on it: the audit reads "
+                     "none of its rows" for f in sorted(set(then) - set(now))]
+        problems += [f"{f} is read now but stage {name} did not train on it ({path} records no such file): the audit "
+                     "reads the files as they are now" for f in sorted(set(now) - set(then))]
     return problems
 
 
