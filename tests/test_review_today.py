@@ -85,8 +85,20 @@ def test_a_stage_directory_linked_elsewhere_is_not_audited_as_the_stage(pipeline
     (out / "dpo").symlink_to(elsewhere)
     code, said = audit(out, capsys)
     assert code == 1, said.out
-    assert f"VIOLATION: stage dpo: {out / 'dpo'} is a link to {elsewhere}, not the directory the pipeline wrote" \
+    assert f"VIOLATION: stage dpo: {out / 'dpo'} is a link to {elsewhere}, not what the pipeline wrote" \
         in said.out, said.out
+
+
+@pytest.mark.parametrize("entry", ["ledger", "config.yaml", "plan.json"])
+def test_a_stage_record_linked_to_another_stages_is_not_audited(pipeline_out, tmp_path, capsys, entry):
+    """dpo's ledger (or config.yaml, plan.json) replaced by a link to reward's: was audited as dpo's own, exit 0."""
+    out = copy_of(pipeline_out, tmp_path)
+    shutil.rmtree(out / "dpo" / entry) if entry == "ledger" else (out / "dpo" / entry).unlink()
+    (out / "dpo" / entry).symlink_to(out / "reward" / entry)
+    code, said = audit(out, capsys)
+    assert code == 1, said.out
+    assert f"VIOLATION: stage dpo: {out / 'dpo' / entry} is a link to {out / 'reward' / entry}, not what the " \
+        "pipeline wrote: not audited" in said.out, said.out
 
 
 def test_a_fifo_as_the_state_file_is_named_as_such(pipeline_out, tmp_path, capsys):

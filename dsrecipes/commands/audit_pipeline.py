@@ -10,7 +10,7 @@ same rows of a dataset they split.
   may read it whole, nor pinned into the share it takes while another takes a share of it (either trains on rows of
   the others' shares); a `data=presharded` stage is named as not compared (its share was chosen by `dsrecipes shard`
   and is recorded nowhere);
-- a stage directory that is a link (elsewhere) is a violation, not audited as the stage;
+- a stage directory, or its config.yaml, plan.json or ledger, that is a link is a violation, not audited as the stage;
 - each such split is audited once as `dsrecipes audit ... dataset.split.take=...` does (split_audit.py): the
   shares are disjoint and cover every row; on the files as they are now, so a file whose content differs from what a
   stage's plan.json recorded it training on, one gone since (deleted, a FIFO now) or one the stage did not read (a
@@ -55,8 +55,10 @@ def audit_pipeline(out: Path, audit_ledgers: Callable[[Path], int]) -> int:
     configs: Dict[str, TrainConfig] = {}
     for name in done:
         run = out / name
-        if run.is_symlink() or run.resolve() != out.resolve() / name:
-            problems.append(f"stage {name}: {run} is a link to {run.resolve()}, not the directory the pipeline wrote: "
+        linked = [p for p in (run, run / "config.yaml", run / "plan.json", run / LEDGER_DIR) if p.is_symlink()]
+        if linked or run.resolve() != out.resolve() / name:
+            where = linked[0] if linked else run
+            problems.append(f"stage {name}: {where} is a link to {where.resolve()}, not what the pipeline wrote: "
                             "not audited")
             continue
         configs[name] = _config(run)
