@@ -4,8 +4,9 @@ so a run directory holds the concrete values; commands that read a composed conf
 
 - `optimizer.lr: null` (the optimizer groups' default) is the model's own learning rate for the objective
   (`learning_rate`): for a pretrained model (`model.path` set) `model.finetune_lr` for a full fine-tune or
-  `model.lora.finetune_lr` with LoRA, times `objective.lr_scale` (1 for sft and reward; 0.1 for dpo, orpo and grpo,
-  whose updates start from an SFT'd policy: TRL's defaults are 2e-5 for SFT and 1e-6 for DPO/GRPO). Model groups set
+  `model.lora.finetune_lr` with LoRA, times `objective.lr_scale` (1 for sft and reward; 0.1 for dpo and grpo,
+  whose updates start from an SFT'd policy, and orpo, often run on the base model but tuned as low: TRL's defaults
+  are 2e-5 for SFT and 1e-6 for DPO/GRPO/ORPO). Model groups set
   those rates for their model (schema defaults 2e-5 and 2e-4, which also apply to `model.path=...` on the default
   group), so `model=NAME objective=dpo` alone trains at a sensible rate. The embedded tiny model (no `model.path`:
   random init, nothing to preserve) trains at `model.tiny.finetune_lr` (3e-3) for every objective, unscaled. An
