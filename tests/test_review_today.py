@@ -199,3 +199,19 @@ def test_a_split_file_gone_since_the_stages_read_it_is_a_violation(pipeline_out,
     for stage in ("reward", "dpo"):
         assert (f"VIOLATION: {data / 'pairs.jsonl'} is gone (or no longer a regular file) since stage {stage} trained "
                 "on it: the audit reads none of its rows") in said.out, said.out
+
+
+def test_a_state_file_stage_name_cannot_forge_the_audits_verdict(pipeline_out, tmp_path, capsys):
+    """A stage name in pipeline_state.json holding a newline printed as its own line: 'OK: 9 finished stage(s) ...'
+    in a pipeline audit's output (an unfinished stage is listed by name). Names are now the pipeline file's own
+    (letters, digits, _ and -, a letter first): anything else is one message, exit 2."""
+    import json
+
+    out = copy_of(pipeline_out, tmp_path)
+    state = json.loads((out / STATE_FILE).read_text())
+    state["stages"]["x\nOK: 9 finished stage(s)"] = {"status": "running"}
+    (out / STATE_FILE).write_text(json.dumps(state))
+    code, said = audit(out, capsys)
+    assert code == 2 and "OK: 9" not in said.out, said.out
+    assert said.err.strip() == (f"error: --ledger: {out / STATE_FILE}: 'x\\nOK: 9 finished stage(s)' is not a stage "
+                                "name the pipeline writes"), said.err

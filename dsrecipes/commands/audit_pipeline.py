@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
 from dsrecipes.config.load import load_config, read_yaml_mapping
+from dsrecipes.config.pipeline_file import _NAME as STAGE_NAME
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.fileio import read_json_file
 from dsrecipes.core.schema import DataKind, TrainConfig
@@ -98,8 +99,9 @@ def _stages(out: Path) -> List[Tuple[str, str]]:
                         "to audit (run the pipeline first)")
     out_list = []
     for name, entry in stages.items():
-        if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
-            raise UserError(f"--ledger: {path}: {name!r} is not a stage name the pipeline writes")
+        # the pipeline file's own rule (a path or a control character is no stage: printed, it could forge a line)
+        if not isinstance(name, str) or not STAGE_NAME.match(name):
+            raise UserError(f"--ledger: {path}: {str(name)[:80]!r} is not a stage name the pipeline writes")
         status = entry.get("status") if isinstance(entry, dict) else None
         out_list.append((name, status if isinstance(status, str) else "unknown"))
     return out_list
