@@ -215,3 +215,17 @@ def test_a_state_file_stage_name_cannot_forge_the_audits_verdict(pipeline_out, t
     assert code == 2 and "OK: 9" not in said.out, said.out
     assert said.err.strip() == (f"error: --ledger: {out / STATE_FILE}: 'x\\nOK: 9 finished stage(s)' is not a stage "
                                 "name the pipeline writes"), said.err
+
+
+@pytest.mark.parametrize("split, said", [
+    ({"shares": {"reward": 1, "dpo": 1}, "take": "nope"}, "dataset.split.take: 'nope' is not a share"),
+    ({"shares": {"reward": "x", "dpo": 1}, "take": "dpo"}, "dataset.split.shares.reward: expected an integer"),
+])
+def test_a_stage_config_problem_names_the_stages_config_file(pipeline_out, tmp_path, capsys, split, said):
+    """Was 'error: dataset.split.take: ...' alone: which of the pipeline's config.yaml files said it was not named."""
+    out = copy_of(pipeline_out, tmp_path)
+    edit_config(out / "dpo", **split)
+    code, got = audit(out, capsys)
+    assert code == 2 and "Traceback" not in got.err, got.err
+    assert got.err.strip().startswith(f"error: --ledger: {out / 'dpo' / 'config.yaml'}: {said}"), got.err
+    assert len(got.err.strip().splitlines()) == 1, got.err

@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Tuple
 from dsrecipes.config.load import load_config, read_yaml_mapping
 from dsrecipes.config.pipeline_file import _NAME as STAGE_NAME
 from dsrecipes.core.errors import UserError
-from dsrecipes.core.fileio import read_json_file
+from dsrecipes.core.fileio import not_regular, read_json_file
 from dsrecipes.core.schema import DataKind, TrainConfig
 from dsrecipes.data.plan.ledger import LEDGER_DIR
 from dsrecipes.data.prepare.cache import data_files
@@ -110,8 +110,15 @@ def _stages(out: Path) -> List[Tuple[str, str]]:
 def _config(run: Path) -> TrainConfig:
     path = run / "config.yaml"
     if not path.is_file():
-        raise UserError(f"--ledger: {path} is missing: a finished stage's run directory holds its config.yaml")
-    return load_config(read_yaml_mapping(path), check_files=False)
+        raise UserError(f"--ledger: {path} is {not_regular(path) or 'missing'}: a finished stage's run directory holds "
+                        "its config.yaml")
+    mapping = read_yaml_mapping(path)  # its errors name path:line
+    try:
+        cfg = load_config(mapping, check_files=False)
+        resolve_sources(cfg.dataset)  # a registry or dataset.split problem: named with this file, not later without
+    except UserError as exc:
+        raise UserError([f"--ledger: {path}: {p}" for p in exc.problems], exc.footer) from None
+    return cfg
 
 
 def _files(cfg: TrainConfig) -> List[str]:
