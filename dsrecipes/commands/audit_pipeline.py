@@ -31,7 +31,7 @@ from dsrecipes.config.load import load_config, read_yaml_mapping
 from dsrecipes.config.pipeline_file import _NAME as STAGE_NAME
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.fileio import not_regular, read_json_file
-from dsrecipes.core.schema import DataKind, TrainConfig
+from dsrecipes.core.schema import TrainConfig
 from dsrecipes.data.plan.ledger import LEDGER_DIR
 from dsrecipes.data.prepare.cache import data_files
 from dsrecipes.data.sources.registry import resolve_sources
@@ -151,13 +151,14 @@ def _changed_files(out: Path, cfg: TrainConfig, stages: List[str]) -> List[str]:
 
 def _splits(out: Path, configs: Dict[str, TrainConfig]) -> List[str]:
     """The split rules of the module comment; each split's shares audited once."""
-    from dsrecipes.data.strategies.split_audit import audit_split  # lazy: else `audit` imports numpy 0.11 s
+    from dsrecipes.data.strategies import strategy_of  # lazy: else `audit` imports numpy 0.11 s
+    from dsrecipes.data.strategies.split_audit import audit_split  # lazy: the same package
 
     groups: Dict[Group, List[Tuple[str, str]]] = {}
-    sharded = [name for name, cfg in configs.items() if cfg.data.kind is DataKind.presharded]
+    sharded = [name for name, cfg in configs.items() if not strategy_of(cfg).reads_sources]
     for name in sharded:
-        print(f"stage {name}: data=presharded: the share it trained on was chosen by `dsrecipes shard` and is not "
-              "recorded; its rows are not compared with the other stages'")
+        print(f"stage {name}: data={configs[name].data.kind.value}: the share it trained on was chosen by "
+              "`dsrecipes shard` and is not recorded; its rows are not compared with the other stages'")
     configs = {name: cfg for name, cfg in configs.items() if name not in sharded}
     for name, cfg in configs.items():
         split = cfg.dataset.split

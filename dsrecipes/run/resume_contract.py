@@ -91,9 +91,11 @@ def compare(saved: Dict[str, Any], new: Dict[str, Any]) -> Tuple[List[str], List
 def _compare(saved: Dict[str, Any], new: Dict[str, Any]) -> Tuple[List[str], List[str], List[str]]:
     """compare's two lists and the legacy keys among the refused ones."""
     as_started, filled = legacy_keys.as_started(saved)
-    old_flat, new_flat = flatten(as_started), flatten(new)
+    old_flat, new_flat, saved_flat = flatten(as_started), flatten(new), flatten(saved)
     refused, accepted, legacy = [], [], []
     for key in sorted(set(old_flat) | set(new_flat)):
+        if key not in saved_flat and key not in new_flat:
+            continue  # a legacy value filled in for a key neither side has (a partial config): no difference
         old, now = old_flat.get(key, "<absent>"), new_flat.get(key, "<absent>")
         if old == now or (key in LOCAL_DIRS and _same_dir(old, now)):
             continue

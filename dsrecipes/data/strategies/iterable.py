@@ -191,6 +191,7 @@ class IterableStrategy:
 
     kind = DataKind.iterable
     needs_tokenizer = False
+    reads_sources = True  # its config (dataset.split, pins) selects the rows it trains on
     identity_in_prepare = True  # prepare_stream_files hashes while indexing
 
     def identity(self, cfg: TrainConfig, tokenizer: Any) -> Tuple[str, Dict[str, str]]:

@@ -133,6 +133,7 @@ class MapStrategy:
 
     kind = DataKind.map
     needs_tokenizer = True  # the preparation cache key hashes the tokenizer
+    reads_sources = True  # its config (dataset.split, pins) selects the rows it trains on
 
     def identity(self, cfg: TrainConfig, tokenizer: Any) -> Tuple[str, Dict[str, str]]:
         sources = resolve_sources(cfg.dataset)

@@ -151,6 +151,7 @@ class PreshardedStrategy:
 
     kind = DataKind.presharded
     needs_tokenizer = False
+    reads_sources = False  # the parts of `dsrecipes shard`: their rows were chosen when sharding
 
     def identity(self, cfg: TrainConfig, tokenizer: Any) -> Tuple[str, Dict[str, str]]:
         return read_manifest(cfg.data.shard_dir).fingerprint, {}

@@ -62,6 +62,9 @@ class DataStrategy(Protocol):
     # a fresh start (no checkpoint to check against) takes its identity from `prepare`, which hashes the files in
     # the pass that reads them anyway (data=iterable: one read of a local corpus on the launching side, cold)
     identity_in_prepare: bool = False
+    # the run reads the dataset's sources itself, so its config (dataset.split, pins) says which rows it trains on;
+    # presharded reads the parts `dsrecipes shard` wrote, whose share is recorded nowhere (audit_pipeline.py)
+    reads_sources: bool = True
 
     def identity(self, cfg: TrainConfig, tokenizer: Any) -> Tuple[str, Dict[str, str]]:
         """(fingerprint, {training file: content hash}) without writing anything."""
