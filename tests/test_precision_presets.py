@@ -50,8 +50,9 @@ def test_a_cpu_without_native_bf16_keeps_it_and_says_fp32_is_faster_there(make_c
     cfg = make_cfg("model=llama3_8b", check_files=False)
     chosen, note = precision_for_device(cfg, None, native_bf16=False)
     assert chosen is cfg and chosen.precision.dtype is Precision.bf16
-    assert note == ("precision: bf16 on a CPU without fast bf16 (no AVX-512 or Arm BF16): its matmuls are emulated, "
-                    "often several times slower than fp32; precision=fp32 trains faster here")
+    assert note == ("precision: bf16 on a CPU without fast bf16 (oneDNN reports none: no AVX-512 or Arm BF16, or a "
+                    "torch without oneDNN): its matmuls are emulated, often several times slower than fp32; "
+                    "precision=fp32 trains faster here")
     fp32 = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, dtype=Precision.fp32))
     assert precision_for_device(fp32, None, native_bf16=False) == (fp32, None)
 

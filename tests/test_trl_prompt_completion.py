@@ -102,3 +102,13 @@ def test_only_the_completion_is_trained_and_a_run_trains_on_them(tmp_path, capsy
                      f"trainer.output_dir={run}", f"data.cache_dir={tmp_path / 'cache'}"]) == 0
     losses = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     assert losses and all(loss == loss for loss in losses) and losses[-1] < losses[0], losses
+
+
+def test_only_the_openai_reader_reads_a_parquet_completion_column():
+    """A Parquet row is the columns its reader reads, and dataset.split's row id hashes that row: another format keeps
+    the row (and its share) it had before prompt/completion rows were read."""
+    from dsrecipes.data.sources.files import used_columns
+
+    assert "completion" in used_columns(openai_source(Path("x.parquet")))
+    assert "completion" not in used_columns(SourceConfig(name="s", paths=["x.parquet"]))
+    assert "completion" not in used_columns(SourceConfig(name="s", paths=["x.parquet"], format=DatasetFormat.alpaca))

@@ -77,7 +77,8 @@ def _assistant_only(value: Any) -> str:
 
 def _completion_only(value: Any) -> str:
     if value is False:
-        return TRL + f"data.train_on: all (prompt and completion); {PROMPT_COMPLETION}"
+        return TRL + (f"data.train_on: all (prompt and completion; an assistant turn inside a prompt list stays "
+                      f"untrained, unlike TRL); {PROMPT_COMPLETION}")
     return (NOT_NEEDED + "data.train_on: assistant (the default) trains the answer turns only, as TRL's completion-only "
             f"loss does; {PROMPT_COMPLETION}")
 

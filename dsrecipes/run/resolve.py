@@ -50,8 +50,9 @@ def precision_for_device(cfg: TrainConfig, gpu: str | None, native_bf16: bool) -
     if cfg.precision.dtype is not Precision.bf16 or native_bf16:
         return cfg, None
     if gpu is None:
-        return cfg, ("precision: bf16 on a CPU without fast bf16 (no AVX-512 or Arm BF16): its matmuls are "
-                     "emulated, often several times slower than fp32; precision=fp32 trains faster here")
+        return cfg, ("precision: bf16 on a CPU without fast bf16 (oneDNN reports none: no AVX-512 or Arm BF16, or "
+                     "a torch without oneDNN): its matmuls are emulated, often several times slower than fp32; "
+                     "precision=fp32 trains faster here")
     note = (f"precision: {gpu} has no bf16; training in fp16 instead (precision=fp16 or precision=fp32 chooses "
             "without this note)")
     return dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, dtype=Precision.fp16)), note

@@ -235,15 +235,18 @@ def read_row_items(path: str, limit: int = DEFAULT_MAX_ROW_BYTES, columns: Optio
         yield RawRow(path, None, error=BadRow(BadReason.empty_file, "no rows"))
 
 
-# read by name outside a source's `columns`: preference.py's `margin` (a reward model's target gap), row_shapes.py's
-# `completion` (TRL's prompt/completion rows)
-EXTRA_COLUMNS = ("margin", "completion")
+EXTRA_COLUMNS = ("margin",)  # read by name outside a source's `columns` (preference.py: a reward model's target gap)
+# row_shapes.py's `completion` (TRL's prompt/completion rows), read from Parquet for dataset.format=openai only: a
+# Parquet row is its read columns, so another format keeps the row (and its dataset.split row id) it had before
+OPENAI_COLUMNS = ("completion",)
 
 
 def used_columns(source: Any) -> frozenset:
-    """The top-level columns a reader of `source` looks at: its `columns` mapping and EXTRA_COLUMNS."""
+    """The top-level columns a reader of `source` looks at: its `columns` mapping, EXTRA_COLUMNS and, for
+    dataset.format=openai, OPENAI_COLUMNS."""
     cols = source.columns
-    return frozenset({getattr(cols, f.name) for f in dataclasses.fields(cols)} | set(EXTRA_COLUMNS))
+    extra = EXTRA_COLUMNS + (OPENAI_COLUMNS if getattr(source.format, "value", None) == "openai" else ())
+    return frozenset({getattr(cols, f.name) for f in dataclasses.fields(cols)} | set(extra))
 
 
 def _items(path: str, limit: int, columns: Optional[Collection[str]]) -> Iterator[RowItem]:
