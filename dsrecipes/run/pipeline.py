@@ -54,6 +54,7 @@ from dsrecipes.core.fileio import atomic_write_json
 from dsrecipes.core.locks import ExclusiveLock, LockHeld
 from dsrecipes.core.rundir import RESULT_FILE, claim_marked_dir
 from dsrecipes.observe.pipeline_report import write_summary
+from dsrecipes.run.resume_contract import RESTORE_TAIL
 
 MARKER = "dsrecipes_pipeline.json"
 STATE_FILE = "pipeline_state.json"
@@ -262,11 +263,16 @@ def run_stage(run: PipelineRun, stage: Stage, number: int, train: Train) -> int:
         return code
     if code:
         run.record(stage, status="failed", exit_code=code)
-        why = f": {'; '.join(c.removeprefix('error: ') for c in causes)}" if causes else ""
+        # train's remedy for a settings refusal names trainer.output_dir, which a stage does not choose: the
+        # pipeline's remedy below replaces it
+        said = [c.removeprefix("error: ").replace(f"{RESTORE_TAIL} (", "(") for c in causes]
+        why = f": {'; '.join(said)}" if said else ""
         where = f"its run directory: {run.out / stage.name}" if (run.out / stage.name).is_dir() else "it wrote nothing"
         since = (f"; it was started with other settings ({changed(before, argv)}): restore them in "
                  f"{run.pipeline.path}, or start over with a new --out (a stage's trainer.output_dir is the "
-                 "pipeline's)") if before not in (None, argv) else ""
+                 "pipeline's)") if before not in (None, argv) else (
+                 f"; restore the stage's settings in {run.pipeline.path}, or start over with a new --out (a stage's "
+                 "trainer.output_dir is the pipeline's)" if any(RESTORE_TAIL in c for c in causes) else "")
         raise UserError(f"pipeline: {of} failed (exit {code}){why}{since}; {where}; the stages before it are kept. "
                         f"Fix the cause, then resume with: {run.resume_command}")
     run.record(stage, status="done", exit_code=0, export=str(run.out / stage.name / EXPORT_DIR))

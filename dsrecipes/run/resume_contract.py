@@ -110,6 +110,9 @@ def _compare(saved: Dict[str, Any], new: Dict[str, Any]) -> Tuple[List[str], Lis
     return refused, accepted, legacy
 
 
+# the remedy of a settings refusal; a pipeline (pipeline.py) says its own instead (a stage's output_dir is its)
+RESTORE_TAIL = "Restore them to resume, or start a new run in another trainer.output_dir"
+
 LOCAL_DIRS = ("model.path", "model.tokenizer_path")  # absolute since config/defaults.local_dir; relative in older runs
 
 
@@ -146,7 +149,7 @@ def check(saved: Dict[str, Any], new: Dict[str, Any], saved_data: Optional[str],
         refused.append(f"training data: {what}")
     if refused:
         lines = "\n".join(f"  {r}" for r in refused)
-        tail = "Restore them to resume, or start a new run in another trainer.output_dir"
+        tail = RESTORE_TAIL
         said = legacy_keys.remedy(legacy, legacy_keys.as_started(saved)[1], set(explicit)) if legacy else ""
         differ = ("these settings differ from the ones it was trained with" if settings else
                   "the training data differs from the data it was trained on")
