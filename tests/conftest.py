@@ -228,6 +228,14 @@ def remove_when_passed(request, paths) -> None:
 
 
 @pytest.fixture(scope="session")
+def split_pipeline_out(tmp_path_factory):
+    """The audit tests' real tiny pipeline (tests/helpers/split_pipeline.py), run once per session and worker."""
+    from tests.helpers.split_pipeline import run_pipeline
+
+    return run_pipeline(tmp_path_factory.mktemp("split_pipeline"))
+
+
+@pytest.fixture(scope="session")
 def s3_server():
     """A real S3-API server (moto's standalone server on 127.0.0.1) for the whole session; this process's
     environment points at it (AWS_ENDPOINT_URL, fake credentials) until the session ends."""

@@ -8,75 +8,16 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
 from dsrecipes.run.pipeline import STATE_FILE
-from tests.conftest import in_process_environ
-
-PIPELINE = """\
-shared:
-  debug: fast
-  data.cutoff_len: 256
-  dataset: {max_samples: 16, val_size: 0}
-  trainer: {save_every: 0, eval_every: 0, max_steps: 2, micro_batch_size: 2, record_samples: true,
-            export: true}
-stages:
-  - name: sft
-  - name: reward
-    model_from: sft
-    set:
-      objective: reward
-      dataset: sample_pairs
-      dataset.split.shares: {reward: 1, dpo: 1}
-      dataset.split.take: reward
-  - name: dpo
-    model_from: sft
-    set:
-      objective: dpo
-      dataset: sample_pairs
-      dataset.split.shares: {reward: 1, dpo: 1}
-      dataset.split.take: dpo
-      trainer.export: false
-"""
+from tests.helpers.split_pipeline import audit, copy_of, edit_config
 
 
-@pytest.fixture(scope="module")
-def pipeline_out(tmp_path_factory):
-    from dsrecipes.cli import main
-
-    base = tmp_path_factory.mktemp("pipe")
-    path, out = base / "p.yaml", base / "out"
-    path.write_text(PIPELINE)
-    with in_process_environ():
-        assert main(["pipeline", str(path), "--out", str(out)]) == 0
-    return out
-
-
-def audit(out: Path, capsys) -> tuple:
-    from dsrecipes.cli import main
-
-    capsys.readouterr()
-    with in_process_environ():
-        code = main(["audit", "--ledger", str(out)])
-    return code, capsys.readouterr()
-
-
-def copy_of(out: Path, tmp_path: Path) -> Path:
-    copy = tmp_path / "out"
-    shutil.copytree(out, copy, symlinks=True)
-    return copy
-
-
-def edit_config(run: Path, **split) -> None:
-    """The stage's config.yaml with dataset.split replaced, as a pipeline run with that split would have written it."""
-    import yaml
-
-    path = run / "config.yaml"
-    config = yaml.safe_load(path.read_text())
-    config["dataset"]["split"] = {"shares": {}, "take": None, "pin": {}, **split}
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
+@pytest.fixture
+def pipeline_out(split_pipeline_out):
+    return split_pipeline_out
 
 
 def test_a_split_pipeline_audits_whole(pipeline_out, capsys):

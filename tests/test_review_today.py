@@ -20,36 +20,14 @@ import pytest
 
 from dsrecipes.run.pipeline import STATE_FILE
 from tests.conftest import in_process_environ
-from tests.test_audit_pipeline import PIPELINE, edit_config
+from tests.helpers.split_pipeline import audit, copy_of, edit_config
 
 PAIRS = Path(__file__).resolve().parents[1] / "dsrecipes" / "assets" / "sample_data" / "pairs.jsonl"
 
 
-@pytest.fixture(scope="module")
-def pipeline_out(tmp_path_factory):
-    from dsrecipes.cli import main
-
-    base = tmp_path_factory.mktemp("pipe")
-    path, out = base / "p.yaml", base / "out"
-    path.write_text(PIPELINE)
-    with in_process_environ():
-        assert main(["pipeline", str(path), "--out", str(out)]) == 0
-    return out
-
-
-def audit(out: Path, capsys) -> tuple:
-    from dsrecipes.cli import main
-
-    capsys.readouterr()
-    with in_process_environ():
-        code = main(["audit", "--ledger", str(out)])
-    return code, capsys.readouterr()
-
-
-def copy_of(out: Path, tmp_path: Path) -> Path:
-    copy = tmp_path / "out"
-    shutil.copytree(out, copy, symlinks=True)
-    return copy
+@pytest.fixture
+def pipeline_out(split_pipeline_out):
+    return split_pipeline_out
 
 
 def test_stages_splitting_one_file_with_other_shares_overlap(pipeline_out, tmp_path, capsys):
