@@ -7,12 +7,11 @@ is a violation (exit 1); a state file naming a stage outside the pipeline is one
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
 from dsrecipes.run.pipeline import STATE_FILE
-from tests.helpers.split_pipeline import audit, copy_of, edit_config
+from tests.helpers.split_pipeline import audit, copy_of, edit_config, point_at_a_copy
 
 
 @pytest.fixture
@@ -65,18 +64,10 @@ def test_a_split_file_changed_since_a_stage_read_it_is_a_violation(pipeline_out,
     if trained on it, their plan.json recording the bundled file's hash), and the copy holds 50 rows only."""
     from dsrecipes.core.paths import ASSETS_DIR
 
-    out, data = copy_of(pipeline_out, tmp_path), tmp_path / "data"
-    data.mkdir()
-    shutil.copy(ASSETS_DIR / "sample_data" / "dataset_info.json", data)
+    out = copy_of(pipeline_out, tmp_path)
+    data = point_at_a_copy(out, tmp_path)
     original = ASSETS_DIR / "sample_data" / "pairs.jsonl"
     (data / "pairs.jsonl").write_text("".join(original.open().readlines()[:50]))
-    for stage in ("reward", "dpo"):
-        path = out / stage / "config.yaml"
-        path.write_text(path.read_text().replace(str(ASSETS_DIR / "sample_data" / "dataset_info.json"),
-                                                 str(data / "dataset_info.json")))
-        plan = json.loads((out / stage / "plan.json").read_text())
-        plan["data_files"] = {str(data / "pairs.jsonl"): plan["data_files"][str(original)]}
-        (out / stage / "plan.json").write_text(json.dumps(plan))
     code, said = audit(out, capsys)
     assert code == 1, said.out
     for stage in ("reward", "dpo"):

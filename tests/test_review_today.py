@@ -20,7 +20,7 @@ import pytest
 
 from dsrecipes.run.pipeline import STATE_FILE
 from tests.conftest import in_process_environ
-from tests.helpers.split_pipeline import audit, copy_of, edit_config
+from tests.helpers.split_pipeline import audit, copy_of, edit_config, point_at_a_copy
 
 PAIRS = Path(__file__).resolve().parents[1] / "dsrecipes" / "assets" / "sample_data" / "pairs.jsonl"
 
@@ -155,21 +155,8 @@ def test_a_split_file_gone_since_the_stages_read_it_is_a_violation(pipeline_out,
     plan.json recording it with the bundled file's hash); the copy is then deleted or replaced by a FIFO. Was: the
     split audit read 0 rows, 'OK: the shares are disjoint and cover every row', exit 0 (only files present now were
     compared with plan.json)."""
-    import json
-
-    from dsrecipes.core.paths import ASSETS_DIR
-
-    out, data = copy_of(pipeline_out, tmp_path), tmp_path / "data"
-    data.mkdir()
-    shutil.copy(ASSETS_DIR / "sample_data" / "dataset_info.json", data)
-    original = ASSETS_DIR / "sample_data" / "pairs.jsonl"
-    for stage in ("reward", "dpo"):
-        path = out / stage / "config.yaml"
-        path.write_text(path.read_text().replace(str(ASSETS_DIR / "sample_data" / "dataset_info.json"),
-                                                 str(data / "dataset_info.json")))
-        plan = json.loads((out / stage / "plan.json").read_text())
-        plan["data_files"] = {str(data / "pairs.jsonl"): plan["data_files"][str(original)]}
-        (out / stage / "plan.json").write_text(json.dumps(plan))
+    out = copy_of(pipeline_out, tmp_path)
+    data = point_at_a_copy(out, tmp_path)
     if gone == "fifo":
         os.mkfifo(data / "pairs.jsonl")  # never opened: not a regular file
     code, said = audit(out, capsys)

@@ -71,3 +71,24 @@ def edit_config(run: Path, **split) -> None:
     config = yaml.safe_load(path.read_text())
     config["dataset"]["split"] = {"shares": {}, "take": None, "pin": {}, **split}
     path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def point_at_a_copy(out: Path, tmp_path: Path, stages=("reward", "dpo")) -> Path:
+    """The stages' registry moved to a copy in tmp_path/data (returned), their plan.json recording the bundled
+    pairs file's hash for the copy's pairs.jsonl, as if they had trained on it; the copy's pairs.jsonl is not
+    written here (each test makes it what it needs: shorter, gone, a FIFO)."""
+    import json
+
+    from dsrecipes.core.paths import ASSETS_DIR
+
+    data, registry = tmp_path / "data", ASSETS_DIR / "sample_data" / "dataset_info.json"
+    data.mkdir()
+    shutil.copy(registry, data)
+    original = ASSETS_DIR / "sample_data" / "pairs.jsonl"
+    for stage in stages:
+        path = out / stage / "config.yaml"
+        path.write_text(path.read_text().replace(str(registry), str(data / "dataset_info.json")))
+        plan = json.loads((out / stage / "plan.json").read_text())
+        plan["data_files"] = {str(data / "pairs.jsonl"): plan["data_files"][str(original)]}
+        (out / stage / "plan.json").write_text(json.dumps(plan))
+    return data
