@@ -47,5 +47,8 @@ python -m compileall -q -j 0 dsrecipes tests scripts >/dev/null
 # Two workers (pytest-xdist), one test file each at a time (module fixtures: one trained run, many assertions), the
 # heaviest files first (tests/conftest.py HEAVY_FIRST; --no-loadscope-reorder keeps that order, xdist would sort the
 # files by their number of tests): most tests are one single-threaded process at a time, so a 2-core machine runs
-# two files at once. `-n 0` after the script's name runs everything in one process.
-DSRECIPES_REQUIRE_SMOLLM2=1 HF_HUB_OFFLINE=1 python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder "$@"
+# two files at once. `-n 0` after the script's name runs everything in one process. A pytest worker that dies (seen
+# once: "node down: Not properly terminated") ends the run with that failure instead of being replaced: the
+# replacement left the run waiting at 98% for ever (--max-worker-restart=0).
+DSRECIPES_REQUIRE_SMOLLM2=1 HF_HUB_OFFLINE=1 python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
+  --max-worker-restart=0 "$@"
