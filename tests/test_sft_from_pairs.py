@@ -288,3 +288,20 @@ def test_a_source_of_its_own_reads_its_pairs_as_chosen_in_a_mix(tmp_path):
                                                         PAIRS.read_text(encoding="utf-8").splitlines()[:3]]
     with pytest.raises(UserError, match=r"dataset.sources\[0\].pairs_as: chosen reads a pair row"):
         compose_and_load(["objective=dpo", "dataset=sample_pairs", *mix[1:2]])
+
+
+def test_a_registry_entrys_pairs_as_is_read_by_sft_and_refused_under_dpo(tmp_path, capsys, monkeypatch):
+    """A registry entry (dataset.registry YAML) may carry `pairs_as: chosen`: SFT reads its pairs as prompt + chosen,
+    and DPO refuses it (one message naming the entry, exit 2, nothing written) instead of ignoring it, as the
+    command line's `dataset.pairs_as` is refused there."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "reg.yaml").write_text(
+        f"pairs:\n  paths: [{PAIRS}]\n  format: sharegpt\n  ranking: true\n  pairs_as: chosen\n"
+        "  columns: {messages: conversations, chosen: chosen, rejected: rejected}\n", encoding="utf-8")
+    use = ["dataset.registry=reg.yaml", "dataset.use=[pairs]", f"data.cache_dir={tmp_path / 'cache'}"]
+    err = _error_line_of_many(capsys, ["train", "debug=fast", "objective=dpo", *use, "trainer.output_dir=runs/x"])
+    assert err.startswith("error: dataset: source 'pairs' sets pairs_as: chosen, which reads a pair row as an SFT "
+                          "conversation (objective=sft); objective.rows=pair reads its rows as they are"), err
+    assert not (tmp_path / "runs").exists()
+    losses = _train([*use, "dataset.val_size=0"], tmp_path, "sft")  # trained: a pair row is a bad row otherwise
+    assert losses and all(0 < x < 100 for x in losses), losses

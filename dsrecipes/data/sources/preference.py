@@ -42,8 +42,9 @@ class Pair:
 
 
 def check_sources(rows: RowKind, sources: List[SourceConfig]) -> None:
-    """Preference sources only for an objective on pairs (`objective.rows`), no source that says it is not one, and
-    each source in a format its row kind is read in (rowkinds.py: the kind's `sources`)."""
+    """Preference sources only for an objective on pairs (`objective.rows`), no source that says it is not one, no
+    `pairs_as: chosen` (a registry entry's; the command line's is config/validate's) outside SFT, and each source in
+    a format its row kind is read in (rowkinds.py: the kind's `sources`)."""
     wanted = ROW_KINDS[rows].sources
     for src in sources:
         if wanted.ranking and src.ranking is False:
@@ -55,6 +56,10 @@ def check_sources(rows: RowKind, sources: List[SourceConfig]) -> None:
                    "dataset.pairs_as=chosen") if rows is RowKind.conversation else ""
             raise ConfigError(f"dataset: source {src.name!r} holds preference (ranking) rows; train on it with an "
                               f"objective on pairs (objective.rows=pair: objective=dpo, for one){sft}")
+        if rows is not RowKind.conversation and src.pairs_as is PairsAs.chosen:  # a registry entry's own
+            raise ConfigError(f"dataset: source {src.name!r} sets pairs_as: chosen, which reads a pair row as an SFT "
+                              f"conversation (objective=sft); objective.rows={rows.value} reads its rows as they are, "
+                              "so leave it unset (refuse)")
         if src.format not in wanted.formats:
             raise ConfigError(f"dataset: source {src.name!r}: {rows.value} rows are read in the "
                               f"{' or '.join(_FORMAT_NAMES[f] for f in wanted.formats)} format, not {src.format.value}")
