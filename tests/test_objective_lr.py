@@ -165,3 +165,18 @@ def test_a_resumed_dpo_run_keeps_the_rate_it_started_with(tmp_path, model_dir):
     assert set(rates) == {1, 2, 3, 4} and all(v == pytest.approx(2e-6) for v in rates.values()), rates
     code, said = _launch(tmp_path, model, "trainer.max_steps=6", "objective.lr_scale=0.5")
     assert code == 2 and "objective.lr_scale: 0.1 -> 0.5" in said, said[-3000:]
+
+
+@pytest.mark.parametrize("objective", sorted(SCALES))
+def test_an_lr_scale_an_explicit_optimizer_lr_makes_unused_is_a_warning(objective):
+    """`objective.lr_scale=0.5` with `optimizer.lr` set has no effect: the launch (and `validate`) say so, naming both
+    keys; the objective's own scale (its group's) with an explicit rate is not worth a line."""
+    from dsrecipes.config.defaults import config_warnings
+
+    said = [w for w in config_warnings(cfg(SMOLLM2, f"objective={objective}", "optimizer.lr=1e-6",
+                                           "objective.lr_scale=0.5")) if w.startswith("objective.lr_scale")]
+    assert said == ["objective.lr_scale: 0.5 is unused: optimizer.lr=1e-06 sets the rate as it is (lr_scale "
+                    "multiplies the model's finetune_lr only when optimizer.lr is unset)"]
+    for quiet in (cfg(SMOLLM2, f"objective={objective}", "optimizer.lr=1e-6"),
+                  cfg(SMOLLM2, f"objective={objective}", "objective.lr_scale=0.5")):
+        assert not [w for w in config_warnings(quiet) if "lr_scale" in w]

@@ -100,6 +100,14 @@ def lr_reason(cfg: TrainConfig) -> str:
     return what if scale is None else f"{what} {model_rate(cfg):g} x {scale:g} for {kind}"
 
 
+def objective_lr_scale(kind: str) -> float:
+    """The objective group's own `lr_scale` (conf/objective/KIND.yaml): a run that leaves it as its objective sets
+    it is not warned that an explicit optimizer.lr makes it unused (`config_warnings`)."""
+    from dsrecipes.config.matrix import option_body
+
+    return float(option_body("objective", kind).get("lr_scale", 1.0))
+
+
 def model_name(cfg: TrainConfig) -> str:
     path = cfg.model.path
     if not path or cfg.model.name != TINY_NAME:
@@ -143,6 +151,10 @@ def config_warnings(cfg: TrainConfig) -> List[str]:
                    f"({model_name(cfg)}) usually fine-tunes at ~1e-5..5e-5 (full) or ~1e-4..3e-4 (LoRA). "
                    "Leave optimizer.lr unset to use the model group's model.finetune_lr / model.lora.finetune_lr "
                    "(x objective.lr_scale)")
+    scale = cfg.objective.lr_scale
+    if cfg.optimizer.lr is not None and scale not in (1.0, objective_lr_scale(cfg.objective.kind.value)):
+        out.append(f"objective.lr_scale: {scale:g} is unused: optimizer.lr={cfg.optimizer.lr:g} sets the rate as it "
+                   "is (lr_scale multiplies the model's finetune_lr only when optimizer.lr is unset)")
     t = cfg.trainer
     if t.max_steps is not None and t.epochs != 1:  # LLaMA-Factory's num_train_epochs is the budget there
         out.append(f"trainer.epochs: {t.epochs} is unused: trainer.max_steps={t.max_steps} sets the run's length; "
