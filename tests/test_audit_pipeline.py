@@ -82,3 +82,40 @@ def test_a_state_file_that_is_not_the_pipelines_is_one_message(pipeline_out, tmp
     code, said = audit(out, capsys)
     assert code == 2 and "Traceback" not in said.err, said
     assert said.err.strip().startswith("error: --ledger: ") and len(said.err.strip().splitlines()) == 1, said.err
+
+
+def _through_a_link(out, tmp_path, stages):
+    """`stages` read the bundled pairs through another spelling of the same file: their registry moved to a copy
+    (point_at_a_copy, plan.json recording that spelling) whose pairs.jsonl is a link to the bundled file."""
+    from dsrecipes.core.paths import ASSETS_DIR
+
+    pairs = ASSETS_DIR / "sample_data" / "pairs.jsonl"
+    data = point_at_a_copy(out, tmp_path, stages)
+    (data / "pairs.jsonl").symlink_to(pairs)
+    return str(pairs), str(data / "pairs.jsonl")
+
+
+def test_a_split_file_spelled_otherwise_by_one_stage_is_one_split_audited_once(pipeline_out, tmp_path, capsys):
+    """dpo reads the pairs reward splits through a link: the same file, so one split (its shares audited once), named
+    as reward names it with dpo's spelling beside. Was: two splits of one member each, each audited."""
+    out = copy_of(pipeline_out, tmp_path)
+    real, link = _through_a_link(out, tmp_path, ("dpo",))
+    code, said = audit(out, capsys)
+    assert code == 0, said.out
+    assert said.out.count("audit dataset.split: ") == 1, said.out
+    assert (f'split {{"dpo": 1, "reward": 1}} of {real} (stage dpo names it {link}): reward took \'reward\', dpo '
+            "took 'dpo'\n") in said.out, said.out
+
+
+@pytest.mark.parametrize("linked", [("dpo",), ("reward", "dpo")])
+def test_stages_on_one_share_of_a_file_spelled_otherwise_name_it_as_written(pipeline_out, tmp_path, capsys, linked):
+    """Two stages on share 'reward' of the pairs, one or both through a link: one overlap, the file named as the
+    stages name it. Was: named by its resolved path, a name no stage used, beside the changed-file lines' spelling."""
+    out = copy_of(pipeline_out, tmp_path)
+    real, link = _through_a_link(out, tmp_path, linked)
+    edit_config(out / "dpo", shares={"reward": 1, "dpo": 1}, take="reward")
+    code, said = audit(out, capsys)
+    assert code == 1, said.out
+    name, aka = (real, f" (stage dpo names it {link})") if linked == ("dpo",) else (link, "")
+    assert f"VIOLATION: stages reward, dpo all trained share 'reward' of {name}{aka}\n" in said.out, said.out
+    assert said.out.rstrip().endswith("FAILED: 1 violation(s)"), said.out

@@ -5,11 +5,12 @@ same rows of a dataset they split.
 - each stage's run directory (`<out>/<stage>`, as the pipeline writes it; never a path read from the state file)
   is audited as `--ledger RUN` audits a run: every sample once per epoch, equal steps, its evaluations; a stage
   trained without `trainer.record_samples=true` has no ledger, and the audit says its samples were not checked;
-- per file (globs expanded, symlinks resolved), from each stage's config.yaml: the stages that split it must use
-  the same `dataset.split.shares` (other shares can hold the same rows) and each take another share; no other stage
-  may read it whole, nor pinned into the share it takes while another takes a share of it (either trains on rows of
-  the others' shares); a `data=presharded` stage is named as not compared (its share was chosen by `dsrecipes shard`
-  and is recorded nowhere);
+- per file, from each stage's config.yaml (its sources resolved once: registry read, globs expanded; a file is one
+  file under any spelling, symlinks resolved, and is named as the first stage reading it names it, another stage's
+  other spelling said beside): the stages that split it must use the same `dataset.split.shares` (other shares can
+  hold the same rows) and each take another share; no other stage may read it whole, nor pinned into the share it
+  takes while another takes a share of it (either trains on rows of the others' shares); a `data=presharded` stage
+  is named as not compared (its share was chosen by `dsrecipes shard` and is recorded nowhere);
 - a stage directory, or its config.yaml, plan.json or ledger, that is a link is a violation, not audited as the stage;
 - each such split is audited once as `dsrecipes audit ... dataset.split.take=...` does (split_audit.py): the
   shares are disjoint and cover every row; on the files as they are now, so a file whose content differs from what a
@@ -24,21 +25,33 @@ from __future__ import annotations
 import glob
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from dsrecipes.config.load import load_config, read_yaml_mapping
 from dsrecipes.config.pipeline_file import _NAME as STAGE_NAME
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.fileio import not_regular, read_json_file
-from dsrecipes.core.schema import TrainConfig
+from dsrecipes.core.schema import SourceConfig, TrainConfig
 from dsrecipes.data.plan.ledger import LEDGER_DIR
 from dsrecipes.data.prepare.cache import data_files
 from dsrecipes.data.sources.registry import resolve_sources
 from dsrecipes.data.sources.remote import looks_like_url
 from dsrecipes.run.pipeline import MARKER, STATE_FILE
 
-Group = Tuple[str, ...]  # (files..., shares, pins) as JSON: stages that split the same data the same way
+Group = Tuple[str, ...]  # (real files..., shares, pins) as JSON: stages that split the same data the same way
+Reading = Tuple[str, str, str]  # (how, shares as JSON, share): what a stage reads of one file, see _reading
+
+
+@dataclass
+class _Stage:
+    """A finished stage as its config.yaml says, its sources resolved once (registry read, globs expanded): `files`
+    {real path (a URL as written): the file as the stage names it}, `readings` {real path: what it reads of it}."""
+    cfg: TrainConfig
+    sources: List[SourceConfig]
+    files: Dict[str, str]
+    readings: Dict[str, Reading]
 
 
 def is_pipeline_dir(path: Path) -> bool:
@@ -53,7 +66,7 @@ def audit_pipeline(out: Path, audit_ledgers: Callable[[Path], int]) -> int:
     print(f"audit pipeline {out}: stages " + ", ".join(f"{n} ({s})" for n, s in stages))
     problems: List[str] = []
     unrecorded: List[str] = []
-    configs: Dict[str, TrainConfig] = {}
+    resolved: Dict[str, _Stage] = {}
     for name in done:
         run = out / name
         linked = [p for p in (run, run / "config.yaml", run / "plan.json", run / LEDGER_DIR) if p.is_symlink()]
@@ -62,7 +75,7 @@ def audit_pipeline(out: Path, audit_ledgers: Callable[[Path], int]) -> int:
             problems.append(f"stage {name}: {where} is a link to {where.resolve()}, not what the pipeline wrote: "
                             "not audited")
             continue
-        configs[name] = _config(run)
+        resolved[name] = _stage(run)
         if not (run / LEDGER_DIR).is_dir():
             unrecorded.append(name)
             print(f"stage {name}: no ledger (trained with trainer.record_samples=false): its samples are not checked")
@@ -70,7 +83,7 @@ def audit_pipeline(out: Path, audit_ledgers: Callable[[Path], int]) -> int:
         print(f"stage {name}: {run}")
         if audit_ledgers(run) != 0:
             problems.append(f"stage {name}: its ledger audit failed (above)")
-    problems += _splits(out, configs)
+    problems += _splits(out, resolved)
     waiting = [name for name, status in stages if status != "done"]
     if waiting:
         print(f"not audited (not finished): {', '.join(waiting)}")
@@ -107,7 +120,7 @@ def _stages(out: Path) -> List[Tuple[str, str]]:
     return out_list
 
 
-def _config(run: Path) -> TrainConfig:
+def _stage(run: Path) -> _Stage:
     path = run / "config.yaml"
     if not path.is_file():
         raise UserError(f"--ledger: {path} is {not_regular(path) or 'missing'}: a finished stage's run directory holds "
@@ -115,22 +128,58 @@ def _config(run: Path) -> TrainConfig:
     mapping = read_yaml_mapping(path)  # its errors name path:line
     try:
         cfg = load_config(mapping, check_files=False)
-        resolve_sources(cfg.dataset)  # a registry or dataset.split problem: named with this file, not later without
+        sources = resolve_sources(cfg.dataset)  # a registry or dataset.split problem: named with this file, not later
     except UserError as exc:
         raise UserError([f"--ledger: {path}: {p}" for p in exc.problems], exc.footer) from None
-    return cfg
+    files: Dict[str, str] = {}
+    readings: Dict[str, Reading] = {}
+    for source in sources:
+        reading = _reading(source)
+        for written in _written_files(source.paths):
+            real = written if looks_like_url(written) else os.path.realpath(written)
+            files.setdefault(real, written)  # read_once kept one spelling of each file per stage
+            if reading is not None:
+                readings[real] = reading
+    return _Stage(cfg, sources, files, readings)
 
 
-def _files(cfg: TrainConfig) -> List[str]:
-    return sorted({p for source in resolve_sources(cfg.dataset) for p in source.paths})
+def _reading(source: SourceConfig) -> Optional[Reading]:
+    """What the stage reads of the source's files: ("whole", "", "") without a split, ("all", shares, share) for a
+    source pinned to the share the stage takes, ("share", shares, take) for the rows whose id falls in `take`; None
+    for a source pinned to another share (read not at all)."""
+    share = source.share
+    if share is None:
+        return ("whole", "", "")
+    if share.pinned is not None and share.pinned != share.take:
+        return None
+    shares = json.dumps(dict(share.shares), sort_keys=True)
+    return ("all", shares, share.take) if share.pinned is not None else ("share", shares, share.take)
 
 
-def _changed_files(out: Path, cfg: TrainConfig, stages: List[str]) -> List[str]:
-    """The files of a split that changed since a stage trained on them (its plan.json's {file: content hash}): the
-    audit reads the files as they are now, so a changed one proves nothing about what that stage read."""
-    now = data_files(cfg, resolve_sources(cfg.dataset))
+def _written_files(paths: List[str]) -> List[str]:
+    """The files `paths` (resolve_sources': glob-escaped files, patterns matching nothing) name, as the stage names
+    them: globs expanded (what its plan.json records), URLs and patterns matching nothing as written."""
+    files: List[str] = []
+    for p in paths:
+        files += [p] if looks_like_url(p) else (sorted(glob.glob(os.path.expanduser(p))) or [p])
+    return files
+
+
+def _named(f: str, stages: List[Tuple[str, _Stage]]) -> Tuple[str, str]:
+    """(file `f` as the first of `stages` names it, the other stages' other spellings of it as a suffix)."""
+    names = [(n, stage.files[f]) for n, stage in stages if f in stage.files]
+    first = names[0][1] if names else f
+    other = [f"stage {n} names it {w}" for n, w in names if w != first]
+    return first, f" ({'; '.join(other)})" if other else ""
+
+
+def _changed_files(out: Path, stages: List[Tuple[str, _Stage]]) -> List[str]:
+    """The files of a split that changed since a stage trained on them (its plan.json's {file: content hash}, the
+    file as the stage names it): the audit reads the files as they are now, so a changed one proves nothing about
+    what that stage read."""
     problems = []
-    for name in stages:
+    for name, stage in stages:
+        now = data_files(stage.cfg, stage.sources)
         path = out / name / "plan.json"
         try:
             plan = read_json_file(path, "JSON nested too deeply") if path.is_file() else {}
@@ -149,94 +198,63 @@ def _changed_files(out: Path, cfg: TrainConfig, stages: List[str]) -> List[str]:
     return problems
 
 
-def _splits(out: Path, configs: Dict[str, TrainConfig]) -> List[str]:
+def _splits(out: Path, stages: Dict[str, _Stage]) -> List[str]:
     """The split rules of the module comment; each split's shares audited once."""
     from dsrecipes.data.strategies import strategy_of  # lazy: else `audit` imports numpy 0.11 s
     from dsrecipes.data.strategies.split_audit import audit_split  # lazy: the same package
 
-    groups: Dict[Group, List[Tuple[str, str]]] = {}
-    sharded = [name for name, cfg in configs.items() if not strategy_of(cfg).reads_sources]
+    groups: Dict[Group, List[str]] = {}
+    sharded = [name for name, stage in stages.items() if not strategy_of(stage.cfg).reads_sources]
     for name in sharded:
-        print(f"stage {name}: data={configs[name].data.kind.value}: the share it trained on was chosen by "
+        print(f"stage {name}: data={stages[name].cfg.data.kind.value}: the share it trained on was chosen by "
               "`dsrecipes shard` and is not recorded; its rows are not compared with the other stages'")
-    configs = {name: cfg for name, cfg in configs.items() if name not in sharded}
-    for name, cfg in configs.items():
-        split = cfg.dataset.split
+    stages = {name: stage for name, stage in stages.items() if name not in sharded}
+    for name, stage in stages.items():
+        split = stage.cfg.dataset.split
         if split.shares:
-            key = (*_files(cfg), json.dumps(dict(split.shares), sort_keys=True),
+            key = (*sorted(stage.files), json.dumps(dict(split.shares), sort_keys=True),
                    json.dumps(dict(split.pin), sort_keys=True))
-            groups.setdefault(key, []).append((name, split.take))
-    problems = _overlaps(configs)
-    for key, members in groups.items():
-        files = key[:-2]
-        print(f"split {key[-2]} of {', '.join(files)}: " + ", ".join(f"{n} took {t!r}" for n, t in members))
-        first = configs[members[0][0]]
-        problems += _changed_files(out, first, [n for n, _ in members])
+            groups.setdefault(key, []).append(name)
+    problems = _overlaps(stages)
+    for key, names in groups.items():
+        members = [(n, stages[n]) for n in names]
+        files = ", ".join("".join(_named(f, members)) for f in key[:-2])
+        print(f"split {key[-2]} of {files}: " + ", ".join(f"{n} took {s.cfg.dataset.split.take!r}" for n, s in members))
+        problems += _changed_files(out, members)
+        first = members[0][1].cfg
         report = audit_split(first.dataset, first)
         print(report.render())
-        problems += [f"split of {', '.join(files)}: {v}" for v in report.violations]
+        problems += [f"split of {files}: {v}" for v in report.violations]
     return problems
 
 
-Reading = Tuple[str, str, str]  # (how, shares as JSON, share): what a stage reads of one file, see _readings
-
-
-def _readings(cfg: TrainConfig) -> Dict[str, Reading]:
-    """{file (glob expanded, symlinks resolved): what the stage reads of it}: ("whole", "", "") without a split,
-    ("all", shares, share) for a source pinned to the share the stage takes, ("share", shares, take) for the rows
-    whose id falls in `take`; a file of a source pinned to another share is read not at all (left out)."""
-    out: Dict[str, Reading] = {}
-    for source in resolve_sources(cfg.dataset):
-        share = source.share
-        if share is None:
-            reading: Reading = ("whole", "", "")
-        elif share.pinned is not None and share.pinned != share.take:
-            continue
-        else:
-            shares = json.dumps(dict(share.shares), sort_keys=True)
-            reading = ("all", shares, share.take) if share.pinned is not None else ("share", shares, share.take)
-        for f in _real_files(source.paths):
-            out[f] = reading
-    return out
-
-
-def _real_files(paths: List[str]) -> List[str]:
-    """The files `paths` name, as one spelling each: globs expanded, symlinks resolved (URLs as written)."""
-    files: List[str] = []
-    for p in paths:
-        if looks_like_url(p):
-            files.append(p)
-            continue
-        files += [os.path.realpath(m) for m in (sorted(glob.glob(os.path.expanduser(p))) or [p])]
-    return files
-
-
-def _overlaps(configs: Dict[str, TrainConfig]) -> List[str]:
+def _overlaps(stages: Dict[str, _Stage]) -> List[str]:
     """Per file read by a stage that splits it: the stages that can have trained on the same rows of it (the same
     share of the same split, the file read whole or pinned into the share taken, or split with other shares)."""
     readers: Dict[str, List[Tuple[str, Reading]]] = {}
-    for name, cfg in configs.items():
-        for f, reading in _readings(cfg).items():
+    for name, stage in stages.items():
+        for f, reading in stage.readings.items():
             readers.setdefault(f, []).append((name, reading))
     problems = []
-    for f, stages in sorted(readers.items()):
-        if all(how == "whole" for _, (how, _, _) in stages):
+    for real, found in sorted(readers.items()):
+        if all(how == "whole" for _, (how, _, _) in found):
             continue  # nobody splits it: not a split of this pipeline
-        splitters = [n for n, (how, _, _) in stages if how != "whole"]
+        f, aka = _named(real, [(n, stages[n]) for n, _ in found])
+        splitters = [n for n, (how, _, _) in found if how != "whole"]
         problems += [f"stage {n} read {f} whole while {', '.join(s for s in splitters)} split it: it trained on rows "
-                     "of their shares" for n, (how, _, _) in stages if how == "whole"]
-        split = [(n, r) for n, r in stages if r[0] != "whole"]
+                     f"of their shares{aka}" for n, (how, _, _) in found if how == "whole"]
+        split = [(n, r) for n, r in found if r[0] != "whole"]
         takes: Dict[Reading, List[str]] = {}
         for n, reading in split:
             takes.setdefault(("", reading[1], reading[2]), []).append(n)
-        problems += [f"stages {', '.join(names)} all trained share {take!r} of {f}"
+        problems += [f"stages {', '.join(names)} all trained share {take!r} of {f}{aka}"
                      for (_, _, take), names in takes.items() if len(names) > 1]
         for i, (a, ra) in enumerate(split):
             for b, rb in split[i + 1:]:
                 if ra[1] != rb[1]:
                     problems.append(f"stages {a} and {b} split {f} with different dataset.split.shares ({ra[1]} vs "
-                                    f"{rb[1]}): their shares can hold the same rows")
+                                    f"{rb[1]}): their shares can hold the same rows{aka}")
                 elif ra[2] != rb[2] and "all" in (ra[0], rb[0]):
                     problems.append(f"stages {a} and {b} split {f} with different dataset.split.pin: one read every "
-                                    "row of it, the other its share of the same rows")
+                                    f"row of it, the other its share of the same rows{aka}")
     return problems
