@@ -53,3 +53,47 @@ def test_missing_references_are_said_and_other_rewards_keep_the_run(tmp_path, ca
     assert "note: 6 of 6 prompt rows have no reference answer" in capsys.readouterr().err
     prepare(tmp_path, none, "objective.rewards=[{name: length, max_chars: 4}]")  # nothing compares: nothing said
     assert "reference answer" not in capsys.readouterr().err
+
+
+def scan(tmp_path: Path, data: Path, *overrides: str):
+    """data=iterable's launch-time pre-scan (stream/scan.py), which reads every row once before training."""
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.data.stream.scan import prepare_stream
+
+    cfg = compose_and_load([*GRPO, "data=iterable", f"dataset.paths=[{data}]", f"data.cache_dir={tmp_path / 'cache'}",
+                            *overrides])
+    run = tmp_path / "run"
+    run.mkdir(exist_ok=True)
+    return prepare_stream(cfg, run)
+
+
+def test_a_stream_says_and_refuses_as_a_preparation_does(tmp_path, capsys):
+    """data=iterable (the pre-scan, cold and from its scan cache): the same note and the same refusal as data=map.
+    Was: a streamed prompt set was silent (no prepared count)."""
+    for _ in range(2):  # cold, then the scan cache's record
+        with pytest.raises(DataError, match=r"objective.rewards: 6 of 6 prompt rows have no reference answer"):
+            scan(tmp_path, prompts(tmp_path / "none.jsonl", 6, 0), "objective.rewards=[{name: exact_match}]")
+    some = prompts(tmp_path / "some.jsonl", 6, 4)
+    for _ in range(2):
+        scan(tmp_path, some, "objective.rewards=[{name: exact_match}]")
+        assert "note: 2 of 6 prompt rows have no reference answer" in capsys.readouterr().err
+    scan(tmp_path, some, "objective.rewards=[{name: exact_match}]", "dataset.max_samples=4")  # the cap: all have one
+    assert "reference answer" not in capsys.readouterr().err
+    scan(tmp_path, prompts(tmp_path / "all.jsonl", 6, 6), "objective.rewards=[{name: exact_match}]")
+    assert "reference answer" not in capsys.readouterr().err
+
+
+def test_a_stream_without_references_is_one_message_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import subprocess_env
+
+    data = prompts(tmp_path / "none.jsonl", 6, 0)
+    out = subprocess.run([sys.executable, "-m", "dsrecipes", "train", *GRPO, "data=iterable", f"dataset.paths=[{data}]",
+                          "objective.rewards=[{name: number_equal}]", f"data.cache_dir={tmp_path / 'cache'}",
+                          f"trainer.output_dir={tmp_path / 'run'}"], capture_output=True, text=True, cwd=tmp_path,
+                         env=subprocess_env(), timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "error: objective.rewards: 6 of 6 prompt rows have no reference answer" in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr

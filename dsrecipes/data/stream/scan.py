@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from dsrecipes.core.choices import RowKind
 from dsrecipes.core.errors import DataError
 from dsrecipes.core.schema import SourceConfig, TrainConfig
 from dsrecipes.core.tokenizer import load_tokenizer
@@ -40,6 +41,7 @@ from dsrecipes.data.prepare.cache import (
     data_fingerprint,
     tokenizer_fingerprint,
 )
+from dsrecipes.data.prepare.prompts import reference_lines
 from dsrecipes.data.rowkinds import ROW_KINDS, resolved
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.sources.files import element_line
@@ -161,7 +163,7 @@ def scan_stream(cfg: TrainConfig, run_dir: Path, index: Optional[StreamIndex] = 
 
     scanning = _Scanning(cfg, run_dir) if scanning is None else scanning
     index = index_stream(cfg) if index is None else index
-    report, good = scanning.report, 0
+    report, good, no_reference = scanning.report, 0, 0
     bases = dict(zip(index.train_files, itertools.accumulate([0] + [index.caps[f] for f in index.train_files])))
     bad_train = [] if bad_train is None else bad_train
     for f, (fi, src) in enumerate(zip(index.files, file_sources(cfg, index))):
@@ -177,9 +179,20 @@ def scan_stream(cfg: TrainConfig, run_dir: Path, index: Optional[StreamIndex] = 
             save_scan(path, result)
         other = outside_of(index, bases[f], index.caps[f]) if f in bases else frozenset()  # dataset.split
         good += _apply(report, fi.name, result, index.caps[f], other)
+        no_reference += _without_reference(result, index.caps[f], other)
         if f in bases:
             bad_train += [bases[f] + b[0] for b in result.bad_rows() if b[0] < index.caps[f] and b[0] not in other]
-    return _finish(report, good, run_dir)
+    counts = _finish(report, good, run_dir)
+    if cfg.objective.rows is RowKind.prompt:  # comparing rewards without references: said, or refused (DataError)
+        for line in reference_lines(cfg, {"rows_kept": good, "with_reference": good - no_reference}):
+            print(line, file=sys.stderr)
+    return counts
+
+
+def _without_reference(scan: Any, cap: int, other: Any) -> int:
+    """Good prompt rows of one file's scan (under its cap, outside other shares) that have no reference answer."""
+    bad = {b[0] for b in scan.bad}
+    return sum(1 for s in scan.no_reference or () if s < cap and s not in other and s not in bad)
 
 
 def _read_scan(cfg: TrainConfig, index: StreamIndex, f: int, src: SourceConfig, encoder: Any) -> Any:

@@ -24,8 +24,9 @@ from dsrecipes.data.sources.badrows import BadReason, BadRow
 from dsrecipes.data.sources.files import element_line
 from dsrecipes.data.sources.sharegpt import conversation_dict, parse_item, role_table
 
-SCAN_VERSION = 5  # 2: a row of another kind keeps its advice (the 7th entry of `bad`); 3: prompt rows get theirs;
-# 4: a pair row whose prompt holds answers is refused under SFT (preference_row); 5: TRL's implicit-prompt pairs read
+SCAN_VERSION = 6  # 2: a row of another kind keeps its advice (the 7th entry of `bad`); 3: prompt rows get theirs;
+# 4: a pair row whose prompt holds answers is refused under SFT (preference_row); 5: TRL's implicit-prompt pairs read;
+# 6: prompt rows record which have no reference answer (`no_reference`)
 BATCH = 256  # conversations per tokenization call
 
 
@@ -34,6 +35,7 @@ class FileScan:
     count: int = 0  # sample rows checked
     bad: List[list] = field(default_factory=list)  # [sample, line, reason, detail, raw text, element(, advice)]
     dropped: List[int] = field(default_factory=list)  # samples that lost trailing non-assistant turns
+    no_reference: Optional[List[int]] = None  # prompt rows read without a reference answer (other kinds: None)
 
     def bad_rows(self) -> List[tuple]:
         """(sample, line, BadRow, raw, element) in sample order."""
@@ -68,6 +70,7 @@ class RowChecker:
             return
         if self.dropped(item):
             self.scan.dropped.append(sample)
+        self.read(sample, item)
         self._batch.append((sample, item))
         if len(self._batch) == BATCH:
             self._encode()
@@ -78,6 +81,9 @@ class RowChecker:
     def dropped(self, conv: Any) -> bool:
         """Whether the row lost trailing non-assistant turns."""
         return conv.dropped_turns > 0
+
+    def read(self, sample: int, item: Any) -> None:
+        """What a kind records of a row that was read (before its batch is checked): nothing for conversations."""
 
     def line(self, loc: int) -> Optional[int]:
         return element_line(self.name, loc) if self.element else loc

@@ -26,6 +26,17 @@ class SampleChecker(RowChecker):
         return self.kind.parse_item(raw, self.name, loc, self.source, self.table, limit=self.limit,
                                     element=self.element)
 
+    def read(self, index: int, sample: Any) -> None:
+        """A prompt row's missing reference answer (its kind's `reference` column) is recorded: the run's comparing
+        rewards need it (data/prepare/prompts.reference_lines)."""
+        columns = self.kind.columns(sample)
+        if "reference" not in columns:
+            return
+        if self.scan.no_reference is None:
+            self.scan.no_reference = []
+        if columns["reference"] is None:
+            self.scan.no_reference.append(index)
+
     def dropped(self, sample: Any) -> bool:
         return False  # a prompt ends with the turn the answers reply to: nothing trailing to drop
 
