@@ -97,3 +97,46 @@ def test_a_stream_without_references_is_one_message_exit_2(tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     assert "error: objective.rewards: 6 of 6 prompt rows have no reference answer" in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
+
+
+def presharded(tmp_path: Path, data: Path, name: str, *overrides: str, val_size: float = 0):
+    """`dsrecipes shard` of `data`, then data=presharded's launch-time preparation of it (strategies/presharded.py)."""
+    from dsrecipes.config.load import compose_and_load
+    from dsrecipes.data.shard.build import shard
+    from dsrecipes.data.strategies.presharded import PreshardedStrategy
+
+    base = [*GRPO, f"data.cache_dir={tmp_path / 'cache'}"]
+    manifest = shard(compose_and_load([*base, f"dataset.paths=[{data}]"]), 2, str(tmp_path / name), val_size=val_size)
+    cfg = compose_and_load([*base, "data=presharded", f"data.shard_dir={tmp_path / name}", *overrides])
+    run = tmp_path / f"run-{name}"
+    run.mkdir(exist_ok=True)
+    PreshardedStrategy().prepare(cfg, run, None, 2)
+    return manifest
+
+
+def test_a_shard_counts_its_training_rows_without_reference_and_the_run_says_it(tmp_path, capsys):
+    """`dsrecipes shard` records the training parts' prompt rows without a reference (manifest `no_reference`; the
+    validation part's left out); data=presharded then says them, or refuses a run that could never score, as map
+    and iterable do. Was: presharded was silent."""
+    none = presharded(tmp_path, prompts(tmp_path / "none.jsonl", 6, 0), "none", "objective.rewards=[{name: length}]")
+    assert none.no_reference == 6 and "note: 6 of 6 prompt rows have no reference answer" not in capsys.readouterr().err
+    with pytest.raises(DataError, match=r"objective.rewards: 6 of 6 prompt rows have no reference answer"):
+        presharded(tmp_path, prompts(tmp_path / "none.jsonl", 6, 0), "none2", "objective.rewards=[{name: exact_match}]")
+    some = presharded(tmp_path, prompts(tmp_path / "some.jsonl", 8, 4), "some",
+                      "objective.rewards=[{name: exact_match}, {name: length}]", val_size=2)
+    kept = [json.loads(x) for p in some.files for x in (tmp_path / "some" / p).read_text().splitlines()]
+    assert some.no_reference == sum(1 for r in kept if r.get("reference") is None) and some.total == 6
+    assert f"note: {some.no_reference} of 6 prompt rows have no reference answer" in capsys.readouterr().err
+
+
+def test_a_manifest_with_a_forged_no_reference_is_refused(tmp_path):
+    from dsrecipes.data.shard.manifest import read_manifest
+
+    presharded(tmp_path, prompts(tmp_path / "p.jsonl", 4, 4), "s", "objective.rewards=[{name: exact_match}]")
+    path = tmp_path / "s" / "manifest.json"
+    for forged in (-1, 99, "3", 1.5):
+        data = json.loads(path.read_text())
+        data["no_reference"] = forged
+        path.write_text(json.dumps(data))
+        with pytest.raises(DataError, match="no_reference: .* is not a whole number of rows"):
+            read_manifest(str(tmp_path / "s"))

@@ -52,7 +52,7 @@ from dsrecipes.core.fileio import (
     remove_empty_dirs,
 )
 from dsrecipes.core.publish import Existing, publish_dir, staging_dir
-from dsrecipes.core.schema import ShardBalance
+from dsrecipes.core.schema import RowKind, ShardBalance
 from dsrecipes.core.tokenizer import load_tokenizer
 from dsrecipes.data.shard.manifest import (
     MANIFEST,
@@ -220,9 +220,12 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
     staging, made = new_dir_beside(out, "shard-tmp")
     try:
         report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, staging / QUARANTINE)
-        lines = (line for line, _ in checked_rows(cfg, report, encoder, sources))
+        no_reference: List[int] = []  # prompt rows without a reference answer (the run's comparing rewards need it)
+        lines = (line for line, _ in checked_rows(cfg, report, encoder, sources, no_reference))
         lines = lines if assignment is not None else filling(lines, parts)  # the part count checked before writing
         written = write_parts(lines, assignment, parts, staging, tokens)
+        if cfg.objective.rows is RowKind.prompt:  # counted in the training parts: the run says it or refuses
+            written.no_reference = sum(1 for k in no_reference if assignment is None or assignment[k] >= 0)
         manifest = describe_parts(written, cfg, balance, report, check_identity(cfg, tokenizer), sources)
         manifest.shard_args = list(shard_args)
         atomic_write_json(staging / MANIFEST, manifest.to_json())

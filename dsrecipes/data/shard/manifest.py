@@ -53,6 +53,8 @@ class Manifest:
     identities: List[str] = field(default_factory=list)  # parts in a store: remote.identity (ETag) of each
     val_identity: Optional[str] = None  # the validation part in a store: its remote.identity
     row_format: str = ROW_FORMAT
+    no_reference: Optional[int] = None  # prompt rows of the training parts without a reference answer (other kinds,
+    # and shards written before it: None, not counted)
     # what `dsrecipes shard` was given besides --out and --force (INPUT files absolute): `rebuild_command` repeats it
     shard_args: List[str] = field(default_factory=list)
     version: int = MANIFEST_VERSION
@@ -156,6 +158,9 @@ def _shape_problem(data: Dict[str, Any]) -> str:
         return f"parts: {parts!r} is not a whole number >= 1"
     if not isinstance(counts, list) or len(counts) != parts or any(type(c) is not int or c < 0 for c in counts):
         return f"counts: not {parts} whole numbers >= 0"
+    no_reference = data.get("no_reference")
+    if no_reference is not None and (type(no_reference) is not int or not 0 <= no_reference <= sum(counts)):
+        return f"no_reference: {no_reference!r} is not a whole number of rows between 0 and the parts' count"
     return ""
 
 

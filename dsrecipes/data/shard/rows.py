@@ -11,7 +11,7 @@ when the row had none). A presharded run refuses parts of another kind (`check_r
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from dsrecipes.core.errors import DataError
 from dsrecipes.core.schema import RowKind
@@ -24,9 +24,12 @@ PROMPT_ROW_FORMAT = ROW_KINDS[RowKind.prompt].row_format  # canonical prompts (o
 HELD = {spec.row_format: spec.what for spec in ROW_KINDS.values()}  # row_format -> what such parts hold
 
 
-def checked_rows(cfg: Any, report: Any, encoder: Any, sources: List[Any]) -> Iterator[Tuple[bytes, int]]:
+def checked_rows(cfg: Any, report: Any, encoder: Any, sources: List[Any],
+                 no_reference: Optional[List[int]] = None) -> Iterator[Tuple[bytes, int]]:
     """(canonical line, tokens in a run) of every row that passes training's checks; the policy is enforced at the
-    end. A row whose canonical form outgrows `dataset.max_row_bytes` is a bad row here (the parts never hold one)."""
+    end. A row whose canonical form outgrows `dataset.max_row_bytes` is a bad row here (the parts never hold one).
+    `no_reference` gets the positions (among the lines yielded) of prompt rows without a reference answer."""
+    yielded = 0
     for where, row, tokens in _canonical_rows(cfg, report, encoder, sources):
         line = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
         if len(line) - 1 > cfg.dataset.max_row_bytes:
@@ -34,6 +37,9 @@ def checked_rows(cfg: Any, report: Any, encoder: Any, sources: List[Any]) -> Ite
                                                      f"dataset.max_row_bytes={cfg.dataset.max_row_bytes}"),
                        None, where.element)
             continue
+        if no_reference is not None and cfg.objective.rows is RowKind.prompt and row.get("reference") is None:
+            no_reference.append(yielded)
+        yielded += 1
         yield line, tokens
     report.check()
 
