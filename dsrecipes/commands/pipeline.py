@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import sys
 from pathlib import Path
 from typing import List, Sequence
@@ -13,6 +14,7 @@ from typing import List, Sequence
 import dsrecipes.boundary.trust as trust
 import dsrecipes.commands.outcome as outcome
 import dsrecipes.commands.train as train
+import dsrecipes.core.stopping as stopping
 from dsrecipes.commands.args import command_parser, existing_path, parse
 from dsrecipes.config.pipeline_file import Pipeline, load_pipeline
 from dsrecipes.core.console import log_path, quiet_third_party
@@ -34,8 +36,9 @@ def main(argv: List[str]) -> int:
     out = Path(args.out) if args.out else Path("runs") / path.stem
     command = resume_command(path, out, args.trust_checkpoint)
     code = run_pipeline(pipeline, out, lambda a: train_stage(a, command, args.trust_checkpoint), command)
-    if code == 0 and pipeline.prompts is not None:
-        print(prompt_answers(pipeline, out), flush=True)
+    if code == 0 and pipeline.prompts is not None:  # not after a signal that came in the last stage's last step
+        print(prompt_answers(pipeline, out) if stopping.requested() is None else "prompt answers skipped: "
+              f"{signal.Signals(stopping.requested()).name} came while the last stage ended", flush=True)
     return code
 
 

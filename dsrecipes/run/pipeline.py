@@ -29,12 +29,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import signal
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
+import dsrecipes.core.stopping as stopping
 from dsrecipes.config.load import compose_and_load
 from dsrecipes.config.pipeline_file import Pipeline, Stage, outside_by_hand, stage_overrides
 from dsrecipes.config.safety import (
@@ -95,10 +97,21 @@ def run_pipeline(pipeline: Pipeline, out: Path, train: Train, resume_command: st
     with _held(out):
         run = PipelineRun(pipeline, out, resume_command, read_state(out, pipeline))
         started = time.perf_counter()
+        stopping.reset()  # set only inside a stage's run (stopping.handling); a stage's launch resets it too
         for number, stage in enumerate(pipeline.stages, 1):
-            code = run_stage(run, stage, number, train)
+            try:
+                code = run_stage(run, stage, number, train)
+            except KeyboardInterrupt:
+                said_interrupted(run, stage, number)
+                raise
             if code:
                 return code
+            signum = stopping.requested()  # it came at the stage's last step (that run ends there, exported)
+            if signum is not None and number < len(pipeline.stages):
+                print(f"pipeline: stage {stage.name!r} ({number} of {len(pipeline.stages)}) finished; "
+                      f"{signal.Signals(signum).name} came meanwhile, so the pipeline stops before stage "
+                      f"{pipeline.stages[number].name!r}; resume with: {resume_command}", file=sys.stderr, flush=True)
+                return stopping.exit_code(signum)
     print(write_summary(out, [(s.name, out / s.name) for s in pipeline.stages], time.perf_counter() - started),
           flush=True)
     return 0
@@ -253,10 +266,6 @@ def run_stage(run: PipelineRun, stage: Stage, number: int, train: Train) -> int:
         code = train(argv)
     except StageFailed as exc:
         code, causes = exc.code, exc.causes + ([crashed(run.out, stage, exc.crash)] if exc.crash else [])
-    except KeyboardInterrupt:
-        run.record(stage, status="interrupted")
-        print(f"pipeline: {of} was interrupted; resume with: {run.resume_command}", file=sys.stderr, flush=True)
-        raise
     if code in INTERRUPTED:
         run.record(stage, status="interrupted", exit_code=code)
         print(f"pipeline: {of} was interrupted; resume with: {run.resume_command}", file=sys.stderr, flush=True)
@@ -277,6 +286,18 @@ def run_stage(run: PipelineRun, stage: Stage, number: int, train: Train) -> int:
                         f"Fix the cause, then resume with: {run.resume_command}")
     run.record(stage, status="done", exit_code=0, export=str(run.out / stage.name / EXPORT_DIR))
     return 0
+
+
+def said_interrupted(run: PipelineRun, stage: Stage, number: int) -> None:
+    """Ctrl-C or SIGTERM raised in the pipeline's own code (a stage's run returns 130/143 instead): in the stage's
+    run, or between stages; the resume command is said either way (was: a bare 'interrupted' between stages)."""
+    of = f"stage {stage.name!r} ({number} of {len(run.pipeline.stages)})"
+    if run.entry(stage.name).get("status") == "done":
+        print(f"pipeline: interrupted after {of} finished; resume with: {run.resume_command}", file=sys.stderr,
+              flush=True)
+        return
+    run.record(stage, status="interrupted")  # a run that ended meanwhile is recorded done on resume (finished())
+    print(f"pipeline: {of} was interrupted; resume with: {run.resume_command}", file=sys.stderr, flush=True)
 
 
 def changed(old: List[str], new: List[str]) -> str:
