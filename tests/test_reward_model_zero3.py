@@ -8,6 +8,8 @@ part and the step-0 evaluation's (the same weights sample the same completions a
 run's; and the scores rank 0 logged beside its completions equal a whole copy's on the same texts. The validation
 share is uneven (5 prompts: 2 micro-batches on one rank, 1 on the other), so one rank's evaluation scores a placeholder prompt while the
 other scores a real one: the reward model's forwards (collectives under ZeRO-3) still line up, or the run hangs.
+The same two runs at precision=bf16 (the reward model saved in fp32): both stages score in the saved fp32 (a whole
+copy's scores on rank 0's texts, rel 1e-5), not ZeRO-3 alone in the run's bf16, and each rank says so.
 """
 
 from __future__ import annotations
@@ -45,12 +47,12 @@ def reward_model(out: Path) -> Path:
     return out
 
 
-def two_ranks(ws: Path, name: str, stage: str) -> str:
+def two_ranks(ws: Path, name: str, stage: str, *extra: str) -> str:
     argv = [sys.executable, "-m", "dsrecipes", *RUN, f"dataset.paths=[{ws / 'p.jsonl'}]",
             f"data.cache_dir={ws / 'cache'}", f"trainer.output_dir={ws / name}", f"hydra.run.dir={ws / name}",
             f"objective.reward_model={ws / 'rm'}", "objective.reward_model_weight=0.5", f"zero={stage}",
             "trainer.max_steps=1", "trainer.grad_accum=1", "dataset.val_size=5", "trainer.eval_every=1",
-            "trainer.save_every=0", "launcher=deepspeed", "launcher.num_gpus=2"]
+            "trainer.save_every=0", "launcher=deepspeed", "launcher.num_gpus=2", *extra]
     proc = subprocess.run(argv, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
@@ -103,3 +105,28 @@ def test_logged_scores_are_the_whole_models_on_the_same_texts(runs):
     assert shown
     whole = load_reward_model(str(ws / "rm"), None)([s["prompt"] + s["completion"] for s in shown])
     assert [s["parts"]["reward_model"] for s in shown] == pytest.approx(whole, rel=1e-5, abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def bf16_runs(runs):
+    """The same runs at precision=bf16, the reward model still saved in fp32."""
+    ws = runs[0]
+    return ws, two_ranks(ws, "z3_bf16", "stage3", "precision=bf16"), two_ranks(ws, "z2_bf16", "stage2", "precision=bf16")
+
+
+def test_a_bf16_run_scores_with_the_reward_models_saved_fp32_at_every_stage(bf16_runs):
+    """Was: under ZeRO-3 zero.Init and the engine cast the fp32-saved reward model to the run's bf16 (ZeRO-2 loads
+    it as saved): its logged scores were off a whole fp32 copy's by up to ~1e-2 (rel up to 27% near 0), the step's
+    reward part off ZeRO-2's. Now both stages score in float32, and say so."""
+    from dsrecipes.objectives.rewards import load_reward_model
+
+    ws, z3, z2 = bf16_runs
+    for name, out in (("z3_bf16", z3), ("z2_bf16", z2)):
+        shown = [json.loads(line) for line in (ws / name / "grpo_samples.jsonl").read_text().splitlines()]
+        assert shown
+        whole = load_reward_model(str(ws / "rm"), None)([s["prompt"] + s["completion"] for s in shown])
+        assert [s["parts"]["reward_model"] for s in shown] == pytest.approx(whole, rel=1e-5, abs=1e-6), name
+        lines = re.findall(HELD + r", in (\w+)", out)
+        assert len(lines) == 2 and {line[-1] for line in lines} == {"float32"}, out[-3000:]
+    step = {n: next(r for r in rows(ws / n) if r.get("step") == 1 and "loss" in r) for n in ("z3_bf16", "z2_bf16")}
+    assert step["z3_bf16"]["reward_reward_model"] == pytest.approx(step["z2_bf16"]["reward_reward_model"], rel=1e-5)
