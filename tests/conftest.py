@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
@@ -30,6 +31,23 @@ def _exit_guard(code: int) -> None:
 
 
 os._exit = _exit_guard
+
+# `dsrecipes.cli.main` sets SIGPIPE to SIG_DFL (`dsrecipes ls | head` ends quietly) and never sets it back, and tests
+# call `main` in this process: every later test of this pytest worker then ran with it, and a write to a pipe whose
+# reader had died ended the worker without a word (strace: write(...) = -1 EPIPE, then killed by SIGPIPE). Seen:
+# test_liveness_prepare_workers' killed preparation worker, whose pool still sent it a chunk, and xdist said "[gw1]
+# node down: Not properly terminated" (about 1 run in 10 after any test that calls `main`; never alone). Each test
+# ends with the disposition this process started with (SIG_IGN, the interpreter's); a test that needs what `main`
+# leaves calls `main` or sets it. tests/test_sigpipe_between_tests.py.
+_SIGPIPE_AT_START = signal.getsignal(signal.SIGPIPE)
+
+
+@pytest.fixture(autouse=True)
+def _sigpipe_as_this_process_started():
+    yield
+    if signal.getsignal(signal.SIGPIPE) != _SIGPIPE_AT_START:
+        signal.signal(signal.SIGPIPE, _SIGPIPE_AT_START)
+
 
 REPO = Path(__file__).resolve().parents[1]
 
