@@ -20,11 +20,12 @@ checks of every model directory (no custom code, safetensors only); a directory 
 Under ZeRO-3 (GRPO passes the run's DeepSpeed config) it loads partitioned (zero.Init: never whole on a rank) into a
 DeepSpeed engine without optimizer (objectives/frozen.py, as DPO's live reference): each rank holds 1/world of it, in
 the dtype it was saved in (as ZeRO-2's whole copy, so both stages score alike). Its forward is then a collective,
-and every rank scores alike: `Rewards.parts` is called once per GRPO micro-batch (grpo.py sample_and_score), and every rank runs the same micro-batches per step and
-per evaluation (a rank without a prompt scores its placeholder prompt's completions; rank/evaluation.py pads with
-those); a call with no text runs a one-token dummy forward. ZeRO-0/1/2: a whole copy on the rank's device, as the
-policy's weights are whole there too. Either way each rank says on stderr what it holds:
-`dsrecipes: rank R: reward model holds H of its T parameters (ZeRO-3 partitioned)`.
+and every rank scores alike: `Rewards.parts` is called once per GRPO micro-batch (grpo.py sample_and_score), and
+every rank runs the same micro-batches per step and per evaluation (a rank without a prompt scores its placeholder
+prompt's completions; rank/evaluation.py pads with those); a call with no text runs a one-token dummy forward.
+ZeRO-0/1/2: a whole copy on the rank's device, as the policy's weights are whole there too. Either way each rank says
+on stderr what it holds: `dsrecipes: rank R: reward model holds H of its T parameters (ZeRO-3 partitioned), in
+float32`.
 """
 
 from __future__ import annotations
