@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Tuple
 import psutil
 import pytest
 
-from dsrecipes.run.pipeline import STATE_FILE
+from dsrecipes.run.pipeline import LOCK_FILE, STATE_FILE
 from tests.conftest import REPO, in_process_environ, subprocess_env
 from tests.faults import fault_env
 
@@ -326,7 +326,6 @@ def interrupted_in_stage_1(tmp_path: Path) -> Tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("old, new, key", [
-    ("      optimizer.lr: 1.0e-3\n", "      optimizer.lr: 2.0e-3\n", "optimizer.lr"),
     ("  dataset: {max_samples: 40, val_size: 8}\n", "  dataset: {max_samples: 32, val_size: 8}\n",
      "dataset.max_samples"),
     ("  trainer: {save_every: 1, eval_every: 0, max_steps: 3}\n",
@@ -351,7 +350,7 @@ def test_a_stage_whose_rank_is_sigkilled_ends_the_pipeline_in_seconds_leaving_no
     proc = start(tmp_path, path, out, fault_env(tmp_path, pause_after_step=1))
     wait_for(proc, out / "sft" / "checkpoints" / "step_1", tmp_path / "first.log", timeout=90)
     family = psutil.Process(proc.pid).children(recursive=True)
-    ranks = [p for p in family if "dsrecipes.rank.worker" in " ".join(p.cmdline())]
+    ranks = [p for p in family if "dsrecipes.rank.worker" in p.cmdline() and "torch.distributed.run" not in p.cmdline()]
     assert len(ranks) == 1, [p.cmdline() for p in family]
     ranks[0].kill()
     killed_at = time.monotonic()
@@ -362,5 +361,66 @@ def test_a_stage_whose_rank_is_sigkilled_ends_the_pipeline_in_seconds_leaving_no
     assert_one_message(text)
     gone, alive = psutil.wait_procs(family, timeout=5)
     assert not alive, [(p.pid, p.cmdline()) for p in alive]
+    print(f"ended {took:.1f} s after the kill")
     assert took < 20, took
     assert stages(out)["sft"]["status"] == "failed"
+
+
+def test_an_edit_the_checkpoint_can_continue_under_is_said_naming_the_stage_and_key(tmp_path, capsys):
+    """train resumes a checkpoint under another optimizer.lr (a command line's choice); a pipeline file edited
+    between the interruption and the resume command is no command line: the change is said, not made silently."""
+    path, out = interrupted_in_stage_1(tmp_path)
+    path.write_text(TINY.replace("      optimizer.lr: 1.0e-3\n", "      optimizer.lr: 2.0e-3\n"))
+    code, err = in_process(["pipeline", str(path), "--out", str(out)], capsys)
+    assert code == 0, err
+    assert f"pipeline: stage 'sft' (1 of 2) was started with other settings than {path} now gives it " \
+           "(optimizer.lr: 0.001 -> 0.002)" in err, err
+
+
+@pytest.mark.parametrize("stages_text", ['{"sft": "x"}', '{"sft": {"status": "done", "argv": 5}}',
+                                         '{"sft": {"status": ["done"]}}', '{"sft": {"argv": [1, 2]}}'])
+def test_a_damaged_state_file_is_one_message_not_a_crash(tmp_path, capsys, stages_text):
+    path, out = write(tmp_path), tmp_path / "out"
+    out.mkdir()
+    (out / "dsrecipes_pipeline.json").write_text('{"dsrecipes_pipeline": 1}')
+    (out / STATE_FILE).write_text(f'{{"stages": {stages_text}}}')
+    code, err = in_process(["pipeline", str(path), "--out", str(out)], capsys)
+    assert code == 2 and f"{out / STATE_FILE} is not a pipeline state this program wrote" in err, err
+    assert_one_message(err)
+    assert sorted(os.listdir(out)) == [LOCK_FILE, "dsrecipes_pipeline.json", STATE_FILE]  # the lock: ours
+
+
+TORCHRUN = TINY.replace("  debug: fast\n", "  debug: fast\n  launcher: torchrun\n  launcher.num_gpus: 1\n")
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to the pipeline", "SIGKILL of the pipeline alone"])
+def test_the_pipeline_stopped_while_its_ranks_train_leaves_no_process_and_resumes(tmp_path, reference, how):
+    """launcher=torchrun: the ranks are child processes. SIGTERM to the pipeline: they checkpoint and stop with it;
+    SIGKILL of the pipeline process alone (an OOM killer's choice): its ranks see their launcher gone and stop on their
+    own. Either way no process is left, and the same command resumes stage 1 and ends as an uninterrupted run."""
+    path, out = write(tmp_path, TORCHRUN), tmp_path / "out"
+    proc = start(tmp_path, path, out, fault_env(tmp_path, pause_after_step=1))
+    wait_for(proc, out / "sft" / "checkpoints" / "step_1", tmp_path / "first.log", timeout=90)
+    family = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGTERM if how.startswith("SIGTERM") else signal.SIGKILL)
+    got, text = ended(proc, tmp_path / "first.log")
+    gone, alive = psutil.wait_procs(family, timeout=30)
+    assert not alive, [(p.pid, p.cmdline()) for p in alive]
+    if how.startswith("SIGTERM"):
+        assert got == 143 and "pipeline: stage 'sft' (1 of 2) was interrupted; resume with: " in text, text[-3000:]
+        assert "interrupted by SIGTERM (latest checkpoint: " in text, text[-3000:]
+    rerun(tmp_path, path, out)
+    assert json.loads((out / "sft" / "plan.json").read_text())["resume"] is not None
+    assert_same_as_uninterrupted(out, reference)
+
+
+@pytest.mark.xfail(strict=True, reason="launcher=torchrun: torchrun's own SignalException traceback reaches the "
+                   "console on SIGTERM (dsrecipes train alone too; run/launch/, not the pipeline's code)")
+def test_sigterm_under_torchrun_says_no_traceback(tmp_path):
+    path, out = write(tmp_path, TORCHRUN), tmp_path / "out"
+    proc = start(tmp_path, path, out, fault_env(tmp_path, pause_after_step=1))
+    wait_for(proc, out / "sft" / "checkpoints" / "step_1", tmp_path / "first.log", timeout=90)
+    proc.send_signal(signal.SIGTERM)
+    got, text = ended(proc, tmp_path / "first.log")
+    assert got == 143
+    assert_one_message(text)

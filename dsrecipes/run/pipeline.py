@@ -240,9 +240,19 @@ def read_state(out: Path, pipeline: Pipeline) -> Dict[str, Any]:
     try:
         state = json.loads(path.read_text(encoding="utf-8"))
         assert isinstance(state, dict) and isinstance(state.get("stages"), dict)
-    except (OSError, ValueError, AssertionError):
+        assert all(_entry_shaped(entry) for entry in state["stages"].values())
+    except (OSError, ValueError, AssertionError, RecursionError):
         raise UserError(f"--out: {path} is not a pipeline state this program wrote; choose another --out") from None
     return state
+
+
+def _entry_shaped(entry: Any) -> bool:
+    """A stage's record as run_stage writes it (was: any JSON, so an edited or damaged state file crashed the
+    pipeline with 'a bug in dsrecipes' instead of this message)."""
+    texts = ("status", "run_dir", "export")
+    return (isinstance(entry, dict) and all(isinstance(entry.get(k, ""), str) for k in texts)
+            and (entry.get("argv") is None or isinstance(entry["argv"], list) and all(isinstance(a, str) for a in entry["argv"]))
+            and isinstance(entry.get("exit_code", 0), int))
 
 
 def run_stage(run: PipelineRun, stage: Stage, number: int, train: Train) -> int:
@@ -260,6 +270,10 @@ def run_stage(run: PipelineRun, stage: Stage, number: int, train: Train) -> int:
         return 0
     again = " (resumed: the run continues from its newest checkpoint)" if entry else ""
     print(f"pipeline: {of}{again}: dsrecipes train {' '.join(argv)}", flush=True)
+    if before not in (None, argv):  # the file was edited since: said, not silently continued under other settings
+        print(f"pipeline: {of} was started with other settings than {run.pipeline.path} now gives it "
+              f"({changed(before, argv)}); its run continues under the file's where its checkpoint allows (train "
+              "refuses the others: then restore them, or start over with a new --out)", file=sys.stderr, flush=True)
     run.record(stage, status="running", argv=argv, run_dir=str(run.out / stage.name))
     causes: List[str] = []
     try:
