@@ -56,8 +56,11 @@ stages:
       trainer.max_steps: 6
 """
 
+TORCHRUN = TINY.replace("  debug: fast\n", "  debug: fast\n  launcher: torchrun\n  launcher.num_gpus: 1\n")
+
 # Hand-over windows: `before_record` holds the pipeline after stage 1's run returned, before its record says done;
-# `after_record` after the record, before stage 2 starts. The held process writes HELD beside this file and sleeps
+# `after_record` after the record, before stage 2 is looked at; `stage_2_recorded` once stage 2 is recorded running,
+# before its run starts. The held process writes HELD beside this file and sleeps
 # (a signal ends the sleep the way it ends any other line of the pipeline's own code).
 HOOK = '''"""Written by tests/test_review_pipeline_interrupts.py: holds `dsrecipes pipeline` between its stages."""
 import json as _json
@@ -78,13 +81,15 @@ def _hold():
 
 import dsrecipes.run.pipeline as _pipeline  # noqa: E402
 
-if _where == "before_record":
+if _where in ("before_record", "stage_2_recorded"):
     _record = _pipeline.PipelineRun.record
 
     def _held_record(self, stage, **fields):
-        if stage.name == "sft" and fields.get("status") == "done" and "argv" not in fields:
+        if _where == "before_record" and stage.name == "sft" and fields.get("status") == "done" and "argv" not in fields:
             _hold()
-        return _record(self, stage, **fields)
+        _record(self, stage, **fields)
+        if _where == "stage_2_recorded" and stage.name == "dpo" and fields.get("status") == "running":
+            _hold()
 
     _pipeline.PipelineRun.record = _held_record
 else:
@@ -238,7 +243,7 @@ def test_a_signal_in_stage_1s_last_step_stops_the_pipeline_before_stage_2(tmp_pa
     assert_same_as_uninterrupted(out, reference)
 
 
-@pytest.mark.parametrize("window", ["before_record", "after_record"])
+@pytest.mark.parametrize("window", ["before_record", "after_record", "stage_2_recorded"])
 @pytest.mark.parametrize("signum, code", STOPS, ids=["SIGTERM", "SIGINT"])
 def test_a_signal_between_the_stages_never_runs_stage_1_again(tmp_path, reference, window, signum, code):
     path, out = write(tmp_path), tmp_path / "out"
@@ -342,11 +347,10 @@ def test_the_file_edited_before_the_resume_is_refused_naming_the_stage_and_key(t
     assert sorted(os.listdir(out / "sft" / "checkpoints")) == checkpoints and not (out / "dpo").exists()
 
 
-def test_a_stage_whose_rank_is_sigkilled_ends_the_pipeline_in_seconds_leaving_no_process(tmp_path):
+def test_a_stage_whose_rank_is_sigkilled_ends_the_pipeline_in_seconds_leaving_no_process(tmp_path, reference):
     """launcher=torchrun, one rank: the rank is a child process of the pipeline (torchrun's), killed while it holds
     after step 1; the pipeline names the stage and ends, every process it started is gone."""
-    path = write(tmp_path, TINY.replace("  debug: fast\n", "  debug: fast\n  launcher: torchrun\n  launcher.num_gpus: 1\n"))
-    out = tmp_path / "out"
+    path, out = write(tmp_path, TORCHRUN), tmp_path / "out"
     proc = start(tmp_path, path, out, fault_env(tmp_path, pause_after_step=1))
     wait_for(proc, out / "sft" / "checkpoints" / "step_1", tmp_path / "first.log", timeout=90)
     family = psutil.Process(proc.pid).children(recursive=True)
@@ -364,6 +368,16 @@ def test_a_stage_whose_rank_is_sigkilled_ends_the_pipeline_in_seconds_leaving_no
     print(f"ended {took:.1f} s after the kill")
     assert took < 20, took
     assert stages(out)["sft"]["status"] == "failed"
+    rerun(tmp_path, path, out)  # the same command: stage 1 continues from its checkpoint of step 1
+    assert json.loads((out / "sft" / "plan.json").read_text())["resume"] is not None
+    assert_same_as_uninterrupted(out, reference)
+
+
+def test_a_stage_named_like_the_pipelines_own_logs_folder_is_refused_before_anything_runs(tmp_path, capsys):
+    path, out = write(tmp_path, "stages:\n  - name: logs\n"), tmp_path / "out"
+    code, err = in_process(["pipeline", str(path), "--out", str(out)], capsys)
+    assert code == 2 and f"stage 'logs' (line 2): the name of the pipeline's own folder {out / 'logs'}" in err, err
+    assert not out.exists()
 
 
 def test_an_edit_the_checkpoint_can_continue_under_is_said_naming_the_stage_and_key(tmp_path, capsys):
@@ -388,9 +402,6 @@ def test_a_damaged_state_file_is_one_message_not_a_crash(tmp_path, capsys, stage
     assert code == 2 and f"{out / STATE_FILE} is not a pipeline state this program wrote" in err, err
     assert_one_message(err)
     assert sorted(os.listdir(out)) == [LOCK_FILE, "dsrecipes_pipeline.json", STATE_FILE]  # the lock: ours
-
-
-TORCHRUN = TINY.replace("  debug: fast\n", "  debug: fast\n  launcher: torchrun\n  launcher.num_gpus: 1\n")
 
 
 @pytest.mark.parametrize("how", ["SIGTERM to the pipeline", "SIGKILL of the pipeline alone"])

@@ -48,7 +48,7 @@ from dsrecipes.config.safety import (
     registry_buckets,
     related,
 )
-from dsrecipes.core.console import log_path
+from dsrecipes.core.console import LOGS_DIR, log_path
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.export_dir import EXPORT_DIR
 from dsrecipes.core.failure import log_traceback, one_line
@@ -147,6 +147,9 @@ def check_stages(pipeline: Pipeline, out: Path) -> None:
     kinds: Dict[str, str] = {}  # stage -> its objective
     splits: Dict[str, Any] = {}  # stage -> its dataset.split
     for stage in pipeline.stages:
+        if stage.name == LOGS_DIR:  # DIR/logs/ holds the pipeline's own logs (a crash's, the prompt answers')
+            problems.append(f"stage {stage.name!r} (line {stage.line}): the name of the pipeline's own folder "
+                            f"{out / LOGS_DIR}; name the stage otherwise")
         try:
             cfg = compose_and_load(stage_argv(pipeline, stage, out), check_files=False)
         except UserError as exc:
