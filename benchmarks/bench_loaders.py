@@ -8,8 +8,21 @@ Throughput: one epoch of rank 0 of a world of 2 (so every strategy reads half th
 workers, in samples/s and tokens/s (real tokens of the collated micro-batches), against a plain loop that reads,
 parses, tokenizes and collates the same JSONL in one process. Every reader runs --reps times (default 3), the order
 reversed from one repetition to the next, each loader built afresh; reported: the median and [min, max] over the
-repetitions, and each reader's samples/s over the plain loop's of the same repetition (median [min, max]). `map` excludes its one-off `prepare` (reported
-separately, it is cached); `presharded` excludes `dsrecipes shard` (also reported).
+repetitions, and each reader's samples/s over the plain loop's of the same repetition (median [min, max]).
+
+What each number counts (the same work is not done inside every epoch, so there are three rates):
+  samples/s        the epoch only. The plain loop tokenizes inside it; `map` and `presharded` read rows tokenized
+                   before it (by `prepare` / `dsrecipes shard`), and `iterable` tokenizes inside it. The reader's setup
+                   (the launching process's part: `write_run_dir`, which for `map` is a prepared-cache hit here and for
+                   `iterable` the stream index and row pre-scan; then `build_loaders`) is outside it: `setup_s`.
+  with setup       samples / (setup + epoch): what one run of the reader costs before and during its epoch.
+  per CPU s        samples / CPU seconds of the epoch (this process plus its reaped children: DataLoader workers), so
+                   2 workers (3 processes) and the one-process plain loop are compared on the work done, not on how
+                   many cores the machine lends them.
+`map, cold cache` and `iterable, cold cache` (0 workers) are the same readers from a fresh data.cache_dir each
+repetition: their setup includes `prepare` (tokenizing the whole corpus, both ranks' rows, data.preprocess_workers=1)
+and the stream index + pre-scan: a first run's cost, which the warm rows leave out. `dsrecipes shard` (presharded's
+offline step) is timed once and reported as a one-off, like the first `prepare`.
 
 Memory: a child process per size runs a full epoch of data=iterable (rank 0 of a world of 32, no workers: it reads
 and tokenizes its 1/32 of the blocks) over one JSONL file of N conversations and reports its peak RSS (ru_maxrss)
@@ -70,15 +83,27 @@ def overrides_for(paths: List[str], cache: Path) -> List[str]:
             "trainer.epochs=1", f"data.cache_dir={cache}", "data.cutoff_len=512", "scheduler.warmup_steps=0"]
 
 
-def measure(batches) -> Dict[str, float]:
+def cpu_seconds() -> float:
+    """CPU seconds of this process and its reaped children (DataLoader workers are joined at the end of an epoch)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def measure(make) -> Dict[str, float]:
+    """Build the reader (`make()`: setup_s, setup_cpu_s), then one epoch of it (seconds, cpu_s)."""
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    batches = make()
+    setup, c1 = time.perf_counter() - t0, cpu_seconds()
     start = time.perf_counter()
     samples = tokens = 0
     for batch in batches:
         samples += len(batch["ids"])
         tokens += int(batch["num_tokens"])
-    secs = time.perf_counter() - start
+    secs, cpu = time.perf_counter() - start, cpu_seconds() - c1
     return {"samples": samples, "seconds": round(secs, 2), "samples_per_s": round(samples / secs),
-            "tokens_per_s": round(tokens / secs)}
+            "tokens_per_s": round(tokens / secs), "setup_s": round(setup, 2), "setup_cpu_s": round(c1 - c0, 2),
+            "with_setup_samples_per_s": round(samples / (setup + secs)), "cpu_s": round(cpu, 2),
+            "samples_per_cpu_s": round(samples / max(cpu, 1e-9))}
 
 
 def plain_loop(cfg, tokenizer, paths: List[str]):
@@ -131,19 +156,22 @@ def throughput(conversations: int, work: Path, reps: int) -> List[Dict[str, obje
         "presharded": ["data=presharded", f"data.shard_dir={work / 'shards'}"],
     }
 
-    def strategy(name: str, workers: int, rep: int):
-        c = compose_and_load(base + kinds[name] + [f"data.num_workers={workers}"])
-        run_k = work / f"run-{name}-{workers}-{rep}"  # the launching process's part (map: a cache hit), then rank 0
+    def strategy(name: str, workers: int, rep: int, cold: bool = False):
+        cache = [f"data.cache_dir={work / f'cold-{name}-{rep}'}"] if cold else []  # a first run: nothing cached
+        c = compose_and_load(base + kinds[name] + [f"data.num_workers={workers}"] + cache)
+        run_k = work / f"run-{name}-{workers}-{rep}{'-cold' if cold else ''}"  # the launching process's part, then rank 0
         plan = write_run_dir(with_run_dir(c, run_k), Topology(2, 1, 2))
         return build_loaders(c, tok, 0, 2, run_k, plan)[0]
 
     readers = [(PLAIN, 0, lambda rep: plain_loop(cfg, tok, paths))]
     readers += [(f"{name} (rank 0 of 2)", w, lambda rep, n=name, w=w: strategy(n, w, rep))
                 for name in kinds for w in (0, 2)]
+    readers += [(f"{name}, cold cache (rank 0 of 2)", 0, lambda rep, n=name: strategy(n, 0, rep, cold=True))
+                for name in ("map", "iterable")]
     results: List[Dict[str, object]] = []
     for rep in range(reps):
         for label, workers, make in readers if rep % 2 == 0 else readers[::-1]:
-            results.append({"strategy": label, "workers": workers, "rep": rep, **measure(make(rep))})
+            results.append({"strategy": label, "workers": workers, "rep": rep, **measure(lambda: make(rep))})
     results += summary(results)
     results.append({"strategy": "one-off: prepare (map)", "seconds": round(prep_s, 2)})
     results.append({"strategy": "one-off: shard --parts 2 (presharded)", "seconds": round(shard_s, 2)})
@@ -153,17 +181,24 @@ def throughput(conversations: int, work: Path, reps: int) -> List[Dict[str, obje
 def summary(runs: List[Dict[str, object]]) -> List[Dict[str, object]]:
     """Per reader: the median over the repetitions and the spread [min, max] of samples/s and tokens/s, and its
     samples/s over the plain loop's of the same repetition (median [min, max])."""
-    plain = {r["rep"]: r["samples_per_s"] for r in runs if r["strategy"] == PLAIN}
+    plain = {r["rep"]: r for r in runs if r["strategy"] == PLAIN}
     out = []
     for label, workers in dict.fromkeys((r["strategy"], r["workers"]) for r in runs):
         mine = [r for r in runs if (r["strategy"], r["workers"]) == (label, workers)]
         rates, toks = [r["samples_per_s"] for r in mine], [r["tokens_per_s"] for r in mine]
-        ratio = [r["samples_per_s"] / plain[r["rep"]] for r in mine]
-        out.append({"strategy": label, "workers": workers, "reps": len(mine), "samples": mine[0]["samples"],
-                    "samples_per_s": statistics.median(rates), "samples_per_s_range": [min(rates), max(rates)],
-                    "tokens_per_s": statistics.median(toks), "tokens_per_s_range": [min(toks), max(toks)],
-                    "vs_plain": round(statistics.median(ratio), 2), "vs_plain_range": [round(min(ratio), 2),
-                                                                                        round(max(ratio), 2)]})
+        row = {"strategy": label, "workers": workers, "reps": len(mine), "samples": mine[0]["samples"],
+               "samples_per_s": statistics.median(rates), "samples_per_s_range": [min(rates), max(rates)],
+               "tokens_per_s": statistics.median(toks), "tokens_per_s_range": [min(toks), max(toks)]}
+        for key, name in (("samples_per_s", "vs_plain"), ("with_setup_samples_per_s", "vs_plain_with_setup"),
+                          ("samples_per_cpu_s", "vs_plain_per_cpu_s")):
+            if all(key in r for r in mine):  # each against the plain loop's of the same repetition
+                ratio = [r[key] / plain[r["rep"]][key] for r in mine]
+                row[name] = round(statistics.median(ratio), 2)
+                row[name + "_range"] = [round(min(ratio), 2), round(max(ratio), 2)]
+        for key in ("setup_s", "with_setup_samples_per_s", "samples_per_cpu_s"):
+            if all(key in r for r in mine):
+                row[key] = statistics.median([r[key] for r in mine])
+        out.append(row)
     return out
 
 
@@ -182,7 +217,7 @@ def memory_child(path: str, conversations: int) -> None:
         plan = write_run_dir(with_run_dir(cfg, run), Topology(MEMORY_WORLD, 1, MEMORY_WORLD))
         loader = build_loaders(cfg, tok, 0, MEMORY_WORLD, run, plan)[0]
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        stats = measure(loader)
+        stats = measure(lambda: loader)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"conversations": conversations, "rss_before_mib": round(before / 1024, 1),
                       "peak_rss_mib": round(peak / 1024, 1), **stats}))
@@ -239,7 +274,7 @@ def throughput_rows(conversations: int, reps: int, result: Result) -> None:
     for r in rows:
         result.row({"phase": "throughput", **r}, echo=False)
     print(f"{'strategy':<40} {'workers':>7} {'samples':>8} {'samples/s median [min, max]':>28} {'tokens/s':>10} "
-          f"{'vs plain loop, same rep':>24}")
+          f"{'vs plain loop, same rep':>24} {'setup s':>8} {'with setup: vs plain':>22} {'per CPU s: vs plain':>22}")
     for r in rows:
         if "rep" in r:  # one repetition's row: in the result file
             continue
@@ -248,8 +283,12 @@ def throughput_rows(conversations: int, reps: int, result: Result) -> None:
             continue
         lo, hi = r["samples_per_s_range"]
         print(f"{r['strategy']:<40} {r['workers']:>7} {r['samples']:>8} {r['samples_per_s']:>10} [{lo}, {hi}]"
-              f"{r['tokens_per_s']:>10} {r['vs_plain']:>10} {r['vs_plain_range']}")
-
+              f"{r['tokens_per_s']:>10} {r['vs_plain']:>10} {r['vs_plain_range']} {r['setup_s']:>8} "
+              f"{r['vs_plain_with_setup']:>6} {r['vs_plain_with_setup_range']} {r['vs_plain_per_cpu_s']:>6} "
+              f"{r['vs_plain_per_cpu_s_range']}")
+    print("samples/s: the epoch only (map and presharded read rows tokenized before it; the plain loop and iterable "
+          "tokenize inside it); with setup: samples / (setup + epoch), setup = the launch part + build_loaders (cold "
+          "cache: prepare / index + pre-scan included); per CPU s: samples / CPU s of the epoch, workers included")
 
 if __name__ == "__main__":
     main()
