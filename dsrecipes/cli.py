@@ -22,7 +22,14 @@ import dsrecipes.boundary.trust as trust
 import dsrecipes.core.failure as failure
 import dsrecipes.core.stopping as stopping
 from dsrecipes.commands.help import version_text
-from dsrecipes.core.console import checked_output, command_log, current_log, exit_flushed, quiet_third_party
+from dsrecipes.core.console import (
+    OutputClosed,
+    checked_output,
+    command_log,
+    current_log,
+    exit_flushed,
+    quiet_third_party,
+)
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.paths import user_cache_dir
 from dsrecipes.core.suggest import closest, phrase
@@ -100,8 +107,6 @@ def _exit_now(code: int) -> Callable[[int, Any], None]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    if hasattr(signal, "SIGPIPE"):
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `dsrecipes ls | head` ends quietly
     args = list(sys.argv[1:] if argv is None else argv)
     trust.reset()  # trusting a checkpoint is a decision of one command line, never carried over
     with checked_output():  # `dsrecipes show > /dev/full`: one message, not a traceback
@@ -149,7 +154,11 @@ def run_guarded(fn: Callable[[List[str]], int], argv: List[str]) -> int:
     except UserError as exc:
         print(exc.render(), file=sys.stderr)
         return exc.exit_code
+    except OutputClosed as exc:  # `dsrecipes ls | head`: quietly, as SIGPIPE would end it (SIGPIPE stays ignored)
+        return exc.exit_code
     except OSError as exc:
+        if exc.errno == errno.EPIPE and exc.filename is None and _console_closed():
+            return OutputClosed.exit_code  # `... 2>&1 | head`: stderr's reader went away too; nowhere to say more
         if exc.errno != errno.ENAMETOOLONG:
             raise
         name = str(exc.filename)  # every path a command takes, wherever it is first looked at
@@ -159,6 +168,18 @@ def run_guarded(fn: Callable[[List[str]], int], argv: List[str]) -> int:
     except KeyboardInterrupt as exc:
         print("interrupted", file=sys.stderr)
         return stopping.exit_code(stopping.signal_of(exc))
+
+
+def _console_closed() -> bool:
+    """Whether stderr is a pipe whose reader went away (poll: POLLERR on its write end); a file or a terminal is not."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stderr.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 @contextlib.contextmanager

@@ -269,8 +269,17 @@ def survive_lost_console(log: Path) -> None:
 
 
 class OutputLost(UserError):
-    """Standard output refused a write: a full disk (`dsrecipes show > /dev/full`), an I/O error, a closed pipe where
-    SIGPIPE is ignored. One message naming standard output, exit 2, never a traceback."""
+    """Standard output refused a write: a full disk (`dsrecipes show > /dev/full`), an I/O error. One message naming
+    standard output, exit 2, never a traceback."""
+
+
+class OutputClosed(Exception):
+    """Standard output's reader went away (`dsrecipes ls | head`): the command ends quietly with 141, the status of a
+    process SIGPIPE ends, as Unix tools do. SIGPIPE itself stays ignored (Python's default, which cli.main keeps), so
+    a write to one of our own pipes whose reader died (a preparation worker's, a relay's) is an error at that write,
+    named there, and never kills the process without a word."""
+
+    exit_code = 141
 
 
 class _CheckedOutput(_GuardedStream):
@@ -284,6 +293,8 @@ class _CheckedOutput(_GuardedStream):
                 null = os.open(os.devnull, os.O_WRONLY)
                 os.dup2(null, 1)
                 os.close(null)
+        if isinstance(exc, BrokenPipeError):
+            raise OutputClosed() from None
         reason = exc.strerror or type(exc).__name__
         raise OutputLost(f"could not write to standard output: {reason} (the output was not complete)") from None
 
