@@ -32,13 +32,11 @@ def _exit_guard(code: int) -> None:
 
 os._exit = _exit_guard
 
-# `dsrecipes.cli.main` sets SIGPIPE to SIG_DFL (`dsrecipes ls | head` ends quietly) and never sets it back, and tests
-# call `main` in this process: every later test of this pytest worker then ran with it, and a write to a pipe whose
-# reader had died ended the worker without a word (strace: write(...) = -1 EPIPE, then killed by SIGPIPE). Seen:
-# test_liveness_prepare_workers' killed preparation worker, whose pool still sent it a chunk, and xdist said "[gw1]
-# node down: Not properly terminated" (about 1 run in 10 after any test that calls `main`; never alone). Each test
-# ends with the disposition this process started with (SIG_IGN, the interpreter's); a test that needs what `main`
-# leaves calls `main` or sets it. tests/test_sigpipe_between_tests.py.
+# Each test ends with SIGPIPE's disposition as this process started with it (SIG_IGN, the interpreter's). Until
+# 3eac241 `dsrecipes.cli.main` set it to SIG_DFL, tests call `main` in this process, and every later test of this
+# pytest worker ran with it: a write to a pipe whose reader had died ended the worker without a word. Seen: the pool
+# of test_liveness_prepare_workers sent its killed preparation worker a chunk (strace: write = -1 EPIPE, then killed
+# by SIGPIPE), and xdist said "[gw1] node down: Not properly terminated". tests/test_sigpipe_between_tests.py.
 _SIGPIPE_AT_START = signal.getsignal(signal.SIGPIPE)
 
 
