@@ -3,8 +3,8 @@ under data=map, data=iterable and data=presharded (`dsrecipes shard`), 2 ranks x
 of 2 simulated ranks in this process, as test_dpo_strategies): every sample once an epoch as exactly the tokens and
 labels of the conversation it stands for, equal micro-batches, plan and ledger audits pass; exact and elastic 2 -> 1
 resume (presharded: refused, naming the re-shard); bad rows kept, skipped and named alike in every strategy; no
-preparation, scan or shard reused across `pairs_as`, nor a map cache of before TRL rows were read. Slow: real 2-rank
-`deepspeed` runs (record_samples) killed while saving, resumed, then resumed on 1 rank; `dsrecipes audit --ledger`.
+preparation, scan or shard reused across `pairs_as`; two findings outside these files, as strict xfails. Slow: real
+2-rank `deepspeed` runs (record_samples) killed while saving, resumed, then resumed on 1 rank; `audit --ledger`.
 """
 
 from __future__ import annotations
@@ -330,28 +330,25 @@ def test_a_change_of_pairs_as_reuses_no_preparation_scan_or_shard(ws, tmp_path, 
             assert len([i for b in lo for i in b["ids"]]) == (20 if mode == "chosen" else 10), (order, mode)
 
 
-def test_a_map_cache_prepared_before_trl_rows_were_read_is_not_reused(ws, tmp_path, monkeypatch):
-    """An openai file of 10 `messages` rows and 5 TRL prompt/completion rows, prepared under bad_rows=skip by the
-    code before row_shapes.py (simulated: the rows are not read, and the key has no row-shape entry) quarantined the
-    5; the code that reads them must prepare again, not reuse those 10 rows (data=iterable and a fresh cache: 15)."""
-    from dsrecipes.data.prepare import cache
-    from dsrecipes.data.sources import sharegpt
+@pytest.mark.xfail(strict=True, reason="data/shard/manifest.py: the hint for another world size rebuilds the "
+                                       "shard command from the input paths alone, not the recorded shard_args")
+def test_the_reshard_hint_keeps_how_the_rows_are_read(ws, tmp_path):
+    """Followed as printed it shards the pairs without dataset.pairs_as=chosen (refused; TRL rows: every row bad)."""
+    from dsrecipes.data.strategies import build_loaders
 
-    rows = [{"messages": _msgs(("user", f"q{i}"), ("assistant", f"a{i}"))} for i in range(10)]
-    path = write_jsonl(tmp_path / "m.jsonl", rows + [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(5)])
-    argv = [*data_args("trl", path), "dataset.bad_rows=skip", "dataset.max_bad_fraction=0.5", "data=map",
-            f"data.cache_dir={tmp_path / 'cache'}", "trainer.micro_batch_size=1", "trainer.grad_accum=1"]
+    plan, _ = launch(cfg_of(ws, "pairs", "presharded"), tmp_path / "run", 2, ws[3])
+    with pytest.raises(DataError, match=r"dataset\.pairs_as=chosen"):
+        build_loaders(cfg_of(ws, "pairs", "presharded"), ws[3], 0, 1, tmp_path / "run", plan)
 
-    def trained(name):
-        _, (lo,) = launch(compose(*argv), tmp_path / name, 1, ws[3])
-        lo.set_epoch(0)
-        return len([i for b in lo for i in b["ids"]])
 
-    with monkeypatch.context() as old:
-        old.setattr(sharegpt, "prompt_completion_messages", lambda raw, source: None)
-        old.setattr(cache, "row_shape_entries", lambda cfg, sources: {}, raising=False)
-        assert trained("old") == 10
-    assert trained("new") == 15
+@pytest.mark.xfail(strict=True, reason="data/shard/build.py: the quarantine is written in the staging directory, "
+                                       "which is removed when the shard is refused")
+def test_a_refused_shard_keeps_the_quarantine_its_message_names(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [json.loads(x) for x in PAIRS.read_text().splitlines()[:4]])
+    code, out = shard_cli(tmp_path / "shards", "--parts", "1", *data_args("pairs", path, "refuse"),
+                          "dataset.bad_rows=skip", *COMMON, f"data.cache_dir={tmp_path / 'cache'}")
+    named = re.search(r"see (\S+quarantine\.jsonl)", out)
+    assert code == 2 and named and Path(named.group(1)).is_file(), out
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from dsrecipes import __version__
 from dsrecipes.core.fileio import atomic_write_json, read_json_file
 from dsrecipes.core.paths import user_cache_dir
-from dsrecipes.core.schema import DatasetFormat, RowKind, SourceConfig, TrainConfig, TrainOn
+from dsrecipes.core.schema import RowKind, SourceConfig, TrainConfig, TrainOn
 from dsrecipes.core.typed import config_to_dict
 from dsrecipes.data.rowkinds import ROW_KINDS
 from dsrecipes.data.sources.files import expand_paths
@@ -33,9 +33,6 @@ PREP_VERSION = 5  # bump when the output of preparation changes for the same inp
 HISTORY_CUT = 1  # in the key of SFT data under data.train_on=last_assistant alone (the only preparations it changes):
 # a row that would lose its last reply to the cutoff drops earlier turns instead of being dropped
 # (data/render/history_cut.py); a cache prepared before (no such entry) dropped those rows
-ROW_SHAPES = 1  # in the key of SFT data read in the openai format alone (the only preparations it changes): TRL's
-# prompt/completion rows are read (data/sources/row_shapes.py); a cache prepared before (no such entry) had them as
-# missing_conversation rows, quarantined under dataset.bad_rows=skip, and would be reused without them
 MEMO_FILE = "file_hashes.json"
 
 
@@ -104,16 +101,7 @@ def cache_key(cfg: TrainConfig, tokenizer: Any, sources: Sequence[SourceConfig])
     material.update(ROW_KINDS[cfg.objective.rows].check_settings(cfg))  # a prompt's budget: max_completion_length
     if cfg.objective.rows is RowKind.conversation and cfg.data.train_on is TrainOn.last_assistant:
         material["history_cut"] = HISTORY_CUT
-    material.update(row_shape_entries(cfg, sources))
     return _digest(material)
-
-
-def row_shape_entries(cfg: TrainConfig, sources: Sequence[SourceConfig]) -> Dict[str, int]:
-    """The cache key's entry for the row shapes a reading learnt after caches existed (ROW_SHAPES): only where the
-    reading can differ, so every other preparation keeps its key."""
-    if cfg.objective.rows is RowKind.conversation and any(s.format is DatasetFormat.openai for s in sources):
-        return {"row_shapes": ROW_SHAPES}
-    return {}
 
 
 def _digest(material: Any) -> str:
