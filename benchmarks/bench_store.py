@@ -3,6 +3,7 @@
     pip install mosaicml-streaming --no-deps   # (+ brotli python-snappy cramjam zstd catalogue; not a dsrecipes dep:
                                                #  best in a venv of its own made with --system-site-packages)
     python benchmarks/bench_store.py [--mb 256] [--files 8] [--readers 1 8 64] [--reps 3] [--shard-mb 2] [--chunk-kb K]
+                                               [--st-predownload N]
     python benchmarks/bench_store.py --smoke   # 0.25 MiB, R = 1 and 2, 1 repetition: every phase in seconds
 
 Starts moto's S3 server on 127.0.0.1 and a counting HTTP proxy in front of it, each in its own process, the server
@@ -28,9 +29,9 @@ ShareGPT conversations, benchmarks/_sharegpt_corpus.py: nothing is read from out
            (`StreamTrainLoader.reader`: read-ahead of its own blocks, adjacent ones in one ranged GET). streaming:
            the clock starts before `StreamingDataset(remote, local)` (which builds its own client and GETs its
            index.json; shuffle on, batch_size 4, a fresh local cache, its default download threads and
-           predownload); each sample's `text` decoded; node r of R is `RANK=r WORLD_SIZE=R LOCAL_WORLD_SIZE=1` (its
-           process group is switched off: see `st_readers`). Both are run for real at every R: bytes, GETs and
-           times are measured, none computed.
+           predownload: 8 x batch_size, or --st-predownload N); each sample's `text` decoded; node r of R is
+           `RANK=r WORLD_SIZE=R LOCAL_WORLD_SIZE=1` (its process group is switched off: see `st_readers`). Both are
+           run for real at every R: bytes, GETs and times are measured, none computed.
 
 dsrecipes' epoch order keeps chunks of adjacent blocks together (`data.chunk_bytes`, automatic: the corpus / 128, so a
 reader's blocks come in runs one GET serves); --chunk-kb sets it (the block size: the order from before chunks).
@@ -53,31 +54,14 @@ import statistics
 import sys
 import tempfile
 import time
-import types
-from contextlib import contextmanager
 from pathlib import Path
 
 from _harness import Result, add_args  # (puts this checkout on sys.path: before dsrecipes and tests)
 from _sharegpt_corpus import write_corpus
 from _store_server import ProxyProcess, start_server
+from _store_streaming import PREDOWNLOAD, import_streaming, st_launch, st_readers, upload_mds
 
 MBS = 4
-
-
-def upload_mds(fs, paths: list, shard_mb: float, tmp: Path) -> dict:
-    from streaming import MDSWriter
-
-    t0, mds = time.perf_counter(), tmp / "mds"
-    with MDSWriter(out=str(mds), columns={"text": "str"}, size_limit=int(shard_mb * (1 << 20))) as writer:
-        for path in paths:
-            with open(path, encoding="utf-8") as fh:
-                for line in fh:
-                    writer.write({"text": line.rstrip("\n")})
-    convert_s = time.perf_counter() - t0
-    for p in sorted(mds.iterdir()):
-        fs.put_file(str(p), f"s3://bench/mds/{p.name}")
-    shutil.rmtree(mds)
-    return {"mds_convert_s": round(convert_s, 2), "mds_files": len(fs.ls("s3://bench/mds"))}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -167,81 +151,6 @@ def ds_readers(run: Path, readers: int, proxy) -> dict:
             "block_bytes": index.block_bytes, "chunk_bytes": index.chunk_bytes, "clients_built": built}
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# mosaicml-streaming
-
-
-def import_streaming():
-    for name in ("streaming.vision", "streaming.multimodal"):  # their torchvision imports are not needed here
-        sys.modules.setdefault(name, types.ModuleType(name))
-    import streaming
-
-    return streaming
-
-
-def st_dataset(local: Path, batch: int):
-    from streaming import StreamingDataset
-
-    return StreamingDataset(remote="s3://bench/mds", local=str(local), batch_size=batch, shuffle=True, shuffle_seed=0)
-
-
-def st_launch(proxy, tmp: Path) -> dict:
-    from streaming.base.util import clean_stale_shared_memory
-
-    local = Path(tempfile.mkdtemp(dir=tmp))
-    b0, t0 = proxy.body_bytes, time.perf_counter()
-    ds = st_dataset(local, MBS)
-    out = (proxy.body_bytes - b0, time.perf_counter() - t0)
-    del ds
-    clean_stale_shared_memory()
-    return {"launch": {"cold": out}}
-
-
-def st_readers(readers: int, proxy, tmp: Path) -> dict:
-    """Every node of R (1 rank, 1 worker each), one after another in this process, like the dsrecipes readers:
-    node r is `RANK=r WORLD_SIZE=R LOCAL_RANK=0 LOCAL_WORLD_SIZE=1`, each with its own local cache directory.
-    streaming would start a torch process group for WORLD_SIZE > 1 only to pass a barrier at the end of
-    `StreamingDataset.__init__` (no data crosses it; each node plans its own samples from the index and the world),
-    so `maybe_init_dist` is switched off for the run (`no_process_group`)."""
-    from streaming.base.util import clean_stale_shared_memory
-
-    b0, r0, firsts, rates = proxy.body_bytes, proxy.requests, [], []
-    with no_process_group():
-        for node in range(readers):
-            os.environ.update(RANK=str(node), WORLD_SIZE=str(readers), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-            local = Path(tempfile.mkdtemp(dir=tmp))
-            t0, n, first = time.perf_counter(), 0, None
-            ds = st_dataset(local, MBS)  # timed like a dsrecipes reader: from nothing in memory (its index.json GET)
-            for sample in ds:  # to MBS decoded rows: json.loads of the `text` column
-                json.loads(sample["text"])
-                n += 1
-                if first is None and n == MBS:
-                    first = time.perf_counter() - t0
-            rates.append(n / (time.perf_counter() - t0))
-            firsts.append(first)
-            del ds
-            clean_stale_shared_memory()
-            shutil.rmtree(local, ignore_errors=True)
-    return {"bytes": proxy.body_bytes - b0, "gets": proxy.requests - r0, "first_batch_s": statistics.median(firsts),
-            "first_batch_s_range": [min(firsts), max(firsts)], "samples_s": statistics.median(rates)}
-
-
-@contextmanager
-def no_process_group():
-    import streaming.base.dataset as st_dataset_module
-    import streaming.base.util as st_util
-
-    saved = st_dataset_module.maybe_init_dist, st_util.maybe_init_dist, dict(os.environ)
-    st_dataset_module.maybe_init_dist = st_util.maybe_init_dist = lambda: False
-    try:
-        yield
-    finally:
-        st_dataset_module.maybe_init_dist, st_util.maybe_init_dist = saved[0], saved[1]
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-            os.environ.pop(key, None)
-        os.environ.update(saved[2])
-
-
 def spread(values: list) -> str:
     return f"{statistics.median(values):.3g} [{min(values):.3g}, {max(values):.3g}]"
 
@@ -254,6 +163,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--shard-mb", type=float, default=2.0, help="MDS shard size_limit (streaming's default: 64)")
     ap.add_argument("--chunk-kb", type=float, default=None, help="dsrecipes' data.chunk_bytes in KiB (automatic)")
+    ap.add_argument("--st-predownload", type=int, default=None, help="streaming's predownload (its default: 8 x MBS)")
     args = add_args(ap).parse_args()
     if args.smoke:
         args.mb, args.files, args.readers, args.reps, args.shard_mb = 0.25, 2, [1, 2], 1, 0.05
@@ -272,6 +182,7 @@ def main() -> None:
     args = parse_args()
     if args.chunk_kb is not None:
         CHUNK[:] = [f"data.chunk_bytes={int(args.chunk_kb * 1024)}"]
+    PREDOWNLOAD[0] = args.st_predownload
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the server and proxy on the way out
     with Result("bench_store", args) as result:
         why = streaming_or_why()
@@ -282,6 +193,11 @@ def main() -> None:
         elif args.shard_mb != 64:
             result.note(f"streaming's MDS shards are <= {args.shard_mb} MiB, not MDSWriter's default 64 MiB (--shard-mb"
                         " 64): fewer bytes, earlier first batch for it at R > 1; more GETs, fewer samples/s at R = 1")
+        if not why and args.st_predownload is None:
+            result.note(f"streaming's predownload is its default, 8 x batch_size = {8 * MBS} samples: its yield loop "
+                        "sleeps 7 ms (streaming's TICK) whenever its ready thread, at most that far ahead, has not "
+                        "caught up, which bounds its samples/s per reader flat out, not in training (a step takes "
+                        f"{MBS}); --st-predownload N for streaming without that bound")
         server = start_server()  # moto, ranged GETs reading their range, in a process of its own
         proxy = ProxyProcess(server.port)  # the counting proxy, in a process of its own
         os.environ.update(server.env(proxy.endpoint), S3_ENDPOINT_URL=proxy.endpoint, TOKENIZERS_PARALLELISM="false")
@@ -325,7 +241,8 @@ def run(args: argparse.Namespace, result: Result, proxy, tmp: Path, systems: tup
 
 def measure(system: str, rep: int, args: argparse.Namespace, proxy, tmp: Path) -> dict:
     if system == "st":
-        return {"launch": st_launch(proxy, tmp)["launch"], **{r: st_readers(r, proxy, tmp) for r in args.readers}}
+        return {"launch": st_launch(proxy, tmp, MBS)["launch"],
+                **{r: st_readers(r, proxy, tmp, MBS) for r in args.readers}}
     launch = ds_launch(proxy, tmp, prescan=False)
     res: dict = {"launch": launch["launch"]}
     if rep == 0:  # the pre-scan is tokenizer-bound, not store-bound: measured once
@@ -381,9 +298,10 @@ def write_readme(result: Result, args: argparse.Namespace, corpus: dict, systems
         given.append(f"- mosaicml-streaming: the same rows as MDS shards of <= {args.shard_mb} MiB at s3://bench/mds/ "
                      f"({corpus.get('mds_files')} files, one `text` column holding the row's JSON; conversion "
                      f"{corpus.get('mds_convert_s')} s offline, not timed), `StreamingDataset(remote, fresh local "
-                     f"dir, batch_size={MBS}, shuffle=True, shuffle_seed=0)`, its default download threads and "
-                     "predownload; node r of R is RANK=r WORLD_SIZE=R LOCAL_WORLD_SIZE=1 with its process group "
-                     "switched off; each node builds its own client inside its timed window.")
+                     f"dir, batch_size={MBS}, shuffle=True, shuffle_seed=0)`, its default download threads, "
+                     f"predownload {args.st_predownload or f'8 x {MBS} (its default)'}; node r of R is RANK=r "
+                     "WORLD_SIZE=R LOCAL_WORLD_SIZE=1 with its process group switched off; each node builds its own "
+                     "client inside its timed window.")
     else:
         given.append("- mosaicml-streaming: NOT RUN (see the notes).")
     given += ["", "Both are timed from nothing in memory but the launch's products to the first micro-batch of decoded "
