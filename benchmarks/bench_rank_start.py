@@ -15,7 +15,9 @@ so A's .pth files count too): when A is itself a virtual environment, --system-s
 the base interpreter's packages (no torch). B is checked to find torch and deepspeed before any run. Both start
 from an empty torch extensions cache (XDG_CACHE_HOME points into the workspace; TORCH_EXTENSIONS_DIR is unset).
 
-  cold     the first 2-rank run of A, then of B (whatever either builds, it builds here)
+  cold     the first 2-rank run of A, then of B (whatever either builds, it builds here); always in this order, one
+           each: B starts with the shared packages' files in the page cache A's start read, so cold B minus
+           cold A is not a difference between the environments (only the ops each builds are)
   warm     `--pairs` rounds, each one 2-rank run of A, one of B and one 1-rank run (launcher=local) of A, the order
            rotating every round (A/B alternating), so a build B triggers would show in A's next start; with
            `--before CHECKOUT` also a 2-rank and a 1-rank run of that code (interpreter A), in the same rotation
