@@ -38,7 +38,14 @@ def test_two_stages_on_one_share_is_a_violation(pipeline_out, tmp_path, capsys):
     code, said = audit(out, capsys)
     assert code == 1, said.out
     assert "VIOLATION: stages reward, dpo all trained share 'reward' of " in said.out, said.out
-    assert said.out.rstrip().endswith("FAILED: 1 violation(s)"), said.out
+    _and_its_ledger_holds_the_dpo_share(said.out)
+
+
+def _and_its_ledger_holds_the_dpo_share(out: str) -> None:
+    """The config says dpo took 'reward'; its ledger (not edited) holds its 4 rows of share 'dpo': each a violation."""
+    held = [line for line in out.splitlines() if line.startswith("VIOLATION: stage dpo took share 'reward' of ")]
+    assert len(held) == 4 and all(line.endswith(", a row of share 'dpo'") for line in held), out
+    assert out.rstrip().endswith("FAILED: 5 violation(s)"), out
 
 
 def test_a_stage_reading_the_split_file_whole_is_a_violation(pipeline_out, tmp_path, capsys):
@@ -118,4 +125,40 @@ def test_stages_on_one_share_of_a_file_spelled_otherwise_name_it_as_written(pipe
     assert code == 1, said.out
     name, aka = (real, f" (stage dpo names it {link})") if linked == ("dpo",) else (link, "")
     assert f"VIOLATION: stages reward, dpo all trained share 'reward' of {name}{aka}\n" in said.out, said.out
-    assert said.out.rstrip().endswith("FAILED: 1 violation(s)"), said.out
+    _and_its_ledger_holds_the_dpo_share(said.out)
+
+
+def _ledger_ids(run):
+    return [i for line in (run / "ledger" / "rank0.jsonl").read_text().splitlines()
+            for i in json.loads(line).get("ids", [])]
+
+
+def test_each_stages_ledger_is_traced_to_the_share_it_took(pipeline_out, capsys):
+    code, said = audit(pipeline_out, capsys)
+    assert code == 0, said.out
+    for stage, take in (("reward", "reward"), ("dpo", "dpo")):
+        n = len(set(_ledger_ids(pipeline_out / stage)))
+        assert (f"stage {stage}: its ledger holds {n} sample ids; {n} name rows of one share of the split: {n} of "
+                f"share {take!r}, the share it took") in said.out, said.out
+
+
+def test_a_ledger_holding_a_row_of_another_share_is_a_violation(pipeline_out, tmp_path, capsys):
+    """The configs say disjoint shares, and each stage's own ledger audit passes (every id once, equal steps), but
+    the dpo stage's ledger holds a row of the reward share: the ledger, not the config, is what the model trained
+    on. Was: OK (the pipeline audit compared the configs' selections only)."""
+    out = copy_of(pipeline_out, tmp_path)
+    stolen = _ledger_ids(out / "reward")[0]
+    ledger = out / "dpo" / "ledger" / "rank0.jsonl"
+    lines = ledger.read_text().splitlines()
+    for k, line in enumerate(lines):
+        rec = json.loads(line)
+        if rec.get("ids"):
+            rec["ids"][0] = stolen
+            rec.pop("keys", None)  # a key names the dpo run's own prepared row: without it the audit counts ids
+            lines[k] = json.dumps(rec)
+            break
+    ledger.write_text("\n".join(lines) + "\n")
+    code, said = audit(out, capsys)
+    assert code == 1, said.out
+    assert "VIOLATION: stage dpo took share 'dpo' of " in said.out, said.out
+    assert f", but its ledger holds {stolen!r}, a row of share 'reward'\nFAILED: 1 violation(s)" in said.out, said.out

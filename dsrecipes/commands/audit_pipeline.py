@@ -15,13 +15,17 @@ same rows of a dataset they split.
 - each such split is audited once as `dsrecipes audit ... dataset.split.take=...` does (split_audit.py): the
   shares are disjoint and cover every row; on the files as they are now, so a file whose content differs from what a
   stage's plan.json recorded it training on, one gone since (deleted, a FIFO now) or one the stage did not read (a
-  glob matching more now) is a violation too.
+  glob matching more now) is a violation too;
+- each recording stage's ledger traced to those files' rows (`_traced`): a trained sample id naming rows of one share
+  only must name rows of the share the stage took, so the proof covers what the model trained on, not only what the
+  stages' configs select (ids naming rows of several shares are counted and not compared).
 
 Exit 0 when nothing is violated (stages not yet finished are listed and not audited), 1 otherwise.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -225,6 +229,53 @@ def _splits(out: Path, stages: Dict[str, _Stage]) -> List[str]:
         report = audit_split(first.dataset, first)
         print(report.render())
         problems += [f"split of {files}: {v}" for v in report.violations]
+        problems += _traced(out, members, files)
+    return problems
+
+
+def _traced(out: Path, members: List[Tuple[str, _Stage]], files: str) -> List[str]:
+    """What each recording stage's ledger holds, traced to the rows of the split's files: every trained sample id
+    that names rows of one share only must name rows of the share the stage took. An id naming rows of several shares
+    (an `id` column repeated across shares) is counted and not compared; an id of no row (a file changed since) is
+    `_changed_files`' to report."""
+    from dsrecipes.core.choices import BadRows
+    from dsrecipes.data.plan.ledger import read_ledger
+    from dsrecipes.data.sources.badrows import BadRowReport
+    from dsrecipes.data.sources.sharegpt import iter_checked, sample_id
+    from dsrecipes.data.sources.split_shares import share_of_row
+
+    recording = [(n, stage) for n, stage in members if (out / n / LEDGER_DIR).is_dir()]
+    if not recording:
+        return []
+    first = members[0][1]
+    shares_of: Dict[str, set] = {}  # sample id -> the shares of the rows it names
+    report = BadRowReport(BadRows.skip, 1.0)  # every row: a row a check refuses still has its id and its share
+    for source in first.sources:
+        if source.share is None:
+            continue
+        whole = dataclasses.replace(source, share=None, max_samples=None)
+
+        def id_and_share(row, src, table, share=source.share):
+            return sample_id(row.value if row.error is None else None, row, src), share_of_row(row, share)
+
+        for sid, share in iter_checked(whole, report, None, first.cfg.dataset.max_row_bytes, id_and_share):
+            shares_of.setdefault(sid, set()).add(share)
+    problems = []
+    for name, stage in recording:
+        take, trained = stage.cfg.dataset.split.take, set()
+        for path in sorted((out / name / LEDGER_DIR).glob("rank*.jsonl")):  # checked files (audit_ledgers)
+            for ids in read_ledger(path).values():
+                trained.update(ids)
+        traced = sorted(i for i in trained if len(shares_of.get(i, ())) == 1)
+        wrong = [(i, next(iter(shares_of[i]))) for i in traced if shares_of[i] != {take}]
+        several = sum(1 for i in trained if len(shares_of.get(i, ())) > 1)
+        print(f"stage {name}: its ledger holds {len(trained)} sample ids; {len(traced)} name rows of one share of "
+              f"the split: {len(traced) - len(wrong)} of share {take!r}, the share it took"
+              + (f"; {several} name rows of several shares (not compared)" if several else ""))
+        problems += [f"stage {name} took share {take!r} of {files}, but its ledger holds {i!r}, a row of share "
+                     f"{share!r}" for i, share in wrong[:20]]
+        if len(wrong) > 20:
+            problems.append(f"stage {name}: {len(wrong) - 20} more trained ids of rows of other shares")
     return problems
 
 
