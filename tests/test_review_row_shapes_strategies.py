@@ -3,7 +3,8 @@ under data=map, data=iterable and data=presharded (`dsrecipes shard`), 2 ranks x
 of 2 simulated ranks in this process, as test_dpo_strategies): every sample once an epoch as exactly the tokens and
 labels of the conversation it stands for, equal micro-batches, plan and ledger audits pass; exact and elastic 2 -> 1
 resume (presharded: refused, naming the re-shard); bad rows kept, skipped and named alike in every strategy; no
-preparation, scan or shard reused across `pairs_as`; two findings outside these files, as strict xfails. Slow: real
+preparation, scan or shard reused across `pairs_as`; the re-shard hint keeps how the rows are read, and a refused
+shard's quarantine is where its message says. Slow: real
 2-rank `deepspeed` runs (record_samples) killed while saving, resumed, then resumed on 1 rank; `audit --ledger`.
 """
 
@@ -330,8 +331,6 @@ def test_a_change_of_pairs_as_reuses_no_preparation_scan_or_shard(ws, tmp_path, 
             assert len([i for b in lo for i in b["ids"]]) == (20 if mode == "chosen" else 10), (order, mode)
 
 
-@pytest.mark.xfail(strict=True, reason="data/shard/manifest.py: the hint for another world size rebuilds the "
-                                       "shard command from the input paths alone, not the recorded shard_args")
 def test_the_reshard_hint_keeps_how_the_rows_are_read(ws, tmp_path):
     """Followed as printed it shards the pairs without dataset.pairs_as=chosen (refused; TRL rows: every row bad)."""
     from dsrecipes.data.strategies import build_loaders
@@ -341,8 +340,6 @@ def test_the_reshard_hint_keeps_how_the_rows_are_read(ws, tmp_path):
         build_loaders(cfg_of(ws, "pairs", "presharded"), ws[3], 0, 1, tmp_path / "run", plan)
 
 
-@pytest.mark.xfail(strict=True, reason="data/shard/build.py: the quarantine is written in the staging directory, "
-                                       "which is removed when the shard is refused")
 def test_a_refused_shard_keeps_the_quarantine_its_message_names(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [json.loads(x) for x in PAIRS.read_text().splitlines()[:4]])
     code, out = shard_cli(tmp_path / "shards", "--parts", "1", *data_args("pairs", path, "refuse"),

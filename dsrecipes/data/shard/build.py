@@ -54,6 +54,7 @@ from dsrecipes.core.fileio import (
 from dsrecipes.core.publish import Existing, publish_dir, staging_dir
 from dsrecipes.core.schema import RowKind, ShardBalance
 from dsrecipes.core.tokenizer import load_tokenizer
+from dsrecipes.data.prepare.cache import cache_root
 from dsrecipes.data.shard.manifest import (
     MANIFEST,
     QUARANTINE,
@@ -219,11 +220,16 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
         check_fill(sum(p >= 0 for p in assignment), parts)
     staging, made = new_dir_beside(out, "shard-tmp")
     try:
-        report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, staging / QUARANTINE)
+        # written in our cache while the rows are read, moved into the shard when it is written: a refused shard
+        # (too many bad rows) removes its staging directory, and its message names this file, which must be there
+        quarantine = _quarantine_path(cfg, out, staging)
+        report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, quarantine)
         no_reference: List[int] = []  # prompt rows without a reference answer (the run's comparing rewards need it)
         lines = (line for line, _ in checked_rows(cfg, report, encoder, sources, no_reference))
         lines = lines if assignment is not None else filling(lines, parts)  # the part count checked before writing
         written = write_parts(lines, assignment, parts, staging, tokens)
+        if quarantine != staging / QUARANTINE and quarantine.exists():
+            shutil.move(str(quarantine), str(staging / QUARANTINE))
         if cfg.objective.rows is RowKind.prompt:  # counted in the training parts: the run says it or refuses
             written.no_reference = sum(1 for k in no_reference if assignment is None or assignment[k] >= 0)
         manifest = describe_parts(written, cfg, balance, report, check_identity(cfg, tokenizer), sources)
@@ -245,6 +251,17 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
         remove_listed(old, previous)  # now the previous shard, out of sight
     manifest.directory = out_dir
     return manifest
+
+
+def _quarantine_path(cfg: Any, out: Path, staging: Path) -> Path:
+    """Where the bad rows are quarantined while the rows are read: our cache (`data.cache_dir`), else (a read-only
+    cache) the staging directory, which a refused shard removes."""
+    folder = cache_root(cfg) / "shard-quarantine"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return staging / QUARANTINE
+    return folder / f"{out.name}-{os.getpid()}-quarantine.jsonl"
 
 
 def _check_arguments(parts: int, val_size: float, out_dir: str) -> None:

@@ -123,19 +123,17 @@ def read_manifest(shard_dir: Optional[str], world_size: Optional[int] = None, re
                         f"{VAL_PART}); a manifest names only files of its own directory, so nothing was read. "
                         "Re-shard")
     if world_size is not None and manifest.parts != world_size:
-        sources = " ".join(s["path"] for s in manifest.sources) or "INPUT..."
-        held = f" --val-size {manifest.val_count}" if manifest.val_count else ""  # the same held-out rows, not trained
+        again = reshard_command(manifest, world_size)
         if resuming:
             raise DataError(
                 f"data.shard_dir: {shard_dir} holds {manifest.parts} parts but the run has {world_size} ranks, and a "
                 f"presharded run resumes only on as many ranks as its shard has parts (a new shard is other training "
                 f"data to the checkpoint, which refuses it): resume on {manifest.parts} ranks (launcher.num_gpus, "
                 f"launcher.num_nodes), or start a new run in another trainer.output_dir on a shard for {world_size}: "
-                f"`dsrecipes shard {sources} --parts {world_size} --out NEW_DIR --balance {manifest.balance}{held}`")
+                f"`{again}`")
         raise DataError(
             f"data.shard_dir: {shard_dir} holds {manifest.parts} parts but the run has {world_size} ranks; each rank "
-            f"reads exactly its own part. Re-shard for this world size: `dsrecipes shard {sources} --parts "
-            f"{world_size} --out NEW_DIR --balance {manifest.balance}{held}` and set data.shard_dir=NEW_DIR"
+            f"reads exactly its own part. Re-shard for this world size: `{again}` and set data.shard_dir=NEW_DIR"
         )
     return manifest
 
@@ -195,6 +193,27 @@ class PartChanged(DataError, Refused):
     """A part is not the one its manifest lists: every run on the shard stops there, a resume too, until the parts are
     rebuilt. Refused, so the failed run prints no 'resume ... with' line: that command fails the same way again (was).
     The message names the `dsrecipes shard` command that writes the same parts again (`rebuild_command`)."""
+
+
+def reshard_command(manifest: Manifest, parts: int) -> str:
+    """The `dsrecipes shard` command that writes the same rows, read the same way (its recorded `shard_args`: the
+    overrides that chose and read them, e.g. dataset.pairs_as, dataset.split), into `parts` parts in NEW_DIR. A
+    manifest written before they were recorded gets its input files, balance and hold-out, and `OVERRIDES...`."""
+    if manifest.shard_args:
+        args, skip = [], False
+        for arg in manifest.shard_args:
+            if skip:
+                skip = False
+                continue
+            if arg == "--parts":
+                skip = True
+            elif not arg.startswith("--parts="):
+                args.append(arg)
+        return shlex.join(["dsrecipes", "shard", *args, "--parts", str(parts), "--out", "NEW_DIR"])
+    sources = [s["path"] for s in manifest.sources] or ["INPUT..."]
+    held = ["--val-size", str(manifest.val_count)] if manifest.val_count else []  # the same held-out rows
+    return shlex.join(["dsrecipes", "shard", *sources, "--parts", str(parts), "--out", "NEW_DIR", "--balance",
+                       manifest.balance, *held]) + " OVERRIDES..."
 
 
 def rebuild_command(manifest: Manifest) -> str:
