@@ -6,6 +6,9 @@
 Modes (each a real `python -m dsrecipes` run, in alternating order: one of each, then the next repeat):
   precomputed       objective.reference=precomputed, zero=stage2: reference log-probs computed before training
   live              objective.reference=live, zero=stage2: a full frozen copy on each rank
+  lora_precomputed  model.lora.enabled=true, objective.reference=precomputed (the baseline of the next: LoRA's
+                    optimizer state is a fraction of full fine-tuning's, so lora_live against `live` would count
+                    that saving as the reference's)
   lora_live         model.lora.enabled=true, objective.reference=live: the trained model with adapters disabled
   simpo             objective.loss=simpo: no reference at all
   precomputed_z3    objective.reference=precomputed, zero=stage3 (the baseline of the next)
@@ -40,6 +43,7 @@ from _harness import Result, add_args
 MODES: Dict[str, List[str]] = {
     "precomputed": ["zero=stage2"],
     "live": ["zero=stage2", "objective.reference=live"],
+    "lora_precomputed": ["zero=stage2", "model.lora.enabled=true"],
     "lora_live": ["zero=stage2", "objective.reference=live", "model.lora.enabled=true"],
     "simpo": ["zero=stage2", "objective.loss=simpo", "objective.beta=2", "objective.simpo_gamma=1"],
     "precomputed_z3": ["zero=stage3"],
