@@ -1,0 +1,203 @@
+"""The real `dsrecipes pipeline` in a process of its own on the tiny model, held at a known place and signalled or
+killed there (tests/test_review_pipeline_interrupts.py, tests/test_review_pipeline_hostile.py).
+
+Windows the product has no hook for (between stages) are held by a sitecustomize shim written here (tests/faults.py's
+way in: a directory of the test's own in front of PYTHONPATH); the training windows use tests/faults.py's
+pause_after_step."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import pytest
+
+from dsrecipes.run.pipeline import STATE_FILE
+from tests.conftest import REPO, in_process_environ, subprocess_env
+from tests.faults import fault_env
+from tests.test_pipeline import TINY as PIPELINE_TINY
+
+# tests/test_pipeline.py's tiny SFT -> DPO, without prompt answers, SFT 3 steps (a step between its first and last)
+TINY = PIPELINE_TINY.replace("prompts: {limit: 2, max_new_tokens: 4}\n", "").replace("max_steps: 2}", "max_steps: 3}")
+assert "max_steps: 3}" in TINY and "prompts" not in TINY
+
+TORCHRUN = TINY.replace("  debug: fast\n", "  debug: fast\n  launcher: torchrun\n  launcher.num_gpus: 1\n")
+
+# Hand-over windows: `before_record` holds the pipeline after stage 1's run returned, before its record says done;
+# `after_record` after the record, before stage 2 is looked at; `stage_2_recorded` once stage 2 is recorded running,
+# before its run starts. The held process writes HELD beside this file and sleeps
+# (a signal ends the sleep the way it ends any other line of the pipeline's own code).
+HOOK = '''"""Written by tests/helpers/pipeline_runs.py: holds `dsrecipes pipeline` between its stages."""
+import json as _json
+import os as _os
+import time as _time
+
+_here = _os.path.dirname(_os.path.abspath(__file__))
+with open(_os.path.join(_here, "hook.json"), encoding="utf-8") as _fh:
+    _where = _json.load(_fh)["where"]
+
+
+def _hold():
+    open(_os.path.join(_here, "HELD"), "w").close()
+    _deadline = _time.monotonic() + 60
+    while _time.monotonic() < _deadline:
+        _time.sleep(0.05)
+
+
+import dsrecipes.run.pipeline as _pipeline  # noqa: E402
+
+if _where in ("before_record", "stage_2_recorded"):
+    _record = _pipeline.PipelineRun.record
+
+    def _held_record(self, stage, **fields):
+        if _where == "before_record" and stage.name == "sft" and fields.get("status") == "done" and "argv" not in fields:
+            _hold()
+        _record(self, stage, **fields)
+        if _where == "stage_2_recorded" and stage.name == "dpo" and fields.get("status") == "running":
+            _hold()
+
+    _pipeline.PipelineRun.record = _held_record
+else:
+    _run_stage = _pipeline.run_stage
+
+    def _held_run_stage(run, stage, number, train):
+        code = _run_stage(run, stage, number, train)
+        if stage.name == "sft":
+            _hold()
+        return code
+
+    _pipeline.run_stage = _held_run_stage
+'''
+
+
+def hook_env(where: Path, window: str) -> Tuple[Dict[str, str], Path]:
+    folder = where / f"hook-{window}"
+    folder.mkdir()
+    (folder / "hook.json").write_text(json.dumps({"where": window}), encoding="utf-8")
+    (folder / "sitecustomize.py").write_text(HOOK, encoding="utf-8")
+    return {"PYTHONPATH": f"{folder}{os.pathsep}{REPO}"}, folder / "HELD"
+
+
+def write(tmp_path: Path, text: str = TINY) -> Path:
+    path = tmp_path / "p.yaml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def command(path: Path, out: Path) -> List[str]:
+    return [sys.executable, "-m", "dsrecipes", "pipeline", str(path), "--out", str(out)]
+
+
+def start(tmp_path: Path, path: Path, out: Path, env: Optional[Dict[str, str]] = None, log: str = "first.log"):
+    fh = open(tmp_path / log, "wb")
+    proc = subprocess.Popen(command(path, out), cwd=tmp_path, env=subprocess_env(env or {}), start_new_session=True,
+                            stdout=fh, stderr=subprocess.STDOUT)
+    fh.close()
+    return proc
+
+
+def wait_for(proc: subprocess.Popen, path: Path, log: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            kill_group(proc)
+            pytest.fail(f"{path} never appeared (exit {proc.returncode}):\n{log.read_text()[-3000:]}")
+        time.sleep(0.05)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(30)
+
+
+def ended(proc: subprocess.Popen, log: Path, within: float = 30) -> Tuple[int, str]:
+    """The process's exit code and console, once it ended (at most `within` s after it was told to)."""
+    try:
+        code = proc.wait(within)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        pytest.fail(f"still running {within:.0f} s after the signal:\n{log.read_text()[-3000:]}")
+    return code, log.read_text(errors="replace")
+
+
+def paused(tmp_path: Path, out: Path, stage: str, step: int) -> Tuple[Dict[str, str], Path]:
+    """tests/faults.py's pause_after_step=STEP (in every stage that has the step) and what says the run is there."""
+    return fault_env(tmp_path, pause_after_step=step), out / stage / "checkpoints" / f"step_{step}"
+
+
+def held_then(tmp_path: Path, path: Path, out: Path, env: Dict[str, str], held: Path, signum: int) -> Tuple[int, str]:
+    """The pipeline started, held until `held` appears, then sent `signum`: its exit code and console."""
+    proc = start(tmp_path, path, out, env)
+    wait_for(proc, held, tmp_path / "first.log")
+    proc.send_signal(signum)
+    return ended(proc, tmp_path / "first.log")
+
+
+def rerun(tmp_path: Path, path: Path, out: Path, log: str = "again.log") -> str:
+    """The same command, no faults: it must finish."""
+    done = subprocess.run(command(path, out), cwd=tmp_path, env=subprocess_env({"PYTHONPATH": str(REPO)}),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+    text = done.stdout.decode(errors="replace")
+    (tmp_path / log).write_text(text)
+    assert done.returncode == 0, text[-3000:]
+    return text
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def losses(run_dir: Path) -> Dict[int, float]:
+    """Train loss per step, the last logged value of a step (a resumed run may log a redone step again)."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def stages(out: Path) -> Dict[str, dict]:
+    return json.loads((out / STATE_FILE).read_text())["stages"]
+
+
+def uninterrupted(tmp: Path) -> Dict[str, dict]:
+    """An uninterrupted run of TINY in `tmp`: what every interrupted-then-resumed run must end with (each test
+    module's `reference` fixture)."""
+    path, out = write(tmp), tmp / "out"
+    rerun(tmp, path, out, "reference.log")
+    return {s: {"export": digest(out / s / "export" / "model.safetensors"), "losses": losses(out / s)}
+            for s in ("sft", "dpo")}
+
+
+def assert_same_as_uninterrupted(out: Path, reference: Dict[str, dict]) -> None:
+    for stage in ("sft", "dpo"):
+        assert losses(out / stage) == reference[stage]["losses"], stage
+        assert digest(out / stage / "export" / "model.safetensors") == reference[stage]["export"], stage
+    assert [s["status"] for s in stages(out).values()] == ["done", "done"]
+
+
+def assert_one_message(text: str) -> None:
+    assert "Traceback" not in text and "Exception ignored" not in text, text[-3000:]
+
+
+def in_process(args: List[str], capsys) -> Tuple[int, str]:
+    from dsrecipes.cli import main
+
+    with in_process_environ():
+        code = main(args)
+    return code, capsys.readouterr().err
+
+
+def interrupted_in_stage_1(tmp_path: Path) -> Tuple[Path, Path]:
+    """TINY stopped by SIGTERM in SFT (paused after step 1; stops at step 2 with its checkpoint)."""
+    path, out = write(tmp_path), tmp_path / "out"
+    got, text = held_then(tmp_path, path, out, *paused(tmp_path, out, "sft", 1), signal.SIGTERM)
+    assert got == 143 and stages(out)["sft"]["status"] == "interrupted", text[-3000:]
+    return path, out
