@@ -7,29 +7,16 @@ Fast checks of the functions that time and summarise (tests/test_benchmarks_smok
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.test_bench_fairness import bench  # noqa: F401  (the fixture: a benchmark module, sys.path restored)
 
 
 @pytest.fixture()
-def bench_loaders():
-    saved_path, saved_env = list(sys.path), os.environ.get("PYTHONPATH")
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("bench_loaders")
-    finally:
-        sys.path[:] = saved_path
-        if saved_env is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved_env
+def bench_loaders(bench):  # noqa: F811
+    return bench("bench_loaders")
 
 
 def test_a_readers_setup_is_timed_apart_from_its_epoch_and_counted_in_its_with_setup_rate(bench_loaders):
