@@ -110,6 +110,8 @@ def test_a_stage_whose_child_is_sigkilled_ends_the_pipeline_in_seconds_leaving_n
     print(f"ended {took:.1f} s after the kill")
     assert took < (5 if victim == "rank" else 30), took  # measured: 0.8 s; torchrun: 20.2 s (see the xfail below)
     assert stages(out)["sft"]["status"] == "failed"
+    if victim == "torchrun":  # the resume is the rank's case (keeps this one under a minute)
+        return
     rerun(tmp_path, path, out)  # the same command: stage 1 continues from its checkpoint of step 1
     assert json.loads((out / "sft" / "plan.json").read_text())["resume"] is not None
     assert_same_as_uninterrupted(out, reference)

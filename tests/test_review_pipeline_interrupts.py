@@ -36,6 +36,7 @@ from tests.helpers.pipeline_runs import (
     wait_for,
     write,
 )
+from tests.test_pipeline import TINY as PIPELINE_TINY
 from tests.test_pipeline import TINY_GRPO
 
 pytestmark = pytest.mark.slow
@@ -173,3 +174,15 @@ def test_sft_reward_grpo_interrupted_in_the_rl_stage_resumes_to_the_same_rewards
         digest(tmp_path / "whole" / "grpo" / "export" / "model.safetensors")
 
 
+
+
+def test_a_signal_in_the_last_stages_last_step_ends_the_pipeline_without_its_prompt_answers(tmp_path):
+    """The last stage at its last step when SIGTERM comes: it ends as a run ends there (exported, done), the summary
+    is written, and the prompt answers (models loaded one by one, generation) are skipped, saying why."""
+    path = write(tmp_path, PIPELINE_TINY)  # with prompts: {limit: 2, max_new_tokens: 4}; DPO's last step is 6
+    out = tmp_path / "out"
+    got, text = held_then(tmp_path, path, out, *paused(tmp_path, out, "dpo", 6), signal.SIGTERM)
+    assert got == 0 and "prompt answers skipped: SIGTERM came while the last stage ended" in text, text[-3000:]
+    assert_one_message(text)
+    assert [stages(out)[s]["status"] for s in ("sft", "dpo")] == ["done", "done"]
+    assert (out / "pipeline_summary.md").is_file() and not (out / "pipeline_prompts.md").exists()
