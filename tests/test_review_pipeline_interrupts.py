@@ -81,7 +81,7 @@ def test_a_signal_in_stage_1s_last_step_stops_the_pipeline_before_stage_2(tmp_pa
     assert_same_as_uninterrupted(out, reference)
 
 
-@pytest.mark.parametrize("window", ["before_record", "after_record", "stage_2_recorded"])
+@pytest.mark.parametrize("window", ["before_record", "after_record", "stage_2_recorded", "stage_2_preparing"])
 @pytest.mark.parametrize("signum, code", STOPS, ids=["SIGTERM", "SIGINT"])
 def test_a_signal_between_the_stages_never_runs_stage_1_again(tmp_path, reference, window, signum, code):
     path, out = write(tmp_path), tmp_path / "out"
@@ -89,7 +89,7 @@ def test_a_signal_between_the_stages_never_runs_stage_1_again(tmp_path, referenc
     assert got == code, text[-3000:]
     assert_one_message(text)
     assert "resume with: " in text.rpartition("exported Hugging Face model")[2], text[-3000:]
-    assert not (out / "dpo").exists()
+    assert not (out / "dpo" / "checkpoints").exists()  # stage 2 trained nothing (preparing: its directory claimed)
     sft_result = (out / "sft" / "result.json").stat().st_mtime_ns
     again = rerun(tmp_path, path, out)
     assert "pipeline: stage 'sft' (1 of 2) is done" in again and "stage 'sft' (1 of 2):" not in again, again

@@ -32,9 +32,11 @@ TORCHRUN = TINY.replace("  debug: fast\n", "  debug: fast\n  launcher: torchrun\
 
 # Hand-over windows: `before_record` holds the pipeline after stage 1's run returned, before its record says done;
 # `after_record` after the record, before stage 2 is looked at; `stage_2_recorded` once stage 2 is recorded running,
-# before its run starts. The held process writes HELD beside this file and sleeps
-# (a signal ends the sleep the way it ends any other line of the pipeline's own code).
-HOOK = '''"""Written by tests/helpers/pipeline_runs.py: holds `dsrecipes pipeline` between its stages."""
+# before its run starts; `stage_2_preparing` inside stage 2's train command, its run directory claimed, before the
+# launch. The held process writes HELD beside this file and sleeps (a signal ends the sleep the way it ends any other
+# line of the pipeline's or train's own code).
+HOOK = '''"""Written by tests/helpers/pipeline_runs.py: holds `dsrecipes pipeline` between its stages (or in stage 2's
+preparation)."""
 import json as _json
 import os as _os
 import time as _time
@@ -64,6 +66,17 @@ if _where in ("before_record", "stage_2_recorded"):
             _hold()
 
     _pipeline.PipelineRun.record = _held_record
+elif _where == "stage_2_preparing":  # inside stage 2's train command: its run directory claimed, before the launch
+    import dsrecipes.commands.train as _train
+
+    _launch = _train.run
+
+    def _held_launch(cfg, decision=None):
+        if str(cfg.trainer.output_dir).endswith("/dpo"):
+            _hold()
+        return _launch(cfg, decision)
+
+    _train.run = _held_launch
 else:
     _run_stage = _pipeline.run_stage
 
