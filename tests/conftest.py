@@ -252,6 +252,15 @@ def split_pipeline_out(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def pipeline_reference(tmp_path_factory):
+    """The interrupt tests' tiny pipeline run once uninterrupted (tests/helpers/pipeline_runs.py): what every
+    interrupted-then-resumed run must equal. Once per session and worker."""
+    from tests.helpers.pipeline_runs import uninterrupted
+
+    return uninterrupted(tmp_path_factory.mktemp("pipeline_reference"))
+
+
+@pytest.fixture(scope="session")
 def s3_server():
     """A real S3-API server (moto's standalone server on 127.0.0.1) for the whole session; this process's
     environment points at it (AWS_ENDPOINT_URL, fake credentials) until the session ends."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Dict
 
 import psutil
 import pytest
@@ -28,17 +27,12 @@ from tests.helpers.pipeline_runs import (
     rerun,
     stages,
     start,
-    uninterrupted,
     wait_for,
     write,
 )
 
 pytestmark = pytest.mark.slow
 
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Dict[str, dict]:
-    return uninterrupted(tmp_path_factory.mktemp("reference"))
 
 
 def test_out_at_a_directory_that_is_not_ours_is_refused_and_left_as_it_was(tmp_path, capsys):
@@ -87,7 +81,7 @@ def test_the_file_edited_before_the_resume_is_refused_naming_the_stage_and_key(t
 
 
 @pytest.mark.parametrize("victim", ["rank", "torchrun"])
-def test_a_stage_whose_child_is_sigkilled_ends_the_pipeline_in_seconds_leaving_no_process(tmp_path, reference, victim):
+def test_a_stage_whose_child_is_sigkilled_ends_the_pipeline_in_seconds_leaving_no_process(tmp_path, pipeline_reference, victim):
     """launcher=torchrun, one rank: torchrun and the rank are child processes of the pipeline; one of them is
     killed (an OOM killer's choice) while the rank holds after step 1; the pipeline names the stage and ends within
     seconds, every process it started is gone, and the same command resumes."""
@@ -114,7 +108,7 @@ def test_a_stage_whose_child_is_sigkilled_ends_the_pipeline_in_seconds_leaving_n
         return
     rerun(tmp_path, path, out)  # the same command: stage 1 continues from its checkpoint of step 1
     assert json.loads((out / "sft" / "plan.json").read_text())["resume"] is not None
-    assert_same_as_uninterrupted(out, reference)
+    assert_same_as_uninterrupted(out, pipeline_reference)
 
 
 def test_a_stage_named_like_the_pipelines_own_logs_folder_is_refused_before_anything_runs(tmp_path, capsys):

@@ -33,7 +33,6 @@ from tests.helpers.pipeline_runs import (
     rerun,
     stages,
     start,
-    uninterrupted,
     wait_for,
     write,
 )
@@ -43,15 +42,11 @@ from tests.test_pipeline import TINY_GRPO
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Dict[str, dict]:
-    return uninterrupted(tmp_path_factory.mktemp("reference"))
-
 STOPS = [(signal.SIGTERM, 143), (signal.SIGINT, 130)]
 
 
 @pytest.mark.parametrize("signum, code", STOPS, ids=["SIGTERM", "SIGINT"])
-def test_a_signal_while_stage_1_trains_resumes_it_from_its_checkpoint(tmp_path, reference, signum, code):
+def test_a_signal_while_stage_1_trains_resumes_it_from_its_checkpoint(tmp_path, pipeline_reference, signum, code):
     path, out = write(tmp_path), tmp_path / "out"
     got, text = held_then(tmp_path, path, out, *paused(tmp_path, out, "sft", 1), signum)
     assert got == code, text[-3000:]
@@ -62,11 +57,11 @@ def test_a_signal_while_stage_1_trains_resumes_it_from_its_checkpoint(tmp_path, 
     again = rerun(tmp_path, path, out)
     assert "stage 'sft' (1 of 2) (resumed: the run continues from its newest checkpoint)" in again
     assert json.loads((out / "sft" / "plan.json").read_text())["resume"] is not None
-    assert_same_as_uninterrupted(out, reference)
+    assert_same_as_uninterrupted(out, pipeline_reference)
 
 
 @pytest.mark.parametrize("signum, code", STOPS, ids=["SIGTERM", "SIGINT"])
-def test_a_signal_in_stage_1s_last_step_stops_the_pipeline_before_stage_2(tmp_path, reference, signum, code):
+def test_a_signal_in_stage_1s_last_step_stops_the_pipeline_before_stage_2(tmp_path, pipeline_reference, signum, code):
     """Stage 1 at its last step when the signal comes: it ends as a run does there (exported, done), and the
     pipeline stops before stage 2: the signal is the user's (a preemption's) word for the whole command."""
     path, out = write(tmp_path), tmp_path / "out"
@@ -78,12 +73,12 @@ def test_a_signal_in_stage_1s_last_step_stops_the_pipeline_before_stage_2(tmp_pa
     assert stages(out)["sft"]["status"] == "done" and "dpo" not in stages(out)
     again = rerun(tmp_path, path, out)
     assert "pipeline: stage 'sft' (1 of 2) is done" in again, again
-    assert_same_as_uninterrupted(out, reference)
+    assert_same_as_uninterrupted(out, pipeline_reference)
 
 
 @pytest.mark.parametrize("window", ["before_record", "after_record", "stage_2_recorded", "stage_2_preparing"])
 @pytest.mark.parametrize("signum, code", STOPS, ids=["SIGTERM", "SIGINT"])
-def test_a_signal_between_the_stages_never_runs_stage_1_again(tmp_path, reference, window, signum, code):
+def test_a_signal_between_the_stages_never_runs_stage_1_again(tmp_path, pipeline_reference, window, signum, code):
     path, out = write(tmp_path), tmp_path / "out"
     got, text = held_then(tmp_path, path, out, *hook_env(tmp_path, window), signum)
     assert got == code, text[-3000:]
@@ -94,11 +89,11 @@ def test_a_signal_between_the_stages_never_runs_stage_1_again(tmp_path, referenc
     again = rerun(tmp_path, path, out)
     assert "pipeline: stage 'sft' (1 of 2) is done" in again and "stage 'sft' (1 of 2):" not in again, again
     assert (out / "sft" / "result.json").stat().st_mtime_ns == sft_result
-    assert_same_as_uninterrupted(out, reference)
+    assert_same_as_uninterrupted(out, pipeline_reference)
 
 
 @pytest.mark.parametrize("signum, code", STOPS, ids=["SIGTERM", "SIGINT"])
-def test_a_signal_while_stage_2_trains_resumes_it_without_stage_1(tmp_path, reference, signum, code):
+def test_a_signal_while_stage_2_trains_resumes_it_without_stage_1(tmp_path, pipeline_reference, signum, code):
     path, out = write(tmp_path), tmp_path / "out"
     got, text = held_then(tmp_path, path, out, *paused(tmp_path, out, "dpo", 4), signum)  # SFT has 3 steps: DPO is held
     assert got == code, text[-3000:]
@@ -110,11 +105,11 @@ def test_a_signal_while_stage_2_trains_resumes_it_without_stage_1(tmp_path, refe
     assert "pipeline: stage 'sft' (1 of 2) is done" in again, again
     assert (out / "sft" / "result.json").stat().st_mtime_ns == sft_result
     assert json.loads((out / "dpo" / "plan.json").read_text())["resume"] is not None
-    assert_same_as_uninterrupted(out, reference)
+    assert_same_as_uninterrupted(out, pipeline_reference)
 
 
 @pytest.mark.parametrize("how", ["SIGTERM to the pipeline", "SIGKILL of the pipeline alone"])
-def test_the_pipeline_stopped_while_its_ranks_train_leaves_no_process_and_resumes(tmp_path, reference, how):
+def test_the_pipeline_stopped_while_its_ranks_train_leaves_no_process_and_resumes(tmp_path, pipeline_reference, how):
     """launcher=torchrun: the ranks are child processes. SIGTERM to the pipeline: they checkpoint and stop with it;
     SIGKILL of the pipeline process alone (an OOM killer's choice): its ranks see their launcher gone and stop on their
     own. Either way no process is left, and the same command resumes stage 1 and ends as an uninterrupted run."""
@@ -131,7 +126,7 @@ def test_the_pipeline_stopped_while_its_ranks_train_leaves_no_process_and_resume
         assert "interrupted by SIGTERM (latest checkpoint: " in text, text[-3000:]
     rerun(tmp_path, path, out)
     assert json.loads((out / "sft" / "plan.json").read_text())["resume"] is not None
-    assert_same_as_uninterrupted(out, reference)
+    assert_same_as_uninterrupted(out, pipeline_reference)
 
 
 @pytest.mark.xfail(strict=True, reason="launcher=torchrun: torchrun's own SignalException traceback reaches the "
@@ -190,7 +185,7 @@ def test_a_signal_in_the_last_stages_last_step_ends_the_pipeline_without_its_pro
 
 
 @pytest.mark.parametrize("gap_s", [0.0, 1.5], ids=["a forwarded copy", "Ctrl-C again"])
-def test_a_second_ctrl_c_while_stage_1_stops_still_resumes_exactly(tmp_path, reference, gap_s):
+def test_a_second_ctrl_c_while_stage_1_stops_still_resumes_exactly(tmp_path, pipeline_reference, gap_s):
     """Ctrl-C twice: at once (a wrapper forwarding the terminal's signal: the same interruption) or after the
     acknowledgement (stop at once: the checkpoint may be the step before; on this tiny model the stage has usually
     stopped by then, and the second one is not sent). Wherever the second one lands (the stage's stop, its record,
@@ -208,4 +203,4 @@ def test_a_second_ctrl_c_while_stage_1_stops_still_resumes_exactly(tmp_path, ref
     assert got == 130 and "resume with: " in text, text[-3000:]
     assert_one_message(text)
     rerun(tmp_path, path, out)
-    assert_same_as_uninterrupted(out, reference)
+    assert_same_as_uninterrupted(out, pipeline_reference)
