@@ -13,6 +13,7 @@ import errno
 import gc
 import importlib
 import os
+import select
 import signal
 import sys
 import time
@@ -172,8 +173,6 @@ def run_guarded(fn: Callable[[List[str]], int], argv: List[str]) -> int:
 
 def _console_closed() -> bool:
     """Whether stderr is a pipe whose reader went away (poll: POLLERR on its write end); a file or a terminal is not."""
-    import select
-
     try:
         poller = select.poll()
         poller.register(sys.stderr.fileno(), select.POLLOUT)

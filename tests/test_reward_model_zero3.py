@@ -126,7 +126,7 @@ def test_a_bf16_run_scores_with_the_reward_models_saved_fp32_at_every_stage(bf16
         assert shown
         whole = load_reward_model(str(ws / "rm"), None)([s["prompt"] + s["completion"] for s in shown])
         assert [s["parts"]["reward_model"] for s in shown] == pytest.approx(whole, rel=1e-5, abs=1e-6), name
-        lines = re.findall(HELD + r", in (\w+)", out)
+        lines = re.findall(HELD + r", in ([a-z]+\d+)", out)  # two ranks' lines can run together on the console
         assert len(lines) == 2 and {line[-1] for line in lines} == {"float32"}, out[-3000:]
     step = {n: next(r for r in rows(ws / n) if r.get("step") == 1 and "loss" in r) for n in ("z3_bf16", "z2_bf16")}
     assert step["z3_bf16"]["reward_reward_model"] == pytest.approx(step["z2_bf16"]["reward_reward_model"], rel=1e-5)

@@ -35,13 +35,17 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from dsrecipes.config.load import load_config, read_yaml_mapping
 from dsrecipes.config.pipeline_file import _NAME as STAGE_NAME
+from dsrecipes.core.choices import BadRows
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.fileio import not_regular, read_json_file
 from dsrecipes.core.schema import SourceConfig, TrainConfig
-from dsrecipes.data.plan.ledger import LEDGER_DIR
+from dsrecipes.data.plan.ledger import LEDGER_DIR, read_ledger
 from dsrecipes.data.prepare.cache import data_files
+from dsrecipes.data.sources.badrows import BadRowReport
 from dsrecipes.data.sources.registry import resolve_sources
 from dsrecipes.data.sources.remote import looks_like_url
+from dsrecipes.data.sources.sharegpt import iter_checked, sample_id
+from dsrecipes.data.sources.split_shares import share_of_row
 from dsrecipes.run.pipeline import MARKER, STATE_FILE
 
 Group = Tuple[str, ...]  # (real files..., shares, pins) as JSON: stages that split the same data the same way
@@ -238,12 +242,6 @@ def _traced(out: Path, members: List[Tuple[str, _Stage]], files: str) -> List[st
     that names rows of one share only must name rows of the share the stage took. An id naming rows of several shares
     (an `id` column repeated across shares) is counted and not compared; an id of no row (a file changed since) is
     `_changed_files`' to report."""
-    from dsrecipes.core.choices import BadRows
-    from dsrecipes.data.plan.ledger import read_ledger
-    from dsrecipes.data.sources.badrows import BadRowReport
-    from dsrecipes.data.sources.sharegpt import iter_checked, sample_id
-    from dsrecipes.data.sources.split_shares import share_of_row
-
     recording = [(n, stage) for n, stage in members if (out / n / LEDGER_DIR).is_dir()]
     if not recording:
         return []

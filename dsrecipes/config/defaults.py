@@ -31,6 +31,7 @@ import os
 from pathlib import PurePath
 from typing import List, Optional
 
+from dsrecipes.config.matrix import option_body
 from dsrecipes.core.hub import is_hub_id
 from dsrecipes.core.schema import OptimizerKind, TrainConfig
 
@@ -103,8 +104,6 @@ def lr_reason(cfg: TrainConfig) -> str:
 def objective_lr_scale(kind: str) -> float:
     """The objective group's own `lr_scale` (conf/objective/KIND.yaml): a run that leaves it as its objective sets
     it is not warned that an explicit optimizer.lr makes it unused (`config_warnings`)."""
-    from dsrecipes.config.matrix import option_body
-
     return float(option_body("objective", kind).get("lr_scale", 1.0))
 
 

@@ -220,18 +220,7 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
         check_fill(sum(p >= 0 for p in assignment), parts)
     staging, made = new_dir_beside(out, "shard-tmp")
     try:
-        # written in our cache while the rows are read, moved into the shard when it is written: a refused shard
-        # (too many bad rows) removes its staging directory, and its message names this file, which must be there
-        quarantine = _quarantine_path(cfg, out, staging)
-        report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, quarantine)
-        no_reference: List[int] = []  # prompt rows without a reference answer (the run's comparing rewards need it)
-        lines = (line for line, _ in checked_rows(cfg, report, encoder, sources, no_reference))
-        lines = lines if assignment is not None else filling(lines, parts)  # the part count checked before writing
-        written = write_parts(lines, assignment, parts, staging, tokens)
-        if quarantine != staging / QUARANTINE and quarantine.exists():
-            shutil.move(str(quarantine), str(staging / QUARANTINE))
-        if cfg.objective.rows is RowKind.prompt:  # counted in the training parts: the run says it or refuses
-            written.no_reference = sum(1 for k in no_reference if assignment is None or assignment[k] >= 0)
+        written, report = _written(cfg, encoder, sources, assignment, parts, staging, tokens)
         manifest = describe_parts(written, cfg, balance, report, check_identity(cfg, tokenizer), sources)
         manifest.shard_args = list(shard_args)
         atomic_write_json(staging / MANIFEST, manifest.to_json())
@@ -253,15 +242,32 @@ def shard(cfg: Any, parts: int, out_dir: str, balance: ShardBalance = ShardBalan
     return manifest
 
 
-def _quarantine_path(cfg: Any, out: Path, staging: Path) -> Path:
-    """Where the bad rows are quarantined while the rows are read: our cache (`data.cache_dir`), else (a read-only
-    cache) the staging directory, which a refused shard removes."""
+def _written(cfg: Any, encoder: Any, sources: List[Any], assignment: Optional[List[int]], parts: int, staging: Path,
+             tokens: Optional[List[int]]) -> Tuple[Manifest, BadRowReport]:
+    """The parts written into `staging` from the rows that pass training's checks, and the report of the bad ones.
+    The quarantine is written in our cache while the rows are read and moved into the shard once the parts are
+    written: a refused shard (too many bad rows) removes its staging directory, and its message names the file."""
+    quarantine = _quarantine_path(cfg, staging)
+    report = BadRowReport(cfg.dataset.bad_rows, cfg.dataset.max_bad_fraction, quarantine)
+    no_reference: List[int] = []  # prompt rows without a reference answer (the run's comparing rewards need it)
+    lines = (line for line, _ in checked_rows(cfg, report, encoder, sources, no_reference))
+    lines = lines if assignment is not None else filling(lines, parts)  # the part count checked before writing
+    written = write_parts(lines, assignment, parts, staging, tokens)
+    if quarantine != staging / QUARANTINE and quarantine.exists():
+        shutil.move(str(quarantine), str(staging / QUARANTINE))
+    if cfg.objective.rows is RowKind.prompt:  # counted in the training parts: the run says it or refuses
+        written.no_reference = sum(1 for k in no_reference if assignment is None or assignment[k] >= 0)
+    return written, report
+
+
+def _quarantine_path(cfg: Any, staging: Path) -> Path:
+    """Where the bad rows are quarantined while the rows are read: `<cache>/shard-quarantine/` (made with the first
+    bad row, as the report writes it), else, where the cache cannot be written, the staging directory."""
     folder = cache_root(cfg) / "shard-quarantine"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError:
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if existing is None or not os.access(existing, os.W_OK | os.X_OK):
         return staging / QUARANTINE
-    return folder / f"{out.name}-{os.getpid()}-quarantine.jsonl"
+    return folder / f"{staging.name}-quarantine.jsonl"
 
 
 def _check_arguments(parts: int, val_size: float, out_dir: str) -> None:
