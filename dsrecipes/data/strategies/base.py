@@ -40,10 +40,15 @@ def worker_ignores_stop_signals(_worker_id: int) -> None:
     """DataLoader `worker_init_fn`: a SIGTERM/SIGINT sent to the whole process group must stop the rank at a step
     boundary (stopping.py), not kill the worker that feeds it mid-step; workers end with their rank, and never
     outlive it: the kernel SIGKILLs a worker whose rank dies (PR_SET_PDEATHSIG), and a worker whose rank died before
-    that was set ends at once. The rank's failure path ends its workers itself (`end_workers`)."""
+    that was set ends at once. The rank's failure path ends its workers itself (`end_workers`). A worker writing to
+    its rank's end of a pipe that is gone (the rank ending) ends at once by SIGPIPE as well: the launching process
+    keeps SIGPIPE ignored (cli.main, core/console.OutputClosed), and a rank run in that process (launcher=local, one
+    rank) would otherwise hand its workers a BrokenPipeError to linger on."""
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "SIGPIPE"):
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     die_with_parent()
 
 
