@@ -6,6 +6,7 @@ on a prompt's tokens, so "trained tokens" are 0.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Dict, List, Sequence
 
 from dsrecipes.core.errors import DataError
@@ -50,3 +51,10 @@ def reference_lines(cfg: TrainConfig, stats: Dict[str, Any]) -> List[str]:
                         "({name: regex, pattern: ...}, {name: length, ...}, an installed function, or "
                         "objective.reward_model=DIR)")
     return [f"note: {said}"]
+
+
+def say_references(cfg: TrainConfig, rows: int, without: int) -> None:
+    """`reference_lines` of `rows` prompt rows, `without` of them lacking a reference (a stream's pre-scan, a shard's
+    manifest), printed on stderr; DataError as there."""
+    for line in reference_lines(cfg, {"rows_kept": rows, "with_reference": rows - without}):
+        print(line, file=sys.stderr)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import glob
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -36,7 +35,7 @@ from dsrecipes.core.schema import DataKind, SourceConfig, TrainConfig
 from dsrecipes.core.tokenizer import load_tokenizer
 from dsrecipes.data.plan.epoch import Layout, StreamShuffle, presharded_steps, require_steps
 from dsrecipes.data.plan.sampler import Item, StreamSpec, select_slots
-from dsrecipes.data.prepare.prompts import reference_lines
+from dsrecipes.data.prepare.prompts import say_references
 from dsrecipes.data.shard.manifest import Manifest, checked_alike, read_manifest, verify_part, verify_val_part
 from dsrecipes.data.shard.rows import check_row_format, checked_rows
 from dsrecipes.data.sources.badrows import BadRowReport
@@ -163,9 +162,7 @@ class PreshardedStrategy:
         manifest = read_manifest(cfg.data.shard_dir, world_size=world_size, resuming=resuming)
         check_row_format(manifest, cfg)
         if manifest.no_reference is not None:  # prompt rows whose comparing rewards have no reference: said, or refused
-            known = {"rows_kept": manifest.total, "with_reference": manifest.total - manifest.no_reference}
-            for line in reference_lines(cfg, known):
-                print(line, file=sys.stderr)
+            say_references(cfg, manifest.total, manifest.no_reference)
         if cfg.data.prescan:
             check_parts(cfg, run_dir, manifest)
         val = write_val_rows(cfg, run_dir) if cfg.dataset.val_paths else manifest.val_count

@@ -41,7 +41,7 @@ from dsrecipes.data.prepare.cache import (
     data_fingerprint,
     tokenizer_fingerprint,
 )
-from dsrecipes.data.prepare.prompts import reference_lines
+from dsrecipes.data.prepare.prompts import say_references
 from dsrecipes.data.rowkinds import ROW_KINDS, resolved
 from dsrecipes.data.sources.badrows import BadReason, BadRow, BadRowReport
 from dsrecipes.data.sources.files import element_line
@@ -184,8 +184,7 @@ def scan_stream(cfg: TrainConfig, run_dir: Path, index: Optional[StreamIndex] = 
             bad_train += [bases[f] + b[0] for b in result.bad_rows() if b[0] < index.caps[f] and b[0] not in other]
     counts = _finish(report, good, run_dir)
     if cfg.objective.rows is RowKind.prompt:  # comparing rewards without references: said, or refused (DataError)
-        for line in reference_lines(cfg, {"rows_kept": good, "with_reference": good - no_reference}):
-            print(line, file=sys.stderr)
+        say_references(cfg, good, no_reference)
     return counts
 
 
