@@ -18,7 +18,8 @@ from dsrecipes.boundary.point_of_use import ChangedCheckpoint, CheckedCheckpoint
 from dsrecipes.boundary.trust import sign
 from dsrecipes.core.locks import unread
 from dsrecipes.rank.checkpoint import COMPLETE, prune_checkpoints
-from dsrecipes.run.launch.process import _end_group, _Stop, supervise
+from dsrecipes.run.launch.process import _Stop, supervise
+from dsrecipes.run.launch.tree import end_group
 
 
 def _checkpoint(root, step):
@@ -89,7 +90,7 @@ def supervise_a_killed_launcher(tmp_path, saved) -> tuple:
         proc.send_signal(signal.SIGKILL)  # the launcher only; its rank trains on
         code = supervise(proc, tmp_path, _Stop(10.0))
     finally:
-        _end_group(proc.pid)  # what run_subprocess does after supervise: the old code's SIGKILL of the ranks
+        end_group(proc.pid)  # what run_subprocess does after supervise: the old code's SIGKILL of the ranks
     return code, proc.pid
 
 
@@ -164,7 +165,7 @@ def test_a_stopped_launcher_whose_ranks_ended_does_not_keep_the_run_waiting(tmp_
     try:
         assert codes == [-signal.SIGKILL], "the launching process is still waiting for the stopped launcher"
     finally:
-        _end_group(proc.pid)
+        end_group(proc.pid)
     err = capsys.readouterr().err
     assert f"every rank has ended, but the launcher (pid {proc.pid}, state stopped) has not exited 1 s later" in err
 

@@ -19,6 +19,7 @@ import pytest
 
 import dsrecipes.core.stopping as stopping
 import dsrecipes.run.launch.process as process
+from dsrecipes.run.launch.tree import end_group
 
 DEAF_RANK = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
 
@@ -32,7 +33,7 @@ def test_a_rank_that_does_not_stop_in_the_grace_is_named_and_killed(tmp_path: Pa
     try:
         process.supervise(proc, tmp_path, stop)
     finally:
-        process._end_group(proc.pid)
+        end_group(proc.pid)
         proc.wait()
     err = capsys.readouterr().err
     assert f"waiting 0 s for rank 1 (pid {proc.pid}) to save and stop" in err or \

@@ -129,8 +129,6 @@ def test_the_pipeline_stopped_while_its_ranks_train_leaves_no_process_and_resume
     assert_same_as_uninterrupted(out, pipeline_reference)
 
 
-@pytest.mark.xfail(strict=True, reason="launcher=torchrun: torchrun's own SignalException traceback reaches the "
-                   "console on SIGTERM (dsrecipes train alone too; run/launch/, not the pipeline's code)")
 def test_sigterm_under_torchrun_says_no_traceback(tmp_path):
     path, out = write(tmp_path, TORCHRUN), tmp_path / "out"
     proc = start(tmp_path, path, out, fault_env(tmp_path, pause_after_step=1))

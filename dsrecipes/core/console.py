@@ -49,6 +49,9 @@ NOISE = [re.compile(p) for p in (
 # What torchrun's agent raises when a rank failed, printed as an uncaught traceback, then a box of '=' rules naming
 # the ranks' exit codes: the launching process says the cause (commands/outcome.py); the log keeps it (`_Held`).
 AGENT_FAILED = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+# What it raises (no box) after it passed on a stop signal to its ranks: the launching process, which sent it, says
+# how the run stopped (stopping.py); the log keeps it.
+AGENT_SIGNALLED = "torch.distributed.elastic.multiprocessing.api.SignalException"
 
 
 def is_noise(line: str) -> bool:
@@ -339,7 +342,8 @@ def relay(stream: IO[bytes], console: IO[str], log: Path) -> threading.Thread:
 
 class _Held:
     """A traceback held back until its last line says whose it is: torchrun's agent's AGENT_FAILED, with the box
-    after it (up to its second '=' rule), goes to the log; any other is passed on as it came, in order."""
+    after it (up to its second '=' rule), and its AGENT_SIGNALLED go to the log; any other is passed on as it came,
+    in order."""
 
     def __init__(self) -> None:
         self.lines: List[str] = []
@@ -354,10 +358,10 @@ class _Held:
                 self.rules -= bool(re.fullmatch(r"=+\s*", piece))
             elif self.lines and piece.startswith(" "):  # a frame, its source line, its carets
                 self.lines.append(piece)
-            elif self.lines and piece.startswith(AGENT_FAILED):
+            elif self.lines and piece.startswith((AGENT_FAILED, AGENT_SIGNALLED)):
                 for line in self.lines + [piece]:
                     sink.write(line.rstrip("\r\n"))
-                self.lines, self.rules = [], 2
+                self.lines, self.rules = [], 2 if piece.startswith(AGENT_FAILED) else 0
             elif piece.rstrip("\r\n") == "Traceback (most recent call last):":
                 out += self.release()
                 self.lines = [piece]

@@ -5,13 +5,14 @@ A launcher runs in a session of its own, so its whole tree (DeepSpeed's runner w
 `launch.py`, the ranks and their DataLoader workers) is one process group. SIGTERM or SIGINT to the launching process
 is forwarded to that group (deepspeed's runner would otherwise die alone and leave the ranks training), the ranks get
 `grace_s` to reach a step boundary and save (stopping.py), then whatever is left of the group is killed. After a
-normal end, leftovers of the group are killed too: a run leaves no process behind.
+normal end, leftovers of the group are killed too: a run leaves no process behind. torchrun starts each rank in a
+session of its own: what the launcher started is also followed as last seen (tree.py), so ranks orphaned by a
+launcher that was killed are stopped, waited for and ended the same way.
 """
 
 from __future__ import annotations
 
 import _thread
-import contextlib
 import importlib
 import os
 import shutil
@@ -31,6 +32,7 @@ from dsrecipes.boundary.rank_env import rank_defaults
 from dsrecipes.core.console import PROGRESS_ENV, log_path, progress_mode, relay
 from dsrecipes.core.failure import killed_by, rank_failure
 from dsrecipes.run.launch.plan import RANK_ENV, WORKER_MODULE, Command
+from dsrecipes.run.launch.tree import Tree, kill_tree
 
 FAILED_NODE_GRACE_S = 5  # after a rank reported a lost node: time for the launcher to stop the others itself
 STOP_NOTE_S = 10.0  # after a stop signal: a line this often while the ranks save, naming those still running
@@ -59,21 +61,21 @@ def run_subprocess(cmd: Command, run_dir: Path, grace_s: float, log: Optional[Pa
     ended; with `log`, its output passes through `console.relay` (third-party noise goes to `log`). `announce`:
     this process names a lost node or a stall (False: the rank says it itself, `run_in_process`)."""
     proc, relays = _start(cmd, log)
-    stop = _Stop(grace_s)
+    stop, tree = _Stop(grace_s), Tree(proc.pid)
 
     def forward(signum: int) -> None:
         stop.at = stop.at or time.monotonic()
-        _signal_group(proc.pid, signum)
+        tree.signal(signum)
 
     code: Optional[int] = None
     try:
         with stopping.handling(on_signal=forward, announce=True):
-            code = supervise(proc, run_dir, stop, announce)  # (the run's code: not -9 where it stopped the launcher)
+            code = supervise(proc, run_dir, stop, announce, tree)  # (the run's code: not -9 where it stopped it)
     except KeyboardInterrupt:  # Ctrl-C twice
-        _end_group(proc.pid)
+        tree.end()
         raise
     finally:
-        _end_group(proc.pid)  # whatever is still there (leftover workers, a stuck rank)
+        tree.end()  # whatever is still there (leftover workers, a stuck rank, ranks orphaned by a killed launcher)
         ended = proc.wait()
         for thread in relays:
             thread.join(timeout=10)  # a rank that outlives its launcher must not hold us here
@@ -93,32 +95,33 @@ def _start(cmd: Command, log: Optional[Path]) -> Tuple[subprocess.Popen, List[th
     return proc, relays
 
 
-def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = None, announce: bool = True) -> int:
-    """Wait for the launcher (and, after a stop signal, for its whole group, up to the grace). When a rank reports
+def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = None, announce: bool = True,
+              tree: Optional[Tree] = None) -> int:
+    """Wait for the launcher (and, after a stop signal, for its whole tree, up to the grace). When a rank reports
     a lost node (<run>/failure.json, dsrecipes.core.heartbeat), say which node failed and give the launcher
     FAILED_NODE_GRACE_S to stop its ranks; then end its process tree (pdsh keeps waiting for ssh to a dead host, and
     deepspeed's own cleanup would ssh there too)."""
-    stop = stop or _Stop(0.0)
+    stop, tree = stop or _Stop(0.0), tree or Tree(proc.pid)
     deadline: Optional[float] = None
     code: Optional[int] = None
-    left = _LeftAlone(proc.pid)
+    left = _LeftAlone(tree)
     noted = 0.0  # seconds after the stop signal of the last waiting line
-    while code is None or (stop.at is not None and _group_alive(proc.pid)):
+    while code is None or (stop.at is not None and tree.alive()):
         if stop.overdue():
-            print(f"error: {_still_running(proc.pid)} did not stop within trainer.stop_grace_s={stop.grace_s:g} s "
+            print(f"error: {tree.running()} did not stop within trainer.stop_grace_s={stop.grace_s:g} s "
                   "of the stop signal; killed (nothing after the last checkpoint is kept)", file=sys.stderr, flush=True)
-            _end_group(proc.pid)  # out of time: whatever has not stopped is killed
+            tree.end()  # out of time: whatever has not stopped is killed
             break
         if stop.at is not None and time.monotonic() - stop.at - noted >= STOP_NOTE_S:
             noted = time.monotonic() - stop.at
-            print(f"dsrecipes: waiting {noted:.0f} s for {_still_running(proc.pid)} to save and stop (killed at "
+            print(f"dsrecipes: waiting {noted:.0f} s for {tree.running()} to save and stop (killed at "
                   f"trainer.stop_grace_s={stop.grace_s:g})", file=sys.stderr, flush=True)  # fmt: skip
         if code is not None:
             time.sleep(0.2)  # the launcher ended; its ranks are still saving
             continue
         try:
             code = proc.wait(timeout=0.5)
-            _launcher_lost(proc, code, stop)
+            _launcher_lost(proc, code, stop, tree)
             continue
         except subprocess.TimeoutExpired:
             pass
@@ -152,16 +155,15 @@ class _LeftAlone:
     LAUNCHER_EXIT_S after its last child ended, said in one line; the caller then ends it (the ranks' own outcome
     says how the run went)."""
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
+    def __init__(self, tree: Tree) -> None:
+        self.pid, self.tree = tree.pid, tree
         self.had_children = False
         self.since: Optional[float] = None
 
     def overdue(self) -> bool:
         try:
-            launcher = psutil.Process(self.pid)
-            live = [c for c in launcher.children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
-            state = launcher.status()
+            state = psutil.Process(self.pid).status()
+            live = [c for c in self.tree.look() if c.status() != psutil.STATUS_ZOMBIE]
         except psutil.Error:
             return False
         self.had_children = self.had_children or bool(live)
@@ -176,20 +178,20 @@ class _LeftAlone:
         return True
 
 
-def _launcher_lost(proc: subprocess.Popen, code: int, stop: _Stop) -> None:
+def _launcher_lost(proc: subprocess.Popen, code: int, stop: _Stop, tree: Tree) -> None:
     """The launcher itself killed by a signal (DeepSpeed's per-node launcher, a torchrun agent: `kill -9` of the
     wrong pid) while its ranks train on: they are stopped like a SIGTERM stops them, at the next step boundary with a
     checkpoint, instead of being killed with the launcher's group and losing the steps since the last save. A
     launcher that ends because a rank died exits with a code (DeepSpeed's: 247 for a rank's SIGKILL), not a signal."""
     name = killed_by(code) if code < 0 else None
-    if name is None or stop.at is not None or not _group_alive(proc.pid):
+    if name is None or stop.at is not None or not tree.alive():
         return
     stop.at = time.monotonic()
     lost = f"the launcher (pid {proc.pid}, {_name(proc)}) was killed by {name} while its ranks ran"
     stopping.stopped_for(lost)  # the run's outcome names this, not a SIGTERM nobody sent (commands/outcome.py)
     print(f"dsrecipes: {lost}; stopping them at the next step boundary with a checkpoint (up to "
           f"trainer.stop_grace_s={stop.grace_s:g} s)", file=sys.stderr, flush=True)  # fmt: skip
-    _signal_group(proc.pid, signal.SIGTERM)
+    tree.signal(signal.SIGTERM)
 
 
 def _name(proc: subprocess.Popen) -> str:
@@ -198,86 +200,12 @@ def _name(proc: subprocess.Popen) -> str:
     return module or Path(str(args[0])).name
 
 
-def _still_running(pgid: int) -> str:
-    """The ranks (their pids) still alive in the launcher's process group, for a message; its other processes (the
-    launcher, DataLoader workers: children of a process with the same rank) by pid and name when no rank is left."""
-    ranks, others = [], []
-    for pid in psutil.pids():
-        try:
-            if os.getpgid(pid) != pgid:
-                continue
-            p = psutil.Process(pid)
-            if p.status() == psutil.STATUS_ZOMBIE:
-                continue
-            rank = p.environ().get("RANK")
-            parent = p.parent()
-            parent_rank = parent.environ().get("RANK") if parent is not None else None
-        except (OSError, psutil.Error):
-            continue
-        if rank is not None and rank.isdigit() and rank != parent_rank:
-            ranks.append((int(rank), pid))
-        elif rank is None:
-            others.append(f"pid {pid} ({p.name()})")
-    if ranks:
-        return ", ".join(f"rank {r} (pid {pid})" for r, pid in sorted(ranks))
-    return ", ".join(others) or "the launcher's process group"
-
-
 def _stopped_code(run_dir: Path) -> int:
     """The exit code of a launcher this process had to stop after a rank reported a failure (its SIGKILL is not the
     cause): 2 when that was a user error found by a rank (its own message: a rendezvous that timed out, bad data),
     else 1."""
     report = rank_failure(run_dir)
     return 2 if report is not None and report.get("render") else 1
-
-
-def _end_group(pid: int) -> None:
-    """SIGKILL the launcher's tree and its process group (a grandchild whose parent died is in the group only)."""
-    kill_tree(pid)
-    _signal_group(pid, signal.SIGKILL)
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and all its descendants. The tree is frozen (SIGSTOP) first, so nothing it starts meanwhile
-    (deepspeed's cleanup spawns `pdsh ... pkill` on a SIGTERM, which would hang on a dead host) escapes."""
-
-    frozen: Dict[int, "psutil.Process"] = {}
-    try:
-        root = psutil.Process(pid)
-    except psutil.NoSuchProcess:
-        return
-    for _ in range(10):
-        try:
-            found = [root] + root.children(recursive=True)
-        except psutil.NoSuchProcess:
-            found = []
-        new = [p for p in found if p.pid not in frozen]
-        if not new:
-            break
-        for p in new:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.suspend()
-            frozen[p.pid] = p
-    for p in frozen.values():
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    # Not the root: waiting on it would reap it here, and its Popen would then report exit code 0.
-    psutil.wait_procs([p for p in frozen.values() if p.pid != pid], timeout=10)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-def _signal_group(pgid: int, signum: int) -> None:
-    try:
-        os.killpg(pgid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def run_in_process(cmd: Command, run_dir: Path, grace_s: float) -> int:

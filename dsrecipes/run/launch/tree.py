@@ -1,0 +1,152 @@
+"""The processes a launcher started, followed to their end: its process group (a launcher runs in a session of its
+own), its tree, and what was seen of it (`Tree`): torchrun starts each rank in a session of its own, out of the
+launcher's group, and a launcher killed by a signal leaves them orphaned, out of reach of its tree too."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from typing import Dict, List, Optional, Set
+
+import psutil
+
+
+class Tree:
+    """The launcher and every process it started, as last seen (`look`, each poll of `supervise`): torchrun starts
+    each rank in a session of its own, out of the launcher's process group, and a launcher killed by a signal leaves
+    its ranks orphaned, out of reach of its tree too. Those seen are still reachable: psutil checks a pid's start
+    time, so a pid used again by another process is never signalled."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.seen: Dict[int, psutil.Process] = {}
+        self.launcher: Optional[psutil.Process] = None
+        with contextlib.suppress(psutil.Error):
+            self.launcher = psutil.Process(pid)
+
+    def look(self) -> List[psutil.Process]:
+        """The launcher's descendants now (recorded as seen)."""
+        try:
+            found = psutil.Process(self.pid).children(recursive=True)
+        except psutil.Error:
+            return []
+        for p in found:
+            self.seen.setdefault(p.pid, p)
+        return found
+
+    def outside(self) -> List[psutil.Process]:
+        """Those seen still running outside the launcher's process group (torchrun's ranks, orphaned or not)."""
+        left = []
+        for p in self.seen.values():
+            with contextlib.suppress(psutil.Error, OSError):
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) != self.pid:
+                    left.append(p)
+        return left
+
+    def alive(self) -> bool:
+        return group_alive(self.pid) or bool(self.outside())
+
+    def signal(self, signum: int) -> None:
+        """`signum` to the launcher's group; once the launcher has ended, also to each process seen outside it (a
+        live torchrun passes a signal on to its ranks itself: a second SIGINT from here would stop them at once,
+        stopping.py; DataLoader workers ignore SIGTERM and SIGINT: their rank stops them)."""
+        signal_group(self.pid, signum)
+        if self._launcher_running():
+            return
+        for p in self.outside():
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signum)
+
+    def _launcher_running(self) -> bool:
+        try:
+            return self.launcher is not None and self.launcher.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:  # ended and reaped (psutil checks the start time: not a new process with its pid)
+            return False
+
+    def end(self) -> None:
+        """SIGKILL the launcher's tree and group and whatever was seen outside them (each with its descendants)."""
+        self.look()
+        end_group(self.pid)
+        for p in self.outside():
+            kill_tree(p.pid)
+
+    def running(self) -> str:
+        return still_running({self.pid} | {p.pid for p in self.outside()})
+
+
+def still_running(pgids: Set[int]) -> str:
+    """The ranks (their pids) still alive in the launcher's process group (or one of `pgids`: torchrun's ranks lead
+    groups of their own), for a message; its other processes (the launcher, DataLoader workers: children of a process
+    with the same rank) by pid and name when no rank is left."""
+    ranks, others = [], []
+    for pid in psutil.pids():
+        try:
+            if os.getpgid(pid) not in pgids:
+                continue
+            p = psutil.Process(pid)
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            rank = p.environ().get("RANK")
+        except (OSError, psutil.Error):
+            continue
+        parent_rank = None
+        with contextlib.suppress(OSError, psutil.Error):  # an orphan's parent: init, whose environment is not ours
+            parent = p.parent()
+            parent_rank = parent.environ().get("RANK") if parent is not None else None
+        if rank is not None and rank.isdigit() and rank != parent_rank:
+            ranks.append((int(rank), pid))
+        elif rank is None:
+            others.append(f"pid {pid} ({p.name()})")
+    if ranks:
+        return ", ".join(f"rank {r} (pid {pid})" for r, pid in sorted(ranks))
+    return ", ".join(others) or "the launcher's process group"
+
+
+def end_group(pid: int) -> None:
+    """SIGKILL the launcher's tree and its process group (a grandchild whose parent died is in the group only)."""
+    kill_tree(pid)
+    signal_group(pid, signal.SIGKILL)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants. The tree is frozen (SIGSTOP) first, so nothing it starts meanwhile
+    (deepspeed's cleanup spawns `pdsh ... pkill` on a SIGTERM, which would hang on a dead host) escapes."""
+
+    frozen: Dict[int, "psutil.Process"] = {}
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    for _ in range(10):
+        try:
+            found = [root] + root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            found = []
+        new = [p for p in found if p.pid not in frozen]
+        if not new:
+            break
+        for p in new:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.suspend()
+            frozen[p.pid] = p
+    for p in frozen.values():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    # Not the root: waiting on it would reap it here, and its Popen would then report exit code 0.
+    psutil.wait_procs([p for p in frozen.values() if p.pid != pid], timeout=10)
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
