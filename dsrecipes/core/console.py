@@ -261,7 +261,12 @@ def _divert(log: Path) -> None:
 
 
 def survive_lost_console(log: Path) -> None:
-    """Ranks started behind a relay: keep writing (into `log`) when the launching process is gone."""
+    """Ranks started behind a relay: keep writing (into `log`) when the launching process is gone. A line leaves in
+    one write: under PYTHONUNBUFFERED (process._start) `print` writes text and newline apart, and two ranks sharing
+    a pipe ran their lines together ('... float32dsrecipes: rank 0: ...'); line-buffered, they leave together."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError, OSError):  # not a TextIOWrapper, or closed
+            stream.reconfigure(line_buffering=True, write_through=False)
     if not isinstance(sys.stdout, _Survivor):
         sys.stdout = _Survivor(sys.stdout, log)  # type: ignore[assignment]
         sys.stderr = _Survivor(sys.stderr, log)  # type: ignore[assignment]
