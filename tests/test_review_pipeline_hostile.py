@@ -60,6 +60,8 @@ def test_a_stage_directory_someone_else_wrote_is_refused_naming_the_stage(tmp_pa
     code, err = in_process(["pipeline", str(path), "--out", str(out)], capsys)
     assert code == 2 and "pipeline: stage 'sft' (1 of 2) failed (exit 2)" in err, err
     assert f"{(out / 'sft').resolve()} is not empty (mine.txt)" in err, err
+    assert "Move those files out of it, or start over with a new --out; nothing was changed" in err, err
+    assert "Choose another directory" not in err, err  # train's remedy: a stage does not choose its directory
     assert_one_message(err)
     assert os.listdir(out / "sft") == ["mine.txt"] and (out / "sft" / "mine.txt").read_text() == "mine"
     assert not (out / "dpo").exists()

@@ -52,6 +52,7 @@ RANKS_LOCK_FILE = ".dsrecipes.ranks.lock"
 SWEEP_MARKER = "dsrecipes_sweep.json"  # a sweep directory of ours (claim_sweep_dir)
 CHECKPOINTS_DIR = "checkpoints"  # (checkpoint.py owns what is inside)
 HYDRA_SUBDIR = ".hydra"  # Hydra writes it into a job directory before the job starts
+FOREIGN_TAIL = "Choose another directory; nothing was changed"  # run/pipeline.py, which chooses, says its own
 CLAIMING_PREFIXES = (".dsrecipes", f".{MARKER_FILE}.")  # lock files, write probes, the marker being written
 # Files of a run directory someone else may have handed over (or a damaged one) are read within bounds:
 MAX_DS_CONFIG_BYTES = 1 << 20  # ds_config.json is a few KB
@@ -91,7 +92,6 @@ class Claim:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
-
 
 def claim(run_dir: Path, key: str, fingerprint: str, *, hydra_job_dir: bool = False) -> Claim:
     """Own and lock `run_dir` for one run: create it (or take it empty), or take an existing dsrecipes run.
@@ -146,7 +146,7 @@ def ensure_owned_dir(run_dir: Path, key: str, *, hydra_job_dir: bool = False) ->
         shown = ", ".join(sorted(entries)[:5]) + (", ..." if len(entries) > 5 else "")
         raise UserError(f"{key}: {run_dir} is not empty ({shown}) and is not a dsrecipes run directory (no "
                         f"{MARKER_FILE}); dsrecipes writes only into a new or empty directory or one of its own runs. "
-                        "Choose another directory; nothing was changed")
+                        f"{FOREIGN_TAIL}")
     check_writable(run_dir, key)
     return False
 

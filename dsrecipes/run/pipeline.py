@@ -54,7 +54,7 @@ from dsrecipes.core.export_dir import EXPORT_DIR
 from dsrecipes.core.failure import log_traceback, one_line
 from dsrecipes.core.fileio import atomic_write_json
 from dsrecipes.core.locks import ExclusiveLock, LockHeld
-from dsrecipes.core.rundir import RESULT_FILE, claim_marked_dir
+from dsrecipes.core.rundir import FOREIGN_TAIL, RESULT_FILE, claim_marked_dir
 from dsrecipes.observe.pipeline_report import write_summary
 from dsrecipes.run.resume_contract import RESTORE_TAIL
 
@@ -291,7 +291,9 @@ def run_stage(run: PipelineRun, stage: Stage, number: int, train: Train) -> int:
         run.record(stage, status="failed", exit_code=code)
         # train's remedy for a settings refusal names trainer.output_dir, which a stage does not choose: the
         # pipeline's remedy below replaces it
-        said = [c.removeprefix("error: ").replace(f"{RESTORE_TAIL} (", "(") for c in causes]
+        said = [c.removeprefix("error: ").replace(f"{RESTORE_TAIL} (", "(").replace(
+            FOREIGN_TAIL, "Move those files out of it, or start over with a new --out; nothing was changed")
+            for c in causes]
         why = f": {'; '.join(said)}" if said else ""
         where = f"its run directory: {run.out / stage.name}" if (run.out / stage.name).is_dir() else "it wrote nothing"
         since = (f"; it was started with other settings ({changed(before, argv)}): restore them in "
