@@ -50,6 +50,7 @@ from dsrecipes.data.stream.order import epoch_visits
 from dsrecipes.data.stream.reader import ItemFetcher, read_stretch
 from dsrecipes.data.stream.scan import prepare_stream_files
 from dsrecipes.data.stream.segments import LocalShuffle, Segment, epoch_segment
+from dsrecipes.data.stream.unscanned import TRAINING, VALIDATION, RowsMetUnscanned
 
 STREAM_STATE_VERSION = 2  # 1: the shared-stream filter before block reading
 MakeRows = Callable[[Sequence[Any]], List[Row]]
@@ -224,7 +225,8 @@ class IterableStrategy:
         cfg, index = data.cfg, data.source
         return StreamTrainLoader(index, Layout.from_cfg(cfg, data.world_size), data.rank, seed=cfg.trainer.seed,
                                  shuffle=cfg.data.shuffle, shuffle_buffer=cfg.data.shuffle_buffer,
-                                 num_samples=cfg.data.num_samples, make_rows=stream_rows(cfg, data.tokenizer, index),
+                                 num_samples=cfg.data.num_samples,
+                                 make_rows=stream_rows(cfg, data.tokenizer, index, data.rank, TRAINING),
                                  collate_fn=make_collate(data.cfg, data.tokenizer), num_workers=cfg.data.num_workers,
                                  prefetch_factor=cfg.data.prefetch_factor, max_row_bytes=cfg.dataset.max_row_bytes,
                                  read_ahead_bytes=cfg.data.read_ahead_bytes, span_bytes=cfg.data.span_bytes)
@@ -238,7 +240,7 @@ class IterableStrategy:
         first = data.rank * len(refs) // data.world_size
         share = refs[first:(data.rank + 1) * len(refs) // data.world_size]
         source = BlockSource(index, cfg.dataset.max_row_bytes)
-        rows = stream_rows(cfg, data.tokenizer, index)([(*row, 0) for row in source.rows(share)])
+        rows = stream_rows(cfg, data.tokenizer, index, data.rank, VALIDATION)([(*row, 0) for row in source.rows(share)])
         source.close()  # rows <= samples of the share (skipped, packed): their positions stay inside it
         return EvalLoader(rows, 0, 1, cfg.trainer.micro_batch_size, make_collate(data.cfg, data.tokenizer), first)
 
@@ -251,7 +253,10 @@ class IterableStrategy:
                             cfg.data.num_samples, index.table())
 
 
-def stream_rows(cfg: Any, tokenizer: Any, index: StreamIndex) -> Any:
-    """The run objective's rows (conversations, or preference pairs) of the stream's files."""
-    return row_encoder(cfg, tokenizer, [f.name for f in index.files], file_sources(cfg, index),
-                      [f.loc_base < 0 for f in index.files])
+def stream_rows(cfg: Any, tokenizer: Any, index: StreamIndex, rank: int = 0, part: str = TRAINING) -> Any:
+    """The run objective's rows (conversations, or preference pairs) of the stream's files, read by `rank` (its
+    `part`: TRAINING or VALIDATION rows). Without the pre-scan, a bad row's refusal says it is the first that reading
+    met (stream/unscanned.py)."""
+    rows = row_encoder(cfg, tokenizer, [f.name for f in index.files], file_sources(cfg, index),
+                       [f.loc_base < 0 for f in index.files])
+    return rows if cfg.data.prescan else RowsMetUnscanned(rows, rank, part)

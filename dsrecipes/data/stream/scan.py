@@ -11,7 +11,8 @@ ranks stream the same rows later under the same bad-row policy, but a worker tha
 can neither stop the others cleanly nor write the quarantine. So `bad_rows=error` stops at the first bad row with
 `file:line: reason` before any process group exists, `bad_rows=skip` writes `<run>/quarantine.jsonl` and enforces
 `dataset.max_bad_fraction`, and a row the scan passed cannot fail mid-run. Opt out with `data.prescan=false` for
-streams too large to read twice (indexing still reads every byte once, cached by content).
+streams too large to read twice (indexing still reads every byte once, cached by content); what the run then does not
+get (the quarantine, the stream's first bad row, GRPO's reference count) is said at launch (stream/unscanned.py).
 
 `checked_conversations` applies the same checks to sources read through `files.py` (`dsrecipes shard`, and
 `scan_sources` for presharded parts checked with another template or tokenizer).
@@ -58,6 +59,7 @@ from dsrecipes.data.stream.index import (
 )
 from dsrecipes.data.stream.scan_files import RowTap, Taps, load_scan, save_scan, scan_path
 from dsrecipes.data.stream.shares import outside_of
+from dsrecipes.data.stream.unscanned import unscanned_note
 
 BATCH = 256  # conversations per tokenization call
 
@@ -78,13 +80,16 @@ def prepare_stream_files(cfg: TrainConfig, run_dir: Path) -> Tuple[int, str, int
     notes: List[str] = []
     sources = resolve_sources(cfg.dataset, notes)
     check_sources(cfg.objective.rows, sources)
-    for note in notes:
+    for note in notes + [n for n in [unscanned_note(cfg)] if n]:
         print(note, file=sys.stderr)
     scanning = _Scanning(cfg, run_dir) if cfg.data.prescan else None
     index = index_stream(cfg, scanning.taps.factory if scanning else None)
     bad_train: List[int] = []
     if scanning is not None:
         scan_stream(cfg, run_dir, index, scanning, bad_train)
+    for fi in index.files if scanning is None else ():  # what the index knows without a scan: said, not quarantined
+        if fi.problem is not None:
+            print(f"data: {fi.name}: {fi.problem[0]} ({fi.problem[1]}): skipped (dataset.bad_rows=skip)", file=sys.stderr)
     hold_out(index, cfg)  # after the scan: a bad row is reported as such, not as too little data
     write_stream_index(run_dir, index)
     total = index.table().epoch_length()
