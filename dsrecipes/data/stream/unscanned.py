@@ -30,7 +30,7 @@ from dsrecipes.data.sources.badrows import BadReason, BadRow, error_message
 _QUARANTINE_ADVICE = error_message("", BadRow(BadReason.invalid_json)).partition("; ")[2]
 QUARANTINE_NAME = f"<run>/{QUARANTINE_FILE}"
 TRAINING = "training rows, read in the epoch's shuffled order"
-VALIDATION = "share of the validation rows, read at its start"
+VALIDATION = "share of the validation rows, read as the rank starts"
 
 
 def unscanned_note(cfg: TrainConfig) -> Optional[str]:
