@@ -56,7 +56,8 @@ class DataConfig:
     cache_dir: Optional[str] = None  # tokenization cache; None = ~/.cache/dsrecipes
     num_samples: Optional[int] = None  # iterable only: plan epochs of this many samples (default: the index's count)
     shard_dir: Optional[str] = None  # presharded only: directory written by `dsrecipes shard`
-    prescan: bool = True  # iterable only: read the stream once before launch to apply the bad-row policy
+    prescan: bool = True  # iterable only: read the stream once before launch to apply the bad-row policy (false:
+    # rows checked only as training reads them: no quarantine, max_bad_fraction or reference count; README)
     block_bytes: Optional[int] = None  # iterable: bytes per read block (null: stream bytes / 65536, in a store 4096)
     prefetch_factor: int = 2
     read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES  # iterable, objects in a store: bytes each reader holds ahead
