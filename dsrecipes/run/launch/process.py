@@ -13,7 +13,9 @@ launcher that was killed are stopped, waited for and ended the same way.
 from __future__ import annotations
 
 import _thread
+import dataclasses
 import importlib
+import math
 import os
 import shutil
 import signal
@@ -36,6 +38,11 @@ from dsrecipes.run.launch.tree import Tree, kill_tree
 
 FAILED_NODE_GRACE_S = 5  # after a rank reported a lost node: time for the launcher to stop the others itself
 STOP_NOTE_S = 10.0  # after a stop signal: a line this often while the ranks save, naming those still running
+# torchrun SIGKILLs its ranks this long after it passed on a stop signal (default 30 s): set past the ranks' grace, so
+# a step and checkpoint that take longer than 30 s are not killed before trainer.stop_grace_s (then this process ends
+# them, naming them). A user's own value (exported, launcher.env, --shutdown_timeout in launcher.extra_args) stands.
+TORCHRUN_SHUTDOWN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+TORCHRUN_SHUTDOWN_MARGIN_S = 10
 
 
 def child_env(extra: Mapping[str, str]) -> Dict[str, str]:
@@ -60,6 +67,9 @@ def run_subprocess(cmd: Command, run_dir: Path, grace_s: float, log: Optional[Pa
     """Run `cmd` in its own process group and supervise it (`supervise`) until it and everything it started have
     ended; with `log`, its output passes through `console.relay` (third-party noise goes to `log`). `announce`:
     this process names a lost node or a stall (False: the rank says it itself, `run_in_process`)."""
+    if TORCHRUN_SHUTDOWN not in os.environ and TORCHRUN_SHUTDOWN not in cmd.env:
+        shutdown_s = math.ceil(grace_s) + TORCHRUN_SHUTDOWN_MARGIN_S
+        cmd = dataclasses.replace(cmd, env={**cmd.env, TORCHRUN_SHUTDOWN: str(shutdown_s)})
     proc, relays = _start(cmd, log)
     stop, tree = _Stop(grace_s), Tree(proc.pid)
 
