@@ -33,6 +33,7 @@ from dsrecipes.run.launch.plan import Command
 from dsrecipes.run.launch.tree import Tree
 from tests.conftest import REPO, subprocess_env
 from tests.faults import fault_env
+from tests.helpers.pipeline_runs import kill_group
 
 pytestmark = pytest.mark.slow
 
@@ -75,26 +76,18 @@ def _held(proc: subprocess.Popen, marker: Path, log: Path) -> List[psutil.Proces
     deadline = time.monotonic() + 60
     while not marker.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
-            _kill(proc)
+            kill_group(proc)
             pytest.fail(f"{marker} never appeared (exit {proc.returncode}):\n{log.read_text()[-3000:]}")
         time.sleep(0.05)
     time.sleep(0.8)  # the launching process looks at the launcher's tree every 0.5 s
     return psutil.Process(proc.pid).children(recursive=True)
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(30)
-
-
 def _ended(proc: subprocess.Popen, log: Path, family: List[psutil.Process], within: float = 30) -> Tuple[int, str]:
     try:
         code = proc.wait(within)
     except subprocess.TimeoutExpired:
-        _kill(proc)
+        kill_group(proc)
         pytest.fail(f"still running {within:.0f} s later:\n{log.read_text()[-3000:]}")
     _, alive = psutil.wait_procs(family, timeout=5)
     for p in alive:

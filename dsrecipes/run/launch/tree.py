@@ -7,9 +7,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from typing import Dict, List, Optional, Set
+import time
+from typing import Dict, List, Optional, Set, Union
 
 import psutil
+
+KILLED_S = 10.0  # after SIGKILL: how long `kill_tree` waits for the processes to end
 
 
 class Tree:
@@ -39,8 +42,8 @@ class Tree:
         """Those seen still running outside the launcher's process group (torchrun's ranks, orphaned or not)."""
         left = []
         for p in self.seen.values():
-            with contextlib.suppress(psutil.Error, OSError):
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) != self.pid:
+            with contextlib.suppress(OSError):
+                if _running(p) and os.getpgid(p.pid) != self.pid:
                     left.append(p)
         return left
 
@@ -69,7 +72,7 @@ class Tree:
         self.look()
         end_group(self.pid)
         for p in self.outside():
-            kill_tree(p.pid)
+            kill_tree(p)
 
     def running(self) -> str:
         return still_running({self.pid} | {p.pid for p in self.outside()})
@@ -109,13 +112,15 @@ def end_group(pid: int) -> None:
     signal_group(pid, signal.SIGKILL)
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and all its descendants. The tree is frozen (SIGSTOP) first, so nothing it starts meanwhile
-    (deepspeed's cleanup spawns `pdsh ... pkill` on a SIGTERM, which would hang on a dead host) escapes."""
+def kill_tree(pid: Union[int, psutil.Process]) -> None:
+    """SIGKILL a process and all its descendants, and wait (up to KILLED_S) until each has ended. The tree is frozen
+    (SIGSTOP) first, so nothing it starts meanwhile (deepspeed's cleanup spawns `pdsh ... pkill` on a SIGTERM, which
+    would hang on a dead host) escapes. `pid` as a psutil.Process (one seen before): not another process that has its
+    pid now."""
 
     frozen: Dict[int, "psutil.Process"] = {}
     try:
-        root = psutil.Process(pid)
+        root = pid if isinstance(pid, psutil.Process) else psutil.Process(pid)
     except psutil.NoSuchProcess:
         return
     for _ in range(10):
@@ -133,8 +138,26 @@ def kill_tree(pid: int) -> None:
     for p in frozen.values():
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
-    # Not the root: waiting on it would reap it here, and its Popen would then report exit code 0.
-    psutil.wait_procs([p for p in frozen.values() if p.pid != pid], timeout=10)
+    _ended(list(frozen.values()), KILLED_S)
+
+
+def _ended(procs: List[psutil.Process], timeout: float) -> None:
+    """Wait until each of `procs` has ended: a zombie has (psutil.wait_procs waits on one that is not our child, an
+    orphan that init reaps late or never, for its whole timeout; and reaping our own child here would make its Popen
+    report exit code 0). The rank of a launcher that was killed (torchrun's: its own session) is waited for too, as
+    its peers were: a rank still being torn down (a GPU's memory freed) must not meet the resume's ranks."""
+    deadline = time.monotonic() + timeout
+    while procs and time.monotonic() < deadline:
+        procs = [p for p in procs if _running(p)]
+        if procs:
+            time.sleep(0.02)
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def group_alive(pgid: int) -> bool:
