@@ -34,7 +34,7 @@ from dsrecipes.boundary.rank_env import rank_defaults
 from dsrecipes.core.console import PROGRESS_ENV, log_path, progress_mode, relay
 from dsrecipes.core.failure import killed_by, rank_failure
 from dsrecipes.run.launch.plan import RANK_ENV, WORKER_MODULE, Command
-from dsrecipes.run.launch.tree import Tree, kill_tree
+from dsrecipes.run.launch.tree import MARK, Tree, kill_tree
 
 FAILED_NODE_GRACE_S = 5  # after a rank reported a lost node: time for the launcher to stop the others itself
 STOP_NOTE_S = 10.0  # after a stop signal: a line this often while the ranks save, naming those still running
@@ -67,11 +67,12 @@ def run_subprocess(cmd: Command, run_dir: Path, grace_s: float, log: Optional[Pa
     """Run `cmd` in its own process group and supervise it (`supervise`) until it and everything it started have
     ended; with `log`, its output passes through `console.relay` (third-party noise goes to `log`). `announce`:
     this process names a lost node or a stall (False: the rank says it itself, `run_in_process`)."""
+    mark = f"{os.getpid()}-{time.time_ns()}"  # (tree.MARK: what the launcher starts is ours, seen or not)
+    env = {**cmd.env, MARK: mark}
     if TORCHRUN_SHUTDOWN not in os.environ and TORCHRUN_SHUTDOWN not in cmd.env:
-        shutdown_s = math.ceil(grace_s) + TORCHRUN_SHUTDOWN_MARGIN_S
-        cmd = dataclasses.replace(cmd, env={**cmd.env, TORCHRUN_SHUTDOWN: str(shutdown_s)})
-    proc, relays = _start(cmd, log)
-    stop, tree = _Stop(grace_s), Tree(proc.pid)
+        env[TORCHRUN_SHUTDOWN] = str(math.ceil(grace_s) + TORCHRUN_SHUTDOWN_MARGIN_S)
+    proc, relays = _start(dataclasses.replace(cmd, env=env), log)
+    stop, tree = _Stop(grace_s), Tree(proc.pid, mark)
 
     def forward(signum: int) -> None:
         stop.at = stop.at or time.monotonic()
@@ -194,6 +195,8 @@ def _launcher_lost(proc: subprocess.Popen, code: int, stop: _Stop, tree: Tree) -
     checkpoint, instead of being killed with the launcher's group and losing the steps since the last save. A
     launcher that ends because a rank died exits with a code (DeepSpeed's: 247 for a rank's SIGKILL), not a signal."""
     name = killed_by(code) if code < 0 else None
+    if name is not None and stop.at is None:
+        tree.gather()  # (ranks it started in the last poll's 0.5 s)
     if name is None or stop.at is not None or not tree.alive():
         return
     stop.at = time.monotonic()

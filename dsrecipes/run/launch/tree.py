@@ -13,16 +13,20 @@ from typing import Dict, List, Optional, Set, Union
 import psutil
 
 KILLED_S = 10.0  # after SIGKILL: how long `kill_tree` waits for the processes to end
+# In a launcher's environment, a value of its own (`mark`): every process it starts inherits it, so one started less
+# than a poll before the launcher was killed, never seen, is still found as ours (`gather`).
+MARK = "DSRECIPES_LAUNCH"
 
 
 class Tree:
     """The launcher and every process it started, as last seen (`look`, each poll of `supervise`): torchrun starts
     each rank in a session of its own, out of the launcher's process group, and a launcher killed by a signal leaves
     its ranks orphaned, out of reach of its tree too. Those seen are still reachable: psutil checks a pid's start
-    time, so a pid used again by another process is never signalled."""
+    time, so a pid used again by another process is never signalled. With `mark` (MARK's value in the launcher's
+    environment), what was never seen is found by it once the launcher has ended."""
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
+    def __init__(self, pid: int, mark: Optional[str] = None) -> None:
+        self.pid, self.mark = pid, mark
         self.seen: Dict[int, psutil.Process] = {}
         self.launcher: Optional[psutil.Process] = None
         with contextlib.suppress(psutil.Error):
@@ -37,6 +41,16 @@ class Tree:
         for p in found:
             self.seen.setdefault(p.pid, p)
         return found
+
+    def gather(self) -> None:
+        """Record as seen this user's processes that carry the launcher's mark (none without one): those it started
+        too shortly before it was killed to be seen (`look`, every 0.5 s)."""
+        if self.mark is None:
+            return
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, OSError):
+                if p.pid not in self.seen and p.uids().real == os.getuid() and p.environ().get(MARK) == self.mark:
+                    self.seen[p.pid] = p
 
     def outside(self) -> List[psutil.Process]:
         """Those seen still running outside the launcher's process group (torchrun's ranks, orphaned or not)."""
@@ -70,6 +84,7 @@ class Tree:
     def end(self) -> None:
         """SIGKILL the launcher's tree and group and whatever was seen outside them (each with its descendants)."""
         self.look()
+        self.gather()
         end_group(self.pid)
         for p in self.outside():
             kill_tree(p)
