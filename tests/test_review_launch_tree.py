@@ -261,3 +261,13 @@ def test_a_rank_started_just_before_its_launcher_was_killed_is_found_by_the_laun
     assert not alive and code == -signal.SIGKILL, err
     assert "was killed by SIGKILL while its ranks ran; stopping them at the next step boundary" in err, err
     assert saved.read_text() == "saved"
+
+
+def test_a_process_left_is_named_by_what_it_runs_not_by_its_thread_name():
+    """'waiting 30 s for pid 3190 (pt_elastic) to save and stop' was torchrun's agent: psutil's name is the one its
+    main thread took; the message now says torch.distributed.run."""
+    from dsrecipes.run.launch.tree import command_name
+
+    assert command_name([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]) == \
+        "torch.distributed.run"
+    assert command_name("/usr/bin/mpirun -np 2") == "mpirun" and command_name([]) == ""

@@ -34,7 +34,7 @@ from dsrecipes.boundary.rank_env import rank_defaults
 from dsrecipes.core.console import PROGRESS_ENV, log_path, progress_mode, relay
 from dsrecipes.core.failure import killed_by, rank_failure
 from dsrecipes.run.launch.plan import RANK_ENV, WORKER_MODULE, Command
-from dsrecipes.run.launch.tree import MARK, Tree, kill_tree
+from dsrecipes.run.launch.tree import MARK, Tree, command_name, kill_tree
 
 FAILED_NODE_GRACE_S = 5  # after a rank reported a lost node: time for the launcher to stop the others itself
 STOP_NOTE_S = 10.0  # after a stop signal: a line this often while the ranks save, naming those still running
@@ -200,17 +200,11 @@ def _launcher_lost(proc: subprocess.Popen, code: int, stop: _Stop, tree: Tree) -
     if name is None or stop.at is not None or not tree.alive():
         return
     stop.at = time.monotonic()
-    lost = f"the launcher (pid {proc.pid}, {_name(proc)}) was killed by {name} while its ranks ran"
+    lost = f"the launcher (pid {proc.pid}, {command_name(proc.args)}) was killed by {name} while its ranks ran"
     stopping.stopped_for(lost)  # the run's outcome names this, not a SIGTERM nobody sent (commands/outcome.py)
     print(f"dsrecipes: {lost}; stopping them at the next step boundary with a checkpoint (up to "
           f"trainer.stop_grace_s={stop.grace_s:g} s)", file=sys.stderr, flush=True)  # fmt: skip
     tree.signal(signal.SIGTERM)
-
-
-def _name(proc: subprocess.Popen) -> str:
-    args = proc.args if isinstance(proc.args, (list, tuple)) else str(proc.args).split()
-    module = next((a for prev, a in zip(args, args[1:]) if prev == "-m"), None)
-    return module or Path(str(args[0])).name
 
 
 def _stopped_code(run_dir: Path) -> int:

@@ -8,7 +8,8 @@ import contextlib
 import os
 import signal
 import time
-from typing import Dict, List, Optional, Set, Union
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Set, Union
 
 import psutil
 
@@ -115,10 +116,18 @@ def still_running(pgids: Set[int]) -> str:
         if rank is not None and rank.isdigit() and rank != parent_rank:
             ranks.append((int(rank), pid))
         elif rank is None:
-            others.append(f"pid {pid} ({p.name()})")
+            with contextlib.suppress(OSError, psutil.Error):  # (torchrun's agent calls itself pt_elastic)
+                others.append(f"pid {pid} ({command_name(p.cmdline()) or p.name()})")
     if ranks:
         return ", ".join(f"rank {r} (pid {pid})" for r, pid in sorted(ranks))
     return ", ".join(others) or "the launcher's process group"
+
+
+def command_name(args: Union[str, Sequence[str]]) -> str:
+    """What a command line runs, for a message: the module of `python -m MODULE`, else its program's name."""
+    args = [str(a) for a in args] if isinstance(args, (list, tuple)) else str(args).split()
+    module = next((a for prev, a in zip(args, args[1:]) if prev == "-m"), None)
+    return module or (Path(args[0]).name if args else "")
 
 
 def end_group(pid: int) -> None:
