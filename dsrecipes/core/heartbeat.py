@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
+import signal
 import sys
 import threading
 import time
@@ -38,6 +38,7 @@ import dsrecipes.core.stall as stall
 from dsrecipes.core.failure import FAILURE_FILE, describe_failure, read_failure, write_failure
 from dsrecipes.core.rundir import write_result
 from dsrecipes.core.runplan import reported_by_launcher
+from dsrecipes.core.whoami import whoami
 
 PEER_LOST_EXIT = 75  # EX_TEMPFAIL: the run can be resumed with the same command
 PREFIX = "dsrecipes/heartbeat"
@@ -51,6 +52,7 @@ CRASH_GRACE_S = 4.0  # after a broken collective: a peer silent this long is gon
 QUIET_S = 2.5 * INTERVAL_S  # not beating now: reported along with a peer past the timeout
 FOLLOW_S = 2 * INTERVAL_S  # a reporting rank stays up this long at most for the others to read its report
 STOP_S = 1.0  # `stop` waits this long for the heartbeat's threads (a store call in flight: milliseconds)
+AGENT_GONE_S = 1.0  # a store gone: how long to look whether torchrun's agent (this rank's parent) went with it
 
 _current: Optional["Heartbeat"] = None
 _stopped: Optional["Heartbeat"] = None  # stopped before the final barrier, which it watches
@@ -120,7 +122,8 @@ class Heartbeat:
         self.count = 0  # this rank's beats, as its store answered the last one
         self._registered: set = set()  # ranks whose counter exists: read without a look first (`read_beats`)
         self._failing, self._last_ok, self._who = threading.Lock(), time.monotonic(), {}  # (_who: ranks' places)
-        self.store_host = [] if rank == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else [0]  # lost
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent (our parent) serves it
+        self.store_host, self.agent = [] if rank == 0 or agent_store else [0], os.getppid() if agent_store else None
         self._thread = threading.Thread(target=self._loop, name="dsrecipes-heartbeat", daemon=True)
         self._guard_thread = threading.Thread(target=self._guard, name="dsrecipes-heartbeat-guard", daemon=True)
 
@@ -211,7 +214,7 @@ class Heartbeat:
                 self._last_ok = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - the store's host died (connection reset) or timed out
                 if not self._stop.is_set():
-                    self._fail(self.store_host, f"the job's store at {self._store_name()} stopped answering ({type(exc).__name__})")
+                    self._store_lost(f"the job's store at {self._store_name()} stopped answering ({type(exc).__name__})")
 
     def _beat(self) -> bool:
         """The counter (a round trip: a store that stopped answering shows here), and where the main thread is
@@ -255,7 +258,7 @@ class Heartbeat:
             if starved > INTERVAL_S:
                 self._last_ok += starved
             if now - self._last_ok > self.timeout_s + 2 * INTERVAL_S:
-                self._fail(self.store_host, f"the job's store at {self._store_name()} did not answer for {self.timeout_s:.0f} s")
+                self._store_lost(f"the job's store at {self._store_name()} did not answer for {self.timeout_s:.0f} s")
 
     def read_beats(self, ranks: Optional[List[int]] = None) -> Dict[int, bytes]:
         """The counters of `ranks` (all), in one call once each registered (none missing: no call ever blocks):
@@ -291,6 +294,19 @@ class Heartbeat:
                     self._who[r] = {"rank": r}
             out.append(self._who[r])
         return out
+
+    def _store_lost(self, reason: str) -> None:
+        """The store stopped answering. Served by torchrun's agent, gone (its sockets close a moment before the
+        kernel hands its children on: the short look): the launcher is lost, no peer; the rank stops as on SIGTERM,
+        with a checkpoint at the next step boundary (run/launch/tree.py bounds it), and beats no more."""
+        deadline = time.monotonic() + AGENT_GONE_S
+        while self.agent is not None and os.getppid() == self.agent and time.monotonic() < deadline:
+            time.sleep(INTERVAL_S / 20)
+        if self.agent is None or os.getppid() == self.agent:
+            self._fail(self.store_host, reason)
+        elif self._failing.acquire(blocking=False):
+            self._stop.set()
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def _fail(self, ranks: List[int], reason: str, stalled: Optional[List[Dict[str, Any]]] = None) -> None:
         if not self._failing.acquire(blocking=False):
@@ -382,19 +398,3 @@ def _beats(counter: bytes) -> bytes:
     value = int(counter)
     return DONE if value >= DONE_MARK else str(value % FAILED).encode()
 
-
-def whoami(rank: int, master_addr: str) -> Dict[str, Any]:
-    """This rank's place: node rank (deepspeed: CROSS_RANK, torchrun: GROUP_RANK), host name, cluster address."""
-    node = os.environ.get("CROSS_RANK") or os.environ.get("GROUP_RANK")
-    return {"rank": rank, "node": int(node) if node and node.isdigit() else None, "host": socket.gethostname(),
-            "addr": route_address(master_addr), "pid": os.getpid(), "local_rank": os.environ.get("LOCAL_RANK")}  # fmt: skip
-
-
-def route_address(master_addr: str) -> Optional[str]:
-    """The local address this node uses to reach the master (no packet is sent: UDP connect only routes)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((master_addr, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return None

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import dsrecipes.core.stopping as stopping
 from dsrecipes.core.errors import RunInterrupted, UserError
-from dsrecipes.core.heartbeat import whoami
+from dsrecipes.core.whoami import whoami
 
 PREFIX = "dsrecipes/rendezvous"
 POLL_S = 0.2
