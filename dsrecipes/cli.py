@@ -167,7 +167,8 @@ def run_guarded(fn: Callable[[List[str]], int], argv: List[str]) -> int:
                         "255 bytes, or a path of more than 4096); give a shorter path").render(), file=sys.stderr)
         return UserError.exit_code
     except KeyboardInterrupt as exc:
-        print("interrupted", file=sys.stderr)
+        if not getattr(exc, "said", False):  # (train's launch says how its run stopped, with the resume command)
+            print("interrupted", file=sys.stderr)
         return stopping.exit_code(stopping.signal_of(exc))
 
 

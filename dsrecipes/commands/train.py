@@ -134,6 +134,7 @@ def _launch(inv: Invocation, job: hydra_app.Job, cfg: TrainConfig, decision: Dec
         return _record(inv, exc, run_dir)
     except KeyboardInterrupt as exc:  # Ctrl-C twice, or a stop signal before the launch (preparing data)
         report_interrupted(run_dir, stopping.signal_of(exc), {}, inv.argv)
+        exc.said = True  # with its resume command: cli.run_guarded adds no bare 'interrupted'
         raise
     except Exception as exc:  # noqa: BLE001 - a crash: recorded; a sweep goes on (its line said here, its
         write_result(run_dir, 1, failure.one_line(exc))  # traceback in the job's log), a single run re-raises
