@@ -44,11 +44,14 @@ fi
 python -m compileall -q -j 0 dsrecipes tests scripts >/dev/null
 # `dsrecipes validate --all` on the shipped recipes runs inside the suite (tests/test_cli.py), not a second time here.
 # The tests never touch the network (hub ids resolve from local caches only); a missing SmolLM2 fails, not skips.
-# Two workers (pytest-xdist), one test file each at a time (module fixtures: one trained run, many assertions), the
-# heaviest files first (tests/conftest.py HEAVY_FIRST; --no-loadscope-reorder keeps that order, xdist would sort the
-# files by their number of tests): most tests are one single-threaded process at a time, so a 2-core machine runs
-# two files at once. `-n 0` after the script's name runs everything in one process. A pytest worker that dies (seen
-# once: "node down: Not properly terminated") ends the run with that failure instead of being replaced: the
-# replacement left the run waiting at 98% for ever (--max-worker-restart=0).
-DSRECIPES_REQUIRE_SMOLLM2=1 HF_HUB_OFFLINE=1 python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
+# Three workers (pytest-xdist) on the 2-core machine, one test file each at a time (module fixtures: one trained run,
+# many assertions), the heaviest files first (tests/conftest.py HEAVY_FIRST; --no-loadscope-reorder keeps that order,
+# xdist would sort the files by their number of tests). Most tests are one single-threaded process at a time, and a
+# third of the suite's time is waiting (a run's processes starting, a stop signal's grace, a heartbeat's timeout, a
+# store's deadline): measured per test (CPU of the worker and its children over wall time), the cores were busy 65%
+# of the time with two workers; three fill that (2026-12-07, this machine: 1199 s with -n 2, 991 s with -n 3, the
+# same tests). `-n 0` after the script's name runs everything in one process, `-n 2` the old way. A pytest worker
+# that dies (seen once: "node down: Not properly terminated") ends the run with that failure instead of being
+# replaced: the replacement left the run waiting at 98% for ever (--max-worker-restart=0).
+DSRECIPES_REQUIRE_SMOLLM2=1 HF_HUB_OFFLINE=1 python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder \
   --max-worker-restart=0 "$@"

@@ -137,7 +137,7 @@ def model_dir(tmp_path_factory):
 
 
 # The files that take longest (pytest --durations; measured on a 2-core machine, heaviest first): collected first, so
-# that under pytest-xdist (`-n 2 --dist loadfile --no-loadscope-reorder`, the README's test command) the two workers
+# that under pytest-xdist (`-n 3 --dist loadfile --no-loadscope-reorder`, the README's test command) the workers
 # start on them at once and the run ends on short files, not on one long file alone. xdist's default reorder (files
 # with the most tests first) would undo this order. test_doctor comes first: it builds the session's CPU Adam
 # (`built_cpu_adam`, a cold JIT build of 2-4 minutes) while the other worker starts test_multinode, so that the files
@@ -172,8 +172,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_sessionstart(session):
-    """Under pytest-xdist each worker has one core of the two (the README's `-n 2`): work done inside the worker (the
-    launching side of in-process runs: preparing data, DPO reference log-probs, evaluation, export) uses one intra-op
+    """Under pytest-xdist each worker has at most one core of the two (scripts/test.sh: `-n 3`): work done inside
+    the worker (the launching side of in-process runs: preparing data, DPO reference log-probs, evaluation, export) uses one intra-op
     thread, as every subprocess does (subprocess_env) and as ranks already do (distributed.init_distributed). Two
     threads per worker spin-wait on an oversubscribed host (DPO on SmolLM2: 174 s to prepare with the other worker busy)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
