@@ -65,8 +65,7 @@ def start(run_dir: Path, rank: int, world_size: int, timeout_s: int, stall_warn_
     (launcher=local), so a failure it detects is recorded here (result.json) as the launching process would;
     `before_exit`: what must not outlive this process (its DataLoader workers), ended before it exits."""
     global _current, _stopped
-    _stopped = None
-    lone = world_size < 2
+    _stopped, lone = None, world_size < 2
     if lone and stall_warn_s <= 0 and stall_timeout_s <= 0 or timeout_s <= 0:
         return None
     if not lone and ("MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ):
@@ -117,9 +116,8 @@ class Heartbeat:
         self.master = (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "0")))
         self.monitor = os.environ.get("LOCAL_RANK", "0") == "0"
         self.prefix = f"{PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        self.threshold, self.started = timeout_s, time.time()
         self._stop, self._beating_ended = threading.Event(), threading.Event()  # (the guard watches until the latter)
-        self.count = 0  # this rank's beats, as its store answered the last one
+        self.threshold, self.started, self.count = timeout_s, time.time(), 0  # count: this rank's beats, as answered
         self._registered: set = set()  # ranks whose counter exists: read without a look first (`read_beats`)
         self._failing, self._last_ok, self._who = threading.Lock(), time.monotonic(), {}  # (_who: ranks' places)
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent (our parent) serves it
@@ -165,9 +163,8 @@ class Heartbeat:
                 report.get("time", 0) >= self.started:
             return
         self.monitor, self.threshold = True, min(self.threshold, CRASH_GRACE_S)
-        if not self._thread.is_alive():
-            return
-        self._thread.join(timeout=self.threshold + 3 * INTERVAL_S)
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.threshold + 3 * INTERVAL_S)
 
     def _store_name(self) -> str:
         return f"{self.master[0]}:{self.master[1]} (the first node: rank 0 or torchrun's agent)"
@@ -190,6 +187,9 @@ class Heartbeat:
         last_change = dict.fromkeys(range(self.world_size), tick)
         while not self._stop.wait(INTERVAL_S):
             try:
+                if self.agent not in (None, -1, os.getppid()):  # torchrun's agent gone, the store up (another node's):
+                    self.agent = -1  # the rank stops as in `_store_lost`, once, beating on: the peers wait for its save
+                    os.kill(os.getpid(), signal.SIGTERM)
                 if self._beat():
                     self._follow()
                 if self.store_host and 0 not in self._who and self.store.check([self._key("who", 0)]):
