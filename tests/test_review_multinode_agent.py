@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from tests import test_multinode
 from tests.helpers import netns
 from tests.test_multinode import IFNAME_ENV, REPO, env, tails
 from tests.test_review_launch_tree import SLOW_STEP
@@ -26,15 +27,7 @@ TRAIN = ["recipe=cpu_zero2_two_ranks", "debug=fast", "trainer.max_steps=5", "tra
          "trainer.log_every=1", "trainer.export=false", "trainer.eval_every=0", "dataset.max_samples=160",
          "data.cutoff_len=64", "launcher.peer_timeout_s=10", IFNAME_ENV]  # fmt: skip
 SLOW_S = 6  # rank 0's step 2 (rank 1 waits in its collective): node 1's agent is killed in it
-
-
-@pytest.fixture()
-def cluster(tmp_path):
-    reason = netns.unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    with netns.Cluster(2, tmp_path / "cluster") as c:
-        yield c
+workspace, cluster = test_multinode.workspace, test_multinode.cluster  # its fixtures: 2 nodes, skipped without root
 
 
 def _agent(node: netns.Node) -> int:
