@@ -158,8 +158,20 @@ def end_workers(timeout: float = 5.0) -> None:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
     for it in list(_live):
         with contextlib.suppress(Exception):
-            it._shutdown_workers()  # queues closed; the workers are gone, so nothing waits
+            _abandon(it)
         _live.discard(it)
+
+
+def _abandon(it: Any) -> None:
+    """torch's `_shutdown_workers` for an iterator whose workers were SIGKILLed, without its `Event.set()`: the
+    done event's lock is shared with the workers, which take it on every index they receive (`Event.is_set`), so a
+    worker killed inside that moment left it held and `set()` waited for it forever (a failing rank that had just
+    handed a worker its next index: no line, no result.json). The queues are closed here; `_shutdown` makes torch's
+    own shutdown (`__del__`) do nothing more."""
+    it._shutdown = True
+    for q in getattr(it, "_index_queues", []):
+        q.cancel_join_thread()
+        q.close()
 
 
 class TrainLoader:
