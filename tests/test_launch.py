@@ -16,6 +16,7 @@ from dsrecipes.core.schema import LauncherKind
 from dsrecipes.core.topology import resolve_topology
 from dsrecipes.run import launch
 from dsrecipes.run.launch.builders import MULTINODE_DEFAULT_PORT
+from dsrecipes.run.launch.plan import render_plan
 from dsrecipes.run.launch.process import child_env, run_subprocess
 
 PY = sys.executable
@@ -277,6 +278,12 @@ def test_torchrun_golden(make_cfg):
         "-m", "dsrecipes.rank.worker", "--run-dir", str(RUN),
     ]  # fmt: skip
     assert world_size(cfg) == 2
+    # torchrun's 30 s before it SIGKILLs its ranks after a stop signal, past trainer.stop_grace_s (60 s): in the
+    # command itself, so launch.txt's line gives it to every node (was: set at run time on the launching node only)
+    assert cmd.env == {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "70"}
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=70 " in render_plan("torchrun", plan)
+    (exported,) = plan_for(make_cfg, "launcher=torchrun", environ={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"})[1].commands
+    assert exported.env == {}  # the user's own value stands
 
 
 def test_torchrun_multinode_endpoint(make_cfg):

@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 import dsrecipes.run.launch.process as process
-from dsrecipes.run.launch.plan import Command
+from dsrecipes.run.launch.plan import TORCHRUN_SHUTDOWN, Command
 from dsrecipes.run.launch.tree import Tree
 from tests.conftest import REPO, subprocess_env
 from tests.helpers.pipeline_runs import kill_group
@@ -206,15 +206,15 @@ def test_a_stop_signal_reaches_a_rank_outside_the_group_once_from_the_launcher_w
 def test_torchrun_is_told_to_wait_past_the_grace_before_it_kills_its_ranks(tmp_path, monkeypatch):
     seen = tmp_path / "seen"
     show = Command([sys.executable, "-c", f"import os; open({str(seen)!r}, 'w').write("
-                                          f"os.environ.get({process.TORCHRUN_SHUTDOWN!r}, 'unset'))"])
-    monkeypatch.delenv(process.TORCHRUN_SHUTDOWN, raising=False)
+                                          f"os.environ.get({TORCHRUN_SHUTDOWN!r}, 'unset'))"])
+    monkeypatch.delenv(TORCHRUN_SHUTDOWN, raising=False)
     assert process.run_subprocess(show, tmp_path, grace_s=60) == 0
     assert seen.read_text() == "70"  # torchrun's own default: 30 s, half of trainer.stop_grace_s's
     assert process.run_subprocess(show, tmp_path, grace_s=2.5) == 0
     assert seen.read_text() == "13"
-    mine = Command(show.argv, {process.TORCHRUN_SHUTDOWN: "5"})  # the user's (launcher.env) stands
+    mine = Command(show.argv, {TORCHRUN_SHUTDOWN: "5"})  # the user's (launcher.env) stands
     assert process.run_subprocess(mine, tmp_path, grace_s=60) == 0 and seen.read_text() == "5"
-    monkeypatch.setenv(process.TORCHRUN_SHUTDOWN, "7")  # exported: stands too
+    monkeypatch.setenv(TORCHRUN_SHUTDOWN, "7")  # exported: stands too
     assert process.run_subprocess(show, tmp_path, grace_s=60) == 0 and seen.read_text() == "7"
 
 

@@ -33,7 +33,7 @@ from dsrecipes.core.distributed import free_port
 from dsrecipes.core.errors import ConfigError
 from dsrecipes.core.schema import LauncherConfig, LauncherKind, TrainConfig
 from dsrecipes.core.topology import deepspeed_local_slots, per_node
-from dsrecipes.run.launch.plan import DS_ENV_FILE, HOSTFILE, Command, LaunchPlan, Requirement
+from dsrecipes.run.launch.plan import DS_ENV_FILE, HOSTFILE, Command, LaunchPlan, Requirement, torchrun_shutdown
 from dsrecipes.run.launch.slurm import build_slurm
 
 # Multi-node runs need one port every node agrees on; with launcher.master_port unset that is DeepSpeed's default.
@@ -221,7 +221,8 @@ def _build_torchrun(cfg: TrainConfig, run_dir: Path, port: int, worker_module: s
     argv += ["--nnodes", str(ln.num_nodes), "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint]
     extra = checked_extra_args(ln.kind, ln.extra_args)
     argv += ["--rdzv_id", f"dsrecipes-{run_dir.name}", *extra, *_worker_args(worker_module, run_dir)]
-    plan = LaunchPlan([Command(argv, checked_env(ln.env))])
+    env = {**torchrun_shutdown(cfg.trainer.stop_grace_s, environ), **checked_env(ln.env)}  # (every node's command)
+    plan = LaunchPlan([Command(argv, env)])
     if ln.num_nodes > 1:
         plan.notes.append("multi-node torchrun: run this same command on every node; c10d assigns node ranks")
     return plan

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import shlex
 import shutil
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Mapping, Optional
 
 WORKER_MODULE = "dsrecipes.rank.worker"
 LAUNCH_FILE = "launch.txt"
@@ -15,6 +16,18 @@ HOSTFILE = "hostfile"
 DS_ENV_FILE = ".deepspeed_env"
 # Inherited rank variables would confuse the ranks we start (and make DeepSpeed skip MPI discovery).
 RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE")
+# torchrun SIGKILLs its ranks this long after it passed on a stop signal (default 30 s): set past the ranks' grace, so
+# a step and checkpoint that take longer than 30 s are not killed before trainer.stop_grace_s (then the launching
+# process ends them, naming them). A user's own value (exported, --shutdown_timeout in launcher.extra_args) stands.
+TORCHRUN_SHUTDOWN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+TORCHRUN_SHUTDOWN_MARGIN_S = 10
+
+
+def torchrun_shutdown(grace_s: float, *given: Mapping[str, str]) -> Dict[str, str]:
+    """TORCHRUN_SHUTDOWN past `grace_s`, unless one of the environments `given` sets it already ({} then)."""
+    if any(TORCHRUN_SHUTDOWN in env for env in given):
+        return {}
+    return {TORCHRUN_SHUTDOWN: str(math.ceil(grace_s) + TORCHRUN_SHUTDOWN_MARGIN_S)}
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import _thread
 import dataclasses
 import importlib
-import math
 import os
 import shutil
 import signal
@@ -33,16 +32,11 @@ import dsrecipes.core.stopping as stopping
 from dsrecipes.boundary.rank_env import rank_defaults
 from dsrecipes.core.console import PROGRESS_ENV, log_path, progress_mode, relay
 from dsrecipes.core.failure import killed_by, rank_failure
-from dsrecipes.run.launch.plan import RANK_ENV, WORKER_MODULE, Command
+from dsrecipes.run.launch.plan import RANK_ENV, WORKER_MODULE, Command, torchrun_shutdown
 from dsrecipes.run.launch.tree import MARK, Tree, command_name, kill_tree
 
 FAILED_NODE_GRACE_S = 5  # after a rank reported a lost node: time for the launcher to stop the others itself
 STOP_NOTE_S = 10.0  # after a stop signal: a line this often while the ranks save, naming those still running
-# torchrun SIGKILLs its ranks this long after it passed on a stop signal (default 30 s): set past the ranks' grace, so
-# a step and checkpoint that take longer than 30 s are not killed before trainer.stop_grace_s (then this process ends
-# them, naming them). A user's own value (exported, launcher.env, --shutdown_timeout in launcher.extra_args) stands.
-TORCHRUN_SHUTDOWN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
-TORCHRUN_SHUTDOWN_MARGIN_S = 10
 
 
 def child_env(extra: Mapping[str, str]) -> Dict[str, str]:
@@ -68,9 +62,8 @@ def run_subprocess(cmd: Command, run_dir: Path, grace_s: float, log: Optional[Pa
     ended; with `log`, its output passes through `console.relay` (third-party noise goes to `log`). `announce`:
     this process names a lost node or a stall (False: the rank says it itself, `run_in_process`)."""
     mark = f"{os.getpid()}-{time.time_ns()}"  # (tree.MARK: what the launcher starts is ours, seen or not)
-    env = {**cmd.env, MARK: mark}
-    if TORCHRUN_SHUTDOWN not in os.environ and TORCHRUN_SHUTDOWN not in cmd.env:
-        env[TORCHRUN_SHUTDOWN] = str(math.ceil(grace_s) + TORCHRUN_SHUTDOWN_MARGIN_S)
+    # (the torchrun plan's command carries TORCHRUN_SHUTDOWN already, in launch.txt for every node; here for any other)
+    env = {**torchrun_shutdown(grace_s, os.environ, cmd.env), **cmd.env, MARK: mark}
     proc, relays = _start(dataclasses.replace(cmd, env=env), log)
     stop, tree = _Stop(grace_s), Tree(proc.pid, mark)
 
