@@ -154,12 +154,12 @@ def report_interrupted(run_dir: Path, signum: int, extra: dict, argv: Sequence[s
 
 
 def stopped_why(step: object) -> str | None:
-    """Why this process stopped the ranks itself (stopping.cause: their launcher was killed) and at which step they
-    stopped; None for a stop signal sent to this run."""
+    """Why the ranks stopped though no stop signal came to this run (stopping.cause: their launcher was killed) and
+    the step they stopped at where they said it; None for a stop signal sent to this run."""
     why = stopping.cause()
     if why is None:
         return None
-    return f"{why}; they were stopped at step {step}" if isinstance(step, int) else f"{why}; they were stopped"
+    return f"{why}; they were stopped at step {step}" if isinstance(step, int) else why
 
 
 def interrupted_message(signal_name: str, checkpoint: str | None, at_once: str | None) -> str:

@@ -74,7 +74,7 @@ def run_subprocess(cmd: Command, run_dir: Path, grace_s: float, log: Optional[Pa
     code: Optional[int] = None
     try:
         with stopping.handling(on_signal=forward, announce=True):
-            code = supervise(proc, run_dir, stop, announce, tree)  # (the run's code: not -9 where it stopped it)
+            code = supervise(proc, run_dir, stop, announce, tree, rank=cmd.in_process)  # (not -9 where it stopped it)
     except KeyboardInterrupt:  # Ctrl-C twice
         tree.end()
         raise
@@ -100,11 +100,12 @@ def _start(cmd: Command, log: Optional[Path]) -> Tuple[subprocess.Popen, List[th
 
 
 def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = None, announce: bool = True,
-              tree: Optional[Tree] = None) -> int:
+              tree: Optional[Tree] = None, *, rank: bool = False) -> int:
     """Wait for the launcher (and, after a stop signal, for its whole tree, up to the grace). When a rank reports
     a lost node (<run>/failure.json, dsrecipes.core.heartbeat), say which node failed and give the launcher
     FAILED_NODE_GRACE_S to stop its ranks; then end its process tree (pdsh keeps waiting for ssh to a dead host, and
-    deepspeed's own cleanup would ssh there too)."""
+    deepspeed's own cleanup would ssh there too). `rank`: `proc` is the rank itself (a sweep's launcher=local job),
+    whose death by a signal is the rank's (commands/outcome.py says it), not a launcher's."""
     stop, tree = stop or _Stop(0.0), tree or Tree(proc.pid)
     deadline: Optional[float] = None
     code: Optional[int] = None
@@ -125,7 +126,8 @@ def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = Non
             continue
         try:
             code = proc.wait(timeout=0.5)
-            _launcher_lost(proc, code, stop, tree)
+            if not rank:
+                _launcher_lost(proc, code, stop, tree)
             continue
         except subprocess.TimeoutExpired:
             pass
@@ -186,14 +188,19 @@ def _launcher_lost(proc: subprocess.Popen, code: int, stop: _Stop, tree: Tree) -
     """The launcher itself killed by a signal (DeepSpeed's per-node launcher, a torchrun agent: `kill -9` of the
     wrong pid) while its ranks train on: they are stopped like a SIGTERM stops them, at the next step boundary with a
     checkpoint, instead of being killed with the launcher's group and losing the steps since the last save. A
-    launcher that ends because a rank died exits with a code (DeepSpeed's: 247 for a rank's SIGKILL), not a signal."""
+    launcher that ends because a rank died exits with a code (DeepSpeed's: 247 for a rank's SIGKILL), not a signal.
+    Its ranks ended with it (torchrun's, started within 0.1 s of its kill): the run's outcome names the launcher's
+    death still, not a rank's signal (the OOM killer's, commands/outcome.py)."""
     name = killed_by(code) if code < 0 else None
-    if name is not None and stop.at is None:
-        tree.gather()  # (ranks it started in the last poll's 0.5 s)
-    if name is None or stop.at is not None or not tree.alive():
+    if name is None or stop.at is not None:
+        return
+    tree.gather()  # (ranks it started in the last poll's 0.5 s)
+    lost = f"the launcher (pid {proc.pid}, {command_name(proc.args)}) was killed by {name}"
+    if not tree.alive():
+        stopping.stopped_for(f"{lost}; its ranks ended with it")
         return
     stop.at = time.monotonic()
-    lost = f"the launcher (pid {proc.pid}, {command_name(proc.args)}) was killed by {name} while its ranks ran"
+    lost = f"{lost} while its ranks ran"
     stopping.stopped_for(lost)  # the run's outcome names this, not a SIGTERM nobody sent (commands/outcome.py)
     print(f"dsrecipes: {lost}; stopping them at the next step boundary with a checkpoint (up to "
           f"trainer.stop_grace_s={stop.grace_s:g} s)", file=sys.stderr, flush=True)  # fmt: skip

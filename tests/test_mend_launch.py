@@ -1,0 +1,76 @@
+"""The launch supervision's open review findings, mended (run/launch/process.py, tree.py, commands/outcome.py).
+
+- A launcher (torchrun's agent, DeepSpeed's per-node launch.py) SIGKILLed as its ranks ended with it (torchrun's
+  rank, just started, ended within 0.1 s of its agent's kill): no rank was left to stop, and the run was reported as
+  'a rank was killed by SIGKILL (the kernel's OOM killer ...)'. The run names the launcher's death.
+- A sweep's launcher=local job runs the rank itself as the child: its SIGKILL is the rank's (the OOM killer's line),
+  not a launcher's, also while its DataLoader workers (its process group) outlive it a moment.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+import dsrecipes.run.launch.process as process
+from dsrecipes.commands import outcome
+from dsrecipes.core import stopping
+from dsrecipes.run.launch.plan import Command
+
+
+@pytest.fixture(autouse=True)
+def fresh_stop():
+    stopping.reset()
+    yield
+    stopping.reset()
+
+
+# A launcher whose rank (a session of its own, as torchrun's) ends at once, and which is SIGKILLed as it ends.
+_KILLED_AS_ITS_RANK_ENDS = r"""
+import os, signal, subprocess, sys
+rank = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+rank.wait()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _concluded(run_dir: Path, code: int, capsys) -> tuple:
+    capsys.readouterr()
+    ended = outcome.conclude(run_dir, code, False, ["debug=fast"])
+    return ended, capsys.readouterr().err, json.loads((run_dir / "result.json").read_text())
+
+
+def test_a_launcher_killed_as_its_ranks_ended_is_named_not_an_out_of_memory_rank(tmp_path, capsys):
+    """Was: 'a rank was killed by SIGKILL (the kernel's OOM killer sends it when memory runs out ...)', exit 1:
+    outcome.py read the launcher's own -9 as a rank's, since no rank was left for process.py to stop."""
+    cmd = Command([sys.executable, "-c", _KILLED_AS_ITS_RANK_ENDS])
+    code = process.run_subprocess(cmd, tmp_path, grace_s=10)
+    assert code == -signal.SIGKILL
+    (exit_code, interrupted), err, result = _concluded(tmp_path, code, capsys)
+    assert "OOM" not in err and "a rank was killed" not in err, err
+    assert "the launcher (pid " in err and ", python) was killed by SIGKILL; its ranks ended with it" in err, err
+    assert "they were stopped" not in err and "Resume with:" in err, err
+    assert (exit_code, interrupted) == (143, True) and result["status"] == "interrupted", result
+    assert result["error"].endswith("was killed by SIGKILL; its ranks ended with it"), result
+
+
+# A sweep's launcher=local rank, run as the child: SIGKILLed (the OOM killer) while its DataLoader worker (its process
+# group) lives on a moment.
+_RANK_KILLED = r"""
+import os, signal, subprocess, sys
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_sweeps_local_rank_killed_by_sigkill_is_the_ranks_kill_not_a_launchers(tmp_path, capsys):
+    cmd = Command([sys.executable, "-c", _RANK_KILLED], {"RANK": "0"}, in_process=True)
+    code = process.run_subprocess(cmd, tmp_path, grace_s=10, announce=False)
+    assert code == -signal.SIGKILL
+    (exit_code, interrupted), err, result = _concluded(tmp_path, code, capsys)
+    assert "launcher" not in err and "a rank was killed by SIGKILL (the kernel's OOM killer" in err, err
+    assert (exit_code, interrupted) == (1, False) and result["status"] == "failed", result
