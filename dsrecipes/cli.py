@@ -51,6 +51,7 @@ SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
     "export": ("export", "write a Hugging Face model directory from a run's checkpoint"),
     "score": ("score", "score preference pairs with a reward model: accuracy, margin, rewards as JSONL"),
     "pipeline": ("pipeline", "run stages in order (SFT -> reward -> DPO), each feeding the next; resumable"),
+    "node": ("node", "join a multi-node run without ssh as node N > 0 (launch/multinode_nossh.sh runs it)"),
 }
 
 # commands of llamafactory-cli (and `merge`) that are not ours -> what does their job here

@@ -8,8 +8,10 @@
 #       launch/multinode_nossh.sh                                          # on node 1 (overrides not needed)
 #
 # Node 0 runs the whole flow once (compose, validate, prepare data, write RUN_DIR, start its ranks). The other nodes
-# wait for RUN_DIR/launch.txt and run their own line from it (deepspeed --no_ssh --node_rank R ...), so the config is
-# composed and the data prepared exactly once, and every node uses node 0's exact command and master port.
+# run `dsrecipes node RUN_DIR --node-rank R`: it waits for node 0 to write RUN_DIR, then builds this node's command
+# from the run's resolved config (the same builder node 0 used: launch.txt shows it; deepspeed's per-node launcher for
+# --node_rank R, or torchrun) and supervises it, so the config is composed and the data prepared exactly once, and
+# every node uses node 0's settings and master port.
 # RUN_DIR and the tokenization cache (DATA_CACHE) must be on storage that every node sees at the same path.
 # LAUNCHER=torchrun starts the ranks with torchrun's c10d rendezvous on MASTER_ADDR:MASTER_PORT instead (every node
 # runs the same torchrun command; c10d numbers the nodes). Interface pinning, e.g. for gloo on CPU nodes:
@@ -21,34 +23,17 @@ NNODES=${NNODES:-2}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 MASTER_PORT=${MASTER_PORT:-29500}
 DATA_CACHE=${DATA_CACHE:-$RUN_DIR/data_cache}
-WAIT_S=${WAIT_S:-1800}  # how long nodes > 0 wait for node 0 to prepare the data
+WAIT_S=${WAIT_S:-1800}  # how long nodes > 0 wait for node 0 to prepare the data and write RUN_DIR
 LAUNCHER=${LAUNCHER:-deepspeed_multinode}  # or torchrun
 
 if [ "$NODE_RANK" = 0 ]; then
-  rm -f "$RUN_DIR/launch.txt"  # a stale one would start the other nodes with an old command
+  rm -f "$RUN_DIR/launch.txt"  # an earlier attempt's record (the other nodes never take one older than this attempt)
   exec python -m dsrecipes launcher="$LAUNCHER" launcher.node_rank=0 launcher.num_nodes="$NNODES" \
     launcher.num_gpus="$GPUS_PER_NODE" launcher.master_addr="$MASTER_ADDR" launcher.master_port="$MASTER_PORT" \
     trainer.output_dir="$RUN_DIR" hydra.run.dir="$RUN_DIR" data.cache_dir="$DATA_CACHE" "$@"
 fi
 
-sleep 5  # let node 0 remove a stale launch.txt first
-for _ in $(seq "$WAIT_S"); do
-  [ -f "$RUN_DIR/launch.txt" ] && break
-  sleep 1
-done
-[ -f "$RUN_DIR/launch.txt" ] || { echo "node $NODE_RANK: no $RUN_DIR/launch.txt after ${WAIT_S}s" >&2; exit 1; }
-CMD=$(awk -v want="# node $NODE_RANK" 'found { print; exit } $0 == want { found = 1 }' "$RUN_DIR/launch.txt")
-if [ -z "$CMD" ] && grep -q '^# launcher=torchrun' "$RUN_DIR/launch.txt"; then
-  CMD=$(grep -v '^#' "$RUN_DIR/launch.txt" | sed -n 1p)  # torchrun: the same command on every node
-fi
-[ -n "$CMD" ] || { echo "node $NODE_RANK: no command for this node in $RUN_DIR/launch.txt" >&2; exit 1; }
-echo "node $NODE_RANK: $CMD"
-# The launcher, its ranks and their workers in a process group of their own: a SIGTERM/SIGINT here (a scheduler,
-# Ctrl-C) reaches all of them, as on node 0 (deepspeed's no-ssh runner would otherwise die alone, leaving its ranks).
-setsid bash -c "$CMD" &
-CHILD=$!
-trap 'kill -TERM -- "-$CHILD" 2>/dev/null || true' TERM INT
-STATUS=0
-wait "$CHILD" || STATUS=$?
-wait "$CHILD" 2>/dev/null || true  # after a forwarded signal: until the ranks have checkpointed and exited
-exit "$STATUS"
+# Nodes > 0: dsrecipes waits (up to WAIT_S, saying so) for node 0 to have written this attempt's run directory, builds
+# this node's command from the run's config.yaml (launch.txt is a record, never run) and supervises its ranks as on
+# node 0: a SIGTERM/SIGINT here reaches them, they save within trainer.stop_grace_s, nothing is left behind.
+exec python -m dsrecipes node "$RUN_DIR" --node-rank "$NODE_RANK" --wait-s "$WAIT_S"

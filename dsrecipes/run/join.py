@@ -1,0 +1,187 @@
+"""A node > 0 of a multi-node run without ssh (`dsrecipes node RUN --node-rank N`, launch/multinode_nossh.sh):
+wait for node 0 to have written this attempt's run directory, then start and supervise this node's ranks.
+
+Nothing node 0 wrote is executed: `launch.txt` stays a record for people. This node reads the run's resolved config
+the way its ranks read it (`config.load.load_run_config`, with the exports plan.json accepted), sets
+`launcher.node_rank`, builds the commands with node 0's `build_plan` (multi-node: launcher.master_port or 29500, the
+same on every node) and runs its own with node 0's supervision (`process.run_subprocess`: output relayed, the
+launcher's tree followed, stop signals forwarded, trainer.stop_grace_s, nothing left behind).
+
+When is the run directory this attempt's? Node 0's launching process holds `<run>/.dsrecipes.lock` (an flock, gone
+with the process, even on SIGKILL) for the whole run, and rewrites that file (its holder: pid, host, time) when it
+takes it; it writes `launch.txt` last, after config.yaml, plan.json and ds_config.json. So the directory is ready
+when (1) the lock is held now (`rundir.launcher_alive`, what the ranks ask too), (2) `launch.txt` is not older than
+the lock file (one from an earlier attempt predates this attempt's lock, and the release of an earlier one), and
+(3) a `failure.json` there is not older than `launch.txt` (node 0 removes an earlier attempt's right after writing
+launch.txt; a rank of this attempt may have written a new one). Both times are stamped by node 0's writes to the
+same storage, so no clock of this node is compared with node 0's, and node 0 may be ahead of this node or behind it:
+there is nothing to sleep for. Files are opened before they are stat'ed, so an NFS client revalidates what it cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import dsrecipes.boundary.trust as trust
+import dsrecipes.core.stopping as stopping
+from dsrecipes.config.load import load_run_config
+from dsrecipes.core.console import LOGS_DIR, log_path, quiet_third_party
+from dsrecipes.core.distributed import remove_shm_buffers
+from dsrecipes.core.errors import UserError
+from dsrecipes.core.failure import killed_by, rank_failure
+from dsrecipes.core.heartbeat import FAILURE_FILE
+from dsrecipes.core.rundir import LOCK_FILE, launcher_alive
+from dsrecipes.core.runplan import read_plan
+from dsrecipes.core.schema import LauncherKind, TrainConfig
+from dsrecipes.run.launch import build_plan, resolve_master_port
+from dsrecipes.run.launch.plan import LAUNCH_FILE, Command
+from dsrecipes.run.launch.process import run_subprocess
+
+NOTE_S = 30.0  # a console line this often while this node waits for node 0
+POLL_S = 0.5
+MULTINODE = (LauncherKind.deepspeed_multinode, LauncherKind.torchrun)
+
+
+def join(run_dir: Path, node_rank: int, wait_s: float) -> int:
+    """Wait for node 0, start this node's ranks, supervise them; one line at the end. Returns the exit code."""
+    run_dir = Path(run_dir).expanduser().resolve()
+    if node_rank == 0:
+        raise UserError("--node-rank 0: node 0 runs the launching process itself (launch/multinode_nossh.sh with "
+                        "NODE_RANK=0, or `python -m dsrecipes ... launcher.node_rank=0`); `dsrecipes node` is for "
+                        "nodes 1 and up")
+    stopping.reset()
+    wait_for_launch(run_dir, node_rank, wait_s)
+    cfg = node_config(run_dir, node_rank)
+    commands = node_commands(cfg, run_dir)
+    log = log_path(run_dir, f"launcher-node{node_rank}")
+    quiet_third_party(log)  # (as node 0's launching process: its ranks inherit the same quiet bars)
+    print(f"node {node_rank}: starting its ranks ({_describe(cfg)}); its launcher's output is also in {log}",
+          file=sys.stderr, flush=True)
+    code = run_commands(cfg, run_dir, commands, log)
+    return conclude(run_dir, node_rank, code, log)
+
+
+def wait_for_launch(run_dir: Path, node_rank: int, wait_s: float) -> None:
+    """Until `ready` (a line at the start and every NOTE_S saying for what); UserError naming it after `wait_s`."""
+    started, noted = time.monotonic(), -NOTE_S
+    while True:
+        missing = ready(run_dir)
+        if missing is None:
+            return
+        waited = time.monotonic() - started
+        if waited >= wait_s:
+            locks = (" (node 0's launching process holds it while it runs, which a filesystem that shares no file "
+                     "locks between nodes does not show)") if not launcher_alive(run_dir) else ""
+            raise UserError(f"node {node_rank}: waited {wait_s:g} s (--wait-s, WAIT_S) for {missing}{locks}; nothing "
+                            "was started on this node. Start node 0 (NODE_RANK=0) with the same RUN_DIR, or give it "
+                            "longer to prepare the data")
+        if waited - noted >= NOTE_S:
+            noted = waited
+            print(f"node {node_rank}: waiting for {missing} ({waited:.0f} s of {wait_s:g} s)", file=sys.stderr,
+                  flush=True)
+        time.sleep(min(POLL_S, max(0.0, wait_s - waited)))
+
+
+def ready(run_dir: Path) -> Optional[str]:
+    """None when node 0's launching process of this attempt has written the run directory, else what is missing
+    (see the module's docstring)."""
+    launch_file = run_dir / LAUNCH_FILE
+    if not launcher_alive(run_dir):  # (on storage that shares no file locks between nodes, never: said at the bound)
+        return f"node 0 to write {launch_file} (no launching process holds {run_dir / LOCK_FILE} yet)"
+    held_since, written = _mtime(run_dir / LOCK_FILE), _mtime(launch_file)
+    if written is None or held_since is None:
+        return f"node 0 to write {launch_file}"
+    if written < held_since:
+        return f"node 0 to write {launch_file} (the one there is from an earlier attempt)"
+    failure = _mtime(run_dir / FAILURE_FILE)
+    if failure is not None and failure < written:
+        return f"node 0 to remove {run_dir / FAILURE_FILE} of an earlier attempt"
+    return None
+
+
+def _mtime(path: Path) -> Optional[int]:
+    """`path`'s modification time (ns), None when it is missing; opened first (NFS close-to-open revalidation)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return os.fstat(fd).st_mtime_ns
+    finally:
+        os.close(fd)
+
+
+def node_config(run_dir: Path, node_rank: int) -> TrainConfig:
+    """The run's resolved config as its ranks read it, as node `node_rank`; refused (UserError) unless the run is a
+    multi-node run without ssh that has such a node."""
+    with trust.launched(read_plan(run_dir).exports):  # (as rank/worker.run reads it)
+        cfg = load_run_config(run_dir)
+    ln = cfg.launcher
+    if ln.kind not in MULTINODE or ln.num_nodes < 2:
+        raise UserError(f"{run_dir} is a run of launcher={ln.kind.value} with launcher.num_nodes={ln.num_nodes}: its "
+                        "launching process starts every rank itself. `dsrecipes node` joins runs of "
+                        "launcher=deepspeed_multinode or launcher=torchrun with launcher.num_nodes > 1")
+    if not 0 < node_rank < ln.num_nodes:
+        raise UserError(f"--node-rank {node_rank}: {run_dir} is a run of {ln.num_nodes} nodes (node ranks 0 to "
+                        f"{ln.num_nodes - 1}; node 0 is the launching process's)")
+    return dataclasses.replace(cfg, launcher=dataclasses.replace(ln, node_rank=node_rank))
+
+
+def node_commands(cfg: TrainConfig, run_dir: Path) -> List[Command]:
+    """This node's commands of node 0's plan (torchrun: the one every node runs), built from the typed config."""
+    plan = build_plan(cfg, run_dir, master_port=resolve_master_port(cfg))  # (multi-node: never a free-port pick)
+    missing = [f"launcher.kind={cfg.launcher.kind.value}: {r.name} not found ({r.why})" for r in plan.requires
+               if r.missing()]  # fmt: skip
+    if missing:
+        raise UserError(missing)
+    mine = [c for c in plan.commands if c.node_rank in (None, cfg.launcher.node_rank)]
+    if not mine or any(c.in_process for c in mine):  # (no multi-node builder makes either)
+        raise UserError(f"{run_dir}: launcher={cfg.launcher.kind.value} has no command for node "
+                        f"{cfg.launcher.node_rank}")
+    return mine
+
+
+def run_commands(cfg: TrainConfig, run_dir: Path, commands: List[Command], log: Path) -> int:
+    """Node 0's supervision for this node's commands; their shared-memory segments go when they end."""
+    code = 0
+    try:
+        for cmd in commands:
+            code = run_subprocess(cmd, run_dir, cfg.trainer.stop_grace_s, log)
+            if code != 0:
+                break
+    finally:
+        remove_shm_buffers(resolve_master_port(cfg))  # (this machine's ranks have ended, as on node 0)
+    return code
+
+
+def conclude(run_dir: Path, node_rank: int, code: int, log: Path) -> int:
+    """One line: how this node's ranks ended and where their output is; node 0 writes result.json and says how the
+    run ended. Returns this process's exit code."""
+    signum = stopping.requested()
+    where = f"This node's launcher output: {log}; every rank's log: {run_dir / LOGS_DIR}/"
+    if code == 0:
+        print(f"node {node_rank}: its ranks finished (exit 0); the run's outcome is node 0's ({run_dir}/result.json). "
+              f"{where}", file=sys.stderr, flush=True)
+        return 0
+    if signum is not None:
+        print(f"node {node_rank}: stopped by {signal.Signals(signum).name}; its ranks stopped with the run at a step "
+              f"boundary (node 0 says where and how to resume). {where}", file=sys.stderr, flush=True)
+        return stopping.exit_code(signum)
+    killed = killed_by(code) if code < 0 else None
+    how = f"its launcher was killed by {killed}" if killed else f"its ranks ended with exit code {code}"
+    report = rank_failure(run_dir)
+    cause = f"; the run's first failure: {report.get('reason')}" if report and report.get("reason") else ""
+    print(f"node {node_rank}: {how}{cause}; node 0 says how the run ended ({run_dir}/result.json). {where}",
+          file=sys.stderr, flush=True)
+    return 128 - code if code < 0 else code
+
+
+def _describe(cfg: TrainConfig) -> str:
+    ln = cfg.launcher
+    return f"launcher={ln.kind.value}, node {ln.node_rank} of {ln.num_nodes}, master {ln.master_addr}"
