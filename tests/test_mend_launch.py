@@ -5,17 +5,23 @@
   'a rank was killed by SIGKILL (the kernel's OOM killer ...)'. The run names the launcher's death.
 - A sweep's launcher=local job runs the rank itself as the child: its SIGKILL is the rank's (the OOM killer's line),
   not a launcher's, also while its DataLoader workers (its process group) outlive it a moment.
+- core/heartbeat.py looks for torchrun's agent (the rank's parent) in one place, `_agent_lost`, at every beat and when
+  the store stops answering: gone, the rank stops as on SIGTERM once (was: a second SIGTERM when the store went after
+  the beat had seen the agent gone), not while it is already ending; there, no peer is reported lost.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import dsrecipes.core.heartbeat as heartbeat
 import dsrecipes.run.launch.process as process
 from dsrecipes.commands import outcome
 from dsrecipes.core import stopping
@@ -74,3 +80,51 @@ def test_a_sweeps_local_rank_killed_by_sigkill_is_the_ranks_kill_not_a_launchers
     (exit_code, interrupted), err, result = _concluded(tmp_path, code, capsys)
     assert "launcher" not in err and "a rank was killed by SIGKILL (the kernel's OOM killer" in err, err
     assert (exit_code, interrupted) == (1, False) and result["status"] == "failed", result
+
+
+def _beat(tmp_path: Path, monkeypatch, agent) -> tuple:
+    """A rank's heartbeat (not started) whose agent is `agent`: (it, the signals it sent itself, the peers it failed)."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    beat = heartbeat.Heartbeat(tmp_path, 1, 2, 10.0)
+    assert beat.agent == os.getppid()  # torchrun's agent: this rank's parent
+    beat.agent = agent
+    sent: list = []
+    failed: list = []
+    monkeypatch.setattr(heartbeat.os, "kill", lambda pid, signum: sent.append((pid, signum)))
+    monkeypatch.setattr(beat, "_fail", lambda ranks, reason: failed.append(reason))
+    monkeypatch.setattr(heartbeat, "AGENT_GONE_S", 0.2)
+    return beat, sent, failed
+
+
+def test_the_agent_gone_stops_the_rank_once_by_the_beat_or_by_the_store(tmp_path, monkeypatch):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    beat, sent, failed = _beat(tmp_path, monkeypatch, gone.pid)
+    assert beat._agent_lost() and beat._agent_lost()  # each beat looks; the rank is stopped once
+    assert sent == [(os.getpid(), signal.SIGTERM)] and not beat._stop.is_set()  # beating on: the store answers
+    beat._store_lost("the job's store stopped answering")  # then the store went too: no peer lost, no second stop
+    assert sent == [(os.getpid(), signal.SIGTERM)] and failed == [] and beat._stop.is_set()
+
+
+def test_the_store_gone_with_the_agent_stops_the_rank_and_ends_its_beating(tmp_path, monkeypatch):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    beat, sent, failed = _beat(tmp_path, monkeypatch, gone.pid)
+    beat._store_lost("the job's store stopped answering")
+    assert sent == [(os.getpid(), signal.SIGTERM)] and failed == [] and beat._stop.is_set()
+
+
+def test_an_agent_that_lives_or_none_makes_a_store_gone_a_lost_peer(tmp_path, monkeypatch):
+    for agent in (os.getppid(), None):
+        beat, sent, failed = _beat(tmp_path, monkeypatch, agent)
+        assert not beat._agent_lost()
+        beat._store_lost("the job's store stopped answering")
+        assert sent == [] and failed == ["the job's store stopped answering"]
+
+
+def test_a_rank_already_ending_is_not_stopped_again_for_its_agent(tmp_path, monkeypatch):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    beat, sent, failed = _beat(tmp_path, monkeypatch, gone.pid)
+    beat._failing.acquire()  # `_fail` is reporting a lost peer in the other thread: the process ends with its code
+    assert beat._agent_lost() and sent == []

@@ -119,7 +119,7 @@ class Heartbeat:
         self._stop, self._beating_ended = threading.Event(), threading.Event()  # (the guard watches until the latter)
         self.threshold, self.started, self.count = timeout_s, time.time(), 0  # count: this rank's beats, as answered
         self._registered: set = set()  # ranks whose counter exists: read without a look first (`read_beats`)
-        self._failing, self._last_ok, self._who = threading.Lock(), time.monotonic(), {}  # (_who: ranks' places)
+        self._failing, self._agent_gone, self._last_ok, self._who = threading.Lock(), threading.Lock(), time.monotonic(), {}
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent (our parent) serves it
         self.store_host, self.agent = [] if rank == 0 or agent_store else [0], os.getppid() if agent_store else None
         self._thread = threading.Thread(target=self._loop, name="dsrecipes-heartbeat", daemon=True)
@@ -187,9 +187,7 @@ class Heartbeat:
         last_change = dict.fromkeys(range(self.world_size), tick)
         while not self._stop.wait(INTERVAL_S):
             try:
-                if self.agent not in (None, -1, os.getppid()):  # torchrun's agent gone, the store up (another node's):
-                    self.agent = -1  # the rank stops as in `_store_lost`, once, beating on: the peers wait for its save
-                    os.kill(os.getpid(), signal.SIGTERM)
+                self._agent_lost()  # (the store answers: another node's agent serves it; the peers wait for its save)
                 if self._beat():
                     self._follow()
                 if self.store_host and 0 not in self._who and self.store.check([self._key("who", 0)]):
@@ -253,8 +251,7 @@ class Heartbeat:
         tick = time.monotonic()
         while not self._beating_ended.wait(INTERVAL_S):
             now = time.monotonic()
-            starved = now - tick - INTERVAL_S
-            tick = now
+            starved, tick = now - tick - INTERVAL_S, now
             if starved > INTERVAL_S:
                 self._last_ok += starved
             if now - self._last_ok > self.timeout_s + 2 * INTERVAL_S:
@@ -284,7 +281,6 @@ class Heartbeat:
         return self.store.get(key) if self.store.check([key]) else None
 
     def _describe(self, ranks: List[int]) -> List[Dict[str, Any]]:
-        out = []
         for r in ranks:
             if r not in self._who:
                 try:
@@ -292,21 +288,26 @@ class Heartbeat:
                     self._who[r] = json.loads(raw) if raw else {"rank": r}
                 except Exception:  # noqa: BLE001
                     self._who[r] = {"rank": r}
-            out.append(self._who[r])
-        return out
+        return [self._who[r] for r in ranks]
 
     def _store_lost(self, reason: str) -> None:
-        """The store stopped answering. Served by torchrun's agent, gone (its sockets close a moment before the
-        kernel hands its children on: the short look): the launcher is lost, no peer; the rank stops as on SIGTERM,
-        with a checkpoint at the next step boundary (run/launch/tree.py bounds it), and beats no more."""
-        deadline = time.monotonic() + AGENT_GONE_S
-        while self.agent is not None and os.getppid() == self.agent and time.monotonic() < deadline:
-            time.sleep(INTERVAL_S / 20)
-        if self.agent is None or os.getppid() == self.agent:
+        """The store stopped answering: a peer is lost (`_fail`), or the agent that served it (then: beating ends)."""
+        if not self._agent_lost(AGENT_GONE_S):
             self._fail(self.store_host, reason)
         elif self._failing.acquire(blocking=False):
             self._stop.set()
+
+    def _agent_lost(self, look_s: float = 0.0) -> bool:
+        """Whether torchrun's agent (this rank's parent: TORCHELASTIC_USE_AGENT_STORE) is gone, looked for up to `look_s`
+        (its sockets close a moment before the kernel hands its children on). The first time (the rank not ending
+        already: `_fail`) the rank stops as on SIGTERM, with a checkpoint at the next step boundary (tree.py bounds it)."""
+        deadline = time.monotonic() + look_s
+        while self.agent == os.getppid() and time.monotonic() < deadline:
+            time.sleep(INTERVAL_S / 20)
+        gone = self.agent not in (None, os.getppid())
+        if gone and self._agent_gone.acquire(blocking=False) and not self._failing.locked():
             os.kill(os.getpid(), signal.SIGTERM)
+        return gone
 
     def _fail(self, ranks: List[int], reason: str, stalled: Optional[List[Dict[str, Any]]] = None) -> None:
         if not self._failing.acquire(blocking=False):
@@ -321,9 +322,8 @@ class Heartbeat:
     def _follow(self) -> None:
         """Another rank's heartbeat ended the run (its report stands: `_publish`; this rank's beat said so): this rank
         stops too, before its next store call meets the store of a rank that is gone (torch prints a C++ stack).
-        Read in the store, which this beat talks to anyway (a key per job and session), not in failure.json:
-        hundreds of ranks looking at a file every second would load a shared file system. A store already gone ends
-        in `_fail`, which finds the report in the file (the first one stands) and stops as quietly."""
+        Read in the store, which this beat talks to anyway, not in failure.json (the module's docstring says why). A
+        store already gone ends in `_fail`, which finds the report in the file (the first one stands), as quietly."""
         if self._stop.is_set():
             return
         report = json.loads(self.store.get(self._key("failure", 0)))
