@@ -12,6 +12,7 @@ session of its own, and a SIGKILLed torchrun agent leaves them orphaned.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -27,6 +28,7 @@ import psutil
 import pytest
 
 import dsrecipes.run.launch.process as process
+from dsrecipes.run.launch import build_plan
 from dsrecipes.run.launch.plan import TORCHRUN_SHUTDOWN, Command
 from dsrecipes.run.launch.tree import Tree
 from tests.conftest import REPO, subprocess_env
@@ -203,19 +205,27 @@ def test_a_stop_signal_reaches_a_rank_outside_the_group_once_from_the_launcher_w
             launcher.wait()
 
 
-def test_torchrun_is_told_to_wait_past_the_grace_before_it_kills_its_ranks(tmp_path, monkeypatch):
+def test_torchrun_is_told_to_wait_past_the_grace_before_it_kills_its_ranks(tmp_path, monkeypatch, make_cfg):
+    """The launcher started for the torchrun plan's command (launch.txt's line, which every node runs) is given
+    TORCHRUN_SHUTDOWN past trainer.stop_grace_s by that command alone; the user's own value (exported) stands, and a
+    command built elsewhere is given nothing (run_subprocess added it too, e52882f's backstop; one place now)."""
     seen = tmp_path / "seen"
-    show = Command([sys.executable, "-c", f"import os; open({str(seen)!r}, 'w').write("
-                                          f"os.environ.get({TORCHRUN_SHUTDOWN!r}, 'unset'))"])
+    show = [sys.executable, "-c", f"import os; open({str(seen)!r}, 'w').write(os.environ.get({TORCHRUN_SHUTDOWN!r}, "
+                                  "'unset'))"]  # fmt: skip
+
+    def launched(*overrides: str) -> str:
+        cfg = make_cfg("launcher=torchrun", *overrides, check_files=False)
+        (cmd,) = build_plan(cfg, tmp_path, master_port=29500).commands
+        ran = process.run_subprocess(dataclasses.replace(cmd, argv=show), tmp_path, cfg.trainer.stop_grace_s)
+        assert ran == 0
+        return seen.read_text()
+
     monkeypatch.delenv(TORCHRUN_SHUTDOWN, raising=False)
-    assert process.run_subprocess(show, tmp_path, grace_s=60) == 0
-    assert seen.read_text() == "70"  # torchrun's own default: 30 s, half of trainer.stop_grace_s's
-    assert process.run_subprocess(show, tmp_path, grace_s=2.5) == 0
-    assert seen.read_text() == "13"
-    mine = Command(show.argv, {TORCHRUN_SHUTDOWN: "5"})  # the user's (launcher.env) stands
-    assert process.run_subprocess(mine, tmp_path, grace_s=60) == 0 and seen.read_text() == "5"
+    assert launched() == "70"  # torchrun's own default: 30 s, half of trainer.stop_grace_s's
+    assert launched("trainer.stop_grace_s=2.5") == "13"
+    assert process.run_subprocess(Command(show), tmp_path, grace_s=60) == 0 and seen.read_text() == "unset"
     monkeypatch.setenv(TORCHRUN_SHUTDOWN, "7")  # exported: stands too
-    assert process.run_subprocess(show, tmp_path, grace_s=60) == 0 and seen.read_text() == "7"
+    assert launched() == "7"
 
 
 # A launcher that is SIGKILLed (here: by itself) as soon as its rank, in a session of its own, is up: before the

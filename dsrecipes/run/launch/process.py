@@ -32,7 +32,7 @@ import dsrecipes.core.stopping as stopping
 from dsrecipes.boundary.rank_env import rank_defaults
 from dsrecipes.core.console import PROGRESS_ENV, log_path, progress_mode, relay
 from dsrecipes.core.failure import killed_by, rank_failure
-from dsrecipes.run.launch.plan import RANK_ENV, WORKER_MODULE, Command, torchrun_shutdown
+from dsrecipes.run.launch.plan import RANK_ENV, WORKER_MODULE, Command
 from dsrecipes.run.launch.tree import MARK, Tree, command_name, kill_tree
 
 FAILED_NODE_GRACE_S = 5  # after a rank reported a lost node: time for the launcher to stop the others itself
@@ -62,9 +62,7 @@ def run_subprocess(cmd: Command, run_dir: Path, grace_s: float, log: Optional[Pa
     ended; with `log`, its output passes through `console.relay` (third-party noise goes to `log`). `announce`:
     this process names a lost node or a stall (False: the rank says it itself, `run_in_process`)."""
     mark = f"{os.getpid()}-{time.time_ns()}"  # (tree.MARK: what the launcher starts is ours, seen or not)
-    # (the torchrun plan's command carries TORCHRUN_SHUTDOWN already, in launch.txt for every node; here for any other)
-    env = {**torchrun_shutdown(grace_s, os.environ, cmd.env), **cmd.env, MARK: mark}
-    proc, relays = _start(dataclasses.replace(cmd, env=env), log)
+    proc, relays = _start(dataclasses.replace(cmd, env={**cmd.env, MARK: mark}), log)
     stop, tree = _Stop(grace_s), Tree(proc.pid, mark)
 
     def forward(signum: int) -> None:
