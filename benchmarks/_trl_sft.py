@@ -10,7 +10,8 @@ and function_call -> assistant, observation -> user, system -> system); SFTTrain
 chat template. `--mode best`: packing (bfd), padding_free, use_liger_kernel when liger-kernel is installed (CUDA),
 flash_attention_2 when flash-attn is installed (else sdpa, or --attn), no gradient checkpointing (as dsrecipes' default), bf16
 on CUDA, DataLoader workers as dsrecipes'; `--mode plain`: TRL's defaults (no packing, padded batches, TRL's
-default gradient checkpointing). Writes one JSON row (tokens/s over the steps after the first third) to --result.
+default gradient checkpointing). Writes one JSON row (tokens/s over the steps after the first third: from the end of step steps // 3, as the
+other systems; real tokens: `token_count` says how) to --result.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def sft_settings(args: argparse.Namespace, cuda: bool) -> dict:
     settings = dict(max_length=args.seq, per_device_train_batch_size=args.micro_batch, max_steps=args.steps,
                     gradient_accumulation_steps=args.grad_accum, save_strategy="no", report_to=[],
                     logging_steps=max(args.steps // 5, 1), output_dir=str(Path(args.result).parent / "trl_out"),
-                    include_num_input_tokens_seen="non_padding", bf16=cuda, use_cpu=not cuda, deepspeed=args.deepspeed,
+                    include_num_input_tokens_seen=token_count(args), bf16=cuda, use_cpu=not cuda, deepspeed=args.deepspeed,
                     learning_rate=args.learning_rate, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                     adam_beta2=args.adam_beta2, adam_epsilon=args.adam_epsilon, max_grad_norm=args.max_grad_norm,
                     dataset_num_proc=8 if cuda else None)  # tokenizing before training: not timed, only faster
@@ -80,11 +81,33 @@ def sft_settings(args: argparse.Namespace, cuda: bool) -> dict:
     return settings
 
 
+def token_count(args: argparse.Namespace) -> str:
+    """How the HF Trainer counts `num_input_tokens_seen`: real tokens, as dsrecipes and the bare loop count theirs.
+    A padded batch (plain) has an attention mask, which "non_padding" sums. A padding-free batch (best: one flattened
+    sequence, no pad in it, TRL's pad_to_multiple_of None on a GPU) has none, and "non_padding" would count the
+    tokens that differ from the pad id instead: where pad = eos (TRL sets it so when a tokenizer has no pad token)
+    and the chat template writes eos at every turn's end (Llama 3's <|eot_id|>), TRL's tokens would be undercounted
+    by one a turn. So "all" (every token of the flattened sequence) there."""
+    return "all" if args.mode == "best" else "non_padding"
+
+
 def attention(args: argparse.Namespace, cuda: bool) -> str:
     if args.attn != "auto":
         return args.attn
     best = args.mode == "best" and cuda and importlib.util.find_spec("flash_attn") is not None
     return "flash_attention_2" if best else "sdpa"
+
+
+def timed_rate(marks: List[tuple], steps: int) -> dict:
+    """tokens/s of the optimizer steps after step `steps // 3` (marks[k]: (time, tokens seen) at the end of step
+    k + 1), as gpu_compare times dsrecipes (its log windows after that step) and the bare loop (the same steps)."""
+    start = min(max(steps // 3 - 1, 0), len(marks) - 1)
+    (t0, n0), (t1, n1) = marks[start], marks[-1]
+    timed = max(len(marks) - 1 - start, 1)
+    rates = [(n - m) / (t - s) for (s, m), (t, n) in zip(marks[start:], marks[start + 1:]) if t > s]
+    return {"tokens_per_s": (n1 - n0) / (t1 - t0) if t1 > t0 else None, "steps": len(marks),
+            "tokens_per_s_range": [min(rates), max(rates)] if rates else None,  # of its timed steps
+            "tokens_per_step": (n1 - n0) / timed, "step_s": (t1 - t0) / timed, "timed_steps": len(marks) - 1 - start}
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -111,13 +134,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
-    start = len(clock.marks) // 3
-    (t0, n0), (t1, n1) = clock.marks[start], clock.marks[-1]
-    timed = max(len(clock.marks) - 1 - start, 1)
-    steps = [(n - m) / (t - s) for (s, m), (t, n) in zip(clock.marks[start:], clock.marks[start + 1:]) if t > s]
-    row = {"tokens_per_s": (n1 - n0) / (t1 - t0) if t1 > t0 else None, "steps": len(clock.marks),
-           "tokens_per_s_range": [min(steps), max(steps)] if steps else None,  # of its timed steps
-           "tokens_per_step": (n1 - n0) / timed, "step_s": (t1 - t0) / timed,
+    row = {**timed_rate(clock.marks, args.steps),
            "torch_peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
            "settings": {**{k: v for k, v in settings.items() if k != "output_dir"},
                         "attn_implementation": attention(args, cuda), "deepspeed_json": args.deepspeed}}

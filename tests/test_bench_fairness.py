@@ -6,9 +6,11 @@ running a benchmark (tests/test_benchmarks_smoke.py runs every script's --smoke)
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -73,3 +75,44 @@ def test_bench_stream_reads_alternates_which_scheme_reads_first(bench):
     for i in range(3):
         assert bs.both_schemes(i, lambda: order.append("new") or "N", lambda: order.append("old") or "O") == ("N", "O")
     assert order == ["new", "old", "old", "new", "new", "old"]
+
+
+# gpu_compare: TRL's tokens and its timed window as dsrecipes'.
+
+
+def test_trl_and_dsrecipes_are_timed_over_the_same_steps(bench):
+    """24 steps, a step k ending at time k with 100 k tokens seen: TRL's clock and dsrecipes' log windows (every 4
+    steps) both time steps 9..24, 16 steps (TRL's was 10..24 before)."""
+    marks = [(float(k), 100.0 * k + (1e6 if k > 8 else 0)) for k in range(1, 25)]  # a jump would show step 9 in
+    trl = bench("_trl_sft").timed_rate(marks, 24)
+    assert trl["timed_steps"] == 16 and trl["step_s"] == 1.0
+    lines = [{"step": k, "tokens_per_s": 100.0, "elapsed": float(k)} for k in range(4, 25, 4)]
+    tps, _ = bench("gpu_compare").steady_tokens_per_s(lines, 24 // 3)
+    assert tps == 100.0
+    timed = [r["step"] for prev, r in zip(lines, lines[1:]) if r["step"] > 24 // 3]
+    assert timed[0] - 4 + 1 == 9 == 24 - trl["timed_steps"] + 1
+
+
+def test_trl_counts_its_padding_free_tokens_whatever_their_ids(bench):
+    """TRL's padding-free batch has no attention mask; the HF Trainer's "non_padding" count then drops every token
+    equal to the pad id, which TRL sets to eos where a tokenizer has none (a template writing eos at each turn's end
+    loses a token a turn). The harness counts "all" there (nothing is padding) and "non_padding" for padded batches."""
+    from transformers import Trainer
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    rows = [{"input_ids": [5, 0, 7]}, {"input_ids": [9, 0]}]  # 0: the pad id, = eos, inside the conversations
+    real = 5
+
+    def seen(mode: str, padding_free: bool) -> int:
+        batch = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=padding_free)(rows)
+        fake = types.SimpleNamespace(
+            args=types.SimpleNamespace(include_num_input_tokens_seen=mode, device="cpu"), model=object(),
+            processing_class=types.SimpleNamespace(pad_token_id=0), accelerator=types.SimpleNamespace(gather=lambda t: t),
+            state=types.SimpleNamespace(num_input_tokens_seen=0))
+        Trainer._track_num_input_tokens(fake, batch)
+        return fake.state.num_input_tokens_seen
+
+    assert seen("non_padding", True) == 3  # what the old harness counted for TRL best: 2 of its 5 tokens lost
+    best, plain = (argparse.Namespace(mode=m) for m in ("best", "plain"))
+    assert seen(bench("_trl_sft").token_count(best), True) == real
+    assert seen(bench("_trl_sft").token_count(plain), False) == real
