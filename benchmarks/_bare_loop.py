@@ -1,9 +1,10 @@
 """The bare DeepSpeed loop of benchmarks/gpu_compare.py (not a benchmark itself): the floor dsrecipes is compared with.
 
-Owner: benchmarks/. One JSON argument (model directory, DeepSpeed JSON, micro_batch, seq, steps, cuda, result path):
-the model directory's weights under `deepspeed.initialize` with that JSON, trained on a pool of random token batches
-of shape (micro_batch, seq) with `labels=input_ids`; the steps after the first third are timed. Writes {tokens_per_s,
-step_s, steps} to the result path. gpu_compare starts it as its own process on a GPU and calls `main([json])` in its
+Owner: benchmarks/. One JSON argument (model directory, DeepSpeed JSON, micro_batch, grad_accum, seq, steps, cuda,
+result path): the model directory's weights under `deepspeed.initialize` with that JSON (its batch sizes set to
+micro_batch and grad_accum: gpu_compare retries a run that ran out of memory at half the micro-batch), trained on a
+pool of random token batches of shape (micro_batch, seq) with `labels=input_ids`, grad_accum of them per optimizer
+step; the steps after the first third are timed. Writes {tokens_per_s, step_s, steps} to the result path. gpu_compare starts it as its own process on a GPU and calls `main([json])` in its
 own process for the CPU dry run (--smoke).
 """
 
@@ -29,6 +30,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     deepspeed = load_deepspeed()
     cuda = spec["cuda"]
     config = json.loads(Path(spec["ds_json"]).read_text())
+    accum = spec.get("grad_accum", 1)
+    config.update(train_micro_batch_size_per_gpu=spec["micro_batch"], gradient_accumulation_steps=accum,
+                  train_batch_size=spec["micro_batch"] * accum)  # one rank
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16 if cuda else torch.float32,
                                                  attn_implementation="sdpa")
     if not cuda:
@@ -46,12 +50,13 @@ def main(argv: Optional[List[str]] = None) -> None:
         if step == start:
             sync()
             t0 = time.perf_counter()
-        batch = pool[step % len(pool)]
-        engine.backward(engine(input_ids=batch, labels=batch, use_cache=False).loss)
-        engine.step()
+        for micro in range(accum):
+            batch = pool[(step * accum + micro) % len(pool)]
+            engine.backward(engine(input_ids=batch, labels=batch, use_cache=False).loss)
+            engine.step()
     sync()
     step_s = (time.perf_counter() - t0) / max(steps - start, 1)
-    result = {"tokens_per_s": spec["micro_batch"] * spec["seq"] / step_s, "step_s": step_s, "steps": steps,
+    result = {"tokens_per_s": spec["micro_batch"] * accum * spec["seq"] / step_s, "step_s": step_s, "steps": steps,
               "settings": {"ds_config": str(spec["ds_json"]), "batches": "random tokens, labels = inputs"}}
     Path(spec["result"]).write_text(json.dumps(result, indent=1))
 

@@ -27,6 +27,9 @@ real tokens everywhere). Each system's tokens/s is over its steps after the firs
 Writes OUT/compare.json (a list of rows {system, model, params, zero, micro_batch, seq_len, tokens_per_s, mfu,
 peak_mem_gib, settings, ...}), OUT/compare.png and OUT/gpu_compare.json (the harness' result: arguments, notes,
 rows), and prints the ratio table. --out defaults to benchmarks/results/<date>_<device>.
+Every system alike (benchmarks/_compare_rows.py): a run's tokens/s counts only when it exited 0 after all its steps
+(a failed one is `fail` in the table and the plot, never a number from its first windows or a bar of 0), and a run
+that ran out of GPU memory runs again at half the micro-batch and twice the accumulation (same tokens per step).
 --smoke without a GPU runs every system through the same argument builders inside this process instead of its own
 (dsrecipes with launcher=local, TRL's HF Trainer with the same DS.json on DeepSpeed's CPU accelerator): seconds.
 """
@@ -47,6 +50,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import _harness
+from _compare_rows import counted, plot, ratio_table, with_oom_retries
 from _run_system import free_port, rank_env, run_child
 from _sharegpt_corpus import write_corpus
 
@@ -62,6 +66,7 @@ SHAPES = {
                  num_key_value_heads=2, vocab_size=2176, tie_word_embeddings=True),  # the bundled tokenizer: 2113
 }
 SYSTEMS = ("dsrecipes", "dsrecipes_levers", "trl_best", "trl_best_flex", "trl_plain", "bare")
+__all__ = ["ratio_table"]  # (in _compare_rows: the table's rules are those of its rows)
 LEVERS = ["data.packing=true", "trainer.ce_chunk_tokens=4096"]
 ROW_KEYS = ("system", "model", "params", "zero", "micro_batch", "seq_len", "tokens_per_s", "mfu", "peak_mem_gib",
             "settings")
@@ -140,12 +145,14 @@ def run(args, argv: List[str], log: Path, env: Optional[Dict[str, str]] = None):
     return run_child(argv, log, in_process=args.in_process, cuda=args.cuda, timeout_s=args.run_timeout_s, env=env)
 
 
-def ds_overrides(args: argparse.Namespace, model: Path, zero: int, data: str, run_dir: Path) -> List[str]:
+def ds_overrides(args: argparse.Namespace, model: Path, zero: int, data: str, run_dir: Path,
+                 sizes: Optional[tuple] = None) -> List[str]:
     launcher = ["launcher=local"] if args.in_process else ["launcher=deepspeed", "launcher.num_gpus=1"]
     hw = ["precision=bf16"] if args.cuda else ["precision=fp32", "trainer.device=cpu"]
+    mb, accum = sizes or (args.micro_batch, args.grad_accum)
     return [f"model.path={model}", "dataset=sharegpt_files", f"dataset.paths=[{data}]", f"zero=stage{zero}",
-            f"data.cutoff_len={args.seq}", f"trainer.micro_batch_size={args.micro_batch}",
-            f"trainer.grad_accum={args.grad_accum}", f"trainer.max_steps={args.steps}",
+            f"data.cutoff_len={args.seq}", f"trainer.micro_batch_size={mb}",
+            f"trainer.grad_accum={accum}", f"trainer.max_steps={args.steps}",
             f"trainer.log_every={max(args.steps // 6, 1)}", "trainer.eval_every=0", "trainer.eval_at_start=false",
             "trainer.export=false", "trainer.report_to=[]", f"trainer.output_dir={run_dir}",
             f"data.cache_dir={run_dir.parent.parent / 'dsrecipes_cache'}", *hw, *launcher]
@@ -156,16 +163,25 @@ def levers(args: argparse.Namespace) -> List[str]:
     return LEVERS + (["model.attn_implementation=flash_attention_2"] if flash else [])
 
 
-def run_dsrecipes(args, cell: Dict[str, Any], with_levers: bool) -> Dict[str, Any]:
-    run_dir = cell["out"] / ("dsrecipes_levers" if with_levers else "dsrecipes")
-    overrides = ds_overrides(args, cell["model_dir"], cell["zero"], cell["data"], run_dir)
+def attempt_dir(base: Path, name: str, mb: int, accum: int, first: tuple) -> Path:
+    """A run's directory: `name`, or `name_mbN` for a retry at other sizes (never a failed attempt's files)."""
+    return base / (name if (mb, accum) == first else f"{name}_mb{mb}")
+
+
+def run_dsrecipes(args, cell: Dict[str, Any], with_levers: bool, mb: int, accum: int):
+    run_dir = attempt_dir(cell["out"], "dsrecipes_levers" if with_levers else "dsrecipes", mb, accum,
+                          (args.micro_batch, args.grad_accum))
+    overrides = ds_overrides(args, cell["model_dir"], cell["zero"], cell["data"], run_dir, (mb, accum))
     overrides += levers(args) if with_levers else []
-    code, peak, wall = run(args, [sys.executable, "-m", "dsrecipes", *overrides], run_dir.with_suffix(".log"))
+    log = run_dir.with_suffix(".log")
+    code, peak, wall = run(args, [sys.executable, "-m", "dsrecipes", *overrides], log)
     metrics = run_dir / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.is_file() else []
     tps, spread = steady_tokens_per_s(rows, args.steps // 3)
-    return {"exit": code, "tokens_per_s": tps, "tokens_per_s_range": spread, "peak_mem_gib": peak, "wall_s": wall, "micro_batch": args.micro_batch,
-            "grad_accum": args.grad_accum, "settings": {"overrides": overrides}}
+    steps = max((r["step"] for r in rows if "tokens_per_s" in r), default=0)
+    return {"exit": code, "tokens_per_s": tps, "tokens_per_s_range": spread, "peak_mem_gib": peak, "wall_s": wall,
+            "micro_batch": mb, "grad_accum": accum, "steps": steps,
+            "settings": {"overrides": overrides}}, [log, *run_dir.rglob("*.log")]
 
 
 def steady_tokens_per_s(rows: List[Dict[str, Any]], after_step: int) -> tuple:
@@ -175,9 +191,7 @@ def steady_tokens_per_s(rows: List[Dict[str, Any]], after_step: int) -> tuple:
     rates instead would weigh a fast window as much as a slow one: it is >= the true rate whenever they differ)."""
     timed = [r for r in rows if r.get("tokens_per_s") and r.get("elapsed") is not None]
     windows = [(r["tokens_per_s"], r["elapsed"] - prev["elapsed"]) for prev, r in zip(timed, timed[1:])
-               if r["step"] > after_step]
-    if not windows and timed:  # fewer than two windows (a dry run): the last window's own rate
-        windows = [(timed[-1]["tokens_per_s"], 1.0)]
+               if r["step"] > after_step]  # none without two lines: no number (never one window's own rate)
     seconds = sum(s for _, s in windows)
     if seconds <= 0:
         return None, None
@@ -185,10 +199,13 @@ def steady_tokens_per_s(rows: List[Dict[str, Any]], after_step: int) -> tuple:
     return sum(rate * s for rate, s in windows) / seconds, [min(rates), max(rates)]
 
 
-def run_trl(args, cell: Dict[str, Any], mode: str, attn: Optional[str] = None) -> Dict[str, Any]:
-    out = cell["out"] / (f"trl_{mode}" + (f"_{attn}" if attn else ""))
+def trl_sizes(args, mode: str) -> tuple:
+    return (args.trl_micro_batch, args.trl_grad_accum) if mode == "best" else (args.micro_batch, args.grad_accum)
+
+
+def run_trl(args, cell: Dict[str, Any], mode: str, attn: Optional[str], mb: int, accum: int):
+    out = attempt_dir(cell["out"], f"trl_{mode}" + (f"_{attn}" if attn else ""), mb, accum, trl_sizes(args, mode))
     out.mkdir(parents=True, exist_ok=True)
-    mb, accum = (args.trl_micro_batch, args.trl_grad_accum) if mode == "best" else (args.micro_batch, args.grad_accum)
     script = [str(HERE / "_trl_sft.py"), "--model", str(cell["model_dir"]), "--data", cell["data"], "--mode", mode,
               "--seq", str(args.seq), "--micro-batch", str(mb), "--grad-accum", str(accum),
               "--steps", str(args.steps), "--result", str(out / "row.json"), "--deepspeed", str(cell["trl_json"]),
@@ -199,18 +216,20 @@ def run_trl(args, cell: Dict[str, Any], mode: str, attn: Optional[str] = None) -
         argv, env = [sys.executable, *script], rank_env()
     code, peak, wall = run(args, argv, out.with_suffix(".log"), env)
     row = json.loads((out / "row.json").read_text()) if (out / "row.json").is_file() else {}
-    return {"exit": code, "wall_s": wall, "micro_batch": mb, "grad_accum": accum, **row, "peak_mem_gib": peak}
+    return {"exit": code, "wall_s": wall, "micro_batch": mb, "grad_accum": accum, **row,
+            "peak_mem_gib": peak}, [out.with_suffix(".log")]
 
 
-def run_bare(args, cell: Dict[str, Any]) -> Dict[str, Any]:
-    spec = {"model": str(cell["model_dir"]), "ds_json": str(cell["ds_json"]), "micro_batch": args.micro_batch,
-            "seq": args.seq, "steps": args.steps, "cuda": args.cuda, "result": str(cell["out"] / "bare.json")}
+def run_bare(args, cell: Dict[str, Any], mb: int, accum: int):
+    base = attempt_dir(cell["out"], "bare", mb, accum, (args.micro_batch, args.grad_accum))
+    spec = {"model": str(cell["model_dir"]), "ds_json": str(cell["ds_json"]), "micro_batch": mb, "grad_accum": accum,
+            "seq": args.seq, "steps": args.steps, "cuda": args.cuda, "result": str(base.with_suffix(".json"))}
     code, peak, wall = run(args, [sys.executable, str(HERE / "_bare_loop.py"), json.dumps(spec)],
-                           cell["out"] / "bare.log", rank_env())
+                           base.with_suffix(".log"), rank_env())
     path = Path(spec["result"])
     row = json.loads(path.read_text()) if path.is_file() else {}
-    return {"exit": code, "wall_s": wall, "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, **row,
-            "peak_mem_gib": peak}
+    return {"exit": code, "wall_s": wall, "micro_batch": mb, "grad_accum": accum, **row,
+            "peak_mem_gib": peak}, [base.with_suffix(".log")]
 
 
 def ds_json(args, model: Path, zero: int, out: Path):
@@ -252,26 +271,30 @@ def cell_rows(args, name: str, zero: int, data: str, root: Path, flip: bool, not
             "trl_json": out / "trl_ds_config.json", "hf_flags": trl_json(ds, workers, out)}
     params = _params(model_dir)
     chosen = [s for s in args.systems.split(",") if s]
-    runs = {"dsrecipes": lambda: run_dsrecipes(args, cell, False),
-            "dsrecipes_levers": lambda: run_dsrecipes(args, cell, True),
-            "trl_best": lambda: run_trl(args, cell, "best"), "trl_plain": lambda: run_trl(args, cell, "plain"),
-            "trl_best_flex": lambda: run_trl(args, cell, "best", "flex_attention"),
-            "bare": lambda: run_bare(args, cell)}
+    runs = {"dsrecipes": lambda mb, acc: run_dsrecipes(args, cell, False, mb, acc),
+            "dsrecipes_levers": lambda mb, acc: run_dsrecipes(args, cell, True, mb, acc),
+            "trl_best": lambda mb, acc: run_trl(args, cell, "best", None, mb, acc),
+            "trl_plain": lambda mb, acc: run_trl(args, cell, "plain", None, mb, acc),
+            "trl_best_flex": lambda mb, acc: run_trl(args, cell, "best", "flex_attention", mb, acc),
+            "bare": lambda mb, acc: run_bare(args, cell, mb, acc)}
     rows = []
     for system in (reversed(chosen) if flip else chosen):
         if time.time() > args.deadline:
             note(f"skipped {name} ZeRO-{zero} {system}: time budget {args.budget_s:.0f}s spent")
             continue
         print(f"[gpu_compare] {name} ZeRO-{zero} {system} ...", flush=True)
-        r = runs[system]()
+        sizes = trl_sizes(args, "best" if system.startswith("trl_best") else "plain")
+        r = counted(with_oom_retries(runs[system], *sizes, args.deadline, note, f"{name} ZeRO-{zero} {system}"),
+                    args.steps)
         tps = r.get("tokens_per_s")
         rows.append({"system": system, "model": name, "params": params, "zero": zero, "seq_len": args.seq,
                      "mfu": flops_per_token(name, params, args.seq) * tps / (args.peak_tflops * 1e12) if tps else None,
                      **r})
-        print("[gpu_compare]   " + json.dumps({k: rows[-1].get(k) for k in ("exit", "tokens_per_s", "peak_mem_gib")}),
+        print("[gpu_compare]   " + json.dumps({k: rows[-1].get(k) for k in ("exit", "tokens_per_s", "peak_mem_gib",
+                                                                              "not_counted")}),
               flush=True)
     bare = next((r.get("tokens_per_s") for r in rows if r["system"] == "bare"), None)
-    tokens_step = args.micro_batch * args.grad_accum * args.seq
+    tokens_step = args.micro_batch * args.grad_accum * args.seq  # the same at every micro-batch a run fell back to
     for r in rows:
         if bare and r["system"].startswith("dsrecipes") and r.get("tokens_per_s"):
             r["gpu_idle_s_per_step"] = tokens_step / r["tokens_per_s"] - tokens_step / bare
@@ -290,51 +313,6 @@ def _params(model_dir: Path) -> int:
                     n *= d
                 total += n
     return total
-
-
-def ratio_table(rows: List[Dict[str, Any]]) -> str:
-    """Per cell: dsrecipes' default recipe (the ratios' numerator: no levers, no tuning), the levers, TRL at its
-    best (the faster of trl_best and trl_best_flex where both ran), TRL's defaults and the bare loop."""
-    lines = ["model          ZeRO  dsrecipes tok/s  MFU    levers tok/s  trl_best  trl_plain  bare   ds/trl_best "
-             "ds/trl_plain  levers/trl_best"]
-    for model, zero in sorted({(r["model"], r["zero"]) for r in rows}):
-        by = {r["system"]: r for r in rows if (r["model"], r["zero"]) == (model, zero)}
-        tps = {k: r.get("tokens_per_s") for k, r in by.items()}
-        trl_best = max([v for k, v in tps.items() if k.startswith("trl_best") and v] or [0]) or None
-
-        def f(v, fmt=".0f"):
-            return format(v, fmt) if v else "-"
-
-        def ratio(num, den):
-            return f(num / den if num and den else None, ".2f")
-        ds = tps.get("dsrecipes")
-        lines.append(f"{model:<14} {zero:<5} {f(ds):>15}  {f(by.get('dsrecipes', {}).get('mfu'), '.1%'):>5}  "
-                     f"{f(tps.get('dsrecipes_levers')):>12}  {f(trl_best):>8}  {f(tps.get('trl_plain')):>9}  "
-                     f"{f(tps.get('bare')):>5}  {ratio(ds, trl_best):>11} {ratio(ds, tps.get('trl_plain')):>12} "
-                     f"{ratio(tps.get('dsrecipes_levers'), trl_best):>16}")
-    return "\n".join(lines)
-
-
-def plot(rows: List[Dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cells = sorted({(r["model"], r["zero"]) for r in rows})
-    systems = [s for s in SYSTEMS if any(r["system"] == s for r in rows)]
-    fig, ax = plt.subplots(figsize=(2 + 2 * len(cells), 4))
-    width = 0.8 / max(len(systems), 1)
-    for i, system in enumerate(systems):
-        values = [next((r.get("tokens_per_s") or 0 for r in rows if (r["model"], r["zero"], r["system"]) ==
-                        (m, z, system)), 0) for m, z in cells]
-        ax.bar([c + i * width for c in range(len(cells))], values, width, label=system)
-    ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cells))], [f"{m}\nZeRO-{z}" for m, z in cells])
-    ax.set_ylabel("tokens/s")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def write_compare(rows: List[Dict[str, Any]], path: Path) -> None:
@@ -370,9 +348,10 @@ def main(argv: List[str]) -> int:
                 for row in cell_rows(args, name, zero, data, root, flip, result.note):
                     result.row(row, echo=False)
                 flip = not flip
-        failed = [f"{r['model']} ZeRO-{r['zero']} {r['system']}" for r in result.rows if r.get("exit") != 0]
+        failed = [f"{r['model']} ZeRO-{r['zero']} {r['system']} ({r['not_counted']})" for r in result.rows
+                  if r.get("not_counted")]
         if failed:
-            result.note(f"runs that failed (see their .log): {failed}")
+            result.note(f"runs that failed, not counted in the table (see their .log): {failed}")
         write_compare(result.rows, root / "compare.json")
         if result.rows:
             plot(result.rows, root / "compare.png")

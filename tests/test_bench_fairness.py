@@ -10,6 +10,7 @@ import argparse
 import importlib
 import os
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def test_gpu_compare_dsrecipes_rate_is_its_tokens_over_its_time_as_trls_is(bench
             {"step": 16, "tokens_per_s": 100.0, "elapsed": 13.0}]  # 1000 tokens in 10 s
     rate, spread = gc.steady_tokens_per_s(rows, after_step=8)
     assert rate == pytest.approx(2000 / 11) and spread == [100.0, 1000.0]
-    assert gc.steady_tokens_per_s(rows[:1], after_step=0) == (100.0, [100.0, 100.0])  # a dry run's single window
+    assert gc.steady_tokens_per_s(rows[:1], after_step=0) == (None, None)  # one line: no window, no number
     assert gc.steady_tokens_per_s([], after_step=0) == (None, None)
 
 
@@ -76,8 +77,26 @@ def test_bench_stream_reads_alternates_which_scheme_reads_first(bench):
         assert bs.both_schemes(i, lambda: order.append("new") or "N", lambda: order.append("old") or "O") == ("N", "O")
     assert order == ["new", "old", "old", "new", "new", "old"]
 
+# gpu_compare: dsrecipes and TRL alike. Each test below fails on the harness before its rule: there a failed
+# dsrecipes run kept a tokens/s, a failed TRL run was a 0-high bar in the plot, TRL's padding-free tokens were counted
+# as those unlike the pad id, TRL was timed one step fewer, and a run out of memory at the chosen micro-batch was
+# only a missing row.
 
-# gpu_compare: TRL's tokens and its timed window as dsrecipes'.
+
+def test_only_a_finished_run_counts_whichever_side_it_is(bench):
+    ok = {"system": "trl_best", "exit": 0, "steps": 24, "tokens_per_s": 100.0, "mfu": 0.3}
+    assert bench("_compare_rows").counted(ok, 24) == ok
+    died = bench("_compare_rows").counted({"system": "dsrecipes", "exit": 1, "steps": 12, "tokens_per_s": 500.0}, 24)
+    assert died["tokens_per_s"] is None and died["tokens_per_s_partial"] == 500.0 and died["not_counted"] == "exit 1"
+    short = bench("_compare_rows").counted({"system": "dsrecipes", "exit": 0, "steps": 12, "tokens_per_s": 500.0}, 24)
+    assert short["tokens_per_s"] is None and short["not_counted"] == "12 of 24 steps"
+    timeout = bench("_compare_rows").counted({"system": "trl_plain", "exit": "timeout"}, 24)
+    assert timeout["tokens_per_s"] is None and "tokens_per_s_partial" not in timeout
+
+
+def test_dsrecipes_without_two_log_lines_has_no_rate(bench):
+    """One metrics line is no measurement: the old harness took that window's own rate (its first steps)."""
+    assert bench("gpu_compare").steady_tokens_per_s([{"step": 4, "tokens_per_s": 9e9, "elapsed": 1.0}], 8) == (None, None)
 
 
 def test_trl_and_dsrecipes_are_timed_over_the_same_steps(bench):
@@ -116,3 +135,44 @@ def test_trl_counts_its_padding_free_tokens_whatever_their_ids(bench):
     best, plain = (argparse.Namespace(mode=m) for m in ("best", "plain"))
     assert seen(bench("_trl_sft").token_count(best), True) == real
     assert seen(bench("_trl_sft").token_count(plain), False) == real
+
+
+def test_a_run_out_of_memory_runs_again_at_half_the_micro_batch(bench, tmp_path):
+    oom, other = tmp_path / "oom.log", tmp_path / "other.log"
+    oom.write_text("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+    other.write_text("ValueError: something else\n")
+    tried, notes = [], []
+
+    def run(mb, accum):
+        tried.append((mb, accum))
+        return ({"exit": 0, "micro_batch": mb, "grad_accum": accum} if mb == 2 else {"exit": 1}), [oom]
+
+    row = bench("_compare_rows").with_oom_retries(run, 8, 1, time.time() + 60, notes.append, "1.5b ZeRO-2 trl_best")
+    assert tried == [(8, 1), (4, 2), (2, 4)] and row["exit"] == 0 and row["oom_at"] == [8, 4]
+    assert len(notes) == 2 and "the same tokens per optimizer step" in notes[0]
+    tried.clear()
+    row = bench("_compare_rows").with_oom_retries(lambda mb, acc: (tried.append(mb) or {"exit": 1}, [other]), 8, 1,
+                                      time.time() + 60, notes.append, "x")
+    assert tried == [8] and "oom_at" not in row  # another failure is not retried
+    tried.clear()
+    row = bench("_compare_rows").with_oom_retries(lambda mb, acc: (tried.append(mb) or {"exit": 1}, [oom]), 8, 1,
+                                      time.time() - 1, notes.append, "x")
+    assert tried == [8] and row["oom_at"] == [8] and "time budget spent" in notes[-1]
+
+
+def test_a_failed_trl_run_is_shown_failed_not_absent_or_zero(bench, tmp_path):
+    cell = {"model": "m", "zero": 2}
+    rows = [{**cell, "system": "dsrecipes", "exit": 0, "steps": 24, "tokens_per_s": 100.0},
+            bench("_compare_rows").counted({**cell, "system": "dsrecipes_levers", "exit": 1, "steps": 10, "tokens_per_s": 900.0},
+                               24),
+            bench("_compare_rows").counted({**cell, "system": "trl_best", "exit": 1, "oom_at": [8, 4, 2, 1]}, 24),
+            {**cell, "system": "trl_best_flex", "exit": 0, "steps": 24, "tokens_per_s": 80.0},
+            bench("_compare_rows").counted({**cell, "system": "trl_plain", "exit": "timeout"}, 24)]
+    table = bench("_compare_rows").ratio_table(rows).splitlines()
+    line = table[1].split()
+    assert line[2:] == ["100", "-", "fail", "80", "fail", "-", "1.25", "-", "-"], line
+    text = "\n".join(table)
+    assert "trl_best not counted (exit 1, out of memory at micro-batch [8, 4, 2, 1])" in text
+    assert "TRL best = trl_best_flex" in text and "dsrecipes_levers not counted (exit 1)" in text
+    bench("_compare_rows").plot(rows, tmp_path / "p.png")  # a failed run: a labelled gap (no error on None)
+    assert (tmp_path / "p.png").stat().st_size > 0

@@ -106,6 +106,9 @@ def check_compare(out: Path, stdout: str) -> None:
     best, plain = by["trl_best"]["settings"], by["trl_plain"]["settings"]
     assert best["packing"] and best["padding_free"] and not best["gradient_checkpointing"], best
     assert "packing" not in plain and best["deepspeed"] == plain["deepspeed"] and best["deepspeed"], plain
+    # real tokens on both TRL sides: a padding-free batch has no pad to leave out, a padded one has its mask
+    assert best["include_num_input_tokens_seen"] == "all" and plain["include_num_input_tokens_seen"] == "non_padding"
+    assert all(r.get("not_counted") is None and r["steps"] == 2 for r in rows), rows  # every run counted, all steps
     assert (best["per_device_train_batch_size"] * best["gradient_accumulation_steps"] ==
             by["dsrecipes"]["micro_batch"] * by["dsrecipes"]["grad_accum"])
     assert "data.packing=true" in by["dsrecipes_levers"]["settings"]["overrides"]
