@@ -114,6 +114,10 @@ def ratio_table(rows: List[Dict[str, Any]]) -> str:
                              f"{r.get('grad_accum')} (out of memory at {r['oom_at']})")
         if best and len(tried) > 1:
             notes.append(f"  {model} ZeRO-{zero}: TRL best = {best} (of {', '.join(tried)})")
+        attn = (by[best].get("settings") or {}).get("attn_implementation") if best else None
+        if attn and attn != "flash_attention_2":
+            notes.append(f"  {model} ZeRO-{zero}: TRL best ran on {attn}, not flash-attention 2 (TRL's documented "
+                         "path for packing): not TRL's best, and a ratio over it flatters dsrecipes")
     return "\n".join(lines + (["notes:"] + notes if notes else []))
 
 

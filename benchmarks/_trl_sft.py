@@ -67,9 +67,10 @@ class Clock:
 
 def sft_settings(args: argparse.Namespace, cuda: bool) -> dict:
     """SFTConfig's arguments for --mode best or plain."""
+    # logging_steps: a log line as often as dsrecipes' (gpu_compare: trainer.log_every=steps // 6), each a sync
     settings = dict(max_length=args.seq, per_device_train_batch_size=args.micro_batch, max_steps=args.steps,
                     gradient_accumulation_steps=args.grad_accum, save_strategy="no", report_to=[],
-                    logging_steps=max(args.steps // 5, 1), output_dir=str(Path(args.result).parent / "trl_out"),
+                    logging_steps=max(args.steps // 6, 1), output_dir=str(Path(args.result).parent / "trl_out"),
                     include_num_input_tokens_seen=token_count(args), bf16=cuda, use_cpu=not cuda, deepspeed=args.deepspeed,
                     learning_rate=args.learning_rate, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                     adam_beta2=args.adam_beta2, adam_epsilon=args.adam_epsilon, max_grad_norm=args.max_grad_norm,

@@ -176,3 +176,25 @@ def test_a_failed_trl_run_is_shown_failed_not_absent_or_zero(bench, tmp_path):
     assert "TRL best = trl_best_flex" in text and "dsrecipes_levers not counted (exit 1)" in text
     bench("_compare_rows").plot(rows, tmp_path / "p.png")  # a failed run: a labelled gap (no error on None)
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_the_table_says_when_trl_best_ran_without_flash_attention(bench):
+    """Without flash-attn TRL best is not TRL's best (its packing path is flash-attention's): the ratio over it
+    flatters dsrecipes, and the table says so under the cell; with flash-attention 2 it says nothing."""
+    cell = {"model": "m", "zero": 2}
+    rows = [{**cell, "system": "dsrecipes", "tokens_per_s": 100.0},
+            {**cell, "system": "trl_best", "tokens_per_s": 50.0, "settings": {"attn_implementation": "sdpa"}}]
+    assert "TRL best ran on sdpa, not flash-attention 2" in bench("_compare_rows").ratio_table(rows)
+    rows[1]["settings"]["attn_implementation"] = "flash_attention_2"
+    assert "notes:" not in bench("_compare_rows").ratio_table(rows)
+
+
+def test_trl_logs_as_often_as_dsrecipes(bench):
+    """Each log line is a device sync on both sides: TRL logged every steps // 5, dsrecipes every steps // 6."""
+    args = bench("_trl_sft").parse_args(["--model", "m", "--data", "d", "--result", "/tmp/r.json", "--mode", "best",
+                                          *[w for n in ("--seq", "--micro-batch", "--grad-accum", "--workers")
+                                            for w in (n, "1")], "--steps", "30",
+                                          *[w for n in bench("_trl_sft").HF_FLOATS for w in (n, "0.1")]])
+    gc = bench("gpu_compare")
+    overrides = gc.ds_overrides(gc.parse_args(["--steps", "30"]), Path("m"), 2, "d", Path("r"))
+    assert f"trainer.log_every={bench('_trl_sft').sft_settings(args, False)['logging_steps']}" in overrides
