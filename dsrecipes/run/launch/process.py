@@ -73,11 +73,8 @@ def run_subprocess(cmd: Command, run_dir: Path, grace_s: float, log: Optional[Pa
     try:
         with stopping.handling(on_signal=forward, announce=True):
             code = supervise(proc, run_dir, stop, announce, tree, rank=cmd.in_process)  # (not -9 where it stopped it)
-    except KeyboardInterrupt:  # Ctrl-C twice
+    finally:  # (Ctrl-C twice too) whatever is still there: leftover workers, a stuck rank, a killed launcher's ranks
         tree.end()
-        raise
-    finally:
-        tree.end()  # whatever is still there (leftover workers, a stuck rank, ranks orphaned by a killed launcher)
         ended = proc.wait()
         for thread in relays:
             thread.join(timeout=10)  # a rank that outlives its launcher must not hold us here
@@ -160,13 +157,12 @@ class _LeftAlone:
     says how the run went)."""
 
     def __init__(self, tree: Tree) -> None:
-        self.pid, self.tree = tree.pid, tree
-        self.had_children = False
+        self.tree, self.had_children = tree, False
         self.since: Optional[float] = None
 
     def overdue(self) -> bool:
         try:
-            state = psutil.Process(self.pid).status()
+            state = psutil.Process(self.tree.pid).status()
             live = [c for c in self.tree.look() if c.status() != psutil.STATUS_ZOMBIE]
         except psutil.Error:
             return False
@@ -177,7 +173,7 @@ class _LeftAlone:
         self.since = self.since or time.monotonic()
         if time.monotonic() - self.since < LAUNCHER_EXIT_S:
             return False
-        print(f"dsrecipes: every rank has ended, but the launcher (pid {self.pid}, state {state}) has not exited "
+        print(f"dsrecipes: every rank has ended, but the launcher (pid {self.tree.pid}, state {state}) has not exited "
               f"{LAUNCHER_EXIT_S:g} s later; ending it", file=sys.stderr, flush=True)
         return True
 

@@ -17,6 +17,7 @@ KILLED_S = 10.0  # after SIGKILL: how long `kill_tree` waits for the processes t
 # In a launcher's environment, a value of its own (`mark`): every process it starts inherits it, so one started less
 # than a poll before the launcher was killed, never seen, is still found as ours (`gather`).
 MARK = "DSRECIPES_LAUNCH"
+BORN_SLACK_S = 1.0  # psutil's start times count from the boot time it read (/proc/stat's btime, which may shift)
 
 
 class Tree:
@@ -45,12 +46,16 @@ class Tree:
 
     def gather(self) -> None:
         """Record as seen this user's processes that carry the launcher's mark (none without one): those it started
-        too shortly before it was killed to be seen (`look`, every 0.5 s)."""
+        too shortly before it was killed to be seen (`look`, every 0.5 s). Only one younger than the launcher can
+        (its descendants inherit it): the environments of the others are not read (each run's end, 1000 processes:
+        ~1 ms, ~20 ms the first time, psutil's start times; was 40-70 ms). BORN_SLACK_S: psutil's clock may move."""
         if self.mark is None:
             return
+        born = self.launcher.create_time() - BORN_SLACK_S if self.launcher is not None else 0.0
         for p in psutil.process_iter():
             with contextlib.suppress(psutil.Error, OSError):
-                if p.pid not in self.seen and p.uids().real == os.getuid() and p.environ().get(MARK) == self.mark:
+                if p.pid not in self.seen and p.create_time() >= born and p.uids().real == os.getuid() and \
+                        p.environ().get(MARK) == self.mark:
                     self.seen[p.pid] = p
 
     def outside(self) -> List[psutil.Process]:
