@@ -2,6 +2,7 @@
 
 Owner: benchmarks/. The same rules for every system, so that neither side's failure flatters the other:
 
+  timed_after(steps)    the last untimed step, the same for every system (a log line of dsrecipes' ends there);
   counted(row, steps)   a run's tokens/s counts only when it exited 0 after all its steps; a failed, timed-out or
                         short run keeps what it measured as `tokens_per_s_partial` and `not_counted` says why (a
                         dsrecipes run that died at step 12 would otherwise show the rate of its first windows, while
@@ -22,6 +23,18 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 OOM_MARKS = ("out of memory", "outofmemoryerror")  # torch's CUDA message and exception name (lower case)
 SYSTEMS = ("dsrecipes", "dsrecipes_levers", "trl_best", "trl_best_flex", "trl_plain", "bare")
+
+
+def log_every(steps: int) -> int:
+    """Optimizer steps between log lines, dsrecipes' `trainer.log_every` and TRL's `logging_steps` alike."""
+    return max(steps // 6, 1)
+
+
+def timed_after(steps: int) -> int:
+    """The last untimed optimizer step, the same for every system: the first third, down to a step where dsrecipes
+    writes a log line (its windows start there only), so that every side times steps timed_after + 1 .. steps."""
+    every = log_every(steps)
+    return steps // 3 // every * every
 
 
 def counted(row: Dict[str, Any], steps: int) -> Dict[str, Any]:

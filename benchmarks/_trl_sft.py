@@ -10,8 +10,8 @@ and function_call -> assistant, observation -> user, system -> system); SFTTrain
 chat template. `--mode best`: packing (bfd), padding_free, use_liger_kernel when liger-kernel is installed (CUDA),
 flash_attention_2 when flash-attn is installed (else sdpa, or --attn), no gradient checkpointing (as dsrecipes' default), bf16
 on CUDA, DataLoader workers as dsrecipes'; `--mode plain`: TRL's defaults (no packing, padded batches, TRL's
-default gradient checkpointing). Writes one JSON row (tokens/s over the steps after the first third: from the end of step steps // 3, as the
-other systems; real tokens: `token_count` says how) to --result.
+default gradient checkpointing). Writes one JSON row (tokens/s over the steps after the first third: from the end of step timed_after(steps),
+as the other systems; real tokens: `token_count` says how) to --result.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 from typing import List, Optional
+
+from _compare_rows import log_every, timed_after
 
 ROLES = {"human": "user", "gpt": "assistant", "function_call": "assistant", "observation": "user", "system": "system"}
 HF_FLOATS = ("--learning-rate", "--weight-decay", "--adam-beta1", "--adam-beta2", "--adam-epsilon", "--max-grad-norm")
@@ -67,10 +69,10 @@ class Clock:
 
 def sft_settings(args: argparse.Namespace, cuda: bool) -> dict:
     """SFTConfig's arguments for --mode best or plain."""
-    # logging_steps: a log line as often as dsrecipes' (gpu_compare: trainer.log_every=steps // 6), each a sync
+    # logging_steps: a log line as often as dsrecipes' (gpu_compare's trainer.log_every), each a device sync
     settings = dict(max_length=args.seq, per_device_train_batch_size=args.micro_batch, max_steps=args.steps,
                     gradient_accumulation_steps=args.grad_accum, save_strategy="no", report_to=[],
-                    logging_steps=max(args.steps // 6, 1), output_dir=str(Path(args.result).parent / "trl_out"),
+                    logging_steps=log_every(args.steps), output_dir=str(Path(args.result).parent / "trl_out"),
                     include_num_input_tokens_seen=token_count(args), bf16=cuda, use_cpu=not cuda, deepspeed=args.deepspeed,
                     learning_rate=args.learning_rate, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                     adam_beta2=args.adam_beta2, adam_epsilon=args.adam_epsilon, max_grad_norm=args.max_grad_norm,
@@ -100,9 +102,9 @@ def attention(args: argparse.Namespace, cuda: bool) -> str:
 
 
 def timed_rate(marks: List[tuple], steps: int) -> dict:
-    """tokens/s of the optimizer steps after step `steps // 3` (marks[k]: (time, tokens seen) at the end of step
-    k + 1), as gpu_compare times dsrecipes (its log windows after that step) and the bare loop (the same steps)."""
-    start = min(max(steps // 3 - 1, 0), len(marks) - 1)
+    """tokens/s of the optimizer steps after step `timed_after(steps)` (marks[k]: (time, tokens seen) at the end of
+    step k + 1), as gpu_compare times dsrecipes (its log windows after that step) and the bare loop (the same steps)."""
+    start = min(max(timed_after(steps) - 1, 0), len(marks) - 1)
     (t0, n0), (t1, n1) = marks[start], marks[-1]
     timed = max(len(marks) - 1 - start, 1)
     rates = [(n - m) / (t - s) for (s, m), (t, n) in zip(marks[start:], marks[start + 1:]) if t > s]

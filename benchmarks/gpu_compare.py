@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import _harness
-from _compare_rows import counted, plot, ratio_table, with_oom_retries
+from _compare_rows import counted, log_every, plot, ratio_table, timed_after, with_oom_retries
 from _run_system import free_port, rank_env, run_child
 from _sharegpt_corpus import write_corpus
 
@@ -153,7 +153,7 @@ def ds_overrides(args: argparse.Namespace, model: Path, zero: int, data: str, ru
     return [f"model.path={model}", "dataset=sharegpt_files", f"dataset.paths=[{data}]", f"zero=stage{zero}",
             f"data.cutoff_len={args.seq}", f"trainer.micro_batch_size={mb}",
             f"trainer.grad_accum={accum}", f"trainer.max_steps={args.steps}",
-            f"trainer.log_every={max(args.steps // 6, 1)}", "trainer.eval_every=0", "trainer.eval_at_start=false",
+            f"trainer.log_every={log_every(args.steps)}", "trainer.eval_every=0", "trainer.eval_at_start=false",
             "trainer.export=false", "trainer.report_to=[]", f"trainer.output_dir={run_dir}",
             f"data.cache_dir={run_dir.parent.parent / 'dsrecipes_cache'}", *hw, *launcher]
 
@@ -177,7 +177,7 @@ def run_dsrecipes(args, cell: Dict[str, Any], with_levers: bool, mb: int, accum:
     code, peak, wall = run(args, [sys.executable, "-m", "dsrecipes", *overrides], log)
     metrics = run_dir / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.is_file() else []
-    tps, spread = steady_tokens_per_s(rows, args.steps // 3)
+    tps, spread = steady_tokens_per_s(rows, timed_after(args.steps))
     steps = max((r["step"] for r in rows if "tokens_per_s" in r), default=0)
     return {"exit": code, "tokens_per_s": tps, "tokens_per_s_range": spread, "peak_mem_gib": peak, "wall_s": wall,
             "micro_batch": mb, "grad_accum": accum, "steps": steps,
@@ -223,7 +223,8 @@ def run_trl(args, cell: Dict[str, Any], mode: str, attn: Optional[str], mb: int,
 def run_bare(args, cell: Dict[str, Any], mb: int, accum: int):
     base = attempt_dir(cell["out"], "bare", mb, accum, (args.micro_batch, args.grad_accum))
     spec = {"model": str(cell["model_dir"]), "ds_json": str(cell["ds_json"]), "micro_batch": mb, "grad_accum": accum,
-            "seq": args.seq, "steps": args.steps, "cuda": args.cuda, "result": str(base.with_suffix(".json"))}
+            "seq": args.seq, "steps": args.steps, "timed_after": timed_after(args.steps), "cuda": args.cuda,
+            "result": str(base.with_suffix(".json"))}
     code, peak, wall = run(args, [sys.executable, str(HERE / "_bare_loop.py"), json.dumps(spec)],
                            base.with_suffix(".log"), rank_env())
     path = Path(spec["result"])

@@ -100,16 +100,23 @@ def test_dsrecipes_without_two_log_lines_has_no_rate(bench):
 
 
 def test_trl_and_dsrecipes_are_timed_over_the_same_steps(bench):
-    """24 steps, a step k ending at time k with 100 k tokens seen: TRL's clock and dsrecipes' log windows (every 4
-    steps) both time steps 9..24, 16 steps (TRL's was 10..24 before)."""
-    marks = [(float(k), 100.0 * k + (1e6 if k > 8 else 0)) for k in range(1, 25)]  # a jump would show step 9 in
-    trl = bench("_trl_sft").timed_rate(marks, 24)
-    assert trl["timed_steps"] == 16 and trl["step_s"] == 1.0
-    lines = [{"step": k, "tokens_per_s": 100.0, "elapsed": float(k)} for k in range(4, 25, 4)]
-    tps, _ = bench("gpu_compare").steady_tokens_per_s(lines, 24 // 3)
-    assert tps == 100.0
-    timed = [r["step"] for prev, r in zip(lines, lines[1:]) if r["step"] > 24 // 3]
-    assert timed[0] - 4 + 1 == 9 == 24 - trl["timed_steps"] + 1
+    """A step k ends at time k with 100 k tokens seen (and a jump of 1e6 tokens at the first step after the untimed
+    ones: any window that took in one more early step would show it). TRL's clock, dsrecipes' log windows and the
+    bare loop time the same steps: 9..24 of 24 (TRL's were 10..24 before), and where steps // 3 is not a step with a
+    dsrecipes log line (16 steps, a line every 2: 5), both start at the line before it (4)."""
+    rows, trl, gc = bench("_compare_rows"), bench("_trl_sft"), bench("gpu_compare")
+    for steps, first in ((24, 9), (16, 5), (10, 4)):
+        after = rows.timed_after(steps)
+        assert after + 1 == first, (steps, after)
+        marks = [(float(k), 100.0 * k + (1e6 if k > after else 0)) for k in range(1, steps + 1)]
+        timed = trl.timed_rate(marks, steps)
+        assert timed["timed_steps"] == steps - after and timed["step_s"] == 1.0, (steps, timed)
+        every = rows.log_every(steps)
+        lines = [{"step": k, "tokens_per_s": 100.0, "elapsed": float(k)} for k in range(every, steps + 1, every)]
+        lines += [] if steps % every == 0 else [{"step": steps, "tokens_per_s": 100.0, "elapsed": float(steps)}]
+        assert gc.steady_tokens_per_s(lines, after)[0] == 100.0
+        windows = [prev["step"] for prev, r in zip(lines, lines[1:]) if r["step"] > after]
+        assert windows[0] == after, (steps, windows)
 
 
 def test_trl_counts_its_padding_free_tokens_whatever_their_ids(bench):
