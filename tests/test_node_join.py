@@ -30,8 +30,9 @@ from dsrecipes.run import join, launch
 from dsrecipes.run.launch.plan import LAUNCH_FILE
 from tests import test_multinode
 from tests.helpers import netns
-from tests.test_multinode import IFNAME_ENV, REPO, env, tails
+from tests.test_multinode import REPO, env, tails
 from tests.test_review_launch_tree import SLOW_STEP
+from tests.test_review_multinode_agent import TRAIN as SLOW_TRAIN  # 5 steps, 1 rank per node, peer timeout 10 s
 
 MULTI = ["launcher.num_nodes=2", "launcher.num_gpus=2", "launcher.master_addr=10.0.0.1", "launcher.master_port=29511",
          "trainer.device=cpu"]  # fmt: skip
@@ -167,10 +168,44 @@ def test_a_replaced_line_in_launch_txt_is_never_run(make_cfg, tmp_path, monkeypa
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Two network-namespace nodes (root): SIGTERM to node 1's `dsrecipes node`.
-
+# Two network-namespace nodes (root), 1 rank each, launch/multinode_nossh.sh on both: node 1 runs `dsrecipes node`.
 
 workspace, cluster = test_multinode.workspace, test_multinode.cluster  # its 2 nodes; skipped without root
+CRASH_STEP = SLOW_STEP.replace("def slow(s):", "def slow(s):\n                if s.rank == 1 and s.state.step == 2:\n"
+                               "                    raise RuntimeError('injected on rank 1')")  # (node 1's rank)
+
+
+def start_both(cluster: netns.Cluster, tmp_path: Path, launcher: str, shim_text: str) -> List[subprocess.Popen]:
+    """The script on both nodes (overrides on node 0), rank 0 sleeping SLOW_S after step 1 (SLOW_STEP's mark file:
+    tmp_path/slow.mark); logs: tmp_path/node0.log, node1.log."""
+    run, shim = tmp_path / "run", tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(shim_text)
+    base = {"MASTER_ADDR": cluster.nodes[0].addr, "MASTER_PORT": "29500", "NNODES": "2", "GPUS_PER_NODE": "1",
+            "RUN_DIR": str(run), "DATA_CACHE": str(tmp_path / "cache"), "LAUNCHER": launcher, "WAIT_S": "120",
+            "PYTHONPATH": f"{shim}{os.pathsep}{REPO}", "SLOW_MARK": str(tmp_path / "slow.mark"), "SLOW_S": "8"}  # fmt: skip
+    procs = []
+    for n in cluster.nodes:
+        with open(tmp_path / f"{n.host}.log", "wb") as fh:
+            procs.append(n.popen(["bash", str(REPO / "launch" / "multinode_nossh.sh"),
+                                  *(SLOW_TRAIN if n.index == 0 else [])], env=env({**base, "NODE_RANK": str(n.index)}),
+                                 cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT))  # fmt: skip
+    return procs
+
+
+def ended(cluster: netns.Cluster, procs: List[subprocess.Popen], timeout: float = 60) -> List[int]:
+    """Both exit codes; whatever is still running when the test fails is killed. Nothing is left on either node."""
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    time.sleep(1)
+    left = [(n.host, netns.cmdline_of(p)) for n in cluster.nodes for p in n.pids()]
+    assert not left, left
+    return codes
 
 
 @pytest.mark.slow
@@ -179,43 +214,38 @@ def test_sigterm_to_node_1_stops_every_rank_with_a_checkpoint(cluster, tmp_path,
     """Rank 0 sleeps in step 2 (the others wait in its collective); node 1's `dsrecipes node` gets SIGTERM: its
     ranks get it, every rank stops at the step boundary with the step-2 checkpoint, both nodes end 143, node 1 says
     so in one line and shows no traceback, nothing is left on either node."""
-    node0, node1 = cluster.nodes
-    run, shim, mark = tmp_path / "run", tmp_path / "shim", tmp_path / "slow.mark"
-    shim.mkdir()
-    (shim / "sitecustomize.py").write_text(SLOW_STEP)
-    train = ["recipe=cpu_zero2_two_ranks", "debug=fast", "trainer.max_steps=5", "trainer.save_every=100",
-             "trainer.log_every=1", "trainer.export=false", "trainer.eval_every=0", "dataset.max_samples=160",
-             "data.cutoff_len=64", IFNAME_ENV]  # fmt: skip
-    base = {"MASTER_ADDR": node0.addr, "MASTER_PORT": "29500", "NNODES": "2", "GPUS_PER_NODE": "1", "RUN_DIR": str(run),
-            "DATA_CACHE": str(tmp_path / "cache"), "LAUNCHER": launcher, "WAIT_S": "120",
-            "PYTHONPATH": f"{shim}{os.pathsep}{REPO}", "SLOW_MARK": str(mark), "SLOW_S": "8"}  # fmt: skip
-    procs, logs = [], []
-    for n in cluster.nodes:
-        logs.append(tmp_path / f"{n.host}.log")
-        args = ["bash", str(REPO / "launch" / "multinode_nossh.sh"), *(train if n.index == 0 else [])]
-        with open(logs[-1], "wb") as fh:
-            procs.append(n.popen(args, env=env({**base, "NODE_RANK": str(n.index)}), cwd=tmp_path, stdout=fh,
-                                 stderr=subprocess.STDOUT))  # fmt: skip
-    try:
-        deadline = time.monotonic() + 240
-        while not mark.exists():
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), tails(logs)
-            time.sleep(0.1)
-        time.sleep(1)
-        joined = [p for p in node1.pids() if netns.cmdline_of(p)[2:4] == ["dsrecipes", "node"]]
-        assert joined == [procs[1].pid], [netns.cmdline_of(p) for p in node1.pids()]  # (the script exec'd it)
-        os.kill(procs[1].pid, signal.SIGTERM)
-        codes = [p.wait(timeout=60) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    procs = start_both(cluster, tmp_path, launcher, SLOW_STEP)
+    logs = [tmp_path / f"{n.host}.log" for n in cluster.nodes]
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "slow.mark").exists():
+        if time.monotonic() > deadline or not all(p.poll() is None for p in procs):
+            ended(cluster, procs, 0)
+            pytest.fail(tails(logs))
+        time.sleep(0.1)
+    time.sleep(1)
+    joined = [p for p in cluster.nodes[1].pids() if netns.cmdline_of(p)[2:4] == ["dsrecipes", "node"]]
+    assert joined == [procs[1].pid], [netns.cmdline_of(p) for p in cluster.nodes[1].pids()]  # (the script exec'd it)
+    os.kill(procs[1].pid, signal.SIGTERM)
+    codes = ended(cluster, procs)
     out, out1 = tails(logs), logs[1].read_text(errors="replace")
     assert codes == [143, 143], out
-    assert (run / "checkpoints" / "latest").read_text().strip() == "step_2", out
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_2", out
     assert "node 1: waiting for node 0 to write" in out1 and "node 1: stopped by SIGTERM" in out1, out1
     assert "Traceback" not in out1 and "Resume with:" in logs[0].read_text(errors="replace"), out
-    time.sleep(1)
-    left = [(n.host, netns.cmdline_of(p)) for n in cluster.nodes for p in n.pids()]
-    assert not left, left
+
+
+@pytest.mark.slow
+def test_a_rank_failing_on_node_1_is_one_line_there_without_torchs_traceback(cluster, tmp_path):
+    """torchrun: node 1's rank raises in step 2. torchrun's agent prints its ChildFailedError traceback and box; on
+    node 1 they go to logs/launcher-node1.log, the console says in one line how node 1's ranks ended and the run's
+    first failure; node 0 says it as for a single node. (Was: node 1's console showed torch's traceback.)"""
+    procs = start_both(cluster, tmp_path, "torchrun", CRASH_STEP)
+    codes = ended(cluster, procs, timeout=300)
+    logs = [tmp_path / f"{n.host}.log" for n in cluster.nodes]
+    out, out1 = tails(logs), logs[1].read_text(errors="replace")
+    assert codes[0] != 0 and codes[1] != 0, out
+    assert "injected on rank 1" in logs[0].read_text(errors="replace"), out
+    last = [ln for ln in out1.splitlines() if ln.startswith("node 1: ")][-1]
+    assert last.startswith("node 1: its ranks ended with exit code ") and "injected on rank 1" in last, out1
+    assert "Traceback" not in out1 and "ChildFailedError" not in out1, out1
+    assert "ChildFailedError" in (tmp_path / "run" / "logs" / "launcher-node1.log").read_text(errors="replace")

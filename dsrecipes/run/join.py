@@ -175,6 +175,8 @@ def conclude(run_dir: Path, node_rank: int, code: int, log: Path) -> int:
         return stopping.exit_code(signum)
     killed = killed_by(code) if code < 0 else None
     how = f"its launcher was killed by {killed}" if killed else f"its ranks ended with exit code {code}"
+    if stopping.cause():  # (process.py stopped the ranks itself: their launcher was killed)
+        how = f"{stopping.cause()}; they were stopped at a step boundary with the run"
     report = rank_failure(run_dir)
     cause = f"; the run's first failure: {report.get('reason')}" if report and report.get("reason") else ""
     print(f"node {node_rank}: {how}{cause}; node 0 says how the run ended ({run_dir}/result.json). {where}",
