@@ -140,6 +140,8 @@ def node_commands(cfg: TrainConfig, run_dir: Path) -> List[Command]:
                if r.missing()]  # fmt: skip
     if missing:
         raise UserError(missing)
+    for warning in plan.warnings:  # (this node's environment: CUDA_VISIBLE_DEVICES)
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     mine = [c for c in plan.commands if c.node_rank in (None, cfg.launcher.node_rank)]
     if not mine or any(c.in_process for c in mine):  # (no multi-node builder makes either)
         raise UserError(f"{run_dir}: launcher={cfg.launcher.kind.value} has no command for node "
