@@ -2,7 +2,8 @@
 its readers, each started as a streaming user starts them (`StreamingDataset(remote, local, batch_size, shuffle)`).
 
 Owner: benchmarks/. Imported only where `import_streaming()` works (mosaicml-streaming is not a dsrecipes
-dependency). `PREDOWNLOAD[0]` is bench_store's --st-predownload (None: streaming's default, 8 x batch_size).
+dependency). `PREDOWNLOAD[0]` is bench_store's --st-predownload (None: streaming's default, 8 x batch_size),
+`SHUFFLE_BLOCK[0]` its --st-shuffle-block (None: streaming's default, max(4M / canonical nodes, 262144) samples).
 """
 
 from __future__ import annotations
@@ -44,13 +45,14 @@ def import_streaming():
 
 
 PREDOWNLOAD = [None]  # --st-predownload (None: streaming's default, 8 x batch_size)
+SHUFFLE_BLOCK = [None]  # --st-shuffle-block (None: streaming's default)
 
 
 def st_dataset(local: Path, batch: int):
     from streaming import StreamingDataset
 
     return StreamingDataset(remote="s3://bench/mds", local=str(local), batch_size=batch, shuffle=True, shuffle_seed=0,
-                            predownload=PREDOWNLOAD[0])
+                            predownload=PREDOWNLOAD[0], shuffle_block_size=SHUFFLE_BLOCK[0])
 
 
 def st_launch(proxy, tmp: Path, batch: int) -> dict:

@@ -3,7 +3,7 @@
     pip install mosaicml-streaming --no-deps   # (+ brotli python-snappy cramjam zstd catalogue; not a dsrecipes dep:
                                                #  best in a venv of its own made with --system-site-packages)
     python benchmarks/bench_store.py [--mb 256] [--files 8] [--readers 1 8 64] [--reps 3] [--shard-mb 2] [--chunk-kb K]
-                                               [--st-predownload N]
+                                               [--st-predownload N] [--st-shuffle-block N]
     python benchmarks/bench_store.py --smoke   # 0.25 MiB, R = 1 and 2, 1 repetition: every phase in seconds
 
 Starts moto's S3 server on 127.0.0.1 and a counting HTTP proxy in front of it, each in its own process, the server
@@ -59,7 +59,7 @@ from pathlib import Path
 from _harness import Result, add_args  # (puts this checkout on sys.path: before dsrecipes and tests)
 from _sharegpt_corpus import write_corpus
 from _store_server import ProxyProcess, start_server
-from _store_streaming import PREDOWNLOAD, import_streaming, st_launch, st_readers, upload_mds
+from _store_streaming import PREDOWNLOAD, SHUFFLE_BLOCK, import_streaming, st_launch, st_readers, upload_mds
 
 MBS = 4
 
@@ -164,6 +164,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--shard-mb", type=float, default=2.0, help="MDS shard size_limit (streaming's default: 64)")
     ap.add_argument("--chunk-kb", type=float, default=None, help="dsrecipes' data.chunk_bytes in KiB (automatic)")
     ap.add_argument("--st-predownload", type=int, default=None, help="streaming's predownload (its default: 8 x MBS)")
+    ap.add_argument("--st-shuffle-block", type=int, default=None,
+                    help="streaming's shuffle_block_size in samples (its default: max(4M / nodes, 262144))")
     args = add_args(ap).parse_args()
     if args.smoke:
         args.mb, args.files, args.readers, args.reps, args.shard_mb = 0.25, 2, [1, 2], 1, 0.05
@@ -182,7 +184,7 @@ def main() -> None:
     args = parse_args()
     if args.chunk_kb is not None:
         CHUNK[:] = [f"data.chunk_bytes={int(args.chunk_kb * 1024)}"]
-    PREDOWNLOAD[0] = args.st_predownload
+    PREDOWNLOAD[0], SHUFFLE_BLOCK[0] = args.st_predownload, args.st_shuffle_block
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the server and proxy on the way out
     with Result("bench_store", args) as result:
         why = streaming_or_why()
@@ -198,6 +200,12 @@ def main() -> None:
                         "sleeps 7 ms (streaming's TICK) whenever its ready thread, at most that far ahead, has not "
                         "caught up, which bounds its samples/s per reader flat out, not in training (a step takes "
                         f"{MBS}); --st-predownload N for streaming without that bound")
+        if not why and args.st_shuffle_block is None:
+            result.note("streaming shuffles as its default does (py1e over blocks of max(4M / nodes, 262144) samples: "
+                        "one block holds the whole corpus below ~262k rows, so its order draws on many shards at "
+                        "once); dsrecipes shuffles locally (its epoch order of chunks of adjacent blocks, then a "
+                        "1024-sample buffer): samples/s (and at R > 1 possibly bytes) compare a far stronger shuffle "
+                        "with a weaker one; --st-shuffle-block N for a more local one")
         server = start_server()  # moto, ranged GETs reading their range, in a process of its own
         proxy = ProxyProcess(server.port)  # the counting proxy, in a process of its own
         os.environ.update(server.env(proxy.endpoint), S3_ENDPOINT_URL=proxy.endpoint, TOKENIZERS_PARALLELISM="false")
@@ -299,7 +307,8 @@ def write_readme(result: Result, args: argparse.Namespace, corpus: dict, systems
                      f"({corpus.get('mds_files')} files, one `text` column holding the row's JSON; conversion "
                      f"{corpus.get('mds_convert_s')} s offline, not timed), `StreamingDataset(remote, fresh local "
                      f"dir, batch_size={MBS}, shuffle=True, shuffle_seed=0)`, its default download threads, "
-                     f"predownload {args.st_predownload or f'8 x {MBS} (its default)'}; node r of R is RANK=r "
+                     f"predownload {args.st_predownload or f'8 x {MBS} (its default)'}, shuffle_block_size "
+                     f"{args.st_shuffle_block or 'max(4M / nodes, 262144) samples (its default)'}; node r of R is RANK=r "
                      "WORLD_SIZE=R LOCAL_WORLD_SIZE=1 with its process group switched off; each node builds its own "
                      "client inside its timed window.")
     else:

@@ -205,3 +205,16 @@ def test_trl_logs_as_often_as_dsrecipes(bench):
     gc = bench("gpu_compare")
     overrides = gc.ds_overrides(gc.parse_args(["--steps", "30"]), Path("m"), 2, "d", Path("r"))
     assert f"trainer.log_every={bench('_trl_sft').sft_settings(args, False)['logging_steps']}" in overrides
+
+
+def test_bench_store_gives_streaming_the_shuffle_block_asked(bench, monkeypatch):
+    """streaming's default shuffle is near-global, dsrecipes' local: --st-shuffle-block reaches StreamingDataset (and
+    None leaves streaming's default), so a like-with-like run is one flag away."""
+    st = bench("_store_streaming")
+    seen = []
+    monkeypatch.setitem(sys.modules, "streaming", types.SimpleNamespace(StreamingDataset=lambda **kw: seen.append(kw)))
+    monkeypatch.setattr(st, "SHUFFLE_BLOCK", [1234])
+    st.st_dataset(Path("/nonexistent"), 4)
+    monkeypatch.setattr(st, "SHUFFLE_BLOCK", [None])
+    st.st_dataset(Path("/nonexistent"), 4)
+    assert [kw["shuffle_block_size"] for kw in seen] == [1234, None] and all(kw["shuffle"] for kw in seen)
