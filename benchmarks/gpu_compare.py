@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import _harness
-from _compare_rows import counted, log_every, plot, ratio_table, timed_after, with_oom_retries
+from _compare_rows import SYSTEMS, counted, log_every, plot, ratio_table, timed_after, with_oom_retries
 from _run_system import free_port, rank_env, run_child
 from _sharegpt_corpus import write_corpus
 
@@ -65,8 +65,6 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=2176, tie_word_embeddings=True),  # the bundled tokenizer: 2113
 }
-SYSTEMS = ("dsrecipes", "dsrecipes_levers", "trl_best", "trl_best_flex", "trl_plain", "bare")
-__all__ = ["ratio_table"]  # (in _compare_rows: the table's rules are those of its rows)
 LEVERS = ["data.packing=true", "trainer.ce_chunk_tokens=4096"]
 ROW_KEYS = ("system", "model", "params", "zero", "micro_batch", "seq_len", "tokens_per_s", "mfu", "peak_mem_gib",
             "settings")
