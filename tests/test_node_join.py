@@ -178,19 +178,28 @@ CRASH_STEP = SLOW_STEP.replace("def slow(s):", "def slow(s):\n                if
 def start_both(cluster: netns.Cluster, tmp_path: Path, launcher: str, shim_text: str) -> List[subprocess.Popen]:
     """The script on both nodes (overrides on node 0), rank 0 sleeping SLOW_S after step 1 (SLOW_STEP's mark file:
     tmp_path/slow.mark); logs: tmp_path/node0.log, node1.log."""
-    run, shim = tmp_path / "run", tmp_path / "shim"
-    shim.mkdir()
-    (shim / "sitecustomize.py").write_text(shim_text)
+    (tmp_path / "shim").mkdir()
+    (tmp_path / "shim" / "sitecustomize.py").write_text(shim_text)
+    return [start_node(cluster, n.index, tmp_path, launcher, tmp_path / f"{n.host}.log") for n in cluster.nodes]
+
+
+def start_node(cluster: netns.Cluster, index: int, tmp_path: Path, launcher: str, log: Path) -> subprocess.Popen:
+    n = cluster.nodes[index]
     base = {"MASTER_ADDR": cluster.nodes[0].addr, "MASTER_PORT": "29500", "NNODES": "2", "GPUS_PER_NODE": "1",
-            "RUN_DIR": str(run), "DATA_CACHE": str(tmp_path / "cache"), "LAUNCHER": launcher, "WAIT_S": "120",
-            "PYTHONPATH": f"{shim}{os.pathsep}{REPO}", "SLOW_MARK": str(tmp_path / "slow.mark"), "SLOW_S": "8"}  # fmt: skip
-    procs = []
-    for n in cluster.nodes:
-        with open(tmp_path / f"{n.host}.log", "wb") as fh:
-            procs.append(n.popen(["bash", str(REPO / "launch" / "multinode_nossh.sh"),
-                                  *(SLOW_TRAIN if n.index == 0 else [])], env=env({**base, "NODE_RANK": str(n.index)}),
-                                 cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT))  # fmt: skip
-    return procs
+            "RUN_DIR": str(tmp_path / "run"), "DATA_CACHE": str(tmp_path / "cache"), "LAUNCHER": launcher,
+            "WAIT_S": "120", "PYTHONPATH": f"{tmp_path / 'shim'}{os.pathsep}{REPO}",
+            "SLOW_MARK": str(tmp_path / "slow.mark"), "SLOW_S": "8", "NODE_RANK": str(n.index)}  # fmt: skip
+    with open(log, "wb") as fh:
+        return n.popen(["bash", str(REPO / "launch" / "multinode_nossh.sh"), *(SLOW_TRAIN if n.index == 0 else [])],
+                       env=env(base), cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT)
+
+
+def stop_all(procs: List[subprocess.Popen]) -> None:
+    """A failed test's processes killed (Cluster.close ends whatever they leave in the namespaces)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def ended(cluster: netns.Cluster, procs: List[subprocess.Popen], timeout: float = 60) -> List[int]:
@@ -198,10 +207,7 @@ def ended(cluster: netns.Cluster, procs: List[subprocess.Popen], timeout: float 
     try:
         codes = [p.wait(timeout=timeout) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        stop_all(procs)
     time.sleep(1)
     left = [(n.host, netns.cmdline_of(p)) for n in cluster.nodes for p in n.pids()]
     assert not left, left
@@ -213,13 +219,13 @@ def ended(cluster: netns.Cluster, procs: List[subprocess.Popen], timeout: float 
 def test_sigterm_to_node_1_stops_every_rank_with_a_checkpoint(cluster, tmp_path, launcher):
     """Rank 0 sleeps in step 2 (the others wait in its collective); node 1's `dsrecipes node` gets SIGTERM: its
     ranks get it, every rank stops at the step boundary with the step-2 checkpoint, both nodes end 143, node 1 says
-    so in one line and shows no traceback, nothing is left on either node."""
+    so in one line and shows no traceback, nothing is left on either node. Then the next attempt, node 1 first."""
     procs = start_both(cluster, tmp_path, launcher, SLOW_STEP)
     logs = [tmp_path / f"{n.host}.log" for n in cluster.nodes]
     deadline = time.monotonic() + 240
     while not (tmp_path / "slow.mark").exists():
         if time.monotonic() > deadline or not all(p.poll() is None for p in procs):
-            ended(cluster, procs, 0)
+            stop_all(procs)
             pytest.fail(tails(logs))
         time.sleep(0.1)
     time.sleep(1)
@@ -232,6 +238,33 @@ def test_sigterm_to_node_1_stops_every_rank_with_a_checkpoint(cluster, tmp_path,
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_2", out
     assert "node 1: waiting for node 0 to write" in out1 and "node 1: stopped by SIGTERM" in out1, out1
     assert "Traceback" not in out1 and "Resume with:" in logs[0].read_text(errors="replace"), out
+    assert_resumes_with_node_1_first(cluster, tmp_path, launcher)
+
+
+def assert_resumes_with_node_1_first(cluster: netns.Cluster, tmp_path: Path, launcher: str) -> None:
+    """The next attempt in the same RUN_DIR, node 1 started first: the earlier attempt's launch.txt is there, but
+    node 1 starts nothing until node 0 holds the directory and wrote its own; then both resume from step 2."""
+    logs = [tmp_path / f"{n.host}-again.log" for n in cluster.nodes]
+    second = start_node(cluster, 1, tmp_path, launcher, logs[1])
+    procs = [second]
+    try:
+        deadline = time.monotonic() + 60
+        while "node 1: waiting for node 0" not in logs[1].read_text(errors="replace"):
+            assert second.poll() is None and time.monotonic() < deadline, logs[1].read_text(errors="replace")
+            time.sleep(0.2)
+        time.sleep(3)
+        assert second.poll() is None and "starting its ranks" not in logs[1].read_text(errors="replace")
+        assert [netns.cmdline_of(p) for p in cluster.nodes[1].pids()][0][2:4] == ["dsrecipes", "node"]
+        assert len(cluster.nodes[1].pids()) == 1  # no launcher, no rank
+    except BaseException:
+        stop_all(procs)
+        raise
+    procs.insert(0, start_node(cluster, 0, tmp_path, launcher, logs[0]))
+    codes = ended(cluster, procs, timeout=300)
+    out = tails(logs)
+    assert codes == [0, 0], out
+    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'step_2'}" in logs[0].read_text(errors="replace"), out
+    assert "node 1: its ranks finished (exit 0)" in logs[1].read_text(errors="replace"), out
 
 
 @pytest.mark.slow
