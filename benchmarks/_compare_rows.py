@@ -108,16 +108,18 @@ def ratio_table(rows: List[Dict[str, Any]]) -> str:
         def cell(system: Optional[str], value: Optional[float], fmt: str = ".0f") -> str:
             return "fail" if system in by and not value else _fmt(value, fmt)
 
-        def ratio(num, den):
-            return _fmt(num / den if num and den else None, ".2f")
+        def ratio(num, den, mark=""):
+            return _fmt(num / den if num and den else None, ".2f") + (mark if num and den else "")
         ds = tps.get("dsrecipes")
         tried = [k for k in by if k.startswith("trl_best")]
+        attn = (by[best].get("settings") or {}).get("attn_implementation") if best else None
+        star = "*" if attn and attn != "flash_attention_2" else ""  # TRL's padding-free path outside its support
         lines.append(f"{model:<14} {zero:<5} {cell('dsrecipes', ds):>15}  "
                      f"{_fmt(by.get('dsrecipes', {}).get('mfu'), '.1%'):>5}  "
                      f"{cell('dsrecipes_levers', tps.get('dsrecipes_levers')):>12}  "
                      f"{cell(tried[0] if tried else None, trl_best):>8}  {cell('trl_plain', tps.get('trl_plain')):>9}  "
-                     f"{cell('bare', tps.get('bare')):>5}  {ratio(ds, trl_best):>11} {ratio(ds, tps.get('trl_plain')):>12} "
-                     f"{ratio(tps.get('dsrecipes_levers'), trl_best):>16}")
+                     f"{cell('bare', tps.get('bare')):>5}  {ratio(ds, trl_best, star):>11} "
+                     f"{ratio(ds, tps.get('trl_plain')):>12} {ratio(tps.get('dsrecipes_levers'), trl_best, star):>16}")
         for system, r in by.items():
             if r.get("not_counted"):
                 oom = f", out of memory at micro-batch {r['oom_at']}" if r.get("oom_at") else ""
@@ -127,10 +129,10 @@ def ratio_table(rows: List[Dict[str, Any]]) -> str:
                              f"{r.get('grad_accum')} (out of memory at {r['oom_at']})")
         if best and len(tried) > 1:
             notes.append(f"  {model} ZeRO-{zero}: TRL best = {best} (of {', '.join(tried)})")
-        attn = (by[best].get("settings") or {}).get("attn_implementation") if best else None
-        if attn and attn != "flash_attention_2":
-            notes.append(f"  {model} ZeRO-{zero}: TRL best ran on {attn}, not flash-attention 2 (TRL's documented "
-                         "path for packing): not TRL's best, and a ratio over it flatters dsrecipes")
+        if star:
+            notes.append(f"  * {model} ZeRO-{zero}: TRL best ran on {attn}, not flash-attention 2 (SFTConfig: padding-free "
+                         "batches are supported with FlashAttention 2 or 3 only): not TRL's best, and a ratio over it "
+                         "flatters dsrecipes")
     return "\n".join(lines + (["notes:"] + notes if notes else []))
 
 

@@ -191,9 +191,11 @@ def test_the_table_says_when_trl_best_ran_without_flash_attention(bench):
     cell = {"model": "m", "zero": 2}
     rows = [{**cell, "system": "dsrecipes", "tokens_per_s": 100.0},
             {**cell, "system": "trl_best", "tokens_per_s": 50.0, "settings": {"attn_implementation": "sdpa"}}]
-    assert "TRL best ran on sdpa, not flash-attention 2" in bench("_compare_rows").ratio_table(rows)
+    table = bench("_compare_rows").ratio_table(rows)
+    assert "TRL best ran on sdpa, not flash-attention 2" in table and table.splitlines()[1].split()[-3] == "2.00*"
     rows[1]["settings"]["attn_implementation"] = "flash_attention_2"
-    assert "notes:" not in bench("_compare_rows").ratio_table(rows)
+    table = bench("_compare_rows").ratio_table(rows)
+    assert "notes:" not in table and table.splitlines()[1].split()[-3] == "2.00"
 
 
 def test_trl_logs_as_often_as_dsrecipes(bench):
