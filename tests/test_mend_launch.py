@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -52,17 +53,19 @@ def _concluded(run_dir: Path, code: int, capsys) -> tuple:
 
 
 def test_a_launcher_killed_as_its_ranks_ended_is_named_not_an_out_of_memory_rank(tmp_path, capsys):
-    """Was: 'a rank was killed by SIGKILL (the kernel's OOM killer sends it when memory runs out ...)', exit 1:
-    outcome.py read the launcher's own -9 as a rank's, since no rank was left for process.py to stop."""
+    """Was: 'a rank was killed by SIGKILL (the kernel's OOM killer sends it when memory runs out ...)': outcome.py
+    read the launcher's own -9 as a rank's, since no rank was left for process.py to stop. Still a failed run (exit
+    1, nothing was stopped at a step boundary: no stopping.cause, which says the ranks were), naming the launcher."""
     cmd = Command([sys.executable, "-c", _KILLED_AS_ITS_RANK_ENDS])
     code = process.run_subprocess(cmd, tmp_path, grace_s=10)
-    assert code == -signal.SIGKILL
+    assert code == -signal.SIGKILL and stopping.cause() is None
     (exit_code, interrupted), err, result = _concluded(tmp_path, code, capsys)
     assert "OOM" not in err and "a rank was killed" not in err, err
-    assert "the launcher (pid " in err and ", python) was killed by SIGKILL; its ranks ended with it" in err, err
-    assert "they were stopped" not in err and "Resume with:" in err, err
-    assert (exit_code, interrupted) == (143, True) and result["status"] == "interrupted", result
-    assert result["error"].endswith("was killed by SIGKILL; its ranks ended with it"), result
+    named = re.fullmatch(r"error: (the launcher \(pid \d+, python\) was killed by SIGKILL; its ranks ended with it)\n", err)
+    assert named, err
+    assert (exit_code, interrupted) == (1, False) and result["status"] == "failed", result
+    assert result["error"] == named[1] and "rank_signal" not in result, result
+    assert process.killed_alone(tmp_path) is None  # said once
 
 
 # A sweep's launcher=local rank, run as the child: SIGKILLed (the OOM killer) while its DataLoader worker (its process

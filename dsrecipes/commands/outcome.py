@@ -20,6 +20,7 @@ from dsrecipes.core.failure import killed_by, rank_failure
 from dsrecipes.core.heartbeat import describe_failure, read_failure
 from dsrecipes.core.rank_records import read_outcome
 from dsrecipes.core.rundir import CHECKPOINTS_DIR, write_result
+from dsrecipes.run.launch.process import killed_alone
 
 # The command that resumes more than this run (a pipeline's, set around each stage: commands/pipeline.py): the run
 # then prints no resume command of its own (its caller prints that one, once) and records that one in result.json.
@@ -33,6 +34,7 @@ def conclude(run_dir: Path, code: int, dry_run: bool, argv: Sequence[str]) -> Tu
     """Write result.json for a launch that returned `code`; returns (exit code, interrupted)."""
     outcome = read_outcome(run_dir) or {}
     extra = {k: v for k, v in outcome.items() if k not in ("status", "error", "signal")}
+    launcher = killed_alone(run_dir)  # (its ranks ended with it: no rank's signal, though the code is the launcher's)
     # (the launching process stopped the ranks with a SIGTERM of its own: their launcher was killed, stopping.cause)
     signum = stopping.requested() or outcome.get("signal") or (signal.SIGTERM if stopping.cause() else None)
     if outcome.get("status") == "ok":  # the ranks finished (a signal that came during the last step changes nothing)
@@ -43,22 +45,31 @@ def conclude(run_dir: Path, code: int, dry_run: bool, argv: Sequence[str]) -> Tu
         signal_name = killed_by(code)
         code = 1 if signal_name is not None or code < 0 else code  # never the launcher's wrapped-around 247
         if signal_name is not None and rank_failure(run_dir) is None:
-            error = report_killed(run_dir, signal_name)
+            error = report_killed(run_dir, signal_name, launcher)
         else:
             error = report_failed(run_dir, argv) or outcome.get("error")
             if error is None:
                 return report_unexplained(run_dir, code, extra), False
-            error = f"{error} (a rank was killed by {signal_name})" if signal_name else error
-        extra = {**extra, "rank_signal": signal_name} if signal_name else extra
+            error = f"{error} ({launcher or f'a rank was killed by {signal_name}'})" if signal_name else error
+        extra = {**extra, "rank_signal": signal_name} if signal_name and launcher is None else extra
         write_result(run_dir, code, error, **extra)
     else:
         write_result(run_dir, 0, None, "dry_run" if dry_run else "ok", **extra)
     return code, False
 
 
-def report_killed(run_dir: Path, signal_name: str) -> str:
+def report_killed(run_dir: Path, signal_name: str, launcher: Optional[str] = None) -> str:
     """One line for ranks killed by a signal (the OOM killer, a crash), naming them where a peer saw them go (its
-    heartbeat record, core/heartbeat.py): the launcher stopped the others; printed, and returned for result.json."""
+    heartbeat record, core/heartbeat.py): the launcher stopped the others; or, `launcher`, how their launcher was
+    killed with no rank left to stop (run/launch/process.killed_alone). Printed, and returned for result.json."""
+    message = launcher or _ranks_killed(run_dir, signal_name)
+    newest = committed(run_dir / CHECKPOINTS_DIR)
+    resume = "; run the same command again to resume from the last checkpoint (trainer.resume=auto)" if newest else ""
+    say(f"error: {message}{resume}")
+    return message
+
+
+def _ranks_killed(run_dir: Path, signal_name: str) -> str:
     lost = (read_failure(run_dir) or {}).get("lost")
     lost = lost if isinstance(lost, list) else []
     lost = [w for w in lost if isinstance(w, dict) and isinstance(w.get("rank"), int)]
@@ -67,12 +78,8 @@ def report_killed(run_dir: Path, signal_name: str) -> str:
     why = ("the kernel's OOM killer sends it when memory runs out: `dmesg` says whether it did"
            if signal_name == "SIGKILL" else f"a crash in native code: {run_dir / LOGS_DIR}/ has what it printed")
     where = "".join(f"; {place}" for place in map(_place, lost) if place)
-    message = (f"{who} {'were' if len(ranks) > 1 else 'was'} killed by {signal_name} ({why}){where}; the other ranks "
-               "were stopped")  # fmt: skip
-    newest = committed(run_dir / CHECKPOINTS_DIR)
-    resume = "; run the same command again to resume from the last checkpoint (trainer.resume=auto)" if newest else ""
-    say(f"error: {message}{resume}")
-    return message
+    return (f"{who} {'were' if len(ranks) > 1 else 'was'} killed by {signal_name} ({why}){where}; the other ranks "
+            "were stopped")  # fmt: skip
 
 
 def _place(who: dict) -> str:
@@ -154,12 +161,12 @@ def report_interrupted(run_dir: Path, signum: int, extra: dict, argv: Sequence[s
 
 
 def stopped_why(step: object) -> str | None:
-    """Why the ranks stopped though no stop signal came to this run (stopping.cause: their launcher was killed) and
-    the step they stopped at where they said it; None for a stop signal sent to this run."""
+    """Why this process stopped the ranks itself (stopping.cause: their launcher was killed) and at which step they
+    stopped; None for a stop signal sent to this run."""
     why = stopping.cause()
     if why is None:
         return None
-    return f"{why}; they were stopped at step {step}" if isinstance(step, int) else why
+    return f"{why}; they were stopped at step {step}" if isinstance(step, int) else f"{why}; they were stopped"
 
 
 def interrupted_message(signal_name: str, checkpoint: str | None, at_once: str | None) -> str:

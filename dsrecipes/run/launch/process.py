@@ -37,6 +37,7 @@ from dsrecipes.run.launch.tree import MARK, Tree, command_name, kill_tree
 
 FAILED_NODE_GRACE_S = 5  # after a rank reported a lost node: time for the launcher to stop the others itself
 STOP_NOTE_S = 10.0  # after a stop signal: a line this often while the ranks save, naming those still running
+_KILLED_ALONE: Dict[Path, str] = {}  # run directory -> its launcher's death with no rank left to stop (`killed_alone`)
 
 
 def child_env(extra: Mapping[str, str]) -> Dict[str, str]:
@@ -62,6 +63,7 @@ def run_subprocess(cmd: Command, run_dir: Path, grace_s: float, log: Optional[Pa
     ended; with `log`, its output passes through `console.relay` (third-party noise goes to `log`). `announce`:
     this process names a lost node or a stall (False: the rank says it itself, `run_in_process`)."""
     mark = f"{os.getpid()}-{time.time_ns()}"  # (tree.MARK: what the launcher starts is ours, seen or not)
+    _KILLED_ALONE.pop(run_dir.resolve(), None)
     proc, relays = _start(dataclasses.replace(cmd, env={**cmd.env, MARK: mark}), log)
     stop, tree = _Stop(grace_s), Tree(proc.pid, mark)
 
@@ -122,7 +124,7 @@ def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = Non
         try:
             code = proc.wait(timeout=0.5)
             if not rank:
-                _launcher_lost(proc, code, stop, tree)
+                _launcher_lost(proc, code, stop, tree, run_dir)
             continue
         except subprocess.TimeoutExpired:
             pass
@@ -178,20 +180,19 @@ class _LeftAlone:
         return True
 
 
-def _launcher_lost(proc: subprocess.Popen, code: int, stop: _Stop, tree: Tree) -> None:
+def _launcher_lost(proc: subprocess.Popen, code: int, stop: _Stop, tree: Tree, run_dir: Path) -> None:
     """The launcher itself killed by a signal (DeepSpeed's per-node launcher, a torchrun agent: `kill -9` of the
     wrong pid) while its ranks train on: they are stopped like a SIGTERM stops them, at the next step boundary with a
     checkpoint, instead of being killed with the launcher's group and losing the steps since the last save. A
     launcher that ends because a rank died exits with a code (DeepSpeed's: 247 for a rank's SIGKILL), not a signal.
-    Its ranks ended with it (torchrun's, started within 0.1 s of its kill): the run's outcome names the launcher's
-    death still, not a rank's signal (the OOM killer's, commands/outcome.py)."""
+    No rank left to stop (torchrun's, killed as it started them: they ended with it): `killed_alone` says so."""
     name = killed_by(code) if code < 0 else None
     if name is None or stop.at is not None:
         return
     tree.gather()  # (ranks it started in the last poll's 0.5 s)
     lost = f"the launcher (pid {proc.pid}, {command_name(proc.args)}) was killed by {name}"
     if not tree.alive():
-        stopping.stopped_for(f"{lost}; its ranks ended with it")
+        _KILLED_ALONE[run_dir.resolve()] = f"{lost}; its ranks ended with it"
         return
     stop.at = time.monotonic()
     lost = f"{lost} while its ranks ran"
@@ -199,6 +200,13 @@ def _launcher_lost(proc: subprocess.Popen, code: int, stop: _Stop, tree: Tree) -
     print(f"dsrecipes: {lost}; stopping them at the next step boundary with a checkpoint (up to "
           f"trainer.stop_grace_s={stop.grace_s:g} s)", file=sys.stderr, flush=True)  # fmt: skip
     tree.signal(signal.SIGTERM)
+
+
+def killed_alone(run_dir: Path) -> Optional[str]:
+    """How the launcher of the run in `run_dir` was killed by a signal with no rank of it left to stop, once (None
+    where it was not): the run's cause, not a rank's signal (commands/outcome.py; the ranks were not stopped by this
+    process: no stopping.cause)."""
+    return _KILLED_ALONE.pop(Path(run_dir).resolve(), None)
 
 
 def _stopped_code(run_dir: Path) -> int:
