@@ -48,24 +48,24 @@ def test_a_damaged_result_or_plan_is_one_message(tmp_path, text):
 
 
 def test_a_huge_metrics_file_or_line_is_one_message_without_reading_it_whole(tmp_path):
-    """A shared or damaged run directory with a metrics.jsonl over rundir.MAX_METRICS_BYTES (here a sparse file of
+    """A shared or damaged run directory with a metrics.jsonl over metrics_file.MAX_METRICS_BYTES (here a sparse file of
     zeros) or one endless line. Was: read whole into memory (path.read_bytes), then skipped as 'a last line cut
     short' (0 rows, the damage unsaid); now one message naming the file (and line), after at most one bounded line."""
     import os
 
-    from dsrecipes.core import rundir
+    from dsrecipes.core import metrics_file
 
     metrics = tmp_path / "metrics.jsonl"
     _metrics(tmp_path, b"")
     with open(metrics, "ab") as fh:
-        fh.truncate(rundir.MAX_METRICS_BYTES + 1)  # sparse: no disk, no memory
+        fh.truncate(metrics_file.MAX_METRICS_BYTES + 1)  # sparse: no disk, no memory
     with pytest.raises(UserError, match=rf"^{re.escape(str(metrics))}: more than 512 MiB, more than dsrecipes reads"):
         read_metrics(tmp_path)
     _metrics(tmp_path, b'{"step": 3, "note": "' + b"x" * (2 << 20) + b'"}\n')
     with pytest.raises(UserError, match=rf"^{re.escape(str(metrics))}:3: a line of more than 1 MiB, not a metrics record"):
         read_metrics(tmp_path)
     _metrics(tmp_path, b'{"step": 3, "note": "' + b"x" * 1000 + b'"}\n')  # long, within the bound: still a record
-    assert len(read_metrics(tmp_path)) == 3 and os.path.getsize(metrics) < rundir.MAX_METRICS_LINE
+    assert len(read_metrics(tmp_path)) == 3 and os.path.getsize(metrics) < metrics_file.MAX_METRICS_LINE
 
 
 def test_a_huge_ds_config_is_one_message_naming_it(tmp_path):

@@ -47,7 +47,9 @@ def test_summary_table_and_json(tmp_path):
     assert [r["job"] for r in rows] == ["0", "1", "10"]
     ok, failed, unknown = rows
     assert ok["status"] == "ok" and ok["final_loss"] == 2.0 and ok["final_eval_loss"] == 2.7
-    assert ok["tokens_per_s"] == pytest.approx(150.0)  # mean without the first (warm-up) line
+    # without the first (warm-up) line: the tokens of steps 2 and 3 over their time (equal tokens per step), not the
+    # plain mean of the rates (150)
+    assert ok["tokens_per_s"] == pytest.approx(2 / (1 / 100 + 1 / 200))
     assert ok["peak_mem_mb"] == 512.0
     assert failed["status"] == "failed" and "boom" in failed["error"]
     assert unknown["status"] == "unknown"
@@ -55,7 +57,7 @@ def test_summary_table_and_json(tmp_path):
     assert data["swept"] == ["zero"] and data["ok"] == 1 and data["failed"] == 1
     md = (tmp_path / "summary.md").read_text().splitlines()
     assert md[0] == "| job | zero | status | final loss | eval loss | tokens/s | peak MB | error |"
-    assert md[2].startswith("| 0 | stage1 | ok | 2.0000 | 2.7000 | 150.0 | 512 |")
+    assert md[2].startswith("| 0 | stage1 | ok | 2.0000 | 2.7000 | 133.3 | 512 |")
     assert "boom \\| bad" in md[3]
 
 

@@ -26,7 +26,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import yaml
 
@@ -35,16 +35,15 @@ from dsrecipes.core.fileio import (
     atomic_write_json,
     atomic_write_text,
     dangling_link_problem,
-    loads_bounded,
     missing_dirs,
     read_json_file,
     remove_empty_dirs,
 )
 from dsrecipes.core.locks import ExclusiveLock, LockHeld, SharedLock, is_held, probe_free
+from dsrecipes.core.metrics_file import METRICS_FILE, read_metrics, run_summary  # noqa: F401 - (re-exported)
 
 CONFIG_FILE = "config.yaml"
 DS_CONFIG_FILE = "ds_config.json"
-METRICS_FILE = "metrics.jsonl"
 RESULT_FILE = "result.json"
 MARKER_FILE = "dsrecipes_run.json"
 LOCK_FILE = ".dsrecipes.lock"
@@ -56,8 +55,6 @@ FOREIGN_TAIL = "Choose another directory; nothing was changed"  # run/pipeline.p
 CLAIMING_PREFIXES = (".dsrecipes", f".{MARKER_FILE}.")  # lock files, write probes, the marker being written
 # Files of a run directory someone else may have handed over (or a damaged one) are read within bounds:
 MAX_DS_CONFIG_BYTES = 1 << 20  # ds_config.json is a few KB
-MAX_METRICS_BYTES = 512 << 20  # about two million log lines of a few hundred bytes (log_every steps each)
-MAX_METRICS_LINE = 1 << 20  # one log line: a flat record of numbers
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -319,63 +316,6 @@ def read_ds_config(run_dir: Path) -> Dict[str, Any]:
     except ValueError as exc:  # a damaged (or someone else's) run directory: never read whole, nor a RecursionError
         raise UserError(f"{path}: {exc}, not the DeepSpeed config dsrecipes writes (a few KB); start the run "
                         "again with `python -m dsrecipes`") from None
-
-
-def read_metrics(path: str | Path) -> List[Dict[str, Any]]:
-    """The lines of metrics.jsonl (a run directory or the file): each a JSON object with an integer `step`. The last
-    line, cut short by a killed run (no newline at its end), is skipped; any other line that is not such a record
-    is UserError naming file:line (a run resumed onto it would crash or mix its history), as is a file of more than
-    MAX_METRICS_BYTES or a line of more than MAX_METRICS_LINE (read line by line, never whole)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / METRICS_FILE
-    if not path.is_file():
-        return []
-    fix = "repair or remove that line (or move the file away) and run again"
-    rows = []
-    for number, line in _metric_lines(path, fix):
-        if not line.strip():
-            continue
-        try:
-            row = loads_bounded(line, "JSON nested too deeply")  # bytes: decoded as UTF-8
-        except ValueError as exc:  # also UnicodeDecodeError
-            if not line.endswith(b"\n"):  # after the last newline: a write cut short
-                continue
-            raise UserError(f"{path}:{number}: not a metrics record ({type(exc).__name__}: {str(exc)[:80]}); "
-                            f"{fix}") from None
-        if not isinstance(row, dict) or type(row.get("step")) is not int:
-            raise UserError(f"{path}:{number}: not a metrics record (a JSON object with an integer \"step\"); {fix}")
-        rows.append(row)
-    return rows
-
-
-def _metric_lines(path: Path, fix: str) -> Iterator[Tuple[int, bytes]]:
-    """(number, line) of metrics.jsonl, read line by line within MAX_METRICS_BYTES and MAX_METRICS_LINE."""
-    with open(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        for number, line in enumerate(iter(lambda: fh.readline(MAX_METRICS_LINE + 1), b""), 1):
-            if max(size, fh.tell()) > MAX_METRICS_BYTES:  # (checked before the first line is kept)
-                raise UserError(f"{path}: more than {MAX_METRICS_BYTES >> 20} MiB, more than dsrecipes reads of a "
-                                "run's metrics (about two million log lines); move the file away and run again")
-            if len(line) > MAX_METRICS_LINE:
-                raise UserError(f"{path}:{number}: a line of more than {MAX_METRICS_LINE >> 20} MiB, not a metrics "
-                                f"record; {fix}")
-            yield number, line
-
-
-def run_summary(run_dir: Path) -> Dict[str, Any]:
-    """Headline numbers from metrics.jsonl: steps, final train/eval loss, mean tokens/s (without the first log
-    window, which includes warm-up)."""
-    rows = read_metrics(run_dir)
-    train = [r for r in rows if "loss" in r]
-    evals = [r for r in rows if "eval_loss" in r]
-    speeds = [r["tokens_per_s"] for r in train[1:] or train if r.get("tokens_per_s") is not None]
-    return {
-        "steps": train[-1]["step"] if train else 0,
-        "final_loss": train[-1]["loss"] if train else None,
-        "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
-        "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
-    }
 
 
 def write_result(run_dir: Path, code: int, error: Optional[str], status: str = "ok", **extra: Any) -> Path:

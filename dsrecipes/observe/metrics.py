@@ -57,12 +57,15 @@ class MetricsLogger:
             self._bar.update(n)
 
     def log_train(self, step: int, loss: float, lr: float, grad_norm: Optional[float], tokens_per_s: float,
-                  samples_seen: int, elapsed: float, extra: Optional[Dict[str, float]] = None) -> None:
+                  samples_seen: int, elapsed: float, extra: Optional[Dict[str, float]] = None,
+                  tokens: Optional[int] = None) -> None:
         """`extra`: the objective's other train metrics (DPO: rewards, reward accuracy, margin); those of
         headline.HEADLINE are shown beside the loss."""
         extra = extra or {}
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                   "samples_seen": samples_seen, "elapsed": elapsed, **extra}
+        if tokens is not None:  # the window's real tokens over all ranks: run_summary weighs windows by them
+            record["tokens"] = tokens
         self._write(record)
         scalars = {"train/loss": loss, "train/lr": lr, "train/tokens_per_s": tokens_per_s,
                    **{f"train/{k}": v for k, v in extra.items()}}

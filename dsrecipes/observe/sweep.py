@@ -11,7 +11,7 @@ The result contract (written by dsrecipes.run.entry, one file per run, `<run>/re
     {"status": "ok" | "failed" | "dry_run", "error": str | null,
      "final_loss": float | null, "final_eval_loss": float | null, "tokens_per_s": float | null,
      "peak_mem_mb": float | null, ...}   (extra keys are kept)
-`<run>/metrics.jsonl` (train lines with `step, loss, lr, grad_norm, tokens_per_s, samples_seen, elapsed`; eval lines
+`<run>/metrics.jsonl` (train lines with `step, loss, lr, grad_norm, tokens_per_s, samples_seen, elapsed, tokens`; eval lines
 with `eval_loss`) fills any headline number result.json leaves null.
 """
 

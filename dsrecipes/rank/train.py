@@ -325,5 +325,6 @@ def log_window(s: Session, window: Window, lr: float, grad_norm: Any) -> None:
         samples_seen=state.samples_seen,
         elapsed=state.elapsed,
         extra=s.objective.metrics(totals["sums"], "") if totals["sums"] else None,
+        tokens=int(totals["tokens"]),
     )
     window.reset()
