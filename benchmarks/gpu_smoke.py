@@ -32,6 +32,8 @@ from typing import Any, Dict, List, Tuple
 
 import _harness  # noqa: F401  (this checkout on sys.path and PYTHONPATH: the dsrecipes beside it is measured)
 
+from dsrecipes.core.metrics_file import mean_rate  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 QWEN2_0_5B = dict(
     hidden_size=896,
@@ -237,8 +239,9 @@ def run_pipeline(args: argparse.Namespace, stage: int, out: Path, timeout: float
     if metrics.is_file():
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     train = [r for r in rows if "loss" in r and r.get("tokens_per_s")]
-    steady = train[len(train) // 2 :] or train  # the later half: warm-up and compilation excluded
-    tokens_per_s = sum(r["tokens_per_s"] for r in steady) / len(steady) if steady else None
+    # the later half (warm-up and compilation excluded): its windows' tokens over their time (mean_rate leaves out
+    # the first window it is given, the one before that half)
+    tokens_per_s = mean_rate(train[max(len(train) // 2 - 1, 0):])
     ok = code == 0 and len(train) > 1 and train[-1]["loss"] < train[0]["loss"]
     return {
         "mode": "pipeline", "stage": stage, "ok": ok, "exit_code": code, "params": n_params,
