@@ -26,7 +26,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Set, Tuple
 
 import dsrecipes.boundary.trust as trust
 import dsrecipes.core.stopping as stopping
@@ -36,6 +36,7 @@ from dsrecipes.core.distributed import remove_shm_buffers
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.failure import killed_by, rank_failure
 from dsrecipes.core.heartbeat import FAILURE_FILE
+from dsrecipes.core.locks import ExclusiveLock, LockHeld
 from dsrecipes.core.rundir import LOCK_FILE, launcher_alive
 from dsrecipes.core.runplan import read_plan
 from dsrecipes.core.schema import LauncherKind, TrainConfig
@@ -45,6 +46,7 @@ from dsrecipes.run.launch.process import run_subprocess
 
 NOTE_S = 30.0  # a console line this often while this node waits for node 0
 POLL_S = 0.5
+NODE_LOCK = ".dsrecipes.node{}.lock"  # held by node N's `dsrecipes node` while its ranks run
 MULTINODE = (LauncherKind.deepspeed_multinode, LauncherKind.torchrun)
 
 
@@ -59,19 +61,36 @@ def join(run_dir: Path, node_rank: int, wait_s: float) -> int:
     wait_for_launch(run_dir, node_rank, wait_s)
     cfg = node_config(run_dir, node_rank)
     commands = node_commands(cfg, run_dir)
-    log = log_path(run_dir, f"launcher-node{node_rank}")
-    quiet_third_party(log)  # (as node 0's launching process: its ranks inherit the same quiet bars)
-    print(f"node {node_rank}: starting its ranks ({_describe(cfg)}); its launcher's output is also in {log}",
-          file=sys.stderr, flush=True)
-    code = run_commands(cfg, run_dir, commands, log)
+    claim = claim_node(run_dir, node_rank)
+    try:
+        log = log_path(run_dir, f"launcher-node{node_rank}")
+        quiet_third_party(log)  # (as node 0's launching process: its ranks inherit the same quiet bars)
+        print(f"node {node_rank}: starting its ranks ({_describe(cfg)}); its launcher's output is also in {log}",
+              file=sys.stderr, flush=True)
+        code = run_commands(cfg, run_dir, commands, log)
+    finally:
+        claim.release()
     return conclude(run_dir, node_rank, code, log)
+
+
+def claim_node(run_dir: Path, node_rank: int) -> ExclusiveLock:
+    """This node's place in the run, held while its ranks run (<run>/.dsrecipes.nodeN.lock): a second `dsrecipes
+    node` with the same --node-rank (a copy-paste of NODE_RANK, or one left from an earlier attempt still running)
+    is refused, rather than starting ranks of the same node rank twice (a rendezvous that never completes)."""
+    try:
+        return ExclusiveLock(run_dir / NODE_LOCK.format(node_rank), {"node_rank": node_rank}).acquire()
+    except LockHeld as exc:
+        raise UserError(f"--node-rank {node_rank}: node {node_rank} of {run_dir} is already running ({exc.holder}); "
+                        "every node joins with its own NODE_RANK (1 to NNODES-1)") from None
+    except OSError as exc:
+        raise UserError(f"cannot lock {run_dir / NODE_LOCK.format(node_rank)} ({exc.strerror or exc})") from None
 
 
 def wait_for_launch(run_dir: Path, node_rank: int, wait_s: float) -> None:
     """Until `ready` (a line at the start and every NOTE_S saying for what); UserError naming it after `wait_s`."""
-    started, noted = time.monotonic(), -NOTE_S
+    started, noted, dead = time.monotonic(), -NOTE_S, set()
     while True:
-        missing = ready(run_dir)
+        missing = ready(run_dir, dead)
         if missing is None:
             return
         waited = time.monotonic() - started
@@ -88,20 +107,40 @@ def wait_for_launch(run_dir: Path, node_rank: int, wait_s: float) -> None:
         time.sleep(min(POLL_S, max(0.0, wait_s - waited)))
 
 
-def ready(run_dir: Path) -> Optional[str]:
+def ready(run_dir: Path, dead: Optional[Set[Tuple[Optional[int], Optional[int]]]] = None) -> Optional[str]:
     """None when node 0's launching process of this attempt has written the run directory, else what is missing
-    (see the module's docstring)."""
+    (see the module's docstring). The lock is probed only once launch.txt is not older than it (node 0 then holds
+    it already), and not again for the same two times once found free (`dead`, the caller's): a probe holds the
+    lock for an instant, and node 0's claim of the run directory taken in that instant is refused as 'in use'."""
     launch_file = run_dir / LAUNCH_FILE
-    if not launcher_alive(run_dir):  # (on storage that shares no file locks between nodes, never: said at the bound)
-        return f"node 0 to write {launch_file} (no launching process holds {run_dir / LOCK_FILE} yet)"
-    held_since, written = _mtime(run_dir / LOCK_FILE), _mtime(launch_file)
+    times = _times(run_dir)
+    missing = _unwritten(launch_file, *times)
+    if missing is not None:
+        return missing
+    if (dead is not None and times in dead) or not launcher_alive(run_dir):
+        if dead is not None:
+            dead.add(times)
+        return f"node 0 to write {launch_file} (no launching process holds {run_dir / LOCK_FILE} now)"
+    times = _times(run_dir)  # (again after the probe: a claim taken meanwhile)
+    missing = _unwritten(launch_file, *times)
+    if missing is not None:
+        return missing
+    failure = _mtime(run_dir / FAILURE_FILE)
+    if failure is not None and failure < times[1]:
+        return f"node 0 to remove {run_dir / FAILURE_FILE} of an earlier attempt"
+    return None
+
+
+def _times(run_dir: Path) -> Tuple[Optional[int], Optional[int]]:
+    """(the lock file's, launch.txt's) modification times."""
+    return _mtime(run_dir / LOCK_FILE), _mtime(run_dir / LAUNCH_FILE)
+
+
+def _unwritten(launch_file: Path, held_since: Optional[int], written: Optional[int]) -> Optional[str]:
     if written is None or held_since is None:
         return f"node 0 to write {launch_file}"
     if written < held_since:
         return f"node 0 to write {launch_file} (the one there is from an earlier attempt)"
-    failure = _mtime(run_dir / FAILURE_FILE)
-    if failure is not None and failure < written:
-        return f"node 0 to remove {run_dir / FAILURE_FILE} of an earlier attempt"
     return None
 
 
@@ -130,6 +169,9 @@ def node_config(run_dir: Path, node_rank: int) -> TrainConfig:
     if not 0 < node_rank < ln.num_nodes:
         raise UserError(f"--node-rank {node_rank}: {run_dir} is a run of {ln.num_nodes} nodes (node ranks 0 to "
                         f"{ln.num_nodes - 1}; node 0 is the launching process's)")
+    if ln.dry_run:
+        raise UserError(f"{run_dir} is a dry run (launcher.dry_run=true): node 0 wrote its commands and started no "
+                        "rank; nothing to join. Start node 0 without launcher.dry_run")
     return dataclasses.replace(cfg, launcher=dataclasses.replace(ln, node_rank=node_rank))
 
 

@@ -1,0 +1,179 @@
+"""A sceptical cluster user's `dsrecipes node RUN --node-rank N` (dsrecipes/run/join.py), without network namespaces.
+
+Found: (1) the waiting node probed node 0's run lock every 0.5 s while node 0 prepared its data, and a probe holds the
+lock for an instant: node 0's claim of its run directory taken in that instant is refused ('in use by another run');
+(2) a dry run of node 0 (launcher.dry_run=true: commands written, the lock held for a moment) was joined: node 1
+started ranks for a run that never starts; (3) two `dsrecipes node` with the same --node-rank both started ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+import pytest
+import yaml
+
+from dsrecipes.core.locks import ExclusiveLock
+from dsrecipes.core.rundir import LOCK_FILE
+from dsrecipes.run import join
+from dsrecipes.run.launch.plan import LAUNCH_FILE
+from tests.test_node_join import MULTI, node, written_run
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def no_start(monkeypatch) -> List[object]:
+    """What `dsrecipes node` would start (nothing runs)."""
+    ran: List[object] = []
+    monkeypatch.setattr(join, "run_subprocess", lambda cmd, *a, **k: ran.append(cmd) or 0)
+    monkeypatch.setattr(join, "remove_shm_buffers", lambda port: None)
+    return ran
+
+
+def probes(monkeypatch) -> List[Path]:
+    seen: List[Path] = []
+    real = join.launcher_alive
+    monkeypatch.setattr(join, "launcher_alive", lambda run: seen.append(run) or real(run))
+    return seen
+
+
+def test_the_wait_leaves_node_0s_lock_alone_while_node_0_prepares(make_cfg, tmp_path, monkeypatch):
+    """Node 0 holds its lock and tokenizes (no launch.txt yet): no probe of the lock. After a SIGKILLed attempt (its
+    launch.txt newer than its never-released lock) one probe, not one every POLL_S while node 0 restarts."""
+    run, seen = tmp_path / "run", probes(monkeypatch)
+    run.mkdir()
+    lock = ExclusiveLock(run / LOCK_FILE).acquire()
+    dead: set = set()
+    for _ in range(20):
+        assert join.ready(run, dead) == f"node 0 to write {run / LAUNCH_FILE}"
+    assert seen == []  # (was: 20 probes, each one able to make node 0's claim fail)
+    lock.release()
+    lock = written_run(make_cfg, run, "launcher=deepspeed_multinode", *MULTI)
+    assert join.ready(run, dead) is None and len(seen) == 1
+    os.close(lock.fd)  # as a SIGKILL: released, the holder's line not truncated
+    for _ in range(20):
+        assert "no launching process holds" in join.ready(run, dead)
+    assert len(seen) == 2
+
+
+def test_a_dry_run_of_node_0_is_not_joined(make_cfg, tmp_path, no_start, capsys):
+    run = tmp_path / "run"
+    lock = written_run(make_cfg, run, "launcher=deepspeed_multinode", *MULTI)
+    edit_config(run, lambda c: c["launcher"].update(dry_run=True))  # what node 0's dry run writes
+    os.utime(run / LAUNCH_FILE)
+    try:
+        assert node(str(run), "--node-rank", "1", "--wait-s", "1") == 2
+    finally:
+        lock.release()
+    err = capsys.readouterr().err
+    assert no_start == [] and "is a dry run (launcher.dry_run=true)" in err and "Traceback" not in err, err
+
+
+def real_run(make_cfg, run: Path, *overrides: str) -> ExclusiveLock:
+    return written_run(make_cfg, run, "launcher=deepspeed_multinode", *MULTI, *overrides)
+
+
+def edit_config(run: Path, change) -> None:
+    data = yaml.safe_load((run / "config.yaml").read_text())
+    change(data)
+    (run / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def test_a_second_node_with_the_same_rank_is_refused(make_cfg, tmp_path, no_start, capsys):
+    run = tmp_path / "run"
+    lock = real_run(make_cfg, run)
+    first = ExclusiveLock(run / join.NODE_LOCK.format(1), {"node_rank": 1}).acquire()  # node 1 runs its ranks
+    try:
+        assert node(str(run), "--node-rank", "1", "--wait-s", "1") == 2
+        err = capsys.readouterr().err
+        assert no_start == [] and f"--node-rank 1: node 1 of {run} is already running (" in err, err
+        first.release()
+        assert node(str(run), "--node-rank", "1", "--wait-s", "1") == 0 and len(no_start) == 1
+    finally:
+        lock.release()
+
+
+@pytest.mark.parametrize("change, said", [
+    (lambda c: c["launcher"]["env"].update(LD_PRELOAD="/tmp/x.so"), "launcher.env.LD_PRELOAD"),
+    (lambda c: c["launcher"].update(extra_args=["--module", "evil"]), "--module"),
+    (lambda c: c["launcher"].update(extra_args=["/tmp/evil.py"]), "evil.py"),
+])  # fmt: skip
+def test_config_yaml_outside_the_allow_lists_is_refused(make_cfg, tmp_path, no_start, capsys, change, said):
+    """Shared storage: whoever can write config.yaml must not choose what node 1 exports or runs."""
+    run = tmp_path / "run"
+    lock = real_run(make_cfg, run)
+    edit_config(run, change)
+    os.utime(run / LAUNCH_FILE)
+    try:
+        assert node(str(run), "--node-rank", "1", "--wait-s", "1") == 2
+    finally:
+        lock.release()
+    err = capsys.readouterr().err
+    assert no_start == [] and said in err and "Traceback" not in err, err
+    assert len([ln for ln in err.splitlines() if ln.startswith("error")]) == 1, err
+
+
+def test_a_symlinked_config_or_a_foreign_directory_is_refused(make_cfg, tmp_path, no_start, capsys):
+    """A config.yaml that links elsewhere is read through the link, as the ranks read it (load_run_config): what it
+    holds must pass the same allow-lists. A directory without node 0's plan.json is no run to join."""
+    run, elsewhere = tmp_path / "run", tmp_path / "theirs.yaml"
+    lock = real_run(make_cfg, run)
+    try:
+        edit_config(run, lambda c: c["launcher"]["env"].update(PYTHONPATH="/tmp/evil"))
+        (run / "config.yaml").rename(elsewhere)
+        (run / "config.yaml").symlink_to(elsewhere)
+        os.utime(run / LAUNCH_FILE)
+        assert node(str(run), "--node-rank", "1", "--wait-s", "1") == 2
+        err = capsys.readouterr().err
+        assert "launcher.env.PYTHONPATH" in err and "Traceback" not in err, err
+        (run / "config.yaml").unlink()
+        elsewhere.rename(run / "config.yaml")
+        edit_config(run, lambda c: c["launcher"]["env"].pop("PYTHONPATH"))
+        (run / "plan.json").unlink()  # someone's directory with a config.yaml, not a dsrecipes run
+        os.utime(run / LAUNCH_FILE)
+        assert node(str(run), "--node-rank", "1", "--wait-s", "1") == 2
+        err = capsys.readouterr().err
+        assert "plan.json: missing" in err and "Traceback" not in err, err
+    finally:
+        lock.release()
+    assert no_start == []
+
+
+def test_the_next_attempt_with_other_overrides_is_joined_with_its_own_config(make_cfg, tmp_path, no_start):
+    """Attempt 2 in the same RUN_DIR with more steps: while node 0 writes it (config.yaml new, launch.txt old) node 1
+    waits; then it builds its ranks from the new config, never the old one."""
+    run = tmp_path / "run"
+    real_run(make_cfg, run, "trainer.max_steps=5").release()
+    lock = ExclusiveLock(run / LOCK_FILE).acquire()  # attempt 2 (the script removes launch.txt; here it stays)
+    edit_config(run, lambda c: c["trainer"].update(max_steps=7))
+    old = (run / LAUNCH_FILE).stat().st_mtime_ns
+    os.utime(run / LOCK_FILE, ns=(old + 10**6, old + 10**6))
+    assert join.ready(run, set()) == f"node 0 to write {run / LAUNCH_FILE} (the one there is from an earlier attempt)"
+    os.utime(run / LAUNCH_FILE, ns=(old + 2 * 10**6, old + 2 * 10**6))
+    try:
+        assert join.node_config(run, 1).trainer.max_steps == 7
+        assert node(str(run), "--node-rank", "1", "--wait-s", "1") == 0 and len(no_start) == 1
+    finally:
+        lock.release()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_while_waiting_is_one_line_and_leaves_nothing(tmp_path, signum):
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "dsrecipes", "node", str(run), "--node-rank", "1", "--wait-s", "60"],
+                            cwd=tmp_path, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    first = proc.stderr.readline()
+    assert first.startswith(f"node 1: waiting for node 0 to write {run / LAUNCH_FILE}"), first
+    time.sleep(0.3)
+    proc.send_signal(signum)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=20) == 128 + signum, rest
+    assert rest.strip().count("\n") == 0 and "Traceback" not in rest, rest
+    assert not run.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
