@@ -23,7 +23,11 @@ from dsrecipes.core.locks import ExclusiveLock
 from dsrecipes.core.rundir import LOCK_FILE
 from dsrecipes.run import join
 from dsrecipes.run.launch.plan import LAUNCH_FILE
-from tests.test_node_join import MULTI, node, written_run
+from tests import test_multinode
+from tests.helpers import netns
+from tests.test_multinode import tails
+from tests.test_node_join import MULTI, node, start_node, stop_all, written_run
+from tests.test_review_launch_tree import SLOW_STEP
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -177,3 +181,57 @@ def test_a_stop_signal_while_waiting_is_one_line_and_leaves_nothing(tmp_path, si
     assert proc.wait(timeout=20) == 128 + signum, rest
     assert rest.strip().count("\n") == 0 and "Traceback" not in rest, rest
     assert not run.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Two network-namespace nodes (root), 1 rank each, launch/multinode_nossh.sh on both.
+
+workspace, cluster = test_multinode.workspace, test_multinode.cluster  # its 2 nodes; skipped without root
+
+
+def ranks_on(n: netns.Node) -> List[int]:
+    """Its ranks (`python -u -m dsrecipes.rank.worker ...`; the launcher's command line names the module too)."""
+    return [p for p in n.pids() if netns.cmdline_of(p)[1:4] == ["-u", "-m", "dsrecipes.rank.worker"]]
+
+
+@pytest.mark.slow
+def test_node_1_late_with_its_own_environment_then_node_0_dies(cluster, tmp_path):
+    """Node 1 starts while node 0's rank already waits at the rendezvous, with an export of its own (its ranks get
+    it, node 0's do not); then node 0 dies in step 2 (link cut, every process SIGKILLed: a lost machine). Node 1 ends
+    within a bound, its last line says why, nothing is left on it."""
+    node0, node1 = cluster.nodes
+    (tmp_path / "shim").mkdir()
+    (tmp_path / "shim" / "sitecustomize.py").write_text(SLOW_STEP)
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    procs = [start_node(cluster, 0, tmp_path, "deepspeed_multinode", logs[0])]
+    try:
+        deadline = time.monotonic() + 240
+        while not ranks_on(node0):  # node 0 prepared the data and started its rank: it waits for node 1's
+            assert procs[0].poll() is None and time.monotonic() < deadline, tails(logs)
+            time.sleep(0.2)
+        time.sleep(5)
+        procs.append(start_node(cluster, 1, tmp_path, "deepspeed_multinode", logs[1],
+                                {"NCCL_SOCKET_IFNAME": "node1only"}))
+        while not (tmp_path / "slow.mark").exists():
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, tails(logs)
+            time.sleep(0.1)
+        time.sleep(1)
+        envs = [netns.environ_of(p) for p in ranks_on(node1)]
+        assert [e.get("NCCL_SOCKET_IFNAME") for e in envs] == ["node1only"], envs
+        assert [netns.environ_of(p).get("NCCL_SOCKET_IFNAME") for p in ranks_on(node0)] == [None]
+        node0.link(False)  # cut first: the dying processes' FIN/RST never reach node 1
+        node0.kill()
+        killed = time.monotonic()
+        code1 = procs[1].wait(timeout=120)
+        took = time.monotonic() - killed
+    finally:
+        stop_all(procs)
+        node0.link(True)
+    out, out1 = tails(logs), logs[1].read_text(errors="replace")
+    time.sleep(1)
+    assert node1.pids() == [], [netns.cmdline_of(p) for p in node1.pids()]
+    assert code1 != 0 and took < 60, (code1, took, out)
+    last = [ln for ln in out1.splitlines() if ln.startswith("node 1: ")][-1]
+    assert "Traceback" not in out1 and "error: node 0 (node0, " in out1 and "failed: rank 0 stopped responding" in out1
+    assert last.startswith("node 1: its ranks ended with exit code ") and "node 0's launching process is gone too, " \
+        "without a result.json for this attempt" in last, out1  # (was: 'node 0 says how the run ended (result.json)')

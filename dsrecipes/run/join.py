@@ -37,7 +37,7 @@ from dsrecipes.core.errors import UserError
 from dsrecipes.core.failure import killed_by, rank_failure
 from dsrecipes.core.heartbeat import FAILURE_FILE
 from dsrecipes.core.locks import ExclusiveLock, LockHeld
-from dsrecipes.core.rundir import LOCK_FILE, launcher_alive
+from dsrecipes.core.rundir import LOCK_FILE, RESULT_FILE, launcher_alive
 from dsrecipes.core.runplan import read_plan
 from dsrecipes.core.schema import LauncherKind, TrainConfig
 from dsrecipes.run.launch import build_plan, resolve_master_port
@@ -223,9 +223,19 @@ def conclude(run_dir: Path, node_rank: int, code: int, log: Path) -> int:
         how = f"{stopping.cause()}; they were stopped at a step boundary with the run"
     report = rank_failure(run_dir)
     cause = f"; the run's first failure: {report.get('reason')}" if report and report.get("reason") else ""
-    print(f"node {node_rank}: {how}{cause}; node 0 says how the run ended ({run_dir}/result.json). {where}",
-          file=sys.stderr, flush=True)
+    print(f"node {node_rank}: {how}{cause}; {_node_0_now(run_dir)}. {where}", file=sys.stderr, flush=True)
     return 128 - code if code < 0 else code
+
+
+def _node_0_now(run_dir: Path) -> str:
+    """Where the run's outcome is: node 0's result.json, unless node 0's launching process is gone without writing
+    one for this attempt (its machine lost, or killed): then nobody will, and the run resumes from node 0."""
+    result, launched = _mtime(run_dir / RESULT_FILE), _mtime(run_dir / LAUNCH_FILE)
+    if launcher_alive(run_dir) or (result is not None and launched is not None and result >= launched):
+        return f"node 0 says how the run ended ({run_dir / RESULT_FILE})"
+    return (f"node 0's launching process is gone too, without a {RESULT_FILE} for this attempt (its machine lost, or "
+            "killed): start node 0 again with the same RUN_DIR to resume from the last checkpoint, and this node with "
+            "the same command")
 
 
 def _describe(cfg: TrainConfig) -> str:
