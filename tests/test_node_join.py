@@ -101,6 +101,8 @@ def test_an_earlier_attempts_launch_txt_is_not_taken(make_cfg, tmp_path, monkeyp
     os.utime(run / FAILURE_FILE, ns=(old, old))
     assert join.ready(run) == f"node 0 to remove {run / FAILURE_FILE} of an earlier attempt"
     os.utime(run / FAILURE_FILE, ns=(old + 3 * 10**6, old + 3 * 10**6))  # one of this attempt's ranks wrote it
+    assert join.ready(run) == f"node 0's next attempt (this one failed: {run / FAILURE_FILE})"
+    (run / FAILURE_FILE).unlink()
     assert join.ready(run) is None
     lock.release()
 

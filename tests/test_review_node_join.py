@@ -3,7 +3,8 @@
 Found: (1) the waiting node probed node 0's run lock every 0.5 s while node 0 prepared its data, and a probe holds the
 lock for an instant: node 0's claim of its run directory taken in that instant is refused ('in use by another run');
 (2) a dry run of node 0 (launcher.dry_run=true: commands written, the lock held for a moment) was joined: node 1
-started ranks for a run that never starts; (3) two `dsrecipes node` with the same --node-rank both started ranks.
+started ranks for a run that never starts; (3) two `dsrecipes node` with the same --node-rank both started ranks; (4) a node 1 that came while node 0's attempt
+was failing (a fresh failure.json) started ranks only to have them stopped.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import List
@@ -67,6 +69,21 @@ def test_the_wait_leaves_node_0s_lock_alone_while_node_0_prepares(make_cfg, tmp_
     assert len(seen) == 2
 
 
+def test_an_attempt_that_is_failing_is_not_joined(make_cfg, tmp_path, no_start, monkeypatch):
+    """failure.json newer than launch.txt: a rank of this attempt reported the run's failure; node 0's launching
+    process still holds the lock while it stops the others. Node 1 waits for the next attempt instead of starting."""
+    run = tmp_path / "run"
+    lock = real_run(make_cfg, run)
+    written = (run / LAUNCH_FILE).stat().st_mtime_ns
+    (run / "failure.json").write_text("{}")
+    os.utime(run / "failure.json", ns=(written + 10**6, written + 10**6))
+    try:
+        assert join.ready(run, set()) == f"node 0's next attempt (this one failed: {run / 'failure.json'})"
+        assert node(str(run), "--node-rank", "1", "--wait-s", "0.5") == 2 and no_start == []
+    finally:
+        lock.release()
+
+
 def test_a_dry_run_of_node_0_is_not_joined(make_cfg, tmp_path, no_start, capsys):
     run = tmp_path / "run"
     lock = written_run(make_cfg, run, "launcher=deepspeed_multinode", *MULTI)
@@ -90,16 +107,22 @@ def edit_config(run: Path, change) -> None:
     (run / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
 
 
-def test_a_second_node_with_the_same_rank_is_refused(make_cfg, tmp_path, no_start, capsys):
+def test_a_second_node_with_the_same_rank_waits_for_the_first_within_its_bound(make_cfg, tmp_path, no_start, capsys,
+                                                                              monkeypatch):
+    """NODE_RANK=1 given twice, or node 1's `dsrecipes node` of the lost attempt still ending its ranks: the second
+    one waits for the first (saying who), up to --wait-s, and starts nothing meanwhile; it joins once the first ends."""
+    monkeypatch.setattr(join, "NOTE_S", 0.3)
     run = tmp_path / "run"
     lock = real_run(make_cfg, run)
     first = ExclusiveLock(run / join.NODE_LOCK.format(1), {"node_rank": 1}).acquire()  # node 1 runs its ranks
     try:
         assert node(str(run), "--node-rank", "1", "--wait-s", "1") == 2
         err = capsys.readouterr().err
-        assert no_start == [] and f"--node-rank 1: node 1 of {run} is already running (" in err, err
-        first.release()
-        assert node(str(run), "--node-rank", "1", "--wait-s", "1") == 0 and len(no_start) == 1
+        other = f"the other `dsrecipes node --node-rank 1` of {run} to end (pid {os.getpid()} on "
+        assert no_start == [] and f"node 1: waiting for {other}" in err, err
+        assert f"error: node 1: waited 1 s (--wait-s, WAIT_S) for {other}" in err and "Traceback" not in err, err
+        threading.Timer(0.8, first.release).start()
+        assert node(str(run), "--node-rank", "1", "--wait-s", "10") == 0 and len(no_start) == 1
     finally:
         lock.release()
 

@@ -36,7 +36,7 @@ from dsrecipes.core.distributed import remove_shm_buffers
 from dsrecipes.core.errors import UserError
 from dsrecipes.core.failure import killed_by, rank_failure
 from dsrecipes.core.heartbeat import FAILURE_FILE
-from dsrecipes.core.locks import ExclusiveLock, LockHeld
+from dsrecipes.core.locks import ExclusiveLock, LockHeld, describe_holder, is_held
 from dsrecipes.core.rundir import LOCK_FILE, RESULT_FILE, launcher_alive
 from dsrecipes.core.runplan import read_plan
 from dsrecipes.core.schema import LauncherKind, TrainConfig
@@ -75,8 +75,9 @@ def join(run_dir: Path, node_rank: int, wait_s: float) -> int:
 
 def claim_node(run_dir: Path, node_rank: int) -> ExclusiveLock:
     """This node's place in the run, held while its ranks run (<run>/.dsrecipes.nodeN.lock): a second `dsrecipes
-    node` with the same --node-rank (a copy-paste of NODE_RANK, or one left from an earlier attempt still running)
-    is refused, rather than starting ranks of the same node rank twice (a rendezvous that never completes)."""
+    node` with the same --node-rank (a copy-paste of NODE_RANK, or one left from an earlier attempt still ending)
+    waits for it (wait_for_launch) rather than starting ranks of the same node rank twice (a rendezvous that never
+    completes); one that takes it at the same instant is refused."""
     try:
         return ExclusiveLock(run_dir / NODE_LOCK.format(node_rank), {"node_rank": node_rank}).acquire()
     except LockHeld as exc:
@@ -87,10 +88,11 @@ def claim_node(run_dir: Path, node_rank: int) -> ExclusiveLock:
 
 
 def wait_for_launch(run_dir: Path, node_rank: int, wait_s: float) -> None:
-    """Until `ready` (a line at the start and every NOTE_S saying for what); UserError naming it after `wait_s`."""
+    """Until `ready` and no other `dsrecipes node` runs this node rank's ranks (a line at the start and every NOTE_S
+    saying for what); UserError naming it after `wait_s`."""
     started, noted, dead = time.monotonic(), -NOTE_S, set()
     while True:
-        missing = ready(run_dir, dead)
+        missing = ready(run_dir, dead) or _other_joiner(run_dir, node_rank)
         if missing is None:
             return
         waited = time.monotonic() - started
@@ -128,7 +130,18 @@ def ready(run_dir: Path, dead: Optional[Set[Tuple[Optional[int], Optional[int]]]
     failure = _mtime(run_dir / FAILURE_FILE)
     if failure is not None and failure < times[1]:
         return f"node 0 to remove {run_dir / FAILURE_FILE} of an earlier attempt"
+    if failure is not None:  # (this attempt's: the run is coming down, ranks started now would only be stopped)
+        return f"node 0's next attempt (this one failed: {run_dir / FAILURE_FILE})"
     return None
+
+
+def _other_joiner(run_dir: Path, node_rank: int) -> Optional[str]:
+    """What another `dsrecipes node` of this node rank holds (an earlier attempt's, still ending its ranks; or a
+    NODE_RANK given twice), else None. A probe: nothing is created."""
+    path = run_dir / NODE_LOCK.format(node_rank)
+    if not is_held(path):
+        return None
+    return f"the other `dsrecipes node --node-rank {node_rank}` of {run_dir} to end ({describe_holder(path)})"
 
 
 def _times(run_dir: Path) -> Tuple[Optional[int], Optional[int]]:
