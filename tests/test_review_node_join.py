@@ -67,6 +67,8 @@ def test_the_wait_leaves_node_0s_lock_alone_while_node_0_prepares(make_cfg, tmp_
     for _ in range(20):
         assert "no launching process holds" in join.ready(run, dead)
     assert len(seen) == 2
+    (run / "result.json").write_text("{}")  # node 1 came after the run ended
+    assert join.ready(run, set()) == f"node 0's next attempt (the last one has ended: {run / 'result.json'})"
 
 
 def test_an_attempt_that_is_failing_is_not_joined(make_cfg, tmp_path, no_start, monkeypatch):

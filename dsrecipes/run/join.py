@@ -122,6 +122,9 @@ def ready(run_dir: Path, dead: Optional[Set[Tuple[Optional[int], Optional[int]]]
     if (dead is not None and times in dead) or not launcher_alive(run_dir):
         if dead is not None:
             dead.add(times)
+        result = _mtime(run_dir / RESULT_FILE)
+        if result is not None and result >= times[1]:  # (node 1 came after the run: it waits for the next attempt)
+            return f"node 0's next attempt (the last one has ended: {run_dir / RESULT_FILE})"
         return f"node 0 to write {launch_file} (no launching process holds {run_dir / LOCK_FILE} now)"
     times = _times(run_dir)  # (again after the probe: a claim taken meanwhile)
     missing = _unwritten(launch_file, *times)
