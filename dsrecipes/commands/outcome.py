@@ -20,7 +20,7 @@ from dsrecipes.core.failure import killed_by, rank_failure
 from dsrecipes.core.heartbeat import describe_failure, read_failure
 from dsrecipes.core.rank_records import read_outcome
 from dsrecipes.core.rundir import CHECKPOINTS_DIR, write_result
-from dsrecipes.run.launch.process import killed_alone
+from dsrecipes.run.launch.process import killed_alone, launcher_hung, stopped_code
 
 # The command that resumes more than this run (a pipeline's, set around each stage: commands/pipeline.py): the run
 # then prints no resume command of its own (its caller prints that one, once) and records that one in result.json.
@@ -35,6 +35,7 @@ def conclude(run_dir: Path, code: int, dry_run: bool, argv: Sequence[str]) -> Tu
     outcome = read_outcome(run_dir) or {}
     extra = {k: v for k, v in outcome.items() if k not in ("status", "error", "signal")}
     launcher = killed_alone(run_dir)  # (its ranks ended with it: no rank's signal, though the code is the launcher's)
+    hung = launcher_hung(run_dir)  # (killed here after its ranks ended: its code says nothing of theirs)
     # (the launching process stopped the ranks with a SIGTERM of its own: their launcher was killed, stopping.cause)
     signum = stopping.requested() or outcome.get("signal") or (signal.SIGTERM if stopping.cause() else None)
     if outcome.get("status") == "ok":  # the ranks finished (a signal that came during the last step changes nothing)
@@ -42,14 +43,15 @@ def conclude(run_dir: Path, code: int, dry_run: bool, argv: Sequence[str]) -> Tu
     if signum is not None and code != 0:
         return report_interrupted(run_dir, int(signum), extra, argv), True
     if code != 0:
-        signal_name = killed_by(code)
+        signal_name = killed_by(code) if hung is None else None
         code = 1 if signal_name is not None or code < 0 else code  # never the launcher's wrapped-around 247
+        code = stopped_code(run_dir) if hung is not None else code
         if signal_name is not None and rank_failure(run_dir) is None:
             error = report_killed(run_dir, signal_name, launcher)
         else:
             error = report_failed(run_dir, argv) or outcome.get("error")
             if error is None:
-                return report_unexplained(run_dir, code, extra), False
+                return report_unexplained(run_dir, code, extra, hung), False
             error = f"{error} ({launcher or f'a rank was killed by {signal_name}'})" if signal_name else error
         extra = {**extra, "rank_signal": signal_name} if signal_name and launcher is None else extra
         write_result(run_dir, code, error, **extra)
@@ -90,14 +92,16 @@ def _place(who: dict) -> str:
     return f"rank {who['rank']} ran on host {who['host']}" + (f" ({known})" if known else "")
 
 
-def report_unexplained(run_dir: Path, code: int, extra: dict) -> int:
+def report_unexplained(run_dir: Path, code: int, extra: dict, hung: Optional[str] = None) -> int:
     """A failed launch that no rank explained (a launcher that could not start its ranks, a rank that exited without
-    a report): said, so that the console never ends a failed run without an error line; written to result.json.
+    a report; `hung`: how their launcher, stuck after they ended, was killed, process.launcher_hung): said, so that
+    the console never ends a failed run without an error line; written to result.json.
     On a disk without room for result.json, the rank could not record its failure either and said it itself
     (rank/worker.failed): nothing more is said or written. Returns the exit code."""
     if no_room(run_dir):
         return code
-    message = f"the ranks exited with code {code} without a report"
+    message = f"{hung}; the ranks left no report of how they ended" if hung else \
+        f"the ranks exited with code {code} without a report"
     say(f"error: {message}; what they printed is in {run_dir / LOGS_DIR}/")
     write_result(run_dir, code, message, **extra)
     return code

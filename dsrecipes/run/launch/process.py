@@ -38,6 +38,7 @@ from dsrecipes.run.launch.tree import MARK, Tree, command_name, kill_tree
 FAILED_NODE_GRACE_S = 5  # after a rank reported a lost node: time for the launcher to stop the others itself
 STOP_NOTE_S = 10.0  # after a stop signal: a line this often while the ranks save, naming those still running
 _KILLED_ALONE: Dict[Path, str] = {}  # run directory -> its launcher's death with no rank left to stop (`killed_alone`)
+_HUNG: Dict[Path, str] = {}  # run directory -> its launcher killed here after its ranks ended (`launcher_hung`)
 
 
 def child_env(extra: Mapping[str, str]) -> Dict[str, str]:
@@ -64,6 +65,7 @@ def run_subprocess(cmd: Command, run_dir: Path, grace_s: float, log: Optional[Pa
     this process names a lost node or a stall (False: the rank says it itself, `run_in_process`)."""
     mark = f"{os.getpid()}-{time.time_ns()}"  # (tree.MARK: what the launcher starts is ours, seen or not)
     _KILLED_ALONE.pop(run_dir.resolve(), None)
+    _HUNG.pop(run_dir.resolve(), None)
     proc, relays = _start(dataclasses.replace(cmd, env={**cmd.env, MARK: mark}), log)
     stop, tree = _Stop(grace_s), Tree(proc.pid, mark)
 
@@ -130,19 +132,22 @@ def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = Non
             pass
         if left.overdue():  # its ranks ended, the launcher did not (stopped: SIGSTOP, a freezer)
             kill_tree(proc.pid)
-            code = proc.wait()
+            code = proc.wait()  # (-9: this process's, not a rank's: `launcher_hung`)
+            _HUNG[run_dir.resolve()] = (f"the launcher (pid {proc.pid}, {command_name(proc.args)}) did not exit "
+                                        f"{LAUNCHER_EXIT_S:g} s after its ranks ended and was killed by dsrecipes")
             continue
         if deadline is None and (run_dir / heartbeat.FAILURE_FILE).is_file():
             deadline = time.monotonic() + FAILED_NODE_GRACE_S
         elif deadline is not None and time.monotonic() > deadline:
             kill_tree(proc.pid)
             proc.wait()
-            code = _stopped_code(run_dir)
+            code = stopped_code(run_dir)
     code = proc.wait() if code is None else code
     failure = heartbeat.read_failure(run_dir) if code != 0 else None
     # a lost node or a stall (a rank's own failure: outcome.py); a rank killed by a signal, which its peers then saw
     # stop responding, is outcome.py's one line too (it names the rank and the signal)
-    if announce and failure is not None and "lost" in failure and (failure.get("stalled") or not killed_by(code)):
+    hung = run_dir.resolve() in _HUNG  # (its -9 is this process's, not a rank's)
+    if announce and failure is not None and "lost" in failure and (failure.get("stalled") or hung or not killed_by(code)):
         stopped = "Every rank was" if failure.get("stalled") else "The ranks on the other nodes were"
         print(f"error: {heartbeat.describe_failure(failure)}. {stopped} stopped; run the same command again to resume "
               "from the last checkpoint (trainer.resume=auto)", file=sys.stderr, flush=True)  # fmt: skip
@@ -155,8 +160,8 @@ LAUNCHER_EXIT_S = 20.0  # DeepSpeed's per-node launcher polls its ranks every se
 class _LeftAlone:
     """A launcher that does not exit after its ranks (and their workers) have all ended: stopped (SIGSTOP, a cgroup
     freezer) or stuck, it would keep the run waiting for ever with nothing on the console. Overdue
-    LAUNCHER_EXIT_S after its last child ended, said in one line; the caller then ends it (the ranks' own outcome
-    says how the run went)."""
+    LAUNCHER_EXIT_S after its last child ended, said in one warning line; the caller then ends it (the ranks' own
+    outcome says how the run went, `launcher_hung`)."""
 
     def __init__(self, tree: Tree) -> None:
         self.tree, self.had_children = tree, False
@@ -175,8 +180,9 @@ class _LeftAlone:
         self.since = self.since or time.monotonic()
         if time.monotonic() - self.since < LAUNCHER_EXIT_S:
             return False
-        print(f"dsrecipes: every rank has ended, but the launcher (pid {self.tree.pid}, state {state}) has not exited "
-              f"{LAUNCHER_EXIT_S:g} s later; ending it", file=sys.stderr, flush=True)
+        print(f"warning: every rank has ended, but the launcher (pid {self.tree.pid}, state {state}) has not exited "
+              f"{LAUNCHER_EXIT_S:g} s later; dsrecipes killed it (the ranks' own outcome decides how the run ended)",
+              file=sys.stderr, flush=True)  # fmt: skip
         return True
 
 
@@ -209,10 +215,17 @@ def killed_alone(run_dir: Path) -> Optional[str]:
     return _KILLED_ALONE.pop(Path(run_dir).resolve(), None)
 
 
-def _stopped_code(run_dir: Path) -> int:
-    """The exit code of a launcher this process had to stop after a rank reported a failure (its SIGKILL is not the
-    cause): 2 when that was a user error found by a rank (its own message: a rendezvous that timed out, bad data),
-    else 1."""
+def launcher_hung(run_dir: Path) -> Optional[str]:
+    """How the launcher of the run in `run_dir` was killed by this process LAUNCHER_EXIT_S after its ranks ended,
+    once (None where it was not): its -9 is not a rank's; the ranks' own outcome decides the run (commands/outcome.py
+    names this only where they left none)."""
+    return _HUNG.pop(Path(run_dir).resolve(), None)
+
+
+def stopped_code(run_dir: Path) -> int:
+    """The exit code of a launcher this process had to stop after a rank reported a failure, or after its ranks
+    ended (its SIGKILL is not the cause): 2 when that was a user error found by a rank (its own message: a rendezvous
+    that timed out, bad data), else 1."""
     report = rank_failure(run_dir)
     return 2 if report is not None and report.get("render") else 1
 

@@ -1,0 +1,101 @@
+"""Messages that name what happened, mended.
+
+- A launcher still there LAUNCHER_EXIT_S after its ranks ended (stopped: SIGSTOP, a freezer) is killed by
+  run/launch/process.supervise, and its -9 was read by commands/outcome.py as a rank's signal: a run whose ranks left
+  no report ended with 'a rank was killed by SIGKILL (the kernel's OOM killer ...)', and a rank's own failure line
+  got '(a rank was killed by SIGKILL)' appended. The ranks' outcome decides the run; the launcher's hang is named.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+import dsrecipes.run.launch.process as process
+from dsrecipes.commands import outcome
+from dsrecipes.core import stopping
+from dsrecipes.run.launch.plan import Command
+
+
+@pytest.fixture(autouse=True)
+def fresh_stop():
+    stopping.reset()
+    yield
+    stopping.reset()
+
+
+# A launcher whose rank (its child, never reaped) runs a moment (seen by supervision's 0.5 s poll), then its code;
+# the launcher stops itself (SIGSTOP).
+_STOPPED_AFTER_ITS_RANK = r"""
+import os, signal, subprocess, sys
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)\n" + sys.argv[1], sys.argv[2]])
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+_FAILS_WITHOUT_A_REPORT = "import sys; sys.exit(1)"
+_FAILS_WITH_A_REPORT = ("import sys\nfrom dsrecipes.core.failure import record_rank_failure\n"
+                        "record_rank_failure(sys.argv[1], 0, ValueError('bad batch'), None)\nsys.exit(1)")
+_FINISHES = ("import sys\nfrom dsrecipes.core.rank_records import write_outcome\n"
+             "write_outcome(sys.argv[1], {'status': 'ok'})")
+
+
+def _hung_run(run_dir: Path, rank: str, monkeypatch, capsys) -> tuple:
+    """The launcher's code, its pid and what supervision printed, for a launcher stopped after its rank ran `rank`."""
+    monkeypatch.setattr(process, "LAUNCHER_EXIT_S", 1.0)
+    run_dir.mkdir(exist_ok=True)
+    capsys.readouterr()
+    code = process.run_subprocess(Command([sys.executable, "-c", _STOPPED_AFTER_ITS_RANK, rank, str(run_dir)]),
+                                  run_dir, grace_s=10)
+    err = capsys.readouterr().err
+    said = re.search(r"^warning: every rank has ended, but the launcher \(pid (\d+), state stopped\) has not exited "
+                     r"1 s later; .*killed", err, re.M)
+    assert said, err
+    return code, int(said[1]), err
+
+
+def _concluded(run_dir: Path, code: int, capsys) -> tuple:
+    capsys.readouterr()
+    ended = outcome.conclude(run_dir, code, False, ["debug=fast"])
+    return ended, capsys.readouterr().err, json.loads((run_dir / "result.json").read_text())
+
+
+def test_ranks_that_left_no_report_under_a_hung_launcher_name_the_hang_not_the_oom_killer(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """Was: 'error: a rank was killed by SIGKILL (the kernel's OOM killer sends it when memory runs out ...)'."""
+    code, pid, _ = _hung_run(tmp_path, _FAILS_WITHOUT_A_REPORT, monkeypatch, capsys)
+    assert code == -signal.SIGKILL
+    (exit_code, interrupted), err, result = _concluded(tmp_path, code, capsys)
+    assert "OOM" not in err and "a rank was killed" not in err, err
+    cause = (f"the launcher (pid {pid}, {Path(sys.executable).name}) did not exit 1 s after its ranks ended and was "
+             "killed by dsrecipes; the ranks left no report of how they ended")
+    assert err == f"error: {cause}; what they printed is in {tmp_path / 'logs'}/\n", err
+    assert (exit_code, interrupted) == (1, False) and result["status"] == "failed", result
+    assert result["error"] == cause and "rank_signal" not in result, result
+    assert process.launcher_hung(tmp_path) is None  # said once
+
+
+def test_a_ranks_own_failure_line_is_unchanged_by_its_launchers_hang(tmp_path, monkeypatch, capsys):
+    """Was: result.json's error 'rank 0 failed: ValueError: bad batch (a rank was killed by SIGKILL)'. Now the same
+    line and exit code as under a launcher that exited with its rank's code."""
+    hung, plain = tmp_path / "hung", tmp_path / "plain"
+    code, _, _ = _hung_run(hung, _FAILS_WITH_A_REPORT, monkeypatch, capsys)
+    shutil.copytree(hung, plain)
+    (exit_code, interrupted), err, result = _concluded(hung, code, capsys)
+    (plain_code, _), plain_err, plain_result = _concluded(plain, 1, capsys)
+    assert "SIGKILL" not in err and "SIGKILL" not in result["error"], (err, result)
+    assert result["error"] == plain_result["error"] == "rank 0 failed: ValueError: bad batch", result
+    assert err == plain_err.replace(str(plain), str(hung)) and "error: rank 0 failed: ValueError: bad batch" in err
+    assert (exit_code, interrupted) == (plain_code, False) == (1, False) and result["status"] == "failed"
+
+
+def test_a_finished_run_whose_launcher_hung_at_exit_is_a_success_with_the_hang_named(tmp_path, monkeypatch, capsys):
+    code, pid, said = _hung_run(tmp_path, _FINISHES, monkeypatch, capsys)
+    (exit_code, interrupted), err, result = _concluded(tmp_path, code, capsys)
+    assert (exit_code, interrupted) == (0, False) and result["status"] == "ok" and result["error"] is None, result
+    assert "error" not in err, err
+    assert "the ranks' own outcome decides" in said, said
