@@ -16,7 +16,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import pytest
 
@@ -189,15 +189,15 @@ def start_both(cluster: netns.Cluster, tmp_path: Path, launcher: str, shim_text:
 
 
 def start_node(cluster: netns.Cluster, index: int, tmp_path: Path, launcher: str, log: Path,
-               extra: Optional[Dict[str, str]] = None) -> subprocess.Popen:
-    """The script on node `index` (node 0: SLOW_TRAIN); `extra`: that node's own environment on top."""
+               extra: Optional[Dict[str, str]] = None, train: Sequence[str] = SLOW_TRAIN) -> subprocess.Popen:
+    """The script on node `index` (node 0: the overrides `train`); `extra`: that node's own environment on top."""
     n = cluster.nodes[index]
     base = {"MASTER_ADDR": cluster.nodes[0].addr, "MASTER_PORT": "29500", "NNODES": "2", "GPUS_PER_NODE": "1",
             "RUN_DIR": str(tmp_path / "run"), "DATA_CACHE": str(tmp_path / "cache"), "LAUNCHER": launcher,
             "WAIT_S": "120", "PYTHONPATH": f"{tmp_path / 'shim'}{os.pathsep}{REPO}",
             "SLOW_MARK": str(tmp_path / "slow.mark"), "SLOW_S": "8", "NODE_RANK": str(n.index), **(extra or {})}  # fmt: skip
     with open(log, "wb") as fh:
-        return n.popen(["bash", str(REPO / "launch" / "multinode_nossh.sh"), *(SLOW_TRAIN if n.index == 0 else [])],
+        return n.popen(["bash", str(REPO / "launch" / "multinode_nossh.sh"), *(train if n.index == 0 else [])],
                        env=env(base), cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT)
 
 

@@ -30,6 +30,7 @@ from tests.helpers import netns
 from tests.test_multinode import tails
 from tests.test_node_join import MULTI, node, start_node, stop_all, written_run
 from tests.test_review_launch_tree import SLOW_STEP
+from tests.test_review_multinode_agent import TRAIN as SLOW_TRAIN
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -260,3 +261,51 @@ def test_node_1_late_with_its_own_environment_then_node_0_dies(cluster, tmp_path
     assert "Traceback" not in out1 and "error: node 0 (node0, " in out1 and "failed: rank 0 stopped responding" in out1
     assert last.startswith("node 1: its ranks ended with exit code ") and "node 0's launching process is gone too, " \
         "without a result.json for this attempt" in last, out1  # (was: 'node 0 says how the run ended (result.json)')
+
+
+def overridden(**values: object) -> List[str]:
+    """SLOW_TRAIN with these values instead of its own (Hydra refuses a key given twice)."""
+    keys = {k.replace("__", "."): v for k, v in values.items()}
+    return [a for a in SLOW_TRAIN if a.split("=", 1)[0] not in keys] + [f"{k}={v}" for k, v in keys.items()]
+
+
+@pytest.mark.slow
+def test_node_0_lost_then_both_restarted_with_more_steps(cluster, tmp_path):
+    """torchrun; node 0 lost in step 2 (step 1 saved). Node 1's next `dsrecipes node` is started at once, while the
+    lost attempt's one still ends its ranks: it starts nothing, it waits. Node 0 restarted (once node 1's old ranks
+    are gone: node 0 refuses a run directory their lock still holds) with trainer.max_steps=7 instead of 5: node 1
+    trains with that config, not the old one; both end 0 after step 7, resumed from step 1."""
+    node0, node1 = cluster.nodes
+    (tmp_path / "shim").mkdir()
+    (tmp_path / "shim" / "sitecustomize.py").write_text(SLOW_STEP)
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log", tmp_path / "node0-again.log", tmp_path / "node1-again.log"]
+    first = overridden(trainer__save_every=1)
+    procs = [start_node(cluster, i, tmp_path, "torchrun", logs[i], train=first) for i in (0, 1)]
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "slow.mark").exists():
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, tails(logs)
+            time.sleep(0.1)
+        time.sleep(1)
+        node0.link(False)
+        node0.kill()
+        procs.append(start_node(cluster, 1, tmp_path, "torchrun", logs[3]))
+        assert procs[1].wait(timeout=120) != 0, tails(logs)  # the lost attempt's node 1
+        node0.link(True)
+        assert procs[2].poll() is None and "starting its ranks" not in logs[3].read_text(errors="replace")
+        assert netns.cmdline_of(procs[2].pid)[2:4] == ["dsrecipes", "node"] and len(node1.pids()) == 1
+        procs.insert(2, start_node(cluster, 0, tmp_path, "torchrun", logs[2], train=overridden(trainer__max_steps=7)))
+        codes = [p.wait(timeout=300) for p in procs[2:]]
+    finally:
+        stop_all(procs)
+        node0.link(True)
+    out = tails(logs)
+    assert codes == [0, 0], out
+    again0, again1 = logs[2].read_text(errors="replace"), logs[3].read_text(errors="replace")
+    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'step_1'}" in again0 and "step 7/7" in again0, out
+    assert "node 1: waiting for " in again1 and "node 1: its ranks finished (exit 0)" in again1, out
+    lost = [ln for ln in logs[1].read_text(errors="replace").splitlines() if ln.startswith("node 1: ")][-1]
+    assert "node 0's launching process is gone too" in lost, out
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_7", out
+    time.sleep(1)
+    assert [p for n in cluster.nodes for p in n.pids()] == []
