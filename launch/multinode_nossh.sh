@@ -27,7 +27,13 @@ WAIT_S=${WAIT_S:-1800}  # how long nodes > 0 wait for node 0 to prepare the data
 LAUNCHER=${LAUNCHER:-deepspeed_multinode}  # or torchrun
 
 if [ "$NODE_RANK" = 0 ]; then
-  rm -f "$RUN_DIR/launch.txt"  # an earlier attempt's record (the other nodes never take one older than this attempt)
+  # An earlier attempt's record goes (the other nodes never take one older than this attempt's lock anyway): only in
+  # a dsrecipes run directory (its marker) that no launching process holds now (flock: a node 0 started twice must
+  # not take the running attempt's record, nor a mistyped RUN_DIR someone else's launch.txt).
+  if [ -f "$RUN_DIR/dsrecipes_run.json" ] && [ -f "$RUN_DIR/.dsrecipes.lock" ] &&
+    flock -n -s "$RUN_DIR/.dsrecipes.lock" true 2>/dev/null; then
+    rm -f "$RUN_DIR/launch.txt"
+  fi
   exec python -m dsrecipes launcher="$LAUNCHER" launcher.node_rank=0 launcher.num_nodes="$NNODES" \
     launcher.num_gpus="$GPUS_PER_NODE" launcher.master_addr="$MASTER_ADDR" launcher.master_port="$MASTER_PORT" \
     trainer.output_dir="$RUN_DIR" hydra.run.dir="$RUN_DIR" data.cache_dir="$DATA_CACHE" "$@"

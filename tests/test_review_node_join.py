@@ -309,3 +309,28 @@ def test_node_0_lost_then_both_restarted_with_more_steps(cluster, tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_7", out
     time.sleep(1)
     assert [p for n in cluster.nodes for p in n.pids()] == []
+
+
+@pytest.mark.parametrize("marker, held, removed", [(False, False, False), (True, True, False), (True, False, True)])
+def test_node_0s_script_removes_only_its_own_runs_idle_launch_txt(tmp_path, marker, held, removed):
+    """launch/multinode_nossh.sh on node 0 removed RUN_DIR/launch.txt before anything was checked: a mistyped RUN_DIR
+    lost someone else's launch.txt, a node 0 started twice the running attempt's. Now only in a dsrecipes run
+    directory that no launching process holds. (`python` here only records that the script went on.)"""
+    run, bin_dir = tmp_path / "run", tmp_path / "bin"
+    run.mkdir()
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text("#!/bin/sh\necho ran > \"$RUN_DIR/../ran\"\n")
+    (bin_dir / "python").chmod(0o755)
+    (run / LAUNCH_FILE).write_text("someone's\n")
+    (run / LOCK_FILE).write_text("")
+    if marker:
+        (run / "dsrecipes_run.json").write_text("{}")
+    lock = ExclusiveLock(run / LOCK_FILE).acquire() if held else None
+    try:
+        subprocess.run(["bash", str(REPO / "launch" / "multinode_nossh.sh")], check=True, timeout=30,
+                       env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "NODE_RANK": "0",
+                            "MASTER_ADDR": "10.0.0.1", "RUN_DIR": str(run)})  # fmt: skip
+    finally:
+        if lock is not None:
+            lock.release()
+    assert (tmp_path / "ran").is_file() and (run / LAUNCH_FILE).exists() is not removed
