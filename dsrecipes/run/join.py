@@ -97,8 +97,8 @@ def wait_for_launch(run_dir: Path, node_rank: int, wait_s: float) -> None:
             return
         waited = time.monotonic() - started
         if waited >= wait_s:
-            locks = (" (node 0's launching process holds it while it runs, which a filesystem that shares no file "
-                     "locks between nodes does not show)") if not launcher_alive(run_dir) else ""
+            locks = (f" (node 0's launching process holds {run_dir / LOCK_FILE} while it runs, which a filesystem that "
+                     "shares no file locks between nodes does not show)") if not launcher_alive(run_dir) else ""
             raise UserError(f"node {node_rank}: waited {wait_s:g} s (--wait-s, WAIT_S) for {missing}{locks}; nothing "
                             "was started on this node. Start node 0 (NODE_RANK=0) with the same RUN_DIR, or give it "
                             "longer to prepare the data")
