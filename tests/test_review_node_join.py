@@ -335,3 +335,36 @@ def test_node_0s_script_removes_only_its_own_runs_idle_launch_txt(tmp_path, mark
         if lock is not None:
             lock.release()
     assert (tmp_path / "ran").is_file() and (run / LAUNCH_FILE).exists() is not removed
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="not fixed (outside join.py): node 1's ranks watch no process of their node; "
+                   "they go on unsupervised to the end of the run (see the docstring)")
+def test_node_1s_joiner_sigkilled_stops_the_run_as_node_0s_launching_process_does(cluster, tmp_path):
+    """node 1's `dsrecipes node` is SIGKILLed in step 2 of 5 (`kill -9`, the OOM killer). On node 0 a SIGKILLed
+    launching process makes its ranks stop at the next step boundary with a checkpoint (rank/worker.watch_launcher:
+    they watch RUN/.dsrecipes.lock). Node 1's ranks watch nothing (watch_launcher: node 0 only): measured, the run
+    went on to step 5/5 and node 0 ended 0, node 1's ranks unsupervised to the end (no relay of their output, no
+    stop grace, nothing to forward a signal). Fix needed in rank/worker.py (watch RUN/.dsrecipes.nodeN.lock, held by
+    `dsrecipes node`, on nodes > 0; torchrun's GROUP_RANK is not --node-rank, so the joiner must name the file to
+    its ranks) or process.py (the launcher started with PR_SET_PDEATHSIG=SIGTERM)."""
+    node0, node1 = cluster.nodes
+    (tmp_path / "shim").mkdir()
+    (tmp_path / "shim" / "sitecustomize.py").write_text(SLOW_STEP)
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    procs = [start_node(cluster, i, tmp_path, "deepspeed_multinode", logs[i]) for i in (0, 1)]
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "slow.mark").exists():
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, tails(logs)
+            time.sleep(0.1)
+        time.sleep(1)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        code0 = procs[0].wait(timeout=180)
+    finally:
+        stop_all(procs)
+    out = tails(logs)
+    time.sleep(1)
+    assert [netns.cmdline_of(p) for p in node1.pids()] == [], out
+    assert code0 != 0 and "step 5/5" not in out, out
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_2", out
