@@ -10,12 +10,15 @@ launcher's tree followed, stop signals forwarded, trainer.stop_grace_s, nothing 
 When is the run directory this attempt's? Node 0's launching process holds `<run>/.dsrecipes.lock` (an flock, gone
 with the process, even on SIGKILL) for the whole run, and rewrites that file (its holder: pid, host, time) when it
 takes it; it writes `launch.txt` last, after config.yaml, plan.json and ds_config.json. So the directory is ready
-when (1) the lock is held now (`rundir.launcher_alive`, what the ranks ask too), (2) `launch.txt` is not older than
-the lock file (one from an earlier attempt predates this attempt's lock, and the release of an earlier one), and
-(3) a `failure.json` there is not older than `launch.txt` (node 0 removes an earlier attempt's right after writing
-launch.txt; a rank of this attempt may have written a new one). Both times are stamped by node 0's writes to the
+when (1) `launch.txt` is not older than the lock file (one from an earlier attempt predates this attempt's lock, and
+the release of an earlier one), (2) the lock is held now (`rundir.launcher_alive`, what the ranks ask too; probed
+only once (1) holds: a probe holds the lock for an instant, and node 0's claim in that instant would be refused),
+and (3) there is no `failure.json` (node 0 removes an earlier attempt's right after writing launch.txt; a newer one
+is this attempt's failure: node 1 waits for the next attempt). Both times are stamped by node 0's writes to the
 same storage, so no clock of this node is compared with node 0's, and node 0 may be ahead of this node or behind it:
 there is nothing to sleep for. Files are opened before they are stat'ed, so an NFS client revalidates what it cached.
+A dry run of node 0 is not joined. While this node's ranks run, `dsrecipes node` holds `<run>/.dsrecipes.nodeN.lock`:
+another one for the same node rank (NODE_RANK given twice, or the previous attempt's still ending) waits for it.
 """
 
 from __future__ import annotations
