@@ -368,3 +368,27 @@ def test_node_1s_joiner_sigkilled_stops_the_run_as_node_0s_launching_process_doe
     assert [netns.cmdline_of(p) for p in node1.pids()] == [], out
     assert code0 != 0 and "step 5/5" not in out, out
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_2", out
+
+
+def test_a_fifo_for_a_lock_file_is_no_endless_wait(make_cfg, tmp_path, no_start, capsys):
+    """Shared storage is anyone's: a FIFO where a lock file should be held the lock probe's open() for ever (no line,
+    no bound). Now it is no lock: node 0's makes the wait go on to its bound (one message); node 1's own lock as a
+    FIFO is refused or taken, never waited on."""
+    run = tmp_path / "run"
+    written_run(make_cfg, run).release()
+    (run / LOCK_FILE).unlink()
+    os.mkfifo(run / LOCK_FILE)
+    os.utime(run / LAUNCH_FILE)
+    argv = [sys.executable, "-m", "dsrecipes", "node", str(run), "--node-rank", "1", "--wait-s", "1"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 2 and "error: node 1: waited 1 s" in done.stderr and "Traceback" not in done.stderr
+    (run / LOCK_FILE).unlink()
+    lock = written_run(make_cfg, run)
+    os.mkfifo(run / join.NODE_LOCK.format(1))
+    codes: List[int] = []
+    joined = threading.Thread(target=lambda: codes.append(node(str(run), "--node-rank", "1", "--wait-s", "2")),
+                              daemon=True)
+    joined.start()
+    joined.join(timeout=30)
+    lock.release()
+    assert not joined.is_alive() and codes in ([0], [2]), capsys.readouterr().err

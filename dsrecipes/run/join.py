@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import stat
 import sys
 import time
 from pathlib import Path
@@ -101,7 +102,7 @@ def wait_for_launch(run_dir: Path, node_rank: int, wait_s: float) -> None:
         waited = time.monotonic() - started
         if waited >= wait_s:
             locks = (f" (node 0's launching process holds {run_dir / LOCK_FILE} while it runs, which a filesystem that "
-                     "shares no file locks between nodes does not show)") if not launcher_alive(run_dir) else ""
+                     "shares no file locks between nodes does not show)") if not _alive(run_dir) else ""
             raise UserError(f"node {node_rank}: waited {wait_s:g} s (--wait-s, WAIT_S) for {missing}{locks}; nothing "
                             "was started on this node. Start node 0 (NODE_RANK=0) with the same RUN_DIR, or give it "
                             "longer to prepare the data")
@@ -145,7 +146,7 @@ def _other_joiner(run_dir: Path, node_rank: int) -> Optional[str]:
     """What another `dsrecipes node` of this node rank holds (an earlier attempt's, still ending its ranks; or a
     NODE_RANK given twice), else None. A probe: nothing is created."""
     path = run_dir / NODE_LOCK.format(node_rank)
-    if not is_held(path):
+    if _mtime(path) is None or not is_held(path):
         return None
     return f"the other `dsrecipes node --node-rank {node_rank}` of {run_dir} to end ({describe_holder(path)})"
 
@@ -164,15 +165,22 @@ def _unwritten(launch_file: Path, held_since: Optional[int], written: Optional[i
 
 
 def _mtime(path: Path) -> Optional[int]:
-    """`path`'s modification time (ns), None when it is missing; opened first (NFS close-to-open revalidation)."""
+    """`path`'s modification time (ns), None when it is missing or no regular file (a FIFO on shared storage would
+    hold a lock probe's open for ever); opened first (NFS close-to-open revalidation), never through a link."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
     try:
-        return os.fstat(fd).st_mtime_ns
+        info = os.fstat(fd)
+        return info.st_mtime_ns if stat.S_ISREG(info.st_mode) else None
     finally:
         os.close(fd)
+
+
+def _alive(run_dir: Path) -> bool:
+    """rundir.launcher_alive, where the lock is a regular file."""
+    return _mtime(run_dir / LOCK_FILE) is not None and launcher_alive(run_dir)
 
 
 def node_config(run_dir: Path, node_rank: int) -> TrainConfig:
@@ -250,7 +258,7 @@ def _node_0_now(run_dir: Path) -> str:
     """Where the run's outcome is: node 0's result.json, unless node 0's launching process is gone without writing
     one for this attempt (its machine lost, or killed): then nobody will, and the run resumes from node 0."""
     result, launched = _mtime(run_dir / RESULT_FILE), _mtime(run_dir / LAUNCH_FILE)
-    if launcher_alive(run_dir) or (result is not None and launched is not None and result >= launched):
+    if _alive(run_dir) or (result is not None and launched is not None and result >= launched):
         return f"node 0 says how the run ended ({run_dir / RESULT_FILE})"
     return (f"node 0's launching process is gone too, without a {RESULT_FILE} for this attempt (its machine lost, or "
             "killed): start node 0 again with the same RUN_DIR to resume from the last checkpoint, and this node with "
