@@ -124,7 +124,7 @@ def test_a_second_node_with_the_same_rank_waits_for_the_first_within_its_bound(m
         other = f"the other `dsrecipes node --node-rank 1` of {run} to end (pid {os.getpid()} on "
         assert no_start == [] and f"node 1: waiting for {other}" in err, err
         assert f"error: node 1: waited 1 s (--wait-s, WAIT_S) for {other}" in err and "Traceback" not in err, err
-        assert "launching process holds" not in err, err  # (it does)
+        assert "Give every node its own NODE_RANK (1 to NNODES-1), or wait for that one to end" in err, err
         threading.Timer(0.8, first.release).start()
         assert node(str(run), "--node-rank", "1", "--wait-s", "10") == 0 and len(no_start) == 1
     finally:
@@ -382,6 +382,7 @@ def test_a_fifo_for_a_lock_file_is_no_endless_wait(make_cfg, tmp_path, no_start,
     argv = [sys.executable, "-m", "dsrecipes", "node", str(run), "--node-rank", "1", "--wait-s", "1"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 2 and "error: node 1: waited 1 s" in done.stderr and "Traceback" not in done.stderr
+    assert f"(node 0's launching process holds {run / LOCK_FILE} while it runs, " in done.stderr, done.stderr
     (run / LOCK_FILE).unlink()
     lock = written_run(make_cfg, run)
     os.mkfifo(run / join.NODE_LOCK.format(1))

@@ -96,21 +96,34 @@ def wait_for_launch(run_dir: Path, node_rank: int, wait_s: float) -> None:
     saying for what); UserError naming it after `wait_s`."""
     started, noted, dead = time.monotonic(), -NOTE_S, set()
     while True:
-        missing = ready(run_dir, dead) or _other_joiner(run_dir, node_rank)
-        if missing is None:
+        missing = ready(run_dir, dead)
+        other = _other_joiner(run_dir, node_rank) if missing is None else None
+        if missing is None and other is None:
             return
         waited = time.monotonic() - started
         if waited >= wait_s:
-            locks = (f" (node 0's launching process holds {run_dir / LOCK_FILE} while it runs, which a filesystem that "
-                     "shares no file locks between nodes does not show)") if not _alive(run_dir) else ""
-            raise UserError(f"node {node_rank}: waited {wait_s:g} s (--wait-s, WAIT_S) for {missing}{locks}; nothing "
-                            "was started on this node. Start node 0 (NODE_RANK=0) with the same RUN_DIR, or give it "
-                            "longer to prepare the data")
+            raise UserError(_gave_up(run_dir, node_rank, wait_s, missing, other))
+        missing = missing or other
         if waited - noted >= NOTE_S:
             noted = waited
             print(f"node {node_rank}: waiting for {missing} ({waited:.0f} s of {wait_s:g} s)", file=sys.stderr,
                   flush=True)
         time.sleep(min(POLL_S, max(0.0, wait_s - waited)))
+
+
+def _gave_up(run_dir: Path, node_rank: int, wait_s: float, missing: Optional[str], other: Optional[str]) -> str:
+    """The message at the bound: what never came, and what to do about it."""
+    head = f"node {node_rank}: waited {wait_s:g} s (--wait-s, WAIT_S) for"
+    if other is not None:
+        return (f"{head} {other}; nothing was started on this node. Give every node its own NODE_RANK (1 to "
+                "NNODES-1), or wait for that one to end")
+    if not run_dir.is_dir():
+        return (f"{head} {missing}; nothing was started on this node, and {run_dir} does not exist here: RUN_DIR must "
+                "be on storage every node sees at the same path. Start node 0 (NODE_RANK=0) with that RUN_DIR")
+    locks = (f" (node 0's launching process holds {run_dir / LOCK_FILE} while it runs, which a filesystem that shares "
+             "no file locks between nodes does not show)") if not _alive(run_dir) else ""
+    return (f"{head} {missing}{locks}; nothing was started on this node. Start node 0 (NODE_RANK=0) with the same "
+            "RUN_DIR, or give it longer to prepare the data")
 
 
 def ready(run_dir: Path, dead: Optional[Set[Tuple[Optional[int], Optional[int]]]] = None) -> Optional[str]:
