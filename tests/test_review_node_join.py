@@ -87,19 +87,6 @@ def test_an_attempt_that_is_failing_is_not_joined(make_cfg, tmp_path, no_start, 
         lock.release()
 
 
-def test_a_dry_run_of_node_0_is_not_joined(make_cfg, tmp_path, no_start, capsys):
-    run = tmp_path / "run"
-    lock = written_run(make_cfg, run, "launcher=deepspeed_multinode", *MULTI)
-    edit_config(run, lambda c: c["launcher"].update(dry_run=True))  # what node 0's dry run writes
-    os.utime(run / LAUNCH_FILE)
-    try:
-        assert node(str(run), "--node-rank", "1", "--wait-s", "1") == 2
-    finally:
-        lock.release()
-    err = capsys.readouterr().err
-    assert no_start == [] and "is a dry run (launcher.dry_run=true)" in err and "Traceback" not in err, err
-
-
 def real_run(make_cfg, run: Path, *overrides: str) -> ExclusiveLock:
     return written_run(make_cfg, run, "launcher=deepspeed_multinode", *MULTI, *overrides)
 
@@ -135,9 +122,11 @@ def test_a_second_node_with_the_same_rank_waits_for_the_first_within_its_bound(m
     (lambda c: c["launcher"]["env"].update(LD_PRELOAD="/tmp/x.so"), "launcher.env.LD_PRELOAD"),
     (lambda c: c["launcher"].update(extra_args=["--module", "evil"]), "--module"),
     (lambda c: c["launcher"].update(extra_args=["/tmp/evil.py"]), "evil.py"),
+    (lambda c: c["launcher"].update(dry_run=True), "is a dry run (launcher.dry_run=true)"),  # (was: joined)
 ])  # fmt: skip
 def test_config_yaml_outside_the_allow_lists_is_refused(make_cfg, tmp_path, no_start, capsys, change, said):
-    """Shared storage: whoever can write config.yaml must not choose what node 1 exports or runs."""
+    """Shared storage: whoever can write config.yaml must not choose what node 1 exports or runs; and a dry run of
+    node 0 (config.yaml and launch.txt written, the lock held a moment, no rank started) is not joined."""
     run = tmp_path / "run"
     lock = real_run(make_cfg, run)
     edit_config(run, change)
@@ -216,6 +205,21 @@ def test_a_stop_signal_while_waiting_is_one_line_and_leaves_nothing(tmp_path, si
 workspace, cluster = test_multinode.workspace, test_multinode.cluster  # its 2 nodes; skipped without root
 
 
+def slow_step_shim(tmp_path: Path) -> None:
+    """Rank 0 sleeps SLOW_S after step 1 (tmp_path/slow.mark says when), the others wait in its collective."""
+    (tmp_path / "shim").mkdir()
+    (tmp_path / "shim" / "sitecustomize.py").write_text(SLOW_STEP)
+
+
+def in_step_2(tmp_path: Path, procs: List[subprocess.Popen], logs: List[Path]) -> None:
+    """Until rank 0 sleeps in step 2 (and a second more); fails with the logs if a node ends first."""
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "slow.mark").exists():
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, tails(logs)
+        time.sleep(0.1)
+    time.sleep(1)
+
+
 def ranks_on(n: netns.Node) -> List[int]:
     """Its ranks (`python -u -m dsrecipes.rank.worker ...`; the launcher's command line names the module too)."""
     return [p for p in n.pids() if netns.cmdline_of(p)[1:4] == ["-u", "-m", "dsrecipes.rank.worker"]]
@@ -227,8 +231,7 @@ def test_node_1_late_with_its_own_environment_then_node_0_dies(cluster, tmp_path
     it, node 0's do not); then node 0 dies in step 2 (link cut, every process SIGKILLed: a lost machine). Node 1 ends
     within a bound, its last line says why, nothing is left on it."""
     node0, node1 = cluster.nodes
-    (tmp_path / "shim").mkdir()
-    (tmp_path / "shim" / "sitecustomize.py").write_text(SLOW_STEP)
+    slow_step_shim(tmp_path)
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
     procs = [start_node(cluster, 0, tmp_path, "deepspeed_multinode", logs[0])]
     try:
@@ -277,17 +280,12 @@ def test_node_0_lost_then_both_restarted_with_more_steps(cluster, tmp_path):
     are gone: node 0 refuses a run directory their lock still holds) with trainer.max_steps=7 instead of 5: node 1
     trains with that config, not the old one; both end 0 after step 7, resumed from step 1."""
     node0, node1 = cluster.nodes
-    (tmp_path / "shim").mkdir()
-    (tmp_path / "shim" / "sitecustomize.py").write_text(SLOW_STEP)
+    slow_step_shim(tmp_path)
     logs = [tmp_path / "node0.log", tmp_path / "node1.log", tmp_path / "node0-again.log", tmp_path / "node1-again.log"]
     first = overridden(trainer__save_every=1)
     procs = [start_node(cluster, i, tmp_path, "torchrun", logs[i], train=first) for i in (0, 1)]
     try:
-        deadline = time.monotonic() + 240
-        while not (tmp_path / "slow.mark").exists():
-            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, tails(logs)
-            time.sleep(0.1)
-        time.sleep(1)
+        in_step_2(tmp_path, procs, logs)
         node0.link(False)
         node0.kill()
         procs.append(start_node(cluster, 1, tmp_path, "torchrun", logs[3]))
@@ -349,16 +347,11 @@ def test_node_1s_joiner_sigkilled_stops_the_run_as_node_0s_launching_process_doe
     `dsrecipes node`, on nodes > 0; torchrun's GROUP_RANK is not --node-rank, so the joiner must name the file to
     its ranks) or process.py (the launcher started with PR_SET_PDEATHSIG=SIGTERM)."""
     node0, node1 = cluster.nodes
-    (tmp_path / "shim").mkdir()
-    (tmp_path / "shim" / "sitecustomize.py").write_text(SLOW_STEP)
+    slow_step_shim(tmp_path)
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
     procs = [start_node(cluster, i, tmp_path, "deepspeed_multinode", logs[i]) for i in (0, 1)]
     try:
-        deadline = time.monotonic() + 240
-        while not (tmp_path / "slow.mark").exists():
-            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, tails(logs)
-            time.sleep(0.1)
-        time.sleep(1)
+        in_step_2(tmp_path, procs, logs)
         os.kill(procs[1].pid, signal.SIGKILL)
         code0 = procs[0].wait(timeout=180)
     finally:
