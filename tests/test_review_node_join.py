@@ -336,16 +336,12 @@ def test_node_0s_script_removes_only_its_own_runs_idle_launch_txt(tmp_path, mark
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="not fixed (outside join.py): node 1's ranks watch no process of their node; "
-                   "they go on unsupervised to the end of the run (see the docstring)")
 def test_node_1s_joiner_sigkilled_stops_the_run_as_node_0s_launching_process_does(cluster, tmp_path):
     """node 1's `dsrecipes node` is SIGKILLed in step 2 of 5 (`kill -9`, the OOM killer). On node 0 a SIGKILLed
     launching process makes its ranks stop at the next step boundary with a checkpoint (rank/worker.watch_launcher:
-    they watch RUN/.dsrecipes.lock). Node 1's ranks watch nothing (watch_launcher: node 0 only): measured, the run
-    went on to step 5/5 and node 0 ended 0, node 1's ranks unsupervised to the end (no relay of their output, no
-    stop grace, nothing to forward a signal). Fix needed in rank/worker.py (watch RUN/.dsrecipes.nodeN.lock, held by
-    `dsrecipes node`, on nodes > 0; torchrun's GROUP_RANK is not --node-rank, so the joiner must name the file to
-    its ranks) or process.py (the launcher started with PR_SET_PDEATHSIG=SIGTERM)."""
+    they watch RUN/.dsrecipes.lock). Was: node 1's ranks watched nothing; measured, the run went on to step 5/5 and
+    node 0 ended 0, node 1's ranks unsupervised to the end. Now `dsrecipes node` names its node lock to its ranks
+    (DSRECIPES_NODE_LOCK, core/runplan.node_lock) and they watch it as node 0's watch the run's lock."""
     node0, node1 = cluster.nodes
     slow_step_shim(tmp_path)
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]

@@ -21,7 +21,8 @@ LAUNCHING_SIDE = ("DSRECIPES_HOME", "DSRECIPES_RECIPES", "DSRECIPES_PROGRESS", "
                   "DSRECIPES_REQUIRE_SMOLLM2", "DSRECIPES_KEY_FILE",  # the key: the user's, never a recipe's (trust.py)
                   "DSRECIPES_S3_BUCKETS",  # buckets a shared recipe may name: the user's, never a recipe's (safety.py)
                   "DSRECIPES_TRACEBACK",  # =1: a crash of the launching process shows its traceback (cli.console_main)
-                  "DSRECIPES_LAUNCH")  # the launching process's mark on what its launcher starts (run/launch/tree.py)
+                  "DSRECIPES_LAUNCH",  # the launching process's mark on what its launcher starts (run/launch/tree.py)
+                  "DSRECIPES_NODE_LOCK")  # `dsrecipes node`'s lock, named to the ranks it starts (core/runplan.py)
 
 _THREADS = integer(1, 4096)
 _NCCL_ALGOS = ("Ring", "Tree", "CollNetDirect", "CollNetChain", "NVLS", "NVLSTree", "PAT")

@@ -126,9 +126,10 @@ def probe_free(path: Path) -> Optional[str]:
 
 
 def is_held(path: Path) -> bool:
-    """True while someone holds an exclusive lock on `path` (a shared probe would block). Costs three syscalls."""
+    """True while someone holds an exclusive lock on `path` (a shared probe would block). Costs three syscalls.
+    Opened without blocking: a FIFO put where the lock file should be (shared storage is anyone's) is no wait."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return False
     try:

@@ -9,6 +9,8 @@ resume decision. The plan is plain data, so it also documents a run after the fa
 from __future__ import annotations
 
 import json
+import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -19,6 +21,9 @@ from dsrecipes.core.rundir import launcher_alive
 
 PLAN_FILE = "plan.json"
 PLAN_VERSION = 1
+NODE_LOCK = ".dsrecipes.node{}.lock"  # held by node N's `dsrecipes node` (run/join.py) while its ranks run
+NODE_LOCK_ENV = "DSRECIPES_NODE_LOCK"  # that file, named by `dsrecipes node` to the ranks it starts
+_NODE_LOCK_NAME = re.compile(r"\.dsrecipes\.node[1-9][0-9]{0,5}\.lock")
 
 
 @dataclass(frozen=True)
@@ -91,3 +96,14 @@ def reported_by_launcher(run_dir: Path) -> bool:
         return bool(read_plan(run_dir).supervised) and launcher_alive(run_dir)
     except Exception:  # noqa: BLE001 - an unreadable plan: say it here rather than nowhere
         return False
+
+
+def node_lock(run_dir: Path) -> Optional[Path]:
+    """The lock of the `dsrecipes node` that started this rank (a node > 0 of a no-ssh multi-node run), from
+    NODE_LOCK_ENV: only a `.dsrecipes.nodeN.lock` directly in `run_dir` (launcher.env cannot set the name: it is
+    not on its positive list); None anywhere else."""
+    named = os.environ.get(NODE_LOCK_ENV)
+    if not named:
+        return None
+    path = Path(named)
+    return path if path.parent == Path(run_dir).resolve() and _NODE_LOCK_NAME.fullmatch(path.name) else None

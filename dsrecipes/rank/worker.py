@@ -41,8 +41,9 @@ from dsrecipes.config.load import load_run_config  # noqa: E402
 from dsrecipes.core.console import exit_flushed, log_path, quiet_third_party, survive_lost_console  # noqa: E402
 from dsrecipes.core.errors import RunInterrupted, TrainingFailed, UserError  # noqa: E402
 from dsrecipes.core.failure import log_traceback, record_rank_failure  # noqa: E402
+from dsrecipes.core.locks import is_held  # noqa: E402
 from dsrecipes.core.rundir import CHECKPOINTS_DIR, launcher_alive  # noqa: E402
-from dsrecipes.core.runplan import read_plan, reported_by_launcher  # noqa: E402
+from dsrecipes.core.runplan import node_lock, read_plan, reported_by_launcher  # noqa: E402
 from dsrecipes.core.schema import Device  # noqa: E402
 from dsrecipes.data.strategies.base import end_workers, worker_lost  # noqa: E402
 from dsrecipes.rank.checkpoint import TrainState  # noqa: E402
@@ -156,25 +157,30 @@ def _where_said(report: dict, run_dir: str | Path, log: Path) -> str:
 
 
 def watch_launcher(run_dir: Path) -> None:
-    """A rank on the launching process's node whose launching process died (even by SIGKILL: its lock on the run
-    directory is gone) stops as on SIGTERM - checkpoint at the next step boundary, all ranks alike - and is gone
-    trainer.stop_grace_s later whatever it was doing (stuck in a collective): no rank outlives its run for longer.
-    Nothing is watched where the lock is not seen held at the start (another node, a file system without locks)."""
+    """A rank whose supervisor died (even by SIGKILL: its lock is gone) stops as on SIGTERM - checkpoint at the next
+    step boundary, all ranks alike - and is gone trainer.stop_grace_s later whatever it was doing (stuck in a
+    collective): no rank outlives its run for longer. The supervisor: on the launching process's node its lock on
+    the run directory; on a node > 0 started by `dsrecipes node`, that process's node lock (runplan.node_lock).
+    Nothing is watched where the lock is not seen held at the start (a file system without locks)."""
     node = os.environ.get("CROSS_RANK") or os.environ.get("GROUP_RANK") or "0"
     try:
         with trust.launched(read_plan(run_dir).exports):
             grace = float(load_run_config(run_dir).trainer.stop_grace_s)
-        watched = node == "0" and reported_by_launcher(run_dir) and launcher_alive(run_dir)
+        lock = node_lock(run_dir)
+        if lock is not None:
+            alive, who = (lambda: is_held(lock)), f"this node's `dsrecipes node` ({lock.name})"
+        else:
+            alive, who = (lambda: launcher_alive(run_dir)), "the launching process"
+        watched = (lock is not None or (node == "0" and reported_by_launcher(run_dir))) and alive()
     except Exception:  # noqa: BLE001 - a run directory the rank cannot read fails in run() with its message
         return
     if not watched:
         return
 
     def watch() -> None:
-        while launcher_alive(run_dir):
+        while alive():
             time.sleep(LAUNCHER_POLL_S)
-        print(f"dsrecipes: rank {os.environ.get('RANK', '0')}: the launching process is gone; stopping",
-              file=sys.stderr, flush=True)
+        print(f"dsrecipes: rank {os.environ.get('RANK', '0')}: {who} is gone; stopping", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace + 5)
         _exit_now(143)

@@ -42,7 +42,7 @@ from dsrecipes.core.failure import killed_by, rank_failure
 from dsrecipes.core.heartbeat import FAILURE_FILE
 from dsrecipes.core.locks import ExclusiveLock, LockHeld, describe_holder, is_held
 from dsrecipes.core.rundir import LOCK_FILE, RESULT_FILE, launcher_alive
-from dsrecipes.core.runplan import read_plan
+from dsrecipes.core.runplan import NODE_LOCK, NODE_LOCK_ENV, read_plan
 from dsrecipes.core.schema import LauncherKind, TrainConfig
 from dsrecipes.run.launch import build_plan, resolve_master_port
 from dsrecipes.run.launch.plan import LAUNCH_FILE, Command
@@ -50,7 +50,6 @@ from dsrecipes.run.launch.process import run_subprocess
 
 NOTE_S = 30.0  # a console line this often while this node waits for node 0
 POLL_S = 0.5
-NODE_LOCK = ".dsrecipes.node{}.lock"  # held by node N's `dsrecipes node` while its ranks run
 MULTINODE = (LauncherKind.deepspeed_multinode, LauncherKind.torchrun)
 
 
@@ -71,7 +70,8 @@ def join(run_dir: Path, node_rank: int, wait_s: float) -> int:
         quiet_third_party(log)  # (as node 0's launching process: its ranks inherit the same quiet bars)
         print(f"node {node_rank}: starting its ranks ({_describe(cfg)}); its launcher's output is also in {log}",
               file=sys.stderr, flush=True)
-        code = run_commands(cfg, run_dir, commands, log)
+        named = {NODE_LOCK_ENV: str(run_dir / NODE_LOCK.format(node_rank))}  # its ranks watch it (rank/worker.py)
+        code = run_commands(cfg, run_dir, [dataclasses.replace(c, env={**c.env, **named}) for c in commands], log)
     finally:
         claim.release()
     return conclude(run_dir, node_rank, code, log)
