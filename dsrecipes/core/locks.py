@@ -46,6 +46,9 @@ def _try_flock(fd: int, mode: int) -> bool:
         raise
 
 
+PROBE_S = 0.25  # a lock held this long is a holder, not someone's probe of it
+
+
 class ExclusiveLock:
     """`with ExclusiveLock(path, info):` or `acquire()`/`release()`. Raises LockHeld at once when it is taken."""
 
@@ -56,9 +59,12 @@ class ExclusiveLock:
 
     def acquire(self) -> "ExclusiveLock":
         fd = _open(self.path)
-        if not _try_flock(fd, fcntl.LOCK_EX):
-            os.close(fd)
-            raise LockHeld(self.path, describe_holder(self.path))
+        deadline = time.monotonic() + PROBE_S
+        while not _try_flock(fd, fcntl.LOCK_EX):  # a probe (is_held, probe_free) holds it for an instant: try again
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise LockHeld(self.path, describe_holder(self.path))
+            time.sleep(0.005)
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
                   "command": " ".join(sys.argv), **self.info}
         os.ftruncate(fd, 0)
