@@ -8,13 +8,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import shutil
 import signal
 import sys
+import threading
 from pathlib import Path
 
+import psutil
 import pytest
 
 import dsrecipes.run.launch.process as process
@@ -99,3 +103,26 @@ def test_a_finished_run_whose_launcher_hung_at_exit_is_a_success_with_the_hang_n
     assert (exit_code, interrupted) == (0, False) and result["status"] == "ok" and result["error"] is None, result
     assert "error" not in err, err
     assert "the ranks' own outcome decides" in said, said
+
+
+def test_a_launcher_stopped_after_a_rank_that_ended_before_the_first_poll_is_ended_too(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """Was: a rank never seen alive (it ended within the first 0.5 s poll) left its stopped launcher waited for
+    forever: supervision counted live children only. Its zombie (the launcher never reaped it) counts."""
+    monkeypatch.setattr(process, "LAUNCHER_EXIT_S", 1.0)
+    launcher = ("import os, signal, subprocess, time\n"
+                "subprocess.Popen(['true'])\n"  # a rank that ends at once; never reaped
+                "time.sleep(0.2)\n"
+                "os.kill(os.getpid(), signal.SIGSTOP)\n")
+    codes: list = []
+    runner = threading.Thread(target=lambda: codes.append(
+        process.run_subprocess(Command([sys.executable, "-c", launcher]), tmp_path, grace_s=10)), daemon=True)
+    runner.start()
+    runner.join(timeout=20)
+    for p in psutil.process_iter():  # (the old code: the stopped launcher is still there)
+        with contextlib.suppress(psutil.Error):
+            if p.ppid() == os.getpid() and "SIGSTOP" in " ".join(p.cmdline()):
+                p.kill()
+    assert codes == [-signal.SIGKILL], "the launching process is still waiting for the stopped launcher"
+    assert process.launcher_hung(tmp_path) is not None
+    assert "has not exited 1 s later" in capsys.readouterr().err

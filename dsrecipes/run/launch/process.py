@@ -170,10 +170,11 @@ class _LeftAlone:
     def overdue(self) -> bool:
         try:
             state = psutil.Process(self.tree.pid).status()
-            live = [c for c in self.tree.look() if c.status() != psutil.STATUS_ZOMBIE]
+            children = self.tree.look()  # (a zombie: a rank it never reaped, maybe one that ended before a poll saw it)
+            live = [c for c in children if c.status() != psutil.STATUS_ZOMBIE]
         except psutil.Error:
             return False
-        self.had_children = self.had_children or bool(live)
+        self.had_children = self.had_children or bool(children)
         if live or not self.had_children:
             self.since = None
             return False
