@@ -4,6 +4,11 @@
   run/launch/process.supervise, and its -9 was read by commands/outcome.py as a rank's signal: a run whose ranks left
   no report ended with 'a rank was killed by SIGKILL (the kernel's OOM killer ...)', and a rank's own failure line
   got '(a rank was killed by SIGKILL)' appended. The ranks' outcome decides the run; the launcher's hang is named.
+- A remedy is built once, where its refusal is raised: a pipeline's stage says the pipeline's (run/pipeline.remedies
+  sets it around the stage: core/rundir.FOREIGN_REMEDY, run/resume_contract.RESUME_REMEDY), and a bad row met
+  without the pre-scan says so (data/stream/unscanned.py sets badrows.ADVICE around its encoder). Was: train's text
+  rewritten after the fact (`.replace()` of RESTORE_TAIL and FOREIGN_TAIL in the stage's failure; the quarantine
+  advice cut off the refusal by `partition`).
 """
 
 from __future__ import annotations
@@ -23,8 +28,15 @@ import pytest
 
 import dsrecipes.run.launch.process as process
 from dsrecipes.commands import outcome
+from dsrecipes.config.pipeline_file import load_pipeline
 from dsrecipes.core import stopping
+from dsrecipes.core.errors import DataError, UserError
+from dsrecipes.core.rundir import ensure_owned_dir
+from dsrecipes.data.sources.badrows import BadReason, BadRow, error_message
+from dsrecipes.data.stream.unscanned import TRAINING, RowsMetUnscanned
+from dsrecipes.run import resume_contract
 from dsrecipes.run.launch.plan import Command
+from dsrecipes.run.pipeline import StageFailed, run_pipeline
 
 
 @pytest.fixture(autouse=True)
@@ -126,3 +138,88 @@ def test_a_launcher_stopped_after_a_rank_that_ended_before_the_first_poll_is_end
     assert codes == [-signal.SIGKILL], "the launching process is still waiting for the stopped launcher"
     assert process.launcher_hung(tmp_path) is not None
     assert "has not exited 1 s later" in capsys.readouterr().err
+
+
+def _refused(*raising) -> list:
+    """What each of `raising` (callables) is refused with, as a stage's train hands it on (commands/pipeline.py)."""
+    said = []
+    for refusal in raising:
+        with pytest.raises(UserError) as exc:
+            refusal()
+        said.append(exc.value.problems[0])
+    return said
+
+
+def _settings(tmp_path: Path):
+    return lambda: resume_contract.check({"trainer": {"seed": 1}}, {"trainer": {"seed": 2}}, "a", "a",
+                                         "out/a/checkpoints/step_2")
+
+
+def _foreign(tmp_path: Path):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(exist_ok=True)
+    (theirs / "notes.txt").write_text("mine")
+    return lambda: ensure_owned_dir(theirs, "trainer.output_dir")
+
+
+def test_a_stages_refusals_are_built_with_the_pipelines_remedy_and_trains_keep_theirs(tmp_path):
+    """The settings and foreign-directory refusals raised inside a stage (run_pipeline's train) name the pipeline's
+    remedy (was: train's text, rewritten by run_stage); outside a pipeline, train's, as before."""
+    path = tmp_path / "p.yaml"
+    path.write_text("stages:\n  - name: a\n")
+    settings, foreign = _refused(_settings(tmp_path), _foreign(tmp_path))
+    assert settings.endswith(f"trainer.seed: 1 -> 2\n{resume_contract.RESTORE_TAIL} (nothing was changed)"), settings
+    assert foreign.endswith("Choose another directory; nothing was changed"), foreign
+    for make, expected in ((_settings, "trainer.seed: 1 -> 2\n(nothing was changed); restore the stage's settings "
+                                       f"in {path}, or start over with a new --out (a stage's trainer.output_dir is "
+                                       "the pipeline's); it wrote nothing"),
+                           (_foreign, "(notes.txt) and is not a dsrecipes run directory (no dsrecipes_run.json); "
+                                      "dsrecipes writes only into a new or empty directory or one of its own runs. "
+                                      "Move those files out of it, or start over with a new --out; nothing was "
+                                      "changed; it wrote nothing")):
+        refusal, raised = make(tmp_path), []
+
+        def train(argv):
+            try:
+                refusal()
+            except UserError as exc:
+                raised.extend(exc.problems)
+                raise StageFailed(exc.exit_code, exc.problems) from None
+
+        out = tmp_path / f"out-{make.__name__}"
+        with pytest.raises(UserError) as err:
+            run_pipeline(load_pipeline(path), out, train, "dsrecipes pipeline p.yaml --out out")
+        said = err.value.problems[0]
+        assert expected in said and "another trainer.output_dir" not in said and "Choose another" not in said, said
+        assert expected.partition("; it wrote nothing")[0] in raised[0], raised  # as raised: built there, once
+    assert _refused(_settings(tmp_path), _foreign(tmp_path)) == [settings, foreign]  # (the stage's are reset)
+
+
+def _met(bad: BadRow) -> str:
+    """The refusal of `bad` by an encoder read without the pre-scan (rank 1, its training rows)."""
+
+    raised = []
+
+    def encoder(items):
+        raised.append(DataError(error_message("p.jsonl:3", bad)))
+        raise raised[0]
+
+    with pytest.raises(DataError) as exc:
+        RowsMetUnscanned(encoder, 1, TRAINING)([])
+    assert exc.value is raised[0]  # the encoder's own refusal, not rewritten on its way out
+    return exc.value.problems[0]
+
+
+def test_a_bad_row_met_without_the_prescan_is_refused_with_its_advice_built_once():
+    """Was: the encoder's refusal with the scan's quarantine advice, cut off by `partition` and said again."""
+    met = ("the first bad row rank 1 met in its training rows, read in the epoch's shuffled order: with "
+           "data.prescan=false rows are checked only as training reads them, so an earlier line of the stream may be "
+           "bad too (data.prescan=true checks every row before training and names the first)")
+    own = _met(BadRow(BadReason.invalid_json, "x"))
+    assert own == (f"p.jsonl:3: invalid_json (x); {met}; fix or remove the row, or set dataset.bad_rows=skip to skip "
+                   "bad rows as training meets them (without the pre-scan: no <run>/quarantine.jsonl, no "
+                   "dataset.max_bad_fraction check)"), own
+    other = _met(BadRow(BadReason.invalid_json, "x", advice="objective=dpo reads pairs"))
+    assert other == f"p.jsonl:3: invalid_json (x); objective=dpo reads pairs; {met}", other
+    scanned = error_message("p.jsonl:3", BadRow(BadReason.invalid_json, "x"))  # (outside the encoder: the scan's)
+    assert scanned == "p.jsonl:3: invalid_json (x); set dataset.bad_rows=skip to quarantine bad rows", scanned

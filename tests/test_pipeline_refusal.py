@@ -2,7 +2,8 @@
 remedy, not train's: a stage's trainer.output_dir is the pipeline's, so "start a new run in another
 trainer.output_dir" would be advice the user cannot follow. Real tiny pipeline (SFT, then DPO), its DPO stage made
 unfinished as a kill leaves it, the pipeline file's DPO settings then changed to a seed its checkpoint was not
-trained with; and the same through a stand-in train whose refusal is train's own text, where the file is unchanged."""
+trained with; and the same through a stand-in train whose refusal is raised by run/resume_contract.check (under
+the pipeline's remedy, run/pipeline.remedies), where the file is unchanged."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import pytest
 
 from dsrecipes.config.pipeline_file import load_pipeline
 from dsrecipes.core.errors import UserError
+from dsrecipes.run import resume_contract
 from dsrecipes.run.pipeline import STATE_FILE, StageFailed, run_pipeline
-from dsrecipes.run.resume_contract import RESTORE_TAIL
 from tests.conftest import in_process_environ
 
 PIPELINE = """\
@@ -62,12 +63,13 @@ def test_a_refusal_without_a_changed_file_still_gets_the_pipelines_remedy(tmp_pa
     is still the pipeline's."""
     path = tmp_path / "p.yaml"
     path.write_text("stages:\n  - name: a\n")
-    cause = ("error: cannot resume out/a/checkpoints/step_2: these settings differ from the ones it was trained "
-             f"with, and a checkpoint only continues correctly under its own:\n  trainer.seed: 1 -> 2\n{RESTORE_TAIL}"
-             " (nothing was changed)")
 
     def train(argv):
-        raise StageFailed(2, [cause])
+        try:
+            resume_contract.check({"trainer": {"seed": 1}}, {"trainer": {"seed": 2}}, "a", "a",
+                                  "out/a/checkpoints/step_2")
+        except UserError as exc:
+            raise StageFailed(exc.exit_code, [f"error: {p}" for p in exc.problems]) from None
 
     with pytest.raises(UserError) as err:
         run_pipeline(load_pipeline(path), tmp_path / "out", train, "dsrecipes pipeline p.yaml --out out")

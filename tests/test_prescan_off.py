@@ -119,8 +119,9 @@ def test_an_empty_file_skipped_without_the_scan_is_said(tmp_path, capsys):
 def test_a_row_of_another_kind_keeps_its_advice():
     """The refusal of a preference pair where conversations are read keeps what reads it; the quarantine advice
     alone is replaced."""
-    other = error_message("p.jsonl:3", BadRow(BadReason.invalid_json, "x", advice="objective=dpo reads pairs"))
-    said = met_unscanned(other, 1, TRAINING)
+    pair = BadRow(BadReason.invalid_json, "x", advice="objective=dpo reads pairs")
+    other = error_message("p.jsonl:3", pair)
+    said = error_message("p.jsonl:3", pair, met_unscanned(1, TRAINING))
     assert said.startswith(f"{other}; the first bad row rank 1 met") and "bad_rows=skip" not in said
-    own = met_unscanned(error_message("p.jsonl:3", BadRow(BadReason.invalid_json, "x")), 0, TRAINING)
+    own = error_message("p.jsonl:3", BadRow(BadReason.invalid_json, "x"), met_unscanned(0, TRAINING))
     assert own.startswith("p.jsonl:3: invalid_json (x); the first bad row rank 0 met") and "to quarantine" not in own

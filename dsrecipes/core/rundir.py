@@ -24,6 +24,7 @@ import resource
 import sys
 import time
 import uuid
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -51,7 +52,9 @@ RANKS_LOCK_FILE = ".dsrecipes.ranks.lock"
 SWEEP_MARKER = "dsrecipes_sweep.json"  # a sweep directory of ours (claim_sweep_dir)
 CHECKPOINTS_DIR = "checkpoints"  # (checkpoint.py owns what is inside)
 HYDRA_SUBDIR = ".hydra"  # Hydra writes it into a job directory before the job starts
-FOREIGN_TAIL = "Choose another directory; nothing was changed"  # run/pipeline.py, which chooses, says its own
+# The remedy of a directory that is not ours (`ensure_owned_dir`): train's; a pipeline's stage, which does not choose
+# its directory, is refused with the pipeline's (run/pipeline.py sets it around each stage)
+FOREIGN_REMEDY: ContextVar[str] = ContextVar("FOREIGN_REMEDY", default="Choose another directory; nothing was changed")
 CLAIMING_PREFIXES = (".dsrecipes", f".{MARKER_FILE}.")  # lock files, write probes, the marker being written
 # Files of a run directory someone else may have handed over (or a damaged one) are read within bounds:
 MAX_DS_CONFIG_BYTES = 1 << 20  # ds_config.json is a few KB
@@ -143,7 +146,7 @@ def ensure_owned_dir(run_dir: Path, key: str, *, hydra_job_dir: bool = False) ->
         shown = ", ".join(sorted(entries)[:5]) + (", ..." if len(entries) > 5 else "")
         raise UserError(f"{key}: {run_dir} is not empty ({shown}) and is not a dsrecipes run directory (no "
                         f"{MARKER_FILE}); dsrecipes writes only into a new or empty directory or one of its own runs. "
-                        f"{FOREIGN_TAIL}")
+                        f"{FOREIGN_REMEDY.get()}")
     check_writable(run_dir, key)
     return False
 

@@ -54,9 +54,9 @@ from dsrecipes.core.export_dir import EXPORT_DIR
 from dsrecipes.core.failure import log_traceback, one_line
 from dsrecipes.core.fileio import atomic_write_json
 from dsrecipes.core.locks import ExclusiveLock, LockHeld
-from dsrecipes.core.rundir import FOREIGN_TAIL, RESULT_FILE, claim_marked_dir
+from dsrecipes.core.rundir import FOREIGN_REMEDY, RESULT_FILE, claim_marked_dir
 from dsrecipes.observe.pipeline_report import write_summary
-from dsrecipes.run.resume_contract import RESTORE_TAIL
+from dsrecipes.run.resume_contract import RESUME_REMEDY
 
 MARKER = "dsrecipes_pipeline.json"
 STATE_FILE = "pipeline_state.json"
@@ -280,7 +280,8 @@ def run_stage(run: PipelineRun, stage: Stage, number: int, train: Train) -> int:
     run.record(stage, status="running", argv=argv, run_dir=str(run.out / stage.name))
     causes: List[str] = []
     try:
-        code = train(argv)
+        with remedies(run.pipeline.path, edited=before not in (None, argv)):
+            code = train(argv)
     except StageFailed as exc:
         code, causes = exc.code, exc.causes + ([crashed(run.out, stage, exc.crash)] if exc.crash else [])
     if code in INTERRUPTED:
@@ -289,22 +290,33 @@ def run_stage(run: PipelineRun, stage: Stage, number: int, train: Train) -> int:
         return code
     if code:
         run.record(stage, status="failed", exit_code=code)
-        # train's remedy for a settings refusal names trainer.output_dir, which a stage does not choose: the
-        # pipeline's remedy below replaces it
-        said = [c.removeprefix("error: ").replace(f"{RESTORE_TAIL} (", "(").replace(
-            FOREIGN_TAIL, "Move those files out of it, or start over with a new --out; nothing was changed")
-            for c in causes]
-        why = f": {'; '.join(said)}" if said else ""
+        why = f": {'; '.join(c.removeprefix('error: ') for c in causes)}" if causes else ""
         where = f"its run directory: {run.out / stage.name}" if (run.out / stage.name).is_dir() else "it wrote nothing"
         since = (f"; it was started with other settings ({changed(before, argv)}): restore them in "
-                 f"{run.pipeline.path}, or start over with a new --out (a stage's trainer.output_dir is the "
-                 "pipeline's)") if before not in (None, argv) else (
-                 f"; restore the stage's settings in {run.pipeline.path}, or start over with a new --out (a stage's "
-                 "trainer.output_dir is the pipeline's)" if any(RESTORE_TAIL in c for c in causes) else "")
+                 f"{run.pipeline.path}, {OWN_DIR}") if before not in (None, argv) else ""
         raise UserError(f"pipeline: {of} failed (exit {code}){why}{since}; {where}; the stages before it are kept. "
                         f"Fix the cause, then resume with: {run.resume_command}")
     run.record(stage, status="done", exit_code=0, export=str(run.out / stage.name / EXPORT_DIR))
     return 0
+
+
+OWN_DIR = "or start over with a new --out (a stage's trainer.output_dir is the pipeline's)"
+
+
+@contextlib.contextmanager
+def remedies(path: Path, edited: bool) -> Iterator[None]:
+    """A stage's refusals name the pipeline's remedy, not train's, where they are raised (a stage chooses neither
+    its directory nor its trainer.output_dir): a stage directory with files of someone else's (core/rundir.py), a
+    checkpoint that cannot resume under the stage's settings (run/resume_contract.py; the file `edited` since the
+    stage started: the stage's failure line says how, `run_stage`)."""
+    restore = "" if edited else f"; restore the stage's settings in {path}, {OWN_DIR}"
+    foreign = FOREIGN_REMEDY.set("Move those files out of it, or start over with a new --out; nothing was changed")
+    resume = RESUME_REMEDY.set(f"(nothing was changed){restore}")
+    try:
+        yield
+    finally:
+        RESUME_REMEDY.reset(resume)
+        FOREIGN_REMEDY.reset(foreign)
 
 
 def said_interrupted(run: PipelineRun, stage: Stage, number: int) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from contextvars import ContextVar
 from typing import AbstractSet, Any, Dict, List, Optional, Tuple
 
 import dsrecipes.run.legacy_keys as legacy_keys
@@ -110,8 +111,11 @@ def _compare(saved: Dict[str, Any], new: Dict[str, Any]) -> Tuple[List[str], Lis
     return refused, accepted, legacy
 
 
-# the remedy of a settings refusal; a pipeline (pipeline.py) says its own instead (a stage's output_dir is its)
 RESTORE_TAIL = "Restore them to resume, or start a new run in another trainer.output_dir"
+# The last line of a refusal to resume (`check`) where the data's change has no remedy of its own: train's; a
+# pipeline's stage, whose trainer.output_dir is the pipeline's, is refused with the pipeline's (run/pipeline.py sets
+# it around each stage)
+RESUME_REMEDY: ContextVar[str] = ContextVar("RESUME_REMEDY", default=f"{RESTORE_TAIL} (nothing was changed)")
 
 LOCAL_DIRS = ("model.path", "model.tokenizer_path")  # absolute since config/defaults.local_dir; relative in older runs
 
@@ -149,14 +153,14 @@ def check(saved: Dict[str, Any], new: Dict[str, Any], saved_data: Optional[str],
         refused.append(f"training data: {what}")
     if refused:
         lines = "\n".join(f"  {r}" for r in refused)
-        tail = RESTORE_TAIL
         said = legacy_keys.remedy(legacy, legacy_keys.as_started(saved)[1], set(explicit)) if legacy else ""
         differ = ("these settings differ from the ones it was trained with" if settings else
                   "the training data differs from the data it was trained on")
         raise Refused(
             f"cannot resume {checkpoint}: {differ}, and a checkpoint only continues correctly under its own:\n"
             f"{lines}\n"
-            f"{remedy[0].upper() + remedy[1:] if remedy and not settings else tail} (nothing was changed)"
+            + (f"{remedy[0].upper() + remedy[1:]} (nothing was changed)" if remedy and not settings else
+               RESUME_REMEDY.get())
             + (f"\n{said}" if said else ""))
     if not accepted:
         return None

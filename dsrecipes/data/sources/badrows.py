@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from contextvars import ContextVar
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -65,6 +67,18 @@ class BadRow(Exception):
         return BadRow, (self.reason, self.detail, self.advice)
 
 
+@dataclass(frozen=True)
+class Advice:
+    """What the refusal of a bad row says after its reason (`error_message`): `own`, for a row of the kind the run
+    reads (by default: quarantine such rows); `after`, said after what reads a row of another kind (BadRow.advice)."""
+
+    own: str = "set dataset.bad_rows=skip to quarantine bad rows"
+    after: str = ""
+
+
+# The advice of bad_rows=error's refusals: the pre-scan's (it quarantines under skip); rows read without it give
+# their own, set around their reading (data/stream/unscanned.py)
+ADVICE: ContextVar[Advice] = ContextVar("ADVICE", default=Advice())
 QUARANTINE_MAX_BYTES = 64 << 20  # a file of tiny bad rows (`[1,1,...]`) would write ~65x its size of entries
 
 
@@ -158,11 +172,13 @@ class BadRowReport:
         return {path: dict(sorted(c.items())) for path, c in sorted(self.by_file.items())}
 
 
-def error_message(where: str, bad: BadRow) -> str:
+def error_message(where: str, bad: BadRow, advice: Optional[Advice] = None) -> str:
     """The one message of `bad_rows=error`: `file:line: reason (detail); ...`: the row kind to use where the row is
-    of another kind (`bad.advice`), else how to quarantine bad rows."""
+    of another kind (`bad.advice`, then `advice.after`), else `advice.own` (`advice`: by default ADVICE's)."""
+    advice = advice or ADVICE.get()
     detail = f" ({_short(bad.detail)})" if bad.detail else ""
-    return f"{where}: {bad.reason.value}{detail}; {bad.advice or 'set dataset.bad_rows=skip to quarantine bad rows'}"
+    said = f"{bad.advice}; {advice.after}" if bad.advice and advice.after else bad.advice or advice.own
+    return f"{where}: {bad.reason.value}{detail}; {said}"
 
 
 def location(path: str, line: Optional[int], element: Optional[int] = None) -> str:

@@ -20,14 +20,11 @@ from __future__ import annotations
 from typing import Any, List, Optional, Sequence
 
 from dsrecipes.core.choices import RowKind
-from dsrecipes.core.errors import DataError
 from dsrecipes.core.schema import BadRows, TrainConfig
 from dsrecipes.data.prepare.build import QUARANTINE_FILE
 from dsrecipes.data.prepare.prompts import REFERENCE_REWARDS
-from dsrecipes.data.sources.badrows import BadReason, BadRow, error_message
+from dsrecipes.data.sources.badrows import ADVICE, Advice
 
-# the advice of a bad row of the run's own kind (badrows.error_message): quarantining, which only the scan does
-_QUARANTINE_ADVICE = error_message("", BadRow(BadReason.invalid_json)).partition("; ")[2]
 QUARANTINE_NAME = f"<run>/{QUARANTINE_FILE}"
 TRAINING = "training rows, read in the epoch's shuffled order"
 VALIDATION = "share of the validation rows, read as the rank starts"
@@ -62,10 +59,11 @@ class RowsMetUnscanned:
         self.rows, self.rank, self.part = rows, rank, part
 
     def __call__(self, items: Sequence[Any]) -> List[Any]:
+        said = ADVICE.set(met_unscanned(self.rank, self.part))  # (the encoder's refusal is built with it)
         try:
             return self.rows(items)
-        except DataError as exc:
-            raise DataError(met_unscanned(exc.problems[0], self.rank, self.part)) from None
+        finally:
+            ADVICE.reset(said)
 
     def __getattr__(self, name: str) -> Any:  # skipped, dropped, encoder: the encoder's
         if name == "rows":  # unpickling: no instance dict yet
@@ -73,14 +71,13 @@ class RowsMetUnscanned:
         return getattr(self.rows, name)
 
 
-def met_unscanned(problem: str, rank: int, part: str) -> str:
-    """`file:line: reason (detail); advice` of a bad row met by rank `rank` while reading its `part`, told as what it
-    is: the first bad row that reading met, not necessarily the stream's first; skip's quarantine is not offered."""
+def met_unscanned(rank: int, part: str) -> Advice:
+    """The advice of the refusal of a bad row met by rank `rank` while reading its `part` (badrows.error_message),
+    told as what it is: the first bad row that reading met, not necessarily the stream's first; skip's quarantine is
+    not offered (a row of another kind keeps what reads it, then this)."""
     met = (f"the first bad row rank {rank} met in its {part}: with data.prescan=false rows are checked only as "
            "training reads them, so an earlier line of the stream may be bad too (data.prescan=true checks every row "
            "before training and names the first)")
-    head, found, _ = problem.rpartition("; " + _QUARANTINE_ADVICE)
-    if not found:  # the advice for a row of another kind: kept
-        return f"{problem}; {met}"
-    return (f"{head}; {met}; fix or remove the row, or set dataset.bad_rows=skip to skip bad rows as training meets "
-            f"them (without the pre-scan: no {QUARANTINE_NAME}, no dataset.max_bad_fraction check)")
+    return Advice(own=f"{met}; fix or remove the row, or set dataset.bad_rows=skip to skip bad rows as training "
+                      f"meets them (without the pre-scan: no {QUARANTINE_NAME}, no dataset.max_bad_fraction check)",
+                  after=met)
