@@ -175,6 +175,18 @@ def test_a_replaced_line_in_launch_txt_is_never_run(make_cfg, tmp_path, monkeypa
     assert "node 1: its ranks finished (exit 0)" in err and str(run / "logs" / "launcher-node1.log") in err, err
 
 
+def test_a_launcher_killed_by_dsrecipes_after_its_ranks_ended_is_named_not_as_a_signal(tmp_path, monkeypatch, capsys):
+    """run_subprocess kills a launcher that did not exit after its ranks ended (its -9 is ours): node 1's last line
+    says so (was: 'its launcher was killed by SIGKILL', exit 137, the OOM killer's look)."""
+    said = "the launcher (pid 7, torch.distributed.run) did not exit 20 s after its ranks ended and was killed by dsrecipes"
+    monkeypatch.setattr(join, "launcher_hung", lambda run_dir: said)
+    monkeypatch.setattr(join.stopping, "requested", lambda: None)
+    monkeypatch.setattr(join.stopping, "cause", lambda: None)
+    assert join.conclude(tmp_path, 1, -9, tmp_path / "launcher-node1.log") == 1
+    err = capsys.readouterr().err
+    assert f"node 1: {said}" in err and "SIGKILL" not in err, err
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Two network-namespace nodes (root), 1 rank each, launch/multinode_nossh.sh on both: node 1 runs `dsrecipes node`.
 

@@ -16,6 +16,15 @@ def no_stop(monkeypatch):
     monkeypatch.setattr(stopping, "requested", lambda: None)
 
 
+@pytest.fixture(autouse=True)
+def fresh_stopping():
+    """No stop cause left by an earlier test in this process (an xdist worker runs many: test_infra_walk's and
+    test_review_launch_tree's supervision set stopping.cause, which outcome.conclude reads)."""
+    stopping.reset()
+    yield
+    stopping.reset()
+
+
 @pytest.mark.parametrize("code, signal_name", [(247, "SIGKILL"), (-9, "SIGKILL"), (245, "SIGSEGV"), (250, "SIGABRT")])
 def test_a_rank_killed_by_a_signal_is_named_in_result_json(tmp_path, no_stop, capsys, code, signal_name):
     exit_code, interrupted = outcome.conclude(tmp_path, code, False, ["debug=fast"])

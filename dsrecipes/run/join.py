@@ -46,7 +46,7 @@ from dsrecipes.core.runplan import NODE_LOCK, NODE_LOCK_ENV, read_plan
 from dsrecipes.core.schema import LauncherKind, TrainConfig
 from dsrecipes.run.launch import build_plan, resolve_master_port
 from dsrecipes.run.launch.plan import LAUNCH_FILE, Command
-from dsrecipes.run.launch.process import run_subprocess
+from dsrecipes.run.launch.process import launcher_hung, run_subprocess
 
 NOTE_S = 30.0  # a console line this often while this node waits for node 0
 POLL_S = 0.5
@@ -257,8 +257,11 @@ def conclude(run_dir: Path, node_rank: int, code: int, log: Path) -> int:
         print(f"node {node_rank}: stopped by {signal.Signals(signum).name}; its ranks stopped with the run at a step "
               f"boundary (node 0 says where and how to resume). {where}", file=sys.stderr, flush=True)
         return stopping.exit_code(signum)
-    killed = killed_by(code) if code < 0 else None
+    hung = launcher_hung(run_dir)  # (its -9 is this process's kill, not a rank's)
+    killed = killed_by(code) if code < 0 and not hung else None
     how = f"its launcher was killed by {killed}" if killed else f"its ranks ended with exit code {code}"
+    if hung:  # (how the ranks ended is node 0's to say: its result.json)
+        how, code = hung, 1
     if stopping.cause():  # (process.py stopped the ranks itself: their launcher was killed)
         how = f"{stopping.cause()}; they were stopped at a step boundary with the run"
     report = rank_failure(run_dir)
