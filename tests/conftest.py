@@ -47,6 +47,17 @@ def _sigpipe_as_this_process_started():
         signal.signal(signal.SIGPIPE, _SIGPIPE_AT_START)
 
 
+@pytest.fixture
+def fresh_stopping() -> Iterator[None]:
+    """core/stopping's process-wide state (a requested stop, its cause) reset before and after the test: an xdist
+    worker runs many tests in one process, and supervision tests leave a cause set (commands/outcome.py reads it)."""
+    from dsrecipes.core import stopping
+
+    stopping.reset()
+    yield
+    stopping.reset()
+
+
 REPO = Path(__file__).resolve().parents[1]
 
 

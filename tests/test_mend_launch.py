@@ -29,12 +29,7 @@ from dsrecipes.commands import outcome
 from dsrecipes.core import stopping
 from dsrecipes.run.launch.plan import Command
 
-
-@pytest.fixture(autouse=True)
-def fresh_stop():
-    stopping.reset()
-    yield
-    stopping.reset()
+pytestmark = pytest.mark.usefixtures("fresh_stopping")  # (tests/conftest.py)
 
 
 # A launcher whose rank (a session of its own, as torchrun's) ends at once, and which is SIGKILLed as it ends.

@@ -29,7 +29,6 @@ import pytest
 import dsrecipes.run.launch.process as process
 from dsrecipes.commands import outcome
 from dsrecipes.config.pipeline_file import load_pipeline
-from dsrecipes.core import stopping
 from dsrecipes.core.errors import DataError, UserError
 from dsrecipes.core.rundir import ensure_owned_dir
 from dsrecipes.data.sources.badrows import BadReason, BadRow, error_message
@@ -38,12 +37,7 @@ from dsrecipes.run import resume_contract
 from dsrecipes.run.launch.plan import Command
 from dsrecipes.run.pipeline import StageFailed, run_pipeline
 
-
-@pytest.fixture(autouse=True)
-def fresh_stop():
-    stopping.reset()
-    yield
-    stopping.reset()
+pytestmark = pytest.mark.usefixtures("fresh_stopping")  # (tests/conftest.py)
 
 
 # A launcher whose rank (its child, never reaped) runs a moment (seen by supervision's 0.5 s poll), then its code;

@@ -16,13 +16,7 @@ def no_stop(monkeypatch):
     monkeypatch.setattr(stopping, "requested", lambda: None)
 
 
-@pytest.fixture(autouse=True)
-def fresh_stopping():
-    """No stop cause left by an earlier test in this process (an xdist worker runs many: test_infra_walk's and
-    test_review_launch_tree's supervision set stopping.cause, which outcome.conclude reads)."""
-    stopping.reset()
-    yield
-    stopping.reset()
+pytestmark = pytest.mark.usefixtures("fresh_stopping")  # (tests/conftest.py: no stop cause left by an earlier test)
 
 
 @pytest.mark.parametrize("code, signal_name", [(247, "SIGKILL"), (-9, "SIGKILL"), (245, "SIGSEGV"), (250, "SIGABRT")])
