@@ -5,6 +5,7 @@ Owner: core/. `rundir` re-exports these names (METRICS_FILE, read_metrics, run_s
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -74,16 +75,24 @@ def run_summary(run_dir: Path) -> Dict[str, Any]:
 
 
 def mean_rate(train: List[Dict[str, Any]]) -> Optional[float]:
-    """Tokens over time of the log windows after the first: a window's time is its tokens / its rate. Lines
-    without `tokens` (written before it was logged) weigh by their steps (equal tokens per step). Not the plain
-    mean of the rates, which weighs a short fast window as much as a long slow one."""
+    """Tokens over time of the log windows after the first: a window's time is its tokens / its rate. Where a line
+    has no `tokens` (written before it was logged: a run resumed across that change too), every window weighs by
+    its steps (equal tokens per step; never tokens for some windows and steps for others). Not the plain mean of the
+    rates, which weighs a short fast window as much as a long slow one. A value that is no positive number (a file
+    handed over) leaves its window out."""
+    timed = [r for r in train if _positive(r.get("tokens_per_s"))]
+    by_tokens = all(_positive(r.get("tokens")) for r in timed)
     windows, previous = [], 0
     for r in train:
         rate = r.get("tokens_per_s")
-        weight = r.get("tokens", r["step"] - previous)
+        weight = r.get("tokens") if by_tokens else r["step"] - previous
         previous = r["step"]
-        if isinstance(rate, (int, float)) and rate > 0 and weight > 0:
+        if _positive(rate) and _positive(weight):
             windows.append((weight, weight / rate))
     kept = windows[1:] or windows
     seconds = sum(s for _, s in kept)
     return sum(w for w, _ in kept) / seconds if seconds > 0 else None
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0

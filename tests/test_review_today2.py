@@ -1,0 +1,34 @@
+"""Hostile review of today's changes (e52882f..): what failed on the code as it was.
+
+mean_rate (core/metrics_file.py, 38c9153): a run started before metrics lines carried `tokens` and resumed after
+has old lines without it and new ones with it; weighing the old by steps and the new by tokens added steps to
+tokens (and step-weighted 'seconds' to real seconds). A metrics.jsonl handed over with a non-numeric `tokens` was a
+TypeError traceback instead of a number or None.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsrecipes.core.metrics_file import mean_rate
+from dsrecipes.core.rundir import run_summary
+
+
+def test_a_resumed_runs_old_lines_without_tokens_do_not_mix_units():
+    """Steps 1-20 logged before `tokens` (windows of 10 steps of 100 tokens each at 100 tokens/s: 10 s each), the
+    resume's windows with `tokens`: 1000 tokens at 1000 tokens/s (1 s each). Windows 2-4: 3000 tokens in 12 s (the
+    old code: 2010 'tokens' in 2.1 's', 957)."""
+    old = [{"step": s, "loss": 1.0, "tokens_per_s": 100.0} for s in (10, 20)]
+    new = [{"step": s, "loss": 1.0, "tokens_per_s": 1000.0, "tokens": 1000} for s in (30, 40)]
+    assert mean_rate(old + new) == pytest.approx(3000 / 12)
+
+
+@pytest.mark.parametrize("tokens", ["1000", None, [1], True, float("nan")])
+def test_a_handed_over_line_with_a_bad_tokens_value_is_no_traceback(tmp_path, tokens):
+    rows = [{"step": s, "loss": 1.0, "tokens_per_s": 100.0, "tokens": 1000} for s in (10, 20, 30)]
+    rows[1]["tokens"] = tokens
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rate = run_summary(tmp_path)["tokens_per_s"]
+    assert rate is None or rate == pytest.approx(100.0)
