@@ -9,11 +9,14 @@ TypeError traceback instead of a number or None.
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
 from dsrecipes.core.metrics_file import mean_rate
 from dsrecipes.core.rundir import run_summary
+from dsrecipes.run.launch import process
+from dsrecipes.run.launch.plan import Command
 
 
 def test_a_resumed_runs_old_lines_without_tokens_do_not_mix_units():
@@ -32,3 +35,27 @@ def test_a_handed_over_line_with_a_bad_tokens_value_is_no_traceback(tmp_path, to
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     rate = run_summary(tmp_path)["tokens_per_s"]
     assert rate is None or rate == pytest.approx(100.0)
+
+
+# A multi-node torchrun agent whose ranks have ended waits in its exit barrier for the other nodes' agents (torch's
+# SimpleElasticAgent._exit_barrier, up to 300 s): node 1's agent, while node 0's rank 0 exports after the final
+# barrier. Supervision took that for a hung launcher LAUNCHER_EXIT_S later and killed it, and `dsrecipes node`
+# (join.conclude, 28c31a3) then ended 1 naming it, after a run that succeeded.
+_AGENT_IN_ITS_EXIT_BARRIER = ("import subprocess, sys, time\n"
+                              "subprocess.run([sys.executable, '-c', 'import time; time.sleep(1.5)'])\n"  # its rank, ended, reaped
+                              "time.sleep(3)\n")  # the other nodes' agents: node 0's rank 0 still exports
+
+
+def test_a_multi_node_torchrun_agent_waiting_for_the_other_nodes_is_not_killed_as_hung(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(process, "LAUNCHER_EXIT_S", 1.0)
+    argv = [sys.executable, "-c", _AGENT_IN_ITS_EXIT_BARRIER, "-m", "torch.distributed.run", "--nnodes", "2"]
+    code = process.run_subprocess(Command(argv), tmp_path, grace_s=10)
+    assert code == 0 and process.launcher_hung(tmp_path) is None, capsys.readouterr().err
+    assert "every rank has ended" not in capsys.readouterr().err
+
+
+def test_a_one_node_launcher_left_after_its_ranks_is_still_ended(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(process, "LAUNCHER_EXIT_S", 1.0)
+    argv = [sys.executable, "-c", _AGENT_IN_ITS_EXIT_BARRIER, "-m", "torch.distributed.run", "--nnodes", "1"]
+    assert process.run_subprocess(Command(argv), tmp_path, grace_s=10) == -9
+    assert process.launcher_hung(tmp_path) is not None

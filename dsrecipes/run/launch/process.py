@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import psutil
 
@@ -108,7 +108,7 @@ def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = Non
     stop, tree = stop or _Stop(0.0), tree or Tree(proc.pid)
     deadline: Optional[float] = None
     code: Optional[int] = None
-    left = _LeftAlone(tree)
+    left = _LeftAlone(tree, exit_bound(proc.args))
     noted = 0.0  # seconds after the stop signal of the last waiting line
     while code is None or (stop.at is not None and tree.alive()):
         if stop.overdue():
@@ -134,7 +134,7 @@ def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = Non
             kill_tree(proc.pid)
             code = proc.wait()  # (-9: this process's, not a rank's: `launcher_hung`)
             _HUNG[run_dir.resolve()] = (f"the launcher (pid {proc.pid}, {command_name(proc.args)}) did not exit "
-                                        f"{LAUNCHER_EXIT_S:g} s after its ranks ended and was killed by dsrecipes")
+                                        f"{left.bound_s:g} s after its ranks ended and was killed by dsrecipes")
             continue
         if deadline is None and (run_dir / heartbeat.FAILURE_FILE).is_file():
             deadline = time.monotonic() + FAILED_NODE_GRACE_S
@@ -155,16 +155,27 @@ def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = Non
 
 
 LAUNCHER_EXIT_S = 20.0  # DeepSpeed's per-node launcher polls its ranks every second and exits after the last
+# A multi-node torchrun agent whose ranks ended waits in its exit barrier for the other nodes' agents this long (torch's
+# LaunchConfig.exit_barrier_timeout, no torchrun option): node 1's while node 0's rank 0 exports after the others ended
+TORCHRUN_EXIT_BARRIER_S = 300.0
+
+
+def exit_bound(argv: Any) -> float:
+    """How long after its ranks ended the launcher `argv` may still be there: LAUNCHER_EXIT_S, and a multi-node
+    torchrun agent's exit barrier on top (run/launch/builders.py writes `torch.distributed.run ... --nnodes N`)."""
+    words = [str(w) for w in argv] if isinstance(argv, (list, tuple)) else []
+    nodes = words[words.index("--nnodes") + 1] if "--nnodes" in words[:-1] else "1"
+    return LAUNCHER_EXIT_S + (TORCHRUN_EXIT_BARRIER_S if "torch.distributed.run" in words and nodes != "1" else 0.0)
 
 
 class _LeftAlone:
     """A launcher that does not exit after its ranks (and their workers) have all ended: stopped (SIGSTOP, a cgroup
     freezer) or stuck, it would keep the run waiting for ever with nothing on the console. Overdue
-    LAUNCHER_EXIT_S after its last child ended, said in one warning line; the caller then ends it (the ranks' own
+    `exit_bound` after its last child ended, said in one warning line; the caller then ends it (the ranks' own
     outcome says how the run went, `launcher_hung`)."""
 
-    def __init__(self, tree: Tree) -> None:
-        self.tree, self.had_children = tree, False
+    def __init__(self, tree: Tree, bound_s: float) -> None:
+        self.tree, self.had_children, self.bound_s = tree, False, bound_s  # (exit_bound)
         self.since: Optional[float] = None
 
     def overdue(self) -> bool:
@@ -179,10 +190,10 @@ class _LeftAlone:
             self.since = None
             return False
         self.since = self.since or time.monotonic()
-        if time.monotonic() - self.since < LAUNCHER_EXIT_S:
+        if time.monotonic() - self.since < self.bound_s:
             return False
         print(f"warning: every rank has ended, but the launcher (pid {self.tree.pid}, state {state}) has not exited "
-              f"{LAUNCHER_EXIT_S:g} s later; dsrecipes killed it (the ranks' own outcome decides how the run ended)",
+              f"{self.bound_s:g} s later; dsrecipes killed it (the ranks' own outcome decides how the run ended)",
               file=sys.stderr, flush=True)  # fmt: skip
         return True
 
@@ -217,7 +228,7 @@ def killed_alone(run_dir: Path) -> Optional[str]:
 
 
 def launcher_hung(run_dir: Path) -> Optional[str]:
-    """How the launcher of the run in `run_dir` was killed by this process LAUNCHER_EXIT_S after its ranks ended,
+    """How the launcher of the run in `run_dir` was killed by this process `exit_bound` after its ranks ended,
     once (None where it was not): its -9 is not a rank's; the ranks' own outcome decides the run (commands/outcome.py
     names this only where they left none)."""
     return _HUNG.pop(Path(run_dir).resolve(), None)
