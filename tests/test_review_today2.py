@@ -15,6 +15,7 @@ import pytest
 
 from dsrecipes.core.metrics_file import mean_rate
 from dsrecipes.core.rundir import run_summary
+from dsrecipes.observe.metrics import MetricsLogger
 from dsrecipes.run.launch import process
 from dsrecipes.run.launch.plan import Command
 
@@ -59,3 +60,26 @@ def test_a_one_node_launcher_left_after_its_ranks_is_still_ended(tmp_path, monke
     argv = [sys.executable, "-c", _AGENT_IN_ITS_EXIT_BARRIER, "-m", "torch.distributed.run", "--nnodes", "1"]
     assert process.run_subprocess(Command(argv), tmp_path, grace_s=10) == -9
     assert process.launcher_hung(tmp_path) is not None
+
+
+# A resume warms up again (the engine, the allocator, the first batches), but mean_rate left out only the file's first
+# window: the resumed attempt's slow first window counted, with its whole time (38c9153 weighs windows by time).
+def test_a_resumes_first_window_is_left_out_like_the_runs_first(tmp_path):
+    log = MetricsLogger(tmp_path, rank=0, total_steps=40, bar=False)
+    for step in (10, 20):  # the first attempt: a 10 s warm-up window, then 1000 tokens/s
+        log.log_train(step=step, loss=1.0, lr=1e-3, grad_norm=None, tokens_per_s=100.0 if step == 10 else 1000.0,
+                      samples_seen=step, elapsed=1.0, tokens=1000)
+    log.close()
+    log = MetricsLogger(tmp_path, rank=0, total_steps=40, start_step=20, bar=False)  # resumed from step 20
+    for step in (30, 40):  # its own warm-up window, then 1000 tokens/s again
+        log.log_train(step=step, loss=1.0, lr=1e-3, grad_norm=None, tokens_per_s=100.0 if step == 30 else 1000.0,
+                      samples_seen=step, elapsed=1.0, tokens=1000)
+    log.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("warmup", False) for r in rows] == [False, False, True, False]  # (the file's first needs no mark)
+    assert run_summary(tmp_path)["tokens_per_s"] == pytest.approx(1000.0)  # was 3000 tokens in 12 s: 250
+
+
+def test_only_warm_up_windows_still_give_a_rate():
+    rows = [{"step": 5, "tokens_per_s": 50.0, "tokens": 100, "warmup": True}]
+    assert mean_rate(rows) == pytest.approx(50.0)

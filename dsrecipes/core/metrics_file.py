@@ -75,7 +75,8 @@ def run_summary(run_dir: Path) -> Dict[str, Any]:
 
 
 def mean_rate(train: List[Dict[str, Any]]) -> Optional[float]:
-    """Tokens over time of the log windows after the first: a window's time is its tokens / its rate. Where a line
+    """Tokens over time of the log windows but each attempt's first (the file's first, and a resumed attempt's,
+    marked `warmup`: it warms up again): a window's time is its tokens / its rate. Where a line
     has no `tokens` (written before it was logged: a run resumed across that change too), every window weighs by
     its steps (equal tokens per step; never tokens for some windows and steps for others). Not the plain mean of the
     rates, which weighs a short fast window as much as a long slow one. A value that is no positive number (a file
@@ -88,8 +89,8 @@ def mean_rate(train: List[Dict[str, Any]]) -> Optional[float]:
         weight = r.get("tokens") if by_tokens else r["step"] - previous
         previous = r["step"]
         if _positive(rate) and _positive(weight):
-            windows.append((weight, weight / rate))
-    kept = windows[1:] or windows
+            windows.append((weight, weight / rate, r.get("warmup") is True or not windows))
+    kept = [w[:2] for w in windows if not w[2]] or [w[:2] for w in windows]
     seconds = sum(s for _, s in kept)
     return sum(w for w, _ in kept) / seconds if seconds > 0 else None
 

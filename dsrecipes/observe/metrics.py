@@ -39,6 +39,7 @@ class MetricsLogger:
         self.total_steps, self.start_step, self.started = total_steps, start_step, time.perf_counter()
         self.loss_unit = loss_unit(getattr(getattr(cfg, "objective", None), "kind", None))  # loss.png's y label
         self._bar = None
+        self._warm = start_step == 0  # (a resumed attempt's first window includes its start: `warmup`, log_train)
         self._fh = None
         self._trackers: List[Any] = []
         if not self.enabled:
@@ -66,6 +67,8 @@ class MetricsLogger:
                   "samples_seen": samples_seen, "elapsed": elapsed, **extra}
         if tokens is not None:  # the window's real tokens over all ranks: run_summary weighs windows by them
             record["tokens"] = tokens
+        if not self._warm:  # a resume's first window: warm-up again, left out of the run's tokens/s as the first is
+            record["warmup"], self._warm = True, True
         self._write(record)
         scalars = {"train/loss": loss, "train/lr": lr, "train/tokens_per_s": tokens_per_s,
                    **{f"train/{k}": v for k, v in extra.items()}}
