@@ -83,3 +83,14 @@ def test_a_resumes_first_window_is_left_out_like_the_runs_first(tmp_path):
 def test_only_warm_up_windows_still_give_a_rate():
     rows = [{"step": 5, "tokens_per_s": 50.0, "tokens": 100, "warmup": True}]
     assert mean_rate(rows) == pytest.approx(50.0)
+
+
+# A sweep's launcher=local job runs its rank as the supervised child itself (run_in_process, `in_process`): its
+# children are its own (DataLoader workers, a tool it ran), not ranks. Once one had ended, supervision took a rank
+# working on without children for LAUNCHER_EXIT_S (its final save and export after the last epoch's workers ended)
+# for a hung launcher and SIGKILLed it.
+def test_a_sweeps_rank_whose_own_workers_ended_is_not_killed_as_a_hung_launcher(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(process, "LAUNCHER_EXIT_S", 1.0)
+    argv = [sys.executable, "-c", _AGENT_IN_ITS_EXIT_BARRIER]  # a worker for 1.5 s, then 3 s of its own work
+    code = process.run_subprocess(Command(argv, in_process=True), tmp_path, grace_s=10, announce=False)
+    assert code == 0 and process.launcher_hung(tmp_path) is None, capsys.readouterr().err

@@ -130,7 +130,7 @@ def supervise(proc: subprocess.Popen, run_dir: Path, stop: Optional[_Stop] = Non
             continue
         except subprocess.TimeoutExpired:
             pass
-        if left.overdue():  # its ranks ended, the launcher did not (stopped: SIGSTOP, a freezer)
+        if not rank and left.overdue():  # its ranks ended, the launcher did not (a rank's children are its own)
             kill_tree(proc.pid)
             code = proc.wait()  # (-9: this process's, not a rank's: `launcher_hung`)
             _HUNG[run_dir.resolve()] = (f"the launcher (pid {proc.pid}, {command_name(proc.args)}) did not exit "
