@@ -50,7 +50,8 @@ PROBE_S = 0.25  # a lock held this long is a holder, not someone's probe of it
 
 
 class ExclusiveLock:
-    """`with ExclusiveLock(path, info):` or `acquire()`/`release()`. Raises LockHeld at once when it is taken."""
+    """`with ExclusiveLock(path, info):` or `acquire()`/`release()`. Raises LockHeld when it is taken (held for
+    PROBE_S: a probe holds it for an instant only)."""
 
     def __init__(self, path: Path, info: Optional[Dict[str, Any]] = None):
         self.path = Path(path)
