@@ -10,6 +10,8 @@ preparation worker the OOM killer ended with a task queued for it (core/worker_p
 
 from __future__ import annotations
 
+import fcntl
+import os
 import signal
 import subprocess
 import sys
@@ -22,12 +24,20 @@ from tests.conftest import REPO, subprocess_env
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGPIPE"), reason="POSIX pipes")
 
 
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux
+
+
 def _closed_early(stderr: int) -> subprocess.CompletedProcess:
-    """`dsrecipes ls` whose stdout reader reads a little, then goes away (`| head -c 10`)."""
-    proc = subprocess.Popen([sys.executable, "-m", "dsrecipes", "ls"], stdout=subprocess.PIPE, stderr=stderr,
-                            cwd=REPO, env=subprocess_env())
-    proc.stdout.read(10)
-    proc.stdout.close()
+    """`dsrecipes ls` whose stdout reader reads a little, then goes away (`| head -c 10`). The pipe holds one page
+    (F_SETPIPE_SZ), less than `ls` writes (~19 KB): with the default 64 KiB the command could write everything before
+    the reader went away and end 0 (seen once in CI under load)."""
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, F_SETPIPE_SZ, 4096)
+    with open(read_end, "rb", buffering=0) as reader:
+        proc = subprocess.Popen([sys.executable, "-m", "dsrecipes", "ls"], stdout=write_end, stderr=stderr,
+                                cwd=REPO, env=subprocess_env())
+        os.close(write_end)
+        reader.read(10)
     err = proc.stderr.read() if proc.stderr else b""
     return subprocess.CompletedProcess(proc.args, proc.wait(timeout=120), b"", err)
 
