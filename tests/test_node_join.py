@@ -237,7 +237,12 @@ def ended(cluster: netns.Cluster, procs: List[subprocess.Popen], timeout: float 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["deepspeed_multinode", "torchrun"])
+@pytest.mark.parametrize("launcher", [
+    pytest.param("deepspeed_multinode", marks=pytest.mark.skipif(
+        not os.environ.get("DSRECIPES_FAULT_MATRIX"), reason="with the fault matrix: DSRECIPES_FAULT_MATRIX=1 (CI "
+        "time: node 1's deepspeed launcher under `dsrecipes node` is stopped with a checkpoint in CI by "
+        "tests/test_review_node_join.py's SIGKILL case, SIGTERM's forwarding by node 0's tests)")),
+    "torchrun"])
 def test_sigterm_to_node_1_stops_every_rank_with_a_checkpoint(cluster, tmp_path, launcher):
     """Rank 0 sleeps in step 2 (the others wait in its collective); node 1's `dsrecipes node` gets SIGTERM: its
     ranks get it, every rank stops at the step boundary with the step-2 checkpoint, both nodes end 143, node 1 says
