@@ -117,7 +117,8 @@ def test_a_launcher_stopped_after_a_rank_that_ended_before_the_first_poll_is_end
     forever: supervision counted live children only. Its zombie (the launcher never reaped it) counts."""
     monkeypatch.setattr(process, "LAUNCHER_EXIT_S", 1.0)
     launcher = ("import os, signal, subprocess, time\n"
-                "subprocess.Popen(['true'])\n"  # a rank that ends at once; never reaped
+                "rank = subprocess.Popen(['true'])\n"  # ends at once, never reaped (an unreferenced Popen's
+                # __del__ polls, and reaped it when `true` had already ended: seen under load, no child ever seen)
                 "time.sleep(0.2)\n"
                 "os.kill(os.getpid(), signal.SIGSTOP)\n")
     codes: list = []
