@@ -283,3 +283,33 @@ def s3_server():
             mp.setenv(key, value)
         yield server
     server.stop()
+
+
+# Where the suite's time goes: DSRECIPES_TEST_PROFILE=FILE appends one JSON line per test (setup, call and teardown
+# together): wall seconds, CPU seconds of this worker and of the children it reaped meanwhile. The cores' share of a
+# test is cpu / wall; a test with a long wall and little CPU is waiting (a grace, a timeout), one with CPU near its
+# wall keeps a core busy. Off unless set.
+_PROFILE = os.environ.get("DSRECIPES_TEST_PROFILE")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _PROFILE:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu(who: int) -> float:
+        usage = resource.getrusage(who)
+        return usage.ru_utime + usage.ru_stime
+
+    start = (time.monotonic(), cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN))
+    yield
+    wall = time.monotonic() - start[0]
+    row = {"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", ""), "wall": round(wall, 2),
+           "self": round(cpu(resource.RUSAGE_SELF) - start[1], 2),
+           "children": round(cpu(resource.RUSAGE_CHILDREN) - start[2], 2), "end": round(time.time(), 1)}
+    with open(_PROFILE, "a") as out:
+        out.write(json.dumps(row) + "\n")
