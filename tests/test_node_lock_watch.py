@@ -13,7 +13,7 @@ import pytest
 
 from dsrecipes.boundary.rank_env import checked_env
 from dsrecipes.core.errors import ConfigError
-from dsrecipes.core.locks import PROBE_S, ExclusiveLock, LockHeld, is_held
+from dsrecipes.core.locks import PROBE_S, ExclusiveLock, LockHeld, is_held, probe_held
 from dsrecipes.core.runplan import NODE_LOCK, NODE_LOCK_ENV, node_lock
 
 
@@ -83,3 +83,99 @@ def test_a_real_holder_is_still_refused_at_once(tmp_path):
         ExclusiveLock(path).acquire()
     assert time.monotonic() - started < PROBE_S + 1.0
     held.release()
+
+
+def test_probe_held_says_unknown_on_an_error_and_false_only_when_free_or_gone(tmp_path, monkeypatch):
+    import errno
+
+    import dsrecipes.core.locks as locks
+
+    path = tmp_path / NODE_LOCK.format(1)
+    assert probe_held(path) is False  # (no file: nobody holds it)
+    lock = ExclusiveLock(path, {"node_rank": 1}).acquire()
+    assert probe_held(path) is True
+    real_open, real_flock = os.open, locks.fcntl.flock
+
+    def stale_open(name, *args, **kwargs):
+        if Path(name) == path:
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return real_open(name, *args, **kwargs)
+
+    monkeypatch.setattr(locks.os, "open", stale_open)
+    assert probe_held(path) is None
+    assert is_held(path) is False  # (is_held's answer for the others: they only ask before or after)
+    monkeypatch.setattr(locks.os, "open", real_open)
+
+    def no_lock(fd, mode):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(locks.fcntl, "flock", no_lock)
+    assert probe_held(path) is None
+    monkeypatch.setattr(locks.fcntl, "flock", real_flock)
+    lock.release()
+    assert probe_held(path) is False
+
+
+def _watch_through_stale_probes(lock_path: str, flaky: str, log: str) -> None:
+    """A rank's launcher watcher (rank/worker.watch_launcher) in its own process: opening the lock fails with ESTALE
+    while `flaky` exists (an NFS client's hiccup); SIGTERM (the watcher's stop) is written to `log` and ends it."""
+    import errno
+    import signal
+    import sys
+
+    import dsrecipes.rank.worker as worker
+
+    err = open(log, "a", buffering=1)
+    os.dup2(err.fileno(), 2)
+    sys.stderr = err
+    real_open = os.open
+
+    def flaky_open(name, *args, **kwargs):
+        if str(name) == lock_path and os.path.exists(flaky):
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return real_open(name, *args, **kwargs)
+
+    def stopped(*_):
+        print("SIGTERM received", file=sys.stderr, flush=True)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stopped)
+    worker.LAUNCHER_POLL_S = 0.1
+    worker.read_plan = lambda run_dir: type("Plan", (), {"exports": {}})()
+    worker.load_run_config = lambda run_dir: type("Cfg", (), {"trainer": type("T", (), {"stop_grace_s": 1})})()
+    worker.node_lock = lambda run_dir: Path(lock_path)
+    worker.watch_launcher(Path(lock_path).parent)
+    os.open = flaky_open
+    time.sleep(120)
+
+
+def test_a_rank_keeps_training_while_the_node_lock_cannot_be_probed_and_stops_when_it_is_free(tmp_path):
+    """Was: the watcher's probe (is_held) answered 'not held' when opening the lock file failed, so one transient
+    ESTALE of shared storage stopped every rank of the node as if its `dsrecipes node` had died; an flock error ended
+    the watcher thread with a traceback (and nothing watched any more). Now: a line saying it cannot tell, training
+    on, a line when the lock is seen again, and the stop only once the lock is really free."""
+    path, flaky, log = tmp_path / NODE_LOCK.format(1), tmp_path / "flaky", tmp_path / "watcher.log"
+    lock = ExclusiveLock(path, {"node_rank": 1}).acquire()
+    flaky.touch()
+    child = multiprocessing.get_context("spawn").Process(target=_watch_through_stale_probes,
+                                                         args=(str(path), str(flaky), str(log)), daemon=True)
+    child.start()
+    try:
+        deadline = time.monotonic() + 60
+        while "cannot tell" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)  # (ten probes failing)
+        text = log.read_text()
+        assert "cannot tell whether this node's `dsrecipes node`" in text and "SIGTERM" not in text, text
+        flaky.unlink()
+        while "seen alive again" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "SIGTERM" not in log.read_text() and child.is_alive()
+        lock.release()
+        child.join(30)
+        text = log.read_text()
+        assert "is gone; stopping" in text and "SIGTERM received" in text, text
+        assert text.count("cannot tell") == 1 and "Traceback" not in text
+    finally:
+        child.kill()
+        child.join(10)

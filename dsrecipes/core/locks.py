@@ -140,12 +140,34 @@ def is_held(path: Path) -> bool:
     except OSError:
         return False
     try:
-        if _try_flock(fd, fcntl.LOCK_SH):
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return False
-        return True
+        return _held(fd)
     finally:
         os.close(fd)
+
+
+def probe_held(path: Path) -> Optional[bool]:
+    """is_held for a watcher that must not conclude from an error: False only when the file is gone or a shared lock
+    on it is free, None when it cannot be told (shared storage's transient ESTALE, EIO, ENOLCK: the holder may well
+    be alive)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    try:
+        return _held(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _held(fd: int) -> bool:
+    if _try_flock(fd, fcntl.LOCK_SH):
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    return True
 
 
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # a filesystem without flock

@@ -41,8 +41,8 @@ from dsrecipes.config.load import load_run_config  # noqa: E402
 from dsrecipes.core.console import exit_flushed, log_path, quiet_third_party, survive_lost_console  # noqa: E402
 from dsrecipes.core.errors import RunInterrupted, TrainingFailed, UserError  # noqa: E402
 from dsrecipes.core.failure import log_traceback, record_rank_failure  # noqa: E402
-from dsrecipes.core.locks import is_held  # noqa: E402
-from dsrecipes.core.rundir import CHECKPOINTS_DIR, launcher_alive  # noqa: E402
+from dsrecipes.core.locks import is_held, probe_held  # noqa: E402
+from dsrecipes.core.rundir import CHECKPOINTS_DIR, LOCK_FILE  # noqa: E402
 from dsrecipes.core.runplan import node_lock, read_plan, reported_by_launcher  # noqa: E402
 from dsrecipes.core.schema import Device  # noqa: E402
 from dsrecipes.data.strategies.base import end_workers, worker_lost  # noqa: E402
@@ -168,17 +168,27 @@ def watch_launcher(run_dir: Path) -> None:
             grace = float(load_run_config(run_dir).trainer.stop_grace_s)
         lock = node_lock(run_dir)
         if lock is not None:
-            alive, who = (lambda: is_held(lock)), f"this node's `dsrecipes node` ({lock.name})"
+            path, who = lock, f"this node's `dsrecipes node` ({lock.name})"
         else:
-            alive, who = (lambda: launcher_alive(run_dir)), "the launching process"
-        watched = (lock is not None or (node == "0" and reported_by_launcher(run_dir))) and alive()
+            path, who = Path(run_dir) / LOCK_FILE, "the launching process"
+        watched = (lock is not None or (node == "0" and reported_by_launcher(run_dir))) and is_held(path)
     except Exception:  # noqa: BLE001 - a run directory the rank cannot read fails in run() with its message
         return
     if not watched:
         return
 
     def watch() -> None:
-        while alive():
+        unsure = None  # since when the lock could not be probed (shared storage's transient errors)
+        while (held := probe_held(path)) is not False:
+            if held is None and unsure is None:
+                unsure = time.monotonic()
+                print(f"dsrecipes: rank {os.environ.get('RANK', '0')}: cannot tell whether {who} is alive (probing "
+                      f"{path} failed); training on, probing every {LAUNCHER_POLL_S:g} s", file=sys.stderr,
+                      flush=True)
+            elif held and unsure is not None:
+                print(f"dsrecipes: rank {os.environ.get('RANK', '0')}: {who} is seen alive again after "
+                      f"{time.monotonic() - unsure:.0f} s", file=sys.stderr, flush=True)
+                unsure = None
             time.sleep(LAUNCHER_POLL_S)
         print(f"dsrecipes: rank {os.environ.get('RANK', '0')}: {who} is gone; stopping", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
