@@ -179,3 +179,30 @@ def test_a_rank_keeps_training_while_the_node_lock_cannot_be_probed_and_stops_wh
     finally:
         child.kill()
         child.join(10)
+
+
+def test_a_storage_error_is_not_the_launching_process_gone(tmp_path, monkeypatch):
+    """rundir.launcher_alive is what rank 0 asks at every step boundary (rank/train.stop_requested) and its watchdog
+    every 2 s (core/stopping.watch), and what node 1 asks before it joins (run/join.ready). Was: an error opening the
+    lock (NFS ESTALE) answered 'gone', and a step later every rank checkpointed and stopped as if the launching
+    process had died. Now only a lock seen free, or no lock file, is gone."""
+    import errno
+
+    import dsrecipes.core.locks as locks
+    from dsrecipes.core.rundir import LOCK_FILE, launcher_alive
+
+    assert launcher_alive(tmp_path) is False  # (no lock file: no launching process)
+    lock = ExclusiveLock(tmp_path / LOCK_FILE, {"pid": os.getpid()}).acquire()
+    assert launcher_alive(tmp_path) is True
+    real_open = os.open
+
+    def stale_open(name, *args, **kwargs):
+        if Path(name).name == LOCK_FILE:
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return real_open(name, *args, **kwargs)
+
+    monkeypatch.setattr(locks.os, "open", stale_open)
+    assert launcher_alive(tmp_path) is True
+    monkeypatch.setattr(locks.os, "open", real_open)
+    lock.release()
+    assert launcher_alive(tmp_path) is False

@@ -40,7 +40,7 @@ from dsrecipes.core.fileio import (
     read_json_file,
     remove_empty_dirs,
 )
-from dsrecipes.core.locks import ExclusiveLock, LockHeld, SharedLock, is_held, probe_free
+from dsrecipes.core.locks import ExclusiveLock, LockHeld, SharedLock, probe_free, probe_held
 from dsrecipes.core.metrics_file import METRICS_FILE, read_metrics, run_summary  # noqa: F401 - (re-exported)
 
 CONFIG_FILE = "config.yaml"
@@ -283,8 +283,10 @@ def rank_lock(run_dir: Path) -> SharedLock:
 
 
 def launcher_alive(run_dir: Path) -> bool:
-    """The launching process still holds the run directory (false once it died, even by SIGKILL)."""
-    return is_held(Path(run_dir) / LOCK_FILE)
+    """The launching process still holds the run directory: false once it died (even by SIGKILL), true while the
+    lock cannot be probed (shared storage's transient ESTALE or EIO, `locks.probe_held`): a storage hiccup is no
+    reason to stop a run's ranks (rank/train.stop_requested, stopping.watch) or for node 1 to give up on node 0."""
+    return probe_held(Path(run_dir) / LOCK_FILE) is not False
 
 
 def holds_run(run_dir: Path) -> Optional[str]:
