@@ -84,7 +84,7 @@ def test_the_file_edited_before_the_resume_is_refused_naming_the_stage_and_key(t
 
 
 @pytest.mark.parametrize("victim", ["rank", "torchrun"])
-def test_a_stage_whose_child_is_sigkilled_ends_the_pipeline_in_seconds_leaving_no_process(tmp_path, pipeline_reference, victim):
+def test_a_stage_whose_child_is_sigkilled_ends_the_pipeline_in_seconds_leaving_no_process(tmp_path, capfd, pipeline_reference, victim):
     """launcher=torchrun, one rank: torchrun and the rank are child processes of the pipeline; one of them is
     killed (an OOM killer's choice) while the rank holds after step 1. The rank: the pipeline names the stage as
     failed within seconds. torchrun (which starts its ranks in sessions of their own, out of its process group):
@@ -118,7 +118,7 @@ def test_a_stage_whose_child_is_sigkilled_ends_the_pipeline_in_seconds_leaving_n
     assert stages(out)["sft"]["status"] == ("failed" if victim == "rank" else "interrupted")
     if victim == "torchrun":  # the resume after a killed agent: tests/test_review_launch_tree.py (2 ranks; CI time)
         return
-    rerun(tmp_path, path, out)  # the same command: stage 1 continues from its last checkpoint
+    rerun(tmp_path, path, out, capfd=capfd)  # the same command: stage 1 continues from its last checkpoint
     assert json.loads((out / "sft" / "plan.json").read_text())["resume"] is not None
     assert_same_as_uninterrupted(out, pipeline_reference)
 

@@ -47,7 +47,7 @@ STOPS = [(signal.SIGTERM, 143), (signal.SIGINT, 130)]
 
 
 @pytest.mark.parametrize("signum, code", STOPS, ids=["SIGTERM", "SIGINT"])
-def test_a_signal_while_stage_1_trains_resumes_it_from_its_checkpoint(tmp_path, pipeline_reference, signum, code):
+def test_a_signal_while_stage_1_trains_resumes_it_from_its_checkpoint(tmp_path, capfd, pipeline_reference, signum, code):
     path, out = write(tmp_path), tmp_path / "out"
     got, text = held_then(tmp_path, path, out, *paused(tmp_path, out, "sft", 1), signum)
     assert got == code, text[-3000:]
@@ -55,7 +55,7 @@ def test_a_signal_while_stage_1_trains_resumes_it_from_its_checkpoint(tmp_path, 
     assert "pipeline: stage 'sft' (1 of 2) was interrupted; resume with: " in text, text[-3000:]
     assert stages(out)["sft"]["status"] == "interrupted" and "dpo" not in stages(out)
     assert not (out / "dpo").exists() and not (out / "sft" / "checkpoints" / "step_3").exists()
-    again = rerun(tmp_path, path, out)
+    again = rerun(tmp_path, path, out, capfd=capfd)
     assert "stage 'sft' (1 of 2) (resumed: the run continues from its newest checkpoint)" in again
     assert json.loads((out / "sft" / "plan.json").read_text())["resume"] is not None
     assert_same_as_uninterrupted(out, pipeline_reference)
@@ -65,7 +65,7 @@ def test_a_signal_while_stage_1_trains_resumes_it_from_its_checkpoint(tmp_path, 
 # the exit code and the words only: both are sent while a stage trains (a rank's own Ctrl-C logic is in play there);
 # at the other places, each place gets one of them and each signal several places (CI time).
 @pytest.mark.parametrize("signum, code", [STOPS[1]], ids=["SIGINT"])
-def test_a_signal_in_stage_1s_last_step_stops_the_pipeline_before_stage_2(tmp_path, pipeline_reference, signum, code):
+def test_a_signal_in_stage_1s_last_step_stops_the_pipeline_before_stage_2(tmp_path, capfd, pipeline_reference, signum, code):
     """Stage 1 at its last step when the signal comes: it ends as a run does there (exported, done), and the
     pipeline stops before stage 2: the signal is the user's (a preemption's) word for the whole command."""
     path, out = write(tmp_path), tmp_path / "out"
@@ -75,7 +75,7 @@ def test_a_signal_in_stage_1s_last_step_stops_the_pipeline_before_stage_2(tmp_pa
     assert "resume with: " in text.rpartition("exported Hugging Face model")[2], text[-3000:]
     assert not (out / "dpo").exists()
     assert stages(out)["sft"]["status"] == "done" and "dpo" not in stages(out)
-    again = rerun(tmp_path, path, out)
+    again = rerun(tmp_path, path, out, capfd=capfd)
     assert "pipeline: stage 'sft' (1 of 2) is done" in again, again
     assert_same_as_uninterrupted(out, pipeline_reference)
 
@@ -84,7 +84,7 @@ def test_a_signal_in_stage_1s_last_step_stops_the_pipeline_before_stage_2(tmp_pa
     ("before_record", *STOPS[1]), ("after_record", *STOPS[0]), ("stage_2_recorded", *STOPS[0]),
     ("stage_2_preparing", *STOPS[1])], ids=["before_record-SIGINT", "after_record-SIGTERM", "stage_2_recorded-SIGTERM",
                                               "stage_2_preparing-SIGINT"])
-def test_a_signal_between_the_stages_never_runs_stage_1_again(tmp_path, pipeline_reference, window, signum, code):
+def test_a_signal_between_the_stages_never_runs_stage_1_again(tmp_path, capfd, pipeline_reference, window, signum, code):
     path, out = write(tmp_path), tmp_path / "out"
     got, text = held_then(tmp_path, path, out, *hook_env(tmp_path, window), signum)
     assert got == code, text[-3000:]
@@ -92,14 +92,14 @@ def test_a_signal_between_the_stages_never_runs_stage_1_again(tmp_path, pipeline
     assert "resume with: " in text.rpartition("exported Hugging Face model")[2], text[-3000:]
     assert not (out / "dpo" / "checkpoints").exists()  # stage 2 trained nothing (preparing: its directory claimed)
     sft_result = (out / "sft" / "result.json").stat().st_mtime_ns
-    again = rerun(tmp_path, path, out)
+    again = rerun(tmp_path, path, out, capfd=capfd)
     assert "pipeline: stage 'sft' (1 of 2) is done" in again and "stage 'sft' (1 of 2):" not in again, again
     assert (out / "sft" / "result.json").stat().st_mtime_ns == sft_result
     assert_same_as_uninterrupted(out, pipeline_reference)
 
 
 @pytest.mark.parametrize("signum, code", [STOPS[0]], ids=["SIGTERM"])
-def test_a_signal_while_stage_2_trains_resumes_it_without_stage_1(tmp_path, pipeline_reference, signum, code):
+def test_a_signal_while_stage_2_trains_resumes_it_without_stage_1(tmp_path, capfd, pipeline_reference, signum, code):
     path, out = write(tmp_path), tmp_path / "out"
     got, text = held_then(tmp_path, path, out, *paused(tmp_path, out, "dpo", 4), signum)  # SFT has 3 steps: DPO is held
     assert got == code, text[-3000:]
@@ -107,7 +107,7 @@ def test_a_signal_while_stage_2_trains_resumes_it_without_stage_1(tmp_path, pipe
     assert "pipeline: stage 'dpo' (2 of 2) was interrupted; resume with: " in text, text[-3000:]
     assert [stages(out)[s]["status"] for s in ("sft", "dpo")] == ["done", "interrupted"]
     sft_result = (out / "sft" / "result.json").stat().st_mtime_ns
-    again = rerun(tmp_path, path, out)
+    again = rerun(tmp_path, path, out, capfd=capfd)
     assert "pipeline: stage 'sft' (1 of 2) is done" in again, again
     assert (out / "sft" / "result.json").stat().st_mtime_ns == sft_result
     assert json.loads((out / "dpo" / "plan.json").read_text())["resume"] is not None
@@ -115,7 +115,7 @@ def test_a_signal_while_stage_2_trains_resumes_it_without_stage_1(tmp_path, pipe
 
 
 @pytest.mark.parametrize("how", ["SIGTERM to the pipeline", "SIGKILL of the pipeline alone"])
-def test_the_pipeline_stopped_while_its_ranks_train_leaves_no_process_and_resumes(tmp_path, pipeline_reference, how):
+def test_the_pipeline_stopped_while_its_ranks_train_leaves_no_process_and_resumes(tmp_path, capfd, pipeline_reference, how):
     """launcher=torchrun: the ranks are child processes. SIGTERM to the pipeline: they checkpoint and stop with it,
     and the console has no traceback (torchrun's own SignalException traceback went to the log: core/console._Held);
     SIGKILL of the pipeline process alone (an OOM killer's choice): its ranks see their launcher gone and stop on their
@@ -132,7 +132,7 @@ def test_the_pipeline_stopped_while_its_ranks_train_leaves_no_process_and_resume
         assert got == 143 and "pipeline: stage 'sft' (1 of 2) was interrupted; resume with: " in text, text[-3000:]
         assert "interrupted by SIGTERM (latest checkpoint: " in text, text[-3000:]
         assert_one_message(text)
-    rerun(tmp_path, path, out)
+    rerun(tmp_path, path, out, capfd=capfd)
     assert json.loads((out / "sft" / "plan.json").read_text())["resume"] is not None
     assert_same_as_uninterrupted(out, pipeline_reference)
 
@@ -143,17 +143,17 @@ GRPO = TINY_GRPO.replace("save_every: 0", "save_every: 1").replace(
 assert "save_every: 1" in GRPO and "max_steps: 4" in GRPO and "export: false" not in GRPO
 
 
-def test_sft_reward_grpo_interrupted_in_the_rl_stage_resumes_to_the_same_rewards_and_weights(tmp_path):
+def test_sft_reward_grpo_interrupted_in_the_rl_stage_resumes_to_the_same_rewards_and_weights(tmp_path, capfd):
     """The three-stage pipeline (DeepSpeed-Chat's steps, GRPO last): SIGTERM while GRPO is held after its step 2;
     the same command runs neither SFT nor the reward model again and ends with the rewards, losses and exported
     weights of an uninterrupted run (sampling continues from the checkpoint's generator state)."""
     path = write(tmp_path, GRPO)
-    rerun(tmp_path, path, tmp_path / "whole", "whole.log")
+    rerun(tmp_path, path, tmp_path / "whole", "whole.log", capfd)
     out = tmp_path / "out"
     got, text = held_then(tmp_path, path, out, *paused(tmp_path, out, "grpo", 2), signal.SIGTERM)  # sft and reward have 1 step
     assert got == 143 and "pipeline: stage 'grpo' (3 of 3) was interrupted; resume with: " in text, text[-3000:]
     assert_one_message(text)
-    again = rerun(tmp_path, path, out)
+    again = rerun(tmp_path, path, out, capfd=capfd)
     assert "stage 'sft' (1 of 3) is done" in again and "stage 'reward' (2 of 3) is done" in again, again
     assert json.loads((out / "grpo" / "plan.json").read_text())["resume"] is not None
 
@@ -181,7 +181,7 @@ def test_a_signal_in_the_last_stages_last_step_ends_the_pipeline_without_its_pro
 
 
 @pytest.mark.parametrize("gap_s", [0.0, 1.5], ids=["a forwarded copy", "Ctrl-C again"])
-def test_a_second_ctrl_c_while_stage_1_stops_still_resumes_exactly(tmp_path, pipeline_reference, gap_s):
+def test_a_second_ctrl_c_while_stage_1_stops_still_resumes_exactly(tmp_path, capfd, pipeline_reference, gap_s):
     """Ctrl-C twice: at once (a wrapper forwarding the terminal's signal: the same interruption) or after the
     acknowledgement (stop at once: the checkpoint may be the step before; on this tiny model the stage has usually
     stopped by then, and the second one is not sent). Wherever the second one lands (the stage's stop, its record,
@@ -198,5 +198,5 @@ def test_a_second_ctrl_c_while_stage_1_stops_still_resumes_exactly(tmp_path, pip
     got, text = ended(proc, tmp_path / "first.log")
     assert got == 130 and "resume with: " in text, text[-3000:]
     assert_one_message(text)
-    rerun(tmp_path, path, out)
+    rerun(tmp_path, path, out, capfd=capfd)
     assert_same_as_uninterrupted(out, pipeline_reference)

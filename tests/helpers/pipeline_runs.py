@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import pytest
+import torch
 
 from dsrecipes.run.pipeline import STATE_FILE
 from tests.conftest import REPO, in_process_environ, subprocess_env
@@ -156,13 +157,39 @@ def held_then(tmp_path: Path, path: Path, out: Path, env: Dict[str, str], held: 
     return ended(proc, tmp_path / "first.log")
 
 
-def rerun(tmp_path: Path, path: Path, out: Path, log: str = "again.log") -> str:
-    """The same command, no faults: it must finish."""
+def rerun(tmp_path: Path, path: Path, out: Path, log: str = "again.log", capfd=None) -> str:
+    """The same command, no faults: it must finish. In a process of its own; or, given pytest's `capfd`, in this
+    one (`dsrecipes.cli.main` with the environment and directory that process would have had, and its console read
+    back from the file descriptors): the same command on the same files without paying for Python, torch and
+    transformers to start again (about 4 CPU s of the 6 s a pipeline of TINY costs)."""
+    if capfd is not None:
+        return _rerun_here(tmp_path, command(path, out)[3:], tmp_path / log, capfd)
     done = subprocess.run(command(path, out), cwd=tmp_path, env=subprocess_env({"PYTHONPATH": str(REPO)}),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
     text = done.stdout.decode(errors="replace")
     (tmp_path / log).write_text(text)
     assert done.returncode == 0, text[-3000:]
+    return text
+
+
+def _rerun_here(cwd: Path, args: List[str], log: Path, capfd) -> str:
+    from dsrecipes.cli import main
+
+    if capfd is not None:
+        capfd.readouterr()
+    before, threads = os.getcwd(), torch.get_num_threads()
+    os.chdir(cwd)
+    torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 has it in that process (subprocess_env): the same float sums
+    try:
+        with in_process_environ(subprocess_env({"PYTHONPATH": str(REPO)})):
+            code = main(args)
+    finally:
+        os.chdir(before)
+        torch.set_num_threads(threads)
+    got = capfd.readouterr() if capfd is not None else None
+    text = got.out + got.err if got is not None else "(the console went to pytest's capture)\n"
+    log.write_text(text)
+    assert code == 0, text[-3000:]
     return text
 
 
@@ -184,7 +211,7 @@ def uninterrupted(tmp: Path) -> Dict[str, dict]:
     """An uninterrupted run of TINY in `tmp`: what every interrupted-then-resumed run must end with (each test
     module's `reference` fixture)."""
     path, out = write(tmp), tmp / "out"
-    rerun(tmp, path, out, "reference.log")
+    _rerun_here(tmp, command(path, out)[3:], tmp / "reference.log", None)  # as rerun(capfd=...): no 4 s start
     return {s: {"export": digest(out / s / "export" / "model.safetensors"), "losses": losses(out / s)}
             for s in ("sft", "dpo")}
 
@@ -214,3 +241,4 @@ def interrupted_in_stage_1(tmp_path: Path) -> Tuple[Path, Path]:
     got, text = held_then(tmp_path, path, out, *paused(tmp_path, out, "sft", 1), signal.SIGTERM)
     assert got == 143 and stages(out)["sft"]["status"] == "interrupted", text[-3000:]
     return path, out
+
