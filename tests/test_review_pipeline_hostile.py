@@ -20,11 +20,11 @@ from tests.faults import fault_env
 from tests.helpers.pipeline_runs import (
     TINY,
     TORCHRUN,
+    Stage1Interrupted,
     assert_one_message,
     assert_same_as_uninterrupted,
     ended,
     in_process,
-    interrupted_in_stage_1,
     rerun,
     stages,
     start,
@@ -34,6 +34,11 @@ from tests.helpers.pipeline_runs import (
 
 pytestmark = pytest.mark.slow
 
+
+@pytest.fixture(scope="module")
+def stage_1_interrupted(tmp_path_factory) -> Stage1Interrupted:
+    """TINY stopped by SIGTERM in SFT, once: the edit-before-resume tests each start from a fresh copy of it."""
+    return Stage1Interrupted(tmp_path_factory.mktemp("stage_1_interrupted"))
 
 
 def test_out_at_a_directory_that_is_not_ours_is_refused_and_left_as_it_was(tmp_path, capsys):
@@ -72,8 +77,8 @@ def test_a_stage_directory_someone_else_wrote_is_refused_naming_the_stage(tmp_pa
     ("  trainer: {save_every: 1, eval_every: 0, max_steps: 3}\n",
      "  trainer: {save_every: 1, eval_every: 0, max_steps: 3, seed: 7}\n", "trainer.seed"),
 ])
-def test_the_file_edited_before_the_resume_is_refused_naming_the_stage_and_key(tmp_path, capsys, old, new, key):
-    path, out = interrupted_in_stage_1(tmp_path)
+def test_the_file_edited_before_the_resume_is_refused_naming_the_stage_and_key(stage_1_interrupted, capsys, old, new, key):
+    path, out = stage_1_interrupted.fresh()
     path.write_text(TINY.replace(old, new))
     checkpoints = sorted(os.listdir(out / "sft" / "checkpoints"))
     code, err = in_process(["pipeline", str(path), "--out", str(out)], capsys)
@@ -130,10 +135,10 @@ def test_a_stage_named_like_the_pipelines_own_logs_folder_is_refused_before_anyt
     assert not out.exists()
 
 
-def test_an_edit_the_checkpoint_can_continue_under_is_said_naming_the_stage_and_key(tmp_path, capsys):
+def test_an_edit_the_checkpoint_can_continue_under_is_said_naming_the_stage_and_key(stage_1_interrupted, capsys):
     """train resumes a checkpoint under another optimizer.lr (a command line's choice); a pipeline file edited
     between the interruption and the resume command is no command line: the change is said, not made silently."""
-    path, out = interrupted_in_stage_1(tmp_path)
+    path, out = stage_1_interrupted.fresh()
     path.write_text(TINY.replace("      optimizer.lr: 1.0e-3\n", "      optimizer.lr: 2.0e-3\n"))
     code, err = in_process(["pipeline", str(path), "--out", str(out)], capsys)
     assert code == 0, err

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -242,3 +243,19 @@ def interrupted_in_stage_1(tmp_path: Path) -> Tuple[Path, Path]:
     assert got == 143 and stages(out)["sft"]["status"] == "interrupted", text[-3000:]
     return path, out
 
+
+class Stage1Interrupted:
+    """interrupted_in_stage_1 paid for once (a test module's fixture): `fresh()` puts the run back as the signal left
+    it, at the very paths it was made at (its state and checkpoints name them), for the next test to edit and resume."""
+
+    def __init__(self, tmp: Path):
+        self.path, self.out = interrupted_in_stage_1(tmp)
+        self.kept = tmp / "as_interrupted"
+        shutil.copytree(self.out, self.kept, symlinks=True)
+
+    def fresh(self) -> Tuple[Path, Path]:
+        shutil.rmtree(self.out)
+        shutil.copytree(self.kept, self.out, symlinks=True)
+        write(self.path.parent)
+        assert stages(self.out)["sft"]["status"] == "interrupted"
+        return self.path, self.out
