@@ -196,11 +196,11 @@ def train(workspace: Path, name: str, smollm2_dir: Path, *overrides: str, ranks:
     return run
 
 
-def recompute_step0(workspace: Path, run: Path, smollm2_dir: Path):
+def recompute_step0(workspace: Path, run: Path, smollm2_dir: Path, tok):
     """(mean loss, tokens, correct) of the pretrained model on the samples the step-0 evaluation scored, with
     plain transformers: each conversation rendered by the tokenizer's own chat template, trained tokens found from
     the ids (expected_mask), one conversation at a time."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from dsrecipes.core.schema import BadRows, SourceConfig
     from dsrecipes.data.sources.badrows import BadRowReport
@@ -212,7 +212,6 @@ def recompute_step0(workspace: Path, run: Path, smollm2_dir: Path):
     assert len(scored) == 2  # trainer.eval_samples
     source = SourceConfig(name="short.json", paths=[str(workspace / "short.json")])
     convs = {c.id: c for c in iter_source(source, BadRowReport(BadRows.error, 0.0))}
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     header = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     total, tokens, correct = 0.0, 0, 0
@@ -236,7 +235,7 @@ def cli(*args: str) -> int:
 
 
 @pytest.mark.slow
-def test_full_finetune_starts_at_the_pretrained_loss_and_lowers_held_out_loss(workspace, smollm2_dir, capsys):
+def test_full_finetune_starts_at_the_pretrained_loss_and_lowers_held_out_loss(workspace, smollm2_dir, tok, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dsrecipes.observe.metrics import read_metrics
@@ -248,7 +247,7 @@ def test_full_finetune_starts_at_the_pretrained_loss_and_lowers_held_out_loss(wo
     assert losses[0] < 2.5, losses  # pretrained (a random init would start at ln(49152) = 10.8)
     start, end = [r for r in read_metrics(run) if "eval_loss" in r]
     assert (start["step"], end["step"]) == (0, 4) and end["eval_loss"] < start["eval_loss"]
-    loss, tokens, correct = recompute_step0(workspace, run, smollm2_dir)
+    loss, tokens, correct = recompute_step0(workspace, run, smollm2_dir, tok)
     assert start["eval_tokens"] == tokens and abs(start["eval_loss"] - loss) < 1e-4 * loss, (start, loss)
     assert start["eval_accuracy"] == pytest.approx(correct / tokens, abs=1.5 / tokens)  # (argmax ties: one token)
     scores = workspace / "scores.json"  # 4 of the run's held-out conversations, pretrained vs fine-tuned
@@ -261,15 +260,16 @@ def test_full_finetune_starts_at_the_pretrained_loss_and_lowers_held_out_loss(wo
     assert s["finetuned"]["reference_loss"] < s["baseline"]["reference_loss"] - 0.1, s
 
     export = run / "export"  # ready to serve: the model's own template, stops at <|im_end|>, KV cache on
-    tok, model = AutoTokenizer.from_pretrained(export), AutoModelForCausalLM.from_pretrained(export)
-    assert tok.chat_template == AutoTokenizer.from_pretrained(smollm2_dir).chat_template
+    served, model = AutoTokenizer.from_pretrained(export), AutoModelForCausalLM.from_pretrained(export)
+    assert served.chat_template == tok.chat_template
     assert model.config.use_cache and model.generation_config.eos_token_id == IM_END
     # Asked the way it was just trained (every Glaive row has a system prompt). What it answers after 4 steps of
     # batch 2 on tool-call rows is the data's doing (its quality is the held-out loss above); the export must stop.
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = served.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                     return_dict=True)["input_ids"]
     out = model.generate(ids, max_new_tokens=48, do_sample=False)[0, ids.shape[1]:].tolist()
-    assert out[-1] == IM_END and len(out) > 2, tok.decode(out)
+    assert out[-1] == IM_END and len(out) > 2, served.decode(out)
     capsys.readouterr()
     assert cli("chat", str(run), "--system", SYSTEM, "--message", "What is the capital of France?",
                "--max-new-tokens", "48") == 0
@@ -299,7 +299,7 @@ def test_lora_adapter_and_merged_exports_agree(workspace, smollm2_dir, capsys):
     with torch.no_grad():
         a, b, c = served.model(input_ids=ids).logits, merged(input_ids=ids).logits, base(input_ids=ids).logits
     assert torch.allclose(a, b, atol=2e-4) and (a - c).abs().max() > 1e-2, (a - c).abs().max()  # trained, merged
-    assert cli("prompt-eval", "--finetuned", str(adapter), "--limit", "2", "--max-new-tokens", "4") == 0
+    assert cli("prompt-eval", "--finetuned", str(adapter), "--limit", "2", "--max-new-tokens", "1") == 0
     assert "finetuned  exact" in capsys.readouterr().out
 
 
@@ -345,7 +345,7 @@ def test_eos_terminated_templates_use_the_tokenizers_eos_and_header_templates_st
 
 
 @pytest.mark.slow
-def test_vicuna_trains_exports_and_serves_with_the_training_rendering(workspace, smollm2_dir):
+def test_vicuna_trains_exports_and_serves_with_the_training_rendering(workspace, smollm2_dir, tok):
     """template=vicuna on SmolLM2 end to end: trained replies end with the tokenizer's eos (<|im_end|>), the export's
     chat template renders the training text byte for byte, and stock generate stops at that eos, greedily."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -359,7 +359,6 @@ def test_vicuna_trains_exports_and_serves_with_the_training_rendering(workspace,
 
     run = train(workspace, "vicuna", smollm2_dir, "template=vicuna", "trainer.max_steps=2", "dataset.val_size=0")
     stats = json.loads((run / "prepare_stats.json").read_text())
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
     for row in _open(Path(stats["cache_dir"]), stats).train.select(range(8)):
         text = tok.decode(row["input_ids"])
         assert "</s>" not in text and text.startswith(f"{tok.bos_token}A chat between"), text
