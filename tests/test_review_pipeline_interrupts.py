@@ -6,9 +6,9 @@ between the stages (stage 1's run ended, its record not yet written; recorded, s
 recorded running, its run not yet started; stage 2's run directory claimed, before its launch); SIGTERM while stage 2
 trains and in the RL stage of SFT -> reward -> GRPO; SIGTERM to the pipeline and SIGKILL of the pipeline process alone
 while its ranks (launcher=torchrun) train. Each time the process ends at once with the signal's exit code, one
-message naming the stage and the resume command, no traceback; the same command then never runs a finished stage
-again, resumes the interrupted one from its checkpoint, and ends with the very weights (sha256) and losses of an
-uninterrupted run."""
+message naming the stage and the resume command, no traceback; the same command then (run in the test process:
+rerun(capfd=...), the Python start is not what is tested) never runs a finished stage again, resumes the interrupted
+one from its checkpoint, and ends with the very weights (sha256) and losses of an uninterrupted run."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The real `dsrecipes pipeline` in a process of its own on the tiny model, held at a known place and signalled or
-killed there (tests/test_review_pipeline_interrupts.py, tests/test_review_pipeline_hostile.py).
+killed there (tests/test_review_pipeline_interrupts.py, tests/test_review_pipeline_hostile.py); the resume that
+follows, the same command, may run in the test process (rerun's capfd), the start of a Python being ~4 of its 6 CPU s.
 
 Windows the product has no hook for (between stages) are held by a sitecustomize shim written here (tests/faults.py's
 way in: a directory of the test's own in front of PYTHONPATH); the training windows use tests/faults.py's
@@ -30,7 +31,11 @@ from tests.test_pipeline import TINY as PIPELINE_TINY
 TINY = PIPELINE_TINY.replace("prompts: {limit: 2, max_new_tokens: 4}\n", "").replace("max_steps: 2}", "max_steps: 3}")
 assert "max_steps: 3}" in TINY and "prompts" not in TINY
 
-TORCHRUN = TINY.replace("  debug: fast\n", "  debug: fast\n  launcher: torchrun\n  launcher.num_gpus: 1\n")
+# SFT's rank under torchrun (the stage the torchrun tests stop or kill); DPO, which they only resume to compare with
+# the reference (itself run in-process), in the pipeline's process: a second torchrun and rank cost ~6 CPU s a resume
+TORCHRUN = TINY.replace("      optimizer.lr: 1.0e-3\n",
+                        "      optimizer.lr: 1.0e-3\n      launcher: torchrun\n      launcher.num_gpus: 1\n")
+assert TORCHRUN.count("launcher: torchrun") == 1
 
 # Hand-over windows: `before_record` holds the pipeline after stage 1's run returned, before its record says done;
 # `after_record` after the record, before stage 2 is looked at; `stage_2_recorded` once stage 2 is recorded running,
