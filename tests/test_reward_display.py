@@ -97,8 +97,10 @@ def test_a_dpo_run_shows_its_rewards_announces_its_reference_pass_and_its_learni
     evals = [line for line in console.splitlines() if "eval_loss" in line]
     assert evals and all("reward_acc " in e and "margin " in e for e in evals), console
     assert "  train reward_acc" in console and "  eval reward_acc" in console and "  train margin" in console
-    assert "reference pass: log-probs of 16 pairs under the reference model" in console, console
-    assert "reference pass: 4/16 pairs (25%)" in console and "reference pass: 16 pairs in" in console, console
+    # one announcement for the 16 train and 4 validation pairs together: the reference model loads once
+    assert console.count("under the reference model") == 1, console
+    assert "reference pass: log-probs of 20 pairs under the reference model" in console, console
+    assert "reference pass: 4/20 pairs (20%)" in console and "reference pass: 20 pairs in" in console, console
     assert "learning rate: 0.003 from model.tiny.finetune_lr" in console, console
     history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert run_figure(history, unit="x").get_axes()[1].get_ylabel() == "reward acc"

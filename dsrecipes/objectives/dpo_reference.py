@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Iterable, List, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Tuple
 
 import torch
 
@@ -35,18 +35,44 @@ def _say(text: str) -> None:
 
 
 @torch.no_grad()
-def precompute(cfg: TrainConfig, tokenizer: Any, rows: Iterable[Row], n_rows: int) -> Tuple[List[float], List[float]]:
-    """(chosen, rejected) reference log-probs of every row, in row order (progress on stderr: module docstring)."""
+def precompute(cfg: TrainConfig, tokenizer: Any, splits: Mapping[str, Tuple[Iterable[Row], int]]
+               ) -> Dict[str, Tuple[List[float], List[float]]]:
+    """{split: (chosen, rejected)} reference log-probs of every row of each split (rows, their count), in row order,
+    with ONE load of the reference model for all splits (progress on stderr: module docstring)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    started = time.monotonic()
-    _say(f"log-probs of {n_rows:,} pairs under the reference model ({cfg.model.path or 'the tiny model'}) on "
+    started, total = time.monotonic(), sum(n for _, n in splits.values())
+    _say(f"log-probs of {total:,} pairs under the reference model ({cfg.model.path or 'the tiny model'}) on "
          f"{device.type}, once before the first step; cached with the prepared data for later runs")
     model = build_model(reference_config(cfg), tokenizer).to(device).eval()
-    pad, size = pad_token_id(tokenizer), cfg.trainer.micro_batch_size
+    progress = _Progress(total)
+    out = {name: _split_logps(model, device, rows, n, cfg.trainer.micro_batch_size, pad_token_id(tokenizer), progress)
+           for name, (rows, n) in splits.items()}
+    del model
+    _say(f"{total:,} pairs in {format_seconds(time.monotonic() - started)}")
+    return out
+
+
+class _Progress:
+    """A progress line at most every PROGRESS_EVERY_S over all splits: pairs done, rate, time left."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done = total, 0
+        self.computing = self.said = time.monotonic()
+
+    def add(self, n: int) -> None:
+        self.done += n
+        if time.monotonic() - self.said >= PROGRESS_EVERY_S and self.done < self.total:
+            self.said = time.monotonic()
+            rate = self.done / max(self.said - self.computing, 1e-9)
+            _say(f"{self.done:,}/{self.total:,} pairs ({self.done / self.total:.0%}), {rate:.1f} pairs/s, "
+                 f"about {format_seconds((self.total - self.done) / rate)} left")
+
+
+def _split_logps(model: Any, device: torch.device, rows: Iterable[Row], n_rows: int, size: int, pad: int,
+                 progress: _Progress) -> Tuple[List[float], List[float]]:
     chosen: List[float] = []
     rejected: List[float] = []
     batch: List[Row] = []
-    said = computing = time.monotonic()
     for i, row in enumerate(rows):
         batch.append(row)
         if len(batch) == size or i == n_rows - 1:
@@ -54,13 +80,6 @@ def precompute(cfg: TrainConfig, tokenizer: Any, rows: Iterable[Row], n_rows: in
             c, r = logps.float().cpu().chunk(2)
             chosen += c.tolist()
             rejected += r.tolist()
+            progress.add(len(batch))
             batch = []
-            if time.monotonic() - said >= PROGRESS_EVERY_S and len(chosen) < n_rows:
-                said = time.monotonic()
-                rate = len(chosen) / max(said - computing, 1e-9)
-                _say(f"{len(chosen):,}/{n_rows:,} pairs ({len(chosen) / n_rows:.0%}), {rate:.1f} pairs/s, "
-                     f"about {format_seconds((n_rows - len(chosen)) / rate)} left")
-    del model
-    _say(f"{len(chosen):,} pairs in {format_seconds(time.monotonic() - started)}")
     return chosen, rejected
-

@@ -123,11 +123,10 @@ def attach_reference(cfg: TrainConfig, tokenizer: Any, cache: Path) -> Path:
     final.parent.mkdir(exist_ok=True)
     tmp = staging_dir(final, "ref")
     try:
-        for split in ("train", "val"):
-            if not (cache / split).is_dir():
-                continue
-            ds = load_from_disk(str(cache / split))
-            chosen, rejected = precompute(cfg, tokenizer, iter(ds), len(ds))
+        splits = {split: load_from_disk(str(cache / split)) for split in ("train", "val") if (cache / split).is_dir()}
+        logps = precompute(cfg, tokenizer, {split: (iter(ds), len(ds)) for split, ds in splits.items()})  # one load
+        for split, ds in splits.items():
+            chosen, rejected = logps[split]
             ds = ds.add_column("ref_chosen_logps", chosen).add_column("ref_rejected_logps", rejected)
             ds.save_to_disk(str(tmp / split))
         (tmp / "done").write_text(final.name, encoding="utf-8")
