@@ -53,5 +53,7 @@ python -m compileall -q -j 0 dsrecipes tests scripts >/dev/null
 # same tests). `-n 0` after the script's name runs everything in one process, `-n 2` the old way. A pytest worker
 # that dies (seen once: "node down: Not properly terminated") ends the run with that failure instead of being
 # replaced: the replacement left the run waiting at 98% for ever (--max-worker-restart=0).
+# Where the time goes: DSRECIPES_TEST_PROFILE=FILE appends each test's wall and CPU seconds (its worker's and the
+# children it reaped) to FILE (tests/conftest.py); with both cores busy the whole run, only fewer CPU seconds shorten it.
 DSRECIPES_REQUIRE_SMOLLM2=1 HF_HUB_OFFLINE=1 python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder \
   --max-worker-restart=0 "$@"
