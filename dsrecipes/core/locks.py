@@ -132,11 +132,14 @@ def probe_free(path: Path) -> Optional[str]:
         os.close(fd)
 
 
+_PROBE_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK  # a probe: no write, and a FIFO is no wait
+
+
 def is_held(path: Path) -> bool:
     """True while someone holds an exclusive lock on `path` (a shared probe would block). Costs three syscalls.
     Opened without blocking: a FIFO put where the lock file should be (shared storage is anyone's) is no wait."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(path, _PROBE_FLAGS)
     except OSError:
         return False
     try:
@@ -150,7 +153,7 @@ def probe_held(path: Path) -> Optional[bool]:
     on it is free, None when it cannot be told (shared storage's transient ESTALE, EIO, ENOLCK: the holder may well
     be alive)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(path, _PROBE_FLAGS)
     except FileNotFoundError:
         return False
     except OSError:

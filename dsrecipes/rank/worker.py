@@ -178,19 +178,19 @@ def watch_launcher(run_dir: Path) -> None:
         return
 
     def watch() -> None:
-        unsure = None  # since when the lock could not be probed (shared storage's transient errors)
+        rank, unsure = os.environ.get("RANK", "0"), None  # unsure: since when the lock could not be probed
         while (held := probe_held(path)) is not False:
             if held is None and unsure is None:
                 unsure = time.monotonic()
-                print(f"dsrecipes: rank {os.environ.get('RANK', '0')}: cannot tell whether {who} is alive (probing "
+                print(f"dsrecipes: rank {rank}: cannot tell whether {who} is alive (probing "
                       f"{path} failed); training on, probing every {LAUNCHER_POLL_S:g} s", file=sys.stderr,
                       flush=True)
             elif held and unsure is not None:
-                print(f"dsrecipes: rank {os.environ.get('RANK', '0')}: {who} is seen alive again after "
+                print(f"dsrecipes: rank {rank}: {who} is seen alive again after "
                       f"{time.monotonic() - unsure:.0f} s", file=sys.stderr, flush=True)
                 unsure = None
             time.sleep(LAUNCHER_POLL_S)
-        print(f"dsrecipes: rank {os.environ.get('RANK', '0')}: {who} is gone; stopping", file=sys.stderr, flush=True)
+        print(f"dsrecipes: rank {rank}: {who} is gone; stopping", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace + 5)
         _exit_now(143)
