@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# System tools of the multi-node tests (tests/test_multinode.py: network-namespace nodes, sshd per node, pdsh):
+# System tools of the multi-node tests (tests/test_multinode.py: network-namespace nodes, sshd per node, pdsh) and the
+# C++ compiler of DeepSpeed's JIT-built CPU ops (CPU Adam, Lion: tests/test_doctor.py, test_optimizers.py):
 # installed when missing, as root with apt-get (CI runs as root on a fresh machine); anywhere else those tests skip
 # and say why. Quiet and idempotent: nothing runs when the tools are already there.
 install_system_tools() {
@@ -13,6 +14,7 @@ install_system_tools() {
   [ -x /usr/sbin/sshd ] || missing+=(openssh-server)
   command -v ssh >/dev/null || missing+=(openssh-client)
   command -v pdsh >/dev/null || missing+=(pdsh)
+  command -v "${CXX:-c++}" >/dev/null || missing+=(g++)  # DeepSpeed's JIT-built CPU ops (tests/conftest.require_cxx)
   [ ${#missing[@]} -eq 0 ] && return 0
   if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
     echo "note: ${missing[*]} not installed (needs root and apt-get); the multi-node tests will skip" >&2

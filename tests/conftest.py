@@ -98,6 +98,17 @@ def smollm2_dir() -> Path:
     return path
 
 
+def require_cxx() -> None:
+    """Skip, saying why, where DeepSpeed's JIT builds cannot run: no C++ compiler (torch's cpp_extension calls $CXX,
+    else `c++`). scripts/test.sh installs g++ as root with apt-get; a machine without either skips these tests."""
+    import shutil
+
+    cxx = os.environ.get("CXX") or "c++"
+    if shutil.which(cxx) is None:
+        pytest.skip(f"no C++ compiler ({cxx}): DeepSpeed's JIT-built ops cannot build here (scripts/test.sh installs "
+                    "g++ as root with apt-get)")
+
+
 @pytest.fixture(scope="session")
 def built_cpu_adam(tmp_path_factory):
     """DeepSpeed's CPU Adam, JIT-built ONCE per test session, for real and cold: `dsrecipes doctor --build-ops
@@ -112,6 +123,7 @@ def built_cpu_adam(tmp_path_factory):
 
     from dsrecipes.core import jit_ops
 
+    require_cxx()
     # One build for the whole run, also across pytest-xdist workers (they share the base temp's parent): the first
     # worker builds under a lock and records what doctor said; the others read that record.
     base = tmp_path_factory.getbasetemp()

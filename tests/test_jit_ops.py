@@ -23,7 +23,7 @@ from typing import Optional
 import pytest
 
 import dsrecipes.core.jit_ops as jit_ops
-from tests.conftest import subprocess_env
+from tests.conftest import require_cxx, subprocess_env
 
 
 def test_two_environments_never_share_a_build_directory():
@@ -106,6 +106,7 @@ PyMODINIT_FUNC PyInit_dsrecipes_tiny_op(void) { return PyModule_Create(&module);
 
 @pytest.mark.slow
 def test_environments_build_apart_once_each_announced_where_doctor_looks(tmp_path):
+    require_cxx()
     (tmp_path / "tiny_op.py").write_text(TINY_OP)
     (tmp_path / "tiny_op.cpp").write_text(TINY_SOURCE)
     venv = tmp_path / "venv_b"

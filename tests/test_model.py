@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -96,8 +98,12 @@ with hydra_context():
 model = build_model(cfg, load_tokenizer(cfg))
 print(type(model).__name__, "scipy" in sys.modules)
 from transformers.utils.import_utils import is_scipy_available
-import scipy.optimize
-print(is_scipy_available(), scipy.optimize.linear_sum_assignment.__name__)
+try:
+    import scipy.optimize
+except ImportError:  # not installed (nothing of ours needs it): only the first line can be checked
+    print(is_scipy_available(), "absent")
+else:
+    print(is_scipy_available(), scipy.optimize.linear_sum_assignment.__name__)
 """
 
 
@@ -112,4 +118,6 @@ def test_a_rank_builds_its_model_without_importing_scipy_and_scipy_still_imports
     done = subprocess.run([sys.executable, "-c", BUILD_IN_A_RANK], capture_output=True, text=True, timeout=300,
                           env=subprocess_env())  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["LlamaForCausalLM", "False", "True", "linear_sum_assignment"], done.stdout
+    installed = importlib.util.find_spec("scipy") is not None  # the image's, not a dependency of dsrecipes
+    after = ["True", "linear_sum_assignment"] if installed else ["False", "absent"]
+    assert done.stdout.split() == ["LlamaForCausalLM", "False", *after], done.stdout
