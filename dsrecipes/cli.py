@@ -79,8 +79,19 @@ def entry() -> None:
     `exported ...`, 130/143, so a script's `dsrecipes export ... && next` saw a failure). What is still alive is
     frozen out of the cyclic collector (gc.freeze): the interpreter's last collections would otherwise walk every
     object torch, transformers and DeepSpeed created (~0.6-1.4 CPU s per process); every file was closed by its owner
-    before this point. Not in `main`, which tests call in their own process."""
-    code = console_main()
+    before this point. Not in `main`, which tests call in their own process.
+
+    A stop signal in the instant between the command's own handling (run_guarded) and these handlers - a second
+    Ctrl-C while the result travels back, stretched by a collection on a slow machine - ends the process with the
+    signal's exit code too, after the one message the command printed (was: Python's death by SIGINT, or SIGTERM's,
+    -2/-15 to a parent; seen once in a test run, 1.5 s after an interrupted pipeline's resume line)."""
+    try:
+        with stopping.raising():  # every block that changes SIGTERM's handler restores this one, the tail included
+            code = console_main()
+    except KeyboardInterrupt as exc:
+        if stopping.requested() is None:  # no interruption said yet (an interrupted command said its own)
+            print("interrupted", file=sys.stderr, flush=True)
+        code = stopping.exit_code(stopping.signal_of(exc))
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _exit_now(code))
     gc.freeze()
