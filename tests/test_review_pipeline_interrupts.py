@@ -196,7 +196,10 @@ def test_a_second_ctrl_c_while_stage_1_stops_still_resumes_exactly(tmp_path, cap
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
     got, text = ended(proc, tmp_path / "first.log")
-    assert got == 130 and "resume with: " in text, text[-3000:]
+    # A second Ctrl-C that lands in the interpreter's final teardown, after the message (seen 2 times in 30 runs
+    # under load), finds Python's signal handling already given back: a death by SIGINT, which a shell reports as
+    # 130 too, with nothing printed after the message. Anywhere earlier it is exit 130 (cli.entry).
+    assert got in ((130,) if gap_s == 0 else (130, -signal.SIGINT)) and "resume with: " in text, text[-3000:]
     assert_one_message(text)
     rerun(tmp_path, path, out, capfd=capfd)
     assert_same_as_uninterrupted(out, pipeline_reference)
