@@ -84,7 +84,8 @@ def entry() -> None:
     A stop signal in the instant between the command's own handling (run_guarded) and these handlers - a second
     Ctrl-C while the result travels back, stretched by a collection on a slow machine - ends the process with the
     signal's exit code too, after the one message the command printed (was: Python's death by SIGINT, or SIGTERM's,
-    -2/-15 to a parent; seen once in a test run, 1.5 s after an interrupted pipeline's resume line)."""
+    -2/-15 to a parent; seen once in a test run, 1.5 s after an interrupted pipeline's resume line). Python's own
+    teardown after SystemExit (its handlers given back after the atexit functions) is still a death by the signal."""
     try:
         with stopping.raising():  # every block that changes SIGTERM's handler restores this one, the tail included
             code = console_main()

@@ -17,14 +17,14 @@ install_system_tools() {
   command -v "${CXX:-c++}" >/dev/null || missing+=(g++)  # DeepSpeed's JIT-built CPU ops (tests/conftest.require_cxx)
   [ ${#missing[@]} -eq 0 ] && return 0
   if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
-    echo "note: ${missing[*]} not installed (needs root and apt-get); the multi-node tests will skip" >&2
+    echo "note: ${missing[*]} not installed (needs root and apt-get); the tests that need them will skip" >&2
     return 0
   fi
   local apt=(env DEBIAN_FRONTEND=noninteractive apt-get -qq -o Dpkg::Use-Pty=0)
   if ! "${apt[@]}" install -y --no-install-recommends "${missing[@]}" >/dev/null 2>&1; then
     "${apt[@]}" update >/dev/null 2>&1 || true  # a fresh machine may have no package lists yet
     "${apt[@]}" install -y --no-install-recommends "${missing[@]}" >/dev/null 2>&1 ||
-      echo "note: apt-get could not install ${missing[*]}; the multi-node tests will skip" >&2
+      echo "note: apt-get could not install ${missing[*]}; the tests that need them will skip" >&2
   fi
 }
 install_system_tools
